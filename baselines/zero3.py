@@ -1,0 +1,297 @@
+"""DeepSpeed ZeRO stage 3 with parameters and optimizer state offloaded to host memory.
+
+This is the comparison point the MegaTrain paper measures against, run the way a Hugging Face user
+runs it: the real `deepspeed` package driven through `accelerate.Accelerator(deepspeed_plugin=...)`.
+It works on a CPU-only machine (DeepSpeed picks its CPU accelerator and gloo by itself) once the
+single-process distributed environment is set, which `prepare_environment` does.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+INSTALL_HINT = 'pip install "megatrain[deepspeed]"'
+_CKPT_TAG = "zero3"
+
+
+def require_deepspeed() -> Any:
+    """Import deepspeed, or explain how to get it: it is an optional extra of this package."""
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise ImportError(
+            f'backend "zero3" needs the DeepSpeed package, which is not installed: {INSTALL_HINT}'
+        ) from exc
+    return deepspeed
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare_environment() -> None:
+    """Make a plain `python train.py` behave like a one-process `accelerate launch`.
+
+    Without the rendezvous variables DeepSpeed falls back to MPI discovery and fails on a missing
+    mpi4py; its C++ ops are JIT-built with ninja, which pip installs next to the interpreter but
+    not necessarily on PATH; a stable extensions dir makes the ~85 s build a once-per-machine cost.
+    Values the user already set win.
+    """
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+    bindir = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "")
+    if bindir not in path.split(os.pathsep):
+        os.environ["PATH"] = bindir + (os.pathsep + path if path else "")
+    os.environ.setdefault(
+        "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "megatrain" / "torch_extensions")
+    )
+
+
+def _has_accelerator() -> bool:
+    return torch.accelerator.current_accelerator() is not None
+
+
+def build_ds_config(
+    user: dict[str, Any] | None,
+    *,
+    gradient_accumulation_steps: int,
+    mixed_precision: str,
+    micro_batch_size: int | None,
+) -> dict[str, Any]:
+    """The DeepSpeed config this backend runs: the user's, with ZeRO-3 CPU offload filled in.
+
+    Pinned host buffers need an accelerator; on a CPU-only build `pin_memory=True` raises, so it
+    defaults to whether one exists. Settings that are the face's business (accumulation, precision)
+    are filled from the face, and a contradicting explicit value is an error rather than a guess.
+    """
+    cfg = copy.deepcopy(user or {})
+    cfg.pop("megatrain", None)  # the MegaTrain engine's own section; DeepSpeed has no use for it
+    zero = cfg.setdefault("zero_optimization", {})
+    stage = zero.setdefault("stage", 3)
+    if stage != 3:
+        raise ValueError(f'backend "zero3" runs ZeRO stage 3, but the config asks for stage {stage!r}')
+    pin = _has_accelerator()
+    for section in ("offload_param", "offload_optimizer"):
+        off = zero.setdefault(section, {})
+        off.setdefault("device", "cpu")
+        if off.get("pin_memory") in (None, "auto"):
+            off["pin_memory"] = pin
+        elif off["pin_memory"] and not pin:
+            raise ValueError(f"zero_optimization.{section}.pin_memory=true needs an accelerator; this machine has none")
+
+    gas = cfg.get("gradient_accumulation_steps", "auto")
+    if gas not in ("auto", gradient_accumulation_steps):
+        raise ValueError(
+            f"the DeepSpeed config says gradient_accumulation_steps={gas!r} but the Accelerator was built with "
+            f"{gradient_accumulation_steps}; set one of them"
+        )
+    cfg["gradient_accumulation_steps"] = gradient_accumulation_steps
+
+    if cfg.get("gradient_clipping", "auto") == "auto":
+        cfg["gradient_clipping"] = 0.0  # clipping, when wanted, arrives through clip_grad_norm_
+
+    bf16 = mixed_precision == "bf16"
+    for key, want in (("bf16", bf16), ("fp16", False)):
+        section = cfg.setdefault(key, {})
+        if section.get("enabled", "auto") == "auto":
+            section["enabled"] = want
+        elif section["enabled"] != want:
+            raise ValueError(
+                f'the DeepSpeed config has {key}.enabled={section["enabled"]!r} but mixed_precision={mixed_precision!r}'
+            )
+
+    mb = cfg.get("train_micro_batch_size_per_gpu", "auto")
+    if mb == "auto":
+        mb = micro_batch_size or 1  # only DeepSpeed's sample accounting reads it
+        cfg["train_micro_batch_size_per_gpu"] = mb
+    if cfg.get("train_batch_size", "auto") == "auto":
+        cfg["train_batch_size"] = mb * gradient_accumulation_steps  # one process
+    cfg.setdefault("zero_allow_untested_optimizer", True)
+    cfg.setdefault("wall_clock_breakdown", False)
+    return cfg
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    # Accelerate maps any torch optimizer to DeepSpeedCPUAdam when the optimizer is offloaded, so an
+    # SGD would silently train as Adam; only what DeepSpeedCPUAdam computes is accepted.
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise TypeError(
+            f'backend "zero3" offloads the optimizer to DeepSpeedCPUAdam, which can stand in for torch.optim.Adam '
+            f"or AdamW only, not {type(optimizer).__name__}"
+        )
+    for group in optimizer.param_groups:
+        for flag in ("amsgrad", "maximize"):
+            if group.get(flag):
+                raise ValueError(f'backend "zero3": DeepSpeedCPUAdam has no {flag}=True')
+
+
+class Zero3Backend:
+    """One DeepSpeed ZeRO-3 offload engine, built by Accelerate at `prepare` time.
+
+    Accelerate's own loop runs `engine.step()` inside `backward()` at a sync step, which leaves no
+    point at which a user's `clip_grad_norm_` could still act. This backend keeps the same engine
+    calls but defers `engine.step()` to the optimizer's `step()`, so clipping requested between
+    backward and step is applied by DeepSpeed's own clipping in that step.
+    """
+
+    name = "zero3"
+
+    def __init__(
+        self,
+        *,
+        config: dict[str, Any] | None = None,
+        gradient_accumulation_steps: int = 1,
+        mixed_precision: str = "no",
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        require_deepspeed()
+        if config is not None and not isinstance(config, dict):
+            raise TypeError(f'backend "zero3" takes a DeepSpeed config dict, not {type(config).__name__}')
+        self._user_config = config
+        self._gas = gradient_accumulation_steps
+        self._mixed_precision = mixed_precision
+        self._gradient_checkpointing = gradient_checkpointing
+        self.ds_config: dict[str, Any] | None = None
+        self.accelerate: Any = None  # the accelerate.Accelerator that built the engine
+        self.engine: Any = None
+        self._clip: float | None = None
+
+    @property
+    def device(self) -> torch.device:
+        if self.engine is not None:
+            return self.engine.device
+        return torch.accelerator.current_accelerator() or torch.device("cpu")
+
+    def prepare(
+        self,
+        model: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        micro_batch_size: int | None = None,
+    ) -> tuple[Any, torch.optim.Optimizer | None]:
+        if model is None:
+            if optimizer is not None:
+                raise ValueError('backend "zero3": pass the model and its optimizer to the same prepare() call')
+            return None, None
+        if self.engine is not None:
+            raise RuntimeError('backend "zero3" drives one model per Accelerator; build another Accelerator')
+        if optimizer is not None:
+            _check_optimizer(optimizer)
+        prepare_environment()
+        from accelerate import Accelerator as HFAccelerator
+        from accelerate.utils import DeepSpeedPlugin
+
+        if self._gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.ds_config = build_ds_config(
+            self._user_config,
+            gradient_accumulation_steps=self._gas,
+            mixed_precision=self._mixed_precision,
+            micro_batch_size=micro_batch_size,
+        )
+        # zero3_init_flag=False: otherwise every HF model built later in this process (a reload of a
+        # saved checkpoint, say) is silently constructed partitioned under deepspeed.zero.Init.
+        plugin = DeepSpeedPlugin(hf_ds_config=self.ds_config, zero3_init_flag=False)
+        self.accelerate = HFAccelerator(
+            deepspeed_plugin=plugin,
+            mixed_precision=self._mixed_precision,
+            gradient_accumulation_steps=self._gas,
+        )
+        if optimizer is None:
+            engine = self.accelerate.prepare(model)
+            ds_opt = None
+        else:
+            engine, wrapped = self.accelerate.prepare(model, optimizer)
+            ds_opt = wrapped.optimizer  # DeepSpeed's ZeRO-3 optimizer; its param_groups are the CPU Adam's
+        self.engine = engine
+        return engine, ds_opt
+
+    def _require_engine(self) -> Any:
+        if self.engine is None:
+            raise RuntimeError('backend "zero3": call prepare(model, optimizer) first')
+        return self.engine
+
+    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
+        engine = self._require_engine()
+        engine.set_gradient_accumulation_boundary(is_boundary=sync)
+        # The face has already divided by the accumulation steps, as it does for every backend.
+        engine.backward(loss, scale_wrt_gas=False)
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0
+    ) -> float | None:
+        """Arrange for DeepSpeed to clip at the next step; return the current total norm.
+
+        The gradients live partitioned in DeepSpeed's offload buffers, so `parameters` cannot be
+        clipped in place: DeepSpeed's step does it with the same formula as torch. The norm comes
+        from the ZeRO-3 optimizer's own reduction and is None if this DeepSpeed lacks it.
+        """
+        engine = self._require_engine()
+        if float(norm_type) != 2.0:
+            raise ValueError('backend "zero3": DeepSpeed clips by the L2 norm only (norm_type=2)')
+        self._clip = float(max_norm)
+        opt = engine.optimizer
+        try:
+            from deepspeed.runtime.utils import combine_grad_norm_groups
+
+            norm = combine_grad_norm_groups(opt._get_norm_groups()) / opt.loss_scale
+        except (AttributeError, ImportError):
+            return None
+        return float(norm)
+
+    def optimizer_step(self) -> None:
+        engine = self._require_engine()
+        opt = engine.optimizer
+        configured = float(self.ds_config.get("gradient_clipping") or 0.0)
+        if self._clip is not None:
+            opt.clip_grad = self._clip
+        else:
+            opt.clip_grad = configured
+        try:
+            engine.step()
+        finally:
+            self._clip = None
+            opt.clip_grad = configured
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # DeepSpeed's engine.step() zeroes the partitioned gradients itself
+
+    def step_was_skipped(self) -> bool:
+        return bool(getattr(self._require_engine().optimizer, "overflow", False))
+
+    def unwrap_model(self, model: Any) -> torch.nn.Module:
+        return getattr(model, "module", model)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Gather the partitioned parameters into one full CPU state dict (HF names)."""
+        import deepspeed
+
+        module = self._require_engine().module
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+
+    def save_model(self, model: Any, directory: str | os.PathLike) -> None:
+        module = self.unwrap_model(model)
+        state = self.full_state_dict()
+        module.save_pretrained(str(directory), state_dict=state)
+
+    def save_state(self, directory: str | os.PathLike) -> None:
+        self._require_engine().save_checkpoint(str(directory), tag=_CKPT_TAG)
+
+    def load_state(self, directory: str | os.PathLike) -> None:
+        path, _ = self._require_engine().load_checkpoint(str(directory), tag=_CKPT_TAG)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint (tag {_CKPT_TAG!r}) under {directory}")

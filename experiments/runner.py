@@ -1,0 +1,296 @@
+"""Run a sweep: preflight each point, run it in its own subprocess with a time limit, record a row.
+
+Why a subprocess per point: an OOM kill, a hung collective or DeepSpeed's process-global state
+(one distributed init per process) then costs one point, not the sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from experiments import results as R
+from experiments.spec import Point, Sweep, select
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+_ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)|RuntimeError|AssertionError)\b")
+
+
+@dataclass
+class SweepSummary:
+    out_dir: Path
+    csv: Path
+    ran: list[str] = field(default_factory=list)
+    skipped_recorded: list[str] = field(default_factory=list)
+    statuses: dict[str, str] = field(default_factory=dict)
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.statuses.values():
+            out[s] = out.get(s, 0) + 1
+        return out
+
+
+@dataclass
+class Preflight:
+    ok: bool
+    reason: str = ""
+    needed_host: float | None = None
+    needed_device: float | None = None
+    available_host: float | None = None
+    available_device: float | None = None
+
+
+def _get(obj: Any, *names: str) -> Any:
+    for n in names:
+        if isinstance(obj, dict) and n in obj:
+            return obj[n]
+        if hasattr(obj, n):
+            return getattr(obj, n)
+    return None
+
+
+def preflight(pt: Point) -> Preflight:
+    """The planner's verdict on whether `pt` fits this machine; permissive when there is no planner
+    (the subprocess isolation still contains an OOM)."""
+    try:
+        from megatrain import planner
+    except ImportError:
+        return Preflight(ok=True, reason="no planner installed: preflight skipped")
+    res = planner.preflight(
+        pt.preset,
+        backend=pt.backend,
+        seq_len=pt.seq_len,
+        micro_batch=pt.micro_batch,
+        precision=pt.precision,
+        recompute=pt.recompute,
+        engine=dict(pt.engine),
+    )
+    ok = bool(_get(res, "ok"))
+    return Preflight(
+        ok=ok,
+        reason=str(_get(res, "reason") or ""),
+        needed_host=_get(res, "needed_host_bytes", "host_bytes"),
+        needed_device=_get(res, "needed_device_bytes", "device_bytes"),
+        available_host=_get(res, "available_host_bytes", "host_available_bytes"),
+        available_device=_get(res, "available_device_bytes", "device_available_bytes"),
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env(pt: Point) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    # DeepSpeed builds its C++ ops with ninja from the venv, and caches them; a stable cache
+    # directory pays the ~85 s build once per machine instead of once per point.
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.expanduser("~"), ".cache", "megatrain",
+                                                        "torch_extensions"))
+    if pt.backend == "zero3":
+        # A fresh port per point: other runs on the machine may hold the default one.
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env["MASTER_PORT"] = str(_free_port())
+        for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
+            env.setdefault(k, v)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def last_error_line(log: str) -> str:
+    """The line that best explains a failure: the last exception line, else the last line."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if _ERROR_LINE.match(ln):
+            return ln[:500]
+    return lines[-1][:500] if lines else "(no output)"
+
+
+def _kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def run_point_subprocess(pt: Point, out_dir: Path, python: str = sys.executable,
+                         on_tick: Any = None) -> dict[str, Any]:
+    """Run one point in a child process; returns the row fields it produced (status included)."""
+    work, logs, traces = out_dir / ".work", out_dir / "logs", out_dir / "traces"
+    for d in (work, logs, traces):
+        d.mkdir(parents=True, exist_ok=True)
+    pid = pt.point_id
+    result_file = work / f"{pid}.json"
+    result_file.unlink(missing_ok=True)
+    log_file = logs / f"{pid}.log"
+    trace_file = traces / f"{pid}.json"
+    cmd = [python, "-m", "experiments.point", "--point", json.dumps(pt.to_dict()),
+           "--result", str(result_file), "--trace", str(trace_file), "--parent-pid", str(os.getpid())]
+    t0 = time.monotonic()
+    timed_out = False
+    with open(log_file, "w") as log:
+        log.write(f"# {pt.label}  point_id={pid}\n# {' '.join(cmd[:3])} ...\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env(pt),
+                                cwd=str(REPO_ROOT), start_new_session=True)
+        try:
+            while True:
+                try:
+                    proc.wait(timeout=0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if on_tick is not None:
+                    on_tick(time.monotonic() - t0)
+                if time.monotonic() - t0 > pt.timeout_s:
+                    timed_out = True
+                    _kill_group(proc)
+                    break
+        except BaseException:
+            # Ctrl-C or a crash of the runner: never leave a point running unsupervised.
+            _kill_group(proc, grace_s=2.0)
+            raise
+    wall = time.monotonic() - t0
+    log_text = log_file.read_text(errors="replace")
+    row: dict[str, Any] = {"log_file": str(log_file.relative_to(out_dir)), "wall_s": round(wall, 3)}
+    result = None
+    if result_file.exists():
+        try:
+            result = json.loads(result_file.read_text())
+        except ValueError:
+            result = None
+    if timed_out:
+        row.update(status="timeout",
+                   reason=f"timed out after {pt.timeout_s:g} s; last output: {last_error_line(log_text)}")
+    elif result is not None:
+        row.update(result)
+        if row.get("status") != "ok" and not row.get("reason"):
+            row["reason"] = last_error_line(log_text)
+    elif proc.returncode is not None and proc.returncode < 0:
+        sig = signal.Signals(-proc.returncode).name
+        hint = " (the kernel's out-of-memory killer sends this)" if sig == "SIGKILL" else ""
+        row.update(status="failed", reason=f"killed by {sig}{hint}; last output: {last_error_line(log_text)}")
+    else:
+        row.update(status="failed",
+                   reason=f"exit code {proc.returncode}: {last_error_line(log_text)}")
+    if trace_file.exists():
+        row["trace_file"] = str(trace_file.relative_to(out_dir))
+    row.setdefault("status", "failed")
+    result_file.unlink(missing_ok=True)
+    return row
+
+
+def point_columns(pt: Point, sweep_name: str) -> dict[str, Any]:
+    """Row fields known before running: what the point is."""
+    p = pt.preset
+    return {
+        "sweep": sweep_name, "point_id": pt.point_id, "label": pt.label, "backend": pt.backend,
+        "model": pt.model, "family": p.family, "num_layers": p.num_layers, "hidden": p.hidden,
+        "intermediate": p.intermediate, "heads": p.heads, "kv_heads": p.kv_heads, "vocab": p.vocab,
+        "params": p.param_count(), "nonembed_params": p.nonembed_params(), "seq_len": pt.seq_len,
+        "micro_batch": pt.micro_batch, "grad_accum": pt.grad_accum, "tokens_per_step": pt.tokens_per_step,
+        "precision": pt.precision, "recompute": pt.recompute or pt.backend == "megatrain",
+        "engine": json.dumps(pt.engine, sort_keys=True), "max_positions": p.max_positions,
+        "warmup_steps": pt.warmup, "timed_steps": pt.steps, "threads": pt.threads,
+    }
+
+
+def default_out_dir(sweep: Sweep) -> Path:
+    return REPO_ROOT / "results" / sweep.name
+
+
+def run_sweep(sweep: Sweep, out_dir: str | Path | None = None, only: dict[str, set[str]] | None = None,
+              force: bool = False, retry_failed: bool = False, dry_run: bool = False,
+              progress: bool = True, python: str = sys.executable, log: Any = print) -> SweepSummary:
+    """Run every selected point not yet recorded; one row per point in `<out_dir>/results.csv`."""
+    from megatrain.metrics.provenance import provenance, utc_now
+
+    out = Path(out_dir) if out_dir else default_out_dir(sweep)
+    csv = out / "results.csv"
+    summary = SweepSummary(out_dir=out, csv=csv)
+    points = select(sweep.points, only or {})
+    done = R.read_rows(csv)
+    recorded = {} if force else dict(zip(done["point_id"].astype(str), done["status"].astype(str)))
+    todo = []
+    for pt in points:
+        st = recorded.get(pt.point_id)
+        if st is None or (retry_failed and st in ("failed", "timeout")):
+            todo.append(pt)
+        else:
+            summary.skipped_recorded.append(pt.point_id)
+    if dry_run:
+        log(f"{sweep.name}: {len(points)} points selected, {len(todo)} to run, "
+            f"{len(points) - len(todo)} already recorded in {csv}")
+        for pt in points:
+            pre = preflight(pt)
+            state = "to run" if pt in todo else "recorded"
+            verdict = "fits" if pre.ok else f"skip: {pre.reason}"
+            log(f"  {pt.point_id}  {pt.label:<48} {state:<9} {verdict}")
+        return summary
+    if not todo:
+        log(f"{sweep.name}: all {len(points)} selected points are already recorded in {csv} (--force redoes them)")
+        return summary
+
+    out.mkdir(parents=True, exist_ok=True)
+    prov = provenance()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(todo), desc=sweep.name, unit="pt", dynamic_ncols=True)
+    try:
+        for pt in todo:
+            row = point_columns(pt, sweep.name)
+            pre = preflight(pt)
+            row.update(preflight_host_bytes=pre.needed_host, preflight_device_bytes=pre.needed_device,
+                       available_host_bytes=pre.available_host, available_device_bytes=pre.available_device)
+            if bar is not None:
+                bar.set_postfix_str(pt.label)
+            if not pre.ok:
+                row.update(status="skipped", reason=pre.reason or "preflight: does not fit")
+            else:
+                def tick(elapsed: float, _pt: Point = pt) -> None:
+                    if bar is not None:
+                        bar.set_postfix_str(f"{_pt.label} {elapsed:.0f}s", refresh=True)
+
+                row.update(run_point_subprocess(pt, out, python=python, on_tick=tick))
+            row.update({k: v for k, v in prov.items() if not (k == "device_name" and row.get("device_name"))})
+            row["timestamp"] = utc_now()
+            R.append_row(csv, row)
+            summary.ran.append(pt.point_id)
+            summary.statuses[pt.point_id] = row["status"]
+            if bar is not None:
+                bar.update(1)
+                if row["status"] != "ok":
+                    bar.write(f"{pt.label}: {row['status']}: {row.get('reason', '')}")
+    finally:
+        if bar is not None:
+            bar.close()
+    if force or retry_failed:
+        # A redo appended a second row for the point; keep one row per point on disk too.
+        R.rewrite(csv, R.read_rows(csv, dedupe=True))
+    counts = summary.counts()
+    log(f"{sweep.name}: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + f" -> {csv}")
+    return summary

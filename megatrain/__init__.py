@@ -1,0 +1,33 @@
+"""MegaTrain: train LLMs larger than the GPU — weights and optimizer state in host memory, layers streamed.
+
+Two faces over one engine:
+    engine, optimizer, _, scheduler = megatrain.initialize(model=model, config=ds_config)   # DeepSpeed-style
+    accelerator = megatrain.Accelerator(backend="megatrain" | "zero3" | "torch")              # Accelerate-style
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+__version__ = "0.1.0"
+
+# Public names -> the module that defines them, imported on first use so `import megatrain` stays cheap.
+_EXPORTS = {
+    "initialize": "megatrain.initialize",
+    "Accelerator": "megatrain.accelerator",
+    "Engine": "megatrain.engine",
+    "EngineConfig": "megatrain.config",
+    "HostMemoryError": "megatrain.engine",
+    "WatchdogError": "megatrain.engine",
+    "get_preset": "megatrain.models.presets",
+    "PRESETS": "megatrain.models.presets",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'megatrain' has no attribute {name!r}")

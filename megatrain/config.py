@@ -1,0 +1,49 @@
+"""Engine settings: the `megatrain` section of a DeepSpeed-style config, as one typed object."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, fields
+from typing import Any
+
+_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class EngineConfig:
+    device: str | None = None  # None: the accelerator when there is one, else cpu
+    compute_dtype: str = "float32"  # what streams to and computes on the device; masters stay FP32
+    num_buffers: int = 2  # device layer buffers (>= 2 double-buffers the host->device stream)
+    loss_chunk_tokens: int = 2048  # tokens per head/loss chunk: logits never exceed chunk x vocab
+    pin_memory: bool | None = None  # None: pin when the device is CUDA
+    link_gbps: float | None = None  # CPU only: rate-limit the copy engine to emulate a PCIe/C2C link
+    offload_activations: bool = False  # keep layer-boundary activations in host memory
+    trace: bool = False  # record a per-layer timeline of compute and copy streams
+    watchdog_s: float = 600.0  # a stream with no progress for this long raises instead of hanging
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype not in _DTYPES:
+            raise ValueError(f"compute_dtype={self.compute_dtype!r} is not supported; use one of {_DTYPES}")
+        if not isinstance(self.num_buffers, int) or self.num_buffers < 1:
+            raise ValueError(f"num_buffers={self.num_buffers!r} must be an int >= 1 (2 overlaps copies with compute)")
+        if not isinstance(self.loss_chunk_tokens, int) or self.loss_chunk_tokens < 1:
+            raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens!r} must be an int >= 1")
+        if self.link_gbps is not None and not self.link_gbps > 0:
+            raise ValueError(f"link_gbps={self.link_gbps!r} must be > 0 GB/s (or None for no limit)")
+        if not self.watchdog_s > 0:
+            raise ValueError(f"watchdog_s={self.watchdog_s!r} must be > 0 seconds")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> EngineConfig:
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        for key in d:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"unknown megatrain setting {key!r}{hint}; known: {', '.join(sorted(known))}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,73 @@
+"""Layer-boundary activations kept from forward to backward: on the device, or offloaded to host memory.
+
+Offloaded activations leave on the device->host stream as each layer finishes and come back on the
+host->device stream one layer ahead of the backward pass, so device memory for them stays O(1) in depth.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .store import host_empty
+from .stream import Event, Streams
+
+
+class ActivationStore:
+    def __init__(self, streams: Streams, offload: bool, pin: bool) -> None:
+        self.streams = streams
+        self.offload = offload
+        self.pin = pin
+        self._device: dict[int, torch.Tensor] = {}
+        self._host: dict[int, tuple[torch.Tensor, Event]] = {}
+        self._loaded: dict[int, Event] = {}
+        self.device_bytes = 0
+        self.peak_device_bytes = 0
+
+    @staticmethod
+    def _nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    def _account(self, delta: int) -> None:
+        self.device_bytes += delta
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+
+    def put(self, layer: int, h: torch.Tensor) -> None:
+        if not self.offload:
+            self._device[layer] = h
+            self._account(self._nbytes(h))
+            return
+        host = host_empty(h.numel(), h.dtype, self.pin).view(h.shape)
+        if h.device.type == "cuda":
+            h.record_stream(self.streams.d2h._stream)
+
+        def out() -> int:
+            host.copy_(h, non_blocking=True)
+            return self._nbytes(h)
+
+        self._host[layer] = (host, self.streams.d2h.submit(out, self.streams.record_compute(), "act-out", layer))
+
+    def prefetch(self, layer: int) -> None:
+        if not self.offload or layer in self._device:
+            return
+        host, written = self._host[layer]
+        dev = torch.empty(host.shape, dtype=host.dtype, device=self.streams.device)
+
+        def back() -> int:
+            dev.copy_(host, non_blocking=True)
+            return self._nbytes(host)
+
+        self._device[layer] = dev
+        self._loaded[layer] = self.streams.h2d.submit(back, written, "act-in", layer)
+        self._account(self._nbytes(dev))
+
+    def get(self, layer: int) -> torch.Tensor:
+        if self.offload:
+            self.prefetch(layer)
+            self.streams.wait(self._loaded.pop(layer), f"activation of layer {layer}")
+        return self._device[layer]
+
+    def drop(self, layer: int) -> None:
+        t = self._device.pop(layer, None)
+        if t is not None:
+            self._account(-self._nbytes(t))
+        self._host.pop(layer, None)

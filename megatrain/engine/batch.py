@@ -1,0 +1,65 @@
+"""Validate a batch before any device work: clear errors instead of index faults or silent NaNs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .loss import IGNORE_INDEX
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _check_int_tensor(name: str, t: Any, shape: torch.Size | None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _INT_DTYPES:
+        raise TypeError(f"{name} must be an integer tensor (token ids), got dtype {t.dtype}")
+    if shape is not None and t.shape != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)} but input_ids has shape {tuple(shape)}")
+
+
+def check_batch(config: Any, input_ids: Any, attention_mask: Any, labels: Any, position_ids: Any,
+                unused: dict[str, Any]) -> None:
+    if unused:
+        raise TypeError(f"unexpected batch keys {sorted(unused)}; the engine takes input_ids, attention_mask, "
+                        "labels, position_ids")
+    if input_ids is None:
+        raise ValueError("input_ids is required (inputs_embeds is not supported)")
+    _check_int_tensor("input_ids", input_ids, None)
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be 2-D [batch, seq], got shape {tuple(input_ids.shape)}")
+    if input_ids.numel() == 0:
+        raise ValueError(f"empty batch: input_ids has shape {tuple(input_ids.shape)}")
+    vocab = config.vocab_size
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab:
+        bad = hi if hi >= vocab else lo
+        raise ValueError(f"input_ids contains token id {bad}, outside the model's vocabulary [0, {vocab}); "
+                         "check the tokenizer matches the model")
+    seq = input_ids.shape[1]
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if max_pos is not None and seq > max_pos:
+        raise ValueError(f"sequence length {seq} exceeds the model's max_position_embeddings={max_pos}; "
+                         "shorten the sequence or extend RoPE (rope_scaling / a larger max_position_embeddings)")
+    if attention_mask is not None:
+        _check_int_tensor("attention_mask", attention_mask.long() if attention_mask.dtype == torch.bool
+                          else attention_mask, input_ids.shape)
+        if int(attention_mask.min()) < 0 or int(attention_mask.max()) > 1:
+            raise ValueError("attention_mask must contain only 0 and 1")
+        if (attention_mask.sum(dim=1) == 0).any():
+            raise ValueError("attention_mask masks every token of some sequence in the batch")
+    if position_ids is not None:
+        _check_int_tensor("position_ids", position_ids, None)
+        if position_ids.shape[-1] != seq:
+            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected [.., {seq}]")
+    if labels is not None:
+        _check_int_tensor("labels", labels, input_ids.shape)
+        valid = labels[:, 1:] != IGNORE_INDEX  # the first label is never predicted (causal shift)
+        if not bool(valid.any()):
+            raise ValueError("every label in this batch is -100 (ignored) after the causal shift: "
+                         "the loss would be 0/0; drop the batch or check the label masking")
+        lv = labels[:, 1:][valid]
+        if int(lv.min()) < 0 or int(lv.max()) >= vocab:
+            raise ValueError(f"labels contain ids outside [0, {vocab}) other than -100")

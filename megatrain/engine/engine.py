@@ -1,0 +1,351 @@
+"""The engine: composes the host store, templates, streams and pipeline into forward / backward / step."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutput
+
+from ..config import EngineConfig
+from ..models.adapter import DecoderParts, find_parts, install_recorders, record_layer_inputs
+from .activations import ActivationStore
+from .batch import check_batch
+from .loading import load_checkpoint_into, skeleton_from_dir
+from .loss import chunked_causal_lm_loss
+from .preflight import host_preflight
+from .schedule import LayerPipeline
+from .store import HostStore
+from .stream import Streams, Trace
+from .templates import TemplateBank
+
+OptimizerArg = torch.optim.Optimizer | Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer] | None
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name is not None:
+        return torch.device(name)
+    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    return acc or torch.device("cpu")
+
+
+def _set_param(root: nn.Module, name: str, value: nn.Parameter) -> None:
+    mod_name, _, leaf = name.rpartition(".")
+    root.get_submodule(mod_name)._parameters[leaf] = value
+
+
+def _free(params: list[nn.Parameter]) -> None:
+    # Drop the storage even if the caller still holds the Parameter objects (e.g. in an optimizer).
+    for p in params:
+        p.data = torch.empty(0, dtype=p.dtype)
+
+
+@dataclass
+class _Pending:
+    """What backward needs from the forward it follows."""
+
+    h_in0: torch.Tensor  # layer-0 input, still attached to the embedding's graph
+    h_last: torch.Tensor  # last layer's output, a leaf the head was computed from
+    layer_inputs: list
+    acts: ActivationStore
+
+
+class Engine:
+    """Train a Hugging Face decoder-only LM whose weights and optimizer state live in host memory."""
+
+    def __init__(self, model: nn.Module | str | os.PathLike, config: EngineConfig | None = None,
+                 optimizer: OptimizerArg = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.device = resolve_device(config.device)
+        self.compute_dtype = torch.bfloat16 if config.compute_dtype == "bfloat16" else torch.float32
+        checkpoint_dir = None
+        if isinstance(model, (str, os.PathLike)):
+            checkpoint_dir = Path(model)
+            model = skeleton_from_dir(checkpoint_dir)
+        parts = find_parts(model)
+        self.parts: DecoderParts = parts
+        self.module = model
+        self.hf_config = model.config
+        self.training = True
+        pin = config.pin_memory if config.pin_memory is not None else self.device.type == "cuda"
+        self._alias_globals = self.device.type == "cpu" and self.compute_dtype == torch.float32
+
+        # Names: each distinct parameter once (tied weights under their first name), aliases kept.
+        prefix = parts.layers_prefix + "."
+        self._name_of: dict[int, str] = {}
+        self._aliases: dict[str, str] = {}
+        originals: list[nn.Parameter] = []
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in self._name_of:
+                self._aliases[name] = self._name_of[id(p)]
+            else:
+                self._name_of[id(p)] = name
+                originals.append(p)
+        global_named = [(n, p) for n, p in model.named_parameters() if not n.startswith(prefix)]
+        layer_shapes = [[(n, p.shape) for n, p in layer.named_parameters()] for layer in parts.layers]
+
+        host_preflight(layer_shapes, [p.shape for _, p in global_named], self.compute_dtype)
+        self.store = HostStore(layer_shapes, [(n, p.shape) for n, p in global_named], pin,
+                               torch.bfloat16 if self.compute_dtype == torch.bfloat16 else None)
+
+        # Pack: copy each tensor into the store, then free the model's own storage right away so no
+        # second full copy of the model is ever alive.
+        self.templates = TemplateBank()
+        for i, layer in enumerate(parts.layers):
+            packed = self._pack(self.store.layers[i], [p for _, p in layer.named_parameters()])
+            self.templates.add(layer, self.device)
+            _free(packed)
+        _free(self._pack(self.store.globals, [p for _, p in global_named]))
+        if checkpoint_dir is not None:
+            load_checkpoint_into(self.store, checkpoint_dir, parts.layers_prefix, self._aliases)
+        for g in self.store.layers:
+            g.refresh_shadow()
+        self._recorded: list = []
+        install_recorders(parts, self._recorded)
+
+        # Resident parameters (embedding, final norm, head) live on the device for the whole step.
+        self._device_globals: list[nn.Parameter] = []
+        for slot, master in zip(self.store.globals.slots, self.store.globals.params):
+            if self._alias_globals:
+                dev = master
+            else:
+                dev = nn.Parameter(master.detach().to(self.device, self.compute_dtype), requires_grad=True)
+            self._device_globals.append(dev)
+            _set_param(model, slot.name, dev)
+        for alias, name in self._aliases.items():
+            if not alias.startswith(prefix):
+                _set_param(model, alias, self._device_globals[self._global_index(name)])
+        model.to(self.device)  # buffers (rotary tables); parameters are already placed
+
+        self.trace_log = Trace(config.trace)
+        self.streams = Streams(self.device, self.trace_log, config.link_gbps, config.watchdog_s)
+        self.pipeline = LayerPipeline(self.store, self.templates, self.streams, self.trace_log, config.num_buffers,
+                                      self.compute_dtype, self.device, preserve_rng=self._has_dropout())
+        self.optimizer = self._make_optimizer(optimizer, originals)
+        del originals
+        self._pending: _Pending | None = None
+        self.reset_stats()
+
+    # -- setup helpers ----------------------------------------------------------------------------
+    @staticmethod
+    def _pack(group, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        for slot, p in zip(group.slots, params):
+            if p.device.type != "meta":
+                group.view(group.master, slot).copy_(p.detach())
+        return params
+
+    def _global_index(self, name: str) -> int:
+        return next(i for i, s in enumerate(self.store.globals.slots) if s.name == name)
+
+    def _has_dropout(self) -> bool:
+        cfg = self.hf_config
+        return any((getattr(cfg, k, 0) or 0) > 0 for k in ("attention_dropout", "hidden_dropout", "dropout",
+                                                             "resid_pdrop", "attn_pdrop"))
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return self.store.named_parameters(self.parts.layers_prefix)
+
+    def _make_optimizer(self, optimizer: OptimizerArg, originals: list[nn.Parameter]) -> torch.optim.Optimizer:
+        named = self.named_parameters()
+        if optimizer is None:
+            return torch.optim.AdamW([p for _, p in named], fused=self.device.type == "cpu" or None)
+        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer(named)
+        # Take over the user's optimizer: same object, same hyper-parameters, now over the host masters,
+        # so LR schedulers built on it keep working.
+        by_name = dict(named)
+        by_name.update({a: by_name[n] for a, n in self._aliases.items() if n in by_name})
+        for group in optimizer.param_groups:
+            new = []
+            for p in group["params"]:
+                name = self._name_of.get(id(p))
+                if name is None:
+                    raise ValueError("the optimizer holds a parameter that is not part of the model; build it "
+                                     "over model.parameters() before handing both to MegaTrain")
+                new.append(by_name[name])
+            group["params"] = new
+        optimizer.state = defaultdict(dict)
+        return optimizer
+
+    # -- modes ------------------------------------------------------------------------------------
+    def train(self, mode: bool = True) -> Engine:
+        self.training = mode
+        self.module.train(mode)
+        self.templates.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    # -- one micro-batch --------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> CausalLMOutput:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                return_logits: bool = False, **unused: Any) -> CausalLMOutput:
+        check_batch(self.hf_config, input_ids, attention_mask, labels, position_ids, unused)
+        t0 = time.perf_counter()
+        train = self.training and torch.is_grad_enabled()
+        dev = self.device
+        ids = input_ids.to(dev, non_blocking=True)
+        mask = attention_mask.to(dev, non_blocking=True) if attention_mask is not None else None
+        pos = position_ids.to(dev, non_blocking=True) if position_ids is not None else None
+        with torch.set_grad_enabled(train):
+            h0 = self.parts.embed(ids)
+            h_in0, layer_inputs = record_layer_inputs(self.parts, self._recorded, h0, mask, pos)
+        acts = ActivationStore(self.streams, self.config.offload_activations,
+                               pin=self.device.type == "cuda") if train else None
+        with torch.no_grad():
+            h_last = self.pipeline.forward(h_in0.detach(), layer_inputs, acts)
+        h_last = h_last.detach().requires_grad_(train)
+        with torch.set_grad_enabled(train):
+            hn = self.parts.norm(h_last)
+            loss = None
+            if labels is not None:
+                loss = chunked_causal_lm_loss(hn, self.parts.lm_head.weight, labels.to(dev, non_blocking=True),
+                                              self.config.loss_chunk_tokens)
+            logits = self.parts.lm_head(hn) if return_logits else None
+        if train and loss is not None:
+            self._pending = _Pending(h_in0, h_last, layer_inputs, acts)
+            self._act_peak = max(self._act_peak, acts.peak_device_bytes)
+        self._stats["forward_s"] += time.perf_counter() - t0
+        self._tokens += int(ids.numel())
+        return CausalLMOutput(loss=loss, logits=logits)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Add d(loss)/d(params) into the host gradient slabs (accumulates across calls)."""
+        p = self._pending
+        if p is None:
+            raise RuntimeError("backward() needs a training forward with labels first "
+                               "(engine.train(), grad enabled, labels passed)")
+        self._pending = None
+        t0 = time.perf_counter()
+        params = self._device_globals
+        grads = torch.autograd.grad(loss, [p.h_last, *params], allow_unused=True)
+        self._add_global_grads(grads[1:])
+        g = self.pipeline.backward(grads[0], p.layer_inputs, p.acts)
+        grads = torch.autograd.grad(p.h_in0, params, g, allow_unused=True)
+        self._add_global_grads(grads)
+        self._stats["backward_s"] += time.perf_counter() - t0
+
+    def _add_global_grads(self, grads: tuple) -> None:
+        group = self.store.globals
+        for slot, g in zip(group.slots, grads):
+            if g is not None:
+                group.view(group.grad, slot).add_(g.to("cpu", torch.float32))
+
+    def _all_grads(self) -> list[torch.Tensor]:
+        self.pipeline.synchronize_grads()
+        return [g.grad for g in self.store.groups()]
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale all gradients so their global L2 norm is at most `max_norm`; return the norm before."""
+        grads = self._all_grads()
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return float(total)
+
+    def grad_norm(self) -> float:
+        grads = self._all_grads()
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+    def step(self) -> None:
+        """One optimizer step over the host masters (the caller owns zero_grad and LR schedules)."""
+        t0 = time.perf_counter()
+        self.pipeline.synchronize_grads()
+        for g in self.store.groups():
+            g.link_grads()
+        self.optimizer.step()
+        self._masters_changed()
+        self._stats["optimizer_s"] += time.perf_counter() - t0
+
+    def _masters_changed(self) -> None:
+        for g in self.store.layers:
+            g.refresh_shadow()
+        if not self._alias_globals:
+            with torch.no_grad():
+                for dev, master in zip(self._device_globals, self.store.globals.params):
+                    dev.copy_(master, non_blocking=True)
+        self.pipeline.invalidate()
+
+    def zero_grad(self) -> None:
+        self.pipeline.synchronize_grads()
+        self.store.zero_grad()
+
+    # -- state --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-named FP32 copies of every parameter (tied weights under each of their names)."""
+        self.pipeline.synchronize_grads()
+        named = dict(self.named_parameters())
+        out = {n: p.detach().clone() for n, p in named.items()}
+        out.update({a: out[n] for a, n in self._aliases.items()})
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        named = dict(self.named_parameters())
+        missing = [n for n in named if n not in state]
+        unexpected = [n for n in state if n not in named and n not in self._aliases]
+        if strict and (missing or unexpected):
+            raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        with torch.no_grad():
+            for n, p in named.items():
+                if n in state:
+                    if tuple(state[n].shape) != tuple(p.shape):
+                        raise ValueError(f"{n}: shape {tuple(state[n].shape)} does not match {tuple(p.shape)}")
+                    p.copy_(state[n])
+        self._masters_changed()
+
+    # -- accounting ---------------------------------------------------------------------------------
+    @property
+    def device_weight_bytes(self) -> int:
+        """Weight bytes resident on the device: the k layer buffers plus embedding/norm/head."""
+        g = sum(p.numel() * p.element_size() for p in self._device_globals)
+        return self.pipeline.device_weight_bytes + g
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return self.collect_stats()
+
+    def reset_stats(self) -> None:
+        self.streams.reset_counters()
+        self._act_peak = 0
+        self._tokens = 0
+        self._stats = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
+        self.trace_log.clear()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def collect_stats(self) -> dict[str, float]:
+        """Accounting since the last reset (waits for outstanding copies)."""
+        self.streams.synchronize()
+        out = dict(self._stats)
+        out.update(
+            h2d_bytes=self.streams.h2d.bytes, d2h_bytes=self.streams.d2h.bytes,
+            h2d_busy_s=self.streams.h2d.busy_s, d2h_busy_s=self.streams.d2h.busy_s,
+            copy_wait_s=self.streams.wait_s, device_weight_bytes=self.device_weight_bytes,
+            peak_activation_bytes=self._act_peak, host_store_bytes=self.store.host_bytes(),
+            tokens=self._tokens,
+        )
+        if self.device.type == "cuda":
+            out["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        else:
+            out["peak_device_bytes"] = self.device_weight_bytes + self._act_peak
+        return out
+
+    @property
+    def trace(self) -> list:
+        return list(self.trace_log.records)
+
+    @property
+    def num_templates(self) -> int:
+        return len(self.templates)

@@ -1,0 +1,62 @@
+"""Host-memory preflight: refuse a store that cannot fit before allocating any of it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+# Host bytes per parameter, by component (FP32 master + gradient slab + Adam m and v).
+HOST_BYTES_PER_PARAM = {"master": 4, "grad": 4, "adam_m": 4, "adam_v": 4}
+SHADOW_BYTES_PER_PARAM = 2  # bf16 copy that streams to the device in bf16 compute mode
+
+
+class HostMemoryError(MemoryError):
+    """The host store would not fit in the memory this process may use."""
+
+
+def available_host_bytes() -> int:
+    """What this process may still allocate: the cgroup limit when one is set, else MemAvailable."""
+    avail = None
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    for limit_f, usage_f in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                             ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                              "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            raw = Path(limit_f).read_text().strip()
+            if raw != "max" and int(raw) < (1 << 60):
+                room = int(raw) - int(Path(usage_f).read_text().strip())
+                avail = room if avail is None else min(avail, room)
+        except (OSError, ValueError):
+            continue
+    if avail is None:
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return avail
+
+
+def host_store_bytes(n_params: int, compute_dtype: torch.dtype, n_layer_params: int) -> dict[str, int]:
+    need = {k: v * n_params for k, v in HOST_BYTES_PER_PARAM.items()}
+    if compute_dtype == torch.bfloat16:
+        need["bf16_shadow"] = SHADOW_BYTES_PER_PARAM * n_layer_params
+    return need
+
+
+def host_preflight(layer_shapes: list[list[tuple[str, torch.Size]]], global_shapes: list[torch.Size],
+                   compute_dtype: torch.dtype, available: int | None = None) -> dict[str, int]:
+    n_layer = sum(torch.Size(s).numel() for shapes in layer_shapes for _, s in shapes)
+    n = n_layer + sum(torch.Size(s).numel() for s in global_shapes)
+    need = host_store_bytes(n, compute_dtype, n_layer)
+    avail = available_host_bytes() if available is None else available
+    total = sum(need.values())
+    if total > avail:
+        parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in need.items())
+        raise HostMemoryError(
+            f"the host store needs {total / 2**30:.2f} GiB ({parts}; {n / 1e9:.2f}B parameters) but only "
+            f"{avail / 2**30:.2f} GiB is available; use a smaller model, a machine with more host memory, "
+            "or raise the container's memory limit")
+    return need

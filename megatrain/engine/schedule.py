@@ -1,0 +1,158 @@
+"""The per-layer pipeline: stream weights in ahead of compute, run layers forward and (recomputing) backward.
+
+With k device buffers, the copies of the next k-1 layers are in flight while a layer computes. At
+the forward/backward turn the last k layers are still resident, so backward starts without a copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .activations import ActivationStore
+from .store import HostStore, host_empty
+from .stream import DONE, Event, Streams, Trace
+from .templates import TemplateBank
+
+
+class LayerPipeline:
+    def __init__(self, store: HostStore, templates: TemplateBank, streams: Streams, trace: Trace,
+                 num_buffers: int, dtype: torch.dtype, device: torch.device, preserve_rng: bool) -> None:
+        self.store = store
+        self.templates = templates
+        self.streams = streams
+        self.trace = trace
+        self.device = device
+        self.preserve_rng = preserve_rng
+        self.max_numel = max(g.numel for g in store.layers)
+        k = num_buffers
+        self.buffers = [torch.empty(self.max_numel, dtype=dtype, device=device) for _ in range(k)]
+        self.resident: list[int | None] = [None] * k
+        self.loaded: list[Event] = [DONE] * k
+        self.freed: list[Event] = [DONE] * k
+        self._rng: dict[int, tuple] = {}
+        if device.type == "cuda":
+            # Gradients land in pinned staging, then a host thread adds them into the FP32 slabs.
+            self._reducer = type(streams.d2h)("host-reduce", torch.device("cpu"), trace, None, streams.watchdog_s)
+            self._staging = [host_empty(self.max_numel, dtype, pin=True) for _ in range(2)]
+            self._staging_free: list[Event] = [DONE, DONE]
+            self._next_staging = 0
+
+    @property
+    def device_weight_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def invalidate(self) -> None:
+        """Masters changed (optimizer step, load): resident copies are stale."""
+        self.resident = [None] * len(self.buffers)
+
+    # -- weights in -------------------------------------------------------------------------------
+    def _issue(self, layer: int, window: set[int]) -> None:
+        if layer in self.resident:
+            return
+        slot = next(s for s, r in enumerate(self.resident) if r not in window)
+        group = self.store.layers[layer]
+        src = group.stream_source
+        dst = self.buffers[slot][: group.numel]
+
+        def load() -> int:
+            dst.copy_(src, non_blocking=True)
+            return src.numel() * src.element_size()
+
+        self.loaded[slot] = self.streams.h2d.submit(load, self.freed[slot], "load", layer)
+        self.resident[slot] = layer
+
+    def _acquire(self, order: list[int], n: int, phase: str) -> int:
+        window = order[n: n + len(self.buffers)]
+        for layer in window:
+            self._issue(layer, set(window))
+        slot = self.resident.index(order[n])
+        self.streams.wait(self.loaded[slot], f"{phase} of layer {order[n]}")
+        return slot
+
+    # -- gradients out ----------------------------------------------------------------------------
+    def _send_grad(self, layer: int, grad: torch.Tensor, after: Event) -> None:
+        slab = self.store.layers[layer].grad
+        if self.device.type != "cuda":
+            def reduce() -> int:
+                slab.add_(grad)
+                return grad.numel() * grad.element_size()
+
+            self.streams.d2h.submit(reduce, after, "grad", layer)
+            return
+        i = self._next_staging
+        self._next_staging ^= 1
+        self._staging_free[i].host_wait(self.streams.watchdog_s)
+        staging = self._staging[i][: grad.numel()]
+        grad.record_stream(self.streams.d2h._stream)  # the allocator must not reuse it mid-copy
+
+        def to_host() -> int:
+            staging.copy_(grad, non_blocking=True)
+            return grad.numel() * grad.element_size()
+
+        copied = self.streams.d2h.submit(to_host, after, "grad", layer)
+
+        def reduce() -> int:
+            slab.add_(staging)
+            return 0
+
+        self._staging_free[i] = self._reducer.submit(reduce, copied, "reduce", layer)
+
+    def synchronize_grads(self) -> None:
+        self.streams.d2h.synchronize()
+        if self.device.type == "cuda":
+            self._reducer.synchronize()
+
+    # -- compute ----------------------------------------------------------------------------------
+    def forward(self, h: torch.Tensor, layer_inputs: list[tuple[tuple, dict]], acts: ActivationStore | None,
+                phase: str = "fwd") -> torch.Tensor:
+        order = list(range(len(self.store.layers)))
+        for n, i in enumerate(order):
+            slot = self._acquire(order, n, "forward")
+            if acts is not None:
+                acts.put(i, h)
+                if self.preserve_rng:
+                    self._rng[i] = self._rng_state()
+            group = self.store.layers[i]
+            t0 = self.trace.now()
+            args, kwargs = layer_inputs[i]
+            h = self.templates.call(i, group.views(self.buffers[slot][: group.numel]), h, args, kwargs)
+            self.freed[slot] = self.streams.record_compute()
+            self.trace.add("compute", phase, i, t0, self.trace.now())
+        return h
+
+    def backward(self, g: torch.Tensor, layer_inputs: list[tuple[tuple, dict]], acts: ActivationStore) -> torch.Tensor:
+        order = list(reversed(range(len(self.store.layers))))
+        for n, i in enumerate(order):
+            slot = self._acquire(order, n, "backward")
+            if n + 1 < len(order):
+                acts.prefetch(order[n + 1])
+            x = acts.get(i).detach().requires_grad_(True)
+            group = self.store.layers[i]
+            flat = self.buffers[slot][: group.numel].detach().requires_grad_(True)
+            args, kwargs = layer_inputs[i]
+            t0 = self.trace.now()
+            with torch.enable_grad(), torch.random.fork_rng(self._rng_devices(), enabled=self.preserve_rng):
+                if self.preserve_rng:
+                    self._set_rng_state(self._rng.pop(i))
+                y = self.templates.call(i, group.views(flat), x, args, kwargs)
+                gx, gw = torch.autograd.grad(y, (x, flat), g)
+            done = self.streams.record_compute()
+            self.freed[slot] = done
+            self.trace.add("compute", "bwd", i, t0, self.trace.now())
+            self._send_grad(i, gw, done)
+            acts.drop(i)
+            g = gx
+        return g
+
+    # -- dropout: recompute must draw the same random numbers as the forward ----------------------
+    def _rng_devices(self) -> list:
+        return [self.device] if self.device.type == "cuda" else []
+
+    def _rng_state(self) -> tuple:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    def _set_rng_state(self, state: tuple) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], self.device)

@@ -1,0 +1,51 @@
+"""Stateless layer templates: one module per distinct layer structure, weights bound per call.
+
+A template holds no weight storage (its parameters live on the `meta` device); each call binds
+views of a device buffer with `torch.func.functional_call`, so running layer i costs no copy and
+the number of templates does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from ..models.adapter import layer_structure_key
+
+
+def _make_stateless(layer: nn.Module, device: torch.device) -> nn.Module:
+    for mod in layer.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                     requires_grad=p.requires_grad)
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[name] = b.to(device)
+    return layer
+
+
+class TemplateBank:
+    def __init__(self) -> None:
+        self._by_key: dict[tuple, nn.Module] = {}
+        self.of_layer: list[nn.Module] = []
+
+    def add(self, layer: nn.Module, device: torch.device) -> None:
+        """Register decoder layer i (in order). Call before its weights are packed/freed."""
+        key = layer_structure_key(layer)
+        if key not in self._by_key:
+            self._by_key[key] = _make_stateless(layer, device)
+        self.of_layer.append(self._by_key[key])
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def train(self, mode: bool) -> None:
+        for t in self._by_key.values():
+            t.train(mode)
+
+    def call(self, i: int, weights: dict[str, torch.Tensor], hidden: torch.Tensor, args: tuple,
+             kwargs: dict) -> torch.Tensor:
+        out = functional_call(self.of_layer[i], weights, (hidden, *args), kwargs, strict=False)
+        return out[0] if isinstance(out, (tuple, list)) else out

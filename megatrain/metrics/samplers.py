@@ -1,0 +1,107 @@
+"""Background samplers: peak host RSS, and PCIe traffic from NVML counters on CUDA machines."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import threading
+import time
+
+import psutil
+
+
+class RssSampler:
+    """Peak resident set size of this process.
+
+    Sampling alone misses short spikes, so the result is also checked against the kernel's
+    high-water mark (ru_maxrss), which is exact but counts the whole life of the process; the
+    caller takes a baseline before building the model so bytes/param reflect the training state.
+    """
+
+    def __init__(self, interval_s: float = 0.01) -> None:
+        self.interval_s = interval_s
+        self._proc = psutil.Process()
+        self._peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def rss(self) -> int:
+        return self._proc.memory_info().rss
+
+    def start(self) -> RssSampler:
+        self._peak = self.rss()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._peak = max(self._peak, self.rss())
+
+    def stop(self) -> int:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+        return self.peak()
+
+    def peak(self) -> int:
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        maxrss *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+        return max(self._peak, self.rss(), maxrss)
+
+
+class NvmlPcieSampler:
+    """PCIe rx/tx throughput of one GPU from NVML, sampled in the background.
+
+    NVML reports KB/s averaged over its own ~20 ms window, so the sampler integrates rate x
+    interval between calls; `bytes_between(t0, t1)` gives host->device (rx) and device->host (tx)
+    bytes for a timed window. Unavailable (no pynvml, no driver): `available` is False.
+    """
+
+    def __init__(self, device_index: int = 0, interval_s: float = 0.02) -> None:
+        self.interval_s = interval_s
+        self.available = False
+        self._samples: list[tuple[float, float, float]] = []  # (t, rx B/s, tx B/s)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            pynvml.nvmlDeviceGetPcieThroughput(self._handle, pynvml.NVML_PCIE_UTIL_RX_BYTES)
+            self.available = True
+        except Exception:  # noqa: BLE001 - any NVML failure just means no counters
+            self.available = False
+
+    def start(self) -> NvmlPcieSampler:
+        if self.available:
+            self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        nv, h = self._nvml, self._handle
+        while not self._stop.is_set():
+            try:
+                rx = nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES) * 1024.0
+                tx = nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES) * 1024.0
+            except Exception:  # noqa: BLE001
+                return
+            self._samples.append((time.perf_counter(), rx, tx))
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+
+    def bytes_between(self, t0: float, t1: float) -> tuple[float, float] | None:
+        """(h2d bytes, d2h bytes) in [t0, t1], from the mean sampled rate; None without samples."""
+        inside = [(rx, tx) for t, rx, tx in list(self._samples) if t0 <= t <= t1]
+        if not inside:
+            return None
+        rx = sum(s[0] for s in inside) / len(inside)
+        tx = sum(s[1] for s in inside) / len(inside)
+        return rx * (t1 - t0), tx * (t1 - t0)

@@ -1,0 +1,163 @@
+"""Find the parts of a Hugging Face decoder-only causal LM that the engine streams or keeps resident.
+
+The adapter describes a model; it never runs it. Model-level math that happens before the first
+layer (masks, rotary tables, embedding scales) is captured by running the model's own forward with
+the layers replaced by recorders (see `LayerInputRecorder`), so it stays exactly the model's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# Post-layer math in the *ForCausalLM wrapper that our chunked head would silently skip.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+_LAYER_STACK_NAMES = ("layers", "h", "blocks", "decoder_layers")
+_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm")
+
+
+@dataclass
+class DecoderParts:
+    model: nn.Module  # the *ForCausalLM module
+    base: nn.Module  # the decoder stack that owns embedding, layers and final norm
+    base_prefix: str  # its dotted name inside `model` ("model" for Llama)
+    layers_attr: str  # attribute of `base` holding the nn.ModuleList of decoder layers
+    layers: nn.ModuleList
+    embed: nn.Embedding
+    norm: nn.Module
+    lm_head: nn.Linear
+    rotary: nn.Module | None
+    tied: bool
+
+    @property
+    def layers_prefix(self) -> str:
+        return f"{self.base_prefix}.{self.layers_attr}" if self.base_prefix else self.layers_attr
+
+
+def _module_name(root: nn.Module, target: nn.Module) -> str | None:
+    for name, mod in root.named_modules():
+        if mod is target:
+            return name
+    return None
+
+
+def find_parts(model: nn.Module) -> DecoderParts:
+    """Locate embedding, layer stack, final norm, LM head and rotary embedding, or explain what is missing."""
+    config = getattr(model, "config", None)
+    kind = type(model).__name__
+    if config is None:
+        raise ValueError(f"{kind} has no `.config`: MegaTrain needs a Hugging Face PreTrainedModel")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{kind} is an encoder-decoder model; MegaTrain trains decoder-only causal LMs")
+    for attr in _LOGIT_TRANSFORMS:
+        if getattr(config, attr, None) not in (None, 1.0, 1):
+            raise ValueError(f"{kind} applies `{attr}` to its logits, which the chunked head does not model")
+    if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+        raise ValueError(f"{kind} is a mixture-of-experts model; MegaTrain supports dense decoder layers")
+
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    embed = get_in() if get_in else None
+    lm_head = get_out() if get_out else None
+    if not isinstance(embed, nn.Embedding):
+        raise ValueError(f"{kind}: no input embedding (nn.Embedding) found via get_input_embeddings()")
+    if not isinstance(lm_head, nn.Linear):
+        raise ValueError(f"{kind}: no LM head (nn.Linear) found via get_output_embeddings(); is it a *ForCausalLM?")
+    if lm_head.bias is not None:
+        raise ValueError(f"{kind}: an LM head with a bias is not supported by the chunked loss")
+
+    n_layers = getattr(config, "num_hidden_layers", None)
+    base = None
+    for mod in model.modules():
+        if mod is model:
+            continue
+        for attr in _LAYER_STACK_NAMES:
+            stack = getattr(mod, attr, None)
+            if isinstance(stack, nn.ModuleList) and len(stack) > 0 and (n_layers is None or len(stack) == n_layers):
+                base, layers_attr = mod, attr
+                break
+        if base is not None:
+            break
+    if base is None:
+        raise ValueError(f"{kind}: no decoder layer stack found (an nn.ModuleList named one of "
+                         f"{_LAYER_STACK_NAMES} with num_hidden_layers={n_layers} entries)")
+    if _module_name(base, embed) is None:
+        raise ValueError(f"{kind}: the input embedding does not live in the decoder stack {type(base).__name__}")
+    norm = next((getattr(base, n) for n in _NORM_NAMES if isinstance(getattr(base, n, None), nn.Module)), None)
+    if norm is None:
+        raise ValueError(f"{kind}: no final norm found on {type(base).__name__} (looked for {_NORM_NAMES})")
+    rotary = getattr(base, "rotary_emb", None)
+    base_prefix = _module_name(model, base)
+    tied = lm_head.weight is embed.weight
+    return DecoderParts(model, base, base_prefix or "", layers_attr, getattr(base, layers_attr), embed, norm,
+                        lm_head, rotary, tied)
+
+
+class _CaptureDone(Exception):
+    pass
+
+
+class LayerInputRecorder(nn.Module):
+    """Stands in for decoder layer `index`: records the inputs the model hands it, passes the state on.
+
+    The last recorder stops the model's forward so the final norm and anything after it never run.
+    """
+
+    def __init__(self, index: int, last: bool, original: nn.Module, sink: list) -> None:
+        super().__init__()
+        self.index = index
+        self.last = last
+        self.sink = sink
+        # Models pick per-layer masks from these attributes (e.g. Qwen2's sliding-window layers).
+        for attr in ("attention_type", "layer_type", "is_sliding", "sliding_window"):
+            if hasattr(original, attr):
+                setattr(self, attr, getattr(original, attr))
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        self.sink.append((hidden_states, args, kwargs))
+        if self.last:
+            raise _CaptureDone
+        return hidden_states
+
+
+def install_recorders(parts: DecoderParts, sink: list) -> nn.ModuleList:
+    """Replace the layer stack by recorders; return the original stack (the caller owns it now)."""
+    original = parts.layers
+    n = len(original)
+    recorders = nn.ModuleList(LayerInputRecorder(i, i == n - 1, layer, sink) for i, layer in enumerate(original))
+    setattr(parts.base, parts.layers_attr, recorders)
+    return original
+
+
+def record_layer_inputs(parts: DecoderParts, sink: list, inputs_embeds: torch.Tensor,
+                        attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None):
+    """Run the model's own forward up to the layers; return (layer-0 input, per-layer (args, kwargs))."""
+    sink.clear()
+    try:
+        parts.base(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False)
+    except _CaptureDone:
+        pass
+    if len(sink) != len(parts.layers):
+        raise RuntimeError(f"expected {len(parts.layers)} layer calls from {type(parts.base).__name__}.forward, "
+                           f"saw {len(sink)}: the model's layer loop is not supported")
+    h0 = sink[0][0]
+    per_layer = [(args, {k: v for k, v in kw.items() if k not in ("cache", "past_key_values", "past_key_value")})
+                 for _, args, kw in sink]
+    sink.clear()
+    return h0, per_layer
+
+
+def layer_structure_key(layer: nn.Module) -> tuple:
+    """Two layers share a template iff this key is equal: class, parameter shapes, and plain settings."""
+    params = tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters())
+    settings = []
+    for mname, mod in layer.named_modules():
+        for k, v in sorted(vars(mod).items()):
+            if k.startswith("_") or k in ("layer_idx", "training"):
+                continue
+            if isinstance(v, (bool, int, float, str, type(None), tuple)):
+                settings.append((mname, k, v))
+    return (type(layer).__qualname__, params, tuple(settings))

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One set-up for a fresh CPU machine: a venv with the local CPU torch wheel pinned (an unpinned
+# torch pulls a multi-GB CUDA build), then the package with its extras.
+#   bash scripts/setup.sh          -> venv + package + deepspeed (main job)
+#   bash scripts/setup.sh test     -> same, plus the dev tools
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+[ -d .venv ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+if ! python -c "import torch" >/dev/null 2>&1; then
+    python -m pip install -q "torch==${MEGATRAIN_TORCH_VERSION:-2.13.0}"
+fi
+extras="deepspeed"
+[ "${1:-}" = "test" ] && extras="deepspeed,dev"
+python -m pip install -q -e ".[${extras}]"
