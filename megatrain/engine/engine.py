@@ -44,7 +44,8 @@ def _set_param(root: nn.Module, name: str, value: nn.Parameter) -> None:
 def _free(params: list[nn.Parameter]) -> None:
     # Drop the storage even if the caller still holds the Parameter objects (e.g. in an optimizer).
     for p in params:
-        p.data = torch.empty(0, dtype=p.dtype)
+        if p.device.type != "meta":
+            p.data = torch.empty(0, dtype=p.dtype)
 
 
 @dataclass

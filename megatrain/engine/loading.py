@@ -22,7 +22,9 @@ def skeleton_from_dir(path: Path) -> nn.Module:
         raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config)
+    model.tie_weights()  # from_config leaves meta weights untied; the checkpoint stores tied ones once
+    return model
 
 
 def _shards(path: Path) -> list[Path]:

@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny HF decoder models built from configs (random weights, no downloads)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import transformers
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+FAMILIES = {
+    "llama": transformers.LlamaConfig,
+    "qwen2": transformers.Qwen2Config,
+    "mistral": transformers.MistralConfig,
+}
+
+
+def tiny_config(family: str = "llama", layers: int = 2, hidden: int = 64, tied: bool = False, vocab: int = 256,
+                heads: int = 4, kv_heads: int = 2, max_pos: int = 512, **extra):
+    cfg = FAMILIES[family](
+        hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+        max_position_embeddings=max_pos, tie_word_embeddings=tied, **extra,
+    )
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def tiny_model(family: str = "llama", seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(tiny_config(family, **kw))
+
+
+def make_batches(n: int, batch: int = 2, seq: int = 24, vocab: int = 256, seed: int = 1, pad: bool = True):
+    """Padded batches (left rows partly masked) with -100 labels on padding and on a few random tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        mask = torch.ones_like(ids)
+        if pad and batch > 1:
+            mask[1, : seq // 4] = 0  # left padding on the second row
+        labels = ids.clone()
+        labels[mask == 0] = -100
+        labels[0, torch.randint(0, seq, (3,), generator=g)] = -100
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+@pytest.fixture
+def clone():
+    return copy.deepcopy

@@ -1,0 +1,296 @@
+"""Engine core: parity with plain PyTorch, O(1) device memory in depth, real overlap, templates, bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from conftest import make_batches, tiny_config, tiny_model
+
+from megatrain.config import EngineConfig
+from megatrain.engine import Engine
+from megatrain.engine.stream import Streams
+
+
+def train_reference(model, batches, steps, accum=1, clip=None, lr=1e-3, optimizer=None, scheduler=None):
+    opt = optimizer or torch.optim.AdamW(model.parameters(), lr=lr)
+    losses, norms, first_grads = [], [], None
+    it = iter(batches)
+    for s in range(steps):
+        for _ in range(accum):
+            loss = model(**next(it)).loss
+            (loss / accum).backward()
+            losses.append(loss.item())
+        if s == 0:
+            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+        if scheduler:
+            scheduler.step()
+    return losses, norms, first_grads
+
+
+def train_engine(eng, batches, steps, accum=1, clip=None, scheduler=None):
+    losses, norms, first_grads = [], [], None
+    it = iter(batches)
+    for s in range(steps):
+        for _ in range(accum):
+            loss = eng(**next(it)).loss
+            eng.backward(loss / accum)
+            losses.append(loss.item())
+        if s == 0:
+            eng.pipeline.synchronize_grads()
+            first_grads = {n: p.grad.clone() for n, p in eng.named_parameters()}
+        if clip:
+            norms.append(eng.clip_grad_norm_(clip))
+        eng.step()
+        eng.zero_grad()
+        if scheduler:
+            scheduler.step()
+    return losses, norms, first_grads
+
+
+def assert_parity(ref, eng, ref_out, eng_out, param_tol=1e-5):
+    (rl, rn, rg), (el, en, eg) = ref_out, eng_out
+    for n, g in rg.items():
+        rel = (eg[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)
+        assert rel <= 1e-6, f"first-step gradient of {n}: relative error {rel:.2e}"
+    assert max(abs(a - b) for a, b in zip(rl, el)) <= 1e-5, (rl, el)
+    assert max((abs(a - b) for a, b in zip(rn, en)), default=0) <= 1e-4 * max(rn, default=1)
+    sd = eng.state_dict()
+    worst = max((sd[n] - p).abs().max().item() for n, p in ref.state_dict().items())
+    assert worst <= param_tol, f"parameters differ by {worst:.2e}"
+    return worst
+
+
+CASES = [
+    pytest.param("llama", dict(tied=False), id="llama-gqa-untied"),
+    pytest.param("qwen2", dict(tied=True), id="qwen2-tied-bias"),
+    pytest.param("mistral", dict(sliding_window=8), id="mistral-sliding-window"),
+]
+
+
+@pytest.mark.parametrize("family,kw", CASES)
+def test_parity_with_pytorch_adamw(family, kw):
+    """5 optimizer steps, accumulation 2, padding, -100 labels, clipping that triggers: FP32 parity."""
+    ref = tiny_model(family, layers=3, **kw)
+    eng = Engine(copy.deepcopy(ref), EngineConfig(loss_chunk_tokens=13))
+    batches = make_batches(10)
+    ref_out = train_reference(ref, batches, steps=5, accum=2, clip=0.5)
+    eng_out = train_engine(eng, batches, steps=5, accum=2, clip=0.5)
+    assert any(n > 0.5 for n in ref_out[1]), "clipping never triggered: the test would not cover it"
+    assert_parity(ref, eng, ref_out, eng_out)
+
+
+def test_parity_when_the_loss_is_not_chunked_evenly_and_single_buffer():
+    ref = tiny_model("llama", layers=4)
+    eng = Engine(copy.deepcopy(ref), EngineConfig(num_buffers=1, loss_chunk_tokens=5))
+    batches = make_batches(3, seq=17)
+    assert_parity(ref, eng, train_reference(ref, batches, 3), train_engine(eng, batches, 3))
+
+
+def test_user_optimizer_and_scheduler_are_taken_over():
+    """A user AdamW with two param groups and a LambdaLR keep their numerics on the host store."""
+    ref = tiny_model("llama", layers=2)
+    mine = copy.deepcopy(ref)
+
+    def groups(model):
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+        return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def sched(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+
+    ref_opt = torch.optim.AdamW(groups(ref), lr=1e-3, betas=(0.8, 0.95))
+    my_opt = torch.optim.AdamW(groups(mine), lr=1e-3, betas=(0.8, 0.95))
+    ref_sched, my_sched = sched(ref_opt), sched(my_opt)
+    eng = Engine(mine, optimizer=my_opt)
+    assert eng.optimizer is my_opt
+    batches = make_batches(4)
+    ref_out = train_reference(ref, batches, 4, optimizer=ref_opt, scheduler=ref_sched)
+    eng_out = train_engine(eng, batches, 4, scheduler=my_sched)
+    assert_parity(ref, eng, ref_out, eng_out)
+    assert my_opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+
+
+def test_bf16_compute_tracks_fp32_reference():
+    """bf16 compute (FP32 masters on the host): per-step losses within 0.05 of the FP32 reference."""
+    ref = tiny_model("llama", layers=2)
+    eng = Engine(copy.deepcopy(ref), EngineConfig(compute_dtype="bfloat16"))
+    batches = make_batches(5)
+    rl, _, _ = train_reference(ref, batches, 5)
+    el, _, _ = train_engine(eng, batches, 5)
+    assert eng.store.layers[0].shadow.dtype == torch.bfloat16
+    diffs = [abs(a - b) for a, b in zip(rl, el)]
+    assert max(diffs) <= 0.05, diffs
+    assert max(diffs) > 0  # it really computed in bf16
+
+
+def test_offloaded_activations_match_resident():
+    base = tiny_model("llama", layers=3)
+    batches = make_batches(3)
+    res = Engine(copy.deepcopy(base), EngineConfig())
+    off = Engine(copy.deepcopy(base), EngineConfig(offload_activations=True))
+    rl, _, _ = train_engine(res, batches, 3)
+    ol, _, _ = train_engine(off, batches, 3)
+    assert rl == ol
+    for (n, a), (_, b) in zip(res.named_parameters(), off.named_parameters()):
+        assert torch.equal(a, b), n
+    assert off.collect_stats()["peak_activation_bytes"] < res.collect_stats()["peak_activation_bytes"]
+
+
+def test_device_weight_memory_is_constant_in_depth():
+    shallow = Engine(tiny_model("llama", layers=4))
+    deep = Engine(tiny_model("llama", layers=16))
+    assert shallow.device_weight_bytes == deep.device_weight_bytes
+    layer = max(g.numel for g in deep.store.layers) * 4
+    globals_ = deep.store.globals.numel * 4
+    assert deep.device_weight_bytes <= deep.config.num_buffers * layer + globals_
+    # and it is really streaming: the host holds all 16 layers
+    assert sum(g.numel for g in deep.store.layers) == 16 * (layer // 4)
+
+
+def test_host_bytes_per_parameter_is_sixteen():
+    eng = Engine(tiny_model("llama", layers=4))
+    n = sum(p.numel() for _, p in eng.named_parameters())
+    batches = make_batches(1)
+    train_engine(eng, batches, 1)
+    opt_bytes = sum(t.numel() * t.element_size() for s in eng.optimizer.state.values() for t in s.values()
+                    if torch.is_tensor(t) and t.dim() > 0)
+    per_param = (eng.store.host_bytes() + opt_bytes) / n
+    assert per_param == pytest.approx(16.0, abs=0.01)
+
+
+def test_store_frees_the_model_storage():
+    model = tiny_model("llama", layers=3)
+    params = list(model.parameters())
+    Engine(model)
+    assert all(p.numel() == 0 or p.device.type == "meta" for p in params)
+
+
+def test_copy_of_next_layer_is_issued_before_current_layer_finishes():
+    eng = Engine(tiny_model("llama", layers=6, hidden=128), EngineConfig(trace=True, link_gbps=0.05))
+    train_engine(eng, make_batches(1, seq=64), 1)
+    loads, computes = {}, {}
+    for r in eng.trace:  # first occurrence of each: the forward pass
+        if r.stream == "h2d" and r.kind == "load":
+            loads.setdefault(r.layer, r)
+        if r.stream == "compute" and r.kind == "fwd":
+            computes.setdefault(r.layer, r)
+    overlapped = [i for i in range(5) if loads[i + 1].t_start < computes[i].t_end]
+    assert len(overlapped) >= 4, (loads, computes)
+    grads = [r for r in eng.trace if r.stream == "d2h" and r.kind == "grad"]
+    assert len(grads) == 6
+
+
+def test_slow_link_and_stalls_give_exact_results():
+    base = tiny_model("llama", layers=4)
+    batches = make_batches(2)
+    fast = Engine(copy.deepcopy(base))
+    slow = Engine(copy.deepcopy(base), EngineConfig(link_gbps=0.02))
+    slow.streams.h2d.stall_s = 0.005
+    slow.streams.d2h.stall_s = 0.005
+    assert train_engine(fast, batches, 2)[0] == train_engine(slow, batches, 2)[0]
+    for (n, a), (_, b) in zip(fast.named_parameters(), slow.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_a_missing_wait_is_caught(monkeypatch):
+    """Negative control: without the compute stream's wait on the copy, a slow link gives wrong results."""
+    base = tiny_model("llama", layers=4)
+    batches = make_batches(1)
+    good = train_engine(Engine(copy.deepcopy(base)), batches, 1)[0]
+    monkeypatch.setattr(Streams, "wait", lambda self, event, what: None)
+    racy = Engine(copy.deepcopy(base), EngineConfig(link_gbps=0.005))
+    for b in racy.pipeline.buffers:
+        b.fill_(float("nan"))
+    try:
+        bad = train_engine(racy, batches, 1)[0]
+    except RuntimeError as exc:  # autograd saw a weight buffer overwritten under it
+        assert "modified by an inplace operation" in str(exc)
+    else:
+        assert good != bad
+    racy.streams.synchronize()
+
+
+def test_templates_one_per_distinct_layer_structure():
+    assert Engine(tiny_model("llama", layers=6)).num_templates == 1
+    cfg = tiny_config("qwen2", layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    kinds = set(cfg.layer_types)
+    assert len(kinds) == 2
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg)
+    eng = Engine(copy.deepcopy(ref))
+    assert eng.num_templates == 2
+    assert all(p.device.type == "meta" for t in eng.templates.of_layer for p in t.parameters())
+    batches = make_batches(2, seq=20)
+    assert_parity(ref, eng, train_reference(ref, batches, 2), train_engine(eng, batches, 2))
+
+
+def test_loads_a_local_safetensors_checkpoint(tmp_path):
+    ref = tiny_model("qwen2", layers=2, tied=True)
+    ref.save_pretrained(tmp_path)
+    eng = Engine(str(tmp_path))
+    sd = eng.state_dict()
+    for n, p in ref.state_dict().items():
+        assert torch.equal(sd[n], p), n
+    batch = make_batches(1)[0]
+    with torch.no_grad():
+        assert eng(**batch).loss.item() == pytest.approx(ref(**batch).loss.item(), abs=1e-5)
+
+
+def test_eval_returns_logits_and_keeps_no_state():
+    ref = tiny_model("llama", layers=2)
+    eng = Engine(copy.deepcopy(ref)).eval()
+    batch = make_batches(1)[0]
+    with torch.no_grad():
+        out = eng(**batch, return_logits=True)
+        expect = ref(**batch)
+    assert eng._pending is None
+    assert (out.logits - expect.logits).abs().max() <= 1e-5
+    assert out.loss.item() == pytest.approx(expect.loss.item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda b: b.update(input_ids=b["input_ids"].clone().fill_(300)), "outside the model's vocabulary"),
+    (lambda b: b.update(input_ids=b["input_ids"].float()), "integer tensor"),
+    (lambda b: b.update(labels=torch.full_like(b["labels"], -100)), "every label"),
+    (lambda b: b.update(input_ids=b["input_ids"][:, :0], attention_mask=None, labels=None), "empty batch"),
+    (lambda b: b.update(attention_mask=b["attention_mask"][:, 1:]), "attention_mask has shape"),
+    (lambda b: b.update(junk=1), "unexpected batch keys"),
+])
+def test_bad_batches_get_clear_errors_and_change_nothing(mutate, match):
+    eng = Engine(tiny_model("llama", layers=2))
+    before = eng.state_dict()
+    batch = make_batches(1)[0]
+    mutate(batch)
+    with pytest.raises((ValueError, TypeError), match=match):
+        eng(**batch)
+    after = eng.state_dict()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_sequence_longer_than_max_positions_is_refused():
+    eng = Engine(tiny_model("llama", layers=1, max_pos=16))
+    with pytest.raises(ValueError, match="max_position_embeddings=16"):
+        eng(**make_batches(1, seq=17)[0])
+
+
+def test_unsupported_models_are_refused_before_allocation():
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(d_model=32, d_ff=64, num_layers=1,
+                                                                       num_heads=2, vocab_size=64))
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        Engine(t5)
+    with pytest.raises(ValueError, match="PreTrainedModel"):
+        Engine(torch.nn.Linear(4, 4))
+
+
+def test_backward_without_forward_is_an_error():
+    eng = Engine(tiny_model("llama", layers=1))
+    with pytest.raises(RuntimeError, match="training forward"):
+        eng.backward(torch.tensor(1.0, requires_grad=True))
