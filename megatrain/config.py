@@ -21,6 +21,8 @@ class EngineConfig:
     offload_activations: bool = False  # keep layer-boundary activations in host memory
     trace: bool = False  # record a per-layer timeline of compute and copy streams
     watchdog_s: float = 600.0  # a stream with no progress for this long raises instead of hanging
+    skip_nonfinite: bool = True  # a step whose gradients hold NaN/inf is skipped (params untouched)
+    max_bad_steps: int = 5  # ... and this many consecutive skipped steps stop training with an error
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in _DTYPES:
@@ -31,6 +33,8 @@ class EngineConfig:
             raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens!r} must be an int >= 1")
         if self.link_gbps is not None and not self.link_gbps > 0:
             raise ValueError(f"link_gbps={self.link_gbps!r} must be > 0 GB/s (or None for no limit)")
+        if not isinstance(self.max_bad_steps, int) or self.max_bad_steps < 1:
+            raise ValueError(f"max_bad_steps={self.max_bad_steps!r} must be an int >= 1")
         if not self.watchdog_s > 0:
             raise ValueError(f"watchdog_s={self.watchdog_s!r} must be > 0 seconds")
 

@@ -294,3 +294,41 @@ def test_backward_without_forward_is_an_error():
     eng = Engine(tiny_model("llama", layers=1))
     with pytest.raises(RuntimeError, match="training forward"):
         eng.backward(torch.tensor(1.0, requires_grad=True))
+
+
+def test_nonfinite_gradients_skip_the_step_and_stop_after_too_many():
+    import warnings
+
+    eng = Engine(tiny_model("llama", layers=2), EngineConfig(max_bad_steps=2))
+    before = eng.state_dict()
+    batch = make_batches(1)[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eng.backward(eng(**batch).loss * float("nan"))
+        assert eng.step() is False
+    assert any("step skipped" in str(w.message) for w in caught)
+    assert all(torch.equal(before[n], p) for n, p in eng.state_dict().items())
+    eng.zero_grad()
+    eng.backward(eng(**batch).loss)  # a good step resets the count
+    assert eng.step() is True
+    eng.zero_grad()
+    for i in range(2):
+        eng.backward(eng(**batch).loss * float("inf"))
+        if i == 0:
+            with pytest.warns(UserWarning):
+                assert eng.step() is False
+        else:
+            with pytest.raises(FloatingPointError, match="2 consecutive steps"):
+                eng.step()
+        eng.zero_grad()
+    assert eng.skipped_steps == 3
+
+
+def test_watchdog_names_layer_stream_and_phase():
+    from megatrain.engine import WatchdogError
+
+    eng = Engine(tiny_model("llama", layers=3), EngineConfig(watchdog_s=0.2))
+    eng.streams.h2d.stall_s = 1.0
+    with pytest.raises(WatchdogError, match=r"h2d stream \(load, layer 0\).*forward of layer 0"):
+        eng(**make_batches(1)[0])
+    eng.streams.h2d.stall_s = 0.0

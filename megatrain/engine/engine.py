@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -132,6 +134,9 @@ class Engine:
         self.optimizer = self._make_optimizer(optimizer, originals)
         del originals
         self._pending: _Pending | None = None
+        self._norm: float | None = None  # cached gradient norm, valid until grads change
+        self.skipped_steps = 0
+        self._bad_in_a_row = 0
         self.reset_stats()
 
     # -- setup helpers ----------------------------------------------------------------------------
@@ -228,6 +233,7 @@ class Engine:
             raise RuntimeError("backward() needs a training forward with labels first "
                                "(engine.train(), grad enabled, labels passed)")
         self._pending = None
+        self._norm = None
         t0 = time.perf_counter()
         params = self._device_globals
         grads = torch.autograd.grad(loss, [p.h_last, *params], allow_unused=True)
@@ -247,28 +253,47 @@ class Engine:
         self.pipeline.synchronize_grads()
         return [g.grad for g in self.store.groups()]
 
+    def grad_norm(self) -> float:
+        """Global L2 norm of the accumulated gradients (torch's norm-of-norms)."""
+        if self._norm is None:
+            grads = self._all_grads()
+            self._norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        return self._norm
+
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale all gradients so their global L2 norm is at most `max_norm`; return the norm before."""
-        grads = self._all_grads()
-        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef)
-        return float(total)
+        total = self.grad_norm()
+        coef = min(max_norm / (total + 1e-6), 1.0)
+        if coef < 1.0:  # multiplying by exactly 1.0 is what torch does otherwise: a no-op
+            for g in self._all_grads():
+                g.mul_(coef)
+            self._norm = total * coef
+        return total
 
-    def grad_norm(self) -> float:
-        grads = self._all_grads()
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+    def step(self) -> bool:
+        """One optimizer step over the host masters (the caller owns zero_grad and LR schedules).
 
-    def step(self) -> None:
-        """One optimizer step over the host masters (the caller owns zero_grad and LR schedules)."""
+        Returns False when the step was skipped because the gradients were not finite.
+        """
         t0 = time.perf_counter()
-        self.pipeline.synchronize_grads()
+        if self.config.skip_nonfinite and not math.isfinite(self.grad_norm()):
+            self.skipped_steps += 1
+            self._bad_in_a_row += 1
+            self._norm = None
+            if self._bad_in_a_row >= self.config.max_bad_steps:
+                raise FloatingPointError(
+                    f"{self._bad_in_a_row} consecutive steps had non-finite gradients; stopping. Lower the "
+                    "learning rate, check the data, or raise megatrain.max_bad_steps")
+            warnings.warn(f"non-finite gradient norm: step skipped, parameters unchanged "
+                          f"({self.skipped_steps} skipped so far)", stacklevel=2)
+            return False
+        self._bad_in_a_row = 0
         for g in self.store.groups():
             g.link_grads()
         self.optimizer.step()
         self._masters_changed()
         self._stats["optimizer_s"] += time.perf_counter() - t0
+        return True
 
     def _masters_changed(self) -> None:
         for g in self.store.layers:
@@ -282,6 +307,7 @@ class Engine:
     def zero_grad(self) -> None:
         self.pipeline.synchronize_grads()
         self.store.zero_grad()
+        self._norm = None
 
     # -- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
