@@ -8,7 +8,6 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 [ -d .venv ] || "$PY" -m venv .venv
 . .venv/bin/activate
-python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 if ! python -c "import torch" >/dev/null 2>&1; then
     python -m pip install -q "torch==${MEGATRAIN_TORCH_VERSION:-2.13.0}"
 fi

@@ -70,29 +70,34 @@ class LayerPipeline:
         return slot
 
     # -- gradients out ----------------------------------------------------------------------------
-    def _send_grad(self, layer: int, grad: torch.Tensor, after: Event) -> None:
-        slab = self.store.layers[layer].grad
+    def _send_grad(self, layer: int, grads: list[torch.Tensor], after: Event) -> None:
+        """Add one layer's per-parameter gradients into its host slab, off the compute stream."""
+        group = self.store.layers[layer]
+        nbytes = sum(g.numel() * g.element_size() for g in grads)
         if self.device.type != "cuda":
             def reduce() -> int:
-                slab.add_(grad)
-                return grad.numel() * grad.element_size()
+                for slot, g in zip(group.slots, grads):
+                    group.view(group.grad, slot).add_(g)
+                return nbytes
 
             self.streams.d2h.submit(reduce, after, "grad", layer)
             return
         i = self._next_staging
         self._next_staging ^= 1
         self._staging_free[i].host_wait(self.streams.watchdog_s)
-        staging = self._staging[i][: grad.numel()]
-        grad.record_stream(self.streams.d2h._stream)  # the allocator must not reuse it mid-copy
+        staging = self._staging[i][: group.numel]
+        for g in grads:
+            g.record_stream(self.streams.d2h._stream)  # the allocator must not reuse it mid-copy
 
         def to_host() -> int:
-            staging.copy_(grad, non_blocking=True)
-            return grad.numel() * grad.element_size()
+            for slot, g in zip(group.slots, grads):
+                group.view(staging, slot).copy_(g, non_blocking=True)
+            return nbytes
 
         copied = self.streams.d2h.submit(to_host, after, "grad", layer)
 
         def reduce() -> int:
-            slab.add_(staging)
+            group.grad.add_(staging)
             return 0
 
         self._staging_free[i] = self._reducer.submit(reduce, copied, "reduce", layer)
@@ -128,14 +133,17 @@ class LayerPipeline:
                 acts.prefetch(order[n + 1])
             x = acts.get(i).detach().requires_grad_(True)
             group = self.store.layers[i]
-            flat = self.buffers[slot][: group.numel].detach().requires_grad_(True)
+            # Leaves per parameter (not one flat leaf): autograd then returns each weight's gradient
+            # as is, instead of scattering every one into a zero-filled layer-sized tensor.
+            weights = {n: w.detach().requires_grad_(True)
+                       for n, w in group.views(self.buffers[slot][: group.numel]).items()}
             args, kwargs = layer_inputs[i]
             t0 = self.trace.now()
             with torch.enable_grad(), torch.random.fork_rng(self._rng_devices(), enabled=self.preserve_rng):
                 if self.preserve_rng:
                     self._set_rng_state(self._rng.pop(i))
-                y = self.templates.call(i, group.views(flat), x, args, kwargs)
-                gx, gw = torch.autograd.grad(y, (x, flat), g)
+                y = self.templates.call(i, weights, x, args, kwargs)
+                gx, *gw = torch.autograd.grad(y, (x, *weights.values()), g)
             done = self.streams.record_compute()
             self.freed[slot] = done
             self.trace.add("compute", "bwd", i, t0, self.trace.now())

@@ -1,0 +1,148 @@
+"""Engine figures for the closing note (a benchmark, not a test).
+
+    python -m experiments.bench_engine rss   --preset llama-0.6b   # peak host RSS growth per parameter
+    python -m experiments.bench_engine ratio --preset llama-100m   # engine vs plain PyTorch step time
+
+`rss` runs in its own process so its peak RSS is its own. `ratio` times both backends in one process,
+interleaved, with the same FLOPs (HF gradient checkpointing on for PyTorch; the engine recomputes
+each layer), and reports the median ratio: timings on shared machines are noisy, ratios less so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+
+def _rss_peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _rss_now_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _batch(vocab: int, batch: int, seq: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _provenance() -> dict:
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    return {"commit": commit, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def bench_rss(preset: str, seq: int, steps: int) -> dict:
+    """Peak RSS growth over the post-import baseline, per parameter, while training on the engine."""
+    import transformers
+
+    from megatrain.config import EngineConfig
+    from megatrain.engine import Engine
+    from megatrain.models.presets import get_preset
+
+    p = get_preset(preset)
+    base = _rss_now_bytes()
+    model = transformers.AutoModelForCausalLM.from_config(p.hf_config())
+    eng = Engine(model, EngineConfig(device="cpu"))
+    del model
+    n = sum(t.numel() for _, t in eng.named_parameters())
+    batch = _batch(p.vocab, 1, seq)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.backward(eng(**batch).loss)
+        eng.step()
+        eng.zero_grad()
+        times.append(time.perf_counter() - t0)
+    peak = _rss_peak_bytes() - base
+    return {"preset": preset, "params": n, "seq": seq, "steps": steps, "peak_rss_growth_bytes": peak,
+            "bytes_per_param": peak / n, "host_store_bytes_per_param": eng.store.host_bytes() / n,
+            "step_s": times}
+
+
+def bench_ratio(preset: str, seq: int, batch: int, steps: int) -> dict:
+    """Median step time of the engine / plain PyTorch (gradient checkpointing), interleaved."""
+    import transformers
+
+    from megatrain.config import EngineConfig
+    from megatrain.engine import Engine
+    from megatrain.models.presets import get_preset
+
+    p = get_preset(preset)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(p.hf_config())
+    eng = Engine(copy.deepcopy(ref), EngineConfig(device="cpu"))
+    ref.gradient_checkpointing_enable()
+    ref.config.use_cache = False
+    ref.train()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, fused=True)
+    data = _batch(p.vocab, batch, seq)
+
+    def torch_step() -> float:
+        t0 = time.perf_counter()
+        ref(**data).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - t0
+
+    def engine_step() -> float:
+        t0 = time.perf_counter()
+        eng.backward(eng(**data).loss)
+        eng.step()
+        eng.zero_grad()
+        return time.perf_counter() - t0
+
+    torch_step(), engine_step()  # warm-up: allocator, optimizer state
+    eng.reset_stats()
+    t_torch, t_eng = [], []
+    for _ in range(steps):
+        t_torch.append(torch_step())
+        t_eng.append(engine_step())
+    stats = eng.collect_stats()
+    ratio = statistics.median(t_eng) / statistics.median(t_torch)
+    return {"preset": preset, "seq": seq, "batch": batch, "steps": steps, "torch_s": t_torch, "engine_s": t_eng,
+            "ratio_engine_over_torch": ratio, "engine_copy_wait_s_total": stats["copy_wait_s"],
+            "engine_h2d_bytes_per_step": stats["h2d_bytes"] / steps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["rss", "ratio"])
+    ap.add_argument("--preset", default=None)
+    ap.add_argument("--seq", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", default="results/engine_bench")
+    a = ap.parse_args()
+    if a.what == "rss":
+        res = bench_rss(a.preset or "llama-0.6b", a.seq or 256, a.steps)
+    else:
+        res = bench_ratio(a.preset or "llama-100m", a.seq or 512, a.batch, a.steps)
+    res["provenance"] = _provenance()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{a.what}.json").write_text(json.dumps(res, indent=2))
+    print(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
