@@ -19,14 +19,17 @@ from transformers.modeling_outputs import CausalLMOutput
 from ..config import EngineConfig
 from ..models.adapter import DecoderParts, find_parts, install_recorders, record_layer_inputs
 from .activations import ActivationStore
+from .attention import use_segment_attention
 from .batch import check_batch
 from .loading import load_checkpoint_into, skeleton_from_dir
 from .loss import chunked_causal_lm_loss
+from .memtrack import DeviceMemoryTracker
 from .preflight import host_preflight
 from .schedule import LayerPipeline
 from .store import HostStore
 from .stream import Streams, Trace
 from .templates import TemplateBank
+from .tiling import long_context_policy
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer] | None
 
@@ -54,10 +57,12 @@ def _free(params: list[nn.Parameter]) -> None:
 class _Pending:
     """What backward needs from the forward it follows."""
 
-    h_in0: torch.Tensor  # layer-0 input, still attached to the embedding's graph
+    h0: torch.Tensor  # embedding output, a leaf
+    h_in0: torch.Tensor  # layer-0 input: h0 after any model-level math (scales, position embeddings)
     h_last: torch.Tensor  # last layer's output, a leaf the head was computed from
     layer_inputs: list
     acts: ActivationStore
+    ids: torch.Tensor
 
 
 class Engine:
@@ -122,15 +127,27 @@ class Engine:
                 dev = nn.Parameter(master.detach().to(self.device, self.compute_dtype), requires_grad=True)
             self._device_globals.append(dev)
             _set_param(model, slot.name, dev)
+        self._embed_slot = next(i for i, dev in enumerate(self._device_globals) if dev is self.parts.embed.weight)
         for alias, name in self._aliases.items():
             if not alias.startswith(prefix):
                 _set_param(model, alias, self._device_globals[self._global_index(name)])
         model.to(self.device)  # buffers (rotary tables); parameters are already placed
 
-        self.trace_log = Trace(config.trace)
+        self.trace_log = Trace(config.trace, self.device)
         self.streams = Streams(self.device, self.trace_log, config.link_gbps, config.watchdog_s)
+        # Long context (issue 7): attention without an O(tokens²) mask, per-batch MLP tiling and activation
+        # offload (tiling.py), and on a CPU "device" optionally the measured live bytes of the step.
+        self.segment_attention = use_segment_attention(self.hf_config, config.segment_attention)
+        policy = long_context_policy(config, self.templates, [g.numel for g in self.store.layers], config.num_buffers,
+                                     self.device, self.compute_dtype,
+                                     sum(p.numel() * p.element_size() for p in self._device_globals),
+                                     self.parts.lm_head.weight.shape[0])
+        self.memory = DeviceMemoryTracker(self.device) if config.measure_device_memory else None
+        if self.memory is not None:
+            self.forward, self.backward = self.memory.wrap(self.forward), self.memory.wrap(self.backward)
         self.pipeline = LayerPipeline(self.store, self.templates, self.streams, self.trace_log, config.num_buffers,
-                                      self.compute_dtype, self.device, preserve_rng=self._has_dropout())
+                                      self.compute_dtype, self.device, preserve_rng=self._has_dropout(),
+                                      policy=policy)
         self.optimizer = self._make_optimizer(optimizer, originals)
         del originals
         self._pending: _Pending | None = None
@@ -161,7 +178,9 @@ class Engine:
     def _make_optimizer(self, optimizer: OptimizerArg, originals: list[nn.Parameter]) -> torch.optim.Optimizer:
         named = self.named_parameters()
         if optimizer is None:
-            return torch.optim.AdamW([p for _, p in named], fused=self.device.type == "cpu" or None)
+            # The masters are host tensors whatever the compute device: torch's fused CPU kernel is ~10x
+            # its per-tensor loop, which it would pick for CPU tensors when left to choose.
+            return torch.optim.AdamW([p for _, p in named], fused=True)
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
             return optimizer(named)
         # Take over the user's optimizer: same object, same hyper-parameters, now over the host masters,
@@ -177,6 +196,9 @@ class Engine:
                                      "over model.parameters() before handing both to MegaTrain")
                 new.append(by_name[name])
             group["params"] = new
+            if (isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and group.get("fused") is None
+                    and group.get("foreach") is None and not group.get("differentiable")):
+                group["fused"] = True  # same math; the user chose no kernel, and the default one is ~10x slower here
         optimizer.state = defaultdict(dict)
         return optimizer
 
@@ -204,11 +226,13 @@ class Engine:
         ids = input_ids.to(dev, non_blocking=True)
         mask = attention_mask.to(dev, non_blocking=True) if attention_mask is not None else None
         pos = position_ids.to(dev, non_blocking=True) if position_ids is not None else None
-        with torch.set_grad_enabled(train):
+        with torch.no_grad():
             h0 = self.parts.embed(ids)
+        h0.requires_grad_(train)  # the lookup's gradient is scattered by hand in backward (no vocab x hidden)
+        with torch.set_grad_enabled(train):
             h_in0, layer_inputs = record_layer_inputs(self.parts, self._recorded, h0, mask, pos)
-        acts = ActivationStore(self.streams, self.config.offload_activations,
-                               pin=self.device.type == "cuda") if train else None
+        offload = self.pipeline.plan_batch(int(ids.numel()), self.config.offload_activations)
+        acts = ActivationStore(self.streams, offload, pin=self.device.type == "cuda") if train else None
         with torch.no_grad():
             h_last = self.pipeline.forward(h_in0.detach(), layer_inputs, acts)
         h_last = h_last.detach().requires_grad_(train)
@@ -220,7 +244,7 @@ class Engine:
                                               self.config.loss_chunk_tokens)
             logits = self.parts.lm_head(hn) if return_logits else None
         if train and loss is not None:
-            self._pending = _Pending(h_in0, h_last, layer_inputs, acts)
+            self._pending = _Pending(h0, h_in0, h_last, layer_inputs, acts, ids)
             self._act_peak = max(self._act_peak, acts.peak_device_bytes)
         self._stats["forward_s"] += time.perf_counter() - t0
         self._tokens += int(ids.numel())
@@ -236,12 +260,29 @@ class Engine:
         self._norm = None
         t0 = time.perf_counter()
         params = self._device_globals
-        grads = torch.autograd.grad(loss, [p.h_last, *params], allow_unused=True)
-        self._add_global_grads(grads[1:])
-        g = self.pipeline.backward(grads[0], p.layer_inputs, p.acts)
-        grads = torch.autograd.grad(p.h_in0, params, g, allow_unused=True)
+        g, *grads = torch.autograd.grad(loss, [p.h_last, *params], allow_unused=True)
         self._add_global_grads(grads)
+        del grads  # the head's gradient is vocab x hidden: free it before the layers run
+        g = self.pipeline.backward(g, p.layer_inputs, p.acts)
+        if p.h_in0 is p.h0:
+            g_h0, grads = g, ()
+        else:
+            g_h0, *grads = torch.autograd.grad(p.h_in0, [p.h0, *params], g, allow_unused=True)
+        self._add_global_grads(grads)
+        self._add_embedding_grad(p.ids, g_h0)
         self._stats["backward_s"] += time.perf_counter() - t0
+
+    def _add_embedding_grad(self, ids: torch.Tensor, g: torch.Tensor) -> None:
+        """Scatter-add the lookup's gradient into the embedding's slab rows (what nn.Embedding's backward
+        computes, without materializing a dense vocab x hidden gradient)."""
+        group = self.store.globals
+        slot = group.slots[self._embed_slot]
+        rows, g = ids.reshape(-1).cpu(), g.reshape(-1, g.shape[-1]).to("cpu", torch.float32)
+        pad = self.parts.embed.padding_idx
+        if pad is not None:
+            keep = rows != pad
+            rows, g = rows[keep], g[keep]
+        group.view(group.grad, slot).index_add_(0, rows, g)
 
     def _add_global_grads(self, grads: tuple) -> None:
         group = self.store.globals
@@ -346,6 +387,8 @@ class Engine:
     def reset_stats(self) -> None:
         self.streams.reset_counters()
         self._act_peak = 0
+        if self.memory is not None:
+            self.memory.reset_peak()
         self._tokens = 0
         self._stats = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
         self.trace_log.clear()
@@ -366,7 +409,9 @@ class Engine:
         if self.device.type == "cuda":
             out["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
         else:
-            out["peak_device_bytes"] = self.device_weight_bytes + self._act_peak
+            # Measured live bytes when tracking (tiled working set, loss workspace included), else the count.
+            out["peak_device_bytes"] = self.device_weight_bytes + (self.memory.peak if self.memory else self._act_peak)
+        out.update(self.pipeline.plan_stats())
         return out
 
     @property

@@ -44,7 +44,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             p = (p * grad_out).to(h.dtype)
             if grad_h is not None:
                 grad_h[s: s + chunk] = p @ weight
-            if grad_w is not None:
+            if grad_w is not None and hc.dtype == torch.float32:
+                grad_w.addmm_(p.t(), hc)  # in place: no second vocab x hidden temporary per chunk
+            elif grad_w is not None:
                 grad_w += (p.t() @ hc).float()
         return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None
 
