@@ -33,15 +33,14 @@ class TorchBackend:
         gradient_accumulation_steps: int = 1,
         mixed_precision: str = "no",
         gradient_checkpointing: bool = False,
+        gradient_clipping: float = 0.0,
         device: str | torch.device | None = None,
     ) -> None:
         if config is not None and not isinstance(config, dict):
             raise TypeError(f'backend "torch" takes a DeepSpeed-style config dict, not {type(config).__name__}')
-        cfg = config or {}
-        # A DeepSpeed config's clipping means "clip at every step"; honour it so one config means
-        # the same training on every backend.
-        clip = cfg.get("gradient_clipping", 0.0)
-        self._config_clip = 0.0 if clip == "auto" else float(clip or 0.0)
+        # A config's gradient_clipping means "clip before every step unless the script clips itself",
+        # as DeepSpeed does; honoured so one config means the same training on every backend.
+        self._config_clip = float(gradient_clipping)
         self._mixed_precision = mixed_precision
         self._gradient_checkpointing = gradient_checkpointing
         self._device = torch.device(device) if device is not None else _default_device()

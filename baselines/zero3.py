@@ -70,6 +70,7 @@ def build_ds_config(
     gradient_accumulation_steps: int,
     mixed_precision: str,
     micro_batch_size: int | None,
+    gradient_clipping: float = 0.0,
 ) -> dict[str, Any]:
     """The DeepSpeed config this backend runs: the user's, with ZeRO-3 CPU offload filled in.
 
@@ -100,8 +101,9 @@ def build_ds_config(
         )
     cfg["gradient_accumulation_steps"] = gradient_accumulation_steps
 
-    if cfg.get("gradient_clipping", "auto") == "auto":
-        cfg["gradient_clipping"] = 0.0  # clipping, when wanted, arrives through clip_grad_norm_
+    # The face resolves the config's clipping once for every backend (DeepSpeed's default of 1.0
+    # included); clipping asked for through clip_grad_norm_ overrides it step by step.
+    cfg["gradient_clipping"] = float(gradient_clipping)
 
     bf16 = mixed_precision == "bf16"
     for key, want in (("bf16", bf16), ("fp16", False)):
@@ -145,6 +147,10 @@ class Zero3Backend:
     point at which a user's `clip_grad_norm_` could still act. This backend keeps the same engine
     calls but defers `engine.step()` to the optimizer's `step()`, so clipping requested between
     backward and step is applied by DeepSpeed's own clipping in that step.
+
+    As under Accelerate, once prepared, transformers sees ZeRO-3 as enabled for the rest of the
+    process: an HF model built afterwards in the same process (say, a reload of a saved checkpoint)
+    is constructed partitioned. Reload saved models in another process.
     """
 
     name = "zero3"
@@ -156,6 +162,7 @@ class Zero3Backend:
         gradient_accumulation_steps: int = 1,
         mixed_precision: str = "no",
         gradient_checkpointing: bool = False,
+        gradient_clipping: float = 0.0,
     ) -> None:
         require_deepspeed()
         if config is not None and not isinstance(config, dict):
@@ -164,6 +171,7 @@ class Zero3Backend:
         self._gas = gradient_accumulation_steps
         self._mixed_precision = mixed_precision
         self._gradient_checkpointing = gradient_checkpointing
+        self._gradient_clipping = float(gradient_clipping)
         self.ds_config: dict[str, Any] | None = None
         self.accelerate: Any = None  # the accelerate.Accelerator that built the engine
         self.engine: Any = None
@@ -201,10 +209,9 @@ class Zero3Backend:
             gradient_accumulation_steps=self._gas,
             mixed_precision=self._mixed_precision,
             micro_batch_size=micro_batch_size,
+            gradient_clipping=self._gradient_clipping,
         )
-        # zero3_init_flag=False: otherwise every HF model built later in this process (a reload of a
-        # saved checkpoint, say) is silently constructed partitioned under deepspeed.zero.Init.
-        plugin = DeepSpeedPlugin(hf_ds_config=self.ds_config, zero3_init_flag=False)
+        plugin = DeepSpeedPlugin(hf_ds_config=self.ds_config)
         self.accelerate = HFAccelerator(
             deepspeed_plugin=plugin,
             mixed_precision=self._mixed_precision,

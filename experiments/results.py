@@ -44,6 +44,7 @@ COLUMNS: list[tuple[str, str]] = [
     ("recompute", "activation recompute (HF gradient checkpointing for torch/zero3; always on for megatrain)"),
     ("engine", "megatrain engine knobs as JSON (num_buffers, link_gbps, ...)"),
     ("max_positions", "context limit the model was built with"),
+    ("grad_clip", "global gradient-norm clipping applied every step (0: none)"),
     ("warmup_steps", "untimed warm-up optimizer steps"),
     ("timed_steps", "timed optimizer steps"),
     ("threads", "torch intra-op threads in the point's process"),

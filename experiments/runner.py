@@ -50,39 +50,37 @@ class Preflight:
     available_device: float | None = None
 
 
-def _get(obj: Any, *names: str) -> Any:
-    for n in names:
-        if isinstance(obj, dict) and n in obj:
-            return obj[n]
-        if hasattr(obj, n):
-            return getattr(obj, n)
-    return None
-
-
 def preflight(pt: Point) -> Preflight:
     """The planner's verdict on whether `pt` fits this machine; permissive when there is no planner
     (the subprocess isolation still contains an OOM)."""
     try:
         from megatrain import planner
     except ImportError:
+        planner = None
+    if planner is None or not hasattr(planner, "preflight"):
         return Preflight(ok=True, reason="no planner installed: preflight skipped")
-    res = planner.preflight(
-        pt.preset,
-        backend=pt.backend,
-        seq_len=pt.seq_len,
-        micro_batch=pt.micro_batch,
-        precision=pt.precision,
-        recompute=pt.recompute,
-        engine=dict(pt.engine),
-    )
-    ok = bool(_get(res, "ok"))
+    dtype = "bfloat16" if pt.precision == "bf16" else "float32"
+    kw: dict[str, Any] = {}
+    if pt.backend == "megatrain":
+        # The engine's own settings, so the planner sizes what will run (e.g. activations stay on
+        # the device unless the spec offloads them).
+        from megatrain.config import EngineConfig
+
+        kw["engine_config"] = EngineConfig.from_dict({"compute_dtype": dtype, **pt.engine})
+    else:
+        kw["gradient_checkpointing"] = pt.recompute
+    try:
+        res = planner.preflight(pt.preset, pt.seq_len, pt.micro_batch, backend=pt.backend, dtype=dtype,
+                                grad_accum=pt.grad_accum, **kw)
+    except Exception as e:  # noqa: BLE001 - a planner gap must not stop a sweep; the point guards itself
+        return Preflight(ok=True, reason=f"preflight failed, point run unchecked: {type(e).__name__}: {e}")
     return Preflight(
-        ok=ok,
-        reason=str(_get(res, "reason") or ""),
-        needed_host=_get(res, "needed_host_bytes", "host_bytes"),
-        needed_device=_get(res, "needed_device_bytes", "device_bytes"),
-        available_host=_get(res, "available_host_bytes", "host_available_bytes"),
-        available_device=_get(res, "available_device_bytes", "device_available_bytes"),
+        ok=bool(res.ok),
+        reason=str(res.reason or ""),
+        needed_host=res.host_needed,
+        needed_device=res.device_needed,
+        available_host=res.host_available,
+        available_device=res.device_available,
     )
 
 
@@ -146,6 +144,7 @@ def run_point_subprocess(pt: Point, out_dir: Path, python: str = sys.executable,
     result_file.unlink(missing_ok=True)
     log_file = logs / f"{pid}.log"
     trace_file = traces / f"{pid}.json"
+    trace_file.unlink(missing_ok=True)  # a trace left by an earlier run must not pass for this one's
     cmd = [python, "-m", "experiments.point", "--point", json.dumps(pt.to_dict()),
            "--result", str(result_file), "--trace", str(trace_file), "--parent-pid", str(os.getpid())]
     t0 = time.monotonic()
@@ -174,7 +173,7 @@ def run_point_subprocess(pt: Point, out_dir: Path, python: str = sys.executable,
             raise
     wall = time.monotonic() - t0
     log_text = log_file.read_text(errors="replace")
-    row: dict[str, Any] = {"log_file": str(log_file.relative_to(out_dir)), "wall_s": round(wall, 3)}
+    row: dict[str, Any] = {}
     result = None
     if result_file.exists():
         try:
@@ -195,6 +194,8 @@ def run_point_subprocess(pt: Point, out_dir: Path, python: str = sys.executable,
     else:
         row.update(status="failed",
                    reason=f"exit code {proc.returncode}: {last_error_line(log_text)}")
+    # The runner's clock, not the child's: process start-up and imports are part of a point's cost.
+    row.update(log_file=str(log_file.relative_to(out_dir)), wall_s=round(wall, 3))
     if trace_file.exists():
         row["trace_file"] = str(trace_file.relative_to(out_dir))
     row.setdefault("status", "failed")
@@ -213,7 +214,7 @@ def point_columns(pt: Point, sweep_name: str) -> dict[str, Any]:
         "micro_batch": pt.micro_batch, "grad_accum": pt.grad_accum, "tokens_per_step": pt.tokens_per_step,
         "precision": pt.precision, "recompute": pt.recompute or pt.backend == "megatrain",
         "engine": json.dumps(pt.engine, sort_keys=True), "max_positions": p.max_positions,
-        "warmup_steps": pt.warmup, "timed_steps": pt.steps, "threads": pt.threads,
+        "grad_clip": pt.grad_clip, "warmup_steps": pt.warmup, "timed_steps": pt.steps, "threads": pt.threads,
     }
 
 
@@ -256,10 +257,14 @@ def run_sweep(sweep: Sweep, out_dir: str | Path | None = None, only: dict[str, s
     out.mkdir(parents=True, exist_ok=True)
     prov = provenance()
     bar = None
+    # Ticking the elapsed time of the point in flight helps on a terminal; in a log file it would
+    # write a line every half second, so there only whole points advance the bar.
+    live = progress and sys.stderr.isatty()
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(todo), desc=sweep.name, unit="pt", dynamic_ncols=True)
+        bar = tqdm(total=len(todo), desc=sweep.name, unit="pt", dynamic_ncols=True,
+                   mininterval=0.5 if live else 30.0)
     try:
         for pt in todo:
             row = point_columns(pt, sweep.name)
@@ -275,7 +280,7 @@ def run_sweep(sweep: Sweep, out_dir: str | Path | None = None, only: dict[str, s
                     if bar is not None:
                         bar.set_postfix_str(f"{_pt.label} {elapsed:.0f}s", refresh=True)
 
-                row.update(run_point_subprocess(pt, out, python=python, on_tick=tick))
+                row.update(run_point_subprocess(pt, out, python=python, on_tick=tick if live else None))
             row.update({k: v for k, v in prov.items() if not (k == "device_name" and row.get("device_name"))})
             row["timestamp"] = utc_now()
             R.append_row(csv, row)

@@ -39,12 +39,13 @@ POINT_DEFAULTS: dict[str, Any] = {
     "threads": None,  # torch intra-op threads in the point's process; None keeps torch's default
     "seed": 0,
     "lr": 1e-4,
+    "grad_clip": 1.0,  # clip the global grad norm every step (DeepSpeed's default); 0 turns it off
 }
 _TOP_KEYS = ("name", "description", "defaults", "grid", "grids", "points")
 # Fields that decide what a point measures; the timeout and thread count do not change the identity
 # of a point, so raising a timeout does not make finished points run again.
 _IDENTITY_KEYS = ("backend", "model", "seq_len", "micro_batch", "grad_accum", "precision", "recompute",
-                  "engine", "max_positions", "warmup", "steps", "seed", "lr")
+                  "engine", "max_positions", "warmup", "steps", "seed", "lr", "grad_clip")
 
 
 class SpecError(ValueError):
@@ -72,6 +73,7 @@ class Point:
     threads: int | None = None
     seed: int = 0
     lr: float = 1e-4
+    grad_clip: float = 1.0
 
     @property
     def preset(self) -> ModelPreset:
@@ -158,6 +160,10 @@ def _check_value(file: str, path: str, key: str, v: Any) -> Any:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
             raise bad(f"{key} must be a positive number, got {v!r}")
         v = float(v)
+    elif key == "grad_clip":
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise bad(f"grad_clip must be a number >= 0 (0: no clipping), got {v!r}")
+        v = float(v)
     elif key == "precision":
         if v not in PRECISIONS:
             raise bad(f"precision must be one of {', '.join(PRECISIONS)}, got {v!r}")
@@ -198,6 +204,12 @@ def _finish_point(file: str, merged: dict[str, Any], where: dict[str, str]) -> P
     for req in ("backend", "model", "seq_len"):
         if merged.get(req) is None:
             raise SpecError(file, where.get("_point", "points"), f"missing required key {req!r}")
+    if merged["backend"] != "megatrain":
+        # Engine knobs mean nothing to the baselines; dropping them keeps one identity (and one
+        # run) per baseline point when a spec sweeps a knob for megatrain.
+        merged["engine"] = {}
+    else:
+        merged["recompute"] = True  # the engine always recomputes each layer in backward
     pt = Point(**merged)
     limit = pt.max_positions or get_preset(pt.model).max_positions
     if pt.seq_len > limit:
@@ -310,3 +322,30 @@ def select(points: list[Point], only: dict[str, set[str]]) -> list[Point]:
         return True
 
     return [p for p in points if match(p)]
+
+
+def load_point_config(path: str | Path, overrides: list[str] | None = None) -> Point:
+    """One point from a YAML mapping (the `megatrain train` config), validated like a sweep point.
+    `overrides` are KEY=VALUE strings whose values are parsed as YAML."""
+    file = str(path)
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except FileNotFoundError:
+        raise SpecError(file, "<file>", "no such file") from None
+    except yaml.YAMLError as e:
+        raise SpecError(file, "<yaml>", f"not valid YAML: {e}") from None
+    raw = dict(_check_keys(file, "", raw))
+    where: dict[str, str] = {"_point": "<top>"}
+    for item in overrides or []:
+        if "=" not in item:
+            raise SpecError(file, "--set", f"{item!r}: expected KEY=VALUE")
+        k, v = item.split("=", 1)
+        raw[k.strip()] = yaml.safe_load(v)
+        where[k.strip()] = f"--set {k.strip()}"
+    _check_keys(file, "", raw)
+    merged = dict(POINT_DEFAULTS)
+    merged["warmup"] = 0  # a training run times every step it reports
+    for k, v in raw.items():
+        merged[k] = _check_value(file, where.get(k, k), k, v)
+        where.setdefault(k, k)
+    return _finish_point(file, merged, where)

@@ -18,7 +18,12 @@ class EngineConfig:
     loss_chunk_tokens: int = 2048  # tokens per head/loss chunk: logits never exceed chunk x vocab
     pin_memory: bool | None = None  # None: pin when the device is CUDA
     link_gbps: float | None = None  # CPU only: rate-limit the copy engine to emulate a PCIe/C2C link
-    offload_activations: bool = False  # keep layer-boundary activations in host memory
+    # Long context. "auto" decides per batch from the device budget (see engine/tiling.py).
+    offload_activations: bool | str = "auto"  # layer-boundary activations in host memory: True, False, "auto"
+    mlp_tile_tokens: int | str | None = "auto"  # MLP sequence tile inside a layer: int, "auto", None (untiled)
+    device_budget_bytes: int | None = None  # device bytes "auto" may plan for; None: the GPU's total, no limit on CPU
+    segment_attention: bool | str = "auto"  # padding/packing as per-segment SDPA, no O(tokens²) mask ("auto": when big)
+    measure_device_memory: bool = False  # CPU: track live tensor bytes op by op for peak_device_bytes
     trace: bool = False  # record a per-layer timeline of compute and copy streams
     watchdog_s: float = 600.0  # a stream with no progress for this long raises instead of hanging
     skip_nonfinite: bool = True  # a step whose gradients hold NaN/inf is skipped (params untouched)
@@ -35,6 +40,16 @@ class EngineConfig:
             raise ValueError(f"link_gbps={self.link_gbps!r} must be > 0 GB/s (or None for no limit)")
         if not isinstance(self.max_bad_steps, int) or self.max_bad_steps < 1:
             raise ValueError(f"max_bad_steps={self.max_bad_steps!r} must be an int >= 1")
+        if self.offload_activations not in (True, False, "auto"):
+            raise ValueError(f"offload_activations={self.offload_activations!r} must be True, False or 'auto'")
+        if self.segment_attention not in (True, False, "auto"):
+            raise ValueError(f"segment_attention={self.segment_attention!r} must be True, False or 'auto'")
+        tile = self.mlp_tile_tokens
+        if not (tile is None or tile == "auto" or (isinstance(tile, int) and not isinstance(tile, bool) and tile >= 1)):
+            raise ValueError(f"mlp_tile_tokens={tile!r} must be an int >= 1, 'auto' or None (untiled)")
+        budget = self.device_budget_bytes
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
+            raise ValueError(f"device_budget_bytes={budget!r} must be an int > 0 (bytes) or None")
         if not self.watchdog_s > 0:
             raise ValueError(f"watchdog_s={self.watchdog_s!r} must be > 0 seconds")
 

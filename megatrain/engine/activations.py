@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .memtrack import host_allocations
 from .store import host_empty
 from .stream import Event, Streams
 
@@ -36,13 +37,17 @@ class ActivationStore:
             self._device[layer] = h
             self._account(self._nbytes(h))
             return
-        host = host_empty(h.numel(), h.dtype, self.pin).view(h.shape)
+        with host_allocations():
+            host = host_empty(h.numel(), h.dtype, self.pin).view(h.shape)
         if h.device.type == "cuda":
             h.record_stream(self.streams.d2h._stream)
 
+        pending = [h]  # dropped once copied: a finished job may sit in the copy worker until the next one
+
         def out() -> int:
-            host.copy_(h, non_blocking=True)
-            return self._nbytes(h)
+            src = pending.pop()
+            host.copy_(src, non_blocking=True)
+            return self._nbytes(src)
 
         self._host[layer] = (host, self.streams.d2h.submit(out, self.streams.record_compute(), "act-out", layer))
 
@@ -51,13 +56,17 @@ class ActivationStore:
             return
         host, written = self._host[layer]
         dev = torch.empty(host.shape, dtype=host.dtype, device=self.streams.device)
+        # The caching allocator may hand out memory that kernels already queued on the compute stream
+        # still read (it orders reuse on the allocating stream only), and the copy writes it from
+        # another stream: it must wait for that queued work too.
+        reusable = self.streams.record_compute()
 
         def back() -> int:
             dev.copy_(host, non_blocking=True)
             return self._nbytes(host)
 
         self._device[layer] = dev
-        self._loaded[layer] = self.streams.h2d.submit(back, written, "act-in", layer)
+        self._loaded[layer] = self.streams.h2d.submit(back, (written, reusable), "act-in", layer)
         self._account(self._nbytes(dev))
 
     def get(self, layer: int) -> torch.Tensor:

@@ -20,6 +20,40 @@ def _check_int_tensor(name: str, t: Any, shape: torch.Size | None) -> None:
         raise ValueError(f"{name} has shape {tuple(t.shape)} but input_ids has shape {tuple(shape)}")
 
 
+def max_trainable_positions(config: Any) -> int | None:
+    """Positions the model's RoPE is defined for: max_position_embeddings, or the scaled original length
+    when rope_parameters / rope_scaling extends it (linear, dynamic, yarn, llama3, longrope: factor x
+    original_max_position_embeddings). None when the config states no limit."""
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if max_pos is None:
+        return None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type: the tightest one
+        return min(_scaled_limit(max_pos, v) for v in rope.values())
+    return _scaled_limit(max_pos, rope)
+
+
+def _scaled_limit(max_pos: int, rope: dict) -> int:
+    if rope.get("rope_type", rope.get("type", "default")) in (None, "default"):
+        return max_pos
+    factor = float(rope.get("factor") or 1.0)
+    original = rope.get("original_max_position_embeddings") or max_pos
+    return max(max_pos, int(original * factor))
+
+
+def _check_positions(config: Any, seq: int, position_ids: torch.Tensor | None) -> None:
+    # Packed documents restart their positions, so what must fit is the largest position, not the row.
+    needed = seq if position_ids is None else int(position_ids.max()) + 1
+    limit = max_trainable_positions(config)
+    if limit is None or needed <= limit:
+        return
+    max_pos = getattr(config, "max_position_embeddings", None)
+    what = f"sequence length {seq}" if position_ids is None else f"position {needed - 1}"
+    scaled = f" (RoPE scaling extends it to {limit})" if limit != max_pos else ""
+    raise ValueError(f"{what} exceeds the model's max_position_embeddings={max_pos}{scaled}; shorten the "
+                     "sequence or extend RoPE (rope_scaling / rope_parameters, or a larger max_position_embeddings)")
+
+
 def check_batch(config: Any, input_ids: Any, attention_mask: Any, labels: Any, position_ids: Any,
                 unused: dict[str, Any]) -> None:
     if unused:
@@ -39,10 +73,6 @@ def check_batch(config: Any, input_ids: Any, attention_mask: Any, labels: Any, p
         raise ValueError(f"input_ids contains token id {bad}, outside the model's vocabulary [0, {vocab}); "
                          "check the tokenizer matches the model")
     seq = input_ids.shape[1]
-    max_pos = getattr(config, "max_position_embeddings", None)
-    if max_pos is not None and seq > max_pos:
-        raise ValueError(f"sequence length {seq} exceeds the model's max_position_embeddings={max_pos}; "
-                         "shorten the sequence or extend RoPE (rope_scaling / a larger max_position_embeddings)")
     if attention_mask is not None:
         _check_int_tensor("attention_mask", attention_mask.long() if attention_mask.dtype == torch.bool
                           else attention_mask, input_ids.shape)
@@ -54,6 +84,9 @@ def check_batch(config: Any, input_ids: Any, attention_mask: Any, labels: Any, p
         _check_int_tensor("position_ids", position_ids, None)
         if position_ids.shape[-1] != seq:
             raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected [.., {seq}]")
+        if int(position_ids.min()) < 0:
+            raise ValueError("position_ids must be >= 0")
+    _check_positions(config, seq, position_ids)
     if labels is not None:
         _check_int_tensor("labels", labels, input_ids.shape)
         valid = labels[:, 1:] != IGNORE_INDEX  # the first label is never predicted (causal shift)

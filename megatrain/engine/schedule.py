@@ -12,11 +12,13 @@ from .activations import ActivationStore
 from .store import HostStore, host_empty
 from .stream import DONE, Event, Streams, Trace
 from .templates import TemplateBank
+from .tiling import LongContextPolicy, tiled_vjp
 
 
 class LayerPipeline:
     def __init__(self, store: HostStore, templates: TemplateBank, streams: Streams, trace: Trace,
-                 num_buffers: int, dtype: torch.dtype, device: torch.device, preserve_rng: bool) -> None:
+                 num_buffers: int, dtype: torch.dtype, device: torch.device, preserve_rng: bool,
+                 policy: LongContextPolicy | None = None) -> None:
         self.store = store
         self.templates = templates
         self.streams = streams
@@ -30,6 +32,9 @@ class LayerPipeline:
         self.loaded: list[Event] = [DONE] * k
         self.freed: list[Event] = [DONE] * k
         self._rng: dict[int, tuple] = {}
+        self.policy = policy
+        self.tile: int | None = None  # MLP sequence tile of the current batch (None: untiled)
+        self.last_plan = None
         if device.type == "cuda":
             # Gradients land in pinned staging, then a host thread adds them into the FP32 slabs.
             self._reducer = type(streams.d2h)("host-reduce", torch.device("cpu"), trace, None, streams.watchdog_s)
@@ -44,6 +49,20 @@ class LayerPipeline:
     def invalidate(self) -> None:
         """Masters changed (optimizer step, load): resident copies are stale."""
         self.resident = [None] * len(self.buffers)
+
+    def plan_batch(self, tokens: int, offload_setting: bool | str) -> bool:
+        """Choose this batch's MLP tile; return whether its boundary activations go to host memory."""
+        if self.policy is None:
+            self.tile = None
+            return bool(offload_setting) if isinstance(offload_setting, bool) else False
+        self.last_plan = plan = self.policy.plan(tokens)
+        self.tile = plan.tile
+        return plan.offload
+
+    def plan_stats(self) -> dict[str, float]:
+        p = self.last_plan
+        return {"mlp_tile_tokens": (p.tile or 0) if p else 0, "activations_offloaded": float(p.offload) if p else 0.0,
+                "predicted_peak_device_bytes": p.predicted_peak_bytes if p else 0}
 
     # -- weights in -------------------------------------------------------------------------------
     def _issue(self, layer: int, window: set[int]) -> None:
@@ -118,11 +137,11 @@ class LayerPipeline:
                 if self.preserve_rng:
                     self._rng[i] = self._rng_state()
             group = self.store.layers[i]
-            t0 = self.trace.now()
+            t0 = self.trace.mark()
             args, kwargs = layer_inputs[i]
-            h = self.templates.call(i, group.views(self.buffers[slot][: group.numel]), h, args, kwargs)
+            h = self.templates.call(i, group.views(self.buffers[slot][: group.numel]), h, args, kwargs, self.tile)
             self.freed[slot] = self.streams.record_compute()
-            self.trace.add("compute", phase, i, t0, self.trace.now())
+            self.trace.add_since("compute", phase, i, t0)
         return h
 
     def backward(self, g: torch.Tensor, layer_inputs: list[tuple[tuple, dict]], acts: ActivationStore) -> torch.Tensor:
@@ -138,15 +157,19 @@ class LayerPipeline:
             weights = {n: w.detach().requires_grad_(True)
                        for n, w in group.views(self.buffers[slot][: group.numel]).items()}
             args, kwargs = layer_inputs[i]
-            t0 = self.trace.now()
+            t0 = self.trace.mark()
             with torch.enable_grad(), torch.random.fork_rng(self._rng_devices(), enabled=self.preserve_rng):
                 if self.preserve_rng:
                     self._set_rng_state(self._rng.pop(i))
-                y = self.templates.call(i, weights, x, args, kwargs)
-                gx, *gw = torch.autograd.grad(y, (x, *weights.values()), g)
+                if self.tile is not None and not args and self.templates.tileable(i):
+                    gx, gw = tiled_vjp(self.templates.of_layer[i], weights, x, kwargs, g, self.tile)
+                else:
+                    y = self.templates.call(i, weights, x, args, kwargs)
+                    gx, *gw = torch.autograd.grad(y, (x, *weights.values()), g)
+                    del y
             done = self.streams.record_compute()
             self.freed[slot] = done
-            self.trace.add("compute", "bwd", i, t0, self.trace.now())
+            self.trace.add_since("compute", "bwd", i, t0)
             self._send_grad(i, gw, done)
             acts.drop(i)
             g = gx

@@ -10,7 +10,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,13 +31,21 @@ class TraceRecord:
 
 
 class Trace:
-    """Per-layer timeline of the three streams, for overlap checks and timeline plots."""
+    """Per-layer timeline of the three streams, for overlap checks and timeline plots.
 
-    def __init__(self, enabled: bool) -> None:
+    On a GPU the host only queues work, so its clock says nothing about when a layer or a copy ran:
+    device work is timed with CUDA events and placed on the host clock when the records are read.
+    """
+
+    def __init__(self, enabled: bool, device: torch.device | None = None) -> None:
         self.enabled = enabled
+        self._cuda = device is not None and device.type == "cuda"
         self.origin = time.perf_counter()
-        self.records: list[TraceRecord] = []
+        self._records: list[TraceRecord] = []
+        self._spans: list[tuple[str, str, int, torch.cuda.Event, torch.cuda.Event]] = []
+        self._ref: tuple[torch.cuda.Event, float] | None = None
         self._lock = threading.Lock()
+        self.clear()
 
     def now(self) -> float:
         return time.perf_counter() - self.origin
@@ -44,11 +53,61 @@ class Trace:
     def add(self, stream: str, kind: str, layer: int, t0: float, t1: float) -> None:
         if self.enabled:
             with self._lock:
-                self.records.append(TraceRecord(stream, kind, layer, t0, t1))
+                self._records.append(TraceRecord(stream, kind, layer, t0, t1))
+
+    def add_span(self, stream: str, kind: str, layer: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        if self.enabled:
+            with self._lock:
+                self._spans.append((stream, kind, layer, start, end))
+
+    def mark(self) -> float | torch.cuda.Event | None:
+        """Start of a span of work on the current stream, for `add_since`."""
+        if not self.enabled:
+            return None
+        if not self._cuda:
+            return self.now()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def add_since(self, stream: str, kind: str, layer: int, start: float | torch.cuda.Event | None) -> None:
+        if start is None:
+            return
+        if isinstance(start, float):
+            self.add(stream, kind, layer, start, self.now())
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.add_span(stream, kind, layer, start, end)
+
+    @property
+    def records(self) -> list[TraceRecord]:
+        """Every record so far; reading waits for the device work still being timed."""
+        with self._lock:
+            spans, self._spans = self._spans, []
+        if spans and self._ref is not None:
+            ref, ref_t = self._ref
+            resolved = []
+            for stream, kind, layer, start, end in spans:
+                end.synchronize()
+                resolved.append(TraceRecord(stream, kind, layer, ref_t + ref.elapsed_time(start) / 1e3,
+                                            ref_t + ref.elapsed_time(end) / 1e3))
+            with self._lock:
+                self._records.extend(resolved)
+                self._records.sort(key=lambda r: r.t_start)
+        return self._records
 
     def clear(self) -> None:
         with self._lock:
-            self.records.clear()
+            self._records.clear()
+            self._spans.clear()
+        if self._cuda and self.enabled:
+            # The reference event that maps device time onto the host clock is taken on an idle device,
+            # so it runs the moment it is queued.
+            torch.cuda.synchronize()
+            ref = torch.cuda.Event(enable_timing=True)
+            ref.record()
+            self._ref = (ref, self.now())
 
 
 class Event:
@@ -119,8 +178,44 @@ class _CudaEvent(Event):
         return self.event.query()
 
 
+class _CudaSpans:
+    """Start/end event pairs of device work, summed lazily.
+
+    An elapsed time can be read only once both events have completed, and the per-layer loop must
+    never wait for that: pairs are kept and folded in when done, or when the caller reads the total
+    (after synchronizing).
+    """
+
+    def __init__(self) -> None:
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._done_s = 0.0
+
+    def add(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        self._pending.append((start, end))
+        if len(self._pending) > 64:  # bound the events held when nobody reads the total
+            self._fold(block=False)
+
+    def _fold(self, block: bool) -> None:
+        while self._pending:
+            start, end = self._pending[0]
+            if block:
+                end.synchronize()
+            elif not end.query():
+                return
+            self._done_s += start.elapsed_time(end) / 1e3
+            self._pending.popleft()
+
+    def total_s(self) -> float:
+        self._fold(block=True)
+        return self._done_s
+
+    def reset(self) -> None:
+        self._pending.clear()
+        self._done_s = 0.0
+
+
 class CopyStream:
-    """One direction of the host<->device link: jobs run in order, each after an optional event."""
+    """One direction of the host<->device link: jobs run in order, each after optional events."""
 
     def __init__(self, name: str, device: torch.device, trace: Trace, gbps: float | None = None,
                  watchdog_s: float = 600.0) -> None:
@@ -130,11 +225,12 @@ class CopyStream:
         self.gbps = gbps
         self.watchdog_s = watchdog_s
         self.bytes = 0  # bytes moved since the last reset
-        self.busy_s = 0.0  # time the link was busy (CPU) since the last reset
+        self._busy_s = 0.0
         self.stall_s = 0.0  # test hook: extra seconds each job sleeps (an injected stall)
         self._cuda = device.type == "cuda"
         if self._cuda:
             self._stream = torch.cuda.Stream(device=device)
+            self._spans = _CudaSpans()
             self._last: Event = DONE
         else:
             self._queue: queue.Queue = queue.Queue()
@@ -142,29 +238,47 @@ class CopyStream:
             self._worker = threading.Thread(target=self._run, name=f"megatrain-{name}", daemon=True)
             self._worker.start()
 
-    def submit(self, fn: Callable[[], int], after: Event, kind: str, layer: int) -> Event:
-        """Queue `fn` (which moves bytes and returns how many) to start once `after` is done."""
+    @property
+    def busy_s(self) -> float:
+        """Time the link was busy since the last reset (on a GPU: device time of the copies)."""
+        return self._busy_s + (self._spans.total_s() if self._cuda else 0.0)
+
+    @busy_s.setter
+    def busy_s(self, value: float) -> None:
+        self._busy_s = value
+
+    def submit(self, fn: Callable[[], int], after: Event | Sequence[Event], kind: str, layer: int) -> Event:
+        """Queue `fn` (which moves bytes and returns how many) to start once every `after` is done."""
         what = f"{self.name} stream ({kind}, layer {layer})"
+        afters = (after,) if isinstance(after, Event) else tuple(after)
         if self._cuda:
             with torch.cuda.stream(self._stream):
-                if isinstance(after, _CudaEvent):
-                    self._stream.wait_event(after.event)
-                ev = torch.cuda.Event(enable_timing=self.trace.enabled)
+                for ev in afters:
+                    if isinstance(ev, _CudaEvent):
+                        self._stream.wait_event(ev.event)
+                    else:
+                        ev.host_wait(self.watchdog_s)
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self._stream)
                 nbytes = fn()
-                ev.record(self._stream)
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(self._stream)
             self.bytes += nbytes
-            self._last = _CudaEvent(ev, what)
+            self._spans.add(start, end)
+            self.trace.add_span(self.name, kind, layer, start, end)
+            self._last = _CudaEvent(end, what)
             return self._last
         done = _ThreadEvent(what)
-        self._queue.put((fn, after, done, kind, layer))
+        self._queue.put((fn, afters, done, kind, layer))
         self._last = done
         return done
 
     def _run(self) -> None:
         while True:
-            fn, after, done, kind, layer = self._queue.get()
+            fn, afters, done, kind, layer = self._queue.get()
             try:
-                after.host_wait(self.watchdog_s)
+                for after in afters:
+                    after.host_wait(self.watchdog_s)
                 t0 = self.trace.now()
                 if self.stall_s:
                     time.sleep(self.stall_s)
@@ -191,6 +305,8 @@ class CopyStream:
         self.synchronize()
         self.bytes = 0
         self.busy_s = 0.0
+        if self._cuda:
+            self._spans.reset()
 
 
 class Streams:
@@ -202,7 +318,17 @@ class Streams:
         self.watchdog_s = watchdog_s
         self.h2d = CopyStream("h2d", device, trace, link_gbps, watchdog_s)
         self.d2h = CopyStream("d2h", device, trace, link_gbps, watchdog_s)
-        self.wait_s = 0.0  # time compute spent blocked on copies since the last reset
+        self._wait_s = 0.0
+        self._cuda_waits = _CudaSpans() if device.type == "cuda" else None
+
+    @property
+    def wait_s(self) -> float:
+        """Time compute spent blocked on copies since the last reset (on a GPU: device time)."""
+        return self._wait_s + (self._cuda_waits.total_s() if self._cuda_waits is not None else 0.0)
+
+    @wait_s.setter
+    def wait_s(self, value: float) -> None:
+        self._wait_s = value
 
     def record_compute(self) -> Event:
         """An event that completes when the work queued on the compute stream so far is done."""
@@ -213,6 +339,17 @@ class Streams:
         return DONE  # CPU compute is synchronous on the calling thread
 
     def wait(self, event: Event, what: str) -> None:
+        if isinstance(event, _CudaEvent):
+            # The wait is queued, the host does not block: what it costs the compute stream is the
+            # time between these two events (zero when the copy had already landed).
+            stream = torch.cuda.current_stream(self.device)
+            before = torch.cuda.Event(enable_timing=True)
+            before.record(stream)
+            stream.wait_event(event.event)
+            after = torch.cuda.Event(enable_timing=True)
+            after.record(stream)
+            self._cuda_waits.add(before, after)
+            return
         t0 = time.perf_counter()
         try:
             event.wait(self.watchdog_s)
@@ -230,3 +367,5 @@ class Streams:
         self.h2d.reset_counters()
         self.d2h.reset_counters()
         self.wait_s = 0.0
+        if self._cuda_waits is not None:
+            self._cuda_waits.reset()

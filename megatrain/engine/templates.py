@@ -12,6 +12,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..models.adapter import layer_structure_key
+from .tiling import tileable, tiled_forward
 
 
 def _make_stateless(layer: nn.Module, device: torch.device) -> nn.Module:
@@ -30,13 +31,19 @@ class TemplateBank:
     def __init__(self) -> None:
         self._by_key: dict[tuple, nn.Module] = {}
         self.of_layer: list[nn.Module] = []
+        self._tileable: dict[int, bool] = {}  # by id(template)
 
     def add(self, layer: nn.Module, device: torch.device) -> None:
         """Register decoder layer i (in order). Call before its weights are packed/freed."""
         key = layer_structure_key(layer)
         if key not in self._by_key:
             self._by_key[key] = _make_stateless(layer, device)
+            self._tileable[id(self._by_key[key])] = tileable(layer)
         self.of_layer.append(self._by_key[key])
+
+    def tileable(self, i: int) -> bool:
+        """Whether layer i's MLP can run over sequence tiles (see tiling.py)."""
+        return self._tileable[id(self.of_layer[i])]
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -46,6 +53,10 @@ class TemplateBank:
             t.train(mode)
 
     def call(self, i: int, weights: dict[str, torch.Tensor], hidden: torch.Tensor, args: tuple,
-             kwargs: dict) -> torch.Tensor:
+             kwargs: dict, tile: int | None = None) -> torch.Tensor:
+        # Tiled only without autograd: under autograd the graph would keep every tile's activations
+        # anyway (backward tiles through tiling.tiled_vjp instead).
+        if tile is not None and not args and not torch.is_grad_enabled() and self.tileable(i):
+            return tiled_forward(self.of_layer[i], weights, hidden, kwargs, tile)
         out = functional_call(self.of_layer[i], weights, (hidden, *args), kwargs, strict=False)
         return out[0] if isinstance(out, (tuple, list)) else out

@@ -69,11 +69,22 @@ class NvmlPcieSampler:
 
             pynvml.nvmlInit()
             self._nvml = pynvml
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            self._handle = self._handle_for(pynvml, device_index)
             pynvml.nvmlDeviceGetPcieThroughput(self._handle, pynvml.NVML_PCIE_UTIL_RX_BYTES)
             self.available = True
         except Exception:  # noqa: BLE001 - any NVML failure just means no counters
             self.available = False
+
+    @staticmethod
+    def _handle_for(nv, device_index: int):
+        # CUDA and NVML number GPUs differently under CUDA_VISIBLE_DEVICES; the UUID is shared.
+        try:
+            import torch
+
+            uuid = str(torch.cuda.get_device_properties(device_index).uuid)
+            return nv.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        except Exception:  # noqa: BLE001
+            return nv.nvmlDeviceGetHandleByIndex(device_index)
 
     def start(self) -> NvmlPcieSampler:
         if self.available:

@@ -1,0 +1,316 @@
+"""One sweep point, in its own process: build the model, train warm-up + timed steps, measure.
+
+    python -m experiments.point --point '<json>' --result out.json [--trace trace.json]
+
+Writes a JSON object of results-row fields to --result (atomically) and exits 0; on an error it
+still writes {status, reason} and exits 1, so the runner records why. Everything here goes through
+the public faces (`megatrain.accelerator.Accelerator`), the way a user would run the backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import math
+import os
+import signal
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from experiments.spec import Point
+
+
+def _die_with_parent(parent_pid: int | None) -> None:
+    """A point must not outlive its runner (a killed runner would leave it burning CPU)."""
+    if parent_pid is None or not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def build_model(pt: Point):
+    """Random-weight HF model for the preset: initialization is skipped and replaced by a cheap
+    N(0, 0.02) fill, because the default init of a 70B model on a CPU takes far longer than the run."""
+    import torch
+    import transformers
+    from transformers.initialization import no_init_weights
+
+    cfg = pt.preset.hf_config()
+    with no_init_weights():
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    gen = torch.Generator().manual_seed(pt.seed)
+    std = float(getattr(cfg, "initializer_range", 0.02))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0 if "norm" in name else 0.0)  # RMSNorm gains 1, biases 0, as HF initializes them
+            else:
+                p.normal_(0.0, std, generator=gen)
+    model.train()
+    return model
+
+
+class DoesNotFit(MemoryError):
+    """The model's weights alone exceed the host memory available: refused before allocating."""
+
+
+def _check_host_room(pt: Point) -> None:
+    # The planner's preflight runs before launch; this is the last line of defence for a point run
+    # without it (e.g. `megatrain train`): building the FP32 model touches every page of it.
+    import psutil
+
+    need = pt.preset.param_count() * 4
+    avail = psutil.virtual_memory().available
+    if need > avail:
+        raise DoesNotFit(f"building {pt.model} needs {need / 2**30:.1f} GiB of host memory for its FP32 weights "
+                         f"alone; {avail / 2**30:.1f} GiB is available")
+
+
+def _find_engine(*objs: Any) -> Any:
+    """The MegaTrain engine behind the face (its accounting is the breakdown and link source)."""
+    seen: set[int] = set()
+    todo = list(objs)
+    while todo:
+        o = todo.pop(0)
+        if o is None or id(o) in seen:
+            continue
+        seen.add(id(o))
+        if hasattr(o, "collect_stats") and hasattr(o, "reset_stats"):
+            return o
+        for attr in ("engine", "_engine", "backend", "_backend", "module"):
+            with contextlib.suppress(Exception):
+                todo.append(getattr(o, attr))
+    return None
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if getattr(device, "type", None) == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(pt: Point, trace_path: str | None = None, progress: Callable[[dict[str, Any]], None] | None = None,
+        timed_steps: int | None = None) -> dict[str, Any]:
+    """Train pt.warmup + pt.steps optimizer steps; return the measured row fields."""
+    import torch
+
+    from megatrain.metrics.device import device_name, device_peak_tflops
+    from megatrain.metrics.flops import model_flops_per_step, model_tflops
+    from megatrain.metrics.link import link_peak_gbps
+    from megatrain.metrics.samplers import NvmlPcieSampler, RssSampler
+
+    if pt.threads:
+        torch.set_num_threads(pt.threads)
+    torch.manual_seed(pt.seed)
+    rss = RssSampler().start()
+    base_rss = rss.rss()
+    t_start = time.perf_counter()
+
+    from megatrain.accelerator import Accelerator
+
+    engine_knobs = dict(pt.engine)
+    if pt.backend == "megatrain":
+        engine_knobs.setdefault("trace", trace_path is not None)
+        if pt.precision == "bf16":
+            engine_knobs.setdefault("compute_dtype", "bfloat16")
+    # One DeepSpeed-style config for every backend, so all three clip the same way.
+    config: dict[str, Any] = {"gradient_clipping": pt.grad_clip}
+    if pt.backend == "megatrain":
+        config["megatrain"] = engine_knobs
+    acc = Accelerator(backend=pt.backend, config=config, gradient_accumulation_steps=pt.grad_accum,
+                      mixed_precision="bf16" if pt.precision == "bf16" else "no",
+                      gradient_checkpointing=pt.recompute)
+    _check_host_room(pt)
+    model = build_model(pt)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=pt.lr)
+    model, optimizer = acc.prepare(model, optimizer)
+    engine = _find_engine(model, acc) if pt.backend == "megatrain" else None
+    device = getattr(acc, "device", None) or torch.device("cpu")
+
+    gen = torch.Generator().manual_seed(pt.seed + 1)
+    batches = [torch.randint(0, pt.preset.vocab, (pt.micro_batch, pt.seq_len), generator=gen)
+               for _ in range(pt.grad_accum)]
+    if pt.backend != "megatrain":
+        batches = [b.to(device) for b in batches]
+
+    nvml = NvmlPcieSampler(device.index or 0).start() if device.type == "cuda" else None
+    n_steps = pt.steps if timed_steps is None else timed_steps
+    step_times: list[float] = []
+    losses: list[float] = []
+    parts: list[dict[str, float]] = []
+    eng_stats: list[dict[str, float]] = []
+    windows: list[tuple[float, float]] = []
+    trace_records: list = []
+    for step in range(pt.warmup + n_steps):
+        if engine is not None:
+            engine.reset_stats()
+        wall = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
+        step_loss = 0.0
+        _sync(device)
+        t0 = time.perf_counter()
+        for x in batches:
+            ctx = acc.accumulate(model) if hasattr(acc, "accumulate") else contextlib.nullcontext()
+            with ctx:
+                a = time.perf_counter()
+                out = model(input_ids=x, labels=x)
+                _sync(device)
+                b = time.perf_counter()
+                acc.backward(out.loss)
+                _sync(device)
+                c = time.perf_counter()
+                optimizer.step()
+                optimizer.zero_grad()
+                _sync(device)
+                d = time.perf_counter()
+            wall["forward_s"] += b - a
+            wall["backward_s"] += c - b
+            wall["optimizer_s"] += d - c
+            step_loss += float(out.loss.detach()) / len(batches)
+        _sync(device)
+        t1 = time.perf_counter()
+        st = dict(engine.collect_stats()) if engine is not None else None
+        timed = step >= pt.warmup
+        if timed:
+            step_times.append(t1 - t0)
+            losses.append(step_loss)
+            parts.append(wall)
+            windows.append((t0, t1))
+            if st is not None:
+                eng_stats.append(st)
+                if trace_path:
+                    trace_records = [(r.stream, r.kind, r.layer, r.t_start, r.t_end) for r in engine.trace]
+        if progress is not None:
+            info = {"step": step + 1, "timed": timed, "loss": step_loss, "step_time_s": t1 - t0,
+                    "tokens_per_s": pt.tokens_per_step / (t1 - t0), "rss_bytes": rss.rss()}
+            if st is not None:
+                info["device_bytes"] = st.get("peak_device_bytes")
+            elif device.type == "cuda":
+                info["device_bytes"] = torch.cuda.max_memory_allocated(device)
+            progress(info)
+    if nvml is not None:
+        nvml.stop()
+    peak_rss = rss.stop()
+
+    p = pt.preset
+    step_time = statistics.median(step_times)
+    flops = model_flops_per_step(p.nonembed_params(), p.num_layers, p.hidden, pt.seq_len, pt.tokens_per_step)
+    tflops = model_tflops(flops, step_time)
+    peak, peak_src = device_peak_tflops(device, pt.precision)
+    dtype_bytes = 2 if pt.precision == "bf16" else 4
+    row: dict[str, Any] = {
+        "status": "ok", "reason": "", "device_name": device_name(device),
+        "step_time_s": step_time, "step_time_min_s": min(step_times), "step_time_max_s": max(step_times),
+        "step_times_s": json.dumps([round(t, 6) for t in step_times]),
+        "tokens_per_s": pt.tokens_per_step / step_time, "flops_per_step": flops, "model_tflops": tflops,
+        "device_peak_tflops": peak, "peak_source": peak_src, "mfu": tflops / peak if peak else None,
+        "loss_first": losses[0], "loss_last": losses[-1],
+        "peak_host_rss_bytes": peak_rss, "base_host_rss_bytes": base_rss,
+        "host_bytes_per_param": (peak_rss - base_rss) / p.param_count(),
+        "streamed_weight_bytes": p.num_layers * p.layer_params() * dtype_bytes,
+        "threads": torch.get_num_threads(),
+    }
+
+    def med(key: str, source: list[dict[str, float]]) -> float | None:
+        vals = [s[key] for s in source if s.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    if eng_stats:
+        row.update({k: med(k, eng_stats) for k in ("forward_s", "backward_s", "optimizer_s", "copy_wait_s")})
+        row["breakdown_source"] = "engine"
+        row["peak_device_bytes"] = max(s["peak_device_bytes"] for s in eng_stats)
+        row["device_mem_source"] = "cuda" if device.type == "cuda" else "engine"
+        row["device_weight_bytes"] = eng_stats[-1].get("device_weight_bytes")
+        row["h2d_bytes_per_step"] = med("h2d_bytes", eng_stats)
+        row["d2h_bytes_per_step"] = med("d2h_bytes", eng_stats)
+        row["h2d_busy_s"] = med("h2d_busy_s", eng_stats)
+        row["link_source"] = "engine"
+    else:
+        row.update({k: med(k, parts) for k in ("forward_s", "backward_s", "optimizer_s")})
+        row["breakdown_source"] = "wall"
+        if device.type == "cuda":
+            row["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
+            row["device_mem_source"] = "cuda"
+        else:
+            row["device_mem_source"] = "none"
+        if nvml is not None and nvml.available:
+            moved = [nvml.bytes_between(a, b) for a, b in windows]
+            moved = [m for m in moved if m is not None]
+            if moved:
+                row["h2d_bytes_per_step"] = statistics.median(m[0] for m in moved)
+                row["d2h_bytes_per_step"] = statistics.median(m[1] for m in moved)
+                row["link_source"] = "nvml"
+        row.setdefault("link_source", "none")
+
+    if row.get("h2d_bytes_per_step") is not None:
+        row["h2d_gbps"] = row["h2d_bytes_per_step"] / step_time / 1e9
+        row["d2h_gbps"] = row["d2h_bytes_per_step"] / step_time / 1e9
+        if row.get("h2d_busy_s"):
+            row["h2d_gbps_busy"] = row["h2d_bytes_per_step"] / row["h2d_busy_s"] / 1e9
+        emulated = engine_knobs.get("link_gbps") if pt.backend == "megatrain" else None
+        h2d_peak, _, src = link_peak_gbps(device, emulated_gbps=emulated)
+        row["link_peak_h2d_gbps"], row["link_peak_source"] = h2d_peak, src
+        row["link_util"] = row["h2d_gbps"] / h2d_peak if h2d_peak else None
+
+    if trace_path and trace_records:
+        t_origin = min(r[3] for r in trace_records)
+        payload = {"label": pt.label, "step_time_s": step_times[-1],
+                   "records": [[s, k, layer, a - t_origin, b - t_origin] for s, k, layer, a, b in trace_records]}
+        _atomic_write(Path(trace_path), json.dumps(payload))
+    row["wall_s"] = time.perf_counter() - t_start
+    for k, v in list(row.items()):
+        if isinstance(v, float) and not math.isfinite(v):
+            row[k] = None
+    return row
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _classify(exc: BaseException) -> tuple[str, str]:
+    """(status, reason) for an exception raised inside the point."""
+    name = type(exc).__name__
+    line = " ".join(f"{name}: {exc}".split())[:500]
+    if name in ("HostMemoryError", "DoesNotFit"):
+        return "skipped", line  # the engine's own preflight refused before allocating: does not fit
+    if isinstance(exc, MemoryError) or "OutOfMemory" in name or "out of memory" in str(exc).lower():
+        return "failed", f"out of memory: {line}"
+    return "failed", line
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.point", description=__doc__.splitlines()[0])
+    ap.add_argument("--point", required=True, help="the point as JSON (experiments.spec.Point fields)")
+    ap.add_argument("--result", required=True, help="where to write the result JSON")
+    ap.add_argument("--trace", default=None, help="where to write the engine trace of the last timed step")
+    ap.add_argument("--parent-pid", type=int, default=None)
+    args = ap.parse_args(argv)
+    _die_with_parent(args.parent_pid)
+    pt = Point.from_dict(json.loads(args.point))
+    try:
+        row = run(pt, trace_path=args.trace)
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the results row
+        traceback.print_exc()
+        status, reason = _classify(exc)
+        _atomic_write(Path(args.result), json.dumps({"status": status, "reason": reason}))
+        return 1
+    _atomic_write(Path(args.result), json.dumps(row, default=float))
+    print(f"ok: {pt.label}: {row['tokens_per_s']:.1f} tokens/s, step {row['step_time_s']:.3f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,523 @@
+"""The Accelerate-style face: one training script, three interchangeable backends.
+
+    accelerator = Accelerator(backend="megatrain" | "zero3" | "torch", gradient_accumulation_steps=2)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+
+Names and behaviour follow `accelerate.Accelerator` (one process): `backward` divides by the
+accumulation steps, the prepared optimizer steps and zeroes only at sync steps, the prepared
+scheduler steps only when the optimizer did. This module holds only what every backend shares; the
+backend-specific work sits behind `megatrain.backend.Backend` (MegaTrain's engine here, the
+comparison stacks in `baselines/`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+from .backend import Backend, MegatrainBackend
+from .config import EngineConfig
+
+BACKENDS = ("megatrain", "zero3", "torch")
+_MIXED_PRECISION = ("no", "bf16")
+_FACE_FILE = "accelerator.json"
+_RNG_FILE = "random_states.pt"
+
+
+def _resolve_mixed_precision(mixed_precision: str, config: Any) -> str:
+    if mixed_precision not in _MIXED_PRECISION:
+        raise ValueError(f"mixed_precision={mixed_precision!r} is not supported; use one of {_MIXED_PRECISION}")
+    if isinstance(config, EngineConfig):
+        from_config: bool | None = config.compute_dtype == "bfloat16"
+    elif isinstance(config, dict):
+        section = config.get("bf16", config.get("bfloat16", {})) or {}
+        on = section.get("enabled", "auto")
+        from_config = None if on == "auto" else bool(on)
+    else:
+        from_config = None
+    if from_config is None:
+        return mixed_precision
+    if from_config and mixed_precision == "no":
+        return "bf16"  # the config asked for it and the argument was left at its default
+    if not from_config and mixed_precision == "bf16":
+        raise ValueError("mixed_precision='bf16' contradicts the config, which disables bf16")
+    return mixed_precision
+
+
+def _resolve_gradient_clipping(config: Any) -> float:
+    """The per-step clipping a config asks for, with DeepSpeed's meaning (absent -> 1.0)."""
+    if not isinstance(config, dict):
+        return 0.0  # no DeepSpeed config: clip only where the script calls clip_grad_norm_
+    clip = config.get("gradient_clipping", 1.0)
+    if clip == "auto" or clip is None:
+        return 0.0  # Accelerate fills "auto" from the script, i.e. from clip_grad_norm_ calls
+    clip = float(clip)
+    if clip < 0:
+        raise ValueError(f"gradient_clipping={clip} must be >= 0")
+    return clip
+
+
+def _resolve_accumulation(steps: int, config: Any) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"gradient_accumulation_steps={steps!r} must be an int >= 1")
+    if isinstance(config, dict):
+        from_config = config.get("gradient_accumulation_steps", "auto")
+        if from_config != "auto":
+            if steps == 1:
+                return int(from_config)  # the argument was left at its default
+            if int(from_config) != steps:
+                raise ValueError(
+                    f"gradient_accumulation_steps={steps} contradicts the config's {from_config}; set one of them"
+                )
+    return steps
+
+
+class GradientState:
+    """When gradients are synchronised, i.e. when the optimizer really steps (Accelerate's rule)."""
+
+    def __init__(self, num_steps: int) -> None:
+        self.num_steps = num_steps
+        self.step = 0
+        self.sync_gradients = True
+        self.end_of_dataloader = False
+        self.optimizer_stepped = False
+
+    def advance(self) -> None:
+        # The last batch of an epoch always syncs, so a short epoch loses no gradients.
+        if self.end_of_dataloader:
+            self.step = 0
+            self.sync_gradients = True
+        else:
+            self.step += 1
+            self.sync_gradients = self.step % self.num_steps == 0
+
+
+class AcceleratedOptimizer:
+    """The user's view of the optimizer: `step()` and `zero_grad()` act only at sync steps."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, backend: Backend, state: GradientState) -> None:
+        self.optimizer = optimizer
+        self._backend = backend
+        self._state = state
+        self._skipped = False
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise ValueError("optimizer.step(closure) is not supported through the Accelerator")
+        self._state.optimizer_stepped = False
+        if not self._state.sync_gradients:
+            return
+        self._backend.optimizer_step()
+        self._skipped = self._backend.step_was_skipped()
+        self._state.optimizer_stepped = not self._skipped
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        if self._state.sync_gradients:
+            self._backend.zero_grad(set_to_none=True if set_to_none is None else set_to_none)
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return self._skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return f"AcceleratedOptimizer({self.optimizer!r})"
+
+
+class AcceleratedScheduler:
+    """The user's LR scheduler, stepped only when the optimizer really stepped (Accelerate's rule)."""
+
+    def __init__(self, scheduler: Any, optimizers: list[AcceleratedOptimizer], state: GradientState) -> None:
+        self.scheduler = scheduler
+        self._optimizers = optimizers
+        self._state = state
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self._state.sync_gradients:
+            # Accelerate keeps torch's "scheduler stepped before optimizer" bookkeeping consistent.
+            if hasattr(self.scheduler, "_step_count"):
+                self.scheduler._step_count += 1
+            return
+        if any(o.step_was_skipped for o in self._optimizers):
+            return
+        opt = getattr(self.scheduler, "optimizer", None)
+        if opt is not None:
+            # The backend stepped on the optimizer's behalf, so torch's check that the optimizer was
+            # stepped first would warn spuriously.
+            opt._opt_called = True
+        self.scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["scheduler"], name)
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if torch.is_tensor(obj):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return type(obj)({k: _to_device(v, device) for k, v in obj.items()})
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
+
+
+class PreparedDataLoader:
+    """Yields the loader's batches on the backend's device and marks the last one of each epoch."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader, device: torch.device, state: GradientState) -> None:
+        self.loader = loader
+        self._device = device
+        self._state = state
+
+    def __iter__(self) -> Iterator[Any]:
+        self._state.end_of_dataloader = False
+        it = iter(self.loader)
+        try:
+            current = next(it)
+        except StopIteration:
+            return
+        while True:
+            # Look one batch ahead so the last batch is known to be last while it is being used.
+            try:
+                upcoming = next(it)
+            except StopIteration:
+                self._state.end_of_dataloader = True
+                yield _to_device(current, self._device)
+                break
+            yield _to_device(current, self._device)
+            current = upcoming
+        self._state.end_of_dataloader = False
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["loader"], name)
+
+
+def _make_backend(name: str, **kwargs: Any) -> Backend:
+    if name == "megatrain":
+        return MegatrainBackend(**kwargs)
+    if name == "torch":
+        from baselines.torch_backend import TorchBackend
+
+        return TorchBackend(**kwargs)
+    if name == "zero3":
+        from baselines.zero3 import Zero3Backend
+
+        return Zero3Backend(**kwargs)
+    raise ValueError(f"backend={name!r} is not one of {BACKENDS}")
+
+
+class Accelerator:
+    """`accelerate.Accelerator`'s interface over MegaTrain, DeepSpeed ZeRO-3 offload or plain PyTorch.
+
+    `config`: a DeepSpeed-style dict (its `megatrain` section configures the engine; the ZeRO-3
+    backend runs it as its DeepSpeed config), an `EngineConfig`, or None. Settings the config and
+    the arguments both give must agree; a `gradient_clipping` in a dict config clips every step
+    (DeepSpeed's meaning, default 1.0) unless the script calls `clip_grad_norm_` itself.
+    `gradient_checkpointing=True` turns on Hugging Face's per-layer checkpointing on the torch and
+    ZeRO-3 backends; MegaTrain always recomputes per layer, so all three then do the same FLOPs.
+    """
+
+    def __init__(
+        self,
+        backend: str = "megatrain",
+        config: dict[str, Any] | EngineConfig | None = None,
+        gradient_accumulation_steps: int = 1,
+        mixed_precision: str = "no",
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+        if config is not None and not isinstance(config, (dict, EngineConfig)):
+            raise TypeError(f"config must be a DeepSpeed-style dict, an EngineConfig or None, not {type(config).__name__}")
+        if isinstance(config, dict):
+            for section in ("optimizer", "scheduler"):
+                if section in config:
+                    raise ValueError(
+                        f"the config has a {section!r} section; with the Accelerator, build the {section} in the "
+                        "script and pass it to prepare() (megatrain.initialize builds them from a config)"
+                    )
+        self.mixed_precision = _resolve_mixed_precision(mixed_precision, config)
+        steps = _resolve_accumulation(gradient_accumulation_steps, config)
+        self.gradient_state = GradientState(steps)
+        self.gradient_checkpointing = bool(gradient_checkpointing)
+        # An EngineConfig describes MegaTrain's engine only; the other stacks have nothing to read in it.
+        backend_config = config if backend == "megatrain" or isinstance(config, dict) else None
+        self.backend: Backend = _make_backend(
+            backend,
+            config=backend_config,
+            gradient_accumulation_steps=steps,
+            mixed_precision=self.mixed_precision,
+            gradient_checkpointing=self.gradient_checkpointing,
+            gradient_clipping=_resolve_gradient_clipping(config),
+        )
+        self._models: list[Any] = []
+        self._optimizers: list[AcceleratedOptimizer] = []
+        self._schedulers: list[AcceleratedScheduler] = []
+        self._dataloaders: list[PreparedDataLoader] = []
+        self._live_optimizer: dict[int, torch.optim.Optimizer] = {}  # id(user's optimizer) -> the one stepping
+        self._micro_batch_size: int | None = None
+
+    # -- the single process's identity (Accelerate's names) -----------------------------------------
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    @property
+    def num_processes(self) -> int:
+        return 1
+
+    @property
+    def process_index(self) -> int:
+        return 0
+
+    @property
+    def local_process_index(self) -> int:
+        return 0
+
+    @property
+    def is_main_process(self) -> bool:
+        return True
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return True
+
+    @property
+    def distributed_type(self) -> str:
+        return "DEEPSPEED" if self.backend.name == "zero3" else "NO"
+
+    def wait_for_everyone(self) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    # -- gradient accumulation -----------------------------------------------------------------------
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.num_steps
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.gradient_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.gradient_state.sync_gradients = bool(value)
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        return any(o.step_was_skipped for o in self._optimizers)
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: Any) -> Iterator[None]:
+        """Count one micro-batch; inside, `sync_gradients` says whether the optimizer will step."""
+        self.gradient_state.advance()
+        yield
+
+    @contextlib.contextmanager
+    def no_sync(self, model: Any = None) -> Iterator[None]:
+        yield  # one process: there is no cross-process gradient sync to skip
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        if self.mixed_precision == "bf16" and self.backend.name == "torch":
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                yield
+        else:
+            yield  # the other backends cast inside their own forward
+
+    # -- prepare ---------------------------------------------------------------------------------------
+    def prepare(self, *objs: Any) -> Any:
+        """Wrap models, optimizers, dataloaders and schedulers (any subset, any order) for the backend.
+
+        Returns them in the order given (a single object when one was given). A model and the
+        optimizer built over its parameters go in the same call for the megatrain and zero3
+        backends: both take the optimizer over while they take the model.
+        """
+        models = [o for o in objs if isinstance(o, torch.nn.Module)]
+        optimizers = [o for o in objs if isinstance(o, torch.optim.Optimizer)]
+        if len(models) > 1 or len(optimizers) > 1:
+            raise ValueError("prepare() takes at most one model and one optimizer per call")
+        for o in objs:
+            if isinstance(o, torch.utils.data.DataLoader) and isinstance(o.batch_size, int):
+                self._micro_batch_size = self._micro_batch_size or o.batch_size
+        model = models[0] if models else None
+        optimizer = optimizers[0] if optimizers else None
+        if self._models and model is not None and self.backend.name != "torch":
+            raise RuntimeError(f"backend {self.backend.name!r} trains one model per Accelerator")
+
+        prepared_model, live_opt = None, None
+        if model is not None or optimizer is not None:
+            prepared_model, live_opt = self.backend.prepare(model, optimizer, micro_batch_size=self._micro_batch_size)
+        wrapped_opt = None
+        if optimizer is not None:
+            # Before the loop: a scheduler listed ahead of its optimizer must still find it.
+            if live_opt is None:
+                raise RuntimeError(f"backend {self.backend.name!r} returned no optimizer for the one passed")
+            self._live_optimizer[id(optimizer)] = live_opt
+            wrapped_opt = AcceleratedOptimizer(live_opt, self.backend, self.gradient_state)
+            self._optimizers.append(wrapped_opt)
+        if model is not None:
+            self._models.append(prepared_model)
+        out: list[Any] = []
+        for o in objs:
+            if model is not None and o is model:
+                out.append(prepared_model)
+            elif optimizer is not None and o is optimizer:
+                out.append(wrapped_opt)
+            elif isinstance(o, torch.utils.data.DataLoader):
+                dl = PreparedDataLoader(o, self.device, self.gradient_state)
+                self._dataloaders.append(dl)
+                out.append(dl)
+            elif isinstance(o, (LRScheduler, ReduceLROnPlateau)):
+                out.append(self._prepare_scheduler(o))
+            else:
+                out.append(o)  # Accelerate passes objects it does not know through untouched
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def _prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        opt = scheduler.optimizer
+        live = self._live_optimizer.get(id(opt))
+        if live is None and not any(o.optimizer is opt for o in self._optimizers):
+            raise ValueError(
+                "prepare the optimizer this scheduler drives before (or together with) the scheduler"
+            )
+        if live is not None and live is not opt:
+            # A backend replaced the optimizer (ZeRO-3 swaps in DeepSpeedCPUAdam). It shares the
+            # user's param-group dicts, so the schedule reaches it; check rather than assume.
+            if not all(a is b for a, b in zip(opt.param_groups, live.param_groups)):
+                scheduler.optimizer = live
+        wrapped = AcceleratedScheduler(scheduler, self._optimizers, self.gradient_state)
+        self._schedulers.append(wrapped)
+        return wrapped
+
+    # -- the training step ----------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Backpropagate `loss / gradient_accumulation_steps` (Accelerate's scaling)."""
+        if kwargs:
+            raise TypeError(f"backward() got unsupported arguments {sorted(kwargs)}")
+        self.backend.backward(loss / self.gradient_accumulation_steps, sync=self.sync_gradients)
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor | None:
+        """Clip the accumulated gradients to a global norm of `max_norm`; return the norm before."""
+        norm = self.backend.clip_grad_norm_(parameters, max_norm, norm_type)
+        return None if norm is None else torch.tensor(norm)
+
+    def unwrap_model(self, model: Any, keep_fp32_wrapper: bool = True) -> Any:
+        return self.backend.unwrap_model(model)
+
+    def gather(self, tensor: Any) -> Any:
+        return tensor  # one process
+
+    def gather_for_metrics(self, tensor: Any) -> Any:
+        return tensor
+
+    def reduce(self, tensor: Any, reduction: str = "sum") -> Any:
+        return tensor
+
+    # -- saving ------------------------------------------------------------------------------------------
+    def save_model(self, model: Any, save_directory: str | os.PathLike) -> None:
+        """Write a Hugging Face checkpoint that `AutoModelForCausalLM.from_pretrained` loads."""
+        Path(save_directory).mkdir(parents=True, exist_ok=True)
+        self.backend.save_model(model, save_directory)
+
+    def save_state(self, output_dir: str | os.PathLike) -> None:
+        """Everything needed to resume: weights, optimizer, schedulers, RNG, accumulation position."""
+        d = Path(output_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        self.backend.save_state(d)
+        for i, s in enumerate(self._schedulers):
+            torch.save(s.state_dict(), d / f"scheduler_{i}.pt")
+        rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        try:
+            import numpy as np
+
+            rng["numpy"] = np.random.get_state()
+        except ImportError:
+            pass
+        torch.save(rng, d / _RNG_FILE)
+        face = {"backend": self.backend.name, "step": self.gradient_state.step, "schedulers": len(self._schedulers),
+                "gradient_accumulation_steps": self.gradient_accumulation_steps}
+        (d / _FACE_FILE).write_text(json.dumps(face, indent=1))
+
+    def load_state(self, input_dir: str | os.PathLike) -> None:
+        d = Path(input_dir)
+        face_path = d / _FACE_FILE
+        if not face_path.is_file():
+            raise FileNotFoundError(f"{d} holds no Accelerator state ({_FACE_FILE} is missing)")
+        face = json.loads(face_path.read_text())
+        if face["backend"] != self.backend.name:
+            raise ValueError(f"{d} was saved by backend {face['backend']!r}, not {self.backend.name!r}")
+        if face["schedulers"] != len(self._schedulers):
+            raise ValueError(f"{d} holds {face['schedulers']} scheduler states but {len(self._schedulers)} are prepared")
+        self.backend.load_state(d)
+        for i, s in enumerate(self._schedulers):
+            s.load_state_dict(torch.load(d / f"scheduler_{i}.pt", weights_only=False))
+        # Python's and numpy's RNG states are plain tuples; they need the non-weights unpickler.
+        rng = torch.load(d / _RNG_FILE, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if "numpy" in rng:
+            import numpy as np
+
+            np.random.set_state(rng["numpy"])
+        self.gradient_state.step = int(face["step"])

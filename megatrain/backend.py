@@ -1,0 +1,276 @@
+"""The backend protocol behind `megatrain.Accelerator`, and the MegaTrain engine's implementation of it.
+
+The face (`megatrain/accelerator.py`) owns everything that is the same for every backend: gradient
+accumulation bookkeeping, the optimizer/scheduler/dataloader wrappers, loss scaling by the
+accumulation steps, RNG and scheduler checkpointing. A backend owns only what differs: how a model
+and optimizer become trainable, how a backward, a clip and a step are done, and how weights are saved.
+The comparison backends live in `baselines/` and implement the same protocol without importing any
+of this package's engine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .config import EngineConfig
+
+_MODEL_FILE = "model.safetensors"
+_OPTIMIZER_FILE = "optimizer.pt"
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What `megatrain.Accelerator` needs from a training stack."""
+
+    name: str
+
+    @property
+    def device(self) -> torch.device:
+        """Where batches should be placed."""
+        ...
+
+    def prepare(
+        self, model: Any | None, optimizer: torch.optim.Optimizer | None, *, micro_batch_size: int | None = None
+    ) -> tuple[Any, torch.optim.Optimizer | None]:
+        """Make `model` trainable with `optimizer`; return (the model to call, the optimizer that
+        actually updates the weights: the one LR schedulers must drive)."""
+        ...
+
+    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
+        """Accumulate gradients of `loss` (already divided by the accumulation steps); `sync` says
+        whether an optimizer step follows this micro-batch."""
+        ...
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0
+    ) -> float | None:
+        """Clip the accumulated gradients as `torch.nn.utils.clip_grad_norm_`; return the norm before."""
+        ...
+
+    def optimizer_step(self) -> None: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def step_was_skipped(self) -> bool: ...
+
+    def unwrap_model(self, model: Any) -> Any: ...
+
+    def save_model(self, model: Any, directory: str | os.PathLike) -> None:
+        """Write a Hugging Face checkpoint (config + safetensors) that `from_pretrained` loads."""
+        ...
+
+    def save_state(self, directory: str | os.PathLike) -> None:
+        """Write weights and optimizer state (the face adds schedulers, RNG and counters)."""
+        ...
+
+    def load_state(self, directory: str | os.PathLike) -> None: ...
+
+
+def engine_config_from(config: dict[str, Any] | EngineConfig | None) -> EngineConfig:
+    """The engine settings a face config describes.
+
+    A dict is read as a DeepSpeed config by the same parser `megatrain.initialize` uses, so one
+    config means the same engine on both faces. Batch sizes are the dataloader's business under
+    Accelerate, so a config without them is completed with a micro batch of one for the parser's sake.
+    """
+    if config is None:
+        return EngineConfig()
+    if isinstance(config, EngineConfig):
+        return config
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a DeepSpeed-style dict, an EngineConfig or None, not {type(config).__name__}")
+    from .dsconfig import parse_config
+
+    d = dict(config)
+    # "auto" values are the face's to fill (from the dataloader, the arguments, clip_grad_norm_ calls)
+    # and none of them shapes the engine, so they are dropped before the strict parser sees them.
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                "gradient_clipping"):
+        if d.get(key) == "auto":
+            del d[key]
+    for key in ("bf16", "bfloat16"):
+        if isinstance(d.get(key), dict) and d[key].get("enabled") == "auto":
+            d[key] = {k: v for k, v in d[key].items() if k != "enabled"}
+    if "train_batch_size" not in d and "train_micro_batch_size_per_gpu" not in d:
+        d["train_micro_batch_size_per_gpu"] = 1
+    return parse_config(d).engine
+
+
+class PreparedModel:
+    """What `prepare` hands back for the MegaTrain backend: the engine, called like an HF model.
+
+    The HF model object itself was emptied into the engine's host store, so this stands in for it:
+    `model(**batch)` returns an output with `.loss`, and the usual `train()` / `eval()` /
+    `parameters()` calls reach the engine's FP32 host masters.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    forward = __call__
+
+    @property
+    def config(self) -> Any:
+        return self.engine.hf_config
+
+    @property
+    def training(self) -> bool:
+        return self.engine.training
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def train(self, mode: bool = True) -> PreparedModel:
+        self.engine.train(mode)
+        return self
+
+    def eval(self) -> PreparedModel:
+        return self.train(False)
+
+    def named_parameters(self) -> Iterable[tuple[str, torch.nn.Parameter]]:
+        return iter(self.engine.named_parameters())
+
+    def parameters(self) -> Iterable[torch.nn.Parameter]:
+        return (p for _, p in self.engine.named_parameters())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        self.engine.load_state_dict(state, strict=strict)
+
+    def gradient_checkpointing_enable(self, **_: Any) -> None:
+        pass  # the engine always recomputes each layer in backward
+
+    def __repr__(self) -> str:
+        return f"PreparedModel({type(self.engine).__name__}, {self.config.model_type})"
+
+
+class MegatrainBackend:
+    """The MegaTrain engine: host-resident FP32 masters and optimizer state, layers streamed."""
+
+    name = "megatrain"
+
+    def __init__(
+        self,
+        *,
+        config: dict[str, Any] | EngineConfig | None = None,
+        gradient_accumulation_steps: int = 1,
+        mixed_precision: str = "no",
+        gradient_checkpointing: bool = False,
+        gradient_clipping: float = 0.0,
+    ) -> None:
+        ec = engine_config_from(config)
+        want = "bfloat16" if mixed_precision == "bf16" else "float32"
+        if ec.compute_dtype != want:
+            if isinstance(config, EngineConfig) or mixed_precision == "bf16":
+                raise ValueError(
+                    f"mixed_precision={mixed_precision!r} contradicts the engine's compute_dtype={ec.compute_dtype!r}"
+                )
+        elif mixed_precision == "bf16":
+            ec = EngineConfig.from_dict({**ec.to_dict(), "compute_dtype": "bfloat16"})
+        self.engine_config = ec
+        # Gradient checkpointing needs no switch: the engine recomputes every layer in backward, which
+        # is exactly the FLOPs of HF's per-layer checkpointing on the other backends.
+        self._config_clip = float(gradient_clipping)
+        self._clipped = False
+        self.engine: Any = None
+        self._skipped = False
+
+    @property
+    def device(self) -> torch.device:
+        if self.engine is not None:
+            return self.engine.device
+        from .engine.engine import resolve_device
+
+        return resolve_device(self.engine_config.device)
+
+    def prepare(
+        self, model: Any | None, optimizer: torch.optim.Optimizer | None, *, micro_batch_size: int | None = None
+    ) -> tuple[Any, torch.optim.Optimizer | None]:
+        if model is None:
+            if optimizer is not None:
+                raise ValueError(
+                    'backend "megatrain": pass the model and its optimizer to the same prepare() call; the engine '
+                    "takes the optimizer over when it takes the model"
+                )
+            return None, None
+        if self.engine is not None:
+            raise RuntimeError('backend "megatrain" drives one model per Accelerator; build another Accelerator')
+        from .engine import Engine
+
+        self.engine = Engine(model, config=self.engine_config, optimizer=optimizer)
+        # The engine builds its own AdamW when given none; hand that back only if the user gave one.
+        return PreparedModel(self.engine), (self.engine.optimizer if optimizer is not None else None)
+
+    def _require_engine(self) -> Any:
+        if self.engine is None:
+            raise RuntimeError('backend "megatrain": call prepare(model, optimizer) first')
+        return self.engine
+
+    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
+        self._require_engine().backward(loss)
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0
+    ) -> float:
+        if float(norm_type) != 2.0:
+            raise ValueError('backend "megatrain" clips by the global L2 norm only (norm_type=2)')
+        # The engine holds every gradient in its host slabs; `parameters` names them all in practice
+        # (model.parameters()), so the whole set is clipped, as DeepSpeed does.
+        self._clipped = True
+        return self._require_engine().clip_grad_norm_(float(max_norm))
+
+    def optimizer_step(self) -> None:
+        eng = self._require_engine()
+        if self._config_clip > 0 and not self._clipped:
+            eng.clip_grad_norm_(self._config_clip)
+        self._clipped = False
+        self._skipped = eng.step() is False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._require_engine().zero_grad()
+
+    def step_was_skipped(self) -> bool:
+        return self._skipped
+
+    def unwrap_model(self, model: Any) -> Any:
+        return model.engine if isinstance(model, PreparedModel) else model
+
+    def _unique_named_tensors(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self._require_engine().named_parameters()}
+
+    def save_model(self, model: Any, directory: str | os.PathLike) -> None:
+        from .checkpoint import write_safetensors
+
+        eng = self._require_engine()
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        eng.hf_config.save_pretrained(str(d))
+        # Each tied weight once, under the name the HF model owns it by, as save_pretrained writes it.
+        write_safetensors(d / _MODEL_FILE, self._unique_named_tensors(), metadata={"format": "pt"})
+
+    def save_state(self, directory: str | os.PathLike) -> None:
+        from .checkpoint import write_safetensors
+
+        d = Path(directory)
+        write_safetensors(d / _MODEL_FILE, self._unique_named_tensors())
+        torch.save(self._require_engine().optimizer.state_dict(), d / _OPTIMIZER_FILE)
+
+    def load_state(self, directory: str | os.PathLike) -> None:
+        from safetensors.torch import load_file
+
+        eng = self._require_engine()
+        d = Path(directory)
+        eng.load_state_dict(load_file(str(d / _MODEL_FILE)), strict=True)
+        eng.zero_grad()
+        eng.optimizer.load_state_dict(torch.load(d / _OPTIMIZER_FILE, map_location="cpu", weights_only=True))

@@ -1,0 +1,382 @@
+"""Crash-consistent checkpoint files: a directory per tag, published atomically.
+
+Layout under the checkpoint directory::
+
+    latest                      text file naming the newest published tag (DeepSpeed's convention)
+    <tag>/tensors.safetensors   all tensors, in the safetensors format
+    <tag>/meta.json             JSON metadata (counters, hyper-parameters, config, client state)
+    <tag>/manifest.json         size and sha256 of each file above, plus a save sequence number
+
+A save writes everything into a hidden temp directory inside the checkpoint directory, fsyncs each
+file and the directory, renames it into place and fsyncs the parent; only then is `latest` replaced
+(again via a temp file and a rename). A crash at any point therefore leaves either the previous state
+or the new one, never a `latest` that names a half-written checkpoint. Loading re-hashes every file
+against the manifest, so a flipped bit or a truncated file is reported by name instead of being
+trained on.
+
+The tensor file is written by streaming each tensor's bytes (hashing them on the way) rather than
+through `safetensors.torch.save_file`, which first copies every tensor into one Python bytes object:
+MegaTrain's whole point is a model that barely fits in host memory, so a save must not double it.
+The file is standard safetensors and is read back with the `safetensors` package.
+
+One writer per checkpoint directory is assumed; readers may run concurrently with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CheckpointError", "save", "load", "latest_tag", "list_checkpoints", "verify", "write_safetensors",
+           "write_json"]
+
+TENSORS_FILE = "tensors.safetensors"
+META_FILE = "meta.json"
+MANIFEST_FILE = "manifest.json"
+LATEST_FILE = "latest"
+FORMAT = "megatrain.checkpoint"
+VERSION = 1
+
+_TMP = ".tmp-"  # a save in progress (or one that crashed)
+_OLD = ".old-"  # a checkpoint being replaced by a save under the same tag
+_TRASH = ".trash-"  # a checkpoint being deleted by retention
+_UUID_LEN = 32
+_CHUNK = 64 << 20
+
+# safetensors dtype codes for the dtypes a training checkpoint holds.
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt; the message names the file."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_tag(tag: str) -> None:
+    bad = (
+        not isinstance(tag, str)
+        or not tag
+        or tag in (".", "..", LATEST_FILE)
+        or tag.startswith(".")
+        or any(c in tag for c in "/\\\0\n\r")
+    )
+    if bad:
+        raise ValueError(
+            f"checkpoint tag {tag!r} is not usable as a directory name (no path separators, no leading dot, not 'latest')"
+        )
+
+
+def _tensor_bytes(t: torch.Tensor):
+    """A uint8 numpy view of a tensor's bytes (a copy only when it is not already a dense CPU tensor)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
+                       metadata: dict[str, str] | None = None) -> tuple[int, str]:
+    """Streams `tensors` to `path` as safetensors; returns (bytes written, sha256)."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for name, t in tensors.items():
+        if not isinstance(name, str) or name == "__metadata__":
+            raise ValueError(f"tensor name {name!r} is not allowed in a checkpoint")
+        if not torch.is_tensor(t):
+            raise TypeError(f"checkpoint entry {name!r} is a {type(t).__name__}, not a tensor")
+        if t.dtype not in _ST_DTYPES:
+            raise TypeError(f"checkpoint tensor {name!r} has dtype {t.dtype}, which is not supported")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # keeps the data section 8-byte aligned, as safetensors does
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "wb") as f:
+        for piece in (len(head).to_bytes(8, "little"), head):
+            f.write(piece)
+            digest.update(piece)
+            size += len(piece)
+        for t in tensors.values():
+            data = memoryview(_tensor_bytes(t))
+            for start in range(0, len(data), _CHUNK):
+                chunk = data[start : start + _CHUNK]
+                f.write(chunk)
+                digest.update(chunk)
+            size += len(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return size, digest.hexdigest()
+
+
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
+                      metadata: dict[str, str] | None = None) -> Path:
+    """Writes one safetensors file atomically (temp file, fsync, rename), streaming tensor by tensor."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        _write_safetensors(tmp, tensors, metadata)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+    return path
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> Path:
+    """Writes a JSON file atomically."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        _write_bytes(tmp, json.dumps(obj, indent=2).encode())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+    return path
+
+
+def _write_bytes(path: Path, payload: bytes) -> tuple[int, str]:
+    with open(path, "wb") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+    return len(payload), hashlib.sha256(payload).hexdigest()
+
+
+def _hash_file(path: Path) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def _read_manifest(ckpt: Path) -> dict[str, Any]:
+    path = ckpt / MANIFEST_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: manifest missing (not a MegaTrain checkpoint, or an incomplete one)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: manifest unreadable ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{path}: not a {FORMAT} manifest")
+    if manifest.get("version", 0) > VERSION:
+        raise CheckpointError(f"{path}: written by a newer format version {manifest.get('version')} (this reads {VERSION})")
+    return manifest
+
+
+def _resolve(directory: Path, tag: str) -> Path:
+    """The directory holding `tag`, including one caught mid-replacement by a crashed save."""
+    path = directory / tag
+    if path.is_dir():
+        return path
+    for old in sorted(directory.glob(f"{_OLD}*")):
+        if old.name[len(_OLD) + _UUID_LEN + 1 :] == tag and (old / MANIFEST_FILE).is_file():
+            return old
+    return path
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, str]]:
+    """(save sequence number, tag) of every published checkpoint with a readable manifest, oldest first."""
+    directory = Path(directory)
+    found = []
+    if not directory.is_dir():
+        return found
+    for child in directory.iterdir():
+        if child.name.startswith(".") or not child.is_dir():
+            continue
+        try:
+            manifest = _read_manifest(child)
+        except CheckpointError:
+            continue
+        found.append((int(manifest.get("seq", 0)), child.name))
+    return sorted(found)
+
+
+def latest_tag(directory: str | os.PathLike) -> str | None:
+    """The tag the `latest` pointer names, or None when nothing has been published."""
+    try:
+        tag = (Path(directory) / LATEST_FILE).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return tag or None
+
+
+def _recover_and_clean(directory: Path) -> None:
+    """Undo what a crashed save left behind: finish or roll back a replacement, drop temp and trash dirs."""
+    for child in directory.iterdir():
+        name = child.name
+        if name.startswith(_OLD) and child.is_dir():
+            tag = name[len(_OLD) + _UUID_LEN + 1 :]
+            if tag and not (directory / tag).exists():
+                os.rename(child, directory / tag)  # the new copy never landed: put the old one back
+            else:
+                shutil.rmtree(child, ignore_errors=True)
+        elif name.startswith((_TMP, _TRASH)) and child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
+        elif name.startswith(f".{LATEST_FILE}-") and child.is_file():
+            child.unlink(missing_ok=True)
+
+
+def _set_latest(directory: Path, tag: str) -> None:
+    tmp = directory / f".{LATEST_FILE}-{uuid.uuid4().hex}"
+    _write_bytes(tmp, tag.encode())
+    os.replace(tmp, directory / LATEST_FILE)
+    _fsync_dir(directory)
+
+
+def _prune(directory: Path, keep_last: int) -> list[str]:
+    keep = {tag for _, tag in list_checkpoints(directory)[-keep_last:]}
+    newest = latest_tag(directory)
+    if newest:
+        keep.add(newest)  # whatever else happens, the checkpoint `latest` names survives
+    removed = []
+    for _, tag in list_checkpoints(directory):
+        if tag in keep:
+            continue
+        # Renamed away first, so a crash mid-delete never leaves a half-deleted dir that looks published.
+        trash = directory / f"{_TRASH}{uuid.uuid4().hex}-{tag}"
+        os.rename(directory / tag, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+        removed.append(tag)
+    if removed:
+        _fsync_dir(directory)
+    return removed
+
+
+def save(
+    directory: str | os.PathLike,
+    tag: str,
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    *,
+    keep_last: int | None = None,
+    update_latest: bool = True,
+) -> Path:
+    """Writes checkpoint `tag` under `directory` atomically and returns its path.
+
+    `meta` must be JSON-serializable. An existing checkpoint with the same tag is replaced atomically.
+    With `keep_last=N`, older checkpoints beyond the N newest are deleted afterwards, never the one
+    `latest` names.
+    """
+    _check_tag(tag)
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last={keep_last!r} must be an int >= 1 (or None to keep everything)")
+    try:
+        meta_bytes = json.dumps(meta, indent=1).encode()
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"checkpoint metadata is not JSON-serializable: {e}") from e
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    _recover_and_clean(directory)
+    seq = max((s for s, _ in list_checkpoints(directory)), default=0) + 1
+
+    tmp = directory / f"{_TMP}{uuid.uuid4().hex}-{tag}"
+    tmp.mkdir()
+    try:
+        files = {}
+        for name, (size, sha) in (
+            (TENSORS_FILE, _write_safetensors(tmp / TENSORS_FILE, tensors)),
+            (META_FILE, _write_bytes(tmp / META_FILE, meta_bytes)),
+        ):
+            files[name] = {"bytes": size, "sha256": sha}
+        manifest = {"format": FORMAT, "version": VERSION, "tag": tag, "seq": seq, "created_unix": time.time(), "files": files}
+        _write_bytes(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
+        _fsync_dir(tmp)
+
+        final = directory / tag
+        old = None
+        if final.exists():
+            old = directory / f"{_OLD}{uuid.uuid4().hex}-{tag}"
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_dir(directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    if update_latest:
+        _set_latest(directory, tag)
+    if keep_last is not None:
+        _prune(directory, keep_last)
+    return final
+
+
+def verify(path: str | os.PathLike) -> dict[str, Any]:
+    """Checks every file of the checkpoint at `path` against its manifest; returns the manifest."""
+    path = Path(path)
+    manifest = _read_manifest(path)
+    for name, want in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing (listed in the manifest)")
+        size = file.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(f"{file}: truncated or resized: {size} bytes on disk, {want['bytes']} expected")
+        _, sha = _hash_file(file)
+        if sha != want["sha256"]:
+            raise CheckpointError(f"{file}: corrupt: sha256 {sha} does not match the manifest's {want['sha256']}")
+    return manifest
+
+
+def load(
+    directory: str | os.PathLike, tag: str | None = None, *, check: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path]:
+    """Reads checkpoint `tag` (default: the one `latest` names) -> (tensors on CPU, meta, path).
+
+    With `check` (the default) every file is hashed and compared with the manifest first.
+    """
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if tag is None:
+        tag = latest_tag(directory)
+        if tag is None:
+            raise FileNotFoundError(f"no checkpoint to load in {directory}: {directory / LATEST_FILE} does not exist")
+    _check_tag(tag)
+    path = _resolve(directory, tag)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint {tag!r} not found in {directory}")
+    if check:
+        verify(path)
+    else:
+        _read_manifest(path)
+    try:
+        tensors = load_file(str(path / TENSORS_FILE))
+        meta = json.loads((path / META_FILE).read_text())
+    except Exception as e:  # the bytes matched the manifest, so this is a writer bug, not disk damage
+        raise CheckpointError(f"{path}: could not be decoded ({e})") from e
+    return tensors, meta, path

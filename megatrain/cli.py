@@ -1,0 +1,136 @@
+"""The `megatrain` command: sweep, report, train, and the planner's plan / bench when installed.
+
+    megatrain sweep experiments/sweeps/quick.yaml          # run (skips points already recorded)
+    megatrain report results/quick                           # report.md + PNGs in results/quick
+    megatrain train run.yaml                                 # one run with a progress bar
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from experiments.runner import run_sweep
+    from experiments.spec import SpecError, load_sweep, parse_only
+
+    try:
+        sweep = load_sweep(args.spec)
+        only = parse_only(args.only)
+    except (SpecError, ValueError) as e:
+        print(f"megatrain sweep: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        summary = run_sweep(sweep, out_dir=args.out, only=only, force=args.force, retry_failed=args.retry_failed,
+                            dry_run=args.dry_run, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print("\nmegatrain sweep: interrupted; the point in flight was stopped and not recorded. "
+              "Run the same command again to continue.", file=sys.stderr)
+        return 130
+    if args.report and not args.dry_run and summary.csv.exists():
+        from experiments.report import write_report
+
+        print(f"report: {write_report(summary.out_dir)}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from experiments.report import FIGURES, write_report
+
+    try:
+        md = write_report(args.dir, out_dir=args.out)
+    except FileNotFoundError as e:
+        print(f"megatrain report: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {md}")
+    for stem in FIGURES:
+        print(f"wrote {md.parent / (stem + '.png')}")
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from experiments.point import run
+    from experiments.spec import SpecError, load_point_config
+
+    try:
+        pt = load_point_config(args.config, overrides=args.set or [])
+    except (SpecError, ValueError) as e:
+        print(f"megatrain train: error: {e}", file=sys.stderr)
+        return 2
+    total = pt.warmup + pt.steps
+    bar = tqdm(total=total, desc=pt.label, unit="step", dynamic_ncols=True)
+
+    def progress(info: dict) -> None:
+        mem = f"rss {info['rss_bytes'] / 2**30:.2f}G"
+        if info.get("device_bytes") is not None:
+            mem += f" dev {info['device_bytes'] / 2**30:.2f}G"
+        bar.set_postfix_str(f"loss {info['loss']:.4f} | {info['tokens_per_s']:.0f} tok/s | {mem}"
+                            + ("" if info["timed"] else " | warm-up"))
+        bar.update(1)
+
+    try:
+        row = run(pt, trace_path=args.trace, progress=progress)
+    finally:
+        bar.close()
+    print(f"{pt.label}: loss {row['loss_first']:.4f} -> {row['loss_last']:.4f}; median step {row['step_time_s']:.3f} s, "
+          f"{row['tokens_per_s']:.1f} tokens/s, {row['model_tflops']:.3g} model TFLOPS "
+          f"(MFU {row['mfu']:.1%} of {row['device_peak_tflops']:.3g}, {row['peak_source']}); "
+          f"peak RSS {row['peak_host_rss_bytes'] / 2**30:.2f} GiB")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="megatrain", description="MegaTrain: sweeps, reports and single runs.")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    sp = sub.add_parser("sweep", help="run a sweep spec; one results row per point",
+                        description="Run every point of a sweep spec, each in its own subprocess; rows go to "
+                                    "results/<sweep>/results.csv (or --out DIR). Points already recorded are skipped.")
+    sp.add_argument("spec", help="sweep spec YAML, e.g. experiments/sweeps/quick.yaml")
+    sp.add_argument("--only", action="append", metavar="KEY=V[,V]",
+                    help="run only matching points (repeatable; keys: backend, model, seq_len, micro_batch, ...)")
+    sp.add_argument("--dry-run", action="store_true", help="list the points and the preflight verdicts; run nothing")
+    sp.add_argument("--force", action="store_true", help="re-run points already recorded (their rows are replaced)")
+    sp.add_argument("--retry-failed", action="store_true", help="re-run points recorded as failed or timeout")
+    sp.add_argument("--out", default=None, help="results directory (default: results/<sweep name>)")
+    sp.add_argument("--report", action="store_true", help="write the report when the sweep finishes")
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sp.set_defaults(func=_cmd_sweep)
+
+    rp = sub.add_parser("report", help="markdown tables and PNG plots from a results directory")
+    rp.add_argument("dir", help="results directory (holding results.csv) or the CSV itself")
+    rp.add_argument("--out", default=None, help="where to write (default: the results directory)")
+    rp.set_defaults(func=_cmd_report)
+
+    tp = sub.add_parser("train", help="one training run with a progress bar",
+                        description="Train one configuration in this process: the keys of a sweep point "
+                                    "(backend, model, seq_len, micro_batch, grad_accum, precision, engine, steps, ...).")
+    tp.add_argument("config", help="YAML with one point's keys")
+    tp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key (YAML value), repeatable")
+    tp.add_argument("--trace", default=None, help="write the engine trace of the last step here (megatrain)")
+    tp.set_defaults(func=_cmd_train)
+
+    try:
+        from megatrain import planner
+    except ImportError:
+        planner = None
+    if planner is not None:
+        for name in ("add_plan_parser", "add_bench_parser"):
+            if hasattr(planner, name):
+                getattr(planner, name)(sub)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Measured device memory on a CPU "device": the live bytes of every tensor storage the step allocates.
+
+On CUDA `torch.cuda.max_memory_allocated` is the truth. On the CPU there is no allocator to ask (RSS
+mixes in the host store, the allocator's caching and other threads), so the engine can track, op by
+op, each new storage created on the compute thread and release it when the storage is freed. That is
+what the same computation would hold on a device, and it exposes anything O(tokens²) (a materialized
+attention mask or score matrix) that an analytic count would miss.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+_host = threading.local()
+
+
+@contextmanager
+def host_allocations() -> Iterator[None]:
+    """Allocations inside this block are host memory (e.g. offload staging), not device memory."""
+    prev = getattr(_host, "on", False)
+    _host.on = True
+    try:
+        yield
+    finally:
+        _host.on = prev
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, tracker: DeviceMemoryTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not getattr(_host, "on", False):
+            self.tracker._note(out, (args, kwargs))
+        return out
+
+
+class DeviceMemoryTracker:
+    """Live and peak bytes of storages created on `device` while the tracker is entered.
+
+    A storage counts from the op that created it until it is freed, even if that happens after the
+    tracker is exited (boundary activations kept from forward to backward stay counted).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.live = 0
+        self.peak = 0
+        self._owned: dict[int, weakref.finalize] = {}
+        self._lock = threading.RLock()  # a finalizer may fire while _note holds it
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def _release(self, ptr: int, nbytes: int) -> None:
+        with self._lock:
+            if self._owned.pop(ptr, None) is not None:
+                self.live -= nbytes
+
+    def _note(self, out: Any, inputs: Any) -> None:
+        fresh = []
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == self.device.type and not t.is_meta:
+                fresh.append(t)
+        if not fresh:
+            return
+        # An output that shares an input's storage (a view, an in-place op, a no-op .to) allocated nothing.
+        reused = {t.untyped_storage().data_ptr() for t in tree_flatten(inputs)[0]
+                  if isinstance(t, torch.Tensor) and t.device.type == self.device.type and not t.is_meta}
+        with self._lock:
+            for t in fresh:
+                st = t.untyped_storage()
+                ptr, n = st.data_ptr(), st.nbytes()
+                if n == 0 or ptr in reused or ptr in self._owned:
+                    continue
+                self._owned[ptr] = weakref.finalize(st, self._release, ptr, n)
+                self.live += n
+                self.peak = max(self.peak, self.live)
+
+    @contextmanager
+    def track(self) -> Iterator[None]:
+        with _Mode(self):
+            yield
+
+    def wrap(self, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def tracked(*args: Any, **kwargs: Any) -> Any:
+            with self.track():
+                return fn(*args, **kwargs)
+
+        return tracked

@@ -1,0 +1,359 @@
+"""`megatrain plan` and `megatrain bench` (and `python -m megatrain.planner`)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .estimate import Plan, crossover_closed_form, fmt_bytes, plan
+from .hardware import load_profiles, profile_from_dict
+from .search import max_batch, max_context
+
+
+def _si(x: float, unit: str = "") -> str:
+    for p, d in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= d:
+            return f"{x / d:.3g}{p}{unit}"
+    return f"{x:.3g}{unit}"
+
+
+def _sec(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int | None = None,
+                others: list[Plan] | None = None) -> str:
+    p, hw, m, t = pl.point, pl.hardware, pl.point.model, pl.time
+    P = m.param_count()
+    out = [
+        f"{p.backend} plan: {m.name} ({_si(P)} params, {m.num_layers} layers x {_si(m.layer_params())}) "
+        f"on {hw.name} [{hw.link}, {hw.link_gbs_achieved:g} GB/s per direction]",
+        f"  context {p.context}, micro-batch {p.batch}, accumulation {p.grad_accum} "
+        f"({p.tokens_per_step} tokens/step), compute {p.dtype}"
+        + (f", {p.num_buffers} layer buffers" if p.backend == "megatrain" else "")
+        + "".join(f", {k}={v}" for k, v in pl.decisions.items()),
+    ]
+    for pool, comps, total, cap in (("host memory", pl.memory.host, pl.memory.host_total, hw.host_bytes),
+                                    ("device memory", pl.memory.device, pl.memory.device_total, hw.device_bytes)):
+        out.append(f"  {pool:<34}{'':>12}   B/param")
+        for k, v in comps.items():
+            if v:
+                out.append(f"    {k:<32}{fmt_bytes(v):>12}   {v / P:7.2f}")
+        out.append(f"    {'total':<32}{fmt_bytes(total):>12}   {total / P:7.2f}   of {fmt_bytes(cap)}")
+    if pl.memory.unified:
+        out.append(f"    (unified: host + device = {fmt_bytes(pl.memory.host_total_incl_device)} "
+                   f"of {fmt_bytes(hw.host_bytes)})")
+    out.append("  fits: " + ("yes" if pl.fits else "NO") + "".join(f"\n    {r}" for r in pl.reasons))
+    lt = t.layer
+    out += [
+        "  time per streamed layer (one micro-batch):",
+        f"    forward  compute {_sec(lt.fwd_compute)}, h2d {_sec(lt.fwd_h2d)}, d2h {_sec(lt.fwd_d2h)} -> {_sec(lt.fwd)}",
+        f"    backward compute {_sec(lt.bwd_compute)} (recompute incl.), h2d {_sec(lt.bwd_h2d)}, "
+        f"d2h+accumulate {_sec(lt.bwd_d2h)} -> {_sec(lt.bwd)}",
+        f"  per micro-batch: forward {_sec(t.forward_s)}, head+loss {_sec(t.head_s)}, backward {_sec(t.backward_s)}, "
+        f"pipeline fill/drain {_sec(t.fill_drain_s)}",
+        f"  per step: embedding/head I/O {_sec(t.embed_io_s)}, optimizer {_sec(t.optimizer_busy_s)}"
+        + (" (overlapped)" if p.optimizer_overlap and p.backend == "megatrain" else " (after backward)"),
+        f"  step {_sec(t.step_s)}: {pl.tokens_per_s:,.0f} tokens/s, {pl.model_tflops:.1f} model TFLOPS, "
+        f"MFU {100 * pl.mfu:.1f}% of {hw.peak_flops(p.dtype) / 1e12:g} TFLOPS peak",
+        f"  link per step: h2d {fmt_bytes(t.h2d_bytes)}, d2h {fmt_bytes(t.d2h_bytes)}; compute waits on copies "
+        f"{_sec(t.copy_wait_s)}",
+        "  busy per step: " + ", ".join(f"{k} {_sec(v)}" for k, v in t.busy_s.items())
+        + f" -> bottleneck: {t.bottleneck}",
+    ]
+    if pl.crossover_tokens is not None:
+        out.append(f"  link stops being the bottleneck at >= {pl.crossover_tokens:,.0f} tokens per micro-batch "
+                   f"(Phi/B closed form {crossover_closed_form(hw, p.dtype):,.0f}); this point has {p.tokens:,}")
+    none = " (none: the host side does not fit at any size)" if not _host_fits(pl) else ""
+    if biggest_batch is not None:
+        out.append(f"  largest micro-batch that fits at context {p.context}: {biggest_batch}{none if not biggest_batch else ''}")
+    if biggest_context is not None:
+        out.append(f"  largest context that fits at micro-batch {p.batch}: {biggest_context:,}"
+                   f"{none if not biggest_context else ''}")
+    for w in pl.warnings:
+        out.append(f"  warning: {w}")
+    for o in others or []:
+        ratio = o.time.step_s / t.step_s
+        out.append(f"  {o.point.backend} at the same point: step {_sec(o.time.step_s)}, "
+                   f"{o.tokens_per_s:,.0f} tokens/s, {o.model_tflops:.1f} TFLOPS, host {fmt_bytes(o.memory.host_total)}, "
+                   f"device {fmt_bytes(o.memory.device_total)}, fits: {'yes' if o.fits else 'NO'}; "
+                   f"{p.backend} is {ratio:.2f}x faster (bottleneck {o.time.bottleneck})")
+    out.append("  (predicted; model TFLOPS = 6*N_nonembed*T + 12*L*h*s*T/2 per step, recompute not counted)")
+    return "\n".join(out)
+
+
+def _host_fits(pl: Plan) -> bool:
+    """Whether the model-state side of the host fits (it does not change with batch or context)."""
+    if pl.memory.unified:
+        return pl.fits or pl.memory.host_total <= pl.hardware.host_bytes
+    return pl.memory.host_total - pl.memory.host.get("offloaded activations", 0) <= pl.hardware.host_bytes
+
+
+def _auto(v: str) -> bool | str:
+    v = v.lower()
+    if v in ("auto",):
+        return "auto"
+    if v in ("on", "true", "1", "yes"):
+        return True
+    if v in ("off", "false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"{v!r}: use on, off or auto")
+
+
+def _tile(v: str) -> int | str | None:
+    if v.lower() == "auto":
+        return "auto"
+    if v.lower() in ("none", "off", "0"):
+        return None
+    return int(v)
+
+
+def _add_plan_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", help="preset name or alias (e.g. 120b, qwen2.5-14b); required without --sweep")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=1, help="micro-batch (sequences)")
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--hardware", default="h200-pcie",
+                    help="profile name (python -m megatrain.planner --list-hardware); with --sweep a comma list")
+    ap.add_argument("--hardware-file", help="extra profiles YAML (e.g. `megatrain bench --out`)")
+    ap.add_argument("--backend", default="megatrain", choices=["megatrain", "zero3", "torch"])
+    ap.add_argument("--compare", default="zero3", help="also plan these backends (comma list; '' for none)")
+    ap.add_argument("--num-buffers", type=int, default=2)
+    ap.add_argument("--offload-activations", type=_auto, default="auto", help="on, off or auto")
+    ap.add_argument("--tile-tokens", type=_tile, default="auto", help="MLP sequence tile: int, none or auto")
+    ap.add_argument("--loss-chunk-tokens", type=int, default=2048)
+    ap.add_argument("--master", default="fp32", choices=["fp32", "hilo", "bf16"],
+                    help="host master weights: fp32 (+bf16 shadow), exact hi/lo split, or bf16 (paper's code)")
+    ap.add_argument("--host-grad-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--optimizer-overlap", action="store_true")
+    ap.add_argument("--link-gbs", type=float, help="override the link rate (GB/s per direction)")
+    ap.add_argument("--host-memory-gib", type=float)
+    ap.add_argument("--device-memory-gib", type=float)
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument("--no-search", action="store_true", help="skip the largest batch/context searches")
+    ap.add_argument("--sweep", help="a harness sweep spec (experiments/sweeps/*.yaml): predicted rows as CSV; "
+                                    "megatrain knobs the spec's `engine` leaves unset come from these flags")
+    ap.add_argument("--out", help="CSV to write --sweep rows to (default: stdout)")
+
+
+def _knobs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(num_buffers=args.num_buffers, offload_activations=args.offload_activations,
+                tile_tokens=args.tile_tokens, loss_chunk_tokens=args.loss_chunk_tokens, master=args.master,
+                host_grad_dtype=args.host_grad_dtype, optimizer_overlap=args.optimizer_overlap)
+
+
+def _resolve_hw(args: argparse.Namespace, name: str | None = None) -> Any:
+    name = name or args.hardware
+    if args.hardware_file:
+        extra = load_profiles(args.hardware_file)
+        if name in extra:
+            return extra[name]
+    return name
+
+
+def _resolve_hw_list(args: argparse.Namespace) -> list[Any]:
+    return [_resolve_hw(args, h.strip()) for h in args.hardware.split(",") if h.strip()]
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(link_gbs=args.link_gbs, host_memory_gib=args.host_memory_gib,
+                device_memory_gib=args.device_memory_gib)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """The `plan` command; a bad name or value prints one error line and returns 2."""
+    try:
+        return _run_plan(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    if getattr(args, "sweep", None):
+        rows = run_sweep(args.sweep, _resolve_hw_list(args), knobs=_knobs(args), **_overrides(args))
+        _write_rows(rows, args.out)
+        return 0
+    if not args.model:
+        raise ValueError("--model is required (or give --sweep SPEC)")
+    hw = _resolve_hw(args)
+    knobs = _knobs(args)
+    common = dict(context=args.context, batch=args.batch, grad_accum=args.grad_accum, dtype=args.dtype,
+                  hardware=hw, **_overrides(args))
+    main = plan(args.model, backend=args.backend, **common, **knobs)
+    others = []
+    for b in [x.strip() for x in (args.compare or "").split(",") if x.strip()]:
+        if b != args.backend:
+            others.append(plan(args.model, backend=b, **common))
+    bb = bc = None
+    if not args.no_search:
+        srch = dict(dtype=args.dtype, hardware=hw, backend=args.backend, grad_accum=args.grad_accum,
+                    **_overrides(args), **knobs)
+        bb = max_batch(args.model, args.context, **srch)
+        bc = max_context(args.model, args.batch, **srch)
+    if args.json:
+        d = main.to_dict()
+        d.update(max_batch=bb, max_context=bc, compare=[o.to_row() for o in others])
+        print(json.dumps(d, indent=2, default=str))
+    else:
+        print(format_plan(main, bb, bc, others))
+    return 0
+
+
+# Keys of the harness's sweep specs (experiments/sweeps/*.yaml) the planner uses; the rest (warmup,
+# steps, timeout_s, threads, seed, lr) do not change a prediction.
+_SPEC_TOP = ("name", "description", "defaults", "grid", "grids", "points")
+
+
+def sweep_points(spec: str | Path) -> list[dict[str, Any]]:
+    """The points of a sweep spec in the harness's format (defaults + grid/grids + points; a list
+    is an axis, `engine` may be a list of mappings), as plain dicts. Read here rather than through
+    experiments/, which the planner may not import."""
+    with open(spec) as f:
+        d = yaml.safe_load(f) or {}
+    if not isinstance(d, dict):
+        raise ValueError(f"{spec}: a sweep spec must be a mapping with grid, grids or points")
+    unknown = set(d) - set(_SPEC_TOP)
+    if unknown:
+        raise ValueError(f"{spec}: unknown top-level key(s) {sorted(unknown)}; known: {', '.join(_SPEC_TOP)}")
+    defaults = dict(d.get("defaults") or {})
+    grids = ([d["grid"]] if d.get("grid") else []) + list(d.get("grids") or [])
+    points = []
+    for grid in grids:
+        keys = list(grid)
+        axes = [v if isinstance(v, list) else [v] for v in grid.values()]
+        for combo in itertools.product(*axes):
+            points.append({**defaults, **dict(zip(keys, combo))})
+    points += [{**defaults, **pt} for pt in (d.get("points") or [])]
+    if not points:
+        raise ValueError(f"{spec}: the spec defines no points")
+    return points
+
+
+def _spec_to_plan_kwargs(pt: dict[str, Any], knobs: dict[str, Any]) -> dict[str, Any]:
+    from .shapes import resolve_model
+
+    model = resolve_model(pt["model"])
+    if pt.get("max_positions"):
+        model = model.with_(max_positions=int(pt["max_positions"]))
+    kw: dict[str, Any] = dict(model=model, context=int(pt["seq_len"]), batch=int(pt.get("micro_batch", 1)),
+                              grad_accum=int(pt.get("grad_accum", 1)), backend=pt["backend"],
+                              dtype="bfloat16" if pt.get("precision", "fp32") == "bf16" else "float32",
+                              grad_clip=float(pt.get("grad_clip", 1.0)) > 0)
+    if pt["backend"] == "megatrain":
+        eng = dict(pt.get("engine") or {})
+        kw.update({k: v for k, v in knobs.items() if k not in eng})
+        for k in ("num_buffers", "loss_chunk_tokens", "offload_activations", "tile_tokens"):
+            if k in eng:
+                kw[k] = eng[k]
+        if eng.get("link_gbps"):
+            kw["link_gbs"] = float(eng["link_gbps"])
+    else:
+        kw["gradient_checkpointing"] = bool(pt.get("recompute", True))
+    return kw
+
+
+def run_sweep(spec: str | Path, hardware: str | list[str] = "h200-pcie",
+              knobs: dict[str, Any] | None = None, **overrides: Any) -> list[dict[str, Any]]:
+    """Predicted rows (source=predicted) for every point of a harness sweep spec on each hardware.
+
+    knobs: megatrain planner knobs for settings the spec's `engine` mapping leaves unset (e.g.
+    offload_activations='auto'); overrides: link_gbs / host_memory_gib / device_memory_gib.
+    A point that cannot be planned becomes a row with status=failed and the reason; the sweep goes on.
+    """
+    hws = [h.strip() for h in hardware.split(",")] if isinstance(hardware, str) else list(hardware)
+    name = Path(spec).stem
+    rows = []
+    for pt in sweep_points(spec):
+        for hw in hws:
+            try:
+                kw = _spec_to_plan_kwargs(pt, knobs or {})
+                for k, v in overrides.items():
+                    if v is not None:
+                        kw.setdefault(k, v)
+                row = plan(hardware=hw, **kw).to_row()
+            except (ValueError, TypeError, KeyError) as e:
+                row = {"source": "predicted", "hardware": hw, "status": "failed", "reason": str(e),
+                       "backend": pt.get("backend"), "model": pt.get("model"), "seq_len": pt.get("seq_len")}
+            rows.append({"sweep": name, **row})
+    return rows
+
+
+def _write_rows(rows: list[dict[str, Any]], out: str | None) -> None:
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    f = open(out, "w", newline="") if out else sys.stdout
+    try:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    finally:
+        if out:
+            f.close()
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from .measure import bench
+
+    prof = bench(quick=args.quick)
+    raw = prof.pop("raw")
+    name = prof.pop("name")
+    profile_from_dict(name, prof)  # validate before writing
+    text = yaml.safe_dump({"profiles": {args.name or name: prof}}, sort_keys=False, width=200)
+    if args.out:
+        Path(args.out).write_text(text)
+    if args.json:
+        print(json.dumps({"profile": prof, "raw": raw}, indent=2))
+    else:
+        print(text)
+        print("# raw: " + json.dumps(raw))
+    return 0
+
+
+def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `plan` on a subparsers object; sets args.func = run_plan (returns an exit code)."""
+    ap = subparsers.add_parser("plan", help="predict memory, step time and fit for a training point",
+                               description="Predict host/device memory per component, step time, throughput "
+                                           "and fit (megatrain vs ZeRO-3 offload) from shapes and a hardware profile.")
+    _add_plan_args(ap)
+    ap.set_defaults(func=run_plan)
+    return ap
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `bench` on a subparsers object; sets args.func = run_bench (returns an exit code)."""
+    ap = subparsers.add_parser("bench", help="measure this machine into a hardware profile",
+                               description="Measure matmul rates, memory bandwidth, the CPU AdamW and the host "
+                                           "link (or the emulated link on CPU) and print a hardware profile.")
+    ap.add_argument("--quick", action="store_true", help="small sizes (seconds), for tests")
+    ap.add_argument("--out", help="write the profile YAML here (load it with plan --hardware-file)")
+    ap.add_argument("--name", help="profile name to write (default: cpu or cuda)")
+    ap.add_argument("--json", action="store_true")
+    ap.set_defaults(func=run_bench)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m megatrain.planner [plan] --model ...` or `python -m megatrain.planner bench`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("--list-hardware", "list-hardware"):
+        for name, hw in load_profiles().items():
+            print(f"{name:<12} {hw.description}")
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m megatrain.planner")
+    sub = parser.add_subparsers(dest="command")
+    add_plan_parser(sub)
+    add_bench_parser(sub)
+    if not argv or argv[0] not in ("plan", "bench", "-h", "--help"):
+        argv = ["plan", *argv]
+    args = parser.parse_args(argv)
+    return int(args.func(args))

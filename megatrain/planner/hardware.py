@@ -1,0 +1,248 @@
+"""Hardware profiles (megatrain/data/hardware.yaml) and what this machine has free right now."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import functools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+GIB = 1024**3
+GB = 1e9
+HARDWARE_FILE = Path(__file__).resolve().parent.parent / "data" / "hardware.yaml"
+
+# Numeric fields every profile must carry, each as {value, source}.
+NUMERIC_FIELDS = (
+    "peak_bf16_tflops", "peak_fp32_tflops", "sustained_bf16", "sustained_fp32",
+    "device_memory_gib", "device_memory_bw_gbs", "device_reserved_gib",
+    "link_gbs_theoretical", "link_gbs_achieved",
+    "host_memory_gib", "host_memory_bw_gbs_theoretical", "host_memory_bw_gbs_achieved", "host_reserved_gib",
+)
+OPTIONAL_NUMERIC_FIELDS = ("host_optimizer_gbs",)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    description: str
+    link: str
+    unified_memory: bool
+    peak_bf16_tflops: float
+    peak_fp32_tflops: float
+    sustained_bf16: float
+    sustained_fp32: float
+    device_memory_gib: float
+    device_memory_bw_gbs: float
+    device_reserved_gib: float
+    link_gbs_theoretical: float
+    link_gbs_achieved: float
+    host_memory_gib: float
+    host_memory_bw_gbs_theoretical: float
+    host_memory_bw_gbs_achieved: float
+    host_reserved_gib: float
+    host_optimizer_gbs: float | None = None
+    sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def peak_flops(self, dtype: str) -> float:
+        return 1e12 * (self.peak_bf16_tflops if _is_bf16(dtype) else self.peak_fp32_tflops)
+
+    def sustained_flops(self, dtype: str) -> float:
+        frac = self.sustained_bf16 if _is_bf16(dtype) else self.sustained_fp32
+        return self.peak_flops(dtype) * frac
+
+    @property
+    def link_bps(self) -> float:
+        return self.link_gbs_achieved * GB
+
+    @property
+    def host_bw_bps(self) -> float:
+        return self.host_memory_bw_gbs_achieved * GB
+
+    @property
+    def optimizer_bps(self) -> float:
+        return (self.host_optimizer_gbs or self.host_memory_bw_gbs_achieved) * GB
+
+    @property
+    def device_bytes(self) -> int:
+        return int(self.device_memory_gib * GIB)
+
+    @property
+    def host_bytes(self) -> int:
+        return int(self.host_memory_gib * GIB)
+
+    def with_(self, **changes: Any) -> Hardware:
+        """A copy with some numbers replaced (e.g. an emulated link rate, a smaller host)."""
+        srcs = dict(self.sources)
+        for k in changes:
+            srcs[k] = "override"
+        return dataclasses.replace(self, sources=srcs, **changes)
+
+
+def _is_bf16(dtype: str) -> bool:
+    d = str(dtype).replace("torch.", "")
+    if d in ("bfloat16", "bf16"):
+        return True
+    if d in ("float32", "fp32"):
+        return False
+    raise ValueError(f"compute dtype {dtype!r} is not supported by the planner; use 'bfloat16' or 'float32'")
+
+
+def load_profiles(path: str | os.PathLike | None = None) -> dict[str, Hardware]:
+    """All profiles in a hardware YAML file (the packaged one by default), validated."""
+    raw = load_raw(path)
+    shared = raw.get("sources") or {}
+    out = {}
+    for name, entry in (raw.get("profiles") or {}).items():
+        out[name] = profile_from_dict(name, entry, shared)
+    return out
+
+
+def load_raw(path: str | os.PathLike | None = None) -> dict[str, Any]:
+    p = Path(path) if path is not None else HARDWARE_FILE
+    st = p.stat()
+    return copy.deepcopy(_parse(str(p), st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse(path: str, mtime_ns: int, size: int) -> dict[str, Any]:
+    # keyed on mtime and size so an edited or re-benched file is read again; plans call this a lot
+    with open(path) as f:
+        return yaml.safe_load(f) or {}
+
+
+def profile_from_dict(name: str, entry: dict[str, Any], shared_sources: dict[str, str] | None = None) -> Hardware:
+    """Build a Hardware from one YAML entry (or a `bench` result); every number must cite a source."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"hardware profile {name!r} is not a mapping (got {type(entry).__name__})")
+    shared_sources = shared_sources or {}
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for key in NUMERIC_FIELDS + OPTIONAL_NUMERIC_FIELDS:
+        if key not in entry:
+            if key in OPTIONAL_NUMERIC_FIELDS:
+                continue
+            raise ValueError(f"hardware profile {name!r} lacks {key!r}")
+        item = entry[key]
+        if not isinstance(item, dict) or "value" not in item or not item.get("source"):
+            raise ValueError(f"hardware profile {name!r}: {key} must be {{value: N, source: ...}} (got {item!r})")
+        value = float(item["value"])
+        if not value > 0:
+            raise ValueError(f"hardware profile {name!r}: {key}={value} must be > 0")
+        values[key] = value
+        src = str(item["source"])
+        sources[key] = shared_sources.get(src, src)
+    return Hardware(
+        name=name,
+        description=str(entry.get("description", "")),
+        link=str(entry.get("link", "")),
+        unified_memory=bool(entry.get("unified_memory", False)),
+        sources=sources,
+        **values,
+    )
+
+
+def get_hardware(hw: str | Hardware | dict[str, Any], path: str | os.PathLike | None = None) -> Hardware:
+    """A profile by name (e.g. 'h200-pcie'), or pass a Hardware / a bench result dict through."""
+    if isinstance(hw, Hardware):
+        return hw
+    if isinstance(hw, dict):
+        return profile_from_dict(str(hw.get("name", "custom")), hw)
+    profiles = load_profiles(path)
+    if hw in profiles:
+        return profiles[hw]
+    close = difflib.get_close_matches(str(hw), list(profiles), n=3)
+    hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+    raise ValueError(f"unknown hardware profile {hw!r}.{hint} Known profiles: {', '.join(profiles)}.")
+
+
+# ---------------------------------------------------------------- what this machine has free
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    available_bytes: int  # what a new allocation can still get
+    limit_bytes: int  # the cgroup limit, or MemTotal when no limit is set
+    source: str  # where available_bytes came from
+
+
+def _read_int(path: str | Path) -> int | None:
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    if text in ("", "max"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _meminfo(meminfo: str | Path) -> dict[str, int]:
+    out = {}
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts:
+                out[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
+    except OSError:
+        pass
+    return out
+
+
+def _cgroup_limit_usage(cgroup_root: Path, proc_cgroup: Path) -> tuple[int | None, int | None, str]:
+    """(limit, usage, where) of this process's memory cgroup, v2 or v1; None where unset."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        lines = []
+    v2_path = v1_path = None
+    for line in lines:
+        hid, ctrls, path = (line.split(":", 2) + ["", ""])[:3]
+        if hid == "0" and ctrls == "":
+            v2_path = path
+        elif "memory" in ctrls.split(","):
+            v1_path = path
+    # A container often mounts its own cgroup at the root, so the path from /proc may not exist
+    # under the mount: try it, then the root.
+    candidates: list[tuple[Path, str, str]] = []
+    if v2_path is not None:
+        for base in (cgroup_root / v2_path.lstrip("/"), cgroup_root):
+            candidates.append((base, "memory.max", "memory.current"))
+    if v1_path is not None:
+        for base in (cgroup_root / "memory" / v1_path.lstrip("/"), cgroup_root / "memory"):
+            candidates.append((base, "memory.limit_in_bytes", "memory.usage_in_bytes"))
+    for base, limit_file, usage_file in candidates:
+        if not (base / limit_file).exists():
+            continue
+        limit = _read_int(base / limit_file)
+        # cgroup v1 writes "no limit" as a huge page-aligned number
+        if limit is not None and limit >= 1 << 60:
+            limit = None
+        return limit, _read_int(base / usage_file), str(base / limit_file)
+    return None, None, ""
+
+
+def host_memory_available(meminfo: str | Path = "/proc/meminfo", cgroup_root: str | Path = "/sys/fs/cgroup",
+                          proc_cgroup: str | Path = "/proc/self/cgroup") -> HostMemory:
+    """Host memory a new allocation can still get: the cgroup's headroom when a limit is set
+    (capped by MemAvailable), else MemAvailable from /proc/meminfo."""
+    info = _meminfo(meminfo)
+    mem_avail = info.get("MemAvailable", info.get("MemFree"))
+    mem_total = info.get("MemTotal")
+    limit, usage, where = _cgroup_limit_usage(Path(cgroup_root), Path(proc_cgroup))
+    if limit is not None:
+        headroom = max(0, limit - (usage or 0))
+        if mem_avail is not None and mem_avail < headroom:
+            return HostMemory(mem_avail, limit, "MemAvailable (/proc/meminfo), below the cgroup headroom")
+        return HostMemory(headroom, limit, f"cgroup limit {where} minus usage")
+    if mem_avail is None:
+        raise RuntimeError(f"cannot tell available host memory: no cgroup limit and no MemAvailable in {meminfo}")
+    return HostMemory(mem_avail, mem_total or mem_avail, "MemAvailable (/proc/meminfo)")

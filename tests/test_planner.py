@@ -1,0 +1,426 @@
+"""The planner: bytes/param formulas, sums, the link crossover, fit searches, profiles, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+
+import pytest
+import yaml
+
+from megatrain.metrics.flops import model_flops_per_step
+from megatrain.models.presets import PRESETS, get_preset
+from megatrain.planner import (
+    crossover_closed_form,
+    fits,
+    get_hardware,
+    host_memory_available,
+    layer_working_set_bytes,
+    link_crossover_tokens,
+    load_profiles,
+    make_point,
+    max_batch,
+    max_context,
+    plan,
+    preflight,
+    resolve_model,
+)
+from megatrain.planner.cli import add_bench_parser, add_plan_parser, main
+from megatrain.planner.hardware import NUMERIC_FIELDS, load_raw
+
+GIB = 1024**3
+H200 = "h200-pcie"
+
+
+def _states(pl) -> int:
+    h = pl.memory.host
+    return h["master weights"] + h["gradients"] + h["adam m"] + h["adam v"]
+
+
+# ------------------------------------------------------------------ bytes per parameter
+
+
+@pytest.mark.parametrize("name", ["llama2-7b", "qwen2.5-14b", "dense-120b", "tiny-qwen2"])
+def test_fp32_host_state_is_16_bytes_per_param(name):
+    pl = plan(name, 1024, 1, dtype="float32", hardware=H200, offload_activations=False)
+    P = PRESETS[name].param_count()
+    assert _states(pl) == 16 * P
+    assert pl.memory.host["bf16 shadow (streams)"] == 0
+
+
+def test_bf16_shadow_covers_streamed_layers_only():
+    m = get_preset("qwen2.5-7b")
+    pl = plan(m, 1024, dtype="bfloat16", hardware=H200)
+    assert pl.memory.host["bf16 shadow (streams)"] == 2 * m.num_layers * m.layer_params()
+    assert _states(pl) == 16 * m.param_count()
+    # the exact hi/lo split streams its hi half: no shadow
+    assert plan(m, 1024, dtype="bfloat16", hardware=H200, master="hilo").memory.host["bf16 shadow (streams)"] == 0
+    # the paper's public code: bf16 weights + bf16 grads + fp32 Adam = 12 B/param
+    paper = plan(m, 1024, dtype="bfloat16", hardware=H200, master="bf16", host_grad_dtype="bfloat16")
+    assert _states(paper) == 12 * m.param_count()
+
+
+def test_zero3_host_follows_deepspeed_estimator():
+    m = get_preset("qwen2.5-14b")
+    z = plan(m, 1024, backend="zero3", hardware=H200)
+    model_states = z.memory.host_total - z.memory.host["runtime"]
+    assert model_states == pytest.approx(18 * 1.5 * m.param_count(), rel=1e-6)
+
+
+def test_param_counts_match_design_table():
+    # DESIGN.md's approximate sizes, to the stated precision
+    expect = {"llama2-7b": 6.7e9, "qwen2.5-7b": 7.6e9, "llama3.1-8b": 8.0e9, "qwen2.5-14b": 14.8e9,
+              "qwen2.5-32b": 32.8e9, "llama3.1-70b": 70.6e9, "qwen2.5-72b": 72.7e9, "dense-120b": 122e9}
+    for name, n in expect.items():
+        assert PRESETS[name].param_count() == pytest.approx(n, rel=0.01), name
+
+
+# ------------------------------------------------------------------ sums and formulas
+
+
+@pytest.mark.parametrize("backend", ["megatrain", "zero3", "torch"])
+def test_components_sum_to_totals(backend):
+    pl = plan("qwen2.5-14b", 4096, 2, grad_accum=3, hardware=H200, backend=backend)
+    assert pl.memory.host_total == sum(pl.memory.host.values())
+    assert pl.memory.device_total == sum(pl.memory.device.values())
+    t = pl.time
+    micro = t.fill_drain_s + t.forward_s + t.head_s + t.backward_s
+    assert t.step_s == pytest.approx(3 * micro + t.embed_io_s + t.optimizer_s, rel=1e-9)
+    assert pl.tokens_per_s == pytest.approx(3 * 2 * 4096 / t.step_s)
+
+
+def test_link_bytes_per_step():
+    m = get_preset("llama3.1-8b")
+    k, g = 2, 2
+    pl = plan(m, 2048, 4, grad_accum=g, hardware=H200, num_buffers=k, offload_activations=False)
+    c, L, PL = 2, m.num_layers, m.layer_params()
+    resident = m.embed_params() + m.hidden
+    assert pl.time.h2d_bytes == g * (2 * L - k) * PL * c + resident * c
+    assert pl.time.d2h_bytes == g * L * PL * c + resident * c
+    # offloaded activations cross the link both ways, one boundary tensor per layer
+    off = plan(m, 2048, 4, grad_accum=g, hardware=H200, num_buffers=k, offload_activations=True)
+    assert off.time.h2d_bytes - pl.time.h2d_bytes == g * L * 4 * 2048 * m.hidden * c
+
+
+def test_model_flops_use_the_shared_definition():
+    m = get_preset("llama2-7b")
+    pl = plan(m, 8192, 2, grad_accum=2, hardware="gh200")
+    want = model_flops_per_step(m.nonembed_params(), m.num_layers, m.hidden, 8192, 2 * 2 * 8192)
+    assert pl.model_flops == want
+    assert pl.model_tflops == pytest.approx(want / pl.time.step_s / 1e12)
+    assert pl.mfu == pytest.approx(want / pl.time.step_s / 989e12)
+
+
+def test_one_buffer_serializes_copies():
+    a = plan("llama3.1-8b", 1024, 1, hardware=H200, num_buffers=2, offload_activations=False)
+    b = plan("llama3.1-8b", 1024, 1, hardware=H200, num_buffers=1, offload_activations=False)
+    la, lb = a.time.layer, b.time.layer
+    assert la.fwd == pytest.approx(max(la.fwd_compute, la.fwd_h2d, la.fwd_d2h))
+    assert lb.fwd == pytest.approx(lb.fwd_compute + lb.fwd_h2d + lb.fwd_d2h)
+    assert b.time.step_s > a.time.step_s
+
+
+# ------------------------------------------------------------------ the link crossover
+
+
+def test_crossover_closed_form_is_phi_over_b():
+    hw = get_hardware(H200)
+    assert crossover_closed_form(hw, "bfloat16") == pytest.approx(hw.sustained_flops("bfloat16") / hw.link_bps)
+    assert crossover_closed_form(hw, "float32") == pytest.approx(2 * hw.sustained_flops("float32") / hw.link_bps)
+    # DESIGN.md: about 13k tokens on H200/PCIe, 1.6k on GH200 (bf16)
+    assert 8_000 < crossover_closed_form(hw, "bfloat16") < 20_000
+    assert 1_000 < crossover_closed_form(get_hardware("gh200"), "bfloat16") < 3_000
+
+
+def test_forward_is_link_bound_below_the_crossover_and_compute_bound_above():
+    m, hw, ctx = get_preset("qwen2.5-14b"), get_hardware(H200), 1024
+    n = link_crossover_tokens(make_point(m, ctx, 1), hw)
+    # attention and elementwise work only lower it below the GEMM-only closed form
+    assert n < crossover_closed_form(hw, "bfloat16")
+    below = plan(m, ctx, max(1, math.floor(n / ctx) - 1), hardware=hw)
+    above = plan(m, ctx, math.ceil(n / ctx) + 1, hardware=hw)
+    assert below.time.layer.fwd == below.time.layer.fwd_h2d > below.time.layer.fwd_compute
+    assert above.time.layer.fwd == above.time.layer.fwd_compute > above.time.layer.fwd_h2d
+    exact = make_point(m, ctx, 1)
+    from megatrain.planner.estimate import _layer_compute
+
+    per_token = _layer_compute(exact, hw)[0] / ctx
+    assert per_token * n == pytest.approx(m.layer_params() * 2 / hw.link_bps)
+
+
+def test_slow_link_makes_the_link_the_bottleneck():
+    fast = plan("llama2-7b", 4096, 1, hardware=H200)
+    slow = plan("llama2-7b", 4096, 1, hardware=H200, link_gbs=1.0)
+    assert slow.time.bottleneck == "link"
+    assert slow.time.copy_wait_s > fast.time.copy_wait_s
+    assert slow.time.step_s > fast.time.step_s
+
+
+# ------------------------------------------------------------------ device memory shape
+
+
+def test_device_memory_is_independent_of_depth_with_offload():
+    m = get_preset("llama2-7b")
+    shallow = plan(m, 4096, 2, hardware=H200, offload_activations=True, tile_tokens=None)
+    deep = plan(m.with_(num_layers=2 * m.num_layers), 4096, 2, hardware=H200, offload_activations=True,
+                tile_tokens=None)
+    assert deep.memory.device == shallow.memory.device
+    assert deep.memory.host_total > shallow.memory.host_total
+    # resident boundary activations are the one depth-dependent device term: L x T x h x c
+    r1 = plan(m, 4096, 2, hardware=H200, offload_activations=False, tile_tokens=None)
+    r2 = plan(m.with_(num_layers=2 * m.num_layers), 4096, 2, hardware=H200, offload_activations=False,
+              tile_tokens=None)
+    assert r2.memory.device_total - r1.memory.device_total == m.num_layers * 2 * 4096 * m.hidden * 2
+
+
+def test_device_weight_bytes_are_buffers_plus_resident():
+    m = get_preset("qwen2.5-7b")
+    pl = plan(m, 1024, hardware=H200, num_buffers=3)
+    assert pl.device_weight_bytes == 3 * m.layer_params() * 2 + (m.embed_params() + m.hidden) * 2
+
+
+def test_working_set_is_linear_in_tokens_and_tiling_shrinks_it():
+    m = get_preset("llama2-7b")
+    ws = [layer_working_set_bytes(m, t, 2) for t in (4096, 8192, 16384, 32768)]
+    assert ws[1] - ws[0] == pytest.approx((ws[3] - ws[2]) / 4, rel=1e-6)  # no quadratic term
+    assert layer_working_set_bytes(m, 65536, 2, tile=4096) < layer_working_set_bytes(m, 65536, 2) / 2
+
+
+def test_long_context_auto_offloads_and_tiles():
+    pl = plan("llama2-7b", 524288, 1, hardware="gh200")
+    assert pl.fits
+    assert pl.decisions["offload_activations"] is True
+    assert pl.decisions["tile_tokens"] is not None
+    assert pl.memory.host["offloaded activations"] == 32 * 524288 * 4096 * 2
+    assert any("max_position_embeddings" in w for w in pl.warnings)
+    forced = plan("llama2-7b", 524288, 1, hardware="gh200", offload_activations=False, tile_tokens=None)
+    assert not forced.fits
+
+
+# ------------------------------------------------------------------ monotonicity and fit
+
+
+def test_monotone_in_batch_context_and_size():
+    dev = [plan("qwen2.5-14b", 4096, b, hardware=H200, offload_activations=False, tile_tokens=None)
+           for b in (1, 2, 4, 8)]
+    assert all(a.memory.device_total < b.memory.device_total for a, b in zip(dev, dev[1:]))
+    assert all(a.time.step_s < b.time.step_s for a, b in zip(dev, dev[1:]))
+    assert all(a.tokens_per_s <= b.tokens_per_s for a, b in zip(dev, dev[1:]))
+    ctx = [plan("qwen2.5-14b", s, 1, hardware=H200, offload_activations=False, tile_tokens=None).memory.device_total
+           for s in (1024, 2048, 4096)]
+    assert ctx == sorted(ctx)
+    hosts = [plan(n, 1024, hardware=H200).memory.host_total for n in ("llama2-7b", "qwen2.5-14b", "qwen2.5-32b")]
+    assert hosts == sorted(hosts)
+
+
+def test_fit_cases():
+    assert fits("tiny", 128, 1, hardware=H200)
+    # 120B with an exact FP32 master + FP32 grads + Adam needs ~2 TB: not in the paper's 1.5 TB...
+    full = plan("120b", 4096, 8, hardware=H200)
+    assert not full.fits and "host" in full.reasons[0] and "DOES NOT FIT" in full.reasons[0]
+    # ...while the paper's bf16 weights + bf16 grads (12 B/param) do fit
+    assert fits("120b", 4096, 8, hardware=H200, master="bf16", host_grad_dtype="bfloat16")
+    # 70B on a 192 GB desktop does not
+    assert not fits("70b", 1024, 1, hardware="rtx4090")
+    # HF's full logits keep ZeRO-3 to small batches where megatrain's chunked loss does not
+    assert max_batch("qwen2.5-14b", 4096, hardware="a100-pcie", backend="zero3") < \
+        max_batch("qwen2.5-14b", 4096, hardware="a100-pcie")
+
+
+def test_max_batch_and_max_context_are_the_boundary():
+    kw = dict(hardware="a100-pcie", offload_activations=False, tile_tokens=None)
+    b = max_batch("qwen2.5-7b", 4096, **kw)
+    assert b >= 1
+    assert fits("qwen2.5-7b", 4096, b, **kw) and not fits("qwen2.5-7b", 4096, b + 1, **kw)
+    s = max_context("qwen2.5-7b", 1, granularity=1024, **kw)
+    assert s % 1024 == 0 and s >= 1024
+    assert fits("qwen2.5-7b", s, 1, **kw) and not fits("qwen2.5-7b", s + 1024, 1, **kw)
+    assert max_batch("120b", 4096, hardware=H200) == 0  # the host side never fits
+
+
+# ------------------------------------------------------------------ errors and inputs
+
+
+def test_clear_errors_for_bad_names_and_values():
+    with pytest.raises(ValueError, match="unknown model preset 'llama2-7'. Did you mean 'llama2-7b'"):
+        plan("llama2-7", 1024)
+    with pytest.raises(ValueError, match="unknown hardware profile 'h200'.*Known profiles"):
+        plan("7b", 1024, hardware="h200")
+    with pytest.raises(ValueError, match="backend"):
+        plan("7b", 1024, backend="zero2")
+    with pytest.raises(ValueError, match="dtype"):
+        plan("7b", 1024, dtype="float16")
+    with pytest.raises(ValueError, match="batch=0"):
+        plan("7b", 1024, 0)
+    with pytest.raises(ValueError, match="unknown planner setting"):
+        plan("7b", 1024, num_bufers=2)
+
+
+def test_hf_config_dict_resolves_to_the_same_shape():
+    m = get_preset("qwen2.5-7b")
+    d = dict(model_type="qwen2", num_hidden_layers=m.num_layers, hidden_size=m.hidden,
+             intermediate_size=m.intermediate, num_attention_heads=m.heads, num_key_value_heads=m.kv_heads,
+             vocab_size=m.vocab, max_position_embeddings=m.max_positions, tie_word_embeddings=False)
+    assert resolve_model(d).param_count() == m.param_count()
+    with pytest.raises(ValueError, match="head_dim"):
+        resolve_model({**d, "head_dim": 64})
+    with pytest.raises(ValueError, match="model_type"):
+        resolve_model({**d, "model_type": "gpt2"})
+
+
+def test_engine_config_supplies_knobs():
+    from megatrain.config import EngineConfig
+
+    cfg = EngineConfig(compute_dtype="bfloat16", num_buffers=3, loss_chunk_tokens=512, offload_activations=True)
+    p = make_point("7b", 1024, engine_config=cfg)
+    assert (p.dtype, p.num_buffers, p.loss_chunk_tokens, p.offload_activations) == ("bfloat16", 3, 512, True)
+
+
+# ------------------------------------------------------------------ profiles
+
+
+def test_every_profile_number_has_a_source():
+    raw = load_raw()
+    shared = raw["sources"]
+    assert all(isinstance(v, str) and v.strip() for v in shared.values())
+    expected = {"h200-pcie", "gh200", "h100-sxm", "h100-pcie", "a100-pcie", "rtx4090", "cpu"}
+    assert expected <= set(raw["profiles"])
+    for name, entry in raw["profiles"].items():
+        for key, item in entry.items():
+            if isinstance(item, dict):
+                src = str(item.get("source", "")).strip()
+                assert src, f"{name}.{key} has no source"
+                if src in shared:
+                    continue
+                assert src.startswith(("measured by megatrain bench", "assumption", "estimate", "http")), \
+                    f"{name}.{key}: source {src!r} is neither a sources key nor a citation"
+        for key in NUMERIC_FIELDS:
+            assert key in entry, f"{name} lacks {key}"
+    assert "measured by megatrain bench" in load_profiles()["cpu"].sources["peak_fp32_tflops"]
+
+
+def test_profiles_load_and_a_bad_entry_is_refused(tmp_path):
+    profiles = load_profiles()
+    assert profiles["gh200"].link_gbs_theoretical == 450
+    assert profiles["cpu"].unified_memory
+    bad = {"profiles": {"x": {"peak_bf16_tflops": {"value": 1}}}}
+    f = tmp_path / "hw.yaml"
+    f.write_text(yaml.safe_dump(bad))
+    with pytest.raises(ValueError, match="source|lacks"):
+        load_profiles(f)
+
+
+# ------------------------------------------------------------------ host memory and preflight
+
+
+def test_host_memory_available_reads_cgroup_v2_then_meminfo(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemAvailable:   8000000 kB\n")
+    root = tmp_path / "cg"
+    (root / "job").mkdir(parents=True)
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/job\n")
+    # no limit file -> MemAvailable
+    hm = host_memory_available(meminfo, root, proc)
+    assert hm.available_bytes == 8000000 * 1024 and "MemAvailable" in hm.source
+    (root / "job" / "memory.max").write_text(str(4 * GIB) + "\n")
+    (root / "job" / "memory.current").write_text(str(1 * GIB) + "\n")
+    hm = host_memory_available(meminfo, root, proc)
+    assert hm.available_bytes == 3 * GIB and hm.limit_bytes == 4 * GIB and "cgroup" in hm.source
+    (root / "job" / "memory.max").write_text("max\n")
+    assert host_memory_available(meminfo, root, proc).available_bytes == 8000000 * 1024
+
+
+def test_host_memory_available_cgroup_v1_unlimited_and_limited(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 1000 kB\nMemAvailable: 900 kB\n")
+    root = tmp_path / "cg"
+    (root / "memory").mkdir(parents=True)
+    proc = tmp_path / "cgroup"
+    proc.write_text("4:memory:/not/mounted/here\n0::/\n")
+    (root / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (root / "memory" / "memory.usage_in_bytes").write_text("100\n")
+    assert host_memory_available(meminfo, root, proc).available_bytes == 900 * 1024
+    (root / "memory" / "memory.limit_in_bytes").write_text("500000\n")
+    assert host_memory_available(meminfo, root, proc).available_bytes == 500000 - 100
+    assert host_memory_available().available_bytes > 0  # this machine
+
+
+def test_preflight_reports_needed_vs_available():
+    ok, reason = preflight("qwen2.5-14b", 4096, 1, "megatrain", "bfloat16",
+                           host_available=64 * GIB, device_available=80 * GIB)
+    assert not ok
+    assert "host: needs" in reason and "64.00 GiB available" in reason and "master weights" in reason
+    res = preflight("qwen2.5-14b", 4096, 1, "megatrain", "bfloat16",
+                    host_available=512 * GIB, device_available=80 * GIB)
+    assert res.ok and res.host_needed < res.host_available and res.device_needed < res.device_available
+    # without a device, device allocations are charged to the host
+    cpu = preflight("tiny", 256, 1, "megatrain", "float32", host_available=8 * GIB, device_available=None)
+    assert cpu.ok and "device shares it" in cpu.reason
+    assert not preflight("llama-100m", 512, 2, "zero3", "float32", host_available=256 * 1024**2).ok
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def test_cli_plan_prints_breakdown(capsys):
+    assert main(["--model", "120b", "--context", "4096", "--batch", "8", "--hardware", H200]) == 0
+    out = capsys.readouterr().out
+    for needle in ("host memory", "device memory", "fits: NO", "largest micro-batch", "largest context",
+                   "tokens/s", "model TFLOPS", "link stops being the bottleneck", "zero3 at the same point"):
+        assert needle in out, needle
+
+
+def test_cli_json_bad_name_and_registration(capsys):
+    assert main(["plan", "--model", "tiny", "--context", "128", "--hardware", "cpu", "--dtype", "float32",
+                 "--json", "--no-search", "--compare", ""]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["fits"] and d["point"]["model"] == "tiny"
+    assert main(["--model", "nope", "--hardware", H200]) == 2
+    assert "unknown model preset" in capsys.readouterr().err
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers()
+    add_plan_parser(sub)
+    add_bench_parser(sub)
+    args = ap.parse_args(["plan", "--model", "7b", "--offload-activations", "off", "--tile-tokens", "4096"])
+    assert args.offload_activations is False and args.tile_tokens == 4096 and callable(args.func)
+    assert ap.parse_args(["bench", "--quick"]).quick
+
+
+def test_cli_sweep_writes_predicted_rows(tmp_path):
+    # the harness's spec format: defaults, grids (a list is an axis), explicit points
+    spec = tmp_path / "sweep.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": "t", "defaults": {"precision": "bf16", "micro_batch": 1, "steps": 2},
+        "grids": [{"backend": "megatrain", "model": ["7b", "14b"], "seq_len": [4096, 65536],
+                   "max_positions": 65536, "engine": {"offload_activations": True}},
+                  {"backend": "zero3", "model": "7b", "seq_len": 4096, "micro_batch": [1, 64]}],
+        "points": [{"backend": "torch", "model": "nope", "seq_len": 1024}]}))
+    out = tmp_path / "rows.csv"
+    assert main(["--sweep", str(spec), "--out", str(out), "--hardware", "a100-pcie,gh200"]) == 0
+    rows = list(csv.DictReader(open(out)))
+    assert len(rows) == 2 * 7 and all(r["source"] == "predicted" for r in rows)
+    assert {r["hardware"] for r in rows} == {"a100-pcie", "gh200"}
+    mt = [r for r in rows if r["backend"] == "megatrain"]
+    assert all(r["offload_activations"] == "True" and r["precision"] == "bf16" for r in mt)
+    assert {r["status"] for r in rows if r["backend"] == "zero3"} == {"ok", "skipped"}  # 64 x 4k logits
+    bad = [r for r in rows if r["status"] == "failed"]
+    assert len(bad) == 2 and "unknown model preset" in bad[0]["reason"]
+    for r in rows:
+        if r["status"] == "ok":
+            assert float(r["tokens_per_s"]) == pytest.approx(int(r["tokens_per_step"]) / float(r["step_time_s"]))
+
+
+def test_bench_cpu_quick_returns_a_valid_profile():
+    from megatrain.planner.hardware import profile_from_dict
+    from megatrain.planner.measure import bench_cpu
+
+    prof = bench_cpu(quick=True, threads=1)
+    raw = prof.pop("raw")
+    hw = profile_from_dict(prof.pop("name"), prof)
+    assert hw.unified_memory and hw.peak_fp32_tflops > 0 and hw.link_gbs_achieved > 0
+    assert raw["threads"] == 1
+    # the measured profile plans
+    assert plan("tiny", 128, 1, dtype="float32", hardware=hw).time.step_s > 0
