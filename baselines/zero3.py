@@ -250,6 +250,8 @@ class Zero3Backend:
         if float(norm_type) != 2.0:
             raise ValueError('backend "zero3": DeepSpeed clips by the L2 norm only (norm_type=2)')
         self._clip = float(max_norm)
+        if not engine.is_gradient_accumulation_boundary():
+            return None  # mid-accumulation the partitioned gradients are not reduced yet: no norm to report
         opt = engine.optimizer
         try:
             from deepspeed.runtime.utils import combine_grad_norm_groups

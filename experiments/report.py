@@ -91,6 +91,18 @@ def _reference(ok: pd.DataFrame, vary: str, fixed: list[str]) -> tuple[pd.DataFr
     return sl, desc
 
 
+def _size_axis(ax: Any, params: pd.Series) -> None:
+    """Log x-axis labelled at the measured model sizes (matplotlib's minor log labels collide)."""
+    from matplotlib.ticker import NullLocator
+
+    ax.set_xscale("log")
+    ticks = sorted(set(params.dropna() / 1e6))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([f"{t / 1e3:.3g}B" if t >= 1e3 else f"{t:.2g}M" for t in ticks], fontsize=8)
+    ax.set_xlabel("parameters")
+
+
 def _fig_vs_model(ok: pd.DataFrame, path: Path) -> None:
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -104,8 +116,7 @@ def _fig_vs_model(ok: pd.DataFrame, path: Path) -> None:
             axes[0].plot(g["params"] / 1e6, g["tokens_per_s"], "o-", label=series)
             axes[1].plot(g["params"] / 1e6, g["model_tflops"], "o-", label=series)
         for ax, yl in zip(axes, ("tokens / s", "model TFLOPS")):
-            ax.set_xscale("log")
-            ax.set_xlabel("parameters (M)")
+            _size_axis(ax, sl["params"])
             ax.set_ylabel(yl)
             ax.grid(alpha=0.3)
         axes[0].legend(fontsize=8)
@@ -118,18 +129,24 @@ def _fig_vs_model(ok: pd.DataFrame, path: Path) -> None:
 def _fig_vs_axis(ok: pd.DataFrame, path: Path, axis: str, xlabel: str, group: list[str], title: str) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    lines = 0
-    for key, g in ok.groupby(group):
-        if g[axis].nunique() < 2:
-            continue
+    groups = list(ok.groupby(group)) if not ok.empty else []
+    # Lines where the axis varies; lone points only when nothing varies, so they do not crowd it.
+    varying = [(k, g) for k, g in groups if g[axis].nunique() >= 2]
+    for key, g in varying or groups:
         g = g.sort_values(axis)
         label = " / ".join(str(k) for k in (key if isinstance(key, tuple) else (key,)))
         ax.plot(g[axis], g["tokens_per_s"], "o-", label=label)
-        lines += 1
-    if lines == 0:
-        _empty(ax, f"no configuration was run at two or more values of {axis}")
+    if not groups:
+        _empty(ax, "no successful points")
     else:
+        from matplotlib.ticker import NullLocator
+
         ax.set_xscale("log", base=2)
+        ticks = sorted(set(ok[axis].dropna()))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([f"{int(t) // 1024}k" if t >= 1024 and int(t) % 1024 == 0 else str(int(t))
+                            for t in ticks], fontsize=8)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("tokens / s")
         ax.grid(alpha=0.3)
@@ -153,8 +170,7 @@ def _fig_memory(ok: pd.DataFrame, path: Path) -> None:
         for series, g in d.groupby("series"):
             g = g.sort_values("params")
             ax.plot(g["params"] / 1e6, g[col] / GiB, "o-", label=series)
-        ax.set_xscale("log")
-        ax.set_xlabel("parameters (M)")
+        _size_axis(ax, d["params"])
         ax.set_ylabel("GiB")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
@@ -274,7 +290,8 @@ def write_report(dir_or_csv: str | Path, out_dir: str | Path | None = None) -> P
     _fig_vs_axis(ok, out / "throughput_vs_context.png", "seq_len", "context length (tokens)",
                  ["series", "model", "batch"], "Throughput vs context length (lines: backend / model / batch)")
     _fig_vs_axis(ok, out / "throughput_vs_batch.png", "batch", "sequences per step (micro-batch x accumulation)",
-                 ["series", "model", "seq_len"], "Throughput vs batch size (lines: backend / model / context)")
+                 ["series", "model", "seq_len", "grad_accum"],
+                 "Throughput vs batch size (lines: backend / model / context / accumulation)")
     _fig_memory(ok, out / "memory_vs_model_size.png")
     _fig_link(ok, out / "link_utilization.png")
     _fig_timeline(pick_trace(df, root), out / "timeline.png")

@@ -22,10 +22,10 @@ COLUMNS: list[tuple[str, str]] = [
     # what was run
     ("sweep", "sweep name (spec `name`)"),
     ("point_id", "stable hash of the point's measured settings; the key for skipping recorded points"),
-    ("label", "readable point name: backend/model/s<seq>/b<micro>[x<accum>]/<precision>[/knobs]"),
-    ("status", "ok | skipped (preflight: does not fit) | failed (error, OOM, killed by a signal) | timeout"),
+    ("label", "readable point name, `backend/model/s{seq}/b{micro}[x{accum}]/{precision}[/knobs]`"),
+    ("status", "`ok`; `skipped` (does not fit: preflight or the engine's host check); `failed` (error, out of memory, killed by a signal); `timeout`"),
     ("reason", "why a point is not ok: the preflight's needed-vs-available line, or the last error line"),
-    ("backend", "megatrain | zero3 | torch"),
+    ("backend", "`megatrain`, `zero3` or `torch`"),
     ("model", "model preset name (megatrain/models/presets.py)"),
     ("family", "HF architecture family of the preset (llama, qwen2, ...)"),
     ("num_layers", "decoder layers"),
@@ -40,7 +40,7 @@ COLUMNS: list[tuple[str, str]] = [
     ("micro_batch", "sequences per micro-batch"),
     ("grad_accum", "micro-batches per optimizer step"),
     ("tokens_per_step", "seq_len x micro_batch x grad_accum"),
-    ("precision", "fp32 | bf16 (compute precision; megatrain masters stay FP32)"),
+    ("precision", "`fp32` or `bf16` (compute precision; megatrain masters stay FP32)"),
     ("recompute", "activation recompute (HF gradient checkpointing for torch/zero3; always on for megatrain)"),
     ("engine", "megatrain engine knobs as JSON (num_buffers, link_gbps, ...)"),
     ("max_positions", "context limit the model was built with"),
@@ -57,19 +57,19 @@ COLUMNS: list[tuple[str, str]] = [
     ("flops_per_step", "6*N*T + 12*L*h*s*T*c with c=1/2 (causal); recompute and embeddings not counted"),
     ("model_tflops", "flops_per_step / step_time_s / 1e12"),
     ("device_peak_tflops", "peak of the device in this precision (see peak_source)"),
-    ("peak_source", "table (vendor dense peak) | measured (best square matmul on this device and thread count)"),
+    ("peak_source", "`table` (vendor dense peak) or `measured` (best square matmul on this device and thread count)"),
     ("mfu", "model_tflops / device_peak_tflops"),
     ("forward_s", "time in forward per step (engine accounting for megatrain; wall time otherwise)"),
     ("backward_s", "time in backward per step (engine: includes per-layer recompute)"),
     ("optimizer_s", "time in the optimizer step (and zero_grad) per step"),
     ("copy_wait_s", "time the compute stream waited on copies per step (megatrain only)"),
-    ("breakdown_source", "engine | wall"),
+    ("breakdown_source", "`engine` or `wall`"),
     ("loss_first", "loss of the first timed step (sanity: finite)"),
     ("loss_last", "loss of the last timed step"),
     # memory
     ("peak_device_bytes", "peak device memory: torch.cuda.max_memory_allocated on CUDA, the engine's "
                           "accounting for megatrain on CPU, empty for torch/zero3 on CPU (no separate device)"),
-    ("device_mem_source", "cuda | engine | none"),
+    ("device_mem_source", "`cuda`, `engine` or `none`"),
     ("device_weight_bytes", "weight bytes resident on the device at once (engine accounting; megatrain)"),
     ("peak_host_rss_bytes", "peak resident set size of the point's process"),
     ("base_host_rss_bytes", "RSS just before the model was built (imports, runtime)"),
@@ -83,9 +83,9 @@ COLUMNS: list[tuple[str, str]] = [
     ("h2d_busy_s", "time the host->device copy stream was busy per step (engine trace)"),
     ("h2d_gbps_busy", "h2d bytes / h2d_busy_s / 1e9 (achieved while copying)"),
     ("link_peak_h2d_gbps", "peak of the link host->device (see link_peak_source)"),
-    ("link_peak_source", "probe (pinned CUDA copies) | emulated (engine link_gbps on CPU) | memcpy (CPU, no emulation)"),
+    ("link_peak_source", "`probe` (pinned CUDA copies), `emulated` (engine `link_gbps` on CPU) or `memcpy` (CPU, no emulation)"),
     ("link_util", "h2d_gbps / link_peak_h2d_gbps: the fraction of the step the link would be saturated"),
-    ("link_source", "engine | nvml | none: where the byte counts came from"),
+    ("link_source", "`engine`, `nvml` or `none`: where the byte counts came from"),
     ("trace_file", "per-step timeline of the last timed step (JSON, relative to the results dir), megatrain"),
     ("log_file", "the point's stdout+stderr (relative to the results dir)"),
     ("wall_s", "total wall time of the point, model build and warm-up included"),
@@ -214,6 +214,33 @@ def rewrite(path: str | Path, df: pd.DataFrame) -> None:
         lines.append(_line([_fmt(None if _isna(rec.get(c)) else rec.get(c)) for c in COLUMN_NAMES]))
     with open(tmp, "w") as f:
         f.write("".join(lines))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def compact(path: str | Path) -> None:
+    """Keep one row per point (the last) on disk, atomically, copying each kept row's text as it
+    was written: a pandas round trip would re-type columns (e.g. 2 -> 2.0 next to empty cells)."""
+    path = Path(path)
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    text = path.read_text()
+    if not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]
+    rows = list(csv.reader(io.StringIO(text)))
+    if not rows:
+        return
+    header, body = rows[0], rows[1:]
+    if header != COLUMN_NAMES:
+        rewrite(path, read_rows(path, dedupe=True))
+        return
+    key = header.index("point_id")
+    last = {r[key]: i for i, r in enumerate(body) if len(r) == len(header)}
+    kept = [body[i] for i in sorted(last.values())]
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write("".join(_line(r) for r in [header, *kept]))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

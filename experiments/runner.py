@@ -295,7 +295,7 @@ def run_sweep(sweep: Sweep, out_dir: str | Path | None = None, only: dict[str, s
             bar.close()
     if force or retry_failed:
         # A redo appended a second row for the point; keep one row per point on disk too.
-        R.rewrite(csv, R.read_rows(csv, dedupe=True))
+        R.compact(csv)
     counts = summary.counts()
     log(f"{sweep.name}: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + f" -> {csv}")
     return summary

@@ -15,6 +15,9 @@ __version__ = "0.1.0"
 # Public names -> the module that defines them, imported on first use so `import megatrain` stays cheap.
 _EXPORTS = {
     "initialize": "megatrain.initialize",
+    "init_distributed": "megatrain.initialize",
+    "add_config_arguments": "megatrain.initialize",
+    "zero": "megatrain.initialize",
     "Accelerator": "megatrain.accelerator",
     "Engine": "megatrain.engine",
     "EngineConfig": "megatrain.config",
@@ -29,5 +32,8 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
+        value = getattr(import_module(_EXPORTS[name]), name)
+        # Cache it: importing the submodule `megatrain.initialize` would otherwise shadow the function.
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'megatrain' has no attribute {name!r}")

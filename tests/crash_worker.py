@@ -12,6 +12,7 @@ never interleave mid-line):
     ready                               the server is up
     pid <pid>                           a child started
     resume <pid> <step>                 the child loaded the checkpoint of global step <step>
+    start <pid> <step>                  about to train from global step <step>
     loss <pid> <step> <micro> <hex>     loss of one micro-batch, float.hex (exact)
     step <pid> <n>                      global step n completed (optimizer stepped)
     save-begin <pid> <n> / saved <pid> <n>   around save_checkpoint after step n
@@ -156,6 +157,7 @@ def train(cmd: dict[str, Any], model: torch.nn.Module) -> None:
         if client.get("data_position") != start:
             raise RuntimeError(f"data position {client.get('data_position')} != global_steps {start}")
         emit("resume", pid, start)
+    emit("start", pid, start)
     stop_ctx = GracefulStop() if cmd.get("graceful") else contextlib.nullcontext()
     with stop_ctx as stop:
         engine.train()

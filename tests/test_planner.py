@@ -273,9 +273,15 @@ def test_hf_config_dict_resolves_to_the_same_shape():
 def test_engine_config_supplies_knobs():
     from megatrain.config import EngineConfig
 
-    cfg = EngineConfig(compute_dtype="bfloat16", num_buffers=3, loss_chunk_tokens=512, offload_activations=True)
+    cfg = EngineConfig(compute_dtype="bfloat16", num_buffers=3, loss_chunk_tokens=512, offload_activations=True,
+                       mlp_tile_tokens=4096)
     p = make_point("7b", 1024, engine_config=cfg)
-    assert (p.dtype, p.num_buffers, p.loss_chunk_tokens, p.offload_activations) == ("bfloat16", 3, 512, True)
+    assert (p.dtype, p.num_buffers, p.loss_chunk_tokens, p.offload_activations, p.tile_tokens) == \
+        ("bfloat16", 3, 512, True, 4096)
+    # the engine's device budget is what its "auto" plans against
+    small = plan("7b", 65536, engine_config=EngineConfig(compute_dtype="bfloat16", device_budget_bytes=24 * GIB),
+                 hardware=H200)
+    assert small.hardware.device_bytes == 24 * GIB and small.decisions["offload_activations"] is True
 
 
 # ------------------------------------------------------------------ profiles

@@ -25,6 +25,7 @@ from megatrain.accelerator import Accelerator
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).with_name("accel_script.py")
+BF16 = {"bf16": {"enabled": True}, "gradient_clipping": "auto"}
 _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
@@ -55,13 +56,14 @@ def _launch(task: str, out: Path, kwargs: dict) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def zero3_runs():
-    """Both DeepSpeed runs, started together so their start-up (imports, op loading) overlaps."""
+    """The DeepSpeed runs, started together so their start-ups (imports, op loading) overlap."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         jobs = {
             "train": (_launch("train", tmp / "train.json", {}), tmp / "train.json"),
             "checkpoint": (_launch("checkpoint", tmp / "ckpt.json", {"workdir": str(tmp / "ckpt"), "clip": 1e-6}),
                            tmp / "ckpt.json"),
+            "bf16": (_launch("train", tmp / "bf16.json", {"steps": 3, "config": BF16}), tmp / "bf16.json"),
         }
         # The references run here while the DeepSpeed processes start up.
         refs = {"train": torch_reference("train"), "clip": torch_reference("checkpoint", clip=1e-6),
@@ -103,6 +105,14 @@ def test_zero3_clips_resumes_and_saves(zero3_runs):
     assert max_diff(z["losses"], unclipped["losses"]) > 1e-3
     assert max_diff(z["redo"], z["losses"][4:]) <= 1e-6  # load_state resumes where save_state was
     assert abs(zero3_runs["reload_loss"] - z["model_loss"]) <= 1e-5  # save_model wrote the gathered weights
+
+
+@pytest.mark.deepspeed
+@pytest.mark.slow
+@needs_deepspeed
+def test_zero3_bf16_trains_close_to_fp32(zero3_runs):
+    diff = max_diff(zero3_runs["bf16"]["losses"], zero3_runs["ref"]["train"]["losses"][:6])
+    assert 0 < diff <= 0.05, diff  # not identical: DeepSpeed's bf16 path really ran
 
 
 # -- no DeepSpeed run needed ------------------------------------------------------------------------

@@ -49,6 +49,17 @@ def package_versions() -> str:
     return " ".join(out)
 
 
+def _default_device_name() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 - provenance must never fail a run
+        pass
+    return f"cpu: {cpu_model()}"
+
+
 def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
@@ -60,7 +71,7 @@ def provenance(device: str | None = None) -> dict[str, object]:
         "git_commit": commit,
         "git_dirty": dirty,
         "versions": package_versions(),
-        "device_name": device or f"cpu: {cpu_model()}",
+        "device_name": device or _default_device_name(),
         "host_mem_bytes": psutil.virtual_memory().total,
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count() or 0,

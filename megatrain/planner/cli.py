@@ -304,8 +304,10 @@ def _write_rows(rows: list[dict[str, Any]], out: str | None) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     from .measure import bench
 
-    prof = bench(quick=args.quick)
+    prof = bench(quick=args.quick, min_time=args.min_time)
     raw = prof.pop("raw")
+    if raw.get("warning"):
+        print(f"warning: {raw['warning']}", file=sys.stderr)
     name = prof.pop("name")
     profile_from_dict(name, prof)  # validate before writing
     text = yaml.safe_dump({"profiles": {args.name or name: prof}}, sort_keys=False, width=200)
@@ -335,6 +337,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                                description="Measure matmul rates, memory bandwidth, the CPU AdamW and the host "
                                            "link (or the emulated link on CPU) and print a hardware profile.")
     ap.add_argument("--quick", action="store_true", help="small sizes (seconds), for tests")
+    ap.add_argument("--min-time", type=float, help="seconds of repeats per measurement (best rep is kept)")
     ap.add_argument("--out", help="write the profile YAML here (load it with plan --hardware-file)")
     ap.add_argument("--name", help="profile name to write (default: cpu or cuda)")
     ap.add_argument("--json", action="store_true")

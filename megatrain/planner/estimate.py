@@ -23,20 +23,30 @@ from .shapes import resolve_model
 BACKENDS = ("megatrain", "zero3", "torch")
 MASTERS = ("fp32", "hilo", "bf16")
 
-# ---- Activation memory of one HF decoder layer (Llama/Qwen2, sdpa), elements per token.
-# Measured on transformers 5.x by tracking live tensor storages (TorchDispatchMode) through a
-# recomputed forward + torch.autograd.grad of one layer, fitting over h, kv, intermediate and T:
-# peak = 9.3 h + 2 kv + 6 I (weight grads excluded), linear in T (sdpa keeps attention O(T)).
-# With bf16 compute the RMSNorms upcast to fp32, adding ~1.5 h fp32 elements per token.
-WS_H, WS_KV, WS_I, WS_H_FP32_BF16 = 9.3, 2.0, 6.0, 1.5
-# Of those, the MLP side (norm2 in/out, down out; gate, up, act, product and their grads) is what
-# sequence tiling shrinks from T to the tile: 3 h + 6 I (+ half the fp32 norm upcasts).
-WS_H_MLP = 3.0
-# Saved by a forward that keeps everything (no recompute): 8.3 h + 2 kv + 4 I (+1.5 h fp32 in bf16).
+# ---- Activation memory, elements per token, all linear in T (sdpa keeps attention O(T)).
+# HF decoder layer under HF gradient checkpointing (the zero3/torch baselines): measured on
+# transformers 5.x by tracking live tensor storages (TorchDispatchMode) through a recomputed forward +
+# torch.autograd.grad of one Llama/Qwen2 layer, fitted over h, kv, intermediate and T:
+# peak = 9.3 h + 2 kv + 6 I (weight grads excluded).
+HF_WS_H, HF_WS_KV, HF_WS_I = 9.3, 2.0, 6.0
+# The engine's own recompute + backward (megatrain), attention side and the MLP side that sequence
+# tiling shrinks to one tile: the coefficients the engine's DeviceMemoryTracker measured for its
+# tiled and untiled paths (FP32; engine/tiling.py), restated here since the planner may not import it.
+MT_ATTN_H, MT_ATTN_KV, MT_MLP_H, MT_MLP_I = 9.0, 2.0, 2.0, 6.0
+# With bf16 compute the RMSNorms upcast to fp32: ~1.5 h extra fp32 elements per token (measured as
+# above, bf16 vs fp32), half on each side of the layer.
+WS_H_FP32_BF16 = 1.5
+# Saved by an HF forward that keeps everything (no recompute): 8.3 h + 2 kv + 4 I.
 SAVED_H, SAVED_KV, SAVED_I = 8.3, 2.0, 4.0
-# HF's ForCausalLMLoss over logits: measured peak (forward + backward) = T x V x (c + 12) bytes
-# (the logits in compute dtype, then fp32 upcast, log-softmax and its gradient).
+# Offloaded boundary activations still on the device at once (the layer's input and output, the
+# next input prefetched, one on its way out; measured by the engine).
+OFFLOAD_IN_FLIGHT = 4
+# HF's ForCausalLMLoss over full logits: measured peak (forward + backward) = T x V x (c + 12)
+# bytes: the logits in compute dtype (kept by the model output) + fp32 upcast, log-softmax, gradient.
 LOSS_BYTES_EXTRA = 12
+# The engine's chunked loss: per chunk 3 fp32 chunk x V tensors (logits, softmax/gradient, a
+# transient), the head input and its gradient (2 T h c), and the fp32 head-gradient accumulator.
+CHUNK_LOGIT_COPIES = 3
 # Memory-bound traffic of a layer's forward (norms, RoPE, residual adds, SiLU*up), elements read
 # + written per token: an estimate from the op list, small next to the GEMMs on a GPU.
 ELEM_H, ELEM_I = 20.0, 5.0
@@ -290,7 +300,7 @@ def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
             if hasattr(engine_config, k):
                 knobs.setdefault(k, getattr(engine_config, k))
         # size what the engine will run: no sequence tiling unless its config has the knob
-        knobs.setdefault("tile_tokens", getattr(engine_config, "tile_tokens", None))
+        knobs.setdefault("tile_tokens", getattr(engine_config, "mlp_tile_tokens", None))
     unknown = set(knobs) - {f.name for f in dataclasses.fields(Point)}
     if unknown:
         raise ValueError(f"unknown planner setting(s) {sorted(unknown)}")
@@ -331,19 +341,29 @@ def _hardware(hardware: Any, link_gbs: float | None, host_memory_gib: float | No
 # ------------------------------------------------------------------------------------ memory
 
 
-def layer_working_set_bytes(m: ModelPreset, tokens: int, c: int, tile: int | None = None) -> int:
-    """Peak bytes of one decoder layer's recompute + backward (weights and weight grads excluded).
-    With a tile, the MLP side runs over `tile` tokens at a time; attention stays whole (O(T))."""
+def layer_working_set_bytes(m: ModelPreset, tokens: int, c: int, tile: int | None = None,
+                            engine: bool = True) -> int:
+    """Peak bytes one decoder layer's recompute + backward adds beyond its input and weights (weight
+    grads excluded). engine=True: megatrain's path, whose MLP side runs over `tile` tokens at a time
+    when tiled (attention stays whole, O(T)); engine=False: an HF layer under gradient checkpointing."""
     kv = m.kv_heads * m.head_dim
-    t = tokens if tile is None else min(tile, tokens)
     fp32_extra = WS_H_FP32_BF16 * m.hidden * 4 if c == 2 else 0.0
-    attn_side = (WS_H - WS_H_MLP) * m.hidden * c + WS_KV * kv * c + fp32_extra / 2
-    mlp_side = WS_H_MLP * m.hidden * c + WS_I * m.intermediate * c + fp32_extra / 2
+    if not engine:
+        return int(tokens * ((HF_WS_H * m.hidden + HF_WS_KV * kv + HF_WS_I * m.intermediate) * c + fp32_extra))
+    t = tokens if tile is None else min(tile, tokens)
+    attn_side = (MT_ATTN_H * m.hidden + MT_ATTN_KV * kv) * c + fp32_extra / 2
+    mlp_side = (MT_MLP_H * m.hidden + MT_MLP_I * m.intermediate) * c + fp32_extra / 2
     return int(tokens * attn_side + t * mlp_side)
 
 
+def chunked_loss_bytes(m: ModelPreset, tokens: int, c: int, chunk: int) -> int:
+    """Peak bytes of megatrain's head + chunked loss, forward and backward."""
+    return int(2 * tokens * m.hidden * c + CHUNK_LOGIT_COPIES * min(chunk, tokens) * m.vocab * 4
+               + m.vocab * m.hidden * 4)
+
+
 def layer_saved_bytes(m: ModelPreset, tokens: int, c: int) -> int:
-    """Bytes one layer's forward saves for backward when nothing is recomputed."""
+    """Bytes one HF layer's forward saves for backward when nothing is recomputed."""
     kv = m.kv_heads * m.head_dim
     fp32_extra = WS_H_FP32_BF16 * m.hidden * 4 if c == 2 else 0.0
     return int(tokens * ((SAVED_H * m.hidden + SAVED_KV * kv + SAVED_I * m.intermediate) * c + fp32_extra))
@@ -381,54 +401,55 @@ def megatrain_memory(p: Point, hw: Hardware, offload: bool, tile: int | None) ->
         "layer grad buffers": (2 if k >= 2 else 1) * PL * c,
         "embedding/head/norm": resident * c,
         "embedding/head grads": resident * c,
-        "boundary activations": (min(L, 2) if offload else L) * T * h * c,
-        "head input + grad": 2 * T * h * c,
-        "layer working set": layer_working_set_bytes(m, T, c, tile),
-        # per chunk: logits, their fp32 upcast, softmax/grad, the grad back in compute dtype; plus the
-        # head's fp32 weight-grad accumulator
-        "loss workspace": min(p.loss_chunk_tokens, T) * m.vocab * (2 * c + 8) + m.vocab * h * 4,
+        "boundary activations": (min(L, OFFLOAD_IN_FLIGHT) if offload else L) * T * h * c,
+        # the head/loss and a layer's backward never run at once: the larger of the two
+        "working set (max of layer backward, head+loss)": max(
+            layer_working_set_bytes(m, T, c, tile), chunked_loss_bytes(m, T, c, p.loss_chunk_tokens)),
         "runtime": 0 if hw.unified_memory else int(hw.device_reserved_gib * GIB),
     }
     return Memory(host, device, hw.unified_memory)
 
 
+def _hf_activations(p: Point) -> dict[str, int]:
+    """Activations of an HF model on the device: boundary checkpoints (or everything, without
+    checkpointing), the logits the output keeps, and the larger of a layer's recompute+backward and
+    the loss's fp32 transients (they are not live at once)."""
+    m, c, T, L, h = p.model, p.c, p.tokens, p.model.num_layers, p.model.hidden
+    logits = T * m.vocab * c
+    loss = T * m.vocab * LOSS_BYTES_EXTRA
+    if p.gradient_checkpointing:
+        return {"boundary activations": L * T * h * c, "full logits": logits,
+                "working set (max of layer backward, loss)": max(layer_working_set_bytes(m, T, c, engine=False), loss)}
+    return {"saved activations": L * layer_saved_bytes(m, T, c), "full logits": logits, "loss transients": loss}
+
+
 def zero3_memory(p: Point, hw: Hardware) -> Memory:
-    m, c, T = p.model, p.c, p.tokens
-    P, PL, L, h = m.param_count(), m.layer_params(), m.num_layers, m.hidden
+    m, c = p.model, p.c
+    P, PL, h = m.param_count(), m.layer_params(), m.hidden
     states = {"fp32 master weights": P * 4, "fp32 gradients": P * 4, "adam m": P * 4, "adam v": P * 4,
               "params (compute dtype)": P * c}
     host = dict(states)
     host["deepspeed buffers (x1.5)"] = int(sum(states.values()) * (ZERO3_BUFFER_FACTOR - 1))
     host["runtime"] = int(hw.host_reserved_gib * GIB)
-    if p.gradient_checkpointing:
-        acts = {"boundary activations": L * T * h * c, "layer working set": layer_working_set_bytes(m, T, c)}
-    else:
-        acts = {"saved activations": L * layer_saved_bytes(m, T, c)}
     device = {
         "fetched layer params": int(min(ZERO3_MAX_LIVE_PARAMS, 2 * PL) * c),
         "fetched embedding/head": m.vocab * h * c,
         "grad reduce bucket": int(min(ZERO3_REDUCE_BUCKET, P) * c),
-        **acts,
-        "full logits + loss": T * m.vocab * (c + LOSS_BYTES_EXTRA),
+        **_hf_activations(p),
         "runtime": 0 if hw.unified_memory else int(hw.device_reserved_gib * GIB),
     }
     return Memory(host, device, hw.unified_memory)
 
 
 def torch_memory(p: Point, hw: Hardware) -> Memory:
-    m, c, T = p.model, p.c, p.tokens
-    P, L, h = m.param_count(), m.num_layers, m.hidden
-    if p.gradient_checkpointing:
-        acts = {"boundary activations": L * T * h * c, "layer working set": layer_working_set_bytes(m, T, c)}
-    else:
-        acts = {"saved activations": L * layer_saved_bytes(m, T, c)}
+    m, c = p.model, p.c
+    P = m.param_count()
     device = {
         "fp32 weights": P * 4,
         "fp32 gradients": P * 4,
         "adam m + v": P * 8,
         "bf16 weight casts (autocast)": m.layer_params() * 2 * 2 if c == 2 else 0,
-        **acts,
-        "full logits + loss": T * m.vocab * (c + LOSS_BYTES_EXTRA),
+        **_hf_activations(p),
         "runtime": 0 if hw.unified_memory else int(hw.device_reserved_gib * GIB),
     }
     host = {"runtime": int(hw.host_reserved_gib * GIB)}
@@ -681,8 +702,12 @@ def plan(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dtype: s
     link_gbs / host_memory_gib / device_memory_gib override the profile (e.g. an emulated link).
     """
     p = make_point(model, context, batch, grad_accum, dtype, backend, engine_config, **knobs)
-    if link_gbs is None and engine_config is not None:
-        link_gbs = getattr(engine_config, "link_gbps", None)  # the emulated link on CPU
+    if engine_config is not None:
+        if link_gbs is None:
+            link_gbs = getattr(engine_config, "link_gbps", None)  # the emulated link on CPU
+        budget = getattr(engine_config, "device_budget_bytes", None)
+        if device_memory_gib is None and budget:
+            device_memory_gib = budget / GIB  # what the engine's "auto" plans against
     hw = _hardware(hardware, link_gbs, host_memory_gib, device_memory_gib)
     return plan_point(p, hw)
 

@@ -146,6 +146,7 @@ def _bench_cpu(torch, quick: bool, min_time: float | None) -> dict[str, Any]:
         sustained = statistics.median(med for _, med in rates) / peak
         return peak, min(1.0, sustained)
 
+    busy = load > 0.5 * (os.cpu_count() or 1)
     p32, s32 = peak_and_sustained(fp32)
     p16, s16 = peak_and_sustained(bf16)
     reserved = 0.6  # python + torch + transformers imported, before any model
@@ -178,6 +179,8 @@ def _bench_cpu(torch, quick: bool, min_time: float | None) -> dict[str, Any]:
             "thread_link_gbs": round(link / 1e9, 2),
             "adamw_gbs": round(opt_bw / 1e9, 2),
             "loadavg": round(load, 2),
+            "warning": (f"load average {load:.1f} on {os.cpu_count()} CPUs: other work shared the cores, so "
+                        "these rates are low; re-run on an idle machine") if busy else "",
         },
     }
 

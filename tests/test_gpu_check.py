@@ -1,0 +1,227 @@
+"""The GPU check (experiments/gpu_check.py): its dry run on the CPU, its failure isolation, its summary
+arithmetic, the wheel list it carries; and, where CUDA exists, its checks of the CUDA path itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from experiments import gpu_check as gc
+from experiments.results import read_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT), **extra)
+    env.pop("GPU_CHECK_T0", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """One full dry run through the shell wrapper, as CI and a developer would start it."""
+    base = tmp_path_factory.mktemp("gpu_check")
+    out, bundle = base / "out", base / "bundle"
+    t0 = time.time()
+    proc = subprocess.run(["bash", "experiments/gpu_check.sh", "--dry-run", "--out", str(out)], cwd=ROOT,
+                          env=_env(OUT=str(bundle)), capture_output=True, text=True, timeout=900)
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    return {"proc": proc, "out": out, "bundle": bundle, "summary": summary, "wall_s": time.time() - t0}
+
+
+def _phase(dry_run, name):
+    return json.loads((dry_run["out"] / "phases" / f"{name}.json").read_text())
+
+
+def test_dry_run_passes_every_phase(dry_run):
+    proc = dry_run["proc"]
+    phases = dry_run["summary"].get("phases", {})
+    assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-2000:])
+    assert set(phases) >= {"env", "bandwidth", "parity", "sync", "stress", "bench"}
+    assert all(p["status"] == "ok" for p in phases.values()), phases
+
+
+def test_dry_run_prints_the_summary_table_last(dry_run):
+    text = dry_run["proc"].stdout.rstrip()
+    md = (dry_run["out"] / "summary.md").read_text().rstrip()
+    assert text.endswith(md)
+    assert "| parity | ok |" in md and "| bench | ok |" in md
+
+
+def test_dry_run_parity_numbers(dry_run):
+    checks = _phase(dry_run, "parity")["checks"]
+    for case in ("fp32_llama", "fp32_qwen2_tied", "num_buffers_1", "num_buffers_3"):
+        c = checks[case]
+        assert c["grad_rel"] <= 1e-6 and c["loss_abs"] <= 1e-5 and c["param_abs"] <= 1e-5, (case, c)
+    bf16 = checks["bf16_llama"]
+    assert 0 < bf16["loss_abs_vs_fp32"] <= 0.05 and bf16["streamed_bytes_per_param"] == 2.0
+    assert checks["offload_activations"]["loss_abs"] == 0
+
+
+def test_dry_run_finds_no_sync_in_the_layer_loop_and_catches_a_planted_one(dry_run):
+    checks = _phase(dry_run, "sync")["checks"]
+    loops = {k: v for k, v in checks.items() if k.startswith("loop_")}
+    assert len(loops) >= 4
+    assert all(v["syncs_in_loop"] == 0 for v in loops.values()), {k: v["in_loop"] for k, v in loops.items()}
+    assert checks["planted_sync_is_caught"]["syncs_caught"] >= 3  # once per layer at least
+
+
+def test_dry_run_stress_catches_a_missing_wait(dry_run):
+    checks = _phase(dry_run, "stress")["checks"]
+    assert checks["missing_wait_is_caught"]["caught"] is True
+    assert all(checks[k]["ok"] for k in ("slow_h2d", "slow_d2h", "slow_compute_offloaded_activations"))
+
+
+def test_dry_run_writes_harness_rows_with_provenance_and_a_timeline(dry_run):
+    out = dry_run["out"]
+    rows = read_rows(out / "results.csv")
+    assert len(rows) == len(gc.bench_points(dry=True))
+    mt = rows[rows["backend"] == "megatrain"]
+    assert (mt["status"] == "ok").all(), mt[["label", "status", "reason"]].to_dict("records")
+    for col in ("git_commit", "versions", "timestamp", "device_name", "step_time_s", "copy_wait_s"):
+        assert mt[col].notna().all(), col
+    assert mt["versions"].str.contains("torch=").all()
+    z = rows[rows["backend"] == "zero3"].iloc[0]
+    if gc.ds_ops_built(cpu_accelerator=True):
+        assert z["status"] == "ok", z["reason"]
+    else:
+        assert z["status"] == "skipped" and "not built" in z["reason"]
+    trace = json.loads((out / mt.iloc[0]["trace_file"]).read_text())
+    streams = {r[0] for r in trace["records"]}
+    assert {"compute", "h2d", "d2h"} <= streams
+    tl = dry_run["summary"]["timeline"]
+    assert 0 < tl["compute_busy_frac"] <= 1 and 0 <= tl["h2d_hidden_frac"] <= 1
+
+
+def test_dry_run_bundle_fits_the_device_tool(dry_run):
+    bundle = dry_run["bundle"]
+    files = sorted(p.name for p in bundle.iterdir())
+    assert len(files) <= 8, files  # the device tool brings back 8 files at most
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", f) for f in files)
+    assert {"summary.md", "summary.json", "results.csv", "timeline.json", "gpu_check.tar.gz", "log.txt"} <= set(files)
+    assert all((bundle / f).stat().st_size < 16 << 20 for f in files)
+    with tarfile.open(bundle / "gpu_check.tar.gz") as tar:
+        names = tar.getnames()
+    assert "gpu_check/phases/parity.json" in names and any(n.startswith("gpu_check/logs/") for n in names)
+    assert "gpu_check" in (bundle / "log.txt").read_text()
+
+
+def test_a_hanging_phase_and_a_failing_phase_cost_only_themselves(tmp_path):
+    """env hangs past its budget (its process is killed), bandwidth raises; stress still runs and every
+    result is recorded."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "experiments.gpu_check", "--dry-run", "--out", str(out), "--only",
+           "env,bandwidth,stress", "--inject", "env=hang", "--inject", "bandwidth=fail", "--phase-budget", "env=4"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    status = {n: json.loads((out / "phases" / f"{n}.json").read_text())["status"] for n in ("env", "bandwidth", "stress")}
+    assert status == {"env": "timeout", "bandwidth": "failed", "stress": "ok"}, status
+    assert "injected failure" in json.loads((out / "phases" / "bandwidth.json").read_text())["reason"]
+    md = (out / "summary.md").read_text()
+    assert "| env | timeout |" in md and "| stress | ok |" in md
+
+
+# -- the pieces, without processes ----------------------------------------------------------------------
+def test_trace_metrics_overlap_arithmetic():
+    recs = [["compute", "fwd", 0, 0.0, 1.0], ["compute", "fwd", 1, 2.0, 3.0],
+            ["h2d", "load", 1, 0.5, 2.5], ["d2h", "grad", 0, 3.0, 4.0]]
+    m = gc.trace_metrics(recs)
+    assert m["span_s"] == 4.0 and m["compute_busy_s"] == 2.0 and m["compute_busy_frac"] == 0.5
+    assert m["h2d_hidden_frac"] == pytest.approx(1.0 / 2.0)  # 0.5-1.0 and 2.0-2.5 of a 2 s copy
+    assert m["d2h_hidden_frac"] == 0.0
+
+
+def test_summary_pairs_megatrain_with_zero3_at_the_same_shape(tmp_path):
+    from experiments import results as R
+
+    base = {"model": "qwen2.5-1.5b", "seq_len": 4096, "micro_batch": 4, "precision": "bf16", "status": "ok",
+            "tokens_per_step": 16384}
+    R.append_row(tmp_path / "results.csv", {**base, "point_id": "a", "label": "m", "backend": "megatrain",
+                                            "step_time_s": 2.0, "model_tflops": 100.0, "copy_wait_s": 0.5,
+                                            "h2d_gbps_busy": 40.0})
+    R.append_row(tmp_path / "results.csv", {**base, "point_id": "b", "label": "z", "backend": "zero3",
+                                            "step_time_s": 5.0, "model_tflops": 40.0})
+    R.append_row(tmp_path / "results.csv", {**base, "point_id": "c", "label": "z2", "backend": "zero3",
+                                            "seq_len": 8192, "step_time_s": 9.0, "model_tflops": 40.0})
+    phases = {"bandwidth": {"status": "ok", "checks": {"pinned": {"ok": True, "h2d_peak_gbps": 50.0}}}}
+    s = gc.build_summary(tmp_path, phases, dry=False)
+    (r,) = s["figures"]["megatrain_vs_zero3"]
+    assert r["speedup"] == pytest.approx(2.5) and r["seq_len"] == 4096
+    m = next(p for p in s["points"] if p["backend"] == "megatrain")
+    assert m["copy_wait_frac"] == pytest.approx(0.25) and m["h2d_busy_vs_probe"] == pytest.approx(0.8)
+    assert "2.5x" in gc.render_markdown(s)
+
+
+def test_gpu_plan_pairs_backends_and_fits_the_device_host():
+    pts = gc.bench_points(dry=False)
+    pairs = [p for g, p in pts if g == "pair"]
+    assert [g for g, _ in pts].index("context") == len(pairs)  # the pairs run first
+    shapes = {}
+    for p in pairs:
+        shapes.setdefault((p.model, p.seq_len, p.micro_batch, p.precision, p.recompute), set()).add(p.backend)
+    assert all(b == {"megatrain", "zero3"} for b in shapes.values()), shapes
+    for _, p in pts:
+        # 128 GiB of host memory: ZeRO-3 offload keeps ~22 B/param there, MegaTrain ~18 (FP32 master, grad,
+        # Adam m and v, bf16 shadow), plus the FP32 model being built.
+        assert p.preset.param_count() * 26 < 120 * 2**30, p.model
+        assert p.seq_len <= p.preset.max_positions
+
+
+def test_wheel_list_pins_this_venv_and_leaves_torch_to_the_device():
+    proc = subprocess.run([sys.executable, "scripts/wheel_list.py"], cwd=ROOT, capture_output=True, text=True,
+                          check=True)
+    pins = dict(line.split("==") for line in proc.stdout.split())
+    import importlib.metadata as md
+
+    for name in ("transformers", "accelerate", "deepspeed", "safetensors", "pydantic", "hjson"):
+        assert pins[name] == md.version(name), name
+    assert not any(n == "torch" or n.startswith(("nvidia-", "triton")) for n in pins)
+    assert "wheels" in (ROOT / ".gitignore").read_text()
+
+
+# -- CUDA only: the same phases, on the GPU, in this process -------------------------------------------------
+def _ctx(tmp_path, phase):
+    return gc.Ctx(phase, tmp_path, dry=False, deadline=time.time() + 600, zero3="off")
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("phase", ["parity", "sync", "stress", "bandwidth"])
+def test_cuda_phase(tmp_path, phase):
+    ctx = _ctx(tmp_path, phase)
+    assert ctx.cuda
+    gc.PHASE_FNS[phase](ctx)
+    failed = {k: v for k, v in ctx.data["checks"].items() if not v.get("ok")}
+    assert not failed, failed
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_stats_are_device_time(tmp_path):
+    """On a GPU the host only queues work: copy time and compute's waits must come from CUDA events."""
+    from megatrain.config import EngineConfig
+    from megatrain.engine import Engine
+
+    sh = gc.SHAPES[("stress", True)]
+    eng = Engine(gc.tiny_model("llama", sh), EngineConfig(device="cuda", trace=True))
+    gc.slow_copies(eng, "h2d", 10.0, ("load",))
+    batch = gc.make_batches(1, sh)[0]
+    eng.reset_stats()
+    eng.backward(eng(**batch).loss)
+    st = eng.collect_stats()
+    loads = [r for r in eng.trace if r.stream == "h2d" and r.kind == "load"]
+    assert len(loads) >= sh.layers
+    assert min(r.t_end - r.t_start for r in loads) >= 0.008  # the 10 ms spin kernel is inside each copy
+    assert st["h2d_busy_s"] >= 0.008 * len(loads)
+    assert st["copy_wait_s"] > 0.005  # compute waited on the slowed link
