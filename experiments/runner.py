@@ -180,13 +180,14 @@ def run_point_subprocess(pt: Point, out_dir: Path, python: str = sys.executable,
             result = json.loads(result_file.read_text())
         except ValueError:
             result = None
-    if timed_out:
-        row.update(status="timeout",
-                   reason=f"timed out after {pt.timeout_s:g} s; last output: {last_error_line(log_text)}")
-    elif result is not None:
+    if result is not None:
+        # A result written before a hang at exit (or a kill) is still a complete measurement.
         row.update(result)
         if row.get("status") != "ok" and not row.get("reason"):
             row["reason"] = last_error_line(log_text)
+    elif timed_out:
+        row.update(status="timeout",
+                   reason=f"timed out after {pt.timeout_s:g} s; last output: {last_error_line(log_text)}")
     elif proc.returncode is not None and proc.returncode < 0:
         sig = signal.Signals(-proc.returncode).name
         hint = " (the kernel's out-of-memory killer sends this)" if sig == "SIGKILL" else ""

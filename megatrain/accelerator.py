@@ -89,6 +89,14 @@ def _resolve_accumulation(steps: int, config: Any) -> int:
     return steps
 
 
+def _forward_attr(wrapper: Any, inner: str, name: str) -> Any:
+    # Only reached for names the wrapper lacks; the guard keeps copy/pickle (no __dict__ yet) from recursing.
+    target = wrapper.__dict__.get(inner)
+    if target is None:
+        raise AttributeError(name)
+    return getattr(target, name)
+
+
 class GradientState:
     """When gradients are synchronised, i.e. when the optimizer really steps (Accelerate's rule)."""
 
@@ -158,6 +166,9 @@ class AcceleratedOptimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
 
+    def __getattr__(self, name: str) -> Any:
+        return _forward_attr(self, "optimizer", name)
+
     def __repr__(self) -> str:
         return f"AcceleratedOptimizer({self.optimizer!r})"
 
@@ -195,7 +206,7 @@ class AcceleratedScheduler:
         self.scheduler.load_state_dict(state)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["scheduler"], name)
+        return _forward_attr(self, "scheduler", name)
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
@@ -239,7 +250,7 @@ class PreparedDataLoader:
         return len(self.loader)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["loader"], name)
+        return _forward_attr(self, "loader", name)
 
 
 def _make_backend(name: str, **kwargs: Any) -> Backend:

@@ -66,7 +66,8 @@ def train(
     gradient_checkpointing: bool = False,
     config: dict[str, Any] | None = None,
 ) -> dict[str, list[float]]:
-    """Train `steps` optimizer steps; return per-micro-batch losses, per-step norms and LRs."""
+    """Train `steps` optimizer steps; return per-micro-batch losses, per-step norms and LRs, and
+    whether HF gradient checkpointing was on (None where the backend has no such switch)."""
     from megatrain.accelerator import Accelerator
 
     model = build_model(seed)
@@ -93,7 +94,8 @@ def train(
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-    return {"losses": losses, "norms": norms, "lrs": lrs}
+    gc = getattr(accelerator.unwrap_model(model), "is_gradient_checkpointing", None)
+    return {"losses": losses, "norms": norms, "lrs": lrs, "gradient_checkpointing": gc}
 
 
 def _steps(accelerator: Any, model: Any, optimizer: Any, scheduler: Any, batches: list[dict[str, torch.Tensor]],

@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -144,11 +145,31 @@ class SaveProbe:
             os._exit(3)
 
 
+def sabotage(what: str | None) -> None:
+    """Deliberately broken variants, so the test can show that its checks catch such bugs."""
+    if what == "rng":  # resume without restoring the RNG streams
+        import megatrain.initialize as face
+
+        face._restore_rng = lambda meta, tensors: None
+    elif what == "latest-first":  # publish the pointer before the checkpoint it names is complete
+        real = ckpt.save
+
+        def save(directory: Any, tag: str, *args: Any, **kwargs: Any) -> Any:
+            os.makedirs(directory, exist_ok=True)
+            ckpt._set_latest(Path(directory), tag)
+            return real(directory, tag, *args, **kwargs)
+
+        ckpt.save = save
+    elif what is not None:
+        raise ValueError(f"unknown sabotage {what!r}")
+
+
 def train(cmd: dict[str, Any], model: torch.nn.Module) -> None:
     pid = os.getpid()
     steps, every, keep = cmd["steps"], cmd["every"], cmd.get("keep_last")
     ckpt_dir = cmd["ckpt"]
     probe = SaveProbe(cmd.get("crash"), cmd.get("slow_ms", 0.0))
+    sabotage(cmd.get("sabotage"))
     engine, *_ = initialize(model=model, config=ds_config(steps))
     start = 0
     if ckpt.latest_tag(ckpt_dir) is not None:

@@ -225,3 +225,70 @@ def test_cuda_stats_are_device_time(tmp_path):
     assert min(r.t_end - r.t_start for r in loads) >= 0.008  # the 10 ms spin kernel is inside each copy
     assert st["h2d_busy_s"] >= 0.008 * len(loads)
     assert st["copy_wait_s"] > 0.005  # compute waited on the slowed link
+
+
+def test_cuda_event_accounting_logic_with_a_fake_device(monkeypatch):
+    """The engine's CUDA bookkeeping (copy busy time, compute's waits, the device-timed trace) on fake
+    events whose timestamps are set by hand: runs everywhere, so a slip there shows before a GPU run."""
+    from megatrain.engine import stream as S
+
+    clock = {"t": 0.0}
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.t = None
+
+        def record(self, stream=None) -> None:
+            self.t = clock["t"]
+
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end) -> float:
+            return (end.t - self.t) * 1e3
+
+    class FakeStream:
+        def __init__(self, device=None) -> None:
+            pass
+
+        def wait_event(self, ev) -> None:  # the stream stalls until the event's time
+            clock["t"] = max(clock["t"], ev.t)
+
+    monkeypatch.setattr(S.torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(S.torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(S.torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(S.torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(S.torch.cuda, "synchronize", lambda device=None: None)
+    dev = torch.device("cuda")
+    trace = S.Trace(True, dev)
+    streams = S.Streams(dev, trace, None, 5.0)
+
+    def copy(seconds: float):
+        def fn() -> int:
+            clock["t"] += seconds
+            return 100
+        return fn
+
+    t_copy0 = clock["t"]
+    loaded = streams.h2d.submit(copy(0.010), S.DONE, "load", 0)  # device: 0.000-0.010
+    clock["t"] = 0.004  # compute reaches the wait at 4 ms: stalls 6 ms
+    streams.wait(loaded, "forward of layer 0")
+    start = trace.mark()
+    clock["t"] = 0.020
+    trace.add_since("compute", "fwd", 0, start)
+    streams.d2h.submit(copy(0.005), (S.DONE, streams.record_compute()), "grad", 0)
+    assert streams.h2d.busy_s == pytest.approx(0.010) and streams.d2h.busy_s == pytest.approx(0.005)
+    assert streams.wait_s == pytest.approx(0.006)
+    recs = {(r.stream, r.kind): r for r in trace.records}
+    assert recs[("h2d", "load")].t_end - recs[("h2d", "load")].t_start == pytest.approx(0.010)
+    assert recs[("compute", "fwd")].t_start - recs[("h2d", "load")].t_start == pytest.approx(0.010 - t_copy0)
+    assert recs[("d2h", "grad")].t_start == pytest.approx(recs[("compute", "fwd")].t_end)
+    streams.reset_counters()
+    assert streams.wait_s == 0 and streams.h2d.busy_s == 0 and streams.h2d.bytes == 0
+    for _ in range(200):  # pairs are folded as they complete: nothing piles up without a reader
+        streams.h2d.submit(copy(0.001), S.DONE, "load", 1)
+    assert len(streams.h2d._spans._pending) <= 65
+    assert streams.h2d.busy_s == pytest.approx(0.200)

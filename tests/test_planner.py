@@ -264,6 +264,8 @@ def test_hf_config_dict_resolves_to_the_same_shape():
              intermediate_size=m.intermediate, num_attention_heads=m.heads, num_key_value_heads=m.kv_heads,
              vocab_size=m.vocab, max_position_embeddings=m.max_positions, tie_word_embeddings=False)
     assert resolve_model(d).param_count() == m.param_count()
+    real = resolve_model(get_preset("tiny-qwen2").hf_config())  # a transformers config object
+    assert real.param_count() == get_preset("tiny-qwen2").param_count() and real.tie_embeddings
     with pytest.raises(ValueError, match="head_dim"):
         resolve_model({**d, "head_dim": 64})
     with pytest.raises(ValueError, match="model_type"):
@@ -430,3 +432,13 @@ def test_bench_cpu_quick_returns_a_valid_profile():
     assert raw["threads"] == 1
     # the measured profile plans
     assert plan("tiny", 128, 1, dtype="float32", hardware=hw).time.step_s > 0
+
+
+def test_cli_bench_writes_a_profile_plan_can_load(tmp_path, capsys):
+    out = tmp_path / "me.yaml"
+    assert main(["bench", "--quick", "--threads", "1", "--out", str(out), "--name", "mybox"]) == 0
+    assert "mybox" in yaml.safe_load(out.read_text())["profiles"]
+    capsys.readouterr()
+    assert main(["--model", "tiny", "--context", "128", "--dtype", "float32", "--hardware", "mybox",
+                 "--hardware-file", str(out), "--no-search", "--compare", ""]) == 0
+    assert "on mybox" in capsys.readouterr().out

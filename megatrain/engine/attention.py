@@ -46,30 +46,39 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dropo
 
 
 def _packed_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor, dropout: float,
-                scale: float | None) -> torch.Tensor:
+                scale: float | None) -> list[torch.Tensor]:
     sizes = torch.unique_consecutive(docs, return_counts=True)[1].tolist()
-    outs = [_sdpa(qs, ks, vs, True, dropout, scale)
-            for qs, ks, vs in zip(q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2))]
-    return torch.cat(outs, dim=2)
+    return [_sdpa(qs, ks, vs, True, dropout, scale) for qs, ks, vs in zip(q.split(sizes, 2), k.split(sizes, 2),
+                                                                          v.split(sizes, 2))]
 
 
 def _padded_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, dropout: float,
-                scale: float | None) -> torch.Tensor:
-    valid_idx = valid.nonzero().squeeze(1)
-    kv = k.index_select(2, valid_idx), v.index_select(2, valid_idx)
-    out = torch.zeros_like(q).index_copy(2, valid_idx, _sdpa(q.index_select(2, valid_idx), *kv, True, dropout, scale))
-    pad_idx = (~valid).nonzero().squeeze(1)
-    if pad_idx.numel() == 0:
-        return out
-    # A padded query at i sees the valid keys before i: the first `seen` of the compacted keys. Pads
-    # between the same two valid tokens share `seen`, so they form consecutive groups.
-    seen = torch.cumsum(valid, 0).index_select(0, pad_idx)
-    counts, sizes = torch.unique_consecutive(seen, return_counts=True)
-    outs = []
-    for qs, c in zip(q.index_select(2, pad_idx).split(sizes.tolist(), 2), counts.tolist()):
-        outs.append(torch.zeros_like(qs) if c == 0 else _sdpa(qs, kv[0][:, :, :c], kv[1][:, :, :c], False,
-                                                               dropout, scale))
-    return out.index_copy(2, pad_idx, torch.cat(outs, dim=2))
+                scale: float | None) -> list[torch.Tensor]:
+    """The row's output as pieces in position order, over runs of valid and padded tokens."""
+    flags, sizes = torch.unique_consecutive(valid, return_counts=True)
+    runs, start = [], 0
+    for f, n in zip(flags.tolist(), sizes.tolist()):
+        runs.append((f, start, n))
+        start += n
+    valid_runs = [(a, n) for f, a, n in runs if f]
+    if len(valid_runs) == 1:  # left or right padding: the valid tokens are a slice, nothing is copied
+        a, n = valid_runs[0]
+        kc, vc, outs = k[:, :, a: a + n], v[:, :, a: a + n], [_sdpa(q[:, :, a: a + n], k[:, :, a: a + n],
+                                                                     v[:, :, a: a + n], True, dropout, scale)]
+    else:  # holes: attend over the compacted valid tokens, then split back into the runs
+        idx = valid.nonzero().squeeze(1)
+        kc, vc = k.index_select(2, idx), v.index_select(2, idx)
+        outs = list(_sdpa(q.index_select(2, idx), kc, vc, True, dropout, scale).split([n for _, n in valid_runs], 2))
+    pieces, seen = [], 0
+    for f, a, n in runs:
+        if f:
+            pieces.append(outs.pop(0))
+            seen += n
+        elif seen == 0:  # nothing valid before: a fully masked row, which SDPA returns as zeros
+            pieces.append(torch.zeros_like(q[:, :, a: a + n]))
+        else:  # a padded query sees the valid keys before it
+            pieces.append(_sdpa(q[:, :, a: a + n], kc[:, :, :seen], vc[:, :, :seen], False, dropout, scale))
+    return pieces
 
 
 def _dense_mask(valid: torch.Tensor | None, docs: torch.Tensor | None, s: int, device: torch.device) -> torch.Tensor:
@@ -110,13 +119,16 @@ def segment_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     if dense_when_small and s <= query.shape[1] * query.shape[3] * query.element_size():
         mask = _dense_mask(valid, docs, s, query.device)
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
-    if valid is not None:
-        rows = [_padded_row(query[i: i + 1], key[i: i + 1], value[i: i + 1], valid[i], dropout, scaling)
-                for i in range(b)]
-    else:
-        rows = [_packed_row(query[i: i + 1], key[i: i + 1], value[i: i + 1], docs[i], dropout, scaling)
-                for i in range(b)]
-    return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
+    out = query.new_empty(b, s, query.shape[1], value.shape[-1])
+    for i in range(b):
+        row = (_padded_row if valid is not None else _packed_row)(
+            query[i: i + 1], key[i: i + 1], value[i: i + 1], valid[i] if valid is not None else docs[i], dropout,
+            scaling)
+        a = 0
+        for piece in row:  # written straight into the output: no concatenated copy of the whole row
+            out[i, a: a + piece.shape[2]] = piece[0].transpose(0, 1)
+            a += piece.shape[2]
+    return out, None
 
 
 def supports_segment_attention(config: Any) -> bool:

@@ -112,6 +112,7 @@ def tiled_vjp(layer: nn.Module, weights: dict[str, torch.Tensor], x: torch.Tenso
 # MLP side that tiling shrinks from all tokens to one tile. `tests/test_long_context.py` checks them.
 ATTN_PER_TOKEN_H, ATTN_PER_TOKEN_KV = 9.0, 2.0
 MLP_PER_TOKEN_H, MLP_PER_TOKEN_I = 2.0, 6.0
+BUDGET_HEADROOM = 0.9  # plan to this share of the budget: allocator fragmentation, estimate error
 OFFLOAD_IN_FLIGHT = 4  # boundary activations on the device at once when offloaded (measured)
 LOSS_LOGIT_COPIES = 3  # chunk logits (fp32), their softmax/gradient, and a transient
 
@@ -195,7 +196,7 @@ class LongContextPolicy:
         for off in offloads:
             tile = self._tile(tokens, off, boundary, loss)
             choice = BatchPlan(off, tile, peak(off, tile))
-            if self.budget is None or choice.predicted_peak_bytes <= self.budget:
+            if self.budget is None or choice.predicted_peak_bytes <= BUDGET_HEADROOM * self.budget:
                 break
         return choice
 
@@ -208,7 +209,7 @@ class LongContextPolicy:
         room = None
         if self.budget is not None:
             kept = min(OFFLOAD_IN_FLIGHT, self.n_layers) if offload else self.n_layers
-            room = self.budget - self.fixed_bytes - kept * boundary
+            room = int(BUDGET_HEADROOM * self.budget) - self.fixed_bytes - kept * boundary
         return auto_tile(self.dims, tokens, self.itemsize, room)
 
 

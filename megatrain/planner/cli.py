@@ -84,7 +84,7 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
         out.append(f"  {o.point.backend} at the same point: step {_sec(o.time.step_s)}, "
                    f"{o.tokens_per_s:,.0f} tokens/s, {o.model_tflops:.1f} TFLOPS, host {fmt_bytes(o.memory.host_total)}, "
                    f"device {fmt_bytes(o.memory.device_total)}, fits: {'yes' if o.fits else 'NO'}; "
-                   f"{p.backend} is {ratio:.2f}x faster (bottleneck {o.time.bottleneck})")
+                   f"throughput {p.backend}/{o.point.backend} = {ratio:.2f}x (its bottleneck: {o.time.bottleneck})")
     out.append("  (predicted; model TFLOPS = 6*N_nonembed*T + 12*L*h*s*T/2 per step, recompute not counted)")
     return "\n".join(out)
 
@@ -304,7 +304,7 @@ def _write_rows(rows: list[dict[str, Any]], out: str | None) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     from .measure import bench
 
-    prof = bench(quick=args.quick, min_time=args.min_time)
+    prof = bench(quick=args.quick, min_time=args.min_time, threads=args.threads)
     raw = prof.pop("raw")
     if raw.get("warning"):
         print(f"warning: {raw['warning']}", file=sys.stderr)
@@ -338,6 +338,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                                            "link (or the emulated link on CPU) and print a hardware profile.")
     ap.add_argument("--quick", action="store_true", help="small sizes (seconds), for tests")
     ap.add_argument("--min-time", type=float, help="seconds of repeats per measurement (best rep is kept)")
+    ap.add_argument("--threads", type=int, help="torch intra-op threads for the CPU measurements")
     ap.add_argument("--out", help="write the profile YAML here (load it with plan --hardware-file)")
     ap.add_argument("--name", help="profile name to write (default: cpu or cuda)")
     ap.add_argument("--json", action="store_true")

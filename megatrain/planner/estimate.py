@@ -403,7 +403,7 @@ def megatrain_memory(p: Point, hw: Hardware, offload: bool, tile: int | None) ->
         "embedding/head grads": resident * c,
         "boundary activations": (min(L, OFFLOAD_IN_FLIGHT) if offload else L) * T * h * c,
         # the head/loss and a layer's backward never run at once: the larger of the two
-        "working set (max of layer backward, head+loss)": max(
+        "working set (layer or loss)": max(
             layer_working_set_bytes(m, T, c, tile), chunked_loss_bytes(m, T, c, p.loss_chunk_tokens)),
         "runtime": 0 if hw.unified_memory else int(hw.device_reserved_gib * GIB),
     }
@@ -419,7 +419,7 @@ def _hf_activations(p: Point) -> dict[str, int]:
     loss = T * m.vocab * LOSS_BYTES_EXTRA
     if p.gradient_checkpointing:
         return {"boundary activations": L * T * h * c, "full logits": logits,
-                "working set (max of layer backward, loss)": max(layer_working_set_bytes(m, T, c, engine=False), loss)}
+                "working set (layer or loss)": max(layer_working_set_bytes(m, T, c, engine=False), loss)}
     return {"saved activations": L * layer_saved_bytes(m, T, c), "full logits": logits, "loss transients": loss}
 
 

@@ -185,12 +185,12 @@ def _bench_cpu(torch, quick: bool, min_time: float | None) -> dict[str, Any]:
     }
 
 
-def bench_cuda(quick: bool = False, min_time: float | None = None) -> dict[str, Any]:
+def bench_cuda(quick: bool = False, min_time: float | None = None, threads: int | None = None) -> dict[str, Any]:
     """Measure the current CUDA device and its host link (pinned copies) into a profile."""
     import torch
 
     min_time = min_time if min_time is not None else (0.05 if quick else 0.5)
-    host = bench_cpu(quick=quick, min_time=min_time)
+    host = bench_cpu(quick=quick, min_time=min_time, threads=threads)
     dev = torch.device("cuda")
     sync = torch.cuda.synchronize
     big = ((8192, 8192, 8192), (16384, 8192, 8192), (16384, 8192, 28672))
@@ -231,7 +231,7 @@ def bench_cuda(quick: bool = False, min_time: float | None = None) -> dict[str, 
     return prof
 
 
-def bench(quick: bool = False, min_time: float | None = None) -> dict[str, Any]:
+def bench(quick: bool = False, min_time: float | None = None, threads: int | None = None) -> dict[str, Any]:
     """bench_cuda on a CUDA machine, else bench_cpu."""
     try:
         import torch
@@ -239,4 +239,4 @@ def bench(quick: bool = False, min_time: float | None = None) -> dict[str, Any]:
         has_cuda = torch.cuda.is_available()
     except ImportError:
         has_cuda = False
-    return bench_cuda(quick, min_time) if has_cuda else bench_cpu(quick, min_time)
+    return bench_cuda(quick, min_time, threads) if has_cuda else bench_cpu(quick, min_time, threads)
