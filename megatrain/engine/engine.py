@@ -223,7 +223,7 @@ class Engine:
         t0 = time.perf_counter()
         train = self.training and torch.is_grad_enabled()
         dev = self.device
-        ids = input_ids.to(dev, non_blocking=True)
+        ids = input_ids.to(dev, torch.long, non_blocking=True)  # check_batch admits int8..int32; embedding takes long
         mask = attention_mask.to(dev, non_blocking=True) if attention_mask is not None else None
         pos = position_ids.to(dev, non_blocking=True) if position_ids is not None else None
         with torch.no_grad():
@@ -240,7 +240,7 @@ class Engine:
             hn = self.parts.norm(h_last)
             loss = None
             if labels is not None:
-                loss = chunked_causal_lm_loss(hn, self.parts.lm_head.weight, labels.to(dev, non_blocking=True),
+                loss = chunked_causal_lm_loss(hn, self.parts.lm_head.weight, labels.to(dev, torch.long, non_blocking=True),
                                               self.config.loss_chunk_tokens)
             logits = self.parts.lm_head(hn) if return_logits else None
         if train and loss is not None:
