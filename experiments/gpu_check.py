@@ -1,10 +1,15 @@
 """The CUDA path, proven: one prepared check that validates and measures MegaTrain on a borrowed GPU.
 
+    bash scripts/fetch_wheels.sh                  # here, once: wheels/ for the device (no network there)
     bash experiments/gpu_check.sh                 # on the GPU machine: installs the carried wheels, then this
     python -m experiments.gpu_check --dry-run     # the same script on the CPU with tiny shapes (CI runs it)
 
-Phases, in order, each in its own process with its own time budget, so a crash, a hang or a poisoned
-CUDA context costs that phase only:
+With the device tool: run(command="bash experiments/gpu_check.sh", carry=["wheels"], timeout_s=560); prefix
+MEGATRAIN_GIT_COMMIT=<sha> to record the commit (the device's copy of the tree has no .git).
+
+Phases, in order, each with its own time budget, in a child process that the parent kills when a phase
+overruns and replaces when it dies (and after a phase that raised on a GPU, whose CUDA context may be
+poisoned): a hang or a crash costs that phase only. The parent publishes the summary after every phase.
 
 - env        what ran where: GPU, driver, PCIe link, torch/CUDA, packages, host memory, pinning, compilers
 - bandwidth  pinned and pageable host<->device copies timed with CUDA events, both directions at once,
@@ -1500,7 +1505,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         if os.environ.get("OUT"):
-            args.out = "/tmp/megatrain-gpu-check"
+            args.out = f"/tmp/megatrain-gpu-check-{stamp}"  # fresh: a warm machine may hold an earlier run
         else:
             args.out = str(REPO_ROOT / "results" / ("gpu-dry" if args.dry_run else "gpu") / stamp)
     if args.phase:

@@ -30,6 +30,14 @@ class EngineConfig:
     max_bad_steps: int = 5  # ... and this many consecutive skipped steps stop training with an error
 
     def __post_init__(self) -> None:
+        # A switch given as "no" or {} would be truthy: the opposite of what was meant, silently.
+        for name in ("pin_memory", "measure_device_memory", "trace", "skip_nonfinite"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (value is None and name == "pin_memory"):
+                raise ValueError(f"{name}={value!r} must be true or false")
+        for name, value in (("watchdog_s", self.watchdog_s), ("link_gbps", 1.0 if self.link_gbps is None else self.link_gbps)):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name}={value!r} must be a number")
         if self.compute_dtype not in _DTYPES:
             raise ValueError(f"compute_dtype={self.compute_dtype!r} is not supported; use one of {_DTYPES}")
         if not isinstance(self.num_buffers, int) or self.num_buffers < 1:

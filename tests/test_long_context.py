@@ -145,7 +145,7 @@ def test_peak_device_bytes_grow_linearly_with_sequence_length():
     short = [256, 512, 768, 1024]
     dense = [measured(model, s, segment_attention=False)["peak_device_bytes"] for s in short]
     resid, quad = fit(short, dense)
-    assert quad > 0.3 and (np.diff(np.array(dense) / np.array(short)) > 0).all(), dense
+    assert quad > 0.3 and dense[-1] / short[-1] > 1.1 * dense[0] / short[0], dense
 
 
 def test_offloaded_peak_does_not_grow_with_depth():
@@ -181,11 +181,11 @@ def test_rope_scaling_extends_the_limit_and_is_respected():
     longer = tiny_model("llama", layers=1, max_pos=2048)  # same seed: same weights, unscaled RoPE
     eng = engine(scaled)
     with torch.no_grad():
-        got = eng(**batch).loss.item()
-        expect = scaled(**batch, use_cache=False).loss.item()
-        unscaled = engine(longer)(**batch).loss.item()
-    assert got == pytest.approx(expect, abs=1e-5)
-    assert abs(got - unscaled) > 1e-4  # the scaling is in effect, not just the raised limit
+        got = eng(**batch, return_logits=True).logits
+        expect = scaled(**batch, use_cache=False).logits
+        unscaled = engine(longer)(**batch, return_logits=True).logits
+    assert (got - expect).abs().max() <= 1e-5
+    assert (got - unscaled).abs().max() > 1e-3  # the scaling is in effect, not just the raised limit
     with pytest.raises(ValueError, match=r"extends it to 2048"):
         eng(**make_batches(1, seq=2049)[0])
 

@@ -36,7 +36,19 @@ OptimizerArg = torch.optim.Optimizer | Callable[[list[tuple[str, nn.Parameter]]]
 
 def resolve_device(name: str | None) -> torch.device:
     if name is not None:
-        return torch.device(name)
+        # Refused here, before the engine takes the model: torch would only fail later, mid-construction.
+        try:
+            dev = torch.device(name)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device={name!r} is not a torch device such as 'cuda', 'cuda:0' or 'cpu' ({e})") from e
+        backend = getattr(torch, dev.type, None)
+        if dev.type == "meta" or (dev.type != "cpu" and not (hasattr(backend, "is_available")
+                                                            and backend.is_available())):
+            raise ValueError(f"device={name!r}: no such device is available to torch here; use 'cpu' or leave "
+                             "it unset to use the accelerator when there is one")
+        if dev.index is not None and hasattr(backend, "device_count") and dev.index >= backend.device_count():
+            raise ValueError(f"device={name!r}: only {backend.device_count()} {dev.type} device(s) present")
+        return dev
     acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
     return acc or torch.device("cpu")
 

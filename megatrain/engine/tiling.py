@@ -26,10 +26,7 @@ TILEABLE_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLaye
 _ATTN_PARTS = ("input_layernorm", "self_attn")
 _MLP_PARTS = ("post_attention_layernorm", "mlp")
 MIN_TILE = 256  # below this the per-tile overhead (Python, kernel launches) outweighs the memory saved
-# "auto" without a budget: tiles whose MLP working set is a quarter of the attention block's, so the
-# layer peaks at ~1.25x attention instead of attention + the whole MLP (~2.6x at Llama shapes).
-AUTO_MLP_FRACTION = 0.25
-# ... and without a budget, only when the untiled MLP side is big enough for tiling to matter.
+# "auto" with no device budget tiles only once the untiled MLP working set is big enough to matter.
 AUTO_MIN_MLP_BYTES = 256 * 2**20
 
 
@@ -107,11 +104,15 @@ def tiled_vjp(layer: nn.Module, weights: dict[str, torch.Tensor], x: torch.Tenso
 
 # -- the per-batch plan ------------------------------------------------------------------------------
 
-# Peak live elements per token of one layer's recompute + backward, fitted from measurements of the
-# untiled and tiled paths (DeviceMemoryTracker, Llama/Qwen2 shapes, FP32): the attention side, and the
-# MLP side that tiling shrinks from all tokens to one tile. `tests/test_long_context.py` checks them.
-ATTN_PER_TOKEN_H, ATTN_PER_TOKEN_KV = 9.0, 2.0
-MLP_PER_TOKEN_H, MLP_PER_TOKEN_I = 2.0, 6.0
+# Peak live elements per token of one layer's recompute + backward, measured with DeviceMemoryTracker
+# (Llama shapes, FP32; tests/test_long_context.py checks the prediction). The peak is the larger of:
+#  - the attention backward: 11 h + 2 kv per token (the recomputed attention graph, its gradients);
+#  - an MLP tile's backward: 9 h + 2 kv per token (the attention graph, kept meanwhile) plus, per token
+#    of the tile, 2 h + 6 I (norm2 in/out; gate, up, their product and gradients).
+# Untiled (tile = all tokens) that is 11 h + 2 kv + 6 I, from the MLP phase.
+ATTN_PHASE_H, KV_PER_TOKEN, MLP_PHASE_H = 11.0, 2.0, 9.0
+TILE_H, TILE_I = 2.0, 6.0
+FP32_NORM_H = 1.5  # bf16 compute: the RMSNorms' fp32 upcasts, in fp32 h-vectors per token (planner's figure)
 BUDGET_HEADROOM = 0.9  # plan to this share of the budget: allocator fragmentation, estimate error
 OFFLOAD_IN_FLIGHT = 4  # boundary activations on the device at once when offloaded (measured)
 LOSS_LOGIT_COPIES = 3  # chunk logits (fp32), their softmax/gradient, and a transient
@@ -138,26 +139,38 @@ class LayerDims:
 def layer_working_bytes(d: LayerDims, tokens: int, tile: int | None, itemsize: int) -> int:
     """Predicted peak bytes one layer's backward adds on the device, beyond its input and weights."""
     t = tokens if tile is None else min(tile, tokens)
-    acts = tokens * (ATTN_PER_TOKEN_H * d.hidden + ATTN_PER_TOKEN_KV * d.kv)
-    acts += t * (MLP_PER_TOKEN_H * d.hidden + MLP_PER_TOKEN_I * d.intermediate)
-    return int(acts * itemsize + d.numel * itemsize)  # + the layer's weight gradients
+    kv = KV_PER_TOKEN * d.kv
+    attn = tokens * (ATTN_PHASE_H * d.hidden + kv)
+    mlp = tokens * (MLP_PHASE_H * d.hidden + kv) + t * (TILE_H * d.hidden + TILE_I * d.intermediate)
+    upcasts = tokens * FP32_NORM_H * d.hidden * 4 if itemsize < 4 else 0
+    return int(max(attn, mlp) * itemsize + upcasts + d.numel * itemsize)  # + the layer's weight gradients
 
 
 def loss_workspace_bytes(tokens: int, hidden: int, vocab: int, chunk: int, itemsize: int) -> int:
     return int(2 * tokens * hidden * itemsize + LOSS_LOGIT_COPIES * min(chunk, tokens) * vocab * 4 + vocab * hidden * 4)
 
 
+def floor_tile(d: LayerDims, tokens: int) -> int:
+    """The largest tile at which the MLP phase no longer sets the layer's peak: smaller saves nothing."""
+    t = tokens * (ATTN_PHASE_H - MLP_PHASE_H) * d.hidden / (TILE_H * d.hidden + TILE_I * d.intermediate)
+    return max(MIN_TILE, int(t) // MIN_TILE * MIN_TILE)
+
+
 def auto_tile(d: LayerDims, tokens: int, itemsize: int, room: int | None) -> int | None:
-    """Tiles whose MLP side is AUTO_MLP_FRACTION of the attention side, shrunk to fit `room` bytes."""
-    attn = ATTN_PER_TOKEN_H * d.hidden + ATTN_PER_TOKEN_KV * d.kv
-    mlp = MLP_PER_TOKEN_H * d.hidden + MLP_PER_TOKEN_I * d.intermediate
-    if room is None and tokens * mlp * itemsize < AUTO_MIN_MLP_BYTES:
-        return None
-    tile = max(MIN_TILE, int(tokens * AUTO_MLP_FRACTION * attn / mlp) // MIN_TILE * MIN_TILE)
-    if room is not None:
-        while tile > MIN_TILE and layer_working_bytes(d, tokens, tile, itemsize) > room:
-            tile = max(MIN_TILE, tile // 2 // MIN_TILE * MIN_TILE)
-    return None if tile >= tokens else tile
+    """Untiled when that fits `room` (or, with no budget, when the MLP is small); else the largest
+    power-of-two share of the tokens that fits, down to the floor tile."""
+    if room is None:
+        mlp = tokens * (TILE_H * d.hidden + TILE_I * d.intermediate) * itemsize
+        tile = None if mlp < AUTO_MIN_MLP_BYTES else floor_tile(d, tokens)
+    else:
+        tile, floor = None, floor_tile(d, tokens)
+        while layer_working_bytes(d, tokens, tile, itemsize) > room:
+            nxt = (tokens if tile is None else tile) // 2 // MIN_TILE * MIN_TILE
+            if nxt <= floor:
+                tile = floor
+                break
+            tile = nxt
+    return None if tile is None or tile >= tokens else tile
 
 
 @dataclass
