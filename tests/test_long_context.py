@@ -72,15 +72,20 @@ def test_padded_and_packed_batches_match_hf(family):
     """Segment attention + tiling against the HF model's own forward/backward (dense mask) at 1k tokens."""
     kw = {"sliding_window": None} if family == "mistral" else {}
     model = tiny_model(family, layers=2, max_pos=1024, **kw)
-    for batch in (make_batches(1, seq=1024)[0], packed_batch(1024, [300, 500, 224])):
+    # 1024 tokens run per segment; 200 still use HF's dense mask ("auto": it is smaller than the queries).
+    for batch in (make_batches(1, seq=1024)[0], packed_batch(1024, [300, 500, 224]), make_batches(1, seq=200)[0],
+                  packed_batch(200, [50, 150])):
         ref = copy.deepcopy(model)
         out = ref(**batch, use_cache=False)
         out.loss.backward()
         expect = out.loss.item(), {n: p.grad for n, p in ref.named_parameters()}
         eng = engine(model, mlp_tile_tokens=256)
         got = grads_of(eng, batch)
-        assert eng.segment_attention and got[2]["mlp_tile_tokens"] == 256
+        assert eng.segment_attention and got[2]["mlp_tile_tokens"] == (256 if batch["input_ids"].numel() > 256 else 0)
         assert_same(expect, got)
+        with torch.no_grad():  # every position, padding included (its labels are -100, so not in the loss)
+            logits = eng(**batch, return_logits=True).logits
+        assert (logits - out.logits).abs().max() <= 1e-5
 
 
 def test_packing_keeps_documents_apart():

@@ -1,20 +1,22 @@
 """Causal attention over padded or packed batches with no O(tokens²) mask.
 
 HF's `sdpa` path turns any padding (and any packing) into a dense `[batch, 1, seq, seq]` boolean mask:
-at 512k tokens that is 256 GiB per sequence, and a mask also keeps SDPA off its flash kernels. This
-implementation takes the 2-D padding mask (or packed `position_ids`) as is and runs
-`scaled_dot_product_attention(is_causal=True)` per segment, so memory stays O(tokens) and every call
-is on the fused kernel. The result is the same function HF computes:
+at 512k tokens that is 256 GiB per sequence, and a mask also keeps SDPA off its flash kernels. Here the
+model's mask function (run once per forward, before the layers) describes the batch as segments
+instead, and the attention function runs `scaled_dot_product_attention(is_causal=True)` per segment,
+so memory stays O(tokens), every call is on the fused kernel, and the layers make no host syncs. The
+result is the function HF computes:
 
 - padding: a valid query sees the valid keys at or before it; a padded query sees the valid keys
   before it (zeros when there are none, as SDPA gives for a fully masked row);
-- packing (no attention mask, `position_ids` that restart): each document attends only to itself,
-  detected exactly as `transformers.masking_utils.find_packed_sequence_indices` does. As in HF, an
-  explicit attention mask switches packing detection off.
+- packing (no attention mask, `position_ids` that restart): each document attends only to itself. The
+  documents are read off HF's own mask function (a position that may not see its predecessor starts
+  one), so detection is exactly HF's, including that an explicit attention mask switches it off.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -22,21 +24,83 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, find_packed_sequence_indices
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
 
 NAME = "megatrain_segments"  # always per segment
 AUTO_NAME = "megatrain_segments_auto"  # HF's dense mask while it is small, per segment beyond
-# Families whose decoder attention hands the attention function exactly (q, k, v, mask, dropout,
-# scaling, position_ids, ...) with RoPE already applied; checked against HF by the tests.
+# Families whose decoder attention hands the attention function (q, k, v, mask, dropout, scaling, ...)
+# with RoPE already applied and the model's mask untouched; checked against HF by the tests.
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3")
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sliding_window")
 
 
-def _mask_2d(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-             mask_function: Any = None, attention_mask: torch.Tensor | None = None, **kwargs: Any):
-    # Keep the caller's 2-D mask (already bool) as is; None means "no mask given", which is what
-    # decides whether packed position_ids are honoured.
-    return None if attention_mask is None else attention_mask[:, -kv_length:]
+@dataclass
+class Row:
+    runs: list[tuple[bool, int, int]]  # (valid, start, length) in position order; one valid run when packed
+    docs: list[int] | None  # document lengths when packed
+    valid_idx: torch.Tensor | None  # positions of the valid tokens when they are not one slice
+
+
+@dataclass
+class Segments:
+    """The batch's attention layout, built once per forward by the mask function."""
+
+    rows: list[Row]
+    dense: torch.Tensor | None  # HF's own [b, 1, s, s] bool mask, when "auto" finds it small
+
+
+def _row(valid: torch.Tensor | None, starts: torch.Tensor | None, s: int) -> Row:
+    docs = None
+    cuts = [] if starts is None else [c for c in starts.nonzero().squeeze(1).tolist() if c > 0]
+    if cuts:
+        edges = [0, *cuts, s]
+        docs = [b - a for a, b in zip(edges[:-1], edges[1:])]
+    if valid is None:
+        return Row([(True, 0, s)], docs, None)
+    flags, sizes = torch.unique_consecutive(valid, return_counts=True)
+    runs, start = [], 0
+    for f, n in zip(flags.tolist(), sizes.tolist()):
+        runs.append((bool(f), start, n))
+        start += n
+    several = sum(f for f, _, _ in runs) > 1
+    return Row(runs, None, valid.nonzero().squeeze(1) if several else None)
+
+
+def _segments_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                   mask_function: Any = causal_mask_function, attention_mask: torch.Tensor | None = None,
+                   config: Any = None, dtype: torch.dtype = torch.float32, device: Any = "cpu",
+                   dense_when_small: bool = False, **kwargs: Any) -> Segments | None:
+    """HF mask-interface entry: a `Segments` description, or None for plain causal attention."""
+    if q_length != kv_length or q_offset or kv_offset:
+        raise ValueError("segment attention is for training (no KV cache): query and key lengths differ")
+    s = q_length
+    valid = None if attention_mask is None else attention_mask[:, -kv_length:].bool()
+    if valid is not None and bool(valid.all()):
+        valid = None
+    # A position its own mask function does not let see its predecessor starts a new segment (packing).
+    t = torch.arange(s, device=device)
+    b = torch.arange(batch_size, device=device)[:, None]
+    sees_prev = mask_function(b, torch.zeros((), dtype=torch.long, device=device), t[None, :],
+                              (t - 1).clamp_min(0)[None, :])
+    starts = ~torch.as_tensor(sees_prev, device=device).expand(batch_size, s)
+    starts = None if not bool(starts[:, 1:].any()) else starts
+    if valid is None and starts is None:
+        return None
+    dense = None
+    heads = getattr(config, "num_attention_heads", 1)
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads
+    # "auto": while the bool mask (s² bytes a row) is no bigger than the queries (s x hidden), memory
+    # stays linear, one batched SDPA call beats a loop over segments, and the numerics are HF's own.
+    if dense_when_small and s <= heads * head_dim * torch.empty((), dtype=dtype).element_size():
+        dense = (t[None, :] <= t[:, None])[None, None].expand(batch_size, 1, s, s)
+        if valid is not None:
+            dense = dense & valid[:, None, None, :]
+        if starts is not None:
+            doc = starts.long().cumsum(1)
+            dense = dense & (doc[:, None, :, None] == doc[:, None, None, :])
+    rows = [_row(None if valid is None else valid[i], None if starts is None else starts[i], s)
+            for i in range(batch_size)]
+    return Segments(rows, dense)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dropout: float,
@@ -45,32 +109,22 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dropo
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 
-def _packed_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor, dropout: float,
+def _row_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: Row, dropout: float,
                 scale: float | None) -> list[torch.Tensor]:
-    sizes = torch.unique_consecutive(docs, return_counts=True)[1].tolist()
-    return [_sdpa(qs, ks, vs, True, dropout, scale) for qs, ks, vs in zip(q.split(sizes, 2), k.split(sizes, 2),
-                                                                          v.split(sizes, 2))]
-
-
-def _padded_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, dropout: float,
-                scale: float | None) -> list[torch.Tensor]:
-    """The row's output as pieces in position order, over runs of valid and padded tokens."""
-    flags, sizes = torch.unique_consecutive(valid, return_counts=True)
-    runs, start = [], 0
-    for f, n in zip(flags.tolist(), sizes.tolist()):
-        runs.append((f, start, n))
-        start += n
-    valid_runs = [(a, n) for f, a, n in runs if f]
-    if len(valid_runs) == 1:  # left or right padding: the valid tokens are a slice, nothing is copied
+    """One row's output as pieces in position order."""
+    if row.docs is not None:
+        return [_sdpa(q, k, v, True, dropout, scale)]
+    valid_runs = [(a, n) for f, a, n in row.runs if f]
+    if row.valid_idx is None:  # left or right padding: the valid tokens are a slice, nothing is copied
         a, n = valid_runs[0]
-        kc, vc, outs = k[:, :, a: a + n], v[:, :, a: a + n], [_sdpa(q[:, :, a: a + n], k[:, :, a: a + n],
-                                                                     v[:, :, a: a + n], True, dropout, scale)]
+        kc, vc = k[:, :, a: a + n], v[:, :, a: a + n]
+        outs = [_sdpa(q[:, :, a: a + n], kc, vc, True, dropout, scale)]
     else:  # holes: attend over the compacted valid tokens, then split back into the runs
-        idx = valid.nonzero().squeeze(1)
+        idx = row.valid_idx
         kc, vc = k.index_select(2, idx), v.index_select(2, idx)
         outs = list(_sdpa(q.index_select(2, idx), kc, vc, True, dropout, scale).split([n for _, n in valid_runs], 2))
     pieces, seen = [], 0
-    for f, a, n in runs:
+    for f, a, n in row.runs:
         if f:
             pieces.append(outs.pop(0))
             seen += n
@@ -81,52 +135,26 @@ def _padded_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.
     return pieces
 
 
-def _dense_mask(valid: torch.Tensor | None, docs: torch.Tensor | None, s: int, device: torch.device) -> torch.Tensor:
-    # What HF's sdpa_mask builds: key <= query, and the key is valid / in the query's document.
-    i = torch.arange(s, device=device)
-    mask = (i[None, :] <= i[:, None])[None, None]
-    if valid is not None:
-        mask = mask & valid[:, None, None, :]
-    if docs is not None:
-        mask = mask & (docs[:, None, :, None] == docs[:, None, None, :])
-    return mask
-
-
 def segment_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                              position_ids: torch.Tensor | None = None, dense_when_small: bool = False,
+                              attention_mask: Segments | None, dropout: float = 0.0, scaling: float | None = None,
                               **kwargs: Any) -> tuple[torch.Tensor, None]:
     """HF attention-interface entry: query [b, heads, s, d], key/value [b, kv_heads, s, d] -> [b, s, heads, d]."""
     bad = [k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
     if bad:
         raise ValueError(f"segment attention does not model {bad}; use EngineConfig(segment_attention=False)")
-    b, _, s, _ = query.shape
-    if key.shape[2] != s:
-        raise ValueError("segment attention is for training (no KV cache): query and key lengths differ")
-    valid = docs = None
-    if attention_mask is not None:
-        if attention_mask.dim() != 2:
-            raise ValueError(f"segment attention expects a 2-D padding mask, got shape {tuple(attention_mask.shape)}")
-        valid = attention_mask.bool()
-        if bool(valid.all()):
-            valid = None
-    elif position_ids is not None:
-        docs = find_packed_sequence_indices(position_ids.expand(b, -1))
-    if valid is None and docs is None:
+    seg = attention_mask
+    if seg is None:
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling)
-    # "auto": while the bool mask (s² bytes per row) is no bigger than the query itself (s x hidden),
-    # memory stays linear, one batched SDPA call beats a loop over segments, and the numerics are HF's own.
-    if dense_when_small and s <= query.shape[1] * query.shape[3] * query.element_size():
-        mask = _dense_mask(valid, docs, s, query.device)
-        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling)
+    if not isinstance(seg, Segments):
+        raise ValueError(f"segment attention expects the mask its own mask function builds, got {type(seg).__name__}")
+    if seg.dense is not None:
+        return sdpa_attention_forward(module, query, key, value, seg.dense, dropout=dropout, scaling=scaling)
+    b, _, s, _ = query.shape
     out = query.new_empty(b, s, query.shape[1], value.shape[-1])
-    for i in range(b):
-        row = (_padded_row if valid is not None else _packed_row)(
-            query[i: i + 1], key[i: i + 1], value[i: i + 1], valid[i] if valid is not None else docs[i], dropout,
-            scaling)
+    for i, row in enumerate(seg.rows):
         a = 0
-        for piece in row:  # written straight into the output: no concatenated copy of the whole row
-            out[i, a: a + piece.shape[2]] = piece[0].transpose(0, 1)
+        for piece in _row_pieces(query[i: i + 1], key[i: i + 1], value[i: i + 1], row, dropout, scaling):
+            out[i, a: a + piece.shape[2]] = piece[0].transpose(0, 1)  # no concatenated copy of the row
             a += piece.shape[2]
     return out, None
 
@@ -151,9 +179,8 @@ def use_segment_attention(config: Any, mode: bool | str = True) -> bool:
     dense mask would outgrow the hidden states); return whether it was switched."""
     if not mode or not supports_segment_attention(config):
         return False
-    AttentionInterface.register(NAME, segment_attention_forward)
-    AttentionInterface.register(AUTO_NAME, partial(segment_attention_forward, dense_when_small=True))
-    for name in (NAME, AUTO_NAME):
-        ALL_MASK_ATTENTION_FUNCTIONS.register(name, _mask_2d)
+    for name, dense in ((NAME, False), (AUTO_NAME, True)):
+        AttentionInterface.register(name, segment_attention_forward)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, partial(_segments_mask, dense_when_small=dense))
     config._attn_implementation = AUTO_NAME if mode == "auto" else NAME
     return True
