@@ -42,10 +42,10 @@ POINT_DEFAULTS: dict[str, Any] = {
     "grad_clip": 1.0,  # clip the global grad norm every step (DeepSpeed's default); 0 turns it off
 }
 _TOP_KEYS = ("name", "description", "defaults", "grid", "grids", "points")
-# Fields that decide what a point measures; the timeout and thread count do not change the identity
-# of a point, so raising a timeout does not make finished points run again.
+# Fields that decide what a point measures; the timeout does not, so raising a timeout does not
+# make finished points run again.
 _IDENTITY_KEYS = ("backend", "model", "seq_len", "micro_batch", "grad_accum", "precision", "recompute",
-                  "engine", "max_positions", "warmup", "steps", "seed", "lr", "grad_clip")
+                  "engine", "max_positions", "warmup", "steps", "seed", "lr", "grad_clip", "threads")
 
 
 class SpecError(ValueError):

@@ -135,16 +135,18 @@ def validate(model: str = "small-7m", context: int = 128, gbps: list[float | Non
 
     preset = resolve_model(model)
     gbps = parse_gbps(DEFAULT_GBPS) if gbps is None else gbps
-    prof = bench_cpu(quick=quick_bench)
-    hw = get_hardware(prof)
-    log(f"bench_cpu: fp32 peak {hw.peak_fp32_tflops * 1e3:.1f} GFLOPS x sustained {hw.sustained_fp32:.2f}, "
-        f"link {hw.link_gbs_achieved:.2f} GB/s, optimizer {hw.optimizer_bps / 1e9:.2f} GB/s")
     measured = []
     for g in gbps:
         m = measure_point(preset, context, g, warmup, steps)
         log(f"  link {g if g is not None else 'unthrottled'} GB/s: median step {m['measured_step_s']:.3f} s "
             f"({', '.join(f'{t:.3f}' for t in m['step_times'])})")
         measured.append((g, m))
+    # After the runs: the bench's large copy buffers would otherwise set the process's RSS high-water
+    # mark (ru_maxrss, which RssSampler reads) and hide the engine's own peak.
+    prof = bench_cpu(quick=quick_bench)
+    hw = get_hardware(prof)
+    log(f"bench_cpu: fp32 peak {hw.peak_fp32_tflops * 1e3:.1f} GFLOPS x sustained {hw.sustained_fp32:.2f}, "
+        f"link {hw.link_gbs_achieved:.2f} GB/s, optimizer {hw.optimizer_bps / 1e9:.2f} GB/s")
     # Calibrate on the fastest-link point, the one nearest compute-bound.
     ref = next((m for g, m in measured if g is None), max(measured, key=lambda gm: gm[0] or 0)[1])
     hw_cal, factor = calibrate_compute(preset, context, hw, ref["measured_step_s"])
@@ -178,6 +180,7 @@ def validate(model: str = "small-7m", context: int = 128, gbps: list[float | Non
             "measured_copy_wait_s": m["measured_copy_wait_s"], "predicted_copy_wait_s": pl.time.copy_wait_s,
             "measured_device_weight_bytes": m["measured_device_weight_bytes"],
             "predicted_device_weight_bytes": pl.device_weight_bytes,
+            # process high-water mark: exact for the first point, an upper bound for the later ones
             "measured_peak_rss_bytes": m["peak_rss_bytes"], "base_rss_bytes": m["base_rss_bytes"],
             "predicted_host_bytes": pred_host,
             "host_error_pct": err_pct(pred_host, m["peak_rss_bytes"]),

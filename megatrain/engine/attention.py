@@ -113,7 +113,8 @@ def _row_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: Row, dro
                 scale: float | None) -> list[torch.Tensor]:
     """One row's output as pieces in position order."""
     if row.docs is not None:
-        return [_sdpa(q, k, v, True, dropout, scale)]
+        return [_sdpa(qs, ks, vs, True, dropout, scale)
+                for qs, ks, vs in zip(q.split(row.docs, 2), k.split(row.docs, 2), v.split(row.docs, 2))]
     valid_runs = [(a, n) for f, a, n in row.runs if f]
     if row.valid_idx is None:  # left or right padding: the valid tokens are a slice, nothing is copied
         a, n = valid_runs[0]

@@ -153,7 +153,7 @@ class Engine:
         policy = long_context_policy(config, self.templates, [g.numel for g in self.store.layers], config.num_buffers,
                                      self.device, self.compute_dtype,
                                      sum(p.numel() * p.element_size() for p in self._device_globals),
-                                     self.parts.lm_head.weight.shape[0])
+                                     self.parts.lm_head.weight.shape)
         self.memory = DeviceMemoryTracker(self.device) if config.measure_device_memory else None
         if self.memory is not None:
             self.forward, self.backward = self.memory.wrap(self.forward), self.memory.wrap(self.backward)

@@ -16,11 +16,17 @@ against the untiled layer by the tests); any other layer runs untiled.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.func import functional_call
+
+if TYPE_CHECKING:
+    from ..config import EngineConfig
+    from .templates import TemplateBank
 
 TILEABLE_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer", "Qwen3DecoderLayer")
 _ATTN_PARTS = ("input_layernorm", "self_attn")
@@ -126,8 +132,7 @@ class LayerDims:
     numel: int  # weights of the largest layer
 
     @classmethod
-    def of(cls, layer: nn.Module, numel: int) -> LayerDims:
-        hidden = layer.input_layernorm.weight.shape[0] if hasattr(layer, "input_layernorm") else 0
+    def of(cls, layer: nn.Module, numel: int, hidden: int) -> LayerDims:
         attn = getattr(layer, "self_attn", None)
         k = getattr(attn, "k_proj", None)
         mlp = getattr(layer, "mlp", None)
@@ -157,8 +162,8 @@ def floor_tile(d: LayerDims, tokens: int) -> int:
 
 
 def auto_tile(d: LayerDims, tokens: int, itemsize: int, room: int | None) -> int | None:
-    """Untiled when that fits `room` (or, with no budget, when the MLP is small); else the largest
-    power-of-two share of the tokens that fits, down to the floor tile."""
+    """Untiled when that fits `room` (or, with no budget, when the MLP is small); else the tokens halved
+    until a tile fits, down to the floor tile."""
     if room is None:
         mlp = tokens * (TILE_H * d.hidden + TILE_I * d.intermediate) * itemsize
         tile = None if mlp < AUTO_MIN_MLP_BYTES else floor_tile(d, tokens)
@@ -207,13 +212,16 @@ class LongContextPolicy:
         offloads = [self.offload_setting] if isinstance(self.offload_setting, bool) else [False, True]
         choice = None
         for off in offloads:
-            tile = self._tile(tokens, off, boundary, loss)
+            tile = self._tile(tokens, off, boundary)
             choice = BatchPlan(off, tile, peak(off, tile))
             if self.budget is None or choice.predicted_peak_bytes <= BUDGET_HEADROOM * self.budget:
-                break
+                return choice
+        warnings.warn(f"{tokens} tokens: the predicted device peak {choice.predicted_peak_bytes / 2**30:.2f} GiB "
+                      f"exceeds {BUDGET_HEADROOM:.0%} of the device budget {self.budget / 2**30:.2f} GiB even with "
+                      f"offload={choice.offload}, tile={choice.tile}; expect an out-of-memory error", stacklevel=3)
         return choice
 
-    def _tile(self, tokens: int, offload: bool, boundary: int, loss: int) -> int | None:
+    def _tile(self, tokens: int, offload: bool, boundary: int) -> int | None:
         s = self.tile_setting
         if s is None:
             return None
@@ -226,8 +234,8 @@ class LongContextPolicy:
         return auto_tile(self.dims, tokens, self.itemsize, room)
 
 
-def long_context_policy(config, templates, layer_numels: list[int], num_buffers: int, device: torch.device,
-                        dtype: torch.dtype, globals_bytes: int, vocab: int) -> LongContextPolicy:
+def long_context_policy(config: EngineConfig, templates: TemplateBank, layer_numels: list[int], num_buffers: int,
+                        device: torch.device, dtype: torch.dtype, globals_bytes: int, head: torch.Size) -> LongContextPolicy:
     """The policy for an engine: its largest layer's shapes, resident weights and device budget."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     big = max(range(len(layer_numels)), key=layer_numels.__getitem__)
@@ -235,7 +243,7 @@ def long_context_policy(config, templates, layer_numels: list[int], num_buffers:
     if budget is None and device.type == "cuda":
         budget = torch.cuda.get_device_properties(device).total_memory
     return LongContextPolicy(
-        dims=LayerDims.of(templates.of_layer[big], layer_numels[big]), n_layers=len(layer_numels),
-        itemsize=itemsize, vocab=vocab, loss_chunk=config.loss_chunk_tokens, tile_setting=config.mlp_tile_tokens,
+        dims=LayerDims.of(templates.of_layer[big], layer_numels[big], head[1]), n_layers=len(layer_numels),
+        itemsize=itemsize, vocab=head[0], loss_chunk=config.loss_chunk_tokens, tile_setting=config.mlp_tile_tokens,
         offload_setting=config.offload_activations, budget=budget,
         fixed_bytes=num_buffers * layer_numels[big] * itemsize + globals_bytes)
