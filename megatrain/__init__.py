@@ -22,6 +22,7 @@ _EXPORTS = {
     "Engine": "megatrain.engine",
     "EngineConfig": "megatrain.config",
     "HostMemoryError": "megatrain.engine",
+    "GracefulStop": "megatrain.graceful",
     "WatchdogError": "megatrain.engine",
     "get_preset": "megatrain.models.presets",
     "PRESETS": "megatrain.models.presets",
