@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"point logs: {log_dir}", flush=True)
     prov = provenance()
     # The harness measures the device and link peaks once per machine (a 512 MiB memcpy probe) and
-    # caches them: do it here, so that probe never lands inside a point's RSS.
+    # caches them: do it here, in a cache of this run's own that other jobs cannot clear, so that probe
+    # never lands inside a point's RSS.
+    os.environ["MEGATRAIN_CACHE"] = tempfile.mkdtemp(prefix="lcbench-cache-")
     device_peak_tflops("cpu", "fp32")
     link_peak_gbps("cpu")
     t0 = time.perf_counter()

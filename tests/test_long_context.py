@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 
 import numpy as np
 import pytest
@@ -189,17 +190,22 @@ def test_offloaded_peak_does_not_grow_with_depth():
 
 
 def test_auto_offloads_and_tiles_to_fit_the_device_budget():
-    model = tiny_model("llama", layers=4, max_pos=2048)
-    free = measured(model, 2048)  # no budget on a CPU device: nothing offloaded, the small MLP left whole
+    model = tiny_model("llama", layers=8, max_pos=1024)
+    free = measured(model, 1024)  # no budget on a CPU device: nothing offloaded, the small MLP left whole
     assert free["activations_offloaded"] == 0 and free["mlp_tile_tokens"] == 0
-    policy = engine(model).pipeline.policy
-    tiled = {off: dataclasses.replace(policy, offload_setting=off, tile_setting=256).plan(2048).predicted_peak_bytes
+    policy = engine(model, loss_chunk_tokens=256).pipeline.policy
+    tiled = {off: dataclasses.replace(policy, offload_setting=off, tile_setting=256).plan(1024).predicted_peak_bytes
              for off in (False, True)}
+    assert tiled[True] < tiled[False]
     # Tiling alone cannot meet this budget (after the planning headroom); tiling + offload can.
     budget = int((tiled[False] + tiled[True]) / 2 / BUDGET_HEADROOM)
-    fit_ = measured(model, 2048, device_budget_bytes=budget)
-    assert fit_["activations_offloaded"] == 1 and 0 < fit_["mlp_tile_tokens"] < 2048
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the plan must fit without the engine warning it will not
+        fit_ = measured(model, 1024, device_budget_bytes=budget)
+    assert fit_["activations_offloaded"] == 1 and 0 < fit_["mlp_tile_tokens"] < 1024
     assert fit_["peak_device_bytes"] <= budget, (fit_["peak_device_bytes"], budget)
+    with pytest.warns(UserWarning, match="expect an out-of-memory error"):
+        measured(model, 1024, device_budget_bytes=budget // 4)
 
 
 # -- RoPE ------------------------------------------------------------------------------------------------

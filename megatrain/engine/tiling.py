@@ -120,7 +120,9 @@ ATTN_PHASE_H, KV_PER_TOKEN, MLP_PHASE_H = 11.0, 2.0, 9.0
 TILE_H, TILE_I = 2.0, 6.0
 FP32_NORM_H = 1.5  # bf16 compute: the RMSNorms' fp32 upcasts, in fp32 h-vectors per token (planner's figure)
 BUDGET_HEADROOM = 0.9  # plan to this share of the budget: allocator fragmentation, estimate error
-OFFLOAD_IN_FLIGHT = 4  # boundary activations on the device at once when offloaded (measured)
+# Offloaded, the device holds about this many boundary activations at once, whatever the depth (measured):
+# a layer's input and output, the next input prefetched, and one on its way out.
+OFFLOAD_IN_FLIGHT = 4
 LOSS_LOGIT_COPIES = 3  # chunk logits (fp32), their softmax/gradient, and a transient
 
 
@@ -204,8 +206,7 @@ class LongContextPolicy:
         loss = loss_workspace_bytes(tokens, self.dims.hidden, self.vocab, self.loss_chunk, self.itemsize)
 
         def peak(offload: bool, tile: int | None) -> int:
-            # Offloaded: the layer's input and output, the next input prefetched, one on its way out.
-            kept = min(OFFLOAD_IN_FLIGHT, self.n_layers) if offload else self.n_layers
+            kept = OFFLOAD_IN_FLIGHT if offload else self.n_layers
             return (self.fixed_bytes + kept * boundary
                     + max(loss, layer_working_bytes(self.dims, tokens, tile, self.itemsize)))
 
@@ -229,7 +230,7 @@ class LongContextPolicy:
             return s if s < tokens else None
         room = None
         if self.budget is not None:
-            kept = min(OFFLOAD_IN_FLIGHT, self.n_layers) if offload else self.n_layers
+            kept = OFFLOAD_IN_FLIGHT if offload else self.n_layers
             room = int(BUDGET_HEADROOM * self.budget) - self.fixed_bytes - kept * boundary
         return auto_tile(self.dims, tokens, self.itemsize, room)
 
