@@ -6,6 +6,7 @@ Why a subprocess per point: an OOM kill, a hung collective or DeepSpeed's proces
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -294,6 +295,8 @@ def run_sweep(sweep: Sweep, out_dir: str | Path | None = None, only: dict[str, s
     finally:
         if bar is not None:
             bar.close()
+        with contextlib.suppress(OSError):
+            (out / ".work").rmdir()  # scratch for result hand-off; only removed when empty
     if force or retry_failed:
         # A redo appended a second row for the point; keep one row per point on disk too.
         R.compact(csv)

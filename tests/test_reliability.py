@@ -281,6 +281,9 @@ def _kill_plan(rng: random.Random, ref: Reference) -> list[dict[str, Any]]:
     middles += [{"how": "slow-save", "delay": rng.uniform(0.05, 0.95) * slow_save_s} for _ in range(3)]
     rng.shuffle(middles)
     rng.shuffle(late)
+    # First occurrences first (a stable sort keeps the shuffle otherwise): there are fewer late slots
+    # than late operations, and every kind of operation must be hit.
+    late.sort(key=lambda p: p[1] > 1)
     plan: list[dict[str, Any]] = []
     for i, save in enumerate(saves):
         plan.append({"how": "training", "save": save, "delay": rng.uniform(0.0, 0.9 * ref.step_s)})
