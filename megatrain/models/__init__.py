@@ -1,4 +1,5 @@
-from .adapter import DecoderParts, find_parts
-from .presets import PRESETS, ModelPreset, get_preset
+"""Model descriptions: presets (pure data) and the HF adapter (`megatrain.models.adapter`, needs torch)."""
 
-__all__ = ["DecoderParts", "find_parts", "PRESETS", "ModelPreset", "get_preset"]
+from .presets import ALIASES, PRESETS, ModelPreset, get_preset
+
+__all__ = ["ALIASES", "PRESETS", "ModelPreset", "get_preset"]
