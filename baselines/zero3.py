@@ -9,6 +9,7 @@ single-process distributed environment is set, which `prepare_environment` does.
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 import socket
 import sys
@@ -55,9 +56,41 @@ def prepare_environment() -> None:
     path = os.environ.get("PATH", "")
     if bindir not in path.split(os.pathsep):
         os.environ["PATH"] = bindir + (os.pathsep + path if path else "")
-    os.environ.setdefault(
-        "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "megatrain" / "torch_extensions")
-    )
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())
+    _clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
+
+
+def default_extensions_dir() -> str:
+    """Where DeepSpeed's JIT-built ops are cached: one directory per interpreter, since ops built against
+    another venv's paths would be rebuilt (~85 s) on every switch between venvs."""
+    prefix = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
+    return str(Path.home() / ".cache" / "megatrain" / "torch_extensions" / prefix)
+
+
+def _clear_stale_build_locks(root: Path, max_age_s: float = 1200.0) -> None:
+    """A JIT build killed mid-way (a timeout, Ctrl-C) leaves its `lock` file behind, and every later
+    build of that op then waits on it forever. No build of these ops takes anywhere near `max_age_s`."""
+    import time
+    import warnings
+
+    for lock in root.glob("*/lock"):
+        try:
+            age = time.time() - lock.stat().st_mtime
+            if age > max_age_s:
+                lock.unlink()
+                warnings.warn(f"removed a stale DeepSpeed build lock {lock} ({age / 60:.0f} min old)", stacklevel=2)
+        except OSError:
+            continue
+
+
+def build_ops() -> None:
+    """JIT-build the DeepSpeed C++ ops ZeRO-3 CPU offload uses (cpu_adam, shm comm), once per machine."""
+    require_deepspeed()
+    prepare_environment()
+    from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder
+
+    for builder in (ShareMemCommBuilder(), CPUAdamBuilder()):
+        builder.load(verbose=False)
 
 
 def _has_accelerator() -> bool:
@@ -304,3 +337,13 @@ class Zero3Backend:
         path, _ = self._require_engine().load_checkpoint(str(directory), tag=_CKPT_TAG)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint (tag {_CKPT_TAG!r}) under {directory}")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="DeepSpeed ZeRO-3 CPU-offload baseline utilities")
+    ap.add_argument("--build-ops", action="store_true", help="JIT-build DeepSpeed's C++ ops now (~85 s once)")
+    if ap.parse_args().build_ops:
+        build_ops()
+        print(f"DeepSpeed ops built in {os.environ['TORCH_EXTENSIONS_DIR']}")

@@ -482,7 +482,9 @@ def phase_ds_build(ctx: Ctx) -> None:
 def ds_ops_built(cpu_accelerator: bool) -> bool:
     """Whether the DeepSpeed JIT ops a ZeRO-3 run needs are already in the extensions cache (the
     harness's default cache when TORCH_EXTENSIONS_DIR is unset)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "megatrain" / "torch_extensions")
+    from baselines.zero3 import default_extensions_dir
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or default_extensions_dir()
     names = ["cpu_adam"] + (["deepspeed_shm_comm"] if cpu_accelerator else [])
     return all(glob.glob(os.path.join(root, "**", f"{n}*.so"), recursive=True) for n in names)
 

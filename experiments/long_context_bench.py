@@ -1,16 +1,21 @@
-"""Long-context benchmark: the longest sequence each backend can train llama-100m on within one memory budget.
+"""Long-context benchmark: the longest sequence each backend can train llama-100m on within one device-memory budget.
 
-    python -m experiments.long_context_bench [--budget-gib 3.0] [--lengths 1024,2048,...] [--backends ...]
+    python -m experiments.long_context_bench [--budget-gib 0.75] [--lengths 1024,2048,...] [--backends ...]
 
-Each (backend, length) is two training steps (forward, backward, AdamW; the second timed) of the project's sweep point
-(`python -m experiments.point`), in its own process, so every backend runs exactly as a user would run
-it. The budget is the peak resident set size (RSS) of that process: on a machine without a GPU the
-"device" is host memory, so the budget covers everything (weights, optimizer state, activations). A
-watchdog kills a point as soon as its RSS passes the budget (an out-of-memory, as on a GPU), and the
-kernel's exact high-water mark (`wait4` ru_maxrss) decides whether a finished point stayed within it.
-Lengths are tried in increasing order and a backend stops at its first point over budget.
+Each (backend, length) runs in its own process through the public face (`megatrain.Accelerator`, the way
+a user runs each backend): two training steps (forward, backward, AdamW), the second timed, so the
+optimizer state exists while it is measured. torch and zero3 use HF gradient checkpointing.
 
-Writes results/long_context/results.csv and a README.md with the machine, versions, commit and summary.
+The budget is device memory. On a machine without a GPU it is accounted, for every backend alike, by
+`megatrain.engine.memtrack.DeviceMemoryTracker`: the live bytes of every tensor the step allocates on
+the compute device, plus what each backend keeps on the device for the whole run (torch: the
+parameters; megatrain: its layer buffers and embedding/head; ZeRO-3 offload: nothing, its parameters
+and optimizer live in host memory). An allocation that would pass the budget raises, as an
+out-of-memory error would on a GPU. megatrain's engine is given the same budget (`device_budget_bytes`),
+from which it plans its MLP tile and activation offload. Peak host RSS is recorded as well.
+
+Lengths are tried in increasing order and a backend stops at its first point over budget. Writes
+results/long_context/results.csv and README.md (machine, versions, commit, summary).
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ import argparse
 import csv
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,94 +31,148 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from experiments.runner import _child_env
 from experiments.spec import Point
-from megatrain.metrics.device import device_peak_tflops
-from megatrain.metrics.link import link_peak_gbps
-from megatrain.metrics.provenance import provenance
-from megatrain.models.presets import get_preset
 
 REPO = Path(__file__).resolve().parent.parent
-FIELDS = ["backend", "seq_len", "fits", "status", "reason", "peak_rss_bytes", "budget_bytes", "tokens_per_s",
-          "step_time_s", "forward_s", "backward_s", "optimizer_s", "model_tflops", "peak_device_bytes",
-          "device_mem_source", "wall_s"]
+FIELDS = ["backend", "seq_len", "fits", "status", "reason", "peak_device_bytes", "static_device_bytes",
+          "budget_bytes", "tokens_per_s", "step_time_s", "mlp_tile_tokens", "activations_offloaded",
+          "peak_rss_bytes", "wall_s"]
+
+
+# -- one point, in its own process ---------------------------------------------------------------------
+
+def _point(model: str, backend: str, seq: int, max_pos: int) -> Point:
+    return Point(backend=backend, model=model, seq_len=seq, max_positions=max_pos)
+
+
+def worker(model_name: str, backend: str, seq: int, max_pos: int, budget: int) -> dict[str, Any]:
+    import torch
+
+    from experiments.point import _find_engine, build_model
+    from megatrain.accelerator import Accelerator
+    from megatrain.engine.memtrack import DeviceMemoryTracker
+
+    class OverBudget(MemoryError):
+        pass
+
+    class BudgetTracker(DeviceMemoryTracker):
+        """Raises at the first allocation that takes the device past the budget."""
+
+        def __init__(self, limit: int) -> None:
+            super().__init__(torch.device("cpu"))
+            self.limit = limit
+            self.tripped = 0
+
+        def _note(self, out: Any, inputs: Any) -> None:
+            super()._note(out, inputs)
+            if self.live > self.limit and not self.tripped:
+                self.tripped = self.live
+                raise OverBudget(f"device bytes would reach {self.live} > {self.limit}")
+
+    pt = _point(model_name, backend, seq, max_pos)
+    torch.manual_seed(0)
+    config: dict[str, Any] = {"gradient_clipping": 1.0}
+    if backend == "megatrain":
+        config["megatrain"] = {"device_budget_bytes": budget}
+    acc = Accelerator(backend=backend, config=config, gradient_checkpointing=True)
+    model = build_model(pt)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = acc.prepare(model, optimizer)
+    engine = _find_engine(model, acc) if backend == "megatrain" else None
+    if engine is not None:
+        static = engine.device_weight_bytes
+    elif backend == "torch":
+        static = sum(p.numel() * p.element_size() for p in model.parameters())
+    else:
+        static = 0  # ZeRO-3 offload: parameters and optimizer state are host tensors
+    tracker = BudgetTracker(budget - static)
+    x = torch.randint(0, pt.preset.vocab, (1, seq), generator=torch.Generator().manual_seed(1))
+    times = []
+    try:
+        for _ in range(2):
+            t0 = time.perf_counter()
+            with tracker.track():
+                out = model(input_ids=x, labels=x)
+                acc.backward(out.loss)
+                del out
+            # torch keeps AdamW's state and temporaries on the device; the others step on the host.
+            if backend == "torch":
+                with tracker.track():
+                    optimizer.step()
+                    optimizer.zero_grad()
+            else:
+                optimizer.step()
+                optimizer.zero_grad()
+            times.append(time.perf_counter() - t0)
+    except Exception as exc:  # noqa: BLE001 - an over-budget allocation surfaces wrapped by autograd or DeepSpeed
+        if not tracker.tripped:
+            raise
+        return {"status": "over_budget", "reason": f"needs > {(static + tracker.tripped) / 2**30:.3f} GiB "
+                f"({type(exc).__name__})", "peak_device_bytes": static + tracker.tripped, "static_device_bytes": static}
+    row = {"status": "ok", "reason": "", "peak_device_bytes": static + tracker.peak, "static_device_bytes": static,
+           "step_time_s": times[-1], "tokens_per_s": seq / times[-1]}
+    if engine is not None:
+        st = engine.collect_stats()
+        row.update(mlp_tile_tokens=st["mlp_tile_tokens"], activations_offloaded=st["activations_offloaded"])
+    return row
 
 
 def run_point(model: str, backend: str, seq: int, max_pos: int, budget: int, timeout_s: float,
               log_dir: Path) -> dict[str, Any]:
-    engine = {"measure_device_memory": True} if backend == "megatrain" else {}
-    # One warm-up step first: AdamW allocates its state on the first step, so only the second step's
-    # peak is what training at this length holds (and its time is free of first-step allocations).
-    pt = Point(backend=backend, model=model, seq_len=seq, micro_batch=1, warmup=1, steps=1, engine=engine,
-               max_positions=max_pos, timeout_s=timeout_s)
     result = Path(tempfile.mkdtemp(prefix="lcbench-")) / "row.json"
-    log = (log_dir / f"{backend}-{seq}.log").open("w")
-    cmd = [sys.executable, "-m", "experiments.point", "--point", json.dumps(pt.to_dict()), "--result", str(result),
-           "--parent-pid", str(os.getpid())]
+    cmd = [sys.executable, "-m", "experiments.long_context_bench", "--worker", json.dumps(
+        {"model": model, "backend": backend, "seq": seq, "max_pos": max_pos, "budget": budget, "result": str(result)})]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_child_env(pt), stdout=log, stderr=subprocess.STDOUT)
-    watched = psutil.Process(proc.pid)
-    status, killed_rss = None, 0
-    while True:
-        pid, code, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            break
-        try:
-            rss = watched.memory_info().rss
-        except psutil.NoSuchProcess:
-            rss = 0
-        if rss > budget and status is None:
-            status, killed_rss = "over_budget", rss
-            os.kill(proc.pid, signal.SIGKILL)
-        elif time.perf_counter() - t0 > timeout_s and status is None:
-            status = "timeout"
-            os.kill(proc.pid, signal.SIGKILL)
-        time.sleep(0.05)
-    proc.returncode = code  # reaped by wait4 above
-    log.close()
-    peak = max(usage.ru_maxrss * 1024, killed_rss)  # Linux reports ru_maxrss in KiB
+    with (log_dir / f"{backend}-{seq}.log").open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_child_env(_point(model, backend, seq, max_pos)), stdout=log,
+                                stderr=subprocess.STDOUT)
+        status = None
+        while True:
+            pid, code, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() - t0 > timeout_s and status is None:
+                status = "timeout"
+                proc.kill()
+            time.sleep(0.2)
+        proc.returncode = code  # reaped by wait4 above
     row: dict[str, Any] = json.loads(result.read_text()) if result.exists() else {}
-    if status is None:
-        status = "over_budget" if peak > budget else row.get("status", "failed")
-    reason = {"over_budget": f"peak RSS {peak / 2**30:.2f} GiB > budget {budget / 2**30:.2f} GiB",
-              "timeout": f"no result within {timeout_s:.0f} s"}.get(status, row.get("reason", ""))
-    out = {"backend": backend, "seq_len": seq, "fits": status == "ok", "status": status, "reason": reason,
-           "peak_rss_bytes": peak, "budget_bytes": budget, "wall_s": round(time.perf_counter() - t0, 1)}
-    if status == "ok":
-        out.update({k: row.get(k) for k in FIELDS if k in row and k not in out})
+    if status is None and not row:
+        status, row["reason"] = "failed", f"no result (exit status {code}); see {log.name}"
+    out = {"backend": backend, "seq_len": seq, "budget_bytes": budget, **row,
+           "peak_rss_bytes": usage.ru_maxrss * 1024,  # Linux reports KiB; the whole process, model build included
+           "wall_s": round(time.perf_counter() - t0, 1)}
+    out["status"] = status or row.get("status", "failed")
+    out["fits"] = out["status"] == "ok"
     return out
 
 
-def summarize(rows: list[dict[str, Any]], backends: list[str], lengths: list[int]) -> dict[str, Any]:
-    longest = {}
-    for b in backends:
-        ok = [r["seq_len"] for r in rows if r["backend"] == b and r["fits"]]
-        longest[b] = (max(ok) if ok else 0, bool(ok) and max(ok) == max(lengths))
-    return longest
+# -- the sweep and its report --------------------------------------------------------------------------
 
+def write_readme(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace, budget: int,
+                 prov: dict[str, Any], wall: float) -> dict[str, int]:
+    from megatrain.models.presets import get_preset
 
-def write_readme(out: Path, rows: list[dict[str, Any]], longest: dict, budget: int, args: argparse.Namespace,
-                 prov: dict[str, Any], wall: float) -> None:
     lines = [
         "# Long-context benchmark (CPU)",
         "",
-        f"The longest sequence each backend trains `{args.model}` ({get_preset(args.model).param_count() / 1e6:.0f}M "
-        "parameters, FP32, micro-batch 1; two training steps of forward, backward, AdamW, so the optimizer state "
-        "exists during the measured step) on within one memory budget, and tokens/s at each length.",
+        f"The longest sequence each backend trains `{args.model}` "
+        f"({get_preset(args.model).param_count() / 1e6:.0f}M parameters, FP32, micro-batch 1) on within one "
+        "device-memory budget, and tokens/s at each length.",
         "",
-        f"- **Budget: peak RSS of the training process <= {budget / 2**30:.2f} GiB.** On this machine there is "
-        "no GPU, so the device is host memory and the budget covers everything the process holds (weights, "
-        "optimizer state, activations). A watchdog kills a point when its RSS passes the budget; the "
-        "kernel's exact high-water mark (wait4 ru_maxrss) decides for finished points.",
-        "- Each point is `python -m experiments.point` (the sweep harness) in its own process: torch and zero3 "
-        "with HF gradient checkpointing, megatrain with its defaults (per-layer recompute, chunked loss, "
-        "`mlp_tile_tokens=\"auto\"`, `offload_activations=\"auto\"`, which on a CPU with no device budget "
-        "keeps activations resident: offloading cannot lower RSS when the device is the host) plus "
-        "`measure_device_memory=True`, whose `peak_device_bytes` is what a GPU would hold.",
-        "- tokens/s is from the second step alone, on a shared 2-core machine that other jobs were loading: "
-        "compare backends within a length, not across runs.",
+        f"- **Budget: {budget / 2**30:.3f} GiB of device memory, by the engine's accounting** "
+        "(`DeviceMemoryTracker`, the same for every backend, since this machine has no GPU): the live bytes of "
+        "every tensor the step allocates, plus what the backend keeps on the device all run (torch: the "
+        "parameters; megatrain: its layer buffers and embedding/head; ZeRO-3 offload: nothing). An allocation "
+        "past the budget raises, as a GPU's out-of-memory would. DeepSpeed's preallocated reduce buckets are "
+        "not counted (they exist before the step), which flatters ZeRO-3.",
+        "- Each point: its own process, the public `Accelerator(backend=...)`, two training steps (forward, "
+        "backward, AdamW), the second timed. torch and zero3 with HF gradient checkpointing and HF's loss; "
+        "megatrain with its defaults and `device_budget_bytes` set to the budget, from which it picks its "
+        "MLP tile and whether to offload boundary activations.",
+        "- tokens/s comes from one step on a shared 2-core machine that other jobs were loading: compare "
+        "backends at one length, not runs. Peak RSS is the whole process (model build included).",
         f"- Lengths tried: {', '.join(map(str, args.lengths))}; a backend stops at its first point over budget. "
         f"Whole run: {wall / 60:.1f} min.",
         "",
@@ -123,73 +181,82 @@ def write_readme(out: Path, rows: list[dict[str, Any]], longest: dict, budget: i
         "| backend | longest fitting length | first length over budget |",
         "| --- | --- | --- |",
     ]
-    for b, (n, capped) in longest.items():
+    longest = {}
+    for b in args.backends:
+        ok = [r["seq_len"] for r in rows if r["backend"] == b and r["fits"]]
+        longest[b] = max(ok) if ok else 0
         over = next((r for r in rows if r["backend"] == b and not r["fits"]), None)
-        first_over = f"{over['seq_len']} ({over['status']}: {over['reason']})" if over else "none tried"
-        shown = f">= {n} (longest tried)" if capped else str(n)
+        capped = bool(ok) and longest[b] == max(args.lengths)
+        shown = f">= {longest[b]} (the longest tried)" if capped else str(longest[b])
+        first_over = f"{over['seq_len']} ({over['status']}: {over['reason']})" if over else ""
         lines.append(f"| {b} | {shown} | {first_over} |")
-    mt = longest.get("megatrain", (0, False))[0]
     for other in ("torch", "zero3"):
-        if other in longest:
-            n = longest[other][0]
-            ratio = f"{mt / n:.1f}x" if n else "unbounded (it fits no length tried)"
-            lines.append(f"\nmegatrain / {other}: {ratio}" + (" (a lower bound: megatrain reached the longest "
-                                                                   "length tried)" if longest['megatrain'][1] else ""))
-    lines += ["", "## All points", "", "| backend | seq_len | status | peak RSS GiB | tokens/s | step s | "
-              "device GiB (megatrain's accounting) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        if other in longest and "megatrain" in longest:
+            n = longest[other]
+            lines.append("")
+            lines.append(f"megatrain / {other}: " + (f"{longest['megatrain'] / n:.1f}x" if n else
+                                                       f"{other} fits no length tried"))
+    lines += ["", "## All points", "",
+              "| backend | seq_len | status | device GiB | of which static | tokens/s | step s | MLP tile | "
+              "offloaded | peak RSS GiB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
     def fmt(v: Any, spec: str, scale: float = 1.0) -> str:
         return "" if v is None else format(v / scale, spec)
 
     for r in rows:
-        lines.append(f"| {r['backend']} | {r['seq_len']} | {r['status']} | {fmt(r['peak_rss_bytes'], '.2f', 2**30)} | "
-                     f"{fmt(r.get('tokens_per_s'), '.1f')} | {fmt(r.get('step_time_s'), '.1f')} | "
-                     f"{fmt(r.get('peak_device_bytes'), '.2f', 2**30)} |")
-    lines += ["", "## Provenance", ""]
-    lines += [f"- {k}: {v}" for k, v in prov.items()]
+        lines.append(" | ".join([
+            f"| {r['backend']}", str(r["seq_len"]), r["status"], fmt(r.get("peak_device_bytes"), ".3f", 2**30),
+            fmt(r.get("static_device_bytes"), ".3f", 2**30), fmt(r.get("tokens_per_s"), ".1f"),
+            fmt(r.get("step_time_s"), ".1f"), fmt(r.get("mlp_tile_tokens"), ".0f"),
+            fmt(r.get("activations_offloaded"), ".0f"), fmt(r.get("peak_rss_bytes"), ".2f", 2**30)]) + " |")
+    lines += ["", "## Provenance", ""] + [f"- {k}: {v}" for k, v in prov.items()]
     lines += ["", f"Reproduce: `python -m experiments.long_context_bench --model {args.model} --budget-gib "
-              f"{args.budget_gib} --lengths {','.join(map(str, args.lengths))} --backends {','.join(args.backends)}`", ""]
+              f"{args.budget_gib} --lengths {','.join(map(str, args.lengths))} --backends {','.join(args.backends)}`",
+              ""]
     (out / "README.md").write_text("\n".join(lines))
+    return longest
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.long_context_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-100m", help="model preset")
-    ap.add_argument("--budget-gib", type=float, default=3.0, help="peak RSS budget per training process")
+    ap.add_argument("--budget-gib", type=float, default=0.75, help="device-memory budget")
     ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")],
-                    default=[1024, 2048, 3072, 4096, 6144, 8192, 12288])
+                    default=[1024, 2048, 3072, 4096, 6144, 8192])
     ap.add_argument("--backends", type=lambda s: s.split(","), default=["megatrain", "torch", "zero3"])
-    ap.add_argument("--timeout-s", type=float, default=1800.0, help="per point")
+    ap.add_argument("--timeout-s", type=float, default=3600.0, help="per point")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "long_context")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.worker:
+        w = json.loads(args.worker)
+        row = worker(w["model"], w["backend"], w["seq"], w["max_pos"], w["budget"])
+        Path(w["result"]).write_text(json.dumps(row))
+        return 0
+
+    from megatrain.metrics.provenance import provenance
+
     budget = int(args.budget_gib * 2**30)
     args.out.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="lcbench-logs-"))
     print(f"point logs: {log_dir}", flush=True)
     prov = provenance()
-    # The harness measures the device and link peaks once per machine (a 512 MiB memcpy probe) and
-    # caches them: do it here, in a cache of this run's own that other jobs cannot clear, so that probe
-    # never lands inside a point's RSS.
-    os.environ["MEGATRAIN_CACHE"] = tempfile.mkdtemp(prefix="lcbench-cache-")
-    device_peak_tflops("cpu", "fp32")
-    link_peak_gbps("cpu")
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for backend in args.backends:
         for seq in sorted(args.lengths):
             r = run_point(args.model, backend, seq, max(args.lengths), budget, args.timeout_s, log_dir)
             rows.append(r)
-            print(f"{backend:9s} {seq:6d} {r['status']:11s} peak RSS {r['peak_rss_bytes'] / 2**30:5.2f} GiB "
+            print(f"{backend:9s} {seq:6d} {r['status']:11s} device {(r.get('peak_device_bytes') or 0) / 2**30:6.3f} GiB "
                   f"{(r.get('tokens_per_s') or 0):7.1f} tok/s  ({r['wall_s']:.0f} s)", flush=True)
             with (args.out / "results.csv").open("w", newline="") as f:  # rewritten after every point
-                w = csv.DictWriter(f, FIELDS)
+                w = csv.DictWriter(f, FIELDS, extrasaction="ignore")
                 w.writeheader()
-                w.writerows({k: x.get(k) for k in FIELDS} for x in rows)
+                w.writerows(rows)
             if not r["fits"]:
                 break  # memory grows with length: longer ones cannot fit either
-    longest = summarize(rows, args.backends, args.lengths)
-    write_readme(args.out, rows, longest, budget, args, prov, time.perf_counter() - t0)
-    print(json.dumps({b: v[0] for b, v in longest.items()}))
+    longest = write_readme(args.out, rows, args, budget, prov, time.perf_counter() - t0)
+    print(json.dumps(longest))
     return 0
 
 

@@ -97,8 +97,10 @@ def _child_env(pt: Point) -> dict[str, str]:
     # DeepSpeed builds its C++ ops with ninja from the venv, and caches them; a stable cache
     # directory pays the ~85 s build once per machine instead of once per point.
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.expanduser("~"), ".cache", "megatrain",
-                                                        "torch_extensions"))
+    if pt.backend == "zero3":
+        from baselines.zero3 import default_extensions_dir
+
+        env.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())
     if pt.backend == "zero3":
         # A fresh port per point: other runs on the machine may hold the default one.
         env.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -14,3 +14,6 @@ fi
 extras="deepspeed"
 [ "${1:-}" = "test" ] && extras="deepspeed,dev"
 python -m pip install -q -e ".[${extras}]"
+# DeepSpeed JIT-builds its C++ ops on first use (~85 s): do it here, once, rather than inside a
+# sweep point's or a test's time limit.
+python -m baselines.zero3 --build-ops

@@ -24,6 +24,7 @@ import transformers
 from conftest import make_batches, tiny_model
 
 import megatrain
+from baselines.zero3 import default_extensions_dir
 from megatrain import checkpoint as ck
 from megatrain.dsconfig import DeepSpeedConfigError
 from megatrain.initialize import MegaTrainEngine, initialize
@@ -429,7 +430,7 @@ def _run_script(backend: str, out: Path, *extra: str, timeout: int = 300) -> dic
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                DS_ACCELERATOR="cpu", PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
                PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "megatrain" / "torch_extensions"))
+    env.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())
     proc = subprocess.run([sys.executable, str(SCRIPT), backend, str(out), *extra], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
