@@ -80,6 +80,8 @@ PRESETS: dict[str, ModelPreset] = {
         _P("tiny", "llama", 2, 64, 176, 4, 2, 256, 2048),
         _P("tiny-qwen2", "qwen2", 2, 64, 176, 4, 2, 256, 2048, tie_embeddings=True),
         _P("small-7m", "llama", 4, 256, 688, 8, 4, 8192, 4096),
+        # SmolLM-135M's published shape (deep, narrow, GQA, 49k vocabulary): the long-context bench's model.
+        _P("smollm-135m", "llama", 30, 576, 1536, 9, 3, 49152, 2048, tie_embeddings=True),
         _P("llama-100m", "llama", 8, 1024, 2752, 16, 16, 8192, 4096),
         _P("llama-0.6b", "llama", 16, 1536, 4096, 16, 8, 32000, 4096),
         # GPU shapes that fit 128 GiB of host memory (the borrowed H200 box).
