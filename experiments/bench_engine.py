@@ -13,10 +13,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import resource
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -39,16 +37,9 @@ def _batch(vocab: int, batch: int, seq: int, seed: int = 0) -> dict:
 
 
 def _provenance() -> dict:
-    import transformers
+    from megatrain.metrics.provenance import provenance
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
-    except OSError:
-        commit = "unknown"
-    return {"commit": commit, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    return {**provenance(), "threads": torch.get_num_threads()}
 
 
 def bench_rss(preset: str, seq: int, steps: int) -> dict:

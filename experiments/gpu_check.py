@@ -289,10 +289,9 @@ def phase_env(ctx: Ctx) -> None:
         from megatrain.metrics.provenance import git_commit
 
         commit, dirty = git_commit(REPO_ROOT)
-        # The device gets a copy of the working tree without .git: the caller can name the commit.
-        given = os.environ.get("MEGATRAIN_GIT_COMMIT")
-        return {"ok": True, "git_commit": commit if commit != "unknown" or not given else given,
-                "git_dirty": dirty, "commit_from": "git" if commit != "unknown" else "MEGATRAIN_GIT_COMMIT"}
+        from_git = (REPO_ROOT / ".git").exists()
+        return {"ok": True, "git_commit": commit, "git_dirty": dirty,
+                "commit_from": "git" if from_git else "MEGATRAIN_GIT_COMMIT"}
 
     for name, fn in (("packages", packages), ("device", device), ("host", host), ("toolchain", toolchain),
                      ("code", code)):

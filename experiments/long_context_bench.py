@@ -35,15 +35,27 @@ from experiments.runner import _child_env
 from experiments.spec import Point
 
 REPO = Path(__file__).resolve().parent.parent
-FIELDS = ["backend", "seq_len", "fits", "status", "reason", "peak_device_bytes", "static_device_bytes",
+FIELDS = ["model", "backend", "seq_len", "fits", "status", "reason", "peak_device_bytes", "static_device_bytes",
           "budget_bytes", "tokens_per_s", "step_time_s", "mlp_tile_tokens", "activations_offloaded",
           "peak_rss_bytes", "wall_s"]
 
 
 # -- one point, in its own process ---------------------------------------------------------------------
 
+# ZeRO-3 as its defaults run it ("zero3"), and tuned for the least device memory ("zero3-lean"): gradient
+# reduce buckets of 1M elements instead of the default 500M (which, at this size, holds every gradient on
+# the device at once), nothing kept gathered between uses, no prefetch, no persistent small parameters. The
+# lean one is the strongest ZeRO-3 a user chasing context length would configure, so megatrain is measured
+# against it too.
+ZERO3_LEAN = {"zero_optimization": {"reduce_bucket_size": 1_000_000, "stage3_max_live_parameters": 0,
+                                    "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0,
+                                    "stage3_param_persistence_threshold": 0}}
+BACKENDS = {"megatrain": ("megatrain", {}), "torch": ("torch", {}), "zero3": ("zero3", {}),
+            "zero3-lean": ("zero3", ZERO3_LEAN)}
+
+
 def _point(model: str, backend: str, seq: int, max_pos: int) -> Point:
-    return Point(backend=backend, model=model, seq_len=seq, max_positions=max_pos)
+    return Point(backend=BACKENDS[backend][0], model=model, seq_len=seq, max_positions=max_pos)
 
 
 def worker(model_name: str, backend: str, seq: int, max_pos: int, budget: int) -> dict[str, Any]:
@@ -72,7 +84,8 @@ def worker(model_name: str, backend: str, seq: int, max_pos: int, budget: int) -
 
     pt = _point(model_name, backend, seq, max_pos)
     torch.manual_seed(0)
-    config: dict[str, Any] = {"gradient_clipping": 1.0}
+    backend, extra = BACKENDS[backend]
+    config: dict[str, Any] = {"gradient_clipping": 1.0, **extra}
     if backend == "megatrain":
         config["megatrain"] = {"device_budget_bytes": budget}
     acc = Accelerator(backend=backend, config=config, gradient_checkpointing=True)
@@ -140,7 +153,7 @@ def run_point(model: str, backend: str, seq: int, max_pos: int, budget: int, tim
     row: dict[str, Any] = json.loads(result.read_text()) if result.exists() else {}
     if status is None and not row:
         status, row["reason"] = "failed", f"no result (exit status {code}); see {log.name}"
-    out = {"backend": backend, "seq_len": seq, "budget_bytes": budget, **row,
+    out = {"model": model, "backend": backend, "seq_len": seq, "budget_bytes": budget, **row,
            "peak_rss_bytes": usage.ru_maxrss * 1024,  # Linux reports KiB; the whole process, model build included
            "wall_s": round(time.perf_counter() - t0, 1)}
     out["status"] = status or row.get("status", "failed")
@@ -173,8 +186,9 @@ def write_readme(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace
         "MLP tile and whether to offload boundary activations.",
         "- tokens/s comes from one step on a shared 2-core machine that other jobs were loading: compare "
         "backends at one length, not runs. Peak RSS is the whole process (model build included).",
-        f"- Lengths tried: {', '.join(map(str, args.lengths))}; a backend stops at its first point over budget. "
-        f"Whole run: {wall / 60:.1f} min.",
+        "- Lengths tried: " + "; ".join(f"{b} {', '.join(str(r['seq_len']) for r in rows if r['backend'] == b)}"
+                                        for b in args.backends)
+        + f"; a backend stops at its first point over budget. This run: {wall / 60:.1f} min.",
         "",
         "## Longest sequence within the budget",
         "",
@@ -186,11 +200,11 @@ def write_readme(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace
         ok = [r["seq_len"] for r in rows if r["backend"] == b and r["fits"]]
         longest[b] = max(ok) if ok else 0
         over = next((r for r in rows if r["backend"] == b and not r["fits"]), None)
-        capped = bool(ok) and longest[b] == max(args.lengths)
+        capped = bool(ok) and over is None
         shown = f">= {longest[b]} (the longest tried)" if capped else str(longest[b])
         first_over = f"{over['seq_len']} ({over['status']}: {over['reason']})" if over else ""
         lines.append(f"| {b} | {shown} | {first_over} |")
-    for other in ("torch", "zero3"):
+    for other in ("torch", "zero3", "zero3-lean"):
         if other in longest and "megatrain" in longest:
             n = longest[other]
             lines.append("")
@@ -217,15 +231,47 @@ def write_readme(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace
     return longest
 
 
+def _backends(text: str) -> list[str]:
+    names = [b.strip() for b in text.split(",") if b.strip()]
+    bad = [b for b in names if b not in BACKENDS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown backend(s) {', '.join(bad)}; choose from {', '.join(BACKENDS)}")
+    return names
+
+
+def _kept_rows(path: Path, model: str, budget: int, rerun: list[str]) -> list[dict[str, Any]]:
+    """Rows of an earlier run to merge with this one; refuses rows from another model or budget."""
+    if not path.exists():
+        return []
+    with path.open() as f:
+        rows = [r for r in csv.DictReader(f) if r["backend"] not in rerun]
+    for r in rows:
+        if r.get("model", model) != model or int(r["budget_bytes"]) != budget:
+            raise SystemExit(f"--merge: {path} holds a run of model {r.get('model')!r} at budget "
+                             f"{int(r['budget_bytes']) / 2**30:.3f} GiB; this run is {model!r} at "
+                             f"{budget / 2**30:.3f} GiB. Use another --out, or drop --merge.")
+    for r in rows:  # back to the types the report expects
+        r["seq_len"] = int(r["seq_len"])
+        r["fits"] = r["fits"] == "True"
+        for k in ("peak_device_bytes", "static_device_bytes", "tokens_per_s", "step_time_s", "mlp_tile_tokens",
+                  "activations_offloaded", "peak_rss_bytes", "wall_s"):
+            r[k] = float(r[k]) if r.get(k) not in (None, "") else None
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.long_context_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-100m", help="model preset")
     ap.add_argument("--budget-gib", type=float, default=0.75, help="device-memory budget")
     ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")],
                     default=[1024, 2048, 3072, 4096, 6144, 8192])
-    ap.add_argument("--backends", type=lambda s: s.split(","), default=["megatrain", "torch", "zero3"])
+    ap.add_argument("--backends", type=_backends, default=["megatrain", "torch", "zero3", "zero3-lean"],
+                    help=f"comma-separated, of: {', '.join(BACKENDS)}")
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="per point")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "long_context")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows already in OUT/results.csv for the backends not run now (same model and "
+                         "budget), so backends can be run at different times")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -242,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"point logs: {log_dir}", flush=True)
     prov = provenance()
     t0 = time.perf_counter()
-    rows: list[dict[str, Any]] = []
+    rows = _kept_rows(args.out / "results.csv", args.model, budget, args.backends) if args.merge else []
     for backend in args.backends:
         for seq in sorted(args.lengths):
             r = run_point(args.model, backend, seq, max(args.lengths), budget, args.timeout_s, log_dir)
@@ -252,9 +298,11 @@ def main(argv: list[str] | None = None) -> int:
             with (args.out / "results.csv").open("w", newline="") as f:  # rewritten after every point
                 w = csv.DictWriter(f, FIELDS, extrasaction="ignore")
                 w.writeheader()
-                w.writerows(rows)
+                w.writerows(sorted(rows, key=lambda r: (r["backend"], int(r["seq_len"]))))
             if not r["fits"]:
                 break  # memory grows with length: longer ones cannot fit either
+    rows.sort(key=lambda r: (r["backend"], int(r["seq_len"])))
+    args.backends = sorted({r["backend"] for r in rows})
     longest = write_readme(args.out, rows, args, budget, prov, time.perf_counter() - t0)
     print(json.dumps(longest))
     return 0

@@ -24,10 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,30 +44,9 @@ def rss_bytes() -> int:
 
 
 def provenance() -> dict[str, Any]:
-    import transformers
+    from megatrain.metrics.provenance import provenance as common
 
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
-        except OSError:
-            return "unknown"
-
-    cpu = platform.processor() or platform.machine()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {
-        "commit": git("rev-parse", "--short", "HEAD"),
-        "dirty_files": len([ln for ln in git("status", "--porcelain").splitlines() if ln.strip()]),
-        "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-        "machine": {"cpu": cpu, "cores": os.cpu_count(), "host_memory_gib": round(mem / 2**30, 1),
-                    "load_avg_at_start": os.getloadavg(), "cuda": torch.cuda.get_device_name(0)
-                    if torch.cuda.is_available() else None},
-        "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
+    return {**common(), "threads": torch.get_num_threads(), "load_avg_at_start": os.getloadavg()}
 
 
 def slope_per_step(xs: list[int], ys: list[float]) -> float:

@@ -27,7 +27,8 @@ def cpu_model() -> str:
 
 
 def git_commit(repo: str | Path | None = None) -> tuple[str, bool]:
-    """(commit, dirty); ('unknown', False) outside a git checkout or before the first commit."""
+    """(commit, dirty). Outside a git checkout (a copy of the tree sent to a GPU box has no .git) the
+    commit is $MEGATRAIN_GIT_COMMIT when the caller named it, else 'unknown'."""
     cwd = str(repo or Path(__file__).resolve().parents[2])
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
@@ -35,8 +36,10 @@ def git_commit(repo: str | Path | None = None) -> tuple[str, bool]:
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown", False
-    return (sha or "unknown"), bool(dirty)
+        sha, dirty = "", ""
+    if not sha:
+        return os.environ.get("MEGATRAIN_GIT_COMMIT") or "unknown", False
+    return sha, bool(dirty)
 
 
 def package_versions() -> str:
