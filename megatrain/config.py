@@ -20,7 +20,7 @@ class EngineConfig:
     link_gbps: float | None = None  # CPU only: rate-limit the copy engine to emulate a PCIe/C2C link
     # Long context. "auto" decides per batch from the device budget (see engine/tiling.py).
     offload_activations: bool | str = "auto"  # layer-boundary activations in host memory: True, False, "auto"
-    mlp_tile_tokens: int | str | None = "auto"  # MLP sequence tile inside a layer: int, "auto", None (untiled)
+    mlp_tile_tokens: int | str | None = "auto"  # sequence tile inside a layer (MLP and attention): int, "auto", None
     device_budget_bytes: int | None = None  # device bytes "auto" may plan for; None: the GPU's total, no limit on CPU
     segment_attention: bool | str = "auto"  # padding/packing as per-segment SDPA, no O(tokens²) mask ("auto": when big)
     measure_device_memory: bool = False  # CPU: track live tensor bytes op by op for peak_device_bytes

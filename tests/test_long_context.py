@@ -13,11 +13,14 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import transformers
 from conftest import make_batches, tiny_model
 
+import megatrain.engine.schedule as schedule
+import megatrain.engine.tiling as tiling
 from megatrain.config import EngineConfig
 from megatrain.engine import Engine
-from megatrain.engine.tiling import BUDGET_HEADROOM
+from megatrain.engine.tiling import ATTN_PHASE_H, BUDGET_HEADROOM, KV_PER_TOKEN, layer_working_bytes
 
 
 def engine(model, **kw) -> Engine:
@@ -131,6 +134,56 @@ def test_packing_keeps_documents_apart():
     assert a == pytest.approx((first * n1 + second * n2) / (n1 + n2), abs=1e-5)
 
 
+# -- tiled attention -----------------------------------------------------------------------------------
+
+def family_model(family: str, max_pos: int):
+    """Tiny two-layer models: Llama (GQA), Qwen2 (q/k/v biases, tied head), Mistral (a sliding window
+    shorter than the sequences: HF's dense sdpa mask, tiled by its rows) and Qwen3 (q_norm / k_norm)."""
+    if family == "qwen3":
+        cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                                       max_position_embeddings=max_pos, tie_word_embeddings=False)
+        cfg._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(cfg)
+    kw = {"sliding_window": 300} if family == "mistral" else {}
+    return tiny_model(family, layers=2, max_pos=max_pos, tied=family == "qwen2", **kw)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3"])
+def test_tiled_attention_matches_hf(family, monkeypatch):
+    """Attention and MLP over sequence tiles (several tiles, one not dividing the rows) against the HF
+    model's own forward/backward: padded rows (left, right, holes) and packed documents."""
+    tiles = []
+    real = tiling._attention_tile
+    monkeypatch.setattr(tiling, "_attention_tile", lambda *a, **k: tiles.append(1) or real(*a, **k))
+    model = family_model(family, 3072)
+    if family == "qwen2":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+    for batch in (holey_batch(1536), packed_batch(3072, [1000, 1500, 572])):
+        ref = copy.deepcopy(model)
+        out = ref(**batch, use_cache=False)
+        out.loss.backward()
+        expect = out.loss.item(), {n: p.grad for n, p in ref.named_parameters()}
+        tiles.clear()
+        got = grads_of(engine(model, mlp_tile_tokens=700, offload_activations=False), batch)
+        assert got[2]["mlp_tile_tokens"] == 700
+        assert len(tiles) >= 2 * 2 * 4, "attention was not tiled"  # 2 layers x (forward + backward) x tiles
+        assert_same(expect, got)
+
+
+def test_tiled_attention_falls_back_when_it_cannot_be_exact():
+    """Dropout inside attention (training): the attention block stays whole, the MLP is still tiled."""
+    model = tiny_model("llama", layers=1, max_pos=1024, attention_dropout=0.1)
+    eng = engine(model, mlp_tile_tokens=256)
+    layer = eng.templates.of_layer[0]
+    kwargs = {"position_embeddings": (torch.zeros(1), torch.zeros(1)), "attention_mask": None}
+    assert not tiling.attention_tileable(layer, kwargs)
+    eng.eval()
+    assert tiling.attention_tileable(layer, kwargs)  # no dropout in eval
+    assert not eng.pipeline.policy.dims.attention_tiled  # planned as attention-whole (training)
+
+
 # -- memory --------------------------------------------------------------------------------------------
 
 def padded_row(seq: int, vocab: int = 256, seed: int = 1) -> dict:
@@ -164,7 +217,7 @@ def test_peak_device_bytes_grow_linearly_with_sequence_length():
     assert resid <= 0.01 and abs(quad) <= 0.01, (peaks, resid, quad)
     # Tiled: the peak is the larger of the MLP-tile phase (a constant tile on top) and the attention
     # phase, a max of two lines with positive intercepts, so bytes per token may only fall.
-    tiled = [measured(model, s, mlp_tile_tokens=128) for s in lengths]
+    tiled = [measured(model, s, mlp_tile_tokens=64) for s in lengths]
     tpeaks = [st["peak_device_bytes"] for st in tiled]
     resid, quad = fit(lengths, tpeaks)
     per_token = np.array(tpeaks) / np.array(lengths)
@@ -187,6 +240,52 @@ def test_offloaded_peak_does_not_grow_with_depth():
     res = {n: measured(tiny_model("llama", layers=n, max_pos=1024), 1024, offload_activations=False,
                        mlp_tile_tokens=128)["peak_device_bytes"] for n in (2, 8)}
     assert res[8] > 1.2 * res[2], res  # resident boundary activations do grow: the test can fail
+
+
+def layer_phase_peaks(model, seq: int, tile: int, monkeypatch) -> list[int]:
+    """The measured live-bytes peak (boundary activations, loss leftovers and the layer's working set) while
+    each layer's tiled backward runs."""
+    eng = engine(model, measure_device_memory=True, loss_chunk_tokens=256, mlp_tile_tokens=tile,
+                 offload_activations=False)
+    peaks, real = [], schedule.tiled_vjp
+
+    def probe(*a, **k):
+        before = eng.memory.peak
+        eng.memory.reset_peak()
+        out = real(*a, **k)
+        peaks.append(eng.memory.peak)
+        eng.memory.peak = max(before, eng.memory.peak)
+        return out
+
+    monkeypatch.setattr(schedule, "tiled_vjp", probe)
+    grads_of(eng, padded_row(seq))
+    monkeypatch.setattr(schedule, "tiled_vjp", real)
+    return peaks
+
+
+def test_tiled_layer_backward_peak_per_token(monkeypatch):
+    """One layer's tiled backward holds per token only K, V and their FP32 gradients (4 kv) next to the
+    incoming gradient and the head's input: measured bytes per token (the slope between two lengths) are
+    below half the untiled-attention figure (11 h + 2 kv) and within 5% of layer_working_bytes'; with the
+    attention block kept whole (the negative control) they are not."""
+    model = tiny_model("llama", layers=2, max_pos=4096)
+    dims = engine(model).pipeline.policy.dims
+    h, kv, tile, lengths = dims.hidden, dims.kv, 128, (2048, 4096)
+    peaks = [max(layer_phase_peaks(model, s, tile, monkeypatch)) for s in lengths]
+    kept = 2 * h * 4  # both layers' boundary activations stay on the device (no offload)
+    measured_pt = (peaks[1] - peaks[0]) / (lengths[1] - lengths[0]) - kept
+    predicted_pt = (layer_working_bytes(dims, lengths[1], tile, 4) - layer_working_bytes(dims, lengths[0], tile, 4)) / (
+        lengths[1] - lengths[0])
+    old_pt = (ATTN_PHASE_H * h + KV_PER_TOKEN * kv) * 4
+    assert measured_pt < 0.5 * old_pt, (measured_pt, old_pt)
+    assert abs(measured_pt / predicted_pt - 1) <= 0.05, (measured_pt, predicted_pt)
+    # The whole prediction (tile terms and weight gradients included) at the longer length: within 5%.
+    whole = lengths[1] * kept + layer_working_bytes(dims, lengths[1], tile, 4)
+    assert abs(peaks[1] / whole - 1) <= 0.05, (peaks[1], whole)
+    monkeypatch.setattr(tiling, "attention_tileable", lambda *a: False)
+    whole_attn = [max(layer_phase_peaks(model, s, tile, monkeypatch)) for s in lengths]
+    old_measured = (whole_attn[1] - whole_attn[0]) / (lengths[1] - lengths[0]) - kept
+    assert old_measured > 0.9 * old_pt and old_measured > 2 * measured_pt, (old_measured, old_pt, measured_pt)
 
 
 def test_auto_offloads_and_tiles_to_fit_the_device_budget():
