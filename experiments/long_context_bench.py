@@ -36,7 +36,8 @@ from experiments.spec import Point
 
 REPO = Path(__file__).resolve().parent.parent
 FIELDS = ["model", "backend", "seq_len", "fits", "status", "reason", "peak_device_bytes", "static_device_bytes",
-          "budget_bytes", "tokens_per_s", "step_time_s", "mlp_tile_tokens", "activations_offloaded",
+          "budget_bytes", "tokens_per_s", "step_time_s", "mlp_tile_tokens", "loss_chunk_tokens", "activations_offloaded",
+          "predicted_peak_device_bytes",
           "peak_rss_bytes", "wall_s"]
 
 
@@ -127,7 +128,8 @@ def worker(model_name: str, backend: str, seq: int, max_pos: int, budget: int) -
            "step_time_s": times[-1], "tokens_per_s": seq / times[-1]}
     if engine is not None:
         st = engine.collect_stats()
-        row.update(mlp_tile_tokens=st["mlp_tile_tokens"], activations_offloaded=st["activations_offloaded"])
+        row.update({k: st[k] for k in ("mlp_tile_tokens", "loss_chunk_tokens", "activations_offloaded",
+                                       "predicted_peak_device_bytes")})
     return row
 
 
@@ -254,7 +256,8 @@ def _kept_rows(path: Path, model: str, budget: int, rerun: list[str]) -> list[di
         r["seq_len"] = int(r["seq_len"])
         r["fits"] = r["fits"] == "True"
         for k in ("peak_device_bytes", "static_device_bytes", "tokens_per_s", "step_time_s", "mlp_tile_tokens",
-                  "activations_offloaded", "peak_rss_bytes", "wall_s"):
+                  "loss_chunk_tokens", "activations_offloaded", "predicted_peak_device_bytes", "peak_rss_bytes",
+                  "wall_s"):
             r[k] = float(r[k]) if r.get(k) not in (None, "") else None
     return rows
 

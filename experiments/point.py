@@ -47,6 +47,7 @@ def build_model(pt: Point):
     cfg = pt.preset.hf_config()
     with no_init_weights():
         model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model.tie_weights()  # skipped with the init above: a tied preset would train an untied, bigger model
     gen = torch.Generator().manual_seed(pt.seed)
     std = float(getattr(cfg, "initializer_range", 0.02))
     with torch.no_grad():

@@ -7,8 +7,18 @@ The engine runs on the CPU with its copy engine rate-limited (`EngineConfig(link
 range of emulated links, from link-bound to compute-bound; each point's median step time is set
 against `megatrain.planner.plan` for a "cpu" profile measured just now by the planner's own
 `bench_cpu` (the profile in hardware.yaml was measured under a different load, and a shared box
-drifts). A second prediction column rescales only the device compute rate so the unthrottled point
+drifts), whose sustained compute fraction is then measured end to end on one of the model's layers in
+isolation (`measure.layer_seconds`: forward, recompute and backward; no link, no pipeline), as the
+profile field defines it; the prediction with the isolated-GEMM rate is kept beside it. Another column rescales only the device compute rate so the unthrottled point
 matches; it shows how much of the error is the compute rate and how much is the model's structure.
+
+Each point runs in a fresh process, so its peak RSS is its own (the kernel's high-water mark counts a
+process's whole life). The baseline is that process's RSS once python, torch, transformers and the
+model's modeling code are imported; the planner's host "runtime" term is set to it, and its prediction
+of the rest (what the engine allocates) is checked against the measured RSS growth.
+
+The crossover: on both the measured and the predicted curve, the link rate at which the time compute
+waits on copies (the engine's copy_wait_s; the planner's simulated wait) falls below 10% of the step.
 Rows go to OUT/validation.csv with provenance; nothing here fits the link model to the measurement.
 """
 
@@ -17,13 +27,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_GBPS = "0.005,0.01,0.02,0.05,0.2,none"
+GIB = 1024**3
+DEFAULT_GBPS = "0.005,0.01,0.02,0.05,0.1,0.2,0.5,none"
+BEND_WAIT_SHARE = 0.10  # the link is "the bottleneck" while compute waits on copies for more of the step
 
 
 def parse_gbps(text: str) -> list[float | None]:
@@ -44,9 +57,19 @@ def build_model(preset: Any, seed: int = 0):
     return model
 
 
+def _import_runtime(preset: Any) -> None:
+    """Import what any run of this model family imports (its HF modeling code included) by building a
+    one-layer toy of the same family, so the RSS baseline taken next holds the runtime only."""
+    import gc
+
+    build_model(preset.with_(num_layers=1, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256))
+    gc.collect()
+
+
 def measure_point(preset: Any, context: int, gbps: float | None, warmup: int, steps: int,
                   seed: int = 0) -> dict[str, Any]:
-    """Median step time and host memory of the engine at one emulated link rate."""
+    """Median step time and host memory of the engine at one emulated link rate (in this process:
+    call it in a fresh one, see `measure_in_child`, for a peak RSS of its own)."""
     import gc
 
     import torch
@@ -55,7 +78,7 @@ def measure_point(preset: Any, context: int, gbps: float | None, warmup: int, st
     from megatrain.engine import Engine
     from megatrain.metrics.samplers import RssSampler
 
-    gc.collect()
+    _import_runtime(preset)
     rss = RssSampler().start()
     base_rss = rss.rss()
     cfg = EngineConfig(device="cpu", link_gbps=gbps)
@@ -89,7 +112,61 @@ def measure_point(preset: Any, context: int, gbps: float | None, warmup: int, st
             "measured_copy_wait_s": med("copy_wait_s"), "measured_forward_s": med("forward_s"),
             "measured_backward_s": med("backward_s"), "measured_optimizer_s": med("optimizer_s"),
             "measured_device_weight_bytes": med("device_weight_bytes"),
-            "peak_rss_bytes": peak, "base_rss_bytes": base_rss}
+            "engine_predicted_peak_device_bytes": med("predicted_peak_device_bytes"),
+            "peak_rss_bytes": peak, "base_rss_bytes": base_rss,
+            "loadavg": os.getloadavg()[0]}  # a shared box: other work on the cores stretches compute
+
+
+def measure_in_child(preset: Any, context: int, gbps: float | None, warmup: int, steps: int,
+                     threads: int | None = None) -> dict[str, Any]:
+    """measure_point in a fresh python process (torch limited to `threads`); the preset travels as its fields."""
+    import dataclasses
+    import subprocess
+
+    job = json.dumps({"preset": dataclasses.asdict(preset), "context": context, "gbps": gbps,
+                      "warmup": warmup, "steps": steps, "threads": threads})
+    out = subprocess.run([sys.executable, "-m", "experiments.validate_planner", "--measure-one", job],
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"measuring link {gbps} GB/s failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _measure_one(job: str) -> int:
+    from megatrain.models.presets import ModelPreset
+
+    d = json.loads(job)
+    if d.get("threads"):
+        import torch
+
+        torch.set_num_threads(d["threads"])
+    m = measure_point(ModelPreset(**d["preset"]), d["context"], d["gbps"], d["warmup"], d["steps"])
+    print(json.dumps(m))
+    return 0
+
+
+def pool_runs(ms: list[dict[str, Any]]) -> dict[str, Any]:
+    """One point's repeated runs as one: step times pooled (their median is the point's), the
+    per-step engine counters as medians over runs, memory from the first run (same allocations)."""
+    out = dict(ms[0])
+    out["step_times"] = [t for m in ms for t in m["step_times"]]
+    out["measured_step_s"] = statistics.median(out["step_times"])
+    for k in ("measured_copy_wait_s", "measured_forward_s", "measured_backward_s", "measured_optimizer_s",
+              "loadavg"):
+        out[k] = statistics.median(m[k] for m in ms)
+    return out
+
+
+def bend_gbps(gbps: list[float | None], wait_s: list[float], step_s: list[float]) -> float:
+    """The link rate at which the link stops being the bottleneck: where the share of the step that
+    compute spends waiting on copies falls through BEND_WAIT_SHARE, interpolated in log(rate) between
+    the two finite links around it; nan if it never crosses on the grid."""
+    pts = sorted((g, w / s) for g, w, s in zip(gbps, wait_s, step_s) if g is not None)
+    for (g0, f0), (g1, f1) in zip(pts, pts[1:]):
+        if f0 >= BEND_WAIT_SHARE > f1:
+            x = (f0 - BEND_WAIT_SHARE) / (f0 - f1)
+            return math.exp(math.log(g0) + x * (math.log(g1) - math.log(g0)))
+    return float("nan")
 
 
 def predict(preset: Any, context: int, gbps: float | None, hw: Any):
@@ -98,6 +175,26 @@ def predict(preset: Any, context: int, gbps: float | None, hw: Any):
 
     return plan(preset, context=context, batch=1, dtype="float32", hardware=hw,
                 engine_config=EngineConfig(device="cpu", link_gbps=gbps))
+
+
+def layer_profile(preset: Any, context: int, hw: Any, threads: int | None, quick: bool) -> tuple[Any, float]:
+    """The bench profile with its sustained fp32 fraction measured end to end on one of this model's
+    layers (measure.layer_seconds: forward, recompute, backward, in isolation; no link, no pipeline)
+    instead of on isolated GEMMs. Returns (profile, the layer's seconds)."""
+    import torch
+
+    from megatrain.planner.estimate import make_point, sustained_from_layer_time
+    from megatrain.planner.measure import layer_seconds
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        seconds = layer_seconds(preset, context, "float32", min_time=0.1 if quick else 1.0)
+    finally:
+        torch.set_num_threads(before)
+    frac = sustained_from_layer_time(make_point(preset, context, 1, dtype="float32"), hw, seconds)
+    return hw.with_(sustained_fp32=frac), seconds
 
 
 def calibrate_compute(preset: Any, context: int, hw: Any, measured_s: float) -> tuple[Any, float]:
@@ -127,66 +224,100 @@ def err_pct(pred: float, meas: float) -> float:
 
 
 def validate(model: str = "small-7m", context: int = 128, gbps: list[float | None] | None = None,
-             warmup: int = 1, steps: int = 3, quick_bench: bool = False,
-             log=print) -> list[dict[str, Any]]:
-    """Measure and predict every link rate; rows in the order given."""
+             warmup: int = 1, steps: int = 3, quick_bench: bool = False, threads: int | None = 1,
+             repeats: int = 1, log=print) -> list[dict[str, Any]]:
+    """Measure and predict every link rate; rows in the order given. The engine and the bench run with
+    `threads` torch threads (None: torch's default): on a shared 2-core box one thread leaves a core to
+    the neighbours, and the bench measures the rate the run gets."""
     from megatrain.planner import bench_cpu, get_hardware
     from megatrain.planner.shapes import resolve_model
 
     preset = resolve_model(model)
     gbps = parse_gbps(DEFAULT_GBPS) if gbps is None else gbps
-    measured = []
-    for g in gbps:
-        m = measure_point(preset, context, g, warmup, steps)
-        log(f"  link {g if g is not None else 'unthrottled'} GB/s: median step {m['measured_step_s']:.3f} s "
-            f"({', '.join(f'{t:.3f}' for t in m['step_times'])})")
-        measured.append((g, m))
+    runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(gbps))}
+    for r in range(repeats):
+        # alternate the order, so a neighbour's load that comes or goes mid-sweep lands on every point
+        for i in (range(len(gbps)) if r % 2 == 0 else reversed(range(len(gbps)))):
+            m = measure_in_child(preset, context, gbps[i], warmup, steps, threads)
+            log(f"  link {gbps[i] if gbps[i] is not None else 'unthrottled'} GB/s: median step "
+                f"{m['measured_step_s']:.3f} s ({', '.join(f'{t:.3f}' for t in m['step_times'])})")
+            runs[i].append(m)
+    measured = [(g, pool_runs(runs[i])) for i, g in enumerate(gbps)]
     # After the runs: the bench's large copy buffers would otherwise set the process's RSS high-water
     # mark (ru_maxrss, which RssSampler reads) and hide the engine's own peak.
-    prof = bench_cpu(quick=quick_bench)
-    hw = get_hardware(prof)
-    log(f"bench_cpu: fp32 peak {hw.peak_fp32_tflops * 1e3:.1f} GFLOPS x sustained {hw.sustained_fp32:.2f}, "
+    prof = bench_cpu(quick=quick_bench, threads=threads)
+    hw_gemm = get_hardware(prof)
+    hw, layer_s = layer_profile(preset, context, hw_gemm, threads, quick_bench)
+    log(f"bench_cpu: fp32 peak {hw.peak_fp32_tflops * 1e3:.1f} GFLOPS x sustained {hw_gemm.sustained_fp32:.2f} "
+        f"(GEMMs) / {hw.sustained_fp32:.2f} (a {preset.name} layer, {layer_s * 1e3:.1f} ms), "
         f"link {hw.link_gbs_achieved:.2f} GB/s, optimizer {hw.optimizer_bps / 1e9:.2f} GB/s")
     # Calibrate on the fastest-link point, the one nearest compute-bound.
     ref = next((m for g, m in measured if g is None), max(measured, key=lambda gm: gm[0] or 0)[1])
     hw_cal, factor = calibrate_compute(preset, context, hw, ref["measured_step_s"])
+    plans = {g: predict(preset, context, g, hw.with_(host_reserved_gib=m["base_rss_bytes"] / GIB))
+             for g, m in measured}
+    links = [g for g, _ in measured]
+    bend_meas = bend_gbps(links, [m["measured_copy_wait_s"] for _, m in measured],
+                          [m["measured_step_s"] for _, m in measured])
+    bend_pred = bend_gbps(links, [plans[g].time.copy_wait_s for g in links], [plans[g].time.step_s for g in links])
+    log(f"crossover (copy wait < {BEND_WAIT_SHARE:.0%} of the step): measured {bend_meas:.3g} GB/s, "
+        f"predicted {bend_pred:.3g} GB/s")
     rows = []
     for g, m in measured:
-        pl = predict(preset, context, g, hw)
+        pl = plans[g]
         pl_cal = predict(preset, context, g, hw_cal)
+        pl_gemm = predict(preset, context, g, hw_gemm)
         pred_host = pl.memory.host_total_incl_device
+        runtime = pl.memory.host["runtime"]
+        growth = m["peak_rss_bytes"] - m["base_rss_bytes"]
+        lc = pl.long_context
         rows.append({
             "model": preset.name, "params": preset.param_count(), "seq_len": context, "micro_batch": 1,
             "precision": "fp32",
             "link_gbps": g if g is not None else float("nan"),
             "link_gbps_used_by_planner": pl.hardware.link_gbs_achieved,
-            "measured_step_s": m["measured_step_s"],
+            "measured_step_s": m["measured_step_s"], "measured_loadavg": m["loadavg"],
             "step_times_s": json.dumps([round(t, 5) for t in m["step_times"]]),
             "predicted_step_s": pl.time.step_s,
             "error_pct": err_pct(pl.time.step_s, m["measured_step_s"]),
             "predicted_cal_step_s": pl_cal.time.step_s,
             "error_cal_pct": err_pct(pl_cal.time.step_s, m["measured_step_s"]),
             "compute_scale": factor,
-            # Diagnostics, not fits: the parts of the prediction the CPU FP32 engine may not pay (it
-            # aliases embedding/head instead of copying them; the first load/last grad copy are
-            # already inside its per-layer stream), so an error can be traced to a term.
-            "predicted_embed_io_s": pl.time.embed_io_s,
-            "predicted_fill_drain_s": pl.time.fill_drain_s * pl.point.grad_accum,
-            "error_excl_embed_io_pct": err_pct(pl.time.step_s - pl.time.embed_io_s, m["measured_step_s"]),
+            # the same prediction with the sustained rate of isolated GEMMs (bench_cpu alone)
+            "predicted_gemm_rate_step_s": pl_gemm.time.step_s,
+            "error_gemm_rate_pct": err_pct(pl_gemm.time.step_s, m["measured_step_s"]),
+            "measured_layer_s": layer_s, "sustained_fp32_layer": hw.sustained_fp32,
+            "sustained_fp32_gemm": hw_gemm.sustained_fp32,
+            # the parts of the prediction, so an error can be traced to a term
+            "measured_forward_s": m["measured_forward_s"], "predicted_forward_s": pl.time.forward_s,
+            "measured_backward_s": m["measured_backward_s"],
+            "predicted_backward_s": pl.time.head_s + pl.time.backward_s,
+            "measured_optimizer_s": m["measured_optimizer_s"], "predicted_optimizer_s": pl.time.optimizer_busy_s,
+            "predicted_embed_io_s": pl.time.embed_io_s, "predicted_drain_s": pl.time.fill_drain_s,
             "predicted_bottleneck": pl.time.bottleneck,
             "predicted_crossover_tokens": pl.crossover_tokens,
+            "measured_crossover_gbps": bend_meas, "predicted_crossover_gbps": bend_pred,
+            "crossover_error_pct": err_pct(bend_pred, bend_meas),
+            # the planner's closed forms at this point: forward / backward compute hides a layer's load
+            "predicted_fwd_crossover_gbps": pl.point.model.layer_params() * pl.point.c / pl.time.layer.fwd_compute / 1e9,
+            "predicted_bwd_crossover_gbps": pl.point.model.layer_params() * pl.point.c / pl.time.layer.bwd_compute / 1e9,
             "measured_h2d_bytes": m["measured_h2d_bytes"], "predicted_h2d_bytes": pl.time.h2d_bytes,
             "measured_d2h_bytes": m["measured_d2h_bytes"], "predicted_d2h_bytes": pl.time.d2h_bytes,
             "measured_copy_wait_s": m["measured_copy_wait_s"], "predicted_copy_wait_s": pl.time.copy_wait_s,
             "measured_device_weight_bytes": m["measured_device_weight_bytes"],
             "predicted_device_weight_bytes": pl.device_weight_bytes,
-            # process high-water mark: exact for the first point, an upper bound for the later ones
+            "engine_predicted_peak_device_bytes": m["engine_predicted_peak_device_bytes"],
+            "planner_policy_peak_device_bytes": lc.peak_bytes if lc else float("nan"),
+            # each point in its own process: peak RSS is its own high-water mark; the baseline is the
+            # runtime (python, torch, transformers, modeling code), which the planner is given
             "measured_peak_rss_bytes": m["peak_rss_bytes"], "base_rss_bytes": m["base_rss_bytes"],
-            "predicted_host_bytes": pred_host,
-            "host_error_pct": err_pct(pred_host, m["peak_rss_bytes"]),
+            "measured_rss_growth_bytes": growth,
+            "predicted_host_bytes": pred_host, "predicted_host_growth_bytes": pred_host - runtime,
+            "host_error_pct": err_pct(pred_host - runtime, growth),
+            "host_total_error_pct": err_pct(pred_host, m["peak_rss_bytes"]),
             "bench_fp32_gflops": hw.peak_fp32_tflops * 1e3, "bench_sustained_fp32": hw.sustained_fp32,
             "bench_link_gbps": hw.link_gbs_achieved, "bench_optimizer_gbps": hw.optimizer_bps / 1e9,
-            "bench_loadavg": prof["raw"].get("loadavg"),
+            "bench_loadavg": prof["raw"].get("loadavg"), "torch_threads": prof["raw"].get("threads"),
             "hardware": "cpu (measured by megatrain.planner.bench_cpu at run time)",
         })
     return rows
@@ -198,16 +329,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--gbps", default=DEFAULT_GBPS, help="comma-separated emulated link rates; 'none' = unthrottled")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2, help="sweeps over the links, in alternating order")
     ap.add_argument("--quick-bench", action="store_true")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for the runs and the bench (0: default)")
     ap.add_argument("--out", default="results/validation")
+    ap.add_argument("--measure-one", help=argparse.SUPPRESS)  # internal: one point, JSON in and out
     args = ap.parse_args(argv)
+    if args.measure_one:
+        return _measure_one(args.measure_one)
 
     import pandas as pd
 
     from megatrain.metrics.provenance import provenance
 
-    rows = validate(args.model, args.context, parse_gbps(args.gbps), args.warmup, args.steps, args.quick_bench)
+    rows = validate(args.model, args.context, parse_gbps(args.gbps), args.warmup, args.steps, args.quick_bench,
+                    args.threads or None, args.repeats)
     prov = provenance()
     prov["versions"] = json.dumps(prov["versions"]) if not isinstance(prov["versions"], str) else prov["versions"]
     df = pd.DataFrame([{**r, **prov} for r in rows])
@@ -215,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "validation.csv", index=False)
     cols = ["link_gbps", "measured_step_s", "predicted_step_s", "error_pct", "error_cal_pct",
-            "error_excl_embed_io_pct", "predicted_bottleneck", "host_error_pct"]
+            "predicted_bottleneck", "host_error_pct", "measured_crossover_gbps", "predicted_crossover_gbps"]
     print(df[cols].to_string(index=False))
     print(f"wrote {out / 'validation.csv'}")
     return 0

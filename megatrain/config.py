@@ -15,7 +15,8 @@ class EngineConfig:
     device: str | None = None  # None: the accelerator when there is one, else cpu
     compute_dtype: str = "float32"  # what streams to and computes on the device; masters stay FP32
     num_buffers: int = 2  # device layer buffers (>= 2 double-buffers the host->device stream)
-    loss_chunk_tokens: int = 2048  # tokens per head/loss chunk: logits never exceed chunk x vocab
+    loss_chunk_tokens: int | str = "auto"  # tokens per head/loss chunk (logits never exceed chunk x vocab); "auto":
+    # up to 2048, fewer for big vocabularies, fewer still when the device budget needs it
     pin_memory: bool | None = None  # None: pin when the device is CUDA
     link_gbps: float | None = None  # CPU only: rate-limit the copy engine to emulate a PCIe/C2C link
     # Long context. "auto" decides per batch from the device budget (see engine/tiling.py).
@@ -42,8 +43,9 @@ class EngineConfig:
             raise ValueError(f"compute_dtype={self.compute_dtype!r} is not supported; use one of {_DTYPES}")
         if not isinstance(self.num_buffers, int) or self.num_buffers < 1:
             raise ValueError(f"num_buffers={self.num_buffers!r} must be an int >= 1 (2 overlaps copies with compute)")
-        if not isinstance(self.loss_chunk_tokens, int) or self.loss_chunk_tokens < 1:
-            raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens!r} must be an int >= 1")
+        chunk = self.loss_chunk_tokens
+        if chunk != "auto" and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+            raise ValueError(f"loss_chunk_tokens={chunk!r} must be an int >= 1 or 'auto'")
         if self.link_gbps is not None and not self.link_gbps > 0:
             raise ValueError(f"link_gbps={self.link_gbps!r} must be > 0 GB/s (or None for no limit)")
         if not isinstance(self.max_bad_steps, int) or self.max_bad_steps < 1:

@@ -383,3 +383,17 @@ def test_device_peaks_rss_sampler_and_nvml_fallback():
         nv = NvmlPcieSampler().start()
         nv.stop()
         assert not nv.available and nv.bytes_between(0.0, 1.0) is None
+
+
+def test_built_models_have_the_presets_parameter_count():
+    """A tied preset is built tied: the fast init skips HF's weight tying, which once made every tied
+    model in the sweeps a bigger, untied one."""
+    from experiments.point import build_model
+    from experiments.spec import Point
+
+    for name in ("tiny", "tiny-qwen2"):
+        pt = Point(backend="megatrain", model=name, seq_len=16)
+        model = build_model(pt)
+        assert sum(p.numel() for p in model.parameters()) == pt.preset.param_count(), name
+    tied = build_model(Point(backend="megatrain", model="tiny-qwen2", seq_len=16))
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight

@@ -332,3 +332,36 @@ def test_packed_positions_are_checked_not_the_row_length():
         eng(**packed_batch(1024, [512, 512]))  # two documents of 512 positions each: fine
         with pytest.raises(ValueError, match="position 599 exceeds"):
             eng(**packed_batch(1024, [600, 424]))
+
+
+# -- head and loss chunk ---------------------------------------------------------------------------------
+
+def test_auto_loss_chunk_is_capped_by_vocabulary_and_shrinks_to_the_budget():
+    hidden, itemsize = 576, 4
+    assert tiling.auto_loss_chunk(4096, hidden, 32000, itemsize, None) == 2048
+    big = tiling.auto_loss_chunk(4096, hidden, 128256, itemsize, None)
+    assert big == 512 and big * 128256 * 4 <= tiling.AUTO_LOSS_LOGITS_BYTES
+    room = tiling.loss_workspace_bytes(4096, hidden, 49152, 256, itemsize)
+    assert tiling.auto_loss_chunk(4096, hidden, 49152, itemsize, room) == 256
+    assert tiling.auto_loss_chunk(4096, hidden, 49152, itemsize, 1) == tiling.MIN_LOSS_CHUNK  # floor, not zero
+
+
+def test_auto_loss_chunk_keeps_a_big_vocabulary_within_the_device_budget():
+    """A 16k vocabulary at 2048 tokens: a fixed 2048-token chunk's logits alone (3 x 2048 x 16k x 4 B = 384 MiB)
+    pass a 160 MiB budget; "auto" picks a smaller chunk, predicts the peak and stays under the budget, with
+    the same loss and gradients as a fixed small chunk."""
+    model = tiny_model("llama", layers=2, vocab=16384, max_pos=2048)
+    batch = padded_row(2048, vocab=16384)
+    budget = 160 * 2**20
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        auto = grads_of(engine(model, measure_device_memory=True, loss_chunk_tokens="auto",
+                               device_budget_bytes=budget), batch)
+    st = auto[2]
+    assert tiling.MIN_LOSS_CHUNK <= st["loss_chunk_tokens"] < 1024, st["loss_chunk_tokens"]
+    assert st["peak_device_bytes"] <= budget, (st["peak_device_bytes"], budget)
+    assert abs(st["peak_device_bytes"] / st["predicted_peak_device_bytes"] - 1) <= 0.10, st
+    fixed = engine(model, measure_device_memory=True, loss_chunk_tokens=2048)
+    over = grads_of(fixed, batch)
+    assert over[2]["peak_device_bytes"] > budget  # the control: the fixed chunk does not fit
+    assert_same(auto, over)

@@ -86,8 +86,11 @@ def test_components_sum_to_totals(backend):
     assert pl.memory.host_total == sum(pl.memory.host.values())
     assert pl.memory.device_total == sum(pl.memory.device.values())
     t = pl.time
-    micro = t.fill_drain_s + t.forward_s + t.head_s + t.backward_s
-    assert t.step_s == pytest.approx(3 * micro + t.embed_io_s + t.optimizer_s, rel=1e-9)
+    if backend == "megatrain":  # forward includes the first load; fill_drain_s is the step's final drain
+        step = 3 * (t.forward_s + t.head_s + t.backward_s) + t.fill_drain_s
+    else:
+        step = 3 * (t.fill_drain_s + t.forward_s + t.head_s + t.backward_s)
+    assert t.step_s == pytest.approx(step + t.embed_io_s + t.optimizer_s, rel=1e-9)
     assert pl.tokens_per_s == pytest.approx(3 * 2 * 4096 / t.step_s)
 
 
@@ -95,13 +98,35 @@ def test_link_bytes_per_step():
     m = get_preset("llama3.1-8b")
     k, g = 2, 2
     pl = plan(m, 2048, 4, grad_accum=g, hardware=H200, num_buffers=k, offload_activations=False)
-    c, L, PL = 2, m.num_layers, m.layer_params()
+    c, L, PL, T = 2, m.num_layers, m.layer_params(), 4 * 2048
     resident = m.embed_params() + m.hidden
-    assert pl.time.h2d_bytes == g * (2 * L - k) * PL * c + resident * c
-    assert pl.time.d2h_bytes == g * L * PL * c + resident * c
+    # the first micro-batch loads every layer forward and all but the k resident at the turn backward;
+    # the next one starts with layers 0..k-1 still resident from the backward before it (schedule.py)
+    loads = (2 * L - k) + (g - 1) * (2 * L - 2 * k)
+    assert pl.time.h2d_bytes == loads * PL * c + resident * c  # + the globals' upload after the step
+    # every layer's gradient per micro-batch, + the head/norm gradient and the embedding rows' (engine.py)
+    assert pl.time.d2h_bytes == g * L * PL * c + g * (m.vocab * m.hidden + m.hidden + T * m.hidden) * c
     # offloaded activations cross the link both ways, one boundary tensor per layer
     off = plan(m, 2048, 4, grad_accum=g, hardware=H200, num_buffers=k, offload_activations=True)
-    assert off.time.h2d_bytes - pl.time.h2d_bytes == g * L * 4 * 2048 * m.hidden * c
+    assert off.time.h2d_bytes - pl.time.h2d_bytes == g * L * T * m.hidden * c
+    assert off.time.d2h_bytes - pl.time.d2h_bytes == g * L * T * m.hidden * c
+
+
+def test_cpu_device_in_fp32_moves_no_embedding_or_head():
+    # Engine._alias_globals: on a CPU device in FP32 the device embedding/head/norm are the host masters
+    m = get_preset("small-7m")
+    pl = plan(m, 128, dtype="float32", hardware="cpu")
+    c, L, PL, k = 4, m.num_layers, m.layer_params(), 2
+    assert pl.time.embed_io_s == 0
+    assert pl.time.h2d_bytes == (2 * L - k) * PL * c  # the weight stream only, as the engine counts it
+    assert pl.time.d2h_bytes == L * PL * c
+    assert pl.memory.shared == (m.embed_params() + m.hidden) * c  # one allocation, listed on both sides
+    assert pl.memory.host_total_incl_device == pl.memory.host_total + pl.memory.device_total - pl.memory.shared
+    # in bf16 the CPU engine keeps bf16 copies (casts, no link); on a GPU they cross the link
+    bf16 = plan(m, 128, dtype="bfloat16", hardware="cpu")
+    assert bf16.time.embed_io_s > 0 and bf16.time.h2d_bytes == (2 * L - k) * PL * 2 and bf16.memory.shared == 0
+    gpu = plan(m, 128, dtype="float32", hardware=H200)
+    assert gpu.time.h2d_bytes == pl.time.h2d_bytes + (m.embed_params() + m.hidden) * c
 
 
 def test_model_flops_use_the_shared_definition():
@@ -163,15 +188,15 @@ def test_slow_link_makes_the_link_the_bottleneck():
 
 def test_device_memory_is_independent_of_depth_with_offload():
     m = get_preset("llama2-7b")
-    shallow = plan(m, 4096, 2, hardware=H200, offload_activations=True, tile_tokens=None)
+    shallow = plan(m, 4096, 2, hardware=H200, offload_activations=True, mlp_tile_tokens=None)
     deep = plan(m.with_(num_layers=2 * m.num_layers), 4096, 2, hardware=H200, offload_activations=True,
-                tile_tokens=None)
+                mlp_tile_tokens=None)
     assert deep.memory.device == shallow.memory.device
     assert deep.memory.host_total > shallow.memory.host_total
     # resident boundary activations are the one depth-dependent device term: L x T x h x c
-    r1 = plan(m, 4096, 2, hardware=H200, offload_activations=False, tile_tokens=None)
+    r1 = plan(m, 4096, 2, hardware=H200, offload_activations=False, mlp_tile_tokens=None)
     r2 = plan(m.with_(num_layers=2 * m.num_layers), 4096, 2, hardware=H200, offload_activations=False,
-              tile_tokens=None)
+              mlp_tile_tokens=None)
     assert r2.memory.device_total - r1.memory.device_total == m.num_layers * 2 * 4096 * m.hidden * 2
 
 
@@ -182,33 +207,84 @@ def test_device_weight_bytes_are_buffers_plus_resident():
 
 
 def test_working_set_is_linear_in_tokens_and_tiling_shrinks_it():
+    from megatrain.engine.tiling import LayerDims, layer_working_bytes
+
     m = get_preset("llama2-7b")
     ws = [layer_working_set_bytes(m, t, 2) for t in (4096, 8192, 16384, 32768)]
     assert ws[1] - ws[0] == pytest.approx((ws[3] - ws[2]) / 4, rel=1e-6)  # no quadratic term
-    assert layer_working_set_bytes(m, 65536, 2, tile=4096) < layer_working_set_bytes(m, 65536, 2) / 2
+    assert layer_working_set_bytes(m, 65536, 2, tile=4096) < layer_working_set_bytes(m, 65536, 2) * 0.6
+    # the engine's own figure, not a copy of its coefficients
+    dims = LayerDims(m.hidden, m.kv_heads * m.head_dim, m.intermediate, m.layer_params())
+    assert layer_working_set_bytes(m, 65536, 2, tile=4096) == layer_working_bytes(dims, 65536, 4096, 2)
 
 
 def test_long_context_auto_offloads_and_tiles():
     pl = plan("llama2-7b", 524288, 1, hardware="gh200")
     assert pl.fits
     assert pl.decisions["offload_activations"] is True
-    assert pl.decisions["tile_tokens"] is not None
+    assert pl.decisions["mlp_tile_tokens"] is not None
     assert pl.memory.host["offloaded activations"] == 32 * 524288 * 4096 * 2
     assert any("max_position_embeddings" in w for w in pl.warnings)
-    forced = plan("llama2-7b", 524288, 1, hardware="gh200", offload_activations=False, tile_tokens=None)
+    forced = plan("llama2-7b", 524288, 1, hardware="gh200", offload_activations=False, mlp_tile_tokens=None)
     assert not forced.fits
+    # the old knob name still works
+    with pytest.warns(DeprecationWarning, match="mlp_tile_tokens"):
+        old = plan("llama2-7b", 524288, 1, hardware="gh200", offload_activations=False, tile_tokens=None)
+    assert old.memory.device == forced.memory.device
+
+
+@pytest.mark.parametrize("hw", ["gh200", H200])
+def test_long_context_device_is_the_engine_policys_prediction(hw):
+    from megatrain.engine import tiling
+
+    m = get_preset("llama2-7b")
+    pl = plan(m, 524288, 1, hardware=hw, offload_activations=True)
+    lc = pl.long_context
+    c, PL = 2, m.layer_params()
+    policy = tiling.LongContextPolicy(
+        dims=tiling.LayerDims(m.hidden, m.kv_heads * m.head_dim, m.intermediate, PL), n_layers=m.num_layers,
+        itemsize=c, vocab=m.vocab, loss_chunk="auto", tile_setting="auto", offload_setting=True,
+        budget=get_hardware(hw).device_bytes, fixed_bytes=2 * PL * c + (m.embed_params() + m.hidden) * c)
+    bp = policy.plan(524288)
+    assert (lc.offload, lc.tile, lc.peak_bytes) == (bp.offload, bp.tile, bp.predicted_peak_bytes)
+    assert pl.memory.device_total - pl.memory.device["runtime"] == bp.predicted_peak_bytes
+    assert lc.peak_bytes == lc.resident_weight_bytes + lc.boundary_bytes + max(lc.layer_working_bytes,
+                                                                               lc.loss_workspace_bytes)
+    assert pl.memory.host["offloaded activations"] == m.num_layers * 524288 * m.hidden * c
+
+
+@pytest.mark.filterwarnings("ignore:.*device budget")  # the smallest budget is meant not to fit
+def test_planner_matches_a_real_engines_policy():
+    # the same shape through an Engine (its policy built from the real layer) and through the planner
+    import torch
+    import transformers
+
+    from megatrain.config import EngineConfig
+    from megatrain.engine import Engine
+
+    m = get_preset("tiny")
+    torch.manual_seed(0)
+    # no budget (a CPU device); roomy; tight enough to offload and tile; too small for anything
+    for budget, tokens in ((None, 512), (64 * 1024**2, 8192), (14 * 1024**2, 8192), (2 * 1024**2, 4096)):
+        cfg = EngineConfig(device="cpu", device_budget_bytes=budget)
+        eng = Engine(transformers.AutoModelForCausalLM.from_config(m.hf_config()), config=cfg)
+        bp = eng.pipeline.policy.plan(tokens)
+        pl = plan(m, tokens, 1, dtype="float32", hardware="cpu", engine_config=cfg)
+        lc = pl.long_context
+        assert (lc.offload, lc.tile, lc.peak_bytes) == (bp.offload, bp.tile, bp.predicted_peak_bytes), budget
+        assert pl.device_weight_bytes == eng.device_weight_bytes
 
 
 # ------------------------------------------------------------------ monotonicity and fit
 
 
 def test_monotone_in_batch_context_and_size():
-    dev = [plan("qwen2.5-14b", 4096, b, hardware=H200, offload_activations=False, tile_tokens=None)
+    dev = [plan("qwen2.5-14b", 4096, b, hardware=H200, offload_activations=False, mlp_tile_tokens=None)
            for b in (1, 2, 4, 8)]
     assert all(a.memory.device_total < b.memory.device_total for a, b in zip(dev, dev[1:]))
     assert all(a.time.step_s < b.time.step_s for a, b in zip(dev, dev[1:]))
     assert all(a.tokens_per_s <= b.tokens_per_s for a, b in zip(dev, dev[1:]))
-    ctx = [plan("qwen2.5-14b", s, 1, hardware=H200, offload_activations=False, tile_tokens=None).memory.device_total
+    ctx = [plan("qwen2.5-14b", s, 1, hardware=H200, offload_activations=False, mlp_tile_tokens=None).memory.device_total
            for s in (1024, 2048, 4096)]
     assert ctx == sorted(ctx)
     hosts = [plan(n, 1024, hardware=H200).memory.host_total for n in ("llama2-7b", "qwen2.5-14b", "qwen2.5-32b")]
@@ -230,7 +306,7 @@ def test_fit_cases():
 
 
 def test_max_batch_and_max_context_are_the_boundary():
-    kw = dict(hardware="a100-pcie", offload_activations=False, tile_tokens=None)
+    kw = dict(hardware="a100-pcie", offload_activations=False, mlp_tile_tokens=None)
     b = max_batch("qwen2.5-7b", 4096, **kw)
     assert b >= 1
     assert fits("qwen2.5-7b", 4096, b, **kw) and not fits("qwen2.5-7b", 4096, b + 1, **kw)
@@ -278,7 +354,7 @@ def test_engine_config_supplies_knobs():
     cfg = EngineConfig(compute_dtype="bfloat16", num_buffers=3, loss_chunk_tokens=512, offload_activations=True,
                        mlp_tile_tokens=4096)
     p = make_point("7b", 1024, engine_config=cfg)
-    assert (p.dtype, p.num_buffers, p.loss_chunk_tokens, p.offload_activations, p.tile_tokens) == \
+    assert (p.dtype, p.num_buffers, p.loss_chunk_tokens, p.offload_activations, p.mlp_tile_tokens) == \
         ("bfloat16", 3, 512, True, 4096)
     # the engine's device budget is what its "auto" plans against
     small = plan("7b", 65536, engine_config=EngineConfig(compute_dtype="bfloat16", device_budget_bytes=24 * GIB),
@@ -392,8 +468,9 @@ def test_cli_json_bad_name_and_registration(capsys):
     sub = ap.add_subparsers()
     add_plan_parser(sub)
     add_bench_parser(sub)
-    args = ap.parse_args(["plan", "--model", "7b", "--offload-activations", "off", "--tile-tokens", "4096"])
-    assert args.offload_activations is False and args.tile_tokens == 4096 and callable(args.func)
+    args = ap.parse_args(["plan", "--model", "7b", "--offload-activations", "off", "--mlp-tile-tokens", "4096"])
+    assert args.offload_activations is False and args.mlp_tile_tokens == 4096 and callable(args.func)
+    assert ap.parse_args(["plan", "--model", "7b", "--tile-tokens", "none"]).mlp_tile_tokens is None  # old name
     assert ap.parse_args(["bench", "--quick"]).quick
 
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.validate_planner import validate
+from experiments.validate_planner import bend_gbps, validate
 from megatrain.models.presets import get_preset
 
-# 35%: the box is shared (2 cores, other jobs) and the steps are short; and the planner, built for
-# deep models, charges a fill and a drain per micro-batch plus an embedding upload/download that the
-# CPU FP32 engine does not do (it aliases the globals) -- fixed costs worth ~2/(2L) of a link-bound
-# step. Eight layers keep those at ~15% so the check is about the per-layer streaming model; on the
-# 2-layer `tiny` preset they alone put the prediction ~45% over (see results/validation/).
-LINK_BOUND_TOL_PCT = 35.0
+# The target for every point. The link-bound point is checked against it: its step is set by
+# the rate limiter's sleeps, which a shared 2-core box does not stretch. The unthrottled point is pure
+# compute on those shared cores, so it is only checked for direction (see the full table in
+# results/validation/ for its error on a quiet box).
+STEP_TOL_PCT = 15.0
 # 0.005 GB/s streams one 185 kB fp32 layer in ~37 ms, several times its compute on this CPU.
 SLOW_GBPS = 0.005
 
@@ -21,14 +20,14 @@ SLOW_GBPS = 0.005
 @pytest.fixture(scope="module")
 def rows():
     preset = get_preset("tiny").with_(name="tiny-8l", num_layers=8)
-    return validate(preset, context=64, gbps=[SLOW_GBPS, None], warmup=1, steps=3, quick_bench=True,
+    return validate(preset, context=64, gbps=[SLOW_GBPS, None], warmup=1, steps=3, quick_bench=False,
                     log=lambda *_: None)
 
 
-def test_link_bound_prediction_tracks_measurement(rows):
+def test_link_bound_prediction_within_target(rows):
     slow = rows[0]
     assert slow["predicted_bottleneck"].startswith("link"), slow["predicted_bottleneck"]
-    assert abs(slow["error_pct"]) <= LINK_BOUND_TOL_PCT, (
+    assert abs(slow["error_pct"]) <= STEP_TOL_PCT, (
         f"predicted {slow['predicted_step_s']:.3f} s vs measured {slow['measured_step_s']:.3f} s "
         f"({slow['error_pct']:+.0f}%)")
 
@@ -39,9 +38,23 @@ def test_link_bound_is_slower_measured_and_predicted(rows):
     assert slow["predicted_step_s"] > fast["predicted_step_s"]
 
 
-def test_streamed_bytes_match_engine(rows):
-    # The weight stream itself: device-resident bytes are the same count on both sides; the planner's
-    # h2d total may only exceed the engine's by the embedding/head it charges (see the tolerance note).
-    slow = rows[0]
-    assert slow["predicted_device_weight_bytes"] == slow["measured_device_weight_bytes"]
-    assert slow["predicted_h2d_bytes"] >= slow["measured_h2d_bytes"]
+def test_bytes_match_the_engines_accounting(rows):
+    # A CPU device in FP32 aliases embedding/head (no transfer): the planner's link bytes are exactly the
+    # engine's weight stream and gradient copies; device-resident weights and the engine's own predicted
+    # device peak are the same counts on both sides.
+    for r in rows:
+        assert r["predicted_h2d_bytes"] == r["measured_h2d_bytes"]
+        assert r["predicted_d2h_bytes"] == r["measured_d2h_bytes"]
+        assert r["predicted_device_weight_bytes"] == r["measured_device_weight_bytes"]
+        assert r["planner_policy_peak_device_bytes"] == r["engine_predicted_peak_device_bytes"]
+        assert r["predicted_embed_io_s"] == 0
+
+
+def test_crossover_is_where_the_copy_wait_share_falls_through_ten_percent():
+    # wait shares 50%, 20%, 5%, 1%: the crossing lies between 0.1 and 0.2 GB/s, two thirds of the way
+    # in log(rate) since (20 - 10) / (20 - 5) = 2/3
+    gbps = [0.05, 0.1, 0.2, 0.5, None]
+    wait = [0.5, 0.2, 0.05, 0.01, 0.0]
+    got = bend_gbps(gbps, wait, [1.0] * 5)
+    assert got == pytest.approx(0.1 * 2 ** (2 / 3))
+    assert bend_gbps(gbps, [0.5] * 5, [1.0] * 5) != bend_gbps(gbps, [0.5] * 5, [1.0] * 5)  # never crosses: nan

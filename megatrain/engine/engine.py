@@ -253,7 +253,7 @@ class Engine:
             loss = None
             if labels is not None:
                 loss = chunked_causal_lm_loss(hn, self.parts.lm_head.weight, labels.to(dev, torch.long, non_blocking=True),
-                                              self.config.loss_chunk_tokens)
+                                              self.pipeline.loss_chunk(self.config.loss_chunk_tokens))
             logits = self.parts.lm_head(hn) if return_logits else None
         if train and loss is not None:
             self._pending = _Pending(h0, h_in0, h_last, layer_inputs, acts, ids)

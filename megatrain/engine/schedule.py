@@ -12,7 +12,7 @@ from .activations import ActivationStore
 from .store import HostStore, host_empty
 from .stream import DONE, Event, Streams, Trace
 from .templates import TemplateBank
-from .tiling import LongContextPolicy, tiled_vjp
+from .tiling import DEFAULT_LOSS_CHUNK, LongContextPolicy, tiled_vjp
 
 
 class LayerPipeline:
@@ -59,10 +59,17 @@ class LayerPipeline:
         self.tile = plan.tile
         return plan.offload
 
+    def loss_chunk(self, setting: int | str) -> int:
+        """This batch's head/loss chunk: the plan's, else the configured one ("auto": the default chunk)."""
+        if self.last_plan is not None:
+            return self.last_plan.loss_chunk
+        return DEFAULT_LOSS_CHUNK if setting == "auto" else int(setting)
+
     def plan_stats(self) -> dict[str, float]:
         p = self.last_plan
         return {"mlp_tile_tokens": (p.tile or 0) if p else 0, "activations_offloaded": float(p.offload) if p else 0.0,
-                "predicted_peak_device_bytes": p.predicted_peak_bytes if p else 0}
+                "predicted_peak_device_bytes": p.predicted_peak_bytes if p else 0,
+                "loss_chunk_tokens": p.loss_chunk if p else 0}
 
     # -- weights in -------------------------------------------------------------------------------
     def _issue(self, layer: int, window: set[int]) -> None:

@@ -280,6 +280,11 @@ BUDGET_HEADROOM = 0.9  # plan to this share of the budget: allocator fragmentati
 # a layer's input and output, the next input prefetched, and one on its way out.
 OFFLOAD_IN_FLIGHT = 4
 LOSS_LOGIT_COPIES = 3  # chunk logits (fp32), their softmax/gradient, and a transient
+# "auto" loss chunk: the largest chunk is DEFAULT_LOSS_CHUNK tokens, capped so one FP32 copy of the chunk's
+# logits stays under AUTO_LOSS_LOGITS_BYTES (a 128k vocabulary at 2048 tokens would be 1 GiB a copy); with a
+# device budget it is halved, down to MIN_LOSS_CHUNK, while the loss phase does not fit. Smaller chunks cost
+# only more, smaller head GEMMs.
+DEFAULT_LOSS_CHUNK, MIN_LOSS_CHUNK, AUTO_LOSS_LOGITS_BYTES = 2048, 128, 256 * 2**20
 # The head + loss phase per token, in h-vectors (measured, FP32): the last layer's output, the final norm's
 # output and saved tensors, the valid tokens' copy and its gradient, the gradient scattered back to all
 # tokens; during the chunk loop (the chunk's logits on top) and, at its peak, in the final norm's backward.
@@ -369,11 +374,22 @@ def auto_tile(d: LayerDims, tokens: int, itemsize: int, room: int | None) -> int
     return None if tile is None or tile >= tokens else tile
 
 
+def auto_loss_chunk(tokens: int, hidden: int, vocab: int, itemsize: int, room: int | None) -> int:
+    """The "auto" head/loss chunk: capped by vocabulary size, then halved until the loss phase fits `room`."""
+    fits = AUTO_LOSS_LOGITS_BYTES // (vocab * 4)
+    chunk = min(DEFAULT_LOSS_CHUNK, max(MIN_LOSS_CHUNK, 1 << (fits.bit_length() - 1) if fits else 0))  # a power of 2
+    while (room is not None and chunk > MIN_LOSS_CHUNK and chunk < 2 * tokens
+           and loss_workspace_bytes(tokens, hidden, vocab, chunk, itemsize) > room):
+        chunk = max(MIN_LOSS_CHUNK, chunk // 2)
+    return chunk
+
+
 @dataclass
 class BatchPlan:
     offload: bool
     tile: int | None
     predicted_peak_bytes: int
+    loss_chunk: int = DEFAULT_LOSS_CHUNK
 
 
 @dataclass
@@ -384,7 +400,7 @@ class LongContextPolicy:
     n_layers: int
     itemsize: int
     vocab: int
-    loss_chunk: int
+    loss_chunk: int | str  # tokens, or "auto"
     tile_setting: int | str | None  # None (untiled), an int, or "auto"
     offload_setting: bool | str  # True, False or "auto"
     budget: int | None  # device bytes; None: no limit
@@ -392,18 +408,21 @@ class LongContextPolicy:
 
     def plan(self, tokens: int) -> BatchPlan:
         boundary = tokens * self.dims.hidden * self.itemsize
-        loss = loss_workspace_bytes(tokens, self.dims.hidden, self.vocab, self.loss_chunk, self.itemsize)
 
-        def peak(offload: bool, tile: int | None) -> int:
+        def peak(offload: bool, tile: int | None, chunk: int) -> int:
             kept = OFFLOAD_IN_FLIGHT if offload else self.n_layers
+            loss = loss_workspace_bytes(tokens, self.dims.hidden, self.vocab, chunk, self.itemsize)
             return (self.fixed_bytes + kept * boundary
                     + max(loss, layer_working_bytes(self.dims, tokens, tile, self.itemsize)))
 
         offloads = [self.offload_setting] if isinstance(self.offload_setting, bool) else [False, True]
         choice = None
         for off in offloads:
-            tile = self._tile(tokens, off, boundary)
-            choice = BatchPlan(off, tile, peak(off, tile))
+            room = self._room(off, boundary)
+            chunk = self.loss_chunk if self.loss_chunk != "auto" else auto_loss_chunk(
+                tokens, self.dims.hidden, self.vocab, self.itemsize, room)
+            tile = self._tile(tokens, room)
+            choice = BatchPlan(off, tile, peak(off, tile, chunk), chunk)
             if self.budget is None or choice.predicted_peak_bytes <= BUDGET_HEADROOM * self.budget:
                 return choice
         warnings.warn(f"{tokens} tokens: the predicted device peak {choice.predicted_peak_bytes / 2**30:.2f} GiB "
@@ -411,16 +430,19 @@ class LongContextPolicy:
                       f"offload={choice.offload}, tile={choice.tile}; expect an out-of-memory error", stacklevel=3)
         return choice
 
-    def _tile(self, tokens: int, offload: bool, boundary: int) -> int | None:
+    def _room(self, offload: bool, boundary: int) -> int | None:
+        """Device bytes left for one phase's working set (a layer's backward, or the head and loss)."""
+        if self.budget is None:
+            return None
+        kept = OFFLOAD_IN_FLIGHT if offload else self.n_layers
+        return int(BUDGET_HEADROOM * self.budget) - self.fixed_bytes - kept * boundary
+
+    def _tile(self, tokens: int, room: int | None) -> int | None:
         s = self.tile_setting
         if s is None:
             return None
         if s != "auto":
             return s if s < tokens else None
-        room = None
-        if self.budget is not None:
-            kept = OFFLOAD_IN_FLIGHT if offload else self.n_layers
-            room = int(BUDGET_HEADROOM * self.budget) - self.fixed_bytes - kept * boundary
         return auto_tile(self.dims, tokens, self.itemsize, room)
 
 

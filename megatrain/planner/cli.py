@@ -50,6 +50,7 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
     if pl.memory.unified:
         out.append(f"    (unified: host + device = {fmt_bytes(pl.memory.host_total_incl_device)} "
                    f"of {fmt_bytes(hw.host_bytes)})")
+    out += _long_context_lines(pl)
     out.append("  fits: " + ("yes" if pl.fits else "NO") + "".join(f"\n    {r}" for r in pl.reasons))
     lt = t.layer
     out += [
@@ -57,8 +58,9 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
         f"    forward  compute {_sec(lt.fwd_compute)}, h2d {_sec(lt.fwd_h2d)}, d2h {_sec(lt.fwd_d2h)} -> {_sec(lt.fwd)}",
         f"    backward compute {_sec(lt.bwd_compute)} (recompute incl.), h2d {_sec(lt.bwd_h2d)}, "
         f"d2h+accumulate {_sec(lt.bwd_d2h)} -> {_sec(lt.bwd)}",
-        f"  per micro-batch: forward {_sec(t.forward_s)}, head+loss {_sec(t.head_s)}, backward {_sec(t.backward_s)}, "
-        f"pipeline fill/drain {_sec(t.fill_drain_s)}",
+        f"  per micro-batch: forward {_sec(t.forward_s)}, head+loss {_sec(t.head_s)}, backward {_sec(t.backward_s)}"
+        + (f"; per step: last gradients drain {_sec(t.fill_drain_s)}" if p.backend == "megatrain"
+           else f", pipeline fill/drain {_sec(t.fill_drain_s)}"),
         f"  per step: embedding/head I/O {_sec(t.embed_io_s)}, optimizer {_sec(t.optimizer_busy_s)}"
         + (" (overlapped)" if p.optimizer_overlap and p.backend == "megatrain" else " (after backward)"),
         f"  step {_sec(t.step_s)}: {pl.tokens_per_s:,.0f} tokens/s, {pl.model_tflops:.1f} model TFLOPS, "
@@ -89,6 +91,27 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
     return "\n".join(out)
 
 
+def _long_context_lines(pl: Plan) -> list[str]:
+    """The engine's device plan for the batch (engine/tiling.py), term by term: what long context costs."""
+    lc = pl.long_context
+    if lc is None:
+        return []
+    tile = f"sequence tiles of {lc.tile:,} tokens" if lc.tile else "untiled"
+    where = "in flight (offloaded to host)" if lc.offload else "resident"
+    budget = (f"{fmt_bytes(lc.budget)} budget x {lc.headroom:.0%} headroom = {fmt_bytes(lc.headroom * lc.budget)}"
+              if lc.budget else "no budget (a CPU device)")
+    phase = "layer" if lc.layer_working_bytes >= lc.loss_workspace_bytes else "loss"
+    rows = [(f"one layer's working set ({tile})", lc.layer_working_bytes),
+            (f"chunked-loss workspace ({lc.loss_chunk:,}-token chunks)", lc.loss_workspace_bytes),
+            (f"boundary activations, {lc.kept_boundaries} {where}", lc.boundary_bytes),
+            ("resident weights (layer buffers + embedding/head/norm)", lc.resident_weight_bytes),
+            (f"predicted device peak (layer or loss, the larger: {phase})", lc.peak_bytes),
+            ("host: offloaded activations", pl.memory.host.get("offloaded activations", 0))]
+    return ([f"  long-context device plan (the engine's LongContextPolicy, {pl.point.tokens:,} tokens):"]
+            + [f"    {label:<60}{fmt_bytes(v):>12}" for label, v in rows]
+            + [f"    planned against {budget}"])
+
+
 def _host_fits(pl: Plan) -> bool:
     """Whether the model-state side of the host fits (it does not change with batch or context)."""
     if pl.memory.unified:
@@ -105,6 +128,10 @@ def _auto(v: str) -> bool | str:
     if v in ("off", "false", "0", "no"):
         return False
     raise argparse.ArgumentTypeError(f"{v!r}: use on, off or auto")
+
+
+def _auto_int(v: str) -> int | str:
+    return "auto" if v.lower() == "auto" else int(v)
 
 
 def _tile(v: str) -> int | str | None:
@@ -128,8 +155,13 @@ def _add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--compare", default="zero3", help="also plan these backends (comma list; '' for none)")
     ap.add_argument("--num-buffers", type=int, default=2)
     ap.add_argument("--offload-activations", type=_auto, default="auto", help="on, off or auto")
-    ap.add_argument("--tile-tokens", type=_tile, default="auto", help="MLP sequence tile: int, none or auto")
-    ap.add_argument("--loss-chunk-tokens", type=int, default=2048)
+    ap.add_argument("--mlp-tile-tokens", "--tile-tokens", dest="mlp_tile_tokens", type=_tile, default="auto",
+                    help="MLP sequence tile (EngineConfig.mlp_tile_tokens): int, none or auto; "
+                         "--tile-tokens is a deprecated alias")
+    ap.add_argument("--device-budget-gib", type=float,
+                    help="device memory the engine's 'auto' plans against (EngineConfig.device_budget_bytes)")
+    ap.add_argument("--loss-chunk-tokens", type=_auto_int, default="auto",
+                    help="head/loss chunk (EngineConfig.loss_chunk_tokens): int or auto (the engine's policy)")
     ap.add_argument("--master", default="fp32", choices=["fp32", "hilo", "bf16"],
                     help="host master weights: fp32 (+bf16 shadow), exact hi/lo split, or bf16 (paper's code)")
     ap.add_argument("--host-grad-dtype", default="float32", choices=["float32", "bfloat16"])
@@ -145,9 +177,11 @@ def _add_plan_args(ap: argparse.ArgumentParser) -> None:
 
 
 def _knobs(args: argparse.Namespace) -> dict[str, Any]:
+    budget = getattr(args, "device_budget_gib", None)
     return dict(num_buffers=args.num_buffers, offload_activations=args.offload_activations,
-                tile_tokens=args.tile_tokens, loss_chunk_tokens=args.loss_chunk_tokens, master=args.master,
-                host_grad_dtype=args.host_grad_dtype, optimizer_overlap=args.optimizer_overlap)
+                mlp_tile_tokens=args.mlp_tile_tokens, loss_chunk_tokens=args.loss_chunk_tokens, master=args.master,
+                host_grad_dtype=args.host_grad_dtype, optimizer_overlap=args.optimizer_overlap,
+                device_budget_bytes=int(budget * 2**30) if budget else None)
 
 
 def _resolve_hw(args: argparse.Namespace, name: str | None = None) -> Any:
@@ -180,7 +214,8 @@ def run_plan(args: argparse.Namespace) -> int:
 def _run_plan(args: argparse.Namespace) -> int:
     if getattr(args, "sweep", None):
         rows = run_sweep(args.sweep, _resolve_hw_list(args), knobs=_knobs(args), **_overrides(args))
-        _write_rows(rows, args.out)
+        prov = _provenance()
+        _write_rows([{**r, **prov} for r in rows], args.out)
         return 0
     if not args.model:
         raise ValueError("--model is required (or give --sweep SPEC)")
@@ -251,7 +286,10 @@ def _spec_to_plan_kwargs(pt: dict[str, Any], knobs: dict[str, Any]) -> dict[str,
     if pt["backend"] == "megatrain":
         eng = dict(pt.get("engine") or {})
         kw.update({k: v for k, v in knobs.items() if k not in eng})
-        for k in ("num_buffers", "loss_chunk_tokens", "offload_activations", "tile_tokens"):
+        if "tile_tokens" in eng:  # the planner's old name for the engine's knob
+            eng.setdefault("mlp_tile_tokens", eng.pop("tile_tokens"))
+        for k in ("num_buffers", "loss_chunk_tokens", "offload_activations", "mlp_tile_tokens",
+                  "device_budget_bytes"):
             if k in eng:
                 kw[k] = eng[k]
         if eng.get("link_gbps"):
@@ -285,6 +323,14 @@ def run_sweep(spec: str | Path, hardware: str | list[str] = "h200-pcie",
                        "backend": pt.get("backend"), "model": pt.get("model"), "seq_len": pt.get("seq_len")}
             rows.append({"sweep": name, **row})
     return rows
+
+
+def _provenance() -> dict[str, Any]:
+    """Which code made the predictions (the planner follows engine/tiling.py, so the commit matters)."""
+    from megatrain.metrics.provenance import git_commit, package_versions, utc_now
+
+    commit, dirty = git_commit()
+    return {"git_commit": commit, "git_dirty": dirty, "versions": package_versions(), "timestamp": utc_now()}
 
 
 def _write_rows(rows: list[dict[str, Any]], out: str | None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,24 +30,14 @@ MASTERS = ("fp32", "hilo", "bf16")
 # torch.autograd.grad of one Llama/Qwen2 layer, fitted over h, kv, intermediate and T:
 # peak = 9.3 h + 2 kv + 6 I (weight grads excluded).
 HF_WS_H, HF_WS_KV, HF_WS_I = 9.3, 2.0, 6.0
-# The engine's own recompute + backward (megatrain), attention side and the MLP side that sequence
-# tiling shrinks to one tile: the coefficients the engine's DeviceMemoryTracker measured for its
-# tiled and untiled paths (FP32; engine/tiling.py), restated here since the planner may not import it.
-MT_ATTN_H, MT_ATTN_KV, MT_MLP_H, MT_MLP_I = 9.0, 2.0, 2.0, 6.0
 # With bf16 compute the RMSNorms upcast to fp32: ~1.5 h extra fp32 elements per token (measured as
 # above, bf16 vs fp32), half on each side of the layer.
 WS_H_FP32_BF16 = 1.5
 # Saved by an HF forward that keeps everything (no recompute): 8.3 h + 2 kv + 4 I.
 SAVED_H, SAVED_KV, SAVED_I = 8.3, 2.0, 4.0
-# Offloaded boundary activations still on the device at once (the layer's input and output, the
-# next input prefetched, one on its way out; measured by the engine).
-OFFLOAD_IN_FLIGHT = 4
 # HF's ForCausalLMLoss over full logits: measured peak (forward + backward) = T x V x (c + 12)
 # bytes: the logits in compute dtype (kept by the model output) + fp32 upcast, log-softmax, gradient.
 LOSS_BYTES_EXTRA = 12
-# The engine's chunked loss: per chunk 3 fp32 chunk x V tensors (logits, softmax/gradient, a
-# transient), the head input and its gradient (2 T h c), and the fp32 head-gradient accumulator.
-CHUNK_LOGIT_COPIES = 3
 # Memory-bound traffic of a layer's forward (norms, RoPE, residual adds, SiLU*up), elements read
 # + written per token: an estimate from the op list, small next to the GEMMs on a GPU.
 ELEM_H, ELEM_I = 20.0, 5.0
@@ -73,8 +64,11 @@ class Point:
     backend: str = "megatrain"
     num_buffers: int = 2
     offload_activations: bool | str = "auto"  # True, False or "auto" (offload only when the device is short)
-    tile_tokens: int | str | None = "auto"  # MLP sequence tile; None = untiled, "auto" = chosen from the budget
-    loss_chunk_tokens: int = 2048
+    mlp_tile_tokens: int | str | None = "auto"  # MLP sequence tile; None = untiled, "auto" = chosen from the budget
+    loss_chunk_tokens: int | str = "auto"  # head/loss chunk; "auto": the engine's policy chooses it
+    # what the engine's "auto" plans against (EngineConfig.device_budget_bytes); None = as the engine
+    # does: the GPU's memory, no limit on a CPU "device"
+    device_budget_bytes: int | None = None
     master: str = "fp32"  # fp32 (+ bf16 shadow in bf16 mode), hilo (exact split, no shadow), bf16 (paper's code)
     host_grad_dtype: str = "float32"
     optimizer_overlap: bool = False  # CPU AdamW layer by layer during the last backward
@@ -103,6 +97,7 @@ class Memory:
     host: dict[str, int]
     device: dict[str, int]
     unified: bool = False  # device allocations come out of host memory (CPU runs)
+    shared: int = 0  # bytes listed in both pools because they are one allocation (aliased on a CPU device)
 
     @property
     def host_total(self) -> int:
@@ -114,7 +109,30 @@ class Memory:
 
     @property
     def host_total_incl_device(self) -> int:
-        return self.host_total + (self.device_total if self.unified else 0)
+        return self.host_total + (self.device_total - self.shared if self.unified else 0)
+
+
+@dataclass(frozen=True)
+class LongContext:
+    """The engine's own per-batch device plan for a megatrain point (engine/tiling.py's
+    LongContextPolicy, run on the preset's shapes), with its parts, for the long-context breakdown."""
+
+    offload: bool  # boundary activations in host memory
+    tile: int | None  # MLP sequence tile (None: untiled)
+    kept_boundaries: int  # boundary activations on the device at once (resident, or in flight)
+    boundary_bytes: int  # all of them
+    layer_working_bytes: int  # one layer's (tiled) recompute + backward, its weight gradients included
+    loss_workspace_bytes: int  # head + chunked loss, forward and backward
+    loss_chunk: int  # tokens per head/loss chunk (the policy's choice under "auto")
+    resident_weight_bytes: int  # layer buffers + embedding/head/norm
+    peak_bytes: int  # the policy's predicted device peak (the engine's predicted_peak_device_bytes)
+    budget: int | None  # device bytes the policy planned against
+    headroom: float  # share of the budget the policy plans to
+
+    @property
+    def working_bytes(self) -> int:
+        """What the policy charges for the layer-or-loss phase (they never run at once)."""
+        return self.peak_bytes - self.resident_weight_bytes - self.boundary_bytes
 
 
 @dataclass
@@ -137,8 +155,9 @@ class Time:
     forward_s: float  # per micro-batch, all layers
     backward_s: float
     head_s: float
-    fill_drain_s: float  # per micro-batch: first weight load, last gradient copy
-    embed_io_s: float  # per step: embedding/head upload and gradient download
+    fill_drain_s: float  # megatrain: per step, the wait for the last gradients after backward (the first
+    #                      load is inside forward_s); zero3: per micro-batch, first fetch + last gradient
+    embed_io_s: float  # per step: embedding/head upload and gradient download (none on a CPU device in FP32)
     optimizer_s: float  # CPU (megatrain, zero3) or device (torch) optimizer, as it adds to the step
     optimizer_busy_s: float  # its full run time, overlapped or not
     step_s: float
@@ -159,6 +178,7 @@ class Plan:
     reasons: list[str]
     decisions: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
+    long_context: LongContext | None = None  # megatrain only
 
     @property
     def tokens_per_s(self) -> float:
@@ -215,6 +235,7 @@ class Plan:
             "reasons": list(self.reasons),
             "decisions": dict(self.decisions),
             "warnings": list(self.warnings),
+            "long_context": dataclasses.asdict(self.long_context) if self.long_context else None,
             "tokens_per_s": self.tokens_per_s,
             "model_tflops": self.model_tflops,
             "mfu": self.mfu,
@@ -253,7 +274,7 @@ class Plan:
             "recompute": True if p.backend == "megatrain" else p.gradient_checkpointing,
             "num_buffers": p.num_buffers if p.backend == "megatrain" else None,
             "offload_activations": self.decisions.get("offload_activations"),
-            "tile_tokens": self.decisions.get("tile_tokens"),
+            "mlp_tile_tokens": self.decisions.get("mlp_tile_tokens"),
             "master": p.master if p.backend == "megatrain" else None,
             "step_time_s": t.step_s,
             "tokens_per_s": self.tokens_per_s,
@@ -262,8 +283,8 @@ class Plan:
             "device_peak_tflops": hw.peak_flops(p.dtype) / 1e12,
             "peak_source": "measured" if measured_peak else "table",
             "mfu": self.mfu,
-            "forward_s": (t.forward_s + t.fill_drain_s / 2) * g,
-            "backward_s": (t.backward_s + t.head_s + t.fill_drain_s / 2) * g,
+            "forward_s": t.forward_s * g,
+            "backward_s": (t.backward_s + t.head_s) * g,
             "optimizer_s": t.optimizer_busy_s,
             "copy_wait_s": t.copy_wait_s,
             "breakdown_source": "predicted",
@@ -283,7 +304,18 @@ class Plan:
             "crossover_tokens": self.crossover_tokens,
             "memory_host": json.dumps(self.memory.host, separators=(",", ":")),
             "memory_device": json.dumps(self.memory.device, separators=(",", ":")),
+            **self._long_context_columns(),
         }
+
+    def _long_context_columns(self) -> dict[str, Any]:
+        lc = self.long_context
+        if lc is None:
+            return {}
+        return {"loss_chunk_tokens": lc.loss_chunk,
+                "layer_working_bytes": lc.layer_working_bytes, "loss_workspace_bytes": lc.loss_workspace_bytes,
+                "boundary_device_bytes": lc.boundary_bytes, "kept_boundaries": lc.kept_boundaries,
+                "offloaded_activation_bytes": self.memory.host.get("offloaded activations", 0),
+                "policy_peak_device_bytes": lc.peak_bytes}
 
 
 # ------------------------------------------------------------------------------------ inputs
@@ -296,19 +328,24 @@ def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
     m = resolve_model(model)
     if engine_config is not None:
         dtype = getattr(engine_config, "compute_dtype", dtype)
-        for k in ("num_buffers", "loss_chunk_tokens", "offload_activations"):
+        for k in ("num_buffers", "loss_chunk_tokens", "offload_activations", "mlp_tile_tokens",
+                  "device_budget_bytes"):
             if hasattr(engine_config, k):
                 knobs.setdefault(k, getattr(engine_config, k))
-        # size what the engine will run: no sequence tiling unless its config has the knob
-        knobs.setdefault("tile_tokens", getattr(engine_config, "mlp_tile_tokens", None))
+    if "tile_tokens" in knobs:  # the planner's name before it took the engine's
+        warnings.warn("tile_tokens is deprecated: use mlp_tile_tokens (EngineConfig's name)", DeprecationWarning,
+                      stacklevel=3)
+        knobs.setdefault("mlp_tile_tokens", knobs.pop("tile_tokens"))
     unknown = set(knobs) - {f.name for f in dataclasses.fields(Point)}
     if unknown:
         raise ValueError(f"unknown planner setting(s) {sorted(unknown)}")
     for name, v in (("context", context), ("batch", batch), ("grad_accum", grad_accum),
                     ("num_buffers", knobs.get("num_buffers", 2)),
-                    ("loss_chunk_tokens", knobs.get("loss_chunk_tokens", 2048))):
+                    ("loss_chunk_tokens", knobs.get("loss_chunk_tokens", 1))):
+        if v == "auto" and name == "loss_chunk_tokens":
+            continue
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r} must be an int >= 1")
+            raise ValueError(f"{name}={v!r} must be an int >= 1" + (" or 'auto'" if name == "loss_chunk_tokens" else ""))
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS}")
     _is_bf16(dtype)  # raises on an unknown dtype
@@ -318,9 +355,9 @@ def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
     off = knobs.get("offload_activations", "auto")
     if off not in (True, False, "auto"):
         raise ValueError(f"offload_activations={off!r}: use True, False or 'auto'")
-    tile = knobs.get("tile_tokens", "auto")
+    tile = knobs.get("mlp_tile_tokens", "auto")
     if not (tile is None or tile == "auto" or (isinstance(tile, int) and not isinstance(tile, bool) and tile >= 1)):
-        raise ValueError(f"tile_tokens={tile!r}: use None (untiled), 'auto' or an int >= 1")
+        raise ValueError(f"mlp_tile_tokens={tile!r}: use None (untiled), 'auto' or an int >= 1")
     dtype = "bfloat16" if _is_bf16(dtype) else "float32"
     return Point(model=m, context=context, batch=batch, grad_accum=grad_accum, dtype=dtype, backend=backend, **knobs)
 
@@ -341,25 +378,43 @@ def _hardware(hardware: Any, link_gbs: float | None, host_memory_gib: float | No
 # ------------------------------------------------------------------------------------ memory
 
 
+def _tiling():
+    """The engine's own long-context memory model (engine/tiling.py). Imported when first needed:
+    the planner then follows the engine's coefficients as they change, and `import megatrain.planner`
+    stays light (the engine package pulls in torch and transformers)."""
+    from megatrain.engine import tiling
+
+    return tiling
+
+
+def layer_dims(m: ModelPreset) -> Any:
+    """The engine's LayerDims for a preset's (largest, i.e. every) decoder layer, as LayerDims.of reads
+    it from a built layer. Fields the engine's version lacks are left out, so the planner runs against
+    the engine as it is."""
+    tl = _tiling()
+    known = {f.name for f in dataclasses.fields(tl.LayerDims)}
+    # every planner family (llama, qwen2, mistral) is one of the engine's tileable layer classes, on sdpa
+    optional = {"head_dim": m.head_dim, "attention_tiled": True}
+    return tl.LayerDims(hidden=m.hidden, kv=m.kv_heads * m.head_dim, intermediate=m.intermediate,
+                        numel=m.layer_params(), **{k: v for k, v in optional.items() if k in known})
+
+
 def layer_working_set_bytes(m: ModelPreset, tokens: int, c: int, tile: int | None = None,
                             engine: bool = True) -> int:
-    """Peak bytes one decoder layer's recompute + backward adds beyond its input and weights (weight
-    grads excluded). engine=True: megatrain's path, whose MLP side runs over `tile` tokens at a time
-    when tiled (attention stays whole, O(T)); engine=False: an HF layer under gradient checkpointing."""
+    """Peak bytes one decoder layer's recompute + backward adds beyond its input and weights.
+    engine=True: megatrain's path as engine/tiling.py predicts it (MLP side over `tile` tokens at a
+    time when tiled, the layer's weight gradients included); engine=False: an HF layer under gradient
+    checkpointing (weight gradients excluded: the baselines count them with their parameters)."""
+    if engine:
+        return int(_tiling().layer_working_bytes(layer_dims(m), tokens, tile, c))
     kv = m.kv_heads * m.head_dim
     fp32_extra = WS_H_FP32_BF16 * m.hidden * 4 if c == 2 else 0.0
-    if not engine:
-        return int(tokens * ((HF_WS_H * m.hidden + HF_WS_KV * kv + HF_WS_I * m.intermediate) * c + fp32_extra))
-    t = tokens if tile is None else min(tile, tokens)
-    attn_side = (MT_ATTN_H * m.hidden + MT_ATTN_KV * kv) * c + fp32_extra / 2
-    mlp_side = (MT_MLP_H * m.hidden + MT_MLP_I * m.intermediate) * c + fp32_extra / 2
-    return int(tokens * attn_side + t * mlp_side)
+    return int(tokens * ((HF_WS_H * m.hidden + HF_WS_KV * kv + HF_WS_I * m.intermediate) * c + fp32_extra))
 
 
 def chunked_loss_bytes(m: ModelPreset, tokens: int, c: int, chunk: int) -> int:
-    """Peak bytes of megatrain's head + chunked loss, forward and backward."""
-    return int(2 * tokens * m.hidden * c + CHUNK_LOGIT_COPIES * min(chunk, tokens) * m.vocab * 4
-               + m.vocab * m.hidden * 4)
+    """Peak bytes of megatrain's head + chunked loss, forward and backward (engine/tiling.py)."""
+    return int(_tiling().loss_workspace_bytes(tokens, m.hidden, m.vocab, chunk, c))
 
 
 def layer_saved_bytes(m: ModelPreset, tokens: int, c: int) -> int:
@@ -378,10 +433,51 @@ def _master_bytes(p: Point) -> tuple[int, int]:
     return 4, (2 if p.c == 2 else 0)
 
 
-def megatrain_memory(p: Point, hw: Hardware, offload: bool, tile: int | None) -> Memory:
+def _aliases_globals(p: Point, hw: Hardware) -> bool:
+    """Whether the engine's device embedding/head/norm are the host masters themselves: on a CPU
+    device computing in FP32 it aliases them (Engine._alias_globals), so they are never copied."""
+    return hw.unified_memory and p.c == 4
+
+
+def _device_budget(p: Point, hw: Hardware) -> int | None:
+    """The device budget the engine's "auto" plans against: the configured one, else the GPU's memory;
+    a CPU device has no limit unless configured."""
+    if p.device_budget_bytes is not None:
+        return p.device_budget_bytes
+    return None if hw.unified_memory else hw.device_bytes
+
+
+def long_context_plan(p: Point, hw: Hardware) -> LongContext:
+    """Run the engine's LongContextPolicy on this point's shapes: the offload/tile choice the engine
+    will make for the batch, and its predicted device peak, term by term."""
+    tl = _tiling()
+    m, c, T = p.model, p.c, p.tokens
+    dims = layer_dims(m)
+    resident = (p.num_buffers * m.layer_params() + m.embed_params() + m.hidden) * c  # buffers + globals
+    policy = tl.LongContextPolicy(
+        dims=dims, n_layers=m.num_layers, itemsize=c, vocab=m.vocab, loss_chunk=p.loss_chunk_tokens,
+        tile_setting=p.mlp_tile_tokens, offload_setting=p.offload_activations, budget=_device_budget(p, hw),
+        fixed_bytes=resident)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "does not fit" is the planner's verdict to give, not a warning
+        bp = policy.plan(T)
+    kept = tl.OFFLOAD_IN_FLIGHT if bp.offload else m.num_layers
+    chunk = getattr(bp, "loss_chunk", p.loss_chunk_tokens)  # an engine without "auto" chunks takes it as set
+    return LongContext(
+        offload=bp.offload, tile=bp.tile, kept_boundaries=kept, boundary_bytes=kept * T * m.hidden * c,
+        layer_working_bytes=int(tl.layer_working_bytes(dims, T, bp.tile, c)),
+        loss_workspace_bytes=int(tl.loss_workspace_bytes(T, m.hidden, m.vocab, chunk, c)), loss_chunk=chunk,
+        resident_weight_bytes=resident, peak_bytes=int(bp.predicted_peak_bytes), budget=policy.budget,
+        headroom=tl.BUDGET_HEADROOM)
+
+
+def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
+    """Host and device bytes per component of the engine at this point; the device side is the
+    engine's own prediction (lc) plus the runtime's reserve."""
     m, c, T = p.model, p.c, p.tokens
     P, PL, L, h = m.param_count(), m.layer_params(), m.num_layers, m.hidden
     resident = m.embed_params() + h  # embedding, LM head, final norm
+    alias = _aliases_globals(p, hw)
     mb, shadow = _master_bytes(p)
     gb = 2 if _is_bf16(p.host_grad_dtype) else 4
     host = {
@@ -390,24 +486,24 @@ def megatrain_memory(p: Point, hw: Hardware, offload: bool, tile: int | None) ->
         "adam m": P * 4,
         "adam v": P * 4,
         "bf16 shadow (streams)": L * PL * shadow,  # only layers stream; resident params convert once
-        "pinned grad staging": 2 * PL * c,
-        "offloaded activations": L * T * h * c if offload else 0,
-        "optimizer temporaries": 2 * 4 * max(PL, m.vocab * h),
+        # two pinned buffers of the largest layer that gradients land in on CUDA (schedule.py); a CPU
+        # device adds gradients straight into the slabs
+        "pinned grad staging": 0 if hw.unified_memory else 2 * PL * c,
+        "offloaded activations": L * T * h * c if lc.offload else 0,
+        # the head/norm gradient arrives as an FP32 host copy before it is added to its slab
+        # (Engine._add_global_grads); a no-op when the device globals are the masters
+        "head gradient copy": 0 if alias else (m.vocab * h + h) * 4,
         "runtime": int(hw.host_reserved_gib * GIB),
     }
-    k = p.num_buffers
     device = {
-        "layer buffers": k * PL * c,
-        "layer grad buffers": (2 if k >= 2 else 1) * PL * c,
+        "layer buffers": p.num_buffers * PL * c,
         "embedding/head/norm": resident * c,
-        "embedding/head grads": resident * c,
-        "boundary activations": (min(L, OFFLOAD_IN_FLIGHT) if offload else L) * T * h * c,
-        # the head/loss and a layer's backward never run at once: the larger of the two
-        "working set (layer or loss)": max(
-            layer_working_set_bytes(m, T, c, tile), chunked_loss_bytes(m, T, c, p.loss_chunk_tokens)),
+        "boundary activations": lc.boundary_bytes,  # all L resident, or a few in flight when offloaded
+        # one layer's recompute + backward and the head/loss never run at once: the policy's larger
+        "working set (layer or loss)": lc.working_bytes,
         "runtime": 0 if hw.unified_memory else int(hw.device_reserved_gib * GIB),
     }
-    return Memory(host, device, hw.unified_memory)
+    return Memory(host, device, hw.unified_memory, shared=resident * c if alias else 0)
 
 
 def _hf_activations(p: Point) -> dict[str, int]:
@@ -508,6 +604,17 @@ def _layer_compute(p: Point, hw: Hardware) -> tuple[float, float, float]:
     return fwd, fwd, bwd_only
 
 
+def sustained_from_layer_time(p: Point, hw: Hardware, seconds: float) -> float:
+    """The `sustained` fraction of peak at which this model's layer compute (forward + recompute +
+    backward, as _layer_compute charges it) takes `seconds`: a profile number from a measured layer
+    (measure.layer_seconds), not from a measured step."""
+    m, T = p.model, p.tokens
+    lin, attn = 2.0 * m.layer_params() * T, 2.0 * m.hidden * p.context * T
+    elem = T * (ELEM_H * m.hidden + ELEM_I * m.intermediate) * p.c / (hw.device_memory_bw_gbs * GB)
+    flops = 4 * lin + (2 + ATTN_BWD_RATIO) * attn
+    return flops / (seconds - 3 * elem) / hw.peak_flops(p.dtype)
+
+
 def _head_compute(p: Point, hw: Hardware, recompute_logits: bool) -> float:
     """LM head + cross-entropy for one micro-batch. The chunked loss recomputes each chunk's logits
     in backward (8 V h T FLOPs); HF's keeps them (6 V h T)."""
@@ -534,61 +641,226 @@ def _host_accum_bytes(p: Point) -> float:
     return (first + (p.grad_accum - 1) * rest) / p.grad_accum
 
 
-def megatrain_time(p: Point, hw: Hardware, offload: bool) -> Time:
-    m, c, T, L, k = p.model, p.c, p.tokens, p.model.num_layers, p.num_buffers
-    PL, h = m.layer_params(), m.hidden
-    Bl, Bh = hw.link_bps, hw.host_bw_bps
+@dataclass(frozen=True)
+class _LayerCosts:
+    """Seconds of each job the engine queues per streamed layer, and per micro-batch around them."""
+
+    fwd: float  # forward compute
+    bwd: float  # recompute + backward compute
+    load: float  # weights host -> device (h2d stream)
+    act: float  # one boundary activation over the link (each way), 0 when resident
+    grad: float  # gradients device -> host (d2h stream)
+    reduce: float  # adding them into the host slab
+    cuda: bool  # CUDA: the add runs on a host thread after the copy, with 2 staging buffers;
+    #             a CPU device adds on the d2h worker, whose job lasts max(add, rate-limited copy)
+
+
+class _PipelineSim:
+    """Replays the issue order of engine/schedule.py (LayerPipeline) and activations.py on a compute
+    timeline and the copy lanes, so fills, drains, the layers still resident at the forward/backward
+    turn and across micro-batches, and every wait come out as the engine schedules them.
+
+    Each lane runs its jobs in order; a job starts when it is issued (the compute timeline's clock)
+    and its lane and inputs are free."""
+
+    def __init__(self, n_layers: int, n_buffers: int, costs: _LayerCosts) -> None:
+        self.L, self.c = n_layers, costs
+        self.t = self.wait = 0.0
+        self.lane = {"h2d": 0.0, "d2h": 0.0, "reduce": 0.0}
+        self.bytes_jobs = {"load": 0, "act_out": 0, "act_in": 0, "grad": 0}  # job counts
+        self.slots: list[int | None] = [None] * n_buffers
+        self.loaded = [0.0] * n_buffers
+        self.staging_free = [0.0, 0.0]
+        self.next_staging = 0
+        self.written: dict[int, float] = {}  # offloaded activation -> when it reached the host
+        self.act_ready: dict[int, float] = {}  # prefetched activation -> when it is back
+        self.spans: list[tuple[str, str, int, float, float]] = []  # (lane, kind, layer, start, end), as Trace
+
+    def _job(self, lane: str, ready: float, dur: float, kind: str, layer: int) -> float:
+        start = max(ready, self.lane[lane])
+        self.lane[lane] = start + dur
+        self.spans.append((lane, kind, layer, start, start + dur))
+        return self.lane[lane]
+
+    def _compute(self, dur: float, kind: str, layer: int) -> None:
+        self.spans.append(("compute", kind, layer, self.t, self.t + dur))
+        self.t += dur
+
+    def _wait_until(self, when: float) -> None:
+        if when > self.t:
+            self.wait += when - self.t
+            self.t = when
+
+    def _acquire(self, order: list[int], n: int) -> None:
+        window = order[n: n + len(self.slots)]
+        for layer in window:
+            if layer not in self.slots:
+                s = next(i for i, r in enumerate(self.slots) if r not in window)
+                self.slots[s] = layer
+                self.loaded[s] = self._job("h2d", self.t, self.c.load, "load", layer)
+                self.bytes_jobs["load"] += 1
+        self._wait_until(self.loaded[self.slots.index(order[n])])
+
+    def _prefetch(self, layer: int) -> None:
+        if self.c.act and layer not in self.act_ready:
+            self.act_ready[layer] = self._job("h2d", max(self.t, self.written.pop(layer)), self.c.act, "act-in", layer)
+            self.bytes_jobs["act_in"] += 1
+
+    def _send_grad(self, layer: int) -> None:
+        c = self.c
+        self.bytes_jobs["grad"] += 1
+        if not c.cuda:
+            self._job("d2h", self.t, max(c.grad, c.reduce), "grad", layer)
+            return
+        i = self.next_staging
+        self.next_staging ^= 1
+        self.t = max(self.t, self.staging_free[i])  # the host blocks until that staging buffer is free
+        copied = self._job("d2h", self.t, c.grad, "grad", layer)
+        self.staging_free[i] = self._job("reduce", copied, c.reduce, "reduce", layer)
+
+    def forward(self) -> None:
+        order = list(range(self.L))
+        for n, i in enumerate(order):
+            self._acquire(order, n)
+            if self.c.act:
+                self.written[i] = self._job("d2h", self.t, self.c.act, "act-out", i)
+                self.bytes_jobs["act_out"] += 1
+            self._compute(self.c.fwd, "fwd", i)
+
+    def backward(self) -> None:
+        order = list(reversed(range(self.L)))
+        for n, i in enumerate(order):
+            self._acquire(order, n)
+            if n + 1 < len(order):
+                self._prefetch(order[n + 1])
+            if self.c.act:
+                self._prefetch(i)
+                self._wait_until(self.act_ready.pop(i))
+            self._compute(self.c.bwd, "bwd", i)
+            self._send_grad(i)
+
+    def drain(self) -> None:
+        """What the engine's synchronize_grads / collect_stats wait for."""
+        self.t = max(self.t, *self.lane.values())
+
+    def invalidate(self) -> None:
+        """The optimizer changed the masters: resident layer copies are stale."""
+        self.slots = [None] * len(self.slots)
+
+
+def _engine_accum_bytes(p: Point) -> int:
+    """Host bytes per layer-parameter to add a device gradient into its slab: the engine always adds
+    (read the gradient, read + write the slab), on either device type."""
+    return p.c + 2 * (2 if _is_bf16(p.host_grad_dtype) else 4)
+
+
+@dataclass(frozen=True)
+class _GlobalsIO:
+    """What the engine spends on embedding/head/norm and their gradients (engine.py), on the compute
+    thread, outside the copy streams."""
+
+    add_s: float  # per micro-batch: adding the head/norm and embedding-row gradients into the host slabs
+    down_s: float  # per micro-batch: bringing those gradients to the host
+    up_s: float  # per step: refreshing the device copies after the optimizer
+    down_bytes: int  # link bytes per micro-batch
+    up_bytes: int  # link bytes per step
+
+
+def _globals_io(p: Point, hw: Hardware) -> _GlobalsIO:
+    """Per device type, as engine.py does it:
+      - a CPU device in FP32 aliases them to the host masters (Engine._alias_globals): nothing moves;
+      - a CPU device in bf16 casts them (host memory traffic, no link);
+      - CUDA uploads them (pinned masters) after each optimizer step and brings the head/norm gradient
+        and the embedding lookup's T x h gradient down per micro-batch (pageable host copies)."""
+    m, c, T, h = p.model, p.c, p.tokens, p.model.hidden
+    resident, grads = m.embed_params() + h, m.vocab * h + h + T * h
+    Bh = hw.host_bw_bps
+    add = grads * 3 * 4 / Bh  # read the gradient, read + write the FP32 slab
+    if _aliases_globals(p, hw):
+        return _GlobalsIO(add, 0.0, 0.0, 0, 0)
+    if hw.unified_memory:
+        return _GlobalsIO(add, grads * (c + 4) / Bh, resident * (4 + c) / Bh, 0, 0)
+    return _GlobalsIO(add, grads * c / (hw.link_bps * PAGEABLE_LINK_FRACTION), resident * c / hw.link_bps,
+                      grads * c, resident * c)
+
+
+def _layer_costs(p: Point, hw: Hardware, offload: bool) -> _LayerCosts:
+    m, c = p.model, p.c
     fwd_c, rec_c, bwd_only = _layer_compute(p, hw)
-    bwd_c = rec_c + bwd_only
-    w = PL * c / Bl
-    act = T * h * c / Bl if offload else 0.0
-    accum = PL * _host_accum_bytes(p) / Bh
-    f_h2d, f_d2h = w, act
-    b_h2d, b_d2h = w + act, PL * c / Bl + accum
-    if k >= 2:
-        f = max(fwd_c, f_h2d, f_d2h)
-        b_stream = max(bwd_c, b_h2d, b_d2h)
-        b_res = max(bwd_c, act, b_d2h)
-    else:
-        f = fwd_c + f_h2d + f_d2h
-        b_stream = bwd_c + b_h2d + b_d2h
-        b_res = bwd_c + act + b_d2h
-    n_res = min(k, L)  # layers still on the device at the forward/backward turn
-    forward = L * f
-    backward = (L - n_res) * b_stream + n_res * b_res
-    head = _head_compute(p, hw, recompute_logits=True)
-    fill_drain = w + b_d2h
-    g = p.grad_accum
-    resident = m.embed_params() + h
-    embed_io = 2 * resident * c / Bl  # upload after the optimizer, gradients down at the end
+    Bl = hw.link_bps
+    return _LayerCosts(fwd=fwd_c, bwd=rec_c + bwd_only, load=m.layer_params() * c / Bl,
+                       act=p.tokens * m.hidden * c / Bl if offload else 0.0, grad=m.layer_params() * c / Bl,
+                       reduce=m.layer_params() * _engine_accum_bytes(p) / hw.host_bw_bps,
+                       cuda=not hw.unified_memory)
+
+
+def _simulate_step(p: Point, costs: _LayerCosts, head: float) -> tuple[_PipelineSim, float, float, float]:
+    """One step's micro-batches through the pipeline, up to the optimizer; returns the simulation and
+    the forward, backward (summed over micro-batches) and final-drain seconds."""
+    sim = _PipelineSim(p.model.num_layers, p.num_buffers, costs)
+    fwd_s = bwd_s = 0.0
+    for _ in range(p.grad_accum):
+        t0 = sim.t
+        sim.forward()
+        t1 = sim.t
+        sim._compute(head, "head", -1)  # head + loss forward/backward, global gradients to their slabs
+        t2 = sim.t
+        sim.backward()
+        fwd_s += t1 - t0
+        bwd_s += sim.t - t2
+    t3 = sim.t
+    sim.drain()  # clipping and the optimizer wait for every gradient
+    return sim, fwd_s, bwd_s, sim.t - t3
+
+
+def predicted_timeline(p: Point, hw: Hardware) -> list[dict[str, Any]]:
+    """The planner's per-layer timeline of one step up to the optimizer, in the engine's trace format
+    (stream, kind, layer, start_s, end_s), to set against a measured trace (EngineConfig.trace)."""
+    lc = long_context_plan(p, hw)
+    io = _globals_io(p, hw)
+    sim = _simulate_step(p, _layer_costs(p, hw, lc.offload), _head_compute(p, hw, True) + io.add_s + io.down_s)[0]
+    return [{"stream": lane, "kind": kind, "layer": layer, "start_s": a, "end_s": b}
+            for lane, kind, layer, a, b in sim.spans]
+
+
+def megatrain_time(p: Point, hw: Hardware, offload: bool) -> Time:
+    m, c, T, L, g = p.model, p.c, p.tokens, p.model.num_layers, p.grad_accum
+    PL, h = m.layer_params(), m.hidden
+    costs = _layer_costs(p, hw, offload)
+    io = _globals_io(p, hw)
+    head = _head_compute(p, hw, recompute_logits=True) + io.add_s  # the head, its loss, gradient adds
+    sim, fwd_s, bwd_s, drain = _simulate_step(p, costs, head + io.down_s)
     mb, shadow = _master_bytes(p)
     gb = 2 if _is_bf16(p.host_grad_dtype) else 4
     per_param = _optimizer_bytes_per_param(mb, gb, shadow, p.grad_clip)
     opt_busy = m.param_count() * per_param / hw.optimizer_bps
-    micro = fill_drain + forward + head + backward
     if p.optimizer_overlap:
-        # layer groups update as their last gradient lands; the embedding/head group and the final
-        # layer's update remain after backward
+        # what-if (the engine steps after backward): layer groups update as their gradients land,
+        # the embedding/head group and the last layer's update remain
         opt_layers = L * PL * per_param / hw.optimizer_bps
-        last_bwd = max(backward, opt_layers)
         opt_tail = (m.param_count() - L * PL + PL) * per_param / hw.optimizer_bps
-        step = (g - 1) * micro + (fill_drain + forward + head + last_bwd) + embed_io + opt_tail
-        opt_added = step - g * micro - embed_io
+        opt_added = max(0.0, opt_layers - bwd_s / g) + opt_tail
     else:
-        step = g * micro + embed_io + opt_busy
         opt_added = opt_busy
-    h2d_bytes = g * ((2 * L - n_res) * PL * c + (L * T * h * c if offload else 0)) + resident * c
-    d2h_bytes = g * (L * PL * c + (L * T * h * c if offload else 0)) + resident * c
+    step = sim.t + opt_added + io.up_s
+    jobs = sim.bytes_jobs
+    act = T * h * c
+    h2d_bytes = jobs["load"] * PL * c + jobs["act_in"] * act + io.up_bytes
+    d2h_bytes = jobs["grad"] * PL * c + jobs["act_out"] * act + g * io.down_bytes
+    Bl = hw.link_bps
     busy = {
-        "compute": g * (L * (fwd_c + bwd_c) + head),
+        "compute": g * (L * (costs.fwd + costs.bwd) + head),
         "link h2d": h2d_bytes / Bl,
-        "link d2h": d2h_bytes / Bl + g * L * accum,
+        "link d2h": d2h_bytes / Bl if costs.cuda else max(d2h_bytes / Bl, g * L * costs.reduce),
         "host optimizer": opt_busy,
     }
-    wait = g * (L * (f - fwd_c) + (L - n_res) * (b_stream - bwd_c) + n_res * (b_res - bwd_c) + fill_drain)
-    layer = LayerTime(fwd_c, f_h2d, f_d2h, f, bwd_c, b_h2d, b_d2h, b_stream)
-    return Time(layer, forward, backward, head, fill_drain, embed_io, opt_added, opt_busy, step, wait, busy,
-                int(h2d_bytes), int(d2h_bytes), _bottleneck(busy, p.optimizer_overlap))
+    k = p.num_buffers
+    over = max if k >= 2 else (lambda *xs: sum(xs))
+    grad_lane = costs.grad if costs.cuda else max(costs.grad, costs.reduce)
+    layer = LayerTime(costs.fwd, costs.load, costs.act, over(costs.fwd, costs.load, costs.act), costs.bwd,
+                      costs.load + costs.act, grad_lane, over(costs.bwd, costs.load + costs.act, grad_lane))
+    return Time(layer, fwd_s / g, bwd_s / g, head, drain, g * io.down_s + io.up_s, opt_added, opt_busy, step,
+                sim.wait, busy, int(h2d_bytes), int(d2h_bytes), _bottleneck(busy, p.optimizer_overlap))
 
 
 def zero3_time(p: Point, hw: Hardware) -> Time:
@@ -681,22 +953,14 @@ def crossover_closed_form(hw: Hardware, dtype: str) -> float:
 # ------------------------------------------------------------------------------------ plan
 
 
-def _tile_candidates(tokens: int) -> list[int]:
-    tiles, t = [], 1 << 16
-    while t >= 1024:
-        if t < tokens:
-            tiles.append(t)
-        t //= 2
-    return tiles
-
-
 def plan(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dtype: str = "bfloat16",
          hardware: str | Hardware | dict = "h200-pcie", backend: str = "megatrain", *,
          engine_config: Any = None, link_gbs: float | None = None, host_memory_gib: float | None = None,
          device_memory_gib: float | None = None, **knobs: Any) -> Plan:
     """Predict memory per component, step time, throughput and fit for one training point.
 
-    knobs: num_buffers, offload_activations (True/False/'auto'), tile_tokens (None/'auto'/int),
+    knobs: num_buffers, offload_activations (True/False/'auto'), mlp_tile_tokens (None/'auto'/int;
+    tile_tokens is its deprecated alias), device_budget_bytes,
     loss_chunk_tokens, master ('fp32'/'hilo'/'bf16'), host_grad_dtype, optimizer_overlap,
     grad_clip, gradient_checkpointing (zero3/torch), zero3_pin_memory.
     link_gbs / host_memory_gib / device_memory_gib override the profile (e.g. an emulated link).
@@ -713,56 +977,31 @@ def plan(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dtype: s
 
 
 def plan_point(p: Point, hw: Hardware, host_avail: int | None = None, device_avail: int | None = None) -> Plan:
-    warnings = []
+    notes = []
     if p.context > p.model.max_positions:
-        warnings.append(f"context {p.context} exceeds the model's max_position_embeddings "
-                        f"{p.model.max_positions}: the engine refuses it unless RoPE is extended")
+        notes.append(f"context {p.context} exceeds the model's max_position_embeddings "
+                     f"{p.model.max_positions}: the engine refuses it unless RoPE is extended")
     if p.backend == "megatrain" and p.optimizer_overlap and hw.unified_memory:
-        warnings.append("on a CPU 'device' the overlapped optimizer competes with compute for the same cores")
-    decisions: dict[str, Any] = {}
+        notes.append("on a CPU 'device' the overlapped optimizer competes with compute for the same cores")
+    lc = None
     if p.backend == "megatrain":
-        offs = [False, True] if p.offload_activations == "auto" else [bool(p.offload_activations)]
-        if p.tile_tokens == "auto":
-            tiles: list[int | None] = [None, *_tile_candidates(p.tokens)]
-        else:
-            tiles = [p.tile_tokens]  # type: ignore[list-item]
-        # Preference order: resident activations before offloaded (offload costs link time), untiled
-        # before tiled, larger tiles before smaller. Take the first that fits everywhere; failing that,
-        # the first whose device side fits (the host is then what does not fit, whatever the choice);
-        # failing that, the most frugal.
-        cands = [(off, tile) for off in offs for tile in tiles]
-        dev_cap = hw.device_bytes if device_avail is None else device_avail
-        chosen = None
-        device_ok = None
-        for off, tile in cands:
-            mem = megatrain_memory(p, hw, off, tile)
-            ok, reasons = check_fit(mem, hw, host_avail, device_avail)
-            if ok:
-                chosen = (off, tile, mem, ok, reasons)
-                break
-            if device_ok is None and not hw.unified_memory and mem.device_total <= dev_cap:
-                device_ok = (off, tile, mem, ok, reasons)
-        if chosen is None:
-            if device_ok is not None:
-                chosen = device_ok
-            else:
-                off, tile = cands[-1]
-                mem = megatrain_memory(p, hw, off, tile)
-                chosen = (off, tile, mem, *check_fit(mem, hw, host_avail, device_avail))
-        off, tile, mem, ok, reasons = chosen
-        decisions = {"offload_activations": off, "tile_tokens": tile}
-        t = megatrain_time(p, hw, off)
+        # the offload/tile choice is the engine's own (tiling.LongContextPolicy), so the plan is what runs
+        lc = long_context_plan(p, hw)
+        if lc.budget is not None and lc.peak_bytes > lc.headroom * lc.budget:
+            notes.append(f"the engine's predicted device peak {fmt_bytes(lc.peak_bytes)} exceeds "
+                         f"{lc.headroom:.0%} of its budget {fmt_bytes(lc.budget)}; it will warn and may run out")
+        mem = megatrain_memory(p, hw, lc)
+        t = megatrain_time(p, hw, lc.offload)
+        decisions: dict[str, Any] = {"offload_activations": lc.offload, "mlp_tile_tokens": lc.tile,
+                                     "loss_chunk_tokens": lc.loss_chunk}
     elif p.backend == "zero3":
-        mem = zero3_memory(p, hw)
-        ok, reasons = check_fit(mem, hw, host_avail, device_avail)
-        t = zero3_time(p, hw)
+        mem, t = zero3_memory(p, hw), zero3_time(p, hw)
         decisions = {"gradient_checkpointing": p.gradient_checkpointing}
     else:
-        mem = torch_memory(p, hw)
-        ok, reasons = check_fit(mem, hw, host_avail, device_avail)
-        t = torch_time(p, hw)
+        mem, t = torch_memory(p, hw), torch_time(p, hw)
         decisions = {"gradient_checkpointing": p.gradient_checkpointing}
-    return Plan(p, hw, mem, t, ok, reasons, decisions, warnings)
+    ok, reasons = check_fit(mem, hw, host_avail, device_avail)
+    return Plan(p, hw, mem, t, ok, reasons, decisions, notes, lc)
 
 
 def with_point(p: Point, **changes: Any) -> Point:

@@ -103,6 +103,18 @@ def _optimizer_bw(torch, n_params: int, min_time: float) -> float:
     return n_params * 32 / min(ts)
 
 
+def _runtime_rss() -> tuple[float, str]:
+    """The host runtime's share of a training process: this process's RSS with python and torch (and
+    whatever else it has imported) loaded, before any model; measured, since it varies with versions."""
+    import sys
+
+    import psutil
+
+    mods = ", ".join(m for m in ("torch", "transformers", "deepspeed") if m in sys.modules)
+    rss = psutil.Process().memory_info().rss
+    return float(rss), f"measured: RSS of the bench process (python + {mods} imported, no model)"
+
+
 def _entry(value: float, source: str, digits: int = 3) -> dict[str, Any]:
     return {"value": float(f"{value:.{digits}g}"), "source": source}
 
@@ -149,7 +161,7 @@ def _bench_cpu(torch, quick: bool, min_time: float | None) -> dict[str, Any]:
     busy = load > 0.5 * (os.cpu_count() or 1)
     p32, s32 = peak_and_sustained(fp32)
     p16, s16 = peak_and_sustained(bf16)
-    reserved = 0.6  # python + torch + transformers imported, before any model
+    reserved, reserved_src = _runtime_rss()
     return {
         "name": "cpu",
         "description": f"this machine as the device: {_cpu_name()}, {nthreads} threads (CPU-only runs; "
@@ -168,7 +180,7 @@ def _bench_cpu(torch, quick: bool, min_time: float | None) -> dict[str, Any]:
         "host_memory_gib": _entry(mem_total, src),
         "host_memory_bw_gbs_theoretical": _entry(host_bw / 1e9, src),
         "host_memory_bw_gbs_achieved": _entry(host_bw / 1e9, src),
-        "host_reserved_gib": _entry(reserved, "assumption: RSS of python + torch + transformers after import"),
+        "host_reserved_gib": _entry(reserved / GIB, reserved_src),
         "host_optimizer_gbs": _entry(opt_bw / 1e9, src),
         "raw": {
             "threads": nthreads,
@@ -183,6 +195,37 @@ def _bench_cpu(torch, quick: bool, min_time: float | None) -> dict[str, Any]:
                         "these rates are low; re-run on an idle machine") if busy else "",
         },
     }
+
+
+def layer_seconds(preset: Any, tokens: int, dtype: str = "float32", min_time: float = 0.5,
+                  device: str = "cpu") -> float:
+    """Median seconds of one decoder layer of `preset` as the engine runs it in a step: a forward
+    without autograd, then a recomputing forward and its backward (input and weight gradients), on
+    `tokens` tokens. The compute rate a device sustains end to end on a layer (GEMMs, attention,
+    norms, elementwise, framework overhead) is what the profile's `sustained_*` fraction stands for;
+    isolated GEMMs overstate it on a CPU, where the non-GEMM ops of a small layer weigh."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    dt = torch.bfloat16 if str(dtype) in ("bfloat16", "bf16") else torch.float32
+    model = transformers.AutoModelForCausalLM.from_config(preset.with_(num_layers=1).hf_config())
+    model = model.to(device=device, dtype=dt)
+    layer = model.model.layers[0]
+    x = torch.randn(1, tokens, preset.hidden, device=device, dtype=dt)
+    pe = model.model.rotary_emb(x, torch.arange(tokens, device=device)[None])
+    params = list(layer.parameters())
+    sync = torch.cuda.synchronize if device != "cpu" else None
+
+    def step() -> None:
+        with torch.no_grad():
+            layer(x, position_embeddings=pe)
+        xx = x.detach().requires_grad_(True)
+        y = layer(xx, position_embeddings=pe)
+        y = y[0] if isinstance(y, tuple) else y
+        torch.autograd.grad(y, (xx, *params), torch.ones_like(y))
+
+    return statistics.median(_timeit(step, min_time, sync=sync, min_reps=5))
 
 
 def bench_cuda(quick: bool = False, min_time: float | None = None, threads: int | None = None) -> dict[str, Any]:
