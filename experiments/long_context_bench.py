@@ -15,7 +15,7 @@ out-of-memory error would on a GPU. megatrain's engine is given the same budget 
 from which it plans its MLP tile and activation offload. Peak host RSS is recorded as well.
 
 Lengths are tried in increasing order and a backend stops at its first point over budget. Writes
-results/long_context/results.csv and README.md (machine, versions, commit, summary).
+results/long_context/<model>/results.csv and README.md (machine, versions, commit, summary).
 """
 
 from __future__ import annotations
@@ -213,24 +213,47 @@ def write_readme(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace
             lines.append(f"megatrain / {other}: " + (f"{longest['megatrain'] / n:.1f}x" if n else
                                                        f"{other} fits no length tried"))
     lines += ["", "## All points", "",
-              "| backend | seq_len | status | device GiB | of which static | tokens/s | step s | MLP tile | "
-              "offloaded | peak RSS GiB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| backend | seq_len | status | device GiB | predicted GiB (planner) | error | of which static | "
+              "tokens/s | step s | tile | loss chunk | offloaded | peak RSS GiB |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
     def fmt(v: Any, spec: str, scale: float = 1.0) -> str:
         return "" if v is None else format(v / scale, spec)
 
+    errors = []
     for r in rows:
+        pred = predicted_peak(args.model, r["seq_len"], budget) if r["backend"] == "megatrain" else None
+        err = None
+        if pred is not None and r["fits"] and r.get("peak_device_bytes"):
+            err = 100 * (pred / r["peak_device_bytes"] - 1)
+            errors.append(err)
         lines.append(" | ".join([
             f"| {r['backend']}", str(r["seq_len"]), r["status"], fmt(r.get("peak_device_bytes"), ".3f", 2**30),
+            fmt(pred, ".3f", 2**30), fmt(err, "+.1f") + ("%" if err is not None else ""),
             fmt(r.get("static_device_bytes"), ".3f", 2**30), fmt(r.get("tokens_per_s"), ".1f"),
-            fmt(r.get("step_time_s"), ".1f"), fmt(r.get("mlp_tile_tokens"), ".0f"),
+            fmt(r.get("step_time_s"), ".1f"), fmt(r.get("mlp_tile_tokens"), ".0f"), fmt(r.get("loss_chunk_tokens"), ".0f"),
             fmt(r.get("activations_offloaded"), ".0f"), fmt(r.get("peak_rss_bytes"), ".2f", 2**30)]) + " |")
+    if errors:
+        lines += ["", f"Memory model (`megatrain plan`, the engine's own policy) vs measured peak device bytes over the "
+                      f"megatrain points that ran: worst error {max(errors, key=abs):+.1f}%, mean |error| "
+                      f"{sum(map(abs, errors)) / len(errors):.1f}%."]
     lines += ["", "## Provenance", ""] + [f"- {k}: {v}" for k, v in prov.items()]
     lines += ["", f"Reproduce: `python -m experiments.long_context_bench --model {args.model} --budget-gib "
               f"{args.budget_gib} --lengths {','.join(map(str, args.lengths))} --backends {','.join(args.backends)}`",
               ""]
     (out / "README.md").write_text("\n".join(lines))
     return longest
+
+
+def predicted_peak(model: str, seq: int, budget: int) -> int:
+    """The planner's device peak for megatrain at this point: micro-batch 1, FP32, the bench's budget, on the
+    CPU (where the engine aliases the host's embedding and head)."""
+    from megatrain.config import EngineConfig
+    from megatrain.planner import plan
+
+    pl = plan(model, seq, batch=1, dtype="float32", backend="megatrain",
+              engine_config=EngineConfig(device_budget_bytes=budget), hardware="cpu")
+    return int(pl.long_context.peak_bytes)
 
 
 def _backends(text: str) -> list[str]:
@@ -271,12 +294,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", type=_backends, default=["megatrain", "torch", "zero3", "zero3-lean"],
                     help=f"comma-separated, of: {', '.join(BACKENDS)}")
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="per point")
-    ap.add_argument("--out", type=Path, default=REPO / "results" / "long_context")
+    ap.add_argument("--out", type=Path, help="default: results/long_context/<model>")
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows already in OUT/results.csv for the backends not run now (same model and "
                          "budget), so backends can be run at different times")
+    ap.add_argument("--report-only", action="store_true",
+                    help="rewrite OUT/README.md from OUT/results.csv and OUT/provenance.json; run nothing")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.out = args.out or REPO / "results" / "long_context" / args.model
     if args.worker:
         w = json.loads(args.worker)
         row = worker(w["model"], w["backend"], w["seq"], w["max_pos"], w["budget"])
@@ -289,6 +315,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="lcbench-logs-"))
     print(f"point logs: {log_dir}", flush=True)
+    if args.report_only:
+        rows = _kept_rows(args.out / "results.csv", args.model, budget, [])
+        saved = json.loads((args.out / "provenance.json").read_text())
+        args.lengths = sorted({r["seq_len"] for r in rows})
+        args.backends = sorted({r["backend"] for r in rows})
+        print(json.dumps(write_readme(args.out, rows, args, budget, saved["provenance"], saved.get("wall_s", 0.0))))
+        return 0
     prov = provenance()
     t0 = time.perf_counter()
     rows = _kept_rows(args.out / "results.csv", args.model, budget, args.backends) if args.merge else []
@@ -304,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                 w.writerows(sorted(rows, key=lambda r: (r["backend"], int(r["seq_len"]))))
             if not r["fits"]:
                 break  # memory grows with length: longer ones cannot fit either
+    (args.out / "provenance.json").write_text(json.dumps(
+        {"provenance": prov, "wall_s": time.perf_counter() - t0}, indent=1))
     rows.sort(key=lambda r: (r["backend"], int(r["seq_len"])))
     args.backends = sorted({r["backend"] for r in rows})
     longest = write_readme(args.out, rows, args, budget, prov, time.perf_counter() - t0)

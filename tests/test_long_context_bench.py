@@ -1,0 +1,41 @@
+"""The long-context bench end to end on a tiny model: rows, budget enforcement, merge, the planner column,
+the report rebuilt from the CSV."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments import long_context_bench as bench
+
+
+def _rows(out: Path) -> list[dict]:
+    with (out / "results.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_bench_runs_merges_and_reports(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["bench"])
+    common = ["--model", "tiny", "--budget-gib", "0.004", "--lengths", "128,2048", "--out", str(tmp_path)]
+    assert bench.main([*common, "--backends", "megatrain"]) == 0
+    rows = _rows(tmp_path)
+    assert [r["seq_len"] for r in rows] == ["128", "2048"]
+    ok = [r for r in rows if r["fits"] == "True"]
+    assert ok and all(float(r["peak_device_bytes"]) <= float(r["budget_bytes"]) for r in ok)
+    over = [r for r in rows if r["status"] == "over_budget"]
+    assert over and float(over[0]["peak_device_bytes"]) > float(over[0]["budget_bytes"])  # the budget is enforced
+    # --merge keeps the megatrain rows.
+    assert bench.main([*common, "--backends", "torch", "--merge"]) == 0
+    rows = _rows(tmp_path)
+    assert {r["backend"] for r in rows} == {"megatrain", "torch"}
+    readme = (tmp_path / "README.md").read_text()
+    assert "Memory model (`megatrain plan`" in readme and "| megatrain | 128 | ok |" in readme
+    with pytest.raises(SystemExit, match="--merge"):
+        bench.main([*common[:2], "--budget-gib", "0.008", *common[4:], "--backends", "torch", "--merge"])
+    # The report alone is rebuilt from the CSV and the saved provenance.
+    (tmp_path / "README.md").unlink()
+    assert bench.main([*common, "--report-only"]) == 0
+    assert "| torch | 2048 | over_budget |" in (tmp_path / "README.md").read_text()
