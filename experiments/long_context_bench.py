@@ -180,12 +180,15 @@ def write_readme(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace
         "(`DeviceMemoryTracker`, the same for every backend, since this machine has no GPU): the live bytes of "
         "every tensor the step allocates, plus what the backend keeps on the device all run (torch: the "
         "parameters; megatrain: its layer buffers and embedding/head; ZeRO-3 offload: nothing). An allocation "
-        "past the budget raises, as a GPU's out-of-memory would. DeepSpeed's preallocated reduce buckets are "
-        "not counted (they exist before the step), which flatters ZeRO-3.",
+        "past the budget raises, as a GPU's out-of-memory would. DeepSpeed's buffers made during the step (its "
+        "gradient reduce buckets, gathered parameters) count; those allocated before the first step do not.",
+        "- `zero3` is DeepSpeed ZeRO-3 CPU offload with DeepSpeed's defaults; `zero3-lean` is the same tuned for the "
+        "least device memory (1M-element reduce buckets instead of 500M, nothing kept gathered, no prefetch, no "
+        "persistent parameters): the strongest ZeRO-3 a user chasing context length would configure.",
         "- Each point: its own process, the public `Accelerator(backend=...)`, two training steps (forward, "
         "backward, AdamW), the second timed. torch and zero3 with HF gradient checkpointing and HF's loss; "
         "megatrain with its defaults and `device_budget_bytes` set to the budget, from which it picks its "
-        "MLP tile and whether to offload boundary activations.",
+        "sequence tile, its head/loss chunk and whether to offload boundary activations.",
         "- tokens/s comes from one step on a shared 2-core machine that other jobs were loading: compare "
         "backends at one length, not runs. Peak RSS is the whole process (model build included).",
         "- Lengths tried: " + "; ".join(f"{b} {', '.join(str(r['seq_len']) for r in rows if r['backend'] == b)}"
@@ -237,6 +240,9 @@ def write_readme(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace
         lines += ["", f"Memory model (`megatrain plan`, the engine's own policy) vs measured peak device bytes over the "
                       f"megatrain points that ran: worst error {max(errors, key=abs):+.1f}%, mean |error| "
                       f"{sum(map(abs, errors)) / len(errors):.1f}%."]
+    reading = out / "reading.md"  # the reading of a run, written by hand, kept across report rebuilds
+    if reading.exists():
+        lines += ["", reading.read_text().rstrip()]
     lines += ["", "## Provenance", ""] + [f"- {k}: {v}" for k, v in prov.items()]
     lines += ["", f"Reproduce: `python -m experiments.long_context_bench --model {args.model} --budget-gib "
               f"{args.budget_gib} --lengths {','.join(map(str, args.lengths))} --backends {','.join(args.backends)}`",
@@ -312,9 +318,6 @@ def main(argv: list[str] | None = None) -> int:
     from megatrain.metrics.provenance import provenance
 
     budget = int(args.budget_gib * 2**30)
-    args.out.mkdir(parents=True, exist_ok=True)
-    log_dir = Path(tempfile.mkdtemp(prefix="lcbench-logs-"))
-    print(f"point logs: {log_dir}", flush=True)
     if args.report_only:
         rows = _kept_rows(args.out / "results.csv", args.model, budget, [])
         saved = json.loads((args.out / "provenance.json").read_text())
@@ -322,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         args.backends = sorted({r["backend"] for r in rows})
         print(json.dumps(write_readme(args.out, rows, args, budget, saved["provenance"], saved.get("wall_s", 0.0))))
         return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="lcbench-logs-"))
+    print(f"point logs: {log_dir}", flush=True)
     prov = provenance()
     t0 = time.perf_counter()
     rows = _kept_rows(args.out / "results.csv", args.model, budget, args.backends) if args.merge else []
