@@ -7,10 +7,14 @@ The engine runs on the CPU with its copy engine rate-limited (`EngineConfig(link
 range of emulated links, from link-bound to compute-bound; each point's median step time is set
 against `megatrain.planner.plan` for a "cpu" profile measured just now by the planner's own
 `bench_cpu` (the profile in hardware.yaml was measured under a different load, and a shared box
-drifts), whose sustained compute fraction is then measured end to end on one of the model's layers in
-isolation (`measure.layer_seconds`: forward, recompute and backward; no link, no pipeline), as the
-profile field defines it; the prediction with the isolated-GEMM rate is kept beside it. Another column rescales only the device compute rate so the unthrottled point
-matches; it shows how much of the error is the compute rate and how much is the model's structure.
+drifts), whose fp32 compute rate and fixed costs are then measured through the engine itself
+(`measure.with_engine_overhead`): real unthrottled Engine steps of the same model at half, twice and
+four times the validated context (never the validated point), each layer's forward and backward
+period and the time outside the layers split by least squares into one rate and fixed seconds per
+layer per phase and per micro-batch. Beside it, for comparison: the prediction with the rate of one
+layer timed alone (`measure.layer_seconds`, no fixed costs), with the isolated-GEMM rate, and with the
+device compute rate rescaled so the unthrottled point matches (a diagnostic of how much error is rate
+and how much structure; not the prediction).
 
 Each point runs in a fresh process, so its peak RSS is its own (the kernel's high-water mark counts a
 process's whole life). The baseline is that process's RSS once python, torch, transformers and the
@@ -197,6 +201,28 @@ def layer_profile(preset: Any, context: int, hw: Any, threads: int | None, quick
     return hw.with_(sustained_fp32=frac), seconds
 
 
+def overhead_tokens(context: int) -> tuple[int, ...]:
+    """Token counts the engine fit runs at: half, twice and four times the validated context, never
+    the validated point itself."""
+    return (max(8, context // 2), 2 * context, 4 * context)
+
+
+def engine_profile(prof: dict[str, Any], preset: Any, context: int, threads: int | None) -> dict[str, Any]:
+    """The bench profile with its fp32 rate and fixed costs measured through the engine on this model's
+    layers at other token counts than the validated one (measure.with_engine_overhead)."""
+    import torch
+
+    from megatrain.planner.measure import with_engine_overhead
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return with_engine_overhead(prof, preset=preset, tokens=overhead_tokens(context))
+    finally:
+        torch.set_num_threads(before)
+
+
 def calibrate_compute(preset: Any, context: int, hw: Any, measured_s: float) -> tuple[Any, float]:
     """The profile with its device compute rate (GEMM and elementwise alike) scaled by one factor so
     the unthrottled point's predicted step equals the measured one; bisection in log space since the
@@ -245,12 +271,17 @@ def validate(model: str = "small-7m", context: int = 128, gbps: list[float | Non
     measured = [(g, pool_runs(runs[i])) for i, g in enumerate(gbps)]
     # After the runs: the bench's large copy buffers would otherwise set the process's RSS high-water
     # mark (ru_maxrss, which RssSampler reads) and hide the engine's own peak.
-    prof = bench_cpu(quick=quick_bench, threads=threads)
+    prof = bench_cpu(quick=quick_bench, threads=threads, engine_fit=False)
     hw_gemm = get_hardware(prof)
-    hw, layer_s = layer_profile(preset, context, hw_gemm, threads, quick_bench)
+    hw_layer, layer_s = layer_profile(preset, context, hw_gemm, threads, quick_bench)
+    fit_prof = engine_profile(prof, preset, context, threads)
+    hw = get_hardware(fit_prof)
+    fit = fit_prof["raw"].get("engine_fit", {})
     log(f"bench_cpu: fp32 peak {hw.peak_fp32_tflops * 1e3:.1f} GFLOPS x sustained {hw_gemm.sustained_fp32:.2f} "
-        f"(GEMMs) / {hw.sustained_fp32:.2f} (a {preset.name} layer, {layer_s * 1e3:.1f} ms), "
-        f"link {hw.link_gbs_achieved:.2f} GB/s, optimizer {hw.optimizer_bps / 1e9:.2f} GB/s")
+        f"(GEMMs) / {hw_layer.sustained_fp32:.2f} (a {preset.name} layer alone, {layer_s * 1e3:.1f} ms) / "
+        f"{hw.sustained_fp32:.2f} (engine fit at {fit.get('tokens')} tokens: fixed {hw.layer_overhead_fwd_s * 1e3:.2f} "
+        f"ms fwd + {hw.layer_overhead_bwd_s * 1e3:.2f} ms bwd per layer, {hw.microbatch_overhead_s * 1e3:.2f} ms "
+        f"per micro-batch), link {hw.link_gbs_achieved:.2f} GB/s, optimizer {hw.optimizer_bps / 1e9:.2f} GB/s")
     # Calibrate on the fastest-link point, the one nearest compute-bound.
     ref = next((m for g, m in measured if g is None), max(measured, key=lambda gm: gm[0] or 0)[1])
     hw_cal, factor = calibrate_compute(preset, context, hw, ref["measured_step_s"])
@@ -267,6 +298,7 @@ def validate(model: str = "small-7m", context: int = 128, gbps: list[float | Non
         pl = plans[g]
         pl_cal = predict(preset, context, g, hw_cal)
         pl_gemm = predict(preset, context, g, hw_gemm)
+        pl_layer = predict(preset, context, g, hw_layer)
         pred_host = pl.memory.host_total_incl_device
         runtime = pl.memory.host["runtime"]
         growth = m["peak_rss_bytes"] - m["base_rss_bytes"]
@@ -283,10 +315,19 @@ def validate(model: str = "small-7m", context: int = 128, gbps: list[float | Non
             "predicted_cal_step_s": pl_cal.time.step_s,
             "error_cal_pct": err_pct(pl_cal.time.step_s, m["measured_step_s"]),
             "compute_scale": factor,
+            # the same prediction with the sustained rate of one layer timed alone, no fixed costs
+            "predicted_layer_rate_step_s": pl_layer.time.step_s,
+            "error_layer_rate_pct": err_pct(pl_layer.time.step_s, m["measured_step_s"]),
             # the same prediction with the sustained rate of isolated GEMMs (bench_cpu alone)
             "predicted_gemm_rate_step_s": pl_gemm.time.step_s,
             "error_gemm_rate_pct": err_pct(pl_gemm.time.step_s, m["measured_step_s"]),
-            "measured_layer_s": layer_s, "sustained_fp32_layer": hw.sustained_fp32,
+            "measured_layer_s": layer_s, "sustained_fp32_layer": hw_layer.sustained_fp32,
+            "sustained_fp32_engine_fit": hw.sustained_fp32,
+            "layer_overhead_fwd_s": hw.layer_overhead_fwd_s, "layer_overhead_bwd_s": hw.layer_overhead_bwd_s,
+            "microbatch_overhead_s": hw.microbatch_overhead_s,
+            "engine_fit_tokens": json.dumps(fit.get("tokens")),
+            "engine_fit_fwd_bwd_outside_ms": json.dumps(fit.get("fwd_bwd_outside_ms")),
+            "engine_fit_max_rel_residual": fit.get("max_rel_residual", float("nan")),
             "sustained_fp32_gemm": hw_gemm.sustained_fp32,
             # the parts of the prediction, so an error can be traced to a term
             "measured_forward_s": m["measured_forward_s"], "predicted_forward_s": pl.time.forward_s,

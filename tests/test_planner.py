@@ -28,7 +28,7 @@ from megatrain.planner import (
     resolve_model,
 )
 from megatrain.planner.cli import add_bench_parser, add_plan_parser, main
-from megatrain.planner.hardware import NUMERIC_FIELDS, load_raw
+from megatrain.planner.hardware import NUMERIC_FIELDS, OVERHEAD_FIELDS, load_raw
 
 GIB = 1024**3
 H200 = "h200-pcie"
@@ -171,8 +171,11 @@ def test_forward_is_link_bound_below_the_crossover_and_compute_bound_above():
     exact = make_point(m, ctx, 1)
     from megatrain.planner.estimate import _layer_compute
 
-    per_token = _layer_compute(exact, hw)[0] / ctx
-    assert per_token * n == pytest.approx(m.layer_params() * 2 / hw.link_bps)
+    # a layer's forward = its fixed cost + a part linear in tokens; at n tokens it equals the load
+    per_token = (_layer_compute(exact, hw)[0] - hw.layer_overhead_fwd_s) / ctx
+    assert hw.layer_overhead_fwd_s + per_token * n == pytest.approx(m.layer_params() * 2 / hw.link_bps)
+    # the fixed per-layer cost hides part of every load, so it lowers the crossover
+    assert n < link_crossover_tokens(exact, hw.with_(layer_overhead_fwd_s=0.0))
 
 
 def test_slow_link_makes_the_link_the_bottleneck():
@@ -385,6 +388,83 @@ def test_every_profile_number_has_a_source():
     assert "measured by megatrain bench" in load_profiles()["cpu"].sources["peak_fp32_tflops"]
 
 
+def test_every_profile_charges_a_fixed_cost_per_layer():
+    raw = load_raw()
+    for name, entry in raw["profiles"].items():
+        for key in OVERHEAD_FIELDS[:2]:
+            assert key in entry, f"{name} lacks {key}"
+        hw = load_profiles()[name]
+        assert hw.layer_overhead_fwd_s > 0 and hw.layer_overhead_bwd_s > 0
+        if name == "cpu":  # measured through the engine, with the rate from the same fit
+            for key in ("layer_overhead_fwd_s", "layer_overhead_bwd_s", "microbatch_overhead_s", "sustained_fp32"):
+                assert "measure.layer_overhead" in hw.sources[key], (key, hw.sources[key])
+        else:  # GPUs: labelled as an estimate, not dressed as a measurement
+            assert raw["sources"][entry["layer_overhead_fwd_s"]["source"]].startswith("estimate")
+
+
+def test_overhead_fields_default_to_zero_and_refuse_negatives():
+    raw = load_raw()["profiles"]["cpu"]
+    for key in OVERHEAD_FIELDS:
+        raw.pop(key, None)
+    hw = get_hardware({**raw, "name": "old-bench-file"})
+    assert (hw.layer_overhead_fwd_s, hw.layer_overhead_bwd_s, hw.microbatch_overhead_s) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        get_hardware({**raw, "layer_overhead_bwd_s": {"value": -1e-3, "source": "estimate"}})
+
+
+def test_fixed_costs_add_per_layer_per_phase_and_per_micro_batch():
+    # a compute-bound CPU point (unthrottled emulated link): every layer's forward and backward and each
+    # micro-batch's head run back to back on the compute timeline, so the step grows by exactly
+    # grad_accum x (L x (o_fwd + o_bwd) + o_mb)
+    m = get_preset("small-7m")
+    hw0 = get_hardware("cpu").with_(layer_overhead_fwd_s=0.0, layer_overhead_bwd_s=0.0, microbatch_overhead_s=0.0)
+    o_f, o_b, o_mb = 2e-3, 5e-3, 9e-3
+    hw1 = hw0.with_(layer_overhead_fwd_s=o_f, layer_overhead_bwd_s=o_b, microbatch_overhead_s=o_mb)
+    for g in (1, 3):
+        p0 = plan(m, 128, 1, g, dtype="float32", hardware=hw0)
+        p1 = plan(m, 128, 1, g, dtype="float32", hardware=hw1)
+        assert p0.time.bottleneck == p1.time.bottleneck == "compute"
+        L = m.num_layers
+        assert p1.time.step_s - p0.time.step_s == pytest.approx(g * (L * (o_f + o_b) + o_mb), rel=1e-6)
+        assert p1.time.layer.fwd_compute - p0.time.layer.fwd_compute == pytest.approx(o_f)
+        assert p1.time.layer.bwd_compute - p0.time.layer.bwd_compute == pytest.approx(o_b)  # once, not per recompute
+        assert p1.time.forward_s - p0.time.forward_s == pytest.approx(L * o_f)
+        # the same terms in the timeline the planner sets against the engine's trace
+        from megatrain.planner.estimate import predicted_timeline
+
+        def busy(hw, kind, point):
+            return sum(s["end_s"] - s["start_s"] for s in predicted_timeline(point, hw)
+                       if s["stream"] == "compute" and s["kind"] == kind)
+
+        pt = make_point(m, 128, 1, g, "float32")
+        assert busy(hw1, "bwd", pt) - busy(hw0, "bwd", pt) == pytest.approx(g * L * o_b)
+        assert busy(hw1, "head", pt) - busy(hw0, "head", pt) == pytest.approx(g * o_mb)
+
+
+def test_fit_layer_overhead_recovers_the_rate_and_fixed_costs_it_was_given():
+    # periods made by the planner's own model from a known rate and known fixed costs: the engine fit
+    # must return them (fixed costs to the microsecond, the rate to 0.1%)
+    from megatrain.planner.estimate import _globals_io, _head_compute, _layer_compute
+    from megatrain.planner.measure import fit_layer_overhead
+
+    m = get_preset("small-7m")
+    true = get_hardware("cpu").with_(sustained_fp32=0.61, layer_overhead_fwd_s=1.7e-3, layer_overhead_bwd_s=4.2e-3,
+                                     microbatch_overhead_s=11e-3)
+    periods = []
+    for T in (64, 256, 512):
+        p = make_point(m, T, 1, dtype="float32")
+        f, r, b = _layer_compute(p, true)
+        io = _globals_io(p, true)
+        periods.append((f, r + b, _head_compute(p, true, True) + io.add_s + io.down_s + true.microbatch_overhead_s))
+    start = true.with_(sustained_fp32=0.2, layer_overhead_fwd_s=0.0, layer_overhead_bwd_s=0.0)
+    fit = fit_layer_overhead(m, (64, 256, 512), periods, start)
+    assert fit["sustained"] == pytest.approx(0.61, rel=1e-3)
+    assert fit["overhead_fwd_s"] == pytest.approx(1.7e-3, abs=1e-6)
+    assert fit["overhead_bwd_s"] == pytest.approx(4.2e-3, abs=1e-6)
+    assert fit["overhead_microbatch_s"] == pytest.approx(11e-3, abs=1e-6)
+    assert fit["max_rel_residual"] < 1e-6
+
+
 def test_profiles_load_and_a_bad_entry_is_refused(tmp_path):
     profiles = load_profiles()
     assert profiles["gh200"].link_gbs_theoretical == 450
@@ -507,6 +587,10 @@ def test_bench_cpu_quick_returns_a_valid_profile():
     hw = profile_from_dict(prof.pop("name"), prof)
     assert hw.unified_memory and hw.peak_fp32_tflops > 0 and hw.link_gbs_achieved > 0
     assert raw["threads"] == 1
+    # the engine's fixed costs are measured (or, where the quick fit fails, 0 and said so)
+    for key in ("layer_overhead_fwd_s", "layer_overhead_bwd_s", "microbatch_overhead_s"):
+        assert getattr(hw, key) >= 0 and hw.sources[key]
+        assert "engine_fit" in raw or hw.sources[key].startswith("assumption: 0")
     # the measured profile plans
     assert plan("tiny", 128, 1, dtype="float32", hardware=hw).time.step_s > 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.validate_planner import bend_gbps, validate
+from experiments.validate_planner import bend_gbps, overhead_tokens, validate
 from megatrain.models.presets import get_preset
 
 # The target for every point. The link-bound point is checked against it: its step is set by
@@ -58,3 +58,17 @@ def test_crossover_is_where_the_copy_wait_share_falls_through_ten_percent():
     got = bend_gbps(gbps, wait, [1.0] * 5)
     assert got == pytest.approx(0.1 * 2 ** (2 / 3))
     assert bend_gbps(gbps, [0.5] * 5, [1.0] * 5) != bend_gbps(gbps, [0.5] * 5, [1.0] * 5)  # never crosses: nan
+
+
+def test_prediction_carries_the_engine_measured_fixed_costs(rows):
+    # the profile's rate and fixed costs come from engine steps at other token counts than the
+    # validated one (never the point being validated), and the prediction is built on them
+    assert 64 not in overhead_tokens(64) and 128 not in overhead_tokens(128)
+    for r in rows:
+        for key in ("layer_overhead_fwd_s", "layer_overhead_bwd_s", "microbatch_overhead_s"):
+            assert r[key] >= 0
+        assert r["bench_sustained_fp32"] == r["sustained_fp32_engine_fit"]
+    fast = rows[1]
+    if fast["layer_overhead_fwd_s"] + fast["layer_overhead_bwd_s"] > 0:
+        # the same point without the fixed costs (the layer-alone rate column) predicts differently
+        assert fast["predicted_step_s"] != fast["predicted_layer_rate_step_s"]

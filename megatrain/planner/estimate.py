@@ -591,28 +591,38 @@ def fmt_bytes(n: float) -> str:
 # ------------------------------------------------------------------------------------ time
 
 
-def _layer_compute(p: Point, hw: Hardware) -> tuple[float, float, float]:
-    """(forward, recompute, backward-only) seconds of one decoder layer for one micro-batch."""
-    m, T, c = p.model, p.tokens, p.c
-    R = hw.sustained_flops(p.dtype)
-    Bd = hw.device_memory_bw_gbs * GB
+def layer_flops(p: Point) -> tuple[float, float, float]:
+    """(GEMM FLOPs, attention FLOPs, elementwise bytes) of one decoder layer's forward, one micro-batch."""
+    m, T = p.model, p.tokens
     lin = 2.0 * m.layer_params() * T
     attn = 2.0 * m.hidden * p.context * T  # causal QK^T + AV: 4 h s T x 1/2
-    elem = T * (ELEM_H * m.hidden + ELEM_I * m.intermediate) * c / Bd
+    elem = T * (ELEM_H * m.hidden + ELEM_I * m.intermediate) * p.c
+    return lin, attn, elem
+
+
+def _layer_compute(p: Point, hw: Hardware) -> tuple[float, float, float]:
+    """(forward, recompute, backward-only) seconds of one decoder layer for one micro-batch: FLOPs at
+    the sustained rate, elementwise traffic at device memory bandwidth, and the profile's fixed cost
+    per layer per phase (hw.layer_overhead_*_s: binding weights, dispatch, events, the pipeline's own
+    work; measured through the engine on the CPU profile). The backward phase's fixed cost is charged
+    once, on backward-only (the recompute runs in the same phase)."""
+    R = hw.sustained_flops(p.dtype)
+    lin, attn, elem_bytes = layer_flops(p)
+    elem = elem_bytes / (hw.device_memory_bw_gbs * GB)
     fwd = (lin + attn) / R + elem
     bwd_only = (2 * lin + ATTN_BWD_RATIO * attn) / R + elem
-    return fwd, fwd, bwd_only
+    return fwd + hw.layer_overhead_fwd_s, fwd, bwd_only + hw.layer_overhead_bwd_s
 
 
 def sustained_from_layer_time(p: Point, hw: Hardware, seconds: float) -> float:
     """The `sustained` fraction of peak at which this model's layer compute (forward + recompute +
-    backward, as _layer_compute charges it) takes `seconds`: a profile number from a measured layer
-    (measure.layer_seconds), not from a measured step."""
-    m, T = p.model, p.tokens
-    lin, attn = 2.0 * m.layer_params() * T, 2.0 * m.hidden * p.context * T
-    elem = T * (ELEM_H * m.hidden + ELEM_I * m.intermediate) * p.c / (hw.device_memory_bw_gbs * GB)
+    backward, as _layer_compute charges it, the profile's fixed per-layer costs included) takes
+    `seconds`: a profile number from a measured layer (measure.layer_seconds), not from a measured step."""
+    lin, attn, elem_bytes = layer_flops(p)
+    elem = elem_bytes / (hw.device_memory_bw_gbs * GB)
     flops = 4 * lin + (2 + ATTN_BWD_RATIO) * attn
-    return flops / (seconds - 3 * elem) / hw.peak_flops(p.dtype)
+    fixed = 3 * elem + hw.layer_overhead_fwd_s + hw.layer_overhead_bwd_s
+    return flops / (seconds - fixed) / hw.peak_flops(p.dtype)
 
 
 def _head_compute(p: Point, hw: Hardware, recompute_logits: bool) -> float:
@@ -818,7 +828,8 @@ def predicted_timeline(p: Point, hw: Hardware) -> list[dict[str, Any]]:
     (stream, kind, layer, start_s, end_s), to set against a measured trace (EngineConfig.trace)."""
     lc = long_context_plan(p, hw)
     io = _globals_io(p, hw)
-    sim = _simulate_step(p, _layer_costs(p, hw, lc.offload), _head_compute(p, hw, True) + io.add_s + io.down_s)[0]
+    head = _head_compute(p, hw, True) + io.add_s + hw.microbatch_overhead_s
+    sim = _simulate_step(p, _layer_costs(p, hw, lc.offload), head + io.down_s)[0]
     return [{"stream": lane, "kind": kind, "layer": layer, "start_s": a, "end_s": b}
             for lane, kind, layer, a, b in sim.spans]
 
@@ -828,7 +839,8 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool) -> Time:
     PL, h = m.layer_params(), m.hidden
     costs = _layer_costs(p, hw, offload)
     io = _globals_io(p, hw)
-    head = _head_compute(p, hw, recompute_logits=True) + io.add_s  # the head, its loss, gradient adds
+    # the head, its loss, gradient adds, and the engine's fixed work per micro-batch outside the layers
+    head = _head_compute(p, hw, recompute_logits=True) + io.add_s + hw.microbatch_overhead_s
     sim, fwd_s, bwd_s, drain = _simulate_step(p, costs, head + io.down_s)
     mb, shadow = _master_bytes(p)
     gb = 2 if _is_bf16(p.host_grad_dtype) else 4
@@ -937,11 +949,13 @@ def _bottleneck(busy: dict[str, float], opt_overlapped: bool) -> str:
 
 def link_crossover_tokens(p: Point, hw: Hardware) -> float:
     """Tokens per micro-batch at which a layer's forward compute equals its weight transfer
-    (N = Phi / B for bf16 weights, 2 Phi / B for fp32, attention and elementwise included):
-    below it the link is the bottleneck, above it compute is."""
+    (N = Phi / B for bf16 weights, 2 Phi / B for fp32, attention and elementwise included, and the
+    profile's fixed cost per layer, which hides part of the transfer at any size): below it the link
+    is the bottleneck, above it compute is."""
     fwd_c, _, _ = _layer_compute(p, hw)
-    per_token = fwd_c / p.tokens  # linear in T at fixed context
-    return p.model.layer_params() * p.c / hw.link_bps / per_token
+    per_token = (fwd_c - hw.layer_overhead_fwd_s) / p.tokens  # linear in T at fixed context
+    load = p.model.layer_params() * p.c / hw.link_bps
+    return max(0.0, load - hw.layer_overhead_fwd_s) / per_token
 
 
 def crossover_closed_form(hw: Hardware, dtype: str) -> float:

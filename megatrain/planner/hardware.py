@@ -25,6 +25,11 @@ NUMERIC_FIELDS = (
     "host_memory_gib", "host_memory_bw_gbs_theoretical", "host_memory_bw_gbs_achieved", "host_reserved_gib",
 )
 OPTIONAL_NUMERIC_FIELDS = ("host_optimizer_gbs",)
+# Fixed seconds per streamed layer per phase (forward; recompute + backward) on top of its FLOPs and
+# elementwise traffic (weight binding, dispatch, events, the pipeline's work), and per micro-batch
+# outside the layers (embedding, head/loss dispatch, global gradient adds). Every packaged profile
+# carries the layer ones; a profile without a field (an older bench file) gets 0. Negative: refused.
+OVERHEAD_FIELDS = ("layer_overhead_fwd_s", "layer_overhead_bwd_s", "microbatch_overhead_s")
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,9 @@ class Hardware:
     host_memory_bw_gbs_achieved: float
     host_reserved_gib: float
     host_optimizer_gbs: float | None = None
+    layer_overhead_fwd_s: float = 0.0
+    layer_overhead_bwd_s: float = 0.0
+    microbatch_overhead_s: float = 0.0
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def peak_flops(self, dtype: str) -> float:
@@ -134,6 +142,18 @@ def profile_from_dict(name: str, entry: dict[str, Any], shared_sources: dict[str
         value = float(item["value"])
         if not value > 0:
             raise ValueError(f"hardware profile {name!r}: {key}={value} must be > 0")
+        values[key] = value
+        src = str(item["source"])
+        sources[key] = shared_sources.get(src, src)
+    for key in OVERHEAD_FIELDS:
+        if key not in entry:
+            continue
+        item = entry[key]
+        if not isinstance(item, dict) or "value" not in item or not item.get("source"):
+            raise ValueError(f"hardware profile {name!r}: {key} must be {{value: N, source: ...}} (got {item!r})")
+        value = float(item["value"])
+        if not value >= 0:
+            raise ValueError(f"hardware profile {name!r}: {key}={value} must be >= 0")
         values[key] = value
         src = str(item["source"])
         sources[key] = shared_sources.get(src, src)

@@ -119,8 +119,10 @@ def _entry(value: float, source: str, digits: int = 3) -> dict[str, Any]:
     return {"value": float(f"{value:.{digits}g}"), "source": source}
 
 
-def bench_cpu(quick: bool = False, min_time: float | None = None, threads: int | None = None) -> dict[str, Any]:
+def bench_cpu(quick: bool = False, min_time: float | None = None, threads: int | None = None,
+              engine_fit: bool = True) -> dict[str, Any]:
     """Measure this CPU as a planner profile ('cpu': the device is this host, memory unified).
+    engine_fit: also measure the engine's own per-layer rate and fixed costs (with_engine_overhead).
 
     Returns a dict in hardware.yaml's profile schema (plus 'name' and 'raw'), ready for
     `get_hardware(...)` or to paste under `profiles:`.
@@ -131,7 +133,8 @@ def bench_cpu(quick: bool = False, min_time: float | None = None, threads: int |
     if threads:
         torch.set_num_threads(threads)
     try:
-        return _bench_cpu(torch, quick, min_time)
+        prof = _bench_cpu(torch, quick, min_time)
+        return with_engine_overhead(prof, quick=quick) if engine_fit else prof
     finally:
         torch.set_num_threads(before)
 
@@ -162,7 +165,7 @@ def _bench_cpu(torch, quick: bool, min_time: float | None) -> dict[str, Any]:
     p32, s32 = peak_and_sustained(fp32)
     p16, s16 = peak_and_sustained(bf16)
     reserved, reserved_src = _runtime_rss()
-    return {
+    prof = {
         "name": "cpu",
         "description": f"this machine as the device: {_cpu_name()}, {nthreads} threads (CPU-only runs; "
                        "peak = best measured GEMM rate, not a datasheet number)",
@@ -195,6 +198,41 @@ def _bench_cpu(torch, quick: bool, min_time: float | None) -> dict[str, Any]:
                         "these rates are low; re-run on an idle machine") if busy else "",
         },
     }
+    return prof
+
+
+def with_engine_overhead(prof: dict[str, Any], quick: bool = False, preset: Any = None,
+                         tokens: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """`prof` with its fp32 compute rate and fixed costs measured through the engine (layer_overhead):
+    sustained_fp32 becomes the FLOP-proportional rate of the engine's own layers (the GEMM figure stays
+    in raw), and layer_overhead_fwd_s / layer_overhead_bwd_s / microbatch_overhead_s are the fit's
+    intercepts (a negative one, fit noise, is recorded as 0). quick: two small token counts, two steps
+    each; if the times cannot be fitted the fixed costs are 0, marked as not measured."""
+    from .hardware import profile_from_dict
+
+    preset = preset or OVERHEAD_PRESET
+    tokens = tokens or (QUICK_OVERHEAD_TOKENS if quick else OVERHEAD_TOKENS)
+    out = dict(prof)
+    out["raw"] = dict(prof.get("raw", {}))
+    try:
+        fit = layer_overhead(profile_from_dict(str(prof.get("name", "cpu")), prof), preset, tokens,
+                             steps=2 if quick else 3)
+    except (RuntimeError, ValueError) as exc:
+        src = f"assumption: 0, the engine fit failed ({str(exc)[:120]})"
+        for key in ("layer_overhead_fwd_s", "layer_overhead_bwd_s", "microbatch_overhead_s"):
+            out[key] = {"value": 0.0, "source": src}
+        return out
+    base = prof["peak_fp32_tflops"]["source"]
+    how = (f"{base}; fitted over real Engine steps (unthrottled link) of {fit['preset']} at "
+           f"{'/'.join(map(str, fit['tokens']))} tokens: per-layer periods and the time outside the layers, "
+           "least squares, one rate + fixed costs (measure.layer_overhead)")
+    out["sustained_fp32"] = _entry(fit["sustained"], how)
+    out["layer_overhead_fwd_s"] = _entry(max(0.0, fit["overhead_fwd_s"]), how)
+    out["layer_overhead_bwd_s"] = _entry(max(0.0, fit["overhead_bwd_s"]), how)
+    out["microbatch_overhead_s"] = _entry(max(0.0, fit["overhead_microbatch_s"]), how)
+    out["raw"]["sustained_fp32_gemm"] = prof["sustained_fp32"]["value"]
+    out["raw"]["engine_fit"] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in fit.items()}
+    return out
 
 
 def layer_seconds(preset: Any, tokens: int, dtype: str = "float32", min_time: float = 0.5,
@@ -233,7 +271,7 @@ def bench_cuda(quick: bool = False, min_time: float | None = None, threads: int 
     import torch
 
     min_time = min_time if min_time is not None else (0.05 if quick else 0.5)
-    host = bench_cpu(quick=quick, min_time=min_time, threads=threads)
+    host = bench_cpu(quick=quick, min_time=min_time, threads=threads, engine_fit=False)
     dev = torch.device("cuda")
     sync = torch.cuda.synchronize
     big = ((8192, 8192, 8192), (16384, 8192, 8192), (16384, 8192, 28672))
@@ -283,3 +321,117 @@ def bench(quick: bool = False, min_time: float | None = None, threads: int | Non
     except ImportError:
         has_cuda = False
     return bench_cuda(quick, min_time, threads) if has_cuda else bench_cpu(quick, min_time, threads)
+
+
+# ------------------------------------------------------------------ the engine's own per-layer cost
+
+OVERHEAD_PRESET = "small-7m"  # the layer shape `bench` measures the engine's per-layer overhead on
+OVERHEAD_TOKENS = (64, 256, 512)  # token counts: the fixed parts are the fit's intercepts
+QUICK_OVERHEAD_TOKENS = (32, 128)
+
+
+def engine_layer_periods(preset: Any, tokens: int, dtype: str = "float32", warmup: int = 1, steps: int = 3,
+                         seed: int = 0) -> tuple[float, float, float]:
+    """(forward, backward, outside) seconds of real `megatrain.engine.Engine` steps on this CPU
+    (unthrottled emulated link, trace on). forward and backward are per decoder layer: the median
+    interval between the starts of consecutive layers' compute spans, so each layer's whole cost in the
+    engine's code path counts (binding its weights, the pipeline's acquire/release and events, sending
+    its gradient, the copy and add threads running beside it on the shared cores), not only its
+    arithmetic; backward intervals hold the recompute too. outside is the median per micro-batch time
+    of forward() + backward() outside the layer spans: embedding, head and loss forward and backward,
+    global gradient adds."""
+    import torch
+    import transformers
+
+    from megatrain.config import EngineConfig
+    from megatrain.engine import Engine
+
+    if preset.num_layers < 2:
+        raise ValueError("engine_layer_periods needs a model of at least 2 layers (it times layer to layer)")
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(preset.hf_config())
+    model.train()
+    cd = "bfloat16" if str(dtype) in ("bfloat16", "bf16") else "float32"
+    eng = Engine(model, config=EngineConfig(device="cpu", trace=True, compute_dtype=cd))
+    clock = eng.trace_log.now
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randint(0, preset.vocab, (1, tokens), generator=gen)
+    fwd: list[float] = []
+    bwd: list[float] = []
+    outside: list[float] = []
+    for i in range(warmup + steps):
+        eng.reset_stats()
+        t0 = clock()
+        out = eng(input_ids=x, labels=x)
+        eng.backward(out.loss)
+        t1 = clock()
+        eng.clip_grad_norm_(1.0)
+        eng.step()
+        eng.zero_grad()
+        eng.collect_stats()
+        if i < warmup:
+            continue
+        recs = [r for r in eng.trace if r.stream == "compute"]
+        f = sorted((r.t_start, r.t_end, r.layer) for r in recs if r.kind == "fwd")
+        b = sorted((r.t_start, r.t_end, r.layer) for r in recs if r.kind == "bwd")
+        fwd += [s1 - s0 for (s0, _, l0), (s1, _, l1) in zip(f, f[1:]) if l1 == l0 + 1]
+        bwd += [s1 - s0 for (s0, _, l0), (s1, _, l1) in zip(b, b[1:]) if l1 == l0 - 1]
+        outside.append((t1 - t0) - (f[-1][1] - f[0][0]) - (b[-1][1] - b[0][0]))
+    del eng, model
+    return statistics.median(fwd), statistics.median(bwd), statistics.median(outside)
+
+
+def fit_layer_overhead(preset: Any, tokens: tuple[int, ...], periods: list[tuple[float, float, float]],
+                       hw: Any, dtype: str = "float32") -> dict[str, float]:
+    """Split measured engine times (engine_layer_periods at several token counts) into one compute rate
+    and fixed costs, on the planner's own compute model (estimate.layer_flops, estimate._head_compute):
+        layer forward      = F_fwd(T) / R + elem(T) + o_fwd
+        layer backward     = F_bwd(T) / R + 2 elem(T) + o_bwd          (recompute + backward)
+        outside the layers = F_head(T) / R + head elem(T) + adds(T) + o_mb   (per micro-batch)
+    one rate R for all of the device's FLOPs, fixed costs per phase, by least squares over every row
+    (relative errors, so the small token counts weigh as much as the large). Returns sustained
+    (R / the profile's peak), o_fwd, o_bwd, o_mb in seconds and the fit's largest relative residual."""
+    import numpy as np
+
+    from .estimate import ATTN_BWD_RATIO, _globals_io, _head_compute, layer_flops, make_point
+
+    zero = hw.with_(layer_overhead_fwd_s=0.0, layer_overhead_bwd_s=0.0, microbatch_overhead_s=0.0)
+    inf = zero.with_(sustained_fp32=1e30, sustained_bf16=1e30)  # the head's non-FLOP terms alone
+    bw = hw.device_memory_bw_gbs * 1e9
+    rows, rhs = [], []
+    for T, (pf, pb, po) in zip(tokens, periods):
+        p = make_point(preset, T, 1, dtype=dtype)
+        lin, attn, elem_bytes = layer_flops(p)
+        elem = elem_bytes / bw
+        io = _globals_io(p, zero)
+        head_fixed = _head_compute(p, inf, recompute_logits=True) + io.add_s + io.down_s
+        head_flops = (_head_compute(p, zero, recompute_logits=True) - _head_compute(p, inf, True)) * \
+            zero.sustained_flops(dtype)
+        for row, y in (([lin + attn, 1.0, 0.0, 0.0], pf - elem),
+                       ([3 * lin + (1 + ATTN_BWD_RATIO) * attn, 0.0, 1.0, 0.0], pb - 2 * elem),
+                       ([head_flops, 0.0, 0.0, 1.0], po - head_fixed)):
+            w = 1.0 / (pf if row[1] else pb if row[2] else po)
+            rows.append([v * w for v in row])
+            rhs.append(y * w)
+    A, y = np.array(rows), np.array(rhs)
+    sol, *_ = np.linalg.lstsq(A, y, rcond=None)
+    inv_r, o_f, o_b, o_mb = (float(v) for v in sol)
+    if not inv_r > 0:
+        raise RuntimeError(f"engine times do not grow with tokens ({periods}): no rate to fit")
+    return {"sustained": 1.0 / inv_r / hw.peak_flops(dtype), "overhead_fwd_s": o_f, "overhead_bwd_s": o_b,
+            "overhead_microbatch_s": o_mb, "max_rel_residual": float(np.max(np.abs(A @ sol - y)))}
+
+
+def layer_overhead(hw: Any, preset: Any = OVERHEAD_PRESET, tokens: tuple[int, ...] = OVERHEAD_TOKENS,
+                   dtype: str = "float32", steps: int = 3) -> dict[str, Any]:
+    """Measure the engine on `preset` at each token count (engine_layer_periods) and split the times
+    (fit_layer_overhead) against profile `hw`'s peak and memory bandwidth. Returns the fit plus the raw
+    periods."""
+    from .shapes import resolve_model
+
+    m = resolve_model(preset)
+    periods = [engine_layer_periods(m, T, dtype, steps=steps) for T in tokens]
+    fit = fit_layer_overhead(m, tuple(tokens), periods, hw, dtype)
+    fit.update({"preset": m.name, "tokens": list(tokens),
+                "fwd_bwd_outside_ms": [tuple(round(v * 1e3, 2) for v in per) for per in periods]})
+    return fit
