@@ -1,7 +1,27 @@
-"""The streaming engine: host store, stateless templates, copy streams and the layer pipeline."""
+"""The streaming engine: host store, stateless templates, copy streams and the layer pipeline.
 
-from .engine import Engine
-from .preflight import HostMemoryError
-from .stream import WatchdogError
+Names load on first use, so the torch-free memory model (memory_model.py) can be imported by the
+planner without pulling in the engine, torch and transformers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .preflight import HostMemoryError
+    from .stream import WatchdogError
 
 __all__ = ["Engine", "HostMemoryError", "WatchdogError"]
+_HOME = {"Engine": ".engine", "HostMemoryError": ".preflight", "WatchdogError": ".stream"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(_HOME[name], __name__), name)
+    globals()[name] = value
+    return value

@@ -24,8 +24,6 @@ at all (`TILEABLE_LAYERS`, each checked against the untiled layer by the tests).
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,6 +40,41 @@ from .attn_tiling import (
     uses_sink,
 )
 
+# The memory model lives in memory_model.py (torch-free, shared with the planner); its names are re-exported here.
+from .memory_model import (  # noqa: F401
+    ATTN_PHASE_H,
+    AUTO_LOSS_LOGITS_BYTES,
+    AUTO_MIN_MLP_BYTES,
+    BUDGET_HEADROOM,
+    DEFAULT_LOSS_CHUNK,
+    FP32_NORM_H,
+    KV_PER_TOKEN,
+    LOSS_BF16_FP32_H,
+    LOSS_LOGIT_COPIES,
+    LOSS_LOOP_H,
+    LOSS_NORM_H,
+    MIN_LOSS_CHUNK,
+    MIN_TILE,
+    MLP_PHASE_H,
+    OFFLOAD_IN_FLIGHT,
+    TILE_ATTN_H,
+    TILE_H,
+    TILE_I,
+    TILED_AROUND_H,
+    TILED_FLOOR_SHARE,
+    TILED_KV_BUFFERS,
+    TILED_ROPE_HEAD_DIM,
+    WEIGHT_GRAD_EXTRA,
+    BatchPlan,
+    LayerDims,
+    LongContextPolicy,
+    auto_loss_chunk,
+    auto_tile,
+    floor_tile,
+    layer_working_bytes,
+    loss_workspace_bytes,
+)
+
 if TYPE_CHECKING:
     from ..config import EngineConfig
     from .templates import TemplateBank
@@ -49,9 +82,6 @@ if TYPE_CHECKING:
 TILEABLE_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer", "Qwen3DecoderLayer")
 _ATTN_PARTS = ("input_layernorm", "self_attn")
 _MLP_PARTS = ("post_attention_layernorm", "mlp")
-MIN_TILE = 256  # below this the per-tile overhead (Python, kernel launches) outweighs the memory saved
-# "auto" with no device budget tiles only once the untiled MLP working set is big enough to matter.
-AUTO_MIN_MLP_BYTES = 256 * 2**20
 
 
 def tileable(layer: nn.Module) -> bool:
@@ -250,200 +280,15 @@ def _mlp_tiled_vjp(layer: nn.Module, weights: dict[str, torch.Tensor], x: torch.
     return gx, [grads[n] if grads[n] is not None else torch.zeros_like(w) for n, w in weights.items()]
 
 
-# -- the per-batch plan ------------------------------------------------------------------------------
-
-# Peak live elements per token of one layer's recompute + backward, measured with DeviceMemoryTracker
-# (Llama shapes, FP32; tests/test_long_context.py checks the prediction).
-# Untiled, or tiled with the attention block kept whole (MLP-only tiling), the peak is the larger of:
-#  - the attention backward: 11 h + 2 kv per token (the recomputed attention graph, its gradients);
-#  - an MLP tile's backward: 9 h + 2 kv per token (the attention graph, kept meanwhile) plus, per token
-#    of the tile, 2 h + 6 I (norm2 in/out; gate, up, their product and gradients).
-# Untiled (tile = all tokens) that is 11 h + 2 kv + 6 I, from the MLP phase.
-ATTN_PHASE_H, KV_PER_TOKEN, MLP_PHASE_H = 11.0, 2.0, 9.0
-TILE_H, TILE_I = 2.0, 6.0
-# Tiled attention (attn_tiling.py): per token of the sequence only K, V (compute dtype) and their FP32
-# gradient accumulators dK, dV (the layer's input and the incoming gradient, overwritten by the input
-# gradient, are the caller's); per token of a tile, the tile's attention graph (norm1, q, RoPE, attention
-# output, o_proj, h) next to the MLP tile's 2 h + 6 I; and the FP32 weight-gradient accumulators plus the
-# one tile's weight gradients in flight.
-TILED_KV_BUFFERS = 2.0  # K and V, and dK and dV, each kv wide
-# ... and around the layer, as the untiled phases above count them: the incoming gradient and the last
-# layer's output (the head's input), h each, and the RoPE cos/sin tables, head_dim each.
-TILED_AROUND_H, TILED_ROPE_HEAD_DIM = 2.0, 2.0
-TILE_ATTN_H = 7.0
-WEIGHT_GRAD_EXTRA = 0.25  # a tile's own weight gradients, as a share of the layer's weights
-# The floor tile with tiled attention: tile terms at this share of the sequence terms (smaller saves little).
-TILED_FLOOR_SHARE = 0.125
-FP32_NORM_H = 1.5  # bf16 compute: the RMSNorms' fp32 upcasts, in fp32 h-vectors per token (planner's figure)
-BUDGET_HEADROOM = 0.9  # plan to this share of the budget: allocator fragmentation, estimate error
-# Offloaded, the device holds about this many boundary activations at once, whatever the depth (measured):
-# a layer's input and output, the next input prefetched, and one on its way out.
-OFFLOAD_IN_FLIGHT = 4
-LOSS_LOGIT_COPIES = 3  # chunk logits (fp32), their softmax/gradient, and a transient
-# "auto" loss chunk: the largest chunk is DEFAULT_LOSS_CHUNK tokens, capped so one FP32 copy of the chunk's
-# logits stays under AUTO_LOSS_LOGITS_BYTES (a 128k vocabulary at 2048 tokens would be 1 GiB a copy); with a
-# device budget it is halved, down to MIN_LOSS_CHUNK, while the loss phase does not fit. Smaller chunks cost
-# only more, smaller head GEMMs.
-DEFAULT_LOSS_CHUNK, MIN_LOSS_CHUNK, AUTO_LOSS_LOGITS_BYTES = 2048, 128, 256 * 2**20
-# The head + loss phase per token, in h-vectors (measured, FP32): the last layer's output, the final norm's
-# output and saved tensors, the valid tokens' copy and its gradient, the gradient scattered back to all
-# tokens; during the chunk loop (the chunk's logits on top) and, at its peak, in the final norm's backward.
-LOSS_LOOP_H, LOSS_NORM_H = 4.6, 6.5
-LOSS_BF16_FP32_H = 3.5  # bf16 compute: the final norm's fp32 upcast and fp32 gradients, in fp32 h-vectors (measured)
-
-
-@dataclass(frozen=True)
-class LayerDims:
-    hidden: int
-    kv: int  # key/value width (kv_heads x head_dim)
-    intermediate: int
-    numel: int  # weights of the largest layer
-    attention_tiled: bool = True  # whether a tiled layer also tiles its attention block (attn_tiling.py)
-    head_dim: int = 128
-
-    @classmethod
-    def of(cls, layer: nn.Module, numel: int, hidden: int) -> LayerDims:
-        attn = getattr(layer, "self_attn", None)
-        k = getattr(attn, "k_proj", None)
-        mlp = getattr(layer, "mlp", None)
-        up = getattr(mlp, "up_proj", None) or getattr(mlp, "gate_proj", None)
-        return cls(hidden, k.weight.shape[0] if k is not None else hidden,
-                   up.weight.shape[0] if up is not None else 4 * hidden, numel,
-                   tileable(layer) and attention_module_tileable(attn), getattr(attn, "head_dim", None) or 128)
-
-
-def _tiled_seq_bytes(d: LayerDims, itemsize: int) -> float:
-    """Per token of the sequence, with tiled attention: K, V in the compute dtype, dK, dV in FP32."""
-    around = TILED_AROUND_H * d.hidden + TILED_ROPE_HEAD_DIM * d.head_dim
-    return TILED_KV_BUFFERS * d.kv * (itemsize + 4) + around * itemsize
-
-
-def _tiled_tile_bytes(d: LayerDims, itemsize: int) -> float:
-    """Per token of a tile, with tiled attention."""
-    b = ((TILE_ATTN_H + TILE_H) * d.hidden + TILE_I * d.intermediate) * itemsize
-    return b + (FP32_NORM_H * d.hidden * 4 if itemsize < 4 else 0)
-
-
-def layer_working_bytes(d: LayerDims, tokens: int, tile: int | None, itemsize: int) -> int:
-    """Predicted peak bytes one layer's backward adds on the device, beyond its input and weights."""
-    if tile is not None and tile < tokens and d.attention_tiled:
-        return int(tokens * _tiled_seq_bytes(d, itemsize) + tile * _tiled_tile_bytes(d, itemsize)
-                   + d.numel * (4 + WEIGHT_GRAD_EXTRA * itemsize))
-    t = tokens if tile is None else min(tile, tokens)
-    kv = KV_PER_TOKEN * d.kv
-    attn = tokens * (ATTN_PHASE_H * d.hidden + kv)
-    mlp = tokens * (MLP_PHASE_H * d.hidden + kv) + t * (TILE_H * d.hidden + TILE_I * d.intermediate)
-    upcasts = tokens * FP32_NORM_H * d.hidden * 4 if itemsize < 4 else 0
-    return int(max(attn, mlp) * itemsize + upcasts + d.numel * itemsize)  # + the layer's weight gradients
-
-
-def loss_workspace_bytes(tokens: int, hidden: int, vocab: int, chunk: int, itemsize: int) -> int:
-    """Predicted peak bytes of the head + loss phase beyond the kept boundary activations: the larger of
-    the chunk loop (LOSS_LOOP_H plus the chunk's logits) and the final norm's backward after it
-    (LOSS_NORM_H), plus the head's FP32 weight gradient."""
-    upcasts = tokens * LOSS_BF16_FP32_H * hidden * 4 if itemsize < 4 else 0
-    loop = LOSS_LOOP_H * tokens * hidden * itemsize + LOSS_LOGIT_COPIES * min(chunk, tokens) * vocab * 4
-    norm = LOSS_NORM_H * tokens * hidden * itemsize
-    return int(max(loop, norm) + upcasts + vocab * hidden * 4)
-
-
-def floor_tile(d: LayerDims, tokens: int, itemsize: int = 2) -> int:
-    """The smallest tile worth planning: below it, tiling saves nothing (attention kept whole: the MLP phase
-    no longer sets the peak) or little (attention tiled: the tile terms are a small share of the sequence's)."""
-    if d.attention_tiled:
-        t = TILED_FLOOR_SHARE * tokens * _tiled_seq_bytes(d, itemsize) / _tiled_tile_bytes(d, itemsize)
-    else:
-        t = tokens * (ATTN_PHASE_H - MLP_PHASE_H) * d.hidden / (TILE_H * d.hidden + TILE_I * d.intermediate)
-    return max(MIN_TILE, int(t) // MIN_TILE * MIN_TILE)
-
-
-def auto_tile(d: LayerDims, tokens: int, itemsize: int, room: int | None) -> int | None:
-    """Untiled when that fits `room` (or, with no budget, when the MLP is small); else the tokens halved
-    until a tile fits, down to the floor tile."""
-    if room is None:
-        mlp = tokens * (TILE_H * d.hidden + TILE_I * d.intermediate) * itemsize
-        tile = None if mlp < AUTO_MIN_MLP_BYTES else floor_tile(d, tokens, itemsize)
-    else:
-        tile, floor = None, floor_tile(d, tokens, itemsize)
-        while layer_working_bytes(d, tokens, tile, itemsize) > room:
-            nxt = (tokens if tile is None else tile) // 2 // MIN_TILE * MIN_TILE
-            if nxt <= floor:
-                tile = floor
-                break
-            tile = nxt
-    return None if tile is None or tile >= tokens else tile
-
-
-def auto_loss_chunk(tokens: int, hidden: int, vocab: int, itemsize: int, room: int | None) -> int:
-    """The "auto" head/loss chunk: capped by vocabulary size, then halved until the loss phase fits `room`."""
-    fits = AUTO_LOSS_LOGITS_BYTES // (vocab * 4)
-    chunk = min(DEFAULT_LOSS_CHUNK, max(MIN_LOSS_CHUNK, 1 << (fits.bit_length() - 1) if fits else 0))  # a power of 2
-    while (room is not None and chunk > MIN_LOSS_CHUNK and chunk < 2 * tokens
-           and loss_workspace_bytes(tokens, hidden, vocab, chunk, itemsize) > room):
-        chunk = max(MIN_LOSS_CHUNK, chunk // 2)
-    return chunk
-
-
-@dataclass
-class BatchPlan:
-    offload: bool
-    tile: int | None
-    predicted_peak_bytes: int
-    loss_chunk: int = DEFAULT_LOSS_CHUNK
-
-
-@dataclass
-class LongContextPolicy:
-    """Chooses, per batch, the MLP tile and whether boundary activations go to host memory."""
-
-    dims: LayerDims
-    n_layers: int
-    itemsize: int
-    vocab: int
-    loss_chunk: int | str  # tokens, or "auto"
-    tile_setting: int | str | None  # None (untiled), an int, or "auto"
-    offload_setting: bool | str  # True, False or "auto"
-    budget: int | None  # device bytes; None: no limit
-    fixed_bytes: int  # weights resident on the device (layer buffers + embedding/head)
-
-    def plan(self, tokens: int) -> BatchPlan:
-        boundary = tokens * self.dims.hidden * self.itemsize
-
-        def peak(offload: bool, tile: int | None, chunk: int) -> int:
-            kept = OFFLOAD_IN_FLIGHT if offload else self.n_layers
-            loss = loss_workspace_bytes(tokens, self.dims.hidden, self.vocab, chunk, self.itemsize)
-            return (self.fixed_bytes + kept * boundary
-                    + max(loss, layer_working_bytes(self.dims, tokens, tile, self.itemsize)))
-
-        offloads = [self.offload_setting] if isinstance(self.offload_setting, bool) else [False, True]
-        choice = None
-        for off in offloads:
-            room = self._room(off, boundary)
-            chunk = self.loss_chunk if self.loss_chunk != "auto" else auto_loss_chunk(
-                tokens, self.dims.hidden, self.vocab, self.itemsize, room)
-            tile = self._tile(tokens, room)
-            choice = BatchPlan(off, tile, peak(off, tile, chunk), chunk)
-            if self.budget is None or choice.predicted_peak_bytes <= BUDGET_HEADROOM * self.budget:
-                return choice
-        warnings.warn(f"{tokens} tokens: the predicted device peak {choice.predicted_peak_bytes / 2**30:.2f} GiB "
-                      f"exceeds {BUDGET_HEADROOM:.0%} of the device budget {self.budget / 2**30:.2f} GiB even with "
-                      f"offload={choice.offload}, tile={choice.tile}; expect an out-of-memory error", stacklevel=3)
-        return choice
-
-    def _room(self, offload: bool, boundary: int) -> int | None:
-        """Device bytes left for one phase's working set (a layer's backward, or the head and loss)."""
-        if self.budget is None:
-            return None
-        kept = OFFLOAD_IN_FLIGHT if offload else self.n_layers
-        return int(BUDGET_HEADROOM * self.budget) - self.fixed_bytes - kept * boundary
-
-    def _tile(self, tokens: int, room: int | None) -> int | None:
-        s = self.tile_setting
-        if s is None:
-            return None
-        if s != "auto":
-            return s if s < tokens else None
-        return auto_tile(self.dims, tokens, self.itemsize, room)
+def layer_dims(layer: nn.Module, numel: int, hidden: int) -> LayerDims:
+    """The memory model's shapes of a decoder layer (and whether its attention block tiles)."""
+    attn = getattr(layer, "self_attn", None)
+    k = getattr(attn, "k_proj", None)
+    mlp = getattr(layer, "mlp", None)
+    up = getattr(mlp, "up_proj", None) or getattr(mlp, "gate_proj", None)
+    return LayerDims(hidden, k.weight.shape[0] if k is not None else hidden,
+                     up.weight.shape[0] if up is not None else 4 * hidden, numel,
+                     tileable(layer) and attention_module_tileable(attn), getattr(attn, "head_dim", None) or 128)
 
 
 def long_context_policy(config: EngineConfig, templates: TemplateBank, layer_numels: list[int], num_buffers: int,
@@ -455,7 +300,7 @@ def long_context_policy(config: EngineConfig, templates: TemplateBank, layer_num
     if budget is None and device.type == "cuda":
         budget = torch.cuda.get_device_properties(device).total_memory
     return LongContextPolicy(
-        dims=LayerDims.of(templates.of_layer[big], layer_numels[big], head[1]), n_layers=len(layer_numels),
+        dims=layer_dims(templates.of_layer[big], layer_numels[big], head[1]), n_layers=len(layer_numels),
         itemsize=itemsize, vocab=head[0], loss_chunk=config.loss_chunk_tokens, tile_setting=config.mlp_tile_tokens,
         offload_setting=config.offload_activations, budget=budget,
         fixed_bytes=num_buffers * layer_numels[big] * itemsize + globals_bytes)

@@ -1,6 +1,6 @@
 """Performance and memory model of MegaTrain and its baselines: arithmetic over model shapes and
 hardware profiles (megatrain/data/hardware.yaml). Its megatrain device-memory terms are the engine's
-own long-context model (megatrain/engine/tiling.py, imported when first needed), so the two agree.
+own long-context model (megatrain/engine/memory_model.py, torch-free), so the two agree.
 
     from megatrain.planner import plan, max_batch, max_context, preflight
     pl = plan("120b", context=4096, batch=8, hardware="h200-pcie")      # -> Plan
@@ -12,7 +12,7 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
                     of the streamed layers in bf16 mode with an fp32 master, + offloaded boundary
                     activations L*T*h*c, pinned grad staging and the head-gradient host copy (CUDA),
                     runtime (a profile number; measured by `megatrain bench` on this machine).
-  device            what engine/tiling.py's LongContextPolicy predicts for the batch (and chooses: offload,
+  device            what engine/memory_model.py's LongContextPolicy predicts for the batch (and chooses: offload,
                     MLP tile): k layer buffers + embedding/head/norm, boundary activations (all L, or a few
                     in flight when offloaded), the larger of one layer's (tiled) recompute + backward and the
                     chunked-loss workspace; + the runtime's reserve.
@@ -27,7 +27,7 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
   zero3             DeepSpeed's 18 B/param x 1.5 buffers on the host; per module fetches (forward,
                     recompute, backward), head/embedding fetched per micro-batch, HF's full logits and
                     activations on the device; perfect prefetch by default (its best case).
-Every assumption is a named constant in estimate.py or engine/tiling.py, or a sourced number in the profiles file.
+Every assumption is a named constant in estimate.py or engine/memory_model.py, or a sourced number in the profiles file.
 """
 
 from .cli import add_bench_parser, add_plan_parser, format_plan, run_sweep

@@ -92,7 +92,7 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
 
 
 def _long_context_lines(pl: Plan) -> list[str]:
-    """The engine's device plan for the batch (engine/tiling.py), term by term: what long context costs."""
+    """The engine's device plan for the batch (engine/memory_model.py), term by term: what long context costs."""
     lc = pl.long_context
     if lc is None:
         return []
@@ -326,7 +326,7 @@ def run_sweep(spec: str | Path, hardware: str | list[str] = "h200-pcie",
 
 
 def _provenance() -> dict[str, Any]:
-    """Which code made the predictions (the planner follows engine/tiling.py, so the commit matters)."""
+    """Which code made the predictions (the planner follows engine/memory_model.py, so the commit matters)."""
     from megatrain.metrics.provenance import git_commit, package_versions, utc_now
 
     commit, dirty = git_commit()

@@ -114,7 +114,7 @@ class Memory:
 
 @dataclass(frozen=True)
 class LongContext:
-    """The engine's own per-batch device plan for a megatrain point (engine/tiling.py's
+    """The engine's own per-batch device plan for a megatrain point (engine/memory_model.py's
     LongContextPolicy, run on the preset's shapes), with its parts, for the long-context breakdown."""
 
     offload: bool  # boundary activations in host memory
@@ -379,16 +379,15 @@ def _hardware(hardware: Any, link_gbs: float | None, host_memory_gib: float | No
 
 
 def _tiling():
-    """The engine's own long-context memory model (engine/tiling.py). Imported when first needed:
-    the planner then follows the engine's coefficients as they change, and `import megatrain.planner`
-    stays light (the engine package pulls in torch and transformers)."""
-    from megatrain.engine import tiling
+    """The engine's own long-context memory model (engine/memory_model.py, torch-free): the planner
+    follows the engine's coefficients as they change, without loading the engine."""
+    from megatrain.engine import memory_model
 
-    return tiling
+    return memory_model
 
 
 def layer_dims(m: ModelPreset) -> Any:
-    """The engine's LayerDims for a preset's (largest, i.e. every) decoder layer, as LayerDims.of reads
+    """The engine's LayerDims for a preset's (largest, i.e. every) decoder layer, as engine/tiling.py's layer_dims reads
     it from a built layer. Fields the engine's version lacks are left out, so the planner runs against
     the engine as it is."""
     tl = _tiling()
@@ -402,7 +401,7 @@ def layer_dims(m: ModelPreset) -> Any:
 def layer_working_set_bytes(m: ModelPreset, tokens: int, c: int, tile: int | None = None,
                             engine: bool = True) -> int:
     """Peak bytes one decoder layer's recompute + backward adds beyond its input and weights.
-    engine=True: megatrain's path as engine/tiling.py predicts it (MLP side over `tile` tokens at a
+    engine=True: megatrain's path as engine/memory_model.py predicts it (MLP side over `tile` tokens at a
     time when tiled, the layer's weight gradients included); engine=False: an HF layer under gradient
     checkpointing (weight gradients excluded: the baselines count them with their parameters)."""
     if engine:
@@ -413,7 +412,7 @@ def layer_working_set_bytes(m: ModelPreset, tokens: int, c: int, tile: int | Non
 
 
 def chunked_loss_bytes(m: ModelPreset, tokens: int, c: int, chunk: int) -> int:
-    """Peak bytes of megatrain's head + chunked loss, forward and backward (engine/tiling.py)."""
+    """Peak bytes of megatrain's head + chunked loss, forward and backward (engine/memory_model.py)."""
     return int(_tiling().loss_workspace_bytes(tokens, m.hidden, m.vocab, chunk, c))
 
 
