@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import shutil
+import subprocess
 from pathlib import Path
-
-import pytest
 
 from megatrain.metrics.provenance import git_commit
 
@@ -17,10 +15,16 @@ def test_commit_from_env_outside_a_checkout(tmp_path: Path, monkeypatch) -> None
     assert git_commit(tmp_path) == ("unknown", False)
 
 
-def test_checkout_wins_over_env(monkeypatch) -> None:
-    if shutil.which("git") is None or not (Path(__file__).resolve().parents[1] / ".git").exists():
-        pytest.skip("needs a git checkout")
-    repo = Path(__file__).resolve().parents[1]
+def test_checkout_wins_over_env(tmp_path: Path, monkeypatch) -> None:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "f").write_text("x")
+    git("add", "f")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
     monkeypatch.setenv("MEGATRAIN_GIT_COMMIT", "abc123")
-    sha, _ = git_commit(repo)
-    assert sha != "abc123" and len(sha) == 40
+    assert git_commit(tmp_path) == (git("rev-parse", "HEAD"), False)
+    (tmp_path / "f").write_text("y")
+    assert git_commit(tmp_path)[1] is True  # a modified tracked file makes the tree dirty
