@@ -38,17 +38,22 @@ def _die_with_parent(parent_pid: int | None) -> None:
 
 
 def build_model(pt: Point):
-    """Random-weight HF model for the preset: initialization is skipped and replaced by a cheap
+    """The point's random-weight HF model (see build_preset_model)."""
+    return build_preset_model(pt.preset, pt.seed)
+
+
+def build_preset_model(preset: Any, seed: int = 0):
+    """Random-weight HF model for a preset: initialization is skipped and replaced by a cheap
     N(0, 0.02) fill, because the default init of a 70B model on a CPU takes far longer than the run."""
     import torch
     import transformers
     from transformers.initialization import no_init_weights
 
-    cfg = pt.preset.hf_config()
+    cfg = preset.hf_config()
     with no_init_weights():
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     model.tie_weights()  # skipped with the init above: a tied preset would train an untied, bigger model
-    gen = torch.Generator().manual_seed(pt.seed)
+    gen = torch.Generator().manual_seed(seed)
     std = float(getattr(cfg, "initializer_range", 0.02))
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -52,13 +52,9 @@ def parse_gbps(text: str) -> list[float | None]:
 
 
 def build_model(preset: Any, seed: int = 0):
-    import torch
-    import transformers
+    from experiments.point import build_preset_model
 
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(preset.hf_config())
-    model.train()
-    return model
+    return build_preset_model(preset, seed)
 
 
 def _import_runtime(preset: Any) -> None:

@@ -39,7 +39,8 @@ _IMPLEMENTATIONS = ("sdpa", NAME, AUTO_NAME)
 _UNMODELED_KWARGS = ("softcap", "s_aux", "position_bias", "output_attentions")
 
 
-def _sub(weights: dict[str, torch.Tensor], part: str) -> dict[str, torch.Tensor]:
+def sub_weights(weights: dict[str, torch.Tensor], part: str) -> dict[str, torch.Tensor]:
+    """The weights of submodule `part`, keyed as the submodule names them."""
     prefix = part + "."
     return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
 
@@ -84,11 +85,11 @@ def attention_tileable(layer: nn.Module, kwargs: dict) -> bool:
 
 def _heads(attn: nn.Module, w: dict, part: str, a: torch.Tensor) -> torch.Tensor:
     """[b, t, hidden] -> the part's projection as [b, t, heads, head_dim] (q_norm / k_norm applied)."""
-    y = functional_call(getattr(attn, part), _sub(w, part), (a,))
+    y = functional_call(getattr(attn, part), sub_weights(w, part), (a,))
     y = y.view(*a.shape[:-1], -1, attn.head_dim)
     norm = {"q_proj": "q_norm", "k_proj": "k_norm"}.get(part)
     if norm is not None and isinstance(getattr(attn, norm, None), nn.Module):
-        y = functional_call(getattr(attn, norm), _sub(w, norm), (y,))
+        y = functional_call(getattr(attn, norm), sub_weights(w, norm), (y,))
     return y
 
 
@@ -106,7 +107,7 @@ def project_kv(attn: nn.Module, w: dict, a: torch.Tensor, cos: torch.Tensor,
 
 def output_proj(attn: nn.Module, w: dict, o: torch.Tensor) -> torch.Tensor:
     """[b, t, heads, head_dim] attention output -> o_proj, as HF's reshape + o_proj."""
-    return functional_call(attn.o_proj, _sub(w, "o_proj"), (o.reshape(*o.shape[:2], -1).contiguous(),))
+    return functional_call(attn.o_proj, sub_weights(w, "o_proj"), (o.reshape(*o.shape[:2], -1).contiguous(),))
 
 
 # -- bottom-right causal attention --------------------------------------------------------------------------

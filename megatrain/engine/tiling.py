@@ -36,6 +36,7 @@ from .attn_tiling import (
     output_proj,
     project_kv,
     project_q,
+    sub_weights,
     tile_attention,
     uses_sink,
 )
@@ -93,15 +94,10 @@ def tileable(layer: nn.Module) -> bool:
     return all(name.split(".", 1)[0] in parts for name, _ in layer.named_parameters())
 
 
-def _sub(weights: dict[str, torch.Tensor], part: str) -> dict[str, torch.Tensor]:
-    prefix = part + "."
-    return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
-
-
 def _attention_block(layer: nn.Module, weights: dict[str, torch.Tensor], x: torch.Tensor, kwargs: dict) -> torch.Tensor:
     kw = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values", "past_key_value")}
-    a = functional_call(layer.input_layernorm, _sub(weights, "input_layernorm"), (x,))
-    a = functional_call(layer.self_attn, _sub(weights, "self_attn"), (), {"hidden_states": a, **kw})
+    a = functional_call(layer.input_layernorm, sub_weights(weights, "input_layernorm"), (x,))
+    a = functional_call(layer.self_attn, sub_weights(weights, "self_attn"), (), {"hidden_states": a, **kw})
     a = a[0] if isinstance(a, (tuple, list)) else a
     return x + a
 
@@ -116,7 +112,7 @@ def tiled_forward(layer: nn.Module, weights: dict[str, torch.Tensor], x: torch.T
     """The layer's output without autograd, `tile` tokens at a time."""
     if not attention_tileable(layer, kwargs):
         return _mlp_tiled_forward(layer, weights, x, kwargs, tile)
-    norm_w, mlp_w = _sub(weights, _MLP_PARTS[0]), _sub(weights, _MLP_PARTS[1])
+    norm_w, mlp_w = sub_weights(weights, _MLP_PARTS[0]), sub_weights(weights, _MLP_PARTS[1])
     k, v = _keys_values(layer, weights, x, kwargs, tile)
     out = torch.empty_like(x)
     for s0, s1 in _tiles(x, tile):
@@ -149,9 +145,9 @@ def tiled_vjp(layer: nn.Module, weights: dict[str, torch.Tensor], x: torch.Tenso
                 acc[n].add_(d)
 
     attn = layer.self_attn
-    aw = _sub(weights, "self_attn")
-    norm1_w = _sub(weights, "input_layernorm")
-    norm_w, mlp_w = _sub(weights, _MLP_PARTS[0]), _sub(weights, _MLP_PARTS[1])
+    aw = sub_weights(weights, "self_attn")
+    norm1_w = sub_weights(weights, "input_layernorm")
+    norm_w, mlp_w = sub_weights(weights, _MLP_PARTS[0]), sub_weights(weights, _MLP_PARTS[1])
     cos, sin = kwargs["position_embeddings"]
     with torch.no_grad():
         k, v = _keys_values(layer, weights, x, kwargs, tile)
@@ -207,7 +203,7 @@ def _tiles(x: torch.Tensor, tile: int) -> list[tuple[int, int]]:
 def _keys_values(layer: nn.Module, weights: dict, x: torch.Tensor, kwargs: dict,
                  tile: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's keys (RoPE applied) and values for the whole sequence, [b, kv_heads, seq, head_dim]."""
-    attn, aw, norm1_w = layer.self_attn, _sub(weights, "self_attn"), _sub(weights, "input_layernorm")
+    attn, aw, norm1_w = layer.self_attn, sub_weights(weights, "self_attn"), sub_weights(weights, "input_layernorm")
     cos, sin = kwargs["position_embeddings"]
     k = v = None
     for s0, s1 in _tiles(x, tile):
@@ -225,10 +221,10 @@ def _attention_tile(layer: nn.Module, weights: dict, xt: torch.Tensor, k: torch.
                     kwargs: dict, s0: int, grads: tuple | None = None) -> torch.Tensor:
     """h for the tokens xt at [s0, s0 + T): xt + attn(norm1(xt)) against the keys k, v (positions < s0 + T
     are read); `grads`: see attn_tiling.tile_attention."""
-    attn, aw = layer.self_attn, _sub(weights, "self_attn")
+    attn, aw = layer.self_attn, sub_weights(weights, "self_attn")
     cos, sin = kwargs["position_embeddings"]
     s1 = s0 + xt.shape[1]
-    a = functional_call(layer.input_layernorm, _sub(weights, "input_layernorm"), (xt,))
+    a = functional_call(layer.input_layernorm, sub_weights(weights, "input_layernorm"), (xt,))
     q = project_q(attn, aw, a, cos[:, s0:s1], sin[:, s0:s1])
     del a
     o = tile_attention(attn, q, k, v, kwargs.get("attention_mask"), s0, getattr(attn, "scaling", None), grads)
@@ -240,7 +236,7 @@ def _mlp_tiled_forward(layer: nn.Module, weights: dict[str, torch.Tensor], x: to
     """The layer's output without autograd, the MLP side `tile` tokens at a time (in place on h)."""
     h = _attention_block(layer, weights, x, kwargs)
     flat = h.view(-1, h.shape[-1])
-    norm_w, mlp_w = _sub(weights, _MLP_PARTS[0]), _sub(weights, _MLP_PARTS[1])
+    norm_w, mlp_w = sub_weights(weights, _MLP_PARTS[0]), sub_weights(weights, _MLP_PARTS[1])
     for s in range(0, flat.shape[0], tile):
         t = flat[s: s + tile]
         t.add_(_mlp_block(layer, norm_w, mlp_w, t))  # same op as HF's `residual + hidden_states`
@@ -257,7 +253,7 @@ def _mlp_tiled_vjp(layer: nn.Module, weights: dict[str, torch.Tensor], x: torch.
     mlp_leaves = [weights[n] for n in mlp_names]
     # Sum tile gradients in FP32 so bf16 compute does not lose the small ones.
     acc = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in mlp_leaves]
-    norm_w, mlp_w = _sub(weights, _MLP_PARTS[0]), _sub(weights, _MLP_PARTS[1])
+    norm_w, mlp_w = sub_weights(weights, _MLP_PARTS[0]), sub_weights(weights, _MLP_PARTS[1])
     hd = h.detach().view(-1, h.shape[-1])
     gf = g.reshape(-1, g.shape[-1])
     g_h = torch.empty_like(hd)
