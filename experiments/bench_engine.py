@@ -20,9 +20,7 @@ from pathlib import Path
 
 import torch
 
-
-def _rss_peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+from megatrain.metrics.samplers import peak_rss_bytes
 
 
 def _rss_now_bytes() -> int:
@@ -64,7 +62,7 @@ def bench_rss(preset: str, seq: int, steps: int) -> dict:
         eng.step()
         eng.zero_grad()
         times.append(time.perf_counter() - t0)
-    peak = _rss_peak_bytes() - base
+    peak = peak_rss_bytes() - base
     return {"preset": preset, "params": n, "seq": seq, "steps": steps, "peak_rss_growth_bytes": peak,
             "bytes_per_param": peak / n, "host_store_bytes_per_param": eng.store.host_bytes() / n,
             "step_s": times}

@@ -2,6 +2,7 @@
 
     python -m experiments.validate_planner [--model small-7m] [--context 128] [--steps 3]
                                            [--gbps 0.005,0.01,0.02,0.05,0.2,none] [--out results/validation]
+    python -m experiments.validate_planner --host-models small-7m,llama-100m,llama-0.6b [--host-context 256]
 
 The engine runs on the CPU with its copy engine rate-limited (`EngineConfig(link_gbps=...)`) to a
 range of emulated links, from link-bound to compute-bound; each point's median step time is set
@@ -17,9 +18,12 @@ device compute rate rescaled so the unthrottled point matches (a diagnostic of h
 and how much structure; not the prediction).
 
 Each point runs in a fresh process, so its peak RSS is its own (the kernel's high-water mark counts a
-process's whole life). The baseline is that process's RSS once python, torch, transformers and the
-model's modeling code are imported; the planner's host "runtime" term is set to it, and its prediction
-of the rest (what the engine allocates) is checked against the measured RSS growth.
+process's whole life). The baseline is that process's RSS once the runtime is warm
+(`measure.warm_runtime`: one engine training step of a one-layer toy of the same family, so the modeling
+code, the kernel libraries' first-use workspaces and the engine's copy threads are in it, as in every
+run); the planner's host "runtime" term is set to it (`megatrain bench` measures it the same way), and
+its prediction of the rest (what the engine allocates for this model) is checked against the measured
+RSS growth.
 
 The crossover: on both the measured and the predicted curve, the link rate at which the time compute
 waits on copies (the engine's copy_wait_s; the planner's simulated wait) falls below 10% of the step.
@@ -57,15 +61,6 @@ def build_model(preset: Any, seed: int = 0):
     return build_preset_model(preset, seed)
 
 
-def _import_runtime(preset: Any) -> None:
-    """Import what any run of this model family imports (its HF modeling code included) by building a
-    one-layer toy of the same family, so the RSS baseline taken next holds the runtime only."""
-    import gc
-
-    build_model(preset.with_(num_layers=1, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256))
-    gc.collect()
-
-
 def measure_point(preset: Any, context: int, gbps: float | None, warmup: int, steps: int,
                   seed: int = 0) -> dict[str, Any]:
     """Median step time and host memory of the engine at one emulated link rate (in this process:
@@ -77,8 +72,9 @@ def measure_point(preset: Any, context: int, gbps: float | None, warmup: int, st
     from megatrain.config import EngineConfig
     from megatrain.engine import Engine
     from megatrain.metrics.samplers import RssSampler
+    from megatrain.planner.measure import warm_runtime
 
-    _import_runtime(preset)
+    warm_runtime(preset)
     rss = RssSampler().start()
     base_rss = rss.rss()
     cfg = EngineConfig(device="cpu", link_gbps=gbps)
@@ -266,7 +262,7 @@ def validate(model: str = "small-7m", context: int = 128, gbps: list[float | Non
             runs[i].append(m)
     measured = [(g, pool_runs(runs[i])) for i, g in enumerate(gbps)]
     # After the runs: the bench's large copy buffers would otherwise set the process's RSS high-water
-    # mark (ru_maxrss, which RssSampler reads) and hide the engine's own peak.
+    # mark (VmHWM, which RssSampler reads) and hide the engine's own peak.
     prof = bench_cpu(quick=quick_bench, threads=threads, engine_fit=False)
     hw_gemm = get_hardware(prof)
     hw_layer, layer_s = layer_profile(preset, context, hw_gemm, threads, quick_bench)
@@ -360,6 +356,58 @@ def validate(model: str = "small-7m", context: int = 128, gbps: list[float | Non
     return rows
 
 
+def validate_host(models: list[str], context: int = 256, warmup: int = 1, steps: int = 2,
+                  threads: int | None = 1, log=print) -> list[dict[str, Any]]:
+    """Peak host memory predicted vs measured across model sizes: each model trains `warmup + steps` steps
+    (unthrottled link) in a fresh process; its peak RSS growth over the warm runtime is set against the
+    planner's host total (device allocations included: the CPU device's memory is the host's) less its
+    runtime term. The runtime term is that process's own measured baseline, so what is checked is the
+    planner's model of everything the engine allocates for this model."""
+    from megatrain.planner import get_hardware
+    from megatrain.planner.shapes import resolve_model
+
+    rows = []
+    for name in models:
+        preset = resolve_model(name)
+        m = measure_in_child(preset, context, None, warmup, steps, threads)
+        hw = get_hardware("cpu").with_(host_reserved_gib=m["base_rss_bytes"] / GIB)
+        pl = predict(preset, context, None, hw)
+        runtime = pl.memory.host["runtime"]
+        pred = pl.memory.host_total_incl_device - runtime
+        growth = m["peak_rss_bytes"] - m["base_rss_bytes"]
+        parts = {**{f"host: {k}": v for k, v in pl.memory.host.items() if k != "runtime" and v},
+                 **{f"device: {k}": v for k, v in pl.memory.device.items() if k != "runtime" and v}}
+        if pl.memory.shared:
+            parts["shared (device globals are the host masters)"] = -pl.memory.shared
+        rows.append({"model": preset.name, "params": preset.param_count(), "seq_len": context, "micro_batch": 1,
+                     "precision": "fp32", "steps": warmup + steps,
+                     "measured_peak_rss_bytes": m["peak_rss_bytes"], "base_rss_bytes": m["base_rss_bytes"],
+                     "measured_rss_growth_bytes": growth, "predicted_host_growth_bytes": pred,
+                     "host_error_pct": err_pct(pred, growth),
+                     "host_total_error_pct": err_pct(pred + runtime, m["peak_rss_bytes"]),
+                     "measured_growth_bytes_per_param": growth / preset.param_count(),
+                     "predicted_growth_bytes_per_param": pred / preset.param_count(),
+                     "predicted_components": json.dumps(parts), "measured_loadavg": m["loadavg"],
+                     "hardware": "cpu (this machine; the device is the host)"})
+        log(f"  {preset.name}: peak RSS growth {growth / 2**20:.1f} MiB measured, {pred / 2**20:.1f} MiB predicted "
+            f"({rows[-1]['host_error_pct']:+.1f}%)")
+    return rows
+
+
+def _write(rows: list[dict[str, Any]], path: Path, cols: list[str]) -> None:
+    import pandas as pd
+
+    from megatrain.metrics.provenance import provenance
+
+    prov = provenance()
+    prov["versions"] = json.dumps(prov["versions"]) if not isinstance(prov["versions"], str) else prov["versions"]
+    df = pd.DataFrame([{**r, **prov} for r in rows])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(path, index=False)
+    print(df[[c for c in cols if c in df.columns]].to_string(index=False))
+    print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="small-7m")
@@ -371,27 +419,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick-bench", action="store_true")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the runs and the bench (0: default)")
     ap.add_argument("--out", default="results/validation")
+    ap.add_argument("--host-models", default="",
+                    help="instead of the link sweep: peak host memory predicted vs measured for these presets "
+                         "(comma list), written to OUT/host_memory.csv")
+    ap.add_argument("--host-context", type=int, default=256, help="tokens per step for --host-models")
     ap.add_argument("--measure-one", help=argparse.SUPPRESS)  # internal: one point, JSON in and out
     args = ap.parse_args(argv)
     if args.measure_one:
         return _measure_one(args.measure_one)
 
-    import pandas as pd
-
-    from megatrain.metrics.provenance import provenance
-
+    out = Path(args.out)
+    if args.host_models:
+        rows = validate_host([m for m in args.host_models.split(",") if m], args.host_context,
+                             threads=args.threads or None)
+        _write(rows, out / "host_memory.csv", ["model", "params", "measured_rss_growth_bytes",
+                                               "predicted_host_growth_bytes", "host_error_pct"])
+        return 0
     rows = validate(args.model, args.context, parse_gbps(args.gbps), args.warmup, args.steps, args.quick_bench,
                     args.threads or None, args.repeats)
-    prov = provenance()
-    prov["versions"] = json.dumps(prov["versions"]) if not isinstance(prov["versions"], str) else prov["versions"]
-    df = pd.DataFrame([{**r, **prov} for r in rows])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    df.to_csv(out / "validation.csv", index=False)
-    cols = ["link_gbps", "measured_step_s", "predicted_step_s", "error_pct", "error_cal_pct",
-            "predicted_bottleneck", "host_error_pct", "measured_crossover_gbps", "predicted_crossover_gbps"]
-    print(df[cols].to_string(index=False))
-    print(f"wrote {out / 'validation.csv'}")
+    _write(rows, out / "validation.csv",
+           ["link_gbps", "measured_step_s", "predicted_step_s", "error_pct", "error_cal_pct",
+            "predicted_bottleneck", "host_error_pct", "measured_crossover_gbps", "predicted_crossover_gbps"])
     return 0
 
 

@@ -7,6 +7,8 @@ import difflib
 from dataclasses import dataclass, fields
 from typing import Any
 
+from .engine.malloc import MAX_MMAP_THRESHOLD, MIN_MMAP_THRESHOLD
+
 _DTYPES = ("float32", "bfloat16")
 
 
@@ -29,6 +31,11 @@ class EngineConfig:
     watchdog_s: float = 600.0  # a stream with no progress for this long raises instead of hanging
     skip_nonfinite: bool = True  # a step whose gradients hold NaN/inf is skipped (params untouched)
     max_bad_steps: int = 5  # ... and this many consecutive skipped steps stop training with an error
+    # glibc: host blocks of at least this many bytes get their own mapping, returned to the OS when freed;
+    # fixed, because glibc's default threshold rises to the largest block freed (the model's own weights,
+    # freed as they are packed) and then keeps every smaller transient's memory resident (engine/malloc.py).
+    # None leaves glibc's dynamic default. Process-wide.
+    host_mmap_threshold_bytes: int | None = 128 * 1024
 
     def __post_init__(self) -> None:
         # A switch given as "no" or {} would be truthy: the opposite of what was meant, silently.
@@ -60,6 +67,11 @@ class EngineConfig:
         budget = self.device_budget_bytes
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
             raise ValueError(f"device_budget_bytes={budget!r} must be an int > 0 (bytes) or None")
+        thr = self.host_mmap_threshold_bytes
+        if thr is not None and (not isinstance(thr, int) or isinstance(thr, bool)
+                                or not MIN_MMAP_THRESHOLD <= thr <= MAX_MMAP_THRESHOLD):
+            raise ValueError(f"host_mmap_threshold_bytes={thr!r} must be an int from {MIN_MMAP_THRESHOLD} (a page) to "
+                             f"{MAX_MMAP_THRESHOLD} (glibc's limit), or None for glibc's dynamic default")
         if not self.watchdog_s > 0:
             raise ValueError(f"watchdog_s={self.watchdog_s!r} must be > 0 seconds")
 

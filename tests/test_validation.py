@@ -72,3 +72,18 @@ def test_prediction_carries_the_engine_measured_fixed_costs(rows):
     if fast["layer_overhead_fwd_s"] + fast["layer_overhead_bwd_s"] > 0:
         # the same point without the fixed costs (the layer-alone rate column) predicts differently
         assert fast["predicted_step_s"] != fast["predicted_layer_rate_step_s"]
+
+
+HOST_TOL_PCT = 10.0  # the target for peak host memory
+
+
+def test_peak_host_memory_prediction_within_target():
+    # small-7m's own process: peak RSS growth over the warm runtime against the planner's host total
+    # (device allocations included: on a CPU device they are host memory) less its runtime term
+    from experiments.validate_planner import validate_host
+
+    (row,) = validate_host(["small-7m"], context=128, warmup=1, steps=1, log=lambda *_: None)
+    assert row["measured_rss_growth_bytes"] > 0.5 * row["predicted_host_growth_bytes"]  # the run really trained
+    assert abs(row["host_error_pct"]) <= HOST_TOL_PCT, (
+        f"predicted {row['predicted_host_growth_bytes'] / 2**20:.1f} MiB vs measured "
+        f"{row['measured_rss_growth_bytes'] / 2**20:.1f} MiB ({row['host_error_pct']:+.1f}%)")

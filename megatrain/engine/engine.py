@@ -23,6 +23,7 @@ from .attention import use_segment_attention
 from .batch import check_batch
 from .loading import load_checkpoint_into, skeleton_from_dir
 from .loss import chunked_causal_lm_loss
+from .malloc import set_mmap_threshold
 from .memtrack import DeviceMemoryTracker
 from .preflight import host_preflight
 from .schedule import LayerPipeline
@@ -85,6 +86,8 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)
         self.compute_dtype = torch.bfloat16 if config.compute_dtype == "bfloat16" else torch.float32
+        if config.host_mmap_threshold_bytes is not None:
+            set_mmap_threshold(config.host_mmap_threshold_bytes)  # before the model's weights are freed
         checkpoint_dir = None
         if isinstance(model, (str, os.PathLike)):
             checkpoint_dir = Path(model)
