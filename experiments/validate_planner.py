@@ -62,7 +62,7 @@ def build_model(preset: Any, seed: int = 0):
 
 
 def measure_point(preset: Any, context: int, gbps: float | None, warmup: int, steps: int,
-                  seed: int = 0) -> dict[str, Any]:
+                  seed: int = 0, mmap_threshold: int | None = None) -> dict[str, Any]:
     """Median step time and host memory of the engine at one emulated link rate (in this process:
     call it in a fresh one, see `measure_in_child`, for a peak RSS of its own)."""
     import gc
@@ -77,7 +77,7 @@ def measure_point(preset: Any, context: int, gbps: float | None, warmup: int, st
     warm_runtime(preset)
     rss = RssSampler().start()
     base_rss = rss.rss()
-    cfg = EngineConfig(device="cpu", link_gbps=gbps)
+    cfg = EngineConfig(device="cpu", link_gbps=gbps, host_mmap_threshold_bytes=mmap_threshold)
     eng = Engine(build_model(preset, seed), config=cfg)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randint(0, preset.vocab, (1, context), generator=gen)
@@ -114,13 +114,14 @@ def measure_point(preset: Any, context: int, gbps: float | None, warmup: int, st
 
 
 def measure_in_child(preset: Any, context: int, gbps: float | None, warmup: int, steps: int,
-                     threads: int | None = None) -> dict[str, Any]:
-    """measure_point in a fresh python process (torch limited to `threads`); the preset travels as its fields."""
+                     threads: int | None = None, mmap_threshold: int | None = None) -> dict[str, Any]:
+    """measure_point in a fresh python process (torch limited to `threads`; the allocator setting is
+    process-wide); the preset travels as its fields."""
     import dataclasses
     import subprocess
 
     job = json.dumps({"preset": dataclasses.asdict(preset), "context": context, "gbps": gbps,
-                      "warmup": warmup, "steps": steps, "threads": threads})
+                      "warmup": warmup, "steps": steps, "threads": threads, "mmap_threshold": mmap_threshold})
     out = subprocess.run([sys.executable, "-m", "experiments.validate_planner", "--measure-one", job],
                          capture_output=True, text=True, check=False)
     if out.returncode != 0:
@@ -136,7 +137,8 @@ def _measure_one(job: str) -> int:
         import torch
 
         torch.set_num_threads(d["threads"])
-    m = measure_point(ModelPreset(**d["preset"]), d["context"], d["gbps"], d["warmup"], d["steps"])
+    m = measure_point(ModelPreset(**d["preset"]), d["context"], d["gbps"], d["warmup"], d["steps"],
+                      mmap_threshold=d.get("mmap_threshold"))
     print(json.dumps(m))
     return 0
 
@@ -356,41 +358,51 @@ def validate(model: str = "small-7m", context: int = 128, gbps: list[float | Non
     return rows
 
 
+# The allocator settings the host validation runs under: glibc as every run gets it, and with its mmap
+# threshold fixed at its initial 128 KiB (EngineConfig.host_mmap_threshold_bytes), where freed transients
+# leave the resident set, so RSS is the live bytes the planner models plus what the allocator keeps.
+HOST_ALLOCATORS = {"glibc default": None, "mmap threshold 128 KiB": 128 * 1024}
+
+
 def validate_host(models: list[str], context: int = 256, warmup: int = 1, steps: int = 2,
-                  threads: int | None = 1, log=print) -> list[dict[str, Any]]:
+                  threads: int | None = 1, allocators: dict[str, int | None] | None = None,
+                  log=print) -> list[dict[str, Any]]:
     """Peak host memory predicted vs measured across model sizes: each model trains `warmup + steps` steps
-    (unthrottled link) in a fresh process; its peak RSS growth over the warm runtime is set against the
-    planner's host total (device allocations included: the CPU device's memory is the host's) less its
-    runtime term. The runtime term is that process's own measured baseline, so what is checked is the
-    planner's model of everything the engine allocates for this model."""
+    (unthrottled link) in a fresh process per allocator setting; its peak RSS growth over the warm runtime
+    is set against the planner's host total (device allocations included: the CPU device's memory is the
+    host's) less its runtime term. The runtime term is that process's own measured baseline, so what is
+    checked is the planner's model of everything the engine allocates for this model."""
     from megatrain.planner import get_hardware
     from megatrain.planner.shapes import resolve_model
 
     rows = []
     for name in models:
         preset = resolve_model(name)
-        m = measure_in_child(preset, context, None, warmup, steps, threads)
-        hw = get_hardware("cpu").with_(host_reserved_gib=m["base_rss_bytes"] / GIB)
-        pl = predict(preset, context, None, hw)
-        runtime = pl.memory.host["runtime"]
-        pred = pl.memory.host_total_incl_device - runtime
-        growth = m["peak_rss_bytes"] - m["base_rss_bytes"]
-        parts = {**{f"host: {k}": v for k, v in pl.memory.host.items() if k != "runtime" and v},
-                 **{f"device: {k}": v for k, v in pl.memory.device.items() if k != "runtime" and v}}
-        if pl.memory.shared:
-            parts["shared (device globals are the host masters)"] = -pl.memory.shared
-        rows.append({"model": preset.name, "params": preset.param_count(), "seq_len": context, "micro_batch": 1,
-                     "precision": "fp32", "steps": warmup + steps,
-                     "measured_peak_rss_bytes": m["peak_rss_bytes"], "base_rss_bytes": m["base_rss_bytes"],
-                     "measured_rss_growth_bytes": growth, "predicted_host_growth_bytes": pred,
-                     "host_error_pct": err_pct(pred, growth),
-                     "host_total_error_pct": err_pct(pred + runtime, m["peak_rss_bytes"]),
-                     "measured_growth_bytes_per_param": growth / preset.param_count(),
-                     "predicted_growth_bytes_per_param": pred / preset.param_count(),
-                     "predicted_components": json.dumps(parts), "measured_loadavg": m["loadavg"],
-                     "hardware": "cpu (this machine; the device is the host)"})
-        log(f"  {preset.name}: peak RSS growth {growth / 2**20:.1f} MiB measured, {pred / 2**20:.1f} MiB predicted "
-            f"({rows[-1]['host_error_pct']:+.1f}%)")
+        for alloc, threshold in (HOST_ALLOCATORS if allocators is None else allocators).items():
+            m = measure_in_child(preset, context, None, warmup, steps, threads, mmap_threshold=threshold)
+            hw = get_hardware("cpu").with_(host_reserved_gib=m["base_rss_bytes"] / GIB)
+            pl = predict(preset, context, None, hw)
+            runtime = pl.memory.host["runtime"]
+            pred = pl.memory.host_total_incl_device - runtime
+            growth = m["peak_rss_bytes"] - m["base_rss_bytes"]
+            parts = {**{f"host: {k}": v for k, v in pl.memory.host.items() if k != "runtime" and v},
+                     **{f"device: {k}": v for k, v in pl.memory.device.items() if k != "runtime" and v}}
+            if pl.memory.shared:
+                parts["shared (device globals are the host masters)"] = -pl.memory.shared
+            rows.append({"model": preset.name, "params": preset.param_count(), "seq_len": context,
+                         "micro_batch": 1, "precision": "fp32", "steps": warmup + steps, "allocator": alloc,
+                         "measured_peak_rss_bytes": m["peak_rss_bytes"], "base_rss_bytes": m["base_rss_bytes"],
+                         "measured_rss_growth_bytes": growth, "predicted_host_growth_bytes": pred,
+                         "host_error_pct": err_pct(pred, growth),
+                         "host_total_error_pct": err_pct(pred + runtime, m["peak_rss_bytes"]),
+                         "measured_growth_bytes_per_param": growth / preset.param_count(),
+                         "predicted_growth_bytes_per_param": pred / preset.param_count(),
+                         "measured_step_s": m["measured_step_s"],
+                         "predicted_components": json.dumps(parts), "measured_loadavg": m["loadavg"],
+                         "hardware": "cpu (this machine; the device is the host)"})
+            log(f"  {preset.name}, {alloc}: peak RSS growth {growth / 2**20:.1f} MiB measured, "
+                f"{pred / 2**20:.1f} MiB predicted ({rows[-1]['host_error_pct']:+.1f}%), "
+                f"step {m['measured_step_s']:.2f} s")
     return rows
 
 
@@ -432,8 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.host_models:
         rows = validate_host([m for m in args.host_models.split(",") if m], args.host_context,
                              threads=args.threads or None)
-        _write(rows, out / "host_memory.csv", ["model", "params", "measured_rss_growth_bytes",
-                                               "predicted_host_growth_bytes", "host_error_pct"])
+        _write(rows, out / "host_memory.csv", ["model", "params", "allocator", "measured_rss_growth_bytes",
+                                               "predicted_host_growth_bytes", "host_error_pct", "measured_step_s"])
         return 0
     rows = validate(args.model, args.context, parse_gbps(args.gbps), args.warmup, args.steps, args.quick_bench,
                     args.threads or None, args.repeats)

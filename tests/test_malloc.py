@@ -37,7 +37,7 @@ def _retained(threshold: str) -> dict:
 
 
 def test_fixed_threshold_returns_a_freed_transient_and_the_default_keeps_it():
-    fixed = _retained(str(EngineConfig().host_mmap_threshold_bytes))
+    fixed = _retained(str(128 * 1024))
     assert fixed["applied"] is True
     assert fixed["retained"] < 1 * 2**20, fixed
     # negative control: glibc's dynamic threshold (raised to 16 MiB by the first free) keeps the 4 MiB

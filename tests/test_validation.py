@@ -79,10 +79,14 @@ HOST_TOL_PCT = 10.0  # the issue's target for peak host memory
 
 def test_peak_host_memory_prediction_within_target():
     # small-7m's own process: peak RSS growth over the warm runtime against the planner's host total
-    # (device allocations included: on a CPU device they are host memory) less its runtime term
-    from experiments.validate_planner import validate_host
+    # (device allocations included: on a CPU device they are host memory) less its runtime term. With
+    # glibc's mmap threshold fixed, freed transients leave RSS, so this checks the planner's model of the
+    # bytes the engine holds; with glibc's default the allocator's retention comes on top (reported in
+    # results/validation/host_memory.csv, not bounded here).
+    from experiments.validate_planner import HOST_ALLOCATORS, validate_host
 
-    (row,) = validate_host(["small-7m"], context=128, warmup=1, steps=1, log=lambda *_: None)
+    fixed = {k: v for k, v in HOST_ALLOCATORS.items() if v is not None}
+    (row,) = validate_host(["small-7m"], context=128, warmup=1, steps=1, allocators=fixed, log=lambda *_: None)
     assert row["measured_rss_growth_bytes"] > 0.5 * row["predicted_host_growth_bytes"]  # the run really trained
     assert abs(row["host_error_pct"]) <= HOST_TOL_PCT, (
         f"predicted {row['predicted_host_growth_bytes'] / 2**20:.1f} MiB vs measured "

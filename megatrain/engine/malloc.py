@@ -1,16 +1,15 @@
 """The host allocator's mmap threshold, held fixed so that freed host transients leave the resident set.
 
 glibc serves a block of at least M_MMAP_THRESHOLD bytes with its own mmap, which free() returns to the
-OS at once; smaller blocks come from the heap, where freed memory stays resident until it happens to sit
-at the top. By default the threshold is dynamic: each freed mmapped block raises it to that block's size
-(up to 32 MiB). The engine frees the model's own weights as it packs them into the host store, which
-raises the threshold to the largest weight, and from then on every layer transient below that size
-(activations, recompute graphs, weight gradients) lands on the heap and its memory stays resident after
-it is freed: measured on this project's CPU machine, peak RSS growth 8-10% above the live bytes
-(tests/test_malloc.py, results/validation/host_memory.csv). Setting the threshold with mallopt also
-turns the dynamic adjustment off, for the whole process; torch's pinned (CUDA) host memory is not
-affected. Other C libraries (musl, macOS) are left alone.
-"""
+OS at once; smaller blocks come from the heap, where freed memory stays resident for reuse. By default
+the threshold is dynamic: each freed mmapped block raises it to that block's size (up to 32 MiB). The
+engine frees the model's own weights as it packs them into the host store, which raises the threshold
+to the largest weight, and from then on every layer transient below that size (activations, recompute
+graphs, weight gradients) is served from the heap and stays resident once freed: peak RSS then sits
+above the live bytes (measured on this project's CPU machine: results/validation/host_memory.csv).
+Fixing the threshold (mallopt, which also stops the adaptation, for the whole process) brings RSS down
+to the live bytes, paid for by page faults on every large transient: an opt-in
+(EngineConfig.host_mmap_threshold_bytes). Other C libraries (musl, macOS) are left alone."""
 
 from __future__ import annotations
 
