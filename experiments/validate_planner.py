@@ -9,8 +9,8 @@ range of emulated links, from link-bound to compute-bound; each point's median s
 against `megatrain.planner.plan` for a "cpu" profile measured just now by the planner's own
 `bench_cpu` (the profile in hardware.yaml was measured under a different load, and a shared box
 drifts), whose fp32 compute rate and fixed costs are then measured through the engine itself
-(`measure.with_engine_overhead`): real unthrottled Engine steps of the same model at half, twice and
-four times the validated context (never the validated point), each layer's forward and backward
+(`measure.with_engine_overhead`): real unthrottled Engine steps of the same model at 1/2, 3/4, 3/2 and
+2 times the validated context (never the validated point), each layer's forward and backward
 period and the time outside the layers split by least squares into one rate and fixed seconds per
 layer per phase and per micro-batch. Beside it, for comparison: the prediction with the rate of one
 layer timed alone (`measure.layer_seconds`, no fixed costs), with the isolated-GEMM rate, and with the
@@ -196,9 +196,12 @@ def layer_profile(preset: Any, context: int, hw: Any, threads: int | None, quick
 
 
 def overhead_tokens(context: int) -> tuple[int, ...]:
-    """Token counts the engine fit runs at: half, twice and four times the validated context, never
-    the validated point itself."""
-    return (max(8, context // 2), 2 * context, 4 * context)
+    """Token counts the engine fit runs at: half, three quarters, one and a half and twice the validated
+    context, bracketing it evenly in log scale and never the validated point itself. Even on both sides,
+    because the engine's rate drifts with size (a small-7m layer at 512 tokens runs at a lower FLOP rate
+    than at 128: its activations leave the caches), and a one-sided fit extrapolates that drift."""
+    pts = (context // 2, 3 * context // 4, 3 * context // 2, 2 * context)
+    return tuple(sorted({max(8, t) for t in pts} - {context}))
 
 
 def engine_profile(prof: dict[str, Any], preset: Any, context: int, threads: int | None) -> dict[str, Any]:
