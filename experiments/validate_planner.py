@@ -258,6 +258,7 @@ def validate(model: str = "small-7m", context: int = 128, gbps: list[float | Non
     preset = resolve_model(model)
     gbps = parse_gbps(DEFAULT_GBPS) if gbps is None else gbps
     runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(gbps))}
+    profile: tuple | None = None
     for r in range(repeats):
         # alternate the order, so a neighbour's load that comes or goes mid-sweep lands on every point
         for i in (range(len(gbps)) if r % 2 == 0 else reversed(range(len(gbps)))):
@@ -265,13 +266,16 @@ def validate(model: str = "small-7m", context: int = 128, gbps: list[float | Non
             log(f"  link {gbps[i] if gbps[i] is not None else 'unthrottled'} GB/s: median step "
                 f"{m['measured_step_s']:.3f} s ({', '.join(f'{t:.3f}' for t in m['step_times'])})")
             runs[i].append(m)
+        if r == (repeats - 1) // 2:
+            # The profile is measured mid-run, between the passes: next in time to the compute-bound
+            # points (the end of one pass, the start of the next), whose prediction rests on its rate, and
+            # under the same neighbours' load as the points around it (a shared box drifts by minutes).
+            prof = bench_cpu(quick=quick_bench, threads=threads, engine_fit=False)
+            hw_gemm = get_hardware(prof)
+            profile = (prof, hw_gemm, *layer_profile(preset, context, hw_gemm, threads, quick_bench),
+                       engine_profile(prof, preset, context, threads))
     measured = [(g, pool_runs(runs[i])) for i, g in enumerate(gbps)]
-    # After the runs: the bench's large copy buffers would otherwise set the process's RSS high-water
-    # mark (VmHWM, which RssSampler reads) and hide the engine's own peak.
-    prof = bench_cpu(quick=quick_bench, threads=threads, engine_fit=False)
-    hw_gemm = get_hardware(prof)
-    hw_layer, layer_s = layer_profile(preset, context, hw_gemm, threads, quick_bench)
-    fit_prof = engine_profile(prof, preset, context, threads)
+    prof, hw_gemm, hw_layer, layer_s, fit_prof = profile
     hw = get_hardware(fit_prof)
     fit = fit_prof["raw"].get("engine_fit", {})
     log(f"bench_cpu: fp32 peak {hw.peak_fp32_tflops * 1e3:.1f} GFLOPS x sustained {hw_gemm.sustained_fp32:.2f} "
