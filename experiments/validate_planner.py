@@ -129,6 +129,33 @@ def measure_in_child(preset: Any, context: int, gbps: float | None, warmup: int,
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def fit_periods_in_child(preset: Any, tokens: tuple[int, ...], threads: int | None = None) -> list[list[float]]:
+    """measure.engine_layer_periods at each token count, in a fresh python process like the points."""
+    import dataclasses
+    import subprocess
+
+    job = json.dumps({"preset": dataclasses.asdict(preset), "tokens": list(tokens), "threads": threads})
+    out = subprocess.run([sys.executable, "-m", "experiments.validate_planner", "--fit-one", job],
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"the engine fit at {tokens} tokens failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _fit_one(job: str) -> int:
+    import torch
+
+    from megatrain.models.presets import ModelPreset
+    from megatrain.planner.measure import engine_layer_periods
+
+    d = json.loads(job)
+    if d.get("threads"):
+        torch.set_num_threads(d["threads"])
+    preset = ModelPreset(**d["preset"])
+    print(json.dumps([list(engine_layer_periods(preset, T)) for T in d["tokens"]]))
+    return 0
+
+
 def _measure_one(job: str) -> int:
     from megatrain.models.presets import ModelPreset
 
@@ -204,20 +231,16 @@ def overhead_tokens(context: int) -> tuple[int, ...]:
     return tuple(sorted({max(8, t) for t in pts} - {context}))
 
 
-def engine_profile(prof: dict[str, Any], preset: Any, context: int, threads: int | None) -> dict[str, Any]:
-    """The bench profile with its fp32 rate and fixed costs measured through the engine on this model's
-    layers at other token counts than the validated one (measure.with_engine_overhead)."""
-    import torch
-
+def engine_profile(prof: dict[str, Any], preset: Any, context: int,
+                   periods: list[list[list[float]]]) -> dict[str, Any]:
+    """The bench profile with its fp32 rate and fixed costs fitted (measure.with_engine_overhead) to engine
+    periods of this model's layers at other token counts than the validated one: `periods` holds one
+    fit_periods_in_child run per pass, pooled here by the median per token count and phase."""
     from megatrain.planner.measure import with_engine_overhead
 
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        return with_engine_overhead(prof, preset=preset, tokens=overhead_tokens(context))
-    finally:
-        torch.set_num_threads(before)
+    tokens = overhead_tokens(context)
+    pooled = [tuple(statistics.median(run[i][k] for run in periods) for k in range(3)) for i in range(len(tokens))]
+    return with_engine_overhead(prof, preset=preset, tokens=tokens, periods=pooled)
 
 
 def calibrate_compute(preset: Any, context: int, hw: Any, measured_s: float) -> tuple[Any, float]:
@@ -259,6 +282,8 @@ def validate(model: str = "small-7m", context: int = 128, gbps: list[float | Non
     gbps = parse_gbps(DEFAULT_GBPS) if gbps is None else gbps
     runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(gbps))}
     profile: tuple | None = None
+    fastest = next((i for i, g in enumerate(gbps) if g is None), max(range(len(gbps)), key=lambda i: gbps[i]))
+    fit_runs: list[list[list[float]]] = []
     for r in range(repeats):
         # alternate the order, so a neighbour's load that comes or goes mid-sweep lands on every point
         for i in (range(len(gbps)) if r % 2 == 0 else reversed(range(len(gbps)))):
@@ -266,16 +291,19 @@ def validate(model: str = "small-7m", context: int = 128, gbps: list[float | Non
             log(f"  link {gbps[i] if gbps[i] is not None else 'unthrottled'} GB/s: median step "
                 f"{m['measured_step_s']:.3f} s ({', '.join(f'{t:.3f}' for t in m['step_times'])})")
             runs[i].append(m)
+            if i == fastest:
+                # The engine fit, in fresh processes like the points, right after the compute-bound point
+                # in every pass: its rate and that point's step share the minute (a shared box drifts by
+                # 10-20% from one minute to the next, which a fit taken elsewhere in time would carry).
+                fit_runs.append(fit_periods_in_child(preset, overhead_tokens(context), threads))
         if r == (repeats - 1) // 2:
-            # The profile is measured mid-run, between the passes: next in time to the compute-bound
-            # points (the end of one pass, the start of the next), whose prediction rests on its rate, and
-            # under the same neighbours' load as the points around it (a shared box drifts by minutes).
+            # GEMM, copy and optimizer rates mid-run, between the passes, next to the compute-bound points.
             prof = bench_cpu(quick=quick_bench, threads=threads, engine_fit=False)
             hw_gemm = get_hardware(prof)
-            profile = (prof, hw_gemm, *layer_profile(preset, context, hw_gemm, threads, quick_bench),
-                       engine_profile(prof, preset, context, threads))
+            profile = (prof, hw_gemm, *layer_profile(preset, context, hw_gemm, threads, quick_bench))
     measured = [(g, pool_runs(runs[i])) for i, g in enumerate(gbps)]
-    prof, hw_gemm, hw_layer, layer_s, fit_prof = profile
+    prof, hw_gemm, hw_layer, layer_s = profile
+    fit_prof = engine_profile(prof, preset, context, fit_runs)
     hw = get_hardware(fit_prof)
     fit = fit_prof["raw"].get("engine_fit", {})
     log(f"bench_cpu: fp32 peak {hw.peak_fp32_tflops * 1e3:.1f} GFLOPS x sustained {hw_gemm.sustained_fp32:.2f} "
@@ -443,9 +471,12 @@ def main(argv: list[str] | None = None) -> int:
                          "(comma list), written to OUT/host_memory.csv")
     ap.add_argument("--host-context", type=int, default=256, help="tokens per step for --host-models")
     ap.add_argument("--measure-one", help=argparse.SUPPRESS)  # internal: one point, JSON in and out
+    ap.add_argument("--fit-one", help=argparse.SUPPRESS)  # internal: the engine fit's periods, JSON in and out
     args = ap.parse_args(argv)
     if args.measure_one:
         return _measure_one(args.measure_one)
+    if args.fit_one:
+        return _fit_one(args.fit_one)
 
     out = Path(args.out)
     if args.host_models:

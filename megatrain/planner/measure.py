@@ -234,12 +234,14 @@ def _bench_cpu(torch, quick: bool, min_time: float | None) -> dict[str, Any]:
 
 
 def with_engine_overhead(prof: dict[str, Any], quick: bool = False, preset: Any = None,
-                         tokens: tuple[int, ...] | None = None) -> dict[str, Any]:
+                         tokens: tuple[int, ...] | None = None,
+                         periods: list[tuple[float, float, float]] | None = None) -> dict[str, Any]:
     """`prof` with its fp32 compute rate and fixed costs measured through the engine (layer_overhead):
     sustained_fp32 becomes the FLOP-proportional rate of the engine's own layers (the GEMM figure stays
     in raw), and layer_overhead_fwd_s / layer_overhead_bwd_s / microbatch_overhead_s are the fit's
     intercepts (a negative one, fit noise, is recorded as 0). quick: two small token counts, two steps
-    each; if the times cannot be fitted the fixed costs are 0, marked as not measured."""
+    each; periods: engine_layer_periods already measured at `tokens` (e.g. in other processes), fitted
+    instead of measuring here. If the times cannot be fitted the fixed costs are 0, marked as not measured."""
     from .hardware import profile_from_dict
 
     preset = preset or OVERHEAD_PRESET
@@ -248,7 +250,7 @@ def with_engine_overhead(prof: dict[str, Any], quick: bool = False, preset: Any 
     out["raw"] = dict(prof.get("raw", {}))
     try:
         fit = layer_overhead(profile_from_dict(str(prof.get("name", "cpu")), prof), preset, tokens,
-                             steps=2 if quick else 3)
+                             steps=2 if quick else 3, periods=periods)
     except (RuntimeError, ValueError) as exc:
         src = f"assumption: 0, the engine fit failed ({str(exc)[:120]})"
         for key in ("layer_overhead_fwd_s", "layer_overhead_bwd_s", "microbatch_overhead_s"):
@@ -455,14 +457,16 @@ def fit_layer_overhead(preset: Any, tokens: tuple[int, ...], periods: list[tuple
 
 
 def layer_overhead(hw: Any, preset: Any = OVERHEAD_PRESET, tokens: tuple[int, ...] = OVERHEAD_TOKENS,
-                   dtype: str = "float32", steps: int = 3) -> dict[str, Any]:
-    """Measure the engine on `preset` at each token count (engine_layer_periods) and split the times
-    (fit_layer_overhead) against profile `hw`'s peak and memory bandwidth. Returns the fit plus the raw
-    periods."""
+                   dtype: str = "float32", steps: int = 3,
+                   periods: list[tuple[float, float, float]] | None = None) -> dict[str, Any]:
+    """Measure the engine on `preset` at each token count (engine_layer_periods; or take `periods` so
+    measured) and split the times (fit_layer_overhead) against profile `hw`'s peak and memory bandwidth.
+    Returns the fit plus the raw periods."""
     from .shapes import resolve_model
 
     m = resolve_model(preset)
-    periods = [engine_layer_periods(m, T, dtype, steps=steps) for T in tokens]
+    if periods is None:
+        periods = [engine_layer_periods(m, T, dtype, steps=steps) for T in tokens]
     fit = fit_layer_overhead(m, tuple(tokens), periods, hw, dtype)
     fit.update({"preset": m.name, "tokens": list(tokens),
                 "fwd_bwd_outside_ms": [tuple(round(v * 1e3, 2) for v in per) for per in periods]})
