@@ -282,7 +282,7 @@ def validate(model: str = "small-7m", context: int = 128, gbps: list[float | Non
     gbps = parse_gbps(DEFAULT_GBPS) if gbps is None else gbps
     runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(gbps))}
     profile: tuple | None = None
-    fastest = next((i for i, g in enumerate(gbps) if g is None), max(range(len(gbps)), key=lambda i: gbps[i]))
+    fastest = max(range(len(gbps)), key=lambda i: math.inf if gbps[i] is None else gbps[i])
     fit_runs: list[list[list[float]]] = []
     for r in range(repeats):
         # alternate the order, so a neighbour's load that comes or goes mid-sweep lands on every point
