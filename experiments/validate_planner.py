@@ -6,24 +6,26 @@
 
 The engine runs on the CPU with its copy engine rate-limited (`EngineConfig(link_gbps=...)`) to a
 range of emulated links, from link-bound to compute-bound; each point's median step time is set
-against `megatrain.planner.plan` for a "cpu" profile measured just now by the planner's own
-`bench_cpu` (the profile in hardware.yaml was measured under a different load, and a shared box
-drifts), whose fp32 compute rate and fixed costs are then measured through the engine itself
-(`measure.with_engine_overhead`): real unthrottled Engine steps of the same model at 1/2, 3/4, 3/2 and
-2 times the validated context (never the validated point), each layer's forward and backward
-period and the time outside the layers split by least squares into one rate and fixed seconds per
-layer per phase and per micro-batch. Beside it, for comparison: the prediction with the rate of one
+against `megatrain.planner.plan` for a "cpu" profile measured in the same run by the planner's own
+`bench_cpu` (GEMM, copy and AdamW rates, mid-run between the passes; the profile in hardware.yaml was
+measured under a different load, and a shared box drifts), whose fp32 compute rate and fixed costs are
+then fitted to the engine itself (`measure.with_engine_overhead`): real unthrottled Engine steps of the
+same model at 1/2, 3/4, 3/2 and 2 times the validated context (never the validated point), run in fresh
+processes right after the compute-bound point of every pass and pooled, each layer's forward and
+backward period and the time outside the layers split by least squares into one rate and fixed seconds
+per layer per phase and per micro-batch. Beside it, for comparison: the prediction with the rate of one
 layer timed alone (`measure.layer_seconds`, no fixed costs), with the isolated-GEMM rate, and with the
 device compute rate rescaled so the unthrottled point matches (a diagnostic of how much error is rate
 and how much structure; not the prediction).
 
-Each point runs in a fresh process, so its peak RSS is its own (the kernel's high-water mark counts a
-process's whole life). The baseline is that process's RSS once the runtime is warm
+Each point runs in a fresh process, so its peak RSS is its own (VmHWM, the high-water mark of the
+process image; not ru_maxrss, which a child inherits from its parent across exec). The baseline is that process's RSS once the runtime is warm
 (`measure.warm_runtime`: one engine training step of a one-layer toy of the same family, so the modeling
 code, the kernel libraries' first-use workspaces and the engine's copy threads are in it, as in every
 run); the planner's host "runtime" term is set to it (`megatrain bench` measures it the same way), and
 its prediction of the rest (what the engine allocates for this model) is checked against the measured
-RSS growth.
+RSS growth. `--host-models` does that across model sizes, under glibc's default allocator and with its
+mmap threshold fixed (EngineConfig.host_mmap_threshold_bytes), where RSS falls back to the live bytes.
 
 The crossover: on both the measured and the predicted curve, the link rate at which the time compute
 waits on copies (the engine's copy_wait_s; the planner's simulated wait) falls below 10% of the step.

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import threading
 from dataclasses import dataclass, fields
 from typing import Any
 
 from .engine.malloc import MAX_MMAP_THRESHOLD, MIN_MMAP_THRESHOLD
 
 _DTYPES = ("float32", "bfloat16")
+MIN_LINK_GBPS = 1e-3
+MIN_WATCHDOG_S = 0.1
 
 
 @dataclass
@@ -54,8 +58,9 @@ class EngineConfig:
         chunk = self.loss_chunk_tokens
         if chunk != "auto" and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
             raise ValueError(f"loss_chunk_tokens={chunk!r} must be an int >= 1 or 'auto'")
-        if self.link_gbps is not None and not self.link_gbps > 0:
-            raise ValueError(f"link_gbps={self.link_gbps!r} must be > 0 GB/s (or None for no limit)")
+        if self.link_gbps is not None and not MIN_LINK_GBPS <= self.link_gbps < math.inf:
+            raise ValueError(f"link_gbps={self.link_gbps!r} must be a finite rate >= {MIN_LINK_GBPS} GB/s "
+                             "(1 MB/s, below any real link), or None for no limit")
         if not isinstance(self.max_bad_steps, int) or self.max_bad_steps < 1:
             raise ValueError(f"max_bad_steps={self.max_bad_steps!r} must be an int >= 1")
         if self.offload_activations not in (True, False, "auto"):
@@ -73,8 +78,9 @@ class EngineConfig:
                                 or not MIN_MMAP_THRESHOLD <= thr <= MAX_MMAP_THRESHOLD):
             raise ValueError(f"host_mmap_threshold_bytes={thr!r} must be an int from {MIN_MMAP_THRESHOLD} (a page) to "
                              f"{MAX_MMAP_THRESHOLD} (glibc's limit), or None for glibc's dynamic default")
-        if not self.watchdog_s > 0:
-            raise ValueError(f"watchdog_s={self.watchdog_s!r} must be > 0 seconds")
+        if not MIN_WATCHDOG_S <= self.watchdog_s <= threading.TIMEOUT_MAX:
+            raise ValueError(f"watchdog_s={self.watchdog_s!r} must be from {MIN_WATCHDOG_S} s (shorter fires on "
+                             f"healthy work) to {threading.TIMEOUT_MAX:.0f} s (the longest wait Python's threads take)")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> EngineConfig:

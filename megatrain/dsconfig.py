@@ -213,6 +213,20 @@ def _float(v: Any, name: str, minimum: float | None = None) -> float:
     return float(v)
 
 
+# Adam moves every weight by about lr each step: past 1 the weights outgrow their own scale at once and
+# reach inf within steps (a fuzzed lr of 3.4e37 did in one). No working recipe comes near it.
+MAX_ADAM_LR = 1.0
+_FP32_TINY = torch.finfo(torch.float32).tiny
+
+
+def _lr(v: Any, name: str) -> float:
+    lr = _float(v, name, minimum=0.0)
+    if lr > MAX_ADAM_LR:
+        raise _err(f"{name!r} = {v} is far beyond what Adam trains with (each step moves every weight by about "
+                   f"lr); use a value <= {MAX_ADAM_LR:g}, typically 1e-5 to 1e-3")
+    return lr
+
+
 def _bool(v: Any, name: str) -> bool:
     if not isinstance(v, bool):
         raise _err(f"{name!r} must be true or false, got {type(v).__name__} {v!r}")
@@ -292,9 +306,7 @@ def _optimizer(d: dict[str, Any], args: Any) -> OptimizerSpec | None:
             p[k] = fill()
     out: dict[str, Any] = {"type": kind}
     if "lr" in p:
-        out["lr"] = _float(p["lr"], "optimizer.params.lr")
-        if out["lr"] < 0:
-            raise _err(f"'optimizer.params.lr' must be >= 0, got {p['lr']}")
+        out["lr"] = _lr(p["lr"], "optimizer.params.lr")
     if "betas" in p:
         b = p["betas"]
         if not isinstance(b, (list, tuple)) or len(b) != 2 or not all(_is_num(x) and 0.0 <= x < 1.0 for x in b):
@@ -302,8 +314,20 @@ def _optimizer(d: dict[str, Any], args: Any) -> OptimizerSpec | None:
         out["betas"] = (float(b[0]), float(b[1]))
     if "eps" in p:
         out["eps"] = _float(p["eps"], "optimizer.params.eps", minimum=0.0)
+        if out["eps"] < _FP32_TINY:
+            # v is exactly 0 wherever a gradient has always been 0 (embedding rows of unseen tokens), and an
+            # eps this small is 0 in the FP32 the optimizer computes in: 0/0.
+            raise _err(f"'optimizer.params.eps' = {p['eps']} is 0 in FP32 and divides 0 by 0 for every weight whose "
+                       "gradient has been 0 so far (e.g. embedding rows of tokens not yet seen); use e.g. 1e-8")
     if "weight_decay" in p:
-        out["weight_decay"] = _float(p["weight_decay"], "optimizer.params.weight_decay", minimum=0.0)
+        wd = out["weight_decay"] = _float(p["weight_decay"], "optimizer.params.weight_decay", minimum=0.0)
+        lr = out.get("lr", OptimizerSpec.lr)
+        if lr * wd > 1.0:
+            # Decoupled decay multiplies every weight by (1 - lr x wd) each step: past 1 the weights flip sign,
+            # past 2 they grow without bound.
+            raise _err(f"'optimizer.params.weight_decay' = {p['weight_decay']} with lr {lr:g} multiplies every weight "
+                       f"by (1 - lr x weight_decay) = {1 - lr * wd:.3g} each step; keep lr x weight_decay <= 1 "
+                       "(typical weight_decay: 0 to 0.1)")
     if "amsgrad" in p:
         out["amsgrad"] = _bool(p["amsgrad"], "optimizer.params.amsgrad")
     if "bias_correction" in p and not _bool(p["bias_correction"], "optimizer.params.bias_correction"):
@@ -364,7 +388,7 @@ def _scheduler(d: dict[str, Any], opt: OptimizerSpec | None, args: Any) -> Sched
             if k in p and p[k] is not None:
                 vals = p[k] if isinstance(p[k], list) else [p[k]]
                 for v in vals:
-                    _float(v, f"scheduler.params.{k}", minimum=0.0)
+                    _lr(v, f"scheduler.params.{k}")
         for k in ("warmup_min_ratio", "cos_min_ratio"):
             if k in p:
                 _float(p[k], f"scheduler.params.{k}", minimum=0.0)

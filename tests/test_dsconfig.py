@@ -163,6 +163,16 @@ def test_unresolvable_auto(d, match):
         ({"train_batch_size": 1, "gradient_clipping": "1.0"}, r"'gradient_clipping' must be a finite number"),
         ({"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": -1e-3}}},
          r"'optimizer.params.lr' must be >= 0"),
+        ({"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e30}}},
+         r"'optimizer.params.lr' = 1e\+30 is far beyond.*<= 1"),
+        ({"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"eps": 0}}},
+         r"'optimizer.params.eps' = 0 is 0 in FP32 and divides 0 by 0.*e.g. 1e-8"),
+        ({"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"eps": 1e-135}}},
+         r"'optimizer.params.eps' = 1e-135 is 0 in FP32"),
+        ({"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 3e41}}},
+         r"'optimizer.params.weight_decay' = 3e\+41 with lr 0.01 .* keep lr x weight_decay <= 1"),
+        ({"train_batch_size": 1, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 5.0}}},
+         r"'scheduler.params.warmup_max_lr' = 5.0 is far beyond"),
         ({"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}}, r"betas"),
         ({"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"weight_decya": 0.1}}},
          r"unknown key optimizer.params.'weight_decya'; did you mean 'weight_decay'"),
@@ -249,3 +259,15 @@ def test_builds_optimizer_and_scheduler():
     assert isinstance(c.scheduler.build(opt), WarmupDecayLR)
     c = _parse({"train_batch_size": 1, "scheduler": {"type": "StepLR", "params": {"step_size": 2}}})
     assert isinstance(c.scheduler.build(torch.optim.SGD([p], lr=1.0)), torch.optim.lr_scheduler.StepLR)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(link_gbps=7.7e-182), r"link_gbps=7.7e-182 must be a finite rate >= 0.001 GB/s"),  # slept past time_t
+    (dict(link_gbps=float("inf")), r"link_gbps=inf must be a finite rate"),
+    (dict(watchdog_s=5.9e-53), r"watchdog_s=5.9e-53 must be from 0.1 s"),  # fired on healthy work
+    (dict(watchdog_s=1e30), r"watchdog_s=1e\+30 must be from 0.1 s .* to 9223372036 s"),  # overflowed the wait
+])
+def test_engine_rates_and_timeouts_outside_what_threads_can_do_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kw)
+    EngineConfig(link_gbps=1e-3, watchdog_s=0.1)  # the bounds themselves are fine

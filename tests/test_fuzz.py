@@ -48,14 +48,17 @@ _STATE: dict[str, Any] = {}
 
 
 def _setup() -> tuple[Any, torch.nn.Module]:
-    """One engine and one HF reference for all batch examples (built on first use)."""
+    """A fresh engine per example (a few ms) and one HF reference (reloaded from the engine's weights).
+
+    Fresh, so that an example that fails half-way (gradients accumulated, a forward pending) cannot
+    poison the next one, or hypothesis's shrinking of the first failure into a different example.
+    """
     if not _STATE:
-        ref = _model()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            engine = initialize(model=copy.deepcopy(ref), config=BASE_CFG)[0]
-        _STATE.update(engine=engine, ref=ref)
-    return _STATE["engine"], _STATE["ref"]
+        _STATE.update(model=_model(), ref=_model())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = initialize(model=copy.deepcopy(_STATE["model"]), config=BASE_CFG)[0]
+    return engine, _STATE["ref"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -187,8 +190,12 @@ def test_malformed_batches_train_correctly_or_are_refused_cleanly(kind, data):
     expect.loss.backward()
     engine.backward(out.loss)
     got = _grads(engine)
+    # A gradient that is zero in exact arithmetic (q/k when the only labelled token attends to itself
+    # alone) comes out as rounding noise of the terms that cancelled; those terms are of the model's
+    # gradient scale, so each tensor's error is measured against at least 1e-3 of the largest gradient.
+    floor = 1e-3 * max(p.grad.abs().max() for p in ref.parameters())
     for n, p in ref.named_parameters():
-        scale = p.grad.abs().max().clamp_min(1e-8)
+        scale = p.grad.abs().max().clamp_min(floor)
         rel = ((got[n] - p.grad).abs().max() / scale).item()
         assert rel <= 1e-4, f"{corruption}: gradient of {n} off by {rel:.2e} (relative)"
     engine.step()
@@ -264,10 +271,12 @@ def test_bogus_configs_are_refused_before_touching_the_model_or_train(case):
         assert w.numel() == before.numel() and torch.equal(w, before), f"{edits}: refused after taking the model"
         return
     event("config accepted")
-    # Accepted: a non-boolean where a switch belongs is a typo the user did not mean.
-    for path, value in edits:
-        if path in _BOOL_SETTINGS:
-            assert value is None or isinstance(value, bool), f"accepted {path} = {value!r}"
+    # Accepted: a non-boolean where a switch belongs is a typo the user did not mean. Judged on the
+    # config as sent: a later edit may have overwritten an earlier one, or the section above it.
+    for path in _BOOL_SETTINGS:
+        value = cfg.get(path[0])
+        value = value.get(path[1]) if isinstance(value, dict) else None
+        assert value is None or isinstance(value, bool), f"accepted {path} = {value!r}"
     batch = {"input_ids": torch.randint(0, VOCAB, (2, 8)), "labels": torch.randint(0, VOCAB, (2, 8))}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
