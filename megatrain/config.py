@@ -37,8 +37,8 @@ class EngineConfig:
     max_bad_steps: int = 5  # ... and this many consecutive skipped steps stop training with an error
     # glibc: fix the mmap threshold at this many bytes, so freed host blocks at least this big leave the
     # resident set at once (engine/malloc.py). None (default): glibc's dynamic threshold, which keeps freed
-    # transients resident for reuse. Measured on a CPU device (2 cores): 128 KiB lowered peak RSS growth 2.5%
-    # (llama-100m) to 5% (small-7m) and slowed steps 13-25% (page faults): a host-memory-bound CPU run's choice.
+    # transients resident for reuse. Measured on a CPU device (2 cores): 128 KiB lowered peak RSS growth 1.5%
+    # (llama-0.6b) to 8% (small-7m) and slowed steps 15-30% (page faults): a host-memory-bound CPU run's choice.
     # Process-wide. On CUDA the host transients are pinned or above glibc's limit, so it changes little.
     host_mmap_threshold_bytes: int | None = None
 
