@@ -320,14 +320,7 @@ def _optimizer(d: dict[str, Any], args: Any) -> OptimizerSpec | None:
             raise _err(f"'optimizer.params.eps' = {p['eps']} is 0 in FP32 and divides 0 by 0 for every weight whose "
                        "gradient has been 0 so far (e.g. embedding rows of tokens not yet seen); use e.g. 1e-8")
     if "weight_decay" in p:
-        wd = out["weight_decay"] = _float(p["weight_decay"], "optimizer.params.weight_decay", minimum=0.0)
-        lr = out.get("lr", OptimizerSpec.lr)
-        if lr * wd > 1.0:
-            # Decoupled decay multiplies every weight by (1 - lr x wd) each step: past 1 the weights flip sign,
-            # past 2 they grow without bound.
-            raise _err(f"'optimizer.params.weight_decay' = {p['weight_decay']} with lr {lr:g} multiplies every weight "
-                       f"by (1 - lr x weight_decay) = {1 - lr * wd:.3g} each step; keep lr x weight_decay <= 1 "
-                       "(typical weight_decay: 0 to 0.1)")
+        out["weight_decay"] = _float(p["weight_decay"], "optimizer.params.weight_decay", minimum=0.0)
     if "amsgrad" in p:
         out["amsgrad"] = _bool(p["amsgrad"], "optimizer.params.amsgrad")
     if "bias_correction" in p and not _bool(p["bias_correction"], "optimizer.params.bias_correction"):
@@ -338,6 +331,13 @@ def _optimizer(d: dict[str, Any], args: Any) -> OptimizerSpec | None:
     # As in DeepSpeed: "AdamW" is always decoupled; "Adam" is too unless adam_w_mode is false.
     w_mode = True if "adam_w_mode" not in p else _bool(p["adam_w_mode"], "optimizer.params.adam_w_mode")
     out["adam_w_mode"] = kind == "AdamW" or w_mode
+    lr, wd = out.get("lr", OptimizerSpec.lr), out.get("weight_decay", OptimizerSpec.weight_decay)
+    if out["adam_w_mode"] and lr * wd > 1.0:
+        # Decoupled decay multiplies every weight by (1 - lr x wd) each step: past 1 the weights flip sign,
+        # past 2 they grow without bound. (As an L2 term in Adam it is normalized away: no such limit.)
+        raise _err(f"'optimizer.params.weight_decay' = {p['weight_decay']} with lr {lr:g} multiplies every weight "
+                   f"by (1 - lr x weight_decay) = {1 - lr * wd:.3g} each step; keep lr x weight_decay <= 1 "
+                   "(typical weight_decay: 0 to 0.1)")
     return OptimizerSpec(**out)
 
 

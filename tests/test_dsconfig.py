@@ -214,6 +214,16 @@ def test_bad_configs_are_named(d, match):
         parse_config(d)
 
 
+def test_weight_decay_bound_is_for_decoupled_decay_only():
+    # lr x wd > 1 flips and grows every weight under AdamW's decoupled decay; as Adam's L2 term it is
+    # normalized by the second moment, so the same values are a (strange) valid choice there.
+    adam_l2 = {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 200.0, "adam_w_mode": False}}
+    spec = _parse({"train_batch_size": 1, "optimizer": adam_l2}).optimizer
+    assert (spec.weight_decay, spec.adam_w_mode) == (200.0, False)
+    with pytest.raises(DeepSpeedConfigError, match=r"lr 0.01 multiplies every weight by .* = -1 each step"):
+        parse_config({"train_batch_size": 1, "optimizer": {**adam_l2, "type": "AdamW"}})
+
+
 def test_bad_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         parse_config(tmp_path / "nope.json")
