@@ -3,6 +3,7 @@
     python -m experiments.validate_planner [--model small-7m] [--context 128] [--steps 3]
                                            [--gbps 0.005,0.01,0.02,0.05,0.2,none] [--out results/validation]
     python -m experiments.validate_planner --host-models small-7m,llama-100m,llama-0.6b [--host-context 256]
+    python -m experiments.validate_planner --backends megatrain,zero3,torch [--backend-contexts 128,384,1024]
 
 The engine runs on the CPU with its copy engine rate-limited (`EngineConfig(link_gbps=...)`) to a
 range of emulated links, from link-bound to compute-bound; each point's median step time is set
@@ -443,6 +444,61 @@ def validate_host(models: list[str], context: int = 256, warmup: int = 1, steps:
     return rows
 
 
+def validate_backends(model: str = "small-7m", contexts: tuple[int, ...] = (128, 384, 1024),
+                      backends: tuple[str, ...] = ("megatrain", "zero3", "torch"), steps: int = 3,
+                      threads: int | None = 1, work_dir: Path | None = None, quick_bench: bool = False,
+                      log=print) -> list[dict[str, Any]]:
+    """Step time predicted vs measured for every backend, the baselines included: each (context, backend)
+    point runs through the harness (experiments.point in its own process, through the Accelerate-style
+    face, the way a user runs it: ZeRO-3 is the real DeepSpeed), and `plan(..., backend=b)` predicts it
+    on a profile measured here at the start (`bench_cpu`, its engine fit at OVERHEAD_TOKENS, which the
+    default contexts avoid). What this checks for the baselines is the compute, optimizer and fixed
+    costs the planner charges them on this CPU; no link is emulated (ZeRO-3's offload is host to host
+    here), so its fetch model is not exercised."""
+    import tempfile
+
+    from experiments.runner import run_point_subprocess
+    from experiments.spec import Point
+    from megatrain.planner import bench_cpu, get_hardware, plan
+    from megatrain.planner.shapes import resolve_model
+
+    preset = resolve_model(model)
+    prof = bench_cpu(quick=quick_bench, threads=threads)
+    hw = get_hardware(prof)
+    log(f"bench_cpu: {hw.peak_fp32_tflops * 1e3:.1f} GFLOPS x sustained {hw.sustained_fp32:.2f}, fixed "
+        f"{hw.layer_overhead_fwd_s * 1e3:.2f} / {hw.layer_overhead_bwd_s * 1e3:.2f} ms per layer")
+    work = Path(work_dir or tempfile.mkdtemp(prefix="megatrain-backends-"))
+    rows: list[dict[str, Any]] = []
+    for ctx in contexts:
+        for b in backends:
+            pt = Point(backend=b, model=preset.name, seq_len=ctx, warmup=1, steps=steps, threads=threads)
+            m = run_point_subprocess(pt, work)
+            if m.get("status") != "ok":
+                raise RuntimeError(f"{pt.label} failed: {m.get('reason')}")
+            pl = plan(preset, context=ctx, batch=1, dtype="float32", hardware=hw, backend=b)
+            rows.append({"model": preset.name, "params": preset.param_count(), "backend": b, "seq_len": ctx,
+                         "micro_batch": 1, "precision": "fp32", "measured_step_s": m["step_time_s"],
+                         "step_times_s": json.dumps(m.get("step_times_s")),
+                         "predicted_step_s": pl.time.step_s, "error_pct": err_pct(pl.time.step_s, m["step_time_s"]),
+                         "measured_forward_s": m.get("forward_s"), "measured_backward_s": m.get("backward_s"),
+                         "measured_optimizer_s": m.get("optimizer_s"), "predicted_optimizer_s": pl.time.optimizer_s,
+                         "bench_fp32_gflops": hw.peak_fp32_tflops * 1e3, "bench_sustained_fp32": hw.sustained_fp32,
+                         "layer_overhead_fwd_s": hw.layer_overhead_fwd_s,
+                         "layer_overhead_bwd_s": hw.layer_overhead_bwd_s,
+                         "microbatch_overhead_s": hw.microbatch_overhead_s, "torch_threads": threads,
+                         "measured_loadavg": os.getloadavg()[0],
+                         "hardware": "cpu (measured by megatrain.planner.bench_cpu at run time)"})
+            log(f"  {b:9s} {ctx:5d} tokens: measured {m['step_time_s']:.3f} s, predicted {pl.time.step_s:.3f} s "
+                f"({rows[-1]['error_pct']:+.1f}%)")
+    # The comparison the planner exists for: each backend's step over torch's, measured and predicted.
+    by = {(r["seq_len"], r["backend"]): r for r in rows}
+    for r in rows:
+        ref = by.get((r["seq_len"], "torch"))
+        r["measured_vs_torch"] = r["measured_step_s"] / ref["measured_step_s"] if ref else float("nan")
+        r["predicted_vs_torch"] = r["predicted_step_s"] / ref["predicted_step_s"] if ref else float("nan")
+    return rows
+
+
 def _write(rows: list[dict[str, Any]], path: Path, cols: list[str]) -> None:
     import pandas as pd
 
@@ -472,6 +528,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="instead of the link sweep: peak host memory predicted vs measured for these presets "
                          "(comma list), written to OUT/host_memory.csv")
     ap.add_argument("--host-context", type=int, default=256, help="tokens per step for --host-models")
+    ap.add_argument("--backends", default="",
+                    help="instead of the link sweep: every listed backend (comma list of megatrain, zero3, torch) "
+                         "predicted vs measured at --backend-contexts, written to OUT/backends.csv")
+    ap.add_argument("--backend-contexts", default="128,384,1024", help="tokens per step for --backends")
     ap.add_argument("--measure-one", help=argparse.SUPPRESS)  # internal: one point, JSON in and out
     ap.add_argument("--fit-one", help=argparse.SUPPRESS)  # internal: the engine fit's periods, JSON in and out
     args = ap.parse_args(argv)
@@ -486,6 +546,13 @@ def main(argv: list[str] | None = None) -> int:
                              threads=args.threads or None)
         _write(rows, out / "host_memory.csv", ["model", "params", "allocator", "measured_rss_growth_bytes",
                                                "predicted_host_growth_bytes", "host_error_pct", "measured_step_s"])
+        return 0
+    if args.backends:
+        rows = validate_backends(args.model, tuple(int(c) for c in args.backend_contexts.split(",")),
+                                 tuple(b for b in args.backends.split(",") if b), args.steps,
+                                 args.threads or None)
+        _write(rows, out / "backends.csv", ["backend", "seq_len", "measured_step_s", "predicted_step_s", "error_pct",
+                                            "measured_vs_torch", "predicted_vs_torch"])
         return 0
     rows = validate(args.model, args.context, parse_gbps(args.gbps), args.warmup, args.steps, args.quick_bench,
                     args.threads or None, args.repeats)

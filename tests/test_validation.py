@@ -91,3 +91,21 @@ def test_peak_host_memory_prediction_within_target():
     assert abs(row["host_error_pct"]) <= HOST_TOL_PCT, (
         f"predicted {row['predicted_host_growth_bytes'] / 2**20:.1f} MiB vs measured "
         f"{row['measured_rss_growth_bytes'] / 2**20:.1f} MiB ({row['host_error_pct']:+.1f}%)")
+
+
+def test_backend_validation_measures_and_predicts_each_backend(tmp_path):
+    # The plumbing of `--backends`: every backend point runs through the harness in its own process and
+    # meets its own plan; ratios are against torch at the same context (zero3 has its own test module,
+    # which needs the DeepSpeed build; here the two cheap backends).
+    from experiments.validate_planner import validate_backends
+
+    rows = validate_backends("tiny", contexts=(48,), backends=("megatrain", "torch"), steps=2, work_dir=tmp_path,
+                             quick_bench=True, log=lambda *_: None)
+    assert [(r["backend"], r["seq_len"]) for r in rows] == [("megatrain", 48), ("torch", 48)]
+    for r in rows:
+        assert r["measured_step_s"] > 0 and r["predicted_step_s"] > 0
+        assert r["error_pct"] == pytest.approx(100 * (r["predicted_step_s"] / r["measured_step_s"] - 1))
+    mt, pt = rows
+    assert pt["measured_vs_torch"] == 1.0 and pt["predicted_vs_torch"] == 1.0
+    assert mt["measured_vs_torch"] == pytest.approx(mt["measured_step_s"] / pt["measured_step_s"])
+    assert mt["predicted_step_s"] != pt["predicted_step_s"]  # each backend gets its own model
