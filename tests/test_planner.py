@@ -62,6 +62,17 @@ def test_bf16_shadow_covers_streamed_layers_only():
     assert _states(paper) == 12 * m.param_count()
 
 
+def test_design_what_ifs_are_marked_as_not_what_the_engine_runs():
+    m = get_preset("qwen2.5-7b")
+    assert not any("what-if" in w for w in plan(m, 1024, hardware=H200).warnings)
+    for knobs, named in ((dict(master="hilo"), "master='hilo'"), (dict(optimizer_overlap=True), "optimizer_overlap=True"),
+                         (dict(master="bf16", host_grad_dtype="bfloat16"), "master='bf16', host_grad_dtype='bfloat16'")):
+        (w,) = [w for w in plan(m, 1024, hardware=H200, **knobs).warnings if "what-if" in w]
+        assert w.startswith(named) and "not what the engine runs today" in w
+    # the baselines are what DeepSpeed and torch run: nothing to mark
+    assert not any("what-if" in w for w in plan(m, 1024, hardware=H200, backend="zero3", master="hilo").warnings)
+
+
 def test_zero3_host_follows_deepspeed_estimator():
     m = get_preset("qwen2.5-14b")
     z = plan(m, 1024, backend="zero3", hardware=H200)

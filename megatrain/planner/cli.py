@@ -163,9 +163,12 @@ def _add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--loss-chunk-tokens", type=_auto_int, default="auto",
                     help="head/loss chunk (EngineConfig.loss_chunk_tokens): int or auto (the engine's policy)")
     ap.add_argument("--master", default="fp32", choices=["fp32", "hilo", "bf16"],
-                    help="host master weights: fp32 (+bf16 shadow), exact hi/lo split, or bf16 (paper's code)")
-    ap.add_argument("--host-grad-dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--optimizer-overlap", action="store_true")
+                    help="host master weights: fp32 (+bf16 shadow), exact hi/lo split, or bf16 (paper's code); "
+                         "the engine runs fp32, the others are design what-ifs")
+    ap.add_argument("--host-grad-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="host gradient slabs (the engine runs float32; bfloat16 is a what-if)")
+    ap.add_argument("--optimizer-overlap", action="store_true",
+                    help="what-if: CPU AdamW layer by layer during the last backward (the engine runs it after)")
     ap.add_argument("--link-gbs", type=float, help="override the link rate (GB/s per direction)")
     ap.add_argument("--host-memory-gib", type=float)
     ap.add_argument("--device-memory-gib", type=float)

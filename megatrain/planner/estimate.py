@@ -52,6 +52,10 @@ ZERO3_REDUCE_BUCKET = 5e8  # reduce_bucket_size default (elements)
 PAGEABLE_LINK_FRACTION = 0.5  # assumption: pageable copies reach about half the pinned rate
 
 
+# What the engine implements of the planner's design knobs; other values are what-ifs the plan marks.
+ENGINE_RUNS = {"master": "fp32", "host_grad_dtype": "float32", "optimizer_overlap": False}
+
+
 @dataclass(frozen=True)
 class Point:
     """One training configuration to plan."""
@@ -996,6 +1000,11 @@ def plan_point(p: Point, hw: Hardware, host_avail: int | None = None, device_ava
                      f"{p.model.max_positions}: the engine refuses it unless RoPE is extended")
     if p.backend == "megatrain" and p.optimizer_overlap and hw.unified_memory:
         notes.append("on a CPU 'device' the overlapped optimizer competes with compute for the same cores")
+    if p.backend == "megatrain":
+        whatif = [f"{k}={getattr(p, k)!r}" for k, v in ENGINE_RUNS.items() if getattr(p, k) != v]
+        if whatif:
+            notes.append(f"{', '.join(whatif)}: a design what-if, not what the engine runs today "
+                         f"({', '.join(f'{k}={v!r}' for k, v in ENGINE_RUNS.items())})")
     lc = None
     if p.backend == "megatrain":
         # the offload/tile choice is the engine's own (tiling.LongContextPolicy), so the plan is what runs
