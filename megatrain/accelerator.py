@@ -161,10 +161,18 @@ class AcceleratedOptimizer:
         return self._skipped
 
     def state_dict(self) -> dict[str, Any]:
+        self._synchronize()
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._synchronize()
         self.optimizer.load_state_dict(state)
+
+    def _synchronize(self) -> None:
+        # megatrain with optimizer_overlap may still be updating layers on a host thread
+        sync = getattr(self._backend, "synchronize", None)
+        if sync is not None:
+            sync()
 
     def __getattr__(self, name: str) -> Any:
         return _forward_attr(self, "optimizer", name)

@@ -240,6 +240,10 @@ class MegatrainBackend:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._require_engine().zero_grad()
 
+    def synchronize(self) -> None:
+        """Wait for the engine's queued work (copies, overlapped layer updates) before state is read."""
+        self._require_engine().synchronize()
+
     def step_was_skipped(self) -> bool:
         return self._skipped
 
@@ -263,6 +267,7 @@ class MegatrainBackend:
         from .checkpoint import write_safetensors
 
         d = Path(directory)
+        self.synchronize()
         write_safetensors(d / _MODEL_FILE, self._unique_named_tensors())
         torch.save(self._require_engine().optimizer.state_dict(), d / _OPTIMIZER_FILE)
 
@@ -273,4 +278,5 @@ class MegatrainBackend:
         d = Path(directory)
         eng.load_state_dict(load_file(str(d / _MODEL_FILE)), strict=True)
         eng.zero_grad()
+        eng.synchronize()
         eng.optimizer.load_state_dict(torch.load(d / _OPTIMIZER_FILE, map_location="cpu", weights_only=True))

@@ -34,6 +34,10 @@ class EngineConfig:
     trace: bool = False  # record a per-layer timeline of compute and copy streams
     watchdog_s: float = 600.0  # a stream with no progress for this long raises instead of hanging
     skip_nonfinite: bool = True  # a step whose gradients hold NaN/inf is skipped (params untouched)
+    # The host AdamW a layer at a time on its own thread after step() returns, overlapped with the next
+    # forward (each layer's load waits for its update): same math (engine/optim.py). Parameters and optimizer
+    # state read by hand between step() and the next forward need engine.synchronize() first.
+    optimizer_overlap: bool = False
     max_bad_steps: int = 5  # ... and this many consecutive skipped steps stop training with an error
     # glibc: fix the mmap threshold at this many bytes, so freed host blocks at least this big leave the
     # resident set at once (engine/malloc.py). None (default): glibc's dynamic threshold, which keeps freed
@@ -44,7 +48,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         # A switch given as "no" or {} would be truthy: the opposite of what was meant, silently.
-        for name in ("pin_memory", "measure_device_memory", "trace", "skip_nonfinite"):
+        for name in ("pin_memory", "measure_device_memory", "trace", "skip_nonfinite", "optimizer_overlap"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (value is None and name == "pin_memory"):
                 raise ValueError(f"{name}={value!r} must be true or false")

@@ -339,6 +339,7 @@ class MegaTrainEngine:
         `keep_last=N` (MegaTrain's addition) deletes all but the N newest checkpoints afterwards.
         """
         tag = tag if tag is not None else f"global_step{self.global_steps}"
+        self.engine.synchronize()  # layer updates still queued (optimizer_overlap) land first
         tensors: dict[str, torch.Tensor] = {}
         for name, p in self.engine.named_parameters():
             tensors[_MODEL + name] = p.detach()
@@ -377,6 +378,7 @@ class MegaTrainEngine:
         model_sd = {k[len(_MODEL):]: v for k, v in tensors.items() if k.startswith(_MODEL)}
         self.engine.load_state_dict(model_sd, strict=load_module_strict)
         self.engine.zero_grad()
+        self.engine.synchronize()
         if not load_module_only:
             if load_optimizer_states and self.optimizer is not None and "optimizer" in meta:
                 self.optimizer.load_state_dict(_optimizer_from(meta["optimizer"], tensors))

@@ -25,6 +25,7 @@ from .loading import load_checkpoint_into, skeleton_from_dir
 from .loss import chunked_causal_lm_loss
 from .malloc import set_mmap_threshold
 from .memtrack import DeviceMemoryTracker
+from .optim import LayeredStep, unsupported_reason
 from .preflight import host_preflight
 from .schedule import LayerPipeline
 from .store import HostStore
@@ -165,6 +166,14 @@ class Engine:
                                       policy=policy)
         self.optimizer = self._make_optimizer(optimizer, originals)
         del originals
+        self._layered: LayeredStep | None = None
+        if config.optimizer_overlap:
+            reason = unsupported_reason(self.optimizer)
+            if reason is not None:
+                warnings.warn(f"optimizer_overlap: {reason}, so it steps whole after backward", stacklevel=2)
+            else:
+                self._layered = LayeredStep(self.optimizer, self.store, self.trace_log, config.watchdog_s)
+                self.pipeline.updated, self.pipeline.zeroed = self._layered.updated, self._layered.zeroed
         self._pending: _Pending | None = None
         self._norm: float | None = None  # cached gradient norm, valid until grads change
         self.skipped_steps = 0
@@ -307,6 +316,8 @@ class Engine:
 
     def _all_grads(self) -> list[torch.Tensor]:
         self.pipeline.synchronize_grads()
+        if self._layered is not None:
+            self._layered.synchronize()  # a zeroing still queued
         return [g.grad for g in self.store.groups()]
 
     def grad_norm(self) -> float:
@@ -346,29 +357,49 @@ class Engine:
         self._bad_in_a_row = 0
         for g in self.store.groups():
             g.link_grads()
-        self.optimizer.step()
-        self._masters_changed()
+        if self._layered is not None:
+            # Globals now, layers queued in forward order; each layer's load waits for its update.
+            self._layered.step(lambda i: self.store.layers[i].refresh_shadow())
+            self._globals_changed()
+            self.pipeline.invalidate()
+        else:
+            self.optimizer.step()
+            self._masters_changed()
         self._stats["optimizer_s"] += time.perf_counter() - t0
         return True
+
+    def synchronize(self) -> None:
+        """Wait for every queued copy and (with optimizer_overlap) the layer updates still running:
+        call it before reading parameters, gradients or optimizer state by hand."""
+        self.streams.synchronize()
+        self.pipeline.synchronize_grads()
+        if self._layered is not None:
+            self._layered.synchronize()
 
     def _masters_changed(self) -> None:
         for g in self.store.layers:
             g.refresh_shadow()
+        self._globals_changed()
+        self.pipeline.invalidate()
+
+    def _globals_changed(self) -> None:
         if not self._alias_globals:
             with torch.no_grad():
                 for dev, master in zip(self._device_globals, self.store.globals.params):
                     dev.copy_(master, non_blocking=True)
-        self.pipeline.invalidate()
 
     def zero_grad(self) -> None:
         self.pipeline.synchronize_grads()
-        self.store.zero_grad()
+        if self._layered is not None:
+            self._layered.zero_grad()  # each layer's after its queued update, off this thread
+        else:
+            self.store.zero_grad()
         self._norm = None
 
     # -- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         """HF-named FP32 copies of every parameter (tied weights under each of their names)."""
-        self.pipeline.synchronize_grads()
+        self.synchronize()
         named = dict(self.named_parameters())
         out = {n: p.detach().clone() for n, p in named.items()}
         out.update({a: out[n] for a, n in self._aliases.items()})
@@ -380,6 +411,7 @@ class Engine:
         unexpected = [n for n in state if n not in named and n not in self._aliases]
         if strict and (missing or unexpected):
             raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        self.synchronize()
         with torch.no_grad():
             for n, p in named.items():
                 if n in state:
@@ -401,6 +433,8 @@ class Engine:
 
     def reset_stats(self) -> None:
         self.streams.reset_counters()
+        if self._layered is not None:
+            self._layered.reset_counters()
         self._act_peak = 0
         if self.memory is not None:
             self.memory.reset_peak()
@@ -411,9 +445,11 @@ class Engine:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def collect_stats(self) -> dict[str, float]:
-        """Accounting since the last reset (waits for outstanding copies)."""
-        self.streams.synchronize()
+        """Accounting since the last reset (waits for outstanding copies and layer updates)."""
+        self.synchronize()
         out = dict(self._stats)
+        if self._layered is not None:
+            out["optimizer_busy_s"] = self._layered.busy_s  # on its own thread; optimizer_s is what step() took
         out.update(
             h2d_bytes=self.streams.h2d.bytes, d2h_bytes=self.streams.d2h.bytes,
             h2d_busy_s=self.streams.h2d.busy_s, d2h_busy_s=self.streams.d2h.busy_s,

@@ -31,6 +31,10 @@ class LayerPipeline:
         self.resident: list[int | None] = [None] * k
         self.loaded: list[Event] = [DONE] * k
         self.freed: list[Event] = [DONE] * k
+        # Per layer, the host jobs of the overlapped optimizer (engine/optim.py; DONE otherwise): its update,
+        # before its weights are loaded, and its gradient zeroing, before its slab is written again.
+        self.updated: list[Event] = [DONE] * len(store.layers)
+        self.zeroed: list[Event] = [DONE] * len(store.layers)
         self._rng: dict[int, tuple] = {}
         self.policy = policy
         self.tile: int | None = None  # MLP sequence tile of the current batch (None: untiled)
@@ -84,7 +88,7 @@ class LayerPipeline:
             dst.copy_(src, non_blocking=True)
             return src.numel() * src.element_size()
 
-        self.loaded[slot] = self.streams.h2d.submit(load, self.freed[slot], "load", layer)
+        self.loaded[slot] = self.streams.h2d.submit(load, (self.freed[slot], self.updated[layer]), "load", layer)
         self.resident[slot] = layer
 
     def _acquire(self, order: list[int], n: int, phase: str) -> int:
@@ -106,7 +110,7 @@ class LayerPipeline:
                     group.view(group.grad, slot).add_(g)
                 return nbytes
 
-            self.streams.d2h.submit(reduce, after, "grad", layer)
+            self.streams.d2h.submit(reduce, (after, self.zeroed[layer]), "grad", layer)
             return
         i = self._next_staging
         self._next_staging ^= 1
@@ -126,7 +130,7 @@ class LayerPipeline:
             group.grad.add_(staging)
             return 0
 
-        self._staging_free[i] = self._reducer.submit(reduce, copied, "reduce", layer)
+        self._staging_free[i] = self._reducer.submit(reduce, (copied, self.zeroed[layer]), "reduce", layer)
 
     def synchronize_grads(self) -> None:
         self.streams.d2h.synchronize()

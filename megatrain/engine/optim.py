@@ -1,0 +1,110 @@
+"""The host optimizer step, layer by layer on its own thread, overlapped with the next forward.
+
+`step()` returns once the global parameters (embedding, final norm, head) are updated; each decoder
+layer's update (with its bf16 shadow refresh) is a job on an "optimizer" host stream, queued in forward
+order, and `zero_grad()` queues each layer's gradient zeroing behind them. The next forward's load of
+layer i waits for that layer's update (`updated[i]`) and the next reduction into its gradient slab for
+its zeroing (`zeroed[i]`): every layer is updated before it is used and zeroed before it is written, the
+same math as one `optimizer.step()`, with the CPU's AdamW hidden behind the device's forward. The global
+gradient norm (clipping) and the non-finite check read every gradient before the first update, as they
+do without overlap. Only torch's Adam and AdamW are split this way (per-parameter state, no step hooks);
+any other optimizer steps whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .store import FlatGroup, HostStore
+from .stream import DONE, CopyStream, Event, Trace
+
+
+def unsupported_reason(opt: torch.optim.Optimizer) -> str | None:
+    """Why `opt` cannot be stepped a layer at a time with the same result, or None if it can."""
+    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW):
+        return f"{type(opt).__name__} is not torch's Adam or AdamW"
+    if any(g.get("differentiable") or g.get("capturable") for g in opt.param_groups):
+        return "differentiable/capturable Adam"
+    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
+        return "the optimizer has step hooks, which expect one step() per step"
+    return None
+
+
+class LayeredStep:
+    """Per-layer views of one torch optimizer, stepped on a host thread."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, trace: Trace, watchdog_s: float) -> None:
+        self.optimizer = optimizer
+        self.store = store
+        self.stream = CopyStream("optimizer", torch.device("cpu"), trace, None, watchdog_s)
+        self.updated: list[Event] = [DONE] * len(store.layers)  # the layer's weights may be loaded
+        self.zeroed: list[Event] = [DONE] * len(store.layers)  # the layer's gradient slab may be written
+        # One optimizer per layer over that layer's parameters, in the main optimizer's groups, sharing
+        # its state dict: per-parameter Adam state, so each view updates exactly its share.
+        self._views = [self._view(g) for g in store.layers]
+        self._globals = self._view(store.globals)
+
+    def _view(self, group: FlatGroup) -> tuple[torch.optim.Optimizer, list[int]] | None:
+        mine = {id(p) for p in group.params}
+        groups, index = [], []
+        for j, g in enumerate(self.optimizer.param_groups):
+            params = [p for p in g["params"] if id(p) in mine]
+            if params:
+                groups.append({**g, "params": params})
+                index.append(j)
+        if not groups:
+            return None
+        view = type(self.optimizer)(groups)
+        view.state = self.optimizer.state
+        return view, index
+
+    def _sync_hyperparameters(self, view: tuple[torch.optim.Optimizer, list[int]] | None) -> None:
+        # Taken now: an LR schedule stepped right after step() returns is for the next step, as in torch.
+        if view is None:
+            return
+        opt, index = view
+        opt.state = self.optimizer.state  # load_state_dict replaces it
+        for g, j in zip(opt.param_groups, index):
+            src = self.optimizer.param_groups[j]
+            g.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in src.items() if k != "params"})
+
+    def step(self, after_layer: Callable[[int], None]) -> None:
+        """Update the globals now and queue every layer's update; `after_layer(i)` runs after layer i's."""
+        self.synchronize()  # the previous step's jobs (cheap: the forward has waited for them already)
+        self._sync_hyperparameters(self._globals)
+        if self._globals is not None:
+            self._globals[0].step()
+        for i, view in enumerate(self._views):
+            self._sync_hyperparameters(view)
+
+            def job(view=view, i=i) -> int:
+                if view is not None:
+                    view[0].step()
+                after_layer(i)
+                return 0
+
+            self.updated[i] = self.stream.submit(job, (), "adam", i)
+        # LR schedulers check that optimizer.step() ran before them; it did, a layer at a time.
+        self.optimizer._opt_called = True
+
+    def zero_grad(self) -> None:
+        """Zero the global gradients now and each layer's after its queued update."""
+        self.store.globals.grad.zero_()
+        for i, group in enumerate(self.store.layers):
+            def job(group=group) -> int:
+                group.grad.zero_()
+                return 0
+
+            self.zeroed[i] = self.stream.submit(job, (), "zero", i)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    @property
+    def busy_s(self) -> float:
+        return self.stream.busy_s
+
+    def reset_counters(self) -> None:
+        self.stream.reset_counters()
