@@ -2,6 +2,7 @@
 
     python -m experiments.bench_engine rss   --preset llama-0.6b   # peak host RSS growth per parameter
     python -m experiments.bench_engine ratio --preset llama-100m   # engine vs plain PyTorch step time
+    python -m experiments.bench_engine overlap --preset llama-100m # optimizer_overlap on vs off
 
 `rss` runs in its own process so its peak RSS is its own. `ratio` times both backends in one process,
 interleaved, with the same FLOPs (HF gradient checkpointing on for PyTorch; the engine recomputes
@@ -113,9 +114,53 @@ def bench_ratio(preset: str, seq: int, batch: int, steps: int) -> dict:
             "engine_h2d_bytes_per_step": stats["h2d_bytes"] / steps}
 
 
+def bench_overlap(preset: str, seq: int, batch: int, rounds: int, threads: int = 1, run: int = 3) -> dict:
+    """Step time of the engine with the optimizer stepped whole vs overlapped (optimizer_overlap), clipping
+    on: each round times `run` consecutive steps per engine (the overlap hides one step's update behind the
+    next forward, so steps must follow each other) up to the last update landing; median over rounds,
+    the engines interleaved. Their losses must agree bit for bit. On a CPU device the optimizer thread
+    needs a core of its own: torch runs `threads` intra-op threads (1 of the 2 here)."""
+    from experiments.point import build_preset_model
+    from megatrain.config import EngineConfig
+    from megatrain.engine import Engine
+    from megatrain.models.presets import get_preset
+
+    torch.set_num_threads(threads)
+    p = get_preset(preset)
+    engines = {ov: Engine(build_preset_model(p, 0), EngineConfig(device="cpu", optimizer_overlap=ov))
+               for ov in (False, True)}
+    data = _batch(p.vocab, batch, seq)
+    per_step: dict[bool, list[float]] = {False: [], True: []}
+    losses: dict[bool, list[float]] = {False: [], True: []}
+    opt_s = 0.0
+    for r in range(rounds + 1):  # round 0 warms up
+        for ov, eng in engines.items():
+            eng.reset_stats()
+            t0 = time.perf_counter()
+            for _ in range(run):
+                loss = eng(**data).loss
+                eng.backward(loss)
+                eng.clip_grad_norm_(1.0)
+                eng.step()
+                eng.zero_grad()
+                losses[ov].append(loss.item())
+            eng.synchronize()
+            if r:
+                per_step[ov].append((time.perf_counter() - t0) / run)
+                if not ov:
+                    opt_s += eng.collect_stats()["optimizer_s"] / (run * rounds)
+    if losses[False] != losses[True]:
+        raise AssertionError(f"overlap changed the losses: {losses}")
+    whole, over = statistics.median(per_step[False]), statistics.median(per_step[True])
+    return {"preset": preset, "seq": seq, "batch": batch, "rounds": rounds, "steps_per_round": run,
+            "threads": threads, "whole_step_s": per_step[False], "overlap_step_s": per_step[True],
+            "speedup_whole_over_overlap": whole / over, "whole_optimizer_s_per_step": opt_s,
+            "losses_identical": True}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["rss", "ratio"])
+    ap.add_argument("what", choices=["rss", "ratio", "overlap"])
     ap.add_argument("--preset", default=None)
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--batch", type=int, default=2)
@@ -124,8 +169,10 @@ def main() -> None:
     a = ap.parse_args()
     if a.what == "rss":
         res = bench_rss(a.preset or "llama-0.6b", a.seq or 256, a.steps)
-    else:
+    elif a.what == "ratio":
         res = bench_ratio(a.preset or "llama-100m", a.seq or 512, a.batch, a.steps)
+    else:
+        res = bench_overlap(a.preset or "llama-100m", a.seq or 128, a.batch, a.steps)
     res["provenance"] = _provenance()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -226,10 +226,11 @@ PATHS = [
     ("megatrain", "offload_activations"), ("megatrain", "mlp_tile_tokens"), ("megatrain", "device_budget_bytes"),
     ("megatrain", "segment_attention"), ("megatrain", "measure_device_memory"), ("megatrain", "trace"),
     ("megatrain", "watchdog_s"), ("megatrain", "skip_nonfinite"), ("megatrain", "max_bad_steps"),
-    ("megatrain", "host_mmap_threshold_bytes"),
+    ("megatrain", "host_mmap_threshold_bytes"), ("megatrain", "optimizer_overlap"),
     ("megatrain", "no_such_setting"),
 ]
-_BOOL_SETTINGS = {("megatrain", k) for k in ("pin_memory", "measure_device_memory", "trace", "skip_nonfinite")}
+_BOOL_SETTINGS = {("megatrain", k) for k in ("pin_memory", "measure_device_memory", "trace", "skip_nonfinite",
+                                               "optimizer_overlap")}
 
 
 @st.composite

@@ -23,7 +23,8 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
                     device, a host thread after the copy on CUDA); fills, drains, the layers still resident
                     at the turn and across micro-batches, activation offload; + the embedding/head I/O the
                     engine does per device type (none on a CPU device in FP32: it aliases them) + CPU AdamW
-                    (bytes touched / host bandwidth) after backward unless optimizer_overlap.
+                    (bytes touched / host bandwidth) after backward, or with optimizer_overlap a layer at a
+                    time behind the next forward (the globals still in step()).
   zero3             DeepSpeed's 18 B/param x 1.5 buffers on the host; per module fetches (forward,
                     recompute, backward), head/embedding fetched per micro-batch, HF's full logits and
                     activations on the device; perfect prefetch by default (its best case).

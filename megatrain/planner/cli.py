@@ -168,7 +168,7 @@ def _add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--host-grad-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="host gradient slabs (the engine runs float32; bfloat16 is a what-if)")
     ap.add_argument("--optimizer-overlap", action="store_true",
-                    help="what-if: CPU AdamW layer by layer during the last backward (the engine runs it after)")
+                    help="the host AdamW a layer at a time behind the next forward (EngineConfig.optimizer_overlap)")
     ap.add_argument("--link-gbs", type=float, help="override the link rate (GB/s per direction)")
     ap.add_argument("--host-memory-gib", type=float)
     ap.add_argument("--device-memory-gib", type=float)

@@ -53,7 +53,7 @@ PAGEABLE_LINK_FRACTION = 0.5  # assumption: pageable copies reach about half the
 
 
 # What the engine implements of the planner's design knobs; other values are what-ifs the plan marks.
-ENGINE_RUNS = {"master": "fp32", "host_grad_dtype": "float32", "optimizer_overlap": False}
+ENGINE_RUNS = {"master": "fp32", "host_grad_dtype": "float32"}
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class Point:
     device_budget_bytes: int | None = None
     master: str = "fp32"  # fp32 (+ bf16 shadow in bf16 mode), hilo (exact split, no shadow), bf16 (paper's code)
     host_grad_dtype: str = "float32"
-    optimizer_overlap: bool = False  # CPU AdamW layer by layer during the last backward
+    optimizer_overlap: bool = False  # host AdamW layer by layer behind the next forward (EngineConfig)
     grad_clip: bool = True
     gradient_checkpointing: bool = True  # zero3 / torch only: megatrain always recomputes per layer
     zero3_pin_memory: bool = True
@@ -328,12 +328,13 @@ class Plan:
 def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dtype: str = "bfloat16",
                backend: str = "megatrain", engine_config: Any = None, **knobs: Any) -> Point:
     """Validate inputs into a Point. `engine_config` (an EngineConfig or anything with its attribute
-    names) supplies num_buffers, loss_chunk_tokens, offload_activations and compute_dtype."""
+    names) supplies num_buffers, loss_chunk_tokens, offload_activations, mlp_tile_tokens,
+    device_budget_bytes, optimizer_overlap and compute_dtype."""
     m = resolve_model(model)
     if engine_config is not None:
         dtype = getattr(engine_config, "compute_dtype", dtype)
         for k in ("num_buffers", "loss_chunk_tokens", "offload_activations", "mlp_tile_tokens",
-                  "device_budget_bytes"):
+                  "device_budget_bytes", "optimizer_overlap"):
             if hasattr(engine_config, k):
                 knobs.setdefault(k, getattr(engine_config, k))
     if "tile_tokens" in knobs:  # the planner's name before it took the engine's
@@ -850,11 +851,14 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool) -> Time:
     per_param = _optimizer_bytes_per_param(mb, gb, shadow, p.grad_clip)
     opt_busy = m.param_count() * per_param / hw.optimizer_bps
     if p.optimizer_overlap:
-        # what-if (the engine steps after backward): layer groups update as their gradients land,
-        # the embedding/head group and the last layer's update remain
-        opt_layers = L * PL * per_param / hw.optimizer_bps
-        opt_tail = (m.param_count() - L * PL + PL) * per_param / hw.optimizer_bps
-        opt_added = max(0.0, opt_layers - bwd_s / g) + opt_tail
+        # As EngineConfig(optimizer_overlap=True) runs it (engine/optim.py): the globals update in step(),
+        # the layers on a host thread in forward order while the next forward runs, each layer's forward
+        # waiting for its update. With u per layer update and f per layer forward, the first micro-batch's
+        # forward ends at max(L u + f, u + L f) instead of L f.
+        u = PL * per_param / hw.optimizer_bps
+        f_mb = fwd_s / g
+        opt_globals = (m.param_count() - L * PL) * per_param / hw.optimizer_bps
+        opt_added = opt_globals + max(L * u - f_mb + f_mb / L, u)
     else:
         opt_added = opt_busy
     step = sim.t + opt_added + io.up_s
