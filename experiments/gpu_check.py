@@ -16,7 +16,7 @@ poisoned): a hang or a crash costs that phase only. The parent publishes the sum
              the engine's own copy stream, and the bf16/fp32 matmul rate (the link and compute ceilings)
 - ds_build   DeepSpeed's CPU Adam compiled in the background while the correctness phases run
 - parity     engine vs plain PyTorch on the device: FP32 (Llama, tied Qwen2), bf16, offloaded
-             activations, 1 and 3 device buffers
+             activations, the overlapped optimizer (bit-identical to the whole step), 1 and 3 device buffers
 - sync       no synchronizing CUDA call inside the per-layer loop (torch.cuda.set_sync_debug_mode), with
              a planted `.item()` that must be caught; pinned buffers and side streams in use
 - stress     slowed copy and compute streams must not change results (stream waits, record_stream, the
@@ -613,6 +613,21 @@ def phase_parity(ctx: Ctx) -> None:
                                                                             os_[-1]["peak_activation_bytes"]]}
 
     ctx.check("offload_activations", offload)
+
+    def overlap() -> dict[str, Any]:
+        # The host optimizer a layer at a time behind the next forward: the same kernels in the same order
+        # on the device, so bit-identical to the whole step here too.
+        base = tiny_model("llama", sh)
+        whole = Engine(copy.deepcopy(base), EngineConfig(device=dev))
+        over = Engine(copy.deepcopy(base), EngineConfig(device=dev, optimizer_overlap=True))
+        wl, _, _ = _train_engine(whole, batches, steps, accum, clip)
+        ol, _, _ = _train_engine(over, batches, steps, accum, clip)
+        sw, so = whole.state_dict(), over.state_dict()
+        worst = max((sw[k] - so[k]).abs().max().item() for k in sw)
+        return {"ok": wl == ol and worst == 0.0 and over._layered is not None, "losses_equal": wl == ol,
+                "param_abs": worst}
+
+    ctx.check("optimizer_overlap", overlap)
     for k in (1, 3):
         ctx.check(f"num_buffers_{k}", lambda k=k: fp32("llama", False, num_buffers=k))
 
