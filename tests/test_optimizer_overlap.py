@@ -76,6 +76,25 @@ def test_user_groups_and_a_schedule_stepped_while_layers_are_still_queued():
     _same(whole, layered)
 
 
+def test_the_users_optimizer_zero_grad_cannot_make_a_queued_update_skip_a_layer():
+    """torch-style loops call optimizer.zero_grad(set_to_none=True) right after step(): the main params'
+    .grad become None while their layers' updates are still queued."""
+    whole, layered = _pair(tiny_model("llama", layers=3), stall=0.02)
+    batches = make_batches(3)
+    losses = {}
+    for eng in (whole, layered):
+        losses[eng] = []
+        for b in batches:
+            loss = eng(**b).loss
+            eng.backward(loss)
+            eng.step()
+            eng.optimizer.zero_grad(set_to_none=True)
+            eng.zero_grad()
+            losses[eng].append(loss.item())
+    assert losses[whole] == losses[layered]
+    _same(whole, layered)
+
+
 def test_bf16_shadows_are_refreshed_on_the_optimizer_thread():
     whole, layered = _pair(tiny_model("llama", layers=3), compute_dtype="bfloat16")
     batches = make_batches(3)

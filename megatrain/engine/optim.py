@@ -14,8 +14,10 @@ any other optimizer steps whole.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from .store import FlatGroup, HostStore
 from .stream import DONE, CopyStream, Event, Trace
@@ -32,6 +34,13 @@ def unsupported_reason(opt: torch.optim.Optimizer) -> str | None:
     return None
 
 
+@dataclass
+class _View:
+    optimizer: torch.optim.Optimizer  # over `own` params, groups mirroring the main optimizer's `index`
+    index: list[int]
+    pairs: list[tuple[nn.Parameter, nn.Parameter]]  # (own param, the main optimizer's param)
+
+
 class LayeredStep:
     """Per-layer views of one torch optimizer, stepped on a host thread."""
 
@@ -41,47 +50,54 @@ class LayeredStep:
         self.stream = CopyStream("optimizer", torch.device("cpu"), trace, None, watchdog_s)
         self.updated: list[Event] = [DONE] * len(store.layers)  # the layer's weights may be loaded
         self.zeroed: list[Event] = [DONE] * len(store.layers)  # the layer's gradient slab may be written
-        # One optimizer per layer over that layer's parameters, in the main optimizer's groups, sharing
-        # its state dict: per-parameter Adam state, so each view updates exactly its share.
+        # One optimizer per layer over that layer's parameters, in the main optimizer's groups. Its params
+        # are private Parameters on the same storage, their .grad the slab views for good (user code that
+        # sets the main params' .grad to None cannot make a queued update skip them); their Adam state is
+        # the main optimizer's own per-parameter dicts, so each view updates exactly its share of it.
         self._views = [self._view(g) for g in store.layers]
         self._globals = self._view(store.globals)
 
-    def _view(self, group: FlatGroup) -> tuple[torch.optim.Optimizer, list[int]] | None:
-        mine = {id(p) for p in group.params}
-        groups, index = [], []
+    def _view(self, group: FlatGroup) -> _View | None:
+        slot_of = {id(p): s for p, s in zip(group.params, group.slots)}
+        groups, index, pairs = [], [], []
         for j, g in enumerate(self.optimizer.param_groups):
-            params = [p for p in g["params"] if id(p) in mine]
-            if params:
-                groups.append({**g, "params": params})
+            mine = []
+            for p in g["params"]:
+                if id(p) in slot_of:
+                    own = nn.Parameter(p.detach())
+                    own.grad = group.view(group.grad, slot_of[id(p)])
+                    mine.append(own)
+                    pairs.append((own, p))
+            if mine:
+                groups.append({**g, "params": mine})
                 index.append(j)
         if not groups:
             return None
-        view = type(self.optimizer)(groups)
-        view.state = self.optimizer.state
-        return view, index
+        return _View(type(self.optimizer)(groups), index, pairs)
 
-    def _sync_hyperparameters(self, view: tuple[torch.optim.Optimizer, list[int]] | None) -> None:
-        # Taken now: an LR schedule stepped right after step() returns is for the next step, as in torch.
+    def _sync(self, view: _View | None) -> None:
+        """Hyper-parameters and state links taken now, on the caller's thread: an LR schedule stepped right
+        after step() returns is for the next step, as in torch; load_state_dict may have replaced state."""
         if view is None:
             return
-        opt, index = view
-        opt.state = self.optimizer.state  # load_state_dict replaces it
-        for g, j in zip(opt.param_groups, index):
+        for g, j in zip(view.optimizer.param_groups, view.index):
             src = self.optimizer.param_groups[j]
             g.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in src.items() if k != "params"})
+        for own, main in view.pairs:
+            view.optimizer.state[own] = self.optimizer.state[main]  # the same dict: filled in place
 
     def step(self, after_layer: Callable[[int], None]) -> None:
         """Update the globals now and queue every layer's update; `after_layer(i)` runs after layer i's."""
         self.synchronize()  # the previous step's jobs (cheap: the forward has waited for them already)
-        self._sync_hyperparameters(self._globals)
+        self._sync(self._globals)
         if self._globals is not None:
-            self._globals[0].step()
+            self._globals.optimizer.step()
         for i, view in enumerate(self._views):
-            self._sync_hyperparameters(view)
+            self._sync(view)
 
             def job(view=view, i=i) -> int:
                 if view is not None:
-                    view[0].step()
+                    view.optimizer.step()
                 after_layer(i)
                 return 0
 
