@@ -1004,13 +1004,12 @@ def plan_point(p: Point, hw: Hardware, host_avail: int | None = None, device_ava
                      f"{p.model.max_positions}: the engine refuses it unless RoPE is extended")
     if p.backend == "megatrain" and p.optimizer_overlap and hw.unified_memory:
         notes.append("on a CPU 'device' the overlapped optimizer competes with compute for the same cores")
+    lc = None
     if p.backend == "megatrain":
         whatif = [f"{k}={getattr(p, k)!r}" for k, v in ENGINE_RUNS.items() if getattr(p, k) != v]
         if whatif:
             notes.append(f"{', '.join(whatif)}: a design what-if, not what the engine runs today "
                          f"({', '.join(f'{k}={v!r}' for k, v in ENGINE_RUNS.items())})")
-    lc = None
-    if p.backend == "megatrain":
         # the offload/tile choice is the engine's own (tiling.LongContextPolicy), so the plan is what runs
         lc = long_context_plan(p, hw)
         if lc.budget is not None and lc.peak_bytes > lc.headroom * lc.budget:
