@@ -462,7 +462,12 @@ def validate_backends(model: str = "small-7m", contexts: tuple[int, ...] = (128,
     from megatrain.planner import bench_cpu, get_hardware, plan
     from megatrain.planner.shapes import resolve_model
 
-    preset = resolve_model(model)
+    from megatrain.planner.estimate import BACKENDS
+
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown or not backends:
+        raise ValueError(f"backends {unknown or backends!r}: name one or more of {', '.join(BACKENDS)}")
+    preset = resolve_model(model)  # an unknown model is refused here, before the minute of benchmarking
     prof = bench_cpu(quick=quick_bench, threads=threads)
     hw = get_hardware(prof)
     log(f"bench_cpu: {hw.peak_fp32_tflops * 1e3:.1f} GFLOPS x sustained {hw.sustained_fp32:.2f}, fixed "
@@ -563,4 +568,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ValueError as e:  # bad input: the message names it and the fix, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
