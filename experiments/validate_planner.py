@@ -460,9 +460,8 @@ def validate_backends(model: str = "small-7m", contexts: tuple[int, ...] = (128,
     from experiments.runner import run_point_subprocess
     from experiments.spec import Point
     from megatrain.planner import bench_cpu, get_hardware, plan
-    from megatrain.planner.shapes import resolve_model
-
     from megatrain.planner.estimate import BACKENDS
+    from megatrain.planner.shapes import resolve_model
 
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown or not backends:
