@@ -104,7 +104,7 @@ def test_bf16_shadows_are_refreshed_on_the_optimizer_thread():
 
 def test_without_the_waits_the_next_forward_reads_stale_weights():
     """Negative control: the per-layer waits are what makes it exact."""
-    whole, racy = _pair(tiny_model("llama", layers=4), stall=0.05)
+    whole, racy = _pair(tiny_model("llama", layers=4), stall=0.1)
     n = len(racy.store.layers)
     racy.pipeline.updated, racy.pipeline.zeroed = [DONE] * n, [DONE] * n  # loads and gradient writes no longer wait
     batches = make_batches(3)
@@ -116,7 +116,7 @@ def test_without_the_waits_the_next_forward_reads_stale_weights():
 
 def test_the_update_runs_behind_the_next_forward():
     eng = Engine(tiny_model("llama", layers=4), EngineConfig(optimizer_overlap=True, trace=True))
-    eng._layered.stream.stall_s = 0.02
+    eng._layered.stream.stall_s = 0.1  # layer 3's update ends ~0.4 s in; layer 0 computes after ~0.1 s
     batches = make_batches(2)
     train_engine(eng, batches[:1], 1)
     eng.trace_log.clear()
