@@ -315,10 +315,14 @@ class Engine:
                 group.view(group.grad, slot).add_(g.to("cpu", torch.float32))
 
     def _all_grads(self) -> list[torch.Tensor]:
+        self._wait_host_jobs()
+        return [g.grad for g in self.store.groups()]
+
+    def _wait_host_jobs(self) -> None:
+        """Gradients landed in their slabs and (optimizer_overlap) no layer update or zeroing still queued."""
         self.pipeline.synchronize_grads()
         if self._layered is not None:
-            self._layered.synchronize()  # a zeroing still queued
-        return [g.grad for g in self.store.groups()]
+            self._layered.synchronize()
 
     def grad_norm(self) -> float:
         """Global L2 norm of the accumulated gradients (torch's norm-of-norms)."""
@@ -372,9 +376,7 @@ class Engine:
         """Wait for every queued copy and (with optimizer_overlap) the layer updates still running:
         call it before reading parameters, gradients or optimizer state by hand."""
         self.streams.synchronize()
-        self.pipeline.synchronize_grads()
-        if self._layered is not None:
-            self._layered.synchronize()
+        self._wait_host_jobs()
 
     def _masters_changed(self) -> None:
         for g in self.store.layers:
