@@ -363,10 +363,11 @@ class Engine:
             g.link_grads()
         if self._layered is not None:
             # Globals now, layers queued in forward order; each layer's load waits for its update.
-            self._layered.step(lambda i: self.store.layers[i].refresh_shadow())
+            self._layered.step(lambda i: self.store.layers[i].refresh_shadow(), self.pipeline.landed)
             self._globals_changed()
             self.pipeline.invalidate()
         else:
+            self.pipeline.synchronize_grads()  # the step reads every slab, whatever the knobs
             self.optimizer.step()
             self._masters_changed()
         self._stats["optimizer_s"] += time.perf_counter() - t0

@@ -86,8 +86,12 @@ class LayeredStep:
         for own, main in view.pairs:
             view.optimizer.state[own] = self.optimizer.state[main]  # the same dict: filled in place
 
-    def step(self, after_layer: Callable[[int], None]) -> None:
-        """Update the globals now and queue every layer's update; `after_layer(i)` runs after layer i's."""
+    def step(self, after_layer: Callable[[int], None], landed: list[Event]) -> None:
+        """Update the globals now and queue every layer's update; `after_layer(i)` runs after layer i's.
+
+        Layer i's update starts only after `landed[i]`, its gradients' last reduction into the slab: the
+        updates run in forward order, the reverse of the order backward lands gradients in.
+        """
         self.synchronize()  # the previous step's jobs (cheap: the forward has waited for them already)
         self._sync(self._globals)
         if self._globals is not None:
@@ -101,7 +105,7 @@ class LayeredStep:
                 after_layer(i)
                 return 0
 
-            self.updated[i] = self.stream.submit(job, (), "adam", i)
+            self.updated[i] = self.stream.submit(job, (landed[i],), "adam", i)
         # LR schedulers check that optimizer.step() ran before them; it did, a layer at a time.
         self.optimizer._opt_called = True
 

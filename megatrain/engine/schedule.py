@@ -35,6 +35,9 @@ class LayerPipeline:
         # before its weights are loaded, and its gradient zeroing, before its slab is written again.
         self.updated: list[Event] = [DONE] * len(store.layers)
         self.zeroed: list[Event] = [DONE] * len(store.layers)
+        # Per layer, the last host job that adds into its gradient slab: whoever reads a layer's gradients
+        # (the optimizer, a norm, a checkpoint) waits for exactly this event first.
+        self.landed: list[Event] = [DONE] * len(store.layers)
         self._rng: dict[int, tuple] = {}
         self.policy = policy
         self.tile: int | None = None  # MLP sequence tile of the current batch (None: untiled)
@@ -110,7 +113,7 @@ class LayerPipeline:
                     group.view(group.grad, slot).add_(g)
                 return nbytes
 
-            self.streams.d2h.submit(reduce, (after, self.zeroed[layer]), "grad", layer)
+            self.landed[layer] = self.streams.d2h.submit(reduce, (after, self.zeroed[layer]), "grad", layer)
             return
         i = self._next_staging
         self._next_staging ^= 1
@@ -131,11 +134,12 @@ class LayerPipeline:
             return 0
 
         self._staging_free[i] = self._reducer.submit(reduce, (copied, self.zeroed[layer]), "reduce", layer)
+        self.landed[layer] = self._staging_free[i]
 
     def synchronize_grads(self) -> None:
-        self.streams.d2h.synchronize()
-        if self.device.type == "cuda":
-            self._reducer.synchronize()
+        """Block until every layer's gradients have landed in their host slabs."""
+        for event in self.landed:
+            event.host_wait(self.streams.watchdog_s)
 
     # -- compute ----------------------------------------------------------------------------------
     def forward(self, h: torch.Tensor, layer_inputs: list[tuple[tuple, dict]], acts: ActivationStore | None,
