@@ -3,6 +3,7 @@
     megatrain sweep experiments/sweeps/quick.yaml          # run (skips points already recorded)
     megatrain report results/quick                           # report.md + PNGs in results/quick
     megatrain train run.yaml                                 # one run with a progress bar
+    megatrain check-model gemma                              # does MegaTrain train this architecture exactly?
 """
 
 from __future__ import annotations
@@ -83,6 +84,23 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_check_model(args: argparse.Namespace) -> int:
+    from megatrain.check import check_model
+
+    try:
+        verdict = check_model(args.model)
+    except ValueError as e:
+        print(f"megatrain check-model: error: {e}", file=sys.stderr)
+        return 2
+    figures = ""
+    if verdict.max_grad_rel is not None:
+        figures = f" (first-step gradients within {verdict.max_grad_rel:.1e} relative"
+        figures += f", losses within {verdict.max_loss_diff:.1e})" if verdict.max_loss_diff is not None else ")"
+    print(f"{verdict.architecture}: {verdict.status}{figures}" + (f": {verdict.detail}" if verdict.detail else ""))
+    print(f"transformers {verdict.transformers_version}")
+    return 0 if verdict.exact else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="megatrain", description="MegaTrain: sweeps, reports and single runs.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
@@ -114,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key (YAML value), repeatable")
     tp.add_argument("--trace", default=None, help="write the engine trace of the last step here (megatrain)")
     tp.set_defaults(func=_cmd_train)
+
+    cp = sub.add_parser("check-model", help="prove MegaTrain trains an architecture exactly (parity probe)",
+                        description="Build a tiny model of the same class and structural options, train it with "
+                                    "plain PyTorch and with MegaTrain, compare gradients and losses. Exit 0 when "
+                                    "exact, 1 when refused/mismatched/crashed, 2 on bad input.")
+    cp.add_argument("model", help="a model type (e.g. llama, gemma) or a local checkpoint directory / config.json")
+    cp.set_defaults(func=_cmd_check_model)
 
     try:
         from megatrain import planner

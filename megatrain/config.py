@@ -45,10 +45,15 @@ class EngineConfig:
     # (llama-0.6b) to 8% (small-7m) and slowed steps 15-30% (page faults): a host-memory-bound CPU run's choice.
     # Process-wide. On CUDA the host transients are pinned or above glibc's limit, so it changes little.
     host_mmap_threshold_bytes: int | None = None
+    # Before taking a model whose architecture it has not verified (per model class, structural options and
+    # transformers version, cached), train a tiny model of the same class with PyTorch and with the engine and
+    # refuse on any difference (engine/probe.py). Off: for users who know the architecture is handled exactly.
+    parity_probe: bool = True
 
     def __post_init__(self) -> None:
         # A switch given as "no" or {} would be truthy: the opposite of what was meant, silently.
-        for name in ("pin_memory", "measure_device_memory", "trace", "skip_nonfinite", "optimizer_overlap"):
+        for name in ("pin_memory", "measure_device_memory", "trace", "skip_nonfinite", "optimizer_overlap",
+                     "parity_probe"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (value is None and name == "pin_memory"):
                 raise ValueError(f"{name}={value!r} must be true or false")

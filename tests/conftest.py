@@ -11,6 +11,14 @@ import transformers
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+
+def pytest_configure(config):
+    # The parity probe's verdicts (and device peaks) go to a cache of this session's own, never a user's:
+    # every run re-proves the architectures it builds.
+    import tempfile
+
+    os.environ["MEGATRAIN_CACHE"] = tempfile.mkdtemp(prefix="megatrain-test-cache-")
+
 FAMILIES = {
     "llama": transformers.LlamaConfig,
     "qwen2": transformers.Qwen2Config,

@@ -21,12 +21,14 @@ from ..models.adapter import DecoderParts, find_parts, install_recorders, record
 from .activations import ActivationStore
 from .attention import use_segment_attention
 from .batch import check_batch
+from .embedding import check_embedding, lookup_grad
 from .loading import load_checkpoint_into, skeleton_from_dir
 from .loss import chunked_causal_lm_loss
 from .malloc import set_mmap_threshold
 from .memtrack import DeviceMemoryTracker
 from .optim import LayeredStep, unsupported_reason
 from .preflight import host_preflight
+from .probe import verify_model
 from .schedule import LayerPipeline
 from .store import HostStore
 from .stream import Streams, Trace
@@ -94,6 +96,9 @@ class Engine:
             checkpoint_dir = Path(model)
             model = skeleton_from_dir(checkpoint_dir)
         parts = find_parts(model)
+        check_embedding(parts.embed)
+        if config.parity_probe:
+            verify_model(model, type(self))  # before any work: a refused model is left as it was
         self.parts: DecoderParts = parts
         self.module = model
         self.hf_config = model.config
@@ -297,16 +302,11 @@ class Engine:
         self._stats["backward_s"] += time.perf_counter() - t0
 
     def _add_embedding_grad(self, ids: torch.Tensor, g: torch.Tensor) -> None:
-        """Scatter-add the lookup's gradient into the embedding's slab rows (what nn.Embedding's backward
-        computes, without materializing a dense vocab x hidden gradient)."""
+        """Scatter-add the lookup's gradient into the embedding's slab rows (what the embedding module's
+        backward computes, scales included, without materializing a dense vocab x hidden gradient)."""
         group = self.store.globals
-        slot = group.slots[self._embed_slot]
-        rows, g = ids.reshape(-1).cpu(), g.reshape(-1, g.shape[-1]).to("cpu", torch.float32)
-        pad = self.parts.embed.padding_idx
-        if pad is not None:
-            keep = rows != pad
-            rows, g = rows[keep], g[keep]
-        group.view(group.grad, slot).index_add_(0, rows, g)
+        rows, grad = lookup_grad(self.parts.embed, ids, g)
+        group.view(group.grad, group.slots[self._embed_slot]).index_add_(0, rows.cpu(), grad.to("cpu", torch.float32))
 
     def _add_global_grads(self, grads: tuple) -> None:
         group = self.store.globals

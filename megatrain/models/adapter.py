@@ -54,6 +54,10 @@ def find_parts(model: nn.Module) -> DecoderParts:
     for attr in _LOGIT_TRANSFORMS:
         if getattr(config, attr, None) not in (None, 1.0, 1):
             raise ValueError(f"{kind} applies `{attr}` to its logits, which the chunked head does not model")
+    if getattr(config, "num_kv_shared_layers", None):
+        raise ValueError(f"{kind} shares keys/values across layers (num_kv_shared_layers="
+                         f"{config.num_kv_shared_layers}): its layers are not independent, so they cannot be "
+                         "recomputed one at a time; set num_kv_shared_layers=0 or train it with another backend")
     if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
         raise ValueError(f"{kind} is a mixture-of-experts model; MegaTrain supports dense decoder layers")
 
@@ -144,6 +148,14 @@ def record_layer_inputs(parts: DecoderParts, sink: list, inputs_embeds: torch.Te
         raise RuntimeError(f"expected {len(parts.layers)} layer calls from {type(parts.base).__name__}.forward, "
                            f"saw {len(sink)}: the model's layer loop is not supported")
     h0 = sink[0][0]
+    for i, (_, args, kw) in enumerate(sink):
+        trained = [k for k, v in [*enumerate(args), *kw.items()] if torch.is_tensor(v) and v.requires_grad]
+        if trained:
+            sink.clear()
+            raise ValueError(f"{type(parts.model).__name__} feeds decoder layer {i} inputs besides its hidden state "
+                             f"that depend on trained parameters ({trained}, e.g. per-layer input embeddings); "
+                             "MegaTrain differentiates each layer with respect to its hidden state and weights only, "
+                             "so those parameters would get no gradient")
     per_layer = [(args, {k: v for k, v in kw.items() if k not in ("cache", "past_key_values", "past_key_value")})
                  for _, args, kw in sink]
     sink.clear()

@@ -1,0 +1,265 @@
+"""The parity probe: before the engine trains an architecture, it proves it trains it exactly.
+
+The engine reproduces a Hugging Face model from its parts (embedding, streamed decoder layers, final norm,
+chunked head and loss). Any math the model does elsewhere (a scale in the wrapper, a softcap, inputs shared
+across layers) would be silently dropped. So on first use of an architecture the engine builds a tiny model of
+the same class and structural options (2 layers, small widths, every setting that is not a size kept), trains
+it a few steps with plain PyTorch and through the engine on the same batches, and compares first-step
+gradients and per-step losses. A mismatch refuses the real model and names the first parameter that differs.
+
+The verdict is cached per (model class, structural options, transformers version) in
+`$MEGATRAIN_CACHE` (default `~/.cache/megatrain`), so the real run pays about a second once.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+# First-step gradients relative to the tensor's largest entry, floored at 1e-3 of the model's largest gradient
+# (entries that are zero in exact arithmetic are rounding noise). Summation order alone gives up to ~2e-6 on tied
+# embeddings (measured: GPT-2's wte 1.4e-6), real defects give 1e-3 and more (Gemma's embedding scale: 0.9).
+# The steps are plain SGD: an update linear in the gradient, so a wrong gradient anywhere moves the next loss,
+# while Adam would turn rounding noise in near-zero gradients into +-lr updates and blur the comparison.
+GRAD_RTOL = 1e-5
+LOSS_ATOL = 1e-5
+STEPS = 3
+LR = 0.05
+
+# Settings that are sizes (or token ids, names, bookkeeping): shrunk or dropped, never part of the cache key.
+_SIZES = {
+    "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "head_dim": 16, "vocab_size": 256,
+    "num_hidden_layers": 2,
+}
+_IGNORED_KEYS = {"_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype", "_commit_hash",
+                 "pad_token_id", "bos_token_id", "eos_token_id", "use_cache", "output_attentions",
+                 "output_hidden_states", "return_dict", "_attn_implementation_autoset", "auto_map"}
+_VOCAB = 256
+_SEQ = 24
+
+
+class ModelMismatchError(ValueError):
+    """The parity probe found that the engine would train this architecture differently from PyTorch."""
+
+
+@dataclass
+class Verdict:
+    status: str  # "exact" | "mismatch" | "refused" | "crashed"
+    detail: str  # why (empty when exact)
+    architecture: str  # the model class
+    max_grad_rel: float | None = None  # worst first-step gradient error, relative (see GRAD_RTOL)
+    max_loss_diff: float | None = None  # worst per-step loss difference
+    transformers_version: str = transformers.__version__
+
+    @property
+    def exact(self) -> bool:
+        return self.status == "exact"
+
+
+def _kv_heads(config: Any, heads: int) -> int | None:
+    kv = vars(config).get("num_key_value_heads")
+    orig = vars(config).get("num_attention_heads")
+    if kv is None:
+        return None
+    if orig and kv == orig:
+        return heads  # multi-head attention stays multi-head
+    return 1 if kv == 1 else 2  # multi-query stays multi-query, grouped stays grouped
+
+
+def _two_layer_types(types: list) -> list:
+    """Two layers that keep every kind the model mixes, when there are two kinds (sliding + full attention)."""
+    kinds = list(dict.fromkeys(types))
+    return (kinds + kinds)[:2] if len(kinds) >= 2 else list(types[:2])
+
+
+def tiny_config(config: Any) -> Any:
+    """A copy of `config` with model sizes shrunk to a CPU's seconds and dropout off; structure kept."""
+    cfg = copy.deepcopy(config)
+    heads = _SIZES["num_attention_heads"]
+    present = vars(cfg)  # not getattr: heterogeneous configs raise on per-layer attributes read globally
+    for key, value in _SIZES.items():
+        if present.get(key) is not None:
+            setattr(cfg, key, value)
+    kv = _kv_heads(config, heads)
+    if kv is not None:
+        cfg.num_key_value_heads = kv
+    if isinstance(present.get("layer_types"), list):
+        cfg.layer_types = _two_layer_types(cfg.layer_types)
+    if isinstance(present.get("sliding_window"), int) and cfg.sliding_window:
+        cfg.sliding_window = 8  # shorter than the probe's sequence, so the window really cuts
+    for key, value in list(vars(cfg).items()):
+        if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
+            setattr(cfg, key, 0.0)
+    # Token ids must exist in the shrunk vocabulary; the padding id shapes the embedding (padding_idx).
+    for key, small in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
+        if present.get(key) is not None:
+            setattr(cfg, key, small)
+    if isinstance(present.get("initializer_range"), float):
+        # Larger weights than a fresh model's: logits and activations far from zero, where a dropped near-identity
+        # transform (a softcap, a small scale) changes the numbers visibly.
+        cfg.initializer_range = 0.1
+    cfg._attn_implementation = "eager" if getattr(config, "_attn_implementation", None) == "eager" else "sdpa"
+    return cfg
+
+
+def _build(model_cls: type, cfg: Any) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        try:
+            return model_cls(cfg)
+        except ValueError as exc:
+            if "attention implementation" not in str(exc) or cfg._attn_implementation == "eager":
+                raise
+            cfg._attn_implementation = "eager"  # architectures without SDPA support
+            torch.manual_seed(0)
+            return model_cls(cfg)
+
+
+def cache_key(model_cls: type, config: Any) -> str:
+    """What the verdict depends on: class, structural options (sizes excluded), library versions."""
+    try:
+        tiny = tiny_config(config).to_dict()
+    except Exception:  # noqa: BLE001 - a config the probe cannot shrink is keyed (and then refused) as it is
+        tiny = config.to_dict()
+    options = {k: v for k, v in tiny.items() if k not in _IGNORED_KEYS and k not in _SIZES}
+    blob = json.dumps([f"{model_cls.__module__}.{model_cls.__qualname__}", options, transformers.__version__,
+                       torch.__version__.split("+")[0]], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("MEGATRAIN_CACHE") or Path.home() / ".cache" / "megatrain") / "probe"
+
+
+def _batches(n: int, vocab: int, seed: int = 1234) -> list[dict[str, torch.Tensor]]:
+    """Left padding on one row and a few unlabelled tokens: the masks and the loss's ignore path are exercised."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(3, vocab, (2, _SEQ), generator=g)
+        mask = torch.ones_like(ids)
+        mask[1, : _SEQ // 4] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[0, torch.randint(0, _SEQ, (3,), generator=g)] = -100
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+def _grad_errors(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[tuple[str, float]]:
+    scale = max((g.abs().max().item() for g in ref.values()), default=0.0)
+    out = []
+    for name, g in ref.items():
+        e = got.get(name)
+        if e is None:
+            out.append((name, math.inf))
+            continue
+        floor = max(g.abs().max().item(), 1e-3 * scale, 1e-30)
+        out.append((name, (e - g).abs().max().item() / floor))
+    return out
+
+
+def run_probe(model_cls: type, config: Any, engine_factory: Callable[..., Any]) -> Verdict:
+    """Build a tiny `model_cls` of `config`'s structure and compare PyTorch and the engine on it."""
+    from ..config import EngineConfig  # the engine's own settings; a leaf module
+
+    arch = model_cls.__name__
+    try:
+        tiny = tiny_config(config)
+        ref = _build(model_cls, tiny)
+        ref.float().train()
+        mine = copy.deepcopy(ref)
+    except Exception as exc:  # noqa: BLE001 - any failure to build is reported, never swallowed silently
+        return Verdict("crashed", f"could not build a small {arch}: {type(exc).__name__}: {exc}", arch)
+    try:
+        engine = engine_factory(mine, EngineConfig(device="cpu", parity_probe=False),
+                                optimizer=torch.optim.SGD(mine.parameters(), lr=LR))
+    except (ValueError, NotImplementedError) as exc:
+        return Verdict("refused", str(exc), arch)
+    except Exception as exc:  # noqa: BLE001
+        return Verdict("crashed", f"the engine failed to take a small {arch}: {type(exc).__name__}: {exc}", arch)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    batches = _batches(STEPS, getattr(tiny, "vocab_size", _VOCAB))
+    worst_loss, worst_grad = 0.0, 0.0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for step, batch in enumerate(batches):
+                ref_loss = ref(**batch).loss
+                ref_loss.backward()
+                loss = engine(**batch).loss
+                engine.backward(loss)
+                if step == 0:
+                    engine.synchronize()
+                    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+                    got = {n: p.grad for n, p in engine.named_parameters()}
+                    errors = _grad_errors(ref_grads, {**got, **{a: got[n] for a, n in engine._aliases.items()}})
+                    worst_grad = max((e for _, e in errors), default=0.0)
+                    bad = next(((n, e) for n, e in errors if not e <= GRAD_RTOL), None)
+                    if bad is not None:
+                        return Verdict("mismatch", f"the gradient of {bad[0]} differs from PyTorch's by {bad[1]:.2e} "
+                                       f"(relative; tolerance {GRAD_RTOL:g})", arch, worst_grad)
+                diff = abs(ref_loss.item() - loss.item())
+                worst_loss = max(worst_loss, diff)
+                if not diff <= LOSS_ATOL:
+                    return Verdict("mismatch", f"the loss of step {step} differs from PyTorch's by {diff:.2e} "
+                                   f"(tolerance {LOSS_ATOL:g}); first-step gradients agreed", arch, worst_grad, diff)
+                opt.step()
+                opt.zero_grad()
+                engine.step()
+                engine.zero_grad()
+    except (ValueError, NotImplementedError) as exc:
+        return Verdict("refused", str(exc), arch, worst_grad or None)
+    except Exception as exc:  # noqa: BLE001
+        return Verdict("crashed", f"training a small {arch} failed: {type(exc).__name__}: {exc}", arch)
+    finally:
+        engine.synchronize()
+    return Verdict("exact", "", arch, worst_grad, worst_loss)
+
+
+_MEMO: dict[str, Verdict] = {}
+
+
+def verify_model(model: nn.Module, engine_factory: Callable[..., Any]) -> Verdict:
+    """Run (or recall) the probe for `model`'s architecture; raise `ModelMismatchError` unless it is exact."""
+    model_cls, config = type(model), model.config
+    key = cache_key(model_cls, config)
+    verdict = _MEMO.get(key)
+    path = _cache_dir() / f"{key}.json"
+    if verdict is None and path.exists():
+        try:
+            verdict = Verdict(**json.loads(path.read_text()))
+        except (ValueError, TypeError):
+            verdict = None  # a damaged cache entry is re-probed, never trusted
+    if verdict is None:
+        verdict = run_probe(model_cls, config, engine_factory)
+        _MEMO[key] = verdict
+        if verdict.status in ("exact", "mismatch"):  # refusals and crashes may depend on the environment
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(asdict(verdict)))
+                tmp.replace(path)
+            except OSError:
+                pass  # an unwritable cache costs a re-probe next time, nothing else
+    if not verdict.exact:
+        why = {"mismatch": "a small model of the same class and options trained through MegaTrain does not match "
+                           "plain PyTorch, so the real one would train wrong",
+               "refused": "MegaTrain cannot train this architecture exactly",
+               "crashed": "the probe could not show that MegaTrain trains this architecture exactly"}[verdict.status]
+        raise ModelMismatchError(
+            f"MegaTrain's parity probe refuses {verdict.architecture} ({verdict.status}): {verdict.detail}. In short, "
+            f"{why}. Train it with another backend; or, only if you know the difference is harmless, turn the probe "
+            "off with EngineConfig(parity_probe=False) (ds_config: \"megatrain\": {\"parity_probe\": false})")
+    return verdict
