@@ -16,9 +16,8 @@ from conftest import make_batches, tiny_model
 import megatrain
 from megatrain.cli import main as cli
 from megatrain.config import EngineConfig
-from megatrain.engine import Engine
+from megatrain.engine import Engine, probe
 from megatrain.engine import embedding as embedding_mod
-from megatrain.engine import probe
 
 ROOT = Path(__file__).resolve().parents[1]
 GEMMA = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
@@ -193,7 +192,6 @@ def test_check_model_cli(capsys):
 
 def test_the_compatibility_table_covers_every_causal_lm_and_reprobes_the_same():
     from experiments.compat_table import probe_type
-
     from megatrain.check import causal_lm_types
 
     rows = {r["model_type"]: r for r in csv.DictReader((ROOT / "results" / "compat" / "compat.csv").open())}
