@@ -143,16 +143,16 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("MEGATRAIN_CACHE") or Path.home() / ".cache" / "megatrain") / "probe"
 
 
-def _batches(n: int, vocab: int, seed: int = 1234) -> list[dict[str, torch.Tensor]]:
+def _batches(n: int, vocab: int, seq: int, seed: int = 1234) -> list[dict[str, torch.Tensor]]:
     """Left padding on one row and a few unlabelled tokens: the masks and the loss's ignore path are exercised."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        ids = torch.randint(3, vocab, (2, _SEQ), generator=g)
+        ids = torch.randint(3, vocab, (2, seq), generator=g)
         mask = torch.ones_like(ids)
-        mask[1, : _SEQ // 4] = 0
+        mask[1, : seq // 4] = 0
         labels = ids.masked_fill(mask == 0, -100)
-        labels[0, torch.randint(0, _SEQ, (3,), generator=g)] = -100
+        labels[0, torch.randint(0, seq, (3,), generator=g)] = -100
         out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
     return out
 
@@ -190,7 +190,9 @@ def run_probe(model_cls: type, config: Any, engine_factory: Callable[..., Any]) 
     except Exception as exc:  # noqa: BLE001
         return Verdict("crashed", f"the engine failed to take a small {arch}: {type(exc).__name__}: {exc}", arch)
     opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    batches = _batches(STEPS, getattr(tiny, "vocab_size", _VOCAB))
+    max_pos = vars(tiny).get("max_position_embeddings")
+    seq = min(_SEQ, max_pos) if isinstance(max_pos, int) and max_pos > 0 else _SEQ
+    batches = _batches(STEPS, vars(tiny).get("vocab_size") or _VOCAB, seq)
     worst_loss, worst_grad = 0.0, 0.0
     try:
         with warnings.catch_warnings():
