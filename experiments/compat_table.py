@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     for t in (bar := tqdm(types, unit="type", dynamic_ncols=True)):
         bar.set_postfix_str(t)
         rows.append(probe_type(t))
-        if args.only:
-            print(rows[-1], flush=True)
+        r = rows[-1]
+        tqdm.write(f"{t}: {r['status']} {r['max_grad_rel']} {r['max_loss_diff']} {r['detail'][:160]}")
     if not args.only:
         write(rows, Path(args.md), Path(args.csv))
         print(f"wrote {args.md} and {args.csv}")

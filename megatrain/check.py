@@ -29,8 +29,6 @@ def resolve(name_or_path: str | os.PathLike) -> tuple[type, Any]:
         raise ValueError(f"{str(name_or_path)!r} is neither a local checkpoint/config nor a causal-LM model type of "
                          f"transformers {transformers.__version__}" + (f" (close: {', '.join(close)})" if close else "")
                          + "; pass a model type such as 'llama' or a directory holding config.json")
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"{config.model_type} is an encoder-decoder model; MegaTrain trains decoder-only causal LMs")
     mapping = transformers.AutoModelForCausalLM._model_mapping
     if type(config) not in mapping:
         raise ValueError(f"{type(config).__name__} has no causal-LM class in transformers {transformers.__version__}")
@@ -40,6 +38,9 @@ def resolve(name_or_path: str | os.PathLike) -> tuple[type, Any]:
 def check_model(name_or_path: str | os.PathLike) -> Verdict:
     """The probe's verdict, computed now (never read from the cache)."""
     model_cls, config = resolve(name_or_path)
+    if getattr(config, "is_encoder_decoder", False):
+        return Verdict("refused", f"{config.model_type}'s config is an encoder-decoder one; MegaTrain trains "
+                       "decoder-only causal LMs", model_cls.__name__)
     return run_probe(model_cls, config, Engine)
 
 
