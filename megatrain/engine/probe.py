@@ -52,7 +52,7 @@ _IGNORED_KEYS = {"_name_or_path", "transformers_version", "architectures", "dtyp
 _MORE_SIZES = {
     "vocab_size_per_layer_input": 256, "hidden_size_per_layer_input": 16, "moe_intermediate_size": 64,
     "shared_expert_intermediate_size": 64, "n_routed_experts": 4, "num_experts": 4, "num_local_experts": 4,
-    "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    "kv_lora_rank": 16, "q_lora_rank": 32,
     "n_positions": 512, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": 128, "ffn_dim": 128, "d_model": 64,
 }
 _MAX_PARAMS = 20_000_000  # a "tiny" clone bigger than this has a size setting the probe does not know
@@ -102,6 +102,8 @@ def tiny_config(config: Any) -> Any:
         if isinstance(value, transformers.PretrainedConfig):  # composite models: text_config, vision_config, ...
             setattr(cfg, key, tiny_config(value))
     for key, value in {**_SIZES, **_MORE_SIZES}.items():
+        if key == "head_dim" and "qk_rope_head_dim" in present:
+            continue  # latent attention: head_dim is tied to the rotary part's width
         if isinstance(present.get(key), int) and not isinstance(present.get(key), bool) and present[key] > value:
             setattr(cfg, key, value)
     heads = vars(cfg).get("num_attention_heads") or vars(cfg).get("n_head") or _SIZES["num_attention_heads"]
@@ -238,8 +240,12 @@ def run_probe(model_cls: type, config: Any, engine_factory: Callable[..., Any]) 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for step, batch in enumerate(batches):
-                ref_loss = ref(**batch).loss
-                ref_loss.backward()
+                try:
+                    ref_loss = ref(**batch).loss
+                    ref_loss.backward()
+                except Exception as exc:  # noqa: BLE001
+                    return Verdict("crashed", f"plain transformers fails to train the small {arch} (the probe's "
+                                   f"shrunk config): {type(exc).__name__}: {exc}", arch)
                 loss = engine(**batch).loss
                 engine.backward(loss)
                 if step == 0:

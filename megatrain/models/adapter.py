@@ -103,6 +103,11 @@ class _CaptureDone(Exception):
     pass
 
 
+class _LayerOutput(tuple):
+    """What a recorder hands the model's layer loop: usable both as the hidden state passed straight to the next
+    layer (the next recorder unwraps it) and as a tuple the loop indexes (`hidden_states = outputs[0]`)."""
+
+
 class LayerInputRecorder(nn.Module):
     """Stands in for decoder layer `index`: records the inputs the model hands it, passes the state on.
 
@@ -120,10 +125,12 @@ class LayerInputRecorder(nn.Module):
                 setattr(self, attr, getattr(original, attr))
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        if isinstance(hidden_states, _LayerOutput):
+            hidden_states = hidden_states[0]
         self.sink.append((hidden_states, args, kwargs))
         if self.last:
             raise _CaptureDone
-        return hidden_states
+        return _LayerOutput((hidden_states,))
 
 
 def install_recorders(parts: DecoderParts, sink: list) -> nn.ModuleList:
