@@ -110,7 +110,7 @@ def tiny_config(config: Any) -> Any:
     kv = _kv_heads(config, heads)
     if kv is not None:
         cfg.num_key_value_heads = kv
-    if present.get("word_embed_proj_dim") == vars(config).get("hidden_size"):
+    if present.get("word_embed_proj_dim") is not None and present["word_embed_proj_dim"] == vars(config).get("hidden_size"):
         cfg.word_embed_proj_dim = cfg.hidden_size  # OPT: no projection around the layers unless the original has one
     if isinstance(present.get("layer_types"), list):
         cfg.layer_types = _two_layer_types(cfg.layer_types)

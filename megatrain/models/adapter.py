@@ -15,7 +15,7 @@ from torch import nn
 # Post-layer math in the *ForCausalLM wrapper that our chunked head would silently skip.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 _LAYER_STACK_NAMES = ("layers", "h", "blocks", "decoder_layers")
-_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm", "final_layer_norm", "layer_norm")
+_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm", "final_layer_norm", "layer_norm", "norm_f")
 
 
 @dataclass
