@@ -464,3 +464,28 @@ def test_generate_on_both_faces():
     model = acc.prepare(copy.deepcopy(ref))
     model.eval()
     assert torch.equal(acc.unwrap_model(model).generate(input_ids=ids, max_new_tokens=6, do_sample=False), want)
+
+
+def test_bf16_compute_state_dict_serves_fp32_masters_and_generate_matches_hf_bf16():
+    """Where the resident parameters are compute copies (bf16 here, the device on a GPU), state_dict() still
+    serves the FP32 masters, writes to a copy reach its master, and generate equals HF in bf16."""
+    ref = tiny_model("llama", layers=3)
+    model = copy.deepcopy(ref)
+    eng = Engine(model, EngineConfig(compute_dtype="bfloat16"))
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16  # the compute copy
+    sd = model.state_dict()
+    assert all(t.dtype == torch.float32 for t in sd.values())
+    assert_whole(sd, eng, "bf16 state_dict")
+    ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    got = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+    for p in ref.parameters():  # parameters only: the rotary table stays FP32, as the engine keeps it
+        p.data = p.data.to(torch.bfloat16)
+    want = ref.eval().generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, want)
+    emb = model.model.embed_tokens.weight
+    with megatrain.zero.GatheredParameters([emb], modifier_rank=0), torch.no_grad():
+        emb[3].fill_(0.25)
+    master = dict(eng.named_parameters())["model.embed_tokens.weight"]
+    assert torch.equal(master[3], torch.full((64,), 0.25))
+    assert torch.equal(model.state_dict()["model.embed_tokens.weight"][3], master[3])

@@ -1,4 +1,8 @@
-"""The engine: composes the host store, templates, streams and pipeline into forward / backward / step."""
+"""The engine: composes the host store, templates, streams and pipeline into forward / backward / step.
+
+The model it is given stays the user's whole model object: its parameters become the store's masters
+and its forward is routed here (model_object.py).
+"""
 
 from __future__ import annotations
 
