@@ -489,3 +489,26 @@ def test_bf16_compute_state_dict_serves_fp32_masters_and_generate_matches_hf_bf1
     master = dict(eng.named_parameters())["model.embed_tokens.weight"]
     assert torch.equal(master[3], torch.full((64,), 0.25))
     assert torch.equal(model.state_dict()["model.embed_tokens.weight"][3], master[3])
+
+
+def test_a_deepcopy_of_the_model_object_is_a_plain_independent_model():
+    """A reference/EMA copy taken after prepare (DPO does this) must not route into the engine."""
+    eng, model = _trained_engine(steps=1)
+    frozen = copy.deepcopy(model)
+    b = make_batches(1, seed=4)[0]
+    model.eval()
+    frozen.eval()
+    with torch.no_grad():
+        before = model(**b).logits
+        assert (frozen(**b).logits - before).abs().max() <= 1e-5
+    frozen.to(torch.float64)  # a plain model: conversions are its own business
+    frozen.float()
+    model.train()
+    eng.backward(model(**b).loss)
+    eng.step()
+    model.eval()
+    with torch.no_grad():
+        after = model(**b).logits
+        assert (after - before).abs().max() > 1e-4  # the engine trained on
+        assert (frozen(**b).logits - before).abs().max() <= 1e-5  # the copy did not move with it
+    assert_whole(model.state_dict(), eng, "original after the copy")

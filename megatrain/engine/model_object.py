@@ -40,13 +40,19 @@ def bind(engine: Engine) -> None:
     original = type(model).forward
     signature = inspect.signature(original)
 
+    # A copy of the model (copy.deepcopy) carries these methods along, bound to itself: it is a plain model
+    # with its own weights then, so each of them serves the copy as the HF class would.
     @functools.wraps(original)
     def forward(self: nn.Module, *args: Any, return_logits: bool | None = None, **kwargs: Any) -> Any:
+        if self is not engine.module:
+            return original(self, *args, **kwargs)
         return _route(engine, original, signature, self, args, kwargs, return_logits)
 
     @functools.wraps(nn.Module.state_dict)
     def state_dict(self: nn.Module, *args: Any, destination: Any = None, prefix: str = "",
                    keep_vars: bool = False) -> dict[str, Any]:
+        if self is not engine.module:
+            return type(self).state_dict(self, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
         engine.synchronize()  # overlapped layer updates land first: never a half-updated snapshot
         out = type(self).state_dict(self, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
         for name, master in engine.global_masters():
@@ -57,6 +63,8 @@ def bind(engine: Engine) -> None:
     @functools.wraps(nn.Module.load_state_dict)
     def load_state_dict(self: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True,
                         assign: bool = False) -> Any:
+        if self is not engine.module:
+            return type(self).load_state_dict(self, state_dict, strict=strict, assign=assign)
         if assign:
             raise ValueError("load_state_dict(assign=True) would replace the tensors the engine trains; "
                              "call it with assign=False (the default)")
@@ -73,11 +81,11 @@ def _route(engine: Engine, original: Any, signature: inspect.Signature, model: n
            kwargs: dict[str, Any], return_logits: bool | None) -> Any:
     kw = _named_arguments(signature, model, args, kwargs)
     train = model.training and torch.is_grad_enabled()
-    wants_hf = any(kw.get(k) not in (None, False) for k in _HF_ONLY)
+    wants_hf = any(_given(kw.get(k)) for k in _HF_ONLY)
     if wants_hf and not train:
         return _streamed_hf_forward(engine, original, model, kw, return_logits)
     if wants_hf:
-        asked = sorted(k for k in _HF_ONLY if k != "use_cache" and kw.get(k) not in (None, False))
+        asked = sorted(k for k in _HF_ONLY if k != "use_cache" and _given(kw.get(k)))
         if asked:
             raise ValueError(f"{asked} in a training forward: the training path keeps no KV cache and no per-layer "
                              "outputs. Call model.eval() or run under torch.no_grad() for generation and "
@@ -102,6 +110,10 @@ def _route(engine: Engine, original: Any, signature: inspect.Signature, model: n
         return_logits = not (train and labels is not None)
     out = engine.forward(labels=labels, return_logits=return_logits, logits_to_keep=logits_to_keep, **call)
     return out.to_tuple() if return_dict is False else out
+
+
+def _given(value: Any) -> bool:
+    return value is not None and value is not False  # never `in (None, False)`: a tensor would compare elementwise
 
 
 def _named_arguments(signature: inspect.Signature, model: nn.Module, args: tuple,
@@ -160,6 +172,8 @@ def _load(engine: Engine, model: nn.Module, state: dict[str, torch.Tensor], stri
 
 
 def _guarded_apply(engine: Engine, module: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> nn.Module:
+    if not any(m is module for m in engine.module.modules()):  # a copy: a plain module of its own
+        return nn.Module._apply(module, fn, *args, **kwargs)
     # An empty tensor of each dtype/device the module holds shows what the conversion would do, without
     # copying anything: a no-op (model.to(its own device)) passes, anything else would detach the weights.
     for t in itertools.chain(module.parameters(), module.buffers()):
