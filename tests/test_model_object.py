@@ -358,6 +358,12 @@ def test_loss_from_logits_on_the_accelerate_face():
         return grads
 
     _compare(ref_out, _train_from_logits(model, step, batches, "smoothed"), ref, acc.get_state_dict(model))
+    model.eval()  # an evaluation loop gets loss and logits together (perplexity, accuracy)
+    ref.eval()
+    with torch.no_grad():
+        out, want = model(**batches[0]), ref(**batches[0])
+    assert out.logits is not None and (out.logits - want.logits).abs().max() <= 1e-5
+    assert abs(out.loss - want.loss) <= 1e-5
 
 
 def test_logits_whenever_usable_and_hf_kwargs_served():
@@ -512,3 +518,19 @@ def test_a_deepcopy_of_the_model_object_is_a_plain_independent_model():
         assert (after - before).abs().max() > 1e-4  # the engine trained on
         assert (frozen(**b).logits - before).abs().max() <= 1e-5  # the copy did not move with it
     assert_whole(model.state_dict(), eng, "original after the copy")
+
+
+def test_hf_forward_is_the_models_own_forward_with_its_own_attention():
+    """The reference path (generate's) runs HF's attention even where the engine trains with segment attention."""
+    from megatrain.engine.model_object import hf_forward
+
+    ref = tiny_model("llama", layers=2).eval()
+    model = copy.deepcopy(ref)
+    eng = Engine(model)
+    assert eng.segment_attention and model.config._attn_implementation != ref.config._attn_implementation
+    b = make_batches(1)[0]
+    with torch.no_grad():
+        got = hf_forward(eng, input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+        want = ref(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+    assert torch.equal(got.logits, want.logits)
+    assert model.config._attn_implementation != ref.config._attn_implementation  # switched back afterwards

@@ -135,6 +135,12 @@ def _named_arguments(signature: inspect.Signature, model: nn.Module, args: tuple
     return out
 
 
+def hf_forward(engine: Engine, **kwargs: Any) -> Any:
+    """The model's own Hugging Face forward (its own attention implementation, KV cache and all) with the
+    layers streamed, under no_grad: what `generate` runs, and a reference for the engine's training path."""
+    return _streamed_hf_forward(engine, type(engine.module).forward, engine.module, kwargs, None)
+
+
 def _streamed_hf_forward(engine: Engine, original: Any, model: nn.Module, kw: dict[str, Any],
                          return_logits: bool | None) -> Any:
     if return_logits is False:
