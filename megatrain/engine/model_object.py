@@ -10,8 +10,9 @@
   `output_hidden_states` or `output_attentions` outside training (what `generate` does) runs the
   model's own forward with each layer's weights streamed to the device just before it runs;
 - `load_state_dict` writes into the masters and refreshes every copy the engine keeps;
-- `.to()` / `.cuda()` / `.half()` and the like are refused when they would change anything: they would
-  cut the weights loose from the store the optimizer updates.
+- `.to()` / `.cuda()` / `.half()` and the like are refused when they would change anything (a no-op,
+  or a move to the engine's own device, passes): they would cut the weights loose from the store the
+  optimizer updates.
 """
 
 from __future__ import annotations
@@ -184,7 +185,9 @@ def _guarded_apply(engine: Engine, module: nn.Module, fn: Any, *args: Any, **kwa
     # copying anything: a no-op (model.to(its own device)) passes, anything else would detach the weights.
     for t in itertools.chain(module.parameters(), module.buffers()):
         probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
-        if probe.dtype != t.dtype or probe.device != t.device:
+        # Moving to the engine's own device is what the engine does anyway (layers stream there).
+        to_engine = probe.device.type == engine.device.type and engine.device.index in (None, probe.device.index)
+        if probe.dtype != t.dtype or (probe.device != t.device and not to_engine):
             raise RuntimeError(
                 f"{type(module).__name__}: this conversion would move or cast {t.dtype} tensors on {t.device} to "
                 f"{probe.dtype} on {probe.device}, cutting them loose from the MegaTrain engine's host store. The "
