@@ -619,7 +619,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
 
     groups = _param_groups(model, model_parameters)
     if isinstance(optimizer, torch.optim.Optimizer):
-        # Checked here because the engine finds out only after it has emptied the model into its store.
+        # Checked here because the engine finds out only after it has packed the model into its store.
         own = {id(p) for p in model.parameters()}
         if any(id(p) not in own for g in optimizer.param_groups for p in g["params"]):
             raise ValueError("the optimizer holds a tensor that is not a parameter of `model`; build it over "

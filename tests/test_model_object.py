@@ -534,3 +534,16 @@ def test_hf_forward_is_the_models_own_forward_with_its_own_attention():
         want = ref(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
     assert torch.equal(got.logits, want.logits)
     assert model.config._attn_implementation != ref.config._attn_implementation  # switched back afterwards
+
+
+def test_an_engine_built_from_a_checkpoint_directory_serves_a_whole_model(tmp_path):
+    ref = tiny_model("qwen2", layers=2, tied=True).eval()
+    ref.save_pretrained(tmp_path)
+    eng = Engine(str(tmp_path))
+    assert_whole(eng.module.state_dict(), eng, "module of Engine(dir)")
+    assert all(p.device.type != "meta" for p in eng.module.parameters())
+    assert all(torch.equal(eng.module.state_dict()[n], t) for n, t in ref.state_dict().items())
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(2))
+    eng.eval()
+    got = eng.module.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, ref.generate(input_ids=ids, max_new_tokens=6, do_sample=False))
