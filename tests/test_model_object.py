@@ -25,7 +25,7 @@ from megatrain.engine import Engine
 
 LR = 1e-3
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-             "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}}  # torch AdamW's default
 
 
 def _ds(model):
@@ -335,6 +335,24 @@ def test_loss_from_logits_parity_check_can_fail():
     got_out = _train_from_logits(model, step, batches, "smoothed")
     with pytest.raises(AssertionError):
         _compare(ref_out, got_out, ref, model.state_dict())
+
+
+def test_loss_from_logits_on_the_deepspeed_face():
+    ref = tiny_model("llama", layers=2)
+    batches = make_batches(6)
+    ref_out = _train_from_logits(ref, _torch_stepper(ref), batches, "custom")
+    ds = _ds(tiny_model("llama", layers=2))
+
+    def step(loss, keep):
+        ds.backward(loss)
+        grads = None
+        if keep:
+            ds.engine.synchronize()
+            grads = {n: p.grad.clone() for n, p in ds.engine.named_parameters()}
+        ds.step()
+        return grads
+
+    _compare(ref_out, _train_from_logits(ds, step, batches, "custom"), ref, ds.module.state_dict())
 
 
 def test_loss_from_logits_on_the_accelerate_face():
