@@ -172,6 +172,11 @@ def test_paths_that_cannot_be_served_raise():
     out = model(**b)
     with pytest.raises(RuntimeError, match="engine.backward"):
         out.loss.backward()  # would reach only the head: refused, not a silently partial gradient
+    with pytest.raises(RuntimeError, match="zero_grad"):
+        eng.step()  # the head's gradient may have landed before the refusal: no step on it
+    eng.zero_grad()
+    eng.backward(model(**b).loss)
+    assert eng.step()
     with pytest.raises(ValueError, match="past_key_values"):
         model(**b, past_key_values=transformers.DynamicCache())
     with pytest.raises(ValueError, match="inputs_embeds"):

@@ -201,6 +201,7 @@ class Engine:
         self._pending: _Pending | None = None
         self._unbackwarded: list[weakref.ref] = []  # training forwards replaced before their backward
         self._in_backward = False
+        self._stray_backward = False  # a refused loss.backward() may have left head/norm gradients behind
         self._norm: float | None = None  # cached gradient norm, valid until grads change
         self.skipped_steps = 0
         self._bad_in_a_row = 0
@@ -339,6 +340,8 @@ class Engine:
         # Plain loss.backward() would reach only the head and norm (the layers ran outside autograd) and
         # leave partial gradients: refuse it loudly.
         if not self._in_backward:
+            # The head's and norm's gradients may already be in their slabs: no step until zero_grad().
+            self._stray_backward = True
             raise RuntimeError("loss.backward() cannot train a MegaTrain model: the decoder layers ran outside "
                                "autograd. Call engine.backward(loss) (DeepSpeed face) or accelerator.backward(loss)")
         return grad
@@ -435,6 +438,9 @@ class Engine:
 
         Returns False when the step was skipped because the gradients were not finite.
         """
+        if self._stray_backward:
+            raise RuntimeError("a refused loss.backward() left partial gradients (head and final norm only) in the "
+                               "gradient slabs; call zero_grad() before the next step")
         t0 = time.perf_counter()
         if self.config.skip_nonfinite and not math.isfinite(self.grad_norm()):
             self.skipped_steps += 1
@@ -481,6 +487,7 @@ class Engine:
                     dev.copy_(master, non_blocking=True)
 
     def zero_grad(self) -> None:
+        self._stray_backward = False
         self.pipeline.synchronize_grads()
         if self._layered is not None:
             self._layered.zero_grad()  # each layer's after its queued update, off this thread
