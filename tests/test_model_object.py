@@ -570,3 +570,19 @@ def test_an_engine_built_from_a_checkpoint_directory_serves_a_whole_model(tmp_pa
     eng.eval()
     got = eng.module.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(got, ref.generate(input_ids=ids, max_new_tokens=6, do_sample=False))
+
+
+def test_a_parameter_or_module_replaced_after_the_engine_took_the_model_is_refused():
+    b = make_batches(1)[0]
+    for replace in ("param", "resize"):
+        eng, model = _trained_engine(steps=0)
+        if replace == "param":
+            model.lm_head.weight = torch.nn.Parameter(torch.zeros_like(model.lm_head.weight))
+            match = "lm_head.weight was replaced"
+        else:
+            model.resize_token_embeddings(300)
+            match = "resize_token_embeddings"
+        with pytest.raises(RuntimeError, match=match):
+            model(**b)
+        with pytest.raises(RuntimeError, match=match):
+            model.state_dict()

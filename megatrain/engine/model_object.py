@@ -47,6 +47,7 @@ def bind(engine: Engine) -> None:
     def forward(self: nn.Module, *args: Any, return_logits: bool | None = None, **kwargs: Any) -> Any:
         if self is not engine.module:
             return original(self, *args, **kwargs)
+        check_intact()
         return _route(engine, original, signature, self, args, kwargs, return_logits)
 
     @functools.wraps(nn.Module.state_dict)
@@ -54,6 +55,7 @@ def bind(engine: Engine) -> None:
                    keep_vars: bool = False) -> dict[str, Any]:
         if self is not engine.module:
             return type(self).state_dict(self, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        check_intact()
         engine.synchronize()  # overlapped layer updates land first: never a half-updated snapshot
         out = type(self).state_dict(self, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
         for name, master in engine.global_masters():
@@ -71,6 +73,24 @@ def bind(engine: Engine) -> None:
                              "call it with assign=False (the default)")
         return _load(engine, self, state_dict, strict)
 
+    expected = [(name, mod, leaf, p) for name, mod in model.named_modules() for leaf, p in mod._parameters.items()
+                if p is not None]
+
+    def check_intact() -> None:
+        # A parameter or module swapped in after the engine took the model would be served by some paths and
+        # not trained by others: refuse every use of the model object until it is put back.
+        for name, mod, leaf, p in expected:
+            if mod._parameters.get(leaf) is not p:
+                raise RuntimeError(f"{name + '.' if name else ''}{leaf} was replaced after MegaTrain took the model; the "
+                                   "engine trains the tensors it holds. Write new values in place (under "
+                                   "zero.GatheredParameters(..., modifier_rank=0)) or with load_state_dict()")
+        parts = engine.parts
+        if (getattr(parts.base, parts.layers_attr) is not parts.layers or model.get_input_embeddings() is not parts.embed
+                or model.get_output_embeddings() is not parts.lm_head):
+            raise RuntimeError("the model's layers or embeddings were replaced after MegaTrain took the model (e.g. "
+                               "resize_token_embeddings); change the model before handing it to MegaTrain")
+
+    engine.check_model_intact = check_intact
     model.forward = types.MethodType(forward, model)
     model.state_dict = types.MethodType(state_dict, model)
     model.load_state_dict = types.MethodType(load_state_dict, model)
