@@ -179,6 +179,8 @@ def test_paths_that_cannot_be_served_raise():
     assert eng.step()
     with pytest.raises(ValueError, match="past_key_values"):
         model(**b, past_key_values=transformers.DynamicCache())
+    with pytest.raises(ValueError, match="cache"):
+        model(**b, cache=transformers.DynamicCache())
     with pytest.raises(ValueError, match="inputs_embeds"):
         model(inputs_embeds=torch.zeros(1, 4, 64))
     with pytest.raises(TypeError, match="token_type_ids"):
@@ -409,6 +411,9 @@ def test_logits_whenever_usable_and_hf_kwargs_served():
         assert abs(got - want.loss) > 1e-3  # num_items_in_batch changed the reduction (the check can fail)
         last = model(**b, logits_to_keep=1).logits
         assert last.shape == (2, 1, 256) and (last - want.logits[:, -1:]).abs().max() <= 1e-5
+        cached = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], cache=transformers.DynamicCache())
+        want_cached = ref(input_ids=b["input_ids"], attention_mask=b["attention_mask"], cache=transformers.DynamicCache())
+        assert torch.equal(cached.logits, want_cached.logits) and cached.past_key_values is not None
         tup = model(**b, return_dict=False)
         assert isinstance(tup, tuple) and torch.equal(tup[1], out.logits)
         hs = model(**b, output_hidden_states=True).hidden_states

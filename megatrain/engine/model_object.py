@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 # Forward arguments that ask for HF's own forward (cache, per-layer outputs): served with streamed layers.
-_HF_ONLY = ("past_key_values", "use_cache", "cache_position", "output_hidden_states", "output_attentions")
+# (`cache` is transformers 5's name for `past_key_values`.)
+_HF_ONLY = ("past_key_values", "cache", "use_cache", "cache_position", "output_hidden_states", "output_attentions")
 
 
 def bind(engine: Engine) -> None:
