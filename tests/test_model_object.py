@@ -546,6 +546,10 @@ def test_a_deepcopy_of_the_model_object_is_a_plain_independent_model():
         assert (after - before).abs().max() > 1e-4  # the engine trained on
         assert (frozen(**b).logits - before).abs().max() <= 1e-5  # the copy did not move with it
     assert_whole(model.state_dict(), eng, "original after the copy")
+    ids = b["input_ids"][:1, :5]
+    plain = copy.deepcopy(model).eval()  # the model's own attention again: generate runs as HF's
+    assert torch.equal(plain.generate(input_ids=ids, max_new_tokens=5, do_sample=False),
+                       model.generate(input_ids=ids, max_new_tokens=5, do_sample=False))
 
 
 def test_hf_forward_is_the_models_own_forward_with_its_own_attention():

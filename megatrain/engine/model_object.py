@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import itertools
@@ -91,7 +92,20 @@ def bind(engine: Engine) -> None:
             raise RuntimeError("the model's layers or embeddings were replaced after MegaTrain took the model (e.g. "
                                "resize_token_embeddings); change the model before handing it to MegaTrain")
 
+    def deepcopy_plain(memo: dict) -> nn.Module:
+        # The copy is a plain model: it gets the model's own attention back (the engine switched the shared
+        # config to segment attention, which knows no KV cache).
+        del model.__dict__["__deepcopy__"]
+        config = engine.hf_config
+        training_attention, config._attn_implementation = config._attn_implementation, engine.hf_attention
+        try:
+            return copy.deepcopy(model, memo)
+        finally:
+            config._attn_implementation = training_attention
+            model.__deepcopy__ = deepcopy_plain
+
     engine.check_model_intact = check_intact
+    model.__deepcopy__ = deepcopy_plain
     model.forward = types.MethodType(forward, model)
     model.state_dict = types.MethodType(state_dict, model)
     model.load_state_dict = types.MethodType(load_state_dict, model)
