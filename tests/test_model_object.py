@@ -595,3 +595,36 @@ def test_a_parameter_or_module_replaced_after_the_engine_took_the_model_is_refus
             model(**b)
         with pytest.raises(RuntimeError, match=match):
             model.state_dict()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_cuda_the_model_object_is_whole_and_generates_like_hf(dtype):
+    """GPU: resident parameters on the device, the layers' masters on the host; `model.device` is the GPU,
+    state_dict serves the FP32 masters, generate equals HF on the GPU with the same (cast) weights."""
+    ref = tiny_model("llama", layers=3)
+    model = copy.deepcopy(ref)
+    eng = Engine(model, EngineConfig(device="cuda", compute_dtype=dtype))
+    assert model.device.type == "cuda" and model.model.layers[0].mlp.up_proj.weight.device.type == "cpu"
+    assert model.to("cuda") is model  # the engine's own device: nothing moves
+    with pytest.raises(RuntimeError, match="host store"):
+        model.to("cpu")
+    assert_whole(model.state_dict(), eng, f"cuda {dtype} state_dict")
+    b = {k: v.cuda() for k, v in make_batches(1)[0].items()}
+    eng.backward(model(**b).loss)
+    eng.step()
+    assert_whole(model.state_dict(), eng, f"cuda {dtype} state_dict after a step")
+    sd = model.state_dict()
+    ref.load_state_dict(sd)
+    ref = ref.cuda().eval()
+    if dtype == "bfloat16":
+        for p in ref.parameters():  # parameters only: the rotary table stays FP32, as the engine keeps it
+            p.data = p.data.to(torch.bfloat16)
+    model.eval()
+    ids = b["input_ids"][:, :6]
+    got = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, ref.generate(input_ids=ids, max_new_tokens=8, do_sample=False))
+    emb = model.model.embed_tokens.weight
+    with megatrain.zero.GatheredParameters([emb], modifier_rank=0), torch.no_grad():
+        emb[3].fill_(0.25)
+    assert torch.equal(dict(eng.named_parameters())["model.embed_tokens.weight"][3], torch.full((64,), 0.25))
