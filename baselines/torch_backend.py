@@ -105,6 +105,9 @@ class TorchBackend:
     def unwrap_model(self, model: Any) -> torch.nn.Module:
         return model
 
+    def get_state_dict(self, model: Any) -> dict[str, torch.Tensor]:
+        return self.unwrap_model(model).state_dict()
+
     def save_model(self, model: Any, directory: str | os.PathLike) -> None:
         self.unwrap_model(model).save_pretrained(str(directory))
 

@@ -325,6 +325,9 @@ class Zero3Backend:
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
             return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
+    def get_state_dict(self, model: Any) -> dict[str, torch.Tensor]:
+        return self.full_state_dict()
+
     def save_model(self, model: Any, directory: str | os.PathLike) -> None:
         module = self.unwrap_model(model)
         state = self.full_state_dict()

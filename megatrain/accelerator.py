@@ -482,7 +482,12 @@ class Accelerator:
         return None if norm is None else torch.tensor(norm)
 
     def unwrap_model(self, model: Any, keep_fp32_wrapper: bool = True) -> Any:
+        """The user's model class (for MegaTrain the same object `prepare` returned)."""
         return self.backend.unwrap_model(model)
+
+    def get_state_dict(self, model: Any, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """Every weight of `model` by its HF name, gathered whole whatever the backend (Accelerate's name)."""
+        return self.backend.get_state_dict(model)
 
     def gather(self, tensor: Any) -> Any:
         return tensor  # one process

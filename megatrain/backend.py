@@ -60,6 +60,10 @@ class Backend(Protocol):
 
     def unwrap_model(self, model: Any) -> Any: ...
 
+    def get_state_dict(self, model: Any) -> dict[str, torch.Tensor]:
+        """Every weight of the model, whole (gathered where the backend partitions them), by HF name."""
+        ...
+
     def save_model(self, model: Any, directory: str | os.PathLike) -> None:
         """Write a Hugging Face checkpoint (config + safetensors) that `from_pretrained` loads."""
         ...
@@ -99,60 +103,6 @@ def engine_config_from(config: dict[str, Any] | EngineConfig | None) -> EngineCo
     if "train_batch_size" not in d and "train_micro_batch_size_per_gpu" not in d:
         d["train_micro_batch_size_per_gpu"] = 1
     return parse_config(d).engine
-
-
-class PreparedModel:
-    """What `prepare` hands back for the MegaTrain backend: the engine, called like an HF model.
-
-    The HF model object itself was emptied into the engine's host store, so this stands in for it:
-    `model(**batch)` returns an output with `.loss`, and the usual `train()` / `eval()` /
-    `parameters()` calls reach the engine's FP32 host masters.
-    """
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.engine(*args, **kwargs)
-
-    forward = __call__
-
-    @property
-    def config(self) -> Any:
-        return self.engine.hf_config
-
-    @property
-    def training(self) -> bool:
-        return self.engine.training
-
-    @property
-    def device(self) -> torch.device:
-        return self.engine.device
-
-    def train(self, mode: bool = True) -> PreparedModel:
-        self.engine.train(mode)
-        return self
-
-    def eval(self) -> PreparedModel:
-        return self.train(False)
-
-    def named_parameters(self) -> Iterable[tuple[str, torch.nn.Parameter]]:
-        return iter(self.engine.named_parameters())
-
-    def parameters(self) -> Iterable[torch.nn.Parameter]:
-        return (p for _, p in self.engine.named_parameters())
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.engine.state_dict()
-
-    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
-        self.engine.load_state_dict(state, strict=strict)
-
-    def gradient_checkpointing_enable(self, **_: Any) -> None:
-        pass  # the engine always recomputes each layer in backward
-
-    def __repr__(self) -> str:
-        return f"PreparedModel({type(self.engine).__name__}, {self.config.model_type})"
 
 
 class MegatrainBackend:
@@ -209,8 +159,10 @@ class MegatrainBackend:
         from .engine import Engine
 
         self.engine = Engine(model, config=self.engine_config, optimizer=optimizer)
-        # The engine builds its own AdamW when given none; hand that back only if the user gave one.
-        return PreparedModel(self.engine), (self.engine.optimizer if optimizer is not None else None)
+        # The user's model object itself comes back: its parameters are the engine's host masters and its
+        # forward runs the engine (megatrain/engine/model_object.py). The engine builds its own AdamW when
+        # given none; hand that back only if the user gave one.
+        return self.engine.module, (self.engine.optimizer if optimizer is not None else None)
 
     def _require_engine(self) -> Any:
         if self.engine is None:
@@ -248,20 +200,17 @@ class MegatrainBackend:
         return self._skipped
 
     def unwrap_model(self, model: Any) -> Any:
-        return model.engine if isinstance(model, PreparedModel) else model
+        return model  # prepare() handed back the user's model object itself
+
+    def get_state_dict(self, model: Any) -> dict[str, torch.Tensor]:
+        return self._require_engine().module.state_dict()
 
     def _unique_named_tensors(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self._require_engine().named_parameters()}
 
     def save_model(self, model: Any, directory: str | os.PathLike) -> None:
-        from .checkpoint import write_safetensors
-
-        eng = self._require_engine()
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        eng.hf_config.save_pretrained(str(d))
-        # Each tied weight once, under the name the HF model owns it by, as save_pretrained writes it.
-        write_safetensors(d / _MODEL_FILE, self._unique_named_tensors(), metadata={"format": "pt"})
+        # The model object's own save_pretrained: its state_dict is the FP32 masters, whole.
+        self._require_engine().module.save_pretrained(str(directory))
 
     def save_state(self, directory: str | os.PathLike) -> None:
         from .checkpoint import write_safetensors

@@ -8,9 +8,10 @@ micro-step, and the LR schedules are DeepSpeed's, first steps included. Undernea
 on `megatrain.engine.Engine`: weights and optimizer state in host memory, layers streamed through
 the device.
 
-Differences that a script can observe are deliberate and documented on the methods: the forward
-returns logits only on request (or when there are no labels), `engine.module` is the model object
-whose layers the engine has emptied (read weights with `state_dict()` / `save_pretrained()`),
+`engine.module` is the user's model object, whole: its parameters are the engine's host masters, so
+its `state_dict()`, `save_pretrained()`, `generate()` and submodules work as on the plain model, and
+its forward runs the engine. Differences that a script can observe are deliberate and documented on
+the methods: a training forward with labels builds no logits unless asked (`return_logits=True`),
 checkpoints are MegaTrain's crash-consistent format (`megatrain.checkpoint`), not DeepSpeed's.
 """
 
@@ -57,7 +58,6 @@ _MODEL = "model."
 _OPTIM = "optim."
 _CLIENT = "client."
 _RNG = "rng."
-_HARMLESS_KWARGS = {"use_cache", "return_dict", "output_attentions", "output_hidden_states"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -141,28 +141,22 @@ class MegaTrainEngine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
-    def forward(self, input_ids: torch.Tensor | None = None, *args: Any, return_logits: bool | None = None,
-                **kwargs: Any) -> Any:
-        """The model's forward: `.loss` when labels are given, `.logits` when asked for or when there are no labels.
+    def forward(self, input_ids: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward (`self.module`, the user's model object, run by the engine).
 
-        Logits are not materialized by default in training (the chunked head exists so that the full
-        tokens x vocab matrix never is); pass `return_logits=True` to get them.
+        `.loss` when labels are given; `.logits` whenever the caller can use them (no labels, eval or
+        no_grad, `return_logits=True`); a training step with labels takes the chunked loss and builds
+        no logits unless asked. A loss computed from the logits trains through `backward()` as well.
+        Positional arguments after input_ids are attention_mask, labels, position_ids (as before).
         """
         if args:
+            if len(args) > 3:
+                raise TypeError("forward() takes at most input_ids, attention_mask, labels, position_ids positionally")
             for name, value in zip(("attention_mask", "labels", "position_ids"), args):
                 if name in kwargs:
                     raise TypeError(f"forward() got {name} both positionally and by keyword")
                 kwargs[name] = value
-            if len(args) > 3:
-                raise TypeError("forward() takes at most input_ids, attention_mask, labels, position_ids positionally")
-        for key in list(kwargs):
-            if key in _HARMLESS_KWARGS:
-                value = kwargs.pop(key)
-                if key.startswith("output_") and value:
-                    raise ValueError(f"{key}=True is not supported: MegaTrain keeps no per-layer outputs")
-        if return_logits is None:
-            return_logits = kwargs.get("labels") is None
-        return self.engine(input_ids, return_logits=return_logits, **kwargs)
+        return self.module(input_ids, **kwargs)
 
     def _need_optimizer(self, what: str) -> None:
         if self.optimizer is None:
@@ -625,7 +619,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
 
     groups = _param_groups(model, model_parameters)
     if isinstance(optimizer, torch.optim.Optimizer):
-        # Checked here because the engine finds out only after it has emptied the model into its store.
+        # Checked here because the engine finds out only after it has packed the model into its store.
         own = {id(p) for p in model.parameters()}
         if any(id(p) not in own for g in optimizer.param_groups for p in g["params"]):
             raise ValueError("the optimizer holds a tensor that is not a parameter of `model`; build it over "
@@ -702,7 +696,7 @@ def add_config_arguments(parser: Any) -> Any:
 
 
 class _NoOpContext(contextlib.ContextDecorator):
-    """Stands in for deepspeed.zero.Init / GatheredParameters: the model is built and kept whole on the host."""
+    """Stands in for deepspeed.zero.Init: the model is built whole on the host, as it is."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
@@ -714,7 +708,32 @@ class _NoOpContext(contextlib.ContextDecorator):
         return False
 
 
-zero = types.SimpleNamespace(Init=_NoOpContext, GatheredParameters=_NoOpContext)
+class GatheredParameters(contextlib.ContextDecorator):
+    """`deepspeed.zero.GatheredParameters`: the parameters are whole already (the model object's parameters are
+    the engine's host masters); entering waits for queued updates so reads are current, and with a
+    `modifier_rank` leaving hands what was written to the engine (its device and bf16 copies follow)."""
+
+    def __init__(self, params: Any, modifier_rank: int | None = None, fwd_module: Any = None,
+                 enabled: bool = True) -> None:
+        params = [params] if torch.is_tensor(params) else list(params or [])
+        from .engine.engine import engines_holding
+
+        self._engines = engines_holding(params) if enabled else []
+        self._modifier_rank = modifier_rank
+
+    def __enter__(self) -> GatheredParameters:
+        for eng in self._engines:
+            eng.synchronize()
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        if self._modifier_rank is not None:
+            for eng in self._engines:
+                eng.params_written()
+        return False
+
+
+zero = types.SimpleNamespace(Init=_NoOpContext, GatheredParameters=GatheredParameters)
 comm = types.SimpleNamespace(
     get_rank=lambda group=None: 0, get_world_size=lambda group=None: 1, get_local_rank=lambda: 0,
     is_initialized=lambda: True, barrier=lambda group=None, **kw: None,

@@ -16,7 +16,7 @@ from megatrain.accelerator import (
     Accelerator,
     PreparedDataLoader,
 )
-from megatrain.backend import Backend, PreparedModel
+from megatrain.backend import Backend
 from megatrain.config import EngineConfig
 
 LR = 1e-3
@@ -102,11 +102,9 @@ def test_prepare_returns_the_same_order(backend):
     assert isinstance(out[1], PreparedDataLoader)
     assert out[2] is marker  # unknown objects pass through, as in Accelerate
     assert isinstance(out[3], AcceleratedOptimizer)
+    assert out[4] is model  # megatrain too: the user's model object, now backed by the engine's host store
     if backend == "megatrain":
-        assert isinstance(out[4], PreparedModel)
         assert out[3].optimizer is opt  # taken over, not replaced: the scheduler still drives it
-    else:
-        assert out[4] is model
     assert isinstance(acc.backend, Backend)
 
 
@@ -232,7 +230,8 @@ def test_megatrain_prepared_model_looks_like_a_model():
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     pmodel, popt = acc.prepare(model, opt)
     assert sum(p.numel() for p in pmodel.parameters()) == n
-    assert acc.unwrap_model(pmodel) is pmodel.engine
+    assert acc.unwrap_model(pmodel) is pmodel is model
+    assert pmodel.training is acc.backend.engine.training
     pmodel.eval()
     assert not pmodel.training
     with torch.no_grad():

@@ -167,10 +167,15 @@ def test_host_bytes_per_parameter_is_sixteen():
 
 
 def test_store_frees_the_model_storage():
+    """No second copy of the model: the original tensors are freed, and the parameters the model object
+    holds now are views into the store's buffers (same storage, no extra bytes)."""
     model = tiny_model("llama", layers=3)
     params = list(model.parameters())
-    Engine(model)
+    eng = Engine(model)
     assert all(p.numel() == 0 or p.device.type == "meta" for p in params)
+    buffers = [(g.master.data_ptr(), g.master.data_ptr() + g.master.numel() * 4) for g in eng.store.groups()]
+    for n, p in model.named_parameters():
+        assert p.numel() > 0 and any(lo <= p.data_ptr() < hi for lo, hi in buffers), n
 
 
 def test_copy_of_next_layer_is_issued_before_current_layer_finishes():

@@ -223,7 +223,12 @@ def test_forward_returns_logits_on_request():
     assert only.loss is None and only.logits.shape == (2, 24, 256)
     assert torch.allclose(both.logits, want.logits, atol=1e-5)
     assert abs(both.loss.item() - want.loss.item()) < 1e-5
-    with pytest.raises(ValueError, match="output_hidden_states"):
+    with torch.no_grad():  # outside training, per-layer outputs are served by the model's own forward
+        hs = engine(**b, output_hidden_states=True).hidden_states
+        want_hs = ref(**b, output_hidden_states=True).hidden_states
+    assert len(hs) == len(want_hs) and all(torch.allclose(a, w, atol=1e-5) for a, w in zip(hs, want_hs))
+    engine.train()
+    with pytest.raises(ValueError, match="output_hidden_states"):  # the training path keeps none
         engine(**b, output_hidden_states=True)
     assert engine.config["train_batch_size"] == 4 and engine.vocab_size == 256  # passthrough to the model
 

@@ -1,4 +1,8 @@
-"""The engine: composes the host store, templates, streams and pipeline into forward / backward / step."""
+"""The engine: composes the host store, templates, streams and pipeline into forward / backward / step.
+
+The model it is given stays the user's whole model object: its parameters become the store's masters
+and its forward is routed here (model_object.py).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import math
 import os
 import time
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,18 +19,19 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutput
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..config import EngineConfig
-from ..models.adapter import DecoderParts, find_parts, install_recorders, record_layer_inputs
+from ..models.adapter import DecoderParts, find_parts, record_layer_inputs
 from .activations import ActivationStore
 from .attention import use_segment_attention
 from .batch import check_batch
 from .embedding import check_embedding, lookup_grad
 from .loading import load_checkpoint_into, skeleton_from_dir
-from .loss import chunked_causal_lm_loss
+from .loss import chunked_causal_lm_loss, head_logits
 from .malloc import set_mmap_threshold
 from .memtrack import DeviceMemoryTracker
+from .model_object import bind as bind_model_object
 from .optim import LayeredStep, unsupported_reason
 from .preflight import host_preflight
 from .probe import verify_model
@@ -34,6 +40,15 @@ from .store import HostStore
 from .stream import Streams, Trace
 from .templates import TemplateBank
 from .tiling import long_context_policy
+
+_live_engines: weakref.WeakSet = weakref.WeakSet()
+
+
+def engines_holding(tensors: list[torch.Tensor]) -> list[Engine]:
+    """The live engines whose model object holds any of `tensors` as a parameter."""
+    ids = {id(t) for t in tensors}
+    return [e for e in list(_live_engines) if any(id(p) in ids for p in e.module.parameters())]
+
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer] | None
 
@@ -102,7 +117,6 @@ class Engine:
         self.parts: DecoderParts = parts
         self.module = model
         self.hf_config = model.config
-        self.training = True
         pin = config.pin_memory if config.pin_memory is not None else self.device.type == "cuda"
         self._alias_globals = self.device.type == "cpu" and self.compute_dtype == torch.float32
 
@@ -124,20 +138,24 @@ class Engine:
         self.store = HostStore(layer_shapes, [(n, p.shape) for n, p in global_named], pin,
                                torch.bfloat16 if self.compute_dtype == torch.bfloat16 else None)
 
-        # Pack: copy each tensor into the store, then free the model's own storage right away so no
-        # second full copy of the model is ever alive.
+        # Pack: copy each tensor into the store, free the model's own storage right away (no second full
+        # copy of the model is ever alive) and point the model's parameters at the store's masters, so the
+        # user's model object stays whole: state_dict, save_pretrained, parameters() and submodules all
+        # read the weights the engine trains.
         self.templates = TemplateBank()
         for i, layer in enumerate(parts.layers):
-            packed = self._pack(self.store.layers[i], [p for _, p in layer.named_parameters()])
             self.templates.add(layer, self.device)
+            group = self.store.layers[i]
+            packed = self._pack(group, [p for _, p in layer.named_parameters()])
             _free(packed)
+            for slot, master in zip(group.slots, group.params):
+                _set_param(layer, slot.name, master)
         _free(self._pack(self.store.globals, [p for _, p in global_named]))
         if checkpoint_dir is not None:
             load_checkpoint_into(self.store, checkpoint_dir, parts.layers_prefix, self._aliases)
         for g in self.store.layers:
             g.refresh_shadow()
         self._recorded: list = []
-        install_recorders(parts, self._recorded)
 
         # Resident parameters (embedding, final norm, head) live on the device for the whole step.
         self._device_globals: list[nn.Parameter] = []
@@ -152,12 +170,18 @@ class Engine:
         for alias, name in self._aliases.items():
             if not alias.startswith(prefix):
                 _set_param(model, alias, self._device_globals[self._global_index(name)])
-        model.to(self.device)  # buffers (rotary tables); parameters are already placed
+        # Buffers (rotary tables) go to the device; parameters are already placed. Not model.to(): that
+        # would move the layers' host masters too.
+        for mod in model.modules():
+            for name, b in mod._buffers.items():
+                if b is not None:
+                    mod._buffers[name] = b.to(self.device)
 
         self.trace_log = Trace(config.trace, self.device)
         self.streams = Streams(self.device, self.trace_log, config.link_gbps, config.watchdog_s)
         # Long context (issue 7): attention without an O(tokens²) mask, per-batch MLP tiling and activation
         # offload (tiling.py), and on a CPU "device" optionally the measured live bytes of the step.
+        self.hf_attention = self.hf_config._attn_implementation  # the model's own, for its own forward (generate)
         self.segment_attention = use_segment_attention(self.hf_config, config.segment_attention)
         policy = long_context_policy(config, self.templates, [g.numel for g in self.store.layers], config.num_buffers,
                                      self.device, self.compute_dtype,
@@ -180,9 +204,15 @@ class Engine:
                 self._layered = LayeredStep(self.optimizer, self.store, self.trace_log, config.watchdog_s)
                 self.pipeline.updated, self.pipeline.zeroed = self._layered.updated, self._layered.zeroed
         self._pending: _Pending | None = None
+        self._unbackwarded: list[weakref.ref] = []  # training forwards replaced before their backward
+        self._in_backward = False
+        self._stray_backward = False  # a refused loss.backward() may have left head/norm gradients behind
         self._norm: float | None = None  # cached gradient norm, valid until grads change
         self.skipped_steps = 0
         self._bad_in_a_row = 0
+        bind_model_object(self)
+        self.train()
+        _live_engines.add(self)
         self.reset_stats()
 
     # -- setup helpers ----------------------------------------------------------------------------
@@ -203,6 +233,28 @@ class Engine:
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return self.store.named_parameters(self.parts.layers_prefix)
+
+    def global_masters(self) -> list[tuple[str, nn.Parameter]]:
+        """(HF name, FP32 master) of the resident parameters, tied ones under each of their names."""
+        group = self.store.globals
+        out = [(s.name, p) for s, p in zip(group.slots, group.params)]
+        prefix = self.parts.layers_prefix + "."
+        out += [(a, group.params[self._global_index(n)]) for a, n in self._aliases.items() if not a.startswith(prefix)]
+        return out
+
+    def params_written(self) -> None:
+        """Weights were written by hand through the model object: bring every copy the engine keeps in line.
+
+        A resident parameter written on the device (its copy there is what the model object holds when
+        the engine does not compute in FP32 on the CPU) is copied back into its master first.
+        """
+        self.synchronize()
+        if not self._alias_globals:
+            with torch.no_grad():
+                for dev, master in zip(self._device_globals, self.store.globals.params):
+                    if not torch.equal(dev.detach().cpu(), master.detach().to(dev.dtype)):
+                        master.copy_(dev.detach())
+        self._masters_changed()
 
     def _make_optimizer(self, optimizer: OptimizerArg, originals: list[nn.Parameter]) -> torch.optim.Optimizer:
         named = self.named_parameters()
@@ -232,8 +284,12 @@ class Engine:
         return optimizer
 
     # -- modes ------------------------------------------------------------------------------------
+    @property
+    def training(self) -> bool:
+        """The model object's mode: `model.train()` / `model.eval()` on the user's model switch the engine too."""
+        return self.module.training
+
     def train(self, mode: bool = True) -> Engine:
-        self.training = mode
         self.module.train(mode)
         self.templates.train(mode)
         return self
@@ -242,14 +298,16 @@ class Engine:
         return self.train(False)
 
     # -- one micro-batch --------------------------------------------------------------------------
-    def __call__(self, *args: Any, **kwargs: Any) -> CausalLMOutput:
+    def __call__(self, *args: Any, **kwargs: Any) -> CausalLMOutputWithPast:
         return self.forward(*args, **kwargs)
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                return_logits: bool = False, **unused: Any) -> CausalLMOutput:
+                return_logits: bool = False, num_items_in_batch: int | torch.Tensor | None = None,
+                logits_to_keep: int | torch.Tensor = 0, **unused: Any) -> CausalLMOutputWithPast:
         check_batch(self.hf_config, input_ids, attention_mask, labels, position_ids, unused)
         t0 = time.perf_counter()
+        self.templates.train(self.training)  # the user may have switched modes on the model object itself
         train = self.training and torch.is_grad_enabled()
         dev = self.device
         ids = input_ids.to(dev, torch.long, non_blocking=True)  # check_batch admits int8..int32; embedding takes long
@@ -270,26 +328,60 @@ class Engine:
             loss = None
             if labels is not None:
                 loss = chunked_causal_lm_loss(hn, self.parts.lm_head.weight, labels.to(dev, torch.long, non_blocking=True),
-                                              self.pipeline.loss_chunk(self.config.loss_chunk_tokens))
-            logits = self.parts.lm_head(hn) if return_logits else None
-        if train and loss is not None:
+                                              self.pipeline.loss_chunk(self.config.loss_chunk_tokens),
+                                              num_items_in_batch)
+            logits = head_logits(hn, self.parts.lm_head, logits_to_keep) if return_logits else None
+        if train and (loss is not None or logits is not None):
+            if self._pending is not None:
+                self._unbackwarded.append(weakref.ref(self._pending.h_last))
             self._pending = _Pending(h0, h_in0, h_last, layer_inputs, acts, ids)
             self._act_peak = max(self._act_peak, acts.peak_device_bytes)
+            h_last.register_hook(self._only_through_backward)
         self._stats["forward_s"] += time.perf_counter() - t0
         self._tokens += int(ids.numel())
-        return CausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def _only_through_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        # Plain loss.backward() would reach only the head and norm (the layers ran outside autograd) and
+        # leave partial gradients: refuse it loudly.
+        if not self._in_backward:
+            # The head's and norm's gradients may already be in their slabs: no step until zero_grad().
+            self._stray_backward = True
+            raise RuntimeError("loss.backward() cannot train a MegaTrain model: the decoder layers ran outside "
+                               "autograd. Call engine.backward(loss) (DeepSpeed face) or accelerator.backward(loss)")
+        return grad
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Add d(loss)/d(params) into the host gradient slabs (accumulates across calls)."""
+        """Add d(loss)/d(params) into the host gradient slabs (accumulates across calls).
+
+        `loss` is any scalar computed from the last training forward's outputs: its `.loss`, or a loss
+        of your own computed from its `.logits` (label smoothing, distillation, ...), or both combined.
+        """
         p = self._pending
         if p is None:
-            raise RuntimeError("backward() needs a training forward with labels first "
-                               "(engine.train(), grad enabled, labels passed)")
+            raise RuntimeError("backward() needs a training forward first (model.train(), grad enabled, with "
+                               "labels or with logits returned)")
+        if not torch.is_tensor(loss) or loss.numel() != 1 or not loss.requires_grad:
+            raise ValueError("backward() takes a scalar loss computed (with autograd) from the last training "
+                             "forward's .loss or .logits")
+        earlier = [r() for r in self._unbackwarded]
+        earlier = [h for h in earlier if h is not None]
         self._pending = None
+        self._unbackwarded = []
         self._norm = None
         t0 = time.perf_counter()
         params = self._device_globals
-        g, *grads = torch.autograd.grad(loss, [p.h_last, *params], allow_unused=True)
+        self._in_backward = True
+        try:
+            g, *grads = torch.autograd.grad(loss, [p.h_last, *params, *earlier], allow_unused=True)
+        finally:
+            self._in_backward = False
+        if any(e is not None for e in grads[len(params):]):
+            raise RuntimeError("the loss depends on an earlier forward whose backward was not run; MegaTrain "
+                               "backpropagates one forward at a time: call backward() after each forward")
+        grads = grads[: len(params)]
+        if g is None:
+            raise ValueError("the loss does not depend on the last forward's outputs (.loss / .logits)")
         self._add_global_grads(grads)
         del grads  # the head's gradient is vocab x hidden: free it before the layers run
         g = self.pipeline.backward(g, p.layer_inputs, p.acts)
@@ -346,6 +438,9 @@ class Engine:
 
         Returns False when the step was skipped because the gradients were not finite.
         """
+        if self._stray_backward:
+            raise RuntimeError("a refused loss.backward() left partial gradients (head and final norm only) in the "
+                               "gradient slabs; call zero_grad() before the next step")
         t0 = time.perf_counter()
         if self.config.skip_nonfinite and not math.isfinite(self.grad_norm()):
             self.skipped_steps += 1
@@ -392,6 +487,7 @@ class Engine:
                     dev.copy_(master, non_blocking=True)
 
     def zero_grad(self) -> None:
+        self._stray_backward = False
         self.pipeline.synchronize_grads()
         if self._layered is not None:
             self._layered.zero_grad()  # each layer's after its queued update, off this thread

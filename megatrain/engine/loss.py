@@ -52,8 +52,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
 
 def chunked_causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                           chunk_tokens: int) -> torch.Tensor:
-    """Mean cross-entropy over valid (!= -100) shifted labels, as HF's ForCausalLMLoss computes it.
+                           chunk_tokens: int, num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy over valid (!= -100) shifted labels, as HF's ForCausalLMLoss computes it: the mean,
+    or with `num_items_in_batch` the sum divided by it (transformers' gradient-accumulation fix).
 
     Only tokens with a label go through the head: padding costs no head FLOPs.
     """
@@ -62,4 +63,16 @@ def chunked_causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     n_valid = valid.numel()
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, valid)
     total = _ChunkedHeadLoss.apply(h, weight, targets.index_select(0, valid), chunk_tokens)
-    return total / n_valid
+    if num_items_in_batch is None:
+        return total / n_valid
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def head_logits(hidden: torch.Tensor, head: torch.nn.Linear, logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+    """The full logits `[batch, seq, vocab]` (or the positions `logits_to_keep` selects, as HF's forward
+    does), for callers that use them; they cost batch x seq x vocab x 4 bytes (FP32) plus as much again
+    for their gradient when a loss is computed from them."""
+    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    return head(hidden[:, keep, :])

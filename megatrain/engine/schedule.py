@@ -94,6 +94,10 @@ class LayerPipeline:
         self.loaded[slot] = self.streams.h2d.submit(load, (self.freed[slot], self.updated[layer]), "load", layer)
         self.resident[slot] = layer
 
+    def acquire(self, order: list[int], n: int, phase: str) -> int:
+        """The device buffer slot holding layer order[n], loaded (prefetching the next ones) and waited for."""
+        return self._acquire(order, n, phase)
+
     def _acquire(self, order: list[int], n: int, phase: str) -> int:
         window = order[n: n + len(self.buffers)]
         for layer in window:

@@ -7,6 +7,8 @@ the number of templates does not grow with depth.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from torch.func import functional_call
@@ -15,16 +17,23 @@ from ..models.adapter import layer_structure_key
 from .tiling import tileable, tiled_forward
 
 
-def _make_stateless(layer: nn.Module, device: torch.device) -> nn.Module:
+def _stateless_copy(layer: nn.Module, device: torch.device) -> nn.Module:
+    # The copy gets meta parameters through deepcopy's memo, so no weight byte is duplicated, and the
+    # user's layer stays untouched: it keeps serving its weights (the host store's masters).
+    memo = {id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+            for p in layer.parameters()}
+    # Settings objects (the model config above all) stay shared: the engine switches the attention
+    # implementation on the model's config, and the templates must follow it.
     for mod in layer.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is not None:
-                mod._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                                     requires_grad=p.requires_grad)
+        for k, v in vars(mod).items():
+            if not k.startswith("_") and not isinstance(v, (nn.Module, torch.Tensor)):
+                memo[id(v)] = v
+    template = copy.deepcopy(layer, memo)
+    for mod in template.modules():
         for name, b in list(mod._buffers.items()):
             if b is not None:
                 mod._buffers[name] = b.to(device)
-    return layer
+    return template
 
 
 class TemplateBank:
@@ -34,10 +43,10 @@ class TemplateBank:
         self._tileable: dict[int, bool] = {}  # by id(template)
 
     def add(self, layer: nn.Module, device: torch.device) -> None:
-        """Register decoder layer i (in order). Call before its weights are packed/freed."""
+        """Register decoder layer i (in order); the layer itself is left as it is."""
         key = layer_structure_key(layer)
         if key not in self._by_key:
-            self._by_key[key] = _make_stateless(layer, device)
+            self._by_key[key] = _stateless_copy(layer, device)
             self._tileable[id(self._by_key[key])] = tileable(layer)
         self.of_layer.append(self._by_key[key])
 

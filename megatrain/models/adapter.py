@@ -2,7 +2,8 @@
 
 The adapter describes a model; it never runs it. Model-level math that happens before the first
 layer (masks, rotary tables, embedding scales) is captured by running the model's own forward with
-the layers replaced by recorders (see `LayerInputRecorder`), so it stays exactly the model's.
+the layers replaced by recorders for the duration of that call (see `LayerInputRecorder`), so it
+stays exactly the model's.
 """
 
 from __future__ import annotations
@@ -133,24 +134,27 @@ class LayerInputRecorder(nn.Module):
         return _LayerOutput((hidden_states,))
 
 
-def install_recorders(parts: DecoderParts, sink: list) -> nn.ModuleList:
-    """Replace the layer stack by recorders; return the original stack (the caller owns it now)."""
-    original = parts.layers
-    n = len(original)
-    recorders = nn.ModuleList(LayerInputRecorder(i, i == n - 1, layer, sink) for i, layer in enumerate(original))
-    setattr(parts.base, parts.layers_attr, recorders)
-    return original
+def _recorders(parts: DecoderParts, sink: list) -> nn.ModuleList:
+    n = len(parts.layers)
+    return nn.ModuleList(LayerInputRecorder(i, i == n - 1, layer, sink) for i, layer in enumerate(parts.layers))
 
 
 def record_layer_inputs(parts: DecoderParts, sink: list, inputs_embeds: torch.Tensor,
                         attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None):
-    """Run the model's own forward up to the layers; return (layer-0 input, per-layer (args, kwargs))."""
+    """Run the model's own forward up to the layers; return (layer-0 input, per-layer (args, kwargs)).
+
+    The recorders stand in for the layer stack only while this runs: the user's model keeps its real
+    decoder layers (and their weights) at every other moment, even when the forward raises.
+    """
     sink.clear()
+    setattr(parts.base, parts.layers_attr, _recorders(parts, sink))
     try:
         parts.base(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False)
     except _CaptureDone:
         pass
+    finally:
+        setattr(parts.base, parts.layers_attr, parts.layers)
     if len(sink) != len(parts.layers):
         raise RuntimeError(f"expected {len(parts.layers)} layer calls from {type(parts.base).__name__}.forward, "
                            f"saw {len(sink)}: the model's layer loop is not supported")
