@@ -80,14 +80,45 @@ def test_the_probe_catches_the_ignored_embedding_scale(monkeypatch):
     assert "model.embed_tokens.weight" in verdict.detail
 
 
-def test_gemma2_softcapping_is_refused_by_name_before_any_work():
+def test_gemma2_logit_softcapping_is_trained_exactly():
+    """Gemma 2 caps its logits (c * tanh(z / c)): the chunked head applies it, forward and backward."""
+    losses = _gemma_losses("gemma2", micro_batches=6)
+    assert max(abs(a - b) for a, b in losses) <= 1e-5, losses
+
+
+def test_the_probe_catches_a_dropped_softcap(monkeypatch):
+    from megatrain.models import adapter
+
+    real = adapter.find_parts
+
+    def without_softcap(model):
+        parts = real(model)
+        parts.softcap = None
+        return parts
+
+    monkeypatch.setattr("megatrain.engine.engine.find_parts", without_softcap)
     cfg = transformers.AutoConfig.for_model("gemma2", **GEMMA)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
-        Engine(model, EngineConfig(device="cpu"))
-    for n, p in model.named_parameters():  # the refused model is left as it was
-        assert torch.equal(p, before[n]), n
+    verdict = probe.run_probe(transformers.Gemma2ForCausalLM, cfg, Engine)
+    assert verdict.status == "mismatch", verdict
+
+
+def test_an_lm_head_bias_is_trained_exactly():
+    """Phi's head has a bias: its gradient is the sum of the logits' gradients, chunk by chunk."""
+    cfg = transformers.PhiConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 vocab_size=256, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    ref = transformers.PhiForCausalLM(cfg)
+    torch.nn.init.normal_(ref.lm_head.bias, std=0.5)
+    eng = Engine(copy.deepcopy(ref), EngineConfig(device="cpu", loss_chunk_tokens=7))
+    batch = make_batches(1)[0]
+    ref_loss = ref(**batch).loss
+    ref_loss.backward()
+    loss = eng(**batch).loss
+    eng.backward(loss)
+    eng.synchronize()
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5
+    got = dict(eng.named_parameters())["lm_head.bias"].grad
+    assert (got - ref.lm_head.bias.grad).abs().max() <= 1e-6 * ref.lm_head.bias.grad.abs().max()
 
 
 # -- model-level math the engine's own head/embedding path would drop -------------------------------------------
@@ -184,8 +215,8 @@ def test_a_cached_mismatch_refuses_without_reprobing(monkeypatch, tmp_path):
 def test_check_model_cli(capsys):
     assert cli(["check-model", "llama"]) == 0
     assert "LlamaForCausalLM: exact" in capsys.readouterr().out
-    assert cli(["check-model", "gemma2"]) == 1
-    assert "final_logit_softcapping" in capsys.readouterr().out
+    assert cli(["check-model", "qwen2_moe"]) == 1
+    assert "mixture-of-experts" in capsys.readouterr().out
     assert cli(["check-model", "no-such-model"]) == 2
     assert "no-such-model" in capsys.readouterr().err
 
@@ -200,7 +231,7 @@ def test_the_compatibility_table_covers_every_causal_lm_and_reprobes_the_same():
     for t, r in sorted(rows.items()):
         by_status.setdefault(r["status"], []).append(t)
     assert by_status.get("exact") and by_status.get("refused")
-    sample = ["llama", "gemma", "gemma2"] + [random.Random(0).choice(ts) for s, ts in sorted(by_status.items())]
+    sample = ["llama", "gemma", "gemma2", "phi"] + [random.Random(0).choice(ts) for s, ts in sorted(by_status.items())]
     for t in dict.fromkeys(sample):
         assert probe_type(t)["status"] == rows[t]["status"], t
     md = (ROOT / "docs" / "COMPATIBILITY.md").read_text()

@@ -327,10 +327,10 @@ class Engine:
             hn = self.parts.norm(h_last)
             loss = None
             if labels is not None:
-                loss = chunked_causal_lm_loss(hn, self.parts.lm_head.weight, labels.to(dev, torch.long, non_blocking=True),
+                loss = chunked_causal_lm_loss(hn, self.parts.lm_head, labels.to(dev, torch.long, non_blocking=True),
                                               self.pipeline.loss_chunk(self.config.loss_chunk_tokens),
-                                              num_items_in_batch)
-            logits = head_logits(hn, self.parts.lm_head, logits_to_keep) if return_logits else None
+                                              num_items_in_batch, self.parts.softcap)
+            logits = head_logits(hn, self.parts.lm_head, logits_to_keep, self.parts.softcap) if return_logits else None
         if train and (loss is not None or logits is not None):
             if self._pending is not None:
                 self._unbackwarded.append(weakref.ref(self._pending.h_last))

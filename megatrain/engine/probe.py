@@ -52,7 +52,7 @@ _IGNORED_KEYS = {"_name_or_path", "transformers_version", "architectures", "dtyp
 _MORE_SIZES = {
     "vocab_size_per_layer_input": 256, "hidden_size_per_layer_input": 16, "moe_intermediate_size": 64,
     "shared_expert_intermediate_size": 64, "n_routed_experts": 4, "num_experts": 4, "num_local_experts": 4,
-    "kv_lora_rank": 16, "q_lora_rank": 32,
+    "kv_lora_rank": 16, "q_lora_rank": 32, "rotary_dim": 8,
     "n_positions": 512, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": 128, "ffn_dim": 128, "d_model": 64,
 }
 _MAX_PARAMS = 20_000_000  # a "tiny" clone bigger than this has a size setting the probe does not know

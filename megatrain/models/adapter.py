@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 # Post-layer math in the *ForCausalLM wrapper that our chunked head would silently skip.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+_LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "output_multiplier_scale")
 _LAYER_STACK_NAMES = ("layers", "h", "blocks", "decoder_layers")
 _NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm", "final_layer_norm", "layer_norm", "norm_f")
 
@@ -31,6 +31,7 @@ class DecoderParts:
     lm_head: nn.Linear
     rotary: nn.Module | None
     tied: bool
+    softcap: float | None = None  # the head's final_logit_softcapping: logits = c * tanh(logits / c)
 
     @property
     def layers_prefix(self) -> str:
@@ -70,8 +71,6 @@ def find_parts(model: nn.Module) -> DecoderParts:
         raise ValueError(f"{kind}: no input embedding (nn.Embedding) found via get_input_embeddings()")
     if not isinstance(lm_head, nn.Linear):
         raise ValueError(f"{kind}: no LM head (nn.Linear) found via get_output_embeddings(); is it a *ForCausalLM?")
-    if lm_head.bias is not None:
-        raise ValueError(f"{kind}: an LM head with a bias is not supported by the chunked loss")
 
     n_layers = getattr(config, "num_hidden_layers", None)
     base = None
@@ -96,8 +95,11 @@ def find_parts(model: nn.Module) -> DecoderParts:
     rotary = getattr(base, "rotary_emb", None)
     base_prefix = _module_name(model, base)
     tied = lm_head.weight is embed.weight
+    softcap = getattr(config, "final_logit_softcapping", None)
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, int | float) or softcap <= 0):
+        raise ValueError(f"{kind}: final_logit_softcapping={softcap!r} must be a positive number or None")
     return DecoderParts(model, base, base_prefix or "", layers_attr, getattr(base, layers_attr), embed, norm,
-                        lm_head, rotary, tied)
+                        lm_head, rotary, tied, float(softcap) if softcap is not None else None)
 
 
 class _CaptureDone(Exception):
