@@ -33,8 +33,19 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-HOOK_SHAPES = [(8, 128), (32, 128), (128, 128), (8, 512), (32, 512), (8, 1024), (32, 1024)]
-QUICK_HOOK_SHAPES = [(4, 64), (16, 64)]
+# (modules K, hidden d, reduce bucket): None is the documented tuning (d*d: every parameter fills a
+# bucket, so each gradient hook flushes); DeepSpeed's default 5e8 flushes once, at the end of backward,
+# which separates the per-parameter hook from the flush.
+HOOK_SHAPES = [(8, 128, None), (32, 128, None), (128, 128, None), (8, 512, None), (32, 512, None),
+               (8, 1024, None), (32, 1024, None), (32, 128, 500_000_000), (32, 512, 500_000_000),
+               (32, 1024, 500_000_000)]
+QUICK_HOOK_SHAPES = [(4, 64, None), (16, 64, 500_000_000)]
+# HF Llama decoders of L layers at a small hidden size (bytes negligible): the per-layer slope of the
+# time ZeRO-3 adds over the same model in plain PyTorch is the hooks' cost per decoder layer, with
+# HF's module structure and its nested inputs/outputs (what the Linear stacks above cannot show).
+HF_LAYERS = [2, 8, 24]
+QUICK_HF_LAYERS = [1, 2]
+HF_HIDDEN = 64
 ADAM_SIZES = [1 << 20, 1 << 22, 1 << 24]
 QUICK_ADAM_SIZES = [1 << 16]
 WRAPPED = (
@@ -91,7 +102,7 @@ def _plain_seconds(k: int, d: int, tokens: int, steps: int) -> float:
     return statistics.median(times)
 
 
-def measure_hooks(k: int, d: int, tokens: int, steps: int) -> dict[str, Any]:
+def measure_hooks(k: int, d: int, tokens: int, steps: int, reduce_bucket: int | None = None) -> dict[str, Any]:
     """One configuration, in this process: fwd+bwd(+step) under ZeRO-3 offload with per-call timers."""
     import deepspeed
     import torch
@@ -102,7 +113,8 @@ def measure_hooks(k: int, d: int, tokens: int, steps: int) -> dict[str, Any]:
     calls = _timers()
     deepspeed.init_distributed(dist_backend="gloo")
     model = _stack(k, d)
-    cfg = build_ds_config(None, gradient_accumulation_steps=1, mixed_precision="no", micro_batch_size=1,
+    user = {"zero_optimization": {"reduce_bucket_size": reduce_bucket}} if reduce_bucket else None
+    cfg = build_ds_config(user, gradient_accumulation_steps=1, mixed_precision="no", micro_batch_size=1,
                           hidden_size=d)
     cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}}
     cfg["gradient_clipping"] = 0.0
@@ -137,6 +149,74 @@ def measure_hooks(k: int, d: int, tokens: int, steps: int) -> dict[str, Any]:
     return row
 
 
+def _hf_llama(layers: int, hidden: int) -> Any:
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=int(2.75 * hidden), num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                   max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.gradient_checkpointing_enable()  # as the harness runs the baselines
+    model.train()
+    return model
+
+
+def _hf_step_times(run: Any, steps: int) -> dict[str, float]:
+    per: list[tuple[float, float]] = []
+    for i in range(steps + 2):
+        f, b = run()
+        if i >= 2:
+            per.append((f, b))
+    return {"fwd_s": statistics.median(p[0] for p in per), "bwd_s": statistics.median(p[1] for p in per)}
+
+
+def measure_hf(layers: int, hidden: int, tokens: int, steps: int) -> dict[str, Any]:
+    """An HF Llama under ZeRO-3 offload vs the same model in plain PyTorch, forward and backward."""
+    import deepspeed
+    import torch
+
+    from baselines.zero3 import build_ds_config, prepare_environment
+
+    x = torch.randint(0, 256, (1, tokens))
+    plain = _hf_llama(layers, hidden)
+
+    def run_plain() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        loss = plain(input_ids=x, labels=x).loss
+        t1 = time.perf_counter()
+        loss.backward()
+        plain.zero_grad(set_to_none=True)
+        return t1 - t0, time.perf_counter() - t1
+
+    base = _hf_step_times(run_plain, steps)
+    prepare_environment()
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = _hf_llama(layers, hidden)
+    modules = sum(1 for _ in model.modules())
+    cfg = build_ds_config(None, gradient_accumulation_steps=1, mixed_precision="no", micro_batch_size=1,
+                          hidden_size=hidden)
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}}
+    cfg["gradient_clipping"] = 0.0
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+    def run_z3() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        loss = engine(input_ids=x, labels=x).loss
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        t2 = time.perf_counter()
+        engine.step()
+        return t1 - t0, t2 - t1
+
+    z3 = _hf_step_times(run_z3, steps)
+    return {"layers": layers, "hidden": hidden, "tokens": tokens, "steps": steps, "modules": modules,
+            "params": sum(p.ds_numel for p in model.parameters()), "zero3_fwd_s": z3["fwd_s"],
+            "zero3_bwd_s": z3["bwd_s"], "plain_fwd_s": base["fwd_s"], "plain_bwd_s": base["bwd_s"],
+            "threads": torch.get_num_threads()}
+
+
 def measure_cpu_adam(n: int, reps: int) -> dict[str, Any]:
     """DeepSpeedCPUAdam and torch's fused AdamW over one flat parameter of n elements."""
     import torch
@@ -165,8 +245,10 @@ def measure_cpu_adam(n: int, reps: int) -> dict[str, Any]:
 
 def _one(args: argparse.Namespace) -> int:
     spec = json.loads(args.one)
-    if spec["kind"] == "hooks":
-        row = measure_hooks(spec["k"], spec["d"], spec["tokens"], spec["steps"])
+    if spec["kind"] == "hf":
+        row = measure_hf(spec["layers"], spec["hidden"], spec["tokens"], spec["steps"])
+    elif spec["kind"] == "hooks":
+        row = measure_hooks(spec["k"], spec["d"], spec["tokens"], spec["steps"], spec.get("reduce_bucket"))
     else:
         row = measure_cpu_adam(spec["n"], spec["reps"])
     Path(args.result).write_text(json.dumps(row))
@@ -194,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--only", choices=("adam", "hooks", "hf"), action="append",
+                    help="measure only these (default: all); earlier CSVs of the others are kept")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -212,13 +296,19 @@ def main(argv: list[str] | None = None) -> int:
     commit, dirty = git_commit()
     prov = {"git_commit": commit, "git_dirty": dirty, "versions": package_versions(), "cpu_model": cpu_model(),
             "cpu_count": os.cpu_count(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    only = set(args.only or ("adam", "hooks", "hf"))
     sizes = QUICK_ADAM_SIZES if args.quick else ADAM_SIZES
-    adam = [_run_child({"kind": "adam", "n": n, "reps": 3 if args.quick else 7}, args.threads, 600) for n in sizes]
+    adam = [_run_child({"kind": "adam", "n": n, "reps": 3 if args.quick else 7}, args.threads, 600)
+            for n in sizes] if "adam" in only else []
     shapes = QUICK_HOOK_SHAPES if args.quick else HOOK_SHAPES
     steps = 2 if args.quick else args.steps
-    hooks = [_run_child({"kind": "hooks", "k": k, "d": d, "tokens": args.tokens, "steps": steps}, args.threads, 900)
-             for k, d in shapes]
-    for rows, name in ((adam, "cpu_adam.csv"), (hooks, "hooks.csv")):
+    hooks = [] if "hooks" not in only else [_run_child({"kind": "hooks", "k": k, "d": d, "tokens": args.tokens, "steps": steps, "reduce_bucket": rb},
+                        args.threads, 900) for k, d, rb in shapes]
+    hf = [] if "hf" not in only else [_run_child({"kind": "hf", "layers": n, "hidden": HF_HIDDEN, "tokens": args.tokens, "steps": steps},
+                     args.threads, 900) for n in (QUICK_HF_LAYERS if args.quick else HF_LAYERS)]
+    for rows, name in ((adam, "cpu_adam.csv"), (hooks, "hooks.csv"), (hf, "hf_layers.csv")):
+        if not rows:
+            continue
         df = pd.DataFrame(rows)
         for key, v in prov.items():
             df[key] = v

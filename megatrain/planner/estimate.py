@@ -962,7 +962,7 @@ def _zero3_passes(p: Point, hw: Hardware) -> tuple[PassCost, PassCost, float]:
         bucket[0] += sum(n_params)
         while bucket[0] >= z["reduce"]:
             bucket[0] -= z["reduce"]
-            extra += hw.zero3_bucket_flush_s + z["reduce"] * (c + 4) / Bh
+            extra += hw.zero3_bucket_flush_s + z["reduce"] * ((c + 4) / Bh + hw.zero3_grad_elem_s)
             flushes[0] += 1
         return extra
 
@@ -974,11 +974,18 @@ def _zero3_passes(p: Point, hw: Hardware) -> tuple[PassCost, PassCost, float]:
         bsteps += [Step(fetched(s), s.compute_share * bwd, grads(s.params)) for s in reversed(mods)]
     bsteps.append(Step(fetched(Submodule("embed", (emb,), 0)), 0.0, grads((emb,) if head_params else ())))
     hook = hw.zero3_module_hook_s if stage3 else 0.0
-    fp = run_pass(fsteps, c, hw.link_bps * (1.0 if p.zero3_pin_memory else PAGEABLE_LINK_FRACTION),
-                  hook, z["prefetch"], p.zero3_overlap)
-    bp = run_pass(bsteps, c, hw.link_bps * (1.0 if p.zero3_pin_memory else PAGEABLE_LINK_FRACTION),
-                  hook, z["prefetch"], p.zero3_overlap)
+    link = hw.link_bps * (1.0 if p.zero3_pin_memory else PAGEABLE_LINK_FRACTION)
+    overlap = _zero3_overlaps(p, hw)
+    fp = run_pass(fsteps, c, link, hook, z["prefetch"], overlap)
+    bp = run_pass(bsteps, c, link, hook, z["prefetch"], overlap)
     return fp, bp, float(m.param_count() * c)
+
+
+def _zero3_overlaps(p: Point, hw: Hardware) -> bool:
+    """Whether fetches, hooks and compute can run side by side. With a CPU as the device there is no
+    asynchronous device or copy engine: DeepSpeed's gathers, its hooks and the layers' compute all run
+    on the calling thread, one after the other (measured: results/zero3_mechanisms)."""
+    return p.zero3_overlap and not hw.unified_memory
 
 
 def zero3_time(p: Point, hw: Hardware) -> Time:
@@ -992,7 +999,7 @@ def zero3_time(p: Point, hw: Hardware) -> Time:
     fp, bp, grad_bytes = _zero3_passes(p, hw)
     # gradients leave on their own lane (overlap_comm); the backward cannot end before they have
     d2h_s = grad_bytes / Bl
-    backward = max(bp.seconds, d2h_s) if p.zero3_overlap else bp.seconds + d2h_s
+    backward = max(bp.seconds, d2h_s) if _zero3_overlaps(p, hw) else bp.seconds + d2h_s
     g = p.grad_accum
     P = m.param_count()
     opt = P / cpu_adam_rate(hw)

@@ -34,9 +34,11 @@ OPTIONAL_NUMERIC_FIELDS = ("host_optimizer_gbs", "cpu_adam_params_per_s")
 # carries the layer ones; a profile without a field (an older bench file) gets 0. Negative: refused.
 # DeepSpeed ZeRO-3's host-side Python per call, beyond the bytes it moves (measured with real
 # DeepSpeed by experiments/zero3_mechanisms.py): one submodule's fetch + release hooks in one pass,
-# one parameter's gradient hook, one gradient-bucket flush.
+# one parameter's gradient hook, one gradient-bucket flush, and per gradient element of a flush the
+# host work beyond the FP32 cast at DRAM speed (on a CPU "device" the reduce-scatter and copies run
+# on the host too; on a GPU they run on the device and this is 0).
 OVERHEAD_FIELDS = ("layer_overhead_fwd_s", "layer_overhead_bwd_s", "microbatch_overhead_s",
-                   "zero3_module_hook_s", "zero3_param_grad_hook_s", "zero3_bucket_flush_s")
+                   "zero3_module_hook_s", "zero3_param_grad_hook_s", "zero3_bucket_flush_s", "zero3_grad_elem_s")
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class Hardware:
     zero3_module_hook_s: float = 0.0
     zero3_param_grad_hook_s: float = 0.0
     zero3_bucket_flush_s: float = 0.0
+    zero3_grad_elem_s: float = 0.0
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def peak_flops(self, dtype: str) -> float:
