@@ -175,7 +175,11 @@ def predict_row(r: dict[str, Any], adam_rate: float | None = None) -> tuple[floa
                       else "ours")
         detail = f"bottleneck {pl.time.bottleneck}, step {pl.time.step_s:.2f} s"
         if r["backend"] == "zero3":
-            detail += f"; {_breakdown(pl)}"
+            # how much the source's unstated batch matters: the same prediction at 2k tokens per step
+            small = plan(_model(r), 2048 if seq >= 2048 else seq, 1, dtype=DTYPE, hardware=hw, backend="zero3",
+                         **knobs)
+            detail += (f"; {_breakdown(pl)}; at {small.point.tokens_per_step} tokens per step "
+                       f"{_convert(small, conv):.1f} TFLOPS")
         return _convert(pl, conv), assumed, detail
     raise ValueError(f"unknown kind {kind!r}")
 

@@ -104,24 +104,25 @@ def run_pass(steps: list[Step], element_bytes: int, link_bps: float, hook_s: flo
         return PassCost(comp_total + sum(fetch) + host_total, comp_total, sum(fetch), host_total, elements)
     host = copy = dev = 0.0
     done = [0.0] * len(steps)  # when each module's parameters have landed
-    inflight: list[float] = []  # completion times of fetches the host has not synchronized on
+    events: list[float] = []  # fetch events recorded at the host's waits, oldest first
     issued = -1
     for j, st in enumerate(steps):
         k, budget = issued + 1, 0
         # j's own fetch if no prefetch covered it, then the following ones up to the bucket
         while k < len(steps) and (k <= j or (prefetch_bucket > 0 and budget < prefetch_bucket)):
             copy = done[k] = max(copy, host) + fetch[k]
-            if fetch[k] > 0:
-                inflight.append(copy)
-                if k > j:
-                    budget += steps[k].fetch_elements
+            if k > j:
+                budget += steps[k].fetch_elements
             issued = k
             k += 1
             if k > j and budget == 0 and k - j > 64:
                 break  # nothing to fetch for a long way: stop looking ahead
-        inflight = [t for t in inflight if t > host]
-        while len(inflight) > MAX_ONGOING_FETCH_EVENTS:
-            host = max(host, inflight.pop(0))
+        if fetch[j] > 0:
+            # waiting for j's parameters records an event; past the limit the host blocks on the oldest
+            events = [t for t in events if t > host]
+            while len(events) > MAX_ONGOING_FETCH_EVENTS:
+                host = max(host, events.pop(0))
+            events.append(done[j])
         host += hook_s + st.host_extra_s
         dev = max(dev, done[j], host) + st.compute_s
     return PassCost(max(dev, host), comp_total, sum(fetch), host_total, elements)
