@@ -1,8 +1,8 @@
 """The performance and memory model: bytes and seconds per component, from shapes and a hardware profile.
 
 Three backends are modelled at the same training point:
-  megatrain  layers streamed through k device buffers, all state on the host (DESIGN.md),
-  zero3      DeepSpeed ZeRO-3 with parameters and optimizer offloaded to the CPU,
+  megatrain  layers streamed through k device buffers, all state on the host (docs/DESIGN.md),
+  zero3      DeepSpeed ZeRO-3 (or ZeRO-2) with parameters and optimizer offloaded to the CPU (zero3_model.py),
   torch      plain PyTorch + AdamW with everything on the device (the reference).
 """
 
