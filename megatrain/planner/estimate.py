@@ -568,7 +568,7 @@ def zero3_memory(p: Point, hw: Hardware) -> Memory:
     largest = max(m.hidden * m.intermediate, m.vocab * h)
     device: dict[str, int] = {}
     if p.zero_stage == 3:
-        device["fetched params (module + prefetch)"] = int(min(ZERO3_MAX_LIVE_PARAMS, largest + z["prefetch"]) * c)
+        device["fetched params (module + prefetch)"] = int(min(ZERO3_MAX_LIVE_PARAMS, largest + z["prefetch"], P) * c)
     else:
         device["params (compute dtype)"] = P * c
     device.update({
