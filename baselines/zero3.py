@@ -93,6 +93,32 @@ def build_ops() -> None:
         builder.load(verbose=False)
 
 
+# The ZeRO-3 offload settings Hugging Face documents for its DeepSpeed integration (the config its
+# docs ship for ZeRO-3 with CPU offload, whose "auto" sizes Accelerate resolves from the model's
+# hidden size exactly as below). DeepSpeed's bare defaults are sized for no model in particular
+# (prefetch 5e7 elements, persistence 1e5, reduce bucket 5e8); these follow the model, so the
+# baseline runs as its users are told to run it. A value the user sets wins.
+OFFLOAD_TUNING: dict[str, Any] = {
+    "overlap_comm": True,
+    "contiguous_gradients": True,
+    "sub_group_size": 1_000_000_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+}
+
+
+def hidden_size_tuning(hidden_size: int) -> dict[str, int]:
+    """The hidden-size-derived sizes of `OFFLOAD_TUNING` (Accelerate's resolution of "auto")."""
+    if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size <= 0:
+        raise ValueError(f"hidden_size must be a positive integer, got {hidden_size!r}")
+    h = hidden_size
+    return {
+        "reduce_bucket_size": h * h,
+        "stage3_prefetch_bucket_size": int(0.9 * h * h),
+        "stage3_param_persistence_threshold": 10 * h,
+    }
+
+
 def _has_accelerator() -> bool:
     return torch.accelerator.current_accelerator() is not None
 
@@ -104,8 +130,13 @@ def build_ds_config(
     mixed_precision: str,
     micro_batch_size: int | None,
     gradient_clipping: float = 0.0,
+    hidden_size: int | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed config this backend runs: the user's, with ZeRO-3 CPU offload filled in.
+
+    Unset (or "auto") bucket, prefetch and persistence sizes get the documented offload tuning
+    (`OFFLOAD_TUNING`, `hidden_size_tuning`). Without `hidden_size` (a model with no HF config) the
+    sizes are left as given: DeepSpeed's defaults, or "auto" for Accelerate to resolve.
 
     Pinned host buffers need an accelerator; on a CPU-only build `pin_memory=True` raises, so it
     defaults to whether one exists. Settings that are the face's business (accumulation, precision)
@@ -125,6 +156,12 @@ def build_ds_config(
             off["pin_memory"] = pin
         elif off["pin_memory"] and not pin:
             raise ValueError(f"zero_optimization.{section}.pin_memory=true needs an accelerator; this machine has none")
+    for key, value in OFFLOAD_TUNING.items():
+        zero.setdefault(key, value)
+    sized = hidden_size_tuning(hidden_size) if hidden_size is not None else {}
+    for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
+        if zero.get(key, "auto") == "auto" and key in sized:
+            zero[key] = sized[key]
 
     gas = cfg.get("gradient_accumulation_steps", "auto")
     if gas not in ("auto", gradient_accumulation_steps):
@@ -157,6 +194,11 @@ def build_ds_config(
     cfg.setdefault("zero_allow_untested_optimizer", True)
     cfg.setdefault("wall_clock_breakdown", False)
     return cfg
+
+
+def _hidden_size(model: torch.nn.Module) -> int | None:
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    return hidden if isinstance(hidden, int) and not isinstance(hidden, bool) and hidden > 0 else None
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -243,6 +285,7 @@ class Zero3Backend:
             mixed_precision=self._mixed_precision,
             micro_batch_size=micro_batch_size,
             gradient_clipping=self._gradient_clipping,
+            hidden_size=_hidden_size(model),
         )
         plugin = DeepSpeedPlugin(hf_ds_config=self.ds_config)
         self.accelerate = HFAccelerator(

@@ -1,11 +1,11 @@
-"""The CUDA path, proven: one prepared check that validates and measures MegaTrain on a borrowed GPU.
+"""The CUDA path, proven: one prepared check that validates and measures MegaTrain on a machine with a GPU.
 
-    bash scripts/fetch_wheels.sh                  # here, once: wheels/ for the device (no network there)
-    bash experiments/gpu_check.sh                 # on the GPU machine: installs the carried wheels, then this
+    bash experiments/gpu_check.sh                 # on the GPU machine, from the repository root
     python -m experiments.gpu_check --dry-run     # the same script on the CPU with tiny shapes (CI runs it)
+    bash scripts/fetch_wheels.sh                  # only for a GPU machine without network: wheels/ to copy along
 
-With the device tool: run(command="bash experiments/gpu_check.sh", carry=["wheels"], timeout_s=560); prefix
-MEGATRAIN_GIT_COMMIT=<sha> to record the commit (the device's copy of the tree has no .git).
+Set OUT=<folder> to have the summary files copied there after every phase; prefix MEGATRAIN_GIT_COMMIT=<sha>
+to record the commit when the copy of the tree on the GPU machine has no .git.
 
 Phases, in order, each with its own time budget, in a child process that the parent kills when a phase
 overruns and replaces when it dies (and after a phase that raised on a GPU, whose CUDA context may be
@@ -27,7 +27,7 @@ poisoned): a hang or a crash costs that phase only. The parent publishes the sum
 
 Outputs, in --out: phases/<phase>.json (written as each check finishes), results.csv, traces/, logs/,
 summary.json and summary.md; with --bundle (default: $OUT) at most 6 files are copied there after every
-phase (the device tool returns 8 files at most): summary.md, summary.json, results.csv, timeline.json
+phase (a small, fixed set that is quick to copy back): summary.md, summary.json, results.csv, timeline.json
 (the largest megatrain point's step), gpu_check.tar.gz (everything), and the wrapper's log.txt. The
 summary table is printed last.
 """

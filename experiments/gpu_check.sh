@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The GPU check in one call, from a cold start (< 8 min on the H200): install the carried wheels, then
-# run experiments/gpu_check.py. The device has its own CUDA torch and no network; the wheels come from
-# `bash scripts/fetch_wheels.sh` (git-ignored wheels/, carried with the call).
+# The GPU check in one call, from a cold start (< 8 min on an H200): on a machine with a CUDA torch,
+# install any wheels found in wheels/ (for a machine without network: `bash scripts/fetch_wheels.sh`
+# elsewhere, then copy wheels/ along), then run experiments/gpu_check.py.
 #
-#   device tool:  run(command="bash experiments/gpu_check.sh", carry=["wheels"], timeout_s=560)
-#   here:         bash experiments/gpu_check.sh --dry-run        (the same script, CPU, tiny shapes)
+#   on the GPU machine:  bash experiments/gpu_check.sh
+#   on any CPU:          bash experiments/gpu_check.sh --dry-run   (the same script, tiny shapes)
 #
-# With $OUT set (the device tool's return folder) the check copies its <= 6 files there after every
-# phase and this wrapper's log goes to $OUT/log.txt, so a run cut short still brings back what it did.
+# With $OUT set the check copies its <= 6 summary files there after every phase and this wrapper's
+# log goes to $OUT/log.txt, so a run cut short still leaves what it did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export GPU_CHECK_T0="${GPU_CHECK_T0:-$(date +%s)}"  # the check's time budget counts the install too

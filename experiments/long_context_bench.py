@@ -91,7 +91,9 @@ def worker(model_name: str, backend: str, seq: int, max_pos: int, budget: int) -
         config["megatrain"] = {"device_budget_bytes": budget}
     acc = Accelerator(backend=backend, config=config, gradient_checkpointing=True)
     model = build_model(pt)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # as the sweep harness: torch's fused kernel (no per-step temporaries of the foreach one); ZeRO offload
+    # swaps in DeepSpeedCPUAdam
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     model, optimizer = acc.prepare(model, optimizer)
     engine = _find_engine(model, acc) if backend == "megatrain" else None
     if engine is not None:

@@ -43,6 +43,10 @@ COLUMNS: list[tuple[str, str]] = [
     ("precision", "`fp32` or `bf16` (compute precision; megatrain masters stay FP32)"),
     ("recompute", "activation recompute (HF gradient checkpointing for torch/zero3; always on for megatrain)"),
     ("engine", "megatrain engine knobs as JSON (num_buffers, link_gbps, ...)"),
+    ("optimizer", "the optimizer that actually stepped, with its kernel: e.g. `torch.optim.AdamW(fused)`, "
+                  "`deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode)`"),
+    ("backend_settings", "JSON of the settings the backend ran with that decide its speed: for zero3 the "
+                         "resolved `zero_optimization` section (buckets, prefetch, persistence, live parameters)"),
     ("max_positions", "context limit the model was built with"),
     ("grad_clip", "global gradient-norm clipping applied every step (0: none)"),
     ("warmup_steps", "untimed warm-up optimizer steps"),

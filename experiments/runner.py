@@ -70,6 +70,12 @@ def preflight(pt: Point) -> Preflight:
         kw["engine_config"] = EngineConfig.from_dict({"compute_dtype": dtype, **pt.engine})
     else:
         kw["gradient_checkpointing"] = pt.recompute
+    if pt.backend == "zero3":
+        # the bucket sizes the run overrides size its device buffers too
+        names = {"stage3_prefetch_bucket_size": "zero3_prefetch_bucket",
+                 "stage3_param_persistence_threshold": "zero3_persistence_threshold",
+                 "reduce_bucket_size": "zero3_reduce_bucket"}
+        kw.update({names[k]: int(v) for k, v in pt.zero3.items() if k in names and not isinstance(v, str)})
     try:
         res = planner.preflight(pt.preset, pt.seq_len, pt.micro_batch, backend=pt.backend, dtype=dtype,
                                 grad_accum=pt.grad_accum, **kw)

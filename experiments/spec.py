@@ -32,6 +32,9 @@ POINT_DEFAULTS: dict[str, Any] = {
     "precision": "fp32",
     "recompute": True,  # HF gradient checkpointing for torch/zero3; megatrain always recomputes per layer
     "engine": {},  # megatrain engine knobs (EngineConfig fields); ignored by the other backends
+    # DeepSpeed `zero_optimization` overrides for backend zero3 (bucket, prefetch, persistence sizes);
+    # empty: the baseline's documented offload tuning (baselines/zero3.py). Ignored by other backends.
+    "zero3": {},
     "max_positions": None,  # override of the preset's limit, needed for context beyond it
     "warmup": 1,
     "steps": 3,  # timed steps; the median is reported
@@ -74,6 +77,7 @@ class Point:
     seed: int = 0
     lr: float = 1e-4
     grad_clip: float = 1.0
+    zero3: dict = field(default_factory=dict)
 
     @property
     def preset(self) -> ModelPreset:
@@ -88,6 +92,8 @@ class Point:
     def point_id(self) -> str:
         """Stable id of what is measured: the key used to skip points already recorded."""
         ident = {k: getattr(self, k) for k in _IDENTITY_KEYS}
+        if self.zero3:  # only when set, so points recorded before the key existed keep their ids
+            ident["zero3"] = self.zero3
         blob = json.dumps(ident, sort_keys=True, separators=(",", ":"))
         return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
@@ -101,6 +107,8 @@ class Point:
             s += "/norecompute"
         if self.engine and self.backend == "megatrain":
             s += "/" + ",".join(f"{k}={v}" for k, v in sorted(self.engine.items()))
+        if self.zero3 and self.backend == "zero3":
+            s += "/" + ",".join(f"{k}={v}" for k, v in sorted(self.zero3.items()))
         return s
 
     def to_dict(self) -> dict[str, Any]:
@@ -178,6 +186,14 @@ def _check_value(file: str, path: str, key: str, v: Any) -> Any:
         except (ValueError, TypeError) as e:
             raise bad(str(e)) from None
         v = dict(sorted(v.items()))
+    elif key == "zero3":
+        if not isinstance(v, dict):
+            raise bad(f"zero3 must be a mapping of DeepSpeed zero_optimization settings, got {v!r}")
+        for name in ("stage", "offload_param", "offload_optimizer"):
+            if name in v:
+                raise bad(f"zero3.{name} is fixed by the zero3 backend (stage 3, params and optimizer on the CPU); "
+                          "remove it")
+        v = dict(sorted(v.items()))
     return v
 
 
@@ -208,7 +224,9 @@ def _finish_point(file: str, merged: dict[str, Any], where: dict[str, str]) -> P
         # Engine knobs mean nothing to the baselines; dropping them keeps one identity (and one
         # run) per baseline point when a spec sweeps a knob for megatrain.
         merged["engine"] = {}
-    else:
+    if merged["backend"] != "zero3":
+        merged["zero3"] = {}
+    if merged["backend"] == "megatrain":
         merged["recompute"] = True  # the engine always recomputes each layer in backward
     pt = Point(**merged)
     limit = pt.max_positions or get_preset(pt.model).max_positions

@@ -23,9 +23,9 @@ ROOTS = ("transformers", "accelerate", "deepspeed", "safetensors", "pyyaml", "tq
 # these under the image's torch could break it, and they are large.
 NEVER = re.compile(r"^(torch|torchvision|torchaudio|triton|nvidia-.*|cuda-.*|sympy|mpmath|networkx|jinja2|"
                    r"markupsafe|setuptools|pip|wheel)$")
-# In the image already (KINDS.md lists them), in versions our code accepts; ~30 MB of wheels.
+# Usually installed with a CUDA torch already, in versions our code accepts; ~30 MB of wheels.
 IMAGE_HAS = {"numpy", "pandas", "python-dateutil", "tzdata", "six"}
-# The device image's interpreter (KINDS.md: Python 3.12.3 on x86-64 Linux), for environment markers.
+# The GPU machine's interpreter (Python 3.12.3 on x86-64 Linux by default), for environment markers.
 DEVICE_ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
               "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
               "platform_python_implementation": "CPython", "os_name": "posix", "extra": ""}

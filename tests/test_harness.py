@@ -78,6 +78,10 @@ BAD_SPECS = [
      "points[0].engine", "unknown megatrain setting 'num_bufers'"),
     ("zero_steps", "defaults: {steps: 0}\ngrid: {backend: torch, model: tiny, seq_len: 64}",
      "defaults.steps", "must be a positive integer"),
+    ("zero3_not_a_mapping", "grid: {backend: zero3, model: tiny, seq_len: 64, zero3: 5}",
+     "grid.zero3", "zero3 must be a mapping"),
+    ("zero3_fixed_stage", "points: [{backend: zero3, model: tiny, seq_len: 64, zero3: {stage: 2}}]",
+     "points[0].zero3", "zero3.stage is fixed by the zero3 backend"),
 ]
 
 
@@ -219,6 +223,24 @@ def test_sweep_end_to_end_columns_and_sane_values(e2e):
         else:
             assert r["breakdown_source"] == "wall" and r["device_mem_source"] == "none"
             assert pd.isna(r["peak_device_bytes"]) and r["link_source"] == "none"
+        # Every backend at its best kernel, and the row says which ran: torch's fused AdamW (the engine
+        # keeps the fused kernel on its host masters too), never the default per-tensor loop.
+        assert r["optimizer"] == "torch.optim.AdamW(fused)", r["optimizer"]
+        assert json.loads(r["backend_settings"]) == {}
+
+
+def test_zero3_overrides_shape_identity_and_label_only_where_they_apply(tmp_path):
+    spec = write_spec(tmp_path / "z.yaml", "grid: {backend: [zero3, torch], model: tiny, seq_len: 64, "
+                                           "zero3: [{}, {stage3_prefetch_bucket_size: 1000}]}")
+    pts = load_sweep(spec).points
+    z3 = [p for p in pts if p.backend == "zero3"]
+    assert len(z3) == 2 and len({p.point_id for p in z3}) == 2
+    assert {p.label for p in z3} == {"zero3/tiny/s64/b1/fp32", "zero3/tiny/s64/b1/fp32/stage3_prefetch_bucket_size=1000"}
+    # the overrides mean nothing to torch: one torch point, with the id it had before the key existed
+    torch_pts = {p.point_id for p in pts if p.backend == "torch"}
+    assert len(torch_pts) == 1
+    plain = write_spec(tmp_path / "t.yaml", "grid: {backend: torch, model: tiny, seq_len: 64}")
+    assert torch_pts == {load_sweep(plain).points[0].point_id}
 
 
 def test_point_that_cannot_fit_is_skipped_with_reason(e2e):

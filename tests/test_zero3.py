@@ -168,6 +168,27 @@ def test_ds_config_keeps_the_users_settings_and_refuses_contradictions():
                               mixed_precision="no", micro_batch_size=1)
 
 
+def test_ds_config_applies_the_documented_offload_tuning():
+    cfg = zero3.build_ds_config(None, gradient_accumulation_steps=1, mixed_precision="no", micro_batch_size=1,
+                                hidden_size=1024)
+    z = cfg["zero_optimization"]
+    # Hugging Face's documented ZeRO-3 offload config, "auto" sizes resolved as Accelerate does
+    assert z["reduce_bucket_size"] == 1024 * 1024
+    assert z["stage3_prefetch_bucket_size"] == int(0.9 * 1024 * 1024)
+    assert z["stage3_param_persistence_threshold"] == 10 * 1024
+    assert z["overlap_comm"] is True and z["contiguous_gradients"] is True
+    assert z["stage3_max_live_parameters"] == z["stage3_max_reuse_distance"] == z["sub_group_size"] == 10**9
+    # the user's own value wins; an explicit "auto" is resolved
+    user = {"zero_optimization": {"stage3_prefetch_bucket_size": 77, "reduce_bucket_size": "auto"}}
+    z = zero3.build_ds_config(user, gradient_accumulation_steps=1, mixed_precision="no", micro_batch_size=1,
+                              hidden_size=64)["zero_optimization"]
+    assert z["stage3_prefetch_bucket_size"] == 77 and z["reduce_bucket_size"] == 64 * 64
+    # no hidden size (a model without an HF config): the sizes are DeepSpeed's own defaults
+    z = zero3.build_ds_config(None, gradient_accumulation_steps=1, mixed_precision="no",
+                              micro_batch_size=1)["zero_optimization"]
+    assert "stage3_prefetch_bucket_size" not in z and "reduce_bucket_size" not in z
+
+
 def test_environment_for_a_plain_python_run(monkeypatch):
     for key in (*_RENDEZVOUS, "TORCH_EXTENSIONS_DIR"):
         monkeypatch.delenv(key, raising=False)

@@ -25,9 +25,11 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
                     engine does per device type (none on a CPU device in FP32: it aliases them) + CPU AdamW
                     (bytes touched / host bandwidth) after backward, or with optimizer_overlap a layer at a
                     time behind the next forward (the globals still in step()).
-  zero3             DeepSpeed's 18 B/param x 1.5 buffers on the host; per module fetches (forward,
-                    recompute, backward), head/embedding fetched per micro-batch, HF's full logits and
-                    activations on the device; perfect prefetch by default (its best case).
+  zero3             DeepSpeed ZeRO-3 (or ZeRO-2, zero_stage=2) offload from its mechanisms (zero3_model.py):
+                    host memory as stage3.py allocates it; per-submodule fetches with DeepSpeed's lookahead
+                    and event limit, host hooks per module / parameter / bucket, the buckets' FP32 cast,
+                    DeepSpeedCPUAdam at the profile's parameters/s after backward; HF's full logits and
+                    activations on the device.
 Every assumption is a named constant in estimate.py or engine/memory_model.py, or a sourced number in the profiles file.
 """
 

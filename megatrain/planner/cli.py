@@ -88,8 +88,8 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
                    f"device {fmt_bytes(o.memory.device_total)}, fits: {'yes' if o.fits else 'NO'}; "
                    f"throughput {p.backend}/{o.point.backend} = {ratio:.2f}x (its bottleneck: {o.time.bottleneck})")
         if o.point.backend == "zero3":
-            out.append("    (zero3 is its best case: DeepSpeed's per-module hook and partitioning costs are not modelled; "
-                       "measured slower than predicted, results/validation/README.md)")
+            out.append("    (zero3 from DeepSpeed's mechanisms: per-module fetches and hooks, gradient buckets, "
+                       "DeepSpeedCPUAdam at the profile's rate; checked in results/zero3_mechanisms/README.md)")
     out.append("  (predicted; model TFLOPS = 6*N_nonembed*T + 12*L*h*s*T/2 per step, recompute not counted)")
     return "\n".join(out)
 

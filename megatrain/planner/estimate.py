@@ -1,8 +1,8 @@
 """The performance and memory model: bytes and seconds per component, from shapes and a hardware profile.
 
 Three backends are modelled at the same training point:
-  megatrain  layers streamed through k device buffers, all state on the host (DESIGN.md),
-  zero3      DeepSpeed ZeRO-3 with parameters and optimizer offloaded to the CPU,
+  megatrain  layers streamed through k device buffers, all state on the host (docs/DESIGN.md),
+  zero3      DeepSpeed ZeRO-3 (or ZeRO-2) with parameters and optimizer offloaded to the CPU (zero3_model.py),
   torch      plain PyTorch + AdamW with everything on the device (the reference).
 """
 
@@ -20,6 +20,7 @@ from megatrain.models.presets import ModelPreset
 
 from .hardware import GB, GIB, Hardware, _is_bf16, get_hardware
 from .shapes import resolve_model
+from .zero3_model import PassCost, Step, Submodule, decoder_layer_submodules, offload_tuning, run_pass
 
 BACKENDS = ("megatrain", "zero3", "torch")
 MASTERS = ("fp32", "hilo", "bf16")
@@ -43,12 +44,11 @@ LOSS_BYTES_EXTRA = 12
 ELEM_H, ELEM_I = 20.0, 5.0
 # Flash/memory-efficient attention backward recomputes the scores: 5 GEMMs vs 2 forward.
 ATTN_BWD_RATIO = 2.5
-# DeepSpeed's memory estimator: ZeRO-3 offload of params + optimizer needs 18 B/param (zero_init)
-# times additional_buffer_factor=1.5 (deepspeed/runtime/zero/stage3.py,
-# estimate_zero3_model_states_mem_needs; https://deepspeed.readthedocs.io/en/latest/memory.html).
-ZERO3_BUFFER_FACTOR = 1.5
-ZERO3_MAX_LIVE_PARAMS = 1e9  # stage3_max_live_parameters default
-ZERO3_REDUCE_BUCKET = 5e8  # reduce_bucket_size default (elements)
+ZERO3_MAX_LIVE_PARAMS = 1e9  # stage3_max_live_parameters (DeepSpeed's default and the documented tuning)
+# Host memory DeepSpeed's own runtime adds (its imports, JIT-built ops, the gloo process group):
+# measured as the peak-RSS excess over the modelled states of the smallest quick-sweep point
+# (zero3/tiny, 0.1M parameters, results/quick); the larger points are the held-out check.
+ZERO3_RUNTIME_BYTES = 73 * 2**20
 PAGEABLE_LINK_FRACTION = 0.5  # assumption: pageable copies reach about half the pinned rate
 
 
@@ -79,9 +79,16 @@ class Point:
     grad_clip: bool = True
     gradient_checkpointing: bool = True  # zero3 / torch only: megatrain always recomputes per layer
     zero3_pin_memory: bool = True
-    # True: DeepSpeed's prefetch hides each module's fetch behind compute (its best case);
-    # False: fetches and gradient offload serialize with compute (its worst case)
+    # True: DeepSpeed's prefetch overlaps fetches with compute as far as its lookahead allows;
+    # False: fetches, hooks and gradient offload serialize with compute (its worst case)
     zero3_overlap: bool = True
+    # 3: ZeRO-3 offload (parameters fetched per submodule); 2: ZeRO-2 offload (ZeRO-Offload: compute-dtype
+    # parameters resident on the device, gradients and optimizer on the host)
+    zero_stage: int = 3
+    # DeepSpeed sizes in elements; None: the zero3 backend's documented tuning from the hidden size
+    zero3_prefetch_bucket: int | None = None
+    zero3_persistence_threshold: int | None = None
+    zero3_reduce_bucket: int | None = None
 
     @property
     def tokens(self) -> int:  # per micro-batch
@@ -363,6 +370,12 @@ def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
     tile = knobs.get("mlp_tile_tokens", "auto")
     if not (tile is None or tile == "auto" or (isinstance(tile, int) and not isinstance(tile, bool) and tile >= 1)):
         raise ValueError(f"mlp_tile_tokens={tile!r}: use None (untiled), 'auto' or an int >= 1")
+    if knobs.get("zero_stage", 3) not in (2, 3):
+        raise ValueError(f"zero_stage={knobs['zero_stage']!r}: the planner models ZeRO-2 and ZeRO-3 offload (2 or 3)")
+    for k in ("zero3_prefetch_bucket", "zero3_persistence_threshold", "zero3_reduce_bucket"):
+        v = knobs.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"{k}={v!r} must be an int >= 0 (elements) or None (the documented tuning)")
     dtype = "bfloat16" if _is_bf16(dtype) else "float32"
     return Point(model=m, context=context, batch=batch, grad_accum=grad_accum, dtype=dtype, backend=backend, **knobs)
 
@@ -523,21 +536,46 @@ def _hf_activations(p: Point) -> dict[str, int]:
     return {"saved activations": L * layer_saved_bytes(m, T, c), "full logits": logits, "loss transients": loss}
 
 
+def zero3_sizes(p: Point) -> dict[str, int]:
+    """prefetch bucket, persistence threshold, reduce bucket (elements) the run uses."""
+    tuned = offload_tuning(p.model.hidden)
+    return {"prefetch": p.zero3_prefetch_bucket if p.zero3_prefetch_bucket is not None
+            else tuned["stage3_prefetch_bucket_size"],
+            "persistence": p.zero3_persistence_threshold if p.zero3_persistence_threshold is not None
+            else tuned["stage3_param_persistence_threshold"],
+            "reduce": p.zero3_reduce_bucket if p.zero3_reduce_bucket is not None else tuned["reduce_bucket_size"]}
+
+
 def zero3_memory(p: Point, hw: Hardware) -> Memory:
+    """What DeepSpeed ZeRO-3 (or ZeRO-2) offload allocates. Host: the FP32 master partition, Adam m
+    and v, the FP32 gradient partition the CPU optimizer reads, the compute-dtype gradient
+    accumulation partition, and the compute-dtype parameter
+    partition (ZeRO-3: the copy fetches read; ZeRO-2 keeps it on the device instead), plus the user's
+    FP32 model, which is built whole before DeepSpeed partitions it (the peak of a run). Device: the
+    modules fetched at once (current + prefetch bucket), the gradient bucket, activations."""
     m, c = p.model, p.c
-    P, PL, h = m.param_count(), m.layer_params(), m.hidden
-    states = {"fp32 master weights": P * 4, "fp32 gradients": P * 4, "adam m": P * 4, "adam v": P * 4,
-              "params (compute dtype)": P * c}
-    host = dict(states)
-    host["deepspeed buffers (x1.5)"] = int(sum(states.values()) * (ZERO3_BUFFER_FACTOR - 1))
+    P, h = m.param_count(), m.hidden
+    z = zero3_sizes(p)
+    host = {"fp32 master weights": P * 4, "fp32 gradients": P * 4, "adam m": P * 4, "adam v": P * 4,
+            # stage3.py grad_partitions_flat_buffer: gradients accumulate here in the model dtype
+            # (grad_accum_dtype's default) before the FP32 copy the optimizer reads
+            "gradient partitions (compute dtype)": P * c}
+    if p.zero_stage == 3:
+        host["params (compute dtype)"] = P * c
+    host["user's fp32 model before partitioning"] = P * 4
     host["runtime"] = int(hw.host_reserved_gib * GIB)
-    device = {
-        "fetched layer params": int(min(ZERO3_MAX_LIVE_PARAMS, 2 * PL) * c),
-        "fetched embedding/head": m.vocab * h * c,
-        "grad reduce bucket": int(min(ZERO3_REDUCE_BUCKET, P) * c),
+    host["deepspeed runtime"] = ZERO3_RUNTIME_BYTES
+    largest = max(m.hidden * m.intermediate, m.vocab * h)
+    device: dict[str, int] = {}
+    if p.zero_stage == 3:
+        device["fetched params (module + prefetch)"] = int(min(ZERO3_MAX_LIVE_PARAMS, largest + z["prefetch"], P) * c)
+    else:
+        device["params (compute dtype)"] = P * c
+    device.update({
+        "grad reduce bucket": int(min(z["reduce"], P) * c),
         **_hf_activations(p),
         "runtime": 0 if hw.unified_memory else int(hw.device_reserved_gib * GIB),
-    }
+    })
     return Memory(host, device, hw.unified_memory)
 
 
@@ -882,49 +920,102 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool) -> Time:
                 sim.wait, busy, int(h2d_bytes), int(d2h_bytes), _bottleneck(busy, p.optimizer_overlap))
 
 
-def zero3_time(p: Point, hw: Hardware) -> Time:
+def cpu_adam_rate(hw: Hardware) -> float:
+    """DeepSpeedCPUAdam parameters/s on this host: the profile's measured rate; a profile without one
+    falls back to a DRAM stream of AdamW's bytes (an upper bound: DeepSpeed's kernel is slower)."""
+    if hw.cpu_adam_params_per_s:
+        return hw.cpu_adam_params_per_s
+    return hw.host_bw_bps / _optimizer_bytes_per_param(4, 4, 0, False)
+
+
+def _zero3_passes(p: Point, hw: Hardware) -> tuple[PassCost, PassCost, float]:
+    """(forward pass, backward pass incl. recompute, gradient bytes device->host) for one micro-batch."""
     m, c, L = p.model, p.c, p.model.num_layers
-    PL, h = m.layer_params(), m.hidden
+    R = hw.sustained_flops(p.dtype)
+    Bh = hw.host_bw_bps
+    lin, attn, elem_b = layer_flops(p)
+    elem = elem_b / (hw.device_memory_bw_gbs * GB)
+    fwd = (lin + attn) / R + elem
+    bwd = (2 * lin + ATTN_BWD_RATIO * attn) / R + elem
+    mods = decoder_layer_submodules(m.hidden, m.kv_heads * m.head_dim, m.intermediate, m.family == "qwen2",
+                                    (attn / R) / fwd)
+    z = zero3_sizes(p)
+    stage3 = p.zero_stage == 3
+
+    def fetched(sub: Submodule) -> int:
+        return sum(n for n in sub.params if n > z["persistence"]) if stage3 else 0
+
+    emb = m.vocab * m.hidden
+    head_c = _head_compute(p, hw, recompute_logits=False)
+    head_params = () if m.tie_embeddings else (emb,)
+    # forward: embedding, the layers, final norm, LM head (a tied head re-fetches the embedding)
+    fsteps = [Step(fetched(Submodule("embed", (emb,), 0)), 0.0)]
+    for _ in range(L):
+        fsteps += [Step(fetched(s), s.compute_share * fwd) for s in mods]
+    fsteps += [Step(0, 0.0), Step(fetched(Submodule("lm_head", head_params or (emb,), 0)), head_c / 3)]
+    # backward: per parameter a gradient hook; every reduce_bucket elements a flush that also casts
+    # the bucket to FP32 on the host (read compute dtype, write FP32)
+    bucket, flushes = [0], [0.0]
+
+    def grads(n_params: tuple[int, ...]) -> float:
+        extra = len(n_params) * hw.zero3_param_grad_hook_s
+        bucket[0] += sum(n_params)
+        while bucket[0] >= z["reduce"]:
+            bucket[0] -= z["reduce"]
+            extra += hw.zero3_bucket_flush_s + z["reduce"] * ((c + 4) / Bh + hw.zero3_grad_elem_s)
+            flushes[0] += 1
+        return extra
+
+    bsteps = [Step(fetched(Submodule("lm_head", head_params or (emb,), 0)), 2 * head_c / 3,
+                   grads(head_params or (emb,)))]
+    for _ in range(L):
+        if p.gradient_checkpointing:  # HF recomputes the layer's forward inside its backward
+            bsteps += [Step(fetched(s), s.compute_share * fwd) for s in mods]
+        bsteps += [Step(fetched(s), s.compute_share * bwd, grads(s.params)) for s in reversed(mods)]
+    bsteps.append(Step(fetched(Submodule("embed", (emb,), 0)), 0.0, grads((emb,) if head_params else ())))
+    hook = hw.zero3_module_hook_s if stage3 else 0.0
+    link = hw.link_bps * (1.0 if p.zero3_pin_memory else PAGEABLE_LINK_FRACTION)
+    overlap = _zero3_overlaps(p, hw)
+    fp = run_pass(fsteps, c, link, hook, z["prefetch"], overlap)
+    bp = run_pass(bsteps, c, link, hook, z["prefetch"], overlap)
+    return fp, bp, float(m.param_count() * c)
+
+
+def _zero3_overlaps(p: Point, hw: Hardware) -> bool:
+    """Whether fetches, hooks and compute can run side by side. With a CPU as the device there is no
+    asynchronous device or copy engine: DeepSpeed's gathers, its hooks and the layers' compute all run
+    on the calling thread, one after the other (measured: results/zero3_mechanisms)."""
+    return p.zero3_overlap and not hw.unified_memory
+
+
+def zero3_time(p: Point, hw: Hardware) -> Time:
+    """DeepSpeed ZeRO-3 (zero_stage=3) or ZeRO-2 (zero_stage=2) offload, from its mechanisms
+    (zero3_model.py): per-submodule fetches with DeepSpeed's lookahead and event limit, host hooks,
+    gradient buckets with their FP32 cast, DeepSpeedCPUAdam at the host's measured rate after backward,
+    and for ZeRO-2 the updated parameters' upload."""
+    m, c, L = p.model, p.c, p.model.num_layers
     Bl = hw.link_bps * (1.0 if p.zero3_pin_memory else PAGEABLE_LINK_FRACTION)
     Bh = hw.host_bw_bps
-    fwd_c, rec_c, bwd_only = _layer_compute(p, hw)
-    fetch = PL * c / Bl  # each module's params gathered from the host before it runs
-    accum = PL * _host_accum_bytes(p) / Bh
-    grad_out = PL * c / Bl + accum
-    # DeepSpeed prefetches the next modules while one runs; the recompute of a checkpointed layer
-    # fetches its params again, and so does its backward.
-    over = max if p.zero3_overlap else (lambda *xs: sum(xs))
-    f = over(fwd_c, fetch)
-    if p.gradient_checkpointing:
-        b = over(rec_c, fetch) + over(bwd_only, fetch, grad_out)
-        fetches = 3
-        bwd_c = rec_c + bwd_only
-    else:
-        b = over(bwd_only, fetch, grad_out)
-        fetches = 2
-        bwd_c = bwd_only
-    forward, backward = L * f, L * b
-    emb = m.vocab * h * c  # embedding and head are modules too: fetched forward and backward
-    n_big = 1 if m.tie_embeddings else 2
-    head_fetch = 2 * n_big * emb / Bl
-    head = over(_head_compute(p, hw, recompute_logits=False), head_fetch)
-    fill_drain = fetch + grad_out
+    fp, bp, grad_bytes = _zero3_passes(p, hw)
+    # gradients leave on their own lane (overlap_comm); the backward cannot end before they have
+    d2h_s = grad_bytes / Bl
+    backward = max(bp.seconds, d2h_s) if _zero3_overlaps(p, hw) else bp.seconds + d2h_s
     g = p.grad_accum
-    per_param = _optimizer_bytes_per_param(4, 4, c, p.grad_clip)  # DeepSpeed CPUAdam also writes the param copy
-    opt = m.param_count() * per_param / Bh
-    micro = fill_drain + forward + head + backward
-    step = g * micro + opt
-    h2d_bytes = g * (fetches * L * PL * c + 2 * n_big * emb)
-    d2h_bytes = g * (L * PL + m.embed_params()) * c
-    busy = {
-        "compute": g * (L * (fwd_c + bwd_c) + _head_compute(p, hw, recompute_logits=False)),
-        "link h2d": h2d_bytes / Bl,
-        "link d2h": d2h_bytes / Bl + g * L * accum,
-        "host optimizer": opt,
-    }
-    wait = g * (forward + backward + head + fill_drain - L * (fwd_c + bwd_c) - _head_compute(p, hw, False))
-    layer = LayerTime(fwd_c, fetch, 0.0, f, bwd_c, fetch * (fetches - 1), grad_out, b)
-    return Time(layer, forward, backward, head, fill_drain, 0.0, opt, opt, step, wait, busy,
+    P = m.param_count()
+    opt = P / cpu_adam_rate(hw)
+    if p.grad_clip:
+        opt += P * 4 / Bh  # the global norm over the FP32 gradient partition
+    upload = P * c / Bl if p.zero_stage == 2 else 0.0  # ZeRO-2: updated parameters back to the device
+    step = g * (fp.seconds + backward) + opt + upload
+    h2d_bytes = g * (fp.fetched_elements + bp.fetched_elements) * c + (P * c if p.zero_stage == 2 else 0)
+    d2h_bytes = g * grad_bytes
+    compute = fp.compute_s + bp.compute_s
+    busy = {"compute": g * compute, "link h2d": h2d_bytes / Bl, "link d2h": d2h_bytes / Bl,
+            "host optimizer": opt, "host hooks": g * (fp.host_s + bp.host_s)}
+    wait = g * (fp.seconds + backward - compute)
+    layer = LayerTime(fp.compute_s / L, fp.fetch_s / L, 0.0, fp.seconds / L, bp.compute_s / L, bp.fetch_s / L,
+                      d2h_s / L, backward / L)
+    return Time(layer, fp.seconds, backward, 0.0, 0.0, upload, opt, opt, step, wait, busy,
                 int(h2d_bytes), int(d2h_bytes), _bottleneck(busy, False))
 
 
@@ -949,6 +1040,8 @@ def _bottleneck(busy: dict[str, float], opt_overlapped: bool) -> str:
     link = max(busy["link h2d"], busy["link d2h"])
     opt = busy.get("host optimizer", busy.get("device optimizer", 0.0))
     cands = {"compute": compute, "link": link, "optimizer": opt}
+    if "host hooks" in busy:
+        cands["host hooks"] = busy["host hooks"]
     if opt_overlapped:
         cands["optimizer"] = opt if opt > compute else 0.0
     return max(cands, key=lambda k: cands[k])

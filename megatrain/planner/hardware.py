@@ -24,12 +24,21 @@ NUMERIC_FIELDS = (
     "link_gbs_theoretical", "link_gbs_achieved",
     "host_memory_gib", "host_memory_bw_gbs_theoretical", "host_memory_bw_gbs_achieved", "host_reserved_gib",
 )
-OPTIONAL_NUMERIC_FIELDS = ("host_optimizer_gbs",)
+# host_optimizer_gbs: bytes/s of torch's fused CPU AdamW (megatrain's optimizer);
+# cpu_adam_params_per_s: parameters/s of DeepSpeedCPUAdam on this host (ZeRO offload's optimizer),
+# which is compute-bound rather than a DRAM stream, so it is a rate of its own.
+OPTIONAL_NUMERIC_FIELDS = ("host_optimizer_gbs", "cpu_adam_params_per_s")
 # Fixed seconds per streamed layer per phase (forward; recompute + backward) on top of its FLOPs and
 # elementwise traffic (weight binding, dispatch, events, the pipeline's work), and per micro-batch
 # outside the layers (embedding, head/loss dispatch, global gradient adds). Every packaged profile
 # carries the layer ones; a profile without a field (an older bench file) gets 0. Negative: refused.
-OVERHEAD_FIELDS = ("layer_overhead_fwd_s", "layer_overhead_bwd_s", "microbatch_overhead_s")
+# DeepSpeed ZeRO-3's host-side Python per call, beyond the bytes it moves (measured with real
+# DeepSpeed by experiments/zero3_mechanisms.py): one submodule's fetch + release hooks in one pass,
+# one parameter's gradient hook, one gradient-bucket flush, and per gradient element of a flush the
+# host work beyond the FP32 cast at DRAM speed (on a CPU "device" the reduce-scatter and copies run
+# on the host too; on a GPU they run on the device and this is 0).
+OVERHEAD_FIELDS = ("layer_overhead_fwd_s", "layer_overhead_bwd_s", "microbatch_overhead_s",
+                   "zero3_module_hook_s", "zero3_param_grad_hook_s", "zero3_bucket_flush_s", "zero3_grad_elem_s")
 
 
 @dataclass(frozen=True)
@@ -52,9 +61,14 @@ class Hardware:
     host_memory_bw_gbs_achieved: float
     host_reserved_gib: float
     host_optimizer_gbs: float | None = None
+    cpu_adam_params_per_s: float | None = None
     layer_overhead_fwd_s: float = 0.0
     layer_overhead_bwd_s: float = 0.0
     microbatch_overhead_s: float = 0.0
+    zero3_module_hook_s: float = 0.0
+    zero3_param_grad_hook_s: float = 0.0
+    zero3_bucket_flush_s: float = 0.0
+    zero3_grad_elem_s: float = 0.0
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def peak_flops(self, dtype: str) -> float:
