@@ -115,7 +115,8 @@ class Engine:
         global_named = [(n, p) for n, p in model.named_parameters() if not n.startswith(prefix)]
         layer_shapes = [[(n, p.shape) for n, p in layer.named_parameters()] for layer in parts.layers]
 
-        host_preflight(layer_shapes, [p.shape for _, p in global_named], self.compute_dtype)
+        host_preflight(layer_shapes, [p.shape for _, p in global_named], self.compute_dtype, pin=pin,
+                       staging=self.device.type == "cuda")
         self.store = HostStore(layer_shapes, [(n, p.shape) for n, p in global_named], pin,
                                torch.bfloat16 if self.compute_dtype == torch.bfloat16 else None)
 
@@ -256,7 +257,7 @@ class Engine:
         with torch.set_grad_enabled(train):
             h_in0, layer_inputs = record_layer_inputs(self.parts, self._recorded, h0, mask, pos)
         offload = self.pipeline.plan_batch(int(ids.numel()), self.config.offload_activations)
-        acts = ActivationStore(self.streams, offload, pin=self.device.type == "cuda") if train else None
+        acts = ActivationStore(self.streams, offload, pin=self.pipeline.act_pool) if train else None
         with torch.no_grad():
             h_last = self.pipeline.forward(h_in0.detach(), layer_inputs, acts)
         h_last = h_last.detach().requires_grad_(train)

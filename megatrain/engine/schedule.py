@@ -8,11 +8,25 @@ from __future__ import annotations
 
 import torch
 
-from .activations import ActivationStore
-from .store import HostStore, host_empty
+from .activations import ActivationStore, HostPool
+from .pin_model import STAGING_SLOTS
+from .store import HostStore
 from .stream import DONE, Event, Streams, Trace
 from .templates import TemplateBank
 from .tiling import DEFAULT_LOSS_CHUNK, LongContextPolicy, tiled_vjp
+
+REDUCE_CHUNK = 1 << 22  # elements per add: a bf16 -> FP32 add's cast temporary is at most 16 MiB
+
+
+def accumulate(dst: torch.Tensor, src: torch.Tensor, chunk: int = REDUCE_CHUNK) -> None:
+    """dst += src, in place. A mixed-dtype add_ on the CPU first casts the whole source to the result
+    dtype (a layer-sized FP32 temporary for bf16 gradients): chunks bound that temporary and keep it in
+    cache; same-dtype adds have no temporary and run whole."""
+    if src.dtype == dst.dtype:
+        dst.add_(src)
+        return
+    for s in range(0, dst.numel(), chunk):
+        dst[s: s + chunk].add_(src[s: s + chunk])
 
 
 class LayerPipeline:
@@ -42,11 +56,15 @@ class LayerPipeline:
         self.policy = policy
         self.tile: int | None = None  # MLP sequence tile of the current batch (None: untiled)
         self.last_plan = None
+        # Offloaded boundary activations: host buffers kept from step to step (pinned like the store), so the
+        # layer loop never allocates or registers host memory after the first batch of a given size.
+        self.act_pool = HostPool(store.buffer)
         if device.type == "cuda":
-            # Gradients land in pinned staging, then a host thread adds them into the FP32 slabs.
+            # Gradients land in pinned staging, then a host thread adds them into the FP32 slabs. With several
+            # slots the device's copies run ahead of the host's adds (pin_model.STAGING_SLOTS).
             self._reducer = type(streams.d2h)("host-reduce", torch.device("cpu"), trace, None, streams.watchdog_s)
-            self._staging = [host_empty(self.max_numel, dtype, pin=True) for _ in range(2)]
-            self._staging_free: list[Event] = [DONE, DONE]
+            self._staging = [store.buffer(self.max_numel, dtype, "gradient staging") for _ in range(STAGING_SLOTS)]
+            self._staging_free: list[Event] = [DONE] * STAGING_SLOTS
             self._next_staging = 0
 
     @property
@@ -116,7 +134,7 @@ class LayerPipeline:
             self.landed[layer] = self.streams.d2h.submit(reduce, (after, self.zeroed[layer]), "grad", layer)
             return
         i = self._next_staging
-        self._next_staging ^= 1
+        self._next_staging = (i + 1) % len(self._staging)
         self._staging_free[i].host_wait(self.streams.watchdog_s)
         staging = self._staging[i][: group.numel]
         for g in grads:
@@ -130,7 +148,7 @@ class LayerPipeline:
         copied = self.streams.d2h.submit(to_host, after, "grad", layer)
 
         def reduce() -> int:
-            group.grad.add_(staging)
+            accumulate(group.grad, staging)
             return 0
 
         self._staging_free[i] = self._reducer.submit(reduce, (copied, self.zeroed[layer]), "reduce", layer)
