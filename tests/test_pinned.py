@@ -166,3 +166,19 @@ def test_cuda_engine_pins_what_the_preflight_predicts():
     assert eng.store.pinned_bytes == sum(predicted.values())
     assert all(g.stream_source.is_pinned() for g in eng.store.layers) and eng.store.globals.master.is_pinned()
     assert not any(g.grad.is_pinned() or g.master.is_pinned() for g in eng.store.layers)  # bf16: shadows stream
+
+
+def test_the_planner_counts_pinned_bytes_by_the_engines_rule():
+    from megatrain.engine.pin_model import pinned_bytes
+    from megatrain.planner import plan
+
+    pl = plan("qwen2.5-72b", context=4096, batch=1, hardware="h200-pcie", dtype="bfloat16")
+    m = pl.point.model
+    rule = pinned_bytes([m.layer_params()] * m.num_layers, m.embed_params() + m.hidden, 2, True, 2)
+    offloaded = pl.memory.host.get("offloaded activations", 0)
+    assert pl.memory.pinned == sum(rule.values()) + offloaded
+    assert pl.memory.host["pinned grad staging"] == rule["grad staging"]
+    # The FP32 masters and gradient slabs are host-only in bf16 mode: well under half the host bytes are locked.
+    assert pl.memory.pinned < 0.25 * pl.memory.host_total
+    cpu = plan("qwen2.5-72b", context=4096, batch=1, hardware="cpu", dtype="bfloat16")
+    assert cpu.memory.pinned == 0

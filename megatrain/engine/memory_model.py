@@ -37,6 +37,7 @@ TILED_KV_BUFFERS = 2.0  # K and V, and dK and dV, each kv wide
 # layer's output (the head's input), h each, and the RoPE cos/sin tables, head_dim each.
 TILED_AROUND_H, TILED_ROPE_HEAD_DIM = 2.0, 2.0
 TILE_ATTN_H = 7.0
+KV_EXPANDED_COPIES = 4  # expanded grouped heads (LayerDims.kv_expanded): K, V and their two gradients
 WEIGHT_GRAD_EXTRA = 0.25  # a tile's own weight gradients, as a share of the layer's weights
 # The floor tile with tiled attention: tile terms at this share of the sequence terms (smaller saves little).
 TILED_FLOOR_SHARE = 0.125
@@ -66,6 +67,9 @@ class LayerDims:
     numel: int  # weights of the largest layer
     attention_tiled: bool = True  # whether a tiled layer also tiles its attention block (attn_tiling.py)
     head_dim: int = 128
+    # Extra key/value width per token when grouped heads are expanded for SDPA (FP32 on CUDA, attention.py:
+    # query width - kv): the expanded K and V, and their gradients, live through the attention's backward.
+    kv_expanded: int = 0
 
 
 
@@ -83,14 +87,16 @@ def _tiled_tile_bytes(d: LayerDims, itemsize: int) -> float:
 
 def layer_working_bytes(d: LayerDims, tokens: int, tile: int | None, itemsize: int) -> int:
     """Predicted peak bytes one layer's backward adds on the device, beyond its input and weights."""
+    expanded = tokens * KV_EXPANDED_COPIES * d.kv_expanded * itemsize
     if tile is not None and tile < tokens and d.attention_tiled:
         return int(tokens * _tiled_seq_bytes(d, itemsize) + tile * _tiled_tile_bytes(d, itemsize)
-                   + d.numel * (4 + WEIGHT_GRAD_EXTRA * itemsize))
+                   + d.numel * (4 + WEIGHT_GRAD_EXTRA * itemsize) + expanded)
     t = tokens if tile is None else min(tile, tokens)
     kv = KV_PER_TOKEN * d.kv
     attn = tokens * (ATTN_PHASE_H * d.hidden + kv)
     mlp = tokens * (MLP_PHASE_H * d.hidden + kv) + t * (TILE_H * d.hidden + TILE_I * d.intermediate)
     upcasts = tokens * FP32_NORM_H * d.hidden * 4 if itemsize < 4 else 0
+    attn += expanded // itemsize
     return int(max(attn, mlp) * itemsize + upcasts + d.numel * itemsize)  # + the layer's weight gradients
 
 

@@ -11,6 +11,7 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
   host (megatrain)  master 4 (bf16: 2) + grad 4 (bf16: 2) + Adam m 4 + v 4 B/param, + a 2 B bf16 shadow
                     of the streamed layers in bf16 mode with an fp32 master, + offloaded boundary
                     activations L*T*h*c, pinned grad staging and the head-gradient host copy (CUDA),
+                    and the share of it that is pinned (engine/pin_model.py's rule, page-exact),
                     runtime (a profile number; measured by `megatrain bench` on this machine).
   device            what engine/memory_model.py's LongContextPolicy predicts for the batch (and chooses: offload,
                     MLP tile): k layer buffers + embedding/head/norm, boundary activations (all L, or a few

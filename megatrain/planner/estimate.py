@@ -102,6 +102,7 @@ class Memory:
     device: dict[str, int]
     unified: bool = False  # device allocations come out of host memory (CPU runs)
     shared: int = 0  # bytes listed in both pools because they are one allocation (aliased on a CPU device)
+    pinned: int = 0  # the share of the host bytes that is page-locked (engine/pin_model.py, page-exact)
 
     @property
     def host_total(self) -> int:
@@ -233,7 +234,7 @@ class Plan:
             "hardware": self.hardware.name,
             "memory": {"host": dict(self.memory.host), "device": dict(self.memory.device),
                        "host_total": self.memory.host_total, "device_total": self.memory.device_total,
-                       "unified": self.memory.unified},
+                       "pinned": self.memory.pinned, "unified": self.memory.unified},
             "time": dataclasses.asdict(self.time),
             "fits": self.fits,
             "reasons": list(self.reasons),
@@ -383,6 +384,13 @@ def _hardware(hardware: Any, link_gbs: float | None, host_memory_gib: float | No
 # ------------------------------------------------------------------------------------ memory
 
 
+def _pin_model():
+    """The engine's pinning rule (engine/pin_model.py, torch-free)."""
+    from megatrain.engine import pin_model
+
+    return pin_model
+
+
 def _tiling():
     """The engine's own long-context memory model (engine/memory_model.py, torch-free): the planner
     follows the engine's coefficients as they change, without loading the engine."""
@@ -391,7 +399,7 @@ def _tiling():
     return memory_model
 
 
-def layer_dims(m: ModelPreset) -> Any:
+def layer_dims(m: ModelPreset, expanded_kv: bool = False) -> Any:
     """The engine's LayerDims for a preset's (largest, i.e. every) decoder layer, as engine/tiling.py's layer_dims reads
     it from a built layer. Fields the engine's version lacks are left out, so the planner runs against
     the engine as it is."""
@@ -399,6 +407,8 @@ def layer_dims(m: ModelPreset) -> Any:
     known = {f.name for f in dataclasses.fields(tl.LayerDims)}
     # every planner family (llama, qwen2, mistral) is one of the engine's tileable layer classes, on sdpa
     optional = {"head_dim": m.head_dim, "attention_tiled": True}
+    if expanded_kv:  # FP32 on CUDA: grouped key/value heads are expanded for the fused kernels (attention.py)
+        optional["kv_expanded"] = (m.heads - m.kv_heads) * m.head_dim
     return tl.LayerDims(hidden=m.hidden, kv=m.kv_heads * m.head_dim, intermediate=m.intermediate,
                         numel=m.layer_params(), **{k: v for k, v in optional.items() if k in known})
 
@@ -456,7 +466,7 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
     will make for the batch, and its predicted device peak, term by term."""
     tl = _tiling()
     m, c, T = p.model, p.c, p.tokens
-    dims = layer_dims(m)
+    dims = layer_dims(m, expanded_kv=not hw.unified_memory and c == 4)
     resident = (p.num_buffers * m.layer_params() + m.embed_params() + m.hidden) * c  # buffers + globals
     policy = tl.LongContextPolicy(
         dims=dims, n_layers=m.num_layers, itemsize=c, vocab=m.vocab, loss_chunk=p.loss_chunk_tokens,
@@ -484,15 +494,18 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
     alias = _aliases_globals(p, hw)
     mb, shadow = _master_bytes(p)
     gb = 2 if _is_bf16(p.host_grad_dtype) else 4
+    # What the engine pins on CUDA (the same rule as its store and preflight): each layer's streamed copy,
+    # the resident masters, the staging slots, and the offloaded activations' host buffers.
+    pin = {} if hw.unified_memory else _pin_model().pinned_bytes([PL] * L, resident, c, True, c)
     host = {
         "master weights": P * mb,
         "gradients": P * gb,
         "adam m": P * 4,
         "adam v": P * 4,
         "bf16 shadow (streams)": L * PL * shadow,  # only layers stream; resident params convert once
-        # two pinned buffers of the largest layer that gradients land in on CUDA (schedule.py); a CPU
+        # pinned slots of the largest layer that gradients land in on CUDA (schedule.py); a CPU
         # device adds gradients straight into the slabs
-        "pinned grad staging": 0 if hw.unified_memory else 2 * PL * c,
+        "pinned grad staging": 0 if hw.unified_memory else pin.get("grad staging", 0),
         "offloaded activations": L * T * h * c if lc.offload else 0,
         # the head/norm gradient arrives as an FP32 host copy before it is added to its slab
         # (Engine._add_global_grads); a no-op when the device globals are the masters
@@ -507,7 +520,8 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         "working set (layer or loss)": lc.working_bytes,
         "runtime": 0 if hw.unified_memory else int(hw.device_reserved_gib * GIB),
     }
-    return Memory(host, device, hw.unified_memory, shared=resident * c if alias else 0)
+    pinned = sum(pin.values()) + (host["offloaded activations"] if pin else 0)
+    return Memory(host, device, hw.unified_memory, shared=resident * c if alias else 0, pinned=pinned)
 
 
 def _hf_activations(p: Point) -> dict[str, int]:

