@@ -72,3 +72,31 @@ def test_fp32_grouped_attention_runs_on_the_memory_efficient_kernel():
         out.sum().backward()
     ref = _attend(q.detach().double(), k.detach().double(), v.detach().double(), expand=False)
     assert torch.allclose(out.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_gpu_loss_chunk_is_sized_from_the_budget_not_the_cpu_logits_cap():
+    from megatrain.engine.memory_model import (
+        MAX_DEVICE_LOSS_CHUNK,
+        MIN_LOSS_CHUNK,
+        auto_loss_chunk,
+        loss_workspace_bytes,
+    )
+
+    t, h, v = 8192, 8192, 152064
+    assert auto_loss_chunk(t, h, v, 2, None) == 256  # the CPU cap: 256 MiB of FP32 logits
+    big = 140 * 2**30
+    assert auto_loss_chunk(t, h, v, 2, big, logits_cap=None) == MAX_DEVICE_LOSS_CHUNK
+    room = loss_workspace_bytes(t, h, v, 1024, 2)  # exactly fits 1024 tokens: halved from 4096 to it
+    assert auto_loss_chunk(t, h, v, 2, room, logits_cap=None) == 1024
+    assert auto_loss_chunk(t, h, v, 2, room - 1, logits_cap=None) == 512
+    assert auto_loss_chunk(t, h, v, 2, 1, logits_cap=None) == MIN_LOSS_CHUNK
+
+
+def test_the_planner_follows_the_gpu_loss_chunk():
+    from megatrain.engine.memory_model import MAX_DEVICE_LOSS_CHUNK
+    from megatrain.planner import plan
+
+    gpu = plan("qwen2.5-72b", context=8192, batch=1, hardware="h200-pcie")
+    cpu = plan("qwen2.5-7b", context=8192, batch=1, hardware="cpu")
+    assert gpu.long_context.loss_chunk == MAX_DEVICE_LOSS_CHUNK
+    assert cpu.long_context.loss_chunk == 256  # 256 MiB of FP32 logits at a 152k vocabulary

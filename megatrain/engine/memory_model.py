@@ -52,6 +52,11 @@ LOSS_LOGIT_COPIES = 3  # chunk logits (fp32), their softmax/gradient, and a tran
 # device budget it is halved, down to MIN_LOSS_CHUNK, while the loss phase does not fit. Smaller chunks cost
 # only more, smaller head GEMMs.
 DEFAULT_LOSS_CHUNK, MIN_LOSS_CHUNK, AUTO_LOSS_LOGITS_BYTES = 2048, 128, 256 * 2**20
+# On a GPU (logits_cap None) "auto" starts here instead and only the device budget shrinks it: the head's
+# weight-gradient GEMM (vocab x chunk x hidden, accumulated into an FP32 vocab x hidden gradient) does
+# ~chunk/4 FLOP per byte of that gradient, memory-bound below ~1k tokens on an H100/H200; the 256 MiB
+# logits cap gave 256-token chunks for a 152k vocabulary.
+MAX_DEVICE_LOSS_CHUNK = 4096
 # The head + loss phase per token, in h-vectors (measured, FP32): the last layer's output, the final norm's
 # output and saved tensors, the valid tokens' copy and its gradient, the gradient scattered back to all
 # tokens; during the chunk loop (the chunk's logits on top) and, at its peak, in the final norm's backward.
@@ -137,10 +142,15 @@ def auto_tile(d: LayerDims, tokens: int, itemsize: int, room: int | None) -> int
     return None if tile is None or tile >= tokens else tile
 
 
-def auto_loss_chunk(tokens: int, hidden: int, vocab: int, itemsize: int, room: int | None) -> int:
-    """The "auto" head/loss chunk: capped by vocabulary size, then halved until the loss phase fits `room`."""
-    fits = AUTO_LOSS_LOGITS_BYTES // (vocab * 4)
-    chunk = min(DEFAULT_LOSS_CHUNK, max(MIN_LOSS_CHUNK, 1 << (fits.bit_length() - 1) if fits else 0))  # a power of 2
+def auto_loss_chunk(tokens: int, hidden: int, vocab: int, itemsize: int, room: int | None,
+                    logits_cap: int | None = AUTO_LOSS_LOGITS_BYTES) -> int:
+    """The "auto" head/loss chunk: capped by vocabulary size (`logits_cap` bytes of FP32 logits; None on a
+    GPU: MAX_DEVICE_LOSS_CHUNK), then halved until the loss phase fits `room`."""
+    if logits_cap is None:
+        chunk = MAX_DEVICE_LOSS_CHUNK
+    else:
+        fits = logits_cap // (vocab * 4)
+        chunk = min(DEFAULT_LOSS_CHUNK, max(MIN_LOSS_CHUNK, 1 << (fits.bit_length() - 1) if fits else 0))  # 2^n
     while (room is not None and chunk > MIN_LOSS_CHUNK and chunk < 2 * tokens
            and loss_workspace_bytes(tokens, hidden, vocab, chunk, itemsize) > room):
         chunk = max(MIN_LOSS_CHUNK, chunk // 2)
@@ -168,6 +178,8 @@ class LongContextPolicy:
     offload_setting: bool | str  # True, False or "auto"
     budget: int | None  # device bytes; None: no limit
     fixed_bytes: int  # weights resident on the device (layer buffers + embedding/head)
+    # "auto" loss chunk: FP32 logits cap per chunk copy (a CPU device), or None to size from the budget (GPU)
+    logits_cap: int | None = AUTO_LOSS_LOGITS_BYTES
 
     def plan(self, tokens: int) -> BatchPlan:
         boundary = tokens * self.dims.hidden * self.itemsize
@@ -183,7 +195,7 @@ class LongContextPolicy:
         for off in offloads:
             room = self._room(off, boundary)
             chunk = self.loss_chunk if self.loss_chunk != "auto" else auto_loss_chunk(
-                tokens, self.dims.hidden, self.vocab, self.itemsize, room)
+                tokens, self.dims.hidden, self.vocab, self.itemsize, room, self.logits_cap)
             tile = self._tile(tokens, room)
             choice = BatchPlan(off, tile, peak(off, tile, chunk), chunk)
             if self.budget is None or choice.predicted_peak_bytes <= BUDGET_HEADROOM * self.budget:

@@ -304,4 +304,5 @@ def long_context_policy(config: EngineConfig, templates: TemplateBank, layer_num
         dims=dims, n_layers=len(layer_numels),
         itemsize=itemsize, vocab=head[0], loss_chunk=config.loss_chunk_tokens, tile_setting=config.mlp_tile_tokens,
         offload_setting=config.offload_activations, budget=budget,
-        fixed_bytes=num_buffers * layer_numels[big] * itemsize + globals_bytes)
+        fixed_bytes=num_buffers * layer_numels[big] * itemsize + globals_bytes,
+        logits_cap=None if device.type == "cuda" else AUTO_LOSS_LOGITS_BYTES)

@@ -471,7 +471,7 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
     policy = tl.LongContextPolicy(
         dims=dims, n_layers=m.num_layers, itemsize=c, vocab=m.vocab, loss_chunk=p.loss_chunk_tokens,
         tile_setting=p.mlp_tile_tokens, offload_setting=p.offload_activations, budget=_device_budget(p, hw),
-        fixed_bytes=resident)
+        fixed_bytes=resident, **({} if hw.unified_memory else {"logits_cap": None}))  # GPU: sized from the budget
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "does not fit" is the planner's verdict to give, not a warning
         bp = policy.plan(T)
