@@ -100,3 +100,76 @@ def test_the_planner_follows_the_gpu_loss_chunk():
     cpu = plan("qwen2.5-7b", context=8192, batch=1, hardware="cpu")
     assert gpu.long_context.loss_chunk == MAX_DEVICE_LOSS_CHUNK
     assert cpu.long_context.loss_chunk == 256  # 256 MiB of FP32 logits at a 152k vocabulary
+
+
+_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero")
+
+
+def _count_reads(monkeypatch, device_type: str) -> list[str]:
+    """Count host reads of tensors on `device_type` (each would be a device sync on a GPU)."""
+    hits: list[str] = []
+    for name in _READS:
+        real = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _real=real, _name=name, **k):
+            if self.device.type == device_type:
+                hits.append(_name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    return hits
+
+
+def test_batch_check_reads_device_values_back_once(monkeypatch):
+    from conftest import make_batches, tiny_config
+
+    from megatrain.engine.batch import check_batch
+
+    b = make_batches(1, seq=12)[0]
+    b["position_ids"] = torch.arange(12).expand(2, 12)
+    cfg = tiny_config("llama")
+    hits = _count_reads(monkeypatch, "cpu")
+    check_batch(cfg, b["input_ids"], b["attention_mask"], b["labels"], b["position_ids"], {})
+    assert hits == ["tolist"]  # every check's value in one read (inputs on one device)
+    monkeypatch.undo()
+    bad = b["labels"].clone()
+    bad[0, 5] = 10**6
+    with pytest.raises(ValueError, match="labels contain ids outside"):
+        check_batch(cfg, b["input_ids"], b["attention_mask"], bad, None, {})
+    allmasked = torch.full_like(b["labels"], -100)
+    allmasked[:, 0] = 3  # the first label is never predicted
+    with pytest.raises(ValueError, match="every label in this batch is -100"):
+        check_batch(cfg, b["input_ids"], b["attention_mask"], allmasked, None, {})
+
+
+def test_the_loss_over_valid_tokens_matches_cross_entropy():
+    from megatrain.engine.loss import chunked_causal_lm_loss
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 9, 16, generator=g, dtype=torch.float64)
+    weight = torch.randn(40, 16, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 40, (2, 9), generator=g, dtype=torch.int32)
+    labels[1, 4:] = -100
+    want = F.cross_entropy((hidden[:, :-1] @ weight.t()).reshape(-1, 40), labels[:, 1:].reshape(-1).long())
+    got = chunked_causal_lm_loss(hidden, weight, labels, 4)
+    assert abs(float(got) / float(want) - 1) <= 1e-6  # logits are upcast to FP32, as HF does
+    labels[0, 3] = -100  # negative control: one more ignored token changes the mean
+    assert abs(float(chunked_causal_lm_loss(hidden, weight, labels, 4)) / float(want) - 1) > 1e-6
+
+
+@cuda
+def test_host_labels_and_batch_checks_do_not_sync_the_device():
+    from megatrain.engine.loss import chunked_causal_lm_loss
+
+    hidden = torch.randn(2, 64, 32, device="cuda", requires_grad=True)
+    weight = torch.randn(100, 32, device="cuda", requires_grad=True)
+    labels = torch.randint(0, 100, (2, 64))
+    labels[1, 40:] = -100
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = chunked_causal_lm_loss(hidden, weight, labels, 16)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(loss).item()

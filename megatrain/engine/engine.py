@@ -265,7 +265,7 @@ class Engine:
             hn = self.parts.norm(h_last)
             loss = None
             if labels is not None:
-                loss = chunked_causal_lm_loss(hn, self.parts.lm_head.weight, labels.to(dev, torch.long, non_blocking=True),
+                loss = chunked_causal_lm_loss(hn, self.parts.lm_head.weight, labels,
                                               self.pipeline.loss_chunk(self.config.loss_chunk_tokens))
             logits = self.parts.lm_head(hn) if return_logits else None
         if train and loss is not None:

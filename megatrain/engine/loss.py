@@ -55,11 +55,14 @@ def chunked_causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: t
                            chunk_tokens: int) -> torch.Tensor:
     """Mean cross-entropy over valid (!= -100) shifted labels, as HF's ForCausalLMLoss computes it.
 
-    Only tokens with a label go through the head: padding costs no head FLOPs.
+    Only tokens with a label go through the head: padding costs no head FLOPs. Which tokens those are is
+    worked out where `labels` live: given host labels (the usual case) the device is never synchronised;
+    labels already on the device cost one sync (the number of valid tokens sizes the head's input).
     """
-    targets = shift_labels(labels).reshape(-1)
+    targets = shift_labels(labels).reshape(-1).long()
     valid = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     n_valid = valid.numel()
-    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, valid)
-    total = _ChunkedHeadLoss.apply(h, weight, targets.index_select(0, valid), chunk_tokens)
+    dev = hidden.device
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, valid.to(dev, non_blocking=True))
+    total = _ChunkedHeadLoss.apply(h, weight, targets.index_select(0, valid).to(dev, non_blocking=True), chunk_tokens)
     return total / n_valid
