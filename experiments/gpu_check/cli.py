@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         if os.environ.get("OUT"):
-            args.out = f"/tmp/megatrain-gpu-check-{stamp}"  # fresh: a warm machine may hold an earlier run
+            args.out = f"/tmp/megatrain-gpu-check-{stamp}"  # fresh: never mixed with an earlier run's files
         else:
             args.out = str(REPO_ROOT / "results" / ("gpu-dry" if args.dry_run else "gpu") / stamp)
     if args.phase:

@@ -37,13 +37,14 @@ from .common import (
 from .ds_build import ds_ops_built, phase_ds_build
 from .env import _missing, phase_env
 from .parity import phase_parity
+from .sanitizer import phase_sanitizer
 from .stress import phase_stress
 from .summary import build_summary, render_markdown
 from .sync import phase_sync
 
 PHASE_FNS: dict[str, Callable[[Ctx], None]] = {
     "env": phase_env, "bandwidth": phase_bandwidth, "ds_build": phase_ds_build, "parity": phase_parity,
-    "sync": phase_sync, "stress": phase_stress, "bench": phase_bench,
+    "sync": phase_sync, "stress": phase_stress, "sanitizer": phase_sanitizer, "bench": phase_bench,
 }
 
 
@@ -210,7 +211,7 @@ class Orchestrator:
         if mode == "off":
             return "off:ZeRO-3 disabled (--zero3 off)"
         if _missing("deepspeed"):
-            return "off:the deepspeed package is not installed (carry its wheel: scripts/fetch_wheels.sh)"
+            return "off:the deepspeed package is not installed (install it, or put its wheel in wheels/: scripts/fetch_wheels.sh)"
         if self.dry:
             if ds_ops_built(cpu_accelerator=True):
                 return "on"
