@@ -141,7 +141,7 @@ def test_preflight_counts_the_staging_slots():
     layers = [[("w", torch.Size([100, 30]))], [("w", torch.Size([100, 50]))]]
     p = pinned_preflight(layers, [torch.Size([7, 3])], torch.bfloat16, staging=True)
     assert p == {"streamed layers": mapped_bytes(6000) + mapped_bytes(10000), "resident masters": PAGE_BYTES,
-                 "grad staging": STAGING_SLOTS * mapped_bytes(10000)}
+                 "grad staging": STAGING_SLOTS * mapped_bytes(10000), "resident grad staging": PAGE_BYTES}
 
 
 def test_chunked_accumulate_is_bitwise_the_whole_add():
@@ -175,8 +175,9 @@ def test_the_planner_counts_pinned_bytes_by_the_engines_rule():
     pl = plan("qwen2.5-72b", context=4096, batch=1, hardware="h200-pcie", dtype="bfloat16")
     m = pl.point.model
     rule = pinned_bytes([m.layer_params()] * m.num_layers, m.embed_params() + m.hidden, 2, True, 2)
-    offloaded = pl.memory.host.get("offloaded activations", 0)
-    assert pl.memory.pinned == sum(rule.values()) + offloaded
+    per_batch = pl.memory.host.get("offloaded activations", 0) + pl.memory.host["embedding row staging"]
+    assert pl.memory.pinned == sum(rule.values()) + per_batch
+    assert pl.memory.host["head gradient copy"] == rule["resident grad staging"]
     assert pl.memory.host["pinned grad staging"] == rule["grad staging"]
     # The FP32 masters and gradient slabs are host-only in bf16 mode: well under half the host bytes are locked.
     assert pl.memory.pinned < 0.25 * pl.memory.host_total

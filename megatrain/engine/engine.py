@@ -21,6 +21,7 @@ from ..models.adapter import DecoderParts, find_parts, install_recorders, record
 from .activations import ActivationStore
 from .attention import use_segment_attention
 from .batch import check_batch
+from .global_grads import GlobalGradSink
 from .loading import load_checkpoint_into, skeleton_from_dir
 from .loss import chunked_causal_lm_loss
 from .malloc import set_mmap_threshold
@@ -165,6 +166,7 @@ class Engine:
         self.pipeline = LayerPipeline(self.store, self.templates, self.streams, self.trace_log, config.num_buffers,
                                       self.compute_dtype, self.device, preserve_rng=self._has_dropout(),
                                       policy=policy)
+        self._global_grads = GlobalGradSink(self.store, self.streams, self.pipeline, self.compute_dtype)
         self.optimizer = self._make_optimizer(optimizer, originals)
         del originals
         self._layered: LayeredStep | None = None
@@ -300,20 +302,15 @@ class Engine:
     def _add_embedding_grad(self, ids: torch.Tensor, g: torch.Tensor) -> None:
         """Scatter-add the lookup's gradient into the embedding's slab rows (what nn.Embedding's backward
         computes, without materializing a dense vocab x hidden gradient)."""
-        group = self.store.globals
-        slot = group.slots[self._embed_slot]
-        rows, g = ids.reshape(-1).cpu(), g.reshape(-1, g.shape[-1]).to("cpu", torch.float32)
+        rows, g = ids.reshape(-1), g.reshape(-1, g.shape[-1])
         pad = self.parts.embed.padding_idx
         if pad is not None:
             keep = rows != pad
             rows, g = rows[keep], g[keep]
-        group.view(group.grad, slot).index_add_(0, rows, g)
+        self._global_grads.add_rows(self._embed_slot, rows, g)  # off this thread on CUDA
 
     def _add_global_grads(self, grads: tuple) -> None:
-        group = self.store.globals
-        for slot, g in zip(group.slots, grads):
-            if g is not None:
-                group.view(group.grad, slot).add_(g.to("cpu", torch.float32))
+        self._global_grads.add_dense(grads)  # on CUDA: copy stream + pinned staging, added on a host thread
 
     def _all_grads(self) -> list[torch.Tensor]:
         self._wait_host_jobs()
@@ -363,6 +360,7 @@ class Engine:
         for g in self.store.groups():
             g.link_grads()
         if self._layered is not None:
+            self.pipeline.synchronize_global_grads()  # the globals are updated right away, below
             # Globals now, layers queued in forward order; each layer's load waits for its update.
             self._layered.step(lambda i: self.store.layers[i].refresh_shadow(), self.pipeline.landed)
             self._globals_changed()

@@ -52,6 +52,8 @@ class LayerPipeline:
         # Per layer, the last host job that adds into its gradient slab: whoever reads a layer's gradients
         # (the optimizer, a norm, a checkpoint) waits for exactly this event first.
         self.landed: list[Event] = [DONE] * len(store.layers)
+        # The resident parameters' gradient reductions queued since the last wait (global_grads.py).
+        self.globals_landed: list[Event] = []
         self._rng: dict[int, tuple] = {}
         self.policy = policy
         self.tile: int | None = None  # MLP sequence tile of the current batch (None: untiled)
@@ -155,9 +157,16 @@ class LayerPipeline:
         self.landed[layer] = self._staging_free[i]
 
     def synchronize_grads(self) -> None:
-        """Block until every layer's gradients have landed in their host slabs."""
+        """Block until every layer's (and the resident parameters') gradients have landed in their host slabs."""
         for event in self.landed:
             event.host_wait(self.streams.watchdog_s)
+        self.synchronize_global_grads()
+
+    def synchronize_global_grads(self) -> None:
+        """Block until the resident parameters' gradients have landed in their slab."""
+        while self.globals_landed:
+            self.globals_landed[0].host_wait(self.streams.watchdog_s)
+            self.globals_landed.pop(0)
 
     # -- compute ----------------------------------------------------------------------------------
     def forward(self, h: torch.Tensor, layer_inputs: list[tuple[tuple, dict]], acts: ActivationStore | None,

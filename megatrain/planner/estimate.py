@@ -507,9 +507,12 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         # device adds gradients straight into the slabs
         "pinned grad staging": 0 if hw.unified_memory else pin.get("grad staging", 0),
         "offloaded activations": L * T * h * c if lc.offload else 0,
-        # the head/norm gradient arrives as an FP32 host copy before it is added to its slab
-        # (Engine._add_global_grads); a no-op when the device globals are the masters
-        "head gradient copy": 0 if alias else (m.vocab * h + h) * 4,
+        # the head/norm gradient: on CUDA it lands in pinned staging of the resident parameters (global_grads.py),
+        # on a CPU device in bf16 it arrives as an FP32 copy before it is added to its slab; a no-op when the
+        # device globals are the masters
+        "head gradient copy": 0 if alias else pin.get("resident grad staging", (m.vocab * h + h) * 4),
+        # the embedding's row gradients on their way to the host (CUDA; kept from batch to batch): <= T rows
+        "embedding row staging": 0 if not pin else T * (h * c + 8),
         "runtime": int(hw.host_reserved_gib * GIB),
     }
     device = {
@@ -520,7 +523,7 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         "working set (layer or loss)": lc.working_bytes,
         "runtime": 0 if hw.unified_memory else int(hw.device_reserved_gib * GIB),
     }
-    pinned = sum(pin.values()) + (host["offloaded activations"] if pin else 0)
+    pinned = sum(pin.values()) + (host["offloaded activations"] + host["embedding row staging"] if pin else 0)
     return Memory(host, device, hw.unified_memory, shared=resident * c if alias else 0, pinned=pinned)
 
 
