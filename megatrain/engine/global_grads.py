@@ -80,7 +80,9 @@ class GlobalGradSink:
 
         def reduce() -> int:
             for s, g in pairs:
-                accumulate(group.view(group.grad, s), group.view(staging, s) if staging is not None else g)
+                # on the pipeline's reducer thread (CUDA), so its scratch is free to use
+                accumulate(group.view(group.grad, s), group.view(staging, s) if staging is not None else g,
+                           getattr(self.pipeline, "reduce_scratch", None) if self.cuda else None)
             return 0
 
         self._staging_free = self._submit(copy, reduce, "head-grad")

@@ -15,18 +15,25 @@ from .stream import DONE, Event, Streams, Trace
 from .templates import TemplateBank
 from .tiling import DEFAULT_LOSS_CHUNK, LongContextPolicy, tiled_vjp
 
-REDUCE_CHUNK = 1 << 22  # elements per add: a bf16 -> FP32 add's cast temporary is at most 16 MiB
+REDUCE_CHUNK = 1 << 20  # elements: a 4 MiB FP32 scratch, which stays in cache between its write and read
 
 
-def accumulate(dst: torch.Tensor, src: torch.Tensor, chunk: int = REDUCE_CHUNK) -> None:
-    """dst += src, in place. A mixed-dtype add_ on the CPU first casts the whole source to the result
-    dtype (a layer-sized FP32 temporary for bf16 gradients): chunks bound that temporary and keep it in
-    cache; same-dtype adds have no temporary and run whole."""
+def accumulate(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
+    """dst += src, in place. A mixed-dtype add_ on the CPU first casts the whole source into a fresh FP32
+    temporary (a layer-sized allocation, page-faulted in, per layer per micro-batch); here each chunk is cast
+    into `scratch` (reused, cache-resident) and added from there: the same values, no temporary, and 2-4x
+    faster on the machine this was measured on. Same-dtype adds have no temporary and run whole."""
     if src.dtype == dst.dtype:
         dst.add_(src)
         return
+    if scratch is None:
+        scratch = torch.empty(min(REDUCE_CHUNK, dst.numel()), dtype=dst.dtype)
+    chunk = scratch.numel()
     for s in range(0, dst.numel(), chunk):
-        dst[s: s + chunk].add_(src[s: s + chunk])
+        d = dst[s: s + chunk]
+        k = d.numel()
+        scratch[:k].copy_(src[s: s + k])
+        d.add_(scratch[:k])
 
 
 class LayerPipeline:
@@ -67,6 +74,7 @@ class LayerPipeline:
             self._reducer = type(streams.d2h)("host-reduce", torch.device("cpu"), trace, None, streams.watchdog_s)
             self._staging = [store.buffer(self.max_numel, dtype, "gradient staging") for _ in range(STAGING_SLOTS)]
             self._staging_free: list[Event] = [DONE] * STAGING_SLOTS
+            self.reduce_scratch = torch.empty(REDUCE_CHUNK, dtype=torch.float32)  # the reducer thread's own
             self._next_staging = 0
 
     @property
@@ -150,7 +158,7 @@ class LayerPipeline:
         copied = self.streams.d2h.submit(to_host, after, "grad", layer)
 
         def reduce() -> int:
-            accumulate(group.grad, staging)
+            accumulate(group.grad, staging, self.reduce_scratch)
             return 0
 
         self._staging_free[i] = self._reducer.submit(reduce, (copied, self.zeroed[layer]), "reduce", layer)
