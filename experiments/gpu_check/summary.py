@@ -61,9 +61,13 @@ def build_summary(out: Path, phases: dict[str, dict[str, Any]], dry: bool) -> di
     checks = {n: r.get("checks", {}) for n, r in phases.items()}
     par = checks.get("parity", {})
     if par:
-        figs["parity"] = {k: {m: v.get(m) for m in ("grad_rel", "loss_abs", "param_abs", "loss_abs_vs_fp32",
+        figs["parity"] = {k: {m: v.get(m) for m in ("grad_rel", "loss_abs", "param_abs", "param_abs_noise",
+                                                     "noise_share", "loss_abs_vs_fp32",
                                                      "loss_abs_vs_autocast", "streamed_bytes_per_param")
                               if v.get(m) is not None} | {"ok": v.get("ok")} for k, v in par.items()}
+    san = checks.get("sanitizer", {}).get("parity_under_sanitizer")
+    if san:
+        figs["sanitizer"] = {m: san.get(m) for m in ("ok", "sanitizer", "loss_abs", "returncode")}
     sy = checks.get("sync", {})
     if sy:
         figs["sync"] = {k: {m: v.get(m) for m in ("syncs_in_loop", "syncs_outside_loop", "syncs_caught")
@@ -157,12 +161,19 @@ def render_markdown(s: dict[str, Any]) -> str:
     f = s.get("figures", {})
     if f.get("parity"):
         lines += ["", "## Parity (engine vs plain PyTorch on the same device)", "",
-                  "| case | ok | grad rel | loss abs | param abs | bf16 vs fp32 loss | bf16 vs autocast | B/param streamed |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| case | ok | grad rel | loss abs | param abs | param abs, noise-level entries (share) | "
+                  "bf16 vs fp32 loss | bf16 vs autocast | B/param streamed |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for k, v in f["parity"].items():
             lines.append(f"| {k} | {_f(v.get('ok'))} | {_f(v.get('grad_rel'))} | {_f(v.get('loss_abs'))} | "
-                         f"{_f(v.get('param_abs'))} | {_f(v.get('loss_abs_vs_fp32'))} | "
+                         f"{_f(v.get('param_abs'))} | {_f(v.get('param_abs_noise'))} ({_f(v.get('noise_share'))}) | "
+                         f"{_f(v.get('loss_abs_vs_fp32'))} | "
                          f"{_f(v.get('loss_abs_vs_autocast'))} | {_f(v.get('streamed_bytes_per_param'))} |")
+    if f.get("sanitizer"):
+        z = f["sanitizer"]
+        lines += ["", "## Stream sanitizer", "",
+                  f"parity run under TORCH_CUDA_SANITIZER: {'on' if z.get('sanitizer') else 'off (no CUDA)'}, "
+                  f"ok {_f(z.get('ok'))}, loss abs vs PyTorch {_f(z.get('loss_abs'))}"]
     if f.get("sync"):
         lines += ["", "## Synchronizations", "", "| case | ok | in the per-layer loop | elsewhere in the step | planted, caught |",
                   "| --- | --- | --- | --- | --- |"]
