@@ -184,3 +184,13 @@ def test_the_planner_counts_pinned_bytes_by_the_engines_rule():
     assert pl.memory.pinned < 0.25 * pl.memory.host_total
     cpu = plan("qwen2.5-72b", context=4096, batch=1, hardware="cpu", dtype="bfloat16")
     assert cpu.memory.pinned == 0
+
+
+def test_preflight_counts_the_staging_as_host_memory_on_cuda():
+    from megatrain.engine.preflight import host_preflight
+
+    layers = [[("w", torch.Size([100, 30]))], [("w", torch.Size([100, 50]))]]
+    cpu = host_preflight(layers, [torch.Size([7, 3])], torch.bfloat16, available=10**12)
+    gpu = host_preflight(layers, [torch.Size([7, 3])], torch.bfloat16, available=10**12, pin=True, staging=True)
+    staged = pinned_preflight(layers, [torch.Size([7, 3])], torch.bfloat16, staging=True)
+    assert gpu == {**cpu, "grad staging": staged["grad staging"], "resident grad staging": staged["resident grad staging"]}

@@ -66,8 +66,9 @@ def host_preflight(layer_shapes: list[list[tuple[str, torch.Size]]], global_shap
     n_layer = sum(torch.Size(s).numel() for shapes in layer_shapes for _, s in shapes)
     n = n_layer + sum(torch.Size(s).numel() for s in global_shapes)
     need = host_store_bytes(n, compute_dtype, n_layer)
-    if staging:
-        need["grad staging"] = pinned_preflight(layer_shapes, global_shapes, compute_dtype, True)["grad staging"]
+    if staging:  # host memory of its own, beside the store (pinned with `pin`)
+        staged = pinned_preflight(layer_shapes, global_shapes, compute_dtype, True)
+        need.update({k: staged[k] for k in ("grad staging", "resident grad staging") if k in staged})
     avail = available_host_bytes() if available is None else available
     total = sum(need.values())
     if total > avail:
