@@ -44,9 +44,13 @@ _mappings: weakref.WeakValueDictionary[int, _Mapping] = weakref.WeakValueDiction
 
 def cuda_register(ptr: int, nbytes: int) -> None:
     """Page-lock [ptr, ptr + nbytes) and map it for the device (cudaHostRegisterDefault)."""
-    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(ptr, nbytes, 0)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister returned {err}")
+        clear = getattr(cudart, "cudaGetLastError", None)
+        if clear is not None:
+            clear()  # not sticky: keep it from surfacing later as some kernel's error
+        raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed: {err}")
 
 
 def cuda_unregister(ptr: int) -> None:
@@ -67,13 +71,13 @@ class _Mapping:
         if self.nbytes >= HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
             _libc.madvise(ptr, self.nbytes, mmap.MADV_HUGEPAGE)  # advice only: ignored where THP is off
 
-    def __del__(self) -> None:
+    def __del__(self, _munmap=_libc.munmap) -> None:  # bound now: module globals may be gone at shutdown
         if self.unregister is not None:
             try:
                 self.unregister(self.ptr)
             except Exception:  # noqa: BLE001 - interpreter shutdown may have torn CUDA down already
                 pass
-        _libc.munmap(self.ptr, self.nbytes)
+        _munmap(self.ptr, self.nbytes)
 
 
 def host_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -109,8 +113,11 @@ class Pinner:
             o.unregister = self.unregister
             return None
 
-        with ThreadPoolExecutor(min(self.threads, max(1, len(owners)))) as pool:
-            errors = list(pool.map(one, owners))
+        # The first on this thread (it may initialise CUDA), the rest `threads` at a time: the kernel faults in
+        # and locks every page, which is what takes the time.
+        errors = [one(o) for o in owners[:1]]
+        with ThreadPoolExecutor(min(self.threads, max(1, len(owners) - 1))) as pool:
+            errors += list(pool.map(one, owners[1:]))
         done = sum(o.nbytes for o, e in zip(owners, errors) if e is None)
         self.pinned_bytes += done
         failed = [e for e in errors if e is not None]
