@@ -146,13 +146,16 @@ def test_preflight_counts_the_staging_slots():
 
 def test_chunked_accumulate_is_bitwise_the_whole_add():
     g = torch.Generator().manual_seed(0)
-    dst = torch.randn(10_001, generator=g)
-    src = torch.randn(10_001, generator=g).to(torch.bfloat16)
+    dst = torch.randn(73 * 137, generator=g)
+    src = torch.randn(73 * 137, generator=g).to(torch.bfloat16)
     want = dst.clone().add_(src)
     for scratch in (torch.empty(997), None):  # a ragged last chunk; the default scratch
         got = dst.clone()
         accumulate(got, src, scratch)
         assert torch.equal(got, want)
+    shaped = dst.clone().view(73, 137)  # a parameter's view of the slab: shape kept, chunks flat
+    accumulate(shaped, src.view(73, 137), torch.empty(997))
+    assert torch.equal(shaped.view(-1), want)
     short = dst.clone()  # negative control: a chunk left out is seen
     accumulate(short[:-5], src[:-5], torch.empty(997))
     assert not torch.equal(short, want)

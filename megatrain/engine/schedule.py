@@ -28,6 +28,7 @@ def accumulate(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor | Non
         return
     if scratch is None:
         scratch = torch.empty(min(REDUCE_CHUNK, dst.numel()), dtype=dst.dtype)
+    dst, src = dst.view(-1), src.reshape(-1)  # a slab view is contiguous: chunks are flat ranges
     chunk = scratch.numel()
     for s in range(0, dst.numel(), chunk):
         d = dst[s: s + chunk]
