@@ -173,3 +173,22 @@ def test_host_labels_and_batch_checks_do_not_sync_the_device():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(loss).item()
+
+
+def test_the_planner_puts_cuda_resident_gradients_on_the_copy_and_reduce_lanes():
+    from megatrain.planner import plan
+    from megatrain.planner.estimate import Point, _globals_io, predicted_timeline
+    from megatrain.planner.hardware import get_hardware
+
+    gpu = plan("qwen2.5-7b", context=4096, batch=1, grad_accum=2, hardware="h200-pcie")
+    hw = get_hardware("h200-pcie")
+    point = gpu.point
+    assert isinstance(point, Point)
+    io = _globals_io(point, hw)
+    assert gpu.time.embed_io_s == pytest.approx(io.up_s)  # only the upload is on the compute thread
+    spans = predicted_timeline(point, hw)
+    kinds = [(s["stream"], s["kind"]) for s in spans]
+    assert kinds.count(("d2h", "head-grad")) == 2 and kinds.count(("reduce", "reduce-head-grad")) == 2
+    cpu = plan("qwen2.5-7b", context=1024, batch=1, hardware="cpu", dtype="bfloat16")
+    cpu_spans = predicted_timeline(cpu.point, get_hardware("cpu"))
+    assert not any(s["kind"] == "head-grad" for s in cpu_spans)  # a CPU device adds them on its own thread

@@ -23,7 +23,8 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
                     layer bytes / link; d2h = grad bytes / link and the host add (on the d2h worker on a CPU
                     device, a host thread after the copy on CUDA); fills, drains, the layers still resident
                     at the turn and across micro-batches, activation offload; + the embedding/head I/O the
-                    engine does per device type (none on a CPU device in FP32: it aliases them) + CPU AdamW
+                    engine does per device type (none on a CPU device in FP32: it aliases them; on CUDA the
+                    gradients' copy and add on the copy and reduce lanes, after the head) + CPU AdamW
                     (bytes touched / host bandwidth) after backward, or with optimizer_overlap a layer at a
                     time behind the next forward (the globals still in step()).
   zero3             DeepSpeed's 18 B/param x 1.5 buffers on the host; per module fetches (forward,

@@ -682,7 +682,7 @@ class _LayerCosts:
     act: float  # one boundary activation over the link (each way), 0 when resident
     grad: float  # gradients device -> host (d2h stream)
     reduce: float  # adding them into the host slab
-    cuda: bool  # CUDA: the add runs on a host thread after the copy, with 2 staging buffers;
+    cuda: bool  # CUDA: the add runs on a host thread after the copy, with pin_model.STAGING_SLOTS staging slots;
     #             a CPU device adds on the d2h worker, whose job lasts max(add, rate-limited copy)
 
 
@@ -701,8 +701,9 @@ class _PipelineSim:
         self.bytes_jobs = {"load": 0, "act_out": 0, "act_in": 0, "grad": 0}  # job counts
         self.slots: list[int | None] = [None] * n_buffers
         self.loaded = [0.0] * n_buffers
-        self.staging_free = [0.0, 0.0]
+        self.staging_free = [0.0] * _pin_model().STAGING_SLOTS
         self.next_staging = 0
+        self.globals_free = 0.0  # the resident parameters' gradient staging (CUDA), free again
         self.written: dict[int, float] = {}  # offloaded activation -> when it reached the host
         self.act_ready: dict[int, float] = {}  # prefetched activation -> when it is back
         self.spans: list[tuple[str, str, int, float, float]] = []  # (lane, kind, layer, start, end), as Trace
@@ -744,7 +745,7 @@ class _PipelineSim:
             self._job("d2h", self.t, max(c.grad, c.reduce), "grad", layer)
             return
         i = self.next_staging
-        self.next_staging ^= 1
+        self.next_staging = (i + 1) % len(self.staging_free)
         self.t = max(self.t, self.staging_free[i])  # the host blocks until that staging buffer is free
         copied = self._job("d2h", self.t, c.grad, "grad", layer)
         self.staging_free[i] = self._job("reduce", copied, c.reduce, "reduce", layer)
@@ -802,7 +803,8 @@ def _globals_io(p: Point, hw: Hardware) -> _GlobalsIO:
       - a CPU device in FP32 aliases them to the host masters (Engine._alias_globals): nothing moves;
       - a CPU device in bf16 casts them (host memory traffic, no link);
       - CUDA uploads them (pinned masters) after each optimizer step and brings the head/norm gradient
-        and the embedding lookup's T x h gradient down per micro-batch (pageable host copies)."""
+        and the embedding lookup's T x h gradient down per micro-batch into pinned staging, on the copy
+        stream, where a host thread adds them (global_grads.py): off the compute thread (_async_globals)."""
     m, c, T, h = p.model, p.c, p.tokens, p.model.hidden
     resident, grads = m.embed_params() + h, m.vocab * h + h + T * h
     Bh = hw.host_bw_bps
@@ -811,8 +813,14 @@ def _globals_io(p: Point, hw: Hardware) -> _GlobalsIO:
         return _GlobalsIO(add, 0.0, 0.0, 0, 0)
     if hw.unified_memory:
         return _GlobalsIO(add, grads * (c + 4) / Bh, resident * (4 + c) / Bh, 0, 0)
-    return _GlobalsIO(add, grads * c / (hw.link_bps * PAGEABLE_LINK_FRACTION), resident * c / hw.link_bps,
-                      grads * c, resident * c)
+    # CUDA: the staging (compute dtype) read, the FP32 slab read and written
+    return _GlobalsIO(grads * (c + 8) / Bh, grads * c / hw.link_bps, resident * c / hw.link_bps, grads * c, resident * c)
+
+
+def _async_globals(io: _GlobalsIO, costs: _LayerCosts) -> tuple[float, float] | None:
+    """(copy, add) seconds of the resident parameters' gradients on the copy and reduce lanes (CUDA), or None
+    when they are added on the compute thread (a CPU device)."""
+    return (io.down_s, io.add_s) if costs.cuda else None
 
 
 def _layer_costs(p: Point, hw: Hardware, offload: bool) -> _LayerCosts:
@@ -825,16 +833,23 @@ def _layer_costs(p: Point, hw: Hardware, offload: bool) -> _LayerCosts:
                        cuda=not hw.unified_memory)
 
 
-def _simulate_step(p: Point, costs: _LayerCosts, head: float) -> tuple[_PipelineSim, float, float, float]:
+def _simulate_step(p: Point, costs: _LayerCosts, head: float,
+                   globals_grads: tuple[float, float] | None = None) -> tuple[_PipelineSim, float, float, float]:
     """One step's micro-batches through the pipeline, up to the optimizer; returns the simulation and
-    the forward, backward (summed over micro-batches) and final-drain seconds."""
+    the forward, backward (summed over micro-batches) and final-drain seconds. `globals_grads`: (copy, add)
+    seconds of the resident parameters' gradients when they travel on the copy and reduce lanes (CUDA:
+    engine/global_grads.py), queued after the head; else they are part of `head`, on the compute thread."""
     sim = _PipelineSim(p.model.num_layers, p.num_buffers, costs)
     fwd_s = bwd_s = 0.0
     for _ in range(p.grad_accum):
         t0 = sim.t
         sim.forward()
         t1 = sim.t
-        sim._compute(head, "head", -1)  # head + loss forward/backward, global gradients to their slabs
+        sim._compute(head, "head", -1)  # head + loss forward/backward (+ global gradients, off CUDA)
+        if globals_grads is not None:
+            sim.t = max(sim.t, sim.globals_free)  # the host waits for the staging the last micro-batch used
+            copied = sim._job("d2h", sim.t, globals_grads[0], "head-grad", -1)
+            sim.globals_free = sim._job("reduce", copied, globals_grads[1], "reduce-head-grad", -1)
         t2 = sim.t
         sim.backward()
         fwd_s += t1 - t0
@@ -849,8 +864,10 @@ def predicted_timeline(p: Point, hw: Hardware) -> list[dict[str, Any]]:
     (stream, kind, layer, start_s, end_s), to set against a measured trace (EngineConfig.trace)."""
     lc = long_context_plan(p, hw)
     io = _globals_io(p, hw)
-    head = _head_compute(p, hw, True) + io.add_s + hw.microbatch_overhead_s
-    sim = _simulate_step(p, _layer_costs(p, hw, lc.offload), head + io.down_s)[0]
+    costs = _layer_costs(p, hw, lc.offload)
+    off = _async_globals(io, costs)
+    head = _head_compute(p, hw, True) + (0.0 if off else io.add_s + io.down_s) + hw.microbatch_overhead_s
+    sim = _simulate_step(p, costs, head, off)[0]
     return [{"stream": lane, "kind": kind, "layer": layer, "start_s": a, "end_s": b}
             for lane, kind, layer, a, b in sim.spans]
 
@@ -860,9 +877,12 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool) -> Time:
     PL, h = m.layer_params(), m.hidden
     costs = _layer_costs(p, hw, offload)
     io = _globals_io(p, hw)
-    # the head, its loss, gradient adds, and the engine's fixed work per micro-batch outside the layers
-    head = _head_compute(p, hw, recompute_logits=True) + io.add_s + hw.microbatch_overhead_s
-    sim, fwd_s, bwd_s, drain = _simulate_step(p, costs, head + io.down_s)
+    # the head, its loss, the global gradients' adds (on this thread off CUDA), and the engine's fixed work
+    # per micro-batch outside the layers
+    off = _async_globals(io, costs)
+    head = _head_compute(p, hw, recompute_logits=True) + (0.0 if off else io.add_s) + hw.microbatch_overhead_s
+    sim, fwd_s, bwd_s, drain = _simulate_step(p, costs, head + (0.0 if off else io.down_s), off)
+    embed_io = (0.0 if off else g * io.down_s) + io.up_s  # what the compute thread spends on them
     mb, shadow = _master_bytes(p)
     gb = 2 if _is_bf16(p.host_grad_dtype) else 4
     per_param = _optimizer_bytes_per_param(mb, gb, shadow, p.grad_clip)
@@ -895,7 +915,7 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool) -> Time:
     grad_lane = costs.grad if costs.cuda else max(costs.grad, costs.reduce)
     layer = LayerTime(costs.fwd, costs.load, costs.act, over(costs.fwd, costs.load, costs.act), costs.bwd,
                       costs.load + costs.act, grad_lane, over(costs.bwd, costs.load + costs.act, grad_lane))
-    return Time(layer, fwd_s / g, bwd_s / g, head, drain, g * io.down_s + io.up_s, opt_added, opt_busy, step,
+    return Time(layer, fwd_s / g, bwd_s / g, head, drain, embed_io, opt_added, opt_busy, step,
                 sim.wait, busy, int(h2d_bytes), int(d2h_bytes), _bottleneck(busy, p.optimizer_overlap))
 
 
