@@ -153,6 +153,10 @@ def test_the_loss_over_valid_tokens_matches_cross_entropy():
     want = F.cross_entropy((hidden[:, :-1] @ weight.t()).reshape(-1, 40), labels[:, 1:].reshape(-1).long())
     got = chunked_causal_lm_loss(hidden, weight, labels, 4)
     assert abs(float(got) / float(want) - 1) <= 1e-6  # logits are upcast to FP32, as HF does
+    small = labels.clamp_min(0).to(torch.uint8)  # an 8-bit label tensor: -100 comes from the shift alone
+    small[1, 4:] = 0
+    ref = F.cross_entropy((hidden[:, :-1] @ weight.t()).reshape(-1, 40), small[:, 1:].reshape(-1).long())
+    assert abs(float(chunked_causal_lm_loss(hidden, weight, small, 4)) / float(ref) - 1) <= 1e-6
     labels[0, 3] = -100  # negative control: one more ignored token changes the mean
     assert abs(float(chunked_causal_lm_loss(hidden, weight, labels, 4)) / float(want) - 1) > 1e-6
 

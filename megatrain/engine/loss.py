@@ -59,7 +59,7 @@ def chunked_causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     worked out where `labels` live: given host labels (the usual case) the device is never synchronised;
     labels already on the device cost one sync (the number of valid tokens sizes the head's input).
     """
-    targets = shift_labels(labels).reshape(-1).long()
+    targets = shift_labels(labels.long()).reshape(-1)  # -100 must fit: check_batch admits uint8 ids
     valid = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     n_valid = valid.numel()
     dev = hidden.device
