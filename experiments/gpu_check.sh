@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The GPU check in one call, from a cold start (< 8 min on an H200): on a machine with a CUDA torch,
-# install any wheels found in wheels/ (for a machine without network: `bash scripts/fetch_wheels.sh`
-# elsewhere, then copy wheels/ along), then run experiments/gpu_check.py.
+# The GPU check in one call (about 7 min on an H200): install ./wheels/*.whl when there are any (for a
+# machine without network: `bash scripts/fetch_wheels.sh` makes them elsewhere), then run
+# `python -m experiments.gpu_check` (see experiments/gpu_check/__init__.py for the phases).
 #
-#   on the GPU machine:  bash experiments/gpu_check.sh
-#   on any CPU:          bash experiments/gpu_check.sh --dry-run   (the same script, tiny shapes)
+#   bash experiments/gpu_check.sh                  # on the GPU machine; results in results/gpu/<UTC time>/
+#   bash experiments/gpu_check.sh --only parity    # some phases again
+#   bash experiments/gpu_check.sh --dry-run        # the same script on the CPU, tiny shapes
 #
-# With $OUT set the check copies its <= 6 summary files there after every phase and this wrapper's
+# With $OUT set the check copies its 6 most useful files there after every phase, and this wrapper's
 # log goes to $OUT/log.txt, so a run cut short still leaves what it did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,13 +30,13 @@ if [ -n "${OUT:-}" ]; then mkdir -p "$OUT"; LOG="$OUT/log.txt"; fi
         t=$(date +%s)
         if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
                 --target "$site" wheels/*.whl; then
-            echo "installed $(ls wheels/*.whl | wc -l) carried wheels into $site in $(( $(date +%s) - t )) s"
+            echo "installed $(ls wheels/*.whl | wc -l) wheels from wheels/ into $site in $(( $(date +%s) - t )) s"
         else
-            echo "WARNING: installing the carried wheels failed; phases that need them will say so"
+            echo "WARNING: installing wheels/*.whl failed; phases that need them will say so"
         fi
         export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
         export PATH="$site/bin:$PATH"
-        # Fresh per machine: DeepSpeed's ops are compiled with -march=native, never carried.
+        # Fresh per machine: DeepSpeed's ops are compiled with -march=native, never copied between machines.
         export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/megatrain-torch-extensions}"
     elif [ "$dry" = 0 ]; then
         echo "no wheels/ folder: using the installed packages (bash scripts/fetch_wheels.sh makes it)"

@@ -23,7 +23,7 @@ class EngineConfig:
     num_buffers: int = 2  # device layer buffers (>= 2 double-buffers the host->device stream)
     loss_chunk_tokens: int | str = "auto"  # tokens per head/loss chunk (logits never exceed chunk x vocab); "auto":
     # up to 2048, fewer for big vocabularies, fewer still when the device budget needs it
-    pin_memory: bool | None = None  # None: pin when the device is CUDA
+    pin_memory: bool | None = None  # None: pin when the device is CUDA; a failed pin raises PinnedMemoryError
     link_gbps: float | None = None  # CPU only: rate-limit the copy engine to emulate a PCIe/C2C link
     # Long context. "auto" decides per batch from the device budget (see engine/tiling.py).
     offload_activations: bool | str = "auto"  # layer-boundary activations in host memory: True, False, "auto"

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Wheels for a GPU machine without network access: everything experiments/gpu_check.sh installs
-# there beyond the machine's own CUDA torch. Versions are this venv's (what CI tests with), for the
-# GPU machine's Python and platform (MEGATRAIN_DEVICE_PYTHON, default 3.12, x86-64 Linux). deepspeed ships only
+# Wheels for a GPU machine without network access: everything experiments/gpu_check.sh
+# installs there beyond the image's own CUDA torch. Versions are this venv's (what CI tests with),
+# for the GPU machine's Python and platform (MEGATRAIN_DEVICE_PYTHON, default 3.12; x86-64 Linux). deepspeed ships only
 # as a source package, so it is built here into a pure-Python wheel; its C++ ops are compiled on
-# first use on the device (never ship a built op: they are compiled with -march=native).
+# first use on the GPU machine (never ship a built op: they are compiled with -march=native).
 #
 #   bash scripts/fetch_wheels.sh [DEST]        # DEST defaults to wheels/ (git-ignored, never committed)
 #   MEGATRAIN_WHEELS_FULL=1 bash scripts/fetch_wheels.sh   # also numpy/pandas (~30 MB more)
 #
-# The script reports the total size, for copying wheels/ to the GPU machine with the checkout.
+# The script reports the total size, for copying the folder over.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST="${1:-wheels}"

@@ -23,9 +23,9 @@ ROOTS = ("transformers", "accelerate", "deepspeed", "safetensors", "pyyaml", "tq
 # these under the image's torch could break it, and they are large.
 NEVER = re.compile(r"^(torch|torchvision|torchaudio|triton|nvidia-.*|cuda-.*|sympy|mpmath|networkx|jinja2|"
                    r"markupsafe|setuptools|pip|wheel)$")
-# Usually installed with a CUDA torch already, in versions our code accepts; ~30 MB of wheels.
+# Usually in a CUDA image already, in versions our code accepts; ~30 MB of wheels.
 IMAGE_HAS = {"numpy", "pandas", "python-dateutil", "tzdata", "six"}
-# The GPU machine's interpreter (Python 3.12.3 on x86-64 Linux by default), for environment markers.
+# The GPU machine's interpreter (Python 3.12 on x86-64 Linux by default), for environment markers.
 DEVICE_ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
               "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
               "platform_python_implementation": "CPython", "os_name": "posix", "extra": ""}
@@ -53,7 +53,7 @@ def closure(roots: list[str], full: bool) -> dict[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--full", action="store_true", help="also carry numpy, pandas and their helpers")
+    ap.add_argument("--full", action="store_true", help="also fetch numpy, pandas and their helpers")
     ap.add_argument("roots", nargs="*", default=list(ROOTS))
     args = ap.parse_args()
     for name, version in closure(args.roots, args.full).items():

@@ -104,10 +104,10 @@ def test_dry_run_writes_harness_rows_with_provenance_and_a_timeline(dry_run):
     assert 0 < tl["compute_busy_frac"] <= 1 and 0 <= tl["h2d_hidden_frac"] <= 1
 
 
-def test_dry_run_bundle_fits_the_device_tool(dry_run):
+def test_dry_run_bundle_is_small_and_whole(dry_run):
     bundle = dry_run["bundle"]
     files = sorted(p.name for p in bundle.iterdir())
-    assert len(files) <= 8, files  # the device tool brings back 8 files at most
+    assert len(files) <= 8, files  # the few files worth reading first, each small
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+", f) for f in files)
     assert {"summary.md", "summary.json", "results.csv", "timeline.json", "gpu_check.tar.gz", "log.txt"} <= set(files)
     assert all((bundle / f).stat().st_size < 16 << 20 for f in files)
@@ -197,7 +197,7 @@ def _ctx(tmp_path, phase):
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("phase", ["parity", "sync", "stress", "bandwidth"])
+@pytest.mark.parametrize("phase", ["parity", "sync", "stress", "sanitizer", "bandwidth"])
 def test_cuda_phase(tmp_path, phase):
     ctx = _ctx(tmp_path, phase)
     assert ctx.cuda
@@ -292,3 +292,16 @@ def test_cuda_event_accounting_logic_with_a_fake_device(monkeypatch):
         streams.h2d.submit(copy(0.001), S.DONE, "load", 1)
     assert len(streams.h2d._spans._pending) <= 65
     assert streams.h2d.busy_s == pytest.approx(0.200)
+
+
+def test_dry_run_checks_pinned_bytes_and_runs_the_sanitizer_phase(dry_run):
+    par = _phase(dry_run, "parity")["checks"]
+    assert par["pinned_bytes_exact"]["ok"], par["pinned_bytes_exact"]
+    for case in ("fp32_llama", "fp32_qwen2_tied"):
+        c = par[case]
+        assert c["param_abs_noise"] <= c["tolerance"]["param_abs_noise"] and 0 <= c["noise_share"] < 1, c
+    san = _phase(dry_run, "sanitizer")["checks"]["parity_under_sanitizer"]
+    assert san["ok"] and san["sanitizer"] is False and san["loss_abs"] <= 1e-5, san  # no CUDA: plumbing only
+    names = list(dry_run["summary"]["phases"])
+    assert names.index("bench") > max(names.index(n) for n in ("parity", "sync", "stress", "sanitizer"))
+    assert "## Stream sanitizer" in (dry_run["out"] / "summary.md").read_text()

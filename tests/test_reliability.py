@@ -639,36 +639,4 @@ def test_host_preflight_counts_the_bf16_shadow_and_passes_when_it_fits():
     assert 0 < available_host_bytes() < 2**50
 
 
-def test_pinned_memory_failure_falls_back_with_one_warning(monkeypatch):
-    from megatrain.config import EngineConfig
-    from megatrain.engine import Engine, store
-
-    real_empty = torch.empty
-    attempts = []
-
-    def empty(*a: Any, pin_memory: bool = False, **kw: Any) -> torch.Tensor:
-        if pin_memory:
-            attempts.append(1)
-            raise RuntimeError("cudaHostAlloc failed: out of locked memory (simulated)")
-        return real_empty(*a, **kw)
-
-    base = tiny_model("llama", layers=3, hidden=32)
-    batches = make_batches(3, seq=12)
-    plain = Engine(tiny_model("llama", layers=3, hidden=32), EngineConfig(pin_memory=False))
-    monkeypatch.setattr(store, "_pin_failed", False)
-    monkeypatch.setattr(torch, "empty", empty)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        pinned = Engine(base, EngineConfig(pin_memory=True))
-    monkeypatch.setattr(torch, "empty", real_empty)
-    pin_warnings = [w for w in caught if "pinned host memory unavailable" in str(w.message)]
-    assert len(pin_warnings) == 1 and len(attempts) == 1, (len(pin_warnings), len(attempts))
-    assert "ulimit -l" in str(pin_warnings[0].message)
-    assert all(g.master.data_ptr() % 4096 == 0 for g in pinned.store.groups())  # still page-aligned
-    for eng in (plain, pinned):
-        for b in batches:
-            eng.backward(eng(**b).loss)
-            eng.step()
-            eng.zero_grad()
-    for (n, a), (_, b) in zip(plain.named_parameters(), pinned.named_parameters()):
-        assert torch.equal(a, b), n
+# A failed pin is an error, not a fallback: tests/test_pinned.py.

@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .engine import Engine
+    from .pinned import PinnedMemoryError
     from .preflight import HostMemoryError
     from .stream import WatchdogError
 
-__all__ = ["Engine", "HostMemoryError", "WatchdogError"]
-_HOME = {"Engine": ".engine", "HostMemoryError": ".preflight", "WatchdogError": ".stream"}
+__all__ = ["Engine", "HostMemoryError", "PinnedMemoryError", "WatchdogError"]
+_HOME = {"Engine": ".engine", "HostMemoryError": ".preflight", "PinnedMemoryError": ".pinned",
+         "WatchdogError": ".stream"}
 
 
 def __getattr__(name: str) -> Any:

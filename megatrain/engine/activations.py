@@ -6,6 +6,8 @@ host->device stream one layer ahead of the backward pass, so device memory for t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .memtrack import host_allocations
@@ -13,8 +15,30 @@ from .store import host_empty
 from .stream import Event, Streams
 
 
+class HostPool:
+    """Host buffers for offloaded activations, one per layer, reused from batch to batch (grown when a batch
+    is larger): pinning is slow (every page is faulted in and locked), so it happens once, not per layer
+    per step. Reuse is safe: a layer's buffer is written on the device->host stream only after the
+    compute stream passed that layer's previous backward, which waited for the buffer's read."""
+
+    def __init__(self, alloc: Callable[[int, torch.dtype, str], torch.Tensor]) -> None:
+        self.alloc = alloc
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def get(self, layer: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._buffers.get(layer)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            self._buffers.pop(layer, None)  # freed (and unregistered) before its larger replacement is pinned
+            buf = self._buffers[layer] = self.alloc(numel, dtype, "offloaded activations")
+        return buf[:numel]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
 class ActivationStore:
-    def __init__(self, streams: Streams, offload: bool, pin: bool) -> None:
+    def __init__(self, streams: Streams, offload: bool, pin: bool | HostPool) -> None:
         self.streams = streams
         self.offload = offload
         self.pin = pin
@@ -38,7 +62,10 @@ class ActivationStore:
             self._account(self._nbytes(h))
             return
         with host_allocations():
-            host = host_empty(h.numel(), h.dtype, self.pin).view(h.shape)
+            if isinstance(self.pin, HostPool):
+                host = self.pin.get(layer, h.numel(), h.dtype).view(h.shape)
+            else:
+                host = host_empty(h.numel(), h.dtype, self.pin, "offloaded activations").view(h.shape)
         if h.device.type == "cuda":
             h.record_stream(self.streams.d2h._stream)
 

@@ -103,10 +103,30 @@ def _segments_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
     return Segments(rows, dense)
 
 
+def expands_kv(q: torch.Tensor) -> bool:
+    """Whether grouped key/value heads must be expanded before SDPA: on CUDA only the flash kernel (bf16,
+    fp16) takes `enable_gqa`; FP32 with grouped heads would fall to the math kernel, which materialises
+    the tokens x tokens scores. The CPU kernels take grouped heads in every dtype."""
+    return q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16)
+
+
+def kv_for_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                expand: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(k, v, enable_gqa) to hand SDPA: grouped heads as they are where the fused kernels take them, else
+    each key/value head repeated for its query heads (query head i reads key/value head i // groups, as
+    `enable_gqa` defines it; the copy's backward sums the group's gradients back)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1:
+        return k, v, False
+    if expands_kv(q) if expand is None else expand:
+        return k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), False
+    return k, v, True
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dropout: float,
           scale: float | None) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scale, is_causal=causal,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    k, v, gqa = kv_for_sdpa(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scale, is_causal=causal, enable_gqa=gqa)
 
 
 def _row_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: Row, dropout: float,
@@ -144,6 +164,8 @@ def segment_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     if bad:
         raise ValueError(f"segment attention does not model {bad}; use EngineConfig(segment_attention=False)")
     seg = attention_mask
+    if expands_kv(query) and key.shape[1] != query.shape[1]:
+        key, value, _ = kv_for_sdpa(query, key, value)  # once for every path below, HF's included
     if seg is None:
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling)
     if not isinstance(seg, Segments):

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from .attention import AUTO_NAME, NAME, Segments
+from .attention import AUTO_NAME, NAME, Segments, kv_for_sdpa
 
 _ATTN_PARAMS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
 _IMPLEMENTATIONS = ("sdpa", NAME, AUTO_NAME)
@@ -174,7 +174,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | Non
         return _CpuBlocks.apply(q, k, v, scale, causal, sink)
     if sink is not None:
         raise ValueError("a gradient sink is only implemented for the CPU path")
-    gqa = k.shape[1] != q.shape[1]
+    k, v, gqa = kv_for_sdpa(q, k, v)
     if not causal or q.shape[2] == k.shape[2]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
     from torch.nn.attention.bias import causal_lower_right

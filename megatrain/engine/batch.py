@@ -41,9 +41,9 @@ def _scaled_limit(max_pos: int, rope: dict) -> int:
     return max(max_pos, int(original * factor))
 
 
-def _check_positions(config: Any, seq: int, position_ids: torch.Tensor | None) -> None:
+def _check_positions(config: Any, seq: int, position_ids: torch.Tensor | None, pos_max: int | None) -> None:
     # Packed documents restart their positions, so what must fit is the largest position, not the row.
-    needed = seq if position_ids is None else int(position_ids.max()) + 1
+    needed = seq if position_ids is None else pos_max + 1
     limit = max_trainable_positions(config)
     if limit is None or needed <= limit:
         return
@@ -52,6 +52,18 @@ def _check_positions(config: Any, seq: int, position_ids: torch.Tensor | None) -
     scaled = f" (RoPE scaling extends it to {limit})" if limit != max_pos else ""
     raise ValueError(f"{what} exceeds the model's max_position_embeddings={max_pos}{scaled}; shorten the "
                      "sequence or extend RoPE (rope_scaling / rope_parameters, or a larger max_position_embeddings)")
+
+
+def _read_values(parts: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Every reduced value the checks need, read back at once per device: inputs already on a GPU cost one
+    synchronisation per batch, not one per check; host inputs cost none."""
+    by_device: dict[torch.device, list[str]] = {}
+    for k, t in parts.items():
+        by_device.setdefault(t.device, []).append(k)
+    out: dict[str, int] = {}
+    for keys in by_device.values():
+        out.update(zip(keys, torch.stack([parts[k].long() for k in keys]).tolist()))
+    return out
 
 
 def check_batch(config: Any, input_ids: Any, attention_mask: Any, labels: Any, position_ids: Any,
@@ -67,32 +79,45 @@ def check_batch(config: Any, input_ids: Any, attention_mask: Any, labels: Any, p
     if input_ids.numel() == 0:
         raise ValueError(f"empty batch: input_ids has shape {tuple(input_ids.shape)}")
     vocab = config.vocab_size
-    lo, hi = int(input_ids.min()), int(input_ids.max())
-    if lo < 0 or hi >= vocab:
-        bad = hi if hi >= vocab else lo
-        raise ValueError(f"input_ids contains token id {bad}, outside the model's vocabulary [0, {vocab}); "
-                         "check the tokenizer matches the model")
     seq = input_ids.shape[1]
     if attention_mask is not None:
         _check_int_tensor("attention_mask", attention_mask.long() if attention_mask.dtype == torch.bool
                           else attention_mask, input_ids.shape)
-        if int(attention_mask.min()) < 0 or int(attention_mask.max()) > 1:
-            raise ValueError("attention_mask must contain only 0 and 1")
-        if (attention_mask.sum(dim=1) == 0).any():
-            raise ValueError("attention_mask masks every token of some sequence in the batch")
     if position_ids is not None:
         _check_int_tensor("position_ids", position_ids, None)
         if position_ids.shape[-1] != seq:
             raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected [.., {seq}]")
-        if int(position_ids.min()) < 0:
-            raise ValueError("position_ids must be >= 0")
-    _check_positions(config, seq, position_ids)
     if labels is not None:
         _check_int_tensor("labels", labels, input_ids.shape)
-        valid = labels[:, 1:] != IGNORE_INDEX  # the first label is never predicted (causal shift)
-        if not bool(valid.any()):
+    parts = {"ids_min": input_ids.min(), "ids_max": input_ids.max()}
+    if attention_mask is not None:
+        m = attention_mask.long()
+        parts.update(mask_min=m.min(), mask_max=m.max(), empty_row=(m.sum(dim=1) == 0).any())
+    if position_ids is not None:
+        parts.update(pos_min=position_ids.min(), pos_max=position_ids.max())
+    if labels is not None and seq > 1:
+        lv = labels[:, 1:]  # the first label is never predicted (causal shift)
+        valid = lv != IGNORE_INDEX
+        # min/max over the valid labels without boolean indexing (a data-dependent shape, so a sync)
+        parts.update(n_valid=valid.sum(), lab_min=torch.where(valid, lv, 0).min(),
+                     lab_max=torch.where(valid, lv, 0).max())
+    v = _read_values(parts)
+    lo, hi = v["ids_min"], v["ids_max"]
+    if lo < 0 or hi >= vocab:
+        bad = hi if hi >= vocab else lo
+        raise ValueError(f"input_ids contains token id {bad}, outside the model's vocabulary [0, {vocab}); "
+                         "check the tokenizer matches the model")
+    if attention_mask is not None:
+        if v["mask_min"] < 0 or v["mask_max"] > 1:
+            raise ValueError("attention_mask must contain only 0 and 1")
+        if v["empty_row"]:
+            raise ValueError("attention_mask masks every token of some sequence in the batch")
+    if position_ids is not None and v["pos_min"] < 0:
+        raise ValueError("position_ids must be >= 0")
+    _check_positions(config, seq, position_ids, v.get("pos_max"))
+    if labels is not None:
+        if not v.get("n_valid", 0):
             raise ValueError("every label in this batch is -100 (ignored) after the causal shift: "
-                         "the loss would be 0/0; drop the batch or check the label masking")
-        lv = labels[:, 1:][valid]
-        if int(lv.min()) < 0 or int(lv.max()) >= vocab:
+                             "the loss would be 0/0; drop the batch or check the label masking")
+        if v["lab_min"] < 0 or v["lab_max"] >= vocab:
             raise ValueError(f"labels contain ids outside [0, {vocab}) other than -100")

@@ -27,6 +27,7 @@ from .activations import ActivationStore
 from .attention import use_segment_attention
 from .batch import check_batch
 from .embedding import check_embedding, lookup_grad
+from .global_grads import GlobalGradSink
 from .loading import load_checkpoint_into, skeleton_from_dir
 from .loss import chunked_causal_lm_loss, head_logits
 from .malloc import set_mmap_threshold
@@ -134,7 +135,8 @@ class Engine:
         global_named = [(n, p) for n, p in model.named_parameters() if not n.startswith(prefix)]
         layer_shapes = [[(n, p.shape) for n, p in layer.named_parameters()] for layer in parts.layers]
 
-        host_preflight(layer_shapes, [p.shape for _, p in global_named], self.compute_dtype)
+        host_preflight(layer_shapes, [p.shape for _, p in global_named], self.compute_dtype, pin=pin,
+                       staging=self.device.type == "cuda")
         self.store = HostStore(layer_shapes, [(n, p.shape) for n, p in global_named], pin,
                                torch.bfloat16 if self.compute_dtype == torch.bfloat16 else None)
 
@@ -193,6 +195,7 @@ class Engine:
         self.pipeline = LayerPipeline(self.store, self.templates, self.streams, self.trace_log, config.num_buffers,
                                       self.compute_dtype, self.device, preserve_rng=self._has_dropout(),
                                       policy=policy)
+        self._global_grads = GlobalGradSink(self.store, self.streams, self.pipeline, self.compute_dtype)
         self.optimizer = self._make_optimizer(optimizer, originals)
         del originals
         self._layered: LayeredStep | None = None
@@ -319,7 +322,7 @@ class Engine:
         with torch.set_grad_enabled(train):
             h_in0, layer_inputs = record_layer_inputs(self.parts, self._recorded, h0, mask, pos)
         offload = self.pipeline.plan_batch(int(ids.numel()), self.config.offload_activations)
-        acts = ActivationStore(self.streams, offload, pin=self.device.type == "cuda") if train else None
+        acts = ActivationStore(self.streams, offload, pin=self.pipeline.act_pool) if train else None
         with torch.no_grad():
             h_last = self.pipeline.forward(h_in0.detach(), layer_inputs, acts)
         h_last = h_last.detach().requires_grad_(train)
@@ -327,7 +330,7 @@ class Engine:
             hn = self.parts.norm(h_last)
             loss = None
             if labels is not None:
-                loss = chunked_causal_lm_loss(hn, self.parts.lm_head, labels.to(dev, torch.long, non_blocking=True),
+                loss = chunked_causal_lm_loss(hn, self.parts.lm_head, labels,
                                               self.pipeline.loss_chunk(self.config.loss_chunk_tokens),
                                               num_items_in_batch, self.parts.softcap)
             logits = head_logits(hn, self.parts.lm_head, logits_to_keep, self.parts.softcap) if return_logits else None
@@ -396,15 +399,11 @@ class Engine:
     def _add_embedding_grad(self, ids: torch.Tensor, g: torch.Tensor) -> None:
         """Scatter-add the lookup's gradient into the embedding's slab rows (what the embedding module's
         backward computes, scales included, without materializing a dense vocab x hidden gradient)."""
-        group = self.store.globals
         rows, grad = lookup_grad(self.parts.embed, ids, g)
-        group.view(group.grad, group.slots[self._embed_slot]).index_add_(0, rows.cpu(), grad.to("cpu", torch.float32))
+        self._global_grads.add_rows(self._embed_slot, rows, grad)  # off this thread on CUDA
 
     def _add_global_grads(self, grads: tuple) -> None:
-        group = self.store.globals
-        for slot, g in zip(group.slots, grads):
-            if g is not None:
-                group.view(group.grad, slot).add_(g.to("cpu", torch.float32))
+        self._global_grads.add_dense(grads)  # on CUDA: copy stream + pinned staging, added on a host thread
 
     def _all_grads(self) -> list[torch.Tensor]:
         self._wait_host_jobs()
@@ -457,6 +456,7 @@ class Engine:
         for g in self.store.groups():
             g.link_grads()
         if self._layered is not None:
+            self.pipeline.synchronize_global_grads()  # the globals are updated right away, below
             # Globals now, layers queued in forward order; each layer's load waits for its update.
             self._layered.step(lambda i: self.store.layers[i].refresh_shadow(), self.pipeline.landed)
             self._globals_changed()

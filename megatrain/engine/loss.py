@@ -73,13 +73,17 @@ def chunked_causal_lm_loss(hidden: torch.Tensor, head: torch.nn.Linear, labels: 
     logits are `head(hidden)` (its bias included), soft-capped as `softcap * tanh(logits / softcap)` when
     the model does that (Gemma 2).
 
-    Only tokens with a label go through the head: padding costs no head FLOPs.
+    Only tokens with a label go through the head: padding costs no head FLOPs. Which tokens those are is
+    worked out where `labels` live: given host labels (the usual case) the device is never synchronised;
+    labels already on the device cost one sync (the number of valid tokens sizes the head's input).
     """
-    targets = shift_labels(labels).reshape(-1)
+    targets = shift_labels(labels.long()).reshape(-1)  # -100 must fit: check_batch admits uint8 ids
     valid = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     n_valid = valid.numel()
-    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, valid)
-    total = _ChunkedHeadLoss.apply(h, head.weight, head.bias, targets.index_select(0, valid), chunk_tokens, softcap)
+    dev = hidden.device
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, valid.to(dev, non_blocking=True))
+    total = _ChunkedHeadLoss.apply(h, head.weight, head.bias, targets.index_select(0, valid).to(dev, non_blocking=True),
+                                   chunk_tokens, softcap)
     if num_items_in_batch is None:
         return total / n_valid
     if torch.is_tensor(num_items_in_batch):

@@ -37,6 +37,7 @@ TILED_KV_BUFFERS = 2.0  # K and V, and dK and dV, each kv wide
 # layer's output (the head's input), h each, and the RoPE cos/sin tables, head_dim each.
 TILED_AROUND_H, TILED_ROPE_HEAD_DIM = 2.0, 2.0
 TILE_ATTN_H = 7.0
+KV_EXPANDED_COPIES = 4  # expanded grouped heads (LayerDims.kv_expanded): K, V and their two gradients
 WEIGHT_GRAD_EXTRA = 0.25  # a tile's own weight gradients, as a share of the layer's weights
 # The floor tile with tiled attention: tile terms at this share of the sequence terms (smaller saves little).
 TILED_FLOOR_SHARE = 0.125
@@ -51,6 +52,11 @@ LOSS_LOGIT_COPIES = 3  # chunk logits (fp32), their softmax/gradient, and a tran
 # device budget it is halved, down to MIN_LOSS_CHUNK, while the loss phase does not fit. Smaller chunks cost
 # only more, smaller head GEMMs.
 DEFAULT_LOSS_CHUNK, MIN_LOSS_CHUNK, AUTO_LOSS_LOGITS_BYTES = 2048, 128, 256 * 2**20
+# On a GPU (logits_cap None) "auto" starts here instead and only the device budget shrinks it: the head's
+# weight-gradient GEMM (vocab x chunk x hidden, accumulated into an FP32 vocab x hidden gradient) does
+# ~chunk/4 FLOP per byte of that gradient, memory-bound below ~1k tokens on an H100/H200; the 256 MiB
+# logits cap gave 256-token chunks for a 152k vocabulary.
+MAX_DEVICE_LOSS_CHUNK = 4096
 # The head + loss phase per token, in h-vectors (measured, FP32): the last layer's output, the final norm's
 # output and saved tensors, the valid tokens' copy and its gradient, the gradient scattered back to all
 # tokens; during the chunk loop (the chunk's logits on top) and, at its peak, in the final norm's backward.
@@ -66,6 +72,9 @@ class LayerDims:
     numel: int  # weights of the largest layer
     attention_tiled: bool = True  # whether a tiled layer also tiles its attention block (attn_tiling.py)
     head_dim: int = 128
+    # Extra key/value width per token when grouped heads are expanded for SDPA (FP32 on CUDA, attention.py:
+    # query width - kv): the expanded K and V, and their gradients, live through the attention's backward.
+    kv_expanded: int = 0
 
 
 
@@ -83,14 +92,16 @@ def _tiled_tile_bytes(d: LayerDims, itemsize: int) -> float:
 
 def layer_working_bytes(d: LayerDims, tokens: int, tile: int | None, itemsize: int) -> int:
     """Predicted peak bytes one layer's backward adds on the device, beyond its input and weights."""
+    expanded = tokens * KV_EXPANDED_COPIES * d.kv_expanded * itemsize
     if tile is not None and tile < tokens and d.attention_tiled:
         return int(tokens * _tiled_seq_bytes(d, itemsize) + tile * _tiled_tile_bytes(d, itemsize)
-                   + d.numel * (4 + WEIGHT_GRAD_EXTRA * itemsize))
+                   + d.numel * (4 + WEIGHT_GRAD_EXTRA * itemsize) + expanded)
     t = tokens if tile is None else min(tile, tokens)
     kv = KV_PER_TOKEN * d.kv
     attn = tokens * (ATTN_PHASE_H * d.hidden + kv)
     mlp = tokens * (MLP_PHASE_H * d.hidden + kv) + t * (TILE_H * d.hidden + TILE_I * d.intermediate)
     upcasts = tokens * FP32_NORM_H * d.hidden * 4 if itemsize < 4 else 0
+    attn += expanded // itemsize
     return int(max(attn, mlp) * itemsize + upcasts + d.numel * itemsize)  # + the layer's weight gradients
 
 
@@ -131,10 +142,15 @@ def auto_tile(d: LayerDims, tokens: int, itemsize: int, room: int | None) -> int
     return None if tile is None or tile >= tokens else tile
 
 
-def auto_loss_chunk(tokens: int, hidden: int, vocab: int, itemsize: int, room: int | None) -> int:
-    """The "auto" head/loss chunk: capped by vocabulary size, then halved until the loss phase fits `room`."""
-    fits = AUTO_LOSS_LOGITS_BYTES // (vocab * 4)
-    chunk = min(DEFAULT_LOSS_CHUNK, max(MIN_LOSS_CHUNK, 1 << (fits.bit_length() - 1) if fits else 0))  # a power of 2
+def auto_loss_chunk(tokens: int, hidden: int, vocab: int, itemsize: int, room: int | None,
+                    logits_cap: int | None = AUTO_LOSS_LOGITS_BYTES) -> int:
+    """The "auto" head/loss chunk: capped by vocabulary size (`logits_cap` bytes of FP32 logits; None on a
+    GPU: MAX_DEVICE_LOSS_CHUNK), then halved until the loss phase fits `room`."""
+    if logits_cap is None:
+        chunk = MAX_DEVICE_LOSS_CHUNK
+    else:
+        fits = logits_cap // (vocab * 4)
+        chunk = min(DEFAULT_LOSS_CHUNK, max(MIN_LOSS_CHUNK, 1 << (fits.bit_length() - 1) if fits else 0))  # 2^n
     while (room is not None and chunk > MIN_LOSS_CHUNK and chunk < 2 * tokens
            and loss_workspace_bytes(tokens, hidden, vocab, chunk, itemsize) > room):
         chunk = max(MIN_LOSS_CHUNK, chunk // 2)
@@ -162,6 +178,8 @@ class LongContextPolicy:
     offload_setting: bool | str  # True, False or "auto"
     budget: int | None  # device bytes; None: no limit
     fixed_bytes: int  # weights resident on the device (layer buffers + embedding/head)
+    # "auto" loss chunk: FP32 logits cap per chunk copy (a CPU device), or None to size from the budget (GPU)
+    logits_cap: int | None = AUTO_LOSS_LOGITS_BYTES
 
     def plan(self, tokens: int) -> BatchPlan:
         boundary = tokens * self.dims.hidden * self.itemsize
@@ -177,7 +195,7 @@ class LongContextPolicy:
         for off in offloads:
             room = self._room(off, boundary)
             chunk = self.loss_chunk if self.loss_chunk != "auto" else auto_loss_chunk(
-                tokens, self.dims.hidden, self.vocab, self.itemsize, room)
+                tokens, self.dims.hidden, self.vocab, self.itemsize, room, self.logits_cap)
             tile = self._tile(tokens, room)
             choice = BatchPlan(off, tile, peak(off, tile, chunk), chunk)
             if self.budget is None or choice.predicted_peak_bytes <= BUDGET_HEADROOM * self.budget:

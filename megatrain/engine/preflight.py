@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from .pin_model import pinned_bytes
+
 # Host bytes per parameter, by component (FP32 master + gradient slab + Adam m and v).
 HOST_BYTES_PER_PARAM = {"master": 4, "grad": 4, "adam_m": 4, "adam_v": 4}
 SHADOW_BYTES_PER_PARAM = 2  # bf16 copy that streams to the device in bf16 compute mode
@@ -46,15 +48,34 @@ def host_store_bytes(n_params: int, compute_dtype: torch.dtype, n_layer_params: 
     return need
 
 
+def pinned_preflight(layer_shapes: list[list[tuple[str, torch.Size]]], global_shapes: list[torch.Size],
+                     compute_dtype: torch.dtype, staging: bool) -> dict[str, int]:
+    """Exactly the bytes the host store (and, with `staging`, the CUDA gradient staging) will pin, by
+    component: the same rule (pin_model.py) the store pins by."""
+    layer_numels = [sum(torch.Size(s).numel() for _, s in shapes) for shapes in layer_shapes]
+    itemsize = torch.empty((), dtype=compute_dtype).element_size()
+    return pinned_bytes(layer_numels, sum(torch.Size(s).numel() for s in global_shapes),
+                        2 if compute_dtype == torch.bfloat16 else 4, staging, itemsize)
+
+
 def host_preflight(layer_shapes: list[list[tuple[str, torch.Size]]], global_shapes: list[torch.Size],
-                   compute_dtype: torch.dtype, available: int | None = None) -> dict[str, int]:
+                   compute_dtype: torch.dtype, available: int | None = None, pin: bool = False,
+                   staging: bool = False) -> dict[str, int]:
+    """Host bytes by component; raises HostMemoryError before anything is allocated when they do not fit.
+    `staging`: the engine runs on CUDA, where gradients land in staging slots (pinned with `pin`)."""
     n_layer = sum(torch.Size(s).numel() for shapes in layer_shapes for _, s in shapes)
     n = n_layer + sum(torch.Size(s).numel() for s in global_shapes)
     need = host_store_bytes(n, compute_dtype, n_layer)
+    if staging:  # host memory of its own, beside the store (pinned with `pin`)
+        staged = pinned_preflight(layer_shapes, global_shapes, compute_dtype, True)
+        need.update({k: staged[k] for k in ("grad staging", "resident grad staging") if k in staged})
     avail = available_host_bytes() if available is None else available
     total = sum(need.values())
     if total > avail:
         parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in need.items())
+        if pin:  # a share of the terms above, not in addition to them
+            pinned = sum(pinned_preflight(layer_shapes, global_shapes, compute_dtype, staging).values())
+            parts += f"; {pinned / 2**30:.2f} GiB of it pinned"
         raise HostMemoryError(
             f"the host store needs {total / 2**30:.2f} GiB ({parts}; {n / 1e9:.2f}B parameters) but only "
             f"{avail / 2**30:.2f} GiB is available; use a smaller model, a machine with more host memory, "

@@ -8,31 +8,20 @@ computes in bf16, so what crosses the link is 2 bytes per parameter, not 4.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-_PAGE = 4096
-_pin_failed = False
+from .pinned import Pinner, host_buffer
 
 
-def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A page-aligned host buffer; pinned when asked, pageable (one warning) when pinning fails."""
-    global _pin_failed
-    if pin and not _pin_failed:
-        try:
-            return torch.empty(numel, dtype=dtype, pin_memory=True)  # cudaHostAlloc is page-aligned
-        except RuntimeError as exc:
-            _pin_failed = True
-            warnings.warn(f"pinned host memory unavailable ({exc}); falling back to pageable memory, "
-                          "host<->device copies will be slower (check `ulimit -l` in containers)", stacklevel=2)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(numel + _PAGE // itemsize, dtype=dtype)
-    skip = (-raw.data_ptr() % _PAGE) // itemsize
-    return raw[skip: skip + numel]
+def host_empty(numel: int, dtype: torch.dtype, pin: bool | Pinner | None, what: str = "host buffers") -> torch.Tensor:
+    """A zero-filled, page-aligned host buffer on its own mapping; pinned when `pin` is a Pinner (or True: one
+    registering with CUDA). Pinning either succeeds or raises PinnedMemoryError: never a silent fallback."""
+    pinner = Pinner() if pin is True else (pin or None)
+    return pinner.buffer(numel, dtype, what) if pinner is not None else host_buffer(numel, dtype)
 
 
 @dataclass
@@ -46,7 +35,7 @@ class Slot:
 class FlatGroup:
     """One contiguous FP32 master buffer + gradient slab for a set of named tensors (a layer, or the globals)."""
 
-    def __init__(self, named_shapes: Iterable[tuple[str, torch.Size]], pin: bool, shadow_dtype: torch.dtype | None):
+    def __init__(self, named_shapes: Iterable[tuple[str, torch.Size]], shadow_dtype: torch.dtype | None):
         self.slots: list[Slot] = []
         offset = 0
         for name, shape in named_shapes:
@@ -54,10 +43,11 @@ class FlatGroup:
             self.slots.append(Slot(name, torch.Size(shape), offset, n))
             offset += n
         self.numel = offset
-        self.master = host_empty(offset, torch.float32, pin)
-        self.grad = host_empty(offset, torch.float32, pin)
-        self.grad.zero_()
-        self.shadow = host_empty(offset, shadow_dtype, pin) if shadow_dtype is not None else None
+        # Fresh mappings are zero-filled: the gradient slab needs no zeroing pass (and pages it never touches
+        # cost nothing). Which of these are pinned is the store's choice (HostStore).
+        self.master = host_buffer(offset, torch.float32)
+        self.grad = host_buffer(offset, torch.float32)
+        self.shadow = host_buffer(offset, shadow_dtype) if shadow_dtype is not None else None
         self.params: list[nn.Parameter] = []
         for s in self.slots:
             p = nn.Parameter(self.view(self.master, s), requires_grad=True)
@@ -87,12 +77,31 @@ class FlatGroup:
 
 
 class HostStore:
-    """All master weights: one FlatGroup per decoder layer, one for the resident (global) parameters."""
+    """All master weights: one FlatGroup per decoder layer, one for the resident (global) parameters.
+
+    With `pin` (True: register with CUDA; or a Pinner) exactly the buffers a DMA copy reads are pinned
+    (pin_model.py): each layer's stream source and the resident parameters' masters, which are uploaded
+    after every step. Gradient slabs are written by host threads only (on CUDA gradients land in pinned
+    staging first), and an FP32 master behind a bf16 shadow never leaves the host.
+    """
 
     def __init__(self, layer_shapes: list[list[tuple[str, torch.Size]]], global_shapes: list[tuple[str, torch.Size]],
-                 pin: bool, shadow_dtype: torch.dtype | None) -> None:
-        self.layers = [FlatGroup(shapes, pin, shadow_dtype) for shapes in layer_shapes]
-        self.globals = FlatGroup(global_shapes, pin, None)
+                 pin: bool | Pinner | None, shadow_dtype: torch.dtype | None) -> None:
+        self.layers = [FlatGroup(shapes, shadow_dtype) for shapes in layer_shapes]
+        self.globals = FlatGroup(global_shapes, None)
+        self.pinner = Pinner() if pin is True else (pin or None)
+        if self.pinner is not None:
+            self.pinner.pin([g.stream_source for g in self.layers] + [self.globals.master],
+                            "streamed layer weights and resident masters")
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes this store (and the buffers made through `buffer`) locked, page-exact."""
+        return self.pinner.pinned_bytes if self.pinner is not None else 0
+
+    def buffer(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+        """A host buffer that a DMA copy will use: pinned exactly when the store is."""
+        return host_empty(numel, dtype, self.pinner, what)
 
     def groups(self) -> list[FlatGroup]:
         return [*self.layers, self.globals]

@@ -24,6 +24,7 @@ at all (`TILEABLE_LAYERS`, each checked against the untiled layer by the tests).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -295,8 +296,13 @@ def long_context_policy(config: EngineConfig, templates: TemplateBank, layer_num
     budget = config.device_budget_bytes
     if budget is None and device.type == "cuda":
         budget = torch.cuda.get_device_properties(device).total_memory
+    dims = layer_dims(templates.of_layer[big], layer_numels[big], head[1])
+    q = getattr(getattr(templates.of_layer[big], "self_attn", None), "q_proj", None)
+    if q is not None and device.type == "cuda" and itemsize == 4:  # attention.expands_kv
+        dims = dataclasses.replace(dims, kv_expanded=max(0, q.weight.shape[0] - dims.kv))
     return LongContextPolicy(
-        dims=layer_dims(templates.of_layer[big], layer_numels[big], head[1]), n_layers=len(layer_numels),
+        dims=dims, n_layers=len(layer_numels),
         itemsize=itemsize, vocab=head[0], loss_chunk=config.loss_chunk_tokens, tile_setting=config.mlp_tile_tokens,
         offload_setting=config.offload_activations, budget=budget,
-        fixed_bytes=num_buffers * layer_numels[big] * itemsize + globals_bytes)
+        fixed_bytes=num_buffers * layer_numels[big] * itemsize + globals_bytes,
+        logits_cap=None if device.type == "cuda" else AUTO_LOSS_LOGITS_BYTES)

@@ -11,6 +11,7 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
   host (megatrain)  master 4 (bf16: 2) + grad 4 (bf16: 2) + Adam m 4 + v 4 B/param, + a 2 B bf16 shadow
                     of the streamed layers in bf16 mode with an fp32 master, + offloaded boundary
                     activations L*T*h*c, pinned grad staging and the head-gradient host copy (CUDA),
+                    and the share of it that is pinned (engine/pin_model.py's rule, page-exact),
                     runtime (a profile number; measured by `megatrain bench` on this machine).
   device            what engine/memory_model.py's LongContextPolicy predicts for the batch (and chooses: offload,
                     MLP tile): k layer buffers + embedding/head/norm, boundary activations (all L, or a few
@@ -22,7 +23,8 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
                     layer bytes / link; d2h = grad bytes / link and the host add (on the d2h worker on a CPU
                     device, a host thread after the copy on CUDA); fills, drains, the layers still resident
                     at the turn and across micro-batches, activation offload; + the embedding/head I/O the
-                    engine does per device type (none on a CPU device in FP32: it aliases them) + CPU AdamW
+                    engine does per device type (none on a CPU device in FP32: it aliases them; on CUDA the
+                    gradients' copy and add on the copy and reduce lanes, after the head) + CPU AdamW
                     (bytes touched / host bandwidth) after backward, or with optimizer_overlap a layer at a
                     time behind the next forward (the globals still in step()).
   zero3             DeepSpeed ZeRO-3 (or ZeRO-2, zero_stage=2) offload from its mechanisms (zero3_model.py):

@@ -47,6 +47,8 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
             if v:
                 out.append(f"    {k:<32}{fmt_bytes(v):>12}   {v / P:7.2f}")
         out.append(f"    {'total':<32}{fmt_bytes(total):>12}   {total / P:7.2f}   of {fmt_bytes(cap)}")
+        if pool == "host memory" and pl.memory.pinned:
+            out.append(f"    {'of which pinned':<32}{fmt_bytes(pl.memory.pinned):>12}   {pl.memory.pinned / P:7.2f}")
     if pl.memory.unified:
         out.append(f"    (unified: host + device = {fmt_bytes(pl.memory.host_total_incl_device)} "
                    f"of {fmt_bytes(hw.host_bytes)})")

@@ -109,6 +109,7 @@ class Memory:
     device: dict[str, int]
     unified: bool = False  # device allocations come out of host memory (CPU runs)
     shared: int = 0  # bytes listed in both pools because they are one allocation (aliased on a CPU device)
+    pinned: int = 0  # the share of the host bytes that is page-locked (engine/pin_model.py, page-exact)
 
     @property
     def host_total(self) -> int:
@@ -240,7 +241,7 @@ class Plan:
             "hardware": self.hardware.name,
             "memory": {"host": dict(self.memory.host), "device": dict(self.memory.device),
                        "host_total": self.memory.host_total, "device_total": self.memory.device_total,
-                       "unified": self.memory.unified},
+                       "pinned": self.memory.pinned, "unified": self.memory.unified},
             "time": dataclasses.asdict(self.time),
             "fits": self.fits,
             "reasons": list(self.reasons),
@@ -396,6 +397,13 @@ def _hardware(hardware: Any, link_gbs: float | None, host_memory_gib: float | No
 # ------------------------------------------------------------------------------------ memory
 
 
+def _pin_model():
+    """The engine's pinning rule (engine/pin_model.py, torch-free)."""
+    from megatrain.engine import pin_model
+
+    return pin_model
+
+
 def _tiling():
     """The engine's own long-context memory model (engine/memory_model.py, torch-free): the planner
     follows the engine's coefficients as they change, without loading the engine."""
@@ -404,7 +412,7 @@ def _tiling():
     return memory_model
 
 
-def layer_dims(m: ModelPreset) -> Any:
+def layer_dims(m: ModelPreset, expanded_kv: bool = False) -> Any:
     """The engine's LayerDims for a preset's (largest, i.e. every) decoder layer, as engine/tiling.py's layer_dims reads
     it from a built layer. Fields the engine's version lacks are left out, so the planner runs against
     the engine as it is."""
@@ -412,6 +420,8 @@ def layer_dims(m: ModelPreset) -> Any:
     known = {f.name for f in dataclasses.fields(tl.LayerDims)}
     # every planner family (llama, qwen2, mistral) is one of the engine's tileable layer classes, on sdpa
     optional = {"head_dim": m.head_dim, "attention_tiled": True}
+    if expanded_kv:  # FP32 on CUDA: grouped key/value heads are expanded for the fused kernels (attention.py)
+        optional["kv_expanded"] = (m.heads - m.kv_heads) * m.head_dim
     return tl.LayerDims(hidden=m.hidden, kv=m.kv_heads * m.head_dim, intermediate=m.intermediate,
                         numel=m.layer_params(), **{k: v for k, v in optional.items() if k in known})
 
@@ -469,12 +479,12 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
     will make for the batch, and its predicted device peak, term by term."""
     tl = _tiling()
     m, c, T = p.model, p.c, p.tokens
-    dims = layer_dims(m)
+    dims = layer_dims(m, expanded_kv=not hw.unified_memory and c == 4)
     resident = (p.num_buffers * m.layer_params() + m.embed_params() + m.hidden) * c  # buffers + globals
     policy = tl.LongContextPolicy(
         dims=dims, n_layers=m.num_layers, itemsize=c, vocab=m.vocab, loss_chunk=p.loss_chunk_tokens,
         tile_setting=p.mlp_tile_tokens, offload_setting=p.offload_activations, budget=_device_budget(p, hw),
-        fixed_bytes=resident)
+        fixed_bytes=resident, **({} if hw.unified_memory else {"logits_cap": None}))  # GPU: sized from the budget
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "does not fit" is the planner's verdict to give, not a warning
         bp = policy.plan(T)
@@ -497,19 +507,25 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
     alias = _aliases_globals(p, hw)
     mb, shadow = _master_bytes(p)
     gb = 2 if _is_bf16(p.host_grad_dtype) else 4
+    # What the engine pins on CUDA (the same rule as its store and preflight): each layer's streamed copy,
+    # the resident masters, the staging slots, and the offloaded activations' host buffers.
+    pin = {} if hw.unified_memory else _pin_model().pinned_bytes([PL] * L, resident, c, True, c)
     host = {
         "master weights": P * mb,
         "gradients": P * gb,
         "adam m": P * 4,
         "adam v": P * 4,
         "bf16 shadow (streams)": L * PL * shadow,  # only layers stream; resident params convert once
-        # two pinned buffers of the largest layer that gradients land in on CUDA (schedule.py); a CPU
+        # pinned slots of the largest layer that gradients land in on CUDA (schedule.py); a CPU
         # device adds gradients straight into the slabs
-        "pinned grad staging": 0 if hw.unified_memory else 2 * PL * c,
+        "pinned grad staging": 0 if hw.unified_memory else pin.get("grad staging", 0),
         "offloaded activations": L * T * h * c if lc.offload else 0,
-        # the head/norm gradient arrives as an FP32 host copy before it is added to its slab
-        # (Engine._add_global_grads); a no-op when the device globals are the masters
-        "head gradient copy": 0 if alias else (m.vocab * h + h) * 4,
+        # the head/norm gradient: on CUDA it lands in pinned staging of the resident parameters (global_grads.py),
+        # on a CPU device in bf16 it arrives as an FP32 copy before it is added to its slab; a no-op when the
+        # device globals are the masters
+        "head gradient copy": 0 if alias else pin.get("resident grad staging", (m.vocab * h + h) * 4),
+        # the embedding's row gradients on their way to the host (CUDA; kept from batch to batch): <= T rows
+        "embedding row staging": 0 if not pin else T * (h * c + 8),
         "runtime": int(hw.host_reserved_gib * GIB),
     }
     device = {
@@ -520,7 +536,8 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         "working set (layer or loss)": lc.working_bytes,
         "runtime": 0 if hw.unified_memory else int(hw.device_reserved_gib * GIB),
     }
-    return Memory(host, device, hw.unified_memory, shared=resident * c if alias else 0)
+    pinned = sum(pin.values()) + (host["offloaded activations"] + host["embedding row staging"] if pin else 0)
+    return Memory(host, device, hw.unified_memory, shared=resident * c if alias else 0, pinned=pinned)
 
 
 def _hf_activations(p: Point) -> dict[str, int]:
@@ -703,7 +720,7 @@ class _LayerCosts:
     act: float  # one boundary activation over the link (each way), 0 when resident
     grad: float  # gradients device -> host (d2h stream)
     reduce: float  # adding them into the host slab
-    cuda: bool  # CUDA: the add runs on a host thread after the copy, with 2 staging buffers;
+    cuda: bool  # CUDA: the add runs on a host thread after the copy, with pin_model.STAGING_SLOTS staging slots;
     #             a CPU device adds on the d2h worker, whose job lasts max(add, rate-limited copy)
 
 
@@ -722,8 +739,9 @@ class _PipelineSim:
         self.bytes_jobs = {"load": 0, "act_out": 0, "act_in": 0, "grad": 0}  # job counts
         self.slots: list[int | None] = [None] * n_buffers
         self.loaded = [0.0] * n_buffers
-        self.staging_free = [0.0, 0.0]
+        self.staging_free = [0.0] * _pin_model().STAGING_SLOTS
         self.next_staging = 0
+        self.globals_free = 0.0  # the resident parameters' gradient staging (CUDA), free again
         self.written: dict[int, float] = {}  # offloaded activation -> when it reached the host
         self.act_ready: dict[int, float] = {}  # prefetched activation -> when it is back
         self.spans: list[tuple[str, str, int, float, float]] = []  # (lane, kind, layer, start, end), as Trace
@@ -765,7 +783,7 @@ class _PipelineSim:
             self._job("d2h", self.t, max(c.grad, c.reduce), "grad", layer)
             return
         i = self.next_staging
-        self.next_staging ^= 1
+        self.next_staging = (i + 1) % len(self.staging_free)
         self.t = max(self.t, self.staging_free[i])  # the host blocks until that staging buffer is free
         copied = self._job("d2h", self.t, c.grad, "grad", layer)
         self.staging_free[i] = self._job("reduce", copied, c.reduce, "reduce", layer)
@@ -823,7 +841,8 @@ def _globals_io(p: Point, hw: Hardware) -> _GlobalsIO:
       - a CPU device in FP32 aliases them to the host masters (Engine._alias_globals): nothing moves;
       - a CPU device in bf16 casts them (host memory traffic, no link);
       - CUDA uploads them (pinned masters) after each optimizer step and brings the head/norm gradient
-        and the embedding lookup's T x h gradient down per micro-batch (pageable host copies)."""
+        and the embedding lookup's T x h gradient down per micro-batch into pinned staging, on the copy
+        stream, where a host thread adds them (global_grads.py): off the compute thread (_async_globals)."""
     m, c, T, h = p.model, p.c, p.tokens, p.model.hidden
     resident, grads = m.embed_params() + h, m.vocab * h + h + T * h
     Bh = hw.host_bw_bps
@@ -832,8 +851,14 @@ def _globals_io(p: Point, hw: Hardware) -> _GlobalsIO:
         return _GlobalsIO(add, 0.0, 0.0, 0, 0)
     if hw.unified_memory:
         return _GlobalsIO(add, grads * (c + 4) / Bh, resident * (4 + c) / Bh, 0, 0)
-    return _GlobalsIO(add, grads * c / (hw.link_bps * PAGEABLE_LINK_FRACTION), resident * c / hw.link_bps,
-                      grads * c, resident * c)
+    # CUDA: the staging (compute dtype) read, the FP32 slab read and written
+    return _GlobalsIO(grads * (c + 8) / Bh, grads * c / hw.link_bps, resident * c / hw.link_bps, grads * c, resident * c)
+
+
+def _async_globals(io: _GlobalsIO, costs: _LayerCosts) -> tuple[float, float] | None:
+    """(copy, add) seconds of the resident parameters' gradients on the copy and reduce lanes (CUDA), or None
+    when they are added on the compute thread (a CPU device)."""
+    return (io.down_s, io.add_s) if costs.cuda else None
 
 
 def _layer_costs(p: Point, hw: Hardware, offload: bool) -> _LayerCosts:
@@ -846,16 +871,23 @@ def _layer_costs(p: Point, hw: Hardware, offload: bool) -> _LayerCosts:
                        cuda=not hw.unified_memory)
 
 
-def _simulate_step(p: Point, costs: _LayerCosts, head: float) -> tuple[_PipelineSim, float, float, float]:
+def _simulate_step(p: Point, costs: _LayerCosts, head: float,
+                   globals_grads: tuple[float, float] | None = None) -> tuple[_PipelineSim, float, float, float]:
     """One step's micro-batches through the pipeline, up to the optimizer; returns the simulation and
-    the forward, backward (summed over micro-batches) and final-drain seconds."""
+    the forward, backward (summed over micro-batches) and final-drain seconds. `globals_grads`: (copy, add)
+    seconds of the resident parameters' gradients when they travel on the copy and reduce lanes (CUDA:
+    engine/global_grads.py), queued after the head; else they are part of `head`, on the compute thread."""
     sim = _PipelineSim(p.model.num_layers, p.num_buffers, costs)
     fwd_s = bwd_s = 0.0
     for _ in range(p.grad_accum):
         t0 = sim.t
         sim.forward()
         t1 = sim.t
-        sim._compute(head, "head", -1)  # head + loss forward/backward, global gradients to their slabs
+        sim._compute(head, "head", -1)  # head + loss forward/backward (+ global gradients, off CUDA)
+        if globals_grads is not None:
+            sim.t = max(sim.t, sim.globals_free)  # the host waits for the staging the last micro-batch used
+            copied = sim._job("d2h", sim.t, globals_grads[0], "head-grad", -1)
+            sim.globals_free = sim._job("reduce", copied, globals_grads[1], "reduce-head-grad", -1)
         t2 = sim.t
         sim.backward()
         fwd_s += t1 - t0
@@ -870,8 +902,10 @@ def predicted_timeline(p: Point, hw: Hardware) -> list[dict[str, Any]]:
     (stream, kind, layer, start_s, end_s), to set against a measured trace (EngineConfig.trace)."""
     lc = long_context_plan(p, hw)
     io = _globals_io(p, hw)
-    head = _head_compute(p, hw, True) + io.add_s + hw.microbatch_overhead_s
-    sim = _simulate_step(p, _layer_costs(p, hw, lc.offload), head + io.down_s)[0]
+    costs = _layer_costs(p, hw, lc.offload)
+    off = _async_globals(io, costs)
+    head = _head_compute(p, hw, True) + (0.0 if off else io.add_s + io.down_s) + hw.microbatch_overhead_s
+    sim = _simulate_step(p, costs, head, off)[0]
     return [{"stream": lane, "kind": kind, "layer": layer, "start_s": a, "end_s": b}
             for lane, kind, layer, a, b in sim.spans]
 
@@ -881,9 +915,12 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool) -> Time:
     PL, h = m.layer_params(), m.hidden
     costs = _layer_costs(p, hw, offload)
     io = _globals_io(p, hw)
-    # the head, its loss, gradient adds, and the engine's fixed work per micro-batch outside the layers
-    head = _head_compute(p, hw, recompute_logits=True) + io.add_s + hw.microbatch_overhead_s
-    sim, fwd_s, bwd_s, drain = _simulate_step(p, costs, head + io.down_s)
+    # the head, its loss, the global gradients' adds (on this thread off CUDA), and the engine's fixed work
+    # per micro-batch outside the layers
+    off = _async_globals(io, costs)
+    head = _head_compute(p, hw, recompute_logits=True) + (0.0 if off else io.add_s) + hw.microbatch_overhead_s
+    sim, fwd_s, bwd_s, drain = _simulate_step(p, costs, head + (0.0 if off else io.down_s), off)
+    embed_io = (0.0 if off else g * io.down_s) + io.up_s  # what the compute thread spends on them
     mb, shadow = _master_bytes(p)
     gb = 2 if _is_bf16(p.host_grad_dtype) else 4
     per_param = _optimizer_bytes_per_param(mb, gb, shadow, p.grad_clip)
@@ -916,7 +953,7 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool) -> Time:
     grad_lane = costs.grad if costs.cuda else max(costs.grad, costs.reduce)
     layer = LayerTime(costs.fwd, costs.load, costs.act, over(costs.fwd, costs.load, costs.act), costs.bwd,
                       costs.load + costs.act, grad_lane, over(costs.bwd, costs.load + costs.act, grad_lane))
-    return Time(layer, fwd_s / g, bwd_s / g, head, drain, g * io.down_s + io.up_s, opt_added, opt_busy, step,
+    return Time(layer, fwd_s / g, bwd_s / g, head, drain, embed_io, opt_added, opt_busy, step,
                 sim.wait, busy, int(h2d_bytes), int(d2h_bytes), _bottleneck(busy, p.optimizer_overlap))
 
 

@@ -1,0 +1,60 @@
+"""The CUDA path, checked: one script that validates and measures MegaTrain on a machine with an NVIDIA GPU.
+
+    bash experiments/gpu_check.sh                 # on the GPU machine (installs ./wheels/*.whl first, if any)
+    bash scripts/fetch_wheels.sh                  # on a machine with network, for a GPU machine without it
+    python -m experiments.gpu_check --dry-run     # the same script on the CPU with tiny shapes (CI runs it)
+    python -m experiments.gpu_check --only parity,sanitizer   # rerun some phases
+
+Results land in results/gpu/<UTC time>/ (or --out). Set MEGATRAIN_GIT_COMMIT=<sha> to record the commit
+when the tree has no .git. The whole check takes about 7 minutes on an H200 (TOTAL_BUDGET_S).
+
+Phases, in order (correctness first, benchmarks last), each with its own time budget, in a child process
+that the parent kills when a phase overruns and replaces when it dies (and after a phase that raised on a
+GPU, whose CUDA context may be poisoned): a hang or a crash costs that phase only. The parent publishes
+the summary after every phase.
+
+- env        what ran where: GPU, driver, PCIe link, torch/CUDA, packages, host memory, pinning, compilers
+- ds_build   DeepSpeed's CPU Adam compiled in the background while the correctness phases run
+- parity     engine vs plain PyTorch on the device: FP32 (Llama, tied Qwen2), bf16, 1 and 3 device
+             buffers; offloaded activations and the overlapped optimizer bit-identical to their plain
+             runs under deterministic kernels; pinned host bytes exactly the preflight's figure
+- sync       no synchronizing CUDA call inside the per-layer loop (torch.cuda.set_sync_debug_mode), with
+             a planted `.item()` that must be caught; pinned buffers and side streams in use
+- stress     slowed copy and compute streams must not change results (stream waits, record_stream, the
+             allocator's reuse of activation memory); a removed wait must be caught; the host must run
+             ahead of delayed copies (non-blocking copies from pinned memory)
+- sanitizer  a parity run with both side streams busy under PyTorch's CUDA stream sanitizer
+             (TORCH_CUDA_SANITIZER=1), which flags any unsynchronised access between streams
+- bandwidth  pinned and pageable host<->device copies timed with CUDA events, both directions at once,
+             the engine's own copy stream, and the bf16/fp32 matmul rate (the link and compute ceilings)
+- bench      megatrain vs DeepSpeed ZeRO-3 CPU offload through the harness (same model, batch and
+             recompute; CSV rows with provenance, per-step timeline traces), then a context sweep
+
+Tolerances (parity): first-step gradients 1e-5 relative on a GPU (1e-6 on the CPU: the engine and the
+reference run different kernels there), per-step losses 1e-5, parameters after 5 AdamW steps at lr 1e-3
+1e-5, except entries whose first gradient is at the noise level of those kernel differences: Adam moves
+them by about lr whatever the gradient's size, so they are held to 2 lr per step and reported apart.
+
+Outputs, in --out: phases/<phase>.json (written as each check finishes), results.csv, traces/, logs/,
+summary.json and summary.md; with --bundle DIR (default: $OUT when set) the 6 files worth reading are
+copied there after every phase: summary.md, summary.json, results.csv, timeline.json (the largest
+megatrain point's step), gpu_check.tar.gz (everything), and the wrapper's log.txt. The summary table
+is printed last.
+"""
+
+from .bandwidth import phase_bandwidth
+from .bench import bench_points, phase_bench
+from .common import PHASES, SHAPES, Ctx, Shapes, make_batches, tiny_model
+from .ds_build import ds_ops_built, phase_ds_build
+from .env import phase_env
+from .orchestrate import PHASE_FNS, Orchestrator, run_phases
+from .parity import phase_parity
+from .sanitizer import phase_sanitizer
+from .stress import phase_stress, slow_compute, slow_copies
+from .summary import build_summary, render_markdown, trace_metrics
+from .sync import phase_sync, sync_watch
+
+__all__ = ["PHASES", "PHASE_FNS", "SHAPES", "Ctx", "Orchestrator", "Shapes", "bench_points", "build_summary",
+           "ds_ops_built", "make_batches", "phase_bandwidth", "phase_bench", "phase_ds_build", "phase_env",
+           "phase_parity", "phase_sanitizer", "phase_stress", "phase_sync", "render_markdown", "run_phases", "slow_compute",
+           "slow_copies", "sync_watch", "tiny_model", "trace_metrics"]

@@ -1,0 +1,7 @@
+"""`python -m experiments.gpu_check`: see the package's docstring."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

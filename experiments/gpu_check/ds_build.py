@@ -1,0 +1,41 @@
+"""Phase ds_build: DeepSpeed's CPU Adam compiled in the background while the correctness phases run."""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from typing import Any
+
+from .common import Ctx
+
+
+def phase_ds_build(ctx: Ctx) -> None:
+    """Compile DeepSpeed's CPU Adam (and, on the CPU accelerator, its shared-memory comm op) once, so the
+    ZeRO-3 points neither pay for it nor time out on it."""
+
+    def build() -> dict[str, Any]:
+        t0 = time.perf_counter()
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        import_s = time.perf_counter() - t0
+        CPUAdamBuilder().load(verbose=False)
+        built = ["cpu_adam"]
+        if not ctx.cuda:
+            from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+            ShareMemCommBuilder().load(verbose=False)
+            built.append("deepspeed_shm_comm")
+        return {"ok": True, "built": built, "import_s": import_s, "build_s": time.perf_counter() - t0 - import_s}
+
+    ctx.check("cpu_adam", build)
+
+
+def ds_ops_built(cpu_accelerator: bool) -> bool:
+    """Whether the DeepSpeed JIT ops a ZeRO-3 run needs are already in the extensions cache (the
+    harness's default cache when TORCH_EXTENSIONS_DIR is unset)."""
+    from baselines.zero3 import default_extensions_dir
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or default_extensions_dir()
+    names = ["cpu_adam"] + (["deepspeed_shm_comm"] if cpu_accelerator else [])
+    return all(glob.glob(os.path.join(root, "**", f"{n}*.so"), recursive=True) for n in names)

@@ -1,0 +1,117 @@
+"""Phase env: what ran where (GPU, driver, PCIe link, torch/CUDA, packages, host memory, pinning, compilers)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .common import REPO_ROOT, Ctx
+
+
+# == env ==============================================================================================
+def phase_env(ctx: Ctx) -> None:
+    import importlib.metadata as md
+    import platform
+    import resource
+
+    import torch
+
+    def packages() -> dict[str, Any]:
+        vers = {}
+        for name in ("torch", "transformers", "accelerate", "deepspeed", "safetensors", "numpy", "pandas",
+                     "huggingface-hub", "tokenizers", "pydantic", "nvidia-ml-py", "ninja", "psutil"):
+            try:
+                vers[name] = md.version(name)
+            except md.PackageNotFoundError:
+                vers[name] = None
+        missing = [n for n in ("transformers", "accelerate", "safetensors", "pyyaml", "pandas", "psutil")
+                   if _missing(n)]
+        return {"ok": not missing, "python": platform.python_version(), "executable": sys.executable,
+                "versions": vers, "missing": missing, "deepspeed_installed": vers["deepspeed"] is not None}
+
+    def device() -> dict[str, Any]:
+        res: dict[str, Any] = {"ok": True, "torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
+                               "torch_cuda": torch.version.cuda, "device": str(ctx.device)}
+        if ctx.cuda:
+            props = torch.cuda.get_device_properties(0)
+            free, total = torch.cuda.mem_get_info()
+            res.update(name=props.name, capability=f"{props.major}.{props.minor}",
+                       multiprocessors=props.multi_processor_count, memory_total_bytes=total,
+                       memory_free_bytes=free)
+            res["nvidia_smi"] = _run_text(["nvidia-smi", "--query-gpu=name,driver_version,pcie.link.gen.current,"
+                                           "pcie.link.gen.max,pcie.link.width.current,clocks.sm,clocks.mem",
+                                           "--format=csv"])
+        elif not ctx.dry:
+            res.update(ok=False, error="no CUDA device: run with --dry-run on a CPU machine")
+        return res
+
+    def host() -> dict[str, Any]:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        res: dict[str, Any] = {"ok": True, "cpus": os.cpu_count(), "mem_total_bytes": vm.total,
+                               "mem_available_bytes": vm.available, "memlock_soft": soft, "memlock_hard": hard}
+        try:
+            from megatrain.engine.preflight import available_host_bytes
+
+            res["engine_sees_available_bytes"] = available_host_bytes()
+        except Exception as exc:  # noqa: BLE001
+            res["engine_sees_available_bytes"] = f"error: {exc}"
+        if ctx.cuda:
+            t0 = time.perf_counter()
+            buf = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+            res["pin_1gib_s"] = round(time.perf_counter() - t0, 3)
+            res["pinned"] = bool(buf.is_pinned())
+            res["ok"] = res["pinned"]
+            del buf
+        return res
+
+    def toolchain() -> dict[str, Any]:
+        import sysconfig
+
+        header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+        gxx = shutil.which("g++") or shutil.which("c++")
+        res = {"python_h": header.exists(), "gxx": gxx and _run_text([gxx, "--version"]).splitlines()[0],
+               "nvcc": (_run_text(["nvcc", "--version"]).splitlines() or [""])[-1],
+               "ninja": shutil.which("ninja"), "torch_extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR")}
+        # DeepSpeed builds CPU Adam at run time: without these ZeRO-3 offload cannot run here.
+        res["ok"] = bool(res["python_h"] and res["gxx"] and res["ninja"]) or ctx.dry
+        return res
+
+    def code() -> dict[str, Any]:
+        from megatrain.metrics.provenance import git_commit
+
+        commit, dirty = git_commit(REPO_ROOT)
+        from_git = (REPO_ROOT / ".git").exists()
+        return {"ok": True, "git_commit": commit, "git_dirty": dirty,
+                "commit_from": "git" if from_git else "MEGATRAIN_GIT_COMMIT"}
+
+    for name, fn in (("packages", packages), ("device", device), ("host", host), ("toolchain", toolchain),
+                     ("code", code)):
+        ctx.check(name, fn)
+
+
+def _missing(dist: str) -> bool:
+    import importlib.metadata as md
+
+    try:
+        md.version(dist)
+        return False
+    except md.PackageNotFoundError:
+        return True
+
+
+def _run_text(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unavailable: {exc}"
+
+
+# == bandwidth ==========================================================================================

@@ -1,0 +1,215 @@
+"""The summary: per-phase status, the figures that matter, and the markdown table printed last."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from .common import _T0, _read_json
+
+
+def _interval_union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    total, j = 0.0, 0
+    for a, b in xs:
+        while j < len(ys) and ys[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(ys) and ys[k][0] < b:
+            total += max(0.0, min(b, ys[k][1]) - max(a, ys[k][0]))
+            k += 1
+    return total
+
+
+def trace_metrics(records: list[list]) -> dict[str, float]:
+    """Overlap figures of one step's timeline: how much of the link's time compute hid, and how long
+    compute sat idle inside the step."""
+    by: dict[str, list[tuple[float, float]]] = {}
+    for stream, _kind, _layer, t0, t1 in records:
+        by.setdefault(stream, []).append((t0, t1))
+    u = {s: _interval_union(v) for s, v in by.items()}
+    span = max(r[4] for r in records) - min(r[3] for r in records)
+    comp = u.get("compute", [])
+    busy = {s: sum(b - a for a, b in v) for s, v in u.items()}
+    out = {"span_s": span, **{f"{s}_busy_s": v for s, v in busy.items()}}
+    if comp and span > 0:
+        out["compute_busy_frac"] = busy["compute"] / span
+        for s in ("h2d", "d2h"):
+            if u.get(s):
+                out[f"{s}_hidden_frac"] = _overlap(u[s], comp) / busy[s]
+    return out
+
+
+def build_summary(out: Path, phases: dict[str, dict[str, Any]], dry: bool) -> dict[str, Any]:
+    s: dict[str, Any] = {"dry_run": dry, "out": str(out), "elapsed_s": round(time.time() - _T0, 1),
+                         "phases": {n: {k: v for k, v in r.items() if k != "checks"} | {
+                             "checks": {c: {"ok": v.get("ok"), **({"error": v["error"]} if v.get("error") else {})}
+                                        for c, v in r.get("checks", {}).items()}}
+                             for n, r in phases.items()}}
+    figs: dict[str, Any] = {}
+    checks = {n: r.get("checks", {}) for n, r in phases.items()}
+    par = checks.get("parity", {})
+    if par:
+        figs["parity"] = {k: {m: v.get(m) for m in ("grad_rel", "loss_abs", "param_abs", "param_abs_noise",
+                                                     "noise_share", "loss_abs_vs_fp32",
+                                                     "loss_abs_vs_autocast", "streamed_bytes_per_param")
+                              if v.get(m) is not None} | {"ok": v.get("ok")} for k, v in par.items()}
+    san = checks.get("sanitizer", {}).get("parity_under_sanitizer")
+    if san:
+        figs["sanitizer"] = {m: san.get(m) for m in ("ok", "sanitizer", "loss_abs", "returncode")}
+    sy = checks.get("sync", {})
+    if sy:
+        figs["sync"] = {k: {m: v.get(m) for m in ("syncs_in_loop", "syncs_outside_loop", "syncs_caught")
+                            if m in v} | {"ok": v.get("ok")} for k, v in sy.items()}
+    bw = checks.get("bandwidth", {})
+    peak_h2d = bw.get("pinned", {}).get("h2d_peak_gbps")
+    if bw:
+        figs["bandwidth"] = {"h2d_peak_gbps": peak_h2d, "d2h_peak_gbps": bw.get("pinned", {}).get("d2h_peak_gbps"),
+                             "pageable_h2d_gbps": bw.get("pageable", {}).get("h2d_gbps"),
+                             "bidirectional_gbps": bw.get("bidirectional", {}).get("aggregate_gbps"),
+                             "engine_stream_gbps": bw.get("engine_stream", {}).get("gbps_busy"),
+                             "memcpy_gbps": bw.get("memcpy", {}).get("memcpy_gbps"),
+                             "bf16_tflops": bw.get("matmul", {}).get("bf16_tflops"),
+                             "fp32_tflops": bw.get("matmul", {}).get("fp32_tflops")}
+    rows = _read_rows(out / "results.csv")
+    points = []
+    for r in rows:
+        p = {k: r.get(k) for k in ("label", "status", "backend", "model", "seq_len", "micro_batch", "precision",
+                                   "tokens_per_step", "step_time_s", "tokens_per_s", "model_tflops", "mfu",
+                                   "copy_wait_s", "forward_s", "backward_s", "optimizer_s", "h2d_gbps",
+                                   "h2d_gbps_busy", "link_util", "peak_device_bytes", "host_bytes_per_param",
+                                   "reason", "trace_file")}
+        if p["copy_wait_s"] is not None and p["step_time_s"]:
+            p["copy_wait_frac"] = p["copy_wait_s"] / p["step_time_s"]
+        if peak_h2d and p["h2d_gbps_busy"]:
+            p["h2d_busy_vs_probe"] = p["h2d_gbps_busy"] / peak_h2d
+        if p.get("trace_file") and (out / p["trace_file"]).exists():
+            tr = _read_json(out / p["trace_file"]) or {}
+            if tr.get("records"):
+                p["trace"] = trace_metrics(tr["records"])
+        points.append(p)
+    s["points"] = points
+    ratios = []
+    ok = [p for p in points if p["status"] == "ok"]
+    for m in ok:
+        if m["backend"] != "megatrain":
+            continue
+        for z in ok:
+            if z["backend"] == "zero3" and all(z[k] == m[k] for k in ("model", "seq_len", "micro_batch", "precision")):
+                ratios.append({"model": m["model"], "seq_len": m["seq_len"], "micro_batch": m["micro_batch"],
+                               "megatrain_step_s": m["step_time_s"], "zero3_step_s": z["step_time_s"],
+                               "speedup": z["step_time_s"] / m["step_time_s"],
+                               "megatrain_tflops": m["model_tflops"], "zero3_tflops": z["model_tflops"]})
+    figs["megatrain_vs_zero3"] = ratios
+    mt = [p for p in ok if p["backend"] == "megatrain" and p.get("trace_file")]
+    if mt:
+        big = max(mt, key=lambda p: (_params_of(p), p.get("tokens_per_step") or 0))
+        s["timeline"] = {"label": big["label"], "trace_file": big["trace_file"], **(big.get("trace") or {})}
+    s["figures"] = figs
+    return s
+
+
+def _params_of(p: dict[str, Any]) -> float:
+    try:
+        from megatrain.models.presets import get_preset
+
+        return float(get_preset(p["model"]).param_count())
+    except Exception:  # noqa: BLE001
+        return 0.0
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    from experiments.results import read_rows
+
+    df = read_rows(path)
+    df = df.astype(object).where(df.notna(), None)
+    return df.to_dict("records")
+
+
+def _f(v: Any, fmt: str = ".3g") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, (int, float)):
+        return format(v, fmt)
+    return str(v)
+
+
+def render_markdown(s: dict[str, Any]) -> str:
+    lines = [f"# MegaTrain GPU check{' (dry run: CPU, tiny shapes)' if s['dry_run'] else ''}", "",
+             f"elapsed {s['elapsed_s']:.0f} s; full results in `{s['out']}`", "",
+             "| phase | status | wall s | budget s | failed checks |", "| --- | --- | --- | --- | --- |"]
+    for name, r in s["phases"].items():
+        failed = [c + (f" ({v['error'][:80]})" if v.get("error") else "")
+                  for c, v in r.get("checks", {}).items() if not v.get("ok")]
+        why = "; ".join(failed) or r.get("reason", "") if r.get("status") != "ok" else ""
+        lines.append(f"| {name} | {r.get('status')} | {_f(r.get('wall_s'))} | {_f(r.get('budget_s'))} | {why} |")
+    f = s.get("figures", {})
+    if f.get("parity"):
+        lines += ["", "## Parity (engine vs plain PyTorch on the same device)", "",
+                  "| case | ok | grad rel | loss abs | param abs | param abs, noise-level entries (share) | "
+                  "bf16 vs fp32 loss | bf16 vs autocast | B/param streamed |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for k, v in f["parity"].items():
+            lines.append(f"| {k} | {_f(v.get('ok'))} | {_f(v.get('grad_rel'))} | {_f(v.get('loss_abs'))} | "
+                         f"{_f(v.get('param_abs'))} | {_f(v.get('param_abs_noise'))} ({_f(v.get('noise_share'))}) | "
+                         f"{_f(v.get('loss_abs_vs_fp32'))} | "
+                         f"{_f(v.get('loss_abs_vs_autocast'))} | {_f(v.get('streamed_bytes_per_param'))} |")
+    if f.get("sanitizer"):
+        z = f["sanitizer"]
+        lines += ["", "## Stream sanitizer", "",
+                  f"parity run under TORCH_CUDA_SANITIZER: {'on' if z.get('sanitizer') else 'off (no CUDA)'}, "
+                  f"ok {_f(z.get('ok'))}, loss abs vs PyTorch {_f(z.get('loss_abs'))}"]
+    if f.get("sync"):
+        lines += ["", "## Synchronizations", "", "| case | ok | in the per-layer loop | elsewhere in the step | planted, caught |",
+                  "| --- | --- | --- | --- | --- |"]
+        for k, v in f["sync"].items():
+            lines.append(f"| {k} | {_f(v.get('ok'))} | {_f(v.get('syncs_in_loop'))} | "
+                         f"{_f(v.get('syncs_outside_loop'))} | {_f(v.get('syncs_caught'))} |")
+    if f.get("bandwidth"):
+        b = f["bandwidth"]
+        lines += ["", "## Link and compute ceilings", "",
+                  f"pinned H2D {_f(b['h2d_peak_gbps'])} GB/s, D2H {_f(b['d2h_peak_gbps'])} GB/s, both at once "
+                  f"{_f(b['bidirectional_gbps'])} GB/s; pageable H2D {_f(b['pageable_h2d_gbps'])} GB/s; engine copy "
+                  f"stream {_f(b['engine_stream_gbps'])} GB/s; memcpy {_f(b['memcpy_gbps'])} GB/s; matmul bf16 "
+                  f"{_f(b['bf16_tflops'])} / fp32 {_f(b['fp32_tflops'])} TFLOPS"]
+    if s.get("points"):
+        lines += ["", "## megatrain vs ZeRO-3 offload, context sweep (harness rows)", "",
+                  "| point | status | step s | tok/s | TFLOPS | MFU | copy-wait frac | h2d GB/s step / busy | "
+                  "busy vs probe | h2d hidden | peak dev GiB | host B/param |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for p in s["points"]:
+            tr = p.get("trace") or {}
+            dev_gib = p["peak_device_bytes"] / 2**30 if p.get("peak_device_bytes") else None
+            status = p["status"] if p["status"] == "ok" else f"{p['status']}: {(p.get('reason') or '')[:70]}"
+            lines.append(f"| {p['label']} | {status} | {_f(p['step_time_s'])} | {_f(p['tokens_per_s'], '.0f')} | "
+                         f"{_f(p['model_tflops'])} | {_f(p['mfu'], '.2f')} | {_f(p.get('copy_wait_frac'), '.2f')} | "
+                         f"{_f(p['h2d_gbps'])} / {_f(p['h2d_gbps_busy'])} | {_f(p.get('h2d_busy_vs_probe'), '.2f')} | "
+                         f"{_f(tr.get('h2d_hidden_frac'), '.2f')} | {_f(dev_gib)} | {_f(p['host_bytes_per_param'])} |")
+    if f.get("megatrain_vs_zero3"):
+        lines += ["", "| model | seq x batch | megatrain s | ZeRO-3 s | speed-up | TFLOPS megatrain / ZeRO-3 |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for r in f["megatrain_vs_zero3"]:
+            lines.append(f"| {r['model']} | {r['seq_len']} x {r['micro_batch']} | {_f(r['megatrain_step_s'])} | "
+                         f"{_f(r['zero3_step_s'])} | {_f(r['speedup'])}x | {_f(r['megatrain_tflops'])} / "
+                         f"{_f(r['zero3_tflops'])} |")
+    if s.get("timeline"):
+        t = s["timeline"]
+        lines += ["", f"timeline ({t['label']}, `{t['trace_file']}`): step span {_f(t.get('span_s'))} s, compute busy "
+                      f"{_f(t.get('compute_busy_frac'), '.2f')}, h2d hidden behind compute {_f(t.get('h2d_hidden_frac'), '.2f')}, "
+                      f"d2h hidden {_f(t.get('d2h_hidden_frac'), '.2f')}"]
+    return "\n".join(lines) + "\n"
