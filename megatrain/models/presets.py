@@ -84,7 +84,7 @@ PRESETS: dict[str, ModelPreset] = {
         _P("smollm-135m", "llama", 30, 576, 1536, 9, 3, 49152, 2048, tie_embeddings=True),
         _P("llama-100m", "llama", 8, 1024, 2752, 16, 16, 8192, 4096),
         _P("llama-0.6b", "llama", 16, 1536, 4096, 16, 8, 32000, 4096),
-        # GPU shapes that fit 128 GiB of host memory (the borrowed H200 box).
+        # GPU shapes that fit 128 GiB of host memory (an H200 machine of that size).
         _P("qwen2.5-1.5b", "qwen2", 28, 1536, 8960, 12, 2, 151936, 32768, tie_embeddings=True, rope_theta=1e6),
         _P("qwen2.5-3b", "qwen2", 36, 2048, 11008, 16, 2, 151936, 32768, tie_embeddings=True, rope_theta=1e6),
         # The paper's dense shapes (DESIGN.md table).
