@@ -4,6 +4,8 @@ the same code path with the device a parameter, and on a GPU where there is one.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -142,6 +144,11 @@ def test_batch_check_reads_device_values_back_once(monkeypatch):
         check_batch(cfg, b["input_ids"], b["attention_mask"], allmasked, None, {})
 
 
+def _head(weight):
+    """The loss takes the model's head module; a bias-free one over `weight`."""
+    return types.SimpleNamespace(weight=weight, bias=None)
+
+
 def test_the_loss_over_valid_tokens_matches_cross_entropy():
     from megatrain.engine.loss import chunked_causal_lm_loss
 
@@ -151,14 +158,14 @@ def test_the_loss_over_valid_tokens_matches_cross_entropy():
     labels = torch.randint(0, 40, (2, 9), generator=g, dtype=torch.int32)
     labels[1, 4:] = -100
     want = F.cross_entropy((hidden[:, :-1] @ weight.t()).reshape(-1, 40), labels[:, 1:].reshape(-1).long())
-    got = chunked_causal_lm_loss(hidden, weight, labels, 4)
+    got = chunked_causal_lm_loss(hidden, _head(weight), labels, 4)
     assert abs(float(got) / float(want) - 1) <= 1e-6  # logits are upcast to FP32, as HF does
     small = labels.clamp_min(0).to(torch.uint8)  # an 8-bit label tensor: -100 comes from the shift alone
     small[1, 4:] = 0
     ref = F.cross_entropy((hidden[:, :-1] @ weight.t()).reshape(-1, 40), small[:, 1:].reshape(-1).long())
-    assert abs(float(chunked_causal_lm_loss(hidden, weight, small, 4)) / float(ref) - 1) <= 1e-6
+    assert abs(float(chunked_causal_lm_loss(hidden, _head(weight), small, 4)) / float(ref) - 1) <= 1e-6
     labels[0, 3] = -100  # negative control: one more ignored token changes the mean
-    assert abs(float(chunked_causal_lm_loss(hidden, weight, labels, 4)) / float(want) - 1) > 1e-6
+    assert abs(float(chunked_causal_lm_loss(hidden, _head(weight), labels, 4)) / float(want) - 1) > 1e-6
 
 
 @cuda
@@ -172,7 +179,7 @@ def test_host_labels_and_batch_checks_do_not_sync_the_device():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss = chunked_causal_lm_loss(hidden, weight, labels, 16)
+        loss = chunked_causal_lm_loss(hidden, _head(weight), labels, 16)
         loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)

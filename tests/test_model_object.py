@@ -297,16 +297,7 @@ def _compare(ref_out, got_out, ref_model, got_sd):
     assert worst <= 1e-5, f"parameters differ by {worst:.2e}"
 
 
-@pytest.mark.parametrize("kind", ["smoothed", "custom", "labels+aux"])
-def test_loss_from_logits_trains_like_pytorch(kind):
-    """6 steps, AdamW lr 1e-3, FP32, padded batches: first-step gradients, losses and parameters match."""
-    ref = tiny_model("llama", layers=2)
-    batches = make_batches(6)
-    ref_out = _train_from_logits(ref, _torch_stepper(ref), batches, kind)
-
-    model = tiny_model("llama", layers=2)
-    eng = Engine(model, EngineConfig(), optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
-
+def _engine_stepper(eng):
     def step(loss, keep):
         eng.backward(loss)
         grads = None
@@ -317,7 +308,20 @@ def test_loss_from_logits_trains_like_pytorch(kind):
         eng.zero_grad()
         return grads
 
-    got_out = _train_from_logits(model, step, batches, kind)
+    return step
+
+
+@pytest.mark.parametrize("kind", ["smoothed", "custom", "labels+aux"])
+def test_loss_from_logits_trains_like_pytorch(kind):
+    """6 steps, AdamW lr 1e-3, FP32, padded batches: first-step gradients, losses and parameters match."""
+    ref = tiny_model("llama", layers=2)
+    batches = make_batches(6)
+    ref_out = _train_from_logits(ref, _torch_stepper(ref), batches, kind)
+
+    model = tiny_model("llama", layers=2)
+    eng = Engine(model, EngineConfig(), optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+
+    got_out = _train_from_logits(model, _engine_stepper(eng), batches, kind)
     _compare(ref_out, got_out, ref, model.state_dict())
 
 
@@ -329,17 +333,7 @@ def test_loss_from_logits_parity_check_can_fail():
     model = tiny_model("llama", layers=2)
     eng = Engine(model, EngineConfig(), optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
 
-    def step(loss, keep):
-        eng.backward(loss)
-        grads = None
-        if keep:
-            eng.synchronize()
-            grads = {n: p.grad.clone() for n, p in eng.named_parameters()}
-        eng.step()
-        eng.zero_grad()
-        return grads
-
-    got_out = _train_from_logits(model, step, batches, "smoothed")
+    got_out = _train_from_logits(model, _engine_stepper(eng), batches, "smoothed")
     with pytest.raises(AssertionError):
         _compare(ref_out, got_out, ref, model.state_dict())
 
