@@ -524,7 +524,9 @@ def parse_config(config: dict[str, Any] | str | os.PathLike, args: Any = None, *
     bf16 = _precision(d, args, ignored)
     zero = _zero(d, ignored)
     steps_per_print = d.get("steps_per_print")
-    if steps_per_print is not None:
+    if isinstance(steps_per_print, float) and steps_per_print == math.inf:
+        steps_per_print = None  # accelerate writes inf to mean "never print", as DeepSpeed reads it
+    elif steps_per_print is not None:
         steps_per_print = _int(steps_per_print, "steps_per_print", minimum=1)
     wall = _bool(d.get("wall_clock_breakdown", False), "wall_clock_breakdown")
     drop_last = _bool(d.get("dataloader_drop_last", False), "dataloader_drop_last")

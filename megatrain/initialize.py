@@ -323,6 +323,19 @@ class MegaTrainEngine:
             with contextlib.suppress(Exception):  # an unsaveable generation config must not cost the weights
                 gen.save_pretrained(directory)
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """True whatever the config says: the weights are whole on the host, so a model save never needs a
+        gather and is never skipped (DeepSpeed at stage 3 would save no weights when this is false)."""
+        return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        """What accelerate / Trainer save at stage 3: every weight, the FP32 masters (nothing is 16-bit here)."""
+        sd = self.module.state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            sd = {k: v for k, v in sd.items() if k not in frozen}
+        return sd
+
     # -- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False,
