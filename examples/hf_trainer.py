@@ -39,7 +39,7 @@ class RandomTokens(torch.utils.data.Dataset):
 def ds_config() -> dict:
     # "auto" values are filled from TrainingArguments by transformers, as for any DeepSpeed run.
     return {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
             "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
                                   "offload_optimizer": {"device": "cpu"}},
             "megatrain": {}}  # MegaTrain: this section selects it
