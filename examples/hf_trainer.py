@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> dict:
     metrics = trainer.evaluate()
     trainer.save_model(os.path.join(a.output_dir, "final"))
     out = {"losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
-           "eval_loss": metrics["eval_loss"], "engine": type(trainer.model_wrapped).__name__}
+           "eval_loss": metrics["eval_loss"], "engine": type(trainer.model_wrapped).__name__,
+           "engine_global_steps": getattr(trainer.model_wrapped, "global_steps", None)}
     if a.report:
         with open(a.report, "w") as f:
             json.dump(out, f)

@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.save_model(os.path.join(a.output_dir, "final"))
     out = {"losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
            "eval_loss": metrics["eval_loss"], "engine": type(trainer.model_wrapped).__name__,
+           "engine_global_steps": getattr(trainer.model_wrapped, "global_steps", None),
            "token_accuracy": {h["step"]: h["mean_token_accuracy"] for h in trainer.state.log_history
                               if "mean_token_accuracy" in h}}
     if a.report:
