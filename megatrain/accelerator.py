@@ -44,6 +44,7 @@ _MIXED_PRECISION = ("no", "bf16")
 _FACE_FILE = "accelerator.json"
 # accelerate's own file names in a save_state folder (accelerate.utils.constants)
 _RNG_FILE = "random_states_0.pkl"
+_SAMPLER_FILE = "sampler.bin"
 
 
 def _scheduler_file(i: int) -> str:
@@ -289,9 +290,27 @@ class PreparedDataLoader:
         self.loader = loader
         self._device = device
         self._state = state
+        self.epoch_rng_state: torch.Tensor | None = None
+
+    def _generator(self) -> torch.Generator | None:
+        loader = getattr(self.loader, "loader", self.loader)  # through a skipping wrapper
+        sampler = getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None)  # _SkipBatchSampler
+        sampler = getattr(sampler if sampler is not None else loader.batch_sampler, "sampler", None)
+        gen = getattr(sampler, "generator", None)
+        return gen if gen is not None else getattr(loader, "generator", None)
+
+    def set_epoch_rng_state(self, state: torch.Tensor | None) -> None:
+        """Rewind the sampler's generator to where an epoch began, so that epoch's order comes again."""
+        gen = self._generator()
+        if state is not None and gen is not None:
+            gen.set_state(state)
 
     def __iter__(self) -> Iterator[Any]:
         self._state.end_of_dataloader = False
+        gen = self._generator()
+        # The order of this epoch is drawn from the generator when iteration starts: remember where it stood, so a
+        # checkpoint taken mid-epoch resumes the same order (save_state / load_state, then skip_first_batches).
+        self.epoch_rng_state = gen.get_state() if gen is not None else None
         it = iter(self.loader)
         try:
             current = next(it)
@@ -627,9 +646,7 @@ class Accelerator:
         if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
             raise ValueError(f"num_batches={num_batches!r} must be an int >= 0")
         if isinstance(dataloader, PreparedDataLoader):
-            skipped = PreparedDataLoader(_skipping(dataloader.loader, num_batches), self.device, self.gradient_state)
-            self._dataloaders.append(skipped)
-            return skipped
+            return PreparedDataLoader(_skipping(dataloader.loader, num_batches), self.device, self.gradient_state)
         if isinstance(dataloader, torch.utils.data.DataLoader):
             return _skipping(dataloader, num_batches)
         raise TypeError(f"skip_first_batches takes a DataLoader, got {type(dataloader).__name__}")
@@ -730,6 +747,7 @@ class Accelerator:
             torch.save(s.state_dict(), d / _scheduler_file(i))
         for i, obj in enumerate(self._custom_objects):
             torch.save(obj.state_dict(), d / _custom_file(i))
+        torch.save([dl.epoch_rng_state for dl in self._dataloaders], d / _SAMPLER_FILE)
         rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
         try:
             import numpy as np
@@ -764,6 +782,13 @@ class Accelerator:
             s.load_state_dict(torch.load(d / _scheduler_file(i), weights_only=False))
         for i, obj in enumerate(self._custom_objects):
             obj.load_state_dict(torch.load(d / _custom_file(i), weights_only=False))
+        if (d / _SAMPLER_FILE).is_file():
+            states = torch.load(d / _SAMPLER_FILE, weights_only=True)
+            if len(states) != len(self._dataloaders):
+                raise RuntimeError(f"{d} holds the sampler states of {len(states)} dataloaders but "
+                                   f"{len(self._dataloaders)} are prepared; prepare the same dataloaders")
+            for dl, state in zip(self._dataloaders, states):
+                dl.set_epoch_rng_state(state)
         # Python's and numpy's RNG states are plain tuples; they need the non-weights unpickler.
         rng = torch.load(d / _RNG_FILE, weights_only=False)
         torch.set_rng_state(rng["torch"])

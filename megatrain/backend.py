@@ -183,9 +183,18 @@ class MegatrainBackend:
                                "same prepare() call")
         masters = dict(eng.named_parameters())
         name_of = {id(p): n for n, p in masters.items()}
-        name_of.update(getattr(eng, "_name_of", {}))  # the parameters the model had before prepare(model)
+        # The parameters the model had before prepare(model): the engine emptied each of them when it copied it
+        # into the store. An id alone could belong to a new tensor that reused a dead original's address, so only
+        # an emptied tensor is taken for an original.
+        before = getattr(eng, "_name_of", {})
+
+        def name(p: torch.Tensor) -> str | None:
+            if id(p) in name_of:
+                return name_of[id(p)]
+            return before.get(id(p)) if p.numel() == 0 else None
+
         for group in optimizer.param_groups:
-            names = [name_of.get(id(p)) for p in group["params"]]
+            names = [name(p) for p in group["params"]]
             if None in names:
                 raise ValueError('backend "megatrain": the optimizer holds a tensor that is not a parameter of the '
                                  "prepared model; build it over model.parameters()")

@@ -21,8 +21,7 @@ def _requested(log_with: Any) -> list[Any]:
 def make_trackers(log_with: Any, project_name: str, logging_dir: str | os.PathLike | None,
                   config: dict[str, Any] | None, init_kwargs: dict[str, dict[str, Any]] | None) -> list[Any]:
     """Start the requested trackers, storing `config` as their hyper-parameters."""
-    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker
-    from accelerate.utils import get_available_trackers
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker, get_available_trackers
 
     init_kwargs = init_kwargs or {}
     available = [str(t) for t in get_available_trackers()]
