@@ -342,7 +342,7 @@ class MegaTrainEngine:
                         save_latest: bool = True, exclude_frozen_parameters: bool = False,
                         keep_last: int | None = None) -> bool:
         """Everything needed to continue bit-exactly: FP32 masters, optimizer state, LR schedule, counters,
-        RNG states, config and `client_state` (JSON values and tensors), written crash-consistently.
+        RNG states, config and `client_state` (any picklable objects, as DeepSpeed), written crash-consistently.
 
         `keep_last=N` (MegaTrain's addition) deletes all but the N newest checkpoints afterwards.
         """
@@ -502,23 +502,33 @@ def _restore_rng(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None
 
 
 def _split_client_state(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    import json
+    """`client_state` as DeepSpeed keeps it: any picklable objects, pickled (torch.save) into one byte tensor, so
+    tuples, namespaces and tensors come back as they went in, covered by the checkpoint's checksums."""
+    import io
+    import pickle
 
-    out = {}
-    for key, value in state.items():
-        if torch.is_tensor(value):
-            tensors[f"{_CLIENT}{key}"] = value
-            out[key] = "__in_tensors__"
-            continue
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"client_state[{key!r}] cannot be saved ({e}); use JSON values or tensors") from e
-        out[key] = value
-    return out
+    buf = io.BytesIO()
+    try:
+        torch.save(dict(state), buf)
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        for key, value in state.items():
+            try:
+                torch.save(value, io.BytesIO())
+            except (pickle.PicklingError, TypeError, AttributeError):
+                raise TypeError(f"client_state[{key!r}] cannot be saved ({e}); client_state must be picklable, "
+                                "as DeepSpeed requires") from e
+        raise TypeError(f"client_state cannot be saved ({e}); it must be picklable, as DeepSpeed requires") from e
+    tensors[_CLIENT + "pickle"] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    return {"__pickled__": True}
 
 
 def _join_client_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    if meta.get("__pickled__"):
+        import io
+
+        # The checkpoint's own bytes, checksum-verified: the same trust DeepSpeed's torch.load gives them.
+        return torch.load(io.BytesIO(tensors[_CLIENT + "pickle"].numpy().tobytes()), weights_only=False)
+    # checkpoints written before client_state was pickled: JSON values and tensors
     return {k: tensors[f"{_CLIENT}{k}"] if v == "__in_tensors__" else v for k, v in meta.items()}
 
 
