@@ -410,7 +410,7 @@ def _scheduler(d: dict[str, Any], opt: OptimizerSpec | None, args: Any) -> Sched
                 _int(p[k], f"scheduler.params.{k}", minimum=1)
         if "last_batch_iteration" in p:
             _int(p["last_batch_iteration"], "scheduler.params.last_batch_iteration", minimum=-1)
-        if kind != "WarmupLR" and "total_num_steps" not in p:
+        if kind in ("WarmupDecayLR", "WarmupCosineLR") and "total_num_steps" not in p:
             raise _err(f"{kind} needs 'scheduler.params.total_num_steps'")
         for k in ("warmup_min_lr", "warmup_max_lr"):
             if k in p and p[k] is not None:

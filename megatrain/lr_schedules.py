@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 
 WARMUP_TYPES = ("log", "linear")
 
-__all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "SCHEDULES", "WARMUP_TYPES"]
+__all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest", "SCHEDULES", "WARMUP_TYPES"]
 
 
 def _torch_optimizer(optimizer: Any) -> Optimizer:
@@ -227,8 +227,34 @@ class WarmupCosineLR(_Schedule):
         return [lr * ratio for lr in self.org_lrs]
 
 
+class LRRangeTest(_Schedule):
+    """The LR range test: lr = min_lr x (1 + step_rate x k), k = (iteration + 1) / step_size, rounded down when
+    `lr_range_test_staircase`; used to find the largest lr that still trains."""
+
+    def __init__(self, optimizer: Any, lr_range_test_min_lr: float | Sequence[float] = 1e-3,
+                 lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,
+                 lr_range_test_staircase: bool = False, last_batch_iteration: int = -1) -> None:
+        self.optimizer = _torch_optimizer(optimizer)
+        self.min_lr = _per_group(self.optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
+        if isinstance(lr_range_test_step_size, bool) or not isinstance(lr_range_test_step_size, int) \
+                or lr_range_test_step_size <= 0:
+            raise ValueError(f"lr_range_test_step_size must be a positive int, got {lr_range_test_step_size!r}")
+        self.step_size = lr_range_test_step_size
+        self.step_rate = lr_range_test_step_rate
+        self.staircase = lr_range_test_staircase
+        self._start(last_batch_iteration)
+
+    def get_lr(self) -> list[float]:
+        k = float(self.last_batch_iteration + 1) / self.step_size
+        if self.staircase:
+            k = math.floor(k)
+        increase = 1 + self.step_rate * k
+        return [lr * increase for lr in self.min_lr]
+
+
 SCHEDULES: dict[str, type[_Schedule]] = {
     "WarmupLR": WarmupLR,
     "WarmupDecayLR": WarmupDecayLR,
     "WarmupCosineLR": WarmupCosineLR,
+    "LRRangeTest": LRRangeTest,
 }

@@ -136,3 +136,15 @@ def test_hjson_config_files(tmp_path):
 def test_namespace_survives_deepcopy_of_the_config():
     cfg = _cfg(optimizer={"type": "SGD", "params": {"lr": 0.1}})
     assert parse_config(copy.deepcopy(cfg)).resolved["optimizer"]["type"] == "SGD"
+
+
+def test_lr_range_test_from_a_config_section():
+    sched = {"type": "LRRangeTest", "params": {"lr_range_test_min_lr": 1e-4, "lr_range_test_step_size": 2}}
+    engine, opt, _, lr_scheduler = _init(model=tiny_model(), config=_cfg(
+        optimizer={"type": "SGD", "params": {"lr": 0.1}}, scheduler=sched))
+    seen = [opt.param_groups[0]["lr"]]
+    for b in make_batches(3):
+        engine.backward(engine(**b).loss)
+        engine.step()
+        seen.append(opt.param_groups[0]["lr"])
+    assert seen == pytest.approx([1e-4, 1.5e-4, 2e-4, 2.5e-4], rel=1e-12)

@@ -30,6 +30,9 @@ CASES = [
     ("WarmupCosineLR", {"total_num_steps": 10, "warmup_min_ratio": 0.1, "warmup_num_steps": 4, "cos_min_ratio": 0.05,
                         "warmup_type": "linear"}),
     ("WarmupCosineLR", {"total_num_steps": 2, "warmup_num_steps": 4}),  # no decay window
+    ("LRRangeTest", {"lr_range_test_min_lr": 1e-4, "lr_range_test_step_size": 3, "lr_range_test_step_rate": 2.0}),
+    ("LRRangeTest", {"lr_range_test_min_lr": [1e-4, 5e-4], "lr_range_test_step_size": 4,
+                     "lr_range_test_staircase": True}),
 ]
 
 
