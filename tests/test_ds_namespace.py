@@ -148,3 +148,16 @@ def test_lr_range_test_from_a_config_section():
         engine.step()
         seen.append(opt.param_groups[0]["lr"])
     assert seen == pytest.approx([1e-4, 1.5e-4, 2e-4, 2.5e-4], rel=1e-12)
+
+
+def test_one_cycle_from_a_config_section():
+    sched = {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 2}}
+    engine, opt, _, lr_scheduler = _init(model=tiny_model(), config=_cfg(
+        optimizer={"type": "AdamW", "params": {"lr": 0.1}}, scheduler=sched))
+    seen = [(opt.param_groups[0]["lr"], opt.param_groups[0]["betas"])]
+    for b in make_batches(4):
+        engine.backward(engine(**b).loss)
+        engine.step()
+        seen.append((opt.param_groups[0]["lr"], opt.param_groups[0]["betas"]))
+    assert [lr for lr, _ in seen] == pytest.approx([1e-4, 5.5e-4, 1e-3, 5.5e-4, 1e-4], rel=1e-12)
+    assert [b[0] for _, b in seen] == pytest.approx([0.8, 0.85, 0.8, 0.85, 0.9], rel=1e-12)
