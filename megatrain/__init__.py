@@ -18,6 +18,7 @@ _EXPORTS = {
     "init_distributed": "megatrain.initialize",
     "add_config_arguments": "megatrain.initialize",
     "zero": "megatrain.initialize",
+    "DeepSpeedEngine": "megatrain.initialize",
     "Accelerator": "megatrain.accelerator",
     "Engine": "megatrain.engine",
     "EngineConfig": "megatrain.config",
@@ -28,10 +29,15 @@ _EXPORTS = {
     "PRESETS": "megatrain.models.presets",
 }
 
+# The `deepspeed` namespace's submodules, for `import megatrain as deepspeed; deepspeed.comm.get_rank()`.
+_SUBMODULES = ("comm", "utils", "checkpointing", "ops", "accelerator")
+
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return import_module(f"megatrain.{name}")
     if name in _EXPORTS:
         value = getattr(import_module(_EXPORTS[name]), name)
         # Cache it: importing the submodule `megatrain.initialize` would otherwise shadow the function.

@@ -22,6 +22,8 @@ comparison stacks in `baselines/`).
 from __future__ import annotations
 
 import contextlib
+import gc
+import itertools
 import json
 import os
 import random
@@ -34,11 +36,23 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from .backend import Backend, MegatrainBackend
 from .config import EngineConfig
+from .project import latest_dir, make_project_config, save_dir
+from .tracking import make_trackers
 
 BACKENDS = ("megatrain", "zero3", "torch")
 _MIXED_PRECISION = ("no", "bf16")
 _FACE_FILE = "accelerator.json"
-_RNG_FILE = "random_states.pt"
+# accelerate's own file names in a save_state folder (accelerate.utils.constants)
+_RNG_FILE = "random_states_0.pkl"
+_SAMPLER_FILE = "sampler.bin"
+
+
+def _scheduler_file(i: int) -> str:
+    return "scheduler.bin" if i == 0 else f"scheduler_{i}.bin"
+
+
+def _custom_file(i: int) -> str:
+    return f"custom_checkpoint_{i}.pkl"
 
 
 def _resolve_mixed_precision(mixed_precision: str, config: Any) -> str:
@@ -100,16 +114,18 @@ def _forward_attr(wrapper: Any, inner: str, name: str) -> Any:
 class GradientState:
     """When gradients are synchronised, i.e. when the optimizer really steps (Accelerate's rule)."""
 
-    def __init__(self, num_steps: int) -> None:
+    def __init__(self, num_steps: int, adjust_scheduler: bool = True, sync_with_dataloader: bool = True) -> None:
         self.num_steps = num_steps
+        self.adjust_scheduler = adjust_scheduler
+        self.sync_with_dataloader = sync_with_dataloader
         self.step = 0
         self.sync_gradients = True
         self.end_of_dataloader = False
         self.optimizer_stepped = False
 
     def advance(self) -> None:
-        # The last batch of an epoch always syncs, so a short epoch loses no gradients.
-        if self.end_of_dataloader:
+        # The last batch of an epoch syncs (unless the plugin says otherwise), so a short epoch loses no gradients.
+        if self.end_of_dataloader and self.sync_with_dataloader:
             self.step = 0
             self.sync_gradients = True
         else:
@@ -192,7 +208,7 @@ class AcceleratedScheduler:
     def step(self, *args: Any, **kwargs: Any) -> None:
         if not self._state.sync_gradients:
             # Accelerate keeps torch's "scheduler stepped before optimizer" bookkeeping consistent.
-            if hasattr(self.scheduler, "_step_count"):
+            if self._state.adjust_scheduler and hasattr(self.scheduler, "_step_count"):
                 self.scheduler._step_count += 1
             return
         if any(o.step_was_skipped for o in self._optimizers):
@@ -227,6 +243,46 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
+class _SkipBatchSampler:
+    """A batch sampler without its first `skip` batches: the skipped ones are never loaded."""
+
+    def __init__(self, batch_sampler: Any, skip: int) -> None:
+        self.batch_sampler = batch_sampler
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.batch_sampler), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(len(self.batch_sampler) - self.skip, 0)
+
+
+def _skipping(loader: torch.utils.data.DataLoader, skip: int) -> Any:
+    if skip == 0:
+        return loader
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset) or loader.batch_sampler is None:
+        return _SkipIterable(loader, skip)
+    return torch.utils.data.DataLoader(
+        loader.dataset, batch_sampler=_SkipBatchSampler(loader.batch_sampler, skip), collate_fn=loader.collate_fn,
+        num_workers=loader.num_workers, pin_memory=loader.pin_memory, timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator, persistent_workers=loader.persistent_workers)
+
+
+class _SkipIterable:
+    """An iterable-dataset loader without its first `skip` batches (they must be produced to be passed over)."""
+
+    def __init__(self, loader: Any, skip: int) -> None:
+        self.loader = loader
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.loader), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(len(self.loader) - self.skip, 0)
+
+
 class PreparedDataLoader:
     """Yields the loader's batches on the backend's device and marks the last one of each epoch."""
 
@@ -234,9 +290,27 @@ class PreparedDataLoader:
         self.loader = loader
         self._device = device
         self._state = state
+        self.epoch_rng_state: torch.Tensor | None = None
+
+    def _generator(self) -> torch.Generator | None:
+        loader = getattr(self.loader, "loader", self.loader)  # through a skipping wrapper
+        sampler = getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None)  # _SkipBatchSampler
+        sampler = getattr(sampler if sampler is not None else loader.batch_sampler, "sampler", None)
+        gen = getattr(sampler, "generator", None)
+        return gen if gen is not None else getattr(loader, "generator", None)
+
+    def set_epoch_rng_state(self, state: torch.Tensor | None) -> None:
+        """Rewind the sampler's generator to where an epoch began, so that epoch's order comes again."""
+        gen = self._generator()
+        if state is not None and gen is not None:
+            gen.set_state(state)
 
     def __iter__(self) -> Iterator[Any]:
         self._state.end_of_dataloader = False
+        gen = self._generator()
+        # The order of this epoch is drawn from the generator when iteration starts: remember where it stood, so a
+        # checkpoint taken mid-epoch resumes the same order (save_state / load_state, then skip_first_batches).
+        self.epoch_rng_state = gen.get_state() if gen is not None else None
         it = iter(self.loader)
         try:
             current = next(it)
@@ -261,6 +335,27 @@ class PreparedDataLoader:
         return _forward_attr(self, "loader", name)
 
 
+def _force_cpu(backend: str, config: Any) -> Any:
+    """`cpu=True`: the engine's device is the CPU whatever accelerator the machine has."""
+    if backend == "zero3":
+        if torch.cuda.is_available():
+            raise ValueError("cpu=True with backend 'zero3': DeepSpeed picks its accelerator itself; run with "
+                             "DS_ACCELERATOR=cpu and CUDA_VISIBLE_DEVICES='' instead")
+        return config
+    if backend != "megatrain":
+        return config
+    if isinstance(config, EngineConfig):
+        if config.device not in (None, "cpu"):
+            raise ValueError(f"cpu=True contradicts the EngineConfig's device={config.device!r}; drop one of them")
+        return EngineConfig.from_dict({**config.to_dict(), "device": "cpu"})
+    config = dict(config or {})
+    section = dict(config.get("megatrain") or {})
+    if section.get("device") not in (None, "cpu"):
+        raise ValueError(f"cpu=True contradicts the config's megatrain.device={section['device']!r}; drop one of them")
+    config["megatrain"] = {**section, "device": "cpu"}
+    return config
+
+
 def _make_backend(name: str, **kwargs: Any) -> Backend:
     if name == "megatrain":
         return MegatrainBackend(**kwargs)
@@ -273,6 +368,60 @@ def _make_backend(name: str, **kwargs: Any) -> Backend:
 
         return Zero3Backend(**kwargs)
     raise ValueError(f"backend={name!r} is not one of {BACKENDS}")
+
+
+class _DeviceAccelerator:
+    """What `deepspeed.accelerator.get_accelerator()` answers, for the device MegaTrain computes on."""
+
+    def __init__(self) -> None:
+        self._device = torch.accelerator.current_accelerator() or torch.device("cpu")
+
+    def device_name(self, device_index: int | None = None) -> str:
+        if device_index is None or self._device.type == "cpu":
+            return self._device.type
+        return f"{self._device.type}:{device_index}"
+
+    def current_device_name(self) -> str:
+        if self._device.type == "cpu":
+            return "cpu"
+        return f"{self._device.type}:{torch.get_device_module(self._device).current_device()}"
+
+    def current_device(self) -> int:
+        return 0 if self._device.type == "cpu" else torch.get_device_module(self._device).current_device()
+
+    def device_count(self) -> int:
+        return 1 if self._device.type == "cpu" else torch.get_device_module(self._device).device_count()
+
+    def is_available(self) -> bool:
+        return True
+
+    def communication_backend_name(self) -> str:
+        return "nccl" if self._device.type == "cuda" else "gloo"
+
+    def synchronize(self, device_index: int | None = None) -> None:
+        if self._device.type != "cpu":
+            torch.get_device_module(self._device).synchronize()
+
+    def empty_cache(self) -> None:
+        if self._device.type != "cpu":
+            torch.get_device_module(self._device).empty_cache()
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def is_bf16_supported(self) -> bool:
+        return True
+
+    def is_fp16_supported(self) -> bool:
+        return False  # MegaTrain computes in FP32 or bf16
+
+
+def get_accelerator() -> _DeviceAccelerator:
+    """`deepspeed.accelerator.get_accelerator()` under `import megatrain as deepspeed`."""
+    return _DeviceAccelerator()
 
 
 class Accelerator:
@@ -293,6 +442,11 @@ class Accelerator:
         gradient_accumulation_steps: int = 1,
         mixed_precision: str = "no",
         gradient_checkpointing: bool = False,
+        cpu: bool = False,
+        project_dir: str | os.PathLike | None = None,
+        project_config: Any = None,
+        log_with: Any = None,
+        gradient_accumulation_plugin: Any = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -306,11 +460,32 @@ class Accelerator:
                         "script and pass it to prepare() (megatrain.initialize builds them from a config)"
                     )
         self.mixed_precision = _resolve_mixed_precision(mixed_precision, config)
+        adjust_scheduler, sync_with_dataloader = True, True
+        if gradient_accumulation_plugin is not None:
+            from accelerate.utils import GradientAccumulationPlugin
+
+            if not isinstance(gradient_accumulation_plugin, GradientAccumulationPlugin):
+                raise TypeError("gradient_accumulation_plugin must be an accelerate.utils.GradientAccumulationPlugin, "
+                                f"got {type(gradient_accumulation_plugin).__name__}")
+            if gradient_accumulation_steps != 1:
+                raise ValueError("give gradient_accumulation_steps or gradient_accumulation_plugin, not both "
+                                 "(as accelerate requires)")
+            gradient_accumulation_steps = gradient_accumulation_plugin.num_steps
+            adjust_scheduler = gradient_accumulation_plugin.adjust_scheduler
+            sync_with_dataloader = gradient_accumulation_plugin.sync_with_dataloader
         steps = _resolve_accumulation(gradient_accumulation_steps, config)
-        self.gradient_state = GradientState(steps)
+        self.gradient_state = GradientState(steps, adjust_scheduler, sync_with_dataloader)
+        self.cpu = bool(cpu)
+        if self.cpu:
+            config = _force_cpu(backend, config)
+        self.project_configuration = make_project_config(project_dir, project_config)
+        self.log_with = log_with
+        self.trackers: list[Any] = []
+        self._custom_objects: list[Any] = []
         self.gradient_checkpointing = bool(gradient_checkpointing)
         # An EngineConfig describes MegaTrain's engine only; the other stacks have nothing to read in it.
         backend_config = config if backend == "megatrain" or isinstance(config, dict) else None
+        extra = {"device": "cpu"} if self.cpu and backend == "torch" else {}
         self.backend: Backend = _make_backend(
             backend,
             config=backend_config,
@@ -318,6 +493,7 @@ class Accelerator:
             mixed_precision=self.mixed_precision,
             gradient_checkpointing=self.gradient_checkpointing,
             gradient_clipping=_resolve_gradient_clipping(config),
+            **extra,
         )
         self._models: list[Any] = []
         self._optimizers: list[AcceleratedOptimizer] = []
@@ -359,6 +535,24 @@ class Accelerator:
     def distributed_type(self) -> str:
         return "DEEPSPEED" if self.backend.name == "zero3" else "NO"
 
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        yield  # one process: it is the main process
+
+    local_main_process_first = main_process_first
+
+    @property
+    def project_dir(self) -> str | None:
+        return self.project_configuration.project_dir
+
+    @property
+    def logging_dir(self) -> str | None:
+        return self.project_configuration.logging_dir
+
+    @property
+    def save_iteration(self) -> int:
+        return self.project_configuration.iteration
+
     def wait_for_everyone(self) -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
@@ -371,6 +565,15 @@ class Accelerator:
     @property
     def gradient_accumulation_steps(self) -> int:
         return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"gradient_accumulation_steps={steps!r} must be an int >= 1")
+        if self.backend.name == "zero3" and steps != self.gradient_state.num_steps:
+            raise RuntimeError("backend 'zero3': DeepSpeed fixes the accumulation steps in its config; pass "
+                               "gradient_accumulation_steps to the Accelerator instead")
+        self.gradient_state.num_steps = steps
 
     @property
     def sync_gradients(self) -> bool:
@@ -481,6 +684,69 @@ class Accelerator:
         norm = self.backend.clip_grad_norm_(parameters, max_norm, norm_type)
         return None if norm is None else torch.tensor(norm)
 
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, clip_value: float) -> None:
+        """Clamp every accumulated gradient to [-clip_value, clip_value] (torch.nn.utils.clip_grad_value_)."""
+        if self.backend.name == "zero3":
+            raise RuntimeError("backend 'zero3': DeepSpeed does not support clip_grad_value_ (as in accelerate); "
+                               "use clip_grad_norm_")
+        by_backend = getattr(self.backend, "clip_grad_value_", None)
+        if by_backend is not None:
+            by_backend(float(clip_value))
+        else:
+            torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """A loader like `dataloader` without its first `num_batches` batches (resuming mid-epoch)."""
+        if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
+            raise ValueError(f"num_batches={num_batches!r} must be an int >= 0")
+        if isinstance(dataloader, PreparedDataLoader):
+            return PreparedDataLoader(_skipping(dataloader.loader, num_batches), self.device, self.gradient_state)
+        if isinstance(dataloader, torch.utils.data.DataLoader):
+            return _skipping(dataloader, num_batches)
+        raise TypeError(f"skip_first_batches takes a DataLoader, got {type(dataloader).__name__}")
+
+    # -- tracking ------------------------------------------------------------------------------------------
+    def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
+                      init_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
+        """Start the trackers named in `log_with` (accelerate's tracker classes) and store `config` in them."""
+        self.trackers = make_trackers(self.log_with, project_name, self.logging_dir, config, init_kwargs)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        for tracker in self.trackers:
+            if tracker.name == name:
+                return tracker.tracker if unwrap else tracker
+        raise ValueError(f"no tracker named {name!r} was started (started: {[t.name for t in self.trackers]})")
+
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, dict] | None = None) -> None:
+        log_kwargs = log_kwargs or {}
+        for tracker in self.trackers:
+            tracker.log(values, step=step, **log_kwargs.get(tracker.name, {}))
+
+    def end_training(self) -> None:
+        """Finish every tracker (accelerate's end of a run)."""
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
+
+    # -- memory -----------------------------------------------------------------------------------------------
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Drop every reference this Accelerator holds (model, engine, optimizers, schedulers, loaders) and collect
+        garbage; returns one None per object passed, for `model, opt = accelerator.free_memory(model, opt)`."""
+        release = getattr(self.backend, "release", None)
+        if release is not None:
+            release()
+        self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        self._live_optimizer = {}
+        self._micro_batch_size = None
+        self.gradient_state.step = 0
+        objects = [None] * len(objects)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return objects
+
+    clear = free_memory
+
     def unwrap_model(self, model: Any, keep_fp32_wrapper: bool = True) -> Any:
         """The user's model class (for MegaTrain the same object `prepare` returned)."""
         return self.backend.unwrap_model(model)
@@ -499,18 +765,43 @@ class Accelerator:
         return tensor
 
     # -- saving ------------------------------------------------------------------------------------------
+    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
+        """Save `obj` to `f` (torch.save, or safetensors for a dict of tensors with safe_serialization)."""
+        if safe_serialization:
+            from safetensors.torch import save_file
+
+            save_file(obj, str(f), metadata={"format": "pt"})
+        else:
+            torch.save(obj, f)
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Objects with state_dict()/load_state_dict() to save and load with save_state/load_state."""
+        bad = [type(o).__name__ for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
+        if bad:
+            raise ValueError(f"register_for_checkpointing: {bad} have no state_dict()/load_state_dict(); only such "
+                             "objects can be checkpointed")
+        self._custom_objects.extend(objects)
+
     def save_model(self, model: Any, save_directory: str | os.PathLike) -> None:
         """Write a Hugging Face checkpoint that `AutoModelForCausalLM.from_pretrained` loads."""
         Path(save_directory).mkdir(parents=True, exist_ok=True)
         self.backend.save_model(model, save_directory)
 
-    def save_state(self, output_dir: str | os.PathLike) -> None:
-        """Everything needed to resume: weights, optimizer, schedulers, RNG, accumulation position."""
-        d = Path(output_dir)
+    def save_state(self, output_dir: str | os.PathLike | None = None) -> str:
+        """Everything needed to resume: weights, optimizer, schedulers, RNG, accumulation position, registered objects.
+
+        Without `output_dir`, under `ProjectConfiguration(automatic_checkpoint_naming=True)`, the folder is
+        `<project_dir>/checkpoints/checkpoint_<iteration>` and old ones beyond `total_limit` are deleted.
+        Returns the folder written.
+        """
+        d = save_dir(output_dir, self.project_configuration)
         d.mkdir(parents=True, exist_ok=True)
         self.backend.save_state(d)
         for i, s in enumerate(self._schedulers):
-            torch.save(s.state_dict(), d / f"scheduler_{i}.pt")
+            torch.save(s.state_dict(), d / _scheduler_file(i))
+        for i, obj in enumerate(self._custom_objects):
+            torch.save(obj.state_dict(), d / _custom_file(i))
+        torch.save([dl.epoch_rng_state for dl in self._dataloaders], d / _SAMPLER_FILE)
         rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
         try:
             import numpy as np
@@ -522,9 +813,12 @@ class Accelerator:
         face = {"backend": self.backend.name, "step": self.gradient_state.step, "schedulers": len(self._schedulers),
                 "gradient_accumulation_steps": self.gradient_accumulation_steps}
         (d / _FACE_FILE).write_text(json.dumps(face, indent=1))
+        self.project_configuration.iteration += 1
+        return str(d)
 
-    def load_state(self, input_dir: str | os.PathLike) -> None:
-        d = Path(input_dir)
+    def load_state(self, input_dir: str | os.PathLike | None = None) -> None:
+        """Restore a save_state folder (the newest automatically named one when `input_dir` is None)."""
+        d = latest_dir(input_dir, self.project_configuration)
         face_path = d / _FACE_FILE
         if not face_path.is_file():
             raise FileNotFoundError(f"{d} holds no Accelerator state ({_FACE_FILE} is missing)")
@@ -533,9 +827,22 @@ class Accelerator:
             raise ValueError(f"{d} was saved by backend {face['backend']!r}, not {self.backend.name!r}")
         if face["schedulers"] != len(self._schedulers):
             raise ValueError(f"{d} holds {face['schedulers']} scheduler states but {len(self._schedulers)} are prepared")
+        customs = sorted(p.name for p in d.glob("custom_checkpoint_*.pkl"))
+        if len(customs) != len(self._custom_objects):
+            raise RuntimeError(f"{d} holds {len(customs)} custom checkpoints but {len(self._custom_objects)} objects are "
+                               "registered for checkpointing; register the same objects that were saved")
         self.backend.load_state(d)
         for i, s in enumerate(self._schedulers):
-            s.load_state_dict(torch.load(d / f"scheduler_{i}.pt", weights_only=False))
+            s.load_state_dict(torch.load(d / _scheduler_file(i), weights_only=False))
+        for i, obj in enumerate(self._custom_objects):
+            obj.load_state_dict(torch.load(d / _custom_file(i), weights_only=False))
+        if (d / _SAMPLER_FILE).is_file():
+            states = torch.load(d / _SAMPLER_FILE, weights_only=True)
+            if len(states) != len(self._dataloaders):
+                raise RuntimeError(f"{d} holds the sampler states of {len(states)} dataloaders but "
+                                   f"{len(self._dataloaders)} are prepared; prepare the same dataloaders")
+            for dl, state in zip(self._dataloaders, states):
+                dl.set_epoch_rng_state(state)
         # Python's and numpy's RNG states are plain tuples; they need the non-weights unpickler.
         rng = torch.load(d / _RNG_FILE, weights_only=False)
         torch.set_rng_state(rng["torch"])

@@ -20,7 +20,7 @@ import torch
 from .config import EngineConfig
 
 _MODEL_FILE = "model.safetensors"
-_OPTIMIZER_FILE = "optimizer.pt"
+_OPTIMIZER_FILE = "optimizer.bin"  # accelerate's name
 
 
 @runtime_checkable
@@ -121,19 +121,23 @@ class MegatrainBackend:
     ) -> None:
         ec = engine_config_from(config)
         want = "bfloat16" if mixed_precision == "bf16" else "float32"
+        # Only a compute dtype the user wrote down can contradict mixed_precision; the default gives way to it.
+        explicit = isinstance(config, EngineConfig) or (
+            isinstance(config, dict) and "compute_dtype" in (config.get("megatrain") or {}))
         if ec.compute_dtype != want:
-            if isinstance(config, EngineConfig) or mixed_precision == "bf16":
+            if explicit:
                 raise ValueError(
-                    f"mixed_precision={mixed_precision!r} contradicts the engine's compute_dtype={ec.compute_dtype!r}"
+                    f"mixed_precision={mixed_precision!r} contradicts the engine's compute_dtype={ec.compute_dtype!r}; "
+                    "drop one of them"
                 )
-        elif mixed_precision == "bf16":
-            ec = EngineConfig.from_dict({**ec.to_dict(), "compute_dtype": "bfloat16"})
+            ec = EngineConfig.from_dict({**ec.to_dict(), "compute_dtype": want})
         self.engine_config = ec
         # Gradient checkpointing needs no switch: the engine recomputes every layer in backward, which
         # is exactly the FLOPs of HF's per-layer checkpointing on the other backends.
         self._config_clip = float(gradient_clipping)
         self._clipped = False
         self.engine: Any = None
+        self._optimizer_adopted = False
         self._skipped = False
 
     @property
@@ -148,21 +152,72 @@ class MegatrainBackend:
         self, model: Any | None, optimizer: torch.optim.Optimizer | None, *, micro_batch_size: int | None = None
     ) -> tuple[Any, torch.optim.Optimizer | None]:
         if model is None:
-            if optimizer is not None:
-                raise ValueError(
-                    'backend "megatrain": pass the model and its optimizer to the same prepare() call; the engine '
-                    "takes the optimizer over when it takes the model"
-                )
-            return None, None
+            if optimizer is None:
+                return None, None
+            if self.engine is None:
+                raise ValueError('backend "megatrain": prepare the model before (or together with) its optimizer')
+            return None, self._adopt_optimizer(optimizer)
         if self.engine is not None:
             raise RuntimeError('backend "megatrain" drives one model per Accelerator; build another Accelerator')
         from .engine import Engine
 
         self.engine = Engine(model, config=self.engine_config, optimizer=optimizer)
+        self._optimizer_adopted = optimizer is not None
         # The user's model object itself comes back: its parameters are the engine's host masters and its
         # forward runs the engine (megatrain/engine/model_object.py). The engine builds its own AdamW when
         # given none; hand that back only if the user gave one.
         return self.engine.module, (self.engine.optimizer if optimizer is not None else None)
+
+    def _adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """prepare(model) then prepare(optimizer), as accelerate allows: the user's optimizer replaces the AdamW the
+        engine built for itself, before any step. It may hold the model's parameters from before prepare(model)
+        or after it (the host masters)."""
+        eng = self.engine
+        if self._optimizer_adopted:
+            raise RuntimeError('backend "megatrain" drives one optimizer per model; it was prepared already')
+        if any(eng.optimizer.state.values()):
+            raise RuntimeError('backend "megatrain": the model has trained with its default optimizer already; '
+                               "prepare the optimizer before the first step")
+        if getattr(eng, "_layered", None) is not None:
+            raise RuntimeError('backend "megatrain" with optimizer_overlap: pass the model and its optimizer to the '
+                               "same prepare() call")
+        masters = dict(eng.named_parameters())
+        name_of = {id(p): n for n, p in masters.items()}
+        # The parameters the model had before prepare(model): the engine emptied each of them when it copied it
+        # into the store. An id alone could belong to a new tensor that reused a dead original's address, so only
+        # an emptied tensor is taken for an original.
+        before = getattr(eng, "_name_of", {})
+
+        def name(p: torch.Tensor) -> str | None:
+            if id(p) in name_of:
+                return name_of[id(p)]
+            return before.get(id(p)) if p.numel() == 0 else None
+
+        for group in optimizer.param_groups:
+            names = [name(p) for p in group["params"]]
+            if None in names:
+                raise ValueError('backend "megatrain": the optimizer holds a tensor that is not a parameter of the '
+                                 "prepared model; build it over model.parameters()")
+            group["params"] = [masters[n] for n in names]
+        optimizer.state.clear()
+        eng.optimizer = optimizer
+        self._optimizer_adopted = True
+        return optimizer
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp the accumulated gradients in the host slabs (the masters' .grad are views of them)."""
+        eng = self._require_engine()
+        eng.synchronize()
+        torch.nn.utils.clip_grad_value_([p for _, p in eng.named_parameters()], clip_value)
+        if hasattr(eng, "_norm"):
+            eng._norm = None  # the cached gradient norm no longer holds
+
+    def release(self) -> None:
+        """Forget the engine (free_memory); its host store goes once the user drops the model too."""
+        if self.engine is not None:
+            self.engine.synchronize()
+        self.engine = None
+        self._optimizer_adopted = False
 
     def _require_engine(self) -> Any:
         if self.engine is None:

@@ -115,9 +115,16 @@ class OptimizerSpec:
     weight_decay: float = 0.0  # DeepSpeed's default (torch.optim.AdamW's is 0.01)
     amsgrad: bool = False
     adam_w_mode: bool = True
+    # "SGD" (DeepSpeed hands its params to torch.optim.SGD; so does MegaTrain)
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
 
     def build(self, params: Iterable[Any]) -> torch.optim.Optimizer:
         """The torch optimizer these settings describe, over `params` (tensors or param groups)."""
+        if self.type == "SGD":
+            return torch.optim.SGD(list(params), lr=self.lr, momentum=self.momentum, dampening=self.dampening,
+                                   weight_decay=self.weight_decay, nesterov=self.nesterov)
         cls = torch.optim.AdamW if self.adam_w_mode else torch.optim.Adam
         # Masters always live in host memory as FP32, where torch's fused CPU kernel applies.
         return cls(list(params), lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
@@ -285,8 +292,10 @@ def _optimizer(d: dict[str, Any], args: Any) -> OptimizerSpec | None:
     name = sec.get("type")
     if not isinstance(name, str):
         raise _err(f"'optimizer.type' must be a string such as \"AdamW\", got {name!r}")
+    if name.lower() == "sgd":
+        return _sgd(dict(_section(sec, "params", "optimizer.")), args)
     if name.lower() not in _ADAM_TYPES:
-        raise _err(f"optimizer type {name!r} is not supported by MegaTrain; use \"AdamW\" or \"Adam\" "
+        raise _err(f"optimizer type {name!r} is not supported by MegaTrain; use \"AdamW\", \"Adam\" or \"SGD\" "
                    "(or pass your own torch optimizer to initialize())")
     kind = _ADAM_TYPES[name.lower()]
     p = dict(_section(sec, "params", "optimizer."))
@@ -341,6 +350,25 @@ def _optimizer(d: dict[str, Any], args: Any) -> OptimizerSpec | None:
     return OptimizerSpec(**out)
 
 
+def _sgd(p: dict[str, Any], args: Any) -> OptimizerSpec:
+    _check_keys(p, ("lr", "momentum", "dampening", "weight_decay", "nesterov"), "optimizer.params.")
+    if p.get("lr") == AUTO:
+        p["lr"] = _from_args(args, "learning_rate", "optimizer.params.lr", "write the learning rate")
+    if p.get("weight_decay") == AUTO:
+        p["weight_decay"] = _from_args(args, "weight_decay", "optimizer.params.weight_decay", "write e.g. 0.0")
+    if "lr" not in p:
+        raise _err("SGD needs 'optimizer.params.lr' (torch.optim.SGD has no default learning rate)")
+    out: dict[str, Any] = {"type": "SGD", "lr": _lr(p["lr"], "optimizer.params.lr")}
+    for k in ("momentum", "dampening", "weight_decay"):
+        if k in p:
+            out[k] = _float(p[k], f"optimizer.params.{k}", minimum=0.0)
+    if "nesterov" in p:
+        out["nesterov"] = _bool(p["nesterov"], "optimizer.params.nesterov")
+        if out["nesterov"] and (out.get("momentum", 0.0) <= 0 or out.get("dampening", 0.0) != 0):
+            raise _err("'optimizer.params.nesterov': true needs momentum > 0 and dampening 0 (as torch.optim.SGD)")
+    return OptimizerSpec(**out)
+
+
 def _scheduler_signature(kind: str) -> inspect.Signature:
     cls = SCHEDULES.get(kind) or getattr(torch.optim.lr_scheduler, kind)
     return inspect.signature(cls.__init__)
@@ -382,7 +410,7 @@ def _scheduler(d: dict[str, Any], opt: OptimizerSpec | None, args: Any) -> Sched
                 _int(p[k], f"scheduler.params.{k}", minimum=1)
         if "last_batch_iteration" in p:
             _int(p["last_batch_iteration"], "scheduler.params.last_batch_iteration", minimum=-1)
-        if kind != "WarmupLR" and "total_num_steps" not in p:
+        if kind in ("WarmupDecayLR", "WarmupCosineLR") and "total_num_steps" not in p:
             raise _err(f"{kind} needs 'scheduler.params.total_num_steps'")
         for k in ("warmup_min_lr", "warmup_max_lr"):
             if k in p and p[k] is not None:
@@ -484,18 +512,42 @@ def _engine(d: dict[str, Any], bf16: bool, zero: ZeroSpec) -> EngineConfig:
 # entry points
 
 
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # A key given twice would silently keep the last value; DeepSpeed refuses it too.
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _err(f"key {key!r} appears twice in one object; keep one")
+        out[key] = value
+    return out
+
+
+def _read_config_text(path: Path) -> Any:
+    """A DeepSpeed config file: JSON, or hjson (comments, unquoted keys, trailing commas) as DeepSpeed reads it."""
+    text = path.read_text()
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as json_error:
+        try:
+            import hjson
+        except ImportError:
+            raise _err(f"{path} is not valid JSON ({json_error}); DeepSpeed also reads hjson (comments, trailing "
+                       "commas): pip install hjson to read it the same way") from json_error
+        try:
+            return hjson.loads(text, object_pairs_hook=_no_duplicates)
+        except hjson.HjsonDecodeError as e:
+            raise _err(f"{path} is neither valid JSON nor valid hjson: {e}") from e
+
+
 def load_config_dict(config: dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
-    """The config as a dict: a dict is copied, a str/path is read as a JSON file."""
+    """The config as a dict: a dict is copied, a str/path is read as a JSON (or hjson) file."""
     if isinstance(config, dict):
         return json.loads(json.dumps(config))  # a deep copy that also proves it is plain JSON data
     if isinstance(config, (str, os.PathLike)):
         path = Path(config)
         if not path.is_file():
             raise FileNotFoundError(f"DeepSpeed config file {str(path)!r} does not exist")
-        try:
-            d = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise _err(f"{path} is not valid JSON: {e}") from e
+        d = _read_config_text(path)
         if not isinstance(d, dict):
             raise _err(f"{path} must hold a JSON object, got {type(d).__name__}")
         return d
@@ -524,7 +576,9 @@ def parse_config(config: dict[str, Any] | str | os.PathLike, args: Any = None, *
     bf16 = _precision(d, args, ignored)
     zero = _zero(d, ignored)
     steps_per_print = d.get("steps_per_print")
-    if steps_per_print is not None:
+    if isinstance(steps_per_print, float) and steps_per_print == math.inf:
+        steps_per_print = None  # accelerate writes inf to mean "never print", as DeepSpeed reads it
+    elif steps_per_print is not None:
         steps_per_print = _int(steps_per_print, "steps_per_print", minimum=1)
     wall = _bool(d.get("wall_clock_breakdown", False), "wall_clock_breakdown")
     drop_last = _bool(d.get("dataloader_drop_last", False), "dataloader_drop_last")
@@ -535,7 +589,11 @@ def parse_config(config: dict[str, Any] | str | os.PathLike, args: Any = None, *
     resolved = dict(d)
     resolved.update(train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga,
                     gradient_clipping=clip)
-    if opt is not None:
+    if opt is not None and opt.type == "SGD":
+        resolved["optimizer"] = {"type": "SGD", "params": {"lr": opt.lr, "momentum": opt.momentum,
+                                                           "dampening": opt.dampening, "weight_decay": opt.weight_decay,
+                                                           "nesterov": opt.nesterov}}
+    elif opt is not None:
         resolved["optimizer"] = {"type": opt.type, "params": {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps,
                                                               "weight_decay": opt.weight_decay}}
     if sched is not None:

@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from . import checkpoint as ckpt
 from .config import EngineConfig
 from .dsconfig import DeepSpeedConfig, parse_config
+from .integrations.fused_head import serve_fused_lm_head
 
 __all__ = ["initialize", "MegaTrainEngine", "DeepSpeedEngine", "init_distributed", "add_config_arguments", "zero",
            "comm"]
@@ -323,12 +324,25 @@ class MegaTrainEngine:
             with contextlib.suppress(Exception):  # an unsaveable generation config must not cost the weights
                 gen.save_pretrained(directory)
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """True whatever the config says: the weights are whole on the host, so a model save never needs a
+        gather and is never skipped (DeepSpeed at stage 3 would save no weights when this is false)."""
+        return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        """What accelerate / Trainer save at stage 3: every weight, the FP32 masters (nothing is 16-bit here)."""
+        sd = self.module.state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            sd = {k: v for k, v in sd.items() if k not in frozen}
+        return sd
+
     # -- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False,
                         keep_last: int | None = None) -> bool:
         """Everything needed to continue bit-exactly: FP32 masters, optimizer state, LR schedule, counters,
-        RNG states, config and `client_state` (JSON values and tensors), written crash-consistently.
+        RNG states, config and `client_state` (any picklable objects, as DeepSpeed), written crash-consistently.
 
         `keep_last=N` (MegaTrain's addition) deletes all but the N newest checkpoints afterwards.
         """
@@ -488,23 +502,33 @@ def _restore_rng(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None
 
 
 def _split_client_state(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    import json
+    """`client_state` as DeepSpeed keeps it: any picklable objects, pickled (torch.save) into one byte tensor, so
+    tuples, namespaces and tensors come back as they went in, covered by the checkpoint's checksums."""
+    import io
+    import pickle
 
-    out = {}
-    for key, value in state.items():
-        if torch.is_tensor(value):
-            tensors[f"{_CLIENT}{key}"] = value
-            out[key] = "__in_tensors__"
-            continue
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"client_state[{key!r}] cannot be saved ({e}); use JSON values or tensors") from e
-        out[key] = value
-    return out
+    buf = io.BytesIO()
+    try:
+        torch.save(dict(state), buf)
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        for key, value in state.items():
+            try:
+                torch.save(value, io.BytesIO())
+            except (pickle.PicklingError, TypeError, AttributeError):
+                raise TypeError(f"client_state[{key!r}] cannot be saved ({e}); client_state must be picklable, "
+                                "as DeepSpeed requires") from e
+        raise TypeError(f"client_state cannot be saved ({e}); it must be picklable, as DeepSpeed requires") from e
+    tensors[_CLIENT + "pickle"] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    return {"__pickled__": True}
 
 
 def _join_client_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    if meta.get("__pickled__"):
+        import io
+
+        # The checkpoint's own bytes, checksum-verified: the same trust DeepSpeed's torch.load gives them.
+        return torch.load(io.BytesIO(tensors[_CLIENT + "pickle"].numpy().tobytes()), weights_only=False)
+    # checkpoints written before client_state was pickled: JSON values and tensors
     return {k: tensors[f"{_CLIENT}{k}"] if v == "__in_tensors__" else v for k, v in meta.items()}
 
 
@@ -640,7 +664,12 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     else:
         engine_opt = None
 
+    if getattr(model, "is_gradient_checkpointing", False):
+        # Trainer / TRL switch HF's checkpointing on (TRL by default). The engine already recomputes each layer
+        # from its boundary activation; HF's own checkpoint would recompute again, outside the engine's binding.
+        model.gradient_checkpointing_disable()
     eng = Engine(model, config=engine_cfg, optimizer=engine_opt)
+    serve_fused_lm_head(model)
     opt = eng.optimizer if has_optimizer else None
 
     if lr_scheduler is not None:
@@ -734,10 +763,7 @@ class GatheredParameters(contextlib.ContextDecorator):
 
 
 zero = types.SimpleNamespace(Init=_NoOpContext, GatheredParameters=GatheredParameters)
-comm = types.SimpleNamespace(
-    get_rank=lambda group=None: 0, get_world_size=lambda group=None: 1, get_local_rank=lambda: 0,
-    is_initialized=lambda: True, barrier=lambda group=None, **kw: None,
-)
+from . import comm  # noqa: E402  (after init_distributed, which it re-exports lazily)
 
 
 class _CallableModule(types.ModuleType):

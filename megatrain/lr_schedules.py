@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 
 WARMUP_TYPES = ("log", "linear")
 
-__all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "SCHEDULES", "WARMUP_TYPES"]
+__all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest", "OneCycle", "SCHEDULES", "WARMUP_TYPES"]
 
 
 def _torch_optimizer(optimizer: Any) -> Optimizer:
@@ -227,8 +227,129 @@ class WarmupCosineLR(_Schedule):
         return [lr * ratio for lr in self.org_lrs]
 
 
+class LRRangeTest(_Schedule):
+    """The LR range test: lr = min_lr x (1 + step_rate x k), k = (iteration + 1) / step_size, rounded down when
+    `lr_range_test_staircase`; used to find the largest lr that still trains."""
+
+    def __init__(self, optimizer: Any, lr_range_test_min_lr: float | Sequence[float] = 1e-3,
+                 lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,
+                 lr_range_test_staircase: bool = False, last_batch_iteration: int = -1) -> None:
+        self.optimizer = _torch_optimizer(optimizer)
+        self.min_lr = _per_group(self.optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
+        if isinstance(lr_range_test_step_size, bool) or not isinstance(lr_range_test_step_size, int) \
+                or lr_range_test_step_size <= 0:
+            raise ValueError(f"lr_range_test_step_size must be a positive int, got {lr_range_test_step_size!r}")
+        self.step_size = lr_range_test_step_size
+        self.step_rate = lr_range_test_step_rate
+        self.staircase = lr_range_test_staircase
+        self._start(last_batch_iteration)
+
+    def get_lr(self) -> list[float]:
+        k = float(self.last_batch_iteration + 1) / self.step_size
+        if self.staircase:
+            k = math.floor(k)
+        increase = 1 + self.step_rate * k
+        return [lr * increase for lr in self.min_lr]
+
+
+class OneCycle(_Schedule):
+    """The 1-cycle policy: lr climbs from `cycle_min_lr` to `cycle_max_lr` over `cycle_first_step_size`
+    iterations and back over `cycle_second_step_size` (optionally in stairs), then decays by
+    `decay_lr_rate` every `decay_step_size`; with `cycle_momentum`, Adam's beta1 moves the opposite way
+    between `cycle_max_mom` and `cycle_min_mom`.
+
+    As in DeepSpeed, cycling momentum writes each group's betas as `(momentum, 0.99)`: beta2 becomes 0.99
+    whatever the optimizer had. With an optimizer that has no `betas` (SGD), momentum is not cycled.
+    """
+
+    def __init__(self, optimizer: Any, cycle_min_lr: float | Sequence[float], cycle_max_lr: float | Sequence[float],
+                 decay_lr_rate: float = 0.0, cycle_first_step_size: int = 2000,
+                 cycle_second_step_size: int | None = None, cycle_first_stair_count: int = 0,
+                 cycle_second_stair_count: int | None = None, decay_step_size: int = 0,
+                 cycle_momentum: bool = True, cycle_min_mom: float | Sequence[float] = 0.8,
+                 cycle_max_mom: float | Sequence[float] = 0.9, decay_mom_rate: float = 0.0,
+                 last_batch_iteration: int = -1) -> None:
+        self.optimizer = _torch_optimizer(optimizer)
+        first = float(cycle_first_step_size)
+        second = float(cycle_second_step_size) if cycle_second_step_size is not None else first
+        if first <= 0:
+            raise ValueError(f"cycle_first_step_size must be positive, got {cycle_first_step_size}")
+        if second < 0:
+            raise ValueError(f"cycle_second_step_size must be non-negative, got {cycle_second_step_size}")
+        self.first_step_size, self.second_step_size = first, second
+        self.total_size = first + second
+        self.step_ratio = first / self.total_size
+        self.first_stair_count = cycle_first_stair_count
+        self.second_stair_count = (cycle_first_stair_count if cycle_second_stair_count is None
+                                   else cycle_second_stair_count)
+        self.decay_step_size = decay_step_size
+        no_decay_steps = math.isclose(decay_step_size, 0)
+        self.min_lrs = _per_group(self.optimizer, cycle_min_lr, "cycle_min_lr")
+        self.max_lrs = _per_group(self.optimizer, cycle_max_lr, "cycle_max_lr")
+        self.decay_lr_rate = decay_lr_rate
+        self.skip_lr_decay = no_decay_steps or math.isclose(decay_lr_rate, 0)
+        self.cycle_momentum = cycle_momentum and "betas" in self.optimizer.defaults
+        self.decay_mom_rate = decay_mom_rate
+        self.skip_mom_decay = no_decay_steps or math.isclose(decay_mom_rate, 0)
+        if self.cycle_momentum:
+            self.min_moms = [(m, 0.99) for m in _per_group(self.optimizer, cycle_min_mom, "cycle_min_mom")]
+            self.max_moms = [(m, 0.99) for m in _per_group(self.optimizer, cycle_max_mom, "cycle_max_mom")]
+        self.last_batch_iteration = last_batch_iteration
+        self._last_lr = None
+        if last_batch_iteration == -1:
+            _write_lrs(self.optimizer, self.min_lrs)
+            if self.cycle_momentum:
+                for group, betas in zip(self.optimizer.param_groups, self.min_moms):
+                    group["betas"] = betas
+
+    def _scale(self) -> float:
+        it = self.last_batch_iteration + 1
+        cycle = math.floor(1 + it / self.total_size)
+        x = 1.0 + it / self.total_size - cycle
+        if x <= self.step_ratio:
+            scale, stairs = x / self.step_ratio, self.first_stair_count
+        else:
+            scale, stairs = (x - 1) / (self.step_ratio - 1), self.second_stair_count
+        if stairs > 0:
+            pos = it % self.total_size
+            if pos <= self.first_step_size:
+                position = pos * stairs / self.first_step_size
+            else:
+                position = (self.total_size - pos) * stairs / self.second_step_size
+            scale = math.floor(position) / stairs
+        return scale
+
+    def get_lr(self) -> list[float]:
+        if self.last_batch_iteration < self.total_size:
+            scale = self._scale()
+            return [lo + (hi - lo) * scale for lo, hi in zip(self.min_lrs, self.max_lrs)]
+        if self.skip_lr_decay:
+            return self.min_lrs
+        factor = 1 + self.decay_lr_rate * ((self.last_batch_iteration - self.total_size + 1) / self.decay_step_size)
+        return [lo / factor for lo in self.min_lrs]
+
+    def get_mom(self) -> list[tuple[float, float]] | None:
+        if not self.cycle_momentum:
+            return None
+        if self.last_batch_iteration < self.total_size:
+            scale = self._scale()
+            return [(hi[0] - (hi[0] - lo[0]) * scale, lo[1]) for lo, hi in zip(self.min_moms, self.max_moms)]
+        if self.skip_mom_decay:
+            return self.max_moms
+        factor = 1 + self.decay_mom_rate * ((self.last_batch_iteration - self.total_size + 1) / self.decay_step_size)
+        return [(b0 * factor, b1) for b0, b1 in self.max_moms]
+
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        super().step(last_batch_iteration)
+        if self.cycle_momentum:
+            for group, betas in zip(self.optimizer.param_groups, self.get_mom()):
+                group["betas"] = betas
+
+
 SCHEDULES: dict[str, type[_Schedule]] = {
     "WarmupLR": WarmupLR,
     "WarmupDecayLR": WarmupDecayLR,
     "WarmupCosineLR": WarmupCosineLR,
+    "LRRangeTest": LRRangeTest,
+    "OneCycle": OneCycle,
 }

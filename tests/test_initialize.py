@@ -329,8 +329,19 @@ def test_checkpoint_errors_and_retention(tmp_path):
     with pytest.raises(ck.CheckpointError, match=rf"t2/{ck.TENSORS_FILE}: corrupt"):
         engine.load_checkpoint(tmp_path)
     engine.load_checkpoint(tmp_path, tag="t1")
-    with pytest.raises(TypeError, match=r"client_state\['f'\]"):
-        engine.save_checkpoint(tmp_path, client_state={"f": object()})
+    with pytest.raises(TypeError, match=r"client_state\['f'\].*picklable"):
+        engine.save_checkpoint(tmp_path, client_state={"f": lambda: 0})
+
+
+def test_client_state_takes_any_picklable_object(tmp_path):
+    import argparse
+
+    engine, *_ = _init(config=_cfg())
+    state = {"args": argparse.Namespace(lr=0.1, name="x"), "pair": (1, 2), "ids": torch.arange(3), "nested": {"t": (3,)}}
+    engine.save_checkpoint(tmp_path, client_state=state)
+    _, back = engine.load_checkpoint(tmp_path)
+    assert back["args"] == state["args"] and back["pair"] == (1, 2) and isinstance(back["pair"], tuple)
+    assert torch.equal(back["ids"], state["ids"]) and back["nested"] == {"t": (3,)}
 
 
 @pytest.mark.parametrize("tied", [False, True])

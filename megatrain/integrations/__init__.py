@@ -1,0 +1,1 @@
+"""Bridges from the tools people already train with to MegaTrain (Hugging Face Trainer, TRL, DeepSpeed)."""

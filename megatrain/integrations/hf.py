@@ -1,0 +1,139 @@
+"""`import megatrain.integrations.hf`: Trainer / TRL runs whose DeepSpeed config has a "megatrain" section train
+on MegaTrain; every other DeepSpeed config still runs on real DeepSpeed.
+
+Hugging Face `Trainer` (and TRL's trainers, which subclass it) reach DeepSpeed through accelerate, which calls
+`deepspeed.initialize(...)`. Importing this module replaces that one function with a dispatcher: a config
+holding a "megatrain" section goes to `megatrain.initialize` (same arguments, same four results), anything
+else to DeepSpeed's own; `deepspeed.zero.Init` (which transformers enters to build a model at stage 3) is
+a no-op for such a config and transformers' `is_deepspeed_zero3_enabled()` is false for it, since MegaTrain
+partitions nothing: it takes the whole model over itself. It also makes DeepSpeed's config parser refuse a "megatrain" section, so a config
+that reaches real DeepSpeed by any other road (its own `initialize` kept from before the import,
+`init_inference`, a hand-built engine) is an error instead of a run that silently ignores the section.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+__all__ = ["install", "uninstall", "installed", "has_megatrain_section", "MegaTrainSectionError"]
+
+_SECTION = "megatrain"
+_saved: dict[str, Any] = {}
+
+
+class MegaTrainSectionError(ValueError):
+    """A DeepSpeed config with a "megatrain" section reached real DeepSpeed, which would ignore it."""
+
+
+def _config_dict(config: Any) -> dict[str, Any] | None:
+    if isinstance(config, dict):
+        return config
+    if config is not None and hasattr(config, "config") and isinstance(config.config, dict):
+        return config.config  # transformers' HfDeepSpeedConfig
+    if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
+        from ..dsconfig import load_config_dict
+
+        return load_config_dict(config)
+    return None
+
+
+def has_megatrain_section(config: Any) -> bool:
+    """Whether a DeepSpeed config (dict, JSON/hjson path or HfDeepSpeedConfig) carries a "megatrain" section."""
+    d = _config_dict(config)
+    return d is not None and _SECTION in d
+
+
+def _route_config(args: Any, kwargs: dict[str, Any]) -> Any:
+    for key in ("config", "config_params"):
+        if kwargs.get(key) is not None:
+            return kwargs[key]
+    return getattr(args, "deepspeed_config", None) if args is not None else None
+
+
+def _refusal(where: str) -> MegaTrainSectionError:
+    return MegaTrainSectionError(
+        f"this DeepSpeed config has a 'megatrain' section but reached real DeepSpeed ({where}), which would "
+        "train without MegaTrain and ignore the section. Call megatrain.initialize (or `import megatrain as "
+        "deepspeed`), or `import megatrain.integrations.hf` before building the Trainer / Accelerator; "
+        "to train on DeepSpeed, remove the 'megatrain' section")
+
+
+def install() -> None:
+    """Route `deepspeed.initialize` by config and make DeepSpeed's config parser refuse a "megatrain" section.
+
+    Idempotent. Needs the `deepspeed` package (Trainer's DeepSpeed path needs it anyway).
+    """
+    if _saved:
+        return
+    try:
+        import deepspeed
+        from accelerate.utils.deepspeed import HfDeepSpeedConfig
+        from deepspeed.runtime.config import DeepSpeedConfig
+    except ImportError as e:
+        raise ImportError("megatrain.integrations.hf routes Trainer's DeepSpeed path, which needs the deepspeed "
+                          "package: pip install 'megatrain[deepspeed]'") from e
+
+    real_initialize = deepspeed.initialize
+    real_config_init = DeepSpeedConfig.__init__
+    real_zero_init = deepspeed.zero.Init
+    real_is_zero3 = HfDeepSpeedConfig.is_zero3
+
+    @functools.wraps(real_initialize)
+    def initialize(args: Any = None, *rest: Any, **kwargs: Any) -> Any:
+        if has_megatrain_section(_route_config(args, kwargs)):
+            from .. import initialize as mt_initialize
+
+            return mt_initialize(args, *rest, **kwargs)
+        return real_initialize(args, *rest, **kwargs)
+
+    def zero_init(*args: Any, **kwargs: Any) -> Any:
+        # transformers builds models under deepspeed.zero.Init when the config says stage 3; MegaTrain wants the
+        # model whole on the host (it takes the storage over itself), so a MegaTrain config gets a no-op context.
+        config = kwargs.get("config_dict_or_path", kwargs.get("config"))
+        if has_megatrain_section(config):
+            from ..initialize import zero as mt_zero
+
+            return mt_zero.Init(*args, **kwargs)
+        return real_zero_init(*args, **kwargs)
+
+    @functools.wraps(real_is_zero3)
+    def is_zero3(self: Any) -> bool:
+        # transformers asks this (is_deepspeed_zero3_enabled) before building, initialising, loading or generating
+        # with a partitioned model; under MegaTrain nothing is partitioned, whatever stage the config names.
+        return False if has_megatrain_section(self.config) else real_is_zero3(self)
+
+    @functools.wraps(real_config_init)
+    def config_init(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        if has_megatrain_section(config):
+            raise _refusal("deepspeed.runtime.config.DeepSpeedConfig")
+        real_config_init(self, config, *args, **kwargs)
+
+    _saved.update(initialize=real_initialize, config_init=real_config_init, zero_init=real_zero_init,
+                  is_zero3=real_is_zero3)
+    deepspeed.initialize = initialize
+    HfDeepSpeedConfig.is_zero3 = is_zero3
+    deepspeed.zero.Init = zero_init
+    DeepSpeedConfig.__init__ = config_init
+
+
+def uninstall() -> None:
+    """Undo `install()` (tests; a process that wants real DeepSpeed only again)."""
+    if not _saved:
+        return
+    import deepspeed
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    deepspeed.initialize = _saved.pop("initialize")
+    deepspeed.zero.Init = _saved.pop("zero_init")
+    HfDeepSpeedConfig.is_zero3 = _saved.pop("is_zero3")
+    DeepSpeedConfig.__init__ = _saved.pop("config_init")
+
+
+def installed() -> bool:
+    return bool(_saved)
+
+
+install()

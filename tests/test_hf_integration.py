@@ -1,0 +1,174 @@
+"""Hugging Face Trainer and TRL's SFTTrainer on MegaTrain (megatrain.integrations.hf), run as a user would:
+the examples/ scripts, each once on plain Trainer and once on MegaTrain, compared step by step; plus the
+routing rules themselves (a "megatrain" section never reaches real DeepSpeed) and the fused-LM-head outputs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+HAS_TRL = importlib.util.find_spec("trl") is not None
+needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="Trainer's DeepSpeed path needs deepspeed")
+TOL = 1e-5
+
+
+def _env() -> dict[str, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+               LOCAL_RANK="0", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # DeepSpeed's op builder wants ninja
+    return env
+
+
+def _run(args: list[str], tmp: Path) -> str:
+    r = subprocess.run([sys.executable, *args], cwd=tmp, env=_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return r.stdout
+
+
+def _drive(backend: str, scripts: list[str], tmp: Path) -> dict:
+    out = _run([str(ROOT / "tests" / "hf_example_driver.py"), backend, str(tmp),
+                *(str(ROOT / "examples" / s) for s in scripts)], tmp)
+    line = next(ln for ln in out.splitlines() if ln.startswith("REPORT "))
+    return {Path(k).name: v for k, v in json.loads(line[len("REPORT "):]).items()}
+
+
+def _check_trainer_run(script: str, plain: dict, full: dict, resumed: dict, tmp: Path) -> None:
+    # Trained by MegaTrain's engine (not by DeepSpeed or DDP), for all 8 optimizer steps.
+    assert full["engine"] == "MegaTrainEngine" and full["engine_global_steps"] == 8
+    assert plain["engine"] != "MegaTrainEngine"
+    steps = [str(i) for i in range(1, 9)]
+    assert sorted(full["losses"], key=int) == steps and sorted(plain["losses"], key=int) == steps
+    diffs = [abs(full["losses"][s] - plain["losses"][s]) for s in steps]
+    assert max(diffs) <= TOL, (script, diffs)
+    # Control: consecutive losses differ by far more than the tolerance, so comparing misaligned or stale
+    # steps could not pass.
+    moves = [abs(plain["losses"][a] - plain["losses"][b]) for a, b in zip(steps, steps[1:])]
+    assert min(moves) > 10 * TOL, moves
+    assert abs(full["eval_loss"] - plain["eval_loss"]) <= TOL
+
+    # The resumed trainer restored the engine's counters and continued bit-identically.
+    assert resumed["engine_global_steps"] == 8
+    assert resumed["losses"] == full["losses"]
+    assert resumed["eval_loss"] == full["eval_loss"]
+    where = tmp / Path(script).stem
+    final = load_file(where / "full" / "final" / "model.safetensors")
+    again = load_file(where / "resumed" / "final" / "model.safetensors")
+    assert final.keys() == again.keys()
+    assert all(torch.equal(final[k], again[k]) for k in final)
+    at4 = load_file(where / "full" / "checkpoint-4" / "model.safetensors")
+    assert any(not torch.equal(final[k], at4[k]) for k in final), "control: training past step 4 changed nothing"
+    # save_model wrote the whole model, every key plain Trainer writes (its values are what eval_loss measured).
+    ref = load_file(where / "plain" / "final" / "model.safetensors")
+    assert final.keys() == ref.keys()
+    assert all(final[k].shape == ref[k].shape and final[k].dtype == ref[k].dtype for k in final)
+
+
+@needs_deepspeed
+@pytest.mark.skipif(not HAS_TRL, reason="needs trl")
+def test_trainer_and_sft_trainer_on_megatrain_match_plain_save_resume_and_evaluate(tmp_path):
+    """examples/hf_trainer.py (Trainer) and examples/trl_sft.py (SFTTrainer), unchanged, on both backends."""
+    scripts = ["hf_trainer.py", "trl_sft.py"]
+    plain = _drive("torch", scripts, tmp_path)
+    mt = _drive("megatrain", scripts, tmp_path)
+    for script in scripts:
+        _check_trainer_run(script, plain[script]["plain"], mt[script]["full"], mt[script]["resumed"], tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the routing rules, in this process
+
+
+@pytest.fixture
+def routed():
+    hf = pytest.importorskip("megatrain.integrations.hf") if HAS_DEEPSPEED else pytest.skip("needs deepspeed")
+    hf.install()
+    yield hf
+    hf.uninstall()
+
+
+def _ds_cfg(**extra):
+    return {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **extra}
+
+
+def test_a_megatrain_section_reaching_real_deepspeed_is_an_error(routed):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    with pytest.raises(routed.MegaTrainSectionError, match="'megatrain' section"):
+        DeepSpeedConfig(_ds_cfg(megatrain={}))
+    DeepSpeedConfig(_ds_cfg())  # without the section real DeepSpeed parses it as before
+    routed.uninstall()
+    DeepSpeedConfig(_ds_cfg(megatrain={}))  # control: it is the installed guard that refuses, nothing else
+
+
+def test_a_megatrain_section_in_a_json_file_is_refused_too(routed, tmp_path):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_ds_cfg(megatrain={"compute_dtype": "float32"})))
+    with pytest.raises(routed.MegaTrainSectionError):
+        DeepSpeedConfig(str(path))
+
+
+def test_deepspeed_initialize_routes_by_the_section(routed):
+    import deepspeed
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig
+
+    from megatrain.initialize import MegaTrainEngine
+
+    engine, opt, _, _ = deepspeed.initialize(model=tiny_model(), config=_ds_cfg(megatrain={}))
+    assert isinstance(engine, MegaTrainEngine) and opt is engine.optimizer
+    stage3 = _ds_cfg(zero_optimization={"stage": 3})
+    assert HfDeepSpeedConfig(stage3).is_zero3()
+    assert not HfDeepSpeedConfig({**stage3, "megatrain": {}}).is_zero3()  # nothing is partitioned on MegaTrain
+    with deepspeed.zero.Init(config_dict_or_path={**stage3, "megatrain": {}}):
+        layer = torch.nn.Linear(3, 3)
+    assert not hasattr(layer.weight, "ds_id")  # built whole, not partitioned by DeepSpeed
+
+
+# ---------------------------------------------------------------------------------------------------
+# TRL's fused LM head, served from the engine's logits
+
+
+@pytest.mark.skipif(not HAS_TRL, reason="needs trl")
+def test_fused_lm_head_outputs_equal_trls_own(clone):
+    from trl.trainer.utils import add_fused_lm_head
+
+    from megatrain.integrations.fused_head import fused_lm_head_forward
+
+    model = tiny_model()
+    ours_model = clone(model)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (2, 12), generator=g)
+    labels = ids.clone()
+    labels[0, :4] = -100
+    ref = model(input_ids=ids, labels=labels, fused_lm_head=True, num_items_in_batch=17)
+
+    def engine_like(input_ids, return_logits=False, **kw):  # what the engine-run model returns: logits
+        return ours_model(input_ids=input_ids, **kw)
+
+    ours = fused_lm_head_forward(engine_like, ids, {"labels": labels, "num_items_in_batch": 17})
+    for field in ("log_probs", "entropy"):
+        torch.testing.assert_close(getattr(ours, field), getattr(ref, field), rtol=0, atol=1e-5)
+    assert torch.equal(ours.is_top1.bool(), ref.is_top1.bool()) and torch.equal(ours.label_mask, ref.label_mask)
+    torch.testing.assert_close(ours.loss, ref.loss, rtol=0, atol=1e-6)
+    # Control: scoring unshifted labels (an off-by-one) is caught by the same comparison.
+    wrong = fused_lm_head_forward(engine_like, ids, {"shift_labels": labels, "num_items_in_batch": 17})
+    assert (wrong.loss - ref.loss).abs() > 1e-3
