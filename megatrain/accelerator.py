@@ -35,7 +35,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from .backend import Backend, MegatrainBackend
 from .config import EngineConfig
 
-BACKENDS = ("megatrain", "zero3", "torch")
+BACKENDS = ("megatrain", "zero3", "zero3-alst", "torch")
 _MIXED_PRECISION = ("no", "bf16")
 _FACE_FILE = "accelerator.json"
 _RNG_FILE = "random_states.pt"
@@ -272,6 +272,10 @@ def _make_backend(name: str, **kwargs: Any) -> Backend:
         from baselines.zero3 import Zero3Backend
 
         return Zero3Backend(**kwargs)
+    if name == "zero3-alst":
+        from baselines.alst import Zero3AlstBackend
+
+        return Zero3AlstBackend(**kwargs)
     raise ValueError(f"backend={name!r} is not one of {BACKENDS}")
 
 
@@ -357,7 +361,7 @@ class Accelerator:
 
     @property
     def distributed_type(self) -> str:
-        return "DEEPSPEED" if self.backend.name == "zero3" else "NO"
+        return "DEEPSPEED" if self.backend.name in ("zero3", "zero3-alst") else "NO"
 
     def wait_for_everyone(self) -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
