@@ -172,6 +172,8 @@ def tile_loss(model: torch.nn.Module, tile_tokens: int | None) -> None:
     vocab = cfg.vocab_size
     tile = tile_tokens or max(1, _LOSS_TILE_LOGIT_BYTES // (4 * vocab))
     full_forward = model.forward
+    embedding = model.get_input_embeddings()
+    tied = [p for p in model.lm_head.parameters() if any(p is q for q in embedding.parameters())]
 
     def forward(self: torch.nn.Module, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 **kwargs: Any) -> Any:
@@ -186,11 +188,18 @@ def tile_loss(model: torch.nn.Module, tile_tokens: int | None) -> None:
         scale = shards / max(valid, 1)
 
         def loss_fn(head: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            # A head tied to the embedding gets a second gradient in backward; ZeRO-3 must reduce the
+            # sum once (two entries of one parameter in its reduce bucket fail an assertion), so the
+            # last tile's "ready" mark is withdrawn here and given back once the loss is done.
+            for p in tied:
+                p.ds_grad_is_ready = False
             logits = head(x).float()
             return torch.nn.functional.cross_entropy(logits, y, ignore_index=-100, reduction="sum") * scale
 
         loss = TiledFusedLogitsLoss.apply(loss_fn, self.lm_head, hidden, shift, None, shards,
                                           list(self.lm_head.parameters()), "mean")
+        for p in tied:
+            p.ds_grad_is_ready = True
         return CausalLMOutputWithPast(loss=loss)
 
     model.forward = types.MethodType(forward, model)
