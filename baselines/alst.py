@@ -211,6 +211,8 @@ class Zero3AlstBackend(Zero3Backend):
     `TiledFusedLogitsLoss` computes the LM head's gradient inside the forward, for a loss that is then
     backpropagated with gradient 1; a loss scaled afterwards (gradient accumulation divides it) would
     scale the rest of the model but not the head, so accumulation is refused rather than trained wrong.
+    Activation checkpointing is always on (the host offload acts on its checkpoints), whatever the
+    Accelerator's `gradient_checkpointing` says.
     """
 
     name = NAME
