@@ -51,12 +51,16 @@ FIELDS = ["model", "backend", "seq_len", "fits", "status", "reason", "peak_devic
 ZERO3_LEAN = {"zero_optimization": {"reduce_bucket_size": 1_000_000, "stage3_max_live_parameters": 0,
                                     "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0,
                                     "stage3_param_persistence_threshold": 0}}
+# "zero3-alst" adds DeepSpeed's own long-sequence pieces (baselines/alst.py: tiled loss, tiled MLP, checkpoints
+# offloaded to the host) to the lean configuration: DeepSpeed at its best for context length on one device.
 BACKENDS = {"megatrain": ("megatrain", {}), "torch": ("torch", {}), "zero3": ("zero3", {}),
-            "zero3-lean": ("zero3", ZERO3_LEAN)}
+            "zero3-lean": ("zero3", ZERO3_LEAN), "zero3-alst": ("zero3-alst", ZERO3_LEAN)}
 
 
 def _point(model: str, backend: str, seq: int, max_pos: int) -> Point:
-    return Point(backend=BACKENDS[backend][0], model=model, seq_len=seq, max_positions=max_pos)
+    face = BACKENDS[backend][0]  # a sweep point knows the stacks, not their variants: zero3-alst runs DeepSpeed
+    return Point(backend="zero3" if face.startswith("zero3") else face, model=model, seq_len=seq,
+                 max_positions=max_pos)
 
 
 def worker(model_name: str, backend: str, seq: int, max_pos: int, budget: int) -> dict[str, Any]:
@@ -89,6 +93,11 @@ def worker(model_name: str, backend: str, seq: int, max_pos: int, budget: int) -
     config: dict[str, Any] = {"gradient_clipping": 1.0, **extra}
     if backend == "megatrain":
         config["megatrain"] = {"device_budget_bytes": budget}
+    if backend == "zero3-alst":
+        from baselines.alst import set_host_copy_context
+        from megatrain.engine.memtrack import host_allocations
+
+        set_host_copy_context(host_allocations)  # its offloaded checkpoints are host memory, as on a GPU machine
     acc = Accelerator(backend=backend, config=config, gradient_checkpointing=True)
     model = build_model(pt)
     # as the sweep harness: torch's fused kernel (no per-step temporaries of the foreach one); ZeRO offload
@@ -186,7 +195,11 @@ def write_readme(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace
         "gradient reduce buckets, gathered parameters) count; those allocated before the first step do not.",
         "- `zero3` is DeepSpeed ZeRO-3 CPU offload with DeepSpeed's defaults; `zero3-lean` is the same tuned for the "
         "least device memory (1M-element reduce buckets instead of 500M, nothing kept gathered, no prefetch, no "
-        "persistent parameters): the strongest ZeRO-3 a user chasing context length would configure.",
+        "persistent parameters). `zero3-alst` is `zero3-lean` plus DeepSpeed's long-sequence (ALST) pieces: "
+        "`TiledFusedLogitsLoss` (no full logits), `TiledMLP` (the MLP in sequence tiles) and DeepSpeed activation "
+        "checkpointing with `cpu_checkpointing` (each layer's checkpoint in host memory, not counted as device "
+        "memory; its copy back for the recompute is): the strongest ZeRO-3 a user chasing context length would "
+        "configure.",
         "- Each point: its own process, the public `Accelerator(backend=...)`, two training steps (forward, "
         "backward, AdamW), the second timed. torch and zero3 with HF gradient checkpointing and HF's loss; "
         "megatrain with its defaults and `device_budget_bytes` set to the budget, from which it picks its "
@@ -211,11 +224,14 @@ def write_readme(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace
         shown = f">= {longest[b]} (the longest tried)" if capped else str(longest[b])
         first_over = f"{over['seq_len']} ({over['status']}: {over['reason']})" if over else ""
         lines.append(f"| {b} | {shown} | {first_over} |")
-    for other in ("torch", "zero3", "zero3-lean"):
+    for other in ("torch", "zero3", "zero3-lean", "zero3-alst"):
         if other in longest and "megatrain" in longest:
             n = longest[other]
             lines.append("")
-            lines.append(f"megatrain / {other}: " + (f"{longest['megatrain'] / n:.1f}x" if n else
+            fit_all = {b: not any(r["backend"] == b and not r["fits"] for r in rows) for b in ("megatrain", other)}
+            note = (f" (not a bound: {other} fit every length tried)" if fit_all[other] else
+                    " (a lower bound: megatrain fit every length tried)" if fit_all["megatrain"] else "")
+            lines.append(f"megatrain / {other}: " + (f"{longest['megatrain'] / n:.1f}x{note}" if n else
                                                        f"{other} fits no length tried"))
     lines += ["", "## All points", "",
               "| backend | seq_len | status | device GiB | predicted GiB (planner) | error | of which static | "
@@ -225,23 +241,26 @@ def write_readme(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace
     def fmt(v: Any, spec: str, scale: float = 1.0) -> str:
         return "" if v is None else format(v / scale, spec)
 
-    errors = []
+    errors: dict[str, list[float]] = {}
     for r in rows:
-        pred = predicted_peak(args.model, r["seq_len"], budget) if r["backend"] == "megatrain" else None
+        pred = (predicted_peak(args.model, r["seq_len"], budget) if r["backend"] == "megatrain" else
+                predicted_alst_peak(args.model, r["seq_len"]) if r["backend"] == "zero3-alst" else None)
         err = None
         if pred is not None and r["fits"] and r.get("peak_device_bytes"):
             err = 100 * (pred / r["peak_device_bytes"] - 1)
-            errors.append(err)
+            errors.setdefault(r["backend"], []).append(err)
         lines.append(" | ".join([
             f"| {r['backend']}", str(r["seq_len"]), r["status"], fmt(r.get("peak_device_bytes"), ".3f", 2**30),
             fmt(pred, ".3f", 2**30), fmt(err, "+.1f") + ("%" if err is not None else ""),
             fmt(r.get("static_device_bytes"), ".3f", 2**30), fmt(r.get("tokens_per_s"), ".1f"),
             fmt(r.get("step_time_s"), ".1f"), fmt(r.get("mlp_tile_tokens"), ".0f"), fmt(r.get("loss_chunk_tokens"), ".0f"),
             fmt(r.get("activations_offloaded"), ".0f"), fmt(r.get("peak_rss_bytes"), ".2f", 2**30)]) + " |")
-    if errors:
-        lines += ["", f"Memory model (`megatrain plan`, the engine's own policy) vs measured peak device bytes over the "
-                      f"megatrain points that ran: worst error {max(errors, key=abs):+.1f}%, mean |error| "
-                      f"{sum(map(abs, errors)) / len(errors):.1f}%."]
+    for b, label in (("megatrain", "`megatrain plan`, the engine's own policy"),
+                     ("zero3-alst", "megatrain/planner/alst.py, the terms of what that configuration holds")):
+        errs = errors.get(b)
+        if errs:
+            lines += ["", f"Memory model ({label}) vs measured peak device bytes over the {b} points that ran: worst "
+                          f"error {max(errs, key=abs):+.1f}%, mean |error| {sum(map(abs, errs)) / len(errs):.1f}%."]
     reading = out / "reading.md"  # the reading of a run, written by hand, kept across report rebuilds
     if reading.exists():
         lines += ["", reading.read_text().rstrip()]
@@ -262,6 +281,14 @@ def predicted_peak(model: str, seq: int, budget: int) -> int:
     pl = plan(model, seq, batch=1, dtype="float32", backend="megatrain",
               engine_config=EngineConfig(device_budget_bytes=budget), hardware="cpu")
     return int(pl.long_context.peak_bytes)
+
+
+def predicted_alst_peak(model: str, seq: int) -> int:
+    """The planner's device peak for zero3-alst at this point: FP32, micro-batch 1, the backend's default tiles."""
+    from megatrain.models.presets import get_preset
+    from megatrain.planner.alst import zero3_alst_peak_bytes
+
+    return zero3_alst_peak_bytes(get_preset(model), seq, 4)
 
 
 def _backends(text: str) -> list[str]:

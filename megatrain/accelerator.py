@@ -39,7 +39,7 @@ from .config import EngineConfig
 from .project import latest_dir, make_project_config, save_dir
 from .tracking import make_trackers
 
-BACKENDS = ("megatrain", "zero3", "torch")
+BACKENDS = ("megatrain", "zero3", "zero3-alst", "torch")
 _MIXED_PRECISION = ("no", "bf16")
 _FACE_FILE = "accelerator.json"
 # accelerate's own file names in a save_state folder (accelerate.utils.constants)
@@ -367,6 +367,10 @@ def _make_backend(name: str, **kwargs: Any) -> Backend:
         from baselines.zero3 import Zero3Backend
 
         return Zero3Backend(**kwargs)
+    if name == "zero3-alst":
+        from baselines.alst import Zero3AlstBackend
+
+        return Zero3AlstBackend(**kwargs)
     raise ValueError(f"backend={name!r} is not one of {BACKENDS}")
 
 
@@ -533,7 +537,7 @@ class Accelerator:
 
     @property
     def distributed_type(self) -> str:
-        return "DEEPSPEED" if self.backend.name == "zero3" else "NO"
+        return "DEEPSPEED" if self.backend.name in ("zero3", "zero3-alst") else "NO"
 
     @contextlib.contextmanager
     def main_process_first(self) -> Iterator[None]:
