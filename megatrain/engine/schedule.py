@@ -6,6 +6,8 @@ the forward/backward turn the last k layers are still resident, so backward star
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .activations import ActivationStore, HostPool
@@ -62,6 +64,9 @@ class LayerPipeline:
         self.landed: list[Event] = [DONE] * len(store.layers)
         # The resident parameters' gradient reductions queued since the last wait (global_grads.py).
         self.globals_landed: list[Event] = []
+        # Called with a layer's index once its gradients are queued to the host (data parallel: the
+        # layer's average across ranks is queued behind them, overlapping the next layer's backward).
+        self.grad_sent: Callable[[int], None] | None = None
         self._rng: dict[int, tuple] = {}
         self.policy = policy
         self.tile: int | None = None  # MLP sequence tile of the current batch (None: untiled)
@@ -226,6 +231,8 @@ class LayerPipeline:
             self.freed[slot] = done
             self.trace.add_since("compute", "bwd", i, t0)
             self._send_grad(i, gw, done)
+            if self.grad_sent is not None:
+                self.grad_sent(i)
             acts.drop(i)
             g = gx
         return g
