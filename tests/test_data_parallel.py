@@ -98,7 +98,7 @@ def _gaps(ref: dict, got: dict) -> dict[str, float]:
 def _check_parity(results: list[dict], world: int, micro: int, faces: list[str]) -> None:
     example = _example()
     for face in faces:
-        ref = example.train(face, micro * world, 1, 0)
+        ref = example.train("accelerator" if face == "every_sync" else face, micro * world, 1, 0)
         assert len(ref["norms"]) == 3 and min(ref["norms"]) > 2 * example.CLIP  # clipping really acts
         gaps = _gaps(ref, results[0][face])
         assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (face, world, gaps)
@@ -118,15 +118,16 @@ def test_torchrun_two_ranks_match_one_process(tmp_path):
 
 
 def test_three_ranks_match_one_process_and_negative_control(tmp_path):
-    """3 gloo ranks x micro-batch 1 == 1 process x micro-batch 3; with the averaging skipped (the negative
-    control) the same comparison fails by far more than the tolerance."""
+    """3 gloo ranks x micro-batch 1 == 1 process x micro-batch 3, with every average delayed on its thread (a
+    missing wait would read or write a slab mid-average), also when every micro-batch averages; with the
+    averaging skipped (the negative control) the same comparison fails by far more than the tolerance."""
     args = {"faces": ["deepspeed", "accelerator"], "micro": 1, "steps": 3, "accumulation": 2, "watchdog_s": 120.0,
-            "control": "skip_average"}
+            "stall_s": 0.05, "every_sync": True, "control": "skip_average"}
     ranks = Ranks(3, [str(WORKER), str(tmp_path), json.dumps(args)], tmp_path)
     codes = ranks.wait()
     assert codes == [0, 0, 0], ranks.log(0)[-3000:]
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
-    _check_parity(results, 3, 1, ["deepspeed", "accelerator"])
+    _check_parity(results, 3, 1, ["deepspeed", "accelerator", "every_sync"])
     ref = _example().train("deepspeed", 3, 1, 0)
     gaps = _gaps(ref, results[0]["control"])
     assert gaps["params"] > 100 * TOL and gaps["norms"] > 100 * TOL, gaps

@@ -391,6 +391,9 @@ class Engine:
         t0 = time.perf_counter()
         params = self._device_globals
         average = self.dp is not None and sync
+        if self.dp is not None:
+            # The resident parameters' slab may still be being averaged (last backward): the adds below wait.
+            self.pipeline.synchronize_global_grads()
         self._in_backward = True
         try:
             g, *grads = torch.autograd.grad(loss, [p.h_last, *params, *earlier], allow_unused=True)

@@ -151,7 +151,9 @@ class LayerPipeline:
                     group.view(group.grad, slot).add_(g)
                 return nbytes
 
-            self.landed[layer] = self.streams.d2h.submit(reduce, (after, self.zeroed[layer]), "grad", layer)
+            # After the slab's last writer too: data parallel averages it on another thread (engine/distributed.py).
+            self.landed[layer] = self.streams.d2h.submit(reduce, (after, self.zeroed[layer], self.landed[layer]),
+                                                         "grad", layer)
             return
         i = self._next_staging
         self._next_staging = (i + 1) % len(self._staging)
@@ -171,7 +173,8 @@ class LayerPipeline:
             accumulate(group.grad, staging, self.reduce_scratch)
             return 0
 
-        self._staging_free[i] = self._reducer.submit(reduce, (copied, self.zeroed[layer]), "reduce", layer)
+        self._staging_free[i] = self._reducer.submit(reduce, (copied, self.zeroed[layer], self.landed[layer]),
+                                                     "reduce", layer)
         self.landed[layer] = self._staging_free[i]
 
     def synchronize_grads(self) -> None:
