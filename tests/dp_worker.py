@@ -2,9 +2,8 @@
 
 Run as `python tests/dp_worker.py OUT_DIR JSON_ARGS` with torchrun's variables in the environment.
 JSON_ARGS: faces, micro, steps, accumulation, watchdog_s, and
-  stall_s: seconds every gradient average sleeps first (widens any missing wait into a wrong result),
   every_sync: also train the accelerator face with every micro-batch's backward averaging (not only the
-      last before a step): the slab is then averaged while the next micro-batch's gradients arrive,
+      last before a step): slabs holding an averaged part plus local parts are averaged again,
   control: "skip_average" — every rank keeps its own gradients (the negative control of the parity test),
   fault: "die" | "hang" — rank 1 exits / sleeps before its third forward, after writing OUT_DIR/fault_time.
 """
@@ -58,14 +57,6 @@ def main() -> None:
         inject_fault(fault, out)
     from megatrain.engine.distributed import DataParallel
 
-    if args.get("stall_s"):
-        init = DataParallel.__init__
-
-        def stalled(self, *a, **k):
-            init(self, *a, **k)
-            self.stream.stall_s = args["stall_s"]
-
-        DataParallel.__init__ = stalled
     results = example.run(args["faces"], args["micro"], args["steps"], args["accumulation"], args["watchdog_s"])
     if args.get("every_sync"):
         from megatrain.backend import MegatrainBackend

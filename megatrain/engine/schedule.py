@@ -152,6 +152,8 @@ class LayerPipeline:
                 return nbytes
 
             # After the slab's last writer too: data parallel averages it on another thread (engine/distributed.py).
+            # (Today the engine's wait for the resident parameters' average at the start of each backward also
+            # orders this, the averages being one FIFO; this keeps each slab's own order explicit.)
             self.landed[layer] = self.streams.d2h.submit(reduce, (after, self.zeroed[layer], self.landed[layer]),
                                                          "grad", layer)
             return
