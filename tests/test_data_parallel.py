@@ -196,3 +196,47 @@ def test_gradient_adds_wait_for_a_running_average(slow):
         eng.step()
         weights.append(eng.state_dict())
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+# ---------------------------------------------------------------------------------------------------
+# the pieces around the engine, in this process
+
+
+def test_batch_sizes_split_over_the_world_as_deepspeed_does():
+    from megatrain.dsconfig import parse_config
+
+    c = parse_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, world_size=4)
+    assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps) == (24, 2, 3)
+    c = parse_config({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 2}, world_size=4)
+    assert c.gradient_accumulation_steps == 3
+    with pytest.raises(ValueError, match=r"world size \(4\) = 16"):
+        parse_config({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2},
+                     world_size=4)
+
+
+def test_prepared_loader_gives_each_rank_every_nth_batch():
+    from megatrain.accelerator import GradientState, PreparedDataLoader
+
+    loader = torch.utils.data.DataLoader(torch.arange(14), batch_size=2)  # 7 batches
+    with pytest.warns(UserWarning, match="last 1 are dropped"):
+        mine = PreparedDataLoader(loader, torch.device("cpu"), GradientState(1), num_processes=3, process_index=1)
+    assert len(mine) == 2
+    assert [b.tolist() for b in mine] == [[2, 3], [8, 9]]
+
+
+def test_launch_environment_is_checked(monkeypatch):
+    from megatrain import Accelerator
+    from megatrain.engine.distributed import launch_env
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="RANK is not set"):
+        launch_env()
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match="RANK=2 is outside WORLD_SIZE=2"):
+        launch_env()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert launch_env() == (1, 2, 1)
+    with pytest.raises(ValueError, match="backend='torch' runs one process"):
+        Accelerator(backend="torch")

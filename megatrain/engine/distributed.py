@@ -30,7 +30,7 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -43,8 +43,7 @@ class DataParallelError(RuntimeError):
     """A collective across the data-parallel ranks failed (a peer died, hung or runs a different model)."""
 
 
-@dataclass(frozen=True)
-class LaunchEnv:
+class LaunchEnv(NamedTuple):
     rank: int
     world_size: int
     local_rank: int
