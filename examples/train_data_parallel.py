@@ -23,6 +23,7 @@ import torch
 import transformers
 
 VOCAB, SEQ, LR, CLIP = 128, 12, 1e-3, 0.05
+SCHEDULE_STEPS = 8  # the LR schedule's length, whatever a run's --steps (a resumed run continues it)
 
 
 def build_model(seed: int = 0) -> torch.nn.Module:
@@ -36,7 +37,9 @@ def build_model(seed: int = 0) -> torch.nn.Module:
 
 class Rows(torch.utils.data.Dataset):
     def __init__(self, n: int, seed: int = 1) -> None:
-        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+        # Drawn from one pool, so row i is the same whatever n (a resumed run reads the rows that follow).
+        pool = torch.randint(0, VOCAB, (max(n, 512), SEQ), generator=torch.Generator().manual_seed(seed))
+        self.ids = pool[:n]
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -51,8 +54,10 @@ def engine_section(watchdog_s: float) -> dict[str, Any]:
 
 
 def train(face: str, micro: int, world: int, rank: int, steps: int = 3, accumulation: int = 2,
-          watchdog_s: float = 60.0) -> dict[str, Any]:
-    """Per-micro-batch losses, per-step pre-clip norms and the final weights of this rank."""
+          watchdog_s: float = 60.0, save_to: Path | None = None, resume_from: Path | None = None) -> dict[str, Any]:
+    """Per-micro-batch losses, per-step pre-clip norms and the final weights of this rank, after `steps`
+    optimizer steps. DeepSpeed face: `save_to` writes a checkpoint at the end; `resume_from` continues one
+    (written with any number of ranks) up to `steps`, and the losses and norms are the resumed part's."""
     model = build_model(seed=rank)
     n_micro = steps * accumulation
     data = Rows(n_micro * micro * world)
@@ -65,11 +70,14 @@ def train(face: str, micro: int, world: int, rank: int, steps: int = 3, accumula
                "gradient_clipping": CLIP,
                "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
                "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
-                                                                 "warmup_num_steps": 2, "total_num_steps": steps}},
+                                                                 "warmup_num_steps": 2,
+                                                                 "total_num_steps": SCHEDULE_STEPS}},
                "megatrain": engine_section(watchdog_s)}
         engine, _, _, _ = megatrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         assert engine.train_batch_size() == micro * accumulation * world
-        for j in range(n_micro):
+        if resume_from is not None:
+            engine.load_checkpoint(resume_from)
+        for j in range(engine.global_steps * accumulation, n_micro):
             # Global micro-batch j is rows [j*G, (j+1)*G), G = world*micro; this rank takes its slice.
             start = (j * world + rank) * micro
             batch = data.ids[start: start + micro]
@@ -80,6 +88,8 @@ def train(face: str, micro: int, world: int, rank: int, steps: int = 3, accumula
             if (j + 1) % accumulation == 0:
                 norms.append(engine.get_global_grad_norm())
         state = engine.state_dict()
+        if save_to is not None:
+            engine.save_checkpoint(save_to)
     elif face == "accelerator":
         from megatrain import Accelerator
         from megatrain.config import EngineConfig
@@ -116,9 +126,10 @@ def main() -> None:
     ap.add_argument("--accumulation", type=int, default=2)
     ap.add_argument("--watchdog-s", type=float, default=60.0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--save-to", type=Path, default=None, help="DeepSpeed face: checkpoint directory written at the end")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    results = run(args.faces, args.micro_batch, args.steps, args.accumulation, args.watchdog_s)
+    results = run(args.faces, args.micro_batch, args.steps, args.accumulation, args.watchdog_s, args.save_to)
     if int(os.environ.get("RANK", "0")) == 0:
         for face, r in results.items():
             print(face, "losses", " ".join(f"{x:.6f}" for x in r["losses"]))
@@ -127,13 +138,15 @@ def main() -> None:
         torch.save(results, args.out / f"rank{int(os.environ.get('RANK', '0'))}.pt")
 
 
-def run(faces: list[str], micro: int, steps: int, accumulation: int, watchdog_s: float) -> dict[str, Any]:
+def run(faces: list[str], micro: int, steps: int, accumulation: int, watchdog_s: float,
+        save_to: Path | None = None) -> dict[str, Any]:
     """Train once per face; the losses come back as the global batch's (the mean over the ranks)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     results = {}
     for face in faces:
-        r = train(face, micro, world, rank, steps, accumulation, watchdog_s)
+        r = train(face, micro, world, rank, steps, accumulation, watchdog_s,
+                  save_to if face == "deepspeed" else None)
         if world > 1:
             losses = torch.tensor(r["losses"], dtype=torch.float64)
             torch.distributed.all_reduce(losses)

@@ -108,13 +108,21 @@ def _check_parity(results: list[dict], world: int, micro: int, faces: list[str])
 
 
 def test_torchrun_two_ranks_match_one_process(tmp_path):
-    """The example under torchrun: 2 ranks x micro-batch 2 == 1 process x micro-batch 4, both faces."""
+    """The example under torchrun: 2 ranks x micro-batch 2 == 1 process x micro-batch 4, both faces; the
+    checkpoint the 2 ranks wrote resumes in 1 process exactly where an uninterrupted run would be."""
+    ckpt = tmp_path / "ckpt"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(EXAMPLE), "--micro-batch", "2", "--out", str(tmp_path)],
+                           str(EXAMPLE), "--micro-batch", "2", "--out", str(tmp_path), "--save-to", str(ckpt)],
                           env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=DEADLINE_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     _check_parity(results, 2, 2, ["deepspeed", "accelerator"])
+    example = _example()
+    whole = example.train("deepspeed", 4, 1, 0, steps=5)
+    resumed = example.train("deepspeed", 4, 1, 0, steps=5, resume_from=ckpt)
+    assert len(resumed["losses"]) == 4  # steps 4 and 5, two micro-batches each
+    gaps = _gaps({**whole, "losses": whole["losses"][6:], "norms": whole["norms"][3:]}, resumed)
+    assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, gaps
 
 
 def test_three_ranks_match_one_process_and_negative_control(tmp_path):
