@@ -173,8 +173,11 @@ class SlowIdentityAverage:
 
         self.stream = CopyStream("allreduce", torch.device("cpu"), trace, None, 30.0)
         self.slow = slow
+        self.trace = trace
+        self.queued: list[tuple[int, float]] = []  # (layer, when its average was queued)
 
     def submit_average(self, group, after, what, layer):
+        self.queued.append((layer, self.trace.now()))
         hold = 0.25 if (layer < 0) == (self.slow == "globals") else 0.0
 
         def job() -> int:
@@ -196,7 +199,7 @@ def test_gradient_adds_wait_for_a_running_average(slow):
     batches = make_batches(4, batch=2, seq=16)
     weights = []
     for fake in (False, True):
-        eng = Engine(tiny_model(), EngineConfig(device="cpu", parity_probe=False))
+        eng = Engine(tiny_model(layers=3), EngineConfig(device="cpu", parity_probe=False, trace=fake))
         if fake:
             eng.dp = SlowIdentityAverage(eng.trace_log, slow)
         for b in batches:  # every backward averages, so the next one's adds meet a running average
@@ -204,6 +207,14 @@ def test_gradient_adds_wait_for_a_running_average(slow):
         eng.step()
         weights.append(eng.state_dict())
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    # Each layer's average was queued as its gradients left backward, before the next layer's backward
+    # began (it then runs on its own thread, overlapping that backward); the resident parameters' last.
+    bwd = [r for r in eng.trace if r.stream == "compute" and r.kind == "bwd"]
+    queued = eng.dp.queued
+    assert [layer for layer, _ in queued] == [2, 1, 0, -1] * len(batches)
+    for n in range(len(batches)):
+        for (layer, t), nxt in zip(queued[4 * n: 4 * n + 2], bwd[3 * n + 1: 3 * n + 3], strict=True):
+            assert nxt.layer == layer - 1 and t <= nxt.t_start
 
 
 # ---------------------------------------------------------------------------------------------------
