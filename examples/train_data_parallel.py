@@ -54,10 +54,12 @@ def engine_section(watchdog_s: float) -> dict[str, Any]:
 
 
 def train(face: str, micro: int, world: int, rank: int, steps: int = 3, accumulation: int = 2,
-          watchdog_s: float = 60.0, save_to: Path | None = None, resume_from: Path | None = None) -> dict[str, Any]:
+          watchdog_s: float = 60.0, save_to: Path | None = None, resume_from: Path | None = None,
+          backend: str = "megatrain") -> dict[str, Any]:
     """Per-micro-batch losses, per-step pre-clip norms and the final weights of this rank, after `steps`
     optimizer steps. DeepSpeed face: `save_to` writes a checkpoint at the end; `resume_from` continues one
-    (written with any number of ranks) up to `steps`, and the losses and norms are the resumed part's."""
+    (written with any number of ranks) up to `steps`, and the losses and norms are the resumed part's.
+    Accelerator face: `backend` may be "zero3" (real DeepSpeed ZeRO-3 offload over the same ranks)."""
     model = build_model(seed=rank)
     n_micro = steps * accumulation
     data = Rows(n_micro * micro * world)
@@ -94,8 +96,9 @@ def train(face: str, micro: int, world: int, rank: int, steps: int = 3, accumula
         from megatrain import Accelerator
         from megatrain.config import EngineConfig
 
-        acc = Accelerator(backend="megatrain", config=EngineConfig(**engine_section(watchdog_s)),
-                          gradient_accumulation_steps=accumulation)
+        # ZeRO-3 fills in its own CPU-offload config (baselines/zero3.py).
+        config = EngineConfig(**engine_section(watchdog_s)) if backend == "megatrain" else None
+        acc = Accelerator(backend=backend, config=config, gradient_accumulation_steps=accumulation)
         assert acc.num_processes == world and acc.process_index == rank
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
@@ -125,11 +128,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--accumulation", type=int, default=2)
     ap.add_argument("--watchdog-s", type=float, default=60.0)
+    ap.add_argument("--backend", default="megatrain", choices=["megatrain", "zero3"], help="the accelerator face's")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--save-to", type=Path, default=None, help="DeepSpeed face: checkpoint directory written at the end")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    results = run(args.faces, args.micro_batch, args.steps, args.accumulation, args.watchdog_s, args.save_to)
+    results = run(args.faces, args.micro_batch, args.steps, args.accumulation, args.watchdog_s, args.save_to,
+                  args.backend)
     if int(os.environ.get("RANK", "0")) == 0:
         for face, r in results.items():
             print(face, "losses", " ".join(f"{x:.6f}" for x in r["losses"]))
@@ -139,14 +144,14 @@ def main() -> None:
 
 
 def run(faces: list[str], micro: int, steps: int, accumulation: int, watchdog_s: float,
-        save_to: Path | None = None) -> dict[str, Any]:
+        save_to: Path | None = None, backend: str = "megatrain") -> dict[str, Any]:
     """Train once per face; the losses come back as the global batch's (the mean over the ranks)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     results = {}
     for face in faces:
         r = train(face, micro, world, rank, steps, accumulation, watchdog_s,
-                  save_to if face == "deepspeed" else None)
+                  save_to if face == "deepspeed" else None, backend=backend)
         if world > 1:
             losses = torch.tensor(r["losses"], dtype=torch.float64)
             torch.distributed.all_reduce(losses)
