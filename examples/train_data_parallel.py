@@ -74,7 +74,9 @@ def train(face: str, micro: int, world: int, rank: int, steps: int = 3, accumula
                "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
                                                                  "warmup_num_steps": 2,
                                                                  "total_num_steps": SCHEDULE_STEPS}},
-               "megatrain": engine_section(watchdog_s)}
+               # The host AdamW a layer at a time behind the next forward: each update waits for that layer's
+               # average across ranks (the same math as the whole step).
+               "megatrain": {**engine_section(watchdog_s), "optimizer_overlap": True}}
         engine, _, _, _ = megatrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         assert engine.train_batch_size() == micro * accumulation * world
         if resume_from is not None:

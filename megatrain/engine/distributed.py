@@ -88,6 +88,8 @@ def init_process_group(device: torch.device, timeout_s: float) -> None:
             raise ValueError(f"WORLD_SIZE > 1 but {name} is not set: launch with torchrun, accelerate launch or the "
                              "deepspeed launcher, or call torch.distributed.init_process_group first")
     env = launch_env()
+    if device.type == "cuda" and device.index is None:
+        torch.cuda.set_device(env.local_rank)  # before NCCL binds this process to a device
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, init_method="env://", rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
@@ -96,7 +98,7 @@ def init_process_group(device: torch.device, timeout_s: float) -> None:
 class DataParallel:
     """This rank's share of a data-parallel job: the engine's gradient group and its reduction thread."""
 
-    def __init__(self, env: LaunchEnv, watchdog_s: float, trace: Trace) -> None:
+    def __init__(self, env: LaunchEnv, watchdog_s: float, trace: Trace | None = None) -> None:
         self.rank = env.rank
         self.world_size = env.world_size
         self.local_rank = env.local_rank
@@ -108,13 +110,14 @@ class DataParallel:
         # (naming the cause) rather than as a bare "no progress" from the thread waiting on the average.
         timeout = datetime.timedelta(seconds=max(0.9 * watchdog_s, 0.1))
         self.group = dist.new_group(backend="gloo", timeout=timeout)
-        self.stream = CopyStream("allreduce", torch.device("cpu"), trace, None, watchdog_s)
+        # `trace`: the engine's, once it has one (it may set `stream.trace` later).
+        self.stream = CopyStream("allreduce", torch.device("cpu"), trace or Trace(False), None, watchdog_s)
         # After one failed collective the group is unusable: later averages fail at once with the first
         # error instead of each waiting out its own timeout.
         self.broken: DataParallelError | None = None
 
     @classmethod
-    def from_env(cls, device: torch.device, watchdog_s: float, trace: Trace) -> DataParallel | None:
+    def from_env(cls, device: torch.device, watchdog_s: float, trace: Trace | None = None) -> DataParallel | None:
         """None for a lone process; otherwise joins (or makes) the default group and builds the engine's."""
         env = launch_env()
         if env.world_size == 1:

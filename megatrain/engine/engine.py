@@ -105,14 +105,15 @@ class Engine:
                  optimizer: OptimizerArg = None) -> None:
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)
+        # Launched as one of several ranks (torchrun & co.): join the job before touching the model; on a GPU
+        # with no index named, this rank takes its node's device LOCAL_RANK.
+        self.dp = DataParallel.from_env(self.device, config.watchdog_s)
+        if self.dp is not None and self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", self.dp.local_rank)
+            torch.cuda.set_device(self.device)  # the streams' waits act on the current device's stream
         self.trace_log = Trace(config.trace, self.device)
-        # Launched as one of several ranks (torchrun & co.): join the job before touching the model, and on
-        # a GPU take this node's device of this rank unless one was named.
-        self.dp = DataParallel.from_env(self.device, config.watchdog_s, self.trace_log)
-        if self.dp is not None and self.device.type == "cuda" and config.device is None:
-            self.device = torch.device("cuda", self.dp.local_rank)
-            torch.cuda.set_device(self.device)
-            self.trace_log = Trace(config.trace, self.device)
+        if self.dp is not None:
             self.dp.stream.trace = self.trace_log
         self.compute_dtype = torch.bfloat16 if config.compute_dtype == "bfloat16" else torch.float32
         if config.host_mmap_threshold_bytes is not None:
