@@ -190,7 +190,8 @@ def build_ds_config(
         mb = micro_batch_size or 1  # only DeepSpeed's sample accounting reads it
         cfg["train_micro_batch_size_per_gpu"] = mb
     if cfg.get("train_batch_size", "auto") == "auto":
-        cfg["train_batch_size"] = mb * gradient_accumulation_steps  # one process
+        # DeepSpeed checks it against every data-parallel rank's share (prepare_environment set WORLD_SIZE).
+        cfg["train_batch_size"] = mb * gradient_accumulation_steps * int(os.environ.get("WORLD_SIZE", "1"))
     cfg.setdefault("zero_allow_untested_optimizer", True)
     cfg.setdefault("wall_clock_breakdown", False)
     return cfg

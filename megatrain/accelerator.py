@@ -12,9 +12,11 @@
             scheduler.step()
             optimizer.zero_grad()
 
-Names and behaviour follow `accelerate.Accelerator` (one process): `backward` divides by the
-accumulation steps, the prepared optimizer steps and zeroes only at sync steps, the prepared
-scheduler steps only when the optimizer did. This module holds only what every backend shares; the
+Names and behaviour follow `accelerate.Accelerator`: `backward` divides by the accumulation steps,
+the prepared optimizer steps and zeroes only at sync steps, the prepared scheduler steps only when
+the optimizer did. Launched as several ranks (`torchrun`, `accelerate launch`), each process gets
+every N-th batch of a prepared dataloader (Accelerate's default sharding) and the megatrain backend
+averages gradients across ranks at sync steps (megatrain/engine/distributed.py). This module holds only what every backend shares; the
 backend-specific work sits behind `megatrain.backend.Backend` (MegaTrain's engine here, the
 comparison stacks in `baselines/`).
 """
@@ -27,6 +29,7 @@ import itertools
 import json
 import os
 import random
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from .backend import Backend, MegatrainBackend
 from .config import EngineConfig
+from .engine.distributed import launch_env
 from .project import latest_dir, make_project_config, save_dir
 from .tracking import make_trackers
 
@@ -284,12 +288,28 @@ class _SkipIterable:
 
 
 class PreparedDataLoader:
-    """Yields the loader's batches on the backend's device and marks the last one of each epoch."""
+    """Yields the loader's batches on the backend's device and marks the last one of each epoch.
 
-    def __init__(self, loader: torch.utils.data.DataLoader, device: torch.device, state: GradientState) -> None:
+    With several ranks, rank r of N yields batches r, r + N, r + 2N, ... (Accelerate's default
+    sharding): one round of N batches is one global batch of N x the loader's batch size. A last,
+    incomplete round is dropped (every rank must take the same number of steps).
+    """
+
+    def __init__(self, loader: torch.utils.data.DataLoader, device: torch.device, state: GradientState,
+                 num_processes: int = 1, process_index: int = 0) -> None:
         self.loader = loader
         self._device = device
         self._state = state
+        self._n = num_processes
+        self._rank = process_index
+        if num_processes > 1:
+            try:
+                extra = len(loader) % num_processes
+            except TypeError:
+                extra = 0  # an iterable dataset without a length: its rounds are counted as they come
+            if extra:
+                warnings.warn(f"the dataloader's {len(loader)} batches do not split evenly over {num_processes} "
+                              f"processes: the last {extra} are dropped every epoch", stacklevel=3)
         self.epoch_rng_state: torch.Tensor | None = None
 
     def _generator(self) -> torch.Generator | None:
@@ -305,13 +325,24 @@ class PreparedDataLoader:
         if state is not None and gen is not None:
             gen.set_state(state)
 
+    def _mine(self) -> Iterator[Any]:
+        if self._n == 1:
+            yield from self.loader
+            return
+        round_: list[Any] = []
+        for batch in self.loader:
+            round_.append(batch)
+            if len(round_) == self._n:
+                yield round_[self._rank]
+                round_ = []
+
     def __iter__(self) -> Iterator[Any]:
         self._state.end_of_dataloader = False
         gen = self._generator()
         # The order of this epoch is drawn from the generator when iteration starts: remember where it stood, so a
         # checkpoint taken mid-epoch resumes the same order (save_state / load_state, then skip_first_batches).
         self.epoch_rng_state = gen.get_state() if gen is not None else None
-        it = iter(self.loader)
+        it = self._mine()
         try:
             current = next(it)
         except StopIteration:
@@ -329,7 +360,7 @@ class PreparedDataLoader:
         self._state.end_of_dataloader = False
 
     def __len__(self) -> int:
-        return len(self.loader)
+        return len(self.loader) // self._n
 
     def __getattr__(self, name: str) -> Any:
         return _forward_attr(self, "loader", name)
@@ -454,6 +485,11 @@ class Accelerator:
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+        self._launch = launch_env()
+        if self._launch.world_size > 1 and backend == "torch":
+            # It has no gradient averaging: N ranks would train N unrelated models and report one.
+            raise ValueError(f"backend='torch' runs one process; this launch has WORLD_SIZE="
+                             f"{self._launch.world_size}. Use backend='megatrain' or 'zero3' for data parallel")
         if config is not None and not isinstance(config, (dict, EngineConfig)):
             raise TypeError(f"config must be a DeepSpeed-style dict, an EngineConfig or None, not {type(config).__name__}")
         if isinstance(config, dict):
@@ -505,8 +541,9 @@ class Accelerator:
         self._dataloaders: list[PreparedDataLoader] = []
         self._live_optimizer: dict[int, torch.optim.Optimizer] = {}  # id(user's optimizer) -> the one stepping
         self._micro_batch_size: int | None = None
+        self._no_sync = False
 
-    # -- the single process's identity (Accelerate's names) -----------------------------------------
+    # -- this process's place in the launch (Accelerate's names) ------------------------------------
     @property
     def backend_name(self) -> str:
         return self.backend.name
@@ -517,33 +554,47 @@ class Accelerator:
 
     @property
     def num_processes(self) -> int:
-        return 1
+        return self._launch.world_size
 
     @property
     def process_index(self) -> int:
-        return 0
+        return self._launch.rank
 
     @property
     def local_process_index(self) -> int:
-        return 0
+        return self._launch.local_rank
 
     @property
     def is_main_process(self) -> bool:
-        return True
+        return self.process_index == 0
 
     @property
     def is_local_main_process(self) -> bool:
-        return True
+        return self.local_process_index == 0
 
     @property
     def distributed_type(self) -> str:
-        return "DEEPSPEED" if self.backend.name in ("zero3", "zero3-alst") else "NO"
+        if self.backend.name in ("zero3", "zero3-alst"):
+            return "DEEPSPEED"
+        return "MULTI_GPU" if self.num_processes > 1 and self.device.type == "cuda" else (
+            "MULTI_CPU" if self.num_processes > 1 else "NO")
 
     @contextlib.contextmanager
     def main_process_first(self) -> Iterator[None]:
-        yield  # one process: it is the main process
+        # The main process runs the block first (downloads, preprocessing caches), the others after it.
+        if not self.is_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_main_process:
+            self.wait_for_everyone()
 
-    local_main_process_first = main_process_first
+    @contextlib.contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        if not self.is_local_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_local_main_process:
+            self.wait_for_everyone()
 
     @property
     def project_dir(self) -> str | None:
@@ -599,7 +650,12 @@ class Accelerator:
 
     @contextlib.contextmanager
     def no_sync(self, model: Any = None) -> Iterator[None]:
-        yield  # one process: there is no cross-process gradient sync to skip
+        """Backwards inside keep their gradients local; they are averaged at the next sync step."""
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -649,7 +705,7 @@ class Accelerator:
             elif optimizer is not None and o is optimizer:
                 out.append(wrapped_opt)
             elif isinstance(o, torch.utils.data.DataLoader):
-                dl = PreparedDataLoader(o, self.device, self.gradient_state)
+                dl = PreparedDataLoader(o, self.device, self.gradient_state, self.num_processes, self.process_index)
                 self._dataloaders.append(dl)
                 out.append(dl)
             elif isinstance(o, (LRScheduler, ReduceLROnPlateau)):
@@ -679,7 +735,7 @@ class Accelerator:
         """Backpropagate `loss / gradient_accumulation_steps` (Accelerate's scaling)."""
         if kwargs:
             raise TypeError(f"backward() got unsupported arguments {sorted(kwargs)}")
-        self.backend.backward(loss / self.gradient_accumulation_steps, sync=self.sync_gradients)
+        self.backend.backward(loss / self.gradient_accumulation_steps, sync=self.sync_gradients and not self._no_sync)
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0
@@ -704,7 +760,9 @@ class Accelerator:
         if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
             raise ValueError(f"num_batches={num_batches!r} must be an int >= 0")
         if isinstance(dataloader, PreparedDataLoader):
-            return PreparedDataLoader(_skipping(dataloader.loader, num_batches), self.device, self.gradient_state)
+            # num_batches counts this process's batches; with N processes each is one of a round of N.
+            return PreparedDataLoader(_skipping(dataloader.loader, num_batches * self.num_processes), self.device,
+                                      self.gradient_state, self.num_processes, self.process_index)
         if isinstance(dataloader, torch.utils.data.DataLoader):
             return _skipping(dataloader, num_batches)
         raise TypeError(f"skip_first_batches takes a DataLoader, got {type(dataloader).__name__}")
@@ -759,14 +817,34 @@ class Accelerator:
         """Every weight of `model` by its HF name, gathered whole whatever the backend (Accelerate's name)."""
         return self.backend.get_state_dict(model)
 
+    def _collective(self) -> bool:
+        if self.num_processes == 1:
+            return False
+        if not torch.distributed.is_initialized():
+            raise RuntimeError("gather/reduce across processes need the process group: prepare() the model first")
+        return True
+
     def gather(self, tensor: Any) -> Any:
-        return tensor  # one process
+        """Every process's tensor concatenated along dim 0 (a 0-d tensor counts as one row), in rank order."""
+        if not torch.is_tensor(tensor) or not self._collective():
+            return tensor
+        t = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.num_processes)]
+        torch.distributed.all_gather(parts, t)
+        return torch.cat(parts)
 
     def gather_for_metrics(self, tensor: Any) -> Any:
-        return tensor
+        return self.gather(tensor)
 
     def reduce(self, tensor: Any, reduction: str = "sum") -> Any:
-        return tensor
+        """The sum (or, with reduction="mean", the mean) of `tensor` over the processes."""
+        if reduction not in ("sum", "mean"):
+            raise ValueError(f"reduction={reduction!r} must be 'sum' or 'mean'")
+        if not torch.is_tensor(tensor) or not self._collective():
+            return tensor
+        out = tensor.clone()
+        torch.distributed.all_reduce(out)
+        return out / self.num_processes if reduction == "mean" else out
 
     # -- saving ------------------------------------------------------------------------------------------
     def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
@@ -788,8 +866,11 @@ class Accelerator:
 
     def save_model(self, model: Any, save_directory: str | os.PathLike) -> None:
         """Write a Hugging Face checkpoint that `AutoModelForCausalLM.from_pretrained` loads."""
+        if self._replicated_writer_only():
+            return
         Path(save_directory).mkdir(parents=True, exist_ok=True)
         self.backend.save_model(model, save_directory)
+        self._saved()
 
     def save_state(self, output_dir: str | os.PathLike | None = None) -> str:
         """Everything needed to resume: weights, optimizer, schedulers, RNG, accumulation position, registered objects.
@@ -798,6 +879,9 @@ class Accelerator:
         `<project_dir>/checkpoints/checkpoint_<iteration>` and old ones beyond `total_limit` are deleted.
         Returns the folder written.
         """
+        if self._replicated_writer_only():
+            self.project_configuration.iteration += 1
+            return str(output_dir) if output_dir is not None else ""
         d = save_dir(output_dir, self.project_configuration)
         d.mkdir(parents=True, exist_ok=True)
         self.backend.save_state(d)
@@ -818,7 +902,20 @@ class Accelerator:
                 "gradient_accumulation_steps": self.gradient_accumulation_steps}
         (d / _FACE_FILE).write_text(json.dumps(face, indent=1))
         self.project_configuration.iteration += 1
+        self._saved()
         return str(d)
+
+    def _replicated_writer_only(self) -> bool:
+        """megatrain data parallel: every rank holds the same weights and optimizer state, so the main
+        process writes them for all (the state then loads on any number of ranks) and the others wait."""
+        if self.backend.name == "megatrain" and not self.is_main_process:
+            self.wait_for_everyone()
+            return True
+        return False
+
+    def _saved(self) -> None:
+        if self.backend.name == "megatrain" and self.num_processes > 1:
+            self.wait_for_everyone()
 
     def load_state(self, input_dir: str | os.PathLike | None = None) -> None:
         """Restore a save_state folder (the newest automatically named one when `input_dir` is None)."""

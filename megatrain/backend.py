@@ -225,7 +225,7 @@ class MegatrainBackend:
         return self.engine
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
-        self._require_engine().backward(loss)
+        self._require_engine().backward(loss, sync=sync)
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0

@@ -6,7 +6,7 @@ out, a negative learning rate, fp16. Settings DeepSpeed has but MegaTrain has no
 sizes, communication options, ...) are accepted and named together in a single warning, so an
 existing DeepSpeed config runs unchanged and nobody is surprised that they did nothing.
 
-Batch sizes resolve exactly as DeepSpeed does with world size 1 (the missing one of
+Batch sizes resolve exactly as DeepSpeed does for the job's data-parallel world size (the missing one of
 train_batch_size / train_micro_batch_size_per_gpu / gradient_accumulation_steps is derived from the
 other two). `"auto"` values, which raw DeepSpeed rejects, are resolved the way Hugging Face's
 integration resolves them: from a TrainingArguments-like `args` when one is given, from the other
@@ -251,7 +251,7 @@ def _from_args(args: Any, attr: str, name: str, hint: str) -> Any:
 # sections
 
 
-def _batch_sizes(d: dict[str, Any], args: Any) -> tuple[int, int, int]:
+def _batch_sizes(d: dict[str, Any], args: Any, world: int = 1) -> tuple[int, int, int]:
     names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     from_args = {"train_micro_batch_size_per_gpu": "per_device_train_batch_size",
                  "gradient_accumulation_steps": "gradient_accumulation_steps"}
@@ -263,24 +263,24 @@ def _batch_sizes(d: dict[str, Any], args: Any) -> tuple[int, int, int]:
             v = getattr(args, attr, None) if attr and args is not None else None
         vals[n] = None if v is None else _int(v, n, minimum=1)
     tb, mb, ga = (vals[n] for n in names)
-    # DeepSpeed's derivation, world size 1 (runtime/config.py _set_batch_related_parameters).
+    # DeepSpeed's derivation (runtime/config.py _set_batch_related_parameters): tb = mb x ga x world.
     if tb is not None and mb is not None and ga is None:
-        ga = tb // mb
+        ga = tb // mb // world
     elif tb is not None and ga is not None and mb is None:
-        mb = tb // ga
+        mb = tb // ga // world
     elif mb is not None and ga is not None and tb is None:
-        tb = mb * ga
+        tb = mb * ga * world
     elif tb is not None and mb is None and ga is None:
-        mb, ga = tb, 1
+        mb, ga = tb // world, 1
     elif mb is not None and tb is None and ga is None:
-        tb, ga = mb, 1
+        tb, ga = mb * world, 1
     elif tb is None and mb is None:
         raise _err("either 'train_batch_size' or 'train_micro_batch_size_per_gpu' must be given")
     if ga < 1 or mb < 1:
         raise _err(f"train_batch_size={tb} cannot be split: it derives micro batch {mb} x accumulation {ga}")
-    if tb != mb * ga:
+    if tb != mb * ga * world:
         raise _err(f"train_batch_size ({tb}) must equal train_micro_batch_size_per_gpu ({mb}) x "
-                   f"gradient_accumulation_steps ({ga}) x world size (1) = {mb * ga}")
+                   f"gradient_accumulation_steps ({ga}) x world size ({world}) = {mb * ga * world}")
     return tb, mb, ga
 
 
@@ -555,10 +555,11 @@ def load_config_dict(config: dict[str, Any] | str | os.PathLike) -> dict[str, An
 
 
 def parse_config(config: dict[str, Any] | str | os.PathLike, args: Any = None, *, warn: bool = True,
-                 warn_fn: Callable[[str], None] | None = None) -> DeepSpeedConfig:
+                 warn_fn: Callable[[str], None] | None = None, world_size: int = 1) -> DeepSpeedConfig:
     """Parse and validate a DeepSpeed config for MegaTrain.
 
     `args`: an optional TrainingArguments-like object used to resolve "auto" values as Hugging Face does.
+    `world_size`: the data-parallel ranks the batch sizes are split over (DeepSpeed's dp world size).
     Raises `DeepSpeedConfigError` (a ValueError) naming the offending key. With `warn`, the accepted
     settings that have no effect are named in one warning.
     """
@@ -566,7 +567,7 @@ def parse_config(config: dict[str, Any] | str | os.PathLike, args: Any = None, *
     _check_keys(d, _TOP_LEVEL, "")
     ignored: list[str] = [k for k in d if k in _NO_MEANING]
 
-    tb, mb, ga = _batch_sizes(d, args)
+    tb, mb, ga = _batch_sizes(d, args, world_size)
     clip = d.get("gradient_clipping", 1.0)  # DeepSpeed's default is 1.0, not off
     if clip == AUTO:
         clip = _from_args(args, "max_grad_norm", "gradient_clipping", "write e.g. 1.0 (0 disables clipping)")

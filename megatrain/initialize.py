@@ -83,11 +83,14 @@ class MegaTrainEngine:
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
-        self.global_rank = 0
-        self.local_rank = 0
-        self.world_size = 1
-        self.dp_world_size = 1
+        # Data parallel (torchrun & co.): every rank runs one of these over its own engine (engine/distributed.py).
+        dp = getattr(engine, "dp", None)
+        self.global_rank = dp.rank if dp is not None else 0
+        self.local_rank = dp.local_rank if dp is not None else 0
+        self.world_size = dp.world_size if dp is not None else 1
+        self.dp_world_size = self.world_size
         self._is_boundary_override: bool | None = None
+        self._no_sync = False
         self._global_grad_norm: float | None = None
         self._step_applied = False
 
@@ -172,7 +175,8 @@ class MegaTrainEngine:
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("backward() takes the scalar loss the forward returned")
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
-        self.engine.backward(scaled)
+        # As DeepSpeed: gradients are averaged across ranks in the boundary micro-batch's backward only.
+        self.engine.backward(scaled, sync=self.is_gradient_accumulation_boundary() and not self._no_sync)
         return scaled
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -234,15 +238,19 @@ class MegaTrainEngine:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        # One process: there is never a gradient all-reduce to skip.
-        yield
+        """Backwards inside keep their gradients local (data parallel); the next step averages them."""
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
 
     def deepspeed_io(self, dataset: Dataset, batch_size: int | None = None, route: str = "train",
                      pin_memory: bool = True, data_sampler: Any = None, collate_fn: Callable | None = None,
                      num_local_io_workers: int | None = None) -> DataLoader:
         return _dataloader(dataset, batch_size or self.train_micro_batch_size_per_gpu(),
                            collate_fn or self.collate_fn, self._config.dataloader_drop_last, data_sampler,
-                           num_local_io_workers or 0)
+                           num_local_io_workers or 0, self.dp_world_size, self.global_rank)
 
     # -- weights out -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -363,7 +371,12 @@ class MegaTrainEngine:
             meta["optimizer"] = _optimizer_state(self.optimizer, tensors)
         meta["rng"] = _rng_state(tensors)
         meta["client_state"] = _split_client_state(client_state or {}, tensors)
-        ckpt.save(save_dir, tag, tensors, meta, keep_last=keep_last, update_latest=save_latest)
+        # Data parallel: every rank holds the same weights and optimizer state, so rank 0 writes them for all
+        # (with its RNG states) and the checkpoint resumes on any number of ranks.
+        if self.global_rank == 0:
+            ckpt.save(save_dir, tag, tensors, meta, keep_last=keep_last, update_latest=save_latest)
+        if self.world_size > 1:
+            torch.distributed.barrier()  # no rank reads it (or moves on to delete it) before it is whole
         return True
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
@@ -537,13 +550,13 @@ def _join_client_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -
 
 
 def _dataloader(dataset: Any, batch_size: int, collate_fn: Callable | None, drop_last: bool, sampler: Any = None,
-                num_workers: int = 0) -> DataLoader:
+                num_workers: int = 0, world_size: int = 1, rank: int = 0) -> DataLoader:
     if isinstance(dataset, IterableDataset):
         return DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn, drop_last=drop_last,
                           num_workers=num_workers)
-    # DeepSpeed samples with a one-replica DistributedSampler (shuffled, seed 0, never re-seeded per
-    # epoch); using the same sampler keeps the data order of a ported script identical.
-    sampler = sampler if sampler is not None else DistributedSampler(dataset, num_replicas=1, rank=0)
+    # DeepSpeed samples with a DistributedSampler over the data-parallel ranks (shuffled, seed 0, never
+    # re-seeded per epoch); using the same sampler keeps the data order of a ported script identical.
+    sampler = sampler if sampler is not None else DistributedSampler(dataset, num_replicas=world_size, rank=rank)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last,
                       num_workers=num_workers)
 
@@ -614,18 +627,18 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     optimizer; otherwise the config's scheduler section is used.
     """
     from .engine import Engine
+    from .engine.distributed import launch_env
     from .engine.engine import resolve_device
 
-    cfg = parse_config(_resolve_config(args, config, config_params), args=args)
+    world = launch_env().world_size  # a malformed launch environment is refused here, before the config
+    cfg = parse_config(_resolve_config(args, config, config_params), args=args, world_size=world)
     if model is None:
         raise ValueError("initialize() needs a model (a Hugging Face causal LM)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (a Hugging Face causal LM), got {type(model).__name__}")
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world > 1:
-        raise ValueError(f"WORLD_SIZE={world}: MegaTrain trains on one device in one process; launch a single process")
     if mpu is not None or mesh_param is not None:
-        warnings.warn("mpu / mesh_param are ignored: MegaTrain runs one process on one device", stacklevel=2)
+        raise ValueError("mpu / mesh_param (model or pipeline parallel groups) are not supported: MegaTrain's only "
+                         "parallelism is data parallel over all ranks of the launch")
     if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler) and not isinstance(optimizer,
                                                                                           torch.optim.Optimizer):
         raise ValueError("an instantiated lr_scheduler needs the optimizer it was built on passed as `optimizer`")
@@ -682,7 +695,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
 
     loader = None
     if training_data is not None:
-        loader = _dataloader(training_data, cfg.train_micro_batch_size_per_gpu, collate_fn, cfg.dataloader_drop_last)
+        loader = _dataloader(training_data, cfg.train_micro_batch_size_per_gpu, collate_fn, cfg.dataloader_drop_last,
+                             world_size=eng.world_size, rank=eng.rank)
     engine = MegaTrainEngine(eng, cfg, opt, sched, model, loader, collate_fn)
     return engine, opt, loader, sched
 
@@ -695,14 +709,27 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      verbose: bool = True, timeout: Any = None, init_method: str | None = None,
                      dist_init_required: bool | None = None, config: Any = None, rank: int = -1,
                      world_size: int = -1) -> None:
-    """A one-process gloo group, as DeepSpeed would set up, so `torch.distributed.get_rank()` in a script
-    keeps working; a multi-process launch is refused instead of hanging."""
-    world = world_size if world_size > 0 else int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world > 1:
-        raise ValueError(f"world size {world}: MegaTrain trains on one device in one process")
+    """The process group DeepSpeed would set up: the launch's ranks from its environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT), else a one-process group, so `torch.distributed.get_rank()` in a script works.
+    The backend is `dist_backend`, else NCCL on CUDA and gloo otherwise (the engine averages its host
+    gradients on a gloo group of its own either way)."""
     import torch.distributed as dist
 
     if dist_init_required is False or not dist.is_available() or dist.is_initialized():
+        return
+    env_world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    world = world_size if world_size > 0 else env_world
+    if world > 1:
+        from .engine.distributed import launch_env
+
+        if world != env_world:
+            raise ValueError(f"world_size={world} but WORLD_SIZE={env_world}: launch every rank with torchrun, "
+                             "accelerate launch or the deepspeed launcher")
+        env = launch_env()
+        backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        kwargs = {"timeout": timeout} if timeout is not None else {}
+        dist.init_process_group(backend=backend, init_method=init_method or "env://", rank=env.rank,
+                                world_size=world, **kwargs)
         return
     if init_method is None:
         if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):

@@ -73,8 +73,8 @@ def test_helpers_for_scripts():
     args = add_config_arguments(argparse.ArgumentParser()).parse_args(["--deepspeed", "--deepspeed_config", "x.json"])
     assert args.deepspeed and args.deepspeed_config == "x.json"
     init_distributed(dist_backend="gloo", dist_init_required=False)  # the process group itself: see the script
-    with pytest.raises(ValueError, match="one process"):
-        init_distributed(world_size=2)
+    with pytest.raises(ValueError, match="launch every rank"):
+        init_distributed(world_size=2)  # WORLD_SIZE says 1: a group of 2 would wait for a rank that never comes
     with zero.Init(remote_device="cpu", config_dict_or_path={}):
         m = torch.nn.Linear(2, 2)
     assert m.weight.numel() == 4
@@ -426,8 +426,10 @@ def test_other_bad_arguments(tmp_path, monkeypatch):
     assert model.model.layers[0].mlp.up_proj.weight.numel() > 0  # refused before the engine took the model
     with pytest.raises(ValueError, match="not a parameter of `model`"):
         initialize(model=model, model_parameters=[torch.nn.Parameter(torch.zeros(2))], config=_cfg())
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="WORLD_SIZE=2"):
+    with pytest.raises(ValueError, match="mpu / mesh_param"):
+        initialize(model=tiny_model("llama"), config=_cfg(), mpu=object())
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a launch with no RANK: refused before the model is touched
+    with pytest.raises(ValueError, match="RANK is not set"):
         initialize(model=tiny_model("llama"), config=_cfg())
 
 

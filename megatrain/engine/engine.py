@@ -26,6 +26,7 @@ from ..models.adapter import DecoderParts, find_parts, record_layer_inputs
 from .activations import ActivationStore
 from .attention import use_segment_attention
 from .batch import check_batch
+from .distributed import DataParallel
 from .embedding import check_embedding, lookup_grad
 from .global_grads import GlobalGradSink
 from .loading import load_checkpoint_into, skeleton_from_dir
@@ -104,6 +105,16 @@ class Engine:
                  optimizer: OptimizerArg = None) -> None:
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)
+        # Launched as one of several ranks (torchrun & co.): join the job before touching the model; on a GPU
+        # with no index named, this rank takes its node's device LOCAL_RANK.
+        self.dp = DataParallel.from_env(self.device, config.watchdog_s)
+        if self.dp is not None and self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", self.dp.local_rank)
+            torch.cuda.set_device(self.device)  # the streams' waits act on the current device's stream
+        self.trace_log = Trace(config.trace, self.device)
+        if self.dp is not None:
+            self.dp.stream.trace = self.trace_log
         self.compute_dtype = torch.bfloat16 if config.compute_dtype == "bfloat16" else torch.float32
         if config.host_mmap_threshold_bytes is not None:
             set_mmap_threshold(config.host_mmap_threshold_bytes)  # before the model's weights are freed
@@ -155,6 +166,9 @@ class Engine:
         _free(self._pack(self.store.globals, [p for _, p in global_named]))
         if checkpoint_dir is not None:
             load_checkpoint_into(self.store, checkpoint_dir, parts.layers_prefix, self._aliases)
+        if self.dp is not None:
+            self.dp.check_same_model(self.store)
+            self.dp.broadcast_masters(self.store)
         for g in self.store.layers:
             g.refresh_shadow()
         self._recorded: list = []
@@ -179,7 +193,6 @@ class Engine:
                 if b is not None:
                     mod._buffers[name] = b.to(self.device)
 
-        self.trace_log = Trace(config.trace, self.device)
         self.streams = Streams(self.device, self.trace_log, config.link_gbps, config.watchdog_s)
         # Long context (issue 7): attention without an O(tokens²) mask, per-batch MLP tiling and activation
         # offload (tiling.py), and on a CPU "device" optionally the measured live bytes of the step.
@@ -211,6 +224,7 @@ class Engine:
         self._in_backward = False
         self._stray_backward = False  # a refused loss.backward() may have left head/norm gradients behind
         self._norm: float | None = None  # cached gradient norm, valid until grads change
+        self._unaveraged = False  # data parallel: a backward(sync=False) added gradients not yet averaged
         self.skipped_steps = 0
         self._bad_in_a_row = 0
         bind_model_object(self)
@@ -354,11 +368,14 @@ class Engine:
                                "autograd. Call engine.backward(loss) (DeepSpeed face) or accelerator.backward(loss)")
         return grad
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
         """Add d(loss)/d(params) into the host gradient slabs (accumulates across calls).
 
         `loss` is any scalar computed from the last training forward's outputs: its `.loss`, or a loss
         of your own computed from its `.logits` (label smoothing, distillation, ...), or both combined.
+        Data parallel: with `sync` (the last micro-batch before a step) each layer's slab is averaged
+        across ranks as it lands, overlapped with the next layer's backward; with `sync=False` the
+        gradients stay local until a synchronising backward (or the next step, which averages them then).
         """
         p = self._pending
         if p is None:
@@ -374,6 +391,10 @@ class Engine:
         self._norm = None
         t0 = time.perf_counter()
         params = self._device_globals
+        average = self.dp is not None and sync
+        if self.dp is not None:
+            # The resident parameters' slab may still be being averaged (last backward): the adds below wait.
+            self.pipeline.synchronize_global_grads()
         self._in_backward = True
         try:
             g, *grads = torch.autograd.grad(loss, [p.h_last, *params, *earlier], allow_unused=True)
@@ -387,14 +408,53 @@ class Engine:
             raise ValueError("the loss does not depend on the last forward's outputs (.loss / .logits)")
         self._add_global_grads(grads)
         del grads  # the head's gradient is vocab x hidden: free it before the layers run
-        g = self.pipeline.backward(g, p.layer_inputs, p.acts)
+        self.pipeline.grad_sent = self._average_layer if average else None
+        try:
+            g = self.pipeline.backward(g, p.layer_inputs, p.acts)
+        finally:
+            self.pipeline.grad_sent = None
         if p.h_in0 is p.h0:
             g_h0, grads = g, ()
         else:
             g_h0, *grads = torch.autograd.grad(p.h_in0, [p.h0, *params], g, allow_unused=True)
         self._add_global_grads(grads)
         self._add_embedding_grad(p.ids, g_h0)
+        if average:
+            self._average_globals()
+        if self.dp is not None:
+            self._unaveraged = not sync
         self._stats["backward_s"] += time.perf_counter() - t0
+
+    # -- data parallel -------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.dp.rank if self.dp is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.dp.world_size if self.dp is not None else 1
+
+    def _average_layer(self, i: int) -> None:
+        pl = self.pipeline
+        pl.landed[i] = self.dp.submit_average(self.store.layers[i], pl.landed[i], f"layer {i}", i)
+
+    def _average_globals(self) -> None:
+        pl = self.pipeline
+        pl.globals_landed.append(self.dp.submit_average(self.store.globals, list(pl.globals_landed),
+                                                        "the resident parameters (embedding, norm, head)", -1))
+
+    def _average_pending(self) -> None:
+        """Average gradients a backward(sync=False) left local before anything reads them (a step, a norm).
+
+        Averaging a slab that holds an already-averaged part plus local parts is still exact, so this is
+        right whatever mix of synchronising and local backwards came before.
+        """
+        if self.dp is None or not self._unaveraged:
+            return
+        for i in reversed(range(len(self.store.layers))):
+            self._average_layer(i)
+        self._average_globals()
+        self._unaveraged = False
 
     def _add_embedding_grad(self, ids: torch.Tensor, g: torch.Tensor) -> None:
         """Scatter-add the lookup's gradient into the embedding's slab rows (what the embedding module's
@@ -406,6 +466,7 @@ class Engine:
         self._global_grads.add_dense(grads)  # on CUDA: copy stream + pinned staging, added on a host thread
 
     def _all_grads(self) -> list[torch.Tensor]:
+        self._average_pending()
         self._wait_host_jobs()
         return [g.grad for g in self.store.groups()]
 
@@ -441,6 +502,7 @@ class Engine:
             raise RuntimeError("a refused loss.backward() left partial gradients (head and final norm only) in the "
                                "gradient slabs; call zero_grad() before the next step")
         t0 = time.perf_counter()
+        self._average_pending()
         if self.config.skip_nonfinite and not math.isfinite(self.grad_norm()):
             self.skipped_steps += 1
             self._bad_in_a_row += 1
@@ -494,6 +556,7 @@ class Engine:
         else:
             self.store.zero_grad()
         self._norm = None
+        self._unaveraged = False
 
     # -- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -532,6 +595,8 @@ class Engine:
 
     def reset_stats(self) -> None:
         self.streams.reset_counters()
+        if self.dp is not None:
+            self.dp.stream.reset_counters()
         if self._layered is not None:
             self._layered.reset_counters()
         self._act_peak = 0
@@ -562,6 +627,8 @@ class Engine:
             # Measured live bytes when tracking (tiled working set, loss workspace included), else the count.
             out["peak_device_bytes"] = self.device_weight_bytes + (self.memory.peak if self.memory else self._act_peak)
         out.update(self.pipeline.plan_stats())
+        if self.dp is not None:
+            out.update(allreduce_bytes=self.dp.stream.bytes, allreduce_busy_s=self.dp.stream.busy_s)
         return out
 
     @property

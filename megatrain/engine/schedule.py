@@ -6,6 +6,8 @@ the forward/backward turn the last k layers are still resident, so backward star
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .activations import ActivationStore, HostPool
@@ -62,6 +64,9 @@ class LayerPipeline:
         self.landed: list[Event] = [DONE] * len(store.layers)
         # The resident parameters' gradient reductions queued since the last wait (global_grads.py).
         self.globals_landed: list[Event] = []
+        # Called with a layer's index once its gradients are queued to the host (data parallel: the
+        # layer's average across ranks is queued behind them, overlapping the next layer's backward).
+        self.grad_sent: Callable[[int], None] | None = None
         self._rng: dict[int, tuple] = {}
         self.policy = policy
         self.tile: int | None = None  # MLP sequence tile of the current batch (None: untiled)
@@ -146,7 +151,11 @@ class LayerPipeline:
                     group.view(group.grad, slot).add_(g)
                 return nbytes
 
-            self.landed[layer] = self.streams.d2h.submit(reduce, (after, self.zeroed[layer]), "grad", layer)
+            # After the slab's last writer too: data parallel averages it on another thread (engine/distributed.py).
+            # (Today the engine's wait for the resident parameters' average at the start of each backward also
+            # orders this, the averages being one FIFO; this keeps each slab's own order explicit.)
+            self.landed[layer] = self.streams.d2h.submit(reduce, (after, self.zeroed[layer], self.landed[layer]),
+                                                         "grad", layer)
             return
         i = self._next_staging
         self._next_staging = (i + 1) % len(self._staging)
@@ -166,7 +175,8 @@ class LayerPipeline:
             accumulate(group.grad, staging, self.reduce_scratch)
             return 0
 
-        self._staging_free[i] = self._reducer.submit(reduce, (copied, self.zeroed[layer]), "reduce", layer)
+        self._staging_free[i] = self._reducer.submit(reduce, (copied, self.zeroed[layer], self.landed[layer]),
+                                                     "reduce", layer)
         self.landed[layer] = self._staging_free[i]
 
     def synchronize_grads(self) -> None:
@@ -226,6 +236,8 @@ class LayerPipeline:
             self.freed[slot] = done
             self.trace.add_since("compute", "bwd", i, t0)
             self._send_grad(i, gw, done)
+            if self.grad_sent is not None:
+                self.grad_sent(i)
             acts.drop(i)
             g = gx
         return g

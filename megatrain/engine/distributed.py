@@ -1,0 +1,185 @@
+"""Data parallel across processes on torch.distributed: one engine per rank, gradients averaged per layer.
+
+Started the way torchrun, `accelerate launch` and the deepspeed launcher start a job: RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR and MASTER_PORT in the environment (or a process group the caller already made).
+Every rank streams layers through its own device and adds its gradients into its own host slabs, as one
+process does. At a synchronising backward (the last micro-batch before an optimizer step) each layer's
+slab is averaged across ranks by a job on an "allreduce" host thread as soon as that layer's gradients
+have landed, while the compute thread already runs the next layer's backward; the layer's `landed` event
+becomes the average's, so every reader of the slab (norm, clipping, the overlapped optimizer) waits for it.
+The resident parameters' slab (head, norm, embedding) is averaged last, once their gradients are in.
+
+Why the host slab and not the device gradient: with accumulation the slab holds the sum of earlier
+micro-batches that the device no longer has; averaging the slab once per optimizer step reduces exactly
+what the optimizer reads, and a common part plus per-rank parts averages to the common part plus their
+mean, so a slab reduced twice (two synchronising backwards) is still right. Host tensors need a
+collective backend that reads host memory: the engine's own group is gloo whatever the device (a NCCL
+default group stays the user's).
+
+Averaging per-rank gradients is DDP's and DeepSpeed's rule: with a mean loss it equals one process with
+the concatenated batch when every rank's micro-batch has the same number of label tokens.
+
+Faults: the group's timeout is (just under) the engine's watchdog time, so a collective with a dead peer fails at
+once (connection reset) and one with a hung peer fails after the watchdog time; either way the job's
+error names this rank, the layer and the likely cause, and is raised on the training thread by the
+next wait, never a silent hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .store import FlatGroup, HostStore
+from .stream import CopyStream, Event, Trace
+
+
+class DataParallelError(RuntimeError):
+    """A collective across the data-parallel ranks failed (a peer died, hung or runs a different model)."""
+
+
+class LaunchEnv(NamedTuple):
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise ValueError(f"WORLD_SIZE > 1 but {name} is not set: launch with torchrun, accelerate launch or the "
+                             "deepspeed launcher (they set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+def launch_env() -> LaunchEnv:
+    """This process's place in the job, from the launcher's environment (a lone process: rank 0 of 1)."""
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        return LaunchEnv(rank, world, _env_int("LOCAL_RANK", rank if world > 1 else 0))
+    world = _env_int("WORLD_SIZE", 1)
+    if world < 1:
+        raise ValueError(f"WORLD_SIZE={world} must be >= 1")
+    if world == 1:
+        return LaunchEnv(0, 1, 0)
+    rank = _env_int("RANK")
+    local = _env_int("LOCAL_RANK", rank)
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    return LaunchEnv(rank, world, local)
+
+
+def init_process_group(device: torch.device, timeout_s: float) -> None:
+    """The default process group from the launcher's variables, unless the caller made one already."""
+    if dist.is_initialized():
+        return
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name):
+            raise ValueError(f"WORLD_SIZE > 1 but {name} is not set: launch with torchrun, accelerate launch or the "
+                             "deepspeed launcher, or call torch.distributed.init_process_group first")
+    env = launch_env()
+    if device.type == "cuda" and device.index is None:
+        torch.cuda.set_device(env.local_rank)  # before NCCL binds this process to a device
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class DataParallel:
+    """This rank's share of a data-parallel job: the engine's gradient group and its reduction thread."""
+
+    def __init__(self, env: LaunchEnv, watchdog_s: float, trace: Trace | None = None) -> None:
+        self.rank = env.rank
+        self.world_size = env.world_size
+        self.local_rank = env.local_rank
+        self.watchdog_s = watchdog_s
+        # The engine's own group: its collectives run on a host thread, and sharing a group with the
+        # user's own collectives (issued from the training thread) could interleave them differently on
+        # different ranks. Creating it is itself collective: every rank builds its engine in step.
+        # Its timeout a little under the watchdog's, so a dead or hung peer surfaces as this module's error
+        # (naming the cause) rather than as a bare "no progress" from the thread waiting on the average.
+        timeout = datetime.timedelta(seconds=max(0.9 * watchdog_s, 0.1))
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
+        # `trace`: the engine's, once it has one (it may set `stream.trace` later).
+        self.stream = CopyStream("allreduce", torch.device("cpu"), trace or Trace(False), None, watchdog_s)
+        # After one failed collective the group is unusable: later averages fail at once with the first
+        # error instead of each waiting out its own timeout.
+        self.broken: DataParallelError | None = None
+
+    @classmethod
+    def from_env(cls, device: torch.device, watchdog_s: float, trace: Trace | None = None) -> DataParallel | None:
+        """None for a lone process; otherwise joins (or makes) the default group and builds the engine's."""
+        env = launch_env()
+        if env.world_size == 1:
+            return None
+        init_process_group(device, watchdog_s)
+        return cls(launch_env(), watchdog_s, trace)
+
+    def _fail(self, what: str, exc: BaseException) -> DataParallelError:
+        return DataParallelError(
+            f"data parallel rank {self.rank} of {self.world_size}: {what} failed ({exc}). A peer rank died, hung "
+            f"for longer than the watchdog ({self.watchdog_s:.1f}s) or runs a different model or schedule; see its log")
+
+    # -- start-up -----------------------------------------------------------------------------------
+    def check_same_model(self, store: HostStore) -> None:
+        """Refuse ranks whose stores differ in layout: their collectives would mismatch, not fail."""
+        mine = [len(store.layers)] + [g.numel for g in store.groups()]
+        shapes: list[list[int] | None] = [None] * self.world_size
+        try:
+            dist.all_gather_object(shapes, mine, group=self.group)
+        except Exception as exc:
+            raise self._fail("comparing the model layout across ranks", exc) from exc
+        for r, other in enumerate(shapes):
+            if other != mine:
+                raise DataParallelError(f"data parallel rank {self.rank}: rank {r} holds a model of another layout "
+                                        f"(layers, group sizes {other} vs {mine}); every rank must build the same model")
+
+    def broadcast_masters(self, store: HostStore) -> None:
+        """Every rank starts from rank 0's weights (as DDP does): differing random inits would drift silently."""
+        try:
+            for g in store.groups():
+                dist.broadcast(g.master, src=0, group=self.group)
+        except Exception as exc:
+            raise self._fail("broadcasting rank 0's initial weights", exc) from exc
+
+    # -- gradients ----------------------------------------------------------------------------------
+    def average_(self, grad: torch.Tensor) -> None:
+        """grad <- the mean of every rank's grad, in place."""
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.group)
+        grad.div_(self.world_size)
+
+    def submit_average(self, group: FlatGroup, after: Event | Sequence[Event], what: str, layer: int) -> Event:
+        """Queue the average of `group`'s gradient slab once `after` is done; its event is the slab's new `landed`.
+
+        Jobs run in submission order on one thread, the same order on every rank (backward's layer order,
+        then the resident parameters), which is what keeps the collectives matched.
+        """
+        grad = group.grad
+
+        def job() -> int:
+            if self.broken is not None:
+                raise self.broken
+            try:
+                self.average_(grad)
+            except Exception as exc:
+                self.broken = self._fail(f"averaging the gradients of {what}", exc)
+                raise self.broken from exc
+            return grad.numel() * grad.element_size()
+
+        return self.stream.submit(job, after, "gradient average across ranks", layer)
+
+    def synchronize(self) -> None:
+        try:
+            self.stream.synchronize()
+        except RuntimeError as exc:
+            raise self._fail("waiting for the gradient averages", exc) from exc

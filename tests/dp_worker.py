@@ -1,0 +1,77 @@
+"""One rank of a data-parallel test run: examples/train_data_parallel.py with faults or a broken reduction.
+
+Run as `python tests/dp_worker.py OUT_DIR JSON_ARGS` with torchrun's variables in the environment.
+JSON_ARGS: faces, micro, steps, accumulation, watchdog_s, and
+  every_sync: also train the accelerator face with every micro-batch's backward averaging (not only the
+      last before a step): slabs holding an averaged part plus local parts are averaged again,
+  control: "skip_average" — every rank keeps its own gradients (the negative control of the parity test),
+  fault: "die" | "hang" — rank 1 exits / sleeps before its third forward, after writing OUT_DIR/fault_time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_data_parallel.py"
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("train_data_parallel", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def inject_fault(fault: str, out: Path) -> None:
+    from megatrain.engine.engine import Engine
+
+    forward = Engine.forward
+    calls = [0]
+
+    def faulty(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:  # one whole optimizer step (two micro-batches) went through first
+            (out / "fault_time").write_text(repr(time.time()))
+            if fault == "die":
+                os._exit(17)
+            time.sleep(3600)
+        return forward(self, *args, **kwargs)
+
+    Engine.forward = faulty
+
+
+def main() -> None:
+    out, args = Path(sys.argv[1]), json.loads(sys.argv[2])
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    example = load_example()
+    fault = args.pop("fault", "none")
+    if fault != "none" and rank == 1:
+        inject_fault(fault, out)
+    from megatrain.engine.distributed import DataParallel
+
+    results = example.run(args["faces"], args["micro"], args["steps"], args["accumulation"], args["watchdog_s"])
+    if args.get("every_sync"):
+        from megatrain.backend import MegatrainBackend
+
+        backward = MegatrainBackend.backward
+        MegatrainBackend.backward = lambda self, loss, *, sync: backward(self, loss, sync=True)
+        results["every_sync"] = example.run(["accelerator"], args["micro"], args["steps"], args["accumulation"],
+                                            args["watchdog_s"])["accelerator"]
+        MegatrainBackend.backward = backward
+    if args.get("control") == "skip_average":
+        DataParallel.average_ = lambda self, grad: None
+        results["control"] = example.run(["deepspeed"], args["micro"], args["steps"], args["accumulation"],
+                                         args["watchdog_s"])["deepspeed"]
+    torch.save(results, out / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
