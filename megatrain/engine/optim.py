@@ -65,7 +65,7 @@ class LayeredStep:
             for p in g["params"]:
                 if id(p) in slot_of:
                     own = nn.Parameter(p.detach())
-                    own.grad = group.view(group.grad, slot_of[id(p)])
+                    own.grad = group.view(group.grad_work, slot_of[id(p)])
                     mine.append(own)
                     pairs.append((own, p))
             if mine:
@@ -86,8 +86,10 @@ class LayeredStep:
         for own, main in view.pairs:
             view.optimizer.state[own] = self.optimizer.state[main]  # the same dict: filled in place
 
-    def step(self, after_layer: Callable[[int], None], landed: list[Event]) -> None:
-        """Update the globals now and queue every layer's update; `after_layer(i)` runs after layer i's.
+    def step(self, after_layer: Callable[[int], None], landed: list[Event],
+             before_layer: Callable[[int], None] | None = None) -> None:
+        """Update the globals now and queue every layer's update; `before_layer(i)` / `after_layer(i)` run
+        before / after layer i's (the non-FP32 modes unpack and pack the layer's master there).
 
         Layer i's update starts only after `landed[i]`, its gradients' last reduction into the slab: the
         updates run in forward order, the reverse of the order backward lands gradients in.
@@ -100,6 +102,8 @@ class LayeredStep:
             self._sync(view)
 
             def job(view=view, i=i) -> int:
+                if before_layer is not None:
+                    before_layer(i)
                 if view is not None:
                     view.optimizer.step()
                 after_layer(i)
@@ -109,10 +113,36 @@ class LayeredStep:
         # LR schedulers check that optimizer.step() ran before them; it did, a layer at a time.
         self.optimizer._opt_called = True
 
+    # -- optimizer in backward: one layer's update as soon as its gradients are staged -------------------
+    def sync_all(self) -> None:
+        """Take every view's hyper-parameters and state links now (before a backward that updates layers)."""
+        self.synchronize()
+        for view in (*self._views, self._globals):
+            self._sync(view)
+
+    def step_layer(self, i: int) -> None:
+        """Layer i's update, on the caller's thread (an optimizer-stream job)."""
+        view = self._views[i]
+        if view is not None:
+            view.optimizer.step()
+
+    def step_globals(self) -> None:
+        if self._globals is not None:
+            self._globals.optimizer.step()
+        self.optimizer._opt_called = True  # LR schedulers check that optimizer.step() ran before them
+
+    def submit(self, i: int, job: Callable[[], int], after: Event) -> Event:
+        """Queue a job that updates layer i; the layer's next load waits for it."""
+        self.updated[i] = self.stream.submit(job, (after,), "adam", i)
+        return self.updated[i]
+
     def zero_grad(self) -> None:
         """Zero the global gradients now and each layer's after its queued update."""
         self.store.globals.grad.zero_()
         for i, group in enumerate(self.store.layers):
+            if group.grad is None:
+                continue  # optimizer in backward: no slab
+
             def job(group=group) -> int:
                 group.grad.zero_()
                 return 0
