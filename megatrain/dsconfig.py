@@ -464,7 +464,9 @@ def _zero(d: dict[str, Any], ignored: list[str]) -> ZeroSpec:
 def _engine(d: dict[str, Any], bf16: bool, zero: ZeroSpec) -> EngineConfig:
     sec = dict(_section(d, "megatrain"))
     try:
-        EngineConfig.from_dict(sec)  # the user's own values are checked before they are combined
+        # The user's own values are checked before they are combined (with bf16.enabled's dtype, which the
+        # host-memory modes depend on).
+        EngineConfig.from_dict({"compute_dtype": "bfloat16", **sec} if bf16 else sec)
     except (TypeError, ValueError) as e:
         raise _err(f"'megatrain' section: {e}") from e
     bf_given = "bf16" in d or "bfloat16" in d
