@@ -485,8 +485,10 @@ class Engine:
                 layers[i].load_grads(coefs)
                 layers[i].unpack()
 
-            self._layered.step(lambda i: layers[i].pack(), self.pipeline.landed,
-                               before if self.store.per_layer_update else None)
+            if self.store.per_layer_update:
+                self._layered.step(lambda i: layers[i].pack(), self.pipeline.landed, before)
+            else:
+                self._layered.step(lambda i: layers[i].pack(), self.pipeline.landed)
             self._globals_changed()
             self.pipeline.invalidate()
             if not self.config.optimizer_overlap:
