@@ -666,3 +666,29 @@ def test_overlapped_optimizer_hides_behind_the_next_forward():
     assert whole.time.optimizer_s == pytest.approx(whole.time.optimizer_busy_s)
     assert t.step_s == pytest.approx(whole.time.step_s - (whole.time.optimizer_s - t.optimizer_s), rel=1e-9)
     assert t.step_s < 0.85 * whole.time.step_s
+
+
+def test_cli_plan_120b_on_h200_lists_the_modes_and_an_exact_one_fits(capsys):
+    """The paper's headline point: the default does not fit 1.5 TiB; the exact hilo master with the optimizer in
+    backward (which the engine runs, tests/test_host_modes.py) does, and so does the paper's inexact bf16 mode."""
+    assert main(["--model", "120b", "--context", "4096", "--batch", "8", "--hardware", H200]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("  ")[2].strip(): line for line in out.splitlines() if line.startswith("    ") and
+            ("master," in line)}
+    assert " NO " in rows["fp32 master, fp32 grads (default)"]
+    exact_fit = rows["hilo master, optimizer in backward"]
+    assert " yes " in exact_fit and exact_fit.split()[5] == "yes" and "dense-120b" in exact_fit
+    assert "no clipping" in exact_fit
+    paper = rows["bf16 master, bf16 grads (paper's code)"]
+    assert paper.split()[6] == "no"  # not exact, and said so
+
+
+def test_mode_table_refuses_what_the_engine_refuses():
+    from megatrain.planner.estimate import _hardware, make_point
+    from megatrain.planner.mode_table import mode_table
+
+    rows = {r.label: r for r in mode_table(make_point("llama2-7b", 1024, 1, 2, "bfloat16", "megatrain"),
+                                            _hardware(H200, None, None, None), search=False)}
+    assert "accumulation" in rows["hilo master, optimizer in backward"].refused
+    assert not rows["hilo master, optimizer in backward"].fits
+    assert rows["hilo master, fp32 grads"].refused is None and rows["hilo master, fp32 grads"].fits
