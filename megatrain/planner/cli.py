@@ -307,9 +307,11 @@ def _spec_to_plan_kwargs(pt: dict[str, Any], knobs: dict[str, Any]) -> dict[str,
         if "tile_tokens" in eng:  # the planner's old name for the engine's knob
             eng.setdefault("mlp_tile_tokens", eng.pop("tile_tokens"))
         for k in ("num_buffers", "loss_chunk_tokens", "offload_activations", "mlp_tile_tokens",
-                  "device_budget_bytes"):
+                  "device_budget_bytes", "host_grad_dtype", "optimizer_in_backward", "optimizer_overlap"):
             if k in eng:
                 kw[k] = eng[k]
+        if "host_master" in eng:
+            kw["master"] = eng["host_master"]
         if eng.get("link_gbps"):
             kw["link_gbs"] = float(eng["link_gbps"])
     else:

@@ -281,6 +281,8 @@ class Plan:
             "offload_activations": self.decisions.get("offload_activations"),
             "mlp_tile_tokens": self.decisions.get("mlp_tile_tokens"),
             "master": p.master if p.backend == "megatrain" else None,
+            "host_grad_dtype": p.host_grad_dtype if p.backend == "megatrain" else None,
+            "optimizer_in_backward": p.optimizer_in_backward if p.backend == "megatrain" else None,
             "step_time_s": t.step_s,
             "tokens_per_s": self.tokens_per_s,
             "flops_per_step": self.model_flops,
