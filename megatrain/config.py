@@ -59,6 +59,9 @@ class EngineConfig:
     host_master: str = "fp32"
     host_grad_dtype: str = "float32"
     optimizer_in_backward: bool = False
+    # host_master "bf16" only: "nearest" (round-to-nearest-even, as the paper's code) or "stochastic" (unbiased:
+    # keeps updates smaller than half a bf16 ulp in expectation; seeded, so a run repeats exactly)
+    bf16_rounding: str = "nearest"
 
     def __post_init__(self) -> None:
         # A switch given as "no" or {} would be truthy: the opposite of what was meant, silently.
@@ -138,6 +141,11 @@ def check_host_modes(cfg: EngineConfig) -> None:
     if grad is GradSlab.BFLOAT16 and not bf16:
         raise ValueError("host_grad_dtype='bfloat16' is exact only for bf16 gradients: set compute_dtype='bfloat16' "
                          "(or host_grad_dtype='float32')")
+    if cfg.bf16_rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"bf16_rounding={cfg.bf16_rounding!r}: use 'nearest' or 'stochastic'")
+    if cfg.bf16_rounding == "stochastic" and master is not HostMaster.BF16:
+        raise ValueError("bf16_rounding='stochastic' rounds a bf16 master: set host_master='bf16' (the exact "
+                         "masters round nothing)")
     if cfg.optimizer_in_backward and cfg.optimizer_overlap:
         raise ValueError("optimizer_in_backward and optimizer_overlap are two ways to run the layer updates: "
                          "set one of them")

@@ -283,3 +283,32 @@ def test_store_bytes_match_the_mode_table(model, master, grad, oib):
     ties = sum(g.ties.numel() * 8 for g in eng.store.layers)
     per = layer_bytes_per_param(HostMaster(master), GradSlab(grad), oib, bf16_compute=True) - 8  # Adam: not the store
     assert eng.store.host_bytes() == per * n_layer + 8 * n_glob + extra + ties
+
+
+def test_stochastic_rounding_is_unbiased_and_keeps_updates_nearest_rounding_drops():
+    from megatrain.engine.rounding import round_stochastic
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.full((200_000,), 1.0 + 2**-10)  # a quarter of a bf16 ulp above 1.0: nearest rounds it away
+    out = torch.empty_like(x, dtype=torch.bfloat16)
+    mean = round_stochastic(x, out, gen).double().mean().item()
+    assert abs(mean - (1.0 + 2**-10)) < 2e-5  # binomial sd of the mean: 2^-8 * sqrt(.25 * .75 / 2e5) = 4e-6
+    assert x.to(torch.bfloat16).double().mean().item() == 1.0
+    # exact bf16 values, infinities and NaN are kept as such; negative values round in magnitude
+    edge = torch.tensor([1.5, -2.0, float("inf"), float("-inf"), float("nan"), -(1.0 + 2**-10)])
+    r = round_stochastic(edge, torch.empty(6, dtype=torch.bfloat16), gen).float()
+    assert r[:4].tolist() == [1.5, -2.0, float("inf"), float("-inf")] and torch.isnan(r[4])
+    assert r[5].item() in (-1.0, -(1.0 + 2**-7))
+    # negative control: the same check catches a biased rounding (truncation: no random bits added)
+    trunc = (x.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+    assert abs(trunc.double().mean().item() - (1.0 + 2**-10)) > 2e-5
+
+
+def test_bf16_master_with_stochastic_rounding_trains_and_repeats_exactly(model):
+    batches = make_batches(3)
+    a = _engine(model, host_master="bf16", bf16_rounding="stochastic")
+    b = _engine(model, host_master="bf16", bf16_rounding="stochastic")
+    assert _train(a, batches, steps=3) == _train(b, batches, steps=3)
+    assert not _differences(a, b)
+    with pytest.raises(ValueError, match="set host_master='bf16'"):
+        EngineConfig(compute_dtype="bfloat16", host_master="hilo", bf16_rounding="stochastic")

@@ -126,6 +126,9 @@ class Engine:
         self.store = HostStore(layer_shapes, [(n, p.shape) for n, p in global_named], pin,
                                torch.bfloat16 if self.compute_dtype == torch.bfloat16 else None,
                                config.master_mode, config.grad_slab)
+        if config.bf16_rounding == "stochastic":
+            for i, g in enumerate(self.store.layers):
+                g.rounding = torch.Generator().manual_seed(0x5EED + i)  # one stream per layer: runs repeat exactly
 
         # Pack: copy each tensor into the store, then free the model's own storage right away so no
         # second full copy of the model is ever alive.

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..modes import GradSlab, HostMaster
 from . import hilo
+from .rounding import round_stochastic
 
 _PAGE = 4096
 _pin_failed = False
@@ -73,6 +74,7 @@ class FlatGroup:
             offset += n
         self.numel = offset
         self.master_mode, self.grad_mode = master, grad
+        self.rounding: torch.Generator | None = None  # bf16 master: stochastic rounding's random bits
         self.lo: torch.Tensor | None = None
         self.ties = torch.empty(0, dtype=torch.int64)  # hilo: positions whose hi rounded up at a tie
         if master is HostMaster.FP32:
@@ -136,7 +138,10 @@ class FlatGroup:
         if self.master_mode is HostMaster.HILO:
             self.ties = hilo.split(self.work, self.shadow, self.lo)
         elif self.master_mode is HostMaster.BF16:
-            self.shadow.copy_(self.work)
+            if self.rounding is not None:
+                round_stochastic(self.work, self.shadow, self.rounding)
+            else:
+                self.shadow.copy_(self.work)
         else:
             self.refresh_shadow()
 
