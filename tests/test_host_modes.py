@@ -69,9 +69,12 @@ def model():
 
 
 # -- exact split master ---------------------------------------------------------------------------------
-def test_hilo_is_bit_identical_to_the_fp32_master_with_accumulation_clipping_and_a_schedule(model):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_hilo_is_bit_identical_to_the_fp32_master_with_accumulation_clipping_and_a_schedule(model, overlap):
     batches = make_batches(8)
-    ref, hl = _engine(model), _engine(model, host_master="hilo")
+    ref, hl = _engine(model), _engine(model, host_master="hilo", optimizer_overlap=overlap)
+    if overlap:
+        hl._layered.stream.stall_s = 0.005  # the layer updates lag: the next forward must wait for them
     assert hl.store.layers[0].master is None and hl.store.layers[0].lo.dtype == torch.int16
     ties = []
     orig = FlatGroup.pack
