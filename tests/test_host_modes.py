@@ -154,6 +154,47 @@ def test_hilo_checkpoint_through_initialize_resumes_bit_exactly(model, tmp_path)
     assert all(torch.equal(sw[k], sr[k]) for k in sw)
 
 
+def test_optimizer_in_backward_through_initialize_matches_the_ordinary_step(model):
+    from megatrain.dsconfig import DeepSpeedConfigError
+    from megatrain.initialize import initialize
+
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+          "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+          "megatrain": {"loss_chunk_tokens": 13, "host_master": "hilo"}}
+    engines = []
+    for oib in (False, True):
+        cfg = copy.deepcopy(ds)
+        cfg["megatrain"]["optimizer_in_backward"] = oib
+        eng, *_ = initialize(model=copy.deepcopy(model), config=cfg)
+        for b in make_batches(3):
+            eng.backward(eng(**b).loss)
+            eng.step()
+        engines.append(eng.engine)
+    assert not _differences(*engines)
+    # DeepSpeed clips by default (1.0) and may accumulate: refused when the config is read, naming the fix
+    for change, match in (({"gradient_clipping": 1.0}, "set 'gradient_clipping': 0"),
+                          ({"gradient_accumulation_steps": 2}, "'gradient_accumulation_steps': 1")):
+        cfg = {**copy.deepcopy(ds), **change}
+        cfg["megatrain"]["optimizer_in_backward"] = True
+        with pytest.raises(DeepSpeedConfigError, match=match):
+            initialize(model=copy.deepcopy(model), config=cfg)
+    cfg = {**copy.deepcopy(ds), "gradient_accumulation_steps": 2}
+    cfg["megatrain"]["host_grad_dtype"] = "bfloat16"
+    with pytest.raises(DeepSpeedConfigError, match="cannot sum micro-batches exactly"):
+        initialize(model=copy.deepcopy(model), config=cfg)
+
+
+def test_preflight_charges_the_mode():
+    from megatrain.engine.preflight import host_preflight
+
+    layers = [[("w", torch.Size([10, 10]))]] * 3
+    need = host_preflight(layers, [torch.Size([5, 10])], torch.bfloat16, available=10**12,
+                          master=HostMaster.HILO, grad=None)
+    assert need["master"] == 4 * 300 + 4 * 50 and need["grad"] == 4 * 50 and "bf16_shadow" not in need
+    need = host_preflight(layers, [torch.Size([5, 10])], torch.bfloat16, available=10**12)
+    assert need["master"] == 4 * 350 and need["grad"] == 4 * 350 and need["bf16_shadow"] == 2 * 300
+
+
 # -- bf16 gradient slabs ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("master", ["fp32", "hilo"])
 def test_bf16_slabs_are_bit_identical_to_fp32_slabs_at_accumulation_one(model, master):
