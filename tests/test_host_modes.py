@@ -195,6 +195,15 @@ def test_preflight_charges_the_mode():
     assert need["master"] == 4 * 350 and need["grad"] == 4 * 350 and need["bf16_shadow"] == 2 * 300
 
 
+def test_layer_parameters_outside_an_update_read_as_nan_not_as_another_layers_weights(model):
+    eng = _engine(model, host_master="hilo")
+    _train(eng, make_batches(1), steps=1)
+    handle = eng.store.layers[0].params[0]  # what the optimizer updates: a view of the shared scratch
+    assert torch.isnan(handle).all()
+    name = f"{eng.parts.layers_prefix}.0.{eng.store.layers[0].slots[0].name}"
+    assert torch.isfinite(dict(eng.named_parameters())[name]).all()  # the engine's readers join the real values
+
+
 # -- bf16 gradient slabs ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("master", ["fp32", "hilo"])
 def test_bf16_slabs_are_bit_identical_to_fp32_slabs_at_accumulation_one(model, master):

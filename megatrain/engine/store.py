@@ -135,15 +135,18 @@ class FlatGroup:
 
     def pack(self) -> None:
         """Store `work` back as the master (the exact split, or bf16 RNE); FP32: refresh the shadow."""
+        if self.master_mode is HostMaster.FP32:
+            self.refresh_shadow()
+            return
         if self.master_mode is HostMaster.HILO:
             self.ties = hilo.split(self.work, self.shadow, self.lo)
-        elif self.master_mode is HostMaster.BF16:
-            if self.rounding is not None:
-                round_stochastic(self.work, self.shadow, self.rounding)
-            else:
-                self.shadow.copy_(self.work)
+        elif self.rounding is not None:
+            round_stochastic(self.work, self.shadow, self.rounding)
         else:
-            self.refresh_shadow()
+            self.shadow.copy_(self.work)
+        # The scratch is shared by every layer: whoever reads a layer's Parameters outside its update (instead
+        # of read_slot / the engine's state_dict) gets NaN, never another layer's plausible-looking weights.
+        self.work.fill_(float("nan"))
 
     def load_grads(self, coefs: list[float]) -> None:
         """Make `grad_work` hold the FP32 gradients, times the clipping coefficients still pending on them (a
