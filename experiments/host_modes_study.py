@@ -22,10 +22,10 @@ import torch
 
 MODES = [
     ("fp32 master (reference)", {}),
-    ("hilo + optimizer in backward (exact)", {"host_master": "hilo", "optimizer_in_backward": True}),
     ("bf16 master, nearest rounding (paper's code)", {"host_master": "bf16", "host_grad_dtype": "bfloat16"}),
     ("bf16 master, stochastic rounding", {"host_master": "bf16", "host_grad_dtype": "bfloat16",
                                           "bf16_rounding": "stochastic"}),
+    ("hilo + optimizer in backward (exact)", {"host_master": "hilo", "optimizer_in_backward": True}),
 ]
 
 
@@ -49,6 +49,7 @@ def run_mode(model, cfg: dict, data: torch.Tensor, batch: int, steps: int, lr: f
     eng = Engine(copy.deepcopy(model), EngineConfig(device="cpu", compute_dtype="bfloat16", parity_probe=False, **cfg),
                  optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=lr, weight_decay=0.0, fused=True))
     losses = []
+    t0 = time.perf_counter()
     for s in range(steps):
         rows = data[(s * batch) % len(data):][:batch]
         loss = eng(input_ids=rows[:, :-1], labels=rows[:, :-1].clone()).loss
@@ -56,6 +57,8 @@ def run_mode(model, cfg: dict, data: torch.Tensor, batch: int, steps: int, lr: f
         eng.step()
         eng.zero_grad()
         losses.append(loss.item())
+        if (s + 1) % 25 == 0:
+            print(f"  step {s + 1}: loss {losses[-1]:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     return losses
 
 
@@ -119,6 +122,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--out", default="results/host_modes")
+    ap.add_argument("--modes", type=int, default=len(MODES), help="run the first N modes only")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -129,7 +133,7 @@ def main() -> None:
     meta = {"preset": a.preset, "params": sum(t.numel() for t in model.parameters()), "steps": a.steps,
             "batch": a.batch, "seq": a.seq, "lr": a.lr, "provenance": {**provenance(), "threads": torch.get_num_threads()}}
     curves: dict[str, list[float]] = {}
-    for mode, cfg in MODES:
+    for mode, cfg in MODES[: a.modes]:
         t0 = time.perf_counter()
         curves[mode] = run_mode(model, cfg, data, a.batch, a.steps, a.lr)
         print(f"{mode}: final {curves[mode][-1]:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
