@@ -4,8 +4,8 @@
 
 Each mode trains `steps` steps on the CPU device in its own process (bench_engine rss: peak RSS growth
 over the post-import baseline, so the emulated device's buffers and transients are included) and is set
-next to the planner's figure for the same mode (megatrain/modes.py). Writes results/host_modes/bytes.json
-and bytes.md.
+next to the planner's figure for the same mode (megatrain/modes.py). Writes results/host_modes/bytes-PRESET.json
+and bytes-PRESET.md (runs under runs-PRESET/; --resume keeps the modes already there).
 """
 
 from __future__ import annotations
@@ -42,27 +42,31 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default="results/host_modes")
+    ap.add_argument("--resume", action="store_true", help="keep the modes already measured under OUT/runs")
     a = ap.parse_args()
     out = Path(a.out)
-    tmp = out / "runs"
+    tmp = out / f"runs-{a.preset}"
     rows = []
     for i, (label, cfg) in enumerate(MODES):
-        subprocess.run([sys.executable, "-m", "experiments.bench_engine", "rss", "--preset", a.preset,
-                        "--seq", str(a.seq), "--steps", str(a.steps), "--engine", json.dumps(cfg),
-                        "--out", str(tmp), "--name", f"mode{i}"], check=True, stdout=subprocess.DEVNULL)
+        if (tmp / f"mode{i}.json").is_file() and a.resume:
+            print(f"{label}: kept {tmp / f'mode{i}.json'}", flush=True)
+        else:
+            subprocess.run([sys.executable, "-m", "experiments.bench_engine", "rss", "--preset", a.preset,
+                            "--seq", str(a.seq), "--steps", str(a.steps), "--engine", json.dumps(cfg),
+                            "--out", str(tmp), "--name", f"mode{i}"], check=True, stdout=subprocess.DEVNULL)
         r = json.loads((tmp / f"mode{i}.json").read_text())
         rows.append({"mode": label, "engine": cfg, "planned_layer_bytes_per_param": planned(cfg),
                      "store_bytes_per_param": r["host_store_bytes_per_param"],
                      "peak_rss_growth_bytes_per_param": r["bytes_per_param"], "params": r["params"],
                      "step_s": r["step_s"], "provenance": r["provenance"]})
-    (out / "bytes.json").write_text(json.dumps(rows, indent=2))
+    (out / f"bytes-{a.preset}.json").write_text(json.dumps(rows, indent=2))
     lines = [f"Host bytes per parameter, {a.preset} ({rows[0]['params'] / 1e6:.0f}M params), CPU device, "
              f"seq {a.seq}, {a.steps} steps", "",
              "| mode | planner (layers: master + shadow + grad + Adam) | store (counted) | peak RSS growth |",
              "|---|---|---|---|"]
     lines += [f"| {r['mode']} | {r['planned_layer_bytes_per_param']} | {r['store_bytes_per_param']:.2f} | "
               f"{r['peak_rss_growth_bytes_per_param']:.2f} |" for r in rows]
-    (out / "bytes.md").write_text("\n".join(lines) + "\n")
+    (out / f"bytes-{a.preset}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
