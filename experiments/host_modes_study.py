@@ -109,6 +109,18 @@ def write(out: Path, curves: dict[str, list[float]], meta: dict) -> None:
         pass
 
 
+def merge(dirs: list[Path], out: Path, a: argparse.Namespace) -> None:
+    """One table and figure from runs made in parallel processes (same settings, one mode each)."""
+    curves: dict[str, list[float]] = {}
+    for d in dirs:
+        with open(d / "loss_curves.csv") as f:
+            for row in csv.DictReader(f):
+                curves.setdefault(row["mode"], []).append(float(row["loss"]))
+    order = [m for m, _ in MODES if m in curves]
+    meta = json.loads((dirs[0] / "meta.json").read_text())
+    write(out, {m: curves[m] for m in order}, meta)
+
+
 def main() -> None:
     import transformers
 
@@ -123,9 +135,14 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--out", default="results/host_modes")
     ap.add_argument("--modes", type=int, default=len(MODES), help="run the first N modes only")
+    ap.add_argument("--skip", type=int, default=0, help="skip the first N modes (to run modes in parallel processes)")
+    ap.add_argument("--merge", nargs="+", help="combine the loss_curves.csv of these folders into --out, then stop")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.merge:
+        merge([Path(d) for d in a.merge], out, a)
+        return
     p = get_preset(a.preset)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(p.hf_config())
@@ -133,7 +150,8 @@ def main() -> None:
     meta = {"preset": a.preset, "params": sum(t.numel() for t in model.parameters()), "steps": a.steps,
             "batch": a.batch, "seq": a.seq, "lr": a.lr, "provenance": {**provenance(), "threads": torch.get_num_threads()}}
     curves: dict[str, list[float]] = {}
-    for mode, cfg in MODES[: a.modes]:
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    for mode, cfg in MODES[a.skip: a.modes]:
         t0 = time.perf_counter()
         curves[mode] = run_mode(model, cfg, data, a.batch, a.steps, a.lr)
         print(f"{mode}: final {curves[mode][-1]:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
