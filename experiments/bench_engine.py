@@ -1,6 +1,7 @@
 """Engine figures for the closing note (a benchmark, not a test).
 
     python -m experiments.bench_engine rss   --preset llama-0.6b   # peak host RSS growth per parameter
+    python -m experiments.bench_engine rss --engine '{"compute_dtype": "bfloat16", "host_master": "hilo"}'
     python -m experiments.bench_engine ratio --preset llama-100m   # engine vs plain PyTorch step time
     python -m experiments.bench_engine overlap --preset llama-100m # optimizer_overlap on vs off
 
@@ -41,8 +42,9 @@ def _provenance() -> dict:
     return {**provenance(), "threads": torch.get_num_threads()}
 
 
-def bench_rss(preset: str, seq: int, steps: int) -> dict:
-    """Peak RSS growth over the post-import baseline, per parameter, while training on the engine."""
+def bench_rss(preset: str, seq: int, steps: int, engine: dict | None = None) -> dict:
+    """Peak RSS growth over the post-import baseline, per parameter, while training on the engine
+    (`engine`: extra EngineConfig settings, e.g. a host-memory mode)."""
     import transformers
 
     from megatrain.config import EngineConfig
@@ -52,9 +54,9 @@ def bench_rss(preset: str, seq: int, steps: int) -> dict:
     p = get_preset(preset)
     base = _rss_now_bytes()
     model = transformers.AutoModelForCausalLM.from_config(p.hf_config())
-    eng = Engine(model, EngineConfig(device="cpu"))
+    eng = Engine(model, EngineConfig(device="cpu", **(engine or {})))
     del model
-    n = sum(t.numel() for _, t in eng.named_parameters())
+    n = sum(g.numel for g in eng.store.groups())
     batch = _batch(p.vocab, 1, seq)
     times = []
     for _ in range(steps):
@@ -64,7 +66,8 @@ def bench_rss(preset: str, seq: int, steps: int) -> dict:
         eng.zero_grad()
         times.append(time.perf_counter() - t0)
     peak = peak_rss_bytes() - base
-    return {"preset": preset, "params": n, "seq": seq, "steps": steps, "peak_rss_growth_bytes": peak,
+    return {"preset": preset, "engine": engine or {}, "params": n, "seq": seq, "steps": steps,
+            "peak_rss_growth_bytes": peak,
             "bytes_per_param": peak / n, "host_store_bytes_per_param": eng.store.host_bytes() / n,
             "step_s": times}
 
@@ -166,9 +169,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default="results/engine_bench")
+    ap.add_argument("--engine", default=None, help="rss: extra EngineConfig settings as JSON")
+    ap.add_argument("--name", default=None, help="output file name (default: the benchmark's)")
     a = ap.parse_args()
     if a.what == "rss":
-        res = bench_rss(a.preset or "llama-0.6b", a.seq or 256, a.steps)
+        res = bench_rss(a.preset or "llama-0.6b", a.seq or 256, a.steps, json.loads(a.engine) if a.engine else None)
     elif a.what == "ratio":
         res = bench_ratio(a.preset or "llama-100m", a.seq or 512, a.batch, a.steps)
     else:
@@ -176,7 +181,7 @@ def main() -> None:
     res["provenance"] = _provenance()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{a.what}.json").write_text(json.dumps(res, indent=2))
+    (out / f"{a.name or a.what}.json").write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=2))
 
 

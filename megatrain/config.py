@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .engine.malloc import MAX_MMAP_THRESHOLD, MIN_MMAP_THRESHOLD
+from .modes import GradSlab, HostMaster, parse
 
 _DTYPES = ("float32", "bfloat16")
 MIN_LINK_GBPS = 1e-3
@@ -49,11 +50,23 @@ class EngineConfig:
     # transformers version, cached), train a tiny model of the same class with PyTorch and with the engine and
     # refuse on any difference (engine/probe.py). Off: for users who know the architecture is handled exactly.
     parity_probe: bool = True
+    # Host-memory modes (megatrain/modes.py; `megatrain plan` prints what each costs). host_master: "fp32"
+    # (default), "hilo" (an exact split: the bf16 half streams, FP32 bit for bit; needs bf16 compute) or "bf16"
+    # (bf16 weights updated in place, as the paper's code: not exact). host_grad_dtype "bfloat16": bf16
+    # gradient slabs, exact with bf16 compute and one micro-batch per step (accumulation is refused).
+    # optimizer_in_backward: each layer's AdamW update runs as soon as its gradients land in backward, so no
+    # layer gradient slab exists (hilo: 12 B/param); exact without clipping and accumulation, which it refuses.
+    host_master: str = "fp32"
+    host_grad_dtype: str = "float32"
+    optimizer_in_backward: bool = False
+    # host_master "bf16" only: "nearest" (round-to-nearest-even, as the paper's code) or "stochastic" (unbiased:
+    # keeps updates smaller than half a bf16 ulp in expectation; seeded, so a run repeats exactly)
+    bf16_rounding: str = "nearest"
 
     def __post_init__(self) -> None:
         # A switch given as "no" or {} would be truthy: the opposite of what was meant, silently.
         for name in ("pin_memory", "measure_device_memory", "trace", "skip_nonfinite", "optimizer_overlap",
-                     "parity_probe"):
+                     "parity_probe", "optimizer_in_backward"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (value is None and name == "pin_memory"):
                 raise ValueError(f"{name}={value!r} must be true or false")
@@ -62,6 +75,7 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r} must be a number")
         if self.compute_dtype not in _DTYPES:
             raise ValueError(f"compute_dtype={self.compute_dtype!r} is not supported; use one of {_DTYPES}")
+        check_host_modes(self)
         if not isinstance(self.num_buffers, int) or self.num_buffers < 1:
             raise ValueError(f"num_buffers={self.num_buffers!r} must be an int >= 1 (2 overlaps copies with compute)")
         chunk = self.loss_chunk_tokens
@@ -91,6 +105,15 @@ class EngineConfig:
             raise ValueError(f"watchdog_s={self.watchdog_s!r} must be from {MIN_WATCHDOG_S} s (shorter fires on "
                              f"healthy work) to {threading.TIMEOUT_MAX:.0f} s (the longest wait Python's threads take)")
 
+    @property
+    def master_mode(self) -> HostMaster:
+        return HostMaster(self.host_master)
+
+    @property
+    def grad_slab(self) -> GradSlab | None:
+        """The layers' gradient slab dtype; None with the optimizer in backward (no slab)."""
+        return None if self.optimizer_in_backward else GradSlab(self.host_grad_dtype)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> EngineConfig:
         d = dict(d or {})
@@ -104,3 +127,25 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def check_host_modes(cfg: EngineConfig) -> None:
+    """The host-memory knobs are known values and fit together (clear errors naming the fix)."""
+    master = parse(HostMaster, cfg.host_master, "host_master")
+    grad = parse(GradSlab, cfg.host_grad_dtype, "host_grad_dtype")
+    cfg.host_master, cfg.host_grad_dtype = master.value, grad.value  # plain strings, as written in JSON
+    bf16 = cfg.compute_dtype == "bfloat16"
+    if master is not HostMaster.FP32 and not bf16:
+        raise ValueError(f"host_master={master.value!r} keeps a bf16 half that streams to the device: set "
+                         "compute_dtype='bfloat16' (or host_master='fp32' to compute in FP32)")
+    if grad is GradSlab.BFLOAT16 and not bf16:
+        raise ValueError("host_grad_dtype='bfloat16' is exact only for bf16 gradients: set compute_dtype='bfloat16' "
+                         "(or host_grad_dtype='float32')")
+    if cfg.bf16_rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"bf16_rounding={cfg.bf16_rounding!r}: use 'nearest' or 'stochastic'")
+    if cfg.bf16_rounding == "stochastic" and master is not HostMaster.BF16:
+        raise ValueError("bf16_rounding='stochastic' rounds a bf16 master: set host_master='bf16' (the exact "
+                         "masters round nothing)")
+    if cfg.optimizer_in_backward and cfg.optimizer_overlap:
+        raise ValueError("optimizer_in_backward and optimizer_overlap are two ways to run the layer updates: "
+                         "set one of them")

@@ -492,7 +492,9 @@ def _zero(d: dict[str, Any], ignored: list[str]) -> ZeroSpec:
 def _engine(d: dict[str, Any], bf16: bool, zero: ZeroSpec) -> EngineConfig:
     sec = dict(_section(d, "megatrain"))
     try:
-        EngineConfig.from_dict(sec)  # the user's own values are checked before they are combined
+        # The user's own values are checked before they are combined (with bf16.enabled's dtype, which the
+        # host-memory modes depend on).
+        EngineConfig.from_dict({"compute_dtype": "bfloat16", **sec} if bf16 else sec)
     except (TypeError, ValueError) as e:
         raise _err(f"'megatrain' section: {e}") from e
     bf_given = "bf16" in d or "bfloat16" in d
@@ -586,6 +588,14 @@ def parse_config(config: dict[str, Any] | str | os.PathLike, args: Any = None, *
     if not _bool(d.get("managed_gradient_accumulation", True), "managed_gradient_accumulation"):
         raise _err("'managed_gradient_accumulation': false is not supported; MegaTrain counts micro-steps itself")
     engine = _engine(d, bf16, zero)
+    if engine.optimizer_in_backward and (clip > 0 or ga > 1):
+        raise _err(f"'megatrain.optimizer_in_backward' updates each layer during backward, before the global gradient "
+                   f"norm or the next micro-batch exists: set 'gradient_clipping': 0 (DeepSpeed's default is 1.0) and "
+                   f"'gradient_accumulation_steps': 1, or drop optimizer_in_backward (now gradient_clipping={clip:g}, "
+                   f"gradient_accumulation_steps={ga})")
+    if engine.host_grad_dtype == "bfloat16" and not engine.optimizer_in_backward and ga > 1:
+        raise _err(f"'megatrain.host_grad_dtype': 'bfloat16' cannot sum micro-batches exactly (gradient_accumulation_steps"
+                   f"={ga}): set 'gradient_accumulation_steps': 1, or host_grad_dtype 'float32'")
 
     resolved = dict(d)
     resolved.update(train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga,

@@ -61,21 +61,38 @@ def test_bf16_shadow_covers_streamed_layers_only():
     assert _states(pl) == 16 * m.param_count()
     # the exact hi/lo split streams its hi half: no shadow
     assert plan(m, 1024, dtype="bfloat16", hardware=H200, master="hilo").memory.host["bf16 shadow (streams)"] == 0
-    # the paper's public code: bf16 weights + bf16 grads + fp32 Adam = 12 B/param
+    # the paper's public code: bf16 weights + bf16 grads + fp32 Adam = 12 B/param for the streamed layers; the
+    # engine keeps the globals (embedding, head, norm) FP32 with an FP32 gradient: 16 B/param
     paper = plan(m, 1024, dtype="bfloat16", hardware=H200, master="bf16", host_grad_dtype="bfloat16")
-    assert _states(paper) == 12 * m.param_count()
+    n_layers = m.num_layers * m.layer_params()
+    assert _states(paper) == 12 * n_layers + 16 * (m.param_count() - n_layers)
 
 
-def test_design_what_ifs_are_marked_as_not_what_the_engine_runs():
+@pytest.mark.parametrize("master,grad,oib", [("fp32", "float32", False), ("hilo", "float32", False),
+                                             ("hilo", "bfloat16", False), ("hilo", "float32", True),
+                                             ("bf16", "bfloat16", False), ("fp32", "float32", True)])
+def test_planner_layer_bytes_are_the_engine_modes(master, grad, oib):
+    """The planner charges what megatrain/modes.py (which the engine's store allocates by) says."""
+    from megatrain.modes import GradSlab, HostMaster, layer_bytes_per_param
+
     m = get_preset("qwen2.5-7b")
-    assert not any("what-if" in w for w in plan(m, 1024, hardware=H200).warnings)
-    assert not any("what-if" in w for w in plan(m, 1024, hardware=H200, optimizer_overlap=True).warnings)  # it runs
-    for knobs, named in ((dict(master="hilo"), "master='hilo'"),
-                         (dict(master="bf16", host_grad_dtype="bfloat16"), "master='bf16', host_grad_dtype='bfloat16'")):
-        (w,) = [w for w in plan(m, 1024, hardware=H200, **knobs).warnings if "what-if" in w]
-        assert w.startswith(named) and "not what the engine runs today" in w
-    # the baselines are what DeepSpeed and torch run: nothing to mark
-    assert not any("what-if" in w for w in plan(m, 1024, hardware=H200, backend="zero3", master="hilo").warnings)
+    pl = plan(m, 1024, hardware=H200, master=master, host_grad_dtype=grad, optimizer_in_backward=oib,
+              grad_clip=not oib)
+    h, n_layers = pl.memory.host, m.num_layers * m.layer_params()
+    glob = m.param_count() - n_layers
+    layer_state = _states(pl) + h["bf16 shadow (streams)"] - 16 * glob
+    assert layer_state == layer_bytes_per_param(HostMaster(master), GradSlab(grad), oib, True) * n_layers
+    assert not any("refuses" in w for w in pl.warnings)
+
+
+def test_modes_the_engine_refuses_are_noted_not_silently_planned():
+    m = get_preset("qwen2.5-7b")
+    for knobs, why in ((dict(master="hilo", dtype="float32"), "needs bf16 compute"),
+                       (dict(optimizer_in_backward=True), "refuses gradient clipping"),
+                       (dict(optimizer_in_backward=True, grad_clip=False, grad_accum=2), "accumulation"),
+                       (dict(host_grad_dtype="bfloat16", grad_accum=2), "accumulation")):
+        assert any("the engine refuses" in w and why in w for w in plan(m, 1024, hardware=H200, **knobs).warnings)
+    assert not any("refuses" in w for w in plan(m, 1024, hardware=H200, optimizer_overlap=True).warnings)
 
 
 def test_zero3_host_is_what_deepspeed_allocates():
@@ -678,3 +695,29 @@ def test_overlapped_optimizer_hides_behind_the_next_forward():
     assert whole.time.optimizer_s == pytest.approx(whole.time.optimizer_busy_s)
     assert t.step_s == pytest.approx(whole.time.step_s - (whole.time.optimizer_s - t.optimizer_s), rel=1e-9)
     assert t.step_s < 0.85 * whole.time.step_s
+
+
+def test_cli_plan_120b_on_h200_lists_the_modes_and_an_exact_one_fits(capsys):
+    """The paper's headline point: the default does not fit 1.5 TiB; the exact hilo master with the optimizer in
+    backward (which the engine runs, tests/test_host_modes.py) does, and so does the paper's inexact bf16 mode."""
+    assert main(["--model", "120b", "--context", "4096", "--batch", "8", "--hardware", H200]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("  ")[2].strip(): line for line in out.splitlines() if line.startswith("    ") and
+            ("master," in line)}
+    assert " NO " in rows["fp32 master, fp32 grads (default)"]
+    exact_fit = rows["hilo master, optimizer in backward"]
+    assert " yes " in exact_fit and exact_fit.split()[5] == "yes" and "dense-120b" in exact_fit
+    assert "no clipping" in exact_fit
+    paper = rows["bf16 master, bf16 grads (paper's code)"]
+    assert paper.split()[6] == "no"  # not exact, and said so
+
+
+def test_mode_table_refuses_what_the_engine_refuses():
+    from megatrain.planner.estimate import _hardware, make_point
+    from megatrain.planner.mode_table import mode_table
+
+    rows = {r.label: r for r in mode_table(make_point("llama2-7b", 1024, 1, 2, "bfloat16", "megatrain"),
+                                            _hardware(H200, None, None, None), search=False)}
+    assert "accumulation" in rows["hilo master, optimizer in backward"].refused
+    assert not rows["hilo master, optimizer in backward"].fits
+    assert rows["hilo master, fp32 grads"].refused is None and rows["hilo master, fp32 grads"].fits

@@ -23,6 +23,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..config import EngineConfig
 from ..models.adapter import DecoderParts, find_parts, record_layer_inputs
+from ..modes import GradSlab, HostMaster
 from .activations import ActivationStore
 from .attention import use_segment_attention
 from .batch import check_batch
@@ -39,7 +40,7 @@ from .preflight import host_preflight
 from .probe import verify_model
 from .schedule import LayerPipeline
 from .store import HostStore
-from .stream import Streams, Trace
+from .stream import Event, Streams, Trace
 from .templates import TemplateBank
 from .tiling import long_context_policy
 
@@ -49,7 +50,9 @@ _live_engines: weakref.WeakSet = weakref.WeakSet()
 def engines_holding(tensors: list[torch.Tensor]) -> list[Engine]:
     """The live engines whose model object holds any of `tensors` as a parameter."""
     ids = {id(t) for t in tensors}
-    return [e for e in list(_live_engines) if any(id(p) in ids for p in e.module.parameters())]
+    # The class's named_parameters: the handles the model holds (the model object's override may serve copies)
+    return [e for e in list(_live_engines)
+            if any(id(p) in ids for _, p in type(e.module).named_parameters(e.module))]
 
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer] | None
@@ -124,8 +127,6 @@ class Engine:
             model = skeleton_from_dir(checkpoint_dir)
         parts = find_parts(model)
         check_embedding(parts.embed)
-        if config.parity_probe:
-            verify_model(model, type(self))  # before any work: a refused model is left as it was
         self.parts: DecoderParts = parts
         self.module = model
         self.hf_config = model.config
@@ -147,9 +148,17 @@ class Engine:
         layer_shapes = [[(n, p.shape) for n, p in layer.named_parameters()] for layer in parts.layers]
 
         host_preflight(layer_shapes, [p.shape for _, p in global_named], self.compute_dtype, pin=pin,
-                       staging=self.device.type == "cuda")
+                       staging=self.device.type == "cuda", master=config.master_mode, grad=config.grad_slab)
+        if config.parity_probe:
+            # After the preflight (a model that cannot fit is refused without the probe's seconds), before the
+            # store: a model the probe refuses is left as it was.
+            verify_model(model, type(self))
         self.store = HostStore(layer_shapes, [(n, p.shape) for n, p in global_named], pin,
-                               torch.bfloat16 if self.compute_dtype == torch.bfloat16 else None)
+                               torch.bfloat16 if self.compute_dtype == torch.bfloat16 else None,
+                               config.master_mode, config.grad_slab)
+        if config.bf16_rounding == "stochastic":
+            for i, g in enumerate(self.store.layers):
+                g.rounding = torch.Generator().manual_seed(0x5EED + i)  # one stream per layer: runs repeat exactly
 
         # Pack: copy each tensor into the store, free the model's own storage right away (no second full
         # copy of the model is ever alive) and point the model's parameters at the store's masters, so the
@@ -212,16 +221,29 @@ class Engine:
         self.optimizer = self._make_optimizer(optimizer, originals)
         del originals
         self._layered: LayeredStep | None = None
-        if config.optimizer_overlap:
+        self._in_backward = config.optimizer_in_backward
+        layer_wise = self.store.per_layer_update or self._in_backward
+        if config.optimizer_overlap or layer_wise:
             reason = unsupported_reason(self.optimizer)
+            if reason is not None and layer_wise:
+                # No whole-model FP32 master or gradient to step at once: a layer at a time or not at all.
+                raise ValueError(f"host_master={config.host_master!r}, host_grad_dtype={config.host_grad_dtype!r}, "
+                                 f"optimizer_in_backward={config.optimizer_in_backward} update one layer at a time, "
+                                 f"which needs torch's Adam or AdamW: {reason}; use the default modes for it")
             if reason is not None:
                 warnings.warn(f"optimizer_overlap: {reason}, so it steps whole after backward", stacklevel=2)
             else:
                 self._layered = LayeredStep(self.optimizer, self.store, self.trace_log, config.watchdog_s)
                 self.pipeline.updated, self.pipeline.zeroed = self._layered.updated, self._layered.zeroed
+        if self._in_backward:
+            self.pipeline.grad_sink = self._update_in_backward
+        self._clip_coefs: list[float] = []  # clipping not yet applied to bf16 slabs (applied as they widen)
+        self._backwards = 0  # backward() calls since zero_grad()
+        self._unstepped = False  # optimizer in backward: layers updated by a backward whose step() is to come
+        self._failed_layer: int | None = None  # optimizer in backward: the layer whose gradient was not finite
         self._pending: _Pending | None = None
         self._unbackwarded: list[weakref.ref] = []  # training forwards replaced before their backward
-        self._in_backward = False
+        self._autograd_running = False  # inside backward()'s autograd call (loss.backward() is refused)
         self._stray_backward = False  # a refused loss.backward() may have left head/norm gradients behind
         self._norm: float | None = None  # cached gradient norm, valid until grads change
         self._unaveraged = False  # data parallel: a backward(sync=False) added gradients not yet averaged
@@ -237,7 +259,7 @@ class Engine:
     def _pack(group, params: list[nn.Parameter]) -> list[nn.Parameter]:
         for slot, p in zip(group.slots, params):
             if p.device.type != "meta":
-                group.view(group.master, slot).copy_(p.detach())
+                group.write_slot(slot, p.detach())
         return params
 
     def _global_index(self, name: str) -> int:
@@ -249,7 +271,24 @@ class Engine:
                                                              "resid_pdrop", "attn_pdrop"))
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return self.store.named_parameters(self.parts.layers_prefix)
+        """The FP32 master of every parameter. With host_master 'hilo' or 'bf16' the layers' values are FP32
+        copies made on each call (read-only: write weights with load_state_dict)."""
+        named = self.store.named_parameters(self.parts.layers_prefix)
+        if self.store.master_mode is HostMaster.FP32:
+            return named
+        self.synchronize()
+        values = {}
+        for i, g in enumerate(self.store.layers):
+            for s in g.slots:
+                values[f"{self.parts.layers_prefix}.{i}.{s.name}"] = nn.Parameter(g.read_slot(s), requires_grad=False)
+        return [(n, values.get(n, p)) for n, p in named]
+
+    def _slots_by_name(self) -> dict[str, tuple]:
+        out = {}
+        for i, g in enumerate(self.store.layers):
+            out.update({f"{self.parts.layers_prefix}.{i}.{s.name}": (g, s) for s in g.slots})
+        out.update({s.name: (self.store.globals, s) for s in self.store.globals.slots})
+        return out
 
     def global_masters(self) -> list[tuple[str, nn.Parameter]]:
         """(HF name, FP32 master) of the resident parameters, tied ones under each of their names."""
@@ -265,6 +304,10 @@ class Engine:
         A resident parameter written on the device (its copy there is what the model object holds when
         the engine does not compute in FP32 on the CPU) is copied back into its master first.
         """
+        if self.store.master_mode is not HostMaster.FP32:
+            raise RuntimeError(f"host_master={self.config.host_master!r}: the decoder layers' parameters on the model "
+                               "object are a shared scratch, not the masters, so writes through them are lost; read "
+                               "weights with engine.state_dict() and write them with engine.load_state_dict()")
         self.synchronize()
         if not self._alias_globals:
             with torch.no_grad():
@@ -274,7 +317,7 @@ class Engine:
         self._masters_changed()
 
     def _make_optimizer(self, optimizer: OptimizerArg, originals: list[nn.Parameter]) -> torch.optim.Optimizer:
-        named = self.named_parameters()
+        named = self.store.named_parameters(self.parts.layers_prefix)  # the handles the optimizer updates
         if optimizer is None:
             # The masters are host tensors whatever the compute device: torch's fused CPU kernel is ~10x
             # its per-tensor loop, which it would pick for CPU tensors when left to choose.
@@ -361,7 +404,7 @@ class Engine:
     def _only_through_backward(self, grad: torch.Tensor) -> torch.Tensor:
         # Plain loss.backward() would reach only the head and norm (the layers ran outside autograd) and
         # leave partial gradients: refuse it loudly.
-        if not self._in_backward:
+        if not self._autograd_running:
             # The head's and norm's gradients may already be in their slabs: no step until zero_grad().
             self._stray_backward = True
             raise RuntimeError("loss.backward() cannot train a MegaTrain model: the decoder layers ran outside "
@@ -384,6 +427,7 @@ class Engine:
         if not torch.is_tensor(loss) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("backward() takes a scalar loss computed (with autograd) from the last training "
                              "forward's .loss or .logits")
+        self._check_one_backward()
         earlier = [r() for r in self._unbackwarded]
         earlier = [h for h in earlier if h is not None]
         self._pending = None
@@ -395,11 +439,15 @@ class Engine:
         if self.dp is not None:
             # The resident parameters' slab may still be being averaged (last backward): the adds below wait.
             self.pipeline.synchronize_global_grads()
-        self._in_backward = True
+        if self._in_backward:
+            self._layered.sync_all()  # this step's LR and state, taken before the first layer update
+            self._unstepped = True
+        self._backwards += 1
+        self._autograd_running = True
         try:
             g, *grads = torch.autograd.grad(loss, [p.h_last, *params, *earlier], allow_unused=True)
         finally:
-            self._in_backward = False
+            self._autograd_running = False
         if any(e is not None for e in grads[len(params):]):
             raise RuntimeError("the loss depends on an earlier forward whose backward was not run; MegaTrain "
                                "backpropagates one forward at a time: call backward() after each forward")
@@ -456,6 +504,65 @@ class Engine:
         self._average_globals()
         self._unaveraged = False
 
+    def _check_one_backward(self) -> None:
+        """Refuse what these modes cannot do exactly, before any gradient is added."""
+        if self._failed_layer is not None:
+            raise FloatingPointError("a previous optimizer_in_backward step was cut short by a non-finite gradient; "
+                                     "load a checkpoint (load_state_dict / load_checkpoint) before training on")
+        if self._in_backward and self._unstepped:
+            raise RuntimeError("optimizer_in_backward: the last backward() already updated the layers, so its step() "
+                               "must come before the next backward (gradient accumulation is not possible in this "
+                               "mode); use gradient_accumulation_steps=1, or optimizer_in_backward=false")
+        if self.store.grad_mode is GradSlab.BFLOAT16 and self._backwards:
+            raise RuntimeError("host_grad_dtype='bfloat16' holds one micro-batch's gradients exactly, not a sum of "
+                               "several (bf16 addition rounds): call zero_grad() between backward() calls, i.e. "
+                               "gradient_accumulation_steps=1, or use host_grad_dtype='float32' to accumulate")
+
+    def _update_in_backward(self, i: int, staging: torch.Tensor, staged: Event) -> Event:
+        """Queue layer i's AdamW update behind the staging of its gradients (optimizer_in_backward)."""
+        group = self.store.layers[i]
+
+        def job() -> int:
+            if self._failed_layer is not None:
+                return 0  # an earlier layer's gradient was not finite: step() reports it
+            gw = group.grad_work
+            gw.zero_()
+            gw.add_(staging)  # 0 + g: the value an ordinary zeroed FP32 slab holds after one backward
+            if self.config.skip_nonfinite and not bool(torch.isfinite(gw).all()):
+                self._failed_layer = i
+                return 0
+            group.unpack()
+            self._layered.step_layer(i)
+            group.pack()
+            return 0
+
+        # Behind the staging copy, and behind whatever last landed for this layer (schedule.py's `landed`).
+        return self._layered.submit(i, job, (staged, self.pipeline.landed[i]))
+
+    def _step_in_backward(self) -> bool:
+        """step() after an optimizer-in-backward backward: the layers are updated (or the step failed); the globals now."""
+        if not self._unstepped:
+            raise RuntimeError("optimizer_in_backward: step() without a backward() since the last step")
+        self._wait_host_jobs()
+        self._unstepped = False
+        n = len(self.store.layers)
+        bad = self._failed_layer
+        if bad is None and self.config.skip_nonfinite and not bool(torch.isfinite(self.store.globals.grad).all()):
+            bad = -1
+        if bad is not None:
+            self._failed_layer = -1 if bad == -1 else bad
+            updated = f"layers {bad + 1}..{n - 1}" if bad >= 0 else "every layer"
+            raise FloatingPointError(
+                f"non-finite gradient ({'layer ' + str(bad) if bad >= 0 else 'embedding/norm/head'}) with "
+                f"optimizer_in_backward: {updated} were already updated during backward, so this step cannot be "
+                "skipped as skip_nonfinite asks; load the last checkpoint, then lower the LR or check the data")
+        for g in self.store.groups():
+            g.link_grads()
+        self._layered.step_globals()
+        self._globals_changed()
+        self.pipeline.invalidate()
+        return True
+
     def _add_embedding_grad(self, ids: torch.Tensor, g: torch.Tensor) -> None:
         """Scatter-add the lookup's gradient into the embedding's slab rows (what the embedding module's
         backward computes, scales included, without materializing a dense vocab x hidden gradient)."""
@@ -478,9 +585,22 @@ class Engine:
 
     def grad_norm(self) -> float:
         """Global L2 norm of the accumulated gradients (torch's norm-of-norms)."""
+        if self._in_backward:
+            raise RuntimeError("optimizer_in_backward: the layers' gradients are consumed during backward, so there "
+                               "is no global gradient norm (nor clipping by it); set optimizer_in_backward=false "
+                               "to clip")
         if self._norm is None:
             grads = self._all_grads()
-            self._norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+            # A bf16 slab is widened first: the same norm as the FP32 slab holding the same values. A clip
+            # still pending on it is applied the same way the FP32 slab would have been scaled.
+            norms = []
+            for g in grads:
+                if g.dtype != torch.float32:
+                    g = g.float()
+                    for c in self._clip_coefs:
+                        g.mul_(c)
+                norms.append(torch.linalg.vector_norm(g))
+            self._norm = float(torch.linalg.vector_norm(torch.stack(norms)))
         return self._norm
 
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -489,7 +609,10 @@ class Engine:
         coef = min(max_norm / (total + 1e-6), 1.0)
         if coef < 1.0:  # multiplying by exactly 1.0 is what torch does otherwise: a no-op
             for g in self._all_grads():
-                g.mul_(coef)
+                if g.dtype == torch.float32:
+                    g.mul_(coef)
+            if self.store.grad_mode is GradSlab.BFLOAT16:
+                self._clip_coefs.append(coef)  # bf16 slabs: scaled in FP32 as they widen (no bf16 rounding)
             self._norm = total * coef
         return total
 
@@ -503,6 +626,10 @@ class Engine:
                                "gradient slabs; call zero_grad() before the next step")
         t0 = time.perf_counter()
         self._average_pending()
+        if self._in_backward:
+            done = self._step_in_backward()
+            self._stats["optimizer_s"] += time.perf_counter() - t0
+            return done
         if self.config.skip_nonfinite and not math.isfinite(self.grad_norm()):
             self.skipped_steps += 1
             self._bad_in_a_row += 1
@@ -520,9 +647,20 @@ class Engine:
         if self._layered is not None:
             self.pipeline.synchronize_global_grads()  # the globals are updated right away, below
             # Globals now, layers queued in forward order; each layer's load waits for its update.
-            self._layered.step(lambda i: self.store.layers[i].refresh_shadow(), self.pipeline.landed)
+            layers, coefs = self.store.layers, list(self._clip_coefs)
+
+            def before(i: int) -> None:
+                layers[i].load_grads(coefs)
+                layers[i].unpack()
+
+            if self.store.per_layer_update:
+                self._layered.step(lambda i: layers[i].pack(), self.pipeline.landed, before)
+            else:
+                self._layered.step(lambda i: layers[i].pack(), self.pipeline.landed)
             self._globals_changed()
             self.pipeline.invalidate()
+            if not self.config.optimizer_overlap:
+                self._layered.synchronize()  # a per-layer mode without overlap: step() returns with every layer done
         else:
             self.pipeline.synchronize_grads()  # the step reads every slab, whatever the knobs
             self.optimizer.step()
@@ -549,9 +687,14 @@ class Engine:
                     dev.copy_(master, non_blocking=True)
 
     def zero_grad(self) -> None:
+        if self._in_backward and self._unstepped:
+            raise RuntimeError("optimizer_in_backward: the last backward() already updated the layers; zero_grad() "
+                               "before step() cannot discard that update. Call step() after each backward()")
         self._stray_backward = False
         self.pipeline.synchronize_grads()
-        if self._layered is not None:
+        self._clip_coefs = []
+        self._backwards = 0
+        if self._layered is not None and not self._in_backward:
             self._layered.zero_grad()  # each layer's after its queued update, off this thread
         else:
             self.store.zero_grad()
@@ -568,18 +711,20 @@ class Engine:
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
-        named = dict(self.named_parameters())
+        named = self._slots_by_name()
         missing = [n for n in named if n not in state]
         unexpected = [n for n in state if n not in named and n not in self._aliases]
         if strict and (missing or unexpected):
             raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
         self.synchronize()
         with torch.no_grad():
-            for n, p in named.items():
+            for n, (group, slot) in named.items():
                 if n in state:
-                    if tuple(state[n].shape) != tuple(p.shape):
-                        raise ValueError(f"{n}: shape {tuple(state[n].shape)} does not match {tuple(p.shape)}")
-                    p.copy_(state[n])
+                    if tuple(state[n].shape) != tuple(slot.shape):
+                        raise ValueError(f"{n}: shape {tuple(state[n].shape)} does not match {tuple(slot.shape)}")
+                    group.write_slot(slot, state[n])
+        self._failed_layer = None
+        self._unstepped = False
         self._masters_changed()
 
     # -- accounting ---------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ def load_checkpoint_into(store: HostStore, path: Path, layers_prefix: str, alias
                     raise ValueError(f"{shard.name}: {key} has shape {tuple(t.shape)}, the model expects "
                                      f"{tuple(slot.shape)}")
                 with torch.no_grad():
-                    group.view(group.master, slot).copy_(t)
+                    group.write_slot(slot, t)
                 seen.add(name)
     missing = sorted(set(where) - seen)
     if missing:

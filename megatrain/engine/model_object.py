@@ -10,6 +10,11 @@
   `output_hidden_states` or `output_attentions` outside training (what `generate` does) runs the
   model's own forward with each layer's weights streamed to the device just before it runs;
 - `load_state_dict` writes into the masters and refreshes every copy the engine keeps;
+- with host_master 'hilo' or 'bf16' the decoder layers' Parameters are views of one shared FP32 scratch
+  (NaN between updates, store.py): there are no FP32 masters to point at. `state_dict()` (so
+  `save_pretrained()`) and `named_parameters()` / `parameters()` of the model then serve FP32 copies joined
+  from the host store (`engine.state_dict()`'s values), and in-place writes through GatheredParameters are
+  refused; a layer's Parameter read straight from its module is the scratch, never a weight;
 - `.to()` / `.cuda()` / `.half()` and the like are refused when they would change anything (a no-op,
   or a move to the engine's own device, passes): they would cut the weights loose from the store the
   optimizer updates.
@@ -22,11 +27,13 @@ import functools
 import inspect
 import itertools
 import types
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from ..modes import HostMaster
 from .inference import streamed_layers
 
 if TYPE_CHECKING:
@@ -63,7 +70,29 @@ def bind(engine: Engine) -> None:
         for name, master in engine.global_masters():
             if prefix + name in out:  # the device copy may be bf16: serve the exact FP32 master instead
                 out[prefix + name] = master if keep_vars else master.detach()
+        if engine.store.master_mode is not HostMaster.FP32:
+            # The layers' Parameters are the shared scratch: serve the masters joined from the host store.
+            slots = _layer_slots(engine)
+            for name, p in type(self).named_parameters(self, remove_duplicate=False):
+                where = slots.get(id(p))
+                if where is not None and prefix + name in out:
+                    value = where[0].read_slot(where[1])
+                    out[prefix + name] = nn.Parameter(value, requires_grad=False) if keep_vars else value
         return out
+
+    @functools.wraps(nn.Module.named_parameters)
+    def named_parameters(self: nn.Module, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        items = type(self).named_parameters(self, prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+        if self is not engine.module or engine.store.master_mode is HostMaster.FP32:
+            yield from items
+            return
+        check_intact()
+        engine.synchronize()
+        slots = _layer_slots(engine)
+        for name, p in items:
+            where = slots.get(id(p))
+            yield name, (p if where is None else nn.Parameter(where[0].read_slot(where[1]), requires_grad=False))
 
     @functools.wraps(nn.Module.load_state_dict)
     def load_state_dict(self: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True,
@@ -108,6 +137,7 @@ def bind(engine: Engine) -> None:
     model.__deepcopy__ = deepcopy_plain
     model.forward = types.MethodType(forward, model)
     model.state_dict = types.MethodType(state_dict, model)
+    model.named_parameters = types.MethodType(named_parameters, model)
     model.load_state_dict = types.MethodType(load_state_dict, model)
     for mod in model.modules():
         mod._apply = types.MethodType(functools.partial(_guarded_apply, engine), mod)
@@ -146,6 +176,11 @@ def _route(engine: Engine, original: Any, signature: inspect.Signature, model: n
         return_logits = not (train and labels is not None)
     out = engine.forward(labels=labels, return_logits=return_logits, logits_to_keep=logits_to_keep, **call)
     return out.to_tuple() if return_dict is False else out
+
+
+def _layer_slots(engine: Engine) -> dict[int, tuple[Any, Any]]:
+    """id(layer Parameter) -> (its FlatGroup, its Slot): where a scratch-backed Parameter's values live."""
+    return {id(p): (g, s) for g in engine.store.layers for s, p in zip(g.slots, g.params)}
 
 
 def _given(value: Any) -> bool:
@@ -197,7 +232,7 @@ def _streamed_hf_forward(engine: Engine, original: Any, model: nn.Module, kw: di
 def _load(engine: Engine, model: nn.Module, state: dict[str, torch.Tensor], strict: bool) -> Any:
     from torch.nn.modules.module import _IncompatibleKeys
 
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = dict(type(model).named_parameters(model, remove_duplicate=False))  # names only: no joined copies
     buffers = {n: b for n, b in model.named_buffers() if n.rpartition(".")[2] not in
                model.get_submodule(n.rpartition(".")[0])._non_persistent_buffers_set}
     missing = sorted(n for n in itertools.chain(params, buffers) if n not in state)

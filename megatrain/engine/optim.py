@@ -13,6 +13,9 @@ any other optimizer steps whole.
 
 from __future__ import annotations
 
+import atexit
+import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +37,18 @@ def unsupported_reason(opt: torch.optim.Optimizer) -> str | None:
     return None
 
 
+def _drain_at_exit(ref: weakref.ref) -> None:
+    """Let queued layer jobs (updates, the zeroing zero_grad() queues) finish before the interpreter exits: a
+    daemon thread still inside a torch op while the process tears down aborts it ("terminate called ...")."""
+    stream = ref()
+    if stream is None:
+        return
+    try:
+        stream.synchronize()
+    except Exception as exc:  # nobody is left to wait on the job that failed: say so, at least
+        print(f"megatrain: a queued optimizer job failed at exit: {exc}", file=sys.stderr)
+
+
 @dataclass
 class _View:
     optimizer: torch.optim.Optimizer  # over `own` params, groups mirroring the main optimizer's `index`
@@ -48,6 +63,7 @@ class LayeredStep:
         self.optimizer = optimizer
         self.store = store
         self.stream = CopyStream("optimizer", torch.device("cpu"), trace, None, watchdog_s)
+        atexit.register(_drain_at_exit, weakref.ref(self.stream))
         self.updated: list[Event] = [DONE] * len(store.layers)  # the layer's weights may be loaded
         self.zeroed: list[Event] = [DONE] * len(store.layers)  # the layer's gradient slab may be written
         # One optimizer per layer over that layer's parameters, in the main optimizer's groups. Its params
@@ -65,7 +81,7 @@ class LayeredStep:
             for p in g["params"]:
                 if id(p) in slot_of:
                     own = nn.Parameter(p.detach())
-                    own.grad = group.view(group.grad, slot_of[id(p)])
+                    own.grad = group.view(group.grad_work, slot_of[id(p)])
                     mine.append(own)
                     pairs.append((own, p))
             if mine:
@@ -86,8 +102,10 @@ class LayeredStep:
         for own, main in view.pairs:
             view.optimizer.state[own] = self.optimizer.state[main]  # the same dict: filled in place
 
-    def step(self, after_layer: Callable[[int], None], landed: list[Event]) -> None:
-        """Update the globals now and queue every layer's update; `after_layer(i)` runs after layer i's.
+    def step(self, after_layer: Callable[[int], None], landed: list[Event],
+             before_layer: Callable[[int], None] | None = None) -> None:
+        """Update the globals now and queue every layer's update; `before_layer(i)` / `after_layer(i)` run
+        before / after layer i's (the non-FP32 modes unpack and pack the layer's master there).
 
         Layer i's update starts only after `landed[i]`, its gradients' last reduction into the slab: the
         updates run in forward order, the reverse of the order backward lands gradients in.
@@ -100,6 +118,8 @@ class LayeredStep:
             self._sync(view)
 
             def job(view=view, i=i) -> int:
+                if before_layer is not None:
+                    before_layer(i)
                 if view is not None:
                     view.optimizer.step()
                 after_layer(i)
@@ -109,10 +129,36 @@ class LayeredStep:
         # LR schedulers check that optimizer.step() ran before them; it did, a layer at a time.
         self.optimizer._opt_called = True
 
+    # -- optimizer in backward: one layer's update as soon as its gradients are staged -------------------
+    def sync_all(self) -> None:
+        """Take every view's hyper-parameters and state links now (before a backward that updates layers)."""
+        self.synchronize()
+        for view in (*self._views, self._globals):
+            self._sync(view)
+
+    def step_layer(self, i: int) -> None:
+        """Layer i's update, on the caller's thread (an optimizer-stream job)."""
+        view = self._views[i]
+        if view is not None:
+            view.optimizer.step()
+
+    def step_globals(self) -> None:
+        if self._globals is not None:
+            self._globals.optimizer.step()
+        self.optimizer._opt_called = True  # LR schedulers check that optimizer.step() ran before them
+
+    def submit(self, i: int, job: Callable[[], int], after: Event | tuple[Event, ...]) -> Event:
+        """Queue a job that updates layer i (after `after`: one event or several); the layer's next load waits for it."""
+        self.updated[i] = self.stream.submit(job, after if isinstance(after, tuple) else (after,), "adam", i)
+        return self.updated[i]
+
     def zero_grad(self) -> None:
         """Zero the global gradients now and each layer's after its queued update."""
         self.store.globals.grad.zero_()
         for i, group in enumerate(self.store.layers):
+            if group.grad is None:
+                continue  # optimizer in backward: no slab
+
             def job(group=group) -> int:
                 group.grad.zero_()
                 return 0

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from ..modes import GRAD_BYTES, MASTER_BYTES, GradSlab, HostMaster
 from .pin_model import pinned_bytes
 
 # Host bytes per parameter, by component (FP32 master + gradient slab + Adam m and v).
@@ -41,9 +42,15 @@ def available_host_bytes() -> int:
     return avail
 
 
-def host_store_bytes(n_params: int, compute_dtype: torch.dtype, n_layer_params: int) -> dict[str, int]:
+def host_store_bytes(n_params: int, compute_dtype: torch.dtype, n_layer_params: int,
+                     master: HostMaster = HostMaster.FP32, grad: GradSlab | None = GradSlab.FLOAT32) -> dict[str, int]:
     need = {k: v * n_params for k, v in HOST_BYTES_PER_PARAM.items()}
-    if compute_dtype == torch.bfloat16:
+    if master is not HostMaster.FP32 or grad is not GradSlab.FLOAT32:
+        # The modes change the layers' master and slab only (modes.py); the globals keep FP32 both.
+        n_glob = n_params - n_layer_params
+        need["master"] = MASTER_BYTES[master] * n_layer_params + 4 * n_glob
+        need["grad"] = (GRAD_BYTES[grad] * n_layer_params if grad is not None else 0) + 4 * n_glob
+    if compute_dtype == torch.bfloat16 and master is HostMaster.FP32:
         need["bf16_shadow"] = SHADOW_BYTES_PER_PARAM * n_layer_params
     return need
 
@@ -60,12 +67,14 @@ def pinned_preflight(layer_shapes: list[list[tuple[str, torch.Size]]], global_sh
 
 def host_preflight(layer_shapes: list[list[tuple[str, torch.Size]]], global_shapes: list[torch.Size],
                    compute_dtype: torch.dtype, available: int | None = None, pin: bool = False,
-                   staging: bool = False) -> dict[str, int]:
+                   staging: bool = False, master: HostMaster = HostMaster.FP32,
+                   grad: GradSlab | None = GradSlab.FLOAT32) -> dict[str, int]:
     """Host bytes by component; raises HostMemoryError before anything is allocated when they do not fit.
-    `staging`: the engine runs on CUDA, where gradients land in staging slots (pinned with `pin`)."""
+    `staging`: the engine runs on CUDA, where gradients land in staging slots (pinned with `pin`);
+    `master` / `grad`: the host-memory mode of the layers (modes.py)."""
     n_layer = sum(torch.Size(s).numel() for shapes in layer_shapes for _, s in shapes)
     n = n_layer + sum(torch.Size(s).numel() for s in global_shapes)
-    need = host_store_bytes(n, compute_dtype, n_layer)
+    need = host_store_bytes(n, compute_dtype, n_layer, master, grad)
     if staging:  # host memory of its own, beside the store (pinned with `pin`)
         staged = pinned_preflight(layer_shapes, global_shapes, compute_dtype, True)
         need.update({k: staged[k] for k in ("grad staging", "resident grad staging") if k in staged})

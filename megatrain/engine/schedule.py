@@ -67,6 +67,9 @@ class LayerPipeline:
         # Called with a layer's index once its gradients are queued to the host (data parallel: the
         # layer's average across ranks is queued behind them, overlapping the next layer's backward).
         self.grad_sent: Callable[[int], None] | None = None
+        # Optimizer in backward: called as grad_sink(layer, staged gradients, event of their staging) instead of
+        # adding into a slab; returns the event after which the staging buffer may be reused.
+        self.grad_sink: Callable[[int, torch.Tensor, Event], Event] | None = None
         self._rng: dict[int, tuple] = {}
         self.policy = policy
         self.tile: int | None = None  # MLP sequence tile of the current batch (None: untiled)
@@ -145,6 +148,9 @@ class LayerPipeline:
         """Add one layer's per-parameter gradients into its host slab, off the compute stream."""
         group = self.store.layers[layer]
         nbytes = sum(g.numel() * g.element_size() for g in grads)
+        if self.grad_sink is not None:
+            self._send_grad_to_sink(layer, grads, after, nbytes)
+            return
         if self.device.type != "cuda":
             def reduce() -> int:
                 for slot, g in zip(group.slots, grads):
@@ -178,6 +184,28 @@ class LayerPipeline:
         self._staging_free[i] = self._reducer.submit(reduce, (copied, self.zeroed[layer], self.landed[layer]),
                                                      "reduce", layer)
         self.landed[layer] = self._staging_free[i]
+
+    def _send_grad_to_sink(self, layer: int, grads: list[torch.Tensor], after: Event, nbytes: int) -> None:
+        """Stage one layer's gradients in one of two host buffers and hand them to the sink (no slab)."""
+        group = self.store.layers[layer]
+        if not hasattr(self, "_staging"):  # CPU device: staging exists only for the optimizer in backward
+            self._staging = [self.store.buffer(self.max_numel, grads[0].dtype, "gradient staging") for _ in range(2)]
+            self._staging_free, self._next_staging = [DONE, DONE], 0
+        i = self._next_staging
+        self._next_staging = (i + 1) % len(self._staging)
+        self._staging_free[i].host_wait(self.streams.watchdog_s)
+        staging = self._staging[i][: group.numel]
+        if self.device.type == "cuda":
+            for g in grads:
+                g.record_stream(self.streams.d2h._stream)
+
+        def to_host() -> int:
+            for slot, g in zip(group.slots, grads):
+                group.view(staging, slot).copy_(g, non_blocking=True)
+            return nbytes
+
+        copied = self.streams.d2h.submit(to_host, after, "grad", layer)
+        self._staging_free[i] = self.landed[layer] = self.grad_sink(layer, staging, copied)
 
     def synchronize_grads(self) -> None:
         """Block until every layer's (and the resident parameters') gradients have landed in their host slabs."""

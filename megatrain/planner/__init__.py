@@ -8,8 +8,10 @@ own long-context model (megatrain/engine/memory_model.py, torch-free), so the tw
     python -m megatrain.planner --model 120b --context 4096 --batch 8 --hardware h200-pcie
 
 What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k = layer buffers):
-  host (megatrain)  master 4 (bf16: 2) + grad 4 (bf16: 2) + Adam m 4 + v 4 B/param, + a 2 B bf16 shadow
-                    of the streamed layers in bf16 mode with an fp32 master, + offloaded boundary
+  host (megatrain)  the streamed layers by host-memory mode (megatrain/modes.py, what the engine allocates
+                    by: master 4 (fp32 / hilo) or 2 (bf16) + grad 4, 2 (bf16) or 0 (optimizer in backward) + Adam
+                    m 4 + v 4 + a 2 B bf16 shadow with an fp32 master in bf16 compute), the globals 16 B/param,
+                    one layer's FP32 scratch in the non-default modes, + offloaded boundary
                     activations L*T*h*c, pinned grad staging and the head-gradient host copy (CUDA),
                     and the share of it that is pinned (engine/pin_model.py's rule, page-exact),
                     runtime (a profile number; measured by `megatrain bench` on this machine).
@@ -26,7 +28,8 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
                     engine does per device type (none on a CPU device in FP32: it aliases them; on CUDA the
                     gradients' copy and add on the copy and reduce lanes, after the head) + CPU AdamW
                     (bytes touched / host bandwidth) after backward, or with optimizer_overlap a layer at a
-                    time behind the next forward (the globals still in step()).
+                    time behind the next forward (the globals still in step()), or with optimizer_in_backward a
+                    layer at a time behind the backward. `megatrain plan` also tabulates every mode at the point.
   zero3             DeepSpeed ZeRO-3 (or ZeRO-2, zero_stage=2) offload from its mechanisms (zero3_model.py):
                     host memory as stage3.py allocates it; per-submodule fetches with DeepSpeed's lookahead
                     and event limit, host hooks per module / parameter / bucket, the buckets' FP32 cast,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import itertools
 import json
 import sys
@@ -14,6 +15,7 @@ import yaml
 
 from .estimate import Plan, crossover_closed_form, fmt_bytes, plan
 from .hardware import load_profiles, profile_from_dict
+from .mode_table import ModeRow, format_mode_table, mode_table
 from .search import max_batch, max_context
 
 
@@ -29,7 +31,7 @@ def _sec(s: float) -> str:
 
 
 def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int | None = None,
-                others: list[Plan] | None = None) -> str:
+                others: list[Plan] | None = None, modes: list[ModeRow] | None = None) -> str:
     p, hw, m, t = pl.point, pl.hardware, pl.point.model, pl.time
     P = m.param_count()
     out = [
@@ -54,6 +56,8 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
                    f"of {fmt_bytes(hw.host_bytes)})")
     out += _long_context_lines(pl)
     out.append("  fits: " + ("yes" if pl.fits else "NO") + "".join(f"\n    {r}" for r in pl.reasons))
+    if modes:
+        out += format_mode_table(modes, hw.host_bytes)
     lt = t.layer
     out += [
         "  time per streamed layer (one micro-batch):",
@@ -64,7 +68,8 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
         + (f"; per step: last gradients drain {_sec(t.fill_drain_s)}" if p.backend == "megatrain"
            else f", pipeline fill/drain {_sec(t.fill_drain_s)}"),
         f"  per step: embedding/head I/O {_sec(t.embed_io_s)}, optimizer {_sec(t.optimizer_busy_s)}"
-        + (" (overlapped)" if p.optimizer_overlap and p.backend == "megatrain" else " (after backward)"),
+        + ((" (in backward)" if p.optimizer_in_backward else " (overlapped)" if p.optimizer_overlap
+            else " (after backward)") if p.backend == "megatrain" else " (after backward)"),
         f"  step {_sec(t.step_s)}: {pl.tokens_per_s:,.0f} tokens/s, {pl.model_tflops:.1f} model TFLOPS, "
         f"MFU {100 * pl.mfu:.1f}% of {hw.peak_flops(p.dtype) / 1e12:g} TFLOPS peak",
         f"  link per step: h2d {fmt_bytes(t.h2d_bytes)}, d2h {fmt_bytes(t.d2h_bytes)}; compute waits on copies "
@@ -167,11 +172,14 @@ def _add_plan_args(ap: argparse.ArgumentParser) -> None:
                     help="device memory the engine's 'auto' plans against (EngineConfig.device_budget_bytes)")
     ap.add_argument("--loss-chunk-tokens", type=_auto_int, default="auto",
                     help="head/loss chunk (EngineConfig.loss_chunk_tokens): int or auto (the engine's policy)")
-    ap.add_argument("--master", default="fp32", choices=["fp32", "hilo", "bf16"],
-                    help="host master weights: fp32 (+bf16 shadow), exact hi/lo split, or bf16 (paper's code); "
-                         "the engine runs fp32, the others are design what-ifs")
+    ap.add_argument("--master", "--host-master", dest="master", default="fp32", choices=["fp32", "hilo", "bf16"],
+                    help="host master weights (EngineConfig.host_master): fp32 (+bf16 shadow), hilo (exact hi/lo "
+                         "split) or bf16 (the paper's code, not exact)")
     ap.add_argument("--host-grad-dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="host gradient slabs (the engine runs float32; bfloat16 is a what-if)")
+                    help="host gradient slabs (EngineConfig.host_grad_dtype; bfloat16: exact at accumulation 1)")
+    ap.add_argument("--optimizer-in-backward", action="store_true",
+                    help="each layer's AdamW during backward, no layer gradient slab "
+                         "(EngineConfig.optimizer_in_backward; no clipping, no accumulation)")
     ap.add_argument("--optimizer-overlap", action="store_true",
                     help="the host AdamW a layer at a time behind the next forward (EngineConfig.optimizer_overlap)")
     ap.add_argument("--link-gbs", type=float, help="override the link rate (GB/s per direction)")
@@ -189,6 +197,8 @@ def _knobs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(num_buffers=args.num_buffers, offload_activations=args.offload_activations,
                 mlp_tile_tokens=args.mlp_tile_tokens, loss_chunk_tokens=args.loss_chunk_tokens, master=args.master,
                 host_grad_dtype=args.host_grad_dtype, optimizer_overlap=args.optimizer_overlap,
+                optimizer_in_backward=args.optimizer_in_backward,
+                grad_clip=not args.optimizer_in_backward,
                 device_budget_bytes=int(budget * 2**30) if budget else None)
 
 
@@ -237,6 +247,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         if b != args.backend:
             others.append(plan(args.model, backend=b, **common))
     bb = bc = None
+    modes = mode_table(main.point, main.hardware, search=not args.no_search) if args.backend == "megatrain" else None
     if not args.no_search:
         srch = dict(dtype=args.dtype, hardware=hw, backend=args.backend, grad_accum=args.grad_accum,
                     **_overrides(args), **knobs)
@@ -244,10 +255,11 @@ def _run_plan(args: argparse.Namespace) -> int:
         bc = max_context(args.model, args.batch, **srch)
     if args.json:
         d = main.to_dict()
-        d.update(max_batch=bb, max_context=bc, compare=[o.to_row() for o in others])
+        d.update(max_batch=bb, max_context=bc, compare=[o.to_row() for o in others],
+                 modes=[dataclasses.asdict(r) for r in modes or []])
         print(json.dumps(d, indent=2, default=str))
     else:
-        print(format_plan(main, bb, bc, others))
+        print(format_plan(main, bb, bc, others, modes))
     return 0
 
 
@@ -297,9 +309,11 @@ def _spec_to_plan_kwargs(pt: dict[str, Any], knobs: dict[str, Any]) -> dict[str,
         if "tile_tokens" in eng:  # the planner's old name for the engine's knob
             eng.setdefault("mlp_tile_tokens", eng.pop("tile_tokens"))
         for k in ("num_buffers", "loss_chunk_tokens", "offload_activations", "mlp_tile_tokens",
-                  "device_budget_bytes"):
+                  "device_budget_bytes", "host_grad_dtype", "optimizer_in_backward", "optimizer_overlap"):
             if k in eng:
                 kw[k] = eng[k]
+        if "host_master" in eng:
+            kw["master"] = eng["host_master"]
         if eng.get("link_gbps"):
             kw["link_gbs"] = float(eng["link_gbps"])
     else:

@@ -18,6 +18,7 @@ from typing import Any
 from megatrain.metrics.flops import model_flops_per_step
 from megatrain.models.presets import ModelPreset
 
+from ..modes import GRAD_BYTES, MASTER_BYTES, SHADOW_BYTES, GradSlab, HostMaster
 from .hardware import GB, GIB, Hardware, _is_bf16, get_hardware
 from .shapes import resolve_model
 from .zero3_model import PassCost, Step, Submodule, decoder_layer_submodules, offload_tuning, run_pass
@@ -52,8 +53,6 @@ ZERO3_RUNTIME_BYTES = 73 * 2**20
 PAGEABLE_LINK_FRACTION = 0.5  # assumption: pageable copies reach about half the pinned rate
 
 
-# What the engine implements of the planner's design knobs; other values are what-ifs the plan marks.
-ENGINE_RUNS = {"master": "fp32", "host_grad_dtype": "float32"}
 
 
 @dataclass(frozen=True)
@@ -73,8 +72,10 @@ class Point:
     # what the engine's "auto" plans against (EngineConfig.device_budget_bytes); None = as the engine
     # does: the GPU's memory, no limit on a CPU "device"
     device_budget_bytes: int | None = None
+    # The host-memory modes, as EngineConfig names them (megatrain/modes.py): master = host_master
     master: str = "fp32"  # fp32 (+ bf16 shadow in bf16 mode), hilo (exact split, no shadow), bf16 (paper's code)
     host_grad_dtype: str = "float32"
+    optimizer_in_backward: bool = False  # each layer's AdamW during backward: no layer gradient slab
     optimizer_overlap: bool = False  # host AdamW layer by layer behind the next forward (EngineConfig)
     grad_clip: bool = True
     gradient_checkpointing: bool = True  # zero3 / torch only: megatrain always recomputes per layer
@@ -288,6 +289,8 @@ class Plan:
             "offload_activations": self.decisions.get("offload_activations"),
             "mlp_tile_tokens": self.decisions.get("mlp_tile_tokens"),
             "master": p.master if p.backend == "megatrain" else None,
+            "host_grad_dtype": p.host_grad_dtype if p.backend == "megatrain" else None,
+            "optimizer_in_backward": p.optimizer_in_backward if p.backend == "megatrain" else None,
             "step_time_s": t.step_s,
             "tokens_per_s": self.tokens_per_s,
             "flops_per_step": self.model_flops,
@@ -349,6 +352,8 @@ def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
         warnings.warn("tile_tokens is deprecated: use mlp_tile_tokens (EngineConfig's name)", DeprecationWarning,
                       stacklevel=3)
         knobs.setdefault("mlp_tile_tokens", knobs.pop("tile_tokens"))
+    if "host_master" in knobs:  # EngineConfig's name for the same knob
+        knobs["master"] = knobs.pop("host_master")
     unknown = set(knobs) - {f.name for f in dataclasses.fields(Point)}
     if unknown:
         raise ValueError(f"unknown planner setting(s) {sorted(unknown)}")
@@ -452,12 +457,34 @@ def layer_saved_bytes(m: ModelPreset, tokens: int, c: int) -> int:
 
 
 def _master_bytes(p: Point) -> tuple[int, int]:
-    """(host master bytes/param, bf16 shadow bytes/param)."""
-    if p.master == "bf16":
-        return 2, 0
-    if p.master == "hilo":
-        return 4, 0  # the hi half is the bf16 copy that streams
-    return 4, (2 if p.c == 2 else 0)
+    """(host master bytes/param, bf16 shadow bytes/param) of the streamed layers (modes.py)."""
+    master = HostMaster(p.master)
+    return MASTER_BYTES[master], (SHADOW_BYTES if master is HostMaster.FP32 and p.c == 2 else 0)
+
+
+def _layer_grad_bytes(p: Point) -> int:
+    """Host gradient slab bytes/param of the streamed layers: none with the optimizer in backward."""
+    return 0 if p.optimizer_in_backward else GRAD_BYTES[GradSlab(p.host_grad_dtype)]
+
+
+def engine_refusal(p: Point) -> str | None:
+    """Why EngineConfig / the engine would refuse this point's host-memory mode, or None."""
+    master, bf16 = HostMaster(p.master), p.c == 2
+    if master is not HostMaster.FP32 and not bf16:
+        return f"host_master={p.master!r} needs bf16 compute"
+    if GradSlab(p.host_grad_dtype) is GradSlab.BFLOAT16 and not p.optimizer_in_backward:
+        if not bf16:
+            return "bf16 gradient slabs need bf16 compute"
+        if p.grad_accum > 1:
+            return "bf16 gradient slabs refuse gradient accumulation"
+    if p.optimizer_in_backward:
+        if p.grad_accum > 1:
+            return "optimizer_in_backward refuses gradient accumulation"
+        if p.grad_clip:
+            return "optimizer_in_backward refuses gradient clipping"
+        if p.optimizer_overlap:
+            return "optimizer_in_backward and optimizer_overlap are exclusive"
+    return None
 
 
 def _aliases_globals(p: Point, hw: Hardware) -> bool:
@@ -506,19 +533,22 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
     resident = m.embed_params() + h  # embedding, LM head, final norm
     alias = _aliases_globals(p, hw)
     mb, shadow = _master_bytes(p)
-    gb = 2 if _is_bf16(p.host_grad_dtype) else 4
+    gb = _layer_grad_bytes(p)
+    G = P - L * PL  # embedding, head, final norm: FP32 master and gradient in every mode
     # What the engine pins on CUDA (the same rule as its store and preflight): each layer's streamed copy,
     # the resident masters, the staging slots, and the offloaded activations' host buffers.
     pin = {} if hw.unified_memory else _pin_model().pinned_bytes([PL] * L, resident, c, True, c)
     host = {
-        "master weights": P * mb,
-        "gradients": P * gb,
+        "master weights": L * PL * mb + G * 4,
+        "gradients": L * PL * gb + G * 4,
         "adam m": P * 4,
         "adam v": P * 4,
         "bf16 shadow (streams)": L * PL * shadow,  # only layers stream; resident params convert once
-        # pinned slots of the largest layer that gradients land in on CUDA (schedule.py); a CPU
-        # device adds gradients straight into the slabs
-        "pinned grad staging": 0 if hw.unified_memory else pin.get("grad staging", 0),
+        # pinned slots of the largest layer that gradients land in on CUDA (schedule.py); a CPU device adds
+        # gradients straight into the slabs, or stages them in two buffers with the optimizer in backward
+        "pinned grad staging": pin.get("grad staging", 0) if pin else (2 * PL * c if p.optimizer_in_backward else 0),
+        # one layer's FP32 master / gradient while the optimizer updates it (store.Scratch)
+        "fp32 scratch (one layer)": PL * 4 * ((p.master != "fp32") + (gb != 4)),
         "offloaded activations": L * T * h * c if lc.offload else 0,
         # the head/norm gradient: on CUDA it lands in pinned staging of the resident parameters (global_grads.py),
         # on a CPU device in bf16 it arrives as an FP32 copy before it is added to its slab; a no-op when the
@@ -925,7 +955,13 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool) -> Time:
     gb = 2 if _is_bf16(p.host_grad_dtype) else 4
     per_param = _optimizer_bytes_per_param(mb, gb, shadow, p.grad_clip)
     opt_busy = m.param_count() * per_param / hw.optimizer_bps
-    if p.optimizer_overlap:
+    if p.optimizer_in_backward:
+        # Each layer's update queued on one host thread as its gradients land (backward order): step()
+        # waits for the last one (layer 0, whose backward is last), then updates the globals.
+        u = PL * per_param / hw.optimizer_bps
+        opt_globals = (m.param_count() - L * PL) * per_param / hw.optimizer_bps
+        opt_added = opt_globals + max(u, L * u - bwd_s + bwd_s / L)
+    elif p.optimizer_overlap:
         # As EngineConfig(optimizer_overlap=True) runs it (engine/optim.py): the globals update in step(),
         # the layers on a host thread in forward order while the next forward runs, each layer's forward
         # waiting for its update. With u per layer update and f per layer forward, the first micro-batch's
@@ -1136,10 +1172,9 @@ def plan_point(p: Point, hw: Hardware, host_avail: int | None = None, device_ava
         notes.append("on a CPU 'device' the overlapped optimizer competes with compute for the same cores")
     lc = None
     if p.backend == "megatrain":
-        whatif = [f"{k}={getattr(p, k)!r}" for k, v in ENGINE_RUNS.items() if getattr(p, k) != v]
-        if whatif:
-            notes.append(f"{', '.join(whatif)}: a design what-if, not what the engine runs today "
-                         f"({', '.join(f'{k}={v!r}' for k, v in ENGINE_RUNS.items())})")
+        refused = engine_refusal(p)
+        if refused:
+            notes.append(f"the engine refuses this mode here: {refused}")
         # the offload/tile choice is the engine's own (tiling.LongContextPolicy), so the plan is what runs
         lc = long_context_plan(p, hw)
         if lc.budget is not None and lc.peak_bytes > lc.headroom * lc.budget:
