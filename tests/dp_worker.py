@@ -10,7 +10,6 @@ JSON_ARGS: faces, micro, steps, accumulation, watchdog_s, and
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -18,15 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_data_parallel.py"
-
-
-def load_example():
-    spec = importlib.util.spec_from_file_location("train_data_parallel", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from examples_module import load_example
 
 
 def inject_fault(fault: str, out: Path) -> None:
@@ -51,7 +42,7 @@ def main() -> None:
     out, args = Path(sys.argv[1]), json.loads(sys.argv[2])
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
-    example = load_example()
+    example = load_example("train_data_parallel")
     fault = args.pop("fault", "none")
     if fault != "none" and rank == 1:
         inject_fault(fault, out)

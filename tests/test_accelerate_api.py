@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_batches, tiny_model
+from examples_module import load_example
 
 from megatrain import Accelerator
 from megatrain.config import EngineConfig
@@ -25,10 +26,7 @@ TOL = 1e-5
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("accelerate_nlp", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("accelerate_nlp")
 
 
 def _run(tmp: Path, backend: str, *extra: str) -> dict:

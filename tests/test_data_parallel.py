@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from examples_module import load_example
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_data_parallel.py"
@@ -27,10 +28,7 @@ TOL = 1e-5  # the project's parity tolerances: per-step losses, parameters at lr
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("train_data_parallel", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("train_data_parallel")
 
 
 def _env() -> dict[str, str]:

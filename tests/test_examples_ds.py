@@ -3,23 +3,17 @@ semantics (data order, loss scaling by accumulation, clipping, WarmupDecayLR).""
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
-from pathlib import Path
 
 import torch
+from examples_module import load_example
 from torch.utils.data import DataLoader, DistributedSampler
 
 from megatrain import lr_schedules
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "deepspeed_style.py"
-
 
 def _example():
-    spec = importlib.util.spec_from_file_location("deepspeed_style", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("deepspeed_style")
 
 
 def _torch_reference(ex) -> tuple[list[float], list[float]]:
