@@ -133,9 +133,6 @@ class LayerPipeline:
 
     def acquire(self, order: list[int], n: int, phase: str) -> int:
         """The device buffer slot holding layer order[n], loaded (prefetching the next ones) and waited for."""
-        return self._acquire(order, n, phase)
-
-    def _acquire(self, order: list[int], n: int, phase: str) -> int:
         window = order[n: n + len(self.buffers)]
         for layer in window:
             self._issue(layer, set(window))
@@ -163,19 +160,7 @@ class LayerPipeline:
             self.landed[layer] = self.streams.d2h.submit(reduce, (after, self.zeroed[layer], self.landed[layer]),
                                                          "grad", layer)
             return
-        i = self._next_staging
-        self._next_staging = (i + 1) % len(self._staging)
-        self._staging_free[i].host_wait(self.streams.watchdog_s)
-        staging = self._staging[i][: group.numel]
-        for g in grads:
-            g.record_stream(self.streams.d2h._stream)  # the allocator must not reuse it mid-copy
-
-        def to_host() -> int:
-            for slot, g in zip(group.slots, grads):
-                group.view(staging, slot).copy_(g, non_blocking=True)
-            return nbytes
-
-        copied = self.streams.d2h.submit(to_host, after, "grad", layer)
+        i, staging, copied = self._stage(layer, grads, after, nbytes)
 
         def reduce() -> int:
             accumulate(group.grad, staging, self.reduce_scratch)
@@ -185,26 +170,32 @@ class LayerPipeline:
                                                      "reduce", layer)
         self.landed[layer] = self._staging_free[i]
 
-    def _send_grad_to_sink(self, layer: int, grads: list[torch.Tensor], after: Event, nbytes: int) -> None:
-        """Stage one layer's gradients in one of two host buffers and hand them to the sink (no slab)."""
+    def _stage(self, layer: int, grads: list[torch.Tensor], after: Event,
+               nbytes: int) -> tuple[int, torch.Tensor, Event]:
+        """Copy one layer's gradients into the next free host staging buffer on the d2h stream:
+        (slot, staging view, event of the copy)."""
         group = self.store.layers[layer]
-        if not hasattr(self, "_staging"):  # CPU device: staging exists only for the optimizer in backward
-            self._staging = [self.store.buffer(self.max_numel, grads[0].dtype, "gradient staging") for _ in range(2)]
-            self._staging_free, self._next_staging = [DONE, DONE], 0
         i = self._next_staging
         self._next_staging = (i + 1) % len(self._staging)
         self._staging_free[i].host_wait(self.streams.watchdog_s)
         staging = self._staging[i][: group.numel]
         if self.device.type == "cuda":
             for g in grads:
-                g.record_stream(self.streams.d2h._stream)
+                g.record_stream(self.streams.d2h._stream)  # the allocator must not reuse it mid-copy
 
         def to_host() -> int:
             for slot, g in zip(group.slots, grads):
                 group.view(staging, slot).copy_(g, non_blocking=True)
             return nbytes
 
-        copied = self.streams.d2h.submit(to_host, after, "grad", layer)
+        return i, staging, self.streams.d2h.submit(to_host, after, "grad", layer)
+
+    def _send_grad_to_sink(self, layer: int, grads: list[torch.Tensor], after: Event, nbytes: int) -> None:
+        """Stage one layer's gradients and hand them to the sink (no slab)."""
+        if not hasattr(self, "_staging"):  # CPU device: staging exists only for the optimizer in backward
+            self._staging = [self.store.buffer(self.max_numel, grads[0].dtype, "gradient staging") for _ in range(2)]
+            self._staging_free, self._next_staging = [DONE, DONE], 0
+        i, staging, copied = self._stage(layer, grads, after, nbytes)
         self._staging_free[i] = self.landed[layer] = self.grad_sink(layer, staging, copied)
 
     def synchronize_grads(self) -> None:
@@ -224,7 +215,7 @@ class LayerPipeline:
                 phase: str = "fwd") -> torch.Tensor:
         order = list(range(len(self.store.layers)))
         for n, i in enumerate(order):
-            slot = self._acquire(order, n, "forward")
+            slot = self.acquire(order, n, "forward")
             if acts is not None:
                 acts.put(i, h)
                 if self.preserve_rng:
@@ -240,7 +231,7 @@ class LayerPipeline:
     def backward(self, g: torch.Tensor, layer_inputs: list[tuple[tuple, dict]], acts: ActivationStore) -> torch.Tensor:
         order = list(reversed(range(len(self.store.layers))))
         for n, i in enumerate(order):
-            slot = self._acquire(order, n, "backward")
+            slot = self.acquire(order, n, "backward")
             if n + 1 < len(order):
                 acts.prefetch(order[n + 1])
             x = acts.get(i).detach().requires_grad_(True)
