@@ -13,9 +13,6 @@ any other optimizer steps whole.
 
 from __future__ import annotations
 
-import atexit
-import sys
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,18 +34,6 @@ def unsupported_reason(opt: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def _drain_at_exit(ref: weakref.ref) -> None:
-    """Let queued layer jobs (updates, the zeroing zero_grad() queues) finish before the interpreter exits: a
-    daemon thread still inside a torch op while the process tears down aborts it ("terminate called ...")."""
-    stream = ref()
-    if stream is None:
-        return
-    try:
-        stream.synchronize()
-    except Exception as exc:  # nobody is left to wait on the job that failed: say so, at least
-        print(f"megatrain: a queued optimizer job failed at exit: {exc}", file=sys.stderr)
-
-
 @dataclass
 class _View:
     optimizer: torch.optim.Optimizer  # over `own` params, groups mirroring the main optimizer's `index`
@@ -63,7 +48,6 @@ class LayeredStep:
         self.optimizer = optimizer
         self.store = store
         self.stream = CopyStream("optimizer", torch.device("cpu"), trace, None, watchdog_s)
-        atexit.register(_drain_at_exit, weakref.ref(self.stream))
         self.updated: list[Event] = [DONE] * len(store.layers)  # the layer's weights may be loaded
         self.zeroed: list[Event] = [DONE] * len(store.layers)  # the layer's gradient slab may be written
         # One optimizer per layer over that layer's parameters, in the main optimizer's groups. Its params

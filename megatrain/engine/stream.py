@@ -7,9 +7,12 @@ An optional rate limit makes the CPU copy engine behave like a PCIe or NVLink-C2
 
 from __future__ import annotations
 
+import atexit
 import queue
+import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -214,6 +217,18 @@ class _CudaSpans:
         self._done_s = 0.0
 
 
+def _drain_at_exit(ref: weakref.ref) -> None:
+    """Let a stream's queued jobs (gradient adds, layer updates, averages) finish before the interpreter exits: a
+    daemon thread still inside a torch op while the process tears down aborts it ("terminate called ...")."""
+    stream = ref()
+    if stream is None:
+        return
+    try:
+        stream.synchronize()
+    except Exception as exc:  # nobody is left to wait on the job that failed: say so, at least
+        print(f"megatrain: a queued {stream.name} job failed at exit: {exc}", file=sys.stderr)
+
+
 class CopyStream:
     """One direction of the host<->device link: jobs run in order, each after optional events."""
 
@@ -237,6 +252,7 @@ class CopyStream:
             self._last = DONE
             self._worker = threading.Thread(target=self._run, name=f"megatrain-{name}", daemon=True)
             self._worker.start()
+            atexit.register(_drain_at_exit, weakref.ref(self))
 
     @property
     def busy_s(self) -> float:
