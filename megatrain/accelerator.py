@@ -30,7 +30,7 @@ import json
 import os
 import random
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -879,7 +879,8 @@ class Accelerator:
         `<project_dir>/checkpoints/checkpoint_<iteration>` and old ones beyond `total_limit` are deleted.
         Returns the folder written.
         """
-        if self._replicated_writer_only():
+        # A shared host store's optimizer state is sharded: every rank adds its share to the main process's save.
+        if self._replicated_writer_only(lambda: self.backend.save_state(None)):
             self.project_configuration.iteration += 1
             return str(output_dir) if output_dir is not None else ""
         d = save_dir(output_dir, self.project_configuration)
@@ -905,10 +906,13 @@ class Accelerator:
         self._saved()
         return str(d)
 
-    def _replicated_writer_only(self) -> bool:
-        """megatrain data parallel: every rank holds the same weights and optimizer state, so the main
-        process writes them for all (the state then loads on any number of ranks) and the others wait."""
+    def _replicated_writer_only(self, share: Callable[[], None] | None = None) -> bool:
+        """megatrain data parallel: every rank sees the same weights and (gathered) optimizer state, so the main
+        process writes them for all (the state then loads on any number of ranks) and the others wait, after
+        running `share` (their part of a collective the main process's write runs)."""
         if self.backend.name == "megatrain" and not self.is_main_process:
+            if share is not None:
+                share()
             self.wait_for_everyone()
             return True
         return False

@@ -267,13 +267,18 @@ class MegatrainBackend:
         # The model object's own save_pretrained: its state_dict is the FP32 masters, whole.
         self._require_engine().module.save_pretrained(str(directory))
 
-    def save_state(self, directory: str | os.PathLike) -> None:
+    def save_state(self, directory: str | os.PathLike | None) -> None:
+        """Write the weights and optimizer state; `directory` None: only this rank's part of a data-parallel save
+        (with a shared host store the optimizer state is gathered from the layers' owners: a collective)."""
         from .checkpoint import write_safetensors
 
-        d = Path(directory)
         self.synchronize()
+        optimizer_state = self._require_engine().optimizer.state_dict()
+        if directory is None:
+            return
+        d = Path(directory)
         write_safetensors(d / _MODEL_FILE, self._unique_named_tensors())
-        torch.save(self._require_engine().optimizer.state_dict(), d / _OPTIMIZER_FILE)
+        torch.save(optimizer_state, d / _OPTIMIZER_FILE)
 
     def load_state(self, directory: str | os.PathLike) -> None:
         from safetensors.torch import load_file

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from .node_store import NodeStore
 from .store import FlatGroup, HostStore
 from .stream import CopyStream, Event, Trace
 
@@ -108,8 +109,9 @@ class DataParallel:
         # different ranks. Creating it is itself collective: every rank builds its engine in step.
         # Its timeout a little under the watchdog's, so a dead or hung peer surfaces as this module's error
         # (naming the cause) rather than as a bare "no progress" from the thread waiting on the average.
-        timeout = datetime.timedelta(seconds=max(0.9 * watchdog_s, 0.1))
+        self.timeout = timeout = datetime.timedelta(seconds=max(0.9 * watchdog_s, 0.1))
         self.group = dist.new_group(backend="gloo", timeout=timeout)
+        self.node: NodeStore | None = None  # the shared host store's node, once share_host_store() made it
         # `trace`: the engine's, once it has one (it may set `stream.trace` later).
         self.stream = CopyStream("allreduce", torch.device("cpu"), trace or Trace(False), None, watchdog_s)
         # After one failed collective the group is unusable: later averages fail at once with the first
@@ -144,13 +146,65 @@ class DataParallel:
                 raise DataParallelError(f"data parallel rank {self.rank}: rank {r} holds a model of another layout "
                                         f"(layers, group sizes {other} vs {mine}); every rank must build the same model")
 
-    def broadcast_masters(self, store: HostStore) -> None:
-        """Every rank starts from rank 0's weights (as DDP does): differing random inits would drift silently."""
+    def share_host_store(self) -> NodeStore:
+        """Join this node's shared host store (engine/node_store.py): collective over every rank."""
         try:
-            for g in store.groups():
+            self.node = NodeStore(self.rank, self.group, self.timeout, self.watchdog_s)
+        except (RuntimeError, ValueError) as exc:
+            raise self._fail("setting up the node's shared host store", exc) from exc
+        return self.node
+
+    def broadcast_masters(self, store: HostStore) -> None:
+        """Every rank starts from rank 0's weights (as DDP does): differing random inits would drift silently.
+
+        With a shared store the node's first rank wrote the layers (engine.py packs them there only) and the
+        first ranks of the other nodes take rank 0's; the resident parameters go to every rank."""
+        node = self.node
+        try:
+            if node is None:
+                groups = store.groups()
+            else:
+                groups = [store.globals]
+                if node.leader and node.cross_group is not None:  # the cross group of local index 0: the leaders
+                    for g in store.layers:
+                        dist.broadcast(g.master, src=0, group=node.cross_group)
+            for g in groups:
                 dist.broadcast(g.master, src=0, group=self.group)
+            if node is not None:
+                node.barrier()  # no rank reads a layer before its node's copy is whole
         except Exception as exc:
             raise self._fail("broadcasting rank 0's initial weights", exc) from exc
+
+    def submit_reduce_to_owner(self, layer: int, grads: torch.Tensor, slab: torch.Tensor | None,
+                               after: Sequence[Event]) -> Event:
+        """Queue layer `layer`'s reduction into its owner's slab (shared host store) once `after` are done."""
+        node = self.node
+
+        def job() -> int:
+            if self.broken is not None:
+                raise self.broken
+            try:
+                return node.reduce_to_owner(layer, grads, slab)
+            except Exception as exc:
+                self.broken = self._fail(f"reducing the gradients of layer {layer} to its owner", exc)
+                raise self.broken from exc
+
+        return self.stream.submit(job, after, "gradient reduce to the layer's owner", layer)
+
+    def sum_across_node(self, value: float) -> float:
+        """The sum of `value` over the node's ranks (each holds its owned layers' part of a norm)."""
+        t = torch.tensor([value], dtype=torch.float64)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.node.node_group)
+        except Exception as exc:
+            raise self._fail("summing the gradient norm across the node", exc) from exc
+        return float(t.item())
+
+    def node_barrier(self, what: str) -> None:
+        try:
+            self.node.barrier()
+        except Exception as exc:
+            raise self._fail(what, exc) from exc
 
     # -- gradients ----------------------------------------------------------------------------------
     def average_(self, grad: torch.Tensor) -> None:

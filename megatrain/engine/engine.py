@@ -35,6 +35,7 @@ from .loss import chunked_causal_lm_loss, head_logits
 from .malloc import set_mmap_threshold
 from .memtrack import DeviceMemoryTracker
 from .model_object import bind as bind_model_object
+from .node_store import shard_optimizer_state
 from .optim import LayeredStep, unsupported_reason
 from .preflight import host_preflight
 from .probe import verify_model
@@ -118,6 +119,8 @@ class Engine:
         self.trace_log = Trace(config.trace, self.device)
         if self.dp is not None:
             self.dp.stream.trace = self.trace_log
+        # Several ranks on a node: one host store for all of them (engine/node_store.py), unless configured off.
+        self.node = self.dp.share_host_store() if self.dp is not None and config.share_host_store else None
         self.compute_dtype = torch.bfloat16 if config.compute_dtype == "bfloat16" else torch.float32
         if config.host_mmap_threshold_bytes is not None:
             set_mmap_threshold(config.host_mmap_threshold_bytes)  # before the model's weights are freed
@@ -155,7 +158,7 @@ class Engine:
             verify_model(model, type(self))
         self.store = HostStore(layer_shapes, [(n, p.shape) for n, p in global_named], pin,
                                torch.bfloat16 if self.compute_dtype == torch.bfloat16 else None,
-                               config.master_mode, config.grad_slab)
+                               config.master_mode, config.grad_slab, self.node)
         if config.bf16_rounding == "stochastic":
             for i, g in enumerate(self.store.layers):
                 g.rounding = torch.Generator().manual_seed(0x5EED + i)  # one stream per layer: runs repeat exactly
@@ -168,8 +171,10 @@ class Engine:
         for i, layer in enumerate(parts.layers):
             self.templates.add(layer, self.device)
             group = self.store.layers[i]
-            packed = self._pack(group, [p for _, p in layer.named_parameters()])
-            _free(packed)
+            params = [p for _, p in layer.named_parameters()]
+            if self.node is None or self.node.leader:  # a shared store: the node's first rank writes it
+                self._pack(group, params)
+            _free(params)
             for slot, master in zip(group.slots, group.params):
                 _set_param(layer, slot.name, master)
         _free(self._pack(self.store.globals, [p for _, p in global_named]))
@@ -179,7 +184,9 @@ class Engine:
             self.dp.check_same_model(self.store)
             self.dp.broadcast_masters(self.store)
         for g in self.store.layers:
-            g.refresh_shadow()
+            g.refresh_shadow()  # a shared store: each owner its layers'
+        if self.node is not None:
+            self.dp.node_barrier("waiting for the node's layer weights")
         self._recorded: list = []
 
         # Resident parameters (embedding, final norm, head) live on the device for the whole step.
@@ -219,6 +226,9 @@ class Engine:
                                       policy=policy)
         self._global_grads = GlobalGradSink(self.store, self.streams, self.pipeline, self.compute_dtype)
         self.optimizer = self._make_optimizer(optimizer, originals)
+        if self.node is not None:
+            foreign = {id(p) for g in self.store.layers if not g.owned for p in g.params}
+            shard_optimizer_state(self.optimizer, foreign, self.dp.group, self.synchronize)
         del originals
         self._layered: LayeredStep | None = None
         self._in_backward = config.optimizer_in_backward
@@ -237,6 +247,8 @@ class Engine:
                 self.pipeline.updated, self.pipeline.zeroed = self._layered.updated, self._layered.zeroed
         if self._in_backward:
             self.pipeline.grad_sink = self._update_in_backward
+        if self.node is not None:
+            self.pipeline.grad_sink = self._reduce_to_owner
         self._clip_coefs: list[float] = []  # clipping not yet applied to bf16 slabs (applied as they widen)
         self._backwards = 0  # backward() calls since zero_grad()
         self._unstepped = False  # optimizer in backward: layers updated by a backward whose step() is to come
@@ -436,6 +448,7 @@ class Engine:
         t0 = time.perf_counter()
         params = self._device_globals
         average = self.dp is not None and sync
+        average_layers = average and self.node is None  # a shared store reduces every backward's, to the owners
         if self.dp is not None:
             # The resident parameters' slab may still be being averaged (last backward): the adds below wait.
             self.pipeline.synchronize_global_grads()
@@ -456,7 +469,7 @@ class Engine:
             raise ValueError("the loss does not depend on the last forward's outputs (.loss / .logits)")
         self._add_global_grads(grads)
         del grads  # the head's gradient is vocab x hidden: free it before the layers run
-        self.pipeline.grad_sent = self._average_layer if average else None
+        self.pipeline.grad_sent = self._average_layer if average_layers else None
         try:
             g = self.pipeline.backward(g, p.layer_inputs, p.acts)
         finally:
@@ -499,8 +512,9 @@ class Engine:
         """
         if self.dp is None or not self._unaveraged:
             return
-        for i in reversed(range(len(self.store.layers))):
-            self._average_layer(i)
+        if self.node is None:
+            for i in reversed(range(len(self.store.layers))):
+                self._average_layer(i)
         self._average_globals()
         self._unaveraged = False
 
@@ -572,10 +586,17 @@ class Engine:
     def _add_global_grads(self, grads: tuple) -> None:
         self._global_grads.add_dense(grads)  # on CUDA: copy stream + pinned staging, added on a host thread
 
+    def _reduce_to_owner(self, i: int, staging: torch.Tensor, staged: Event) -> Event:
+        """Shared host store: queue layer i's gradients' reduction into its owner's slab (every backward)."""
+        pl = self.pipeline
+        return self.dp.submit_reduce_to_owner(i, staging, self.store.layers[i].grad,
+                                              (staged, pl.landed[i], pl.zeroed[i]))
+
     def _all_grads(self) -> list[torch.Tensor]:
+        """This rank's gradient slabs (a shared store: its own layers' and the resident parameters')."""
         self._average_pending()
         self._wait_host_jobs()
-        return [g.grad for g in self.store.groups()]
+        return [g.grad for g in self.store.groups() if g.grad is not None]
 
     def _wait_host_jobs(self) -> None:
         """Gradients landed in their slabs and (optimizer_overlap) no layer update or zeroing still queued."""
@@ -600,7 +621,14 @@ class Engine:
                     for c in self._clip_coefs:
                         g.mul_(c)
                 norms.append(torch.linalg.vector_norm(g))
-            self._norm = float(torch.linalg.vector_norm(torch.stack(norms)))
+            if self.node is None:
+                self._norm = float(torch.linalg.vector_norm(torch.stack(norms)))
+            else:
+                # Each rank holds its own layers' slabs: their squares summed over the node (every node holds the
+                # same sums), plus the resident parameters', which every rank holds whole.
+                layers = self.dp.sum_across_node(float(torch.stack(norms[:-1]).double().square().sum())
+                                                 if len(norms) > 1 else 0.0)
+                self._norm = math.sqrt(layers + float(norms[-1].double()) ** 2)
         return self._norm
 
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -659,12 +687,15 @@ class Engine:
                 self._layered.step(lambda i: layers[i].pack(), self.pipeline.landed)
             self._globals_changed()
             self.pipeline.invalidate()
-            if not self.config.optimizer_overlap:
+            if not self.config.optimizer_overlap or self.node is not None:
                 self._layered.synchronize()  # a per-layer mode without overlap: step() returns with every layer done
         else:
             self.pipeline.synchronize_grads()  # the step reads every slab, whatever the knobs
             self.optimizer.step()
             self._masters_changed()
+        if self.node is not None:
+            # The owners wrote their layers in the node's shared store: nobody loads one before all are written.
+            self.dp.node_barrier("waiting for the other ranks' layer updates")
         self._stats["optimizer_s"] += time.perf_counter() - t0
         return True
 
@@ -722,10 +753,13 @@ class Engine:
                 if n in state:
                     if tuple(state[n].shape) != tuple(slot.shape):
                         raise ValueError(f"{n}: shape {tuple(state[n].shape)} does not match {tuple(slot.shape)}")
-                    group.write_slot(slot, state[n])
+                    if group.owned:  # a shared store: each layer written once, by its owner
+                        group.write_slot(slot, state[n])
         self._failed_layer = None
         self._unstepped = False
         self._masters_changed()
+        if self.node is not None:
+            self.dp.node_barrier("waiting for the other ranks to load their layers")
 
     # -- accounting ---------------------------------------------------------------------------------
     @property

@@ -58,6 +58,8 @@ class LayeredStep:
         self._globals = self._view(store.globals)
 
     def _view(self, group: FlatGroup) -> _View | None:
+        if group.grad_work is None:
+            return None  # a layer another rank owns (shared host store): its update is that rank's
         slot_of = {id(p): s for p, s in zip(group.params, group.slots)}
         groups, index, pairs = [], [], []
         for j, g in enumerate(self.optimizer.param_groups):

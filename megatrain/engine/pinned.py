@@ -60,10 +60,11 @@ def cuda_unregister(ptr: int) -> None:
 class _Mapping:
     """Owns one mapping: unregisters (when registered) and unmaps it when the last tensor on it is gone."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, fd: int = -1) -> None:
         self.nbytes = mapped_bytes(nbytes)
-        ptr = _libc.mmap(None, self.nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
-                         mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        # fd >= 0: a file the node's processes share (engine/node_store.py), mapped shared; else private memory.
+        flags = mmap.MAP_SHARED if fd >= 0 else mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        ptr = _libc.mmap(None, self.nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
         if ptr is None or ptr == _MAP_FAILED:
             raise MemoryError(f"mmap of {self.nbytes / 2**30:.2f} GiB failed: {os.strerror(ctypes.get_errno())}")
         self.ptr = ptr
@@ -80,10 +81,11 @@ class _Mapping:
         _munmap(self.ptr, self.nbytes)
 
 
-def host_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled, page-aligned host tensor of `numel` elements on its own mapping (not yet pinned)."""
+def host_buffer(numel: int, dtype: torch.dtype, fd: int = -1) -> torch.Tensor:
+    """A zero-filled, page-aligned host tensor of `numel` elements on its own mapping (not yet pinned); with `fd`
+    a view of that file (at least `mapped_bytes` long), shared with every process that maps it."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    owner = _Mapping(numel * itemsize)
+    owner = _Mapping(numel * itemsize, fd)
     holder = type("_HostBytes", (ctypes.c_ubyte * owner.nbytes,), {}).from_address(owner.ptr)
     holder.owner = owner  # the tensor keeps the holder alive, the holder keeps the mapping
     _mappings[owner.ptr] = owner

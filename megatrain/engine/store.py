@@ -21,6 +21,7 @@ from torch import nn
 
 from ..modes import GradSlab, HostMaster
 from . import hilo
+from .node_store import NodeStore
 from .pinned import Pinner, host_buffer
 from .rounding import round_stochastic
 
@@ -54,7 +55,8 @@ class FlatGroup:
 
     def __init__(self, named_shapes: Iterable[tuple[str, torch.Size]], shadow_dtype: torch.dtype | None,
                  master: HostMaster = HostMaster.FP32, grad: GradSlab | None = GradSlab.FLOAT32,
-                 scratch: Scratch | None = None):
+                 scratch: Scratch | None = None, shared: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+                 owned: bool = True):
         self.slots: list[Slot] = []
         offset = 0
         for name, shape in named_shapes:
@@ -68,10 +70,16 @@ class FlatGroup:
         self.rounding: torch.Generator | None = None  # bf16 master: stochastic rounding's random bits
         self.lo: torch.Tensor | None = None
         self.ties = torch.empty(0, dtype=torch.int64)  # hilo: positions whose hi rounded up at a tie
+        # `shared`: the node's (master, shadow), mapped by every rank of the node (engine/node_store.py); a group
+        # this rank does not own has no gradient slab, and its master and shadow are written by the owner only.
+        self.owned = owned
         if master is HostMaster.FP32:
-            self.master = host_buffer(offset, torch.float32)
+            if shared is not None:
+                self.master, self.shadow = shared
+            else:
+                self.master = host_buffer(offset, torch.float32)
+                self.shadow = host_buffer(offset, shadow_dtype) if shadow_dtype is not None else None
             self.work = self.master
-            self.shadow = host_buffer(offset, shadow_dtype) if shadow_dtype is not None else None
         else:
             # The bf16 half is the master's own storage and what streams: no shadow, no per-step cast.
             self.master = None
@@ -79,7 +87,9 @@ class FlatGroup:
             if master is HostMaster.HILO:
                 self.lo = host_buffer(offset, torch.int16)
             self.work = scratch.master[:offset]
-        if grad is GradSlab.FLOAT32:
+        if not owned:
+            self.grad = self.grad_work = None
+        elif grad is GradSlab.FLOAT32:
             self.grad = host_buffer(offset, torch.float32)
             self.grad_work = self.grad
         else:
@@ -105,13 +115,13 @@ class FlatGroup:
 
     def link_grads(self) -> None:
         # An optimizer's zero_grad(set_to_none=True) drops these links; restore them before each step.
-        if self.grad_mode is not GradSlab.FLOAT32:
-            return  # only the per-layer update reads gradients, from grad_work (load_grads)
+        if self.grad_mode is not GradSlab.FLOAT32 or self.grad is None:
+            return  # only the per-layer update reads gradients, from grad_work (load_grads); or not this rank's
         for p, s in zip(self.params, self.slots):
             p.grad = self.view(self.grad, s)
 
     def refresh_shadow(self) -> None:
-        if self.shadow is not None and self.master is not None:
+        if self.shadow is not None and self.master is not None and self.owned:
             self.shadow.copy_(self.master)
 
     # -- the per-layer update of the non-FP32 modes -----------------------------------------------------
@@ -186,14 +196,27 @@ class HostStore:
 
     def __init__(self, layer_shapes: list[list[tuple[str, torch.Size]]], global_shapes: list[tuple[str, torch.Size]],
                  pin: bool | Pinner | None, shadow_dtype: torch.dtype | None, master: HostMaster = HostMaster.FP32,
-                 grad: GradSlab | None = GradSlab.FLOAT32) -> None:
+                 grad: GradSlab | None = GradSlab.FLOAT32, node: NodeStore | None = None) -> None:
         self.master_mode, self.grad_mode = master, grad
         self.scratch = None
         if master is not HostMaster.FP32 or grad is not GradSlab.FLOAT32:
             # One layer's FP32 values at a time: the updates run one after another on one thread.
             biggest = max((sum(int(torch.Size(s).numel()) for _, s in shapes) for shapes in layer_shapes), default=0)
             self.scratch = Scratch(biggest, master is not HostMaster.FP32, grad is not GradSlab.FLOAT32)
-        self.layers = [FlatGroup(shapes, shadow_dtype, master, grad, self.scratch) for shapes in layer_shapes]
+        self.ranks_sharing = node.topo.local_world if node is not None else 1
+        shared: list = [None] * len(layer_shapes)
+        if node is not None:
+            # One host store per node: the layers' masters (and shadows) are the node's, each layer's slab its
+            # owner's. The FP32 modes only: the others' per-layer update shares one scratch (engine config refuses).
+            numels = [sum(int(torch.Size(s).numel()) for _, s in shapes) for shapes in layer_shapes]
+            specs = [(n, torch.float32) for n in numels]
+            if shadow_dtype is not None:
+                specs += [(n, shadow_dtype) for n in numels]
+            bufs = node.buffers(specs, "layer weights")
+            shadows = bufs[len(numels):] or [None] * len(numels)
+            shared = list(zip(bufs[: len(numels)], shadows))
+        self.layers = [FlatGroup(shapes, shadow_dtype, master, grad, self.scratch, shared[i],
+                                 node is None or node.owns(i)) for i, shapes in enumerate(layer_shapes)]
         # The globals (embedding, final norm, head) stay FP32: they are resident on the device, and their
         # gradients arrive at both ends of backward.
         self.globals = FlatGroup(global_shapes, None)
@@ -226,15 +249,18 @@ class HostStore:
         return out
 
     def host_bytes(self) -> int:
-        total = 0
+        """This rank's host bytes: the node's shared layer weights count as this rank's share of them, so the
+        sum over a node's ranks is what the node holds."""
+        total = 0.0
         for g in self.groups():
             for t in (g.master, g.grad, g.shadow, g.lo, g.ties):
                 if t is not None:
-                    total += t.numel() * t.element_size()
+                    share = self.ranks_sharing if g is not self.globals and t is not g.grad else 1
+                    total += t.numel() * t.element_size() / share
         if self.scratch is not None:
             total += sum(t.numel() * t.element_size() for t in (self.scratch.master, self.scratch.grad)
                          if t is not None)
-        return total
+        return int(total)
 
     def zero_grad(self) -> None:
         for g in self.groups():
