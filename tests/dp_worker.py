@@ -4,7 +4,8 @@ Run as `python tests/dp_worker.py OUT_DIR JSON_ARGS` with torchrun's variables i
 JSON_ARGS: faces, micro, steps, accumulation, watchdog_s, and
   every_sync: also train the accelerator face with every micro-batch's backward averaging (not only the
       last before a step): slabs holding an averaged part plus local parts are averaged again,
-  control: "skip_average" — every rank keeps its own gradients (the negative control of the parity test),
+  control: "skip_average" — every rank keeps its own gradients (the negative control of the parity test;
+      with the shared host store each layer's owner takes only its own),
   fault: "die" | "hang" — rank 1 exits / sleeps before its third forward, after writing OUT_DIR/fault_time.
 """
 
@@ -48,7 +49,19 @@ def main() -> None:
         inject_fault(fault, out)
     from megatrain.engine.distributed import DataParallel
 
+    from megatrain.engine.node_store import NodeStore
+
+    # Count the shared host store's reductions: the parity below is then known to be that path's.
+    reduce_to_owner, reductions = NodeStore.reduce_to_owner, [0]
+
+    def counted(self, *a):
+        reductions[0] += 1
+        return reduce_to_owner(self, *a)
+
+    NodeStore.reduce_to_owner = counted
     results = example.run(args["faces"], args["micro"], args["steps"], args["accumulation"], args["watchdog_s"])
+    results["owner_reductions"] = reductions[0]
+    NodeStore.reduce_to_owner = reduce_to_owner
     if args.get("every_sync"):
         from megatrain.backend import MegatrainBackend
 
@@ -58,7 +71,16 @@ def main() -> None:
                                             args["watchdog_s"])["accelerator"]
         MegatrainBackend.backward = backward
     if args.get("control") == "skip_average":
+        from megatrain.engine.node_store import NodeStore
+
         DataParallel.average_ = lambda self, grad: None
+        # The shared host store's reduction: the owner adds its own gradients only.
+        def own_only(self, layer, grads, slab) -> int:
+            if slab is not None:
+                slab.add_(grads)
+            return 0
+
+        NodeStore.reduce_to_owner = own_only
         results["control"] = example.run(["deepspeed"], args["micro"], args["steps"], args["accumulation"],
                                          args["watchdog_s"])["deepspeed"]
     torch.save(results, out / f"rank{rank}.pt")

@@ -46,12 +46,15 @@ def _free_port() -> int:
 class Ranks:
     """One subprocess per rank with torchrun's variables; `wait` kills them all at the deadline."""
 
-    def __init__(self, world: int, args: list[str], tmp: Path) -> None:
+    def __init__(self, world: int, args: list[str], tmp: Path, per_node: int | None = None) -> None:
+        """`per_node`: ranks per node (default all on one); several nodes are told apart by torchrun's GROUP_RANK."""
         port = str(_free_port())
+        per_node = per_node or world
         self.logs = [tmp / f"rank{r}.log" for r in range(world)]
         self.procs = []
         for r in range(world):
-            env = dict(_env(), RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+            env = dict(_env(), RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r % per_node),
+                       GROUP_RANK=str(r // per_node), LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=port)
             with open(self.logs[r], "w") as log:
                 self.procs.append(subprocess.Popen([sys.executable, *args], env=env, stdout=log,
@@ -128,10 +131,25 @@ def test_three_ranks_match_one_process_and_negative_control(tmp_path):
     codes = ranks.wait()
     assert codes == [0, 0, 0], ranks.log(0)[-3000:]
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    # One host store for the node: every layer's gradients went to its owner, each backward (2 layers x 12).
+    assert all(res["owner_reductions"] == 2 * 12 for res in results), [res["owner_reductions"] for res in results]
     _check_parity(results, 3, 1, ["deepspeed", "accelerator", "every_sync"])
     ref = _example().train("deepspeed", 3, 1, 0)
     gaps = _gaps(ref, results[0]["control"])
     assert gaps["params"] > 100 * TOL and gaps["norms"] > 100 * TOL, gaps
+
+
+def test_two_nodes_of_two_ranks_match_one_process(tmp_path):
+    """2 nodes x 2 ranks (told apart by GROUP_RANK, as torchrun's agents on two hosts): each node holds its own
+    shared store, the owners of a layer on both nodes all-reduce its gradients, and 4 ranks x micro-batch 1 train as
+    1 process x micro-batch 4; every rank ends with the same weights."""
+    args = {"faces": ["deepspeed"], "micro": 1, "steps": 3, "accumulation": 2, "watchdog_s": 120.0}
+    ranks = Ranks(4, [str(WORKER), str(tmp_path), json.dumps(args)], tmp_path, per_node=2)
+    codes = ranks.wait()
+    assert codes == [0, 0, 0, 0], ranks.log(0)[-3000:]
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    assert all(res["owner_reductions"] == 2 * 6 for res in results)
+    _check_parity(results, 4, 1, ["deepspeed"])
 
 
 def _torchrun(tmp_path: Path, *args: str) -> list[dict]:

@@ -1,0 +1,59 @@
+"""One rank of the host-memory measurement: train a layer-heavy Llama two steps, then report this process's
+proportional set size (PSS: shared pages split between the processes mapping them, so the ranks' PSS add up
+to what the machine holds for them; RSS would count the node's shared store once per rank).
+
+Run as `python tests/host_memory_worker.py OUT_DIR DATA_PARALLEL_HOST` (alone, or with torchrun's variables).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+
+def proc_kib(field: str, pid: int | str = "self") -> int:
+    """A field of /proc/PID/smaps_rollup (Pss, Rss, ...), in KiB."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def main() -> None:
+    out, host = Path(sys.argv[1]), sys.argv[2]
+    rank = int(os.environ.get("RANK", "0"))
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)
+    # Many narrow layers: the per-rank layer-sized buffers (gradient staging) stay a small part of the store.
+    cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=int(os.environ.get("LAYERS", "32")), num_attention_heads=8,
+                                   num_key_value_heads=4, vocab_size=128, max_position_embeddings=64)
+    cfg._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    import megatrain
+
+    engine, _, _, _ = megatrain.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "megatrain": {"parity_probe": False, "device": "cpu", "data_parallel_host": host, "watchdog_s": 300.0,
+                      "host_mmap_threshold_bytes": 1 << 17}})
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+    engine.engine.synchronize()
+    if engine.world_size > 1:
+        torch.distributed.barrier()  # every rank's store is whole before anyone measures
+    report = {"pss_kib": proc_kib("Pss"), "rss_kib": proc_kib("Rss"), "loss": float(loss),
+              "params": sum(p.numel() for p in engine.engine.store.groups() for p in p.params)}
+    (out / f"mem{rank}.json").write_text(json.dumps(report))
+    if engine.world_size > 1:
+        torch.distributed.barrier()  # no rank unmaps the shared store while another still measures
+
+
+if __name__ == "__main__":
+    main()
