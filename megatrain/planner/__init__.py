@@ -35,6 +35,10 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
                     and event limit, host hooks per module / parameter / bucket, the buckets' FP32 cast,
                     DeepSpeedCPUAdam at the profile's parameters/s after backward; HF's full logits and
                     activations on the device.
+  data parallel     plan_multi / `plan --gpus-per-node N --nodes M` (multi.py): one host store per node (the layers'
+                    state once, the resident parameters, staging, activations and a gradient transit buffer per
+                    rank), each GPU's share of the host link and DRAM bandwidth, the gradient reduction within a
+                    node (host memory) and across nodes (ring all-reduce), and the scaling efficiency.
 Every assumption is a named constant in estimate.py or engine/memory_model.py, or a sourced number in the profiles file.
 """
 
@@ -59,14 +63,16 @@ from .estimate import (
 )
 from .hardware import Hardware, HostMemory, get_hardware, host_memory_available, load_profiles
 from .measure import bench, bench_cpu, bench_cuda
+from .multi import MultiPlan, plan_multi, plan_point_multi
 from .search import Preflight, device_memory_available, fits, max_batch, max_context, preflight
 from .shapes import resolve_model
 
 __all__ = [
-    "BACKENDS", "Hardware", "HostMemory", "LongContext", "Memory", "Plan", "Point", "Preflight", "Time",
+    "BACKENDS", "Hardware", "HostMemory", "LongContext", "Memory", "MultiPlan", "Plan", "Point", "Preflight", "Time",
     "add_bench_parser", "add_plan_parser", "bench", "bench_cpu", "bench_cuda", "check_fit",
     "crossover_closed_form", "device_memory_available", "fits", "format_plan", "get_hardware",
     "host_memory_available", "layer_saved_bytes", "layer_working_set_bytes", "link_crossover_tokens",
-    "load_profiles", "long_context_plan", "make_point", "max_batch", "max_context", "plan", "plan_point", "predicted_timeline", "preflight",
+    "load_profiles", "long_context_plan", "make_point", "max_batch", "max_context", "plan", "plan_multi", "plan_point",
+    "plan_point_multi", "predicted_timeline", "preflight",
     "resolve_model", "run_sweep",
 ]

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from .estimate import Plan, crossover_closed_form, fmt_bytes, plan
+from .estimate import Plan, crossover_closed_form, fmt_bytes, make_point, plan
 from .hardware import load_profiles, profile_from_dict
 from .mode_table import ModeRow, format_mode_table, mode_table
 from .search import max_batch, max_context
@@ -185,6 +185,13 @@ def _add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--link-gbs", type=float, help="override the link rate (GB/s per direction)")
     ap.add_argument("--host-memory-gib", type=float)
     ap.add_argument("--device-memory-gib", type=float)
+    ap.add_argument("--gpus-per-node", type=int, default=1,
+                    help="data parallel: GPUs of one node training together, sharing its host store (at most the "
+                         "profile's gpus_per_node)")
+    ap.add_argument("--nodes", type=int, default=1, help="data parallel: nodes, each with its own host store")
+    ap.add_argument("--network-gbs", type=float, help="override the node's network rate to other nodes (GB/s per "
+                                                      "direction, all NICs together)")
+    ap.add_argument("--gpus-per-host-link", type=int, help="override how many GPUs share one host link")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     ap.add_argument("--no-search", action="store_true", help="skip the largest batch/context searches")
     ap.add_argument("--sweep", help="a harness sweep spec (experiments/sweeps/*.yaml): predicted rows as CSV; "
@@ -237,6 +244,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         return 0
     if not args.model:
         raise ValueError("--model is required (or give --sweep SPEC)")
+    if (args.gpus_per_node, args.nodes) != (1, 1):
+        return _run_plan_multi(args)
     hw = _resolve_hw(args)
     knobs = _knobs(args)
     common = dict(context=args.context, batch=args.batch, grad_accum=args.grad_accum, dtype=args.dtype,
@@ -261,6 +270,57 @@ def _run_plan(args: argparse.Namespace) -> int:
     else:
         print(format_plan(main, bb, bc, others, modes))
     return 0
+
+
+def _run_plan_multi(args: argparse.Namespace) -> int:
+    """`plan --gpus-per-node N --nodes M`: the node's host memory, one GPU's device memory and the job's speed."""
+    from .estimate import _hardware
+    from .multi import max_batch_multi, max_context_multi, node_hardware, plan_point_multi
+
+    if getattr(args, "sweep", None):
+        raise ValueError("--gpus-per-node/--nodes plan one point; drop them with --sweep")
+    hw = node_hardware(_hardware(_resolve_hw(args), args.link_gbs, args.host_memory_gib, args.device_memory_gib),
+                       args.network_gbs, args.gpus_per_host_link)
+    p = make_point(args.model, args.context, args.batch, args.grad_accum, args.dtype, args.backend, **_knobs(args))
+    mp = plan_point_multi(p, hw, args.gpus_per_node, args.nodes)
+    bb = bc = None
+    if not args.no_search:
+        bb = max_batch_multi(p, hw, args.gpus_per_node, args.nodes)
+        bc = max_context_multi(p, hw, args.gpus_per_node, args.nodes)
+    if args.json:
+        d = mp.rank.to_dict()
+        d.update(max_batch=bb, max_context=bc, data_parallel=mp.summary())
+        print(json.dumps(d, indent=2, default=str))
+    else:
+        print(format_multi(mp, bb, bc, hw))
+    return 0
+
+
+def format_multi(mp: Any, biggest_batch: int | None = None, biggest_context: int | None = None,
+                 node_hw: Any = None) -> str:
+    """One rank's plan (the node's host memory, its GPU's device memory and step) and the job's figures."""
+    n, M, c = mp.gpus_per_node, mp.nodes, mp.comm
+    hw, rhw = node_hw or mp.single.hardware, mp.rank.hardware
+    per_rank = sum(mp.per_rank.values())
+    top = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(mp.per_rank.items(), key=lambda kv: -kv[1])[:4])
+    out = [format_plan(mp.rank, biggest_batch, biggest_context),
+           f"  data parallel: {n} GPU(s) per node x {M} node(s) = {mp.world_size} ranks, one host store per node "
+           "(optimizer sharded by layer across the node's ranks)",
+           f"    host per node {fmt_bytes(mp.host_node_bytes)} = held once {fmt_bytes(sum(mp.layer_state.values()))} "
+           f"(layer state + reserve) + {n} x per rank {fmt_bytes(per_rank)} ({top})",
+           f"    each GPU's share of the host: link {rhw.link_gbs_achieved:.3g} GB/s (profile {hw.link_gbs_achieved:g}, "
+           f"{hw.gpus_per_host_link} GPU(s) per host link), host DRAM {rhw.host_memory_bw_gbs_achieved:.3g} GB/s "
+           f"(of {hw.host_memory_bw_gbs_achieved:g})",
+           f"    gradient reduction per step: resident parameters across the node through host memory "
+           f"{_sec(c.intra_globals_s)}"
+           + (f"; across nodes a ring all-reduce of {fmt_bytes(c.network_bytes)} per node at {hw.network_gbs:g} GB/s: "
+              f"layers {_sec(c.network_layers_s)}, of it not hidden under backward {_sec(c.network_exposed_s)}, "
+              f"resident parameters {_sec(c.network_globals_s)}" if M > 1 else ""),
+           f"    step per rank {_sec(mp.step_s)} (one GPU alone {_sec(mp.single.time.step_s)}): job "
+           f"{mp.job_tokens_per_s:,.0f} tokens/s = {mp.world_size} x {mp.single.tokens_per_s:,.0f} x scaling "
+           f"efficiency {mp.scaling_efficiency:.1%}",
+           "    (predicted; see megatrain/planner/multi.py for the model)"]
+    return "\n".join(out)
 
 
 # Keys of the harness's sweep specs (experiments/sweeps/*.yaml) the planner uses; the rest (warmup,

@@ -940,8 +940,11 @@ def predicted_timeline(p: Point, hw: Hardware) -> list[dict[str, Any]]:
             for lane, kind, layer, a, b in sim.spans]
 
 
-def megatrain_time(p: Point, hw: Hardware, offload: bool) -> Time:
+def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | None = None) -> Time:
+    """`owned_layers`: decoder layers whose optimizer update this process runs (all of them by default;
+    a data-parallel rank of a node whose optimizer is sharded by layer runs its share, planner/multi.py)."""
     m, c, T, L, g = p.model, p.c, p.tokens, p.model.num_layers, p.grad_accum
+    own = L if owned_layers is None else owned_layers
     PL, h = m.layer_params(), m.hidden
     costs = _layer_costs(p, hw, offload)
     io = _globals_io(p, hw)
@@ -954,13 +957,13 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool) -> Time:
     mb, shadow = _master_bytes(p)
     gb = 2 if _is_bf16(p.host_grad_dtype) else 4
     per_param = _optimizer_bytes_per_param(mb, gb, shadow, p.grad_clip)
-    opt_busy = m.param_count() * per_param / hw.optimizer_bps
+    opt_busy = (m.param_count() - (L - own) * PL) * per_param / hw.optimizer_bps
     if p.optimizer_in_backward:
         # Each layer's update queued on one host thread as its gradients land (backward order): step()
         # waits for the last one (layer 0, whose backward is last), then updates the globals.
         u = PL * per_param / hw.optimizer_bps
         opt_globals = (m.param_count() - L * PL) * per_param / hw.optimizer_bps
-        opt_added = opt_globals + max(u, L * u - bwd_s + bwd_s / L)
+        opt_added = opt_globals + max(u, own * u - bwd_s + bwd_s / L)
     elif p.optimizer_overlap:
         # As EngineConfig(optimizer_overlap=True) runs it (engine/optim.py): the globals update in step(),
         # the layers on a host thread in forward order while the next forward runs, each layer's forward
@@ -969,7 +972,7 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool) -> Time:
         u = PL * per_param / hw.optimizer_bps
         f_mb = fwd_s / g
         opt_globals = (m.param_count() - L * PL) * per_param / hw.optimizer_bps
-        opt_added = opt_globals + max(L * u - f_mb + f_mb / L, u)
+        opt_added = opt_globals + max(own * u - f_mb + f_mb / L, u)
     else:
         opt_added = opt_busy
     step = sim.t + opt_added + io.up_s

@@ -39,6 +39,19 @@ OPTIONAL_NUMERIC_FIELDS = ("host_optimizer_gbs", "cpu_adam_params_per_s")
 # on the host too; on a GPU they run on the device and this is 0).
 OVERHEAD_FIELDS = ("layer_overhead_fwd_s", "layer_overhead_bwd_s", "microbatch_overhead_s",
                    "zero3_module_hook_s", "zero3_param_grad_hook_s", "zero3_bucket_flush_s", "zero3_grad_elem_s")
+# A multi-GPU node (planner/multi.py), all optional: a profile without them is a one-GPU node.
+#   gpus_per_node       the most GPUs one node (one host) has: `plan --gpus-per-node` may not exceed it;
+#   gpus_per_host_link  GPUs behind one host link (1: each its own x16 to a CPU root port; 2: pairs behind a
+#                       PCIe switch with one x16 uplink), so each GPU streams at link / this when all do;
+#   network_gbs         bytes/s per direction of the node's network to the other nodes, all NICs together
+#                       (the inter-node gradient all-reduce); absent: a multi-node plan must be given one;
+#   rank_runtime_gib    host memory each further rank process adds (python, torch, the device runtime's
+#                       host side); the first is inside host_reserved_gib.
+NODE_INT_FIELDS = ("gpus_per_node", "gpus_per_host_link")
+NODE_FLOAT_FIELDS = ("network_gbs", "rank_runtime_gib")
+# A process that imports torch and the engine holds about this much (see experiments/scaling.py, which
+# measures it as baseline PSS): the default for a profile that does not say.
+DEFAULT_RANK_RUNTIME_GIB = 0.5
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,10 @@ class Hardware:
     zero3_param_grad_hook_s: float = 0.0
     zero3_bucket_flush_s: float = 0.0
     zero3_grad_elem_s: float = 0.0
+    gpus_per_node: int = 1
+    gpus_per_host_link: int = 1
+    network_gbs: float | None = None
+    rank_runtime_gib: float = DEFAULT_RANK_RUNTIME_GIB
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def peak_flops(self, dtype: str) -> float:
@@ -171,6 +188,7 @@ def profile_from_dict(name: str, entry: dict[str, Any], shared_sources: dict[str
         values[key] = value
         src = str(item["source"])
         sources[key] = shared_sources.get(src, src)
+    values.update(_node_fields(name, entry, shared_sources, sources))
     return Hardware(
         name=name,
         description=str(entry.get("description", "")),
@@ -179,6 +197,33 @@ def profile_from_dict(name: str, entry: dict[str, Any], shared_sources: dict[str
         sources=sources,
         **values,
     )
+
+
+def _node_fields(name: str, entry: dict[str, Any], shared_sources: dict[str, str],
+                 sources: dict[str, str]) -> dict[str, Any]:
+    """The optional multi-GPU node fields of one entry, validated; sources are recorded in `sources`."""
+    out: dict[str, Any] = {}
+    for key in NODE_INT_FIELDS + NODE_FLOAT_FIELDS:
+        if key not in entry:
+            continue
+        item = entry[key]
+        if not isinstance(item, dict) or "value" not in item or not item.get("source"):
+            raise ValueError(f"hardware profile {name!r}: {key} must be {{value: N, source: ...}} (got {item!r})")
+        value = float(item["value"])
+        if key in NODE_INT_FIELDS:
+            if value != int(value) or value < 1:
+                raise ValueError(f"hardware profile {name!r}: {key}={item['value']!r} must be a whole number >= 1")
+            out[key] = int(value)
+        else:
+            if not value > 0:
+                raise ValueError(f"hardware profile {name!r}: {key}={value} must be > 0")
+            out[key] = value
+        src = str(item["source"])
+        sources[key] = shared_sources.get(src, src)
+    if out.get("gpus_per_host_link", 1) > out.get("gpus_per_node", 1):
+        raise ValueError(f"hardware profile {name!r}: gpus_per_host_link={out['gpus_per_host_link']} exceeds "
+                         f"gpus_per_node={out.get('gpus_per_node', 1)}")
+    return out
 
 
 def get_hardware(hw: str | Hardware | dict[str, Any], path: str | os.PathLike | None = None) -> Hardware:

@@ -90,13 +90,19 @@ def device_memory_available() -> int | None:
 
 def preflight(model: Any, context: int, batch: int = 1, backend: str = "megatrain", dtype: str = "bfloat16",
               *, grad_accum: int = 1, host_available: int | None = None, device_available: int | None = None,
-              hardware: str | Hardware | dict | None = None, **knobs: Any) -> Preflight:
+              hardware: str | Hardware | dict | None = None, gpus_per_node: int = 1, nodes: int = 1,
+              **knobs: Any) -> Preflight:
     """Check a point against the memory this machine has free before allocating anything.
 
     host_available: bytes (default: cgroup headroom if a limit is set, else MemAvailable).
     device_available: bytes (default: free CUDA memory; without CUDA the device is this host, so
-    device allocations are charged to host memory). Returns Preflight (unpacks as ok, reason).
+    device allocations are charged to host memory). gpus_per_node, nodes: a data-parallel job whose
+    gpus_per_node ranks share this host's one store (planner/multi.py): the host side is the node's.
+    Returns Preflight (unpacks as ok, reason).
     """
+    for name, v in (("gpus_per_node", gpus_per_node), ("nodes", nodes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r}: must be a whole number >= 1")
     host_src = "given"
     if host_available is None:
         hm = host_memory_available()
@@ -112,9 +118,14 @@ def preflight(model: Any, context: int, batch: int = 1, backend: str = "megatrai
                   device_reserved_gib=PREFLIGHT_DEVICE_RUNTIME_GIB)
     p = make_point(model, context, batch, grad_accum, dtype, backend, **knobs)
     pl = plan_point(p, hw, host_available, device_available if device_available is not None else host_available)
+    if gpus_per_node * nodes > 1:
+        from .multi import node_memory
+
+        pl.memory = node_memory(pl, gpus_per_node, nodes)[0]
     ok, lines = check_fit(pl.memory, hw, host_available,
                           device_available if device_available is not None else host_available)
-    head = (f"{p.backend} {p.model.name} context {p.context} x batch {p.batch} {p.dtype}: "
+    ranks = f" ({gpus_per_node} ranks sharing this host)" if gpus_per_node > 1 else ""
+    head = (f"{p.backend} {p.model.name} context {p.context} x batch {p.batch} {p.dtype}{ranks}: "
             f"{'fits' if ok else 'does not fit'} (host available from {host_src})")
     extra = [f"chosen: {k}={v}" for k, v in pl.decisions.items()] + pl.warnings
     reason = "; ".join([head, *lines, *extra])
