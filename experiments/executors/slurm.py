@@ -70,7 +70,10 @@ class SlurmExecutor(Executor):
         try:
             for pt in points:
                 ex.update_parameters(timeout_min=time_limit_min(pt), name=f"megatrain-{pt.point_id}")
-                pending[ex.submit(run_point_job, pt.to_dict(), str(out))] = pt
+                try:
+                    pending[ex.submit(run_point_job, pt.to_dict(), str(out))] = pt
+                except (OSError, RuntimeError) as e:  # sbatch refused (partition, account, limits)
+                    raise ExecutorError(f"--executor slurm: submitting {pt.label} failed: {e}") from None
             while pending:
                 finished = [job for job in pending if job.done()]
                 if on_tick is not None:
