@@ -17,10 +17,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from experiments import results as R
 from experiments.spec import Point, Sweep, select
+
+if TYPE_CHECKING:
+    from experiments.executors.base import Executor
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)|RuntimeError|AssertionError)\b")
@@ -213,6 +216,28 @@ def run_point_subprocess(pt: Point, out_dir: Path, python: str = sys.executable,
     return row
 
 
+def execute_point(pt: Point, out_dir: Path, python: str = sys.executable, on_tick: Any = None,
+                  prov: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything a point adds to its row, measured where it runs: the preflight against this
+    machine, the isolated run (or `skipped`), and this machine's provenance (`prov` when the
+    caller already has it). Every executor runs this, locally or on a cluster node."""
+    from megatrain.metrics.provenance import provenance
+
+    pre = preflight(pt)
+    fields: dict[str, Any] = dict(preflight_host_bytes=pre.needed_host, preflight_device_bytes=pre.needed_device,
+                                  available_host_bytes=pre.available_host,
+                                  available_device_bytes=pre.available_device)
+    if not pre.ok:
+        fields.update(status="skipped", reason=pre.reason or "preflight: does not fit")
+    else:
+        fields.update(run_point_subprocess(pt, out_dir, python=python, on_tick=on_tick))
+    prov = provenance() if prov is None else prov
+    # The point names its device when it knows better (the GPU it ran on); the runner stamps the time.
+    fields.update({k: v for k, v in prov.items()
+                   if k != "timestamp" and not (k == "device_name" and fields.get("device_name"))})
+    return fields
+
+
 def point_columns(pt: Point, sweep_name: str) -> dict[str, Any]:
     """Row fields known before running: what the point is."""
     p = pt.preset
@@ -234,9 +259,15 @@ def default_out_dir(sweep: Sweep) -> Path:
 
 def run_sweep(sweep: Sweep, out_dir: str | Path | None = None, only: dict[str, set[str]] | None = None,
               force: bool = False, retry_failed: bool = False, dry_run: bool = False,
-              progress: bool = True, python: str = sys.executable, log: Any = print) -> SweepSummary:
-    """Run every selected point not yet recorded; one row per point in `<out_dir>/results.csv`."""
-    from megatrain.metrics.provenance import provenance, utc_now
+              progress: bool = True, python: str = sys.executable, log: Any = print,
+              executor: Executor | None = None) -> SweepSummary:
+    """Run every selected point not yet recorded; one row per point in `<out_dir>/results.csv`.
+
+    `executor` decides where the points run (default: here, one after another); `python` is the
+    interpreter of the local executor's point processes (remote nodes use their own).
+    """
+    from experiments.executors.local import LocalExecutor
+    from megatrain.metrics.provenance import utc_now
 
     out = Path(out_dir) if out_dir else default_out_dir(sweep)
     csv = out / "results.csv"
@@ -265,7 +296,6 @@ def run_sweep(sweep: Sweep, out_dir: str | Path | None = None, only: dict[str, s
         return summary
 
     out.mkdir(parents=True, exist_ok=True)
-    prov = provenance()
     bar = None
     # Ticking the elapsed time of the point in flight helps on a terminal; in a log file it would
     # write a line every half second, so there only whole points advance the bar.
@@ -275,31 +305,26 @@ def run_sweep(sweep: Sweep, out_dir: str | Path | None = None, only: dict[str, s
 
         bar = tqdm(total=len(todo), desc=sweep.name, unit="pt", dynamic_ncols=True,
                    mininterval=0.5 if live else 30.0)
-    try:
-        for pt in todo:
-            row = point_columns(pt, sweep.name)
-            pre = preflight(pt)
-            row.update(preflight_host_bytes=pre.needed_host, preflight_device_bytes=pre.needed_device,
-                       available_host_bytes=pre.available_host, available_device_bytes=pre.available_device)
-            if bar is not None:
-                bar.set_postfix_str(pt.label)
-            if not pre.ok:
-                row.update(status="skipped", reason=pre.reason or "preflight: does not fit")
-            else:
-                def tick(elapsed: float, _pt: Point = pt) -> None:
-                    if bar is not None:
-                        bar.set_postfix_str(f"{_pt.label} {elapsed:.0f}s", refresh=True)
 
-                row.update(run_point_subprocess(pt, out, python=python, on_tick=tick if live else None))
-            row.update({k: v for k, v in prov.items() if not (k == "device_name" and row.get("device_name"))})
-            row["timestamp"] = utc_now()
-            R.append_row(csv, row)
-            summary.ran.append(pt.point_id)
-            summary.statuses[pt.point_id] = row["status"]
-            if bar is not None:
-                bar.update(1)
-                if row["status"] != "ok":
-                    bar.write(f"{pt.label}: {row['status']}: {row.get('reason', '')}")
+    def tick(text: str) -> None:
+        if bar is not None:
+            bar.set_postfix_str(text, refresh=live)
+
+    executor = executor or LocalExecutor()
+    try:
+        # closing(): leaving the loop early (Ctrl-C, a write error) stops the points still running.
+        with contextlib.closing(executor.run(todo, out, python=python, on_tick=tick)) as finished:
+            for pt, fields in finished:
+                row = point_columns(pt, sweep.name)
+                row.update(fields)
+                row["timestamp"] = utc_now()
+                R.append_row(csv, row)
+                summary.ran.append(pt.point_id)
+                summary.statuses[pt.point_id] = row["status"]
+                if bar is not None:
+                    bar.update(1)
+                    if row["status"] != "ok":
+                        bar.write(f"{pt.label}: {row['status']}: {row.get('reason', '')}")
     finally:
         if bar is not None:
             bar.close()

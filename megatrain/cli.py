@@ -14,20 +14,27 @@ from collections.abc import Sequence
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
+    from experiments.executors import ExecutorError, make_executor
     from experiments.runner import run_sweep
     from experiments.spec import SpecError, load_sweep, parse_only
 
     try:
         sweep = load_sweep(args.spec)
         only = parse_only(args.only)
-    except (SpecError, ValueError) as e:
+        executor = make_executor(args.executor, address=args.address, cluster_cpus=args.cluster_cpus,
+                                 cpus_per_point=args.cpus_per_point, gpus_per_point=args.gpus_per_point,
+                                 partition=args.partition)
+    except (SpecError, ValueError, ExecutorError) as e:
         print(f"megatrain sweep: error: {e}", file=sys.stderr)
         return 2
     try:
         summary = run_sweep(sweep, out_dir=args.out, only=only, force=args.force, retry_failed=args.retry_failed,
-                            dry_run=args.dry_run, progress=not args.no_progress)
+                            dry_run=args.dry_run, progress=not args.no_progress, executor=executor)
+    except ExecutorError as e:
+        print(f"megatrain sweep: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
-        print("\nmegatrain sweep: interrupted; the point in flight was stopped and not recorded. "
+        print("\nmegatrain sweep: interrupted; the points in flight were stopped and not recorded. "
               "Run the same command again to continue.", file=sys.stderr)
         return 130
     if args.report and not args.dry_run and summary.csv.exists():
@@ -118,6 +125,20 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default=None, help="results directory (default: results/<sweep name>)")
     sp.add_argument("--report", action="store_true", help="write the report when the sweep finishes")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ex = sp.add_argument_group("where the points run")
+    ex.add_argument("--executor", choices=("local", "ray", "slurm"), default="local",
+                    help="local: one after another here (default); ray: Ray tasks on a cluster; "
+                         "slurm: one Slurm job per point (submitit). Needs pip install 'megatrain[cluster]'")
+    ex.add_argument("--address", default=None,
+                    help="ray: the cluster to join: auto, ray://HOST[:PORT] or HOST:PORT "
+                         "(default: start a local Ray cluster on this machine)")
+    ex.add_argument("--cluster-cpus", type=int, default=None, metavar="N",
+                    help="ray: CPUs of the local cluster started without --address (default: all)")
+    ex.add_argument("--cpus-per-point", type=int, default=1, metavar="N",
+                    help="ray / slurm: CPUs reserved for each point (default 1)")
+    ex.add_argument("--gpus-per-point", type=int, default=0, metavar="N",
+                    help="ray / slurm: GPUs reserved for each point (default 0; give 1 on a GPU cluster)")
+    ex.add_argument("--partition", default=None, help="slurm: the partition to submit to")
     sp.set_defaults(func=_cmd_sweep)
 
     rp = sub.add_parser("report", help="markdown tables and PNG plots from a results directory")
