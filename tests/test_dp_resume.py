@@ -51,10 +51,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out["whole"] = {face: example.train(face, GLOBAL_MICRO, 1, 0, steps=TOTAL_STEPS) for face in FACES}
     example.run(list(FACES), GLOBAL_MICRO, SAVED_STEPS, ACCUMULATION, 60.0, save_to=one)
     out["two"] = _launch(2, [{"key": "1to2", "steps": TOTAL_STEPS, "resume_from": str(one)},
-                             {"key": "fresh", "steps": SAVED_STEPS, "save_to": str(two)}], tmp / "launch2")
+                             {"key": "fresh", "steps": SAVED_STEPS, "save_to": str(two),
+                              "automatic_naming": str(tmp / "project")}], tmp / "launch2")
     # The folders as the 2 ranks left them, before anything else can touch them.
     out["final"] = {face: snapshot(example.checkpoint_dir(two, face)) for face in FACES}
     out["inner"] = example.checkpoint_dir(two, "accelerator").relative_to(two)
+    out["folders"] = {face: str(example.checkpoint_dir(two, face)) for face in FACES}
+    out["project"] = tmp / "project"
+    out["project_final"] = {p.name: snapshot(p) for p in (tmp / "project" / "checkpoints").iterdir()}
     out["three"] = _launch(3, [{"key": "2to3", "steps": TOTAL_STEPS, "resume_from": str(two)}], tmp / "launch3")
     out["2to1"] = example.run(list(FACES), GLOBAL_MICRO, TOTAL_STEPS, ACCUMULATION, 60.0, resume_from=two)
     out["two_ranks_ckpt"] = two
@@ -107,12 +111,29 @@ def test_every_rank_returns_from_a_save_only_once_the_checkpoint_is_whole(runs: 
     final = own(runs["final"][face])
     assert final, face
     for r, result in enumerate(runs["two"]):
-        views = [v for v in result["views"] if v["face"] == face]
+        views = [v for v in result["views"] if v["face"] == face and v["folder"] == runs["folders"][face]]
         assert len(views) == 1, (face, r, views)
         seen = own(views[0]["files"])
         missing, extra = sorted(set(final) - set(seen)), sorted(set(seen) - set(final))
         changed = sorted(k for k in set(final) & set(seen) if final[k] != seen[k])
         assert not (missing or extra or changed), (face, r, missing, extra, changed)
+
+
+def test_every_rank_saving_under_automatic_naming_gets_the_same_whole_folder(runs: dict[str, Any]) -> None:
+    """accelerate's automatic checkpoint naming with total_limit=1, `save_state()` called by both ranks twice:
+    every rank is told the same folder, finds it whole when its call returns (rank 0 arriving late), the
+    rotation leaves exactly the newest folder, and `load_state()` of the newest works on every rank."""
+    root = runs["project"] / "checkpoints"
+    expected = [str(root / f"checkpoint_{i}") for i in range(2)]
+    assert sorted(runs["project_final"]) == ["checkpoint_1"], runs["project_final"].keys()
+    final = runs["project_final"]["checkpoint_1"]
+    assert "model.safetensors" in final and "optimizer.bin" in final, sorted(final)
+    for r, result in enumerate(runs["two"]):
+        auto = result["fresh_auto"]
+        assert auto["paths"] == expected, (r, auto["paths"])
+        assert auto["reloaded_equal"], r
+        last = [v for v in result["views"] if v["folder"] == expected[-1]]
+        assert len(last) == 1 and last[0]["files"] == final, (r, last)
 
 
 @pytest.mark.parametrize("face", FACES)
