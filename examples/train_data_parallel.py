@@ -10,6 +10,14 @@ per-micro-batch losses (of the global batch) and end with the same weights: rank
 micro-batch N*b takes whole. Every row has the same number of label tokens, so the mean of the ranks'
 mean losses is the mean over the global batch (the rule DDP and DeepSpeed average by).
 With --out, each rank writes its losses, pre-clip gradient norms and final weights to OUT/rank{r}.pt.
+
+Checkpoints move between world sizes: --save-to DIR writes each face's state at the end (the DeepSpeed
+face's `save_checkpoint` into DIR, the accelerator face's `save_state` into DIR/accelerator) and
+--resume-from DIR continues it up to --steps, on any number of ranks. Keep the global batch (ranks x
+--micro-batch) the same across the resume, or the continued run trains on another batch size:
+
+    torchrun --nproc-per-node 2 examples/train_data_parallel.py --micro-batch 3 --steps 3 --save-to runs/ck
+    torchrun --nproc-per-node 3 examples/train_data_parallel.py --micro-batch 2 --steps 5 --resume-from runs/ck
 """
 
 from __future__ import annotations
@@ -35,6 +43,25 @@ def build_model(seed: int = 0) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
+def checkpoint_dir(root: Path, face: str) -> Path:
+    """Where a face's checkpoint lives under a --save-to / --resume-from root (DeepSpeed's: the root itself)."""
+    return root if face == "deepspeed" else root / "accelerator"
+
+
+class Progress:
+    """Micro-batches trained so far, saved with the accelerator's state so a resumed run knows where its
+    data continues (Accelerate checkpoints objects registered with `register_for_checkpointing`)."""
+
+    def __init__(self) -> None:
+        self.micro_batches = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"micro_batches": self.micro_batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.micro_batches = int(state["micro_batches"])
+
+
 class Rows(torch.utils.data.Dataset):
     def __init__(self, n: int, seed: int = 1) -> None:
         # Drawn from one pool, so row i is the same whatever n (a resumed run reads the rows that follow).
@@ -55,11 +82,15 @@ def engine_section(watchdog_s: float) -> dict[str, Any]:
 
 def train(face: str, micro: int, world: int, rank: int, steps: int = 3, accumulation: int = 2,
           watchdog_s: float = 60.0, save_to: Path | None = None, resume_from: Path | None = None,
-          backend: str = "megatrain") -> dict[str, Any]:
+          backend: str = "megatrain", leave_out: str | None = None) -> dict[str, Any]:
     """Per-micro-batch losses, per-step pre-clip norms and the final weights of this rank, after `steps`
-    optimizer steps. DeepSpeed face: `save_to` writes a checkpoint at the end; `resume_from` continues one
-    (written with any number of ranks) up to `steps`, and the losses and norms are the resumed part's.
+    optimizer steps. Both faces: `save_to` writes this face's checkpoint (that directory itself) at the end;
+    `resume_from` continues one, written with any number of ranks, up to `steps`, and the losses and norms
+    are the resumed part's. `leave_out` ("optimizer" or "scheduler") resumes without that part of the
+    checkpoint: a broken resume, for the tests' negative control.
     Accelerator face: `backend` may be "zero3" (real DeepSpeed ZeRO-3 offload over the same ranks)."""
+    if leave_out not in (None, "optimizer", "scheduler"):
+        raise ValueError(f"leave_out={leave_out!r}")
     model = build_model(seed=rank)
     n_micro = steps * accumulation
     data = Rows(n_micro * micro * world)
@@ -80,7 +111,8 @@ def train(face: str, micro: int, world: int, rank: int, steps: int = 3, accumula
         engine, _, _, _ = megatrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         assert engine.train_batch_size() == micro * accumulation * world
         if resume_from is not None:
-            engine.load_checkpoint(resume_from)
+            engine.load_checkpoint(resume_from, load_optimizer_states=leave_out != "optimizer",
+                                   load_lr_scheduler_states=leave_out != "scheduler")
         for j in range(engine.global_steps * accumulation, n_micro):
             # Global micro-batch j is rows [j*G, (j+1)*G), G = world*micro; this rank takes its slice.
             start = (j * world + rank) * micro
@@ -106,7 +138,17 @@ def train(face: str, micro: int, world: int, rank: int, steps: int = 3, accumula
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
         loader = torch.utils.data.DataLoader(data, batch_size=micro, shuffle=False)
         model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
-        assert len(loader) == n_micro
+        progress = Progress()
+        acc.register_for_checkpointing(progress)
+        if resume_from is not None:
+            # A fresh run's state, put back after loading to leave that part out (the negative control).
+            fresh = {"optimizer": opt, "scheduler": sched}[leave_out].state_dict() if leave_out else None
+            acc.load_state(resume_from)
+            if leave_out:
+                {"optimizer": opt, "scheduler": sched}[leave_out].load_state_dict(fresh)
+            # skip_first_batches counts this rank's batches: one per global micro-batch, whatever the world.
+            loader = acc.skip_first_batches(loader, progress.micro_batches)
+        assert len(loader) == n_micro - progress.micro_batches
         for batch in loader:
             with acc.accumulate(model):
                 loss = model(**batch).loss
@@ -117,7 +159,11 @@ def train(face: str, micro: int, world: int, rank: int, steps: int = 3, accumula
                 sched.step()
                 opt.zero_grad()
             losses.append(loss.item())
+            progress.micro_batches += 1
         state = acc.get_state_dict(model)
+        if save_to is not None:
+            # Every rank calls it, as Accelerate scripts do; it returns once the folder is whole on all ranks.
+            acc.save_state(save_to)
     else:
         raise ValueError(face)
     return {"losses": losses, "norms": norms, "state": {k: v.detach().clone() for k, v in state.items()}}
@@ -132,11 +178,14 @@ def main() -> None:
     ap.add_argument("--watchdog-s", type=float, default=60.0)
     ap.add_argument("--backend", default="megatrain", choices=["megatrain", "zero3"], help="the accelerator face's")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--save-to", type=Path, default=None, help="DeepSpeed face: checkpoint directory written at the end")
+    ap.add_argument("--save-to", type=Path, default=None,
+                    help="checkpoint root written at the end (DeepSpeed face: the root; accelerator: ROOT/accelerator)")
+    ap.add_argument("--resume-from", type=Path, default=None,
+                    help="continue the checkpoints of a --save-to root (any world size) up to --steps")
     args = ap.parse_args()
     torch.set_num_threads(1)
     results = run(args.faces, args.micro_batch, args.steps, args.accumulation, args.watchdog_s, args.save_to,
-                  args.backend)
+                  args.backend, args.resume_from)
     if int(os.environ.get("RANK", "0")) == 0:
         for face, r in results.items():
             print(face, "losses", " ".join(f"{x:.6f}" for x in r["losses"]))
@@ -146,14 +195,17 @@ def main() -> None:
 
 
 def run(faces: list[str], micro: int, steps: int, accumulation: int, watchdog_s: float,
-        save_to: Path | None = None, backend: str = "megatrain") -> dict[str, Any]:
-    """Train once per face; the losses come back as the global batch's (the mean over the ranks)."""
+        save_to: Path | None = None, backend: str = "megatrain", resume_from: Path | None = None,
+        leave_out: str | None = None) -> dict[str, Any]:
+    """Train once per face; the losses come back as the global batch's (the mean over the ranks).
+    `save_to` / `resume_from` are checkpoint roots holding both faces' checkpoints (`checkpoint_dir`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     results = {}
     for face in faces:
         r = train(face, micro, world, rank, steps, accumulation, watchdog_s,
-                  save_to if face == "deepspeed" else None, backend=backend)
+                  None if save_to is None else checkpoint_dir(save_to, face),
+                  None if resume_from is None else checkpoint_dir(resume_from, face), backend, leave_out)
         if world > 1:
             losses = torch.tensor(r["losses"], dtype=torch.float64)
             torch.distributed.all_reduce(losses)

@@ -40,7 +40,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from .backend import Backend, MegatrainBackend
 from .config import EngineConfig
 from .engine.distributed import launch_env
-from .project import latest_dir, make_project_config, save_dir
+from .project import latest_dir, make_project_config, save_dir, state_dir
 from .tracking import make_trackers
 
 BACKENDS = ("megatrain", "zero3", "zero3-alst", "torch")
@@ -879,10 +879,13 @@ class Accelerator:
         `<project_dir>/checkpoints/checkpoint_<iteration>` and old ones beyond `total_limit` are deleted.
         Returns the folder written.
         """
-        # A shared host store's optimizer state is sharded: every rank adds its share to the main process's save.
+        # Every rank names the folder (and refuses a call without one) before any rank waits for another: the
+        # others return the folder the main process writes, as accelerate's save_state does on every rank. A
+        # shared host store's optimizer state is sharded: every rank adds its share to the main process's save.
+        name = state_dir(output_dir, self.project_configuration)
         if self._replicated_writer_only(lambda: self.backend.save_state(None)):
             self.project_configuration.iteration += 1
-            return str(output_dir) if output_dir is not None else ""
+            return str(name)
         d = save_dir(output_dir, self.project_configuration)
         d.mkdir(parents=True, exist_ok=True)
         self.backend.save_state(d)

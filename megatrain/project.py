@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-__all__ = ["make_project_config", "save_dir", "latest_dir"]
+__all__ = ["make_project_config", "state_dir", "save_dir", "latest_dir"]
 
 
 def make_project_config(project_dir: str | os.PathLike | None, project_config: Any) -> Any:
@@ -47,21 +47,28 @@ def _checkpoints_root(project_config: Any) -> Path:
     return Path(project_config.project_dir) / "checkpoints"
 
 
-def save_dir(output_dir: str | os.PathLike | None, project_config: Any) -> Path:
-    """The folder `save_state(output_dir)` writes (made, and old ones rotated out, under automatic naming)."""
+def state_dir(output_dir: str | os.PathLike | None, project_config: Any) -> Path:
+    """The folder `save_state(output_dir)` writes, named without touching the disk (every rank can ask)."""
     if not project_config.automatic_checkpoint_naming:
         if output_dir is None:
             raise ValueError("save_state() needs an output_dir (or ProjectConfiguration(automatic_checkpoint_naming="
                              "True, project_dir=...))")
         return Path(output_dir)
-    root = _checkpoints_root(project_config)
+    return _checkpoints_root(project_config) / f"checkpoint_{project_config.iteration}"
+
+
+def save_dir(output_dir: str | os.PathLike | None, project_config: Any) -> Path:
+    """The folder `save_state(output_dir)` writes (made, and old ones rotated out, under automatic naming)."""
+    out = state_dir(output_dir, project_config)
+    if not project_config.automatic_checkpoint_naming:
+        return out
+    root = out.parent
     root.mkdir(parents=True, exist_ok=True)
     folders = sorted((str(p) for p in root.iterdir()), key=_number)
     limit = project_config.total_limit
     if limit is not None and len(folders) + 1 > limit:
         for folder in folders[: len(folders) + 1 - limit]:
             shutil.rmtree(folder)
-    out = root / f"checkpoint_{project_config.iteration}"
     if out.exists():
         raise ValueError(f"checkpoint directory {out} ({project_config.iteration}) already exists; set "
                          "project_config.iteration to the iteration to continue from")

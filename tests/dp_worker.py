@@ -48,7 +48,6 @@ def main() -> None:
     if fault != "none" and rank == 1:
         inject_fault(fault, out)
     from megatrain.engine.distributed import DataParallel
-
     from megatrain.engine.node_store import NodeStore
 
     # Count the shared host store's reductions: the parity below is then known to be that path's.

@@ -3,6 +3,7 @@ proportional set size (PSS: shared pages split between the processes mapping the
 to what the machine holds for them; RSS would count the node's shared store once per rank).
 
 Run as `python tests/host_memory_worker.py OUT_DIR DATA_PARALLEL_HOST` (alone, or with torchrun's variables).
+LAYERS in the environment: the model's depth (default 32).
 """
 
 from __future__ import annotations
@@ -14,14 +15,6 @@ from pathlib import Path
 
 import torch
 import transformers
-
-
-def proc_kib(field: str, pid: int | str = "self") -> int:
-    """A field of /proc/PID/smaps_rollup (Pss, Rss, ...), in KiB."""
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 def main() -> None:
@@ -48,8 +41,14 @@ def main() -> None:
     engine.engine.synchronize()
     if engine.world_size > 1:
         torch.distributed.barrier()  # every rank's store is whole before anyone measures
-    report = {"pss_kib": proc_kib("Pss"), "rss_kib": proc_kib("Rss"), "loss": float(loss),
-              "params": sum(p.numel() for p in engine.engine.store.groups() for p in p.params)}
+    from megatrain.metrics.pss import memory_rollup
+
+    mem = memory_rollup()
+    store = engine.engine.store
+    adam = sum(t.numel() * t.element_size() for st in engine.optimizer.state.values() for t in st.values()
+               if torch.is_tensor(t) and t.dim() > 0)
+    report = {"pss": mem["Pss"], "rss": mem["Rss"], "state_bytes": store.host_bytes() + adam,
+              "shared": store.ranks_sharing > 1}
     (out / f"mem{rank}.json").write_text(json.dumps(report))
     if engine.world_size > 1:
         torch.distributed.barrier()  # no rank unmaps the shared store while another still measures
