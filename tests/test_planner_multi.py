@@ -180,3 +180,16 @@ def test_node_fields_are_validated():
     with pytest.raises(ValueError, match="whole number"):
         get_hardware({**entry, "name": "x", "gpus_per_node": {"value": 2.5, "source": "assumption"}})
     assert get_hardware("rtx4090").gpus_per_node == 1 and get_hardware("rtx4090").network_gbs is None
+
+
+def test_host_modes_without_a_shared_store_count_the_layers_per_rank():
+    """hilo + optimizer in backward: the engine keeps a private store per rank (data_parallel_host 'auto'), so
+    the planner counts the layers' state once per GPU; the FP32 modes' node holds it once."""
+    mdl = get_preset(MODEL)
+    LP = mdl.num_layers * mdl.layer_params()
+    modes = dict(master="hilo", optimizer_in_backward=True, grad_clip=False)
+    one, two = (plan_multi(MODEL, gpus_per_node=n, **POINT, **modes).host_node_bytes for n in (1, 2))
+    # hilo: bf16 hi + int16 lo (4 B) + Adam (8 B) per layer parameter, a second time for the second rank
+    assert two - one >= LP * 12
+    fp32_one, fp32_two = (plan_multi(MODEL, gpus_per_node=n, **POINT).host_node_bytes for n in (1, 2))
+    assert fp32_two - fp32_one < LP * 2

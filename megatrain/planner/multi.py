@@ -28,11 +28,14 @@ optimizer running over the rank's own ceil(L / N) layers plus its resident param
                      ranks through host memory after backward: (N - 1) x G x 20 B / host bw (read, add,
                      write back; not overlapped).
   inter-node         the owners of a layer (the same local rank on each node) all-reduce its gradient once per
-                     optimizer step, a ring: 2 (M - 1) / M x 4 B per parameter over the node's network. A
-                     layer's all-reduce starts when the last micro-batch's backward has produced it, so of the
-                     layers' total A only max(N A / L, A - bwd (L - 1) / L) adds to the step (N A / L: the last
-                     layer on its owner's NIC, one of N); the resident parameters' all-reduce comes after
-                     backward and adds in full.
+                     micro-batch (k = grad_accum per step: no rank keeps a layer's local gradients until the
+                     step), a ring: 2 (M - 1) / M x 4 B per parameter over the node's network. A layer's
+                     all-reduce starts when its micro-batch's backward has produced it, so of each micro-batch's
+                     layers' total A only max(N A / L, A - bwd_mb (L - 1) / L) adds to the step, k times (N A / L:
+                     the last layer on its owner's NIC, one of N); the resident parameters' all-reduce comes
+                     after the step's last backward and adds in full.
+The host modes the shared store does not take (hilo / bf16 masters, bf16 slabs, optimizer in backward) keep a
+private store per rank (data_parallel_host 'auto'): the layers' state then counts N times per node.
   job tokens/s = N M tokens_per_step / step;  scaling efficiency = job tokens/s / (N M x one-GPU tokens/s).
 """
 
@@ -197,6 +200,12 @@ def split_host(pl: Plan) -> tuple[dict[str, int], dict[str, int]]:
     return layer, rank
 
 
+def shares_host_store(p: Point) -> bool:
+    """Whether the engine gives this point one host store per node (EngineConfig.share_host_store with
+    data_parallel_host 'auto'): the FP32 host modes only; the others keep a private store per rank."""
+    return p.master == "fp32" and p.host_grad_dtype == "float32" and not p.optimizer_in_backward
+
+
 def transit_bytes(p: Point) -> int:
     return TRANSIT_LAYERS * p.model.layer_params() * 4
 
@@ -206,9 +215,11 @@ def node_memory(pl: Plan, gpus_per_node: int, nodes: int = 1) -> tuple[Memory, d
     side stays one GPU's; on a CPU "device" the other ranks' device allocations come out of host memory."""
     n, hw, mem = gpus_per_node, pl.hardware, pl.memory
     layer, rank = split_host(pl)
+    shared = shares_host_store(pl.point)
+    copies = 1 if shared else n  # a replicated store: every rank holds the layers' state too
     rank["rank runtime"] = int(hw.rank_runtime_gib * GIB)
-    rank["grad transit (data parallel)"] = transit_bytes(pl.point) if n * nodes > 1 else 0
-    host = {k: layer.get(k, 0) + n * rank.get(k, 0) for k in pl.memory.host}
+    rank["grad transit (data parallel)"] = transit_bytes(pl.point) if n * nodes > 1 and shared else 0
+    host = {k: copies * layer.get(k, 0) + n * rank.get(k, 0) for k in pl.memory.host}
     host["runtime"] = layer["runtime"] + (n - 1) * rank["rank runtime"]
     host["grad transit (data parallel)"] = n * rank["grad transit (data parallel)"]
     if mem.unified and n > 1:
@@ -219,7 +230,7 @@ def node_memory(pl: Plan, gpus_per_node: int, nodes: int = 1) -> tuple[Memory, d
         m = pl.point.model
         layer_pinned = _pin_model().pinned_bytes([m.layer_params()] * m.num_layers, 0, pl.point.c, False, 0)[
             "streamed layers"]
-    pinned = layer_pinned + n * (mem.pinned - layer_pinned)
+    pinned = copies * layer_pinned + n * (mem.pinned - layer_pinned)
     return (Memory(host, dict(mem.device), mem.unified, mem.shared, pinned), layer,
             {k: v for k, v in rank.items() if v})
 
@@ -234,10 +245,13 @@ def comm_time(p: Point, hw: Hardware, rank_time: Time, gpus_per_node: int, nodes
         return Comm(intra, 0.0, 0.0, 0.0, 0)
     ring = 2 * (M - 1) / M * 4  # bytes per parameter each node sends
     net = hw.network_gbs * GB
+    # The engine reduces every micro-batch's layer gradients as they leave its backward (no local slab to hold
+    # them until the step): k = grad_accum all-reduces per step, each hidden under its own micro-batch's backward.
+    k = max(1, p.grad_accum)
     layers_s, globals_s = ring * L * PL / net, ring * G / net
-    bwd = rank_time.backward_s  # the last micro-batch's backward, where the final gradients appear
-    exposed = max(n * layers_s / L, layers_s - bwd * (L - 1) / L)
-    return Comm(intra, layers_s, globals_s, exposed, int(ring * (L * PL + G)))
+    bwd = rank_time.backward_s / k  # one micro-batch's backward
+    exposed = k * max(n * layers_s / L, layers_s - bwd * (L - 1) / L)
+    return Comm(intra, k * layers_s, globals_s, exposed, int(ring * (k * L * PL + G)))
 
 
 def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int = 1) -> MultiPlan:
@@ -250,7 +264,8 @@ def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int 
         return MultiPlan(1, 1, single, single, Comm(0.0, 0.0, 0.0, 0.0, 0), layer, {k: v for k, v in rank.items() if v})
     st = single.time
     rhw = rank_hardware(hw, n, st.h2d_bytes / max(1, st.h2d_bytes + st.d2h_bytes))
-    owned = math.ceil(p.model.num_layers / n)  # the rank with the most layers sets the pace
+    # the rank with the most layers sets the pace; a replicated store updates every layer on every rank
+    owned = math.ceil(p.model.num_layers / n) if shares_host_store(p) else p.model.num_layers
     t = megatrain_time(p, rhw, single.long_context.offload, owned_layers=owned)
     comm = comm_time(p, hw, t, n, nodes)  # every rank takes part at once: the whole host's bandwidth
     busy = {**t.busy_s, "host reduce (globals)": comm.intra_globals_s,
