@@ -4,50 +4,28 @@ optimizer state's sharding, the configuration's refusals)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from experiments.host_memory import POINTS, measure
 from megatrain.config import EngineConfig
 from megatrain.engine.node_store import NodeStore, shard_optimizer_state, topology_of
-
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "host_memory_worker.py"
-
-
-def _measure(tmp: Path, ranks: int, host: str) -> dict:
-    out = tmp / f"{ranks}-{host}"
-    out.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, str(WORKER), str(out), host]
-    if ranks > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] + cmd[1:]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    reports = [json.loads((out / f"mem{r}.json").read_text()) for r in range(ranks)]
-    return {"pss": sum(r["pss"] for r in reports), "state": sum(r["state_bytes"] for r in reports),
-            "shared": [r["shared"] for r in reports]}
 
 
 @pytest.mark.slow
 def test_two_ranks_hold_one_host_store_and_replicated_ranks_hold_two(tmp_path):
-    one = _measure(tmp_path, 1, "auto")
-    shared = _measure(tmp_path, 2, "auto")
-    replicated = _measure(tmp_path, 2, "replicated")
-    assert shared["shared"] == [True, True] and replicated["shared"] == [False, False]
-    state = one["state"]  # masters, gradients and Adam state of the whole model: 1.6 GB
+    one, shared, replicated = (measure(tmp_path / f"{n}-{host}", n, host) for n, host in POINTS)
+    assert shared["shared"] and not replicated["shared"]
+    state = one["state_bytes"]  # masters, gradients and Adam state of the whole model: 1.6 GB
     # The engine's own count: the ranks' shares add up to one store (plus each rank's resident parameters).
-    assert abs(shared["state"] - state) < 0.01 * state, (shared["state"], state)
+    assert abs(shared["state_bytes"] - state) < 0.01 * state, (shared["state_bytes"], state)
     # Measured: a second rank adds its process (the torch runtime, ~0.3 GB) and layer-sized buffers, ~0.26 of
     # this small store and a vanishing part of a large one; a second private store would add the whole store.
-    extra_shared, extra_replicated = shared["pss"] - one["pss"], replicated["pss"] - one["pss"]
+    extra_shared = shared["pss_bytes"] - one["pss_bytes"]
+    extra_replicated = replicated["pss_bytes"] - one["pss_bytes"]
     assert extra_shared < 0.35 * state, (extra_shared / state, one, shared)
     assert extra_replicated > 0.8 * state, (extra_replicated / state, one, replicated)  # the negative control
 
