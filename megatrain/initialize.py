@@ -785,7 +785,7 @@ class GatheredParameters(contextlib.ContextDecorator):
     def __exit__(self, *exc: Any) -> bool:
         if self._modifier_rank is not None:
             for eng in self._engines:
-                eng.params_written()
+                eng.params_written(self._modifier_rank)
         return False
 
 

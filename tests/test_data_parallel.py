@@ -152,6 +152,20 @@ def test_two_nodes_of_two_ranks_match_one_process(tmp_path):
     _check_parity(results, 4, 1, ["deepspeed"])
 
 
+def test_weights_written_on_one_rank_reach_every_rank(tmp_path):
+    """GatheredParameters(modifier_rank=0) with rank 0 alone writing an embedding row and a layer another rank
+    owns: after the next step every rank holds the same weights, shared or replicated store; without the
+    broadcast (the negative control) the ranks differ."""
+    ranks = Ranks(2, [str(ROOT / "tests" / "dp_gathered_worker.py"), str(tmp_path)], tmp_path)
+    codes = ranks.wait()
+    assert codes == [0, 0], ranks.log(0)[-3000:] + ranks.log(1)[-3000:]
+    a, b = (torch.load(tmp_path / f"gathered{r}.pt") for r in range(2))
+    for host in ("shared", "replicated"):
+        assert all(torch.equal(a[host][k], b[host][k]) for k in a[host]), host
+        assert a[host]["model.embed_tokens.weight"][3].sub(0.5).abs().max() < 0.01  # the write, one step on
+    assert not all(torch.equal(a["control"][k], b["control"][k]) for k in a["control"])
+
+
 def _torchrun(tmp_path: Path, *args: str) -> list[dict]:
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(EXAMPLE), "--micro-batch", "2", "--out", str(tmp_path), *args],

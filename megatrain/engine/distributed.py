@@ -175,6 +175,18 @@ class DataParallel:
         except Exception as exc:
             raise self._fail("broadcasting rank 0's initial weights", exc) from exc
 
+    def broadcast_from(self, store: HostStore, src: int) -> None:
+        """Every rank takes rank `src`'s masters (weights written by hand on one rank). With a shared store the
+        ranks of a node receive into the same memory the same bytes, so that is still one consistent copy."""
+        self.synchronize()
+        try:
+            for g in store.groups():
+                dist.broadcast(g.master, src=src, group=self.group)
+            if self.node is not None:
+                self.node.barrier()
+        except Exception as exc:
+            raise self._fail(f"broadcasting rank {src}'s written weights", exc) from exc
+
     def submit_reduce_to_owner(self, layer: int, grads: torch.Tensor, slab: torch.Tensor | None,
                                after: Sequence[Event]) -> Event:
         """Queue layer `layer`'s reduction into its owner's slab (shared host store) once `after` are done."""

@@ -310,8 +310,11 @@ class Engine:
         out += [(a, group.params[self._global_index(n)]) for a, n in self._aliases.items() if not a.startswith(prefix)]
         return out
 
-    def params_written(self) -> None:
+    def params_written(self, src: int | None = None) -> None:
         """Weights were written by hand through the model object: bring every copy the engine keeps in line.
+
+        Data parallel: `src` is the rank that wrote (GatheredParameters' modifier_rank); every rank calls this
+        and takes that rank's weights, so no rank trains on from weights the others do not have.
 
         A resident parameter written on the device (its copy there is what the model object holds when
         the engine does not compute in FP32 on the CPU) is copied back into its master first.
@@ -326,7 +329,11 @@ class Engine:
                 for dev, master in zip(self._device_globals, self.store.globals.params):
                     if not torch.equal(dev.detach().cpu(), master.detach().to(dev.dtype)):
                         master.copy_(dev.detach())
+        if self.dp is not None and src is not None:
+            self.dp.broadcast_from(self.store, src)  # only `src` wrote: the other ranks take its weights
         self._masters_changed()
+        if self.node is not None:
+            self.dp.node_barrier("waiting for the owners' refreshed layers")
 
     def _make_optimizer(self, optimizer: OptimizerArg, originals: list[nn.Parameter]) -> torch.optim.Optimizer:
         named = self.store.named_parameters(self.parts.layers_prefix)  # the handles the optimizer updates
