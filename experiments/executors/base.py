@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import abc
+import importlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from experiments.spec import Point
+
+INSTALL_HINT = "pip install 'megatrain[cluster]'"
+
+
+def import_optional(module: str, executor: str) -> Any:
+    """The cluster package an executor needs, or an error saying how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ExecutorError(f"--executor {executor} needs the {module} package: {INSTALL_HINT}") from None
 
 # Called with a short status text while points run (the progress bar's postfix).
 Tick = Callable[[str], None]

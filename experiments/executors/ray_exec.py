@@ -13,10 +13,16 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments.executors.base import Executor, ExecutorError, Tick, lost_job_fields, run_point_job
+from experiments.executors.base import (
+    Executor,
+    ExecutorError,
+    Tick,
+    import_optional,
+    lost_job_fields,
+    run_point_job,
+)
 from experiments.spec import Point
 
-INSTALL_HINT = "pip install 'megatrain[cluster]'"
 _HOST_PORT = re.compile(r"^[A-Za-z0-9.\-]+:(\d{1,5})$")
 _CLIENT = re.compile(r"^ray://[A-Za-z0-9.\-]+(:\d{1,5})?$")
 
@@ -33,21 +39,13 @@ def check_address(address: str | None) -> None:
                             "machine belongs to), 'ray://HOST[:PORT]' or HOST:PORT")
 
 
-def _import_ray() -> Any:
-    try:
-        import ray
-    except ImportError:
-        raise ExecutorError(f"--executor ray needs the ray package: {INSTALL_HINT}") from None
-    return ray
-
-
 class RayExecutor(Executor):
     name = "ray"
 
     def __init__(self, address: str | None = None, cluster_cpus: int | None = None,
                  cpus_per_point: float = 1, gpus_per_point: float = 0) -> None:
         check_address(address)
-        self.ray = _import_ray()  # fail before the sweep starts, not after the first preflight
+        self.ray = import_optional("ray", "ray")  # fail before the sweep starts, not after the first preflight
         self.address, self.cluster_cpus = address, cluster_cpus
         self.cpus_per_point, self.gpus_per_point = cpus_per_point, gpus_per_point
 

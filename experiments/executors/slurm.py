@@ -15,10 +15,16 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments.executors.base import Executor, ExecutorError, Tick, lost_job_fields, run_point_job
+from experiments.executors.base import (
+    Executor,
+    ExecutorError,
+    Tick,
+    import_optional,
+    lost_job_fields,
+    run_point_job,
+)
 from experiments.spec import Point
 
-INSTALL_HINT = "pip install 'megatrain[cluster]'"
 # Slurm's limit sits above the point's own timeout_s: the point's runner then stops it and records
 # `timeout` with its last output, and Slurm's kill stays a backstop for a wedged job.
 LIMIT_MARGIN_MIN = 5
@@ -30,20 +36,12 @@ def time_limit_min(pt: Point) -> int:
     return math.ceil(pt.timeout_s / 60) + LIMIT_MARGIN_MIN
 
 
-def _import_submitit() -> Any:
-    try:
-        import submitit
-    except ImportError:
-        raise ExecutorError(f"--executor slurm needs the submitit package: {INSTALL_HINT}") from None
-    return submitit
-
-
 class SlurmExecutor(Executor):
     name = "slurm"
 
     def __init__(self, partition: str | None = None, cpus_per_point: int = 1, gpus_per_point: int = 0,
                  cluster: str = "slurm") -> None:
-        self.submitit = _import_submitit()
+        self.submitit = import_optional("submitit", "slurm")
         if cluster == "slurm" and shutil.which("sbatch") is None:
             raise ExecutorError("--executor slurm: no Slurm here (sbatch not found); run the sweep from a "
                                 "machine that submits Slurm jobs")

@@ -168,26 +168,18 @@ def profile_from_dict(name: str, entry: dict[str, Any], shared_sources: dict[str
                 continue
             raise ValueError(f"hardware profile {name!r} lacks {key!r}")
         item = entry[key]
-        if not isinstance(item, dict) or "value" not in item or not item.get("source"):
-            raise ValueError(f"hardware profile {name!r}: {key} must be {{value: N, source: ...}} (got {item!r})")
-        value = float(item["value"])
+        value = _sourced(name, key, item, shared_sources, sources)
         if not value > 0:
             raise ValueError(f"hardware profile {name!r}: {key}={value} must be > 0")
         values[key] = value
-        src = str(item["source"])
-        sources[key] = shared_sources.get(src, src)
     for key in OVERHEAD_FIELDS:
         if key not in entry:
             continue
         item = entry[key]
-        if not isinstance(item, dict) or "value" not in item or not item.get("source"):
-            raise ValueError(f"hardware profile {name!r}: {key} must be {{value: N, source: ...}} (got {item!r})")
-        value = float(item["value"])
+        value = _sourced(name, key, item, shared_sources, sources)
         if not value >= 0:
             raise ValueError(f"hardware profile {name!r}: {key}={value} must be >= 0")
         values[key] = value
-        src = str(item["source"])
-        sources[key] = shared_sources.get(src, src)
     values.update(_node_fields(name, entry, shared_sources, sources))
     return Hardware(
         name=name,
@@ -199,6 +191,15 @@ def profile_from_dict(name: str, entry: dict[str, Any], shared_sources: dict[str
     )
 
 
+def _sourced(name: str, key: str, item: Any, shared_sources: dict[str, str], sources: dict[str, str]) -> float:
+    """The value of one `{value: N, source: ...}` field (its source recorded in `sources`)."""
+    if not isinstance(item, dict) or "value" not in item or not item.get("source"):
+        raise ValueError(f"hardware profile {name!r}: {key} must be {{value: N, source: ...}} (got {item!r})")
+    src = str(item["source"])
+    sources[key] = shared_sources.get(src, src)
+    return float(item["value"])
+
+
 def _node_fields(name: str, entry: dict[str, Any], shared_sources: dict[str, str],
                  sources: dict[str, str]) -> dict[str, Any]:
     """The optional multi-GPU node fields of one entry, validated; sources are recorded in `sources`."""
@@ -207,9 +208,7 @@ def _node_fields(name: str, entry: dict[str, Any], shared_sources: dict[str, str
         if key not in entry:
             continue
         item = entry[key]
-        if not isinstance(item, dict) or "value" not in item or not item.get("source"):
-            raise ValueError(f"hardware profile {name!r}: {key} must be {{value: N, source: ...}} (got {item!r})")
-        value = float(item["value"])
+        value = _sourced(name, key, item, shared_sources, sources)
         if key in NODE_INT_FIELDS:
             if value != int(value) or value < 1:
                 raise ValueError(f"hardware profile {name!r}: {key}={item['value']!r} must be a whole number >= 1")
@@ -218,8 +217,6 @@ def _node_fields(name: str, entry: dict[str, Any], shared_sources: dict[str, str
             if not value > 0:
                 raise ValueError(f"hardware profile {name!r}: {key}={value} must be > 0")
             out[key] = value
-        src = str(item["source"])
-        sources[key] = shared_sources.get(src, src)
     if out.get("gpus_per_host_link", 1) > out.get("gpus_per_node", 1):
         raise ValueError(f"hardware profile {name!r}: gpus_per_host_link={out['gpus_per_host_link']} exceeds "
                          f"gpus_per_node={out.get('gpus_per_node', 1)}")
