@@ -50,17 +50,23 @@ def main() -> None:
     from megatrain.engine.distributed import DataParallel
     from megatrain.engine.node_store import NodeStore
 
-    # Count the shared host store's reductions: the parity below is then known to be that path's.
-    reduce_to_owner, reductions = NodeStore.reduce_to_owner, [0]
+    # Count the shared host store's reductions and (optimizer_overlap) layer-update tokens: the parity below is
+    # then known to be these paths'.
+    originals = {name: getattr(NodeStore, name) for name in ("reduce_to_owner", "publish")}
+    counts = dict.fromkeys(originals, 0)
 
-    def counted(self, *a):
-        reductions[0] += 1
-        return reduce_to_owner(self, *a)
+    def counting(name: str):
+        def call(self, *a):
+            counts[name] += 1
+            return originals[name](self, *a)
+        return call
 
-    NodeStore.reduce_to_owner = counted
+    for name in originals:
+        setattr(NodeStore, name, counting(name))
     results = example.run(args["faces"], args["micro"], args["steps"], args["accumulation"], args["watchdog_s"])
-    results["owner_reductions"] = reductions[0]
-    NodeStore.reduce_to_owner = reduce_to_owner
+    results["owner_reductions"], results["update_tokens"] = counts["reduce_to_owner"], counts["publish"]
+    for name, fn in originals.items():
+        setattr(NodeStore, name, fn)
     if args.get("every_sync"):
         from megatrain.backend import MegatrainBackend
 
@@ -69,9 +75,24 @@ def main() -> None:
         results["every_sync"] = example.run(["accelerator"], args["micro"], args["steps"], args["accumulation"],
                                             args["watchdog_s"])["accelerator"]
         MegatrainBackend.backward = backward
-    if args.get("control") == "skip_average":
-        from megatrain.engine.node_store import NodeStore
+    if args.get("slow_updates"):
+        # The layer updates (a layer's owner, on its optimizer thread) take longer than the other ranks' next
+        # forward needs to reach the layer: with the tokens the result is unchanged; without them (the negative
+        # control) the others load the layer before its owner has written it.
+        step = torch.optim.AdamW.step
 
+        def slow_step(self, *a, **k):
+            time.sleep(0.3)
+            return step(self, *a, **k)
+
+        torch.optim.AdamW.step = slow_step
+        results["slow_updates"] = example.run(["deepspeed"], args["micro"], args["steps"], args["accumulation"],
+                                              args["watchdog_s"])["deepspeed"]
+        NodeStore.publish = lambda self, layer: None
+        results["slow_no_tokens"] = example.run(["deepspeed"], args["micro"], args["steps"], args["accumulation"],
+                                                args["watchdog_s"])["deepspeed"]
+        torch.optim.AdamW.step = step
+    if args.get("control") == "skip_average":
         DataParallel.average_ = lambda self, grad: None
         # The shared host store's reduction: the owner adds its own gradients only.
         def own_only(self, layer, grads, slab) -> int:

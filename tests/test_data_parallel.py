@@ -126,17 +126,26 @@ def test_three_ranks_match_one_process_and_negative_control(tmp_path):
     """3 gloo ranks x micro-batch 1 == 1 process x micro-batch 3, also when every micro-batch's backward averages;
     with the averaging skipped (the negative control) the same comparison fails by far more than the tolerance."""
     args = {"faces": ["deepspeed", "accelerator"], "micro": 1, "steps": 3, "accumulation": 2, "watchdog_s": 120.0,
-            "every_sync": True, "control": "skip_average"}
+            "every_sync": True, "control": "skip_average", "slow_updates": True}
     ranks = Ranks(3, [str(WORKER), str(tmp_path), json.dumps(args)], tmp_path)
     codes = ranks.wait()
     assert codes == [0, 0, 0], ranks.log(0)[-3000:]
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
     # One host store for the node: every layer's gradients went to its owner, each backward (2 layers x 12).
     assert all(res["owner_reductions"] == 2 * 12 for res in results), [res["owner_reductions"] for res in results]
+    # The DeepSpeed face overlaps the layer updates (optimizer_overlap): one token per layer per step tells the
+    # other ranks a layer's owner has updated it (2 layers x 3 steps); the Accelerator face does not overlap.
+    assert all(res["update_tokens"] == 2 * 3 for res in results), [res["update_tokens"] for res in results]
     _check_parity(results, 3, 1, ["deepspeed", "accelerator", "every_sync"])
     ref = _example().train("deepspeed", 3, 1, 0)
     gaps = _gaps(ref, results[0]["control"])
     assert gaps["params"] > 100 * TOL and gaps["norms"] > 100 * TOL, gaps
+    # Owners slower than the others' next forward: still exact, as the layer-update tokens hold the loads back;
+    # without the tokens some rank trains on a layer its owner has not written yet.
+    for r in range(3):
+        gaps = _gaps(ref, results[r]["slow_updates"])
+        assert max(gaps.values()) <= TOL, (r, gaps)
+    assert max(max(_gaps(ref, results[r]["slow_no_tokens"]).values()) for r in range(3)) > 100 * TOL
 
 
 def test_two_nodes_of_two_ranks_match_one_process(tmp_path):

@@ -114,6 +114,8 @@ class DataParallel:
         self.node: NodeStore | None = None  # the shared host store's node, once share_host_store() made it
         # `trace`: the engine's, once it has one (it may set `stream.trace` later).
         self.stream = CopyStream("allreduce", torch.device("cpu"), trace or Trace(False), None, watchdog_s)
+        # Shared store with optimizer_overlap: the per-layer "updated" tokens, on a thread (and group) of their own.
+        self.updates = CopyStream("layer-updates", torch.device("cpu"), trace or Trace(False), None, watchdog_s)
         # After one failed collective the group is unusable: later averages fail at once with the first
         # error instead of each waiting out its own timeout.
         self.broken: DataParallelError | None = None
@@ -202,6 +204,26 @@ class DataParallel:
                 raise self.broken from exc
 
         return self.stream.submit(job, after, "gradient reduce to the layer's owner", layer)
+
+    def submit_publish(self, layer: int, updated: Event) -> Event:
+        """Queue layer `layer`'s "updated" token from its owner to the node's ranks (after `updated`, the owner's
+        update job; a no-op elsewhere); the returned event is when this rank may load the layer again."""
+        node = self.node
+
+        def job() -> int:
+            try:
+                node.publish(layer)
+            except Exception as exc:
+                raise self._fail(f"waiting for layer {layer}'s update by rank {node.owner_rank(layer)}", exc) from exc
+            return 0
+
+        return self.updates.submit(job, (updated,), "layer update token", layer)
+
+    def synchronize_updates(self) -> None:
+        try:
+            self.updates.synchronize()
+        except RuntimeError as exc:
+            raise self._fail("waiting for the other ranks' layer updates", exc) from exc
 
     def sum_across_node(self, value: float) -> float:
         """The sum of `value` over the node's ranks (each holds its owned layers' part of a norm)."""

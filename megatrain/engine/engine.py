@@ -118,7 +118,7 @@ class Engine:
             torch.cuda.set_device(self.device)  # the streams' waits act on the current device's stream
         self.trace_log = Trace(config.trace, self.device)
         if self.dp is not None:
-            self.dp.stream.trace = self.trace_log
+            self.dp.stream.trace = self.dp.updates.trace = self.trace_log
         # Several ranks on a node: one host store for all of them (engine/node_store.py), unless configured off.
         self.node = self.dp.share_host_store() if self.dp is not None and config.share_host_store else None
         self.compute_dtype = torch.bfloat16 if config.compute_dtype == "bfloat16" else torch.float32
@@ -610,6 +610,8 @@ class Engine:
         self.pipeline.synchronize_grads()
         if self._layered is not None:
             self._layered.synchronize()
+        if self.node is not None:
+            self.dp.synchronize_updates()  # the other ranks' layer updates (shared store, optimizer_overlap)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the accumulated gradients (torch's norm-of-norms)."""
@@ -694,13 +696,19 @@ class Engine:
                 self._layered.step(lambda i: layers[i].pack(), self.pipeline.landed)
             self._globals_changed()
             self.pipeline.invalidate()
-            if not self.config.optimizer_overlap or self.node is not None:
+            if self.node is not None and self.config.optimizer_overlap:
+                # Each layer's next load waits for its owner's update, whichever rank that is: the node's ranks
+                # pass a token per layer, in forward order, once the owner's update is done (node_store.py).
+                updated = self.pipeline.updated
+                for i in range(len(updated)):
+                    updated[i] = self.dp.submit_publish(i, updated[i])
+            elif not self.config.optimizer_overlap:
                 self._layered.synchronize()  # a per-layer mode without overlap: step() returns with every layer done
         else:
             self.pipeline.synchronize_grads()  # the step reads every slab, whatever the knobs
             self.optimizer.step()
             self._masters_changed()
-        if self.node is not None:
+        if self.node is not None and not (self._layered is not None and self.config.optimizer_overlap):
             # The owners wrote their layers in the node's shared store: nobody loads one before all are written.
             self.dp.node_barrier("waiting for the other ranks' layer updates")
         self._stats["optimizer_s"] += time.perf_counter() - t0

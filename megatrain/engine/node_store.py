@@ -81,6 +81,10 @@ class NodeStore:
         self.watchdog_s = watchdog_s
         # Collective: every rank makes every group, in the same order.
         self.node_group, _ = dist.new_subgroups_by_enumeration(nodes, timeout=timeout, backend="gloo")
+        # The "layer updated" tokens run on a thread of their own: a group of their own keeps them from
+        # interleaving with the gradient reductions of the node group.
+        self.update_group, _ = dist.new_subgroups_by_enumeration(nodes, timeout=timeout, backend="gloo")
+        self._token = torch.zeros(1, dtype=torch.int64)
         self.cross_group = None
         if len(nodes) > 1:
             cross = [[n[j] for n in nodes] for j in range(self.topo.local_world)]
@@ -103,6 +107,12 @@ class NodeStore:
 
     def barrier(self) -> None:
         dist.barrier(group=self.node_group)
+
+    def publish(self, layer: int) -> None:
+        """Every rank of the node, for each layer in the same order: returns once the layer's owner (which calls it
+        after its update) has, so its new weights are in the shared store. A collective through the kernel's
+        sockets: the owner's writes are visible to the others after it, whatever the CPU's memory ordering."""
+        dist.broadcast(self._token, src=self.owner_rank(layer), group=self.update_group)
 
     # -- shared buffers -------------------------------------------------------------------------------
     def buffers(self, specs: Sequence[tuple[int, torch.dtype]], what: str) -> list[torch.Tensor]:
