@@ -35,7 +35,19 @@ def phase(host: str, rank: int) -> dict[str, torch.Tensor]:
                     with torch.no_grad():
                         embed[3].fill_(0.5)
                         q.mul_(2.0)
-    return {k: v.clone() for k, v in engine.module.state_dict().items()}
+    out = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    if host == "shared":
+        # Saving is collective; rank 0's state is whole (Adam state for every parameter), another rank's is its
+        # share, marked, and refused on load.
+        sd = engine.optimizer.state_dict()
+        refused = False
+        if rank != 0:
+            try:
+                engine.optimizer.load_state_dict(sd)
+            except ValueError:
+                refused = True
+        out["_optimizer"] = {"states": len(sd["state"]), "params": len(list(model.parameters())), "refused": refused}
+    return out
 
 
 def main() -> None:
@@ -45,8 +57,10 @@ def main() -> None:
     from megatrain.engine.distributed import DataParallel
 
     results = {"shared": phase("shared", rank), "replicated": phase("replicated", rank)}
+    results["optimizer"] = results["shared"].pop("_optimizer")
     DataParallel.broadcast_from = lambda self, store, src: None
     results["control"] = phase("shared", rank)
+    results["control"].pop("_optimizer")
     torch.save(results, out / f"gathered{rank}.pt")
 
 

@@ -173,6 +173,10 @@ def test_weights_written_on_one_rank_reach_every_rank(tmp_path):
         assert all(torch.equal(a[host][k], b[host][k]) for k in a[host]), host
         assert a[host]["model.embed_tokens.weight"][3].sub(0.5).abs().max() < 0.01  # the write, one step on
     assert not all(torch.equal(a["control"][k], b["control"][k]) for k in a["control"])
+    # The sharded optimizer state: whole in rank 0's state_dict, rank 1's share refused on load.
+    whole, share = a["optimizer"], b["optimizer"]
+    assert whole["states"] == whole["params"] and not whole["refused"], whole
+    assert share["states"] < share["params"] and share["refused"], share
 
 
 def _torchrun(tmp_path: Path, *args: str) -> list[dict]:

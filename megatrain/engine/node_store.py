@@ -38,6 +38,7 @@ from .pin_model import mapped_bytes
 from .pinned import host_buffer
 
 SHM_DIR = "/dev/shm"
+SHARD_KEY = "megatrain_shard_of_rank"  # in an optimizer state_dict taken on a rank other than 0: partial
 
 
 class Topology(NamedTuple):
@@ -192,20 +193,27 @@ class NodeStore:
 # -- optimizer state: sharded by the layers' owners, whole in every state_dict ------------------------------
 def shard_optimizer_state(optimizer: torch.optim.Optimizer, foreign: set[int], group: dist.ProcessGroup,
                           before: Callable[[], None]) -> None:
-    """Make `optimizer.state_dict()` whole and `load_state_dict` keep only this rank's share.
+    """Make rank 0's `optimizer.state_dict()` whole and `load_state_dict` keep only this rank's share.
 
     `foreign`: ids of the parameters whose layers other ranks own (they never get a gradient here, so torch
-    creates no state for them). state_dict() becomes collective: every rank adds the state of the layers it
-    owns, and every rank returns the same whole dict, which loads on any number of ranks. `before` runs first
-    (the engine's wait for queued collectives: the group is shared with its reduction thread).
+    creates no state for them). state_dict() becomes collective: every rank sends the state of the layers it
+    owns to rank 0 (to rank 0 only: a whole copy on every rank would multiply the optimizer's host bytes by
+    the ranks at every save), whose dict is whole and loads on any number of ranks. The other ranks' dicts
+    hold their own share under SHARD_KEY, and loading one is refused: it would silently drop the rest.
+    `before` runs first (the engine's wait for queued collectives: the group is shared with its reduction
+    thread).
     """
+    rank = dist.get_rank()
 
     def whole(opt: torch.optim.Optimizer, sd: dict) -> dict:
         before()
         params = [p for g in opt.param_groups for p in g["params"]]
         mine = {i: st for i, st in sd["state"].items() if id(params[i]) not in foreign}
-        parts: list[dict | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, mine, group=group)
+        parts: list[dict | None] | None = [None] * dist.get_world_size(group) if rank == 0 else None
+        dist.gather_object(mine, parts, dst=0, group=group)
+        if rank != 0:
+            sd[SHARD_KEY] = rank
+            return sd
         state: dict = {}
         for part in parts:
             for i, st in part.items():
@@ -213,9 +221,16 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, foreign: set[int], g
         sd["state"] = dict(sorted(state.items()))
         return sd
 
+    def refuse_shard(opt: torch.optim.Optimizer, sd: dict) -> None:
+        if SHARD_KEY in sd:
+            raise ValueError(f"this optimizer state was taken on data-parallel rank {sd[SHARD_KEY]} and holds only the "
+                             "layers that rank owns; rank 0's optimizer.state_dict() is the whole state (save from "
+                             "rank 0, as the checkpoint methods do)")
+
     def keep_mine(opt: torch.optim.Optimizer) -> None:
         for p in [p for g in opt.param_groups for p in g["params"] if id(p) in foreign]:
             opt.state.pop(p, None)  # the owner's copy is the one that trains
 
     optimizer.register_state_dict_post_hook(whole)
+    optimizer.register_load_state_dict_pre_hook(refuse_shard)
     optimizer.register_load_state_dict_post_hook(keep_mine)
