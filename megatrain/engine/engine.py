@@ -159,6 +159,8 @@ class Engine:
         self.store = HostStore(layer_shapes, [(n, p.shape) for n, p in global_named], pin,
                                torch.bfloat16 if self.compute_dtype == torch.bfloat16 else None,
                                config.master_mode, config.grad_slab, self.node)
+        if self.node is not None:
+            self.node.make_staging(max(g.numel for g in self.store.layers))
         if config.bf16_rounding == "stochastic":
             for i, g in enumerate(self.store.layers):
                 g.rounding = torch.Generator().manual_seed(0x5EED + i)  # one stream per layer: runs repeat exactly

@@ -8,7 +8,7 @@ copies of the masters, gradients and Adam state (16 B/param each); here the node
   mapped by every rank of the node, and unlinked as soon as all have mapped them: the memory goes back to the
   system when the last rank exits, whatever way it exits.
 - Layer i belongs to the node's rank i % N. Every micro-batch's gradients of layer i are summed into the
-  owner's slab (a gloo `reduce` on the node's group, from a per-rank layer-sized staging buffer), divided by
+  owner's slab (each rank's slot in /dev/shm, a node barrier, the owner adds them: `reduce_to_owner`), divided by
   the world size; with several nodes the owners of layer i (the same local index on every node) all-reduce
   that sum first. No other rank has a slab for the layer.
 - Only the owner's optimizer ever sees a gradient for the layer's parameters (the others' stay None), so
@@ -90,7 +90,8 @@ class NodeStore:
         if len(nodes) > 1:
             cross = [[n[j] for n in nodes] for j in range(self.topo.local_world)]
             self.cross_group, _ = dist.new_subgroups_by_enumeration(cross, timeout=timeout, backend="gloo")
-        self._fp32: torch.Tensor | None = None  # widening buffer for bf16 gradients (the reduction is FP32)
+        self.staging: list[list[torch.Tensor]] = []  # per local rank, two FP32 slots (make_staging)
+        self._slot = 0
 
     # -- ownership ------------------------------------------------------------------------------------
     @property
@@ -173,21 +174,36 @@ class NodeStore:
         return None
 
     # -- gradients ------------------------------------------------------------------------------------
+    def make_staging(self, numel: int) -> None:
+        """Every rank's two FP32 gradient slots of `numel` (the largest layer), in the node's shared memory.
+        Collective: every rank of the node maps every rank's slots."""
+        n = self.topo.local_world
+        bufs = self.buffers([(numel, torch.float32)] * (2 * n), "gradient staging")
+        self.staging = [bufs[2 * r: 2 * r + 2] for r in range(n)]
+
     def reduce_to_owner(self, layer: int, grads: torch.Tensor, slab: torch.Tensor | None) -> int:
         """slab += (sum over every rank's `grads` of `layer`) / world, on the layer's owner (who passes its slab);
-        the others pass None. `grads` (this rank's, flat) may be overwritten. Returns the bytes sent."""
-        t = grads
-        if t.dtype != torch.float32:
-            if self._fp32 is None or self._fp32.numel() < t.numel():
-                self._fp32 = torch.empty(t.numel(), dtype=torch.float32)
-            t = self._fp32[: t.numel()]
-            t.copy_(grads)
-        dist.reduce(t, dst=self.owner_rank(layer), op=dist.ReduceOp.SUM, group=self.node_group)
+        the others pass None. Returns the bytes this rank staged.
+
+        Through shared memory, not a collective's sockets (several times slower than a memory add): every rank
+        writes its gradients into its own slot, a node barrier, then the owner adds the node's slots. Every rank
+        runs these in the same layer order on one thread, two slots in turn, so a slot is written again only
+        after the next layer's barrier, which every rank passes only once the owner has finished reading it.
+        """
+        n = grads.numel()
+        slot = self._slot
+        self._slot ^= 1
+        mine = self.staging[self.topo.local][slot][:n]
+        mine.copy_(grads.reshape(-1))  # widened to FP32 here when the device computes in bf16
+        dist.barrier(group=self.node_group)  # every rank's slot holds this layer (the barrier orders the memory)
         if slab is not None:
+            for r, slots in enumerate(self.staging):
+                if r != self.topo.local:
+                    mine.add_(slots[slot][:n])
             if self.cross_group is not None:
-                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.cross_group)
-            slab.add_(t, alpha=1.0 / self.world)
-        return t.numel() * t.element_size()
+                dist.all_reduce(mine, op=dist.ReduceOp.SUM, group=self.cross_group)
+            slab.add_(mine, alpha=1.0 / self.world)
+        return n * mine.element_size()
 
 
 # -- optimizer state: sharded by the layers' owners, whole in every state_dict ------------------------------
