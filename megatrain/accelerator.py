@@ -247,44 +247,31 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-class _SkipBatchSampler:
-    """A batch sampler without its first `skip` batches: the skipped ones are never loaded."""
+class _Skip:
+    """A batch sampler (its skipped batches are never loaded) or an iterable-dataset loader (they must be
+    produced to be passed over) without its first `skip` batches."""
 
-    def __init__(self, batch_sampler: Any, skip: int) -> None:
-        self.batch_sampler = batch_sampler
+    def __init__(self, inner: Any, skip: int) -> None:
+        self.inner = inner
         self.skip = skip
 
     def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(iter(self.batch_sampler), self.skip, None)
+        return itertools.islice(iter(self.inner), self.skip, None)
 
     def __len__(self) -> int:
-        return max(len(self.batch_sampler) - self.skip, 0)
+        return max(len(self.inner) - self.skip, 0)
 
 
 def _skipping(loader: torch.utils.data.DataLoader, skip: int) -> Any:
     if skip == 0:
         return loader
     if isinstance(loader.dataset, torch.utils.data.IterableDataset) or loader.batch_sampler is None:
-        return _SkipIterable(loader, skip)
+        return _Skip(loader, skip)
     return torch.utils.data.DataLoader(
-        loader.dataset, batch_sampler=_SkipBatchSampler(loader.batch_sampler, skip), collate_fn=loader.collate_fn,
+        loader.dataset, batch_sampler=_Skip(loader.batch_sampler, skip), collate_fn=loader.collate_fn,
         num_workers=loader.num_workers, pin_memory=loader.pin_memory, timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
         generator=loader.generator, persistent_workers=loader.persistent_workers)
-
-
-class _SkipIterable:
-    """An iterable-dataset loader without its first `skip` batches (they must be produced to be passed over)."""
-
-    def __init__(self, loader: Any, skip: int) -> None:
-        self.loader = loader
-        self.skip = skip
-
-    def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(iter(self.loader), self.skip, None)
-
-    def __len__(self) -> int:
-        return max(len(self.loader) - self.skip, 0)
 
 
 class PreparedDataLoader:
@@ -313,9 +300,9 @@ class PreparedDataLoader:
         self.epoch_rng_state: torch.Tensor | None = None
 
     def _generator(self) -> torch.Generator | None:
-        loader = getattr(self.loader, "loader", self.loader)  # through a skipping wrapper
-        sampler = getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None)  # _SkipBatchSampler
-        sampler = getattr(sampler if sampler is not None else loader.batch_sampler, "sampler", None)
+        loader = self.loader.inner if isinstance(self.loader, _Skip) else self.loader
+        batches = getattr(loader, "batch_sampler", None)
+        sampler = getattr(batches.inner if isinstance(batches, _Skip) else batches, "sampler", None)
         gen = getattr(sampler, "generator", None)
         return gen if gen is not None else getattr(loader, "generator", None)
 

@@ -16,11 +16,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+import deepspeed  # noqa: E402,F401 - required: the baseline is real DeepSpeed
 import pytest
 import torch
 from conftest import tiny_model
-
-deepspeed = pytest.importorskip("deepspeed")
 
 from baselines import alst  # noqa: E402
 from megatrain.accelerator import Accelerator  # noqa: E402

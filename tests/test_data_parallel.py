@@ -7,7 +7,6 @@ Every multi-process run is a set of subprocesses with a deadline, so a hang fail
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
@@ -189,7 +188,6 @@ def _torchrun(tmp_path: Path, *args: str) -> list[dict]:
 
 @pytest.mark.deepspeed
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason='needs pip install "megatrain[deepspeed]"')
 def test_zero3_baseline_at_the_same_world_size(tmp_path):
     """Real DeepSpeed ZeRO-3 offload, 2 ranks under torchrun through the same Accelerator and script, lands
     where MegaTrain's one-process run with the doubled micro-batch does."""

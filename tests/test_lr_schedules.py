@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import deepspeed.runtime.lr_schedules as ds  # noqa: E402
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatrain import lr_schedules as mt
-
-ds = pytest.importorskip("deepspeed.runtime.lr_schedules", reason="needs the deepspeed package")
 
 
 def _opt(lrs=(0.1,)) -> torch.optim.Optimizer:

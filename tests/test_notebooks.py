@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import nbclient  # noqa: E402
+import nbformat  # noqa: E402
 import pytest
-
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -193,17 +193,9 @@ class DataParallel:
                                after: Sequence[Event]) -> Event:
         """Queue layer `layer`'s reduction into its owner's slab (shared host store) once `after` are done."""
         node = self.node
-
-        def job() -> int:
-            if self.broken is not None:
-                raise self.broken
-            try:
-                return node.reduce_to_owner(layer, grads, slab)
-            except Exception as exc:
-                self.broken = self._fail(f"reducing the gradients of layer {layer} to its owner", exc)
-                raise self.broken from exc
-
-        return self.stream.submit(job, after, "gradient reduce to the layer's owner", layer)
+        return self._submit(lambda: node.reduce_to_owner(layer, grads, slab), after,
+                            f"reducing the gradients of layer {layer} to its owner",
+                            "gradient reduce to the layer's owner", layer)
 
     def submit_publish(self, layer: int, updated: Event) -> Event:
         """Queue layer `layer`'s "updated" token from its owner to the node's ranks (after `updated`, the owner's
@@ -254,17 +246,28 @@ class DataParallel:
         """
         grad = group.grad
 
+        def average() -> int:
+            self.average_(grad)
+            return grad.numel() * grad.element_size()
+
+        return self._submit(average, after, f"averaging the gradients of {what}", "gradient average across ranks",
+                            layer)
+
+    def _submit(self, work: Callable[[], int], after: Event | Sequence[Event], what: str, label: str,
+                layer: int) -> Event:
+        """Queue a collective on the gradient thread. After one fails the group is unusable: later jobs fail at
+        once with the first error instead of each waiting out its own timeout."""
+
         def job() -> int:
             if self.broken is not None:
                 raise self.broken
             try:
-                self.average_(grad)
+                return work()
             except Exception as exc:
-                self.broken = self._fail(f"averaging the gradients of {what}", exc)
+                self.broken = self._fail(what, exc)
                 raise self.broken from exc
-            return grad.numel() * grad.element_size()
 
-        return self.stream.submit(job, after, "gradient average across ranks", layer)
+        return self.stream.submit(job, after, label, layer)
 
     def synchronize(self) -> None:
         try:

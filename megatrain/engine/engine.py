@@ -683,6 +683,7 @@ class Engine:
         self._bad_in_a_row = 0
         for g in self.store.groups():
             g.link_grads()
+        overlapped = self._layered is not None and self.config.optimizer_overlap
         if self._layered is not None:
             self.pipeline.synchronize_global_grads()  # the globals are updated right away, below
             # Globals now, layers queued in forward order; each layer's load waits for its update.
@@ -698,7 +699,7 @@ class Engine:
                 self._layered.step(lambda i: layers[i].pack(), self.pipeline.landed)
             self._globals_changed()
             self.pipeline.invalidate()
-            if self.node is not None and self.config.optimizer_overlap:
+            if self.node is not None and overlapped:
                 # Each layer's next load waits for its owner's update, whichever rank that is: the node's ranks
                 # pass a token per layer, in forward order, once the owner's update is done (node_store.py).
                 updated = self.pipeline.updated
@@ -710,7 +711,7 @@ class Engine:
             self.pipeline.synchronize_grads()  # the step reads every slab, whatever the knobs
             self.optimizer.step()
             self._masters_changed()
-        if self.node is not None and not (self._layered is not None and self.config.optimizer_overlap):
+        if self.node is not None and not overlapped:
             # The owners wrote their layers in the node's shared store: nobody loads one before all are written.
             self.dp.node_barrier("waiting for the other ranks' layer updates")
         self._stats["optimizer_s"] += time.perf_counter() - t0
