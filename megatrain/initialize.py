@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from . import checkpoint as ckpt
 from .config import EngineConfig
 from .dsconfig import DeepSpeedConfig, parse_config
-from .integrations.fused_head import serve_fused_lm_head
+from .integrations.fused_head import serve_fused_lm_head, trl_head_options
 
 __all__ = ["initialize", "MegaTrainEngine", "DeepSpeedEngine", "init_distributed", "add_config_arguments", "zero",
            "comm"]
@@ -681,8 +681,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         # Trainer / TRL switch HF's checkpointing on (TRL by default). The engine already recomputes each layer
         # from its boundary activation; HF's own checkpoint would recompute again, outside the engine's binding.
         model.gradient_checkpointing_disable()
+    head_options = trl_head_options(model)  # TRL's fused-head patch, before the engine replaces the forward
     eng = Engine(model, config=engine_cfg, optimizer=engine_opt)
-    serve_fused_lm_head(model)
+    serve_fused_lm_head(model, head_options)
     opt = eng.optimizer if has_optimizer else None
 
     if lr_scheduler is not None:

@@ -165,3 +165,86 @@ def test_fused_lm_head_outputs_equal_trls_own(clone):
     # Control: scoring unshifted labels (an off-by-one) is caught by the same comparison.
     wrong = fused_lm_head_forward(engine_like, ids, {"shift_labels": labels, "num_items_in_batch": 17})
     assert (wrong.loss - ref.loss).abs() > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------
+# GRPO at a sampling temperature other than 1: TRL's fused head scores at that temperature, so must the engine
+
+_IGNORE_TEMPERATURE = """
+import sys, dataclasses
+sys.path.insert(0, {examples!r})
+import megatrain.integrations.fused_head as fh
+real = fh.fused_lm_head_forward
+def at_temperature_one(model, input_ids, kwargs, options=fh.FusedHeadOptions()):
+    return real(model, input_ids, kwargs, dataclasses.replace(options, temperature=1.0))
+fh.fused_lm_head_forward = at_temperature_one  # the bug this test exists for: the temperature dropped
+import trl_grpo
+trl_grpo.main(sys.argv[1:])
+"""
+
+
+def test_grpo_at_temperature_0_7_matches_plain_trl(tmp_path):
+    """examples/trl_grpo.py, unchanged, on plain GRPOTrainer and on MegaTrain: the same rewards (same samples)
+    and the same gradient norms; a run whose fused head ignores the temperature is caught by the same check."""
+    def report(name: str, *argv: str, code: str | None = None) -> dict:
+        out = tmp_path / f"{name}.json"
+        args = ["--output_dir", str(tmp_path / name), "--report", str(out), *argv]
+        _run(["-c", code, *args] if code else [str(ROOT / "examples" / "trl_grpo.py"), *args], tmp_path)
+        return json.loads(out.read_text())
+
+    plain = report("plain", "--backend", "torch")
+    mt = report("megatrain")
+    assert mt["engine"] == "MegaTrainEngine" and plain["engine"] != "MegaTrainEngine"
+    assert mt["rewards"] == plain["rewards"]
+    steps = sorted(plain["grad_norms"], key=int)
+    assert len(steps) == 3 and sorted(mt["grad_norms"], key=int) == steps
+    assert all(plain["grad_norms"][s] > 0.1 for s in steps), plain  # every step's update is non-trivial
+    diffs = [abs(mt["grad_norms"][s] - plain["grad_norms"][s]) for s in steps]
+    assert max(diffs) <= TOL * max(plain["grad_norms"].values()), (diffs, plain, mt)
+    assert max(abs(mt["losses"][s] - plain["losses"][s]) for s in steps) <= TOL
+    # Control: the same MegaTrain run with the temperature dropped from the head misses by far more.
+    wrong = report("wrong", code=_IGNORE_TEMPERATURE.format(examples=str(ROOT / "examples")))
+    assert wrong["engine"] == "MegaTrainEngine"
+    assert max(abs(wrong["grad_norms"][s] - plain["grad_norms"][s]) for s in steps) > 100 * TOL
+
+
+def test_fused_head_options_are_read_off_trls_patch_and_honoured(clone):
+    """At temperature 0.7 with every output TRL offers, the engine-served fields equal TRL's own kernel's;
+    the options are read off TRL's patch; an option it does not know is refused by name."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from megatrain.integrations.fused_head import (
+        OPTIONAL_OUTPUTS,
+        FusedHeadOptions,
+        fused_lm_head_forward,
+        trl_head_options,
+    )
+
+    model = tiny_model()
+    ours_model = clone(model)
+    assert trl_head_options(model) == FusedHeadOptions()  # not patched: the defaults
+    outputs = ("log_probs", *OPTIONAL_OUTPUTS)
+    add_fused_lm_head(model, temperature=0.7, outputs=outputs)
+    options = trl_head_options(model)
+    assert options.temperature == 0.7 and options.outputs == outputs and not options.cast_lm_head_to_fp32
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (2, 10), generator=g)
+    ref = model(input_ids=ids, labels=ids, fused_lm_head=True)
+
+    def engine_like(input_ids, return_logits=False, **kw):
+        return ours_model(input_ids=input_ids, **kw)
+
+    ours = fused_lm_head_forward(engine_like, ids, {"labels": ids}, options)
+    for field in ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits"):
+        torch.testing.assert_close(getattr(ours, field), getattr(ref, field), rtol=0, atol=1e-5)
+    assert torch.equal(ours.is_top1.bool(), ref.is_top1.bool())
+    # Control: at temperature 1 the same fields are far off TRL's at 0.7.
+    at_one = fused_lm_head_forward(engine_like, ids, {"labels": ids}, FusedHeadOptions(outputs=outputs))
+    assert (at_one.log_probs - ref.log_probs).abs().max() > 1e-2
+    # An option the served head does not implement is refused, naming it.
+    func = model.forward.__func__
+    smuggled = func.__code__.replace(co_freevars=(*func.__code__.co_freevars[:-1], "top_k"))
+    model.forward = type(model.forward)(type(func)(smuggled, func.__globals__, func.__name__, func.__defaults__,
+                                                   func.__closure__), model)
+    with pytest.raises(NotImplementedError, match="top_k"):
+        trl_head_options(model)
