@@ -248,3 +248,35 @@ def test_fused_head_options_are_read_off_trls_patch_and_honoured(clone):
                                                    func.__closure__), model)
     with pytest.raises(NotImplementedError, match="top_k"):
         trl_head_options(model)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A "megatrain" section never trains on real DeepSpeed, megatrain imported or not (the installed .pth guard)
+
+
+def test_the_installed_guard_is_loaded_at_startup_without_importing_megatrain():
+    code = "import sys; print(sorted(type(f).__name__ for f in sys.meta_path), 'megatrain' in sys.modules)"
+    out = _run(["-c", code], ROOT)
+    assert "_RouteDeepSpeed" in out and out.strip().endswith("False"), out
+    off = subprocess.run([sys.executable, "-c", code], env={**_env(), "MEGATRAIN_DEEPSPEED_GUARD": "0"},
+                         capture_output=True, text=True, timeout=60)
+    assert "_RouteDeepSpeed" not in off.stdout  # control: the switch is honoured, so the check above can fail
+
+
+def test_a_plain_trainer_script_with_a_megatrain_section_trains_on_megatrain(tmp_path):
+    """Nothing of megatrain imported, torchrun-style variables set: before the guard this trained on real
+    DeepSpeed (DeepSpeedEngine) without a word."""
+    from baselines.zero3 import default_extensions_dir
+
+    env = {**_env(), "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", default_extensions_dir())}
+
+    def engine(extra: dict[str, str]) -> dict:
+        r = subprocess.run([sys.executable, str(ROOT / "tests" / "plain_trainer_script.py"), str(tmp_path)],
+                           cwd=tmp_path, env={**env, **extra}, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-4000:]
+        return json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("REPORT "))[7:])
+
+    routed = engine({})
+    assert routed["engine"] == "MegaTrainEngine" and not routed["imported_before"] and len(routed["losses"]) == 2
+    # Control: with the guard switched off the very same script does train on real DeepSpeed.
+    assert engine({"MEGATRAIN_DEEPSPEED_GUARD": "0"})["engine"] == "DeepSpeedEngine"

@@ -9,6 +9,9 @@ a no-op for such a config and transformers' `is_deepspeed_zero3_enabled()` is fa
 partitions nothing: it takes the whole model over itself. It also makes DeepSpeed's config parser refuse a "megatrain" section, so a config
 that reaches real DeepSpeed by any other road (its own `initialize` kept from before the import,
 `init_inference`, a hand-built engine) is an error instead of a run that silently ignores the section.
+
+The script need not import it: an installed megatrain loads it right after the process's first `import deepspeed`
+(`megatrain/_startup.py`, run at start-up by the package's `.pth` file; MEGATRAIN_DEEPSPEED_GUARD=0 opts out).
 """
 
 from __future__ import annotations
