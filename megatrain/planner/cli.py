@@ -275,7 +275,8 @@ def _run_plan(args: argparse.Namespace) -> int:
 def _run_plan_multi(args: argparse.Namespace) -> int:
     """`plan --gpus-per-node N --nodes M`: the node's host memory, one GPU's device memory and the job's speed."""
     from .estimate import _hardware
-    from .multi import max_batch_multi, max_context_multi, node_hardware, plan_point_multi
+    from .multi import node_hardware, plan_point_multi
+    from .search import max_batch_multi, max_context_multi
 
     if getattr(args, "sweep", None):
         raise ValueError("--gpus-per-node/--nodes plan one point; drop them with --sweep")

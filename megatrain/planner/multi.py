@@ -290,18 +290,3 @@ def plan_multi(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
                        gpus_per_host_link)
     return plan_point_multi(p, hw, gpus_per_node, nodes)
 
-
-def max_batch_multi(base: Point, hw: Hardware, gpus_per_node: int, nodes: int) -> int:
-    """Largest micro-batch per rank whose node fits (0 when none does)."""
-    from .search import _largest
-
-    return _largest(lambda b: plan_point_multi(dataclasses.replace(base, batch=b), hw, gpus_per_node, nodes).fits,
-                    1, 1)
-
-
-def max_context_multi(base: Point, hw: Hardware, gpus_per_node: int, nodes: int, granularity: int = 1024) -> int:
-    """Largest context (a multiple of granularity) whose node fits at the point's micro-batch."""
-    from .search import _largest
-
-    return _largest(lambda s: plan_point_multi(dataclasses.replace(base, context=s), hw, gpus_per_node, nodes).fits,
-                    granularity, granularity)
