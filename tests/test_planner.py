@@ -665,7 +665,7 @@ def test_cli_bench_writes_a_profile_plan_can_load(tmp_path, capsys):
 
 
 def test_planner_runs_the_engine_memory_model_without_loading_torch():
-    """The planner shares the engine's memory model (engine/memory_model.py) but must stay a light import:
+    """The planner shares the engine's memory model (costs/memory.py) but must stay a light import:
     planning a point loads neither torch nor transformers."""
     import subprocess
     import sys

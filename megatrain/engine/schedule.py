@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..costs.pinning import STAGING_SLOTS
 from .activations import ActivationStore, HostPool
-from .pin_model import STAGING_SLOTS
 from .store import HostStore
 from .stream import DONE, Event, Streams, Trace
 from .templates import TemplateBank
@@ -79,7 +79,7 @@ class LayerPipeline:
         self.act_pool = HostPool(store.buffer)
         if device.type == "cuda":
             # Gradients land in pinned staging, then a host thread adds them into the FP32 slabs. With several
-            # slots the device's copies run ahead of the host's adds (pin_model.STAGING_SLOTS).
+            # slots the device's copies run ahead of the host's adds (costs/pinning.py, STAGING_SLOTS).
             self._reducer = type(streams.d2h)("host-reduce", torch.device("cpu"), trace, None, streams.watchdog_s)
             self._staging = [store.buffer(self.max_numel, dtype, "gradient staging") for _ in range(STAGING_SLOTS)]
             self._staging_free: list[Event] = [DONE] * STAGING_SLOTS

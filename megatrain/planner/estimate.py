@@ -18,7 +18,9 @@ from typing import Any
 from megatrain.metrics.flops import model_flops_per_step
 from megatrain.models.presets import ModelPreset
 
-from ..modes import GRAD_BYTES, MASTER_BYTES, SHADOW_BYTES, GradSlab, HostMaster
+from ..costs import memory as memory_model
+from ..costs import pinning
+from ..costs.modes import GRAD_BYTES, MASTER_BYTES, SHADOW_BYTES, GradSlab, HostMaster
 from .hardware import GB, GIB, Hardware, _is_bf16, get_hardware
 from .shapes import resolve_model
 from .zero3_model import PassCost, Step, Submodule, decoder_layer_submodules, offload_tuning, run_pass
@@ -403,17 +405,12 @@ def _hardware(hardware: Any, link_gbs: float | None, host_memory_gib: float | No
 
 
 def _pin_model():
-    """The engine's pinning rule (engine/pin_model.py, torch-free)."""
-    from megatrain.engine import pin_model
-
-    return pin_model
+    """The engine's pinning rule (costs/pinning.py, torch-free)."""
+    return pinning
 
 
 def _tiling():
-    """The engine's own long-context memory model (engine/memory_model.py, torch-free): the planner
-    follows the engine's coefficients as they change, without loading the engine."""
-    from megatrain.engine import memory_model
-
+    """The engine's own long-context memory model (costs/memory.py, torch-free)."""
     return memory_model
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from megatrain.costs.modes import HostMaster
 from megatrain.models.presets import PRESETS
-from megatrain.modes import HostMaster
 
 from .estimate import Point, engine_refusal, plan_point, with_point
 from .hardware import Hardware
