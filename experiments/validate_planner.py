@@ -211,8 +211,9 @@ def layer_profile(preset: Any, context: int, hw: Any, threads: int | None, quick
     instead of on isolated GEMMs. Returns (profile, the layer's seconds)."""
     import torch
 
-    from megatrain.planner.estimate import make_point, sustained_from_layer_time
     from megatrain.planner.measure import layer_seconds
+    from megatrain.planner.point import make_point
+    from megatrain.planner.step_time import sustained_from_layer_time
 
     before = torch.get_num_threads()
     if threads:
@@ -460,7 +461,7 @@ def validate_backends(model: str = "small-7m", contexts: tuple[int, ...] = (128,
     from experiments.runner import run_point_subprocess
     from experiments.spec import Point
     from megatrain.planner import bench_cpu, get_hardware, plan
-    from megatrain.planner.estimate import BACKENDS
+    from megatrain.planner.point import BACKENDS
     from megatrain.planner.shapes import resolve_model
 
     unknown = [b for b in backends if b not in BACKENDS]

@@ -418,7 +418,7 @@ def engine_layer_periods(preset: Any, tokens: int, dtype: str = "float32", warmu
 def fit_layer_overhead(preset: Any, tokens: tuple[int, ...], periods: list[tuple[float, float, float]],
                        hw: Any, dtype: str = "float32") -> dict[str, float]:
     """Split measured engine times (engine_layer_periods at several token counts) into one compute rate
-    and fixed costs, on the planner's own compute model (estimate.layer_flops, estimate._head_compute):
+    and fixed costs, on the planner's own compute model (step_time.layer_flops, step_time.head_compute):
         layer forward      = F_fwd(T) / R + elem(T) + o_fwd
         layer backward     = F_bwd(T) / R + 2 elem(T) + o_bwd          (recompute + backward)
         outside the layers = F_head(T) / R + head elem(T) + adds(T) + o_mb   (per micro-batch)
@@ -427,7 +427,8 @@ def fit_layer_overhead(preset: Any, tokens: tuple[int, ...], periods: list[tuple
     (R / the profile's peak), o_fwd, o_bwd, o_mb in seconds and the fit's largest relative residual."""
     import numpy as np
 
-    from .estimate import ATTN_BWD_RATIO, _globals_io, _head_compute, layer_flops, make_point
+    from .point import make_point
+    from .step_time import ATTN_BWD_RATIO, globals_io, head_compute, layer_flops
 
     zero = hw.with_(layer_overhead_fwd_s=0.0, layer_overhead_bwd_s=0.0, microbatch_overhead_s=0.0)
     inf = zero.with_(sustained_fp32=1e30, sustained_bf16=1e30)  # the head's non-FLOP terms alone
@@ -437,9 +438,9 @@ def fit_layer_overhead(preset: Any, tokens: tuple[int, ...], periods: list[tuple
         p = make_point(preset, T, 1, dtype=dtype)
         lin, attn, elem_bytes = layer_flops(p)
         elem = elem_bytes / bw
-        io = _globals_io(p, zero)
-        head_fixed = _head_compute(p, inf, recompute_logits=True) + io.add_s + io.down_s
-        head_flops = (_head_compute(p, zero, recompute_logits=True) - _head_compute(p, inf, True)) * \
+        io = globals_io(p, zero)
+        head_fixed = head_compute(p, inf, recompute_logits=True) + io.add_s + io.down_s
+        head_flops = (head_compute(p, zero, recompute_logits=True) - head_compute(p, inf, True)) * \
             zero.sustained_flops(dtype)
         for row, y in (([lin + attn, 1.0, 0.0, 0.0], pf - elem),
                        ([3 * lin + (1 + ATTN_BWD_RATIO) * attn, 0.0, 1.0, 0.0], pb - 2 * elem),
