@@ -47,7 +47,6 @@ Every assumption is a named constant in those modules or in megatrain/costs/, or
 from .cli import add_bench_parser, add_plan_parser, format_plan, run_sweep
 from .estimate import plan, plan_point, predicted_timeline
 from .hardware import Hardware, HostMemory, get_hardware, host_memory_available, load_profiles
-from .measure import bench, bench_cpu, bench_cuda
 from .memory import (
     LongContext,
     Memory,
@@ -65,7 +64,7 @@ from .step_time import Time, crossover_closed_form, link_crossover_tokens
 
 __all__ = [
     "BACKENDS", "Hardware", "HostMemory", "LongContext", "Memory", "MultiPlan", "Plan", "Point", "Preflight", "Time",
-    "add_bench_parser", "add_plan_parser", "bench", "bench_cpu", "bench_cuda", "check_fit",
+    "add_bench_parser", "add_plan_parser", "check_fit",
     "crossover_closed_form", "device_memory_available", "fits", "format_plan", "get_hardware",
     "host_memory_available", "layer_saved_bytes", "layer_working_set_bytes", "link_crossover_tokens",
     "load_profiles", "long_context_plan", "make_point", "max_batch", "max_context", "plan", "plan_multi", "plan_point",

@@ -434,7 +434,7 @@ def _write_rows(rows: list[dict[str, Any]], out: str | None) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from .measure import bench
+    from ..measure import bench
 
     prof = bench(quick=args.quick, min_time=args.min_time, threads=args.threads)
     raw = prof.pop("raw")
