@@ -8,7 +8,7 @@ own long-context model (megatrain/costs/memory.py, torch-free), so the two agree
     python -m megatrain.planner --model 120b --context 4096 --batch 8 --hardware h200-pcie
 
 What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k = layer buffers):
-  host (megatrain)  the streamed layers by host-memory mode (megatrain/modes.py, what the engine allocates
+  host (megatrain)  the streamed layers by host-memory mode (megatrain/costs/modes.py, what the engine allocates
                     by: master 4 (fp32 / hilo) or 2 (bf16) + grad 4, 2 (bf16) or 0 (optimizer in backward) + Adam
                     m 4 + v 4 + a 2 B bf16 shadow with an fp32 master in bf16 compute), the globals 16 B/param,
                     one layer's FP32 scratch in the non-default modes, + offloaded boundary
@@ -19,11 +19,11 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
                     MLP tile): k layer buffers + embedding/head/norm, boundary activations (all L, or a few
                     in flight when offloaded), the larger of one layer's (tiled) recompute + backward and the
                     chunked-loss workspace; + the runtime's reserve.
-  time              the engine's schedule replayed (costs/pipeline.py's issue order, which engine/schedule.py
-                    runs, on a compute lane and the copy lanes): per layer compute = FLOPs / (peak x sustained) + elementwise bytes /
-                    device bandwidth, attention included (causal, flash backward = 2.5x forward); h2d =
-                    layer bytes / link; d2h = grad bytes / link and the host add (on the d2h worker on a CPU
-                    device, a host thread after the copy on CUDA); fills, drains, the layers still resident
+  time              the engine's schedule replayed (costs/pipeline.py's issue order, the one engine/schedule.py
+                    runs, on a compute lane and the copy lanes): per layer compute = FLOPs / (peak x sustained)
+                    + elementwise bytes / device bandwidth, attention included (causal, flash backward = 2.5x
+                    forward); h2d = layer bytes / link; d2h = grad bytes / link and the host add (on the d2h
+                    worker on a CPU device, a host thread after the copy on CUDA); fills, drains, the layers still resident
                     at the turn and across micro-batches, activation offload; + the embedding/head I/O the
                     engine does per device type (none on a CPU device in FP32: it aliases them; on CUDA the
                     gradients' copy and add on the copy and reduce lanes, after the head) + CPU AdamW

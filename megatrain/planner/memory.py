@@ -161,7 +161,7 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         "adam m": P * 4,
         "adam v": P * 4,
         "bf16 shadow (streams)": L * PL * shadow,  # only layers stream; resident params convert once
-        # pinned slots of the largest layer that gradients land in on CUDA (schedule.py); a CPU device adds
+        # pinned slots of the largest layer that gradients land in on CUDA (engine/schedule.py); a CPU device adds
         # gradients straight into the slabs, or stages them in two buffers with the optimizer in backward
         "pinned grad staging": pin.get("grad staging", 0) if pin else (2 * PL * c if p.optimizer_in_backward else 0),
         # one layer's FP32 master / gradient while the optimizer updates it (store.Scratch)

@@ -1,7 +1,7 @@
 """The host-memory modes side by side for one training point: bytes per parameter, host total, fit,
 exactness, and the largest preset that fits in each mode (`megatrain plan` prints it).
 
-The modes and their bytes are megatrain/modes.py's, the ones the engine allocates by; a mode the engine
+The modes and their bytes are megatrain/costs/modes.py's, the ones the engine allocates by; a mode the engine
 would refuse at this point (e.g. the optimizer in backward with accumulation) is listed with the reason.
 """
 

@@ -20,8 +20,9 @@ class LayerCosts:
     act: float  # one boundary activation over the link (each way), 0 when resident
     grad: float  # gradients device -> host (d2h stream)
     reduce: float  # adding them into the host slab
-    cuda: bool  # CUDA: the add runs on a host thread after the copy, with STAGING_SLOTS (costs/pinning.py) staging slots;
-    #             a CPU device adds on the d2h worker, whose job lasts max(add, rate-limited copy)
+    # CUDA: the add runs on a host thread after the copy, with STAGING_SLOTS (costs/pinning.py) staging slots;
+    # a CPU device adds on the d2h worker, whose job lasts max(add, rate-limited copy)
+    cuda: bool
 
 
 class PipelineSim:

@@ -35,7 +35,7 @@ class Point:
     # what the engine's "auto" plans against (EngineConfig.device_budget_bytes); None = as the engine
     # does: the GPU's memory, no limit on a CPU "device"
     device_budget_bytes: int | None = None
-    # The host-memory modes, as EngineConfig names them (megatrain/modes.py): master = host_master
+    # The host-memory modes, as EngineConfig names them (megatrain/costs/modes.py): master = host_master
     master: str = "fp32"  # fp32 (+ bf16 shadow in bf16 mode), hilo (exact split, no shadow), bf16 (paper's code)
     host_grad_dtype: str = "float32"
     optimizer_in_backward: bool = False  # each layer's AdamW during backward: no layer gradient slab
@@ -122,7 +122,7 @@ def with_point(p: Point, **changes: Any) -> Point:
 
 
 def master_bytes(p: Point) -> tuple[int, int]:
-    """(host master bytes/param, bf16 shadow bytes/param) of the streamed layers (modes.py)."""
+    """(host master bytes/param, bf16 shadow bytes/param) of the streamed layers (costs/modes.py)."""
     master = HostMaster(p.master)
     return MASTER_BYTES[master], (SHADOW_BYTES if master is HostMaster.FP32 and p.c == 2 else 0)
 
