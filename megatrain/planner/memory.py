@@ -121,25 +121,24 @@ def _device_budget(p: Point, hw: Hardware) -> int | None:
 def long_context_plan(p: Point, hw: Hardware) -> LongContext:
     """Run the engine's LongContextPolicy on this point's shapes: the offload/tile choice the engine
     will make for the batch, and its predicted device peak, term by term."""
-    tl = device_model
     m, c, T = p.model, p.c, p.tokens
     dims = layer_dims(m, expanded_kv=not hw.unified_memory and c == 4)
     resident = (p.num_buffers * m.layer_params() + m.embed_params() + m.hidden) * c  # buffers + globals
-    policy = tl.LongContextPolicy(
+    policy = device_model.LongContextPolicy(
         dims=dims, n_layers=m.num_layers, itemsize=c, vocab=m.vocab, loss_chunk=p.loss_chunk_tokens,
         tile_setting=p.mlp_tile_tokens, offload_setting=p.offload_activations, budget=_device_budget(p, hw),
         fixed_bytes=resident, **({} if hw.unified_memory else {"logits_cap": None}))  # GPU: sized from the budget
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "does not fit" is the planner's verdict to give, not a warning
         bp = policy.plan(T)
-    kept = tl.OFFLOAD_IN_FLIGHT if bp.offload else m.num_layers
+    kept = device_model.OFFLOAD_IN_FLIGHT if bp.offload else m.num_layers
     chunk = bp.loss_chunk
     return LongContext(
         offload=bp.offload, tile=bp.tile, kept_boundaries=kept, boundary_bytes=kept * T * m.hidden * c,
-        layer_working_bytes=int(tl.layer_working_bytes(dims, T, bp.tile, c)),
-        loss_workspace_bytes=int(tl.loss_workspace_bytes(T, m.hidden, m.vocab, chunk, c)), loss_chunk=chunk,
+        layer_working_bytes=int(device_model.layer_working_bytes(dims, T, bp.tile, c)),
+        loss_workspace_bytes=int(device_model.loss_workspace_bytes(T, m.hidden, m.vocab, chunk, c)), loss_chunk=chunk,
         resident_weight_bytes=resident, peak_bytes=int(bp.predicted_peak_bytes), budget=policy.budget,
-        headroom=tl.BUDGET_HEADROOM)
+        headroom=device_model.BUDGET_HEADROOM)
 
 
 def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
