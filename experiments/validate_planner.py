@@ -74,8 +74,8 @@ def measure_point(preset: Any, context: int, gbps: float | None, warmup: int, st
 
     from megatrain.config import EngineConfig
     from megatrain.engine import Engine
+    from megatrain.measure import warm_runtime
     from megatrain.metrics.samplers import RssSampler
-    from megatrain.planner.measure import warm_runtime
 
     warm_runtime(preset)
     rss = RssSampler().start()
@@ -148,8 +148,8 @@ def fit_periods_in_child(preset: Any, tokens: tuple[int, ...], threads: int | No
 def _fit_one(job: str) -> int:
     import torch
 
+    from megatrain.measure import engine_layer_periods
     from megatrain.models.presets import ModelPreset
-    from megatrain.planner.measure import engine_layer_periods
 
     d = json.loads(job)
     if d.get("threads"):
@@ -211,8 +211,9 @@ def layer_profile(preset: Any, context: int, hw: Any, threads: int | None, quick
     instead of on isolated GEMMs. Returns (profile, the layer's seconds)."""
     import torch
 
-    from megatrain.planner.estimate import make_point, sustained_from_layer_time
-    from megatrain.planner.measure import layer_seconds
+    from megatrain.measure import layer_seconds
+    from megatrain.planner.point import make_point
+    from megatrain.planner.step_time import sustained_from_layer_time
 
     before = torch.get_num_threads()
     if threads:
@@ -239,7 +240,7 @@ def engine_profile(prof: dict[str, Any], preset: Any, context: int,
     """The bench profile with its fp32 rate and fixed costs fitted (measure.with_engine_overhead) to engine
     periods of this model's layers at other token counts than the validated one: `periods` holds one
     fit_periods_in_child run per pass, pooled here by the median per token count and phase."""
-    from megatrain.planner.measure import with_engine_overhead
+    from megatrain.measure import with_engine_overhead
 
     tokens = overhead_tokens(context)
     pooled = [tuple(statistics.median(run[i][k] for run in periods) for k in range(3)) for i in range(len(tokens))]
@@ -278,7 +279,8 @@ def validate(model: str = "small-7m", context: int = 128, gbps: list[float | Non
     """Measure and predict every link rate; rows in the order given. The engine and the bench run with
     `threads` torch threads (None: torch's default): on a shared 2-core box one thread leaves a core to
     the neighbours, and the bench measures the rate the run gets."""
-    from megatrain.planner import bench_cpu, get_hardware
+    from megatrain.measure import bench_cpu
+    from megatrain.planner import get_hardware
     from megatrain.planner.shapes import resolve_model
 
     preset = resolve_model(model)
@@ -459,8 +461,9 @@ def validate_backends(model: str = "small-7m", contexts: tuple[int, ...] = (128,
 
     from experiments.runner import run_point_subprocess
     from experiments.spec import Point
-    from megatrain.planner import bench_cpu, get_hardware, plan
-    from megatrain.planner.estimate import BACKENDS
+    from megatrain.measure import bench_cpu
+    from megatrain.planner import get_hardware, plan
+    from megatrain.planner.point import BACKENDS
     from megatrain.planner.shapes import resolve_model
 
     unknown = [b for b in backends if b not in BACKENDS]

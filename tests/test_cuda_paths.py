@@ -51,14 +51,14 @@ def test_grouped_heads_are_kept_where_the_kernels_take_them():
 
 
 def test_the_memory_model_counts_expanded_heads():
-    from megatrain.engine.memory_model import KV_EXPANDED_COPIES, LayerDims, layer_working_bytes
+    from megatrain.costs.memory import KV_EXPANDED_COPIES, LayerDims, layer_working_bytes
 
     d = LayerDims(hidden=1024, kv=256, intermediate=2816, numel=10**7)
     e = LayerDims(hidden=1024, kv=256, intermediate=2816, numel=10**7, kv_expanded=768)
     tiled = layer_working_bytes(e, 4096, 512, 4) - layer_working_bytes(d, 4096, 512, 4)
     assert tiled == 4096 * KV_EXPANDED_COPIES * 768 * 4
     # untiled, the attention phase grows by the expanded copies (it may or may not set the peak)
-    from megatrain.engine.memory_model import ATTN_PHASE_H, KV_PER_TOKEN
+    from megatrain.costs.memory import ATTN_PHASE_H, KV_PER_TOKEN
 
     attn = 4096 * (ATTN_PHASE_H * 1024 + KV_PER_TOKEN * 256 + KV_EXPANDED_COPIES * 768) * 4 + 10**7 * 4
     assert layer_working_bytes(e, 4096, None, 4) >= attn
@@ -77,7 +77,7 @@ def test_fp32_grouped_attention_runs_on_the_memory_efficient_kernel():
 
 
 def test_gpu_loss_chunk_is_sized_from_the_budget_not_the_cpu_logits_cap():
-    from megatrain.engine.memory_model import (
+    from megatrain.costs.memory import (
         MAX_DEVICE_LOSS_CHUNK,
         MIN_LOSS_CHUNK,
         auto_loss_chunk,
@@ -95,7 +95,7 @@ def test_gpu_loss_chunk_is_sized_from_the_budget_not_the_cpu_logits_cap():
 
 
 def test_the_planner_follows_the_gpu_loss_chunk():
-    from megatrain.engine.memory_model import MAX_DEVICE_LOSS_CHUNK
+    from megatrain.costs.memory import MAX_DEVICE_LOSS_CHUNK
     from megatrain.planner import plan
 
     gpu = plan("qwen2.5-72b", context=8192, batch=1, hardware="h200-pcie")
@@ -188,8 +188,10 @@ def test_host_labels_and_batch_checks_do_not_sync_the_device():
 
 def test_the_planner_puts_cuda_resident_gradients_on_the_copy_and_reduce_lanes():
     from megatrain.planner import plan
-    from megatrain.planner.estimate import Point, _globals_io, predicted_timeline
+    from megatrain.planner.estimate import predicted_timeline
     from megatrain.planner.hardware import get_hardware
+    from megatrain.planner.point import Point
+    from megatrain.planner.step_time import globals_io as _globals_io
 
     gpu = plan("qwen2.5-7b", context=4096, batch=1, grad_accum=2, hardware="h200-pcie")
     hw = get_hardware("h200-pcie")

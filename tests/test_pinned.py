@@ -1,4 +1,4 @@
-"""Pinned host memory (engine/pinned.py, engine/pin_model.py): exactly the copied buffers are pinned, the
+"""Pinned host memory (engine/pinned.py, costs/pinning.py): exactly the copied buffers are pinned, the
 preflight counts them to the byte, and a failed pin is an error. The CUDA registration is mocked on the CPU
 (the calls are counted); the real path runs where CUDA exists."""
 
@@ -12,8 +12,8 @@ import torch
 from conftest import make_batches, tiny_model
 
 from megatrain.config import EngineConfig
+from megatrain.costs.pinning import PAGE_BYTES, STAGING_SLOTS, mapped_bytes
 from megatrain.engine import Engine, pinned
-from megatrain.engine.pin_model import PAGE_BYTES, STAGING_SLOTS, mapped_bytes
 from megatrain.engine.preflight import pinned_preflight
 from megatrain.engine.schedule import accumulate
 
@@ -173,7 +173,7 @@ def test_cuda_engine_pins_what_the_preflight_predicts():
 
 
 def test_the_planner_counts_pinned_bytes_by_the_engines_rule():
-    from megatrain.engine.pin_model import pinned_bytes
+    from megatrain.costs.pinning import pinned_bytes
     from megatrain.planner import plan
 
     pl = plan("qwen2.5-72b", context=4096, batch=1, hardware="h200-pcie", dtype="bfloat16")

@@ -227,7 +227,7 @@ def test_forward_is_link_bound_below_the_crossover_and_compute_bound_above():
     assert below.time.layer.fwd == below.time.layer.fwd_h2d > below.time.layer.fwd_compute
     assert above.time.layer.fwd == above.time.layer.fwd_compute > above.time.layer.fwd_h2d
     exact = make_point(m, ctx, 1)
-    from megatrain.planner.estimate import _layer_compute
+    from megatrain.planner.step_time import layer_compute as _layer_compute
 
     # a layer's forward = its fixed cost + a part linear in tokens; at n tokens it equals the load
     per_token = (_layer_compute(exact, hw)[0] - hw.layer_overhead_fwd_s) / ctx
@@ -502,8 +502,10 @@ def test_fixed_costs_add_per_layer_per_phase_and_per_micro_batch():
 def test_fit_layer_overhead_recovers_the_rate_and_fixed_costs_it_was_given():
     # periods made by the planner's own model from a known rate and known fixed costs: the engine fit
     # must return them (fixed costs to the microsecond, the rate to 0.1%)
-    from megatrain.planner.estimate import _globals_io, _head_compute, _layer_compute
-    from megatrain.planner.measure import fit_layer_overhead
+    from megatrain.measure import fit_layer_overhead
+    from megatrain.planner.step_time import globals_io as _globals_io
+    from megatrain.planner.step_time import head_compute as _head_compute
+    from megatrain.planner.step_time import layer_compute as _layer_compute
 
     m = get_preset("small-7m")
     true = get_hardware("cpu").with_(sustained_fp32=0.61, layer_overhead_fwd_s=1.7e-3, layer_overhead_bwd_s=4.2e-3,
@@ -638,8 +640,8 @@ def test_cli_sweep_writes_predicted_rows(tmp_path):
 
 
 def test_bench_cpu_quick_returns_a_valid_profile():
+    from megatrain.measure import bench_cpu
     from megatrain.planner.hardware import profile_from_dict
-    from megatrain.planner.measure import bench_cpu
 
     prof = bench_cpu(quick=True, threads=1)
     raw = prof.pop("raw")
@@ -665,7 +667,7 @@ def test_cli_bench_writes_a_profile_plan_can_load(tmp_path, capsys):
 
 
 def test_planner_runs_the_engine_memory_model_without_loading_torch():
-    """The planner shares the engine's memory model (engine/memory_model.py) but must stay a light import:
+    """The planner shares the engine's memory model (costs/memory.py) but must stay a light import:
     planning a point loads neither torch nor transformers."""
     import subprocess
     import sys
@@ -713,8 +715,9 @@ def test_cli_plan_120b_on_h200_lists_the_modes_and_an_exact_one_fits(capsys):
 
 
 def test_mode_table_refuses_what_the_engine_refuses():
-    from megatrain.planner.estimate import _hardware, make_point
+    from megatrain.planner.hardware import resolve_hardware as _hardware
     from megatrain.planner.mode_table import mode_table
+    from megatrain.planner.point import make_point
 
     rows = {r.label: r for r in mode_table(make_point("llama2-7b", 1024, 1, 2, "bfloat16", "megatrain"),
                                             _hardware(H200, None, None, None), search=False)}

@@ -10,7 +10,8 @@ from megatrain.models.presets import get_preset
 from megatrain.planner import get_hardware, plan, plan_multi, preflight
 from megatrain.planner import multi as multi_mod
 from megatrain.planner.cli import main
-from megatrain.planner.estimate import long_context_plan, megatrain_time
+from megatrain.planner.memory import long_context_plan
+from megatrain.planner.step_time import megatrain_time
 
 GIB = 1024**3
 H200 = "h200-pcie"

@@ -1,4 +1,4 @@
-"""The planner's DeepSpeed ZeRO-3/ZeRO-2 offload model (megatrain/planner/zero3_model.py, estimate.zero3_time)
+"""The planner's DeepSpeed ZeRO-3/ZeRO-2 offload model (megatrain/planner/zero3_model.py, step_time.zero3_time)
 and the fit of its constants (experiments/zero3_validate.py)."""
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..config import EngineConfig
+from ..costs.modes import GradSlab, HostMaster
 from ..models.adapter import DecoderParts, find_parts, record_layer_inputs
-from ..modes import GradSlab, HostMaster
 from .activations import ActivationStore
 from .attention import use_segment_attention
 from .batch import check_batch

@@ -33,7 +33,7 @@ class GlobalGradSink:
         self.cuda = streams.device.type == "cuda"
         self.asynchronous = self.cuda if asynchronous is None else asynchronous
         self._reducer: CopyStream | None = getattr(pipeline, "_reducer", None) if self.cuda else None
-        # Pinned once, up front, so the store's pinned bytes match the preflight's from the start (pin_model).
+        # Pinned once, up front, so the store's pinned bytes match the preflight's from the start (costs/pinning.py).
         self._staging: torch.Tensor | None = (
             store.buffer(store.globals.numel, dtype, "resident gradient staging") if self.cuda and self.asynchronous
             else None)

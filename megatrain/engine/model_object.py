@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..modes import HostMaster
+from ..costs.modes import HostMaster
 from .inference import streamed_layers
 
 if TYPE_CHECKING:

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .pin_model import mapped_bytes
+from ..costs.pinning import mapped_bytes
 from .pinned import host_buffer
 
 SHM_DIR = "/dev/shm"

@@ -4,7 +4,7 @@ and registered with CUDA (`cudaHostRegister`) when a DMA copy reads or writes it
 Why not `torch.empty(..., pin_memory=True)`: the caching host allocator rounds every block up to a power of
 two (a 5.4 GB layer slab locks 8 GiB) and keeps freed blocks for reuse, so what is locked is neither what
 the store holds nor what the preflight can count. Here a buffer locks exactly its size rounded up to a
-page (pin_model.mapped_bytes), large buffers ask for transparent huge pages, and registration (the slow
+page (costs/pinning.py, mapped_bytes), large buffers ask for transparent huge pages, and registration (the slow
 part: the kernel faults in and locks every page) runs on several threads at once.
 
 A failed registration is an error naming how much could be pinned: a streamed buffer left pageable would
@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .pin_model import mapped_bytes
+from ..costs.pinning import mapped_bytes
 
 HUGE_PAGE_BYTES = 2 * 2**20  # below this, asking for transparent huge pages gains nothing
 Register = Callable[[int, int], None]  # (address, bytes): raises on failure

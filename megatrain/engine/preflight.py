@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from ..modes import GRAD_BYTES, MASTER_BYTES, GradSlab, HostMaster
-from .pin_model import pinned_bytes
+from ..costs.modes import GRAD_BYTES, MASTER_BYTES, GradSlab, HostMaster
+from ..costs.pinning import pinned_bytes
 
 # Host bytes per parameter, by component (FP32 master + gradient slab + Adam m and v).
 HOST_BYTES_PER_PARAM = {"master": 4, "grad": 4, "adam_m": 4, "adam_v": 4}
@@ -58,7 +58,7 @@ def host_store_bytes(n_params: int, compute_dtype: torch.dtype, n_layer_params: 
 def pinned_preflight(layer_shapes: list[list[tuple[str, torch.Size]]], global_shapes: list[torch.Size],
                      compute_dtype: torch.dtype, staging: bool) -> dict[str, int]:
     """Exactly the bytes the host store (and, with `staging`, the CUDA gradient staging) will pin, by
-    component: the same rule (pin_model.py) the store pins by."""
+    component: the same rule (costs/pinning.py) the store pins by."""
     layer_numels = [sum(torch.Size(s).numel() for _, s in shapes) for shapes in layer_shapes]
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
     return pinned_bytes(layer_numels, sum(torch.Size(s).numel() for s in global_shapes),

@@ -2,6 +2,7 @@
 
 With k device buffers, the copies of the next k-1 layers are in flight while a layer computes. At
 the forward/backward turn the last k layers are still resident, so backward starts without a copy.
+The order of it all is costs/pipeline.py's, which the planner's simulator replays: this module runs each step.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from collections.abc import Callable
 
 import torch
 
+from ..costs import pipeline as order
+from ..costs.pinning import STAGING_SLOTS
 from .activations import ActivationStore, HostPool
-from .pin_model import STAGING_SLOTS
 from .store import HostStore
 from .stream import DONE, Event, Streams, Trace
 from .templates import TemplateBank
@@ -52,7 +54,7 @@ class LayerPipeline:
         self.max_numel = max(g.numel for g in store.layers)
         k = num_buffers
         self.buffers = [torch.empty(self.max_numel, dtype=dtype, device=device) for _ in range(k)]
-        self.resident: list[int | None] = [None] * k
+        self.slots = order.DeviceBuffers(k)  # which layer each buffer holds
         self.loaded: list[Event] = [DONE] * k
         self.freed: list[Event] = [DONE] * k
         # Per layer, the host jobs of the overlapped optimizer (engine/optim.py; DONE otherwise): its update,
@@ -79,7 +81,7 @@ class LayerPipeline:
         self.act_pool = HostPool(store.buffer)
         if device.type == "cuda":
             # Gradients land in pinned staging, then a host thread adds them into the FP32 slabs. With several
-            # slots the device's copies run ahead of the host's adds (pin_model.STAGING_SLOTS).
+            # slots the device's copies run ahead of the host's adds (costs/pinning.py, STAGING_SLOTS).
             self._reducer = type(streams.d2h)("host-reduce", torch.device("cpu"), trace, None, streams.watchdog_s)
             self._staging = [store.buffer(self.max_numel, dtype, "gradient staging") for _ in range(STAGING_SLOTS)]
             self._staging_free: list[Event] = [DONE] * STAGING_SLOTS
@@ -92,7 +94,7 @@ class LayerPipeline:
 
     def invalidate(self) -> None:
         """Masters changed (optimizer step, load): resident copies are stale."""
-        self.resident = [None] * len(self.buffers)
+        self.slots.invalidate()
 
     def plan_batch(self, tokens: int, offload_setting: bool | str) -> bool:
         """Choose this batch's MLP tile; return whether its boundary activations go to host memory."""
@@ -116,10 +118,7 @@ class LayerPipeline:
                 "loss_chunk_tokens": p.loss_chunk if p else 0}
 
     # -- weights in -------------------------------------------------------------------------------
-    def _issue(self, layer: int, window: set[int]) -> None:
-        if layer in self.resident:
-            return
-        slot = next(s for s, r in enumerate(self.resident) if r not in window)
+    def _load(self, layer: int, slot: int) -> None:
         group = self.store.layers[layer]
         src = group.stream_source
         dst = self.buffers[slot][: group.numel]
@@ -129,16 +128,19 @@ class LayerPipeline:
             return src.numel() * src.element_size()
 
         self.loaded[slot] = self.streams.h2d.submit(load, (self.freed[slot], self.updated[layer]), "load", layer)
-        self.resident[slot] = layer
 
-    def acquire(self, order: list[int], n: int, phase: str) -> int:
-        """The device buffer slot holding layer order[n], loaded (prefetching the next ones) and waited for."""
-        window = order[n: n + len(self.buffers)]
-        for layer in window:
-            self._issue(layer, set(window))
-        slot = self.resident.index(order[n])
-        self.streams.wait(self.loaded[slot], f"{phase} of layer {order[n]}")
-        return slot
+    def _weights_step(self, step: order.Step, phase: str) -> None:
+        """Run a LOAD or WAIT step."""
+        if step.op == order.LOAD:
+            self._load(step.layer, step.slot)
+        else:
+            self.streams.wait(self.loaded[step.slot], f"{phase} of layer {step.layer}")
+
+    def acquire(self, layers: list[int], n: int, phase: str) -> int:
+        """The device buffer slot holding layer layers[n], loaded (prefetching the next ones) and waited for."""
+        for step in self.slots.acquire(layers, n):
+            self._weights_step(step, phase)
+        return step.slot
 
     # -- gradients out ----------------------------------------------------------------------------
     def _send_grad(self, layer: int, grads: list[torch.Tensor], after: Event) -> None:
@@ -213,53 +215,67 @@ class LayerPipeline:
     # -- compute ----------------------------------------------------------------------------------
     def forward(self, h: torch.Tensor, layer_inputs: list[tuple[tuple, dict]], acts: ActivationStore | None,
                 phase: str = "fwd") -> torch.Tensor:
-        order = list(range(len(self.store.layers)))
-        for n, i in enumerate(order):
-            slot = self.acquire(order, n, "forward")
-            if acts is not None:
-                acts.put(i, h)
-                if self.preserve_rng:
-                    self._rng[i] = self._rng_state()
-            group = self.store.layers[i]
-            t0 = self.trace.mark()
-            args, kwargs = layer_inputs[i]
-            h = self.templates.call(i, group.views(self.buffers[slot][: group.numel]), h, args, kwargs, self.tile)
-            self.freed[slot] = self.streams.record_compute()
-            self.trace.add_since("compute", phase, i, t0)
+        for step in order.forward_steps(self.slots, len(self.store.layers)):
+            i, slot = step.layer, step.slot
+            if step.op in (order.LOAD, order.WAIT):
+                self._weights_step(step, "forward")
+            elif step.op == order.SAVE_INPUT:
+                if acts is not None:
+                    acts.put(i, h)
+                    if self.preserve_rng:
+                        self._rng[i] = self._rng_state()
+            elif step.op == order.FORWARD:
+                group = self.store.layers[i]
+                t0 = self.trace.mark()
+                args, kwargs = layer_inputs[i]
+                h = self.templates.call(i, group.views(self.buffers[slot][: group.numel]), h, args, kwargs, self.tile)
+                self.freed[slot] = self.streams.record_compute()
+                self.trace.add_since("compute", phase, i, t0)
         return h
 
     def backward(self, g: torch.Tensor, layer_inputs: list[tuple[tuple, dict]], acts: ActivationStore) -> torch.Tensor:
-        order = list(reversed(range(len(self.store.layers))))
-        for n, i in enumerate(order):
-            slot = self.acquire(order, n, "backward")
-            if n + 1 < len(order):
-                acts.prefetch(order[n + 1])
-            x = acts.get(i).detach().requires_grad_(True)
-            group = self.store.layers[i]
-            # Leaves per parameter (not one flat leaf): autograd then returns each weight's gradient
-            # as is, instead of scattering every one into a zero-filled layer-sized tensor.
-            weights = {n: w.detach().requires_grad_(True)
-                       for n, w in group.views(self.buffers[slot][: group.numel]).items()}
-            args, kwargs = layer_inputs[i]
-            t0 = self.trace.mark()
-            with torch.enable_grad(), torch.random.fork_rng(self._rng_devices(), enabled=self.preserve_rng):
-                if self.preserve_rng:
-                    self._set_rng_state(self._rng.pop(i))
-                if self.tile is not None and not args and self.templates.tileable(i):
-                    gx, gw = tiled_vjp(self.templates.of_layer[i], weights, x, kwargs, g, self.tile)
-                else:
-                    y = self.templates.call(i, weights, x, args, kwargs)
-                    gx, *gw = torch.autograd.grad(y, (x, *weights.values()), g)
-                    del y
-            done = self.streams.record_compute()
-            self.freed[slot] = done
-            self.trace.add_since("compute", "bwd", i, t0)
-            self._send_grad(i, gw, done)
-            if self.grad_sent is not None:
-                self.grad_sent(i)
-            acts.drop(i)
-            g = gx
+        for step in order.backward_steps(self.slots, len(self.store.layers)):
+            i = step.layer
+            if step.op in (order.LOAD, order.WAIT):
+                self._weights_step(step, "backward")
+            elif step.op == order.PREFETCH_INPUT:
+                acts.prefetch(i)
+            elif step.op == order.FETCH_INPUT:
+                x = acts.get(i).detach().requires_grad_(True)
+            elif step.op == order.BACKWARD:
+                g, gw, done = self._layer_backward(i, step.slot, x, g, layer_inputs[i])
+            elif step.op == order.SEND_GRAD:
+                self._send_grad(i, gw, done)
+                if self.grad_sent is not None:
+                    self.grad_sent(i)
+            elif step.op == order.DROP_INPUT:
+                acts.drop(i)
         return g
+
+    def _layer_backward(self, i: int, slot: int, x: torch.Tensor, g: torch.Tensor,
+                        inputs: tuple[tuple, dict]) -> tuple[torch.Tensor, list[torch.Tensor], Event]:
+        """Recompute layer i from buffer `slot` and backpropagate g: (input gradient, weight gradients, the
+        event after which the buffer is free)."""
+        group = self.store.layers[i]
+        # Leaves per parameter (not one flat leaf): autograd then returns each weight's gradient
+        # as is, instead of scattering every one into a zero-filled layer-sized tensor.
+        weights = {n: w.detach().requires_grad_(True)
+                   for n, w in group.views(self.buffers[slot][: group.numel]).items()}
+        args, kwargs = inputs
+        t0 = self.trace.mark()
+        with torch.enable_grad(), torch.random.fork_rng(self._rng_devices(), enabled=self.preserve_rng):
+            if self.preserve_rng:
+                self._set_rng_state(self._rng.pop(i))
+            if self.tile is not None and not args and self.templates.tileable(i):
+                gx, gw = tiled_vjp(self.templates.of_layer[i], weights, x, kwargs, g, self.tile)
+            else:
+                y = self.templates.call(i, weights, x, args, kwargs)
+                gx, *gw = torch.autograd.grad(y, (x, *weights.values()), g)
+                del y
+        done = self.streams.record_compute()
+        self.freed[slot] = done
+        self.trace.add_since("compute", "bwd", i, t0)
+        return gx, gw, done
 
     # -- dropout: recompute must draw the same random numbers as the forward ----------------------
     def _rng_devices(self) -> list:

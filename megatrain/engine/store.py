@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..modes import GradSlab, HostMaster
+from ..costs.modes import GradSlab, HostMaster
 from . import hilo
 from .node_store import NodeStore
 from .pinned import Pinner, host_buffer
@@ -189,7 +189,7 @@ class HostStore:
     """All master weights: one FlatGroup per decoder layer, one for the resident (global) parameters.
 
     With `pin` (True: register with CUDA; or a Pinner) exactly the buffers a DMA copy reads are pinned
-    (pin_model.py): each layer's stream source and the resident parameters' masters, which are uploaded
+    (costs/pinning.py): each layer's stream source and the resident parameters' masters, which are uploaded
     after every step. Gradient slabs are written by host threads only (on CUDA gradients land in pinned
     staging first), and an FP32 master behind a bf16 shadow never leaves the host.
     """

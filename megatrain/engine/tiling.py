@@ -31,19 +31,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .attn_tiling import (
-    attention_module_tileable,
-    attention_tileable,
-    output_proj,
-    project_kv,
-    project_q,
-    sub_weights,
-    tile_attention,
-    uses_sink,
-)
-
-# The memory model lives in memory_model.py (torch-free, shared with the planner); its names are re-exported here.
-from .memory_model import (  # noqa: F401
+# The memory model lives in costs/memory.py (torch-free, shared with the planner); its names are re-exported here.
+from ..costs.memory import (  # noqa: F401
     ATTN_PHASE_H,
     AUTO_LOSS_LOGITS_BYTES,
     AUTO_MIN_MLP_BYTES,
@@ -75,6 +64,16 @@ from .memory_model import (  # noqa: F401
     floor_tile,
     layer_working_bytes,
     loss_workspace_bytes,
+)
+from .attn_tiling import (
+    attention_module_tileable,
+    attention_tileable,
+    output_proj,
+    project_kv,
+    project_q,
+    sub_weights,
+    tile_attention,
+    uses_sink,
 )
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """Performance and memory model of MegaTrain and its baselines: arithmetic over model shapes and
 hardware profiles (megatrain/data/hardware.yaml). Its megatrain device-memory terms are the engine's
-own long-context model (megatrain/engine/memory_model.py, torch-free), so the two agree.
+own long-context model (megatrain/costs/memory.py, torch-free), so the two agree.
 
     from megatrain.planner import plan, max_batch, max_context, preflight
     pl = plan("120b", context=4096, batch=8, hardware="h200-pcie")      # -> Plan
@@ -8,22 +8,22 @@ own long-context model (megatrain/engine/memory_model.py, torch-free), so the tw
     python -m megatrain.planner --model 120b --context 4096 --batch 8 --hardware h200-pcie
 
 What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k = layer buffers):
-  host (megatrain)  the streamed layers by host-memory mode (megatrain/modes.py, what the engine allocates
+  host (megatrain)  the streamed layers by host-memory mode (megatrain/costs/modes.py, what the engine allocates
                     by: master 4 (fp32 / hilo) or 2 (bf16) + grad 4, 2 (bf16) or 0 (optimizer in backward) + Adam
                     m 4 + v 4 + a 2 B bf16 shadow with an fp32 master in bf16 compute), the globals 16 B/param,
                     one layer's FP32 scratch in the non-default modes, + offloaded boundary
                     activations L*T*h*c, pinned grad staging and the head-gradient host copy (CUDA),
-                    and the share of it that is pinned (engine/pin_model.py's rule, page-exact),
+                    and the share of it that is pinned (costs/pinning.py's rule, page-exact),
                     runtime (a profile number; measured by `megatrain bench` on this machine).
-  device            what engine/memory_model.py's LongContextPolicy predicts for the batch (and chooses: offload,
+  device            what costs/memory.py's LongContextPolicy predicts for the batch (and chooses: offload,
                     MLP tile): k layer buffers + embedding/head/norm, boundary activations (all L, or a few
                     in flight when offloaded), the larger of one layer's (tiled) recompute + backward and the
                     chunked-loss workspace; + the runtime's reserve.
-  time              the engine's schedule replayed (engine/schedule.py's issue order on a compute lane and
-                    the copy lanes): per layer compute = FLOPs / (peak x sustained) + elementwise bytes /
-                    device bandwidth, attention included (causal, flash backward = 2.5x forward); h2d =
-                    layer bytes / link; d2h = grad bytes / link and the host add (on the d2h worker on a CPU
-                    device, a host thread after the copy on CUDA); fills, drains, the layers still resident
+  time              the engine's schedule replayed (costs/pipeline.py's issue order, the one engine/schedule.py
+                    runs, on a compute lane and the copy lanes): per layer compute = FLOPs / (peak x sustained)
+                    + elementwise bytes / device bandwidth, attention included (causal, flash backward = 2.5x
+                    forward); h2d = layer bytes / link; d2h = grad bytes / link and the host add (on the d2h
+                    worker on a CPU device, a host thread after the copy on CUDA); fills, drains, the layers still resident
                     at the turn and across micro-batches, activation offload; + the embedding/head I/O the
                     engine does per device type (none on a CPU device in FP32: it aliases them; on CUDA the
                     gradients' copy and add on the copy and reduce lanes, after the head) + CPU AdamW
@@ -39,37 +39,32 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
                     state once, the resident parameters, staging, activations and a gradient transit buffer per
                     rank), each GPU's share of the host link and DRAM bandwidth, the gradient reduction within a
                     node (host memory) and across nodes (ring all-reduce), and the scaling efficiency.
-Every assumption is a named constant in estimate.py or engine/memory_model.py, or a sourced number in the profiles file.
+Where each part lives: point.py (the settings), memory.py, step_time.py and pipeline_sim.py (the models),
+prediction.py (the Plan), estimate.py (plan / plan_point), search.py (fit questions), multi.py (data parallel).
+Every assumption is a named constant in those modules or in megatrain/costs/, or a sourced number in the profiles file.
 """
 
 from .cli import add_bench_parser, add_plan_parser, format_plan, run_sweep
-from .estimate import (
-    BACKENDS,
+from .estimate import plan, plan_point, predicted_timeline
+from .hardware import Hardware, HostMemory, get_hardware, host_memory_available, load_profiles
+from .memory import (
     LongContext,
     Memory,
-    Plan,
-    Point,
-    Time,
     check_fit,
-    crossover_closed_form,
     layer_saved_bytes,
     layer_working_set_bytes,
-    link_crossover_tokens,
     long_context_plan,
-    make_point,
-    plan,
-    plan_point,
-    predicted_timeline,
 )
-from .hardware import Hardware, HostMemory, get_hardware, host_memory_available, load_profiles
-from .measure import bench, bench_cpu, bench_cuda
 from .multi import MultiPlan, plan_multi, plan_point_multi
+from .point import BACKENDS, Point, make_point
+from .prediction import Plan
 from .search import Preflight, device_memory_available, fits, max_batch, max_context, preflight
 from .shapes import resolve_model
+from .step_time import Time, crossover_closed_form, link_crossover_tokens
 
 __all__ = [
     "BACKENDS", "Hardware", "HostMemory", "LongContext", "Memory", "MultiPlan", "Plan", "Point", "Preflight", "Time",
-    "add_bench_parser", "add_plan_parser", "bench", "bench_cpu", "bench_cuda", "check_fit",
+    "add_bench_parser", "add_plan_parser", "check_fit",
     "crossover_closed_form", "device_memory_available", "fits", "format_plan", "get_hardware",
     "host_memory_available", "layer_saved_bytes", "layer_working_set_bytes", "link_crossover_tokens",
     "load_profiles", "long_context_plan", "make_point", "max_batch", "max_context", "plan", "plan_multi", "plan_point",

@@ -13,14 +13,14 @@ dtype), term by term as baselines/alst.py sets it up on top of the lean ZeRO-3 s
       the tiled loss: the final hidden states and their gradient (2 T x h) plus one tile's logits
       (tile x V x LOSS_BYTES_EXTRA: logits, log-softmax and its gradient in FP32, plus the logits in the
       compute dtype when that is not FP32).
-Arithmetic over shapes only, with the constants estimate.py measured for HF layers and HF's loss.
+Arithmetic over shapes only, with the constants memory.py measured for HF layers and HF's loss.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .estimate import HF_WS_H, HF_WS_I, HF_WS_KV, LOSS_BYTES_EXTRA
+from .memory import HF_WS_H, HF_WS_I, HF_WS_KV, LOSS_BYTES_EXTRA
 
 LOSS_TILE_LOGIT_BYTES = 64 * 2**20  # the backend's default loss tile: 64 MiB of FP32 logits
 LEAN_REDUCE_BUCKET = 1_000_000  # elements, the lean configuration's reduce_bucket_size

@@ -13,10 +13,14 @@ from typing import Any
 
 import yaml
 
-from .estimate import Plan, crossover_closed_form, fmt_bytes, make_point, plan
-from .hardware import load_profiles, profile_from_dict
+from .estimate import plan
+from .hardware import load_profiles, profile_from_dict, resolve_hardware
+from .memory import fmt_bytes
 from .mode_table import ModeRow, format_mode_table, mode_table
+from .point import make_point
+from .prediction import Plan
 from .search import max_batch, max_context
+from .step_time import crossover_closed_form
 
 
 def _si(x: float, unit: str = "") -> str:
@@ -102,7 +106,7 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
 
 
 def _long_context_lines(pl: Plan) -> list[str]:
-    """The engine's device plan for the batch (engine/memory_model.py), term by term: what long context costs."""
+    """The engine's device plan for the batch (costs/memory.py), term by term: what long context costs."""
     lc = pl.long_context
     if lc is None:
         return []
@@ -274,12 +278,12 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 def _run_plan_multi(args: argparse.Namespace) -> int:
     """`plan --gpus-per-node N --nodes M`: the node's host memory, one GPU's device memory and the job's speed."""
-    from .estimate import _hardware
-    from .multi import max_batch_multi, max_context_multi, node_hardware, plan_point_multi
+    from .multi import node_hardware, plan_point_multi
+    from .search import max_batch_multi, max_context_multi
 
     if getattr(args, "sweep", None):
         raise ValueError("--gpus-per-node/--nodes plan one point; drop them with --sweep")
-    hw = node_hardware(_hardware(_resolve_hw(args), args.link_gbs, args.host_memory_gib, args.device_memory_gib),
+    hw = node_hardware(resolve_hardware(_resolve_hw(args), args.link_gbs, args.host_memory_gib, args.device_memory_gib),
                        args.network_gbs, args.gpus_per_host_link)
     p = make_point(args.model, args.context, args.batch, args.grad_accum, args.dtype, args.backend, **_knobs(args))
     mp = plan_point_multi(p, hw, args.gpus_per_node, args.nodes)
@@ -408,7 +412,7 @@ def run_sweep(spec: str | Path, hardware: str | list[str] = "h200-pcie",
 
 
 def _provenance() -> dict[str, Any]:
-    """Which code made the predictions (the planner follows engine/memory_model.py, so the commit matters)."""
+    """Which code made the predictions (the planner follows costs/memory.py, so the commit matters)."""
     from megatrain.metrics.provenance import git_commit, package_versions, utc_now
 
     commit, dirty = git_commit()
@@ -430,7 +434,7 @@ def _write_rows(rows: list[dict[str, Any]], out: str | None) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from .measure import bench
+    from ..measure import bench
 
     prof = bench(quick=args.quick, min_time=args.min_time, threads=args.threads)
     raw = prof.pop("raw")

@@ -237,6 +237,20 @@ def get_hardware(hw: str | Hardware | dict[str, Any], path: str | os.PathLike | 
     raise ValueError(f"unknown hardware profile {hw!r}.{hint} Known profiles: {', '.join(profiles)}.")
 
 
+def resolve_hardware(hardware: Any, link_gbs: float | None, host_memory_gib: float | None,
+                     device_memory_gib: float | None) -> Hardware:
+    """get_hardware, with the user's overrides of the link rate and the memory sizes (None: the profile's)."""
+    hw = get_hardware(hardware)
+    changes: dict[str, Any] = {}
+    if link_gbs is not None:
+        changes["link_gbs_achieved"] = float(link_gbs)
+    if host_memory_gib is not None:
+        changes["host_memory_gib"] = float(host_memory_gib)
+    if device_memory_gib is not None:
+        changes["device_memory_gib"] = float(device_memory_gib)
+    return hw.with_(**changes) if changes else hw
+
+
 # ---------------------------------------------------------------- what this machine has free
 
 

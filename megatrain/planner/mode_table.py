@@ -1,7 +1,7 @@
 """The host-memory modes side by side for one training point: bytes per parameter, host total, fit,
 exactness, and the largest preset that fits in each mode (`megatrain plan` prints it).
 
-The modes and their bytes are megatrain/modes.py's, the ones the engine allocates by; a mode the engine
+The modes and their bytes are megatrain/costs/modes.py's, the ones the engine allocates by; a mode the engine
 would refuse at this point (e.g. the optimizer in backward with accumulation) is listed with the reason.
 """
 
@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from megatrain.costs.modes import HostMaster
 from megatrain.models.presets import PRESETS
-from megatrain.modes import HostMaster
 
-from .estimate import Point, engine_refusal, plan_point, with_point
+from .estimate import plan_point
 from .hardware import Hardware
+from .memory import fmt_bytes
+from .point import Point, engine_refusal, with_point
 
 # (label, EngineConfig knobs under the planner's names); the first is the default.
 MODES: list[tuple[str, dict[str, Any]]] = [
@@ -70,7 +72,6 @@ def mode_table(p: Point, hw: Hardware, search: bool = True) -> list[ModeRow]:
 
 
 def format_mode_table(rows: list[ModeRow], host_capacity: int) -> list[str]:
-    from .estimate import fmt_bytes
 
     out = [f"  host-memory modes at this point (host total of {fmt_bytes(host_capacity)}; "
            "largest = the biggest of the paper's presets that fits, same point otherwise):",

@@ -20,7 +20,7 @@ What a GPU sees (its view of the shared host, `rank_hardware`):
           lane that bounds the step) is charged as if that share carried all of it;
   host    DRAM bandwidth / N for the gradient adds and the optimizer (they run on every rank at once);
   CPU     on a CPU "device" (unified memory) the ranks also share the cores: compute rates / N.
-The per-GPU step is the one-GPU pipeline replayed with that view (estimate.megatrain_time), with the
+The per-GPU step is the one-GPU pipeline replayed with that view (step_time.megatrain_time), with the
 optimizer running over the rank's own ceil(L / N) layers plus its resident parameters. Then:
   intra-node reduce  each layer's gradients are added into its owner's slab by the reduce lane of each
                      rank's pipeline, at the rank's share of host bandwidth: overlapped with backward, what is
@@ -46,23 +46,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .estimate import (
-    GB,
-    GIB,
-    Memory,
-    Plan,
-    Point,
-    Time,
-    _hardware,
-    _layer_grad_bytes,
-    _master_bytes,
-    _pin_model,
-    check_fit,
-    make_point,
-    megatrain_time,
-    plan_point,
-)
-from .hardware import Hardware
+from ..costs.pinning import pinned_bytes
+from .estimate import plan_point
+from .hardware import GB, GIB, Hardware, resolve_hardware
+from .memory import Memory, check_fit
+from .point import Point, layer_grad_bytes, make_point, master_bytes
+from .prediction import Plan
+from .step_time import Time, megatrain_time
 
 # The per-rank FP32 buffer a layer's gradients travel through on their way to the owner's slab: two of the
 # largest layer, so one can be reduced while the next lands.
@@ -193,8 +183,8 @@ def split_host(pl: Plan) -> tuple[dict[str, int], dict[str, int]]:
     stays in the node part (the profile's reserve covers the OS and one process)."""
     p, m = pl.point, pl.point.model
     LP = m.num_layers * m.layer_params()
-    mb, shadow = _master_bytes(p)
-    layer = {"master weights": LP * mb, "gradients": LP * _layer_grad_bytes(p), "adam m": LP * 4, "adam v": LP * 4,
+    mb, shadow = master_bytes(p)
+    layer = {"master weights": LP * mb, "gradients": LP * layer_grad_bytes(p), "adam m": LP * 4, "adam v": LP * 4,
              "bf16 shadow (streams)": LP * shadow, "runtime": pl.memory.host["runtime"]}
     rank = {k: v - layer.get(k, 0) for k, v in pl.memory.host.items() if k != "runtime"}
     return layer, rank
@@ -228,7 +218,7 @@ def node_memory(pl: Plan, gpus_per_node: int, nodes: int = 1) -> tuple[Memory, d
     layer_pinned = 0
     if mem.pinned:
         m = pl.point.model
-        layer_pinned = _pin_model().pinned_bytes([m.layer_params()] * m.num_layers, 0, pl.point.c, False, 0)[
+        layer_pinned = pinned_bytes([m.layer_params()] * m.num_layers, 0, pl.point.c, False, 0)[
             "streamed layers"]
     pinned = copies * layer_pinned + n * (mem.pinned - layer_pinned)
     return (Memory(host, dict(mem.device), mem.unified, mem.shared, pinned), layer,
@@ -286,22 +276,7 @@ def plan_multi(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
                device_memory_gib: float | None = None, **knobs: Any) -> MultiPlan:
     """plan() for a data-parallel job: N GPUs per node (sharing the node's host), M nodes."""
     p = make_point(model, context, batch, grad_accum, dtype, "megatrain", **knobs)
-    hw = node_hardware(_hardware(hardware, link_gbs, host_memory_gib, device_memory_gib), network_gbs,
+    hw = node_hardware(resolve_hardware(hardware, link_gbs, host_memory_gib, device_memory_gib), network_gbs,
                        gpus_per_host_link)
     return plan_point_multi(p, hw, gpus_per_node, nodes)
 
-
-def max_batch_multi(base: Point, hw: Hardware, gpus_per_node: int, nodes: int) -> int:
-    """Largest micro-batch per rank whose node fits (0 when none does)."""
-    from .search import _largest
-
-    return _largest(lambda b: plan_point_multi(dataclasses.replace(base, batch=b), hw, gpus_per_node, nodes).fits,
-                    1, 1)
-
-
-def max_context_multi(base: Point, hw: Hardware, gpus_per_node: int, nodes: int, granularity: int = 1024) -> int:
-    """Largest context (a multiple of granularity) whose node fits at the point's micro-batch."""
-    from .search import _largest
-
-    return _largest(lambda s: plan_point_multi(dataclasses.replace(base, context=s), hw, gpus_per_node, nodes).fits,
-                    granularity, granularity)

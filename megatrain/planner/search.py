@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .estimate import _hardware, check_fit, make_point, plan, plan_point, with_point
-from .hardware import Hardware, get_hardware, host_memory_available
+from .estimate import plan, plan_point
+from .hardware import Hardware, get_hardware, host_memory_available, resolve_hardware
+from .memory import check_fit
+from .multi import node_memory, plan_point_multi
+from .point import Point, make_point, with_point
 
 MAX_SEARCH = 1 << 24  # 16M tokens of context / micro-batch size: beyond any profile here
 # Preflight compares against memory that is free now, so the OS is already out of it; what remains
@@ -48,7 +51,7 @@ def max_batch(model: Any, context: int, dtype: str = "bfloat16", hardware: str |
               backend: str = "megatrain", grad_accum: int = 1, **knobs: Any) -> int:
     """Largest micro-batch that fits at this context (0 when not even 1 does)."""
     hw_over = {k: knobs.pop(k) for k in ("link_gbs", "host_memory_gib", "device_memory_gib") if k in knobs}
-    hw = _hardware(hardware, **{k: hw_over.get(k) for k in ("link_gbs", "host_memory_gib", "device_memory_gib")})
+    hw = resolve_hardware(hardware, **{k: hw_over.get(k) for k in ("link_gbs", "host_memory_gib", "device_memory_gib")})
     base = make_point(model, context, 1, grad_accum, dtype, backend, **knobs)
     return _largest(lambda b: plan_point(with_point(base, batch=b), hw).fits, 1, 1)
 
@@ -58,9 +61,21 @@ def max_context(model: Any, batch: int = 1, dtype: str = "bfloat16", hardware: s
     """Largest context (a multiple of `granularity`) that fits at this micro-batch; memory only, so it
     may exceed the model's max_position_embeddings (the plan warns about that)."""
     hw_over = {k: knobs.pop(k) for k in ("link_gbs", "host_memory_gib", "device_memory_gib") if k in knobs}
-    hw = _hardware(hardware, **{k: hw_over.get(k) for k in ("link_gbs", "host_memory_gib", "device_memory_gib")})
+    hw = resolve_hardware(hardware, **{k: hw_over.get(k) for k in ("link_gbs", "host_memory_gib", "device_memory_gib")})
     base = make_point(model, granularity, batch, grad_accum, dtype, backend, **knobs)
     return _largest(lambda s: plan_point(with_point(base, context=s), hw).fits, granularity, granularity)
+
+
+def max_batch_multi(base: Point, hw: Hardware, gpus_per_node: int, nodes: int) -> int:
+    """Largest micro-batch per rank whose node fits (0 when none does)."""
+    return _largest(lambda b: plan_point_multi(with_point(base, batch=b), hw, gpus_per_node, nodes).fits,
+                    1, 1)
+
+
+def max_context_multi(base: Point, hw: Hardware, gpus_per_node: int, nodes: int, granularity: int = 1024) -> int:
+    """Largest context (a multiple of granularity) whose node fits at the point's micro-batch."""
+    return _largest(lambda s: plan_point_multi(with_point(base, context=s), hw, gpus_per_node, nodes).fits,
+                    granularity, granularity)
 
 
 @dataclass
@@ -119,8 +134,6 @@ def preflight(model: Any, context: int, batch: int = 1, backend: str = "megatrai
     p = make_point(model, context, batch, grad_accum, dtype, backend, **knobs)
     pl = plan_point(p, hw, host_available, device_available if device_available is not None else host_available)
     if gpus_per_node * nodes > 1:
-        from .multi import node_memory
-
         pl.memory = node_memory(pl, gpus_per_node, nodes)[0]
     ok, lines = check_fit(pl.memory, hw, host_available,
                           device_available if device_available is not None else host_available)

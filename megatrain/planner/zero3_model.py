@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-3 (and ZeRO-2) CPU offload, as its mechanisms run it: per-submodule fetches with a
 bounded lookahead, host-side hooks, gradient buckets, and DeepSpeedCPUAdam's own throughput.
 
-Arithmetic only, over a decoder layer's submodules; `estimate.py` turns it into a step. What each
+Arithmetic only, over a decoder layer's submodules; `step_time.py` turns it into a step. What each
 term is, from DeepSpeed 0.19.8's source (runtime/zero/partitioned_param_coordinator.py, stage3.py):
 
 - **Fetch.** A pre-forward (and pre-backward) hook on *every* submodule gathers its partitioned
@@ -126,14 +126,3 @@ def run_pass(steps: list[Step], element_bytes: int, link_bps: float, hook_s: flo
         host += hook_s + st.host_extra_s
         dev = max(dev, done[j], host) + st.compute_s
     return PassCost(max(dev, host), comp_total, sum(fetch), host_total, elements)
-
-
-def grad_buckets(layer_params: int, reduce_bucket: int) -> float:
-    """Gradient-bucket flushes per layer (fractional: buckets span layers)."""
-    return layer_params / max(1, reduce_bucket)
-
-
-def cpu_adam_seconds(params: int, params_per_s: float) -> float:
-    if not params_per_s > 0:
-        raise ValueError(f"cpu_adam_params_per_s must be > 0, got {params_per_s!r}")
-    return params / params_per_s

@@ -1,5 +1,8 @@
 """`megatrain bench`: measure this machine into a hardware profile the planner can use.
 
+It sits above the planner and the engine: it times real Engine steps (the engine's own per-layer cost),
+which the planner, arithmetic only, never runs.
+
 Measures matmul rates at the engine's shapes (fp32 and bf16), host memory bandwidth (a large copy),
 the CPU AdamW's effective bandwidth, and the host<->device link: real pinned copies on CUDA, or on a
 CPU-only machine the unthrottled copy rate of a worker thread (what the engine's emulated link can
@@ -16,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from .hardware import GIB, _meminfo
+from .planner.hardware import GIB, _meminfo
 
 # (tokens, in, out): the layer GEMMs of a ~100M-parameter Llama (hidden 1024, MLP 2752) at 1k tokens
 ENGINE_SHAPES = ((1024, 1024, 1024), (1024, 1024, 2752), (1024, 2752, 1024))
@@ -242,7 +245,7 @@ def with_engine_overhead(prof: dict[str, Any], quick: bool = False, preset: Any 
     intercepts (a negative one, fit noise, is recorded as 0). quick: two small token counts, two steps
     each; periods: engine_layer_periods already measured at `tokens` (e.g. in other processes), fitted
     instead of measuring here. If the times cannot be fitted the fixed costs are 0, marked as not measured."""
-    from .hardware import profile_from_dict
+    from .planner.hardware import profile_from_dict
 
     preset = preset or OVERHEAD_PRESET
     tokens = tokens or (QUICK_OVERHEAD_TOKENS if quick else OVERHEAD_TOKENS)
@@ -418,7 +421,7 @@ def engine_layer_periods(preset: Any, tokens: int, dtype: str = "float32", warmu
 def fit_layer_overhead(preset: Any, tokens: tuple[int, ...], periods: list[tuple[float, float, float]],
                        hw: Any, dtype: str = "float32") -> dict[str, float]:
     """Split measured engine times (engine_layer_periods at several token counts) into one compute rate
-    and fixed costs, on the planner's own compute model (estimate.layer_flops, estimate._head_compute):
+    and fixed costs, on the planner's own compute model (planner/step_time.py: layer_flops, head_compute):
         layer forward      = F_fwd(T) / R + elem(T) + o_fwd
         layer backward     = F_bwd(T) / R + 2 elem(T) + o_bwd          (recompute + backward)
         outside the layers = F_head(T) / R + head elem(T) + adds(T) + o_mb   (per micro-batch)
@@ -427,7 +430,8 @@ def fit_layer_overhead(preset: Any, tokens: tuple[int, ...], periods: list[tuple
     (R / the profile's peak), o_fwd, o_bwd, o_mb in seconds and the fit's largest relative residual."""
     import numpy as np
 
-    from .estimate import ATTN_BWD_RATIO, _globals_io, _head_compute, layer_flops, make_point
+    from .planner.point import make_point
+    from .planner.step_time import ATTN_BWD_RATIO, globals_io, head_compute, layer_flops
 
     zero = hw.with_(layer_overhead_fwd_s=0.0, layer_overhead_bwd_s=0.0, microbatch_overhead_s=0.0)
     inf = zero.with_(sustained_fp32=1e30, sustained_bf16=1e30)  # the head's non-FLOP terms alone
@@ -437,9 +441,9 @@ def fit_layer_overhead(preset: Any, tokens: tuple[int, ...], periods: list[tuple
         p = make_point(preset, T, 1, dtype=dtype)
         lin, attn, elem_bytes = layer_flops(p)
         elem = elem_bytes / bw
-        io = _globals_io(p, zero)
-        head_fixed = _head_compute(p, inf, recompute_logits=True) + io.add_s + io.down_s
-        head_flops = (_head_compute(p, zero, recompute_logits=True) - _head_compute(p, inf, True)) * \
+        io = globals_io(p, zero)
+        head_fixed = head_compute(p, inf, recompute_logits=True) + io.add_s + io.down_s
+        head_flops = (head_compute(p, zero, recompute_logits=True) - head_compute(p, inf, True)) * \
             zero.sustained_flops(dtype)
         for row, y in (([lin + attn, 1.0, 0.0, 0.0], pf - elem),
                        ([3 * lin + (1 + ATTN_BWD_RATIO) * attn, 0.0, 1.0, 0.0], pb - 2 * elem),
@@ -462,7 +466,7 @@ def layer_overhead(hw: Any, preset: Any = OVERHEAD_PRESET, tokens: tuple[int, ..
     """Measure the engine on `preset` at each token count (engine_layer_periods; or take `periods` so
     measured) and split the times (fit_layer_overhead) against profile `hw`'s peak and memory bandwidth.
     Returns the fit plus the raw periods."""
-    from .shapes import resolve_model
+    from .planner.shapes import resolve_model
 
     m = resolve_model(preset)
     if periods is None:

@@ -1,0 +1,293 @@
+"""Memory per component at a point, by backend, and whether it fits: megatrain's host store by mode and
+its device side as the engine's own model predicts it (costs/memory.py, run on the preset's shapes);
+DeepSpeed ZeRO-3 / ZeRO-2 offload as stage3.py allocates; plain PyTorch with everything on the device."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+from megatrain.models.presets import ModelPreset
+
+from ..costs import memory as device_model
+from ..costs.pinning import pinned_bytes
+from .hardware import GIB, Hardware
+from .point import Point, aliases_globals, layer_grad_bytes, master_bytes
+from .zero3_model import offload_tuning
+
+# ---- Activation memory, elements per token, all linear in T (sdpa keeps attention O(T)).
+# HF decoder layer under HF gradient checkpointing (the zero3/torch baselines): measured on
+# transformers 5.x by tracking live tensor storages (TorchDispatchMode) through a recomputed forward +
+# torch.autograd.grad of one Llama/Qwen2 layer, fitted over h, kv, intermediate and T:
+# peak = 9.3 h + 2 kv + 6 I (weight grads excluded).
+HF_WS_H, HF_WS_KV, HF_WS_I = 9.3, 2.0, 6.0
+# With bf16 compute the RMSNorms upcast to fp32: ~1.5 h extra fp32 elements per token (measured as
+# above, bf16 vs fp32), half on each side of the layer.
+WS_H_FP32_BF16 = 1.5
+# Saved by an HF forward that keeps everything (no recompute): 8.3 h + 2 kv + 4 I.
+SAVED_H, SAVED_KV, SAVED_I = 8.3, 2.0, 4.0
+# HF's ForCausalLMLoss over full logits: measured peak (forward + backward) = T x V x (c + 12)
+# bytes: the logits in compute dtype (kept by the model output) + fp32 upcast, log-softmax, gradient.
+LOSS_BYTES_EXTRA = 12
+ZERO3_MAX_LIVE_PARAMS = 1e9  # stage3_max_live_parameters (DeepSpeed's default and the documented tuning)
+# Host memory DeepSpeed's own runtime adds (its imports, JIT-built ops, the gloo process group):
+# measured as the peak-RSS excess over the modelled states of the smallest quick-sweep point
+# (zero3/tiny, 0.1M parameters, results/quick); the larger points are the held-out check.
+ZERO3_RUNTIME_BYTES = 73 * 2**20
+
+
+@dataclass
+class Memory:
+    host: dict[str, int]
+    device: dict[str, int]
+    unified: bool = False  # device allocations come out of host memory (CPU runs)
+    shared: int = 0  # bytes listed in both pools because they are one allocation (aliased on a CPU device)
+    pinned: int = 0  # the share of the host bytes that is page-locked (costs/pinning.py, page-exact)
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_total_incl_device(self) -> int:
+        return self.host_total + (self.device_total - self.shared if self.unified else 0)
+
+
+@dataclass(frozen=True)
+class LongContext:
+    """The engine's own per-batch device plan for a megatrain point (costs/memory.py's
+    LongContextPolicy, run on the preset's shapes), with its parts, for the long-context breakdown."""
+
+    offload: bool  # boundary activations in host memory
+    tile: int | None  # MLP sequence tile (None: untiled)
+    kept_boundaries: int  # boundary activations on the device at once (resident, or in flight)
+    boundary_bytes: int  # all of them
+    layer_working_bytes: int  # one layer's (tiled) recompute + backward, its weight gradients included
+    loss_workspace_bytes: int  # head + chunked loss, forward and backward
+    loss_chunk: int  # tokens per head/loss chunk (the policy's choice under "auto")
+    resident_weight_bytes: int  # layer buffers + embedding/head/norm
+    peak_bytes: int  # the policy's predicted device peak (the engine's predicted_peak_device_bytes)
+    budget: int | None  # device bytes the policy planned against
+    headroom: float  # share of the budget the policy plans to
+
+    @property
+    def working_bytes(self) -> int:
+        """What the policy charges for the layer-or-loss phase (they never run at once)."""
+        return self.peak_bytes - self.resident_weight_bytes - self.boundary_bytes
+
+
+def layer_dims(m: ModelPreset, expanded_kv: bool = False) -> device_model.LayerDims:
+    """The engine's LayerDims for a preset's (largest, i.e. every) decoder layer, as engine/tiling.py's
+    layer_dims reads it from a built layer."""
+    # every planner family (llama, qwen2, mistral) is one of the engine's tileable layer classes, on sdpa;
+    # FP32 on CUDA expands grouped key/value heads for the fused kernels (engine/attention.py)
+    return device_model.LayerDims(hidden=m.hidden, kv=m.kv_heads * m.head_dim, intermediate=m.intermediate,
+                                  numel=m.layer_params(), attention_tiled=True, head_dim=m.head_dim,
+                                  kv_expanded=(m.heads - m.kv_heads) * m.head_dim if expanded_kv else 0)
+
+
+def layer_working_set_bytes(m: ModelPreset, tokens: int, c: int, tile: int | None = None,
+                            engine: bool = True) -> int:
+    """Peak bytes one decoder layer's recompute + backward adds beyond its input and weights.
+    engine=True: megatrain's path as costs/memory.py predicts it (MLP side over `tile` tokens at a
+    time when tiled, the layer's weight gradients included); engine=False: an HF layer under gradient
+    checkpointing (weight gradients excluded: the baselines count them with their parameters)."""
+    if engine:
+        return int(device_model.layer_working_bytes(layer_dims(m), tokens, tile, c))
+    kv = m.kv_heads * m.head_dim
+    fp32_extra = WS_H_FP32_BF16 * m.hidden * 4 if c == 2 else 0.0
+    return int(tokens * ((HF_WS_H * m.hidden + HF_WS_KV * kv + HF_WS_I * m.intermediate) * c + fp32_extra))
+
+
+def layer_saved_bytes(m: ModelPreset, tokens: int, c: int) -> int:
+    """Bytes one HF layer's forward saves for backward when nothing is recomputed."""
+    kv = m.kv_heads * m.head_dim
+    fp32_extra = WS_H_FP32_BF16 * m.hidden * 4 if c == 2 else 0.0
+    return int(tokens * ((SAVED_H * m.hidden + SAVED_KV * kv + SAVED_I * m.intermediate) * c + fp32_extra))
+
+
+def _device_budget(p: Point, hw: Hardware) -> int | None:
+    """The device budget the engine's "auto" plans against: the configured one, else the GPU's memory;
+    a CPU device has no limit unless configured."""
+    if p.device_budget_bytes is not None:
+        return p.device_budget_bytes
+    return None if hw.unified_memory else hw.device_bytes
+
+
+def long_context_plan(p: Point, hw: Hardware) -> LongContext:
+    """Run the engine's LongContextPolicy on this point's shapes: the offload/tile choice the engine
+    will make for the batch, and its predicted device peak, term by term."""
+    m, c, T = p.model, p.c, p.tokens
+    dims = layer_dims(m, expanded_kv=not hw.unified_memory and c == 4)
+    resident = (p.num_buffers * m.layer_params() + m.embed_params() + m.hidden) * c  # buffers + globals
+    policy = device_model.LongContextPolicy(
+        dims=dims, n_layers=m.num_layers, itemsize=c, vocab=m.vocab, loss_chunk=p.loss_chunk_tokens,
+        tile_setting=p.mlp_tile_tokens, offload_setting=p.offload_activations, budget=_device_budget(p, hw),
+        fixed_bytes=resident, **({} if hw.unified_memory else {"logits_cap": None}))  # GPU: sized from the budget
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "does not fit" is the planner's verdict to give, not a warning
+        bp = policy.plan(T)
+    kept = device_model.OFFLOAD_IN_FLIGHT if bp.offload else m.num_layers
+    chunk = bp.loss_chunk
+    return LongContext(
+        offload=bp.offload, tile=bp.tile, kept_boundaries=kept, boundary_bytes=kept * T * m.hidden * c,
+        layer_working_bytes=int(device_model.layer_working_bytes(dims, T, bp.tile, c)),
+        loss_workspace_bytes=int(device_model.loss_workspace_bytes(T, m.hidden, m.vocab, chunk, c)), loss_chunk=chunk,
+        resident_weight_bytes=resident, peak_bytes=int(bp.predicted_peak_bytes), budget=policy.budget,
+        headroom=device_model.BUDGET_HEADROOM)
+
+
+def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
+    """Host and device bytes per component of the engine at this point; the device side is the
+    engine's own prediction (lc) plus the runtime's reserve."""
+    m, c, T = p.model, p.c, p.tokens
+    P, PL, L, h = m.param_count(), m.layer_params(), m.num_layers, m.hidden
+    resident = m.embed_params() + h  # embedding, LM head, final norm
+    alias = aliases_globals(p, hw)
+    mb, shadow = master_bytes(p)
+    gb = layer_grad_bytes(p)
+    G = P - L * PL  # embedding, head, final norm: FP32 master and gradient in every mode
+    # What the engine pins on CUDA (the same rule as its store and preflight): each layer's streamed copy,
+    # the resident masters, the staging slots, and the offloaded activations' host buffers.
+    pin = {} if hw.unified_memory else pinned_bytes([PL] * L, resident, c, True, c)
+    host = {
+        "master weights": L * PL * mb + G * 4,
+        "gradients": L * PL * gb + G * 4,
+        "adam m": P * 4,
+        "adam v": P * 4,
+        "bf16 shadow (streams)": L * PL * shadow,  # only layers stream; resident params convert once
+        # pinned slots of the largest layer that gradients land in on CUDA (engine/schedule.py); a CPU device adds
+        # gradients straight into the slabs, or stages them in two buffers with the optimizer in backward
+        "pinned grad staging": pin.get("grad staging", 0) if pin else (2 * PL * c if p.optimizer_in_backward else 0),
+        # one layer's FP32 master / gradient while the optimizer updates it (store.Scratch)
+        "fp32 scratch (one layer)": PL * 4 * ((p.master != "fp32") + (gb != 4)),
+        "offloaded activations": L * T * h * c if lc.offload else 0,
+        # the head/norm gradient: on CUDA it lands in pinned staging of the resident parameters (global_grads.py),
+        # on a CPU device in bf16 it arrives as an FP32 copy before it is added to its slab; a no-op when the
+        # device globals are the masters
+        "head gradient copy": 0 if alias else pin.get("resident grad staging", (m.vocab * h + h) * 4),
+        # the embedding's row gradients on their way to the host (CUDA; kept from batch to batch): <= T rows
+        "embedding row staging": 0 if not pin else T * (h * c + 8),
+        "runtime": int(hw.host_reserved_gib * GIB),
+    }
+    device = {
+        "layer buffers": p.num_buffers * PL * c,
+        "embedding/head/norm": resident * c,
+        "boundary activations": lc.boundary_bytes,  # all L resident, or a few in flight when offloaded
+        # one layer's recompute + backward and the head/loss never run at once: the policy's larger
+        "working set (layer or loss)": lc.working_bytes,
+        "runtime": 0 if hw.unified_memory else int(hw.device_reserved_gib * GIB),
+    }
+    pinned = sum(pin.values()) + (host["offloaded activations"] + host["embedding row staging"] if pin else 0)
+    return Memory(host, device, hw.unified_memory, shared=resident * c if alias else 0, pinned=pinned)
+
+
+def _hf_activations(p: Point) -> dict[str, int]:
+    """Activations of an HF model on the device: boundary checkpoints (or everything, without
+    checkpointing), the logits the output keeps, and the larger of a layer's recompute+backward and
+    the loss's fp32 transients (they are not live at once)."""
+    m, c, T, L, h = p.model, p.c, p.tokens, p.model.num_layers, p.model.hidden
+    logits = T * m.vocab * c
+    loss = T * m.vocab * LOSS_BYTES_EXTRA
+    if p.gradient_checkpointing:
+        return {"boundary activations": L * T * h * c, "full logits": logits,
+                "working set (layer or loss)": max(layer_working_set_bytes(m, T, c, engine=False), loss)}
+    return {"saved activations": L * layer_saved_bytes(m, T, c), "full logits": logits, "loss transients": loss}
+
+
+def zero3_sizes(p: Point) -> dict[str, int]:
+    """prefetch bucket, persistence threshold, reduce bucket (elements) the run uses."""
+    tuned = offload_tuning(p.model.hidden)
+    return {"prefetch": p.zero3_prefetch_bucket if p.zero3_prefetch_bucket is not None
+            else tuned["stage3_prefetch_bucket_size"],
+            "persistence": p.zero3_persistence_threshold if p.zero3_persistence_threshold is not None
+            else tuned["stage3_param_persistence_threshold"],
+            "reduce": p.zero3_reduce_bucket if p.zero3_reduce_bucket is not None else tuned["reduce_bucket_size"]}
+
+
+def zero3_memory(p: Point, hw: Hardware) -> Memory:
+    """What DeepSpeed ZeRO-3 (or ZeRO-2) offload allocates. Host: the FP32 master partition, Adam m
+    and v, the FP32 gradient partition the CPU optimizer reads, the compute-dtype gradient
+    accumulation partition, and the compute-dtype parameter
+    partition (ZeRO-3: the copy fetches read; ZeRO-2 keeps it on the device instead), plus the user's
+    FP32 model, which is built whole before DeepSpeed partitions it (the peak of a run). Device: the
+    modules fetched at once (current + prefetch bucket), the gradient bucket, activations."""
+    m, c = p.model, p.c
+    P, h = m.param_count(), m.hidden
+    z = zero3_sizes(p)
+    host = {"fp32 master weights": P * 4, "fp32 gradients": P * 4, "adam m": P * 4, "adam v": P * 4,
+            # stage3.py grad_partitions_flat_buffer: gradients accumulate here in the model dtype
+            # (grad_accum_dtype's default) before the FP32 copy the optimizer reads
+            "gradient partitions (compute dtype)": P * c}
+    if p.zero_stage == 3:
+        host["params (compute dtype)"] = P * c
+    host["user's fp32 model before partitioning"] = P * 4
+    host["runtime"] = int(hw.host_reserved_gib * GIB)
+    host["deepspeed runtime"] = ZERO3_RUNTIME_BYTES
+    largest = max(m.hidden * m.intermediate, m.vocab * h)
+    device: dict[str, int] = {}
+    if p.zero_stage == 3:
+        device["fetched params (module + prefetch)"] = int(min(ZERO3_MAX_LIVE_PARAMS, largest + z["prefetch"], P) * c)
+    else:
+        device["params (compute dtype)"] = P * c
+    device.update({
+        "grad reduce bucket": int(min(z["reduce"], P) * c),
+        **_hf_activations(p),
+        "runtime": 0 if hw.unified_memory else int(hw.device_reserved_gib * GIB),
+    })
+    return Memory(host, device, hw.unified_memory)
+
+
+def torch_memory(p: Point, hw: Hardware) -> Memory:
+    m, c = p.model, p.c
+    P = m.param_count()
+    device = {
+        "fp32 weights": P * 4,
+        "fp32 gradients": P * 4,
+        "adam m + v": P * 8,
+        "bf16 weight casts (autocast)": m.layer_params() * 2 * 2 if c == 2 else 0,
+        **_hf_activations(p),
+        "runtime": 0 if hw.unified_memory else int(hw.device_reserved_gib * GIB),
+    }
+    host = {"runtime": int(hw.host_reserved_gib * GIB)}
+    return Memory(host, device, hw.unified_memory)
+
+
+def check_fit(mem: Memory, hw: Hardware, host_avail: int | None = None,
+              device_avail: int | None = None) -> tuple[bool, list[str]]:
+    """Whether it fits, and one line per memory pool (needed vs available, largest components)."""
+    host_cap = hw.host_bytes if host_avail is None else host_avail
+    dev_cap = hw.device_bytes if device_avail is None else device_avail
+    lines, ok = [], True
+    if mem.unified:
+        need = mem.host_total_incl_device
+        good = need <= host_cap
+        ok &= good
+        lines.append(_fit_line("host (device shares it)", need, host_cap, {**mem.host, **{
+            f"device: {k}": v for k, v in mem.device.items()}}, good))
+    else:
+        for pool, need, cap, comps in (("host", mem.host_total, host_cap, mem.host),
+                                       ("device", mem.device_total, dev_cap, mem.device)):
+            good = need <= cap
+            ok &= good
+            lines.append(_fit_line(pool, need, cap, comps, good))
+    return ok, lines
+
+
+def _fit_line(pool: str, need: int, cap: int, comps: dict[str, int], good: bool) -> str:
+    top = sorted(((v, k) for k, v in comps.items() if v > 0), reverse=True)[:6]
+    parts = ", ".join(f"{k} {fmt_bytes(v)}" for v, k in top)
+    verdict = "fits" if good else "DOES NOT FIT"
+    return f"{pool}: needs {fmt_bytes(need)} of {fmt_bytes(cap)} available, {verdict} ({parts})"
+
+
+def fmt_bytes(n: float) -> str:
+    n = float(n)
+    for unit, div in (("TiB", GIB * 1024), ("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f} B"

@@ -1,0 +1,146 @@
+"""The engine's layer pipeline replayed on a compute timeline and the copy lanes: the issue order is
+costs/pipeline.py's, the one engine/schedule.py executes, and each step here costs its seconds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..costs import pipeline as order
+from ..costs.pinning import STAGING_SLOTS
+from .point import Point
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Seconds of each job the engine queues per streamed layer, and per micro-batch around them."""
+
+    fwd: float  # forward compute
+    bwd: float  # recompute + backward compute
+    load: float  # weights host -> device (h2d stream)
+    act: float  # one boundary activation over the link (each way), 0 when resident
+    grad: float  # gradients device -> host (d2h stream)
+    reduce: float  # adding them into the host slab
+    # CUDA: the add runs on a host thread after the copy, with STAGING_SLOTS (costs/pinning.py) staging slots;
+    # a CPU device adds on the d2h worker, whose job lasts max(add, rate-limited copy)
+    cuda: bool
+
+
+class PipelineSim:
+    """Replays the engine's issue order (costs/pipeline.py, which engine/schedule.py runs; the activations'
+    copies as engine/activations.py makes them) on a compute timeline and the copy lanes, so fills,
+    drains, the layers still resident at the forward/backward turn and across micro-batches, and every
+    wait come out as the engine schedules them.
+
+    Each lane runs its jobs in order; a job starts when it is issued (the compute timeline's clock)
+    and its lane and inputs are free."""
+
+    def __init__(self, n_layers: int, n_buffers: int, costs: LayerCosts) -> None:
+        self.L, self.c = n_layers, costs
+        self.t = self.wait = 0.0
+        self.lane = {"h2d": 0.0, "d2h": 0.0, "reduce": 0.0}
+        self.bytes_jobs = {"load": 0, "act_out": 0, "act_in": 0, "grad": 0}  # job counts
+        self.buffers = order.DeviceBuffers(n_buffers)
+        self.loaded = [0.0] * n_buffers
+        self.staging_free = [0.0] * STAGING_SLOTS
+        self.next_staging = 0
+        self.globals_free = 0.0  # the resident parameters' gradient staging (CUDA), free again
+        self.written: dict[int, float] = {}  # offloaded activation -> when it reached the host
+        self.act_ready: dict[int, float] = {}  # prefetched activation -> when it is back
+        self.spans: list[tuple[str, str, int, float, float]] = []  # (lane, kind, layer, start, end), as Trace
+
+    def _job(self, lane: str, ready: float, dur: float, kind: str, layer: int) -> float:
+        start = max(ready, self.lane[lane])
+        self.lane[lane] = start + dur
+        self.spans.append((lane, kind, layer, start, start + dur))
+        return self.lane[lane]
+
+    def _compute(self, dur: float, kind: str, layer: int) -> None:
+        self.spans.append(("compute", kind, layer, self.t, self.t + dur))
+        self.t += dur
+
+    def _wait_until(self, when: float) -> None:
+        if when > self.t:
+            self.wait += when - self.t
+            self.t = when
+
+    def _weights(self, step: order.Step) -> None:
+        """A LOAD (a copy on the h2d lane) or a WAIT for one (the compute timeline)."""
+        if step.op == order.LOAD:
+            self.loaded[step.slot] = self._job("h2d", self.t, self.c.load, "load", step.layer)
+            self.bytes_jobs["load"] += 1
+        else:
+            self._wait_until(self.loaded[step.slot])
+
+    def _prefetch(self, layer: int) -> None:
+        if self.c.act and layer not in self.act_ready:
+            self.act_ready[layer] = self._job("h2d", max(self.t, self.written.pop(layer)), self.c.act, "act-in", layer)
+            self.bytes_jobs["act_in"] += 1
+
+    def _send_grad(self, layer: int) -> None:
+        c = self.c
+        self.bytes_jobs["grad"] += 1
+        if not c.cuda:
+            self._job("d2h", self.t, max(c.grad, c.reduce), "grad", layer)
+            return
+        i = self.next_staging
+        self.next_staging = (i + 1) % len(self.staging_free)
+        self.t = max(self.t, self.staging_free[i])  # the host blocks until that staging buffer is free
+        copied = self._job("d2h", self.t, c.grad, "grad", layer)
+        self.staging_free[i] = self._job("reduce", copied, c.reduce, "reduce", layer)
+
+    def forward(self) -> None:
+        for step in order.forward_steps(self.buffers, self.L):
+            i = step.layer
+            if step.op in (order.LOAD, order.WAIT):
+                self._weights(step)
+            elif step.op == order.SAVE_INPUT and self.c.act:
+                self.written[i] = self._job("d2h", self.t, self.c.act, "act-out", i)
+                self.bytes_jobs["act_out"] += 1
+            elif step.op == order.FORWARD:
+                self._compute(self.c.fwd, "fwd", i)
+
+    def backward(self) -> None:
+        for step in order.backward_steps(self.buffers, self.L):
+            i = step.layer
+            if step.op in (order.LOAD, order.WAIT):
+                self._weights(step)
+            elif step.op == order.PREFETCH_INPUT:
+                self._prefetch(i)
+            elif step.op == order.FETCH_INPUT and self.c.act:
+                self._prefetch(i)
+                self._wait_until(self.act_ready.pop(i))
+            elif step.op == order.BACKWARD:
+                self._compute(self.c.bwd, "bwd", i)
+            elif step.op == order.SEND_GRAD:
+                self._send_grad(i)
+            # DROP_INPUT frees device memory and costs no time
+
+    def drain(self) -> None:
+        """What the engine's synchronize_grads / collect_stats wait for."""
+        self.t = max(self.t, *self.lane.values())
+
+
+def simulate_step(p: Point, costs: LayerCosts, head: float,
+                  globals_grads: tuple[float, float] | None = None) -> tuple[PipelineSim, float, float, float]:
+    """One step's micro-batches through the pipeline, up to the optimizer; returns the simulation and
+    the forward, backward (summed over micro-batches) and final-drain seconds. `globals_grads`: (copy, add)
+    seconds of the resident parameters' gradients when they travel on the copy and reduce lanes (CUDA:
+    engine/global_grads.py), queued after the head; else they are part of `head`, on the compute thread."""
+    sim = PipelineSim(p.model.num_layers, p.num_buffers, costs)
+    fwd_s = bwd_s = 0.0
+    for _ in range(p.grad_accum):
+        t0 = sim.t
+        sim.forward()
+        t1 = sim.t
+        sim._compute(head, "head", -1)  # head + loss forward/backward (+ global gradients, off CUDA)
+        if globals_grads is not None:
+            sim.t = max(sim.t, sim.globals_free)  # the host waits for the staging the last micro-batch used
+            copied = sim._job("d2h", sim.t, globals_grads[0], "head-grad", -1)
+            sim.globals_free = sim._job("reduce", copied, globals_grads[1], "reduce-head-grad", -1)
+        t2 = sim.t
+        sim.backward()
+        fwd_s += t1 - t0
+        bwd_s += sim.t - t2
+    t3 = sim.t
+    sim.drain()  # clipping and the optimizer wait for every gradient
+    return sim, fwd_s, bwd_s, sim.t - t3

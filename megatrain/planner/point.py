@@ -1,0 +1,158 @@
+"""A training point to plan: its settings under EngineConfig's names, validated, and what the engine
+would refuse about its host-memory mode (costs/modes.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from megatrain.models.presets import ModelPreset
+
+from ..costs.modes import GRAD_BYTES, MASTER_BYTES, SHADOW_BYTES, GradSlab, HostMaster
+from .hardware import Hardware, _is_bf16
+from .shapes import resolve_model
+
+BACKENDS = ("megatrain", "zero3", "torch")
+MASTERS = ("fp32", "hilo", "bf16")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One training configuration to plan."""
+
+    model: ModelPreset
+    context: int
+    batch: int = 1
+    grad_accum: int = 1
+    dtype: str = "bfloat16"
+    backend: str = "megatrain"
+    num_buffers: int = 2
+    offload_activations: bool | str = "auto"  # True, False or "auto" (offload only when the device is short)
+    mlp_tile_tokens: int | str | None = "auto"  # MLP sequence tile; None = untiled, "auto" = chosen from the budget
+    loss_chunk_tokens: int | str = "auto"  # head/loss chunk; "auto": the engine's policy chooses it
+    # what the engine's "auto" plans against (EngineConfig.device_budget_bytes); None = as the engine
+    # does: the GPU's memory, no limit on a CPU "device"
+    device_budget_bytes: int | None = None
+    # The host-memory modes, as EngineConfig names them (megatrain/costs/modes.py): master = host_master
+    master: str = "fp32"  # fp32 (+ bf16 shadow in bf16 mode), hilo (exact split, no shadow), bf16 (paper's code)
+    host_grad_dtype: str = "float32"
+    optimizer_in_backward: bool = False  # each layer's AdamW during backward: no layer gradient slab
+    optimizer_overlap: bool = False  # host AdamW layer by layer behind the next forward (EngineConfig)
+    grad_clip: bool = True
+    gradient_checkpointing: bool = True  # zero3 / torch only: megatrain always recomputes per layer
+    zero3_pin_memory: bool = True
+    # True: DeepSpeed's prefetch overlaps fetches with compute as far as its lookahead allows;
+    # False: fetches, hooks and gradient offload serialize with compute (its worst case)
+    zero3_overlap: bool = True
+    # 3: ZeRO-3 offload (parameters fetched per submodule); 2: ZeRO-2 offload (ZeRO-Offload: compute-dtype
+    # parameters resident on the device, gradients and optimizer on the host)
+    zero_stage: int = 3
+    # DeepSpeed sizes in elements; None: the zero3 backend's documented tuning from the hidden size
+    zero3_prefetch_bucket: int | None = None
+    zero3_persistence_threshold: int | None = None
+    zero3_reduce_bucket: int | None = None
+
+    @property
+    def tokens(self) -> int:  # per micro-batch
+        return self.batch * self.context
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.tokens * self.grad_accum
+
+    @property
+    def c(self) -> int:  # bytes per element of the compute dtype
+        return 2 if _is_bf16(self.dtype) else 4
+
+
+def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dtype: str = "bfloat16",
+               backend: str = "megatrain", engine_config: Any = None, **knobs: Any) -> Point:
+    """Validate inputs into a Point. `engine_config` (an EngineConfig or anything with its attribute
+    names) supplies num_buffers, loss_chunk_tokens, offload_activations, mlp_tile_tokens,
+    device_budget_bytes, optimizer_overlap and compute_dtype."""
+    m = resolve_model(model)
+    if engine_config is not None:
+        dtype = getattr(engine_config, "compute_dtype", dtype)
+        for k in ("num_buffers", "loss_chunk_tokens", "offload_activations", "mlp_tile_tokens",
+                  "device_budget_bytes", "optimizer_overlap"):
+            if hasattr(engine_config, k):
+                knobs.setdefault(k, getattr(engine_config, k))
+    if "tile_tokens" in knobs:  # the planner's name before it took the engine's
+        warnings.warn("tile_tokens is deprecated: use mlp_tile_tokens (EngineConfig's name)", DeprecationWarning,
+                      stacklevel=3)
+        knobs.setdefault("mlp_tile_tokens", knobs.pop("tile_tokens"))
+    if "host_master" in knobs:  # EngineConfig's name for the same knob
+        knobs["master"] = knobs.pop("host_master")
+    unknown = set(knobs) - {f.name for f in dataclasses.fields(Point)}
+    if unknown:
+        raise ValueError(f"unknown planner setting(s) {sorted(unknown)}")
+    for name, v in (("context", context), ("batch", batch), ("grad_accum", grad_accum),
+                    ("num_buffers", knobs.get("num_buffers", 2)),
+                    ("loss_chunk_tokens", knobs.get("loss_chunk_tokens", 1))):
+        if v == "auto" and name == "loss_chunk_tokens":
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be an int >= 1" + (" or 'auto'" if name == "loss_chunk_tokens" else ""))
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS}")
+    _is_bf16(dtype)  # raises on an unknown dtype
+    _is_bf16(knobs.get("host_grad_dtype", "float32"))
+    if knobs.get("master", "fp32") not in MASTERS:
+        raise ValueError(f"master={knobs['master']!r}: use one of {MASTERS}")
+    off = knobs.get("offload_activations", "auto")
+    if off not in (True, False, "auto"):
+        raise ValueError(f"offload_activations={off!r}: use True, False or 'auto'")
+    tile = knobs.get("mlp_tile_tokens", "auto")
+    if not (tile is None or tile == "auto" or (isinstance(tile, int) and not isinstance(tile, bool) and tile >= 1)):
+        raise ValueError(f"mlp_tile_tokens={tile!r}: use None (untiled), 'auto' or an int >= 1")
+    if knobs.get("zero_stage", 3) not in (2, 3):
+        raise ValueError(f"zero_stage={knobs['zero_stage']!r}: the planner models ZeRO-2 and ZeRO-3 offload (2 or 3)")
+    for k in ("zero3_prefetch_bucket", "zero3_persistence_threshold", "zero3_reduce_bucket"):
+        v = knobs.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"{k}={v!r} must be an int >= 0 (elements) or None (the documented tuning)")
+    dtype = "bfloat16" if _is_bf16(dtype) else "float32"
+    return Point(model=m, context=context, batch=batch, grad_accum=grad_accum, dtype=dtype, backend=backend, **knobs)
+
+
+def with_point(p: Point, **changes: Any) -> Point:
+    return dataclasses.replace(p, **changes)
+
+
+def master_bytes(p: Point) -> tuple[int, int]:
+    """(host master bytes/param, bf16 shadow bytes/param) of the streamed layers (costs/modes.py)."""
+    master = HostMaster(p.master)
+    return MASTER_BYTES[master], (SHADOW_BYTES if master is HostMaster.FP32 and p.c == 2 else 0)
+
+
+def layer_grad_bytes(p: Point) -> int:
+    """Host gradient slab bytes/param of the streamed layers: none with the optimizer in backward."""
+    return 0 if p.optimizer_in_backward else GRAD_BYTES[GradSlab(p.host_grad_dtype)]
+
+
+def engine_refusal(p: Point) -> str | None:
+    """Why EngineConfig / the engine would refuse this point's host-memory mode, or None."""
+    master, bf16 = HostMaster(p.master), p.c == 2
+    if master is not HostMaster.FP32 and not bf16:
+        return f"host_master={p.master!r} needs bf16 compute"
+    if GradSlab(p.host_grad_dtype) is GradSlab.BFLOAT16 and not p.optimizer_in_backward:
+        if not bf16:
+            return "bf16 gradient slabs need bf16 compute"
+        if p.grad_accum > 1:
+            return "bf16 gradient slabs refuse gradient accumulation"
+    if p.optimizer_in_backward:
+        if p.grad_accum > 1:
+            return "optimizer_in_backward refuses gradient accumulation"
+        if p.grad_clip:
+            return "optimizer_in_backward refuses gradient clipping"
+        if p.optimizer_overlap:
+            return "optimizer_in_backward and optimizer_overlap are exclusive"
+    return None
+
+
+def aliases_globals(p: Point, hw: Hardware) -> bool:
+    """Whether the engine's device embedding/head/norm are the host masters themselves: on a CPU
+    device computing in FP32 it aliases them (Engine._alias_globals), so they are never copied."""
+    return hw.unified_memory and p.c == 4

@@ -1,0 +1,359 @@
+"""Seconds per component of a step at a point, by backend: the compute model (FLOPs at the sustained
+rate, elementwise traffic at device bandwidth, the profile's fixed costs); megatrain's step as the
+engine's pipeline replayed (pipeline_sim.py) with its optimizer modes and the resident parameters' I/O;
+DeepSpeed ZeRO-3 / ZeRO-2 offload from its mechanisms (zero3_model.py); plain PyTorch; the link crossover."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hardware import GB, Hardware, _is_bf16
+from .memory import LOSS_BYTES_EXTRA, zero3_sizes
+from .pipeline_sim import LayerCosts, simulate_step
+from .point import Point, aliases_globals, master_bytes
+from .zero3_model import PassCost, Step, Submodule, decoder_layer_submodules, run_pass
+
+# Memory-bound traffic of a layer's forward (norms, RoPE, residual adds, SiLU*up), elements read
+# + written per token: an estimate from the op list, small next to the GEMMs on a GPU.
+ELEM_H, ELEM_I = 20.0, 5.0
+# Flash/memory-efficient attention backward recomputes the scores: 5 GEMMs vs 2 forward.
+ATTN_BWD_RATIO = 2.5
+PAGEABLE_LINK_FRACTION = 0.5  # assumption: pageable copies reach about half the pinned rate
+
+
+@dataclass
+class LayerTime:
+    """Seconds for one streamed decoder layer in one micro-batch."""
+
+    fwd_compute: float
+    fwd_h2d: float
+    fwd_d2h: float
+    fwd: float
+    bwd_compute: float
+    bwd_h2d: float
+    bwd_d2h: float  # includes the host-side gradient accumulation on the d2h lane
+    bwd: float
+
+
+@dataclass
+class Time:
+    layer: LayerTime
+    forward_s: float  # per micro-batch, all layers
+    backward_s: float
+    head_s: float
+    fill_drain_s: float  # megatrain: per step, the wait for the last gradients after backward (the first
+    #                      load is inside forward_s); zero3: per micro-batch, first fetch + last gradient
+    embed_io_s: float  # per step: embedding/head upload and gradient download (none on a CPU device in FP32)
+    optimizer_s: float  # CPU (megatrain, zero3) or device (torch) optimizer, as it adds to the step
+    optimizer_busy_s: float  # its full run time, overlapped or not
+    step_s: float
+    copy_wait_s: float  # per step: time the compute stream waits on copies (the engine's copy_wait_s)
+    busy_s: dict[str, float]  # per resource, over the step
+    h2d_bytes: int
+    d2h_bytes: int
+    bottleneck: str
+
+
+def layer_flops(p: Point) -> tuple[float, float, float]:
+    """(GEMM FLOPs, attention FLOPs, elementwise bytes) of one decoder layer's forward, one micro-batch."""
+    m, T = p.model, p.tokens
+    lin = 2.0 * m.layer_params() * T
+    attn = 2.0 * m.hidden * p.context * T  # causal QK^T + AV: 4 h s T x 1/2
+    elem = T * (ELEM_H * m.hidden + ELEM_I * m.intermediate) * p.c
+    return lin, attn, elem
+
+
+def layer_compute(p: Point, hw: Hardware) -> tuple[float, float, float]:
+    """(forward, recompute, backward-only) seconds of one decoder layer for one micro-batch: FLOPs at
+    the sustained rate, elementwise traffic at device memory bandwidth, and the profile's fixed cost
+    per layer per phase (hw.layer_overhead_*_s: binding weights, dispatch, events, the pipeline's own
+    work; measured through the engine on the CPU profile). The backward phase's fixed cost is charged
+    once, on backward-only (the recompute runs in the same phase)."""
+    R = hw.sustained_flops(p.dtype)
+    lin, attn, elem_bytes = layer_flops(p)
+    elem = elem_bytes / (hw.device_memory_bw_gbs * GB)
+    fwd = (lin + attn) / R + elem
+    bwd_only = (2 * lin + ATTN_BWD_RATIO * attn) / R + elem
+    return fwd + hw.layer_overhead_fwd_s, fwd, bwd_only + hw.layer_overhead_bwd_s
+
+
+def sustained_from_layer_time(p: Point, hw: Hardware, seconds: float) -> float:
+    """The `sustained` fraction of peak at which this model's layer compute (forward + recompute +
+    backward, as layer_compute charges it, the profile's fixed per-layer costs included) takes
+    `seconds`: a profile number from a measured layer (megatrain/measure.py, layer_seconds), not from a
+    measured step."""
+    lin, attn, elem_bytes = layer_flops(p)
+    elem = elem_bytes / (hw.device_memory_bw_gbs * GB)
+    flops = 4 * lin + (2 + ATTN_BWD_RATIO) * attn
+    fixed = 3 * elem + hw.layer_overhead_fwd_s + hw.layer_overhead_bwd_s
+    return flops / (seconds - fixed) / hw.peak_flops(p.dtype)
+
+
+def head_compute(p: Point, hw: Hardware, recompute_logits: bool) -> float:
+    """LM head + cross-entropy for one micro-batch. The chunked loss recomputes each chunk's logits
+    in backward (8 V h T FLOPs); HF's keeps them (6 V h T)."""
+    m, T, c = p.model, p.tokens, p.c
+    R = hw.sustained_flops(p.dtype)
+    Bd = hw.device_memory_bw_gbs * GB
+    gemm = (8.0 if recompute_logits else 6.0) * m.vocab * m.hidden * T
+    # softmax/CE traffic over every logit, forward and backward
+    elem = 2 * T * m.vocab * (c + LOSS_BYTES_EXTRA) / Bd
+    return gemm / R + elem
+
+
+def _optimizer_bytes_per_param(master: int, grad: int, shadow: int, clip: bool) -> int:
+    # read+write master, m, v; read grad; write the streamed copy; zero the grad; read it for clipping
+    return 2 * master + 16 + grad + shadow + grad + (grad if clip else 0)
+
+
+def _engine_accum_bytes(p: Point) -> int:
+    """Host bytes per layer-parameter to add a device gradient into its slab: the engine always adds
+    (read the gradient, read + write the slab), on either device type."""
+    return p.c + 2 * (2 if _is_bf16(p.host_grad_dtype) else 4)
+
+
+@dataclass(frozen=True)
+class GlobalsIO:
+    """What the engine spends on embedding/head/norm and their gradients (engine.py), on the compute
+    thread, outside the copy streams."""
+
+    add_s: float  # per micro-batch: adding the head/norm and embedding-row gradients into the host slabs
+    down_s: float  # per micro-batch: bringing those gradients to the host
+    up_s: float  # per step: refreshing the device copies after the optimizer
+    down_bytes: int  # link bytes per micro-batch
+    up_bytes: int  # link bytes per step
+
+
+def globals_io(p: Point, hw: Hardware) -> GlobalsIO:
+    """Per device type, as engine.py does it:
+      - a CPU device in FP32 aliases them to the host masters (Engine._alias_globals): nothing moves;
+      - a CPU device in bf16 casts them (host memory traffic, no link);
+      - CUDA uploads them (pinned masters) after each optimizer step and brings the head/norm gradient
+        and the embedding lookup's T x h gradient down per micro-batch into pinned staging, on the copy
+        stream, where a host thread adds them (global_grads.py): off the compute thread (async_globals)."""
+    m, c, T, h = p.model, p.c, p.tokens, p.model.hidden
+    resident, grads = m.embed_params() + h, m.vocab * h + h + T * h
+    Bh = hw.host_bw_bps
+    add = grads * 3 * 4 / Bh  # read the gradient, read + write the FP32 slab
+    if aliases_globals(p, hw):
+        return GlobalsIO(add, 0.0, 0.0, 0, 0)
+    if hw.unified_memory:
+        return GlobalsIO(add, grads * (c + 4) / Bh, resident * (4 + c) / Bh, 0, 0)
+    # CUDA: the staging (compute dtype) read, the FP32 slab read and written
+    return GlobalsIO(grads * (c + 8) / Bh, grads * c / hw.link_bps, resident * c / hw.link_bps, grads * c, resident * c)
+
+
+def async_globals(io: GlobalsIO, costs: LayerCosts) -> tuple[float, float] | None:
+    """(copy, add) seconds of the resident parameters' gradients on the copy and reduce lanes (CUDA), or None
+    when they are added on the compute thread (a CPU device)."""
+    return (io.down_s, io.add_s) if costs.cuda else None
+
+
+def layer_costs(p: Point, hw: Hardware, offload: bool) -> LayerCosts:
+    m, c = p.model, p.c
+    fwd_c, rec_c, bwd_only = layer_compute(p, hw)
+    Bl = hw.link_bps
+    return LayerCosts(fwd=fwd_c, bwd=rec_c + bwd_only, load=m.layer_params() * c / Bl,
+                       act=p.tokens * m.hidden * c / Bl if offload else 0.0, grad=m.layer_params() * c / Bl,
+                       reduce=m.layer_params() * _engine_accum_bytes(p) / hw.host_bw_bps,
+                       cuda=not hw.unified_memory)
+
+
+def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | None = None) -> Time:
+    """`owned_layers`: decoder layers whose optimizer update this process runs (all of them by default;
+    a data-parallel rank of a node whose optimizer is sharded by layer runs its share, planner/multi.py)."""
+    m, c, T, L, g = p.model, p.c, p.tokens, p.model.num_layers, p.grad_accum
+    own = L if owned_layers is None else owned_layers
+    PL, h = m.layer_params(), m.hidden
+    costs = layer_costs(p, hw, offload)
+    io = globals_io(p, hw)
+    # the head, its loss, the global gradients' adds (on this thread off CUDA), and the engine's fixed work
+    # per micro-batch outside the layers
+    off = async_globals(io, costs)
+    head = head_compute(p, hw, recompute_logits=True) + (0.0 if off else io.add_s) + hw.microbatch_overhead_s
+    sim, fwd_s, bwd_s, drain = simulate_step(p, costs, head + (0.0 if off else io.down_s), off)
+    embed_io = (0.0 if off else g * io.down_s) + io.up_s  # what the compute thread spends on them
+    mb, shadow = master_bytes(p)
+    gb = 2 if _is_bf16(p.host_grad_dtype) else 4
+    per_param = _optimizer_bytes_per_param(mb, gb, shadow, p.grad_clip)
+    opt_busy = (m.param_count() - (L - own) * PL) * per_param / hw.optimizer_bps
+    if p.optimizer_in_backward:
+        # Each layer's update queued on one host thread as its gradients land (backward order): step()
+        # waits for the last one (layer 0, whose backward is last), then updates the globals.
+        u = PL * per_param / hw.optimizer_bps
+        opt_globals = (m.param_count() - L * PL) * per_param / hw.optimizer_bps
+        opt_added = opt_globals + max(u, own * u - bwd_s + bwd_s / L)
+    elif p.optimizer_overlap:
+        # As EngineConfig(optimizer_overlap=True) runs it (engine/optim.py): the globals update in step(),
+        # the layers on a host thread in forward order while the next forward runs, each layer's forward
+        # waiting for its update. With u per layer update and f per layer forward, the first micro-batch's
+        # forward ends at max(L u + f, u + L f) instead of L f.
+        u = PL * per_param / hw.optimizer_bps
+        f_mb = fwd_s / g
+        opt_globals = (m.param_count() - L * PL) * per_param / hw.optimizer_bps
+        opt_added = opt_globals + max(own * u - f_mb + f_mb / L, u)
+    else:
+        opt_added = opt_busy
+    step = sim.t + opt_added + io.up_s
+    jobs = sim.bytes_jobs
+    act = T * h * c
+    h2d_bytes = jobs["load"] * PL * c + jobs["act_in"] * act + io.up_bytes
+    d2h_bytes = jobs["grad"] * PL * c + jobs["act_out"] * act + g * io.down_bytes
+    Bl = hw.link_bps
+    busy = {
+        "compute": g * (L * (costs.fwd + costs.bwd) + head),
+        "link h2d": h2d_bytes / Bl,
+        "link d2h": d2h_bytes / Bl if costs.cuda else max(d2h_bytes / Bl, g * L * costs.reduce),
+        "host optimizer": opt_busy,
+    }
+    k = p.num_buffers
+    over = max if k >= 2 else (lambda *xs: sum(xs))
+    grad_lane = costs.grad if costs.cuda else max(costs.grad, costs.reduce)
+    layer = LayerTime(costs.fwd, costs.load, costs.act, over(costs.fwd, costs.load, costs.act), costs.bwd,
+                      costs.load + costs.act, grad_lane, over(costs.bwd, costs.load + costs.act, grad_lane))
+    return Time(layer, fwd_s / g, bwd_s / g, head, drain, embed_io, opt_added, opt_busy, step,
+                sim.wait, busy, int(h2d_bytes), int(d2h_bytes), _bottleneck(busy, p.optimizer_overlap))
+
+
+def cpu_adam_rate(hw: Hardware) -> float:
+    """DeepSpeedCPUAdam parameters/s on this host: the profile's measured rate; a profile without one
+    falls back to a DRAM stream of AdamW's bytes (an upper bound: DeepSpeed's kernel is slower)."""
+    if hw.cpu_adam_params_per_s:
+        return hw.cpu_adam_params_per_s
+    return hw.host_bw_bps / _optimizer_bytes_per_param(4, 4, 0, False)
+
+
+def _zero3_passes(p: Point, hw: Hardware) -> tuple[PassCost, PassCost, float]:
+    """(forward pass, backward pass incl. recompute, gradient bytes device->host) for one micro-batch."""
+    m, c, L = p.model, p.c, p.model.num_layers
+    R = hw.sustained_flops(p.dtype)
+    Bh = hw.host_bw_bps
+    lin, attn, elem_b = layer_flops(p)
+    elem = elem_b / (hw.device_memory_bw_gbs * GB)
+    fwd = (lin + attn) / R + elem
+    bwd = (2 * lin + ATTN_BWD_RATIO * attn) / R + elem
+    mods = decoder_layer_submodules(m.hidden, m.kv_heads * m.head_dim, m.intermediate, m.family == "qwen2",
+                                    (attn / R) / fwd)
+    z = zero3_sizes(p)
+    stage3 = p.zero_stage == 3
+
+    def fetched(sub: Submodule) -> int:
+        return sum(n for n in sub.params if n > z["persistence"]) if stage3 else 0
+
+    emb = m.vocab * m.hidden
+    head_c = head_compute(p, hw, recompute_logits=False)
+    head_params = () if m.tie_embeddings else (emb,)
+    # forward: embedding, the layers, final norm, LM head (a tied head re-fetches the embedding)
+    fsteps = [Step(fetched(Submodule("embed", (emb,), 0)), 0.0)]
+    for _ in range(L):
+        fsteps += [Step(fetched(s), s.compute_share * fwd) for s in mods]
+    fsteps += [Step(0, 0.0), Step(fetched(Submodule("lm_head", head_params or (emb,), 0)), head_c / 3)]
+    # backward: per parameter a gradient hook; every reduce_bucket elements a flush that also casts
+    # the bucket to FP32 on the host (read compute dtype, write FP32)
+    bucket, flushes = [0], [0.0]
+
+    def grads(n_params: tuple[int, ...]) -> float:
+        extra = len(n_params) * hw.zero3_param_grad_hook_s
+        bucket[0] += sum(n_params)
+        while bucket[0] >= z["reduce"]:
+            bucket[0] -= z["reduce"]
+            extra += hw.zero3_bucket_flush_s + z["reduce"] * ((c + 4) / Bh + hw.zero3_grad_elem_s)
+            flushes[0] += 1
+        return extra
+
+    bsteps = [Step(fetched(Submodule("lm_head", head_params or (emb,), 0)), 2 * head_c / 3,
+                   grads(head_params or (emb,)))]
+    for _ in range(L):
+        if p.gradient_checkpointing:  # HF recomputes the layer's forward inside its backward
+            bsteps += [Step(fetched(s), s.compute_share * fwd) for s in mods]
+        bsteps += [Step(fetched(s), s.compute_share * bwd, grads(s.params)) for s in reversed(mods)]
+    bsteps.append(Step(fetched(Submodule("embed", (emb,), 0)), 0.0, grads((emb,) if head_params else ())))
+    hook = hw.zero3_module_hook_s if stage3 else 0.0
+    link = hw.link_bps * (1.0 if p.zero3_pin_memory else PAGEABLE_LINK_FRACTION)
+    overlap = _zero3_overlaps(p, hw)
+    fp = run_pass(fsteps, c, link, hook, z["prefetch"], overlap)
+    bp = run_pass(bsteps, c, link, hook, z["prefetch"], overlap)
+    return fp, bp, float(m.param_count() * c)
+
+
+def _zero3_overlaps(p: Point, hw: Hardware) -> bool:
+    """Whether fetches, hooks and compute can run side by side. With a CPU as the device there is no
+    asynchronous device or copy engine: DeepSpeed's gathers, its hooks and the layers' compute all run
+    on the calling thread, one after the other (measured: results/zero3_mechanisms)."""
+    return p.zero3_overlap and not hw.unified_memory
+
+
+def zero3_time(p: Point, hw: Hardware) -> Time:
+    """DeepSpeed ZeRO-3 (zero_stage=3) or ZeRO-2 (zero_stage=2) offload, from its mechanisms
+    (zero3_model.py): per-submodule fetches with DeepSpeed's lookahead and event limit, host hooks,
+    gradient buckets with their FP32 cast, DeepSpeedCPUAdam at the host's measured rate after backward,
+    and for ZeRO-2 the updated parameters' upload."""
+    m, c, L = p.model, p.c, p.model.num_layers
+    Bl = hw.link_bps * (1.0 if p.zero3_pin_memory else PAGEABLE_LINK_FRACTION)
+    Bh = hw.host_bw_bps
+    fp, bp, grad_bytes = _zero3_passes(p, hw)
+    # gradients leave on their own lane (overlap_comm); the backward cannot end before they have
+    d2h_s = grad_bytes / Bl
+    backward = max(bp.seconds, d2h_s) if _zero3_overlaps(p, hw) else bp.seconds + d2h_s
+    g = p.grad_accum
+    P = m.param_count()
+    opt = P / cpu_adam_rate(hw)
+    if p.grad_clip:
+        opt += P * 4 / Bh  # the global norm over the FP32 gradient partition
+    upload = P * c / Bl if p.zero_stage == 2 else 0.0  # ZeRO-2: updated parameters back to the device
+    step = g * (fp.seconds + backward) + opt + upload
+    h2d_bytes = g * (fp.fetched_elements + bp.fetched_elements) * c + (P * c if p.zero_stage == 2 else 0)
+    d2h_bytes = g * grad_bytes
+    compute = fp.compute_s + bp.compute_s
+    busy = {"compute": g * compute, "link h2d": h2d_bytes / Bl, "link d2h": d2h_bytes / Bl,
+            "host optimizer": opt, "host hooks": g * (fp.host_s + bp.host_s)}
+    wait = g * (fp.seconds + backward - compute)
+    layer = LayerTime(fp.compute_s / L, fp.fetch_s / L, 0.0, fp.seconds / L, bp.compute_s / L, bp.fetch_s / L,
+                      d2h_s / L, backward / L)
+    return Time(layer, fp.seconds, backward, 0.0, 0.0, upload, opt, opt, step, wait, busy,
+                int(h2d_bytes), int(d2h_bytes), _bottleneck(busy, False))
+
+
+def torch_time(p: Point, hw: Hardware) -> Time:
+    m, L = p.model, p.model.num_layers
+    fwd_c, rec_c, bwd_only = layer_compute(p, hw)
+    bwd_c = bwd_only + (rec_c if p.gradient_checkpointing else 0.0)
+    head = head_compute(p, hw, recompute_logits=False)
+    per_param = _optimizer_bytes_per_param(4, 4, 0, p.grad_clip)
+    bw = hw.optimizer_bps if hw.unified_memory else hw.device_memory_bw_gbs * GB
+    opt = m.param_count() * per_param / bw
+    micro = L * (fwd_c + bwd_c) + head
+    step = p.grad_accum * micro + opt
+    busy = {"compute": p.grad_accum * micro, "link h2d": 0.0, "link d2h": 0.0, "device optimizer": opt}
+    layer = LayerTime(fwd_c, 0.0, 0.0, fwd_c, bwd_c, 0.0, 0.0, bwd_c)
+    return Time(layer, L * fwd_c, L * bwd_c, head, 0.0, 0.0, opt, opt, step, 0.0, busy, 0, 0,
+                _bottleneck(busy, False))
+
+
+def _bottleneck(busy: dict[str, float], opt_overlapped: bool) -> str:
+    compute = busy["compute"]
+    link = max(busy["link h2d"], busy["link d2h"])
+    opt = busy.get("host optimizer", busy.get("device optimizer", 0.0))
+    cands = {"compute": compute, "link": link, "optimizer": opt}
+    if "host hooks" in busy:
+        cands["host hooks"] = busy["host hooks"]
+    if opt_overlapped:
+        cands["optimizer"] = opt if opt > compute else 0.0
+    return max(cands, key=lambda k: cands[k])
+
+
+def link_crossover_tokens(p: Point, hw: Hardware) -> float:
+    """Tokens per micro-batch at which a layer's forward compute equals its weight transfer
+    (N = Phi / B for bf16 weights, 2 Phi / B for fp32, attention and elementwise included, and the
+    profile's fixed cost per layer, which hides part of the transfer at any size): below it the link
+    is the bottleneck, above it compute is."""
+    fwd_c, _, _ = layer_compute(p, hw)
+    per_token = (fwd_c - hw.layer_overhead_fwd_s) / p.tokens  # linear in T at fixed context
+    load = p.model.layer_params() * p.c / hw.link_bps
+    return max(0.0, load - hw.layer_overhead_fwd_s) / per_token
+
+
+def crossover_closed_form(hw: Hardware, dtype: str) -> float:
+    """Phi / B for bf16 weights (2 Phi / B for fp32): GEMM-only forward, sustained rate, achieved link."""
+    c = 2 if _is_bf16(dtype) else 4
+    return c * hw.sustained_flops(dtype) / (2 * hw.link_bps)

@@ -1,0 +1,61 @@
+"""The layer pipeline's issue order is defined once (megatrain/costs/pipeline.py): the engine's LayerPipeline
+runs it and the planner's simulator replays it. Both are checked against that one definition, over two
+micro-batches so the layers still resident at the forward/backward turn and across micro-batches count."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_batches, tiny_model
+
+from megatrain.config import EngineConfig
+from megatrain.costs import pipeline as order
+from megatrain.engine import Engine
+from megatrain.planner.pipeline_sim import LayerCosts, simulate_step
+from megatrain.planner.point import make_point
+
+MICRO_BATCHES = 2
+
+
+def defined(n_layers: int, k: int) -> tuple[list[int], list[tuple[str, int]]]:
+    """(layers in weight-copy order, (phase, layer) in compute order) as costs/pipeline.py defines them."""
+    buffers = order.DeviceBuffers(k)
+    loads, computes = [], []
+    for _ in range(MICRO_BATCHES):
+        for steps in (order.forward_steps(buffers, n_layers), order.backward_steps(buffers, n_layers)):
+            for s in steps:
+                if s.op == order.LOAD:
+                    loads.append(s.layer)
+                elif s.op in (order.FORWARD, order.BACKWARD):
+                    computes.append(("fwd" if s.op == order.FORWARD else "bwd", s.layer))
+    return loads, computes
+
+
+def test_the_order_keeps_the_last_layers_resident_at_the_turn():
+    loads, computes = defined(5, 2)
+    # forward loads every layer; backward starts on the two still resident (4, 3), and so does the next
+    # micro-batch's forward (0, 1)
+    assert loads[:5] == [0, 1, 2, 3, 4] and loads[5:8] == [2, 1, 0] and loads[8:10] == [2, 3]
+    assert computes[:10] == [("fwd", i) for i in range(5)] + [("bwd", i) for i in reversed(range(5))]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_the_engine_issues_the_defined_order(k):
+    n_layers = 5
+    eng = Engine(tiny_model("llama", layers=n_layers), EngineConfig(trace=True, num_buffers=k))
+    for batch in make_batches(MICRO_BATCHES):
+        eng.backward(eng(**batch).loss)
+    eng.collect_stats()
+    records = sorted(eng.trace, key=lambda r: r.t_start)
+    loads = [r.layer for r in records if r.stream == "h2d" and r.kind == "load"]
+    computes = [(r.kind, r.layer) for r in records if r.stream == "compute" and r.kind in ("fwd", "bwd")]
+    assert (loads, computes) == defined(n_layers, k)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_the_planner_replays_the_defined_order(k):
+    p = make_point("tiny", 64, 1, MICRO_BATCHES, "float32", num_buffers=k)
+    costs = LayerCosts(fwd=1.0, bwd=2.0, load=0.5, act=0.0, grad=0.1, reduce=0.1, cuda=False)
+    sim = simulate_step(p, costs, head=0.3)[0]
+    loads = [layer for lane, kind, layer, _, _ in sim.spans if lane == "h2d" and kind == "load"]
+    computes = [(kind, layer) for lane, kind, layer, _, _ in sim.spans if lane == "compute" and kind in ("fwd", "bwd")]
+    assert (loads, computes) == defined(p.model.num_layers, k)
