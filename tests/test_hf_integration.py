@@ -280,3 +280,25 @@ def test_a_plain_trainer_script_with_a_megatrain_section_trains_on_megatrain(tmp
     assert routed["engine"] == "MegaTrainEngine" and not routed["imported_before"] and len(routed["losses"]) == 2
     # Control: with the guard switched off the very same script does train on real DeepSpeed.
     assert engine({"MEGATRAIN_DEEPSPEED_GUARD": "0"})["engine"] == "DeepSpeedEngine"
+
+
+def test_trainer_example_without_launcher_variables_trains_to_the_end_with_plain_losses(tmp_path):
+    """`python examples/hf_trainer.py` as a single-GPU user runs it: no torchrun variables. It used to stop at
+    the first logging step (Trainer's nested_gather found no process group)."""
+    bare = {k: v for k, v in _env().items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                                                        "LOCAL_RANK")}
+
+    def losses(*argv: str) -> dict:
+        report = tmp_path / f"{argv[-1]}.json"
+        r = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_trainer.py"), "--output_dir",
+                            str(tmp_path / argv[-1]), "--report", str(report), *argv], cwd=tmp_path, env=bare,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-4000:]
+        return json.loads(report.read_text())
+
+    mt = losses("--backend", "megatrain")
+    plain = losses("--backend", "torch")
+    assert mt["engine"] == "MegaTrainEngine" and mt["engine_global_steps"] == 8
+    steps = [str(i) for i in range(1, 9)]
+    assert sorted(mt["losses"], key=int) == steps
+    assert max(abs(mt["losses"][s] - plain["losses"][s]) for s in steps) <= TOL

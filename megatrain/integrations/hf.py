@@ -63,6 +63,16 @@ def _refusal(where: str) -> MegaTrainSectionError:
         "to train on DeepSpeed, remove the 'megatrain' section")
 
 
+def _one_rank_group() -> None:
+    """A one-rank process group for a plain `python script.py` (no launcher variables), where Trainer and
+    accelerate expect one once DeepSpeed is configured (Trainer's `nested_gather` at the first logging step).
+    An in-memory store: nothing listens on a port."""
+    import torch.distributed as dist
+
+    if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
 def install() -> None:
     """Route `deepspeed.initialize` by config and make DeepSpeed's config parser refuse a "megatrain" section.
 
@@ -87,6 +97,8 @@ def install() -> None:
     def initialize(args: Any = None, *rest: Any, **kwargs: Any) -> Any:
         if has_megatrain_section(_route_config(args, kwargs)):
             from .. import initialize as mt_initialize
+
+            _one_rank_group()
 
             return mt_initialize(args, *rest, **kwargs)
         return real_initialize(args, *rest, **kwargs)
