@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments.runner import _child_env
+from experiments.execute import child_env
 from experiments.spec import Point
 
 REPO = Path(__file__).resolve().parent.parent
@@ -151,7 +151,7 @@ def run_point(model: str, backend: str, seq: int, max_pos: int, budget: int, tim
         {"model": model, "backend": backend, "seq": seq, "max_pos": max_pos, "budget": budget, "result": str(result)})]
     t0 = time.perf_counter()
     with (log_dir / f"{backend}-{seq}.log").open("w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=_child_env(_point(model, backend, seq, max_pos)), stdout=log,
+        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(_point(model, backend, seq, max_pos)), stdout=log,
                                 stderr=subprocess.STDOUT)
         status = None
         while True:

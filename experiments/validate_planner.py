@@ -457,7 +457,7 @@ def validate_backends(model: str = "small-7m", contexts: tuple[int, ...] = (128,
     here), so its fetch model is not exercised."""
     import tempfile
 
-    from experiments.runner import run_point_subprocess
+    from experiments.execute import run_point_subprocess
     from experiments.spec import Point
     from megatrain.planner import bench_cpu, get_hardware, plan
     from megatrain.planner.estimate import BACKENDS
