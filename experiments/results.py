@@ -204,11 +204,6 @@ def read_rows(path: str | Path, dedupe: bool = True) -> pd.DataFrame:
     return df
 
 
-def recorded_ids(path: str | Path) -> set[str]:
-    df = read_rows(path)
-    return set(df["point_id"].astype(str)) if len(df) else set()
-
-
 def rewrite(path: str | Path, df: pd.DataFrame) -> None:
     """Atomically replace the file with `df` (under today's columns), e.g. to drop superseded rows."""
     path = Path(path)

@@ -1,4 +1,4 @@
-"""The GPU check (experiments/gpu_check.py): its dry run on the CPU, its failure isolation, its summary
+"""The GPU check (experiments/gpu_check/): its dry run on the CPU, its failure isolation, its summary
 arithmetic, the wheel list it carries; and, where CUDA exists, its checks of the CUDA path itself."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
   accumulation refused.
 - optimizer_in_backward: bit-identical to the ordinary step (no clipping, one micro-batch); clipping,
   accumulation and a skipped step refused loudly.
-- host_master="bf16": runs, is not exact, and says so (its cost is measured by experiments/host_modes_study.py).
+- host_master="bf16": runs, is not exact, and says so (its cost is measured by experiments/studies/host_modes_study.py).
 Each has a negative control that breaks the mechanism and must see a difference.
 """
 

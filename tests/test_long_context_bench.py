@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import long_context_bench as bench
+from experiments.studies import long_context as bench
 
 
 def _rows(out: Path) -> list[dict]:

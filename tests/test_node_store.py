@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from experiments.host_memory import POINTS, measure
+from experiments.studies.scaling_host_memory import POINTS, measure
 from megatrain.config import EngineConfig
 from megatrain.engine.node_store import NodeStore, shard_optimizer_state, topology_of
 

@@ -223,11 +223,11 @@ def test_check_model_cli(capsys):
 
 
 def test_the_compatibility_table_covers_every_causal_lm_and_reprobes_the_same():
-    from experiments.compat_table import probe_type
+    from experiments.studies.compat import probe_type
     from megatrain.check import causal_lm_types
 
     rows = {r["model_type"]: r for r in csv.DictReader((ROOT / "results" / "compat" / "compat.csv").open())}
-    assert sorted(rows) == causal_lm_types(), "the table is stale: run python -m experiments.compat_table"
+    assert sorted(rows) == causal_lm_types(), "the table is stale: run python -m experiments.studies.compat"
     by_status = {}
     for t, r in sorted(rows.items()):
         by_status.setdefault(r["status"], []).append(t)

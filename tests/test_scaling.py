@@ -1,4 +1,4 @@
-"""experiments/scaling.py's predicted rows and the PSS reader it measures host memory with."""
+"""experiments/studies/scaling.py's predicted rows and the PSS reader it measures host memory with."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from experiments import scaling
+from experiments.studies import scaling
 from megatrain.metrics.pss import memory_rollup, pss_bytes, rss_bytes
 
 

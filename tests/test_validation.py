@@ -1,11 +1,11 @@
-"""A small version of experiments/validate_planner.py: the planner's step time against the engine's,
+"""A small version of experiments/studies/validation.py: the planner's step time against the engine's,
 at one emulated link slow enough to be link-bound and one unthrottled (compute-bound) link."""
 
 from __future__ import annotations
 
 import pytest
 
-from experiments.validate_planner import bend_gbps, overhead_tokens, validate
+from experiments.studies.validation import bend_gbps, overhead_tokens, validate
 from megatrain.models.presets import get_preset
 
 # The issue's target for every point. The link-bound point is checked against it: its step is set by
@@ -83,7 +83,7 @@ def test_peak_host_memory_prediction_within_target():
     # glibc's mmap threshold fixed, freed transients leave RSS, so this checks the planner's model of the
     # bytes the engine holds; with glibc's default the allocator's retention comes on top (reported in
     # results/validation/host_memory.csv, not bounded here).
-    from experiments.validate_planner import HOST_ALLOCATORS, validate_host
+    from experiments.studies.validation import HOST_ALLOCATORS, validate_host
 
     fixed = {k: v for k, v in HOST_ALLOCATORS.items() if v is not None}
     (row,) = validate_host(["small-7m"], context=128, warmup=1, steps=1, allocators=fixed, log=lambda *_: None)
@@ -97,7 +97,7 @@ def test_backend_validation_measures_and_predicts_each_backend(tmp_path):
     # The plumbing of `--backends`: every backend point runs through the harness in its own process and
     # meets its own plan; ratios are against torch at the same context (zero3 has its own test module,
     # which needs the DeepSpeed build; here the two cheap backends).
-    from experiments.validate_planner import validate_backends
+    from experiments.studies.validation import validate_backends
 
     rows = validate_backends("tiny", contexts=(48,), backends=("megatrain", "torch"), steps=2, work_dir=tmp_path,
                              quick_bench=True, log=lambda *_: None)

@@ -1,5 +1,5 @@
 """The planner's DeepSpeed ZeRO-3/ZeRO-2 offload model (megatrain/planner/zero3_model.py, step_time.zero3_time)
-and the fit of its constants (experiments/zero3_validate.py)."""
+and the fit of its constants (experiments/studies/zero3_mechanisms_validate.py)."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_zero2_keeps_parameters_on_the_device_and_uploads_them_after_the_step():
 def test_fit_recovers_known_constants():
     """The fitting code, on synthetic microbenchmark rows made from known constants (parity);
     negative control: other constants give another fit."""
-    from experiments.zero3_validate import fit_constants
+    from experiments.studies.zero3_mechanisms_validate import fit_constants
 
     def rows(hook, grad, flush, elem):
         out = []

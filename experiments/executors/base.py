@@ -47,7 +47,7 @@ class Executor(abc.ABC):
 def run_point_job(point: dict[str, Any], out_dir: str) -> dict[str, Any]:
     """A point's whole job on a cluster node: preflight against that node, the isolated run, that
     node's provenance. Module-level and plain-typed so Ray and submitit can pickle it by name."""
-    from experiments.runner import execute_point
+    from experiments.execute import execute_point
 
     return execute_point(Point.from_dict(point), Path(out_dir))
 
@@ -56,7 +56,7 @@ def lost_job_fields(what: str, detail: str, timed_out: bool = False) -> dict[str
     """Row fields for a point whose job ended without returning a row (killed, cancelled, node
     lost): `failed`, or `timeout` when the scheduler's time limit stopped it, as the local runner
     records a point whose process died."""
-    from experiments.runner import last_error_line
+    from experiments.execute import last_error_line
 
     line = last_error_line(detail)
     if timed_out:

@@ -15,7 +15,7 @@ class LocalExecutor(Executor):
 
     def run(self, points: Sequence[Point], out_dir: Path, python: str,
             on_tick: Tick | None = None) -> Iterator[tuple[Point, dict[str, Any]]]:
-        from experiments.runner import execute_point
+        from experiments.execute import execute_point
         from megatrain.metrics.provenance import provenance
 
         prov = provenance()  # one machine: its git and package lookups once, not per point

@@ -33,7 +33,7 @@ OPTIONAL_NUMERIC_FIELDS = ("host_optimizer_gbs", "cpu_adam_params_per_s")
 # outside the layers (embedding, head/loss dispatch, global gradient adds). Every packaged profile
 # carries the layer ones; a profile without a field (an older bench file) gets 0. Negative: refused.
 # DeepSpeed ZeRO-3's host-side Python per call, beyond the bytes it moves (measured with real
-# DeepSpeed by experiments/zero3_mechanisms.py): one submodule's fetch + release hooks in one pass,
+# DeepSpeed by experiments/studies/zero3_mechanisms.py): one submodule's fetch + release hooks in one pass,
 # one parameter's gradient hook, one gradient-bucket flush, and per gradient element of a flush the
 # host work beyond the FP32 cast at DRAM speed (on a CPU "device" the reduce-scatter and copies run
 # on the host too; on a GPU they run on the device and this is 0).
@@ -49,7 +49,7 @@ OVERHEAD_FIELDS = ("layer_overhead_fwd_s", "layer_overhead_bwd_s", "microbatch_o
 #                       host side); the first is inside host_reserved_gib.
 NODE_INT_FIELDS = ("gpus_per_node", "gpus_per_host_link")
 NODE_FLOAT_FIELDS = ("network_gbs", "rank_runtime_gib")
-# A process that imports torch and the engine holds about this much (see experiments/scaling.py, which
+# A process that imports torch and the engine holds about this much (see experiments/studies/scaling.py, which
 # measures it as baseline PSS): the default for a profile that does not say.
 DEFAULT_RANK_RUNTIME_GIB = 0.5
 

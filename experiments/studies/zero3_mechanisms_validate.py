@@ -1,7 +1,7 @@
 """Fit the ZeRO-3 mechanism constants from `results/zero3_mechanisms/` and check the planner's ZeRO-3
 model against real DeepSpeed runs it was not fitted on.
 
-    python -m experiments.zero3_validate [--mechanisms results/zero3_mechanisms] [--sweep results/quick]
+    python -m experiments.studies.zero3_mechanisms_validate [--mechanisms results/zero3_mechanisms] [--sweep results/quick]
 
 - **Fit** (`fit.json`), each a physical constant of this host, from the microbenchmarks only:
   the per-submodule hook cost (fetch + release, least squares over K and d of per-call time against
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _lstsq(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -47,7 +47,7 @@ def fit_constants(hooks: pd.DataFrame, adam: pd.DataFrame, hf: pd.DataFrame) -> 
     quiet = hooks[hooks["reduce_bucket"] > hooks["modules"] * hooks["module_params"]]
     if flushing.empty or quiet.empty:
         raise ValueError("hooks.csv needs runs with every parameter filling a bucket and runs whose bucket never "
-                         "fills (experiments/zero3_mechanisms.py measures both)")
+                         "fills (experiments/studies/zero3_mechanisms.py measures both)")
     # fetch + release of one module in one pass; the containers' calls carry no bytes
     per_module = (hooks["fetch_sub_module_s"] + hooks["release_sub_module_s"]) / hooks["release_sub_module_n"]
     module_bytes = hooks["module_params"] * 4.0  # FP32 runs

@@ -2,9 +2,9 @@
 private stores hold together, measured as the SUM of the ranks' PSS (shared pages count once in that sum; RSS
 would count the node's shared store once per rank).
 
-    python -m experiments.host_memory --layers 96 --out results/scaling     # host_memory.csv (about 3 min)
+    python -m experiments.studies.scaling_host_memory --layers 96 --out results/scaling     # host_memory.csv (about 3 min)
 
-Each point is experiments/host_memory_worker.py (a Llama of `layers` narrow layers, two AdamW steps on the CPU)
+Each point is experiments/studies/scaling_host_memory_worker.py (a Llama of `layers` narrow layers, two AdamW steps on the CPU)
 alone or under torch.distributed.run; its rows carry the machine, versions and commit.
 """
 
@@ -19,8 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "experiments" / "host_memory_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "experiments" / "studies" / "scaling_host_memory_worker.py"
 POINTS = ((1, "auto"), (2, "auto"), (2, "replicated"))
 
 

@@ -1,9 +1,9 @@
 """Validate the planner's step-time and host-memory prediction against the engine on this machine.
 
-    python -m experiments.validate_planner [--model small-7m] [--context 128] [--steps 3]
+    python -m experiments.studies.validation [--model small-7m] [--context 128] [--steps 3]
                                            [--gbps 0.005,0.01,0.02,0.05,0.2,none] [--out results/validation]
-    python -m experiments.validate_planner --host-models small-7m,llama-100m,llama-0.6b [--host-context 256]
-    python -m experiments.validate_planner --backends megatrain,zero3,torch [--backend-contexts 128,384,1024]
+    python -m experiments.studies.validation --host-models small-7m,llama-100m,llama-0.6b [--host-context 256]
+    python -m experiments.studies.validation --backends megatrain,zero3,torch [--backend-contexts 128,384,1024]
 
 The engine runs on the CPU with its copy engine rate-limited (`EngineConfig(link_gbps=...)`) to a
 range of emulated links, from link-bound to compute-bound; each point's median step time is set
@@ -125,7 +125,7 @@ def measure_in_child(preset: Any, context: int, gbps: float | None, warmup: int,
 
     job = json.dumps({"preset": dataclasses.asdict(preset), "context": context, "gbps": gbps,
                       "warmup": warmup, "steps": steps, "threads": threads, "mmap_threshold": mmap_threshold})
-    out = subprocess.run([sys.executable, "-m", "experiments.validate_planner", "--measure-one", job],
+    out = subprocess.run([sys.executable, "-m", "experiments.studies.validation", "--measure-one", job],
                          capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"measuring link {gbps} GB/s failed:\n{out.stderr[-4000:]}")
@@ -138,7 +138,7 @@ def fit_periods_in_child(preset: Any, tokens: tuple[int, ...], threads: int | No
     import subprocess
 
     job = json.dumps({"preset": dataclasses.asdict(preset), "tokens": list(tokens), "threads": threads})
-    out = subprocess.run([sys.executable, "-m", "experiments.validate_planner", "--fit-one", job],
+    out = subprocess.run([sys.executable, "-m", "experiments.studies.validation", "--fit-one", job],
                          capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"the engine fit at {tokens} tokens failed:\n{out.stderr[-4000:]}")
@@ -459,7 +459,7 @@ def validate_backends(model: str = "small-7m", contexts: tuple[int, ...] = (128,
     here), so its fetch model is not exercised."""
     import tempfile
 
-    from experiments.runner import run_point_subprocess
+    from experiments.execute import run_point_subprocess
     from experiments.spec import Point
     from megatrain.measure import bench_cpu
     from megatrain.planner import get_hardware, plan

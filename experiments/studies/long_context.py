@@ -1,6 +1,6 @@
 """Long-context benchmark: the longest sequence each backend can train llama-100m on within one device-memory budget.
 
-    python -m experiments.long_context_bench [--budget-gib 0.75] [--lengths 1024,2048,...] [--backends ...]
+    python -m experiments.studies.long_context [--budget-gib 0.75] [--lengths 1024,2048,...] [--backends ...]
 
 Each (backend, length) runs in its own process through the public face (`megatrain.Accelerator`, the way
 a user runs each backend): two training steps (forward, backward, AdamW), the second timed, so the
@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments.runner import _child_env
+from experiments.execute import child_env
 from experiments.spec import Point
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FIELDS = ["model", "backend", "seq_len", "fits", "status", "reason", "peak_device_bytes", "static_device_bytes",
           "budget_bytes", "tokens_per_s", "step_time_s", "mlp_tile_tokens", "loss_chunk_tokens", "activations_offloaded",
           "predicted_peak_device_bytes",
@@ -147,11 +147,11 @@ def worker(model_name: str, backend: str, seq: int, max_pos: int, budget: int) -
 def run_point(model: str, backend: str, seq: int, max_pos: int, budget: int, timeout_s: float,
               log_dir: Path) -> dict[str, Any]:
     result = Path(tempfile.mkdtemp(prefix="lcbench-")) / "row.json"
-    cmd = [sys.executable, "-m", "experiments.long_context_bench", "--worker", json.dumps(
+    cmd = [sys.executable, "-m", "experiments.studies.long_context", "--worker", json.dumps(
         {"model": model, "backend": backend, "seq": seq, "max_pos": max_pos, "budget": budget, "result": str(result)})]
     t0 = time.perf_counter()
     with (log_dir / f"{backend}-{seq}.log").open("w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=_child_env(_point(model, backend, seq, max_pos)), stdout=log,
+        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(_point(model, backend, seq, max_pos)), stdout=log,
                                 stderr=subprocess.STDOUT)
         status = None
         while True:
@@ -265,7 +265,7 @@ def write_readme(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace
     if reading.exists():
         lines += ["", reading.read_text().rstrip()]
     lines += ["", "## Provenance", ""] + [f"- {k}: {v}" for k, v in prov.items()]
-    lines += ["", f"Reproduce: `python -m experiments.long_context_bench --model {args.model} --budget-gib "
+    lines += ["", f"Reproduce: `python -m experiments.studies.long_context --model {args.model} --budget-gib "
               f"{args.budget_gib} --lengths {','.join(map(str, args.lengths))} --backends {','.join(args.backends)}`",
               ""]
     (out / "README.md").write_text("\n".join(lines))
@@ -321,7 +321,7 @@ def _kept_rows(path: Path, model: str, budget: int, rerun: list[str]) -> list[di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.long_context_bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m experiments.studies.long_context", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-100m", help="model preset")
     ap.add_argument("--budget-gib", type=float, default=0.75, help="device-memory budget")
     ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")],

@@ -1,6 +1,6 @@
 """Published GPU figures next to the planner's prediction for the same point.
 
-    python -m experiments.published [--out results/published]
+    python -m experiments.studies.published [--out results/published]
 
 Each published value cites the paper or page it comes from (docs/DESIGN.md lists them). Nothing is
 fitted: each prediction is

@@ -1,7 +1,7 @@
 """Probe every causal LM the installed transformers ships and write the measured compatibility table.
 
-    python -m experiments.compat_table                      # docs/COMPATIBILITY.md + results/compat/compat.csv
-    python -m experiments.compat_table --only llama gemma   # a few types, printed
+    python -m experiments.studies.compat                      # docs/COMPATIBILITY.md + results/compat/compat.csv
+    python -m experiments.studies.compat --only llama gemma   # a few types, printed
 
 Each model type is built from its default config shrunk by the parity probe (megatrain/engine/probe.py) and
 trained three steps with plain PyTorch and with MegaTrain on the CPU: exact / mismatch / refused (reason) /
@@ -26,7 +26,7 @@ from tqdm import tqdm
 from megatrain.check import causal_lm_types, check_model
 from megatrain.engine.probe import Verdict
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ["model_type", "architecture", "status", "max_grad_rel", "max_loss_diff", "detail"]
 TIMEOUT_S = 120
 
@@ -77,7 +77,7 @@ def write(rows: list[dict], md: Path, out_csv: Path) -> None:
     lines = [
         "# Which architectures MegaTrain trains exactly",
         "",
-        "Measured, not written: `python -m experiments.compat_table` builds every causal-LM model type of the "
+        "Measured, not written: `python -m experiments.studies.compat` builds every causal-LM model type of the "
         "installed transformers from its default config, shrunk by the parity probe (2 layers, hidden 64, "
         "vocabulary 256; every structural option kept), and trains it 3 SGD steps with plain PyTorch and with "
         "MegaTrain on the CPU. **exact**: first-step gradients within 1e-5 (relative) and per-step losses within "

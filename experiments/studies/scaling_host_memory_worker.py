@@ -2,7 +2,7 @@
 proportional set size (PSS: shared pages split between the processes mapping them, so the ranks' PSS add up
 to what the machine holds for them; RSS would count the node's shared store once per rank).
 
-Run as `python experiments/host_memory_worker.py OUT_DIR DATA_PARALLEL_HOST` (alone, or with torchrun's variables).
+Run as `python experiments/studies/scaling_host_memory_worker.py OUT_DIR DATA_PARALLEL_HOST` (alone, or with torchrun's variables).
 LAYERS in the environment: the model's depth (default 32).
 """
 

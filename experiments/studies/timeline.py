@@ -1,6 +1,6 @@
 """One traced training step on this machine, for the per-step timeline figure.
 
-    python -m experiments.timeline [--model small-7m] [--context 256] [--gbps 0.05] [--out results/timeline]
+    python -m experiments.studies.timeline [--model small-7m] [--context 256] [--gbps 0.05] [--out results/timeline]
 
 The engine runs on the CPU with its copy engine rate-limited to an emulated link (`link_gbps`) and
 `EngineConfig(trace=True)`: every per-layer span on the compute stream (forward, recomputing backward)
@@ -24,7 +24,7 @@ def traced_step(model: str, context: int, gbps: float | None, offload: bool, see
     """Records of the second of two steps (the first warms up), times relative to its start."""
     import torch
 
-    from experiments.validate_planner import build_model
+    from experiments.studies.validation import build_model
     from megatrain.config import EngineConfig
     from megatrain.engine import Engine
     from megatrain.planner.shapes import resolve_model

@@ -1,7 +1,7 @@
 """Data-parallel scaling: measured on this machine, and predicted by the planner for GPU nodes.
 
-    python -m experiments.scaling --out results/scaling              # measured.csv: 1 and 2 ranks here
-    python -m experiments.scaling --predict --out results/scaling    # predicted.csv: 8-GPU nodes, 1-4 nodes
+    python -m experiments.studies.scaling --out results/scaling              # measured.csv: 1 and 2 ranks here
+    python -m experiments.studies.scaling --predict --out results/scaling    # predicted.csv: 8-GPU nodes, 1-4 nodes
 
 Measured: a small preset trained with the megatrain engine for a few steps, once per world size, each
 launched with torch.distributed.run on the CPU (gloo; one thread per rank; optionally an emulated link).
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_WORLDS = (1, 2)
 # 120B fits an H200 node's 1.5 TB only in this mode (hilo master, optimizer in backward, no clipping)
 EXACT_12B = {"master": "hilo", "optimizer_in_backward": True, "grad_clip": False}
@@ -104,7 +104,7 @@ def launch(world: int, cfg: dict[str, Any], timeout_s: float) -> list[dict[str, 
     with tempfile.TemporaryDirectory(prefix="scaling-") as d:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
                "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-               "-m", "experiments.scaling", "--worker", json.dumps({**cfg, "dir": d})]
+               "-m", "experiments.studies.scaling", "--worker", json.dumps({**cfg, "dir": d})]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                "OMP_NUM_THREADS": str(cfg["threads"])}
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -202,7 +202,7 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.scaling", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m experiments.studies.scaling", description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "scaling")
     ap.add_argument("--predict", action="store_true", help="write predicted.csv from the planner instead")
     ap.add_argument("--model", default="llama-100m", help="preset to train (measured)")

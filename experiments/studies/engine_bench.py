@@ -1,9 +1,9 @@
 """Engine figures for the closing note (a benchmark, not a test).
 
-    python -m experiments.bench_engine rss   --preset llama-0.6b   # peak host RSS growth per parameter
-    python -m experiments.bench_engine rss --engine '{"compute_dtype": "bfloat16", "host_master": "hilo"}'
-    python -m experiments.bench_engine ratio --preset llama-100m   # engine vs plain PyTorch step time
-    python -m experiments.bench_engine overlap --preset llama-100m # optimizer_overlap on vs off
+    python -m experiments.studies.engine_bench rss   --preset llama-0.6b   # peak host RSS growth per parameter
+    python -m experiments.studies.engine_bench rss --engine '{"compute_dtype": "bfloat16", "host_master": "hilo"}'
+    python -m experiments.studies.engine_bench ratio --preset llama-100m   # engine vs plain PyTorch step time
+    python -m experiments.studies.engine_bench overlap --preset llama-100m # optimizer_overlap on vs off
 
 `rss` runs in its own process so its peak RSS is its own. `ratio` times both backends in one process,
 interleaved, with the same FLOPs (HF gradient checkpointing on for PyTorch; the engine recomputes

@@ -1,7 +1,7 @@
 """Soak benchmark (issue 5; a benchmark, not a test): does a long run leak host or device memory?
 
-    python -m experiments.soak                      # 2,000 steps, writes results/soak/result.json
-    python -m experiments.soak --steps 500 --out /tmp/soak.json
+    python -m experiments.studies.soak                      # 2,000 steps, writes results/soak/result.json
+    python -m experiments.studies.soak --steps 500 --out /tmp/soak.json
 
 Trains a small Llama through `megatrain.initialize` (the DeepSpeed face: clipping, LR schedule,
 gradient accumulation) for N optimizer steps with varying sequence lengths, a checkpoint every
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def rss_bytes() -> int:

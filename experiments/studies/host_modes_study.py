@@ -1,7 +1,7 @@
 """What each host-memory mode costs in accuracy: loss curves vs the FP32-master reference (an experiment,
 not a test; its results are committed under results/host_modes/).
 
-    python -m experiments.host_modes_study [--preset llama-100m] [--steps 300] [--lr 1e-4]
+    python -m experiments.studies.host_modes_study [--preset llama-100m] [--steps 300] [--lr 1e-4]
 
 Every mode trains the same model from the same initial weights on the same batches (a synthetic corpus
 with learnable structure: 256 of the ids, each with 2 likely successors), bf16 compute, AdamW at a constant LR,

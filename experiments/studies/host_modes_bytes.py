@@ -1,8 +1,8 @@
 """Measured host bytes per parameter of each host-memory mode (a benchmark, not a test).
 
-    python -m experiments.host_modes_bytes [--preset llama-0.6b] [--seq 256] [--steps 3]
+    python -m experiments.studies.host_modes_bytes [--preset llama-0.6b] [--seq 256] [--steps 3]
 
-Each mode trains `steps` steps on the CPU device in its own process (bench_engine rss: peak RSS growth
+Each mode trains `steps` steps on the CPU device in its own process (engine_bench rss: peak RSS growth
 over the post-import baseline, so the emulated device's buffers and transients are included) and is set
 next to the planner's figure for the same mode (megatrain/modes.py). Writes results/host_modes/bytes-PRESET.json
 and bytes-PRESET.md (runs under runs-PRESET/; --resume keeps the modes already there).
@@ -51,7 +51,7 @@ def main() -> None:
         if (tmp / f"mode{i}.json").is_file() and a.resume:
             print(f"{label}: kept {tmp / f'mode{i}.json'}", flush=True)
         else:
-            subprocess.run([sys.executable, "-m", "experiments.bench_engine", "rss", "--preset", a.preset,
+            subprocess.run([sys.executable, "-m", "experiments.studies.engine_bench", "rss", "--preset", a.preset,
                             "--seq", str(a.seq), "--steps", str(a.steps), "--engine", json.dumps(cfg),
                             "--out", str(tmp), "--name", f"mode{i}"], check=True, stdout=subprocess.DEVNULL)
         r = json.loads((tmp / f"mode{i}.json").read_text())

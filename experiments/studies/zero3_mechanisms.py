@@ -1,6 +1,6 @@
 """Measure the host-side mechanisms of DeepSpeed ZeRO-3 CPU offload on this machine, with real DeepSpeed.
 
-    python -m experiments.zero3_mechanisms [--out results/zero3_mechanisms] [--quick]
+    python -m experiments.studies.zero3_mechanisms [--out results/zero3_mechanisms] [--quick]
 
 Two measurements, each the median of timed repeats after a warm-up, written with provenance:
 
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # (modules K, hidden d, reduce bucket): None is the documented tuning (d*d: every parameter fills a
 # bucket, so each gradient hook flushes); DeepSpeed's default 5e8 flushes once, at the end of backward,
 # which separates the per-parameter hook from the flush.
@@ -261,7 +261,7 @@ def _run_child(spec: dict[str, Any], threads: int, timeout: float) -> dict[str, 
     with tempfile.TemporaryDirectory() as tmp:
         res = Path(tmp) / "r.json"
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO))
-        cmd = [sys.executable, "-m", "experiments.zero3_mechanisms", "--one", json.dumps(spec), "--result", str(res),
+        cmd = [sys.executable, "-m", "experiments.studies.zero3_mechanisms", "--one", json.dumps(spec), "--result", str(res),
                "--threads", str(threads)]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not res.exists():
