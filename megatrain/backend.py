@@ -95,7 +95,7 @@ def engine_config_from(config: dict[str, Any] | EngineConfig | None) -> EngineCo
         return config
     if not isinstance(config, dict):
         raise TypeError(f"config must be a DeepSpeed-style dict, an EngineConfig or None, not {type(config).__name__}")
-    from .dsconfig import parse_config
+    from .deepspeed.config import parse_config
 
     d = dict(config)
     # "auto" values are the face's to fill (from the dataloader, the arguments, clip_grad_norm_ calls)
