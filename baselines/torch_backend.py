@@ -25,6 +25,15 @@ def _default_device() -> torch.device:
 
 class TorchBackend:
     name = "torch"
+    # What the face may rely on (megatrain.backend.Backend): one process, torch's own clipping and autocast.
+    data_parallel = False  # no gradient averaging: N ranks would train N unrelated models
+    reads_engine_config = False
+    supports_clip_value = True
+    partitions_params = False
+    fixed_accumulation_steps = False
+    needs_autocast = True
+    trains_many_models = True
+    main_process_writes = False
 
     def __init__(
         self,
@@ -35,6 +44,7 @@ class TorchBackend:
         gradient_checkpointing: bool = False,
         gradient_clipping: float = 0.0,
         device: str | torch.device | None = None,
+        cpu: bool = False,
     ) -> None:
         if config is not None and not isinstance(config, dict):
             raise TypeError(f'backend "torch" takes a DeepSpeed-style config dict, not {type(config).__name__}')
@@ -43,6 +53,8 @@ class TorchBackend:
         self._config_clip = float(gradient_clipping)
         self._mixed_precision = mixed_precision
         self._gradient_checkpointing = gradient_checkpointing
+        if cpu:
+            device = "cpu"
         self._device = torch.device(device) if device is not None else _default_device()
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None

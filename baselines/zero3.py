@@ -230,6 +230,16 @@ class Zero3Backend:
     """
 
     name = "zero3"
+    # What the face may rely on (megatrain.backend.Backend). The gradients live partitioned in DeepSpeed's
+    # offload buffers, where torch's clamp cannot reach them; DeepSpeed fixes the accumulation steps in its config.
+    data_parallel = True
+    reads_engine_config = False
+    supports_clip_value = False
+    partitions_params = True
+    fixed_accumulation_steps = True
+    needs_autocast = False
+    trains_many_models = False
+    main_process_writes = False
 
     def __init__(
         self,
@@ -239,8 +249,12 @@ class Zero3Backend:
         mixed_precision: str = "no",
         gradient_checkpointing: bool = False,
         gradient_clipping: float = 0.0,
+        cpu: bool = False,
     ) -> None:
         require_deepspeed()
+        if cpu and torch.cuda.is_available():
+            raise ValueError(f"cpu=True with backend {self.name!r}: DeepSpeed picks its accelerator itself; run with "
+                             "DS_ACCELERATOR=cpu and CUDA_VISIBLE_DEVICES='' instead")
         if config is not None and not isinstance(config, dict):
             raise TypeError(f'backend "zero3" takes a DeepSpeed config dict, not {type(config).__name__}')
         self._user_config = config

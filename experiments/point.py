@@ -4,7 +4,7 @@
 
 Writes a JSON object of results-row fields to --result (atomically) and exits 0; on an error it
 still writes {status, reason} and exits 1, so the runner records why. Everything here goes through
-the public faces (`megatrain.accelerator.Accelerator`), the way a user would run the backend.
+the public faces (`megatrain.accelerate.Accelerator`), the way a user would run the backend.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def run(pt: Point, trace_path: str | None = None,
     base_rss = rss.rss()
     t_start = time.perf_counter()
 
-    from megatrain.accelerator import Accelerator
+    from megatrain.accelerate import Accelerator
 
     engine_knobs = dict(pt.engine)
     if pt.backend == "megatrain":

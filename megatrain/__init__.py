@@ -1,8 +1,10 @@
 """MegaTrain: train LLMs larger than the GPU — weights and optimizer state in host memory, layers streamed.
 
-Two faces over one engine:
+Two faces over one engine and one backend:
     engine, optimizer, _, scheduler = megatrain.initialize(model=model, config=ds_config)   # DeepSpeed-style
     accelerator = megatrain.Accelerator(backend="megatrain" | "zero3" | "torch")              # Accelerate-style
+`import megatrain as deepspeed` also answers `deepspeed.comm`, `.zero`, `.utils`, `.checkpointing`, `.ops`,
+`.accelerator` (megatrain/deepspeed/); the Accelerate face lives in megatrain/accelerate/.
 """
 
 from __future__ import annotations
@@ -14,12 +16,11 @@ __version__ = "0.1.0"
 
 # Public names -> the module that defines them, imported on first use so `import megatrain` stays cheap.
 _EXPORTS = {
-    "initialize": "megatrain.initialize",
-    "init_distributed": "megatrain.initialize",
-    "add_config_arguments": "megatrain.initialize",
-    "zero": "megatrain.initialize",
-    "DeepSpeedEngine": "megatrain.initialize",
-    "Accelerator": "megatrain.accelerator",
+    "initialize": "megatrain.deepspeed",
+    "init_distributed": "megatrain.deepspeed",
+    "add_config_arguments": "megatrain.deepspeed",
+    "DeepSpeedEngine": "megatrain.deepspeed",
+    "Accelerator": "megatrain.accelerate",
     "Engine": "megatrain.engine",
     "EngineConfig": "megatrain.config",
     "HostMemoryError": "megatrain.engine",
@@ -30,14 +31,14 @@ _EXPORTS = {
 }
 
 # The `deepspeed` namespace's submodules, for `import megatrain as deepspeed; deepspeed.comm.get_rank()`.
-_SUBMODULES = ("comm", "utils", "checkpointing", "ops", "accelerator")
+_DEEPSPEED_SUBMODULES = ("zero", "comm", "utils", "checkpointing", "ops", "accelerator", "lr_schedules")
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "zero"])
 
 
 def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
-        return import_module(f"megatrain.{name}")
+    if name in _DEEPSPEED_SUBMODULES:
+        return import_module(f"megatrain.deepspeed.{name}")
     if name in _EXPORTS:
         value = getattr(import_module(_EXPORTS[name]), name)
         # Cache it: importing the submodule `megatrain.initialize` would otherwise shadow the function.

@@ -1,26 +1,24 @@
 """The backend protocol behind `megatrain.Accelerator`, and the MegaTrain engine's implementation of it.
 
-The face (`megatrain/accelerator.py`) owns everything that is the same for every backend: gradient
-accumulation bookkeeping, the optimizer/scheduler/dataloader wrappers, loss scaling by the
-accumulation steps, RNG and scheduler checkpointing. A backend owns only what differs: how a model
-and optimizer become trainable, how a backward, a clip and a step are done, and how weights are saved.
-The comparison backends live in `baselines/` and implement the same protocol without importing any
-of this package's engine.
+Both faces hold one: the Accelerate face (`megatrain/accelerate/`) any of them, the DeepSpeed face
+(`megatrain/deepspeed/`) the MegaTrain engine's. A face owns everything that is the same for every backend:
+gradient accumulation bookkeeping, its wrappers, loss scaling by the accumulation steps, RNG and scheduler
+checkpointing. A backend owns only what differs: how a model and optimizer become trainable, how a backward,
+a clip and a step are done, and how weights are saved; what it can and cannot do is said by its class
+attributes (below), never by the face testing its name. The comparison backends live in `baselines/` and
+implement the same protocol without importing any of this package's engine.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from . import train_state
 from .config import EngineConfig
-
-_MODEL_FILE = "model.safetensors"
-_OPTIMIZER_FILE = "optimizer.bin"  # accelerate's name
 
 
 @runtime_checkable
@@ -28,6 +26,15 @@ class Backend(Protocol):
     """What `megatrain.Accelerator` needs from a training stack."""
 
     name: str
+    # What the stack can do; the faces read these instead of testing `name`.
+    data_parallel: bool  # averages gradients over the ranks of a multi-process launch
+    reads_engine_config: bool  # takes an `EngineConfig` (the others read DeepSpeed-style dicts only)
+    supports_clip_value: bool  # clip_grad_value_ can clamp its accumulated gradients
+    partitions_params: bool  # each rank holds a shard of every parameter (ZeRO-3): DeepSpeed owns the step
+    fixed_accumulation_steps: bool  # the accumulation steps are fixed once built (in DeepSpeed's config)
+    needs_autocast: bool  # bf16 means autocast around the script's forward (the others cast inside it)
+    trains_many_models: bool  # more than one model per Accelerator
+    main_process_writes: bool  # every rank holds the same state, so the main process saves it for all
 
     @property
     def device(self) -> torch.device:
@@ -88,7 +95,7 @@ def engine_config_from(config: dict[str, Any] | EngineConfig | None) -> EngineCo
         return config
     if not isinstance(config, dict):
         raise TypeError(f"config must be a DeepSpeed-style dict, an EngineConfig or None, not {type(config).__name__}")
-    from .dsconfig import parse_config
+    from .deepspeed.config import parse_config
 
     d = dict(config)
     # "auto" values are the face's to fill (from the dataloader, the arguments, clip_grad_norm_ calls)
@@ -105,22 +112,49 @@ def engine_config_from(config: dict[str, Any] | EngineConfig | None) -> EngineCo
     return parse_config(d).engine
 
 
+def cpu_config(config: dict[str, Any] | EngineConfig | None) -> dict[str, Any] | EngineConfig:
+    """`config` with the engine's device set to the CPU (`Accelerator(cpu=True)`); a contradiction is refused."""
+    if isinstance(config, EngineConfig):
+        if config.device not in (None, "cpu"):
+            raise ValueError(f"cpu=True contradicts the EngineConfig's device={config.device!r}; drop one of them")
+        return EngineConfig.from_dict({**config.to_dict(), "device": "cpu"})
+    config = dict(config or {})
+    section = dict(config.get("megatrain") or {})
+    if section.get("device") not in (None, "cpu"):
+        raise ValueError(f"cpu=True contradicts the config's megatrain.device={section['device']!r}; drop one of them")
+    config["megatrain"] = {**section, "device": "cpu"}
+    return config
+
+
 class MegatrainBackend:
     """The MegaTrain engine: host-resident FP32 masters and optimizer state, layers streamed."""
 
     name = "megatrain"
+    data_parallel = True
+    reads_engine_config = True
+    supports_clip_value = True
+    partitions_params = False
+    fixed_accumulation_steps = False
+    needs_autocast = False
+    trains_many_models = False
+    main_process_writes = True
 
     def __init__(
         self,
         *,
         config: dict[str, Any] | EngineConfig | None = None,
         gradient_accumulation_steps: int = 1,
-        mixed_precision: str = "no",
+        mixed_precision: str | None = "no",
         gradient_checkpointing: bool = False,
         gradient_clipping: float = 0.0,
+        cpu: bool = False,
     ) -> None:
+        """`mixed_precision=None`: the compute dtype the config says (the DeepSpeed face's bf16 section)."""
+        if cpu:
+            config = cpu_config(config)
         ec = engine_config_from(config)
-        want = "bfloat16" if mixed_precision == "bf16" else "float32"
+        want = ec.compute_dtype if mixed_precision is None else (
+            "bfloat16" if mixed_precision == "bf16" else "float32")
         # Only a compute dtype the user wrote down can contradict mixed_precision; the default gives way to it.
         explicit = isinstance(config, EngineConfig) or (
             isinstance(config, dict) and "compute_dtype" in (config.get("megatrain") or {}))
@@ -136,6 +170,7 @@ class MegatrainBackend:
         # is exactly the FLOPs of HF's per-layer checkpointing on the other backends.
         self._config_clip = float(gradient_clipping)
         self._clipped = False
+        self.last_grad_norm: float | None = None  # the norm before the last clip (None: not clipped)
         self.engine: Any = None
         self._optimizer_adopted = False
         self._skipped = False
@@ -235,13 +270,17 @@ class MegatrainBackend:
         # The engine holds every gradient in its host slabs; `parameters` names them all in practice
         # (model.parameters()), so the whole set is clipped, as DeepSpeed does.
         self._clipped = True
-        return self._require_engine().clip_grad_norm_(float(max_norm))
+        self.last_grad_norm = self._require_engine().clip_grad_norm_(float(max_norm))
+        return self.last_grad_norm
 
     def optimizer_step(self) -> None:
         eng = self._require_engine()
         if self._config_clip > 0 and not self._clipped:
-            eng.clip_grad_norm_(self._config_clip)
+            self.last_grad_norm = eng.clip_grad_norm_(self._config_clip)
+        elif not self._clipped:
+            self.last_grad_norm = None
         self._clipped = False
+        # The engine skips a step whose gradients are not finite (DeepSpeed's fp16 overflow, counted the same way).
         self._skipped = eng.step() is False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -260,8 +299,22 @@ class MegatrainBackend:
     def get_state_dict(self, model: Any) -> dict[str, torch.Tensor]:
         return self._require_engine().module.state_dict()
 
-    def _unique_named_tensors(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self._require_engine().named_parameters()}
+    def training_state(self, *, with_optimizer: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+        """(each distinct weight once by its HF name, the optimizer's state_dict) after queued updates landed.
+        Every rank calls it: with a shared host store the optimizer state is gathered from the layers' owners."""
+        eng = self._require_engine()
+        eng.synchronize()
+        optimizer_state = eng.optimizer.state_dict() if with_optimizer else None
+        return {n: p.detach() for n, p in eng.named_parameters()}, optimizer_state
+
+    def load_training_state(self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None, *,
+                            strict: bool = True) -> None:
+        eng = self._require_engine()
+        eng.load_state_dict(weights, strict=strict)
+        eng.zero_grad()
+        eng.synchronize()
+        if optimizer_state is not None:
+            eng.optimizer.load_state_dict(optimizer_state)
 
     def save_model(self, model: Any, directory: str | os.PathLike) -> None:
         # The model object's own save_pretrained: its state_dict is the FP32 masters, whole.
@@ -270,22 +323,9 @@ class MegatrainBackend:
     def save_state(self, directory: str | os.PathLike | None) -> None:
         """Write the weights and optimizer state; `directory` None: only this rank's part of a data-parallel save
         (with a shared host store the optimizer state is gathered from the layers' owners: a collective)."""
-        from .checkpoint import write_safetensors
-
-        self.synchronize()
-        optimizer_state = self._require_engine().optimizer.state_dict()
-        if directory is None:
-            return
-        d = Path(directory)
-        write_safetensors(d / _MODEL_FILE, self._unique_named_tensors())
-        torch.save(optimizer_state, d / _OPTIMIZER_FILE)
+        weights, optimizer_state = self.training_state()
+        if directory is not None:
+            train_state.write_weights(directory, weights, optimizer_state)
 
     def load_state(self, directory: str | os.PathLike) -> None:
-        from safetensors.torch import load_file
-
-        eng = self._require_engine()
-        d = Path(directory)
-        eng.load_state_dict(load_file(str(d / _MODEL_FILE)), strict=True)
-        eng.zero_grad()
-        eng.synchronize()
-        eng.optimizer.load_state_dict(torch.load(d / _OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+        self.load_training_state(*train_state.read_weights(directory))

@@ -68,7 +68,7 @@ def train(
 ) -> dict[str, list[float]]:
     """Train `steps` optimizer steps; return per-micro-batch losses, per-step norms and LRs, and
     whether HF gradient checkpointing was on (None where the backend has no such switch)."""
-    from megatrain.accelerator import Accelerator
+    from megatrain.accelerate import Accelerator
 
     model = build_model(seed)
     accelerator = Accelerator(backend=backend, config=config, gradient_accumulation_steps=accum,
@@ -132,7 +132,7 @@ def checkpoint_roundtrip(backend: str, workdir: str, *, clip: float = 1.0, accum
     process for zero3: under Accelerate's DeepSpeed integration, HF models built after prepare in the
     same process are constructed partitioned.)
     """
-    from megatrain.accelerator import Accelerator
+    from megatrain.accelerate import Accelerator
 
     batches = _roundtrip_batches(accum)
     model = build_model(seed)

@@ -148,7 +148,7 @@ class SaveProbe:
 def sabotage(what: str | None) -> None:
     """Deliberately broken variants, so the test can show that its checks catch such bugs."""
     if what == "rng":  # resume without restoring the RNG streams
-        import megatrain.initialize as face
+        import megatrain.train_state as face
 
         face._restore_rng = lambda meta, tensors: None
     elif what == "latest-first":  # publish the pointer before the checkpoint it names is complete

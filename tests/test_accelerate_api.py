@@ -198,6 +198,18 @@ def test_clip_grad_value_matches_torch():
     assert _close(runs[("torch", None)], runs[("torch", 1e-3)]) > 1e-3  # control: the clamp changed training
 
 
+@pytest.mark.parametrize("backend", ["zero3", "zero3-alst"])
+def test_clip_grad_value_is_refused_where_zero3_partitions_the_gradients(backend):
+    # ZeRO-3 keeps the gradients partitioned in DeepSpeed's offload buffers: torch's clamp of the parameters'
+    # .grad would touch nothing and report success. zero3-alst is ZeRO-3 too and must refuse the same way.
+    acc = Accelerator(backend=backend)
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.tensor([-5.0, 0.5, 5.0])
+    with pytest.raises(RuntimeError, match="clip_grad_value_"):
+        acc.clip_grad_value_([p], 1.0)
+    assert torch.equal(p.grad, torch.tensor([-5.0, 0.5, 5.0]))
+
+
 def test_free_memory_save_main_process_first_and_checkpoint_registration(tmp_path):
     acc = Accelerator(backend="megatrain")
     model = tiny_model()

@@ -10,7 +10,7 @@ import torch
 import transformers
 from accel_script import build_model, checkpoint_roundtrip, probe_batch, torch_reference, train, warmup
 
-from megatrain.accelerator import (
+from megatrain.accelerate import (
     AcceleratedOptimizer,
     AcceleratedScheduler,
     Accelerator,

@@ -22,7 +22,7 @@ import torch
 from conftest import tiny_model
 
 from baselines import alst  # noqa: E402
-from megatrain.accelerator import Accelerator  # noqa: E402
+from megatrain.accelerate import Accelerator  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TILES = {"mlp_tile_tokens": 7, "loss_tile_tokens": 5}  # neither divides the 24-token rows: uneven last tiles

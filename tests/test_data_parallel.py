@@ -277,7 +277,7 @@ def test_gradient_adds_wait_for_a_running_average(slow):
 
 
 def test_batch_sizes_split_over_the_world_as_deepspeed_does():
-    from megatrain.dsconfig import parse_config
+    from megatrain.deepspeed.config import parse_config
 
     c = parse_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, world_size=4)
     assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps) == (24, 2, 3)
@@ -289,7 +289,7 @@ def test_batch_sizes_split_over_the_world_as_deepspeed_does():
 
 
 def test_prepared_loader_gives_each_rank_every_nth_batch():
-    from megatrain.accelerator import GradientState, PreparedDataLoader
+    from megatrain.accelerate import GradientState, PreparedDataLoader
 
     loader = torch.utils.data.DataLoader(torch.arange(14), batch_size=2)  # 7 batches
     with pytest.warns(UserWarning, match="last 1 are dropped"):

@@ -13,7 +13,7 @@ import torch
 from conftest import make_batches, tiny_model
 
 import megatrain as deepspeed
-from megatrain.dsconfig import DeepSpeedConfigError, parse_config
+from megatrain.deepspeed.config import DeepSpeedConfigError, parse_config
 
 TOL = 1e-5
 
@@ -25,7 +25,7 @@ def test_namespace_pieces():
     assert torch.equal(t, torch.arange(3.0))
     with pytest.raises(ValueError, match="rank 1"):
         deepspeed.comm.broadcast(t, src=1)
-    from megatrain.initialize import MegaTrainEngine
+    from megatrain.deepspeed.engine import MegaTrainEngine
 
     assert deepspeed.DeepSpeedEngine is MegaTrainEngine
     acc = deepspeed.accelerator.get_accelerator()
@@ -78,7 +78,7 @@ def _init(**kw):
 
 
 def test_deepspeed_cpu_adam_passed_as_optimizer_trains_as_adamw():
-    from megatrain.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    from megatrain.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
     batches = make_batches(3)
     ref_model = tiny_model()

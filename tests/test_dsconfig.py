@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megatrain.config import EngineConfig
-from megatrain.dsconfig import DeepSpeedConfigError, OptimizerSpec, parse_config
-from megatrain.lr_schedules import WarmupCosineLR, WarmupDecayLR
+from megatrain.deepspeed.config import DeepSpeedConfigError, OptimizerSpec, parse_config
+from megatrain.deepspeed.lr_schedules import WarmupCosineLR, WarmupDecayLR
 
 
 def _parse(d, **kw):

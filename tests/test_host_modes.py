@@ -155,7 +155,7 @@ def test_hilo_checkpoint_through_initialize_resumes_bit_exactly(model, tmp_path)
 
 
 def test_optimizer_in_backward_through_initialize_matches_the_ordinary_step(model):
-    from megatrain.dsconfig import DeepSpeedConfigError
+    from megatrain.deepspeed.config import DeepSpeedConfigError
     from megatrain.initialize import initialize
 
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},

@@ -24,8 +24,8 @@ from conftest import make_batches, tiny_model
 import megatrain
 from baselines.zero3 import default_extensions_dir
 from megatrain import checkpoint as ck
-from megatrain.dsconfig import DeepSpeedConfigError
-from megatrain.initialize import MegaTrainEngine, initialize
+from megatrain.deepspeed import MegaTrainEngine, initialize
+from megatrain.deepspeed.config import DeepSpeedConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).with_name("ds_style_train.py")
@@ -109,7 +109,7 @@ def test_accumulation_counters_and_lr_follow_deepspeed():
 
 
 def _reference_run(model, batches, gas, clip, lr, wd, warmup):
-    from megatrain.lr_schedules import WarmupLR
+    from megatrain.deepspeed.lr_schedules import WarmupLR
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
     sched = WarmupLR(opt, warmup_min_lr=lr / 10, warmup_max_lr=lr, warmup_num_steps=warmup, warmup_type="linear")

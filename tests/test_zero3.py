@@ -21,7 +21,7 @@ import transformers
 from accel_script import probe_batch, torch_reference
 
 from baselines import zero3
-from megatrain.accelerator import Accelerator
+from megatrain.accelerate import Accelerator
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).with_name("accel_script.py")

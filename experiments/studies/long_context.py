@@ -67,7 +67,7 @@ def worker(model_name: str, backend: str, seq: int, max_pos: int, budget: int) -
     import torch
 
     from experiments.point import _find_engine, build_model
-    from megatrain.accelerator import Accelerator
+    from megatrain.accelerate import Accelerator
     from megatrain.engine.memtrack import DeviceMemoryTracker
 
     class OverBudget(MemoryError):

@@ -36,7 +36,7 @@ def _config_dict(config: Any) -> dict[str, Any] | None:
     if config is not None and hasattr(config, "config") and isinstance(config.config, dict):
         return config.config  # transformers' HfDeepSpeedConfig
     if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
-        from ..dsconfig import load_config_dict
+        from ..deepspeed.config import load_config_dict
 
         return load_config_dict(config)
     return None
@@ -96,7 +96,7 @@ def install() -> None:
     @functools.wraps(real_initialize)
     def initialize(args: Any = None, *rest: Any, **kwargs: Any) -> Any:
         if has_megatrain_section(_route_config(args, kwargs)):
-            from .. import initialize as mt_initialize
+            from ..deepspeed.initializer import initialize as mt_initialize
 
             _one_rank_group()
 
@@ -108,7 +108,7 @@ def install() -> None:
         # model whole on the host (it takes the storage over itself), so a MegaTrain config gets a no-op context.
         config = kwargs.get("config_dict_or_path", kwargs.get("config"))
         if has_megatrain_section(config):
-            from ..initialize import zero as mt_zero
+            from ..deepspeed import zero as mt_zero
 
             return mt_zero.Init(*args, **kwargs)
         return real_zero_init(*args, **kwargs)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .config import EngineConfig
+from ..config import EngineConfig
 from .lr_schedules import SCHEDULES, WARMUP_TYPES
 
 __all__ = ["DeepSpeedConfig", "OptimizerSpec", "SchedulerSpec", "ZeroSpec", "parse_config", "load_config_dict"]

@@ -1,0 +1,82 @@
+"""What the Accelerator's arguments and its DeepSpeed-style config say together, and the backend they name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..backend import Backend, MegatrainBackend
+from ..config import EngineConfig
+
+BACKENDS = ("megatrain", "zero3", "zero3-alst", "torch")
+_MIXED_PRECISION = ("no", "bf16")
+
+
+def resolve_mixed_precision(mixed_precision: str, config: Any) -> str:
+    if mixed_precision not in _MIXED_PRECISION:
+        raise ValueError(f"mixed_precision={mixed_precision!r} is not supported; use one of {_MIXED_PRECISION}")
+    if isinstance(config, EngineConfig):
+        from_config: bool | None = config.compute_dtype == "bfloat16"
+    elif isinstance(config, dict):
+        section = config.get("bf16", config.get("bfloat16", {})) or {}
+        on = section.get("enabled", "auto")
+        from_config = None if on == "auto" else bool(on)
+    else:
+        from_config = None
+    if from_config is None:
+        return mixed_precision
+    if from_config and mixed_precision == "no":
+        return "bf16"  # the config asked for it and the argument was left at its default
+    if not from_config and mixed_precision == "bf16":
+        raise ValueError("mixed_precision='bf16' contradicts the config, which disables bf16")
+    return mixed_precision
+
+
+def resolve_gradient_clipping(config: Any) -> float:
+    """The per-step clipping a config asks for, with DeepSpeed's meaning (absent -> 1.0)."""
+    if not isinstance(config, dict):
+        return 0.0  # no DeepSpeed config: clip only where the script calls clip_grad_norm_
+    clip = config.get("gradient_clipping", 1.0)
+    if clip == "auto" or clip is None:
+        return 0.0  # Accelerate fills "auto" from the script, i.e. from clip_grad_norm_ calls
+    clip = float(clip)
+    if clip < 0:
+        raise ValueError(f"gradient_clipping={clip} must be >= 0")
+    return clip
+
+
+def resolve_accumulation(steps: int, config: Any) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"gradient_accumulation_steps={steps!r} must be an int >= 1")
+    if isinstance(config, dict):
+        from_config = config.get("gradient_accumulation_steps", "auto")
+        if from_config != "auto":
+            if steps == 1:
+                return int(from_config)  # the argument was left at its default
+            if int(from_config) != steps:
+                raise ValueError(
+                    f"gradient_accumulation_steps={steps} contradicts the config's {from_config}; set one of them"
+                )
+    return steps
+
+
+def backend_class(name: str) -> type:
+    """The class behind `Accelerator(backend=name)` (the comparison stacks are imported only when named)."""
+    if name == "megatrain":
+        return MegatrainBackend
+    if name == "torch":
+        from baselines.torch_backend import TorchBackend
+
+        return TorchBackend
+    if name == "zero3":
+        from baselines.zero3 import Zero3Backend
+
+        return Zero3Backend
+    if name == "zero3-alst":
+        from baselines.alst import Zero3AlstBackend
+
+        return Zero3AlstBackend
+    raise ValueError(f"backend={name!r} is not one of {BACKENDS}")
+
+
+def make_backend(name: str, **kwargs: Any) -> Backend:
+    return backend_class(name)(**kwargs)

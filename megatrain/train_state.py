@@ -1,0 +1,268 @@
+"""What a run saves to resume, in the two layouts the faces promise, with one RNG saver for both.
+
+- The DeepSpeed face's checkpoint: one crash-consistent tag directory (`megatrain.checkpoint`) holding the
+  weights (`model.*`), optimizer tensors (`optim.*`), RNG streams (`rng.*`) and pickled client state
+  (`client.*`) in its safetensors file; counters, config, LR schedule and the rest in its meta.json.
+- The Accelerate face's folder, under accelerate's own file names: `model.safetensors` and `optimizer.bin`
+  (what the MegaTrain backend writes), `scheduler*.bin`, `custom_checkpoint_*.pkl`, `sampler.bin`,
+  `random_states_0.pkl` and the face's `accelerator.json`.
+
+Both faces take the weights and optimizer state from the backend (`MegatrainBackend.training_state`) and
+the RNG streams from `rng_state()` here; only the encoding differs.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import checkpoint as ckpt
+
+# ---------------------------------------------------------------------------------------------------
+# RNG streams
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG stream a training step draws from: torch (CPU and each CUDA device), Python, numpy."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
+    random.setstate(state["python"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# the Accelerate face's folder
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.bin"  # accelerate's name
+FACE_FILE = "accelerator.json"
+RNG_FILE = "random_states_0.pkl"  # accelerate's own file names (accelerate.utils.constants) from here on
+SAMPLER_FILE = "sampler.bin"
+
+
+def scheduler_file(i: int) -> str:
+    return "scheduler.bin" if i == 0 else f"scheduler_{i}.bin"
+
+
+def custom_file(i: int) -> str:
+    return f"custom_checkpoint_{i}.pkl"
+
+
+def write_weights(directory: str | Path, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
+    d = Path(directory)
+    ckpt.write_safetensors(d / MODEL_FILE, weights)
+    torch.save(optimizer_state, d / OPTIMIZER_FILE)
+
+
+def read_weights(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    return load_file(str(d / MODEL_FILE)), torch.load(d / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+
+
+def write_face_state(directory: str | Path, *, schedulers: list[Any], customs: list[Any],
+                     sampler_states: list[Any], face: dict[str, Any]) -> None:
+    """What the Accelerate face adds to its backend's files: schedulers, registered objects, samplers, RNG."""
+    d = Path(directory)
+    for i, s in enumerate(schedulers):
+        torch.save(s.state_dict(), d / scheduler_file(i))
+    for i, obj in enumerate(customs):
+        torch.save(obj.state_dict(), d / custom_file(i))
+    torch.save(sampler_states, d / SAMPLER_FILE)
+    state = rng_state()
+    torch.save({k: state[k] for k in ("torch", "python", "numpy") if k in state}, d / RNG_FILE)
+    (d / FACE_FILE).write_text(json.dumps(face, indent=1))
+
+
+def read_face(directory: Path) -> dict[str, Any]:
+    path = directory / FACE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} holds no Accelerator state ({FACE_FILE} is missing)")
+    return json.loads(path.read_text())
+
+
+def count_customs(directory: Path) -> int:
+    return len(list(directory.glob("custom_checkpoint_*.pkl")))
+
+
+def read_sampler_states(directory: Path) -> list[Any] | None:
+    path = directory / SAMPLER_FILE
+    return torch.load(path, weights_only=True) if path.is_file() else None
+
+
+def load_face_state(directory: Path, *, schedulers: list[Any], customs: list[Any]) -> None:
+    for i, s in enumerate(schedulers):
+        s.load_state_dict(torch.load(directory / scheduler_file(i), weights_only=False))
+    for i, obj in enumerate(customs):
+        obj.load_state_dict(torch.load(directory / custom_file(i), weights_only=False))
+    # Python's and numpy's RNG states are plain tuples; they need the non-weights unpickler.
+    set_rng_state(torch.load(directory / RNG_FILE, weights_only=False))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the DeepSpeed face's checkpoint
+
+ENGINE_CKPT_KIND = "megatrain.deepspeed_engine"
+_MODEL = "model."
+_OPTIM = "optim."
+_CLIENT = "client."
+_RNG = "rng."
+
+
+def save_engine_checkpoint(save_dir: str | Path, tag: str, *, weights: dict[str, torch.Tensor],
+                           optimizer_state: dict[str, Any] | None, scheduler: Any, counters: dict[str, int],
+                           config: Any, client_state: dict[str, Any] | None, write: bool,
+                           keep_last: int | None = None, update_latest: bool = True) -> None:
+    """Encode a DeepSpeed-face checkpoint and, when `write` (the rank that writes for all), publish it."""
+    tensors = {_MODEL + name: t for name, t in weights.items()}
+    meta: dict[str, Any] = {"kind": ENGINE_CKPT_KIND, "version": 1, "counters": counters, "config": config,
+                            "lr_scheduler": _scheduler_state(scheduler)}
+    if optimizer_state is not None:
+        meta["optimizer"] = _optimizer_state(optimizer_state, tensors)
+    meta["rng"] = _rng_state(tensors)
+    meta["client_state"] = _split_client_state(client_state or {}, tensors)
+    if write:
+        ckpt.save(save_dir, tag, tensors, meta, keep_last=keep_last, update_latest=update_latest)
+
+
+def load_engine_checkpoint(load_dir: str | Path, tag: str | None
+                           ) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path, dict[str, torch.Tensor]]:
+    """(weights, meta, path, tensors) of a DeepSpeed-face checkpoint, checksums verified."""
+    tensors, meta, path = ckpt.load(load_dir, tag)
+    if meta.get("kind") != ENGINE_CKPT_KIND:
+        raise ckpt.CheckpointError(f"{path} is not a checkpoint written by MegaTrainEngine.save_checkpoint")
+    weights = {k[len(_MODEL):]: v for k, v in tensors.items() if k.startswith(_MODEL)}
+    return weights, meta, path, tensors
+
+
+def optimizer_from(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    m = meta["optimizer"]
+    state = {}
+    for idx, entry in m["state"].items():
+        state[int(idx)] = {k: tensors[f"{_OPTIM}{idx}.{k}"] if v == "__in_tensors__" else _from_json_value(v)
+                           for k, v in entry.items()}
+    groups = [{k: _from_json_value(v) for k, v in g.items()} for g in m["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def restore_rng(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    _restore_rng(meta["rng"], tensors)
+
+
+def client_state_from(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    state = meta.get("client_state", {})
+    if state.get("__pickled__"):
+        # The checkpoint's own bytes, checksum-verified: the same trust DeepSpeed's torch.load gives them.
+        return torch.load(io.BytesIO(tensors[_CLIENT + "pickle"].numpy().tobytes()), weights_only=False)
+    # checkpoints written before client_state was pickled: JSON values and tensors
+    return {k: tensors[f"{_CLIENT}{k}"] if v == "__in_tensors__" else v for k, v in state.items()}
+
+
+def _json_value(v: Any, what: str) -> Any:
+    if torch.is_tensor(v):
+        if v.numel() != 1:
+            raise TypeError(f"{what}: a non-scalar tensor where a hyper-parameter was expected")
+        return {"__tensor__": v.item(), "dtype": str(v.dtype).removeprefix("torch.")}
+    if isinstance(v, tuple):
+        return {"__tuple__": [_json_value(x, what) for x in v]}
+    return v
+
+
+def _from_json_value(v: Any) -> Any:
+    if isinstance(v, dict) and "__tensor__" in v:
+        return torch.tensor(v["__tensor__"], dtype=getattr(torch, v["dtype"]))
+    if isinstance(v, dict) and "__tuple__" in v:
+        return tuple(_from_json_value(x) for x in v["__tuple__"])
+    return v
+
+
+def _optimizer_state(sd: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    state_meta: dict[str, dict[str, Any]] = {}
+    for idx, st in sd["state"].items():
+        entry = {}
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"{_OPTIM}{idx}.{k}"] = v
+                entry[k] = "__in_tensors__"
+            else:
+                entry[k] = _json_value(v, f"optimizer state {k}")
+        state_meta[str(idx)] = entry
+    groups = [{k: _json_value(v, f"param group {k}") for k, v in g.items()} for g in sd["param_groups"]]
+    return {"state": state_meta, "param_groups": groups}
+
+
+def _scheduler_state(sched: Any) -> Any:
+    if sched is None or not hasattr(sched, "state_dict"):
+        return None
+    return {k: _json_value(v, f"lr scheduler {k}") for k, v in sched.state_dict().items()}
+
+
+def _rng_state(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """`rng_state()` split into the checkpoint's tensors and JSON meta."""
+    state = rng_state()
+    tensors[_RNG + "torch"] = state["torch"]
+    for i, s in enumerate(state.get("cuda", [])):
+        tensors[f"{_RNG}cuda.{i}"] = s
+    version, mt_state, gauss = state["python"]
+    out: dict[str, Any] = {"python": [version, list(mt_state), gauss], "cuda_devices": len(state.get("cuda", []))}
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        tensors[_RNG + "numpy"] = torch.from_numpy(keys.astype(np.int64))
+        out["numpy"] = [kind, pos, has_gauss, cached]
+    return out
+
+
+def _restore_rng(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    version, mt_state, gauss = meta["python"]
+    state: dict[str, Any] = {"torch": tensors[_RNG + "torch"], "python": (version, tuple(mt_state), gauss)}
+    if meta.get("cuda_devices"):
+        state["cuda"] = [tensors[f"{_RNG}cuda.{i}"] for i in range(meta["cuda_devices"])]
+    if "numpy" in meta and _RNG + "numpy" in tensors:
+        import numpy as np
+
+        kind, pos, has_gauss, cached = meta["numpy"]
+        state["numpy"] = (kind, tensors[_RNG + "numpy"].numpy().astype(np.uint32), pos, has_gauss, cached)
+    set_rng_state(state)
+
+
+def _split_client_state(state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """`client_state` as DeepSpeed keeps it: any picklable objects, pickled (torch.save) into one byte tensor, so
+    tuples, namespaces and tensors come back as they went in, covered by the checkpoint's checksums."""
+    buf = io.BytesIO()
+    try:
+        torch.save(dict(state), buf)
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        for key, value in state.items():
+            try:
+                torch.save(value, io.BytesIO())
+            except (pickle.PicklingError, TypeError, AttributeError):
+                raise TypeError(f"client_state[{key!r}] cannot be saved ({e}); client_state must be picklable, "
+                                "as DeepSpeed requires") from e
+        raise TypeError(f"client_state cannot be saved ({e}); it must be picklable, as DeepSpeed requires") from e
+    tensors[_CLIENT + "pickle"] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    return {"__pickled__": True}
