@@ -216,7 +216,7 @@ class Engine:
         # offload (tiling.py), and on a CPU "device" optionally the measured live bytes of the step.
         self.hf_attention = self.hf_config._attn_implementation  # the model's own, for its own forward (generate)
         self.segment_attention = use_segment_attention(self.hf_config, config.segment_attention)
-        policy = long_context_policy(config, self.templates, [g.numel for g in self.store.layers], config.num_buffers,
+        policy = long_context_policy(config, self.templates.of_layer, [g.numel for g in self.store.layers], config.num_buffers,
                                      self.device, self.compute_dtype,
                                      sum(p.numel() * p.element_size() for p in self._device_globals),
                                      self.parts.lm_head.weight.shape)

@@ -27,17 +27,35 @@ import functools
 import inspect
 import itertools
 import types
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from ..models.adapter import DecoderParts
 from ..modes import HostMaster
 from .inference import streamed_layers
+from .schedule import LayerPipeline
+from .store import HostStore
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+class Engine(Protocol):
+    """What the model object needs of the engine that serves it (engine.py's Engine)."""
+
+    module: nn.Module
+    parts: DecoderParts
+    hf_config: Any
+    hf_attention: str | None
+    store: HostStore
+    pipeline: LayerPipeline
+    device: torch.device
+    check_model_intact: Callable[[], None]
+
+    def forward(self, **kwargs: Any) -> Any: ...
+    def synchronize(self) -> None: ...
+    def global_masters(self) -> list[tuple[str, nn.Parameter]]: ...
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None: ...
 
 # Forward arguments that ask for HF's own forward (cache, per-layer outputs): served with streamed layers.
 # (`cache` is transformers 5's name for `past_key_values`.)
