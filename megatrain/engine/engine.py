@@ -24,10 +24,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..config import EngineConfig
 from ..models.adapter import DecoderParts, find_parts, record_layer_inputs
 from ..modes import GradSlab, HostMaster
+from .accounting import StepAccounting
 from .activations import ActivationStore
 from .attention import use_segment_attention
 from .batch import check_batch
-from .distributed import DataParallel
+from .distributed import join_ranks
 from .embedding import check_embedding, lookup_grad
 from .events import LayerEvents
 from .global_grads import GlobalGradSink
@@ -82,14 +83,7 @@ class Engine:
     def __init__(self, model: nn.Module | str | os.PathLike, config: EngineConfig | None = None,
                  optimizer: OptimizerArg = None) -> None:
         self.config = config = config or EngineConfig()
-        self.device = resolve_device(config.device)
-        # Launched as one of several ranks (torchrun & co.): join the job before touching the model; on a GPU
-        # with no index named, this rank takes its node's device LOCAL_RANK.
-        self.dp = DataParallel.from_env(self.device, config.watchdog_s)
-        if self.dp is not None and self.device.type == "cuda":
-            if self.device.index is None:
-                self.device = torch.device("cuda", self.dp.local_rank)
-            torch.cuda.set_device(self.device)  # the streams' waits act on the current device's stream
+        self.device, self.dp = join_ranks(resolve_device(config.device), config.watchdog_s)
         self.trace_log = Trace(config.trace, self.device)
         if self.dp is not None:
             self.dp.stream.trace = self.dp.updates.trace = self.trace_log
@@ -133,7 +127,7 @@ class Engine:
             foreign = {id(p) for g in self.store.layers if not g.owned for p in g.params}
             shard_optimizer_state(self.optimizer, foreign, self.dp.group, self.synchronize)
         self.ranks = ranks_for(self.dp, self.store, self.events)
-        self.update = choose_update(self.optimizer, self.store, self.events, self.ranks, config, self.trace_log)
+        self.update = choose_update(self.optimizer, self.store, self.events, config, self.trace_log)
         self.pipeline = LayerPipeline(self.store, self.templates, self.streams, self.trace_log, config.num_buffers,
                                       self.compute_dtype, self.device, _has_dropout(self.hf_config), self.events,
                                       policy, self.ranks.grad_sink or self.update.grad_sink)
@@ -148,10 +142,11 @@ class Engine:
         self._norm: float | None = None  # cached gradient norm, valid until grads change
         self.skipped_steps = 0
         self._bad_in_a_row = 0
+        self.accounting = StepAccounting(self.device, self.streams, self.pipeline, self.placement, self.dp,
+                                         self.update.layered, self.memory, self.trace_log)
         bind_model_object(self)
         self.train()
         _live_engines.add(self)
-        self.reset_stats()
 
     @property
     def _layered(self) -> LayeredStep | None:
@@ -210,10 +205,10 @@ class Engine:
             if self._pending is not None:
                 self._unbackwarded.append(weakref.ref(self._pending.h_last))
             self._pending = _Pending(h0, h_in0, h_last, layer_inputs, acts, ids)
-            self._act_peak = max(self._act_peak, acts.peak_device_bytes)
+            self.accounting.act_peak = max(self.accounting.act_peak, acts.peak_device_bytes)
             h_last.register_hook(self._only_through_backward)
-        self._stats["forward_s"] += time.perf_counter() - t0
-        self._tokens += int(ids.numel())
+        self.accounting.seconds["forward_s"] += time.perf_counter() - t0
+        self.accounting.tokens += int(ids.numel())
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     def _only_through_backward(self, grad: torch.Tensor) -> torch.Tensor:
@@ -281,7 +276,7 @@ class Engine:
         rows, grad = lookup_grad(self.parts.embed, p.ids, g_h0)
         self._global_grads.add_rows(self.placement.embed_slot, rows, grad)
         self.ranks.after_backward(sync)
-        self._stats["backward_s"] += time.perf_counter() - t0
+        self.accounting.seconds["backward_s"] += time.perf_counter() - t0
 
     # -- gradients and the step -------------------------------------------------------------------
     def grad_norm(self) -> float:
@@ -316,8 +311,7 @@ class Engine:
     def _all_grads(self) -> list[torch.Tensor]:
         """This rank's gradient slabs (a shared store: its own layers' and the resident parameters'), landed."""
         self.ranks.average_pending()
-        self.events.wait_grads()
-        self.update.synchronize()
+        self._wait_host_jobs()
         return [g.grad for g in self.store.groups() if g.grad is not None]
 
     def step(self) -> bool:
@@ -332,9 +326,10 @@ class Engine:
         self.ranks.average_pending()
         if not self.update.step(self._finite, self._clip_coefs):
             return False
+        self.ranks.release(self.events, self.update.overlapped)
         self.placement.globals_changed()
         self.pipeline.invalidate()
-        self._stats["optimizer_s"] += time.perf_counter() - t0
+        self.accounting.seconds["optimizer_s"] += time.perf_counter() - t0
         return True
 
     def _finite(self) -> bool:
@@ -368,8 +363,13 @@ class Engine:
         """Wait for every queued copy and (with optimizer_overlap) the layer updates still running:
         call it before reading parameters, gradients or optimizer state by hand."""
         self.streams.synchronize()
+        self._wait_host_jobs()
+
+    def _wait_host_jobs(self) -> None:
+        """Gradients landed in their slabs, and no layer update or zeroing still queued (on any rank)."""
         self.events.wait_grads()
         self.update.synchronize()
+        self.ranks.wait()
 
     # -- parameters and state -----------------------------------------------------------------------
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -445,50 +445,19 @@ class Engine:
     @property
     def device_weight_bytes(self) -> int:
         """Weight bytes resident on the device: the k layer buffers plus embedding/norm/head."""
-        g = sum(p.numel() * p.element_size() for p in self.placement.device_globals)
-        return self.pipeline.device_weight_bytes + g
+        return self.accounting.device_weight_bytes
 
     @property
     def stats(self) -> dict[str, float]:
         return self.collect_stats()
 
     def reset_stats(self) -> None:
-        self.streams.reset_counters()
-        if self.dp is not None:
-            self.dp.stream.reset_counters()
-        if self._layered is not None:
-            self._layered.reset_counters()
-        self._act_peak = 0
-        if self.memory is not None:
-            self.memory.reset_peak()
-        self._tokens = 0
-        self._stats = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
-        self.trace_log.clear()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        self.accounting.reset()
 
     def collect_stats(self) -> dict[str, float]:
         """Accounting since the last reset (waits for outstanding copies and layer updates)."""
         self.synchronize()
-        out = dict(self._stats)
-        if self._layered is not None:
-            out["optimizer_busy_s"] = self._layered.busy_s  # on its own thread; optimizer_s is what step() took
-        out.update(
-            h2d_bytes=self.streams.h2d.bytes, d2h_bytes=self.streams.d2h.bytes,
-            h2d_busy_s=self.streams.h2d.busy_s, d2h_busy_s=self.streams.d2h.busy_s,
-            copy_wait_s=self.streams.wait_s, device_weight_bytes=self.device_weight_bytes,
-            peak_activation_bytes=self._act_peak, host_store_bytes=self.store.host_bytes(),
-            tokens=self._tokens,
-        )
-        if self.device.type == "cuda":
-            out["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
-        else:
-            # Measured live bytes when tracking (tiled working set, loss workspace included), else the count.
-            out["peak_device_bytes"] = self.device_weight_bytes + (self.memory.peak if self.memory else self._act_peak)
-        out.update(self.pipeline.plan_stats())
-        if self.dp is not None:
-            out.update(allreduce_bytes=self.dp.stream.bytes, allreduce_busy_s=self.dp.stream.busy_s)
-        return out
+        return self.accounting.collect()
 
     @property
     def trace(self) -> list:

@@ -48,7 +48,7 @@ class OneRank:
         """After a step's updates are written or queued: let the other ranks load the layers."""
 
     def wait(self) -> None:
-        """Block until the other ranks' updates of this rank's layers are done."""
+        """Block until the other ranks' updates of the layers this rank loads are released."""
 
     def barrier(self, what: str) -> None:
         """Every rank of the node at this point (a shared store: the layers' masters were written)."""

@@ -4,8 +4,8 @@ Every path runs the same per-layer job: wait for the layer's gradients, check th
 finiteness before any layer; per layer in backward), AdamW on its FP32 master (`update_layer`: a bf16 slab
 widened, pending clipping applied, a hi/lo or bf16 master unpacked first and stored back after), write the
 copy that streams to the device, and release the layer to the next load (its `updated` event; a shared
-store: its owner's token or a node barrier, ranks.py). Which path, is chosen once when the engine is built
-(`choose`):
+store adds its owner's token or a node barrier after the step, ranks.py). Which path, is chosen once when the
+engine is built (`choose`):
 
 - WholeStep: in step(), on the caller's thread, one optimizer.step() over every master (any torch optimizer).
 - Layered: in step(), the resident parameters at once and each layer queued on the optimizer thread in forward
@@ -26,7 +26,6 @@ import torch
 from ..config import EngineConfig
 from .events import LayerEvents
 from .optim import LayeredStep, unsupported_reason
-from .ranks import OneRank
 from .store import FlatGroup, HostStore
 from .stream import Event, Trace
 
@@ -45,10 +44,11 @@ class UpdatePath:
 
     layered: LayeredStep | None = None  # the per-layer optimizer views and their thread, if this path has them
     grad_sink: Callable[[int, torch.Tensor, Event], Event] | None = None  # takes a layer's gradients (no slab)
+    overlapped = False  # step() returns with layer updates still queued
 
-    def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents, ranks: OneRank,
+    def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
                  config: EngineConfig) -> None:
-        self.optimizer, self.store, self.events, self.ranks, self.config = optimizer, store, events, ranks, config
+        self.optimizer, self.store, self.events, self.config = optimizer, store, events, config
 
     def check_backward(self) -> None:
         """Refuse a backward this path cannot take exactly (before any gradient is added)."""
@@ -73,7 +73,6 @@ class UpdatePath:
         self.optimizer.step()
         for g in self.store.layers:
             g.refresh_shadow()
-        self.ranks.release(self.events, overlapped=False)
         return True
 
     def zero_grad(self) -> None:
@@ -83,10 +82,9 @@ class UpdatePath:
         """New weights were loaded (a checkpoint): what a failed update left behind no longer holds."""
 
     def synchronize(self) -> None:
-        """Block until every queued update (this rank's and, a shared store, the other ranks') is done."""
+        """Block until every queued update is done."""
         if self.layered is not None:
             self.layered.synchronize()
-        self.ranks.wait()
 
 
 WholeStep = UpdatePath
@@ -95,11 +93,11 @@ WholeStep = UpdatePath
 class Layered(UpdatePath):
     """In step(): the resident parameters now, each layer queued on the optimizer thread behind its gradients."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents, ranks: OneRank,
+    def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
                  config: EngineConfig, trace: Trace) -> None:
-        super().__init__(optimizer, store, events, ranks, config)
+        super().__init__(optimizer, store, events, config)
         self.layered = LayeredStep(optimizer, store, events, trace, config.watchdog_s)
-        self.overlap = config.optimizer_overlap
+        self.overlapped = config.optimizer_overlap
 
     def step(self, finite: Callable[[], bool], coefs: list[float]) -> bool:
         if not finite():
@@ -109,9 +107,8 @@ class Layered(UpdatePath):
         self.events.wait_global_grads()  # the globals are updated right away; each layer waits for its own
         layered, layers, coefs = self.layered, self.store.layers, list(coefs)
         layered.step(lambda i: update_layer(layered, layers[i], i, coefs), self.events.landed)
-        if not self.overlap:
+        if not self.overlapped:
             layered.synchronize()  # a per-layer mode without overlap: step() returns with every layer done
-        self.ranks.release(self.events, overlapped=self.overlap)
         return True
 
     def zero_grad(self) -> None:
@@ -121,9 +118,9 @@ class Layered(UpdatePath):
 class InBackward(UpdatePath):
     """During backward: each layer's update queued on the optimizer thread as soon as its gradients are staged."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents, ranks: OneRank,
+    def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
                  config: EngineConfig, trace: Trace) -> None:
-        super().__init__(optimizer, store, events, ranks, config)
+        super().__init__(optimizer, store, events, config)
         self.layered = LayeredStep(optimizer, store, events, trace, config.watchdog_s)
         self.grad_sink = self._update
         self._unstepped = False  # layers updated by a backward whose step() is to come
@@ -199,8 +196,8 @@ class InBackward(UpdatePath):
         self._unstepped = False
 
 
-def choose(optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents, ranks: OneRank,
-           config: EngineConfig, trace: Trace) -> UpdatePath:
+def choose(optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents, config: EngineConfig,
+           trace: Trace) -> UpdatePath:
     """The update path the configuration and the optimizer allow."""
     layer_wise = store.per_layer_update or config.optimizer_in_backward
     reason = unsupported_reason(optimizer) if config.optimizer_overlap or layer_wise else None
@@ -212,7 +209,7 @@ def choose(optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEven
     if reason is not None:
         warnings.warn(f"optimizer_overlap: {reason}, so it steps whole after backward", stacklevel=3)
     if config.optimizer_in_backward:
-        return InBackward(optimizer, store, events, ranks, config, trace)
+        return InBackward(optimizer, store, events, config, trace)
     if reason is None and (config.optimizer_overlap or layer_wise):
-        return Layered(optimizer, store, events, ranks, config, trace)
-    return WholeStep(optimizer, store, events, ranks, config)
+        return Layered(optimizer, store, events, config, trace)
+    return WholeStep(optimizer, store, events, config)
