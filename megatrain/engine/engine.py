@@ -37,6 +37,7 @@ from .loss import chunked_causal_lm_loss, head_logits
 from .malloc import set_mmap_threshold
 from .memtrack import DeviceMemoryTracker
 from .model_object import bind as bind_model_object
+from .model_object import engines_holding
 from .node_store import shard_optimizer_state
 from .optim import LayeredStep, OptimizerArg, adopt_optimizer
 from .placement import place, resolve_device
@@ -48,17 +49,6 @@ from .tiling import long_context_policy
 from .update import choose as choose_update
 
 __all__ = ["Engine", "OptimizerArg", "engines_holding", "resolve_device"]
-
-_live_engines: weakref.WeakSet = weakref.WeakSet()
-
-
-def engines_holding(tensors: list[torch.Tensor]) -> list[Engine]:
-    """The live engines whose model object holds any of `tensors` as a parameter."""
-    ids = {id(t) for t in tensors}
-    # The class's named_parameters: the handles the model holds (the model object's override may serve copies)
-    return [e for e in list(_live_engines)
-            if any(id(p) in ids for _, p in type(e.module).named_parameters(e.module))]
-
 
 def _has_dropout(cfg: Any) -> bool:
     return any((getattr(cfg, k, 0) or 0) > 0 for k in ("attention_dropout", "hidden_dropout", "dropout",
@@ -144,9 +134,8 @@ class Engine:
         self._bad_in_a_row = 0
         self.accounting = StepAccounting(self.device, self.streams, self.pipeline, self.placement, self.dp,
                                          self.update.layered, self.memory, self.trace_log)
-        bind_model_object(self)
+        bind_model_object(self)  # and counted among the live engines (engines_holding)
         self.train()
-        _live_engines.add(self)
 
     @property
     def _layered(self) -> LayeredStep | None:

@@ -27,6 +27,7 @@ import functools
 import inspect
 import itertools
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -62,8 +63,19 @@ class Engine(Protocol):
 _HF_ONLY = ("past_key_values", "cache", "use_cache", "cache_position", "output_hidden_states", "output_attentions")
 
 
+_bound: weakref.WeakSet = weakref.WeakSet()
+
+
+def engines_holding(tensors: list[torch.Tensor]) -> list[Engine]:
+    """The live engines whose model object holds any of `tensors` as a parameter."""
+    ids = {id(t) for t in tensors}
+    # The class's named_parameters: the handles the model holds (the model object's override may serve copies)
+    return [e for e in list(_bound) if any(id(p) in ids for _, p in type(e.module).named_parameters(e.module))]
+
+
 def bind(engine: Engine) -> None:
     """Route `engine.module`'s forward, state_dict, load_state_dict and conversions through `engine`."""
+    _bound.add(engine)
     model = engine.module
     original = type(model).forward
     signature = inspect.signature(original)

@@ -40,7 +40,7 @@ def update_layer(layered: LayeredStep, group: FlatGroup, i: int, coefs: list[flo
 
 
 class UpdatePath:
-    """The whole step: after backward, on the caller's thread."""
+    """What the engine asks of an update path. This one is the whole step: in step(), on the caller's thread."""
 
     layered: LayeredStep | None = None  # the per-layer optimizer views and their thread, if this path has them
     grad_sink: Callable[[int, torch.Tensor, Event], Event] | None = None  # takes a layer's gradients (no slab)
