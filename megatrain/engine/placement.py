@@ -71,7 +71,6 @@ class Placement:
     """Where the engine put the model's parameters: the store's masters, the resident ones' device copies,
     and each distinct parameter's name (tied weights under their first name, the others as aliases)."""
 
-    model: nn.Module
     parts: DecoderParts
     store: HostStore
     templates: TemplateBank
@@ -79,10 +78,7 @@ class Placement:
     alias_globals: bool  # a CPU device computing in FP32: the device copies are the host masters themselves
     name_of: dict[int, str]  # id(the model's original Parameter) -> its name
     aliases: dict[str, str]  # tied weight's other name -> its first name
-
-    @property
-    def embed_slot(self) -> int:
-        return next(i for i, dev in enumerate(self.device_globals) if dev is self.parts.embed.weight)
+    embed_slot: int  # the embedding's index among the resident parameters (its gradient arrives as rows)
 
     def global_index(self, name: str) -> int:
         return next(i for i, s in enumerate(self.store.globals.slots) if s.name == name)
@@ -202,7 +198,8 @@ def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: t
         dev = master if alias_globals else nn.Parameter(master.detach().to(device, compute_dtype), requires_grad=True)
         device_globals.append(dev)
         _set_param(model, slot.name, dev)
-    placed = Placement(model, parts, store, templates, device_globals, alias_globals, name_of, aliases)
+    embed_slot = next(i for i, dev in enumerate(device_globals) if dev is parts.embed.weight)
+    placed = Placement(parts, store, templates, device_globals, alias_globals, name_of, aliases, embed_slot)
     for alias, name in aliases.items():
         if not alias.startswith(prefix):
             _set_param(model, alias, device_globals[placed.global_index(name)])
