@@ -9,6 +9,7 @@ events (events.py) they extend.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -22,9 +23,9 @@ class OneRank:
     """A lone process: its slabs are the gradients, its store is its own."""
 
     # Shared store: called by the pipeline instead of adding into a slab (schedule.py's grad_sink).
-    grad_sink = None
+    grad_sink: Callable[[int, torch.Tensor, Event], Event] | None = None
 
-    def grad_sent(self, sync: bool):
+    def grad_sent(self, sync: bool) -> Callable[[int], None] | None:
         """What the pipeline calls once a layer's gradients are queued to the host (None: nothing)."""
         return None
 
@@ -65,7 +66,7 @@ class Replicated(OneRank):
         self.dp, self.store, self.events = dp, store, events
         self.unaveraged = False  # a backward(sync=False) added gradients not yet averaged
 
-    def grad_sent(self, sync: bool):
+    def grad_sent(self, sync: bool) -> Callable[[int], None] | None:
         return self._average_layer if sync else None
 
     def before_backward(self) -> None:
@@ -115,7 +116,7 @@ class SharedStore(Replicated):
         super().__init__(dp, store, events)
         self.grad_sink = self._reduce_to_owner
 
-    def grad_sent(self, sync: bool):
+    def grad_sent(self, sync: bool) -> Callable[[int], None] | None:
         return None  # reduced to the owners as they land, every backward
 
     def _average_layers(self) -> None:
