@@ -92,7 +92,8 @@ class Engine:
         probe = (lambda m: verify_model(m, type(self))) if config.parity_probe else None
         self.placement, originals = place(model, self.parts, config, self.device, self.compute_dtype, self.dp,
                                           self.node, checkpoint_dir, probe)
-        self.store, self.templates, self._aliases = self.placement.store, self.placement.templates, self.placement.aliases
+        self.store, self.templates = self.placement.store, self.placement.templates
+        self._aliases, self._name_of = self.placement.aliases, self.placement.name_of  # read by the faces, the probe
         self._recorded: list = []
 
         self.streams = Streams(self.device, self.trace_log, config.link_gbps, config.watchdog_s)
@@ -111,7 +112,7 @@ class Engine:
         # The step: the optimizer over the masters, what the ranks exchange, and when each layer's update runs.
         self.events = LayerEvents(len(self.store.layers), config.watchdog_s)
         self.optimizer = adopt_optimizer(optimizer, self.store.named_parameters(self.parts.layers_prefix),
-                                         self.placement.name_of, self._aliases)
+                                         self._name_of, self._aliases)
         del originals
         if self.node is not None:
             foreign = {id(p) for g in self.store.layers if not g.owned for p in g.params}
