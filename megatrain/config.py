@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .engine.malloc import MAX_MMAP_THRESHOLD, MIN_MMAP_THRESHOLD
-from .modes import GradSlab, HostMaster, parse
+from .costs.modes import GradSlab, HostMaster, parse
 
 _DTYPES = ("float32", "bfloat16")
 MIN_LINK_GBPS = 1e-3

@@ -250,13 +250,14 @@ def test_gradient_adds_wait_for_a_running_average(slow):
 
     from megatrain.config import EngineConfig
     from megatrain.engine import Engine
+    from megatrain.engine.ranks import Replicated
 
     batches = make_batches(4, batch=2, seq=16)
     weights = []
     for fake in (False, True):
         eng = Engine(tiny_model(layers=3), EngineConfig(device="cpu", parity_probe=False, trace=fake))
         if fake:
-            eng.dp = SlowIdentityAverage(eng.trace_log, slow)
+            eng.ranks = Replicated(SlowIdentityAverage(eng.trace_log, slow), eng.store, eng.events)
         for b in batches:  # every backward averages, so the next one's adds meet a running average
             eng.backward(eng(**b).loss, sync=True)
         eng.step()
@@ -265,7 +266,7 @@ def test_gradient_adds_wait_for_a_running_average(slow):
     # Each layer's average was queued as its gradients left backward, before the next layer's backward
     # began (it then runs on its own thread, overlapping that backward); the resident parameters' last.
     bwd = [r for r in eng.trace if r.stream == "compute" and r.kind == "bwd"]
-    queued = eng.dp.queued
+    queued = eng.ranks.dp.queued
     assert [layer for layer, _ in queued] == [2, 1, 0, -1] * len(batches)
     for n in range(len(batches)):
         for (layer, t), nxt in zip(queued[4 * n: 4 * n + 2], bwd[3 * n + 1: 3 * n + 3], strict=True):

@@ -57,8 +57,8 @@ def test_first_gradients_read_after_backward_are_whole():
 def test_a_missing_wait_is_caught(monkeypatch):
     want = _train(_engine(False), steps=2, clip=None)
     eng = _engine(True)
-    monkeypatch.setattr(eng.pipeline, "synchronize_global_grads", lambda: None)
-    eng.pipeline.globals_landed.clear()
+    monkeypatch.setattr(eng.events, "wait_global_grads", lambda: None)
+    eng.events.globals_landed.clear()
     got = _train(eng, steps=2, clip=None)
     eng.synchronize()
     assert any(not torch.equal(a, b) for a, b in zip(want, got))

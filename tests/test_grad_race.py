@@ -12,8 +12,8 @@ from conftest import make_batches, tiny_model
 
 from megatrain.config import EngineConfig
 from megatrain.engine import Engine
+from megatrain.engine.events import LayerEvents
 from megatrain.engine.optim import LayeredStep
-from megatrain.engine.schedule import LayerPipeline
 from megatrain.engine.stream import DONE
 
 SLOW = 0.002  # GB/s: a tiny layer's gradient takes ~0.1 s to land, far longer than the step's host work
@@ -62,7 +62,7 @@ def test_step_waits_for_landing_gradients(clip, overlap, skip):
 
 
 def _remove_the_waits(monkeypatch):
-    monkeypatch.setattr(LayerPipeline, "synchronize_grads", lambda self: None)
+    monkeypatch.setattr(LayerEvents, "wait_grads", lambda self: None)
     step = LayeredStep.step
     monkeypatch.setattr(LayeredStep, "step", lambda self, after, landed: step(self, after, [DONE] * len(landed)))
 

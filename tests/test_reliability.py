@@ -601,7 +601,7 @@ def test_failed_save_with_keep_last_1_never_loses_the_only_good_checkpoint(tmp_p
 
 
 def test_host_preflight_refuses_before_any_allocation(monkeypatch):
-    from megatrain.engine import HostMemoryError, engine, preflight
+    from megatrain.engine import HostMemoryError, engine, placement, preflight
 
     avail = 3 * 2**30
     monkeypatch.setattr(preflight, "available_host_bytes", lambda: avail)
@@ -609,7 +609,7 @@ def test_host_preflight_refuses_before_any_allocation(monkeypatch):
     def no_store(*a: Any, **k: Any) -> None:
         raise AssertionError("the host store was allocated before the preflight refused it")
 
-    monkeypatch.setattr(engine, "HostStore", no_store)
+    monkeypatch.setattr(placement, "HostStore", no_store)
     # ~0.25B parameters on the meta device: real shapes, no storage; the store would need ~3.8 GiB.
     cfg = tiny_config("llama", layers=4, hidden=2048, vocab=32000, heads=16, kv_heads=4)
     with torch.device("meta"):

@@ -1,7 +1,7 @@
 """The streaming engine: host store, stateless templates, copy streams and the layer pipeline.
 
-Names load on first use, so the torch-free memory model (memory_model.py) can be imported by the
-planner without pulling in the engine, torch and transformers.
+Names load on first use, so `import megatrain.engine` stays cheap for code that needs one name and
+not the whole engine, torch and transformers with it.
 """
 
 from __future__ import annotations

@@ -96,6 +96,17 @@ def init_process_group(device: torch.device, timeout_s: float) -> None:
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def join_ranks(device: torch.device, watchdog_s: float) -> tuple[torch.device, DataParallel | None]:
+    """Launched as one of several ranks (torchrun & co.): join the job (before the model is touched) and, on a GPU
+    with no index named, take this node's device LOCAL_RANK. A lone process: `device` and None."""
+    dp = DataParallel.from_env(device, watchdog_s)
+    if dp is not None and device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", dp.local_rank)
+        torch.cuda.set_device(device)  # the streams' waits act on the current device's stream
+    return device, dp
+
+
 class DataParallel:
     """This rank's share of a data-parallel job: the engine's gradient group and its reduction thread."""
 

@@ -1,7 +1,9 @@
 """The engine: composes the host store, templates, streams and pipeline into forward / backward / step.
 
 The model it is given stays the user's whole model object: its parameters become the store's masters
-and its forward is routed here (model_object.py).
+(placement.py) and its forward is routed here (model_object.py). When and on which thread each layer's
+update runs is the update path's (update.py), what the data-parallel ranks add is ranks.py's, and every
+queued job orders itself by the per-layer events (events.py).
 """
 
 from __future__ import annotations
@@ -11,8 +13,6 @@ import os
 import time
 import warnings
 import weakref
-from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,70 +24,35 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..config import EngineConfig
 from ..costs.modes import GradSlab, HostMaster
 from ..models.adapter import DecoderParts, find_parts, record_layer_inputs
+from .accounting import StepAccounting
 from .activations import ActivationStore
 from .attention import use_segment_attention
 from .batch import check_batch
-from .distributed import DataParallel
+from .distributed import join_ranks
 from .embedding import check_embedding, lookup_grad
+from .events import LayerEvents
 from .global_grads import GlobalGradSink
-from .loading import load_checkpoint_into, skeleton_from_dir
+from .loading import skeleton_from_dir
 from .loss import chunked_causal_lm_loss, head_logits
 from .malloc import set_mmap_threshold
 from .memtrack import DeviceMemoryTracker
 from .model_object import bind as bind_model_object
+from .model_object import engines_holding
 from .node_store import shard_optimizer_state
-from .optim import LayeredStep, unsupported_reason
-from .preflight import host_preflight
+from .optim import LayeredStep, OptimizerArg, adopt_optimizer
+from .placement import place, resolve_device
 from .probe import verify_model
+from .ranks import ranks_for
 from .schedule import LayerPipeline
-from .store import HostStore
-from .stream import Event, Streams, Trace
-from .templates import TemplateBank
+from .stream import Streams, Trace
 from .tiling import long_context_policy
+from .update import choose as choose_update
 
-_live_engines: weakref.WeakSet = weakref.WeakSet()
+__all__ = ["Engine", "OptimizerArg", "engines_holding", "resolve_device"]
 
-
-def engines_holding(tensors: list[torch.Tensor]) -> list[Engine]:
-    """The live engines whose model object holds any of `tensors` as a parameter."""
-    ids = {id(t) for t in tensors}
-    # The class's named_parameters: the handles the model holds (the model object's override may serve copies)
-    return [e for e in list(_live_engines)
-            if any(id(p) in ids for _, p in type(e.module).named_parameters(e.module))]
-
-
-OptimizerArg = torch.optim.Optimizer | Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer] | None
-
-
-def resolve_device(name: str | None) -> torch.device:
-    if name is not None:
-        # Refused here, before the engine takes the model: torch would only fail later, mid-construction.
-        try:
-            dev = torch.device(name)
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"device={name!r} is not a torch device such as 'cuda', 'cuda:0' or 'cpu' ({e})") from e
-        backend = getattr(torch, dev.type, None)
-        if dev.type == "meta" or (dev.type != "cpu" and not (hasattr(backend, "is_available")
-                                                            and backend.is_available())):
-            raise ValueError(f"device={name!r}: no such device is available to torch here; use 'cpu' or leave "
-                             "it unset to use the accelerator when there is one")
-        if dev.index is not None and hasattr(backend, "device_count") and dev.index >= backend.device_count():
-            raise ValueError(f"device={name!r}: only {backend.device_count()} {dev.type} device(s) present")
-        return dev
-    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    return acc or torch.device("cpu")
-
-
-def _set_param(root: nn.Module, name: str, value: nn.Parameter) -> None:
-    mod_name, _, leaf = name.rpartition(".")
-    root.get_submodule(mod_name)._parameters[leaf] = value
-
-
-def _free(params: list[nn.Parameter]) -> None:
-    # Drop the storage even if the caller still holds the Parameter objects (e.g. in an optimizer).
-    for p in params:
-        if p.device.type != "meta":
-            p.data = torch.empty(0, dtype=p.dtype)
+def _has_dropout(cfg: Any) -> bool:
+    return any((getattr(cfg, k, 0) or 0) > 0 for k in ("attention_dropout", "hidden_dropout", "dropout",
+                                                         "resid_pdrop", "attn_pdrop"))
 
 
 @dataclass
@@ -108,14 +73,7 @@ class Engine:
     def __init__(self, model: nn.Module | str | os.PathLike, config: EngineConfig | None = None,
                  optimizer: OptimizerArg = None) -> None:
         self.config = config = config or EngineConfig()
-        self.device = resolve_device(config.device)
-        # Launched as one of several ranks (torchrun & co.): join the job before touching the model; on a GPU
-        # with no index named, this rank takes its node's device LOCAL_RANK.
-        self.dp = DataParallel.from_env(self.device, config.watchdog_s)
-        if self.dp is not None and self.device.type == "cuda":
-            if self.device.index is None:
-                self.device = torch.device("cuda", self.dp.local_rank)
-            torch.cuda.set_device(self.device)  # the streams' waits act on the current device's stream
+        self.device, self.dp = join_ranks(resolve_device(config.device), config.watchdog_s)
         self.trace_log = Trace(config.trace, self.device)
         if self.dp is not None:
             self.dp.stream.trace = self.dp.updates.trace = self.trace_log
@@ -128,241 +86,62 @@ class Engine:
         if isinstance(model, (str, os.PathLike)):
             checkpoint_dir = Path(model)
             model = skeleton_from_dir(checkpoint_dir)
-        parts = find_parts(model)
-        check_embedding(parts.embed)
-        self.parts: DecoderParts = parts
-        self.module = model
-        self.hf_config = model.config
-        pin = config.pin_memory if config.pin_memory is not None else self.device.type == "cuda"
-        self._alias_globals = self.device.type == "cpu" and self.compute_dtype == torch.float32
-
-        # Names: each distinct parameter once (tied weights under their first name), aliases kept.
-        prefix = parts.layers_prefix + "."
-        self._name_of: dict[int, str] = {}
-        self._aliases: dict[str, str] = {}
-        originals: list[nn.Parameter] = []
-        for name, p in model.named_parameters(remove_duplicate=False):
-            if id(p) in self._name_of:
-                self._aliases[name] = self._name_of[id(p)]
-            else:
-                self._name_of[id(p)] = name
-                originals.append(p)
-        global_named = [(n, p) for n, p in model.named_parameters() if not n.startswith(prefix)]
-        layer_shapes = [[(n, p.shape) for n, p in layer.named_parameters()] for layer in parts.layers]
-
-        host_preflight(layer_shapes, [p.shape for _, p in global_named], self.compute_dtype, pin=pin,
-                       staging=self.device.type == "cuda", master=config.master_mode, grad=config.grad_slab)
-        if config.parity_probe:
-            # After the preflight (a model that cannot fit is refused without the probe's seconds), before the
-            # store: a model the probe refuses is left as it was.
-            verify_model(model, type(self))
-        self.store = HostStore(layer_shapes, [(n, p.shape) for n, p in global_named], pin,
-                               torch.bfloat16 if self.compute_dtype == torch.bfloat16 else None,
-                               config.master_mode, config.grad_slab, self.node)
-        if self.node is not None:
-            self.node.make_staging(max(g.numel for g in self.store.layers))
-        if config.bf16_rounding == "stochastic":
-            for i, g in enumerate(self.store.layers):
-                g.rounding = torch.Generator().manual_seed(0x5EED + i)  # one stream per layer: runs repeat exactly
-
-        # Pack: copy each tensor into the store, free the model's own storage right away (no second full
-        # copy of the model is ever alive) and point the model's parameters at the store's masters, so the
-        # user's model object stays whole: state_dict, save_pretrained, parameters() and submodules all
-        # read the weights the engine trains.
-        self.templates = TemplateBank()
-        for i, layer in enumerate(parts.layers):
-            self.templates.add(layer, self.device)
-            group = self.store.layers[i]
-            params = [p for _, p in layer.named_parameters()]
-            if self.node is None or self.node.leader:  # a shared store: the node's first rank writes it
-                self._pack(group, params)
-            _free(params)
-            for slot, master in zip(group.slots, group.params):
-                _set_param(layer, slot.name, master)
-        _free(self._pack(self.store.globals, [p for _, p in global_named]))
-        if checkpoint_dir is not None:
-            load_checkpoint_into(self.store, checkpoint_dir, parts.layers_prefix, self._aliases)
-        if self.dp is not None:
-            self.dp.check_same_model(self.store)
-            self.dp.broadcast_masters(self.store)
-        for g in self.store.layers:
-            g.refresh_shadow()  # a shared store: each owner its layers'
-        if self.node is not None:
-            self.dp.node_barrier("waiting for the node's layer weights")
+        self.parts: DecoderParts = find_parts(model)
+        check_embedding(self.parts.embed)
+        self.module, self.hf_config = model, model.config
+        probe = (lambda m: verify_model(m, type(self))) if config.parity_probe else None
+        self.placement, originals = place(model, self.parts, config, self.device, self.compute_dtype, self.dp,
+                                          self.node, checkpoint_dir, probe)
+        self.store, self.templates = self.placement.store, self.placement.templates
+        self._aliases, self._name_of = self.placement.aliases, self.placement.name_of  # read by the faces, the probe
         self._recorded: list = []
-
-        # Resident parameters (embedding, final norm, head) live on the device for the whole step.
-        self._device_globals: list[nn.Parameter] = []
-        for slot, master in zip(self.store.globals.slots, self.store.globals.params):
-            if self._alias_globals:
-                dev = master
-            else:
-                dev = nn.Parameter(master.detach().to(self.device, self.compute_dtype), requires_grad=True)
-            self._device_globals.append(dev)
-            _set_param(model, slot.name, dev)
-        self._embed_slot = next(i for i, dev in enumerate(self._device_globals) if dev is self.parts.embed.weight)
-        for alias, name in self._aliases.items():
-            if not alias.startswith(prefix):
-                _set_param(model, alias, self._device_globals[self._global_index(name)])
-        # Buffers (rotary tables) go to the device; parameters are already placed. Not model.to(): that
-        # would move the layers' host masters too.
-        for mod in model.modules():
-            for name, b in mod._buffers.items():
-                if b is not None:
-                    mod._buffers[name] = b.to(self.device)
 
         self.streams = Streams(self.device, self.trace_log, config.link_gbps, config.watchdog_s)
         # Long context (issue 7): attention without an O(tokens²) mask, per-batch MLP tiling and activation
         # offload (tiling.py), and on a CPU "device" optionally the measured live bytes of the step.
         self.hf_attention = self.hf_config._attn_implementation  # the model's own, for its own forward (generate)
         self.segment_attention = use_segment_attention(self.hf_config, config.segment_attention)
-        policy = long_context_policy(config, self.templates, [g.numel for g in self.store.layers], config.num_buffers,
-                                     self.device, self.compute_dtype,
-                                     sum(p.numel() * p.element_size() for p in self._device_globals),
+        policy = long_context_policy(config, self.templates.of_layer, [g.numel for g in self.store.layers],
+                                     config.num_buffers, self.device, self.compute_dtype,
+                                     sum(p.numel() * p.element_size() for p in self.placement.device_globals),
                                      self.parts.lm_head.weight.shape)
         self.memory = DeviceMemoryTracker(self.device) if config.measure_device_memory else None
         if self.memory is not None:
             self.forward, self.backward = self.memory.wrap(self.forward), self.memory.wrap(self.backward)
-        self.pipeline = LayerPipeline(self.store, self.templates, self.streams, self.trace_log, config.num_buffers,
-                                      self.compute_dtype, self.device, preserve_rng=self._has_dropout(),
-                                      policy=policy)
-        self._global_grads = GlobalGradSink(self.store, self.streams, self.pipeline, self.compute_dtype)
-        self.optimizer = self._make_optimizer(optimizer, originals)
+
+        # The step: the optimizer over the masters, what the ranks exchange, and when each layer's update runs.
+        self.events = LayerEvents(len(self.store.layers), config.watchdog_s)
+        self.optimizer = adopt_optimizer(optimizer, self.store.named_parameters(self.parts.layers_prefix),
+                                         self._name_of, self._aliases)
+        del originals
         if self.node is not None:
             foreign = {id(p) for g in self.store.layers if not g.owned for p in g.params}
             shard_optimizer_state(self.optimizer, foreign, self.dp.group, self.synchronize)
-        del originals
-        self._layered: LayeredStep | None = None
-        self._in_backward = config.optimizer_in_backward
-        layer_wise = self.store.per_layer_update or self._in_backward
-        if config.optimizer_overlap or layer_wise:
-            reason = unsupported_reason(self.optimizer)
-            if reason is not None and layer_wise:
-                # No whole-model FP32 master or gradient to step at once: a layer at a time or not at all.
-                raise ValueError(f"host_master={config.host_master!r}, host_grad_dtype={config.host_grad_dtype!r}, "
-                                 f"optimizer_in_backward={config.optimizer_in_backward} update one layer at a time, "
-                                 f"which needs torch's Adam or AdamW: {reason}; use the default modes for it")
-            if reason is not None:
-                warnings.warn(f"optimizer_overlap: {reason}, so it steps whole after backward", stacklevel=2)
-            else:
-                self._layered = LayeredStep(self.optimizer, self.store, self.trace_log, config.watchdog_s)
-                self.pipeline.updated, self.pipeline.zeroed = self._layered.updated, self._layered.zeroed
-        if self._in_backward:
-            self.pipeline.grad_sink = self._update_in_backward
-        if self.node is not None:
-            self.pipeline.grad_sink = self._reduce_to_owner
+        self.ranks = ranks_for(self.dp, self.store, self.events)
+        self.update = choose_update(self.optimizer, self.store, self.events, config, self.trace_log)
+        self.pipeline = LayerPipeline(self.store, self.templates, self.streams, self.trace_log, config.num_buffers,
+                                      self.compute_dtype, self.device, _has_dropout(self.hf_config), self.events,
+                                      policy, self.ranks.grad_sink or self.update.grad_sink)
+        self._global_grads = GlobalGradSink(self.store, self.streams, self.pipeline, self.compute_dtype)
+
         self._clip_coefs: list[float] = []  # clipping not yet applied to bf16 slabs (applied as they widen)
         self._backwards = 0  # backward() calls since zero_grad()
-        self._unstepped = False  # optimizer in backward: layers updated by a backward whose step() is to come
-        self._failed_layer: int | None = None  # optimizer in backward: the layer whose gradient was not finite
         self._pending: _Pending | None = None
         self._unbackwarded: list[weakref.ref] = []  # training forwards replaced before their backward
         self._autograd_running = False  # inside backward()'s autograd call (loss.backward() is refused)
         self._stray_backward = False  # a refused loss.backward() may have left head/norm gradients behind
         self._norm: float | None = None  # cached gradient norm, valid until grads change
-        self._unaveraged = False  # data parallel: a backward(sync=False) added gradients not yet averaged
         self.skipped_steps = 0
         self._bad_in_a_row = 0
-        bind_model_object(self)
+        self.accounting = StepAccounting(self.device, self.streams, self.pipeline, self.placement, self.dp,
+                                         self.update.layered, self.memory, self.trace_log)
+        bind_model_object(self)  # and counted among the live engines (engines_holding)
         self.train()
-        _live_engines.add(self)
-        self.reset_stats()
 
-    # -- setup helpers ----------------------------------------------------------------------------
-    @staticmethod
-    def _pack(group, params: list[nn.Parameter]) -> list[nn.Parameter]:
-        for slot, p in zip(group.slots, params):
-            if p.device.type != "meta":
-                group.write_slot(slot, p.detach())
-        return params
-
-    def _global_index(self, name: str) -> int:
-        return next(i for i, s in enumerate(self.store.globals.slots) if s.name == name)
-
-    def _has_dropout(self) -> bool:
-        cfg = self.hf_config
-        return any((getattr(cfg, k, 0) or 0) > 0 for k in ("attention_dropout", "hidden_dropout", "dropout",
-                                                             "resid_pdrop", "attn_pdrop"))
-
-    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """The FP32 master of every parameter. With host_master 'hilo' or 'bf16' the layers' values are FP32
-        copies made on each call (read-only: write weights with load_state_dict)."""
-        named = self.store.named_parameters(self.parts.layers_prefix)
-        if self.store.master_mode is HostMaster.FP32:
-            return named
-        self.synchronize()
-        values = {}
-        for i, g in enumerate(self.store.layers):
-            for s in g.slots:
-                values[f"{self.parts.layers_prefix}.{i}.{s.name}"] = nn.Parameter(g.read_slot(s), requires_grad=False)
-        return [(n, values.get(n, p)) for n, p in named]
-
-    def _slots_by_name(self) -> dict[str, tuple]:
-        out = {}
-        for i, g in enumerate(self.store.layers):
-            out.update({f"{self.parts.layers_prefix}.{i}.{s.name}": (g, s) for s in g.slots})
-        out.update({s.name: (self.store.globals, s) for s in self.store.globals.slots})
-        return out
-
-    def global_masters(self) -> list[tuple[str, nn.Parameter]]:
-        """(HF name, FP32 master) of the resident parameters, tied ones under each of their names."""
-        group = self.store.globals
-        out = [(s.name, p) for s, p in zip(group.slots, group.params)]
-        prefix = self.parts.layers_prefix + "."
-        out += [(a, group.params[self._global_index(n)]) for a, n in self._aliases.items() if not a.startswith(prefix)]
-        return out
-
-    def params_written(self, src: int | None = None) -> None:
-        """Weights were written by hand through the model object: bring every copy the engine keeps in line.
-
-        Data parallel: `src` is the rank that wrote (GatheredParameters' modifier_rank); every rank calls this
-        and takes that rank's weights, so no rank trains on from weights the others do not have.
-
-        A resident parameter written on the device (its copy there is what the model object holds when
-        the engine does not compute in FP32 on the CPU) is copied back into its master first.
-        """
-        if self.store.master_mode is not HostMaster.FP32:
-            raise RuntimeError(f"host_master={self.config.host_master!r}: the decoder layers' parameters on the model "
-                               "object are a shared scratch, not the masters, so writes through them are lost; read "
-                               "weights with engine.state_dict() and write them with engine.load_state_dict()")
-        self.synchronize()
-        if not self._alias_globals:
-            with torch.no_grad():
-                for dev, master in zip(self._device_globals, self.store.globals.params):
-                    if not torch.equal(dev.detach().cpu(), master.detach().to(dev.dtype)):
-                        master.copy_(dev.detach())
-        if self.dp is not None and src is not None:
-            self.dp.broadcast_from(self.store, src)  # only `src` wrote: the other ranks take its weights
-        self._masters_changed()
-        if self.node is not None:
-            self.dp.node_barrier("waiting for the owners' refreshed layers")
-
-    def _make_optimizer(self, optimizer: OptimizerArg, originals: list[nn.Parameter]) -> torch.optim.Optimizer:
-        named = self.store.named_parameters(self.parts.layers_prefix)  # the handles the optimizer updates
-        if optimizer is None:
-            # The masters are host tensors whatever the compute device: torch's fused CPU kernel is ~10x
-            # its per-tensor loop, which it would pick for CPU tensors when left to choose.
-            return torch.optim.AdamW([p for _, p in named], fused=True)
-        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-            return optimizer(named)
-        # Take over the user's optimizer: same object, same hyper-parameters, now over the host masters,
-        # so LR schedulers built on it keep working.
-        by_name = dict(named)
-        by_name.update({a: by_name[n] for a, n in self._aliases.items() if n in by_name})
-        for group in optimizer.param_groups:
-            new = []
-            for p in group["params"]:
-                name = self._name_of.get(id(p))
-                if name is None:
-                    raise ValueError("the optimizer holds a parameter that is not part of the model; build it "
-                                     "over model.parameters() before handing both to MegaTrain")
-                new.append(by_name[name])
-            group["params"] = new
-            if (isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and group.get("fused") is None
-                    and group.get("foreach") is None and not group.get("differentiable")):
-                group["fused"] = True  # same math; the user chose no kernel, and the default one is ~10x slower here
-        optimizer.state = defaultdict(dict)
-        return optimizer
+    @property
+    def _layered(self) -> LayeredStep | None:
+        """The per-layer optimizer views and their thread, when the update path has them."""
+        return self.update.layered
 
     # -- modes ------------------------------------------------------------------------------------
     @property
@@ -416,10 +195,10 @@ class Engine:
             if self._pending is not None:
                 self._unbackwarded.append(weakref.ref(self._pending.h_last))
             self._pending = _Pending(h0, h_in0, h_last, layer_inputs, acts, ids)
-            self._act_peak = max(self._act_peak, acts.peak_device_bytes)
+            self.accounting.act_peak = max(self.accounting.act_peak, acts.peak_device_bytes)
             h_last.register_hook(self._only_through_backward)
-        self._stats["forward_s"] += time.perf_counter() - t0
-        self._tokens += int(ids.numel())
+        self.accounting.seconds["forward_s"] += time.perf_counter() - t0
+        self.accounting.tokens += int(ids.numel())
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     def _only_through_backward(self, grad: torch.Tensor) -> torch.Tensor:
@@ -448,22 +227,20 @@ class Engine:
         if not torch.is_tensor(loss) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("backward() takes a scalar loss computed (with autograd) from the last training "
                              "forward's .loss or .logits")
-        self._check_one_backward()
+        self.update.check_backward()
+        if self.store.grad_mode is GradSlab.BFLOAT16 and self._backwards:
+            raise RuntimeError("host_grad_dtype='bfloat16' holds one micro-batch's gradients exactly, not a sum of "
+                               "several (bf16 addition rounds): call zero_grad() between backward() calls, i.e. "
+                               "gradient_accumulation_steps=1, or use host_grad_dtype='float32' to accumulate")
         earlier = [r() for r in self._unbackwarded]
         earlier = [h for h in earlier if h is not None]
         self._pending = None
         self._unbackwarded = []
         self._norm = None
         t0 = time.perf_counter()
-        params = self._device_globals
-        average = self.dp is not None and sync
-        average_layers = average and self.node is None  # a shared store reduces every backward's, to the owners
-        if self.dp is not None:
-            # The resident parameters' slab may still be being averaged (last backward): the adds below wait.
-            self.pipeline.synchronize_global_grads()
-        if self._in_backward:
-            self._layered.sync_all()  # this step's LR and state, taken before the first layer update
-            self._unstepped = True
+        params = self.placement.device_globals
+        self.ranks.before_backward()
+        self.update.begin_backward()
         self._backwards += 1
         self._autograd_running = True
         try:
@@ -476,170 +253,36 @@ class Engine:
         grads = grads[: len(params)]
         if g is None:
             raise ValueError("the loss does not depend on the last forward's outputs (.loss / .logits)")
-        self._add_global_grads(grads)
+        self._global_grads.add_dense(grads)  # on CUDA: copy stream + pinned staging, added on a host thread
         del grads  # the head's gradient is vocab x hidden: free it before the layers run
-        self.pipeline.grad_sent = self._average_layer if average_layers else None
-        try:
-            g = self.pipeline.backward(g, p.layer_inputs, p.acts)
-        finally:
-            self.pipeline.grad_sent = None
+        g = self.pipeline.backward(g, p.layer_inputs, p.acts, self.ranks.grad_sent(sync))
         if p.h_in0 is p.h0:
             g_h0, grads = g, ()
         else:
             g_h0, *grads = torch.autograd.grad(p.h_in0, [p.h0, *params], g, allow_unused=True)
-        self._add_global_grads(grads)
-        self._add_embedding_grad(p.ids, g_h0)
-        if average:
-            self._average_globals()
-        if self.dp is not None:
-            self._unaveraged = not sync
-        self._stats["backward_s"] += time.perf_counter() - t0
+        self._global_grads.add_dense(grads)
+        # The lookup's gradient scattered into the embedding's slab rows (what the embedding module's backward
+        # computes, scales included, without a dense vocab x hidden gradient); off this thread on CUDA.
+        rows, grad = lookup_grad(self.parts.embed, p.ids, g_h0)
+        self._global_grads.add_rows(self.placement.embed_slot, rows, grad)
+        self.ranks.after_backward(sync)
+        self.accounting.seconds["backward_s"] += time.perf_counter() - t0
 
-    # -- data parallel -------------------------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        return self.dp.rank if self.dp is not None else 0
-
-    @property
-    def world_size(self) -> int:
-        return self.dp.world_size if self.dp is not None else 1
-
-    def _average_layer(self, i: int) -> None:
-        pl = self.pipeline
-        pl.landed[i] = self.dp.submit_average(self.store.layers[i], pl.landed[i], f"layer {i}", i)
-
-    def _average_globals(self) -> None:
-        pl = self.pipeline
-        pl.globals_landed.append(self.dp.submit_average(self.store.globals, list(pl.globals_landed),
-                                                        "the resident parameters (embedding, norm, head)", -1))
-
-    def _average_pending(self) -> None:
-        """Average gradients a backward(sync=False) left local before anything reads them (a step, a norm).
-
-        Averaging a slab that holds an already-averaged part plus local parts is still exact, so this is
-        right whatever mix of synchronising and local backwards came before.
-        """
-        if self.dp is None or not self._unaveraged:
-            return
-        if self.node is None:
-            for i in reversed(range(len(self.store.layers))):
-                self._average_layer(i)
-        self._average_globals()
-        self._unaveraged = False
-
-    def _check_one_backward(self) -> None:
-        """Refuse what these modes cannot do exactly, before any gradient is added."""
-        if self._failed_layer is not None:
-            raise FloatingPointError("a previous optimizer_in_backward step was cut short by a non-finite gradient; "
-                                     "load a checkpoint (load_state_dict / load_checkpoint) before training on")
-        if self._in_backward and self._unstepped:
-            raise RuntimeError("optimizer_in_backward: the last backward() already updated the layers, so its step() "
-                               "must come before the next backward (gradient accumulation is not possible in this "
-                               "mode); use gradient_accumulation_steps=1, or optimizer_in_backward=false")
-        if self.store.grad_mode is GradSlab.BFLOAT16 and self._backwards:
-            raise RuntimeError("host_grad_dtype='bfloat16' holds one micro-batch's gradients exactly, not a sum of "
-                               "several (bf16 addition rounds): call zero_grad() between backward() calls, i.e. "
-                               "gradient_accumulation_steps=1, or use host_grad_dtype='float32' to accumulate")
-
-    def _update_in_backward(self, i: int, staging: torch.Tensor, staged: Event) -> Event:
-        """Queue layer i's AdamW update behind the staging of its gradients (optimizer_in_backward)."""
-        group = self.store.layers[i]
-
-        def job() -> int:
-            if self._failed_layer is not None:
-                return 0  # an earlier layer's gradient was not finite: step() reports it
-            gw = group.grad_work
-            gw.zero_()
-            gw.add_(staging)  # 0 + g: the value an ordinary zeroed FP32 slab holds after one backward
-            if self.config.skip_nonfinite and not bool(torch.isfinite(gw).all()):
-                self._failed_layer = i
-                return 0
-            group.unpack()
-            self._layered.step_layer(i)
-            group.pack()
-            return 0
-
-        # Behind the staging copy, and behind whatever last landed for this layer (schedule.py's `landed`).
-        return self._layered.submit(i, job, (staged, self.pipeline.landed[i]))
-
-    def _step_in_backward(self) -> bool:
-        """step() after an optimizer-in-backward backward: the layers are updated (or the step failed); the globals now."""
-        if not self._unstepped:
-            raise RuntimeError("optimizer_in_backward: step() without a backward() since the last step")
-        self._wait_host_jobs()
-        self._unstepped = False
-        n = len(self.store.layers)
-        bad = self._failed_layer
-        if bad is None and self.config.skip_nonfinite and not bool(torch.isfinite(self.store.globals.grad).all()):
-            bad = -1
-        if bad is not None:
-            self._failed_layer = -1 if bad == -1 else bad
-            updated = f"layers {bad + 1}..{n - 1}" if bad >= 0 else "every layer"
-            raise FloatingPointError(
-                f"non-finite gradient ({'layer ' + str(bad) if bad >= 0 else 'embedding/norm/head'}) with "
-                f"optimizer_in_backward: {updated} were already updated during backward, so this step cannot be "
-                "skipped as skip_nonfinite asks; load the last checkpoint, then lower the LR or check the data")
-        for g in self.store.groups():
-            g.link_grads()
-        self._layered.step_globals()
-        self._globals_changed()
-        self.pipeline.invalidate()
-        return True
-
-    def _add_embedding_grad(self, ids: torch.Tensor, g: torch.Tensor) -> None:
-        """Scatter-add the lookup's gradient into the embedding's slab rows (what the embedding module's
-        backward computes, scales included, without materializing a dense vocab x hidden gradient)."""
-        rows, grad = lookup_grad(self.parts.embed, ids, g)
-        self._global_grads.add_rows(self._embed_slot, rows, grad)  # off this thread on CUDA
-
-    def _add_global_grads(self, grads: tuple) -> None:
-        self._global_grads.add_dense(grads)  # on CUDA: copy stream + pinned staging, added on a host thread
-
-    def _reduce_to_owner(self, i: int, staging: torch.Tensor, staged: Event) -> Event:
-        """Shared host store: queue layer i's gradients' reduction into its owner's slab (every backward)."""
-        pl = self.pipeline
-        return self.dp.submit_reduce_to_owner(i, staging, self.store.layers[i].grad,
-                                              (staged, pl.landed[i], pl.zeroed[i]))
-
-    def _all_grads(self) -> list[torch.Tensor]:
-        """This rank's gradient slabs (a shared store: its own layers' and the resident parameters')."""
-        self._average_pending()
-        self._wait_host_jobs()
-        return [g.grad for g in self.store.groups() if g.grad is not None]
-
-    def _wait_host_jobs(self) -> None:
-        """Gradients landed in their slabs and (optimizer_overlap) no layer update or zeroing still queued."""
-        self.pipeline.synchronize_grads()
-        if self._layered is not None:
-            self._layered.synchronize()
-        if self.node is not None:
-            self.dp.synchronize_updates()  # the other ranks' layer updates (shared store, optimizer_overlap)
-
+    # -- gradients and the step -------------------------------------------------------------------
     def grad_norm(self) -> float:
         """Global L2 norm of the accumulated gradients (torch's norm-of-norms)."""
-        if self._in_backward:
-            raise RuntimeError("optimizer_in_backward: the layers' gradients are consumed during backward, so there "
-                               "is no global gradient norm (nor clipping by it); set optimizer_in_backward=false "
-                               "to clip")
+        self.update.check_norm()
         if self._norm is None:
-            grads = self._all_grads()
             # A bf16 slab is widened first: the same norm as the FP32 slab holding the same values. A clip
             # still pending on it is applied the same way the FP32 slab would have been scaled.
             norms = []
-            for g in grads:
+            for g in self._all_grads():
                 if g.dtype != torch.float32:
                     g = g.float()
                     for c in self._clip_coefs:
                         g.mul_(c)
                 norms.append(torch.linalg.vector_norm(g))
-            if self.node is None:
-                self._norm = float(torch.linalg.vector_norm(torch.stack(norms)))
-            else:
-                # Each rank holds its own layers' slabs: their squares summed over the node (every node holds the
-                # same sums), plus the resident parameters', which every rank holds whole.
-                layers = self.dp.sum_across_node(float(torch.stack(norms[:-1]).double().square().sum())
-                                                 if len(norms) > 1 else 0.0)
-                self._norm = math.sqrt(layers + float(norms[-1].double()) ** 2)
+            self._norm = self.ranks.total_norm(norms)
         return self._norm
 
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -655,6 +298,12 @@ class Engine:
             self._norm = total * coef
         return total
 
+    def _all_grads(self) -> list[torch.Tensor]:
+        """This rank's gradient slabs (a shared store: its own layers' and the resident parameters'), landed."""
+        self.ranks.average_pending()
+        self._wait_host_jobs()
+        return [g.grad for g in self.store.groups() if g.grad is not None]
+
     def step(self) -> bool:
         """One optimizer step over the host masters (the caller owns zero_grad and LR schedules).
 
@@ -664,58 +313,41 @@ class Engine:
             raise RuntimeError("a refused loss.backward() left partial gradients (head and final norm only) in the "
                                "gradient slabs; call zero_grad() before the next step")
         t0 = time.perf_counter()
-        self._average_pending()
-        if self._in_backward:
-            done = self._step_in_backward()
-            self._stats["optimizer_s"] += time.perf_counter() - t0
-            return done
-        if self.config.skip_nonfinite and not math.isfinite(self.grad_norm()):
-            self.skipped_steps += 1
-            self._bad_in_a_row += 1
-            self._norm = None
-            if self._bad_in_a_row >= self.config.max_bad_steps:
-                raise FloatingPointError(
-                    f"{self._bad_in_a_row} consecutive steps had non-finite gradients; stopping. Lower the "
-                    "learning rate, check the data, or raise megatrain.max_bad_steps")
-            warnings.warn(f"non-finite gradient norm: step skipped, parameters unchanged "
-                          f"({self.skipped_steps} skipped so far)", stacklevel=2)
+        self.ranks.average_pending()
+        if not self.update.step(self._finite, self._clip_coefs):
             return False
-        self._bad_in_a_row = 0
-        for g in self.store.groups():
-            g.link_grads()
-        overlapped = self._layered is not None and self.config.optimizer_overlap
-        if self._layered is not None:
-            self.pipeline.synchronize_global_grads()  # the globals are updated right away, below
-            # Globals now, layers queued in forward order; each layer's load waits for its update.
-            layers, coefs = self.store.layers, list(self._clip_coefs)
-
-            def before(i: int) -> None:
-                layers[i].load_grads(coefs)
-                layers[i].unpack()
-
-            if self.store.per_layer_update:
-                self._layered.step(lambda i: layers[i].pack(), self.pipeline.landed, before)
-            else:
-                self._layered.step(lambda i: layers[i].pack(), self.pipeline.landed)
-            self._globals_changed()
-            self.pipeline.invalidate()
-            if self.node is not None and overlapped:
-                # Each layer's next load waits for its owner's update, whichever rank that is: the node's ranks
-                # pass a token per layer, in forward order, once the owner's update is done (node_store.py).
-                updated = self.pipeline.updated
-                for i in range(len(updated)):
-                    updated[i] = self.dp.submit_publish(i, updated[i])
-            elif not self.config.optimizer_overlap:
-                self._layered.synchronize()  # a per-layer mode without overlap: step() returns with every layer done
-        else:
-            self.pipeline.synchronize_grads()  # the step reads every slab, whatever the knobs
-            self.optimizer.step()
-            self._masters_changed()
-        if self.node is not None and not overlapped:
-            # The owners wrote their layers in the node's shared store: nobody loads one before all are written.
-            self.dp.node_barrier("waiting for the other ranks' layer updates")
-        self._stats["optimizer_s"] += time.perf_counter() - t0
+        self.ranks.release(self.events, self.update.overlapped)
+        self.placement.globals_changed()
+        self.pipeline.invalidate()
+        self.accounting.seconds["optimizer_s"] += time.perf_counter() - t0
         return True
+
+    def _finite(self) -> bool:
+        """Whether the gradients may be applied: with skip_nonfinite a non-finite norm skips the step (counted,
+        warned, and fatal after max_bad_steps in a row)."""
+        if not self.config.skip_nonfinite or math.isfinite(self.grad_norm()):
+            self._bad_in_a_row = 0
+            return True
+        self.skipped_steps += 1
+        self._bad_in_a_row += 1
+        self._norm = None
+        if self._bad_in_a_row >= self.config.max_bad_steps:
+            raise FloatingPointError(
+                f"{self._bad_in_a_row} consecutive steps had non-finite gradients; stopping. Lower the "
+                "learning rate, check the data, or raise megatrain.max_bad_steps")
+        warnings.warn(f"non-finite gradient norm: step skipped, parameters unchanged "
+                      f"({self.skipped_steps} skipped so far)", stacklevel=4)  # step()'s caller
+        return False
+
+    def zero_grad(self) -> None:
+        self.update.check_zero_grad()
+        self._stray_backward = False
+        self.events.wait_grads()
+        self._clip_coefs = []
+        self._backwards = 0
+        self.update.zero_grad()
+        self._norm = None
+        self.ranks.zero_grad()
 
     def synchronize(self) -> None:
         """Wait for every queued copy and (with optimizer_overlap) the layer updates still running:
@@ -723,34 +355,43 @@ class Engine:
         self.streams.synchronize()
         self._wait_host_jobs()
 
-    def _masters_changed(self) -> None:
-        for g in self.store.layers:
-            g.refresh_shadow()
-        self._globals_changed()
-        self.pipeline.invalidate()
+    def _wait_host_jobs(self) -> None:
+        """Gradients landed in their slabs, and no layer update or zeroing still queued (on any rank)."""
+        self.events.wait_grads()
+        self.update.synchronize()
+        self.ranks.wait()
 
-    def _globals_changed(self) -> None:
-        if not self._alias_globals:
-            with torch.no_grad():
-                for dev, master in zip(self._device_globals, self.store.globals.params):
-                    dev.copy_(master, non_blocking=True)
+    # -- parameters and state -----------------------------------------------------------------------
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The FP32 master of every parameter. With host_master 'hilo' or 'bf16' the layers' values are FP32
+        copies made on each call (read-only: write weights with load_state_dict)."""
+        if self.store.master_mode is not HostMaster.FP32:
+            self.synchronize()
+        return self.placement.named_parameters()
 
-    def zero_grad(self) -> None:
-        if self._in_backward and self._unstepped:
-            raise RuntimeError("optimizer_in_backward: the last backward() already updated the layers; zero_grad() "
-                               "before step() cannot discard that update. Call step() after each backward()")
-        self._stray_backward = False
-        self.pipeline.synchronize_grads()
-        self._clip_coefs = []
-        self._backwards = 0
-        if self._layered is not None and not self._in_backward:
-            self._layered.zero_grad()  # each layer's after its queued update, off this thread
-        else:
-            self.store.zero_grad()
-        self._norm = None
-        self._unaveraged = False
+    def global_masters(self) -> list[tuple[str, nn.Parameter]]:
+        """(HF name, FP32 master) of the resident parameters, tied ones under each of their names."""
+        return self.placement.global_masters()
 
-    # -- state --------------------------------------------------------------------------------------
+    def params_written(self, src: int | None = None) -> None:
+        """Weights were written by hand through the model object: bring every copy the engine keeps in line.
+
+        Data parallel: `src` is the rank that wrote (GatheredParameters' modifier_rank); every rank calls this
+        and takes that rank's weights, so no rank trains on from weights the others do not have.
+
+        A resident parameter written on the device (its copy there is what the model object holds when
+        the engine does not compute in FP32 on the CPU) is copied back into its master first.
+        """
+        if self.store.master_mode is not HostMaster.FP32:
+            raise RuntimeError(f"host_master={self.config.host_master!r}: the decoder layers' parameters on the model "
+                               "object are a shared scratch, not the masters, so writes through them are lost; read "
+                               "weights with engine.state_dict() and write them with engine.load_state_dict()")
+        self.synchronize()
+        self.placement.take_device_writes()
+        self.ranks.take_weights(src)
+        self._masters_changed()
+        self.ranks.barrier("waiting for the owners' refreshed layers")
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """HF-named FP32 copies of every parameter (tied weights under each of their names)."""
         self.synchronize()
@@ -760,7 +401,7 @@ class Engine:
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
-        named = self._slots_by_name()
+        named = self.placement.slots_by_name()
         missing = [n for n in named if n not in state]
         unexpected = [n for n in state if n not in named and n not in self._aliases]
         if strict and (missing or unexpected):
@@ -773,60 +414,40 @@ class Engine:
                         raise ValueError(f"{n}: shape {tuple(state[n].shape)} does not match {tuple(slot.shape)}")
                     if group.owned:  # a shared store: each layer written once, by its owner
                         group.write_slot(slot, state[n])
-        self._failed_layer = None
-        self._unstepped = False
+        self.update.weights_loaded()
         self._masters_changed()
-        if self.node is not None:
-            self.dp.node_barrier("waiting for the other ranks to load their layers")
+        self.ranks.barrier("waiting for the other ranks to load their layers")
+
+    def _masters_changed(self) -> None:
+        self.placement.masters_changed()
+        self.pipeline.invalidate()
+
+    # -- data parallel -------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.dp.rank if self.dp is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.dp.world_size if self.dp is not None else 1
 
     # -- accounting ---------------------------------------------------------------------------------
     @property
     def device_weight_bytes(self) -> int:
         """Weight bytes resident on the device: the k layer buffers plus embedding/norm/head."""
-        g = sum(p.numel() * p.element_size() for p in self._device_globals)
-        return self.pipeline.device_weight_bytes + g
+        return self.accounting.device_weight_bytes
 
     @property
     def stats(self) -> dict[str, float]:
         return self.collect_stats()
 
     def reset_stats(self) -> None:
-        self.streams.reset_counters()
-        if self.dp is not None:
-            self.dp.stream.reset_counters()
-        if self._layered is not None:
-            self._layered.reset_counters()
-        self._act_peak = 0
-        if self.memory is not None:
-            self.memory.reset_peak()
-        self._tokens = 0
-        self._stats = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
-        self.trace_log.clear()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        self.accounting.reset()
 
     def collect_stats(self) -> dict[str, float]:
         """Accounting since the last reset (waits for outstanding copies and layer updates)."""
         self.synchronize()
-        out = dict(self._stats)
-        if self._layered is not None:
-            out["optimizer_busy_s"] = self._layered.busy_s  # on its own thread; optimizer_s is what step() took
-        out.update(
-            h2d_bytes=self.streams.h2d.bytes, d2h_bytes=self.streams.d2h.bytes,
-            h2d_busy_s=self.streams.h2d.busy_s, d2h_busy_s=self.streams.d2h.busy_s,
-            copy_wait_s=self.streams.wait_s, device_weight_bytes=self.device_weight_bytes,
-            peak_activation_bytes=self._act_peak, host_store_bytes=self.store.host_bytes(),
-            tokens=self._tokens,
-        )
-        if self.device.type == "cuda":
-            out["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
-        else:
-            # Measured live bytes when tracking (tiled working set, loss workspace included), else the count.
-            out["peak_device_bytes"] = self.device_weight_bytes + (self.memory.peak if self.memory else self._act_peak)
-        out.update(self.pipeline.plan_stats())
-        if self.dp is not None:
-            out.update(allreduce_bytes=self.dp.stream.bytes, allreduce_busy_s=self.dp.stream.busy_s)
-        return out
+        return self.accounting.collect()
 
     @property
     def trace(self) -> list:

@@ -4,8 +4,8 @@ compute thread.
 On CUDA a blocking `.to("cpu")` of the vocab x hidden head gradient would stall the host before it queues the
 last layer's backward, every micro-batch. Here the gradient leaves on the device->host copy stream into pinned
 staging (allocated once) and a host thread adds it into the slab; the embedding's row gradients travel the
-same way and are scattered on that thread. Whoever reads the slab waits for `landed` first (the pipeline's
-synchronize_grads does), as for the layers' gradients.
+same way and are scattered on that thread. Whoever reads the slab waits for `globals_landed` first (events.py's
+wait_grads does), as for the layers' gradients.
 
 On a CPU device the "copy" is a cast in the same memory system, so the default there is to add at once on the
 calling thread; `asynchronous=True` takes the threaded path on any device (the tests use it to exercise the
@@ -49,7 +49,7 @@ class GlobalGradSink:
         else:
             copied = self.streams.d2h.submit(copy, self.streams.record_compute(), what, -1)
             done = self._reducer.submit(reduce, copied, "reduce-" + what, -1)
-        self.pipeline.globals_landed.append(done)
+        self.pipeline.events.globals_landed.append(done)
         return done
 
     def add_dense(self, grads: Sequence[torch.Tensor | None]) -> None:

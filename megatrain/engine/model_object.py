@@ -27,25 +27,55 @@ import functools
 import inspect
 import itertools
 import types
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from ..costs.modes import HostMaster
+from ..models.adapter import DecoderParts
 from .inference import streamed_layers
+from .schedule import LayerPipeline
+from .store import HostStore
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+class Engine(Protocol):
+    """What the model object needs of the engine that serves it (engine.py's Engine)."""
+
+    module: nn.Module
+    parts: DecoderParts
+    hf_config: Any
+    hf_attention: str | None
+    store: HostStore
+    pipeline: LayerPipeline
+    device: torch.device
+    check_model_intact: Callable[[], None]
+
+    def forward(self, **kwargs: Any) -> Any: ...
+    def synchronize(self) -> None: ...
+    def global_masters(self) -> list[tuple[str, nn.Parameter]]: ...
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None: ...
 
 # Forward arguments that ask for HF's own forward (cache, per-layer outputs): served with streamed layers.
 # (`cache` is transformers 5's name for `past_key_values`.)
 _HF_ONLY = ("past_key_values", "cache", "use_cache", "cache_position", "output_hidden_states", "output_attentions")
 
 
+_bound: weakref.WeakSet = weakref.WeakSet()
+
+
+def engines_holding(tensors: list[torch.Tensor]) -> list[Engine]:
+    """The live engines whose model object holds any of `tensors` as a parameter."""
+    ids = {id(t) for t in tensors}
+    # The class's named_parameters: the handles the model holds (the model object's override may serve copies)
+    return [e for e in list(_bound) if any(id(p) in ids for _, p in type(e.module).named_parameters(e.module))]
+
+
 def bind(engine: Engine) -> None:
     """Route `engine.module`'s forward, state_dict, load_state_dict and conversions through `engine`."""
+    _bound.add(engine)
     model = engine.module
     original = type(model).forward
     signature = inspect.signature(original)

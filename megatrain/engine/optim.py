@@ -3,8 +3,8 @@
 `step()` returns once the global parameters (embedding, final norm, head) are updated; each decoder
 layer's update (with its bf16 shadow refresh) is a job on an "optimizer" host stream, queued in forward
 order, and `zero_grad()` queues each layer's gradient zeroing behind them. The next forward's load of
-layer i waits for that layer's update (`updated[i]`) and the next reduction into its gradient slab for
-its zeroing (`zeroed[i]`): every layer is updated before it is used and zeroed before it is written, the
+layer i waits for that layer's update (`events.updated[i]`) and the next reduction into its gradient slab
+for its zeroing (`events.zeroed[i]`, events.py): every layer is updated before it is used and zeroed before it is written, the
 same math as one `optimizer.step()`, with the CPU's AdamW hidden behind the device's forward. The global
 gradient norm (clipping) and the non-finite check read every gradient before the first update, as they
 do without overlap. Only torch's Adam and AdamW are split this way (per-parameter state, no step hooks);
@@ -13,14 +13,48 @@ any other optimizer steps whole.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from .events import LayerEvents
 from .store import FlatGroup, HostStore
-from .stream import DONE, CopyStream, Event, Trace
+from .stream import CopyStream, Event, Trace
+
+OptimizerArg = torch.optim.Optimizer | Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer] | None
+
+
+def adopt_optimizer(optimizer: OptimizerArg, named: list[tuple[str, nn.Parameter]], name_of: dict[int, str],
+                    aliases: dict[str, str]) -> torch.optim.Optimizer:
+    """The optimizer over the host masters `named`: a fused AdamW by default, a factory's, or the user's own
+    (built over the model's original parameters, named by `name_of`) moved onto the masters."""
+    if optimizer is None:
+        # The masters are host tensors whatever the compute device: torch's fused CPU kernel is ~10x
+        # its per-tensor loop, which it would pick for CPU tensors when left to choose.
+        return torch.optim.AdamW([p for _, p in named], fused=True)
+    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer(named)
+    # Take over the user's optimizer: same object, same hyper-parameters, now over the host masters,
+    # so LR schedulers built on it keep working.
+    by_name = dict(named)
+    by_name.update({a: by_name[n] for a, n in aliases.items() if n in by_name})
+    for group in optimizer.param_groups:
+        new = []
+        for p in group["params"]:
+            name = name_of.get(id(p))
+            if name is None:
+                raise ValueError("the optimizer holds a parameter that is not part of the model; build it "
+                                 "over model.parameters() before handing both to MegaTrain")
+            new.append(by_name[name])
+        group["params"] = new
+        if (isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and group.get("fused") is None
+                and group.get("foreach") is None and not group.get("differentiable")):
+            group["fused"] = True  # same math; the user chose no kernel, and the default one is ~10x slower here
+    optimizer.state = defaultdict(dict)
+    return optimizer
 
 
 def unsupported_reason(opt: torch.optim.Optimizer) -> str | None:
@@ -44,12 +78,12 @@ class _View:
 class LayeredStep:
     """Per-layer views of one torch optimizer, stepped on a host thread."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, trace: Trace, watchdog_s: float) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents, trace: Trace,
+                 watchdog_s: float) -> None:
         self.optimizer = optimizer
         self.store = store
+        self.events = events  # each queued update is the layer's `updated`, each zeroing its `zeroed`
         self.stream = CopyStream("optimizer", torch.device("cpu"), trace, None, watchdog_s)
-        self.updated: list[Event] = [DONE] * len(store.layers)  # the layer's weights may be loaded
-        self.zeroed: list[Event] = [DONE] * len(store.layers)  # the layer's gradient slab may be written
         # One optimizer per layer over that layer's parameters, in the main optimizer's groups. Its params
         # are private Parameters on the same storage, their .grad the slab views for good (user code that
         # sets the main params' .grad to None cannot make a queued update skip them); their Adam state is
@@ -88,14 +122,9 @@ class LayeredStep:
         for own, main in view.pairs:
             view.optimizer.state[own] = self.optimizer.state[main]  # the same dict: filled in place
 
-    def step(self, after_layer: Callable[[int], None], landed: list[Event],
-             before_layer: Callable[[int], None] | None = None) -> None:
-        """Update the globals now and queue every layer's update; `before_layer(i)` / `after_layer(i)` run
-        before / after layer i's (the non-FP32 modes unpack and pack the layer's master there).
-
-        Layer i's update starts only after `landed[i]`, its gradients' last reduction into the slab: the
-        updates run in forward order, the reverse of the order backward lands gradients in.
-        """
+    def step(self, update_layer: Callable[[int], None], landed: list[Event]) -> None:
+        """Update the globals now and queue `update_layer(i)` for every layer, each after `landed[i]`, its
+        gradients' last reduction into the slab: in forward order, the reverse of the order backward lands them."""
         self.synchronize()  # the previous step's jobs (cheap: the forward has waited for them already)
         self._sync(self._globals)
         if self._globals is not None:
@@ -103,19 +132,15 @@ class LayeredStep:
         for i, view in enumerate(self._views):
             self._sync(view)
 
-            def job(view=view, i=i) -> int:
-                if before_layer is not None:
-                    before_layer(i)
-                if view is not None:
-                    view.optimizer.step()
-                after_layer(i)
+            def job(i=i) -> int:
+                update_layer(i)
                 return 0
 
-            self.updated[i] = self.stream.submit(job, (landed[i],), "adam", i)
+            self.events.updated[i] = self.stream.submit(job, (landed[i],), "adam", i)
         # LR schedulers check that optimizer.step() ran before them; it did, a layer at a time.
         self.optimizer._opt_called = True
 
-    # -- optimizer in backward: one layer's update as soon as its gradients are staged -------------------
+    # -- optimizer in backward: each layer's update queued as soon as its gradients are staged -------------
     def sync_all(self) -> None:
         """Take every view's hyper-parameters and state links now (before a backward that updates layers)."""
         self.synchronize()
@@ -123,7 +148,7 @@ class LayeredStep:
             self._sync(view)
 
     def step_layer(self, i: int) -> None:
-        """Layer i's update, on the caller's thread (an optimizer-stream job)."""
+        """Layer i's AdamW, on the caller's thread (an optimizer-stream job); its master unpacked already."""
         view = self._views[i]
         if view is not None:
             view.optimizer.step()
@@ -135,8 +160,8 @@ class LayeredStep:
 
     def submit(self, i: int, job: Callable[[], int], after: Event | tuple[Event, ...]) -> Event:
         """Queue a job that updates layer i (after `after`: one event or several); the layer's next load waits for it."""
-        self.updated[i] = self.stream.submit(job, after if isinstance(after, tuple) else (after,), "adam", i)
-        return self.updated[i]
+        self.events.updated[i] = self.stream.submit(job, after if isinstance(after, tuple) else (after,), "adam", i)
+        return self.events.updated[i]
 
     def zero_grad(self) -> None:
         """Zero the global gradients now and each layer's after its queued update."""
@@ -149,7 +174,7 @@ class LayeredStep:
                 group.grad.zero_()
                 return 0
 
-            self.zeroed[i] = self.stream.submit(job, (), "zero", i)
+            self.events.zeroed[i] = self.stream.submit(job, (), "zero", i)
 
     def synchronize(self) -> None:
         self.stream.synchronize()

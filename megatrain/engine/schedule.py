@@ -14,6 +14,7 @@ import torch
 from ..costs import pipeline as order
 from ..costs.pinning import STAGING_SLOTS
 from .activations import ActivationStore, HostPool
+from .events import LayerEvents
 from .store import HostStore
 from .stream import DONE, Event, Streams, Trace
 from .templates import TemplateBank
@@ -44,7 +45,8 @@ def accumulate(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor | Non
 class LayerPipeline:
     def __init__(self, store: HostStore, templates: TemplateBank, streams: Streams, trace: Trace,
                  num_buffers: int, dtype: torch.dtype, device: torch.device, preserve_rng: bool,
-                 policy: LongContextPolicy | None = None) -> None:
+                 events: LayerEvents, policy: LongContextPolicy | None = None,
+                 grad_sink: Callable[[int, torch.Tensor, Event], Event] | None = None) -> None:
         self.store = store
         self.templates = templates
         self.streams = streams
@@ -57,21 +59,14 @@ class LayerPipeline:
         self.slots = order.DeviceBuffers(k)  # which layer each buffer holds
         self.loaded: list[Event] = [DONE] * k
         self.freed: list[Event] = [DONE] * k
-        # Per layer, the host jobs of the overlapped optimizer (engine/optim.py; DONE otherwise): its update,
-        # before its weights are loaded, and its gradient zeroing, before its slab is written again.
-        self.updated: list[Event] = [DONE] * len(store.layers)
-        self.zeroed: list[Event] = [DONE] * len(store.layers)
-        # Per layer, the last host job that adds into its gradient slab: whoever reads a layer's gradients
-        # (the optimizer, a norm, a checkpoint) waits for exactly this event first.
-        self.landed: list[Event] = [DONE] * len(store.layers)
-        # The resident parameters' gradient reductions queued since the last wait (global_grads.py).
-        self.globals_landed: list[Event] = []
-        # Called with a layer's index once its gradients are queued to the host (data parallel: the
-        # layer's average across ranks is queued behind them, overlapping the next layer's backward).
-        self.grad_sent: Callable[[int], None] | None = None
-        # Optimizer in backward: called as grad_sink(layer, staged gradients, event of their staging) instead of
-        # adding into a slab; returns the event after which the staging buffer may be reused.
-        self.grad_sink: Callable[[int, torch.Tensor, Event], Event] | None = None
+        # The per-layer events it waits for and records (events.py). Its own names for the engine's lists:
+        # a layer's load waits for `updated`, a reduction into its slab for `zeroed` and the slab's last writer
+        # (`landed`, which it replaces); rebinding one of these names here unhooks only the pipeline's waits.
+        self.events = events
+        self.updated, self.zeroed, self.landed = events.updated, events.zeroed, events.landed
+        # A shared host store or the optimizer in backward: called as grad_sink(layer, staged gradients, event of
+        # their staging) instead of adding into a slab; returns the event after which the staging may be reused.
+        self.grad_sink = grad_sink
         self._rng: dict[int, tuple] = {}
         self.policy = policy
         self.tile: int | None = None  # MLP sequence tile of the current batch (None: untiled)
@@ -202,15 +197,7 @@ class LayerPipeline:
 
     def synchronize_grads(self) -> None:
         """Block until every layer's (and the resident parameters') gradients have landed in their host slabs."""
-        for event in self.landed:
-            event.host_wait(self.streams.watchdog_s)
-        self.synchronize_global_grads()
-
-    def synchronize_global_grads(self) -> None:
-        """Block until the resident parameters' gradients have landed in their slab."""
-        while self.globals_landed:
-            self.globals_landed[0].host_wait(self.streams.watchdog_s)
-            self.globals_landed.pop(0)
+        self.events.wait_grads()
 
     # -- compute ----------------------------------------------------------------------------------
     def forward(self, h: torch.Tensor, layer_inputs: list[tuple[tuple, dict]], acts: ActivationStore | None,
@@ -233,7 +220,10 @@ class LayerPipeline:
                 self.trace.add_since("compute", phase, i, t0)
         return h
 
-    def backward(self, g: torch.Tensor, layer_inputs: list[tuple[tuple, dict]], acts: ActivationStore) -> torch.Tensor:
+    def backward(self, g: torch.Tensor, layer_inputs: list[tuple[tuple, dict]], acts: ActivationStore,
+                 grad_sent: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Backpropagate `g` through the layers; `grad_sent(i)` runs once layer i's gradients are queued to the host
+        (data parallel: the layer's average across ranks is queued behind them, overlapping the next layer's)."""
         for step in order.backward_steps(self.slots, len(self.store.layers)):
             i = step.layer
             if step.op in (order.LOAD, order.WAIT):
@@ -246,8 +236,8 @@ class LayerPipeline:
                 g, gw, done = self._layer_backward(i, step.slot, x, g, layer_inputs[i])
             elif step.op == order.SEND_GRAD:
                 self._send_grad(i, gw, done)
-                if self.grad_sent is not None:
-                    self.grad_sent(i)
+                if grad_sent is not None:
+                    grad_sent(i)
             elif step.op == order.DROP_INPUT:
                 acts.drop(i)
         return g

@@ -77,8 +77,9 @@ from .attn_tiling import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from ..config import EngineConfig
-    from .templates import TemplateBank
 
 TILEABLE_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer", "Qwen3DecoderLayer")
 _ATTN_PARTS = ("input_layernorm", "self_attn")
@@ -287,16 +288,17 @@ def layer_dims(layer: nn.Module, numel: int, hidden: int) -> LayerDims:
                      tileable(layer) and attention_module_tileable(attn), getattr(attn, "head_dim", None) or 128)
 
 
-def long_context_policy(config: EngineConfig, templates: TemplateBank, layer_numels: list[int], num_buffers: int,
+def long_context_policy(config: EngineConfig, layers: Sequence[nn.Module], layer_numels: list[int], num_buffers: int,
                         device: torch.device, dtype: torch.dtype, globals_bytes: int, head: torch.Size) -> LongContextPolicy:
-    """The policy for an engine: its largest layer's shapes, resident weights and device budget."""
+    """The policy for an engine: its largest layer's shapes, resident weights and device budget (`layers`: one
+    module per decoder layer, e.g. the engine's templates, read for shapes only)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     big = max(range(len(layer_numels)), key=layer_numels.__getitem__)
     budget = config.device_budget_bytes
     if budget is None and device.type == "cuda":
         budget = torch.cuda.get_device_properties(device).total_memory
-    dims = layer_dims(templates.of_layer[big], layer_numels[big], head[1])
-    q = getattr(getattr(templates.of_layer[big], "self_attn", None), "q_proj", None)
+    dims = layer_dims(layers[big], layer_numels[big], head[1])
+    q = getattr(getattr(layers[big], "self_attn", None), "q_proj", None)
     if q is not None and device.type == "cuda" and itemsize == 4:  # attention.expands_kv
         dims = dataclasses.replace(dims, kv_expanded=max(0, q.weight.shape[0] - dims.kv))
     return LongContextPolicy(

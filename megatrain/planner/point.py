@@ -154,5 +154,5 @@ def engine_refusal(p: Point) -> str | None:
 
 def aliases_globals(p: Point, hw: Hardware) -> bool:
     """Whether the engine's device embedding/head/norm are the host masters themselves: on a CPU
-    device computing in FP32 it aliases them (Engine._alias_globals), so they are never copied."""
+    device computing in FP32 it aliases them (Placement.alias_globals), so they are never copied."""
     return hw.unified_memory and p.c == 4

@@ -126,7 +126,7 @@ class GlobalsIO:
 
 def globals_io(p: Point, hw: Hardware) -> GlobalsIO:
     """Per device type, as engine.py does it:
-      - a CPU device in FP32 aliases them to the host masters (Engine._alias_globals): nothing moves;
+      - a CPU device in FP32 aliases them to the host masters (Placement.alias_globals): nothing moves;
       - a CPU device in bf16 casts them (host memory traffic, no link);
       - CUDA uploads them (pinned masters) after each optimizer step and brings the head/norm gradient
         and the embedding lookup's T x h gradient down per micro-batch into pinned staging, on the copy

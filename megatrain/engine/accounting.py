@@ -1,0 +1,68 @@
+"""What a step cost since the last reset: time per phase, bytes over each copy stream, device peaks.
+
+Read by collect_stats, the planner's measurements and the experiment harness; the keys are theirs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .distributed import DataParallel
+from .memtrack import DeviceMemoryTracker
+from .optim import LayeredStep
+from .placement import Placement
+from .schedule import LayerPipeline
+from .stream import Streams, Trace
+
+
+class StepAccounting:
+    def __init__(self, device: torch.device, streams: Streams, pipeline: LayerPipeline, placement: Placement,
+                 dp: DataParallel | None, layered: LayeredStep | None, memory: DeviceMemoryTracker | None,
+                 trace: Trace) -> None:
+        self.device, self.streams, self.pipeline, self.placement = device, streams, pipeline, placement
+        self.dp, self.layered, self.memory, self.trace = dp, layered, memory, trace
+        self.reset()
+
+    @property
+    def device_weight_bytes(self) -> int:
+        """Weight bytes resident on the device: the k layer buffers plus embedding/norm/head."""
+        g = sum(p.numel() * p.element_size() for p in self.placement.device_globals)
+        return self.pipeline.device_weight_bytes + g
+
+    def reset(self) -> None:
+        self.streams.reset_counters()
+        if self.dp is not None:
+            self.dp.stream.reset_counters()
+        if self.layered is not None:
+            self.layered.reset_counters()
+        self.act_peak = 0  # the largest forward's activations kept for backward
+        if self.memory is not None:
+            self.memory.reset_peak()
+        self.tokens = 0
+        self.seconds = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
+        self.trace.clear()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def collect(self) -> dict[str, float]:
+        """The counts since the last reset (the caller waits for outstanding copies and updates first)."""
+        out = dict(self.seconds)
+        if self.layered is not None:
+            out["optimizer_busy_s"] = self.layered.busy_s  # on its own thread; optimizer_s is what step() took
+        streams = self.streams
+        out.update(
+            h2d_bytes=streams.h2d.bytes, d2h_bytes=streams.d2h.bytes,
+            h2d_busy_s=streams.h2d.busy_s, d2h_busy_s=streams.d2h.busy_s,
+            copy_wait_s=streams.wait_s, device_weight_bytes=self.device_weight_bytes,
+            peak_activation_bytes=self.act_peak, host_store_bytes=self.placement.store.host_bytes(),
+            tokens=self.tokens,
+        )
+        if self.device.type == "cuda":
+            out["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        else:
+            # Measured live bytes when tracking (tiled working set, loss workspace included), else the count.
+            out["peak_device_bytes"] = self.device_weight_bytes + (self.memory.peak if self.memory else self.act_peak)
+        out.update(self.pipeline.plan_stats())
+        if self.dp is not None:
+            out.update(allreduce_bytes=self.dp.stream.bytes, allreduce_busy_s=self.dp.stream.busy_s)
+        return out

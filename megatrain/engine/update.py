@@ -1,0 +1,215 @@
+"""The engine's update path: when, and on which thread, each layer's update runs.
+
+Every path runs the same per-layer job: wait for the layer's gradients, check them (the global norm and
+finiteness before any layer; per layer in backward), AdamW on its FP32 master (`update_layer`: a bf16 slab
+widened, pending clipping applied, a hi/lo or bf16 master unpacked first and stored back after), write the
+copy that streams to the device, and release the layer to the next load (its `updated` event; a shared
+store adds its owner's token or a node barrier after the step, ranks.py). Which path, is chosen once when the
+engine is built (`choose`):
+
+- WholeStep: in step(), on the caller's thread, one optimizer.step() over every master (any torch optimizer).
+- Layered: in step(), the resident parameters at once and each layer queued on the optimizer thread in forward
+  order behind its gradients; with optimizer_overlap step() returns at once (the next forward's load of a
+  layer waits for its update), otherwise it waits (the hilo/bf16 masters and bf16 slabs update a layer at
+  a time).
+- InBackward (optimizer_in_backward): during backward, on the optimizer thread, each layer as soon as its
+  gradients are staged (no gradient slab); step() then updates the resident parameters.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from ..config import EngineConfig
+from .events import LayerEvents
+from .optim import LayeredStep, unsupported_reason
+from .store import FlatGroup, HostStore
+from .stream import Event, Trace
+
+
+def update_layer(layered: LayeredStep, group: FlatGroup, i: int, coefs: list[float]) -> None:
+    """Layer i's update on the calling thread: FP32 gradients (times `coefs`) and master, AdamW, master and
+    streamed copy written back."""
+    group.load_grads(coefs)
+    group.unpack()
+    layered.step_layer(i)
+    group.pack()
+
+
+class UpdatePath:
+    """What the engine asks of an update path. This one is the whole step: in step(), on the caller's thread."""
+
+    layered: LayeredStep | None = None  # the per-layer optimizer views and their thread, if this path has them
+    grad_sink: Callable[[int, torch.Tensor, Event], Event] | None = None  # takes a layer's gradients (no slab)
+    overlapped = False  # step() returns with layer updates still queued
+
+    def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
+                 config: EngineConfig) -> None:
+        self.optimizer, self.store, self.events, self.config = optimizer, store, events, config
+
+    def check_backward(self) -> None:
+        """Refuse a backward this path cannot take exactly (before any gradient is added)."""
+
+    def begin_backward(self) -> None:
+        """A backward is about to add gradients."""
+
+    def check_norm(self) -> None:
+        """Refuse a global gradient norm this path cannot give."""
+
+    def check_zero_grad(self) -> None:
+        """Refuse a zero_grad() that cannot undo what it would be expected to."""
+
+    def step(self, finite: Callable[[], bool], coefs: list[float]) -> bool:
+        """Update every parameter (or queue it); False when the step was skipped. `finite()`: whether the
+        gradients may be applied (it counts a skipped step); `coefs`: the clipping still pending on bf16 slabs."""
+        if not finite():
+            return False
+        for g in self.store.groups():
+            g.link_grads()
+        self.events.wait_grads()  # the step reads every slab, whatever the knobs
+        self.optimizer.step()
+        for g in self.store.layers:
+            g.refresh_shadow()
+        return True
+
+    def zero_grad(self) -> None:
+        self.store.zero_grad()
+
+    def weights_loaded(self) -> None:
+        """New weights were loaded (a checkpoint): what a failed update left behind no longer holds."""
+
+    def synchronize(self) -> None:
+        """Block until every queued update is done."""
+        if self.layered is not None:
+            self.layered.synchronize()
+
+
+WholeStep = UpdatePath
+
+
+class Layered(UpdatePath):
+    """In step(): the resident parameters now, each layer queued on the optimizer thread behind its gradients."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
+                 config: EngineConfig, trace: Trace) -> None:
+        super().__init__(optimizer, store, events, config)
+        self.layered = LayeredStep(optimizer, store, events, trace, config.watchdog_s)
+        self.overlapped = config.optimizer_overlap
+
+    def step(self, finite: Callable[[], bool], coefs: list[float]) -> bool:
+        if not finite():
+            return False
+        for g in self.store.groups():
+            g.link_grads()
+        self.events.wait_global_grads()  # the globals are updated right away; each layer waits for its own
+        layered, layers, coefs = self.layered, self.store.layers, list(coefs)
+        layered.step(lambda i: update_layer(layered, layers[i], i, coefs), self.events.landed)
+        if not self.overlapped:
+            layered.synchronize()  # a per-layer mode without overlap: step() returns with every layer done
+        return True
+
+    def zero_grad(self) -> None:
+        self.layered.zero_grad()  # each layer's after its queued update, off this thread
+
+
+class InBackward(UpdatePath):
+    """During backward: each layer's update queued on the optimizer thread as soon as its gradients are staged."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
+                 config: EngineConfig, trace: Trace) -> None:
+        super().__init__(optimizer, store, events, config)
+        self.layered = LayeredStep(optimizer, store, events, trace, config.watchdog_s)
+        self.grad_sink = self._update
+        self._unstepped = False  # layers updated by a backward whose step() is to come
+        self._failed_layer: int | None = None  # the layer whose gradient was not finite (-1: the resident ones)
+
+    def check_backward(self) -> None:
+        if self._failed_layer is not None:
+            raise FloatingPointError("a previous optimizer_in_backward step was cut short by a non-finite gradient; "
+                                     "load a checkpoint (load_state_dict / load_checkpoint) before training on")
+        if self._unstepped:
+            raise RuntimeError("optimizer_in_backward: the last backward() already updated the layers, so its step() "
+                               "must come before the next backward (gradient accumulation is not possible in this "
+                               "mode); use gradient_accumulation_steps=1, or optimizer_in_backward=false")
+
+    def begin_backward(self) -> None:
+        self.layered.sync_all()  # this step's LR and state, taken before the first layer update
+        self._unstepped = True
+
+    def check_norm(self) -> None:
+        raise RuntimeError("optimizer_in_backward: the layers' gradients are consumed during backward, so there "
+                           "is no global gradient norm (nor clipping by it); set optimizer_in_backward=false "
+                           "to clip")
+
+    def _update(self, i: int, staging: torch.Tensor, staged: Event) -> Event:
+        """Queue layer i's update behind the staging of its gradients (the pipeline's grad_sink)."""
+        group = self.store.layers[i]
+
+        def job() -> int:
+            if self._failed_layer is not None:
+                return 0  # an earlier layer's gradient was not finite: step() reports it
+            gw = group.grad_work
+            gw.zero_()
+            gw.add_(staging)  # 0 + g: the value an ordinary zeroed FP32 slab holds after one backward
+            if self.config.skip_nonfinite and not bool(torch.isfinite(gw).all()):
+                self._failed_layer = i
+                return 0
+            update_layer(self.layered, group, i, [])
+            return 0
+
+        # Behind the staging copy, and behind whatever last landed for this layer.
+        return self.layered.submit(i, job, (staged, self.events.landed[i]))
+
+    def step(self, finite: Callable[[], bool], coefs: list[float]) -> bool:
+        """The layers are updated (or the step failed; each layer checked its own): the resident parameters now."""
+        if not self._unstepped:
+            raise RuntimeError("optimizer_in_backward: step() without a backward() since the last step")
+        self.events.wait_grads()
+        self.synchronize()
+        self._unstepped = False
+        n = len(self.store.layers)
+        bad = self._failed_layer
+        if bad is None and self.config.skip_nonfinite and not bool(torch.isfinite(self.store.globals.grad).all()):
+            bad = -1
+        if bad is not None:
+            self._failed_layer = bad
+            updated = f"layers {bad + 1}..{n - 1}" if bad >= 0 else "every layer"
+            raise FloatingPointError(
+                f"non-finite gradient ({'layer ' + str(bad) if bad >= 0 else 'embedding/norm/head'}) with "
+                f"optimizer_in_backward: {updated} were already updated during backward, so this step cannot be "
+                "skipped as skip_nonfinite asks; load the last checkpoint, then lower the LR or check the data")
+        for g in self.store.groups():
+            g.link_grads()
+        self.layered.step_globals()
+        return True
+
+    def check_zero_grad(self) -> None:
+        if self._unstepped:
+            raise RuntimeError("optimizer_in_backward: the last backward() already updated the layers; zero_grad() "
+                               "before step() cannot discard that update. Call step() after each backward()")
+
+    def weights_loaded(self) -> None:
+        self._failed_layer = None
+        self._unstepped = False
+
+
+def choose(optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents, config: EngineConfig,
+           trace: Trace) -> UpdatePath:
+    """The update path the configuration and the optimizer allow."""
+    layer_wise = store.per_layer_update or config.optimizer_in_backward
+    reason = unsupported_reason(optimizer) if config.optimizer_overlap or layer_wise else None
+    if reason is not None and layer_wise:
+        # No whole-model FP32 master or gradient to step at once: a layer at a time or not at all.
+        raise ValueError(f"host_master={config.host_master!r}, host_grad_dtype={config.host_grad_dtype!r}, "
+                         f"optimizer_in_backward={config.optimizer_in_backward} update one layer at a time, "
+                         f"which needs torch's Adam or AdamW: {reason}; use the default modes for it")
+    if reason is not None:
+        warnings.warn(f"optimizer_overlap: {reason}, so it steps whole after backward", stacklevel=3)
+    if config.optimizer_in_backward:
+        return InBackward(optimizer, store, events, config, trace)
+    if reason is None and (config.optimizer_overlap or layer_wise):
+        return Layered(optimizer, store, events, config, trace)
+    return WholeStep(optimizer, store, events, config)
