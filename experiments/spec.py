@@ -6,7 +6,6 @@ Every check runs at load time so a typo in a spec costs nothing: the error names
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import itertools
 import json
@@ -18,6 +17,7 @@ import yaml
 
 from megatrain.config import EngineConfig
 from megatrain.models.presets import ModelPreset, get_preset
+from megatrain.validate import close_match, is_int, unknown_key
 
 BACKENDS = ("megatrain", "zero3", "torch")
 PRECISIONS = ("fp32", "bf16")
@@ -128,12 +128,8 @@ class Sweep:
 
 
 def _did_you_mean(key: str, known: list[str] | tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(key, list(known), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    close = close_match(key, known)
+    return f" (did you mean {close!r}?)" if close else ""
 
 
 def _check_value(file: str, path: str, key: str, v: Any) -> Any:
@@ -153,16 +149,16 @@ def _check_value(file: str, path: str, key: str, v: Any) -> Any:
         except ValueError as e:
             raise bad(str(e)) from None
     elif key in ("seq_len", "micro_batch", "grad_accum", "steps"):
-        if not _is_int(v) or v < 1:
+        if not is_int(v) or v < 1:
             raise bad(f"{key} must be a positive integer, got {v!r}")
     elif key in ("warmup", "seed"):
-        if not _is_int(v) or v < 0:
+        if not is_int(v) or v < 0:
             raise bad(f"{key} must be a non-negative integer, got {v!r}")
     elif key == "max_positions":
-        if v is not None and (not _is_int(v) or v < 1):
+        if v is not None and (not is_int(v) or v < 1):
             raise bad(f"max_positions must be a positive integer (or null), got {v!r}")
     elif key == "threads":
-        if v is not None and (not _is_int(v) or v < 1):
+        if v is not None and (not is_int(v) or v < 1):
             raise bad(f"threads must be a positive integer (or null), got {v!r}")
     elif key in ("timeout_s", "lr"):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
@@ -200,11 +196,11 @@ def _check_value(file: str, path: str, key: str, v: Any) -> Any:
 def _check_keys(file: str, path: str, d: Any) -> dict[str, Any]:
     if not isinstance(d, dict):
         raise SpecError(file, path, f"must be a mapping, got {type(d).__name__}")
-    for k in d:
-        if k not in POINT_DEFAULTS:
-            raise SpecError(file, f"{path}.{k}" if path else str(k),
-                            f"unknown key{_did_you_mean(str(k), list(POINT_DEFAULTS))}; "
-                            f"known: {', '.join(POINT_DEFAULTS)}")
+    found = unknown_key(d, POINT_DEFAULTS)
+    if found:
+        k, close = found
+        hint = f" (did you mean {close!r}?)" if close else ""
+        raise SpecError(file, f"{path}.{k}" if path else str(k), f"unknown key{hint}; known: {', '.join(POINT_DEFAULTS)}")
     return d
 
 
@@ -248,10 +244,10 @@ def load_sweep(path: str | Path) -> Sweep:
         raise SpecError(file, "<yaml>", f"not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise SpecError(file, "<top>", "a sweep spec must be a mapping with `grid`, `grids` or `points`")
-    for k in raw:
-        if k not in _TOP_KEYS:
-            raise SpecError(file, str(k), f"unknown top-level key{_did_you_mean(str(k), _TOP_KEYS)}; "
-                                          f"known: {', '.join(_TOP_KEYS)}")
+    found = unknown_key(raw, _TOP_KEYS)
+    if found:
+        raise SpecError(file, str(found[0]), f"unknown top-level key{_did_you_mean(str(found[0]), _TOP_KEYS)}; "
+                                             f"known: {', '.join(_TOP_KEYS)}")
     name = raw.get("name") or Path(path).stem
     if not isinstance(name, str) or not name or "/" in name:
         raise SpecError(file, "name", f"must be a non-empty string without '/', got {name!r}")

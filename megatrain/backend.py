@@ -19,6 +19,7 @@ import torch
 
 from . import train_state
 from .config import EngineConfig
+from .settings import engine_config_from, read_config
 
 
 @runtime_checkable
@@ -82,36 +83,6 @@ class Backend(Protocol):
     def load_state(self, directory: str | os.PathLike) -> None: ...
 
 
-def engine_config_from(config: dict[str, Any] | EngineConfig | None) -> EngineConfig:
-    """The engine settings a face config describes.
-
-    A dict is read as a DeepSpeed config by the same parser `megatrain.initialize` uses, so one
-    config means the same engine on both faces. Batch sizes are the dataloader's business under
-    Accelerate, so a config without them is completed with a micro batch of one for the parser's sake.
-    """
-    if config is None:
-        return EngineConfig()
-    if isinstance(config, EngineConfig):
-        return config
-    if not isinstance(config, dict):
-        raise TypeError(f"config must be a DeepSpeed-style dict, an EngineConfig or None, not {type(config).__name__}")
-    from .deepspeed.config import parse_config
-
-    d = dict(config)
-    # "auto" values are the face's to fill (from the dataloader, the arguments, clip_grad_norm_ calls)
-    # and none of them shapes the engine, so they are dropped before the strict parser sees them.
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                "gradient_clipping"):
-        if d.get(key) == "auto":
-            del d[key]
-    for key in ("bf16", "bfloat16"):
-        if isinstance(d.get(key), dict) and d[key].get("enabled") == "auto":
-            d[key] = {k: v for k, v in d[key].items() if k != "enabled"}
-    if "train_batch_size" not in d and "train_micro_batch_size_per_gpu" not in d:
-        d["train_micro_batch_size_per_gpu"] = 1
-    return parse_config(d).engine
-
-
 def cpu_config(config: dict[str, Any] | EngineConfig | None) -> dict[str, Any] | EngineConfig:
     """`config` with the engine's device set to the CPU (`Accelerator(cpu=True)`); a contradiction is refused."""
     if isinstance(config, EngineConfig):
@@ -156,8 +127,7 @@ class MegatrainBackend:
         want = ec.compute_dtype if mixed_precision is None else (
             "bfloat16" if mixed_precision == "bf16" else "float32")
         # Only a compute dtype the user wrote down can contradict mixed_precision; the default gives way to it.
-        explicit = isinstance(config, EngineConfig) or (
-            isinstance(config, dict) and "compute_dtype" in (config.get("megatrain") or {}))
+        explicit = "compute_dtype" in read_config(config).engine_keys
         if ec.compute_dtype != want:
             if explicit:
                 raise ValueError(

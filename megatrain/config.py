@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import threading
 from dataclasses import dataclass, fields
@@ -11,6 +10,7 @@ from typing import Any
 
 from .engine.malloc import MAX_MMAP_THRESHOLD, MIN_MMAP_THRESHOLD
 from .costs.modes import GradSlab, HostMaster, parse
+from .validate import check_keys, is_bool, is_int, is_number
 
 _DTYPES = ("float32", "bfloat16")
 MIN_LINK_GBPS = 1e-3
@@ -74,10 +74,10 @@ class EngineConfig:
         for name in ("pin_memory", "measure_device_memory", "trace", "skip_nonfinite", "optimizer_overlap",
                      "parity_probe", "optimizer_in_backward"):
             value = getattr(self, name)
-            if not isinstance(value, bool) and not (value is None and name == "pin_memory"):
+            if not is_bool(value) and not (value is None and name == "pin_memory"):
                 raise ValueError(f"{name}={value!r} must be true or false")
         for name, value in (("watchdog_s", self.watchdog_s), ("link_gbps", 1.0 if self.link_gbps is None else self.link_gbps)):
-            if isinstance(value, bool) or not isinstance(value, int | float):
+            if not is_number(value):
                 raise ValueError(f"{name}={value!r} must be a number")
         if self.compute_dtype not in _DTYPES:
             raise ValueError(f"compute_dtype={self.compute_dtype!r} is not supported; use one of {_DTYPES}")
@@ -85,7 +85,7 @@ class EngineConfig:
         if not isinstance(self.num_buffers, int) or self.num_buffers < 1:
             raise ValueError(f"num_buffers={self.num_buffers!r} must be an int >= 1 (2 overlaps copies with compute)")
         chunk = self.loss_chunk_tokens
-        if chunk != "auto" and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+        if chunk != "auto" and (not is_int(chunk) or chunk < 1):
             raise ValueError(f"loss_chunk_tokens={chunk!r} must be an int >= 1 or 'auto'")
         if self.link_gbps is not None and not MIN_LINK_GBPS <= self.link_gbps < math.inf:
             raise ValueError(f"link_gbps={self.link_gbps!r} must be a finite rate >= {MIN_LINK_GBPS} GB/s "
@@ -97,14 +97,13 @@ class EngineConfig:
         if self.segment_attention not in (True, False, "auto"):
             raise ValueError(f"segment_attention={self.segment_attention!r} must be True, False or 'auto'")
         tile = self.mlp_tile_tokens
-        if not (tile is None or tile == "auto" or (isinstance(tile, int) and not isinstance(tile, bool) and tile >= 1)):
+        if not (tile is None or tile == "auto" or (is_int(tile) and tile >= 1)):
             raise ValueError(f"mlp_tile_tokens={tile!r} must be an int >= 1, 'auto' or None (untiled)")
         budget = self.device_budget_bytes
-        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
+        if budget is not None and (not is_int(budget) or budget <= 0):
             raise ValueError(f"device_budget_bytes={budget!r} must be an int > 0 (bytes) or None")
         thr = self.host_mmap_threshold_bytes
-        if thr is not None and (not isinstance(thr, int) or isinstance(thr, bool)
-                                or not MIN_MMAP_THRESHOLD <= thr <= MAX_MMAP_THRESHOLD):
+        if thr is not None and (not is_int(thr) or not MIN_MMAP_THRESHOLD <= thr <= MAX_MMAP_THRESHOLD):
             raise ValueError(f"host_mmap_threshold_bytes={thr!r} must be an int from {MIN_MMAP_THRESHOLD} (a page) to "
                              f"{MAX_MMAP_THRESHOLD} (glibc's limit), or None for glibc's dynamic default")
         if not MIN_WATCHDOG_S <= self.watchdog_s <= threading.TIMEOUT_MAX:
@@ -129,16 +128,20 @@ class EngineConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> EngineConfig:
         d = dict(d or {})
-        known = {f.name for f in fields(cls)}
-        for key in d:
-            if key not in known:
-                close = difflib.get_close_matches(key, known, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ValueError(f"unknown megatrain setting {key!r}{hint}; known: {', '.join(sorted(known))}")
+        check_keys(d, ENGINE_KEYS, unknown_setting)
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+ENGINE_KEYS = frozenset(f.name for f in fields(EngineConfig))
+
+
+def unknown_setting(key: object, close: str | None) -> ValueError:
+    """The error for a key of a `megatrain` section (or a sweep point's `engine`) that names no setting."""
+    hint = f" (did you mean {close!r}?)" if close else ""
+    return ValueError(f"unknown megatrain setting {key!r}{hint}; known: {', '.join(sorted(ENGINE_KEYS))}")
 
 
 def check_host_modes(cfg: EngineConfig) -> None:

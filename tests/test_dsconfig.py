@@ -255,6 +255,49 @@ def test_ignored_settings_in_one_warning():
     assert c.engine.pin_memory is False
 
 
+# What TRL's prepare_deepspeed adds to a ZeRO-3 trainer's config for a DPO reference model (h = hidden size).
+TRL_REF_KEYS = {"zero_optimization.reduce_bucket_size": 64 * 64,
+                "zero_optimization.stage3_param_persistence_threshold": 10 * 64,
+                "zero_optimization.stage3_prefetch_bucket_size": 0.9 * 64 * 64}
+
+
+def test_keys_trainers_write_are_accepted_and_named_as_ignored():
+    d = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, **TRL_REF_KEYS}
+    with pytest.warns(UserWarning) as rec:
+        c = parse_config(d)
+    assert len(rec) == 1
+    msg = str(rec[0].message)
+    assert "\n" not in msg and "ignores" in msg
+    for key in TRL_REF_KEYS:
+        assert key in msg and key in c.ignored
+    assert c.zero.stage == 3 and c.engine == parse_config({"train_micro_batch_size_per_gpu": 1}).engine
+
+
+@pytest.mark.parametrize("key, match", [
+    # A user's typo in the same form is still refused, with the dotted spelling it resembles.
+    ("zero_optimization.reduce_bucket_sise", r"unknown key 'zero_optimization.reduce_bucket_sise'; did you mean "
+                                             r"'zero_optimization.reduce_bucket_size'"),
+    ("zero_optimisation.stage", r"did you mean 'zero_optimization.stage'"),
+    ("my_setting.value", r"unknown key 'my_setting.value'$"),
+])
+def test_unknown_dotted_keys_are_refused(key, match):
+    with pytest.raises(DeepSpeedConfigError, match=match):
+        parse_config({"train_micro_batch_size_per_gpu": 1, key: 1})
+
+
+@pytest.mark.parametrize("section", ["offload_optimizer", "offload_param"])
+def test_nvme_offload_is_refused_with_the_fix(section):
+    nvme = {"device": "nvme", "nvme_path": "/local_nvme"}
+    with pytest.raises(DeepSpeedConfigError, match=rf"'zero_optimization.{section}.device' is \"nvme\", but MegaTrain "
+                                                   r"has no NVMe tier yet: host memory holds .* Set \"device\": \"cpu\""):
+        parse_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, section: nvme}})
+    # The control: the same section on the CPU trains (its NVMe path is then one more ignored setting).
+    with pytest.warns(UserWarning, match=rf"zero_optimization.{section}.nvme_path"):
+        c = parse_config({"train_micro_batch_size_per_gpu": 1,
+                          "zero_optimization": {"stage": 3, section: {**nvme, "device": "cpu"}}})
+    assert getattr(c.zero, f"{section}_device") == "cpu"
+
+
 def test_builds_optimizer_and_scheduler():
     c = _parse({"train_batch_size": 1, "optimizer": {"type": "Adam", "params": {"lr": 0.1, "adam_w_mode": False,
                                                                                  "weight_decay": 0.01}},

@@ -39,6 +39,7 @@ from ..backend import Backend
 from ..config import EngineConfig
 from ..engine.distributed import launch_env
 from ..project import latest_dir, make_project_config, save_dir, state_dir
+from ..settings import read_config
 from .data import PreparedDataLoader, skipping
 from .settings import (
     BACKENDS,
@@ -92,7 +93,8 @@ class Accelerator:
                         f"the config has a {section!r} section; with the Accelerator, build the {section} in the "
                         "script and pass it to prepare() (megatrain.initialize builds them from a config)"
                     )
-        self.mixed_precision = resolve_mixed_precision(mixed_precision, config)
+        settings = read_config(config)  # the config read once; the arguments are settled against it below
+        self.mixed_precision = resolve_mixed_precision(mixed_precision, settings)
         adjust_scheduler, sync_with_dataloader = True, True
         if gradient_accumulation_plugin is not None:
             from accelerate.utils import GradientAccumulationPlugin
@@ -106,7 +108,7 @@ class Accelerator:
             gradient_accumulation_steps = gradient_accumulation_plugin.num_steps
             adjust_scheduler = gradient_accumulation_plugin.adjust_scheduler
             sync_with_dataloader = gradient_accumulation_plugin.sync_with_dataloader
-        steps = resolve_accumulation(gradient_accumulation_steps, config)
+        steps = resolve_accumulation(gradient_accumulation_steps, settings)
         self.gradient_state = GradientState(steps, adjust_scheduler, sync_with_dataloader)
         self.cpu = bool(cpu)
         self.project_configuration = make_project_config(project_dir, project_config)
@@ -122,7 +124,7 @@ class Accelerator:
             gradient_accumulation_steps=steps,
             mixed_precision=self.mixed_precision,
             gradient_checkpointing=self.gradient_checkpointing,
-            gradient_clipping=resolve_gradient_clipping(config),
+            gradient_clipping=resolve_gradient_clipping(settings),
             cpu=self.cpu,
         )
         self._models: list[Any] = []

@@ -1,11 +1,16 @@
-"""What the Accelerator's arguments and its DeepSpeed-style config say together, and the backend they name."""
+"""What the Accelerator's arguments and its DeepSpeed-style config say together, and the backend they name.
+
+The config is read by megatrain/settings.py (`read_config`), as every face reads it; the functions here
+settle where it and the Accelerator's arguments disagree. Each takes the config or its ConfigSettings.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..backend import Backend, MegatrainBackend
-from ..config import EngineConfig
+from ..settings import read_config
+from ..validate import is_int
 
 BACKENDS = ("megatrain", "zero3", "zero3-alst", "torch")
 _MIXED_PRECISION = ("no", "bf16")
@@ -14,14 +19,7 @@ _MIXED_PRECISION = ("no", "bf16")
 def resolve_mixed_precision(mixed_precision: str, config: Any) -> str:
     if mixed_precision not in _MIXED_PRECISION:
         raise ValueError(f"mixed_precision={mixed_precision!r} is not supported; use one of {_MIXED_PRECISION}")
-    if isinstance(config, EngineConfig):
-        from_config: bool | None = config.compute_dtype == "bfloat16"
-    elif isinstance(config, dict):
-        section = config.get("bf16", config.get("bfloat16", {})) or {}
-        on = section.get("enabled", "auto")
-        from_config = None if on == "auto" else bool(on)
-    else:
-        from_config = None
+    from_config = read_config(config).bf16
     if from_config is None:
         return mixed_precision
     if from_config and mixed_precision == "no":
@@ -33,29 +31,18 @@ def resolve_mixed_precision(mixed_precision: str, config: Any) -> str:
 
 def resolve_gradient_clipping(config: Any) -> float:
     """The per-step clipping a config asks for, with DeepSpeed's meaning (absent -> 1.0)."""
-    if not isinstance(config, dict):
-        return 0.0  # no DeepSpeed config: clip only where the script calls clip_grad_norm_
-    clip = config.get("gradient_clipping", 1.0)
-    if clip == "auto" or clip is None:
-        return 0.0  # Accelerate fills "auto" from the script, i.e. from clip_grad_norm_ calls
-    clip = float(clip)
-    if clip < 0:
-        raise ValueError(f"gradient_clipping={clip} must be >= 0")
-    return clip
+    return read_config(config).gradient_clipping
 
 
 def resolve_accumulation(steps: int, config: Any) -> int:
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    if not is_int(steps) or steps < 1:
         raise ValueError(f"gradient_accumulation_steps={steps!r} must be an int >= 1")
-    if isinstance(config, dict):
-        from_config = config.get("gradient_accumulation_steps", "auto")
-        if from_config != "auto":
-            if steps == 1:
-                return int(from_config)  # the argument was left at its default
-            if int(from_config) != steps:
-                raise ValueError(
-                    f"gradient_accumulation_steps={steps} contradicts the config's {from_config}; set one of them"
-                )
+    from_config = read_config(config).gradient_accumulation_steps
+    if from_config is not None:
+        if steps == 1:
+            return from_config  # the argument was left at its default
+        if from_config != steps:
+            raise ValueError(f"gradient_accumulation_steps={steps} contradicts the config's {from_config}; set one of them")
     return steps
 
 

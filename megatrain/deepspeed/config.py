@@ -15,7 +15,6 @@ values where they determine it, and otherwise with an error that says what to wr
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import json
 import math
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from ..config import EngineConfig
+from ..validate import check_keys, close_match, is_bool, is_int, is_number
 from .lr_schedules import SCHEDULES, WARMUP_TYPES
 
 __all__ = ["DeepSpeedConfig", "OptimizerSpec", "SchedulerSpec", "ZeroSpec", "parse_config", "load_config_dict"]
@@ -82,7 +82,7 @@ _OFFLOAD_KEYS = {
         "super_offload", "cpuadam_cores_perc", "pipeline",
     )),
 }
-_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+_OFFLOAD_DEVICES = ("none", "cpu", "nvme")  # nvme is refused with its reason
 
 _ADAM_TYPES = {"adam": "Adam", "adamw": "AdamW"}
 _ADAM_PARAMS = frozenset((
@@ -178,21 +178,16 @@ def _err(msg: str) -> DeepSpeedConfigError:
     return DeepSpeedConfigError(f"DeepSpeed config: {msg}")
 
 
+def _unknown(where: str) -> Callable[[Any, str | None], DeepSpeedConfigError]:
+    def refuse(key: Any, close: str | None) -> DeepSpeedConfigError:
+        hint = f"; did you mean {close!r}?" if close else ""
+        return _err(f"unknown key {where}{key!r}{hint}")
+
+    return refuse
+
+
 def _check_keys(d: dict[str, Any], known: Iterable[str], where: str) -> None:
-    known = sorted(known)
-    for key in d:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise _err(f"unknown key {where}{key!r}{hint}")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    check_keys(d, known, _unknown(where))
 
 
 def _section(d: dict[str, Any], key: str, where: str = "") -> dict[str, Any]:
@@ -205,7 +200,7 @@ def _section(d: dict[str, Any], key: str, where: str = "") -> dict[str, Any]:
 
 
 def _int(v: Any, name: str, minimum: int | None = None) -> int:
-    if not _is_int(v):
+    if not is_int(v):
         raise _err(f"{name!r} must be an integer, got {type(v).__name__} {v!r}")
     if minimum is not None and v < minimum:
         raise _err(f"{name!r} must be >= {minimum}, got {v}")
@@ -213,7 +208,7 @@ def _int(v: Any, name: str, minimum: int | None = None) -> int:
 
 
 def _float(v: Any, name: str, minimum: float | None = None) -> float:
-    if not _is_num(v) or not math.isfinite(v):
+    if not is_number(v) or not math.isfinite(v):
         raise _err(f"{name!r} must be a finite number, got {type(v).__name__} {v!r}")
     if minimum is not None and v < minimum:
         raise _err(f"{name!r} must be >= {minimum}, got {v}")
@@ -235,7 +230,7 @@ def _lr(v: Any, name: str) -> float:
 
 
 def _bool(v: Any, name: str) -> bool:
-    if not isinstance(v, bool):
+    if not is_bool(v):
         raise _err(f"{name!r} must be true or false, got {type(v).__name__} {v!r}")
     return v
 
@@ -318,7 +313,7 @@ def _optimizer(d: dict[str, Any], args: Any) -> OptimizerSpec | None:
         out["lr"] = _lr(p["lr"], "optimizer.params.lr")
     if "betas" in p:
         b = p["betas"]
-        if not isinstance(b, (list, tuple)) or len(b) != 2 or not all(_is_num(x) and 0.0 <= x < 1.0 for x in b):
+        if not isinstance(b, (list, tuple)) or len(b) != 2 or not all(is_number(x) and 0.0 <= x < 1.0 for x in b):
             raise _err(f"'optimizer.params.betas' must be two numbers in [0, 1), got {b!r}")
         out["betas"] = (float(b[0]), float(b[1]))
     if "eps" in p:
@@ -383,8 +378,8 @@ def _scheduler(d: dict[str, Any], opt: OptimizerSpec | None, args: Any) -> Sched
     torch_kinds = [n for n, c in vars(torch.optim.lr_scheduler).items()
                    if isinstance(c, type) and issubclass(c, torch.optim.lr_scheduler.LRScheduler) and n[0] != "_"]
     if not isinstance(kind, str) or (kind not in SCHEDULES and kind not in torch_kinds):
-        close = difflib.get_close_matches(str(kind), list(SCHEDULES), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        close = close_match(kind, SCHEDULES)
+        hint = f"; did you mean {close!r}?" if close else ""
         raise _err(f"scheduler type {kind!r} is not supported{hint} (MegaTrain has {', '.join(SCHEDULES)} and the "
                    "torch.optim.lr_scheduler classes)")
     p = dict(_section(sec, "params", "scheduler."))
@@ -482,11 +477,41 @@ def _zero(d: dict[str, Any], ignored: list[str]) -> ZeroSpec:
             pins.append(_bool(sec["pin_memory"], f"zero_optimization.{sec_name}.pin_memory"))
         ignored += [f"zero_optimization.{sec_name}.{k}" for k in sec if k not in ("device", "pin_memory")]
         if dev == "nvme":
-            ignored.append(f"zero_optimization.{sec_name}.device=nvme (MegaTrain keeps state in host memory)")
+            # Training on anyway would put the whole state in host memory the user sized for NVMe, and say so
+            # in one line among hundreds: refused until an NVMe tier exists.
+            raise _err(f"'zero_optimization.{sec_name}.device' is \"nvme\", but MegaTrain has no NVMe tier yet: host "
+                       "memory holds the parameters and optimizer state. Set \"device\": \"cpu\" (or drop "
+                       f"'zero_optimization.{sec_name}')")
     ignored += [f"zero_optimization.{k}" for k in z if k not in ("stage", "offload_param", "offload_optimizer")]
     # MegaTrain has one host store for weights and optimizer state: pin it if either section asks.
     pin = any(pins) if pins else None
     return ZeroSpec(stage, devices["offload_param"], devices["offload_optimizer"], pin)
+
+
+def _dotted_paths() -> frozenset[str]:
+    """Every nested key this parser knows, spelled as a dotted path ("zero_optimization.reduce_bucket_size")."""
+    paths = [f"zero_optimization.{k}" for k in _ZERO_KEYS]
+    paths += [f"zero_optimization.{sec}.{k}" for sec, keys in _OFFLOAD_KEYS.items() for k in keys]
+    paths += [f"{sec}.{k}" for sec in ("bf16", "bfloat16") for k in _BF16_KEYS]
+    paths += [f"fp16.{k}" for k in _FP16_KEYS]
+    paths += ["optimizer.type", "scheduler.type", *(f"optimizer.params.{k}" for k in _ADAM_PARAMS)]
+    return frozenset(paths)
+
+
+def _dotted_keys(d: dict[str, Any]) -> list[str]:
+    """The top-level keys written as dotted paths, which the parser accepts and ignores.
+
+    TRL's prepare_deepspeed (a DPO reference model under ZeRO-3) adds "zero_optimization.reduce_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold" and "zero_optimization.stage3_prefetch_bucket_size"
+    to the trainer's config as top-level keys; DeepSpeed reads no top-level key of that form, and the sizes
+    mean nothing to MegaTrain either. A dotted key naming no known setting is a user's typo and is refused.
+    """
+    dotted = [k for k in d if isinstance(k, str) and "." in k and k not in _TOP_LEVEL]
+    known = _dotted_paths()
+    for key in dotted:
+        if key not in known:
+            raise _unknown("")(key, close_match(key, known))
+    return dotted
 
 
 def _engine(d: dict[str, Any], bf16: bool, zero: ZeroSpec) -> EngineConfig:
@@ -566,8 +591,9 @@ def parse_config(config: dict[str, Any] | str | os.PathLike, args: Any = None, *
     settings that have no effect are named in one warning.
     """
     d = load_config_dict(config)
-    _check_keys(d, _TOP_LEVEL, "")
-    ignored: list[str] = [k for k in d if k in _NO_MEANING]
+    ignored: list[str] = _dotted_keys(d)
+    _check_keys({k: v for k, v in d.items() if k not in ignored}, _TOP_LEVEL, "")
+    ignored += [k for k in d if k in _NO_MEANING]
 
     tb, mb, ga = _batch_sizes(d, args, world_size)
     clip = d.get("gradient_clipping", 1.0)  # DeepSpeed's default is 1.0, not off

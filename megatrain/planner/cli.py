@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from ..settings import planner_knobs
+from ..validate import unknown_key
 from .estimate import plan
 from .hardware import load_profiles, profile_from_dict, resolve_hardware
 from .memory import fmt_bytes
@@ -205,12 +207,12 @@ def _add_plan_args(ap: argparse.ArgumentParser) -> None:
 
 def _knobs(args: argparse.Namespace) -> dict[str, Any]:
     budget = getattr(args, "device_budget_gib", None)
-    return dict(num_buffers=args.num_buffers, offload_activations=args.offload_activations,
-                mlp_tile_tokens=args.mlp_tile_tokens, loss_chunk_tokens=args.loss_chunk_tokens, master=args.master,
-                host_grad_dtype=args.host_grad_dtype, optimizer_overlap=args.optimizer_overlap,
-                optimizer_in_backward=args.optimizer_in_backward,
-                grad_clip=not args.optimizer_in_backward,
-                device_budget_bytes=int(budget * 2**30) if budget else None)
+    engine = dict(num_buffers=args.num_buffers, offload_activations=args.offload_activations,
+                  mlp_tile_tokens=args.mlp_tile_tokens, loss_chunk_tokens=args.loss_chunk_tokens,
+                  host_master=args.master, host_grad_dtype=args.host_grad_dtype,
+                  optimizer_overlap=args.optimizer_overlap, optimizer_in_backward=args.optimizer_in_backward,
+                  device_budget_bytes=int(budget * 2**30) if budget else None)
+    return {**planner_knobs(engine), "grad_clip": not args.optimizer_in_backward}
 
 
 def _resolve_hw(args: argparse.Namespace, name: str | None = None) -> Any:
@@ -340,9 +342,11 @@ def sweep_points(spec: str | Path) -> list[dict[str, Any]]:
         d = yaml.safe_load(f) or {}
     if not isinstance(d, dict):
         raise ValueError(f"{spec}: a sweep spec must be a mapping with grid, grids or points")
-    unknown = set(d) - set(_SPEC_TOP)
-    if unknown:
-        raise ValueError(f"{spec}: unknown top-level key(s) {sorted(unknown)}; known: {', '.join(_SPEC_TOP)}")
+    found = unknown_key(d, _SPEC_TOP)
+    if found:
+        unknown = set(d) - set(_SPEC_TOP)
+        hint = f" (did you mean {found[1]!r}?)" if found[1] else ""
+        raise ValueError(f"{spec}: unknown top-level key(s) {sorted(unknown)}{hint}; known: {', '.join(_SPEC_TOP)}")
     defaults = dict(d.get("defaults") or {})
     grids = ([d["grid"]] if d.get("grid") else []) + list(d.get("grids") or [])
     points = []
@@ -370,16 +374,7 @@ def _spec_to_plan_kwargs(pt: dict[str, Any], knobs: dict[str, Any]) -> dict[str,
     if pt["backend"] == "megatrain":
         eng = dict(pt.get("engine") or {})
         kw.update({k: v for k, v in knobs.items() if k not in eng})
-        if "tile_tokens" in eng:  # the planner's old name for the engine's knob
-            eng.setdefault("mlp_tile_tokens", eng.pop("tile_tokens"))
-        for k in ("num_buffers", "loss_chunk_tokens", "offload_activations", "mlp_tile_tokens",
-                  "device_budget_bytes", "host_grad_dtype", "optimizer_in_backward", "optimizer_overlap"):
-            if k in eng:
-                kw[k] = eng[k]
-        if "host_master" in eng:
-            kw["master"] = eng["host_master"]
-        if eng.get("link_gbps"):
-            kw["link_gbs"] = float(eng["link_gbps"])
+        kw.update(planner_knobs(eng))
     else:
         kw["gradient_checkpointing"] = bool(pt.get("recompute", True))
     return kw
