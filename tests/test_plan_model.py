@@ -136,3 +136,20 @@ def test_printed_settings_are_valid_megatrain_config_keys(model_dir, capsys):
                             "--compare", "", "--json", "--no-search"))
     assert d["settings"] == sections[0]
     assert [m["settings"] for m in d["modes"]] == sections[1:]
+
+
+def test_train_takes_the_model_directory_too(model_dir, tmp_path, capsys):
+    """`megatrain train --model PATH`: the run's model is the directory's shape (random weights), validated
+    like a preset: a sequence beyond its positions is refused before anything is built."""
+    from experiments.spec import SpecError, load_point_config
+    from megatrain.cli import main as cli_main
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("backend: megatrain\nmodel: tiny\nseq_len: 32\nsteps: 2\nthreads: 1\nlr: 1.0e-3\n")
+    pt = load_point_config(cfg, overrides=[f"model={json.dumps(str(model_dir))}"])
+    assert pt.preset == model_from_path(model_dir)
+    with pytest.raises(SpecError, match=f"exceeds max_positions {LIMIT}"):
+        load_point_config(cfg, overrides=[f"model={json.dumps(str(model_dir))}", f"seq_len={2 * LIMIT}"])
+    assert cli_main(["train", str(cfg), "--model", str(model_dir)]) == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary.startswith(f"megatrain/{model_dir}/s32/b1/fp32: loss ")
