@@ -59,7 +59,7 @@ def max_batch(model: Any, context: int, dtype: str = "bfloat16", hardware: str |
 def max_context(model: Any, batch: int = 1, dtype: str = "bfloat16", hardware: str | Hardware | dict = "h200-pcie",
                 backend: str = "megatrain", grad_accum: int = 1, granularity: int = 1024, **knobs: Any) -> int:
     """Largest context (a multiple of `granularity`) that fits at this micro-batch; memory only, so it
-    may exceed the model's max_position_embeddings (the plan warns about that)."""
+    may exceed the model's max_position_embeddings, which the engine refuses (largest_context counts that)."""
     hw_over = {k: knobs.pop(k) for k in ("link_gbs", "host_memory_gib", "device_memory_gib") if k in knobs}
     hw = resolve_hardware(hardware, **{k: hw_over.get(k) for k in ("link_gbs", "host_memory_gib", "device_memory_gib")})
     base = make_point(model, granularity, batch, grad_accum, dtype, backend, **knobs)
