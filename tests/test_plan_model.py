@@ -56,6 +56,8 @@ def test_context_beyond_the_models_positions_does_not_fit(model_dir, capsys):
     assert over["memory_fits"] and not over["fits"]  # memory alone would fit: the engine is what refuses
     assert any("max_position_embeddings" in r and "DOES NOT FIT" in r for r in over["refused"])
     assert over["max_batch"] == 0 and over["max_context"] == LIMIT
+    # the mode table's limits are this model's: its longest context in each mode stops at its positions
+    assert {m["max_context"] for m in ok["modes"] if m["refused"] is None} == {LIMIT}
     assert main(["plan", "--model", str(model_dir), "--context", str(2 * LIMIT), "--hardware", "cpu",
                  "--dtype", "float32", "--compare", ""]) == 0
     out = capsys.readouterr().out
@@ -71,6 +73,14 @@ def test_the_issues_long_context_point_on_a_4k_preset_is_refused(capsys):
     assert plan("7b", 4096, hardware="gh200").feasible
     row = pl.to_row()
     assert row["status"] == "skipped" and "max_position_embeddings" in row["reason"]
+
+
+def test_a_mode_the_engine_refuses_does_not_fit_either(capsys):
+    pl = plan("7b", 1024, grad_accum=2, hardware="h200-pcie", optimizer_in_backward=True, grad_clip=False)
+    assert pl.fits and not pl.feasible and "accumulation" in pl.refused[0]
+    out = _cli_out(capsys, "--model", "7b", "--context", "1024", "--grad-accum", "2", "--optimizer-in-backward",
+                   "--hardware", "h200-pcie", "--no-search", "--compare", "")
+    assert "fits: NO" in out and "optimizer_in_backward refuses gradient accumulation" in out
 
 
 def _cli_out(capsys, *args: str) -> str:
