@@ -107,10 +107,10 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
 def _largest_lines(pl: Plan, biggest_batch: int | None, biggest_context: int | None) -> list[str]:
     """The search results, for this model: the engine's limits (its positions, the mode) count as well as memory."""
     p, out = pl.point, []
-    none = " (none: the host side does not fit at any size)" if not _host_fits(pl) else ""
-    refused_context = context_refusal(p)
+    none = (" (none: the host side does not fit at any size)" if not _host_fits(pl)
+            else " (none: the engine refuses this point, see fits)" if pl.refused and not context_refusal(p) else "")
     if biggest_batch is not None:
-        why = (f" (none: the engine refuses context {p.context:,})" if refused_context and not biggest_batch
+        why = (f" (none: the engine refuses context {p.context:,})" if context_refusal(p) and not biggest_batch
                else none if not biggest_batch else "")
         out.append(f"  largest micro-batch that fits at context {p.context}: {biggest_batch}{why}")
     if biggest_context is not None:
