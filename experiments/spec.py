@@ -16,7 +16,8 @@ from typing import Any
 import yaml
 
 from megatrain.config import EngineConfig
-from megatrain.models.presets import ModelPreset, get_preset
+from megatrain.models.presets import ModelPreset
+from megatrain.planner.shapes import resolve_model
 from megatrain.validate import close_match, is_int, unknown_key
 
 BACKENDS = ("megatrain", "zero3", "torch")
@@ -81,7 +82,7 @@ class Point:
 
     @property
     def preset(self) -> ModelPreset:
-        p = get_preset(self.model)
+        p = resolve_model(self.model)  # a preset name, or a local model directory / config.json: its shape
         return p.with_(max_positions=self.max_positions) if self.max_positions else p
 
     @property
@@ -143,9 +144,9 @@ def _check_value(file: str, path: str, key: str, v: Any) -> Any:
             raise bad(f"unknown backend {v!r}{_did_you_mean(str(v), BACKENDS)}; known: {', '.join(BACKENDS)}")
     elif key == "model":
         if not isinstance(v, str):
-            raise bad(f"model must be a preset name, got {v!r}")
+            raise bad(f"model must be a preset name or a local model directory / config.json, got {v!r}")
         try:
-            get_preset(v)
+            resolve_model(v)
         except ValueError as e:
             raise bad(str(e)) from None
     elif key in ("seq_len", "micro_batch", "grad_accum", "steps"):
@@ -225,9 +226,9 @@ def _finish_point(file: str, merged: dict[str, Any], where: dict[str, str]) -> P
     if merged["backend"] == "megatrain":
         merged["recompute"] = True  # the engine always recomputes each layer in backward
     pt = Point(**merged)
-    limit = pt.max_positions or get_preset(pt.model).max_positions
+    limit = pt.preset.max_positions
     if pt.seq_len > limit:
-        reason = (f"seq_len {pt.seq_len} exceeds max_positions {limit} of preset {pt.model!r}; "
+        reason = (f"seq_len {pt.seq_len} exceeds max_positions {limit} of model {pt.model!r}; "
                   "set max_positions to override")
         raise SpecError(file, where.get("seq_len", "seq_len"), reason)
     return pt

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 
@@ -65,7 +66,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from experiments.spec import SpecError, load_point_config
 
     try:
-        pt = load_point_config(args.config, overrides=args.set or [])
+        # --model: a JSON string is a YAML string, so any path reads back as written
+        model = [f"model={json.dumps(args.model)}"] if args.model else []
+        pt = load_point_config(args.config, overrides=[*(args.set or []), *model])
     except (SpecError, ValueError) as e:
         print(f"megatrain train: error: {e}", file=sys.stderr)
         return 2
@@ -150,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Train one configuration in this process: the keys of a sweep point "
                                     "(backend, model, seq_len, micro_batch, grad_accum, precision, engine, steps, ...).")
     tp.add_argument("config", help="YAML with one point's keys")
+    tp.add_argument("--model", default=None, help="the model: a preset name, or a local model directory / config.json "
+                                                  "(its shape, with random weights); overrides the config's model")
     tp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key (YAML value), repeatable")
     tp.add_argument("--trace", default=None, help="write the engine trace of the last step here (megatrain)")
     tp.set_defaults(func=_cmd_train)

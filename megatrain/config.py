@@ -8,8 +8,8 @@ import threading
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .engine.malloc import MAX_MMAP_THRESHOLD, MIN_MMAP_THRESHOLD
 from .costs.modes import GradSlab, HostMaster, parse
+from .engine.malloc import MAX_MMAP_THRESHOLD, MIN_MMAP_THRESHOLD
 from .validate import check_keys, is_bool, is_int, is_number
 
 _DTYPES = ("float32", "bfloat16")

@@ -58,7 +58,16 @@ from .memory import (
 from .multi import MultiPlan, plan_multi, plan_point_multi
 from .point import BACKENDS, Point, make_point
 from .prediction import Plan
-from .search import Preflight, device_memory_available, fits, max_batch, max_context, preflight
+from .search import (
+    Preflight,
+    device_memory_available,
+    fits,
+    largest_batch,
+    largest_context,
+    max_batch,
+    max_context,
+    preflight,
+)
 from .shapes import resolve_model
 from .step_time import Time, crossover_closed_form, link_crossover_tokens
 
@@ -66,7 +75,7 @@ __all__ = [
     "BACKENDS", "Hardware", "HostMemory", "LongContext", "Memory", "MultiPlan", "Plan", "Point", "Preflight", "Time",
     "add_bench_parser", "add_plan_parser", "check_fit",
     "crossover_closed_form", "device_memory_available", "fits", "format_plan", "get_hardware",
-    "host_memory_available", "layer_saved_bytes", "layer_working_set_bytes", "link_crossover_tokens",
+    "host_memory_available", "largest_batch", "largest_context", "layer_saved_bytes", "layer_working_set_bytes", "link_crossover_tokens",
     "load_profiles", "long_context_plan", "make_point", "max_batch", "max_context", "plan", "plan_multi", "plan_point",
     "plan_point_multi", "predicted_timeline", "preflight",
     "resolve_model", "run_sweep",

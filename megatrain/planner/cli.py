@@ -19,9 +19,10 @@ from .estimate import plan
 from .hardware import load_profiles, profile_from_dict, resolve_hardware
 from .memory import fmt_bytes
 from .mode_table import ModeRow, format_mode_table, mode_table
-from .point import make_point
+from .point import context_refusal, engine_settings, make_point
 from .prediction import Plan
-from .search import max_batch, max_context
+from .search import largest_batch, largest_context
+from .shapes import resolve_model
 from .step_time import crossover_closed_form
 
 
@@ -61,9 +62,12 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
         out.append(f"    (unified: host + device = {fmt_bytes(pl.memory.host_total_incl_device)} "
                    f"of {fmt_bytes(hw.host_bytes)})")
     out += _long_context_lines(pl)
-    out.append("  fits: " + ("yes" if pl.fits else "NO") + "".join(f"\n    {r}" for r in pl.reasons))
+    out.append("  fits: " + ("yes" if pl.feasible else "NO")
+               + "".join(f"\n    {r}" for r in pl.reasons + pl.refused))
+    if p.backend == "megatrain":
+        out.append(f"  \"megatrain\" config section for this plan: {json.dumps(engine_settings(p))}")
     if modes:
-        out += format_mode_table(modes, hw.host_bytes)
+        out += format_mode_table(modes, hw.host_bytes, p)
     lt = t.layer
     out += [
         "  time per streamed layer (one micro-batch):",
@@ -86,25 +90,37 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
     if pl.crossover_tokens is not None:
         out.append(f"  link stops being the bottleneck at >= {pl.crossover_tokens:,.0f} tokens per micro-batch "
                    f"(Phi/B closed form {crossover_closed_form(hw, p.dtype):,.0f}); this point has {p.tokens:,}")
-    none = " (none: the host side does not fit at any size)" if not _host_fits(pl) else ""
-    if biggest_batch is not None:
-        out.append(f"  largest micro-batch that fits at context {p.context}: {biggest_batch}{none if not biggest_batch else ''}")
-    if biggest_context is not None:
-        out.append(f"  largest context that fits at micro-batch {p.batch}: {biggest_context:,}"
-                   f"{none if not biggest_context else ''}")
+    out += _largest_lines(pl, biggest_batch, biggest_context)
     for w in pl.warnings:
         out.append(f"  warning: {w}")
     for o in others or []:
         ratio = o.time.step_s / t.step_s
         out.append(f"  {o.point.backend} at the same point: step {_sec(o.time.step_s)}, "
                    f"{o.tokens_per_s:,.0f} tokens/s, {o.model_tflops:.1f} TFLOPS, host {fmt_bytes(o.memory.host_total)}, "
-                   f"device {fmt_bytes(o.memory.device_total)}, fits: {'yes' if o.fits else 'NO'}; "
+                   f"device {fmt_bytes(o.memory.device_total)}, fits: {'yes' if o.feasible else 'NO'}; "
                    f"throughput {p.backend}/{o.point.backend} = {ratio:.2f}x (its bottleneck: {o.time.bottleneck})")
         if o.point.backend == "zero3":
             out.append("    (zero3 from DeepSpeed's mechanisms: per-module fetches and hooks, gradient buckets, "
                        "DeepSpeedCPUAdam at the profile's rate; checked in results/zero3_mechanisms/README.md)")
     out.append("  (predicted; model TFLOPS = 6*N_nonembed*T + 12*L*h*s*T/2 per step, recompute not counted)")
     return "\n".join(out)
+
+
+def _largest_lines(pl: Plan, biggest_batch: int | None, biggest_context: int | None) -> list[str]:
+    """The search results, for this model: the engine's limits (its positions, the mode) count as well as memory."""
+    p, out = pl.point, []
+    none = (" (none: the host side does not fit at any size)" if not _host_fits(pl)
+            else " (none: the engine refuses this point, see fits)" if pl.refused and not context_refusal(p) else "")
+    if biggest_batch is not None:
+        why = (f" (none: the engine refuses context {p.context:,})" if context_refusal(p) and not biggest_batch
+               else none if not biggest_batch else "")
+        out.append(f"  largest micro-batch that fits at context {p.context}: {biggest_batch}{why}")
+    if biggest_context is not None:
+        limit = (f" (at most the model's {p.model.max_positions:,} positions)"
+                 if p.backend == "megatrain" and biggest_context else "")
+        out.append(f"  largest context that fits at micro-batch {p.batch}: {biggest_context:,}"
+                   f"{limit}{none if not biggest_context else ''}")
+    return out
 
 
 def _long_context_lines(pl: Plan) -> list[str]:
@@ -159,7 +175,8 @@ def _tile(v: str) -> int | str | None:
 
 
 def _add_plan_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", help="preset name or alias (e.g. 120b, qwen2.5-14b); required without --sweep")
+    ap.add_argument("--model", help="a local model directory (with config.json) or a config.json, or a preset name "
+                                    "or alias (e.g. 120b, qwen2.5-14b); required without --sweep")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1, help="micro-batch (sequences)")
     ap.add_argument("--grad-accum", type=int, default=1)
@@ -256,22 +273,22 @@ def _run_plan(args: argparse.Namespace) -> int:
     knobs = _knobs(args)
     common = dict(context=args.context, batch=args.batch, grad_accum=args.grad_accum, dtype=args.dtype,
                   hardware=hw, **_overrides(args))
-    main = plan(args.model, backend=args.backend, **common, **knobs)
+    model = resolve_model(args.model)  # a model directory is read once, for every plan below
+    main = plan(model, backend=args.backend, **common, **knobs)
     others = []
     for b in [x.strip() for x in (args.compare or "").split(",") if x.strip()]:
         if b != args.backend:
-            others.append(plan(args.model, backend=b, **common))
+            others.append(plan(model, backend=b, **common))
     bb = bc = None
     modes = mode_table(main.point, main.hardware, search=not args.no_search) if args.backend == "megatrain" else None
     if not args.no_search:
-        srch = dict(dtype=args.dtype, hardware=hw, backend=args.backend, grad_accum=args.grad_accum,
-                    **_overrides(args), **knobs)
-        bb = max_batch(args.model, args.context, **srch)
-        bc = max_context(args.model, args.batch, **srch)
+        bb, bc = largest_batch(main.point, main.hardware), largest_context(main.point, main.hardware)
     if args.json:
         d = main.to_dict()
         d.update(max_batch=bb, max_context=bc, compare=[o.to_row() for o in others],
-                 modes=[dataclasses.asdict(r) for r in modes or []])
+                 modes=[{**dataclasses.asdict(r), "settings": r.settings} for r in modes or []])
+        if args.backend == "megatrain":
+            d["settings"] = engine_settings(main.point)
         print(json.dumps(d, indent=2, default=str))
     else:
         print(format_plan(main, bb, bc, others, modes))
@@ -287,14 +304,14 @@ def _run_plan_multi(args: argparse.Namespace) -> int:
         raise ValueError("--gpus-per-node/--nodes plan one point; drop them with --sweep")
     hw = node_hardware(resolve_hardware(_resolve_hw(args), args.link_gbs, args.host_memory_gib, args.device_memory_gib),
                        args.network_gbs, args.gpus_per_host_link)
-    p = make_point(args.model, args.context, args.batch, args.grad_accum, args.dtype, args.backend, **_knobs(args))
+    p = make_point(resolve_model(args.model), args.context, args.batch, args.grad_accum, args.dtype, args.backend, **_knobs(args))
     mp = plan_point_multi(p, hw, args.gpus_per_node, args.nodes)
     bb = bc = None
     if not args.no_search:
         bb = max_batch_multi(p, hw, args.gpus_per_node, args.nodes)
         bc = max_context_multi(p, hw, args.gpus_per_node, args.nodes)
     if args.json:
-        d = mp.rank.to_dict()
+        d = mp.rank.to_dict()  # its "fits": memory and the engine together
         d.update(max_batch=bb, max_context=bc, data_parallel=mp.summary())
         print(json.dumps(d, indent=2, default=str))
     else:
@@ -362,8 +379,6 @@ def sweep_points(spec: str | Path) -> list[dict[str, Any]]:
 
 
 def _spec_to_plan_kwargs(pt: dict[str, Any], knobs: dict[str, Any]) -> dict[str, Any]:
-    from .shapes import resolve_model
-
     model = resolve_model(pt["model"])
     if pt.get("max_positions"):
         model = model.with_(max_positions=int(pt["max_positions"]))

@@ -21,7 +21,7 @@ from .memory import (
     zero3_memory,
 )
 from .pipeline_sim import simulate_step
-from .point import Point, engine_refusal, make_point
+from .point import Point, engine_refusal, make_point, refusals
 from .prediction import Plan
 from .step_time import (
     async_globals,
@@ -85,7 +85,7 @@ def plan_point(p: Point, hw: Hardware, host_avail: int | None = None, device_ava
         mem, t = torch_memory(p, hw), torch_time(p, hw)
         decisions = {"gradient_checkpointing": p.gradient_checkpointing}
     ok, reasons = check_fit(mem, hw, host_avail, device_avail)
-    return Plan(p, hw, mem, t, ok, reasons, decisions, notes, lc)
+    return Plan(p, hw, mem, t, ok, reasons, decisions, notes, lc, refusals(p))
 
 
 def predicted_timeline(p: Point, hw: Hardware) -> list[dict[str, Any]]:

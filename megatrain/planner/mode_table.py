@@ -1,5 +1,6 @@
 """The host-memory modes side by side for one training point: bytes per parameter, host total, fit,
-exactness, and the largest preset that fits in each mode (`megatrain plan` prints it).
+exactness, the largest context and micro-batch this model trains at in each mode, and the settings to write
+in the "megatrain" config section for it (`megatrain plan` prints it).
 
 The modes and their bytes are megatrain/costs/modes.py's, the ones the engine allocates by; a mode the engine
 would refuse at this point (e.g. the optimizer in backward with accumulation) is listed with the reason.
@@ -7,6 +8,7 @@ would refuse at this point (e.g. the optimizer in backward with accumulation) is
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +18,8 @@ from megatrain.models.presets import PRESETS
 from .estimate import plan_point
 from .hardware import Hardware
 from .memory import fmt_bytes
-from .point import Point, engine_refusal, with_point
+from .point import Point, context_refusal, engine_refusal, with_point
+from .search import largest_batch, largest_context
 
 # (label, EngineConfig knobs under the planner's names); the first is the default.
 MODES: list[tuple[str, dict[str, Any]]] = [
@@ -29,7 +32,7 @@ MODES: list[tuple[str, dict[str, Any]]] = [
                                                     optimizer_in_backward=False)),
     ("bf16 master, optimizer in backward", dict(master="bf16", host_grad_dtype="float32", optimizer_in_backward=True)),
 ]
-# The shapes the "largest model that fits" column ranks (the paper's dense presets, by size).
+# The shapes the "largest preset" column ranks (the paper's dense presets, by size).
 SCALE_PRESETS = ["llama2-7b", "qwen2.5-7b", "llama3.1-8b", "qwen2.5-14b", "qwen2.5-32b", "llama3.1-70b",
                  "qwen2.5-72b", "dense-120b"]
 
@@ -42,9 +45,22 @@ class ModeRow:
     refused: str | None  # why the engine would refuse this mode at this point
     host_bytes: int
     bytes_per_param: float
-    fits: bool
+    fits: bool  # fits in memory and the engine runs it (context included)
     largest_fitting: str | None  # the largest SCALE_PRESETS shape that fits in this mode, same point otherwise
     clipping: bool  # whether the row plans gradient clipping (the optimizer in backward cannot clip)
+    max_context: int | None = None  # this model, this mode, the point's micro-batch: up to its positions
+    max_batch: int | None = None  # this model, this mode, the point's context
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The mode as keys of the "megatrain" config section (EngineConfig's names)."""
+        return mode_settings(self.knobs)
+
+
+def mode_settings(knobs: dict[str, Any]) -> dict[str, Any]:
+    """A mode's planner knobs under EngineConfig's names, ready for the "megatrain" config section."""
+    return {"host_master": knobs["master"], "host_grad_dtype": knobs["host_grad_dtype"],
+            "optimizer_in_backward": bool(knobs["optimizer_in_backward"])}
 
 
 def mode_point(p: Point, knobs: dict[str, Any]) -> Point:
@@ -60,29 +76,46 @@ def mode_table(p: Point, hw: Hardware, search: bool = True) -> list[ModeRow]:
         q = mode_point(p, knobs)
         pl = plan_point(q, hw)
         refused = engine_refusal(q)
-        largest = None
+        largest = max_ctx = max_b = None
         if search and refused is None:
             for name in sizes:
-                if plan_point(with_point(q, model=PRESETS[name]), hw).fits:
+                if plan_point(with_point(q, model=PRESETS[name]), hw).feasible:
                     largest = name
+            max_ctx, max_b = largest_context(q, hw), largest_batch(q, hw)
         total = pl.memory.host_total
         rows.append(ModeRow(label, knobs, HostMaster(knobs["master"]).exact, refused, total,
-                            total / q.model.param_count(), pl.fits and refused is None, largest, q.grad_clip))
+                            total / q.model.param_count(), pl.feasible, largest, q.grad_clip, max_ctx, max_b))
     return rows
 
 
-def format_mode_table(rows: list[ModeRow], host_capacity: int) -> list[str]:
-
-    out = [f"  host-memory modes at this point (host total of {fmt_bytes(host_capacity)}; "
-           "largest = the biggest of the paper's presets that fits, same point otherwise):",
-           f"    {'mode':<40}{'exact':<7}{'B/param':>8}{'host':>12}  {'fits':<5}largest"]
+def format_mode_table(rows: list[ModeRow], host_capacity: int, p: Point | None = None) -> list[str]:
+    """The table, each mode followed by its "megatrain" section settings; `p` (the planned point) names the
+    model, micro-batch and context the max columns are for."""
+    name, batch, ctx = (p.model.name, f"{p.batch}", f"{p.context:,}") if p is not None else ("this model", "", "")
+    limit = f", up to its {p.model.max_positions:,} positions" if p is not None else ""
+    out = [f"  host-memory modes at this point (host total of {fmt_bytes(host_capacity)}); each mode's settings go "
+           "in the config's \"megatrain\" section:",
+           f"    (max context: the longest {name} trains at micro-batch {batch}{limit}; max batch: the largest "
+           f"micro-batch at context {ctx}; largest preset: the biggest of the paper's presets that fits this point)",
+           f"    {'mode':<40}{'exact':<7}{'B/param':>8}{'host':>12}  {'fits':<5}{'max context':>12}{'max batch':>10}"
+           "  largest preset"]
+    why_not = context_refusal(p) if p is not None else None
     for r in rows:
         fit = "n/a" if r.refused else ("yes" if r.fits else "NO")
         line = (f"    {r.label:<40}{'yes' if r.exact else 'no':<7}{r.bytes_per_param:>8.2f}"
-                f"{fmt_bytes(r.host_bytes):>12}  {fit:<5}{r.largest_fitting or '-'}")
+                f"{fmt_bytes(r.host_bytes):>12}  {fit:<5}{_count(r.max_context):>12}{_count(r.max_batch):>10}"
+                f"  {r.largest_fitting or '-'}")
         if r.refused:
             line += f"  (refused: {r.refused})"
         elif not r.clipping and r.knobs["optimizer_in_backward"]:
             line += "  (no clipping)"
         out.append(line)
+        top = ", with \"gradient_clipping\": 0" if r.knobs["optimizer_in_backward"] else ""
+        out.append(f"      \"megatrain\": {json.dumps(r.settings)}{top}")
+    if why_not:
+        out.append(f"    (no mode runs this point: the engine refuses it: {why_not})")
     return out
+
+
+def _count(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"

@@ -121,7 +121,7 @@ class MultiPlan:
         return {"gpus_per_node": self.gpus_per_node, "nodes": self.nodes, "world_size": self.world_size,
                 "host_node_bytes": self.host_node_bytes, "host_layer_state_bytes": sum(self.layer_state.values()),
                 "host_per_rank_bytes": sum(self.per_rank.values()),
-                "device_bytes_per_gpu": self.rank.memory.device_total, "fits": self.fits,
+                "device_bytes_per_gpu": self.rank.memory.device_total, "fits": self.rank.feasible,
                 "rank_step_s": self.step_s, "job_tokens_per_s": self.job_tokens_per_s,
                 "single_gpu_tokens_per_s": self.single.tokens_per_s,
                 "scaling_efficiency": self.scaling_efficiency,
@@ -265,7 +265,8 @@ def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int 
     mem, layer, rank = node_memory(single, n, nodes)
     ok, reasons = check_fit(mem, hw)
     reasons = [r.replace("host:", f"host (per node, {n} GPUs):", 1) for r in reasons]
-    rank_plan = Plan(p, rhw, mem, t, ok, reasons, dict(single.decisions), list(single.warnings), single.long_context)
+    rank_plan = Plan(p, rhw, mem, t, ok, reasons, dict(single.decisions), list(single.warnings), single.long_context,
+                     list(single.refused))
     return MultiPlan(n, nodes, single, rank_plan, comm, layer, rank)
 
 

@@ -121,6 +121,19 @@ def with_point(p: Point, **changes: Any) -> Point:
     return dataclasses.replace(p, **changes)
 
 
+def engine_settings(p: Point) -> dict[str, Any]:
+    """The point's engine settings under EngineConfig's names: the "megatrain" config section that runs what was
+    planned (device_budget_bytes only when set)."""
+    d: dict[str, Any] = {"compute_dtype": p.dtype, "num_buffers": p.num_buffers,
+                         "offload_activations": p.offload_activations, "mlp_tile_tokens": p.mlp_tile_tokens,
+                         "loss_chunk_tokens": p.loss_chunk_tokens, "host_master": p.master,
+                         "host_grad_dtype": p.host_grad_dtype, "optimizer_in_backward": p.optimizer_in_backward,
+                         "optimizer_overlap": p.optimizer_overlap}
+    if p.device_budget_bytes is not None:
+        d["device_budget_bytes"] = p.device_budget_bytes
+    return d
+
+
 def master_bytes(p: Point) -> tuple[int, int]:
     """(host master bytes/param, bf16 shadow bytes/param) of the streamed layers (costs/modes.py)."""
     master = HostMaster(p.master)
@@ -150,6 +163,23 @@ def engine_refusal(p: Point) -> str | None:
         if p.optimizer_overlap:
             return "optimizer_in_backward and optimizer_overlap are exclusive"
     return None
+
+
+def context_refusal(p: Point) -> str | None:
+    """Why the engine would refuse this point's context, or None: it checks every batch against the positions
+    the model's RoPE is defined for (engine/batch.py), which ModelPreset.max_positions holds."""
+    if p.backend != "megatrain" or p.context <= p.model.max_positions:
+        return None
+    return (f"context {p.context:,} exceeds the model's max_position_embeddings {p.model.max_positions:,}: "
+            "shorten the context or extend RoPE (rope_scaling / rope_parameters, or a larger "
+            "max_position_embeddings)")
+
+
+def refusals(p: Point) -> list[str]:
+    """Everything the engine would refuse about this point (its context, its host-memory mode), as
+    "engine refuses ..., DOES NOT FIT" lines beside the memory pools' own."""
+    why = [r for r in (context_refusal(p), engine_refusal(p) if p.backend == "megatrain" else None) if r]
+    return [f"engine: refuses this point, DOES NOT FIT: {r}" for r in why]
 
 
 def aliases_globals(p: Point, hw: Hardware) -> bool:

@@ -27,6 +27,14 @@ class Plan:
     decisions: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
     long_context: LongContext | None = None  # megatrain only
+    # What the engine would refuse about the point (a context beyond the model's positions, a host-memory mode
+    # it does not run): `fits` answers for memory alone, `feasible` for memory and the engine together.
+    refused: list[str] = field(default_factory=list)
+
+    @property
+    def feasible(self) -> bool:
+        """Whether the point fits in memory and the engine would run it (`megatrain plan`'s verdict)."""
+        return self.fits and not self.refused
 
     @property
     def tokens_per_s(self) -> float:
@@ -79,8 +87,10 @@ class Plan:
                        "host_total": self.memory.host_total, "device_total": self.memory.device_total,
                        "pinned": self.memory.pinned, "unified": self.memory.unified},
             "time": dataclasses.asdict(self.time),
-            "fits": self.fits,
-            "reasons": list(self.reasons),
+            "fits": self.feasible,
+            "memory_fits": self.fits,
+            "refused": list(self.refused),
+            "reasons": list(self.reasons) + list(self.refused),
             "decisions": dict(self.decisions),
             "warnings": list(self.warnings),
             "long_context": dataclasses.asdict(self.long_context) if self.long_context else None,
@@ -101,8 +111,8 @@ class Plan:
         return {
             "source": "predicted",
             "hardware": hw.name,
-            "status": "ok" if self.fits else "skipped",
-            "reason": "" if self.fits else "; ".join(r for r in self.reasons if "DOES NOT FIT" in r),
+            "status": "ok" if self.feasible else "skipped",
+            "reason": "" if self.feasible else "; ".join(r for r in self.reasons + self.refused if "DOES NOT FIT" in r),
             "backend": p.backend,
             "model": m.name,
             "family": m.family,

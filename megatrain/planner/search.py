@@ -59,23 +59,45 @@ def max_batch(model: Any, context: int, dtype: str = "bfloat16", hardware: str |
 def max_context(model: Any, batch: int = 1, dtype: str = "bfloat16", hardware: str | Hardware | dict = "h200-pcie",
                 backend: str = "megatrain", grad_accum: int = 1, granularity: int = 1024, **knobs: Any) -> int:
     """Largest context (a multiple of `granularity`) that fits at this micro-batch; memory only, so it
-    may exceed the model's max_position_embeddings (the plan warns about that)."""
+    may exceed the model's max_position_embeddings, which the engine refuses (largest_context counts that)."""
     hw_over = {k: knobs.pop(k) for k in ("link_gbs", "host_memory_gib", "device_memory_gib") if k in knobs}
     hw = resolve_hardware(hardware, **{k: hw_over.get(k) for k in ("link_gbs", "host_memory_gib", "device_memory_gib")})
     base = make_point(model, granularity, batch, grad_accum, dtype, backend, **knobs)
     return _largest(lambda s: plan_point(with_point(base, context=s), hw).fits, granularity, granularity)
 
 
+def largest_batch(base: Point, hw: Hardware) -> int:
+    """Largest micro-batch at the point's context that fits and that the engine runs (0 when none does:
+    memory, or a context or mode the engine refuses)."""
+    return _largest(lambda b: plan_point(with_point(base, batch=b), hw).feasible, 1, 1)
+
+
+def largest_context(base: Point, hw: Hardware, granularity: int = 1024) -> int:
+    """Largest context at the point's micro-batch that fits and that the engine runs: a multiple of
+    granularity, or the model's own limit (max_position_embeddings, RoPE scaling included) when that fits."""
+    return _longest(lambda s: plan_point(with_point(base, context=s), hw).feasible, base, granularity)
+
+
+def _longest(ok, base: Point, granularity: int) -> int:
+    # the engine refuses a context beyond the model's positions, so the search stops there
+    limit = base.model.max_positions if base.backend == "megatrain" else MAX_SEARCH
+    if ok(limit):
+        return limit
+    step = min(granularity, limit)
+    return _largest(lambda s: s < limit and ok(s), step, step)
+
+
 def max_batch_multi(base: Point, hw: Hardware, gpus_per_node: int, nodes: int) -> int:
-    """Largest micro-batch per rank whose node fits (0 when none does)."""
-    return _largest(lambda b: plan_point_multi(with_point(base, batch=b), hw, gpus_per_node, nodes).fits,
+    """Largest micro-batch per rank whose node fits and the engine runs (0 when none does)."""
+    return _largest(lambda b: plan_point_multi(with_point(base, batch=b), hw, gpus_per_node, nodes).rank.feasible,
                     1, 1)
 
 
 def max_context_multi(base: Point, hw: Hardware, gpus_per_node: int, nodes: int, granularity: int = 1024) -> int:
-    """Largest context (a multiple of granularity) whose node fits at the point's micro-batch."""
-    return _largest(lambda s: plan_point_multi(with_point(base, context=s), hw, gpus_per_node, nodes).fits,
-                    granularity, granularity)
+    """Largest context (a multiple of granularity, or the model's limit) whose node fits at the point's
+    micro-batch and the engine runs."""
+    return _longest(lambda s: plan_point_multi(with_point(base, context=s), hw, gpus_per_node, nodes).rank.feasible,
+                    base, granularity)
 
 
 @dataclass

@@ -1,20 +1,30 @@
-"""Model shapes the planner accepts: a preset name, a ModelPreset, or a transformers config."""
+"""Model shapes the planner accepts: a preset name, a ModelPreset, a transformers config (object or dict),
+or a local model directory / config.json (read with transformers' AutoConfig, nothing downloaded)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-from megatrain.models.presets import ModelPreset, get_preset
+from megatrain.models.presets import ALIASES, PRESETS, ModelPreset, get_preset
 
 # Architectures whose decoder layer has the shape ModelPreset.layer_params() counts
 # (attention + SwiGLU MLP + two RMSNorms; q/k/v biases for the qwen2 family).
 _FAMILY = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+# Config keys that give a mixture-of-experts model away (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...): its
+# MLP is many experts and a router, which ModelPreset's one dense SwiGLU per layer cannot describe.
+_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")
 
 
-def resolve_model(model: str | ModelPreset | Any) -> ModelPreset:
-    """A ModelPreset from a preset name/alias, a ModelPreset, an HF config object or its dict."""
+def resolve_model(model: str | os.PathLike | ModelPreset | Any) -> ModelPreset:
+    """A ModelPreset from a preset name/alias, a local model directory or config.json, a ModelPreset, or an
+    HF config object or its dict."""
     if isinstance(model, ModelPreset):
         return model
+    if isinstance(model, os.PathLike) or (isinstance(model, str) and is_model_path(model)):
+        return model_from_path(model)
     if isinstance(model, str):
         return get_preset(model)
     if hasattr(model, "to_dict"):
@@ -22,17 +32,53 @@ def resolve_model(model: str | ModelPreset | Any) -> ModelPreset:
     elif isinstance(model, dict):
         d = dict(model)
     else:
-        raise TypeError(f"model must be a preset name, a ModelPreset or a transformers config, not {type(model).__name__}")
+        raise TypeError(f"model must be a preset name, a model directory, a ModelPreset or a transformers config, "
+                        f"not {type(model).__name__}")
     return _from_hf_dict(d)
 
 
-def _from_hf_dict(d: dict[str, Any]) -> ModelPreset:
+def is_model_path(name: str) -> bool:
+    """Whether a --model value means a local directory or config.json rather than a preset: it looks like a
+    path (a separator, a .json name) or names something on disk that is not a preset."""
+    if os.sep in name or "/" in name or name.endswith(".json") or name.startswith(("~", ".")):
+        return True
+    return name not in PRESETS and name not in ALIASES and os.path.exists(name)
+
+
+def model_from_path(path: str | os.PathLike) -> ModelPreset:
+    """The shape of a local model: a directory holding config.json (as save_pretrained writes it) or the
+    config.json itself, read with AutoConfig from that path only."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist (a model directory with config.json, a "
+                         "config.json, or a preset name)")
+    if p.is_dir() and not (p / "config.json").is_file():
+        raise ValueError(f"model directory {str(p)!r} holds no config.json")
+    import transformers  # only for a model on disk: planning a preset stays torch-free
+
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(str(p), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot read a transformers config from {str(p)!r}: {e}") from None
+    name = (p if p.is_dir() else p.parent).resolve().name
+    return _from_hf_dict({**cfg.to_dict(), "_name_or_path": name}, cfg)
+
+
+def _from_hf_dict(d: dict[str, Any], cfg: Any = None) -> ModelPreset:
     mtype = d.get("model_type", "")
+    moe = {k: d[k] for k in _MOE_KEYS if d.get(k)}
+    if moe or "moe" in str(mtype).lower():
+        said = ", ".join(f"{k}={v}" for k, v in moe.items())
+        raise ValueError(
+            f"model_type {mtype!r} is a mixture-of-experts model ({said or 'experts in its MLP'}): the planner "
+            "describes dense decoder layers (attention + one SwiGLU MLP) only and cannot plan expert layers")
     family = _FAMILY.get(mtype)
     if family is None:
         raise ValueError(
             f"the planner knows the layer shape of model_type {sorted(_FAMILY)}, not {mtype!r}; "
             "describe the model as a ModelPreset instead")
+    if d.get("mlp_bias"):
+        raise ValueError("config sets mlp_bias=true; the planner counts no MLP biases, so it cannot plan this shape")
     if d.get("attention_bias"):
         family = "qwen2"  # same bias count (q, k, v)
     try:
@@ -46,9 +92,9 @@ def _from_hf_dict(d: dict[str, Any]) -> ModelPreset:
             heads=heads,
             kv_heads=int(d.get("num_key_value_heads") or heads),
             vocab=int(d["vocab_size"]),
-            max_positions=int(d.get("max_position_embeddings") or 4096),
+            max_positions=_trainable_positions(d, cfg),
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-            rope_theta=float(d.get("rope_theta") or 10000.0),
+            rope_theta=float(d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta") or 10000.0),
         )
     except KeyError as e:
         raise ValueError(f"transformers config lacks {e.args[0]!r}; cannot plan for it") from None
@@ -60,3 +106,19 @@ def _from_hf_dict(d: dict[str, Any]) -> ModelPreset:
             f"config sets head_dim={head_dim} but hidden/heads = {preset.head_dim}; the planner's "
             "ModelPreset cannot express that shape yet")
     return preset
+
+
+def _trainable_positions(d: dict[str, Any], cfg: Any = None) -> int:
+    """The longest sequence the engine trains this model at: max_position_embeddings, or what RoPE scaling
+    extends it to, by the engine's own rule (engine/batch.py checks every batch against it)."""
+    max_pos = d.get("max_position_embeddings")
+    if not max_pos:
+        return 4096
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    per_type = list(rope.values()) if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+    scaled = any(r.get("rope_type", r.get("type", "default")) not in (None, "default") for r in per_type)
+    if not scaled:
+        return int(max_pos)
+    from megatrain.engine.batch import max_trainable_positions  # torch: only for a scaled RoPE
+
+    return int(max_trainable_positions(cfg if cfg is not None else SimpleNamespace(**d)) or max_pos)
