@@ -50,7 +50,7 @@ class EngineConfig:
     # transformers version, cached), train a tiny model of the same class with PyTorch and with the engine and
     # refuse on any difference (engine/probe.py). Off: for users who know the architecture is handled exactly.
     parity_probe: bool = True
-    # Host-memory modes (megatrain/modes.py; `megatrain plan` prints what each costs). host_master: "fp32"
+    # Host-memory modes (megatrain/costs/modes.py; `megatrain plan` prints what each costs). host_master: "fp32"
     # (default), "hilo" (an exact split: the bf16 half streams, FP32 bit for bit; needs bf16 compute) or "bf16"
     # (bf16 weights updated in place, as the paper's code: not exact). host_grad_dtype "bfloat16": bf16
     # gradient slabs, exact with bf16 compute and one micro-batch per step (accumulation is refused).

@@ -6,7 +6,7 @@ into the gradient slab), so any torch optimizer runs over the host store unchang
 computes in bf16, so what crosses the link is 2 bytes per parameter, not 4.
 
 The decoder layers' masters can also be kept as an exact hi/lo split or as bf16 only, and their gradient
-slabs as bf16 or not at all (optimizer in backward): see megatrain/modes.py. Then the layer Parameters
+slabs as bf16 or not at all (optimizer in backward): see megatrain/costs/modes.py. Then the layer Parameters
 are views of one shared FP32 scratch that holds a layer's values only while the optimizer updates it
 (`unpack()` ... `pack()`); read and write values through `read_slot` / `write_slot`.
 """
