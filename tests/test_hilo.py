@@ -239,3 +239,17 @@ def test_no_compiler_falls_back_to_torch(monkeypatch):
     monkeypatch.delenv("CC")
     monkeypatch.setenv("MEGATRAIN_HILO_KERNEL", "torch")
     assert hilo.kernel() is None
+
+
+def test_poisoning_context_tells_the_store_whether_the_split_filled():
+    x = torch.randn(10_001)
+    hi, lo = torch.empty(x.numel(), dtype=torch.bfloat16), torch.empty(x.numel(), dtype=torch.int16)
+    with hilo.poisoning(x) as poisoned:
+        split(x.clone(), hi, lo)  # another tensor: not poisoned
+    assert not poisoned and not torch.isnan(x).any()
+    with hilo.poisoning(x) as poisoned:
+        split(x, hi, lo)
+    assert poisoned and torch.isnan(x).all()
+    y = torch.randn(10_001)
+    split(y, hi, lo)  # outside the context: left as it is
+    assert not torch.isnan(y).any()

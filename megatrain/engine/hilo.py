@@ -23,6 +23,7 @@ the integer formula for tiles that do.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -32,6 +33,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -106,6 +108,20 @@ _lib: ctypes.CDLL | None | bool = False  # False: not tried yet; None: unavailab
 _pool: ThreadPoolExecutor | None = None  # the ranges of one large split/join run side by side here
 _pool_size = 0
 _torch_convert_ok: bool | None = None
+_poisoning = threading.local()
+
+
+@contextlib.contextmanager
+def poisoning(x: torch.Tensor) -> Iterator[list[bool]]:
+    """Within it, this thread's split of exactly `x` (the same tensor object) poisons it as
+    split(..., poison=True) does; the yielded list is non-empty once that happened, else the caller still
+    fills (whatever stands in for split then, e.g. a wrapper that calls it, the result is the same)."""
+    done: list[bool] = []
+    _poisoning.target = (x, done)
+    try:
+        yield done
+    finally:
+        _poisoning.target = None
 
 
 def _cache_dir() -> Path:
@@ -181,6 +197,10 @@ def split(x: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, poison: bool = Fa
     (int64, ascending) whose RNE rounded up at an exact tie. `poison`: overwrite `x` with NaN as it is read
     (the store's shared scratch, in the same pass rather than a fill after it)."""
     _check(x, hi, lo, "split")
+    target = getattr(_poisoning, "target", None)
+    if target is not None and target[0] is x and x.is_contiguous():  # (a reshape below would copy it)
+        poison = True
+        target[1].append(True)
     u_all = x.reshape(-1).view(torch.int32)
     hi_all, lo_all = hi.reshape(-1).view(torch.int16), lo.reshape(-1)
     lib = kernel()

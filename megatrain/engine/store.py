@@ -138,10 +138,11 @@ class FlatGroup:
             self.refresh_shadow()
             return
         if self.master_mode is HostMaster.HILO:
-            # The NaN fill below, done by the split as it reads each block: one pass instead of two.
-            self.ties = hilo.split(self.work, self.shadow, self.lo, poison=True)
-            return
-        if self.rounding is not None:
+            with hilo.poisoning(self.work) as poisoned:  # the NaN fill below, done by the split as it reads
+                self.ties = hilo.split(self.work, self.shadow, self.lo)
+            if poisoned:
+                return
+        elif self.rounding is not None:
             round_stochastic(self.work, self.shadow, self.rounding)
         else:
             self.shadow.copy_(self.work)
