@@ -70,6 +70,28 @@ def old_hilo(base: str):
     return mod
 
 
+class TorchOps:
+    """The current split/join held to their torch-ops path: what runs where there is no C compiler."""
+
+    def __init__(self) -> None:
+        from megatrain.engine import hilo
+
+        self.hilo, self._split, self._join = hilo, hilo.split, hilo.join
+
+    def _torch(self, fn, *args, **kw):
+        saved, self.hilo._lib = self.hilo._lib, None
+        try:
+            return fn(*args, **kw)
+        finally:
+            self.hilo._lib = saved
+
+    def split(self, *args, **kw):
+        return self._torch(self._split, *args, **kw)
+
+    def join(self, *args, **kw):
+        return self._torch(self._join, *args, **kw)
+
+
 class _Swap:
     """Within it, the store uses `impl`'s split/join (None: the current ones)."""
 
@@ -145,7 +167,7 @@ def bench_passes(numel: int, impls: dict, reps: int, bw: float) -> list[dict]:
         ties = mod.split(x, hi, lo)
 
         def split_poisoned(mod=mod, label=label) -> None:
-            if label == "after":
+            if label != "before":
                 mod.split(scratch, hi, lo, poison=True)
             else:
                 mod.split(scratch, hi, lo)
@@ -177,7 +199,8 @@ def write(rows: list[dict], meta: dict) -> None:
         "",
         "Written by `python -m experiments.studies.host_passes` (see its docstring for what is timed and how the",
         "bound is counted). `x bound` = measured time / (bytes a fused pass must move / this process's `copy_`",
-        "bandwidth, read + written). \"before\": hilo's split/join as at the base commit; \"after\": as now.",
+        "bandwidth, read + written). \"before\": hilo's split/join as at the base commit; \"after\": as now (the",
+        "compiled kernel); \"after, torch ops\": as now where no C compiler is found.",
         "",
         f"- preset: {meta['preset']}, 16-token batch, median of {meta['reps']} timed rounds after one warm-up",
         f"- copy bandwidth: {meta['copy_gbps']:.2f} GB/s (read + written), torch threads: {meta['threads']}",
@@ -206,7 +229,7 @@ def main() -> None:
     from megatrain.models.presets import get_preset
 
     preset = get_preset(a.preset)
-    impls = {"before": old_hilo(a.base), "after": None}
+    impls = {"before": old_hilo(a.base), "after": None, "after, torch ops": TorchOps()}
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.2f} GB/s", flush=True)
     rows = []
