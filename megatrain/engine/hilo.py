@@ -29,6 +29,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -40,6 +41,7 @@ from pathlib import Path
 import torch
 
 _CHUNK = 1 << 18  # elements per torch tile: its int32/FP32 temporaries stay in the core's cache
+TILE = _CHUNK  # the same for other element-wise passes over a layer (the store's gradient widening)
 _NAN_HI = 0x7FC0
 _EXP_MASK = 0x7F800000
 _NAN_BITS = int(torch.tensor(float("nan")).view(torch.int32))  # what fill_(nan) writes: the poison pattern
@@ -129,7 +131,8 @@ def _cache_dir() -> Path:
 
 
 def _build(cc: str) -> ctypes.CDLL:
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    cmd = shlex.split(cc)  # $CC may carry flags
+    version = subprocess.run([*cmd, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([_C_SOURCE, cc, version, platform.machine()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"hilo-{key}.so"
     if not target.exists():
@@ -137,7 +140,7 @@ def _build(cc: str) -> ctypes.CDLL:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             src, so = Path(tmp) / "hilo.c", Path(tmp) / "hilo.so"
             src.write_text(_C_SOURCE)
-            subprocess.run([cc, "-O3", "-fPIC", "-shared", "-fno-strict-aliasing", "-o", str(so), str(src)],
+            subprocess.run([*cmd, "-O3", "-fPIC", "-shared", "-fno-strict-aliasing", "-o", str(so), str(src)],
                            check=True, capture_output=True, timeout=120)
             os.replace(so, target)  # atomic: a concurrent build by another process writes the same bytes
     lib = ctypes.CDLL(str(target))

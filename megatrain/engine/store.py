@@ -154,9 +154,12 @@ class FlatGroup:
         """Make `grad_work` hold the FP32 gradients, times the clipping coefficients still pending on them (a
         bf16 slab is widened first: the same products as scaling an FP32 slab holding the same values)."""
         if self.grad_mode is GradSlab.BFLOAT16:
-            self.grad_work.copy_(self.grad)
-            for c in coefs:
-                self.grad_work.mul_(c)
+            # A cache-sized tile at a time: the scaling reads the widened values from cache, not memory.
+            for s in range(0, self.numel, hilo.TILE):
+                w = self.grad_work[s: s + hilo.TILE]
+                w.copy_(self.grad[s: s + hilo.TILE])
+                for c in coefs:
+                    w.mul_(c)
 
     def read_slot(self, slot: Slot) -> torch.Tensor:
         """A new FP32 tensor with one parameter's master values."""
