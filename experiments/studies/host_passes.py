@@ -11,7 +11,7 @@ place of the module's split/join; the store then NaN-fills its scratch itself, a
 alternate on the same engine, so drift on a shared machine hits both alike.
 
 The bound is the bytes a fused AdamW must move, at this process's measured copy bandwidth (`copy_` of a
-256 MiB FP32 tensor, counted as bytes read + bytes written): per decoder-layer parameter read the gradient
+256 MiB FP32 tensor, counted as bytes read + bytes written, the best of several measurements through the run): per decoder-layer parameter read the gradient
 (4 B, or 2 from a bf16 slab), the master (4: FP32, or hi + lo), m and v (8), write master, m and v (12),
 plus 2 B of bf16 shadow refresh in the FP32 + shadow mode; the resident parameters (embedding, norm, head)
 are FP32 with FP32 gradients: 28 B each. The same is reported for hilo's split and join alone on one
@@ -115,7 +115,7 @@ def bytes_bound(eng, mode: str) -> int:
     return layer * per + eng.store.globals.numel * 28
 
 
-def bench_mode(preset, mode: str, cfg: dict, impls: dict, reps: int, bw: float) -> list[dict]:
+def bench_mode(preset, mode: str, cfg: dict, impls: dict, reps: int) -> list[dict]:
     from experiments.point import build_preset_model
     from megatrain.config import EngineConfig
     from megatrain.engine import Engine
@@ -153,12 +153,12 @@ def bench_mode(preset, mode: str, cfg: dict, impls: dict, reps: int, bw: float) 
                    "seconds": round(t, 4), "median_total_s": round(statistics.median(map(sum, ts)), 4),
                    "ns_per_param": round(t / params * 1e9, 3), "bound_bytes": "", "gb_per_s": "", "x_bound": ""}
             if what == "clip+step+zero_grad":
-                row.update(bound_bytes=bound, gb_per_s=round(bound / t / 1e9, 2), x_bound=round(t / (bound / bw), 2))
+                row["bound_bytes"] = bound  # rate and ratio: in main(), against the run's best copy bandwidth
             rows.append(row)
     return rows
 
 
-def bench_passes(numel: int, impls: dict, reps: int, bw: float) -> list[dict]:
+def bench_passes(numel: int, impls: dict, reps: int) -> list[dict]:
     """hilo's split and join alone on one layer-sized tensor."""
     x = torch.randn(numel, generator=torch.Generator().manual_seed(1))
     hi, lo, out = torch.empty(numel, dtype=torch.bfloat16), torch.empty(numel, dtype=torch.int16), torch.empty(numel)
@@ -188,8 +188,8 @@ def bench_passes(numel: int, impls: dict, reps: int, bw: float) -> list[dict]:
             t = min(ts[1:])
             rows.append({"what": what, "mode": "hilo", "version": label, "params": numel, "seconds": round(t, 5),
                          "median_total_s": round(statistics.median(ts[1:]), 5),
-                         "ns_per_param": round(t / numel * 1e9, 3), "bound_bytes": nbytes,
-                         "gb_per_s": round(nbytes / t / 1e9, 2), "x_bound": round(t / (nbytes / bw), 2)})
+                         "ns_per_param": round(t / numel * 1e9, 3), "bound_bytes": nbytes, "gb_per_s": "",
+                         "x_bound": ""})
     return rows
 
 
@@ -209,7 +209,8 @@ def write(rows: list[dict], meta: dict) -> None:
         "",
         f"- preset: {meta['preset']}, 16-token batch; the fastest of {meta['reps']} timed rounds after one warm-up",
         "  (shared machine: slower rounds carry other processes' time; the medians are in the CSV)",
-        f"- copy bandwidth: {meta['copy_gbps']:.2f} GB/s (read + written), torch threads: {meta['threads']}",
+        f"- copy bandwidth: {meta['copy_gbps']:.2f} GB/s (read + written; the best of {meta['copy_all']} GB/s, "
+        f"measured before each mode and at the end), torch threads: {meta['threads']}",
         f"- hilo kernel: {meta['kernel']}",
         f"- machine: {meta['cpu']} ({meta['cores']} cores), torch {meta['torch']}, python {meta['python']}",
         f"- commit: {meta['commit']} (before = {meta['base']})",
@@ -219,7 +220,11 @@ def write(rows: list[dict], meta: dict) -> None:
     ]
     lines += [f"| {r['what']} | {r['mode']} | {r['version']} | {r['ns_per_param']} | {r['gb_per_s']} | "
               f"{r['x_bound']} |" for r in rows]
-    (OUT / "README.md").write_text("\n".join(lines + [""] + meta.get("notes", [])) + "\n")
+    readme = OUT / "README.md"
+    # The hand-written reading of a run (from "## Notes" on) survives a rerun; check it against the new table.
+    old = readme.read_text() if readme.exists() else ""
+    notes = old[old.index("## Notes"):] if "## Notes" in old else ""
+    readme.write_text("\n".join(lines) + "\n" + ("\n" + notes if notes else ""))
 
 
 def main() -> None:
@@ -236,18 +241,25 @@ def main() -> None:
 
     preset = get_preset(a.preset)
     impls = {"before": old_hilo(a.base), "after": None, "after, torch ops": TorchOps()}
-    bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e9:.2f} GB/s", flush=True)
-    rows = []
-    wanted = a.modes.split(",")
+    # The copy bandwidth is measured again before every mode and the passes, and the best of all is the bound's
+    # rate: on a shared machine one early measurement can catch a busy moment and flatter every ratio after it.
+    bws, rows, wanted = [copy_bandwidth()], [], a.modes.split(",")
     for mode, cfg in MODES:
         if mode in wanted:
-            rows += bench_mode(preset, mode, cfg, impls, a.reps, bw)
+            rows += bench_mode(preset, mode, cfg, impls, a.reps)
+            bws.append(copy_bandwidth())
             print(mode, "done", flush=True)
-    rows += bench_passes(preset.layer_params(), impls, a.reps, bw)
+    rows += bench_passes(preset.layer_params(), impls, a.reps)
+    bws.append(copy_bandwidth())
+    bw = max(bws)
+    for r in rows:
+        if r["bound_bytes"] != "":
+            r["gb_per_s"] = round(r["bound_bytes"] / r["seconds"] / 1e9, 2)
+            r["x_bound"] = round(r["seconds"] / (r["bound_bytes"] / bw), 2)
     commit, dirty = git_commit()
     lib = hilo.kernel()
-    meta = {"preset": a.preset, "reps": a.reps, "copy_gbps": bw / 1e9, "threads": torch.get_num_threads(),
+    meta = {"preset": a.preset, "reps": a.reps, "copy_gbps": bw / 1e9, "copy_all": [round(b / 1e9, 2) for b in bws],
+            "threads": torch.get_num_threads(),
             "kernel": "compiled C (ctypes)" if lib is not None else "torch ops (no compiler)",
             "cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
             "python": sys.version.split()[0], "commit": commit + (" (dirty)" if dirty else ""), "base": a.base}
