@@ -282,12 +282,22 @@ def _split_tile(u: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Te
         lo.copy_(u)
         if int(lo.min()) != -0x8000:  # no lo of 0x8000 in the tile: no tie
             return None
-        cand = (lo == -0x8000).nonzero().flatten()
-        up = u[cand] >> 16
-        t = cand[(up & 1) == 1]
+        cand = _positions(lo == -0x8000)
+        t = cand[((u[cand] >> 16) & 1) == 1]
         return t if t.numel() else None
-    tie_up = _split_bits(u, hi, lo)
-    return tie_up.nonzero().flatten() if tie_up.any() else None
+    t = _positions(_split_bits(u, hi, lo))
+    return t if t.numel() else None
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """mask.nonzero() of a sparse 1-D bool mask, ascending: the search runs over its bytes eight at a time
+    (as int64 words), several times cheaper than nonzero over every element."""
+    n = mask.numel()
+    k = n - n % 8
+    words = mask[:k].view(torch.int64).nonzero().flatten()
+    idx = mask[:k].view(-1, 8)[words].nonzero()
+    pos = words[idx[:, 0]] * 8 + idx[:, 1]
+    return torch.cat([pos, mask[k:].nonzero().flatten() + k]) if k < n else pos
 
 
 def join(hi: torch.Tensor, lo: torch.Tensor, ties: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -315,4 +325,4 @@ def _join_tile(hi: torch.Tensor, lo: torch.Tensor, u: torch.Tensor) -> None:
     u.view(torch.float32).copy_(hi.view(torch.bfloat16))
     u.add_(lo)
     if int(lo.min()) == -0x8000:
-        u[(lo == -0x8000).nonzero().flatten()] += 65536
+        u[_positions(lo == -0x8000)] += 65536
