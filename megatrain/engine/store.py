@@ -138,7 +138,10 @@ class FlatGroup:
             self.refresh_shadow()
             return
         if self.master_mode is HostMaster.HILO:
-            self.ties = hilo.split(self.work, self.shadow, self.lo)
+            with hilo.poisoning(self.work) as poisoned:  # the NaN fill below, done by the split as it reads
+                self.ties = hilo.split(self.work, self.shadow, self.lo)
+            if poisoned:
+                return
         elif self.rounding is not None:
             round_stochastic(self.work, self.shadow, self.rounding)
         else:
@@ -151,9 +154,12 @@ class FlatGroup:
         """Make `grad_work` hold the FP32 gradients, times the clipping coefficients still pending on them (a
         bf16 slab is widened first: the same products as scaling an FP32 slab holding the same values)."""
         if self.grad_mode is GradSlab.BFLOAT16:
-            self.grad_work.copy_(self.grad)
-            for c in coefs:
-                self.grad_work.mul_(c)
+            # A cache-sized tile at a time: the scaling reads the widened values from cache, not memory.
+            for s in range(0, self.numel, hilo.TILE):
+                w = self.grad_work[s: s + hilo.TILE]
+                w.copy_(self.grad[s: s + hilo.TILE])
+                for c in coefs:
+                    w.mul_(c)
 
     def read_slot(self, slot: Slot) -> torch.Tensor:
         """A new FP32 tensor with one parameter's master values."""

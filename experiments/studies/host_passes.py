@@ -1,0 +1,272 @@
+"""The host side of a step against the memory-bandwidth bound, per host mode (a benchmark, not a test; its
+results are committed under results/host_passes/).
+
+    python -m experiments.studies.host_passes [--preset llama-100m] [--reps 3] [--base 7bf794f]
+
+For each host mode (FP32 master, FP32 master + bf16 shadow, hilo, hilo + bf16 gradient slabs) one engine is
+built, and after an untimed forward + backward on a 16-token batch it times `clip_grad_norm_(1.0) + step() +
+zero_grad()` (each followed by `synchronize()`, so queued layer jobs count, and timed apart), with hilo's split/join as they are now
+("after") and as they were at `--base` ("before": that commit's engine/hilo.py, loaded from git and put in
+place of the module's split/join; the store then NaN-fills its scratch itself, as it did). Before and after
+alternate on the same engine, so drift on a shared machine hits both alike.
+
+The bound is the bytes a fused AdamW must move, at this process's measured copy bandwidth (`copy_` of a
+256 MiB FP32 tensor, counted as bytes read + bytes written, the best of several measurements through the run): per decoder-layer parameter read the gradient
+(4 B, or 2 from a bf16 slab), the master (4: FP32, or hi + lo), m and v (8), write master, m and v (12),
+plus 2 B of bf16 shadow refresh in the FP32 + shadow mode; the resident parameters (embedding, norm, head)
+are FP32 with FP32 gradients: 28 B each. The same is reported for hilo's split and join alone on one
+layer-sized tensor (split: read 4 + write 4, plus 4 of NaN poison; join: read 4, write 4).
+
+Writes results/host_passes/host_passes.csv and README.md (with provenance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+MODES = [
+    ("fp32", {"compute_dtype": "float32"}),
+    ("bf16 shadow", {"compute_dtype": "bfloat16"}),
+    ("hilo", {"compute_dtype": "bfloat16", "host_master": "hilo"}),
+    ("hilo + bf16 slabs", {"compute_dtype": "bfloat16", "host_master": "hilo", "host_grad_dtype": "bfloat16"}),
+]
+OUT = Path("results/host_passes")
+
+
+def copy_bandwidth(numel: int = 1 << 26, reps: int = 5) -> float:
+    """Bytes read + written per second by `copy_` of one large FP32 tensor into another (best of `reps`)."""
+    a, b = torch.ones(numel), torch.empty(numel)
+    b.copy_(a)
+    best = min(_timed(lambda: b.copy_(a)) for _ in range(reps))
+    return 2 * 4 * numel / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def old_hilo(base: str):
+    """engine/hilo.py as it was at commit `base`, as a module of its own."""
+    src = subprocess.run(["git", "show", f"{base}:megatrain/engine/hilo.py"], capture_output=True, text=True,
+                         check=True).stdout
+    path = Path(tempfile.mkdtemp(prefix="hilo-before-")) / "hilo_before.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("hilo_before", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class TorchOps:
+    """The current split/join held to their torch-ops path: what runs where there is no C compiler."""
+
+    def __init__(self) -> None:
+        from megatrain.engine import hilo
+
+        self.hilo, self._split, self._join = hilo, hilo.split, hilo.join
+
+    def _torch(self, fn, *args, **kw):
+        saved, self.hilo._lib = self.hilo._lib, None
+        try:
+            return fn(*args, **kw)
+        finally:
+            self.hilo._lib = saved
+
+    def split(self, *args, **kw):
+        return self._torch(self._split, *args, **kw)
+
+    def join(self, *args, **kw):
+        return self._torch(self._join, *args, **kw)
+
+
+class _Swap:
+    """Within it, the store uses `impl`'s split/join (None: the current ones)."""
+
+    def __init__(self, impl) -> None:
+        from megatrain.engine import hilo
+
+        self.hilo, self.impl = hilo, impl
+        self.saved = (hilo.split, hilo.join)
+
+    def __enter__(self):
+        if self.impl is not None:
+            self.hilo.split, self.hilo.join = self.impl.split, self.impl.join
+
+    def __exit__(self, *exc) -> None:
+        self.hilo.split, self.hilo.join = self.saved
+
+
+def bytes_bound(eng, mode: str) -> int:
+    layer = sum(g.numel for g in eng.store.layers)
+    per = {"fp32": 28, "bf16 shadow": 30, "hilo": 28, "hilo + bf16 slabs": 26}[mode]
+    return layer * per + eng.store.globals.numel * 28
+
+
+def bench_mode(preset, mode: str, cfg: dict, impls: dict, reps: int) -> list[dict]:
+    from experiments.point import build_preset_model
+    from megatrain.config import EngineConfig
+    from megatrain.engine import Engine
+
+    eng = Engine(build_preset_model(preset, 0), EngineConfig(device="cpu", parity_probe=False, **cfg))
+    ids = torch.randint(0, preset.vocab, (1, 16), generator=torch.Generator().manual_seed(0))
+    bound = bytes_bound(eng, mode)
+    times: dict[str, list[tuple[float, float, float]]] = {k: [] for k in impls}
+    for r in range(reps + 1):  # the first round warms up (first-touch pages, the kernel's build)
+        for label, impl in impls.items():
+            if impl is not None and not mode.startswith("hilo"):
+                continue  # the FP32 modes do not split: "before" is "after"
+            loss = eng(input_ids=ids, labels=ids.clone()).loss
+            eng.backward(loss)
+            eng.synchronize()
+            with _Swap(impl):
+                parts = []
+                for call in (lambda: eng.clip_grad_norm_(1.0), eng.step, eng.zero_grad):
+                    t0 = time.perf_counter()
+                    call()
+                    eng.synchronize()  # queued layer jobs count where they are queued
+                    parts.append(time.perf_counter() - t0)
+            if r:
+                times[label].append(tuple(parts))
+    params = sum(g.numel for g in eng.store.groups())
+    rows = []
+    for label, ts in times.items():
+        if not ts:
+            continue
+        # The fastest round: on a shared machine the others carry other processes' time.
+        best = min(ts, key=sum)
+        for what, t in (("clip+step+zero_grad", sum(best)), ("  clip", best[0]), ("  step", best[1]),
+                        ("  zero_grad", best[2])):
+            row = {"what": what.strip(), "mode": mode, "version": label, "params": params,
+                   "seconds": round(t, 4), "median_total_s": round(statistics.median(map(sum, ts)), 4),
+                   "ns_per_param": round(t / params * 1e9, 3), "bound_bytes": "", "gb_per_s": "", "x_bound": ""}
+            if what == "clip+step+zero_grad":
+                row["bound_bytes"] = bound  # rate and ratio: in main(), against the run's best copy bandwidth
+            rows.append(row)
+    return rows
+
+
+def bench_passes(numel: int, impls: dict, reps: int) -> list[dict]:
+    """hilo's split and join alone on one layer-sized tensor."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(1))
+    hi, lo, out = torch.empty(numel, dtype=torch.bfloat16), torch.empty(numel, dtype=torch.int16), torch.empty(numel)
+    scratch = torch.empty(numel)
+    rows = []
+    for label, impl in impls.items():
+        mod = impl
+        if mod is None:
+            from megatrain.engine import hilo as mod
+        ties = mod.split(x, hi, lo)
+
+        def split_poisoned(mod=mod, label=label) -> None:
+            if label != "before":
+                mod.split(scratch, hi, lo, poison=True)
+            else:
+                mod.split(scratch, hi, lo)
+                scratch.fill_(float("nan"))
+
+        for what, fn, nbytes in (
+            ("split + NaN poison", split_poisoned, 12 * numel),
+            ("join", lambda mod=mod, ties=ties: mod.join(hi, lo, ties, out), 8 * numel),
+        ):
+            ts = []
+            for _ in range(reps + 1):
+                scratch.copy_(x)
+                ts.append(_timed(fn))
+            t = min(ts[1:])
+            rows.append({"what": what, "mode": "hilo", "version": label, "params": numel, "seconds": round(t, 5),
+                         "median_total_s": round(statistics.median(ts[1:]), 5),
+                         "ns_per_param": round(t / numel * 1e9, 3), "bound_bytes": nbytes, "gb_per_s": "",
+                         "x_bound": ""})
+    return rows
+
+
+def write(rows: list[dict], meta: dict) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    with open(OUT / "host_passes.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    lines = [
+        "# Host passes against the memory-bandwidth bound",
+        "",
+        "Written by `python -m experiments.studies.host_passes` (see its docstring for what is timed and how the",
+        "bound is counted). `x bound` = measured time / (bytes a fused pass must move / this process's `copy_`",
+        "bandwidth, read + written). \"before\": hilo's split/join as at the base commit; \"after\": as now (the",
+        "compiled kernel); \"after, torch ops\": as now where no C compiler is found.",
+        "",
+        f"- preset: {meta['preset']}, 16-token batch; the fastest of {meta['reps']} timed rounds after one warm-up",
+        "  (shared machine: slower rounds carry other processes' time; the medians are in the CSV)",
+        f"- copy bandwidth: {meta['copy_gbps']:.2f} GB/s (read + written; the best of {meta['copy_all']} GB/s, "
+        f"measured before each mode and at the end), torch threads: {meta['threads']}",
+        f"- hilo kernel: {meta['kernel']}",
+        f"- machine: {meta['cpu']} ({meta['cores']} cores), torch {meta['torch']}, python {meta['python']}",
+        f"- commit: {meta['commit']} (before = {meta['base']})",
+        "",
+        "| what | mode | version | ns/param | GB/s | x bound |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    lines += [f"| {r['what']} | {r['mode']} | {r['version']} | {r['ns_per_param']} | {r['gb_per_s']} | "
+              f"{r['x_bound']} |" for r in rows]
+    readme = OUT / "README.md"
+    # The hand-written reading of a run (from "## Notes" on) survives a rerun; check it against the new table.
+    old = readme.read_text() if readme.exists() else ""
+    notes = old[old.index("## Notes"):] if "## Notes" in old else ""
+    readme.write_text("\n".join(lines) + "\n" + ("\n" + notes if notes else ""))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="llama-100m")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--base", default="7bf794f", help="the commit whose engine/hilo.py is 'before'")
+    ap.add_argument("--modes", default=",".join(m for m, _ in MODES))
+    a = ap.parse_args()
+
+    from megatrain.engine import hilo
+    from megatrain.metrics.provenance import cpu_model, git_commit
+    from megatrain.models.presets import get_preset
+
+    preset = get_preset(a.preset)
+    impls = {"before": old_hilo(a.base), "after": None, "after, torch ops": TorchOps()}
+    # The copy bandwidth is measured again before every mode and the passes, and the best of all is the bound's
+    # rate: on a shared machine one early measurement can catch a busy moment and flatter every ratio after it.
+    bws, rows, wanted = [copy_bandwidth()], [], a.modes.split(",")
+    for mode, cfg in MODES:
+        if mode in wanted:
+            rows += bench_mode(preset, mode, cfg, impls, a.reps)
+            bws.append(copy_bandwidth())
+            print(mode, "done", flush=True)
+    rows += bench_passes(preset.layer_params(), impls, a.reps)
+    bws.append(copy_bandwidth())
+    bw = max(bws)
+    for r in rows:
+        if r["bound_bytes"] != "":
+            r["gb_per_s"] = round(r["bound_bytes"] / r["seconds"] / 1e9, 2)
+            r["x_bound"] = round(r["seconds"] / (r["bound_bytes"] / bw), 2)
+    commit, dirty = git_commit()
+    lib = hilo.kernel()
+    meta = {"preset": a.preset, "reps": a.reps, "copy_gbps": bw / 1e9, "copy_all": [round(b / 1e9, 2) for b in bws],
+            "threads": torch.get_num_threads(),
+            "kernel": "compiled C (ctypes)" if lib is not None else "torch ops (no compiler)",
+            "cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+            "python": sys.version.split()[0], "commit": commit + (" (dirty)" if dirty else ""), "base": a.base}
+    write(rows, meta)
+    for r in rows:
+        print(r)
+
+
+if __name__ == "__main__":
+    main()
