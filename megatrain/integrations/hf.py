@@ -58,8 +58,9 @@ def _route_config(args: Any, kwargs: dict[str, Any]) -> Any:
 def _refusal(where: str) -> MegaTrainSectionError:
     return MegaTrainSectionError(
         f"this DeepSpeed config has a 'megatrain' section but reached real DeepSpeed ({where}), which would "
-        "train without MegaTrain and ignore the section. Call megatrain.initialize (or `import megatrain as "
-        "deepspeed`), or `import megatrain.integrations.hf` before building the Trainer / Accelerator; "
+        "train without MegaTrain and ignore the section. Run the script with `megatrain launch script.py ...`, "
+        "or call megatrain.initialize (or `import megatrain as deepspeed`), or `import megatrain.integrations.hf` "
+        "before building the Trainer / Accelerator; "
         "to train on DeepSpeed, remove the 'megatrain' section")
 
 
@@ -82,6 +83,7 @@ def install() -> None:
         return
     try:
         import deepspeed
+        from accelerate.utils import DeepSpeedPlugin
         from accelerate.utils.deepspeed import HfDeepSpeedConfig
         from deepspeed.runtime.config import DeepSpeedConfig
     except ImportError as e:
@@ -92,6 +94,7 @@ def install() -> None:
     real_config_init = DeepSpeedConfig.__init__
     real_zero_init = deepspeed.zero.Init
     real_is_zero3 = HfDeepSpeedConfig.is_zero3
+    real_plugin_post_init = DeepSpeedPlugin.__post_init__
 
     @functools.wraps(real_initialize)
     def initialize(args: Any = None, *rest: Any, **kwargs: Any) -> Any:
@@ -119,6 +122,16 @@ def install() -> None:
         # with a partitioned model; under MegaTrain nothing is partitioned, whatever stage the config names.
         return False if has_megatrain_section(self.config) else real_is_zero3(self)
 
+    @functools.wraps(real_plugin_post_init)
+    def plugin_post_init(self: Any) -> None:
+        real_plugin_post_init(self)
+        # accelerate's plugin is what TRL and Trainer ask whether ZeRO-3 is on (`deepspeed_plugin.zero_stage == 3`)
+        # before gathering partitioned parameters or removing ZeRO-3's hooks for generation: an engine that has
+        # neither would be asked for them. MegaTrain keeps every parameter whole, so a stage-3 config reads as 2,
+        # the highest stage whose contract (whole parameters, no `no_sync`) holds; the config itself is unchanged.
+        if self.zero_stage == 3 and has_megatrain_section(self.hf_ds_config):
+            self.zero_stage = 2
+
     @functools.wraps(real_config_init)
     def config_init(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
         if has_megatrain_section(config):
@@ -126,9 +139,10 @@ def install() -> None:
         real_config_init(self, config, *args, **kwargs)
 
     _saved.update(initialize=real_initialize, config_init=real_config_init, zero_init=real_zero_init,
-                  is_zero3=real_is_zero3)
+                  is_zero3=real_is_zero3, plugin_post_init=real_plugin_post_init)
     deepspeed.initialize = initialize
     HfDeepSpeedConfig.is_zero3 = is_zero3
+    DeepSpeedPlugin.__post_init__ = plugin_post_init
     deepspeed.zero.Init = zero_init
     DeepSpeedConfig.__init__ = config_init
 
@@ -138,10 +152,12 @@ def uninstall() -> None:
     if not _saved:
         return
     import deepspeed
+    from accelerate.utils import DeepSpeedPlugin
     from accelerate.utils.deepspeed import HfDeepSpeedConfig
     from deepspeed.runtime.config import DeepSpeedConfig
 
     deepspeed.initialize = _saved.pop("initialize")
+    DeepSpeedPlugin.__post_init__ = _saved.pop("plugin_post_init")
     deepspeed.zero.Init = _saved.pop("zero_init")
     HfDeepSpeedConfig.is_zero3 = _saved.pop("is_zero3")
     DeepSpeedConfig.__init__ = _saved.pop("config_init")
