@@ -100,10 +100,11 @@ def install() -> None:
     def initialize(args: Any = None, *rest: Any, **kwargs: Any) -> Any:
         if has_megatrain_section(_route_config(args, kwargs)):
             from ..deepspeed.initializer import initialize as mt_initialize
+            from .engine_reuse import initialize_once
 
             _one_rank_group()
 
-            return mt_initialize(args, *rest, **kwargs)
+            return initialize_once(mt_initialize, args, rest, kwargs)
         return real_initialize(args, *rest, **kwargs)
 
     def zero_init(*args: Any, **kwargs: Any) -> Any:
@@ -129,8 +130,12 @@ def install() -> None:
         # before gathering partitioned parameters or removing ZeRO-3's hooks for generation: an engine that has
         # neither would be asked for them. MegaTrain keeps every parameter whole, so a stage-3 config reads as 2,
         # the highest stage whose contract (whole parameters, no `no_sync`) holds; the config itself is unchanged.
-        if self.zero_stage == 3 and has_megatrain_section(self.hf_ds_config):
+        if not has_megatrain_section(self.hf_ds_config):
+            return
+        if self.zero_stage == 3:
             self.zero_stage = 2
+        # From here on accelerate and TRL expect a process group (TRL's DPO broadcasts before any engine exists).
+        _one_rank_group()
 
     @functools.wraps(real_config_init)
     def config_init(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
