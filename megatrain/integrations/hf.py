@@ -11,7 +11,11 @@ that reaches real DeepSpeed by any other road (its own `initialize` kept from be
 `init_inference`, a hand-built engine) is an error instead of a run that silently ignores the section.
 
 The script need not import it: an installed megatrain loads it right after the process's first `import deepspeed`
-(`megatrain/_startup.py`, run at start-up by the package's `.pth` file; MEGATRAIN_DEEPSPEED_GUARD=0 opts out).
+(`megatrain/_startup.py`, run at start-up by the package's `.pth` file; MEGATRAIN_DEEPSPEED_GUARD=0 opts out), and
+`megatrain launch script.py` installs it in every process before the script runs. For such a config accelerate's
+`DeepSpeedPlugin` reads ZeRO stage 3 as 2 (TRL asks it whether parameters are partitioned) and sets up the one-rank
+process group a launcher-less run needs; a model initialized forward-only and then to train keeps one engine
+(`engine_reuse.py`).
 """
 
 from __future__ import annotations
