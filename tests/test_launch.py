@@ -130,3 +130,40 @@ def test_grpo_trainer_through_megatrain_launch_matches_plain_trl(tmp_path):
     mt = _report(tmp_path, "trl_grpo.py", "megatrain", launch=True, argv=("--max_steps", "2"))
     assert mt["rewards"] == plain["rewards"]  # the same samples
     _check_same_training(mt, plain, 2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# one engine per model: TRL's forward-only reference pass, then training, on the same store
+
+
+def test_a_forward_only_engine_takes_over_the_trainers_optimizer_when_the_same_model_trains():
+    import torch
+    from conftest import tiny_model
+
+    from megatrain.deepspeed.initializer import initialize as mt_initialize
+    from megatrain.integrations.engine_reuse import initialize_once
+
+    cfg = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+           "zero_optimization": {"stage": 3}, "megatrain": {}}
+    model, ref = tiny_model(), tiny_model()
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    forward_only, opt, _, _ = initialize_once(mt_initialize, None, (), {"model": model, "config": dict(cfg)})
+    assert opt is None
+    with torch.no_grad():
+        before = forward_only(input_ids=ids, labels=ids).loss.item()
+    assert before == pytest.approx(ref(input_ids=ids, labels=ids).loss.item(), abs=1e-5)
+    stored = [p.data_ptr() for _, p in forward_only.engine.named_parameters()]
+    # Trainer builds its optimizer over model.parameters() after the reference pass bound the model.
+    trainer_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, opt, _, _ = initialize_once(mt_initialize, None, (), {"model": model, "optimizer": trainer_opt,
+                                                                  "config_params": dict(cfg)})
+    assert opt is trainer_opt and engine.engine is forward_only.engine  # the same store, no second engine
+    assert [p.data_ptr() for _, p in engine.engine.named_parameters()] == stored
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    with torch.no_grad():
+        assert engine(input_ids=ids, labels=ids).loss.item() < before - 1e-3  # the adopted optimizer trained it
+    # Control: a model never put on a forward-only engine gets an engine of its own.
+    other, _, _, _ = initialize_once(mt_initialize, None, (), {"model": ref, "config": dict(cfg)})
+    assert other.engine is not forward_only.engine
