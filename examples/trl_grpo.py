@@ -35,7 +35,8 @@ def reward_even(completions: list[str], **_: object) -> list[float]:
 def ds_config() -> dict:
     return {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
-            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                  "offload_optimizer": {"device": "cpu"}},
             "megatrain": {}}  # MegaTrain: this section selects it
 
 

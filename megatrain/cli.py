@@ -1,9 +1,10 @@
-"""The `megatrain` command: sweep, report, train, and the planner's plan / bench when installed.
+"""The `megatrain` command: sweep, report, train, launch, and the planner's plan / bench when installed.
 
     megatrain sweep experiments/sweeps/quick.yaml          # run (skips points already recorded)
     megatrain report results/quick                           # report.md + PNGs in results/quick
     megatrain train run.yaml                                 # one run with a progress bar
     megatrain check-model gemma                              # does MegaTrain train this architecture exactly?
+    megatrain launch --nproc-per-node 2 train.py --lr 1e-4   # an unchanged script, DeepSpeed routed to MegaTrain
 """
 
 from __future__ import annotations
@@ -166,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("model", help="a model type (e.g. llama, gemma) or a local checkpoint directory / config.json")
     cp.set_defaults(func=_cmd_check_model)
 
+    # Only listed here: `main` hands everything after "launch" to megatrain.launch, whose options are torchrun's
+    # and must not be parsed (or refused) by this parser.
+    sub.add_parser("launch", add_help=False, help="run an unchanged training script (and its torchrun-style ranks) "
+                                                  "on MegaTrain: megatrain launch [--nproc-per-node N ...] "
+                                                  "script.py args...")
+
     try:
         from megatrain import planner
     except ImportError:
@@ -178,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:
+        from megatrain.launch import main as launch_main
+
+        return launch_main(argv[1:])
     ap = build_parser()
     args = ap.parse_args(argv)
     return int(args.func(args) or 0)

@@ -11,7 +11,11 @@ that reaches real DeepSpeed by any other road (its own `initialize` kept from be
 `init_inference`, a hand-built engine) is an error instead of a run that silently ignores the section.
 
 The script need not import it: an installed megatrain loads it right after the process's first `import deepspeed`
-(`megatrain/_startup.py`, run at start-up by the package's `.pth` file; MEGATRAIN_DEEPSPEED_GUARD=0 opts out).
+(`megatrain/_startup.py`, run at start-up by the package's `.pth` file; MEGATRAIN_DEEPSPEED_GUARD=0 opts out), and
+`megatrain launch script.py` installs it in every process before the script runs. For such a config accelerate's
+`DeepSpeedPlugin` reads ZeRO stage 3 as 2 (TRL asks it whether parameters are partitioned) and sets up the one-rank
+process group a launcher-less run needs; a model initialized forward-only and then to train keeps one engine
+(`engine_reuse.py`).
 """
 
 from __future__ import annotations
@@ -58,8 +62,9 @@ def _route_config(args: Any, kwargs: dict[str, Any]) -> Any:
 def _refusal(where: str) -> MegaTrainSectionError:
     return MegaTrainSectionError(
         f"this DeepSpeed config has a 'megatrain' section but reached real DeepSpeed ({where}), which would "
-        "train without MegaTrain and ignore the section. Call megatrain.initialize (or `import megatrain as "
-        "deepspeed`), or `import megatrain.integrations.hf` before building the Trainer / Accelerator; "
+        "train without MegaTrain and ignore the section. Run the script with `megatrain launch script.py ...`, "
+        "or call megatrain.initialize (or `import megatrain as deepspeed`), or `import megatrain.integrations.hf` "
+        "before building the Trainer / Accelerator; "
         "to train on DeepSpeed, remove the 'megatrain' section")
 
 
@@ -82,6 +87,7 @@ def install() -> None:
         return
     try:
         import deepspeed
+        from accelerate.utils import DeepSpeedPlugin
         from accelerate.utils.deepspeed import HfDeepSpeedConfig
         from deepspeed.runtime.config import DeepSpeedConfig
     except ImportError as e:
@@ -92,15 +98,17 @@ def install() -> None:
     real_config_init = DeepSpeedConfig.__init__
     real_zero_init = deepspeed.zero.Init
     real_is_zero3 = HfDeepSpeedConfig.is_zero3
+    real_plugin_post_init = DeepSpeedPlugin.__post_init__
 
     @functools.wraps(real_initialize)
     def initialize(args: Any = None, *rest: Any, **kwargs: Any) -> Any:
         if has_megatrain_section(_route_config(args, kwargs)):
             from ..deepspeed.initializer import initialize as mt_initialize
+            from .engine_reuse import initialize_once
 
             _one_rank_group()
 
-            return mt_initialize(args, *rest, **kwargs)
+            return initialize_once(mt_initialize, args, rest, kwargs)
         return real_initialize(args, *rest, **kwargs)
 
     def zero_init(*args: Any, **kwargs: Any) -> Any:
@@ -119,6 +127,20 @@ def install() -> None:
         # with a partitioned model; under MegaTrain nothing is partitioned, whatever stage the config names.
         return False if has_megatrain_section(self.config) else real_is_zero3(self)
 
+    @functools.wraps(real_plugin_post_init)
+    def plugin_post_init(self: Any) -> None:
+        real_plugin_post_init(self)
+        # accelerate's plugin is what TRL and Trainer ask whether ZeRO-3 is on (`deepspeed_plugin.zero_stage == 3`)
+        # before gathering partitioned parameters or removing ZeRO-3's hooks for generation: an engine that has
+        # neither would be asked for them. MegaTrain keeps every parameter whole, so a stage-3 config reads as 2,
+        # the highest stage whose contract (whole parameters, no `no_sync`) holds; the config itself is unchanged.
+        if not has_megatrain_section(self.hf_ds_config):
+            return
+        if self.zero_stage == 3:
+            self.zero_stage = 2
+        # From here on accelerate and TRL expect a process group (TRL's DPO broadcasts before any engine exists).
+        _one_rank_group()
+
     @functools.wraps(real_config_init)
     def config_init(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
         if has_megatrain_section(config):
@@ -126,9 +148,10 @@ def install() -> None:
         real_config_init(self, config, *args, **kwargs)
 
     _saved.update(initialize=real_initialize, config_init=real_config_init, zero_init=real_zero_init,
-                  is_zero3=real_is_zero3)
+                  is_zero3=real_is_zero3, plugin_post_init=real_plugin_post_init)
     deepspeed.initialize = initialize
     HfDeepSpeedConfig.is_zero3 = is_zero3
+    DeepSpeedPlugin.__post_init__ = plugin_post_init
     deepspeed.zero.Init = zero_init
     DeepSpeedConfig.__init__ = config_init
 
@@ -138,10 +161,12 @@ def uninstall() -> None:
     if not _saved:
         return
     import deepspeed
+    from accelerate.utils import DeepSpeedPlugin
     from accelerate.utils.deepspeed import HfDeepSpeedConfig
     from deepspeed.runtime.config import DeepSpeedConfig
 
     deepspeed.initialize = _saved.pop("initialize")
+    DeepSpeedPlugin.__post_init__ = _saved.pop("plugin_post_init")
     deepspeed.zero.Init = _saved.pop("zero_init")
     HfDeepSpeedConfig.is_zero3 = _saved.pop("is_zero3")
     DeepSpeedConfig.__init__ = _saved.pop("config_init")

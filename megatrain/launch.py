@@ -1,0 +1,127 @@
+"""`megatrain launch [LAUNCHER OPTIONS] SCRIPT ARGS...`: run an unchanged training script on MegaTrain, the way
+`deepspeed SCRIPT` and `accelerate launch SCRIPT` run theirs.
+
+Every process runs `python -m megatrain.launch_child SCRIPT ARGS...`, which installs MegaTrain's DeepSpeed
+routing before the script's first line, so any DeepSpeed config with a "megatrain" section that the script
+reaches (Trainer, TRL, accelerate, `deepspeed.initialize`) trains on MegaTrain.
+
+- No launcher options: one process, this one, with no launcher variables, exactly as `python SCRIPT` (MegaTrain
+  gives Trainer / accelerate the one-rank process group they expect).
+- Launcher options (`--nproc-per-node N`, `--nnodes`, `--node-rank`, `--master-addr`, `--master-port`,
+  `--standalone`, `--rdzv-*`, ...: torchrun's own, parsed by torch's parser): torch's elastic launcher starts the
+  ranks with torchrun's environment variables, each rank through the same bootstrap module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+PROG = "megatrain launch"
+_NAMED_COUNTS = ("auto", "cpu", "gpu", "xpu")
+
+
+class LaunchError(ValueError):
+    """A `megatrain launch` command line that cannot run (no script, a bad process count, ...)."""
+
+
+def _torchrun_parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = PROG
+
+    def error(message: str) -> None:
+        raise LaunchError(f"{message}; usage: {PROG} [--nproc-per-node N ...] SCRIPT [ARGS...] (--help lists the "
+                          "launcher options)")
+
+    parser.error = error  # type: ignore[method-assign]  # one line naming the problem, not torchrun's usage wall
+    parser.description = ("Run SCRIPT (an unchanged training script) with MegaTrain's DeepSpeed routing installed in "
+                          "every process. Without launcher options: one process, as `python SCRIPT`. With them "
+                          "(torchrun's options, below): torch's elastic launcher starts the ranks.")
+    return parser
+
+
+def _check_nproc(value: str) -> None:
+    if value in _NAMED_COUNTS:
+        return
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise LaunchError(f"--nproc-per-node must be a positive integer or one of {', '.join(_NAMED_COUNTS)} "
+                          f"(got {value!r})")
+
+
+def plan(argv: Sequence[str]) -> tuple[argparse.Namespace | None, list[str]]:
+    """Split a `megatrain launch` command line: (torchrun's parsed options, or None for one plain process,
+    [SCRIPT, *ARGS] or ["-m", MODULE, *ARGS] for the bootstrap). Raises LaunchError on a line that cannot run."""
+    argv = list(argv)
+    parser = _torchrun_parser()
+    if not argv:
+        raise LaunchError(f"no script given; usage: {PROG} [--nproc-per-node N ...] SCRIPT [ARGS...]")
+    args = parser.parse_args(argv)
+    if args.no_python or args.run_path:
+        raise LaunchError("--no-python / --run-path would start the script without MegaTrain's routing; drop them")
+    child = ["-m", args.training_script] if args.module else [args.training_script]
+    child += args.training_script_args
+    if not args.module and not os.path.isfile(args.training_script):
+        raise LaunchError(f"no such script: {args.training_script}")
+    if args.module:
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(args.training_script) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise LaunchError(f"no such module: {args.training_script}")
+    _check_nproc(args.nproc_per_node)
+    launcher_options = argv[: len(argv) - len(args.training_script_args) - 1]
+    if launcher_options == ["-m"] or launcher_options == ["--module"] or not launcher_options:
+        return None, child
+    return args, child
+
+
+def launch(argv: Sequence[str]) -> int:
+    """Run the command line `argv` (what follows `megatrain launch`); the script's exit status comes back."""
+    args, child = plan(argv)
+    if args is None:
+        from .launch_child import run
+
+        try:
+            run(child)
+        except SystemExit as e:  # the script's own sys.exit(...)
+            if e.code is None or isinstance(e.code, int):
+                return int(e.code or 0)
+            print(e.code, file=sys.stderr)
+            return 1
+        return 0
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run as torchrun
+
+    args.module = True
+    args.training_script = "megatrain.launch_child"
+    args.training_script_args = child
+    try:
+        torchrun(args)
+    except ChildFailedError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        failures = list(e.failures.values())
+        return failures[0].exitcode if failures and failures[0].exitcode > 0 else 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return launch(sys.argv[1:] if argv is None else argv)
+    except LaunchError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
