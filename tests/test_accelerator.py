@@ -257,3 +257,31 @@ def test_save_model_with_tied_embeddings(backend, tmp_path):
     model.eval()
     with torch.no_grad():
         assert reloaded(**batch).loss.item() == pytest.approx(model(**batch).loss.item(), abs=1e-6)
+
+
+def test_an_optimizer_prepared_after_its_model_is_the_one_that_steps():
+    """prepare(model) then prepare(optimizer): the engine built its own AdamW first; the user's optimizer must
+    replace it where the step runs, not only in name (a plain SGD step is easy to tell from AdamW's)."""
+    from conftest import tiny_model
+
+    ref = tiny_model()
+    mt_model = tiny_model()
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref(input_ids=ids, labels=ids).loss.backward()
+    sgd.step()
+
+    acc = Accelerator(backend="megatrain", cpu=True)
+    model = acc.prepare(mt_model)
+    default = acc.backend.engine.optimizer
+    opt = acc.prepare(torch.optim.SGD(model.parameters(), lr=0.5))
+    assert acc.backend.engine.optimizer is opt.optimizer is not default
+    acc.backward(model(input_ids=ids, labels=ids).loss)
+    opt.step()
+    acc.wait_for_everyone()
+    got = dict(model.named_parameters())
+    diffs = {n: (got[n].detach() - p.detach()).abs().max().item() for n, p in ref.named_parameters()}
+    assert max(diffs.values()) <= 1e-5, diffs
+    moved = max((p.detach() - q.detach()).abs().max().item()
+                for p, q in zip(ref.parameters(), tiny_model().parameters()))
+    assert moved > 1e-3  # control: the SGD step moved the weights far more than the tolerance

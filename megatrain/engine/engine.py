@@ -111,14 +111,14 @@ class Engine:
 
         # The step: the optimizer over the masters, what the ranks exchange, and when each layer's update runs.
         self.events = LayerEvents(len(self.store.layers), config.watchdog_s)
-        self.optimizer = adopt_optimizer(optimizer, self.store.named_parameters(self.parts.layers_prefix),
-                                         self._name_of, self._aliases)
+        opt = adopt_optimizer(optimizer, self.store.named_parameters(self.parts.layers_prefix), self._name_of,
+                              self._aliases)
         del originals
         if self.node is not None:
             foreign = {id(p) for g in self.store.layers if not g.owned for p in g.params}
-            shard_optimizer_state(self.optimizer, foreign, self.dp.group, self.synchronize)
+            shard_optimizer_state(opt, foreign, self.dp.group, self.synchronize)
         self.ranks = ranks_for(self.dp, self.store, self.events)
-        self.update = choose_update(self.optimizer, self.store, self.events, config, self.trace_log)
+        self.update = choose_update(opt, self.store, self.events, config, self.trace_log)
         self.pipeline = LayerPipeline(self.store, self.templates, self.streams, self.trace_log, config.num_buffers,
                                       self.compute_dtype, self.device, _has_dropout(self.hf_config), self.events,
                                       policy, self.ranks.grad_sink or self.update.grad_sink)
@@ -137,6 +137,15 @@ class Engine:
                                          self.update.layered, self.memory, self.trace_log)
         bind_model_object(self)  # and counted among the live engines (engines_holding)
         self.train()
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer the update path steps (one object: replacing it here replaces it there)."""
+        return self.update.optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.update.optimizer = optimizer
 
     @property
     def _layered(self) -> LayeredStep | None:

@@ -72,7 +72,7 @@ def _train_on(earlier: Any, model: nn.Module, a: dict[str, Any], config: Any) ->
     eng = backend.engine
     # Trainer built the optimizer over model.parameters() after the engine bound the model: the resident
     # parameters are then the engine's device copies, which the engine knows by their host masters.
-    to_master = {id(d): m for d, m in zip(eng._device_globals, eng.store.globals.params)}
+    to_master = {id(d): m for d, m in zip(eng.placement.device_globals, eng.store.globals.params)}
     for group in optimizer.param_groups:
         group["params"] = [to_master.get(id(p), p) for p in group["params"]]
     backend.prepare(None, optimizer)
