@@ -90,10 +90,15 @@ def test_trainer_and_sft_trainer_on_megatrain_match_plain_save_resume_and_evalua
 
 @pytest.fixture
 def routed():
+    import torch.distributed as dist
+
     from megatrain.integrations import hf
+    had_group = dist.is_initialized()
     hf.install()
     yield hf
     hf.uninstall()
+    if dist.is_initialized() and not had_group:
+        dist.destroy_process_group()  # the one-rank group a routed initialize makes here: not for later tests
 
 
 def _ds_cfg(**extra):
