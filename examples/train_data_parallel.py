@@ -192,6 +192,11 @@ def main() -> None:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         torch.save(results, args.out / f"rank{int(os.environ.get('RANK', '0'))}.pt")
+    if torch.distributed.is_initialized():
+        # Tear the ranks' group down together here rather than in each interpreter's exit, where a rank whose
+        # communication threads are still being torn down can abort ("terminate called without an active exception").
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def run(faces: list[str], micro: int, steps: int, accumulation: int, watchdog_s: float,
