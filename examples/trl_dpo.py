@@ -19,7 +19,7 @@ import random
 
 from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
-from trl_sft import WORDS, tiny_llama, tiny_tokenizer
+from trl_sft import WORDS, ds_config, tiny_llama, tiny_tokenizer
 
 
 def pairs(n: int, seed: int) -> Dataset:
@@ -31,14 +31,6 @@ def pairs(n: int, seed: int) -> Dataset:
         "prompt": [" ".join(rng.choices(WORDS, k=rng.randint(3, 6))) for _ in range(n)],
         "chosen": [" " + " ".join(rng.choices(even, k=rng.randint(2, 5))) for _ in range(n)],
         "rejected": [" " + " ".join(rng.choices(odd, k=rng.randint(2, 5))) for _ in range(n)]})
-
-
-def ds_config() -> dict:
-    return {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
-            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
-                                  "offload_optimizer": {"device": "cpu"}},
-            "megatrain": {}}  # MegaTrain: this section selects it
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -18,7 +18,7 @@ import random
 
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
-from trl_sft import WORDS, tiny_llama, tiny_tokenizer
+from trl_sft import WORDS, ds_config, tiny_llama, tiny_tokenizer
 
 
 def prompts(n: int, seed: int) -> Dataset:
@@ -30,14 +30,6 @@ def reward_even(completions: list[str], **_: object) -> list[float]:
     """A toy reward: the share of the completion's words with an even number ("w4", "w10", ...)."""
     return [sum(w[1:].isdigit() and int(w[1:]) % 2 == 0 for w in c.split()) / max(len(c.split()), 1)
             for c in completions]
-
-
-def ds_config() -> dict:
-    return {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
-            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
-                                  "offload_optimizer": {"device": "cpu"}},
-            "megatrain": {}}  # MegaTrain: this section selects it
 
 
 def main(argv: list[str] | None = None) -> dict:
