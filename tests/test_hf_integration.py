@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -142,7 +143,15 @@ def test_deepspeed_initialize_routes_by_the_section(routed):
 
 
 # ---------------------------------------------------------------------------------------------------
-# TRL's fused LM head, served from the engine's logits
+# TRL's fused LM head, served from the engine's final hidden state
+
+
+def _hidden_states_of(model):
+    """What the engine-run model returns to the fused head: the LM head's input, as a one-tuple."""
+    def forward(input_ids, return_hidden=False, return_logits=True, **kw):
+        assert return_hidden and not return_logits
+        return SimpleNamespace(hidden_states=(model.model(input_ids=input_ids, **kw).last_hidden_state,))
+    return forward
 
 
 def test_fused_lm_head_outputs_equal_trls_own(clone):
@@ -159,16 +168,16 @@ def test_fused_lm_head_outputs_equal_trls_own(clone):
     labels[0, :4] = -100
     ref = model(input_ids=ids, labels=labels, fused_lm_head=True, num_items_in_batch=17)
 
-    def engine_like(input_ids, return_logits=False, **kw):  # what the engine-run model returns: logits
-        return ours_model(input_ids=input_ids, **kw)
-
-    ours = fused_lm_head_forward(engine_like, ids, {"labels": labels, "num_items_in_batch": 17})
+    engine_like = _hidden_states_of(ours_model)
+    ours = fused_lm_head_forward(engine_like, ids, {"labels": labels, "num_items_in_batch": 17},
+                                 head=ours_model.lm_head)
     for field in ("log_probs", "entropy"):
         torch.testing.assert_close(getattr(ours, field), getattr(ref, field), rtol=0, atol=1e-5)
     assert torch.equal(ours.is_top1.bool(), ref.is_top1.bool()) and torch.equal(ours.label_mask, ref.label_mask)
     torch.testing.assert_close(ours.loss, ref.loss, rtol=0, atol=1e-6)
     # Control: scoring unshifted labels (an off-by-one) is caught by the same comparison.
-    wrong = fused_lm_head_forward(engine_like, ids, {"shift_labels": labels, "num_items_in_batch": 17})
+    wrong = fused_lm_head_forward(engine_like, ids, {"shift_labels": labels, "num_items_in_batch": 17},
+                                  head=ours_model.lm_head)
     assert (wrong.loss - ref.loss).abs() > 1e-3
 
 
@@ -236,15 +245,14 @@ def test_fused_head_options_are_read_off_trls_patch_and_honoured(clone):
     ids = torch.randint(0, 256, (2, 10), generator=g)
     ref = model(input_ids=ids, labels=ids, fused_lm_head=True)
 
-    def engine_like(input_ids, return_logits=False, **kw):
-        return ours_model(input_ids=input_ids, **kw)
-
-    ours = fused_lm_head_forward(engine_like, ids, {"labels": ids}, options)
+    engine_like = _hidden_states_of(ours_model)
+    ours = fused_lm_head_forward(engine_like, ids, {"labels": ids}, options, head=ours_model.lm_head)
     for field in ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits"):
         torch.testing.assert_close(getattr(ours, field), getattr(ref, field), rtol=0, atol=1e-5)
     assert torch.equal(ours.is_top1.bool(), ref.is_top1.bool())
     # Control: at temperature 1 the same fields are far off TRL's at 0.7.
-    at_one = fused_lm_head_forward(engine_like, ids, {"labels": ids}, FusedHeadOptions(outputs=outputs))
+    at_one = fused_lm_head_forward(engine_like, ids, {"labels": ids}, FusedHeadOptions(outputs=outputs),
+                                   head=ours_model.lm_head)
     assert (at_one.log_probs - ref.log_probs).abs().max() > 1e-2
     # An option the served head does not implement is refused, naming it.
     func = model.forward.__func__

@@ -149,7 +149,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     head_options = trl_head_options(model)  # TRL's fused-head patch, before the engine replaces the forward
     backend.prepare(model, engine_opt)
     eng = backend.engine
-    serve_fused_lm_head(model, head_options)
+    serve_fused_lm_head(model, head_options, eng.head_chunk_tokens)
     opt = eng.optimizer if has_optimizer else None
 
     if lr_scheduler is not None:

@@ -173,7 +173,8 @@ class Engine:
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 return_logits: bool = False, num_items_in_batch: int | torch.Tensor | None = None,
-                logits_to_keep: int | torch.Tensor = 0, **unused: Any) -> CausalLMOutputWithPast:
+                logits_to_keep: int | torch.Tensor = 0, return_hidden: bool = False,
+                **unused: Any) -> CausalLMOutputWithPast:
         check_batch(self.hf_config, input_ids, attention_mask, labels, position_ids, unused)
         t0 = time.perf_counter()
         self.templates.train(self.training)  # the user may have switched modes on the model object itself
@@ -196,11 +197,10 @@ class Engine:
             hn = self.parts.norm(h_last)
             loss = None
             if labels is not None:
-                loss = chunked_causal_lm_loss(hn, self.parts.lm_head, labels,
-                                              self.pipeline.loss_chunk(self.config.loss_chunk_tokens),
+                loss = chunked_causal_lm_loss(hn, self.parts.lm_head, labels, self.head_chunk_tokens(),
                                               num_items_in_batch, self.parts.softcap)
             logits = head_logits(hn, self.parts.lm_head, logits_to_keep, self.parts.softcap) if return_logits else None
-        if train and (loss is not None or logits is not None):
+        if train and (loss is not None or logits is not None or return_hidden):
             if self._pending is not None:
                 self._unbackwarded.append(weakref.ref(self._pending.h_last))
             self._pending = _Pending(h0, h_in0, h_last, layer_inputs, acts, ids)
@@ -208,7 +208,14 @@ class Engine:
             h_last.register_hook(self._only_through_backward)
         self.accounting.seconds["forward_s"] += time.perf_counter() - t0
         self.accounting.tokens += int(ids.numel())
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        # return_hidden: the LM head's input (final norm applied) as a one-tuple, for heads of the caller's own
+        # that never build the full logits (TRL's fused head); a loss computed from it trains like `.loss`.
+        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=(hn,) if return_hidden else None)
+
+    def head_chunk_tokens(self) -> int:
+        """Tokens per LM-head chunk for the last forward's batch: any head over the hidden state (the chunked
+        loss, TRL's fused head) holds at most this many tokens x vocab logits at a time."""
+        return self.pipeline.loss_chunk(self.config.loss_chunk_tokens)
 
     def _only_through_backward(self, grad: torch.Tensor) -> torch.Tensor:
         # Plain loss.backward() would reach only the head and norm (the layers ran outside autograd) and

@@ -83,11 +83,12 @@ def bind(engine: Engine) -> None:
     # A copy of the model (copy.deepcopy) carries these methods along, bound to itself: it is a plain model
     # with its own weights then, so each of them serves the copy as the HF class would.
     @functools.wraps(original)
-    def forward(self: nn.Module, *args: Any, return_logits: bool | None = None, **kwargs: Any) -> Any:
+    def forward(self: nn.Module, *args: Any, return_logits: bool | None = None, return_hidden: bool = False,
+                **kwargs: Any) -> Any:
         if self is not engine.module:
             return original(self, *args, **kwargs)
         check_intact()
-        return _route(engine, original, signature, self, args, kwargs, return_logits)
+        return _route(engine, original, signature, self, args, kwargs, return_logits, return_hidden)
 
     @functools.wraps(nn.Module.state_dict)
     def state_dict(self: nn.Module, *args: Any, destination: Any = None, prefix: str = "",
@@ -174,7 +175,7 @@ def bind(engine: Engine) -> None:
 
 
 def _route(engine: Engine, original: Any, signature: inspect.Signature, model: nn.Module, args: tuple,
-           kwargs: dict[str, Any], return_logits: bool | None) -> Any:
+           kwargs: dict[str, Any], return_logits: bool | None, return_hidden: bool = False) -> Any:
     kw = _named_arguments(signature, model, args, kwargs)
     train = model.training and torch.is_grad_enabled()
     wants_hf = any(_given(kw.get(k)) for k in _HF_ONLY)
@@ -199,12 +200,13 @@ def _route(engine: Engine, original: Any, signature: inspect.Signature, model: n
     if rest:
         raise TypeError(f"forward() got arguments the MegaTrain engine does not serve: {rest}; it takes input_ids, "
                         "attention_mask, position_ids, labels, num_items_in_batch, logits_to_keep, return_dict, "
-                        "return_logits (and, outside training, past_key_values / use_cache / output_hidden_states / "
-                        "output_attentions)")
+                        "return_logits, return_hidden (and, outside training, past_key_values / use_cache / "
+                        "output_hidden_states / output_attentions)")
     if return_logits is None:
         # Logits whenever the caller can use them; a training step with labels takes the memory-lean chunked loss.
         return_logits = not (train and labels is not None)
-    out = engine.forward(labels=labels, return_logits=return_logits, logits_to_keep=logits_to_keep, **call)
+    out = engine.forward(labels=labels, return_logits=return_logits, logits_to_keep=logits_to_keep,
+                         return_hidden=return_hidden, **call)
     return out.to_tuple() if return_dict is False else out
 
 

@@ -7,10 +7,9 @@ that patch, so the patch's options are read off it first (`trl_head_options`) an
 samples at its sampling temperature, and a silently ignored temperature trains on wrong gradients. An option
 this module does not know is refused by name rather than dropped.
 
-The engine's logits already carry the model's own logit scaling and soft-capping (TRL re-derives the same
-transform from the config), so the temperature divides them exactly where TRL's kernel does. This path
-materialises the logits (`batch x seq x vocab` FP32 and as much again for their gradient), which TRL's tiled
-kernel avoids.
+The engine returns the LM head's input and TRL's own tiled kernel does the scoring, so this head holds what
+TRL's does on a plain model: one `tokens x vocab-tile` workspace, never the `batch x seq x vocab` logits (the
+engine refuses models whose wrapper scales its logits, so the only transform left is the soft-capping).
 """
 
 from __future__ import annotations
@@ -21,14 +20,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-# Every per-token field TRL's fused head can return besides log_probs (trl.kernels.chunked_logprob).
+# Every per-token field TRL's fused head can return besides log_probs (trl.kernels.chunked_logprob), in its order.
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 # The free variables of TRL's patched forward: what this module honours, and TRL's own plumbing. Logit scale and
 # soft-capping are in the engine's logits already (the model's own forward applies them).
 _HONOURED = {"temperature", "outputs", "cast_lm_head_to_fp32", "final_logit_softcapping", "logit_scale"}
 _PLUMBING = {"original_forward", "text_config", "backbone_attr"}
+# The kernel's vocabulary tile (TRL's own choice for its fused head): tokens x this many logits at a time.
+_VOCAB_TILE = 32768
 
 
 @dataclass(frozen=True)
@@ -84,13 +84,20 @@ def _output_class() -> Any:
 
 
 def fused_lm_head_forward(model: Callable[..., Any], input_ids: torch.Tensor | None, kwargs: dict[str, Any],
-                          options: FusedHeadOptions = FusedHeadOptions()) -> Any:
+                          options: FusedHeadOptions = FusedHeadOptions(),
+                          head: torch.nn.Linear | None = None,
+                          chunk_tokens: int | Callable[[], int] | None = None) -> Any:
     """`model(input_ids, **kwargs, fused_lm_head=True)` with TRL's semantics, `model` being the engine-run model.
 
-    Labels are shifted inside (or `shift_labels` taken as is); positions labelled -100 are zero in every
-    field; the logits are divided by `options.temperature` before every field; the loss is
-    `-sum(log_probs) / (valid tokens, or num_items_in_batch when given)`, as TRL computes it.
+    The engine hands back the LM head's input (its final norm applied, `return_hidden=True`) and TRL's own
+    chunked kernel (`trl.kernels.chunked_logprob`) scores the labelled positions through `head` (the model's
+    output embedding by default) in vocabulary tiles, `chunk_tokens` positions at a time, forward and backward:
+    the `tokens x vocab` logits never exist. Labels are shifted inside (or `shift_labels` taken as is); positions labelled -100 are zero in every
+    field; the logits are divided by `options.temperature` (after the model's soft-capping) before every field;
+    the loss is `-sum(log_probs) / (valid tokens, or num_items_in_batch when given)`, as TRL computes it.
     """
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
     kwargs = dict(kwargs)
     labels = kwargs.pop("labels", None)
     shift_labels = kwargs.pop("shift_labels", None)
@@ -98,42 +105,47 @@ def fused_lm_head_forward(model: Callable[..., Any], input_ids: torch.Tensor | N
     kwargs.pop("use_cache", None)
     if labels is None and shift_labels is None:
         raise ValueError("fused_lm_head=True needs labels (or shift_labels): it scores the next-token labels")
-    logits = model(input_ids, return_logits=True, **kwargs).logits
-    if options.cast_lm_head_to_fp32 and logits.dtype != torch.float32:
+    hidden = model(input_ids, return_hidden=True, return_logits=False, **kwargs).hidden_states[-1]
+    head = head if head is not None else model.__self__.get_output_embeddings()
+    if options.cast_lm_head_to_fp32 and head.weight.dtype != torch.float32:
         raise NotImplementedError(
             f"TRL asked for the LM head in float32 (cast_lm_head_to_fp32=True) but the engine computes it in "
-            f"{logits.dtype}; set the trainer's cast_lm_head_to_fp32=False, or compute_dtype 'float32' in the "
-            "'megatrain' config section")
+            f"{head.weight.dtype}; set the trainer's cast_lm_head_to_fp32=False, or compute_dtype 'float32' in "
+            "the 'megatrain' config section")
     if shift_labels is None:
-        logits, target = logits[:, :-1], labels[:, 1:]
+        hidden, target = hidden[:, :-1], labels[:, 1:]
     else:
         target = shift_labels
-    target = target.to(logits.device)
+    target = target.to(hidden.device)
     mask = target != -100
-    z = logits.float()
-    if options.temperature != 1.0:
-        z = z / options.temperature
-    logp = F.log_softmax(z, dim=-1)
-    log_probs = logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1).masked_fill(~mask, 0.0)
-    fields: dict[str, torch.Tensor] = {}
-    want = set(options.outputs)
-    if "entropy" in want:
-        fields["entropy"] = -(logp.exp() * logp).sum(-1).masked_fill(~mask, 0.0)
-    with torch.no_grad():  # TRL marks these three non-differentiable
-        if "log_sum_sq_probs" in want:
-            fields["log_sum_sq_probs"] = torch.logsumexp(2 * logp, dim=-1).masked_fill(~mask, 0.0)
-        if "mean_logits" in want:
-            fields["mean_logits"] = z.mean(-1).masked_fill(~mask, 0.0)
-        if "is_top1" in want:
-            fields["is_top1"] = (z.argmax(-1) == target) & mask
+    # Only the labelled positions go through the head: padding and prompts cost no head FLOPs. The kernel tiles
+    # the vocabulary but takes up to 4096 tokens a tile; the engine's own head chunk bounds the tokens instead.
+    h, t = hidden[mask], target[mask]
+    tile = min(head.weight.shape[0], _VOCAB_TILE)
+    chunk = max(1, (chunk_tokens() if callable(chunk_tokens) else chunk_tokens) or h.shape[0])
+    parts = [ChunkedLogProbFunction.apply(h[s: s + chunk], head.weight, head.bias, t[s: s + chunk],
+                                          options.temperature, tile, _softcap(model), 1.0, tuple(options.outputs))
+             for s in range(0, max(h.shape[0], 1), chunk)]
+    fields = [None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in range(len(parts[0]))]
+    # masked_scatter keeps an all-masked micro-batch connected to the model (a differentiable zero), as in TRL.
+    log_probs, *rest = (None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in fields)
     denom = mask.sum().clamp(min=1) if num_items is None else num_items
     loss = -log_probs.sum() / denom
-    return _output_class()(loss=loss, log_probs=log_probs, label_mask=mask, **fields)
+    extra = {name: value for name, value in zip(OPTIONAL_OUTPUTS, rest) if name in options.outputs}
+    return _output_class()(loss=loss, log_probs=log_probs, label_mask=mask, **extra)
 
 
-def serve_fused_lm_head(model: torch.nn.Module, options: FusedHeadOptions = FusedHeadOptions()) -> None:
+def _softcap(model: Callable[..., Any]) -> float | None:
+    config = getattr(getattr(model, "__self__", None), "config", None)
+    cap = getattr(config.get_text_config(), "final_logit_softcapping", None) if config is not None else None
+    return float(cap) if cap else None
+
+
+def serve_fused_lm_head(model: torch.nn.Module, options: FusedHeadOptions = FusedHeadOptions(),
+                        chunk_tokens: Callable[[], int] | None = None) -> None:
     """Let the engine-run `model` (after `Engine(model)` bound its forward) take TRL's `fused_lm_head=True`,
-    with the options `trl_head_options` read off TRL's patch before the engine replaced it."""
+    with the options `trl_head_options` read off TRL's patch before the engine replaced it; `chunk_tokens`
+    gives the engine's head chunk for the batch just run (`Engine.head_chunk_tokens`)."""
     engine_forward = model.forward.__func__
 
     def forward(self: torch.nn.Module, *args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
@@ -142,6 +154,7 @@ def serve_fused_lm_head(model: torch.nn.Module, options: FusedHeadOptions = Fuse
         if len(args) > 1:
             raise TypeError("fused_lm_head=True: pass everything but input_ids by keyword")
         input_ids = args[0] if args else kwargs.pop("input_ids", None)
-        return fused_lm_head_forward(types.MethodType(engine_forward, self), input_ids, kwargs, options)
+        return fused_lm_head_forward(types.MethodType(engine_forward, self), input_ids, kwargs, options,
+                                     chunk_tokens=chunk_tokens)
 
     model.forward = types.MethodType(forward, model)
