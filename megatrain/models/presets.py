@@ -150,6 +150,13 @@ class ModelPreset:
         mlp = max(([self._mlp_params(False, False)] if dense else []) + ([self._mlp_params(True, False)] if sparse else []))
         return attn + mlp + 2 * self.hidden
 
+    def layer_sizes(self) -> list[int]:
+        """Each decoder layer's stored parameters (their sum is nonembed_params() less the final norm): dense-MLP
+        layers first (first_k_dense_replace), linear-attention layers last (only the sum and the sizes count)."""
+        dense, _, full, _ = self._layer_mix()
+        return [self._attention_params(i >= full) + self._mlp_params(i >= dense, False) + 2 * self.hidden
+                for i in range(self.num_layers)]
+
     def active_layer_params(self) -> int:
         """Parameters one token computes with in a decoder layer (mean over the layers): the router and only
         top-k routed experts of a MoE layer. What the FLOPs count; equal to layer_params() in a dense model."""
