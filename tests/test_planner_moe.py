@@ -81,6 +81,17 @@ def test_moe_preset_counts_match_the_transformers_model(name):
     assert p.largest_layer_params() >= p.layer_params() > p.active_layer_params()
 
 
+def test_the_tiny_moe_preset_builds_its_own_shape():
+    """tiny-mixtral (a sweep-sized MoE point): its hf_config builds a model of the preset's count."""
+    p = PRESETS["tiny-mixtral"]
+    d = p.hf_config().to_dict()
+    keys = {k: d[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                              "num_key_value_heads", "vocab_size", "num_local_experts", "num_experts_per_tok",
+                              "tie_word_embeddings")}
+    assert keys["num_local_experts"] == 4 and keys["num_experts_per_tok"] == 2
+    _check_counts(p, "mixtral", keys)
+
+
 def test_a_wrong_preset_shape_fails_the_comparison():
     """Negative control: one expert fewer, or the expert width off, and the counts disagree."""
     p = PRESETS["gpt-oss-120b"]

@@ -222,6 +222,8 @@ PRESETS: dict[str, ModelPreset] = {
         # CPU-sized shapes for tests and the quick sweep.
         _P("tiny", "llama", 2, 64, 176, 4, 2, 256, 2048),
         _P("tiny-qwen2", "qwen2", 2, 64, 176, 4, 2, 256, 2048, tie_embeddings=True),
+        # a CPU-sized mixture of experts (Mixtral's layer: 4 experts, top-2) for a MoE sweep point
+        _P("tiny-mixtral", "mixtral", 2, 64, 96, 4, 2, 256, 2048, moe=MoEShape(4, 2, 96)),
         _P("small-7m", "llama", 4, 256, 688, 8, 4, 8192, 4096),
         # SmolLM-135M's published shape (deep, narrow, GQA, 49k vocabulary): the long-context bench's model.
         _P("smollm-135m", "llama", 30, 576, 1536, 9, 3, 49152, 2048, tie_embeddings=True),
