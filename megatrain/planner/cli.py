@@ -23,7 +23,7 @@ from .point import context_refusal, engine_settings, make_point
 from .prediction import Plan
 from .search import largest_batch, largest_context
 from .shapes import resolve_model
-from .step_time import crossover_closed_form
+from .step_time import crossover_closed_form, link_overlap
 
 
 def _si(x: float, unit: str = "") -> str:
@@ -42,7 +42,7 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
     p, hw, m, t = pl.point, pl.hardware, pl.point.model, pl.time
     P = m.param_count()
     out = [
-        f"{p.backend} plan: {m.name} ({_si(P)} params, {m.num_layers} layers x {_si(m.layer_params())}) "
+        f"{p.backend} plan: {m.name} ({_si(P)} params{_active(m)}, {m.num_layers} layers x {_si(m.layer_params())}) "
         f"on {hw.name} [{hw.link}, {hw.link_gbs_achieved:g} GB/s per direction]",
         f"  context {p.context}, micro-batch {p.batch}, accumulation {p.grad_accum} "
         f"({p.tokens_per_step} tokens/step), compute {p.dtype}"
@@ -90,6 +90,8 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
     if pl.crossover_tokens is not None:
         out.append(f"  link stops being the bottleneck at >= {pl.crossover_tokens:,.0f} tokens per micro-batch "
                    f"(Phi/B closed form {crossover_closed_form(hw, p.dtype):,.0f}); this point has {p.tokens:,}")
+    if m.is_moe and p.backend == "megatrain":
+        out += _moe_lines(pl)
     out += _largest_lines(pl, biggest_batch, biggest_context)
     for w in pl.warnings:
         out.append(f"  warning: {w}")
@@ -104,6 +106,24 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
                        "DeepSpeedCPUAdam at the profile's rate; checked in results/zero3_mechanisms/README.md)")
     out.append("  (predicted; model TFLOPS = 6*N_nonembed*T + 12*L*h*s*T/2 per step, recompute not counted)")
     return "\n".join(out)
+
+
+def _active(m: Any) -> str:
+    return f", {_si(m.active_param_count())} active: {m.moe.top_k} of {m.moe.experts} experts" if m.is_moe else ""
+
+
+def _moe_lines(pl: Plan) -> list[str]:
+    """The overlap condition of a mixture of experts: a layer streams every expert, computes with top-k."""
+    p, m = pl.point, pl.point.model
+    ov = link_overlap(p, pl.hardware, pl.time)
+    return [
+        f"  mixture of experts: each layer streams all {m.moe.experts} experts ({_si(m.layer_params())} params, "
+        f"{fmt_bytes(m.layer_params() * p.c)}) and computes with {_si(m.active_layer_params())} per token; per step "
+        f"{fmt_bytes(ov.streamed_bytes)} host->device take {_sec(ov.link_s)} against {_sec(ov.compute_s)} of compute",
+        f"    the link binds below {ov.crossover_tokens:,.0f} tokens per micro-batch (a dense model streaming the same "
+        f"bytes: {ov.dense_crossover_tokens:,.0f}); at {p.tokens:,} tokens "
+        + ("the LINK binds" if ov.link_binds else "compute hides the link"),
+    ]
 
 
 def _largest_lines(pl: Plan, biggest_batch: int | None, biggest_context: int | None) -> list[str]:

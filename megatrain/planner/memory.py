@@ -85,8 +85,10 @@ def layer_dims(m: ModelPreset, expanded_kv: bool = False) -> device_model.LayerD
     layer_dims reads it from a built layer."""
     # every planner family (llama, qwen2, mistral) is one of the engine's tileable layer classes, on sdpa;
     # FP32 on CUDA expands grouped key/value heads for the fused kernels (engine/attention.py)
-    return device_model.LayerDims(hidden=m.hidden, kv=m.kv_heads * m.head_dim, intermediate=m.intermediate,
-                                  numel=m.layer_params(), attention_tiled=True, head_dim=m.head_dim,
+    # a mixture of experts: activations as wide as the experts a token uses (top-k + shared), the weight
+    # gradients of the largest layer with all its experts
+    return device_model.LayerDims(hidden=m.hidden, kv=m.kv_heads * m.head_dim, intermediate=m.mlp_width(),
+                                  numel=m.largest_layer_params(), attention_tiled=True, head_dim=m.head_dim,
                                   kv_expanded=(m.heads - m.kv_heads) * m.head_dim if expanded_kv else 0)
 
 
@@ -100,14 +102,14 @@ def layer_working_set_bytes(m: ModelPreset, tokens: int, c: int, tile: int | Non
         return int(device_model.layer_working_bytes(layer_dims(m), tokens, tile, c))
     kv = m.kv_heads * m.head_dim
     fp32_extra = WS_H_FP32_BF16 * m.hidden * 4 if c == 2 else 0.0
-    return int(tokens * ((HF_WS_H * m.hidden + HF_WS_KV * kv + HF_WS_I * m.intermediate) * c + fp32_extra))
+    return int(tokens * ((HF_WS_H * m.hidden + HF_WS_KV * kv + HF_WS_I * m.mlp_width()) * c + fp32_extra))
 
 
 def layer_saved_bytes(m: ModelPreset, tokens: int, c: int) -> int:
     """Bytes one HF layer's forward saves for backward when nothing is recomputed."""
     kv = m.kv_heads * m.head_dim
     fp32_extra = WS_H_FP32_BF16 * m.hidden * 4 if c == 2 else 0.0
-    return int(tokens * ((SAVED_H * m.hidden + SAVED_KV * kv + SAVED_I * m.intermediate) * c + fp32_extra))
+    return int(tokens * ((SAVED_H * m.hidden + SAVED_KV * kv + SAVED_I * m.mlp_width()) * c + fp32_extra))
 
 
 def _device_budget(p: Point, hw: Hardware) -> int | None:
@@ -123,7 +125,7 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
     will make for the batch, and its predicted device peak, term by term."""
     m, c, T = p.model, p.c, p.tokens
     dims = layer_dims(m, expanded_kv=not hw.unified_memory and c == 4)
-    resident = (p.num_buffers * m.layer_params() + m.embed_params() + m.hidden) * c  # buffers + globals
+    resident = (p.num_buffers * m.largest_layer_params() + m.embed_params() + m.hidden) * c  # buffers + globals
     policy = device_model.LongContextPolicy(
         dims=dims, n_layers=m.num_layers, itemsize=c, vocab=m.vocab, loss_chunk=p.loss_chunk_tokens,
         tile_setting=p.mlp_tile_tokens, offload_setting=p.offload_activations, budget=_device_budget(p, hw),
@@ -153,7 +155,7 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
     G = P - L * PL  # embedding, head, final norm: FP32 master and gradient in every mode
     # What the engine pins on CUDA (the same rule as its store and preflight): each layer's streamed copy,
     # the resident masters, the staging slots, and the offloaded activations' host buffers.
-    pin = {} if hw.unified_memory else pinned_bytes([PL] * L, resident, c, True, c)
+    pin = {} if hw.unified_memory else pinned_bytes(m.layer_sizes(), resident, c, True, c)
     host = {
         "master weights": L * PL * mb + G * 4,
         "gradients": L * PL * gb + G * 4,
@@ -228,7 +230,7 @@ def zero3_memory(p: Point, hw: Hardware) -> Memory:
     host["user's fp32 model before partitioning"] = P * 4
     host["runtime"] = int(hw.host_reserved_gib * GIB)
     host["deepspeed runtime"] = ZERO3_RUNTIME_BYTES
-    largest = max(m.hidden * m.intermediate, m.vocab * h)
+    largest = max(m.hidden * m.mlp_width(active=False), m.vocab * h)  # MoE: the experts are one module
     device: dict[str, int] = {}
     if p.zero_stage == 3:
         device["fetched params (module + prefetch)"] = int(min(ZERO3_MAX_LIVE_PARAMS, largest + z["prefetch"], P) * c)
@@ -249,7 +251,7 @@ def torch_memory(p: Point, hw: Hardware) -> Memory:
         "fp32 weights": P * 4,
         "fp32 gradients": P * 4,
         "adam m + v": P * 8,
-        "bf16 weight casts (autocast)": m.layer_params() * 2 * 2 if c == 2 else 0,
+        "bf16 weight casts (autocast)": m.largest_layer_params() * 2 * 2 if c == 2 else 0,
         **_hf_activations(p),
         "runtime": 0 if hw.unified_memory else int(hw.device_reserved_gib * GIB),
     }

@@ -218,7 +218,7 @@ def node_memory(pl: Plan, gpus_per_node: int, nodes: int = 1) -> tuple[Memory, d
     layer_pinned = 0
     if mem.pinned:
         m = pl.point.model
-        layer_pinned = pinned_bytes([m.layer_params()] * m.num_layers, 0, pl.point.c, False, 0)[
+        layer_pinned = pinned_bytes(m.layer_sizes(), 0, pl.point.c, False, 0)[
             "streamed layers"]
     pinned = copies * layer_pinned + n * (mem.pinned - layer_pinned)
     return (Memory(host, dict(mem.device), mem.unified, mem.shared, pinned), layer,

@@ -43,7 +43,8 @@ class Plan:
     @property
     def model_flops(self) -> float:
         m = self.point.model
-        return model_flops_per_step(m.nonembed_params(), m.num_layers, m.hidden, self.point.context,
+        # a mixture of experts: the parameters a token computes with (top-k experts), not all it stores
+        return model_flops_per_step(m.active_nonembed_params(), m.num_layers, m.hidden, self.point.context,
                                     self.point.tokens_per_step)
 
     @property
@@ -124,6 +125,7 @@ class Plan:
             "vocab": m.vocab,
             "params": m.param_count(),
             "nonembed_params": m.nonembed_params(),
+            "active_params": m.active_param_count(),
             "seq_len": p.context,
             "micro_batch": p.batch,
             "grad_accum": g,

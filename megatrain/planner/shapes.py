@@ -10,11 +10,13 @@ from typing import Any
 
 from megatrain.models.presets import ALIASES, PRESETS, ModelPreset, get_preset
 
+from .moe_shapes import MOE_MODEL_TYPES, moe_shapes, text_config
+
 # Architectures whose decoder layer has the shape ModelPreset.layer_params() counts
 # (attention + SwiGLU MLP + two RMSNorms; q/k/v biases for the qwen2 family).
 _FAMILY = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
-# Config keys that give a mixture-of-experts model away (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...): its
-# MLP is many experts and a router, which ModelPreset's one dense SwiGLU per layer cannot describe.
+# Config keys that give a mixture-of-experts model away (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...): read by
+# moe_shapes.py into a MoEShape where it knows the family, refused by name where it does not.
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")
 
 
@@ -65,43 +67,49 @@ def model_from_path(path: str | os.PathLike) -> ModelPreset:
 
 
 def _from_hf_dict(d: dict[str, Any], cfg: Any = None) -> ModelPreset:
+    d = text_config(d)
+    if cfg is not None and d is not cfg and hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
     mtype = d.get("model_type", "")
     moe = {k: d[k] for k in _MOE_KEYS if d.get(k)}
-    if moe or "moe" in str(mtype).lower():
+    is_moe = bool(moe) or "moe" in str(mtype).lower() or mtype in MOE_MODEL_TYPES
+    if is_moe and mtype not in MOE_MODEL_TYPES:
         said = ", ".join(f"{k}={v}" for k, v in moe.items())
         raise ValueError(
-            f"model_type {mtype!r} is a mixture-of-experts model ({said or 'experts in its MLP'}): the planner "
-            "describes dense decoder layers (attention + one SwiGLU MLP) only and cannot plan expert layers")
-    family = _FAMILY.get(mtype)
+            f"model_type {mtype!r} is a mixture-of-experts model ({said or 'experts in its MLP'}) whose layer shape "
+            f"the planner does not read; it reads {', '.join(MOE_MODEL_TYPES)} (or describe it as a ModelPreset "
+            "with a MoEShape)")
+    family = mtype if is_moe else _FAMILY.get(mtype)
     if family is None:
         raise ValueError(
-            f"the planner knows the layer shape of model_type {sorted(_FAMILY)}, not {mtype!r}; "
-            "describe the model as a ModelPreset instead")
+            f"the planner knows the layer shape of model_type {sorted(_FAMILY) + sorted(MOE_MODEL_TYPES)}, not "
+            f"{mtype!r}; describe the model as a ModelPreset instead")
     if d.get("mlp_bias"):
         raise ValueError("config sets mlp_bias=true; the planner counts no MLP biases, so it cannot plan this shape")
-    if d.get("attention_bias"):
+    if not is_moe and d.get("attention_bias"):
         family = "qwen2"  # same bias count (q, k, v)
     try:
-        hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+        hidden, heads, layers = int(d["hidden_size"]), int(d["num_attention_heads"]), int(d["num_hidden_layers"])
+        extra = moe_shapes(d, mtype, hidden, heads, layers) if is_moe else {"intermediate": int(d["intermediate_size"])}
         preset = ModelPreset(
             name=str(d.get("_name_or_path") or f"hf-{mtype}"),
             family=family,
-            num_layers=int(d["num_hidden_layers"]),
+            num_layers=layers,
             hidden=hidden,
-            intermediate=int(d["intermediate_size"]),
             heads=heads,
             kv_heads=int(d.get("num_key_value_heads") or heads),
             vocab=int(d["vocab_size"]),
             max_positions=_trainable_positions(d, cfg),
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
             rope_theta=float(d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta") or 10000.0),
+            **extra,
         )
     except KeyError as e:
-        raise ValueError(f"transformers config lacks {e.args[0]!r}; cannot plan for it") from None
+        raise ValueError(f"transformers config of model_type {mtype!r} lacks {e.args[0]!r}; cannot plan for it") from None
     head_dim = d.get("head_dim")
-    if head_dim is not None and int(head_dim) != preset.head_dim:
-        # ModelPreset derives head_dim = hidden // heads; a config that sets another one has other
-        # projection sizes, and planning it with the wrong count would be silently off.
+    if not is_moe and head_dim is not None and int(head_dim) != preset.head_dim:
+        # ModelPreset derives head_dim = hidden // heads for the dense families; a config that sets another
+        # one has other projection sizes, and planning it with the wrong count would be silently off.
         raise ValueError(
             f"config sets head_dim={head_dim} but hidden/heads = {preset.head_dim}; the planner's "
             "ModelPreset cannot express that shape yet")

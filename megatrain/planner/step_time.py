@@ -55,11 +55,14 @@ class Time:
 
 
 def layer_flops(p: Point) -> tuple[float, float, float]:
-    """(GEMM FLOPs, attention FLOPs, elementwise bytes) of one decoder layer's forward, one micro-batch."""
+    """(GEMM FLOPs, attention FLOPs, elementwise bytes) of one decoder layer's forward, one micro-batch.
+    A mixture of experts computes with its active parameters (router + top-k experts), not all it stores."""
     m, T = p.model, p.tokens
-    lin = 2.0 * m.layer_params() * T
-    attn = 2.0 * m.hidden * p.context * T  # causal QK^T + AV: 4 h s T x 1/2
-    elem = T * (ELEM_H * m.hidden + ELEM_I * m.intermediate) * p.c
+    lin = 2.0 * m.active_layer_params() * T
+    # causal QK^T + AV: 4 w s T x 1/2, w the query width (hidden in Llama shapes), s the context the layers
+    # attend over (sliding windows and linear attention less)
+    attn = 2.0 * m.attention_score_width() * m.attention_context(p.context) * T
+    elem = T * (ELEM_H * m.hidden + ELEM_I * m.mlp_width()) * p.c
     return lin, attn, elem
 
 
@@ -232,7 +235,7 @@ def _zero3_passes(p: Point, hw: Hardware) -> tuple[PassCost, PassCost, float]:
     elem = elem_b / (hw.device_memory_bw_gbs * GB)
     fwd = (lin + attn) / R + elem
     bwd = (2 * lin + ATTN_BWD_RATIO * attn) / R + elem
-    mods = decoder_layer_submodules(m.hidden, m.kv_heads * m.head_dim, m.intermediate, m.family == "qwen2",
+    mods = decoder_layer_submodules(m.hidden, m.kv_heads * m.head_dim, m.mlp_width(active=False), m.family == "qwen2",
                                     (attn / R) / fwd)
     z = zero3_sizes(p)
     stage3 = p.zero_stage == 3
@@ -357,3 +360,38 @@ def crossover_closed_form(hw: Hardware, dtype: str) -> float:
     """Phi / B for bf16 weights (2 Phi / B for fp32): GEMM-only forward, sustained rate, achieved link."""
     c = 2 if _is_bf16(dtype) else 4
     return c * hw.sustained_flops(dtype) / (2 * hw.link_bps)
+
+
+@dataclass(frozen=True)
+class LinkOverlap:
+    """Whether a step's weight streaming hides behind its compute: every stored parameter of a layer crosses
+    the link (a mixture-of-experts layer all its experts), the compute is only what the tokens use (top-k)."""
+
+    streamed_bytes: int  # host -> device per step: each layer's weights, forward and backward
+    compute_s: float  # compute per step at the sustained rate
+    link_s: float  # the streamed bytes at the achieved link rate (the h2d lane's busy time)
+    crossover_tokens: float  # tokens per micro-batch above which compute hides the link
+    dense_crossover_tokens: float  # the same for a dense model that computes with all it streams
+
+    @property
+    def link_binds(self) -> bool:
+        return self.link_s > self.compute_s
+
+
+def link_overlap(p: Point, hw: Hardware, t: Time | None = None) -> LinkOverlap:
+    """The overlap condition with total bytes over active compute: per step, L layers x 2 loads (forward,
+    backward recompute) of layer_params() x c bytes against L x (forward + recompute + backward) compute;
+    with `t` (megatrain_time at this point) the replayed step's own h2d bytes and busy times instead."""
+    m, L, g = p.model, p.model.num_layers, p.grad_accum
+    fwd, rec, bwd = layer_compute(p, hw)
+    streamed = 2 * g * L * m.layer_params() * p.c
+    compute = g * L * (fwd + rec + bwd)
+    link = streamed / hw.link_bps
+    if t is not None:
+        streamed, compute, link = t.h2d_bytes, t.busy_s["compute"], t.busy_s["link h2d"]
+    cross = link_crossover_tokens(p, hw)
+    # a dense layer computing with every parameter it streams: forward GEMMs scale by total/active
+    lin, attn, _ = layer_flops(p)
+    dense_fwd = lin * m.layer_params() / max(1, m.active_layer_params()) + attn
+    dense_cross = cross * (lin + attn) / dense_fwd if dense_fwd else cross
+    return LinkOverlap(int(streamed), compute, link, cross, dense_cross)
