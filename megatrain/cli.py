@@ -60,7 +60,32 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from megatrain.sft import load_run, train
+
+    try:
+        run = load_run(args.sft_config, args.set)
+    except ValueError as e:
+        print(f"megatrain train: error: {e}", file=sys.stderr)
+        return 2
+    out = train(run)
+    losses = list(out["losses"].values())
+    print(f"{run.model} on {run.data} ({out['engine']}): {len(losses)} logged steps, loss "
+          f"{losses[0]:.4f} -> {losses[-1]:.4f}; saved to {run.output_dir}/final")
+    return 0
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
+    if (args.sft_config is None) == (args.config is None):
+        print("megatrain train: error: give --config SFT.yaml (fine-tune your model on your data) or a benchmark "
+              "point's YAML as the argument, not both", file=sys.stderr)
+        return 2
+    if args.sft_config is not None:
+        if args.model or args.trace:
+            print("megatrain train: error: --model and --trace belong to benchmark points; an SFT config names its "
+                  "model itself (model: DIR)", file=sys.stderr)
+            return 2
+        return _cmd_sft(args)
     from tqdm import tqdm
 
     from experiments.point import run
@@ -150,10 +175,15 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", default=None, help="where to write (default: the results directory)")
     rp.set_defaults(func=_cmd_report)
 
-    tp = sub.add_parser("train", help="one training run with a progress bar",
-                        description="Train one configuration in this process: the keys of a sweep point "
-                                    "(backend, model, seq_len, micro_batch, grad_accum, precision, engine, steps, ...).")
-    tp.add_argument("config", help="YAML with one point's keys")
+    tp = sub.add_parser("train", help="fine-tune a model on your data (--config), or run one benchmark point",
+                        description="--config SFT.yaml: supervised fine-tuning of a local model directory on a local "
+                                    "alpaca / sharegpt JSON or JSONL file with TRL's SFTTrainer on MegaTrain (see "
+                                    "examples/sft/sft.yaml for every key). A positional YAML instead: one benchmark "
+                                    "point, the keys of a sweep point (backend, model, seq_len, micro_batch, "
+                                    "grad_accum, precision, engine, steps, ...).")
+    tp.add_argument("config", nargs="?", default=None, help="a benchmark point's YAML")
+    tp.add_argument("--config", dest="sft_config", default=None, metavar="SFT.yaml",
+                    help="an SFT run: model, data, output_dir, ... and a 'megatrain' section of engine settings")
     tp.add_argument("--model", default=None, help="the model: a preset name, or a local model directory / config.json "
                                                   "(its shape, with random weights); overrides the config's model")
     tp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key (YAML value), repeatable")

@@ -126,7 +126,8 @@ def test_the_readme_is_short_and_its_first_screen_shows_what_a_newcomer_needs():
     assert len(text) <= README_CHARS, len(text)
     first = "\n".join(text.splitlines()[:80])
     for needed in ("bash scripts/setup.sh test && .venv/bin/python -m pytest -q", "import megatrain as deepspeed",
-                   "Accelerator(backend=", "megatrain plan", "five files"):
+                   "Accelerator(backend=", "megatrain plan", "five files",
+                   "megatrain train --config"):
         assert needed in first, needed
     # The test command CI runs is the README's, verbatim.
     assert "bash scripts/setup.sh test && .venv/bin/python -m pytest -q" in (ROOT / ".ci" / "run").read_text()

@@ -195,6 +195,7 @@ def _route(engine: Engine, original: Any, signature: inspect.Signature, model: n
         raise ValueError("inputs_embeds is not supported by the MegaTrain engine; pass input_ids")
     labels = kw.pop("labels", None)
     call = {k: kw.pop(k, None) for k in ("input_ids", "attention_mask", "position_ids", "num_items_in_batch")}
+    _drop_packing_kwargs(kw, call["position_ids"])
     logits_to_keep = kw.pop("logits_to_keep", 0)
     rest = sorted(k for k, v in kw.items() if v is not None)
     if rest:
@@ -208,6 +209,30 @@ def _route(engine: Engine, original: Any, signature: inspect.Signature, model: n
     out = engine.forward(labels=labels, return_logits=return_logits, logits_to_keep=logits_to_keep,
                          return_hidden=return_hidden, **call)
     return out.to_tuple() if return_dict is False else out
+
+
+# What padding-free collators (TRL's packing, DataCollatorWithFlattening) add for flash attention. They restate the
+# sequence boundaries that position_ids already give (a reset to 0 starts a sequence); the model's own mask, which
+# the engine records, is built from position_ids, as it is on plain HF with any other attention.
+_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def _drop_packing_kwargs(kw: dict[str, Any], position_ids: torch.Tensor | None) -> None:
+    given = {k: kw.pop(k) for k in _PACKING_KWARGS if kw.get(k) is not None}
+    cu = given.get("cu_seq_lens_q", given.get("cu_seq_lens_k"))
+    if not given or cu is None:
+        if given:
+            kw.update(given)  # refused below, by name: boundaries without cu_seq_lens are not ones we can check
+        return
+    if position_ids is None:
+        raise ValueError("cu_seq_lens_q/k without position_ids: the engine reads packed sequences' boundaries from "
+                         "position_ids (0 where each sequence starts); pass them, as padding-free collators do")
+    flat = position_ids.reshape(-1).cpu()
+    starts = torch.cat([(flat == 0).nonzero().squeeze(1), torch.tensor([flat.numel()])])
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        if name in given and not torch.equal(given[name].reshape(-1).cpu().long(), starts):
+            raise ValueError(f"{name} does not match the sequence starts in position_ids ({starts.tolist()}): the "
+                             "engine takes packed sequences' boundaries from position_ids")
 
 
 def _layer_slots(engine: Engine) -> dict[int, tuple[Any, Any]]:
