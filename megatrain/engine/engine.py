@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from ..config import EngineConfig
 from ..costs.modes import GradSlab, HostMaster
@@ -43,6 +43,7 @@ from .optim import LayeredStep, OptimizerArg, adopt_optimizer
 from .placement import place, resolve_device
 from .probe import verify_model
 from .ranks import ranks_for
+from .router import model_router_loss, wants_router_loss
 from .schedule import LayerPipeline
 from .stream import Streams, Trace
 from .tiling import long_context_policy
@@ -52,7 +53,8 @@ __all__ = ["Engine", "OptimizerArg", "engines_holding", "resolve_device"]
 
 def _has_dropout(cfg: Any) -> bool:
     return any((getattr(cfg, k, 0) or 0) > 0 for k in ("attention_dropout", "hidden_dropout", "dropout",
-                                                         "resid_pdrop", "attn_pdrop"))
+                                                         "resid_pdrop", "attn_pdrop",
+                                                         "router_jitter_noise"))
 
 
 @dataclass
@@ -65,6 +67,7 @@ class _Pending:
     layer_inputs: list
     acts: ActivationStore
     ids: torch.Tensor
+    router_leaves: list[tuple[int, torch.Tensor]]  # (layer, its router logits as a leaf the loss was computed from)
 
 
 class Engine:
@@ -173,7 +176,8 @@ class Engine:
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 return_logits: bool = False, num_items_in_batch: int | torch.Tensor | None = None,
-                logits_to_keep: int | torch.Tensor = 0, **unused: Any) -> CausalLMOutputWithPast:
+                logits_to_keep: int | torch.Tensor = 0, output_router_logits: bool | None = None,
+                **unused: Any) -> CausalLMOutputWithPast:
         check_batch(self.hf_config, input_ids, attention_mask, labels, position_ids, unused)
         t0 = time.perf_counter()
         self.templates.train(self.training)  # the user may have switched modes on the model object itself
@@ -189,9 +193,17 @@ class Engine:
             h_in0, layer_inputs = record_layer_inputs(self.parts, self._recorded, h0, mask, pos)
         offload = self.pipeline.plan_batch(int(ids.numel()), self.config.offload_activations)
         acts = ActivationStore(self.streams, offload, pin=self.pipeline.act_pool) if train else None
-        with torch.no_grad():
-            h_last = self.pipeline.forward(h_in0.detach(), layer_inputs, acts)
+        # A mixture-of-experts loss includes the router term: record every layer's router logits (router.py).
+        routed = labels is not None and self.templates.routed and wants_router_loss(self.parts, output_router_logits)
+        self.templates.recorded = {} if routed else None
+        try:
+            with torch.no_grad():
+                h_last = self.pipeline.forward(h_in0.detach(), layer_inputs, acts)
+            recorded, self.templates.recorded = self.templates.recorded or {}, None
+        finally:
+            self.templates.recorded = None
         h_last = h_last.detach().requires_grad_(train)
+        router_leaves = [(i, z.detach().requires_grad_(train)) for i in sorted(recorded) for z in recorded[i]]
         with torch.set_grad_enabled(train):
             hn = self.parts.norm(h_last)
             loss = None
@@ -199,15 +211,21 @@ class Engine:
                 loss = chunked_causal_lm_loss(hn, self.parts.lm_head, labels,
                                               self.pipeline.loss_chunk(self.config.loss_chunk_tokens),
                                               num_items_in_batch, self.parts.softcap)
+            aux = None
+            if routed:
+                extra, aux = model_router_loss(self.parts, [z for _, z in router_leaves], ids, mask, pos, labels)
+                loss = loss + extra.to(loss.device)
             logits = head_logits(hn, self.parts.lm_head, logits_to_keep, self.parts.softcap) if return_logits else None
         if train and (loss is not None or logits is not None):
             if self._pending is not None:
                 self._unbackwarded.append(weakref.ref(self._pending.h_last))
-            self._pending = _Pending(h0, h_in0, h_last, layer_inputs, acts, ids)
+            self._pending = _Pending(h0, h_in0, h_last, layer_inputs, acts, ids, router_leaves)
             self.accounting.act_peak = max(self.accounting.act_peak, acts.peak_device_bytes)
             h_last.register_hook(self._only_through_backward)
         self.accounting.seconds["forward_s"] += time.perf_counter() - t0
         self.accounting.tokens += int(ids.numel())
+        if routed:
+            return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     def _only_through_backward(self, grad: torch.Tensor) -> torch.Tensor:
@@ -253,9 +271,16 @@ class Engine:
         self._backwards += 1
         self._autograd_running = True
         try:
-            g, *grads = torch.autograd.grad(loss, [p.h_last, *params, *earlier], allow_unused=True)
+            leaves = [z for _, z in p.router_leaves]
+            g, *grads = torch.autograd.grad(loss, [p.h_last, *params, *earlier, *leaves], allow_unused=True)
         finally:
             self._autograd_running = False
+        router_grads = grads[len(grads) - len(leaves):]
+        grads = grads[: len(grads) - len(leaves)]
+        # Each layer's router logits' gradient from the router loss joins its recomputed backward (schedule.py).
+        self.templates.router_grads = {}
+        for (i, _), gz in zip(p.router_leaves, router_grads):
+            self.templates.router_grads.setdefault(i, []).append(gz)
         if any(e is not None for e in grads[len(params):]):
             raise RuntimeError("the loss depends on an earlier forward whose backward was not run; MegaTrain "
                                "backpropagates one forward at a time: call backward() after each forward")

@@ -60,8 +60,6 @@ def find_parts(model: nn.Module) -> DecoderParts:
         raise ValueError(f"{kind} shares keys/values across layers (num_kv_shared_layers="
                          f"{config.num_kv_shared_layers}): its layers are not independent, so they cannot be "
                          "recomputed one at a time; set num_kv_shared_layers=0 or train it with another backend")
-    if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
-        raise ValueError(f"{kind} is a mixture-of-experts model; MegaTrain supports dense decoder layers")
 
     get_in = getattr(model, "get_input_embeddings", None)
     get_out = getattr(model, "get_output_embeddings", None)
