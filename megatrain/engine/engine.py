@@ -54,7 +54,7 @@ __all__ = ["Engine", "OptimizerArg", "engines_holding", "resolve_device"]
 def _has_dropout(cfg: Any) -> bool:
     return any((getattr(cfg, k, 0) or 0) > 0 for k in ("attention_dropout", "hidden_dropout", "dropout",
                                                          "resid_pdrop", "attn_pdrop",
-                                                         "router_jitter_noise"))
+                                                         "router_jitter_noise", "input_jitter_noise", "moe_jitter_eps"))
 
 
 @dataclass
