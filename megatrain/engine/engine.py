@@ -191,6 +191,10 @@ class Engine:
         h0.requires_grad_(train)  # the lookup's gradient is scattered by hand in backward (no vocab x hidden)
         with torch.set_grad_enabled(train):
             h_in0, layer_inputs = record_layer_inputs(self.parts, self._recorded, h0, mask, pos)
+        # The stack ran from the embedding output, so it handed its layers no token ids; a layer that reads them
+        # (DeepSeek-V4's hash-routed experts) gets the batch's, as in the model's own forward from input_ids.
+        layer_inputs = [(a, {**kw, "input_ids": ids} if "input_ids" in kw and kw["input_ids"] is None else kw)
+                        for a, kw in layer_inputs]
         offload = self.pipeline.plan_batch(int(ids.numel()), self.config.offload_activations)
         acts = ActivationStore(self.streams, offload, pin=self.pipeline.act_pool) if train else None
         # A mixture-of-experts loss includes the router term: record every layer's router logits (router.py).

@@ -98,6 +98,21 @@ def _two_layer_types(types: list) -> list:
     return (kinds + kinds)[:2] if len(kinds) >= 2 else list(types[:2])
 
 
+def _keep_both_layer_kinds(cfg: Any, present: dict) -> None:
+    """Two layers that still hold an expert layer and an attention layer where the model mixes kinds."""
+    n = cfg.num_hidden_layers if isinstance(vars(cfg).get("num_hidden_layers"), int) else None
+    if isinstance(present.get("mlp_layer_types"), list):
+        cfg.mlp_layer_types = _two_layer_types(cfg.mlp_layer_types)
+    dense = present.get("mlp_only_layers")
+    if n and isinstance(dense, list) and dense and all(i in dense for i in range(n)):
+        cfg.mlp_only_layers = [0]  # every shrunk layer dense: keep the first, route the second
+    for kind in ("attn", "expert"):  # Jamba: a kind every `period` layers from `offset`
+        period, offset = present.get(f"{kind}_layer_period"), present.get(f"{kind}_layer_offset")
+        if n and isinstance(period, int) and isinstance(offset, int) and offset >= n:
+            setattr(cfg, f"{kind}_layer_period", 2)
+            setattr(cfg, f"{kind}_layer_offset", 1)
+
+
 def tiny_config(config: Any) -> Any:
     """A copy of `config` with model sizes shrunk to a CPU's seconds and dropout off; structure kept."""
     cfg = copy.deepcopy(config)
@@ -113,6 +128,9 @@ def tiny_config(config: Any) -> Any:
     for key, value in _EXPERT_COUNTS.items():
         if isinstance(present.get(key), int) and not isinstance(present.get(key), bool) and present[key] > value:
             setattr(cfg, key, value)
+    if present.get("num_experts_per_tok", 0) is None and any(present.get(k) for k in ("n_routed_experts", "num_experts")):
+        cfg.num_experts_per_tok = 2  # a default without top-k (DeepSeek-V2) cannot route at all
+    _keep_both_layer_kinds(cfg, present)
     if "output_router_logits" in present:
         cfg.output_router_logits = True
         if isinstance(present.get("router_aux_loss_coef"), float):
