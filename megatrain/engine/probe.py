@@ -57,7 +57,8 @@ _MORE_SIZES = {
 }
 # Mixture of experts: top-k and expert groups within the shrunk expert count; the router loss on and weighted so a
 # wrong router gradient shows (the model's defaults, e.g. 0.001, would put it under the tolerance).
-_EXPERT_COUNTS = {"num_experts_per_tok": 2, "num_experts_per_token": 2, "n_group": 2, "topk_group": 1}
+_EXPERT_COUNTS = {"num_experts_per_tok": 2, "num_experts_per_token": 2, "n_group": 2, "num_expert_group": 2,
+                  "topk_group": 1}
 _ROUTER_AUX_COEF = 0.1
 _MAX_PARAMS = 20_000_000  # a "tiny" clone bigger than this has a size setting the probe does not know
 _VOCAB = 256
@@ -106,6 +107,9 @@ def _keep_both_layer_kinds(cfg: Any, present: dict) -> None:
     dense = present.get("mlp_only_layers")
     if n and isinstance(dense, list) and dense and all(i in dense for i in range(n)):
         cfg.mlp_only_layers = [0]  # every shrunk layer dense: keep the first, route the second
+    first_dense = present.get("first_k_dense_replace")
+    if n and isinstance(first_dense, int) and not isinstance(first_dense, bool) and first_dense >= n:
+        cfg.first_k_dense_replace = n - 1
     for kind in ("attn", "expert"):  # Jamba: a kind every `period` layers from `offset`
         period, offset = present.get(f"{kind}_layer_period"), present.get(f"{kind}_layer_offset")
         if n and isinstance(period, int) and isinstance(offset, int) and offset >= n:
