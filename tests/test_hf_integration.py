@@ -150,7 +150,7 @@ def _hidden_states_of(model):
     """What the engine-run model returns to the fused head: the LM head's input, as a one-tuple."""
     def forward(input_ids, return_hidden=False, return_logits=True, **kw):
         assert return_hidden and not return_logits
-        return SimpleNamespace(hidden_states=(model.model(input_ids=input_ids, **kw).last_hidden_state,))
+        return SimpleNamespace(hidden_states=(model.model(input_ids=input_ids, **kw).last_hidden_state,), loss=None)
     return forward
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from ..config import EngineConfig
 from ..costs.modes import GradSlab, HostMaster
@@ -43,6 +43,7 @@ from .optim import LayeredStep, OptimizerArg, adopt_optimizer
 from .placement import place, resolve_device
 from .probe import verify_model
 from .ranks import ranks_for
+from .router import model_router_loss, wants_router_loss
 from .schedule import LayerPipeline
 from .stream import Streams, Trace
 from .tiling import long_context_policy
@@ -52,7 +53,8 @@ __all__ = ["Engine", "OptimizerArg", "engines_holding", "resolve_device"]
 
 def _has_dropout(cfg: Any) -> bool:
     return any((getattr(cfg, k, 0) or 0) > 0 for k in ("attention_dropout", "hidden_dropout", "dropout",
-                                                         "resid_pdrop", "attn_pdrop"))
+                                                         "resid_pdrop", "attn_pdrop",
+                                                         "router_jitter_noise", "input_jitter_noise", "moe_jitter_eps"))
 
 
 @dataclass
@@ -65,6 +67,7 @@ class _Pending:
     layer_inputs: list
     acts: ActivationStore
     ids: torch.Tensor
+    router_leaves: list[tuple[int, torch.Tensor]]  # (layer, its router logits as a leaf the loss was computed from)
 
 
 class Engine:
@@ -173,7 +176,8 @@ class Engine:
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 return_logits: bool = False, num_items_in_batch: int | torch.Tensor | None = None,
-                logits_to_keep: int | torch.Tensor = 0, return_hidden: bool = False,
+                logits_to_keep: int | torch.Tensor = 0, output_router_logits: bool | None = None,
+                return_hidden: bool = False,
                 **unused: Any) -> CausalLMOutputWithPast:
         check_batch(self.hf_config, input_ids, attention_mask, labels, position_ids, unused)
         t0 = time.perf_counter()
@@ -188,29 +192,52 @@ class Engine:
         h0.requires_grad_(train)  # the lookup's gradient is scattered by hand in backward (no vocab x hidden)
         with torch.set_grad_enabled(train):
             h_in0, layer_inputs = record_layer_inputs(self.parts, self._recorded, h0, mask, pos)
+        # The stack ran from the embedding output, so it handed its layers no token ids; a layer that reads them
+        # (DeepSeek-V4's hash-routed experts) gets the batch's, as in the model's own forward from input_ids.
+        layer_inputs = [(a, {**kw, "input_ids": ids} if "input_ids" in kw and kw["input_ids"] is None else kw)
+                        for a, kw in layer_inputs]
         offload = self.pipeline.plan_batch(int(ids.numel()), self.config.offload_activations)
         acts = ActivationStore(self.streams, offload, pin=self.pipeline.act_pool) if train else None
-        with torch.no_grad():
-            h_last = self.pipeline.forward(h_in0.detach(), layer_inputs, acts)
+        # A mixture-of-experts loss includes the router term: record every layer's router logits (router.py).
+        # With return_hidden and no labels (a head of the caller's own) `.loss` is the router term alone.
+        routed = ((labels is not None or return_hidden) and self.templates.routed
+                  and wants_router_loss(self.parts, output_router_logits))
+        self.templates.recorded = {} if routed else None
+        try:
+            with torch.no_grad():
+                h_last = self.pipeline.forward(h_in0.detach(), layer_inputs, acts)
+            recorded, self.templates.recorded = self.templates.recorded or {}, None
+        finally:
+            self.templates.recorded = None
         h_last = h_last.detach().requires_grad_(train)
+        router_leaves = [(i, z.detach().requires_grad_(train)) for i in sorted(recorded) for z in recorded[i]]
         with torch.set_grad_enabled(train):
             hn = self.parts.norm(h_last)
             loss = None
             if labels is not None:
                 loss = chunked_causal_lm_loss(hn, self.parts.lm_head, labels, self.head_chunk_tokens(),
                                               num_items_in_batch, self.parts.softcap)
+            aux = None
+            if routed:
+                # labels only make the model's forward take its loss path; its token loss is swapped for zero
+                extra, aux = model_router_loss(self.parts, [z for _, z in router_leaves], ids, mask, pos,
+                                               ids if labels is None else labels)
+                loss = extra.to(hn.device) if loss is None else loss + extra.to(loss.device)
             logits = head_logits(hn, self.parts.lm_head, logits_to_keep, self.parts.softcap) if return_logits else None
         if train and (loss is not None or logits is not None or return_hidden):
             if self._pending is not None:
                 self._unbackwarded.append(weakref.ref(self._pending.h_last))
-            self._pending = _Pending(h0, h_in0, h_last, layer_inputs, acts, ids)
+            self._pending = _Pending(h0, h_in0, h_last, layer_inputs, acts, ids, router_leaves)
             self.accounting.act_peak = max(self.accounting.act_peak, acts.peak_device_bytes)
             h_last.register_hook(self._only_through_backward)
         self.accounting.seconds["forward_s"] += time.perf_counter() - t0
         self.accounting.tokens += int(ids.numel())
         # return_hidden: the LM head's input (final norm applied) as a one-tuple, for heads of the caller's own
         # that never build the full logits (TRL's fused head); a loss computed from it trains like `.loss`.
-        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=(hn,) if return_hidden else None)
+        hidden = (hn,) if return_hidden else None
+        if routed:
+            return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits, hidden_states=hidden)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=hidden)
 
     def head_chunk_tokens(self) -> int:
         """Tokens per LM-head chunk for the last forward's batch: any head over the hidden state (the chunked
@@ -260,9 +287,16 @@ class Engine:
         self._backwards += 1
         self._autograd_running = True
         try:
-            g, *grads = torch.autograd.grad(loss, [p.h_last, *params, *earlier], allow_unused=True)
+            leaves = [z for _, z in p.router_leaves]
+            g, *grads = torch.autograd.grad(loss, [p.h_last, *params, *earlier, *leaves], allow_unused=True)
         finally:
             self._autograd_running = False
+        router_grads = grads[len(grads) - len(leaves):]
+        grads = grads[: len(grads) - len(leaves)]
+        # Each layer's router logits' gradient from the router loss joins its recomputed backward (schedule.py).
+        self.templates.router_grads = {}
+        for (i, _), gz in zip(p.router_leaves, router_grads):
+            self.templates.router_grads.setdefault(i, []).append(gz)
         if any(e is not None for e in grads[len(params):]):
             raise RuntimeError("the loss depends on an earlier forward whose backward was not run; MegaTrain "
                                "backpropagates one forward at a time: call backward() after each forward")

@@ -194,15 +194,16 @@ def _route(engine: Engine, original: Any, signature: inspect.Signature, model: n
     if kw.pop("inputs_embeds", None) is not None:
         raise ValueError("inputs_embeds is not supported by the MegaTrain engine; pass input_ids")
     labels = kw.pop("labels", None)
-    call = {k: kw.pop(k, None) for k in ("input_ids", "attention_mask", "position_ids", "num_items_in_batch")}
+    call = {k: kw.pop(k, None) for k in ("input_ids", "attention_mask", "position_ids", "num_items_in_batch",
+                                         "output_router_logits")}
     _drop_packing_kwargs(kw, call["position_ids"])
     logits_to_keep = kw.pop("logits_to_keep", 0)
     rest = sorted(k for k, v in kw.items() if v is not None)
     if rest:
         raise TypeError(f"forward() got arguments the MegaTrain engine does not serve: {rest}; it takes input_ids, "
-                        "attention_mask, position_ids, labels, num_items_in_batch, logits_to_keep, return_dict, "
-                        "return_logits, return_hidden (and, outside training, past_key_values / use_cache / "
-                        "output_hidden_states / output_attentions)")
+                        "attention_mask, position_ids, labels, num_items_in_batch, output_router_logits, "
+                        "logits_to_keep, return_dict, return_logits, return_hidden (and, outside training, "
+                        "past_key_values / use_cache / output_hidden_states / output_attentions)")
     if return_logits is None:
         # Logits whenever the caller can use them; a training step with labels takes the memory-lean chunked loss.
         return_logits = not (train and labels is not None)

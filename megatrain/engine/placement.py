@@ -23,6 +23,7 @@ from .distributed import DataParallel
 from .loading import load_checkpoint_into
 from .node_store import NodeStore
 from .preflight import host_preflight
+from .router import router_recorder
 from .store import FlatGroup, HostStore
 from .templates import TemplateBank
 
@@ -170,7 +171,7 @@ def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: t
         for i, g in enumerate(store.layers):
             g.rounding = torch.Generator().manual_seed(0x5EED + i)  # one stream per layer: runs repeat exactly
 
-    templates = TemplateBank()
+    templates = TemplateBank(router_recorder(parts.base))  # MoE layers record their router logits
     for i, layer in enumerate(parts.layers):
         templates.add(layer, device)
         group = store.layers[i]

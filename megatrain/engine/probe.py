@@ -55,6 +55,11 @@ _MORE_SIZES = {
     "kv_lora_rank": 16, "q_lora_rank": 32, "rotary_dim": 8,
     "n_positions": 512, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": 128, "ffn_dim": 128, "d_model": 64,
 }
+# Mixture of experts: top-k and expert groups within the shrunk expert count; the router loss on and weighted so a
+# wrong router gradient shows (the model's defaults, e.g. 0.001, would put it under the tolerance).
+_EXPERT_COUNTS = {"num_experts_per_tok": 2, "num_experts_per_token": 2, "n_group": 2, "num_expert_group": 2,
+                  "topk_group": 1}
+_ROUTER_AUX_COEF = 0.1
 _MAX_PARAMS = 20_000_000  # a "tiny" clone bigger than this has a size setting the probe does not know
 _VOCAB = 256
 _SEQ = 24
@@ -94,6 +99,24 @@ def _two_layer_types(types: list) -> list:
     return (kinds + kinds)[:2] if len(kinds) >= 2 else list(types[:2])
 
 
+def _keep_both_layer_kinds(cfg: Any, present: dict) -> None:
+    """Two layers that still hold an expert layer and an attention layer where the model mixes kinds."""
+    n = cfg.num_hidden_layers if isinstance(vars(cfg).get("num_hidden_layers"), int) else None
+    if isinstance(present.get("mlp_layer_types"), list):
+        cfg.mlp_layer_types = _two_layer_types(cfg.mlp_layer_types)
+    dense = present.get("mlp_only_layers")
+    if n and isinstance(dense, list) and dense and all(i in dense for i in range(n)):
+        cfg.mlp_only_layers = [0]  # every shrunk layer dense: keep the first, route the second
+    first_dense = present.get("first_k_dense_replace")
+    if n and isinstance(first_dense, int) and not isinstance(first_dense, bool) and first_dense >= n:
+        cfg.first_k_dense_replace = n - 1
+    for kind in ("attn", "expert"):  # Jamba: a kind every `period` layers from `offset`
+        period, offset = present.get(f"{kind}_layer_period"), present.get(f"{kind}_layer_offset")
+        if n and isinstance(period, int) and isinstance(offset, int) and offset >= n:
+            setattr(cfg, f"{kind}_layer_period", 2)
+            setattr(cfg, f"{kind}_layer_offset", 1)
+
+
 def tiny_config(config: Any) -> Any:
     """A copy of `config` with model sizes shrunk to a CPU's seconds and dropout off; structure kept."""
     cfg = copy.deepcopy(config)
@@ -106,6 +129,16 @@ def tiny_config(config: Any) -> Any:
             continue  # latent attention: head_dim is tied to the rotary part's width
         if isinstance(present.get(key), int) and not isinstance(present.get(key), bool) and present[key] > value:
             setattr(cfg, key, value)
+    for key, value in _EXPERT_COUNTS.items():
+        if isinstance(present.get(key), int) and not isinstance(present.get(key), bool) and present[key] > value:
+            setattr(cfg, key, value)
+    if present.get("num_experts_per_tok", 0) is None and any(present.get(k) for k in ("n_routed_experts", "num_experts")):
+        cfg.num_experts_per_tok = 2  # a default without top-k (DeepSeek-V2) cannot route at all
+    _keep_both_layer_kinds(cfg, present)
+    if "output_router_logits" in present:
+        cfg.output_router_logits = True
+        if isinstance(present.get("router_aux_loss_coef"), float):
+            cfg.router_aux_loss_coef = _ROUTER_AUX_COEF
     heads = vars(cfg).get("num_attention_heads") or vars(cfg).get("n_head") or _SIZES["num_attention_heads"]
     kv = _kv_heads(config, heads)
     if kv is not None:
@@ -236,16 +269,20 @@ def run_probe(model_cls: type, config: Any, engine_factory: Callable[..., Any]) 
     seq = min(_SEQ, max_pos) if isinstance(max_pos, int) and max_pos > 0 else _SEQ
     batches = _batches(STEPS, vars(tiny).get("vocab_size") or _VOCAB, seq)
     worst_loss, worst_grad = 0.0, 0.0
+    # Both runs of a step draw the same random numbers (PhiMoE's router samples its experts while training), and
+    # the caller's random stream is left as it was.
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
             warnings.simplefilter("ignore")
             for step, batch in enumerate(batches):
                 try:
+                    torch.manual_seed(step)
                     ref_loss = ref(**batch).loss
                     ref_loss.backward()
                 except Exception as exc:  # noqa: BLE001
                     return Verdict("crashed", f"plain transformers fails to train the small {arch} (the probe's "
                                    f"shrunk config): {type(exc).__name__}: {exc}", arch)
+                torch.manual_seed(step)
                 loss = engine(**batch).loss
                 engine.backward(loss)
                 if step == 0:

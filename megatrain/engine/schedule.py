@@ -260,8 +260,11 @@ class LayerPipeline:
                 gx, gw = tiled_vjp(self.templates.of_layer[i], weights, x, kwargs, g, self.tile)
             else:
                 y = self.templates.call(i, weights, x, args, kwargs)
-                gx, *gw = torch.autograd.grad(y, (x, *weights.values()), g)
-                del y
+                # A mixture-of-experts layer also backpropagates its router logits' gradients from the router loss;
+                # an expert no token routed to gets a zero gradient, as in PyTorch.
+                outs, gouts = self.templates.with_router_grads(i, y, g)
+                gx, *gw = torch.autograd.grad(outs, (x, *weights.values()), gouts, materialize_grads=True)
+                del y, outs
         done = self.streams.record_compute()
         self.freed[slot] = done
         self.trace.add_since("compute", "bwd", i, t0)

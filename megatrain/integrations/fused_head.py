@@ -105,7 +105,8 @@ def fused_lm_head_forward(model: Callable[..., Any], input_ids: torch.Tensor | N
     kwargs.pop("use_cache", None)
     if labels is None and shift_labels is None:
         raise ValueError("fused_lm_head=True needs labels (or shift_labels): it scores the next-token labels")
-    hidden = model(input_ids, return_hidden=True, return_logits=False, **kwargs).hidden_states[-1]
+    out = model(input_ids, return_hidden=True, return_logits=False, **kwargs)
+    hidden = out.hidden_states[-1]
     head = head if head is not None else model.__self__.get_output_embeddings()
     if options.cast_lm_head_to_fp32 and head.weight.dtype != torch.float32:
         raise NotImplementedError(
@@ -131,8 +132,11 @@ def fused_lm_head_forward(model: Callable[..., Any], input_ids: torch.Tensor | N
     log_probs, *rest = (None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in fields)
     denom = mask.sum().clamp(min=1) if num_items is None else num_items
     loss = -log_probs.sum() / denom
+    aux = getattr(out, "aux_loss", None)
+    if out.loss is not None:  # a mixture of experts: the router term the model's forward adds, as TRL adds it
+        loss = loss + out.loss
     extra = {name: value for name, value in zip(OPTIONAL_OUTPUTS, rest) if name in options.outputs}
-    return _output_class()(loss=loss, log_probs=log_probs, label_mask=mask, **extra)
+    return _output_class()(loss=loss, log_probs=log_probs, label_mask=mask, aux_loss=aux, **extra)
 
 
 def _softcap(model: Callable[..., Any]) -> float | None:

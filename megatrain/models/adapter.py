@@ -60,8 +60,6 @@ def find_parts(model: nn.Module) -> DecoderParts:
         raise ValueError(f"{kind} shares keys/values across layers (num_kv_shared_layers="
                          f"{config.num_kv_shared_layers}): its layers are not independent, so they cannot be "
                          "recomputed one at a time; set num_kv_shared_layers=0 or train it with another backend")
-    if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
-        raise ValueError(f"{kind} is a mixture-of-experts model; MegaTrain supports dense decoder layers")
 
     get_in = getattr(model, "get_input_embeddings", None)
     get_out = getattr(model, "get_output_embeddings", None)
@@ -123,7 +121,7 @@ class LayerInputRecorder(nn.Module):
         self.last = last
         self.sink = sink
         # Models pick per-layer masks from these attributes (e.g. Qwen2's sliding-window layers).
-        for attr in ("attention_type", "layer_type", "is_sliding", "sliding_window"):
+        for attr in ("attention_type", "layer_type", "is_sliding", "sliding_window", "block_type"):
             if hasattr(original, attr):
                 setattr(self, attr, getattr(original, attr))
 
@@ -155,6 +153,14 @@ def record_layer_inputs(parts: DecoderParts, sink: list, inputs_embeds: torch.Te
                    use_cache=False)
     except _CaptureDone:
         pass
+    except (ValueError, TypeError, IndexError) as exc:
+        if not sink:
+            raise
+        # The loop failed on what a layer handed back: it takes more than the hidden state from each layer.
+        raise ValueError(f"{type(parts.model).__name__}'s layer loop takes more than the hidden state back from "
+                         f"decoder layer {len(sink) - 1} ({type(exc).__name__}: {exc}): its layers hand state to the "
+                         "next one (e.g. indices selected in one layer and reused in the next), so they cannot be "
+                         "recomputed one at a time; train it with another backend") from exc
     finally:
         setattr(parts.base, parts.layers_attr, parts.layers)
     if len(sink) != len(parts.layers):
