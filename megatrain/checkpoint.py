@@ -17,7 +17,8 @@ trained on.
 The tensor file is written by streaming each tensor's bytes (hashing them on the way) rather than
 through `safetensors.torch.save_file`, which first copies every tensor into one Python bytes object:
 MegaTrain's whole point is a model that barely fits in host memory, so a save must not double it.
-The file is standard safetensors and is read back with the `safetensors` package.
+The file is standard safetensors. It is read back one tensor at a time (tensor_file.py): a load, like a
+save, never holds a second copy of the model.
 
 One writer per checkpoint directory is assumed; readers may run concurrently with it.
 """
@@ -35,6 +36,8 @@ from typing import Any
 
 import torch
 
+from .tensor_file import TensorFile
+
 __all__ = ["CheckpointError", "save", "load", "latest_tag", "list_checkpoints", "verify", "write_safetensors",
            "write_json"]
 
@@ -50,6 +53,7 @@ _OLD = ".old-"  # a checkpoint being replaced by a save under the same tag
 _TRASH = ".trash-"  # a checkpoint being deleted by retention
 _UUID_LEN = 32
 _CHUNK = 64 << 20
+_HASH_CHUNK = 1 << 20
 
 # safetensors dtype codes for the dtypes a training checkpoint holds.
 _ST_DTYPES = {
@@ -174,10 +178,11 @@ def _write_bytes(path: Path, payload: bytes) -> tuple[int, str]:
 def _hash_file(path: Path) -> tuple[int, str]:
     digest = hashlib.sha256()
     size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
+    buf = memoryview(bytearray(_HASH_CHUNK))  # one buffer, refilled: a large file never sits in memory
+    with open(path, "rb", buffering=0) as f:
+        while got := f.readinto(buf):
+            digest.update(buf[:got])
+            size += got
     return size, digest.hexdigest()
 
 
@@ -335,18 +340,25 @@ def save(
     return final
 
 
-def verify(path: str | os.PathLike) -> dict[str, Any]:
-    """Checks every file of the checkpoint at `path` against its manifest; returns the manifest."""
+def verify(path: str | os.PathLike, *, opened: dict[str, TensorFile] | None = None) -> dict[str, Any]:
+    """Checks every file of the checkpoint at `path` against its manifest; returns the manifest.
+
+    `opened`: files already open for reading, hashed through their open descriptor (what is checked is then
+    exactly what is read, even if the path is replaced meanwhile)."""
     path = Path(path)
     manifest = _read_manifest(path)
     for name, want in manifest["files"].items():
         file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"{file}: missing (listed in the manifest)")
-        size = file.stat().st_size
+        if opened and name in opened:
+            size, sha = opened[name].sha256()
+        else:
+            if not file.is_file():
+                raise CheckpointError(f"{file}: missing (listed in the manifest)")
+            size, sha = file.stat().st_size, None
         if size != want["bytes"]:
             raise CheckpointError(f"{file}: truncated or resized: {size} bytes on disk, {want['bytes']} expected")
-        _, sha = _hash_file(file)
+        if sha is None:
+            _, sha = _hash_file(file)
         if sha != want["sha256"]:
             raise CheckpointError(f"{file}: corrupt: sha256 {sha} does not match the manifest's {want['sha256']}")
     return manifest
@@ -354,13 +366,13 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
 
 def load(
     directory: str | os.PathLike, tag: str | None = None, *, check: bool = True
-) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path]:
-    """Reads checkpoint `tag` (default: the one `latest` names) -> (tensors on CPU, meta, path).
+) -> tuple[TensorFile, dict[str, Any], Path]:
+    """Reads checkpoint `tag` (default: the one `latest` names) -> (its tensors, meta, path).
 
+    The tensors are a `TensorFile`: a mapping that reads each tensor from the file when it is asked for (or
+    straight into a destination, `read_into`), so a load never holds the whole checkpoint in memory.
     With `check` (the default) every file is hashed and compared with the manifest first.
     """
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     if tag is None:
         tag = latest_tag(directory)
@@ -370,13 +382,24 @@ def load(
     path = _resolve(directory, tag)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint {tag!r} not found in {directory}")
-    if check:
-        verify(path)
-    else:
-        _read_manifest(path)
+    _read_manifest(path)  # not a checkpoint, or a half-written one: said before anything else is read
     try:
-        tensors = load_file(str(path / TENSORS_FILE))
+        tensors = TensorFile(path / TENSORS_FILE)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path / TENSORS_FILE}: missing (listed in the manifest)") from e
+    except (OSError, ValueError) as e:
+        if check:  # the manifest's sizes and hashes name the damage better than the decoder
+            verify(path)
+        raise CheckpointError(f"{path}: could not be decoded ({e})") from e
+    if check:
+        try:
+            verify(path, opened={TENSORS_FILE: tensors})
+        except BaseException:
+            tensors.close()
+            raise
+    try:
         meta = json.loads((path / META_FILE).read_text())
     except Exception as e:  # the bytes matched the manifest, so this is a writer bug, not disk damage
+        tensors.close()
         raise CheckpointError(f"{path}: could not be decoded ({e})") from e
     return tensors, meta, path

@@ -17,6 +17,7 @@ import io
 import json
 import pickle
 import random
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -148,24 +149,65 @@ def save_engine_checkpoint(save_dir: str | Path, tag: str, *, weights: dict[str,
         ckpt.save(save_dir, tag, tensors, meta, keep_last=keep_last, update_latest=update_latest)
 
 
+class _Prefixed(Mapping[str, torch.Tensor]):
+    """The tensors under one prefix of a checkpoint's file, by their names without it, each read when asked
+    for into one reused buffer (`TensorFile.read_transient`): a value is valid until the next is asked for,
+    which is how a load_state_dict uses it (checked, then copied into the host store)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> None:
+        self._tensors, self._prefix = tensors, prefix
+        self._names = {k[len(prefix):]: None for k in tensors if k.startswith(prefix)}  # ordered, hashed
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        read = getattr(self._tensors, "read_transient", None)
+        return read(self._prefix + name) if read is not None else self._tensors[self._prefix + name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 def load_engine_checkpoint(load_dir: str | Path, tag: str | None
-                           ) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path, dict[str, torch.Tensor]]:
-    """(weights, meta, path, tensors) of a DeepSpeed-face checkpoint, checksums verified."""
+                           ) -> tuple[Mapping[str, torch.Tensor], dict[str, Any], Path, Mapping[str, torch.Tensor]]:
+    """(weights, meta, path, tensors) of a DeepSpeed-face checkpoint, checksums verified. The weights and
+    tensors are read from the file one at a time as they are asked for (checkpoint.load)."""
     tensors, meta, path = ckpt.load(load_dir, tag)
     if meta.get("kind") != ENGINE_CKPT_KIND:
         raise ckpt.CheckpointError(f"{path} is not a checkpoint written by MegaTrainEngine.save_checkpoint")
-    weights = {k[len(_MODEL):]: v for k, v in tensors.items() if k.startswith(_MODEL)}
-    return weights, meta, path, tensors
+    return _Prefixed(tensors, _MODEL), meta, path, tensors
 
 
-def optimizer_from(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def optimizer_from(meta: dict[str, Any], tensors: Mapping[str, torch.Tensor],
+                   into: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """The optimizer's state_dict from a checkpoint. With `into` (the optimizer it will be loaded into), each
+    state tensor is read straight into that optimizer's own tensor for the parameter when it has one of the
+    same shape and dtype (a reload holds no second copy), else into a new tensor that load_state_dict adopts
+    as it is (same dtype and device as the parameter): either way one state tensor is in flight at a time."""
     m = meta["optimizer"]
+    live: list[dict[str, Any]] = []
+    if into is not None:
+        live = [into.state.get(p, {}) for g in into.param_groups for p in g["params"]]
     state = {}
     for idx, entry in m["state"].items():
-        state[int(idx)] = {k: tensors[f"{_OPTIM}{idx}.{k}"] if v == "__in_tensors__" else _from_json_value(v)
-                           for k, v in entry.items()}
+        i = int(idx)
+        mine = live[i] if i < len(live) else {}
+        state[i] = {k: _read_state(tensors, f"{_OPTIM}{idx}.{k}", mine.get(k)) if v == "__in_tensors__"
+                    else _from_json_value(v) for k, v in entry.items()}
     groups = [{k: _from_json_value(v) for k, v in g.items()} for g in m["param_groups"]]
     return {"state": state, "param_groups": groups}
+
+
+def _read_state(tensors: Mapping[str, torch.Tensor], name: str, current: Any) -> torch.Tensor:
+    read_into = getattr(tensors, "read_into", None)
+    if (read_into is not None and torch.is_tensor(current) and current.device.type == "cpu"
+            and current.dtype == tensors.dtype(name) and tuple(current.shape) == tuple(tensors.shape(name))
+            and current.is_contiguous()):
+        return read_into(name, current)
+    return tensors[name]
 
 
 def restore_rng(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:

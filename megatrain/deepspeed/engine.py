@@ -360,7 +360,8 @@ class MegaTrainEngine:
         optimizer_state = None
         if (not load_module_only and load_optimizer_states and self.optimizer is not None
                 and "optimizer" in meta):
-            optimizer_state = train_state.optimizer_from(meta, tensors)
+            self.engine.synchronize()  # queued layer updates land before their state is read into in place
+            optimizer_state = train_state.optimizer_from(meta, tensors, self.engine.optimizer)
         self.backend.load_training_state(weights, optimizer_state, strict=load_module_strict)
         if not load_module_only:
             if load_lr_scheduler_states and self.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
