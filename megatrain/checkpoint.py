@@ -36,15 +36,16 @@ from typing import Any
 
 import torch
 
-from .tensor_file import TensorFile
+from .tensor_file import TensorFile, TensorFiles
 
-__all__ = ["CheckpointError", "save", "load", "latest_tag", "list_checkpoints", "verify", "write_safetensors",
+__all__ = ["CheckpointError", "save", "begin", "write_shard", "publish", "load", "latest_tag", "list_checkpoints", "verify", "write_safetensors",
            "write_json"]
 
 TENSORS_FILE = "tensors.safetensors"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
+SHARD_PREFIX = "optim-rank"  # optim-rank<r>.safetensors: the optimizer state a data-parallel rank wrote itself
 FORMAT = "megatrain.checkpoint"
 VERSION = 1
 
@@ -280,43 +281,55 @@ def _prune(directory: Path, keep_last: int) -> list[str]:
     return removed
 
 
-def save(
-    directory: str | os.PathLike,
-    tag: str,
-    tensors: dict[str, torch.Tensor],
-    meta: dict[str, Any],
-    *,
-    keep_last: int | None = None,
-    update_latest: bool = True,
-) -> Path:
-    """Writes checkpoint `tag` under `directory` atomically and returns its path.
-
-    `meta` must be JSON-serializable. An existing checkpoint with the same tag is replaced atomically.
-    With `keep_last=N`, older checkpoints beyond the N newest are deleted afterwards, never the one
-    `latest` names.
-    """
-    _check_tag(tag)
+def _check_keep(keep_last: int | None) -> None:
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last={keep_last!r} must be an int >= 1 (or None to keep everything)")
-    try:
-        meta_bytes = json.dumps(meta, indent=1).encode()
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"checkpoint metadata is not JSON-serializable: {e}") from e
 
+
+def begin(directory: str | os.PathLike, tag: str) -> Path:
+    """Start a save of `tag`: a fresh hidden temp directory that shard files (`write_shard`, by any process
+    that sees the directory) and then `publish` fill. Nothing there counts until `publish` renames it."""
+    _check_tag(tag)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     _recover_and_clean(directory)
-    seq = max((s for s, _ in list_checkpoints(directory)), default=0) + 1
-
     tmp = directory / f"{_TMP}{uuid.uuid4().hex}-{tag}"
     tmp.mkdir()
+    return tmp
+
+
+def write_shard(tmp: str | os.PathLike, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Write one shard file of a save in progress (`begin`'s directory) -> its manifest entry."""
+    if not name.startswith(SHARD_PREFIX) or not name.endswith(".safetensors") or "/" in name or name == TENSORS_FILE:
+        raise ValueError(f"shard file name {name!r} must look like {SHARD_PREFIX}<rank>.safetensors")
+    size, sha = _write_safetensors(Path(tmp) / name, tensors)
+    return {"bytes": size, "sha256": sha}
+
+
+def publish(directory: str | os.PathLike, tag: str, tmp: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+            *, shards: dict[str, dict[str, Any]] | None = None, keep_last: int | None = None,
+            update_latest: bool = True) -> Path:
+    """Finish `begin`'s save: the main tensor file and meta, a manifest listing them and every shard (with the
+    sizes and hashes their writers reported), then the atomic rename. The checkpoint is whole only then: a
+    shard that is missing or differs from its entry makes the load refuse it, naming the file."""
+    _check_keep(keep_last)
     try:
+        try:
+            meta_bytes = json.dumps(meta, indent=1).encode()
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"checkpoint metadata is not JSON-serializable: {e}") from e
+        directory = Path(directory)
+        seq = max((s for s, _ in list_checkpoints(directory)), default=0) + 1
         files = {}
         for name, (size, sha) in (
             (TENSORS_FILE, _write_safetensors(tmp / TENSORS_FILE, tensors)),
             (META_FILE, _write_bytes(tmp / META_FILE, meta_bytes)),
         ):
             files[name] = {"bytes": size, "sha256": sha}
+        for name, entry in sorted((shards or {}).items()):
+            if not (tmp / name).is_file() or (tmp / name).stat().st_size != entry["bytes"]:
+                raise CheckpointError(f"{tmp / name}: shard missing or not the size its writer reported")
+            files[name] = {"bytes": int(entry["bytes"]), "sha256": entry["sha256"]}
         manifest = {"format": FORMAT, "version": VERSION, "tag": tag, "seq": seq, "created_unix": time.time(), "files": files}
         _write_bytes(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)
@@ -338,6 +351,31 @@ def save(
     if keep_last is not None:
         _prune(directory, keep_last)
     return final
+
+
+def save(
+    directory: str | os.PathLike,
+    tag: str,
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    *,
+    keep_last: int | None = None,
+    update_latest: bool = True,
+) -> Path:
+    """Writes checkpoint `tag` under `directory` atomically and returns its path.
+
+    `meta` must be JSON-serializable. An existing checkpoint with the same tag is replaced atomically.
+    With `keep_last=N`, older checkpoints beyond the N newest are deleted afterwards, never the one
+    `latest` names.
+    """
+    _check_tag(tag)
+    _check_keep(keep_last)
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"checkpoint metadata is not JSON-serializable: {e}") from e
+    return publish(directory, tag, begin(directory, tag), tensors, meta, keep_last=keep_last,
+                   update_latest=update_latest)
 
 
 def verify(path: str | os.PathLike, *, opened: dict[str, TensorFile] | None = None) -> dict[str, Any]:
@@ -366,7 +404,7 @@ def verify(path: str | os.PathLike, *, opened: dict[str, TensorFile] | None = No
 
 def load(
     directory: str | os.PathLike, tag: str | None = None, *, check: bool = True
-) -> tuple[TensorFile, dict[str, Any], Path]:
+) -> tuple[TensorFiles, dict[str, Any], Path]:
     """Reads checkpoint `tag` (default: the one `latest` names) -> (its tensors, meta, path).
 
     The tensors are a `TensorFile`: a mapping that reads each tensor from the file when it is asked for (or
@@ -382,18 +420,26 @@ def load(
     path = _resolve(directory, tag)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint {tag!r} not found in {directory}")
-    _read_manifest(path)  # not a checkpoint, or a half-written one: said before anything else is read
+    manifest = _read_manifest(path)  # not a checkpoint, or a half-written one: said before anything else is read
+    names = [TENSORS_FILE] + sorted(n for n in manifest["files"] if n.startswith(SHARD_PREFIX))
+    opened: dict[str, TensorFile] = {}
     try:
-        tensors = TensorFile(path / TENSORS_FILE)
+        for name in names:
+            opened[name] = TensorFile(path / name)
+        tensors = TensorFiles(list(opened.values()))
     except FileNotFoundError as e:
-        raise CheckpointError(f"{path / TENSORS_FILE}: missing (listed in the manifest)") from e
+        for f in opened.values():
+            f.close()
+        raise CheckpointError(f"{e.filename}: missing (listed in the manifest)") from e
     except (OSError, ValueError) as e:
+        for f in opened.values():
+            f.close()
         if check:  # the manifest's sizes and hashes name the damage better than the decoder
             verify(path)
         raise CheckpointError(f"{path}: could not be decoded ({e})") from e
     if check:
         try:
-            verify(path, opened={TENSORS_FILE: tensors})
+            verify(path, opened=opened)
         except BaseException:
             tensors.close()
             raise

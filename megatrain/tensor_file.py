@@ -151,3 +151,51 @@ class TensorFile(Mapping[str, torch.Tensor]):
         fd = getattr(self, "_fd", -1)
         if fd >= 0:
             os.close(fd)
+
+
+class TensorFiles(Mapping[str, torch.Tensor]):
+    """Several files' tensors as one mapping (a checkpoint's main file and its shards): each name is read
+    from the file that holds it, so a reader that asks only for its own names opens no other's data."""
+
+    def __init__(self, files: list[TensorFile]) -> None:
+        self.files = files
+        self._where: dict[str, TensorFile] = {}
+        for f in files:
+            for name in f:
+                if name in self._where:
+                    raise ValueError(f"tensor {name!r} is in both {self._where[name].path} and {f.path}")
+                self._where[name] = f
+
+    def _file(self, name: str) -> TensorFile:
+        try:
+            return self._where[name]
+        except KeyError:
+            raise KeyError(f"no tensor {name!r} in {', '.join(str(f.path) for f in self.files)}") from None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._file(name)[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._file(name).dtype(name)
+
+    def shape(self, name: str) -> torch.Size:
+        return self._file(name).shape(name)
+
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        return self._file(name).read_into(name, out)
+
+    def read_transient(self, name: str) -> torch.Tensor:
+        return self._file(name).read_transient(name)
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
