@@ -5,6 +5,8 @@ Layout under the checkpoint directory::
     latest                      text file naming the newest published tag (DeepSpeed's convention)
     <tag>/tensors.safetensors   all tensors, in the safetensors format
     <tag>/meta.json             JSON metadata (counters, hyper-parameters, config, client state)
+    <tag>/optim-rank<r>.safetensors   data-parallel saves: the optimizer state rank r wrote itself (one host
+                                store per node: its layers'), read through the same mapping as the main file
     <tag>/manifest.json         size and sha256 of each file above, plus a save sequence number
 
 A save writes everything into a hidden temp directory inside the checkpoint directory, fsyncs each
@@ -19,6 +21,10 @@ through `safetensors.torch.save_file`, which first copies every tensor into one 
 MegaTrain's whole point is a model that barely fits in host memory, so a save must not double it.
 The file is standard safetensors. It is read back one tensor at a time (tensor_file.py): a load, like a
 save, never holds a second copy of the model.
+
+A sharded save (`begin`, each rank's `write_shard`, then rank 0's `publish`) writes every shard into the same
+temp directory; the manifest lists each shard with the size and hash its writer reported, so the checkpoint
+is whole only once every shard is, and a load refuses one whose shard is missing or damaged, naming it.
 
 One writer per checkpoint directory is assumed; readers may run concurrently with it.
 """
