@@ -72,9 +72,16 @@ def measure(layers: int, hidden: int, vocab: int, seq: int, steps: int, cfg: dic
             "step_s": times, "provenance": _provenance()}
 
 
+def _child(a: argparse.Namespace, layers: int, cfg: dict) -> dict:
+    args = [sys.executable, "-m", "experiments.studies.bytes_at_depth", "--layers", str(layers), "--hidden",
+            str(a.hidden), "--vocab", str(a.vocab), "--seq", str(a.seq), "--steps", str(a.steps), "--one", json.dumps(cfg)]
+    return json.loads(subprocess.run(args, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=64)
+    ap.add_argument("--shallow", type=int, default=16, help="the second depth: the per-layer slope is between the two")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--seq", type=int, default=64)
@@ -89,30 +96,41 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for label, cfg in MODES:
-        args = [sys.executable, "-m", "experiments.studies.bytes_at_depth", "--layers", str(a.layers), "--hidden",
-                str(a.hidden), "--vocab", str(a.vocab), "--seq", str(a.seq), "--steps", str(a.steps),
-                "--one", json.dumps(cfg)]
-        r = json.loads(subprocess.run(args, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
-        plan = planned(a.layers, a.hidden, a.vocab, a.seq, cfg)
-        n = r["params"]
+        deep, shallow = _child(a, a.layers, cfg), _child(a, a.shallow, cfg)
+        plan_deep = planned(a.layers, a.hidden, a.vocab, a.seq, cfg)
+        plan_shallow = planned(a.shallow, a.hidden, a.vocab, a.seq, cfg)
+        n, dn = deep["params"], deep["params"] - shallow["params"]
+        # per parameter added with depth: the fixed terms (globals, runtime, one layer's scratch) cancel
+        slope = (deep["peak_rss_growth_bytes"] - shallow["peak_rss_growth_bytes"]) / dn
+        plan_slope = (plan_deep["bytes"] - plan_shallow["bytes"]) / dn
         rows.append({"mode": label, "engine": cfg, "layers": a.layers, "params": n,
-                     "measured_bytes_per_param": r["peak_rss_growth_bytes"] / n,
-                     "planned_bytes_per_param": plan["bytes"] / n,
-                     "ratio": r["peak_rss_growth_bytes"] / plan["bytes"],
-                     "store_bytes_per_param": r["store_bytes"] / n, "planned_parts": plan,
-                     "step_s": r["step_s"], "provenance": r["provenance"]})
-        print(f"{label}: measured {rows[-1]['measured_bytes_per_param']:.2f} B/param, planned "
-              f"{rows[-1]['planned_bytes_per_param']:.2f} (ratio {rows[-1]['ratio']:.3f})", flush=True)
+                     "measured_bytes_per_param": deep["peak_rss_growth_bytes"] / n,
+                     "planned_bytes_per_param": plan_deep["bytes"] / n,
+                     "ratio": deep["peak_rss_growth_bytes"] / plan_deep["bytes"],
+                     "shallow_layers": a.shallow, "shallow_params": shallow["params"],
+                     "shallow_measured_bytes_per_param": shallow["peak_rss_growth_bytes"] / shallow["params"],
+                     "shallow_planned_bytes_per_param": plan_shallow["bytes"] / shallow["params"],
+                     "measured_per_layer_bytes_per_param": slope, "planned_per_layer_bytes_per_param": plan_slope,
+                     "per_layer_ratio": slope / plan_slope,
+                     "store_bytes_per_param": deep["store_bytes"] / n, "planned_parts": plan_deep,
+                     "step_s": deep["step_s"], "provenance": deep["provenance"]})
+        r = rows[-1]
+        print(f"{label}: at {a.layers} layers measured {r['measured_bytes_per_param']:.2f} B/param, planned "
+              f"{r['planned_bytes_per_param']:.2f} ({r['ratio']:.3f}); per layer {slope:.2f} vs {plan_slope:.2f} "
+              f"({r['per_layer_ratio']:.3f})", flush=True)
     stem = f"bytes-L{a.layers}"
     (out / f"{stem}.json").write_text(json.dumps(rows, indent=2))
     prov = rows[0]["provenance"]
     lines = [f"Host bytes per parameter at depth: {a.layers} layers x hidden {a.hidden}, vocab {a.vocab} "
-             f"({rows[0]['params'] / 1e6:.1f}M params), CPU device, seq {a.seq}, {a.steps} steps", "",
+             f"({rows[0]['params'] / 1e6:.1f}M params; {a.shallow} layers for the per-layer slope), CPU device, "
+             f"seq {a.seq}, {a.steps} steps. Peak RSS growth over the post-import baseline (VmHWM) vs the planner's "
+             "host total (host parts + the CPU device's, less the runtime reserve).", "",
              f"Provenance: {json.dumps(prov)}", "",
-             "| mode | measured peak RSS growth (B/param) | planner (B/param) | measured / planned |",
-             "|---|---|---|---|"]
+             f"| mode | measured B/param at {a.layers} | planner | ratio | measured per-layer B/param | planner | ratio |",
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['mode']} | {r['measured_bytes_per_param']:.2f} | {r['planned_bytes_per_param']:.2f} | "
-              f"{r['ratio']:.3f} |" for r in rows]
+              f"{r['ratio']:.3f} | {r['measured_per_layer_bytes_per_param']:.2f} | "
+              f"{r['planned_per_layer_bytes_per_param']:.2f} | {r['per_layer_ratio']:.3f} |" for r in rows]
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
