@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from . import checkpoint as ckpt
+from .tensor_file import TensorFile
 
 # ---------------------------------------------------------------------------------------------------
 # RNG streams
@@ -78,11 +79,11 @@ def write_weights(directory: str | Path, weights: dict[str, torch.Tensor], optim
     torch.save(optimizer_state, d / OPTIMIZER_FILE)
 
 
-def read_weights(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    from safetensors.torch import load_file
-
+def read_weights(directory: str | Path) -> tuple[Mapping[str, torch.Tensor], dict[str, Any]]:
+    """(the weights, read one at a time as load_state_dict asks for them; the optimizer's state_dict)."""
     d = Path(directory)
-    return load_file(str(d / MODEL_FILE)), torch.load(d / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    weights = _Prefixed(TensorFile(d / MODEL_FILE), "")
+    return weights, torch.load(d / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
 
 
 def write_face_state(directory: str | Path, *, schedulers: list[Any], customs: list[Any],
