@@ -5,6 +5,8 @@ Layout under the checkpoint directory::
     latest                      text file naming the newest published tag (DeepSpeed's convention)
     <tag>/tensors.safetensors   all tensors, in the safetensors format
     <tag>/meta.json             JSON metadata (counters, hyper-parameters, config, client state)
+    <tag>/optim-rank<r>.safetensors   data-parallel saves: the optimizer state rank r wrote itself (one host
+                                store per node: its layers'), read through the same mapping as the main file
     <tag>/manifest.json         size and sha256 of each file above, plus a save sequence number
 
 A save writes everything into a hidden temp directory inside the checkpoint directory, fsyncs each
@@ -17,7 +19,12 @@ trained on.
 The tensor file is written by streaming each tensor's bytes (hashing them on the way) rather than
 through `safetensors.torch.save_file`, which first copies every tensor into one Python bytes object:
 MegaTrain's whole point is a model that barely fits in host memory, so a save must not double it.
-The file is standard safetensors and is read back with the `safetensors` package.
+The file is standard safetensors. It is read back one tensor at a time (tensor_file.py): a load, like a
+save, never holds a second copy of the model.
+
+A sharded save (`begin`, each rank's `write_shard`, then rank 0's `publish`) writes every shard into the same
+temp directory; the manifest lists each shard with the size and hash its writer reported, so the checkpoint
+is whole only once every shard is, and a load refuses one whose shard is missing or damaged, naming it.
 
 One writer per checkpoint directory is assumed; readers may run concurrently with it.
 """
@@ -35,13 +42,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "save", "load", "latest_tag", "list_checkpoints", "verify", "write_safetensors",
+from .tensor_file import TensorFile, TensorFiles
+
+__all__ = ["CheckpointError", "save", "begin", "write_shard", "publish", "load", "latest_tag", "list_checkpoints", "verify", "write_safetensors",
            "write_json"]
 
 TENSORS_FILE = "tensors.safetensors"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
+SHARD_PREFIX = "optim-rank"  # optim-rank<r>.safetensors: the optimizer state a data-parallel rank wrote itself
 FORMAT = "megatrain.checkpoint"
 VERSION = 1
 
@@ -50,6 +60,7 @@ _OLD = ".old-"  # a checkpoint being replaced by a save under the same tag
 _TRASH = ".trash-"  # a checkpoint being deleted by retention
 _UUID_LEN = 32
 _CHUNK = 64 << 20
+_HASH_CHUNK = 1 << 20
 
 # safetensors dtype codes for the dtypes a training checkpoint holds.
 _ST_DTYPES = {
@@ -174,10 +185,11 @@ def _write_bytes(path: Path, payload: bytes) -> tuple[int, str]:
 def _hash_file(path: Path) -> tuple[int, str]:
     digest = hashlib.sha256()
     size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
+    buf = memoryview(bytearray(_HASH_CHUNK))  # one buffer, refilled: a large file never sits in memory
+    with open(path, "rb", buffering=0) as f:
+        while got := f.readinto(buf):
+            digest.update(buf[:got])
+            size += got
     return size, digest.hexdigest()
 
 
@@ -275,43 +287,55 @@ def _prune(directory: Path, keep_last: int) -> list[str]:
     return removed
 
 
-def save(
-    directory: str | os.PathLike,
-    tag: str,
-    tensors: dict[str, torch.Tensor],
-    meta: dict[str, Any],
-    *,
-    keep_last: int | None = None,
-    update_latest: bool = True,
-) -> Path:
-    """Writes checkpoint `tag` under `directory` atomically and returns its path.
-
-    `meta` must be JSON-serializable. An existing checkpoint with the same tag is replaced atomically.
-    With `keep_last=N`, older checkpoints beyond the N newest are deleted afterwards, never the one
-    `latest` names.
-    """
-    _check_tag(tag)
+def _check_keep(keep_last: int | None) -> None:
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last={keep_last!r} must be an int >= 1 (or None to keep everything)")
-    try:
-        meta_bytes = json.dumps(meta, indent=1).encode()
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"checkpoint metadata is not JSON-serializable: {e}") from e
 
+
+def begin(directory: str | os.PathLike, tag: str) -> Path:
+    """Start a save of `tag`: a fresh hidden temp directory that shard files (`write_shard`, by any process
+    that sees the directory) and then `publish` fill. Nothing there counts until `publish` renames it."""
+    _check_tag(tag)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     _recover_and_clean(directory)
-    seq = max((s for s, _ in list_checkpoints(directory)), default=0) + 1
-
     tmp = directory / f"{_TMP}{uuid.uuid4().hex}-{tag}"
     tmp.mkdir()
+    return tmp
+
+
+def write_shard(tmp: str | os.PathLike, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Write one shard file of a save in progress (`begin`'s directory) -> its manifest entry."""
+    if not name.startswith(SHARD_PREFIX) or not name.endswith(".safetensors") or "/" in name or name == TENSORS_FILE:
+        raise ValueError(f"shard file name {name!r} must look like {SHARD_PREFIX}<rank>.safetensors")
+    size, sha = _write_safetensors(Path(tmp) / name, tensors)
+    return {"bytes": size, "sha256": sha}
+
+
+def publish(directory: str | os.PathLike, tag: str, tmp: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+            *, shards: dict[str, dict[str, Any]] | None = None, keep_last: int | None = None,
+            update_latest: bool = True) -> Path:
+    """Finish `begin`'s save: the main tensor file and meta, a manifest listing them and every shard (with the
+    sizes and hashes their writers reported), then the atomic rename. The checkpoint is whole only then: a
+    shard that is missing or differs from its entry makes the load refuse it, naming the file."""
+    _check_keep(keep_last)
     try:
+        try:
+            meta_bytes = json.dumps(meta, indent=1).encode()
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"checkpoint metadata is not JSON-serializable: {e}") from e
+        directory = Path(directory)
+        seq = max((s for s, _ in list_checkpoints(directory)), default=0) + 1
         files = {}
         for name, (size, sha) in (
             (TENSORS_FILE, _write_safetensors(tmp / TENSORS_FILE, tensors)),
             (META_FILE, _write_bytes(tmp / META_FILE, meta_bytes)),
         ):
             files[name] = {"bytes": size, "sha256": sha}
+        for name, entry in sorted((shards or {}).items()):
+            if not (tmp / name).is_file() or (tmp / name).stat().st_size != entry["bytes"]:
+                raise CheckpointError(f"{tmp / name}: shard missing or not the size its writer reported")
+            files[name] = {"bytes": int(entry["bytes"]), "sha256": entry["sha256"]}
         manifest = {"format": FORMAT, "version": VERSION, "tag": tag, "seq": seq, "created_unix": time.time(), "files": files}
         _write_bytes(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)
@@ -335,18 +359,50 @@ def save(
     return final
 
 
-def verify(path: str | os.PathLike) -> dict[str, Any]:
-    """Checks every file of the checkpoint at `path` against its manifest; returns the manifest."""
+def save(
+    directory: str | os.PathLike,
+    tag: str,
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    *,
+    keep_last: int | None = None,
+    update_latest: bool = True,
+) -> Path:
+    """Writes checkpoint `tag` under `directory` atomically and returns its path.
+
+    `meta` must be JSON-serializable. An existing checkpoint with the same tag is replaced atomically.
+    With `keep_last=N`, older checkpoints beyond the N newest are deleted afterwards, never the one
+    `latest` names.
+    """
+    _check_tag(tag)
+    _check_keep(keep_last)
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"checkpoint metadata is not JSON-serializable: {e}") from e
+    return publish(directory, tag, begin(directory, tag), tensors, meta, keep_last=keep_last,
+                   update_latest=update_latest)
+
+
+def verify(path: str | os.PathLike, *, opened: dict[str, TensorFile] | None = None) -> dict[str, Any]:
+    """Checks every file of the checkpoint at `path` against its manifest; returns the manifest.
+
+    `opened`: files already open for reading, hashed through their open descriptor (what is checked is then
+    exactly what is read, even if the path is replaced meanwhile)."""
     path = Path(path)
     manifest = _read_manifest(path)
     for name, want in manifest["files"].items():
         file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"{file}: missing (listed in the manifest)")
-        size = file.stat().st_size
+        if opened and name in opened:
+            size, sha = opened[name].sha256()
+        else:
+            if not file.is_file():
+                raise CheckpointError(f"{file}: missing (listed in the manifest)")
+            size, sha = file.stat().st_size, None
         if size != want["bytes"]:
             raise CheckpointError(f"{file}: truncated or resized: {size} bytes on disk, {want['bytes']} expected")
-        _, sha = _hash_file(file)
+        if sha is None:
+            _, sha = _hash_file(file)
         if sha != want["sha256"]:
             raise CheckpointError(f"{file}: corrupt: sha256 {sha} does not match the manifest's {want['sha256']}")
     return manifest
@@ -354,13 +410,13 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
 
 def load(
     directory: str | os.PathLike, tag: str | None = None, *, check: bool = True
-) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path]:
-    """Reads checkpoint `tag` (default: the one `latest` names) -> (tensors on CPU, meta, path).
+) -> tuple[TensorFiles, dict[str, Any], Path]:
+    """Reads checkpoint `tag` (default: the one `latest` names) -> (its tensors, meta, path).
 
+    The tensors are a `TensorFile`: a mapping that reads each tensor from the file when it is asked for (or
+    straight into a destination, `read_into`), so a load never holds the whole checkpoint in memory.
     With `check` (the default) every file is hashed and compared with the manifest first.
     """
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     if tag is None:
         tag = latest_tag(directory)
@@ -370,13 +426,32 @@ def load(
     path = _resolve(directory, tag)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint {tag!r} not found in {directory}")
-    if check:
-        verify(path)
-    else:
-        _read_manifest(path)
+    manifest = _read_manifest(path)  # not a checkpoint, or a half-written one: said before anything else is read
+    names = [TENSORS_FILE] + sorted(n for n in manifest["files"] if n.startswith(SHARD_PREFIX))
+    opened: dict[str, TensorFile] = {}
     try:
-        tensors = load_file(str(path / TENSORS_FILE))
+        for name in names:
+            opened[name] = TensorFile(path / name)
+        tensors = TensorFiles(list(opened.values()))
+    except FileNotFoundError as e:
+        for f in opened.values():
+            f.close()
+        raise CheckpointError(f"{e.filename}: missing (listed in the manifest)") from e
+    except (OSError, ValueError) as e:
+        for f in opened.values():
+            f.close()
+        if check:  # the manifest's sizes and hashes name the damage better than the decoder
+            verify(path)
+        raise CheckpointError(f"{path}: could not be decoded ({e})") from e
+    if check:
+        try:
+            verify(path, opened=opened)
+        except BaseException:
+            tensors.close()
+            raise
+    try:
         meta = json.loads((path / META_FILE).read_text())
     except Exception as e:  # the bytes matched the manifest, so this is a writer bug, not disk damage
+        tensors.close()
         raise CheckpointError(f"{path}: could not be decoded ({e})") from e
     return tensors, meta, path

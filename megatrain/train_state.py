@@ -17,12 +17,15 @@ import io
 import json
 import pickle
 import random
+import shutil
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import checkpoint as ckpt
+from .tensor_file import TensorFile
 
 # ---------------------------------------------------------------------------------------------------
 # RNG streams
@@ -76,11 +79,11 @@ def write_weights(directory: str | Path, weights: dict[str, torch.Tensor], optim
     torch.save(optimizer_state, d / OPTIMIZER_FILE)
 
 
-def read_weights(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    from safetensors.torch import load_file
-
+def read_weights(directory: str | Path) -> tuple[Mapping[str, torch.Tensor], dict[str, Any]]:
+    """(the weights, read one at a time as load_state_dict asks for them; the optimizer's state_dict)."""
     d = Path(directory)
-    return load_file(str(d / MODEL_FILE)), torch.load(d / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    weights = _Prefixed(TensorFile(d / MODEL_FILE), "")
+    return weights, torch.load(d / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
 
 
 def write_face_state(directory: str | Path, *, schedulers: list[Any], customs: list[Any],
@@ -137,35 +140,175 @@ def save_engine_checkpoint(save_dir: str | Path, tag: str, *, weights: dict[str,
                            config: Any, client_state: dict[str, Any] | None, write: bool,
                            keep_last: int | None = None, update_latest: bool = True) -> None:
     """Encode a DeepSpeed-face checkpoint and, when `write` (the rank that writes for all), publish it."""
-    tensors = {_MODEL + name: t for name, t in weights.items()}
-    meta: dict[str, Any] = {"kind": ENGINE_CKPT_KIND, "version": 1, "counters": counters, "config": config,
-                            "lr_scheduler": _scheduler_state(scheduler)}
+    tensors, meta = _engine_tensors_and_meta(weights, scheduler, counters, config, client_state)
     if optimizer_state is not None:
         meta["optimizer"] = _optimizer_state(optimizer_state, tensors)
-    meta["rng"] = _rng_state(tensors)
-    meta["client_state"] = _split_client_state(client_state or {}, tensors)
     if write:
         ckpt.save(save_dir, tag, tensors, meta, keep_last=keep_last, update_latest=update_latest)
 
 
+def _engine_tensors_and_meta(weights: dict[str, torch.Tensor], scheduler: Any, counters: dict[str, int], config: Any,
+                             client_state: dict[str, Any] | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors = {_MODEL + name: t for name, t in weights.items()}
+    meta: dict[str, Any] = {"kind": ENGINE_CKPT_KIND, "version": 1, "counters": counters, "config": config,
+                            "lr_scheduler": _scheduler_state(scheduler)}
+    meta["rng"] = _rng_state(tensors)
+    meta["client_state"] = _split_client_state(client_state or {}, tensors)
+    return tensors, meta
+
+
+def local_optimizer_state(optimizer: torch.optim.Optimizer, mine: set[int]) -> dict[str, Any]:
+    """`optimizer.state_dict()` as torch lays it out (parameters numbered across the groups), holding the state
+    of the parameters whose ids are in `mine` only, taken here without any collective."""
+    state, groups, i = {}, [], 0
+    for g in optimizer.param_groups:
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(i, i + len(g["params"])))})
+        for p in g["params"]:
+            if id(p) in mine and p in optimizer.state:
+                state[i] = optimizer.state[p]
+            i += 1
+    return {"state": state, "param_groups": groups}
+
+
+def shard_params(engine: Any) -> set[int] | None:
+    """Ids of the parameters whose optimizer state this rank writes in a sharded save: with one host store per
+    node, the layers it owns on the first node (every node holds the same), and on rank 0 the resident
+    parameters; None where a save is not sharded (one process, or each rank its own store: rank 0 writes)."""
+    dp = getattr(engine, "dp", None)
+    if dp is None or dp.node is None or dp.world_size < 2:
+        return None
+    store = engine.store
+    mine: set[int] = set()
+    if dp.node.topo.node == 0:
+        mine = {id(p) for g in store.layers if g.owned for p in g.params}
+    if dp.rank == 0:
+        mine |= {id(p) for p in store.globals.params}
+    return mine
+
+
+def foreign_params(engine: Any) -> set[int]:
+    """Ids of the parameters whose optimizer state this rank does not keep (layers another rank of its node
+    owns): a load need not read theirs."""
+    return {id(p) for g in engine.store.layers if not g.owned for p in g.params}
+
+
+def save_engine_checkpoint_sharded(save_dir: str | Path, tag: str, *, weights: dict[str, torch.Tensor],
+                                   optimizer: torch.optim.Optimizer, mine: set[int], rank: int,
+                                   group: Any, scheduler: Any, counters: dict[str, int], config: Any,
+                                   client_state: dict[str, Any] | None, keep_last: int | None = None,
+                                   update_latest: bool = True) -> None:
+    """A data-parallel save with no gather of optimizer state: every rank writes the state of the parameters in
+    `mine` (its layers; rank 0 also the resident parameters') to a shard file of its own in the save's temp
+    directory, and sends rank 0 only the shard's size, hash and state layout; rank 0 writes the weights and
+    the rest, and the manifest that lists every shard, and publishes. Every rank calls it; each returns or
+    raises the same outcome (a failed shard fails the save, and nothing is published)."""
+    import torch.distributed as dist
+
+    where: list[Any] = [str(ckpt.begin(save_dir, tag)) if rank == 0 else None]
+    dist.broadcast_object_list(where, src=0, group=group)
+    tmp = Path(where[0])
+    local = local_optimizer_state(optimizer, mine)
+    shard: dict[str, torch.Tensor] = {}
+    entries = _optimizer_state(local, shard)["state"]
+    report: dict[str, Any] = {"entries": entries}
+    if rank != 0 and shard:
+        try:
+            name = f"{ckpt.SHARD_PREFIX}{rank}.safetensors"
+            report["shard"] = (name, ckpt.write_shard(tmp, name, shard))
+        except Exception as e:  # told to rank 0, which publishes nothing; every rank raises below
+            report["error"] = f"rank {rank}: {type(e).__name__}: {e}"
+    reports: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
+    dist.gather_object(report, reports, dst=0, group=group)
+    outcome: list[Any] = [None]
+    if rank == 0:
+        try:
+            errors = [r["error"] for r in reports if "error" in r]
+            if errors:
+                raise ckpt.CheckpointError(f"checkpoint {tag!r} not saved: a shard failed ({'; '.join(errors)})")
+            tensors, meta = _engine_tensors_and_meta(weights, scheduler, counters, config, client_state)
+            state = {}
+            for r in reports:
+                for idx, entry in r["entries"].items():
+                    state.setdefault(idx, entry)
+            main = _optimizer_state(local, tensors)
+            meta["optimizer"] = {"state": dict(sorted(state.items(), key=lambda kv: int(kv[0]))),
+                                 "param_groups": main["param_groups"]}
+            shards = dict(r["shard"] for r in reports if "shard" in r)
+            ckpt.publish(save_dir, tag, tmp, tensors, meta, shards=shards, keep_last=keep_last,
+                         update_latest=update_latest)
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            outcome[0] = f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(outcome, src=0, group=group)
+    if outcome[0] is not None:
+        raise ckpt.CheckpointError(f"checkpoint {tag!r} in {save_dir} was not saved ({outcome[0]})")
+
+
+class _Prefixed(Mapping[str, torch.Tensor]):
+    """The tensors under one prefix of a checkpoint's file, by their names without it, each read when asked
+    for into one reused buffer (`TensorFile.read_transient`): a value is valid until the next is asked for,
+    which is how a load_state_dict uses it (checked, then copied into the host store)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> None:
+        self._tensors, self._prefix = tensors, prefix
+        self._names = {k[len(prefix):]: None for k in tensors if k.startswith(prefix)}  # ordered, hashed
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        read = getattr(self._tensors, "read_transient", None)
+        return read(self._prefix + name) if read is not None else self._tensors[self._prefix + name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 def load_engine_checkpoint(load_dir: str | Path, tag: str | None
-                           ) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path, dict[str, torch.Tensor]]:
-    """(weights, meta, path, tensors) of a DeepSpeed-face checkpoint, checksums verified."""
+                           ) -> tuple[Mapping[str, torch.Tensor], dict[str, Any], Path, Mapping[str, torch.Tensor]]:
+    """(weights, meta, path, tensors) of a DeepSpeed-face checkpoint, checksums verified. The weights and
+    tensors are read from the file one at a time as they are asked for (checkpoint.load)."""
     tensors, meta, path = ckpt.load(load_dir, tag)
     if meta.get("kind") != ENGINE_CKPT_KIND:
         raise ckpt.CheckpointError(f"{path} is not a checkpoint written by MegaTrainEngine.save_checkpoint")
-    weights = {k[len(_MODEL):]: v for k, v in tensors.items() if k.startswith(_MODEL)}
-    return weights, meta, path, tensors
+    return _Prefixed(tensors, _MODEL), meta, path, tensors
 
 
-def optimizer_from(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def optimizer_from(meta: dict[str, Any], tensors: Mapping[str, torch.Tensor],
+                   into: torch.optim.Optimizer | None = None, skip: set[int] | None = None) -> dict[str, Any]:
+    """The optimizer's state_dict from a checkpoint. With `into` (the optimizer it will be loaded into), each
+    state tensor is read straight into that optimizer's own tensor for the parameter when it has one of the
+    same shape and dtype (a reload holds no second copy), else into a new tensor that load_state_dict adopts
+    as it is (same dtype and device as the parameter): either way one state tensor is in flight at a time.
+    `skip`: ids of `into`'s parameters whose state this process does not keep (not read at all)."""
     m = meta["optimizer"]
+    live: list[dict[str, Any]] = []
+    skipped: set[int] = set()
+    if into is not None:
+        params = [p for g in into.param_groups for p in g["params"]]
+        live = [into.state.get(p, {}) for p in params]
+        skipped = {i for i, p in enumerate(params) if id(p) in (skip or ())}
     state = {}
     for idx, entry in m["state"].items():
-        state[int(idx)] = {k: tensors[f"{_OPTIM}{idx}.{k}"] if v == "__in_tensors__" else _from_json_value(v)
-                           for k, v in entry.items()}
+        i = int(idx)
+        if i in skipped:
+            continue
+        mine = live[i] if i < len(live) else {}
+        state[i] = {k: _read_state(tensors, f"{_OPTIM}{idx}.{k}", mine.get(k)) if v == "__in_tensors__"
+                    else _from_json_value(v) for k, v in entry.items()}
     groups = [{k: _from_json_value(v) for k, v in g.items()} for g in m["param_groups"]]
     return {"state": state, "param_groups": groups}
+
+
+def _read_state(tensors: Mapping[str, torch.Tensor], name: str, current: Any) -> torch.Tensor:
+    read_into = getattr(tensors, "read_into", None)
+    if (read_into is not None and torch.is_tensor(current) and current.device.type == "cpu"
+            and current.dtype == tensors.dtype(name) and tuple(current.shape) == tuple(tensors.shape(name))
+            and current.is_contiguous()):
+        return read_into(name, current)
+    return tensors[name]
 
 
 def restore_rng(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:

@@ -158,3 +158,63 @@ def test_bad_inputs(tmp_path):
     (tmp_path / "foreign" / ck.MANIFEST_FILE).write_text(json.dumps({"format": "other"}))
     with pytest.raises(ck.CheckpointError, match="not a megatrain.checkpoint manifest"):
         ck.load(tmp_path, "foreign")
+
+
+# -- shard files (data-parallel saves: each rank writes its own optimizer state) --------------------------
+def _sharded_save(root, tag, value: float, shard_ok: bool = True):
+    tmp = ck.begin(root, tag)
+    entry = ck.write_shard(tmp, f"{ck.SHARD_PREFIX}1.safetensors", {"optim.1.exp_avg": torch.full((4,), value)})
+    if not shard_ok:
+        entry = {**entry, "bytes": entry["bytes"] + 1}  # what a writer that lost its file would report
+    return ck.publish(root, tag, tmp, {"optim.0.exp_avg": torch.full((2,), value)}, {"v": value},
+                      shards={f"{ck.SHARD_PREFIX}1.safetensors": entry})
+
+
+def test_shards_are_listed_read_and_checked(tmp_path):
+    _sharded_save(tmp_path, "s1", 1.0)
+    tensors, meta, path = ck.load(tmp_path)
+    assert meta == {"v": 1.0} and set(tensors) == {"optim.0.exp_avg", "optim.1.exp_avg"}
+    assert torch.equal(tensors["optim.1.exp_avg"], torch.full((4,), 1.0))
+    tensors.close()
+    shard = path / f"{ck.SHARD_PREFIX}1.safetensors"
+    _flip_byte(shard)
+    with pytest.raises(ck.CheckpointError, match=rf"{ck.SHARD_PREFIX}1.safetensors: corrupt"):
+        ck.load(tmp_path)
+    os.truncate(shard, shard.stat().st_size - 4)
+    with pytest.raises(ck.CheckpointError, match=rf"{ck.SHARD_PREFIX}1.safetensors: truncated"):
+        ck.load(tmp_path)
+
+
+def test_a_save_whose_shard_is_not_whole_publishes_nothing(tmp_path):
+    _sharded_save(tmp_path, "s1", 1.0)
+    with pytest.raises(ck.CheckpointError, match="shard missing or not the size"):
+        _sharded_save(tmp_path, "s2", 2.0, shard_ok=False)
+    assert ck.latest_tag(tmp_path) == "s1" and [t for _, t in ck.list_checkpoints(tmp_path)] == ["s1"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # its temp directory is gone
+    assert ck.load(tmp_path)[1] == {"v": 1.0}
+
+
+def test_a_shard_writer_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
+    """A real process dies (SIGKILL) while writing its shard into a save's temp directory: the previous
+    checkpoint stays the one `latest` names and loads; the next save clears the leftovers."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    _sharded_save(tmp_path, "s1", 1.0)
+    tmp = ck.begin(tmp_path, "s2")
+    code = textwrap.dedent(f"""
+        import os, signal, torch
+        from megatrain import checkpoint as ck
+        real = os.fsync
+        os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # dies with the shard's bytes unsynced
+        ck.write_shard({str(tmp)!r}, "{ck.SHARD_PREFIX}1.safetensors", {{"optim.1.exp_avg": torch.ones(1 << 16)}})
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    assert (tmp / f"{ck.SHARD_PREFIX}1.safetensors").exists()  # it did die mid-save
+    assert ck.latest_tag(tmp_path) == "s1" and [t for _, t in ck.list_checkpoints(tmp_path)] == ["s1"]
+    assert ck.load(tmp_path)[1] == {"v": 1.0}
+    _sharded_save(tmp_path, "s3", 3.0)
+    assert not tmp.exists() and ck.load(tmp_path)[1] == {"v": 3.0}

@@ -150,3 +150,32 @@ def test_resuming_without_the_optimizer_state_misses_by_far(runs: dict[str, Any]
     no_schedule = example.train(face, GLOBAL_MICRO, 1, 0, steps=TOTAL_STEPS, resume_from=resume,
                                 leave_out="scheduler")
     assert _gaps(ref, no_schedule)["params"] > 10 * TOL, face
+
+
+def test_a_shared_store_save_is_one_shard_per_rank_and_whole_only_with_every_shard(runs: dict[str, Any],
+                                                                                    tmp_path: Path) -> None:
+    """The 2-rank DeepSpeed-face save (one host store per node) wrote no gathered state: rank 1's layers' Adam
+    state is in rank 1's own shard file, listed in the manifest, and nowhere else; the checkpoint resumed on 1,
+    2 and 3 ranks above. Without the shard (negative control) the load refuses it, naming the file."""
+    import shutil
+
+    from megatrain import checkpoint as ck
+
+    root = Path(runs["folders"]["deepspeed"])
+    tag = ck.latest_tag(root)
+    path = root / tag
+    manifest = json.loads((path / ck.MANIFEST_FILE).read_text())
+    shard = f"{ck.SHARD_PREFIX}1.safetensors"
+    assert shard in manifest["files"], sorted(manifest["files"])
+    tensors, meta, _ = ck.load(root, tag)
+    main, own = set(tensors.files[0]), set(tensors.files[1])
+    assert own and all(k.startswith("optim.") for k in own) and not own & main
+    wanted = {f"optim.{i}.{k}" for i, e in meta["optimizer"]["state"].items() for k, v in e.items()
+              if v == "__in_tensors__"}
+    assert wanted == {k for k in main | own if k.startswith("optim.")}  # every state tensor, each once
+    tensors.close()
+    copy = tmp_path / "ckpt"
+    shutil.copytree(root, copy)
+    (copy / tag / shard).unlink()
+    with pytest.raises(ck.CheckpointError, match=shard):
+        ck.load(copy, tag)

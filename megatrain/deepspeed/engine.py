@@ -327,11 +327,20 @@ class MegaTrainEngine:
         `keep_last=N` (MegaTrain's addition) deletes all but the N newest checkpoints afterwards.
         """
         tag = tag if tag is not None else f"global_step{self.global_steps}"
-        # Layer updates still queued (optimizer_overlap) land first; every rank takes part (a shared host store
-        # gathers the optimizer state from the layers' owners).
-        weights, optimizer_state = self.backend.training_state(with_optimizer=self.optimizer is not None)
         counters = {"global_steps": self.global_steps, "global_samples": self.global_samples,
                     "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps}
+        mine = train_state.shard_params(self.engine) if self.optimizer is not None else None
+        if mine is not None:
+            # One host store per node: each rank writes its own layers' optimizer state as a shard, no gather.
+            weights, _ = self.backend.training_state(with_optimizer=False)
+            train_state.save_engine_checkpoint_sharded(
+                save_dir, tag, weights=weights, optimizer=self.engine.optimizer, mine=mine, rank=self.global_rank,
+                group=self.engine.dp.group, scheduler=self.lr_scheduler, counters=counters, config=self.config,
+                client_state=client_state, keep_last=keep_last, update_latest=save_latest)
+            torch.distributed.barrier()  # no rank reads it (or moves on to delete it) before it is whole
+            return True
+        # Layer updates still queued (optimizer_overlap) land first.
+        weights, optimizer_state = self.backend.training_state(with_optimizer=self.optimizer is not None)
         # Data parallel: every rank holds the same weights and optimizer state, so rank 0 writes them for all
         # (with its RNG states) and the checkpoint resumes on any number of ranks.
         train_state.save_engine_checkpoint(
@@ -360,7 +369,9 @@ class MegaTrainEngine:
         optimizer_state = None
         if (not load_module_only and load_optimizer_states and self.optimizer is not None
                 and "optimizer" in meta):
-            optimizer_state = train_state.optimizer_from(meta, tensors)
+            self.engine.synchronize()  # queued layer updates land before their state is read into in place
+            optimizer_state = train_state.optimizer_from(meta, tensors, self.engine.optimizer,
+                                                         skip=train_state.foreign_params(self.engine))
         self.backend.load_training_state(weights, optimizer_state, strict=load_module_strict)
         if not load_module_only:
             if load_lr_scheduler_states and self.lr_scheduler is not None and meta.get("lr_scheduler") is not None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..tensor_file import TensorFile
 from .store import HostStore
 
 
@@ -42,9 +43,12 @@ def _shards(path: Path) -> list[Path]:
 
 
 def load_checkpoint_into(store: HostStore, path: Path, layers_prefix: str, aliases: dict[str, str]) -> None:
-    """Copy every tensor straight into its slot, one tensor at a time (peak memory ~ the store itself)."""
-    from safetensors import safe_open
+    """Copy every tensor straight into its slot, one tensor at a time (peak memory ~ the store itself).
 
+    Each tensor is read with plain reads (tensor_file.py), not through a mapping of the file whose touched
+    pages would stay resident: an FP32 master of the file's dtype is read into its place in the store, any
+    other (a bf16 file, a hilo or bf16 master) through one reused buffer converted by the store's write_slot.
+    """
     where: dict[str, tuple] = {}
     for i, group in enumerate(store.layers):
         for slot in group.slots:
@@ -53,18 +57,20 @@ def load_checkpoint_into(store: HostStore, path: Path, layers_prefix: str, alias
         where[slot.name] = (store.globals, slot)
     seen: set[str] = set()
     for shard in _shards(path):
-        with safe_open(str(shard), framework="pt") as f:
+        with TensorFile(shard) as f:
             for key in f.keys():
                 name = aliases.get(key, key)
                 if name not in where or name in seen:
                     continue
                 group, slot = where[name]
-                t = f.get_tensor(key)
-                if tuple(t.shape) != tuple(slot.shape):
-                    raise ValueError(f"{shard.name}: {key} has shape {tuple(t.shape)}, the model expects "
+                if tuple(f.shape(key)) != tuple(slot.shape):
+                    raise ValueError(f"{shard.name}: {key} has shape {tuple(f.shape(key))}, the model expects "
                                      f"{tuple(slot.shape)}")
                 with torch.no_grad():
-                    group.write_slot(slot, t)
+                    if group.master is not None and f.dtype(key) == group.master.dtype:
+                        f.read_into(key, group.view(group.master, slot))  # an FP32 master: in place
+                    else:
+                        group.write_slot(slot, f.read_transient(key))
                 seen.add(name)
     missing = sorted(set(where) - seen)
     if missing:

@@ -39,3 +39,15 @@ def set_mmap_threshold(nbytes: int) -> bool:
     if libc is None or not hasattr(libc, "mallopt"):
         return False
     return libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(int(nbytes))) == 1
+
+
+def release_free_heap() -> bool:
+    """Give the C heap's free pages back to the OS (glibc's malloc_trim); False where there is no glibc.
+
+    The model's own weights are freed as they are packed into the host store, but a weight allocated after
+    the threshold rose sits in the heap, and its freed pages stay resident under later allocations: measured,
+    a user's FP32 model held ~3.3 B/param of RSS on after placement (results/bytes_at_depth/)."""
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    return bool(libc.malloc_trim(ctypes.c_size_t(0)))

@@ -21,6 +21,7 @@ from ..costs.modes import HostMaster
 from ..models.adapter import DecoderParts
 from .distributed import DataParallel
 from .loading import load_checkpoint_into
+from .malloc import release_free_heap
 from .node_store import NodeStore
 from .preflight import host_preflight
 from .router import router_recorder
@@ -182,6 +183,7 @@ def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: t
         for slot, master in zip(group.slots, group.params):
             _set_param(layer, slot.name, master)
     _free(_pack(store.globals, [p for _, p in global_named]))
+    release_free_heap()  # the model's freed weights, left resident in the C heap otherwise
     if checkpoint_dir is not None:
         load_checkpoint_into(store, Path(checkpoint_dir), parts.layers_prefix, aliases)
     if dp is not None:
