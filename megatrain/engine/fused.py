@@ -1,0 +1,129 @@
+"""One pass over a layer's host state per step: the fused AdamW update a cache-sized tile at a time.
+
+The per-layer update used to be whole-layer passes one after another: widen a bf16 gradient slab (or scale
+an FP32 one by the clip), join the hi/lo master into the FP32 scratch, torch's fused AdamW over the layer,
+split the scratch back (or refresh the bf16 shadow). Each pass streams the whole layer through memory. Here
+every pass runs on one tile before the next tile is touched, so the widened gradient, the joined master and
+the updated values are read back from cache, not memory: what crosses memory is the gradient, m, v and the
+master (or its halves) once each way, which is the bytes bound of experiments/studies/host_passes.py.
+
+The AdamW itself is torch's fused CPU kernel called on tile views, which gives the same bits as one call
+over the whole tensor as long as every tile starts at a multiple of the kernel's vector width from the
+tensor's start (its scalar tail then falls on the same elements; tests/test_fused_pass.py checks this, and
+that a misaligned tile is caught). The clip scale is multiplied into each gradient tile just before the
+AdamW reads it: the same products as scaling the whole slab first. Only torch's Adam/AdamW with fused=True
+(the engine's default) take this path, and only once their state exists; anything else updates the layer
+in whole-layer passes (update.update_layer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..costs.modes import HostMaster
+from . import hilo
+from .store import FlatGroup
+
+TILE = 1 << 20  # elements (4 MiB of FP32): the tile's scratch values stay in the last-level cache between passes
+_ALIGN = 1 << 6  # torch's vectorized loops take 16 or 32 FP32 lanes at a time: tiles start on a multiple of 64
+
+
+def eligible(optimizer: torch.optim.Optimizer, group: FlatGroup) -> bool:
+    """Whether `optimizer` (a layer's view) can be stepped tile by tile with the same bits as one step()."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return False
+    if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
+        return False
+    if group.rounding is not None:
+        return False  # stochastic rounding draws its random bits a whole layer at a time
+    for g in optimizer.param_groups:
+        if g.get("fused") is not True or g.get("differentiable") or g.get("capturable"):
+            return False
+        for p in g["params"]:
+            st = optimizer.state.get(p)
+            if not st or "exp_avg" not in st:
+                return False  # the first step creates the state: torch's own step() does it
+            if not (st["exp_avg"].is_contiguous() and st["exp_avg_sq"].is_contiguous()):
+                return False
+    return True
+
+
+def _tiles(numel: int, tile: int) -> list[tuple[int, int]]:
+    if tile % _ALIGN:
+        raise ValueError(f"tile={tile} is not a multiple of {_ALIGN}: the AdamW tails would differ from one call")
+    return [(a, min(numel, a + tile)) for a in range(0, numel, tile)]
+
+
+def fused_update(optimizer: torch.optim.Optimizer, group: FlatGroup, coefs: list[float], tile: int = TILE) -> None:
+    """Layer `group`'s whole update in one pass of tiles (see the module docstring); `optimizer` is the layer's
+    view (its params are Parameters over `group.work` in slot order, their .grad views of `group.grad_work`),
+    `coefs` the clip scales still pending on the gradients. Call only where eligible() said so."""
+    slot_of = {p.data_ptr(): s for p, s in zip(group.params, group.slots)}
+    hilo_mode = group.master_mode is HostMaster.HILO
+    old_ties = group.ties
+    new_ties: list[torch.Tensor] = []
+    covered: list[tuple[int, int]] = []
+    for g in optimizer.param_groups:
+        beta1, beta2 = g["betas"]
+        decoupled = g.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)
+        op = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        for p in g["params"]:
+            slot = slot_of[p.data_ptr()]
+            st = optimizer.state[p]
+            m, v = st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1)
+            vmax = st["max_exp_avg_sq"].view(-1) if g["amsgrad"] else None
+            # torch increments the step before its kernel reads it; every tile reads the incremented value.
+            step = st["step"]
+            for a, b in _tiles(slot.numel, tile):
+                lo_, hi_ = slot.offset + a, slot.offset + b
+                grad = _load_grad(group, lo_, hi_, coefs)
+                work = group.work[lo_:hi_]
+                _unpack(group, lo_, hi_, old_ties)
+                op([work], [grad], [m[a:b]], [v[a:b]], [vmax[a:b]] if vmax is not None else [], [step + 1],
+                   amsgrad=g["amsgrad"], lr=g["lr"], beta1=beta1, beta2=beta2, weight_decay=g["weight_decay"],
+                   eps=g["eps"], maximize=g["maximize"], grad_scale=None, found_inf=None)
+                t = _pack(group, lo_, hi_)
+                if t is not None and t.numel():
+                    new_ties.append(t + lo_)
+            torch._foreach_add_([step], 1)  # what torch's step() leaves in the state
+            covered.append((slot.offset, slot.offset + slot.numel))
+    if hilo_mode:
+        # Ties of the ranges no parameter of the optimizer covers (frozen ones) stay as they were.
+        keep = old_ties
+        for a, b in covered:
+            keep = keep[(keep < a) | (keep >= b)]
+        group.ties = torch.sort(torch.cat([keep, *new_ties])).values if new_ties or keep.numel() else keep
+
+
+def _load_grad(group: FlatGroup, a: int, b: int, coefs: list[float]) -> torch.Tensor:
+    """The tile's FP32 gradient, clip scales applied (a bf16 slab widened into the scratch first): the store's
+    own load_grads over the tile's range."""
+    FlatGroup.load_grads(group.range(a, b), coefs)
+    return group.grad_work[a:b]
+
+
+def _unpack(group: FlatGroup, a: int, b: int, ties: torch.Tensor) -> None:
+    if group.master_mode is HostMaster.HILO:
+        lo_, hi_ = torch.searchsorted(ties, torch.tensor([a, b])).tolist() if ties.numel() else (0, 0)
+        hilo.join(group.shadow[a:b], group.lo[a:b], ties[lo_:hi_] - a, group.work[a:b])
+    elif group.master_mode is HostMaster.BF16:
+        group.work[a:b].copy_(group.shadow[a:b])
+
+
+def _pack(group: FlatGroup, a: int, b: int) -> torch.Tensor | None:
+    """Write the tile's master back (the split, the bf16 RNE, or the FP32 master's shadow); the tile's ties."""
+    work = group.work[a:b]
+    if group.master_mode is HostMaster.FP32:
+        if group.shadow is not None and group.owned:
+            group.shadow[a:b].copy_(work)
+        return None
+    if group.master_mode is HostMaster.HILO:
+        # The shared scratch is NaN-poisoned as it is read (see FlatGroup.pack).
+        with hilo.poisoning(work) as poisoned:
+            ties = hilo.split(work, group.shadow[a:b], group.lo[a:b])
+        if not poisoned:
+            work.fill_(float("nan"))
+        return ties
+    group.shadow[a:b].copy_(work)
+    work.fill_(float("nan"))
+    return None
