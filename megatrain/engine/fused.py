@@ -18,14 +18,19 @@ in whole-layer passes (update.update_layer).
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from ..costs.modes import HostMaster
 from . import hilo
 from .store import FlatGroup
 
-TILE = 1 << 20  # elements (4 MiB of FP32): the tile's scratch values stay in the last-level cache between passes
+TILE = 1 << 18  # elements (1 MiB of FP32): a tile's values stay in the core's cache between its passes
 _ALIGN = 1 << 6  # torch's vectorized loops take 16 or 32 FP32 lanes at a time: tiles start on a multiple of 64
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 def eligible(optimizer: torch.optim.Optimizer, group: FlatGroup) -> bool:
@@ -54,40 +59,81 @@ def _tiles(numel: int, tile: int) -> list[tuple[int, int]]:
     return [(a, min(numel, a + tile)) for a in range(0, numel, tile)]
 
 
-def fused_update(optimizer: torch.optim.Optimizer, group: FlatGroup, coefs: list[float], tile: int = TILE) -> None:
+def _worker_init() -> None:
+    # Each worker is one core's worth of work: a torch op inside it must not open an OpenMP team of its own
+    # (on a loaded machine every small parallel region waits for a descheduled team member).
+    torch.set_num_threads(1)
+
+
+def workers(n: int) -> ThreadPoolExecutor:
+    """The pool the fused passes run their tiles on (`n` threads, one torch thread each)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers != n:
+            old, _pool = _pool, ThreadPoolExecutor(n, thread_name_prefix="fused-pass", initializer=_worker_init)
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
+
+
+def fused_update(optimizer: torch.optim.Optimizer, group: FlatGroup, coefs: list[float], tile: int = TILE,
+                 threads: int | None = None) -> None:
     """Layer `group`'s whole update in one pass of tiles (see the module docstring); `optimizer` is the layer's
     view (its params are Parameters over `group.work` in slot order, their .grad views of `group.grad_work`),
-    `coefs` the clip scales still pending on the gradients. Call only where eligible() said so."""
+    `coefs` the clip scales still pending on the gradients. The tiles are shared out in contiguous runs
+    between `threads` workers (default: the caller's torch thread count), each with one torch thread. Call
+    only where eligible() said so."""
     slot_of = {p.data_ptr(): s for p, s in zip(group.params, group.slots)}
-    hilo_mode = group.master_mode is HostMaster.HILO
     old_ties = group.ties
-    new_ties: list[torch.Tensor] = []
+    jobs: list[tuple] = []  # (tile start in the layer, end, its op's arguments)
+    steps: list[torch.Tensor] = []
     covered: list[tuple[int, int]] = []
     for g in optimizer.param_groups:
         beta1, beta2 = g["betas"]
         decoupled = g.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)
         op = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        kw = dict(amsgrad=g["amsgrad"], lr=g["lr"], beta1=beta1, beta2=beta2, weight_decay=g["weight_decay"],
+                  eps=g["eps"], maximize=g["maximize"], grad_scale=None, found_inf=None)
         for p in g["params"]:
             slot = slot_of[p.data_ptr()]
             st = optimizer.state[p]
             m, v = st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1)
             vmax = st["max_exp_avg_sq"].view(-1) if g["amsgrad"] else None
-            # torch increments the step before its kernel reads it; every tile reads the incremented value.
-            step = st["step"]
+            # torch increments the step before its kernel reads it: every tile reads the incremented value.
+            step = st["step"] + 1
             for a, b in _tiles(slot.numel, tile):
-                lo_, hi_ = slot.offset + a, slot.offset + b
-                grad = _load_grad(group, lo_, hi_, coefs)
-                work = group.work[lo_:hi_]
-                _unpack(group, lo_, hi_, old_ties)
-                op([work], [grad], [m[a:b]], [v[a:b]], [vmax[a:b]] if vmax is not None else [], [step + 1],
-                   amsgrad=g["amsgrad"], lr=g["lr"], beta1=beta1, beta2=beta2, weight_decay=g["weight_decay"],
-                   eps=g["eps"], maximize=g["maximize"], grad_scale=None, found_inf=None)
-                t = _pack(group, lo_, hi_)
-                if t is not None and t.numel():
-                    new_ties.append(t + lo_)
-            torch._foreach_add_([step], 1)  # what torch's step() leaves in the state
+                state = ([m[a:b]], [v[a:b]], [vmax[a:b]] if vmax is not None else [], [step])
+                jobs.append((slot.offset + a, slot.offset + b, op, state, kw))
+            steps.append(st["step"])
             covered.append((slot.offset, slot.offset + slot.numel))
-    if hilo_mode:
+
+    def run(part: list[tuple]) -> list[torch.Tensor]:
+        ties = []
+        for a, b, op, (m, v, vmax, step), kw in part:
+            grad = _load_grad(group, a, b, coefs)
+            _unpack(group, a, b, old_ties)
+            op([group.work[a:b]], [grad], m, v, vmax, step, **kw)
+            t = _pack(group, a, b)
+            if t is not None and t.numel():
+                ties.append(t + a)
+        return ties
+
+    n = max(1, min(threads or torch.get_num_threads(), len(jobs)))
+    if n == 1:
+        new_ties = run(jobs)
+    else:
+        total = sum(b - a for a, b, *_ in jobs)
+        parts, part, done = [], [], 0
+        for job in jobs:  # contiguous runs of about total / n elements each
+            part.append(job)
+            done += job[1] - job[0]
+            if done >= total * (len(parts) + 1) / n and len(parts) < n - 1:
+                parts.append(part)
+                part = []
+        parts.append(part)
+        new_ties = [t for ts in workers(n).map(run, parts) for t in ts]
+    torch._foreach_add_(steps, 1)  # what torch's step() leaves in the state
+    if group.master_mode is HostMaster.HILO:
         # Ties of the ranges no parameter of the optimizer covers (frozen ones) stay as they were.
         keep = old_ties
         for a, b in covered:
