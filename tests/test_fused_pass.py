@@ -179,3 +179,15 @@ def test_the_engine_runs_the_fused_pass_bit_identical_to_the_fp32_whole_step(mon
     assert train(good) == a and len(calls) == 2 * (len(batches) - 1)
     sb = good.state_dict()
     assert all(torch.equal(v, sb[k]) for k, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_all_finite_finds_each_kind_in_any_tile_and_no_overflow(threads):
+    x = torch.full((5 * TILE + 17,), 3e38)  # finite, but a plain sum overflows to inf
+    assert fused.all_finite(x, tile=TILE, threads=threads)
+    assert fused.all_finite(x.bfloat16(), tile=TILE, threads=threads)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        for at in (0, 3 * TILE + 5, x.numel() - 1):
+            y = x.clone()
+            y[at] = bad
+            assert not fused.all_finite(y, tile=TILE, threads=threads), (bad, at)

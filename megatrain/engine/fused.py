@@ -76,13 +76,40 @@ def workers(n: int) -> ThreadPoolExecutor:
         return _pool
 
 
+def _split_runs(jobs: list, sizes: list[int], n: int) -> list[list]:
+    """`jobs` in `n` contiguous runs of about equal total size."""
+    total, parts, part, done = sum(sizes), [], [], 0
+    for job, k in zip(jobs, sizes):
+        part.append(job)
+        done += k
+        if done >= total * (len(parts) + 1) / n and len(parts) < n - 1:
+            parts.append(part)
+            part = []
+    return [*parts, part]
+
+
+def all_finite(x: torch.Tensor, tile: int = TILE, threads: int | None = None) -> bool:
+    """Whether every element of the 1-D `x` is finite, without an element-sized temporary: per tile x * 0
+    sums to exactly 0 when every element is finite and to NaN otherwise (no overflow, unlike a plain sum)."""
+    ranges = [(a, min(x.numel(), a + tile)) for a in range(0, x.numel(), tile)]
+
+    def run(part: list[tuple[int, int]]) -> bool:
+        return all(float(x[a:b].float().mul_(0).sum()) == 0 for a, b in part)
+
+    n = max(1, min(threads or torch.get_num_threads(), len(ranges)))
+    if n == 1:
+        return run(ranges)
+    return all(workers(n).map(run, _split_runs(ranges, [b - a for a, b in ranges], n)))
+
+
 def fused_update(optimizer: torch.optim.Optimizer, group: FlatGroup, coefs: list[float], tile: int = TILE,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, grad_source: torch.Tensor | None = None) -> None:
     """Layer `group`'s whole update in one pass of tiles (see the module docstring); `optimizer` is the layer's
     view (its params are Parameters over `group.work` in slot order, their .grad views of `group.grad_work`),
-    `coefs` the clip scales still pending on the gradients. The tiles are shared out in contiguous runs
-    between `threads` workers (default: the caller's torch thread count), each with one torch thread. Call
-    only where eligible() said so."""
+    `coefs` the clip scales still pending on the gradients; `grad_source`: the layer's gradients to read instead
+    of its slab (the optimizer in backward's staging; taken as 0 + g, what a zeroed FP32 slab would hold). The
+    tiles are shared out in contiguous runs between `threads` workers (default: the caller's torch thread
+    count), each with one torch thread. Call only where eligible() said so."""
     slot_of = {p.data_ptr(): s for p, s in zip(group.params, group.slots)}
     old_ties = group.ties
     jobs: list[tuple] = []  # (tile start in the layer, end, its op's arguments)
@@ -110,7 +137,7 @@ def fused_update(optimizer: torch.optim.Optimizer, group: FlatGroup, coefs: list
     def run(part: list[tuple]) -> list[torch.Tensor]:
         ties = []
         for a, b, op, (m, v, vmax, step), kw in part:
-            grad = _load_grad(group, a, b, coefs)
+            grad = _load_grad(group, a, b, coefs, grad_source)
             _unpack(group, a, b, old_ties)
             op([group.work[a:b]], [grad], m, v, vmax, step, **kw)
             t = _pack(group, a, b)
@@ -122,15 +149,7 @@ def fused_update(optimizer: torch.optim.Optimizer, group: FlatGroup, coefs: list
     if n == 1:
         new_ties = run(jobs)
     else:
-        total = sum(b - a for a, b, *_ in jobs)
-        parts, part, done = [], [], 0
-        for job in jobs:  # contiguous runs of about total / n elements each
-            part.append(job)
-            done += job[1] - job[0]
-            if done >= total * (len(parts) + 1) / n and len(parts) < n - 1:
-                parts.append(part)
-                part = []
-        parts.append(part)
+        parts = _split_runs(jobs, [b - a for a, b, *_ in jobs], n)
         new_ties = [t for ts in workers(n).map(run, parts) for t in ts]
     torch._foreach_add_(steps, 1)  # what torch's step() leaves in the state
     if group.master_mode is HostMaster.HILO:
@@ -141,9 +160,13 @@ def fused_update(optimizer: torch.optim.Optimizer, group: FlatGroup, coefs: list
         group.ties = torch.sort(torch.cat([keep, *new_ties])).values if new_ties or keep.numel() else keep
 
 
-def _load_grad(group: FlatGroup, a: int, b: int, coefs: list[float]) -> torch.Tensor:
+def _load_grad(group: FlatGroup, a: int, b: int, coefs: list[float], source: torch.Tensor | None) -> torch.Tensor:
     """The tile's FP32 gradient, clip scales applied (a bf16 slab widened into the scratch first): the store's
     own load_grads over the tile's range."""
+    if source is not None:
+        w = group.grad_work[a:b]
+        w.copy_(source[a:b])
+        return w.add_(0.0)  # 0 + g: a -0 gradient becomes +0, as added into a zeroed slab
     FlatGroup.load_grads(group.range(a, b), coefs)
     return group.grad_work[a:b]
 

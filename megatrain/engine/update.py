@@ -158,12 +158,16 @@ class InBackward(UpdatePath):
         def job() -> int:
             if self._failed_layer is not None:
                 return 0  # an earlier layer's gradient was not finite: step() reports it
+            if self.config.skip_nonfinite and not fused.all_finite(staging[: group.numel]):
+                self._failed_layer = i
+                return 0
+            view = self.layered.view_optimizer(i)
+            if view is not None and fused.eligible(view, group):
+                fused.fused_update(view, group, [], grad_source=staging)  # one pass: staging to updated master
+                return 0
             gw = group.grad_work
             gw.zero_()
             gw.add_(staging)  # 0 + g: the value an ordinary zeroed FP32 slab holds after one backward
-            if self.config.skip_nonfinite and not bool(torch.isfinite(gw).all()):
-                self._failed_layer = i
-                return 0
             update_layer(self.layered, group, i, [])
             return 0
 
