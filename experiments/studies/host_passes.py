@@ -150,8 +150,10 @@ def bench_mode(preset, mode: str, cfg: dict, reps: int) -> list[dict]:
     oib = cfg.get("optimizer_in_backward", False)
     vs = variants(mode)
     times: dict[str, list[tuple[float, ...]]] = {k: [] for k in vs}
+    paired: dict[str, list[float]] = {k: [] for k in vs}  # time / bound at the copy bandwidth of that moment
     for r in range(reps + 1):  # the first round warms up (first-touch pages, the kernel's build, the state)
         for label, ctx in vs.items():
+            bw_now = copy_bandwidth(1 << 24, 2)  # the same moment's rate: the machine's load drifts
             with (ctx() if ctx is not None else nullcontext()):
                 loss = eng(input_ids=ids, labels=ids.clone()).loss
                 if oib:
@@ -174,6 +176,7 @@ def bench_mode(preset, mode: str, cfg: dict, reps: int) -> list[dict]:
                         parts.append(time.perf_counter() - t0)
             if r:
                 times[label].append(tuple(parts))
+                paired[label].append(sum(parts) / (bound / bw_now))
     params = sum(g.numel for g in (eng.store.layers if oib else eng.store.groups()))
     rows = []
     for label, ts in times.items():
@@ -184,8 +187,10 @@ def bench_mode(preset, mode: str, cfg: dict, reps: int) -> list[dict]:
         for what, t in names:
             row = {"what": what.strip(), "mode": mode, "version": label, "params": params,
                    "seconds": round(t, 4), "median_total_s": round(statistics.median(map(sum, ts)), 4),
-                   "ns_per_param": round(t / params * 1e9, 3), "bound_bytes": "", "gb_per_s": "", "x_bound": ""}
+                   "ns_per_param": round(t / params * 1e9, 3), "bound_bytes": "", "gb_per_s": "", "x_bound": "",
+                   "x_bound_paired": ""}
             if not what.startswith(" "):
+                row["x_bound_paired"] = f"{min(paired[label]):.2f} / {statistics.median(paired[label]):.2f}"
                 row["bound_bytes"] = bound  # rate and ratio: in main(), against the run's best copy bandwidth
             rows.append(row)
     return rows
@@ -218,7 +223,7 @@ def bench_passes(numel: int, impls: dict, reps: int) -> list[dict]:
             rows.append({"what": what, "mode": "hilo", "version": label, "params": numel, "seconds": round(t, 5),
                          "median_total_s": round(statistics.median(ts[1:]), 5),
                          "ns_per_param": round(t / numel * 1e9, 3), "bound_bytes": nbytes, "gb_per_s": "",
-                         "x_bound": ""})
+                         "x_bound": "", "x_bound_paired": ""})
     return rows
 
 
@@ -244,11 +249,14 @@ def write(rows: list[dict], meta: dict) -> None:
         f"- machine: {meta['cpu']} ({meta['cores']} cores), torch {meta['torch']}, python {meta['python']}",
         f"- commit: {meta['commit']}",
         "",
-        "| what | mode | version | ns/param | GB/s | x bound |",
-        "|---|---|---|---:|---:|---:|",
+        "`x bound, paired`: each round's time against the copy bandwidth measured just before it, best / median",
+        "of the rounds (the load of a shared machine drifts; this ratio is the steadier one).",
+        "",
+        "| what | mode | version | ns/param | GB/s | x bound | x bound, paired |",
+        "|---|---|---|---:|---:|---:|---:|",
     ]
     lines += [f"| {r['what']} | {r['mode']} | {r['version']} | {r['ns_per_param']} | {r['gb_per_s']} | "
-              f"{r['x_bound']} |" for r in rows]
+              f"{r['x_bound']} | {r['x_bound_paired']} |" for r in rows]
     readme = OUT / "README.md"
     # The hand-written reading of a run (from "## Notes" on) survives a rerun; check it against the new table.
     old = readme.read_text() if readme.exists() else ""
