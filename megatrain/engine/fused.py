@@ -27,7 +27,7 @@ from ..costs.modes import HostMaster
 from . import hilo
 from .store import FlatGroup
 
-TILE = 1 << 18  # elements (1 MiB of FP32): a tile's values stay in the core's cache between its passes
+TILE = 1 << 22  # elements: 256K-element tiles lost more to per-tile overhead than they gained (results/host_passes)
 _ALIGN = 1 << 6  # torch's vectorized loops take 16 or 32 FP32 lanes at a time: tiles start on a multiple of 64
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
