@@ -11,6 +11,28 @@ from typing import Any
 
 from .common import Ctx, make_batches, tiny_model
 
+
+def pinning_expectations(store: Any, staging: list[Any]) -> dict[str, tuple[list[Any], bool]]:
+    """The host store's buffers by role, each with whether the design pins it (costs/pinning.py, HostStore):
+    what the device reads (each layer's stream source, the resident masters) and the gradient staging are
+    pinned; an FP32 master behind a bf16 shadow and the gradient slabs are touched by host threads only, and
+    stay pageable (pinning them would lock memory no copy uses)."""
+    return {
+        "layer_stream_sources": ([g.stream_source for g in store.layers], True),
+        "globals_master": ([store.globals.master], True),
+        "grad_staging": (list(staging), True),
+        "layer_masters_behind_a_shadow_pageable": (
+            [g.master for g in store.layers if g.master is not None and g.shadow is not None], False),
+        "grad_slabs_pageable": ([g.grad for g in store.groups() if g.grad is not None], False),
+    }
+
+
+def pinning_report(expect: dict[str, tuple[list[Any], bool]],
+                   is_pinned: Callable[[Any], bool] = lambda t: bool(t.is_pinned())) -> dict[str, bool]:
+    """Per role: whether every buffer's pinned state is the one the design gives it."""
+    return {name: all(is_pinned(t) == want for t in buffers) for name, (buffers, want) in expect.items()}
+
+
 # == sync ===============================================================================================
 _SYNC_PRONE = ("item", "tolist", "__bool__", "__float__", "__int__", "nonzero", "numpy")
 
@@ -129,14 +151,10 @@ def phase_sync(ctx: Ctx) -> None:
         res: dict[str, Any] = {"device": dev}
         if not ctx.cuda:
             return {**res, "ok": True, "note": "pinning and CUDA streams exist only on a GPU"}
-        res["pinned"] = {
-            "layer_stream_sources": all(g.stream_source.is_pinned() for g in eng.store.layers),
-            "layer_masters": all(g.master.is_pinned() for g in eng.store.layers),
-            "grad_slabs": all(g.grad.is_pinned() for g in eng.store.groups()),
-            "globals_master": bool(eng.store.globals.master.is_pinned()),
-            "grad_staging": all(s.is_pinned() for s in eng.pipeline._staging),
-            "offloaded_activations": all(h.is_pinned() for h, _ in pending.acts._host.values()),
-        }
+        # Pinned exactly where a DMA copy reads or writes, pageable where only host threads do (HostStore).
+        expect = pinning_expectations(eng.store, list(eng.pipeline._staging))
+        expect["offloaded_activations"] = ([h for h, _ in pending.acts._host.values()], True)
+        res["pinned"] = pinning_report(expect)
         compute = torch.cuda.current_stream()
         h2d, d2h = eng.streams.h2d._stream, eng.streams.d2h._stream
         res["streams"] = {"h2d_is_side_stream": h2d != compute, "d2h_is_side_stream": d2h != compute,

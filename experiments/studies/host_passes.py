@@ -1,21 +1,24 @@
 """The host side of a step against the memory-bandwidth bound, per host mode (a benchmark, not a test; its
 results are committed under results/host_passes/).
 
-    python -m experiments.studies.host_passes [--preset llama-100m] [--reps 3] [--base 7bf794f]
+    python -m experiments.studies.host_passes [--preset llama-100m] [--reps 5] [--modes ...]
 
-For each host mode (FP32 master, FP32 master + bf16 shadow, hilo, hilo + bf16 gradient slabs) one engine is
-built, and after an untimed forward + backward on a 16-token batch it times `clip_grad_norm_(1.0) + step() +
-zero_grad()` (each followed by `synchronize()`, so queued layer jobs count, and timed apart), with hilo's split/join as they are now
-("after") and as they were at `--base` ("before": that commit's engine/hilo.py, loaded from git and put in
-place of the module's split/join; the store then NaN-fills its scratch itself, as it did). Before and after
-alternate on the same engine, so drift on a shared machine hits both alike.
+For each host mode (FP32 master, FP32 master + bf16 shadow, each stepped whole and with optimizer_overlap's
+per-layer update; hilo; hilo + bf16 gradient slabs) one engine is built, and after an untimed forward +
+backward on a 16-token batch it times `clip_grad_norm_(1.0) + step() + zero_grad()` (each followed by
+`synchronize()`, so queued layer jobs count, and timed apart). The per-layer modes are timed with the fused
+pass (engine/fused.py: "fused"), with the whole-layer passes it replaced ("unfused"), and for hilo with the
+split/join held to their pure-torch path ("fused, torch ops": no C compiler). Variants alternate on the same
+engine, so drift on a shared machine hits them alike. The optimizer in backward (hilo) is timed as the
+optimizer thread's busy time over one backward: its per-layer updates, against the layers' bytes bound.
 
 The bound is the bytes a fused AdamW must move, at this process's measured copy bandwidth (`copy_` of a
-256 MiB FP32 tensor, counted as bytes read + bytes written, the best of several measurements through the run): per decoder-layer parameter read the gradient
-(4 B, or 2 from a bf16 slab), the master (4: FP32, or hi + lo), m and v (8), write master, m and v (12),
-plus 2 B of bf16 shadow refresh in the FP32 + shadow mode; the resident parameters (embedding, norm, head)
-are FP32 with FP32 gradients: 28 B each. The same is reported for hilo's split and join alone on one
-layer-sized tensor (split: read 4 + write 4, plus 4 of NaN poison; join: read 4, write 4).
+256 MiB FP32 tensor, counted as bytes read + bytes written, the best of several measurements through the
+run): per decoder-layer parameter read the gradient (4 B, or 2 from a bf16 slab or staging), the master (4:
+FP32, or hi + lo), m and v (8), write master, m and v (12), plus 2 B of bf16 shadow refresh in the FP32 +
+shadow mode; the resident parameters (embedding, norm, head) are FP32 with FP32 gradients: 28 B each. The
+same is reported for hilo's split and join alone on one layer-sized tensor (split: read 4 + write 4, plus 4
+of NaN poison; join: read 4, write 4).
 
 Writes results/host_passes/host_passes.csv and README.md (with provenance).
 """
@@ -24,12 +27,9 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,8 +38,16 @@ import torch
 MODES = [
     ("fp32", {"compute_dtype": "float32"}),
     ("bf16 shadow", {"compute_dtype": "bfloat16"}),
+    ("fp32, overlap", {"compute_dtype": "float32", "optimizer_overlap": True}),
+    ("bf16 shadow, overlap", {"compute_dtype": "bfloat16", "optimizer_overlap": True}),
     ("hilo", {"compute_dtype": "bfloat16", "host_master": "hilo"}),
     ("hilo + bf16 slabs", {"compute_dtype": "bfloat16", "host_master": "hilo", "host_grad_dtype": "bfloat16"}),
+]
+# Optimizer in backward: each layer's update runs during backward (no clip, no step-time pass); timed as the
+# optimizer thread's busy time over one backward.
+OIB_MODES = [
+    ("hilo, optimizer in backward", {"compute_dtype": "bfloat16", "host_master": "hilo",
+                                     "optimizer_in_backward": True}),
 ]
 OUT = Path("results/host_passes")
 
@@ -56,18 +64,6 @@ def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
-
-
-def old_hilo(base: str):
-    """engine/hilo.py as it was at commit `base`, as a module of its own."""
-    src = subprocess.run(["git", "show", f"{base}:megatrain/engine/hilo.py"], capture_output=True, text=True,
-                         check=True).stdout
-    path = Path(tempfile.mkdtemp(prefix="hilo-before-")) / "hilo_before.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("hilo_before", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 class TorchOps:
@@ -111,11 +107,39 @@ class _Swap:
 
 def bytes_bound(eng, mode: str) -> int:
     layer = sum(g.numel for g in eng.store.layers)
-    per = {"fp32": 28, "bf16 shadow": 30, "hilo": 28, "hilo + bf16 slabs": 26}[mode]
+    per = 26 if "bf16 slabs" in mode or "in backward" in mode else 30 if mode.startswith("bf16 shadow") else 28
+    if "in backward" in mode:
+        return layer * per  # the layers only: the resident parameters are stepped in step()
     return layer * per + eng.store.globals.numel * 28
 
 
-def bench_mode(preset, mode: str, cfg: dict, impls: dict, reps: int) -> list[dict]:
+class Unfused:
+    """The per-layer update as whole-layer passes one after another (load/scale the gradients, join, AdamW,
+    split or shadow refresh): what ran before the fused pass (engine/fused.py)."""
+
+    def __enter__(self):
+        from megatrain.engine import fused
+
+        self.fused, self.saved = fused, fused.eligible
+        fused.eligible = lambda *a: False
+
+    def __exit__(self, *exc) -> None:
+        self.fused.eligible = self.saved
+
+
+def variants(mode: str) -> dict:
+    """label -> context manager factory (None: as now)."""
+    per_layer = mode.startswith("hilo") or "overlap" in mode
+    out = {"unfused": Unfused} if per_layer else {}
+    out["fused" if per_layer else "whole step"] = None
+    if mode.startswith("hilo"):
+        out["fused, torch ops"] = lambda: _Swap(TorchOps())
+    return out
+
+
+def bench_mode(preset, mode: str, cfg: dict, reps: int) -> list[dict]:
+    from contextlib import nullcontext
+
     from experiments.point import build_preset_model
     from megatrain.config import EngineConfig
     from megatrain.engine import Engine
@@ -123,36 +147,50 @@ def bench_mode(preset, mode: str, cfg: dict, impls: dict, reps: int) -> list[dic
     eng = Engine(build_preset_model(preset, 0), EngineConfig(device="cpu", parity_probe=False, **cfg))
     ids = torch.randint(0, preset.vocab, (1, 16), generator=torch.Generator().manual_seed(0))
     bound = bytes_bound(eng, mode)
-    times: dict[str, list[tuple[float, float, float]]] = {k: [] for k in impls}
-    for r in range(reps + 1):  # the first round warms up (first-touch pages, the kernel's build)
-        for label, impl in impls.items():
-            if impl is not None and not mode.startswith("hilo"):
-                continue  # the FP32 modes do not split: "before" is "after"
-            loss = eng(input_ids=ids, labels=ids.clone()).loss
-            eng.backward(loss)
-            eng.synchronize()
-            with _Swap(impl):
-                parts = []
-                for call in (lambda: eng.clip_grad_norm_(1.0), eng.step, eng.zero_grad):
-                    t0 = time.perf_counter()
-                    call()
-                    eng.synchronize()  # queued layer jobs count where they are queued
-                    parts.append(time.perf_counter() - t0)
+    oib = cfg.get("optimizer_in_backward", False)
+    vs = variants(mode)
+    times: dict[str, list[tuple[float, ...]]] = {k: [] for k in vs}
+    paired: dict[str, list[float]] = {k: [] for k in vs}  # time / bound at the copy bandwidth of that moment
+    for r in range(reps + 1):  # the first round warms up (first-touch pages, the kernel's build, the state)
+        for label, ctx in vs.items():
+            bw_now = copy_bandwidth(1 << 24, 2)  # the same moment's rate: the machine's load drifts
+            with (ctx() if ctx is not None else nullcontext()):
+                loss = eng(input_ids=ids, labels=ids.clone()).loss
+                if oib:
+                    # the layer updates run on the optimizer thread during backward: its busy time is theirs
+                    eng.synchronize()
+                    eng._layered.reset_counters()
+                    eng.backward(loss)
+                    eng.synchronize()
+                    parts = [eng._layered.busy_s]
+                    eng.step()
+                    eng.zero_grad()
+                else:
+                    eng.backward(loss)
+                    eng.synchronize()
+                    parts = []
+                    for call in (lambda: eng.clip_grad_norm_(1.0), eng.step, eng.zero_grad):
+                        t0 = time.perf_counter()
+                        call()
+                        eng.synchronize()  # queued layer jobs count where they are queued
+                        parts.append(time.perf_counter() - t0)
             if r:
                 times[label].append(tuple(parts))
-    params = sum(g.numel for g in eng.store.groups())
+                paired[label].append(sum(parts) / (bound / bw_now))
+    params = sum(g.numel for g in (eng.store.layers if oib else eng.store.groups()))
     rows = []
     for label, ts in times.items():
-        if not ts:
-            continue
         # The fastest round: on a shared machine the others carry other processes' time.
         best = min(ts, key=sum)
-        for what, t in (("clip+step+zero_grad", sum(best)), ("  clip", best[0]), ("  step", best[1]),
-                        ("  zero_grad", best[2])):
+        names = (("layer updates in backward", best[0]),) if oib else (
+            ("clip+step+zero_grad", sum(best)), ("  clip", best[0]), ("  step", best[1]), ("  zero_grad", best[2]))
+        for what, t in names:
             row = {"what": what.strip(), "mode": mode, "version": label, "params": params,
                    "seconds": round(t, 4), "median_total_s": round(statistics.median(map(sum, ts)), 4),
-                   "ns_per_param": round(t / params * 1e9, 3), "bound_bytes": "", "gb_per_s": "", "x_bound": ""}
-            if what == "clip+step+zero_grad":
+                   "ns_per_param": round(t / params * 1e9, 3), "bound_bytes": "", "gb_per_s": "", "x_bound": "",
+                   "x_bound_paired": ""}
+            if not what.startswith(" "):
+                row["x_bound_paired"] = f"{min(paired[label]):.2f} / {statistics.median(paired[label]):.2f}"
                 row["bound_bytes"] = bound  # rate and ratio: in main(), against the run's best copy bandwidth
             rows.append(row)
     return rows
@@ -170,12 +208,8 @@ def bench_passes(numel: int, impls: dict, reps: int) -> list[dict]:
             from megatrain.engine import hilo as mod
         ties = mod.split(x, hi, lo)
 
-        def split_poisoned(mod=mod, label=label) -> None:
-            if label != "before":
-                mod.split(scratch, hi, lo, poison=True)
-            else:
-                mod.split(scratch, hi, lo)
-                scratch.fill_(float("nan"))
+        def split_poisoned(mod=mod) -> None:
+            mod.split(scratch, hi, lo, poison=True)
 
         for what, fn, nbytes in (
             ("split + NaN poison", split_poisoned, 12 * numel),
@@ -189,7 +223,7 @@ def bench_passes(numel: int, impls: dict, reps: int) -> list[dict]:
             rows.append({"what": what, "mode": "hilo", "version": label, "params": numel, "seconds": round(t, 5),
                          "median_total_s": round(statistics.median(ts[1:]), 5),
                          "ns_per_param": round(t / numel * 1e9, 3), "bound_bytes": nbytes, "gb_per_s": "",
-                         "x_bound": ""})
+                         "x_bound": "", "x_bound_paired": ""})
     return rows
 
 
@@ -204,8 +238,8 @@ def write(rows: list[dict], meta: dict) -> None:
         "",
         "Written by `python -m experiments.studies.host_passes` (see its docstring for what is timed and how the",
         "bound is counted). `x bound` = measured time / (bytes a fused pass must move / this process's `copy_`",
-        "bandwidth, read + written). \"before\": hilo's split/join as at the base commit; \"after\": as now (the",
-        "compiled kernel); \"after, torch ops\": as now where no C compiler is found.",
+        "bandwidth, read + written). \"unfused\": the per-layer update as whole-layer passes (as before the fused",
+        "pass); \"fused\": engine/fused.py; \"torch ops\": hilo's split/join where no C compiler is found.",
         "",
         f"- preset: {meta['preset']}, 16-token batch; the fastest of {meta['reps']} timed rounds after one warm-up",
         "  (shared machine: slower rounds carry other processes' time; the medians are in the CSV)",
@@ -213,13 +247,16 @@ def write(rows: list[dict], meta: dict) -> None:
         f"measured before each mode and at the end), torch threads: {meta['threads']}",
         f"- hilo kernel: {meta['kernel']}",
         f"- machine: {meta['cpu']} ({meta['cores']} cores), torch {meta['torch']}, python {meta['python']}",
-        f"- commit: {meta['commit']} (before = {meta['base']})",
+        f"- commit: {meta['commit']}",
         "",
-        "| what | mode | version | ns/param | GB/s | x bound |",
-        "|---|---|---|---:|---:|---:|",
+        "`x bound, paired`: each round's time against the copy bandwidth measured just before it, best / median",
+        "of the rounds (the load of a shared machine drifts; this ratio is the steadier one).",
+        "",
+        "| what | mode | version | ns/param | GB/s | x bound | x bound, paired |",
+        "|---|---|---|---:|---:|---:|---:|",
     ]
     lines += [f"| {r['what']} | {r['mode']} | {r['version']} | {r['ns_per_param']} | {r['gb_per_s']} | "
-              f"{r['x_bound']} |" for r in rows]
+              f"{r['x_bound']} | {r['x_bound_paired']} |" for r in rows]
     readme = OUT / "README.md"
     # The hand-written reading of a run (from "## Notes" on) survives a rerun; check it against the new table.
     old = readme.read_text() if readme.exists() else ""
@@ -230,9 +267,8 @@ def write(rows: list[dict], meta: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="llama-100m")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--base", default="7bf794f", help="the commit whose engine/hilo.py is 'before'")
-    ap.add_argument("--modes", default=",".join(m for m, _ in MODES))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--modes", default=";".join(m for m, _ in MODES + OIB_MODES), help="';'-separated")
     a = ap.parse_args()
 
     from megatrain.engine import hilo
@@ -240,13 +276,13 @@ def main() -> None:
     from megatrain.models.presets import get_preset
 
     preset = get_preset(a.preset)
-    impls = {"before": old_hilo(a.base), "after": None, "after, torch ops": TorchOps()}
+    impls = {"compiled": None, "torch ops": TorchOps()}
     # The copy bandwidth is measured again before every mode and the passes, and the best of all is the bound's
     # rate: on a shared machine one early measurement can catch a busy moment and flatter every ratio after it.
-    bws, rows, wanted = [copy_bandwidth()], [], a.modes.split(",")
-    for mode, cfg in MODES:
+    bws, rows, wanted = [copy_bandwidth()], [], a.modes.split(";")
+    for mode, cfg in MODES + OIB_MODES:
         if mode in wanted:
-            rows += bench_mode(preset, mode, cfg, impls, a.reps)
+            rows += bench_mode(preset, mode, cfg, a.reps)
             bws.append(copy_bandwidth())
             print(mode, "done", flush=True)
     rows += bench_passes(preset.layer_params(), impls, a.reps)
@@ -262,7 +298,7 @@ def main() -> None:
             "threads": torch.get_num_threads(),
             "kernel": "compiled C (ctypes)" if lib is not None else "torch ops (no compiler)",
             "cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
-            "python": sys.version.split()[0], "commit": commit + (" (dirty)" if dirty else ""), "base": a.base}
+            "python": sys.version.split()[0], "commit": commit + (" (dirty)" if dirty else "")}
     write(rows, meta)
     for r in rows:
         print(r)

@@ -280,6 +280,9 @@ class Engine:
         self._pending = None
         self._unbackwarded = []
         self._norm = None
+        if self.update.folds_clip and self._clip_coefs and self.store.grad_mode is GradSlab.FLOAT32:
+            self._apply_clip(self._clip_coefs)  # a clip before more accumulation scales only what came before
+            self._clip_coefs = []
         t0 = time.perf_counter()
         params = self.placement.device_globals
         self.ranks.before_backward()
@@ -340,13 +343,20 @@ class Engine:
         total = self.grad_norm()
         coef = min(max_norm / (total + 1e-6), 1.0)
         if coef < 1.0:  # multiplying by exactly 1.0 is what torch does otherwise: a no-op
-            for g in self._all_grads():
-                if g.dtype == torch.float32:
-                    g.mul_(coef)
-            if self.store.grad_mode is GradSlab.BFLOAT16:
-                self._clip_coefs.append(coef)  # bf16 slabs: scaled in FP32 as they widen (no bf16 rounding)
+            # bf16 slabs: scaled in FP32 as they widen (no bf16 rounding); a per-layer update path scales each
+            # layer's FP32 slab in its fused pass (engine/fused.py) instead of a pass of its own here.
+            self._apply_clip([coef], layers=not self.update.folds_clip)
+            if self.store.grad_mode is GradSlab.BFLOAT16 or self.update.folds_clip:
+                self._clip_coefs.append(coef)
             self._norm = total * coef
         return total
+
+    def _apply_clip(self, coefs: list[float], layers: bool = True) -> None:
+        """Scale the FP32 slabs (the resident parameters' always, the layers' if `layers`) by `coefs` now."""
+        for g in self._all_grads():
+            if g.dtype == torch.float32 and (layers or g is self.store.globals.grad):
+                for c in coefs:
+                    g.mul_(c)
 
     def _all_grads(self) -> list[torch.Tensor]:
         """This rank's gradient slabs (a shared store: its own layers' and the resident parameters'), landed."""
@@ -366,6 +376,8 @@ class Engine:
         self.ranks.average_pending()
         if not self.update.step(self._finite, self._clip_coefs):
             return False
+        if self.update.folds_clip and self.store.grad_mode is GradSlab.FLOAT32:
+            self._clip_coefs = []  # applied in place on the FP32 slabs by the update: not again by a second step()
         self.ranks.release(self.events, self.update.overlapped)
         self.placement.globals_changed()
         self.pipeline.invalidate()

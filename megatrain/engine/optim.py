@@ -147,6 +147,11 @@ class LayeredStep:
         for view in (*self._views, self._globals):
             self._sync(view)
 
+    def view_optimizer(self, i: int) -> torch.optim.Optimizer | None:
+        """Layer i's view of the optimizer (None: a layer another rank updates)."""
+        view = self._views[i]
+        return view.optimizer if view is not None else None
+
     def step_layer(self, i: int) -> None:
         """Layer i's AdamW, on the caller's thread (an optimizer-stream job); its master unpacked already."""
         view = self._views[i]

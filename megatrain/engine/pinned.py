@@ -106,9 +106,14 @@ class Pinner:
         """Pin every buffer or raise PinnedMemoryError (those pinned so far stay pinned until freed)."""
         owners = [_mapping_of(b) for b in buffers]
         todo = sum(o.nbytes for o in owners)
+        # The pool's threads register on the caller's device: a thread that never set one would open a CUDA
+        # context on GPU 0 (every rank of a node, each on its own GPU, would then also hold one there).
+        device = torch.cuda.current_device() if self.register is cuda_register and torch.cuda.is_available() else None
 
         def one(o: _Mapping) -> BaseException | None:
             try:
+                if device is not None and torch.cuda.current_device() != device:
+                    torch.cuda.set_device(device)
                 self.register(o.ptr, o.nbytes)
             except Exception as exc:  # noqa: BLE001 - reported below with the totals
                 return exc

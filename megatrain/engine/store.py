@@ -41,6 +41,16 @@ class Slot:
     numel: int
 
 
+@dataclass
+class GroupRange:
+    """A range of one FlatGroup's gradient buffers (what FlatGroup.load_grads reads and writes)."""
+
+    grad_mode: GradSlab | None
+    grad: torch.Tensor | None
+    grad_work: torch.Tensor | None
+    numel: int
+
+
 class Scratch:
     """FP32 working space of one layer (master values and gradients) for the non-FP32 modes."""
 
@@ -152,14 +162,23 @@ class FlatGroup:
 
     def load_grads(self, coefs: list[float]) -> None:
         """Make `grad_work` hold the FP32 gradients, times the clipping coefficients still pending on them (a
-        bf16 slab is widened first: the same products as scaling an FP32 slab holding the same values)."""
-        if self.grad_mode is GradSlab.BFLOAT16:
-            # A cache-sized tile at a time: the scaling reads the widened values from cache, not memory.
-            for s in range(0, self.numel, hilo.TILE):
-                w = self.grad_work[s: s + hilo.TILE]
+        bf16 slab is widened first: the same products as scaling an FP32 slab holding the same values; an FP32
+        slab is scaled in place, as a clip_grad_norm_ that left the scaling to the update would have)."""
+        widen = self.grad_mode is GradSlab.BFLOAT16
+        if self.grad_work is None or not (widen or (coefs and self.grad_mode is GradSlab.FLOAT32)):
+            return  # another rank's layer; or nothing to do (optimizer in backward: the staged gradients as they are)
+        # A cache-sized tile at a time: the scaling reads the widened values from cache, not memory.
+        for s in range(0, self.numel, hilo.TILE):
+            w = self.grad_work[s: s + hilo.TILE]
+            if widen:
                 w.copy_(self.grad[s: s + hilo.TILE])
-                for c in coefs:
-                    w.mul_(c)
+            for c in coefs:
+                w.mul_(c)
+
+    def range(self, a: int, b: int) -> GroupRange:
+        """Elements [a, b) of this group's gradients, as load_grads reads and writes them (the fused pass)."""
+        return GroupRange(self.grad_mode, self.grad[a:b] if self.grad is not None else None,
+                          self.grad_work[a:b] if self.grad_work is not None else None, b - a)
 
     def read_slot(self, slot: Slot) -> torch.Tensor:
         """A new FP32 tensor with one parameter's master values."""

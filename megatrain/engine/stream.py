@@ -181,6 +181,38 @@ class _CudaEvent(Event):
         return self.event.query()
 
 
+class _DeferredCudaEvent(_CudaEvent):
+    """A CUDA job whose submission waits for host work (a layer's update on the optimizer thread): the copy
+    stream's helper thread queues it once that is done, so the launch thread does not block at submit and
+    keeps queueing device work. Whoever needs the device event itself waits only until it is recorded."""
+
+    def __init__(self, what: str, timeout: float) -> None:
+        self.what = what
+        self._timeout = timeout
+        self._resolved = threading.Event()
+        self._event: torch.cuda.Event | None = None
+        self.error: BaseException | None = None
+
+    def resolve(self, event: _CudaEvent | None, error: BaseException | None = None) -> None:
+        self._event, self.error = (event.event if event is not None else None), error
+        self._resolved.set()
+
+    @property
+    def resolved(self) -> bool:
+        return self._resolved.is_set()
+
+    @property
+    def event(self) -> torch.cuda.Event:  # type: ignore[override]
+        if not self._resolved.wait(self._timeout):
+            raise WatchdogError(f"no progress for {self._timeout:.1f}s waiting on {self.what} (queued behind host work)")
+        if self.error is not None:
+            raise RuntimeError(f"{self.what} failed: {self.error}") from self.error
+        return self._event
+
+    def done(self) -> bool:
+        return self.resolved and self.error is None and self._event.query()
+
+
 class _CudaSpans:
     """Start/end event pairs of device work, summed lazily.
 
@@ -247,6 +279,10 @@ class CopyStream:
             self._stream = torch.cuda.Stream(device=device)
             self._spans = _CudaSpans()
             self._last: Event = DONE
+            self._lock = threading.Lock()  # the launch thread and the helper both queue on the device stream
+            self._deferred: queue.Queue = queue.Queue()
+            self._helper = threading.Thread(target=self._run_deferred, name=f"megatrain-{name}-defer", daemon=True)
+            self._helper.start()
         else:
             self._queue: queue.Queue = queue.Queue()
             self._last = DONE
@@ -268,26 +304,55 @@ class CopyStream:
         what = f"{self.name} stream ({kind}, layer {layer})"
         afters = (after,) if isinstance(after, Event) else tuple(after)
         if self._cuda:
-            with torch.cuda.stream(self._stream):
-                for ev in afters:
-                    if isinstance(ev, _CudaEvent):
-                        self._stream.wait_event(ev.event)
-                    else:
-                        ev.host_wait(self.watchdog_s)
-                start = torch.cuda.Event(enable_timing=True)
-                start.record(self._stream)
-                nbytes = fn()
-                end = torch.cuda.Event(enable_timing=True)
-                end.record(self._stream)
-            self.bytes += nbytes
-            self._spans.add(start, end)
-            self.trace.add_span(self.name, kind, layer, start, end)
-            self._last = _CudaEvent(end, what)
-            return self._last
+            with self._lock:
+                # Behind unfinished host work (or a job already waiting for some: the stream's order holds), the
+                # helper thread queues it when that is done; the caller goes on queueing device work.
+                waiting = [ev for ev in afters if not ev.done() and
+                           (not isinstance(ev, _CudaEvent) or isinstance(ev, _DeferredCudaEvent) and not ev.resolved)]
+                if waiting or (isinstance(self._last, _DeferredCudaEvent) and not self._last.resolved):
+                    deferred = _DeferredCudaEvent(what, self.watchdog_s)
+                    self._deferred.put((fn, afters, deferred, kind, layer, what))
+                    self._last = deferred
+                    return deferred
+                self._last = self._enqueue(fn, afters, kind, layer, what)
+                return self._last
         done = _ThreadEvent(what)
         self._queue.put((fn, afters, done, kind, layer))
         self._last = done
         return done
+
+    def _enqueue(self, fn: Callable[[], int], afters: Sequence[Event], kind: str, layer: int,
+                 what: str) -> _CudaEvent:
+        """Queue `fn` on the device stream behind `afters` (their host parts done, or waited for here)."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            for ev in afters:
+                if isinstance(ev, _CudaEvent):
+                    self._stream.wait_event(ev.event)
+                else:
+                    ev.host_wait(self.watchdog_s)
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self._stream)
+            nbytes = fn()
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self._stream)
+        self.bytes += nbytes
+        self._spans.add(start, end)
+        self.trace.add_span(self.name, kind, layer, start, end)
+        return _CudaEvent(end, what)
+
+    def _run_deferred(self) -> None:
+        while True:
+            fn, afters, deferred, kind, layer, what = self._deferred.get()
+            try:
+                for ev in afters:
+                    if not isinstance(ev, _CudaEvent):
+                        ev.host_wait(self.watchdog_s)
+                    elif isinstance(ev, _DeferredCudaEvent):
+                        ev.event  # noqa: B018 - recorded before this stream's lock is taken (no lock-order cycle)
+                with self._lock:
+                    deferred.resolve(self._enqueue(fn, afters, kind, layer, what))
+            except BaseException as exc:  # surfaced to whoever waits on this job
+                deferred.resolve(None, exc)
 
     def _run(self) -> None:
         while True:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from ..config import EngineConfig
+from . import fused
 from .events import LayerEvents
 from .optim import LayeredStep, unsupported_reason
 from .store import FlatGroup, HostStore
@@ -32,7 +33,11 @@ from .stream import Event, Trace
 
 def update_layer(layered: LayeredStep, group: FlatGroup, i: int, coefs: list[float]) -> None:
     """Layer i's update on the calling thread: FP32 gradients (times `coefs`) and master, AdamW, master and
-    streamed copy written back."""
+    streamed copy written back; in one pass of cache-sized tiles where the optimizer allows (fused.py)."""
+    view = layered.view_optimizer(i)
+    if view is not None and fused.eligible(view, group):
+        fused.fused_update(view, group, coefs)
+        return
     group.load_grads(coefs)
     group.unpack()
     layered.step_layer(i)
@@ -45,6 +50,7 @@ class UpdatePath:
     layered: LayeredStep | None = None  # the per-layer optimizer views and their thread, if this path has them
     grad_sink: Callable[[int, torch.Tensor, Event], Event] | None = None  # takes a layer's gradients (no slab)
     overlapped = False  # step() returns with layer updates still queued
+    folds_clip = False  # the layers' FP32 slabs are clip-scaled inside their update (the `coefs` of step())
 
     def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
                  config: EngineConfig) -> None:
@@ -98,6 +104,7 @@ class Layered(UpdatePath):
         super().__init__(optimizer, store, events, config)
         self.layered = LayeredStep(optimizer, store, events, trace, config.watchdog_s)
         self.overlapped = config.optimizer_overlap
+        self.folds_clip = True
 
     def step(self, finite: Callable[[], bool], coefs: list[float]) -> bool:
         if not finite():
@@ -151,12 +158,16 @@ class InBackward(UpdatePath):
         def job() -> int:
             if self._failed_layer is not None:
                 return 0  # an earlier layer's gradient was not finite: step() reports it
+            if self.config.skip_nonfinite and not fused.all_finite(staging[: group.numel]):
+                self._failed_layer = i
+                return 0
+            view = self.layered.view_optimizer(i)
+            if view is not None and fused.eligible(view, group):
+                fused.fused_update(view, group, [], grad_source=staging)  # one pass: staging to updated master
+                return 0
             gw = group.grad_work
             gw.zero_()
             gw.add_(staging)  # 0 + g: the value an ordinary zeroed FP32 slab holds after one backward
-            if self.config.skip_nonfinite and not bool(torch.isfinite(gw).all()):
-                self._failed_layer = i
-                return 0
             update_layer(self.layered, group, i, [])
             return 0
 

@@ -1,0 +1,198 @@
+"""One pass over a layer's host state per step: the fused AdamW update a cache-sized tile at a time.
+
+The per-layer update used to be whole-layer passes one after another: widen a bf16 gradient slab (or scale
+an FP32 one by the clip), join the hi/lo master into the FP32 scratch, torch's fused AdamW over the layer,
+split the scratch back (or refresh the bf16 shadow). Each pass streams the whole layer through memory. Here
+every pass runs on one tile before the next tile is touched, so the widened gradient, the joined master and
+the updated values are read back from cache, not memory: what crosses memory is the gradient, m, v and the
+master (or its halves) once each way, which is the bytes bound of experiments/studies/host_passes.py.
+
+The AdamW itself is torch's fused CPU kernel called on tile views, which gives the same bits as one call
+over the whole tensor as long as every tile starts at a multiple of the kernel's vector width from the
+tensor's start (its scalar tail then falls on the same elements; tests/test_fused_pass.py checks this, and
+that a misaligned tile is caught). The clip scale is multiplied into each gradient tile just before the
+AdamW reads it: the same products as scaling the whole slab first. Only torch's Adam/AdamW with fused=True
+(the engine's default) take this path, and only once their state exists; anything else updates the layer
+in whole-layer passes (update.update_layer).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..costs.modes import HostMaster
+from . import hilo
+from .store import FlatGroup
+
+TILE = 1 << 22  # elements: 256K-element tiles lost more to per-tile overhead than they gained (results/host_passes)
+_ALIGN = 1 << 6  # torch's vectorized loops take 16 or 32 FP32 lanes at a time: tiles start on a multiple of 64
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def eligible(optimizer: torch.optim.Optimizer, group: FlatGroup) -> bool:
+    """Whether `optimizer` (a layer's view) can be stepped tile by tile with the same bits as one step()."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return False
+    if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
+        return False
+    if group.rounding is not None:
+        return False  # stochastic rounding draws its random bits a whole layer at a time
+    for g in optimizer.param_groups:
+        if g.get("fused") is not True or g.get("differentiable") or g.get("capturable"):
+            return False
+        for p in g["params"]:
+            st = optimizer.state.get(p)
+            if not st or "exp_avg" not in st:
+                return False  # the first step creates the state: torch's own step() does it
+            if not (st["exp_avg"].is_contiguous() and st["exp_avg_sq"].is_contiguous()):
+                return False
+    return True
+
+
+def _tiles(numel: int, tile: int) -> list[tuple[int, int]]:
+    if tile % _ALIGN:
+        raise ValueError(f"tile={tile} is not a multiple of {_ALIGN}: the AdamW tails would differ from one call")
+    return [(a, min(numel, a + tile)) for a in range(0, numel, tile)]
+
+
+def _worker_init() -> None:
+    # Each worker is one core's worth of work: a torch op inside it must not open an OpenMP team of its own
+    # (on a loaded machine every small parallel region waits for a descheduled team member).
+    torch.set_num_threads(1)
+
+
+def workers(n: int) -> ThreadPoolExecutor:
+    """The pool the fused passes run their tiles on (`n` threads, one torch thread each)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers != n:
+            old, _pool = _pool, ThreadPoolExecutor(n, thread_name_prefix="fused-pass", initializer=_worker_init)
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
+
+
+def _split_runs(jobs: list, sizes: list[int], n: int) -> list[list]:
+    """`jobs` in `n` contiguous runs of about equal total size."""
+    total, parts, part, done = sum(sizes), [], [], 0
+    for job, k in zip(jobs, sizes):
+        part.append(job)
+        done += k
+        if done >= total * (len(parts) + 1) / n and len(parts) < n - 1:
+            parts.append(part)
+            part = []
+    return [*parts, part]
+
+
+def all_finite(x: torch.Tensor, tile: int = TILE, threads: int | None = None) -> bool:
+    """Whether every element of the 1-D `x` is finite, without an element-sized temporary: per tile x * 0
+    sums to exactly 0 when every element is finite and to NaN otherwise (no overflow, unlike a plain sum)."""
+    ranges = [(a, min(x.numel(), a + tile)) for a in range(0, x.numel(), tile)]
+
+    def run(part: list[tuple[int, int]]) -> bool:
+        return all(float(x[a:b].float().mul_(0).sum()) == 0 for a, b in part)
+
+    n = max(1, min(threads or torch.get_num_threads(), len(ranges)))
+    if n == 1:
+        return run(ranges)
+    return all(workers(n).map(run, _split_runs(ranges, [b - a for a, b in ranges], n)))
+
+
+def fused_update(optimizer: torch.optim.Optimizer, group: FlatGroup, coefs: list[float], tile: int = TILE,
+                 threads: int | None = None, grad_source: torch.Tensor | None = None) -> None:
+    """Layer `group`'s whole update in one pass of tiles (see the module docstring); `optimizer` is the layer's
+    view (its params are Parameters over `group.work` in slot order, their .grad views of `group.grad_work`),
+    `coefs` the clip scales still pending on the gradients; `grad_source`: the layer's gradients to read instead
+    of its slab (the optimizer in backward's staging; taken as 0 + g, what a zeroed FP32 slab would hold). The
+    tiles are shared out in contiguous runs between `threads` workers (default: the caller's torch thread
+    count), each with one torch thread. Call only where eligible() said so."""
+    slot_of = {p.data_ptr(): s for p, s in zip(group.params, group.slots)}
+    old_ties = group.ties
+    jobs: list[tuple] = []  # (tile start in the layer, end, its op's arguments)
+    steps: list[torch.Tensor] = []
+    covered: list[tuple[int, int]] = []
+    for g in optimizer.param_groups:
+        beta1, beta2 = g["betas"]
+        decoupled = g.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)
+        op = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        kw = dict(amsgrad=g["amsgrad"], lr=g["lr"], beta1=beta1, beta2=beta2, weight_decay=g["weight_decay"],
+                  eps=g["eps"], maximize=g["maximize"], grad_scale=None, found_inf=None)
+        for p in g["params"]:
+            slot = slot_of[p.data_ptr()]
+            st = optimizer.state[p]
+            m, v = st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1)
+            vmax = st["max_exp_avg_sq"].view(-1) if g["amsgrad"] else None
+            # torch increments the step before its kernel reads it: every tile reads the incremented value.
+            step = st["step"] + 1
+            for a, b in _tiles(slot.numel, tile):
+                state = ([m[a:b]], [v[a:b]], [vmax[a:b]] if vmax is not None else [], [step])
+                jobs.append((slot.offset + a, slot.offset + b, op, state, kw))
+            steps.append(st["step"])
+            covered.append((slot.offset, slot.offset + slot.numel))
+
+    def run(part: list[tuple]) -> list[torch.Tensor]:
+        ties = []
+        for a, b, op, (m, v, vmax, step), kw in part:
+            grad = _load_grad(group, a, b, coefs, grad_source)
+            _unpack(group, a, b, old_ties)
+            op([group.work[a:b]], [grad], m, v, vmax, step, **kw)
+            t = _pack(group, a, b)
+            if t is not None and t.numel():
+                ties.append(t + a)
+        return ties
+
+    n = max(1, min(threads or torch.get_num_threads(), len(jobs)))
+    if n == 1:
+        new_ties = run(jobs)
+    else:
+        parts = _split_runs(jobs, [b - a for a, b, *_ in jobs], n)
+        new_ties = [t for ts in workers(n).map(run, parts) for t in ts]
+    torch._foreach_add_(steps, 1)  # what torch's step() leaves in the state
+    if group.master_mode is HostMaster.HILO:
+        # Ties of the ranges no parameter of the optimizer covers (frozen ones) stay as they were.
+        keep = old_ties
+        for a, b in covered:
+            keep = keep[(keep < a) | (keep >= b)]
+        group.ties = torch.sort(torch.cat([keep, *new_ties])).values if new_ties or keep.numel() else keep
+
+
+def _load_grad(group: FlatGroup, a: int, b: int, coefs: list[float], source: torch.Tensor | None) -> torch.Tensor:
+    """The tile's FP32 gradient, clip scales applied (a bf16 slab widened into the scratch first): the store's
+    own load_grads over the tile's range."""
+    if source is not None:
+        w = group.grad_work[a:b]
+        w.copy_(source[a:b])
+        return w.add_(0.0)  # 0 + g: a -0 gradient becomes +0, as added into a zeroed slab
+    FlatGroup.load_grads(group.range(a, b), coefs)
+    return group.grad_work[a:b]
+
+
+def _unpack(group: FlatGroup, a: int, b: int, ties: torch.Tensor) -> None:
+    if group.master_mode is HostMaster.HILO:
+        lo_, hi_ = torch.searchsorted(ties, torch.tensor([a, b])).tolist() if ties.numel() else (0, 0)
+        hilo.join(group.shadow[a:b], group.lo[a:b], ties[lo_:hi_] - a, group.work[a:b])
+    elif group.master_mode is HostMaster.BF16:
+        group.work[a:b].copy_(group.shadow[a:b])
+
+
+def _pack(group: FlatGroup, a: int, b: int) -> torch.Tensor | None:
+    """Write the tile's master back (the split, the bf16 RNE, or the FP32 master's shadow); the tile's ties."""
+    work = group.work[a:b]
+    if group.master_mode is HostMaster.FP32:
+        if group.shadow is not None and group.owned:
+            group.shadow[a:b].copy_(work)
+        return None
+    if group.master_mode is HostMaster.HILO:
+        # The shared scratch is NaN-poisoned as it is read (see FlatGroup.pack).
+        with hilo.poisoning(work) as poisoned:
+            ties = hilo.split(work, group.shadow[a:b], group.lo[a:b])
+        if not poisoned:
+            work.fill_(float("nan"))
+        return ties
+    group.shadow[a:b].copy_(work)
+    work.fill_(float("nan"))
+    return None
