@@ -45,11 +45,10 @@ def planned(layers: int, hidden: int, vocab: int, seq: int, cfg: dict) -> dict:
 
 def measure(layers: int, hidden: int, vocab: int, seq: int, steps: int, cfg: dict) -> dict:
     """One mode in this process (run by main in a child of its own)."""
-    import time
 
     import transformers
 
-    from experiments.studies.engine_bench import _batch, _provenance, _rss_now_bytes
+    from experiments.studies.engine_bench import _batch, _provenance, _rss_now_bytes, timed_steps
     from megatrain.config import EngineConfig
     from megatrain.engine import Engine
     from megatrain.metrics.samplers import peak_rss_bytes
@@ -59,14 +58,7 @@ def measure(layers: int, hidden: int, vocab: int, seq: int, steps: int, cfg: dic
     eng = Engine(model, EngineConfig(device="cpu", **cfg))
     del model
     n = sum(g.numel for g in eng.store.groups())
-    batch = _batch(vocab, 1, seq)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        eng.backward(eng(**batch).loss)
-        eng.step()
-        eng.zero_grad()
-        times.append(time.perf_counter() - t0)
+    times = timed_steps(eng, _batch(vocab, 1, seq), steps)
     eng.synchronize()
     return {"params": n, "peak_rss_growth_bytes": peak_rss_bytes() - base, "store_bytes": eng.store.host_bytes(),
             "step_s": times, "provenance": _provenance()}

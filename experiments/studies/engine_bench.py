@@ -36,6 +36,18 @@ def _batch(vocab: int, batch: int, seq: int, seed: int = 0) -> dict:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+def timed_steps(eng, batch: dict, steps: int) -> list[float]:
+    """Seconds of each of `steps` full training steps (forward, backward, step, zero_grad) on `batch`."""
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.backward(eng(**batch).loss)
+        eng.step()
+        eng.zero_grad()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def _provenance() -> dict:
     from megatrain.metrics.provenance import provenance
 
@@ -57,14 +69,7 @@ def bench_rss(preset: str, seq: int, steps: int, engine: dict | None = None) -> 
     eng = Engine(model, EngineConfig(device="cpu", **(engine or {})))
     del model
     n = sum(g.numel for g in eng.store.groups())
-    batch = _batch(p.vocab, 1, seq)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        eng.backward(eng(**batch).loss)
-        eng.step()
-        eng.zero_grad()
-        times.append(time.perf_counter() - t0)
+    times = timed_steps(eng, _batch(p.vocab, 1, seq), steps)
     peak = peak_rss_bytes() - base
     return {"preset": preset, "engine": engine or {}, "params": n, "seq": seq, "steps": steps,
             "peak_rss_growth_bytes": peak,
