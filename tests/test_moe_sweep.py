@@ -57,3 +57,19 @@ def test_moe_sweep_spec_covers_moe_and_dense_presets():
     models = {pt.model for pt in pts}
     assert any(get_preset(m).is_moe for m in models) and any(not get_preset(m).is_moe for m in models)
     assert all(pt.warmup >= 1 and pt.steps >= 2 and pt.threads == 1 for pt in pts)
+
+
+@pytest.mark.parametrize("model", ["small-moe"])
+def test_sweep_moe_preset_counts_match_the_model_it_builds(model):
+    """The row's params / active_params are the preset's counts: check them against the HF model (meta device)."""
+    import torch
+    import transformers
+
+    p = get_preset(model)
+    with torch.device("meta"):
+        m = transformers.AutoModelForCausalLM.from_config(p.hf_config())
+    share = p.moe.top_k / p.moe.experts
+    named = list(m.named_parameters())
+    assert any(".experts." in n for n, _ in named)
+    assert p.param_count() == sum(t.numel() for _, t in named)
+    assert p.active_param_count() == sum(t.numel() * (share if ".experts." in n else 1.0) for n, t in named)
