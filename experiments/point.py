@@ -66,6 +66,16 @@ def build_preset_model(preset: Any, seed: int = 0):
     return model
 
 
+def flops_per_step(pt: Point) -> float:
+    """Model FLOPs of one optimizer step. A mixture of experts computes with its active parameters
+    (router and top-k experts) while it stores and streams all of them: FLOPs count the active ones,
+    bytes (streamed weights, host memory) the total. Equal to the total in a dense model."""
+    from megatrain.metrics.flops import model_flops_per_step
+
+    p = pt.preset
+    return model_flops_per_step(p.active_nonembed_params(), p.num_layers, p.hidden, pt.seq_len, pt.tokens_per_step)
+
+
 class DoesNotFit(MemoryError):
     """The model's weights alone exceed the host memory available: refused before allocating."""
 
@@ -112,7 +122,7 @@ def run(pt: Point, trace_path: str | None = None,
     import torch
 
     from megatrain.metrics.device import device_name, device_peak_tflops
-    from megatrain.metrics.flops import model_flops_per_step, model_tflops
+    from megatrain.metrics.flops import model_tflops
     from megatrain.metrics.link import link_peak_gbps
     from megatrain.metrics.samplers import NvmlPcieSampler, RssSampler
 
@@ -225,7 +235,7 @@ def run(pt: Point, trace_path: str | None = None,
 
     p = pt.preset
     step_time = statistics.median(step_times)
-    flops = model_flops_per_step(p.nonembed_params(), p.num_layers, p.hidden, pt.seq_len, pt.tokens_per_step)
+    flops = flops_per_step(pt)
     tflops = model_tflops(flops, step_time)
     peak, peak_src = device_peak_tflops(device, pt.precision)
     dtype_bytes = 2 if pt.precision == "bf16" else 4

@@ -22,7 +22,8 @@ FIGURES = {
     "link_utilization": "Host-to-device link utilization",
     "timeline": "Per-step timeline of one run (compute vs copy streams)",
 }
-FLOPS_NOTE = ("Model TFLOPS = (6·N·T + 12·L·h·s·T·½) / step time, N = non-embedding parameters, T = tokens per "
+FLOPS_NOTE = ("Model TFLOPS = (6·N·T + 12·L·h·s·T·½) / step time, N = non-embedding parameters "
+              "(a MoE: the active ones, router and top-k experts), T = tokens per "
               "step; activation recompute and embedding/LM-head FLOPs are not counted, so the figure is the "
               "same for every backend whatever it recomputes.")
 GiB = float(2**30)

@@ -225,6 +225,9 @@ PRESETS: dict[str, ModelPreset] = {
         # a CPU-sized mixture of experts (Mixtral's layer: 4 experts, top-2) for a MoE sweep point
         _P("tiny-mixtral", "mixtral", 2, 64, 96, 4, 2, 256, 2048, moe=MoEShape(4, 2, 96)),
         _P("small-7m", "llama", 4, 256, 688, 8, 4, 8192, 4096),
+        # small-7m's attention with 16 experts of half its MLP width, top-2: small-7m's per-token compute
+        # (plus the router), three times its stored parameters. The MoE sweep's CPU-sized comparison.
+        _P("small-moe", "mixtral", 4, 256, 688, 8, 4, 8192, 4096, moe=MoEShape(16, 2, 344)),
         # SmolLM-135M's published shape (deep, narrow, GQA, 49k vocabulary): the long-context bench's model.
         _P("smollm-135m", "llama", 30, 576, 1536, 9, 3, 49152, 2048, tie_embeddings=True),
         _P("llama-100m", "llama", 8, 1024, 2752, 16, 16, 8192, 4096),
