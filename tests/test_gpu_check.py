@@ -262,6 +262,7 @@ def test_cuda_event_accounting_logic_with_a_fake_device(monkeypatch):
     monkeypatch.setattr(S.torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
     monkeypatch.setattr(S.torch.cuda, "current_stream", lambda device=None: FakeStream())
     monkeypatch.setattr(S.torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(S.torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
     dev = torch.device("cuda")
     trace = S.Trace(True, dev)
     streams = S.Streams(dev, trace, None, 5.0)

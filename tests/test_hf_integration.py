@@ -189,8 +189,8 @@ import sys, dataclasses
 sys.path.insert(0, {examples!r})
 import megatrain.integrations.fused_head as fh
 real = fh.fused_lm_head_forward
-def at_temperature_one(model, input_ids, kwargs, options=fh.FusedHeadOptions()):
-    return real(model, input_ids, kwargs, dataclasses.replace(options, temperature=1.0))
+def at_temperature_one(model, input_ids, kwargs, options=fh.FusedHeadOptions(), **rest):
+    return real(model, input_ids, kwargs, dataclasses.replace(options, temperature=1.0), **rest)
 fh.fused_lm_head_forward = at_temperature_one  # the bug this test exists for: the temperature dropped
 import trl_grpo
 trl_grpo.main(sys.argv[1:])
