@@ -178,7 +178,11 @@ def train(run: SFTRun) -> dict[str, Any]:
     """Run `run` to the end; returns the logged losses and which engine trained (also written to run.report)."""
     import torch
     import transformers
-    from trl import SFTConfig, SFTTrainer
+
+    try:
+        from trl import SFTConfig, SFTTrainer
+    except ImportError as e:
+        raise ImportError(f"megatrain train --config needs TRL and datasets ({e}): pip install 'megatrain[sft]'") from e
 
     if run.backend == "megatrain":
         import megatrain.integrations.hf  # noqa: F401  Trainer's DeepSpeed path runs MegaTrain

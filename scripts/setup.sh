@@ -11,8 +11,8 @@ PY="${PYTHON:-python3}"
 if ! python -c "import torch" >/dev/null 2>&1; then
     python -m pip install -q "torch==${MEGATRAIN_TORCH_VERSION:-2.13.0}"
 fi
-extras="deepspeed"
-[ "${1:-}" = "test" ] && extras="deepspeed,dev"
+extras="deepspeed,sft"
+[ "${1:-}" = "test" ] && extras="deepspeed,sft,dev"
 python -m pip install -q -e ".[${extras}]"
 # DeepSpeed JIT-builds its C++ ops on first use (~85 s): do it here, once, rather than inside a
 # sweep point's or a test's time limit.
