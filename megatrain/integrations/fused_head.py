@@ -124,8 +124,9 @@ def fused_lm_head_forward(model: Callable[..., Any], input_ids: torch.Tensor | N
     h, t = hidden[mask], target[mask]
     tile = min(head.weight.shape[0], _VOCAB_TILE)
     chunk = max(1, (chunk_tokens() if callable(chunk_tokens) else chunk_tokens) or h.shape[0])
+    softcap, outputs = _softcap(model), tuple(options.outputs)
     parts = [ChunkedLogProbFunction.apply(h[s: s + chunk], head.weight, head.bias, t[s: s + chunk],
-                                          options.temperature, tile, _softcap(model), 1.0, tuple(options.outputs))
+                                          options.temperature, tile, softcap, 1.0, outputs)
              for s in range(0, max(h.shape[0], 1), chunk)]
     fields = [None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in range(len(parts[0]))]
     # masked_scatter keeps an all-masked micro-batch connected to the model (a differentiable zero), as in TRL.
