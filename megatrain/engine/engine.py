@@ -45,6 +45,7 @@ from .probe import verify_model
 from .ranks import ranks_for
 from .router import model_router_loss, wants_router_loss
 from .schedule import LayerPipeline
+from .slab_state import landed_norms
 from .stream import Streams, Trace
 from .tiling import long_context_policy
 from .update import choose as choose_update
@@ -126,6 +127,8 @@ class Engine:
                                       self.compute_dtype, self.device, _has_dropout(self.hf_config), self.events,
                                       policy, self.ranks.grad_sink or self.update.grad_sink)
         self._global_grads = GlobalGradSink(self.store, self.streams, self.pipeline, self.compute_dtype)
+        # The pipeline's own reductions write every layer's slab: zero_grad() can leave zeroing to them.
+        self.events.slabs.overwrite = self.pipeline.grad_sink is None
 
         self._clip_coefs: list[float] = []  # clipping not yet applied to bf16 slabs (applied as they widen)
         self._backwards = 0  # backward() calls since zero_grad()
@@ -134,6 +137,7 @@ class Engine:
         self._autograd_running = False  # inside backward()'s autograd call (loss.backward() is refused)
         self._stray_backward = False  # a refused loss.backward() may have left head/norm gradients behind
         self._norm: float | None = None  # cached gradient norm, valid until grads change
+        self._norm_at: list[int] | None = None  # the slabs' version counters when _norm was taken (None: unchecked)
         self.skipped_steps = 0
         self._bad_in_a_row = 0
         self.accounting = StepAccounting(self.device, self.streams, self.pipeline, self.placement, self.dp,
@@ -285,6 +289,11 @@ class Engine:
             self._clip_coefs = []
         t0 = time.perf_counter()
         params = self.placement.device_globals
+        # The layers' reductions measure their slab's norm as it lands when a step follows this backward (a
+        # replicated rank's average would rewrite the slab after it); zero_grad() unlinked .grad: linked again.
+        self.events.slabs.measure = sync and self.dp is None
+        for group in self.store.layers:
+            group.link_grads()
         self.ranks.before_backward()
         self.update.begin_backward()
         self._backwards += 1
@@ -325,18 +334,36 @@ class Engine:
     def grad_norm(self) -> float:
         """Global L2 norm of the accumulated gradients (torch's norm-of-norms)."""
         self.update.check_norm()
+        if self._norm is not None and self._norm_at is not None and self._norm_at != self._slab_versions():
+            self._norm = None  # a slab was written (by hand, between backward and step) since the norm was taken
         if self._norm is None:
             # A bf16 slab is widened first: the same norm as the FP32 slab holding the same values. A clip
-            # still pending on it is applied the same way the FP32 slab would have been scaled.
+            # still pending on it is applied the same way the FP32 slab would have been scaled. A layer's norm
+            # as its reduction measured it is taken when its slab is unchanged since (the same call, the same bits).
             norms = []
-            for g in self._all_grads():
+            slabs = self._all_grads()  # landed first: a reduction still queued would make its cached norm stale
+            cached = landed_norms(self.store, self.events.slabs, bool(self._clip_coefs))
+            for i, g in enumerate(slabs):
+                if cached[i] is not None:
+                    norms.append(cached[i])
+                    continue
                 if g.dtype != torch.float32:
                     g = g.float()
                     for c in self._clip_coefs:
                         g.mul_(c)
                 norms.append(torch.linalg.vector_norm(g))
             self._norm = self.ranks.total_norm(norms)
+            self._norm_at = self._slab_versions()
         return self._norm
+
+    def _slab_versions(self) -> list[int]:
+        return [g.grad._version for g in self.store.groups() if g.grad is not None]
+
+    def grads_written(self) -> None:
+        """Gradients were written in a way torch's version counters do not see (`.grad.data`, a NumPy view):
+        forget every cached gradient norm."""
+        self._norm = None
+        self.events.slabs.invalidate()
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale all gradients so their global L2 norm is at most `max_norm`; return the norm before."""
@@ -349,6 +376,7 @@ class Engine:
             if self.store.grad_mode is GradSlab.BFLOAT16 or self.update.folds_clip:
                 self._clip_coefs.append(coef)
             self._norm = total * coef
+            self._norm_at = self._slab_versions()  # the clip's own in-place scaling is not a hand-written change
         return total
 
     def _apply_clip(self, coefs: list[float], layers: bool = True) -> None:
@@ -376,6 +404,7 @@ class Engine:
         self.ranks.average_pending()
         if not self.update.step(self._finite, self._clip_coefs):
             return False
+        self._norm_at = None  # the update may scale the slabs in place (a folded clip): the norm stays as clipped
         if self.update.folds_clip and self.store.grad_mode is GradSlab.FLOAT32:
             self._clip_coefs = []  # applied in place on the FP32 slabs by the update: not again by a second step()
         self.ranks.release(self.events, self.update.overlapped)

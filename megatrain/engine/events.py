@@ -13,10 +13,12 @@ reductions, the resident gradients' sink). Writers replace an entry (`events.lan
 - updated[i]: layer i's queued update (a shared store: its owner's "updated" token): the next load of the
   layer's weights waits for it.
 - globals_landed: the resident parameters' gradient jobs queued since the last wait for them.
+- slabs: what those jobs know about each layer's slab (zeroed by a flag, its norm as it landed; slab_state.py).
 """
 
 from __future__ import annotations
 
+from .slab_state import SlabState
 from .stream import DONE, Event
 
 
@@ -27,6 +29,7 @@ class LayerEvents:
         self.updated: list[Event] = [DONE] * num_layers
         self.globals_landed: list[Event] = []
         self.watchdog_s = watchdog_s
+        self.slabs = SlabState(num_layers)  # each layer slab's "fresh" flag and norm, kept by the jobs that write it
 
     def wait_grads(self) -> None:
         """Block until every layer's (and the resident parameters') gradients have landed in their host slabs."""

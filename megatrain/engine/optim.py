@@ -171,12 +171,13 @@ class LayeredStep:
     def zero_grad(self) -> None:
         """Zero the global gradients now and each layer's after its queued update."""
         self.store.globals.grad.zero_()
+        slabs = self.events.slabs
         for i, group in enumerate(self.store.layers):
             if group.grad is None:
                 continue  # optimizer in backward: no slab
 
-            def job(group=group) -> int:
-                group.grad.zero_()
+            def job(i=i, group=group) -> int:
+                slabs.zero(i, group.grad)  # a flag where the next reduction overwrites (slab_state.py)
                 return 0
 
             self.events.zeroed[i] = self.stream.submit(job, (), "zero", i)

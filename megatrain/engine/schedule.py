@@ -23,13 +23,18 @@ from .tiling import DEFAULT_LOSS_CHUNK, LongContextPolicy, tiled_vjp
 REDUCE_CHUNK = 1 << 20  # elements: a 4 MiB FP32 scratch, which stays in cache between its write and read
 
 
-def accumulate(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
-    """dst += src, in place. A mixed-dtype add_ on the CPU first casts the whole source into a fresh FP32
-    temporary (a layer-sized allocation, page-faulted in, per layer per micro-batch); here each chunk is cast
-    into `scratch` (reused, cache-resident) and added from there: the same values, no temporary, and 2-4x
-    faster on the machine this was measured on. Same-dtype adds have no temporary and run whole."""
+def accumulate(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor | None = None,
+               overwrite: bool = False) -> None:
+    """dst += src, in place (`overwrite`: dst = 0 + src, the same bits as zeroing dst first, in one pass). A
+    mixed-dtype add_ on the CPU first casts the whole source into a fresh FP32 temporary (a layer-sized
+    allocation, page-faulted in, per layer per micro-batch); here each chunk is cast into `scratch` (reused,
+    cache-resident) and added from there: the same values, no temporary, and 2-4x faster on the machine this
+    was measured on. Same-dtype adds have no temporary and run whole."""
     if src.dtype == dst.dtype:
-        dst.add_(src)
+        if overwrite:
+            torch.add(src, 0.0, out=dst)  # 0 + g: a -0 gradient lands as +0, as added into a zeroed slab
+        else:
+            dst.add_(src)
         return
     if scratch is None:
         scratch = torch.empty(min(REDUCE_CHUNK, dst.numel()), dtype=dst.dtype)
@@ -39,7 +44,10 @@ def accumulate(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor | Non
         d = dst[s: s + chunk]
         k = d.numel()
         scratch[:k].copy_(src[s: s + k])
-        d.add_(scratch[:k])
+        if overwrite:
+            torch.add(scratch[:k], 0.0, out=d)
+        else:
+            d.add_(scratch[:k])
 
 
 class LayerPipeline:
@@ -145,10 +153,18 @@ class LayerPipeline:
         if self.grad_sink is not None:
             self._send_grad_to_sink(layer, grads, after, nbytes)
             return
+        slabs, measure = self.events.slabs, self.events.slabs.measure  # measure: as this backward asked
         if self.device.type != "cuda":
+            def add(overwrite: bool) -> None:
+                for slot, g in zip(group.slots, grads):  # every slot has a gradient (materialize_grads)
+                    view = group.view(group.grad, slot)
+                    if overwrite:
+                        torch.add(g, 0.0, out=view)  # 0 + g: what zeroing then adding gives, in one pass
+                    else:
+                        view.add_(g)
+
             def reduce() -> int:
-                for slot, g in zip(group.slots, grads):
-                    group.view(group.grad, slot).add_(g)
+                slabs.reduce(layer, group.grad, add, measure)
                 return nbytes
 
             # After the slab's last writer too: data parallel averages it on another thread (engine/distributed.py).
@@ -160,7 +176,8 @@ class LayerPipeline:
         i, staging, copied = self._stage(layer, grads, after, nbytes)
 
         def reduce() -> int:
-            accumulate(group.grad, staging, self.reduce_scratch)
+            slabs.reduce(layer, group.grad, lambda first: accumulate(group.grad, staging, self.reduce_scratch, first),
+                         measure)
             return 0
 
         self._staging_free[i] = self._reducer.submit(reduce, (copied, self.zeroed[layer], self.landed[layer]),

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from ..config import EngineConfig
+from ..costs.modes import GradSlab
 from . import fused
 from .events import LayerEvents
 from .optim import LayeredStep, unsupported_reason
@@ -34,6 +35,8 @@ from .stream import Event, Trace
 def update_layer(layered: LayeredStep, group: FlatGroup, i: int, coefs: list[float]) -> None:
     """Layer i's update on the calling thread: FP32 gradients (times `coefs`) and master, AdamW, master and
     streamed copy written back; in one pass of cache-sized tiles where the optimizer allows (fused.py)."""
+    if group.grad is not None:
+        layered.events.slabs.zero_if_fresh(i, group.grad)  # a step after zero_grad() with no backward: zeros
     view = layered.view_optimizer(i)
     if view is not None and fused.eligible(view, group):
         fused.fused_update(view, group, coefs)
@@ -42,6 +45,16 @@ def update_layer(layered: LayeredStep, group: FlatGroup, i: int, coefs: list[flo
     group.unpack()
     layered.step_layer(i)
     group.pack()
+
+
+def unlink_fresh(store: HostStore, events: LayerEvents) -> None:
+    """After zero_grad(): the layers' Parameters show no gradient (torch's set_to_none), not the bytes of a slab the
+    next backward overwrites instead of zeroing now. The engine's backward links them again."""
+    if events.slabs.overwrite:
+        for g in store.layers:
+            if g.grad is not None and g.grad_mode is GradSlab.FLOAT32:
+                for p in g.params:
+                    p.grad = None
 
 
 class UpdatePath:
@@ -76,13 +89,20 @@ class UpdatePath:
         for g in self.store.groups():
             g.link_grads()
         self.events.wait_grads()  # the step reads every slab, whatever the knobs
+        for i, g in enumerate(self.store.layers):
+            if g.grad is not None:
+                self.events.slabs.zero_if_fresh(i, g.grad)  # no backward since zero_grad(): its zeros
         self.optimizer.step()
         for g in self.store.layers:
             g.refresh_shadow()
         return True
 
     def zero_grad(self) -> None:
-        self.store.zero_grad()
+        self.store.globals.grad.zero_()
+        for i, g in enumerate(self.store.layers):
+            if g.grad is not None:
+                self.events.slabs.zero(i, g.grad)  # a flag where the next reduction overwrites (slab_state.py)
+        unlink_fresh(self.store, self.events)
 
     def weights_loaded(self) -> None:
         """New weights were loaded (a checkpoint): what a failed update left behind no longer holds."""
@@ -120,6 +140,7 @@ class Layered(UpdatePath):
 
     def zero_grad(self) -> None:
         self.layered.zero_grad()  # each layer's after its queued update, off this thread
+        unlink_fresh(self.store, self.events)
 
 
 class InBackward(UpdatePath):

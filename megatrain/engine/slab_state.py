@@ -1,0 +1,84 @@
+"""What the job that writes a layer's gradient slab knows about it, kept so the step need not read the slab again.
+
+- fresh: the slab holds no gradient since zero_grad() (it is logically zero, whatever its bytes): the next
+  reduction writes 0 + g instead of adding g, so zero_grad() makes no pass over the slabs. 0 + g, not a plain
+  copy: a -0 gradient lands as +0, the bits a zeroed slab plus g holds. A reader that needs the values of a
+  slab no backward wrote (a step right after zero_grad) zeroes it first (`zero_if_fresh`).
+- the slab's L2 norm, computed by the reduction right after its add (for the last backward before a step: the
+  engine's `measure`), with the slab's version counter then. torch bumps that counter on every in-place write
+  through any view of the slab (a user scaling `.grad`, clip_grad_value_, the average across ranks, a clip), so
+  the cached norm is used only while the slab is what it was measured from; otherwise the step reads the slab
+  as before. The norm is the same call on the same slab as the step's own (torch.linalg.vector_norm over the
+  whole FP32 slab, a bf16 slab widened first), so a cached norm has the same bits as a recomputed one.
+  Not seen: writes that bypass torch's in-place ops (`.grad.data.mul_()`, which has its own counter, or a
+  NumPy view); call `invalidate()` after such writes (Engine.grads_written does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .store import HostStore
+
+
+class SlabState:
+    def __init__(self, num_layers: int) -> None:
+        # Off until the engine knows its own pipeline writes every layer's slab (a shared host store's reductions
+        # to the owner add into slabs on another thread, unaware of these flags: those slabs are zeroed as before).
+        self.overwrite = False
+        self.measure = True  # whether reductions queued now compute their slab's norm
+        self.fresh = [False] * num_layers
+        self._norms: list[tuple[torch.Tensor, int] | None] = [None] * num_layers
+
+    def reduce(self, i: int, slab: torch.Tensor, add: Callable[[bool], None], measure: bool) -> None:
+        """Run a reduction into layer i's `slab` on the calling (host) thread: `add(overwrite)`, then its norm if
+        `measure` (the value of `self.measure` when the reduction was queued)."""
+        first = self.overwrite and self.fresh[i]
+        self._norms[i] = None
+        add(first)
+        self.fresh[i] = False
+        if measure:
+            x = slab if slab.dtype == torch.float32 else slab.float()
+            self._norms[i] = (torch.linalg.vector_norm(x), slab._version)
+
+    def zero(self, i: int, slab: torch.Tensor) -> None:
+        """zero_grad() of layer i's slab: a flag when the next reduction overwrites, else the zeroing pass."""
+        self._norms[i] = None
+        if self.overwrite:
+            self.fresh[i] = True
+        else:
+            slab.zero_()
+
+    def zero_if_fresh(self, i: int, slab: torch.Tensor) -> None:
+        """Make a fresh slab's bytes zero (before a reader that takes its values, not its norm)."""
+        if self.fresh[i]:
+            slab.zero_()
+            self.fresh[i] = False
+
+    def norm(self, i: int, slab: torch.Tensor) -> torch.Tensor | None:
+        """Layer i's slab norm without reading it (a fresh slab's is 0), or None if none is known to hold."""
+        if self.fresh[i]:
+            return torch.zeros((), dtype=torch.float32)
+        cached = self._norms[i]
+        if cached is not None and cached[1] == slab._version:
+            return cached[0]
+        return None
+
+    def invalidate(self) -> None:
+        """Forget every cached norm (the slabs were written in a way their version counters do not show)."""
+        self._norms = [None] * len(self._norms)
+
+
+def landed_norms(store: HostStore, slabs: SlabState, clip_pending: bool) -> list[torch.Tensor | None]:
+    """Per slab of `store` that has one (its layers', then the resident parameters'), the norm its reduction
+    measured if it still holds, else None (read it). With a clip pending on the slabs (bf16, or folded into the
+    update) only a fresh slab's zero holds: the measured norms are of the unscaled values."""
+    out: list[torch.Tensor | None] = []
+    for i, g in enumerate(store.layers):
+        if g.grad is not None:
+            out.append(slabs.norm(i, g.grad) if slabs.fresh[i] or not clip_pending else None)
+    return [*out, None]  # the resident parameters' slab: read (its adds come from several jobs per backward)
