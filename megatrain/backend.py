@@ -166,7 +166,11 @@ class MegatrainBackend:
             raise RuntimeError('backend "megatrain" drives one model per Accelerator; build another Accelerator')
         from .engine import Engine
 
-        self.engine = Engine(model, config=self.engine_config, optimizer=optimizer)
+        ec = self.engine_config
+        if optimizer is None and ec.optimizer_overlap is None:
+            # overlap "auto" splits the optimizer it is built with; one adopted by a later prepare() steps whole
+            ec = EngineConfig.from_dict({**ec.to_dict(), "optimizer_overlap": False})
+        self.engine = Engine(model, config=ec, optimizer=optimizer)
         self._optimizer_adopted = optimizer is not None
         # The user's model object itself comes back: its parameters are the engine's host masters and its
         # forward runs the engine (megatrain/engine/model_object.py). The engine builds its own AdamW when

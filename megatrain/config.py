@@ -20,7 +20,9 @@ MIN_WATCHDOG_S = 0.1
 @dataclass
 class EngineConfig:
     device: str | None = None  # None: the accelerator when there is one, else cpu
-    compute_dtype: str = "float32"  # what streams to and computes on the device; masters stay FP32
+    # What streams to and computes on the device; masters stay FP32. "auto": bfloat16 on a CUDA device that
+    # supports it (2 B/param streamed, bf16 matmuls), float32 elsewhere (a CPU device: as before).
+    compute_dtype: str = "auto"
     num_buffers: int = 2  # device layer buffers (>= 2 double-buffers the host->device stream)
     loss_chunk_tokens: int | str = "auto"  # tokens per head/loss chunk (logits never exceed chunk x vocab); "auto":
     # up to 2048, fewer for big vocabularies, fewer still when the device budget needs it
@@ -38,7 +40,9 @@ class EngineConfig:
     # The host AdamW a layer at a time on its own thread after step() returns, overlapped with the next
     # forward (each layer's load waits for its update): same math (engine/optim.py). Parameters and optimizer
     # state read by hand between step() and the next forward need engine.synchronize() first.
-    optimizer_overlap: bool = False
+    # None ("auto"): on where it pays, a CUDA device (the host update hides behind the device's forward) with
+    # torch's Adam/AdamW; off on a CPU device, where the "device" compute and the host update share the cores.
+    optimizer_overlap: bool | None = None
     max_bad_steps: int = 5  # ... and this many consecutive skipped steps stop training with an error
     # glibc: fix the mmap threshold at this many bytes, so freed host blocks at least this big leave the
     # resident set at once (engine/malloc.py). None (default): glibc's dynamic threshold, which keeps freed
@@ -74,13 +78,15 @@ class EngineConfig:
         for name in ("pin_memory", "measure_device_memory", "trace", "skip_nonfinite", "optimizer_overlap",
                      "parity_probe", "optimizer_in_backward"):
             value = getattr(self, name)
-            if not is_bool(value) and not (value is None and name == "pin_memory"):
+            if not is_bool(value) and not (value is None and name in ("pin_memory", "optimizer_overlap")):
                 raise ValueError(f"{name}={value!r} must be true or false")
         for name, value in (("watchdog_s", self.watchdog_s), ("link_gbps", 1.0 if self.link_gbps is None else self.link_gbps)):
             if not is_number(value):
                 raise ValueError(f"{name}={value!r} must be a number")
+        if self.compute_dtype == "auto":
+            self.compute_dtype = default_compute_dtype(self.device)
         if self.compute_dtype not in _DTYPES:
-            raise ValueError(f"compute_dtype={self.compute_dtype!r} is not supported; use one of {_DTYPES}")
+            raise ValueError(f"compute_dtype={self.compute_dtype!r} is not supported; use one of {_DTYPES} or 'auto'")
         check_host_modes(self)
         if not isinstance(self.num_buffers, int) or self.num_buffers < 1:
             raise ValueError(f"num_buffers={self.num_buffers!r} must be an int >= 1 (2 overlaps copies with compute)")
@@ -136,6 +142,16 @@ class EngineConfig:
 
 
 ENGINE_KEYS = frozenset(f.name for f in fields(EngineConfig))
+
+
+def default_compute_dtype(device: str | None) -> str:
+    """compute_dtype "auto": bfloat16 when `device` (None: the accelerator if there is one) is a CUDA device
+    with bf16 support, else float32."""
+    import torch
+
+    if not torch.cuda.is_available() or not (device is None or str(device).startswith("cuda")):
+        return "float32"
+    return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
 
 
 def unknown_setting(key: object, close: str | None) -> ValueError:

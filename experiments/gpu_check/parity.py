@@ -129,7 +129,8 @@ def phase_parity(ctx: Ctx) -> None:
     def fp32(family: str, tied: bool, **knobs: Any) -> dict[str, Any]:
         base = tiny_model(family, sh, tied=tied)
         ref = copy.deepcopy(base).to(ctx.device)
-        eng = Engine(copy.deepcopy(base), EngineConfig(device=dev, loss_chunk_tokens=13, **knobs))
+        eng = Engine(copy.deepcopy(base), EngineConfig(device=dev, compute_dtype="float32", loss_chunk_tokens=13,
+                                                       **knobs))
         rl, rg = _train_reference(ref, batches, steps, accum, clip, ctx.device)
         el, eg, _ = _train_engine(eng, batches, steps, accum, clip)
         res = {"grad_rel": _grad_rel(rg, eg), "loss_abs": max(abs(a - b) for a, b in zip(rl, el)),
@@ -207,7 +208,7 @@ def phase_parity(ctx: Ctx) -> None:
         # The host optimizer a layer at a time behind the next forward: the same kernels in the same order
         # on the device, so bit-identical to the whole step here too.
         base = tiny_model("llama", sh)
-        whole = Engine(copy.deepcopy(base), EngineConfig(device=dev))
+        whole = Engine(copy.deepcopy(base), EngineConfig(device=dev, optimizer_overlap=False))
         over = Engine(copy.deepcopy(base), EngineConfig(device=dev, optimizer_overlap=True))
         wl, _, _ = _train_engine(whole, batches, steps, accum, clip)
         ol, _, _ = _train_engine(over, batches, steps, accum, clip)

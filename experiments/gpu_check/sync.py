@@ -109,7 +109,7 @@ def phase_sync(ctx: Ctx) -> None:
     dev = str(ctx.device)
 
     def loop(mask: bool = True, **knobs: Any) -> dict[str, Any]:
-        eng = Engine(tiny_model("llama", sh), EngineConfig(device=dev, **knobs))
+        eng = Engine(tiny_model("llama", sh), EngineConfig(device=dev, **{"compute_dtype": "float32", **knobs}))
         b = batch if mask else {"input_ids": batch["input_ids"], "labels": batch["input_ids"]}
         _one_step(eng, b)  # warm-up: first-touch allocations are not the loop's steady state
         inside: list[str] = []

@@ -530,6 +530,7 @@ def _engine(d: dict[str, Any], bf16: bool, zero: ZeroSpec) -> EngineConfig:
                        f"{str(bf16).lower()}; drop one of them")
     if bf16:
         sec["compute_dtype"] = "bfloat16"
+    sec.setdefault("compute_dtype", "float32")  # DeepSpeed trains in FP32 unless bf16 is enabled
     if "pin_memory" not in sec and zero.pin_memory is not None:
         sec["pin_memory"] = zero.pin_memory
     return EngineConfig.from_dict(sec)

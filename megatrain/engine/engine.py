@@ -8,6 +8,7 @@ queued job orders itself by the per-layer events (events.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -49,6 +50,7 @@ from .slab_state import landed_norms
 from .stream import Streams, Trace
 from .tiling import long_context_policy
 from .update import choose as choose_update
+from .update import overlap_pays
 
 __all__ = ["Engine", "OptimizerArg", "engines_holding", "resolve_device"]
 
@@ -122,6 +124,8 @@ class Engine:
             foreign = {id(p) for g in self.store.layers if not g.owned for p in g.params}
             shard_optimizer_state(opt, foreign, self.dp.group, self.synchronize)
         self.ranks = ranks_for(self.dp, self.store, self.events)
+        if config.optimizer_overlap is None:  # "auto": where the host update can hide behind the device's forward
+            self.config = config = dataclasses.replace(config, optimizer_overlap=overlap_pays(self.device, config, opt))
         self.update = choose_update(opt, self.store, self.events, config, self.trace_log)
         self.pipeline = LayerPipeline(self.store, self.templates, self.streams, self.trace_log, config.num_buffers,
                                       self.compute_dtype, self.device, _has_dropout(self.hf_config), self.events,
