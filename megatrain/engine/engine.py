@@ -71,6 +71,7 @@ class _Pending:
     acts: ActivationStore
     ids: torch.Tensor
     router_leaves: list[tuple[int, torch.Tensor]]  # (layer, its router logits as a leaf the loss was computed from)
+    host_ids: torch.Tensor | None = None  # the batch's ids as given, when in host memory (the embedding's rows)
 
 
 class Engine:
@@ -235,7 +236,8 @@ class Engine:
         if train and (loss is not None or logits is not None or return_hidden):
             if self._pending is not None:
                 self._unbackwarded.append(weakref.ref(self._pending.h_last))
-            self._pending = _Pending(h0, h_in0, h_last, layer_inputs, acts, ids, router_leaves)
+            self._pending = _Pending(h0, h_in0, h_last, layer_inputs, acts, ids, router_leaves,
+                                     input_ids if input_ids.device != ids.device else None)
             self.accounting.act_peak = max(self.accounting.act_peak, acts.peak_device_bytes)
             h_last.register_hook(self._only_through_backward)
         self.accounting.seconds["forward_s"] += time.perf_counter() - t0
@@ -329,7 +331,7 @@ class Engine:
         self._global_grads.add_dense(grads)
         # The lookup's gradient scattered into the embedding's slab rows (what the embedding module's backward
         # computes, scales included, without a dense vocab x hidden gradient); off this thread on CUDA.
-        rows, grad = lookup_grad(self.parts.embed, p.ids, g_h0)
+        rows, grad = lookup_grad(self.parts.embed, p.host_ids if p.host_ids is not None else p.ids, g_h0)
         self._global_grads.add_rows(self.placement.embed_slot, rows, grad)
         self.ranks.after_backward(sync)
         self.accounting.seconds["backward_s"] += time.perf_counter() - t0

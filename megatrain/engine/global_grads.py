@@ -100,7 +100,8 @@ class GlobalGradSink:
             host_rows = self._rows.get(0, rows.numel(), torch.long)
             host_grad = self._rows.get(1, grad.numel(), grad.dtype).view(grad.shape)
             for t in (rows, grad):
-                t.record_stream(self.streams.d2h._stream)
+                if t.is_cuda:  # the rows may be host ids already (embedding.lookup_grad)
+                    t.record_stream(self.streams.d2h._stream)
         else:
             host_rows, host_grad = rows, grad
 

@@ -1,0 +1,40 @@
+"""Per-micro-batch work that must not make the host wait for the device, checked where no GPU is: the meta
+device stands in for it (an op that needs the device's values on the host, such as torch.unique or a boolean
+mask whose output size is data, cannot run there), and the same call on the CPU gives the same bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from megatrain.engine.embedding import lookup_grad
+
+
+def _ids() -> torch.Tensor:
+    return torch.tensor([[5, 0, 7, 5, 3], [3, 3, 0, 9, 1]], dtype=torch.int32)  # duplicates and padding (0)
+
+
+@pytest.mark.parametrize("padding_idx", [0, None])
+def test_the_embedding_rows_are_found_from_host_ids_without_reading_the_device(padding_idx):
+    embed = nn.Embedding(12, 4, padding_idx=padding_idx, device="meta")
+    g = torch.empty(2, 5, 4, device="meta")
+    rows, grad = lookup_grad(embed, _ids(), g)  # would raise on any op that reads device values
+    want = [1, 3, 5, 7, 9] if padding_idx == 0 else [0, 1, 3, 5, 7, 9]
+    assert rows.device.type == "cpu" and rows.tolist() == want and grad.shape == (len(want), 4)
+
+
+def test_negative_control_device_ids_need_the_device_values():
+    embed = nn.Embedding(12, 4, padding_idx=0, device="meta")
+    with pytest.raises(NotImplementedError):
+        lookup_grad(embed, _ids().long().to("meta"), torch.empty(2, 5, 4, device="meta"))
+
+
+@pytest.mark.parametrize("padding_idx", [0, None])
+def test_host_ids_give_the_same_rows_and_gradients(padding_idx):
+    torch.manual_seed(0)
+    embed = nn.Embedding(12, 4, padding_idx=padding_idx)
+    g = torch.randn(2, 5, 4)
+    want = lookup_grad(embed, _ids().long(), g, host=False)
+    got = lookup_grad(embed, _ids(), g, host=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
