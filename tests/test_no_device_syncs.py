@@ -38,3 +38,17 @@ def test_host_ids_give_the_same_rows_and_gradients(padding_idx):
     want = lookup_grad(embed, _ids().long(), g, host=False)
     got = lookup_grad(embed, _ids(), g, host=True)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_host_pool_grows_geometrically_not_to_each_batch():
+    from megatrain.engine.activations import GROWTH, HostPool
+
+    allocs: list[int] = []
+    pool = HostPool(lambda n, dtype, what: (allocs.append(n), torch.empty(n, dtype=dtype))[1])
+    needs = list(range(1000, 3001, 100))  # a batch a little longer each time
+    for n in needs:
+        assert pool.get(0, n, torch.bfloat16).numel() == n
+    assert len(allocs) <= 4, allocs  # to the exact size it would pin again for each of the 21 batches
+    assert max(allocs) <= GROWTH * max(needs)  # the headroom is bounded
+    pool.get(0, 10, torch.float32)  # another dtype: a buffer of its own size
+    assert allocs[-1] == 10

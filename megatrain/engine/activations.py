@@ -14,6 +14,8 @@ from .memtrack import host_allocations
 from .store import host_empty
 from .stream import Event, Streams
 
+GROWTH = 1.5  # HostPool: a buffer that must grow takes this much more than it held (at most 1.5x the need)
+
 
 class HostPool:
     """Host buffers for offloaded activations, one per layer, reused from batch to batch (grown when a batch
@@ -28,8 +30,11 @@ class HostPool:
     def get(self, layer: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self._buffers.get(layer)
         if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            # Grown geometrically (1.5x what it held), not to the exact size: batches that lengthen a little at
+            # a time would otherwise pin (fault in and lock) every layer's buffer again inside the layer loop.
+            grow = int(buf.numel() * GROWTH) if buf is not None and buf.dtype == dtype else 0
             self._buffers.pop(layer, None)  # freed (and unregistered) before its larger replacement is pinned
-            buf = self._buffers[layer] = self.alloc(numel, dtype, "offloaded activations")
+            buf = self._buffers[layer] = self.alloc(max(numel, grow), dtype, "offloaded activations")
         return buf[:numel]
 
     @property
