@@ -52,3 +52,25 @@ def test_host_pool_grows_geometrically_not_to_each_batch():
     assert max(allocs) <= GROWTH * max(needs)  # the headroom is bounded
     pool.get(0, 10, torch.float32)  # another dtype: a buffer of its own size
     assert allocs[-1] == 10
+
+
+def test_trace_records_and_synchronizes_on_the_engines_device_not_the_current_one(monkeypatch):
+    from megatrain.engine import stream as S
+
+    seen: dict[str, list] = {"sync": [], "record": []}
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool = False) -> None:
+            pass
+
+        def record(self, stream=None) -> None:
+            seen["record"].append(stream)
+
+    monkeypatch.setattr(S.torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(S.torch.cuda, "current_stream", lambda device=None: ("stream of", device))
+    monkeypatch.setattr(S.torch.cuda, "synchronize", lambda device=None: seen["sync"].append(device))
+    dev = torch.device("cuda", 1)  # the current device is 0 (or none): every call must name cuda:1
+    trace = S.Trace(True, dev)
+    trace.add_since("compute", "fwd", 0, trace.mark())
+    assert seen["sync"] == [dev]
+    assert seen["record"] == [("stream of", dev)] * 3  # the clock's reference, the span's start and end

@@ -43,6 +43,7 @@ class Trace:
     def __init__(self, enabled: bool, device: torch.device | None = None) -> None:
         self.enabled = enabled
         self._cuda = device is not None and device.type == "cuda"
+        self.device = device  # the engine's: events and syncs act there, not on whichever device is current
         self.origin = time.perf_counter()
         self._records: list[TraceRecord] = []
         self._spans: list[tuple[str, str, int, torch.cuda.Event, torch.cuda.Event]] = []
@@ -70,7 +71,7 @@ class Trace:
         if not self._cuda:
             return self.now()
         ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
+        ev.record(torch.cuda.current_stream(self.device))
         return ev
 
     def add_since(self, stream: str, kind: str, layer: int, start: float | torch.cuda.Event | None) -> None:
@@ -80,7 +81,7 @@ class Trace:
             self.add(stream, kind, layer, start, self.now())
             return
         end = torch.cuda.Event(enable_timing=True)
-        end.record()
+        end.record(torch.cuda.current_stream(self.device))
         self.add_span(stream, kind, layer, start, end)
 
     @property
@@ -107,9 +108,9 @@ class Trace:
         if self._cuda and self.enabled:
             # The reference event that maps device time onto the host clock is taken on an idle device,
             # so it runs the moment it is queued.
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
             ref = torch.cuda.Event(enable_timing=True)
-            ref.record()
+            ref.record(torch.cuda.current_stream(self.device))
             self._ref = (ref, self.now())
 
 
