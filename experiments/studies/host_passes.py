@@ -12,6 +12,11 @@ split/join held to their pure-torch path ("fused, torch ops": no C compiler). Va
 engine, so drift on a shared machine hits them alike. The optimizer in backward (hilo) is timed as the
 optimizer thread's busy time over one backward: its per-layer updates, against the layers' bytes bound.
 
+"step-time norm + zeroing": clip_grad_norm_ reading every layer slab for its norm and zero_grad() zeroing
+them, as before engine/slab_state.py (now the norm is measured by the job that lands each layer's gradients,
+reported apart as "layer norms as gradients land": work moved into backward, off the step, and zero_grad()
+only flags the slabs, whose next reduction writes 0 + g).
+
 The bound is the bytes a fused AdamW must move, at this process's measured copy bandwidth (`copy_` of a
 256 MiB FP32 tensor, counted as bytes read + bytes written, the best of several measurements through the
 run): per decoder-layer parameter read the gradient (4 B, or 2 from a bf16 slab or staging), the master (4:
@@ -127,10 +132,34 @@ class Unfused:
         self.fused.eligible = self.saved
 
 
+class StepTimeNorm:
+    """The layers' gradient norm read from the slabs by clip_grad_norm_ and zero_grad() zeroing them (what ran
+    before engine/slab_state.py measured the norm as gradients land and let the next reduction overwrite)."""
+
+    def __enter__(self):
+        from megatrain.engine.slab_state import SlabState
+
+        self.cls, self.saved = SlabState, (SlabState.reduce, SlabState.zero)
+        reduce = self.saved[0]
+
+        def zero(state, i, slab) -> None:
+            state._norms[i] = None
+            state.fresh[i] = False
+            slab.zero_()
+
+        SlabState.reduce = lambda state, i, slab, add, measure: reduce(state, i, slab, add, False)
+        SlabState.zero = zero
+
+    def __exit__(self, *exc) -> None:
+        self.cls.reduce, self.cls.zero = self.saved
+
+
 def variants(mode: str) -> dict:
     """label -> context manager factory (None: as now)."""
     per_layer = mode.startswith("hilo") or "overlap" in mode
     out = {"unfused": Unfused} if per_layer else {}
+    if "in backward" not in mode:
+        out["step-time norm + zeroing"] = StepTimeNorm
     out["fused" if per_layer else "whole step"] = None
     if mode.startswith("hilo"):
         out["fused, torch ops"] = lambda: _Swap(TorchOps())
@@ -179,6 +208,18 @@ def bench_mode(preset, mode: str, cfg: dict, reps: int) -> list[dict]:
                 paired[label].append(sum(parts) / (bound / bw_now))
     params = sum(g.numel for g in (eng.store.layers if oib else eng.store.groups()))
     rows = []
+    if not oib:
+        # The work the landed norms moved into backward: each layer slab's norm, on the reducer's thread there.
+        eng.backward(eng(input_ids=ids, labels=ids.clone()).loss)
+        eng.synchronize()
+        slabs = [g.grad for g in eng.store.layers]
+        norm = [min(_timed(lambda: [torch.linalg.vector_norm(x if x.dtype == torch.float32 else x.float())
+                                    for x in slabs]) for _ in range(reps))]
+        eng.zero_grad()
+        rows.append({"what": "layer norms as gradients land (in backward)", "mode": mode, "version": list(vs)[-1],
+                     "params": params, "seconds": round(norm[0], 4), "median_total_s": "",
+                     "ns_per_param": round(norm[0] / params * 1e9, 3), "bound_bytes": "", "gb_per_s": "",
+                     "x_bound": "", "x_bound_paired": ""})
     for label, ts in times.items():
         # The fastest round: on a shared machine the others carry other processes' time.
         best = min(ts, key=sum)
