@@ -17,6 +17,7 @@ from ..settings import planner_knobs
 from ..validate import unknown_key
 from .estimate import plan
 from .hardware import load_profiles, profile_from_dict, resolve_hardware
+from .host_rates import host_bound_line
 from .memory import fmt_bytes
 from .mode_table import ModeRow, format_mode_table, mode_table
 from .point import context_refusal, engine_settings, make_point
@@ -90,6 +91,8 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
     if pl.crossover_tokens is not None:
         out.append(f"  link stops being the bottleneck at >= {pl.crossover_tokens:,.0f} tokens per micro-batch "
                    f"(Phi/B closed form {crossover_closed_form(hw, p.dtype):,.0f}); this point has {p.tokens:,}")
+    if p.backend == "megatrain" and (host := host_bound_line(p, t)) is not None:
+        out.append(host)  # from how many tokens per step the compute outlasts the host's pass (host_rates.py)
     if m.is_moe and p.backend == "megatrain":
         out += _moe_lines(pl)
     out += _largest_lines(pl, biggest_batch, biggest_context)

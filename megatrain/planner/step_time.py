@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .hardware import GB, Hardware, _is_bf16
+from .host_rates import host_slowdown
 from .memory import LOSS_BYTES_EXTRA, zero3_sizes
 from .pipeline_sim import LayerCosts, simulate_step
 from .point import Point, aliases_globals, master_bytes
@@ -179,21 +180,22 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     mb, shadow = master_bytes(p)
     gb = 2 if _is_bf16(p.host_grad_dtype) else 4
     per_param = _optimizer_bytes_per_param(mb, gb, shadow, p.grad_clip)
-    opt_busy = (m.param_count() - (L - own) * PL) * per_param / hw.optimizer_bps
+    rate = hw.optimizer_bps / host_slowdown(p)  # the mode's own distance from its bytes bound (host_rates.py)
+    opt_busy = (m.param_count() - (L - own) * PL) * per_param / rate
     if p.optimizer_in_backward:
         # Each layer's update queued on one host thread as its gradients land (backward order): step()
         # waits for the last one (layer 0, whose backward is last), then updates the globals.
-        u = PL * per_param / hw.optimizer_bps
-        opt_globals = (m.param_count() - L * PL) * per_param / hw.optimizer_bps
+        u = PL * per_param / rate
+        opt_globals = (m.param_count() - L * PL) * per_param / rate
         opt_added = opt_globals + max(u, own * u - bwd_s + bwd_s / L)
     elif p.optimizer_overlap:
         # As EngineConfig(optimizer_overlap=True) runs it (engine/optim.py): the globals update in step(),
         # the layers on a host thread in forward order while the next forward runs, each layer's forward
         # waiting for its update. With u per layer update and f per layer forward, the first micro-batch's
         # forward ends at max(L u + f, u + L f) instead of L f.
-        u = PL * per_param / hw.optimizer_bps
+        u = PL * per_param / rate
         f_mb = fwd_s / g
-        opt_globals = (m.param_count() - L * PL) * per_param / hw.optimizer_bps
+        opt_globals = (m.param_count() - L * PL) * per_param / rate
         opt_added = opt_globals + max(own * u - f_mb + f_mb / L, u)
     else:
         opt_added = opt_busy

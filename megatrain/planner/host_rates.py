@@ -1,0 +1,82 @@
+"""Per host mode, how far the host's optimizer pass runs from its bytes bound, and from how many tokens per step
+the device's compute outlasts it.
+
+The step-time model (step_time.py) counts the bytes each mode's update moves per parameter and divides them by
+the profile's host optimizer rate (Hardware.optimizer_bps: the FP32 AdamW's, measured where a profile has it).
+The modes differ in how close their passes come to those bytes (hilo's split and join, bf16 widening, per-layer
+jobs), so each mode's rate is the profile's rate times FP32's ratio to the bound over the mode's own. The ratios
+are the paired "x bound" (best round) of results/host_passes/ where measured; a mode not measured there
+says "assumed" and what it is assumed to be like.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from .point import Point
+
+
+class Time(Protocol):
+    """What these functions read of a planned step (step_time.Time)."""
+
+    optimizer_busy_s: float
+    busy_s: dict[str, float]
+
+
+@dataclass(frozen=True)
+class HostRate:
+    x_bound: float  # the mode's clip + step + zero_grad time over its bytes bound (1.0: at the bandwidth limit)
+    source: str  # "measured: ..." or "assumed: ..."
+
+
+_RUN = "measured: results/host_passes (2-core shared CPU, paired best)"
+HOST_RATES: dict[str, HostRate] = {
+    "fp32": HostRate(0.68, _RUN),
+    "fp32, overlap": HostRate(0.63, _RUN),
+    "bf16 shadow": HostRate(1.01, _RUN),
+    "bf16 shadow, overlap": HostRate(0.91, _RUN),
+    "hilo": HostRate(1.79, _RUN),
+    "hilo + bf16 slabs": HostRate(2.51, _RUN),
+    "hilo, optimizer in backward": HostRate(4.47, _RUN),
+    "fp32, optimizer in backward": HostRate(4.47, "assumed: as hilo's optimizer in backward (not measured)"),
+    "bf16 master": HostRate(2.51, "assumed: as hilo + bf16 slabs (the same passes less the lo half; not measured)"),
+}
+
+
+def host_mode(p: Point) -> str:
+    """The HOST_RATES row of a point's host-memory mode."""
+    if p.master == "bf16":
+        return "bf16 master"
+    if p.optimizer_in_backward:
+        return f"{p.master}, optimizer in backward"
+    if p.master == "hilo":
+        return "hilo + bf16 slabs" if p.host_grad_dtype == "bfloat16" else "hilo"
+    base = "bf16 shadow" if p.c == 2 else "fp32"
+    return f"{base}, overlap" if p.optimizer_overlap else base
+
+
+def host_slowdown(p: Point) -> float:
+    """How much slower than the FP32 whole step the point's mode moves its bytes (1.0 for FP32 itself)."""
+    return HOST_RATES[host_mode(p)].x_bound / HOST_RATES["fp32"].x_bound
+
+
+def host_bound_below_tokens(p: Point, t: Time) -> float | None:
+    """Tokens per step below which the host's optimizer pass outlasts the device's compute (the step is then
+    host-bound, overlapped or not), from the planned step `t`: the host pass is fixed per step and the compute
+    grows with the tokens (linearly here: attention's quadratic share makes the real crossing a little lower)."""
+    compute = t.busy_s.get("compute", 0.0)
+    if compute <= 0 or t.optimizer_busy_s <= 0:
+        return None
+    return t.optimizer_busy_s * p.tokens_per_step / compute
+
+
+def host_bound_line(p: Point, t: Time) -> str | None:
+    """`megatrain plan`'s line about it."""
+    at = host_bound_below_tokens(p, t)
+    if at is None:
+        return None
+    rate = HOST_RATES[host_mode(p)]
+    where = "host-bound" if p.tokens_per_step < at else "not host-bound"
+    return (f"  host optimizer ({host_mode(p)}, {rate.x_bound:g}x its bytes bound, {rate.source.split(':')[0]}) "
+            f"outlasts the compute below {at:,.0f} tokens per step; this point has {p.tokens_per_step:,} ({where})")
