@@ -74,3 +74,16 @@ def test_trace_records_and_synchronizes_on_the_engines_device_not_the_current_on
     trace.add_since("compute", "fwd", 0, trace.mark())
     assert seen["sync"] == [dev]
     assert seen["record"] == [("stream of", dev)] * 3  # the clock's reference, the span's start and end
+
+
+def test_a_side_stream_runs_its_jobs_with_its_share_of_the_threads():
+    from megatrain.engine.stream import DONE, CopyStream, Trace, side_threads
+
+    assert [side_threads(n) for n in (1, 2, 4, 16, 64)] == [1, 1, 1, 4, 16]
+    main_threads = torch.get_num_threads()
+    s = CopyStream("side", torch.device("cpu"), Trace(False))
+    seen: list[int] = []
+    s.submit(lambda: seen.append(torch.get_num_threads()) or 0, DONE, "job", 0).host_wait(10.0)
+    s.threads = 1
+    s.submit(lambda: seen.append(torch.get_num_threads()) or 0, DONE, "job", 0).host_wait(10.0)
+    assert seen[-1] == 1 and torch.get_num_threads() == main_threads  # its own team, not the caller's

@@ -16,7 +16,7 @@ from ..costs.pinning import STAGING_SLOTS
 from .activations import ActivationStore, HostPool
 from .events import LayerEvents
 from .store import HostStore
-from .stream import DONE, Event, Streams, Trace
+from .stream import DONE, Event, Streams, Trace, side_threads
 from .templates import TemplateBank
 from .tiling import DEFAULT_LOSS_CHUNK, LongContextPolicy, tiled_vjp
 
@@ -86,6 +86,7 @@ class LayerPipeline:
             # Gradients land in pinned staging, then a host thread adds them into the FP32 slabs. With several
             # slots the device's copies run ahead of the host's adds (costs/pinning.py, STAGING_SLOTS).
             self._reducer = type(streams.d2h)("host-reduce", torch.device("cpu"), trace, None, streams.watchdog_s)
+            self._reducer.threads = side_threads()  # beside the optimizer's workers and the launch thread
             self._staging = [store.buffer(self.max_numel, dtype, "gradient staging") for _ in range(STAGING_SLOTS)]
             self._staging_free: list[Event] = [DONE] * STAGING_SLOTS
             self.reduce_scratch = torch.empty(REDUCE_CHUNK, dtype=torch.float32)  # the reducer thread's own

@@ -262,6 +262,14 @@ def _drain_at_exit(ref: weakref.ref) -> None:
         print(f"megatrain: a queued {stream.name} job failed at exit: {exc}", file=sys.stderr)
 
 
+def side_threads(cores: int | None = None) -> int:
+    """Torch threads for a host thread whose work runs beside the main work of the moment (the gradient
+    reducer beside backward, itself launching or computing with every core): a quarter of the cores, at least
+    one. Elementwise adds are memory-bound: a few threads reach the bandwidth one socket gives."""
+    n = cores if cores is not None else torch.get_num_threads()
+    return max(1, n // 4)
+
+
 class CopyStream:
     """One direction of the host<->device link: jobs run in order, each after optional events."""
 
@@ -275,6 +283,9 @@ class CopyStream:
         self.bytes = 0  # bytes moved since the last reset
         self._busy_s = 0.0
         self.stall_s = 0.0  # test hook: extra seconds each job sleeps (an injected stall)
+        # Torch (OpenMP) threads this stream's host worker runs its jobs with; None: torch's default, every core.
+        # A thread that does host work while others do too takes a share, so they do not oversubscribe the cores.
+        self.threads: int | None = None
         self._cuda = device.type == "cuda"
         if self._cuda:
             self._stream = torch.cuda.Stream(device=device)
@@ -356,8 +367,12 @@ class CopyStream:
                 deferred.resolve(None, exc)
 
     def _run(self) -> None:
+        applied = None
         while True:
             fn, afters, done, kind, layer = self._queue.get()
+            if self.threads != applied and self.threads is not None:
+                applied = self.threads
+                torch.set_num_threads(applied)  # this thread's own OpenMP team
             try:
                 for after in afters:
                     after.host_wait(self.watchdog_s)
