@@ -297,9 +297,15 @@ class MegatrainBackend:
     def save_state(self, directory: str | os.PathLike | None) -> None:
         """Write the weights and optimizer state; `directory` None: only this rank's part of a data-parallel save
         (with a shared host store the optimizer state is gathered from the layers' owners: a collective)."""
+        eng = self._require_engine()
+        mine = train_state.shard_params(eng)
+        if mine is not None:  # one host store per node: each rank writes its layers' optimizer state, no gather
+            weights, _ = self.training_state(with_optimizer=False)
+            train_state.write_weights_sharded(directory, weights, eng.optimizer, mine, eng.dp.rank, eng.dp.group)
+            return
         weights, optimizer_state = self.training_state()
         if directory is not None:
             train_state.write_weights(directory, weights, optimizer_state)
 
     def load_state(self, directory: str | os.PathLike) -> None:
-        self.load_training_state(*train_state.read_weights(directory))
+        self.load_training_state(*train_state.read_weights(directory, self._require_engine()))

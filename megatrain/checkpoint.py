@@ -151,14 +151,22 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
                       metadata: dict[str, str] | None = None) -> Path:
     """Writes one safetensors file atomically (temp file, fsync, rename), streaming tensor by tensor."""
     path = Path(path)
+    write_safetensors_hashed(path, tensors, metadata)
+    return path
+
+
+def write_safetensors_hashed(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
+                             metadata: dict[str, str] | None = None) -> tuple[int, str]:
+    """`write_safetensors`, returning (bytes written, sha256) as hashed while writing."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
-        _write_safetensors(tmp, tensors, metadata)
+        written = _write_safetensors(tmp, tensors, metadata)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
-    return path
+    return written
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> Path:

@@ -68,9 +68,8 @@ class EngineConfig:
     bf16_rounding: str = "nearest"
     # Data parallel (several ranks): "shared" keeps one host store per node, the layers' weights in shared
     # memory and each layer's gradients and optimizer state on one owning rank (engine/node_store.py; host bytes
-    # per node stay one GPU's); "replicated" gives every rank a whole private store (N copies per node); "auto"
-    # (default): "shared" with the FP32 host modes (host_master 'fp32', host_grad_dtype 'float32', no
-    # optimizer_in_backward), which are the ones it supports, else "replicated".
+    # per node stay one GPU's), in every host mode; "replicated" gives every rank a whole private store (N copies
+    # per node; not with optimizer_in_backward); "auto" (default): "shared".
     data_parallel_host: str = "auto"
 
     def __post_init__(self) -> None:
@@ -123,8 +122,7 @@ class EngineConfig:
     @property
     def share_host_store(self) -> bool:
         """Whether data-parallel ranks share one host store per node (data_parallel_host)."""
-        fp32_modes = self.master_mode is HostMaster.FP32 and self.grad_slab is GradSlab.FLOAT32
-        return self.data_parallel_host == "shared" or (self.data_parallel_host == "auto" and fp32_modes)
+        return self.data_parallel_host in ("shared", "auto")
 
     @property
     def grad_slab(self) -> GradSlab | None:
@@ -179,12 +177,6 @@ def check_host_modes(cfg: EngineConfig) -> None:
                          "masters round nothing)")
     if cfg.data_parallel_host not in ("auto", "shared", "replicated"):
         raise ValueError(f"data_parallel_host={cfg.data_parallel_host!r}: use 'auto', 'shared' or 'replicated'")
-    fp32_modes = master is HostMaster.FP32 and grad is GradSlab.FLOAT32 and not cfg.optimizer_in_backward
-    if cfg.data_parallel_host == "shared" and not fp32_modes:
-        raise ValueError("data_parallel_host='shared' supports host_master='fp32', host_grad_dtype='float32' and "
-                         "optimizer_in_backward=false only; use data_parallel_host='replicated' (or 'auto') with "
-                         f"host_master={master.value!r}, host_grad_dtype={grad.value!r}, "
-                         f"optimizer_in_backward={cfg.optimizer_in_backward}")
     if cfg.optimizer_in_backward and cfg.optimizer_overlap:
         raise ValueError("optimizer_in_backward and optimizer_overlap are two ways to run the layer updates: "
                          "set one of them")

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from . import checkpoint as ckpt
-from .tensor_file import TensorFile
+from .tensor_file import TensorFile, TensorFiles
 
 # ---------------------------------------------------------------------------------------------------
 # RNG streams
@@ -79,11 +79,83 @@ def write_weights(directory: str | Path, weights: dict[str, torch.Tensor], optim
     torch.save(optimizer_state, d / OPTIMIZER_FILE)
 
 
-def read_weights(directory: str | Path) -> tuple[Mapping[str, torch.Tensor], dict[str, Any]]:
-    """(the weights, read one at a time as load_state_dict asks for them; the optimizer's state_dict)."""
+def read_weights(directory: str | Path, engine: Any = None) -> tuple[Mapping[str, torch.Tensor], dict[str, Any]]:
+    """(the weights, read one at a time as load_state_dict asks for them; the optimizer's state_dict). A sharded
+    optimizer state (`write_weights_sharded`) is read for `engine`'s optimizer: only the parameters this rank
+    keeps, each tensor into the optimizer's own where it has one."""
     d = Path(directory)
     weights = _Prefixed(TensorFile(d / MODEL_FILE), "")
-    return weights, torch.load(d / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    saved = torch.load(d / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    if SHARDED_KEY not in saved:
+        return weights, saved
+    if engine is None:
+        raise ValueError(f"{d / OPTIMIZER_FILE} lists optimizer shard files: read it with the engine it loads into")
+    files: list[TensorFile] = []
+    try:
+        for name, want in sorted(saved["shards"].items()):
+            path = d / name
+            if not path.is_file():
+                raise ckpt.CheckpointError(f"{path}: missing (listed in {d / OPTIMIZER_FILE})")
+            files.append(TensorFile(path))
+            if files[-1].sha256() != (want["bytes"], want["sha256"]):
+                raise ckpt.CheckpointError(f"{path}: truncated or corrupt (size or sha256 differs from what its "
+                                           f"writer reported in {d / OPTIMIZER_FILE})")
+        state = optimizer_from(saved, TensorFiles(files), into=engine.optimizer, skip=foreign_params(engine))
+    finally:
+        for f in files:
+            f.close()
+    return weights, state
+
+
+SHARDED_KEY = "megatrain_sharded"  # in an Accelerate-face optimizer.bin: the state is in the listed shard files
+ACC_SHARD = "optimizer_shard_{}.safetensors"
+
+
+def write_weights_sharded(directory: str | Path | None, weights: dict[str, torch.Tensor],
+                          optimizer: torch.optim.Optimizer, mine: set[int], rank: int, group: Any) -> None:
+    """The Accelerate face's data-parallel save with no gather of optimizer state (one host store per node):
+    every rank writes the state of the parameters in `mine` (`shard_params`) to a shard file of its own in
+    rank 0's `directory` (None on the others), and sends rank 0 only its size, hash and layout; rank 0 writes
+    the weights, then optimizer.bin listing every shard: without it (or with a shard that differs from its
+    entry) the folder does not load. Every rank calls it; each raises if any shard failed."""
+    import torch.distributed as dist
+
+    where = [str(directory) if rank == 0 else None]
+    dist.broadcast_object_list(where, src=0, group=group)
+    d = Path(where[0])
+    local = local_optimizer_state(optimizer, mine)
+    shard: dict[str, torch.Tensor] = {}
+    layout = _optimizer_state(local, shard)
+    report: dict[str, Any] = {"entries": layout["state"]}
+    if shard:
+        try:
+            name = ACC_SHARD.format(rank)
+            size, sha = ckpt.write_safetensors_hashed(d / name, shard)
+            report["shard"] = (name, {"bytes": size, "sha256": sha})
+        except Exception as e:  # told to rank 0, which writes no optimizer.bin; every rank raises below
+            report["error"] = f"rank {rank}: {type(e).__name__}: {e}"
+    reports: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
+    dist.gather_object(report, reports, dst=0, group=group)
+    outcome: list[Any] = [None]
+    if rank == 0:
+        try:
+            errors = [r["error"] for r in reports if "error" in r]
+            if errors:
+                raise ckpt.CheckpointError(f"optimizer state not saved in {d}: a shard failed ({'; '.join(errors)})")
+            ckpt.write_safetensors(d / MODEL_FILE, weights)
+            state: dict[str, Any] = {}
+            for r in reports:
+                for idx, entry in r["entries"].items():
+                    state.setdefault(idx, entry)
+            shards = dict(r["shard"] for r in reports if "shard" in r)
+            torch.save({SHARDED_KEY: 1, "optimizer": {"state": dict(sorted(state.items(), key=lambda kv: int(kv[0]))),
+                                                      "param_groups": layout["param_groups"]},
+                        "shards": shards}, d / OPTIMIZER_FILE)
+        except Exception as e:
+            outcome[0] = f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(outcome, src=0, group=group)
+    if outcome[0] is not None:
+        raise ckpt.CheckpointError(f"the state in {d} was not saved ({outcome[0]})")
 
 
 def write_face_state(directory: str | Path, *, schedulers: list[Any], customs: list[Any],

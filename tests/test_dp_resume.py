@@ -179,3 +179,65 @@ def test_a_shared_store_save_is_one_shard_per_rank_and_whole_only_with_every_sha
     (copy / tag / shard).unlink()
     with pytest.raises(ck.CheckpointError, match=shard):
         ck.load(copy, tag)
+
+
+def test_the_accelerator_face_saves_one_shard_per_rank_and_loads_only_with_every_shard(runs: dict[str, Any],
+                                                                                       tmp_path: Path) -> None:
+    """The 2-rank save_state (one host store per node) gathered nothing: each rank's layers' Adam state is in
+    its own shard file, which optimizer.bin lists with its size and hash and holds no tensor of; the folder
+    resumed on 1, 2 and 3 ranks above. A shard missing or damaged (negative controls) is refused by name."""
+    import shutil
+
+    from safetensors import safe_open
+
+    from megatrain import train_state
+
+    folder = Path(runs["folders"]["accelerator"])
+    listed = torch.load(folder / train_state.OPTIMIZER_FILE, weights_only=True)
+    names = [train_state.ACC_SHARD.format(r) for r in range(2)]
+    assert sorted(listed["shards"]) == names
+    held = []
+    for name in names:
+        with safe_open(str(folder / name), "pt") as f:
+            held.append(set(f.keys()))
+    assert held[0] and held[1] and not held[0] & held[1]
+    wanted = {f"optim.{i}.{k}" for i, e in listed["optimizer"]["state"].items() for k, v in e.items()
+              if v == "__in_tensors__"}
+    assert wanted == held[0] | held[1]  # every state tensor, each once, in the shard of the rank that owns it
+    example = runs["example"]
+    for damage in ("missing", "truncated"):
+        copy = tmp_path / damage
+        shutil.copytree(folder, copy)
+        if damage == "missing":
+            (copy / names[1]).unlink()
+        else:
+            with open(copy / names[1], "r+b") as f:
+                f.truncate((copy / names[1]).stat().st_size - 8)
+        with pytest.raises(Exception, match=names[1]):
+            example.train("accelerator", GLOBAL_MICRO, 1, 0, steps=TOTAL_STEPS, resume_from=copy)
+
+
+def test_a_rank_killed_mid_shard_leaves_the_previous_checkpoint_the_one_that_loads(tmp_path: Path) -> None:
+    """Two ranks sharing one host store save checkpoint "a", train on, and save "b"; rank 1 is SIGKILLed while
+    writing its shard of "b". Rank 0's save fails (its peer is gone) and publishes nothing: "a" is still the
+    newest checkpoint, and it loads in one process with the weights it was saved with."""
+    from megatrain import checkpoint as ck
+
+    ranks = Ranks(2, [str(ROOT / "tests" / "dp_kill_worker.py"), str(tmp_path)], tmp_path)
+    codes = ranks.wait()
+    assert codes == [3, -9], (codes, ranks.log(0)[-3000:], ranks.log(1)[-3000:])
+    assert (tmp_path / "b_error.txt").is_file() and not (tmp_path / "b_saved.txt").exists()
+    root = tmp_path / "ckpt"
+    assert [tag for _, tag in ck.list_checkpoints(root)] == ["a"] and ck.latest_tag(root) == "a"
+    import megatrain
+
+    example = load_example("train_data_parallel")
+    model = example.build_model(seed=5)
+    engine, _, _, _ = megatrain.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": example.LR}},
+        "megatrain": example.engine_section(30.0)})
+    path, _ = engine.load_checkpoint(root)
+    assert Path(path).name == "a"
+    saved = torch.load(tmp_path / "a.pt")
+    assert all(torch.equal(saved[k], v) for k, v in engine.state_dict().items())
+    assert engine.global_steps == 1

@@ -4,15 +4,24 @@ optimizer state's sharding, the configuration's refusals)."""
 
 from __future__ import annotations
 
+import datetime
 import os
 
+import dp_modes_worker as modes_worker
 import pytest
 import torch
 import torch.distributed as dist
+from examples_module import load_example
+from test_data_parallel import ROOT, TOL, Ranks
 
 from experiments.studies.scaling_host_memory import POINTS, measure
 from megatrain.config import EngineConfig
+from megatrain.costs.modes import GradSlab, HostMaster
 from megatrain.engine.node_store import NodeStore, shard_optimizer_state, topology_of
+from megatrain.engine.ranks import Replicated
+from megatrain.engine.store import FlatGroup, HostStore, SharedLayer, TieOverflow, tie_capacity
+
+MODES_WORKER = ROOT / "tests" / "dp_modes_worker.py"
 
 
 @pytest.mark.slow
@@ -48,15 +57,79 @@ def test_shared_memory_shortfall_is_an_error_naming_the_fix(tmp_path):
     os.unlink(path + "-ok")
 
 
-def test_host_modes_the_shared_store_cannot_take_are_refused_or_replicated():
+def test_every_host_mode_shares_the_store_unless_replicated_is_asked():
     assert EngineConfig().share_host_store
     assert not EngineConfig(data_parallel_host="replicated").share_host_store
-    hilo = {"compute_dtype": "bfloat16", "host_master": "hilo"}
-    assert not EngineConfig(**hilo).share_host_store  # "auto" replicates what it cannot share
-    with pytest.raises(ValueError, match="data_parallel_host='replicated'"):
-        EngineConfig(**hilo, data_parallel_host="shared")
+    bf16 = {"compute_dtype": "bfloat16"}
+    for modes in ({"host_master": "hilo"}, {"host_master": "bf16"}, {"host_grad_dtype": "bfloat16"},
+                  {"host_master": "hilo", "optimizer_in_backward": True}):
+        assert EngineConfig(**bf16, **modes).share_host_store, modes
+        assert EngineConfig(**bf16, **modes, data_parallel_host="shared").share_host_store, modes
     with pytest.raises(ValueError, match="data_parallel_host='everywhere'"):
         EngineConfig(data_parallel_host="everywhere")
+    # A private store per rank has no slab to average before the optimizer in backward's per-layer update.
+    with pytest.raises(ValueError, match="data_parallel_host='shared'"):
+        Replicated.sink(object.__new__(Replicated), lambda *a: None)
+
+
+@pytest.mark.slow
+def test_exact_host_modes_share_one_store_and_train_as_one_process(tmp_path):
+    """Two ranks sharing one host store with the hilo master (FP32 slab, bf16 slab, optimizer in backward; the
+    DeepSpeed face, and the Accelerator face with clipping) end bit for bit (the Accelerator face within the
+    parity tolerance) where one process running the same micro-batches accumulated does; every rank reads the
+    exact-tie weights back from the node's tie table; with each owner taking only its own gradients (the
+    negative control) they do not."""
+    ranks = Ranks(2, [str(MODES_WORKER), str(tmp_path)], tmp_path)
+    codes = ranks.wait()
+    assert codes == [0, 0], ranks.log(0)[-3000:] + ranks.log(1)[-3000:]
+    results = [torch.load(tmp_path / f"modes{r}.pt") for r in range(2)]
+    # 2 layers, each backward: 3 steps x 2 micro-batches (hilo), 3 x 1 (bf16 slab, in backward), 3 x 2 (Accelerator)
+    assert [res["owner_reductions"] for res in results] == [2 * (6 + 3 + 3 + 6)] * 2
+
+    def gaps(ref: dict, got: dict) -> tuple[float, float]:
+        means = [sum(ref["losses"][2 * j: 2 * j + 2]) / 2 for j in range(len(got["losses"]))]
+        return (max(abs(a - b) for a, b in zip(means, got["losses"], strict=True)),
+                max((ref["state"][k] - got["state"][k]).abs().max().item() for k in ref["state"]))
+
+    for name in modes_worker.RUNS:
+        ref = modes_worker.train(name, 1, 1, 0, reference_of=2)
+        for res in results:
+            assert res[name]["shared"], name
+            assert all(torch.equal(res[name]["before"][k], ref["before"][k]) for k in ref["before"]), name
+            assert gaps(ref, res[name]) == (0.0, 0.0), (name, gaps(ref, res[name]))
+        if name == "hilo_in_backward":
+            assert min(gaps(ref, results[0]["control"])) > 100 * TOL, gaps(ref, results[0]["control"])
+    example = load_example("train_data_parallel")
+    ref = modes_worker.accelerator_hilo(example, 4)
+    assert len(ref["norms"]) == 3 and min(ref["norms"]) > 2 * example.CLIP  # clipping really acts
+    for res in results:
+        assert max(gaps(ref, res["accelerator_hilo"])) <= TOL, gaps(ref, res["accelerator_hilo"])
+
+
+def test_hilo_tie_positions_live_in_the_node_store(one_rank_group):
+    """A shared hilo layer's exact ties are in the node's memory: another mapping of the same buffers (what
+    another rank of the node holds) reads the FP32 values back bit for bit; a private store's do not travel; a
+    table overflow is refused by name."""
+    node = NodeStore(0, one_rank_group, datetime.timedelta(seconds=30), 30.0)
+    shapes = [[("w", torch.Size([4096]))]]
+    store = HostStore(shapes, [("g", torch.Size([4]))], None, torch.bfloat16, HostMaster.HILO, GradSlab.FLOAT32,
+                      node)
+    group = store.layers[0]
+    value = torch.randn(4096)
+    value[[5, 700, 4000]] = torch.tensor([0x3F818000, 0xBC038000, 0x3C058000], dtype=torch.int64).to(
+        torch.int32).view(torch.float32)
+    group.write_slot(group.slots[0], value)
+    assert group.ties.tolist() == [5, 700, 4000] and int(group.tie_table[0]) == 3
+    other = FlatGroup(shapes[0], torch.bfloat16, HostMaster.HILO, GradSlab.FLOAT32, store.scratch,
+                      SharedLayer(None, group.shadow, group.lo, group.tie_table), owned=False)
+    assert torch.equal(other.read_slot(other.slots[0]).view(torch.int32), value.view(torch.int32))
+    # The same buffers without the table (a private tie list): the tie values come back one ulp off.
+    private = FlatGroup(shapes[0], torch.bfloat16, HostMaster.HILO, GradSlab.FLOAT32, store.scratch,
+                        SharedLayer(None, group.shadow, group.lo, None), owned=False)
+    assert not torch.equal(private.read_slot(private.slots[0]).view(torch.int32), value.view(torch.int32))
+    with pytest.raises(TieOverflow, match="data_parallel_host='replicated'"):
+        group.ties = torch.arange(tie_capacity(4096) + 1)
+    assert group.ties.tolist() == [5, 700, 4000]
 
 
 @pytest.fixture

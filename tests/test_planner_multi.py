@@ -11,6 +11,7 @@ from megatrain.planner import get_hardware, plan, plan_multi, preflight
 from megatrain.planner import multi as multi_mod
 from megatrain.planner.cli import main
 from megatrain.planner.memory import long_context_plan
+from megatrain.planner.point import make_point
 from megatrain.planner.step_time import megatrain_time
 
 GIB = 1024**3
@@ -183,14 +184,20 @@ def test_node_fields_are_validated():
     assert get_hardware("rtx4090").gpus_per_node == 1 and get_hardware("rtx4090").network_gbs is None
 
 
-def test_host_modes_without_a_shared_store_count_the_layers_per_rank():
-    """hilo + optimizer in backward: the engine keeps a private store per rank (data_parallel_host 'auto'), so
-    the planner counts the layers' state once per GPU; the FP32 modes' node holds it once."""
+def test_every_host_mode_counts_the_layers_once_per_node():
+    """hilo + optimizer in backward shares the node's store as the FP32 modes do (data_parallel_host 'auto'):
+    a second rank adds its own terms (a small part of a layer-heavy model), never a second copy of the layers'
+    12 B/param; its transit holds the two averaged layers its in-backward updates read on top of the staging."""
     mdl = get_preset(MODEL)
     LP = mdl.num_layers * mdl.layer_params()
     modes = dict(master="hilo", optimizer_in_backward=True, grad_clip=False)
     one, two = (plan_multi(MODEL, gpus_per_node=n, **POINT, **modes).host_node_bytes for n in (1, 2))
-    # hilo: bf16 hi + int16 lo (4 B) + Adam (8 B) per layer parameter, a second time for the second rank
-    assert two - one >= LP * 12
+    assert two - one < LP * 12 / 3  # a replicated store would add LP x 12 B (hi + lo + Adam m, v)
     fp32_one, fp32_two = (plan_multi(MODEL, gpus_per_node=n, **POINT).host_node_bytes for n in (1, 2))
-    assert fp32_two - fp32_one < LP * 2
+    point = {k: v for k, v in POINT.items() if k != "hardware"}
+    transit, fp32_transit = (multi_mod.transit_bytes(make_point(MODEL, **point, **m)) for m in (modes, {}))
+    assert transit == 2 * fp32_transit
+    # What the second rank adds beyond the FP32 modes' second rank: its doubled transit, one per rank, and its
+    # FP32 scratch (master and gradient of one layer: 8 B per layer parameter), nothing per layer of the model.
+    scratch = 8 * mdl.layer_params()
+    assert (two - one) - (fp32_two - fp32_one) == 2 * (transit - fp32_transit) + scratch

@@ -107,6 +107,18 @@ def join_ranks(device: torch.device, watchdog_s: float) -> tuple[torch.device, D
     return device, dp
 
 
+def broadcast_group(g: FlatGroup, src: int, group: dist.ProcessGroup) -> None:
+    """Every rank of `group` takes rank `src`'s master values of `g`, whatever its host mode (a private hilo
+    tie list, not of a fixed size, goes as an object)."""
+    for t in g.master_tensors():
+        # As bytes where gloo has no such type (bf16, int16): a broadcast moves bits, whatever they mean.
+        dist.broadcast(t if t.dtype in (torch.float32, torch.int64) else t.view(torch.uint8), src=src, group=group)
+    if g.lo is not None and g.tie_table is None:
+        ties = [g.ties]
+        dist.broadcast_object_list(ties, src=src, group=group)
+        g.ties = ties[0]
+
+
 class DataParallel:
     """This rank's share of a data-parallel job: the engine's gradient group and its reduction thread."""
 
@@ -180,9 +192,9 @@ class DataParallel:
                 groups = [store.globals]
                 if node.leader and node.cross_group is not None:  # the cross group of local index 0: the leaders
                     for g in store.layers:
-                        dist.broadcast(g.master, src=0, group=node.cross_group)
+                        broadcast_group(g, 0, node.cross_group)
             for g in groups:
-                dist.broadcast(g.master, src=0, group=self.group)
+                broadcast_group(g, 0, self.group)
             if node is not None:
                 node.barrier()  # no rank reads a layer before its node's copy is whole
         except Exception as exc:
@@ -194,17 +206,24 @@ class DataParallel:
         self.synchronize()
         try:
             for g in store.groups():
-                dist.broadcast(g.master, src=src, group=self.group)
+                broadcast_group(g, src, self.group)
             if self.node is not None:
                 self.node.barrier()
         except Exception as exc:
             raise self._fail(f"broadcasting rank {src}'s written weights", exc) from exc
 
     def submit_reduce_to_owner(self, layer: int, grads: torch.Tensor, slab: torch.Tensor | None,
-                               after: Sequence[Event]) -> Event:
-        """Queue layer `layer`'s reduction into its owner's slab (shared host store) once `after` are done."""
+                               after: Sequence[Event], fresh: bool = False) -> Event:
+        """Queue layer `layer`'s reduction into its owner's slab (shared host store) once `after` are done;
+        `fresh`: the slab is zeroed first (it holds the average alone: the optimizer in backward's)."""
         node = self.node
-        return self._submit(lambda: node.reduce_to_owner(layer, grads, slab), after,
+
+        def reduce() -> int:
+            if fresh and slab is not None:
+                slab.zero_()
+            return node.reduce_to_owner(layer, grads, slab)
+
+        return self._submit(reduce, after,
                             f"reducing the gradients of layer {layer} to its owner",
                             "gradient reduce to the layer's owner", layer)
 

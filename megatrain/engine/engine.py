@@ -130,7 +130,7 @@ class Engine:
         self.update = choose_update(opt, self.store, self.events, config, self.trace_log)
         self.pipeline = LayerPipeline(self.store, self.templates, self.streams, self.trace_log, config.num_buffers,
                                       self.compute_dtype, self.device, _has_dropout(self.hf_config), self.events,
-                                      policy, self.ranks.grad_sink or self.update.grad_sink)
+                                      policy, self.ranks.sink(self.update.grad_sink))
         self._global_grads = GlobalGradSink(self.store, self.streams, self.pipeline, self.compute_dtype)
         # The pipeline's own reductions write every layer's slab: zero_grad() can leave zeroing to them.
         self.events.slabs.overwrite = self.pipeline.grad_sink is None

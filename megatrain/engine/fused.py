@@ -94,7 +94,8 @@ def all_finite(x: torch.Tensor, tile: int = TILE, threads: int | None = None) ->
     ranges = [(a, min(x.numel(), a + tile)) for a in range(0, x.numel(), tile)]
 
     def run(part: list[tuple[int, int]]) -> bool:
-        return all(float(x[a:b].float().mul_(0).sum()) == 0 for a, b in part)
+        # A copy even of FP32 input: mul_ on `.float()` of an FP32 tile would zero the caller's gradients.
+        return all(float(x[a:b].to(torch.float32, copy=True).mul_(0).sum()) == 0 for a, b in part)
 
     n = max(1, min(threads or torch.get_num_threads(), len(ranges)))
     if n == 1:

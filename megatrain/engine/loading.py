@@ -67,7 +67,9 @@ def load_checkpoint_into(store: HostStore, path: Path, layers_prefix: str, alias
                     raise ValueError(f"{shard.name}: {key} has shape {tuple(f.shape(key))}, the model expects "
                                      f"{tuple(slot.shape)}")
                 with torch.no_grad():
-                    if group.master is not None and f.dtype(key) == group.master.dtype:
+                    if not group.owned:
+                        pass  # a layer of the node's shared store: its owner writes it (once, with its tie list)
+                    elif group.master is not None and f.dtype(key) == group.master.dtype:
                         f.read_into(key, group.view(group.master, slot))  # an FP32 master: in place
                     else:
                         group.write_slot(slot, f.read_transient(key))

@@ -15,19 +15,27 @@ import torch
 
 from .distributed import DataParallel
 from .events import LayerEvents
+from .pinned import host_buffer
 from .store import HostStore
-from .stream import Event
+from .stream import DONE, Event
+
+Sink = Callable[[int, torch.Tensor, Event], Event]  # (layer, its staged gradients, their event) -> when done
 
 
 class OneRank:
     """A lone process: its slabs are the gradients, its store is its own."""
 
     # Shared store: called by the pipeline instead of adding into a slab (schedule.py's grad_sink).
-    grad_sink: Callable[[int, torch.Tensor, Event], Event] | None = None
+    grad_sink: Sink | None = None
 
     def grad_sent(self, sync: bool) -> Callable[[int], None] | None:
         """What the pipeline calls once a layer's gradients are queued to the host (None: nothing)."""
         return None
+
+    def sink(self, update_sink: Sink | None) -> Sink | None:
+        """What the pipeline hands each layer's staged gradients to (None: it adds them into the slabs), given
+        the update path's own sink (the optimizer in backward's, or None)."""
+        return self.grad_sink or update_sink
 
     def before_backward(self) -> None:
         pass
@@ -68,6 +76,13 @@ class Replicated(OneRank):
 
     def grad_sent(self, sync: bool) -> Callable[[int], None] | None:
         return self._average_layer if sync else None
+
+    def sink(self, update_sink: Sink | None) -> Sink | None:
+        if update_sink is not None:
+            raise ValueError("optimizer_in_backward with data_parallel_host='replicated': a private store per rank "
+                             "has no gradient slab to average before each layer's update; use "
+                             "data_parallel_host='shared' (or 'auto'), where each layer's owner updates it")
+        return None
 
     def before_backward(self) -> None:
         # The resident parameters' slab may still be being averaged (last backward): the adds wait for it.
@@ -119,6 +134,18 @@ class SharedStore(Replicated):
     def grad_sent(self, sync: bool) -> Callable[[int], None] | None:
         return None  # reduced to the owners as they land, every backward
 
+    def sink(self, update_sink: Sink | None) -> Sink | None:
+        if update_sink is None:
+            return self.grad_sink
+        # The optimizer in backward (no slab): each layer's average lands in one of two FP32 buffers of the
+        # owner's, which its update reads; a buffer is reused (two owned layers on) only after that update.
+        self._update_sink = update_sink
+        owned = [g.numel for i, g in enumerate(self.store.layers) if self.dp.node.owns(i)]
+        self._averaged = [host_buffer(max(owned), torch.float32) for _ in range(2)] if owned else []
+        self._averaged_free: list[Event] = [DONE, DONE]
+        self._next = 0
+        return self._reduce_then_update
+
     def _average_layers(self) -> None:
         pass  # the owners' slabs hold the node's sum already
 
@@ -126,6 +153,19 @@ class SharedStore(Replicated):
         """Queue layer i's gradients' reduction into its owner's slab (every backward)."""
         e = self.events
         return self.dp.submit_reduce_to_owner(i, staging, self.store.layers[i].grad, (staged, e.landed[i], e.zeroed[i]))
+
+    def _reduce_then_update(self, i: int, staging: torch.Tensor, staged: Event) -> Event:
+        """Queue layer i's gradients' average to its owner and, on the owner, the layer's update behind it."""
+        e = self.events
+        after = (staged, e.landed[i], e.zeroed[i])
+        if not self.dp.node.owns(i):
+            return self.dp.submit_reduce_to_owner(i, staging, None, after)
+        k = self._next
+        self._next ^= 1
+        averaged = self._averaged[k][: staging.numel()]
+        reduced = self.dp.submit_reduce_to_owner(i, staging, averaged, (*after, self._averaged_free[k]), fresh=True)
+        self._averaged_free[k] = self._update_sink(i, averaged, reduced)
+        return self._averaged_free[k]
 
     def total_norm(self, norms: list[torch.Tensor]) -> float:
         # Each rank holds its own layers' slabs: their squares summed over the node (every node holds the

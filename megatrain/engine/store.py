@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -41,6 +42,26 @@ class Slot:
     numel: int
 
 
+class SharedLayer(NamedTuple):
+    """One layer's persistent host buffers in the node's shared memory (engine/node_store.py); None where the
+    mode has no such buffer."""
+
+    master: torch.Tensor | None  # FP32 master
+    shadow: torch.Tensor | None  # bf16: the FP32 master's streamed copy, or the hilo/bf16 master itself
+    lo: torch.Tensor | None  # hilo: the int16 low halves
+    ties: torch.Tensor | None  # hilo: [count, positions...] (tie_capacity + 1 int64)
+
+
+def tie_capacity(numel: int) -> int:
+    """Tie positions a shared hilo layer has room for: 1 in 1024 elements (at least 1024), 128x the rate of
+    random low bits (1 in 131072; see hilo.py), 0.008 B/param. A layer past it raises (TieOverflow)."""
+    return max(1024, numel // 1024)
+
+
+class TieOverflow(RuntimeError):
+    """A hilo layer of a shared store has more tie positions than its shared table holds."""
+
+
 @dataclass
 class GroupRange:
     """A range of one FlatGroup's gradient buffers (what FlatGroup.load_grads reads and writes)."""
@@ -65,8 +86,7 @@ class FlatGroup:
 
     def __init__(self, named_shapes: Iterable[tuple[str, torch.Size]], shadow_dtype: torch.dtype | None,
                  master: HostMaster = HostMaster.FP32, grad: GradSlab | None = GradSlab.FLOAT32,
-                 scratch: Scratch | None = None, shared: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-                 owned: bool = True):
+                 scratch: Scratch | None = None, shared: SharedLayer | None = None, owned: bool = True):
         self.slots: list[Slot] = []
         offset = 0
         for name, shape in named_shapes:
@@ -79,13 +99,17 @@ class FlatGroup:
         self.master_mode, self.grad_mode = master, grad
         self.rounding: torch.Generator | None = None  # bf16 master: stochastic rounding's random bits
         self.lo: torch.Tensor | None = None
-        self.ties = torch.empty(0, dtype=torch.int64)  # hilo: positions whose hi rounded up at a tie
-        # `shared`: the node's (master, shadow), mapped by every rank of the node (engine/node_store.py); a group
-        # this rank does not own has no gradient slab, and its master and shadow are written by the owner only.
+        # hilo: positions whose hi rounded up at a tie (the `ties` property); in a shared store a table in the
+        # node's memory, [count, positions...], so every rank reads the FP32 values the owner wrote.
+        self._ties = torch.empty(0, dtype=torch.int64)
+        self.tie_table: torch.Tensor | None = None
+        # `shared`: the node's buffers, mapped by every rank of the node (engine/node_store.py); a group this
+        # rank does not own has no gradient slab, and its master (its halves) and shadow are written by the
+        # owner only. The FP32 scratch of the per-layer update stays each rank's own.
         self.owned = owned
         if master is HostMaster.FP32:
             if shared is not None:
-                self.master, self.shadow = shared
+                self.master, self.shadow = shared.master, shared.shadow
             else:
                 self.master = host_buffer(offset, torch.float32)
                 self.shadow = host_buffer(offset, shadow_dtype) if shadow_dtype is not None else None
@@ -93,9 +117,10 @@ class FlatGroup:
         else:
             # The bf16 half is the master's own storage and what streams: no shadow, no per-step cast.
             self.master = None
-            self.shadow = host_buffer(offset, torch.bfloat16)
+            self.shadow = shared.shadow if shared is not None else host_buffer(offset, torch.bfloat16)
             if master is HostMaster.HILO:
-                self.lo = host_buffer(offset, torch.int16)
+                self.lo = shared.lo if shared is not None else host_buffer(offset, torch.int16)
+                self.tie_table = shared.ties if shared is not None else None
             self.work = scratch.master[:offset]
         if not owned:
             self.grad = self.grad_work = None
@@ -110,6 +135,39 @@ class FlatGroup:
             p = nn.Parameter(self.view(self.work, s), requires_grad=True)
             self.params.append(p)
         self.link_grads()
+
+    @property
+    def ties(self) -> torch.Tensor:
+        """hilo: the positions (int64, ascending) whose hi rounded up at an exact tie."""
+        if self.tie_table is None:
+            return self._ties
+        n = int(self.tie_table[0])
+        return self.tie_table[1: 1 + n].clone()
+
+    @ties.setter
+    def ties(self, value: torch.Tensor) -> None:
+        if self.tie_table is None:
+            self._ties = value
+            return
+        n, cap = value.numel(), self.tie_table.numel() - 1
+        if n > cap:
+            raise TieOverflow(f"a hilo layer of {self.numel} elements has {n} exact-tie positions, more than the "
+                              f"node's shared table holds ({cap}; random low bits give ~{self.numel // 131072}). "
+                              "Its values are not random bits: use data_parallel_host='replicated' for this model")
+        self.tie_table[1: 1 + n].copy_(value)  # positions before the count: a reader never sees stale ones
+        self.tie_table[0] = n
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The group's persistent host buffers (what it holds between steps)."""
+        ties = self.tie_table if self.tie_table is not None else self._ties
+        return [t for t in (self.master, self.grad, self.shadow, self.lo, ties) if t is not None]
+
+    def master_tensors(self) -> list[torch.Tensor]:
+        """The buffers that hold the master values (what a copy of the weights between ranks moves): the FP32
+        master; or the bf16 half, the lo half and a shared tie table (a private tie list is not a fixed size)."""
+        if self.master is not None:
+            return [self.master]
+        return [t for t in (self.shadow, self.lo, self.tie_table) if t is not None]
 
     @property
     def per_layer_update(self) -> bool:
@@ -137,6 +195,8 @@ class FlatGroup:
     # -- the per-layer update of the non-FP32 modes -----------------------------------------------------
     def unpack(self) -> None:
         """Make `work` (what the Parameters view) hold this group's FP32 master values."""
+        if not self.owned:
+            return  # a layer of the node's shared store that another rank updates
         if self.master_mode is HostMaster.HILO:
             hilo.join(self.shadow, self.lo, self.ties, self.work)
         elif self.master_mode is HostMaster.BF16:
@@ -144,6 +204,8 @@ class FlatGroup:
 
     def pack(self) -> None:
         """Store `work` back as the master (the exact split, or bf16 RNE); FP32: refresh the shadow."""
+        if not self.owned:
+            return  # its owner writes it: a write from here would race with (and undo) the owner's update
         if self.master_mode is HostMaster.FP32:
             self.refresh_shadow()
             return
@@ -229,17 +291,12 @@ class HostStore:
             biggest = max((sum(int(torch.Size(s).numel()) for _, s in shapes) for shapes in layer_shapes), default=0)
             self.scratch = Scratch(biggest, master is not HostMaster.FP32, grad is not GradSlab.FLOAT32)
         self.ranks_sharing = node.topo.local_world if node is not None else 1
-        shared: list = [None] * len(layer_shapes)
+        shared: list[SharedLayer | None] = [None] * len(layer_shapes)
         if node is not None:
-            # One host store per node: the layers' masters (and shadows) are the node's, each layer's slab its
-            # owner's. The FP32 modes only: the others' per-layer update shares one scratch (engine config refuses).
+            # One host store per node: the layers' masters (their halves, shadows and tie tables) are the node's,
+            # each layer's slab its owner's, the one-layer FP32 scratch each rank's own.
             numels = [sum(int(torch.Size(s).numel()) for _, s in shapes) for shapes in layer_shapes]
-            specs = [(n, torch.float32) for n in numels]
-            if shadow_dtype is not None:
-                specs += [(n, shadow_dtype) for n in numels]
-            bufs = node.buffers(specs, "layer weights")
-            shadows = bufs[len(numels):] or [None] * len(numels)
-            shared = list(zip(bufs[: len(numels)], shadows))
+            shared = shared_layers(node, numels, master, shadow_dtype)
         self.layers = [FlatGroup(shapes, shadow_dtype, master, grad, self.scratch, shared[i],
                                  node is None or node.owns(i)) for i, shapes in enumerate(layer_shapes)]
         # The globals (embedding, final norm, head) stay FP32: they are resident on the device, and their
@@ -278,10 +335,9 @@ class HostStore:
         sum over a node's ranks is what the node holds."""
         total = 0.0
         for g in self.groups():
-            for t in (g.master, g.grad, g.shadow, g.lo, g.ties):
-                if t is not None:
-                    share = self.ranks_sharing if g is not self.globals and t is not g.grad else 1
-                    total += t.numel() * t.element_size() / share
+            for t in g.host_tensors():
+                share = self.ranks_sharing if g is not self.globals and t is not g.grad else 1
+                total += t.numel() * t.element_size() / share
         if self.scratch is not None:
             total += sum(t.numel() * t.element_size() for t in (self.scratch.master, self.scratch.grad)
                          if t is not None)
@@ -291,3 +347,22 @@ class HostStore:
         for g in self.groups():
             if g.grad is not None:
                 g.grad.zero_()
+
+
+def shared_layers(node: NodeStore, numels: list[int], master: HostMaster,
+                  shadow_dtype: torch.dtype | None) -> list[SharedLayer]:
+    """Every layer's persistent buffers for `master`, in the node's shared memory (a collective of the node)."""
+    kinds: list[tuple[str, torch.dtype]] = []
+    if master is HostMaster.FP32:
+        kinds.append(("master", torch.float32))
+        if shadow_dtype is not None:
+            kinds.append(("shadow", shadow_dtype))
+    else:
+        kinds.append(("shadow", torch.bfloat16))
+        if master is HostMaster.HILO:
+            kinds += [("lo", torch.int16), ("ties", torch.int64)]
+    specs = [(tie_capacity(n) + 1 if kind == "ties" else n, dtype) for kind, dtype in kinds for n in numels]
+    bufs = node.buffers(specs, "layer weights")
+    per_kind = {kind: bufs[k * len(numels): (k + 1) * len(numels)] for k, (kind, _) in enumerate(kinds)}
+    return [SharedLayer(*(per_kind[f][i] if f in per_kind else None for f in SharedLayer._fields))
+            for i in range(len(numels))]

@@ -34,8 +34,9 @@ optimizer running over the rank's own ceil(L / N) layers plus its resident param
                      layers' total A only max(N A / L, A - bwd_mb (L - 1) / L) adds to the step, k times (N A / L:
                      the last layer on its owner's NIC, one of N); the resident parameters' all-reduce comes
                      after the step's last backward and adds in full.
-The host modes the shared store does not take (hilo / bf16 masters, bf16 slabs, optimizer in backward) keep a
-private store per rank (data_parallel_host 'auto'): the layers' state then counts N times per node.
+Every host mode shares the node's store (data_parallel_host 'auto'): the hilo halves and their tie tables, bf16
+masters, bf16 slabs (the owner's); with the optimizer in backward each owner also averages a layer's gradients
+into one of two FP32 buffers of the largest layer that its update reads (in the transit term).
   job tokens/s = N M tokens_per_step / step;  scaling efficiency = job tokens/s / (N M x one-GPU tokens/s).
 """
 
@@ -192,12 +193,14 @@ def split_host(pl: Plan) -> tuple[dict[str, int], dict[str, int]]:
 
 def shares_host_store(p: Point) -> bool:
     """Whether the engine gives this point one host store per node (EngineConfig.share_host_store with
-    data_parallel_host 'auto'): the FP32 host modes only; the others keep a private store per rank."""
-    return p.master == "fp32" and p.host_grad_dtype == "float32" and not p.optimizer_in_backward
+    data_parallel_host 'auto'): every host mode."""
+    return True
 
 
 def transit_bytes(p: Point) -> int:
-    return TRANSIT_LAYERS * p.model.layer_params() * 4
+    """A rank's FP32 gradient transit: its staging slots, and with the optimizer in backward the two averaged
+    layers its updates read (engine/ranks.py SharedStore.sink)."""
+    return TRANSIT_LAYERS * p.model.layer_params() * 4 * (2 if p.optimizer_in_backward else 1)
 
 
 def node_memory(pl: Plan, gpus_per_node: int, nodes: int = 1) -> tuple[Memory, dict[str, int], dict[str, int]]:
