@@ -57,11 +57,16 @@ DEFAULT_LOSS_CHUNK, MIN_LOSS_CHUNK, AUTO_LOSS_LOGITS_BYTES = 2048, 128, 256 * 2*
 # ~chunk/4 FLOP per byte of that gradient, memory-bound below ~1k tokens on an H100/H200; the 256 MiB
 # logits cap gave 256-token chunks for a 152k vocabulary.
 MAX_DEVICE_LOSS_CHUNK = 4096
-# The head + loss phase per token, in h-vectors (measured, FP32): the last layer's output, the final norm's
-# output and saved tensors, the valid tokens' copy and its gradient, the gradient scattered back to all
-# tokens; during the chunk loop (the chunk's logits on top) and, at its peak, in the final norm's backward.
+# The head + loss phase as a training forward runs it (engine/loss.py tiled_norm_head_loss: final norm, head
+# and loss per sequence tile, each tile's backward run in the forward). Per token of the sequence, in
+# h-vectors: the last layer's output and its gradient. Per token of a tile (measured, FP32, with
+# DeviceMemoryTracker, tests/test_loss_in_forward.py): two FP32 copies of the logits (the logits, then the
+# softmax and its scaled copy) and about four h-vectors (the norm's graph, the head's input, its gradient).
+LOSS_SEQ_H, LOSS_TILE_H, LOSS_TILE_LOGIT_COPIES = 2.0, 4.0, 2
+LOSS_BF16_FP32_H = 3.5  # bf16 compute: the final norm's fp32 upcast and fp32 gradients, in fp32 h-vectors per tile token
+# The same phase as the norm followed by the chunked loss under autograd (the path for callers that ask for
+# the logits or the hidden states): during the chunk loop and, at its peak, in the final norm's backward.
 LOSS_LOOP_H, LOSS_NORM_H = 4.6, 6.5
-LOSS_BF16_FP32_H = 3.5  # bf16 compute: the final norm's fp32 upcast and fp32 gradients, in fp32 h-vectors (measured)
 
 
 @dataclass(frozen=True)
@@ -106,9 +111,22 @@ def layer_working_bytes(d: LayerDims, tokens: int, tile: int | None, itemsize: i
 
 
 def loss_workspace_bytes(tokens: int, hidden: int, vocab: int, chunk: int, itemsize: int) -> int:
-    """Predicted peak bytes of the head + loss phase beyond the kept boundary activations: the larger of
-    the chunk loop (LOSS_LOOP_H plus the chunk's logits) and the final norm's backward after it
-    (LOSS_NORM_H), plus the head's FP32 weight gradient."""
+    """Predicted peak bytes of the head + loss phase beyond the kept boundary activations, as a training
+    forward runs it (in sequence tiles of `chunk` tokens, backward included): the last layer's output and
+    its gradient per token, one tile's norm graph and logits, and the head's FP32 weight gradient (and its
+    cast to the compute dtype)."""
+    t = min(chunk, tokens)
+    tile = LOSS_TILE_LOGIT_COPIES * vocab * 4 + LOSS_TILE_H * hidden * itemsize
+    if itemsize < 4:
+        tile += vocab * itemsize + LOSS_BF16_FP32_H * hidden * 4  # the logits before their upcast; the norm's
+    cast = vocab * hidden * itemsize if itemsize < 4 else 0
+    return int(LOSS_SEQ_H * tokens * hidden * itemsize + t * tile + vocab * hidden * 4 + cast)
+
+
+def unfused_loss_workspace_bytes(tokens: int, hidden: int, vocab: int, chunk: int, itemsize: int) -> int:
+    """The same for the final norm followed by the chunked loss under autograd (logits or hidden states
+    returned): the larger of the chunk loop (LOSS_LOOP_H plus the chunk's logits) and the final norm's
+    backward after it (LOSS_NORM_H), plus the head's FP32 weight gradient."""
     upcasts = tokens * LOSS_BF16_FP32_H * hidden * 4 if itemsize < 4 else 0
     loop = LOSS_LOOP_H * tokens * hidden * itemsize + LOSS_LOGIT_COPIES * min(chunk, tokens) * vocab * 4
     norm = LOSS_NORM_H * tokens * hidden * itemsize

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .memory import HF_WS_H, HF_WS_I, HF_WS_KV, LOSS_BYTES_EXTRA
+from .hardware import GIB, Hardware
+from .memory import HF_WS_H, HF_WS_I, HF_WS_KV, LOSS_BYTES_EXTRA, Memory, zero3_memory
+from .point import Point
 
 LOSS_TILE_LOGIT_BYTES = 64 * 2**20  # the backend's default loss tile: 64 MiB of FP32 logits
 LEAN_REDUCE_BUCKET = 1_000_000  # elements, the lean configuration's reduce_bucket_size
@@ -51,3 +53,17 @@ def zero3_alst_device_terms(model: Any, tokens: int, c: int = 4, *, mlp_tile: in
 
 def zero3_alst_peak_bytes(model: Any, tokens: int, c: int = 4, **kw: Any) -> int:
     return sum(zero3_alst_device_terms(model, tokens, c, **kw).values())
+
+
+def zero3_alst_memory(p: Point, hw: Hardware) -> Memory:
+    """The zero3-alst backend at a planner point: ZeRO-3 offload's host side (as `zero3`) plus every layer's
+    checkpointed input in host memory (cpu_checkpointing); on the device the terms above with the backend's
+    default tiles (the sweep's `zero3` overrides size the reduce bucket, else the lean 1M elements)."""
+    base = zero3_memory(p, hw)
+    m = p.model
+    host = dict(base.host)
+    host["offloaded checkpoints"] = m.num_layers * p.tokens * m.hidden * p.c
+    bucket = p.zero3_reduce_bucket if p.zero3_reduce_bucket is not None else LEAN_REDUCE_BUCKET
+    device = dict(zero3_alst_device_terms(m, p.tokens, p.c, reduce_bucket=bucket))
+    device["runtime"] = 0 if hw.unified_memory else int(hw.device_reserved_gib * GIB)
+    return Memory(host, device, hw.unified_memory)
