@@ -46,6 +46,10 @@ BUDGET_HEADROOM = 0.9  # plan to this share of the budget: allocator fragmentati
 # Offloaded, the device holds about this many boundary activations at once, whatever the depth (measured):
 # a layer's input and output, the next input prefetched, and one on its way out.
 OFFLOAD_IN_FLIGHT = 4
+# When that does not fit the budget, copies stop overlapping (engine/activations.py): each input waits for its
+# copy to the host, and in backward an input comes back only when its layer needs it: one fewer (measured,
+# tests/test_offload_in_flight.py).
+OFFLOAD_IN_FLIGHT_TIGHT = 3
 LOSS_LOGIT_COPIES = 3  # chunk logits (fp32), their softmax/gradient, and a transient
 # "auto" loss chunk: the largest chunk is DEFAULT_LOSS_CHUNK tokens, capped so one FP32 copy of the chunk's
 # logits stays under AUTO_LOSS_LOGITS_BYTES (a 128k vocabulary at 2048 tokens would be 1 GiB a copy); with a
@@ -181,6 +185,7 @@ class BatchPlan:
     tile: int | None
     predicted_peak_bytes: int
     loss_chunk: int = DEFAULT_LOSS_CHUNK
+    in_flight: int = OFFLOAD_IN_FLIGHT  # boundary activations on the device at once when offloaded
 
 
 @dataclass
@@ -202,20 +207,22 @@ class LongContextPolicy:
     def plan(self, tokens: int) -> BatchPlan:
         boundary = tokens * self.dims.hidden * self.itemsize
 
-        def peak(offload: bool, tile: int | None, chunk: int) -> int:
-            kept = OFFLOAD_IN_FLIGHT if offload else self.n_layers
+        def peak(kept: int, tile: int | None, chunk: int) -> int:
             loss = loss_workspace_bytes(tokens, self.dims.hidden, self.vocab, chunk, self.itemsize)
             return (self.fixed_bytes + kept * boundary
                     + max(loss, layer_working_bytes(self.dims, tokens, tile, self.itemsize)))
 
         offloads = [self.offload_setting] if isinstance(self.offload_setting, bool) else [False, True]
+        # (offload, boundaries kept on the device): resident; offloaded with copies overlapped; without
+        options = [(off, k) for off in offloads
+                   for k in ((OFFLOAD_IN_FLIGHT, OFFLOAD_IN_FLIGHT_TIGHT) if off else (self.n_layers,))]
         choice = None
-        for off in offloads:
-            room = self._room(off, boundary)
+        for off, kept in options:
+            room = self._room(kept, boundary)
             chunk = self.loss_chunk if self.loss_chunk != "auto" else auto_loss_chunk(
                 tokens, self.dims.hidden, self.vocab, self.itemsize, room, self.logits_cap)
             tile = self._tile(tokens, room)
-            choice = BatchPlan(off, tile, peak(off, tile, chunk), chunk)
+            choice = BatchPlan(off, tile, peak(kept, tile, chunk), chunk, kept if off else OFFLOAD_IN_FLIGHT)
             if self.budget is None or choice.predicted_peak_bytes <= BUDGET_HEADROOM * self.budget:
                 return choice
         warnings.warn(f"{tokens} tokens: the predicted device peak {choice.predicted_peak_bytes / 2**30:.2f} GiB "
@@ -223,11 +230,11 @@ class LongContextPolicy:
                       f"offload={choice.offload}, tile={choice.tile}; expect an out-of-memory error", stacklevel=3)
         return choice
 
-    def _room(self, offload: bool, boundary: int) -> int | None:
-        """Device bytes left for one phase's working set (a layer's backward, or the head and loss)."""
+    def _room(self, kept: int, boundary: int) -> int | None:
+        """Device bytes left for one phase's working set (a layer's backward, or the head and loss) with `kept`
+        boundary activations on the device."""
         if self.budget is None:
             return None
-        kept = OFFLOAD_IN_FLIGHT if offload else self.n_layers
         return int(BUDGET_HEADROOM * self.budget) - self.fixed_bytes - kept * boundary
 
     def _tile(self, tokens: int, room: int | None) -> int | None:

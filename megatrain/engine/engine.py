@@ -197,7 +197,9 @@ class Engine:
         layer_inputs = [(a, {**kw, "input_ids": ids} if "input_ids" in kw and kw["input_ids"] is None else kw)
                         for a, kw in layer_inputs]
         offload = self.pipeline.plan_batch(int(ids.numel()), self.config.offload_activations)
-        acts = ActivationStore(self.streams, offload, pin=self.pipeline.act_pool) if train else None
+        plan = self.pipeline.last_plan if self.pipeline.policy is not None else None
+        acts = ActivationStore(self.streams, offload, pin=self.pipeline.act_pool,
+                               **({"in_flight": plan.in_flight} if plan is not None else {})) if train else None
         # A mixture-of-experts loss includes the router term: record every layer's router logits (router.py).
         # With return_hidden and no labels (a head of the caller's own) `.loss` is the router term alone.
         routed = ((labels is not None or return_hidden) and self.templates.routed
