@@ -56,7 +56,7 @@ def backend_settings(acc: Any) -> dict[str, Any]:
     """The speed-relevant settings of the backend behind a megatrain Accelerator: for zero3 the
     `zero_optimization` section DeepSpeed was built with, after Accelerate resolved any "auto"."""
     backend = getattr(acc, "backend", None)
-    if getattr(backend, "name", None) != "zero3":
+    if not str(getattr(backend, "name", None)).startswith("zero3"):
         return {}
     config = None
     hf = getattr(backend, "accelerate", None)

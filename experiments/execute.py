@@ -56,7 +56,7 @@ def preflight(pt: Point) -> Preflight:
         kw["engine_config"] = EngineConfig.from_dict({"compute_dtype": dtype, **pt.engine})
     else:
         kw["gradient_checkpointing"] = pt.recompute
-    if pt.backend == "zero3":
+    if pt.backend.startswith("zero3"):
         # the bucket sizes the run overrides size its device buffers too
         names = {"stage3_prefetch_bucket_size": "zero3_prefetch_bucket",
                  "stage3_param_persistence_threshold": "zero3_persistence_threshold",
@@ -91,11 +91,11 @@ def child_env(pt: Point) -> dict[str, str]:
     # DeepSpeed builds its C++ ops with ninja from the venv, and caches them; a stable cache
     # directory pays the ~85 s build once per machine instead of once per point.
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
-    if pt.backend == "zero3":
+    if pt.backend.startswith("zero3"):
         from baselines.zero3 import default_extensions_dir
 
         env.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())
-    if pt.backend == "zero3":
+    if pt.backend.startswith("zero3"):
         # A fresh port per point: other runs on the machine may hold the default one.
         env.setdefault("MASTER_ADDR", "127.0.0.1")
         env["MASTER_PORT"] = str(_free_port())

@@ -144,7 +144,7 @@ def run(pt: Point, trace_path: str | None = None,
     config: dict[str, Any] = {"gradient_clipping": pt.grad_clip}
     if pt.backend == "megatrain":
         config["megatrain"] = engine_knobs
-    if pt.backend == "zero3" and pt.zero3:
+    if pt.backend.startswith("zero3") and pt.zero3:
         config["zero_optimization"] = dict(pt.zero3)
     acc = Accelerator(backend=pt.backend, config=config, gradient_accumulation_steps=pt.grad_accum,
                       mixed_precision="bf16" if pt.precision == "bf16" else "no",

@@ -20,7 +20,7 @@ from megatrain.models.presets import ModelPreset
 from megatrain.planner.shapes import resolve_model
 from megatrain.validate import close_match, is_int, unknown_key
 
-BACKENDS = ("megatrain", "zero3", "torch")
+BACKENDS = ("megatrain", "zero3", "zero3-alst", "torch")
 PRECISIONS = ("fp32", "bf16")
 
 # Keys a point may set (in `defaults`, a grid or an explicit point) and their defaults.
@@ -108,7 +108,7 @@ class Point:
             s += "/norecompute"
         if self.engine and self.backend == "megatrain":
             s += "/" + ",".join(f"{k}={v}" for k, v in sorted(self.engine.items()))
-        if self.zero3 and self.backend == "zero3":
+        if self.zero3 and self.backend.startswith("zero3"):
             s += "/" + ",".join(f"{k}={v}" for k, v in sorted(self.zero3.items()))
         return s
 
@@ -221,7 +221,7 @@ def _finish_point(file: str, merged: dict[str, Any], where: dict[str, str]) -> P
         # Engine knobs mean nothing to the baselines; dropping them keeps one identity (and one
         # run) per baseline point when a spec sweeps a knob for megatrain.
         merged["engine"] = {}
-    if merged["backend"] != "zero3":
+    if not merged["backend"].startswith("zero3"):  # zero3-alst is ZeRO-3 too: the same overrides
         merged["zero3"] = {}
     if merged["backend"] == "megatrain":
         merged["recompute"] = True  # the engine always recomputes each layer in backward

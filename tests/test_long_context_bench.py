@@ -39,3 +39,23 @@ def test_bench_runs_merges_and_reports(tmp_path: Path, monkeypatch) -> None:
     (tmp_path / "README.md").unlink()
     assert bench.main([*common, "--report-only"]) == 0
     assert "| torch | 2048 | over_budget |" in (tmp_path / "README.md").read_text()
+
+
+def test_bisect_brackets_the_limit(tmp_path: Path, monkeypatch) -> None:
+    """--bisect: after the first length over budget, halve the gap to the longest that fit (a fake point whose
+    limit is 2,900 tokens, so no process runs)."""
+    tried = []
+
+    def fake(model, backend, seq, max_pos, budget, timeout_s, log_dir, alst_loss_tile=None):
+        tried.append(seq)
+        ok = seq <= 2900
+        return {"model": model, "backend": backend, "seq_len": seq, "budget_bytes": budget, "fits": ok,
+                "status": "ok" if ok else "over_budget", "reason": "", "peak_device_bytes": seq, "wall_s": 0.0}
+
+    monkeypatch.setattr(bench, "run_point", fake)
+    monkeypatch.setattr(sys, "argv", ["bench"])
+    assert bench.main(["--model", "tiny", "--budget-gib", "0.004", "--lengths", "1024,2048,4096,8192",
+                       "--bisect", "256", "--backends", "torch", "--out", str(tmp_path)]) == 0
+    assert tried == [1024, 2048, 4096, 3072, 2560, 2816]  # 8192 never: 4096 was already over
+    readme = (tmp_path / "README.md").read_text()
+    assert "| torch | 2816 | 3072 (over_budget: ) |" in readme

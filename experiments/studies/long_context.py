@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 FIELDS = ["model", "backend", "seq_len", "fits", "status", "reason", "peak_device_bytes", "static_device_bytes",
           "budget_bytes", "tokens_per_s", "step_time_s", "mlp_tile_tokens", "loss_chunk_tokens", "activations_offloaded",
           "predicted_peak_device_bytes",
-          "peak_rss_bytes", "wall_s"]
+          "peak_rss_bytes", "wall_s", "alst_loss_tile"]
 
 
 # -- one point, in its own process ---------------------------------------------------------------------
@@ -63,7 +63,8 @@ def _point(model: str, backend: str, seq: int, max_pos: int) -> Point:
                  max_positions=max_pos)
 
 
-def worker(model_name: str, backend: str, seq: int, max_pos: int, budget: int) -> dict[str, Any]:
+def worker(model_name: str, backend: str, seq: int, max_pos: int, budget: int,
+           alst_loss_tile: int | None = None) -> dict[str, Any]:
     import torch
 
     from experiments.point import _find_engine, build_model
@@ -91,6 +92,8 @@ def worker(model_name: str, backend: str, seq: int, max_pos: int, budget: int) -
     torch.manual_seed(0)
     backend, extra = BACKENDS[backend]
     config: dict[str, Any] = {"gradient_clipping": 1.0, **extra}
+    if backend == "zero3-alst" and alst_loss_tile:
+        config["alst"] = {"loss_tile_tokens": alst_loss_tile}
     if backend == "megatrain":
         config["megatrain"] = {"device_budget_bytes": budget}
     if backend == "zero3-alst":
@@ -145,10 +148,11 @@ def worker(model_name: str, backend: str, seq: int, max_pos: int, budget: int) -
 
 
 def run_point(model: str, backend: str, seq: int, max_pos: int, budget: int, timeout_s: float,
-              log_dir: Path) -> dict[str, Any]:
+              log_dir: Path, alst_loss_tile: int | None = None) -> dict[str, Any]:
     result = Path(tempfile.mkdtemp(prefix="lcbench-")) / "row.json"
     cmd = [sys.executable, "-m", "experiments.studies.long_context", "--worker", json.dumps(
-        {"model": model, "backend": backend, "seq": seq, "max_pos": max_pos, "budget": budget, "result": str(result)})]
+        {"model": model, "backend": backend, "seq": seq, "max_pos": max_pos, "budget": budget, "result": str(result),
+         "alst_loss_tile": alst_loss_tile})]
     t0 = time.perf_counter()
     with (log_dir / f"{backend}-{seq}.log").open("w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(_point(model, backend, seq, max_pos)), stdout=log,
@@ -244,7 +248,8 @@ def write_readme(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace
     errors: dict[str, list[float]] = {}
     for r in rows:
         pred = (predicted_peak(args.model, r["seq_len"], budget) if r["backend"] == "megatrain" else
-                predicted_alst_peak(args.model, r["seq_len"]) if r["backend"] == "zero3-alst" else None)
+                predicted_alst_peak(args.model, r["seq_len"], r.get("alst_loss_tile")) if r["backend"] == "zero3-alst"
+                else predicted_zero3_peak(args.model, r["seq_len"]) if r["backend"] == "zero3" else None)
         err = None
         if pred is not None and r["fits"] and r.get("peak_device_bytes"):
             err = 100 * (pred / r["peak_device_bytes"] - 1)
@@ -256,6 +261,7 @@ def write_readme(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace
             fmt(r.get("step_time_s"), ".1f"), fmt(r.get("mlp_tile_tokens"), ".0f"), fmt(r.get("loss_chunk_tokens"), ".0f"),
             fmt(r.get("activations_offloaded"), ".0f"), fmt(r.get("peak_rss_bytes"), ".2f", 2**30)]) + " |")
     for b, label in (("megatrain", "`megatrain plan`, the engine's own policy"),
+                     ("zero3", "`megatrain plan --backend zero3`"),
                      ("zero3-alst", "megatrain/planner/alst.py, the terms of what that configuration holds")):
         errs = errors.get(b)
         if errs:
@@ -283,12 +289,24 @@ def predicted_peak(model: str, seq: int, budget: int) -> int:
     return int(pl.long_context.peak_bytes)
 
 
-def predicted_alst_peak(model: str, seq: int) -> int:
-    """The planner's device peak for zero3-alst at this point: FP32, micro-batch 1, the backend's default tiles."""
+def predicted_alst_peak(model: str, seq: int, loss_tile: int | None = None) -> int:
+    """The planner's device peak for zero3-alst at this point: FP32, micro-batch 1, the backend's default MLP tile
+    and `loss_tile` (None: its default)."""
     from megatrain.models.presets import get_preset
-    from megatrain.planner.alst import zero3_alst_peak_bytes
+    from megatrain.planner.alst import BUCKET_TERM, zero3_alst_device_terms
 
-    return zero3_alst_peak_bytes(get_preset(model), seq, 4)
+    terms = zero3_alst_device_terms(get_preset(model), seq, 4, loss_tile=int(loss_tile) if loss_tile else None)
+    # DeepSpeed allocates its reduce bucket when it initializes: this bench's accounting, like its measurement,
+    # starts at the first step
+    return sum(v for k, v in terms.items() if k != BUCKET_TERM)
+
+
+def predicted_zero3_peak(model: str, seq: int) -> int:
+    """The planner's device peak for zero3 (DeepSpeed's defaults, HF checkpointing) at this point: FP32,
+    micro-batch 1, on the CPU (no device runtime reserve)."""
+    from megatrain.planner import plan
+
+    return int(plan(model, seq, batch=1, dtype="float32", backend="zero3", hardware="cpu").memory.device_total)
 
 
 def _backends(text: str) -> list[str]:
@@ -315,7 +333,7 @@ def _kept_rows(path: Path, model: str, budget: int, rerun: list[str]) -> list[di
         r["fits"] = r["fits"] == "True"
         for k in ("peak_device_bytes", "static_device_bytes", "tokens_per_s", "step_time_s", "mlp_tile_tokens",
                   "loss_chunk_tokens", "activations_offloaded", "predicted_peak_device_bytes", "peak_rss_bytes",
-                  "wall_s"):
+                  "wall_s", "alst_loss_tile"):
             r[k] = float(r[k]) if r.get(k) not in (None, "") else None
     return rows
 
@@ -335,12 +353,17 @@ def main(argv: list[str] | None = None) -> int:
                          "budget), so backends can be run at different times")
     ap.add_argument("--report-only", action="store_true",
                     help="rewrite OUT/README.md from OUT/results.csv and OUT/provenance.json; run nothing")
+    ap.add_argument("--bisect", type=int, default=0, metavar="TOKENS",
+                    help="after a backend's first length over budget, bisect between it and the longest that fit "
+                         "until they are at most TOKENS apart (a multiple of TOKENS is tried each time)")
+    ap.add_argument("--alst-loss-tile", type=int, help="zero3-alst's loss tile in tokens (its `alst.loss_tile_tokens`; "
+                                                       "default: the backend's 64 MiB of logits)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.out = args.out or REPO / "results" / "long_context" / args.model
     if args.worker:
         w = json.loads(args.worker)
-        row = worker(w["model"], w["backend"], w["seq"], w["max_pos"], w["budget"])
+        row = worker(w["model"], w["backend"], w["seq"], w["max_pos"], w["budget"], w.get("alst_loss_tile"))
         Path(w["result"]).write_text(json.dumps(row))
         return 0
 
@@ -360,18 +383,35 @@ def main(argv: list[str] | None = None) -> int:
     prov = provenance()
     t0 = time.perf_counter()
     rows = _kept_rows(args.out / "results.csv", args.model, budget, args.backends) if args.merge else []
+    def run(backend: str, seq: int) -> dict[str, Any]:
+        r = run_point(args.model, backend, seq, max(args.lengths), budget, args.timeout_s, log_dir,
+                      args.alst_loss_tile)
+        r["alst_loss_tile"] = args.alst_loss_tile if backend == "zero3-alst" else None
+        rows.append(r)
+        print(f"{backend:9s} {seq:6d} {r['status']:11s} device {(r.get('peak_device_bytes') or 0) / 2**30:6.3f} GiB "
+              f"{(r.get('tokens_per_s') or 0):7.1f} tok/s  ({r['wall_s']:.0f} s)", flush=True)
+        with (args.out / "results.csv").open("w", newline="") as f:  # rewritten after every point
+            w = csv.DictWriter(f, FIELDS, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(sorted(rows, key=lambda r: (r["backend"], int(r["seq_len"]))))
+        return r
+
     for backend in args.backends:
+        good = 0
         for seq in sorted(args.lengths):
-            r = run_point(args.model, backend, seq, max(args.lengths), budget, args.timeout_s, log_dir)
-            rows.append(r)
-            print(f"{backend:9s} {seq:6d} {r['status']:11s} device {(r.get('peak_device_bytes') or 0) / 2**30:6.3f} GiB "
-                  f"{(r.get('tokens_per_s') or 0):7.1f} tok/s  ({r['wall_s']:.0f} s)", flush=True)
-            with (args.out / "results.csv").open("w", newline="") as f:  # rewritten after every point
-                w = csv.DictWriter(f, FIELDS, extrasaction="ignore")
-                w.writeheader()
-                w.writerows(sorted(rows, key=lambda r: (r["backend"], int(r["seq_len"]))))
-            if not r["fits"]:
-                break  # memory grows with length: longer ones cannot fit either
+            if not run(backend, seq)["fits"]:
+                # memory grows with length: longer ones cannot fit either; the limit lies in (good, seq)
+                bad = seq
+                while args.bisect and bad - good > args.bisect:
+                    mid = (good + bad) // 2 // args.bisect * args.bisect
+                    if mid <= good:
+                        break
+                    if run(backend, mid)["fits"]:
+                        good = mid
+                    else:
+                        bad = mid
+                break
+            good = seq
     (args.out / "provenance.json").write_text(json.dumps(
         {"provenance": prov, "wall_s": time.perf_counter() - t0}, indent=1))
     rows.sort(key=lambda r: (r["backend"], int(r["seq_len"])))

@@ -46,6 +46,10 @@ BUDGET_HEADROOM = 0.9  # plan to this share of the budget: allocator fragmentati
 # Offloaded, the device holds about this many boundary activations at once, whatever the depth (measured):
 # a layer's input and output, the next input prefetched, and one on its way out.
 OFFLOAD_IN_FLIGHT = 4
+# When that does not fit the budget, copies stop overlapping (engine/activations.py): each input waits for its
+# copy to the host, and in backward an input comes back only when its layer needs it: one fewer (measured,
+# tests/test_offload_in_flight.py).
+OFFLOAD_IN_FLIGHT_TIGHT = 3
 LOSS_LOGIT_COPIES = 3  # chunk logits (fp32), their softmax/gradient, and a transient
 # "auto" loss chunk: the largest chunk is DEFAULT_LOSS_CHUNK tokens, capped so one FP32 copy of the chunk's
 # logits stays under AUTO_LOSS_LOGITS_BYTES (a 128k vocabulary at 2048 tokens would be 1 GiB a copy); with a
@@ -57,11 +61,16 @@ DEFAULT_LOSS_CHUNK, MIN_LOSS_CHUNK, AUTO_LOSS_LOGITS_BYTES = 2048, 128, 256 * 2*
 # ~chunk/4 FLOP per byte of that gradient, memory-bound below ~1k tokens on an H100/H200; the 256 MiB
 # logits cap gave 256-token chunks for a 152k vocabulary.
 MAX_DEVICE_LOSS_CHUNK = 4096
-# The head + loss phase per token, in h-vectors (measured, FP32): the last layer's output, the final norm's
-# output and saved tensors, the valid tokens' copy and its gradient, the gradient scattered back to all
-# tokens; during the chunk loop (the chunk's logits on top) and, at its peak, in the final norm's backward.
+# The head + loss phase as a training forward runs it (engine/loss.py tiled_norm_head_loss: final norm, head
+# and loss per sequence tile, each tile's backward run in the forward). Per token of the sequence, in
+# h-vectors: the last layer's output and its gradient. Per token of a tile (measured, FP32, with
+# DeviceMemoryTracker, tests/test_loss_in_forward.py): two FP32 copies of the logits (the logits, then the
+# softmax and its scaled copy) and about four h-vectors (the norm's graph, the head's input, its gradient).
+LOSS_SEQ_H, LOSS_TILE_H, LOSS_TILE_LOGIT_COPIES = 2.0, 4.0, 2
+LOSS_BF16_FP32_H = 3.5  # bf16 compute: the final norm's fp32 upcast and fp32 gradients, in fp32 h-vectors per tile token
+# The same phase as the norm followed by the chunked loss under autograd (the path for callers that ask for
+# the logits or the hidden states): during the chunk loop and, at its peak, in the final norm's backward.
 LOSS_LOOP_H, LOSS_NORM_H = 4.6, 6.5
-LOSS_BF16_FP32_H = 3.5  # bf16 compute: the final norm's fp32 upcast and fp32 gradients, in fp32 h-vectors (measured)
 
 
 @dataclass(frozen=True)
@@ -106,9 +115,22 @@ def layer_working_bytes(d: LayerDims, tokens: int, tile: int | None, itemsize: i
 
 
 def loss_workspace_bytes(tokens: int, hidden: int, vocab: int, chunk: int, itemsize: int) -> int:
-    """Predicted peak bytes of the head + loss phase beyond the kept boundary activations: the larger of
-    the chunk loop (LOSS_LOOP_H plus the chunk's logits) and the final norm's backward after it
-    (LOSS_NORM_H), plus the head's FP32 weight gradient."""
+    """Predicted peak bytes of the head + loss phase beyond the kept boundary activations, as a training
+    forward runs it (in sequence tiles of `chunk` tokens, backward included): the last layer's output and
+    its gradient per token, one tile's norm graph and logits, and the head's FP32 weight gradient (and its
+    cast to the compute dtype)."""
+    t = min(chunk, tokens)
+    tile = LOSS_TILE_LOGIT_COPIES * vocab * 4 + LOSS_TILE_H * hidden * itemsize
+    if itemsize < 4:
+        tile += vocab * itemsize + LOSS_BF16_FP32_H * hidden * 4  # the logits before their upcast; the norm's
+    cast = vocab * hidden * itemsize if itemsize < 4 else 0
+    return int(LOSS_SEQ_H * tokens * hidden * itemsize + t * tile + vocab * hidden * 4 + cast)
+
+
+def unfused_loss_workspace_bytes(tokens: int, hidden: int, vocab: int, chunk: int, itemsize: int) -> int:
+    """The same for the final norm followed by the chunked loss under autograd (logits or hidden states
+    returned): the larger of the chunk loop (LOSS_LOOP_H plus the chunk's logits) and the final norm's
+    backward after it (LOSS_NORM_H), plus the head's FP32 weight gradient."""
     upcasts = tokens * LOSS_BF16_FP32_H * hidden * 4 if itemsize < 4 else 0
     loop = LOSS_LOOP_H * tokens * hidden * itemsize + LOSS_LOGIT_COPIES * min(chunk, tokens) * vocab * 4
     norm = LOSS_NORM_H * tokens * hidden * itemsize
@@ -163,6 +185,7 @@ class BatchPlan:
     tile: int | None
     predicted_peak_bytes: int
     loss_chunk: int = DEFAULT_LOSS_CHUNK
+    in_flight: int = OFFLOAD_IN_FLIGHT  # boundary activations on the device at once when offloaded
 
 
 @dataclass
@@ -184,20 +207,22 @@ class LongContextPolicy:
     def plan(self, tokens: int) -> BatchPlan:
         boundary = tokens * self.dims.hidden * self.itemsize
 
-        def peak(offload: bool, tile: int | None, chunk: int) -> int:
-            kept = OFFLOAD_IN_FLIGHT if offload else self.n_layers
+        def peak(kept: int, tile: int | None, chunk: int) -> int:
             loss = loss_workspace_bytes(tokens, self.dims.hidden, self.vocab, chunk, self.itemsize)
             return (self.fixed_bytes + kept * boundary
                     + max(loss, layer_working_bytes(self.dims, tokens, tile, self.itemsize)))
 
         offloads = [self.offload_setting] if isinstance(self.offload_setting, bool) else [False, True]
+        # (offload, boundaries kept on the device): resident; offloaded with copies overlapped; without
+        options = [(off, k) for off in offloads
+                   for k in ((OFFLOAD_IN_FLIGHT, OFFLOAD_IN_FLIGHT_TIGHT) if off else (self.n_layers,))]
         choice = None
-        for off in offloads:
-            room = self._room(off, boundary)
+        for off, kept in options:
+            room = self._room(kept, boundary)
             chunk = self.loss_chunk if self.loss_chunk != "auto" else auto_loss_chunk(
                 tokens, self.dims.hidden, self.vocab, self.itemsize, room, self.logits_cap)
             tile = self._tile(tokens, room)
-            choice = BatchPlan(off, tile, peak(off, tile, chunk), chunk)
+            choice = BatchPlan(off, tile, peak(kept, tile, chunk), chunk, kept if off else OFFLOAD_IN_FLIGHT)
             if self.budget is None or choice.predicted_peak_bytes <= BUDGET_HEADROOM * self.budget:
                 return choice
         warnings.warn(f"{tokens} tokens: the predicted device peak {choice.predicted_peak_bytes / 2**30:.2f} GiB "
@@ -205,11 +230,11 @@ class LongContextPolicy:
                       f"offload={choice.offload}, tile={choice.tile}; expect an out-of-memory error", stacklevel=3)
         return choice
 
-    def _room(self, offload: bool, boundary: int) -> int | None:
-        """Device bytes left for one phase's working set (a layer's backward, or the head and loss)."""
+    def _room(self, kept: int, boundary: int) -> int | None:
+        """Device bytes left for one phase's working set (a layer's backward, or the head and loss) with `kept`
+        boundary activations on the device."""
         if self.budget is None:
             return None
-        kept = OFFLOAD_IN_FLIGHT if offload else self.n_layers
         return int(BUDGET_HEADROOM * self.budget) - self.fixed_bytes - kept * boundary
 
     def _tile(self, tokens: int, room: int | None) -> int | None:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..costs.memory import OFFLOAD_IN_FLIGHT, OFFLOAD_IN_FLIGHT_TIGHT
 from .memtrack import host_allocations
 from .store import host_empty
 from .stream import Event, Streams
@@ -43,9 +44,15 @@ class HostPool:
 
 
 class ActivationStore:
-    def __init__(self, streams: Streams, offload: bool, pin: bool | HostPool) -> None:
+    """`in_flight`: the boundary activations the device holds at once when offloaded (costs/memory.py): with
+    OFFLOAD_IN_FLIGHT copies overlap compute (one leaving while the next layer runs, one prefetched in
+    backward); with OFFLOAD_IN_FLIGHT_TIGHT (the budget binds) each put waits for its copy out and an input
+    comes back only when its layer asks for it."""
+
+    def __init__(self, streams: Streams, offload: bool, pin: bool | HostPool, in_flight: int = OFFLOAD_IN_FLIGHT) -> None:
         self.streams = streams
         self.offload = offload
+        self.serial = offload and in_flight <= OFFLOAD_IN_FLIGHT_TIGHT
         self.pin = pin
         self._device: dict[int, torch.Tensor] = {}
         self._host: dict[int, tuple[torch.Tensor, Event]] = {}
@@ -82,8 +89,14 @@ class ActivationStore:
             return self._nbytes(src)
 
         self._host[layer] = (host, self.streams.d2h.submit(out, self.streams.record_compute(), "act-out", layer))
+        if self.serial:
+            self.streams.wait(self._host[layer][1], f"activation of layer {layer} to the host")
 
     def prefetch(self, layer: int) -> None:
+        if not self.serial:
+            self._fetch(layer)
+
+    def _fetch(self, layer: int) -> None:
         if not self.offload or layer in self._device:
             return
         host, written = self._host[layer]
@@ -103,7 +116,7 @@ class ActivationStore:
 
     def get(self, layer: int) -> torch.Tensor:
         if self.offload:
-            self.prefetch(layer)
+            self._fetch(layer)
             self.streams.wait(self._loaded.pop(layer), f"activation of layer {layer}")
         return self._device[layer]
 

@@ -34,7 +34,7 @@ from .embedding import check_embedding, lookup_grad
 from .events import LayerEvents
 from .global_grads import GlobalGradSink
 from .loading import skeleton_from_dir
-from .loss import chunked_causal_lm_loss, head_logits
+from .loss import chunked_causal_lm_loss, head_logits, tiled_norm_head_loss
 from .malloc import set_mmap_threshold
 from .memtrack import DeviceMemoryTracker
 from .model_object import bind as bind_model_object
@@ -206,7 +206,9 @@ class Engine:
         layer_inputs = [(a, {**kw, "input_ids": ids} if "input_ids" in kw and kw["input_ids"] is None else kw)
                         for a, kw in layer_inputs]
         offload = self.pipeline.plan_batch(int(ids.numel()), self.config.offload_activations)
-        acts = ActivationStore(self.streams, offload, pin=self.pipeline.act_pool) if train else None
+        plan = self.pipeline.last_plan if self.pipeline.policy is not None else None
+        acts = ActivationStore(self.streams, offload, pin=self.pipeline.act_pool,
+                               **({"in_flight": plan.in_flight} if plan is not None else {})) if train else None
         # A mixture-of-experts loss includes the router term: record every layer's router logits (router.py).
         # With return_hidden and no labels (a head of the caller's own) `.loss` is the router term alone.
         routed = ((labels is not None or return_hidden) and self.templates.routed
@@ -220,10 +222,16 @@ class Engine:
             self.templates.recorded = None
         h_last = h_last.detach().requires_grad_(train)
         router_leaves = [(i, z.detach().requires_grad_(train)) for i in sorted(recorded) for z in recorded[i]]
+        # Training on labels alone: final norm + head + loss in sequence tiles, each tile's backward run now
+        # (loss.py), so only the last hidden state's gradient waits for backward, not a normed copy and its graph.
+        in_forward = train and labels is not None and not (return_logits or return_hidden)
         with torch.set_grad_enabled(train):
-            hn = self.parts.norm(h_last)
+            hn = None if in_forward else self.parts.norm(h_last)
             loss = None
-            if labels is not None:
+            if in_forward:
+                loss = tiled_norm_head_loss(h_last, self.parts.norm, self.parts.lm_head, labels,
+                                            self.head_chunk_tokens(), num_items_in_batch, self.parts.softcap)
+            elif labels is not None:
                 loss = chunked_causal_lm_loss(hn, self.parts.lm_head, labels, self.head_chunk_tokens(),
                                               num_items_in_batch, self.parts.softcap)
             aux = None
@@ -231,7 +239,7 @@ class Engine:
                 # labels only make the model's forward take its loss path; its token loss is swapped for zero
                 extra, aux = model_router_loss(self.parts, [z for _, z in router_leaves], ids, mask, pos,
                                                ids if labels is None else labels)
-                loss = extra.to(hn.device) if loss is None else loss + extra.to(loss.device)
+                loss = extra.to(h_last.device) if loss is None else loss + extra.to(loss.device)
             logits = head_logits(hn, self.parts.lm_head, logits_to_keep, self.parts.softcap) if return_logits else None
         if train and (loss is not None or logits is not None or return_hidden):
             if self._pending is not None:

@@ -99,3 +99,100 @@ def head_logits(hidden: torch.Tensor, head: torch.nn.Linear, logits_to_keep: int
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     logits = head(hidden[:, keep, :])
     return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
+class _PrecomputedGrads(torch.autograd.Function):
+    """A loss whose backward was already run: returns the gradients computed in the forward, scaled by the
+    incoming gradient. They are handed over once and then released (a second backward is refused), so
+    the hidden-state gradient and the head's gradient do not outlive the backward that consumes them."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, grads: list, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.grads = grads
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError("this loss was computed with its backward inside the forward and has been "
+                               "backpropagated once already; run a new forward for another backward")
+        return (None, None, *[g.mul_(grad_out.to(g.dtype)) for g in grads])  # in place: they are ours alone
+
+
+def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torch.nn.Linear, labels: torch.Tensor,
+                         tile_tokens: int, num_items_in_batch: int | torch.Tensor | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
+    """`chunked_causal_lm_loss(norm(hidden), head, labels, ...)` with the final norm included, computed in
+    sequence tiles of `tile_tokens` whose backward runs here, in the forward: per token only `hidden` and
+    its gradient stay on the device (no normed copy, no norm graph over all tokens), per tile the norm's
+    graph and the tile's logits. The head's weight gradient is accumulated in FP32 as the chunked loss does.
+
+    Returns the loss; backpropagating it hands the gradients already computed (for `hidden`, the norm's
+    and the head's parameters) to autograd, scaled by the incoming gradient: one backward per forward.
+    """
+    if tile_tokens < 1:
+        raise ValueError(f"tile_tokens must be >= 1, not {tile_tokens}")
+    targets = shift_labels(labels.long()).reshape(-1)
+    valid = targets != IGNORE_INDEX
+    n_valid = int(valid.sum())
+    dev, width = hidden.device, hidden.shape[-1]
+    if num_items_in_batch is None:
+        denom: float | torch.Tensor = float(n_valid)
+    elif torch.is_tensor(num_items_in_batch):
+        denom = num_items_in_batch.to(dev, torch.float32)
+    else:
+        denom = float(num_items_in_batch)
+    inv = 1.0 / denom
+    x_all = hidden.detach().reshape(-1, width)
+    weight, bias = head.weight, head.bias
+    norm_params = [p for p in norm.parameters() if p.requires_grad]
+    grad_x = torch.empty_like(x_all)
+    grad_norm = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in norm_params]
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight.requires_grad else None
+    grad_b = (torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+              if bias is not None and bias.requires_grad else None)
+    total = torch.zeros((), dtype=torch.float32, device=dev)
+    for s in range(0, x_all.shape[0], tile_tokens):
+        x = x_all[s: s + tile_tokens].detach().requires_grad_(True)
+        keep = valid[s: s + tile_tokens].nonzero().squeeze(1)
+        with torch.enable_grad():
+            hn = norm(x)
+        if keep.numel() == 0:
+            grad_x[s: s + tile_tokens].zero_()
+            continue
+        idx = keep.to(dev, non_blocking=True)
+        t = targets[s: s + tile_tokens].index_select(0, keep).to(dev, non_blocking=True)
+        hc = hn.detach().index_select(0, idx)
+        with torch.no_grad():
+            logits = _logits(hc, weight, bias, softcap)
+            total += (torch.logsumexp(logits, dim=-1) - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            p = torch.softmax(logits, dim=-1)
+            p[torch.arange(p.shape[0], device=dev), t] -= 1.0
+            if softcap is not None:
+                p *= 1.0 - (logits / softcap).square()
+            del logits
+            p = (p * inv).to(hc.dtype)
+            g_hn = torch.zeros_like(hn)
+            g_hn.index_copy_(0, idx, p @ weight)
+            if grad_w is not None and hc.dtype == torch.float32:
+                grad_w.addmm_(p.t(), hc)
+            elif grad_w is not None:
+                grad_w += (p.t() @ hc).float()
+            if grad_b is not None:
+                grad_b += p.sum(0, dtype=torch.float32)
+            del p, hc
+        gx, *gn = torch.autograd.grad(hn, [x, *norm_params], g_hn)
+        del hn, g_hn
+        grad_x[s: s + tile_tokens] = gx
+        for acc, g in zip(grad_norm, gn):
+            acc += g.float()
+    grads = [grad_x.view_as(hidden)] + [g.to(p.dtype) for g, p in zip(grad_norm, norm_params)]
+    inputs = [hidden, *norm_params]
+    if grad_w is not None:
+        grads.append(grad_w.to(weight.dtype))
+        inputs.append(weight)
+    if grad_b is not None:
+        grads.append(grad_b.to(bias.dtype))
+        inputs.append(bias)
+    return _PrecomputedGrads.apply(total * inv, grads, *inputs)

@@ -207,7 +207,7 @@ def _add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--hardware", default="h200-pcie",
                     help="profile name (python -m megatrain.planner --list-hardware); with --sweep a comma list")
     ap.add_argument("--hardware-file", help="extra profiles YAML (e.g. `megatrain bench --out`)")
-    ap.add_argument("--backend", default="megatrain", choices=["megatrain", "zero3", "torch"])
+    ap.add_argument("--backend", default="megatrain", choices=["megatrain", "zero3", "zero3-alst", "torch"])
     ap.add_argument("--compare", default="zero3", help="also plan these backends (comma list; '' for none)")
     ap.add_argument("--num-buffers", type=int, default=2)
     ap.add_argument("--offload-activations", type=_auto, default="auto", help="on, off or auto")

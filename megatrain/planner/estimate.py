@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .alst import default_loss_tile, zero3_alst_memory
 from .hardware import GIB, Hardware, resolve_hardware
 from .memory import (
     check_fit,
@@ -81,6 +82,10 @@ def plan_point(p: Point, hw: Hardware, host_avail: int | None = None, device_ava
     elif p.backend == "zero3":
         mem, t = zero3_memory(p, hw), zero3_time(p, hw)
         decisions = {"gradient_checkpointing": p.gradient_checkpointing}
+    elif p.backend == "zero3-alst":
+        mem, t = zero3_alst_memory(p, hw), zero3_time(p, hw)
+        decisions = {"mlp_tile_tokens": p.model.hidden, "loss_tile_tokens": default_loss_tile(p.model.vocab)}
+        notes.append("zero3-alst step time is zero3's (its MLP and loss tiles' recompute not counted)")
     else:
         mem, t = torch_memory(p, hw), torch_time(p, hw)
         decisions = {"gradient_checkpointing": p.gradient_checkpointing}

@@ -14,7 +14,7 @@ from ..costs.modes import GRAD_BYTES, MASTER_BYTES, SHADOW_BYTES, GradSlab, Host
 from .hardware import Hardware, _is_bf16
 from .shapes import resolve_model
 
-BACKENDS = ("megatrain", "zero3", "torch")
+BACKENDS = ("megatrain", "zero3", "zero3-alst", "torch")
 MASTERS = ("fp32", "hilo", "bf16")
 
 
