@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .costs.modes import GradSlab, HostMaster, parse
+from .costs.nvme import check_nvme_settings
 from .engine.malloc import MAX_MMAP_THRESHOLD, MIN_MMAP_THRESHOLD
 from .validate import check_keys, is_bool, is_int, is_number
 
@@ -68,6 +69,12 @@ class EngineConfig:
     # (default): "shared" with the FP32 host modes (host_master 'fp32', host_grad_dtype 'float32', no
     # optimizer_in_backward), which are the ones it supports, else "replicated".
     data_parallel_host: str = "auto"
+    # NVMe tier (engine/spill.py, docs/NVME.md): spill the layers' update-only state (Adam m/v, the hi/lo master's
+    # lo half) to files in the directory nvme_path, keeping the host store within host_budget_bytes (None: spill
+    # every layer); nvme_gbps emulates a slower disk (GB/s), as link_gbps does the link.
+    nvme_path: str | None = None
+    host_budget_bytes: int | None = None
+    nvme_gbps: float | None = None
 
     def __post_init__(self) -> None:
         # A switch given as "no" or {} would be truthy: the opposite of what was meant, silently.
@@ -82,6 +89,8 @@ class EngineConfig:
         if self.compute_dtype not in _DTYPES:
             raise ValueError(f"compute_dtype={self.compute_dtype!r} is not supported; use one of {_DTYPES}")
         check_host_modes(self)
+        check_nvme_settings(self.nvme_path, self.host_budget_bytes, self.nvme_gbps, self.optimizer_in_backward,
+                            self.data_parallel_host)
         if not isinstance(self.num_buffers, int) or self.num_buffers < 1:
             raise ValueError(f"num_buffers={self.num_buffers!r} must be an int >= 1 (2 overlaps copies with compute)")
         chunk = self.loss_chunk_tokens
@@ -118,7 +127,8 @@ class EngineConfig:
     def share_host_store(self) -> bool:
         """Whether data-parallel ranks share one host store per node (data_parallel_host)."""
         fp32_modes = self.master_mode is HostMaster.FP32 and self.grad_slab is GradSlab.FLOAT32
-        return self.data_parallel_host == "shared" or (self.data_parallel_host == "auto" and fp32_modes)
+        return self.data_parallel_host == "shared" or (self.data_parallel_host == "auto" and fp32_modes
+                                                       and self.nvme_path is None)  # the NVMe tier: a rank's own
 
     @property
     def grad_slab(self) -> GradSlab | None:

@@ -45,6 +45,7 @@ from .probe import verify_model
 from .ranks import ranks_for
 from .router import model_router_loss, wants_router_loss
 from .schedule import LayerPipeline
+from .spill import attach_spill
 from .stream import Streams, Trace
 from .tiling import long_context_policy
 from .update import choose as choose_update
@@ -122,6 +123,7 @@ class Engine:
             shard_optimizer_state(opt, foreign, self.dp.group, self.synchronize)
         self.ranks = ranks_for(self.dp, self.store, self.events)
         self.update = choose_update(opt, self.store, self.events, config, self.trace_log)
+        self.spill = attach_spill(self.update, self.store, config, self.node)  # the NVMe tier, when configured
         self.pipeline = LayerPipeline(self.store, self.templates, self.streams, self.trace_log, config.num_buffers,
                                       self.compute_dtype, self.device, _has_dropout(self.hf_config), self.events,
                                       policy, self.ranks.grad_sink or self.update.grad_sink)
