@@ -7,6 +7,7 @@ Prints one JSON line: for the in-memory run and for the spilled one (host_budget
 in-memory store needs), the peak RSS growth over building the engine and training (hi/lo masters, bf16
 compute, clipping, accumulation 2, AdamW), the digests of every weight and optimizer tensor after training, and
 for the spilled run the files under NVME_DIR seen while it trained and what remained after the engine closed.
+Then the parent trains a spilled engine itself and raises: it exits with the error, and removes its files.
 """
 
 from __future__ import annotations
@@ -112,4 +113,11 @@ if __name__ == "__main__":
     if "error" in mem:
         sys.exit(mem["error"])
     spilled = child(sys.argv[1], mem["need"] // 2)
-    print(json.dumps({"memory": mem, "spilled": spilled}))
+    print(json.dumps({"memory": mem, "spilled": spilled}), flush=True)
+    # Then an exception out of a training loop ends the process: nothing may be left under nvme_path.
+    eng = Engine(_model(), EngineConfig(nvme_path=sys.argv[1], parity_probe=False, loss_chunk_tokens=16))
+    ids = torch.randint(0, VOCAB, (1, SEQ))
+    eng.backward(eng(input_ids=ids, labels=ids).loss)
+    eng.step()
+    print("files", len(os.listdir(sys.argv[1])), flush=True)
+    raise RuntimeError("a deliberate failure mid-training")

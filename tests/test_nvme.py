@@ -3,7 +3,8 @@ less host memory, files that exist only while it trains, and clear refusals befo
 
 - half the store's host bytes as the budget: bit-identical weights and optimizer state (hi/lo masters, clipping,
   accumulation 2, AdamW), peak RSS growth <= 0.7x the in-memory run's, the state file under nvme_path while it
-  trains and nothing after (a forked child per run: tests/nvme_rss_worker.py);
+  trains and nothing after, also when an exception ends the process (a forked child per run:
+  tests/nvme_rss_worker.py);
 - a plan with some layers resident and some spilled, the updates overlapped with the next forward: bit-identical;
   negative control: a write-behind that writes nothing must change the result;
 - a budget below one layer's working set is refused naming the minimum, and that minimum trains;
@@ -47,8 +48,11 @@ def test_half_budget_is_bit_identical_with_less_rss_and_files_only_while_trainin
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "nvme")], capture_output=True, text=True,
                           timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 1 and "a deliberate failure mid-training" in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1] == "files 1"  # the failing run's spill directory existed ...
+    assert list((tmp_path / "nvme").iterdir()) == []  # ... and went with the exception that ended the process
+    res = json.loads(lines[-2])
     mem, sp = res["memory"], res["spilled"]
     assert "error" not in sp, sp
     assert sp["digest"] == mem["digest"]  # every weight and optimizer tensor, bit for bit
