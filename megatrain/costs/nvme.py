@@ -53,8 +53,8 @@ class BudgetTooSmall(ValueError):
 
 def plan_spill(fixed_bytes: int, records: list[int], budget: int | None) -> SpillPlan:
     """The plan for a store whose non-spilling part takes `fixed_bytes` and whose layer i's spillable state takes
-    `records[i]` bytes (record_bytes). `budget` None: spill every layer. Layers stay resident from the first
-    while they fit beside the ring; the rest spill. Raises BudgetTooSmall naming the minimum."""
+    `records[i]` bytes (record_bytes). `budget` None: spill every layer. Otherwise as few layers spill as let the
+    rest fit beside the ring, spread evenly (_spread). Raises BudgetTooSmall naming the minimum."""
     need = fixed_bytes + sum(records)
     biggest = max(records, default=0)
     minimum = fixed_bytes + biggest
@@ -69,19 +69,23 @@ def plan_spill(fixed_bytes: int, records: list[int], budget: int | None) -> Spil
     slots = 2 if budget is None or fixed_bytes + 2 * biggest <= budget else 1
     if len(records) < 2:
         slots = 1
-    room = None if budget is None else budget - fixed_bytes - slots * biggest
-    resident: list[int] = []
-    if room is not None:
-        for i, r in enumerate(records):
-            if r > room:
-                break
-            resident.append(i)
-            room -= r
-    spilled = tuple(i for i in range(len(records)) if i not in set(resident))
+    spilled = tuple(range(len(records))) if budget is None else _spread(records, budget - fixed_bytes - slots * biggest)
     record = max((records[i] for i in spilled), default=0)
     slots = min(slots, len(spilled))
-    host = fixed_bytes + sum(records[i] for i in resident) + slots * record
+    host = fixed_bytes + sum(r for i, r in enumerate(records) if i not in set(spilled)) + slots * record
     return SpillPlan(spilled, slots, record, fixed_bytes, host, sum(records[i] for i in spilled), need, minimum)
+
+
+def _spread(records: list[int], room: int) -> tuple[int, ...]:
+    """The layers to spill so the rest fit in `room`: as few as will do, spread evenly through the model, so the
+    resident layers' updates between two spilled ones hide the disk (the next spilled layer is read ahead while
+    they run, the last one written behind)."""
+    L = len(records)
+    for n in range(1, L + 1):
+        picked = {int((k + 0.5) * L / n) for k in range(n)}
+        if sum(r for i, r in enumerate(records) if i not in picked) <= room:
+            return tuple(sorted(picked))
+    return tuple(range(L))
 
 
 def spill_bytes_per_param(hilo: bool) -> int:
