@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .costs.modes import GradSlab, HostMaster, parse
+from .costs.nvme import check_nvme_settings
 from .engine.malloc import MAX_MMAP_THRESHOLD, MIN_MMAP_THRESHOLD
 from .validate import check_keys, is_bool, is_int, is_number
 
@@ -71,6 +72,12 @@ class EngineConfig:
     # per node stay one GPU's), in every host mode; "replicated" gives every rank a whole private store (N copies
     # per node; not with optimizer_in_backward); "auto" (default): "shared".
     data_parallel_host: str = "auto"
+    # NVMe tier (engine/spill.py, docs/NVME.md): spill the layers' update-only state (Adam m/v, the hi/lo master's
+    # lo half) to files in the directory nvme_path, keeping the host store within host_budget_bytes (None: spill
+    # every layer); nvme_gbps emulates a slower disk (GB/s), as link_gbps does the link.
+    nvme_path: str | None = None
+    host_budget_bytes: int | None = None
+    nvme_gbps: float | None = None
 
     def __post_init__(self) -> None:
         # A switch given as "no" or {} would be truthy: the opposite of what was meant, silently.
@@ -87,6 +94,8 @@ class EngineConfig:
         if self.compute_dtype not in _DTYPES:
             raise ValueError(f"compute_dtype={self.compute_dtype!r} is not supported; use one of {_DTYPES} or 'auto'")
         check_host_modes(self)
+        check_nvme_settings(self.nvme_path, self.host_budget_bytes, self.nvme_gbps, self.optimizer_in_backward,
+                            self.data_parallel_host)
         if not isinstance(self.num_buffers, int) or self.num_buffers < 1:
             raise ValueError(f"num_buffers={self.num_buffers!r} must be an int >= 1 (2 overlaps copies with compute)")
         chunk = self.loss_chunk_tokens
@@ -122,7 +131,8 @@ class EngineConfig:
     @property
     def share_host_store(self) -> bool:
         """Whether data-parallel ranks share one host store per node (data_parallel_host)."""
-        return self.data_parallel_host in ("shared", "auto")
+        # The NVMe tier keeps a rank's own store: "auto" shares only without it.
+        return self.data_parallel_host == "shared" or (self.data_parallel_host == "auto" and self.nvme_path is None)
 
     @property
     def grad_slab(self) -> GradSlab | None:

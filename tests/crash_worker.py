@@ -49,8 +49,8 @@ from megatrain.initialize import initialize  # noqa: E402
 VOCAB, SEQ, MICRO, GAS = 128, 16, 2, 2
 
 
-def ds_config(total_steps: int) -> dict[str, Any]:
-    return {
+def ds_config(total_steps: int, megatrain: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {**({"megatrain": megatrain} if megatrain else {}),
         "train_batch_size": MICRO * GAS,
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GAS,
@@ -170,7 +170,7 @@ def train(cmd: dict[str, Any], model: torch.nn.Module) -> None:
     ckpt_dir = cmd["ckpt"]
     probe = SaveProbe(cmd.get("crash"), cmd.get("slow_ms", 0.0))
     sabotage(cmd.get("sabotage"))
-    engine, *_ = initialize(model=model, config=ds_config(steps))
+    engine, *_ = initialize(model=model, config=ds_config(steps, cmd.get("megatrain")))
     start = 0
     if ckpt.latest_tag(ckpt_dir) is not None:
         _, client = engine.load_checkpoint(ckpt_dir)

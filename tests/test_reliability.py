@@ -397,6 +397,38 @@ def test_the_crash_checks_catch_a_lost_rng_state_and_a_non_atomic_publish(server
         ck.verify(d / "global_step2")
 
 
+def test_sigkill_with_spilled_state_resumes_bit_identically(server, reference, tmp_path):
+    """The NVMe tier (nvme_path: every layer's Adam state in a file): killed inside a checkpoint write (while the
+    state is read from its file) and in the middle of training, the stitched run equals the uninterrupted
+    in-memory one bit for bit; each killed run's spill directory is swept by the next run."""
+    from megatrain.engine.spill import PREFIX, sweep_stale
+
+    d, nvme = tmp_path / "ckpt", tmp_path / "nvme"
+    spilled = {"megatrain": {"nvme_path": str(nvme)}}
+    first = server.run(ckpt=str(d), crash=[4, "tensor", 5], **spilled)
+    assert first.killed_by == signal.SIGKILL and ck.latest_tag(d) == "global_step2", first.describe()
+    assert [p.name for p in nvme.iterdir()][0].startswith(f"{PREFIX}{first.pid}-")  # its state file, left by the kill
+    sent = []
+
+    def react(w):
+        if w[0] == "step" and int(w[2]) == 7 and not sent:
+            sent.append(1)
+            return random.uniform(0.0, 0.9 * reference.step_s), signal.SIGKILL
+        return None
+
+    second = server.run(react=react, ckpt=str(d), **spilled)
+    assert second.killed_by == signal.SIGKILL and second.resumed_from == 2, second.describe()
+    last = server.run(ckpt=str(d), out=str(tmp_path / "final.safetensors"), **spilled)
+    assert last.exit_code == 0 and last.resumed_from in (6, 8), last.describe()
+    for seg in (first, second, last):
+        assert not _loss_mismatches(seg, reference), seg.describe()
+    _assert_same_final(tmp_path / "final.safetensors", reference)
+    left = [p.name for p in nvme.iterdir()]  # the killed runs' directories went when the next run started
+    assert all(name.startswith(f"{PREFIX}{last.pid}-") for name in left), left
+    sweep_stale(nvme)  # the last one ended with os._exit (no finalizers): swept like a killed one
+    assert list(nvme.iterdir()) == []
+
+
 # ---------------------------------------------------------------------------------------------------
 # 2. graceful stop
 

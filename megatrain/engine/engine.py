@@ -47,6 +47,7 @@ from .ranks import ranks_for
 from .router import model_router_loss, wants_router_loss
 from .schedule import LayerPipeline
 from .slab_state import landed_norms
+from .spill import attach_spill
 from .stream import Streams, Trace
 from .tiling import long_context_policy
 from .update import choose as choose_update
@@ -128,6 +129,7 @@ class Engine:
         if config.optimizer_overlap is None:  # "auto": where the host update can hide behind the device's forward
             self.config = config = dataclasses.replace(config, optimizer_overlap=overlap_pays(self.device, config, opt))
         self.update = choose_update(opt, self.store, self.events, config, self.trace_log)
+        self.spill = attach_spill(self.update, self.store, config, self.node)  # the NVMe tier, when configured
         self.pipeline = LayerPipeline(self.store, self.templates, self.streams, self.trace_log, config.num_buffers,
                                       self.compute_dtype, self.device, _has_dropout(self.hf_config), self.events,
                                       policy, self.ranks.sink(self.update.grad_sink))

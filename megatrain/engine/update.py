@@ -111,6 +111,8 @@ class UpdatePath:
         """Block until every queued update is done."""
         if self.layered is not None:
             self.layered.synchronize()
+            if getattr(self.layered, "spill", None) is not None:
+                self.layered.spill.flush()  # the writes behind the updates: the spilled state is the files' again
 
 
 WholeStep = UpdatePath
@@ -133,7 +135,13 @@ class Layered(UpdatePath):
             g.link_grads()
         self.events.wait_global_grads()  # the globals are updated right away; each layer waits for its own
         layered, layers, coefs = self.layered, self.store.layers, list(coefs)
-        layered.step(lambda i: update_layer(layered, layers[i], i, coefs), self.events.landed)
+        spill = getattr(layered, "spill", None)  # the NVMe tier (spill.py): spilled state read in around each update
+        if spill is not None:
+            spill.begin_step()
+            layered.step(lambda i: spill.around(i, lambda: update_layer(layered, layers[i], i, coefs)),
+                         self.events.landed)
+        else:
+            layered.step(lambda i: update_layer(layered, layers[i], i, coefs), self.events.landed)
         if not self.overlapped:
             layered.synchronize()  # a per-layer mode without overlap: step() returns with every layer done
         return True
@@ -237,12 +245,13 @@ def overlap_pays(device: torch.device, config: EngineConfig, optimizer: torch.op
 def choose(optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents, config: EngineConfig,
            trace: Trace) -> UpdatePath:
     """The update path the configuration and the optimizer allow."""
-    layer_wise = store.per_layer_update or config.optimizer_in_backward
+    layer_wise = store.per_layer_update or config.optimizer_in_backward or config.nvme_path is not None
     reason = unsupported_reason(optimizer) if config.optimizer_overlap or layer_wise else None
     if reason is not None and layer_wise:
         # No whole-model FP32 master or gradient to step at once: a layer at a time or not at all.
         raise ValueError(f"host_master={config.host_master!r}, host_grad_dtype={config.host_grad_dtype!r}, "
-                         f"optimizer_in_backward={config.optimizer_in_backward} update one layer at a time, "
+                         f"optimizer_in_backward={config.optimizer_in_backward}, nvme_path={config.nvme_path!r} "
+                         "update one layer at a time, "
                          f"which needs torch's Adam or AdamW: {reason}; use the default modes for it")
     if reason is not None:
         warnings.warn(f"optimizer_overlap: {reason}, so it steps whole after backward", stacklevel=3)

@@ -20,6 +20,7 @@ from .hardware import load_profiles, profile_from_dict, resolve_hardware
 from .host_rates import host_bound_line
 from .memory import fmt_bytes
 from .mode_table import ModeRow, format_mode_table, mode_table
+from .nvme_plan import format_nvme_rows, nvme_rows, with_nvme
 from .point import context_refusal, engine_settings, make_point
 from .prediction import Plan
 from .search import largest_batch, largest_context
@@ -230,6 +231,8 @@ def _add_plan_args(ap: argparse.ArgumentParser) -> None:
                     help="the host AdamW a layer at a time behind the next forward (EngineConfig.optimizer_overlap)")
     ap.add_argument("--link-gbs", type=float, help="override the link rate (GB/s per direction)")
     ap.add_argument("--host-memory-gib", type=float)
+    ap.add_argument("--nvme-gbs", type=float, help="the NVMe tier's disk rate, GB/s each way (default: the profile's)")
+    ap.add_argument("--nvme-gib", type=float, help="the NVMe tier's disk capacity, GiB (default: the profile's)")
     ap.add_argument("--device-memory-gib", type=float)
     ap.add_argument("--gpus-per-node", type=int, default=1,
                     help="data parallel: GPUs of one node training together, sharing its host store (at most the "
@@ -315,6 +318,9 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(d, indent=2, default=str))
     else:
         print(format_plan(main, bb, bc, others, modes))
+    if args.backend == "megatrain" and not args.json:  # the NVMe tier (planner/nvme_plan.py)
+        nvhw = with_nvme(main.hardware, args.nvme_gbs, args.nvme_gib)
+        print("\n".join(format_nvme_rows(nvme_rows(main.point, nvhw, search=not args.no_search), nvhw)))
     return 0
 
 

@@ -27,7 +27,9 @@ NUMERIC_FIELDS = (
 # host_optimizer_gbs: bytes/s of torch's fused CPU AdamW (megatrain's optimizer);
 # cpu_adam_params_per_s: parameters/s of DeepSpeedCPUAdam on this host (ZeRO offload's optimizer),
 # which is compute-bound rather than a DRAM stream, so it is a rate of its own.
-OPTIONAL_NUMERIC_FIELDS = ("host_optimizer_gbs", "cpu_adam_params_per_s")
+OPTIONAL_NUMERIC_FIELDS = ("host_optimizer_gbs", "cpu_adam_params_per_s", "nvme_gbs", "nvme_gib")
+# nvme_gbs: GB/s the NVMe tier's disk sustains for each of read and write (engine/spill.py); nvme_gib: its
+# capacity. A profile without them plans no NVMe tier unless `plan --nvme-gbs` gives a rate.
 # Fixed seconds per streamed layer per phase (forward; recompute + backward) on top of its FLOPs and
 # elementwise traffic (weight binding, dispatch, events, the pipeline's work), and per micro-batch
 # outside the layers (embedding, head/loss dispatch, global gradient adds). Every packaged profile
@@ -75,6 +77,8 @@ class Hardware:
     host_reserved_gib: float
     host_optimizer_gbs: float | None = None
     cpu_adam_params_per_s: float | None = None
+    nvme_gbs: float | None = None
+    nvme_gib: float | None = None
     layer_overhead_fwd_s: float = 0.0
     layer_overhead_bwd_s: float = 0.0
     microbatch_overhead_s: float = 0.0
