@@ -87,3 +87,41 @@ def test_a_side_stream_runs_its_jobs_with_its_share_of_the_threads():
     s.threads = 1
     s.submit(lambda: seen.append(torch.get_num_threads()) or 0, DONE, "job", 0).host_wait(10.0)
     assert seen[-1] == 1 and torch.get_num_threads() == main_threads  # its own team, not the caller's
+
+
+def _padded_mask() -> torch.Tensor:
+    m = torch.ones(3, 10, dtype=torch.long)
+    m[0, :4] = 0  # left padding
+    m[1, 6:] = 0  # right padding
+    m[2, 3:5] = 0  # a hole: the valid tokens are not one slice
+    return m
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_the_attention_layout_is_read_off_the_host_mask_without_reading_the_device(dense):
+    from transformers.masking_utils import causal_mask_function
+
+    from megatrain.engine.attention import _segments_mask, host_mask
+
+    host = _padded_mask()
+    from types import SimpleNamespace
+
+    kw = dict(mask_function=causal_mask_function, dense_when_small=dense, dtype=torch.float32,
+              config=SimpleNamespace(num_attention_heads=4, hidden_size=64))
+    want = _segments_mask(3, 10, 10, attention_mask=host, device="cpu", **kw)
+    with host_mask(host):
+        got = _segments_mask(3, 10, 10, attention_mask=host.to("meta"), device="meta", **kw)
+    assert [(r.runs, r.docs) for r in got.rows] == [(r.runs, r.docs) for r in want.rows]
+    assert [r.valid_idx is None for r in got.rows] == [r.valid_idx is None for r in want.rows] == [True, True, False]
+    assert got.rows[2].valid_idx.device.type == "meta"  # moved to the device, not read from it
+    assert (got.dense is None) == (want.dense is None) == (not dense)
+
+
+def test_negative_control_without_the_host_mask_the_layout_reads_the_device():
+    from transformers.masking_utils import causal_mask_function
+
+    from megatrain.engine.attention import _segments_mask
+
+    with pytest.raises((NotImplementedError, RuntimeError), match="meta"):  # bool(valid.all()) reads the device
+        _segments_mask(3, 10, 10, attention_mask=_padded_mask().to("meta"), device="meta",
+                       mask_function=causal_mask_function)

@@ -16,6 +16,9 @@ result is the function HF computes:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -32,6 +35,34 @@ AUTO_NAME = "megatrain_segments_auto"  # HF's dense mask while it is small, per 
 # with RoPE already applied and the model's mask untouched; checked against HF by the tests.
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3")
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sliding_window")
+
+
+# The batch's attention mask in host memory while the model's mask function runs (Engine.forward): the layout's
+# control flow (which rows are padded, where the runs are) is read there, so the device is never waited for.
+_HOST_MASK: ContextVar[torch.Tensor | None] = ContextVar("megatrain_host_mask", default=None)
+
+
+@contextmanager
+def host_mask(mask: torch.Tensor | None) -> Iterator[None]:
+    """Within it, a mask function handed the device copy of `mask` reads the layout off `mask` (host memory)."""
+    token = _HOST_MASK.set(mask if mask is not None and mask.device.type == "cpu" else None)
+    try:
+        yield
+    finally:
+        _HOST_MASK.reset(token)
+
+
+def _host_starts(mask_function: Any, batch_size: int, s: int) -> torch.Tensor | None:
+    """Where each row's documents start, from the mask function evaluated on host indices; None when the
+    function reads device tensors of its own (packing by position ids), which only the device can answer."""
+    t = torch.arange(s)
+    try:
+        sees_prev = mask_function(torch.arange(batch_size)[:, None], torch.zeros((), dtype=torch.long), t[None, :],
+                                  (t - 1).clamp_min(0)[None, :])
+        sees_prev = torch.as_tensor(sees_prev)
+    except (RuntimeError, TypeError):
+        return None
+    return ~sees_prev.expand(batch_size, s) if sees_prev.device.type == "cpu" else None
 
 
 @dataclass
@@ -75,15 +106,22 @@ def _segments_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
         raise ValueError("segment attention is for training (no KV cache): query and key lengths differ")
     s = q_length
     valid = None if attention_mask is None else attention_mask[:, -kv_length:].bool()
-    if valid is not None and bool(valid.all()):
-        valid = None
+    host = _HOST_MASK.get()
+    on_host = (valid is not None and host is not None and host.shape == attention_mask.shape
+               and attention_mask.device != host.device)
+    host_valid = host[:, -kv_length:].bool() if on_host else valid  # the same values: the decisions read these
+    if valid is not None and bool(host_valid.all()):
+        valid = host_valid = None
     # A position its own mask function does not let see its predecessor starts a new segment (packing).
     t = torch.arange(s, device=device)
     b = torch.arange(batch_size, device=device)[:, None]
     sees_prev = mask_function(b, torch.zeros((), dtype=torch.long, device=device), t[None, :],
                               (t - 1).clamp_min(0)[None, :])
     starts = ~torch.as_tensor(sees_prev, device=device).expand(batch_size, s)
-    starts = None if not bool(starts[:, 1:].any()) else starts
+    host_starts = _host_starts(mask_function, batch_size, s) if on_host else None
+    host_starts = starts if host_starts is None else host_starts
+    if not bool(host_starts[:, 1:].any()):
+        starts = host_starts = None
     if valid is None and starts is None:
         return None
     dense = None
@@ -98,8 +136,11 @@ def _segments_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
         if starts is not None:
             doc = starts.long().cumsum(1)
             dense = dense & (doc[:, None, :, None] == doc[:, None, None, :])
-    rows = [_row(None if valid is None else valid[i], None if starts is None else starts[i], s)
+    rows = [_row(None if host_valid is None else host_valid[i], None if host_starts is None else host_starts[i], s)
             for i in range(batch_size)]
+    for row in rows:
+        if row.valid_idx is not None and row.valid_idx.device != valid.device:
+            row.valid_idx = row.valid_idx.to(valid.device, non_blocking=True)
     return Segments(rows, dense)
 
 

@@ -27,7 +27,7 @@ from ..costs.modes import GradSlab, HostMaster
 from ..models.adapter import DecoderParts, find_parts, record_layer_inputs
 from .accounting import StepAccounting
 from .activations import ActivationStore
-from .attention import use_segment_attention
+from .attention import host_mask, use_segment_attention
 from .batch import check_batch
 from .distributed import join_ranks
 from .embedding import check_embedding, lookup_grad
@@ -201,7 +201,7 @@ class Engine:
         with torch.no_grad():
             h0 = self.parts.embed(ids)
         h0.requires_grad_(train)  # the lookup's gradient is scattered by hand in backward (no vocab x hidden)
-        with torch.set_grad_enabled(train):
+        with torch.set_grad_enabled(train), host_mask(attention_mask):  # the mask's layout read on the host
             h_in0, layer_inputs = record_layer_inputs(self.parts, self._recorded, h0, mask, pos)
         # The stack ran from the embedding output, so it handed its layers no token ids; a layer that reads them
         # (DeepSeek-V4's hash-routed experts) gets the batch's, as in the model's own forward from input_ids.
