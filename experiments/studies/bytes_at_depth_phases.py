@@ -7,7 +7,8 @@ hilo + bf16 slabs), a process of its own builds the bytes-at-depth Llama (bytes_
 two steps on the CPU device and reports its RSS over the post-import baseline after placement and after each
 step, and the Adam state's bytes. The per-layer slope between the two depths, per parameter, is set next to the
 planner's per-layer bytes (master + slab + Adam m, v); the difference times the parameters of one layer is
-what each layer costs beyond its parameters' bytes. Writes results/bytes_at_depth/phases.json with provenance.
+what each layer costs beyond its parameters' bytes. Writes results/bytes_at_depth/phases-h<hidden>.json with
+provenance.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ MODES = {"hilo_in_backward": {"compute_dtype": "bfloat16", "host_master": "hilo"
 PLANNED_B_PER_PARAM = {"hilo_in_backward": 4 + 8, "hilo_bf16_grads": 4 + 2 + 8}  # costs/modes.py per layer param
 
 
-def one(layers: int, threshold: int, cfg: dict) -> dict:
+def one(layers: int, threshold: int, cfg: dict, hidden: int = 256) -> dict:
     """One point in this process (main runs each in a child of its own)."""
     import torch
     import transformers
@@ -35,7 +36,7 @@ def one(layers: int, threshold: int, cfg: dict) -> dict:
 
     torch.set_num_threads(1)
     base = _rss_now_bytes()
-    model = transformers.AutoModelForCausalLM.from_config(_preset(layers, 256, 2048).hf_config())
+    model = transformers.AutoModelForCausalLM.from_config(_preset(layers, hidden, 2048).hf_config())
     extra = {"host_mmap_threshold_bytes": threshold} if threshold else {}
     eng = Engine(model, EngineConfig(device="cpu", parity_probe=False, **cfg, **extra))
     del model
@@ -55,28 +56,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, nargs=2, default=[8, 56])
     ap.add_argument("--thresholds", type=int, nargs="+", default=[0, 65536])
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--out", default="results/bytes_at_depth")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one is not None:
-        layers, threshold, cfg = json.loads(a.one)
-        print(json.dumps(one(layers, threshold, cfg)))
+        print(json.dumps(one(*json.loads(a.one))))  # [layers, threshold, cfg, hidden]
         return
     from megatrain.metrics.provenance import provenance
 
     rows = []
-    for name, cfg in MODES.items():
+    for name, cfg in ((m, MODES[m]) for m in a.modes):
         for threshold in a.thresholds:
             pts = []
             for layers in a.layers:
                 cmd = [sys.executable, "-m", "experiments.studies.bytes_at_depth_phases", "--one",
-                       json.dumps([layers, threshold, cfg])]
+                       json.dumps([layers, threshold, cfg, a.hidden])]
                 pts.append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True)
                                       .stdout.strip().splitlines()[-1]))
             dn = pts[1]["layer_params"] - pts[0]["layer_params"]
             slope = {k: (pts[1][k] - pts[0][k]) / dn for k in ("placed", "step1", "step2", "adam")}
             per_layer_params = dn / (a.layers[1] - a.layers[0])
-            row = {"mode": name, "mmap_threshold": threshold or "dynamic", "layers": a.layers, "points": pts,
+            row = {"mode": name, "mmap_threshold": threshold or "dynamic", "layers": a.layers, "hidden": a.hidden,
+                   "points": pts,
                    "slope_b_per_param": slope, "planned_b_per_param": PLANNED_B_PER_PARAM[name],
                    "ratio": slope["step2"] / PLANNED_B_PER_PARAM[name], "params_per_layer": per_layer_params,
                    "bytes_per_layer_beyond_params": (slope["step2"] - PLANNED_B_PER_PARAM[name]) * per_layer_params}
@@ -86,8 +89,8 @@ def main() -> None:
                   f"({row['bytes_per_layer_beyond_params'] / 1024:.0f} KiB per layer)", flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "phases.json").write_text(json.dumps({"rows": rows, "provenance": provenance("cpu")}, indent=1))
-    print(f"-> {out / 'phases.json'}")
+    (out / f"phases-h{a.hidden}.json").write_text(json.dumps({"rows": rows, "provenance": provenance("cpu")}, indent=1))
+    print(f"-> {out / f'phases-h{a.hidden}.json'}")
 
 
 if __name__ == "__main__":
