@@ -4,8 +4,8 @@
 
 For each depth, glibc mmap threshold (0: glibc's dynamic default) and mode (hilo + the optimizer in backward;
 hilo + bf16 slabs), a process of its own builds the bytes-at-depth Llama (bytes_at_depth.py's preset), trains
-two steps on the CPU device and reports its RSS over the post-import baseline after placement and after each
-step, and the Adam state's bytes. The per-layer slope between the two depths, per parameter, is set next to the
+two steps on the CPU device and reports its RSS over the post-import baseline after placement, after each
+step and after a malloc_trim (what glibc held of freed memory), and the Adam state's bytes. The per-layer slope between the two depths, per parameter, is set next to the
 planner's per-layer bytes (master + slab + Adam m, v); the difference times the parameters of one layer is
 what each layer costs beyond its parameters' bytes. Writes results/bytes_at_depth/phases-h<hidden>.json with
 provenance.
@@ -46,6 +46,10 @@ def one(layers: int, threshold: int, cfg: dict, hidden: int = 256) -> dict:
         timed_steps(eng, batch, 1)
         eng.synchronize()
         out[f"step{s + 1}"] = _rss_now_bytes() - base
+    from megatrain.engine.malloc import release_free_heap
+
+    release_free_heap()  # what of the growth is freed memory glibc keeps (returned by malloc_trim)
+    out["trimmed"] = _rss_now_bytes() - base
     out["adam"] = sum(t.numel() * t.element_size() for st in eng.optimizer.state.values() for t in st.values()
                       if torch.is_tensor(t) and t.dim() > 0)
     out["layer_params"] = sum(g.numel for g in eng.store.layers)
@@ -76,7 +80,8 @@ def main() -> None:
                 pts.append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True)
                                       .stdout.strip().splitlines()[-1]))
             dn = pts[1]["layer_params"] - pts[0]["layer_params"]
-            slope = {k: (pts[1][k] - pts[0][k]) / dn for k in ("placed", "step1", "step2", "adam")}
+            slope = {k: (pts[1][k] - pts[0][k]) / dn for k in ("placed", "step1", "step2", "trimmed", "adam")
+                     if k in pts[0] and k in pts[1]}
             per_layer_params = dn / (a.layers[1] - a.layers[0])
             row = {"mode": name, "mmap_threshold": threshold or "dynamic", "layers": a.layers, "hidden": a.hidden,
                    "points": pts,
