@@ -191,3 +191,15 @@ def test_all_finite_finds_each_kind_in_any_tile_and_no_overflow(threads):
             y = x.clone()
             y[at] = bad
             assert not fused.all_finite(y, tile=TILE, threads=threads), (bad, at)
+
+
+def test_the_finiteness_check_leaves_fp32_gradients_as_they_are():
+    """all_finite reads the optimizer in backward's staged gradients: FP32 ones (FP32 compute, or a shared store's
+    averaged layer) must come out of it unchanged (a multiply in place on `.float()` of an FP32 tile zeroed them)."""
+    from megatrain.engine import fused
+
+    g = torch.randn(3 * fused.TILE + 5)
+    kept = g.clone()
+    assert fused.all_finite(g) and torch.equal(g, kept)
+    g[7] = float("inf")
+    assert not fused.all_finite(g) and g[7] == float("inf")

@@ -3,7 +3,7 @@ proportional set size (PSS: shared pages split between the processes mapping the
 to what the machine holds for them; RSS would count the node's shared store once per rank).
 
 Run as `python experiments/studies/scaling_host_memory_worker.py OUT_DIR DATA_PARALLEL_HOST` (alone, or with torchrun's variables).
-LAYERS in the environment: the model's depth (default 32).
+LAYERS in the environment: the model's depth (default 32); HOST_MODES: JSON of host-mode engine settings.
 """
 
 from __future__ import annotations
@@ -29,10 +29,12 @@ def main() -> None:
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     import megatrain
 
+    modes = json.loads(os.environ.get("HOST_MODES", "{}"))
+    clip = {"gradient_clipping": 0} if modes.get("optimizer_in_backward") else {}  # it refuses clipping
     engine, _, _, _ = megatrain.initialize(model=model, model_parameters=model.parameters(), config={
-        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, **clip,
         "megatrain": {"parity_probe": False, "device": "cpu", "data_parallel_host": host, "watchdog_s": 300.0,
-                      "host_mmap_threshold_bytes": 1 << 17}})
+                      "host_mmap_threshold_bytes": 1 << 17, **modes}})
     ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(rank))
     for _ in range(2):
         loss = engine(input_ids=ids, labels=ids).loss

@@ -173,6 +173,7 @@ class InBackward(UpdatePath):
 
     def begin_backward(self) -> None:
         self.layered.sync_all()  # this step's LR and state, taken before the first layer update
+        self.layered.create_layer_states()  # at once, not among backward's transients (the first step only)
         self._unstepped = True
 
     def check_norm(self) -> None:
