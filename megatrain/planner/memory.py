@@ -133,7 +133,7 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "does not fit" is the planner's verdict to give, not a warning
         bp = policy.plan(T)
-    kept = bp.in_flight if bp.offload else m.num_layers
+    kept = min(bp.in_flight, m.num_layers) if bp.offload else m.num_layers
     chunk = bp.loss_chunk
     return LongContext(
         offload=bp.offload, tile=bp.tile, kept_boundaries=kept, boundary_bytes=kept * T * m.hidden * c,
