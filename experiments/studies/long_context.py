@@ -272,7 +272,9 @@ def write_readme(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace
         lines += ["", reading.read_text().rstrip()]
     lines += ["", "## Provenance", ""] + [f"- {k}: {v}" for k, v in prov.items()]
     lines += ["", f"Reproduce: `python -m experiments.studies.long_context --model {args.model} --budget-gib "
-              f"{args.budget_gib} --lengths {','.join(map(str, args.lengths))} --backends {','.join(args.backends)}`",
+              f"{args.budget_gib} --lengths {','.join(map(str, args.lengths))} --backends {','.join(args.backends)}"
+              + (f" --bisect {args.bisect}" if getattr(args, "bisect", 0) else "")
+              + (f" --alst-loss-tile {args.alst_loss_tile}" if getattr(args, "alst_loss_tile", None) else "") + "`",
               ""]
     (out / "README.md").write_text("\n".join(lines))
     return longest

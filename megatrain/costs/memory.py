@@ -214,15 +214,19 @@ class LongContextPolicy:
 
         offloads = [self.offload_setting] if isinstance(self.offload_setting, bool) else [False, True]
         # (offload, boundaries kept on the device): resident; offloaded with copies overlapped; without
+        # A model no deeper than the boundaries in flight keeps them all anyway: offloaded it holds as many
+        # (measured, results/long_context/tiny-32mib), so "auto" does not offload it.
         options = [(off, k) for off in offloads
-                   for k in ((OFFLOAD_IN_FLIGHT, OFFLOAD_IN_FLIGHT_TIGHT) if off else (self.n_layers,))]
+                   for k in ((OFFLOAD_IN_FLIGHT, OFFLOAD_IN_FLIGHT_TIGHT) if off else (self.n_layers,))
+                   if not (off and k >= self.n_layers and self.offload_setting == "auto")]
         choice = None
-        for off, kept in options:
+        for off, in_flight in options:
+            kept = min(in_flight, self.n_layers)
             room = self._room(kept, boundary)
             chunk = self.loss_chunk if self.loss_chunk != "auto" else auto_loss_chunk(
                 tokens, self.dims.hidden, self.vocab, self.itemsize, room, self.logits_cap)
             tile = self._tile(tokens, room)
-            choice = BatchPlan(off, tile, peak(kept, tile, chunk), chunk, kept if off else OFFLOAD_IN_FLIGHT)
+            choice = BatchPlan(off, tile, peak(kept, tile, chunk), chunk, in_flight if off else OFFLOAD_IN_FLIGHT)
             if self.budget is None or choice.predicted_peak_bytes <= BUDGET_HEADROOM * self.budget:
                 return choice
         warnings.warn(f"{tokens} tokens: the predicted device peak {choice.predicted_peak_bytes / 2**30:.2f} GiB "

@@ -133,7 +133,7 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "does not fit" is the planner's verdict to give, not a warning
         bp = policy.plan(T)
-    kept = bp.in_flight if bp.offload else m.num_layers
+    kept = min(bp.in_flight, m.num_layers) if bp.offload else m.num_layers
     chunk = bp.loss_chunk
     return LongContext(
         offload=bp.offload, tile=bp.tile, kept_boundaries=kept, boundary_bytes=kept * T * m.hidden * c,
@@ -230,7 +230,10 @@ def zero3_memory(p: Point, hw: Hardware) -> Memory:
     host["user's fp32 model before partitioning"] = P * 4
     host["runtime"] = int(hw.host_reserved_gib * GIB)
     host["deepspeed runtime"] = ZERO3_RUNTIME_BYTES
-    largest = max(m.hidden * m.mlp_width(active=False), m.vocab * h)  # MoE: the experts are one module
+    # MoE: the experts are one module. The head counts only when tied: an untied head is released before HF's
+    # loss runs its backward (the device peak), a tied one is the embedding too and stays gathered (measured:
+    # results/long_context/small-7m-128mib, untied; smollm-135m, tied).
+    largest = max(m.hidden * m.mlp_width(active=False), m.vocab * h if m.tie_embeddings else 0)
     device: dict[str, int] = {}
     if p.zero_stage == 3:
         device["fetched params (module + prefetch)"] = int(min(ZERO3_MAX_LIVE_PARAMS, largest + z["prefetch"], P) * c)
