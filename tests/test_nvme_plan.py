@@ -55,3 +55,14 @@ def test_plan_command_prints_the_tier(capsys):
     line = next(x for x in tier.splitlines() if x.strip().startswith(EXACT_CLIPPED + " + NVMe"))
     assert " yes " in line and "/96" in line
     assert '"nvme_path": "/path/on/nvme", "host_budget_bytes"' in out
+
+
+def test_plan_json_carries_the_tier(capsys):
+    import json
+
+    assert cli.main(["plan", "--model", "120b", "--context", "4096", "--batch", "8", "--hardware", "h200-pcie",
+                     "--compare", "", "--no-search", "--json"]) == 0
+    out = capsys.readouterr().out
+    tier = json.loads(out)["nvme"]
+    row = next(r for r in tier if r["label"] == EXACT_CLIPPED)
+    assert row["fits"] and not row["fits_without"] and row["spilled"] > 0

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..costs.modes import HostMaster
-from ..costs.nvme import ALIGN, PIECE_ALIGN, BudgetTooSmall, SpillPlan, plan_spill, record_bytes, round_up
+from ..costs.nvme import ALIGN, PIECE_ALIGN, SpillPlan, plan_spill, record_bytes, round_up
 from .pinned import host_buffer
 from .store import FlatGroup, HostStore
 
@@ -367,10 +367,8 @@ def attach_spill(update: Any, store: HostStore, config: Any, node: Any) -> Spill
     if any(g.get("amsgrad") for g in opt.param_groups):
         raise ValueError("nvme_path spills Adam's m and v; amsgrad's third state tensor is not spilled: use "
                          "amsgrad=False with nvme_path")
-    try:
-        plan = plan_spill(store_fixed_bytes(store, opt), record_sizes(opt, store), config.host_budget_bytes)
-    except BudgetTooSmall:
-        raise
+    # A budget below one layer's working set raises BudgetTooSmall here, naming the minimum, before any step.
+    plan = plan_spill(store_fixed_bytes(store, opt), record_sizes(opt, store), config.host_budget_bytes)
     if not plan.active:
         return None
     spill = Spill(opt, store, plan, config.nvme_path, config.nvme_gbps, layered.synchronize)

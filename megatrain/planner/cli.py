@@ -309,8 +309,11 @@ def _run_plan(args: argparse.Namespace) -> int:
     modes = mode_table(main.point, main.hardware, search=not args.no_search) if args.backend == "megatrain" else None
     if not args.no_search:
         bb, bc = largest_batch(main.point, main.hardware), largest_context(main.point, main.hardware)
+    nvhw = with_nvme(main.hardware, args.nvme_gbs, args.nvme_gib)  # the NVMe tier (planner/nvme_plan.py)
+    nvrows = nvme_rows(main.point, nvhw, search=not args.no_search) if args.backend == "megatrain" else []
     if args.json:
         d = main.to_dict()
+        d["nvme"] = [dataclasses.asdict(r) for r in nvrows]
         d.update(max_batch=bb, max_context=bc, compare=[o.to_row() for o in others],
                  modes=[{**dataclasses.asdict(r), "settings": r.settings} for r in modes or []])
         if args.backend == "megatrain":
@@ -318,9 +321,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(d, indent=2, default=str))
     else:
         print(format_plan(main, bb, bc, others, modes))
-    if args.backend == "megatrain" and not args.json:  # the NVMe tier (planner/nvme_plan.py)
-        nvhw = with_nvme(main.hardware, args.nvme_gbs, args.nvme_gib)
-        print("\n".join(format_nvme_rows(nvme_rows(main.point, nvhw, search=not args.no_search), nvhw)))
+    if nvrows and not args.json:
+        print("\n".join(format_nvme_rows(nvrows, nvhw)))
     return 0
 
 
