@@ -285,17 +285,29 @@ def test_unknown_dotted_keys_are_refused(key, match):
         parse_config({"train_micro_batch_size_per_gpu": 1, key: 1})
 
 
-@pytest.mark.parametrize("section", ["offload_optimizer", "offload_param"])
-def test_nvme_offload_is_refused_with_the_fix(section):
+def test_nvme_offload_of_the_optimizer_is_the_nvme_tier_and_of_the_parameters_refused():
     nvme = {"device": "nvme", "nvme_path": "/local_nvme"}
-    with pytest.raises(DeepSpeedConfigError, match=rf"'zero_optimization.{section}.device' is \"nvme\", but MegaTrain "
-                                                   r"has no NVMe tier yet: host memory holds .* Set \"device\": \"cpu\""):
-        parse_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, section: nvme}})
-    # The control: the same section on the CPU trains (its NVMe path is then one more ignored setting).
-    with pytest.warns(UserWarning, match=rf"zero_optimization.{section}.nvme_path"):
-        c = parse_config({"train_micro_batch_size_per_gpu": 1,
-                          "zero_optimization": {"stage": 3, section: {**nvme, "device": "cpu"}}})
-    assert getattr(c.zero, f"{section}_device") == "cpu"
+
+    def parse(zero, **extra):
+        return parse_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, **zero}, **extra})
+
+    # ZeRO-Infinity's optimizer section is the engine's NVMe tier, at the path it names.
+    assert parse({"offload_optimizer": nvme}).engine.nvme_path == "/local_nvme"
+    assert parse({"offload_optimizer": {**nvme, "device": "cpu"}}).engine.nvme_path is None  # the control
+    # The weights are read by every pass: the tier does not hold them, and says what to set instead.
+    with pytest.raises(DeepSpeedConfigError, match=r"'zero_optimization.offload_param.device' is \"nvme\", but "
+                                                   r"MegaTrain's NVMe tier holds the optimizer state only.*"
+                                                   r"Set \"device\": \"cpu\" here"):
+        parse({"offload_param": nvme})
+    with pytest.raises(DeepSpeedConfigError, match=r"'nvme_path' is None; give the directory"):
+        parse({"offload_optimizer": {"device": "nvme"}})
+    with pytest.raises(DeepSpeedConfigError, match=r"'megatrain.nvme_path' is '/elsewhere' but .* is '/local_nvme'"):
+        parse({"offload_optimizer": nvme}, megatrain={"nvme_path": "/elsewhere"})
+    assert parse({"offload_optimizer": nvme}, megatrain={"nvme_path": "/local_nvme"}).engine.nvme_path == "/local_nvme"
+    # On the CPU its NVMe path is one more ignored setting.
+    with pytest.warns(UserWarning, match=r"zero_optimization.offload_param.nvme_path"):
+        c = parse({"offload_param": {**nvme, "device": "cpu"}})
+    assert c.zero.offload_param_device == "cpu"
 
 
 def test_builds_optimizer_and_scheduler():

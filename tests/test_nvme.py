@@ -144,3 +144,23 @@ def test_settings_are_checked(cfg, message):
 def test_a_misspelled_key_gets_a_suggestion():
     with pytest.raises(ValueError, match="did you mean 'nvme_path'"):
         EngineConfig.from_dict({"nvme_pth": "/tmp"})
+
+
+def test_a_zero_infinity_config_spills_the_optimizer_state_to_its_nvme_path(model, tmp_path):
+    """DeepSpeed's `offload_optimizer: {device: nvme, nvme_path}` is the NVMe tier at that path, on the face."""
+    from megatrain.deepspeed import initialize
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+           "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    engine, *_ = initialize(model=copy.deepcopy(model), config=cfg)
+    batch = make_batches(1)[0]
+    loss = engine(**batch).loss
+    engine.backward(loss)
+    engine.step()
+    spill = engine.engine.spill
+    assert spill is not None and spill.plan.spilled == tuple(range(len(engine.engine.store.layers)))  # no budget: every layer
+    assert [p.name for p in tmp_path.iterdir()] and all(p.name.startswith("megatrain-spill-") for p in tmp_path.iterdir())
+    state = engine.engine.update.optimizer.state
+    assert all(torch.isfinite(s["exp_avg"]).all() and s["exp_avg"].abs().sum() > 0
+               for s in state.values() if "exp_avg" in s)  # the spilled moments were written and read back

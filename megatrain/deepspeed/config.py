@@ -82,7 +82,7 @@ _OFFLOAD_KEYS = {
         "super_offload", "cpuadam_cores_perc", "pipeline",
     )),
 }
-_OFFLOAD_DEVICES = ("none", "cpu", "nvme")  # nvme is refused with its reason
+_OFFLOAD_DEVICES = ("none", "cpu", "nvme")  # nvme: the optimizer state only (the NVMe tier)
 
 _ADAM_TYPES = {"adam": "Adam", "adamw": "AdamW"}
 _ADAM_PARAMS = frozenset((
@@ -150,6 +150,7 @@ class ZeroSpec:
     offload_param_device: str = "none"
     offload_optimizer_device: str = "none"
     pin_memory: bool | None = None  # from the offload sections, when either says
+    nvme_path: str | None = None  # offload_optimizer on NVMe: the engine's NVMe tier (nvme_path)
 
 
 @dataclass(frozen=True)
@@ -466,6 +467,7 @@ def _zero(d: dict[str, Any], ignored: list[str]) -> ZeroSpec:
         raise _err(f"'zero_optimization.stage' must be 0, 1, 2 or 3, got {stage!r}")
     pins: list[bool] = []
     devices = {}
+    nvme_path = None
     for sec_name, known in _OFFLOAD_KEYS.items():
         sec = _section(z, sec_name, "zero_optimization.")
         _check_keys(sec, known, f"zero_optimization.{sec_name}.")
@@ -475,17 +477,23 @@ def _zero(d: dict[str, Any], ignored: list[str]) -> ZeroSpec:
         devices[sec_name] = dev
         if "pin_memory" in sec:
             pins.append(_bool(sec["pin_memory"], f"zero_optimization.{sec_name}.pin_memory"))
-        ignored += [f"zero_optimization.{sec_name}.{k}" for k in sec if k not in ("device", "pin_memory")]
+        used = ("device", "pin_memory", "nvme_path") if dev == "nvme" else ("device", "pin_memory")
+        ignored += [f"zero_optimization.{sec_name}.{k}" for k in sec if k not in used]
+        if dev == "nvme" and sec_name == "offload_param":
+            # Training on anyway would put the weights in host memory the user sized for NVMe, and say so in one
+            # line among hundreds: the NVMe tier holds the update-only state, the weights stream every pass.
+            raise _err("'zero_optimization.offload_param.device' is \"nvme\", but MegaTrain's NVMe tier holds the "
+                       "optimizer state only: the weights stay in host memory, read by every forward and backward. "
+                       "Set \"device\": \"cpu\" here and keep 'offload_optimizer' on \"nvme\"")
         if dev == "nvme":
-            # Training on anyway would put the whole state in host memory the user sized for NVMe, and say so
-            # in one line among hundreds: refused until an NVMe tier exists.
-            raise _err(f"'zero_optimization.{sec_name}.device' is \"nvme\", but MegaTrain has no NVMe tier yet: host "
-                       "memory holds the parameters and optimizer state. Set \"device\": \"cpu\" (or drop "
-                       f"'zero_optimization.{sec_name}')")
+            nvme_path = sec.get("nvme_path")
+            if not isinstance(nvme_path, str) or not nvme_path:
+                raise _err("'zero_optimization.offload_optimizer.device' is \"nvme\" but its 'nvme_path' is "
+                           f"{nvme_path!r}; give the directory the optimizer state should spill to")
     ignored += [f"zero_optimization.{k}" for k in z if k not in ("stage", "offload_param", "offload_optimizer")]
     # MegaTrain has one host store for weights and optimizer state: pin it if either section asks.
     pin = any(pins) if pins else None
-    return ZeroSpec(stage, devices["offload_param"], devices["offload_optimizer"], pin)
+    return ZeroSpec(stage, devices["offload_param"], devices["offload_optimizer"], pin, nvme_path)
 
 
 def _dotted_paths() -> frozenset[str]:
@@ -533,6 +541,11 @@ def _engine(d: dict[str, Any], bf16: bool, zero: ZeroSpec) -> EngineConfig:
     sec.setdefault("compute_dtype", "float32")  # DeepSpeed trains in FP32 unless bf16 is enabled
     if "pin_memory" not in sec and zero.pin_memory is not None:
         sec["pin_memory"] = zero.pin_memory
+    if zero.nvme_path is not None:
+        if sec.get("nvme_path", zero.nvme_path) != zero.nvme_path:
+            raise _err(f"'megatrain.nvme_path' is {sec['nvme_path']!r} but "
+                       f"'zero_optimization.offload_optimizer.nvme_path' is {zero.nvme_path!r}; drop one of them")
+        sec["nvme_path"] = zero.nvme_path
     return EngineConfig.from_dict(sec)
 
 
