@@ -240,3 +240,14 @@ def test_the_compatibility_table_covers_every_causal_lm_and_reprobes_the_same():
     md = (ROOT / "docs" / "COMPATIBILITY.md").read_text()
     assert f"transformers {transformers.__version__}" in md
     assert all(f"| {t} |" in md for t in rows)
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_a_first_forward_without_grad_probes_with_grad(monkeypatch, tmp_path, context):
+    """An evaluation before training builds the engine (and so runs the probe) under no_grad/inference_mode:
+    the probe must still train its small model, not refuse the architecture as 'crashed'."""
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(probe, "_MEMO", {})
+    with context():
+        verdict = probe.verify_model(tiny_model("llama"), Engine)
+    assert verdict.status == "exact", verdict.detail

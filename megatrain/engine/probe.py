@@ -328,7 +328,10 @@ def verify_model(model: nn.Module, engine_factory: Callable[..., Any]) -> Verdic
         except (ValueError, TypeError):
             verdict = None  # a damaged cache entry is re-probed, never trusted
     if verdict is None:
-        verdict = run_probe(model_cls, config, engine_factory)
+        # The probe trains: a first forward under the caller's no_grad() or inference_mode() (an evaluation
+        # before training) must not turn into a refusal of the architecture.
+        with torch.inference_mode(False), torch.enable_grad():
+            verdict = run_probe(model_cls, config, engine_factory)
         _MEMO[key] = verdict
         if verdict.status in ("exact", "mismatch"):  # refusals and crashes may depend on the environment
             try:
