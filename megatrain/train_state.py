@@ -18,7 +18,7 @@ import json
 import pickle
 import random
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -123,39 +123,60 @@ def write_weights_sharded(directory: str | Path | None, weights: dict[str, torch
     where = [str(directory) if rank == 0 else None]
     dist.broadcast_object_list(where, src=0, group=group)
     d = Path(where[0])
-    local = local_optimizer_state(optimizer, mine)
-    shard: dict[str, torch.Tensor] = {}
-    layout = _optimizer_state(local, shard)
-    report: dict[str, Any] = {"entries": layout["state"]}
-    if shard:
-        try:
-            name = ACC_SHARD.format(rank)
-            size, sha = ckpt.write_safetensors_hashed(d / name, shard)
-            report["shard"] = (name, {"bytes": size, "sha256": sha})
-        except Exception as e:  # told to rank 0, which writes no optimizer.bin; every rank raises below
-            report["error"] = f"rank {rank}: {type(e).__name__}: {e}"
-    reports: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
-    dist.gather_object(report, reports, dst=0, group=group)
+
+    def write(shard: dict[str, torch.Tensor]) -> tuple[str, dict[str, Any]]:
+        name = ACC_SHARD.format(rank)
+        size, sha = ckpt.write_safetensors_hashed(d / name, shard)
+        return name, {"bytes": size, "sha256": sha}
+
+    _, layout, reports = _exchange_shards(optimizer, mine, rank, group, write)
     outcome: list[Any] = [None]
     if rank == 0:
         try:
-            errors = [r["error"] for r in reports if "error" in r]
-            if errors:
-                raise ckpt.CheckpointError(f"optimizer state not saved in {d}: a shard failed ({'; '.join(errors)})")
+            state, shards = _merged_shards(reports, f"optimizer state not saved in {d}")
             ckpt.write_safetensors(d / MODEL_FILE, weights)
-            state: dict[str, Any] = {}
-            for r in reports:
-                for idx, entry in r["entries"].items():
-                    state.setdefault(idx, entry)
-            shards = dict(r["shard"] for r in reports if "shard" in r)
-            torch.save({SHARDED_KEY: 1, "optimizer": {"state": dict(sorted(state.items(), key=lambda kv: int(kv[0]))),
-                                                      "param_groups": layout["param_groups"]},
+            torch.save({SHARDED_KEY: 1, "optimizer": {"state": state, "param_groups": layout["param_groups"]},
                         "shards": shards}, d / OPTIMIZER_FILE)
         except Exception as e:
             outcome[0] = f"{type(e).__name__}: {e}"
     dist.broadcast_object_list(outcome, src=0, group=group)
     if outcome[0] is not None:
         raise ckpt.CheckpointError(f"the state in {d} was not saved ({outcome[0]})")
+
+
+def _exchange_shards(optimizer: torch.optim.Optimizer, mine: set[int], rank: int, group: Any,
+                     write: Callable[[dict[str, torch.Tensor]], tuple[str, Any]] | None,
+                     ) -> tuple[Any, dict[str, Any], list[Any] | None]:
+    """This rank's optimizer state of the parameters in `mine`, its tensors written by `write` (when given and
+    there are any) to a shard file of its own; every rank's layout and shard entry gathered on rank 0 (None
+    elsewhere). A failed write becomes the report's error, so rank 0 publishes nothing and every rank raises."""
+    import torch.distributed as dist
+
+    local = local_optimizer_state(optimizer, mine)
+    shard: dict[str, torch.Tensor] = {}
+    layout = _optimizer_state(local, shard)
+    report: dict[str, Any] = {"entries": layout["state"]}
+    if write is not None and shard:
+        try:
+            report["shard"] = write(shard)
+        except Exception as e:
+            report["error"] = f"rank {rank}: {type(e).__name__}: {e}"
+    reports: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
+    dist.gather_object(report, reports, dst=0, group=group)
+    return local, layout, reports
+
+
+def _merged_shards(reports: list[Any], what: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """On rank 0: every rank's optimizer-state layout as one, in parameter order, and the shard files by name;
+    raises naming the ranks whose shard failed."""
+    errors = [r["error"] for r in reports if "error" in r]
+    if errors:
+        raise ckpt.CheckpointError(f"{what}: a shard failed ({'; '.join(errors)})")
+    state: dict[str, Any] = {}
+    for r in reports:
+        for idx, entry in r["entries"].items():
+            state.setdefault(idx, entry)
+    return dict(sorted(state.items(), key=lambda kv: int(kv[0]))), dict(r["shard"] for r in reports if "shard" in r)
 
 
 def write_face_state(directory: str | Path, *, schedulers: list[Any], customs: list[Any],
@@ -279,33 +300,20 @@ def save_engine_checkpoint_sharded(save_dir: str | Path, tag: str, *, weights: d
     where: list[Any] = [str(ckpt.begin(save_dir, tag)) if rank == 0 else None]
     dist.broadcast_object_list(where, src=0, group=group)
     tmp = Path(where[0])
-    local = local_optimizer_state(optimizer, mine)
-    shard: dict[str, torch.Tensor] = {}
-    entries = _optimizer_state(local, shard)["state"]
-    report: dict[str, Any] = {"entries": entries}
-    if rank != 0 and shard:
-        try:
-            name = f"{ckpt.SHARD_PREFIX}{rank}.safetensors"
-            report["shard"] = (name, ckpt.write_shard(tmp, name, shard))
-        except Exception as e:  # told to rank 0, which publishes nothing; every rank raises below
-            report["error"] = f"rank {rank}: {type(e).__name__}: {e}"
-    reports: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
-    dist.gather_object(report, reports, dst=0, group=group)
+
+    def write(shard: dict[str, torch.Tensor]) -> tuple[str, Any]:
+        name = f"{ckpt.SHARD_PREFIX}{rank}.safetensors"
+        return name, ckpt.write_shard(tmp, name, shard)
+
+    # Rank 0's own state goes into the main file with the weights, not a shard.
+    local, _, reports = _exchange_shards(optimizer, mine, rank, group, write if rank != 0 else None)
     outcome: list[Any] = [None]
     if rank == 0:
         try:
-            errors = [r["error"] for r in reports if "error" in r]
-            if errors:
-                raise ckpt.CheckpointError(f"checkpoint {tag!r} not saved: a shard failed ({'; '.join(errors)})")
+            state, shards = _merged_shards(reports, f"checkpoint {tag!r} not saved")
             tensors, meta = _engine_tensors_and_meta(weights, scheduler, counters, config, client_state)
-            state = {}
-            for r in reports:
-                for idx, entry in r["entries"].items():
-                    state.setdefault(idx, entry)
             main = _optimizer_state(local, tensors)
-            meta["optimizer"] = {"state": dict(sorted(state.items(), key=lambda kv: int(kv[0]))),
-                                 "param_groups": main["param_groups"]}
-            shards = dict(r["shard"] for r in reports if "shard" in r)
+            meta["optimizer"] = {"state": state, "param_groups": main["param_groups"]}
             ckpt.publish(save_dir, tag, tmp, tensors, meta, shards=shards, keep_last=keep_last,
                          update_latest=update_latest)
         except Exception as e:
