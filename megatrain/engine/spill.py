@@ -294,30 +294,28 @@ class Spill:
         if self.plan.slots > 1 and at + 1 < len(self.order):
             nxt = self.order[at + 1]
             self._reads[nxt] = self._read(nxt)
-        filed, slotted, rec = self._filed[i], self._slotted[i], self.records[i]
+        self._rebind(i, self._filed[i], self._slotted[i])
+
+    def _rebind(self, i: int, current: dict[tuple[int, str], torch.Tensor],
+                target: dict[tuple[int, str], torch.Tensor]) -> None:
+        """Layer i's state tensors (and hilo's lo) re-pointed from the `current` views to the `target` ones. A
+        state tensor that is not `current`'s (torch made it at the first step, or a load replaced it) is copied
+        into the ring buffer first: the ring buffer is what the update reads and the write-behind writes."""
+        slotted, rec = self._slotted[i], self.records[i]
         for p in rec.params:
             st = self.optimizer.state.get(p)
             for k in KEYS if st else ():
                 if k in st:
-                    if st[k].data_ptr() != filed[(id(p), k)].data_ptr():
+                    if st[k].data_ptr() != current[(id(p), k)].data_ptr():
                         slotted[(id(p), k)].copy_(st[k])
-                    st[k] = slotted[(id(p), k)]
-        if (id(None), "lo") in slotted:
-            rec.group.lo = slotted[(id(None), "lo")]
+                    st[k] = target[(id(p), k)]
+        if (id(None), "lo") in target:
+            rec.group.lo = target[(id(None), "lo")]
 
     def after(self, i: int) -> None:
         """Layer i's state back to the file views; its ring buffer written behind, on an I/O thread."""
-        filed, slotted, rec = self._filed[i], self._slotted[i], self.records[i]
-        for p in rec.params:
-            st = self.optimizer.state.get(p)
-            for k in KEYS if st else ():
-                if k in st:
-                    if st[k].data_ptr() != slotted[(id(p), k)].data_ptr():
-                        slotted[(id(p), k)].copy_(st[k])  # the first step: torch created the state
-                    st[k] = filed[(id(p), k)]
-        if (id(None), "lo") in filed:
-            rec.group.lo = filed[(id(None), "lo")]
-        k = self._slot_of[i]
+        self._rebind(i, self._slotted[i], self._filed[i])
+        k, rec = self._slot_of[i], self.records[i]
         self._writes[k] = self.pool.submit(self.file.write, self.ring[k][: rec.size], rec.offset)
 
     def around(self, i: int, update: Callable[[], None]) -> None:
