@@ -183,7 +183,8 @@ def test_plan_cli_on_a_moe_preset_says_which_host_modes_fit(capsys):
     out = capsys.readouterr().out
     assert "5.71G active: 4 of 128 experts" in out
     assert "each layer streams all 128 experts" in out and "the LINK binds" in out
-    rows = {line.split("  ")[2].strip(): line for line in out.splitlines() if line.startswith("    ") and
+    modes = out.split("NVMe tier")[0]  # the host-memory mode table (the NVMe table after it repeats the labels)
+    rows = {line.split("  ")[2].strip(): line for line in modes.splitlines() if line.startswith("    ") and
             ("master," in line) and "exact" not in line}
     fits = {label: " yes " in line.split("TiB", 1)[1][:8] for label, line in rows.items()}
     assert len(fits) == 7
