@@ -140,8 +140,10 @@ def test_a_failed_pin_is_an_error_naming_what_could_be_pinned(monkeypatch):
 def test_preflight_counts_the_staging_slots():
     layers = [[("w", torch.Size([100, 30]))], [("w", torch.Size([100, 50]))]]
     p = pinned_preflight(layers, [torch.Size([7, 3])], torch.bfloat16, staging=True)
+    # bf16 on CUDA: the resident masters also go up from a pinned bf16 copy (engine/resident_upload.py).
     assert p == {"streamed layers": mapped_bytes(6000) + mapped_bytes(10000), "resident masters": PAGE_BYTES,
-                 "grad staging": STAGING_SLOTS * mapped_bytes(10000), "resident grad staging": PAGE_BYTES}
+                 "grad staging": STAGING_SLOTS * mapped_bytes(10000), "resident grad staging": PAGE_BYTES,
+                 "resident upload staging": PAGE_BYTES}
 
 
 def test_chunked_accumulate_is_bitwise_the_whole_add():
@@ -183,6 +185,7 @@ def test_the_planner_counts_pinned_bytes_by_the_engines_rule():
     assert pl.memory.pinned == sum(rule.values()) + per_batch
     assert pl.memory.host["head gradient copy"] == rule["resident grad staging"]
     assert pl.memory.host["pinned grad staging"] == rule["grad staging"]
+    assert pl.memory.host["resident upload staging"] == rule["resident upload staging"] > 0
     # The FP32 masters and gradient slabs are host-only in bf16 mode: well under half the host bytes are locked.
     assert pl.memory.pinned < 0.25 * pl.memory.host_total
     cpu = plan("qwen2.5-72b", context=4096, batch=1, hardware="cpu", dtype="bfloat16")
@@ -196,4 +199,5 @@ def test_preflight_counts_the_staging_as_host_memory_on_cuda():
     cpu = host_preflight(layers, [torch.Size([7, 3])], torch.bfloat16, available=10**12)
     gpu = host_preflight(layers, [torch.Size([7, 3])], torch.bfloat16, available=10**12, pin=True, staging=True)
     staged = pinned_preflight(layers, [torch.Size([7, 3])], torch.bfloat16, staging=True)
-    assert gpu == {**cpu, "grad staging": staged["grad staging"], "resident grad staging": staged["resident grad staging"]}
+    assert gpu == {**cpu, "grad staging": staged["grad staging"], "resident grad staging": staged["resident grad staging"],
+                   "resident upload staging": staged["resident upload staging"]}  # bf16: the masters' upload copy

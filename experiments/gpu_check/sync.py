@@ -154,6 +154,7 @@ def phase_sync(ctx: Ctx) -> None:
         # Pinned exactly where a DMA copy reads or writes, pageable where only host threads do (HostStore).
         expect = pinning_expectations(eng.store, list(eng.pipeline._staging))
         expect["offloaded_activations"] = ([h for h, _ in pending.acts._host.values()], True)
+        expect["resident_upload_staging"] = ([eng.placement.upload.staging], True)  # bf16: rounded masters go up
         res["pinned"] = pinning_report(expect)
         compute = torch.cuda.current_stream()
         h2d, d2h = eng.streams.h2d._stream, eng.streams.d2h._stream
@@ -163,6 +164,24 @@ def phase_sync(ctx: Ctx) -> None:
         return res
 
     ctx.check("pinned_memory_and_side_streams", memory_and_streams)
+
+    def resident_upload() -> dict[str, Any]:
+        # bf16 on CUDA: after a step the embedding/norm/head go up from pinned bf16 staging, rounded on the host
+        # (engine/resident_upload.py); the device copies must hold exactly the bits a cast of the masters gives.
+        eng = Engine(tiny_model("llama", sh), EngineConfig(device=dev, compute_dtype="bfloat16"))
+        _one_step(eng, batch)
+        eng.synchronize()
+        same = all(torch.equal(d.detach().cpu().view(torch.int16), m.detach().to(torch.bfloat16).view(torch.int16))
+                   for d, m in zip(eng.placement.device_globals, eng.store.globals.params))
+        up = eng.placement.upload
+        res: dict[str, Any] = {"device": dev, "device_copies_equal_cast": same, "staged": up is not None}
+        if not ctx.cuda:  # the CPU device keeps its plain cast: no staging
+            return {**res, "ok": same and up is None}
+        res.update(staging_pinned=bool(up.staging.is_pinned()), staging_dtype=str(up.staging.dtype))
+        res["ok"] = same and res["staging_pinned"] and up.staging.dtype == torch.bfloat16
+        return res
+
+    ctx.check("resident_upload_from_pinned_bf16", resident_upload)
 
 
 # == stress ==============================================================================================

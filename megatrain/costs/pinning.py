@@ -3,7 +3,9 @@ preflight and the planner (plain arithmetic, no torch import, so `megatrain plan
 
 Only what a DMA copy reads or writes is pinned: each decoder layer's streamed copy (the FP32 master, or its
 bf16 shadow in bf16 mode), the resident parameters' FP32 masters (uploaded after every step) and, on CUDA,
-the staging gradients land in (the layers' slots, and one for the resident parameters'). Gradient slabs,
+the staging gradients land in (the layers' slots, and one for the resident parameters') and, on CUDA with a
+compute dtype other than FP32, the resident parameters' upload staging in that dtype (the masters are rounded
+into it on the host and it goes up as one DMA: engine/resident_upload.py). Gradient slabs,
 and the FP32 masters behind a bf16 shadow, are only ever touched by the host: pinning them would lock memory the OS could otherwise page, for nothing.
 
 Every buffer is its own page-aligned mapping, so what it locks is its size rounded up to a page: the
@@ -28,7 +30,8 @@ def pinned_bytes(layer_numels: list[int], global_numel: int, stream_itemsize: in
                  staging_itemsize: int) -> dict[str, int]:
     """Pinned bytes by component. `stream_itemsize`: 4 when layers stream their FP32 master, 2 for a bf16
     shadow; `staging`: whether gradients land in pinned staging (CUDA): slots of the largest layer, and one
-    of the resident parameters, in the compute dtype (`staging_itemsize`). Per-batch buffers (offloaded
+    of the resident parameters, in the compute dtype (`staging_itemsize`), and when that is not FP32 the
+    resident parameters' upload staging in it too. Per-batch buffers (offloaded
     activations, the embedding's row gradients) come on top; they are kept from batch to batch."""
     out = {
         "streamed layers": sum(mapped_bytes(n * stream_itemsize) for n in layer_numels),
@@ -38,4 +41,6 @@ def pinned_bytes(layer_numels: list[int], global_numel: int, stream_itemsize: in
         out["grad staging"] = STAGING_SLOTS * mapped_bytes(max(layer_numels) * staging_itemsize)
     if staging:  # the head's (and final norm's) gradients leave through it, once per micro-batch
         out["resident grad staging"] = mapped_bytes(global_numel * staging_itemsize)
+    if staging and staging_itemsize != 4:  # the resident masters rounded to the compute dtype, uploaded each step
+        out["resident upload staging"] = mapped_bytes(global_numel * staging_itemsize)
     return out

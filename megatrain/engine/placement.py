@@ -24,6 +24,7 @@ from .loading import load_checkpoint_into
 from .malloc import release_free_heap
 from .node_store import NodeStore
 from .preflight import host_preflight
+from .resident_upload import ResidentUpload
 from .router import router_recorder
 from .store import FlatGroup, HostStore
 from .templates import TemplateBank
@@ -81,6 +82,7 @@ class Placement:
     name_of: dict[int, str]  # id(the model's original Parameter) -> its name
     aliases: dict[str, str]  # tied weight's other name -> its first name
     embed_slot: int  # the embedding's index among the resident parameters (its gradient arrives as rows)
+    upload: ResidentUpload | None = None  # CUDA in another dtype than the masters': pinned staging + copy stream
 
     def global_index(self, name: str) -> int:
         return next(i for i, s in enumerate(self.store.globals.slots) if s.name == name)
@@ -114,7 +116,9 @@ class Placement:
 
     def globals_changed(self) -> None:
         """The resident masters changed: bring their device copies in line (queued, non-blocking)."""
-        if not self.alias_globals:
+        if self.upload is not None:
+            self.upload.run()
+        elif not self.alias_globals:
             with torch.no_grad():
                 for dev, master in zip(self.device_globals, self.store.globals.params):
                     dev.copy_(master, non_blocking=True)
@@ -202,7 +206,9 @@ def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: t
         device_globals.append(dev)
         _set_param(model, slot.name, dev)
     embed_slot = next(i for i, dev in enumerate(device_globals) if dev is parts.embed.weight)
-    placed = Placement(parts, store, templates, device_globals, alias_globals, name_of, aliases, embed_slot)
+    upload = (ResidentUpload(store, device_globals, compute_dtype, device, config.watchdog_s)
+              if device.type == "cuda" and compute_dtype != torch.float32 else None)
+    placed = Placement(parts, store, templates, device_globals, alias_globals, name_of, aliases, embed_slot, upload)
     for alias, name in aliases.items():
         if not alias.startswith(prefix):
             _set_param(model, alias, device_globals[placed.global_index(name)])

@@ -77,7 +77,8 @@ def host_preflight(layer_shapes: list[list[tuple[str, torch.Size]]], global_shap
     need = host_store_bytes(n, compute_dtype, n_layer, master, grad)
     if staging:  # host memory of its own, beside the store (pinned with `pin`)
         staged = pinned_preflight(layer_shapes, global_shapes, compute_dtype, True)
-        need.update({k: staged[k] for k in ("grad staging", "resident grad staging") if k in staged})
+        need.update({k: staged[k] for k in ("grad staging", "resident grad staging", "resident upload staging")
+                     if k in staged})
     avail = available_host_bytes() if available is None else available
     total = sum(need.values())
     if total > avail:

@@ -172,6 +172,8 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         # on a CPU device in bf16 it arrives as an FP32 copy before it is added to its slab; a no-op when the
         # device globals are the masters
         "head gradient copy": 0 if alias else pin.get("resident grad staging", (m.vocab * h + h) * 4),
+        # the resident masters rounded to the compute dtype for their upload after each step (CUDA, not FP32)
+        "resident upload staging": pin.get("resident upload staging", 0),
         # the embedding's row gradients on their way to the host (CUDA; kept from batch to batch): <= T rows
         "embedding row staging": 0 if not pin else T * (h * c + 8),
         "runtime": int(hw.host_reserved_gib * GIB),

@@ -1,0 +1,175 @@
+"""The resident parameters' upload on CUDA in bf16 (engine/resident_upload.py), with the CUDA calls mocked: the
+copy reads pinned bf16 staging, holds the bits `.to(torch.bfloat16)` gives, a refill waits for the previous copy,
+and the staging is counted among the pinned bytes. A queued "device" runs the copies only when an event is
+queried or the test drains it, so a copy reads its source late, as a DMA does."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+from test_pinned import FakeCuda
+
+from megatrain.costs.pinning import mapped_bytes, pinned_bytes
+from megatrain.engine import pinned, resident_upload
+from megatrain.engine.preflight import host_preflight, pinned_preflight
+from megatrain.engine.resident_upload import ResidentUpload
+from megatrain.engine.store import HostStore
+
+GLOBALS = [("embed", torch.Size([37, 16])), ("norm", torch.Size([16])), ("head", torch.Size([37, 16]))]
+LAYERS = [[("w", torch.Size([16, 16]))]]
+
+
+class FakeDevice:
+    """Work queued on the fake streams, run in order when an event after it is queried (or on drain)."""
+
+    def __init__(self) -> None:
+        self.queued: list = []
+        self.ran = 0
+
+    def run_until(self, n: int) -> None:
+        while self.ran < n:
+            self.queued[self.ran]()
+            self.ran += 1
+
+    def drain(self) -> None:
+        self.run_until(len(self.queued))
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    device = FakeDevice()
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.pos = None
+
+        def record(self, stream=None) -> None:
+            self.pos = len(device.queued)
+
+        def query(self) -> bool:
+            device.run_until(self.pos)
+            return True
+
+    class FakeStream:
+        def __init__(self, device=None) -> None:
+            self.waited_events: list = []
+            self.waited_streams: list = []
+
+        def wait_event(self, event) -> None:
+            assert event.pos is not None, "a wait on an event never recorded"
+            self.waited_events.append(event)
+
+        def wait_stream(self, other) -> None:
+            self.waited_streams.append(other)
+
+    compute = FakeStream()
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    sources: list[torch.Tensor] = []
+    delivered: list[torch.Tensor] = []  # what each queued copy wrote, read when the device ran it
+
+    def queued_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        sources.append(src)
+        device.queued.append(lambda: delivered.append(dst.copy_(src).clone()))
+
+    monkeypatch.setattr(resident_upload, "upload_copy", queued_copy)
+    fake = FakeCuda()
+    monkeypatch.setattr(pinned, "cuda_register", fake.register)
+    monkeypatch.setattr(pinned, "cuda_unregister", fake.unregister)
+    return device, compute, sources, delivered, fake
+
+
+def _upload(seed: int = 0):
+    store = HostStore(LAYERS, GLOBALS, True, torch.bfloat16)
+    store.globals.master.copy_(torch.randn(store.globals.numel, generator=torch.Generator().manual_seed(seed)))
+    targets = [torch.zeros(s.shape, dtype=torch.bfloat16) for s in store.globals.slots]  # the device copies
+    return store, targets, ResidentUpload(store, targets, torch.bfloat16, torch.device("cuda"), 5.0)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.int16)
+
+
+def test_the_copy_reads_pinned_bf16_staging_ordered_between_the_compute_streams_work(cuda):
+    device, compute, sources, _, fake = cuda
+    store, targets, up = _upload()
+    up.run()
+    base = up.staging.data_ptr()
+    assert base in fake.live, "the staging buffer is not registered (pinned)"
+    assert len(sources) == len(GLOBALS)
+    for src in sources:
+        assert src.dtype == torch.bfloat16 and base <= src.data_ptr() < base + fake.live[base]
+        assert src.data_ptr() != store.globals.master.data_ptr()
+    assert up._stream.waited_streams == [compute]  # the old values' readers queued before it go first
+    assert compute.waited_events and compute.waited_events[-1] is up._copied.event  # and later compute after it
+    assert device.ran == 0  # queued, not run on the caller's thread
+    device.drain()
+    for t, view in zip(targets, store.globals.views(store.globals.master).values()):
+        assert torch.equal(_bits(t), _bits(view.to(torch.bfloat16)))
+
+
+def test_staging_bits_are_round_to_nearest_even_as_to_bfloat16(cuda):
+    store, _, up = _upload()
+    one = 1.0
+    ties = [one + 2**-8, one + 3 * 2**-8, -(one + 2**-8), one + 2**-8 + 2**-20]  # half an ulp, and just above
+    special = [float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-40, -1e-41, 3.4e38, 1.17e-38]
+    m = store.globals.master
+    m.copy_(torch.randn(m.numel(), generator=torch.Generator().manual_seed(3)) * 10.0 ** torch.randint(-30, 30, (m.numel(),)))
+    m[: len(ties) + len(special)] = torch.tensor(ties + special)
+    up.run()
+    assert torch.equal(_bits(up.staging), _bits(m.to(torch.bfloat16)))
+    # Independent of torch's conversion: ties go to the even neighbour, above a tie rounds up.
+    assert up.staging[:4].tolist() == [1.0, 1.0 + 2**-6, -1.0, 1.0 + 2**-7]
+
+
+def test_a_refill_waits_for_the_previous_copy(cuda, monkeypatch):
+    device, _, _, delivered, _ = cuda
+    store, targets, up = _upload()
+    first = store.globals.master.to(torch.bfloat16)
+    up.run()  # step 1's copy queued, not yet run by the device
+    store.globals.master.add_(1.0)  # step 2's update
+    second = store.globals.master.to(torch.bfloat16)
+    up.run()
+    device.drain()
+    n = len(GLOBALS)
+    assert torch.equal(torch.cat([d.reshape(-1) for d in delivered[:n]]), first)
+    assert torch.equal(torch.cat([d.reshape(-1) for d in delivered[n:]]), second)
+
+
+def test_negative_control_a_refill_without_the_wait_overwrites_the_copys_source(cuda, monkeypatch):
+    device, _, _, delivered, _ = cuda
+    store, _, up = _upload()
+    monkeypatch.setattr(ResidentUpload, "_wait_free", lambda self: None)
+    first = store.globals.master.to(torch.bfloat16)
+    up.run()
+    store.globals.master.add_(1.0)
+    up.run()
+    device.drain()
+    got = torch.cat([d.reshape(-1) for d in delivered[: len(GLOBALS)]])
+    assert not torch.equal(got, first)  # step 1's copy delivered step 2's values: the missing wait is caught
+
+
+def test_the_staging_is_counted_among_the_pinned_bytes(cuda):
+    store = HostStore(LAYERS, GLOBALS, True, torch.bfloat16)
+    before = store.pinned_bytes
+    ResidentUpload(store, [], torch.bfloat16, torch.device("cuda"), 5.0)
+    globs = [s for _, s in GLOBALS]
+    predicted = pinned_preflight(LAYERS, globs, torch.bfloat16, staging=True)
+    numel = sum(s.numel() for s in globs)
+    assert store.pinned_bytes - before == predicted["resident upload staging"] == mapped_bytes(numel * 2)
+    assert "resident upload staging" not in pinned_preflight(LAYERS, globs, torch.float32, staging=True)
+    assert "resident upload staging" not in pinned_preflight(LAYERS, globs, torch.bfloat16, staging=False)
+    need = host_preflight(LAYERS, globs, torch.bfloat16, available=10**12, pin=True, staging=True)
+    assert need["resident upload staging"] == predicted["resident upload staging"]
+    assert pinned_bytes([256], numel, 2, True, 2)["resident upload staging"] == mapped_bytes(numel * 2)
+
+
+def test_fp32_masters_at_fp32_compute_are_refused_a_staged_upload():
+    store = HostStore(LAYERS, GLOBALS, False, None)
+    with pytest.raises(ValueError, match="float32"):
+        ResidentUpload(store, [], torch.float32, torch.device("cuda"), 5.0)
