@@ -256,6 +256,16 @@ class DataParallel:
             raise self._fail("summing the gradient norm across the node", exc) from exc
         return float(t.item())
 
+    def max_across(self, value: int, what: str) -> int:
+        """The largest of every rank's `value` (on the training thread, once the gradient thread is idle)."""
+        self.synchronize()
+        t = torch.tensor([value], dtype=torch.int64)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        except Exception as exc:
+            raise self._fail(what, exc) from exc
+        return int(t.item())
+
     def node_barrier(self, what: str) -> None:
         try:
             self.node.barrier()

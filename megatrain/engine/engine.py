@@ -129,6 +129,8 @@ class Engine:
         if config.optimizer_overlap is None:  # "auto": where the host update can hide behind the device's forward
             self.config = config = dataclasses.replace(config, optimizer_overlap=overlap_pays(self.device, config, opt))
         self.update = choose_update(opt, self.store, self.events, config, self.trace_log)
+        if self.dp is not None and hasattr(self.update, "agree"):  # the optimizer in backward: one verdict per step
+            self.update.agree, self.update.data_parallel = self.ranks.agree_max, True
         self.spill = attach_spill(self.update, self.store, config, self.node)  # the NVMe tier, when configured
         self.pipeline = LayerPipeline(self.store, self.templates, self.streams, self.trace_log, config.num_buffers,
                                       self.compute_dtype, self.device, _has_dropout(self.hf_config), self.events,

@@ -65,6 +65,10 @@ class OneRank:
     def take_weights(self, src: int | None) -> None:
         """Weights were written by hand on rank `src`: every rank takes them."""
 
+    def agree_max(self, value: int, what: str) -> int:
+        """The largest of every rank's `value`: a verdict only some ranks could reach, made every rank's."""
+        return value
+
 
 class Replicated(OneRank):
     """Each rank its own store: every slab is averaged across ranks at a synchronising backward, each
@@ -108,6 +112,9 @@ class Replicated(OneRank):
 
     def zero_grad(self) -> None:
         self.unaveraged = False
+
+    def agree_max(self, value: int, what: str) -> int:
+        return self.dp.max_across(value, what)
 
     def take_weights(self, src: int | None) -> None:
         if src is not None:

@@ -161,6 +161,10 @@ class InBackward(UpdatePath):
         self.grad_sink = self._update
         self._unstepped = False  # layers updated by a backward whose step() is to come
         self._failed_layer: int | None = None  # the layer whose gradient was not finite (-1: the resident ones)
+        # The verdict of every rank (ranks.py agree_max): with one host store per node each layer is checked by its
+        # owner alone, so the ranks take the largest failed index (-2: none) and fail the step together.
+        self.agree: Callable[[int, str], int] = lambda value, what: value
+        self.data_parallel = False
 
     def check_backward(self) -> None:
         if self._failed_layer is not None:
@@ -215,9 +219,15 @@ class InBackward(UpdatePath):
         bad = self._failed_layer
         if bad is None and self.config.skip_nonfinite and not bool(torch.isfinite(self.store.globals.grad).all()):
             bad = -1
+        if self.config.skip_nonfinite:
+            # The largest index is the first layer to fail in backward's order (a layer before the resident ones).
+            bad = self.agree(-2 if bad is None else bad, "agreeing whether the step's gradients were finite")
+            bad = None if bad == -2 else bad
         if bad is not None:
-            self._failed_layer = bad
+            self._failed_layer = bad  # every rank refuses the next backward until a checkpoint is loaded
             updated = f"layers {bad + 1}..{n - 1}" if bad >= 0 else "every layer"
+            if self.data_parallel and bad >= 0:  # each owner went on with its own layers until this verdict
+                updated = f"layers other than {bad} (by their owning ranks, before every rank knew)"
             raise FloatingPointError(
                 f"non-finite gradient ({'layer ' + str(bad) if bad >= 0 else 'embedding/norm/head'}) with "
                 f"optimizer_in_backward: {updated} were already updated during backward, so this step cannot be "
