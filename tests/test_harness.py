@@ -326,8 +326,10 @@ grid: {seq_len: [16, 32]}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 600  # generous: a loaded shared CPU can take a minute per point
-    while time.time() < deadline and len(R.read_rows(csv_path)) < 1:
-        time.sleep(0.2)
+    # Interrupt once the first point is recorded and the second one's process is running (not between them).
+    while time.time() < deadline and not (len(R.read_rows(csv_path)) == 1 and _point_children(str(out))):
+        assert proc.poll() is None and len(R.read_rows(csv_path)) < 2, "the sweep ended before it was interrupted"
+        time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
