@@ -79,19 +79,23 @@ def main() -> None:
         # The layer updates (a layer's owner, on its optimizer thread) take longer than the other ranks' next
         # forward needs to reach the layer: with the tokens the result is unchanged; without them (the negative
         # control) the others load the layer before its owner has written it.
-        step = torch.optim.AdamW.step
+        # A layer's update is the fused tile pass (engine/fused.py), which does not call AdamW.step: slow the
+        # per-layer update itself.
+        from megatrain.engine import update as update_mod
 
-        def slow_step(self, *a, **k):
+        layer_update = update_mod.update_layer
+
+        def slow_update(*a, **k):
             time.sleep(0.3)
-            return step(self, *a, **k)
+            return layer_update(*a, **k)
 
-        torch.optim.AdamW.step = slow_step
+        update_mod.update_layer = slow_update
         results["slow_updates"] = example.run(["deepspeed"], args["micro"], args["steps"], args["accumulation"],
                                               args["watchdog_s"])["deepspeed"]
         NodeStore.publish = lambda self, layer: None
         results["slow_no_tokens"] = example.run(["deepspeed"], args["micro"], args["steps"], args["accumulation"],
                                                 args["watchdog_s"])["deepspeed"]
-        torch.optim.AdamW.step = step
+        update_mod.update_layer = layer_update
     if args.get("control") == "skip_average":
         DataParallel.average_ = lambda self, grad: None
         # The shared host store's reduction: the owner adds its own gradients only.

@@ -324,7 +324,11 @@ grid: {seq_len: [16, 32]}
     csv_path = out / "results.csv"
     cmd = [sys.executable, "-m", "megatrain.cli", "sweep", str(spec), "--out", str(out), "--no-progress"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A Ctrl-C from a terminal reaches a sweep with SIGINT at its default; a test process may have been left
+    # ignoring it (an ignored signal stays ignored across exec, and Python then installs no KeyboardInterrupt).
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 600  # generous: a loaded shared CPU can take a minute per point
     # Interrupt once the first point is recorded and the second one's process is running (not between them).
     while time.time() < deadline and not (len(R.read_rows(csv_path)) == 1 and _point_children(str(out))):
@@ -332,7 +336,7 @@ grid: {seq_len: [16, 32]}
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    assert proc.returncode == 130, (err, f"SIGINT ignored in the test process: {ignored}")
     n_before = len(R.read_rows(csv_path))
     assert n_before == 1  # the second point was in flight
     time.sleep(0.5)
