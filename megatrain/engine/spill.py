@@ -229,6 +229,7 @@ class Spill:
         self.file = SpillFile(root, offset, gbps)
         self.ring = [host_buffer(plan.record, torch.uint8) for _ in range(plan.slots)]
         self._slot_of = {i: k % plan.slots for k, i in enumerate(self.order)}
+        self._next = dict(zip(self.order, self.order[1:])) if plan.slots > 1 else {}  # read ahead behind each layer
         self._filed = {i: r.views(self.file.base, r.offset) for i, r in self.records.items()}
         self._slotted = {i: r.views(self.ring[self._slot_of[i]], 0) for i, r in self.records.items()}
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="nvme-io")
@@ -290,9 +291,8 @@ class Spill:
         t0 = time.perf_counter()
         fut.result()
         self.wait_s += time.perf_counter() - t0
-        at = self.order.index(i)
-        if self.plan.slots > 1 and at + 1 < len(self.order):
-            nxt = self.order[at + 1]
+        nxt = self._next.get(i)
+        if nxt is not None:
             self._reads[nxt] = self._read(nxt)
         self._rebind(i, self._filed[i], self._slotted[i])
 
