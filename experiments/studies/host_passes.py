@@ -8,9 +8,13 @@ per-layer update; hilo; hilo + bf16 gradient slabs) one engine is built, and aft
 backward on a 16-token batch it times `clip_grad_norm_(1.0) + step() + zero_grad()` (each followed by
 `synchronize()`, so queued layer jobs count, and timed apart). The per-layer modes are timed with the fused
 pass (engine/fused.py: "fused"), with the whole-layer passes it replaced ("unfused"), and for hilo with the
-split/join held to their pure-torch path ("fused, torch ops": no C compiler). Variants alternate on the same
+split/join held to their pure-torch path and torch's AdamW kernel ("fused, torch ops": no C compiler), and with
+the compiled one-loop AdamW (engine/adam_kernel.py) swapped for torch's kernel between the tile's unpack and pack
+("fused, torch AdamW": the fused pass before that kernel). Variants alternate on the same
 engine, so drift on a shared machine hits them alike. The optimizer in backward (hilo) is timed as the
-optimizer thread's busy time over one backward: its per-layer updates, against the layers' bytes bound.
+optimizer thread's busy time over one backward: its per-layer updates, against the layers' bytes bound; and as
+"layer updates alone": the same per-layer job run for every layer after the step, with no backward computing
+on the same cores (on a GPU host the backward computes on the device, so this is the host's own share).
 
 "step-time norm + zeroing": clip_grad_norm_ reading every layer slab for its norm and zero_grad() zeroing
 them, as before engine/slab_state.py (now the norm is measured by the job that lands each layer's gradients,
@@ -36,6 +40,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -72,42 +77,19 @@ def _timed(fn) -> float:
 
 
 class TorchOps:
-    """The current split/join held to their torch-ops path: what runs where there is no C compiler."""
-
-    def __init__(self) -> None:
-        from megatrain.engine import hilo
-
-        self.hilo, self._split, self._join = hilo, hilo.split, hilo.join
-
-    def _torch(self, fn, *args, **kw):
-        saved, self.hilo._lib = self.hilo._lib, None
-        try:
-            return fn(*args, **kw)
-        finally:
-            self.hilo._lib = saved
-
-    def split(self, *args, **kw):
-        return self._torch(self._split, *args, **kw)
-
-    def join(self, *args, **kw):
-        return self._torch(self._join, *args, **kw)
-
-
-class _Swap:
-    """Within it, the store uses `impl`'s split/join (None: the current ones)."""
-
-    def __init__(self, impl) -> None:
-        from megatrain.engine import hilo
-
-        self.hilo, self.impl = hilo, impl
-        self.saved = (hilo.split, hilo.join)
+    """Within it, hilo's split/join run their torch-ops path: what runs where there is no C compiler. (Set once
+    for the whole context: a swap around each call raced between the fused pass's worker threads and could
+    leave the compiled kernel off for the rest of the run.)"""
 
     def __enter__(self):
-        if self.impl is not None:
-            self.hilo.split, self.hilo.join = self.impl.split, self.impl.join
+        from megatrain.engine import hilo
+
+        self.hilo = hilo
+        hilo.kernel()
+        self.saved, hilo._lib = hilo._lib, None
 
     def __exit__(self, *exc) -> None:
-        self.hilo.split, self.hilo.join = self.saved
+        self.hilo._lib = self.saved
 
 
 def bytes_bound(eng, mode: str) -> int:
@@ -130,6 +112,34 @@ class Unfused:
 
     def __exit__(self, *exc) -> None:
         self.fused.eligible = self.saved
+
+
+class TorchAdamW:
+    """The fused pass with torch's AdamW kernel between the tile's unpack and pack (what runs where the compiled
+    one-loop step, engine/adam_kernel.py, is unavailable): the fused pass before that kernel."""
+
+    def __enter__(self):
+        from megatrain.engine import adam_kernel
+
+        self.mod = adam_kernel
+        self.mod.kernel()  # built and self-checked before the swap
+        self.saved, self.mod._state = self.mod._state, None
+
+    def __exit__(self, *exc) -> None:
+        self.mod._state = self.saved
+
+
+class NoCompiler:
+    """Where no C compiler is found: hilo's split/join in torch ops and torch's AdamW kernel."""
+
+    def __enter__(self):
+        self.parts = [TorchOps(), TorchAdamW()]
+        for p in self.parts:
+            p.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        for p in reversed(self.parts):
+            p.__exit__(*exc)
 
 
 class StepTimeNorm:
@@ -161,13 +171,14 @@ def variants(mode: str) -> dict:
     if "in backward" not in mode:
         out["step-time norm + zeroing"] = StepTimeNorm
     out["fused" if per_layer else "whole step"] = None
+    if per_layer:
+        out["fused, torch AdamW"] = TorchAdamW
     if mode.startswith("hilo"):
-        out["fused, torch ops"] = lambda: _Swap(TorchOps())
+        out["fused, torch ops"] = NoCompiler
     return out
 
 
 def bench_mode(preset, mode: str, cfg: dict, reps: int) -> list[dict]:
-    from contextlib import nullcontext
 
     from experiments.point import build_preset_model
     from megatrain.config import EngineConfig
@@ -178,8 +189,14 @@ def bench_mode(preset, mode: str, cfg: dict, reps: int) -> list[dict]:
     bound = bytes_bound(eng, mode)
     oib = cfg.get("optimizer_in_backward", False)
     vs = variants(mode)
+    staging = None
+    if oib:  # what the layer updates read: gradients as the device stages them (compute dtype), small values
+        dtype = torch.bfloat16 if cfg.get("compute_dtype") == "bfloat16" else torch.float32
+        numel = max(g.numel for g in eng.store.layers)
+        staging = (torch.randn(numel, generator=torch.Generator().manual_seed(1)) * 1e-3).to(dtype)
     times: dict[str, list[tuple[float, ...]]] = {k: [] for k in vs}
     paired: dict[str, list[float]] = {k: [] for k in vs}  # time / bound at the copy bandwidth of that moment
+    paired_alone: dict[str, list[float]] = {k: [] for k in vs}
     for r in range(reps + 1):  # the first round warms up (first-touch pages, the kernel's build, the state)
         for label, ctx in vs.items():
             bw_now = copy_bandwidth(1 << 24, 2)  # the same moment's rate: the machine's load drifts
@@ -194,6 +211,7 @@ def bench_mode(preset, mode: str, cfg: dict, reps: int) -> list[dict]:
                     parts = [eng._layered.busy_s]
                     eng.step()
                     eng.zero_grad()
+                    parts.append(_updates_alone(eng, staging))
                 else:
                     eng.backward(loss)
                     eng.synchronize()
@@ -205,7 +223,11 @@ def bench_mode(preset, mode: str, cfg: dict, reps: int) -> list[dict]:
                         parts.append(time.perf_counter() - t0)
             if r:
                 times[label].append(tuple(parts))
-                paired[label].append(sum(parts) / (bound / bw_now))
+                if oib:
+                    paired[label].append(parts[0] / (bound / bw_now))
+                    paired_alone[label].append(parts[1] / (bound / bw_now))
+                else:
+                    paired[label].append(sum(parts) / (bound / bw_now))
     params = sum(g.numel for g in (eng.store.layers if oib else eng.store.groups()))
     rows = []
     if not oib:
@@ -222,19 +244,32 @@ def bench_mode(preset, mode: str, cfg: dict, reps: int) -> list[dict]:
                      "x_bound": "", "x_bound_paired": ""})
     for label, ts in times.items():
         # The fastest round: on a shared machine the others carry other processes' time.
-        best = min(ts, key=sum)
-        names = (("layer updates in backward", best[0]),) if oib else (
+        best = min(ts, key=lambda t: t[0] if oib else sum(t))
+        names = (("layer updates in backward", best[0]), ("layer updates alone", best[1])) if oib else (
             ("clip+step+zero_grad", sum(best)), ("  clip", best[0]), ("  step", best[1]), ("  zero_grad", best[2]))
         for what, t in names:
             row = {"what": what.strip(), "mode": mode, "version": label, "params": params,
                    "seconds": round(t, 4), "median_total_s": round(statistics.median(map(sum, ts)), 4),
                    "ns_per_param": round(t / params * 1e9, 3), "bound_bytes": "", "gb_per_s": "", "x_bound": "",
                    "x_bound_paired": ""}
-            if not what.startswith(" "):
+            if what == "layer updates alone":
+                ps = paired_alone[label]
+                row["x_bound_paired"] = f"{min(ps):.2f} / {statistics.median(ps):.2f}"
+                row["bound_bytes"] = bound
+            elif not what.startswith(" "):
                 row["x_bound_paired"] = f"{min(paired[label]):.2f} / {statistics.median(paired[label]):.2f}"
                 row["bound_bytes"] = bound  # rate and ratio: in main(), against the run's best copy bandwidth
             rows.append(row)
     return rows
+
+
+def _updates_alone(eng, staging: torch.Tensor) -> float:
+    """The optimizer in backward's per-layer updates (the job its optimizer thread runs) one after another with
+    no backward computing beside them: every layer updated from `staging`, timed."""
+    t0 = time.perf_counter()
+    for i in range(len(eng.store.layers)):
+        eng.update.update_now(i, staging)
+    return time.perf_counter() - t0
 
 
 def bench_passes(numel: int, impls: dict, reps: int) -> list[dict]:
@@ -243,23 +278,25 @@ def bench_passes(numel: int, impls: dict, reps: int) -> list[dict]:
     hi, lo, out = torch.empty(numel, dtype=torch.bfloat16), torch.empty(numel, dtype=torch.int16), torch.empty(numel)
     scratch = torch.empty(numel)
     rows = []
-    for label, impl in impls.items():
-        mod = impl
-        if mod is None:
-            from megatrain.engine import hilo as mod
-        ties = mod.split(x, hi, lo)
+    from megatrain.engine import hilo as mod
 
-        def split_poisoned(mod=mod) -> None:
+    for label, impl in impls.items():
+        ctx = impl() if impl is not None else nullcontext()
+        with ctx:
+            ties = mod.split(x, hi, lo)
+
+        def split_poisoned() -> None:
             mod.split(scratch, hi, lo, poison=True)
 
         for what, fn, nbytes in (
             ("split + NaN poison", split_poisoned, 12 * numel),
-            ("join", lambda mod=mod, ties=ties: mod.join(hi, lo, ties, out), 8 * numel),
+            ("join", lambda ties=ties: mod.join(hi, lo, ties, out), 8 * numel),
         ):
             ts = []
             for _ in range(reps + 1):
                 scratch.copy_(x)
-                ts.append(_timed(fn))
+                with impl() if impl is not None else nullcontext():
+                    ts.append(_timed(fn))
             t = min(ts[1:])
             rows.append({"what": what, "mode": "hilo", "version": label, "params": numel, "seconds": round(t, 5),
                          "median_total_s": round(statistics.median(ts[1:]), 5),
@@ -280,7 +317,8 @@ def write(rows: list[dict], meta: dict) -> None:
         "Written by `python -m experiments.studies.host_passes` (see its docstring for what is timed and how the",
         "bound is counted). `x bound` = measured time / (bytes a fused pass must move / this process's `copy_`",
         "bandwidth, read + written). \"unfused\": the per-layer update as whole-layer passes (as before the fused",
-        "pass); \"fused\": engine/fused.py; \"torch ops\": hilo's split/join where no C compiler is found.",
+        "pass); \"fused\": engine/fused.py with the compiled one-loop AdamW (engine/adam_kernel.py); \"torch AdamW\":",
+        "the fused pass with torch's AdamW kernel per tile instead; \"torch ops\": where no C compiler is found.",
         "",
         f"- preset: {meta['preset']}, 16-token batch; the fastest of {meta['reps']} timed rounds after one warm-up",
         "  (shared machine: slower rounds carry other processes' time; the medians are in the CSV)",
@@ -317,7 +355,7 @@ def main() -> None:
     from megatrain.models.presets import get_preset
 
     preset = get_preset(a.preset)
-    impls = {"compiled": None, "torch ops": TorchOps()}
+    impls = {"compiled": None, "torch ops": TorchOps}
     # The copy bandwidth is measured again before every mode and the passes, and the best of all is the bound's
     # rate: on a shared machine one early measurement can catch a busy moment and flatter every ratio after it.
     bws, rows, wanted = [copy_bandwidth()], [], a.modes.split(";")

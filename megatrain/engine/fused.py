@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..costs.modes import HostMaster
-from . import hilo
+from ..costs.modes import GradSlab, HostMaster
+from . import adam_kernel, hilo
 from .store import FlatGroup
 
 TILE = 1 << 22  # elements: 256K-element tiles lost more to per-tile overhead than they gained (results/host_passes)
@@ -57,6 +57,14 @@ def _tiles(numel: int, tile: int) -> list[tuple[int, int]]:
     if tile % _ALIGN:
         raise ValueError(f"tile={tile} is not a multiple of {_ALIGN}: the AdamW tails would differ from one call")
     return [(a, min(numel, a + tile)) for a in range(0, numel, tile)]
+
+
+def _compiled_tile(numel: int, threads: int | None, tile: int) -> int:
+    """The compiled loop's tiles: one per worker for each parameter (its calls cost ~0.1 ms of Python each, and
+    it needs no cache-sized tiles), so the workers get even shares of every parameter; at most `tile`."""
+    n = max(1, threads or torch.get_num_threads())
+    per = -(-numel // n)
+    return min(tile, max(_ALIGN, -(-per // _ALIGN) * _ALIGN))
 
 
 def _worker_init() -> None:
@@ -116,12 +124,15 @@ def fused_update(optimizer: torch.optim.Optimizer, group: FlatGroup, coefs: list
     jobs: list[tuple] = []  # (tile start in the layer, end, its op's arguments)
     steps: list[torch.Tensor] = []
     covered: list[tuple[int, int]] = []
+    compiled = adam_kernel.kernel() if _compiled_grads(group, grad_source) else None
+    coef_t = torch.tensor(coefs, dtype=torch.float32) if coefs else None
     for g in optimizer.param_groups:
         beta1, beta2 = g["betas"]
         decoupled = g.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)
         op = torch._fused_adamw_ if decoupled else torch._fused_adam_
         kw = dict(amsgrad=g["amsgrad"], lr=g["lr"], beta1=beta1, beta2=beta2, weight_decay=g["weight_decay"],
                   eps=g["eps"], maximize=g["maximize"], grad_scale=None, found_inf=None)
+        in_c = compiled is not None and not g["amsgrad"] and not isinstance(g["lr"], torch.Tensor)
         for p in g["params"]:
             slot = slot_of[p.data_ptr()]
             st = optimizer.state[p]
@@ -129,19 +140,31 @@ def fused_update(optimizer: torch.optim.Optimizer, group: FlatGroup, coefs: list
             vmax = st["max_exp_avg_sq"].view(-1) if g["amsgrad"] else None
             # torch increments the step before its kernel reads it: every tile reads the incremented value.
             step = st["step"] + 1
-            for a, b in _tiles(slot.numel, tile):
-                state = ([m[a:b]], [v[a:b]], [vmax[a:b]] if vmax is not None else [], [step])
-                jobs.append((slot.offset + a, slot.offset + b, op, state, kw))
+            hyper = adam_kernel.Hyper.of(decoupled, g["lr"], beta1, beta2, g["weight_decay"], g["eps"],
+                                         g["maximize"], float(step)) if in_c else None
+            for a, b in _tiles(slot.numel, tile if hyper is None else _compiled_tile(slot.numel, threads, tile)):
+                # The compiled loop takes whole 64-element blocks; the parameter's last numel % 64 (where torch's
+                # scalar tail may run) stay with torch's kernel.
+                c = a + (b - a) // adam_kernel.ALIGN * adam_kernel.ALIGN if hyper is not None else a
+                if c > a:
+                    jobs.append((slot.offset + a, slot.offset + c, None, (m[a:c], v[a:c]), hyper))
+                if b > c:
+                    state = ([m[c:b]], [v[c:b]], [vmax[c:b]] if vmax is not None else [], [step])
+                    jobs.append((slot.offset + c, slot.offset + b, op, state, kw))
             steps.append(st["step"])
             covered.append((slot.offset, slot.offset + slot.numel))
 
     def run(part: list[tuple]) -> list[torch.Tensor]:
         ties = []
-        for a, b, op, (m, v, vmax, step), kw in part:
-            grad = _load_grad(group, a, b, coefs, grad_source)
-            _unpack(group, a, b, old_ties)
-            op([group.work[a:b]], [grad], m, v, vmax, step, **kw)
-            t = _pack(group, a, b)
+        for a, b, op, state, kw in part:
+            if op is None:
+                t = _compiled_step(compiled, group, a, b, state, kw, coef_t, grad_source, old_ties)
+            else:
+                m, v, vmax, step = state
+                grad = _load_grad(group, a, b, coefs, grad_source)
+                _unpack(group, a, b, old_ties)
+                op([group.work[a:b]], [grad], m, v, vmax, step, **kw)
+                t = _pack(group, a, b)
             if t is not None and t.numel():
                 ties.append(t + a)
         return ties
@@ -159,6 +182,36 @@ def fused_update(optimizer: torch.optim.Optimizer, group: FlatGroup, coefs: list
         for a, b in covered:
             keep = keep[(keep < a) | (keep >= b)]
         group.ties = torch.sort(torch.cat([keep, *new_ties])).values if new_ties or keep.numel() else keep
+
+
+def _compiled_grads(group: FlatGroup, source: torch.Tensor | None) -> bool:
+    """Whether the compiled loop can read this layer's gradients: an FP32 or bf16 slab, or staging."""
+    g = source if source is not None else group.grad
+    return g is not None and g.dtype in (torch.float32, torch.bfloat16) and g.is_contiguous()
+
+
+def _compiled_step(compiled: tuple, group: FlatGroup, a: int, b: int, state: tuple[torch.Tensor, torch.Tensor],
+                   hyper: adam_kernel.Hyper, coefs: torch.Tensor | None, source: torch.Tensor | None,
+                   ties: torch.Tensor) -> torch.Tensor | None:
+    """Elements [a, b) of the layer in the compiled loop (adam_kernel.py); the range's new ties (relative)."""
+    lib, variant = compiled
+    m, v = state
+    grad = source[a:b] if source is not None else group.grad[a:b]
+    write_back = source is None and group.grad_mode is GradSlab.FLOAT32  # (with coefs) a clip in place leaves them
+    mode = group.master_mode
+    if mode is HostMaster.FP32:
+        kind, master, lo = adam_kernel.MASTER_FP32, group.master[a:b], None
+        hi = group.shadow[a:b] if group.shadow is not None and group.owned else None
+    else:
+        kind = adam_kernel.MASTER_HILO if mode is HostMaster.HILO else adam_kernel.MASTER_BF16
+        master, hi, lo = None, group.shadow[a:b], group.lo[a:b] if mode is HostMaster.HILO else None
+    old = torch.empty(0, dtype=torch.int64)
+    if mode is HostMaster.HILO and ties.numel():
+        i, j = torch.searchsorted(ties, torch.tensor([a, b])).tolist()
+        old = ties[i:j] - a
+    new = adam_kernel.step(lib, variant, hyper, grad, None if source is not None else coefs, write_back,
+                           source is not None, kind, master, hi, lo, m, v, old, 0)
+    return new if mode is HostMaster.HILO else None
 
 
 def _load_grad(group: FlatGroup, a: int, b: int, coefs: list[float], source: torch.Tensor | None) -> torch.Tensor:

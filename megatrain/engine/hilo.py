@@ -25,20 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
+
+from . import ckernel
 
 _CHUNK = 1 << 18  # elements per torch tile: its int32/FP32 temporaries stay in the core's cache
 TILE = _CHUNK  # the same for other element-wise passes over a layer (the store's gradient widening)
@@ -48,24 +41,13 @@ _NAN_BITS = int(torch.tensor(float("nan")).view(torch.int32))  # what fill_(nan)
 _TIE_CAP = 1024  # tie positions per kernel call before it hands back for a bigger buffer (rarely reached)
 _PARALLEL_MIN = 1 << 21  # elements: below this one range (threads cost more than they save)
 
-log = logging.getLogger(__name__)
-
 # One pass per element; a block's tie positions are written only when it has any (rare). The formulas are
 # the ones of _split_tile / _join_tile below, on unsigned words (the same bits modulo 2^16 / 2^32).
 _C_SOURCE = r"""
-#include <stdint.h>
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__has_attribute)
-#if __has_attribute(target_clones)
-#define MULTI __attribute__((target_clones("avx2", "default")))
-#endif
-#endif
-#ifndef MULTI
-#define MULTI
-#endif
 #define BLOCK 4096
 
 /* Returns the index where it stopped: n, or the start of a block whose ties did not fit in `ties`. */
-MULTI int64_t hilo_split(const uint32_t *u, uint16_t *hi, uint16_t *lo, int64_t n, int64_t base,
+int64_t hilo_split(const uint32_t *u, uint16_t *hi, uint16_t *lo, int64_t n, int64_t base,
                          int64_t *ties, int64_t cap, int64_t *count, uint32_t *poison, uint32_t nan_bits) {
     int64_t k = *count;
     for (int64_t s = 0; s < n; s += BLOCK) {
@@ -97,7 +79,7 @@ MULTI int64_t hilo_split(const uint32_t *u, uint16_t *hi, uint16_t *lo, int64_t 
     return n;
 }
 
-MULTI void hilo_join(const uint16_t *hi, const uint16_t *lo, uint32_t *out, int64_t n) {
+void hilo_join(const uint16_t *hi, const uint16_t *lo, uint32_t *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         uint32_t l = lo[i];
         out[i] = (((uint32_t)hi[i] - (l > 0x8000u)) << 16) | l;
@@ -126,30 +108,12 @@ def poisoning(x: torch.Tensor) -> Iterator[list[bool]]:
         _poisoning.target = None
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("MEGATRAIN_CACHE") or Path.home() / ".cache" / "megatrain") / "kernels"
-
-
-def _build(cc: str) -> ctypes.CDLL:
-    cmd = shlex.split(cc)  # $CC may carry flags
-    version = subprocess.run([*cmd, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([_C_SOURCE, cc, version, platform.machine()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"hilo-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src, so = Path(tmp) / "hilo.c", Path(tmp) / "hilo.so"
-            src.write_text(_C_SOURCE)
-            subprocess.run([*cmd, "-O3", "-fPIC", "-shared", "-fno-strict-aliasing", "-o", str(so), str(src)],
-                           check=True, capture_output=True, timeout=120)
-            os.replace(so, target)  # atomic: a concurrent build by another process writes the same bytes
-    lib = ctypes.CDLL(str(target))
+def _declare(lib: ctypes.CDLL) -> None:
     p, i64, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32
     lib.hilo_split.argtypes = [p, p, p, i64, i64, p, i64, p, p, u32]
     lib.hilo_split.restype = i64
     lib.hilo_join.argtypes = [p, p, p, i64]
     lib.hilo_join.restype = None
-    return lib
 
 
 def kernel() -> ctypes.CDLL | None:
@@ -158,14 +122,7 @@ def kernel() -> ctypes.CDLL | None:
     if _lib is False:
         with _lib_lock:
             if _lib is False:
-                lib = None
-                cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-                if os.environ.get("MEGATRAIN_HILO_KERNEL", "auto") != "torch" and cc:
-                    try:
-                        lib = _build(cc)
-                    except (OSError, subprocess.SubprocessError) as e:
-                        log.info("hilo: no compiled kernel (%s); using torch ops", e)
-                _lib = lib
+                _lib = ckernel.build("hilo", _C_SOURCE, _declare, "MEGATRAIN_HILO_KERNEL")
     return _lib  # type: ignore[return-value]
 
 

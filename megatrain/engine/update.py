@@ -187,26 +187,29 @@ class InBackward(UpdatePath):
 
     def _update(self, i: int, staging: torch.Tensor, staged: Event) -> Event:
         """Queue layer i's update behind the staging of its gradients (the pipeline's grad_sink)."""
-        group = self.store.layers[i]
-
         def job() -> int:
-            if self._failed_layer is not None:
-                return 0  # an earlier layer's gradient was not finite: step() reports it
-            if self.config.skip_nonfinite and not fused.all_finite(staging[: group.numel]):
-                self._failed_layer = i
-                return 0
-            view = self.layered.view_optimizer(i)
-            if view is not None and fused.eligible(view, group):
-                fused.fused_update(view, group, [], grad_source=staging)  # one pass: staging to updated master
-                return 0
-            gw = group.grad_work
-            gw.zero_()
-            gw.add_(staging)  # 0 + g: the value an ordinary zeroed FP32 slab holds after one backward
-            update_layer(self.layered, group, i, [])
+            self.update_now(i, staging)
             return 0
 
         # Behind the staging copy, and behind whatever last landed for this layer.
         return self.layered.submit(i, job, (staged, self.events.landed[i]))
+
+    def update_now(self, i: int, staging: torch.Tensor) -> None:
+        """Layer i's update from its staged gradients, on the calling thread (the job queued by _update)."""
+        group = self.store.layers[i]
+        if self._failed_layer is not None:
+            return  # an earlier layer's gradient was not finite: step() reports it
+        if self.config.skip_nonfinite and not fused.all_finite(staging[: group.numel]):
+            self._failed_layer = i
+            return
+        view = self.layered.view_optimizer(i)
+        if view is not None and fused.eligible(view, group):
+            fused.fused_update(view, group, [], grad_source=staging)  # one pass: staging to updated master
+            return
+        gw = group.grad_work
+        gw.zero_()
+        gw.add_(staging[: group.numel])  # 0 + g: the value an ordinary zeroed FP32 slab holds after one backward
+        update_layer(self.layered, group, i, [])
 
     def step(self, finite: Callable[[], bool], coefs: list[float]) -> bool:
         """The layers are updated (or the step failed; each layer checked its own): the resident parameters now."""

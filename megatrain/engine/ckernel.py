@@ -1,0 +1,81 @@
+"""Small C kernels compiled on first use with the system's C compiler, cached, and called through ctypes.
+
+ctypes releases the GIL for the call, so a kernel runs beside Python threads. The shared object is cached under
+`$MEGATRAIN_CACHE/kernels` (default `~/.cache/megatrain`), keyed by the source, the compiler and its version and
+the machine, and built once per key; a concurrent build by another process writes the same bytes and renames
+over it atomically. Where there is no compiler (or the build fails) `build` returns None and the caller takes
+its pure-torch path, which every kernel here has and is tested against for the same bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PRELUDE = "#include <stdint.h>\n"
+# -ffp-contract=off: a*b + c stays two roundings unless the source asks for fmaf (bit-exact formulas);
+# -fno-math-errno: sqrtf needs no errno check, so loops over it vectorize (the values are the same).
+FLAGS = ["-O3", "-fPIC", "-shared", "-fno-strict-aliasing", "-ffp-contract=off", "-fno-math-errno"]
+
+
+def arch_flags() -> list[str]:
+    """Vector ISA flags for the CPU torch itself dispatches to: where torch runs its AVX2 (or AVX-512) kernels,
+    the CPU has AVX2 and FMA, so the kernels are built for them (one build per capability, each in the cache
+    key); elsewhere the compiler's baseline."""
+    if platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() != "DEFAULT":
+        return ["-mavx2", "-mfma"]
+    return []
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MEGATRAIN_CACHE") or Path.home() / ".cache" / "megatrain") / "kernels"
+
+
+def compiler() -> str | None:
+    """The C compiler to build with ($CC, else cc or gcc on PATH), or None."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(name: str, source: str, declare: Callable[[ctypes.CDLL], None], disable_env: str) -> ctypes.CDLL | None:
+    """`source` (PRELUDE prepended) compiled and loaded, its functions typed by `declare`; None where there is
+    no compiler, the build fails, or the environment variable `disable_env` is "torch"."""
+    cc = compiler()
+    if os.environ.get(disable_env, "auto") == "torch" or not cc:
+        return None
+    try:
+        lib = ctypes.CDLL(str(_compile(name, PRELUDE + source, cc)))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.info("%s: no compiled kernel (%s); using torch ops", name, e)
+        return None
+    declare(lib)
+    return lib
+
+
+def _compile(name: str, source: str, cc: str) -> Path:
+    cmd = shlex.split(cc)  # $CC may carry flags
+    version = subprocess.run([*cmd, "--version"], capture_output=True, text=True, timeout=30).stdout
+    flags = [*FLAGS, *arch_flags()]
+    key = hashlib.sha256("\0".join([source, cc, version, platform.machine(), *flags]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            src, so = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
+            src.write_text(source)
+            subprocess.run([*cmd, *flags, "-o", str(so), str(src), "-lm"], check=True, capture_output=True,
+                           timeout=120)
+            os.replace(so, target)
+    return target
