@@ -144,7 +144,10 @@ def test_three_ranks_match_one_process_and_negative_control(tmp_path):
     for r in range(3):
         gaps = _gaps(ref, results[r]["slow_updates"])
         assert max(gaps.values()) <= TOL, (r, gaps)
-    assert max(max(_gaps(ref, results[r]["slow_no_tokens"]).values()) for r in range(3)) > 100 * TOL
+    # What the control catches is a rank reading a layer its owner has not written yet: one missed Adam update,
+    # about lr (1e-3) per weight. 10 x TOL: ten times below that signal, hundreds of times above the parity gaps
+    # (~3e-7); at 100 x TOL the threshold sat on the signal itself (measured 1.0033e-3).
+    assert max(max(_gaps(ref, results[r]["slow_no_tokens"]).values()) for r in range(3)) > 10 * TOL
 
 
 def test_two_nodes_of_two_ranks_match_one_process(tmp_path):

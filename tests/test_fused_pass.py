@@ -152,7 +152,9 @@ def test_negative_control_an_update_that_does_not_wait_for_its_gradients_is_caug
 
 
 def test_the_engine_runs_the_fused_pass_bit_identical_to_the_fp32_whole_step(monkeypatch):
-    """Through the engine (hilo, clipping, overlap): the fused pass runs, and gives the FP32 whole step's bits."""
+    """Through the engine: the FP32 master with its bf16 shadow (stepped a layer at a time without overlap, where
+    the fused pass moves fewer bytes than a whole step) and hilo with clipping and overlap both run the fused
+    pass, and both give the bits of torch's optimizer.step() over every master (the whole step)."""
     model = tiny_model("llama", layers=2)
     batches = make_batches(4)
 
@@ -166,26 +168,42 @@ def test_the_engine_runs_the_fused_pass_bit_identical_to_the_fp32_whole_step(mon
         eng.synchronize()
         return out
 
-    def engine(**cfg) -> Engine:
-        return Engine(copy.deepcopy(model), EngineConfig(compute_dtype="bfloat16", loss_chunk_tokens=13, **cfg))
+    def engine(hook: bool = False, **cfg) -> Engine:
+        m = copy.deepcopy(model)
+        opt = None
+        if hook:  # a step hook keeps torch's own optimizer.step() over every master (the whole step)
+            opt = torch.optim.AdamW(m.parameters(), fused=True)
+            opt.register_step_post_hook(lambda *a: None)
+        return Engine(m, EngineConfig(compute_dtype="bfloat16", loss_chunk_tokens=13, **cfg), optimizer=opt)
 
     calls = []
     orig = fused.fused_update
     monkeypatch.setattr(fused, "fused_update", lambda *a, **k: (calls.append(1), orig(*a, **k)))
-    ref = engine()
+    ref = engine(hook=True)  # the reference: the whole step
     a = train(ref)
-    assert not calls  # the default FP32 whole step does not take the per-layer path
-    good = engine(host_master="hilo", optimizer_overlap=True)
-    assert train(good) == a and len(calls) == 2 * (len(batches) - 1)
-    sb = good.state_dict()
-    assert all(torch.equal(v, sb[k]) for k, v in ref.state_dict().items())
+    assert not calls
+    sa = ref.state_dict()
+    for cfg in ({}, {"host_master": "hilo", "optimizer_overlap": True}):
+        calls.clear()
+        eng = engine(**cfg)
+        assert train(eng) == a and len(calls) == 2 * (len(batches) - 1), cfg
+        sb = eng.state_dict()
+        assert all(torch.equal(v, sb[k]) for k, v in sa.items()), cfg
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_all_finite_finds_each_kind_in_any_tile_and_no_overflow(threads):
-    x = torch.full((5 * TILE + 17,), 3e38)  # finite, but a plain sum overflows to inf
+@pytest.mark.parametrize("path", ["compiled", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_all_finite_finds_each_kind_in_any_tile_and_no_overflow(threads, path, dtype, monkeypatch):
+    from megatrain.engine import adam_kernel
+
+    if path == "compiled":
+        assert adam_kernel.kernel() is not None, "the compiled kernel did not build (a C compiler is on PATH here)"
+    else:
+        monkeypatch.setattr(adam_kernel, "_state", None)
+    x = torch.full((5 * TILE + 17,), 3e38, dtype=dtype)  # finite, but a plain sum overflows to inf
+    x[1::2] = -1e-40 if dtype == torch.float32 else -3e38  # subnormals and negatives are finite too
     assert fused.all_finite(x, tile=TILE, threads=threads)
-    assert fused.all_finite(x.bfloat16(), tile=TILE, threads=threads)
     for bad in (float("inf"), float("-inf"), float("nan")):
         for at in (0, 3 * TILE + 5, x.numel() - 1):
             y = x.clone()

@@ -151,6 +151,19 @@ int64_t adam_pass(void *grad, const float *coefs, int64_t ncoef, float *master, 
     *count = k;
     return n;
 }
+
+/* 1 when no element of x (FP32, or bf16 if `half`) is an infinity or a NaN: its exponent bits not all ones. */
+int64_t all_finite(const void *x, int64_t n, int64_t half) {
+    uint32_t bad = 0;
+    if (half) {
+        const uint16_t *h = (const uint16_t *)x;
+        for (int64_t i = 0; i < n; i++) bad |= (h[i] & 0x7F80u) == 0x7F80u;
+    } else {
+        const uint32_t *u = (const uint32_t *)x;
+        for (int64_t i = 0; i < n; i++) bad |= (u[i] & 0x7F800000u) == 0x7F800000u;
+    }
+    return !bad;
+}
 """
 
 log = logging.getLogger(__name__)
@@ -182,6 +195,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.adam_pass.argtypes = [p, p, i64, p, p, p, i64, p, p, i64, p, i64, i64, p, i64, p, p, i64]
     lib.adam_pass.restype = i64
+    lib.all_finite.argtypes = [p, i64, i64]
+    lib.all_finite.restype = i64
 
 
 def kernel() -> tuple[ctypes.CDLL, int] | None:
@@ -241,6 +256,11 @@ def step(lib: ctypes.CDLL, variant: int, hyper: Hyper, grad: torch.Tensor, coefs
     if not out:
         return _NO_TIES
     return torch.cat(out)
+
+
+def all_finite(lib: ctypes.CDLL, x: torch.Tensor) -> bool:
+    """Whether the contiguous FP32 or bf16 `x` holds no infinity or NaN: one read of it, no temporaries."""
+    return bool(lib.all_finite(x.data_ptr(), x.numel(), 1 if x.dtype == torch.bfloat16 else 0))
 
 
 def _tie_buffer() -> torch.Tensor:

@@ -7,7 +7,8 @@ copy that streams to the device, and release the layer to the next load (its `up
 store adds its owner's token or a node barrier after the step, ranks.py). Which path, is chosen once when the
 engine is built (`choose`):
 
-- WholeStep: in step(), on the caller's thread, one optimizer.step() over every master (any torch optimizer).
+- WholeStep: in step(), on the caller's thread, one optimizer.step() over every master (any torch optimizer;
+  an FP32 master with a bf16 shadow and torch's fused Adam/AdamW take Layered instead, `layer_pass_pays`).
 - Layered: in step(), the resident parameters at once and each layer queued on the optimizer thread in forward
   order behind its gradients; with optimizer_overlap step() returns at once (the next forward's load of a
   layer waits for its update), otherwise it waits (the hilo/bf16 masters and bf16 slabs update a layer at
@@ -24,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from ..config import EngineConfig
-from ..costs.modes import GradSlab
+from ..costs.modes import GradSlab, HostMaster
 from . import fused
 from .events import LayerEvents
 from .optim import LayeredStep, unsupported_reason
@@ -271,6 +272,17 @@ def choose(optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEven
         warnings.warn(f"optimizer_overlap: {reason}, so it steps whole after backward", stacklevel=3)
     if config.optimizer_in_backward:
         return InBackward(optimizer, store, events, config, trace)
-    if reason is None and (config.optimizer_overlap or layer_wise):
+    if reason is None and (config.optimizer_overlap or layer_wise or layer_pass_pays(optimizer, store)):
         return Layered(optimizer, store, events, config, trace)
     return WholeStep(optimizer, store, events, config)
+
+
+def layer_pass_pays(optimizer: torch.optim.Optimizer, store: HostStore) -> bool:
+    """Whether a step without overlap is better taken a layer at a time (Layered, waited for in step()): an FP32
+    master with a bf16 shadow and torch's fused Adam/AdamW. The whole step reads and writes every master two
+    more times than the fused pass (the clip's scaling pass and the shadow refresh after optimizer.step()); the
+    fused pass gives the same bits (tests/test_fused_pass.py). An FP32 master without a shadow (FP32 compute)
+    keeps the whole step: there it moves the same bytes but for the clip pass, and takes any optimizer."""
+    return (store.master_mode is HostMaster.FP32 and any(g.shadow is not None for g in store.layers)
+            and unsupported_reason(optimizer) is None
+            and all(g.get("fused") is True for g in optimizer.param_groups))
