@@ -45,9 +45,13 @@ from pathlib import Path
 
 import torch
 
+WHOLE_STEP = "_whole_step"  # not an EngineConfig key: the engine is built with update.layer_pass_pays off
 MODES = [
     ("fp32", {"compute_dtype": "float32"}),
     ("bf16 shadow", {"compute_dtype": "bfloat16"}),
+    # The same mode held to the whole step (one optimizer.step(), the clip and shadow refresh passes around it):
+    # what it ran before update.layer_pass_pays sent it a layer at a time.
+    ("bf16 shadow, whole step", {"compute_dtype": "bfloat16", WHOLE_STEP: True}),
     ("fp32, overlap", {"compute_dtype": "float32", "optimizer_overlap": True}),
     ("bf16 shadow, overlap", {"compute_dtype": "bfloat16", "optimizer_overlap": True}),
     ("hilo", {"compute_dtype": "bfloat16", "host_master": "hilo"}),
@@ -166,7 +170,7 @@ class StepTimeNorm:
 
 def variants(mode: str) -> dict:
     """label -> context manager factory (None: as now)."""
-    per_layer = mode.startswith("hilo") or "overlap" in mode
+    per_layer = mode.startswith("hilo") or "overlap" in mode or mode == "bf16 shadow"
     out = {"unfused": Unfused} if per_layer else {}
     if "in backward" not in mode:
         out["step-time norm + zeroing"] = StepTimeNorm
@@ -182,9 +186,16 @@ def bench_mode(preset, mode: str, cfg: dict, reps: int) -> list[dict]:
 
     from experiments.point import build_preset_model
     from megatrain.config import EngineConfig
-    from megatrain.engine import Engine
+    from megatrain.engine import Engine, update
 
-    eng = Engine(build_preset_model(preset, 0), EngineConfig(device="cpu", parity_probe=False, **cfg))
+    cfg = dict(cfg)
+    saved = update.layer_pass_pays
+    if cfg.pop(WHOLE_STEP, False):
+        update.layer_pass_pays = lambda *a: False
+    try:
+        eng = Engine(build_preset_model(preset, 0), EngineConfig(device="cpu", parity_probe=False, **cfg))
+    finally:
+        update.layer_pass_pays = saved
     ids = torch.randint(0, preset.vocab, (1, 16), generator=torch.Generator().manual_seed(0))
     bound = bytes_bound(eng, mode)
     oib = cfg.get("optimizer_in_backward", False)
@@ -199,13 +210,13 @@ def bench_mode(preset, mode: str, cfg: dict, reps: int) -> list[dict]:
     paired_alone: dict[str, list[float]] = {k: [] for k in vs}
     for r in range(reps + 1):  # the first round warms up (first-touch pages, the kernel's build, the state)
         for label, ctx in vs.items():
-            bw_now = copy_bandwidth(1 << 24, 2)  # the same moment's rate: the machine's load drifts
             with (ctx() if ctx is not None else nullcontext()):
                 loss = eng(input_ids=ids, labels=ids.clone()).loss
                 if oib:
                     # the layer updates run on the optimizer thread during backward: its busy time is theirs
                     eng.synchronize()
                     eng._layered.reset_counters()
+                    bw_before = copy_bandwidth(1 << 24, 2)
                     eng.backward(loss)
                     eng.synchronize()
                     parts = [eng._layered.busy_s]
@@ -215,12 +226,16 @@ def bench_mode(preset, mode: str, cfg: dict, reps: int) -> list[dict]:
                 else:
                     eng.backward(loss)
                     eng.synchronize()
+                    bw_before = copy_bandwidth(1 << 24, 2)
                     parts = []
                     for call in (lambda: eng.clip_grad_norm_(1.0), eng.step, eng.zero_grad):
                         t0 = time.perf_counter()
                         call()
                         eng.synchronize()  # queued layer jobs count where they are queued
                         parts.append(time.perf_counter() - t0)
+            # The rate of the moment: measured just before and just after the timed part (the machine's load
+            # drifts from one second to the next), their mean.
+            bw_now = (bw_before + copy_bandwidth(1 << 24, 2)) / 2
             if r:
                 times[label].append(tuple(parts))
                 if oib:
@@ -328,7 +343,7 @@ def write(rows: list[dict], meta: dict) -> None:
         f"- machine: {meta['cpu']} ({meta['cores']} cores), torch {meta['torch']}, python {meta['python']}",
         f"- commit: {meta['commit']}",
         "",
-        "`x bound, paired`: each round's time against the copy bandwidth measured just before it, best / median",
+        "`x bound, paired`: each round's time against the copy bandwidth measured just before and after it, best / median",
         "of the rounds (the load of a shared machine drifts; this ratio is the steadier one).",
         "",
         "| what | mode | version | ns/param | GB/s | x bound | x bound, paired |",

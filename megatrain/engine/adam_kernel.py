@@ -21,6 +21,7 @@ elements (where torch's scalar tail may run) are left to the caller's torch path
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 import threading
@@ -181,6 +182,7 @@ class Hyper:
     flags: int
 
     @staticmethod
+    @functools.lru_cache(maxsize=64)  # a layer's parameters share their group's settings and (mostly) step
     def of(adamw: bool, lr: float, beta1: float, beta2: float, weight_decay: float, eps: float, maximize: bool,
            step: float) -> Hyper:
         # In double, as torch's kernel computes them before rounding each to float.

@@ -1,19 +1,24 @@
-"""One pass over a layer's host state per step: the fused AdamW update a cache-sized tile at a time.
+"""One pass over a layer's host state per step: the whole AdamW update, gradient in, master out.
 
 The per-layer update used to be whole-layer passes one after another: widen a bf16 gradient slab (or scale
 an FP32 one by the clip), join the hi/lo master into the FP32 scratch, torch's fused AdamW over the layer,
 split the scratch back (or refresh the bf16 shadow). Each pass streams the whole layer through memory. Here
-every pass runs on one tile before the next tile is touched, so the widened gradient, the joined master and
-the updated values are read back from cache, not memory: what crosses memory is the gradient, m, v and the
-master (or its halves) once each way, which is the bytes bound of experiments/studies/host_passes.py.
+what crosses memory is the gradient, m, v and the master (or its halves) once each way, which is the bytes
+bound of experiments/studies/host_passes.py:
 
-The AdamW itself is torch's fused CPU kernel called on tile views, which gives the same bits as one call
+- compiled (adam_kernel.py, where a C compiler is found and its self-check matched torch's kernel): every
+  step of the update in one loop per element, each parameter cut into one range per worker;
+- otherwise torch ops on a cache-sized tile at a time, every pass on one tile before the next tile is
+  touched, so the widened gradient, the joined master and the updated values are read back from cache.
+
+Either AdamW gives torch's bits. torch's fused CPU kernel called on tile views gives the same bits as one call
 over the whole tensor as long as every tile starts at a multiple of the kernel's vector width from the
 tensor's start (its scalar tail then falls on the same elements; tests/test_fused_pass.py checks this, and
-that a misaligned tile is caught). The clip scale is multiplied into each gradient tile just before the
-AdamW reads it: the same products as scaling the whole slab first. Only torch's Adam/AdamW with fused=True
-(the engine's default) take this path, and only once their state exists; anything else updates the layer
-in whole-layer passes (update.update_layer).
+that a misaligned tile is caught); the compiled loop reproduces its vector loop and leaves each parameter's
+last numel % 64 elements to it. The clip scale is multiplied into each gradient just before the AdamW reads
+it: the same products as scaling the whole slab first. Only torch's Adam/AdamW with fused=True (the engine's
+default) take this path, and only once their state exists; anything else updates the layer in whole-layer
+passes (update.update_layer).
 """
 
 from __future__ import annotations
@@ -147,7 +152,7 @@ def fused_update(optimizer: torch.optim.Optimizer, group: FlatGroup, coefs: list
             # torch increments the step before its kernel reads it: every tile reads the incremented value.
             step = st["step"] + 1
             hyper = adam_kernel.Hyper.of(decoupled, g["lr"], beta1, beta2, g["weight_decay"], g["eps"],
-                                         g["maximize"], float(step)) if in_c else None
+                                         g["maximize"], float(st["step"]) + 1) if in_c else None
             for a, b in _tiles(slot.numel, tile if hyper is None else _compiled_tile(slot.numel, threads, tile)):
                 # The compiled loop takes whole 64-element blocks; the parameter's last numel % 64 (where torch's
                 # scalar tail may run) stay with torch's kernel.
@@ -185,7 +190,7 @@ def fused_update(optimizer: torch.optim.Optimizer, group: FlatGroup, coefs: list
     if group.master_mode is HostMaster.HILO:
         # Ties of the ranges no parameter of the optimizer covers (frozen ones) stay as they were.
         keep = old_ties
-        for a, b in covered:
+        for a, b in covered if keep.numel() else ():
             keep = keep[(keep < a) | (keep >= b)]
         group.ties = torch.sort(torch.cat([keep, *new_ties])).values if new_ties or keep.numel() else keep
 
