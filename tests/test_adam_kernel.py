@@ -176,9 +176,9 @@ def test_non_finite_values_give_torchs_results_up_to_nan_signs(compiled):
             assert torch.equal(_bits(a[ok]), _bits(b[ok]))
 
 
-def test_the_fused_pass_runs_the_compiled_loop_in_every_mode(compiled, monkeypatch):
-    """Where the kernel is there the fused pass takes it (the parity tests of test_fused_pass.py then test it),
-    for every master kind, with the parameters' tails left to torch's kernel."""
+def test_the_fused_pass_runs_the_compiled_loop_for_split_and_bf16_masters(compiled, monkeypatch):
+    """Where the kernel is there the fused pass takes it for a hi/lo master (the parity tests of test_fused_pass.py
+    then test it), with the parameters' tails left to torch's kernel; an FP32 master keeps torch's kernel."""
     from test_fused_pass import MODES, _differences, _run
 
     kinds = []
@@ -187,10 +187,31 @@ def test_the_fused_pass_runs_the_compiled_loop_in_every_mode(compiled, monkeypat
     for master, grad in MODES:
         kinds.clear()
         assert not _differences(*_run(master, grad))
-        assert kinds, (master, grad)
+        assert set(kinds) == (set() if master.value == "fp32" else {K.MASTER_HILO}), (master, grad, kinds)
     monkeypatch.setattr(K, "_state", None)  # no compiler: torch's kernel, the same bits
     kinds.clear()
     assert not _differences(*_run(*MODES[1])) and not kinds
+
+
+@pytest.mark.parametrize("bump", [True, False], ids=["as built", "negative control: no version bump"])
+def test_the_clipped_slab_written_back_moves_its_version_counter(compiled, bump, monkeypatch):
+    """The loop stores the clipped FP32 gradients back into the slab (what torch's clip in place leaves) behind
+    torch's back; a norm cached from the slab is reused only while its version counter is unchanged
+    (slab_state.py), so the fused pass bumps the counter as torch's own in-place scaling does."""
+    import test_fused_pass
+    from test_fused_pass import COEFS, _run
+
+    from megatrain.engine import fused
+    from megatrain.modes import GradSlab, HostMaster
+
+    # whole 64-element blocks only: no tail goes through torch's in-place scaling, which would bump it anyway
+    monkeypatch.setattr(test_fused_pass, "SHAPES", [("a", torch.Size([64, 129])), ("b", torch.Size([4096]))])
+    if not bump:
+        monkeypatch.setattr(torch.autograd.graph, "increment_version", lambda t: None)
+    _, _, grp, opt = _run(HostMaster.HILO, GradSlab.FLOAT32, steps=2)  # the state exists: the pass is eligible
+    before = grp.grad._version
+    fused.fused_update(opt, grp, COEFS)
+    assert (grp.grad._version != before) is bump
 
 
 def test_no_compiler_or_opt_out_leaves_torchs_kernel(monkeypatch):

@@ -29,6 +29,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
 
+from .host_copy import to_device
+
 NAME = "megatrain_segments"  # always per segment
 AUTO_NAME = "megatrain_segments_auto"  # HF's dense mask while it is small, per segment beyond
 # Families whose decoder attention hands the attention function (q, k, v, mask, dropout, scaling, ...)
@@ -140,7 +142,7 @@ def _segments_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
             for i in range(batch_size)]
     for row in rows:
         if row.valid_idx is not None and row.valid_idx.device != valid.device:
-            row.valid_idx = row.valid_idx.to(valid.device, non_blocking=True)
+            row.valid_idx = to_device(row.valid_idx, valid.device)
     return Segments(rows, dense)
 
 

@@ -13,6 +13,8 @@ import copy
 import torch
 from torch import nn
 
+from .host_copy import to_device
+
 
 def check_embedding(embed: nn.Embedding) -> None:
     """Refuse lookups whose gradient cannot be taken row by row."""
@@ -38,7 +40,7 @@ def lookup_grad(embed: nn.Embedding, ids: torch.Tensor, grad_out: torch.Tensor,
     host_ids = ids if (ids.device != dev if host is None else host) else None
     if host_ids is not None:
         host_rows, host_index = torch.unique(host_ids.long(), return_inverse=True)
-        rows, index = host_rows.to(dev, non_blocking=True), host_index.to(dev, non_blocking=True)
+        rows, index = to_device(host_rows, dev), to_device(host_index, dev)
     else:
         rows, index = torch.unique(ids, return_inverse=True)
     used = embed.weight.detach().index_select(0, rows).requires_grad_(True)
@@ -51,7 +53,7 @@ def lookup_grad(embed: nn.Embedding, ids: torch.Tensor, grad_out: torch.Tensor,
         if embed.padding_idx is None:
             return host_rows, grad
         keep = (host_rows != embed.padding_idx).nonzero().squeeze(1)
-        return host_rows.index_select(0, keep), grad.index_select(0, keep.to(dev, non_blocking=True))
+        return host_rows.index_select(0, keep), grad.index_select(0, to_device(keep, dev))
     if embed.padding_idx is not None:
         keep = rows != embed.padding_idx
         rows, grad = rows[keep], grad[keep]

@@ -33,6 +33,7 @@ from .distributed import join_ranks
 from .embedding import check_embedding, lookup_grad
 from .events import LayerEvents
 from .global_grads import GlobalGradSink
+from .host_copy import to_device
 from .loading import skeleton_from_dir
 from .loss import chunked_causal_lm_loss, head_logits, tiled_norm_head_loss
 from .malloc import set_mmap_threshold
@@ -197,9 +198,9 @@ class Engine:
         self.templates.train(self.training)  # the user may have switched modes on the model object itself
         train = self.training and torch.is_grad_enabled()
         dev = self.device
-        ids = input_ids.to(dev, torch.long, non_blocking=True)  # check_batch admits int8..int32; embedding takes long
-        mask = attention_mask.to(dev, non_blocking=True) if attention_mask is not None else None
-        pos = position_ids.to(dev, non_blocking=True) if position_ids is not None else None
+        ids = to_device(input_ids, dev, torch.long)  # check_batch admits int8..int32; embedding takes long
+        mask = to_device(attention_mask, dev) if attention_mask is not None else None
+        pos = to_device(position_ids, dev) if position_ids is not None else None
         with torch.no_grad():
             h0 = self.parts.embed(ids)
         h0.requires_grad_(train)  # the lookup's gradient is scattered by hand in backward (no vocab x hidden)

@@ -135,7 +135,11 @@ def fused_update(optimizer: torch.optim.Optimizer, group: FlatGroup, coefs: list
     jobs: list[tuple] = []  # (tile start in the layer, end, its op's arguments)
     steps: list[torch.Tensor] = []
     covered: list[tuple[int, int]] = []
-    compiled = adam_kernel.kernel() if _compiled_grads(group, grad_source) else None
+    # The compiled loop where it saves passes: a hi/lo or bf16 master (torch's kernel needs it unpacked into a
+    # scratch and packed back). An FP32 master is torch's kernel's own input: measured, the tile path was as fast
+    # or faster there (results/host_passes, "fused, torch AdamW" of the FP32 modes).
+    compiled = (adam_kernel.kernel() if group.master_mode is not HostMaster.FP32 and _compiled_grads(group, grad_source)
+                else None)
     coef_t = torch.tensor(coefs, dtype=torch.float32) if coefs else None
     for g in optimizer.param_groups:
         beta1, beta2 = g["betas"]
@@ -186,6 +190,10 @@ def fused_update(optimizer: torch.optim.Optimizer, group: FlatGroup, coefs: list
     else:
         parts = _split_runs(jobs, [b - a for a, b, *_ in jobs], n)
         new_ties = [t for ts in workers(n).map(run, parts) for t in ts]
+    if compiled is not None and coefs and grad_source is None and group.grad_mode is GradSlab.FLOAT32:
+        # The compiled loop wrote the clipped gradients back into the slab behind torch's back: bump its version
+        # counter as an in-place op would, so a norm cached from the unscaled slab (slab_state.py) is not reused.
+        torch.autograd.graph.increment_version(group.grad)
     torch._foreach_add_(steps, 1)  # what torch's step() leaves in the state
     if group.master_mode is HostMaster.HILO:
         # Ties of the ranges no parameter of the optimizer covers (frozen ones) stay as they were.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .host_copy import to_device
+
 IGNORE_INDEX = -100
 
 
@@ -81,8 +83,8 @@ def chunked_causal_lm_loss(hidden: torch.Tensor, head: torch.nn.Linear, labels: 
     valid = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     n_valid = valid.numel()
     dev = hidden.device
-    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, valid.to(dev, non_blocking=True))
-    total = _ChunkedHeadLoss.apply(h, head.weight, head.bias, targets.index_select(0, valid).to(dev, non_blocking=True),
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, to_device(valid, dev))
+    total = _ChunkedHeadLoss.apply(h, head.weight, head.bias, to_device(targets.index_select(0, valid), dev),
                                    chunk_tokens, softcap)
     if num_items_in_batch is None:
         return total / n_valid
@@ -161,8 +163,8 @@ def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torc
         if keep.numel() == 0:
             grad_x[s: s + tile_tokens].zero_()
             continue
-        idx = keep.to(dev, non_blocking=True)
-        t = targets[s: s + tile_tokens].index_select(0, keep).to(dev, non_blocking=True)
+        idx = to_device(keep, dev)
+        t = to_device(targets[s: s + tile_tokens].index_select(0, keep), dev)
         hc = hn.detach().index_select(0, idx)
         with torch.no_grad():
             logits = _logits(hc, weight, bias, softcap)
