@@ -83,7 +83,10 @@ def _train(section: dict[str, Any], accumulation: int, micro: int, world: int, r
 
 def _bf16_rounded(run):
     """`run()` with each layer's FP32 slab rounded to bf16 as its update reads it: what the ranks' bf16 slab
-    holds (the FP32 sum of the micro-batches' gradients, rounded once)."""
+    holds (the FP32 sum of the micro-batches' gradients, rounded once). The hook sits in the store's gradient
+    load, which the compiled one-loop update (engine/adam_kernel.py) does not call: the reference runs torch's
+    AdamW kernel per tile instead, so the ranks' compiled loop is also checked against torch's bits here."""
+    from megatrain.engine import adam_kernel
     from megatrain.engine.store import FlatGroup
 
     load = FlatGroup.load_grads
@@ -94,10 +97,13 @@ def _bf16_rounded(run):
         return load(self, coefs)
 
     FlatGroup.load_grads = rounded
+    adam_kernel.kernel()
+    compiled, adam_kernel._state = adam_kernel._state, None
     try:
         return run()
     finally:
         FlatGroup.load_grads = load
+        adam_kernel._state = compiled
 
 
 def accelerator_hilo(example, accumulation: int) -> dict[str, Any]:
