@@ -6,7 +6,9 @@ of a tile, and the tiles are too big to stay in cache between them (smaller ones
 than they save, results/host_passes). Here one C loop reads each element's gradient (FP32 or bf16, times the
 pending clip scales), its master (FP32, hi + lo, or bf16), m and v once, and writes the master (and the bf16
 copy that streams), m and v once: the bytes bound of experiments/studies/host_passes.py, with 1024-element
-blocks of FP32 temporaries that never leave L1.
+blocks of FP32 temporaries that never leave L1. The fused pass uses it for hi/lo and bf16 masters; an FP32
+master is torch's kernel's own input, and there this loop measured no faster (results/host_passes), so the
+FP32 kind serves the self-check below.
 
 Its AdamW is the arithmetic of torch's fused CPU kernel's vector loop, operation for operation (IEEE
 add/mul/div/sqrt round the same everywhere; what can differ between torch builds is which `a*b + c` its compiler
