@@ -31,6 +31,7 @@ import torch
 from ..costs.modes import GradSlab, HostMaster
 from . import adam_kernel, hilo
 from .store import FlatGroup
+from .threads import set_team
 
 TILE = 1 << 22  # elements: 256K-element tiles lost more to per-tile overhead than they gained (results/host_passes)
 _ALIGN = 1 << 6  # torch's vectorized loops take 16 or 32 FP32 lanes at a time: tiles start on a multiple of 64
@@ -75,7 +76,7 @@ def _compiled_tile(numel: int, threads: int | None, tile: int) -> int:
 def _worker_init() -> None:
     # Each worker is one core's worth of work: a torch op inside it must not open an OpenMP team of its own
     # (on a loaded machine every small parallel region waits for a descheduled team member).
-    torch.set_num_threads(1)
+    set_team(1)
 
 
 def workers(n: int) -> ThreadPoolExecutor:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .threads import set_team
+
 
 class WatchdogError(RuntimeError):
     """A stream made no progress for longer than the configured watchdog time."""
@@ -372,7 +374,7 @@ class CopyStream:
             fn, afters, done, kind, layer = self._queue.get()
             if self.threads != applied and self.threads is not None:
                 applied = self.threads
-                torch.set_num_threads(applied)  # this thread's own OpenMP team
+                set_team(applied)  # this thread's own OpenMP team (not the process-wide default)
             try:
                 for after in afters:
                     after.host_wait(self.watchdog_s)
