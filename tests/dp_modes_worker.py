@@ -82,27 +82,26 @@ def _train(section: dict[str, Any], accumulation: int, micro: int, world: int, r
 
 
 def _bf16_rounded(run):
-    """`run()` with each layer's FP32 slab rounded to bf16 as its update reads it: what the ranks' bf16 slab
-    holds (the FP32 sum of the micro-batches' gradients, rounded once). The hook sits in the store's gradient
-    load, which the compiled one-loop update (engine/adam_kernel.py) does not call: the reference runs torch's
-    AdamW kernel per tile instead, so the ranks' compiled loop is also checked against torch's bits here."""
-    from megatrain.engine import adam_kernel
-    from megatrain.engine.store import FlatGroup
+    """`run()` with each layer's FP32 slab rounded to bf16 before its update reads it: what the ranks' bf16 slab
+    holds (the FP32 sum of the micro-batches' gradients, rounded once); the resident parameters' FP32 slab is left
+    as the ranks' is. The reference runs torch's AdamW kernel per tile, so the ranks' compiled one-loop update
+    (engine/adam_kernel.py) is also checked against torch's bits here."""
+    from megatrain.engine import adam_kernel, update
 
-    load = FlatGroup.load_grads
+    update_layer = update.update_layer
 
-    def rounded(self, coefs):
-        if self.grad is not None and self.grad.dtype == torch.float32:
-            self.grad.copy_(self.grad.to(torch.bfloat16))
-        return load(self, coefs)
+    def rounded(layered, group, i, coefs):
+        if group.grad is not None and group.grad.dtype == torch.float32:
+            group.grad.copy_(group.grad.to(torch.bfloat16))
+        return update_layer(layered, group, i, coefs)
 
-    FlatGroup.load_grads = rounded
+    update.update_layer = rounded
     adam_kernel.kernel()
     compiled, adam_kernel._state = adam_kernel._state, None
     try:
         return run()
     finally:
-        FlatGroup.load_grads = load
+        update.update_layer = update_layer
         adam_kernel._state = compiled
 
 

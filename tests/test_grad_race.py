@@ -64,7 +64,8 @@ def test_step_waits_for_landing_gradients(clip, overlap, skip):
 def _remove_the_waits(monkeypatch):
     monkeypatch.setattr(LayerEvents, "wait_grads", lambda self: None)
     step = LayeredStep.step
-    monkeypatch.setattr(LayeredStep, "step", lambda self, after, landed: step(self, after, [DONE] * len(landed)))
+    monkeypatch.setattr(LayeredStep, "step",
+                        lambda self, after, landed, *rest: step(self, after, [DONE] * len(landed), *rest))
 
 
 @pytest.mark.parametrize("overlap", (False, True))

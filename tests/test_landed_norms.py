@@ -138,3 +138,31 @@ def test_overwrite_is_zero_plus_g_in_one_pass(dtype):
     accumulate(got, src, torch.empty(8), overwrite=True)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # the bits: +0 where src holds -0
     assert not torch.signbit(got[src == 0]).any()
+
+
+@pytest.mark.parametrize("cfg", [{"optimizer_overlap": True}, {"host_master": "hilo", "compute_dtype": "bfloat16"}],
+                         ids=["fp32 overlap", "hilo"])
+def test_a_norm_read_again_after_a_folded_clip_is_of_the_clipped_gradients(model, cfg):
+    """A per-layer path leaves the clip pending on the FP32 slabs (the layers' and the resident parameters') until
+    the update scales them; a norm read again in between (a .grad written by hand invalidates the cached one) is
+    the norm of the clipped gradients, and after step() every slab holds the clipped gradients: the bits of a
+    whole step's engine, which scaled its slabs in place."""
+    def norms(eng: Engine) -> list[float]:
+        eng.backward(eng(**BATCHES[0]).loss)
+        first = eng.clip_grad_norm_(0.05)
+        eng.store.layers[0].params[0].grad.mul_(1.0)  # a hand-written .grad: its slab's version moves
+        second = eng.grad_norm()
+        eng.step()  # the slabs then hold what a clip in place leaves (the resident parameters' too)
+        eng.synchronize()  # (with overlap the layer updates are still queued)
+        return [first, second, *[g.grad.float() for g in eng.store.groups()]]
+
+    # The reference: the FP32 master stepped whole (an optimizer with a step hook is never split into layers).
+    m = copy.deepcopy(model)
+    opt = torch.optim.AdamW(m.parameters(), fused=True)
+    opt.register_step_post_hook(lambda *a: None)
+    ref_cfg = {k: v for k, v in cfg.items() if k not in ("optimizer_overlap", "host_master")}
+    ref = norms(Engine(m, EngineConfig(**ref_cfg), optimizer=opt))
+    got = norms(_engine(model, **cfg))
+    assert got[:2] == ref[:2]
+    assert got[1] < got[0] * 0.5  # the clip took effect: the second read is not the unclipped norm
+    assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got[2:], ref[2:]))

@@ -303,7 +303,7 @@ class Engine:
         self._pending = None
         self._unbackwarded = []
         self._norm = None
-        if self.update.folds_clip and self._clip_coefs and self.store.grad_mode is GradSlab.FLOAT32:
+        if self._clip_folded() and self._clip_coefs:
             self._apply_clip(self._clip_coefs)  # a clip before more accumulation scales only what came before
             self._clip_coefs = []
         t0 = time.perf_counter()
@@ -366,8 +366,8 @@ class Engine:
                 if cached[i] is not None:
                     norms.append(cached[i])
                     continue
-                if g.dtype != torch.float32:
-                    g = g.float()
+                if g.dtype != torch.float32 or (self._clip_coefs and self._clip_folded()):
+                    g = g.to(torch.float32, copy=True)  # the clip still pending on it, applied to a copy
                     for c in self._clip_coefs:
                         g.mul_(c)
                 norms.append(torch.linalg.vector_norm(g))
@@ -389,21 +389,28 @@ class Engine:
         total = self.grad_norm()
         coef = min(max_norm / (total + 1e-6), 1.0)
         if coef < 1.0:  # multiplying by exactly 1.0 is what torch does otherwise: a no-op
-            # bf16 slabs: scaled in FP32 as they widen (no bf16 rounding); a per-layer update path scales each
-            # layer's FP32 slab in its fused pass (engine/fused.py) instead of a pass of its own here.
-            self._apply_clip([coef], layers=not self.update.folds_clip)
-            if self.store.grad_mode is GradSlab.BFLOAT16 or self.update.folds_clip:
+            # bf16 slabs: scaled in FP32 as they widen (no bf16 rounding); a per-layer update path with FP32 slabs
+            # scales every slab (the resident parameters' too) in its update's pass (engine/fused.py) instead of a
+            # pass of its own here.
+            if not self._clip_folded():
+                self._apply_clip([coef])
+            if self.store.grad_mode is GradSlab.BFLOAT16 or self._clip_folded():
                 self._clip_coefs.append(coef)
             self._norm = total * coef
             self._norm_at = self._slab_versions()  # the clip's own in-place scaling is not a hand-written change
         return total
 
-    def _apply_clip(self, coefs: list[float], layers: bool = True) -> None:
-        """Scale the FP32 slabs (the resident parameters' always, the layers' if `layers`) by `coefs` now."""
+    def _apply_clip(self, coefs: list[float]) -> None:
+        """Scale the FP32 slabs by `coefs` now."""
         for g in self._all_grads():
-            if g.dtype == torch.float32 and (layers or g is self.store.globals.grad):
+            if g.dtype == torch.float32:
                 for c in coefs:
                     g.mul_(c)
+
+    def _clip_folded(self) -> bool:
+        """Whether a clip stays pending on the FP32 slabs until the update scales them in its pass (a per-layer
+        path with FP32 slabs); with bf16 slabs the resident parameters' FP32 slab is scaled at the clip."""
+        return self.update.folds_clip and self.store.grad_mode is GradSlab.FLOAT32
 
     def _all_grads(self) -> list[torch.Tensor]:
         """This rank's gradient slabs (a shared store: its own layers' and the resident parameters'), landed."""
@@ -424,7 +431,7 @@ class Engine:
         if not self.update.step(self._finite, self._clip_coefs):
             return False
         self._norm_at = None  # the update may scale the slabs in place (a folded clip): the norm stays as clipped
-        if self.update.folds_clip and self.store.grad_mode is GradSlab.FLOAT32:
+        if self._clip_folded():
             self._clip_coefs = []  # applied in place on the FP32 slabs by the update: not again by a second step()
         self.ranks.release(self.events, self.update.overlapped)
         self.placement.globals_changed()

@@ -137,10 +137,12 @@ def fused_update(optimizer: torch.optim.Optimizer, group: FlatGroup, coefs: list
     steps: list[torch.Tensor] = []
     covered: list[tuple[int, int]] = []
     # The compiled loop where it saves passes: a hi/lo or bf16 master (torch's kernel needs it unpacked into a
-    # scratch and packed back). An FP32 master is torch's kernel's own input: measured, the tile path was as fast
-    # or faster there (results/host_passes, "fused, torch AdamW" of the FP32 modes).
-    compiled = (adam_kernel.kernel() if group.master_mode is not HostMaster.FP32 and _compiled_grads(group, grad_source)
-                else None)
+    # scratch and packed back), or a clip pending on an FP32 slab (scaled and written back in the same loop, not
+    # in a pass of its own). An FP32 master with nothing to fold is torch's kernel's own input: measured, the tile
+    # path was as fast there (results/host_passes, "fused, torch AdamW" of the FP32 modes).
+    folds = bool(coefs) and grad_source is None and group.grad_mode is GradSlab.FLOAT32
+    compiled = (adam_kernel.kernel() if (group.master_mode is not HostMaster.FP32 or folds)
+                and _compiled_grads(group, grad_source) else None)
     coef_t = torch.tensor(coefs, dtype=torch.float32) if coefs else None
     for g in optimizer.param_groups:
         beta1, beta2 = g["betas"]

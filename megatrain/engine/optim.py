@@ -122,13 +122,15 @@ class LayeredStep:
         for own, main in view.pairs:
             view.optimizer.state[own] = self.optimizer.state[main]  # the same dict: filled in place
 
-    def step(self, update_layer: Callable[[int], None], landed: list[Event]) -> None:
-        """Update the globals now and queue `update_layer(i)` for every layer, each after `landed[i]`, its
-        gradients' last reduction into the slab: in forward order, the reverse of the order backward lands them."""
+    def step(self, update_layer: Callable[[int], None], landed: list[Event],
+             update_globals: Callable[[torch.optim.Optimizer], None] | None = None) -> None:
+        """Update the globals now (`update_globals(their optimizer view)`, default its step()) and queue
+        `update_layer(i)` for every layer, each after `landed[i]`, its gradients' last reduction into the slab:
+        in forward order, the reverse of the order backward lands them."""
         self.synchronize()  # the previous step's jobs (cheap: the forward has waited for them already)
         self._sync(self._globals)
         if self._globals is not None:
-            self._globals.optimizer.step()
+            (update_globals or torch.optim.Optimizer.step)(self._globals.optimizer)
         for i, view in enumerate(self._views):
             self._sync(view)
 
@@ -170,12 +172,6 @@ class LayeredStep:
         """Layer i's view of the optimizer (None: a layer another rank updates)."""
         view = self._views[i]
         return view.optimizer if view is not None else None
-
-    def step_layer(self, i: int) -> None:
-        """Layer i's AdamW, on the caller's thread (an optimizer-stream job); its master unpacked already."""
-        view = self._views[i]
-        if view is not None:
-            view.optimizer.step()
 
     def step_globals(self) -> None:
         if self._globals is not None:

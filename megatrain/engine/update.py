@@ -38,13 +38,19 @@ def update_layer(layered: LayeredStep, group: FlatGroup, i: int, coefs: list[flo
     streamed copy written back; in one pass of cache-sized tiles where the optimizer allows (fused.py)."""
     if group.grad is not None:
         layered.events.slabs.zero_if_fresh(i, group.grad)  # a step after zero_grad() with no backward: zeros
-    view = layered.view_optimizer(i)
+    update_group(layered.view_optimizer(i), group, coefs)
+
+
+def update_group(view: torch.optim.Optimizer | None, group: FlatGroup, coefs: list[float]) -> None:
+    """`group`'s update by `view` (its share of the optimizer; None: another rank's), its gradients times
+    `coefs`: the fused pass where it applies, else whole-group passes (load and scale, unpack, step, pack)."""
     if view is not None and fused.eligible(view, group):
         fused.fused_update(view, group, coefs)
         return
     group.load_grads(coefs)
     group.unpack()
-    layered.step_layer(i)
+    if view is not None:
+        view.step()
     group.pack()
 
 
@@ -137,12 +143,20 @@ class Layered(UpdatePath):
         self.events.wait_global_grads()  # the globals are updated right away; each layer waits for its own
         layered, layers, coefs = self.layered, self.store.layers, list(coefs)
         spill = getattr(layered, "spill", None)  # the NVMe tier (spill.py): spilled state read in around each update
+        # The resident parameters: with FP32 slabs the clip is folded into their update too (Engine._clip_folded);
+        # with bf16 slabs clip_grad_norm_ scaled their FP32 slab already.
+        pending = coefs if self.store.grad_mode is GradSlab.FLOAT32 else []
+        globals_ = self.store.globals
+
+        def update_globals(view: torch.optim.Optimizer) -> None:
+            update_group(view, globals_, pending)
+
         if spill is not None:
             spill.begin_step()
             layered.step(lambda i: spill.around(i, lambda: update_layer(layered, layers[i], i, coefs)),
-                         self.events.landed)
+                         self.events.landed, update_globals)
         else:
-            layered.step(lambda i: update_layer(layered, layers[i], i, coefs), self.events.landed)
+            layered.step(lambda i: update_layer(layered, layers[i], i, coefs), self.events.landed, update_globals)
         if not self.overlapped:
             layered.synchronize()  # a per-layer mode without overlap: step() returns with every layer done
         return True
