@@ -5,7 +5,7 @@ The step-time model (step_time.py) counts the bytes each mode's update moves per
 the profile's host optimizer rate (Hardware.optimizer_bps: the FP32 AdamW's, measured where a profile has it).
 The modes differ in how close their passes come to those bytes (hilo's split and join, bf16 widening, per-layer
 jobs), so each mode's rate is the profile's rate times FP32's ratio to the bound over the mode's own. The ratios
-are the paired "x bound" (best round) of results/host_passes/ where measured; a mode not measured there
+are the paired "x bound" (median of the rounds) of results/host_passes/ where measured; a mode not measured there
 says "assumed" and what it is assumed to be like.
 """
 
@@ -32,19 +32,17 @@ class HostRate:
 
 _RUN = "measured: results/host_passes (llama-100m, 2-core CPU, paired median)"
 HOST_RATES: dict[str, HostRate] = {
-    "fp32": HostRate(0.80, _RUN),
-    "fp32, overlap": HostRate(0.84, _RUN),
-    "bf16 shadow": HostRate(1.03, _RUN),
-    # The same per-layer pass as "bf16 shadow" (which now takes it a layer at a time too), queued instead of
-    # waited for: its own rows read 1.22 and 1.34 in that run for the same code, the spread of the machine.
-    "bf16 shadow, overlap": HostRate(1.03, "measured: as bf16 shadow (the same per-layer pass, results/host_passes)"),
-    "hilo": HostRate(1.44, _RUN),
-    "hilo + bf16 slabs": HostRate(1.42, _RUN),
+    "fp32": HostRate(0.95, _RUN),
+    "fp32, overlap": HostRate(0.78, _RUN),
+    "bf16 shadow": HostRate(0.98, _RUN),
+    "bf16 shadow, overlap": HostRate(0.94, _RUN),
+    "hilo": HostRate(0.99, _RUN),
+    "hilo + bf16 slabs": HostRate(0.99, _RUN),
     # Its per-layer updates run with no backward computing beside them ("layer updates alone"): on the 2-core
-    # CPU the backward's compute shares the cores (2.90x there), on a GPU host it runs on the device.
-    "hilo, optimizer in backward": HostRate(1.33, _RUN + ", per-layer updates alone"),
-    "fp32, optimizer in backward": HostRate(0.84, "assumed: as the FP32 fused per-layer pass (fp32, overlap)"),
-    "bf16 master": HostRate(1.42, "assumed: as hilo + bf16 slabs (the same passes less the lo half)"),
+    # CPU the backward's compute shares the cores (2.16x there), on a GPU host it runs on the device.
+    "hilo, optimizer in backward": HostRate(1.26, _RUN + ", per-layer updates alone"),
+    "fp32, optimizer in backward": HostRate(0.78, "assumed: as the FP32 fused per-layer pass (fp32, overlap)"),
+    "bf16 master": HostRate(0.99, "assumed: as hilo + bf16 slabs (the same passes less the lo half)"),
 }
 
 
