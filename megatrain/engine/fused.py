@@ -202,7 +202,7 @@ def fused_update(optimizer: torch.optim.Optimizer, group: FlatGroup, coefs: list
         else:
             parts = _split_runs(jobs, [b - a for a, b, *_ in jobs], n)
         new_ties = [t for ts in workers(n).map(run, parts) for t in ts]
-    if compiled is not None and coefs and grad_source is None and group.grad_mode is GradSlab.FLOAT32:
+    if compiled is not None and folds:
         # The compiled loop wrote the clipped gradients back into the slab behind torch's back: bump its version
         # counter as an in-place op would, so a norm cached from the unscaled slab (slab_state.py) is not reused.
         torch.autograd.graph.increment_version(group.grad)

@@ -130,7 +130,10 @@ class LayeredStep:
         self.synchronize()  # the previous step's jobs (cheap: the forward has waited for them already)
         self._sync(self._globals)
         if self._globals is not None:
-            (update_globals or torch.optim.Optimizer.step)(self._globals.optimizer)
+            if update_globals is None:
+                self._globals.optimizer.step()
+            else:
+                update_globals(self._globals.optimizer)
         for i, view in enumerate(self._views):
             self._sync(view)
 
