@@ -29,3 +29,20 @@ def test_an_engine_tears_down_the_group_it_trained_with_at_exit():
 
 def test_control_without_an_engine_the_group_is_left_to_finalization():
     assert "initialized at exit: True" in _run("plain")
+
+
+def test_an_nccl_group_is_left_to_torch(monkeypatch):
+    """An NCCL group's teardown can block on a collective a dead peer never joins: the exit hook leaves it be."""
+    import torch.distributed as dist
+
+    from megatrain.engine import distributed
+
+    destroyed = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: destroyed.append(1))
+    monkeypatch.setattr(distributed.time, "sleep", lambda s: None)
+    for backend, want in (("nccl", []), ("cpu:gloo,cuda:nccl", []), ("gloo", [1])):
+        destroyed.clear()
+        monkeypatch.setattr(dist, "get_backend", lambda *a, b=backend: b)
+        distributed._destroy()
+        assert destroyed == want, backend

@@ -99,7 +99,9 @@ def destroy_at_exit() -> None:
 
 
 def _destroy() -> None:
-    if dist.is_available() and dist.is_initialized():
+    # Gloo groups only: an NCCL group's teardown can block on a collective a dead peer never joins (a rank
+    # exiting on a watchdog error), and its exit is torch's own (the crash above is gloo's worker threads).
+    if dist.is_available() and dist.is_initialized() and "nccl" not in str(dist.get_backend()):
         try:
             dist.destroy_process_group()
         except Exception as e:  # noqa: BLE001 - exiting anyway: say so, do not mask the exit status
