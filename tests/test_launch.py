@@ -70,7 +70,15 @@ print("PROBE " + json.dumps({"routed": routed, "argv": sys.argv[1:], "rank": os.
 
 
 def _probes(out: str) -> list[dict]:
-    return [json.loads(ln[len("PROBE "):]) for ln in out.splitlines() if ln.startswith("PROBE ")]
+    """Every `PROBE {json}` in the output. Two ranks share the launcher's stdout, and one rank's line can follow
+    the other's with no newline between (seen once: two objects on one line), so each object is read from where
+    it starts."""
+    decode, found, at = json.JSONDecoder().raw_decode, [], out.find("PROBE ")
+    while at >= 0:
+        obj, end = decode(out, at + len("PROBE "))
+        found.append(obj)
+        at = out.find("PROBE ", end)
+    return found
 
 
 def test_launch_installs_the_routing_before_the_script_in_one_process_and_in_every_rank(tmp_path):
