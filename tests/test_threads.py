@@ -64,7 +64,7 @@ def test_stream_worker_team_is_its_own(two_threads):
 
 
 def test_without_an_openmp_runtime_torchs_call_is_used(two_threads, monkeypatch):
-    monkeypatch.setattr(threads, "_omp", None)
+    monkeypatch.setattr(threads, "_omp_set_num_threads", lambda: None)
     assert in_new_thread(lambda: (threads.set_team(1), torch.get_num_threads())[1]) == 1
 
 

@@ -9,12 +9,13 @@ from typing import Any
 
 import torch
 
+from ..engine.host_copy import to_device
 from .wrappers import GradientState, forward_attr
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
     if torch.is_tensor(obj):
-        return obj.to(device, non_blocking=True)
+        return to_device(obj, device)
     if isinstance(obj, dict):
         return type(obj)({k: _to_device(v, device) for k, v in obj.items()})
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):

@@ -84,8 +84,6 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         return
     env_world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     world = world_size if world_size > 0 else env_world
-    from ..engine.distributed import destroy_at_exit
-
     if world > 1:
         from ..engine.distributed import launch_env
 
@@ -97,7 +95,6 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         kwargs = {"timeout": timeout} if timeout is not None else {}
         dist.init_process_group(backend=backend, init_method=init_method or "env://", rank=env.rank,
                                 world_size=world, **kwargs)
-        destroy_at_exit()
         return
     if init_method is None:
         if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
@@ -109,4 +106,3 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     kwargs = {"timeout": timeout} if timeout is not None else {}
     # The group only answers rank/world-size queries: gloo needs no accelerator whatever the device.
     dist.init_process_group(backend="gloo", init_method=init_method, rank=0, world_size=1, **kwargs)
-    destroy_at_exit()

@@ -70,27 +70,27 @@ def build(name: str, source: str, declare: Callable[[ctypes.CDLL], None], disabl
 
 
 def _compile(name: str, source: str, cc: str) -> Path:
+    """The cached shared object of `source`, built with the first of arch_flags() the compiler accepts."""
     cmd = shlex.split(cc)  # $CC may carry flags
     version = subprocess.run([*cmd, "--version"], capture_output=True, text=True, timeout=30).stdout
-    candidates = arch_flags()
-    for i, arch in enumerate(candidates):
-        flags = [*FLAGS, *arch]
-        key = hashlib.sha256("\0".join([source, cc, version, platform.machine(), *flags]).encode()).hexdigest()[:16]
-        target = cache_dir() / f"{name}-{key}.so"
-        if target.exists():
-            return target
+    *better, last = arch_flags()
+    for arch in better:
+        try:
+            return _compile_with(name, source, cmd, version, [*FLAGS, *arch])
+        except subprocess.CalledProcessError as e:
+            log.info("%s: %s refused %s (%s); trying the next flags", name, cc, arch, e.stderr[-200:])
+    return _compile_with(name, source, cmd, version, [*FLAGS, *last])
+
+
+def _compile_with(name: str, source: str, cmd: list[str], version: str, flags: list[str]) -> Path:
+    key = hashlib.sha256("\0".join([source, " ".join(cmd), version, platform.machine(), *flags]).encode()).hexdigest()
+    target = cache_dir() / f"{name}-{key[:16]}.so"
+    if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             src, so = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
             src.write_text(source)
-            try:
-                subprocess.run([*cmd, *flags, "-o", str(so), str(src), "-lm"], check=True, capture_output=True,
-                               timeout=120)
-            except subprocess.CalledProcessError as e:
-                if i == len(candidates) - 1:
-                    raise
-                log.info("%s: %s refused %s (%s); trying the next flags", name, cc, arch, e.stderr[-200:])
-                continue
+            subprocess.run([*cmd, *flags, "-o", str(so), str(src), "-lm"], check=True, capture_output=True,
+                           timeout=120)
             os.replace(so, target)
-        return target
-    raise AssertionError("unreachable: the last candidate raises")
+    return target

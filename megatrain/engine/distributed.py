@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import os
 import sys
 import time
@@ -83,19 +84,15 @@ def launch_env() -> LaunchEnv:
     return LaunchEnv(rank, world, local)
 
 
-_destroy_registered = False
-
-
+@functools.cache
 def destroy_at_exit() -> None:
     """Tear the default process group down at interpreter exit (an atexit hook, registered once), before Python
     finalizes. Left to finalization, a gloo worker thread still releasing its last work (the Trainer's final
     all_gather) took the GIL of a finalizing interpreter, which ends the thread by a forced unwind through C++
     frames: std::terminate ("terminate called without an active exception"), seen in 1-2 exits in 20 of a Trainer
-    script on the DeepSpeed face (its core: ProcessGroupGloo::runLoop in ~AsyncAllgatherWork, decref'ing a tensor)."""
-    global _destroy_registered
-    if not _destroy_registered:
-        _destroy_registered = True
-        atexit.register(_destroy)
+    script on the DeepSpeed face (its core: ProcessGroupGloo::runLoop in ~AsyncAllgatherWork, decref'ing a tensor).
+    Registered by every engine built in a process with a group (join_ranks), whoever made the group."""
+    atexit.register(_destroy)
 
 
 def _destroy() -> None:
@@ -126,7 +123,6 @@ def init_process_group(device: torch.device, timeout_s: float) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, init_method="env://", rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    destroy_at_exit()
 
 
 def join_ranks(device: torch.device, watchdog_s: float) -> tuple[torch.device, DataParallel | None]:

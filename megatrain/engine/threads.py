@@ -11,21 +11,18 @@ loaded; where none is found (a torch built without OpenMP) it falls back to torc
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable
 
 import torch
 
-_omp: Callable[[int], None] | None | bool = False  # False: not looked up yet
 
-
+@functools.cache
 def _omp_set_num_threads() -> Callable[[int], None] | None:
-    global _omp
-    if _omp is False:
-        try:  # torch loads its OpenMP runtime into the global namespace (libtorch_global_deps)
-            _omp = ctypes.CDLL(None).omp_set_num_threads
-        except (AttributeError, OSError):
-            _omp = None
-    return _omp  # type: ignore[return-value]
+    try:  # torch loads its OpenMP runtime into the global namespace (libtorch_global_deps)
+        return ctypes.CDLL(None).omp_set_num_threads
+    except (AttributeError, OSError):
+        return None
 
 
 def set_team(n: int) -> None:

@@ -76,9 +76,6 @@ def _one_rank_group() -> None:
 
     if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        from ..engine.distributed import destroy_at_exit
-
-        destroy_at_exit()
 
 
 def install() -> None:
