@@ -16,8 +16,11 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
-    """One chunk's logits as the model's head computes them, in FP32 (HF upcasts logits before the loss)."""
-    z = torch.nn.functional.linear(h, weight, bias).float()
+    """One chunk's logits as the model's head computes them, in FP32 (HF upcasts logits before the loss).
+
+    `h` is cast to the head's dtype first, as Mamba's head does: with bf16 compute a model whose last layer or
+    final norm returns FP32 (a residual kept in FP32) would otherwise hand a bf16 head an FP32 input."""
+    z = torch.nn.functional.linear(h.to(weight.dtype), weight, bias).float()
     return z if softcap is None else torch.tanh(z / softcap) * softcap
 
 
@@ -48,13 +51,13 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if ctx.needs_input_grad[2] else None
         for s in range(0, h.shape[0], chunk):
-            hc = h[s: s + chunk]
+            hc = h[s: s + chunk].to(weight.dtype)
             logits = _logits(hc, weight, bias, softcap)
             p = torch.softmax(logits, dim=-1)
             p[torch.arange(p.shape[0], device=p.device), targets[s: s + chunk]] -= 1.0
             if softcap is not None:
                 p *= 1.0 - (logits / softcap).square()  # d(c*tanh(z/c))/dz = 1 - tanh(z/c)^2
-            p = (p * grad_out).to(h.dtype)
+            p = (p * grad_out).to(weight.dtype)
             if grad_h is not None:
                 grad_h[s: s + chunk] = p @ weight
             if grad_w is not None and hc.dtype == torch.float32:
@@ -99,7 +102,7 @@ def head_logits(hidden: torch.Tensor, head: torch.nn.Linear, logits_to_keep: int
     does), for callers that use them; they cost batch x seq x vocab x 4 bytes (FP32) plus as much again
     for their gradient when a loss is computed from them."""
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-    logits = head(hidden[:, keep, :])
+    logits = head(hidden[:, keep, :].to(head.weight.dtype))
     return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
 
@@ -165,7 +168,7 @@ def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torc
             continue
         idx = to_device(keep, dev)
         t = to_device(targets[s: s + tile_tokens].index_select(0, keep), dev)
-        hc = hn.detach().index_select(0, idx)
+        hc = hn.detach().index_select(0, idx).to(weight.dtype)
         with torch.no_grad():
             logits = _logits(hc, weight, bias, softcap)
             total += (torch.logsumexp(logits, dim=-1) - logits.gather(1, t[:, None]).squeeze(1)).sum()
@@ -176,7 +179,7 @@ def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torc
             del logits
             p = (p * inv).to(hc.dtype)
             g_hn = torch.zeros_like(hn)
-            g_hn.index_copy_(0, idx, p @ weight)
+            g_hn.index_copy_(0, idx, (p @ weight).to(g_hn.dtype))
             if grad_w is not None and hc.dtype == torch.float32:
                 grad_w.addmm_(p.t(), hc)
             elif grad_w is not None:

@@ -167,6 +167,10 @@ def record_layer_inputs(parts: DecoderParts, sink: list, inputs_embeds: torch.Te
         raise RuntimeError(f"expected {len(parts.layers)} layer calls from {type(parts.base).__name__}.forward, "
                            f"saw {len(sink)}: the model's layer loop is not supported")
     h0 = sink[0][0]
+    if h0.is_floating_point() and h0.dtype != inputs_embeds.dtype:
+        # Model-level math with an FP32 buffer (XGLM's sinusoidal positions) turns bf16 embeddings into an FP32
+        # layer input, which the bf16 layers cannot take (a bf16 model's buffers are bf16: the sum is bf16 too).
+        h0 = h0.to(inputs_embeds.dtype)
     for i, (_, args, kw) in enumerate(sink):
         trained = [k for k, v in [*enumerate(args), *kw.items()] if torch.is_tensor(v) and v.requires_grad]
         if trained:
