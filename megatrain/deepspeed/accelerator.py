@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.device_resolution import resolve_device
+
 __all__ = ["get_accelerator"]
 
 
@@ -11,7 +13,7 @@ class _DeviceAccelerator:
     """What `deepspeed.accelerator.get_accelerator()` answers, for the device MegaTrain computes on."""
 
     def __init__(self) -> None:
-        self._device = torch.accelerator.current_accelerator() or torch.device("cpu")
+        self._device = resolve_device(None)  # as the engine resolves it: a CUDA build without a GPU is the CPU
 
     def device_name(self, device_index: int | None = None) -> str:
         if device_index is None or self._device.type == "cpu":

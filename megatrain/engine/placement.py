@@ -19,6 +19,7 @@ from torch import nn
 from ..config import EngineConfig
 from ..costs.modes import HostMaster
 from ..models.adapter import DecoderParts
+from .device_resolution import resolve_device
 from .distributed import DataParallel
 from .loading import load_checkpoint_into
 from .malloc import release_free_heap
@@ -29,25 +30,7 @@ from .router import router_recorder
 from .store import FlatGroup, HostStore
 from .templates import TemplateBank
 
-
-def resolve_device(name: str | None) -> torch.device:
-    """The torch device `name` names (refused if absent here), or the accelerator when there is one."""
-    if name is not None:
-        # Refused here, before the engine takes the model: torch would only fail later, mid-construction.
-        try:
-            dev = torch.device(name)
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"device={name!r} is not a torch device such as 'cuda', 'cuda:0' or 'cpu' ({e})") from e
-        backend = getattr(torch, dev.type, None)
-        if dev.type == "meta" or (dev.type != "cpu" and not (hasattr(backend, "is_available")
-                                                            and backend.is_available())):
-            raise ValueError(f"device={name!r}: no such device is available to torch here; use 'cpu' or leave "
-                             "it unset to use the accelerator when there is one")
-        if dev.index is not None and hasattr(backend, "device_count") and dev.index >= backend.device_count():
-            raise ValueError(f"device={name!r}: only {backend.device_count()} {dev.type} device(s) present")
-        return dev
-    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    return acc or torch.device("cpu")
+__all__ = ["Placement", "place", "resolve_device"]  # resolve_device: the one device resolution (device_resolution.py)
 
 
 def _set_param(root: nn.Module, name: str, value: nn.Parameter) -> None:

@@ -38,7 +38,9 @@ def device_name(device: torch.device | str | None = None) -> str:
 
 
 def _default_device() -> torch.device:
-    return torch.accelerator.current_accelerator() or torch.device("cpu")
+    from megatrain.engine.device_resolution import resolve_device
+
+    return resolve_device(None)  # the device the engine would compute on (a CUDA build without a GPU: the CPU)
 
 
 def table_peak_tflops(name: str, precision: str) -> float | None:
