@@ -201,3 +201,34 @@ def test_preflight_counts_the_staging_as_host_memory_on_cuda():
     staged = pinned_preflight(layers, [torch.Size([7, 3])], torch.bfloat16, staging=True)
     assert gpu == {**cpu, "grad staging": staged["grad staging"], "resident grad staging": staged["resident grad staging"],
                    "resident upload staging": staged["resident upload staging"]}  # bf16: the masters' upload copy
+
+
+class _FailingCudart:
+    """torch.cuda.cudart() as torch binds it: cudaHostRegister and cudaHostUnregister, no cudaGetLastError."""
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802 - the CUDA name
+        return 2  # cudaErrorMemoryAllocation
+
+
+def test_a_failed_registration_clears_its_cuda_error(monkeypatch):
+    # Left set, the error would surface at the next kernel launch as that kernel's own failure.
+    cleared = []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _FailingCudart())
+    monkeypatch.setattr(pinned, "_loaded_cudart_symbol", lambda name: (lambda: cleared.append(name) or 0))
+    with pytest.raises(RuntimeError, match="cudaHostRegister of 0.00 GiB failed: 2"):
+        pinned.cuda_register(4096, 4096)
+    assert cleared == ["cudaGetLastError"]  # through the loaded libcudart: torch's binding has no such call
+
+    bound = _FailingCudart()
+    bound.cudaGetLastError = lambda: cleared.append("bound") or 0
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: bound)
+    with pytest.raises(RuntimeError):
+        pinned.cuda_register(4096, 4096)
+    assert cleared == ["cudaGetLastError", "bound"]  # a binding that has it is used first
+
+
+def test_the_loaded_libcudart_lookup_never_loads_a_library():
+    # RTLD_NOLOAD: on this CPU build no libcudart is loaded, so there is nothing to call (not a fresh copy).
+    if torch.version.cuda is None:
+        assert pinned._loaded_cudart_symbol("cudaGetLastError") is None
+    assert pinned.clear_cuda_error(object()) is (pinned._loaded_cudart_symbol("cudaGetLastError") is not None)

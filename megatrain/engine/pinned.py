@@ -47,10 +47,37 @@ def cuda_register(ptr: int, nbytes: int) -> None:
     cudart = torch.cuda.cudart()
     err = cudart.cudaHostRegister(ptr, nbytes, 0)
     if int(err) != 0:
-        clear = getattr(cudart, "cudaGetLastError", None)
-        if clear is not None:
-            clear()  # not sticky: keep it from surfacing later as some kernel's error
+        clear_cuda_error(cudart)  # not sticky: keep it from surfacing later as some kernel's launch error
         raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed: {err}")
+
+
+def clear_cuda_error(cudart: object) -> bool:
+    """Reset the CUDA runtime's last error (cudaGetLastError); False when no way to call it was found.
+
+    torch's `cudart()` module binds a few runtime calls, not cudaGetLastError: then it is called in the
+    libcudart this process already loaded (never a second copy, whose error state would be another one)."""
+    clear = getattr(cudart, "cudaGetLastError", None) or _loaded_cudart_symbol("cudaGetLastError")
+    if clear is None:
+        return False
+    clear()
+    return True
+
+
+def _loaded_cudart_symbol(name: str) -> Callable[[], int] | None:
+    major = (torch.version.cuda or "").split(".")[0]
+    for lib in (f"libcudart.so.{major}" if major else None, "libcudart.so", None):
+        try:
+            handle = ctypes.CDLL(lib, mode=os.RTLD_NOLOAD | os.RTLD_LAZY) if lib else ctypes.CDLL(None)
+            fn = getattr(handle, name)
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        fn.argtypes = []
+        return fn
+    return None
+
+
+_CUDA_REGISTER = cuda_register
 
 
 def cuda_unregister(ptr: int) -> None:
@@ -106,6 +133,15 @@ class Pinner:
         """Pin every buffer or raise PinnedMemoryError (those pinned so far stay pinned until freed)."""
         owners = [_mapping_of(b) for b in buffers]
         todo = sum(o.nbytes for o in owners)
+        if self.register is _CUDA_REGISTER:  # the real registration (the tests stand a fake in for it)
+            from .device_resolution import cuda_unavailable_reason
+
+            why = cuda_unavailable_reason()
+            if why is not None:  # no limit to raise: nothing here can pin for a CUDA device
+                raise PinnedMemoryError(
+                    f"cannot pin {todo / 2**30:.2f} GiB of {what}: pinning is for copies to a CUDA device, and CUDA "
+                    f"is not usable here ({why}). Set pin_memory to false (or leave it unset: pinned only on CUDA), "
+                    "or run on a machine where CUDA works")
         # The pool's threads register on the caller's device: a thread that never set one would open a CUDA
         # context on GPU 0 (every rank of a node, each on its own GPU, would then also hold one there).
         device = torch.cuda.current_device() if self.register is cuda_register and torch.cuda.is_available() else None
