@@ -2,11 +2,42 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .host_copy import to_device
 
 IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """Scalar math a model's wrapper does on its logits, in HF's order: `z * scale` (Cohere's logit_scale,
+    Granite's 1 / logits_scaling), then `softcap * tanh(z / softcap)` (Gemma 2)."""
+
+    scale: float | None = None
+    softcap: float | None = None
+
+
+def as_transform(t: LogitTransform | float | None) -> LogitTransform:
+    """A bare number is a softcap (the loss functions' `softcap` argument takes either)."""
+    return t if isinstance(t, LogitTransform) else LogitTransform(softcap=t)
+
+
+def _apply(z: torch.Tensor, t: LogitTransform) -> torch.Tensor:
+    if t.scale is not None:
+        z = z * t.scale
+    return z if t.softcap is None else torch.tanh(z / t.softcap) * t.softcap
+
+
+def _grad_to_head(p: torch.Tensor, logits: torch.Tensor, t: LogitTransform) -> torch.Tensor:
+    """The gradient `p` with respect to the transformed logits, taken back to the head's output (in place)."""
+    if t.softcap is not None:
+        p *= 1.0 - (logits / t.softcap).square()  # d(c*tanh(z/c))/dz = 1 - tanh(z/c)^2
+    if t.scale is not None:
+        p *= t.scale
+    return p
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -15,13 +46,14 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return torch.cat([labels[:, 1:], pad], dim=1)
 
 
-def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            softcap: LogitTransform | float | None) -> torch.Tensor:
     """One chunk's logits as the model's head computes them, in FP32 (HF upcasts logits before the loss).
 
     `h` is cast to the head's dtype first, as Mamba's head does: with bf16 compute a model whose last layer or
     final norm returns FP32 (a residual kept in FP32) would otherwise hand a bf16 head an FP32 input."""
     z = torch.nn.functional.linear(h.to(weight.dtype), weight, bias).float()
-    return z if softcap is None else torch.tanh(z / softcap) * softcap
+    return _apply(z, as_transform(softcap))
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -55,8 +87,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             logits = _logits(hc, weight, bias, softcap)
             p = torch.softmax(logits, dim=-1)
             p[torch.arange(p.shape[0], device=p.device), targets[s: s + chunk]] -= 1.0
-            if softcap is not None:
-                p *= 1.0 - (logits / softcap).square()  # d(c*tanh(z/c))/dz = 1 - tanh(z/c)^2
+            p = _grad_to_head(p, logits, as_transform(softcap))
             p = (p * grad_out).to(weight.dtype)
             if grad_h is not None:
                 grad_h[s: s + chunk] = p @ weight
@@ -72,11 +103,11 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
 def chunked_causal_lm_loss(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, chunk_tokens: int,
                            num_items_in_batch: int | torch.Tensor | None = None,
-                           softcap: float | None = None) -> torch.Tensor:
+                           softcap: LogitTransform | float | None = None) -> torch.Tensor:
     """Cross-entropy over valid (!= -100) shifted labels, as HF's ForCausalLMLoss computes it: the mean,
     or with `num_items_in_batch` the sum divided by it (transformers' gradient-accumulation fix). The
     logits are `head(hidden)` (its bias included), soft-capped as `softcap * tanh(logits / softcap)` when
-    the model does that (Gemma 2).
+    the model does that (Gemma 2); `softcap` may be a LogitTransform, which scales them first (Cohere, Granite).
 
     Only tokens with a label go through the head: padding costs no head FLOPs. Which tokens those are is
     worked out where `labels` live: given host labels (the usual case) the device is never synchronised;
@@ -97,13 +128,12 @@ def chunked_causal_lm_loss(hidden: torch.Tensor, head: torch.nn.Linear, labels: 
 
 
 def head_logits(hidden: torch.Tensor, head: torch.nn.Linear, logits_to_keep: int | torch.Tensor = 0,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: LogitTransform | float | None = None) -> torch.Tensor:
     """The full logits `[batch, seq, vocab]` (or the positions `logits_to_keep` selects, as HF's forward
     does), for callers that use them; they cost batch x seq x vocab x 4 bytes (FP32) plus as much again
     for their gradient when a loss is computed from them."""
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-    logits = head(hidden[:, keep, :].to(head.weight.dtype))
-    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+    return _apply(head(hidden[:, keep, :].to(head.weight.dtype)), as_transform(softcap))
 
 
 class _PrecomputedGrads(torch.autograd.Function):
@@ -127,7 +157,7 @@ class _PrecomputedGrads(torch.autograd.Function):
 
 def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torch.nn.Linear, labels: torch.Tensor,
                          tile_tokens: int, num_items_in_batch: int | torch.Tensor | None = None,
-                         softcap: float | None = None) -> torch.Tensor:
+                         softcap: LogitTransform | float | None = None) -> torch.Tensor:
     """`chunked_causal_lm_loss(norm(hidden), head, labels, ...)` with the final norm included, computed in
     sequence tiles of `tile_tokens` whose backward runs here, in the forward: per token only `hidden` and
     its gradient stay on the device (no normed copy, no norm graph over all tokens), per tile the norm's
@@ -174,8 +204,7 @@ def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torc
             total += (torch.logsumexp(logits, dim=-1) - logits.gather(1, t[:, None]).squeeze(1)).sum()
             p = torch.softmax(logits, dim=-1)
             p[torch.arange(p.shape[0], device=dev), t] -= 1.0
-            if softcap is not None:
-                p *= 1.0 - (logits / softcap).square()
+            p = _grad_to_head(p, logits, as_transform(softcap))
             del logits
             p = (p * inv).to(hc.dtype)
             g_hn = torch.zeros_like(hn)

@@ -8,10 +8,14 @@ stays exactly the model's.
 
 from __future__ import annotations
 
+import inspect
+import re
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from ..engine.loss import LogitTransform
 
 # Post-layer math in the *ForCausalLM wrapper that our chunked head would silently skip.
 _LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -31,7 +35,9 @@ class DecoderParts:
     lm_head: nn.Linear
     rotary: nn.Module | None
     tied: bool
-    softcap: float | None = None  # the head's final_logit_softcapping: logits = c * tanh(logits / c)
+    # The head's scalar math: a float is final_logit_softcapping (logits = c * tanh(logits / c)); a LogitTransform
+    # adds a scale (logit_scale, logits_scaling). The loss functions take either under this name.
+    softcap: float | LogitTransform | None = None
 
     @property
     def layers_prefix(self) -> str:
@@ -53,9 +59,7 @@ def find_parts(model: nn.Module) -> DecoderParts:
         raise ValueError(f"{kind} has no `.config`: MegaTrain needs a Hugging Face PreTrainedModel")
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{kind} is an encoder-decoder model; MegaTrain trains decoder-only causal LMs")
-    for attr in _LOGIT_TRANSFORMS:
-        if getattr(config, attr, None) not in (None, 1.0, 1):
-            raise ValueError(f"{kind} applies `{attr}` to its logits, which the chunked head does not model")
+    scale = _logit_scale(model, config, kind)
     if getattr(config, "num_kv_shared_layers", None):
         raise ValueError(f"{kind} shares keys/values across layers (num_kv_shared_layers="
                          f"{config.num_kv_shared_layers}): its layers are not independent, so they cannot be "
@@ -96,8 +100,38 @@ def find_parts(model: nn.Module) -> DecoderParts:
     softcap = getattr(config, "final_logit_softcapping", None)
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, int | float) or softcap <= 0):
         raise ValueError(f"{kind}: final_logit_softcapping={softcap!r} must be a positive number or None")
+    cap = float(softcap) if softcap is not None else None
     return DecoderParts(model, base, base_prefix or "", layers_attr, getattr(base, layers_attr), embed, norm,
-                        lm_head, rotary, tied, float(softcap) if softcap is not None else None)
+                        lm_head, rotary, tied, cap if scale is None else LogitTransform(scale, cap))
+
+
+def _logit_scale(model: nn.Module, config: object, kind: str) -> float | None:
+    """The factor the wrapper's forward applies to its logits, or None for none.
+
+    The same setting means opposite things across families (Granite divides by logits_scaling, HyperCLOVAX
+    multiplies by it; MiniCPM3 divides the head's input, the same for a head without bias), so the operator is
+    read from the wrapper's own source: `* self.logit_scale`, `/ self.config.logits_scaling`, ... Anything else
+    is refused."""
+    scale = None
+    for attr in _LOGIT_TRANSFORMS:
+        value = getattr(config, attr, None)
+        if value in (None, 1.0, 1):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or value == 0:
+            raise ValueError(f"{kind}: {attr}={value!r} must be a non-zero number")
+        ops = set(re.findall(rf"([*/])\s*self\.(?:config\.(?:text_config\.)?)?{attr}\b", _forward_source(model)))
+        if len(ops) != 1 or scale is not None:
+            raise ValueError(f"{kind} applies `{attr}` to its logits in a way the chunked head does not model (only "
+                             "one scalar factor, `* self.{attr}` or `/ self.config.{attr}` in its forward)")
+        scale = float(value) if ops == {"*"} else 1.0 / float(value)
+    return scale
+
+
+def _forward_source(model: nn.Module) -> str:
+    try:
+        return inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return ""
 
 
 class _CaptureDone(Exception):
