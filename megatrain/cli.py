@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -61,15 +63,36 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from megatrain.sft import load_run, train
+    from megatrain.sft import load_run, prepare, train
+    from megatrain.sft_resume import prepare_output
 
+    def say(msg: str) -> None:
+        print(f"megatrain train: {msg}", file=sys.stderr, flush=True)
+
+    # Everything is checked (config, every data record, the output folder) before anything is written.
     try:
         run = load_run(args.sft_config, args.set)
+        prep = prepare(run)
+        resume_from, note = prepare_output(run.output_dir, dataclasses.asdict(run), restart=args.restart)
     except ValueError as e:
         print(f"megatrain train: error: {e}", file=sys.stderr)
         return 2
-    out = train(run)
+    except KeyboardInterrupt:
+        say("interrupted before training began; nothing was written")
+        return 130
+    if note:
+        say(note)
+    try:
+        out = train(prep, resume_from=resume_from)
+    except KeyboardInterrupt:
+        say("interrupted without a checkpoint of this step (a second signal stops at once); the same command "
+            f"resumes from the newest whole checkpoint in {run.output_dir}, if there is one")
+        return 130
     losses = list(out["losses"].values())
+    if out["stopped"] is not None:
+        say(f"stopped on {out['stopped']} after step {out['global_step']}; checkpoint saved to {out['checkpoint']}. "
+            "Run the same command again to resume (add --restart to start over)")
+        return 128 + int(getattr(signal, out["stopped"]))
     print(f"{run.model} on {run.data} ({out['engine']}): {len(losses)} logged steps, loss "
           f"{losses[0]:.4f} -> {losses[-1]:.4f}; saved to {run.output_dir}/final")
     return 0
@@ -86,6 +109,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
                   "model itself (model: DIR)", file=sys.stderr)
             return 2
         return _cmd_sft(args)
+    if args.restart:
+        print("megatrain train: error: --restart belongs to --config runs (a benchmark point keeps no checkpoints)",
+              file=sys.stderr)
+        return 2
     from tqdm import tqdm
 
     from experiments.point import run
@@ -138,7 +165,10 @@ def _cmd_check_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megatrain import __version__
+
     ap = argparse.ArgumentParser(prog="megatrain", description="MegaTrain: sweeps, reports and single runs.")
+    ap.add_argument("--version", action="version", version=f"megatrain {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -188,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "(its shape, with random weights); overrides the config's model")
     tp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key (YAML value), repeatable")
     tp.add_argument("--trace", default=None, help="write the engine trace of the last step here (megatrain)")
+    tp.add_argument("--restart", action="store_true",
+                    help="--config: start over, deleting the checkpoints of an earlier run in output_dir (without "
+                         "it the same command resumes from the newest whole checkpoint there)")
     tp.set_defaults(func=_cmd_train)
 
     cp = sub.add_parser("check-model", help="prove MegaTrain trains an architecture exactly (parity probe)",

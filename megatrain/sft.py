@@ -10,15 +10,16 @@ plain SFTTrainer, which is how the two are compared.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FORMATS = ("auto", "alpaca", "sharegpt", "messages")
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
-          "system": "system"}
+from .sft_data import FORMATS, check_file, detect_format, to_conversation
+from .validate import close_match, is_bool, is_int, is_number
+
+__all__ = ["SFTRun", "Prepared", "load_run", "check_data", "prepare", "train", "to_conversation", "detect_format", "FORMATS"]
+
 _PATH_KEYS = ("model", "data", "eval_data", "tokenizer", "chat_template", "output_dir", "report")
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
@@ -51,61 +52,109 @@ class SFTRun:
     precision: str = "auto"  # auto: bf16 on an accelerator, fp32 on the CPU
     seed: int = 0
     logging_steps: int = 1
-    save_steps: int = 0  # 0: save only at the end
+    save_minutes: float = 30.0  # a checkpoint after this much training since the last one (0: not by time)
+    save_steps: int = 0  # also a checkpoint every this many steps (0: not by steps)
+    save_total_limit: int | None = 2  # keep the newest this many checkpoints (null: all)
     backend: str = "megatrain"  # megatrain | torch (plain SFTTrainer, for comparison)
     megatrain: dict[str, Any] = field(default_factory=dict)  # the engine's settings (docs/SETTINGS.md)
     report: str | None = None  # write the logged losses and which engine trained here (JSON)
 
 
+# Each key's type, checked before anything runs: (test, what the value must be, an example).
+_INT = (is_int, "an integer", "10")
+_NUM = (is_number, "a number", "0.001 (with a dot: YAML reads 1e-3 as text)")
+_STR = (lambda v: isinstance(v, str), "a string", "'...'")
+_BOOL = (is_bool, "true or false", "true")
+_TYPES: dict[str, tuple] = {
+    "model": _STR, "data": _STR, "output_dir": _STR, "format": _STR, "eval_data": _STR, "tokenizer": _STR,
+    "chat_template": _STR, "random_init": _BOOL, "train_on": _STR, "max_length": _INT, "packing": _BOOL,
+    "epochs": _NUM, "max_steps": _INT, "micro_batch": _INT, "grad_accum": _INT, "learning_rate": _NUM,
+    "lr_scheduler": _STR, "warmup_steps": _NUM, "weight_decay": _NUM, "max_grad_norm": _NUM, "precision": _STR,
+    "seed": _INT, "logging_steps": _INT, "save_minutes": _NUM, "save_steps": _INT, "save_total_limit": _INT,
+    "backend": _STR, "megatrain": (lambda v: isinstance(v, dict), "a mapping of engine settings",
+                                   "{host_master: fp32}"),
+    "report": _STR}
+_OPTIONAL = frozenset({"eval_data", "tokenizer", "chat_template", "report", "save_total_limit"})
+_AT_LEAST = {"max_length": 1, "micro_batch": 1, "grad_accum": 1, "logging_steps": 1, "save_steps": 0,
+             "save_total_limit": 1, "epochs": 0, "learning_rate": 0, "warmup_steps": 0, "weight_decay": 0,
+             "max_grad_norm": 0, "save_minutes": 0, "seed": 0}
+_CHOICES = {"format": FORMATS, "train_on": ("completion", "all"), "backend": ("megatrain", "torch"),
+            "precision": ("auto", "bf16", "fp32")}
+
+
+def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
+    # Paths are relative to the YAML file, whether written in it or given with --set, so one command line means
+    # the same thing from any working directory.
+    for key in _PATH_KEYS:
+        if isinstance(raw.get(key), str) and not Path(raw[key]).expanduser().is_absolute():
+            # chat_template may be the template itself: only a file next to the config is a path
+            if key != "chat_template" or (base / raw[key]).is_file():
+                raw[key] = str(base / raw[key])
+        elif isinstance(raw.get(key), str):
+            raw[key] = str(Path(raw[key]).expanduser())
+
+
 def load_run(path: str | Path, overrides: list[str] | None = None) -> SFTRun:
-    """The run `path` describes, `overrides` ("key=YAML value") applied; bad keys and values named."""
+    """The run `path` describes, `overrides` ("key=YAML value") applied; every key, value type and value checked
+    (`prepare` checks the data), nothing written."""
     import yaml
 
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"--config {str(path)!r}: no such file")
-    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise ValueError(f"{where}: not valid YAML ({getattr(e, 'problem', None) or e}); fix the file there") \
+            from None
+    raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping of settings at the top level, got {type(raw).__name__}")
-    # Paths in the file are relative to the file, as its reader expects; --set paths to the working directory.
-    for key in _PATH_KEYS:
-        if isinstance(raw.get(key), str) and not Path(raw[key]).is_absolute():
-            # chat_template may be the template itself: only a file next to the config is a path
-            if key != "chat_template" or (path.parent / raw[key]).is_file():
-                raw[key] = str(path.parent / raw[key])
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"--set {item!r}: expected KEY=VALUE")
-        raw[key.strip()] = yaml.safe_load(value)
+        try:
+            raw[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ValueError(f"--set {item!r}: the value is not a YAML value; quote it") from None
+    _resolve_paths(raw, path.resolve().parent)
     known = {f.name for f in dataclasses.fields(SFTRun)}
     for key in raw:
         if key not in known:
-            near = difflib.get_close_matches(key, known, n=1)
-            raise ValueError(f"{path}: unknown key {key!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+            near = close_match(key, known)
+            raise ValueError(f"{path}: unknown key {key!r}" + (f" (did you mean {near!r}?)" if near else "")
                              + f"; the keys are {sorted(known)}")
     missing = [k for k in ("model", "data", "output_dir") if k not in raw]
     if missing:
         raise ValueError(f"{path}: {missing} must be given (the model directory, the data file, where to write)")
+    for key, value in raw.items():
+        test, what, example = _TYPES[key]
+        if value is None and key in _OPTIONAL:
+            continue
+        if not test(value):
+            raise ValueError(f"{path}: {key}: {value!r} is not {what}; write e.g. {key}: {example}")
     run = SFTRun(**raw)
-    _check(run)
+    _check(run, path)
     return run
 
 
-def _check(run: SFTRun) -> None:
-    if run.format not in FORMATS:
-        raise ValueError(f"format={run.format!r}: one of {FORMATS}")
-    if run.train_on not in ("completion", "all"):
-        raise ValueError(f"train_on={run.train_on!r}: 'completion' (the assistant's reply) or 'all'")
-    if run.backend not in ("megatrain", "torch"):
-        raise ValueError(f"backend={run.backend!r}: 'megatrain' or 'torch' (plain SFTTrainer)")
-    if run.precision not in ("auto", "bf16", "fp32"):
-        raise ValueError(f"precision={run.precision!r}: 'auto', 'bf16' or 'fp32'")
-    if not isinstance(run.megatrain, dict):
-        raise ValueError(f"megatrain: expected a mapping of engine settings, got {run.megatrain!r}")
-    for key in ("max_length", "micro_batch", "grad_accum"):
-        if not isinstance(getattr(run, key), int) or getattr(run, key) < 1:
-            raise ValueError(f"{key}={getattr(run, key)!r} must be an integer >= 1")
+def _check(run: SFTRun, path: Path) -> None:
+    from transformers.trainer_utils import SchedulerType
+
+    choices = {**_CHOICES, "lr_scheduler": tuple(s.value for s in SchedulerType)}
+    for key, allowed in choices.items():
+        if getattr(run, key) not in allowed:
+            raise ValueError(f"{path}: {key}: {getattr(run, key)!r} is not one of {', '.join(allowed)}")
+    for key, least in _AT_LEAST.items():
+        value = getattr(run, key)
+        if value is not None and value < least:
+            raise ValueError(f"{path}: {key}: {value!r} must be at least {least}")
+    if run.max_steps == 0 or run.max_steps < -1:
+        raise ValueError(f"{path}: max_steps: {run.max_steps} must be a number of steps (>= 1), or -1 to train "
+                         "for epochs")
     for key in ("data", "eval_data"):
         value = getattr(run, key)
         if value is not None and not Path(value).is_file():
@@ -116,109 +165,150 @@ def _check(run: SFTRun) -> None:
     if not run.random_init and not any((model / f).is_file() for f in _WEIGHT_FILES):
         raise ValueError(f"model={run.model!r} has no weights ({', '.join(_WEIGHT_FILES)}); give a trained model "
                          "directory, or set random_init: true to start from random weights")
+    if Path(run.output_dir).exists() and not Path(run.output_dir).is_dir():
+        raise ValueError(f"output_dir={run.output_dir!r} is a file; give a folder to write the run to")
+    if run.backend == "megatrain":
+        from .deepspeed.config import parse_config
+
+        try:
+            parse_config(_ds_config(run, resolved=True), warn=False)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
 
-def to_conversation(record: dict[str, Any], fmt: str, train_on: str = "completion") -> dict[str, list]:
-    """One record in TRL's conversational form: {"prompt": [...], "completion": [assistant reply]}, or with
-    train_on 'all' {"messages": [...]}. alpaca: instruction / input / output (/ system); sharegpt:
-    conversations of {"from", "value"}; messages: {"role", "content"} already."""
-    if fmt == "alpaca":
-        user = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
-        messages = ([{"role": "system", "content": record["system"]}] if record.get("system") else []) + [
-            {"role": "user", "content": user}, {"role": "assistant", "content": record["output"]}]
-    elif fmt == "sharegpt":
-        messages = []
-        for turn in record["conversations"]:
-            role = _ROLES.get(turn.get("from", turn.get("role")))
-            if role is None:
-                raise ValueError(f"sharegpt turn {turn!r}: 'from' must be one of {sorted(_ROLES)}")
-            messages.append({"role": role, "content": turn.get("value", turn.get("content"))})
-    else:
-        messages = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
-    if not messages or messages[-1]["role"] != "assistant":
-        raise ValueError(f"a {fmt} record must end with the assistant's reply: {record!r}")
-    if train_on == "all":
-        return {"messages": messages}
-    return {"prompt": messages[:-1], "completion": messages[-1:]}
+def check_data(run: SFTRun) -> dict[str, Any]:
+    """Every record of the data files checked and converted: {"train": [(Record, conversation), ...],
+    "eval": the same or None}."""
+    out: dict[str, Any] = {"eval": None}
+    for key, file in (("train", run.data), ("eval", run.eval_data)):
+        if file is not None:
+            out[key] = check_file(file, run.format, run.train_on)
+    return out
 
 
-def detect_format(record: dict[str, Any]) -> str:
-    if "conversations" in record:
-        return "sharegpt"
-    if "messages" in record:
-        return "messages"
-    if "instruction" in record and "output" in record:
-        return "alpaca"
-    raise ValueError(f"cannot tell the dataset's format from a record with keys {sorted(record)}: alpaca has "
-                     "instruction/output, sharegpt conversations, messages messages; set format: in the config")
+def _ds_config(run: SFTRun, resolved: bool = False) -> dict[str, Any]:
+    # "auto" values are filled by Trainer from the SFTConfig, so the two never disagree; `resolved` writes them
+    # out as Trainer will, for checking the config before anything runs. Accelerate's DeepSpeed plugin wants a ZeRO
+    # section; the "megatrain" section is what routes the run to the engine. No offload sections: they mean
+    # nothing to MegaTrain, and with them accelerate would build DeepSpeed's CPU Adam instead of Trainer's AdamW.
+    auto: dict[str, Any] = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                            "bf16": {"enabled": "auto"}}
+    if resolved:
+        auto = {"train_batch_size": run.micro_batch * run.grad_accum, "train_micro_batch_size_per_gpu": run.micro_batch,
+                "gradient_accumulation_steps": run.grad_accum, "gradient_clipping": float(run.max_grad_norm),
+                "bf16": {"enabled": _bf16(run)}}
+    return {**auto, "zero_optimization": {"stage": 3}, "megatrain": dict(run.megatrain)}
 
 
-def load_conversations(path: str, fmt: str, train_on: str) -> Any:
-    """The file as a `datasets.Dataset` of TRL conversational records."""
-    from datasets import load_dataset
+def _on_accelerator() -> bool:
+    from .engine.placement import resolve_device
 
-    ds = load_dataset("json", data_files=path, split="train")
-    if len(ds) == 0:
-        raise ValueError(f"{path}: no records")
-    fmt = detect_format(ds[0]) if fmt == "auto" else fmt
-    return ds.map(lambda r: to_conversation(r, fmt, train_on), remove_columns=ds.column_names)
+    return resolve_device(None).type != "cpu"
 
 
-def _ds_config(run: SFTRun) -> dict[str, Any]:
-    # "auto" values are filled by Trainer from the SFTConfig, so the two never disagree. Accelerate's DeepSpeed
-    # plugin wants a ZeRO section; the "megatrain" section is what routes the run to the engine.
-    return {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
-            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
-                                  "offload_optimizer": {"device": "cpu"}},
-            "megatrain": dict(run.megatrain)}
+def _bf16(run: SFTRun) -> bool:
+    return run.precision == "bf16" or (run.precision == "auto" and _on_accelerator())
 
 
-def train(run: SFTRun) -> dict[str, Any]:
-    """Run `run` to the end; returns the logged losses and which engine trained (also written to run.report)."""
-    import torch
+@dataclass
+class Prepared:
+    """A run whose config, tokenizer and every data record have been checked: what `train` needs."""
+
+    run: SFTRun
+    tokenizer: Any
+    train: list[dict[str, list]]
+    eval: list[dict[str, list]] | None
+
+
+def prepare(run: SFTRun) -> Prepared:
+    """Check what only the data and the tokenizer can tell (every record, rendered by the chat template);
+    ValueError naming the file, line and fix. Writes nothing."""
     import transformers
 
+    data = check_data(run)
     try:
-        from trl import SFTConfig, SFTTrainer
-    except ImportError as e:
-        raise ImportError(f"megatrain train --config needs TRL and datasets ({e}): pip install 'megatrain[sft]'") from e
-
-    if run.backend == "megatrain":
-        import megatrain.integrations.hf  # noqa: F401  Trainer's DeepSpeed path runs MegaTrain
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(run.tokenizer or run.model)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(run.tokenizer or run.model)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer={run.tokenizer or run.model!r}: no tokenizer could be loaded from it "
+                         f"({str(e).splitlines()[0]}); set tokenizer: to a folder holding one") from None
     if run.chat_template is not None:
         template = Path(run.chat_template)
         tokenizer.chat_template = template.read_text() if template.is_file() else run.chat_template
     if not tokenizer.chat_template:
         raise ValueError(f"the tokenizer of {run.tokenizer or run.model!r} has no chat template: set chat_template: "
                          "(a Jinja template or a file holding one) in the config")
+    for file, records in ((run.data, data["train"]), (run.eval_data, data["eval"] or [])):
+        for rec, conv in records:
+            try:
+                tokenizer.apply_chat_template(conv.get("messages") or conv["prompt"] + conv["completion"],
+                                              tokenize=False)
+            except Exception as e:  # jinja's errors (and a template's raise_exception) have no common base
+                raise ValueError(f"{file}:{rec.line}: record {rec.number}: the chat template refuses it "
+                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); fix the "
+                                 "record or set chat_template:") from None
+    return Prepared(run, tokenizer, [c for _, c in data["train"]],
+                    [c for _, c in data["eval"]] if data["eval"] is not None else None)
+
+
+def train(prep: Prepared | SFTRun, resume_from: str | Path | None = None) -> dict[str, Any]:
+    """Train to the end, or until SIGINT / SIGTERM (then a checkpoint is written and "stopped" names the signal);
+    returns the logged losses and which engine trained (also written to run.report). Resumes from the checkpoint
+    folder `resume_from`. Call `sft_resume.prepare_output` first: it says which checkpoint to resume from."""
+    import torch
+    import transformers
+    from datasets import Dataset
+
+    from .graceful import GracefulStop
+    from .sft_resume import FINAL_DIR, SaveCallback, mark_finished, record_run
+
+    try:
+        from trl import SFTConfig, SFTTrainer
+    except ImportError as e:
+        raise ImportError(f"megatrain train --config needs TRL and datasets ({e}): pip install 'megatrain[sft]'") from e
+
+    prep = prep if isinstance(prep, Prepared) else prepare(prep)
+    run = prep.run
+    if run.backend == "megatrain":
+        import megatrain.integrations.hf  # noqa: F401  Trainer's DeepSpeed path runs MegaTrain
+
     if run.random_init:
         config = transformers.AutoConfig.from_pretrained(run.model)
         torch.manual_seed(run.seed)
         model = transformers.AutoModelForCausalLM.from_config(config)
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(run.model, dtype=torch.float32)
-    accel = torch.accelerator.current_accelerator() is not None
-    bf16 = run.precision == "bf16" or (run.precision == "auto" and accel)
+    accel = _on_accelerator()
     args = SFTConfig(
         output_dir=run.output_dir, per_device_train_batch_size=run.micro_batch,
         gradient_accumulation_steps=run.grad_accum, num_train_epochs=run.epochs, max_steps=run.max_steps,
         learning_rate=run.learning_rate, lr_scheduler_type=run.lr_scheduler, warmup_steps=run.warmup_steps,
-        weight_decay=run.weight_decay, max_grad_norm=run.max_grad_norm, bf16=bf16, seed=run.seed,
-        logging_steps=run.logging_steps, save_strategy="steps" if run.save_steps else "no",
-        save_steps=run.save_steps or 500, report_to=[], max_length=run.max_length, packing=run.packing,
-        use_cpu=not accel, deepspeed=_ds_config(run) if run.backend == "megatrain" else None)
-    train_ds = load_conversations(run.data, run.format, run.train_on)
-    eval_ds = load_conversations(run.eval_data, run.format, run.train_on) if run.eval_data else None
-    trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=train_ds,
-                         eval_dataset=eval_ds)
-    trainer.train()
-    trainer.save_model(str(Path(run.output_dir) / "final"))
-    out = {"losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
-           "eval_loss": trainer.evaluate()["eval_loss"] if eval_ds is not None else None,
-           "engine": type(trainer.model_wrapped).__name__, "backend": run.backend}
+        weight_decay=run.weight_decay, max_grad_norm=run.max_grad_norm, bf16=_bf16(run), seed=run.seed,
+        logging_steps=run.logging_steps, save_strategy="steps",
+        # without save_steps Trainer saves only when the callback asks (by time or on a signal)
+        save_steps=run.save_steps or 2**31 - 1, save_total_limit=run.save_total_limit, report_to=[],
+        max_length=run.max_length, packing=run.packing, use_cpu=not accel,
+        deepspeed=_ds_config(run) if run.backend == "megatrain" else None)
+    settings = dataclasses.asdict(run)
+    record_run(run.output_dir, settings)
+    trainer = SFTTrainer(model=model, args=args, processing_class=prep.tokenizer,
+                         train_dataset=Dataset.from_list(prep.train),
+                         eval_dataset=Dataset.from_list(prep.eval) if prep.eval is not None else None)
+    with GracefulStop() as stop:
+        saver = SaveCallback(stop, run.save_minutes, run.save_steps)
+        trainer.add_callback(saver)
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from is not None else None)
+    out: dict[str, Any] = {"losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
+                           "eval_loss": None, "engine": type(trainer.model_wrapped).__name__, "backend": run.backend,
+                           "resumed_from": str(resume_from) if resume_from is not None else None, "stopped": None,
+                           "global_step": trainer.state.global_step}
+    if saver.stopped_at is not None:
+        out["stopped"] = stop.signal_name
+        out["checkpoint"] = str(Path(run.output_dir) / f"checkpoint-{saver.stopped_at}")
+    else:
+        trainer.save_model(str(Path(run.output_dir) / FINAL_DIR))
+        out["eval_loss"] = trainer.evaluate()["eval_loss"] if prep.eval is not None else None
+        mark_finished(run.output_dir, settings)
     if run.report:
         Path(run.report).parent.mkdir(parents=True, exist_ok=True)
         Path(run.report).write_text(json.dumps(out, indent=1))
