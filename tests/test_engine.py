@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 from conftest import make_batches, tiny_config, tiny_model
+from gpu_defaults import CONFIGS, GPU_DEFAULTS, bf16_reference, engine_grads, is_bf16, lag_updates, train
 
 from megatrain.config import EngineConfig
 from megatrain.engine import Engine
@@ -43,8 +44,7 @@ def train_engine(eng, batches, steps, accum=1, clip=None, scheduler=None):
             eng.backward(loss / accum)
             losses.append(loss.item())
         if s == 0:
-            eng.pipeline.synchronize_grads()
-            first_grads = {n: p.grad.clone() for n, p in eng.named_parameters()}
+            first_grads = engine_grads(eng)
         if clip:
             norms.append(eng.clip_grad_norm_(clip))
         eng.step()
@@ -74,44 +74,85 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("mode", CONFIGS)
 @pytest.mark.parametrize("family,kw", CASES)
-def test_parity_with_pytorch_adamw(family, kw):
-    """5 optimizer steps, accumulation 2, padding, -100 labels, clipping that triggers: FP32 parity."""
+def test_parity_with_pytorch_adamw(family, kw, mode):
+    """5 optimizer steps, accumulation 2, padding, -100 labels, clipping that triggers: FP32 parity; in the
+    GPU's defaults (bf16, overlap, hilo) within the bf16 reference's floor (tests/gpu_defaults.py)."""
     ref = tiny_model(family, layers=3, **kw)
-    eng = Engine(copy.deepcopy(ref), EngineConfig(loss_chunk_tokens=13))
+    eng = lag_updates(Engine(copy.deepcopy(ref), EngineConfig(loss_chunk_tokens=13, **mode)))
     batches = make_batches(10)
+    if is_bf16(mode):
+        floor = bf16_reference(ref, batches, steps=5, accum=2, clip=0.5)
+        assert any(n > 0.5 for n in floor.out[1]), "clipping never triggered: the test would not cover it"
+        floor.check(train(eng, batches, steps=5, accum=2, clip=0.5), eng.state_dict())
+        return
     ref_out = train_reference(ref, batches, steps=5, accum=2, clip=0.5)
     eng_out = train_engine(eng, batches, steps=5, accum=2, clip=0.5)
     assert any(n > 0.5 for n in ref_out[1]), "clipping never triggered: the test would not cover it"
     assert_parity(ref, eng, ref_out, eng_out)
 
 
-def test_parity_when_the_loss_is_not_chunked_evenly_and_single_buffer():
+def test_gpu_defaults_parity_check_can_fail():
+    """Negative controls for the bf16 floor: a run that loses one micro-batch of each step, and one at a 10%
+    higher learning rate, land outside it (at ~100 and ~3 floors, measured)."""
+    ref = tiny_model("llama", layers=3)
+    batches = make_batches(10)
+    floor = bf16_reference(ref, batches, steps=5, accum=2, clip=0.5)
+
+    class LosesAMicroBatch(Engine):
+        def backward(self, loss):
+            super().backward(loss)
+            if self._backwards == 1:
+                self.zero_grad()
+
+    runs = [LosesAMicroBatch(copy.deepcopy(ref), EngineConfig(loss_chunk_tokens=13, **GPU_DEFAULTS)),
+            Engine(copy.deepcopy(ref), EngineConfig(loss_chunk_tokens=13, **GPU_DEFAULTS),
+                   optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=1.1e-3, fused=True))]
+    for eng in runs:
+        with pytest.raises(AssertionError, match="bf16 floor"):
+            floor.check(train(eng, batches, steps=5, accum=2, clip=0.5), eng.state_dict())
+
+
+@pytest.mark.parametrize("mode", CONFIGS)
+def test_parity_when_the_loss_is_not_chunked_evenly_and_single_buffer(mode):
     ref = tiny_model("llama", layers=4)
-    eng = Engine(copy.deepcopy(ref), EngineConfig(num_buffers=1, loss_chunk_tokens=5))
+    eng = lag_updates(Engine(copy.deepcopy(ref), EngineConfig(num_buffers=1, loss_chunk_tokens=5, **mode)))
     batches = make_batches(3, seq=17)
-    assert_parity(ref, eng, train_reference(ref, batches, 3), train_engine(eng, batches, 3))
+    if is_bf16(mode):
+        bf16_reference(ref, batches, 3).check(train(eng, batches, 3), eng.state_dict())
+    else:
+        assert_parity(ref, eng, train_reference(ref, batches, 3), train_engine(eng, batches, 3))
 
 
-def test_user_optimizer_and_scheduler_are_taken_over():
+def _two_groups(model):
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=1e-3, betas=(0.8, 0.95))
+
+
+def _warmup(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+
+
+@pytest.mark.parametrize("mode", CONFIGS)
+def test_user_optimizer_and_scheduler_are_taken_over(mode):
     """A user AdamW with two param groups and a LambdaLR keep their numerics on the host store."""
     ref = tiny_model("llama", layers=2)
     mine = copy.deepcopy(ref)
-
-    def groups(model):
-        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-        return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-
-    def sched(opt):
-        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
-
-    ref_opt = torch.optim.AdamW(groups(ref), lr=1e-3, betas=(0.8, 0.95))
-    my_opt = torch.optim.AdamW(groups(mine), lr=1e-3, betas=(0.8, 0.95))
-    ref_sched, my_sched = sched(ref_opt), sched(my_opt)
-    eng = Engine(mine, optimizer=my_opt)
+    my_opt = _two_groups(mine)
+    my_sched = _warmup(my_opt)
+    eng = lag_updates(Engine(mine, EngineConfig(**mode), optimizer=my_opt))
     assert eng.optimizer is my_opt
     batches = make_batches(4)
+    if is_bf16(mode):
+        floor = bf16_reference(ref, batches, 4, optimizer=_two_groups, scheduler=_warmup)
+        floor.check(train(eng, batches, 4, scheduler=my_sched), eng.state_dict())
+        assert my_opt.param_groups[0]["lr"] == 1e-3
+        return
+    ref_opt = _two_groups(ref)
+    ref_sched = _warmup(ref_opt)
     ref_out = train_reference(ref, batches, 4, optimizer=ref_opt, scheduler=ref_sched)
     eng_out = train_engine(eng, batches, 4, scheduler=my_sched)
     assert_parity(ref, eng, ref_out, eng_out)
@@ -131,11 +172,12 @@ def test_bf16_compute_tracks_fp32_reference():
     assert max(diffs) > 0  # it really computed in bf16
 
 
-def test_offloaded_activations_match_resident():
+@pytest.mark.parametrize("mode", CONFIGS)
+def test_offloaded_activations_match_resident(mode):
     base = tiny_model("llama", layers=3)
     batches = make_batches(3)
-    res = Engine(copy.deepcopy(base), EngineConfig())
-    off = Engine(copy.deepcopy(base), EngineConfig(offload_activations=True))
+    res = lag_updates(Engine(copy.deepcopy(base), EngineConfig(**mode)))
+    off = lag_updates(Engine(copy.deepcopy(base), EngineConfig(offload_activations=True, **mode)))
     rl, _, _ = train_engine(res, batches, 3)
     ol, _, _ = train_engine(off, batches, 3)
     assert rl == ol
@@ -193,11 +235,12 @@ def test_copy_of_next_layer_is_issued_before_current_layer_finishes():
     assert len(grads) == 6
 
 
-def test_slow_link_and_stalls_give_exact_results():
+@pytest.mark.parametrize("mode", CONFIGS)
+def test_slow_link_and_stalls_give_exact_results(mode):
     base = tiny_model("llama", layers=4)
     batches = make_batches(2)
-    fast = Engine(copy.deepcopy(base))
-    slow = Engine(copy.deepcopy(base), EngineConfig(link_gbps=0.02))
+    fast = Engine(copy.deepcopy(base), EngineConfig(**mode))
+    slow = lag_updates(Engine(copy.deepcopy(base), EngineConfig(link_gbps=0.02, **mode)))
     slow.streams.h2d.stall_s = 0.005
     slow.streams.d2h.stall_s = 0.005
     assert train_engine(fast, batches, 2)[0] == train_engine(slow, batches, 2)[0]
