@@ -144,6 +144,9 @@ class MegatrainBackend:
         self.engine: Any = None
         self._optimizer_adopted = False
         self._skipped = False
+        # What the engine steps instead of the optimizer it was given (DeepSpeedCPUAdam -> torch's AdamW), for
+        # the run's start line; None: the optimizer given is the one stepped.
+        self.replaced_optimizer: str | None = None
 
     @property
     def device(self) -> torch.device:
@@ -166,6 +169,7 @@ class MegatrainBackend:
             raise RuntimeError('backend "megatrain" drives one model per Accelerator; build another Accelerator')
         from .engine import Engine
 
+        optimizer = self._exact(optimizer)
         ec = self.engine_config
         if optimizer is None and ec.optimizer_overlap is None:
             # overlap "auto" splits the optimizer it is built with; one adopted by a later prepare() steps whole
@@ -184,6 +188,7 @@ class MegatrainBackend:
         eng = self.engine
         if self._optimizer_adopted:
             raise RuntimeError('backend "megatrain" drives one optimizer per model; it was prepared already')
+        optimizer = self._exact(optimizer)
         if any(eng.optimizer.state.values()):
             raise RuntimeError('backend "megatrain": the model has trained with its default optimizer already; '
                                "prepare the optimizer before the first step")
@@ -211,6 +216,18 @@ class MegatrainBackend:
         optimizer.state.clear()
         eng.optimizer = optimizer
         self._optimizer_adopted = True
+        return optimizer
+
+    def _exact(self, optimizer: Any) -> Any:
+        """DeepSpeed's CPU Adam (accelerate builds it for an `offload_optimizer` config) as torch's AdamW over the
+        same param groups: its own C++ op does not resume bit-identically (deepspeed/exact_adam.py)."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        from .deepspeed.exact_adam import exact_optimizer
+
+        optimizer, what = exact_optimizer(optimizer)
+        if what is not None:
+            self.replaced_optimizer = what
         return optimizer
 
     def clip_grad_value_(self, clip_value: float) -> None:

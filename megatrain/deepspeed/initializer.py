@@ -131,7 +131,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         client = optimizer
 
         def engine_opt(named: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
-            return client(_on_engine(groups, named))
+            # Called while the backend below builds the engine; a DeepSpeedCPUAdam it returns is replaced too.
+            return backend._exact(client(_on_engine(groups, named)))
     elif cfg.optimizer is not None:
         spec = cfg.optimizer
 
