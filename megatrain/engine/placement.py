@@ -24,7 +24,7 @@ from .distributed import DataParallel
 from .loading import load_checkpoint_into
 from .malloc import release_free_heap
 from .node_store import NodeStore
-from .preflight import host_preflight
+from .preflight import host_preflight, model_host_bytes
 from .resident_upload import ResidentUpload
 from .router import router_recorder
 from .store import FlatGroup, HostStore
@@ -147,7 +147,8 @@ def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: t
     layer_shapes = [[(n, p.shape) for n, p in layer.named_parameters()] for layer in parts.layers]
 
     host_preflight(layer_shapes, [p.shape for _, p in global_named], compute_dtype, pin=pin,
-                   staging=device.type == "cuda", master=config.master_mode, grad=config.grad_slab)
+                   staging=device.type == "cuda", master=config.master_mode, grad=config.grad_slab,
+                   freed=model_host_bytes(originals))
     if probe is not None:
         probe(model)
     store = HostStore(layer_shapes, [(n, p.shape) for n, p in global_named], pin,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
@@ -20,26 +19,25 @@ class HostMemoryError(MemoryError):
 
 
 def available_host_bytes() -> int:
-    """What this process may still allocate: the cgroup limit when one is set, else MemAvailable."""
-    avail = None
-    meminfo = Path("/proc/meminfo")
-    if meminfo.exists():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    for limit_f, usage_f in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                             ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                              "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            raw = Path(limit_f).read_text().strip()
-            if raw != "max" and int(raw) < (1 << 60):
-                room = int(raw) - int(Path(usage_f).read_text().strip())
-                avail = room if avail is None else min(avail, room)
-        except (OSError, ValueError):
-            continue
-    if avail is None:
-        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    return avail
+    """What this process may still allocate: the cgroup's headroom when a limit is set (its reclaimable page
+    cache not counted as used), capped by MemAvailable; the planner's reading (planner/hardware.py)."""
+    from ..planner.hardware import host_memory_available
+
+    try:
+        return host_memory_available().available_bytes
+    except RuntimeError:  # no /proc/meminfo and no cgroup limit
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def model_host_bytes(params: list[torch.Tensor]) -> int:
+    """Host bytes the model's own parameters hold, each storage once (tied weights share one): what placement
+    frees as it packs them into the store, so the store may use them."""
+    seen: dict[int, int] = {}
+    for p in params:
+        if p.device.type == "cpu":
+            st = p.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
 
 
 def host_store_bytes(n_params: int, compute_dtype: torch.dtype, n_layer_params: int,
@@ -68,10 +66,15 @@ def pinned_preflight(layer_shapes: list[list[tuple[str, torch.Size]]], global_sh
 def host_preflight(layer_shapes: list[list[tuple[str, torch.Size]]], global_shapes: list[torch.Size],
                    compute_dtype: torch.dtype, available: int | None = None, pin: bool = False,
                    staging: bool = False, master: HostMaster = HostMaster.FP32,
-                   grad: GradSlab | None = GradSlab.FLOAT32) -> dict[str, int]:
+                   grad: GradSlab | None = GradSlab.FLOAT32, freed: int = 0) -> dict[str, int]:
     """Host bytes by component; raises HostMemoryError before anything is allocated when they do not fit.
     `staging`: the engine runs on CUDA, where gradients land in staging slots (pinned with `pin`);
-    `master` / `grad`: the host-memory mode of the layers (modes.py)."""
+    `master` / `grad`: the host-memory mode of the layers (modes.py); `freed`: the model's own host bytes,
+    which placement frees as it packs them (model_host_bytes).
+
+    The store's pages are touched as it is filled, after each tensor of the model is freed, so the model's
+    bytes count as available to it; what is pinned is touched at once, while the model is still whole, so it
+    must fit without them."""
     n_layer = sum(torch.Size(s).numel() for shapes in layer_shapes for _, s in shapes)
     n = n_layer + sum(torch.Size(s).numel() for s in global_shapes)
     need = host_store_bytes(n, compute_dtype, n_layer, master, grad)
@@ -81,13 +84,17 @@ def host_preflight(layer_shapes: list[list[tuple[str, torch.Size]]], global_shap
                      if k in staged})
     avail = available_host_bytes() if available is None else available
     total = sum(need.values())
-    if total > avail:
+    # The store's pinned share is touched when it is allocated, before the model's tensors are freed.
+    pinned = sum(pinned_preflight(layer_shapes, global_shapes, compute_dtype, staging).values()) if pin else 0
+    if total > avail + freed or pinned > avail:
         parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in need.items())
         if pin:  # a share of the terms above, not in addition to them
-            pinned = sum(pinned_preflight(layer_shapes, global_shapes, compute_dtype, staging).values())
             parts += f"; {pinned / 2**30:.2f} GiB of it pinned"
+        room = f"only {avail / 2**30:.2f} GiB is available"
+        if freed:
+            room += (f", plus the model's own {freed / 2**30:.2f} GiB that placement frees"
+                     + (" (not for the pinned share, pinned while the model is still whole)" if pin else ""))
         raise HostMemoryError(
-            f"the host store needs {total / 2**30:.2f} GiB ({parts}; {n / 1e9:.2f}B parameters) but only "
-            f"{avail / 2**30:.2f} GiB is available; use a smaller model, a machine with more host memory, "
-            "or raise the container's memory limit")
+            f"the host store needs {total / 2**30:.2f} GiB ({parts}; {n / 1e9:.2f}B parameters) but {room}; use a "
+            "smaller model, a machine with more host memory, or raise the container's memory limit")
     return need
