@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 from conftest import make_batches, tiny_model
+from gpu_defaults import CONFIGS, bf16_reference, is_bf16
 from test_engine import assert_parity, train_engine, train_reference
 
 from megatrain.config import EngineConfig
@@ -22,7 +23,10 @@ from megatrain.initialize import initialize
 STALL_S = 0.01  # each optimizer-thread job sleeps this long first: the caller always runs ahead of it
 
 
-def _pair(model, stall: float = STALL_S, **cfg):
+def _pair(model, stall: float = STALL_S, mode: dict | None = None, **cfg):
+    """The same engine stepping whole and layer by layer on its thread (`mode`: a config of gpu_defaults.CONFIGS,
+    its overlap setting replaced by each side's)."""
+    cfg.update({k: v for k, v in (mode or {}).items() if k != "optimizer_overlap"})
     whole = Engine(copy.deepcopy(model), EngineConfig(**cfg))
     layered = Engine(copy.deepcopy(model), EngineConfig(optimizer_overlap=True, **cfg))
     assert layered._layered is not None
@@ -41,17 +45,21 @@ def _same(a: Engine, b: Engine) -> None:
             assert torch.equal(oa[k][name], ob[k][name]), (k, name)
 
 
+@pytest.mark.parametrize("mode", CONFIGS)
 @pytest.mark.parametrize("family,kw", [("llama", dict(tied=False)), ("qwen2", dict(tied=True))])
-def test_bit_identical_to_the_whole_step_with_clipping_and_accumulation(family, kw):
+def test_bit_identical_to_the_whole_step_with_clipping_and_accumulation(family, kw, mode):
     ref = tiny_model(family, layers=3, **kw)
-    whole, layered = _pair(ref, loss_chunk_tokens=13)
+    whole, layered = _pair(ref, mode=mode, loss_chunk_tokens=13)
     batches = make_batches(10)
     a = train_engine(whole, batches, steps=5, accum=2, clip=0.5)
     b = train_engine(layered, batches, steps=5, accum=2, clip=0.5)
     assert a[0] == b[0] and a[1] == b[1]  # losses and pre-clip norms, step by step
     _same(whole, layered)
     # and so as close to plain PyTorch as the engine itself
-    assert_parity(ref, layered, train_reference(ref, batches, steps=5, accum=2, clip=0.5), b)
+    if is_bf16(mode):
+        bf16_reference(ref, batches, steps=5, accum=2, clip=0.5).check(b, layered.state_dict())
+    else:
+        assert_parity(ref, layered, train_reference(ref, batches, steps=5, accum=2, clip=0.5), b)
 
 
 def test_user_groups_and_a_schedule_stepped_while_layers_are_still_queued():
@@ -76,10 +84,11 @@ def test_user_groups_and_a_schedule_stepped_while_layers_are_still_queued():
     _same(whole, layered)
 
 
-def test_the_users_optimizer_zero_grad_cannot_make_a_queued_update_skip_a_layer():
+@pytest.mark.parametrize("mode", CONFIGS)
+def test_the_users_optimizer_zero_grad_cannot_make_a_queued_update_skip_a_layer(mode):
     """torch-style loops call optimizer.zero_grad(set_to_none=True) right after step(): the main params'
     .grad become None while their layers' updates are still queued."""
-    whole, layered = _pair(tiny_model("llama", layers=3), stall=0.02)
+    whole, layered = _pair(tiny_model("llama", layers=3), stall=0.02, mode=mode)
     batches = make_batches(3)
     losses = {}
     for eng in (whole, layered):
@@ -102,9 +111,10 @@ def test_bf16_shadows_are_refreshed_on_the_optimizer_thread():
     _same(whole, layered)
 
 
-def test_without_the_waits_the_next_forward_reads_stale_weights():
+@pytest.mark.parametrize("mode", CONFIGS)
+def test_without_the_waits_the_next_forward_reads_stale_weights(mode):
     """Negative control: the per-layer waits are what makes it exact."""
-    whole, racy = _pair(tiny_model("llama", layers=4), stall=0.1)
+    whole, racy = _pair(tiny_model("llama", layers=4), stall=0.1, mode=mode)
     n = len(racy.store.layers)
     racy.pipeline.updated, racy.pipeline.zeroed = [DONE] * n, [DONE] * n  # loads and gradient writes no longer wait
     batches = make_batches(3)
@@ -150,13 +160,15 @@ def test_other_optimizers_step_whole_with_a_warning():
     assert train_engine(ref, batches, 2)[0] == train_engine(eng, batches, 2)[0]
 
 
-def test_deepspeed_face_with_checkpoints_between_steps(tmp_path):
+@pytest.mark.parametrize("mode", CONFIGS)
+def test_deepspeed_face_with_checkpoints_between_steps(tmp_path, mode):
     """The DeepSpeed face: a checkpoint saved while layers are still queued holds the finished step,
     and training resumed from it continues exactly as the uninterrupted run."""
-    cfg = {"train_batch_size": 2, "gradient_clipping": 1.0,
+    bf16 = is_bf16(mode)
+    cfg = {"train_batch_size": 2, "gradient_clipping": 1.0, "bf16": {"enabled": bf16},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}},
-           "megatrain": {"optimizer_overlap": True}}
+           "megatrain": {"optimizer_overlap": True, **({"host_master": "hilo"} if bf16 else {})}}
     model = tiny_model("llama", layers=3)
     batches = make_batches(6)
 
@@ -172,7 +184,8 @@ def test_deepspeed_face_with_checkpoints_between_steps(tmp_path):
                 engine.save_checkpoint(tmp_path, tag="mid")
         return losses
 
-    whole = initialize(model=copy.deepcopy(model), config={**cfg, "megatrain": {}})[0]
+    whole = initialize(model=copy.deepcopy(model), config={**cfg, "megatrain": {**cfg["megatrain"],
+                                                                                 "optimizer_overlap": False}})[0]
     layered = initialize(model=copy.deepcopy(model), config=cfg)[0]
     layered.engine._layered.stream.stall_s = STALL_S
     expect = run(whole, batches)
