@@ -1,9 +1,12 @@
-"""`megatrain launch [LAUNCHER OPTIONS] SCRIPT ARGS...`: run an unchanged training script on MegaTrain, the way
+"""`megatrain launch [LAUNCHER OPTIONS] SCRIPT ARGS...`: run an unchanged training script (or a console command:
+`megatrain launch llamafactory-cli train cfg.yaml`, `megatrain launch trl sft ...`) on MegaTrain, the way
 `deepspeed SCRIPT` and `accelerate launch SCRIPT` run theirs.
 
 Every process runs `python -m megatrain.launch_child SCRIPT ARGS...`, which installs MegaTrain's DeepSpeed
 routing before the script's first line, so any DeepSpeed config with a "megatrain" section that the script
-reaches (Trainer, TRL, accelerate, `deepspeed.initialize`) trains on MegaTrain.
+reaches (Trainer, TRL, accelerate, `deepspeed.initialize`) trains on MegaTrain. A NAME that is no file is looked
+up as a console command (launch_command.py: its entry point, run in the same process; a tool whose training
+command starts a launcher of its own is run as that launcher would run each rank).
 
 - No launcher options: one process, this one, with no launcher variables, exactly as `python SCRIPT` (MegaTrain
   gives Trainer / accelerate the one-rank process group they expect).
@@ -18,6 +21,9 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+
+from .launch_command import Command, CommandError, one_rank_env
+from .launch_command import resolve as resolve_command
 
 PROG = "megatrain launch"
 _NAMED_COUNTS = ("auto", "cpu", "gpu", "xpu")
@@ -58,18 +64,30 @@ def _check_nproc(value: str) -> None:
 
 def plan(argv: Sequence[str]) -> tuple[argparse.Namespace | None, list[str]]:
     """Split a `megatrain launch` command line: (torchrun's parsed options, or None for one plain process,
-    [SCRIPT, *ARGS] or ["-m", MODULE, *ARGS] for the bootstrap). Raises LaunchError on a line that cannot run."""
+    [SCRIPT, *ARGS], ["-m", MODULE, *ARGS] or a console command's entry point for the bootstrap). Raises
+    LaunchError on a line that cannot run."""
+    args, command = _plan(argv)
+    return args, command.child
+
+
+def _plan(argv: Sequence[str]) -> tuple[argparse.Namespace | None, Command]:
     argv = list(argv)
     parser = _torchrun_parser()
     if not argv:
-        raise LaunchError(f"no script given; usage: {PROG} [--nproc-per-node N ...] SCRIPT [ARGS...]")
+        raise LaunchError(f"no script given; usage: {PROG} [--nproc-per-node N ...] (SCRIPT | COMMAND) [ARGS...]")
     args = parser.parse_args(argv)
     if args.no_python or args.run_path:
         raise LaunchError("--no-python / --run-path would start the script without MegaTrain's routing; drop them")
     child = ["-m", args.training_script] if args.module else [args.training_script]
     child += args.training_script_args
+    command = Command(child)
     if not args.module and not os.path.isfile(args.training_script):
-        raise LaunchError(f"no such script: {args.training_script}")
+        if os.sep in args.training_script or "/" in args.training_script:
+            raise LaunchError(f"no such script: {args.training_script}")
+        try:  # a console command (`trl`, `llamafactory-cli`): its entry point in this Python
+            command = resolve_command(args.training_script, args.training_script_args)
+        except CommandError as e:
+            raise LaunchError(str(e)) from None
     if args.module:
         import importlib.util
 
@@ -82,15 +100,21 @@ def plan(argv: Sequence[str]) -> tuple[argparse.Namespace | None, list[str]]:
     _check_nproc(args.nproc_per_node)
     launcher_options = argv[: len(argv) - len(args.training_script_args) - 1]
     if launcher_options == ["-m"] or launcher_options == ["--module"] or not launcher_options:
-        return None, child
-    return args, child
+        return None, command
+    return args, command
 
 
 def launch(argv: Sequence[str]) -> int:
     """Run the command line `argv` (what follows `megatrain launch`); the script's exit status comes back."""
-    args, child = plan(argv)
+    args, command = _plan(argv)
+    child = command.child
+    if command.said:
+        print(command.said, file=sys.stderr)
     if args is None:
         from .launch_child import run
+
+        if command.rank_env:  # the tool checks it runs under a launcher: torchrun's one-rank variables
+            os.environ.update(one_rank_env(os.environ))
 
         try:
             run(child)

@@ -1,4 +1,5 @@
-"""`python -m megatrain.launch_child SCRIPT ARGS...` (or `-m MODULE ARGS...`): one process of `megatrain launch`.
+"""`python -m megatrain.launch_child SCRIPT ARGS...` (or `-m MODULE ARGS...`, or `--entry-point MODULE:ATTR NAME
+ARGS...` for a console command): one process of `megatrain launch`.
 
 It installs MegaTrain's DeepSpeed routing (`megatrain.integrations.hf`) and then runs the user's script exactly as
 `python SCRIPT ARGS...` would: as `__main__`, with `sys.argv` set and the script's folder first on `sys.path`
@@ -9,13 +10,17 @@ its config.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import runpy
+import shutil
 import sys
 from collections.abc import Sequence
 
-USAGE = "usage: python -m megatrain.launch_child (SCRIPT | -m MODULE) [ARGS...]"
+USAGE = ("usage: python -m megatrain.launch_child (SCRIPT | -m MODULE | --entry-point MODULE:ATTR NAME) "
+         "[ARGS...]")
+ENTRY_POINT = "--entry-point"  # launch_command.ENTRY_POINT (not imported: this module stays import-light)
 
 
 def install_routing() -> None:
@@ -26,11 +31,15 @@ def install_routing() -> None:
 
 
 def run(argv: Sequence[str]) -> None:
-    """Run `argv` (`[SCRIPT, *ARGS]` or `["-m", MODULE, *ARGS]`) as `python` would, routing installed first."""
+    """Run `argv` (`[SCRIPT, *ARGS]`, `["-m", MODULE, *ARGS]` or `["--entry-point", "MODULE:ATTR", NAME,
+    *ARGS]`) as `python` (or the console command NAME) would, routing installed first."""
     argv = list(argv)
-    if not argv or (argv[0] == "-m" and len(argv) < 2):
+    if not argv or (argv[0] == "-m" and len(argv) < 2) or (argv[0] == ENTRY_POINT and len(argv) < 3):
         raise SystemExit(USAGE)
     install_routing()
+    if argv[0] == ENTRY_POINT:
+        run_entry_point(argv[1], argv[2], argv[3:])
+        return
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's file path in argv[0], as `python -m` does
         sys.path[0:1] = [os.getcwd()]
@@ -44,6 +53,17 @@ def run(argv: Sequence[str]) -> None:
     # working directory there instead.
     sys.path[0:1] = [os.path.dirname(os.path.realpath(script))]
     runpy.run_path(script, run_name="__main__")
+
+
+def run_entry_point(value: str, name: str, args: Sequence[str]) -> None:
+    """What a console command's PATH wrapper does: `sys.exit(MODULE.ATTR())` with `sys.argv = [NAME, *args]`."""
+    module, _, attr = value.partition(":")
+    sys.argv = [shutil.which(name) or name, *args]
+    sys.path[0:1] = [os.getcwd()]  # as for `-m`: the working directory, where the tool's relative paths point
+    obj = importlib.import_module(module)
+    for part in filter(None, attr.split(".")):
+        obj = getattr(obj, part)
+    raise SystemExit(obj())
 
 
 if __name__ == "__main__":
