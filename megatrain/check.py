@@ -13,6 +13,7 @@ from typing import Any
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from .config import EngineConfig
 from .engine import Engine
 from .engine.probe import Verdict, run_probe
 
@@ -35,13 +36,18 @@ def resolve(name_or_path: str | os.PathLike) -> tuple[type, Any]:
     return mapping[type(config)], config
 
 
-def check_model(name_or_path: str | os.PathLike) -> Verdict:
-    """The probe's verdict, computed now (never read from the cache)."""
+def check_model(name_or_path: str | os.PathLike, compute_dtype: str = "float32", host_master: str = "fp32",
+                overrides: dict[str, Any] | None = None) -> Verdict:
+    """The probe's verdict, computed now (never read from the cache), for an engine computing in `compute_dtype`
+    with `host_master`; `overrides` set config values first (e.g. a non-default logit_scale)."""
     model_cls, config = resolve(name_or_path)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
     if getattr(config, "is_encoder_decoder", False):
         return Verdict("refused", f"{config.model_type}'s config is an encoder-decoder one; MegaTrain trains "
                        "decoder-only causal LMs", model_cls.__name__)
-    return run_probe(model_cls, config, Engine)
+    return run_probe(model_cls, config, Engine, EngineConfig(device="cpu", compute_dtype=compute_dtype,
+                                                             host_master=host_master))
 
 
 def causal_lm_types() -> list[str]:
