@@ -2,9 +2,11 @@
 `import megatrain as deepspeed`. Only the import line differs between the two runs.
 
 usage: ds_style_train.py {deepspeed,megatrain} OUT.json [--steps N] [--save-at K --ckpt DIR] [--resume DIR]
+                         [--gpu-defaults]
 
 --save-at K saves a checkpoint after optimizer step K and carries on, so one run gives both the
-uninterrupted losses and the checkpoint a second process resumes from.
+uninterrupted losses and the checkpoint a second process resumes from. --gpu-defaults trains in the
+configuration a GPU run gets (bf16 compute, optimizer overlap, hilo; tests/gpu_defaults.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ parser.add_argument("--steps", type=int, default=10)
 parser.add_argument("--save-at", type=int, default=None)
 parser.add_argument("--ckpt", default=None)
 parser.add_argument("--resume", default=None)
+parser.add_argument("--gpu-defaults", action="store_true")
 cli = parser.parse_args()
 
 if cli.backend == "deepspeed":
@@ -44,6 +47,8 @@ DS_CONFIG = {
                           "offload_optimizer": {"device": "cpu", "pin_memory": True}},
     "steps_per_print": 1000,
 }
+if cli.gpu_defaults:
+    DS_CONFIG.update(bf16={"enabled": True}, megatrain={"optimizer_overlap": True, "host_master": "hilo"})
 
 deepspeed.init_distributed(dist_backend="gloo")
 assert torch.distributed.get_rank() == 0 and torch.distributed.get_world_size() == 1

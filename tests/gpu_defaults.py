@@ -50,6 +50,13 @@ def is_bf16(cfg: dict) -> bool:
     return cfg.get("compute_dtype") == "bfloat16"
 
 
+def deepspeed_keys(mode: dict) -> dict:
+    """The DeepSpeed-config keys that select `mode` (FP32: none, the face's defaults on the CPU)."""
+    if not is_bf16(mode):
+        return {}
+    return {"bf16": {"enabled": True}, "megatrain": {k: v for k, v in mode.items() if k != "compute_dtype"}}
+
+
 def lag_updates(eng, stall: float = OVERLAP_STALL_S):
     """With optimizer_overlap, make each queued layer update start late, so the caller always runs ahead;
     in the GPU's defaults, check that the engine really runs them (bf16 streamed weights, hilo, overlap)."""

@@ -20,6 +20,7 @@ import pytest
 import torch
 import transformers
 from conftest import make_batches, tiny_model
+from gpu_defaults import CONFIGS, bf16_reference, deepspeed_keys, engine_grads, is_bf16, lag_updates
 
 import megatrain
 from baselines.zero3 import default_extensions_dir
@@ -126,7 +127,8 @@ def _reference_run(model, batches, gas, clip, lr, wd, warmup):
     return losses, norms
 
 
-def test_boundary_step_matches_plain_pytorch():
+@pytest.mark.parametrize("mode", CONFIGS)
+def test_boundary_step_matches_plain_pytorch(mode):
     lr, wd, clip, gas, warmup = 1e-3, 0.01, 0.3, 2, 3
     model = tiny_model("llama", seed=3)
     ref_model = copy.deepcopy(model)
@@ -134,19 +136,33 @@ def test_boundary_step_matches_plain_pytorch():
     cfg = _cfg(gradient_accumulation_steps=gas, gradient_clipping=clip,
                optimizer={"type": "AdamW", "params": {"lr": lr, "weight_decay": wd}},
                scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": lr / 10, "warmup_max_lr": lr,
-                                                         "warmup_num_steps": warmup, "warmup_type": "linear"}})
+                                                         "warmup_num_steps": warmup, "warmup_type": "linear"}},
+               **deepspeed_keys(mode))
     engine, *_ = _init(model, config=cfg)
-    losses, norms = [], []
+    lag_updates(engine.engine)
+    losses, norms, first = [], [], None
     for b in batches:
         out = engine(**b)
         scaled = engine.backward(out.loss)
         assert math.isclose(scaled.item(), out.loss.item() / gas, rel_tol=1e-6)  # DeepSpeed returns loss / gas
         if engine.is_gradient_accumulation_boundary():
+            first = engine_grads(engine.engine) if first is None else first
             engine.step()
             norms.append(engine.get_global_grad_norm())
         else:
             engine.step()
         losses.append(out.loss.item())
+    if is_bf16(mode):
+        from megatrain.deepspeed.lr_schedules import WarmupLR
+
+        floor = bf16_reference(
+            ref_model, batches, len(batches) // gas, gas, clip,
+            optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=wd, fused=True),
+            scheduler=lambda o: WarmupLR(o, warmup_min_lr=lr / 10, warmup_max_lr=lr, warmup_num_steps=warmup,
+                                         warmup_type="linear"))
+        assert min(floor.out[1]) > clip  # clipping was active in every step
+        floor.check((losses, norms, first), engine.state_dict())
+        return
     ref_losses, ref_norms = _reference_run(ref_model, batches, gas, clip, lr, wd, warmup)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
     assert max(abs(a - b) for a, b in zip(norms, ref_norms)) < 1e-5
@@ -276,10 +292,13 @@ def test_training_data_becomes_a_dataloader_in_deepspeed_order():
 # checkpoints and export
 
 
-def test_checkpoint_roundtrip_in_process(tmp_path):
+@pytest.mark.parametrize("mode", CONFIGS)
+def test_checkpoint_roundtrip_in_process(tmp_path, mode):
     cfg = _cfg(gradient_accumulation_steps=2, train_batch_size=4,
-               scheduler={"type": "WarmupDecayLR", "params": {"total_num_steps": 10, "warmup_num_steps": 2}})
+               scheduler={"type": "WarmupDecayLR", "params": {"total_num_steps": 10, "warmup_num_steps": 2}},
+               **deepspeed_keys(mode))
     engine, opt, _, sched = _init(tiny_model("llama", seed=1), config=cfg)
+    lag_updates(engine.engine)
     for b in make_batches(4):
         engine.backward(engine(**b).loss)
         engine.step()
@@ -287,6 +306,7 @@ def test_checkpoint_roundtrip_in_process(tmp_path):
     assert ck.latest_tag(tmp_path) == "global_step2"
 
     other, opt2, _, sched2 = _init(tiny_model("llama", seed=2), config=cfg)
+    lag_updates(other.engine)
     assert not torch.equal(other.state_dict()["model.embed_tokens.weight"],
                            engine.state_dict()["model.embed_tokens.weight"])
     path, client = other.load_checkpoint(tmp_path)
@@ -460,10 +480,20 @@ def megatrain_run(tmp_path_factory):
     return result, d / "ckpt"
 
 
-def test_resume_in_a_new_process_is_bit_identical(megatrain_run, tmp_path):
-    full, ckpt_dir = megatrain_run
+@pytest.fixture(scope="module")
+def megatrain_gpu_run(tmp_path_factory):
+    """megatrain_run in the GPU's defaults (bf16 compute, optimizer overlap, hilo)."""
+    d = tmp_path_factory.mktemp("mt_gpu_run")
+    result = _run_script("megatrain", d / "out.json", "--save-at", "5", "--ckpt", str(d / "ckpt"), "--gpu-defaults")
+    return result, d / "ckpt"
+
+
+@pytest.mark.parametrize("mode", CONFIGS)
+def test_resume_in_a_new_process_is_bit_identical(mode, request, tmp_path):
+    full, ckpt_dir = request.getfixturevalue("megatrain_gpu_run" if is_bf16(mode) else "megatrain_run")
     assert len(full["losses"]) == 20 and (full["global_steps"], full["micro_steps"]) == (10, 20)
-    resumed = _run_script("megatrain", tmp_path / "resumed.json", "--resume", str(ckpt_dir))
+    extra = ("--gpu-defaults",) if is_bf16(mode) else ()
+    resumed = _run_script("megatrain", tmp_path / "resumed.json", "--resume", str(ckpt_dir), *extra)
     assert resumed["start"] == 5 and resumed["client"] == {"note": "mid-run", "step": 5}
     assert resumed["losses"] == full["losses"][10:]  # exact float equality, every micro-step
     assert resumed["lrs"] == full["lrs"][5:]
