@@ -7,8 +7,15 @@ the same class and structural options (2 layers, small widths, every setting tha
 it a few steps with plain PyTorch and through the engine on the same batches, and compares first-step
 gradients and per-step losses. A mismatch refuses the real model and names the first parameter that differs.
 
-The verdict is cached per (model class, structural options, transformers version) in
-`$MEGATRAIN_CACHE` (default `~/.cache/megatrain`), so the real run pays about a second once.
+It proves what will train: an engine that computes in bf16 (`compute_dtype`, "auto" on a GPU) is also run in bf16
+and its host mode, against plain PyTorch's same mixed-precision scheme (`train_plain`: FP32 masters and gradients,
+bf16 compute, the engine's cast points), within a tolerance derived from that reference's own bf16 floor
+(`bf16_floor`; docs/COMPATIBILITY.md says how). When plain transformers cannot train the shrunk config, the probe
+shrinks less before it refuses anything (`_shrinks`), so it never refuses what plain transformers trains.
+
+The verdict is cached per (model class, structural options, transformers version, compute dtype and host mode) in
+`$MEGATRAIN_CACHE` (default `~/.cache/megatrain`), so the real run pays about a second once. The probe draws from
+the CPU generator only and restores it; no CUDA generator is touched.
 """
 
 from __future__ import annotations
