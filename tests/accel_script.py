@@ -123,8 +123,8 @@ def probe_batch(accum: int = 2) -> dict[str, torch.Tensor]:
     return _roundtrip_batches(accum)[-1]
 
 
-def checkpoint_roundtrip(backend: str, workdir: str, *, clip: float = 1.0, accum: int = 2, seed: int = 0
-                         ) -> dict[str, Any]:
+def checkpoint_roundtrip(backend: str, workdir: str, *, clip: float = 1.0, accum: int = 2, seed: int = 0,
+                         config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train 2 steps, save_state, train 2 more; load_state and redo those 2; save_model to workdir/hf.
 
     Returns the losses of the first 4 steps, of the redone 2, and the trained model's eval loss on
@@ -136,7 +136,7 @@ def checkpoint_roundtrip(backend: str, workdir: str, *, clip: float = 1.0, accum
 
     batches = _roundtrip_batches(accum)
     model = build_model(seed)
-    accelerator = Accelerator(backend=backend, gradient_accumulation_steps=accum)
+    accelerator = Accelerator(backend=backend, config=config, gradient_accumulation_steps=accum)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)

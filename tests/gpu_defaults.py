@@ -152,13 +152,17 @@ def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], base: dict[str,
     return (diff / max(ref, 1e-30)) ** 0.5
 
 
-def _distances(a: tuple, b: tuple, params_a: dict, params_b: dict, initial: dict) -> dict[str, float]:
+def _distances(a: tuple, b: tuple, params_a: dict | None, params_b: dict, initial: dict) -> dict[str, float]:
     """How far run `a` lands from run `b`: the largest per-step loss (and pre-clip norm) difference, the
     first step's gradients and the parameters' movement over the run as relative L2 errors over the whole
-    model (one tensor's near-zero entries do not decide it)."""
+    model (one tensor's near-zero entries do not decide it). A face that reports only losses and norms (no
+    first-step gradients, no parameters: `a`'s are empty / None) is compared on those."""
     (la, na, ga), (lb, nb, gb) = a, b
-    out = {"loss": max(abs(x - y) for x, y in zip(la, lb, strict=True)), "grad": _rel(ga, gb),
-           "update": _rel(params_a, params_b, initial)}
+    out = {"loss": max(abs(x - y) for x, y in zip(la, lb, strict=True))}
+    if ga:
+        out["grad"] = _rel(ga, gb)
+    if params_a is not None:
+        out["update"] = _rel(params_a, params_b, initial)
     if nb:  # clipped runs: the pre-clip norms, step by step
         out["norm"] = max(abs(x - y) for x, y in zip(na, nb, strict=True))
     return out
@@ -174,10 +178,11 @@ class BF16Floor:
     initial: dict[str, torch.Tensor]
     floor: dict[str, float] = field(default_factory=dict)
 
-    def distances(self, out: tuple, params: dict[str, torch.Tensor]) -> dict[str, float]:
+    def distances(self, out: tuple, params: dict[str, torch.Tensor] | None) -> dict[str, float]:
         return _distances(out, self.out, params, self.params, self.initial)
 
-    def check(self, out: tuple, params: dict[str, torch.Tensor], factor: float = FLOOR_FACTOR) -> dict[str, float]:
+    def check(self, out: tuple, params: dict[str, torch.Tensor] | None,
+              factor: float = FLOOR_FACTOR) -> dict[str, float]:
         """Assert that a run is within `factor` floors of the reference on every quantity; return its distances."""
         got = self.distances(out, params)
         over = {k: (v, self.floor[k]) for k, v in got.items() if v > factor * self.floor[k]}

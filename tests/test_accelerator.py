@@ -8,7 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from accel_script import build_model, checkpoint_roundtrip, probe_batch, torch_reference, train, warmup
+from accel_script import (
+    TokenData,
+    build_model,
+    checkpoint_roundtrip,
+    probe_batch,
+    torch_reference,
+    train,
+    warmup,
+)
+from gpu_defaults import GPU_DEFAULTS, bf16_reference, deepspeed_keys
 
 from megatrain.accelerate import (
     AcceleratedOptimizer,
@@ -47,11 +56,30 @@ def test_megatrain_matches_torch(torch_run):
     assert mt["lrs"] == pytest.approx(torch_run["lrs"], rel=1e-12)
 
 
+def test_megatrain_in_the_gpu_defaults_matches_the_bf16_reference():
+    """bf16 compute, optimizer overlap, hilo through the Accelerate face: its losses and pre-clip norms
+    within the bf16 reference's floor (tests/gpu_defaults.py)."""
+    steps, accum = 10, 2
+    mt = train("megatrain", steps=steps, accum=accum, config=deepspeed_keys(GPU_DEFAULTS))
+    batches = list(torch.utils.data.DataLoader(TokenData(steps * accum * 2), batch_size=2))
+    floor = bf16_reference(
+        build_model(0), batches, steps, accum, clip=1.0,
+        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1, fused=True),
+        scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, warmup))
+    assert min(floor.out[1]) > 1.0  # clipping active
+    floor.check((mt["losses"], mt["norms"], {}), None)
+
+
 def test_the_loss_comparison_can_fail(torch_run):
     # A run that does not train (lr 0) is far outside the parity tolerance, so passing parity means
     # the optimizer steps agree, not merely that the first forward does.
     frozen = train("torch", lr=0.0, steps=3)
     assert max_diff(frozen["losses"][2:], torch_run["losses"][2:6]) > 1e-3
+
+
+def test_checkpoint_roundtrip_in_the_gpu_defaults(tmp_path):
+    out = checkpoint_roundtrip("megatrain", str(tmp_path), clip=1e-6, config=deepspeed_keys(GPU_DEFAULTS))
+    assert out["redo"] == out["losses"][4:]  # resume is bit-exact in bf16 + overlap + hilo too
 
 
 @pytest.mark.parametrize("backend", ["torch", "megatrain"])
