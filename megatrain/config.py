@@ -20,7 +20,7 @@ MIN_WATCHDOG_S = 0.1
 
 @dataclass
 class EngineConfig:
-    device: str | None = None  # None: the accelerator when there is one, else cpu
+    device: str | None = None  # None: the accelerator when it is usable, else cpu (engine/device_resolution.py)
     # What streams to and computes on the device; masters stay FP32. "auto": bfloat16 on a CUDA device that
     # supports it (2 B/param streamed, bf16 matmuls), float32 elsewhere (a CPU device: as before).
     compute_dtype: str = "auto"
