@@ -126,18 +126,22 @@ def test_checkpoints_load_across_fp32_and_hilo(model):
         assert not _differences(a, b), f"{first} -> {second}"
 
 
-def test_hilo_checkpoint_through_initialize_resumes_bit_exactly(model, tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])  # True: the GPU's defaults (bf16, overlap, hilo)
+def test_hilo_checkpoint_through_initialize_resumes_bit_exactly(model, tmp_path, overlap):
     from megatrain.initialize import initialize
 
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-          "megatrain": {"loss_chunk_tokens": 13}}
+          "megatrain": {"loss_chunk_tokens": 13, "optimizer_overlap": overlap}}
     batches = make_batches(6)
 
     def run(mode, steps, start=0, load=None):
         cfg = copy.deepcopy(ds)
         cfg["megatrain"]["host_master"] = mode
         eng, *_ = initialize(model=copy.deepcopy(model), config=cfg)
+        assert eng.engine.config.optimizer_overlap is overlap
+        if overlap:
+            eng.engine._layered.stream.stall_s = 0.005  # the save and the load meet layer updates still queued
         if load:
             eng.load_checkpoint(load)
         for b in batches[start: start + steps]:
