@@ -81,10 +81,11 @@ def hilo_identical(model_type: str, overrides: dict) -> str:
     master.float().train()
     batches = probe._batches(probe.STEPS, vars(tiny).get("vocab_size") or probe._VOCAB, probe._SEQ)
     runs = []
+    make_opt = probe._optimizer(probe._Mode("bfloat16", "hilo"), True)  # AdamW for both: hi/lo takes nothing else
     with torch.random.fork_rng(devices=[]):
         for host_master in ("fp32", "hilo"):
-            mode = probe._Mode("bfloat16", host_master)
-            runs.append(probe._train_engine(master, batches, Engine, mode, probe._optimizer(mode, True), "?"))
+            runs.append(probe._train_engine(master, batches, Engine, probe._Mode("bfloat16", host_master), make_opt,
+                                            "?"))
     (a, _), (b, _) = runs
     if a == b:
         return "identical"
