@@ -165,3 +165,79 @@ def test_train_takes_the_model_directory_too(model_dir, tmp_path, capsys):
     assert cli_main(["train", str(cfg), "--model", str(model_dir)]) == 0
     summary = capsys.readouterr().out.strip().splitlines()[-1]
     assert summary.startswith(f"megatrain/{model_dir}/s32/b1/fp32: loss ")
+
+
+# ---------------------------------------------------------------------------------------------------
+# any dense decoder-only config: the shape read off the model transformers builds on the meta device
+
+
+def _meta_count(cfg) -> int:
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_plan_model_on_a_dense_qwen3_config_json(tmp_path, capsys):
+    """The issue's case: a dense Qwen3 config.json (q/k norms, head_dim 128 != hidden / heads) was refused by a
+    list of model types; now planned from the model's own counts."""
+    import transformers
+
+    cfg = transformers.Qwen3Config(hidden_size=256, intermediate_size=768, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=128, vocab_size=1000, max_position_embeddings=4096,
+                                   tie_word_embeddings=True)
+    cfg.save_pretrained(tmp_path / "my-qwen3")
+    m = model_from_path(tmp_path / "my-qwen3" / "config.json")
+    assert m.param_count() == _meta_count(cfg)  # every parameter the engine will store, counted
+    assert (m.head_dim, m.attn.qk_norm, m.heads, m.kv_heads, m.intermediate, m.tie_embeddings) == (128, True, 4, 2, 768,
+                                                                                                   True)
+    # Control: Llama's formulas for the same numbers (hidden / heads = 64, no q/k norms) count another model.
+    from megatrain.models.presets import ModelPreset
+
+    llama_like = ModelPreset("x", "llama", 3, 256, 768, 4, 2, 1000, tie_embeddings=True)
+    assert llama_like.param_count() != m.param_count()
+    d = _plan_json(capsys, "--model", str(tmp_path / "my-qwen3"), "--context", "512", "--no-search")
+    assert d["fits"] and d["point"]["model"] == "my-qwen3"
+    assert main(["plan", "--model", str(tmp_path / "my-qwen3"), "--context", "512", "--hardware", "h200-pcie",
+                 "--compare", "", "--no-search"]) == 0
+    assert "fits: yes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("make", [
+    # per-layer parts Llama's formulas do not have: OLMo-2's norms over whole q/k projections and after each block
+    lambda t: t.Olmo2Config(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=256),
+    # Gemma-2: four norms per layer, head_dim 32 != hidden / heads, a tied head, sliding-window layers
+    lambda t: t.Gemma2Config(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=32, vocab_size=256, sliding_window=64),
+    # biases on every attention projection and the MLP (Llama with attention_bias and mlp_bias)
+    lambda t: t.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=256, attention_bias=True, mlp_bias=True),
+], ids=["olmo2", "gemma2", "llama-biases"])
+def test_any_dense_decoder_is_counted_as_built(make, tmp_path):
+    import transformers
+
+    cfg = make(transformers)
+    cfg.save_pretrained(tmp_path)
+    m = model_from_path(tmp_path)
+    assert m.param_count() == _meta_count(cfg) and len(m.layer_sizes()) == 2
+    # Control: ModelPreset's formulas over the same widths miss parts of these layers, so only the reading off
+    # the built model gets the count right.
+    from dataclasses import fields
+
+    from megatrain.models.presets import ModelPreset
+
+    formulas = ModelPreset(**{f.name: getattr(m, f.name) for f in fields(ModelPreset)})
+    assert formulas.param_count() != m.param_count()
+    assert plan(m, 256, hardware="h200-pcie").fits
+
+
+def test_a_model_that_is_not_a_causal_lm_is_refused_by_name(tmp_path, capsys):
+    import transformers
+
+    transformers.T5Config(d_model=64, d_ff=128, num_layers=2, num_heads=4, vocab_size=256).save_pretrained(tmp_path)
+    assert main(["plan", "--model", str(tmp_path), "--hardware", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "'t5'" in err and "causal LM" in err

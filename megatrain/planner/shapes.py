@@ -1,5 +1,7 @@
 """Model shapes the planner accepts: a preset name, a ModelPreset, a transformers config (object or dict),
-or a local model directory / config.json (read with transformers' AutoConfig, nothing downloaded)."""
+or a local model directory / config.json (read with transformers' AutoConfig, nothing downloaded). A dense
+model given as a config is measured off the model transformers builds for it on the meta device
+(meta_shapes.py), whatever its model_type; mixtures of experts are read by moe_shapes.py."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ from megatrain.models.presets import ALIASES, PRESETS, ModelPreset, get_preset
 
 from .moe_shapes import MOE_MODEL_TYPES, moe_shapes, text_config
 
-# Architectures whose decoder layer has the shape ModelPreset.layer_params() counts
-# (attention + SwiGLU MLP + two RMSNorms; q/k/v biases for the qwen2 family).
+# model_type -> the preset family whose transformers config rebuilds the same model (preset_configs.py); any
+# other dense model_type keeps its own name (planned from its measured shape, not rebuilt from a preset)
 _FAMILY = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 # Config keys that give a mixture-of-experts model away (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...): read by
 # moe_shapes.py into a MoEShape where it knows the family, refused by name where it does not.
@@ -30,8 +32,8 @@ def resolve_model(model: str | os.PathLike | ModelPreset | Any) -> ModelPreset:
     if isinstance(model, str):
         return get_preset(model)
     if hasattr(model, "to_dict"):
-        d = model.to_dict()
-    elif isinstance(model, dict):
+        return _from_hf_dict(model.to_dict(), model)
+    if isinstance(model, dict):
         d = dict(model)
     else:
         raise TypeError(f"model must be a preset name, a model directory, a ModelPreset or a transformers config, "
@@ -79,21 +81,13 @@ def _from_hf_dict(d: dict[str, Any], cfg: Any = None) -> ModelPreset:
             f"model_type {mtype!r} is a mixture-of-experts model ({said or 'experts in its MLP'}) whose layer shape "
             f"the planner does not read; it reads {', '.join(MOE_MODEL_TYPES)} (or describe it as a ModelPreset "
             "with a MoEShape)")
-    family = mtype if is_moe else _FAMILY.get(mtype)
-    if family is None:
-        raise ValueError(
-            f"the planner knows the layer shape of model_type {sorted(_FAMILY) + sorted(MOE_MODEL_TYPES)}, not "
-            f"{mtype!r}; describe the model as a ModelPreset instead")
-    if d.get("mlp_bias"):
-        raise ValueError("config sets mlp_bias=true; the planner counts no MLP biases, so it cannot plan this shape")
-    if not is_moe and d.get("attention_bias"):
-        family = "qwen2"  # same bias count (q, k, v)
+    if not is_moe:
+        return _dense(d, cfg, mtype)
     try:
         hidden, heads, layers = int(d["hidden_size"]), int(d["num_attention_heads"]), int(d["num_hidden_layers"])
-        extra = moe_shapes(d, mtype, hidden, heads, layers) if is_moe else {"intermediate": int(d["intermediate_size"])}
-        preset = ModelPreset(
+        return ModelPreset(
             name=str(d.get("_name_or_path") or f"hf-{mtype}"),
-            family=family,
+            family=mtype,
             num_layers=layers,
             hidden=hidden,
             heads=heads,
@@ -101,19 +95,37 @@ def _from_hf_dict(d: dict[str, Any], cfg: Any = None) -> ModelPreset:
             vocab=int(d["vocab_size"]),
             max_positions=_trainable_positions(d, cfg),
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-            rope_theta=float(d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta") or 10000.0),
-            **extra,
+            rope_theta=_rope_theta(d),
+            **moe_shapes(d, mtype, hidden, heads, layers),
         )
     except KeyError as e:
         raise ValueError(f"transformers config of model_type {mtype!r} lacks {e.args[0]!r}; cannot plan for it") from None
-    head_dim = d.get("head_dim")
-    if not is_moe and head_dim is not None and int(head_dim) != preset.head_dim:
-        # ModelPreset derives head_dim = hidden // heads for the dense families; a config that sets another
-        # one has other projection sizes, and planning it with the wrong count would be silently off.
-        raise ValueError(
-            f"config sets head_dim={head_dim} but hidden/heads = {preset.head_dim}; the planner's "
-            "ModelPreset cannot express that shape yet")
-    return preset
+
+
+def _rope_theta(d: dict[str, Any]) -> float:
+    return float(d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
+
+
+def _dense(d: dict[str, Any], cfg: Any, mtype: str) -> ModelPreset:
+    """A dense model: its shape measured off the model transformers builds for it on the meta device."""
+    from .meta_shapes import measured_preset
+
+    if cfg is None:  # a dict or config object given directly: the config class of its model_type
+        import transformers
+
+        try:
+            cfg = transformers.AutoConfig.for_model(mtype, **{k: v for k, v in d.items() if k != "model_type"})
+        except ValueError as e:
+            raise ValueError(f"transformers knows no config for model_type {mtype!r} ({e})") from None
+    family = _FAMILY.get(mtype, mtype)
+    if family == "llama" and d.get("attention_bias"):
+        family = "qwen2"  # biased q/k/v: the zero3 baseline's layer model counts them as Qwen2's
+    name = str(d.get("_name_or_path") or f"hf-{mtype}")
+    try:
+        return measured_preset(cfg, name, family, _trainable_positions(d, cfg), _rope_theta(d))
+    except (AttributeError, KeyError) as e:
+        raise ValueError(f"cannot read the layer shape of model_type {mtype!r} off its model ({e}); describe it as "
+                         "a ModelPreset instead") from None
 
 
 def _trainable_positions(d: dict[str, Any], cfg: Any = None) -> int:
