@@ -64,6 +64,17 @@ def test_the_bf16_tolerance_is_the_references_own_floor():
     assert 1e-3 < grad < 0.1 and 1e-5 < loss < 1e-2, how
 
 
+def test_verify_model_probes_in_the_engines_compute_dtype(monkeypatch, tmp_path):
+    """What the engine hands verify_model decides the phase: MiniMax is exact in FP32 and refused in bf16."""
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(probe, "_MEMO", {})
+    cls, cfg = resolve("minimax")
+    model = probe._build(cls, probe.tiny_config(cfg), cfg)
+    assert probe.verify_model(model, Engine).exact
+    with pytest.raises(probe.ModelMismatchError, match=r"MiniMaxForCausalLM \(crashed\).*compute_dtype='float32'"):
+        probe.verify_model(model, Engine, BF16)
+
+
 def test_verdicts_are_cached_per_compute_dtype():
     model = tiny_model("llama")
     assert probe.cache_key(type(model), model.config, BF16) != probe.cache_key(type(model), model.config)
