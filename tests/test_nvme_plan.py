@@ -10,6 +10,7 @@ from megatrain.costs.nvme import io_seconds
 from megatrain.planner import cli
 from megatrain.planner.estimate import plan
 from megatrain.planner.hardware import get_hardware
+from megatrain.planner.memory import fmt_bytes
 from megatrain.planner.nvme_plan import nvme_rows, with_nvme
 
 EXACT_CLIPPED = "hilo master, bf16 grads"
@@ -66,3 +67,29 @@ def test_plan_json_carries_the_tier(capsys):
     tier = json.loads(out)["nvme"]
     row = next(r for r in tier if r["label"] == EXACT_CLIPPED)
     assert row["fits"] and not row["fits_without"] and row["spilled"] > 0
+
+
+def test_405b_names_the_part_that_never_spills_and_the_least_host_that_fits():
+    """Llama-3.1-405B on a 1.5 TiB host: masters, gradients and the bf16 shadow (which never spill: ~3.7 TiB) are
+    what exceed the host, not one layer's working set; the row says so and gives the least host that trains."""
+    from megatrain.models.presets import ModelPreset
+    from megatrain.planner.hardware import GIB
+
+    m = ModelPreset("llama3.1-405b", "llama", 126, 16384, 53248, 128, 8, 128256, 131072, rope_theta=5e5)
+    hw = get_hardware("h200-pcie")
+    p = plan(m, 4096, 1, hardware=hw).point
+    rows = {r.label: r for r in nvme_rows(p, hw, search=False)}
+    r = rows["fp32 master, fp32 grads (default)"]
+    assert not r.fits and "what never spills (master weights, gradients, bf16 shadow: 3.71 TiB)" in r.why
+    assert "one layer" not in r.why and f"needs at least {fmt_bytes(r.min_host_bytes)} of host memory" in r.why
+    assert 3.7 * 2**40 < r.min_host_bytes < 3.9 * 2**40
+    # the least host is exact: with it the tier plans (every layer spilled), a GiB less and it cannot
+    at_least = next(x for x in nvme_rows(p, hw.with_(host_memory_gib=r.min_host_bytes / GIB), search=False)
+                    if x.label == r.label)
+    assert at_least.fits and at_least.spilled == r.layers
+    below = next(x for x in nvme_rows(p, hw.with_(host_memory_gib=r.min_host_bytes / GIB - 1), search=False)
+                 if x.label == r.label)
+    assert not below.fits and "one layer's spilled state" in below.why  # what never spills fits; one buffer not
+    # hi/lo keeps only the hi half of its master in host memory
+    hl = rows["hilo master, bf16 grads"]
+    assert "master weights (the hi half)" in hl.why and hl.min_host_bytes < r.min_host_bytes

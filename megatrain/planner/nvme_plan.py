@@ -28,6 +28,8 @@ from .point import Point, engine_refusal, with_point
 from .prediction import Plan
 
 STORE_PARTS = ("master weights", "gradients", "adam m", "adam v", "bf16 shadow (streams)", "fp32 scratch (one layer)")
+# the store's parts that stay in host memory whatever spills (costs/nvme.py: touched several times a step)
+UNSPILLED_PARTS = ("master weights", "gradients", "bf16 shadow (streams)", "fp32 scratch (one layer)")
 
 
 @dataclass
@@ -48,6 +50,7 @@ class NvmeRow:
     largest_without: str | None
     largest_with: str | None
     why: str | None = None
+    min_host_bytes: int = 0  # the least host memory that trains this mode with the tier (every layer spilled)
 
     @property
     def hidden(self) -> bool:
@@ -69,8 +72,10 @@ def nvme_fit(pl: Plan, hw: Hardware) -> tuple[bool, dict[str, Any]]:
     other = mem.host_total - store
     rec = int(PL * spill_bytes_per_param(p.master == HostMaster.HILO.value))
     budget = hw.host_bytes - other
+    fixed = store - L * rec
+    least = other + fixed + rec  # plan_spill's minimum (every layer spilled, one ring buffer) plus the rest
     out: dict[str, Any] = {"budget": budget, "host": mem.host_total, "disk": 0, "spilled": 0, "io_s": 0.0,
-                           "added_s": 0.0, "why": None}
+                           "added_s": 0.0, "why": None, "min_host": least}
     if p.optimizer_in_backward:
         out["why"] = "optimizer_in_backward does not spill"
         return False, out
@@ -80,7 +85,7 @@ def nvme_fit(pl: Plan, hw: Hardware) -> tuple[bool, dict[str, Any]]:
     try:
         sp = plan_spill(store - L * rec, [rec] * L, budget)
     except BudgetTooSmall:
-        out["why"] = "one layer's working set does not fit the host"
+        out["why"] = _too_small(mem.host, fixed, other, rec, least, hw.host_bytes, p.master == HostMaster.HILO.value)
         return False, out
     n = len(sp.spilled)
     u = pl.time.optimizer_busy_s * PL / m.param_count()
@@ -92,6 +97,18 @@ def nvme_fit(pl: Plan, hw: Hardware) -> tuple[bool, dict[str, Any]]:
         return False, out
     device_ok = mem.unified or mem.device_total <= hw.device_bytes
     return device_ok and engine_refusal(p) is None, out
+
+
+def _too_small(parts: dict[str, int], fixed: int, other: int, rec: int, least: int, host: int, hilo: bool) -> str:
+    """Why no spill plan fits the host, naming the part that is over: what never spills, or one layer's buffer."""
+    kept = [k.split(" (")[0] for k in UNSPILLED_PARTS if parts.get(k)]
+    kept_s = ", ".join(f"{k} (the hi half)" if hilo and k == "master weights" else k for k in kept)
+    need = f"needs at least {fmt_bytes(least)} of host memory"
+    if other + fixed > host:
+        return (f"what never spills ({kept_s}: {fmt_bytes(fixed)}) with the rest of the host's use ({fmt_bytes(other)}) exceeds the "
+                f"host's {fmt_bytes(host)}; {need}")
+    return (f"one layer's spilled state ({fmt_bytes(rec)}) does not fit beside what never spills ({kept_s}: "
+            f"{fmt_bytes(fixed)}) and the rest of the host's use ({fmt_bytes(other)}) in the host's {fmt_bytes(host)}; {need}")
 
 
 def nvme_rows(p: Point, hw: Hardware, search: bool = True) -> list[NvmeRow]:
@@ -114,7 +131,7 @@ def nvme_rows(p: Point, hw: Hardware, search: bool = True) -> list[NvmeRow]:
                     best_nvme = name
         rows.append(NvmeRow(label, knobs, HostMaster(knobs["master"]).exact, pl.feasible, ok, f["host"], f["disk"],
                             f["spilled"], q.model.num_layers, f["io_s"], f["added_s"], pl.time.step_s + f["added_s"],
-                            f["budget"], best, best_nvme, f["why"]))
+                            f["budget"], best, best_nvme, f["why"], f["min_host"]))
     return rows
 
 
