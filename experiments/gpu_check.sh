@@ -7,6 +7,9 @@
 #   bash experiments/gpu_check.sh --only parity    # some phases again
 #   bash experiments/gpu_check.sh --dry-run        # the same script on the CPU, tiny shapes
 #
+# MEGATRAIN_WHEELS names another wheel folder. Wheels made for another Python stop the check before anything
+# runs (scripts/fetch_wheels.sh records theirs; MEGATRAIN_DEVICE_PYTHON=X.Y makes them for X.Y).
+#
 # With $OUT set the check copies its 6 most useful files there after every phase, and this wrapper's
 # log goes to $OUT/log.txt, so a run cut short still leaves what it did.
 set -uo pipefail
@@ -23,23 +26,40 @@ fi
 LOG=/dev/null
 if [ -n "${OUT:-}" ]; then mkdir -p "$OUT"; LOG="$OUT/log.txt"; fi
 
+WHEELS="${MEGATRAIN_WHEELS:-wheels}"
+
 {
-    if [ "$dry" = 0 ] && compgen -G "wheels/*.whl" >/dev/null; then
+    if [ "$dry" = 0 ] && compgen -G "$WHEELS/*.whl" >/dev/null; then
+        # The wheels' Python (fetch_wheels.sh writes it; else a binary wheel's cpXY tag) must be this one's:
+        # binary wheels for another Python do not import, and every phase would fail on the device.
+        want=$(cat "$WHEELS/python-version" 2>/dev/null || true)
+        if [ -z "$want" ]; then
+            tag=$(ls "$WHEELS"/*.whl | grep -o -- '-cp3[0-9]*-' | head -n 1 | tr -d -- '-cp')
+            [ -n "$tag" ] && want="3.${tag#3}"
+        fi
+        have=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+        if [ -n "$want" ] && [ "$want" != "$have" ]; then
+            echo "ERROR: the wheels in $WHEELS/ are for Python $want but $PY is Python $have; nothing was installed" \
+                 "or run. Make them for this machine (MEGATRAIN_DEVICE_PYTHON=$have bash scripts/fetch_wheels.sh)" \
+                 "or run with PYTHON=python$want"
+            exit 2
+        fi
         # A target folder first on PYTHONPATH: the image's own packages stay untouched, ours win.
         site=/tmp/megatrain-site
         t=$(date +%s)
         if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-                --target "$site" wheels/*.whl; then
-            echo "installed $(ls wheels/*.whl | wc -l) wheels from wheels/ into $site in $(( $(date +%s) - t )) s"
+                --target "$site" "$WHEELS"/*.whl; then
+            echo "installed $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS/ into $site in $(( $(date +%s) - t )) s"
         else
-            echo "WARNING: installing wheels/*.whl failed; phases that need them will say so"
+            echo "ERROR: installing $WHEELS/*.whl with $PY failed (see above); nothing was run"
+            exit 2
         fi
         export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
         export PATH="$site/bin:$PATH"
         # Fresh per machine: DeepSpeed's ops are compiled with -march=native, never copied between machines.
         export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/megatrain-torch-extensions}"
     elif [ "$dry" = 0 ]; then
-        echo "no wheels/ folder: using the installed packages (bash scripts/fetch_wheels.sh makes it)"
+        echo "no $WHEELS/ folder: using the installed packages (bash scripts/fetch_wheels.sh makes it)"
     fi
     "$PY" -m experiments.gpu_check "$@"
 } 2>&1 | tee -a "$LOG"

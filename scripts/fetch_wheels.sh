@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Wheels for a GPU machine without network access: everything experiments/gpu_check.sh
-# installs there beyond the image's own CUDA torch. Versions are this venv's (what CI tests with),
-# for the GPU machine's Python and platform (MEGATRAIN_DEVICE_PYTHON, default 3.12; x86-64 Linux). deepspeed ships only
-# as a source package, so it is built here into a pure-Python wheel; its C++ ops are compiled on
-# first use on the GPU machine (never ship a built op: they are compiled with -march=native).
+# installs there beyond the image's own CUDA torch (numpy, pandas and nvidia-ml-py included). Versions are
+# this venv's (what CI tests with), for the GPU machine's Python and platform (MEGATRAIN_DEVICE_PYTHON,
+# default 3.12; x86-64 Linux), which is written to DEST/python-version: the check refuses to start on a
+# machine whose Python differs. deepspeed ships only as a source package, so it is built here into a
+# pure-Python wheel; its C++ ops are compiled on first use on the GPU machine (never ship a built op: they
+# are compiled with -march=native).
 #
 #   bash scripts/fetch_wheels.sh [DEST]        # DEST defaults to wheels/ (git-ignored, never committed)
-#   MEGATRAIN_WHEELS_FULL=1 bash scripts/fetch_wheels.sh   # also numpy/pandas (~30 MB more)
+#   MEGATRAIN_DEVICE_PYTHON=3.11 bash scripts/fetch_wheels.sh   # for a device whose Python is 3.11
 #
 # The script reports the total size, for copying the folder over.
 set -euo pipefail
@@ -16,9 +18,8 @@ PYVER="${MEGATRAIN_DEVICE_PYTHON:-3.12}"
 . .venv/bin/activate
 
 mkdir -p "$DEST"
-full=()
-[ "${MEGATRAIN_WHEELS_FULL:-0}" = "1" ] && full=(--full)
-mapfile -t pins < <(python scripts/wheel_list.py "${full[@]}")
+mapfile -t pins < <(MEGATRAIN_DEVICE_PYTHON="$PYVER" python scripts/wheel_list.py)
+[ "${#pins[@]}" -gt 0 ] || { echo "scripts/wheel_list.py listed nothing" >&2; exit 1; }
 binary=()
 for p in "${pins[@]}"; do
     [[ "$p" == deepspeed==* ]] || binary+=("$p")
@@ -40,19 +41,29 @@ if [ -n "$ds" ] && ! ls "$DEST"/deepspeed-"${ds#deepspeed==}"-*.whl >/dev/null 2
     python -m pip wheel -q --no-deps --no-build-isolation -w "$DEST" "$ds"
 fi
 
-# Drop wheels of versions no longer pinned (one version per package, or pip refuses to choose).
+# Drop wheels no longer asked for (one version per package, or pip refuses to choose; with a range, the
+# newest that matches is kept).
 python - "$DEST" "${pins[@]}" <<'PY'
 import sys
 from pathlib import Path
 
+from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-dest, pins = Path(sys.argv[1]), dict(p.split("==") for p in sys.argv[2:])
+dest = Path(sys.argv[1])
+reqs = {canonicalize_name(r.name): r for r in map(Requirement, sys.argv[2:])}
+found = {}
 for whl in dest.glob("*.whl"):
     name, version, _, _ = parse_wheel_filename(whl.name)
-    if pins.get(canonicalize_name(name)) != str(version):
-        print(f"removing stale {whl.name}")
-        whl.unlink()
+    found.setdefault(canonicalize_name(name), []).append((version, whl))
+for name, wheels in found.items():
+    req = reqs.get(name)
+    keep = max((v for v, _ in wheels if req is not None and req.specifier.contains(v, prereleases=True)), default=None)
+    for version, whl in wheels:
+        if version != keep:
+            print(f"removing stale {whl.name}")
+            whl.unlink()
 PY
 printf '%s\n' "${pins[@]}" > "$DEST/requirements.txt"
+echo "$PYVER" > "$DEST/python-version"  # experiments/gpu_check.sh stops on a device whose Python differs
 echo "$(ls "$DEST"/*.whl | wc -l) wheels, $(du -sh "$DEST" | cut -f1) in $DEST (limit per device call: 64 MiB with the repo)"

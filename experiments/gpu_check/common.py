@@ -29,7 +29,7 @@ PHASES = [  # correctness first: a failure is known within minutes, and `--only`
     PhaseSpec("parity", 75, 60),
     PhaseSpec("sync", 45, 40),
     PhaseSpec("stress", 60, 40),
-    PhaseSpec("sanitizer", 60, 60),
+    PhaseSpec("sanitizer", 90, 90),  # three engine runs and three references (sanitizer_run.py)
     PhaseSpec("bandwidth", 40, 20),
     PhaseSpec("bench", 300, 200),  # capped by what is left of the whole budget
 ]

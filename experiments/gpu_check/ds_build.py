@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import time
 from typing import Any
 
@@ -39,3 +40,17 @@ def ds_ops_built(cpu_accelerator: bool) -> bool:
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or default_extensions_dir()
     names = ["cpu_adam"] + (["deepspeed_shm_comm"] if cpu_accelerator else [])
     return all(glob.glob(os.path.join(root, "**", f"{n}*.so"), recursive=True) for n in names)
+
+
+def cuda_compiler() -> str | None:
+    """nvcc as DeepSpeed's op builder finds it (torch's CUDA_HOME rule: $CUDA_HOME or $CUDA_PATH, nvcc on PATH,
+    /usr/local/cuda), or None. On a CUDA machine DeepSpeed builds its CPU Adam with CUDA sources, so without
+    nvcc the ZeRO-3 points cannot run there (the engine's own check needs no compiler)."""
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK):
+            return os.path.join(home, "bin", "nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = "/usr/local/cuda/bin/nvcc"
+    return default if os.access(default, os.X_OK) else None

@@ -77,11 +77,17 @@ def phase_env(ctx: Ctx) -> None:
 
         header = Path(sysconfig.get_paths()["include"]) / "Python.h"
         gxx = shutil.which("g++") or shutil.which("c++")
+        from .ds_build import cuda_compiler
+
+        nvcc = cuda_compiler()
         res = {"python_h": header.exists(), "gxx": gxx and _run_text([gxx, "--version"]).splitlines()[0],
-               "nvcc": (_run_text(["nvcc", "--version"]).splitlines() or [""])[-1],
+               "nvcc": nvcc and (_run_text([nvcc, "--version"]).splitlines() or [""])[-1],
+               "cuda_home": os.environ.get("CUDA_HOME"),
                "ninja": shutil.which("ninja"), "torch_extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR")}
-        # DeepSpeed builds CPU Adam at run time: without these ZeRO-3 offload cannot run here.
+        # DeepSpeed builds CPU Adam at run time: without these ZeRO-3 offload cannot run here. On a GPU it also
+        # needs nvcc; without it the ZeRO-3 points are marked unavailable (orchestrate.zero3_plan), not failed.
         res["ok"] = bool(res["python_h"] and res["gxx"] and res["ninja"]) or ctx.dry
+        res["zero3_nvcc"] = bool(nvcc) or not ctx.cuda
         return res
 
     def code() -> dict[str, Any]:

@@ -34,7 +34,7 @@ from .common import (
     _log,
     _read_json,
 )
-from .ds_build import ds_ops_built, phase_ds_build
+from .ds_build import cuda_compiler, ds_ops_built, phase_ds_build
 from .env import _missing, phase_env
 from .parity import phase_parity
 from .sanitizer import phase_sanitizer
@@ -212,6 +212,9 @@ class Orchestrator:
             return "off:ZeRO-3 disabled (--zero3 off)"
         if _missing("deepspeed"):
             return "off:the deepspeed package is not installed (install it, or put its wheel in wheels/: scripts/fetch_wheels.sh)"
+        if not self.dry and cuda_compiler() is None:
+            return ("off:unavailable here: DeepSpeed builds its CPU Adam with CUDA sources on a GPU machine and "
+                    "finds no nvcc (set CUDA_HOME to a CUDA toolkit, or put nvcc on PATH)")
         if self.dry:
             if ds_ops_built(cpu_accelerator=True):
                 return "on"

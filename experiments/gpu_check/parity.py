@@ -39,6 +39,44 @@ def _train_reference(model: Any, batches: list[dict], steps: int, accum: int, cl
     return losses, first
 
 
+def _train_reference_mixed(model: Any, batches: list[dict], steps: int, accum: int, clip: float | None,
+                           device: Any) -> tuple[list[float], dict[str, Any]]:
+    """Plain PyTorch in the engine's mixed-precision scheme: FP32 masters and gradients, every parameter cast
+    to bf16 for the forward and backward (the buffers, e.g. rotary tables, stay as they are, as the engine
+    keeps them), each micro-batch's bf16 gradients summed into the FP32 gradients, clip and AdamW on the
+    masters. The reference a bf16 engine is held to; an FP32 one is held to `_train_reference`."""
+    import torch
+
+    work = copy.deepcopy(model)
+    masters = list(model.parameters())
+    shadows = list(work.parameters())
+    opt = torch.optim.AdamW(masters, lr=LR)
+    losses, first = [], {}
+    it = iter(batches)
+    for s in range(steps):
+        with torch.no_grad():
+            for w, m in zip(shadows, masters):
+                w.data = m.detach().to(torch.bfloat16)
+        for _ in range(accum):
+            b = {k: v.to(device) for k, v in next(it).items()}
+            loss = work(**b).loss
+            (loss / accum).backward()
+            losses.append(float(loss.detach()))
+            with torch.no_grad():
+                for w, m in zip(shadows, masters):
+                    if w.grad is not None:
+                        g = w.grad.float()
+                        m.grad = g if m.grad is None else m.grad.add_(g)
+                        w.grad = None
+        if s == 0:
+            first = {n: p.grad.detach().to("cpu", torch.float32, copy=True) for n, p in model.named_parameters()}
+        if clip:
+            torch.nn.utils.clip_grad_norm_(masters, clip)
+        opt.step()
+        opt.zero_grad()
+    return losses, first
+
+
 def _train_engine(eng: Any, batches: list[dict], steps: int, accum: int, clip: float | None
                   ) -> tuple[list[float], dict[str, Any], list[dict]]:
     losses, first, stats = [], {}, []
@@ -51,7 +89,7 @@ def _train_engine(eng: Any, batches: list[dict], steps: int, accum: int, clip: f
             losses.append(float(loss.detach()))
         if s == 0:
             eng.pipeline.synchronize_grads()
-            first = {n: p.grad.clone() for n, p in eng.named_parameters()}
+            first = {n: p.grad.clone() for n, p in eng.named_parameters() if p.grad is not None}
         if clip:
             eng.clip_grad_norm_(clip)
         eng.step()
@@ -146,10 +184,14 @@ def phase_parity(ctx: Ctx) -> None:
         base = tiny_model("llama", sh)
         ref32 = copy.deepcopy(base).to(ctx.device)
         refamp = copy.deepcopy(base).to(ctx.device)
+        refmix = copy.deepcopy(base).to(ctx.device)
+        # The GPU's defaults on every device (the overlap is on by default on CUDA only), with hilo masters.
         eng = Engine(copy.deepcopy(base), EngineConfig(device=dev, compute_dtype="bfloat16", trace=True,
-                                                      offload_activations=False))
+                                                      offload_activations=False, optimizer_overlap=True,
+                                                      host_master="hilo"))
         rl, _ = _train_reference(ref32, batches, steps, accum, clip, ctx.device)
         al, _ = _train_reference(refamp, batches, steps, accum, clip, ctx.device, autocast=True)
+        ml, _ = _train_reference_mixed(refmix, batches, steps, accum, clip, ctx.device)
         el, _, stats = _train_engine(eng, batches, steps, accum, clip)
         loads = sum(1 for r in eng.trace if r.stream == "h2d" and r.kind == "load")  # last step's
         per_layer = eng.store.layers[0].numel
@@ -157,6 +199,7 @@ def phase_parity(ctx: Ctx) -> None:
         diff = max(abs(a - b) for a, b in zip(rl, el))
         res = {"loss_abs_vs_fp32": diff, "loss_abs_vs_autocast": max(abs(a - b) for a, b in zip(al, el)),
                "autocast_vs_fp32": max(abs(a - b) for a, b in zip(al, rl)),
+               "loss_abs_vs_mixed": max(abs(a - b) for a, b in zip(ml, el)),  # the same scheme (sanitizer: held to it)
                "shadow_dtype": str(eng.store.layers[0].shadow.dtype), "streamed_bytes_per_param": bytes_per_param,
                "loads_last_step": loads, "tolerance_vs_fp32": 0.05}
         res["ok"] = (0 < diff <= 0.05 and res["shadow_dtype"] == "torch.bfloat16" and bytes_per_param == 2.0)

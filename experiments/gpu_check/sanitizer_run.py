@@ -1,14 +1,99 @@
 """The sanitizer phase's own process: `python -m experiments.gpu_check.sanitizer_run --device cuda`, started
-with TORCH_CUDA_SANITIZER=1 (see sanitizer.py); prints one JSON line."""
+with TORCH_CUDA_SANITIZER=1 (see sanitizer.py); prints one JSON line.
+
+It runs the configuration a GPU user gets (bf16 compute, the optimizer overlapped, hilo masters) on every
+device, the CPU's dry run included, so a bug of that configuration shows in CI; the same with the overlap
+off (every copy then queued by the launching thread); and FP32 compute. Each is held to the reference of
+its own arithmetic: bf16 compute to plain PyTorch in the same mixed-precision scheme (parity.py,
+`_train_reference_mixed`) at a tolerance measured in the same run, FP32 to plain FP32 PyTorch at 1e-5.
+The sanitizer (or, on the CPU, an op counter in its place) covers every thread the engine starts
+(every_thread.py): with the overlap on, most layer loads are queued by the copy stream's deferred thread.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import sys
+import threading
+from collections import Counter
+from typing import Any
 
-from .common import make_batches, tiny_model
-from .parity import _train_engine, _train_reference
+from .common import Shapes, make_batches, tiny_model
+from .every_thread import every_thread
+from .parity import _train_engine, _train_reference, _train_reference_mixed
+
+FP32_TOL = 1e-5  # the parity phase's per-step loss tolerance in FP32
+# The configurations, by name: EngineConfig fields beyond the shared ones (offloaded activations, a small
+# loss chunk, so both side streams and the chunked head are busy).
+RUNS: dict[str, dict[str, Any]] = {
+    "gpu_defaults": {"compute_dtype": "bfloat16", "optimizer_overlap": True, "host_master": "hilo"},
+    "gpu_defaults_overlap_off": {"compute_dtype": "bfloat16", "optimizer_overlap": False, "host_master": "hilo"},
+    "fp32": {"compute_dtype": "float32", "optimizer_overlap": True},
+}
+
+
+def compare(engine: list[float], reference: list[float], tol: float) -> dict[str, Any]:
+    """Per-step losses of the engine against a reference, at `tol` (absolute)."""
+    worst = max(abs(a - b) for a, b in zip(engine, reference, strict=True))
+    return {"loss_abs": worst, "tolerance": tol, "ok": worst <= tol}
+
+
+def bf16_tolerance(model: Any, batches: list[dict], steps: int, accum: int, device: Any,
+                   reference: list[float]) -> tuple[float, float]:
+    """(tolerance, floor) for bf16 compute: the floor is how far the mixed-precision reference moves from
+    itself when only its attention kernel changes (sdpa -> eager: the same maths, other roundings), the bf16
+    noise any two correct implementations differ by; the tolerance is that floor, and never below FP32's."""
+    eager = copy.deepcopy(model)
+    for m in eager.modules():
+        if getattr(m, "config", None) is not None:
+            m.config._attn_implementation = "eager"
+    other, _ = _train_reference_mixed(eager, batches, steps, accum, None, device)
+    floor = max(abs(a - b) for a, b in zip(reference, other))
+    return max(floor, FP32_TOL), floor
+
+
+def _counting_mode() -> Any:
+    """On the CPU, where the sanitizer does not exist: a dispatch mode that only counts, so the dry run still
+    exercises the per-thread coverage the sanitizer gets on CUDA."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    return Count()
+
+
+def run_all(device: Any, shared_mode: Any, runs: dict[str, dict[str, Any]] = RUNS) -> dict[str, Any]:
+    """Every configuration in `runs` against its reference, the engines' threads under `shared_mode`."""
+    from megatrain.config import EngineConfig
+    from megatrain.engine import Engine
+
+    sh = Shapes(64, 3, 256, 32, 2)  # every CUDA call is checked on the host: keep it small
+    steps, accum = 2, 2
+    batches = make_batches(steps * accum, sh)
+    base = tiny_model("llama", sh)
+    fp32_ref, _ = _train_reference(copy.deepcopy(base).to(device), batches, steps, accum, None, device)
+    mixed_ref, _ = _train_reference_mixed(copy.deepcopy(base).to(device), batches, steps, accum, None, device)
+    tol16, floor16 = bf16_tolerance(copy.deepcopy(base).to(device), batches, steps, accum, device, mixed_ref)
+    out: dict[str, Any] = {"bf16_floor": floor16, "references": {"fp32": fp32_ref, "bf16 mixed precision": mixed_ref}}
+    for name, knobs in runs.items():
+        bf16 = knobs["compute_dtype"] == "bfloat16"
+        with every_thread(shared_mode) as seen:
+            eng = Engine(copy.deepcopy(base), EngineConfig(device=str(device), offload_activations=True,
+                                                           loss_chunk_tokens=13, **knobs))
+            losses, _, _ = _train_engine(eng, batches, steps, accum, None)
+            eng.synchronize()
+        res = compare(losses, mixed_ref if bf16 else fp32_ref, tol16 if bf16 else FP32_TOL)
+        res.update(reference="bf16 mixed precision" if bf16 else "fp32", config=knobs, losses=losses,
+                   threads_checked=dict(Counter({k: v for k, v in seen.items() if k != threading.main_thread().name})))
+        if knobs.get("optimizer_overlap"):
+            # The point of the coverage: ops from the engine's own threads reached the checker.
+            res["ok"] = res["ok"] and any(k.startswith("megatrain-") for k in res["threads_checked"])
+        out[name] = res
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,32 +101,25 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from megatrain.config import EngineConfig
-    from megatrain.engine import Engine
-
-    from .common import Shapes
-
-    ap = argparse.ArgumentParser(prog="python -m experiments.gpu_check.sanitizer")
+    ap = argparse.ArgumentParser(prog="python -m experiments.gpu_check.sanitizer_run")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     from torch.cuda import _sanitizer
 
     on = _sanitizer.cuda_sanitizer is not None and _sanitizer.cuda_sanitizer.enabled
-    sh = Shapes(64, 3, 256, 32, 2)  # every CUDA call is checked on the host: keep it small
-    steps, accum = 2, 2
-    batches = make_batches(steps * accum, sh)
-    base = tiny_model("llama", sh)
-    ref = copy.deepcopy(base).to(dev)
-    # Both side streams busy: offloaded activations, gradients through the staging slots, and the
-    # overlapped optimizer's layer updates gating the next loads.
-    eng = Engine(copy.deepcopy(base), EngineConfig(device=str(dev), offload_activations=True, optimizer_overlap=True,
-                                                   loss_chunk_tokens=13))
-    rl, _ = _train_reference(ref, batches, steps, accum, None, dev)
-    el, _, _ = _train_engine(eng, batches, steps, accum, None)
-    worst = max(abs(a - b) for a, b in zip(rl, el))
-    print(json.dumps({"sanitizer": on, "loss_abs": worst, "parity_ok": worst <= 1e-5, "steps": steps,
-                      "device": str(dev)}))
+    if on:
+        shared, ctx = _sanitizer.cuda_sanitizer.dispatch, contextlib.nullcontext()
+    else:
+        shared = _counting_mode()
+        ctx = shared
+    with ctx:
+        runs = run_all(dev, shared)
+    results = {k: v for k, v in runs.items() if k in RUNS}
+    print(json.dumps({"sanitizer": on, "runs": results, "bf16_floor": runs["bf16_floor"],
+                      "references": runs["references"], "loss_abs": max(r["loss_abs"] for r in results.values()),
+                      "parity_ok": all(r["ok"] for r in results.values()), "steps": 2, "device": str(dev)},
+                     default=str))
     return 0
 
 

@@ -67,7 +67,10 @@ def build_summary(out: Path, phases: dict[str, dict[str, Any]], dry: bool) -> di
                               if v.get(m) is not None} | {"ok": v.get("ok")} for k, v in par.items()}
     san = checks.get("sanitizer", {}).get("parity_under_sanitizer")
     if san:
-        figs["sanitizer"] = {m: san.get(m) for m in ("ok", "sanitizer", "loss_abs", "returncode")}
+        figs["sanitizer"] = {m: san.get(m) for m in ("ok", "sanitizer", "loss_abs", "returncode", "bf16_floor")}
+        figs["sanitizer"]["runs"] = {k: {m: v.get(m) for m in ("ok", "loss_abs", "tolerance", "reference")}
+                                     | {"threads": sorted(v.get("threads_checked", {}))}
+                                     for k, v in (san.get("runs") or {}).items()}
     sy = checks.get("sync", {})
     if sy:
         figs["sync"] = {k: {m: v.get(m) for m in ("syncs_in_loop", "syncs_outside_loop", "syncs_caught")
@@ -174,6 +177,12 @@ def render_markdown(s: dict[str, Any]) -> str:
         lines += ["", "## Stream sanitizer", "",
                   f"parity run under TORCH_CUDA_SANITIZER: {'on' if z.get('sanitizer') else 'off (no CUDA)'}, "
                   f"ok {_f(z.get('ok'))}, loss abs vs PyTorch {_f(z.get('loss_abs'))}"]
+        if z.get("runs"):
+            lines += ["", "| run | ok | reference | loss abs | tolerance | other threads checked |",
+                      "| --- | --- | --- | --- | --- | --- |"]
+            lines += [f"| {k} | {_f(v.get('ok'))} | {v.get('reference')} | {_f(v.get('loss_abs'))} | "
+                      f"{_f(v.get('tolerance'))} | {', '.join(v.get('threads', [])) or '-'} |"
+                      for k, v in z["runs"].items()]
     if f.get("sync"):
         lines += ["", "## Synchronizations", "", "| case | ok | in the per-layer loop | elsewhere in the step | planted, caught |",
                   "| --- | --- | --- | --- | --- |"]
