@@ -23,12 +23,19 @@ the summary after every phase.
 - stress     slowed copy and compute streams must not change results (stream waits, record_stream, the
              allocator's reuse of activation memory); a removed wait must be caught; the host must run
              ahead of delayed copies (non-blocking copies from pinned memory)
-- sanitizer  a parity run with both side streams busy under PyTorch's CUDA stream sanitizer
-             (TORCH_CUDA_SANITIZER=1), which flags any unsynchronised access between streams
+- sanitizer  parity runs with both side streams busy under PyTorch's CUDA stream sanitizer
+             (TORCH_CUDA_SANITIZER=1), which flags any unsynchronised access between streams, on every
+             thread the engine starts (the deferred-copy thread queues most loads once the optimizer
+             overlaps): the GPU's configuration (bf16 compute, overlap on, hilo), the same with the overlap
+             off, and FP32; the dry run runs the same configurations on the CPU
 - bandwidth  pinned and pageable host<->device copies timed with CUDA events, both directions at once,
              the engine's own copy stream, and the bf16/fp32 matmul rate (the link and compute ceilings)
 - bench      megatrain vs DeepSpeed ZeRO-3 CPU offload through the harness (same model, batch and
              recompute; CSV rows with provenance, per-step timeline traces), then a context sweep
+
+Tolerances (sanitizer): bf16 compute against plain PyTorch in the same mixed-precision scheme (FP32 masters
+and gradients, bf16 forward and backward), at that reference's own bf16 floor measured in the same run (how
+far it moves when only its attention kernel changes, sdpa -> eager); FP32 against FP32 at 1e-5.
 
 Tolerances (parity): first-step gradients 1e-5 relative on a GPU (1e-6 on the CPU: the engine and the
 reference run different kernels there), per-step losses 1e-5, parameters after 5 AdamW steps at lr 1e-3

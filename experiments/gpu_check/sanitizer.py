@@ -1,6 +1,7 @@
-"""Phase sanitizer: one parity run under PyTorch's CUDA stream sanitizer (TORCH_CUDA_SANITIZER=1), which
+"""Phase sanitizer: parity runs under PyTorch's CUDA stream sanitizer (TORCH_CUDA_SANITIZER=1), which
 reports any kernel that reads or writes a tensor another stream may still be using without an event
-between them: a missing wait or `record_stream` fails here even when the timing happened to hide it.
+between them: a missing wait or `record_stream` fails here even when the timing happened to hide it. The
+runs, their references and tolerances: sanitizer_run.py.
 
 The sanitizer must be on before the first CUDA call, so the run is a process of its own
 (sanitizer_run.py, printing one JSON line). On a CPU (the dry run) the same
