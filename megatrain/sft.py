@@ -62,7 +62,7 @@ class SFTRun:
 
 # Each key's type, checked before anything runs: (test, what the value must be, an example).
 _INT = (is_int, "an integer", "10")
-_NUM = (is_number, "a number", "0.001 (with a dot: YAML reads 1e-3 as text)")
+_NUM = (is_number, "a number", "0.001")
 _STR = (lambda v: isinstance(v, str), "a string", "'...'")
 _BOOL = (is_bool, "true or false", "true")
 _TYPES: dict[str, tuple] = {
@@ -132,6 +132,12 @@ def load_run(path: str | Path, overrides: list[str] | None = None) -> SFTRun:
         raise ValueError(f"{path}: {missing} must be given (the model directory, the data file, where to write)")
     for key, value in raw.items():
         test, what, example = _TYPES[key]
+        if test is is_number and isinstance(value, str):
+            # YAML 1.1 reads 1e-3 (no dot) as text; the number the user meant is not in doubt
+            try:
+                raw[key] = value = float(value)
+            except ValueError:
+                pass
         if value is None and key in _OPTIONAL:
             continue
         if not test(value):
@@ -173,7 +179,8 @@ def _check(run: SFTRun, path: Path) -> None:
         try:
             parse_config(_ds_config(run, resolved=True), warn=False)
         except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
+            # the user wrote a `megatrain:` section, not a DeepSpeed config: name the section as they wrote it
+            raise ValueError(f"{path}: {str(e).removeprefix('DeepSpeed config: ')}") from None
 
 
 def check_data(run: SFTRun) -> dict[str, Any]:
