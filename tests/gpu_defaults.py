@@ -200,14 +200,14 @@ def bf16_reference(model: torch.nn.Module, batches: list[dict], steps: int, accu
     schedule (default: fused AdamW at lr 1e-3, as the engine's default optimizer)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    initial = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     runs = []
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH):
         m = copy.deepcopy(model)
         ref = MixedPrecisionReference(m, optimizer(m) if optimizer else None)
         with sdpa_kernel([backend]):
             out = train(ref, batches, steps, accum, clip, scheduler(ref.optimizer) if scheduler else None)
-        runs.append((out, {n: p.detach().clone() for n, p in m.state_dict().items()}))
+        runs.append((out, {n: p.detach().clone() for n, p in m.named_parameters()}))
     (out, params), (math_out, math_params) = runs
     floor = _distances(math_out, out, math_params, params, initial)
     assert all(v > 0 for v in floor.values()), f"the two kernels agree exactly: no bf16 floor to measure ({floor})"

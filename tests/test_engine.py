@@ -352,10 +352,11 @@ def test_backward_without_forward_is_an_error():
         eng.backward(torch.tensor(1.0, requires_grad=True))
 
 
-def test_nonfinite_gradients_skip_the_step_and_stop_after_too_many():
+@pytest.mark.parametrize("mode", CONFIGS)
+def test_nonfinite_gradients_skip_the_step_and_stop_after_too_many(mode):
     import warnings
 
-    eng = Engine(tiny_model("llama", layers=2), EngineConfig(max_bad_steps=2))
+    eng = lag_updates(Engine(tiny_model("llama", layers=2), EngineConfig(max_bad_steps=2, **mode)))
     before = eng.state_dict()
     batch = make_batches(1)[0]
     with warnings.catch_warnings(record=True) as caught:
