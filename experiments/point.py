@@ -109,6 +109,16 @@ def _find_engine(*objs: Any) -> Any:
     return None
 
 
+# The engine's counts that add up over steps; the rest (peaks, sizes) hold for the window as a whole.
+_ADDITIVE = ("forward_s", "backward_s", "optimizer_s", "optimizer_busy_s", "copy_wait_s", "h2d_bytes", "d2h_bytes",
+             "h2d_busy_s", "d2h_busy_s", "tokens")
+
+
+def per_step(window: dict[str, float], n_steps: int) -> dict[str, float]:
+    """A timed window's engine counts as one step's: the additive counts divided by the window's steps."""
+    return {k: (v / n_steps if k in _ADDITIVE and v is not None else v) for k, v in window.items()}
+
+
 def _sync(device: Any) -> None:
     import torch
 
@@ -173,18 +183,22 @@ def run(pt: Point, trace_path: str | None = None,
     # the engine times its own phases, and a sync there would cut its copy/compute overlap.
     phase_sync = (lambda: _sync(device)) if engine is None else (lambda: None)
     step_times: list[float] = []
-    losses: list[float] = []
+    losses: list[Any] = []
     parts: list[dict[str, float]] = []
-    eng_stats: list[dict[str, float]] = []
     windows: list[tuple[float, float]] = []
-    trace_records: list = []
+    st: dict[str, float] | None = None
+    # The timed steps run back to back and the last one's clock stops only once the host work they caused has
+    # drained (overlapped layer updates, gradient reductions): stats read between steps would drain that work
+    # off the clock (collect_stats() synchronizes), and the last step's leftover would never be counted.
     for step in range(pt.warmup + n_steps):
+        timed = step >= pt.warmup
+        if step == pt.warmup:
+            if engine is not None:
+                engine.collect_stats()  # the warm-up's leftover drains here, before the clock starts
+                engine.reset_stats()
         _sync(device)
         t0 = time.perf_counter()
-        if engine is not None:
-            # On the clock: resetting waits for the previous step's overlapped work (layer updates, gradient
-            # reductions) still running on host threads. Each step pays its predecessor's leftover, so the
-            # steady-state step time is measured; off the clock, that work would never be counted.
+        if engine is not None and not timed:
             engine.reset_stats()
         wall = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
         loss_sum = None
@@ -207,34 +221,44 @@ def run(pt: Point, trace_path: str | None = None,
             wall["optimizer_s"] += d - c
             loss = out.loss.detach()
             loss_sum = loss if loss_sum is None else loss_sum + loss
-        _sync(device)
+        if timed and step == pt.warmup + n_steps - 1:
+            if engine is not None:
+                engine.synchronize()  # on the clock: the last step's queued host work
+            _sync(device)
         t1 = time.perf_counter()
-        step_loss = float(loss_sum) / len(batches)  # read after the clock stops: .item() syncs
-        st = dict(engine.collect_stats()) if engine is not None else None
-        timed = step >= pt.warmup
         if timed:
             step_times.append(t1 - t0)
-            losses.append(step_loss)
+            losses.append(loss_sum / len(batches))  # a tensor: .item() would sync inside the window
             parts.append(wall)
             windows.append((t0, t1))
-            if st is not None:
-                eng_stats.append(st)
-                if trace_path:
-                    trace_records = [(r.stream, r.kind, r.layer, r.t_start, r.t_end) for r in engine.trace]
+        else:
+            st = dict(engine.collect_stats()) if engine is not None else None
         if progress is not None:
-            info = {"step": step + 1, "timed": timed, "loss": step_loss, "step_time_s": t1 - t0,
-                    "tokens_per_s": pt.tokens_per_step / (t1 - t0), "rss_bytes": rss.rss()}
-            if st is not None:
+            # between two steps' clocks: the loss read syncs the device, not the host's queued work
+            info = {"step": step + 1, "timed": timed, "loss": float(loss_sum) / len(batches),
+                    "step_time_s": t1 - t0, "tokens_per_s": pt.tokens_per_step / (t1 - t0), "rss_bytes": rss.rss()}
+            if st is not None and not timed:
                 info["device_bytes"] = st.get("peak_device_bytes")
             elif device.type == "cuda":
                 info["device_bytes"] = torch.cuda.max_memory_allocated(device)
             progress(info)
+    eng_stats: list[dict[str, float]] = []
+    trace_records: list = []
+    if engine is not None:
+        eng_stats = [per_step(engine.collect_stats(), n_steps)]  # the window drained above: no wait here
+        if trace_path:
+            last_start = windows[-1][0] - engine.trace_log.origin  # the trace's clock starts at its origin
+            trace_records = [(r.stream, r.kind, r.layer, r.t_start, r.t_end) for r in engine.trace
+                             if r.t_start >= last_start]
+    losses = [float(v) for v in losses]
     if nvml is not None:
         nvml.stop()
     peak_rss = rss.stop()
 
     p = pt.preset
-    step_time = statistics.median(step_times)
+    # The mean, not the median: each step pays for its predecessor's overlapped host work and the last for its
+    # own, so one step's time alone is not a step's cost.
+    step_time = statistics.fmean(step_times)
     flops = flops_per_step(pt)
     tflops = model_tflops(flops, step_time)
     peak, peak_src = device_peak_tflops(device, pt.precision)

@@ -54,7 +54,8 @@ COLUMNS: list[tuple[str, str]] = [
     ("timed_steps", "timed optimizer steps"),
     ("threads", "torch intra-op threads in the point's process"),
     # speed
-    ("step_time_s", "median wall time of one optimizer step over the timed steps"),
+    ("step_time_s", "mean wall time of the timed optimizer steps, run back to back; the last one's clock "
+                    "stops once the host work they queued (overlapped layer updates) drained"),
     ("step_time_min_s", "fastest timed step"),
     ("step_time_max_s", "slowest timed step"),
     ("step_times_s", "all timed step times, JSON list"),
