@@ -9,7 +9,8 @@ up as a console command (launch_command.py: its entry point, run in the same pro
 command starts a launcher of its own is run as that launcher would run each rank).
 
 - No launcher options: one process, this one, with no launcher variables, exactly as `python SCRIPT` (MegaTrain
-  gives Trainer / accelerate the one-rank process group they expect).
+  gives Trainer / accelerate the one-rank process group they expect); a tool that refuses to train outside a
+  launcher (LlamaFactory's `train`) gets torchrun's one-rank variables.
 - Launcher options (`--nproc-per-node N`, `--nnodes`, `--node-rank`, `--master-addr`, `--master-port`,
   `--standalone`, `--rdzv-*`, ...: torchrun's own, parsed by torch's parser): torch's elastic launcher starts the
   ranks with torchrun's environment variables, each rank through the same bootstrap module.
@@ -40,13 +41,14 @@ def _torchrun_parser() -> argparse.ArgumentParser:
     parser.prog = PROG
 
     def error(message: str) -> None:
-        raise LaunchError(f"{message}; usage: {PROG} [--nproc-per-node N ...] SCRIPT [ARGS...] (--help lists the "
+        raise LaunchError(f"{message}; usage: {PROG} [--nproc-per-node N ...] (SCRIPT | COMMAND) [ARGS...] (--help lists the "
                           "launcher options)")
 
     parser.error = error  # type: ignore[method-assign]  # one line naming the problem, not torchrun's usage wall
-    parser.description = ("Run SCRIPT (an unchanged training script) with MegaTrain's DeepSpeed routing installed in "
-                          "every process. Without launcher options: one process, as `python SCRIPT`. With them "
-                          "(torchrun's options, below): torch's elastic launcher starts the ranks.")
+    parser.description = ("Run SCRIPT (an unchanged training script) or COMMAND (a console command such as "
+                          "`llamafactory-cli train cfg.yaml` or `trl sft ...`) with MegaTrain's DeepSpeed routing "
+                          "installed in every process. Without launcher options: one process, as `python SCRIPT`. "
+                          "With them (torchrun's options, below): torch's elastic launcher starts the ranks.")
     return parser
 
 
