@@ -91,7 +91,8 @@ def prepare_output(output_dir: str | Path, settings: dict[str, Any], restart: bo
             return None, ""
         return None, f"--restart: starting over in {out} (removed {len(removed)} folder(s) of the earlier run)"
     if not state.checkpoints and not state.finished:
-        return None, ""
+        # an earlier run stopped before its first checkpoint: nothing to resume or to lose
+        return None, "" if state.recorded is None else f"no checkpoint of the earlier run in {out}: starting at step 1"
     if state.recorded is not None:
         changed = _changes(state.recorded, settings)
         if changed:
