@@ -280,3 +280,22 @@ def test_trls_fused_head_on_a_mixture_of_experts_adds_the_router_term_as_trl_doe
     # Control: the router term is what the loss adds beyond the tokens' log-probabilities.
     token_only = -(out.log_probs.sum() / out.label_mask.sum())
     assert abs(token_only.item() - ref.loss.item()) > 1e-4
+
+
+@pytest.mark.parametrize("family", [f for f in _FAMILIES if f != "gpt_oss"])  # GPT-OSS: eager attention only, so
+def test_moe_in_the_gpu_defaults_within_the_bf16_floor(family):  # sdpa's two kernels give it no floor to measure
+    """bf16 compute, optimizer overlap, hilo (tests/gpu_defaults.py): the router term's bf16 logits, the
+    experts' bf16 weights, against the plain-PyTorch reference of the same mixed-precision scheme."""
+    import copy
+
+    from gpu_defaults import GPU_DEFAULTS, bf16_reference, lag_updates, train
+
+    from megatrain.config import EngineConfig
+    from megatrain.engine import Engine
+
+    model, batches, steps = moe_model(family), _batches(), 3  # 3 steps: each run here costs a reference pair
+    floor = bf16_reference(model, batches, steps, ACCUM, CLIP,
+                           optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=WD, fused=True))
+    eng = lag_updates(Engine(copy.deepcopy(model), EngineConfig(**GPU_DEFAULTS),
+                             optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=LR, weight_decay=WD)))
+    floor.check(train(eng, batches, steps, ACCUM, CLIP), eng.state_dict())
