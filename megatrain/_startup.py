@@ -7,31 +7,42 @@ setuptools' editable installs use it the same way). A Trainer script that names 
 imports megatrain would otherwise reach `deepspeed.initialize` and train on real DeepSpeed without a word.
 
 It must cost nothing in processes that never use DeepSpeed, so it imports only the standard library (this file
-is loaded by path, without importing the megatrain package) and adds one import hook: when `deepspeed` is first
-imported, `megatrain.integrations.hf` is installed right after it, which routes a config with the section to
-MegaTrain and makes DeepSpeed's own config parser refuse it on any other road. Set MEGATRAIN_DEEPSPEED_GUARD=0 to
-leave DeepSpeed untouched in a process (then the section is ignored by DeepSpeed: your choice, said by you).
+is loaded by path, without importing the megatrain package) and adds one import hook for two modules:
+- when `accelerate.utils.deepspeed` is first imported (transformers imports it with its DeepSpeed glue),
+  `megatrain.integrations.hf_stage` is installed right after it: a config with the section is not ZeRO-3 to
+  transformers and accelerate. This must precede `import deepspeed`, which transformers does only after it asked
+  `is_deepspeed_zero3_enabled()` (`from_pretrained` would enter `zero.Init` and log "Detected DeepSpeed ZeRO-3").
+- when `deepspeed` is first imported, `megatrain.integrations.hf` is installed right after it, which routes a
+  config with the section to MegaTrain and makes DeepSpeed's own config parser refuse it on any other road.
+Set MEGATRAIN_DEEPSPEED_GUARD=0 to leave DeepSpeed untouched in a process (then the section is ignored by DeepSpeed:
+your choice, said by you).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.util
 import os
 import sys
 from typing import Any
 
-_WATCHED = "deepspeed"
+# module -> what to import right after it has run (each installs itself on import)
+_HOOKS = {
+    "accelerate.utils.deepspeed": "megatrain.integrations.hf_stage",
+    "deepspeed": "megatrain.integrations.hf",
+}
 
 
 class _RouteDeepSpeed(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: wraps the real `deepspeed` spec so that MegaTrain's routing installs once it ran."""
+    """Finds nothing itself: wraps the real spec of a watched module so that MegaTrain's routing installs once it ran."""
 
     def __init__(self) -> None:
         self._looking = False
+        self.hooks = dict(_HOOKS)  # the ones not fired yet
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != _WATCHED or self._looking:
+        if name not in self.hooks or self._looking:
             return None
         self._looking = True  # find_spec below walks sys.meta_path again, through this finder
         try:
@@ -44,23 +55,28 @@ class _RouteDeepSpeed(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             real_exec(module)
-            if self in sys.meta_path:
+            then = self.hooks.pop(name, None)
+            if not self.hooks and self in sys.meta_path:
                 sys.meta_path.remove(self)
-            import megatrain.integrations.hf  # noqa: F401  installs the routing on import
+            if then is not None:
+                importlib.import_module(then)
 
         spec.loader.exec_module = exec_module  # this spec's own loader object: nothing shared is changed
         return spec
 
 
 def install() -> None:
-    """Add the hook (idempotent); route at once if DeepSpeed was imported before this ran."""
+    """Add the hook (idempotent); route at once for a watched module imported before this ran."""
     if os.environ.get("MEGATRAIN_DEEPSPEED_GUARD", "1") == "0":
         return
-    if _WATCHED in sys.modules:
-        import megatrain.integrations.hf  # noqa: F401
+    if any(type(f).__name__ == _RouteDeepSpeed.__name__ for f in sys.meta_path):
         return
-    if not any(type(f).__name__ == _RouteDeepSpeed.__name__ for f in sys.meta_path):
-        sys.meta_path.insert(0, _RouteDeepSpeed())
+    finder = _RouteDeepSpeed()
+    for name in list(finder.hooks):
+        if name in sys.modules:
+            importlib.import_module(finder.hooks.pop(name))
+    if finder.hooks:
+        sys.meta_path.insert(0, finder)
 
 
 install()

@@ -290,6 +290,7 @@ class Accelerator:
             self._optimizers.append(wrapped_opt)
         if model is not None:
             self._models.append(prepared_model)
+            self._say_what_runs()
         out: list[Any] = []
         for o in objs:
             if model is not None and o is model:
@@ -305,6 +306,18 @@ class Accelerator:
             else:
                 out.append(o)  # Accelerate passes objects it does not know through untouched
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _say_what_runs(self) -> None:
+        """The run's start line, when the model just prepared is on MegaTrain's engine."""
+        engine = getattr(self.backend, "engine", None)
+        if self.backend.name != "megatrain" or engine is None:
+            return
+        from .. import start_line
+
+        off = ["gradient_checkpointing=True (the engine recomputes every layer itself)"] \
+            if self.gradient_checkpointing else []
+        start_line.announce(start_line.describe("Accelerate (megatrain.Accelerator)", engine, engine.optimizer, off,
+                                                getattr(self.backend, "replaced_optimizer", None)), engine)
 
     def _prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         opt = scheduler.optimizer

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .. import start_line
 from ..backend import MegatrainBackend
 from ..config import EngineConfig
 from ..integrations.fused_head import serve_fused_lm_head, trl_head_options
@@ -113,9 +114,11 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         raise ValueError("the config's 'scheduler' section needs an optimizer (an 'optimizer' section or one passed in)")
 
     engine_cfg = cfg.engine
+    turned_off = []  # for the run's start line
     if engine_cfg.pin_memory and resolve_device(engine_cfg.device).type != "cuda":
         # Pinning only speeds up host->CUDA copies; DeepSpeed configs ask for it by habit.
         engine_cfg = EngineConfig.from_dict({**engine_cfg.to_dict(), "pin_memory": False})
+        turned_off.append("pin_memory (no CUDA device)")
 
     groups = _param_groups(model, model_parameters)
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -145,6 +148,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         # Trainer / TRL switch HF's checkpointing on (TRL by default). The engine already recomputes each layer
         # from its boundary activation; HF's own checkpoint would recompute again, outside the engine's binding.
         model.gradient_checkpointing_disable()
+        turned_off.append("HF gradient checkpointing (the engine recomputes every layer itself)")
     # The backend `megatrain.Accelerator(backend="megatrain")` holds, clipping by the config at every boundary.
     backend = MegatrainBackend(config=engine_cfg, mixed_precision=None, gradient_clipping=cfg.gradient_clipping)
     head_options = trl_head_options(model)  # TRL's fused-head patch, before the engine replaces the forward
@@ -166,6 +170,11 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         loader = make_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, collate_fn,
                                  cfg.dataloader_drop_last, world_size=eng.world_size, rank=eng.rank)
     engine = MegaTrainEngine(backend, cfg, opt, sched, model, loader, collate_fn)
+    if cfg.ignored:
+        shown = ", ".join(cfg.ignored[:4]) + (f" and {len(cfg.ignored) - 4} more" if len(cfg.ignored) > 4 else "")
+        turned_off.append(f"DeepSpeed settings without meaning here: {shown}")
+    start_line.announce(start_line.describe("DeepSpeed (megatrain.initialize)", eng, opt, turned_off,
+                                            backend.replaced_optimizer), eng)
     return engine, opt, loader, sched
 
 

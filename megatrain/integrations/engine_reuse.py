@@ -18,6 +18,8 @@ from typing import Any
 
 from torch import nn
 
+from .. import start_line
+
 # model -> the forward-only MegaTrainEngine built over it (weak: a model dropped by the user frees its engine)
 _forward_only: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
@@ -82,4 +84,6 @@ def _train_on(earlier: Any, model: nn.Module, a: dict[str, Any], config: Any) ->
         lr_scheduler = lr_scheduler(optimizer) if callable(lr_scheduler) else lr_scheduler
     _forward_only.pop(model, None)
     engine = MegaTrainEngine(backend, cfg, optimizer, lr_scheduler, model, None, a.get("collate_fn"))
+    start_line.announce(start_line.describe("DeepSpeed (megatrain.initialize, the forward-only engine now training)",
+                                            eng, optimizer, None, backend.replaced_optimizer), eng)
     return engine, optimizer, None, lr_scheduler

@@ -14,42 +14,27 @@ The script need not import it: an installed megatrain loads it right after the p
 (`megatrain/_startup.py`, run at start-up by the package's `.pth` file; MEGATRAIN_DEEPSPEED_GUARD=0 opts out), and
 `megatrain launch script.py` installs it in every process before the script runs. For such a config accelerate's
 `DeepSpeedPlugin` reads ZeRO stage 3 as 2 (TRL asks it whether parameters are partitioned) and sets up the one-rank
-process group a launcher-less run needs; a model initialized forward-only and then to train keeps one engine
-(`engine_reuse.py`).
+process group a launcher-less run needs (`hf_stage.py`: that half needs accelerate only and is installed earlier, at
+accelerate's import, before transformers first asks whether ZeRO-3 is on); a model initialized forward-only and
+then to train keeps one engine (`engine_reuse.py`).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
+
+from .. import start_line
+from . import hf_stage
+from .hf_stage import has_megatrain_section
 
 __all__ = ["install", "uninstall", "installed", "has_megatrain_section", "MegaTrainSectionError"]
 
-_SECTION = "megatrain"
 _saved: dict[str, Any] = {}
 
 
 class MegaTrainSectionError(ValueError):
     """A DeepSpeed config with a "megatrain" section reached real DeepSpeed, which would ignore it."""
-
-
-def _config_dict(config: Any) -> dict[str, Any] | None:
-    if isinstance(config, dict):
-        return config
-    if config is not None and hasattr(config, "config") and isinstance(config.config, dict):
-        return config.config  # transformers' HfDeepSpeedConfig
-    if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
-        from ..deepspeed.config import load_config_dict
-
-        return load_config_dict(config)
-    return None
-
-
-def has_megatrain_section(config: Any) -> bool:
-    """Whether a DeepSpeed config (dict, JSON/hjson path or HfDeepSpeedConfig) carries a "megatrain" section."""
-    d = _config_dict(config)
-    return d is not None and _SECTION in d
 
 
 def _route_config(args: Any, kwargs: dict[str, Any]) -> Any:
@@ -68,16 +53,6 @@ def _refusal(where: str) -> MegaTrainSectionError:
         "to train on DeepSpeed, remove the 'megatrain' section")
 
 
-def _one_rank_group() -> None:
-    """A one-rank process group for a plain `python script.py` (no launcher variables), where Trainer and
-    accelerate expect one once DeepSpeed is configured (Trainer's `nested_gather` at the first logging step).
-    An in-memory store: nothing listens on a port."""
-    import torch.distributed as dist
-
-    if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-
-
 def install() -> None:
     """Route `deepspeed.initialize` by config and make DeepSpeed's config parser refuse a "megatrain" section.
 
@@ -87,8 +62,6 @@ def install() -> None:
         return
     try:
         import deepspeed
-        from accelerate.utils import DeepSpeedPlugin
-        from accelerate.utils.deepspeed import HfDeepSpeedConfig
         from deepspeed.runtime.config import DeepSpeedConfig
     except ImportError as e:
         raise ImportError("megatrain.integrations.hf routes Trainer's DeepSpeed path, which needs the deepspeed "
@@ -97,8 +70,6 @@ def install() -> None:
     real_initialize = deepspeed.initialize
     real_config_init = DeepSpeedConfig.__init__
     real_zero_init = deepspeed.zero.Init
-    real_is_zero3 = HfDeepSpeedConfig.is_zero3
-    real_plugin_post_init = DeepSpeedPlugin.__post_init__
 
     @functools.wraps(real_initialize)
     def initialize(args: Any = None, *rest: Any, **kwargs: Any) -> Any:
@@ -106,9 +77,9 @@ def install() -> None:
             from ..deepspeed.initializer import initialize as mt_initialize
             from .engine_reuse import initialize_once
 
-            _one_rank_group()
-
-            return initialize_once(mt_initialize, args, rest, kwargs)
+            hf_stage.one_rank_group()
+            with start_line.via("deepspeed.initialize (HF Trainer / accelerate)"):
+                return initialize_once(mt_initialize, args, rest, kwargs)
         return real_initialize(args, *rest, **kwargs)
 
     def zero_init(*args: Any, **kwargs: Any) -> Any:
@@ -121,37 +92,16 @@ def install() -> None:
             return mt_zero.Init(*args, **kwargs)
         return real_zero_init(*args, **kwargs)
 
-    @functools.wraps(real_is_zero3)
-    def is_zero3(self: Any) -> bool:
-        # transformers asks this (is_deepspeed_zero3_enabled) before building, initialising, loading or generating
-        # with a partitioned model; under MegaTrain nothing is partitioned, whatever stage the config names.
-        return False if has_megatrain_section(self.config) else real_is_zero3(self)
-
-    @functools.wraps(real_plugin_post_init)
-    def plugin_post_init(self: Any) -> None:
-        real_plugin_post_init(self)
-        # accelerate's plugin is what TRL and Trainer ask whether ZeRO-3 is on (`deepspeed_plugin.zero_stage == 3`)
-        # before gathering partitioned parameters or removing ZeRO-3's hooks for generation: an engine that has
-        # neither would be asked for them. MegaTrain keeps every parameter whole, so a stage-3 config reads as 2,
-        # the highest stage whose contract (whole parameters, no `no_sync`) holds; the config itself is unchanged.
-        if not has_megatrain_section(self.hf_ds_config):
-            return
-        if self.zero_stage == 3:
-            self.zero_stage = 2
-        # From here on accelerate and TRL expect a process group (TRL's DPO broadcasts before any engine exists).
-        _one_rank_group()
-
     @functools.wraps(real_config_init)
     def config_init(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
         if has_megatrain_section(config):
             raise _refusal("deepspeed.runtime.config.DeepSpeedConfig")
         real_config_init(self, config, *args, **kwargs)
 
-    _saved.update(initialize=real_initialize, config_init=real_config_init, zero_init=real_zero_init,
-                  is_zero3=real_is_zero3, plugin_post_init=real_plugin_post_init)
+    # What transformers and accelerate read about the stage (usually installed already, at accelerate's import).
+    hf_stage.install()
+    _saved.update(initialize=real_initialize, config_init=real_config_init, zero_init=real_zero_init)
     deepspeed.initialize = initialize
-    HfDeepSpeedConfig.is_zero3 = is_zero3
-    DeepSpeedPlugin.__post_init__ = plugin_post_init
     deepspeed.zero.Init = zero_init
     DeepSpeedConfig.__init__ = config_init
 
@@ -161,15 +111,12 @@ def uninstall() -> None:
     if not _saved:
         return
     import deepspeed
-    from accelerate.utils import DeepSpeedPlugin
-    from accelerate.utils.deepspeed import HfDeepSpeedConfig
     from deepspeed.runtime.config import DeepSpeedConfig
 
     deepspeed.initialize = _saved.pop("initialize")
-    DeepSpeedPlugin.__post_init__ = _saved.pop("plugin_post_init")
     deepspeed.zero.Init = _saved.pop("zero_init")
-    HfDeepSpeedConfig.is_zero3 = _saved.pop("is_zero3")
     DeepSpeedConfig.__init__ = _saved.pop("config_init")
+    hf_stage.uninstall()
 
 
 def installed() -> bool:

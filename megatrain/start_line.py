@@ -1,0 +1,78 @@
+"""One line at the start of every run on MegaTrain: which face, the device, the compute dtype, the host mode, the
+optimizer that steps, and what MegaTrain turned off or ignored.
+
+A Trainer, TRL, LlamaFactory or axolotl run reaches MegaTrain through DeepSpeed's name; without this line nothing
+said it was not DeepSpeed training (and MegaTrain turns some of their settings off, e.g. HF gradient checkpointing:
+the engine recomputes every layer itself). Written once per engine, by the main process of a launch, to the
+"megatrain" logger when it is enabled for INFO, else to stderr: a script that configured logging at WARNING still
+sees it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["describe", "announce", "via", "route"]
+
+PREFIX = "MegaTrain is training"
+_route: list[str] = []  # how the current initialize was reached, innermost last (see `via`)
+
+
+@contextlib.contextmanager
+def via(how: str) -> Iterator[None]:
+    """Name the road into the face for start lines written inside (e.g. HF Trainer's `deepspeed.initialize`)."""
+    _route.append(how)
+    try:
+        yield
+    finally:
+        _route.pop()
+
+
+def route() -> str | None:
+    return _route[-1] if _route else None
+
+
+def _host_mode(config: Any, world_size: int) -> str:
+    parts = [f"{config.host_master} master"]
+    if not config.optimizer_in_backward:
+        parts.append(f"{config.host_grad_dtype} gradients")
+    else:
+        parts.append("optimizer in backward")
+    if config.nvme_path is not None:
+        parts.append(f"NVMe tier at {config.nvme_path}")
+    if world_size > 1:
+        parts.append(f"{world_size} ranks, {config.data_parallel_host} host store")
+    return ", ".join(parts)
+
+
+def describe(face: str, engine: Any, optimizer: Any = None, turned_off: list[str] | None = None,
+             replaced: str | None = None) -> str:
+    """The start line for `engine` (a `megatrain.engine.Engine`) trained through `face`."""
+    how = route()
+    face = f"{face} via {how}" if how else face
+    cfg = engine.config
+    dp = getattr(engine, "dp", None)
+    world = dp.world_size if dp is not None else 1
+    if optimizer is None:
+        opt = "none (forward only)"
+    else:
+        opt = type(optimizer).__name__ + (f" ({replaced})" if replaced else "")
+    off = "; ".join(turned_off) if turned_off else "nothing"
+    return (f"{PREFIX} | face: {face} | device: {engine.device} | compute: {cfg.compute_dtype} | "
+            f"host: {_host_mode(cfg, world)} | optimizer: {opt} | turned off: {off}")
+
+
+def announce(line: str, engine: Any) -> None:
+    """Write `line` once, on the launch's main process."""
+    dp = getattr(engine, "dp", None)
+    if dp is not None and dp.rank != 0:
+        return
+    logger = logging.getLogger("megatrain")
+    if logger.isEnabledFor(logging.INFO) and (logger.handlers or logging.getLogger().handlers):
+        logger.info(line)
+    else:
+        print(f"[megatrain] {line}", file=sys.stderr, flush=True)
