@@ -407,3 +407,31 @@ def test_dry_run_checks_pinned_bytes_and_runs_the_sanitizer_phase(dry_run):
     names = list(dry_run["summary"]["phases"])
     assert names.index("bench") > max(names.index(n) for n in ("parity", "sync", "stress", "sanitizer"))
     assert "## Stream sanitizer" in (dry_run["out"] / "summary.md").read_text()
+
+
+def test_a_completed_query_is_reported_as_a_synchronization():
+    """The engine's host waits poll an event's query(); the sanitizer hears only synchronize() from torch, and
+    would then flag the host's next write as racing the copy it waited for."""
+    from experiments.gpu_check.every_thread import sync_on_query
+
+    class Registry:
+        def __init__(self):
+            self.fired = []
+
+        def fire_callbacks(self, *a):
+            self.fired.append(a)
+
+    class Ev:
+        def __init__(self, done):
+            self.done, self.cuda_event = done, 0xE1
+
+        def query(self):
+            return self.done
+
+    reg = Registry()
+    undo = sync_on_query(Ev, reg, "cuda_event")
+    assert Ev(False).query() is False and reg.fired == []  # not done: no synchronization happened
+    assert Ev(True).query() is True and reg.fired == [(0xE1,)]
+    undo()
+    Ev(True).query()
+    assert reg.fired == [(0xE1,)]  # undone: the class's own query again

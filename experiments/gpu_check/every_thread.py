@@ -6,6 +6,11 @@ copy stream's deferred-copy thread. Here each thread started inside `every_threa
 mode of its own that hands every op to the shared one, and the shared mode's bookkeeping is serialized:
 an op and its record are one step, and the sanitizer's stream and event callbacks (which fire on whichever
 thread records or waits) take the same lock, so the order it records is the order the work was queued in.
+
+A host thread that polls an event (`query()` until True, as the engine's host waits do) has synchronized with
+it as surely as one that called `synchronize()`, but torch reports only the latter to the sanitizer: inside
+`every_thread` a query that returns True is reported as that synchronization too, so a host write after such
+a wait is not flagged as a race with the copy it waited for.
 """
 
 from __future__ import annotations
@@ -35,6 +40,39 @@ def _trace_registries() -> list[Any]:
     except ImportError:
         return []
     return [v for v in vars(_gpu_trace).values() if hasattr(v, "callback_list")]
+
+
+def sync_on_query(cls: type, registry: Any, id_attr: str) -> Any:
+    """Make `cls.query()` (an event's or a stream's) fire `registry`'s synchronization callbacks with the
+    object's id whenever it returns True; returns the undo."""
+    query = cls.__dict__.get("query")
+    base = cls.query
+
+    def reporting_query(self: Any) -> bool:
+        done = base(self)
+        if done:
+            registry.fire_callbacks(getattr(self, id_attr))
+        return done
+
+    cls.query = reporting_query
+
+    def undo() -> None:
+        if query is not None:
+            cls.query = query
+        else:
+            del cls.query
+
+    return undo
+
+
+def _query_syncs() -> list[Any]:
+    try:
+        import torch
+        from torch.cuda import _gpu_trace
+    except ImportError:
+        return []
+    return [sync_on_query(torch.cuda.Event, _gpu_trace.EventSynchronizationCallbacks, "cuda_event"),
+            sync_on_query(torch.cuda.Stream, _gpu_trace.StreamSynchronizationCallbacks, "cuda_stream")]
 
 
 @contextlib.contextmanager
@@ -70,9 +108,12 @@ def every_thread(shared: Any) -> Iterator[Counter]:
     threading.Thread.run = run_under_mode
     for r in registries:
         r.callback_list[:] = [locked(cb) for cb in r.callback_list]
+    undo_queries = _query_syncs()
     try:
         yield seen
     finally:
+        for undo in undo_queries:
+            undo()
         threading.Thread.run = run
         if own_dispatch is not None:
             cls.__torch_dispatch__ = own_dispatch
