@@ -63,7 +63,8 @@ def build_summary(out: Path, phases: dict[str, dict[str, Any]], dry: bool) -> di
     if par:
         figs["parity"] = {k: {m: v.get(m) for m in ("grad_rel", "loss_abs", "param_abs", "param_abs_noise",
                                                      "noise_share", "loss_abs_vs_fp32",
-                                                     "loss_abs_vs_autocast", "streamed_bytes_per_param")
+                                                     "loss_abs_vs_autocast", "loss_abs_vs_mixed",
+                                                     "streamed_bytes_per_param")
                               if v.get(m) is not None} | {"ok": v.get("ok")} for k, v in par.items()}
     san = checks.get("sanitizer", {}).get("parity_under_sanitizer")
     if san:
@@ -165,13 +166,14 @@ def render_markdown(s: dict[str, Any]) -> str:
     if f.get("parity"):
         lines += ["", "## Parity (engine vs plain PyTorch on the same device)", "",
                   "| case | ok | grad rel | loss abs | param abs | param abs, noise-level entries (share) | "
-                  "bf16 vs fp32 loss | bf16 vs autocast | B/param streamed |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "bf16 vs fp32 loss | bf16 vs autocast | bf16 vs its mixed-precision reference | B/param streamed |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for k, v in f["parity"].items():
             lines.append(f"| {k} | {_f(v.get('ok'))} | {_f(v.get('grad_rel'))} | {_f(v.get('loss_abs'))} | "
                          f"{_f(v.get('param_abs'))} | {_f(v.get('param_abs_noise'))} ({_f(v.get('noise_share'))}) | "
                          f"{_f(v.get('loss_abs_vs_fp32'))} | "
-                         f"{_f(v.get('loss_abs_vs_autocast'))} | {_f(v.get('streamed_bytes_per_param'))} |")
+                         f"{_f(v.get('loss_abs_vs_autocast'))} | {_f(v.get('loss_abs_vs_mixed'))} | "
+                         f"{_f(v.get('streamed_bytes_per_param'))} |")
     if f.get("sanitizer"):
         z = f["sanitizer"]
         lines += ["", "## Stream sanitizer", "",
