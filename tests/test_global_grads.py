@@ -36,10 +36,11 @@ def _train(eng: Engine, steps: int = 3, accum: int = 2, clip: float | None = 0.5
     return [p.detach().clone() for _, p in eng.named_parameters()]
 
 
+@pytest.mark.parametrize("master", ["fp32", "hilo"])  # hilo with overlap: the GPU's defaults
 @pytest.mark.parametrize("overlap", [False, True])
-def test_threaded_resident_gradients_train_exactly_as_synchronous_ones(overlap):
-    want = _train(_engine(False, optimizer_overlap=overlap))
-    got = _train(_engine(True, optimizer_overlap=overlap))
+def test_threaded_resident_gradients_train_exactly_as_synchronous_ones(overlap, master):
+    want = _train(_engine(False, optimizer_overlap=overlap, host_master=master))
+    got = _train(_engine(True, optimizer_overlap=overlap, host_master=master))
     for a, b in zip(want, got):
         assert torch.equal(a, b)
 
