@@ -62,7 +62,7 @@ def make_cpu_checkpointing_copy() -> bool:
     (`move_to_device(saved, device_name)`) a clone too, which is what the two copies are on a GPU.
     Returns whether anything was changed. Idempotent.
     """
-    if torch.accelerator.current_accelerator() is not None:
+    if torch.accelerator.current_accelerator(check_available=True) is not None:
         return False
     from deepspeed.runtime.activation_checkpointing import checkpointing as ckpt
 

@@ -20,7 +20,7 @@ _OPTIMIZER_FILE = "optimizer.pt"
 
 
 def _default_device() -> torch.device:
-    return torch.accelerator.current_accelerator() or torch.device("cpu")
+    return torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
 
 
 class TorchBackend:

@@ -120,7 +120,7 @@ def hidden_size_tuning(hidden_size: int) -> dict[str, int]:
 
 
 def _has_accelerator() -> bool:
-    return torch.accelerator.current_accelerator() is not None
+    return torch.accelerator.current_accelerator(check_available=True) is not None
 
 
 def build_ds_config(
@@ -271,7 +271,7 @@ class Zero3Backend:
     def device(self) -> torch.device:
         if self.engine is not None:
             return self.engine.device
-        return torch.accelerator.current_accelerator() or torch.device("cpu")
+        return torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
 
     def prepare(
         self,

@@ -128,7 +128,7 @@ def test_ds_config_is_zero3_cpu_offload():
     z = cfg["zero_optimization"]
     assert z["stage"] == 3
     assert z["offload_param"]["device"] == z["offload_optimizer"]["device"] == "cpu"
-    pin = torch.accelerator.current_accelerator() is not None  # pinning raises on a CPU-only build
+    pin = torch.accelerator.current_accelerator(check_available=True) is not None  # pinning raises on a CPU-only build
     assert z["offload_param"]["pin_memory"] is pin and z["offload_optimizer"]["pin_memory"] is pin
     assert cfg["gradient_accumulation_steps"] == 2
     assert cfg["train_micro_batch_size_per_gpu"] == 4 and cfg["train_batch_size"] == 8
