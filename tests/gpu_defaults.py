@@ -77,8 +77,7 @@ class MixedPrecisionReference:
     step, zero_grad). `model` keeps the FP32 masters (its state_dict() is the reference's result); a deep
     copy with bf16 parameters computes."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         self.masters = model
         self.compute = copy.deepcopy(model)
         with torch.no_grad():
@@ -111,7 +110,7 @@ class MixedPrecisionReference:
         self.optimizer.zero_grad()
 
     def grads(self) -> dict[str, torch.Tensor]:
-        return {n: p.grad.clone() for n, p in self.masters.named_parameters()}
+        return {n: p.grad.clone() for n, p in self.masters.named_parameters() if p.grad is not None}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.masters.state_dict()
