@@ -10,7 +10,9 @@ The reference in bf16 is plain PyTorch with the engine's mixed-precision scheme,
 - the compute copy holds every *parameter* in bf16, the round-to-nearest-even of its FP32 master (the
   engine's bf16 shadow; with hilo the "hi" half, the same bits); buffers (rotary tables) stay FP32, as the
   engine leaves them;
-- forward and backward run in bf16 (HF's own upcasts inside, e.g. RMSNorm's and the loss's FP32 logits);
+- forward and backward run in bf16 (HF's own upcasts inside, e.g. RMSNorm's and the loss's FP32 logits), with
+  the engine's two casts besides the parameters': the first decoder layer's input to bf16 and the head's input
+  to its weight's dtype (no-ops where the model's own math already gives bf16 there);
 - each micro-batch's bf16 gradients are widened to FP32 and summed into FP32 gradients (the host slabs);
 - clipping and AdamW act on the FP32 masters; the compute copy is refreshed from them after each step.
 
@@ -84,6 +86,7 @@ class MixedPrecisionReference:
             for p in self.compute.parameters():  # parameters only: the rotary tables stay FP32, as in the engine
                 p.data = p.data.to(torch.bfloat16)
         self.pairs = list(zip(model.parameters(), self.compute.parameters(), strict=True))
+        _cast_points(self.compute)
         self.optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 
     def __call__(self, **batch):
@@ -114,6 +117,24 @@ class MixedPrecisionReference:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.masters.state_dict()
+
+
+def _cast_points(model: torch.nn.Module) -> None:
+    """The engine's casts as hooks: layer 0 takes its input in bf16 (adapter.record_layer_inputs), the head
+    in its weight's dtype (loss._logits)."""
+    from megatrain.models.adapter import find_parts
+
+    parts = find_parts(model)
+
+    def first_layer(mod, args, kwargs):
+        if args and torch.is_tensor(args[0]) and args[0].is_floating_point():
+            return (args[0].to(torch.bfloat16), *args[1:]), kwargs
+        if torch.is_tensor(kwargs.get("hidden_states")):
+            return args, {**kwargs, "hidden_states": kwargs["hidden_states"].to(torch.bfloat16)}
+        return args, kwargs
+
+    parts.layers[0].register_forward_pre_hook(first_layer, with_kwargs=True)
+    parts.lm_head.register_forward_pre_hook(lambda mod, args: (args[0].to(mod.weight.dtype), *args[1:]))
 
 
 def engine_grads(eng) -> dict[str, torch.Tensor]:
