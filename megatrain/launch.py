@@ -23,7 +23,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .launch_command import Command, CommandError, one_rank_env
+from .launch_command import GLOO_GROUP_ENV, Command, CommandError, one_rank_env
 from .launch_command import resolve as resolve_command
 
 PROG = "megatrain launch"
@@ -112,12 +112,13 @@ def launch(argv: Sequence[str]) -> int:
     child = command.child
     if command.said:
         print(command.said, file=sys.stderr)
+    if command.gloo_group:  # read by launch_child in this process or in every rank
+        os.environ[GLOO_GROUP_ENV] = "1"
     if args is None:
         from .launch_child import run
 
         if command.rank_env:  # the tool checks it runs under a launcher: torchrun's one-rank variables
             os.environ.update(one_rank_env(os.environ))
-
         try:
             run(child)
         except SystemExit as e:  # the script's own sys.exit(...)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 USAGE = ("usage: python -m megatrain.launch_child (SCRIPT | -m MODULE | --entry-point MODULE:ATTR NAME) "
          "[ARGS...]")
 ENTRY_POINT = "--entry-point"  # launch_command.ENTRY_POINT (not imported: this module stays import-light)
+GLOO_GROUP_ENV = "MEGATRAIN_LAUNCH_GLOO_GROUP"  # launch_command.GLOO_GROUP_ENV
 
 
 def install_routing() -> None:
@@ -37,6 +38,8 @@ def run(argv: Sequence[str]) -> None:
     if not argv or (argv[0] == "-m" and len(argv) < 2) or (argv[0] == ENTRY_POINT and len(argv) < 3):
         raise SystemExit(USAGE)
     install_routing()
+    if os.environ.get(GLOO_GROUP_ENV) == "1":
+        gloo_group_where_nccl_cannot_run()
     if argv[0] == ENTRY_POINT:
         run_entry_point(argv[1], argv[2], argv[3:])
         return
@@ -53,6 +56,20 @@ def run(argv: Sequence[str]) -> None:
     # working directory there instead.
     sys.path[0:1] = [os.path.dirname(os.path.realpath(script))]
     runpy.run_path(script, run_name="__main__")
+
+
+def gloo_group_where_nccl_cannot_run() -> None:
+    """The process group from torchrun's variables, on gloo, where NCCL cannot run (no CUDA device or no NCCL
+    build): a tool that asks DeepSpeed's init_distributed for NCCL whatever the machine (axolotl) then finds a
+    group and adopts it. Where NCCL can run nothing is made and the tool's own NCCL group is used."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        return
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return
+    dist.init_process_group("gloo", init_method="env://")
 
 
 def run_entry_point(value: str, name: str, args: Sequence[str]) -> None:

@@ -12,6 +12,11 @@ rewritten to what their launcher would run in each rank (`TOOL_RULES`):
   TrainingArguments' parallel_mode, which is DISTRIBUTED only with torchrun's LOCAL_RANK set). `megatrain launch`
   takes its launcher's place: each rank runs `llamafactory.launcher` (LlamaFactory's torchrun target, its
   `run_exp()`) with torchrun's variables, a one-rank set when no launcher options are given.
+- axolotl (`axolotl train CFG`): its CLI re-runs `-m axolotl.cli.train CFG` under `accelerate launch` (or
+  torchrun), and with a DeepSpeed config its `setup_deepspeed_env` calls `deepspeed.comm.init_distributed(
+  dist_backend="nccl")`, which cannot start where NCCL cannot run (no CUDA). Each rank runs `axolotl.cli.train CFG`
+  with torchrun's variables; where NCCL cannot run, the bootstrap first makes a gloo process group from them
+  (GLOO_GROUP_ENV), which DeepSpeed's init_distributed then adopts instead of creating an NCCL one.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 ENTRY_POINT = "--entry-point"  # launch_child's form: [ENTRY_POINT, "module:attr", NAME, *ARGS]
+GLOO_GROUP_ENV = "MEGATRAIN_LAUNCH_GLOO_GROUP"  # "1": the bootstrap makes a gloo group where NCCL cannot run
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,7 @@ class Command:
 
     child: list[str]  # launch_child's argv
     rank_env: bool = False  # the tool refuses to train unless it sees a launcher's (torchrun's) variables
+    gloo_group: bool = False  # the tool asks for NCCL whatever the machine: a gloo group first where NCCL cannot run
     said: str | None = None  # what `megatrain launch` does in the tool's launcher's place, said at start
 
 
@@ -59,8 +66,21 @@ def _llamafactory_train(args: list[str]) -> Command | None:
                         "(llamafactory.launcher), with MegaTrain's routing")
 
 
+def _axolotl_train(args: list[str]) -> Command | None:
+    if not args or args[0] != "train":
+        return None
+    theirs = [a for a in args[1:] if a == "--" or a.split("=", 1)[0] in ("--launcher", "--cloud")]
+    if theirs:
+        raise CommandError(f"{theirs[0]} picks axolotl's own launcher, which `megatrain launch` replaces (it would "
+                           "start the ranks without MegaTrain): drop it and give torchrun's options to megatrain "
+                           "launch instead (`megatrain launch --nproc-per-node N axolotl train cfg.yml`)")
+    return Command(["-m", "axolotl.cli.train", *args[1:]], rank_env=True, gloo_group=True,
+                   said="megatrain launch: axolotl's `train` runs in each rank as its launcher would "
+                        "(axolotl.cli.train), with MegaTrain's routing")
+
+
 # entry point value -> rewrite(ARGS) for tools whose training command starts a launcher of its own
-TOOL_RULES = {"llamafactory.cli:main": _llamafactory_train}
+TOOL_RULES = {"llamafactory.cli:main": _llamafactory_train, "axolotl.cli.main:main": _axolotl_train}
 
 
 def resolve(name: str, args: Sequence[str]) -> Command:

@@ -1,11 +1,12 @@
 """`megatrain launch COMMAND ARGS...`: a console command (a package's `console_scripts` entry point, as `trl` and
 `llamafactory-cli` are) runs with MegaTrain's routing installed, in this process or in every rank; LlamaFactory's
-`train` runs as its own torchrun launch would run each rank, so its DeepSpeed check passes.
+`train` runs as its own torchrun launch would run each rank, so its DeepSpeed check passes; axolotl's `train` runs
+where NCCL cannot (a gloo group made first).
 
 The packages here are stand-ins installed into a temporary folder (a dist-info with entry_points.txt, as pip
-writes one): LlamaFactory (tens of dependencies, torchaudio among them) does not install within CI's budget, so
-its launcher's behaviour is reproduced from llamafactory 0.9.5 (launcher.py, hparams/parser.py); the real package
-was measured by hand (docs/INTEGRATIONS.md).
+writes one): LlamaFactory and axolotl (tens of dependencies each) do not install within CI's budget, so their
+launchers' behaviour is reproduced from llamafactory 0.9.5 (launcher.py, hparams/parser.py) and axolotl 0.19
+(cli/utils/train.py, utils/trainer.py); the real packages were measured by hand (docs/INTEGRATIONS.md).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from megatrain.launch import LaunchError, plan
 from megatrain.launch import main as launch_main
-from megatrain.launch import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 _LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                  "GROUP_RANK", "TORCHELASTIC_RUN_ID", "NPROC_PER_NODE", "NNODES", "FORCE_TORCHRUN", "USE_V1")
+                  "GROUP_RANK", "TORCHELASTIC_RUN_ID", "NPROC_PER_NODE", "NNODES", "FORCE_TORCHRUN", "USE_V1",
+                  "MEGATRAIN_LAUNCH_GLOO_GROUP")
 
 _PROBE = """
 def probe(where):
@@ -60,6 +62,27 @@ if __name__ == "__main__":
 """
 _TOOL = _PROBE + "def main():\n    probe('tool')\n    return 3\n"
 
+# What axolotl 0.19 does: `axolotl train CFG` re-runs `-m axolotl.cli.train CFG` under accelerate, whose
+# setup_deepspeed_env calls deepspeed.comm.init_distributed(dist_backend="nccl"): that adopts a process group that
+# exists already and otherwise creates an NCCL one, which fails without a GPU.
+_AX_MAIN = "def main():\n    raise SystemExit('axolotl would start its own launcher here')\n"
+_AX_TRAIN = _PROBE + """
+import os, sys
+import torch
+import torch.distributed as dist
+
+if __name__ == "__main__":
+    if "deepspeed" in open(sys.argv[1]).read():
+        if dist.is_initialized():
+            backend = dist.get_backend()
+        elif torch.cuda.is_available() and dist.is_nccl_available():
+            backend = "nccl (its own)"
+        else:
+            raise RuntimeError("ProcessGroupNCCL is only supported with GPUs, no GPUs found!")
+        os.environ["BACKEND"] = backend
+    probe("axolotl.cli.train " + os.environ.get("BACKEND", ""))
+"""
+
 
 def _install(site: Path, dist: str, scripts: dict[str, str], files: dict[str, str]) -> None:
     """A package as pip leaves it in site-packages: its modules and a dist-info naming its console scripts."""
@@ -79,6 +102,9 @@ def site(tmp_path_factory) -> Path:
              {"faketool/__init__.py": "", "faketool/cli.py": _TOOL})
     _install(site, "llamafactory", {"llamafactory-cli": "llamafactory.cli:main", "lmf": "llamafactory.cli:main"},
              {"llamafactory/__init__.py": "", "llamafactory/cli.py": _LF_CLI, "llamafactory/launcher.py": _LF_LAUNCHER})
+    _install(site, "axolotl", {"axolotl": "axolotl.cli.main:main"},
+             {"axolotl/__init__.py": "", "axolotl/cli/__init__.py": "", "axolotl/cli/main.py": _AX_MAIN,
+              "axolotl/cli/train.py": _AX_TRAIN})
     return site
 
 
@@ -131,6 +157,24 @@ def test_llamafactory_train_passes_its_deepspeed_check_under_megatrain_launch(si
                                                                                            ("1", "2", [str(cfg)])]
 
 
+def test_axolotl_train_runs_where_nccl_cannot(site, tmp_path):
+    import torch
+    import torch.distributed as dist
+
+    cfg = tmp_path / "cfg.yml"
+    cfg.write_text("deepspeed: ds.json\n")
+    # Control: axolotl's training module on its own asks for NCCL, which cannot start without a GPU.
+    r = _run(site, tmp_path, "-m", "axolotl.cli.train", str(cfg))
+    gpu = torch.cuda.is_available() and dist.is_nccl_available()
+    assert (r.returncode == 0) if gpu else ("ProcessGroupNCCL" in r.stderr)
+    r = _run(site, tmp_path, "-m", "megatrain.cli", "launch", "axolotl", "train", str(cfg))
+    assert r.returncode == 0, r.stderr[-3000:]
+    (one,) = _probes(r.stdout)
+    # a gloo group from torchrun's one-rank variables where NCCL cannot run; the tool's own NCCL where it can
+    assert one == {"where": "axolotl.cli.train " + ("nccl (its own)" if gpu else "gloo"), "routed": True,
+                   "argv": [str(cfg)], "rank": "0", "world": "1", "local": "0"}
+
+
 def test_which_llamafactory_commands_are_rewritten(site, monkeypatch):
     from megatrain.launch_command import ENTRY_POINT
 
@@ -143,6 +187,13 @@ def test_which_llamafactory_commands_are_rewritten(site, monkeypatch):
                                                             "version"])
     monkeypatch.setenv("USE_V1", "1")  # LlamaFactory's v1 launcher: not rewritten (not measured)
     assert plan(["lmf", "train", "c.yaml"])[1][0] == ENTRY_POINT
+    # axolotl: its own launcher's options are refused with megatrain launch's to give instead
+    assert plan(["axolotl", "train", "c.yml", "--learning_rate=1e-3"]) == (None, ["-m", "axolotl.cli.train", "c.yml",
+                                                                                "--learning_rate=1e-3"])
+    for theirs in (["--launcher", "torchrun"], ["--launcher=python"], ["--", "--num_processes", "2"]):
+        with pytest.raises(LaunchError, match="megatrain launch --nproc-per-node N axolotl train"):
+            plan(["axolotl", "train", "c.yml", *theirs])
+    assert plan(["axolotl", "preprocess", "c.yml"])[1][:2] == [ENTRY_POINT, "axolotl.cli.main:main"]
 
 
 def test_llamafactorys_own_process_count_is_refused_with_the_launch_option_to_use(site, monkeypatch, capsys):
