@@ -495,6 +495,7 @@ def run_probe(model_cls: type, config: Any, engine_factory: Callable[..., Any],
     arch = model_cls.__name__
     mode = _Mode.of(engine_config)
     tried: list[tuple[str, BaseException]] = []
+    first: nn.Module | None = None
     with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):  # the caller's CPU stream left as it was
         warnings.simplefilter("ignore")
         for what, shrink, cap in _shrinks(config):
@@ -502,6 +503,7 @@ def run_probe(model_cls: type, config: Any, engine_factory: Callable[..., Any],
                 tiny = shrink(config)
                 master = _build(model_cls, tiny, config, cap)
                 master.float().train()
+                first = first or master
             except Exception as exc:  # noqa: BLE001 - any failure to build is reported, never swallowed silently
                 tried.append((what, _BuildFailure(f"{type(exc).__name__}: {exc}")))
                 if "cannot build its default config either" in str(exc):
@@ -519,7 +521,18 @@ def run_probe(model_cls: type, config: Any, engine_factory: Callable[..., Any],
                     tried.append((what + ("" if pad else ", unpadded batches"), exc))
                     continue
                 return _compare(master, batches, ref, engine_factory, mode, arch)
-    return _plain_failure(arch, tried)
+        refusal = _engine_refusal(first, engine_factory, arch) if first is not None else None
+    return refusal or _plain_failure(arch, tried)
+
+
+def _engine_refusal(master: nn.Module, engine_factory: Callable[..., Any], arch: str) -> Verdict | None:
+    """The engine's own refusal by name of a model plain transformers cannot train either: the more useful reason
+    (e.g. no decoder layer stack), or None when the engine takes it."""
+    try:
+        _train_engine(master, [], engine_factory, _Mode(), _optimizer(_Mode(), False), arch)
+    except _EngineFailure as failure:
+        return failure.verdict if failure.verdict.status == "refused" else None
+    return None
 
 
 def _compare(master: nn.Module, batches: list, ref: tuple[list[float], dict], engine_factory: Callable[..., Any],
