@@ -75,6 +75,16 @@ def test_verify_model_probes_in_the_engines_compute_dtype(monkeypatch, tmp_path)
         probe.verify_model(model, Engine, BF16)
 
 
+def test_the_engine_probes_in_its_own_compute_dtype(monkeypatch, tmp_path):
+    """An engine built in bf16 refuses what only bf16 breaks; the same model in FP32 trains."""
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(probe, "_MEMO", {})
+    cls, cfg = resolve("minimax")
+    Engine(probe._build(cls, probe.tiny_config(cfg), cfg), EngineConfig(device="cpu"))
+    with pytest.raises(probe.ModelMismatchError, match=r"compute_dtype='float32'"):
+        Engine(probe._build(cls, probe.tiny_config(cfg), cfg), BF16)
+
+
 def test_verdicts_are_cached_per_compute_dtype():
     model = tiny_model("llama")
     assert probe.cache_key(type(model), model.config, BF16) != probe.cache_key(type(model), model.config)

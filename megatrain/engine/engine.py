@@ -98,7 +98,7 @@ class Engine:
         self.parts: DecoderParts = find_parts(model)
         check_embedding(self.parts.embed)
         self.module, self.hf_config = model, model.config
-        probe = (lambda m: verify_model(m, type(self))) if config.parity_probe else None
+        probe = (lambda m: verify_model(m, type(self), config)) if config.parity_probe else None
         self.placement, originals = place(model, self.parts, config, self.device, self.compute_dtype, self.dp,
                                           self.node, checkpoint_dir, probe)
         self.store, self.templates = self.placement.store, self.placement.templates
