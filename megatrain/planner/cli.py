@@ -26,6 +26,7 @@ from .prediction import Plan
 from .search import largest_batch, largest_context
 from .shapes import resolve_model
 from .step_time import crossover_closed_form, link_overlap
+from .step_timeline import format_timeline
 
 
 def _si(x: float, unit: str = "") -> str:
@@ -80,7 +81,7 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
         + (f"; per step: last gradients drain {_sec(t.fill_drain_s)}" if p.backend == "megatrain"
            else f", pipeline fill/drain {_sec(t.fill_drain_s)}"),
         f"  per step: embedding/head I/O {_sec(t.embed_io_s)}, optimizer {_sec(t.optimizer_busy_s)}"
-        + ((" (in backward)" if p.optimizer_in_backward else " (overlapped)" if p.optimizer_overlap
+        + ((" (in backward)" if p.optimizer_in_backward else " (overlapped)" if t.optimizer_overlap
             else " (after backward)") if p.backend == "megatrain" else " (after backward)"),
         f"  step {_sec(t.step_s)}: {pl.tokens_per_s:,.0f} tokens/s, {pl.model_tflops:.1f} model TFLOPS, "
         f"MFU {100 * pl.mfu:.1f}% of {hw.peak_flops(p.dtype) / 1e12:g} TFLOPS peak",
@@ -92,7 +93,9 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
     if pl.crossover_tokens is not None:
         out.append(f"  link stops being the bottleneck at >= {pl.crossover_tokens:,.0f} tokens per micro-batch "
                    f"(Phi/B closed form {crossover_closed_form(hw, p.dtype):,.0f}); this point has {p.tokens:,}")
-    if p.backend == "megatrain" and (host := host_bound_line(p, t)) is not None:
+    if pl.timeline is not None:
+        out += format_timeline(pl.timeline)
+    if p.backend == "megatrain" and (host := host_bound_line(p, t, t.optimizer_overlap)) is not None:
         out.append(host)  # from how many tokens per step the compute outlasts the host's pass (host_rates.py)
     if m.is_moe and p.backend == "megatrain":
         out += _moe_lines(pl)
@@ -227,8 +230,9 @@ def _add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--optimizer-in-backward", action="store_true",
                     help="each layer's AdamW during backward, no layer gradient slab "
                          "(EngineConfig.optimizer_in_backward; no clipping, no accumulation)")
-    ap.add_argument("--optimizer-overlap", action="store_true",
-                    help="the host AdamW a layer at a time behind the next forward (EngineConfig.optimizer_overlap)")
+    ap.add_argument("--optimizer-overlap", type=_auto, nargs="?", const=True, default="auto",
+                    help="on, off or auto (the default, as the engine: on with a CUDA device): the host AdamW a "
+                         "layer at a time behind the next forward (EngineConfig.optimizer_overlap); alone: on")
     ap.add_argument("--link-gbs", type=float, help="override the link rate (GB/s per direction)")
     ap.add_argument("--host-memory-gib", type=float)
     ap.add_argument("--nvme-gbs", type=float, help="the NVMe tier's disk rate, GB/s each way (default: the profile's)")

@@ -43,11 +43,14 @@ HOST_RATES: dict[str, HostRate] = {
     "hilo, optimizer in backward": HostRate(1.26, _RUN + ", per-layer updates alone"),
     "fp32, optimizer in backward": HostRate(0.78, "assumed: as the FP32 fused per-layer pass (fp32, overlap)"),
     "bf16 master": HostRate(0.99, "assumed: as hilo + bf16 slabs (the same passes less the lo half)"),
+    # Not a mode: backward's per-layer gradient add (+ norm) on the reducer's threads (host_work.py).
+    "reducer": HostRate(1.0, "assumed: a streaming add at its bytes bound on its threads' share of the bandwidth"),
 }
 
 
-def host_mode(p: Point) -> str:
-    """The HOST_RATES row of a point's host-memory mode."""
+def host_mode(p: Point, overlapped: bool | None = None) -> str:
+    """The HOST_RATES row of a point's host-memory mode; `overlapped`: whether the update overlaps the next
+    forward (point.overlap_on at a hardware; default: only when the point sets it)."""
     if p.master == "bf16":
         return "bf16 master"
     if p.optimizer_in_backward:
@@ -55,12 +58,12 @@ def host_mode(p: Point) -> str:
     if p.master == "hilo":
         return "hilo + bf16 slabs" if p.host_grad_dtype == "bfloat16" else "hilo"
     base = "bf16 shadow" if p.c == 2 else "fp32"
-    return f"{base}, overlap" if p.optimizer_overlap else base
+    return f"{base}, overlap" if (p.optimizer_overlap if overlapped is None else overlapped) else base
 
 
-def host_slowdown(p: Point) -> float:
+def host_slowdown(p: Point, overlapped: bool | None = None) -> float:
     """How much slower than the FP32 whole step the point's mode moves its bytes (1.0 for FP32 itself)."""
-    return HOST_RATES[host_mode(p)].x_bound / HOST_RATES["fp32"].x_bound
+    return HOST_RATES[host_mode(p, overlapped)].x_bound / HOST_RATES["fp32"].x_bound
 
 
 def host_bound_below_tokens(p: Point, t: Time) -> float | None:
@@ -73,12 +76,13 @@ def host_bound_below_tokens(p: Point, t: Time) -> float | None:
     return t.optimizer_busy_s * p.tokens_per_step / compute
 
 
-def host_bound_line(p: Point, t: Time) -> str | None:
+def host_bound_line(p: Point, t: Time, overlapped: bool | None = None) -> str | None:
     """`megatrain plan`'s line about it."""
     at = host_bound_below_tokens(p, t)
     if at is None:
         return None
-    rate = HOST_RATES[host_mode(p)]
+    mode = host_mode(p, overlapped)
+    rate = HOST_RATES[mode]
     where = "host-bound" if p.tokens_per_step < at else "not host-bound"
-    return (f"  host optimizer ({host_mode(p)}, {rate.x_bound:g}x its bytes bound, {rate.source.split(':')[0]}) "
+    return (f"  host optimizer ({mode}, {rate.x_bound:g}x its bytes bound, {rate.source.split(':')[0]}) "
             f"outlasts the compute below {at:,.0f} tokens per step; this point has {p.tokens_per_step:,} ({where})")

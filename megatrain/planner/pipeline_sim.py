@@ -37,6 +37,7 @@ class PipelineSim:
     def __init__(self, n_layers: int, n_buffers: int, costs: LayerCosts) -> None:
         self.L, self.c = n_layers, costs
         self.t = self.wait = 0.0
+        self.staging_wait = 0.0  # the launch thread blocked for a free gradient staging slot (the reducer's pace)
         self.lane = {"h2d": 0.0, "d2h": 0.0, "reduce": 0.0}
         self.bytes_jobs = {"load": 0, "act_out": 0, "act_in": 0, "grad": 0}  # job counts
         self.buffers = order.DeviceBuffers(n_buffers)
@@ -47,6 +48,7 @@ class PipelineSim:
         self.written: dict[int, float] = {}  # offloaded activation -> when it reached the host
         self.act_ready: dict[int, float] = {}  # prefetched activation -> when it is back
         self.spans: list[tuple[str, str, int, float, float]] = []  # (lane, kind, layer, start, end), as Trace
+        self.drained_by = ""
 
     def _job(self, lane: str, ready: float, dur: float, kind: str, layer: int) -> float:
         start = max(ready, self.lane[lane])
@@ -84,9 +86,14 @@ class PipelineSim:
             return
         i = self.next_staging
         self.next_staging = (i + 1) % len(self.staging_free)
-        self.t = max(self.t, self.staging_free[i])  # the host blocks until that staging buffer is free
+        self._block_for(self.staging_free[i])  # the host blocks until that staging buffer is free
         copied = self._job("d2h", self.t, c.grad, "grad", layer)
         self.staging_free[i] = self._job("reduce", copied, c.reduce, "reduce", layer)
+
+    def _block_for(self, when: float) -> None:
+        if when > self.t:
+            self.staging_wait += when - self.t
+            self.t = when
 
     def forward(self) -> None:
         for step in order.forward_steps(self.buffers, self.L):
@@ -115,9 +122,11 @@ class PipelineSim:
                 self._send_grad(i)
             # DROP_INPUT frees device memory and costs no time
 
-    def drain(self) -> None:
-        """What the engine's synchronize_grads / collect_stats wait for."""
-        self.t = max(self.t, *self.lane.values())
+    def drain(self) -> str:
+        """What the engine's synchronize_grads / collect_stats wait for; returns the lane that ends last."""
+        last = max(self.lane, key=lambda k: self.lane[k])
+        self.t = max(self.t, self.lane[last])
+        return last
 
 
 def simulate_step(p: Point, costs: LayerCosts, head: float,
@@ -134,7 +143,7 @@ def simulate_step(p: Point, costs: LayerCosts, head: float,
         t1 = sim.t
         sim._compute(head, "head", -1)  # head + loss forward/backward (+ global gradients, off CUDA)
         if globals_grads is not None:
-            sim.t = max(sim.t, sim.globals_free)  # the host waits for the staging the last micro-batch used
+            sim._block_for(sim.globals_free)  # the host waits for the staging the last micro-batch used
             copied = sim._job("d2h", sim.t, globals_grads[0], "head-grad", -1)
             sim.globals_free = sim._job("reduce", copied, globals_grads[1], "reduce-head-grad", -1)
         t2 = sim.t
@@ -142,5 +151,5 @@ def simulate_step(p: Point, costs: LayerCosts, head: float,
         fwd_s += t1 - t0
         bwd_s += sim.t - t2
     t3 = sim.t
-    sim.drain()  # clipping and the optimizer wait for every gradient
+    sim.drained_by = sim.drain()  # clipping and the optimizer wait for every gradient
     return sim, fwd_s, bwd_s, sim.t - t3

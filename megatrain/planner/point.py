@@ -39,7 +39,9 @@ class Point:
     master: str = "fp32"  # fp32 (+ bf16 shadow in bf16 mode), hilo (exact split, no shadow), bf16 (paper's code)
     host_grad_dtype: str = "float32"
     optimizer_in_backward: bool = False  # each layer's AdamW during backward: no layer gradient slab
-    optimizer_overlap: bool = False  # host AdamW layer by layer behind the next forward (EngineConfig)
+    # host AdamW layer by layer behind the next forward (EngineConfig); None = "auto", as the engine resolves it
+    # (overlap_on): on a CUDA device
+    optimizer_overlap: bool | None = None
     grad_clip: bool = True
     gradient_checkpointing: bool = True  # zero3 / torch only: megatrain always recomputes per layer
     zero3_pin_memory: bool = True
@@ -107,6 +109,11 @@ def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
     tile = knobs.get("mlp_tile_tokens", "auto")
     if not (tile is None or tile == "auto" or (isinstance(tile, int) and not isinstance(tile, bool) and tile >= 1)):
         raise ValueError(f"mlp_tile_tokens={tile!r}: use None (untiled), 'auto' or an int >= 1")
+    if knobs.get("optimizer_overlap") == "auto":  # the engine's "auto" is None
+        knobs["optimizer_overlap"] = None
+    if knobs.get("optimizer_overlap") not in (None, True, False):
+        raise ValueError(f"optimizer_overlap={knobs['optimizer_overlap']!r}: use True, False or None ('auto', as "
+                         "the engine resolves it)")
     if knobs.get("zero_stage", 3) not in (2, 3):
         raise ValueError(f"zero_stage={knobs['zero_stage']!r}: the planner models ZeRO-2 and ZeRO-3 offload (2 or 3)")
     for k in ("zero3_prefetch_bucket", "zero3_persistence_threshold", "zero3_reduce_bucket"):
@@ -123,15 +130,26 @@ def with_point(p: Point, **changes: Any) -> Point:
 
 def engine_settings(p: Point) -> dict[str, Any]:
     """The point's engine settings under EngineConfig's names: the "megatrain" config section that runs what was
-    planned (device_budget_bytes only when set)."""
+    planned (device_budget_bytes only when set; optimizer_overlap only when the point sets it: "auto" is the
+    engine's own default, and writing what it resolves to on one machine would change it on another)."""
     d: dict[str, Any] = {"compute_dtype": p.dtype, "num_buffers": p.num_buffers,
                          "offload_activations": p.offload_activations, "mlp_tile_tokens": p.mlp_tile_tokens,
                          "loss_chunk_tokens": p.loss_chunk_tokens, "host_master": p.master,
-                         "host_grad_dtype": p.host_grad_dtype, "optimizer_in_backward": p.optimizer_in_backward,
-                         "optimizer_overlap": p.optimizer_overlap}
+                         "host_grad_dtype": p.host_grad_dtype, "optimizer_in_backward": p.optimizer_in_backward}
+    if p.optimizer_overlap is not None:
+        d["optimizer_overlap"] = p.optimizer_overlap
     if p.device_budget_bytes is not None:
         d["device_budget_bytes"] = p.device_budget_bytes
     return d
+
+
+def overlap_on(p: Point, hw: Hardware) -> bool:
+    """Whether the engine overlaps the host update with the next forward at this point: as set, or for "auto"
+    (None) as engine/update.py overlap_pays resolves it: on a CUDA device (the planner plans torch's AdamW), not
+    with the optimizer in backward."""
+    if p.optimizer_overlap is not None:
+        return p.optimizer_overlap
+    return p.backend == "megatrain" and not hw.unified_memory and not p.optimizer_in_backward
 
 
 def master_bytes(p: Point) -> tuple[int, int]:

@@ -14,6 +14,7 @@ from .hardware import Hardware
 from .memory import LongContext, Memory
 from .point import Point
 from .step_time import Time, link_crossover_tokens
+from .step_timeline import StepTimeline, step_timeline
 
 
 @dataclass
@@ -78,6 +79,11 @@ class Plan:
         """Tokens per micro-batch above which forward compute hides the weight stream (megatrain)."""
         return link_crossover_tokens(self.point, self.hardware) if self.point.backend != "torch" else None
 
+    @property
+    def timeline(self) -> StepTimeline | None:
+        """megatrain: the step's GPU busy, link busy, host busy and GPU idle fraction with its causes."""
+        return step_timeline(self.point, self.hardware, self.time) if self.point.backend == "megatrain" else None
+
     def to_dict(self) -> dict[str, Any]:
         p = dataclasses.asdict(self.point)
         p["model"] = self.point.model.name
@@ -100,6 +106,7 @@ class Plan:
             "mfu": self.mfu,
             "host_bytes_per_param": self.host_bytes_per_param,
             "crossover_tokens": self.crossover_tokens,
+            "timeline": None if self.timeline is None else self.timeline.to_dict(),
         }
 
     def to_row(self) -> dict[str, Any]:
@@ -151,6 +158,8 @@ class Plan:
             "copy_wait_s": t.copy_wait_s,
             "breakdown_source": "predicted",
             "bottleneck": t.bottleneck,
+            "gpu_idle_fraction": self.timeline.gpu_idle_fraction if self.timeline else None,
+            "gpu_idle_cause": self.timeline.idle_cause if self.timeline else None,
             "peak_device_bytes": self.memory.device_total,
             "device_weight_bytes": self.device_weight_bytes,
             "host_bytes": self.memory.host_total,

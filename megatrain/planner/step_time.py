@@ -5,13 +5,14 @@ DeepSpeed ZeRO-3 / ZeRO-2 offload from its mechanisms (zero3_model.py); plain Py
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .hardware import GB, Hardware, _is_bf16
 from .host_rates import host_slowdown
+from .host_work import reducer_bps, reducer_bytes_per_param, serial_work
 from .memory import LOSS_BYTES_EXTRA, zero3_sizes
-from .pipeline_sim import LayerCosts, simulate_step
-from .point import Point, aliases_globals, master_bytes
+from .pipeline_sim import LayerCosts, PipelineSim, simulate_step
+from .point import Point, aliases_globals, master_bytes, overlap_on
 from .zero3_model import PassCost, Step, Submodule, decoder_layer_submodules, run_pass
 
 # Memory-bound traffic of a layer's forward (norms, RoPE, residual adds, SiLU*up), elements read
@@ -53,6 +54,10 @@ class Time:
     h2d_bytes: int
     d2h_bytes: int
     bottleneck: str
+    # megatrain: seconds per step the device computes nothing, by cause (they sum to step_s - busy "compute"),
+    # and the optimizer_overlap the engine runs here ("auto" resolved as it resolves it)
+    idle_s: dict[str, float] = field(default_factory=dict)
+    optimizer_overlap: bool = False
 
 
 def layer_flops(p: Point) -> tuple[float, float, float]:
@@ -157,10 +162,13 @@ def layer_costs(p: Point, hw: Hardware, offload: bool) -> LayerCosts:
     m, c = p.model, p.c
     fwd_c, rec_c, bwd_only = layer_compute(p, hw)
     Bl = hw.link_bps
+    cuda = not hw.unified_memory
+    # CUDA: the reducer thread at its share of the cores (host_work.py); a CPU device adds on the d2h worker
+    reduce = (m.layer_params() * reducer_bytes_per_param(p) / reducer_bps(p, hw) if cuda
+              else m.layer_params() * _engine_accum_bytes(p) / hw.host_bw_bps)
     return LayerCosts(fwd=fwd_c, bwd=rec_c + bwd_only, load=m.layer_params() * c / Bl,
                        act=p.tokens * m.hidden * c / Bl if offload else 0.0, grad=m.layer_params() * c / Bl,
-                       reduce=m.layer_params() * _engine_accum_bytes(p) / hw.host_bw_bps,
-                       cuda=not hw.unified_memory)
+                       reduce=reduce, cuda=cuda)
 
 
 def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | None = None) -> Time:
@@ -176,30 +184,35 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     off = async_globals(io, costs)
     head = head_compute(p, hw, recompute_logits=True) + (0.0 if off else io.add_s) + hw.microbatch_overhead_s
     sim, fwd_s, bwd_s, drain = simulate_step(p, costs, head + (0.0 if off else io.down_s), off)
-    embed_io = (0.0 if off else g * io.down_s) + io.up_s  # what the compute thread spends on them
     mb, shadow = master_bytes(p)
     gb = 2 if _is_bf16(p.host_grad_dtype) else 4
     per_param = _optimizer_bytes_per_param(mb, gb, shadow, p.grad_clip)
-    rate = hw.optimizer_bps / host_slowdown(p)  # the mode's own distance from its bytes bound (host_rates.py)
+    overlap = overlap_on(p, hw)
+    # the mode's own distance from its bytes bound (host_rates.py)
+    rate = hw.optimizer_bps / host_slowdown(p, overlap)
     opt_busy = (m.param_count() - (L - own) * PL) * per_param / rate
+    opt_globals = (m.param_count() - L * PL) * per_param / rate
     if p.optimizer_in_backward:
         # Each layer's update queued on one host thread as its gradients land (backward order): step()
         # waits for the last one (layer 0, whose backward is last), then updates the globals.
         u = PL * per_param / rate
-        opt_globals = (m.param_count() - L * PL) * per_param / rate
         opt_added = opt_globals + max(u, own * u - bwd_s + bwd_s / L)
-    elif p.optimizer_overlap:
+    elif overlap:
         # As EngineConfig(optimizer_overlap=True) runs it (engine/optim.py): the globals update in step(),
         # the layers on a host thread in forward order while the next forward runs, each layer's forward
         # waiting for its update. With u per layer update and f per layer forward, the first micro-batch's
         # forward ends at max(L u + f, u + L f) instead of L f.
         u = PL * per_param / rate
         f_mb = fwd_s / g
-        opt_globals = (m.param_count() - L * PL) * per_param / rate
         opt_added = opt_globals + max(own * u - f_mb + f_mb / L, u)
     else:
         opt_added = opt_busy
-    step = sim.t + opt_added + io.up_s
+    # the resident parameters' update runs on the launch thread before any layer job, and their rounding into
+    # the upload's staging after it, with nothing queued on the device (host_work.py)
+    serial = serial_work(p, hw, m.param_count() - L * PL, opt_globals)
+    # what the compute thread spends on them: their gradients' copies (off CUDA), the rounding, the upload
+    embed_io = (0.0 if off else g * io.down_s) + serial.resident_round_s + io.up_s
+    step = sim.t + opt_added + serial.resident_round_s + io.up_s
     jobs = sim.bytes_jobs
     act = T * h * c
     h2d_bytes = jobs["load"] * PL * c + jobs["act_in"] * act + io.up_bytes
@@ -211,13 +224,41 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
         "link d2h": d2h_bytes / Bl if costs.cuda else max(d2h_bytes / Bl, g * L * costs.reduce),
         "host optimizer": opt_busy,
     }
+    if costs.cuda:
+        busy["host reducer"] = g * L * costs.reduce
+        busy["host serial (resident update + rounding)"] = serial.total_s
+    idle = _megatrain_idle(sim, drain, opt_added, opt_globals, IDLE_LAYERS if overlap else IDLE_LAYERS_AFTER,
+                           serial.resident_round_s, io.up_s)
+    idle["other"] = max(0.0, step - busy["compute"] - sum(idle.values()))
     k = p.num_buffers
     over = max if k >= 2 else (lambda *xs: sum(xs))
     grad_lane = costs.grad if costs.cuda else max(costs.grad, costs.reduce)
     layer = LayerTime(costs.fwd, costs.load, costs.act, over(costs.fwd, costs.load, costs.act), costs.bwd,
                       costs.load + costs.act, grad_lane, over(costs.bwd, costs.load + costs.act, grad_lane))
     return Time(layer, fwd_s / g, bwd_s / g, head, drain, embed_io, opt_added, opt_busy, step,
-                sim.wait, busy, int(h2d_bytes), int(d2h_bytes), _bottleneck(busy, p.optimizer_overlap))
+                sim.wait, busy, int(h2d_bytes), int(d2h_bytes), _bottleneck(busy, overlap), idle, overlap)
+
+
+# The causes of the device's idle time per step (Time.idle_s), as `megatrain plan` names them.
+IDLE_LINK = "compute waits on weight/activation copies"
+IDLE_REDUCER = "backward waits on the gradient reducer (staging full)"
+IDLE_DRAIN_REDUCE = "last gradients: the reducer's tail"
+IDLE_DRAIN_LINK = "last gradients: the copies' tail"
+IDLE_RESIDENT = "resident update on the launch thread (serial)"
+IDLE_LAYERS = "layer updates not hidden behind the next forward"
+IDLE_LAYERS_AFTER = "layer updates after backward (not overlapped)"
+IDLE_ROUND = "resident masters rounded to bf16 (serial)"
+IDLE_UPLOAD = "resident parameters' upload"
+
+
+def _megatrain_idle(sim: PipelineSim, drain: float, opt_added: float, resident_update: float, layers: str,
+                    round_s: float, upload: float) -> dict[str, float]:
+    """Seconds per step the compute timeline waits, by cause; `resident_update` is the part of `opt_added` spent
+    on the resident parameters, the rest (`layers`) the layers' updates the compute does not hide."""
+    return {IDLE_LINK: sim.wait, IDLE_REDUCER: sim.staging_wait,
+            IDLE_DRAIN_REDUCE if sim.drained_by == "reduce" else IDLE_DRAIN_LINK: drain,
+            IDLE_RESIDENT: min(resident_update, opt_added), layers: max(0.0, opt_added - resident_update),
+            IDLE_ROUND: round_s, IDLE_UPLOAD: upload}
 
 
 def cpu_adam_rate(hw: Hardware) -> float:

@@ -1,0 +1,80 @@
+"""The host work the engine puts in a CUDA step's way, with the threads it gets: the backward's gradient reducer
+and the serial work on the launch thread at each step.
+
+As the engine runs it (engine/schedule.py, engine/stream.py, engine/update.py, engine/engine.py):
+- the reducer: each layer's gradients land in pinned staging (STAGING_SLOTS slots, costs/pinning.py) and one host
+  thread adds them into the FP32 slab, with `side_threads()` = a quarter of torch's threads (at least one). The
+  first reduction after zero_grad() writes 0 + g (read the staging, write the slab), later ones add (read the
+  staging, read + write the slab), and the last before a step reads the slab again for its norm
+  (slab_state.py): c + 4, c + 8 and + 4 bytes per parameter, c + 8 on average over any accumulation.
+- the serial resident work: `step()` updates the resident parameters (embedding, head, final norm) on the launch
+  thread before any layer job is queued, then rounds their FP32 masters into the bf16 staging the upload reads;
+  the device has nothing queued meanwhile.
+
+A memory-bound pass on n of a host's cores reaches its achieved bandwidth x min(1, n / (cores x
+SATURATING_SHARE)): a few cores per memory channel saturate it, one core alone is far from it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .hardware import Hardware, _is_bf16
+from .host_rates import HOST_RATES
+from .point import Point
+
+# Host cores (torch's default intra-op threads: physical cores) of the packaged GPU profiles. A profile not listed
+# (`megatrain bench`'s, the "cpu" one) is this machine's. Assumed: the paper's 2-socket Xeon host (2 x 56),
+# GH200's 72 Grace cores (NVIDIA's data sheet).
+HOST_CORES = {"h200-pcie": 112, "h100-pcie": 112, "a100-pcie": 64, "gh200": 72}
+# Assumed: the share of a host's cores a streaming add needs to reach its achieved bandwidth.
+SATURATING_SHARE = 0.5
+REDUCER_SHARE = 4  # engine/stream.py side_threads(): a quarter of the cores
+
+
+def host_cores(hw: Hardware) -> int:
+    return HOST_CORES.get(hw.name, os.cpu_count() or 1)
+
+
+def reducer_threads(hw: Hardware) -> int:
+    """The reducer's torch threads, as engine/stream.py side_threads() gives them."""
+    return max(1, host_cores(hw) // REDUCER_SHARE)
+
+
+def threads_bps(hw: Hardware, threads: int) -> float:
+    """Bytes/s a streaming pass on `threads` of the host's cores reaches."""
+    return hw.host_bw_bps * min(1.0, threads / max(1.0, host_cores(hw) * SATURATING_SHARE))
+
+
+def reducer_bytes_per_param(p: Point) -> int:
+    """Host bytes per layer parameter one micro-batch's reduction moves, on average over the step (see above):
+    with FP32 slabs c + 8 (a bf16 slab: c + 4), the norm's read included."""
+    slab = 2 if _is_bf16(p.host_grad_dtype) else 4
+    return p.c + 2 * slab
+
+
+def reducer_bps(p: Point, hw: Hardware) -> float:
+    """The reducer's rate on a CUDA host: its threads' share of the bandwidth, at the measured distance of a
+    streaming pass from its bytes bound (host_rates.py)."""
+    return threads_bps(hw, reducer_threads(hw)) / HOST_RATES["reducer"].x_bound
+
+
+@dataclass(frozen=True)
+class SerialWork:
+    """Seconds per step on the launch thread with nothing queued on the device (CUDA)."""
+
+    resident_update_s: float  # AdamW over the embedding, head and final norm, before any layer job
+    resident_round_s: float  # their FP32 masters rounded into the bf16 upload staging
+
+    @property
+    def total_s(self) -> float:
+        return self.resident_update_s + self.resident_round_s
+
+
+def serial_work(p: Point, hw: Hardware, resident_params: int, update_s: float) -> SerialWork:
+    """`update_s`: the resident parameters' optimizer pass at the mode's rate (step_time.py counts it). The
+    rounding reads 4 and writes c bytes per parameter on every core (a bf16 compute dtype only: FP32 compute
+    uploads the masters themselves)."""
+    round_s = resident_params * (4 + p.c) / hw.host_bw_bps if p.c == 2 and not hw.unified_memory else 0.0
+    return SerialWork(update_s, round_s)
