@@ -207,8 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     tp = sub.add_parser("train", help="fine-tune a model on your data (--config), or run one benchmark point",
                         description="--config SFT.yaml: supervised fine-tuning of a local model directory on a local "
-                                    "alpaca / sharegpt JSON or JSONL file with TRL's SFTTrainer on MegaTrain (see "
-                                    "examples/sft/sft.yaml for every key). A positional YAML instead: one benchmark "
+                                    "alpaca / sharegpt / messages JSON or JSONL file with TRL's SFTTrainer on MegaTrain "
+                                    "(see examples/sft/sft.yaml). The config and every record are checked before "
+                                    "anything is written; a checkpoint is written every save_minutes (30) and on "
+                                    "Ctrl-C / SIGTERM, and the same command again resumes from the newest whole "
+                                    "one (--restart starts over). A positional YAML instead: one benchmark "
                                     "point, the keys of a sweep point (backend, model, seq_len, micro_batch, "
                                     "grad_accum, precision, engine, steps, ...).")
     tp.add_argument("config", nargs="?", default=None, help="a benchmark point's YAML")

@@ -4,7 +4,8 @@ This module reads the YAML, turns alpaca or sharegpt records into TRL's conversa
 (the tokenizer's chat template renders them), and hands TRL a DeepSpeed config whose "megatrain" section
 selects the engine and carries its settings. The training loop, packing, loss masking, checkpoints and
 logging are TRL's and Trainer's own: nothing here re-implements them. `backend: torch` runs the same file on
-plain SFTTrainer, which is how the two are compared.
+plain SFTTrainer, which is how the two are compared. Before anything is written the config, every data record
+(`sft_data.py`) and the output folder (`sft_resume.py`: resume, or refuse without --restart) are checked.
 """
 
 from __future__ import annotations
