@@ -235,9 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Only listed here: `main` hands everything after "launch" to megatrain.launch, whose options are torchrun's
     # and must not be parsed (or refused) by this parser.
-    sub.add_parser("launch", add_help=False, help="run an unchanged training script (and its torchrun-style ranks) "
-                                                  "on MegaTrain: megatrain launch [--nproc-per-node N ...] "
-                                                  "script.py args...")
+    sub.add_parser("launch", add_help=False, help="run an unchanged training script or console command (and its "
+                                                  "torchrun-style ranks) on MegaTrain: megatrain launch "
+                                                  "[--nproc-per-node N ...] script.py args... | "
+                                                  "llamafactory-cli train cfg.yaml")
 
     try:
         from megatrain import planner
