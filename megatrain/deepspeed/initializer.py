@@ -86,7 +86,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     """`deepspeed.initialize`, on MegaTrain: returns (engine, optimizer, training dataloader, lr scheduler).
 
     The config is parsed and validated completely before the model is touched. `optimizer` may be a
-    torch optimizer over `model.parameters()` (taken over by the engine) or a callable taking the
+    torch optimizer over `model.parameters()` (taken over by the engine; DeepSpeed's `DeepSpeedCPUAdam` is
+    replaced by torch's AdamW over the same groups, `exact_adam.py`) or a callable taking the
     parameters; otherwise the config's optimizer section is used (over `model_parameters` when
     given, which may be param groups). `lr_scheduler` may be a scheduler or a callable taking the
     optimizer; otherwise the config's scheduler section is used.
