@@ -120,3 +120,20 @@ def test_control_deepspeed_cpu_adam_itself_drifts_after_resume(tmp_path, monkeyp
     # the final weights differ too.
     assert drift > 0, "DeepSpeed's CPU Adam resumed bit-identically: this control no longer shows the old drift"
     assert not same_weights
+
+
+def test_adam_mode_keeps_l2_decay_and_what_torch_cannot_do_is_refused():
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    from megatrain.deepspeed.exact_adam import exact_optimizer
+
+    params = [torch.nn.Parameter(torch.ones(3))]
+    ds = DeepSpeedCPUAdam(params, lr=1e-2, weight_decay=0.1, adamw_mode=False)
+    exact, what = exact_optimizer(ds)
+    assert type(exact) is torch.optim.Adam and not exact.param_groups[0]["decoupled_weight_decay"]
+    assert exact.param_groups[0] is ds.param_groups[0]  # a schedule on either object moves the same lr
+    assert what == "DeepSpeedCPUAdam(adamw_mode=False) -> torch.optim.Adam"
+    plain = torch.optim.AdamW(params)
+    assert exact_optimizer(plain) == (plain, None)  # anything else is stepped as given
+    with pytest.raises(ValueError, match="bias_correction=False"):
+        exact_optimizer(DeepSpeedCPUAdam(params, bias_correction=False))
