@@ -31,6 +31,7 @@ from megatrain.planner import (
 )
 from megatrain.planner.cli import add_bench_parser, add_plan_parser, main
 from megatrain.planner.hardware import NUMERIC_FIELDS, OVERHEAD_FIELDS, load_raw
+from megatrain.planner.step_time import IDLE_ROUND
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -148,7 +149,8 @@ def test_components_sum_to_totals(backend):
         step = 3 * (t.forward_s + t.head_s + t.backward_s) + t.fill_drain_s
     else:
         step = 3 * (t.fill_drain_s + t.forward_s + t.head_s + t.backward_s)
-    assert t.step_s == pytest.approx(step + t.embed_io_s + t.optimizer_s, rel=1e-9)
+    # megatrain: and the resident masters' rounding into the upload staging, serial on the launch thread
+    assert t.step_s == pytest.approx(step + t.embed_io_s + t.optimizer_s + t.idle_s.get(IDLE_ROUND, 0.0), rel=1e-9)
     assert pl.tokens_per_s == pytest.approx(3 * 2 * 4096 / t.step_s)
 
 

@@ -210,8 +210,7 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     # the resident parameters' update runs on the launch thread before any layer job, and their rounding into
     # the upload's staging after it, with nothing queued on the device (host_work.py)
     serial = serial_work(p, hw, m.param_count() - L * PL, opt_globals)
-    # what the compute thread spends on them: their gradients' copies (off CUDA), the rounding, the upload
-    embed_io = (0.0 if off else g * io.down_s) + serial.resident_round_s + io.up_s
+    embed_io = (0.0 if off else g * io.down_s) + io.up_s  # what the compute thread spends on them
     step = sim.t + opt_added + serial.resident_round_s + io.up_s
     jobs = sim.bytes_jobs
     act = T * h * c
