@@ -23,13 +23,18 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
                     runs, on a compute lane and the copy lanes): per layer compute = FLOPs / (peak x sustained)
                     + elementwise bytes / device bandwidth, attention included (causal, flash backward = 2.5x
                     forward); h2d = layer bytes / link; d2h = grad bytes / link and the host add (on the d2h
-                    worker on a CPU device, a host thread after the copy on CUDA); fills, drains, the layers still resident
+                    worker on a CPU device; on CUDA the reducer thread after the copy, c + 8 B/param with its norm,
+                    on a quarter of the host's cores as engine/stream.py side_threads gives it, host_work.py, with
+                    the staging slots it blocks on); fills, drains, the layers still resident
                     at the turn and across micro-batches, activation offload; + the embedding/head I/O the
                     engine does per device type (none on a CPU device in FP32: it aliases them; on CUDA the
                     gradients' copy and add on the copy and reduce lanes, after the head) + CPU AdamW
-                    (bytes touched / host bandwidth) after backward, or with optimizer_overlap a layer at a
-                    time behind the next forward (the globals still in step()), or with optimizer_in_backward a
-                    layer at a time behind the backward. `megatrain plan` also tabulates every mode at the point.
+                    (bytes touched / host bandwidth) after backward, or with optimizer_overlap (its "auto", as the
+                    engine resolves it: on with a CUDA device) a layer at a time behind the next forward, or with
+                    optimizer_in_backward a layer at a time behind the backward; the resident parameters' update
+                    and their rounding into the bf16 upload staging serial on the launch thread (host_work.py).
+                    The step's timeline (step_timeline.py): GPU busy, each link's and the host's busy time, the
+                    GPU idle fraction and its causes. `megatrain plan` also tabulates every mode at the point.
   zero3             DeepSpeed ZeRO-3 (or ZeRO-2, zero_stage=2) offload from its mechanisms (zero3_model.py):
                     host memory as stage3.py allocates it; per-submodule fetches with DeepSpeed's lookahead
                     and event limit, host hooks per module / parameter / bucket, the buckets' FP32 cast,
