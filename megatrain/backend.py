@@ -109,6 +109,9 @@ class MegatrainBackend:
     needs_autocast = False
     trains_many_models = False
     main_process_writes = True
+    # MegaTrain's own engine: the faces write the run's start line for it (megatrain/start_line.py). Not in the
+    # protocol: a backend without the attribute is not MegaTrain.
+    says_what_runs = True
 
     def __init__(
         self,

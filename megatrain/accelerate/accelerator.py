@@ -310,7 +310,7 @@ class Accelerator:
     def _say_what_runs(self) -> None:
         """The run's start line, when the model just prepared is on MegaTrain's engine."""
         engine = getattr(self.backend, "engine", None)
-        if self.backend.name != "megatrain" or engine is None:
+        if not getattr(self.backend, "says_what_runs", False) or engine is None:
             return
         from .. import start_line
 
