@@ -155,7 +155,7 @@ class MegatrainBackend:
     def device(self) -> torch.device:
         if self.engine is not None:
             return self.engine.device
-        from .engine.engine import resolve_device
+        from .engine import resolve_device
 
         return resolve_device(self.engine_config.device)
 
@@ -180,7 +180,7 @@ class MegatrainBackend:
         self.engine = Engine(model, config=ec, optimizer=optimizer)
         self._optimizer_adopted = optimizer is not None
         # The user's model object itself comes back: its parameters are the engine's host masters and its
-        # forward runs the engine (megatrain/engine/model_object.py). The engine builds its own AdamW when
+        # forward runs the engine (megatrain/engine/model/model_object.py). The engine builds its own AdamW when
         # given none; hand that back only if the user gave one.
         return self.engine.module, (self.engine.optimizer if optimizer is not None else None)
 

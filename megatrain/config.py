@@ -10,12 +10,15 @@ from typing import Any
 
 from .costs.modes import GradSlab, HostMaster, parse
 from .costs.nvme import check_nvme_settings
-from .engine.malloc import MAX_MMAP_THRESHOLD, MIN_MMAP_THRESHOLD
 from .validate import check_keys, is_bool, is_int, is_number
 
 _DTYPES = ("float32", "bfloat16")
 MIN_LINK_GBPS = 1e-3
 MIN_WATCHDOG_S = 0.1
+
+
+MAX_MMAP_THRESHOLD = 32 * 2**20  # glibc's HEAP_MAX_SIZE / 2 on 64-bit: mallopt refuses more
+MIN_MMAP_THRESHOLD = 4096  # a page: below it every small allocation would be a system call
 
 
 @dataclass

@@ -210,7 +210,7 @@ def _ds_config(run: SFTRun, resolved: bool = False) -> dict[str, Any]:
 
 
 def _on_accelerator() -> bool:
-    from .engine.placement import resolve_device
+    from .engine import resolve_device
 
     return resolve_device(None).type != "cpu"
 

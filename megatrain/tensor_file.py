@@ -118,7 +118,7 @@ class TensorFile(Mapping[str, torch.Tensor]):
         """Tensor `name` in a buffer this file reuses for every such read: valid until the next one. For values
         that are copied elsewhere at once (into the host store): no per-tensor allocation whose freed pages
         the C heap would keep resident."""
-        from .engine.pinned import host_buffer  # a mapping of its own, returned to the OS when dropped
+        from .engine import host_buffer  # a mapping of its own, returned to the OS when dropped
 
         dtype, shape, start, end = self._entry(name)
         if self._scratch is None or self._scratch.numel() < end - start:

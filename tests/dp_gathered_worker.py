@@ -54,7 +54,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
-    from megatrain.engine.distributed import DataParallel
+    from megatrain.engine.parallel.distributed import DataParallel
 
     results = {"shared": phase("shared", rank), "replicated": phase("replicated", rank)}
     results["optimizer"] = results["shared"].pop("_optimizer")

@@ -86,7 +86,7 @@ def _bf16_rounded(run):
     holds (the FP32 sum of the micro-batches' gradients, rounded once); the resident parameters' FP32 slab is left
     as the ranks' is. The reference runs torch's AdamW kernel per tile, so the ranks' compiled one-loop update
     (engine/adam_kernel.py) is also checked against torch's bits here."""
-    from megatrain.engine import adam_kernel, update
+    from megatrain.engine.update import adam_kernel, update
 
     update_layer = update.update_layer
 
@@ -119,7 +119,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    from megatrain.engine.node_store import NodeStore
+    from megatrain.engine.host.node_store import NodeStore
 
     reduce, calls = NodeStore.reduce_to_owner, [0]
 

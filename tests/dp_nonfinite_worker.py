@@ -60,8 +60,8 @@ def main() -> None:
     out = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
-    from megatrain.engine import ranks
-    from megatrain.engine.node_store import NodeStore
+    from megatrain.engine.host.node_store import NodeStore
+    from megatrain.engine.parallel import ranks
 
     reduce = NodeStore.reduce_to_owner
 

@@ -47,8 +47,8 @@ def main() -> None:
     fault = args.pop("fault", "none")
     if fault != "none" and rank == 1:
         inject_fault(fault, out)
-    from megatrain.engine.distributed import DataParallel
-    from megatrain.engine.node_store import NodeStore
+    from megatrain.engine.host.node_store import NodeStore
+    from megatrain.engine.parallel.distributed import DataParallel
 
     # Count the shared host store's reductions and (optimizer_overlap) layer-update tokens: the parity below is
     # then known to be these paths'.
@@ -81,7 +81,7 @@ def main() -> None:
         # control) the others load the layer before its owner has written it.
         # A layer's update is the fused tile pass (engine/fused.py), which does not call AdamW.step: slow the
         # per-layer update itself.
-        from megatrain.engine import update as update_mod
+        from megatrain.engine.update import update as update_mod
 
         layer_update = update_mod.update_layer
 

@@ -124,7 +124,7 @@ def main() -> None:
 
     from megatrain.config import EngineConfig
     from megatrain.engine import Engine
-    from megatrain.engine.loading import load_checkpoint_into
+    from megatrain.engine.host.loading import load_checkpoint_into
     from megatrain.initialize import initialize
 
     action, directory, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]

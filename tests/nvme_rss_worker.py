@@ -24,7 +24,7 @@ import transformers  # noqa: E402
 
 from megatrain.config import EngineConfig  # noqa: E402
 from megatrain.engine import Engine  # noqa: E402
-from megatrain.engine.spill import record_sizes, store_fixed_bytes  # noqa: E402
+from megatrain.engine.host.spill import record_sizes, store_fixed_bytes  # noqa: E402
 
 LAYERS, HIDDEN, VOCAB, SEQ, STEPS = 16, 256, 256, 32, 2
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain.engine import adam_kernel as K
-from megatrain.engine import hilo
+from megatrain.engine.host import hilo
+from megatrain.engine.update import adam_kernel as K
 
 N = K.ALIGN * 100  # several of the kernel's 1024-element blocks, and one part-filled
 NO_TIES = torch.empty(0, dtype=torch.int64)
@@ -204,7 +204,7 @@ def test_the_clipped_slab_written_back_moves_its_version_counter(compiled, bump,
     import test_fused_pass
     from test_fused_pass import COEFS, _run
 
-    from megatrain.engine import fused
+    from megatrain.engine.update import fused
     from megatrain.modes import GradSlab, HostMaster
 
     # whole 64-element blocks only: no tail goes through torch's in-place scaling, which would bump it anyway

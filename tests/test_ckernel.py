@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from megatrain.engine import ckernel
+from megatrain.engine.runtime import ckernel
 
 SOURCE = "int64_t twice(int64_t x) { return 2 * x; }\n"
 # A stand-in compiler (no C compiler needed): refuses any flag starting with -mno-such, else writes its

@@ -10,7 +10,7 @@ from conftest import tiny_model
 
 from megatrain.config import EngineConfig
 from megatrain.engine import Engine
-from megatrain.engine.update import overlap_pays
+from megatrain.engine.update.update import overlap_pays
 from megatrain.settings import engine_config_from
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatrain.engine.attention import kv_for_sdpa
+from megatrain.engine.layer.attention import kv_for_sdpa
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -125,7 +125,7 @@ def _count_reads(monkeypatch, device_type: str) -> list[str]:
 def test_batch_check_reads_device_values_back_once(monkeypatch):
     from conftest import make_batches, tiny_config
 
-    from megatrain.engine.batch import check_batch
+    from megatrain.engine.layer.batch import check_batch
 
     b = make_batches(1, seq=12)[0]
     b["position_ids"] = torch.arange(12).expand(2, 12)
@@ -150,7 +150,7 @@ def _head(weight):
 
 
 def test_the_loss_over_valid_tokens_matches_cross_entropy():
-    from megatrain.engine.loss import chunked_causal_lm_loss
+    from megatrain.engine.layer.loss import chunked_causal_lm_loss
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 9, 16, generator=g, dtype=torch.float64)
@@ -170,7 +170,7 @@ def test_the_loss_over_valid_tokens_matches_cross_entropy():
 
 @cuda
 def test_host_labels_and_batch_checks_do_not_sync_the_device():
-    from megatrain.engine.loss import chunked_causal_lm_loss
+    from megatrain.engine.layer.loss import chunked_causal_lm_loss
 
     hidden = torch.randn(2, 64, 32, device="cuda", requires_grad=True)
     weight = torch.randn(100, 32, device="cuda", requires_grad=True)

@@ -227,7 +227,7 @@ class SlowIdentityAverage:
     rank, world_size, local_rank = 0, 1, 0
 
     def __init__(self, trace, slow: str) -> None:
-        from megatrain.engine.stream import CopyStream
+        from megatrain.engine.runtime.stream import CopyStream
 
         self.stream = CopyStream("allreduce", torch.device("cpu"), trace, None, 30.0)
         self.slow = slow
@@ -253,7 +253,7 @@ def test_gradient_adds_wait_for_a_running_average(slow):
 
     from megatrain.config import EngineConfig
     from megatrain.engine import Engine
-    from megatrain.engine.ranks import Replicated
+    from megatrain.engine.parallel.ranks import Replicated
 
     batches = make_batches(4, batch=2, seq=16)
     weights = []
@@ -304,7 +304,7 @@ def test_prepared_loader_gives_each_rank_every_nth_batch():
 
 def test_launch_environment_is_checked(monkeypatch):
     from megatrain import Accelerator
-    from megatrain.engine.distributed import launch_env
+    from megatrain.engine.parallel.distributed import launch_env
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("RANK", raising=False)

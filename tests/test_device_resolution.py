@@ -14,8 +14,10 @@ from conftest import make_batches, tiny_model
 
 import megatrain
 from megatrain.config import EngineConfig
-from megatrain.engine import Engine, device_resolution, pinned
-from megatrain.engine.placement import resolve_device
+from megatrain.engine import Engine
+from megatrain.engine.host import pinned
+from megatrain.engine.model.placement import resolve_device
+from megatrain.engine.runtime import device_resolution
 
 
 @pytest.fixture

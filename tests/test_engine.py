@@ -12,7 +12,7 @@ from gpu_defaults import CONFIGS, GPU_DEFAULTS, bf16_reference, engine_grads, is
 
 from megatrain.config import EngineConfig
 from megatrain.engine import Engine
-from megatrain.engine.stream import Streams
+from megatrain.engine.runtime.stream import Streams
 
 
 def train_reference(model, batches, steps, accum=1, clip=None, lr=1e-3, optimizer=None, scheduler=None):

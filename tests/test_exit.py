@@ -12,7 +12,7 @@ import atexit, sys, torch, torch.distributed as dist
 atexit.register(lambda: print("initialized at exit:", dist.is_initialized()))  # runs after hooks made later
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 if sys.argv[1] == "engine":
-    from megatrain.engine.distributed import join_ranks
+    from megatrain.engine.parallel.distributed import join_ranks
     join_ranks(torch.device("cpu"), 30.0)  # what every engine does as it is built
 """
 
@@ -35,7 +35,7 @@ def test_an_nccl_group_is_left_to_torch(monkeypatch):
     """An NCCL group's teardown can block on a collective a dead peer never joins: the exit hook leaves it be."""
     import torch.distributed as dist
 
-    from megatrain.engine import distributed
+    from megatrain.engine.parallel import distributed
 
     destroyed = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)

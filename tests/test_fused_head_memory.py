@@ -12,7 +12,7 @@ import torch
 from conftest import tiny_model
 
 import megatrain
-from megatrain.engine.memtrack import DeviceMemoryTracker
+from megatrain.engine.runtime.memtrack import DeviceMemoryTracker
 
 VOCAB, CHUNK, SEQ = 8192, 64, 128
 

@@ -16,9 +16,11 @@ import torch
 from conftest import make_batches, tiny_model
 
 from megatrain.config import EngineConfig
-from megatrain.engine import Engine, fused, hilo
-from megatrain.engine.store import FlatGroup, Scratch
-from megatrain.engine.stream import DONE, CopyStream, Trace
+from megatrain.engine import Engine
+from megatrain.engine.host import hilo
+from megatrain.engine.host.store import FlatGroup, Scratch
+from megatrain.engine.runtime.stream import DONE, CopyStream, Trace
+from megatrain.engine.update import fused
 from megatrain.modes import GradSlab, HostMaster
 
 SHAPES = [("a", torch.Size([37, 129])), ("b", torch.Size([5000])), ("c", torch.Size([3, 7]))]
@@ -196,7 +198,7 @@ def test_the_engine_runs_the_fused_pass_bit_identical_to_the_fp32_whole_step(mon
 @pytest.mark.parametrize("path", ["compiled", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_all_finite_finds_each_kind_in_any_tile_and_no_overflow(threads, path, dtype, monkeypatch):
-    from megatrain.engine import adam_kernel
+    from megatrain.engine.update import adam_kernel
 
     if path == "compiled":
         assert adam_kernel.kernel() is not None, "the compiled kernel did not build (a C compiler is on PATH here)"
@@ -215,7 +217,7 @@ def test_all_finite_finds_each_kind_in_any_tile_and_no_overflow(threads, path, d
 def test_the_finiteness_check_leaves_fp32_gradients_as_they_are():
     """all_finite reads the optimizer in backward's staged gradients: FP32 ones (FP32 compute, or a shared store's
     averaged layer) must come out of it unchanged (a multiply in place on `.float()` of an FP32 tile zeroed them)."""
-    from megatrain.engine import fused
+    from megatrain.engine.update import fused
 
     g = torch.randn(3 * fused.TILE + 5)
     kept = g.clone()

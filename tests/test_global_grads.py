@@ -10,7 +10,7 @@ from conftest import make_batches, tiny_model
 
 from megatrain.config import EngineConfig
 from megatrain.engine import Engine
-from megatrain.engine.global_grads import GlobalGradSink
+from megatrain.engine.pipeline.global_grads import GlobalGradSink
 
 
 def _engine(asynchronous: bool, **cfg) -> Engine:

@@ -312,7 +312,7 @@ def test_cuda_stats_are_device_time(tmp_path):
 def test_cuda_event_accounting_logic_with_a_fake_device(monkeypatch):
     """The engine's CUDA bookkeeping (copy busy time, compute's waits, the device-timed trace) on fake
     events whose timestamps are set by hand: runs everywhere, so a slip there shows before a GPU run."""
-    from megatrain.engine import stream as S
+    from megatrain.engine.runtime import stream as S
 
     clock = {"t": 0.0}
 

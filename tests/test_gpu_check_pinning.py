@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from experiments.gpu_check.sync import pinning_expectations, pinning_report
-from megatrain.engine.pinned import Pinner
-from megatrain.engine.store import HostStore
+from megatrain.engine.host.pinned import Pinner
+from megatrain.engine.host.store import HostStore
 
 LAYER = [("w", torch.Size([64, 32])), ("b", torch.Size([32]))]
 

@@ -12,9 +12,9 @@ from conftest import make_batches, tiny_model
 
 from megatrain.config import EngineConfig
 from megatrain.engine import Engine
-from megatrain.engine.events import LayerEvents
-from megatrain.engine.optim import LayeredStep
-from megatrain.engine.stream import DONE
+from megatrain.engine.host.events import LayerEvents
+from megatrain.engine.runtime.stream import DONE
+from megatrain.engine.update.optim import LayeredStep
 
 SLOW = 0.002  # GB/s: a tiny layer's gradient takes ~0.1 s to land, far longer than the step's host work
 

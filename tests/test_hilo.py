@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain.engine import hilo
-from megatrain.engine.hilo import join, split
+from megatrain.engine.host import hilo
+from megatrain.engine.host.hilo import join, split
 
 
 def _bits(values: list[int]) -> torch.Tensor:

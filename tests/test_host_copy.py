@@ -8,8 +8,10 @@ import torch
 from conftest import make_batches, tiny_model
 
 from megatrain.config import EngineConfig
-from megatrain.engine import Engine, host_copy, loss
+from megatrain.engine import Engine
 from megatrain.engine import engine as engine_mod
+from megatrain.engine.layer import loss
+from megatrain.engine.runtime import host_copy
 
 CUDA = torch.device("cuda")
 

@@ -19,8 +19,9 @@ import torch
 from conftest import make_batches, tiny_model
 
 from megatrain.config import EngineConfig
-from megatrain.engine import Engine, hilo
-from megatrain.engine.store import FlatGroup
+from megatrain.engine import Engine
+from megatrain.engine.host import hilo
+from megatrain.engine.host.store import FlatGroup
 from megatrain.modes import GradSlab, HostMaster, layer_bytes_per_param
 
 LR = 1e-2  # large enough that every step moves the low bits of every master
@@ -189,7 +190,7 @@ def test_optimizer_in_backward_through_initialize_matches_the_ordinary_step(mode
 
 
 def test_preflight_charges_the_mode():
-    from megatrain.engine.preflight import host_preflight
+    from megatrain.engine.host.preflight import host_preflight
 
     layers = [[("w", torch.Size([10, 10]))]] * 3
     need = host_preflight(layers, [torch.Size([5, 10])], torch.bfloat16, available=10**12,
@@ -256,8 +257,8 @@ def test_optimizer_in_backward_is_bit_identical_to_the_ordinary_step(model, mast
 
 
 def test_optimizer_in_backward_negative_control_an_update_that_does_not_wait_for_its_gradients(model, monkeypatch):
-    from megatrain.engine.optim import LayeredStep
-    from megatrain.engine.stream import DONE
+    from megatrain.engine.runtime.stream import DONE
+    from megatrain.engine.update.optim import LayeredStep
 
     batches = make_batches(3)
     ref = _engine(model)
@@ -343,7 +344,7 @@ def test_store_bytes_match_the_mode_table(model, master, grad, oib):
 
 
 def test_stochastic_rounding_is_unbiased_and_keeps_updates_nearest_rounding_drops():
-    from megatrain.engine.rounding import round_stochastic
+    from megatrain.engine.host.rounding import round_stochastic
 
     gen = torch.Generator().manual_seed(0)
     x = torch.full((200_000,), 1.0 + 2**-10)  # a quarter of a bf16 ulp above 1.0: nearest rounds it away

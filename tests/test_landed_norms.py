@@ -13,8 +13,8 @@ from conftest import make_batches, tiny_model
 
 from megatrain.config import EngineConfig
 from megatrain.engine import Engine
-from megatrain.engine.schedule import accumulate
-from megatrain.engine.slab_state import SlabState
+from megatrain.engine.host.slab_state import SlabState
+from megatrain.engine.pipeline.schedule import accumulate
 
 BATCHES = make_batches(6)
 

@@ -14,8 +14,8 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from megatrain.engine import stream as stream_mod
-from megatrain.engine.stream import DONE, CopyStream, Trace
+from megatrain.engine.runtime import stream as stream_mod
+from megatrain.engine.runtime.stream import DONE, CopyStream, Trace
 
 HOST_S = 0.4  # the host job's length: a blocking submit would take at least this long
 

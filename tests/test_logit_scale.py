@@ -11,8 +11,9 @@ from conftest import make_batches
 
 from megatrain.check import resolve
 from megatrain.config import EngineConfig
-from megatrain.engine import Engine, probe
-from megatrain.engine.loss import LogitTransform
+from megatrain.engine import Engine
+from megatrain.engine.layer.loss import LogitTransform
+from megatrain.engine.model import probe
 from megatrain.models import adapter
 
 

@@ -16,11 +16,11 @@ import torch
 import transformers
 from conftest import make_batches, tiny_model
 
-import megatrain.engine.schedule as schedule
-import megatrain.engine.tiling as tiling
+import megatrain.engine.layer.tiling as tiling
+import megatrain.engine.pipeline.schedule as schedule
 from megatrain.config import EngineConfig
 from megatrain.engine import Engine
-from megatrain.engine.tiling import ATTN_PHASE_H, BUDGET_HEADROOM, KV_PER_TOKEN, layer_working_bytes
+from megatrain.engine.layer.tiling import ATTN_PHASE_H, BUDGET_HEADROOM, KV_PER_TOKEN, layer_working_bytes
 
 
 def engine(model, **kw) -> Engine:

@@ -12,9 +12,9 @@ from conftest import tiny_model
 
 from megatrain.config import EngineConfig
 from megatrain.engine import Engine
-from megatrain.engine.loss import IGNORE_INDEX, chunked_causal_lm_loss, tiled_norm_head_loss
-from megatrain.engine.memtrack import DeviceMemoryTracker
-from megatrain.engine.tiling import loss_workspace_bytes
+from megatrain.engine.layer.loss import IGNORE_INDEX, chunked_causal_lm_loss, tiled_norm_head_loss
+from megatrain.engine.layer.tiling import loss_workspace_bytes
+from megatrain.engine.runtime.memtrack import DeviceMemoryTracker
 
 
 def _parts(vocab: int = 96, hidden: int = 32, bias: bool = False, seed: int = 0):

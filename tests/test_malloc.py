@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from megatrain.config import EngineConfig
-from megatrain.engine.malloc import MAX_MMAP_THRESHOLD, set_mmap_threshold
+from megatrain.engine.runtime.malloc import MAX_MMAP_THRESHOLD, set_mmap_threshold
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc
 # of the heap, which glibc trims anyway), touch it, free it, and report how much of it stayed resident.
 _PROBE = r"""
 import json, sys, psutil, torch
-from megatrain.engine.malloc import set_mmap_threshold
+from megatrain.engine.runtime.malloc import set_mmap_threshold
 big = torch.ones(16 * 2**20 // 4); del big
 applied = set_mmap_threshold(int(sys.argv[1])) if sys.argv[1] != "none" else None
 proc = psutil.Process()

@@ -548,7 +548,7 @@ def test_a_deepcopy_of_the_model_object_is_a_plain_independent_model():
 
 def test_hf_forward_is_the_models_own_forward_with_its_own_attention():
     """The reference path (generate's) runs HF's attention even where the engine trains with segment attention."""
-    from megatrain.engine.model_object import hf_forward
+    from megatrain.engine.model.model_object import hf_forward
 
     ref = tiny_model("llama", layers=2).eval()
     model = copy.deepcopy(ref)

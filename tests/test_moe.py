@@ -16,8 +16,8 @@ import torch
 import transformers
 from conftest import make_batches
 
-from megatrain.engine.schedule import LayerPipeline
-from megatrain.engine.templates import TemplateBank
+from megatrain.engine.layer.templates import TemplateBank
+from megatrain.engine.pipeline.schedule import LayerPipeline
 
 LR, WD, CLIP, ACCUM, MICRO_BATCHES = 1e-3, 0.01, 0.5, 2, 12
 _COMMON = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,

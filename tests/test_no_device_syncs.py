@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from megatrain.engine.embedding import lookup_grad
+from megatrain.engine.layer.embedding import lookup_grad
 
 
 def _ids() -> torch.Tensor:
@@ -41,7 +41,7 @@ def test_host_ids_give_the_same_rows_and_gradients(padding_idx):
 
 
 def test_host_pool_grows_geometrically_not_to_each_batch():
-    from megatrain.engine.activations import GROWTH, HostPool
+    from megatrain.engine.pipeline.activations import GROWTH, HostPool
 
     allocs: list[int] = []
     pool = HostPool(lambda n, dtype, what: (allocs.append(n), torch.empty(n, dtype=dtype))[1])
@@ -55,7 +55,7 @@ def test_host_pool_grows_geometrically_not_to_each_batch():
 
 
 def test_trace_records_and_synchronizes_on_the_engines_device_not_the_current_one(monkeypatch):
-    from megatrain.engine import stream as S
+    from megatrain.engine.runtime import stream as S
 
     seen: dict[str, list] = {"sync": [], "record": []}
 
@@ -77,7 +77,7 @@ def test_trace_records_and_synchronizes_on_the_engines_device_not_the_current_on
 
 
 def test_a_side_stream_runs_its_jobs_with_its_share_of_the_threads():
-    from megatrain.engine.stream import DONE, CopyStream, Trace, side_threads
+    from megatrain.engine.runtime.stream import DONE, CopyStream, Trace, side_threads
 
     assert [side_threads(n) for n in (1, 2, 4, 16, 64)] == [1, 1, 1, 4, 16]
     main_threads = torch.get_num_threads()
@@ -101,7 +101,7 @@ def _padded_mask() -> torch.Tensor:
 def test_the_attention_layout_is_read_off_the_host_mask_without_reading_the_device(dense):
     from transformers.masking_utils import causal_mask_function
 
-    from megatrain.engine.attention import _segments_mask, host_mask
+    from megatrain.engine.layer.attention import _segments_mask, host_mask
 
     host = _padded_mask()
     from types import SimpleNamespace
@@ -120,7 +120,7 @@ def test_the_attention_layout_is_read_off_the_host_mask_without_reading_the_devi
 def test_negative_control_without_the_host_mask_the_layout_reads_the_device():
     from transformers.masking_utils import causal_mask_function
 
-    from megatrain.engine.attention import _segments_mask
+    from megatrain.engine.layer.attention import _segments_mask
 
     with pytest.raises((NotImplementedError, RuntimeError), match="meta"):  # bool(valid.all()) reads the device
         _segments_mask(3, 10, 10, attention_mask=_padded_mask().to("meta"), device="meta",

@@ -17,9 +17,9 @@ from test_data_parallel import ROOT, TOL, Ranks
 from experiments.studies.scaling_host_memory import POINTS, measure
 from megatrain.config import EngineConfig
 from megatrain.costs.modes import GradSlab, HostMaster
-from megatrain.engine.node_store import NodeStore, shard_optimizer_state, topology_of
-from megatrain.engine.ranks import Replicated
-from megatrain.engine.store import FlatGroup, HostStore, SharedLayer, TieOverflow, tie_capacity
+from megatrain.engine.host.node_store import NodeStore, shard_optimizer_state, topology_of
+from megatrain.engine.host.store import FlatGroup, HostStore, SharedLayer, TieOverflow, tie_capacity
+from megatrain.engine.parallel.ranks import Replicated
 
 MODES_WORKER = ROOT / "tests" / "dp_modes_worker.py"
 

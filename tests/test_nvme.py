@@ -29,7 +29,7 @@ from test_host_modes import _differences, _train
 from megatrain.config import EngineConfig
 from megatrain.costs.nvme import BudgetTooSmall, plan_spill, record_bytes
 from megatrain.engine import Engine
-from megatrain.engine.spill import NvmeSpaceError, SpillFile, record_sizes, store_fixed_bytes
+from megatrain.engine.host.spill import NvmeSpaceError, SpillFile, record_sizes, store_fixed_bytes
 
 WORKER = Path(__file__).with_name("nvme_rss_worker.py")
 

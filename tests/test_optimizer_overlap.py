@@ -17,7 +17,7 @@ from test_engine import assert_parity, train_engine, train_reference
 
 from megatrain.config import EngineConfig
 from megatrain.engine import Engine
-from megatrain.engine.stream import DONE
+from megatrain.engine.runtime.stream import DONE
 from megatrain.initialize import initialize
 
 STALL_S = 0.01  # each optimizer-thread job sleeps this long first: the caller always runs ahead of it

@@ -13,9 +13,10 @@ from conftest import make_batches, tiny_model
 
 from megatrain.config import EngineConfig
 from megatrain.costs.pinning import PAGE_BYTES, STAGING_SLOTS, mapped_bytes
-from megatrain.engine import Engine, pinned
-from megatrain.engine.preflight import pinned_preflight
-from megatrain.engine.schedule import accumulate
+from megatrain.engine import Engine
+from megatrain.engine.host import pinned
+from megatrain.engine.host.preflight import pinned_preflight
+from megatrain.engine.pipeline.schedule import accumulate
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -193,7 +194,7 @@ def test_the_planner_counts_pinned_bytes_by_the_engines_rule():
 
 
 def test_preflight_counts_the_staging_as_host_memory_on_cuda():
-    from megatrain.engine.preflight import host_preflight
+    from megatrain.engine.host.preflight import host_preflight
 
     layers = [[("w", torch.Size([100, 30]))], [("w", torch.Size([100, 50]))]]
     cpu = host_preflight(layers, [torch.Size([7, 3])], torch.bfloat16, available=10**12)

@@ -91,7 +91,7 @@ def _cli_out(capsys, *args: str) -> str:
 def test_rope_scaling_extends_the_limit_as_the_engine_does(tmp_path):
     import transformers
 
-    from megatrain.engine.batch import max_trainable_positions
+    from megatrain.engine.layer.batch import max_trainable_positions
 
     cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=176, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=256, max_position_embeddings=1024,

@@ -270,7 +270,7 @@ def test_device_weight_bytes_are_buffers_plus_resident():
 
 
 def test_working_set_is_linear_in_tokens_and_tiling_shrinks_it():
-    from megatrain.engine.tiling import LayerDims, layer_working_bytes
+    from megatrain.engine.layer.tiling import LayerDims, layer_working_bytes
 
     m = get_preset("llama2-7b")
     ws = [layer_working_set_bytes(m, t, 2) for t in (4096, 8192, 16384, 32768)]
@@ -298,7 +298,7 @@ def test_long_context_auto_offloads_and_tiles():
 
 @pytest.mark.parametrize("hw", ["gh200", H200])
 def test_long_context_device_is_the_engine_policys_prediction(hw):
-    from megatrain.engine import tiling
+    from megatrain.engine.layer import tiling
 
     m = get_preset("llama2-7b")
     pl = plan(m, 524288, 1, hardware=hw, offload_activations=True)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megatrain.config import EngineConfig
-from megatrain.engine.stream import side_threads
-from megatrain.engine.update import overlap_pays
+from megatrain.engine.runtime.stream import side_threads
+from megatrain.engine.update.update import overlap_pays
 from megatrain.planner import host_work as hwork
 from megatrain.planner import plan
 from megatrain.planner.cli import main

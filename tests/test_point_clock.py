@@ -13,7 +13,7 @@ import pytest
 
 from experiments.point import per_step, run
 from experiments.spec import Point
-from megatrain.engine import update
+from megatrain.engine.update import update
 
 SLEEP_S = 0.25  # well above a tiny model's whole step here, so the old clock could not reach it
 

@@ -12,7 +12,8 @@ import torch
 from conftest import tiny_model
 
 from megatrain.config import EngineConfig
-from megatrain.engine import Engine, HostMemoryError, pinned, preflight
+from megatrain.engine import Engine, HostMemoryError
+from megatrain.engine.host import pinned, preflight
 from megatrain.models.adapter import find_parts
 from megatrain.planner import hardware
 

@@ -16,8 +16,9 @@ from conftest import make_batches, tiny_model
 import megatrain
 from megatrain.cli import main as cli
 from megatrain.config import EngineConfig
-from megatrain.engine import Engine, probe
-from megatrain.engine import embedding as embedding_mod
+from megatrain.engine import Engine
+from megatrain.engine.layer import embedding as embedding_mod
+from megatrain.engine.model import probe
 
 ROOT = Path(__file__).resolve().parents[1]
 GEMMA = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,

@@ -12,8 +12,9 @@ from conftest import make_batches, tiny_model
 
 from megatrain.check import resolve
 from megatrain.config import EngineConfig
-from megatrain.engine import Engine, probe
-from megatrain.engine import loss as loss_mod
+from megatrain.engine import Engine
+from megatrain.engine.layer import loss as loss_mod
+from megatrain.engine.model import probe
 
 BF16 = EngineConfig(device="cpu", compute_dtype="bfloat16")
 

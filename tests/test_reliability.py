@@ -401,7 +401,7 @@ def test_sigkill_with_spilled_state_resumes_bit_identically(server, reference, t
     """The NVMe tier (nvme_path: every layer's Adam state in a file): killed inside a checkpoint write (while the
     state is read from its file) and in the middle of training, the stitched run equals the uninterrupted
     in-memory one bit for bit; each killed run's spill directory is swept by the next run."""
-    from megatrain.engine.spill import PREFIX, sweep_stale
+    from megatrain.engine.host.spill import PREFIX, sweep_stale
 
     d, nvme = tmp_path / "ckpt", tmp_path / "nvme"
     spilled = {"megatrain": {"nvme_path": str(nvme)}}
@@ -633,7 +633,9 @@ def test_failed_save_with_keep_last_1_never_loses_the_only_good_checkpoint(tmp_p
 
 
 def test_host_preflight_refuses_before_any_allocation(monkeypatch):
-    from megatrain.engine import HostMemoryError, engine, placement, preflight
+    from megatrain.engine import HostMemoryError, engine
+    from megatrain.engine.host import preflight
+    from megatrain.engine.model import placement
 
     avail = 3 * 2**30
     monkeypatch.setattr(preflight, "available_host_bytes", lambda: avail)
@@ -662,7 +664,7 @@ def test_host_preflight_refuses_before_any_allocation(monkeypatch):
 
 
 def test_host_preflight_counts_the_bf16_shadow_and_passes_when_it_fits():
-    from megatrain.engine.preflight import available_host_bytes, host_preflight
+    from megatrain.engine.host.preflight import available_host_bytes, host_preflight
 
     shapes = [[("w", torch.Size([1000, 1000]))]] * 2
     need = host_preflight(shapes, [torch.Size([10, 10])], torch.bfloat16, available=10**12)

@@ -12,10 +12,10 @@ import torch
 from test_pinned import FakeCuda
 
 from megatrain.costs.pinning import mapped_bytes, pinned_bytes
-from megatrain.engine import pinned, resident_upload
-from megatrain.engine.preflight import host_preflight, pinned_preflight
-from megatrain.engine.resident_upload import ResidentUpload
-from megatrain.engine.store import HostStore
+from megatrain.engine.host import pinned, resident_upload
+from megatrain.engine.host.preflight import host_preflight, pinned_preflight
+from megatrain.engine.host.resident_upload import ResidentUpload
+from megatrain.engine.host.store import HostStore
 
 GLOBALS = [("embed", torch.Size([37, 16])), ("norm", torch.Size([16])), ("head", torch.Size([37, 16]))]
 LAYERS = [[("w", torch.Size([16, 16]))]]

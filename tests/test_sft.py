@@ -94,7 +94,7 @@ def test_bad_configs_are_refused_by_name(tmp_path):
 def test_packing_boundaries_are_checked_against_position_ids():
     import torch
 
-    from megatrain.engine.model_object import _drop_packing_kwargs
+    from megatrain.engine.model.model_object import _drop_packing_kwargs
 
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
     kw = {"cu_seq_lens_q": torch.tensor([0, 3, 5, 9]), "cu_seq_lens_k": torch.tensor([0, 3, 5, 9]),

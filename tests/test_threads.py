@@ -6,8 +6,9 @@ import threading
 import pytest
 import torch
 
-from megatrain.engine import fused, threads
-from megatrain.engine.stream import CopyStream, Trace
+from megatrain.engine.runtime import threads
+from megatrain.engine.runtime.stream import CopyStream, Trace
+from megatrain.engine.update import fused
 
 
 def in_new_thread(fn):

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from megatrain.engine import pinned
+from megatrain.engine.host import pinned
 
 
 class FakeDevices:

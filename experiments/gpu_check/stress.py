@@ -77,7 +77,7 @@ def _stress(ctx: Ctx) -> None:
 
     from megatrain.config import EngineConfig
     from megatrain.engine import Engine
-    from megatrain.engine.stream import DONE, Streams
+    from megatrain.engine.runtime.stream import DONE, Streams
 
     sh = ctx.shapes()
     base = tiny_model("llama", sh, seed=3)
@@ -149,7 +149,7 @@ def _stress(ctx: Ctx) -> None:
 
         def without_prefetch_fence() -> dict[str, Any]:
             # Informational: the activation prefetch without its wait on queued compute.
-            from megatrain.engine.activations import ActivationStore
+            from megatrain.engine.pipeline.activations import ActivationStore
 
             orig = ActivationStore.prefetch
 

@@ -3,7 +3,7 @@
     python -m experiments.studies.compat                      # docs/COMPATIBILITY.md + results/compat/compat.csv
     python -m experiments.studies.compat --only llama gemma   # a few types, printed
 
-Each model type is built from its default config shrunk by the parity probe (megatrain/engine/probe.py) and
+Each model type is built from its default config shrunk by the parity probe (megatrain/engine/model/probe.py) and
 trained three steps with plain PyTorch and with MegaTrain on the CPU: exact / mismatch / refused (reason) /
 crashed (the tiny model or the run failed), twice: FP32 compute, and bf16 compute against plain PyTorch's bf16
 scheme (FP32 masters). Where the bf16 verdict is exact, the engine with hi/lo masters is also run against the
@@ -28,8 +28,9 @@ import transformers
 from tqdm import tqdm
 
 from megatrain.check import causal_lm_types, check_model, resolve
-from megatrain.engine import Engine, probe
-from megatrain.engine.probe import Verdict
+from megatrain.engine import Engine
+from megatrain.engine.model import probe
+from megatrain.engine.model.probe import Verdict
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ["model_type", "architecture", "status", "max_grad_rel", "max_loss_diff", "detail", "bf16_status",

@@ -86,7 +86,7 @@ class TorchOps:
     leave the compiled kernel off for the rest of the run.)"""
 
     def __enter__(self):
-        from megatrain.engine import hilo
+        from megatrain.engine.host import hilo
 
         self.hilo = hilo
         hilo.kernel()
@@ -109,7 +109,7 @@ class Unfused:
     split or shadow refresh): what ran before the fused pass (engine/fused.py)."""
 
     def __enter__(self):
-        from megatrain.engine import fused
+        from megatrain.engine.update import fused
 
         self.fused, self.saved = fused, fused.eligible
         fused.eligible = lambda *a: False
@@ -123,7 +123,7 @@ class TorchAdamW:
     one-loop step, engine/adam_kernel.py, is unavailable): the fused pass before that kernel."""
 
     def __enter__(self):
-        from megatrain.engine import adam_kernel
+        from megatrain.engine.update import adam_kernel
 
         self.mod = adam_kernel
         self.mod.kernel()  # built and self-checked before the swap
@@ -151,7 +151,7 @@ class StepTimeNorm:
     before engine/slab_state.py measured the norm as gradients land and let the next reduction overwrite)."""
 
     def __enter__(self):
-        from megatrain.engine.slab_state import SlabState
+        from megatrain.engine.host.slab_state import SlabState
 
         self.cls, self.saved = SlabState, (SlabState.reduce, SlabState.zero)
         reduce = self.saved[0]
@@ -186,7 +186,8 @@ def bench_mode(preset, mode: str, cfg: dict, reps: int) -> list[dict]:
 
     from experiments.point import build_preset_model
     from megatrain.config import EngineConfig
-    from megatrain.engine import Engine, update
+    from megatrain.engine import Engine
+    from megatrain.engine.update import update
 
     cfg = dict(cfg)
     saved = update.layer_pass_pays
@@ -293,7 +294,7 @@ def bench_passes(numel: int, impls: dict, reps: int) -> list[dict]:
     hi, lo, out = torch.empty(numel, dtype=torch.bfloat16), torch.empty(numel, dtype=torch.int16), torch.empty(numel)
     scratch = torch.empty(numel)
     rows = []
-    from megatrain.engine import hilo as mod
+    from megatrain.engine.host import hilo as mod
 
     for label, impl in impls.items():
         ctx = impl() if impl is not None else nullcontext()
@@ -365,7 +366,7 @@ def main() -> None:
     ap.add_argument("--modes", default=";".join(m for m, _ in MODES + OIB_MODES), help="';'-separated")
     a = ap.parse_args()
 
-    from megatrain.engine import hilo
+    from megatrain.engine.host import hilo
     from megatrain.metrics.provenance import cpu_model, git_commit
     from megatrain.models.presets import get_preset
 

@@ -30,8 +30,8 @@ def _adamw(parts: list[tuple[torch.Tensor, ...]], pool) -> None:
 
 
 def one_round(numel: int, side: int | None, cores: int) -> dict[str, float]:
-    from megatrain.engine import fused
-    from megatrain.engine.schedule import accumulate
+    from megatrain.engine.pipeline.schedule import accumulate
+    from megatrain.engine.update import fused
 
     pool = fused.workers(cores)
     tile = fused.TILE
@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=1 << 24)
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
-    from megatrain.engine.stream import side_threads
+    from megatrain.engine.runtime.stream import side_threads
     from megatrain.metrics.provenance import cpu_model, git_commit
 
     cores = len(os.sched_getaffinity(0))

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from experiments.studies.host_passes import copy_bandwidth
-from megatrain.engine import fused
-from megatrain.engine.store import FlatGroup, Scratch
+from megatrain.engine.host.store import FlatGroup, Scratch
+from megatrain.engine.update import fused
 from megatrain.modes import GradSlab, HostMaster
 
 OUT = Path("results/host_passes")

@@ -7,7 +7,7 @@ a user runs each backend): two training steps (forward, backward, AdamW), the se
 optimizer state exists while it is measured. torch and zero3 use HF gradient checkpointing.
 
 The budget is device memory. On a machine without a GPU it is accounted, for every backend alike, by
-`megatrain.engine.memtrack.DeviceMemoryTracker`: the live bytes of every tensor the step allocates on
+`megatrain.engine.runtime.memtrack.DeviceMemoryTracker`: the live bytes of every tensor the step allocates on
 the compute device, plus what each backend keeps on the device for the whole run (torch: the
 parameters; megatrain: its layer buffers and embedding/head; ZeRO-3 offload: nothing, its parameters
 and optimizer live in host memory). An allocation that would pass the budget raises, as an
@@ -69,7 +69,7 @@ def worker(model_name: str, backend: str, seq: int, max_pos: int, budget: int,
 
     from experiments.point import _find_engine, build_model
     from megatrain.accelerate import Accelerator
-    from megatrain.engine.memtrack import DeviceMemoryTracker
+    from megatrain.engine.runtime.memtrack import DeviceMemoryTracker
 
     class OverBudget(MemoryError):
         pass
@@ -98,7 +98,7 @@ def worker(model_name: str, backend: str, seq: int, max_pos: int, budget: int,
         config["megatrain"] = {"device_budget_bytes": budget}
     if backend == "zero3-alst":
         from baselines.alst import set_host_copy_context
-        from megatrain.engine.memtrack import host_allocations
+        from megatrain.engine.runtime.memtrack import host_allocations
 
         set_host_copy_context(host_allocations)  # its offloaded checkpoints are host memory, as on a GPU machine
     acc = Accelerator(backend=backend, config=config, gradient_checkpointing=True)

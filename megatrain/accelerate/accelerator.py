@@ -16,7 +16,7 @@ Names and behaviour follow `accelerate.Accelerator`: `backward` divides by the a
 the prepared optimizer steps and zeroes only at sync steps, the prepared scheduler steps only when
 the optimizer did. Launched as several ranks (`torchrun`, `accelerate launch`), each process gets
 every N-th batch of a prepared dataloader (Accelerate's default sharding) and the megatrain backend
-averages gradients across ranks at sync steps (megatrain/engine/distributed.py). This package holds
+averages gradients across ranks at sync steps (megatrain/engine/parallel/distributed.py). This package holds
 only what every backend shares; the backend-specific work sits behind `megatrain.backend.Backend`
 (MegaTrain's engine, the same one the DeepSpeed face holds; the comparison stacks in `baselines/`), whose
 class attributes say what each can do.
@@ -37,7 +37,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from .. import train_state
 from ..backend import Backend
 from ..config import EngineConfig
-from ..engine.distributed import launch_env
+from ..engine import launch_env
 from ..project import latest_dir, make_project_config, save_dir, state_dir
 from ..settings import read_config
 from .data import PreparedDataLoader, skipping

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..engine.host_copy import to_device
+from ..engine import to_device
 from .wrappers import GradientState, forward_attr
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.device_resolution import resolve_device
+from ..engine import resolve_device
 
 __all__ = ["get_accelerator"]
 

@@ -29,7 +29,7 @@ def get_world_size(group: Any = None) -> int:
 
 
 def get_local_rank() -> int:
-    from ..engine.distributed import launch_env
+    from ..engine import launch_env
 
     return launch_env().local_rank if _dist() else 0
 
@@ -85,7 +85,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     env_world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     world = world_size if world_size > 0 else env_world
     if world > 1:
-        from ..engine.distributed import launch_env
+        from ..engine import launch_env
 
         if world != env_world:
             raise ValueError(f"world_size={world} but WORLD_SIZE={env_world}: launch every rank with torchrun, "

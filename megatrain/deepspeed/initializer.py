@@ -92,8 +92,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     given, which may be param groups). `lr_scheduler` may be a scheduler or a callable taking the
     optimizer; otherwise the config's scheduler section is used.
     """
-    from ..engine.distributed import launch_env
-    from ..engine.engine import resolve_device
+    from ..engine import launch_env, resolve_device
 
     world = launch_env().world_size  # a malformed launch environment is refused here, before the config
     cfg = parse_config(_resolve_config(args, config, config_params), args=args, world_size=world)

@@ -35,7 +35,7 @@ class GatheredParameters(contextlib.ContextDecorator):
     def __init__(self, params: Any, modifier_rank: int | None = None, fwd_module: Any = None,
                  enabled: bool = True) -> None:
         # The engine is imported once a script gathers, not by `import megatrain as deepspeed`.
-        from ..engine.engine import engines_holding
+        from ..engine import engines_holding
 
         params = [params] if torch.is_tensor(params) else list(params or [])
         self._engines = engines_holding(params) if enabled else []

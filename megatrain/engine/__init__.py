@@ -9,14 +9,24 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .engine import Engine
-    from .pinned import PinnedMemoryError
-    from .preflight import HostMemoryError
-    from .stream import WatchdogError
+    from .engine import Engine, engines_holding
+    from .host.pinned import PinnedMemoryError, host_buffer
+    from .host.preflight import HostMemoryError
+    from .layer.batch import max_trainable_positions
+    from .model.probe import Verdict, run_probe
+    from .parallel.distributed import launch_env
+    from .runtime.device_resolution import resolve_device
+    from .runtime.host_copy import to_device
+    from .runtime.stream import WatchdogError
 
-__all__ = ["Engine", "HostMemoryError", "PinnedMemoryError", "WatchdogError"]
-_HOME = {"Engine": ".engine", "HostMemoryError": ".preflight", "PinnedMemoryError": ".pinned",
-         "WatchdogError": ".stream"}
+# What the faces, the CLI and the harness may use; everything else is the engine's own (tests/test_layering.py).
+_HOME = {"Engine": ".engine", "engines_holding": ".engine",
+         "HostMemoryError": ".host.preflight", "PinnedMemoryError": ".host.pinned", "host_buffer": ".host.pinned",
+         "max_trainable_positions": ".layer.batch", "Verdict": ".model.probe", "run_probe": ".model.probe",
+         "launch_env": ".parallel.distributed", "resolve_device": ".runtime.device_resolution",
+         "to_device": ".runtime.host_copy", "WatchdogError": ".runtime.stream"}
+__all__ = ["Engine", "HostMemoryError", "PinnedMemoryError", "Verdict", "WatchdogError", "engines_holding",
+           "host_buffer", "launch_env", "max_trainable_positions", "resolve_device", "run_probe", "to_device"]
 
 
 def __getattr__(name: str) -> Any:

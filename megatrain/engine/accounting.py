@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from .distributed import DataParallel
-from .memtrack import DeviceMemoryTracker
-from .optim import LayeredStep
-from .placement import Placement
-from .schedule import LayerPipeline
-from .stream import Streams, Trace
+from .model.placement import Placement
+from .parallel.distributed import DataParallel
+from .pipeline.schedule import LayerPipeline
+from .runtime.memtrack import DeviceMemoryTracker
+from .runtime.stream import Streams, Trace
+from .update.optim import LayeredStep
 
 
 class StepAccounting:

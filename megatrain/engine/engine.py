@@ -26,33 +26,33 @@ from ..config import EngineConfig
 from ..costs.modes import GradSlab, HostMaster
 from ..models.adapter import DecoderParts, find_parts, record_layer_inputs
 from .accounting import StepAccounting
-from .activations import ActivationStore
-from .attention import host_mask, use_segment_attention
-from .batch import check_batch
-from .distributed import join_ranks
-from .embedding import check_embedding, lookup_grad
-from .events import LayerEvents
-from .global_grads import GlobalGradSink
-from .host_copy import to_device
-from .loading import skeleton_from_dir
-from .loss import chunked_causal_lm_loss, head_logits, tiled_norm_head_loss
-from .malloc import set_mmap_threshold
-from .memtrack import DeviceMemoryTracker
-from .model_object import bind as bind_model_object
-from .model_object import engines_holding
-from .node_store import shard_optimizer_state
-from .optim import LayeredStep, OptimizerArg, adopt_optimizer
-from .placement import place, resolve_device
-from .probe import verify_model
-from .ranks import ranks_for
-from .router import model_router_loss, wants_router_loss
-from .schedule import LayerPipeline
-from .slab_state import landed_norms
-from .spill import attach_spill
-from .stream import Streams, Trace
-from .tiling import long_context_policy
-from .update import choose as choose_update
-from .update import overlap_pays
+from .host.events import LayerEvents
+from .host.loading import skeleton_from_dir
+from .host.node_store import shard_optimizer_state
+from .host.slab_state import landed_norms
+from .host.spill import attach_spill
+from .layer.attention import host_mask, use_segment_attention
+from .layer.batch import check_batch
+from .layer.embedding import check_embedding, lookup_grad
+from .layer.loss import chunked_causal_lm_loss, head_logits, tiled_norm_head_loss
+from .layer.router import model_router_loss, wants_router_loss
+from .layer.tiling import long_context_policy
+from .model.model_object import bind as bind_model_object
+from .model.model_object import engines_holding
+from .model.placement import place, resolve_device
+from .model.probe import verify_model
+from .parallel.distributed import join_ranks
+from .parallel.ranks import ranks_for
+from .pipeline.activations import ActivationStore
+from .pipeline.global_grads import GlobalGradSink
+from .pipeline.schedule import LayerPipeline
+from .runtime.host_copy import to_device
+from .runtime.malloc import set_mmap_threshold
+from .runtime.memtrack import DeviceMemoryTracker
+from .runtime.stream import Streams, Trace
+from .update.optim import LayeredStep, OptimizerArg, adopt_optimizer
+from .update.update import choose as choose_update
+from .update.update import overlap_pays
 
 __all__ = ["Engine", "OptimizerArg", "engines_holding", "resolve_device"]
 

@@ -61,7 +61,7 @@ def _train_on(earlier: Any, model: nn.Module, a: dict[str, Any], config: Any) ->
 
     from ..deepspeed.config import parse_config
     from ..deepspeed.engine import MegaTrainEngine
-    from ..engine.distributed import launch_env
+    from ..engine import launch_env
 
     optimizer, lr_scheduler = a.get("optimizer"), a.get("lr_scheduler")
     if not isinstance(optimizer, torch.optim.Optimizer) or a.get("training_data") is not None \

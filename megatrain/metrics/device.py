@@ -38,7 +38,7 @@ def device_name(device: torch.device | str | None = None) -> str:
 
 
 def _default_device() -> torch.device:
-    from megatrain.engine.device_resolution import resolve_device
+    from megatrain.engine import resolve_device
 
     return resolve_device(None)  # the device the engine would compute on (a CUDA build without a GPU: the CPU)
 

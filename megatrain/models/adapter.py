@@ -15,7 +15,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..engine.loss import LogitTransform
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """Scalar math a model's wrapper does on its logits, in HF's order: `z * scale` (Cohere's logit_scale,
+    Granite's 1 / logits_scaling), then `softcap * tanh(z / softcap)` (Gemma 2)."""
+
+    scale: float | None = None
+    softcap: float | None = None
+
 
 # Post-layer math in the *ForCausalLM wrapper that our chunked head would silently skip.
 _LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "output_multiplier_scale")

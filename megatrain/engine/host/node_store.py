@@ -1,0 +1,252 @@
+"""One host store per node: the data-parallel ranks of a machine share the decoder layers' weights, and each
+rank owns every N-th layer (its gradient slab, its optimizer update, its Adam state).
+
+Why: host memory is what MegaTrain lives on. With a private store per rank, N GPUs on a node would need N
+copies of the masters, gradients and Adam state (16 B/param each); here the node holds one of each.
+
+- The layers' FP32 masters (and bf16 shadows) are files in /dev/shm, created by the node's first rank,
+  mapped by every rank of the node, and unlinked as soon as all have mapped them: the memory goes back to the
+  system when the last rank exits, whatever way it exits.
+- Layer i belongs to the node's rank i % N. Every micro-batch's gradients of layer i are summed into the
+  owner's slab (each rank's slot in /dev/shm, a node barrier, the owner adds them: `reduce_to_owner`), divided by
+  the world size; with several nodes the owners of layer i (the same local index on every node) all-reduce
+  that sum first. No other rank has a slab for the layer.
+- Only the owner's optimizer ever sees a gradient for the layer's parameters (the others' stay None), so
+  torch's optimizers never create Adam state for a layer a rank does not own: the state is sharded without
+  the optimizer knowing. The owner updates the shared master in place; the step ends with a node barrier so
+  no rank loads a layer its owner is still writing.
+- The resident parameters (embedding, final norm, head) stay per rank, averaged as before: every rank holds
+  them on its device anyway, and they are a small part of a large model.
+
+Across nodes each node holds its own copy (not sharded further): every node's GPUs stream every layer each
+step over their own host links, so a node without a layer's weights would fetch them over the network each
+step, and one copy per node is what one GPU needs already.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ...costs.pinning import mapped_bytes
+from .pinned import host_buffer
+
+SHM_DIR = "/dev/shm"
+SHARD_KEY = "megatrain_shard_of_rank"  # in an optimizer state_dict taken on a rank other than 0: partial
+
+
+class Topology(NamedTuple):
+    node: int  # this rank's node index
+    nodes: int
+    local: int  # this rank's index among its node's ranks (ordered by global rank)
+    local_world: int
+    node_ranks: list[list[int]]  # global ranks of every node
+
+
+def node_key() -> str:
+    """What tells nodes apart: the host name, and the launcher's node rank (two agents on one machine, as a
+    multi-node launch tested on one host, are two nodes)."""
+    return f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '')}"
+
+
+def topology_of(keys: Sequence[str]) -> list[list[int]]:
+    """Global ranks per node, nodes in order of their first rank."""
+    order: dict[str, list[int]] = {}
+    for rank, key in enumerate(keys):
+        order.setdefault(key, []).append(rank)
+    return list(order.values())
+
+
+class NodeStore:
+    """This rank's node: its groups, which layers it owns, and the node's shared host buffers."""
+
+    def __init__(self, rank: int, group: dist.ProcessGroup, timeout, watchdog_s: float) -> None:
+        world = dist.get_world_size(group)
+        keys: list[str | None] = [None] * world
+        dist.all_gather_object(keys, node_key(), group=group)
+        nodes = topology_of(keys)
+        sizes = {len(n) for n in nodes}
+        if len(sizes) != 1:
+            raise ValueError(f"data parallel nodes run different numbers of ranks ({[len(n) for n in nodes]}); the "
+                             "shared host store needs the same number on every node (or data_parallel_host="
+                             "'replicated')")
+        node = next(i for i, n in enumerate(nodes) if rank in n)
+        self.topo = Topology(node, len(nodes), nodes[node].index(rank), len(nodes[node]), nodes)
+        self.rank, self.world = rank, world
+        self.watchdog_s = watchdog_s
+        # Collective: every rank makes every group, in the same order.
+        self.node_group, _ = dist.new_subgroups_by_enumeration(nodes, timeout=timeout, backend="gloo")
+        # The "layer updated" tokens run on a thread of their own: a group of their own keeps them from
+        # interleaving with the gradient reductions of the node group.
+        self.update_group, _ = dist.new_subgroups_by_enumeration(nodes, timeout=timeout, backend="gloo")
+        self._token = torch.zeros(1, dtype=torch.int64)
+        self.cross_group = None
+        if len(nodes) > 1:
+            cross = [[n[j] for n in nodes] for j in range(self.topo.local_world)]
+            self.cross_group, _ = dist.new_subgroups_by_enumeration(cross, timeout=timeout, backend="gloo")
+        self.staging: list[list[torch.Tensor]] = []  # per local rank, two FP32 slots (make_staging)
+        self._slot = 0
+
+    # -- ownership ------------------------------------------------------------------------------------
+    @property
+    def leader(self) -> bool:
+        return self.topo.local == 0
+
+    def owner_local(self, layer: int) -> int:
+        return layer % self.topo.local_world
+
+    def owns(self, layer: int) -> bool:
+        return self.owner_local(layer) == self.topo.local
+
+    def owner_rank(self, layer: int) -> int:
+        return self.topo.node_ranks[self.topo.node][self.owner_local(layer)]
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.node_group)
+
+    def publish(self, layer: int) -> None:
+        """Every rank of the node, for each layer in the same order: returns once the layer's owner (which calls it
+        after its update) has, so its new weights are in the shared store. A collective through the kernel's
+        sockets: the owner's writes are visible to the others after it, whatever the CPU's memory ordering."""
+        dist.broadcast(self._token, src=self.owner_rank(layer), group=self.update_group)
+
+    # -- shared buffers -------------------------------------------------------------------------------
+    def buffers(self, specs: Sequence[tuple[int, torch.dtype]], what: str) -> list[torch.Tensor]:
+        """One zero-filled host tensor per (numel, dtype), the same memory on every rank of the node."""
+        leader_rank = self.topo.node_ranks[self.topo.node][0]
+        token = [secrets.token_hex(6) if self.leader else None]
+        dist.broadcast_object_list(token, src=leader_rank, group=self.node_group)
+        paths = [os.path.join(SHM_DIR, f"megatrain-{token[0]}-{k}") for k in range(len(specs))]
+        sizes = [mapped_bytes(n * torch.empty((), dtype=d).element_size()) for n, d in specs]
+        error = [self._create(paths, sizes, what) if self.leader else None]
+        dist.broadcast_object_list(error, src=leader_rank, group=self.node_group)
+        if error[0] is not None:
+            raise MemoryError(error[0])
+        out, failed = [], None
+        try:
+            for path, (n, dtype) in zip(paths, specs):
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    out.append(host_buffer(n, dtype, fd))
+                finally:
+                    os.close(fd)  # the mapping keeps the file's memory
+        except OSError as exc:
+            failed = f"rank {self.rank} could not map the node's shared {what}: {exc}"
+        errors: list[str | None] = [None] * self.topo.local_world
+        dist.all_gather_object(errors, failed, group=self.node_group)
+        if self.leader:  # every rank has mapped them (or failed): the names are no longer needed
+            for path in paths:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        bad = [e for e in errors if e is not None]
+        if bad:
+            raise MemoryError(bad[0])
+        return out
+
+    @staticmethod
+    def _create(paths: list[str], sizes: list[int], what: str) -> str | None:
+        """Create the files with their memory reserved now (a sparse file would SIGBUS on first touch of a page
+        /dev/shm cannot supply); an error message naming the shortfall, or None."""
+        made = []
+        try:
+            for path, size in zip(paths, sizes):
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                made.append(path)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                finally:
+                    os.close(fd)
+        except OSError as exc:
+            for path in made:
+                os.unlink(path)
+            st = os.statvfs(SHM_DIR)
+            return (f"the node's shared {what} need {sum(sizes) / 2**30:.2f} GiB in {SHM_DIR}, which has "
+                    f"{st.f_bavail * st.f_frsize / 2**30:.2f} GiB free ({exc}). Enlarge it (in a container: "
+                    "--shm-size; else mount -o remount,size=...), or set data_parallel_host='replicated'")
+        return None
+
+    # -- gradients ------------------------------------------------------------------------------------
+    def make_staging(self, numel: int) -> None:
+        """Every rank's two FP32 gradient slots of `numel` (the largest layer), in the node's shared memory.
+        Collective: every rank of the node maps every rank's slots."""
+        n = self.topo.local_world
+        bufs = self.buffers([(numel, torch.float32)] * (2 * n), "gradient staging")
+        self.staging = [bufs[2 * r: 2 * r + 2] for r in range(n)]
+
+    def reduce_to_owner(self, layer: int, grads: torch.Tensor, slab: torch.Tensor | None) -> int:
+        """slab += (sum over every rank's `grads` of `layer`) / world, on the layer's owner (who passes its slab);
+        the others pass None. Returns the bytes this rank staged.
+
+        Through shared memory, not a collective's sockets (several times slower than a memory add): every rank
+        writes its gradients into its own slot, a node barrier, then the owner adds the node's slots. Every rank
+        runs these in the same layer order on one thread, two slots in turn, so a slot is written again only
+        after the next layer's barrier, which every rank passes only once the owner has finished reading it.
+        """
+        n = grads.numel()
+        slot = self._slot
+        self._slot ^= 1
+        mine = self.staging[self.topo.local][slot][:n]
+        mine.copy_(grads.reshape(-1))  # widened to FP32 here when the device computes in bf16
+        dist.barrier(group=self.node_group)  # every rank's slot holds this layer (the barrier orders the memory)
+        if slab is not None:
+            for r, slots in enumerate(self.staging):
+                if r != self.topo.local:
+                    mine.add_(slots[slot][:n])
+            if self.cross_group is not None:
+                dist.all_reduce(mine, op=dist.ReduceOp.SUM, group=self.cross_group)
+            slab.add_(mine, alpha=1.0 / self.world)
+        return n * mine.element_size()
+
+
+# -- optimizer state: sharded by the layers' owners, whole in every state_dict ------------------------------
+def shard_optimizer_state(optimizer: torch.optim.Optimizer, foreign: set[int], group: dist.ProcessGroup,
+                          before: Callable[[], None]) -> None:
+    """Make rank 0's `optimizer.state_dict()` whole and `load_state_dict` keep only this rank's share.
+
+    `foreign`: ids of the parameters whose layers other ranks own (they never get a gradient here, so torch
+    creates no state for them). state_dict() becomes collective: every rank sends the state of the layers it
+    owns to rank 0 (to rank 0 only: a whole copy on every rank would multiply the optimizer's host bytes by
+    the ranks at every save), whose dict is whole and loads on any number of ranks. The other ranks' dicts
+    hold their own share under SHARD_KEY, and loading one is refused: it would silently drop the rest.
+    `before` runs first (the engine's wait for queued collectives: the group is shared with its reduction
+    thread).
+    """
+    rank = dist.get_rank()
+
+    def whole(opt: torch.optim.Optimizer, sd: dict) -> dict:
+        before()
+        params = [p for g in opt.param_groups for p in g["params"]]
+        mine = {i: st for i, st in sd["state"].items() if id(params[i]) not in foreign}
+        parts: list[dict | None] | None = [None] * dist.get_world_size(group) if rank == 0 else None
+        dist.gather_object(mine, parts, dst=0, group=group)
+        if rank != 0:
+            sd[SHARD_KEY] = rank
+            return sd
+        state: dict = {}
+        for part in parts:
+            for i, st in part.items():
+                state.setdefault(i, st)  # the resident parameters' state is on every rank, the same
+        sd["state"] = dict(sorted(state.items()))
+        return sd
+
+    def refuse_shard(opt: torch.optim.Optimizer, sd: dict) -> None:
+        if SHARD_KEY in sd:
+            raise ValueError(f"this optimizer state was taken on data-parallel rank {sd[SHARD_KEY]} and holds only the "
+                             "layers that rank owns; rank 0's optimizer.state_dict() is the whole state (save from "
+                             "rank 0, as the checkpoint methods do)")
+
+    def keep_mine(opt: torch.optim.Optimizer) -> None:
+        for p in [p for g in opt.param_groups for p in g["params"] if id(p) in foreign]:
+            opt.state.pop(p, None)  # the owner's copy is the one that trains
+
+    optimizer.register_state_dict_post_hook(whole)
+    optimizer.register_load_state_dict_pre_hook(refuse_shard)
+    optimizer.register_load_state_dict_post_hook(keep_mine)

@@ -1,0 +1,100 @@
+"""Host-memory preflight: refuse a store that cannot fit before allocating any of it."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ...costs.modes import GRAD_BYTES, MASTER_BYTES, GradSlab, HostMaster
+from ...costs.pinning import pinned_bytes
+
+# Host bytes per parameter, by component (FP32 master + gradient slab + Adam m and v).
+HOST_BYTES_PER_PARAM = {"master": 4, "grad": 4, "adam_m": 4, "adam_v": 4}
+SHADOW_BYTES_PER_PARAM = 2  # bf16 copy that streams to the device in bf16 compute mode
+
+
+class HostMemoryError(MemoryError):
+    """The host store would not fit in the memory this process may use."""
+
+
+def available_host_bytes() -> int:
+    """What this process may still allocate: the cgroup's headroom when a limit is set (its reclaimable page
+    cache not counted as used), capped by MemAvailable; the planner's reading (planner/hardware.py)."""
+    from ...planner.hardware import host_memory_available
+
+    try:
+        return host_memory_available().available_bytes
+    except RuntimeError:  # no /proc/meminfo and no cgroup limit
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def model_host_bytes(params: list[torch.Tensor]) -> int:
+    """Host bytes the model's own parameters hold, each storage once (tied weights share one): what placement
+    frees as it packs them into the store, so the store may use them."""
+    seen: dict[int, int] = {}
+    for p in params:
+        if p.device.type == "cpu":
+            st = p.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def host_store_bytes(n_params: int, compute_dtype: torch.dtype, n_layer_params: int,
+                     master: HostMaster = HostMaster.FP32, grad: GradSlab | None = GradSlab.FLOAT32) -> dict[str, int]:
+    need = {k: v * n_params for k, v in HOST_BYTES_PER_PARAM.items()}
+    if master is not HostMaster.FP32 or grad is not GradSlab.FLOAT32:
+        # The modes change the layers' master and slab only (modes.py); the globals keep FP32 both.
+        n_glob = n_params - n_layer_params
+        need["master"] = MASTER_BYTES[master] * n_layer_params + 4 * n_glob
+        need["grad"] = (GRAD_BYTES[grad] * n_layer_params if grad is not None else 0) + 4 * n_glob
+    if compute_dtype == torch.bfloat16 and master is HostMaster.FP32:
+        need["bf16_shadow"] = SHADOW_BYTES_PER_PARAM * n_layer_params
+    return need
+
+
+def pinned_preflight(layer_shapes: list[list[tuple[str, torch.Size]]], global_shapes: list[torch.Size],
+                     compute_dtype: torch.dtype, staging: bool) -> dict[str, int]:
+    """Exactly the bytes the host store (and, with `staging`, the CUDA gradient staging) will pin, by
+    component: the same rule (costs/pinning.py) the store pins by."""
+    layer_numels = [sum(torch.Size(s).numel() for _, s in shapes) for shapes in layer_shapes]
+    itemsize = torch.empty((), dtype=compute_dtype).element_size()
+    return pinned_bytes(layer_numels, sum(torch.Size(s).numel() for s in global_shapes),
+                        2 if compute_dtype == torch.bfloat16 else 4, staging, itemsize)
+
+
+def host_preflight(layer_shapes: list[list[tuple[str, torch.Size]]], global_shapes: list[torch.Size],
+                   compute_dtype: torch.dtype, available: int | None = None, pin: bool = False,
+                   staging: bool = False, master: HostMaster = HostMaster.FP32,
+                   grad: GradSlab | None = GradSlab.FLOAT32, freed: int = 0) -> dict[str, int]:
+    """Host bytes by component; raises HostMemoryError before anything is allocated when they do not fit.
+    `staging`: the engine runs on CUDA, where gradients land in staging slots (pinned with `pin`);
+    `master` / `grad`: the host-memory mode of the layers (modes.py); `freed`: the model's own host bytes,
+    which placement frees as it packs them (model_host_bytes).
+
+    The store's pages are touched as it is filled, after each tensor of the model is freed, so the model's
+    bytes count as available to it; what is pinned is touched at once, while the model is still whole, so it
+    must fit without them."""
+    n_layer = sum(torch.Size(s).numel() for shapes in layer_shapes for _, s in shapes)
+    n = n_layer + sum(torch.Size(s).numel() for s in global_shapes)
+    need = host_store_bytes(n, compute_dtype, n_layer, master, grad)
+    if staging:  # host memory of its own, beside the store (pinned with `pin`)
+        staged = pinned_preflight(layer_shapes, global_shapes, compute_dtype, True)
+        need.update({k: staged[k] for k in ("grad staging", "resident grad staging", "resident upload staging")
+                     if k in staged})
+    avail = available_host_bytes() if available is None else available
+    total = sum(need.values())
+    # The store's pinned share is touched when it is allocated, before the model's tensors are freed.
+    pinned = sum(pinned_preflight(layer_shapes, global_shapes, compute_dtype, staging).values()) if pin else 0
+    if total > avail + freed or pinned > avail:
+        parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in need.items())
+        if pin:  # a share of the terms above, not in addition to them
+            parts += f"; {pinned / 2**30:.2f} GiB of it pinned"
+        room = f"only {avail / 2**30:.2f} GiB is available"
+        if freed:
+            room += (f", plus the model's own {freed / 2**30:.2f} GiB that placement frees"
+                     + (" (not for the pinned share, pinned while the model is still whole)" if pin else ""))
+        raise HostMemoryError(
+            f"the host store needs {total / 2**30:.2f} GiB ({parts}; {n / 1e9:.2f}B parameters) but {room}; use a "
+            "smaller model, a machine with more host memory, or raise the container's memory limit")
+    return need

@@ -1,0 +1,368 @@
+"""Host store: every layer's FP32 master weights and gradients in one contiguous host buffer each.
+
+The optimizer sees ordinary `nn.Parameter`s that are views into these buffers (their `.grad` views
+into the gradient slab), so any torch optimizer runs over the host store unchanged and its state
+(Adam m, v) lives in host memory too. A bf16 shadow of each layer is kept only when the device
+computes in bf16, so what crosses the link is 2 bytes per parameter, not 4.
+
+The decoder layers' masters can also be kept as an exact hi/lo split or as bf16 only, and their gradient
+slabs as bf16 or not at all (optimizer in backward): see megatrain/costs/modes.py. Then the layer Parameters
+are views of one shared FP32 scratch that holds a layer's values only while the optimizer updates it
+(`unpack()` ... `pack()`); read and write values through `read_slot` / `write_slot`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from ...costs.modes import GradSlab, HostMaster
+from . import hilo
+from .node_store import NodeStore
+from .pinned import Pinner, host_buffer
+from .rounding import round_stochastic
+
+
+def host_empty(numel: int, dtype: torch.dtype, pin: bool | Pinner | None, what: str = "host buffers") -> torch.Tensor:
+    """A zero-filled, page-aligned host buffer on its own mapping; pinned when `pin` is a Pinner (or True: one
+    registering with CUDA). Pinning either succeeds or raises PinnedMemoryError: never a silent fallback."""
+    pinner = Pinner() if pin is True else (pin or None)
+    return pinner.buffer(numel, dtype, what) if pinner is not None else host_buffer(numel, dtype)
+
+
+@dataclass
+class Slot:
+    name: str
+    shape: torch.Size
+    offset: int
+    numel: int
+
+
+class SharedLayer(NamedTuple):
+    """One layer's persistent host buffers in the node's shared memory (engine/node_store.py); None where the
+    mode has no such buffer."""
+
+    master: torch.Tensor | None  # FP32 master
+    shadow: torch.Tensor | None  # bf16: the FP32 master's streamed copy, or the hilo/bf16 master itself
+    lo: torch.Tensor | None  # hilo: the int16 low halves
+    ties: torch.Tensor | None  # hilo: [count, positions...] (tie_capacity + 1 int64)
+
+
+def tie_capacity(numel: int) -> int:
+    """Tie positions a shared hilo layer has room for: 1 in 1024 elements (at least 1024), 128x the rate of
+    random low bits (1 in 131072; see hilo.py), 0.008 B/param. A layer past it raises (TieOverflow)."""
+    return max(1024, numel // 1024)
+
+
+class TieOverflow(RuntimeError):
+    """A hilo layer of a shared store has more tie positions than its shared table holds."""
+
+
+@dataclass
+class GroupRange:
+    """A range of one FlatGroup's gradient buffers (what FlatGroup.load_grads reads and writes)."""
+
+    grad_mode: GradSlab | None
+    grad: torch.Tensor | None
+    grad_work: torch.Tensor | None
+    numel: int
+
+
+class Scratch:
+    """FP32 working space of one layer (master values and gradients) for the non-FP32 modes."""
+
+    def __init__(self, numel: int, master: bool, grad: bool) -> None:
+        # Only host threads touch it (the optimizer): pageable, never pinned.
+        self.master = host_buffer(numel, torch.float32) if master else None
+        self.grad = host_buffer(numel, torch.float32) if grad else None
+
+
+class FlatGroup:
+    """One contiguous FP32 master buffer + gradient slab for a set of named tensors (a layer, or the globals)."""
+
+    def __init__(self, named_shapes: Iterable[tuple[str, torch.Size]], shadow_dtype: torch.dtype | None,
+                 master: HostMaster = HostMaster.FP32, grad: GradSlab | None = GradSlab.FLOAT32,
+                 scratch: Scratch | None = None, shared: SharedLayer | None = None, owned: bool = True):
+        self.slots: list[Slot] = []
+        offset = 0
+        for name, shape in named_shapes:
+            n = int(torch.Size(shape).numel())
+            self.slots.append(Slot(name, torch.Size(shape), offset, n))
+            offset += n
+        self.numel = offset
+        # Fresh mappings are zero-filled: the gradient slab needs no zeroing pass (and pages it never touches
+        # cost nothing). Which of these are pinned is the store's choice (HostStore).
+        self.master_mode, self.grad_mode = master, grad
+        self.rounding: torch.Generator | None = None  # bf16 master: stochastic rounding's random bits
+        self.lo: torch.Tensor | None = None
+        # hilo: positions whose hi rounded up at a tie (the `ties` property); in a shared store a table in the
+        # node's memory, [count, positions...], so every rank reads the FP32 values the owner wrote.
+        self._ties = torch.empty(0, dtype=torch.int64)
+        self.tie_table: torch.Tensor | None = None
+        # `shared`: the node's buffers, mapped by every rank of the node (engine/node_store.py); a group this
+        # rank does not own has no gradient slab, and its master (its halves) and shadow are written by the
+        # owner only. The FP32 scratch of the per-layer update stays each rank's own.
+        self.owned = owned
+        if master is HostMaster.FP32:
+            if shared is not None:
+                self.master, self.shadow = shared.master, shared.shadow
+            else:
+                self.master = host_buffer(offset, torch.float32)
+                self.shadow = host_buffer(offset, shadow_dtype) if shadow_dtype is not None else None
+            self.work = self.master
+        else:
+            # The bf16 half is the master's own storage and what streams: no shadow, no per-step cast.
+            self.master = None
+            self.shadow = shared.shadow if shared is not None else host_buffer(offset, torch.bfloat16)
+            if master is HostMaster.HILO:
+                self.lo = shared.lo if shared is not None else host_buffer(offset, torch.int16)
+                self.tie_table = shared.ties if shared is not None else None
+            self.work = scratch.master[:offset]
+        if not owned:
+            self.grad = self.grad_work = None
+        elif grad is GradSlab.FLOAT32:
+            self.grad = host_buffer(offset, torch.float32)
+            self.grad_work = self.grad
+        else:
+            self.grad = host_buffer(offset, torch.bfloat16) if grad is GradSlab.BFLOAT16 else None
+            self.grad_work = scratch.grad[:offset]
+        self.params: list[nn.Parameter] = []
+        for s in self.slots:
+            p = nn.Parameter(self.view(self.work, s), requires_grad=True)
+            self.params.append(p)
+        self.link_grads()
+
+    @property
+    def ties(self) -> torch.Tensor:
+        """hilo: the positions (int64, ascending) whose hi rounded up at an exact tie."""
+        if self.tie_table is None:
+            return self._ties
+        n = int(self.tie_table[0])
+        return self.tie_table[1: 1 + n].clone()
+
+    @ties.setter
+    def ties(self, value: torch.Tensor) -> None:
+        if self.tie_table is None:
+            self._ties = value
+            return
+        n, cap = value.numel(), self.tie_table.numel() - 1
+        if n > cap:
+            raise TieOverflow(f"a hilo layer of {self.numel} elements has {n} exact-tie positions, more than the "
+                              f"node's shared table holds ({cap}; random low bits give ~{self.numel // 131072}). "
+                              "Its values are not random bits: use data_parallel_host='replicated' for this model")
+        self.tie_table[1: 1 + n].copy_(value)  # positions before the count: a reader never sees stale ones
+        self.tie_table[0] = n
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The group's persistent host buffers (what it holds between steps)."""
+        ties = self.tie_table if self.tie_table is not None else self._ties
+        return [t for t in (self.master, self.grad, self.shadow, self.lo, ties) if t is not None]
+
+    def master_tensors(self) -> list[torch.Tensor]:
+        """The buffers that hold the master values (what a copy of the weights between ranks moves): the FP32
+        master; or the bf16 half, the lo half and a shared tie table (a private tie list is not a fixed size)."""
+        if self.master is not None:
+            return [self.master]
+        return [t for t in (self.shadow, self.lo, self.tie_table) if t is not None]
+
+    @property
+    def per_layer_update(self) -> bool:
+        """Whether the optimizer must update this group on its own, between unpack() and pack()."""
+        return self.master_mode is not HostMaster.FP32 or self.grad_mode is not GradSlab.FLOAT32
+
+    @staticmethod
+    def view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
+        return flat[slot.offset: slot.offset + slot.numel].view(slot.shape)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {s.name: self.view(flat, s) for s in self.slots}
+
+    def link_grads(self) -> None:
+        # An optimizer's zero_grad(set_to_none=True) drops these links; restore them before each step.
+        if self.grad_mode is not GradSlab.FLOAT32 or self.grad is None:
+            return  # only the per-layer update reads gradients, from grad_work (load_grads); or not this rank's
+        for p, s in zip(self.params, self.slots):
+            p.grad = self.view(self.grad, s)
+
+    def refresh_shadow(self) -> None:
+        if self.shadow is not None and self.master is not None and self.owned:
+            self.shadow.copy_(self.master)
+
+    # -- the per-layer update of the non-FP32 modes -----------------------------------------------------
+    def unpack(self) -> None:
+        """Make `work` (what the Parameters view) hold this group's FP32 master values."""
+        if not self.owned:
+            return  # a layer of the node's shared store that another rank updates
+        if self.master_mode is HostMaster.HILO:
+            hilo.join(self.shadow, self.lo, self.ties, self.work)
+        elif self.master_mode is HostMaster.BF16:
+            self.work.copy_(self.shadow)
+
+    def pack(self) -> None:
+        """Store `work` back as the master (the exact split, or bf16 RNE); FP32: refresh the shadow."""
+        if not self.owned:
+            return  # its owner writes it: a write from here would race with (and undo) the owner's update
+        if self.master_mode is HostMaster.FP32:
+            self.refresh_shadow()
+            return
+        if self.master_mode is HostMaster.HILO:
+            with hilo.poisoning(self.work) as poisoned:  # the NaN fill below, done by the split as it reads
+                self.ties = hilo.split(self.work, self.shadow, self.lo)
+            if poisoned:
+                return
+        elif self.rounding is not None:
+            round_stochastic(self.work, self.shadow, self.rounding)
+        else:
+            self.shadow.copy_(self.work)
+        # The scratch is shared by every layer: whoever reads a layer's Parameters outside its update (instead
+        # of read_slot / the engine's state_dict) gets NaN, never another layer's plausible-looking weights.
+        self.work.fill_(float("nan"))
+
+    def load_grads(self, coefs: list[float]) -> None:
+        """Make `grad_work` hold the FP32 gradients, times the clipping coefficients still pending on them (a
+        bf16 slab is widened first: the same products as scaling an FP32 slab holding the same values; an FP32
+        slab is scaled in place, as a clip_grad_norm_ that left the scaling to the update would have)."""
+        widen = self.grad_mode is GradSlab.BFLOAT16
+        if self.grad_work is None or not (widen or (coefs and self.grad_mode is GradSlab.FLOAT32)):
+            return  # another rank's layer; or nothing to do (optimizer in backward: the staged gradients as they are)
+        # A cache-sized tile at a time: the scaling reads the widened values from cache, not memory.
+        for s in range(0, self.numel, hilo.TILE):
+            w = self.grad_work[s: s + hilo.TILE]
+            if widen:
+                w.copy_(self.grad[s: s + hilo.TILE])
+            for c in coefs:
+                w.mul_(c)
+
+    def range(self, a: int, b: int) -> GroupRange:
+        """Elements [a, b) of this group's gradients, as load_grads reads and writes them (the fused pass)."""
+        return GroupRange(self.grad_mode, self.grad[a:b] if self.grad is not None else None,
+                          self.grad_work[a:b] if self.grad_work is not None else None, b - a)
+
+    def read_slot(self, slot: Slot) -> torch.Tensor:
+        """A new FP32 tensor with one parameter's master values."""
+        if self.master_mode is HostMaster.FP32:
+            return self.view(self.master, slot).clone()
+        a, b = slot.offset, slot.offset + slot.numel
+        if self.master_mode is HostMaster.BF16:
+            return self.shadow[a:b].float().view(slot.shape)
+        ties = self.ties[(self.ties >= a) & (self.ties < b)] - a
+        return hilo.join(self.shadow[a:b], self.lo[a:b], ties, torch.empty(slot.numel)).view(slot.shape)
+
+    def write_slot(self, slot: Slot, value: torch.Tensor) -> None:
+        """Set one parameter's master values (an FP32 master's shadow: refresh_shadow() after)."""
+        if self.master_mode is HostMaster.FP32:
+            self.view(self.master, slot).copy_(value)
+            return
+        a, b = slot.offset, slot.offset + slot.numel
+        if self.master_mode is HostMaster.BF16:
+            self.shadow[a:b].copy_(value.reshape(-1))
+            return
+        x = value.detach().reshape(-1).to(torch.float32).contiguous()
+        new = hilo.split(x, self.shadow[a:b], self.lo[a:b]) + a
+        keep = self.ties[(self.ties < a) | (self.ties >= b)]
+        self.ties = torch.sort(torch.cat([keep, new])).values
+
+    @property
+    def stream_source(self) -> torch.Tensor:
+        """What is copied to the device: the bf16 shadow in bf16 mode, else the FP32 master."""
+        return self.shadow if self.shadow is not None else self.master
+
+
+class HostStore:
+    """All master weights: one FlatGroup per decoder layer, one for the resident (global) parameters.
+
+    With `pin` (True: register with CUDA; or a Pinner) exactly the buffers a DMA copy reads are pinned
+    (costs/pinning.py): each layer's stream source and the resident parameters' masters, which are uploaded
+    after every step. Gradient slabs are written by host threads only (on CUDA gradients land in pinned
+    staging first), and an FP32 master behind a bf16 shadow never leaves the host.
+    """
+
+    def __init__(self, layer_shapes: list[list[tuple[str, torch.Size]]], global_shapes: list[tuple[str, torch.Size]],
+                 pin: bool | Pinner | None, shadow_dtype: torch.dtype | None, master: HostMaster = HostMaster.FP32,
+                 grad: GradSlab | None = GradSlab.FLOAT32, node: NodeStore | None = None) -> None:
+        self.master_mode, self.grad_mode = master, grad
+        self.scratch = None
+        if master is not HostMaster.FP32 or grad is not GradSlab.FLOAT32:
+            # One layer's FP32 values at a time: the updates run one after another on one thread.
+            biggest = max((sum(int(torch.Size(s).numel()) for _, s in shapes) for shapes in layer_shapes), default=0)
+            self.scratch = Scratch(biggest, master is not HostMaster.FP32, grad is not GradSlab.FLOAT32)
+        self.ranks_sharing = node.topo.local_world if node is not None else 1
+        shared: list[SharedLayer | None] = [None] * len(layer_shapes)
+        if node is not None:
+            # One host store per node: the layers' masters (their halves, shadows and tie tables) are the node's,
+            # each layer's slab its owner's, the one-layer FP32 scratch each rank's own.
+            numels = [sum(int(torch.Size(s).numel()) for _, s in shapes) for shapes in layer_shapes]
+            shared = shared_layers(node, numels, master, shadow_dtype)
+        self.layers = [FlatGroup(shapes, shadow_dtype, master, grad, self.scratch, shared[i],
+                                 node is None or node.owns(i)) for i, shapes in enumerate(layer_shapes)]
+        # The globals (embedding, final norm, head) stay FP32: they are resident on the device, and their
+        # gradients arrive at both ends of backward.
+        self.globals = FlatGroup(global_shapes, None)
+        self.pinner = Pinner() if pin is True else (pin or None)
+        if self.pinner is not None:
+            self.pinner.pin([g.stream_source for g in self.layers] + [self.globals.master],
+                            "streamed layer weights and resident masters")
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes this store (and the buffers made through `buffer`) locked, page-exact."""
+        return self.pinner.pinned_bytes if self.pinner is not None else 0
+
+    def buffer(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+        """A host buffer that a DMA copy will use: pinned exactly when the store is."""
+        return host_empty(numel, dtype, self.pinner, what)
+
+    @property
+    def per_layer_update(self) -> bool:
+        return self.scratch is not None
+
+    def groups(self) -> list[FlatGroup]:
+        return [*self.layers, self.globals]
+
+    def named_parameters(self, layers_prefix: str) -> list[tuple[str, nn.Parameter]]:
+        out = []
+        for i, g in enumerate(self.layers):
+            out += [(f"{layers_prefix}.{i}.{s.name}", p) for s, p in zip(g.slots, g.params)]
+        out += [(s.name, p) for s, p in zip(self.globals.slots, self.globals.params)]
+        return out
+
+    def host_bytes(self) -> int:
+        """This rank's host bytes: the node's shared layer weights count as this rank's share of them, so the
+        sum over a node's ranks is what the node holds."""
+        total = 0.0
+        for g in self.groups():
+            for t in g.host_tensors():
+                share = self.ranks_sharing if g is not self.globals and t is not g.grad else 1
+                total += t.numel() * t.element_size() / share
+        if self.scratch is not None:
+            total += sum(t.numel() * t.element_size() for t in (self.scratch.master, self.scratch.grad)
+                         if t is not None)
+        return int(total)
+
+    def zero_grad(self) -> None:
+        for g in self.groups():
+            if g.grad is not None:
+                g.grad.zero_()
+
+
+def shared_layers(node: NodeStore, numels: list[int], master: HostMaster,
+                  shadow_dtype: torch.dtype | None) -> list[SharedLayer]:
+    """Every layer's persistent buffers for `master`, in the node's shared memory (a collective of the node)."""
+    kinds: list[tuple[str, torch.dtype]] = []
+    if master is HostMaster.FP32:
+        kinds.append(("master", torch.float32))
+        if shadow_dtype is not None:
+            kinds.append(("shadow", shadow_dtype))
+    else:
+        kinds.append(("shadow", torch.bfloat16))
+        if master is HostMaster.HILO:
+            kinds += [("lo", torch.int16), ("ties", torch.int64)]
+    specs = [(tie_capacity(n) + 1 if kind == "ties" else n, dtype) for kind, dtype in kinds for n in numels]
+    bufs = node.buffers(specs, "layer weights")
+    per_kind = {kind: bufs[k * len(numels): (k + 1) * len(numels)] for k, (kind, _) in enumerate(kinds)}
+    return [SharedLayer(*(per_kind[f][i] if f in per_kind else None for f in SharedLayer._fields))
+            for i in range(len(numels))]

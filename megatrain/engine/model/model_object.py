@@ -1,0 +1,324 @@
+"""The user's model object stays a whole Hugging Face model whose forward runs on the engine.
+
+`Engine(model)` keeps `model` (the object the user holds, `engine.module`) as it is, except that:
+- its parameters are the host store's FP32 masters (the resident embedding / final norm / LM head
+  are the engine's device copies when the engine does not compute in FP32 on the CPU), so module
+  attributes, `named_parameters()`, `state_dict()` and `save_pretrained()` see the trained weights,
+  all of them, by construction; `state_dict()` always serves the FP32 masters;
+- `forward` is routed: a training or plain evaluation call runs the engine's streaming forward
+  (chunked loss, logits when they are asked for or usable); a call with a KV cache, `use_cache`,
+  `output_hidden_states` or `output_attentions` outside training (what `generate` does) runs the
+  model's own forward with each layer's weights streamed to the device just before it runs;
+- `load_state_dict` writes into the masters and refreshes every copy the engine keeps;
+- with host_master 'hilo' or 'bf16' the decoder layers' Parameters are views of one shared FP32 scratch
+  (NaN between updates, store.py): there are no FP32 masters to point at. `state_dict()` (so
+  `save_pretrained()`) and `named_parameters()` / `parameters()` of the model then serve FP32 copies joined
+  from the host store (`engine.state_dict()`'s values), and in-place writes through GatheredParameters are
+  refused; a layer's Parameter read straight from its module is the scratch, never a weight;
+- `.to()` / `.cuda()` / `.half()` and the like are refused when they would change anything (a no-op,
+  or a move to the engine's own device, passes): they would cut the weights loose from the store the
+  optimizer updates.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import itertools
+import types
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ...costs.modes import HostMaster
+from ...models.adapter import DecoderParts
+from ..host.store import HostStore
+from ..pipeline.inference import streamed_layers
+from ..pipeline.schedule import LayerPipeline
+
+
+class Engine(Protocol):
+    """What the model object needs of the engine that serves it (engine.py's Engine)."""
+
+    module: nn.Module
+    parts: DecoderParts
+    hf_config: Any
+    hf_attention: str | None
+    store: HostStore
+    pipeline: LayerPipeline
+    device: torch.device
+    check_model_intact: Callable[[], None]
+
+    def forward(self, **kwargs: Any) -> Any: ...
+    def synchronize(self) -> None: ...
+    def global_masters(self) -> list[tuple[str, nn.Parameter]]: ...
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None: ...
+
+# Forward arguments that ask for HF's own forward (cache, per-layer outputs): served with streamed layers.
+# (`cache` is transformers 5's name for `past_key_values`.)
+_HF_ONLY = ("past_key_values", "cache", "use_cache", "cache_position", "output_hidden_states", "output_attentions")
+
+
+_bound: weakref.WeakSet = weakref.WeakSet()
+
+
+def engines_holding(tensors: list[torch.Tensor]) -> list[Engine]:
+    """The live engines whose model object holds any of `tensors` as a parameter."""
+    ids = {id(t) for t in tensors}
+    # The class's named_parameters: the handles the model holds (the model object's override may serve copies)
+    return [e for e in list(_bound) if any(id(p) in ids for _, p in type(e.module).named_parameters(e.module))]
+
+
+def bind(engine: Engine) -> None:
+    """Route `engine.module`'s forward, state_dict, load_state_dict and conversions through `engine`."""
+    _bound.add(engine)
+    model = engine.module
+    original = type(model).forward
+    signature = inspect.signature(original)
+
+    # A copy of the model (copy.deepcopy) carries these methods along, bound to itself: it is a plain model
+    # with its own weights then, so each of them serves the copy as the HF class would.
+    @functools.wraps(original)
+    def forward(self: nn.Module, *args: Any, return_logits: bool | None = None, return_hidden: bool = False,
+                **kwargs: Any) -> Any:
+        if self is not engine.module:
+            return original(self, *args, **kwargs)
+        check_intact()
+        return _route(engine, original, signature, self, args, kwargs, return_logits, return_hidden)
+
+    @functools.wraps(nn.Module.state_dict)
+    def state_dict(self: nn.Module, *args: Any, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> dict[str, Any]:
+        if self is not engine.module:
+            return type(self).state_dict(self, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        check_intact()
+        engine.synchronize()  # overlapped layer updates land first: never a half-updated snapshot
+        out = type(self).state_dict(self, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        for name, master in engine.global_masters():
+            if prefix + name in out:  # the device copy may be bf16: serve the exact FP32 master instead
+                out[prefix + name] = master if keep_vars else master.detach()
+        if engine.store.master_mode is not HostMaster.FP32:
+            # The layers' Parameters are the shared scratch: serve the masters joined from the host store.
+            slots = _layer_slots(engine)
+            for name, p in type(self).named_parameters(self, remove_duplicate=False):
+                where = slots.get(id(p))
+                if where is not None and prefix + name in out:
+                    value = where[0].read_slot(where[1])
+                    out[prefix + name] = nn.Parameter(value, requires_grad=False) if keep_vars else value
+        return out
+
+    @functools.wraps(nn.Module.named_parameters)
+    def named_parameters(self: nn.Module, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        items = type(self).named_parameters(self, prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+        if self is not engine.module or engine.store.master_mode is HostMaster.FP32:
+            yield from items
+            return
+        check_intact()
+        engine.synchronize()
+        slots = _layer_slots(engine)
+        for name, p in items:
+            where = slots.get(id(p))
+            yield name, (p if where is None else nn.Parameter(where[0].read_slot(where[1]), requires_grad=False))
+
+    @functools.wraps(nn.Module.load_state_dict)
+    def load_state_dict(self: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True,
+                        assign: bool = False) -> Any:
+        if self is not engine.module:
+            return type(self).load_state_dict(self, state_dict, strict=strict, assign=assign)
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace the tensors the engine trains; "
+                             "call it with assign=False (the default)")
+        return _load(engine, self, state_dict, strict)
+
+    expected = [(name, mod, leaf, p) for name, mod in model.named_modules() for leaf, p in mod._parameters.items()
+                if p is not None]
+
+    def check_intact() -> None:
+        # A parameter or module swapped in after the engine took the model would be served by some paths and
+        # not trained by others: refuse every use of the model object until it is put back.
+        for name, mod, leaf, p in expected:
+            if mod._parameters.get(leaf) is not p:
+                raise RuntimeError(f"{name + '.' if name else ''}{leaf} was replaced after MegaTrain took the model; the "
+                                   "engine trains the tensors it holds. Write new values in place (under "
+                                   "zero.GatheredParameters(..., modifier_rank=0)) or with load_state_dict()")
+        parts = engine.parts
+        if (getattr(parts.base, parts.layers_attr) is not parts.layers or model.get_input_embeddings() is not parts.embed
+                or model.get_output_embeddings() is not parts.lm_head):
+            raise RuntimeError("the model's layers or embeddings were replaced after MegaTrain took the model (e.g. "
+                               "resize_token_embeddings); change the model before handing it to MegaTrain")
+
+    def deepcopy_plain(memo: dict) -> nn.Module:
+        # The copy is a plain model: it gets the model's own attention back (the engine switched the shared
+        # config to segment attention, which knows no KV cache).
+        del model.__dict__["__deepcopy__"]
+        config = engine.hf_config
+        training_attention, config._attn_implementation = config._attn_implementation, engine.hf_attention
+        try:
+            return copy.deepcopy(model, memo)
+        finally:
+            config._attn_implementation = training_attention
+            model.__deepcopy__ = deepcopy_plain
+
+    engine.check_model_intact = check_intact
+    model.__deepcopy__ = deepcopy_plain
+    model.forward = types.MethodType(forward, model)
+    model.state_dict = types.MethodType(state_dict, model)
+    model.named_parameters = types.MethodType(named_parameters, model)
+    model.load_state_dict = types.MethodType(load_state_dict, model)
+    for mod in model.modules():
+        mod._apply = types.MethodType(functools.partial(_guarded_apply, engine), mod)
+
+
+def _route(engine: Engine, original: Any, signature: inspect.Signature, model: nn.Module, args: tuple,
+           kwargs: dict[str, Any], return_logits: bool | None, return_hidden: bool = False) -> Any:
+    kw = _named_arguments(signature, model, args, kwargs)
+    train = model.training and torch.is_grad_enabled()
+    wants_hf = any(_given(kw.get(k)) for k in _HF_ONLY)
+    if wants_hf and not train:
+        return _streamed_hf_forward(engine, original, model, kw, return_logits)
+    if wants_hf:
+        asked = sorted(k for k in _HF_ONLY if k != "use_cache" and _given(kw.get(k)))
+        if asked:
+            raise ValueError(f"{asked} in a training forward: the training path keeps no KV cache and no per-layer "
+                             "outputs. Call model.eval() or run under torch.no_grad() for generation and "
+                             "inspection, or drop these arguments to train")
+        # use_cache=True while training is ignored, as Hugging Face does under gradient checkpointing.
+    for k in _HF_ONLY:
+        kw.pop(k, None)
+    return_dict = kw.pop("return_dict", None)
+    if kw.pop("inputs_embeds", None) is not None:
+        raise ValueError("inputs_embeds is not supported by the MegaTrain engine; pass input_ids")
+    labels = kw.pop("labels", None)
+    call = {k: kw.pop(k, None) for k in ("input_ids", "attention_mask", "position_ids", "num_items_in_batch",
+                                         "output_router_logits")}
+    _drop_packing_kwargs(kw, call["position_ids"])
+    logits_to_keep = kw.pop("logits_to_keep", 0)
+    rest = sorted(k for k, v in kw.items() if v is not None)
+    if rest:
+        raise TypeError(f"forward() got arguments the MegaTrain engine does not serve: {rest}; it takes input_ids, "
+                        "attention_mask, position_ids, labels, num_items_in_batch, output_router_logits, "
+                        "logits_to_keep, return_dict, return_logits, return_hidden (and, outside training, "
+                        "past_key_values / use_cache / output_hidden_states / output_attentions)")
+    if return_logits is None:
+        # Logits whenever the caller can use them; a training step with labels takes the memory-lean chunked loss.
+        return_logits = not (train and labels is not None)
+    out = engine.forward(labels=labels, return_logits=return_logits, logits_to_keep=logits_to_keep,
+                         return_hidden=return_hidden, **call)
+    return out.to_tuple() if return_dict is False else out
+
+
+# What padding-free collators (TRL's packing, DataCollatorWithFlattening) add for flash attention. They restate the
+# sequence boundaries that position_ids already give (a reset to 0 starts a sequence); the model's own mask, which
+# the engine records, is built from position_ids, as it is on plain HF with any other attention.
+_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def _drop_packing_kwargs(kw: dict[str, Any], position_ids: torch.Tensor | None) -> None:
+    given = {k: kw.pop(k) for k in _PACKING_KWARGS if kw.get(k) is not None}
+    cu = given.get("cu_seq_lens_q", given.get("cu_seq_lens_k"))
+    if not given or cu is None:
+        if given:
+            kw.update(given)  # refused below, by name: boundaries without cu_seq_lens are not ones we can check
+        return
+    if position_ids is None:
+        raise ValueError("cu_seq_lens_q/k without position_ids: the engine reads packed sequences' boundaries from "
+                         "position_ids (0 where each sequence starts); pass them, as padding-free collators do")
+    flat = position_ids.reshape(-1).cpu()
+    starts = torch.cat([(flat == 0).nonzero().squeeze(1), torch.tensor([flat.numel()])])
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        if name in given and not torch.equal(given[name].reshape(-1).cpu().long(), starts):
+            raise ValueError(f"{name} does not match the sequence starts in position_ids ({starts.tolist()}): the "
+                             "engine takes packed sequences' boundaries from position_ids")
+
+
+def _layer_slots(engine: Engine) -> dict[int, tuple[Any, Any]]:
+    """id(layer Parameter) -> (its FlatGroup, its Slot): where a scratch-backed Parameter's values live."""
+    return {id(p): (g, s) for g in engine.store.layers for s, p in zip(g.slots, g.params)}
+
+
+def _given(value: Any) -> bool:
+    return value is not None and value is not False  # never `in (None, False)`: a tensor would compare elementwise
+
+
+def _named_arguments(signature: inspect.Signature, model: nn.Module, args: tuple,
+                     kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments by name, as the model's own forward would bind them."""
+    bound = signature.bind(model, *args, **kwargs)
+    out: dict[str, Any] = {}
+    for i, (name, value) in enumerate(bound.arguments.items()):
+        kind = signature.parameters[name].kind
+        if i == 0:
+            continue  # self
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise TypeError(f"forward() got {len(value)} unexpected positional arguments")
+        else:
+            out[name] = value
+    return out
+
+
+def hf_forward(engine: Engine, **kwargs: Any) -> Any:
+    """The model's own Hugging Face forward (its own attention implementation, KV cache and all) with the
+    layers streamed, under no_grad: what `generate` runs, and a reference for the engine's training path."""
+    return _streamed_hf_forward(engine, type(engine.module).forward, engine.module, kwargs, None)
+
+
+def _streamed_hf_forward(engine: Engine, original: Any, model: nn.Module, kw: dict[str, Any],
+                         return_logits: bool | None) -> Any:
+    if return_logits is False:
+        raise ValueError("return_logits=False with a KV cache or per-layer outputs: the model's own forward "
+                         "always computes logits")
+    dev = engine.device
+    kw = {k: v.to(dev) if torch.is_tensor(v) and k != "num_items_in_batch" else v for k, v in kw.items()}
+    engine.synchronize()  # overlapped layer updates land before their weights are streamed
+    config = engine.hf_config
+    training_attention, config._attn_implementation = config._attn_implementation, engine.hf_attention
+    try:
+        with torch.no_grad(), streamed_layers(engine.pipeline, engine.store, engine.parts.layers):
+            return original(model, **kw)
+    finally:
+        config._attn_implementation = training_attention  # segment attention knows no KV cache
+
+
+def _load(engine: Engine, model: nn.Module, state: dict[str, torch.Tensor], strict: bool) -> Any:
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    params = dict(type(model).named_parameters(model, remove_duplicate=False))  # names only: no joined copies
+    buffers = {n: b for n, b in model.named_buffers() if n.rpartition(".")[2] not in
+               model.get_submodule(n.rpartition(".")[0])._non_persistent_buffers_set}
+    missing = sorted(n for n in itertools.chain(params, buffers) if n not in state)
+    unexpected = sorted(n for n in state if n not in params and n not in buffers)
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"load_state_dict: missing keys {missing[:5]} ({len(missing)} in all), unexpected keys "
+                           f"{unexpected[:5]} ({len(unexpected)} in all); pass strict=False to load a subset")
+    engine.load_state_dict({n: t for n, t in state.items() if n in params}, strict=False)
+    with torch.no_grad():
+        for n, b in buffers.items():
+            if n in state:
+                b.copy_(state[n])
+    return _IncompatibleKeys(missing, unexpected)
+
+
+def _guarded_apply(engine: Engine, module: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> nn.Module:
+    if not any(m is module for m in engine.module.modules()):  # a copy: a plain module of its own
+        return nn.Module._apply(module, fn, *args, **kwargs)
+    # An empty tensor of each dtype/device the module holds shows what the conversion would do, without
+    # copying anything: a no-op (model.to(its own device)) passes, anything else would detach the weights.
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+        # Moving to the engine's own device is what the engine does anyway (layers stream there).
+        to_engine = probe.device.type == engine.device.type and engine.device.index in (None, probe.device.index)
+        if probe.dtype != t.dtype or (probe.device != t.device and not to_engine):
+            raise RuntimeError(
+                f"{type(module).__name__}: this conversion would move or cast {t.dtype} tensors on {t.device} to "
+                f"{probe.dtype} on {probe.device}, cutting them loose from the MegaTrain engine's host store. The "
+                f"engine places the weights itself (compute on {engine.device}); to get a plain copy elsewhere, "
+                "save_pretrained() and load it with from_pretrained()")
+    return module

@@ -1,0 +1,205 @@
+"""Model placement: the user's model's weights moved into the host store, its parameters pointed at the
+store's masters, the resident parameters (embedding, final norm, head) and the buffers placed on the device.
+
+No second full copy of the model is ever alive: each tensor is copied into the store and the model's own
+storage freed right away. The user's model object stays whole: state_dict, save_pretrained, parameters()
+and submodules all read the weights the engine trains.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ...config import EngineConfig
+from ...costs.modes import HostMaster
+from ...models.adapter import DecoderParts
+from ..host.loading import load_checkpoint_into
+from ..host.node_store import NodeStore
+from ..host.preflight import host_preflight, model_host_bytes
+from ..host.resident_upload import ResidentUpload
+from ..host.store import FlatGroup, HostStore
+from ..layer.router import router_recorder
+from ..layer.templates import TemplateBank
+from ..parallel.distributed import DataParallel
+from ..runtime.device_resolution import resolve_device
+from ..runtime.malloc import release_free_heap
+
+__all__ = ["Placement", "place", "resolve_device"]  # resolve_device: the one device resolution (device_resolution.py)
+
+
+def _set_param(root: nn.Module, name: str, value: nn.Parameter) -> None:
+    mod_name, _, leaf = name.rpartition(".")
+    root.get_submodule(mod_name)._parameters[leaf] = value
+
+
+def _free(params: list[nn.Parameter]) -> None:
+    # Drop the storage even if the caller still holds the Parameter objects (e.g. in an optimizer).
+    for p in params:
+        if p.device.type != "meta":
+            p.data = torch.empty(0, dtype=p.dtype)
+
+
+def _pack(group: FlatGroup, params: list[nn.Parameter]) -> list[nn.Parameter]:
+    for slot, p in zip(group.slots, params):
+        if p.device.type != "meta":
+            group.write_slot(slot, p.detach())
+    return params
+
+
+@dataclass
+class Placement:
+    """Where the engine put the model's parameters: the store's masters, the resident ones' device copies,
+    and each distinct parameter's name (tied weights under their first name, the others as aliases)."""
+
+    parts: DecoderParts
+    store: HostStore
+    templates: TemplateBank
+    device_globals: list[nn.Parameter]  # the resident parameters on the device, in the globals' slot order
+    alias_globals: bool  # a CPU device computing in FP32: the device copies are the host masters themselves
+    name_of: dict[int, str]  # id(the model's original Parameter) -> its name
+    aliases: dict[str, str]  # tied weight's other name -> its first name
+    embed_slot: int  # the embedding's index among the resident parameters (its gradient arrives as rows)
+    upload: ResidentUpload | None = None  # CUDA in another dtype than the masters': pinned staging + copy stream
+
+    def global_index(self, name: str) -> int:
+        return next(i for i, s in enumerate(self.store.globals.slots) if s.name == name)
+
+    def global_masters(self) -> list[tuple[str, nn.Parameter]]:
+        """(HF name, FP32 master) of the resident parameters, tied ones under each of their names."""
+        group = self.store.globals
+        out = [(s.name, p) for s, p in zip(group.slots, group.params)]
+        prefix = self.parts.layers_prefix + "."
+        out += [(a, group.params[self.global_index(n)]) for a, n in self.aliases.items() if not a.startswith(prefix)]
+        return out
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The FP32 master of every parameter; with host_master 'hilo' or 'bf16' the layers' values are FP32
+        copies (the caller waits for queued updates first)."""
+        named = self.store.named_parameters(self.parts.layers_prefix)
+        if self.store.master_mode is HostMaster.FP32:
+            return named
+        values = {}
+        for i, g in enumerate(self.store.layers):
+            for s in g.slots:
+                values[f"{self.parts.layers_prefix}.{i}.{s.name}"] = nn.Parameter(g.read_slot(s), requires_grad=False)
+        return [(n, values.get(n, p)) for n, p in named]
+
+    def slots_by_name(self) -> dict[str, tuple]:
+        out = {}
+        for i, g in enumerate(self.store.layers):
+            out.update({f"{self.parts.layers_prefix}.{i}.{s.name}": (g, s) for s in g.slots})
+        out.update({s.name: (self.store.globals, s) for s in self.store.globals.slots})
+        return out
+
+    def globals_changed(self) -> None:
+        """The resident masters changed: bring their device copies in line (queued, non-blocking)."""
+        if self.upload is not None:
+            self.upload.run()
+        elif not self.alias_globals:
+            with torch.no_grad():
+                for dev, master in zip(self.device_globals, self.store.globals.params):
+                    dev.copy_(master, non_blocking=True)
+
+    def masters_changed(self) -> None:
+        """Every master changed (a load, weights written by hand): refresh the streamed copies and the device's."""
+        for g in self.store.layers:
+            g.refresh_shadow()
+        self.globals_changed()
+
+    def take_device_writes(self) -> None:
+        """A resident parameter written on the device (what the model object holds there) back into its master."""
+        if not self.alias_globals:
+            with torch.no_grad():
+                for dev, master in zip(self.device_globals, self.store.globals.params):
+                    if not torch.equal(dev.detach().cpu(), master.detach().to(dev.dtype)):
+                        master.copy_(dev.detach())
+
+
+def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: torch.device,
+          compute_dtype: torch.dtype, dp: DataParallel | None, node: NodeStore | None,
+          checkpoint_dir: str | os.PathLike | None,
+          probe: Callable[[nn.Module], object] | None) -> tuple[Placement, list[nn.Parameter]]:
+    """Move `model`'s weights into a new host store and place everything the step needs on `device`; also
+    the model's own Parameters as handed in (keep them until the optimizer is adopted: `name_of` is by id).
+
+    Refuses a model that cannot fit (host_preflight) before anything is allocated; `probe` (the parity probe)
+    runs after that and before the store, so a model it refuses is left as it was.
+    """
+    pin = config.pin_memory if config.pin_memory is not None else device.type == "cuda"
+    # Names: each distinct parameter once (tied weights under their first name), aliases kept.
+    prefix = parts.layers_prefix + "."
+    name_of: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    originals: list[nn.Parameter] = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in name_of:
+            aliases[name] = name_of[id(p)]
+        else:
+            name_of[id(p)] = name
+            originals.append(p)
+    global_named = [(n, p) for n, p in model.named_parameters() if not n.startswith(prefix)]
+    layer_shapes = [[(n, p.shape) for n, p in layer.named_parameters()] for layer in parts.layers]
+
+    host_preflight(layer_shapes, [p.shape for _, p in global_named], compute_dtype, pin=pin,
+                   staging=device.type == "cuda", master=config.master_mode, grad=config.grad_slab,
+                   freed=model_host_bytes(originals))
+    if probe is not None:
+        probe(model)
+    store = HostStore(layer_shapes, [(n, p.shape) for n, p in global_named], pin,
+                      torch.bfloat16 if compute_dtype == torch.bfloat16 else None,
+                      config.master_mode, config.grad_slab, node)
+    if node is not None:
+        node.make_staging(max(g.numel for g in store.layers))
+    if config.bf16_rounding == "stochastic":
+        for i, g in enumerate(store.layers):
+            g.rounding = torch.Generator().manual_seed(0x5EED + i)  # one stream per layer: runs repeat exactly
+
+    templates = TemplateBank(router_recorder(parts.base))  # MoE layers record their router logits
+    for i, layer in enumerate(parts.layers):
+        templates.add(layer, device)
+        group = store.layers[i]
+        params = [p for _, p in layer.named_parameters()]
+        if node is None or node.leader:  # a shared store: the node's first rank writes it
+            _pack(group, params)
+        _free(params)
+        for slot, master in zip(group.slots, group.params):
+            _set_param(layer, slot.name, master)
+    _free(_pack(store.globals, [p for _, p in global_named]))
+    release_free_heap()  # the model's freed weights, left resident in the C heap otherwise
+    if checkpoint_dir is not None:
+        load_checkpoint_into(store, Path(checkpoint_dir), parts.layers_prefix, aliases)
+    if dp is not None:
+        dp.check_same_model(store)
+        dp.broadcast_masters(store)
+    for g in store.layers:
+        g.refresh_shadow()  # a shared store: each owner its layers'
+    if node is not None:
+        dp.node_barrier("waiting for the node's layer weights")
+
+    # Resident parameters (embedding, final norm, head) live on the device for the whole step.
+    alias_globals = device.type == "cpu" and compute_dtype == torch.float32
+    device_globals: list[nn.Parameter] = []
+    for slot, master in zip(store.globals.slots, store.globals.params):
+        dev = master if alias_globals else nn.Parameter(master.detach().to(device, compute_dtype), requires_grad=True)
+        device_globals.append(dev)
+        _set_param(model, slot.name, dev)
+    embed_slot = next(i for i, dev in enumerate(device_globals) if dev is parts.embed.weight)
+    upload = (ResidentUpload(store, device_globals, compute_dtype, device, config.watchdog_s)
+              if device.type == "cuda" and compute_dtype != torch.float32 else None)
+    placed = Placement(parts, store, templates, device_globals, alias_globals, name_of, aliases, embed_slot, upload)
+    for alias, name in aliases.items():
+        if not alias.startswith(prefix):
+            _set_param(model, alias, device_globals[placed.global_index(name)])
+    # Buffers (rotary tables) go to the device; parameters are already placed. Not model.to(): that
+    # would move the layers' host masters too.
+    for mod in model.modules():
+        for name, b in mod._buffers.items():
+            if b is not None:
+                mod._buffers[name] = b.to(device)
+    return placed, originals

@@ -1,0 +1,302 @@
+"""The per-layer pipeline: stream weights in ahead of compute, run layers forward and (recomputing) backward.
+
+With k device buffers, the copies of the next k-1 layers are in flight while a layer computes. At
+the forward/backward turn the last k layers are still resident, so backward starts without a copy.
+The order of it all is costs/pipeline.py's, which the planner's simulator replays: this module runs each step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ...costs import pipeline as order
+from ...costs.pinning import STAGING_SLOTS
+from ..host.events import LayerEvents
+from ..host.store import HostStore
+from ..layer.templates import TemplateBank
+from ..layer.tiling import DEFAULT_LOSS_CHUNK, LongContextPolicy, tiled_vjp
+from ..runtime.stream import DONE, Event, Streams, Trace, side_threads
+from .activations import ActivationStore, HostPool
+
+REDUCE_CHUNK = 1 << 20  # elements: a 4 MiB FP32 scratch, which stays in cache between its write and read
+
+
+def accumulate(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor | None = None,
+               overwrite: bool = False) -> None:
+    """dst += src, in place (`overwrite`: dst = 0 + src, the same bits as zeroing dst first, in one pass). A
+    mixed-dtype add_ on the CPU first casts the whole source into a fresh FP32 temporary (a layer-sized
+    allocation, page-faulted in, per layer per micro-batch); here each chunk is cast into `scratch` (reused,
+    cache-resident) and added from there: the same values, no temporary, and 2-4x faster on the machine this
+    was measured on. Same-dtype adds have no temporary and run whole."""
+    if src.dtype == dst.dtype:
+        if overwrite:
+            torch.add(src, 0.0, out=dst)  # 0 + g: a -0 gradient lands as +0, as added into a zeroed slab
+        else:
+            dst.add_(src)
+        return
+    if scratch is None:
+        scratch = torch.empty(min(REDUCE_CHUNK, dst.numel()), dtype=dst.dtype)
+    dst, src = dst.view(-1), src.reshape(-1)  # a slab view is contiguous: chunks are flat ranges
+    chunk = scratch.numel()
+    for s in range(0, dst.numel(), chunk):
+        d = dst[s: s + chunk]
+        k = d.numel()
+        scratch[:k].copy_(src[s: s + k])
+        if overwrite:
+            torch.add(scratch[:k], 0.0, out=d)
+        else:
+            d.add_(scratch[:k])
+
+
+class LayerPipeline:
+    def __init__(self, store: HostStore, templates: TemplateBank, streams: Streams, trace: Trace,
+                 num_buffers: int, dtype: torch.dtype, device: torch.device, preserve_rng: bool,
+                 events: LayerEvents, policy: LongContextPolicy | None = None,
+                 grad_sink: Callable[[int, torch.Tensor, Event], Event] | None = None) -> None:
+        self.store = store
+        self.templates = templates
+        self.streams = streams
+        self.trace = trace
+        self.device = device
+        self.preserve_rng = preserve_rng
+        self.max_numel = max(g.numel for g in store.layers)
+        k = num_buffers
+        self.buffers = [torch.empty(self.max_numel, dtype=dtype, device=device) for _ in range(k)]
+        self.slots = order.DeviceBuffers(k)  # which layer each buffer holds
+        self.loaded: list[Event] = [DONE] * k
+        self.freed: list[Event] = [DONE] * k
+        # The per-layer events it waits for and records (events.py). Its own names for the engine's lists:
+        # a layer's load waits for `updated`, a reduction into its slab for `zeroed` and the slab's last writer
+        # (`landed`, which it replaces); rebinding one of these names here unhooks only the pipeline's waits.
+        self.events = events
+        self.updated, self.zeroed, self.landed = events.updated, events.zeroed, events.landed
+        # A shared host store or the optimizer in backward: called as grad_sink(layer, staged gradients, event of
+        # their staging) instead of adding into a slab; returns the event after which the staging may be reused.
+        self.grad_sink = grad_sink
+        self._rng: dict[int, tuple] = {}
+        self.policy = policy
+        self.tile: int | None = None  # MLP sequence tile of the current batch (None: untiled)
+        self.last_plan = None
+        # Offloaded boundary activations: host buffers kept from step to step (pinned like the store), so the
+        # layer loop never allocates or registers host memory after the first batch of a given size.
+        self.act_pool = HostPool(store.buffer)
+        if device.type == "cuda":
+            # Gradients land in pinned staging, then a host thread adds them into the FP32 slabs. With several
+            # slots the device's copies run ahead of the host's adds (costs/pinning.py, STAGING_SLOTS).
+            self._reducer = type(streams.d2h)("host-reduce", torch.device("cpu"), trace, None, streams.watchdog_s)
+            self._reducer.threads = side_threads()  # beside the optimizer's workers and the launch thread
+            self._staging = [store.buffer(self.max_numel, dtype, "gradient staging") for _ in range(STAGING_SLOTS)]
+            self._staging_free: list[Event] = [DONE] * STAGING_SLOTS
+            self.reduce_scratch = torch.empty(REDUCE_CHUNK, dtype=torch.float32)  # the reducer thread's own
+            self._next_staging = 0
+
+    @property
+    def device_weight_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def invalidate(self) -> None:
+        """Masters changed (optimizer step, load): resident copies are stale."""
+        self.slots.invalidate()
+
+    def plan_batch(self, tokens: int, offload_setting: bool | str) -> bool:
+        """Choose this batch's MLP tile; return whether its boundary activations go to host memory."""
+        if self.policy is None:
+            self.tile = None
+            return bool(offload_setting) if isinstance(offload_setting, bool) else False
+        self.last_plan = plan = self.policy.plan(tokens)
+        self.tile = plan.tile
+        return plan.offload
+
+    def loss_chunk(self, setting: int | str) -> int:
+        """This batch's head/loss chunk: the plan's, else the configured one ("auto": the default chunk)."""
+        if self.last_plan is not None:
+            return self.last_plan.loss_chunk
+        return DEFAULT_LOSS_CHUNK if setting == "auto" else int(setting)
+
+    def plan_stats(self) -> dict[str, float]:
+        p = self.last_plan
+        return {"mlp_tile_tokens": (p.tile or 0) if p else 0, "activations_offloaded": float(p.offload) if p else 0.0,
+                "predicted_peak_device_bytes": p.predicted_peak_bytes if p else 0,
+                "loss_chunk_tokens": p.loss_chunk if p else 0}
+
+    # -- weights in -------------------------------------------------------------------------------
+    def _load(self, layer: int, slot: int) -> None:
+        group = self.store.layers[layer]
+        src = group.stream_source
+        dst = self.buffers[slot][: group.numel]
+
+        def load() -> int:
+            dst.copy_(src, non_blocking=True)
+            return src.numel() * src.element_size()
+
+        self.loaded[slot] = self.streams.h2d.submit(load, (self.freed[slot], self.updated[layer]), "load", layer)
+
+    def _weights_step(self, step: order.Step, phase: str) -> None:
+        """Run a LOAD or WAIT step."""
+        if step.op == order.LOAD:
+            self._load(step.layer, step.slot)
+        else:
+            self.streams.wait(self.loaded[step.slot], f"{phase} of layer {step.layer}")
+
+    def acquire(self, layers: list[int], n: int, phase: str) -> int:
+        """The device buffer slot holding layer layers[n], loaded (prefetching the next ones) and waited for."""
+        for step in self.slots.acquire(layers, n):
+            self._weights_step(step, phase)
+        return step.slot
+
+    # -- gradients out ----------------------------------------------------------------------------
+    def _send_grad(self, layer: int, grads: list[torch.Tensor], after: Event) -> None:
+        """Add one layer's per-parameter gradients into its host slab, off the compute stream."""
+        group = self.store.layers[layer]
+        nbytes = sum(g.numel() * g.element_size() for g in grads)
+        if self.grad_sink is not None:
+            self._send_grad_to_sink(layer, grads, after, nbytes)
+            return
+        slabs, measure = self.events.slabs, self.events.slabs.measure  # measure: as this backward asked
+        if self.device.type != "cuda":
+            def add(overwrite: bool) -> None:
+                for slot, g in zip(group.slots, grads):  # every slot has a gradient (materialize_grads)
+                    view = group.view(group.grad, slot)
+                    if overwrite:
+                        torch.add(g, 0.0, out=view)  # 0 + g: what zeroing then adding gives, in one pass
+                    else:
+                        view.add_(g)
+
+            def reduce() -> int:
+                slabs.reduce(layer, group.grad, add, measure)
+                return nbytes
+
+            # After the slab's last writer too: data parallel averages it on another thread (engine/distributed.py).
+            # (Today the engine's wait for the resident parameters' average at the start of each backward also
+            # orders this, the averages being one FIFO; this keeps each slab's own order explicit.)
+            self.landed[layer] = self.streams.d2h.submit(reduce, (after, self.zeroed[layer], self.landed[layer]),
+                                                         "grad", layer)
+            return
+        i, staging, copied = self._stage(layer, grads, after, nbytes)
+
+        def reduce() -> int:
+            slabs.reduce(layer, group.grad, lambda first: accumulate(group.grad, staging, self.reduce_scratch, first),
+                         measure)
+            return 0
+
+        self._staging_free[i] = self._reducer.submit(reduce, (copied, self.zeroed[layer], self.landed[layer]),
+                                                     "reduce", layer)
+        self.landed[layer] = self._staging_free[i]
+
+    def _stage(self, layer: int, grads: list[torch.Tensor], after: Event,
+               nbytes: int) -> tuple[int, torch.Tensor, Event]:
+        """Copy one layer's gradients into the next free host staging buffer on the d2h stream:
+        (slot, staging view, event of the copy)."""
+        group = self.store.layers[layer]
+        i = self._next_staging
+        self._next_staging = (i + 1) % len(self._staging)
+        self._staging_free[i].host_wait(self.streams.watchdog_s)
+        staging = self._staging[i][: group.numel]
+        if self.device.type == "cuda":
+            for g in grads:
+                g.record_stream(self.streams.d2h._stream)  # the allocator must not reuse it mid-copy
+
+        def to_host() -> int:
+            for slot, g in zip(group.slots, grads):
+                group.view(staging, slot).copy_(g, non_blocking=True)
+            return nbytes
+
+        return i, staging, self.streams.d2h.submit(to_host, after, "grad", layer)
+
+    def _send_grad_to_sink(self, layer: int, grads: list[torch.Tensor], after: Event, nbytes: int) -> None:
+        """Stage one layer's gradients and hand them to the sink (no slab)."""
+        if not hasattr(self, "_staging"):  # CPU device: staging exists only for the optimizer in backward
+            self._staging = [self.store.buffer(self.max_numel, grads[0].dtype, "gradient staging") for _ in range(2)]
+            self._staging_free, self._next_staging = [DONE, DONE], 0
+        i, staging, copied = self._stage(layer, grads, after, nbytes)
+        self._staging_free[i] = self.landed[layer] = self.grad_sink(layer, staging, copied)
+
+    def synchronize_grads(self) -> None:
+        """Block until every layer's (and the resident parameters') gradients have landed in their host slabs."""
+        self.events.wait_grads()
+
+    # -- compute ----------------------------------------------------------------------------------
+    def forward(self, h: torch.Tensor, layer_inputs: list[tuple[tuple, dict]], acts: ActivationStore | None,
+                phase: str = "fwd") -> torch.Tensor:
+        for step in order.forward_steps(self.slots, len(self.store.layers)):
+            i, slot = step.layer, step.slot
+            if step.op in (order.LOAD, order.WAIT):
+                self._weights_step(step, "forward")
+            elif step.op == order.SAVE_INPUT:
+                if acts is not None:
+                    acts.put(i, h)
+                    if self.preserve_rng:
+                        self._rng[i] = self._rng_state()
+            elif step.op == order.FORWARD:
+                group = self.store.layers[i]
+                t0 = self.trace.mark()
+                args, kwargs = layer_inputs[i]
+                h = self.templates.call(i, group.views(self.buffers[slot][: group.numel]), h, args, kwargs, self.tile)
+                self.freed[slot] = self.streams.record_compute()
+                self.trace.add_since("compute", phase, i, t0)
+        return h
+
+    def backward(self, g: torch.Tensor, layer_inputs: list[tuple[tuple, dict]], acts: ActivationStore,
+                 grad_sent: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Backpropagate `g` through the layers; `grad_sent(i)` runs once layer i's gradients are queued to the host
+        (data parallel: the layer's average across ranks is queued behind them, overlapping the next layer's)."""
+        for step in order.backward_steps(self.slots, len(self.store.layers)):
+            i = step.layer
+            if step.op in (order.LOAD, order.WAIT):
+                self._weights_step(step, "backward")
+            elif step.op == order.PREFETCH_INPUT:
+                acts.prefetch(i)
+            elif step.op == order.FETCH_INPUT:
+                x = acts.get(i).detach().requires_grad_(True)
+            elif step.op == order.BACKWARD:
+                g, gw, done = self._layer_backward(i, step.slot, x, g, layer_inputs[i])
+            elif step.op == order.SEND_GRAD:
+                self._send_grad(i, gw, done)
+                if grad_sent is not None:
+                    grad_sent(i)
+            elif step.op == order.DROP_INPUT:
+                acts.drop(i)
+        return g
+
+    def _layer_backward(self, i: int, slot: int, x: torch.Tensor, g: torch.Tensor,
+                        inputs: tuple[tuple, dict]) -> tuple[torch.Tensor, list[torch.Tensor], Event]:
+        """Recompute layer i from buffer `slot` and backpropagate g: (input gradient, weight gradients, the
+        event after which the buffer is free)."""
+        group = self.store.layers[i]
+        # Leaves per parameter (not one flat leaf): autograd then returns each weight's gradient
+        # as is, instead of scattering every one into a zero-filled layer-sized tensor.
+        weights = {n: w.detach().requires_grad_(True)
+                   for n, w in group.views(self.buffers[slot][: group.numel]).items()}
+        args, kwargs = inputs
+        t0 = self.trace.mark()
+        with torch.enable_grad(), torch.random.fork_rng(self._rng_devices(), enabled=self.preserve_rng):
+            if self.preserve_rng:
+                self._set_rng_state(self._rng.pop(i))
+            if self.tile is not None and not args and self.templates.tileable(i):
+                gx, gw = tiled_vjp(self.templates.of_layer[i], weights, x, kwargs, g, self.tile)
+            else:
+                y = self.templates.call(i, weights, x, args, kwargs)
+                # A mixture-of-experts layer also backpropagates its router logits' gradients from the router loss;
+                # an expert no token routed to gets a zero gradient, as in PyTorch.
+                outs, gouts = self.templates.with_router_grads(i, y, g)
+                gx, *gw = torch.autograd.grad(outs, (x, *weights.values()), gouts, materialize_grads=True)
+                del y, outs
+        done = self.streams.record_compute()
+        self.freed[slot] = done
+        self.trace.add_since("compute", "bwd", i, t0)
+        return gx, gw, done
+
+    # -- dropout: recompute must draw the same random numbers as the forward ----------------------
+    def _rng_devices(self) -> list:
+        return [self.device] if self.device.type == "cuda" else []
+
+    def _rng_state(self) -> tuple:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    def _set_rng_state(self, state: tuple) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], self.device)

@@ -1,0 +1,300 @@
+"""A layer's whole AdamW step in one loop over memory: gradient in, master out, nothing in between.
+
+The fused pass (fused.py) composed torch ops per tile: widen/scale the gradient into a scratch, join the hi/lo
+master into another, torch's fused AdamW on the scratch, split it back. Each of those is a full read and write
+of a tile, and the tiles are too big to stay in cache between them (smaller ones cost more in per-call overhead
+than they save, results/host_passes). Here one C loop reads each element's gradient (FP32 or bf16, times the
+pending clip scales), its master (FP32, hi + lo, or bf16), m and v once, and writes the master (and the bf16
+copy that streams), m and v once: the bytes bound of experiments/studies/host_passes.py, with 1024-element
+blocks of FP32 temporaries that never leave L1. The fused pass uses it for hi/lo and bf16 masters; an FP32
+master is torch's kernel's own input, and there this loop measured no faster (results/host_passes), so the
+FP32 kind serves the self-check below.
+
+Its AdamW is the arithmetic of torch's fused CPU kernel's vector loop, operation for operation (IEEE
+add/mul/div/sqrt round the same everywhere; what can differ between torch builds is which `a*b + c` its compiler
+contracted into one fused multiply-add). At first use a self-check runs this kernel and torch's
+`_fused_adam(w)_` on the same probe (random values over many magnitudes, zeros of both signs, subnormals, each
+optimizer option) with each contraction variant and keeps the one whose bits match torch's everywhere; if none
+does, the kernel is not used and the fused pass runs torch's own kernel, as it does where there is no C compiler
+(or with MEGATRAIN_ADAM_KERNEL=torch). Only torch's vector loop is reproduced: a parameter's last `numel % 64`
+elements (where torch's scalar tail may run) are left to the caller's torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import math
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ..runtime import ckernel
+
+ALIGN = 64  # the kernel takes whole blocks of 64 elements from a parameter's start: torch's vector loop's
+_TIE_CAP = 1 << 13  # tie positions per call before it hands back (it stops a block early, never mid-block)
+_BLOCK = 1024  # the C source's BLOCK
+
+# flags (the C source's): what the loop does besides AdamW
+ADAMW, MAXIMIZE, DECAY, GRAD_BF16, WRITE_BACK, PLUS_ZERO, CONTRACT = 1, 2, 4, 8, 16, 32, 64
+MASTER_FP32, MASTER_HILO, MASTER_BF16 = 0, 1, 2
+
+_C_SOURCE = r"""
+#include <string.h>
+#include <math.h>
+#define BLOCK 1024
+
+typedef union { float f; uint32_t u; } fu;
+
+/* bf16 round-to-nearest-even on the bits; a NaN becomes the canonical 0x7FC0 (hilo.py's split and torch's
+   conversion do the same). */
+static inline uint16_t rne16(uint32_t w) {
+    uint32_t nan = (w & 0x7FFFFFFFu) > 0x7F800000u;
+    uint32_t rne = (w + 0x7FFFu + ((w >> 16) & 1u)) >> 16;
+    return (uint16_t)(nan ? 0x7FC0u : rne);
+}
+
+/* hp: [0] 1 - lr*wd (AdamW) or wd (Adam), [1] 1 - beta1, [2] beta2, [3] 1 - beta2, [4] sqrt(1 - beta2^t),
+   [5] eps, [6] -lr / (1 - beta1^t); each rounded to float as torch's kernel does.
+   flags: 1 AdamW, 2 maximize, 4 weight decay, 8 bf16 gradients, 16 write the scaled FP32 gradients back,
+   32 gradient as 0 + g, 64 the contracted variant (v and Adam's decay as one fused multiply-add each).
+   kind: 0 FP32 master (+ its bf16 copy in `hi` if not NULL), 1 hi + lo halves, 2 bf16 master.
+   old_ties: ascending positions (relative) whose hi rounded up at a tie; new ones go to ties[] as base + i.
+   Returns where it stopped: n, or the start of a block for which ties[] had no room (untouched). */
+int64_t adam_pass(void *grad, const float *coefs, int64_t ncoef, float *master, uint16_t *hi,
+                        uint16_t *lo, int64_t kind, float *m, float *v, int64_t n, const int64_t *old_ties,
+                        int64_t nold, int64_t base, int64_t *ties, int64_t cap, int64_t *count,
+                        const double *hp, int64_t flags) {
+    float gb[BLOCK], pb[BLOCK];
+    uint32_t *pu = (uint32_t *)pb;
+    const float f0 = (float)hp[0], w1 = (float)hp[1], b2 = (float)hp[2], c2 = (float)hp[3];
+    const float bc2 = (float)hp[4], eps = (float)hp[5], nstep = (float)hp[6];
+    const int adamw = flags & 1, maximize = flags & 2, decay = flags & 4, contract = flags & 64;
+    /* m.lerp_(g, w1) as torch's vector loop computes it: from the nearer end */
+    const int small = fabsf(w1) < 0.5f;
+    const float coeff = small ? w1 : w1 - 1.0f;
+    int64_t k = *count, t = 0;
+    for (int64_t s = 0; s < n; s += BLOCK) {
+        if (cap - k < BLOCK) { *count = k; return s; }
+        int64_t e = s + BLOCK < n ? s + BLOCK : n, len = e - s;
+        if (flags & 8) {
+            const uint16_t *g16 = (const uint16_t *)grad + s;
+            uint32_t *gu = (uint32_t *)gb;
+            for (int64_t i = 0; i < len; i++) gu[i] = (uint32_t)g16[i] << 16;
+        } else {
+            memcpy(gb, (const float *)grad + s, len * sizeof(float));
+        }
+        if (flags & 32) for (int64_t i = 0; i < len; i++) gb[i] = gb[i] + 0.0f;
+        for (int64_t c = 0; c < ncoef; c++) {
+            const float cf = coefs[c];
+            for (int64_t i = 0; i < len; i++) gb[i] = gb[i] * cf;
+        }
+        if ((flags & 16) && ncoef) memcpy((float *)grad + s, gb, len * sizeof(float));
+        if (kind == 0) {
+            memcpy(pb, master + s, len * sizeof(float));
+        } else if (kind == 1) {
+            const uint16_t *h = hi + s, *l = lo + s;
+            for (int64_t i = 0; i < len; i++) {
+                uint32_t q = l[i];
+                pu[i] = (((uint32_t)h[i] - (q > 0x8000u)) << 16) | q;
+            }
+            while (t < nold && old_ties[t] < e) { pu[old_ties[t] - s] -= 65536u; t++; }
+        } else {
+            const uint16_t *h = hi + s;
+            for (int64_t i = 0; i < len; i++) pu[i] = (uint32_t)h[i] << 16;
+        }
+        float *mm = m + s, *vv = v + s;
+        if (contract) {
+            for (int64_t i = 0; i < len; i++) {
+                float g = gb[i], p = pb[i];
+                if (maximize) g = g * -1.0f;
+                if (decay) { if (adamw) p = p * f0; else g = fmaf(p, f0, g); }
+                float a = fmaf(coeff, g - mm[i], small ? mm[i] : g);
+                float b = fmaf(c2 * g, g, vv[i] * b2);
+                mm[i] = a;
+                vv[i] = b;
+                pb[i] = p + nstep * a / (sqrtf(b) / bc2 + eps);
+            }
+        } else {
+            for (int64_t i = 0; i < len; i++) {
+                float g = gb[i], p = pb[i];
+                if (maximize) g = g * -1.0f;
+                if (decay) { if (adamw) p = p * f0; else g = g + p * f0; }
+                float a = fmaf(coeff, g - mm[i], small ? mm[i] : g);
+                float b = vv[i] * b2 + c2 * g * g;
+                mm[i] = a;
+                vv[i] = b;
+                pb[i] = p + nstep * a / (sqrtf(b) / bc2 + eps);
+            }
+        }
+        if (kind == 0) {
+            memcpy(master + s, pb, len * sizeof(float));
+            if (hi) for (int64_t i = 0; i < len; i++) hi[s + i] = rne16(pu[i]);
+        } else if (kind == 1) {
+            uint16_t *h = hi + s, *l = lo + s;
+            uint32_t found = 0;
+            for (int64_t i = 0; i < len; i++) {
+                uint32_t w = pu[i];
+                uint32_t nan = (w & 0x7FFFFFFFu) > 0x7F800000u;
+                h[i] = rne16(w);
+                l[i] = (uint16_t)(nan ? 0u : (w & 0xFFFFu));
+                found |= ((w & 0x1FFFFu) == 0x18000u) & !nan;
+            }
+            if (found)
+                for (int64_t i = 0; i < len; i++) {
+                    uint32_t w = pu[i];
+                    if (((w & 0x1FFFFu) == 0x18000u) && !((w & 0x7FFFFFFFu) > 0x7F800000u)) ties[k++] = base + s + i;
+                }
+        } else {
+            for (int64_t i = 0; i < len; i++) hi[s + i] = rne16(pu[i]);
+        }
+    }
+    *count = k;
+    return n;
+}
+
+/* 1 when no element of x (FP32, or bf16 if `half`) is an infinity or a NaN: its exponent bits not all ones. */
+int64_t all_finite(const void *x, int64_t n, int64_t half) {
+    uint32_t bad = 0;
+    if (half) {
+        const uint16_t *h = (const uint16_t *)x;
+        for (int64_t i = 0; i < n; i++) bad |= (h[i] & 0x7F80u) == 0x7F80u;
+    } else {
+        const uint32_t *u = (const uint32_t *)x;
+        for (int64_t i = 0; i < n; i++) bad |= (u[i] & 0x7F800000u) == 0x7F800000u;
+    }
+    return !bad;
+}
+"""
+
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_local = threading.local()  # each thread's tie buffer
+_NO_TIES = torch.empty(0, dtype=torch.int64)
+_state: tuple[ctypes.CDLL, int] | None | bool = False  # False: not tried; None: not used; (lib, variant flag)
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """One parameter group's AdamW settings at one step, as the kernel's doubles and flags."""
+
+    values: torch.Tensor  # float64[7], the C source's hp
+    flags: int
+
+    @staticmethod
+    @functools.lru_cache(maxsize=64)  # a layer's parameters share their group's settings and (mostly) step
+    def of(adamw: bool, lr: float, beta1: float, beta2: float, weight_decay: float, eps: float, maximize: bool,
+           step: float) -> Hyper:
+        # In double, as torch's kernel computes them before rounding each to float.
+        bc1, bc2 = 1 - math.pow(beta1, step), 1 - math.pow(beta2, step)
+        hp = [1 - lr * weight_decay if adamw else weight_decay, 1 - beta1, beta2, 1 - beta2, math.sqrt(bc2), eps,
+              -(lr / bc1)]
+        flags = (ADAMW if adamw else 0) | (MAXIMIZE if maximize else 0) | (DECAY if weight_decay != 0 else 0)
+        return Hyper(torch.tensor(hp, dtype=torch.float64), flags)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.adam_pass.argtypes = [p, p, i64, p, p, p, i64, p, p, i64, p, i64, i64, p, i64, p, p, i64]
+    lib.adam_pass.restype = i64
+    lib.all_finite.argtypes = [p, i64, i64]
+    lib.all_finite.restype = i64
+
+
+def kernel() -> tuple[ctypes.CDLL, int] | None:
+    """(the compiled kernel, the contraction flag that reproduces this torch's bits), or None: no compiler,
+    MEGATRAIN_ADAM_KERNEL=torch, or no variant matched torch's kernel on the self-check."""
+    global _state
+    if _state is False:
+        with _lock:
+            if _state is False:
+                lib = ckernel.build("adam", _C_SOURCE, _declare, "MEGATRAIN_ADAM_KERNEL")
+                _state = None
+                if lib is not None:
+                    for variant in (CONTRACT, 0):
+                        if _matches_torch(lib, variant):
+                            _state = (lib, variant)
+                            break
+                    else:
+                        log.warning("adam kernel: no variant gives torch's fused AdamW bits on this build; the "
+                                    "fused pass uses torch's kernel")
+    return _state  # type: ignore[return-value]
+
+
+def step(lib: ctypes.CDLL, variant: int, hyper: Hyper, grad: torch.Tensor, coefs: torch.Tensor | None,
+         write_back: bool, plus_zero: bool, kind: int, master: torch.Tensor | None, hi: torch.Tensor | None,
+         lo: torch.Tensor | None, m: torch.Tensor, v: torch.Tensor, old_ties: torch.Tensor, base: int) -> torch.Tensor:
+    """One contiguous range of a parameter (a multiple of ALIGN elements from its start): AdamW on `master`
+    (kind FP32, `hi` its bf16 copy or None), or on the halves `hi`/`lo` (hilo; `old_ties` the range's tie
+    positions, relative), or on the bf16 master `hi`. `grad` FP32 or bf16, times each of `coefs` (float32);
+    `write_back`: store the scaled FP32 gradients (what a clip in place leaves); `plus_zero`: read 0 + g.
+    Returns the range's new tie positions plus `base` (hilo), ascending."""
+    n = m.numel()
+    flags = hyper.flags | variant | (GRAD_BF16 if grad.dtype == torch.bfloat16 else 0)
+    flags |= (WRITE_BACK if write_back else 0) | (PLUS_ZERO if plus_zero else 0)
+    ncoef = 0 if coefs is None else coefs.numel()
+
+    def ptr(t: torch.Tensor | None) -> int | None:
+        return None if t is None else t.data_ptr()
+
+    out, done = [], 0
+    buf = _tie_buffer()
+    count = ctypes.c_int64(0)
+    while True:
+        rel = old_ties[old_ties >= done] - done if old_ties.numel() and done else old_ties
+        stop = lib.adam_pass(grad.data_ptr() + grad.element_size() * done, ptr(coefs), ncoef,
+                             None if master is None else master.data_ptr() + 4 * done,
+                             None if hi is None else hi.data_ptr() + 2 * done,
+                             None if lo is None else lo.data_ptr() + 2 * done, kind,
+                             m.data_ptr() + 4 * done, v.data_ptr() + 4 * done, n - done,
+                             rel.data_ptr() if rel.numel() else None, rel.numel(), base + done,
+                             buf.data_ptr(), buf.numel(), ctypes.byref(count), hyper.values.data_ptr(), flags)
+        if count.value:
+            out.append(buf[: count.value].clone())
+        done += stop
+        if done >= n:
+            break
+        count.value = 0  # a block's worth of room was left: hand the found ties over, go on from `done`
+    if not out:
+        return _NO_TIES
+    return torch.cat(out)
+
+
+def all_finite(lib: ctypes.CDLL, x: torch.Tensor) -> bool:
+    """Whether the contiguous FP32 or bf16 `x` holds no infinity or NaN: one read of it, no temporaries."""
+    return bool(lib.all_finite(x.data_ptr(), x.numel(), 1 if x.dtype == torch.bfloat16 else 0))
+
+
+def _tie_buffer() -> torch.Tensor:
+    buf = getattr(_local, "ties", None)
+    if buf is None:
+        buf = _local.ties = torch.empty(_TIE_CAP, dtype=torch.int64)
+    return buf
+
+
+def _probe_values(n: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 6)
+    x[::97], x[1::89], x[2::101], x[3::103] = 0.0, -0.0, 1e-40, -3e-39
+    return x
+
+
+def _matches_torch(lib: ctypes.CDLL, variant: int) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    n = ALIGN * 48
+    cases = [(adamw, beta1, wd, maximize, st) for adamw in (True, False) for beta1 in (0.9, 0.3)
+             for wd in (0.0, 0.05) for maximize in (False, True) for st in (1.0, 11.0)]
+    for adamw, beta1, wd, maximize, st in cases:
+        p, g = _probe_values(n, gen), _probe_values(n, gen)
+        m, v = _probe_values(n, gen) * 1e-2, torch.rand(n, generator=gen) * 1e-3
+        ref = [p.clone(), m.clone(), v.clone()]
+        op = torch._fused_adamw_ if adamw else torch._fused_adam_
+        op([ref[0]], [g.clone()], [ref[1]], [ref[2]], [], [torch.tensor(st)], amsgrad=False, lr=1e-3, beta1=beta1,
+           beta2=0.95, weight_decay=wd, eps=1e-8, maximize=maximize, grad_scale=None, found_inf=None)
+        hyper = Hyper.of(adamw, 1e-3, beta1, 0.95, wd, 1e-8, maximize, st)
+        step(lib, variant, hyper, g, None, False, False, MASTER_FP32, p, None, None, m, v,
+             torch.empty(0, dtype=torch.int64), 0)
+        if not all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip((p, m, v), ref)):
+            return False
+    return True

@@ -1,0 +1,302 @@
+"""The engine's update path: when, and on which thread, each layer's update runs.
+
+Every path runs the same per-layer job: wait for the layer's gradients, check them (the global norm and
+finiteness before any layer; per layer in backward), AdamW on its FP32 master (`update_layer`: a bf16 slab
+widened, pending clipping applied, a hi/lo or bf16 master unpacked first and stored back after), write the
+copy that streams to the device, and release the layer to the next load (its `updated` event; a shared
+store adds its owner's token or a node barrier after the step, ranks.py). Which path, is chosen once when the
+engine is built (`choose`):
+
+- WholeStep: in step(), on the caller's thread, one optimizer.step() over every master (any torch optimizer;
+  an FP32 master with a bf16 shadow and torch's fused Adam/AdamW take Layered instead, `layer_pass_pays`).
+- Layered: in step(), the resident parameters at once and each layer queued on the optimizer thread in forward
+  order behind its gradients; with optimizer_overlap step() returns at once (the next forward's load of a
+  layer waits for its update), otherwise it waits (the hilo/bf16 masters and bf16 slabs update a layer at
+  a time).
+- InBackward (optimizer_in_backward): during backward, on the optimizer thread, each layer as soon as its
+  gradients are staged (no gradient slab); step() then updates the resident parameters.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from ...config import EngineConfig
+from ...costs.modes import GradSlab, HostMaster
+from ..host.events import LayerEvents
+from ..host.store import FlatGroup, HostStore
+from ..runtime.stream import Event, Trace
+from . import fused
+from .optim import LayeredStep, unsupported_reason
+
+
+def update_layer(layered: LayeredStep, group: FlatGroup, i: int, coefs: list[float]) -> None:
+    """Layer i's update on the calling thread: FP32 gradients (times `coefs`) and master, AdamW, master and
+    streamed copy written back; in one pass of cache-sized tiles where the optimizer allows (fused.py)."""
+    if group.grad is not None:
+        layered.events.slabs.zero_if_fresh(i, group.grad)  # a step after zero_grad() with no backward: zeros
+    update_group(layered.view_optimizer(i), group, coefs)
+
+
+def update_group(view: torch.optim.Optimizer | None, group: FlatGroup, coefs: list[float]) -> None:
+    """`group`'s update by `view` (its share of the optimizer; None: another rank's), its gradients times
+    `coefs`: the fused pass where it applies, else whole-group passes (load and scale, unpack, step, pack)."""
+    if view is not None and fused.eligible(view, group):
+        fused.fused_update(view, group, coefs)
+        return
+    group.load_grads(coefs)
+    group.unpack()
+    if view is not None:
+        view.step()
+    group.pack()
+
+
+def unlink_fresh(store: HostStore, events: LayerEvents) -> None:
+    """After zero_grad(): the layers' Parameters show no gradient (torch's set_to_none), not the bytes of a slab the
+    next backward overwrites instead of zeroing now. The engine's backward links them again."""
+    if events.slabs.overwrite:
+        for g in store.layers:
+            if g.grad is not None and g.grad_mode is GradSlab.FLOAT32:
+                for p in g.params:
+                    p.grad = None
+
+
+class UpdatePath:
+    """What the engine asks of an update path. This one is the whole step: in step(), on the caller's thread."""
+
+    layered: LayeredStep | None = None  # the per-layer optimizer views and their thread, if this path has them
+    grad_sink: Callable[[int, torch.Tensor, Event], Event] | None = None  # takes a layer's gradients (no slab)
+    overlapped = False  # step() returns with layer updates still queued
+    folds_clip = False  # the layers' FP32 slabs are clip-scaled inside their update (the `coefs` of step())
+
+    def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
+                 config: EngineConfig) -> None:
+        self.optimizer, self.store, self.events, self.config = optimizer, store, events, config
+
+    def check_backward(self) -> None:
+        """Refuse a backward this path cannot take exactly (before any gradient is added)."""
+
+    def begin_backward(self) -> None:
+        """A backward is about to add gradients."""
+
+    def check_norm(self) -> None:
+        """Refuse a global gradient norm this path cannot give."""
+
+    def check_zero_grad(self) -> None:
+        """Refuse a zero_grad() that cannot undo what it would be expected to."""
+
+    def step(self, finite: Callable[[], bool], coefs: list[float]) -> bool:
+        """Update every parameter (or queue it); False when the step was skipped. `finite()`: whether the
+        gradients may be applied (it counts a skipped step); `coefs`: the clipping still pending on bf16 slabs."""
+        if not finite():
+            return False
+        for g in self.store.groups():
+            g.link_grads()
+        self.events.wait_grads()  # the step reads every slab, whatever the knobs
+        for i, g in enumerate(self.store.layers):
+            if g.grad is not None:
+                self.events.slabs.zero_if_fresh(i, g.grad)  # no backward since zero_grad(): its zeros
+        self.optimizer.step()
+        for g in self.store.layers:
+            g.refresh_shadow()
+        return True
+
+    def zero_grad(self) -> None:
+        self.store.globals.grad.zero_()
+        for i, g in enumerate(self.store.layers):
+            if g.grad is not None:
+                self.events.slabs.zero(i, g.grad)  # a flag where the next reduction overwrites (slab_state.py)
+        unlink_fresh(self.store, self.events)
+
+    def weights_loaded(self) -> None:
+        """New weights were loaded (a checkpoint): what a failed update left behind no longer holds."""
+
+    def synchronize(self) -> None:
+        """Block until every queued update is done."""
+        if self.layered is not None:
+            self.layered.synchronize()
+            if getattr(self.layered, "spill", None) is not None:
+                self.layered.spill.flush()  # the writes behind the updates: the spilled state is the files' again
+
+
+WholeStep = UpdatePath
+
+
+class Layered(UpdatePath):
+    """In step(): the resident parameters now, each layer queued on the optimizer thread behind its gradients."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
+                 config: EngineConfig, trace: Trace) -> None:
+        super().__init__(optimizer, store, events, config)
+        self.layered = LayeredStep(optimizer, store, events, trace, config.watchdog_s)
+        self.overlapped = config.optimizer_overlap
+        self.folds_clip = True
+
+    def step(self, finite: Callable[[], bool], coefs: list[float]) -> bool:
+        if not finite():
+            return False
+        for g in self.store.groups():
+            g.link_grads()
+        self.events.wait_global_grads()  # the globals are updated right away; each layer waits for its own
+        layered, layers, coefs = self.layered, self.store.layers, list(coefs)
+        spill = getattr(layered, "spill", None)  # the NVMe tier (spill.py): spilled state read in around each update
+        # The resident parameters: with FP32 slabs the clip is folded into their update too (Engine._clip_folded);
+        # with bf16 slabs clip_grad_norm_ scaled their FP32 slab already.
+        pending = coefs if self.store.grad_mode is GradSlab.FLOAT32 else []
+        globals_ = self.store.globals
+
+        def update_globals(view: torch.optim.Optimizer) -> None:
+            update_group(view, globals_, pending)
+
+        if spill is not None:
+            spill.begin_step()
+            layered.step(lambda i: spill.around(i, lambda: update_layer(layered, layers[i], i, coefs)),
+                         self.events.landed, update_globals)
+        else:
+            layered.step(lambda i: update_layer(layered, layers[i], i, coefs), self.events.landed, update_globals)
+        if not self.overlapped:
+            layered.synchronize()  # a per-layer mode without overlap: step() returns with every layer done
+        return True
+
+    def zero_grad(self) -> None:
+        self.layered.zero_grad()  # each layer's after its queued update, off this thread
+        unlink_fresh(self.store, self.events)
+
+
+class InBackward(UpdatePath):
+    """During backward: each layer's update queued on the optimizer thread as soon as its gradients are staged."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
+                 config: EngineConfig, trace: Trace) -> None:
+        super().__init__(optimizer, store, events, config)
+        self.layered = LayeredStep(optimizer, store, events, trace, config.watchdog_s)
+        self.grad_sink = self._update
+        self._unstepped = False  # layers updated by a backward whose step() is to come
+        self._failed_layer: int | None = None  # the layer whose gradient was not finite (-1: the resident ones)
+        # The verdict of every rank (ranks.py agree_max): with one host store per node each layer is checked by its
+        # owner alone, so the ranks take the largest failed index (-2: none) and fail the step together.
+        self.agree: Callable[[int, str], int] = lambda value, what: value
+        self.data_parallel = False
+
+    def check_backward(self) -> None:
+        if self._failed_layer is not None:
+            raise FloatingPointError("a previous optimizer_in_backward step was cut short by a non-finite gradient; "
+                                     "load a checkpoint (load_state_dict / load_checkpoint) before training on")
+        if self._unstepped:
+            raise RuntimeError("optimizer_in_backward: the last backward() already updated the layers, so its step() "
+                               "must come before the next backward (gradient accumulation is not possible in this "
+                               "mode); use gradient_accumulation_steps=1, or optimizer_in_backward=false")
+
+    def begin_backward(self) -> None:
+        self.layered.sync_all()  # this step's LR and state, taken before the first layer update
+        self.layered.create_layer_states()  # at once, not among backward's transients (the first step only)
+        self._unstepped = True
+
+    def check_norm(self) -> None:
+        raise RuntimeError("optimizer_in_backward: the layers' gradients are consumed during backward, so there "
+                           "is no global gradient norm (nor clipping by it); set optimizer_in_backward=false "
+                           "to clip")
+
+    def _update(self, i: int, staging: torch.Tensor, staged: Event) -> Event:
+        """Queue layer i's update behind the staging of its gradients (the pipeline's grad_sink)."""
+        def job() -> int:
+            self.update_now(i, staging)
+            return 0
+
+        # Behind the staging copy, and behind whatever last landed for this layer.
+        return self.layered.submit(i, job, (staged, self.events.landed[i]))
+
+    def update_now(self, i: int, staging: torch.Tensor) -> None:
+        """Layer i's update from its staged gradients, on the calling thread (the job queued by _update)."""
+        group = self.store.layers[i]
+        if self._failed_layer is not None:
+            return  # an earlier layer's gradient was not finite: step() reports it
+        if self.config.skip_nonfinite and not fused.all_finite(staging[: group.numel]):
+            self._failed_layer = i
+            return
+        view = self.layered.view_optimizer(i)
+        if view is not None and fused.eligible(view, group):
+            fused.fused_update(view, group, [], grad_source=staging)  # one pass: staging to updated master
+            return
+        gw = group.grad_work
+        gw.zero_()
+        gw.add_(staging[: group.numel])  # 0 + g: the value an ordinary zeroed FP32 slab holds after one backward
+        update_layer(self.layered, group, i, [])
+
+    def step(self, finite: Callable[[], bool], coefs: list[float]) -> bool:
+        """The layers are updated (or the step failed; each layer checked its own): the resident parameters now."""
+        if not self._unstepped:
+            raise RuntimeError("optimizer_in_backward: step() without a backward() since the last step")
+        self.events.wait_grads()
+        self.synchronize()
+        self._unstepped = False
+        n = len(self.store.layers)
+        bad = self._failed_layer
+        if bad is None and self.config.skip_nonfinite and not bool(torch.isfinite(self.store.globals.grad).all()):
+            bad = -1
+        if self.config.skip_nonfinite:
+            # The largest index is the first layer to fail in backward's order (a layer before the resident ones).
+            bad = self.agree(-2 if bad is None else bad, "agreeing whether the step's gradients were finite")
+            bad = None if bad == -2 else bad
+        if bad is not None:
+            self._failed_layer = bad  # every rank refuses the next backward until a checkpoint is loaded
+            updated = f"layers {bad + 1}..{n - 1}" if bad >= 0 else "every layer"
+            if self.data_parallel and bad >= 0:  # each owner went on with its own layers until this verdict
+                updated = f"layers other than {bad} (by their owning ranks, before every rank knew)"
+            raise FloatingPointError(
+                f"non-finite gradient ({'layer ' + str(bad) if bad >= 0 else 'embedding/norm/head'}) with "
+                f"optimizer_in_backward: {updated} were already updated during backward, so this step cannot be "
+                "skipped as skip_nonfinite asks; load the last checkpoint, then lower the LR or check the data")
+        for g in self.store.groups():
+            g.link_grads()
+        self.layered.step_globals()
+        return True
+
+    def check_zero_grad(self) -> None:
+        if self._unstepped:
+            raise RuntimeError("optimizer_in_backward: the last backward() already updated the layers; zero_grad() "
+                               "before step() cannot discard that update. Call step() after each backward()")
+
+    def weights_loaded(self) -> None:
+        self._failed_layer = None
+        self._unstepped = False
+
+
+def overlap_pays(device: torch.device, config: EngineConfig, optimizer: torch.optim.Optimizer) -> bool:
+    """optimizer_overlap "auto": on a CUDA device, for torch's Adam/AdamW, without the optimizer in backward.
+    On a CPU device the layers' compute and the host update run on the same cores: nothing to hide behind."""
+    return device.type == "cuda" and not config.optimizer_in_backward and unsupported_reason(optimizer) is None
+
+
+def choose(optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents, config: EngineConfig,
+           trace: Trace) -> UpdatePath:
+    """The update path the configuration and the optimizer allow."""
+    layer_wise = store.per_layer_update or config.optimizer_in_backward or config.nvme_path is not None
+    reason = unsupported_reason(optimizer) if config.optimizer_overlap or layer_wise else None
+    if reason is not None and layer_wise:
+        # No whole-model FP32 master or gradient to step at once: a layer at a time or not at all.
+        raise ValueError(f"host_master={config.host_master!r}, host_grad_dtype={config.host_grad_dtype!r}, "
+                         f"optimizer_in_backward={config.optimizer_in_backward}, nvme_path={config.nvme_path!r} "
+                         "update one layer at a time, "
+                         f"which needs torch's Adam or AdamW: {reason}; use the default modes for it")
+    if reason is not None:
+        warnings.warn(f"optimizer_overlap: {reason}, so it steps whole after backward", stacklevel=3)
+    if config.optimizer_in_backward:
+        return InBackward(optimizer, store, events, config, trace)
+    if reason is None and (config.optimizer_overlap or layer_wise or layer_pass_pays(optimizer, store)):
+        return Layered(optimizer, store, events, config, trace)
+    return WholeStep(optimizer, store, events, config)
+
+
+def layer_pass_pays(optimizer: torch.optim.Optimizer, store: HostStore) -> bool:
+    """Whether a step without overlap is better taken a layer at a time (Layered, waited for in step()): an FP32
+    master with a bf16 shadow and torch's fused Adam/AdamW. The whole step reads and writes every master two
+    more times than the fused pass (the clip's scaling pass and the shadow refresh after optimizer.step()); the
+    fused pass gives the same bits (tests/test_fused_pass.py). An FP32 master without a shadow (FP32 compute)
+    keeps the whole step: there it moves the same bytes but for the clip pass, and takes any optimizer."""
+    return (store.master_mode is HostMaster.FP32 and any(g.shadow is not None for g in store.layers)
+            and unsupported_reason(optimizer) is None
+            and all(g.get("fused") is True for g in optimizer.param_groups))
