@@ -115,3 +115,15 @@ def test_the_serial_resident_work_is_on_the_step():
         t.idle_s[IDLE_ROUND] + t.idle_s[IDLE_RESIDENT])
     # FP32 compute uploads the masters themselves: nothing to round
     assert plan(M14, 4096, batch=8, hardware=hw, dtype="float32").time.idle_s[IDLE_ROUND] == 0
+
+
+@pytest.mark.parametrize("gpus,nodes", [(8, 1), (8, 2)])
+def test_a_data_parallel_ranks_idle_causes_add_up_too(gpus, nodes):
+    from megatrain.planner.multi import plan_point_multi
+    from megatrain.planner.point import make_point
+    from megatrain.planner.step_time import IDLE_COMM
+
+    mp = plan_point_multi(make_point(M14, 4096, 8), get_hardware("h200-pcie"), gpus, nodes)
+    tl = mp.rank.timeline
+    assert sum(tl.idle_s.values()) == pytest.approx(tl.step_s - tl.gpu_busy_s, rel=1e-9)
+    assert tl.idle_s[IDLE_COMM] == pytest.approx(mp.comm.added_s)

@@ -34,7 +34,8 @@ REDUCER_SHARE = 4  # engine/stream.py side_threads(): a quarter of the cores
 
 
 def host_cores(hw: Hardware) -> int:
-    return HOST_CORES.get(hw.name, os.cpu_count() or 1)
+    # a data-parallel rank's view of a node keeps the profile's name before a comma (planner/multi.py)
+    return HOST_CORES.get(hw.name.split(",")[0], os.cpu_count() or 1)
 
 
 def reducer_threads(hw: Hardware) -> int:

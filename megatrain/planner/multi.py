@@ -53,7 +53,7 @@ from .hardware import GB, GIB, Hardware, resolve_hardware
 from .memory import Memory, check_fit
 from .point import Point, layer_grad_bytes, make_point, master_bytes
 from .prediction import Plan
-from .step_time import Time, megatrain_time
+from .step_time import IDLE_COMM, Time, megatrain_time
 
 # The per-rank FP32 buffer a layer's gradients travel through on their way to the owner's slab: two of the
 # largest layer, so one can be reduced while the next lands.
@@ -259,12 +259,14 @@ def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int 
     rhw = rank_hardware(hw, n, st.h2d_bytes / max(1, st.h2d_bytes + st.d2h_bytes))
     # the rank with the most layers sets the pace; a replicated store updates every layer on every rank
     owned = math.ceil(p.model.num_layers / n) if shares_host_store(p) else p.model.num_layers
-    t = megatrain_time(p, rhw, single.long_context.offload, owned_layers=owned)
+    # each layer's reduction at the rank's share of the node's host bandwidth (the intra-node reduce above)
+    t = megatrain_time(p, rhw, single.long_context.offload, owned_layers=owned, own_reducer=False)
     comm = comm_time(p, hw, t, n, nodes)  # every rank takes part at once: the whole host's bandwidth
     busy = {**t.busy_s, "host reduce (globals)": comm.intra_globals_s,
             "network": comm.network_layers_s + comm.network_globals_s}
     bottleneck = "network" if busy["network"] > max(busy["compute"], busy["link h2d"], busy["link d2h"]) else t.bottleneck
-    t = dataclasses.replace(t, step_s=t.step_s + comm.added_s, busy_s=busy, bottleneck=bottleneck)
+    idle = {**t.idle_s, IDLE_COMM: comm.added_s}
+    t = dataclasses.replace(t, step_s=t.step_s + comm.added_s, busy_s=busy, bottleneck=bottleneck, idle_s=idle)
     mem, layer, rank = node_memory(single, n, nodes)
     ok, reasons = check_fit(mem, hw)
     reasons = [r.replace("host:", f"host (per node, {n} GPUs):", 1) for r in reasons]

@@ -158,26 +158,30 @@ def async_globals(io: GlobalsIO, costs: LayerCosts) -> tuple[float, float] | Non
     return (io.down_s, io.add_s) if costs.cuda else None
 
 
-def layer_costs(p: Point, hw: Hardware, offload: bool) -> LayerCosts:
+def layer_costs(p: Point, hw: Hardware, offload: bool, own_reducer: bool = True) -> LayerCosts:
+    """`own_reducer`: the reducer thread at its share of the host's cores (host_work.py); False: at the whole of
+    `hw`'s host bandwidth (a data-parallel rank's view of the node, planner/multi.py)."""
     m, c = p.model, p.c
     fwd_c, rec_c, bwd_only = layer_compute(p, hw)
     Bl = hw.link_bps
     cuda = not hw.unified_memory
     # CUDA: the reducer thread at its share of the cores (host_work.py); a CPU device adds on the d2h worker
-    reduce = (m.layer_params() * reducer_bytes_per_param(p) / reducer_bps(p, hw) if cuda
+    reduce = (m.layer_params() * reducer_bytes_per_param(p) / reducer_bps(p, hw) if cuda and own_reducer
               else m.layer_params() * _engine_accum_bytes(p) / hw.host_bw_bps)
     return LayerCosts(fwd=fwd_c, bwd=rec_c + bwd_only, load=m.layer_params() * c / Bl,
                        act=p.tokens * m.hidden * c / Bl if offload else 0.0, grad=m.layer_params() * c / Bl,
                        reduce=reduce, cuda=cuda)
 
 
-def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | None = None) -> Time:
+def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | None = None,
+                   own_reducer: bool = True) -> Time:
     """`owned_layers`: decoder layers whose optimizer update this process runs (all of them by default;
-    a data-parallel rank of a node whose optimizer is sharded by layer runs its share, planner/multi.py)."""
+    a data-parallel rank of a node whose optimizer is sharded by layer runs its share, planner/multi.py);
+    `own_reducer`: as layer_costs."""
     m, c, T, L, g = p.model, p.c, p.tokens, p.model.num_layers, p.grad_accum
     own = L if owned_layers is None else owned_layers
     PL, h = m.layer_params(), m.hidden
-    costs = layer_costs(p, hw, offload)
+    costs = layer_costs(p, hw, offload, own_reducer)
     io = globals_io(p, hw)
     # the head, its loss, the global gradients' adds (on this thread off CUDA), and the engine's fixed work
     # per micro-batch outside the layers
@@ -248,6 +252,7 @@ IDLE_LAYERS = "layer updates not hidden behind the next forward"
 IDLE_LAYERS_AFTER = "layer updates after backward (not overlapped)"
 IDLE_ROUND = "resident masters rounded to bf16 (serial)"
 IDLE_UPLOAD = "resident parameters' upload"
+IDLE_COMM = "data-parallel gradient reduction not hidden"  # planner/multi.py
 
 
 def _megatrain_idle(sim: PipelineSim, drain: float, opt_added: float, resident_update: float, layers: str,

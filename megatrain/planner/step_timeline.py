@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .hardware import Hardware
-from .host_work import reducer_bps, reducer_bytes_per_param, reducer_threads
+from .host_work import reducer_bytes_per_param, reducer_threads
 from .point import Point
 from .step_time import Time
 
@@ -57,10 +57,11 @@ def step_timeline(p: Point, hw: Hardware, t: Time) -> StepTimeline:
     busy = t.busy_s
     host = {k.removeprefix("host "): v for k, v in busy.items() if k.startswith("host ")}
     reducer = None
-    if not hw.unified_memory:
-        per_layer = p.model.layer_params() * reducer_bytes_per_param(p) / reducer_bps(p, hw)
-        reducer = ReducerTerm(reducer_threads(hw), reducer_bytes_per_param(p), reducer_bps(p, hw) / 1e9, per_layer,
-                              t.layer.bwd_compute, busy.get("host reducer", 0.0))
+    if "host reducer" in busy:  # CUDA
+        per_layer = busy["host reducer"] / (p.grad_accum * p.model.num_layers)
+        nbytes = reducer_bytes_per_param(p)
+        reducer = ReducerTerm(reducer_threads(hw), nbytes, p.model.layer_params() * nbytes / per_layer / 1e9,
+                              per_layer, t.layer.bwd_compute, busy["host reducer"])
     return StepTimeline(t.step_s, busy["compute"], {"h2d": busy["link h2d"], "d2h": busy["link d2h"]}, host,
                         dict(t.idle_s), t.optimizer_overlap, reducer)
 
