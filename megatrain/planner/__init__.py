@@ -19,12 +19,12 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
                     MLP tile): k layer buffers + embedding/head/norm, boundary activations (all L, or a few
                     in flight when offloaded), the larger of one layer's (tiled) recompute + backward and the
                     chunked-loss workspace; + the runtime's reserve.
-  time              the engine's schedule replayed (costs/pipeline.py's issue order, the one engine/schedule.py
+  time              the engine's schedule replayed (costs/pipeline.py's issue order, the one engine/pipeline/schedule.py
                     runs, on a compute lane and the copy lanes): per layer compute = FLOPs / (peak x sustained)
                     + elementwise bytes / device bandwidth, attention included (causal, flash backward = 2.5x
                     forward); h2d = layer bytes / link; d2h = grad bytes / link and the host add (on the d2h
                     worker on a CPU device; on CUDA the reducer thread after the copy, c + 8 B/param with its norm,
-                    on a quarter of the host's cores as engine/stream.py side_threads gives it, host_work.py, with
+                    on a quarter of the host's cores as engine/runtime/stream.py side_threads gives it, host_work.py, with
                     the staging slots it blocks on); fills, drains, the layers still resident
                     at the turn and across micro-batches, activation offload; + the embedding/head I/O the
                     engine does per device type (none on a CPU device in FP32: it aliases them; on CUDA the

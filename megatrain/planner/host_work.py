@@ -1,12 +1,12 @@
 """The host work the engine puts in a CUDA step's way, with the threads it gets: the backward's gradient reducer
 and the serial work on the launch thread at each step.
 
-As the engine runs it (engine/schedule.py, engine/stream.py, engine/update.py, engine/engine.py):
+As the engine runs it (engine/pipeline/schedule.py, engine/runtime/stream.py, engine/update/update.py, engine/engine.py):
 - the reducer: each layer's gradients land in pinned staging (STAGING_SLOTS slots, costs/pinning.py) and one host
   thread adds them into the FP32 slab, with `side_threads()` = a quarter of torch's threads (at least one). The
   first reduction after zero_grad() writes 0 + g (read the staging, write the slab), later ones add (read the
   staging, read + write the slab), and the last before a step reads the slab again for its norm
-  (slab_state.py): c + 4, c + 8 and + 4 bytes per parameter, c + 8 on average over any accumulation.
+  (engine/host/slab_state.py): c + 4, c + 8 and + 4 bytes per parameter, c + 8 on average over any accumulation.
 - the serial resident work: `step()` updates the resident parameters (embedding, head, final norm) on the launch
   thread before any layer job is queued, then rounds their FP32 masters into the bf16 staging the upload reads;
   the device has nothing queued meanwhile.
@@ -30,7 +30,7 @@ from .point import Point
 HOST_CORES = {"h200-pcie": 112, "h100-pcie": 112, "a100-pcie": 64, "gh200": 72}
 # Assumed: the share of a host's cores a streaming add needs to reach its achieved bandwidth.
 SATURATING_SHARE = 0.5
-REDUCER_SHARE = 4  # engine/stream.py side_threads(): a quarter of the cores
+REDUCER_SHARE = 4  # engine/runtime/stream.py side_threads(): a quarter of the cores
 
 
 def host_cores(hw: Hardware) -> int:
@@ -39,7 +39,7 @@ def host_cores(hw: Hardware) -> int:
 
 
 def reducer_threads(hw: Hardware) -> int:
-    """The reducer's torch threads, as engine/stream.py side_threads() gives them."""
+    """The reducer's torch threads, as engine/runtime/stream.py side_threads() gives them."""
     return max(1, host_cores(hw) // REDUCER_SHARE)
 
 

@@ -81,10 +81,10 @@ class LongContext:
 
 
 def layer_dims(m: ModelPreset, expanded_kv: bool = False) -> device_model.LayerDims:
-    """The engine's LayerDims for a preset's (largest, i.e. every) decoder layer, as engine/tiling.py's
+    """The engine's LayerDims for a preset's (largest, i.e. every) decoder layer, as engine/layer/tiling.py's
     layer_dims reads it from a built layer."""
     # every planner family (llama, qwen2, mistral) is one of the engine's tileable layer classes, on sdpa;
-    # FP32 on CUDA expands grouped key/value heads for the fused kernels (engine/attention.py)
+    # FP32 on CUDA expands grouped key/value heads for the fused kernels (engine/layer/attention.py)
     # a mixture of experts: activations as wide as the experts a token uses (top-k + shared), the weight
     # gradients of the largest layer with all its experts
     return device_model.LayerDims(hidden=m.hidden, kv=m.kv_heads * m.head_dim, intermediate=m.mlp_width(),
@@ -162,7 +162,7 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         "adam m": P * 4,
         "adam v": P * 4,
         "bf16 shadow (streams)": L * PL * shadow,  # only layers stream; resident params convert once
-        # pinned slots of the largest layer that gradients land in on CUDA (engine/schedule.py); a CPU device adds
+        # pinned slots of the largest layer that gradients land in on CUDA (engine/pipeline/schedule.py); a CPU device adds
         # gradients straight into the slabs, or stages them in two buffers with the optimizer in backward
         "pinned grad staging": pin.get("grad staging", 0) if pin else (2 * PL * c if p.optimizer_in_backward else 0),
         # one layer's FP32 master / gradient while the optimizer updates it (store.Scratch)

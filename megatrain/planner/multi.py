@@ -199,7 +199,7 @@ def shares_host_store(p: Point) -> bool:
 
 def transit_bytes(p: Point) -> int:
     """A rank's FP32 gradient transit: its staging slots, and with the optimizer in backward the two averaged
-    layers its updates read (engine/ranks.py SharedStore.sink)."""
+    layers its updates read (engine/parallel/ranks.py SharedStore.sink)."""
     return TRANSIT_LAYERS * p.model.layer_params() * 4 * (2 if p.optimizer_in_backward else 1)
 
 

@@ -1,5 +1,5 @@
 """The engine's layer pipeline replayed on a compute timeline and the copy lanes: the issue order is
-costs/pipeline.py's, the one engine/schedule.py executes, and each step here costs its seconds."""
+costs/pipeline.py's, the one engine/pipeline/schedule.py executes, and each step here costs its seconds."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ class LayerCosts:
 
 
 class PipelineSim:
-    """Replays the engine's issue order (costs/pipeline.py, which engine/schedule.py runs; the activations'
-    copies as engine/activations.py makes them) on a compute timeline and the copy lanes, so fills,
+    """Replays the engine's issue order (costs/pipeline.py, which engine/pipeline/schedule.py runs; the activations'
+    copies as engine/pipeline/activations.py makes them) on a compute timeline and the copy lanes, so fills,
     drains, the layers still resident at the forward/backward turn and across micro-batches, and every
     wait come out as the engine schedules them.
 
@@ -134,7 +134,7 @@ def simulate_step(p: Point, costs: LayerCosts, head: float,
     """One step's micro-batches through the pipeline, up to the optimizer; returns the simulation and
     the forward, backward (summed over micro-batches) and final-drain seconds. `globals_grads`: (copy, add)
     seconds of the resident parameters' gradients when they travel on the copy and reduce lanes (CUDA:
-    engine/global_grads.py), queued after the head; else they are part of `head`, on the compute thread."""
+    engine/pipeline/global_grads.py), queued after the head; else they are part of `head`, on the compute thread."""
     sim = PipelineSim(p.model.num_layers, p.num_buffers, costs)
     fwd_s = bwd_s = 0.0
     for _ in range(p.grad_accum):

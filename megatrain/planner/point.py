@@ -145,7 +145,7 @@ def engine_settings(p: Point) -> dict[str, Any]:
 
 def overlap_on(p: Point, hw: Hardware) -> bool:
     """Whether the engine overlaps the host update with the next forward at this point: as set, or for "auto"
-    (None) as engine/update.py overlap_pays resolves it: on a CUDA device (the planner plans torch's AdamW), not
+    (None) as engine/update/update.py overlap_pays resolves it: on a CUDA device (the planner plans torch's AdamW), not
     with the optimizer in backward."""
     if p.optimizer_overlap is not None:
         return p.optimizer_overlap
@@ -185,7 +185,7 @@ def engine_refusal(p: Point) -> str | None:
 
 def context_refusal(p: Point) -> str | None:
     """Why the engine would refuse this point's context, or None: it checks every batch against the positions
-    the model's RoPE is defined for (engine/batch.py), which ModelPreset.max_positions holds."""
+    the model's RoPE is defined for (engine/layer/batch.py), which ModelPreset.max_positions holds."""
     if p.backend != "megatrain" or p.context <= p.model.max_positions:
         return None
     return (f"context {p.context:,} exceeds the model's max_position_embeddings {p.model.max_positions:,}: "

@@ -130,7 +130,7 @@ def _dense(d: dict[str, Any], cfg: Any, mtype: str) -> ModelPreset:
 
 def _trainable_positions(d: dict[str, Any], cfg: Any = None) -> int:
     """The longest sequence the engine trains this model at: max_position_embeddings, or what RoPE scaling
-    extends it to, by the engine's own rule (engine/batch.py checks every batch against it)."""
+    extends it to, by the engine's own rule (engine/layer/batch.py checks every batch against it)."""
     max_pos = d.get("max_position_embeddings")
     if not max_pos:
         return 4096

@@ -202,7 +202,7 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
         u = PL * per_param / rate
         opt_added = opt_globals + max(u, own * u - bwd_s + bwd_s / L)
     elif overlap:
-        # As EngineConfig(optimizer_overlap=True) runs it (engine/optim.py): the globals update in step(),
+        # As EngineConfig(optimizer_overlap=True) runs it (engine/update/optim.py): the globals update in step(),
         # the layers on a host thread in forward order while the next forward runs, each layer's forward
         # waiting for its update. With u per layer update and f per layer forward, the first micro-batch's
         # forward ends at max(L u + f, u + L f) instead of L f.

@@ -17,7 +17,7 @@ from .step_time import Time
 class ReducerTerm:
     """Backward's per-layer gradient reduction on the host (CUDA), as the engine runs it."""
 
-    threads: int  # the reducer's torch threads (engine/stream.py side_threads)
+    threads: int  # the reducer's torch threads (engine/runtime/stream.py side_threads)
     bytes_per_param: int  # per micro-batch, on average over the step
     gbs: float  # its rate on those threads
     per_layer_s: float  # one layer's reduction
