@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..backend import Backend, MegatrainBackend
+from ..backend import MegatrainBackend
 from ..settings import read_config
 from ..validate import is_int
 
@@ -64,6 +64,3 @@ def backend_class(name: str) -> type:
         return Zero3AlstBackend
     raise ValueError(f"backend={name!r} is not one of {BACKENDS}")
 
-
-def make_backend(name: str, **kwargs: Any) -> Backend:
-    return backend_class(name)(**kwargs)

@@ -127,16 +127,6 @@ def loss_workspace_bytes(tokens: int, hidden: int, vocab: int, chunk: int, items
     return int(LOSS_SEQ_H * tokens * hidden * itemsize + t * tile + vocab * hidden * 4 + cast)
 
 
-def unfused_loss_workspace_bytes(tokens: int, hidden: int, vocab: int, chunk: int, itemsize: int) -> int:
-    """The same for the final norm followed by the chunked loss under autograd (logits or hidden states
-    returned): the larger of the chunk loop (LOSS_LOOP_H plus the chunk's logits) and the final norm's
-    backward after it (LOSS_NORM_H), plus the head's FP32 weight gradient."""
-    upcasts = tokens * LOSS_BF16_FP32_H * hidden * 4 if itemsize < 4 else 0
-    loop = LOSS_LOOP_H * tokens * hidden * itemsize + LOSS_LOGIT_COPIES * min(chunk, tokens) * vocab * 4
-    norm = LOSS_NORM_H * tokens * hidden * itemsize
-    return int(max(loop, norm) + upcasts + vocab * hidden * 4)
-
-
 def floor_tile(d: LayerDims, tokens: int, itemsize: int = 2) -> int:
     """The smallest tile worth planning: below it, tiling saves nothing (attention kept whole: the MLP phase
     no longer sets the peak) or little (attention tiled: the tile terms are a small share of the sequence's)."""

@@ -395,6 +395,3 @@ class MegaTrainEngine:
 
 
 DeepSpeedEngine = MegaTrainEngine
-
-
-DeepSpeedEngine = MegaTrainEngine

@@ -61,10 +61,6 @@ def zero3_alst_device_terms(model: Any, tokens: int, c: int = 4, *, mlp_tile: in
             "working set (layer or loss)": max(layer, loss)}
 
 
-def zero3_alst_peak_bytes(model: Any, tokens: int, c: int = 4, **kw: Any) -> int:
-    return sum(zero3_alst_device_terms(model, tokens, c, **kw).values())
-
-
 def zero3_alst_memory(p: Point, hw: Hardware) -> Memory:
     """The zero3-alst backend at a planner point: ZeRO-3 offload's host side (as `zero3`) plus every layer's
     checkpointed input in host memory (cpu_checkpointing); on the device the terms above with the backend's
