@@ -26,7 +26,9 @@ import ctypes
 import functools
 import logging
 import math
+import os
 import threading
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -221,6 +223,23 @@ def kernel() -> tuple[ctypes.CDLL, int] | None:
                         log.warning("adam kernel: no variant gives torch's fused AdamW bits on this build; the "
                                     "fused pass uses torch's kernel")
     return _state  # type: ignore[return-value]
+
+
+# What the torch fallback costs, measured (results/host_passes): the per-layer update with torch's AdamW per
+# tile instead of the one-loop kernel, in the hi/lo mode where it matters most, per parameter per step.
+FALLBACK_COST = "the per-layer update ~1.6-1.9x slower in the hi/lo modes (results/host_passes: 0.85 against 0.54 ns/param)"
+
+
+def prepare() -> bool:
+    """Build and self-check the kernel now (at engine construction, not inside the first step on the optimizer
+    thread); warn, naming what it costs, where it cannot be used for a reason other than being turned off."""
+    if kernel() is not None:
+        return True
+    if os.environ.get("MEGATRAIN_ADAM_KERNEL", "auto") != "torch":
+        why = "no C compiler found ($CC, cc or gcc)" if ckernel.compiler() is None else "its build or self-check failed"
+        warnings.warn(f"compiled AdamW kernel unavailable: {why}; the update takes torch's kernel instead, "
+                      f"{FALLBACK_COST}. Install a C compiler (or set CC) to get it back", stacklevel=3)
+    return False
 
 
 def step(lib: ctypes.CDLL, variant: int, hyper: Hyper, grad: torch.Tensor, coefs: torch.Tensor | None,

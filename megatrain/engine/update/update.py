@@ -26,10 +26,11 @@ import torch
 
 from ...config import EngineConfig
 from ...costs.modes import GradSlab, HostMaster
+from ..host import hilo
 from ..host.events import LayerEvents
 from ..host.store import FlatGroup, HostStore
 from ..runtime.stream import Event, Trace
-from . import fused
+from . import adam_kernel, fused
 from .optim import LayeredStep, unsupported_reason
 
 
@@ -285,10 +286,18 @@ def choose(optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEven
     if reason is not None:
         warnings.warn(f"optimizer_overlap: {reason}, so it steps whole after backward", stacklevel=3)
     if config.optimizer_in_backward:
-        return InBackward(optimizer, store, events, config, trace)
-    if reason is None and (config.optimizer_overlap or layer_wise or layer_pass_pays(optimizer, store)):
-        return Layered(optimizer, store, events, config, trace)
-    return WholeStep(optimizer, store, events, config)
+        path: UpdatePath = InBackward(optimizer, store, events, config, trace)
+    elif reason is None and (config.optimizer_overlap or layer_wise or layer_pass_pays(optimizer, store)):
+        path = Layered(optimizer, store, events, config, trace)
+    else:
+        return WholeStep(optimizer, store, events, config)
+    if all(g.get("fused") is True for g in optimizer.param_groups):
+        # The fused pass's kernels built and self-checked now, with a warning where they cannot be: not inside the
+        # first step, on the optimizer thread, while the next forward waits for it.
+        adam_kernel.prepare()
+        if store.master_mode is not HostMaster.FP32:
+            hilo.kernel()
+    return path
 
 
 def layer_pass_pays(optimizer: torch.optim.Optimizer, store: HostStore) -> bool:
