@@ -43,8 +43,12 @@ HOST_RATES: dict[str, HostRate] = {
     "hilo, optimizer in backward": HostRate(1.26, _RUN + ", per-layer updates alone"),
     "fp32, optimizer in backward": HostRate(0.78, "assumed: as the FP32 fused per-layer pass (fp32, overlap)"),
     "bf16 master": HostRate(0.99, "assumed: as hilo + bf16 slabs (the same passes less the lo half)"),
-    # Not a mode: backward's per-layer gradient add (+ norm) on the reducer's threads (host_work.py).
-    "reducer": HostRate(1.0, "assumed: a streaming add at its bytes bound on its threads' share of the bandwidth"),
+    # Not a mode: backward's per-layer reduction + norm on the reducer's threads (host_work.py), against copy_ on the
+    # same threads. The first reduction after zero_grad (0 + g, the only one at accumulation 1) writes the slab
+    # without reading it, yet takes as long as an add: its 10 counted bytes run at 1.8x their bound (an add + norm,
+    # 14 bytes: 1.13x).
+    "reducer": HostRate(1.8, "measured: results/reducer_rate (first reduction + norm, 1 of 2 threads, paired "
+                             "median of 3 runs)"),
 }
 
 
