@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..runtime.stream import _CudaEvent
+from ..runtime.stream import CudaEvent
 from .store import FlatGroup, HostStore
 
 
@@ -41,7 +41,7 @@ class ResidentUpload:
         self.staging = store.buffer(group.numel, dtype, "resident parameters' upload staging")
         self._views = [group.view(self.staging, s) for s in group.slots]
         self._stream = torch.cuda.Stream(device=device)
-        self._copied: _CudaEvent | None = None  # the last upload's copies, done: the staging may be refilled
+        self._copied: CudaEvent | None = None  # the last upload's copies, done: the staging may be refilled
         self.nbytes = self.staging.numel() * self.staging.element_size()
 
     def _wait_free(self) -> None:
@@ -61,4 +61,4 @@ class ResidentUpload:
             done = torch.cuda.Event()
             done.record(self._stream)
         compute.wait_event(done)  # queued on the device: the host does not wait here
-        self._copied = _CudaEvent(done, "resident parameters' upload")
+        self._copied = CudaEvent(done, "resident parameters' upload")

@@ -164,7 +164,9 @@ class _ThreadEvent(Event):
         return self._flag.is_set()
 
 
-class _CudaEvent(Event):
+class CudaEvent(Event):
+    """A recorded CUDA event: waited for on the device by the compute stream, or polled from the host."""
+
     def __init__(self, event: torch.cuda.Event, what: str) -> None:
         self.event = event
         self.what = what
@@ -184,7 +186,7 @@ class _CudaEvent(Event):
         return self.event.query()
 
 
-class _DeferredCudaEvent(_CudaEvent):
+class _DeferredCudaEvent(CudaEvent):
     """A CUDA job whose submission waits for host work (a layer's update on the optimizer thread): the copy
     stream's helper thread queues it once that is done, so the launch thread does not block at submit and
     keeps queueing device work. Whoever needs the device event itself waits only until it is recorded."""
@@ -196,7 +198,7 @@ class _DeferredCudaEvent(_CudaEvent):
         self._event: torch.cuda.Event | None = None
         self.error: BaseException | None = None
 
-    def resolve(self, event: _CudaEvent | None, error: BaseException | None = None) -> None:
+    def resolve(self, event: CudaEvent | None, error: BaseException | None = None) -> None:
         self._event, self.error = (event.event if event is not None else None), error
         self._resolved.set()
 
@@ -322,7 +324,7 @@ class CopyStream:
                 # Behind unfinished host work (or a job already waiting for some: the stream's order holds), the
                 # helper thread queues it when that is done; the caller goes on queueing device work.
                 waiting = [ev for ev in afters if not ev.done() and
-                           (not isinstance(ev, _CudaEvent) or isinstance(ev, _DeferredCudaEvent) and not ev.resolved)]
+                           (not isinstance(ev, CudaEvent) or isinstance(ev, _DeferredCudaEvent) and not ev.resolved)]
                 if waiting or (isinstance(self._last, _DeferredCudaEvent) and not self._last.resolved):
                     deferred = _DeferredCudaEvent(what, self.watchdog_s)
                     self._deferred.put((fn, afters, deferred, kind, layer, what))
@@ -336,11 +338,11 @@ class CopyStream:
         return done
 
     def _enqueue(self, fn: Callable[[], int], afters: Sequence[Event], kind: str, layer: int,
-                 what: str) -> _CudaEvent:
+                 what: str) -> CudaEvent:
         """Queue `fn` on the device stream behind `afters` (their host parts done, or waited for here)."""
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             for ev in afters:
-                if isinstance(ev, _CudaEvent):
+                if isinstance(ev, CudaEvent):
                     self._stream.wait_event(ev.event)
                 else:
                     ev.host_wait(self.watchdog_s)
@@ -352,14 +354,14 @@ class CopyStream:
         self.bytes += nbytes
         self._spans.add(start, end)
         self.trace.add_span(self.name, kind, layer, start, end)
-        return _CudaEvent(end, what)
+        return CudaEvent(end, what)
 
     def _run_deferred(self) -> None:
         while True:
             fn, afters, deferred, kind, layer, what = self._deferred.get()
             try:
                 for ev in afters:
-                    if not isinstance(ev, _CudaEvent):
+                    if not isinstance(ev, CudaEvent):
                         ev.host_wait(self.watchdog_s)
                     elif isinstance(ev, _DeferredCudaEvent):
                         ev.event  # noqa: B018 - recorded before this stream's lock is taken (no lock-order cycle)
@@ -434,11 +436,11 @@ class Streams:
         if self.device.type == "cuda":
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))
-            return _CudaEvent(ev, "compute stream")
+            return CudaEvent(ev, "compute stream")
         return DONE  # CPU compute is synchronous on the calling thread
 
     def wait(self, event: Event, what: str) -> None:
-        if isinstance(event, _CudaEvent):
+        if isinstance(event, CudaEvent):
             # The wait is queued, the host does not block: what it costs the compute stream is the
             # time between these two events (zero when the copy had already landed).
             stream = torch.cuda.current_stream(self.device)
