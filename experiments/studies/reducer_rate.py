@@ -3,7 +3,9 @@ engine's own reduction of one layer (engine/pipeline/schedule.py `accumulate` fr
 then the slab's norm, as engine/host/slab_state.py runs it) on the reducer's threads (engine/runtime/stream.py
 `side_threads()`), against `copy_` bandwidth measured on the same threads right before and after (paired, as
 experiments/studies/host_passes.py pairs its passes). The planner's reducer rate (planner/host_rates.py "reducer")
-is this ratio. Writes results/reducer_rate/reducer_rate.csv.
+is this ratio. Beside it, the launch thread's rounding of the resident parameters' FP32 masters into their bf16 upload
+staging (engine/host/resident_upload.py: one `copy_`, on every torch thread), against `copy_` on every thread: the
+planner's "resident rounding" rate. Writes results/reducer_rate/reducer_rate.csv.
 
     python -m experiments.studies.reducer_rate [--numel 16777216] [--reps 7]
 
@@ -63,9 +65,30 @@ def measure(numel: int, reps: int) -> list[dict]:
                          "bytes_per_param": per_elem, "seconds_median": statistics.median(secs),
                          "x_bound_median": statistics.median(ratios), "x_bound_best": min(ratios),
                          "loadavg": os.getloadavg()[0]})
-        return rows
     finally:
         torch.set_num_threads(before)
+    rows.append(_rounding(numel, reps, before))
+    return rows
+
+
+def _rounding(numel: int, reps: int, threads: int) -> dict:
+    """The resident masters' FP32 -> bf16 rounding (read 4, write 2 per element) on every thread."""
+    master, staging = torch.randn(numel), torch.empty(numel, dtype=torch.bfloat16)
+    a, b = torch.ones(numel), torch.empty(numel)
+    b.copy_(a)
+    staging.copy_(master)
+    ratios, secs = [], []
+    for _ in range(reps):
+        bw0 = copy_bps(a, b)
+        t0 = time.perf_counter()
+        staging.copy_(master)
+        s = time.perf_counter() - t0
+        bw = statistics.median([bw0, copy_bps(a, b)])
+        secs.append(s)
+        ratios.append(s / (numel * 6 / bw))
+    return {"variant": "resident rounding (FP32 -> bf16)", "threads": threads, "cores": threads, "numel": numel,
+            "bytes_per_param": 6, "seconds_median": statistics.median(secs), "x_bound_median": statistics.median(ratios),
+            "x_bound_best": min(ratios), "loadavg": os.getloadavg()[0]}
 
 
 def main(argv: list[str] | None = None) -> int:

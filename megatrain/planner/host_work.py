@@ -75,7 +75,9 @@ class SerialWork:
 
 def serial_work(p: Point, hw: Hardware, resident_params: int, update_s: float) -> SerialWork:
     """`update_s`: the resident parameters' optimizer pass at the mode's rate (step_time.py counts it). The
-    rounding reads 4 and writes c bytes per parameter on every core (a bf16 compute dtype only: FP32 compute
-    uploads the masters themselves)."""
-    round_s = resident_params * (4 + p.c) / hw.host_bw_bps if p.c == 2 and not hw.unified_memory else 0.0
+    rounding reads 4 and writes c bytes per parameter on every core, at its measured distance from that bound
+    (host_rates.py; a bf16 compute dtype on CUDA only: FP32 compute uploads the masters themselves)."""
+    if p.c != 2 or hw.unified_memory:
+        return SerialWork(update_s, 0.0)
+    round_s = resident_params * (4 + p.c) / hw.host_bw_bps * HOST_RATES["resident rounding"].x_bound
     return SerialWork(update_s, round_s)
