@@ -19,6 +19,7 @@ import torch
 
 from . import train_state
 from .config import EngineConfig
+from .integrations.fused_head import serve_fused_lm_head, trl_head_options
 from .settings import engine_config_from, read_config
 
 
@@ -150,6 +151,8 @@ class MegatrainBackend:
         # What the engine steps instead of the optimizer it was given (DeepSpeedCPUAdam -> torch's AdamW), for
         # the run's start line; None: the optimizer given is the one stepped.
         self.replaced_optimizer: str | None = None
+        # What prepare() turned off on the way to the engine (prepare_model), for the run's start line.
+        self.turned_off: list[str] = []
 
     @property
     def device(self) -> torch.device:
@@ -172,58 +175,62 @@ class MegatrainBackend:
             raise RuntimeError('backend "megatrain" drives one model per Accelerator; build another Accelerator')
         from .engine import Engine
 
-        optimizer = self._exact(optimizer)
+        optimizer = self.exact_optimizer(optimizer)
         ec = self.engine_config
         if optimizer is None and ec.optimizer_overlap is None:
             # overlap "auto" splits the optimizer it is built with; one adopted by a later prepare() steps whole
             ec = EngineConfig.from_dict({**ec.to_dict(), "optimizer_overlap": False})
+        ec, finish = self.prepare_model(model, ec)
         self.engine = Engine(model, config=ec, optimizer=optimizer)
+        finish(self.engine)
         self._optimizer_adopted = optimizer is not None
         # The user's model object itself comes back: its parameters are the engine's host masters and its
         # forward runs the engine (megatrain/engine/model/model_object.py). The engine builds its own AdamW when
         # given none; hand that back only if the user gave one.
         return self.engine.module, (self.engine.optimizer if optimizer is not None else None)
 
+    def prepare_model(self, model: Any, config: EngineConfig) -> tuple[EngineConfig, Any]:
+        """What both faces do to a model before and after the engine takes it; returns (the engine config to
+        build with, a function to call with the engine once built). What is turned off is added to `turned_off`.
+
+        Pinning only speeds up host->CUDA copies (DeepSpeed configs ask for it by habit): off without CUDA.
+        HF's gradient checkpointing (Trainer / TRL switch it on) is turned off: the engine recomputes each layer
+        from its boundary activation already, and HF's own checkpoint would recompute again outside the engine's
+        binding. TRL's fused-head patch is read off the forward before the engine replaces it, and served by the
+        engine-run model after (integrations/fused_head.py)."""
+        from .engine import resolve_device
+
+        if config.pin_memory and resolve_device(config.device).type != "cuda":
+            config = EngineConfig.from_dict({**config.to_dict(), "pin_memory": False})
+            self.turned_off.append("pin_memory (no CUDA device)")
+        if getattr(model, "is_gradient_checkpointing", False):
+            model.gradient_checkpointing_disable()
+            self.turned_off.append("HF gradient checkpointing (the engine recomputes every layer itself)")
+        head_options = trl_head_options(model)
+
+        def finish(engine: Any) -> None:
+            serve_fused_lm_head(model, head_options, engine.head_chunk_tokens)
+
+        return config, finish
+
     def _adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """prepare(model) then prepare(optimizer), as accelerate allows: the user's optimizer replaces the AdamW the
-        engine built for itself, before any step. It may hold the model's parameters from before prepare(model)
-        or after it (the host masters)."""
-        eng = self.engine
+        engine built for itself, before any step (Engine.replace_optimizer)."""
         if self._optimizer_adopted:
             raise RuntimeError('backend "megatrain" drives one optimizer per model; it was prepared already')
-        optimizer = self._exact(optimizer)
-        if any(eng.optimizer.state.values()):
-            raise RuntimeError('backend "megatrain": the model has trained with its default optimizer already; '
-                               "prepare the optimizer before the first step")
-        if getattr(eng, "_layered", None) is not None:
-            raise RuntimeError('backend "megatrain" with optimizer_overlap: pass the model and its optimizer to the '
-                               "same prepare() call")
-        masters = dict(eng.named_parameters())
-        name_of = {id(p): n for n, p in masters.items()}
-        # The parameters the model had before prepare(model): the engine emptied each of them when it copied it
-        # into the store. An id alone could belong to a new tensor that reused a dead original's address, so only
-        # an emptied tensor is taken for an original.
-        before = getattr(eng, "_name_of", {})
-
-        def name(p: torch.Tensor) -> str | None:
-            if id(p) in name_of:
-                return name_of[id(p)]
-            return before.get(id(p)) if p.numel() == 0 else None
-
-        for group in optimizer.param_groups:
-            names = [name(p) for p in group["params"]]
-            if None in names:
-                raise ValueError('backend "megatrain": the optimizer holds a tensor that is not a parameter of the '
-                                 "prepared model; build it over model.parameters()")
-            group["params"] = [masters[n] for n in names]
-        optimizer.state.clear()
-        eng.optimizer = optimizer
+        optimizer = self.exact_optimizer(optimizer)
+        try:
+            self.engine.replace_optimizer(optimizer)
+        except (RuntimeError, ValueError) as e:
+            raise type(e)(f'backend "megatrain": {e}') from e
         self._optimizer_adopted = True
         return optimizer
 
-    def _exact(self, optimizer: Any) -> Any:
-        """DeepSpeed's CPU Adam (accelerate builds it for an `offload_optimizer` config) as torch's AdamW over the
-        same param groups: its own C++ op does not resume bit-identically (deepspeed/exact_adam.py)."""
+    def exact_optimizer(self, optimizer: Any) -> Any:
+        """The optimizer the engine steps for `optimizer`: DeepSpeed's CPU Adam (accelerate builds it for an
+        `offload_optimizer` config) as torch's AdamW over the same param groups (its own C++ op does not resume
+        bit-identically, deepspeed/exact_adam.py); anything else as it is. A replacement is noted for the start
+        line (`replaced_optimizer`)."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             return optimizer
         from .deepspeed.exact_adam import exact_optimizer
@@ -233,13 +240,20 @@ class MegatrainBackend:
             self.replaced_optimizer = what
         return optimizer
 
+    def set_clipping(self, max_norm: float) -> None:
+        """Clip by the global L2 norm `max_norm` at every optimizer step the script does not clip itself (0: off);
+        what `gradient_clipping` set at construction, changed for a model handed over to training later."""
+        max_norm = float(max_norm)
+        if not max_norm >= 0:
+            raise ValueError(f"gradient clipping max_norm={max_norm!r} must be a number >= 0 (0 turns clipping off)")
+        self._config_clip = max_norm
+
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp the accumulated gradients in the host slabs (the masters' .grad are views of them)."""
         eng = self._require_engine()
         eng.synchronize()
         torch.nn.utils.clip_grad_value_([p for _, p in eng.named_parameters()], clip_value)
-        if hasattr(eng, "_norm"):
-            eng._norm = None  # the cached gradient norm no longer holds
+        eng.grads_written()  # no cached gradient norm holds any more
 
     def release(self) -> None:
         """Forget the engine (free_memory); its host store goes once the user drops the model too."""

@@ -17,8 +17,6 @@ from torch.utils.data import DataLoader
 
 from .. import start_line
 from ..backend import MegatrainBackend
-from ..config import EngineConfig
-from ..integrations.fused_head import serve_fused_lm_head, trl_head_options
 from .config import parse_config
 from .data import make_dataloader
 from .engine import MegaTrainEngine
@@ -92,7 +90,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     given, which may be param groups). `lr_scheduler` may be a scheduler or a callable taking the
     optimizer; otherwise the config's scheduler section is used.
     """
-    from ..engine import launch_env, resolve_device
+    from ..engine import launch_env
 
     world = launch_env().world_size  # a malformed launch environment is refused here, before the config
     cfg = parse_config(_resolve_config(args, config, config_params), args=args, world_size=world)
@@ -113,13 +111,6 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if cfg.scheduler is not None and lr_scheduler is None and not has_optimizer:
         raise ValueError("the config's 'scheduler' section needs an optimizer (an 'optimizer' section or one passed in)")
 
-    engine_cfg = cfg.engine
-    turned_off = []  # for the run's start line
-    if engine_cfg.pin_memory and resolve_device(engine_cfg.device).type != "cuda":
-        # Pinning only speeds up host->CUDA copies; DeepSpeed configs ask for it by habit.
-        engine_cfg = EngineConfig.from_dict({**engine_cfg.to_dict(), "pin_memory": False})
-        turned_off.append("pin_memory (no CUDA device)")
-
     groups = _param_groups(model, model_parameters)
     if isinstance(optimizer, torch.optim.Optimizer):
         # Checked here because the engine finds out only after it has packed the model into its store.
@@ -135,7 +126,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
 
         def engine_opt(named: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
             # Called while the backend below builds the engine; a DeepSpeedCPUAdam it returns is replaced too.
-            return backend._exact(client(_on_engine(groups, named)))
+            return backend.exact_optimizer(client(_on_engine(groups, named)))
     elif cfg.optimizer is not None:
         spec = cfg.optimizer
 
@@ -144,18 +135,13 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     else:
         engine_opt = None
 
-    if getattr(model, "is_gradient_checkpointing", False):
-        # Trainer / TRL switch HF's checkpointing on (TRL by default). The engine already recomputes each layer
-        # from its boundary activation; HF's own checkpoint would recompute again, outside the engine's binding.
-        model.gradient_checkpointing_disable()
-        turned_off.append("HF gradient checkpointing (the engine recomputes every layer itself)")
-    # The backend `megatrain.Accelerator(backend="megatrain")` holds, clipping by the config at every boundary.
-    backend = MegatrainBackend(config=engine_cfg, mixed_precision=None, gradient_clipping=cfg.gradient_clipping)
-    head_options = trl_head_options(model)  # TRL's fused-head patch, before the engine replaces the forward
+    # The backend `megatrain.Accelerator(backend="megatrain")` holds, clipping by the config at every boundary;
+    # it prepares the model as for that face (pinning, HF's checkpointing, TRL's fused head: prepare_model).
+    backend = MegatrainBackend(config=cfg.engine, mixed_precision=None, gradient_clipping=cfg.gradient_clipping)
     backend.prepare(model, engine_opt)
     eng = backend.engine
-    serve_fused_lm_head(model, head_options, eng.head_chunk_tokens)
     opt = eng.optimizer if has_optimizer else None
+    turned_off = list(backend.turned_off)  # for the run's start line
 
     if lr_scheduler is not None:
         is_sched = hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "state_dict")

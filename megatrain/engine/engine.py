@@ -48,9 +48,9 @@ from .pipeline.global_grads import GlobalGradSink
 from .pipeline.schedule import LayerPipeline
 from .runtime.host_copy import to_device
 from .runtime.malloc import set_mmap_threshold
-from .runtime.memtrack import DeviceMemoryTracker
+from .runtime.memtrack import DeviceMemoryTracker, tracked
 from .runtime.stream import Streams, Trace
-from .update.optim import LayeredStep, OptimizerArg, adopt_optimizer
+from .update.optim import LayeredStep, OptimizerArg, adopt_optimizer, move_onto_masters
 from .update.update import choose as choose_update
 from .update.update import overlap_pays
 
@@ -114,9 +114,7 @@ class Engine:
                                      config.num_buffers, self.device, self.compute_dtype,
                                      sum(p.numel() * p.element_size() for p in self.placement.device_globals),
                                      self.parts.lm_head.weight.shape)
-        self.memory = DeviceMemoryTracker(self.device) if config.measure_device_memory else None
-        if self.memory is not None:
-            self.forward, self.backward = self.memory.wrap(self.forward), self.memory.wrap(self.backward)
+        self.memory = DeviceMemoryTracker(self.device) if config.measure_device_memory else None  # forward, backward
 
         # The step: the optimizer over the masters, what the ranks exchange, and when each layer's update runs.
         self.events = LayerEvents(len(self.store.layers), config.watchdog_s)
@@ -164,6 +162,35 @@ class Engine:
     def optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self.update.optimizer = optimizer
 
+    def replace_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Step `optimizer` (the same object, its hyper-parameters and param groups) instead of the one the engine
+        was built with, before the first step: a face's prepare(model) followed by prepare(optimizer).
+
+        It may hold the model's parameters as they were before the engine took the model (each emptied when it
+        was copied into the store), the host masters, or the resident parameters' device copies; its state is
+        dropped. Refused once the current optimizer has stepped, and where the update path was built over
+        it a layer at a time (give the optimizer with the model then)."""
+        if any(self.optimizer.state.values()):
+            raise RuntimeError("the model has trained with its current optimizer already; replace the optimizer "
+                               "before the first step")
+        if self.update.layered is not None:
+            raise RuntimeError("this engine updates a layer at a time (optimizer_overlap or a host mode) with views "
+                               "of the optimizer it was built with; pass the model and its optimizer together")
+        masters = dict(self.named_parameters())
+        name_of = {id(p): n for n, p in masters.items()}
+        by_master = {id(d): name_of[id(m)] for d, m in zip(self.placement.device_globals, self.store.globals.params)
+                     if id(m) in name_of}
+
+        def name(p: torch.Tensor) -> str | None:
+            # An id alone could belong to a new tensor that reused a dead original's address, so only an emptied
+            # tensor is taken for an original (the engine emptied each when it copied it into the store).
+            known = name_of.get(id(p)) or by_master.get(id(p))
+            return known if known is not None or p.numel() != 0 else self._name_of.get(id(p))
+
+        move_onto_masters(optimizer, name, masters)
+        self.optimizer = optimizer
+        return optimizer
+
     @property
     def _layered(self) -> LayeredStep | None:
         """The per-layer optimizer views and their thread, when the update path has them."""
@@ -187,6 +214,7 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> CausalLMOutputWithPast:
         return self.forward(*args, **kwargs)
 
+    @tracked
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 return_logits: bool = False, num_items_in_batch: int | torch.Tensor | None = None,
@@ -277,6 +305,7 @@ class Engine:
                                "autograd. Call engine.backward(loss) (DeepSpeed face) or accelerator.backward(loss)")
         return grad
 
+    @tracked
     def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
         """Add d(loss)/d(params) into the host gradient slabs (accumulates across calls).
 
@@ -547,6 +576,11 @@ class Engine:
     @property
     def world_size(self) -> int:
         return self.dp.world_size if self.dp is not None else 1
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (its device index under a launcher)."""
+        return self.dp.local_rank if self.dp is not None else 0
 
     # -- accounting ---------------------------------------------------------------------------------
     @property

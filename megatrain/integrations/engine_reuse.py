@@ -72,14 +72,11 @@ def _train_on(earlier: Any, model: nn.Module, a: dict[str, Any], config: Any) ->
     cfg = parse_config(config, args=a.get("args"), world_size=launch_env().world_size)
     backend = earlier.backend
     eng = backend.engine
-    # Trainer built the optimizer over model.parameters() after the engine bound the model: the resident
-    # parameters are then the engine's device copies, which the engine knows by their host masters.
-    to_master = {id(d): m for d, m in zip(eng.placement.device_globals, eng.store.globals.params)}
-    for group in optimizer.param_groups:
-        group["params"] = [to_master.get(id(p), p) for p in group["params"]]
+    # Trainer built the optimizer over model.parameters() after the engine bound the model (the resident
+    # parameters are then the engine's device copies: Engine.replace_optimizer knows them by their masters).
     # The optimizer that steps: the one given, or torch's AdamW for DeepSpeed's CPU Adam (deepspeed/exact_adam.py).
     _, optimizer = backend.prepare(None, optimizer)
-    backend._config_clip = float(cfg.gradient_clipping)  # the training config's clipping, not the reference pass's
+    backend.set_clipping(cfg.gradient_clipping)  # the training config's clipping, not the reference pass's
     if lr_scheduler is not None and not (hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "state_dict")):
         lr_scheduler = lr_scheduler(optimizer) if callable(lr_scheduler) else lr_scheduler
     _forward_only.pop(model, None)

@@ -27,6 +27,11 @@ from ..runtime.stream import CopyStream, Event, Trace
 OptimizerArg = torch.optim.Optimizer | Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer] | None
 
 
+# What a face is told when the optimizer it hands over holds a tensor the model does not.
+NOT_A_PARAMETER = ("the optimizer holds a tensor that is not a parameter of the model; build it over "
+                   "model.parameters()")
+
+
 def adopt_optimizer(optimizer: OptimizerArg, named: list[tuple[str, nn.Parameter]], name_of: dict[int, str],
                     aliases: dict[str, str]) -> torch.optim.Optimizer:
     """The optimizer over the host masters `named`: a fused AdamW by default, a factory's, or the user's own
@@ -41,20 +46,25 @@ def adopt_optimizer(optimizer: OptimizerArg, named: list[tuple[str, nn.Parameter
     # so LR schedulers built on it keep working.
     by_name = dict(named)
     by_name.update({a: by_name[n] for a, n in aliases.items() if n in by_name})
+    move_onto_masters(optimizer, lambda p: name_of.get(id(p)), by_name)
     for group in optimizer.param_groups:
-        new = []
-        for p in group["params"]:
-            name = name_of.get(id(p))
-            if name is None:
-                raise ValueError("the optimizer holds a parameter that is not part of the model; build it "
-                                 "over model.parameters() before handing both to MegaTrain")
-            new.append(by_name[name])
-        group["params"] = new
         if (isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and group.get("fused") is None
                 and group.get("foreach") is None and not group.get("differentiable")):
             group["fused"] = True  # same math; the user chose no kernel, and the default one is ~10x slower here
-    optimizer.state = defaultdict(dict)
     return optimizer
+
+
+def move_onto_masters(optimizer: torch.optim.Optimizer, name: Callable[[torch.Tensor], str | None],
+                      masters: dict[str, nn.Parameter]) -> None:
+    """Point every param group of `optimizer` at the host masters, each tensor it holds by its parameter's name
+    (`name`: None for a tensor that is no parameter of the model, refused); its state goes with the old tensors.
+    The one routine for an optimizer given with the model and one handed over later (Engine.replace_optimizer)."""
+    for group in optimizer.param_groups:
+        names = [name(p) for p in group["params"]]
+        if None in names:
+            raise ValueError(NOT_A_PARAMETER)
+        group["params"] = [masters[n] for n in names]
+    optimizer.state = defaultdict(dict)
 
 
 def unsupported_reason(opt: torch.optim.Optimizer) -> str | None:
