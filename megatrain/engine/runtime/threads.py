@@ -37,3 +37,16 @@ def set_team(n: int) -> None:
         torch.set_num_threads(n)
     else:
         fn(n)
+
+
+# The launch thread (queueing compute and copies, or computing on a CPU device) and the copy threads (issuing each
+# link's jobs) keep a core each while an update runs beside them.
+RESERVED_CORES = 2
+
+
+def update_threads(beside_compute: bool, cores: int | None = None) -> int:
+    """Workers for the host update's pool: every core when it runs alone (a step that waits for it), else every core
+    but the launch and copy threads' (RESERVED_CORES): an update overlapped with the next forward (or in backward)
+    that takes all of them makes those threads wait for a core, and the device for them. At least one."""
+    n = cores if cores is not None else torch.get_num_threads()
+    return max(1, n - RESERVED_CORES) if beside_compute else max(1, n)

@@ -9,10 +9,10 @@ engine is built (`choose`):
 
 - WholeStep: in step(), on the caller's thread, one optimizer.step() over every master (any torch optimizer;
   an FP32 master with a bf16 shadow and torch's fused Adam/AdamW take Layered instead, `layer_pass_pays`).
-- Layered: in step(), the resident parameters at once and each layer queued on the optimizer thread in forward
-  order behind its gradients; with optimizer_overlap step() returns at once (the next forward's load of a
-  layer waits for its update), otherwise it waits (the hilo/bf16 masters and bf16 slabs update a layer at
-  a time).
+- Layered: in step(), each layer queued on the optimizer thread in forward order behind its gradients, then the
+  resident parameters updated on the caller's thread beside them (embedding first); with optimizer_overlap
+  step() returns once those are done (the next forward's load of a layer waits for its update), otherwise it
+  waits for the layers too (the hilo/bf16 masters and bf16 slabs update a layer at a time).
 - InBackward (optimizer_in_backward): during backward, on the optimizer thread, each layer as soon as its
   gradients are staged (no gradient slab); step() then updates the resident parameters.
 """
@@ -30,23 +30,27 @@ from ..host import hilo
 from ..host.events import LayerEvents
 from ..host.store import FlatGroup, HostStore
 from ..runtime.stream import Event, Trace
+from ..runtime.threads import update_threads
 from . import adam_kernel, fused
 from .optim import LayeredStep, unsupported_reason
 
 
-def update_layer(layered: LayeredStep, group: FlatGroup, i: int, coefs: list[float]) -> None:
+def update_layer(layered: LayeredStep, group: FlatGroup, i: int, coefs: list[float], threads: int | None = None) -> None:
     """Layer i's update on the calling thread: FP32 gradients (times `coefs`) and master, AdamW, master and
-    streamed copy written back; in one pass of cache-sized tiles where the optimizer allows (fused.py)."""
+    streamed copy written back; in one pass of cache-sized tiles where the optimizer allows (fused.py), on
+    `threads` workers (None: every torch thread)."""
     if group.grad is not None:
         layered.events.slabs.zero_if_fresh(i, group.grad)  # a step after zero_grad() with no backward: zeros
-    update_group(layered.view_optimizer(i), group, coefs)
+    update_group(layered.view_optimizer(i), group, coefs, threads)
 
 
-def update_group(view: torch.optim.Optimizer | None, group: FlatGroup, coefs: list[float]) -> None:
+def update_group(view: torch.optim.Optimizer | None, group: FlatGroup, coefs: list[float],
+                 threads: int | None = None) -> None:
     """`group`'s update by `view` (its share of the optimizer; None: another rank's), its gradients times
-    `coefs`: the fused pass where it applies, else whole-group passes (load and scale, unpack, step, pack)."""
+    `coefs`: the fused pass where it applies (on `threads` workers), else whole-group passes (load and scale,
+    unpack, step, pack)."""
     if view is not None and fused.eligible(view, group):
-        fused.fused_update(view, group, coefs)
+        fused.fused_update(view, group, coefs, threads=threads)
         return
     group.load_grads(coefs)
     group.unpack()
@@ -127,7 +131,8 @@ WholeStep = UpdatePath
 
 
 class Layered(UpdatePath):
-    """In step(): the resident parameters now, each layer queued on the optimizer thread behind its gradients."""
+    """In step(): each layer queued on the optimizer thread behind its gradients, then the resident parameters
+    updated on the caller's thread while the optimizer thread works through the layers."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
                  config: EngineConfig, trace: Trace) -> None:
@@ -135,6 +140,8 @@ class Layered(UpdatePath):
         self.layered = LayeredStep(optimizer, store, events, trace, config.watchdog_s)
         self.overlapped = config.optimizer_overlap
         self.folds_clip = True
+        # Overlapped, the layer updates run beside the next forward: they leave the launch and copy threads a core.
+        self.threads = update_threads(self.overlapped)
 
     def step(self, finite: Callable[[], bool], coefs: list[float]) -> bool:
         if not finite():
@@ -147,20 +154,40 @@ class Layered(UpdatePath):
         # The resident parameters: with FP32 slabs the clip is folded into their update too (Engine._clip_folded);
         # with bf16 slabs clip_grad_norm_ scaled their FP32 slab already.
         pending = coefs if self.store.grad_mode is GradSlab.FLOAT32 else []
-        globals_ = self.store.globals
+        threads = self.threads
 
-        def update_globals(view: torch.optim.Optimizer) -> None:
-            update_group(view, globals_, pending)
+        def update(i: int) -> None:
+            if spill is None:
+                update_layer(layered, layers[i], i, coefs, threads)
+            else:  # the same update, with the spilled state read in around it
+                spill.around(i, lambda: update_layer(layered, layers[i], i, coefs, threads))
 
         if spill is not None:
             spill.begin_step()
-            layered.step(lambda i: spill.around(i, lambda: update_layer(layered, layers[i], i, coefs)),
-                         self.events.landed, update_globals)
-        else:
-            layered.step(lambda i: update_layer(layered, layers[i], i, coefs), self.events.landed, update_globals)
+        self._queue(update, pending)
         if not self.overlapped:
             layered.synchronize()  # a per-layer mode without overlap: step() returns with every layer done
         return True
+
+    def _queue(self, update: Callable[[int], None], pending: list[float]) -> None:
+        """Every layer's update queued on the optimizer thread (in forward order, each behind its gradients' last
+        reduction) before the resident parameters' update starts here: the optimizer thread starts on layer 0
+        while this thread updates the resident ones, not after (issue 40's serial gap). The same jobs and
+        hyper-parameters as LayeredStep.step, which updated the resident parameters first."""
+        layered = self.layered
+        layered.sync_all()  # the previous step's jobs done; this step's LR and state links taken for every view
+        for i in range(len(self.store.layers)):
+            def job(i: int = i) -> int:
+                update(i)
+                return 0
+
+            layered.submit(i, job, self.events.landed[i])
+        view = _globals_view(layered)
+        if view is not None:
+            # The embedding first (the next forward reads it first), the final norm and the head after it: the
+            # order of the resident group's parameters (placement: the model's own order, embedding first).
+            update_group(view, self.store.globals, pending, self.threads)
+        layered.optimizer._opt_called = True  # LR schedulers check that optimizer.step() ran before them
 
     def zero_grad(self) -> None:
         self.layered.zero_grad()  # each layer's after its queued update, off this thread
@@ -219,13 +246,14 @@ class InBackward(UpdatePath):
             self._failed_layer = i
             return
         view = self.layered.view_optimizer(i)
+        threads = update_threads(True)  # beside backward: the launch and copy threads keep their cores
         if view is not None and fused.eligible(view, group):
-            fused.fused_update(view, group, [], grad_source=staging)  # one pass: staging to updated master
+            fused.fused_update(view, group, [], grad_source=staging, threads=threads)  # one pass: staging to master
             return
         gw = group.grad_work
         gw.zero_()
         gw.add_(staging[: group.numel])  # 0 + g: the value an ordinary zeroed FP32 slab holds after one backward
-        update_layer(self.layered, group, i, [])
+        update_layer(self.layered, group, i, [], threads)
 
     def step(self, finite: Callable[[], bool], coefs: list[float]) -> bool:
         """The layers are updated (or the step failed; each layer checked its own): the resident parameters now."""
@@ -264,6 +292,12 @@ class InBackward(UpdatePath):
     def weights_loaded(self) -> None:
         self._failed_layer = None
         self._unstepped = False
+
+
+def _globals_view(layered: LayeredStep) -> torch.optim.Optimizer | None:
+    """The resident parameters' view of the optimizer (None: none here), synced by sync_all()."""
+    view = layered._globals  # LayeredStep keeps it private: its own step() is the only other user
+    return view.optimizer if view is not None else None
 
 
 def overlap_pays(device: torch.device, config: EngineConfig, optimizer: torch.optim.Optimizer) -> bool:
