@@ -112,21 +112,3 @@ def test_planted_line_in_a_face_fails_the_scan() -> None:
     assert reaches(face) == []
     assert [h.split(": ", 1)[1] for h in reaches(planted)] == ["eng._norm"]
 
-
-def private_imports(source: str, filename: str = "<source>") -> list[str]:
-    """Underscore names `source` imports from MegaTrain's own modules (relative or `megatrain.` imports)."""
-    found = []
-    for node in ast.walk(ast.parse(source, filename)):
-        own = isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").startswith("megatrain"))
-        if own:
-            found += [f"{filename}:{node.lineno}: {a.name}" for a in node.names if _private(a.name)]
-    return found
-
-
-def test_engine_modules_import_no_private_name_of_another() -> None:
-    """Inside the engine too a module uses another's public names (runtime/stream.py's CudaEvent, not _CudaEvent)."""
-    found = [hit for p in sorted(ENGINE.rglob("*.py"))
-             for hit in private_imports(p.read_text(), p.relative_to(ROOT).as_posix())]
-    assert not found, "\n".join(found)
-    assert private_imports("from ..runtime.stream import _CudaEvent") == ["<source>:1: _CudaEvent"]
-    assert private_imports("from torch.nn.modules.module import _IncompatibleKeys") == []

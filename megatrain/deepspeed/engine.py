@@ -58,10 +58,7 @@ class MegaTrainEngine:
         self.micro_steps = 0
         self.skipped_steps = 0
         # Data parallel (torchrun & co.): every rank runs one of these over its own engine (engine/distributed.py).
-        dp = getattr(engine, "dp", None)
-        self.global_rank = dp.rank if dp is not None else 0
-        self.local_rank = dp.local_rank if dp is not None else 0
-        self.world_size = dp.world_size if dp is not None else 1
+        self.global_rank, self.local_rank, self.world_size = engine.rank, engine.local_rank, engine.world_size
         self.dp_world_size = self.world_size
         self._is_boundary_override: bool | None = None
         self._no_sync = False
