@@ -125,3 +125,53 @@ def test_negative_control_without_the_host_mask_the_layout_reads_the_device():
     with pytest.raises((NotImplementedError, RuntimeError), match="meta"):  # bool(valid.all()) reads the device
         _segments_mask(3, 10, 10, attention_mask=_padded_mask().to("meta"), device="meta",
                        mask_function=causal_mask_function)
+
+
+def test_the_accelerate_loader_leaves_the_batch_on_the_host():
+    """The face's loader hands the batch over where it is: the engine copies the ids and reads the rest (valid
+    labels, padding, the embedding's rows) on the host. Moved to the device first, each read is a sync."""
+    from megatrain.accelerate.data import PreparedDataLoader
+    from megatrain.accelerate.wrappers import GradientState
+
+    data = [{"input_ids": torch.arange(6).view(2, 3), "labels": torch.arange(6).view(2, 3)} for _ in range(3)]
+    loader = torch.utils.data.DataLoader(data, batch_size=None)
+    batches = list(PreparedDataLoader(loader, torch.device("meta"), GradientState(1)))
+    assert len(batches) == 3
+    assert all(t.device.type == "cpu" for b in batches for t in b.values())
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_segment_starts_are_read_on_the_host_with_or_without_a_mask(mask):
+    """Where documents start is decided from the mask function evaluated on host indices, mask or none; the
+    device's copy of the starts (for the dense mask) is never read back."""
+    from megatrain.engine.layer.attention import _segments_mask, host_mask
+
+    host = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    with host_mask(host if mask else None):
+        seg = _segments_mask(2, 4, 4, attention_mask=host.to("meta") if mask else None, device="meta")
+    assert (seg is None) != mask  # plain causal without a mask; a padded row with one
+
+
+def test_negative_control_device_starts_need_the_device_values(monkeypatch):
+    import megatrain.engine.layer.attention as A
+
+    monkeypatch.setattr(A, "_host_starts", lambda *a: None)  # as before: no mask, the device's starts read back
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        A._segments_mask(2, 4, 4, device="meta")
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+def test_the_loss_counts_and_picks_valid_labels_on_the_host(tiled):
+    """Host labels: which tokens count, how many, and each tile's rows are found without reading the device."""
+    from megatrain.engine.layer.loss import chunked_causal_lm_loss, tiled_norm_head_loss
+
+    hidden = torch.empty(2, 5, 4, device="meta")
+    head, norm = nn.Linear(4, 12, bias=False, device="meta"), nn.LayerNorm(4, device="meta")
+    labels = torch.tensor([[-100, 3, 4, -100, 1], [2, 2, -100, 7, 0]])
+    if tiled:
+        loss = tiled_norm_head_loss(hidden, norm, head, labels, tile_tokens=3)
+    else:
+        loss = chunked_causal_lm_loss(hidden, head, labels, chunk_tokens=3)
+    assert loss.device.type == "meta"
+    with pytest.raises((NotImplementedError, RuntimeError)):  # negative control: device labels must be read back
+        tiled_norm_head_loss(hidden, norm, head, labels.to("meta"), tile_tokens=3)

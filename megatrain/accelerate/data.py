@@ -1,4 +1,5 @@
-"""The prepared dataloader: batches on the backend's device, the last of an epoch marked, sharded over ranks."""
+"""The prepared dataloader: batches left in host memory for the engine to copy, the last of an epoch marked, sharded
+over ranks."""
 
 from __future__ import annotations
 
@@ -9,18 +10,7 @@ from typing import Any
 
 import torch
 
-from ..engine import to_device
 from .wrappers import GradientState, forward_attr
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if torch.is_tensor(obj):
-        return to_device(obj, device)
-    if isinstance(obj, dict):
-        return type(obj)({k: _to_device(v, device) for k, v in obj.items()})
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_to_device(v, device) for v in obj)
-    return obj
 
 
 class _Skip:
@@ -51,7 +41,12 @@ def skipping(loader: torch.utils.data.DataLoader, skip: int) -> Any:
 
 
 class PreparedDataLoader:
-    """Yields the loader's batches on the backend's device and marks the last one of each epoch.
+    """Yields the loader's batches and marks the last one of each epoch.
+
+    The batches stay in host memory: the engine copies what it needs to the device itself (the ids queued as one
+    asynchronous copy), and reads the rest (which labels count, where padding and documents start, the
+    embedding's rows) where it is, on the host. Moved to a GPU first, each of those reads would be a device sync
+    per micro-batch.
 
     With several ranks, rank r of N yields batches r, r + N, r + 2N, ... (Accelerate's default
     sharding): one round of N batches is one global batch of N x the loader's batch size. A last,
@@ -116,9 +111,9 @@ class PreparedDataLoader:
                 upcoming = next(it)
             except StopIteration:
                 self._state.end_of_dataloader = True
-                yield _to_device(current, self._device)
+                yield current
                 break
-            yield _to_device(current, self._device)
+            yield current
             current = upcoming
         self._state.end_of_dataloader = False
 

@@ -120,7 +120,9 @@ def _segments_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
     sees_prev = mask_function(b, torch.zeros((), dtype=torch.long, device=device), t[None, :],
                               (t - 1).clamp_min(0)[None, :])
     starts = ~torch.as_tensor(sees_prev, device=device).expand(batch_size, s)
-    host_starts = _host_starts(mask_function, batch_size, s) if on_host else None
+    # The decisions below read the starts on the host: from the mask function evaluated there wherever the
+    # device is not the host (without a mask too), so reading them costs no device sync.
+    host_starts = _host_starts(mask_function, batch_size, s) if on_host or torch.device(device).type != "cpu" else None
     host_starts = starts if host_starts is None else host_starts
     if not bool(host_starts[:, 1:].any()):
         starts = host_starts = None
