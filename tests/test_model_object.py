@@ -10,6 +10,9 @@ public path to the weights is walked against the engine's own parameter set.
 from __future__ import annotations
 
 import copy
+import inspect
+import json
+import pickle
 import warnings
 
 import pytest
@@ -22,6 +25,7 @@ import megatrain
 from megatrain import Accelerator
 from megatrain.config import EngineConfig
 from megatrain.engine import Engine
+from megatrain.engine.model.model_object import plain_class
 
 LR = 1e-3
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
@@ -589,6 +593,101 @@ def test_a_parameter_or_module_replaced_after_the_engine_took_the_model_is_refus
             model(**b)
         with pytest.raises(RuntimeError, match=match):
             model.state_dict()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the binding is the class's: nothing on the instances
+
+_ROUTED = ("forward", "state_dict", "named_parameters", "load_state_dict", "_apply", "__deepcopy__")
+
+
+def _assert_class_bound(model: torch.nn.Module, plain: type) -> None:
+    routed = [n for n in _ROUTED if n in vars(model)]
+    assert not routed, f"{routed} set on the model instance: the binding must be its class's"
+    patched = [f"{name or '<model>'}.{n}" for name, m in model.named_modules() for n in _ROUTED if n in vars(m)]
+    assert not patched, f"methods set on submodule instances: {patched[:3]}"
+    assert isinstance(model, plain) and type(model) is not plain
+    # The route starts at the class: go to type(model).forward and you are in the model object's module
+    assert type(model).forward.__module__ == "megatrain.engine.model.model_object"
+    # HF saves type(model).__name__ as the architecture and picks the loss by it; Trainer, PEFT and TRL test it
+    assert (type(model).__name__, type(model).__qualname__, type(model).__module__) == (
+        plain.__name__, plain.__qualname__, plain.__module__)
+
+
+def test_the_engine_binds_the_model_by_its_class_not_its_instance():
+    """forward, state_dict, named_parameters, load_state_dict (and the conversion guard) are the class's."""
+    model = tiny_model("qwen2", layers=2, tied=True)
+    Engine(model)
+    _assert_class_bound(model, transformers.Qwen2ForCausalLM)
+    layer = model.model.layers[0]
+    qwen2 = transformers.models.qwen2.modeling_qwen2
+    assert type(layer).__name__ == "Qwen2DecoderLayer" and isinstance(layer, qwen2.Qwen2DecoderLayer)
+    # Still routed, still guarded, from the class
+    with pytest.raises(RuntimeError, match="host store"):
+        layer.half()
+    b = make_batches(1)[0]
+    out = model(**b)
+    assert out.loss is not None and out.logits is None  # the engine's chunked loss: no logits in training
+    # HF's own signature: Trainer keeps the dataset columns it names, generate reads it
+    assert inspect.signature(model.forward) == inspect.signature(qwen2.Qwen2ForCausalLM(model.config).forward)
+
+
+@pytest.mark.xfail(strict=True, reason="integrations/fused_head.py's serve_fused_lm_head still sets forward on the "
+                   "instance after the engine binds; model_object.serve_forward_keyword serves it from the class")
+def test_after_initialize_the_model_is_bound_by_its_class_not_its_instance():
+    """Both faces: forward, state_dict, named_parameters and load_state_dict are not instance attributes."""
+    acc = Accelerator(backend="megatrain")
+    model = tiny_model("qwen2", layers=2, tied=True)
+    pm, _ = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    _assert_class_bound(acc.unwrap_model(pm), transformers.Qwen2ForCausalLM)
+    _assert_class_bound(_ds(tiny_model("llama", layers=2)).module, transformers.LlamaForCausalLM)
+
+
+def test_a_bound_models_save_names_its_own_architecture(tmp_path):
+    """A prefixed class name (FSDP2's) would be written into config.json's architectures."""
+    eng, model = _trained_engine(steps=1)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert model.loss_type == "ForCausalLM"
+
+
+def test_copies_and_pickles_are_plain_models_of_the_original_class():
+    eng, model = _trained_engine(steps=1)
+    model.eval()
+    b = make_batches(1, seed=3)[0]
+    with torch.no_grad():
+        want = model(**b).logits
+    frozen = copy.deepcopy(model)
+    loaded = pickle.loads(pickle.dumps(model))  # torch.save(model) pickles too
+    for what, m in (("deepcopy", frozen), ("pickle", loaded)):
+        assert type(m) is transformers.LlamaForCausalLM, what
+        bound = [name for name, sub in m.named_modules() if type(sub) is not plain_class(type(sub))]
+        assert not bound, f"{what}: submodules of a generated class: {bound[:3]}"
+        assert not [n for n in vars(m) if n.startswith("_megatrain") or n in _ROUTED], what
+        assert m.config._attn_implementation == eng.hf_attention, what  # the model's own attention
+        with torch.no_grad():
+            assert (m(**b).logits - want).abs().max() <= 1e-5, what
+        m.to(torch.float64)  # its own conversions: nothing refuses them
+    lone = copy.deepcopy(model.model.layers[1])
+    assert type(lone) is transformers.models.llama.modeling_llama.LlamaDecoderLayer
+    lone.to(torch.float64)
+    with pytest.raises(RuntimeError, match="host store"):
+        model.model.layers[1].to(torch.float64)  # the original is still guarded
+
+
+def test_a_model_of_the_bound_class_that_no_engine_serves_is_plain():
+    """The probe and a user may build a model from type(model): it runs as the original class."""
+    eng, model = _trained_engine(steps=0)
+    ref = tiny_model("llama", layers=3, seed=5).eval()
+    other = type(model)(ref.config)
+    other.load_state_dict(ref.state_dict())
+    other.eval()
+    b = make_batches(1)[0]
+    with torch.no_grad():
+        assert torch.equal(other(**b).logits, ref(**b).logits)
+    assert_whole(model.state_dict(), eng, "bound model beside an unbound one")
+    assert set(other.state_dict()) == set(ref.state_dict())
+    other.to(torch.float64)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

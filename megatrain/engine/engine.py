@@ -114,7 +114,8 @@ class Engine:
                                      config.num_buffers, self.device, self.compute_dtype,
                                      sum(p.numel() * p.element_size() for p in self.placement.device_globals),
                                      self.parts.lm_head.weight.shape)
-        self.memory = DeviceMemoryTracker(self.device) if config.measure_device_memory else None  # forward, backward
+        # forward and backward run under it (@tracked), when it is on
+        self.memory = DeviceMemoryTracker(self.device) if config.measure_device_memory else None
 
         # The step: the optimizer over the masters, what the ranks exchange, and when each layer's update runs.
         self.events = LayerEvents(len(self.store.layers), config.watchdog_s)

@@ -18,17 +18,30 @@
 - `.to()` / `.cuda()` / `.half()` and the like are refused when they would change anything (a no-op,
   or a move to the engine's own device, passes): they would cut the weights loose from the store the
   optimizer updates.
+
+How: the binding is at class level, as FSDP2's `fully_shard` does it. The model's class becomes a generated
+subclass of its own class (one per original class, cached) whose `forward`, `state_dict`, `named_parameters`,
+`load_state_dict`, `_apply`, `__deepcopy__` and `__reduce_ex__` are defined below, so `type(model).forward` is
+where `model(**batch)` goes; every submodule's class becomes a generated subclass that adds only the `_apply`
+guard and pickles as its own class. Nothing is set on the instances but one entry, `_megatrain_binding` in the
+model's `__dict__` (the engine, and the parameters it took). The generated classes keep their original's
+`__name__`, `__qualname__` and `__module__`: Hugging Face writes `type(model).__name__` into a saved
+config.json's `architectures` and picks the loss by it, Trainer, PEFT and TRL test class names, and the
+engine's own checks match layer class names; `isinstance(model, OriginalClass)` holds, and a deep copy (or an
+unpickled model) is a plain model of the original class.
 """
 
 from __future__ import annotations
 
 import copy
+import copyreg
 import functools
 import inspect
 import itertools
 import types
 import weakref
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -37,6 +50,7 @@ from torch import nn
 from ...costs.modes import HostMaster
 from ...models.adapter import DecoderParts
 from ..host.store import HostStore
+from ..layer.router import _RecordedStack
 from ..pipeline.inference import streamed_layers
 from ..pipeline.schedule import LayerPipeline
 
@@ -51,7 +65,6 @@ class Engine(Protocol):
     store: HostStore
     pipeline: LayerPipeline
     device: torch.device
-    check_model_intact: Callable[[], None]
 
     def forward(self, **kwargs: Any) -> Any: ...
     def synchronize(self) -> None: ...
@@ -62,116 +75,240 @@ class Engine(Protocol):
 # (`cache` is transformers 5's name for `past_key_values`.)
 _HF_ONLY = ("past_key_values", "cache", "use_cache", "cache_position", "output_hidden_states", "output_attentions")
 
+_BINDING = "_megatrain_binding"  # the model's one instance entry: its _Binding
+_PLAIN = "_megatrain_plain_class"  # a generated class's entry: the class it was generated from
+# What the generated classes define; never on an instance of one
+_ROUTED = ("forward", "state_dict", "named_parameters", "load_state_dict", "_apply", "__deepcopy__", "__reduce_ex__")
 
-_bound: weakref.WeakSet = weakref.WeakSet()
+_bound: weakref.WeakSet = weakref.WeakSet()  # the live engines (an engine lives as long as its model)
+_model_classes: dict[type, type] = {}  # original model class -> its generated, routed subclass
+_guarded_classes: dict[type, type] = {}  # original submodule class -> its generated subclass with the _apply guard
 
 
 def engines_holding(tensors: list[torch.Tensor]) -> list[Engine]:
     """The live engines whose model object holds any of `tensors` as a parameter."""
     ids = {id(t) for t in tensors}
-    # The class's named_parameters: the handles the model holds (the model object's override may serve copies)
-    return [e for e in list(_bound) if any(id(p) in ids for _, p in type(e.module).named_parameters(e.module))]
+    # The plain class's named_parameters: the handles the model holds (the routed one may serve copies)
+    return [e for e in list(_bound)
+            if any(id(p) in ids for _, p in plain_class(type(e.module)).named_parameters(e.module))]
 
 
-def bind(engine: Engine) -> None:
-    """Route `engine.module`'s forward, state_dict, load_state_dict and conversions through `engine`."""
-    _bound.add(engine)
-    model = engine.module
-    original = type(model).forward
-    signature = inspect.signature(original)
+def plain_class(cls: type) -> type:
+    """The class a generated (bound) class was made from; any other class itself."""
+    return cls.__dict__.get(_PLAIN, cls)
 
-    # A copy of the model (copy.deepcopy) carries these methods along, bound to itself: it is a plain model
-    # with its own weights then, so each of them serves the copy as the HF class would.
-    @functools.wraps(original)
-    def forward(self: nn.Module, *args: Any, return_logits: bool | None = None, return_hidden: bool = False,
-                **kwargs: Any) -> Any:
-        if self is not engine.module:
-            return original(self, *args, **kwargs)
-        check_intact()
-        return _route(engine, original, signature, self, args, kwargs, return_logits, return_hidden)
 
-    @functools.wraps(nn.Module.state_dict)
-    def state_dict(self: nn.Module, *args: Any, destination: Any = None, prefix: str = "",
-                   keep_vars: bool = False) -> dict[str, Any]:
-        if self is not engine.module:
-            return type(self).state_dict(self, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        check_intact()
-        engine.synchronize()  # overlapped layer updates land first: never a half-updated snapshot
-        out = type(self).state_dict(self, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        for name, master in engine.global_masters():
-            if prefix + name in out:  # the device copy may be bf16: serve the exact FP32 master instead
-                out[prefix + name] = master if keep_vars else master.detach()
-        if engine.store.master_mode is not HostMaster.FP32:
-            # The layers' Parameters are the shared scratch: serve the masters joined from the host store.
-            slots = _layer_slots(engine)
-            for name, p in type(self).named_parameters(self, remove_duplicate=False):
-                where = slots.get(id(p))
-                if where is not None and prefix + name in out:
-                    value = where[0].read_slot(where[1])
-                    out[prefix + name] = nn.Parameter(value, requires_grad=False) if keep_vars else value
-        return out
+class _Binding:
+    """What a bound model holds of its engine: the engine, and the parameters and modules the engine took (a
+    parameter or module swapped in afterwards would be served by some paths and not trained by others)."""
 
-    @functools.wraps(nn.Module.named_parameters)
-    def named_parameters(self: nn.Module, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        items = type(self).named_parameters(self, prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
-        if self is not engine.module or engine.store.master_mode is HostMaster.FP32:
-            yield from items
-            return
-        check_intact()
-        engine.synchronize()
-        slots = _layer_slots(engine)
-        for name, p in items:
-            where = slots.get(id(p))
-            yield name, (p if where is None else nn.Parameter(where[0].read_slot(where[1]), requires_grad=False))
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.keywords: dict[str, Callable[..., Any]] = {}  # forward keywords a face serves (serve_forward_keyword)
+        self.expected = [(name, mod, leaf, p) for name, mod in engine.module.named_modules()
+                         for leaf, p in mod._parameters.items() if p is not None]
 
-    @functools.wraps(nn.Module.load_state_dict)
-    def load_state_dict(self: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True,
-                        assign: bool = False) -> Any:
-        if self is not engine.module:
-            return type(self).load_state_dict(self, state_dict, strict=strict, assign=assign)
-        if assign:
-            raise ValueError("load_state_dict(assign=True) would replace the tensors the engine trains; "
-                             "call it with assign=False (the default)")
-        return _load(engine, self, state_dict, strict)
-
-    expected = [(name, mod, leaf, p) for name, mod in model.named_modules() for leaf, p in mod._parameters.items()
-                if p is not None]
-
-    def check_intact() -> None:
-        # A parameter or module swapped in after the engine took the model would be served by some paths and
-        # not trained by others: refuse every use of the model object until it is put back.
-        for name, mod, leaf, p in expected:
+    def check_intact(self) -> None:
+        """Refuse every use of the model object until what was swapped in after the engine took it is put back."""
+        for name, mod, leaf, p in self.expected:
             if mod._parameters.get(leaf) is not p:
                 raise RuntimeError(f"{name + '.' if name else ''}{leaf} was replaced after MegaTrain took the model; the "
                                    "engine trains the tensors it holds. Write new values in place (under "
                                    "zero.GatheredParameters(..., modifier_rank=0)) or with load_state_dict()")
-        parts = engine.parts
+        engine = self.engine
+        parts, model = engine.parts, engine.module
         if (getattr(parts.base, parts.layers_attr) is not parts.layers or model.get_input_embeddings() is not parts.embed
                 or model.get_output_embeddings() is not parts.lm_head):
             raise RuntimeError("the model's layers or embeddings were replaced after MegaTrain took the model (e.g. "
                                "resize_token_embeddings); change the model before handing it to MegaTrain")
 
-    def deepcopy_plain(memo: dict) -> nn.Module:
-        # The copy is a plain model: it gets the model's own attention back (the engine switched the shared
-        # config to segment attention, which knows no KV cache).
-        del model.__dict__["__deepcopy__"]
-        config = engine.hf_config
-        training_attention, config._attn_implementation = config._attn_implementation, engine.hf_attention
-        try:
-            return copy.deepcopy(model, memo)
-        finally:
-            config._attn_implementation = training_attention
-            model.__deepcopy__ = deepcopy_plain
 
-    engine.check_model_intact = check_intact
-    model.__deepcopy__ = deepcopy_plain
-    model.forward = types.MethodType(forward, model)
-    model.state_dict = types.MethodType(state_dict, model)
-    model.named_parameters = types.MethodType(named_parameters, model)
-    model.load_state_dict = types.MethodType(load_state_dict, model)
+def bind(engine: Engine) -> None:
+    """Route `engine.module`'s forward, state_dict, load_state_dict and conversions through `engine`: the model's
+    class becomes its generated subclass, each submodule's class one that guards conversions."""
+    model = engine.module
+    _bound.add(engine)
+    model.__dict__[_BINDING] = _Binding(engine)
+    # A method set on the instance would hide the class's: TRL's fused-head forward (whose options the face read
+    # before the engine took the model) goes, so does anything else in the way of the route.
+    for name in _ROUTED:
+        model.__dict__.pop(name, None)
     for mod in model.modules():
-        mod._apply = types.MethodType(functools.partial(_guarded_apply, engine), mod)
+        if mod is not model:
+            mod.__dict__.pop("_apply", None)
+            mod.__class__ = _guarded_class(plain_class(type(mod)))
+    model.__class__ = _model_class(plain_class(type(model)))
+
+
+def serve_forward_keyword(model: nn.Module, keyword: str, serve: Callable[..., Any]) -> None:
+    """Let the bound `model`'s forward take `keyword`: a call with `keyword=True` returns
+    `serve(routed, *args, **kwargs)`, `routed` being the model's engine-run forward bound to it (a face's head
+    of its own, e.g. TRL's `fused_lm_head=True`), and `keyword=False` is dropped. Nothing is set on the model."""
+    b = _binding(model)
+    if b is None:
+        raise ValueError(f"{type(model).__name__} is not served by a MegaTrain engine: build Engine(model) first")
+    b.keywords[keyword] = serve
+
+
+def _binding(model: nn.Module) -> _Binding | None:
+    """`model`'s binding when an engine serves it (a model of a generated class built by hand has none)."""
+    b = model.__dict__.get(_BINDING)
+    return b if b is not None and b.engine.module is model else None
+
+
+def _model_class(cls: type) -> type:
+    """`cls`'s generated subclass whose methods route the bound model through its engine (cached per class)."""
+    if cls not in _model_classes:
+        _model_classes[cls] = type(cls)(cls.__name__, (cls,), {
+            **_model_methods(cls), _PLAIN: cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            "__doc__": f"{cls.__qualname__}, bound to a MegaTrain engine (megatrain/engine/model/model_object.py)"})
+    return _model_classes[cls]
+
+
+def _guarded_class(cls: type) -> type:
+    """`cls`'s generated subclass that refuses conversions of a module an engine holds (cached per class)."""
+    if cls not in _guarded_classes:
+        _guarded_classes[cls] = type(cls)(cls.__name__, (cls,), {
+            "_apply": _submodule_apply, "__reduce_ex__": _reduce_as_plain, _PLAIN: cls,
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+    return _guarded_classes[cls]
+
+
+def _model_methods(plain: type) -> dict[str, Callable]:
+    """The bound model class's own methods; a model of the class that no engine serves gets `plain`'s."""
+    original = plain.forward
+    signature = inspect.signature(original)
+
+    # HF's signature and docs (Trainer keeps the dataset columns forward names, generate reads its arguments),
+    # this module's name: `type(model).forward` shows where the route starts.
+    @functools.wraps(original, assigned=("__doc__", "__name__", "__annotations__"))
+    def forward(self: nn.Module, *args: Any, return_logits: bool | None = None, return_hidden: bool = False,
+                **kwargs: Any) -> Any:
+        b = _binding(self)
+        if b is None or _engine_recording(b.engine, self):
+            return original(self, *args, **kwargs)
+        for keyword, serve in b.keywords.items():
+            if kwargs.pop(keyword, False):
+                return serve(types.MethodType(forward, self), *args, **kwargs)
+        b.check_intact()
+        return _route(b.engine, original, signature, self, args, kwargs, return_logits, return_hidden)
+
+    @functools.wraps(nn.Module.state_dict, assigned=("__doc__", "__name__"))
+    def state_dict(self: nn.Module, *args: Any, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> dict[str, Any]:
+        b = _binding(self)
+        if b is not None:
+            b.check_intact()
+            b.engine.synchronize()  # overlapped layer updates land first: never a half-updated snapshot
+        out = plain.state_dict(self, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if b is not None:
+            _serve_masters(b.engine, plain, self, out, prefix, keep_vars)
+        return out
+
+    @functools.wraps(nn.Module.named_parameters, assigned=("__doc__", "__name__"))
+    def named_parameters(self: nn.Module, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        items = plain.named_parameters(self, prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+        b = _binding(self)
+        if b is None or b.engine.store.master_mode is HostMaster.FP32:
+            yield from items
+            return
+        b.check_intact()
+        b.engine.synchronize()
+        slots = _layer_slots(b.engine)
+        for name, p in items:
+            where = slots.get(id(p))
+            yield name, (p if where is None else nn.Parameter(where[0].read_slot(where[1]), requires_grad=False))
+
+    @functools.wraps(nn.Module.load_state_dict, assigned=("__doc__", "__name__"))
+    def load_state_dict(self: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True,
+                        assign: bool = False) -> Any:
+        b = _binding(self)
+        if b is None:
+            return plain.load_state_dict(self, state_dict, strict=strict, assign=assign)
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace the tensors the engine trains; "
+                             "call it with assign=False (the default)")
+        return _load(b.engine, plain, self, state_dict, strict)
+
+    def _apply(self: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> nn.Module:
+        b = _binding(self)
+        if b is None:
+            return plain._apply(self, fn, *args, **kwargs)
+        return _guarded_apply(b.engine, self, fn)
+
+    def __deepcopy__(self: nn.Module, memo: dict) -> nn.Module:
+        # A copy (a reference or EMA model) is a plain model of the original class with its own weights: and
+        # with the model's own attention (the engine switched the shared config to segment attention, which
+        # knows no KV cache). Its submodules turn plain as they are copied (_reduce_as_plain).
+        b = _binding(self)
+        new = plain.__new__(plain)
+        memo[id(self)] = new
+        state = {k: v for k, v in self.__getstate__().items() if k != _BINDING}
+        with _own_attention(b.engine) if b is not None else nullcontext():
+            new.__setstate__(copy.deepcopy(state, memo))
+        return new
+
+    def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
+        # Pickled as the plain copy (torch.save(model)): the original class, own attention, no engine.
+        return _as_plain(plain, copy.deepcopy(self).__getstate__())
+
+    return {"forward": forward, "state_dict": state_dict, "named_parameters": named_parameters,
+            "load_state_dict": load_state_dict, "_apply": _apply, "__deepcopy__": __deepcopy__,
+            "__reduce_ex__": __reduce_ex__}
+
+
+def _serve_masters(engine: Engine, plain: type, model: nn.Module, out: dict[str, Any], prefix: str,
+                   keep_vars: bool) -> None:
+    """Put the FP32 masters into `out` (a state dict of `model` under `prefix`) where the model's own
+    Parameters are device copies or the shared scratch."""
+    for name, master in engine.global_masters():
+        if prefix + name in out:  # the device copy may be bf16: serve the exact FP32 master instead
+            out[prefix + name] = master if keep_vars else master.detach()
+    if engine.store.master_mode is not HostMaster.FP32:
+        # The layers' Parameters are the shared scratch: serve the masters joined from the host store.
+        slots = _layer_slots(engine)
+        for name, p in plain.named_parameters(model, remove_duplicate=False):
+            where = slots.get(id(p))
+            if where is not None and prefix + name in out:
+                value = where[0].read_slot(where[1])
+                out[prefix + name] = nn.Parameter(value, requires_grad=False) if keep_vars else value
+
+
+def _engine_recording(engine: Engine, model: nn.Module) -> bool:
+    # The engine itself runs the model's own forward with its stand-in for the decoder stack, to take the
+    # router term of a mixture-of-experts loss (layer/router.py): that call is the class's own forward.
+    prefix = engine.parts.base_prefix
+    return bool(prefix) and isinstance(model.get_submodule(prefix), _RecordedStack)
+
+
+@contextmanager
+def _own_attention(engine: Engine) -> Iterator[None]:
+    """The model's own attention implementation on the shared config, for its own forward or a plain copy."""
+    config = engine.hf_config
+    training_attention, config._attn_implementation = config._attn_implementation, engine.hf_attention
+    try:
+        yield
+    finally:
+        config._attn_implementation = training_attention  # segment attention knows no KV cache
+
+
+def _submodule_apply(self: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> nn.Module:
+    engine = next((e for e in list(_bound) if any(m is self for m in e.module.modules())), None)
+    if engine is None:  # no engine holds it (taken out of the model): a plain module of its own
+        return plain_class(type(self))._apply(self, fn, *args, **kwargs)
+    return _guarded_apply(engine, self, fn)
+
+
+def _reduce_as_plain(self: nn.Module, protocol: Any) -> Any:
+    # A copied or pickled submodule is an instance of its original class (deepcopy and pickle both reduce).
+    return _as_plain(plain_class(type(self)), self.__getstate__())
+
+
+def _as_plain(plain: type, state: dict[str, Any]) -> tuple:
+    """A reduction to an instance of `plain` with `state` (nn.Module.__setstate__ takes it). Made by the
+    standard library's own reconstructor (what protocols 0 and 1 use): loading needs no MegaTrain."""
+    return copyreg._reconstructor, (plain, object, None), state
 
 
 def _route(engine: Engine, original: Any, signature: inspect.Signature, model: nn.Module, args: tuple,
@@ -267,7 +404,7 @@ def _named_arguments(signature: inspect.Signature, model: nn.Module, args: tuple
 def hf_forward(engine: Engine, **kwargs: Any) -> Any:
     """The model's own Hugging Face forward (its own attention implementation, KV cache and all) with the
     layers streamed, under no_grad: what `generate` runs, and a reference for the engine's training path."""
-    return _streamed_hf_forward(engine, type(engine.module).forward, engine.module, kwargs, None)
+    return _streamed_hf_forward(engine, plain_class(type(engine.module)).forward, engine.module, kwargs, None)
 
 
 def _streamed_hf_forward(engine: Engine, original: Any, model: nn.Module, kw: dict[str, Any],
@@ -278,19 +415,14 @@ def _streamed_hf_forward(engine: Engine, original: Any, model: nn.Module, kw: di
     dev = engine.device
     kw = {k: v.to(dev) if torch.is_tensor(v) and k != "num_items_in_batch" else v for k, v in kw.items()}
     engine.synchronize()  # overlapped layer updates land before their weights are streamed
-    config = engine.hf_config
-    training_attention, config._attn_implementation = config._attn_implementation, engine.hf_attention
-    try:
-        with torch.no_grad(), streamed_layers(engine.pipeline, engine.store, engine.parts.layers):
-            return original(model, **kw)
-    finally:
-        config._attn_implementation = training_attention  # segment attention knows no KV cache
+    with _own_attention(engine), torch.no_grad(), streamed_layers(engine.pipeline, engine.store, engine.parts.layers):
+        return original(model, **kw)
 
 
-def _load(engine: Engine, model: nn.Module, state: dict[str, torch.Tensor], strict: bool) -> Any:
+def _load(engine: Engine, plain: type, model: nn.Module, state: dict[str, torch.Tensor], strict: bool) -> Any:
     from torch.nn.modules.module import _IncompatibleKeys
 
-    params = dict(type(model).named_parameters(model, remove_duplicate=False))  # names only: no joined copies
+    params = dict(plain.named_parameters(model, remove_duplicate=False))  # names only: no joined copies
     buffers = {n: b for n, b in model.named_buffers() if n.rpartition(".")[2] not in
                model.get_submodule(n.rpartition(".")[0])._non_persistent_buffers_set}
     missing = sorted(n for n in itertools.chain(params, buffers) if n not in state)
@@ -306,9 +438,8 @@ def _load(engine: Engine, model: nn.Module, state: dict[str, torch.Tensor], stri
     return _IncompatibleKeys(missing, unexpected)
 
 
-def _guarded_apply(engine: Engine, module: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> nn.Module:
-    if not any(m is module for m in engine.module.modules()):  # a copy: a plain module of its own
-        return nn.Module._apply(module, fn, *args, **kwargs)
+def _guarded_apply(engine: Engine, module: nn.Module, fn: Any) -> nn.Module:
+    """`module` (held by `engine`) unchanged when `fn` would change nothing; else refuse."""
     # An empty tensor of each dtype/device the module holds shows what the conversion would do, without
     # copying anything: a no-op (model.to(its own device)) passes, anything else would detach the weights.
     for t in itertools.chain(module.parameters(), module.buffers()):

@@ -13,7 +13,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -93,10 +93,19 @@ class DeviceMemoryTracker:
         with _Mode(self):
             yield
 
-    def wrap(self, fn: Callable) -> Callable:
-        @functools.wraps(fn)
-        def tracked(*args: Any, **kwargs: Any) -> Any:
-            with self.track():
-                return fn(*args, **kwargs)
 
-        return tracked
+
+def tracked(method: Callable) -> Callable:
+    """`method` run under its object's tracker, `self.memory` (a DeviceMemoryTracker; None: untracked).
+
+    A decorator on the class, so the method the class defines is the one that runs: nothing is rebound on
+    an instance, and a tracker set or cleared later takes effect at the next call.
+    """
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        memory = self.memory
+        with memory.track() if memory is not None else nullcontext():
+            return method(self, *args, **kwargs)
+
+    return run
