@@ -20,7 +20,7 @@ import torch
 from . import train_state
 from .config import EngineConfig
 from .integrations.fused_head import serve_fused_lm_head, trl_head_options
-from .settings import engine_config_from, read_config
+from .resolve import resolve
 
 
 @runtime_checkable
@@ -84,20 +84,6 @@ class Backend(Protocol):
     def load_state(self, directory: str | os.PathLike) -> None: ...
 
 
-def cpu_config(config: dict[str, Any] | EngineConfig | None) -> dict[str, Any] | EngineConfig:
-    """`config` with the engine's device set to the CPU (`Accelerator(cpu=True)`); a contradiction is refused."""
-    if isinstance(config, EngineConfig):
-        if config.device not in (None, "cpu"):
-            raise ValueError(f"cpu=True contradicts the EngineConfig's device={config.device!r}; drop one of them")
-        return EngineConfig.from_dict({**config.to_dict(), "device": "cpu"})
-    config = dict(config or {})
-    section = dict(config.get("megatrain") or {})
-    if section.get("device") not in (None, "cpu"):
-        raise ValueError(f"cpu=True contradicts the config's megatrain.device={section['device']!r}; drop one of them")
-    config["megatrain"] = {**section, "device": "cpu"}
-    return config
-
-
 class MegatrainBackend:
     """The MegaTrain engine: host-resident FP32 masters and optimizer state, layers streamed."""
 
@@ -124,22 +110,9 @@ class MegatrainBackend:
         gradient_clipping: float = 0.0,
         cpu: bool = False,
     ) -> None:
-        """`mixed_precision=None`: the compute dtype the config says (the DeepSpeed face's bf16 section)."""
-        if cpu:
-            config = cpu_config(config)
-        ec = engine_config_from(config)
-        want = ec.compute_dtype if mixed_precision is None else (
-            "bfloat16" if mixed_precision == "bf16" else "float32")
-        # Only a compute dtype the user wrote down can contradict mixed_precision; the default gives way to it.
-        explicit = "compute_dtype" in read_config(config).engine_keys
-        if ec.compute_dtype != want:
-            if explicit:
-                raise ValueError(
-                    f"mixed_precision={mixed_precision!r} contradicts the engine's compute_dtype={ec.compute_dtype!r}; "
-                    "drop one of them"
-                )
-            ec = EngineConfig.from_dict({**ec.to_dict(), "compute_dtype": want})
-        self.engine_config = ec
+        """`mixed_precision=None`: the compute dtype the config says (the DeepSpeed face's bf16 section). The
+        settings are resolved by megatrain/resolve.py (already so when the Accelerator hands its own over)."""
+        self.engine_config: EngineConfig = resolve(config, mixed_precision=mixed_precision, cpu=cpu).engine
         # Gradient checkpointing needs no switch: the engine recomputes every layer in backward, which
         # is exactly the FLOPs of HF's per-layer checkpointing on the other backends.
         self._config_clip = float(gradient_clipping)

@@ -1,11 +1,18 @@
-"""Engine settings: the `megatrain` section of a DeepSpeed-style config, as one typed object."""
+"""Engine settings: the `megatrain` section of a DeepSpeed-style config, as one typed, frozen object.
+
+An `EngineConfig` holds its settings resolved (`"auto"` settled for this machine, here and nowhere else) and
+keeps what the user wrote (`written`, with `"auto"` as written) for saving and printing. The faces reach it
+through megatrain/resolve.py, which settles their own arguments (mixed_precision, a DeepSpeed bf16 section)
+with `settle_compute_dtype` first.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import threading
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .costs.modes import GradSlab, HostMaster, parse
@@ -19,9 +26,11 @@ MIN_WATCHDOG_S = 0.1
 
 MAX_MMAP_THRESHOLD = 32 * 2**20  # glibc's HEAP_MAX_SIZE / 2 on 64-bit: mallopt refuses more
 MIN_MMAP_THRESHOLD = 4096  # a page: below it every small allocation would be a system call
+AUTO = "auto"
+MIXED_PRECISION = ("no", "bf16")  # Accelerate's names: FP32, bf16 compute
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     device: str | None = None  # None: the accelerator when it is usable, else cpu (engine/device_resolution.py)
     # What streams to and computes on the device; masters stay FP32. "auto": bfloat16 on a CUDA device that
@@ -81,8 +90,13 @@ class EngineConfig:
     nvme_path: str | None = None
     host_budget_bytes: int | None = None
     nvme_gbps: float | None = None
+    # What the user wrote, before "auto" was resolved: set by the constructor, carried by dataclasses.replace
+    # (the one way a resolved copy is made). Not a setting: outside ENGINE_KEYS, equality and repr.
+    _written: tuple[tuple[str, Any], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not self._written:
+            object.__setattr__(self, "_written", tuple((k, getattr(self, k)) for k in _SETTINGS))
         # A switch given as "no" or {} would be truthy: the opposite of what was meant, silently.
         for name in ("pin_memory", "measure_device_memory", "trace", "skip_nonfinite", "optimizer_overlap",
                      "parity_probe", "optimizer_in_backward"):
@@ -92,8 +106,10 @@ class EngineConfig:
         for name, value in (("watchdog_s", self.watchdog_s), ("link_gbps", 1.0 if self.link_gbps is None else self.link_gbps)):
             if not is_number(value):
                 raise ValueError(f"{name}={value!r} must be a number")
-        if self.compute_dtype == "auto":
-            self.compute_dtype = default_compute_dtype(self.device)
+        dtype = self.settle_compute_dtype(written=self.compute_dtype)
+        if dtype == AUTO:
+            dtype = default_compute_dtype(self.device)
+        object.__setattr__(self, "compute_dtype", dtype)
         if self.compute_dtype not in _DTYPES:
             raise ValueError(f"compute_dtype={self.compute_dtype!r} is not supported; use one of {_DTYPES} or 'auto'")
         check_host_modes(self)
@@ -127,6 +143,46 @@ class EngineConfig:
             raise ValueError(f"watchdog_s={self.watchdog_s!r} must be from {MIN_WATCHDOG_S} s (shorter fires on "
                              f"healthy work) to {threading.TIMEOUT_MAX:.0f} s (the longest wait Python's threads take)")
 
+    @staticmethod
+    def settle_compute_dtype(*, written: str | None = None, bf16: bool | None = None, mixed_precision: str | None = None,
+                             unsaid: str = AUTO, err: Callable[[str], Exception] = ValueError) -> str:
+        """The compute dtype that a user's settings name together, settled for every face by this one rule.
+
+        `written`: compute_dtype as written (a `megatrain` section, an EngineConfig; None: not written); `bf16`: a
+        DeepSpeed-style config's bf16.enabled (None: not said); `mixed_precision`: Accelerate's argument, "no" or
+        "bf16" (None: not a face argument); `unsaid`: the face's meaning when nothing is said ("float32" for a
+        DeepSpeed config, which trains in FP32 unless bf16 is enabled; "auto" for the engine). Returns "float32",
+        "bfloat16" or "auto" (resolved for the device by EngineConfig). "auto" as written gives way to the others;
+        two explicit settings that disagree are refused with the fix (`err` makes the error).
+        """
+        if mixed_precision is not None and mixed_precision not in MIXED_PRECISION:
+            raise ValueError(f"mixed_precision={mixed_precision!r} is not supported; use one of {MIXED_PRECISION}")
+        explicit = written not in (None, AUTO)
+        if bf16 is not None and explicit and written != _dtype(bf16):
+            raise err(f"'megatrain.compute_dtype' is {written!r} but bf16.enabled is {str(bf16).lower()}; drop one of them")
+        if mixed_precision is not None:
+            if bf16 is False and mixed_precision == "bf16":
+                raise err("mixed_precision='bf16' contradicts the config, which disables bf16")
+            # The argument's default ("no") gives way to a config that enables bf16.
+            want = _dtype(bf16 is True or mixed_precision == "bf16")
+            if explicit and written != want:
+                raise err(f"mixed_precision={mixed_precision!r} contradicts the engine's compute_dtype={written!r}; "
+                          "drop one of them")
+            return want
+        if bf16 is not None:
+            return _dtype(bf16)
+        return unsaid if written is None else written
+
+    @property
+    def written(self) -> dict[str, Any]:
+        """The settings as the user wrote them ("auto" and None kept): what a run records and prints."""
+        return dict(self._written)
+
+    def rewrite(self, **changes: Any) -> EngineConfig:
+        """These settings as written with `changes` written too, resolved afresh (a new device re-resolves "auto").
+        A copy that changes a resolved value only is `dataclasses.replace`."""
+        return EngineConfig.from_dict({**self.written, **changes})
+
     @property
     def master_mode(self) -> HostMaster:
         return HostMaster(self.host_master)
@@ -149,10 +205,16 @@ class EngineConfig:
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The resolved settings (`written`: as the user wrote them)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "_written"}
 
 
-ENGINE_KEYS = frozenset(f.name for f in fields(EngineConfig))
+_SETTINGS = tuple(f.name for f in fields(EngineConfig) if f.name != "_written")
+ENGINE_KEYS = frozenset(_SETTINGS)
+
+
+def _dtype(bf16: bool) -> str:
+    return "bfloat16" if bf16 else "float32"
 
 
 def default_compute_dtype(device: str | None) -> str:
@@ -175,7 +237,8 @@ def check_host_modes(cfg: EngineConfig) -> None:
     """The host-memory knobs are known values and fit together (clear errors naming the fix)."""
     master = parse(HostMaster, cfg.host_master, "host_master")
     grad = parse(GradSlab, cfg.host_grad_dtype, "host_grad_dtype")
-    cfg.host_master, cfg.host_grad_dtype = master.value, grad.value  # plain strings, as written in JSON
+    object.__setattr__(cfg, "host_master", master.value)  # plain strings, as written in JSON
+    object.__setattr__(cfg, "host_grad_dtype", grad.value)
     bf16 = cfg.compute_dtype == "bfloat16"
     if master is not HostMaster.FP32 and not bf16:
         raise ValueError(f"host_master={master.value!r} keeps a bf16 half that streams to the device: set "

@@ -4,28 +4,104 @@ A config reaches MegaTrain through either face (`megatrain.initialize`, `Acceler
 its `megatrain` section, a sweep point's `engine` mapping and `megatrain plan`'s flags all name the same
 engine settings. Here each of them is read the one way:
 
+- DeepSpeed's rules for the keys both faces read (`FACE_KEYS`), written once: `gradient_clipping`
+  (`clipping`), the `bf16` section (`bf16_section`, `bf16_enabled`), "auto" filled from TrainingArguments
+  (`from_args`); `face_keys` writes them (megatrain train's config);
 - `read_config`: what a config says to a face (bf16, clipping, accumulation; None where it leaves the
   face's argument to decide) and which engine settings the user wrote down;
 - `engine_config_from`: the engine settings, through the DeepSpeed parser that `megatrain.initialize`
   uses, so one config means the same engine on both faces;
 - `planner_knobs`: engine settings under the planner's argument names.
 
-Keys are checked by megatrain/validate.py (did-you-mean included), engine values by `EngineConfig`.
-Torch-free (the planner imports it); the DeepSpeed parser, which needs torch, is imported on first use.
+megatrain/resolve.py combines these with a face's own arguments into the settings it runs with. Keys are
+checked by megatrain/validate.py (did-you-mean included), engine values by `EngineConfig`. Torch-free (the
+planner imports it); the DeepSpeed parser, which needs torch, is imported on first use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .config import ENGINE_KEYS, EngineConfig, unknown_setting
-from .validate import check_keys
+from .config import AUTO, ENGINE_KEYS, EngineConfig, unknown_setting
+from .validate import check_keys, is_bool, is_number
 
-__all__ = ["ConfigSettings", "engine_config_from", "planner_knobs", "read_config"]
+__all__ = ["FACE_KEYS", "ConfigSettings", "bf16_enabled", "bf16_section", "clipping", "engine_config_from",
+           "face_keys", "from_args", "planner_knobs", "read_config"]
 
-AUTO = "auto"
+Err = Callable[[str], Exception]
+# The top-level DeepSpeed keys a face reads itself (the rest shape the optimizer, scheduler and engine).
+FACE_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+             "bf16", "bfloat16")
+_BATCH_KEYS = FACE_KEYS[:3]
+
+
+def from_args(args: Any, attr: str, name: str, hint: str, err: Err = ValueError) -> Any:
+    """An "auto" value as Hugging Face's integration fills it: from TrainingArguments.`attr`, else refused."""
+    if args is not None and getattr(args, attr, None) is not None:
+        return getattr(args, attr)
+    return _raise(err(f"{name!r} is \"auto\" but nothing determines it (Hugging Face fills it from "
+                      f"TrainingArguments.{attr}); {hint}"))
+
+
+def _raise(e: Exception) -> Any:
+    raise e
+
+
+def clipping(config: Mapping[str, Any], *, args: Any = None, script: bool = False, err: Err = ValueError) -> float:
+    """`gradient_clipping` by DeepSpeed's rules: the global-norm clip per optimizer step, 0 off, absent 1.0.
+
+    "auto": from `args` (TrainingArguments.max_grad_norm) as Hugging Face fills it; with `script` (the
+    Accelerate face), 0.0: the script clips where it calls clip_grad_norm_ (Accelerate fills it from there).
+    """
+    clip = config.get("gradient_clipping", 1.0)  # DeepSpeed's default is 1.0, not off
+    if clip == AUTO:
+        clip = 0.0 if script else from_args(args, "max_grad_norm", "gradient_clipping",
+                                             "write e.g. 1.0 (0 disables clipping)", err)
+    if not is_number(clip) or not math.isfinite(clip):
+        raise err(f"'gradient_clipping' must be a finite number, got {type(clip).__name__} {clip!r}")
+    if clip < 0:
+        raise err(f"gradient_clipping={float(clip)} must be >= 0 (0 turns clipping off)")
+    return float(clip)
+
+
+def bf16_section(config: Mapping[str, Any], err: Err = ValueError) -> tuple[str, dict[str, Any]]:
+    """(the key the config uses, "bf16" or its old name "bfloat16"; that section, {} when absent)."""
+    if "bf16" in config and "bfloat16" in config:
+        raise err("give only one of 'bf16' and its old name 'bfloat16'")
+    key = "bf16" if "bf16" in config else "bfloat16"
+    section = config.get(key)
+    if section is None:
+        return key, {}
+    if not isinstance(section, dict):
+        raise err(f"{key!r} must be an object (a JSON dict), got {type(section).__name__} {section!r}")
+    return key, section
+
+
+def bf16_enabled(config: Mapping[str, Any], *, args: Any = None, script: bool = False,
+                 err: Err = ValueError) -> bool | None:
+    """The bf16 section's `enabled` by DeepSpeed's rules: absent false, "auto" from `args` (bf16 or
+    bf16_full_eval, as Hugging Face fills it; false without them). With `script` (the Accelerate face),
+    None where it is absent or "auto": the face's mixed_precision argument decides."""
+    key, section = bf16_section(config, err)
+    on = section.get("enabled", AUTO if script else False)
+    if on == AUTO:
+        if script:
+            return None
+        on = bool(getattr(args, "bf16", False) or getattr(args, "bf16_full_eval", False)) if args is not None else False
+    if not is_bool(on):
+        raise err(f"'{key}.enabled' must be true or false, got {type(on).__name__} {on!r}")
+    return on
+
+
+def face_keys(*, micro_batch: int | str, accumulation: int | str, clip: float | str, bf16: bool | str
+              ) -> dict[str, Any]:
+    """The face keys of a DeepSpeed config, written out ("auto" where Trainer fills them in)."""
+    total = AUTO if AUTO in (micro_batch, accumulation) else micro_batch * accumulation
+    return {"train_batch_size": total, "train_micro_batch_size_per_gpu": micro_batch,
+            "gradient_accumulation_steps": accumulation, "gradient_clipping": clip, "bf16": {"enabled": bf16}}
 
 
 @dataclass(frozen=True)
@@ -49,48 +125,43 @@ def read_config(config: Any) -> ConfigSettings:
         # No DeepSpeed config: clip only where the script calls clip_grad_norm_.
         return ConfigSettings(bf16=None, gradient_clipping=0.0, gradient_accumulation_steps=None,
                               engine_keys=frozenset())
-    section = config.get("bf16", config.get("bfloat16", {})) or {}
-    on = section.get("enabled", AUTO)
-    clip = config.get("gradient_clipping", 1.0)  # DeepSpeed's default is 1.0, not off
-    if clip == AUTO or clip is None:
-        clip = 0.0  # Accelerate fills "auto" from the script, i.e. from clip_grad_norm_ calls
-    clip = float(clip)
-    if clip < 0:
-        raise ValueError(f"gradient_clipping={clip} must be >= 0")
     steps = config.get("gradient_accumulation_steps", AUTO)
-    return ConfigSettings(bf16=None if on == AUTO else bool(on), gradient_clipping=clip,
+    return ConfigSettings(bf16=bf16_enabled(config, script=True), gradient_clipping=clipping(config, script=True),
                           gradient_accumulation_steps=None if steps == AUTO else int(steps),
                           engine_keys=frozenset(config.get("megatrain") or {}))
 
 
-def engine_config_from(config: dict[str, Any] | EngineConfig | None) -> EngineConfig:
-    """The engine settings a face config describes.
+def engine_config_from(config: dict[str, Any] | EngineConfig | None, mixed_precision: str | None = None
+                       ) -> EngineConfig:
+    """The engine settings a face config describes, with the Accelerate face's `mixed_precision` (None: none).
 
     A dict is read as a DeepSpeed config by the same parser `megatrain.initialize` uses, so one
     config means the same engine on both faces. Batch sizes are the dataloader's business under
     Accelerate, so a config without them is completed with a micro batch of one for the parser's sake.
     """
-    if config is None:
-        return EngineConfig()
-    if isinstance(config, EngineConfig):
-        return config
+    if config is None or isinstance(config, EngineConfig):
+        ec = config or EngineConfig()
+        if mixed_precision is None:
+            return ec
+        # An EngineConfig's compute dtype counts as a config's bf16 section (as read_config reads it).
+        dtype = EngineConfig.settle_compute_dtype(written=ec.compute_dtype if config else None,
+                                                  bf16=ec.compute_dtype == "bfloat16" if config else None,
+                                                  mixed_precision=mixed_precision)
+        return ec if dtype == ec.compute_dtype else ec.rewrite(compute_dtype=dtype)
     if not isinstance(config, dict):
         raise TypeError(f"config must be a DeepSpeed-style dict, an EngineConfig or None, not {type(config).__name__}")
     from .deepspeed.config import parse_config
 
     d = dict(config)
-    # "auto" values are the face's to fill (from the dataloader, the arguments, clip_grad_norm_ calls)
-    # and none of them shapes the engine, so they are dropped before the strict parser sees them.
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                "gradient_clipping"):
+    # "auto" batch sizes are the face's to fill (from the dataloader, the arguments) and none of them shapes
+    # the engine, so they are dropped before the strict parser sees them; it reads "auto" clipping and bf16
+    # as this face does (script=True).
+    for key in _BATCH_KEYS:
         if d.get(key) == AUTO:
             del d[key]
-    for key in ("bf16", "bfloat16"):
-        if isinstance(d.get(key), dict) and d[key].get("enabled") == AUTO:
-            d[key] = {k: v for k, v in d[key].items() if k != "enabled"}
     if "train_batch_size" not in d and "train_micro_batch_size_per_gpu" not in d:
         d["train_micro_batch_size_per_gpu"] = 1
-    return parse_config(d).engine
+    return parse_config(d, mixed_precision=mixed_precision, script=True).engine
 
 
 # Engine settings that change a prediction, under the planner's argument names; the rest (trace,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .settings import AUTO, face_keys
 from .sft_data import FORMATS, check_file, detect_format, to_conversation
 from .validate import close_match, is_bool, is_int, is_number
 
@@ -199,14 +200,12 @@ def _ds_config(run: SFTRun, resolved: bool = False) -> dict[str, Any]:
     # out as Trainer will, for checking the config before anything runs. Accelerate's DeepSpeed plugin wants a ZeRO
     # section; the "megatrain" section is what routes the run to the engine. No offload sections: they mean
     # nothing to MegaTrain, and with them accelerate would build DeepSpeed's CPU Adam instead of Trainer's AdamW.
-    auto: dict[str, Any] = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-                            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-                            "bf16": {"enabled": "auto"}}
     if resolved:
-        auto = {"train_batch_size": run.micro_batch * run.grad_accum, "train_micro_batch_size_per_gpu": run.micro_batch,
-                "gradient_accumulation_steps": run.grad_accum, "gradient_clipping": float(run.max_grad_norm),
-                "bf16": {"enabled": _bf16(run)}}
-    return {**auto, "zero_optimization": {"stage": 3}, "megatrain": dict(run.megatrain)}
+        face = face_keys(micro_batch=run.micro_batch, accumulation=run.grad_accum, clip=float(run.max_grad_norm),
+                         bf16=_bf16(run))
+    else:
+        face = face_keys(micro_batch=AUTO, accumulation=AUTO, clip=AUTO, bf16=AUTO)
+    return {**face, "zero_optimization": {"stage": 3}, "megatrain": dict(run.megatrain)}
 
 
 def _on_accelerator() -> bool:

@@ -159,7 +159,7 @@ def test_unresolvable_auto(d, match):
         ({"train_batch_size": 1, "train_batch_szie": 1}, r"unknown key 'train_batch_szie'; did you mean 'train_batch_size'"),
         ({"train_batch_size": 1, "gradient_cliping": 1.0}, r"did you mean 'gradient_clipping'"),
         ({"train_batch_size": 1, "zero_optimisation": {}}, r"did you mean 'zero_optimization'"),
-        ({"train_batch_size": 1, "gradient_clipping": -1}, r"'gradient_clipping' must be >= 0"),
+        ({"train_batch_size": 1, "gradient_clipping": -1}, r"gradient_clipping=-1.0 must be >= 0"),
         ({"train_batch_size": 1, "gradient_clipping": "1.0"}, r"'gradient_clipping' must be a finite number"),
         ({"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": -1e-3}}},
          r"'optimizer.params.lr' must be >= 0"),

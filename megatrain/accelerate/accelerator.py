@@ -39,15 +39,9 @@ from ..backend import Backend
 from ..config import EngineConfig
 from ..engine import launch_env
 from ..project import latest_dir, make_project_config, save_dir, state_dir
-from ..settings import read_config
+from ..resolve import resolve
 from .data import PreparedDataLoader, skipping
-from .settings import (
-    BACKENDS,
-    backend_class,
-    resolve_accumulation,
-    resolve_gradient_clipping,
-    resolve_mixed_precision,
-)
+from .settings import BACKENDS, backend_class
 from .tracking import make_trackers
 from .wrappers import AcceleratedOptimizer, AcceleratedScheduler, GradientState
 
@@ -84,8 +78,6 @@ class Accelerator:
             # It has no gradient averaging: N ranks would train N unrelated models and report one.
             raise ValueError(f"backend='torch' runs one process; this launch has WORLD_SIZE="
                              f"{self._launch.world_size}. Use backend='megatrain' or 'zero3' for data parallel")
-        if config is not None and not isinstance(config, (dict, EngineConfig)):
-            raise TypeError(f"config must be a DeepSpeed-style dict, an EngineConfig or None, not {type(config).__name__}")
         if isinstance(config, dict):
             for section in ("optimizer", "scheduler"):
                 if section in config:
@@ -93,8 +85,6 @@ class Accelerator:
                         f"the config has a {section!r} section; with the Accelerator, build the {section} in the "
                         "script and pass it to prepare() (megatrain.initialize builds them from a config)"
                     )
-        settings = read_config(config)  # the config read once; the arguments are settled against it below
-        self.mixed_precision = resolve_mixed_precision(mixed_precision, settings)
         adjust_scheduler, sync_with_dataloader = True, True
         if gradient_accumulation_plugin is not None:
             from accelerate.utils import GradientAccumulationPlugin
@@ -108,7 +98,14 @@ class Accelerator:
             gradient_accumulation_steps = gradient_accumulation_plugin.num_steps
             adjust_scheduler = gradient_accumulation_plugin.adjust_scheduler
             sync_with_dataloader = gradient_accumulation_plugin.sync_with_dataloader
-        steps = resolve_accumulation(gradient_accumulation_steps, settings)
+        # The config and the arguments, settled once (megatrain/resolve.py); an EngineConfig describes
+        # MegaTrain's engine only, so a backend that reads none gets no engine settings parsed for it.
+        reads_engine = kind.reads_engine_config
+        settings = resolve(config, mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps,
+                           cpu=cpu, engine=reads_engine)
+        self.settings = settings
+        self.mixed_precision = settings.mixed_precision
+        steps = settings.gradient_accumulation_steps
         self.gradient_state = GradientState(steps, adjust_scheduler, sync_with_dataloader)
         self.cpu = bool(cpu)
         self.project_configuration = make_project_config(project_dir, project_config)
@@ -116,15 +113,15 @@ class Accelerator:
         self.trackers: list[Any] = []
         self._custom_objects: list[Any] = []
         self.gradient_checkpointing = bool(gradient_checkpointing)
-        # An EngineConfig describes MegaTrain's engine only; the other stacks have nothing to read in it.
-        backend_config = config if kind.reads_engine_config or isinstance(config, dict) else None
+        # The other stacks read a DeepSpeed-style dict themselves (the ZeRO-3 backend runs it as DeepSpeed's).
+        backend_config = settings.engine if reads_engine else config if isinstance(config, dict) else None
         # cpu=True: the engine's device is the CPU whatever accelerator the machine has (each backend says how).
         self.backend: Backend = kind(
             config=backend_config,
             gradient_accumulation_steps=steps,
             mixed_precision=self.mixed_precision,
             gradient_checkpointing=self.gradient_checkpointing,
-            gradient_clipping=resolve_gradient_clipping(settings),
+            gradient_clipping=settings.gradient_clipping,
             cpu=self.cpu,
         )
         self._models: list[Any] = []

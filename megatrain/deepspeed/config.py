@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..config import EngineConfig
+from ..settings import FACE_KEYS, bf16_enabled, bf16_section, clipping, from_args
 from ..validate import check_keys, close_match, is_bool, is_int, is_number
 from .lr_schedules import SCHEDULES, WARMUP_TYPES
 
@@ -35,10 +36,9 @@ __all__ = ["DeepSpeedConfig", "OptimizerSpec", "SchedulerSpec", "ZeroSpec", "par
 
 AUTO = "auto"
 
-# Top-level keys MegaTrain acts on.
+# Top-level keys MegaTrain acts on: the ones a face reads itself (megatrain/settings.py) and these.
 _HONOURED = (
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-    "optimizer", "scheduler", "bf16", "bfloat16", "fp16", "zero_optimization", "steps_per_print",
+    *FACE_KEYS, "optimizer", "scheduler", "fp16", "zero_optimization", "steps_per_print",
     "wall_clock_breakdown", "dataloader_drop_last", "megatrain", "amp", "torch_autocast",
     "managed_gradient_accumulation",
 )
@@ -237,10 +237,7 @@ def _bool(v: Any, name: str) -> bool:
 
 
 def _from_args(args: Any, attr: str, name: str, hint: str) -> Any:
-    if args is not None and getattr(args, attr, None) is not None:
-        return getattr(args, attr)
-    raise _err(f"{name!r} is \"auto\" but nothing determines it (Hugging Face fills it from TrainingArguments."
-               f"{attr}); {hint}")
+    return from_args(args, attr, name, hint, _err)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -429,16 +426,11 @@ def _scheduler(d: dict[str, Any], opt: OptimizerSpec | None, args: Any) -> Sched
     return SchedulerSpec(kind, p)
 
 
-def _precision(d: dict[str, Any], args: Any, ignored: list[str]) -> bool:
-    bf = _section(d, "bf16") or _section(d, "bfloat16")
-    if "bf16" in d and "bfloat16" in d:
-        raise _err("give only one of 'bf16' and its old name 'bfloat16'")
-    bf_key = "bf16" if "bf16" in d else "bfloat16"
+def _precision(d: dict[str, Any], args: Any, ignored: list[str], script: bool) -> bool | None:
+    """bf16.enabled (None: the Accelerate face's mixed_precision decides); fp16 and the others refused."""
+    bf_key, bf = bf16_section(d, _err)
     _check_keys(bf, _BF16_KEYS, f"{bf_key}.")
-    bf_on = bf.get("enabled", False)
-    if bf_on == AUTO:
-        bf_on = bool(getattr(args, "bf16", False) or getattr(args, "bf16_full_eval", False)) if args is not None else False
-    bf_on = _bool(bf_on, f"{bf_key}.enabled")
+    bf_on = bf16_enabled(d, args=args, script=script, err=_err)
     ignored += [f"{bf_key}.{k}" for k in bf if k != "enabled"]
 
     fp = _section(d, "fp16")
@@ -522,7 +514,7 @@ def _dotted_keys(d: dict[str, Any]) -> list[str]:
     return dotted
 
 
-def _engine(d: dict[str, Any], bf16: bool, zero: ZeroSpec) -> EngineConfig:
+def _engine(d: dict[str, Any], bf16: bool | None, zero: ZeroSpec, mixed_precision: str | None) -> EngineConfig:
     sec = dict(_section(d, "megatrain"))
     try:
         # The user's own values are checked before they are combined (with bf16.enabled's dtype, which the
@@ -530,15 +522,11 @@ def _engine(d: dict[str, Any], bf16: bool, zero: ZeroSpec) -> EngineConfig:
         EngineConfig.from_dict({"compute_dtype": "bfloat16", **sec} if bf16 else sec)
     except (TypeError, ValueError) as e:
         raise _err(f"'megatrain' section: {e}") from e
-    bf_given = "bf16" in d or "bfloat16" in d
-    if "compute_dtype" in sec and bf_given:
-        want = "bfloat16" if bf16 else "float32"
-        if sec["compute_dtype"] != want:
-            raise _err(f"'megatrain.compute_dtype' is {sec['compute_dtype']!r} but bf16.enabled is "
-                       f"{str(bf16).lower()}; drop one of them")
-    if bf16:
-        sec["compute_dtype"] = "bfloat16"
-    sec.setdefault("compute_dtype", "float32")  # DeepSpeed trains in FP32 unless bf16 is enabled
+    said = bf16 if "bf16" in d or "bfloat16" in d else None  # an absent section says nothing
+    # DeepSpeed trains in FP32 unless bf16 is enabled.
+    sec["compute_dtype"] = EngineConfig.settle_compute_dtype(written=sec.get("compute_dtype"), bf16=said,
+                                                             mixed_precision=mixed_precision, unsaid="float32",
+                                                             err=_err)
     if "pin_memory" not in sec and zero.pin_memory is not None:
         sec["pin_memory"] = zero.pin_memory
     if zero.nvme_path is not None:
@@ -596,11 +584,14 @@ def load_config_dict(config: dict[str, Any] | str | os.PathLike) -> dict[str, An
 
 
 def parse_config(config: dict[str, Any] | str | os.PathLike, args: Any = None, *, warn: bool = True,
-                 warn_fn: Callable[[str], None] | None = None, world_size: int = 1) -> DeepSpeedConfig:
+                 warn_fn: Callable[[str], None] | None = None, world_size: int = 1,
+                 mixed_precision: str | None = None, script: bool = False) -> DeepSpeedConfig:
     """Parse and validate a DeepSpeed config for MegaTrain.
 
     `args`: an optional TrainingArguments-like object used to resolve "auto" values as Hugging Face does.
     `world_size`: the data-parallel ranks the batch sizes are split over (DeepSpeed's dp world size).
+    `script`: the Accelerate face reads the config, whose script fills "auto" clipping (its clip_grad_norm_
+    calls) and bf16 (its `mixed_precision`, "no" or "bf16"; None: not given).
     Raises `DeepSpeedConfigError` (a ValueError) naming the offending key. With `warn`, the accepted
     settings that have no effect are named in one warning.
     """
@@ -610,13 +601,10 @@ def parse_config(config: dict[str, Any] | str | os.PathLike, args: Any = None, *
     ignored += [k for k in d if k in _NO_MEANING]
 
     tb, mb, ga = _batch_sizes(d, args, world_size)
-    clip = d.get("gradient_clipping", 1.0)  # DeepSpeed's default is 1.0, not off
-    if clip == AUTO:
-        clip = _from_args(args, "max_grad_norm", "gradient_clipping", "write e.g. 1.0 (0 disables clipping)")
-    clip = _float(clip, "gradient_clipping", minimum=0.0)
+    clip = clipping(d, args=args, script=script, err=_err)
     opt = _optimizer(d, args)
     sched = _scheduler(d, opt, args)
-    bf16 = _precision(d, args, ignored)
+    said = _precision(d, args, ignored, script)
     zero = _zero(d, ignored)
     steps_per_print = d.get("steps_per_print")
     if isinstance(steps_per_print, float) and steps_per_print == math.inf:
@@ -627,7 +615,8 @@ def parse_config(config: dict[str, Any] | str | os.PathLike, args: Any = None, *
     drop_last = _bool(d.get("dataloader_drop_last", False), "dataloader_drop_last")
     if not _bool(d.get("managed_gradient_accumulation", True), "managed_gradient_accumulation"):
         raise _err("'managed_gradient_accumulation': false is not supported; MegaTrain counts micro-steps itself")
-    engine = _engine(d, bf16, zero)
+    engine = _engine(d, said, zero, mixed_precision)
+    bf16 = bool(said)
     if engine.optimizer_in_backward and (clip > 0 or ga > 1):
         raise _err(f"'megatrain.optimizer_in_backward' updates each layer during backward, before the global gradient "
                    f"norm or the next micro-batch exists: set 'gradient_clipping': 0 (DeepSpeed's default is 1.0) and "
@@ -638,8 +627,7 @@ def parse_config(config: dict[str, Any] | str | os.PathLike, args: Any = None, *
                    f"={ga}): set 'gradient_accumulation_steps': 1, or host_grad_dtype 'float32'")
 
     resolved = dict(d)
-    resolved.update(train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga,
-                    gradient_clipping=clip)
+    resolved.update(zip(FACE_KEYS[:4], (tb, mb, ga, clip)))  # the batch sizes and the clip, "auto" filled
     if opt is not None and opt.type == "SGD":
         resolved["optimizer"] = {"type": "SGD", "params": {"lr": opt.lr, "momentum": opt.momentum,
                                                            "dampening": opt.dampening, "weight_decay": opt.weight_decay,

@@ -1,0 +1,105 @@
+"""Settings resolved once: what a user wrote, through any face, into the settings that face runs with.
+
+A user writes settings in one of four forms: a DeepSpeed-style config (`megatrain.initialize`, Trainer's
+`deepspeed=`), Accelerate's arguments with or without such a config (`megatrain.Accelerator`), an
+`EngineConfig`, or TrainingArguments (which fill a DeepSpeed config's "auto" values). `resolve` takes them
+and returns `Settings`: the face's own (mixed precision, clipping, accumulation, the parsed DeepSpeed config)
+and one frozen `EngineConfig` with "auto" resolved, whose `written` keeps what the user wrote.
+
+Each rule it applies is written once: DeepSpeed's keys in megatrain/settings.py, the compute dtype that the
+bf16 section, `mixed_precision` and `compute_dtype` name together in `EngineConfig.settle_compute_dtype`,
+the device-dependent "auto" in `EngineConfig`. Two defaults need what only the engine knows and are
+resolved there: `pin_memory` None (pin on a CUDA device) and `optimizer_overlap` None (on for a CUDA device
+with torch's Adam/AdamW).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .config import EngineConfig
+from .settings import ConfigSettings, engine_config_from, read_config
+from .validate import is_int
+
+__all__ = ["Settings", "cpu_config", "resolve"]
+
+FACES = ("accelerate", "deepspeed")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a face runs with, every "auto" settled."""
+
+    engine: EngineConfig | None  # resolved, frozen; `engine.written`: as the user wrote it. None: not asked for
+    mixed_precision: str  # "no" or "bf16": the compute dtype under Accelerate's name
+    gradient_clipping: float  # per optimizer step, DeepSpeed's meaning; 0.0: only where the script clips
+    gradient_accumulation_steps: int
+    deepspeed: Any = None  # the DeepSpeed face's whole config (deepspeed/config.py's DeepSpeedConfig)
+
+
+def resolve(config: dict[str, Any] | str | os.PathLike | EngineConfig | None = None, *, face: str = "accelerate",
+            args: Any = None, world_size: int = 1, mixed_precision: str | None = None,
+            gradient_accumulation_steps: int = 1, cpu: bool = False, engine: bool = True) -> Settings:
+    """The settings `face` runs with, from what the user wrote.
+
+    face "deepspeed": `config` is a DeepSpeed config (a dict or a .json path), its "auto" values filled from
+    `args` (TrainingArguments) as Hugging Face does, batch sizes split over `world_size` ranks.
+    face "accelerate": `config` is a DeepSpeed-style dict, an EngineConfig or None, settled against
+    Accelerate's `mixed_precision` (None: not given), `gradient_accumulation_steps` and `cpu`; `engine=False`
+    for a backend that reads no EngineConfig (its config is then not parsed as MegaTrain's).
+    """
+    if face == "deepspeed":
+        from .deepspeed.config import parse_config
+
+        ds = parse_config(config, args=args, world_size=world_size)
+        return Settings(ds.engine, _mixed_precision(ds.engine.compute_dtype), ds.gradient_clipping,
+                        ds.gradient_accumulation_steps, ds)
+    if face != "accelerate":
+        raise ValueError(f"face={face!r} is not one of {FACES}")
+    if config is not None and not isinstance(config, (dict, EngineConfig)):
+        raise TypeError(f"config must be a DeepSpeed-style dict, an EngineConfig or None, not {type(config).__name__}")
+    said = read_config(config)  # as the user gave it: cpu=True adds no DeepSpeed keys (None clips nothing)
+    if cpu:
+        config = cpu_config(config)
+        if isinstance(config, EngineConfig):
+            said = read_config(config)  # its compute dtype, resolved for the CPU
+    label = mixed_precision
+    if mixed_precision is not None:
+        label = _mixed_precision(EngineConfig.settle_compute_dtype(bf16=said.bf16, mixed_precision=mixed_precision))
+    ec = engine_config_from(config, label) if engine else None
+    if label is None:
+        label = _mixed_precision(ec.compute_dtype if ec is not None else "float32")
+    return Settings(ec, label, said.gradient_clipping, _accumulation(gradient_accumulation_steps, said))
+
+
+def cpu_config(config: dict[str, Any] | EngineConfig | None) -> dict[str, Any] | EngineConfig:
+    """`config` with the engine's device set to the CPU (`Accelerator(cpu=True)`); a contradiction is refused.
+    An EngineConfig's "auto" settings are resolved afresh for the CPU."""
+    if isinstance(config, EngineConfig):
+        if config.device not in (None, "cpu"):
+            raise ValueError(f"cpu=True contradicts the EngineConfig's device={config.device!r}; drop one of them")
+        return config.rewrite(device="cpu")
+    config = dict(config or {})
+    section = dict(config.get("megatrain") or {})
+    if section.get("device") not in (None, "cpu"):
+        raise ValueError(f"cpu=True contradicts the config's megatrain.device={section['device']!r}; drop one of them")
+    config["megatrain"] = {**section, "device": "cpu"}
+    return config
+
+
+def _mixed_precision(compute_dtype: str) -> str:
+    return "bf16" if compute_dtype == "bfloat16" else "no"
+
+
+def _accumulation(steps: int, said: ConfigSettings) -> int:
+    if not is_int(steps) or steps < 1:
+        raise ValueError(f"gradient_accumulation_steps={steps!r} must be an int >= 1")
+    from_config = said.gradient_accumulation_steps
+    if from_config is not None:
+        if steps == 1:
+            return from_config  # the argument was left at its default
+        if from_config != steps:
+            raise ValueError(f"gradient_accumulation_steps={steps} contradicts the config's {from_config}; set one of them")
+    return steps
