@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from .host.pinned import PinnedMemoryError, host_buffer
     from .host.preflight import HostMemoryError
     from .layer.batch import max_trainable_positions
+    from .model.model_object import serve_forward_keyword
     from .model.probe import Verdict, run_probe
     from .parallel.distributed import launch_env
     from .runtime.device_resolution import resolve_device
@@ -23,10 +24,12 @@ if TYPE_CHECKING:
 _HOME = {"Engine": ".engine", "engines_holding": ".engine",
          "HostMemoryError": ".host.preflight", "PinnedMemoryError": ".host.pinned", "host_buffer": ".host.pinned",
          "max_trainable_positions": ".layer.batch", "Verdict": ".model.probe", "run_probe": ".model.probe",
+         "serve_forward_keyword": ".model.model_object",
          "launch_env": ".parallel.distributed", "resolve_device": ".runtime.device_resolution",
          "to_device": ".runtime.host_copy", "WatchdogError": ".runtime.stream"}
 __all__ = ["Engine", "HostMemoryError", "PinnedMemoryError", "Verdict", "WatchdogError", "engines_holding",
-           "host_buffer", "launch_env", "max_trainable_positions", "resolve_device", "run_probe", "to_device"]
+           "host_buffer", "launch_env", "max_trainable_positions", "resolve_device", "run_probe",
+           "serve_forward_keyword", "to_device"]
 
 
 def __getattr__(name: str) -> Any:
