@@ -42,12 +42,8 @@ def from_args(args: Any, attr: str, name: str, hint: str, err: Err = ValueError)
     """An "auto" value as Hugging Face's integration fills it: from TrainingArguments.`attr`, else refused."""
     if args is not None and getattr(args, attr, None) is not None:
         return getattr(args, attr)
-    return _raise(err(f"{name!r} is \"auto\" but nothing determines it (Hugging Face fills it from "
-                      f"TrainingArguments.{attr}); {hint}"))
-
-
-def _raise(e: Exception) -> Any:
-    raise e
+    raise err(f"{name!r} is \"auto\" but nothing determines it (Hugging Face fills it from "
+              f"TrainingArguments.{attr}); {hint}")
 
 
 def clipping(config: Mapping[str, Any], *, args: Any = None, script: bool = False, err: Err = ValueError) -> float:

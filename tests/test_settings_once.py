@@ -151,3 +151,21 @@ def test_both_faces_read_gradient_clipping_by_the_same_rules():
     assert read_config({"gradient_clipping": "auto"}).gradient_clipping == 0.0
     args = type("Args", (), {"max_grad_norm": 0.3})()
     assert parse_config({"train_batch_size": 1, "gradient_clipping": "auto"}, args=args).gradient_clipping == 0.3
+
+
+def test_resolve_gives_each_face_its_settings_and_one_engine_config():
+    from megatrain.resolve import resolve
+
+    args = type("Args", (), {"max_grad_norm": 0.3, "bf16": True, "per_device_train_batch_size": 2,
+                             "gradient_accumulation_steps": 4})()
+    ds = resolve({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                  "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "megatrain": {"device": "cpu"}},
+                 face="deepspeed", args=args)
+    assert (ds.mixed_precision, ds.gradient_clipping, ds.gradient_accumulation_steps) == ("bf16", 0.3, 4)
+    assert ds.deepspeed.train_batch_size == 8 and ds.engine.written["compute_dtype"] == "bfloat16"
+    acc = resolve({"bf16": {"enabled": True}, "gradient_accumulation_steps": 4, "megatrain": {"device": "cpu"}})
+    assert (acc.mixed_precision, acc.gradient_clipping, acc.gradient_accumulation_steps) == ("bf16", 1.0, 4)
+    assert acc.engine == ds.engine and acc.deepspeed is None
+    assert resolve({"bf16": {"enabled": True}}, engine=False).engine is None  # a backend that reads no EngineConfig
+    with pytest.raises(ValueError, match="face='zero'"):
+        resolve(None, face="zero")
