@@ -69,8 +69,9 @@ def resolve(config: dict[str, Any] | str | os.PathLike | EngineConfig | None = N
     if mixed_precision is not None:
         label = _mixed_precision(EngineConfig.settle_compute_dtype(bf16=said.bf16, mixed_precision=mixed_precision))
     ec = engine_config_from(config, label) if engine else None
-    if label is None:
-        label = _mixed_precision(ec.compute_dtype if ec is not None else "float32")
+    if label is None:  # no argument: the compute dtype the config says
+        label = _mixed_precision(ec.compute_dtype if ec is not None else
+                                 EngineConfig.settle_compute_dtype(bf16=said.bf16, unsaid="float32"))
     return Settings(ec, label, said.gradient_clipping, _accumulation(gradient_accumulation_steps, said))
 
 

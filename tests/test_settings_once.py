@@ -166,6 +166,7 @@ def test_resolve_gives_each_face_its_settings_and_one_engine_config():
     acc = resolve({"bf16": {"enabled": True}, "gradient_accumulation_steps": 4, "megatrain": {"device": "cpu"}})
     assert (acc.mixed_precision, acc.gradient_clipping, acc.gradient_accumulation_steps) == ("bf16", 1.0, 4)
     assert acc.engine == ds.engine and acc.deepspeed is None
-    assert resolve({"bf16": {"enabled": True}}, engine=False).engine is None  # a backend that reads no EngineConfig
+    bare = resolve({"bf16": {"enabled": True}}, engine=False)  # a backend that reads no EngineConfig
+    assert bare.engine is None and bare.mixed_precision == "bf16"
     with pytest.raises(ValueError, match="face='zero'"):
         resolve(None, face="zero")
