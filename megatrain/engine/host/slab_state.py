@@ -17,12 +17,27 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from . import reduce_kernel
+
 if TYPE_CHECKING:
     from .store import HostStore
+
+
+@dataclass
+class PartsAdd:
+    """A reduction's add (`add(overwrite)`), with the gradients it adds as (offset in the slab, tensor) pairs: a
+    caller makes one only where the one-pass kernel pays (reduce_kernel.pays)."""
+
+    add: Callable[[bool], None]
+    parts: list[tuple[int, torch.Tensor]]
+
+    def __call__(self, overwrite: bool) -> None:
+        self.add(overwrite)
 
 
 class SlabState:
@@ -36,9 +51,17 @@ class SlabState:
 
     def reduce(self, i: int, slab: torch.Tensor, add: Callable[[bool], None], measure: bool) -> None:
         """Run a reduction into layer i's `slab` on the calling (host) thread: `add(overwrite)`, then its norm if
-        `measure` (the value of `self.measure` when the reduction was queued)."""
+        `measure` (the value of `self.measure` when the reduction was queued). An `add` that is a `PartsAdd`
+        also names its gradients, for the one-pass kernel (reduce_kernel.py) where it applies."""
         first = self.overwrite and self.fresh[i]
         self._norms[i] = None
+        parts = add.parts if isinstance(add, PartsAdd) else None
+        lib = reduce_kernel.kernel() if measure and parts is not None and reduce_kernel.usable(slab, parts) else None
+        if lib is not None:
+            norm, _ = reduce_kernel.reduce_and_norm(lib, slab, parts, first)  # the bits of add + vector_norm
+            self.fresh[i] = False
+            self._norms[i] = (norm, slab._version)
+            return
         add(first)
         self.fresh[i] = False
         if measure:

@@ -13,7 +13,9 @@ import torch
 
 from ...costs import pipeline as order
 from ...costs.pinning import STAGING_SLOTS
+from ..host import reduce_kernel
 from ..host.events import LayerEvents
+from ..host.slab_state import PartsAdd
 from ..host.store import HostStore
 from ..layer.templates import TemplateBank
 from ..layer.tiling import DEFAULT_LOSS_CHUNK, LongContextPolicy, tiled_vjp
@@ -155,6 +157,7 @@ class LayerPipeline:
             self._send_grad_to_sink(layer, grads, after, nbytes)
             return
         slabs, measure = self.events.slabs, self.events.slabs.measure  # measure: as this backward asked
+        fused_pays = reduce_kernel.pays(self.streams.d2h.threads)
         if self.device.type != "cuda":
             def add(overwrite: bool) -> None:
                 for slot, g in zip(group.slots, grads):  # every slot has a gradient (materialize_grads)
@@ -164,8 +167,11 @@ class LayerPipeline:
                     else:
                         view.add_(g)
 
+            # One pass (add + norm, reduce_kernel.py) where the two it replaces would share this thread's cores.
+            adds = PartsAdd(add, [(s.offset, g.reshape(-1)) for s, g in zip(group.slots, grads)]) if fused_pays else add
+
             def reduce() -> int:
-                slabs.reduce(layer, group.grad, add, measure)
+                slabs.reduce(layer, group.grad, adds, measure)
                 return nbytes
 
             # After the slab's last writer too: data parallel averages it on another thread (engine/distributed.py).
@@ -176,9 +182,13 @@ class LayerPipeline:
             return
         i, staging, copied = self._stage(layer, grads, after, nbytes)
 
+        def add(first: bool) -> None:
+            accumulate(group.grad, staging, self.reduce_scratch, first)
+
+        adds = PartsAdd(add, [(0, staging)]) if reduce_kernel.pays(self._reducer.threads) else add
+
         def reduce() -> int:
-            slabs.reduce(layer, group.grad, lambda first: accumulate(group.grad, staging, self.reduce_scratch, first),
-                         measure)
+            slabs.reduce(layer, group.grad, adds, measure)
             return 0
 
         self._staging_free[i] = self._reducer.submit(reduce, (copied, self.zeroed[layer], self.landed[layer]),

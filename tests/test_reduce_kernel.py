@@ -1,0 +1,95 @@
+"""Backward's one-pass reduction (engine/host/reduce_kernel.py): the gradient added into (or, the first time after
+zero_grad, written to) the FP32 slab and the slab's norm measured in the same loop, with the bits of the two torch
+passes it replaces (add, then torch.linalg.vector_norm); the engine-level bit-identity is the landed-norm and
+engine tests', which run this pass on this machine (two threads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatrain.engine.host import reduce_kernel as R
+from megatrain.engine.host.slab_state import PartsAdd, SlabState
+
+
+@pytest.fixture
+def lib():
+    k = R.kernel()
+    if k is None:
+        pytest.skip("no C compiler: the reducer keeps its two torch passes")
+    return k
+
+
+def _values(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)
+    x[::97] = -0.0
+    return x
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32)
+
+
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,cuts", [(8, [0]), (4096, [0, 5, 1003]), (1 << 18, [0, 77777]), (24, [0, 8, 8, 16])])
+def test_the_pass_gives_the_bits_of_add_then_vector_norm(lib, first, dtype, n, cuts):
+    base, g = _values(n, 1), _values(n, 2).to(dtype)
+    want = base.clone()
+    if first:
+        torch.add(g, 0.0, out=want)  # what the reducer's first add writes: 0 + g (a -0 lands as +0)
+    else:
+        want.add_(g.float())
+    got = base.clone()
+    bounds = [*cuts, n]
+    norm, finite = R.reduce_and_norm(lib, got, [(a, g[a:b]) for a, b in zip(bounds, bounds[1:])], first)
+    assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(_bits(norm), _bits(torch.linalg.vector_norm(want))) and finite
+
+
+def test_a_non_finite_value_written_is_flagged(lib):
+    slab, g = torch.zeros(64), torch.ones(64)
+    g[37] = float("inf")
+    norm, finite = R.reduce_and_norm(lib, slab, [(0, g)], False)
+    assert not finite and norm.isinf()
+
+
+def test_negative_control_lanes_summed_in_another_order_fail_the_self_check(lib):
+    class Wider:  # the same loop, its lanes added in double: not torch's order
+        reduce_range = lib.reduce_range
+
+        @staticmethod
+        def finish_norm(ptr: int) -> float:
+            import ctypes
+
+            lanes = (ctypes.c_float * R.LANES).from_address(ptr)
+            return float(torch.tensor(list(lanes), dtype=torch.float64).sum().sqrt())
+
+    assert R._matches_torch(lib) and not R._matches_torch(Wider)
+
+
+def test_the_slab_state_takes_the_pass_only_for_a_parts_add(lib, monkeypatch):
+    calls: list[int] = []
+    run = R.reduce_and_norm
+    monkeypatch.setattr(R, "reduce_and_norm", lambda *a: (calls.append(1), run(*a))[1])
+    g = _values(1024, 3).to(torch.bfloat16)
+    for add_kind, n, want_calls in [("parts", 1024, 1), ("plain", 1024, 0), ("parts", 1020, 0)]:
+        calls.clear()
+        slab, ref = torch.zeros(n), torch.zeros(n)
+        state = SlabState(1)
+
+        def add(first: bool, slab=slab, n=n) -> None:
+            slab.add_(g[:n].float())
+
+        adds = PartsAdd(add, [(0, g[:n])]) if add_kind == "parts" else add
+        before = slab._version
+        state.reduce(0, slab, adds, True)
+        ref.add_(g[:n].float())
+        assert len(calls) == want_calls, (add_kind, n)  # a slab not a multiple of 8 keeps the torch passes
+        assert torch.equal(_bits(slab), _bits(ref)) and slab._version > before
+        assert torch.equal(_bits(state.norm(0, slab)), _bits(torch.linalg.vector_norm(ref)))
+
+
+def test_the_pass_is_taken_only_where_it_pays():
+    assert R.pays(1) and R.pays(2) and not R.pays(3) and not R.pays(28)
