@@ -93,3 +93,15 @@ def test_the_slab_state_takes_the_pass_only_for_a_parts_add(lib, monkeypatch):
 
 def test_the_pass_is_taken_only_where_it_pays():
     assert R.pays(1) and R.pays(2) and not R.pays(3) and not R.pays(28)
+
+
+def test_the_kernel_is_built_with_the_engine(monkeypatch):
+    from conftest import tiny_model
+
+    from megatrain.config import EngineConfig
+    from megatrain.engine import Engine
+
+    monkeypatch.setattr(R, "_state", False)  # not tried yet in this process
+    monkeypatch.setattr(R, "FUSED_MAX_THREADS", 1 << 20)  # whatever this machine's cores: the pass pays
+    Engine(tiny_model("llama", layers=2), EngineConfig(device="cpu", parity_probe=False))
+    assert R._state is not False, "the kernel was left to the first backward"

@@ -93,6 +93,9 @@ class LayerPipeline:
             self._staging_free: list[Event] = [DONE] * STAGING_SLOTS
             self.reduce_scratch = torch.empty(REDUCE_CHUNK, dtype=torch.float32)  # the reducer thread's own
             self._next_staging = 0
+        reducer_threads = self._reducer.threads if device.type == "cuda" else streams.d2h.threads
+        if grad_sink is None and reduce_kernel.pays(reducer_threads):
+            reduce_kernel.kernel()  # built and self-checked now, not in the first backward's reduction
 
     @property
     def device_weight_bytes(self) -> int:
