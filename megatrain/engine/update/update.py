@@ -242,11 +242,11 @@ class InBackward(UpdatePath):
         group = self.store.layers[i]
         if self._failed_layer is not None:
             return  # an earlier layer's gradient was not finite: step() reports it
-        if self.config.skip_nonfinite and not fused.all_finite(staging[: group.numel]):
+        threads = update_threads(True)  # beside backward: the launch and copy threads keep their cores
+        if self.config.skip_nonfinite and not fused.all_finite(staging[: group.numel], threads=threads):
             self._failed_layer = i
             return
         view = self.layered.view_optimizer(i)
-        threads = update_threads(True)  # beside backward: the launch and copy threads keep their cores
         if view is not None and fused.eligible(view, group):
             fused.fused_update(view, group, [], grad_source=staging, threads=threads)  # one pass: staging to master
             return
