@@ -238,9 +238,9 @@ def _model_methods(plain: type) -> dict[str, Callable]:
         return _guarded_apply(b.engine, self, fn)
 
     def __deepcopy__(self: nn.Module, memo: dict) -> nn.Module:
-        # A copy (a reference or EMA model) is a plain model of the original class with its own weights: and
-        # with the model's own attention (the engine switched the shared config to segment attention, which
-        # knows no KV cache). Its submodules turn plain as they are copied (_reduce_as_plain).
+        # A copy (a reference or EMA model) is a plain model of the original class with weights of its own and
+        # the model's own attention (the engine switched the shared config to segment attention, which knows no
+        # KV cache). Its submodules turn plain as they are copied (_reduce_as_plain).
         b = _binding(self)
         new = plain.__new__(plain)
         memo[id(self)] = new
@@ -279,7 +279,10 @@ def _engine_recording(engine: Engine, model: nn.Module) -> bool:
     # The engine itself runs the model's own forward with its stand-in for the decoder stack, to take the
     # router term of a mixture-of-experts loss (layer/router.py): that call is the class's own forward.
     prefix = engine.parts.base_prefix
-    return bool(prefix) and isinstance(model.get_submodule(prefix), _RecordedStack)
+    try:
+        return bool(prefix) and isinstance(model.get_submodule(prefix), _RecordedStack)
+    except AttributeError:  # the stack is gone: check_intact says so
+        return False
 
 
 @contextmanager
