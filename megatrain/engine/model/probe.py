@@ -430,7 +430,8 @@ def _train_engine(master: nn.Module, batches: list, engine_factory: Callable[...
             engine.backward(loss)
             if step == 0:
                 engine.synchronize()
-                got = {n: p.grad.float().clone() for n, p in engine.named_parameters() if p.grad is not None}
+                got = _slab_grads(engine) if mode.bf16 else {
+                    n: p.grad.float().clone() for n, p in engine.named_parameters() if p.grad is not None}
                 grads = {**got, **{a: got[n] for a, n in engine._aliases.items() if n in got}}
             losses.append(loss.item())
             engine.step()
@@ -444,6 +445,14 @@ def _train_engine(master: nn.Module, batches: list, engine_factory: Callable[...
     finally:
         engine.synchronize()
     return losses, grads
+
+
+def _slab_grads(engine: Any) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient as the host slabs hold it, widened to FP32: in the bf16 modes a layer's `.grad` is
+    not a view of its slab (hi/lo masters' parameters are copies; bf16 slabs are read through the FP32 masters)."""
+    engine._all_grads()
+    return {n: g.view(g.grad, s).float().clone() for n, (g, s) in engine.placement.slots_by_name().items()
+            if g.grad is not None}
 
 
 def _distance(ref: tuple[list[float], dict], got: tuple[list[float], dict]) -> tuple[float, float, str]:
@@ -575,8 +584,6 @@ def _compare_bf16(master: nn.Module, batches: list, engine_factory: Callable[...
     floor_grad, floor_loss, how = bf16_floor(master, batches, make_opt, fp32)
     tol_grad = BF16_FLOOR_FACTOR * max(floor_grad, BF16_MIN_FLOOR)
     tol_loss = BF16_FLOOR_FACTOR * max(floor_loss, BF16_MIN_FLOOR)
-    if mode.host_master != "fp32":  # hi/lo masters keep the layers' gradients in their slabs, not on .grad
-        got = (got[0], {**{n: g for n, g in ref[1].items() if n not in got[1]}, **got[1]})
     grad, loss, name = _distance(ref, got)
     if not grad <= tol_grad:
         return Verdict("mismatch", f"in bf16 ({mode.host_master} master) the gradient of {name} differs from plain "
