@@ -37,6 +37,8 @@ def test_a_served_keyword_goes_to_its_handler_with_the_routed_forward():
     assert torch.equal(got.log_probs, want.log_probs) and torch.equal(got.loss, want.loss)
     patched_eng.backward(want.loss)
     eng.backward(got.loss)
+    patched_eng.synchronize()  # the layers' gradients land on host threads
+    eng.synchronize()
     for (n, a), (_, b) in zip(patched_eng.named_parameters(), eng.named_parameters()):
         assert torch.equal(a.grad, b.grad), n
     # Without the keyword (or with it False) the call is the plain route: the engine's loss
