@@ -82,7 +82,8 @@ def test_engine_pins_exactly_the_copied_buffers_and_the_preflight_counts_them(fa
     predicted = pinned_preflight(layers, globs, getattr(torch, dtype), staging=False)
     eng = Engine(model, EngineConfig(pin_memory=True, compute_dtype=dtype, device="cpu"))
     store = eng.store
-    copied = [g.stream_source for g in store.layers] + [store.globals.master]
+    # The resident FP32 masters are copied from only in FP32 compute (bf16 uploads its own bf16 staging).
+    copied = [g.stream_source for g in store.layers] + ([store.globals.master] if dtype == "float32" else [])
     assert sum(fake_cuda.live.values()) == sum(predicted.values()) == store.pinned_bytes
     assert set(fake_cuda.live) == {t.data_ptr() for t in copied}
     assert predicted["streamed layers"] == sum(mapped_bytes(g.numel * (2 if dtype == "bfloat16" else 4))
@@ -141,10 +142,33 @@ def test_a_failed_pin_is_an_error_naming_what_could_be_pinned(monkeypatch):
 def test_preflight_counts_the_staging_slots():
     layers = [[("w", torch.Size([100, 30]))], [("w", torch.Size([100, 50]))]]
     p = pinned_preflight(layers, [torch.Size([7, 3])], torch.bfloat16, staging=True)
-    # bf16 on CUDA: the resident masters also go up from a pinned bf16 copy (engine/resident_upload.py).
-    assert p == {"streamed layers": mapped_bytes(6000) + mapped_bytes(10000), "resident masters": PAGE_BYTES,
+    # bf16 on CUDA: the resident masters go up from a pinned bf16 copy (engine/resident_upload.py), so the
+    # FP32 masters themselves are not pinned.
+    assert p == {"streamed layers": mapped_bytes(6000) + mapped_bytes(10000),
                  "grad staging": STAGING_SLOTS * mapped_bytes(10000), "resident grad staging": PAGE_BYTES,
                  "resident upload staging": PAGE_BYTES}
+    fp32 = pinned_preflight(layers, [torch.Size([7, 3])], torch.float32, staging=True)
+    assert fp32 == {"streamed layers": mapped_bytes(12000) + mapped_bytes(20000), "resident masters": PAGE_BYTES,
+                    "grad staging": STAGING_SLOTS * mapped_bytes(20000), "resident grad staging": PAGE_BYTES}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_resident_masters_are_pinned_only_where_the_upload_copies_from_them(fake_cuda, dtype):
+    """bf16 compute: the resident upload reads its own bf16 staging, so the FP32 masters stay pageable
+    (4 B per resident parameter not locked); FP32 compute: the masters are the upload's source, pinned."""
+    from megatrain.engine.host.store import HostStore
+    from megatrain.models.adapter import find_parts
+
+    model = tiny_model("llama", layers=2, hidden=48)
+    layers, _ = _shapes(model)
+    prefix = find_parts(model).layers_prefix + "."
+    named = [(n, p.shape) for n, p in model.named_parameters() if not n.startswith(prefix)]
+    store = HostStore(layers, named, True, torch.bfloat16 if dtype == "bfloat16" else None)
+    master = store.globals.master
+    assert (master.data_ptr() in fake_cuda.live) == (dtype == "float32")
+    assert all(g.stream_source.data_ptr() in fake_cuda.live for g in store.layers)
+    eng = Engine(model, EngineConfig(pin_memory=True, compute_dtype=dtype, device="cpu"))
+    assert (eng.store.globals.master.data_ptr() in fake_cuda.live) == (dtype == "float32")
 
 
 def test_chunked_accumulate_is_bitwise_the_whole_add():
@@ -171,7 +195,8 @@ def test_cuda_engine_pins_what_the_preflight_predicts():
     eng = Engine(model, EngineConfig(compute_dtype="bfloat16"))
     predicted = pinned_preflight(layers, globs, torch.bfloat16, staging=True)
     assert eng.store.pinned_bytes == sum(predicted.values())
-    assert all(g.stream_source.is_pinned() for g in eng.store.layers) and eng.store.globals.master.is_pinned()
+    assert all(g.stream_source.is_pinned() for g in eng.store.layers) and not eng.store.globals.master.is_pinned()
+    assert eng.placement.upload.staging.is_pinned()  # what the bf16 resident upload reads instead
     assert not any(g.grad.is_pinned() or g.master.is_pinned() for g in eng.store.layers)  # bf16: shadows stream
 
 

@@ -2,7 +2,8 @@
 preflight and the planner (plain arithmetic, no torch import, so `megatrain plan` runs it as is).
 
 Only what a DMA copy reads or writes is pinned: each decoder layer's streamed copy (the FP32 master, or its
-bf16 shadow in bf16 mode), the resident parameters' FP32 masters (uploaded after every step) and, on CUDA,
+bf16 shadow in bf16 mode), in FP32 compute the resident parameters' FP32 masters (uploaded after every step;
+in bf16 the upload reads its own bf16 staging instead, so the masters stay pageable) and, on CUDA,
 the staging gradients land in (the layers' slots, and one for the resident parameters') and, on CUDA with a
 compute dtype other than FP32, the resident parameters' upload staging in that dtype (the masters are rounded
 into it on the host and it goes up as one DMA: engine/resident_upload.py). Gradient slabs,
@@ -31,12 +32,12 @@ def pinned_bytes(layer_numels: list[int], global_numel: int, stream_itemsize: in
     """Pinned bytes by component. `stream_itemsize`: 4 when layers stream their FP32 master, 2 for a bf16
     shadow; `staging`: whether gradients land in pinned staging (CUDA): slots of the largest layer, and one
     of the resident parameters, in the compute dtype (`staging_itemsize`), and when that is not FP32 the
-    resident parameters' upload staging in it too. Per-batch buffers (offloaded
+    resident parameters' upload staging in it too; the resident FP32 masters only when they are what
+    is uploaded (`staging_itemsize` 4: FP32 compute). Per-batch buffers (offloaded
     activations, the embedding's row gradients) come on top; they are kept from batch to batch."""
-    out = {
-        "streamed layers": sum(mapped_bytes(n * stream_itemsize) for n in layer_numels),
-        "resident masters": mapped_bytes(global_numel * 4),
-    }
+    out = {"streamed layers": sum(mapped_bytes(n * stream_itemsize) for n in layer_numels)}
+    if staging_itemsize == 4:  # FP32 compute: the upload copies from the masters themselves
+        out["resident masters"] = mapped_bytes(global_numel * 4)
     if staging and layer_numels:
         out["grad staging"] = STAGING_SLOTS * mapped_bytes(max(layer_numels) * staging_itemsize)
     if staging:  # the head's (and final norm's) gradients leave through it, once per micro-batch

@@ -276,9 +276,11 @@ class HostStore:
     """All master weights: one FlatGroup per decoder layer, one for the resident (global) parameters.
 
     With `pin` (True: register with CUDA; or a Pinner) exactly the buffers a DMA copy reads are pinned
-    (costs/pinning.py): each layer's stream source and the resident parameters' masters, which are uploaded
-    after every step. Gradient slabs are written by host threads only (on CUDA gradients land in pinned
-    staging first), and an FP32 master behind a bf16 shadow never leaves the host.
+    (costs/pinning.py): each layer's stream source and, when the device computes in FP32 (no `shadow_dtype`),
+    the resident parameters' masters, which are uploaded after every step. In bf16 the resident upload reads
+    a bf16 staging of its own (resident_upload.py), so those FP32 masters never leave the host either.
+    Gradient slabs are written by host threads only (on CUDA gradients land in pinned staging first), and an
+    FP32 master behind a bf16 shadow never leaves the host.
     """
 
     def __init__(self, layer_shapes: list[list[tuple[str, torch.Size]]], global_shapes: list[tuple[str, torch.Size]],
@@ -303,9 +305,12 @@ class HostStore:
         # gradients arrive at both ends of backward.
         self.globals = FlatGroup(global_shapes, None)
         self.pinner = Pinner() if pin is True else (pin or None)
+        # The resident masters are a DMA source only where no staging in another dtype stands between.
+        self.resident_masters_copied = shadow_dtype is None
         if self.pinner is not None:
-            self.pinner.pin([g.stream_source for g in self.layers] + [self.globals.master],
-                            "streamed layer weights and resident masters")
+            copied = [self.globals.master] if self.resident_masters_copied else []
+            self.pinner.pin([g.stream_source for g in self.layers] + copied,
+                            "streamed layer weights and resident masters" if copied else "streamed layer weights")
 
     @property
     def pinned_bytes(self) -> int:
