@@ -186,6 +186,11 @@ class LayeredStep:
         view = self._views[i]
         return view.optimizer if view is not None else None
 
+    def view_globals(self) -> torch.optim.Optimizer | None:
+        """The resident parameters' view of the optimizer (None: none on this rank), synced by sync_all(): for
+        a caller that updates them itself (update.py's Layered, embedding first)."""
+        return self._globals.optimizer if self._globals is not None else None
+
     def step_globals(self) -> None:
         if self._globals is not None:
             self._globals.optimizer.step()

@@ -182,7 +182,7 @@ class Layered(UpdatePath):
                 return 0
 
             layered.submit(i, job, self.events.landed[i])
-        view = _globals_view(layered)
+        view = layered.view_globals()
         if view is not None:
             # The embedding first (the next forward reads it first), the final norm and the head after it: the
             # order of the resident group's parameters (placement: the model's own order, embedding first).
@@ -292,12 +292,6 @@ class InBackward(UpdatePath):
     def weights_loaded(self) -> None:
         self._failed_layer = None
         self._unstepped = False
-
-
-def _globals_view(layered: LayeredStep) -> torch.optim.Optimizer | None:
-    """The resident parameters' view of the optimizer (None: none here), synced by sync_all()."""
-    view = layered._globals  # LayeredStep keeps it private: its own step() is the only other user
-    return view.optimizer if view is not None else None
 
 
 def overlap_pays(device: torch.device, config: EngineConfig, optimizer: torch.optim.Optimizer) -> bool:
