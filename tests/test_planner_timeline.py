@@ -131,3 +131,21 @@ def test_a_data_parallel_ranks_idle_causes_add_up_too(gpus, nodes):
     tl = mp.rank.timeline
     assert sum(tl.idle_s.values()) == pytest.approx(tl.step_s - tl.gpu_busy_s, rel=1e-9)
     assert tl.idle_s[IDLE_COMM] == pytest.approx(mp.comm.added_s)
+
+
+def test_a_reducer_of_at_most_two_threads_is_priced_at_the_one_pass_kernels_measured_rate(monkeypatch):
+    from megatrain.engine.host.reduce_kernel import FUSED_MAX_THREADS
+
+    assert hwork.ONE_PASS_MAX_THREADS == FUSED_MAX_THREADS  # the planner's copy of the engine's switch
+    hw = get_hardware("h200-pcie")
+    monkeypatch.setitem(hwork.HOST_CORES, "h200-pcie", 8)  # side_threads(8) == 2: the engine's one-pass kernel
+    assert hwork.reducer_threads(hw) == 2
+    pl = plan(M14, 4096, batch=1, hardware=hw)
+    r = pl.timeline.reducer
+    one_core = pl.point.model.layer_params() * 10 / hwork.threads_bps(hw, 1)
+    assert r.per_layer_s == pytest.approx(one_core * HOST_RATES["reducer, one pass"].x_bound)
+    assert HOST_RATES["reducer, one pass"].x_bound == pytest.approx(0.8)
+    # control: bf16 gradient slabs are not the kernel's (reduce_kernel.usable): torch's two passes, 1.75x
+    bf16 = plan(M14, 4096, batch=1, hardware=hw, master="hilo", host_grad_dtype="bfloat16").timeline.reducer
+    two = pl.point.model.layer_params() * bf16.bytes_per_param / hwork.threads_bps(hw, 2)
+    assert bf16.per_layer_s == pytest.approx(two * HOST_RATES["reducer"].x_bound)
