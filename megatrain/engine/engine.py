@@ -30,7 +30,7 @@ from .host.events import LayerEvents
 from .host.loading import skeleton_from_dir
 from .host.node_store import shard_optimizer_state
 from .host.slab_state import landed_norms
-from .host.spill import attach_spill
+from .host.spill import spill_for
 from .layer.attention import host_mask, use_segment_attention
 from .layer.batch import check_batch
 from .layer.embedding import check_embedding, lookup_grad
@@ -128,10 +128,11 @@ class Engine:
         self.ranks = ranks_for(self.dp, self.store, self.events)
         if config.optimizer_overlap is None:  # "auto": where the host update can hide behind the device's forward
             self.config = config = dataclasses.replace(config, optimizer_overlap=overlap_pays(self.device, config, opt))
-        self.update = choose_update(opt, self.store, self.events, config, self.trace_log)
-        if self.dp is not None and hasattr(self.update, "agree"):  # the optimizer in backward: one verdict per step
-            self.update.agree, self.update.data_parallel = self.ranks.agree_max, True
-        self.spill = attach_spill(self.update, self.store, config, self.node)  # the NVMe tier, when configured
+        # The optimizer in backward: one verdict per step from every rank; the NVMe tier, when configured.
+        self.update = choose_update(opt, self.store, self.events, config, self.trace_log,
+                                    agree=self.ranks.agree_max if self.dp is not None else None,
+                                    spill=spill_for(self.store, config, self.node))
+        self.spill = self.update.spill
         self.pipeline = LayerPipeline(self.store, self.templates, self.streams, self.trace_log, config.num_buffers,
                                       self.compute_dtype, self.device, _has_dropout(self.hf_config), self.events,
                                       policy, self.ranks.sink(self.update.grad_sink))

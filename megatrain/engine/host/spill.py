@@ -349,26 +349,31 @@ def store_fixed_bytes(store: HostStore, optimizer: torch.optim.Optimizer) -> int
     return store.host_bytes() - lo + glob
 
 
-def attach_spill(update: Any, store: HostStore, config: Any, node: Any) -> Spill | None:
-    """The engine's NVMe tier for `config` (None when nvme_path is unset or everything fits the budget); its
-    layer updates then run through `Spill.around`. Refuses what it cannot keep exact, by name."""
+SpillFactory = Callable[[torch.optim.Optimizer, Callable[[], None]], "Spill | None"]
+
+
+def spill_for(store: HostStore, config: Any, node: Any) -> SpillFactory | None:
+    """The engine's NVMe tier for `config`, to be built by the update path that runs its layer updates (None when
+    nvme_path is unset): called with the optimizer and the wait for its queued updates, it gives the Spill whose
+    `around` those updates run through, or None when everything fits the budget. Refuses what it cannot keep
+    exact, by name: the settings now, the optimizer when it is given."""
     if config.nvme_path is None:
         return None
     if node is not None:
         raise ValueError("nvme_path keeps each rank's own optimizer state on disk; with several data-parallel ranks "
                          "set data_parallel_host='replicated' (the shared host store does not spill)")
-    layered = update.layered
-    if layered is None or update.grad_sink is not None:
+    if config.optimizer_in_backward:
         raise ValueError("nvme_path spills the state of layer updates that run after backward; it does not combine "
                          "with optimizer_in_backward (set optimizer_in_backward=false)")
-    opt = update.optimizer
-    if any(g.get("amsgrad") for g in opt.param_groups):
-        raise ValueError("nvme_path spills Adam's m and v; amsgrad's third state tensor is not spilled: use "
-                         "amsgrad=False with nvme_path")
-    # A budget below one layer's working set raises BudgetTooSmall here, naming the minimum, before any step.
-    plan = plan_spill(store_fixed_bytes(store, opt), record_sizes(opt, store), config.host_budget_bytes)
-    if not plan.active:
-        return None
-    spill = Spill(opt, store, plan, config.nvme_path, config.nvme_gbps, layered.synchronize)
-    layered.spill = spill
-    return spill
+
+    def build(opt: torch.optim.Optimizer, sync: Callable[[], None]) -> Spill | None:
+        if any(g.get("amsgrad") for g in opt.param_groups):
+            raise ValueError("nvme_path spills Adam's m and v; amsgrad's third state tensor is not spilled: use "
+                             "amsgrad=False with nvme_path")
+        # A budget below one layer's working set raises BudgetTooSmall here, naming the minimum, before any step.
+        plan = plan_spill(store_fixed_bytes(store, opt), record_sizes(opt, store), config.host_budget_bytes)
+        if not plan.active:
+            return None
+        return Spill(opt, store, plan, config.nvme_path, config.nvme_gbps, sync)
+
+    return build

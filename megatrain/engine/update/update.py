@@ -28,6 +28,7 @@ from ...config import EngineConfig
 from ...costs.modes import GradSlab, HostMaster
 from ..host import hilo
 from ..host.events import LayerEvents
+from ..host.spill import Spill, SpillFactory
 from ..host.store import FlatGroup, HostStore
 from ..runtime.stream import Event, Trace
 from ..runtime.threads import update_threads
@@ -76,6 +77,7 @@ class UpdatePath:
     grad_sink: Callable[[int, torch.Tensor, Event], Event] | None = None  # takes a layer's gradients (no slab)
     overlapped = False  # step() returns with layer updates still queued
     folds_clip = False  # the layers' FP32 slabs are clip-scaled inside their update (the `coefs` of step())
+    spill: Spill | None = None  # the NVMe tier (spill.py): spilled state read in around each layer update
 
     def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
                  config: EngineConfig) -> None:
@@ -123,8 +125,8 @@ class UpdatePath:
         """Block until every queued update is done."""
         if self.layered is not None:
             self.layered.synchronize()
-            if getattr(self.layered, "spill", None) is not None:
-                self.layered.spill.flush()  # the writes behind the updates: the spilled state is the files' again
+            if self.spill is not None:
+                self.spill.flush()  # the writes behind the updates: the spilled state is the files' again
 
 
 WholeStep = UpdatePath
@@ -132,12 +134,14 @@ WholeStep = UpdatePath
 
 class Layered(UpdatePath):
     """In step(): each layer queued on the optimizer thread behind its gradients, then the resident parameters
-    updated on the caller's thread while the optimizer thread works through the layers."""
+    updated on the caller's thread while the optimizer thread works through the layers. `spill` (spill.py's
+    spill_for): the NVMe tier, built here over this path's optimizer thread."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
-                 config: EngineConfig, trace: Trace) -> None:
+                 config: EngineConfig, trace: Trace, spill: SpillFactory | None = None) -> None:
         super().__init__(optimizer, store, events, config)
         self.layered = LayeredStep(optimizer, store, events, trace, config.watchdog_s)
+        self.spill = spill(optimizer, self.layered.synchronize) if spill is not None else None
         self.overlapped = config.optimizer_overlap
         self.folds_clip = True
         # Overlapped, the layer updates run beside the next forward: they leave the launch and copy threads a core.
@@ -150,7 +154,7 @@ class Layered(UpdatePath):
             g.link_grads()
         self.events.wait_global_grads()  # the globals are updated right away; each layer waits for its own
         layered, layers, coefs = self.layered, self.store.layers, list(coefs)
-        spill = getattr(layered, "spill", None)  # the NVMe tier (spill.py): spilled state read in around each update
+        spill = self.spill
         # The resident parameters: with FP32 slabs the clip is folded into their update too (Engine._clip_folded);
         # with bf16 slabs clip_grad_norm_ scaled their FP32 slab already.
         pending = coefs if self.store.grad_mode is GradSlab.FLOAT32 else []
@@ -195,10 +199,11 @@ class Layered(UpdatePath):
 
 
 class InBackward(UpdatePath):
-    """During backward: each layer's update queued on the optimizer thread as soon as its gradients are staged."""
+    """During backward: each layer's update queued on the optimizer thread as soon as its gradients are staged.
+    `agree` (ranks.py agree_max): the verdict of every rank, given with data-parallel ranks (None: one rank)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
-                 config: EngineConfig, trace: Trace) -> None:
+                 config: EngineConfig, trace: Trace, agree: Callable[[int, str], int] | None = None) -> None:
         super().__init__(optimizer, store, events, config)
         self.layered = LayeredStep(optimizer, store, events, trace, config.watchdog_s)
         self.grad_sink = self._update
@@ -206,8 +211,8 @@ class InBackward(UpdatePath):
         self._failed_layer: int | None = None  # the layer whose gradient was not finite (-1: the resident ones)
         # The verdict of every rank (ranks.py agree_max): with one host store per node each layer is checked by its
         # owner alone, so the ranks take the largest failed index (-2: none) and fail the step together.
-        self.agree: Callable[[int, str], int] = lambda value, what: value
-        self.data_parallel = False
+        self.agree: Callable[[int, str], int] = agree or _alone
+        self.data_parallel = agree is not None
 
     def check_backward(self) -> None:
         if self._failed_layer is not None:
@@ -300,9 +305,17 @@ def overlap_pays(device: torch.device, config: EngineConfig, optimizer: torch.op
     return device.type == "cuda" and not config.optimizer_in_backward and unsupported_reason(optimizer) is None
 
 
+def _alone(value: int, what: str) -> int:
+    """One rank's verdict is everyone's."""
+    return value
+
+
 def choose(optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents, config: EngineConfig,
-           trace: Trace) -> UpdatePath:
-    """The update path the configuration and the optimizer allow."""
+           trace: Trace, *, agree: Callable[[int, str], int] | None = None,
+           spill: SpillFactory | None = None) -> UpdatePath:
+    """The update path the configuration and the optimizer allow. `agree`: how data-parallel ranks reach one
+    verdict (ranks.py agree_max; None: one rank), used where layers update in backward; `spill`: the NVMe tier
+    (spill.py spill_for), built by the per-layer path that runs through it."""
     layer_wise = store.per_layer_update or config.optimizer_in_backward or config.nvme_path is not None
     reason = unsupported_reason(optimizer) if config.optimizer_overlap or layer_wise else None
     if reason is not None and layer_wise:
@@ -314,9 +327,9 @@ def choose(optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEven
     if reason is not None:
         warnings.warn(f"optimizer_overlap: {reason}, so it steps whole after backward", stacklevel=3)
     if config.optimizer_in_backward:
-        path: UpdatePath = InBackward(optimizer, store, events, config, trace)
+        path: UpdatePath = InBackward(optimizer, store, events, config, trace, agree)
     elif reason is None and (config.optimizer_overlap or layer_wise or layer_pass_pays(optimizer, store)):
-        path = Layered(optimizer, store, events, config, trace)
+        path = Layered(optimizer, store, events, config, trace, spill)
     else:
         return WholeStep(optimizer, store, events, config)
     if all(g.get("fused") is True for g in optimizer.param_groups):
