@@ -28,7 +28,8 @@ model's `__dict__` (the engine, and the parameters it took). The generated class
 `__name__`, `__qualname__` and `__module__`: Hugging Face writes `type(model).__name__` into a saved
 config.json's `architectures` and picks the loss by it, Trainer, PEFT and TRL test class names, and the
 engine's own checks match layer class names; `isinstance(model, OriginalClass)` holds, and a deep copy (or an
-unpickled model) is a plain model of the original class.
+unpickled model) is a plain model of the original class. A face that serves a forward keyword of its own (TRL's
+`fused_lm_head=True`) registers it on the binding (`serve_forward_keyword`) instead of replacing the forward.
 """
 
 from __future__ import annotations
