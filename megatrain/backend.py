@@ -11,6 +11,7 @@ implement the same protocol without importing any of this package's engine.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
@@ -152,7 +153,7 @@ class MegatrainBackend:
         ec = self.engine_config
         if optimizer is None and ec.optimizer_overlap is None:
             # overlap "auto" splits the optimizer it is built with; one adopted by a later prepare() steps whole
-            ec = EngineConfig.from_dict({**ec.to_dict(), "optimizer_overlap": False})
+            ec = dataclasses.replace(ec, optimizer_overlap=False)  # what the user wrote kept (EngineConfig.written)
         ec, finish = self.prepare_model(model, ec)
         self.engine = Engine(model, config=ec, optimizer=optimizer)
         finish(self.engine)
@@ -174,7 +175,7 @@ class MegatrainBackend:
         from .engine import resolve_device
 
         if config.pin_memory and resolve_device(config.device).type != "cuda":
-            config = EngineConfig.from_dict({**config.to_dict(), "pin_memory": False})
+            config = dataclasses.replace(config, pin_memory=False)
             self.turned_off.append("pin_memory (no CUDA device)")
         if getattr(model, "is_gradient_checkpointing", False):
             model.gradient_checkpointing_disable()

@@ -60,6 +60,21 @@ def test_accelerate_face_says_what_runs(caplog):
     assert "optimizer: AdamW | turned off: gradient_checkpointing=True" in line
 
 
+def test_accelerate_face_says_what_preparing_the_model_turned_off(caplog):
+    """The model's own HF checkpointing, turned off by the backend's prepare_model, is named as the DeepSpeed face
+    names it."""
+    from megatrain.accelerate import Accelerator
+
+    caplog.set_level(logging.INFO, logger="megatrain")
+    acc = Accelerator(backend="megatrain", config={"megatrain": {"compute_dtype": "float32"}}, cpu=True)
+    model = tiny_model(layers=2, hidden=32, vocab=128)
+    model.gradient_checkpointing_enable()
+    acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    (line,) = _lines(caplog)
+    assert "turned off: " in line and "HF gradient checkpointing (the engine recomputes every layer itself)" in line
+    assert not model.is_gradient_checkpointing
+
+
 def test_without_logging_configured_the_line_goes_to_stderr(capsys):
     class Engine:  # what describe() reads
         config = type("C", (), {"compute_dtype": "float32", "host_master": "fp32", "host_grad_dtype": "float32",

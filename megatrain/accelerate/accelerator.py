@@ -313,6 +313,7 @@ class Accelerator:
 
         off = ["gradient_checkpointing=True (the engine recomputes every layer itself)"] \
             if self.gradient_checkpointing else []
+        off += list(getattr(self.backend, "turned_off", []))  # what preparing the model turned off (prepare_model)
         start_line.announce(start_line.describe("Accelerate (megatrain.Accelerator)", engine, engine.optimizer, off,
                                                 getattr(self.backend, "replaced_optimizer", None)), engine)
 

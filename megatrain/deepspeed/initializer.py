@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from .. import start_line
 from ..backend import MegatrainBackend
-from .config import parse_config
+from ..resolve import resolve
 from .data import make_dataloader
 from .engine import MegaTrainEngine
 
@@ -93,7 +93,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     from ..engine import launch_env
 
     world = launch_env().world_size  # a malformed launch environment is refused here, before the config
-    cfg = parse_config(_resolve_config(args, config, config_params), args=args, world_size=world)
+    cfg = resolve(_resolve_config(args, config, config_params), face="deepspeed", args=args, world_size=world).deepspeed
     if model is None:
         raise ValueError("initialize() needs a model (a Hugging Face causal LM)")
     if not isinstance(model, nn.Module):
