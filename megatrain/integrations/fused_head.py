@@ -14,7 +14,6 @@ engine refuses models whose wrapper scales its logits, so the only transform lef
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -148,18 +147,16 @@ def _softcap(model: Callable[..., Any]) -> float | None:
 
 def serve_fused_lm_head(model: torch.nn.Module, options: FusedHeadOptions = FusedHeadOptions(),
                         chunk_tokens: Callable[[], int] | None = None) -> None:
-    """Let the engine-run `model` (after `Engine(model)` bound its forward) take TRL's `fused_lm_head=True`,
-    with the options `trl_head_options` read off TRL's patch before the engine replaced it; `chunk_tokens`
-    gives the engine's head chunk for the batch just run (`Engine.head_chunk_tokens`)."""
-    engine_forward = model.forward.__func__
+    """Let the engine-run `model` (after `Engine(model)` bound it) take TRL's `fused_lm_head=True`, with the
+    options `trl_head_options` read off TRL's patch before the engine took the model; `chunk_tokens` gives the
+    engine's head chunk for the batch just run (`Engine.head_chunk_tokens`). Served through the binding
+    (`serve_forward_keyword`): the forward stays the model class's, nothing is set on the instance."""
+    from ..engine import serve_forward_keyword
 
-    def forward(self: torch.nn.Module, *args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
-        if not fused_lm_head:
-            return engine_forward(self, *args, **kwargs)
+    def serve(routed: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if len(args) > 1:
             raise TypeError("fused_lm_head=True: pass everything but input_ids by keyword")
         input_ids = args[0] if args else kwargs.pop("input_ids", None)
-        return fused_lm_head_forward(types.MethodType(engine_forward, self), input_ids, kwargs, options,
-                                     chunk_tokens=chunk_tokens)
+        return fused_lm_head_forward(routed, input_ids, kwargs, options, chunk_tokens=chunk_tokens)
 
-    model.forward = types.MethodType(forward, model)
+    serve_forward_keyword(model, "fused_lm_head", serve)
