@@ -2,7 +2,8 @@
 
 `serve_forward_keyword` lets the engine-run forward take a keyword without setting a forward on the model
 instance: the call goes to the face's handler with the routed forward. Served so, TRL's fused head gives
-what the face's instance patch (integrations/fused_head.py's serve_fused_lm_head) gives, bit for bit.
+through the face's own routine (integrations/fused_head.py's serve_fused_lm_head) what a handler registered
+here gives, bit for bit.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def test_a_served_keyword_goes_to_its_handler_with_the_routed_forward():
     ref = tiny_model("llama", layers=2)
     patched, served = copy.deepcopy(ref), copy.deepcopy(ref)
     patched_eng = Engine(patched)
-    serve_fused_lm_head(patched, options, patched_eng.head_chunk_tokens)  # the face's patch today
+    serve_fused_lm_head(patched, options, patched_eng.head_chunk_tokens)  # the face's routine
     eng = Engine(served)
 
     def fused_head(routed, input_ids=None, **kwargs):

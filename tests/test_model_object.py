@@ -632,8 +632,6 @@ def test_the_engine_binds_the_model_by_its_class_not_its_instance():
     assert inspect.signature(model.forward) == inspect.signature(qwen2.Qwen2ForCausalLM(model.config).forward)
 
 
-@pytest.mark.xfail(strict=True, reason="integrations/fused_head.py's serve_fused_lm_head still sets forward on the "
-                   "instance after the engine binds; model_object.serve_forward_keyword serves it from the class")
 def test_after_initialize_the_model_is_bound_by_its_class_not_its_instance():
     """Both faces: forward, state_dict, named_parameters and load_state_dict are not instance attributes."""
     acc = Accelerator(backend="megatrain")
