@@ -5,6 +5,8 @@ queried or the test drains it, so a copy reads its source late, as a DMA does.""
 
 from __future__ import annotations
 
+import threading
+import time
 from contextlib import nullcontext
 
 import pytest
@@ -99,13 +101,15 @@ def test_the_copy_reads_pinned_bf16_staging_ordered_between_the_compute_streams_
     device, compute, sources, _, fake = cuda
     store, targets, up = _upload()
     up.run()
+    up.fence()  # what the next forward does first (the embedding's pre-hook, placement.py)
     base = up.staging.data_ptr()
     assert base in fake.live, "the staging buffer is not registered (pinned)"
     assert len(sources) == len(GLOBALS)
     for src in sources:
         assert src.dtype == torch.bfloat16 and base <= src.data_ptr() < base + fake.live[base]
         assert src.data_ptr() != store.globals.master.data_ptr()
-    assert up._stream.waited_streams == [compute]  # the old values' readers queued before it go first
+    # the old values' readers queued before the run go first (an event recorded on the compute stream at run())
+    assert len(up._stream.waited_events) == 1 and up._stream.waited_events[0].pos == 0
     assert compute.waited_events and compute.waited_events[-1] is up._copied.event  # and later compute after it
     assert device.ran == 0  # queued, not run on the caller's thread
     device.drain()
@@ -122,6 +126,7 @@ def test_staging_bits_are_round_to_nearest_even_as_to_bfloat16(cuda):
     m.copy_(torch.randn(m.numel(), generator=torch.Generator().manual_seed(3)) * 10.0 ** torch.randint(-30, 30, (m.numel(),)))
     m[: len(ties) + len(special)] = torch.tensor(ties + special)
     up.run()
+    up.fence()
     assert torch.equal(_bits(up.staging), _bits(m.to(torch.bfloat16)))
     # Independent of torch's conversion: ties go to the even neighbour, above a tie rounds up.
     assert up.staging[:4].tolist() == [1.0, 1.0 + 2**-6, -1.0, 1.0 + 2**-7]
@@ -132,9 +137,11 @@ def test_a_refill_waits_for_the_previous_copy(cuda, monkeypatch):
     store, targets, up = _upload()
     first = store.globals.master.to(torch.bfloat16)
     up.run()  # step 1's copy queued, not yet run by the device
+    up.fence()  # the next forward (the embedding's pre-hook) comes before the next update
     store.globals.master.add_(1.0)  # step 2's update
     second = store.globals.master.to(torch.bfloat16)
     up.run()
+    up.fence()
     device.drain()
     n = len(GLOBALS)
     assert torch.equal(torch.cat([d.reshape(-1) for d in delivered[:n]]), first)
@@ -147,8 +154,10 @@ def test_negative_control_a_refill_without_the_wait_overwrites_the_copys_source(
     monkeypatch.setattr(ResidentUpload, "_wait_free", lambda self: None)
     first = store.globals.master.to(torch.bfloat16)
     up.run()
+    up.fence()
     store.globals.master.add_(1.0)
     up.run()
+    up.fence()
     device.drain()
     got = torch.cat([d.reshape(-1) for d in delivered[: len(GLOBALS)]])
     assert not torch.equal(got, first)  # step 1's copy delivered step 2's values: the missing wait is caught
@@ -173,3 +182,74 @@ def test_fp32_masters_at_fp32_compute_are_refused_a_staged_upload():
     store = HostStore(LAYERS, GLOBALS, False, None)
     with pytest.raises(ValueError, match="float32"):
         ResidentUpload(store, [], torch.float32, torch.device("cuda"), 5.0)
+
+
+def _planted_slow_rounding(monkeypatch, seconds: float) -> list[int]:
+    """The rounding, slowed down: which threads ran it."""
+    threads: list[int] = []
+    real = resident_upload.round_into
+
+    def slow(staging: torch.Tensor, master: torch.Tensor) -> None:
+        threads.append(threading.get_ident())
+        time.sleep(seconds)
+        real(staging, master)
+
+    monkeypatch.setattr(resident_upload, "round_into", slow)
+    return threads
+
+
+def _next_forward_reads(device, targets) -> list[torch.Tensor]:
+    """The next forward's first read of the resident parameters, queued on the (fake) compute stream."""
+    seen: list[torch.Tensor] = []
+    device.queued.append(lambda: seen.append(torch.cat([t.reshape(-1) for t in targets]).clone()))
+    return seen
+
+
+def test_the_rounding_runs_off_the_callers_thread_and_the_next_forward_waits_for_its_upload(cuda, monkeypatch):
+    device, compute, _, _, _ = cuda
+    store, targets, up = _upload()
+    threads = _planted_slow_rounding(monkeypatch, 0.3)
+    t0 = time.perf_counter()
+    up.run()
+    returned_s = time.perf_counter() - t0
+    assert returned_s < 0.3  # the caller did not round (the rounding sleeps 0.3 s)
+    up.fence()  # the embedding's pre-hook, before the forward's compute is queued
+    seen = _next_forward_reads(device, targets)
+    device.drain()
+    assert threads and threads[0] != threading.get_ident()
+    assert compute.waited_events[-1] is up._copied.event
+    assert torch.equal(seen[0], store.globals.master.to(torch.bfloat16))  # the step's weights, bit for bit
+
+
+def test_negative_control_without_the_fence_a_slow_rounding_leaves_the_forward_stale_weights(cuda, monkeypatch):
+    device, _, _, _, _ = cuda
+    store, targets, up = _upload()
+    _planted_slow_rounding(monkeypatch, 0.3)
+    monkeypatch.setattr(ResidentUpload, "fence", lambda self: None)
+    up.run()
+    seen = _next_forward_reads(device, targets)  # queued before the worker queued the copies
+    device.drain()
+    assert not torch.equal(seen[0], store.globals.master.to(torch.bfloat16))  # stale (the zeros before the upload)
+    up._worker.shutdown(wait=True)
+
+
+def test_the_embeddings_pre_hook_fences_and_copies_of_the_model_drop_it():
+    import copy
+    import pickle
+
+    from megatrain.engine.model.placement import UploadFence
+
+    calls: list[int] = []
+
+    class Placed:
+        def fence_upload(self) -> None:
+            calls.append(1)
+
+    placed = Placed()
+    emb = torch.nn.Embedding(5, 3)
+    emb.register_forward_pre_hook(UploadFence(placed))
+    emb(torch.tensor([1]))
+    assert calls == [1]
+    for other in (copy.deepcopy(emb), pickle.loads(pickle.dumps(emb))):
+        other(torch.tensor([1]))
+    assert calls == [1]  # a copy has no engine to fence

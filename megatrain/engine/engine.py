@@ -458,6 +458,7 @@ class Engine:
             raise RuntimeError("a refused loss.backward() left partial gradients (head and final norm only) in the "
                                "gradient slabs; call zero_grad() before the next step")
         t0 = time.perf_counter()
+        self.placement.fence_upload()  # a step with no forward since the last: its rounding reads the masters
         self.ranks.average_pending()
         if not self.update.step(self._finite, self._clip_coefs):
             return False
@@ -500,6 +501,7 @@ class Engine:
     def synchronize(self) -> None:
         """Wait for every queued copy and (with optimizer_overlap) the layer updates still running:
         call it before reading parameters, gradients or optimizer state by hand."""
+        self.placement.fence_upload()  # the resident upload, rounded on its worker, queued before the device sync
         self.streams.synchronize()
         self._wait_host_jobs()
 

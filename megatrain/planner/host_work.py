@@ -10,8 +10,10 @@ As the engine runs it (engine/pipeline/schedule.py, engine/runtime/stream.py, en
   (engine/host/reduce_kernel.py, measured at 0.8x that bound); above, torch's two passes on every reducer thread
   (1.75x: the norm reads the slab again).
 - the serial resident work: `step()` updates the resident parameters (embedding, head, final norm) on the launch
-  thread before any layer job is queued, then rounds their FP32 masters into the bf16 staging the upload reads;
-  the device has nothing queued meanwhile.
+  thread after the layer jobs are queued, then their FP32 masters are rounded into the bf16 staging the upload
+  reads, on a worker of their own (engine/host/resident_upload.py). The next forward's embedding waits for that
+  upload, and the device has nothing queued between the step and it: the rounding stays on the step's serial
+  part (it overlaps only the caller's own work between steps, which is not modelled here).
 
 A memory-bound pass on n of a host's cores reaches its achieved bandwidth x min(1, n / (cores x
 SATURATING_SHARE)): a few cores per memory channel saturate it, one core alone is far from it.
@@ -84,7 +86,7 @@ class SerialWork:
     """Seconds per step on the launch thread with nothing queued on the device (CUDA)."""
 
     resident_update_s: float  # AdamW over the embedding, head and final norm, before any layer job
-    resident_round_s: float  # their FP32 masters rounded into the bf16 upload staging
+    resident_round_s: float  # their FP32 masters rounded into the bf16 upload staging (a worker; the forward waits)
 
     @property
     def total_s(self) -> float:

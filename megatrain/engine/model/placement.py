@@ -9,6 +9,7 @@ and submodules all read the weights the engine trains.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,13 +113,40 @@ class Placement:
             g.refresh_shadow()
         self.globals_changed()
 
+    def fence_upload(self) -> None:
+        """Before compute (or a read) that uses the resident parameters' device copies: the last upload, rounded
+        on its worker, is ordered before it (resident_upload.py)."""
+        if self.upload is not None:
+            self.upload.fence()
+
     def take_device_writes(self) -> None:
         """A resident parameter written on the device (what the model object holds there) back into its master."""
+        self.fence_upload()  # compare with what the last upload delivered, not with the values before it
         if not self.alias_globals:
             with torch.no_grad():
                 for dev, master in zip(self.device_globals, self.store.globals.params):
                     if not torch.equal(dev.detach().cpu(), master.detach().to(dev.dtype)):
                         master.copy_(dev.detach())
+
+
+class UploadFence:
+    """The embedding's forward pre-hook: the resident upload (rounded on its worker) ordered before the forward.
+    It holds the placement weakly, and a copy or pickle of the model gets one that does nothing (a copy has
+    weights of its own and no engine)."""
+
+    def __init__(self, placed: Placement | None) -> None:
+        self._placed = weakref.ref(placed) if placed is not None else None
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        placed = self._placed() if self._placed is not None else None
+        if placed is not None:
+            placed.fence_upload()
+
+    def __deepcopy__(self, memo: dict) -> UploadFence:
+        return UploadFence(None)
+
+    def __reduce__(self) -> tuple:
+        return UploadFence, (None,)
 
 
 def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: torch.device,
@@ -193,6 +221,9 @@ def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: t
     upload = (ResidentUpload(store, device_globals, compute_dtype, device, config.watchdog_s)
               if device.type == "cuda" and compute_dtype != torch.float32 else None)
     placed = Placement(parts, store, templates, device_globals, alias_globals, name_of, aliases, embed_slot, upload)
+    if upload is not None:
+        # Every forward (the engine's and the model's own) reads the embedding first: the upload is fenced there.
+        parts.embed.register_forward_pre_hook(UploadFence(placed))
     for alias, name in aliases.items():
         if not alias.startswith(prefix):
             _set_param(model, alias, device_globals[placed.global_index(name)])
