@@ -90,10 +90,10 @@ def _bf16_rounded(run):
 
     update_layer = update.update_layer
 
-    def rounded(layered, group, i, coefs):
+    def rounded(layered, group, i, coefs, *rest):
         if group.grad is not None and group.grad.dtype == torch.float32:
             group.grad.copy_(group.grad.to(torch.bfloat16))
-        return update_layer(layered, group, i, coefs)
+        return update_layer(layered, group, i, coefs, *rest)
 
     update.update_layer = rounded
     adam_kernel.kernel()
