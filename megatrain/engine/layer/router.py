@@ -97,7 +97,8 @@ def model_router_loss(parts: DecoderParts, router_logits: list[torch.Tensor], in
     setattr(owner, attr, _RecordedStack(hidden, tuple(router_logits)))
     model.loss_function = _zero_token_loss
     try:
-        # The class forward: the model object's own is routed to the engine (model_object.py).
+        # The class forward; on a bound model that is the engine's route, which hands a model whose stack is a
+        # _RecordedStack back to the model's own forward (model_object.py).
         out = type(model).forward(model, input_ids=input_ids, attention_mask=attention_mask,
                                   position_ids=position_ids, labels=labels, output_router_logits=True,
                                   use_cache=False, logits_to_keep=1)
