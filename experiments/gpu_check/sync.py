@@ -19,7 +19,8 @@ def pinning_expectations(store: Any, staging: list[Any]) -> dict[str, tuple[list
     stay pageable (pinning them would lock memory no copy uses)."""
     return {
         "layer_stream_sources": ([g.stream_source for g in store.layers], True),
-        "globals_master": ([store.globals.master], True),
+        # pinned only where the upload copies from them (FP32 compute); bf16 uploads its own bf16 staging
+        "globals_master": ([store.globals.master], store.resident_masters_copied),
         "grad_staging": (list(staging), True),
         "layer_masters_behind_a_shadow_pageable": (
             [g.master for g in store.layers if g.master is not None and g.shadow is not None], False),

@@ -217,7 +217,8 @@ def node_memory(pl: Plan, gpus_per_node: int, nodes: int = 1) -> tuple[Memory, d
     host["grad transit (data parallel)"] = n * rank["grad transit (data parallel)"]
     if mem.unified and n > 1:
         host["other ranks' device (CPU device)"] = (n - 1) * (mem.device_total - mem.shared)
-    # the streamed layers' pinned copies are the node's; every rank pins its own staging and resident masters
+    # the streamed layers' pinned copies are the node's; every rank pins its own staging (and its resident
+    # masters where the upload copies from them: FP32 compute)
     layer_pinned = 0
     if mem.pinned:
         m = pl.point.model
