@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
+from pathlib import Path
+
+# The scripts tests run as processes live apart (tests/workers/); some tests import their helpers too.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 
 import pytest
 import torch

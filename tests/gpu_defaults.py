@@ -29,7 +29,7 @@ models here (Llama, tied Qwen2, Mistral with a sliding window, 3 seeds each, 1 a
 and the torch update kernels) the engine sits at 0.20-0.31 floors on gradients and movement, up to 1.14 on
 the pre-clip norms and 1.26 on the noisiest quantity (the largest single loss difference); on the MoE
 families the first step's gradients are within 1e-7 (relative) of the reference's where the head is one chunk. What it catches: a lost micro-batch (~100 floors), a 10% LR
-error (~3 floors) (tests/test_engine.py). What it does not separate: FP32 compute from bf16 compute (~1.1
+error (~3 floors) (tests/unit/test_engine.py). What it does not separate: FP32 compute from bf16 compute (~1.1
 floors at this size and length); that bf16 really computed is asserted on the streamed weights' dtype (`lag_updates`),
 and the exact claims (hilo against the FP32 master, overlap on against off, resume) are bit for bit.
 """

@@ -3,7 +3,7 @@ hold, and the per-batch plan (sequence tile, loss chunk, activation offload) cho
 
 Plain arithmetic with no torch import, so the planner (`megatrain plan`) runs this same model without
 loading the engine: the engine and the planner cannot disagree. The coefficients are measured with
-`DeviceMemoryTracker` (see tests/test_long_context.py) and are only as good as those tests.
+`DeviceMemoryTracker` (see tests/unit/test_long_context.py) and are only as good as those tests.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ AUTO_MIN_MLP_BYTES = 256 * 2**20
 # -- the per-batch plan ------------------------------------------------------------------------------
 
 # Peak live elements per token of one layer's recompute + backward, measured with DeviceMemoryTracker
-# (Llama shapes, FP32; tests/test_long_context.py checks the prediction).
+# (Llama shapes, FP32; tests/unit/test_long_context.py checks the prediction).
 # Untiled, or tiled with the attention block kept whole (MLP-only tiling), the peak is the larger of:
 #  - the attention backward: 11 h + 2 kv per token (the recomputed attention graph, its gradients);
 #  - an MLP tile's backward: 9 h + 2 kv per token (the attention graph, kept meanwhile) plus, per token
@@ -48,7 +48,7 @@ BUDGET_HEADROOM = 0.9  # plan to this share of the budget: allocator fragmentati
 OFFLOAD_IN_FLIGHT = 4
 # When that does not fit the budget, copies stop overlapping (engine/activations.py): each input waits for its
 # copy to the host, and in backward an input comes back only when its layer needs it: one fewer (measured,
-# tests/test_offload_in_flight.py).
+# tests/unit/test_offload_in_flight.py).
 OFFLOAD_IN_FLIGHT_TIGHT = 3
 LOSS_LOGIT_COPIES = 3  # chunk logits (fp32), their softmax/gradient, and a transient
 # "auto" loss chunk: the largest chunk is DEFAULT_LOSS_CHUNK tokens, capped so one FP32 copy of the chunk's
@@ -64,7 +64,7 @@ MAX_DEVICE_LOSS_CHUNK = 4096
 # The head + loss phase as a training forward runs it (engine/loss.py tiled_norm_head_loss: final norm, head
 # and loss per sequence tile, each tile's backward run in the forward). Per token of the sequence, in
 # h-vectors: the last layer's output and its gradient. Per token of a tile (measured, FP32, with
-# DeviceMemoryTracker, tests/test_loss_in_forward.py): two FP32 copies of the logits (the logits, then the
+# DeviceMemoryTracker, tests/unit/test_loss_in_forward.py): two FP32 copies of the logits (the logits, then the
 # softmax and its scaled copy) and about four h-vectors (the norm's graph, the head's input, its gradient).
 LOSS_SEQ_H, LOSS_TILE_H, LOSS_TILE_LOGIT_COPIES = 2.0, 4.0, 2
 LOSS_BF16_FP32_H = 3.5  # bf16 compute: the final norm's fp32 upcast and fp32 gradients, in fp32 h-vectors per tile token

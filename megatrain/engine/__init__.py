@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .runtime.host_copy import to_device
     from .runtime.stream import WatchdogError
 
-# What the faces, the CLI and the harness may use; everything else is the engine's own (tests/test_layering.py).
+# What the faces, the CLI and the harness may use; everything else is the engine's own (tests/unit/test_layering.py).
 _HOME = {"Engine": ".engine", "engines_holding": ".engine",
          "HostMemoryError": ".host.preflight", "PinnedMemoryError": ".host.pinned", "host_buffer": ".host.pinned",
          "max_trainable_positions": ".layer.batch", "Verdict": ".model.probe", "run_probe": ".model.probe",

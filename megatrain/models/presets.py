@@ -245,7 +245,7 @@ PRESETS: dict[str, ModelPreset] = {
         _P("qwen2.5-72b", "qwen2", 80, 8192, 29568, 64, 8, 152064, 32768, rope_theta=1e6),
         # Hidden x depth from the MegaTrain calculator's 120B entry; MLP, heads and vocab are our choice.
         _P("dense-120b", "llama", 96, 10240, 27648, 80, 80, 32000, 4096),
-        # Mixtures of experts, public shapes (tests/test_planner_moe.py checks each count against the
+        # Mixtures of experts, public shapes (tests/unit/test_planner_moe.py checks each count against the
         # transformers model class built on the meta device). FLOPs count the active parameters, bytes the total.
         # openai/gpt-oss-20b and -120b config.json: 24 / 36 layers, 32 / 128 experts, top-4, biases on
         # attention, experts and router, a sink per head, sliding window 128 in every other layer.

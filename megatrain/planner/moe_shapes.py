@@ -1,6 +1,6 @@
 """Mixture-of-experts transformers configs read into a ModelPreset (its MoEShape and AttnShape): Mixtral,
 Qwen2-MoE, Qwen3-MoE, GPT-OSS, DeepSeek-V3 (latent attention), Qwen3-Next and Qwen3.5-MoE (gated DeltaNet
-layers). tests/test_planner_moe.py checks each reader's count against the model class built on the meta device.
+layers). tests/unit/test_planner_moe.py checks each reader's count against the model class built on the meta device.
 """
 
 from __future__ import annotations

@@ -3,5 +3,5 @@ NUMA-placed memory, the NVMe spill, the per-layer events that order jobs on thos
 host-memory preflight. Imports the runtime only.
 
 The wings' order (each imports only its own and the ones before it) is docs/DESIGN.md's map, checked by
-tests/test_layering.py: runtime, host, layer, pipeline, update, parallel, model.
+tests/unit/test_layering.py: runtime, host, layer, pipeline, update, parallel, model.
 """

@@ -2,5 +2,5 @@
 MLP, the MoE router, the embedding and the chunked head and loss. Imports the runtime and the host tier.
 
 The wings' order (each imports only its own and the ones before it) is docs/DESIGN.md's map, checked by
-tests/test_layering.py: runtime, host, layer, pipeline, update, parallel, model.
+tests/unit/test_layering.py: runtime, host, layer, pipeline, update, parallel, model.
 """

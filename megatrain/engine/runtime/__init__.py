@@ -2,5 +2,5 @@
 and allocator helpers, memory tracking, and the C build the host kernels share. Imports no other wing.
 
 The wings' order (each imports only its own and the ones before it) is docs/DESIGN.md's map, checked by
-tests/test_layering.py: runtime, host, layer, pipeline, update, parallel, model.
+tests/unit/test_layering.py: runtime, host, layer, pipeline, update, parallel, model.
 """

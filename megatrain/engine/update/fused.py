@@ -13,7 +13,7 @@ bound of experiments/studies/host_passes.py:
 
 Either AdamW gives torch's bits. torch's fused CPU kernel called on tile views gives the same bits as one call
 over the whole tensor as long as every tile starts at a multiple of the kernel's vector width from the
-tensor's start (its scalar tail then falls on the same elements; tests/test_fused_pass.py checks this, and
+tensor's start (its scalar tail then falls on the same elements; tests/unit/test_fused_pass.py checks this, and
 that a misaligned tile is caught); the compiled loop reproduces its vector loop and leaves each parameter's
 last numel % 64 elements to it. The clip scale is multiplied into each gradient just before the AdamW reads
 it: the same products as scaling the whole slab first. Only torch's Adam/AdamW with fused=True (the engine's

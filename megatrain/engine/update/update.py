@@ -345,7 +345,7 @@ def layer_pass_pays(optimizer: torch.optim.Optimizer, store: HostStore) -> bool:
     """Whether a step without overlap is better taken a layer at a time (Layered, waited for in step()): an FP32
     master with a bf16 shadow and torch's fused Adam/AdamW. The whole step reads and writes every master two
     more times than the fused pass (the clip's scaling pass and the shadow refresh after optimizer.step()); the
-    fused pass gives the same bits (tests/test_fused_pass.py). An FP32 master without a shadow (FP32 compute)
+    fused pass gives the same bits (tests/unit/test_fused_pass.py). An FP32 master without a shadow (FP32 compute)
     keeps the whole step: there it moves the same bytes but for the clip pass, and takes any optimizer."""
     return (store.master_mode is HostMaster.FP32 and any(g.shadow is not None for g in store.layers)
             and unsupported_reason(optimizer) is None

@@ -1,0 +1,48 @@
+"""A process that trains with a process group tears it down at exit, before Python finalizes
+(engine/distributed.py destroy_at_exit): left to finalization, a gloo worker releasing its last work aborted
+such a process now and then ("terminate called without an active exception")."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CODE = """
+import atexit, sys, torch, torch.distributed as dist
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized()))  # runs after hooks made later
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+if sys.argv[1] == "engine":
+    from megatrain.engine.parallel.distributed import join_ranks
+    join_ranks(torch.device("cpu"), 30.0)  # what every engine does as it is built
+"""
+
+
+def _run(mode: str) -> str:
+    r = subprocess.run([sys.executable, "-c", CODE, mode], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+def test_an_engine_tears_down_the_group_it_trained_with_at_exit():
+    assert "initialized at exit: False" in _run("engine")
+
+
+def test_control_without_an_engine_the_group_is_left_to_finalization():
+    assert "initialized at exit: True" in _run("plain")
+
+
+def test_an_nccl_group_is_left_to_torch(monkeypatch):
+    """An NCCL group's teardown can block on a collective a dead peer never joins: the exit hook leaves it be."""
+    import torch.distributed as dist
+
+    from megatrain.engine.parallel import distributed
+
+    destroyed = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: destroyed.append(1))
+    monkeypatch.setattr(distributed.time, "sleep", lambda s: None)
+    for backend, want in (("nccl", []), ("cpu:gloo,cuda:nccl", []), ("gloo", [1])):
+        destroyed.clear()
+        monkeypatch.setattr(dist, "get_backend", lambda *a, b=backend: b)
+        distributed._destroy()
+        assert destroyed == want, backend

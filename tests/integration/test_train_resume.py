@@ -1,0 +1,173 @@
+"""`megatrain train --config` never loses a run: stopped by SIGINT or SIGTERM after a checkpoint, the same command
+resumes from the newest whole checkpoint and ends with the losses and weights of an uninterrupted run, bit for
+bit; --restart starts over; an output folder it must not resume is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from safetensors.torch import load_file
+
+from megatrain.sft_resume import RUN_FILE, WHOLE_MARK, RefusedOutput, SaveCallback, prepare_output
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "sft" / "sft.yaml"
+DRIVER = Path(__file__).resolve().parents[1] / "workers" / "sft_signal_driver.py"
+# short and without evaluation: the point is the checkpoints, not the training
+SETS = ("max_steps=6", "save_steps=2", "eval_data=null")
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
+    return env
+
+
+def _args(out: Path, *sets: str) -> list[str]:
+    return ["train", "--config", str(EXAMPLE), *(a for s in (f"output_dir={out}", f"report={out}/report.json",
+                                                             *SETS, *sets) for a in ("--set", s))]
+
+
+def _run(out: Path, *extra: str, sets: tuple = ()) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatrain.cli", *_args(out, *sets), *extra], env=_env(),
+                          capture_output=True, text=True, timeout=600)
+
+
+def _stopped(out: Path, sig: int, at: int = 2) -> subprocess.CompletedProcess:
+    """The run stopped by `sig`, sent from here once its checkpoint at step `at` is whole."""
+    ready = out.parent / f"{out.name}.ready"
+    p = subprocess.Popen([sys.executable, str(DRIVER), str(at), str(ready), *_args(out)], env=_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not ready.exists() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    p.send_signal(sig)
+    stdout, stderr = p.communicate(timeout=600)
+    return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+
+
+def _report(out: Path) -> dict:
+    return json.loads((out / "report.json").read_text())
+
+
+def test_a_run_stopped_by_sigint_resumes_bit_identically(tmp_path):
+    out = tmp_path / "run"
+    r = _stopped(out, signal.SIGINT)
+    assert r.returncode == 130, r.stderr[-3000:]
+    # the step in flight when the signal came (3) finished and was checkpointed
+    assert "stopped on SIGINT after step 3; checkpoint saved to" in r.stderr, r.stderr[-3000:]
+    assert (out / "checkpoint-3" / WHOLE_MARK).is_file() and not (out / "final").exists()
+    assert _report(out)["stopped"] == "SIGINT"
+
+    again = _run(out)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming from {out / 'checkpoint-3'} (step 3" in again.stderr
+    resumed = _report(out)
+    assert resumed["resumed_from"] == str(out / "checkpoint-3") and resumed["engine"] == "MegaTrainEngine"
+    weights = load_file(out / "final" / "model.safetensors")
+
+    # run to the end: the same command again has nothing to resume and says so, in one line
+    done = _run(out)
+    assert done.returncode == 2 and "finished" in done.stderr and "--restart" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+    # --restart: the same run from step 1, uninterrupted, is the reference
+    whole = _run(out, "--restart")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert "--restart: starting over" in whole.stderr and "resuming" not in whole.stderr
+    ref = _report(out)
+    assert ref["resumed_from"] is None and len(ref["losses"]) == 6
+    assert resumed["losses"] == ref["losses"]  # bit-identical, steps 4-6 trained after the resume included
+    again_weights = load_file(out / "final" / "model.safetensors")
+    assert weights.keys() == again_weights.keys() and all(weights[k].equal(again_weights[k]) for k in weights)
+
+
+def test_sigterm_then_other_settings_are_refused(tmp_path):
+    out = tmp_path / "run"
+    r = _stopped(out, signal.SIGTERM)
+    assert r.returncode == 143 and "stopped on SIGTERM after step 3" in r.stderr, r.stderr[-3000:]
+    other = _run(out, sets=("learning_rate=0.002",))
+    assert other.returncode == 2, other.stderr[-3000:]
+    line = other.stderr.strip()
+    assert len(line.splitlines()) == 1 and "learning_rate: 0.001 -> 0.002" in line and "--restart" in line
+    assert (out / "checkpoint-3" / WHOLE_MARK).is_file()  # nothing touched
+
+
+def _earlier_run(out: Path, steps: dict[int, bool], settings: dict | None = None, finished: bool = False) -> None:
+    out.mkdir(parents=True)
+    for step, whole in steps.items():
+        (out / f"checkpoint-{step}").mkdir()
+        if whole:
+            (out / f"checkpoint-{step}" / WHOLE_MARK).write_text("{}")
+    if settings is not None:
+        (out / RUN_FILE).write_text(json.dumps({"settings": settings, "finished": finished}))
+
+
+def test_which_checkpoint_a_run_resumes_from(tmp_path):
+    s = {"learning_rate": 0.001, "report": "a.json"}
+    out = tmp_path / "a"
+    _earlier_run(out, {2: True, 4: True, 6: False}, s)
+    where, note = prepare_output(out, {**s, "report": "b.json"}, restart=False)  # report may change
+    assert where == out / "checkpoint-4" and "resuming from" in note
+    assert not (out / "checkpoint-6").exists()  # the half-written one, which the run would write over, is gone
+
+    out = tmp_path / "b"
+    _earlier_run(out, {2: False}, s)
+    with pytest.raises(RefusedOutput, match="only half-written checkpoints \\(checkpoint-2\\).*--restart"):
+        prepare_output(out, s, restart=False)
+    out = tmp_path / "c"
+    _earlier_run(out, {2: True})
+    with pytest.raises(RefusedOutput, match="without its settings"):
+        prepare_output(out, s, restart=False)
+    out = tmp_path / "d"
+    _earlier_run(out, {}, s, finished=True)
+    with pytest.raises(RefusedOutput, match="finished"):
+        prepare_output(out, s, restart=False)
+
+    # --restart removes this command's own output only
+    out = tmp_path / "e"
+    _earlier_run(out, {2: True, 4: False}, s, finished=True)
+    (out / "final").mkdir()
+    (out / "notes.txt").write_text("mine")
+    where, note = prepare_output(out, s, restart=True)
+    assert where is None and "removed 3 folder(s)" in note
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    out = tmp_path / "f"
+    _earlier_run(out, {}, s)  # stopped before its first checkpoint
+    assert prepare_output(out, s, restart=False) == (None, f"no checkpoint of the earlier run in {out}: starting at "
+                                                           "step 1")
+    assert prepare_output(tmp_path / "new", s, restart=False) == (None, "")
+    assert not (tmp_path / "new").exists()
+
+
+def test_when_the_callback_asks_for_a_checkpoint(monkeypatch):
+    from megatrain import sft_resume
+
+    now = [1000.0]
+    monkeypatch.setattr(sft_resume.time, "monotonic", lambda: now[0])
+    stop = SimpleNamespace(requested=False)
+    cb = SaveCallback(stop, save_minutes=30, save_steps=0)
+    cb.on_train_begin(None, None, None)
+
+    def step(n: int, max_steps: int = 100) -> SimpleNamespace:
+        control = SimpleNamespace(should_save=n == max_steps, should_training_stop=False)  # as Trainer's flow
+        cb.on_step_end(None, SimpleNamespace(global_step=n, max_steps=max_steps), control)
+        return control
+
+    assert not step(1).should_save
+    now[0] += 30 * 60
+    assert step(2).should_save  # 30 minutes of training since the last checkpoint
+    cb.on_save(SimpleNamespace(output_dir="/nonexistent"), SimpleNamespace(global_step=2), None)
+    assert not step(3).should_save  # the clock starts again at each checkpoint
+    assert not step(100).should_save  # the end: final/ holds the weights, no last checkpoint
+    stop.requested = True
+    c = step(4)
+    assert c.should_save and c.should_training_stop and cb.stopped_at == 4
