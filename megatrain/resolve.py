@@ -19,11 +19,14 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .config import EngineConfig
-from .settings import ConfigSettings, engine_config_from, read_config
+from .config import AUTO, EngineConfig
+from .deepspeed.config import parse_config
+from .settings import FACE_KEYS, ConfigSettings, read_config
 from .validate import is_int
 
-__all__ = ["Settings", "cpu_config", "resolve"]
+__all__ = ["Settings", "cpu_config", "engine_config_from", "resolve"]
+
+_BATCH_KEYS = FACE_KEYS[:3]
 
 FACES = ("accelerate", "deepspeed")
 
@@ -104,3 +107,34 @@ def _accumulation(steps: int, said: ConfigSettings) -> int:
         if from_config != steps:
             raise ValueError(f"gradient_accumulation_steps={steps} contradicts the config's {from_config}; set one of them")
     return steps
+
+
+def engine_config_from(config: dict[str, Any] | EngineConfig | None, mixed_precision: str | None = None
+                       ) -> EngineConfig:
+    """The engine settings a face config describes, with the Accelerate face's `mixed_precision` (None: none).
+
+    A dict is read as a DeepSpeed config by the same parser `megatrain.initialize` uses, so one
+    config means the same engine on both faces. Batch sizes are the dataloader's business under
+    Accelerate, so a config without them is completed with a micro batch of one for the parser's sake.
+    """
+    if config is None or isinstance(config, EngineConfig):
+        ec = config or EngineConfig()
+        if mixed_precision is None:
+            return ec
+        # An EngineConfig's compute dtype counts as a config's bf16 section (as read_config reads it).
+        dtype = EngineConfig.settle_compute_dtype(written=ec.compute_dtype if config else None,
+                                                  bf16=ec.compute_dtype == "bfloat16" if config else None,
+                                                  mixed_precision=mixed_precision)
+        return ec if dtype == ec.compute_dtype else ec.rewrite(compute_dtype=dtype)
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a DeepSpeed-style dict, an EngineConfig or None, not {type(config).__name__}")
+    d = dict(config)
+    # "auto" batch sizes are the face's to fill (from the dataloader, the arguments) and none of them shapes
+    # the engine, so they are dropped before the strict parser sees them; it reads "auto" clipping and bf16
+    # as this face does (script=True).
+    for key in _BATCH_KEYS:
+        if d.get(key) == AUTO:
+            del d[key]
+    if "train_batch_size" not in d and "train_micro_batch_size_per_gpu" not in d:
+        d["train_micro_batch_size_per_gpu"] = 1
+    return parse_config(d, mixed_precision=mixed_precision, script=True).engine

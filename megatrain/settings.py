@@ -9,8 +9,6 @@ engine settings. Here each of them is read the one way:
   (`from_args`); `face_keys` writes them (megatrain train's config);
 - `read_config`: what a config says to a face (bf16, clipping, accumulation; None where it leaves the
   face's argument to decide) and which engine settings the user wrote down;
-- `engine_config_from`: the engine settings, through the DeepSpeed parser that `megatrain.initialize`
-  uses, so one config means the same engine on both faces;
 - `planner_knobs`: engine settings under the planner's argument names.
 
 megatrain/resolve.py combines these with a face's own arguments into the settings it runs with. Keys are
@@ -28,14 +26,12 @@ from typing import Any
 from .config import AUTO, ENGINE_KEYS, EngineConfig, unknown_setting
 from .validate import check_keys, is_bool, is_number
 
-__all__ = ["FACE_KEYS", "ConfigSettings", "bf16_enabled", "bf16_section", "clipping", "engine_config_from",
-           "face_keys", "from_args", "planner_knobs", "read_config"]
+__all__ = ["FACE_KEYS", "ConfigSettings", "bf16_enabled", "bf16_section", "clipping", "face_keys", "from_args", "planner_knobs", "read_config"]
 
 Err = Callable[[str], Exception]
 # The top-level DeepSpeed keys a face reads itself (the rest shape the optimizer, scheduler and engine).
 FACE_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
              "bf16", "bfloat16")
-_BATCH_KEYS = FACE_KEYS[:3]
 
 
 def from_args(args: Any, attr: str, name: str, hint: str, err: Err = ValueError) -> Any:
@@ -125,39 +121,6 @@ def read_config(config: Any) -> ConfigSettings:
     return ConfigSettings(bf16=bf16_enabled(config, script=True), gradient_clipping=clipping(config, script=True),
                           gradient_accumulation_steps=None if steps == AUTO else int(steps),
                           engine_keys=frozenset(config.get("megatrain") or {}))
-
-
-def engine_config_from(config: dict[str, Any] | EngineConfig | None, mixed_precision: str | None = None
-                       ) -> EngineConfig:
-    """The engine settings a face config describes, with the Accelerate face's `mixed_precision` (None: none).
-
-    A dict is read as a DeepSpeed config by the same parser `megatrain.initialize` uses, so one
-    config means the same engine on both faces. Batch sizes are the dataloader's business under
-    Accelerate, so a config without them is completed with a micro batch of one for the parser's sake.
-    """
-    if config is None or isinstance(config, EngineConfig):
-        ec = config or EngineConfig()
-        if mixed_precision is None:
-            return ec
-        # An EngineConfig's compute dtype counts as a config's bf16 section (as read_config reads it).
-        dtype = EngineConfig.settle_compute_dtype(written=ec.compute_dtype if config else None,
-                                                  bf16=ec.compute_dtype == "bfloat16" if config else None,
-                                                  mixed_precision=mixed_precision)
-        return ec if dtype == ec.compute_dtype else ec.rewrite(compute_dtype=dtype)
-    if not isinstance(config, dict):
-        raise TypeError(f"config must be a DeepSpeed-style dict, an EngineConfig or None, not {type(config).__name__}")
-    from .deepspeed.config import parse_config
-
-    d = dict(config)
-    # "auto" batch sizes are the face's to fill (from the dataloader, the arguments) and none of them shapes
-    # the engine, so they are dropped before the strict parser sees them; it reads "auto" clipping and bf16
-    # as this face does (script=True).
-    for key in _BATCH_KEYS:
-        if d.get(key) == AUTO:
-            del d[key]
-    if "train_batch_size" not in d and "train_micro_batch_size_per_gpu" not in d:
-        d["train_micro_batch_size_per_gpu"] = 1
-    return parse_config(d, mixed_precision=mixed_precision, script=True).engine
 
 
 # Engine settings that change a prediction, under the planner's argument names; the rest (trace,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -118,12 +119,11 @@ class TensorFile(Mapping[str, torch.Tensor]):
         """Tensor `name` in a buffer this file reuses for every such read: valid until the next one. For values
         that are copied elsewhere at once (into the host store): no per-tensor allocation whose freed pages
         the C heap would keep resident."""
-        from .engine import host_buffer  # a mapping of its own, returned to the OS when dropped
-
         dtype, shape, start, end = self._entry(name)
         if self._scratch is None or self._scratch.numel() < end - start:
             self._scratch = None
-            self._scratch = host_buffer(max(end - start, 1 << 20), torch.uint8)
+            # a mapping of its own, returned to the OS when dropped (the C heap would keep freed pages resident)
+            self._scratch = torch.frombuffer(mmap.mmap(-1, max(end - start, 1 << 20)), dtype=torch.uint8)
         return self.read_into(name, self._scratch[: end - start].view(dtype).view(shape))
 
     def sha256(self) -> tuple[int, str]:

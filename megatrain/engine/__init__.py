@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .engine import Engine, engines_holding
-    from .host.pinned import PinnedMemoryError, host_buffer
+    from .host.pinned import PinnedMemoryError
     from .host.preflight import HostMemoryError
     from .layer.batch import max_trainable_positions
     from .model.model_object import serve_forward_keyword
@@ -22,13 +22,13 @@ if TYPE_CHECKING:
 
 # What the faces, the CLI and the harness may use; everything else is the engine's own (tests/unit/test_layering.py).
 _HOME = {"Engine": ".engine", "engines_holding": ".engine",
-         "HostMemoryError": ".host.preflight", "PinnedMemoryError": ".host.pinned", "host_buffer": ".host.pinned",
+         "HostMemoryError": ".host.preflight", "PinnedMemoryError": ".host.pinned",
          "max_trainable_positions": ".layer.batch", "Verdict": ".model.probe", "run_probe": ".model.probe",
          "serve_forward_keyword": ".model.model_object",
          "launch_env": ".parallel.distributed", "resolve_device": ".runtime.device_resolution",
          "to_device": ".runtime.host_copy", "WatchdogError": ".runtime.stream"}
 __all__ = ["Engine", "HostMemoryError", "PinnedMemoryError", "Verdict", "WatchdogError", "engines_holding",
-           "host_buffer", "launch_env", "max_trainable_positions", "resolve_device", "run_probe",
+           "launch_env", "max_trainable_positions", "resolve_device", "run_probe",
            "serve_forward_keyword", "to_device"]
 
 

@@ -260,8 +260,8 @@ def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int 
     rhw = rank_hardware(hw, n, st.h2d_bytes / max(1, st.h2d_bytes + st.d2h_bytes))
     # the rank with the most layers sets the pace; a replicated store updates every layer on every rank
     owned = math.ceil(p.model.num_layers / n) if shares_host_store(p) else p.model.num_layers
-    # each layer's reduction at the rank's share of the node's host bandwidth (the intra-node reduce above)
-    t = megatrain_time(p, rhw, single.long_context.offload, owned_layers=owned, own_reducer=False)
+    # each layer's reduction by the rank's own reducer threads, as one GPU's (host_work.py), at its view of the host
+    t = megatrain_time(p, rhw, single.long_context.offload, owned_layers=owned)
     comm = comm_time(p, hw, t, n, nodes)  # every rank takes part at once: the whole host's bandwidth
     busy = {**t.busy_s, "host reduce (globals)": comm.intra_globals_s,
             "network": comm.network_layers_s + comm.network_globals_s}
