@@ -11,7 +11,7 @@ from conftest import tiny_model
 from megatrain.config import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.update.update import overlap_pays
-from megatrain.settings import engine_config_from
+from megatrain.resolve import engine_config_from
 
 
 @pytest.fixture

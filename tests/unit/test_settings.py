@@ -8,7 +8,8 @@ import pytest
 from megatrain.config import EngineConfig
 from megatrain.deepspeed.config import parse_config
 from megatrain.planner.cli import sweep_points
-from megatrain.settings import ConfigSettings, engine_config_from, planner_knobs, read_config
+from megatrain.resolve import engine_config_from
+from megatrain.settings import ConfigSettings, planner_knobs, read_config
 from megatrain.validate import check_keys, close_match, unknown_key
 
 
