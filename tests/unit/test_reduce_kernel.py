@@ -14,9 +14,10 @@ from megatrain.engine.host.slab_state import PartsAdd, SlabState
 
 @pytest.fixture
 def lib():
+    # The test set-up has a C compiler (DeepSpeed's ops need one too): a kernel that fails to build or to match the
+    # two torch passes is a failure here, not a skip; where users have none, the reducer keeps those passes.
     k = R.kernel()
-    if k is None:
-        pytest.skip("no C compiler: the reducer keeps its two torch passes")
+    assert k is not None, "the one-pass reducer did not build or did not match add + vector_norm on its self-check"
     return k
 
 
