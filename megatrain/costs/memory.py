@@ -9,7 +9,9 @@ loading the engine: the engine and the planner cannot disagree. The coefficients
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from . import residency as kept
 
 MIN_TILE = 256  # below this the per-tile overhead (Python, kernel launches) outweighs the memory saved
 # "auto" with no device budget tiles only once the untiled MLP working set is big enough to matter.
@@ -71,6 +73,11 @@ LOSS_BF16_FP32_H = 3.5  # bf16 compute: the final norm's fp32 upcast and fp32 gr
 # The same phase as the norm followed by the chunked loss under autograd (the path for callers that ask for
 # the logits or the hidden states): during the chunk loop and, at its peak, in the final norm's backward.
 LOSS_LOOP_H, LOSS_NORM_H = 4.6, 6.5
+# What a layer's forward graph keeps for backward (residency.py), beyond its input, per token: 7 h + 2 kv + 4 I
+# tensors in the compute dtype, the RoPE tables (2 head_dim), the attention's FP32 log-sum-exp (one per head),
+# and in bf16 the norms' FP32 upcasts (FP32_NORM_H). Measured on Llama layers with saved_tensors_hooks (FP32 and
+# bf16, hidden 256-512, kv 128-256, intermediate 688-1376: within 1%); tests/unit/test_residency.py checks it.
+GRAPH_H, GRAPH_KV, GRAPH_I, GRAPH_HEAD_DIM = 7.0, 2.0, 4.0, 2.0
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,15 @@ def layer_working_bytes(d: LayerDims, tokens: int, tile: int | None, itemsize: i
     upcasts = tokens * FP32_NORM_H * d.hidden * 4 if itemsize < 4 else 0
     attn += expanded // itemsize
     return int(max(attn, mlp) * itemsize + upcasts + d.numel * itemsize)  # + the layer's weight gradients
+
+
+def layer_graph_bytes(d: LayerDims, tokens: int, itemsize: int) -> int:
+    """Predicted bytes one layer's kept forward graph holds (residency.py), beyond its input and weights."""
+    per = (GRAPH_H * d.hidden + GRAPH_KV * d.kv + GRAPH_I * d.intermediate + GRAPH_HEAD_DIM * d.head_dim) * itemsize
+    per += 4 * max(1, d.hidden // max(d.head_dim, 1))  # the log-sum-exp, FP32, per head
+    if itemsize < 4:
+        per += FP32_NORM_H * d.hidden * 4
+    return int(tokens * per)
 
 
 def loss_workspace_bytes(tokens: int, hidden: int, vocab: int, chunk: int, itemsize: int) -> int:
@@ -176,6 +192,7 @@ class BatchPlan:
     predicted_peak_bytes: int
     loss_chunk: int = DEFAULT_LOSS_CHUNK
     in_flight: int = OFFLOAD_IN_FLIGHT  # boundary activations on the device at once when offloaded
+    residency: kept.Residency = field(default_factory=kept.Residency)  # layers kept on the device (residency.py)
 
 
 @dataclass
@@ -193,8 +210,40 @@ class LongContextPolicy:
     fixed_bytes: int  # weights resident on the device (layer buffers + embedding/head)
     # "auto" loss chunk: FP32 logits cap per chunk copy (a CPU device), or None to size from the budget (GPU)
     logits_cap: int | None = AUTO_LOSS_LOGITS_BYTES
+    residency: str | kept.Residency = kept.AUTO  # "auto" or fixed counts (residency.py)
+    ring_bytes: int = 0  # the streaming buffers (within fixed_bytes), freed when every layer is kept
+    # "auto" residency with no device budget (a CPU device: host memory): keep what fits in this many bytes
+    # (None: no limit)
+    residency_room: int | None = None
+    _weights: int | None = field(default=None, repr=False)  # kept weights as first planned (they only shrink)
 
     def plan(self, tokens: int) -> BatchPlan:
+        choice = self._plan(tokens)
+        choice.residency = self._residency(tokens, choice)
+        return choice
+
+    def _residency(self, tokens: int, choice: BatchPlan) -> kept.Residency:
+        """The batch's residency: fixed counts as set (graphs only where the batch allows them), or "auto"
+        within the device room its working set leaves."""
+        allowed = choice.tile is None and not choice.offload
+        if self.residency != kept.AUTO:
+            r = self.residency.capped(self.n_layers)
+            return r if allowed else kept.Residency(r.weights, 0)
+        if self.budget is None:
+            room = self.residency_room
+        else:
+            room = max(0, int(BUDGET_HEADROOM * self.budget) - choice.predicted_peak_bytes)
+        itemsize = self.itemsize
+        r = kept.plan(self.n_layers, self.dims.numel * itemsize, layer_graph_bytes(self.dims, tokens, itemsize),
+                      room, self.ring_bytes, allowed, self._weights)
+        self._weights = r.weights
+        if self.budget is not None:
+            freed = self.ring_bytes if r.weights == self.n_layers else 0
+            choice.predicted_peak_bytes += (r.weights * self.dims.numel * itemsize - freed
+                                            + r.activations * layer_graph_bytes(self.dims, tokens, itemsize))
+        return r
+
+    def _plan(self, tokens: int) -> BatchPlan:
         boundary = tokens * self.dims.hidden * self.itemsize
 
         def peak(kept: int, tile: int | None, chunk: int) -> int:

@@ -6,6 +6,12 @@ With k device buffers, reaching a layer issues the weight copies of it and of th
 are not resident yet, each into a buffer that holds none of them; at the forward/backward turn the last k
 layers are still resident, so backward starts without a copy (and so does the next micro-batch's forward,
 unless the optimizer changed the masters in between: `DeviceBuffers.invalidate`).
+
+Residency (costs/residency.py) changes two things. A *kept* layer has a device buffer of its own: it is
+copied once after each change of the masters and serves every forward and backward until the next, so it
+takes no ring buffer and its compute gives the ring time to fill with the streamed layers ahead. A layer whose
+*graph* is kept runs its forward with autograd recording (FORWARD_KEEP) and its backward from that graph
+(BACKWARD_KEPT): no input saved, no recompute. A graph holds its weights, so graph layers are kept layers.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ FETCH_INPUT = "fetch_input"  # backward: the layer's own input, waited for
 BACKWARD = "backward"  # the layer's recompute + backward from buffer `slot`
 SEND_GRAD = "send_grad"  # the layer's weight gradients leave for its host slab (the d2h stream)
 DROP_INPUT = "drop_input"  # backward: the layer's input is no longer needed
+FORWARD_KEEP = "forward_keep"  # the layer's forward recording its autograd graph for backward (a kept layer)
+BACKWARD_KEPT = "backward_kept"  # the layer's backward from the graph its forward kept: no recompute
 
 
 @dataclass(frozen=True)
@@ -32,45 +40,77 @@ class Step:
 
 
 class DeviceBuffers:
-    """Which layer each of the k device buffers holds; it carries over from phase to phase."""
+    """Which layer each device buffer holds; it carries over from phase to phase. Slots 0..k-1 are the ring the
+    streamed layers share; each kept layer has slot k + its rank among the kept layers."""
 
-    def __init__(self, k: int) -> None:
-        self.resident: list[int | None] = [None] * k
+    def __init__(self, k: int, kept: frozenset[int] = frozenset()) -> None:
+        self.k = k
+        self.kept = frozenset(kept)
+        self.kept_slot = {layer: k + j for j, layer in enumerate(sorted(self.kept))}
+        self.resident: list[int | None] = [None] * (k + len(self.kept))
 
     def invalidate(self) -> None:
         """The masters changed (optimizer step, load): every resident copy is stale."""
         self.resident = [None] * len(self.resident)
 
+    def _window(self, order: list[int], n: int) -> list[int]:
+        """The layers to have copied on reaching order[n]: the kept ones among order[n : n + k] and the next k
+        streamed ones (with every layer streamed: order[n : n + k])."""
+        want, streamed, near = [], 0, max(self.k, 1)
+        for j, layer in enumerate(order[n:]):
+            if j >= near and streamed >= self.k:
+                break
+            if layer in self.kept:
+                if j < near:
+                    want.append(layer)
+            elif streamed < self.k:
+                want.append(layer)
+                streamed += 1
+        return want
+
     def acquire(self, order: list[int], n: int) -> Iterator[Step]:
-        """Reach layer order[n]: LOAD what of order[n : n + k] is not resident, then WAIT for order[n]."""
-        window = order[n: n + len(self.resident)]
+        """Reach layer order[n]: LOAD what of its window is not resident, then WAIT for order[n]."""
+        window = self._window(order, n)
         for layer in window:
             if layer in self.resident:
                 continue
-            slot = next(s for s, r in enumerate(self.resident) if r not in window)
+            if layer in self.kept:
+                slot = self.kept_slot[layer]
+            else:
+                slot = next(s for s in range(self.k) if self.resident[s] not in window)
             self.resident[slot] = layer
             yield Step(LOAD, layer, slot)
         yield Step(WAIT, order[n], self.resident.index(order[n]))
 
 
-def forward_steps(buffers: DeviceBuffers, n_layers: int) -> Iterator[Step]:
-    """One forward over the layers, in issue order."""
+def forward_steps(buffers: DeviceBuffers, n_layers: int, graphs: frozenset[int] = frozenset()) -> Iterator[Step]:
+    """One forward over the layers, in issue order (`graphs`: the layers whose autograd graph is kept)."""
     order = list(range(n_layers))
     for n, i in enumerate(order):
         yield from buffers.acquire(order, n)
         slot = buffers.resident.index(i)
+        if i in graphs:
+            yield Step(FORWARD_KEEP, i, slot)
+            continue
         yield Step(SAVE_INPUT, i)
         yield Step(FORWARD, i, slot)
 
 
-def backward_steps(buffers: DeviceBuffers, n_layers: int) -> Iterator[Step]:
+def backward_steps(buffers: DeviceBuffers, n_layers: int, graphs: frozenset[int] = frozenset()) -> Iterator[Step]:
     """One backward over the layers, last first, in issue order: the next layer's input is prefetched
-    before this layer's own is waited for, so its copy runs under this layer's compute."""
+    before this layer's own is waited for, so its copy runs under this layer's compute. A kept graph needs
+    neither its weights copied nor its input."""
     order = list(reversed(range(n_layers)))
     for n, i in enumerate(order):
+        if i in graphs:
+            if n + 1 < len(order) and order[n + 1] not in graphs:
+                yield Step(PREFETCH_INPUT, order[n + 1])
+            yield Step(BACKWARD_KEPT, i, buffers.kept_slot[i])
+            yield Step(SEND_GRAD, i)
+            continue
         yield from buffers.acquire(order, n)
         slot = buffers.resident.index(i)
-        if n + 1 < len(order):
+        if n + 1 < len(order) and order[n + 1] not in graphs:
             yield Step(PREFETCH_INPUT, order[n + 1])
         yield Step(FETCH_INPUT, i)
         yield Step(BACKWARD, i, slot)
