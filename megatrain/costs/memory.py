@@ -210,7 +210,7 @@ class LongContextPolicy:
     fixed_bytes: int  # weights resident on the device (layer buffers + embedding/head)
     # "auto" loss chunk: FP32 logits cap per chunk copy (a CPU device), or None to size from the budget (GPU)
     logits_cap: int | None = AUTO_LOSS_LOGITS_BYTES
-    residency: str | kept.Residency = kept.AUTO  # "auto" or fixed counts (residency.py)
+    residency: str | kept.Residency = field(default_factory=kept.Residency)  # "auto" or counts (residency.py)
     ring_bytes: int = 0  # the streaming buffers (within fixed_bytes), freed when every layer is kept
     # "auto" residency with no device budget (a CPU device: host memory): keep what fits in this many bytes
     # (None: no limit)
