@@ -17,6 +17,8 @@ from typing import Any
 
 from .costs.modes import GradSlab, HostMaster, parse
 from .costs.nvme import check_nvme_settings
+from .costs.residency import Residency
+from .costs.residency import parse as parse_residency
 from .validate import check_keys, is_bool, is_int, is_number
 
 _DTYPES = ("float32", "bfloat16")
@@ -45,6 +47,10 @@ class EngineConfig:
     offload_activations: bool | str = "auto"  # layer-boundary activations in host memory: True, False, "auto"
     mlp_tile_tokens: int | str | None = "auto"  # sequence tile inside a layer (MLP and attention): int, "auto", None
     device_budget_bytes: int | None = None  # device bytes "auto" may plan for; None: the GPU's total, no limit on CPU
+    # Which layers stay on the device (costs/residency.py): "auto" keeps what the device budget holds (weights
+    # first, then activations: no recompute); "stream" streams and recomputes every layer (the 100B+ path);
+    # {"weights": n, "activations": m}: the first n layers' weights, the first m of them with their activations.
+    residency: str | dict | Residency = "auto"
     segment_attention: bool | str = "auto"  # padding/packing as per-segment SDPA, no O(tokens²) mask ("auto": when big)
     measure_device_memory: bool = False  # CPU: track live tensor bytes op by op for peak_device_bytes
     trace: bool = False  # record a per-layer timeline of compute and copy streams
@@ -132,6 +138,7 @@ class EngineConfig:
         tile = self.mlp_tile_tokens
         if not (tile is None or tile == "auto" or (is_int(tile) and tile >= 1)):
             raise ValueError(f"mlp_tile_tokens={tile!r} must be an int >= 1, 'auto' or None (untiled)")
+        object.__setattr__(self, "residency", parse_residency(self.residency))  # "auto" or a Residency
         budget = self.device_budget_bytes
         if budget is not None and (not is_int(budget) or budget <= 0):
             raise ValueError(f"device_budget_bytes={budget!r} must be an int > 0 (bytes) or None")

@@ -25,7 +25,8 @@ class StepAccounting:
 
     @property
     def device_weight_bytes(self) -> int:
-        """Weight bytes resident on the device: the k layer buffers plus embedding/norm/head."""
+        """Weight bytes resident on the device: the layer buffers (the ring and the kept layers') plus
+        embedding/norm/head."""
         g = sum(p.numel() * p.element_size() for p in self.placement.device_globals)
         return self.pipeline.device_weight_bytes + g
 
@@ -35,6 +36,7 @@ class StepAccounting:
             self.dp.stream.reset_counters()
         if self.layered is not None:
             self.layered.reset_counters()
+        self.pipeline.recomputed = 0
         self.act_peak = 0  # the largest forward's activations kept for backward
         if self.memory is not None:
             self.memory.reset_peak()
@@ -63,6 +65,7 @@ class StepAccounting:
             # Measured live bytes when tracking (tiled working set, loss workspace included), else the count.
             out["peak_device_bytes"] = self.device_weight_bytes + (self.memory.peak if self.memory else self.act_peak)
         out.update(self.pipeline.plan_stats())
+        out.update(self.pipeline.residency_stats())
         if self.dp is not None:
             out.update(allreduce_bytes=self.dp.stream.bytes, allreduce_busy_s=self.dp.stream.busy_s)
         return out

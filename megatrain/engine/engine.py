@@ -240,7 +240,7 @@ class Engine:
         # (DeepSeek-V4's hash-routed experts) gets the batch's, as in the model's own forward from input_ids.
         layer_inputs = [(a, {**kw, "input_ids": ids} if "input_ids" in kw and kw["input_ids"] is None else kw)
                         for a, kw in layer_inputs]
-        offload = self.pipeline.plan_batch(int(ids.numel()), self.config.offload_activations)
+        offload = self.pipeline.plan_batch(int(ids.numel()), self.config.offload_activations, train)
         plan = self.pipeline.last_plan if self.pipeline.policy is not None else None
         acts = ActivationStore(self.streams, offload, pin=self.pipeline.act_pool,
                                **({"in_flight": plan.in_flight} if plan is not None else {})) if train else None

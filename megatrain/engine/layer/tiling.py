@@ -65,6 +65,7 @@ from ...costs.memory import (  # noqa: F401
     layer_working_bytes,
     loss_workspace_bytes,
 )
+from ..host.preflight import available_host_bytes
 from .attn_tiling import (
     attention_module_tileable,
     attention_tileable,
@@ -306,4 +307,12 @@ def long_context_policy(config: EngineConfig, layers: Sequence[nn.Module], layer
         itemsize=itemsize, vocab=head[0], loss_chunk=config.loss_chunk_tokens, tile_setting=config.mlp_tile_tokens,
         offload_setting=config.offload_activations, budget=budget,
         fixed_bytes=num_buffers * layer_numels[big] * itemsize + globals_bytes,
-        logits_cap=None if device.type == "cuda" else AUTO_LOSS_LOGITS_BYTES)
+        logits_cap=None if device.type == "cuda" else AUTO_LOSS_LOGITS_BYTES,
+        residency=config.residency, ring_bytes=num_buffers * layer_numels[big] * itemsize,
+        residency_room=host_room() if budget is None else None)
+
+
+def host_room() -> int:
+    """What "auto" residency may keep with no device budget on a CPU device, whose "device" memory is the host's:
+    half of what this process may still allocate (the rest for the batch's working set and the page cache)."""
+    return available_host_bytes() // 2

@@ -57,6 +57,7 @@ class ActivationStore:
         self._device: dict[int, torch.Tensor] = {}
         self._host: dict[int, tuple[torch.Tensor, Event]] = {}
         self._loaded: dict[int, Event] = {}
+        self.graphs: dict[int, tuple] = {}  # residency: layers whose forward graph is kept (schedule.py)
         self.device_bytes = 0
         self.peak_device_bytes = 0
 
@@ -119,6 +120,13 @@ class ActivationStore:
             self._fetch(layer)
             self.streams.wait(self._loaded.pop(layer), f"activation of layer {layer}")
         return self._device[layer]
+
+    def keep_graph(self, layer: int, graph: tuple) -> None:
+        """A kept layer's forward graph (input leaf, weight leaves, output, router logits) until its backward."""
+        self.graphs[layer] = graph
+
+    def take_graph(self, layer: int) -> tuple:
+        return self.graphs.pop(layer)
 
     def drop(self, layer: int) -> None:
         t = self._device.pop(layer, None)

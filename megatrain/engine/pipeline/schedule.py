@@ -3,6 +3,9 @@
 With k device buffers, the copies of the next k-1 layers are in flight while a layer computes. At
 the forward/backward turn the last k layers are still resident, so backward starts without a copy.
 The order of it all is costs/pipeline.py's, which the planner's simulator replays: this module runs each step.
+Residency (costs/residency.py, planned per batch by the memory policy): the first layers may keep their weights
+in device buffers of their own (copied once per change of the masters) and their forward's autograd graph (no
+recompute); the rest stream through the ring of k buffers as above.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 
 from ...costs import pipeline as order
 from ...costs.pinning import STAGING_SLOTS
+from ...costs.residency import Residency
 from ..host import reduce_kernel
 from ..host.events import LayerEvents
 from ..host.slab_state import PartsAdd
@@ -64,11 +68,16 @@ class LayerPipeline:
         self.device = device
         self.preserve_rng = preserve_rng
         self.max_numel = max(g.numel for g in store.layers)
-        k = num_buffers
+        k = self.ring_size = num_buffers
+        self.dtype = dtype
+        # Slots 0..k-1: the ring the streamed layers share; k..: one per kept layer (set_residency).
         self.buffers = [torch.empty(self.max_numel, dtype=dtype, device=device) for _ in range(k)]
         self.slots = order.DeviceBuffers(k)  # which layer each buffer holds
         self.loaded: list[Event] = [DONE] * k
         self.freed: list[Event] = [DONE] * k
+        self.residency = Residency()
+        self.graphs: frozenset[int] = frozenset()  # this batch's layers whose forward keeps its graph
+        self.recomputed = 0  # layers recomputed in backward since the counters were reset
         # The per-layer events it waits for and records (events.py). Its own names for the engine's lists:
         # a layer's load waits for `updated`, a reduction into its slab for `zeroed` and the slab's last writer
         # (`landed`, which it replaces); rebinding one of these names here unhooks only the pipeline's waits.
@@ -105,14 +114,43 @@ class LayerPipeline:
         """Masters changed (optimizer step, load): resident copies are stale."""
         self.slots.invalidate()
 
-    def plan_batch(self, tokens: int, offload_setting: bool | str) -> bool:
-        """Choose this batch's MLP tile; return whether its boundary activations go to host memory."""
+    def plan_batch(self, tokens: int, offload_setting: bool | str, train: bool = True) -> bool:
+        """Choose this batch's MLP tile and residency; return whether its boundary activations go to host memory."""
         if self.policy is None:
             self.tile = None
+            self.graphs = frozenset()
             return bool(offload_setting) if isinstance(offload_setting, bool) else False
         self.last_plan = plan = self.policy.plan(tokens)
         self.tile = plan.tile
+        self.set_residency(plan.residency)
+        self.graphs = plan.residency.graphs if train and plan.tile is None and not plan.offload else frozenset()
         return plan.offload
+
+    def set_residency(self, r: Residency) -> None:
+        """Give each kept layer a device buffer of its own (their copies then serve until the masters change);
+        the ring is released while every layer is kept. Rare (the plan's weights only shrink after the first
+        batch): the device is drained first, so no queued copy or kernel still uses a buffer given up."""
+        r = r.capped(len(self.store.layers))
+        if r.kept == self.slots.kept:
+            self.residency = r
+            return
+        self.streams.synchronize()
+        k, n = self.ring_size, len(self.store.layers)
+        ring = self.buffers[:k]
+        if r.weights == n:
+            ring = [torch.empty(0, dtype=self.dtype, device=self.device) for _ in range(k)]
+        elif ring[0].numel() < self.max_numel:
+            ring = [torch.empty(self.max_numel, dtype=self.dtype, device=self.device) for _ in range(k)]
+        kept = [torch.empty(self.store.layers[i].numel, dtype=self.dtype, device=self.device) for i in sorted(r.kept)]
+        self.buffers = ring + kept
+        self.slots = order.DeviceBuffers(k, r.kept)
+        self.loaded = [DONE] * len(self.buffers)
+        self.freed = [DONE] * len(self.buffers)
+        self.residency = r
+
+    def residency_stats(self) -> dict[str, float]:
+        return {"resident_weight_layers": self.residency.weights, "kept_graph_layers": len(self.graphs),
+                "recomputed_layers": self.recomputed}
 
     def loss_chunk(self, setting: int | str) -> int:
         """This batch's head/loss chunk: the plan's, else the configured one ("auto": the default chunk)."""
@@ -233,10 +271,16 @@ class LayerPipeline:
     # -- compute ----------------------------------------------------------------------------------
     def forward(self, h: torch.Tensor, layer_inputs: list[tuple[tuple, dict]], acts: ActivationStore | None,
                 phase: str = "fwd") -> torch.Tensor:
-        for step in order.forward_steps(self.slots, len(self.store.layers)):
+        graphs = self.graphs if acts is not None else frozenset()
+        for step in order.forward_steps(self.slots, len(self.store.layers), graphs):
             i, slot = step.layer, step.slot
             if step.op in (order.LOAD, order.WAIT):
                 self._weights_step(step, "forward")
+            elif step.op == order.FORWARD_KEEP:
+                t0 = self.trace.mark()
+                h = self._forward_keep(i, slot, h, layer_inputs[i], acts)
+                self.freed[slot] = self.streams.record_compute()
+                self.trace.add_since("compute", phase, i, t0)
             elif step.op == order.SAVE_INPUT:
                 if acts is not None:
                     acts.put(i, h)
@@ -255,16 +299,19 @@ class LayerPipeline:
                  grad_sent: Callable[[int], None] | None = None) -> torch.Tensor:
         """Backpropagate `g` through the layers; `grad_sent(i)` runs once layer i's gradients are queued to the host
         (data parallel: the layer's average across ranks is queued behind them, overlapping the next layer's)."""
-        for step in order.backward_steps(self.slots, len(self.store.layers)):
+        for step in order.backward_steps(self.slots, len(self.store.layers), frozenset(acts.graphs)):
             i = step.layer
             if step.op in (order.LOAD, order.WAIT):
                 self._weights_step(step, "backward")
+            elif step.op == order.BACKWARD_KEPT:
+                g, gw, done = self._kept_backward(i, g, acts)
             elif step.op == order.PREFETCH_INPUT:
                 acts.prefetch(i)
             elif step.op == order.FETCH_INPUT:
                 x = acts.get(i).detach().requires_grad_(True)
             elif step.op == order.BACKWARD:
                 g, gw, done = self._layer_backward(i, step.slot, x, g, layer_inputs[i])
+                self.recomputed += 1
             elif step.op == order.SEND_GRAD:
                 self._send_grad(i, gw, done)
                 if grad_sent is not None:
@@ -272,6 +319,39 @@ class LayerPipeline:
             elif step.op == order.DROP_INPUT:
                 acts.drop(i)
         return g
+
+    def _forward_keep(self, i: int, slot: int, h: torch.Tensor, inputs: tuple[tuple, dict],
+                      acts: ActivationStore) -> torch.Tensor:
+        """Layer i's forward recording its graph, kept in `acts` for its backward: the same call the recompute
+        makes, so the same values (and, for a mixture of experts, the router logits it records, with their graph)."""
+        group = self.store.layers[i]
+        weights = {n: w.detach().requires_grad_(True)
+                   for n, w in group.views(self.buffers[slot][: group.numel]).items()}
+        x = h.detach().requires_grad_(True)
+        args, kwargs = inputs
+        with torch.enable_grad():
+            y = self.templates.call(i, weights, x, args, kwargs)
+        logits = list((self.templates.recorded or {}).get(i, ()))
+        acts.keep_graph(i, (x, weights, y, logits))
+        return y.detach()
+
+    def _kept_backward(self, i: int, g: torch.Tensor,
+                       acts: ActivationStore) -> tuple[torch.Tensor, list[torch.Tensor], Event]:
+        """Backpropagate g through layer i's kept graph (no recompute): (input gradient, weight gradients, the
+        event after which they are computed)."""
+        x, weights, y, logits = acts.take_graph(i)
+        outs, gouts = (y,), (g,)
+        router = self.templates.router_grads.pop(i, None)
+        if router:
+            pairs = [(z, gz) for z, gz in zip(logits, router) if gz is not None]
+            outs, gouts = (y, *(z for z, _ in pairs)), (g, *(gz for _, gz in pairs))
+        t0 = self.trace.mark()
+        with torch.enable_grad():
+            gx, *gw = torch.autograd.grad(outs, (x, *weights.values()), gouts, materialize_grads=True)
+        del outs, y
+        done = self.streams.record_compute()
+        self.trace.add_since("compute", "bwd", i, t0)
+        return gx, gw, done
 
     def _layer_backward(self, i: int, slot: int, x: torch.Tensor, g: torch.Tensor,
                         inputs: tuple[tuple, dict]) -> tuple[torch.Tensor, list[torch.Tensor], Event]:
