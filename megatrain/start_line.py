@@ -1,5 +1,6 @@
 """One line at the start of every run on MegaTrain: which face, the device, the compute dtype, the host mode, the
-optimizer that steps, and what MegaTrain turned off or ignored.
+optimizer that steps, what MegaTrain turned off or ignored, and the residency setting (what "auto" keeps on the
+device is planned at the first batch and logged by the engine, engine/pipeline/schedule.py).
 
 A Trainer, TRL, LlamaFactory or axolotl run reaches MegaTrain through DeepSpeed's name; without this line nothing
 said it was not DeepSpeed training (and MegaTrain turns some of their settings off, e.g. HF gradient checkpointing:
@@ -62,8 +63,11 @@ def describe(face: str, engine: Any, optimizer: Any = None, turned_off: list[str
     else:
         opt = type(optimizer).__name__ + (f" ({replaced})" if replaced else "")
     off = "; ".join(turned_off) if turned_off else "nothing"
+    res = cfg.residency
+    kept = res if isinstance(res, str) else (f"{res.weights} layers' weights, {res.activations} activations"
+                                              if res.weights else "stream")
     return (f"{PREFIX} | face: {face} | device: {engine.device} | compute: {cfg.compute_dtype} | "
-            f"host: {_host_mode(cfg, world)} | optimizer: {opt} | turned off: {off}")
+            f"host: {_host_mode(cfg, world)} | optimizer: {opt} | turned off: {off} | residency: {kept}")
 
 
 def announce(line: str, engine: Any) -> None:

@@ -2,12 +2,16 @@
 
     python -m experiments.studies.engine_bench rss   --preset llama-0.6b   # peak host RSS growth per parameter
     python -m experiments.studies.engine_bench rss --engine '{"compute_dtype": "bfloat16", "host_master": "hilo"}'
-    python -m experiments.studies.engine_bench ratio --preset llama-100m   # engine vs plain PyTorch step time
+    python -m experiments.studies.engine_bench ratio --preset llama-100m   # streaming engine vs PyTorch + checkpointing
+    python -m experiments.studies.engine_bench fits --preset llama-100m    # engine's defaults vs plain PyTorch
     python -m experiments.studies.engine_bench overlap --preset llama-100m # optimizer_overlap on vs off
 
 `rss` runs in its own process so its peak RSS is its own. `ratio` times both backends in one process,
-interleaved, with the same FLOPs (HF gradient checkpointing on for PyTorch; the engine recomputes
-each layer), and reports the median ratio: timings on shared machines are noisy, ratios less so.
+interleaved, with the same FLOPs (HF gradient checkpointing on for PyTorch; the engine streams and recomputes
+each layer, `residency: "stream"`), and reports the median ratio: timings on shared machines are noisy, ratios
+less so. `fits` is what a user whose model fits runs: plain PyTorch without checkpointing against the engine with
+its defaults (residency "auto": every layer kept, nothing recomputed), FP32, fused AdamW on both sides, each in
+a process of its own, alternated over rounds.
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ def bench_ratio(preset: str, seq: int, batch: int, steps: int) -> dict:
     p = get_preset(preset)
     torch.manual_seed(0)
     ref = transformers.AutoModelForCausalLM.from_config(p.hf_config())
-    eng = Engine(copy.deepcopy(ref), EngineConfig(device="cpu"))
+    eng = Engine(copy.deepcopy(ref), EngineConfig(device="cpu", residency="stream"))
     ref.gradient_checkpointing_enable()
     ref.config.use_cache = False
     ref.train()
@@ -120,6 +124,65 @@ def bench_ratio(preset: str, seq: int, batch: int, steps: int) -> dict:
     return {"preset": preset, "seq": seq, "batch": batch, "steps": steps, "torch_s": t_torch, "engine_s": t_eng,
             "ratio_engine_over_torch": ratio, "engine_copy_wait_s_total": stats["copy_wait_s"],
             "engine_h2d_bytes_per_step": stats["h2d_bytes"] / steps}
+
+
+def fits_one(backend: str, preset: str, seq: int, batch: int, steps: int) -> dict:
+    """One backend's step times in this process: `torch` (no checkpointing) or `megatrain` (its defaults)."""
+    import transformers
+
+    from megatrain.config import EngineConfig
+    from megatrain.engine import Engine
+    from megatrain.models.presets import get_preset
+
+    p = get_preset(preset)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(p.hf_config())
+    model.config.use_cache = False
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    if backend == "megatrain":
+        model = Engine(model, EngineConfig(device="cpu", compute_dtype="float32"), optimizer=opt)
+    data = _batch(p.vocab, batch, seq)
+    stats: dict = {}
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        loss = model(**data).loss
+        if backend == "megatrain":
+            model.backward(loss)
+        else:
+            loss.backward()
+        (model if backend == "megatrain" else opt).step()
+        (model if backend == "megatrain" else opt).zero_grad()
+        return time.perf_counter() - t0
+
+    step()  # warm-up: allocator, optimizer state
+    if backend == "megatrain":
+        model.reset_stats()
+    times = [step() for _ in range(steps)]
+    if backend == "megatrain":
+        stats = {k: v for k, v in model.collect_stats().items()
+                 if k in ("h2d_bytes", "recomputed_layers", "resident_weight_layers", "kept_graph_layers")}
+    return {"backend": backend, "step_s": times, "median_s": statistics.median(times), **stats}
+
+
+def bench_fits(preset: str, seq: int, batch: int, steps: int, rounds: int = 2) -> dict:
+    """Median step time of the engine's defaults / plain PyTorch without checkpointing, each backend in a process
+    of its own, the processes alternated over `rounds`."""
+    import subprocess
+    import sys
+
+    runs: dict[str, list[dict]] = {"torch": [], "megatrain": []}
+    for _ in range(rounds):
+        for backend in runs:
+            out = subprocess.run([sys.executable, "-m", "experiments.studies.engine_bench", "fits-one",
+                                  "--backend", backend, "--preset", preset, "--seq", str(seq), "--batch", str(batch),
+                                  "--steps", str(steps)], check=True, capture_output=True, text=True).stdout
+            runs[backend].append(json.loads(out))
+    med = {b: statistics.median(t for r in rs for t in r["step_s"]) for b, rs in runs.items()}
+    return {"preset": preset, "seq": seq, "batch": batch, "steps": steps, "rounds": rounds, "runs": runs,
+            "torch_median_s": med["torch"], "megatrain_median_s": med["megatrain"],
+            "ratio_engine_over_torch": med["megatrain"] / med["torch"]}
 
 
 def bench_overlap(preset: str, seq: int, batch: int, rounds: int, threads: int = 1, run: int = 3) -> dict:
@@ -168,7 +231,8 @@ def bench_overlap(preset: str, seq: int, batch: int, rounds: int, threads: int =
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["rss", "ratio", "overlap"])
+    ap.add_argument("what", choices=["rss", "ratio", "fits", "fits-one", "overlap"])
+    ap.add_argument("--backend", choices=["torch", "megatrain"], default="megatrain", help="fits-one: which")
     ap.add_argument("--preset", default=None)
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--batch", type=int, default=2)
@@ -181,6 +245,11 @@ def main() -> None:
         res = bench_rss(a.preset or "llama-0.6b", a.seq or 256, a.steps, json.loads(a.engine) if a.engine else None)
     elif a.what == "ratio":
         res = bench_ratio(a.preset or "llama-100m", a.seq or 512, a.batch, a.steps)
+    elif a.what == "fits-one":  # a child of `fits`: its result on stdout only
+        print(json.dumps(fits_one(a.backend, a.preset or "llama-100m", a.seq or 512, a.batch, a.steps)))
+        return
+    elif a.what == "fits":
+        res = bench_fits(a.preset or "llama-100m", a.seq or 512, a.batch, a.steps)
     else:
         res = bench_overlap(a.preset or "llama-100m", a.seq or 128, a.batch, a.steps)
     res["provenance"] = _provenance()

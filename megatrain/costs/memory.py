@@ -224,23 +224,23 @@ class LongContextPolicy:
 
     def _residency(self, tokens: int, choice: BatchPlan) -> kept.Residency:
         """The batch's residency: fixed counts as set (graphs only where the batch allows them), or "auto"
-        within the device room its working set leaves."""
+        within the device room its working set leaves; under a budget its bytes join the predicted peak."""
         allowed = choice.tile is None and not choice.offload
+        itemsize, layer_bytes = self.itemsize, self.dims.numel * self.itemsize
+        graph_bytes = layer_graph_bytes(self.dims, tokens, itemsize)
         if self.residency != kept.AUTO:
             r = self.residency.capped(self.n_layers)
-            return r if allowed else kept.Residency(r.weights, 0)
-        if self.budget is None:
-            room = self.residency_room
+            r = r if allowed else kept.Residency(r.weights, 0)
         else:
-            room = max(0, int(BUDGET_HEADROOM * self.budget) - choice.predicted_peak_bytes)
-        itemsize = self.itemsize
-        r = kept.plan(self.n_layers, self.dims.numel * itemsize, layer_graph_bytes(self.dims, tokens, itemsize),
-                      room, self.ring_bytes, allowed, self._weights)
-        self._weights = r.weights
+            if self.budget is None:
+                room = self.residency_room
+            else:
+                room = max(0, int(BUDGET_HEADROOM * self.budget) - choice.predicted_peak_bytes)
+            r = kept.plan(self.n_layers, layer_bytes, graph_bytes, room, self.ring_bytes, allowed, self._weights)
+            self._weights = r.weights
         if self.budget is not None:
             freed = self.ring_bytes if r.weights == self.n_layers else 0
-            choice.predicted_peak_bytes += (r.weights * self.dims.numel * itemsize - freed
-                                            + r.activations * layer_graph_bytes(self.dims, tokens, itemsize))
+            choice.predicted_peak_bytes += r.weights * layer_bytes - freed + r.activations * graph_bytes
         return r
 
     def _plan(self, tokens: int) -> BatchPlan:

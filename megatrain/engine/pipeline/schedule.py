@@ -10,6 +10,7 @@ recompute); the rest stream through the ring of k buffers as above.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -147,6 +148,7 @@ class LayerPipeline:
         self.loaded = [DONE] * len(self.buffers)
         self.freed = [DONE] * len(self.buffers)
         self.residency = r
+        logging.getLogger("megatrain").info("%s", r.describe(n))
 
     def residency_stats(self) -> dict[str, float]:
         return {"resident_weight_layers": self.residency.weights, "kept_graph_layers": len(self.graphs),
