@@ -6,9 +6,9 @@ As the engine runs it (engine/pipeline/schedule.py, engine/runtime/stream.py, en
   thread adds them into the FP32 slab, with `side_threads()` = a quarter of torch's threads (at least one). The
   first reduction after zero_grad() writes 0 + g (read the staging, write the slab), later ones add (read the
   staging, read + write the slab), and the norm is measured with them (engine/host/slab_state.py): c + 8 bytes
-  per parameter counted. Up to ONE_PASS_MAX_THREADS reducer threads this is one pass on one core
-  (engine/host/reduce_kernel.py, measured at 0.8x that bound); above, torch's two passes on every reducer thread
-  (1.75x: the norm reads the slab again).
+  per parameter counted. With FP32 slabs this is one pass (engine/host/reduce_kernel.py, measured at 0.8x that
+  bound on one core) split by fixed chunks over every reducer thread; bf16 slabs are not the kernel's: torch's
+  two passes on every reducer thread (1.75x: the norm reads the slab again).
 - the serial resident work: `step()` updates the resident parameters (embedding, head, final norm) on the launch
   thread after the layer jobs are queued, then their FP32 masters are rounded into the bf16 staging the upload
   reads, on a worker of their own (engine/host/resident_upload.py). The next forward's embedding waits for that
@@ -35,10 +35,6 @@ HOST_CORES = {"h200-pcie": 112, "h100-pcie": 112, "a100-pcie": 64, "gh200": 72}
 # Assumed: the share of a host's cores a streaming add needs to reach its achieved bandwidth.
 SATURATING_SHARE = 0.5
 REDUCER_SHARE = 4  # engine/runtime/stream.py side_threads(): a quarter of the cores
-# engine/host/reduce_kernel.py FUSED_MAX_THREADS: up to this many reducer threads the engine reduces in one pass on
-# one core (10 B/param, measured at 0.8x that bound); above it, in torch's two passes on all of them (tests check
-# the two agree: this module imports no torch).
-ONE_PASS_MAX_THREADS = 2
 
 
 def host_cores(hw: Hardware) -> int:
@@ -64,9 +60,9 @@ def reducer_bytes_per_param(p: Point) -> int:
 
 
 def reducer_one_pass(p: Point, hw: Hardware) -> bool:
-    """Whether the engine reduces with its one-pass kernel (engine/host/reduce_kernel.py pays/usable): a reducer
-    of at most ONE_PASS_MAX_THREADS threads adding into FP32 slabs."""
-    return reducer_threads(hw) <= ONE_PASS_MAX_THREADS and not _is_bf16(p.host_grad_dtype)
+    """Whether the engine reduces with its one-pass kernel (engine/host/reduce_kernel.py pays/usable): into FP32
+    slabs, on any number of reducer threads (its chunks split over them)."""
+    return not _is_bf16(p.host_grad_dtype)
 
 
 def reducer_rate_key(p: Point, hw: Hardware) -> str:
@@ -75,10 +71,9 @@ def reducer_rate_key(p: Point, hw: Hardware) -> str:
 
 
 def reducer_bps(p: Point, hw: Hardware) -> float:
-    """The reducer's rate on a CUDA host, at the measured distance of its pass from the bytes bound
-    (host_rates.py): the one-pass kernel on one core; torch's two passes on the reducer's threads."""
-    threads = 1 if reducer_one_pass(p, hw) else reducer_threads(hw)
-    return threads_bps(hw, threads) / HOST_RATES[reducer_rate_key(p, hw)].x_bound
+    """The reducer's rate on a CUDA host, on the reducer's threads, at the measured distance of its pass from the
+    bytes bound (host_rates.py): the one-pass kernel's, or torch's two passes'."""
+    return threads_bps(hw, reducer_threads(hw)) / HOST_RATES[reducer_rate_key(p, hw)].x_bound
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,23 @@
-"""Backward's reduction of a layer's gradients into its FP32 slab and the slab's norm, in one pass.
+"""Backward's reduction of a layer's gradients into its FP32 slab and the slab's norm, in one pass, on as many
+threads as the reducer has.
 
 The reducer used to add (or write, the first time after zero_grad) the gradients into the slab, then read the
-whole slab again for `torch.linalg.vector_norm` (slab_state.py): ~14 B/param from bf16 gradients. Here one loop
-reads the gradient, writes the slab and squares the value it wrote into eight lanes, ~10 B/param, with the bits
-of both passes: torch's 2-norm of a contiguous FP32 tensor on the CPU is one sequential loop over 8-float
-vectors (products rounded, then added: no fused multiply-add), the lanes then summed in order, and a float
-square root (measured: the same bits on every one of 2,000 probes up to 4M elements). Its last numel % 8
-elements take a path not reproduced here (most probes matched, not all), so a slab whose size is not a
-multiple of 8 keeps the two passes (every layer of a real model is one). The order is what makes it exact; it
-is also why it runs on one core (a split into ranges would add the lanes in another order), so it is taken only
-where the two passes it replaces had at most two threads between them (`pays`). The self-check at build
-compares the result with torch's on probe data, and a kernel that does not match is not used.
+whole slab again for its norm: ~14 B/param from bf16 gradients. Here one loop reads the gradient, writes the
+slab and squares the value it wrote into eight lanes, ~10 B/param.
+
+The norm is taken over a fixed decomposition of the slab into CHUNK-element chunks, whatever the thread count:
+each chunk's norm is torch's 2-norm of that chunk (on the CPU one sequential loop over 8-float vectors, products
+rounded, then added: no fused multiply-add; the lanes then summed in order, and a float square root: measured,
+the same bits on every one of 2,000 probes up to 4M elements), and the chunks' norms are combined by torch's
+norm of them (`combine`). Chunks are independent, so they split over threads, each chunk whole on one of them:
+the bits do not depend on how many there are. slab_state.slab_norm is the same decomposition read from a
+written slab (torch's row norms), so a norm measured as the slab lands equals the one read later, bit for bit.
+A slab of at most one chunk has exactly torch's norm of the whole slab.
+
+A chunk's last numel % 8 elements take a path of torch's not reproduced here (most probes matched, not all), so
+a slab whose size is not a multiple of 8 keeps the two passes (every layer of a real model is one); CHUNK is a
+multiple of 8, so only a slab's last chunk could have such a tail. The self-check at build compares the chunks'
+norms with torch's on probe data, and a kernel that does not match is not used.
 """
 
 from __future__ import annotations
@@ -18,14 +25,19 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..runtime import ckernel
 
 LANES = 8
-FUSED_MAX_THREADS = 2  # the two passes on k threads: 10/k + 4 B/param on the slowest thread, against 10 here
+# Elements per chunk of the norm's decomposition (a multiple of LANES; 4 MiB of FP32). Fixed, so the norm's bits
+# do not depend on the thread count; large enough that a chunk's work dwarfs handing it to a thread (a 14B model's
+# layer is ~330 chunks), and that a small model's slab is one chunk (torch's norm of the whole slab).
+CHUNK = 1 << 20
 
 _C_SOURCE = r"""
 #include <string.h>
@@ -126,14 +138,15 @@ def kernel() -> ctypes.CDLL | None:
                 lib = ckernel.build("reduce", _C_SOURCE, _declare, "MEGATRAIN_REDUCE_KERNEL")
                 _state = lib if lib is not None and _matches_torch(lib) else None
                 if lib is not None and _state is None:
-                    log.warning("reduce kernel: its norm does not give torch.linalg.vector_norm's bits on this "
-                                "build; backward reduces and measures in two torch passes")
+                    log.warning("reduce kernel: its chunks' norms do not give torch.linalg.vector_norm's bits on "
+                                "this build; backward reduces and measures in two torch passes")
     return _state  # type: ignore[return-value]
 
 
 def pays(threads: int | None) -> bool:
-    """Whether the one-core pass beats the two passes it replaces on `threads` (None: torch's count)."""
-    return (threads if threads is not None else torch.get_num_threads()) <= FUSED_MAX_THREADS
+    """Whether the one pass beats the two it replaces on `threads` reducer threads (None: torch's count): on any
+    count, since its chunks split over as many threads as the two passes would run on (10 B/param against 14)."""
+    return threads is None or threads >= 1
 
 
 def usable(slab: torch.Tensor, parts: list[tuple[int, torch.Tensor]]) -> bool:
@@ -149,24 +162,87 @@ def usable(slab: torch.Tensor, parts: list[tuple[int, torch.Tensor]]) -> bool:
     return at == slab.numel()
 
 
-def reduce_and_norm(lib: ctypes.CDLL, slab: torch.Tensor, parts: list[tuple[int, torch.Tensor]],
-                    first: bool) -> tuple[torch.Tensor, bool]:
-    """Add (or, `first`, write 0 + g) every part into `slab` and return (the slab's 2-norm as torch's
-    vector_norm gives it, whether it is finite: every value written finite and their norm within float's range).
-    Call only where usable() said so."""
+def chunks(n: int, chunk: int | None = None) -> int:
+    """How many chunks of the norm's decomposition a slab of `n` elements has."""
+    c = CHUNK if chunk is None else chunk
+    return -(-n // c)
+
+
+def combine(norms: torch.Tensor) -> torch.Tensor:
+    """A slab's norm from its chunks' norms (in slab order): torch's norm of them, a 0-dim FP32 tensor; one chunk's
+    norm as it is (torch's norm of the whole slab)."""
+    if norms.numel() == 1:
+        return norms.reshape(())
+    return torch.linalg.vector_norm(norms)
+
+
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def _helpers() -> ThreadPoolExecutor:
+    """Threads that run chunk ranges beside the caller's own (ctypes releases the GIL for the call)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1),
+                                       thread_name_prefix="megatrain-reduce-chunks")
+        return _pool
+
+
+def reduce_chunks(lib: ctypes.CDLL, slab: torch.Tensor, parts: list[tuple[int, torch.Tensor]], first: bool,
+                  threads: int | None = None, chunk: int | None = None) -> tuple[torch.Tensor, bool]:
+    """Add (or, `first`, write 0 + g) every part into `slab`, on `threads` threads (None: the calling thread's torch
+    count, the reducer's share of the cores), and return (each chunk's norm, in slab order; whether every value
+    written is finite). `chunk`: the decomposition's chunk (CHUNK; a multiple of 8). Call only where usable() said
+    so."""
     n = slab.numel()
-    body_end = n - n % LANES
-    lanes = torch.zeros(LANES, dtype=torch.float32)
-    bad = 0
-    for off, g in parts:
-        if g.numel():
-            bad |= lib.reduce_range(g.data_ptr(), int(g.dtype == torch.bfloat16), slab.data_ptr() + 4 * off, off,
-                                    g.numel(), int(first), body_end, lanes.data_ptr())
-    norm = lib.finish_norm(lanes.data_ptr())
+    c = CHUNK if chunk is None else chunk
+    if c <= 0 or c % LANES:
+        raise ValueError(f"a chunk must be a positive multiple of {LANES} elements, got {c}")
+    k = chunks(n, c)
+    norms = torch.zeros(k, dtype=torch.float32)
+    lanes = torch.zeros(k, LANES, dtype=torch.float32)  # each chunk's own
+    live = [(off, g) for off, g in parts if g.numel()]
+    dst, lanes_at, elem = slab.data_ptr(), lanes.data_ptr(), [g.element_size() for _, g in live]
+
+    def run(c0: int, c1: int) -> int:
+        """Chunks [c0, c1): each written through reduce_range, part by part, into its own lanes, then finished."""
+        bad, p = 0, 0
+        for ci in range(c0, c1):
+            a, b = ci * c, min(ci * c + c, n)
+            while p < len(live) and live[p][0] + live[p][1].numel() <= a:
+                p += 1
+            q = p
+            while q < len(live) and live[q][0] < b:
+                off, g = live[q]
+                lo, hi = max(a, off), min(b, off + g.numel())
+                if hi > lo:
+                    bad |= lib.reduce_range(g.data_ptr() + (lo - off) * elem[q], int(g.dtype == torch.bfloat16),
+                                            dst + 4 * lo, lo, hi - lo, int(first), n, lanes_at + 4 * LANES * ci)
+                q += 1
+            norms[ci] = lib.finish_norm(lanes_at + 4 * LANES * ci)
+        return bad
+
+    t = max(1, min(torch.get_num_threads() if threads is None else threads, k))
+    bounds = [k * j // t for j in range(t + 1)]
+    helpers = [_helpers().submit(run, a, b) for a, b in zip(bounds[1:-1], bounds[2:])] if t > 1 else []
+    bad = run(bounds[0], bounds[1])
+    for job in helpers:
+        bad |= job.result()
     torch.autograd.graph.increment_version(slab)  # written through a pointer: what an in-place add would show
+    return norms, not bad
+
+
+def reduce_and_norm(lib: ctypes.CDLL, slab: torch.Tensor, parts: list[tuple[int, torch.Tensor]], first: bool,
+                    threads: int | None = None) -> tuple[torch.Tensor, bool]:
+    """reduce_chunks, then (the slab's 2-norm as slab_state.slab_norm gives it, whether it is finite: every value
+    written finite and their norm within float's range)."""
+    norms, finite = reduce_chunks(lib, slab, parts, first, threads)
+    norm = combine(norms)
     # A non-finite value written makes the norm inf or NaN; a norm past float's range reads as non-finite too, as
     # the step's own check of the norm takes it.
-    return torch.tensor(norm, dtype=torch.float32), not bad and math.isfinite(norm)
+    return norm, finite and math.isfinite(float(norm))
 
 
 def _probe(n: int, gen: torch.Generator) -> torch.Tensor:
@@ -174,10 +250,15 @@ def _probe(n: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def _matches_torch(lib: ctypes.CDLL) -> bool:
+    """Whether each chunk's norm has the bits of torch's norm of that chunk (the written values those of torch's
+    add), on one chunk and on several (a short last one among them), in both dtypes, first and adding."""
     gen = torch.Generator().manual_seed(0)
-    for n, cuts, first, dtype in [(4096, [0, 13, 1000], True, torch.bfloat16), (4104, [0, 7, 4096], False, torch.float32),
-                                  (64, [0], False, torch.bfloat16), (8, [0, 3], True, torch.float32),
-                                  (100008, [0, 50001], False, torch.bfloat16)]:
+    for n, cuts, first, dtype, chunk in [(4096, [0, 13, 1000], True, torch.bfloat16, None),
+                                         (4104, [0, 7, 4096], False, torch.float32, None),
+                                         (64, [0], False, torch.bfloat16, None), (8, [0, 3], True, torch.float32, None),
+                                         (100008, [0, 50001], False, torch.bfloat16, None),
+                                         (100008, [0, 4093, 50001], True, torch.bfloat16, 8000),
+                                         (20000, [0, 17], False, torch.float32, 4096)]:
         base = _probe(n, gen)
         g = _probe(n, gen).to(dtype)
         want = base.clone()
@@ -188,8 +269,10 @@ def _matches_torch(lib: ctypes.CDLL) -> bool:
         got = base.clone()
         bounds = [*cuts, n]
         parts = [(a, g[a:b]) for a, b in zip(bounds, bounds[1:])]
-        norm, _ = reduce_and_norm(lib, got, parts, first)
+        norms, _ = reduce_chunks(lib, got, parts, first, threads=2, chunk=chunk)
+        c = chunk or CHUNK
+        ref = torch.stack([torch.linalg.vector_norm(want[a: a + c]) for a in range(0, n, c)])
         if not (torch.equal(got.view(torch.int32), want.view(torch.int32))
-                and torch.equal(norm.view(torch.int32), torch.linalg.vector_norm(want).view(torch.int32))):
+                and torch.equal(norms.view(torch.int32), ref.view(torch.int32))):
             return False
     return True
