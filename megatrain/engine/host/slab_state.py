@@ -37,7 +37,7 @@ class PartsAdd:
     none (an expert no token was routed to): its range of the slab is left as it is, or zeroed on a first write."""
 
     add: Callable[[bool], None]
-    parts: list[tuple[int, torch.Tensor]]
+    parts: list[tuple[int, torch.Tensor | None]]
 
     def __call__(self, overwrite: bool) -> None:
         self.add(overwrite)
@@ -51,24 +51,34 @@ class SlabState:
         self.measure = True  # whether reductions queued now compute their slab's norm
         self.fresh = [False] * num_layers
         self._norms: list[tuple[torch.Tensor, int] | None] = [None] * num_layers
+        self.tally = reduce_kernel.Tally()  # gradient elements the reductions added, and skipped (no gradient)
 
     def reduce(self, i: int, slab: torch.Tensor, add: Callable[[bool], None], measure: bool) -> None:
         """Run a reduction into layer i's `slab` on the calling (host) thread: `add(overwrite)`, then its norm if
         `measure` (the value of `self.measure` when the reduction was queued). An `add` that is a `PartsAdd`
-        also names its gradients, for the one-pass kernel (reduce_kernel.py) where it applies."""
+        also names its gradients, for the one-pass kernel (reduce_kernel.py) where it applies: then a part
+        without a gradient, or a block of zeros in one, costs no add (`self.tally` counts them)."""
         first = self.overwrite and self.fresh[i]
         self._norms[i] = None
         parts = add.parts if isinstance(add, PartsAdd) else None
-        lib = reduce_kernel.kernel() if measure and parts is not None and reduce_kernel.usable(slab, parts) else None
+        lib = reduce_kernel.kernel() if parts is not None and reduce_kernel.usable(slab, parts) else None
         if lib is not None:
             # On this thread's torch count; the norm combined from the chunks' as slab_norm combines them: the bits
             # of add, then slab_norm.
-            norm, _ = reduce_kernel.reduce_and_norm(lib, slab, parts, first)
+            norm, _ = reduce_kernel.reduce_and_norm(lib, slab, parts, first, None, measure, self.tally)
             self.fresh[i] = False
-            self._norms[i] = (norm, slab._version)
+            if measure:
+                self._norms[i] = (norm, slab._version)
             return
         add(first)
         self.fresh[i] = False
+        if parts is not None:
+            absent = sum(hi - lo for lo, hi, g in reduce_kernel.extents(parts, slab.numel()) if g is None)
+            self.tally.skipped += absent
+            self.tally.absent += absent
+            self.tally.reduced += slab.numel() - absent
+        else:
+            self.tally.reduced += slab.numel()
         if measure:
             self._norms[i] = (slab_norm(slab), slab._version)
 
