@@ -9,11 +9,14 @@ As the engine runs it (engine/pipeline/schedule.py, engine/runtime/stream.py, en
   per parameter counted. With FP32 slabs this is one pass (engine/host/reduce_kernel.py, measured at 0.8x that
   bound on one core) split by fixed chunks over every reducer thread; bf16 slabs are not the kernel's: torch's
   two passes on every reducer thread (1.75x: the norm reads the slab again).
-- the serial resident work: `step()` updates the resident parameters (embedding, head, final norm) on the launch
-  thread after the layer jobs are queued, then their FP32 masters are rounded into the bf16 staging the upload
-  reads, on a worker of their own (engine/host/resident_upload.py). The next forward's embedding waits for that
-  upload, and the device has nothing queued between the step and it: the rounding stays on the step's serial
-  part (it overlaps only the caller's own work between steps, which is not modelled here).
+- the resident work at each step: `step()` updates the resident parameters (embedding, head, final norm) on the
+  launch thread after the layer jobs are queued (the device has nothing queued meanwhile), then their FP32
+  masters are rounded into the bf16 staging the upload reads on a worker of their own, fenced by an event
+  (engine/host/resident_upload.py): the launch thread returns at once, and the next forward's embedding waits
+  for the worker. So the rounding is the worker's time, not the launch thread's, and the device still idles for
+  it: it shares the host's memory bandwidth with the layer updates running beside it (each pass reaches that
+  bandwidth on its own), so its bytes delay the forward whether or not the layers' updates are hidden. What it
+  overlaps is the caller's own work between steps (zero_grad, the next batch), which is not modelled here.
 
 A memory-bound pass on n of a host's cores reaches its achieved bandwidth x min(1, n / (cores x
 SATURATING_SHARE)): a few cores per memory channel saturate it, one core alone is far from it.
@@ -78,20 +81,28 @@ def reducer_bps(p: Point, hw: Hardware) -> float:
 
 @dataclass(frozen=True)
 class SerialWork:
-    """Seconds per step on the launch thread with nothing queued on the device (CUDA)."""
+    """Seconds per step between the last backward and the next forward, with nothing queued on the device (CUDA)."""
 
-    resident_update_s: float  # AdamW over the embedding, head and final norm, before any layer job
-    resident_round_s: float  # their FP32 masters rounded into the bf16 upload staging (a worker; the forward waits)
+    resident_update_s: float  # AdamW over the embedding, head and final norm: the launch thread's, in step()
+    resident_round_s: float  # their FP32 masters rounded into the bf16 upload staging: the rounding worker's,
+    #                          which the next forward's embedding waits for (resident_upload.py)
+
+    @property
+    def launch_thread_s(self) -> float:
+        """The part the launch thread spends (the rounding is its worker's)."""
+        return self.resident_update_s
 
     @property
     def total_s(self) -> float:
+        """The device's wait for both."""
         return self.resident_update_s + self.resident_round_s
 
 
 def serial_work(p: Point, hw: Hardware, resident_params: int, update_s: float) -> SerialWork:
     """`update_s`: the resident parameters' optimizer pass at the mode's rate (step_time.py counts it). The
-    rounding reads 4 and writes c bytes per parameter on every core, at its measured distance from that bound
-    (host_rates.py; a bf16 compute dtype on CUDA only: FP32 compute uploads the masters themselves)."""
+    rounding reads 4 and writes c bytes per parameter on its worker's threads (every core), at its measured
+    distance from that bound (host_rates.py; a bf16 compute dtype on CUDA only: FP32 compute uploads the masters
+    themselves)."""
     if p.c != 2 or hw.unified_memory:
         return SerialWork(update_s, 0.0)
     round_s = resident_params * (4 + p.c) / hw.host_bw_bps * HOST_RATES["resident rounding"].x_bound
