@@ -77,12 +77,12 @@ def _check_trainer_run(script: str, plain: dict, full: dict, resumed: dict, tmp:
 
 
 def test_trainer_and_sft_trainer_on_megatrain_match_plain_save_resume_and_evaluate(tmp_path):
-    """examples/hf_trainer.py (Trainer) and examples/trl_sft.py (SFTTrainer), unchanged, on both backends."""
+    """examples/hf_trainer.py (Trainer) and examples/trl_sft.py (SFTTrainer), unchanged, on both backends (one
+    process runs them all: torch, transformers and TRL imported once)."""
     scripts = ["hf_trainer.py", "trl_sft.py"]
-    plain = _drive("torch", scripts, tmp_path)
-    mt = _drive("megatrain", scripts, tmp_path)
+    runs = _drive("torch+megatrain", scripts, tmp_path)
     for script in scripts:
-        _check_trainer_run(script, plain[script]["plain"], mt[script]["full"], mt[script]["resumed"], tmp_path)
+        _check_trainer_run(script, runs[script]["plain"], runs[script]["full"], runs[script]["resumed"], tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------------
