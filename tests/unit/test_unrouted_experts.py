@@ -111,3 +111,29 @@ def test_a_fused_experts_unrouted_rows_cost_no_add_and_the_bits_are_unchanged(fu
 def test_a_dense_model_skips_nothing():
     norms, _, tally, total = _train(tiny_model("llama", layers=2))
     assert tally.skipped == 0 and tally.reduced == total
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_absent_parts_and_zero_blocks_are_skipped_with_the_bits_of_adding_zeros(first):
+    lib = R.kernel()
+    assert lib is not None
+    n, zb = 8 * R.ZERO_BLOCK, R.ZERO_BLOCK
+    g = torch.randn(n).to(torch.bfloat16)
+    g[zb: 4 * zb] = 0  # three aligned blocks of zeros (an unrouted expert's rows)
+    g[3 * zb: 3 * zb + 5] = -0.0  # signed zeros in the third: still zeros
+    g[5 * zb + 1] = 0  # a lone zero in a dense block: added as usual
+    slab = torch.randn(n) * 7  # the last step's bytes: a first write must not keep them
+    parts = [(0, g[: 6 * zb]), (6 * zb, None)]  # the last two blocks: no gradient at all
+    want = slab.clone()
+    dense = g.float()
+    dense[6 * zb:] = 0
+    if first:
+        torch.add(dense, 0.0, out=want)
+    else:
+        want.add_(dense)
+    tally = R.Tally()
+    norm, finite = R.reduce_and_norm(lib, slab, parts, first, 2, True, tally)
+    assert torch.equal(slab.view(torch.int32), want.view(torch.int32))
+    assert int(norm.view(torch.int32)) == int(torch.linalg.vector_norm(want).view(torch.int32)) and finite
+    assert (tally.skipped, tally.absent) == (5 * zb, 2 * zb)  # blocks 1-3 (zeros, signed ones too), 6 and 7
+    assert tally.reduced == 3 * zb

@@ -14,6 +14,13 @@ the bits do not depend on how many there are. slab_state.slab_norm is the same d
 written slab (torch's row norms), so a norm measured as the slab lands equals the one read later, bit for bit.
 A slab of at most one chunk has exactly torch's norm of the whole slab.
 
+What got no gradient costs no add: a part without one (None: a weight no gradient reached, as an expert no token
+was routed to) and every slab-aligned ZERO_BLOCK of zeros in a gradient (an unrouted expert's rows of a fused
+experts tensor; a dense gradient's first block is not zero, so checking costs next to nothing) are set to zero
+on a slab's first write and otherwise left as they are, read for the norm only when it is measured: the bits of
+adding the zeros (a slab holds no -0: its zeros are written as 0 + g, and x + 0 is x), a -0 written into a
+`.grad` by hand excepted, which an add of zeros would turn into +0.
+
 A chunk's last numel % 8 elements take a path of torch's not reproduced here (most probes matched, not all), so
 a slab whose size is not a multiple of 8 keeps the two passes (every layer of a real model is one); CHUNK is a
 multiple of 8, so only a slab's last chunk could have such a tail. The self-check at build compares the chunks'
