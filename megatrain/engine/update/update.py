@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from ...config import EngineConfig
-from ...costs.modes import GradSlab, HostMaster
+from ...costs.modes import HostMaster
 from ..host import hilo
 from ..host.events import LayerEvents
 from ..host.spill import Spill, SpillFactory
@@ -66,7 +66,7 @@ def unlink_fresh(store: HostStore, events: LayerEvents) -> None:
     next backward overwrites instead of zeroing now. The engine's backward links them again."""
     if events.slabs.overwrite:
         for g in store.layers:
-            if g.grad is not None and g.grad_mode is GradSlab.FLOAT32:
+            if g.grads.linked(g) is not None:  # an FP32 slab of this rank's, which the Parameters' .grad view
                 for p in g.params:
                     p.grad = None
 
