@@ -50,7 +50,7 @@ from .runtime.host_copy import to_device
 from .runtime.malloc import set_mmap_threshold
 from .runtime.memtrack import DeviceMemoryTracker, tracked
 from .runtime.stream import Streams, Trace
-from .update.clipping import Clipping
+from .update.clipping import Clipping, checked_max_norm
 from .update.optim import LayeredStep, OptimizerArg, adopt_optimizer, move_onto_masters
 from .update.update import choose as choose_update
 from .update.update import overlap_pays
@@ -84,6 +84,7 @@ class Engine:
                  optimizer: OptimizerArg = None, clip_every_step: float = 0.0) -> None:
         """`clip_every_step`: clip by this global norm at every step() not preceded by a clip_grad_norm_ (DeepSpeed's
         `gradient_clipping`; 0: only where the caller clips)."""
+        clip_every_step = checked_max_norm(clip_every_step)  # refused before any work
         self.config = config = config or EngineConfig()
         self.device, self.dp = join_ranks(resolve_device(config.device), config.watchdog_s)
         self.trace_log = Trace(config.trace, self.device)

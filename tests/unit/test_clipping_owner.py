@@ -139,3 +139,15 @@ def test_an_engine_built_with_a_step_clip_trains_as_one_clipped_by_hand(model, c
     got = train(got_eng, [None, None, 0.5, None])
     assert got_eng.clipping.last_norm is not None
     assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_a_bad_step_clip_is_refused_before_the_engine_takes_the_model(model):
+    """A negative gradient_clipping handed to the backend once meant no clipping at all, silently; now the engine
+    refuses it by value before it moves a weight."""
+    from megatrain.backend import MegatrainBackend
+
+    m = copy.deepcopy(model)
+    cls, weights = type(m), {n: p.detach().clone() for n, p in m.named_parameters()}
+    with pytest.raises(ValueError, match=r"max_norm=-1\.0 must be a number >= 0"):
+        MegatrainBackend(cpu=True, gradient_clipping=-1.0).prepare(m, None)
+    assert type(m) is cls and all(torch.equal(p, weights[n]) for n, p in m.named_parameters())
