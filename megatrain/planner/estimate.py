@@ -100,9 +100,11 @@ def plan_point(p: Point, hw: Hardware, host_avail: int | None = None, device_ava
 def _placement_note(p: Point, pl: Any) -> str:
     e, c = pl.engine, pl.chosen
     gain = pl.step_s[e] / pl.step_s[c] - 1
+    _, h2d, recomputed = pl.replayed[e]
     return (f"residency: the engine's \"auto\" fill (weights first, then graphs) would keep {e.weights} layers' "
-            f"weights and {e.activations} graphs; keeping {c.weights} and {c.activations} instead predicts "
-            f"{gain:.1%} more throughput (the config section sets them)")
+            f"weights and {e.activations} graphs (per step h2d {h2d:,} B, {recomputed} layers recomputed); keeping "
+            f"{c.weights} and {c.activations} instead predicts {gain:.1%} more throughput (the config section sets "
+            "them)")
 
 
 def predicted_timeline(p: Point, hw: Hardware) -> list[dict[str, Any]]:
