@@ -73,8 +73,9 @@ class MasterBuffers(NamedTuple):
 
 
 class MasterCodec:
-    """An FP32 master (and the bf16 shadow that streams when the device computes in bf16): the Parameters are
-    the master itself, so there is nothing to join or split; `pack` refreshes the shadow."""
+    """A master mode's codec, as the FP32 mode has it (the other modes override what differs): an FP32 master and
+    the bf16 shadow that streams when the device computes in bf16; the Parameters are the master itself, so there
+    is nothing to join or split, and `pack` refreshes the shadow."""
 
     mode = HostMaster.FP32
     per_layer = False  # the optimizer may step every group at once: the Parameters hold the masters always
@@ -216,7 +217,8 @@ def poison(g: Held) -> None:
 
 
 class GradCodec:
-    """An FP32 slab that the Parameters' .grad view: the optimizer reads it in place; a clip still pending on it
+    """A gradient slab mode's codec, as the FP32 slab has it (the other modes override what differs): an FP32 slab
+    that the Parameters' .grad view: the optimizer reads it in place; a clip still pending on it
     (folded into the update) scales it in place, as a clip_grad_norm_ that left the scaling to the update would
     have."""
 
