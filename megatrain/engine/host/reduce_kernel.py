@@ -120,12 +120,20 @@ static int64_t dense_range(const void *src, int64_t bf16, float *dst, int64_t of
 
 /* The squares of dst[0..n) into the lanes, dst unchanged: what dense_range adds for a gradient of zeros (dst + 0 is
    dst: a slab holds no -0, its zeros being written as 0 + g), without reading a gradient or writing the slab. */
+typedef float f8 __attribute__((vector_size(32)));
+
+/* Lane j gets d[j]^2, d[j + 8]^2, ... in order, each product rounded then added (-ffp-contract=off): what the loops
+   above do. Written on 8-float vectors: the plain loop was vectorized across its lanes with shuffles, at a third of
+   torch's norm's speed. */
 __attribute__((noinline)) static void keep_body(const float *__restrict d, int64_t n, float *__restrict lanes) {
-    float acc[8];
-    memcpy(acc, lanes, sizeof acc);
-    for (int64_t i = 0; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) { float v = d[i + j]; acc[j] = acc[j] + v * v; }
-    memcpy(lanes, acc, sizeof acc);
+    f8 acc;
+    memcpy(&acc, lanes, sizeof acc);
+    for (int64_t i = 0; i + 8 <= n; i += 8) {
+        f8 v;
+        memcpy(&v, d + i, sizeof v);
+        acc = acc + v * v;
+    }
+    memcpy(lanes, &acc, sizeof acc);
 }
 
 static void measure_range(const float *dst, int64_t off, int64_t n, int64_t body_end, float *lanes) {
@@ -139,16 +147,23 @@ static void measure_range(const float *dst, int64_t off, int64_t n, int64_t body
         if (off + i < body_end) lanes[(off + i) & 7] = lanes[(off + i) & 7] + dst[i] * dst[i];
 }
 
-/* Whether src[i..i+m) holds only zeros (+0 or -0): ORed 64 at a time (vectorizes), stopping at the first block
-   that is not (a dense gradient stops at once). A NULL src has no gradient: zeros. */
+/* Whether src[i..i+m) holds only zeros (+0 or -0): 128 bytes ORed at a time as 64-bit words with the sign bits
+   masked off, stopping at the first 128 that are not (a dense gradient stops at once). A NULL src has no gradient:
+   zeros. */
 static int all_zero(const void *src, int64_t bf16, int64_t i, int64_t m) {
     if (!src) return 1;
-    for (int64_t a = 0; a < m; a += 64) {
-        int64_t b = a + 64 < m ? a + 64 : m;
-        uint32_t acc = 0;
-        if (bf16) { const uint16_t *s = (const uint16_t *)src + i; for (int64_t k = a; k < b; k++) acc |= s[k] & 0x7FFFu; }
-        else { const uint32_t *s = (const uint32_t *)src + i; for (int64_t k = a; k < b; k++) acc |= s[k] & 0x7FFFFFFFu; }
+    int64_t size = bf16 ? 2 : 4, bytes = m * size, a = 0;
+    const unsigned char *p = (const unsigned char *)src + i * size;
+    uint64_t mask = bf16 ? 0x7FFF7FFF7FFF7FFFull : 0x7FFFFFFF7FFFFFFFull;
+    for (; a + 128 <= bytes; a += 128) {
+        uint64_t acc = 0;
+        for (int k = 0; k < 16; k++) { uint64_t w; memcpy(&w, p + a + 8 * k, 8); acc |= w & mask; }
         if (acc) return 0;
+    }
+    for (; a < bytes; a += size) {
+        uint32_t w = 0;
+        memcpy(&w, p + a, size);
+        if (w & (uint32_t)mask) return 0;
     }
     return 1;
 }
