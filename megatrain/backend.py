@@ -116,9 +116,8 @@ class MegatrainBackend:
         self.engine_config: EngineConfig = resolve(config, mixed_precision=mixed_precision, cpu=cpu).engine
         # Gradient checkpointing needs no switch: the engine recomputes every layer in backward, which
         # is exactly the FLOPs of HF's per-layer checkpointing on the other backends.
-        self._config_clip = float(gradient_clipping)
-        self._clipped = False
-        self.last_grad_norm: float | None = None  # the norm before the last clip (None: not clipped)
+        # The clip each step takes, handed to the engine when it is built (its `clipping` owns it from then on).
+        self._clip_every_step = float(gradient_clipping)
         self.engine: Any = None
         self._optimizer_adopted = False
         self._skipped = False
@@ -155,7 +154,7 @@ class MegatrainBackend:
             # overlap "auto" splits the optimizer it is built with; one adopted by a later prepare() steps whole
             ec = dataclasses.replace(ec, optimizer_overlap=False)  # what the user wrote kept (EngineConfig.written)
         ec, finish = self.prepare_model(model, ec)
-        self.engine = Engine(model, config=ec, optimizer=optimizer)
+        self.engine = Engine(model, config=ec, optimizer=optimizer, clip_every_step=self._clip_every_step)
         finish(self.engine)
         self._optimizer_adopted = optimizer is not None
         # The user's model object itself comes back: its parameters are the engine's host masters and its
@@ -217,10 +216,15 @@ class MegatrainBackend:
     def set_clipping(self, max_norm: float) -> None:
         """Clip by the global L2 norm `max_norm` at every optimizer step the script does not clip itself (0: off);
         what `gradient_clipping` set at construction, changed for a model handed over to training later."""
-        max_norm = float(max_norm)
-        if not max_norm >= 0:
-            raise ValueError(f"gradient clipping max_norm={max_norm!r} must be a number >= 0 (0 turns clipping off)")
-        self._config_clip = max_norm
+        if self.engine is None:
+            self._clip_every_step = float(max_norm)  # checked by the engine's clipping when it is built
+        else:
+            self.engine.clipping.set_every_step(max_norm)
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global norm before the last step's clip (None: that step was not clipped)."""
+        return self.engine.clipping.last_norm if self.engine is not None else None
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp the accumulated gradients in the host slabs (the masters' .grad are views of them)."""
@@ -250,20 +254,13 @@ class MegatrainBackend:
         if float(norm_type) != 2.0:
             raise ValueError('backend "megatrain" clips by the global L2 norm only (norm_type=2)')
         # The engine holds every gradient in its host slabs; `parameters` names them all in practice
-        # (model.parameters()), so the whole set is clipped, as DeepSpeed does.
-        self._clipped = True
-        self.last_grad_norm = self._require_engine().clip_grad_norm_(float(max_norm))
-        return self.last_grad_norm
+        # (model.parameters()), so the whole set is clipped, as DeepSpeed does; the step then takes no clip of its own.
+        return self._require_engine().clip_grad_norm_(float(max_norm))
 
     def optimizer_step(self) -> None:
-        eng = self._require_engine()
-        if self._config_clip > 0 and not self._clipped:
-            self.last_grad_norm = eng.clip_grad_norm_(self._config_clip)
-        elif not self._clipped:
-            self.last_grad_norm = None
-        self._clipped = False
-        # The engine skips a step whose gradients are not finite (DeepSpeed's fp16 overflow, counted the same way).
-        self._skipped = eng.step() is False
+        # The engine clips by `gradient_clipping` unless the script did, and skips a step whose gradients are not
+        # finite (DeepSpeed's fp16 overflow, counted the same way).
+        self._skipped = self._require_engine().step() is False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._require_engine().zero_grad()

@@ -14,7 +14,14 @@ import pytest
 import torch
 import transformers
 
+from baselines.zero3 import default_extensions_dir
+
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# DeepSpeed's C++ ops: every test, and every process a test starts, loads them from the one cache per venv that
+# `scripts/setup.sh` builds them into. Left unset, a Trainer run with an offload config JIT-builds cpu_adam again
+# (~85 s) into torch's own cache, shared by every venv of the machine, so one venv's build stales another's.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())
 
 
 def pytest_configure(config):

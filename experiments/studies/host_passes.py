@@ -30,6 +30,12 @@ same is reported for hilo's split and join alone on one layer-sized tensor (spli
 of NaN poison; join: read 4, write 4).
 
 Writes results/host_passes/host_passes.csv and README.md (with provenance).
+
+`--reducer 1,2` instead times backward's reduction of one layer (SlabState.reduce with the one-pass kernel,
+engine/host/reduce_kernel.py: bf16 staging written or added into an FP32 slab, its chunked norm and finite flag)
+on each of those thread counts, each repetition paired with `copy_` of an FP32 tensor as large on the same
+threads right before and after it; x bound = time / (10 B/param / the paired copy bandwidth, read + written). It
+prints its table and writes nothing.
 """
 
 from __future__ import annotations
@@ -359,12 +365,57 @@ def write(rows: list[dict], meta: dict) -> None:
     readme.write_text("\n".join(lines) + "\n" + ("\n" + notes if notes else ""))
 
 
+REDUCER_BYTES = 10  # per element: the bf16 gradient read (2), the slab read (4) and written (4; a first write too)
+
+
+def bench_reducer(numel: int, threads: int, reps: int) -> dict[str, list[float]]:
+    """x bound per repetition of the one-pass reduction on `threads` threads, "first" (0 + g) and "add"."""
+    from megatrain.engine.host.slab_state import PartsAdd, SlabState
+    from megatrain.engine.runtime.threads import set_team
+
+    set_team(threads)  # this thread's team: the kernel splits its chunks over as many
+    slab, staging = torch.zeros(numel), (torch.randn(numel) * 1e-3).to(torch.bfloat16)
+    a, b = torch.ones(numel), torch.empty(numel)
+    state = SlabState(1)
+    state.overwrite = True
+    adds = PartsAdd(lambda first: None, [(0, staging)])  # the kernel's path only (usable: it always is here)
+    out: dict[str, list[float]] = {"first": [], "add": []}
+    for _ in range(reps + 1):
+        for what in ("first", "add"):
+            if what == "first":
+                state.zero(0, slab)
+            before = 8 * numel / _timed(lambda: b.copy_(a))
+            t = _timed(lambda: state.reduce(0, slab, adds, True))
+            after = 8 * numel / _timed(lambda: b.copy_(a))
+            out[what].append(t / (REDUCER_BYTES * numel / ((before + after) / 2)))
+    return {k: v[1:] for k, v in out.items()}  # the first round warms the pages
+
+
+def reducer_main(threads: list[int], numel: int, reps: int) -> None:
+    from megatrain.engine.host import reduce_kernel
+
+    if reduce_kernel.kernel() is None:
+        raise SystemExit("no compiled reduce kernel here (no C compiler?): nothing to time")
+    print(f"| threads | reduction | x bound ({REDUCER_BYTES} B/param), best | median |\n|---:|---|---:|---:|")
+    for n in threads:
+        got = bench_reducer(numel, n, reps)
+        for what, xs in got.items():
+            print(f"| {n} | {what} | {min(xs):.2f} | {statistics.median(xs):.2f} |", flush=True)
+    print(f"({numel} elements, {reps} repetitions, {len(os.sched_getaffinity(0))} cores, "
+          f"load {os.getloadavg()[0]:.1f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="llama-100m")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--modes", default=";".join(m for m, _ in MODES + OIB_MODES), help="';'-separated")
+    ap.add_argument("--reducer", default="", help="thread counts, e.g. 1,2: time the reducer's pass only")
+    ap.add_argument("--numel", type=int, default=1 << 24, help="--reducer: elements of the layer")
     a = ap.parse_args()
+    if a.reducer:
+        reducer_main([int(x) for x in a.reducer.split(",")], a.numel, a.reps)
+        return
 
     from megatrain.engine.host import hilo
     from megatrain.metrics.provenance import cpu_model, git_commit

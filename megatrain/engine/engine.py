@@ -50,6 +50,7 @@ from .runtime.host_copy import to_device
 from .runtime.malloc import set_mmap_threshold
 from .runtime.memtrack import DeviceMemoryTracker, tracked
 from .runtime.stream import Streams, Trace
+from .update.clipping import Clipping, checked_max_norm
 from .update.optim import LayeredStep, OptimizerArg, adopt_optimizer, move_onto_masters
 from .update.update import choose as choose_update
 from .update.update import overlap_pays
@@ -80,7 +81,10 @@ class Engine:
     """Train a Hugging Face decoder-only LM whose weights and optimizer state live in host memory."""
 
     def __init__(self, model: nn.Module | str | os.PathLike, config: EngineConfig | None = None,
-                 optimizer: OptimizerArg = None) -> None:
+                 optimizer: OptimizerArg = None, clip_every_step: float = 0.0) -> None:
+        """`clip_every_step`: clip by this global norm at every step() not preceded by a clip_grad_norm_ (DeepSpeed's
+        `gradient_clipping`; 0: only where the caller clips)."""
+        clip_every_step = checked_max_norm(clip_every_step)  # refused before any work
         self.config = config = config or EngineConfig()
         self.device, self.dp = join_ranks(resolve_device(config.device), config.watchdog_s)
         self.trace_log = Trace(config.trace, self.device)
@@ -140,7 +144,8 @@ class Engine:
         # The pipeline's own reductions write every layer's slab: zero_grad() can leave zeroing to them.
         self.events.slabs.overwrite = self.pipeline.grad_sink is None
 
-        self._clip_coefs: list[float] = []  # clipping not yet applied to bf16 slabs (applied as they widen)
+        # Where a clip's scaling lands (at once, folded into the update, as a bf16 slab widens), and each step's clip.
+        self.clipping = Clipping(self.store.grad_mode, self.update.folds_clip, self._all_grads, clip_every_step)
         self._backwards = 0  # backward() calls since zero_grad()
         self._pending: _Pending | None = None
         self._unbackwarded: list[weakref.ref] = []  # training forwards replaced before their backward
@@ -334,9 +339,7 @@ class Engine:
         self._pending = None
         self._unbackwarded = []
         self._norm = None
-        if self._clip_folded() and self._clip_coefs:
-            self._apply_clip(self._clip_coefs)  # a clip before more accumulation scales only what came before
-            self._clip_coefs = []
+        self.clipping.before_backward()
         t0 = time.perf_counter()
         params = self.placement.device_globals
         # The layers' reductions measure their slab's norm as it lands when a step follows this backward (a
@@ -392,15 +395,12 @@ class Engine:
             # as its reduction measured it is taken when its slab is unchanged since (the same call, the same bits).
             norms = []
             slabs = self._all_grads()  # landed first: a reduction still queued would make its cached norm stale
-            cached = landed_norms(self.store, self.events.slabs, bool(self._clip_coefs))
+            cached = landed_norms(self.store, self.events.slabs, bool(self.clipping.pending))
             for i, g in enumerate(slabs):
                 if cached[i] is not None:
                     norms.append(cached[i])
                     continue
-                if g.dtype != torch.float32 or (self._clip_coefs and self._clip_folded()):
-                    g = g.to(torch.float32, copy=True)  # the clip still pending on it, applied to a copy
-                    for c in self._clip_coefs:
-                        g.mul_(c)
+                g = self.clipping.as_read(g)  # widened, the clip still pending on it applied to a copy
                 norms.append(torch.linalg.vector_norm(g))
             self._norm = self.ranks.total_norm(norms)
             self._norm_at = self._slab_versions()
@@ -416,32 +416,14 @@ class Engine:
         self.events.slabs.invalidate()
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Scale all gradients so their global L2 norm is at most `max_norm`; return the norm before."""
+        """Scale all gradients so their global L2 norm is at most `max_norm`; return the norm before. The scaling
+        is applied now or pending on the slabs until the update reads them (engine/update/clipping.py)."""
         total = self.grad_norm()
-        coef = min(max_norm / (total + 1e-6), 1.0)
-        if coef < 1.0:  # multiplying by exactly 1.0 is what torch does otherwise: a no-op
-            # bf16 slabs: scaled in FP32 as they widen (no bf16 rounding); a per-layer update path with FP32 slabs
-            # scales every slab (the resident parameters' too) in its update's pass (engine/fused.py) instead of a
-            # pass of its own here.
-            if not self._clip_folded():
-                self._apply_clip([coef])
-            if self.store.grad_mode is GradSlab.BFLOAT16 or self._clip_folded():
-                self._clip_coefs.append(coef)
+        coef = self.clipping.clip(total, max_norm)
+        if coef < 1.0:
             self._norm = total * coef
             self._norm_at = self._slab_versions()  # the clip's own in-place scaling is not a hand-written change
         return total
-
-    def _apply_clip(self, coefs: list[float]) -> None:
-        """Scale the FP32 slabs by `coefs` now."""
-        for g in self._all_grads():
-            if g.dtype == torch.float32:
-                for c in coefs:
-                    g.mul_(c)
-
-    def _clip_folded(self) -> bool:
-        """Whether a clip stays pending on the FP32 slabs until the update scales them in its pass (a per-layer
-        path with FP32 slabs); with bf16 slabs the resident parameters' FP32 slab is scaled at the clip."""
-        return self.update.folds_clip and self.store.grad_mode is GradSlab.FLOAT32
 
     def _all_grads(self) -> list[torch.Tensor]:
         """This rank's gradient slabs (a shared store: its own layers' and the resident parameters'), landed."""
@@ -452,19 +434,20 @@ class Engine:
     def step(self) -> bool:
         """One optimizer step over the host masters (the caller owns zero_grad and LR schedules).
 
-        Returns False when the step was skipped because the gradients were not finite.
+        Returns False when the step was skipped because the gradients were not finite. Clips first by
+        `clipping.every_step` unless clip_grad_norm_ ran since the last step (the norm: `clipping.last_norm`).
         """
+        self.clipping.at_step(self.clip_grad_norm_)
         if self._stray_backward:
             raise RuntimeError("a refused loss.backward() left partial gradients (head and final norm only) in the "
                                "gradient slabs; call zero_grad() before the next step")
         t0 = time.perf_counter()
         self.placement.fence_upload()  # a step with no forward since the last: its rounding reads the masters
         self.ranks.average_pending()
-        if not self.update.step(self._finite, self._clip_coefs):
+        if not self.update.step(self._finite, self.clipping):
             return False
         self._norm_at = None  # the update may scale the slabs in place (a folded clip): the norm stays as clipped
-        if self._clip_folded():
-            self._clip_coefs = []  # applied in place on the FP32 slabs by the update: not again by a second step()
+        self.clipping.stepped()
         self.ranks.release(self.events, self.update.overlapped)
         self.placement.globals_changed()
         self.pipeline.invalidate()
@@ -492,7 +475,7 @@ class Engine:
         self.update.check_zero_grad()
         self._stray_backward = False
         self.events.wait_grads()
-        self._clip_coefs = []
+        self.clipping.zero_grad()
         self._backwards = 0
         self.update.zero_grad()
         self._norm = None

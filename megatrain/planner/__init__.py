@@ -18,7 +18,14 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
   device            what costs/memory.py's LongContextPolicy predicts for the batch (and chooses: offload,
                     MLP tile): k layer buffers + embedding/head/norm, boundary activations (all L, or a few
                     in flight when offloaded), the larger of one layer's (tiled) recompute + backward and the
-                    chunked-loss workspace; + the runtime's reserve.
+                    chunked-loss workspace; + the runtime's reserve; + the residency (costs/residency.py): kept
+                    layers' weights and forward graphs, the ring freed when every layer is kept.
+  residency         the point's `residency` (EngineConfig's default when unset): counts as given, or for "auto"
+                    the planner's placement (placement.py): the placements that fill the room the batch's working
+                    set leaves, replayed, the fastest kept unless the engine's own weights-first fill is within 1%;
+                    kept layers are copied once per step, graph layers' backward skips the recompute, and the
+                    replay counts the step's H2D bytes and recomputed layers (the engine reports both). Where the
+                    whole model fits the device, plain PyTorch's step beside it (reference.py).
   time              the engine's schedule replayed (costs/pipeline.py's issue order, the one engine/pipeline/schedule.py
                     runs, on a compute lane and the copy lanes): per layer compute = FLOPs / (peak x sustained)
                     + elementwise bytes / device bandwidth, attention included (causal, flash backward = 2.5x
@@ -45,6 +52,7 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
                     rank), each GPU's share of the host link and DRAM bandwidth, the gradient reduction within a
                     node (host memory) and across nodes (ring all-reduce), and the scaling efficiency.
 Where each part lives: point.py (the settings), memory.py, step_time.py and pipeline_sim.py (the models),
+placement.py (the residency search), reference.py (plain PyTorch where the model fits),
 prediction.py (the Plan), estimate.py (plan / plan_point), search.py (fit questions), multi.py (data parallel).
 Every assumption is a named constant in those modules or in megatrain/costs/, or a sourced number in the profiles file.
 """

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from ..costs import residency as kept
 from ..settings import planner_knobs
 from ..validate import unknown_key
 from .estimate import plan
@@ -21,8 +22,9 @@ from .host_rates import host_bound_line
 from .memory import fmt_bytes
 from .mode_table import ModeRow, format_mode_table, mode_table
 from .nvme_plan import format_nvme_rows, nvme_rows, with_nvme
-from .point import context_refusal, engine_settings, make_point
+from .point import ENGINE_RESIDENCY, context_refusal, make_point, residency_setting
 from .prediction import Plan
+from .reference import reference_line, torch_reference
 from .search import largest_batch, largest_context
 from .shapes import resolve_model
 from .step_time import crossover_closed_form, link_overlap
@@ -68,7 +70,8 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
     out.append("  fits: " + ("yes" if pl.feasible else "NO")
                + "".join(f"\n    {r}" for r in pl.reasons + pl.refused))
     if p.backend == "megatrain":
-        out.append(f"  \"megatrain\" config section for this plan: {json.dumps(engine_settings(p))}")
+        out += _residency_lines(pl)
+        out.append(f"  \"megatrain\" config section for this plan: {json.dumps(pl.settings)}")
     if modes:
         out += format_mode_table(modes, hw.host_bytes, p)
     lt = t.layer
@@ -102,6 +105,9 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
     out += _largest_lines(pl, biggest_batch, biggest_context)
     for w in pl.warnings:
         out.append(f"  warning: {w}")
+    ref = torch_reference(pl)
+    if ref is not None:
+        out.append(reference_line(pl, ref))
     for o in others or []:
         ratio = o.time.step_s / t.step_s
         out.append(f"  {o.point.backend} at the same point: step {_sec(o.time.step_s)}, "
@@ -113,6 +119,21 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
                        "DeepSpeedCPUAdam at the profile's rate; checked in results/zero3_mechanisms/README.md)")
     out.append("  (predicted; model TFLOPS = 6*N_nonembed*T + 12*L*h*s*T/2 per step, recompute not counted)")
     return "\n".join(out)
+
+
+def _residency_lines(pl: Plan) -> list[str]:
+    """The placement (costs/residency.py) and what the engine will report per step to compare with it."""
+    lc, t = pl.long_context, pl.time
+    if lc is None:
+        return []
+    how = ("set" if pl.point.residency != kept.AUTO
+           else "the planner's search, as the engine's \"auto\" fills it" if not pl.placement or not pl.placement.differs
+           else "the planner's search, which differs from the engine's \"auto\" fill (see the warning)")
+    room = "no limit" if lc.residency_room is None else fmt_bytes(lc.residency_room)
+    return [f"  {pl.residency_line} [{how}; room beside the working set: {room}]",
+            f"    kept weights {fmt_bytes(lc.kept_weight_bytes)}, kept graphs {fmt_bytes(lc.kept_graph_bytes)}"
+            + (f", streaming ring freed {fmt_bytes(lc.ring_freed_bytes)}" if lc.ring_freed_bytes else "")
+            + f"; per step: h2d {fmt_bytes(t.h2d_bytes)} ({t.h2d_bytes:,} B), {t.recomputed_layers} layers recomputed"]
 
 
 def _active(m: Any) -> str:
@@ -201,6 +222,21 @@ def _tile(v: str) -> int | str | None:
     return int(v)
 
 
+def _residency(v: str) -> str | kept.Residency:
+    """--residency: auto, stream, W or W,A."""
+    if v.lower() in (kept.AUTO, kept.STREAM):
+        return kept.parse(v.lower())
+    try:
+        counts = [int(x) for x in v.split(",")]
+        if len(counts) > 2:
+            raise ValueError
+        return kept.Residency(*counts)
+    except (TypeError, ValueError) as e:
+        why = f" ({e})" if str(e) else ""
+        raise argparse.ArgumentTypeError(f"{v!r}{why}: use auto, stream, W (kept weights) or W,A (kept weights, "
+                                         "kept activations; A <= W)") from None
+
+
 def _add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", help="a local model directory (with config.json) or a config.json, or a preset name "
                                     "or alias (e.g. 120b, qwen2.5-14b); required without --sweep")
@@ -233,6 +269,11 @@ def _add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--optimizer-overlap", type=_auto, nargs="?", const=True, default="auto",
                     help="on, off or auto (the default, as the engine: on with a CUDA device): the host AdamW a "
                          "layer at a time behind the next forward (EngineConfig.optimizer_overlap); alone: on")
+    ap.add_argument("--residency", type=_residency, default=ENGINE_RESIDENCY,
+                    help="layers kept on the device (EngineConfig.residency): auto (the planner's placement within "
+                         "the device budget), stream (every layer streamed and recomputed), or W[,A]: the first W "
+                         "layers' weights kept, the first A of them keeping their activations; default: the "
+                         f"engine's ({residency_setting(ENGINE_RESIDENCY)})")
     ap.add_argument("--link-gbs", type=float, help="override the link rate (GB/s per direction)")
     ap.add_argument("--host-memory-gib", type=float)
     ap.add_argument("--nvme-gbs", type=float, help="the NVMe tier's disk rate, GB/s each way (default: the profile's)")
@@ -259,7 +300,8 @@ def _knobs(args: argparse.Namespace) -> dict[str, Any]:
                   host_master=args.master, host_grad_dtype=args.host_grad_dtype,
                   optimizer_overlap=args.optimizer_overlap, optimizer_in_backward=args.optimizer_in_backward,
                   device_budget_bytes=int(budget * 2**30) if budget else None)
-    return {**planner_knobs(engine), "grad_clip": not args.optimizer_in_backward}
+    return {**planner_knobs(engine), "grad_clip": not args.optimizer_in_backward,
+            "residency": getattr(args, "residency", ENGINE_RESIDENCY)}
 
 
 def _resolve_hw(args: argparse.Namespace, name: str | None = None) -> Any:
@@ -318,10 +360,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.json:
         d = main.to_dict()
         d["nvme"] = [dataclasses.asdict(r) for r in nvrows]
+        ref = torch_reference(main)
         d.update(max_batch=bb, max_context=bc, compare=[o.to_row() for o in others],
-                 modes=[{**dataclasses.asdict(r), "settings": r.settings} for r in modes or []])
+                 modes=[{**dataclasses.asdict(r), "settings": r.settings} for r in modes or []],
+                 torch_reference=None if ref is None else ref.to_row())
         if args.backend == "megatrain":
-            d["settings"] = engine_settings(main.point)
+            d["settings"] = main.settings
         print(json.dumps(d, indent=2, default=str))
     else:
         print(format_plan(main, bb, bc, others, modes))
@@ -424,6 +468,8 @@ def _spec_to_plan_kwargs(pt: dict[str, Any], knobs: dict[str, Any]) -> dict[str,
     if pt["backend"] == "megatrain":
         eng = dict(pt.get("engine") or {})
         kw.update({k: v for k, v in knobs.items() if k not in eng})
+        if "residency" in eng:  # the planner's own knob (costs/residency.py), validated by make_point
+            kw["residency"] = eng.pop("residency")
         kw.update(planner_knobs(eng))
     else:
         kw["gradient_checkpointing"] = bool(pt.get("recompute", True))

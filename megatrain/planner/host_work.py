@@ -6,14 +6,17 @@ As the engine runs it (engine/pipeline/schedule.py, engine/runtime/stream.py, en
   thread adds them into the FP32 slab, with `side_threads()` = a quarter of torch's threads (at least one). The
   first reduction after zero_grad() writes 0 + g (read the staging, write the slab), later ones add (read the
   staging, read + write the slab), and the norm is measured with them (engine/host/slab_state.py): c + 8 bytes
-  per parameter counted. Up to ONE_PASS_MAX_THREADS reducer threads this is one pass on one core
-  (engine/host/reduce_kernel.py, measured at 0.8x that bound); above, torch's two passes on every reducer thread
-  (1.75x: the norm reads the slab again).
-- the serial resident work: `step()` updates the resident parameters (embedding, head, final norm) on the launch
-  thread after the layer jobs are queued, then their FP32 masters are rounded into the bf16 staging the upload
-  reads, on a worker of their own (engine/host/resident_upload.py). The next forward's embedding waits for that
-  upload, and the device has nothing queued between the step and it: the rounding stays on the step's serial
-  part (it overlaps only the caller's own work between steps, which is not modelled here).
+  per parameter counted. With FP32 slabs this is one pass (engine/host/reduce_kernel.py, measured at 0.8x that
+  bound on one core) split by fixed chunks over every reducer thread; bf16 slabs are not the kernel's: torch's
+  two passes on every reducer thread (1.75x: the norm reads the slab again).
+- the resident work at each step: `step()` updates the resident parameters (embedding, head, final norm) on the
+  launch thread after the layer jobs are queued (the device has nothing queued meanwhile), then their FP32
+  masters are rounded into the bf16 staging the upload reads on a worker of their own, fenced by an event
+  (engine/host/resident_upload.py): the launch thread returns at once, and the next forward's embedding waits
+  for the worker. So the rounding is the worker's time, not the launch thread's, and the device still idles for
+  it: it shares the host's memory bandwidth with the layer updates running beside it (each pass reaches that
+  bandwidth on its own), so its bytes delay the forward whether or not the layers' updates are hidden. What it
+  overlaps is the caller's own work between steps (zero_grad, the next batch), which is not modelled here.
 
 A memory-bound pass on n of a host's cores reaches its achieved bandwidth x min(1, n / (cores x
 SATURATING_SHARE)): a few cores per memory channel saturate it, one core alone is far from it.
@@ -35,10 +38,6 @@ HOST_CORES = {"h200-pcie": 112, "h100-pcie": 112, "a100-pcie": 64, "gh200": 72}
 # Assumed: the share of a host's cores a streaming add needs to reach its achieved bandwidth.
 SATURATING_SHARE = 0.5
 REDUCER_SHARE = 4  # engine/runtime/stream.py side_threads(): a quarter of the cores
-# engine/host/reduce_kernel.py FUSED_MAX_THREADS: up to this many reducer threads the engine reduces in one pass on
-# one core (10 B/param, measured at 0.8x that bound); above it, in torch's two passes on all of them (tests check
-# the two agree: this module imports no torch).
-ONE_PASS_MAX_THREADS = 2
 
 
 def host_cores(hw: Hardware) -> int:
@@ -64,9 +63,9 @@ def reducer_bytes_per_param(p: Point) -> int:
 
 
 def reducer_one_pass(p: Point, hw: Hardware) -> bool:
-    """Whether the engine reduces with its one-pass kernel (engine/host/reduce_kernel.py pays/usable): a reducer
-    of at most ONE_PASS_MAX_THREADS threads adding into FP32 slabs."""
-    return reducer_threads(hw) <= ONE_PASS_MAX_THREADS and not _is_bf16(p.host_grad_dtype)
+    """Whether the engine reduces with its one-pass kernel (engine/host/reduce_kernel.py pays/usable): into FP32
+    slabs, on any number of reducer threads (its chunks split over them)."""
+    return not _is_bf16(p.host_grad_dtype)
 
 
 def reducer_rate_key(p: Point, hw: Hardware) -> str:
@@ -75,28 +74,35 @@ def reducer_rate_key(p: Point, hw: Hardware) -> str:
 
 
 def reducer_bps(p: Point, hw: Hardware) -> float:
-    """The reducer's rate on a CUDA host, at the measured distance of its pass from the bytes bound
-    (host_rates.py): the one-pass kernel on one core; torch's two passes on the reducer's threads."""
-    threads = 1 if reducer_one_pass(p, hw) else reducer_threads(hw)
-    return threads_bps(hw, threads) / HOST_RATES[reducer_rate_key(p, hw)].x_bound
+    """The reducer's rate on a CUDA host, on the reducer's threads, at the measured distance of its pass from the
+    bytes bound (host_rates.py): the one-pass kernel's, or torch's two passes'."""
+    return threads_bps(hw, reducer_threads(hw)) / HOST_RATES[reducer_rate_key(p, hw)].x_bound
 
 
 @dataclass(frozen=True)
 class SerialWork:
-    """Seconds per step on the launch thread with nothing queued on the device (CUDA)."""
+    """Seconds per step between the last backward and the next forward, with nothing queued on the device (CUDA)."""
 
-    resident_update_s: float  # AdamW over the embedding, head and final norm, before any layer job
-    resident_round_s: float  # their FP32 masters rounded into the bf16 upload staging (a worker; the forward waits)
+    resident_update_s: float  # AdamW over the embedding, head and final norm: the launch thread's, in step()
+    resident_round_s: float  # their FP32 masters rounded into the bf16 upload staging: the rounding worker's,
+    #                          which the next forward's embedding waits for (resident_upload.py)
+
+    @property
+    def launch_thread_s(self) -> float:
+        """The part the launch thread spends (the rounding is its worker's)."""
+        return self.resident_update_s
 
     @property
     def total_s(self) -> float:
+        """The device's wait for both."""
         return self.resident_update_s + self.resident_round_s
 
 
 def serial_work(p: Point, hw: Hardware, resident_params: int, update_s: float) -> SerialWork:
     """`update_s`: the resident parameters' optimizer pass at the mode's rate (step_time.py counts it). The
-    rounding reads 4 and writes c bytes per parameter on every core, at its measured distance from that bound
-    (host_rates.py; a bf16 compute dtype on CUDA only: FP32 compute uploads the masters themselves)."""
+    rounding reads 4 and writes c bytes per parameter on its worker's threads (every core), at its measured
+    distance from that bound (host_rates.py; a bf16 compute dtype on CUDA only: FP32 compute uploads the masters
+    themselves)."""
     if p.c != 2 or hw.unified_memory:
         return SerialWork(update_s, 0.0)
     round_s = resident_params * (4 + p.c) / hw.host_bw_bps * HOST_RATES["resident rounding"].x_bound

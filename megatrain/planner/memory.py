@@ -4,12 +4,14 @@ DeepSpeed ZeRO-3 / ZeRO-2 offload as stage3.py allocates; plain PyTorch with eve
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatrain.models.presets import ModelPreset
 
 from ..costs import memory as device_model
+from ..costs import residency as kept_model
 from ..costs.pinning import pinned_bytes
 from .hardware import GIB, Hardware
 from .point import Point, aliases_globals, layer_grad_bytes, master_bytes
@@ -24,8 +26,6 @@ HF_WS_H, HF_WS_KV, HF_WS_I = 9.3, 2.0, 6.0
 # With bf16 compute the RMSNorms upcast to fp32: ~1.5 h extra fp32 elements per token (measured as
 # above, bf16 vs fp32), half on each side of the layer.
 WS_H_FP32_BF16 = 1.5
-# Saved by an HF forward that keeps everything (no recompute): 8.3 h + 2 kv + 4 I.
-SAVED_H, SAVED_KV, SAVED_I = 8.3, 2.0, 4.0
 # HF's ForCausalLMLoss over full logits: measured peak (forward + backward) = T x V x (c + 12)
 # bytes: the logits in compute dtype (kept by the model output) + fp32 upcast, log-softmax, gradient.
 LOSS_BYTES_EXTRA = 12
@@ -73,11 +73,51 @@ class LongContext:
     peak_bytes: int  # the policy's predicted device peak (the engine's predicted_peak_device_bytes)
     budget: int | None  # device bytes the policy planned against
     headroom: float  # share of the budget the policy plans to
+    # Residency (costs/residency.py): the layers kept on the device, and what a placement costs in device bytes
+    residency: kept_model.Residency = field(default_factory=kept_model.Residency)
+    n_layers: int = 0
+    layer_bytes: int = 0  # one kept layer's weights in the compute dtype
+    graph_bytes: int = 0  # one kept layer's forward graph for this batch
+    ring_bytes: int = 0  # the streaming buffers, freed when every layer is kept
+    graphs_allowed: bool = True  # False when the batch is tiled or offloads its boundary activations
+    # device bytes the batch's working set leaves for residency (None: no limit, a CPU device)
+    residency_room: int | None = None
+
+    @property
+    def kept_weight_bytes(self) -> int:
+        return self.residency.weights * self.layer_bytes
+
+    @property
+    def kept_graph_bytes(self) -> int:
+        return self.residency.activations * self.graph_bytes
+
+    @property
+    def ring_freed_bytes(self) -> int:
+        return self.ring_bytes if self.n_layers and self.residency.weights >= self.n_layers else 0
+
+    @property
+    def residency_bytes(self) -> int:
+        """What the placement adds to the device peak (the freed ring counted off)."""
+        return self.kept_weight_bytes + self.kept_graph_bytes - self.ring_freed_bytes
 
     @property
     def working_bytes(self) -> int:
         """What the policy charges for the layer-or-loss phase (they never run at once)."""
-        return self.peak_bytes - self.resident_weight_bytes - self.boundary_bytes
+        return self.peak_bytes - self.resident_weight_bytes - self.boundary_bytes - self.residency_bytes
+
+    def fits(self, r: kept_model.Residency) -> bool:
+        """Whether placement `r` fits the room the batch's working set leaves (graphs only where allowed)."""
+        if r.weights > self.n_layers or (r.activations and not self.graphs_allowed):
+            return False
+        if self.residency_room is None:
+            return True
+        freed = self.ring_bytes if r.weights >= self.n_layers else 0
+        return r.weights * self.layer_bytes + r.activations * self.graph_bytes - freed <= self.residency_room
+
+    def placed(self, r: kept_model.Residency) -> LongContext:
+        """This batch plan with placement `r` instead (its device peak follows)."""
+        moved = dataclasses.replace(self, residency=r, peak_bytes=0)
+        return dataclasses.replace(moved, peak_bytes=self.peak_bytes - self.residency_bytes + moved.residency_bytes)
 
 
 def layer_dims(m: ModelPreset, expanded_kv: bool = False) -> device_model.LayerDims:
@@ -106,10 +146,13 @@ def layer_working_set_bytes(m: ModelPreset, tokens: int, c: int, tile: int | Non
 
 
 def layer_saved_bytes(m: ModelPreset, tokens: int, c: int) -> int:
-    """Bytes one HF layer's forward saves for backward when nothing is recomputed."""
-    kv = m.kv_heads * m.head_dim
-    fp32_extra = WS_H_FP32_BF16 * m.hidden * 4 if c == 2 else 0.0
-    return int(tokens * ((SAVED_H * m.hidden + SAVED_KV * kv + SAVED_I * m.mlp_width()) * c + fp32_extra))
+    """Bytes one layer's forward saves for backward when nothing is recomputed: its input and the graph autograd
+    keeps. One model with the engine's kept graphs (costs/memory.py layer_graph_bytes, measured with
+    saved_tensors_hooks): plain PyTorch without checkpointing runs the same decoder layers the engine binds, so
+    what their forward saves is the same tensors. (The planner's earlier HF figure, 8.3 h + 2 kv + 4 I, is this
+    7 h + 2 kv + 4 I plus the input's h, within 0.3 h: the RoPE tables and the attention's log-sum-exp, which
+    the engine's model counts on their own.)"""
+    return int(device_model.layer_graph_bytes(layer_dims(m), tokens, c) + tokens * m.hidden * c)
 
 
 def _device_budget(p: Point, hw: Hardware) -> int | None:
@@ -123,24 +166,35 @@ def _device_budget(p: Point, hw: Hardware) -> int | None:
 def long_context_plan(p: Point, hw: Hardware) -> LongContext:
     """Run the engine's LongContextPolicy on this point's shapes: the offload/tile choice the engine
     will make for the batch, and its predicted device peak, term by term."""
-    m, c, T = p.model, p.c, p.tokens
+    m, c, T, L = p.model, p.c, p.tokens, p.model.num_layers
     dims = layer_dims(m, expanded_kv=not hw.unified_memory and c == 4)
-    resident = (p.num_buffers * m.largest_layer_params() + m.embed_params() + m.hidden) * c  # buffers + globals
+    ring = p.num_buffers * m.largest_layer_params() * c
+    resident = ring + (m.embed_params() + m.hidden) * c  # buffers + globals
+    budget = _device_budget(p, hw)
     policy = device_model.LongContextPolicy(
-        dims=dims, n_layers=m.num_layers, itemsize=c, vocab=m.vocab, loss_chunk=p.loss_chunk_tokens,
-        tile_setting=p.mlp_tile_tokens, offload_setting=p.offload_activations, budget=_device_budget(p, hw),
-        fixed_bytes=resident, **({} if hw.unified_memory else {"logits_cap": None}))  # GPU: sized from the budget
+        dims=dims, n_layers=L, itemsize=c, vocab=m.vocab, loss_chunk=p.loss_chunk_tokens,
+        tile_setting=p.mlp_tile_tokens, offload_setting=p.offload_activations, budget=budget,
+        fixed_bytes=resident, residency=p.residency, ring_bytes=ring,
+        **({} if hw.unified_memory else {"logits_cap": None}))  # GPU: sized from the budget
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "does not fit" is the planner's verdict to give, not a warning
         bp = policy.plan(T)
-    kept = min(bp.in_flight, m.num_layers) if bp.offload else m.num_layers
+    kept = min(bp.in_flight, L) if bp.offload else L
     chunk = bp.loss_chunk
-    return LongContext(
+    lc = LongContext(
         offload=bp.offload, tile=bp.tile, kept_boundaries=kept, boundary_bytes=kept * T * m.hidden * c,
         layer_working_bytes=int(device_model.layer_working_bytes(dims, T, bp.tile, c)),
         loss_workspace_bytes=int(device_model.loss_workspace_bytes(T, m.hidden, m.vocab, chunk, c)), loss_chunk=chunk,
         resident_weight_bytes=resident, peak_bytes=int(bp.predicted_peak_bytes), budget=policy.budget,
-        headroom=device_model.BUDGET_HEADROOM)
+        headroom=device_model.BUDGET_HEADROOM, residency=bp.residency, n_layers=L, layer_bytes=dims.numel * c,
+        graph_bytes=device_model.layer_graph_bytes(dims, T, c), ring_bytes=ring,
+        graphs_allowed=bp.tile is None and not bp.offload)
+    # The policy counts an "auto" placement into its peak under a budget, and explicit counts not at all; here
+    # the peak always holds the placement, and the room it was chosen in is kept for the planner's search.
+    counted = p.residency == kept_model.AUTO and budget is not None
+    base = lc.peak_bytes - (lc.residency_bytes if counted else 0)
+    room = None if budget is None else max(0, int(device_model.BUDGET_HEADROOM * budget) - base)
+    return dataclasses.replace(lc, peak_bytes=base + lc.residency_bytes, residency_room=room)
 
 
 def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
@@ -179,7 +233,10 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         "runtime": int(hw.host_reserved_gib * GIB),
     }
     device = {
-        "layer buffers": p.num_buffers * PL * c,
+        # the streaming ring, freed when every layer is kept (costs/residency.py)
+        "layer buffers": max(0, p.num_buffers * PL * c - lc.ring_freed_bytes),
+        "kept layers' weights (residency)": lc.kept_weight_bytes,
+        "kept layers' forward graphs (residency)": lc.kept_graph_bytes,
         "embedding/head/norm": resident * c,
         "boundary activations": lc.boundary_bytes,  # all L resident, or a few in flight when offloaded
         # one layer's recompute + backward and the head/loss never run at once: the policy's larger
@@ -250,13 +307,19 @@ def zero3_memory(p: Point, hw: Hardware) -> Memory:
 
 
 def torch_memory(p: Point, hw: Hardware) -> Memory:
+    """Plain PyTorch with everything on the device: FP32 weights, gradients and AdamW state, bf16 compute by
+    autocast. Autocast's bf16 copy of a weight is saved for its backward: with checkpointing only the layer
+    being recomputed holds them (two: its forward's and its recompute's); without, every layer and the head
+    keep theirs to the backward (the whole model in bf16 but the embedding, which is not cast)."""
     m, c = p.model, p.c
     P = m.param_count()
+    casts = (m.largest_layer_params() * 2 if p.gradient_checkpointing
+             else m.num_layers * m.layer_params() + m.vocab * m.hidden)
     device = {
         "fp32 weights": P * 4,
         "fp32 gradients": P * 4,
         "adam m + v": P * 8,
-        "bf16 weight casts (autocast)": m.largest_layer_params() * 2 * 2 if c == 2 else 0,
+        "bf16 weight casts (autocast)": casts * 2 if c == 2 else 0,
         **_hf_activations(p),
         "runtime": 0 if hw.unified_memory else int(hw.device_reserved_gib * GIB),
     }

@@ -261,7 +261,8 @@ def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int 
     # the rank with the most layers sets the pace; a replicated store updates every layer on every rank
     owned = math.ceil(p.model.num_layers / n) if shares_host_store(p) else p.model.num_layers
     # each layer's reduction by the rank's own reducer threads, as one GPU's (host_work.py), at its view of the host
-    t = megatrain_time(p, rhw, single.long_context.offload, owned_layers=owned)
+    t = megatrain_time(p, rhw, single.long_context.offload, owned_layers=owned,
+                       residency=single.long_context.residency)
     comm = comm_time(p, hw, t, n, nodes)  # every rank takes part at once: the whole host's bandwidth
     busy = {**t.busy_s, "host reduce (globals)": comm.intra_globals_s,
             "network": comm.network_layers_s + comm.network_globals_s}

@@ -1,11 +1,15 @@
 """The engine's layer pipeline replayed on a compute timeline and the copy lanes: the issue order is
-costs/pipeline.py's, the one engine/pipeline/schedule.py executes, and each step here costs its seconds."""
+costs/pipeline.py's, the one engine/pipeline/schedule.py executes, and each step here costs its seconds.
+With a residency (costs/residency.py) the kept layers hold buffers of their own, loaded once per step (the
+optimizer changes the masters between steps), and the graph layers' backward runs without the recompute: the
+step's weight copies and recomputed layers are counted from the replay, as the engine counts its own."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..costs import pipeline as order
+from ..costs import residency as kept
 from ..costs.pinning import STAGING_SLOTS
 from .point import Point
 
@@ -23,6 +27,7 @@ class LayerCosts:
     # CUDA: the add runs on a host thread after the copy, with STAGING_SLOTS (costs/pinning.py) staging slots;
     # a CPU device adds on the d2h worker, whose job lasts max(add, rate-limited copy)
     cuda: bool
+    recompute: float = 0.0  # the forward recompute inside `bwd`, which a layer with a kept graph skips
 
 
 class PipelineSim:
@@ -34,14 +39,17 @@ class PipelineSim:
     Each lane runs its jobs in order; a job starts when it is issued (the compute timeline's clock)
     and its lane and inputs are free."""
 
-    def __init__(self, n_layers: int, n_buffers: int, costs: LayerCosts) -> None:
+    def __init__(self, n_layers: int, n_buffers: int, costs: LayerCosts,
+                 residency: kept.Residency | None = None) -> None:
         self.L, self.c = n_layers, costs
+        self.residency = (residency or kept.Residency()).capped(n_layers)
         self.t = self.wait = 0.0
         self.staging_wait = 0.0  # the launch thread blocked for a free gradient staging slot (the reducer's pace)
         self.lane = {"h2d": 0.0, "d2h": 0.0, "reduce": 0.0}
         self.bytes_jobs = {"load": 0, "act_out": 0, "act_in": 0, "grad": 0}  # job counts
-        self.buffers = order.DeviceBuffers(n_buffers)
-        self.loaded = [0.0] * n_buffers
+        self.recomputed = 0  # layers whose backward ran its forward again
+        self.buffers = order.DeviceBuffers(n_buffers, self.residency.kept)
+        self.loaded = [0.0] * len(self.buffers.resident)
         self.staging_free = [0.0] * STAGING_SLOTS
         self.next_staging = 0
         self.globals_free = 0.0  # the resident parameters' gradient staging (CUDA), free again
@@ -96,18 +104,18 @@ class PipelineSim:
             self.t = when
 
     def forward(self) -> None:
-        for step in order.forward_steps(self.buffers, self.L):
+        for step in order.forward_steps(self.buffers, self.L, self.residency.graphs):
             i = step.layer
             if step.op in (order.LOAD, order.WAIT):
                 self._weights(step)
             elif step.op == order.SAVE_INPUT and self.c.act:
                 self.written[i] = self._job("d2h", self.t, self.c.act, "act-out", i)
                 self.bytes_jobs["act_out"] += 1
-            elif step.op == order.FORWARD:
+            elif step.op in (order.FORWARD, order.FORWARD_KEEP):  # recording the graph costs no more compute
                 self._compute(self.c.fwd, "fwd", i)
 
     def backward(self) -> None:
-        for step in order.backward_steps(self.buffers, self.L):
+        for step in order.backward_steps(self.buffers, self.L, self.residency.graphs):
             i = step.layer
             if step.op in (order.LOAD, order.WAIT):
                 self._weights(step)
@@ -118,6 +126,9 @@ class PipelineSim:
                 self._wait_until(self.act_ready.pop(i))
             elif step.op == order.BACKWARD:
                 self._compute(self.c.bwd, "bwd", i)
+                self.recomputed += 1
+            elif step.op == order.BACKWARD_KEPT:
+                self._compute(self.c.bwd - self.c.recompute, "bwd", i)
             elif step.op == order.SEND_GRAD:
                 self._send_grad(i)
             # DROP_INPUT frees device memory and costs no time
@@ -130,12 +141,18 @@ class PipelineSim:
 
 
 def simulate_step(p: Point, costs: LayerCosts, head: float,
-                  globals_grads: tuple[float, float] | None = None) -> tuple[PipelineSim, float, float, float]:
+                  globals_grads: tuple[float, float] | None = None,
+                  residency: kept.Residency | None = None) -> tuple[PipelineSim, float, float, float]:
     """One step's micro-batches through the pipeline, up to the optimizer; returns the simulation and
     the forward, backward (summed over micro-batches) and final-drain seconds. `globals_grads`: (copy, add)
     seconds of the resident parameters' gradients when they travel on the copy and reduce lanes (CUDA:
-    engine/pipeline/global_grads.py), queued after the head; else they are part of `head`, on the compute thread."""
-    sim = PipelineSim(p.model.num_layers, p.num_buffers, costs)
+    engine/pipeline/global_grads.py), queued after the head; else they are part of `head`, on the compute thread.
+    `residency`: the batch's placement (the memory plan's, LongContext.residency); None: the point's own counts,
+    or every layer streamed when the point says "auto" (resolving "auto" is the memory plan's job). The step
+    starts with nothing resident, as after the optimizer's DeviceBuffers.invalidate()."""
+    if residency is None:
+        residency = p.residency if isinstance(p.residency, kept.Residency) else kept.Residency()
+    sim = PipelineSim(p.model.num_layers, p.num_buffers, costs, residency)
     fwd_s = bwd_s = 0.0
     for _ in range(p.grad_accum):
         t0 = sim.t

@@ -8,13 +8,25 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from megatrain.config import EngineConfig
 from megatrain.models.presets import ModelPreset
 
+from ..costs import residency as kept
 from ..costs.modes import GRAD_BYTES, MASTER_BYTES, SHADOW_BYTES, GradSlab, HostMaster
 from .hardware import Hardware, _is_bf16
 from .shapes import resolve_model
 
 BACKENDS = ("megatrain", "zero3", "zero3-alst", "torch")
+
+
+def _engine_residency() -> str | kept.Residency:
+    """The engine's default residency: EngineConfig's, or every layer streamed by an engine without the setting."""
+    known = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    return kept.parse(known["residency"].default) if "residency" in known else kept.Residency()
+
+
+# The residency a point plans when it sets none: the engine's own default, so a plan is what the engine runs.
+ENGINE_RESIDENCY = _engine_residency()
 MASTERS = ("fp32", "hilo", "bf16")
 
 
@@ -55,6 +67,9 @@ class Point:
     zero3_prefetch_bucket: int | None = None
     zero3_persistence_threshold: int | None = None
     zero3_reduce_bucket: int | None = None
+    # which layers stay on the device (EngineConfig.residency, costs/residency.py): "auto" (the planner's placement
+    # within the device budget, planner/placement.py), or counts (a Residency; "stream" is Residency(0, 0))
+    residency: str | kept.Residency = ENGINE_RESIDENCY
 
     @property
     def tokens(self) -> int:  # per micro-batch
@@ -78,7 +93,7 @@ def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
     if engine_config is not None:
         dtype = getattr(engine_config, "compute_dtype", dtype)
         for k in ("num_buffers", "loss_chunk_tokens", "offload_activations", "mlp_tile_tokens",
-                  "device_budget_bytes", "optimizer_overlap"):
+                  "device_budget_bytes", "optimizer_overlap", "residency"):
             if hasattr(engine_config, k):
                 knobs.setdefault(k, getattr(engine_config, k))
     if "tile_tokens" in knobs:  # the planner's name before it took the engine's
@@ -120,6 +135,8 @@ def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
         v = knobs.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise ValueError(f"{k}={v!r} must be an int >= 0 (elements) or None (the documented tuning)")
+    if "residency" in knobs:
+        knobs["residency"] = kept.parse(knobs["residency"])  # raises naming the bad value and the forms
     dtype = "bfloat16" if _is_bf16(dtype) else "float32"
     return Point(model=m, context=context, batch=batch, grad_accum=grad_accum, dtype=dtype, backend=backend, **knobs)
 
@@ -140,7 +157,16 @@ def engine_settings(p: Point) -> dict[str, Any]:
         d["optimizer_overlap"] = p.optimizer_overlap
     if p.device_budget_bytes is not None:
         d["device_budget_bytes"] = p.device_budget_bytes
+    if p.residency != ENGINE_RESIDENCY:  # only where it changes the engine's default
+        d["residency"] = residency_setting(p.residency)
     return d
+
+
+def residency_setting(r: str | kept.Residency) -> str | dict[str, int]:
+    """A residency as the engine's config writes it: "auto", "stream" or {"weights": n, "activations": m}."""
+    if r == kept.AUTO:
+        return kept.AUTO
+    return kept.STREAM if r == kept.Residency() else r.to_dict()
 
 
 def overlap_on(p: Point, hw: Hardware) -> bool:

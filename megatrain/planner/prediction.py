@@ -12,7 +12,8 @@ from megatrain.metrics.flops import model_flops_per_step
 
 from .hardware import Hardware
 from .memory import LongContext, Memory
-from .point import Point
+from .placement import Placement
+from .point import Point, engine_settings, with_point
 from .step_time import Time, link_crossover_tokens
 from .step_timeline import StepTimeline, step_timeline
 
@@ -31,6 +32,22 @@ class Plan:
     # What the engine would refuse about the point (a context beyond the model's positions, a host-memory mode
     # it does not run): `fits` answers for memory alone, `feasible` for memory and the engine together.
     refused: list[str] = field(default_factory=list)
+    placement: Placement | None = None  # megatrain with residency "auto": the planner's search (placement.py)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The "megatrain" config section that runs this plan: the point's settings, and the planner's placement
+        where it differs from what the engine's "auto" would keep."""
+        p = self.point
+        if self.placement is not None and self.placement.differs:
+            p = with_point(p, residency=self.placement.chosen)
+        return engine_settings(p)
+
+    @property
+    def residency_line(self) -> str | None:
+        """megatrain: "residency: W of L layers' weights on the device, A keep activations"."""
+        lc = self.long_context
+        return None if lc is None else lc.residency.describe(self.point.model.num_layers)
 
     @property
     def feasible(self) -> bool:
@@ -107,7 +124,20 @@ class Plan:
             "host_bytes_per_param": self.host_bytes_per_param,
             "crossover_tokens": self.crossover_tokens,
             "timeline": None if self.timeline is None else self.timeline.to_dict(),
+            "residency": self._residency_dict(),
         }
+
+    def _residency_dict(self) -> dict[str, Any] | None:
+        """megatrain: the placement, and the per-step figures the engine reports to compare with (h2d_bytes,
+        recomputed_layers)."""
+        lc = self.long_context
+        if lc is None:
+            return None
+        return {**lc.residency.to_dict(), "layers": self.point.model.num_layers, "line": self.residency_line,
+                "h2d_bytes_per_step": self.time.h2d_bytes, "recomputed_layers_per_step": self.time.recomputed_layers,
+                "kept_weight_bytes": lc.kept_weight_bytes, "kept_graph_bytes": lc.kept_graph_bytes,
+                "room_bytes": lc.residency_room,
+                "search": None if self.placement is None else self.placement.to_dict()}
 
     def to_row(self) -> dict[str, Any]:
         """A flat record marked source=predicted, with the harness's results column names where a
@@ -138,7 +168,10 @@ class Plan:
             "grad_accum": g,
             "tokens_per_step": p.tokens_per_step,
             "precision": "bf16" if p.c == 2 else "fp32",
-            "recompute": True if p.backend == "megatrain" else p.gradient_checkpointing,
+            "recompute": t.recomputed_layers > 0,
+            "recomputed_layers_per_step": t.recomputed_layers,
+            "residency_weights": self.long_context.residency.weights if self.long_context else None,
+            "residency_activations": self.long_context.residency.activations if self.long_context else None,
             "num_buffers": p.num_buffers if p.backend == "megatrain" else None,
             "offload_activations": self.decisions.get("offload_activations"),
             "mlp_tile_tokens": self.decisions.get("mlp_tile_tokens"),

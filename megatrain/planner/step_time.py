@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..costs import residency as kept
 from .hardware import GB, Hardware, _is_bf16
 from .host_rates import host_slowdown
 from .host_work import reducer_bps, reducer_bytes_per_param, serial_work
@@ -58,6 +59,10 @@ class Time:
     # and the optimizer_overlap the engine runs here ("auto" resolved as it resolves it)
     idle_s: dict[str, float] = field(default_factory=dict)
     optimizer_overlap: bool = False
+    # decoder layers whose backward runs their forward again, per step (the engine's recomputed_layers), and
+    # megatrain's placement the step was replayed with (costs/residency.py; None for the other backends)
+    recomputed_layers: int = 0
+    residency: kept.Residency | None = None
 
 
 def layer_flops(p: Point) -> tuple[float, float, float]:
@@ -170,14 +175,14 @@ def layer_costs(p: Point, hw: Hardware, offload: bool, own_reducer: bool = True)
               else m.layer_params() * _engine_accum_bytes(p) / hw.host_bw_bps)
     return LayerCosts(fwd=fwd_c, bwd=rec_c + bwd_only, load=m.layer_params() * c / Bl,
                        act=p.tokens * m.hidden * c / Bl if offload else 0.0, grad=m.layer_params() * c / Bl,
-                       reduce=reduce, cuda=cuda)
+                       reduce=reduce, cuda=cuda, recompute=rec_c)
 
 
 def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | None = None,
-                   own_reducer: bool = True) -> Time:
+                   own_reducer: bool = True, residency: kept.Residency | None = None) -> Time:
     """`owned_layers`: decoder layers whose optimizer update this process runs (all of them by default;
     a data-parallel rank of a node whose optimizer is sharded by layer runs its share, planner/multi.py);
-    `own_reducer`: as layer_costs."""
+    `own_reducer`: as layer_costs; `residency`: the batch's placement (the memory plan's), as simulate_step."""
     m, c, T, L, g = p.model, p.c, p.tokens, p.model.num_layers, p.grad_accum
     own = L if owned_layers is None else owned_layers
     PL, h = m.layer_params(), m.hidden
@@ -187,7 +192,8 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     # per micro-batch outside the layers
     off = async_globals(io, costs)
     head = head_compute(p, hw, recompute_logits=True) + (0.0 if off else io.add_s) + hw.microbatch_overhead_s
-    sim, fwd_s, bwd_s, drain = simulate_step(p, costs, head + (0.0 if off else io.down_s), off)
+    sim, fwd_s, bwd_s, drain = simulate_step(p, costs, head + (0.0 if off else io.down_s), off, residency)
+    graphs = len(sim.residency.graphs)
     mb, shadow = master_bytes(p)
     gb = 2 if _is_bf16(p.host_grad_dtype) else 4
     per_param = _optimizer_bytes_per_param(mb, gb, shadow, p.grad_clip)
@@ -222,7 +228,7 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     d2h_bytes = jobs["grad"] * PL * c + jobs["act_out"] * act + g * io.down_bytes
     Bl = hw.link_bps
     busy = {
-        "compute": g * (L * (costs.fwd + costs.bwd) + head),
+        "compute": g * (L * (costs.fwd + costs.bwd) - graphs * costs.recompute + head),
         "link h2d": h2d_bytes / Bl,
         "link d2h": d2h_bytes / Bl if costs.cuda else max(d2h_bytes / Bl, g * L * costs.reduce),
         "host optimizer": opt_busy,
@@ -239,7 +245,8 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     layer = LayerTime(costs.fwd, costs.load, costs.act, over(costs.fwd, costs.load, costs.act), costs.bwd,
                       costs.load + costs.act, grad_lane, over(costs.bwd, costs.load + costs.act, grad_lane))
     return Time(layer, fwd_s / g, bwd_s / g, head, drain, embed_io, opt_added, opt_busy, step,
-                sim.wait, busy, int(h2d_bytes), int(d2h_bytes), _bottleneck(busy, overlap), idle, overlap)
+                sim.wait, busy, int(h2d_bytes), int(d2h_bytes), _bottleneck(busy, overlap), idle, overlap,
+                sim.recomputed, sim.residency)
 
 
 # The causes of the device's idle time per step (Time.idle_s), as `megatrain plan` names them.
@@ -361,7 +368,8 @@ def zero3_time(p: Point, hw: Hardware) -> Time:
     layer = LayerTime(fp.compute_s / L, fp.fetch_s / L, 0.0, fp.seconds / L, bp.compute_s / L, bp.fetch_s / L,
                       d2h_s / L, backward / L)
     return Time(layer, fp.seconds, backward, 0.0, 0.0, upload, opt, opt, step, wait, busy,
-                int(h2d_bytes), int(d2h_bytes), _bottleneck(busy, False))
+                int(h2d_bytes), int(d2h_bytes), _bottleneck(busy, False),
+                recomputed_layers=g * L if p.gradient_checkpointing else 0)
 
 
 def torch_time(p: Point, hw: Hardware) -> Time:
@@ -377,7 +385,7 @@ def torch_time(p: Point, hw: Hardware) -> Time:
     busy = {"compute": p.grad_accum * micro, "link h2d": 0.0, "link d2h": 0.0, "device optimizer": opt}
     layer = LayerTime(fwd_c, 0.0, 0.0, fwd_c, bwd_c, 0.0, 0.0, bwd_c)
     return Time(layer, L * fwd_c, L * bwd_c, head, 0.0, 0.0, opt, opt, step, 0.0, busy, 0, 0,
-                _bottleneck(busy, False))
+                _bottleneck(busy, False), recomputed_layers=p.grad_accum * L if p.gradient_checkpointing else 0)
 
 
 def _bottleneck(busy: dict[str, float], opt_overlapped: bool) -> str:

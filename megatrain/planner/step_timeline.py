@@ -1,6 +1,7 @@
-"""A megatrain step as a GPU user sees it: how long the device computes, each link direction copies and the host
-works, the fraction of the step the device sits idle, and the term that idles it most (step_time.py's Time.idle_s,
-the engine's pipeline replayed with the reducer's and the launch thread's host work counted; host_work.py)."""
+"""A megatrain step as a GPU user sees it: how long the device computes, each link direction copies and each host
+thread works, the fraction of the step the device sits idle, and the term that idles it most (step_time.py's
+Time.idle_s, the engine's pipeline replayed with the reducer's, the launch thread's and the rounding worker's host
+work counted; host_work.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from typing import Any
 from .hardware import Hardware
 from .host_work import reducer_bytes_per_param, reducer_threads
 from .point import Point
-from .step_time import Time
+from .step_time import IDLE_ROUND, Time
+
+SERIAL = "serial (resident update + rounding)"  # step_time.py's host busy entry for both, split by thread here
+LAUNCH = "launch thread (resident update)"
+ROUNDING = "resident rounding (its worker)"
 
 
 @dataclass(frozen=True)
@@ -30,7 +35,7 @@ class StepTimeline:
     step_s: float
     gpu_busy_s: float
     link_busy_s: dict[str, float]  # per direction
-    host_busy_s: dict[str, float]  # per host job
+    host_busy_s: dict[str, float]  # per host job (the resident work by the thread that runs it)
     idle_s: dict[str, float]  # the device's idle seconds per step, by cause
     optimizer_overlap: bool  # as the engine resolves the point's setting
     reducer: ReducerTerm | None  # None off CUDA (a CPU device adds on its copy worker)
@@ -56,6 +61,11 @@ def step_timeline(p: Point, hw: Hardware, t: Time) -> StepTimeline:
     """The timeline of a planned megatrain step `t` at `p` on `hw`."""
     busy = t.busy_s
     host = {k.removeprefix("host "): v for k, v in busy.items() if k.startswith("host ")}
+    if SERIAL in host:
+        # The engine rounds on a worker of its own (engine/host/resident_upload.py): the launch thread spends only
+        # the update; the device waits for both (idle_s), the rounding as the forward's fence on that worker.
+        both, rounding = host.pop(SERIAL), t.idle_s.get(IDLE_ROUND, 0.0)
+        host[LAUNCH], host[ROUNDING] = both - rounding, rounding
     reducer = None
     if "host reducer" in busy:  # CUDA
         per_layer = busy["host reducer"] / (p.grad_accum * p.model.num_layers)

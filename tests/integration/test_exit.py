@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 CODE = """
 import atexit, sys, torch, torch.distributed as dist
@@ -17,18 +19,29 @@ if sys.argv[1] == "engine":
 """
 
 
-def _run(mode: str) -> str:
-    r = subprocess.run([sys.executable, "-c", CODE, mode], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return r.stdout
+@pytest.fixture(scope="module")
+def exits() -> dict[str, str]:
+    """Each mode's output; the two processes run side by side (each is mostly torch's single-threaded import)."""
+    procs = {mode: subprocess.Popen([sys.executable, "-c", CODE, mode], cwd=ROOT, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for mode in ("engine", "plain")}
+    out = {}
+    try:
+        for mode, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=120)
+            assert proc.returncode == 0, (mode, stderr[-2000:])
+            out[mode] = stdout
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    return out
 
 
-def test_an_engine_tears_down_the_group_it_trained_with_at_exit():
-    assert "initialized at exit: False" in _run("engine")
+def test_an_engine_tears_down_the_group_it_trained_with_at_exit(exits):
+    assert "initialized at exit: False" in exits["engine"]
 
 
-def test_control_without_an_engine_the_group_is_left_to_finalization():
-    assert "initialized at exit: True" in _run("plain")
+def test_control_without_an_engine_the_group_is_left_to_finalization(exits):
+    assert "initialized at exit: True" in exits["plain"]
 
 
 def test_an_nccl_group_is_left_to_torch(monkeypatch):

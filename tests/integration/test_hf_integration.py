@@ -77,12 +77,12 @@ def _check_trainer_run(script: str, plain: dict, full: dict, resumed: dict, tmp:
 
 
 def test_trainer_and_sft_trainer_on_megatrain_match_plain_save_resume_and_evaluate(tmp_path):
-    """examples/hf_trainer.py (Trainer) and examples/trl_sft.py (SFTTrainer), unchanged, on both backends."""
+    """examples/hf_trainer.py (Trainer) and examples/trl_sft.py (SFTTrainer), unchanged, on both backends (one
+    process runs them all: torch, transformers and TRL imported once)."""
     scripts = ["hf_trainer.py", "trl_sft.py"]
-    plain = _drive("torch", scripts, tmp_path)
-    mt = _drive("megatrain", scripts, tmp_path)
+    runs = _drive("torch+megatrain", scripts, tmp_path)
     for script in scripts:
-        _check_trainer_run(script, plain[script]["plain"], mt[script]["full"], mt[script]["resumed"], tmp_path)
+        _check_trainer_run(script, runs[script]["plain"], runs[script]["full"], runs[script]["resumed"], tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -184,30 +184,13 @@ def test_fused_lm_head_outputs_equal_trls_own(clone):
 # ---------------------------------------------------------------------------------------------------
 # GRPO at a sampling temperature other than 1: TRL's fused head scores at that temperature, so must the engine
 
-_IGNORE_TEMPERATURE = """
-import sys, dataclasses
-sys.path.insert(0, {examples!r})
-import megatrain.integrations.fused_head as fh
-real = fh.fused_lm_head_forward
-def at_temperature_one(model, input_ids, kwargs, options=fh.FusedHeadOptions(), **rest):
-    return real(model, input_ids, kwargs, dataclasses.replace(options, temperature=1.0), **rest)
-fh.fused_lm_head_forward = at_temperature_one  # the bug this test exists for: the temperature dropped
-import trl_grpo
-trl_grpo.main(sys.argv[1:])
-"""
-
 
 def test_grpo_at_temperature_0_7_matches_plain_trl(tmp_path):
     """examples/trl_grpo.py, unchanged, on plain GRPOTrainer and on MegaTrain: the same rewards (same samples)
-    and the same gradient norms; a run whose fused head ignores the temperature is caught by the same check."""
-    def report(name: str, *argv: str, code: str | None = None) -> dict:
-        out = tmp_path / f"{name}.json"
-        args = ["--output_dir", str(tmp_path / name), "--report", str(out), *argv]
-        _run(["-c", code, *args] if code else [str(ROOT / "examples" / "trl_grpo.py"), *args], tmp_path)
-        return json.loads(out.read_text())
-
-    plain = report("plain", "--backend", "torch")
-    mt = report("megatrain")
+    and the same gradient norms; a run whose fused head ignores the temperature is caught by the same check.
+    The three runs share one process (tests/workers/grpo_runs.py)."""
+    _run([str(ROOT / "tests" / "workers" / "grpo_runs.py"), str(tmp_path)], tmp_path)
+    plain, mt, wrong = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("plain", "megatrain", "wrong"))
     assert mt["engine"] == "MegaTrainEngine" and plain["engine"] != "MegaTrainEngine"
     assert mt["rewards"] == plain["rewards"]
     steps = sorted(plain["grad_norms"], key=int)
@@ -217,7 +200,6 @@ def test_grpo_at_temperature_0_7_matches_plain_trl(tmp_path):
     assert max(diffs) <= TOL * max(plain["grad_norms"].values()), (diffs, plain, mt)
     assert max(abs(mt["losses"][s] - plain["losses"][s]) for s in steps) <= TOL
     # Control: the same MegaTrain run with the temperature dropped from the head misses by far more.
-    wrong = report("wrong", code=_IGNORE_TEMPERATURE.format(examples=str(ROOT / "examples")))
     assert wrong["engine"] == "MegaTrainEngine"
     assert max(abs(wrong["grad_norms"][s] - plain["grad_norms"][s]) for s in steps) > 100 * TOL
 

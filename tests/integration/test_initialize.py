@@ -459,33 +459,62 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_script(backend: str, out: Path, *extra: str, timeout: int = 300) -> dict:
+def _start_script(backend: str, out: Path, *extra: str) -> tuple[subprocess.Popen, Path, Path]:
+    """The script in a fresh process, its output to a file beside `out` (a process left running while another
+    starts never blocks on a full pipe)."""
     env = dict(os.environ)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                DS_ACCELERATOR="cpu", PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
                PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
     env.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())
-    proc = subprocess.run([sys.executable, str(SCRIPT), backend, str(out), *extra], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    log = out.with_suffix(".log")
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, str(SCRIPT), backend, str(out), *extra], env=env, cwd=ROOT,
+                                stdout=f, stderr=subprocess.STDOUT, text=True)
+    return proc, out, log
+
+
+def _script_result(run: tuple[subprocess.Popen, Path, Path], backend: str, timeout: int = 300) -> dict:
+    proc, out, log = run
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        proc.kill()
     if proc.returncode != 0:
-        pytest.fail(f"{backend} run of {SCRIPT.name} failed (rc {proc.returncode}):\n{proc.stderr[-5000:]}")
+        pytest.fail(f"{backend} run of {SCRIPT.name} failed (rc {proc.returncode}):\n{log.read_text()[-5000:]}")
     return json.loads(out.read_text())
 
 
+def _run_script(backend: str, out: Path, *extra: str, timeout: int = 300) -> dict:
+    return _script_result(_start_script(backend, out, *extra), backend, timeout)
+
+
 @pytest.fixture(scope="module")
-def megatrain_run(tmp_path_factory):
+def _uninterrupted(tmp_path_factory):
+    """The script under `import megatrain as deepspeed`, 10 steps, saving a checkpoint after step 5: in FP32
+    and in the GPU's defaults (bf16 compute, optimizer overlap, hilo), the two started side by side."""
+    runs = {}
+    for name, extra in (("fp32", ()), ("gpu-defaults", ("--gpu-defaults",))):
+        d = tmp_path_factory.mktemp(f"mt_run_{name}")
+        runs[name] = (_start_script("megatrain", d / "out.json", "--save-at", "5", "--ckpt", str(d / "ckpt"),
+                                    *extra), d / "ckpt")
+    yield runs
+    for run, _ in runs.values():
+        run[0].kill()
+
+
+@pytest.fixture(scope="module")
+def megatrain_run(_uninterrupted):
     """The script under `import megatrain as deepspeed`, 10 steps, saving a checkpoint after step 5."""
-    d = tmp_path_factory.mktemp("mt_run")
-    result = _run_script("megatrain", d / "out.json", "--save-at", "5", "--ckpt", str(d / "ckpt"))
-    return result, d / "ckpt"
+    run, ckpt = _uninterrupted["fp32"]
+    return _script_result(run, "megatrain"), ckpt
 
 
 @pytest.fixture(scope="module")
-def megatrain_gpu_run(tmp_path_factory):
+def megatrain_gpu_run(_uninterrupted):
     """megatrain_run in the GPU's defaults (bf16 compute, optimizer overlap, hilo)."""
-    d = tmp_path_factory.mktemp("mt_gpu_run")
-    result = _run_script("megatrain", d / "out.json", "--save-at", "5", "--ckpt", str(d / "ckpt"), "--gpu-defaults")
-    return result, d / "ckpt"
+    run, ckpt = _uninterrupted["gpu-defaults"]
+    return _script_result(run, "megatrain"), ckpt
 
 
 @pytest.mark.parametrize("mode", CONFIGS)

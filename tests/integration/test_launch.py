@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,15 +32,27 @@ def _bare_env() -> dict[str, str]:
     return env
 
 
-def _run(args: list[str], cwd: Path) -> str:
-    r = subprocess.run([sys.executable, *args], cwd=cwd, env=_bare_env(), capture_output=True, text=True,
-                       timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    return r.stdout
+def _start(args: list[str], cwd: Path) -> tuple[subprocess.Popen, Path, Path]:
+    """The process and the files its stdout and stderr go to (files, not pipes: a process started beside
+    another never blocks on a full pipe nobody reads yet)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".out", dir=cwd, delete=False) as out, \
+            tempfile.NamedTemporaryFile("w", suffix=".err", dir=cwd, delete=False) as err:
+        proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=_bare_env(), stdout=out, stderr=err)
+    return proc, Path(out.name), Path(err.name)
 
 
-def _launch(args: list[str], cwd: Path) -> str:
-    return _run(["-m", "megatrain.cli", "launch", *args], cwd)
+def _finish(run: tuple[subprocess.Popen, Path, Path]) -> str:
+    proc, out, err = run
+    try:
+        proc.wait(timeout=900)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out.read_text()[-3000:] + err.read_text()[-5000:]
+    return out.read_text()
+
+
+def _start_launch(args: list[str], cwd: Path) -> tuple[subprocess.Popen, Path, Path]:
+    return _start(["-m", "megatrain.cli", "launch", *args], cwd)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -84,17 +97,21 @@ def _probes(out: str) -> list[dict]:
 def test_launch_installs_the_routing_before_the_script_in_one_process_and_in_every_rank(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(_PROBE)
+    # The three runs below start side by side (each only prints its probe).
+    runs = [_start_launch([str(script), "--x", "1"], tmp_path),
+            _start_launch(["--nproc-per-node", "2", str(script), "--x", "1"], tmp_path),
+            _start([str(script), "--x", "1"], tmp_path)]
+    one_out, two_out, plain_out = (_finish(run) for run in runs)
     # No launcher options: this one process, as `python probe.py`: no launcher variables.
-    (one,) = _probes(_launch([str(script), "--x", "1"], tmp_path))
+    (one,) = _probes(one_out)
     assert one == {"routed": True, "argv": ["--x", "1"], "rank": None, "world": None, "main": "__main__",
                    "path0": str(tmp_path)}
     # Two ranks through torch's elastic launcher, each with torchrun's variables and the routing.
-    two = sorted(_probes(_launch(["--nproc-per-node", "2", str(script), "--x", "1"], tmp_path)),
-                 key=lambda p: p["rank"])
+    two = sorted(_probes(two_out), key=lambda p: p["rank"])
     assert [p["rank"] for p in two] == ["0", "1"] and all(p["world"] == "2" for p in two)
     assert all(p["routed"] and p["argv"] == ["--x", "1"] and p["main"] == "__main__" for p in two)
     # Control: the same script under plain python finds nothing installed, so the checks above can fail.
-    (plain,) = _probes(_run([str(script), "--x", "1"], tmp_path))
+    (plain,) = _probes(plain_out)
     assert plain["routed"] is False and plain["path0"] == str(tmp_path)
 
 
@@ -102,11 +119,19 @@ def test_launch_installs_the_routing_before_the_script_in_one_process_and_in_eve
 # TRL's DPOTrainer and GRPOTrainer, unchanged, through `megatrain launch` with a ZeRO-3-offload config
 
 
-def _report(tmp: Path, script: str, name: str, *, launch: bool, argv: tuple[str, ...] = ()) -> dict:
-    out = tmp / f"{name}.json"
-    args = [str(ROOT / "examples" / script), "--output_dir", str(tmp / name), "--report", str(out), *argv]
-    _launch(args, tmp) if launch else _run(args, tmp)
-    return json.loads(out.read_text())
+def _reports(tmp: Path, script: str, argv: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """The script's reports on MegaTrain through `megatrain launch` and on plain TRL (`python script --backend
+    torch`). The two runs start side by side: neither reads what the other writes, and most of each is the
+    single-threaded start-up of torch, transformers and TRL."""
+    def args(name: str, *extra: str) -> list[str]:
+        return [str(ROOT / "examples" / script), "--output_dir", str(tmp / name), "--report", str(tmp / f"{name}.json"),
+                *extra, *argv]
+
+    runs = [_start_launch(args("megatrain"), tmp),
+            _start(args("plain", "--backend", "torch"), tmp)]
+    for run in runs:
+        _finish(run)
+    return json.loads((tmp / "megatrain.json").read_text()), json.loads((tmp / "plain.json").read_text())
 
 
 def _check_same_training(mt: dict, plain: dict, steps: int) -> None:
@@ -123,8 +148,7 @@ def _check_same_training(mt: dict, plain: dict, steps: int) -> None:
 def test_dpo_trainer_through_megatrain_launch_matches_plain_trl(tmp_path):
     """examples/trl_dpo.py: ZeRO-3 offload config with a "megatrain" section, the reference log-probabilities
     precomputed by the policy's own engine (no second model store), no launcher variables."""
-    plain = _report(tmp_path, "trl_dpo.py", "plain", launch=False, argv=("--backend", "torch"))
-    mt = _report(tmp_path, "trl_dpo.py", "megatrain", launch=True)
+    mt, plain = _reports(tmp_path, "trl_dpo.py")
     _check_same_training(mt, plain, 3)
     # Control: consecutive losses move by far more than the tolerance, so misaligned steps could not pass.
     assert min(abs(plain["losses"][a] - plain["losses"][b]) for a, b in (("1", "2"), ("2", "3"))) > 10 * TOL
@@ -134,8 +158,7 @@ def test_dpo_trainer_through_megatrain_launch_matches_plain_trl(tmp_path):
 def test_grpo_trainer_through_megatrain_launch_matches_plain_trl(tmp_path):
     """examples/trl_grpo.py at temperature 0.7 on a ZeRO-3 offload config: TRL used to stop in `remove_hooks`
     believing ZeRO-3 partitioned the model. Two steps keep it short."""
-    plain = _report(tmp_path, "trl_grpo.py", "plain", launch=False, argv=("--backend", "torch", "--max_steps", "2"))
-    mt = _report(tmp_path, "trl_grpo.py", "megatrain", launch=True, argv=("--max_steps", "2"))
+    mt, plain = _reports(tmp_path, "trl_grpo.py", ("--max_steps", "2"))
     assert mt["rewards"] == plain["rewards"]  # the same samples
     _check_same_training(mt, plain, 2)
 

@@ -18,17 +18,41 @@ EXAMPLE = ROOT / "examples" / "sft" / "sft.yaml"
 TOL = 1e-5
 
 
-def _train(tmp_path: Path, name: str, *sets: str) -> dict:
+def _start(tmp_path: Path, name: str, *sets: str) -> tuple[subprocess.Popen, Path]:
+    """`megatrain train --config` in its own process, its output to a file (a run started beside another never
+    blocks on a full pipe)."""
     out = tmp_path / name
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     args = ["train", "--config", str(EXAMPLE), "--set", f"output_dir={out}", "--set", f"report={out}/report.json",
             *(a for s in sets for a in ("--set", s))]
-    r = subprocess.run([sys.executable, "-m", "megatrain.cli", *args], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    log = tmp_path / f"{name}.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "megatrain.cli", *args], cwd=tmp_path, env=env, stdout=f,
+                                stderr=subprocess.STDOUT, text=True)
+    return proc, out
+
+
+def _report(run: tuple[subprocess.Popen, Path]) -> dict:
+    proc, out = run
+    try:
+        proc.wait(timeout=900)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, (out.parent / f"{out.name}.log").read_text()[-8000:]
     return json.loads((out / "report.json").read_text())
+
+
+def _train_both(tmp_path: Path, *sets: str) -> tuple[dict, dict]:
+    """The MegaTrain run and the plain SFTTrainer run (backend=torch) of the same settings, side by side: each
+    is mostly the single-threaded start-up of torch, transformers and TRL, and neither reads the other's files."""
+    runs = [_start(tmp_path, "mt", *sets), _start(tmp_path, "plain", *sets, "backend=torch")]
+    try:
+        return _report(runs[0]), _report(runs[1])
+    finally:
+        for proc, _ in runs:
+            proc.kill()
 
 
 def _assert_same_losses(mt: dict, plain: dict) -> None:
@@ -41,7 +65,7 @@ def _assert_same_losses(mt: dict, plain: dict) -> None:
 
 
 def test_the_example_config_trains_on_megatrain_with_plain_sft_losses(tmp_path):
-    mt, plain = _train(tmp_path, "mt"), _train(tmp_path, "plain", "backend=torch")
+    mt, plain = _train_both(tmp_path)
     _assert_same_losses(mt, plain)
     assert abs(mt["eval_loss"] - plain["eval_loss"]) <= TOL
     assert (tmp_path / "mt" / "final" / "config.json").is_file()
@@ -50,7 +74,7 @@ def test_the_example_config_trains_on_megatrain_with_plain_sft_losses(tmp_path):
 def test_sharegpt_with_packing_and_loss_on_every_token(tmp_path):
     sets = ("data=" + str(ROOT / "examples" / "sft" / "sharegpt.jsonl"), "eval_data=null", "packing=true",
             "train_on=all", "max_steps=4", "max_length=64")
-    mt, plain = _train(tmp_path, "mt", *sets), _train(tmp_path, "plain", *sets, "backend=torch")
+    mt, plain = _train_both(tmp_path, *sets)
     _assert_same_losses(mt, plain)
 
 

@@ -1,16 +1,30 @@
-"""Backward's reduction of a layer's gradients into its FP32 slab and the slab's norm, in one pass.
+"""Backward's reduction of a layer's gradients into its FP32 slab and the slab's norm, in one pass, on as many
+threads as the reducer has.
 
 The reducer used to add (or write, the first time after zero_grad) the gradients into the slab, then read the
-whole slab again for `torch.linalg.vector_norm` (slab_state.py): ~14 B/param from bf16 gradients. Here one loop
-reads the gradient, writes the slab and squares the value it wrote into eight lanes, ~10 B/param, with the bits
-of both passes: torch's 2-norm of a contiguous FP32 tensor on the CPU is one sequential loop over 8-float
-vectors (products rounded, then added: no fused multiply-add), the lanes then summed in order, and a float
-square root (measured: the same bits on every one of 2,000 probes up to 4M elements). Its last numel % 8
-elements take a path not reproduced here (most probes matched, not all), so a slab whose size is not a
-multiple of 8 keeps the two passes (every layer of a real model is one). The order is what makes it exact; it
-is also why it runs on one core (a split into ranges would add the lanes in another order), so it is taken only
-where the two passes it replaces had at most two threads between them (`pays`). The self-check at build
-compares the result with torch's on probe data, and a kernel that does not match is not used.
+whole slab again for its norm: ~14 B/param from bf16 gradients. Here one loop reads the gradient, writes the
+slab and squares the value it wrote into eight lanes, ~10 B/param.
+
+The norm is taken over a fixed decomposition of the slab into CHUNK-element chunks, whatever the thread count:
+each chunk's norm is torch's 2-norm of that chunk (on the CPU one sequential loop over 8-float vectors, products
+rounded, then added: no fused multiply-add; the lanes then summed in order, and a float square root: measured,
+the same bits on every one of 2,000 probes up to 4M elements), and the chunks' norms are combined by torch's
+norm of them (`combine`). Chunks are independent, so they split over threads, each chunk whole on one of them:
+the bits do not depend on how many there are. slab_state.slab_norm is the same decomposition read from a
+written slab (torch's row norms), so a norm measured as the slab lands equals the one read later, bit for bit.
+A slab of at most one chunk has exactly torch's norm of the whole slab.
+
+What got no gradient costs no add: a part without one (None: a weight no gradient reached, as an expert no token
+was routed to) and every slab-aligned ZERO_BLOCK of zeros in a gradient (an unrouted expert's rows of a fused
+experts tensor; a dense gradient's first block is not zero, so checking costs next to nothing) are set to zero
+on a slab's first write and otherwise left as they are, read for the norm only when it is measured: the bits of
+adding the zeros (a slab holds no -0: its zeros are written as 0 + g, and x + 0 is x), a -0 written into a
+`.grad` by hand excepted, which an add of zeros would turn into +0.
+
+A chunk's last numel % 8 elements take a path of torch's not reproduced here (most probes matched, not all), so
+a slab whose size is not a multiple of 8 keeps the two passes (every layer of a real model is one); CHUNK is a
+multiple of 8, so only a slab's last chunk could have such a tail. The self-check at build compares the chunks'
+norms with torch's on probe data, and a kernel that does not match is not used.
 """
 
 from __future__ import annotations
@@ -18,14 +32,22 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ..runtime import ckernel
 
 LANES = 8
-FUSED_MAX_THREADS = 2  # the two passes on k threads: 10/k + 4 B/param on the slowest thread, against 10 here
+# Elements per chunk of the norm's decomposition (a multiple of LANES; 4 MiB of FP32). Fixed, so the norm's bits
+# do not depend on the thread count; large enough that a chunk's work dwarfs handing it to a thread (a 14B model's
+# layer is ~330 chunks), and that a small model's slab is one chunk (torch's norm of the whole slab).
+CHUNK = 1 << 20
+ZERO_BLOCK = 2048  # elements: the slab-aligned blocks whose gradient is checked for all zeros (put in the C source)
 
 _C_SOURCE = r"""
 #include <string.h>
@@ -66,8 +88,8 @@ BODY_FN(add_fp32, float, d[i + j], s[i + j])
 /* dst[0..n) = (first ? 0 + g : dst + g), g from src (FP32, or bf16 widened); the squares of the values written
    go to lanes[(off + i) % 8] for off + i < body_end (the slab's whole 8-blocks). Returns 1 if a written value is
    not finite. */
-int64_t reduce_range(const void *src, int64_t bf16, float *dst, int64_t off, int64_t n, int64_t first,
-                     int64_t body_end, float *lanes) {
+static int64_t dense_range(const void *src, int64_t bf16, float *dst, int64_t off, int64_t n, int64_t first,
+                           int64_t body_end, float *lanes) {
     uint32_t bad = 0;
     int64_t i = 0;
     while (i < n && ((off + i) & 7)) {
@@ -96,6 +118,85 @@ int64_t reduce_range(const void *src, int64_t bf16, float *dst, int64_t off, int
     return bad != 0;
 }
 
+/* The squares of dst[0..n) into the lanes, dst unchanged: what dense_range adds for a gradient of zeros (dst + 0 is
+   dst: a slab holds no -0, its zeros being written as 0 + g), without reading a gradient or writing the slab. */
+typedef float f8 __attribute__((vector_size(32)));
+
+/* Lane j gets d[j]^2, d[j + 8]^2, ... in order, each product rounded then added (-ffp-contract=off): what the loops
+   above do. Written on 8-float vectors: the plain loop was vectorized across its lanes with shuffles, at a third of
+   torch's norm's speed. */
+__attribute__((noinline)) static void keep_body(const float *__restrict d, int64_t n, float *__restrict lanes) {
+    f8 acc;
+    memcpy(&acc, lanes, sizeof acc);
+    for (int64_t i = 0; i + 8 <= n; i += 8) {
+        f8 v;
+        memcpy(&v, d + i, sizeof v);
+        acc = acc + v * v;
+    }
+    memcpy(lanes, &acc, sizeof acc);
+}
+
+static void measure_range(const float *dst, int64_t off, int64_t n, int64_t body_end, float *lanes) {
+    int64_t i = 0;
+    for (; i < n && ((off + i) & 7); i++)
+        if (off + i < body_end) lanes[(off + i) & 7] = lanes[(off + i) & 7] + dst[i] * dst[i];
+    int64_t stop = body_end - off < n ? body_end - off : n;
+    int64_t m = stop > i ? (stop - i) / 8 * 8 : 0;
+    keep_body(dst + i, m, lanes);
+    for (i += m; i < n; i++)
+        if (off + i < body_end) lanes[(off + i) & 7] = lanes[(off + i) & 7] + dst[i] * dst[i];
+}
+
+/* Whether src[i..i+m) holds only zeros (+0 or -0): 128 bytes ORed at a time as 64-bit words with the sign bits
+   masked off, stopping at the first 128 that are not (a dense gradient stops at once). A NULL src has no gradient:
+   zeros. */
+static int all_zero(const void *src, int64_t bf16, int64_t i, int64_t m) {
+    if (!src) return 1;
+    int64_t size = bf16 ? 2 : 4, bytes = m * size, a = 0;
+    const unsigned char *p = (const unsigned char *)src + i * size;
+    uint64_t mask = bf16 ? 0x7FFF7FFF7FFF7FFFull : 0x7FFFFFFF7FFFFFFFull;
+    for (; a + 128 <= bytes; a += 128) {
+        uint64_t acc = 0;
+        for (int k = 0; k < 16; k++) { uint64_t w; memcpy(&w, p + a + 8 * k, 8); acc |= w & mask; }
+        if (acc) return 0;
+    }
+    for (; a < bytes; a += size) {
+        uint32_t w = 0;
+        memcpy(&w, p + a, size);
+        if (w & (uint32_t)mask) return 0;
+    }
+    return 1;
+}
+
+#define ZERO_BLOCK @ZERO_BLOCK@
+
+/* dense_range over dst[0..n) (slab offset off), except on ZERO_BLOCK-aligned blocks whose gradient is all zeros (an
+   expert no token was routed to) or absent (src NULL): those are set to zero on a first write (0 + 0), else left
+   as they are (dst + 0), their squares measured from dst only if `measure`; *skipped counts their elements. The
+   slab and the lanes end as dense_range leaves them. */
+int64_t reduce_range(const void *src, int64_t bf16, float *dst, int64_t off, int64_t n, int64_t first,
+                     int64_t body_end, float *lanes, int64_t measure, int64_t *skipped) {
+    int64_t bad = 0, run = 0, i = 0, esize = bf16 ? 2 : 4;
+    while (i < n) {
+        int64_t end = (off + i) / ZERO_BLOCK * ZERO_BLOCK + ZERO_BLOCK - off;
+        if (end > n) end = n;
+        if (all_zero(src, bf16, i, end - i)) {
+            if (i > run)
+                bad |= dense_range((const char *)src + run * esize, bf16, dst + run, off + run, i - run, first,
+                                   body_end, lanes);
+            if (first) memset(dst + i, 0, (end - i) * 4);
+            else if (measure) measure_range(dst + i, off + i, end - i, body_end, lanes);
+            *skipped += end - i;
+            run = end;
+        }
+        i = end;
+    }
+    if (n > run)
+        bad |= dense_range((const char *)src + run * esize, bf16, dst + run, off + run, n - run, first, body_end,
+                           lanes);
+    return bad != 0;
+}
+
 /* The norm: the lanes added in order, its square root. */
 float finish_norm(const float *lanes) {
     float b = lanes[0];
@@ -111,7 +212,7 @@ _state: ctypes.CDLL | None | bool = False  # False: not tried; None: not used
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.reduce_range.argtypes = [p, i64, p, i64, i64, i64, i64, p]
+    lib.reduce_range.argtypes = [p, i64, p, i64, i64, i64, i64, p, i64, p]
     lib.reduce_range.restype = i64
     lib.finish_norm.argtypes = [p]
     lib.finish_norm.restype = ctypes.c_float
@@ -123,50 +224,161 @@ def kernel() -> ctypes.CDLL | None:
     if _state is False:
         with _lock:
             if _state is False:
-                lib = ckernel.build("reduce", _C_SOURCE, _declare, "MEGATRAIN_REDUCE_KERNEL")
+                lib = ckernel.build("reduce", _C_SOURCE.replace("@ZERO_BLOCK@", str(ZERO_BLOCK)), _declare, "MEGATRAIN_REDUCE_KERNEL")
                 _state = lib if lib is not None and _matches_torch(lib) else None
                 if lib is not None and _state is None:
-                    log.warning("reduce kernel: its norm does not give torch.linalg.vector_norm's bits on this "
-                                "build; backward reduces and measures in two torch passes")
+                    log.warning("reduce kernel: its chunks' norms do not give torch.linalg.vector_norm's bits on "
+                                "this build; backward reduces and measures in two torch passes")
     return _state  # type: ignore[return-value]
 
 
 def pays(threads: int | None) -> bool:
-    """Whether the one-core pass beats the two passes it replaces on `threads` (None: torch's count)."""
-    return (threads if threads is not None else torch.get_num_threads()) <= FUSED_MAX_THREADS
+    """Whether the one pass beats the two it replaces on `threads` reducer threads (None: torch's count): on any
+    count, since its chunks split over as many threads as the two passes would run on (10 B/param against 14)."""
+    return threads is None or threads >= 1
 
 
-def usable(slab: torch.Tensor, parts: list[tuple[int, torch.Tensor]]) -> bool:
-    """Whether `parts` ((offset, gradient) pairs) cover the FP32 `slab` (a multiple of 8 elements) in order with
-    contiguous FP32/bf16 host tensors."""
+Parts = list[tuple[int, "torch.Tensor | None"]]  # (slab offset, gradient); None: that range got no gradient
+
+
+def extents(parts: Parts, n: int) -> list[tuple[int, int, torch.Tensor | None]]:
+    """(start, end, gradient) per part of a slab of `n` elements: a gradient's own length, a None part up to the
+    next part's offset (or the slab's end)."""
+    out = []
+    for j, (off, g) in enumerate(parts):
+        end = off + g.numel() if g is not None else (parts[j + 1][0] if j + 1 < len(parts) else n)
+        out.append((off, end, g))
+    return out
+
+
+def usable(slab: torch.Tensor, parts: Parts) -> bool:
+    """Whether `parts` ((offset, gradient or None) pairs) cover the FP32 `slab` (a multiple of 8 elements) in order
+    with contiguous FP32/bf16 host tensors."""
     if slab.dtype != torch.float32 or not slab.is_contiguous() or slab.numel() % LANES:
         return False
     at = 0
-    for off, g in parts:
-        if off != at or g.dtype not in (torch.float32, torch.bfloat16) or not g.is_contiguous() or g.device.type != "cpu":
+    for off, end, g in extents(parts, slab.numel()):
+        if off != at or end < off or g is not None and (g.dtype not in (torch.float32, torch.bfloat16)
+                                                        or not g.is_contiguous() or g.device.type != "cpu"):
             return False
-        at += g.numel()
+        at = end
     return at == slab.numel()
 
 
-def reduce_and_norm(lib: ctypes.CDLL, slab: torch.Tensor, parts: list[tuple[int, torch.Tensor]],
-                    first: bool) -> tuple[torch.Tensor, bool]:
-    """Add (or, `first`, write 0 + g) every part into `slab` and return (the slab's 2-norm as torch's
-    vector_norm gives it, whether it is finite: every value written finite and their norm within float's range).
-    Call only where usable() said so."""
+def chunks(n: int, chunk: int | None = None) -> int:
+    """How many chunks of the norm's decomposition a slab of `n` elements has."""
+    c = CHUNK if chunk is None else chunk
+    return -(-n // c)
+
+
+def combine(norms: torch.Tensor) -> torch.Tensor:
+    """A slab's norm from its chunks' norms (in slab order): torch's norm of them, a 0-dim FP32 tensor; one chunk's
+    norm as it is (torch's norm of the whole slab)."""
+    if norms.numel() == 1:
+        return norms.reshape(())
+    return torch.linalg.vector_norm(norms)
+
+
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def _helpers() -> ThreadPoolExecutor:
+    """Threads that run chunk ranges beside the caller's own (ctypes releases the GIL for the call)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1),
+                                       thread_name_prefix="megatrain-reduce-chunks")
+        return _pool
+
+
+@dataclass
+class Tally:
+    """Gradient elements a reducer's passes took (`reduced`: read and written into the slab) and skipped (`skipped`:
+    absent, or in zero blocks: an expert no token was routed to), summed over the reductions it is given to."""
+
+    reduced: int = 0
+    skipped: int = 0
+    absent: int = 0  # of the skipped: parts with no gradient at all (None)
+
+
+class Reduced(NamedTuple):
+    norms: torch.Tensor  # each chunk's norm, in slab order (meaningful only where measured)
+    finite: bool  # every value written finite
+    skipped: int  # gradient elements skipped (absent, or in all-zero blocks)
+
+
+def reduce_chunks(lib: ctypes.CDLL, slab: torch.Tensor, parts: Parts, first: bool, threads: int | None = None,
+                  chunk: int | None = None, measure: bool = True) -> Reduced:
+    """Add (or, `first`, write 0 + g) every part into `slab`, on `threads` threads (None: the calling thread's torch
+    count, the reducer's share of the cores), each chunk's norm measured if `measure`. A part without a gradient
+    (None) or a ZERO_BLOCK of zeros costs no add: set to zero on a first write, else left as it is (read for the
+    norm only if `measure`); the slab's bits and the norms are those of adding the zeros. `chunk`: the
+    decomposition's chunk (CHUNK; a multiple of 8). Call only where usable() said so."""
     n = slab.numel()
-    body_end = n - n % LANES
-    lanes = torch.zeros(LANES, dtype=torch.float32)
-    bad = 0
-    for off, g in parts:
-        if g.numel():
-            bad |= lib.reduce_range(g.data_ptr(), int(g.dtype == torch.bfloat16), slab.data_ptr() + 4 * off, off,
-                                    g.numel(), int(first), body_end, lanes.data_ptr())
-    norm = lib.finish_norm(lanes.data_ptr())
+    c = CHUNK if chunk is None else chunk
+    if c <= 0 or c % LANES:
+        raise ValueError(f"a chunk must be a positive multiple of {LANES} elements, got {c}")
+    k = chunks(n, c)
+    norms = torch.zeros(k, dtype=torch.float32)
+    lanes = torch.zeros(k, LANES, dtype=torch.float32)  # each chunk's own
+    live = [(lo, hi, g) for lo, hi, g in extents(parts, n) if hi > lo]
+    dst, lanes_at = slab.data_ptr(), lanes.data_ptr()
+
+    def run(c0: int, c1: int) -> tuple[int, int]:
+        """Chunks [c0, c1): each written through reduce_range, part by part, into its own lanes, then finished."""
+        bad, p, skipped = 0, 0, ctypes.c_int64(0)
+        for ci in range(c0, c1):
+            a, b = ci * c, min(ci * c + c, n)
+            while p < len(live) and live[p][1] <= a:
+                p += 1
+            q = p
+            while q < len(live) and live[q][0] < b:
+                start, end, g = live[q]
+                lo, hi = max(a, start), min(b, end)
+                if hi > lo:
+                    src = 0 if g is None else g.data_ptr() + (lo - start) * g.element_size()
+                    bad |= lib.reduce_range(src, int(g is not None and g.dtype == torch.bfloat16), dst + 4 * lo, lo,
+                                            hi - lo, int(first), n, lanes_at + 4 * LANES * ci, int(measure),
+                                            ctypes.byref(skipped))
+                q += 1
+            if measure:
+                norms[ci] = lib.finish_norm(lanes_at + 4 * LANES * ci)
+        return bad, skipped.value
+
+    t = max(1, min(torch.get_num_threads() if threads is None else threads, k))
+    bounds = [k * j // t for j in range(t + 1)]
+    helpers = [_helpers().submit(run, a, b) for a, b in zip(bounds[1:-1], bounds[2:])] if t > 1 else []
+    bad, skipped = run(bounds[0], bounds[1])
+    for job in helpers:
+        more_bad, more_skipped = job.result()
+        bad, skipped = bad | more_bad, skipped + more_skipped
     torch.autograd.graph.increment_version(slab)  # written through a pointer: what an in-place add would show
+    return Reduced(norms, not bad, skipped)
+
+
+def reduce_and_norm(lib: ctypes.CDLL, slab: torch.Tensor, parts: Parts, first: bool, threads: int | None = None,
+                    measure: bool = True, tally: Tally | None = None) -> tuple[torch.Tensor, bool]:
+    """reduce_chunks, then (the slab's 2-norm as slab_state.slab_norm gives it, whether it is finite: every value
+    written finite and their norm within float's range); without `measure` the norm is not taken (NaN returned).
+    `tally`: where the elements reduced and skipped are counted."""
+    r = reduce_chunks(lib, slab, parts, first, threads, measure=measure)
+    if tally is not None:
+        tally.skipped += r.skipped
+        tally.absent += _absent(parts, slab.numel())
+        tally.reduced += sum(g.numel() for _, g in parts if g is not None) - r.skipped + _absent(parts, slab.numel())
+    if not measure:
+        return torch.tensor(float("nan")), r.finite
+    norm = combine(r.norms)
     # A non-finite value written makes the norm inf or NaN; a norm past float's range reads as non-finite too, as
     # the step's own check of the norm takes it.
-    return torch.tensor(norm, dtype=torch.float32), not bad and math.isfinite(norm)
+    return norm, r.finite and math.isfinite(float(norm))
+
+
+def _absent(parts: Parts, n: int) -> int:
+    """Elements of the parts without a gradient (counted in reduce_range's skipped count too)."""
+    return sum(hi - lo for lo, hi, g in extents(parts, n) if g is None)
 
 
 def _probe(n: int, gen: torch.Generator) -> torch.Tensor:
@@ -174,22 +386,37 @@ def _probe(n: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def _matches_torch(lib: ctypes.CDLL) -> bool:
+    """Whether each chunk's norm has the bits of torch's norm of that chunk (the written values those of torch's
+    add), on one chunk and on several (a short last one among them), in both dtypes, first and adding, with zero
+    blocks and a part without a gradient among them (their skipped add must leave the bits of adding zeros)."""
     gen = torch.Generator().manual_seed(0)
-    for n, cuts, first, dtype in [(4096, [0, 13, 1000], True, torch.bfloat16), (4104, [0, 7, 4096], False, torch.float32),
-                                  (64, [0], False, torch.bfloat16), (8, [0, 3], True, torch.float32),
-                                  (100008, [0, 50001], False, torch.bfloat16)]:
+    for n, cuts, first, dtype, chunk, sparse in [
+            (4096, [0, 13, 1000], True, torch.bfloat16, None, False),
+            (4104, [0, 7, 4096], False, torch.float32, None, False),
+            (64, [0], False, torch.bfloat16, None, False), (8, [0, 3], True, torch.float32, None, False),
+            (100008, [0, 50001], False, torch.bfloat16, None, False),
+            (100008, [0, 4093, 50001], True, torch.bfloat16, 8000, False),
+            (20000, [0, 17], False, torch.float32, 4096, False),
+            (40000, [0, 5000, 9001, 30000], False, torch.bfloat16, 8192, True),
+            (40000, [0, 5000, 9001, 30000], True, torch.float32, 8192, True)]:
         base = _probe(n, gen)
         g = _probe(n, gen).to(dtype)
+        bounds = [*cuts, n]
+        if sparse:  # an expert's rows of zeros (signed, too), and the second part absent
+            g[2 * ZERO_BLOCK: 9 * ZERO_BLOCK // 2] = 0
+            g[3 * ZERO_BLOCK: 3 * ZERO_BLOCK + 7] = -0.0
+            g[bounds[1]: bounds[2]] = 0
         want = base.clone()
         if first:
             torch.add(g, 0.0, out=want)
         else:
             want.add_(g.float())
         got = base.clone()
-        bounds = [*cuts, n]
-        parts = [(a, g[a:b]) for a, b in zip(bounds, bounds[1:])]
-        norm, _ = reduce_and_norm(lib, got, parts, first)
+        parts = [(a, None if sparse and j == 1 else g[a:b]) for j, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        norms = reduce_chunks(lib, got, parts, first, threads=2, chunk=chunk).norms
+        c = chunk or CHUNK
+        ref = torch.stack([torch.linalg.vector_norm(want[a: a + c]) for a in range(0, n, c)])
         if not (torch.equal(got.view(torch.int32), want.view(torch.int32))
-                and torch.equal(norm.view(torch.int32), torch.linalg.vector_norm(want).view(torch.int32))):
+                and torch.equal(norms.view(torch.int32), ref.view(torch.int32))):
             return False
     return True

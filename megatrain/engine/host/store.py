@@ -8,7 +8,8 @@ computes in bf16, so what crosses the link is 2 bytes per parameter, not 4.
 The decoder layers' masters can also be kept as an exact hi/lo split or as bf16 only, and their gradient
 slabs as bf16 or not at all (optimizer in backward): see megatrain/costs/modes.py. Then the layer Parameters
 are views of one shared FP32 scratch that holds a layer's values only while the optimizer updates it
-(`unpack()` ... `pack()`); read and write values through `read_slot` / `write_slot`.
+(`unpack()` ... `pack()`); read and write values through `read_slot` / `write_slot`. What each mode does is
+its codec's (codec.py), chosen once per group: no method here tests a mode.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ import torch
 from torch import nn
 
 from ...costs.modes import GradSlab, HostMaster
-from . import hilo
+from .codec import GradCodec, MasterCodec, grad_codec, master_codec
 from .node_store import NodeStore
 from .pinned import Pinner, host_buffer
-from .rounding import round_stochastic
 
 
 def host_empty(numel: int, dtype: torch.dtype, pin: bool | Pinner | None, what: str = "host buffers") -> torch.Tensor:
@@ -66,7 +66,7 @@ class TieOverflow(RuntimeError):
 class GroupRange:
     """A range of one FlatGroup's gradient buffers (what FlatGroup.load_grads reads and writes)."""
 
-    grad_mode: GradSlab | None
+    grads: GradCodec
     grad: torch.Tensor | None
     grad_work: torch.Tensor | None
     numel: int
@@ -94,42 +94,23 @@ class FlatGroup:
             self.slots.append(Slot(name, torch.Size(shape), offset, n))
             offset += n
         self.numel = offset
-        # Fresh mappings are zero-filled: the gradient slab needs no zeroing pass (and pages it never touches
-        # cost nothing). Which of these are pinned is the store's choice (HostStore).
-        self.master_mode, self.grad_mode = master, grad
+        # What each mode does, chosen once.
+        self.masters: MasterCodec = master_codec(master)
+        self.grads: GradCodec = grad_codec(grad)
         self.rounding: torch.Generator | None = None  # bf16 master: stochastic rounding's random bits
-        self.lo: torch.Tensor | None = None
         # hilo: positions whose hi rounded up at a tie (the `ties` property); in a shared store a table in the
         # node's memory, [count, positions...], so every rank reads the FP32 values the owner wrote.
         self._ties = torch.empty(0, dtype=torch.int64)
-        self.tie_table: torch.Tensor | None = None
         # `shared`: the node's buffers, mapped by every rank of the node (engine/node_store.py); a group this
         # rank does not own has no gradient slab, and its master (its halves) and shadow are written by the
         # owner only. The FP32 scratch of the per-layer update stays each rank's own.
         self.owned = owned
-        if master is HostMaster.FP32:
-            if shared is not None:
-                self.master, self.shadow = shared.master, shared.shadow
-            else:
-                self.master = host_buffer(offset, torch.float32)
-                self.shadow = host_buffer(offset, shadow_dtype) if shadow_dtype is not None else None
-            self.work = self.master
-        else:
-            # The bf16 half is the master's own storage and what streams: no shadow, no per-step cast.
-            self.master = None
-            self.shadow = shared.shadow if shared is not None else host_buffer(offset, torch.bfloat16)
-            if master is HostMaster.HILO:
-                self.lo = shared.lo if shared is not None else host_buffer(offset, torch.int16)
-                self.tie_table = shared.ties if shared is not None else None
-            self.work = scratch.master[:offset]
-        if not owned:
-            self.grad = self.grad_work = None
-        elif grad is GradSlab.FLOAT32:
-            self.grad = host_buffer(offset, torch.float32)
-            self.grad_work = self.grad
-        else:
-            self.grad = host_buffer(offset, torch.bfloat16) if grad is GradSlab.BFLOAT16 else None
-            self.grad_work = scratch.grad[:offset]
+        # Fresh mappings are zero-filled: the gradient slab needs no zeroing pass (and pages it never touches
+        # cost nothing). Which of these are pinned is the store's choice (HostStore).
+        self.master, self.shadow, self.lo, self.tie_table, self.work = self.masters.buffers(
+            offset, shadow_dtype, shared, scratch.master if scratch is not None else None)
+        self.grad, self.grad_work = (self.grads.buffers(offset, scratch.grad if scratch is not None else None)
+                                     if owned else (None, None))
         self.params: list[nn.Parameter] = []
         for s in self.slots:
             p = nn.Parameter(self.view(self.work, s), requires_grad=True)
@@ -165,14 +146,20 @@ class FlatGroup:
     def master_tensors(self) -> list[torch.Tensor]:
         """The buffers that hold the master values (what a copy of the weights between ranks moves): the FP32
         master; or the bf16 half, the lo half and a shared tie table (a private tie list is not a fixed size)."""
-        if self.master is not None:
-            return [self.master]
-        return [t for t in (self.shadow, self.lo, self.tie_table) if t is not None]
+        return self.masters.master_tensors(self)
+
+    @property
+    def master_mode(self) -> HostMaster:
+        return self.masters.mode
+
+    @property
+    def grad_mode(self) -> GradSlab | None:
+        return self.grads.mode
 
     @property
     def per_layer_update(self) -> bool:
         """Whether the optimizer must update this group on its own, between unpack() and pack()."""
-        return self.master_mode is not HostMaster.FP32 or self.grad_mode is not GradSlab.FLOAT32
+        return self.masters.per_layer or self.grads.per_layer
 
     @staticmethod
     def view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
@@ -183,93 +170,51 @@ class FlatGroup:
 
     def link_grads(self) -> None:
         # An optimizer's zero_grad(set_to_none=True) drops these links; restore them before each step.
-        if self.grad_mode is not GradSlab.FLOAT32 or self.grad is None:
+        linked = self.grads.linked(self)
+        if linked is None:
             return  # only the per-layer update reads gradients, from grad_work (load_grads); or not this rank's
         for p, s in zip(self.params, self.slots):
-            p.grad = self.view(self.grad, s)
+            p.grad = self.view(linked, s)
 
     def refresh_shadow(self) -> None:
-        if self.shadow is not None and self.master is not None and self.owned:
-            self.shadow.copy_(self.master)
+        """An FP32 master written in place: its streamed bf16 copy refreshed (nothing to do in the other modes)."""
+        self.masters.refresh(self)
 
     # -- the per-layer update of the non-FP32 modes -----------------------------------------------------
     def unpack(self) -> None:
         """Make `work` (what the Parameters view) hold this group's FP32 master values."""
-        if not self.owned:
-            return  # a layer of the node's shared store that another rank updates
-        if self.master_mode is HostMaster.HILO:
-            hilo.join(self.shadow, self.lo, self.ties, self.work)
-        elif self.master_mode is HostMaster.BF16:
-            self.work.copy_(self.shadow)
+        if self.owned:  # else a layer of the node's shared store that another rank updates
+            self.masters.unpack(self)
 
     def pack(self) -> None:
         """Store `work` back as the master (the exact split, or bf16 RNE); FP32: refresh the shadow."""
-        if not self.owned:
-            return  # its owner writes it: a write from here would race with (and undo) the owner's update
-        if self.master_mode is HostMaster.FP32:
-            self.refresh_shadow()
-            return
-        if self.master_mode is HostMaster.HILO:
-            with hilo.poisoning(self.work) as poisoned:  # the NaN fill below, done by the split as it reads
-                self.ties = hilo.split(self.work, self.shadow, self.lo)
-            if poisoned:
-                return
-        elif self.rounding is not None:
-            round_stochastic(self.work, self.shadow, self.rounding)
-        else:
-            self.shadow.copy_(self.work)
-        # The scratch is shared by every layer: whoever reads a layer's Parameters outside its update (instead
-        # of read_slot / the engine's state_dict) gets NaN, never another layer's plausible-looking weights.
-        self.work.fill_(float("nan"))
+        if self.owned:  # else its owner writes it: a write from here would race with (and undo) the owner's update
+            self.masters.pack(self)
 
     def load_grads(self, coefs: list[float]) -> None:
         """Make `grad_work` hold the FP32 gradients, times the clipping coefficients still pending on them (a
         bf16 slab is widened first: the same products as scaling an FP32 slab holding the same values; an FP32
-        slab is scaled in place, as a clip_grad_norm_ that left the scaling to the update would have)."""
-        widen = self.grad_mode is GradSlab.BFLOAT16
-        if self.grad_work is None or not (widen or (coefs and self.grad_mode is GradSlab.FLOAT32)):
-            return  # another rank's layer; or nothing to do (optimizer in backward: the staged gradients as they are)
-        # A cache-sized tile at a time: the scaling reads the widened values from cache, not memory.
-        for s in range(0, self.numel, hilo.TILE):
-            w = self.grad_work[s: s + hilo.TILE]
-            if widen:
-                w.copy_(self.grad[s: s + hilo.TILE])
-            for c in coefs:
-                w.mul_(c)
+        slab is scaled in place, as a clip_grad_norm_ that left the scaling to the update would have). Also
+        called on a GroupRange (the fused pass's tile)."""
+        self.grads.load(self, coefs)
 
     def range(self, a: int, b: int) -> GroupRange:
         """Elements [a, b) of this group's gradients, as load_grads reads and writes them (the fused pass)."""
-        return GroupRange(self.grad_mode, self.grad[a:b] if self.grad is not None else None,
+        return GroupRange(self.grads, self.grad[a:b] if self.grad is not None else None,
                           self.grad_work[a:b] if self.grad_work is not None else None, b - a)
 
     def read_slot(self, slot: Slot) -> torch.Tensor:
         """A new FP32 tensor with one parameter's master values."""
-        if self.master_mode is HostMaster.FP32:
-            return self.view(self.master, slot).clone()
-        a, b = slot.offset, slot.offset + slot.numel
-        if self.master_mode is HostMaster.BF16:
-            return self.shadow[a:b].float().view(slot.shape)
-        ties = self.ties[(self.ties >= a) & (self.ties < b)] - a
-        return hilo.join(self.shadow[a:b], self.lo[a:b], ties, torch.empty(slot.numel)).view(slot.shape)
+        return self.masters.read(self, slot)
 
     def write_slot(self, slot: Slot, value: torch.Tensor) -> None:
         """Set one parameter's master values (an FP32 master's shadow: refresh_shadow() after)."""
-        if self.master_mode is HostMaster.FP32:
-            self.view(self.master, slot).copy_(value)
-            return
-        a, b = slot.offset, slot.offset + slot.numel
-        if self.master_mode is HostMaster.BF16:
-            self.shadow[a:b].copy_(value.reshape(-1))
-            return
-        x = value.detach().reshape(-1).to(torch.float32).contiguous()
-        new = hilo.split(x, self.shadow[a:b], self.lo[a:b]) + a
-        keep = self.ties[(self.ties < a) | (self.ties >= b)]
-        self.ties = torch.sort(torch.cat([keep, new])).values
+        self.masters.write(self, slot, value)
 
     @property
     def stream_source(self) -> torch.Tensor:
         """What is copied to the device: the bf16 shadow in bf16 mode, else the FP32 master."""
-        return self.shadow if self.shadow is not None else self.master
+        return self.masters.stream_source(self)
 
 
 class HostStore:
@@ -287,11 +232,12 @@ class HostStore:
                  pin: bool | Pinner | None, shadow_dtype: torch.dtype | None, master: HostMaster = HostMaster.FP32,
                  grad: GradSlab | None = GradSlab.FLOAT32, node: NodeStore | None = None) -> None:
         self.master_mode, self.grad_mode = master, grad
+        masters, grads = master_codec(master), grad_codec(grad)
         self.scratch = None
-        if master is not HostMaster.FP32 or grad is not GradSlab.FLOAT32:
+        if masters.per_layer or grads.per_layer:
             # One layer's FP32 values at a time: the updates run one after another on one thread.
             biggest = max((sum(int(torch.Size(s).numel()) for _, s in shapes) for shapes in layer_shapes), default=0)
-            self.scratch = Scratch(biggest, master is not HostMaster.FP32, grad is not GradSlab.FLOAT32)
+            self.scratch = Scratch(biggest, masters.per_layer, grads.per_layer)
         self.ranks_sharing = node.topo.local_world if node is not None else 1
         shared: list[SharedLayer | None] = [None] * len(layer_shapes)
         if node is not None:
@@ -357,15 +303,7 @@ class HostStore:
 def shared_layers(node: NodeStore, numels: list[int], master: HostMaster,
                   shadow_dtype: torch.dtype | None) -> list[SharedLayer]:
     """Every layer's persistent buffers for `master`, in the node's shared memory (a collective of the node)."""
-    kinds: list[tuple[str, torch.dtype]] = []
-    if master is HostMaster.FP32:
-        kinds.append(("master", torch.float32))
-        if shadow_dtype is not None:
-            kinds.append(("shadow", shadow_dtype))
-    else:
-        kinds.append(("shadow", torch.bfloat16))
-        if master is HostMaster.HILO:
-            kinds += [("lo", torch.int16), ("ties", torch.int64)]
+    kinds = master_codec(master).shared_kinds(shadow_dtype)
     specs = [(tie_capacity(n) + 1 if kind == "ties" else n, dtype) for kind, dtype in kinds for n in numels]
     bufs = node.buffers(specs, "layer weights")
     per_kind = {kind: bufs[k * len(numels): (k + 1) * len(numels)] for k, (kind, _) in enumerate(kinds)}

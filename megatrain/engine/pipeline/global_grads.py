@@ -3,13 +3,15 @@ compute thread.
 
 On CUDA a blocking `.to("cpu")` of the vocab x hidden head gradient would stall the host before it queues the
 last layer's backward, every micro-batch. Here the gradient leaves on the device->host copy stream into pinned
-staging (allocated once) and a host thread adds it into the slab; the embedding's row gradients travel the
-same way and are scattered on that thread. Whoever reads the slab waits for `globals_landed` first (events.py's
-wait_grads does), as for the layers' gradients.
+staging (allocated once) and a host worker of the sink's own adds it into the slab; the embedding's row
+gradients travel the same way and are scattered on that worker. Its own, not the layers' reducer: the head's
+gradient is ready first in each backward, and on a shared worker every layer's reduction queued behind its add
+(at 14B: vocab x hidden, ~0.8B parameters) while the staging slots filled and backward waited. Whoever reads the
+slab waits for `globals_landed` first (events.py's wait_grads does), as for the layers' gradients.
 
 On a CPU device the "copy" is a cast in the same memory system, so the default there is to add at once on the
 calling thread; `asynchronous=True` takes the threaded path on any device (the tests use it to exercise the
-waits on the CPU).
+waits on the CPU: the copy job, a no-op there, still orders the add behind the d2h worker's jobs queued so far).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from collections.abc import Sequence
 import torch
 
 from ..host.store import HostStore
-from ..runtime.stream import DONE, CopyStream, Event, Streams
+from ..runtime.stream import DONE, CopyStream, Event, Streams, side_threads
 from .activations import HostPool
-from .schedule import LayerPipeline, accumulate
+from .schedule import REDUCE_CHUNK, LayerPipeline, accumulate
 
 
 class GlobalGradSink:
@@ -32,7 +34,14 @@ class GlobalGradSink:
         self.pipeline = pipeline
         self.cuda = streams.device.type == "cuda"
         self.asynchronous = self.cuda if asynchronous is None else asynchronous
-        self._reducer: CopyStream | None = getattr(pipeline, "_reducer", None) if self.cuda else None
+        self._reducer: CopyStream | None = None
+        if self.asynchronous:
+            # Its own worker, beside the layers' reducer (a quarter of the cores too: it runs while the first
+            # layers' reductions do), so no layer's reduction queues behind the head's.
+            self._reducer = type(streams.d2h)("host-reduce-globals", torch.device("cpu"), streams.trace, None,
+                                               streams.watchdog_s)
+            self._reducer.threads = side_threads()
+            self._scratch = torch.empty(REDUCE_CHUNK, dtype=torch.float32)  # the worker's own
         # Pinned once, up front, so the store's pinned bytes match the preflight's from the start (costs/pinning.py).
         self._staging: torch.Tensor | None = (
             store.buffer(store.globals.numel, dtype, "resident gradient staging") if self.cuda and self.asynchronous
@@ -42,13 +51,11 @@ class GlobalGradSink:
         self._rows_free: Event = DONE  # ... and the row buffers
 
     def _submit(self, copy, reduce, what: str) -> Event:
-        """Copy to the host (CUDA: on the d2h stream, after the compute queued so far), then reduce on a host
-        thread; the reduction's event is what the pipeline waits for before any reader of the slab."""
-        if not self.cuda:  # nothing crosses a link: one job on the d2h worker, after the layers' queued there
-            done = self.streams.d2h.submit(lambda: (copy(), reduce())[1], DONE, what, -1)
-        else:
-            copied = self.streams.d2h.submit(copy, self.streams.record_compute(), what, -1)
-            done = self._reducer.submit(reduce, copied, "reduce-" + what, -1)
+        """Copy to the host (CUDA: on the d2h stream, after the compute queued so far; a CPU device: a no-op job
+        there), then reduce on the sink's own worker; the reduction's event is what the pipeline waits for before
+        any reader of the slab."""
+        copied = self.streams.d2h.submit(copy, self.streams.record_compute(), what, -1)
+        done = self._reducer.submit(reduce, copied, "reduce-" + what, -1)
         self.pipeline.events.globals_landed.append(done)
         return done
 
@@ -79,10 +86,9 @@ class GlobalGradSink:
             return nbytes
 
         def reduce() -> int:
-            for s, g in pairs:
-                # on the pipeline's reducer thread (CUDA), so its scratch is free to use
+            for s, g in pairs:  # on the sink's worker: its scratch is free to use
                 accumulate(group.view(group.grad, s), group.view(staging, s) if staging is not None else g,
-                           getattr(self.pipeline, "reduce_scratch", None) if self.cuda else None)
+                           self._scratch)
             return 0
 
         self._staging_free = self._submit(copy, reduce, "head-grad")

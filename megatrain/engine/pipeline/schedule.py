@@ -195,7 +195,7 @@ class LayerPipeline:
     def _send_grad(self, layer: int, grads: list[torch.Tensor], after: Event) -> None:
         """Add one layer's per-parameter gradients into its host slab, off the compute stream."""
         group = self.store.layers[layer]
-        nbytes = sum(g.numel() * g.element_size() for g in grads)
+        nbytes = sum(g.numel() * g.element_size() for g in grads if g is not None)
         if self.grad_sink is not None:
             self._send_grad_to_sink(layer, grads, after, nbytes)
             return
@@ -203,15 +203,19 @@ class LayerPipeline:
         fused_pays = reduce_kernel.pays(self.streams.d2h.threads)
         if self.device.type != "cuda":
             def add(overwrite: bool) -> None:
-                for slot, g in zip(group.slots, grads):  # every slot has a gradient (materialize_grads)
+                for slot, g in zip(group.slots, grads):
                     view = group.view(group.grad, slot)
-                    if overwrite:
+                    if g is None:  # no gradient reached it (an expert no token was routed to): adds nothing
+                        if overwrite:
+                            view.zero_()  # what 0 + zeros writes
+                    elif overwrite:
                         torch.add(g, 0.0, out=view)  # 0 + g: what zeroing then adding gives, in one pass
                     else:
                         view.add_(g)
 
-            # One pass (add + norm, reduce_kernel.py) where the two it replaces would share this thread's cores.
-            adds = PartsAdd(add, [(s.offset, g.reshape(-1)) for s, g in zip(group.slots, grads)]) if fused_pays else add
+            # One pass (add + norm, reduce_kernel.py), skipping what got no gradient.
+            adds = PartsAdd(add, [(s.offset, None if g is None else g.reshape(-1))
+                                  for s, g in zip(group.slots, grads)]) if fused_pays else add
 
             def reduce() -> int:
                 slabs.reduce(layer, group.grad, adds, measure)
@@ -373,10 +377,12 @@ class LayerPipeline:
                 gx, gw = tiled_vjp(self.templates.of_layer[i], weights, x, kwargs, g, self.tile)
             else:
                 y = self.templates.call(i, weights, x, args, kwargs)
-                # A mixture-of-experts layer also backpropagates its router logits' gradients from the router loss;
-                # an expert no token routed to gets a zero gradient, as in PyTorch.
+                # A mixture-of-experts layer also backpropagates its router logits' gradients from the router loss.
+                # A weight no gradient reaches (an expert no token was routed to) gets None where the host's add
+                # skips it (slab_state.PartsAdd); the staged paths copy every gradient: zeros, as in PyTorch.
                 outs, gouts = self.templates.with_router_grads(i, y, g)
-                gx, *gw = torch.autograd.grad(outs, (x, *weights.values()), gouts, materialize_grads=True)
+                gx, *gw = torch.autograd.grad(outs, (x, *weights.values()), gouts, allow_unused=True,
+                                              materialize_grads=self.device.type == "cuda" or self.grad_sink is not None)
                 del y, outs
         done = self.streams.record_compute()
         self.freed[slot] = done

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from ...config import EngineConfig
-from ...costs.modes import GradSlab, HostMaster
+from ...costs.modes import HostMaster
 from ..host import hilo
 from ..host.events import LayerEvents
 from ..host.spill import Spill, SpillFactory
@@ -33,6 +33,7 @@ from ..host.store import FlatGroup, HostStore
 from ..runtime.stream import Event, Trace
 from ..runtime.threads import update_threads
 from . import adam_kernel, fused
+from .clipping import Clipping
 from .optim import LayeredStep, unsupported_reason
 
 
@@ -65,7 +66,7 @@ def unlink_fresh(store: HostStore, events: LayerEvents) -> None:
     next backward overwrites instead of zeroing now. The engine's backward links them again."""
     if events.slabs.overwrite:
         for g in store.layers:
-            if g.grad is not None and g.grad_mode is GradSlab.FLOAT32:
+            if g.grads.linked(g) is not None:  # an FP32 slab of this rank's, which the Parameters' .grad view
                 for p in g.params:
                     p.grad = None
 
@@ -76,7 +77,7 @@ class UpdatePath:
     layered: LayeredStep | None = None  # the per-layer optimizer views and their thread, if this path has them
     grad_sink: Callable[[int, torch.Tensor, Event], Event] | None = None  # takes a layer's gradients (no slab)
     overlapped = False  # step() returns with layer updates still queued
-    folds_clip = False  # the layers' FP32 slabs are clip-scaled inside their update (the `coefs` of step())
+    folds_clip = False  # FP32 slabs are clip-scaled inside their update (clipping.py: the clip left pending)
     spill: Spill | None = None  # the NVMe tier (spill.py): spilled state read in around each layer update
 
     def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
@@ -95,9 +96,9 @@ class UpdatePath:
     def check_zero_grad(self) -> None:
         """Refuse a zero_grad() that cannot undo what it would be expected to."""
 
-    def step(self, finite: Callable[[], bool], coefs: list[float]) -> bool:
+    def step(self, finite: Callable[[], bool], clip: Clipping) -> bool:
         """Update every parameter (or queue it); False when the step was skipped. `finite()`: whether the
-        gradients may be applied (it counts a skipped step); `coefs`: the clipping still pending on bf16 slabs."""
+        gradients may be applied (it counts a skipped step); `clip`: the clipping still pending on the slabs."""
         if not finite():
             return False
         for g in self.store.groups():
@@ -147,17 +148,15 @@ class Layered(UpdatePath):
         # Overlapped, the layer updates run beside the next forward: they leave the launch and copy threads a core.
         self.threads = update_threads(self.overlapped)
 
-    def step(self, finite: Callable[[], bool], coefs: list[float]) -> bool:
+    def step(self, finite: Callable[[], bool], clip: Clipping) -> bool:
         if not finite():
             return False
         for g in self.store.groups():
             g.link_grads()
         self.events.wait_global_grads()  # the globals are updated right away; each layer waits for its own
-        layered, layers, coefs = self.layered, self.store.layers, list(coefs)
+        layered, layers, coefs = self.layered, self.store.layers, clip.layer_coefs()
         spill = self.spill
-        # The resident parameters: with FP32 slabs the clip is folded into their update too (Engine._clip_folded);
-        # with bf16 slabs clip_grad_norm_ scaled their FP32 slab already.
-        pending = coefs if self.store.grad_mode is GradSlab.FLOAT32 else []
+        pending = clip.resident_coefs()  # a folded clip; with bf16 layer slabs their FP32 slab was scaled at the clip
         threads = self.threads
 
         def update(i: int) -> None:
@@ -260,7 +259,7 @@ class InBackward(UpdatePath):
         gw.add_(staging[: group.numel])  # 0 + g: the value an ordinary zeroed FP32 slab holds after one backward
         update_layer(self.layered, group, i, [], threads)
 
-    def step(self, finite: Callable[[], bool], coefs: list[float]) -> bool:
+    def step(self, finite: Callable[[], bool], clip: Clipping) -> bool:
         """The layers are updated (or the step failed; each layer checked its own): the resident parameters now."""
         if not self._unstepped:
             raise RuntimeError("optimizer_in_backward: step() without a backward() since the last step")

@@ -1,0 +1,105 @@
+"""The planner's residency search: for `residency: "auto"`, the placement of kept weights and kept graphs that
+maximizes predicted throughput within the room the batch's working set leaves on the device.
+
+The engine's own "auto" (costs/residency.py `plan`) fills that room with kept weights first, then graphs. That
+is the best placement when the weight copies bind (a short batch on a slow link) but not always when compute
+binds: a kept layer's weights then save copies the compute hid anyway, while a kept graph saves its layer's
+recompute. Along the frontier of placements that fill the room (a kept graph needs its layer's weights kept:
+activations <= weights), each candidate is replayed through the engine's pipeline (step_time.megatrain_time) and
+the fastest wins. Where it beats the engine's fill by more than PREFER_ENGINE_WITHIN, the plan says so and its
+config section writes the counts; otherwise the engine's "auto" runs as planned and nothing is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..costs import residency as kept
+from .hardware import Hardware
+from .memory import LongContext
+from .point import Point
+from .step_time import Time, megatrain_time
+
+# Keep the engine's own "auto" unless a placement predicts a step shorter by more than this share: explicit
+# counts are fixed for every batch of a run (the engine's "auto" follows each batch), so a gain inside the
+# model's error is not worth writing down.
+PREFER_ENGINE_WITHIN = 0.01
+# Placements replayed along the frontier (both ends included): the step time changes smoothly along it, and
+# every replay costs a millisecond or two, inside the largest-batch and mode searches that plan many points.
+FRONTIER_SAMPLES = 9
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The residency search at one point: what the engine's "auto" would keep, what the planner keeps, and the
+    step time of each placement replayed."""
+
+    chosen: kept.Residency
+    engine: kept.Residency  # the engine's fill order: kept weights first, then graphs
+    # each placement replayed: (step seconds, host -> device bytes per step, recomputed layers per step)
+    replayed: dict[kept.Residency, tuple[float, int, int]] = field(default_factory=dict)
+
+    @property
+    def differs(self) -> bool:
+        return self.chosen != self.engine
+
+    @property
+    def step_s(self) -> dict[kept.Residency, float]:
+        return {r: v[0] for r, v in self.replayed.items()}
+
+    def to_dict(self) -> dict[str, object]:
+        return {"chosen": self.chosen.to_dict(), "engine_auto": self.engine.to_dict(), "differs": self.differs,
+                "candidates": [{**r.to_dict(), "step_s": s, "h2d_bytes_per_step": b, "recomputed_layers_per_step": n}
+                               for r, (s, b, n) in self.replayed.items()]}
+
+
+def frontier(lc: LongContext) -> list[kept.Residency]:
+    """The placements that fill the room, from the engine's fill (most weights) to the most graphs: for each
+    count of graphs, as many kept weights as still fit (more kept weights never slow a step)."""
+    L, engine = lc.n_layers, lc.residency
+    if lc.residency_room is None or not lc.graphs_allowed or engine.activations >= min(engine.weights, L):
+        return [engine]  # everything fits, or graphs cannot be kept, or every kept layer keeps its graph already
+    out = []
+    for a in range(engine.activations, L + 1):
+        w = _most_weights(lc, a)
+        if w < a:
+            break
+        out.append(kept.Residency(w, a))
+    return out
+
+
+def _most_weights(lc: LongContext, graphs: int) -> int:
+    if lc.fits(kept.Residency(lc.n_layers, min(graphs, lc.n_layers))):
+        return lc.n_layers
+    room = (lc.residency_room or 0) - graphs * lc.graph_bytes
+    return max(-1, min(lc.n_layers - 1, room // max(lc.layer_bytes, 1)))
+
+
+def _sample(points: list[kept.Residency]) -> list[kept.Residency]:
+    if len(points) <= FRONTIER_SAMPLES:
+        return points
+    last = len(points) - 1
+    picks = sorted({round(i * last / (FRONTIER_SAMPLES - 1)) for i in range(FRONTIER_SAMPLES)})
+    return [points[i] for i in picks]
+
+
+def search(lc: LongContext, step_of: Callable[[kept.Residency], Time]) -> tuple[Placement, Time]:
+    """The fastest placement on the sampled frontier (`step_of` replays one), the engine's fill kept unless
+    another beats it by more than PREFER_ENGINE_WITHIN."""
+    engine = lc.residency
+    times = {r: step_of(r) for r in dict.fromkeys([engine, *_sample(frontier(lc))])}
+    best = min(times, key=lambda r: times[r].step_s)
+    if times[best].step_s >= times[engine].step_s * (1 - PREFER_ENGINE_WITHIN):
+        best = engine
+    replayed = {r: (t.step_s, t.h2d_bytes, t.recomputed_layers) for r, t in times.items()}
+    return Placement(best, engine, replayed), times[best]
+
+
+def place(p: Point, hw: Hardware, lc: LongContext, **timing: object) -> tuple[LongContext, Time, Placement | None]:
+    """The batch plan with the planner's placement, its replayed step, and the search (None where the point sets
+    its counts, "stream" included). `timing`: megatrain_time's owned_layers / own_reducer."""
+    if p.residency != kept.AUTO:
+        return lc, megatrain_time(p, hw, lc.offload, residency=lc.residency, **timing), None
+    placement, t = search(lc, lambda r: megatrain_time(p, hw, lc.offload, residency=r, **timing))
+    return lc.placed(placement.chosen), t, placement
