@@ -43,7 +43,7 @@ def traced_step(model: Any, context: int, gbps: float | None, offload: bool, see
     from megatrain.planner.shapes import resolve_model
 
     preset = resolve_model(model)
-    cfg = EngineConfig(device="cpu", link_gbps=gbps, trace=True, offload_activations=offload)
+    cfg = EngineConfig(device="cpu", link_gbps=gbps, trace=True, offload_activations=offload, residency="stream")
     eng = Engine(build_model(preset, seed), config=cfg)
     x = torch.randint(0, preset.vocab, (1, context), generator=torch.Generator().manual_seed(seed + 1))
     runs = []
@@ -73,7 +73,8 @@ def predicted(model: Any, context: int, gbps: float | None, offload: bool) -> di
     from megatrain.planner.estimate import predicted_timeline
 
     pl = plan(model, context=context, dtype="float32", hardware="cpu",
-              engine_config=EngineConfig(device="cpu", link_gbps=gbps, offload_activations=offload))
+              engine_config=EngineConfig(device="cpu", link_gbps=gbps, offload_activations=offload,
+                                           residency="stream"))
     return {"hardware": "cpu profile (megatrain/data/hardware.yaml)", "step_s": pl.time.step_s,
             "records": predicted_timeline(pl.point, pl.hardware)}
 
@@ -100,7 +101,8 @@ def predicted_timeline_summary(model: Any, context: int, gbps: float | None, off
     from megatrain.planner import plan
 
     pl = plan(model, context=context, dtype="float32", hardware=hardware,
-              engine_config=EngineConfig(device="cpu", link_gbps=gbps, offload_activations=offload))
+              engine_config=EngineConfig(device="cpu", link_gbps=gbps, offload_activations=offload,
+                                           residency="stream"))
     tl = pl.timeline
     return {"step_s": tl.step_s, "gpu_busy_s": tl.gpu_busy_s, "gpu_idle_fraction": tl.gpu_idle_fraction,
             "h2d_busy_s": tl.link_busy_s["h2d"], "d2h_busy_s": tl.link_busy_s["d2h"], "idle_cause": tl.idle_cause}

@@ -5,8 +5,9 @@
     python -m experiments.studies.validation --host-models small-7m,llama-100m,llama-0.6b [--host-context 256]
     python -m experiments.studies.validation --backends megatrain,zero3,torch [--backend-contexts 128,384,1024]
 
-The engine runs on the CPU with its copy engine rate-limited (`EngineConfig(link_gbps=...)`) to a
-range of emulated links, from link-bound to compute-bound; each point's median step time is set
+The engine streams every layer (`residency: "stream"`, the path whose step model this validates) on the CPU
+with its copy engine rate-limited (`EngineConfig(link_gbps=...)`) to a range of emulated links, from
+link-bound to compute-bound; each point's median step time is set
 against `megatrain.planner.plan` for a "cpu" profile measured in the same run by the planner's own
 `bench_cpu` (GEMM, copy and AdamW rates, mid-run between the passes; the profile in hardware.yaml was
 measured under a different load, and a shared box drifts), whose fp32 compute rate and fixed costs are
@@ -80,7 +81,8 @@ def measure_point(preset: Any, context: int, gbps: float | None, warmup: int, st
     warm_runtime(preset)
     rss = RssSampler().start()
     base_rss = rss.rss()
-    cfg = EngineConfig(device="cpu", link_gbps=gbps, host_mmap_threshold_bytes=mmap_threshold)
+    cfg = EngineConfig(device="cpu", link_gbps=gbps, residency="stream",
+                       host_mmap_threshold_bytes=mmap_threshold)
     eng = Engine(build_model(preset, seed), config=cfg)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randint(0, preset.vocab, (1, context), generator=gen)
@@ -202,7 +204,7 @@ def predict(preset: Any, context: int, gbps: float | None, hw: Any):
     from megatrain.planner import plan
 
     return plan(preset, context=context, batch=1, dtype="float32", hardware=hw,
-                engine_config=EngineConfig(device="cpu", link_gbps=gbps))
+                engine_config=EngineConfig(device="cpu", link_gbps=gbps, residency="stream"))
 
 
 def layer_profile(preset: Any, context: int, hw: Any, threads: int | None, quick: bool) -> tuple[Any, float]:

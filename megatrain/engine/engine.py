@@ -29,7 +29,7 @@ from .accounting import StepAccounting
 from .host.events import LayerEvents
 from .host.loading import skeleton_from_dir
 from .host.node_store import shard_optimizer_state
-from .host.slab_state import landed_norms
+from .host.slab_state import landed_norms, slab_norm
 from .host.spill import spill_for
 from .layer.attention import host_mask, use_segment_attention
 from .layer.batch import check_batch
@@ -401,7 +401,7 @@ class Engine:
                     norms.append(cached[i])
                     continue
                 g = self.clipping.as_read(g)  # widened, the clip still pending on it applied to a copy
-                norms.append(torch.linalg.vector_norm(g))
+                norms.append(slab_norm(g))
             self._norm = self.ranks.total_norm(norms)
             self._norm_at = self._slab_versions()
         return self._norm

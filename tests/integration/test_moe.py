@@ -199,20 +199,20 @@ def _drop_aux(monkeypatch):
 
 
 def _lose_one_expert(monkeypatch):
-    real = LayerPipeline._layer_backward
+    real = LayerPipeline._grads  # every layer's weight gradients, recomputed or from a kept graph
 
-    def lossy(self, i, slot, x, g, inputs):
-        gx, gw, done = real(self, i, slot, x, g, inputs)
-        for s, w in zip(self.store.layers[i].slots, gw):
-            if s.name.endswith("experts.gate_up_proj"):
+    def lossy(self, outs, x, weights, gouts):
+        gx, gw = real(self, outs, x, weights, gouts)
+        for name, w in zip(weights, gw):
+            if name.endswith("experts.gate_up_proj") and w is not None:
                 w[1].zero_()  # expert 1's gradient never reaches the host
-        return gx, gw, done
+        return gx, gw
 
-    monkeypatch.setattr(LayerPipeline, "_layer_backward", lossy)
+    monkeypatch.setattr(LayerPipeline, "_grads", lossy)
 
 
 def _detach_router(monkeypatch):
-    monkeypatch.setattr(TemplateBank, "with_router_grads", lambda self, i, y, g: ((y,), (g,)))
+    monkeypatch.setattr(TemplateBank, "with_router_grads", lambda self, i, y, g, logits=None: ((y,), (g,)))
 
 
 @pytest.mark.parametrize("breakage", [_drop_aux, _lose_one_expert, _detach_router],

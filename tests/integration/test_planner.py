@@ -157,7 +157,7 @@ def test_components_sum_to_totals(backend):
 def test_link_bytes_per_step():
     m = get_preset("llama3.1-8b")
     k, g = 2, 2
-    pl = plan(m, 2048, 4, grad_accum=g, hardware=H200, num_buffers=k, offload_activations=False)
+    pl = plan(m, 2048, 4, grad_accum=g, hardware=H200, residency="stream", num_buffers=k, offload_activations=False)
     c, L, PL, T = 2, m.num_layers, m.layer_params(), 4 * 2048
     resident = m.embed_params() + m.hidden
     # the first micro-batch loads every layer forward and all but the k resident at the turn backward;
@@ -167,7 +167,7 @@ def test_link_bytes_per_step():
     # every layer's gradient per micro-batch, + the head/norm gradient and the embedding rows' (engine.py)
     assert pl.time.d2h_bytes == g * L * PL * c + g * (m.vocab * m.hidden + m.hidden + T * m.hidden) * c
     # offloaded activations cross the link both ways, one boundary tensor per layer
-    off = plan(m, 2048, 4, grad_accum=g, hardware=H200, num_buffers=k, offload_activations=True)
+    off = plan(m, 2048, 4, grad_accum=g, hardware=H200, residency="stream", num_buffers=k, offload_activations=True)
     assert off.time.h2d_bytes - pl.time.h2d_bytes == g * L * T * m.hidden * c
     assert off.time.d2h_bytes - pl.time.d2h_bytes == g * L * T * m.hidden * c
 
@@ -175,7 +175,7 @@ def test_link_bytes_per_step():
 def test_cpu_device_in_fp32_moves_no_embedding_or_head():
     # Engine._alias_globals: on a CPU device in FP32 the device embedding/head/norm are the host masters
     m = get_preset("small-7m")
-    pl = plan(m, 128, dtype="float32", hardware="cpu")
+    pl = plan(m, 128, dtype="float32", hardware="cpu", residency="stream")
     c, L, PL, k = 4, m.num_layers, m.layer_params(), 2
     assert pl.time.embed_io_s == 0
     assert pl.time.h2d_bytes == (2 * L - k) * PL * c  # the weight stream only, as the engine counts it
@@ -183,9 +183,9 @@ def test_cpu_device_in_fp32_moves_no_embedding_or_head():
     assert pl.memory.shared == (m.embed_params() + m.hidden) * c  # one allocation, listed on both sides
     assert pl.memory.host_total_incl_device == pl.memory.host_total + pl.memory.device_total - pl.memory.shared
     # in bf16 the CPU engine keeps bf16 copies (casts, no link); on a GPU they cross the link
-    bf16 = plan(m, 128, dtype="bfloat16", hardware="cpu")
+    bf16 = plan(m, 128, dtype="bfloat16", hardware="cpu", residency="stream")
     assert bf16.time.embed_io_s > 0 and bf16.time.h2d_bytes == (2 * L - k) * PL * 2 and bf16.memory.shared == 0
-    gpu = plan(m, 128, dtype="float32", hardware=H200)
+    gpu = plan(m, 128, dtype="float32", hardware=H200, residency="stream")
     assert gpu.time.h2d_bytes == pl.time.h2d_bytes + (m.embed_params() + m.hidden) * c
 
 
@@ -251,21 +251,21 @@ def test_slow_link_makes_the_link_the_bottleneck():
 
 def test_device_memory_is_independent_of_depth_with_offload():
     m = get_preset("llama2-7b")
-    shallow = plan(m, 4096, 2, hardware=H200, offload_activations=True, mlp_tile_tokens=None)
-    deep = plan(m.with_(num_layers=2 * m.num_layers), 4096, 2, hardware=H200, offload_activations=True,
+    shallow = plan(m, 4096, 2, hardware=H200, residency="stream", offload_activations=True, mlp_tile_tokens=None)
+    deep = plan(m.with_(num_layers=2 * m.num_layers), 4096, 2, hardware=H200, residency="stream", offload_activations=True,
                 mlp_tile_tokens=None)
     assert deep.memory.device == shallow.memory.device
     assert deep.memory.host_total > shallow.memory.host_total
     # resident boundary activations are the one depth-dependent device term: L x T x h x c
-    r1 = plan(m, 4096, 2, hardware=H200, offload_activations=False, mlp_tile_tokens=None)
-    r2 = plan(m.with_(num_layers=2 * m.num_layers), 4096, 2, hardware=H200, offload_activations=False,
+    r1 = plan(m, 4096, 2, hardware=H200, residency="stream", offload_activations=False, mlp_tile_tokens=None)
+    r2 = plan(m.with_(num_layers=2 * m.num_layers), 4096, 2, hardware=H200, residency="stream", offload_activations=False,
               mlp_tile_tokens=None)
     assert r2.memory.device_total - r1.memory.device_total == m.num_layers * 2 * 4096 * m.hidden * 2
 
 
 def test_device_weight_bytes_are_buffers_plus_resident():
     m = get_preset("qwen2.5-7b")
-    pl = plan(m, 1024, hardware=H200, num_buffers=3)
+    pl = plan(m, 1024, hardware=H200, residency="stream", num_buffers=3)
     assert pl.device_weight_bytes == 3 * m.layer_params() * 2 + (m.embed_params() + m.hidden) * 2
 
 
@@ -301,7 +301,7 @@ def test_long_context_device_is_the_engine_policys_prediction(hw):
     from megatrain.engine.layer import tiling
 
     m = get_preset("llama2-7b")
-    pl = plan(m, 524288, 1, hardware=hw, offload_activations=True)
+    pl = plan(m, 524288, 1, hardware=hw, residency="stream", offload_activations=True)
     lc = pl.long_context
     c, PL = 2, m.layer_params()
     policy = tiling.LongContextPolicy(
@@ -329,7 +329,7 @@ def test_planner_matches_a_real_engines_policy():
     torch.manual_seed(0)
     # no budget (a CPU device); roomy; tight enough to offload and tile; too small for anything
     for budget, tokens in ((None, 512), (64 * 1024**2, 8192), (14 * 1024**2, 8192), (2 * 1024**2, 4096)):
-        cfg = EngineConfig(device="cpu", device_budget_bytes=budget)
+        cfg = EngineConfig(device="cpu", device_budget_bytes=budget, residency="stream")
         eng = Engine(transformers.AutoModelForCausalLM.from_config(m.hf_config()), config=cfg)
         bp = eng.pipeline.policy.plan(tokens)
         pl = plan(m, tokens, 1, dtype="float32", hardware="cpu", engine_config=cfg)

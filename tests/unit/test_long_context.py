@@ -25,6 +25,7 @@ from megatrain.engine.layer.tiling import ATTN_PHASE_H, BUDGET_HEADROOM, KV_PER_
 
 def engine(model, **kw) -> Engine:
     kw.setdefault("loss_chunk_tokens", 1024)
+    kw.setdefault("residency", "stream")  # the streaming path's memory model (residency: tests/unit/test_residency.py)
     return Engine(copy.deepcopy(model), EngineConfig(**kw))
 
 

@@ -9,24 +9,27 @@ from conftest import make_batches, tiny_model
 
 from megatrain.config import EngineConfig
 from megatrain.costs import pipeline as order
+from megatrain.costs.residency import Residency
 from megatrain.engine import Engine
 from megatrain.planner.pipeline_sim import LayerCosts, simulate_step
 from megatrain.planner.point import make_point
 
 MICRO_BATCHES = 2
+STREAM = Residency(0, 0)
 
 
-def defined(n_layers: int, k: int) -> tuple[list[int], list[tuple[str, int]]]:
+def defined(n_layers: int, k: int, r: Residency = STREAM) -> tuple[list[int], list[tuple[str, int]]]:
     """(layers in weight-copy order, (phase, layer) in compute order) as costs/pipeline.py defines them."""
-    buffers = order.DeviceBuffers(k)
+    buffers = order.DeviceBuffers(k, r.kept)
     loads, computes = [], []
     for _ in range(MICRO_BATCHES):
-        for steps in (order.forward_steps(buffers, n_layers), order.backward_steps(buffers, n_layers)):
+        for steps in (order.forward_steps(buffers, n_layers, r.graphs),
+                      order.backward_steps(buffers, n_layers, r.graphs)):
             for s in steps:
                 if s.op == order.LOAD:
                     loads.append(s.layer)
-                elif s.op in (order.FORWARD, order.BACKWARD):
-                    computes.append(("fwd" if s.op == order.FORWARD else "bwd", s.layer))
+                elif s.op in (order.FORWARD, order.FORWARD_KEEP, order.BACKWARD, order.BACKWARD_KEPT):
+                    computes.append(("fwd" if s.op in (order.FORWARD, order.FORWARD_KEEP) else "bwd", s.layer))
     return loads, computes
 
 
@@ -38,17 +41,18 @@ def test_the_order_keeps_the_last_layers_resident_at_the_turn():
     assert computes[:10] == [("fwd", i) for i in range(5)] + [("bwd", i) for i in reversed(range(5))]
 
 
+@pytest.mark.parametrize("r", [STREAM, Residency(2, 1), Residency(5, 5)], ids=["stream", "2-1", "all"])
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_the_engine_issues_the_defined_order(k):
+def test_the_engine_issues_the_defined_order(k, r):
     n_layers = 5
-    eng = Engine(tiny_model("llama", layers=n_layers), EngineConfig(trace=True, num_buffers=k))
+    eng = Engine(tiny_model("llama", layers=n_layers), EngineConfig(trace=True, num_buffers=k, residency=r))
     for batch in make_batches(MICRO_BATCHES):
         eng.backward(eng(**batch).loss)
     eng.collect_stats()
     records = sorted(eng.trace, key=lambda r: r.t_start)
     loads = [r.layer for r in records if r.stream == "h2d" and r.kind == "load"]
     computes = [(r.kind, r.layer) for r in records if r.stream == "compute" and r.kind in ("fwd", "bwd")]
-    assert (loads, computes) == defined(n_layers, k)
+    assert (loads, computes) == defined(n_layers, k, r)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

@@ -117,10 +117,13 @@ class TemplateBank:
             self._recomputed = captured
         return out[0] if isinstance(out, (tuple, list)) else out
 
-    def with_router_grads(self, i: int, y: torch.Tensor, g: torch.Tensor) -> tuple[tuple, tuple]:
-        """The outputs of layer i's recomputed call and their gradients: (y, *router logits), (g, *their grads)."""
+    def with_router_grads(self, i: int, y: torch.Tensor, g: torch.Tensor,
+                          logits: list[torch.Tensor] | None = None) -> tuple[tuple, tuple]:
+        """The outputs of layer i's call and their gradients: (y, *router logits), (g, *their grads). `logits`: the
+        router logits of the call whose graph backpropagates (a kept forward's); None: the recompute's."""
         grads = self.router_grads.pop(i, None)
-        logits, self._recomputed = self._recomputed, []
+        if logits is None:
+            logits, self._recomputed = self._recomputed, []
         if not grads:
             return (y,), (g,)
         if len(grads) != len(logits):

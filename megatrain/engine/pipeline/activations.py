@@ -122,11 +122,15 @@ class ActivationStore:
         return self._device[layer]
 
     def keep_graph(self, layer: int, graph: tuple) -> None:
-        """A kept layer's forward graph (input leaf, weight leaves, output, router logits) until its backward."""
+        """A kept layer's forward graph (input leaf, weight leaves, output, router logits) until its backward. Its
+        input is counted as a boundary activation kept on the device (the saved tensors are the graph's own)."""
         self.graphs[layer] = graph
+        self._account(self._nbytes(graph[0]))
 
     def take_graph(self, layer: int) -> tuple:
-        return self.graphs.pop(layer)
+        graph = self.graphs.pop(layer)
+        self._account(-self._nbytes(graph[0]))
+        return graph
 
     def drop(self, layer: int) -> None:
         t = self._device.pop(layer, None)

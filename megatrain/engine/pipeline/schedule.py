@@ -24,6 +24,7 @@ from ..host.slab_state import PartsAdd
 from ..host.store import HostStore
 from ..layer.templates import TemplateBank
 from ..layer.tiling import DEFAULT_LOSS_CHUNK, LongContextPolicy, tiled_vjp
+from ..runtime.memtrack import untracked
 from ..runtime.stream import DONE, Event, Streams, Trace, side_threads
 from .activations import ActivationStore, HostPool
 
@@ -138,11 +139,13 @@ class LayerPipeline:
         self.streams.synchronize()
         k, n = self.ring_size, len(self.store.layers)
         ring = self.buffers[:k]
-        if r.weights == n:
-            ring = [torch.empty(0, dtype=self.dtype, device=self.device) for _ in range(k)]
-        elif ring[0].numel() < self.max_numel:
-            ring = [torch.empty(self.max_numel, dtype=self.dtype, device=self.device) for _ in range(k)]
-        kept = [torch.empty(self.store.layers[i].numel, dtype=self.dtype, device=self.device) for i in sorted(r.kept)]
+        with untracked():  # weight buffers: device_weight_bytes counts them, not the working set's tracker
+            if r.weights == n:
+                ring = [torch.empty(0, dtype=self.dtype, device=self.device) for _ in range(k)]
+            elif ring[0].numel() < self.max_numel:
+                ring = [torch.empty(self.max_numel, dtype=self.dtype, device=self.device) for _ in range(k)]
+            kept = [torch.empty(self.store.layers[i].numel, dtype=self.dtype, device=self.device)
+                    for i in sorted(r.kept)]
         self.buffers = ring + kept
         self.slots = order.DeviceBuffers(k, r.kept)
         self.loaded = [DONE] * len(self.buffers)
@@ -346,18 +349,23 @@ class LayerPipeline:
         """Backpropagate g through layer i's kept graph (no recompute): (input gradient, weight gradients, the
         event after which they are computed)."""
         x, weights, y, logits = acts.take_graph(i)
-        outs, gouts = (y,), (g,)
-        router = self.templates.router_grads.pop(i, None)
-        if router:
-            pairs = [(z, gz) for z, gz in zip(logits, router) if gz is not None]
-            outs, gouts = (y, *(z for z, _ in pairs)), (g, *(gz for _, gz in pairs))
+        outs, gouts = self.templates.with_router_grads(i, y, g, logits)
         t0 = self.trace.mark()
         with torch.enable_grad():
-            gx, *gw = torch.autograd.grad(outs, (x, *weights.values()), gouts, materialize_grads=True)
+            gx, gw = self._grads(outs, x, weights, gouts)
         del outs, y
         done = self.streams.record_compute()
         self.trace.add_since("compute", "bwd", i, t0)
         return gx, gw, done
+
+    def _grads(self, outs: tuple, x: torch.Tensor, weights: dict[str, torch.Tensor],
+               gouts: tuple) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """(input gradient, weight gradients) of one layer's outputs. A weight no gradient reaches (an expert no
+        token was routed to) gets None where the host's add skips it (slab_state.PartsAdd); the staged paths
+        copy every gradient: zeros, as in PyTorch."""
+        gx, *gw = torch.autograd.grad(outs, (x, *weights.values()), gouts, allow_unused=True,
+                                      materialize_grads=self.device.type == "cuda" or self.grad_sink is not None)
+        return gx, gw
 
     def _layer_backward(self, i: int, slot: int, x: torch.Tensor, g: torch.Tensor,
                         inputs: tuple[tuple, dict]) -> tuple[torch.Tensor, list[torch.Tensor], Event]:
@@ -378,11 +386,8 @@ class LayerPipeline:
             else:
                 y = self.templates.call(i, weights, x, args, kwargs)
                 # A mixture-of-experts layer also backpropagates its router logits' gradients from the router loss.
-                # A weight no gradient reaches (an expert no token was routed to) gets None where the host's add
-                # skips it (slab_state.PartsAdd); the staged paths copy every gradient: zeros, as in PyTorch.
                 outs, gouts = self.templates.with_router_grads(i, y, g)
-                gx, *gw = torch.autograd.grad(outs, (x, *weights.values()), gouts, allow_unused=True,
-                                              materialize_grads=self.device.type == "cuda" or self.grad_sink is not None)
+                gx, gw = self._grads(outs, x, weights, gouts)
                 del y, outs
         done = self.streams.record_compute()
         self.freed[slot] = done

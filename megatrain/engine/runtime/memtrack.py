@@ -24,14 +24,18 @@ _host = threading.local()
 
 
 @contextmanager
-def host_allocations() -> Iterator[None]:
-    """Allocations inside this block are host memory (e.g. offload staging), not device memory."""
+def untracked() -> Iterator[None]:
+    """Allocations inside this block are not the tracked working set: host memory (e.g. offload staging), or
+    device memory counted on its own (the layer weight buffers, in device_weight_bytes)."""
     prev = getattr(_host, "on", False)
     _host.on = True
     try:
         yield
     finally:
         _host.on = prev
+
+
+host_allocations = untracked  # the name its host-side callers read
 
 
 class _Mode(TorchDispatchMode):
