@@ -111,7 +111,7 @@ def _find_engine(*objs: Any) -> Any:
 
 # The engine's counts that add up over steps; the rest (peaks, sizes) hold for the window as a whole.
 _ADDITIVE = ("forward_s", "backward_s", "optimizer_s", "optimizer_busy_s", "copy_wait_s", "h2d_bytes", "d2h_bytes",
-             "h2d_busy_s", "d2h_busy_s", "tokens")
+             "h2d_busy_s", "d2h_busy_s", "tokens", "recomputed_layers")
 
 
 def per_step(window: dict[str, float], n_steps: int) -> dict[str, float]:
@@ -287,6 +287,10 @@ def run(pt: Point, trace_path: str | None = None,
         row["peak_device_bytes"] = max(s["peak_device_bytes"] for s in eng_stats)
         row["device_mem_source"] = "cuda" if device.type == "cuda" else "engine"
         row["device_weight_bytes"] = eng_stats[-1].get("device_weight_bytes")
+        last = eng_stats[-1]
+        if last.get("resident_weight_layers") is not None:
+            row["residency"] = f"{int(last['resident_weight_layers'])}/{int(last['kept_graph_layers'])}"
+            row["recomputed_layers"] = med("recomputed_layers", eng_stats)
         row["h2d_bytes_per_step"] = med("h2d_bytes", eng_stats)
         row["d2h_bytes_per_step"] = med("d2h_bytes", eng_stats)
         row["h2d_busy_s"] = med("h2d_busy_s", eng_stats)

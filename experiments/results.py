@@ -77,6 +77,8 @@ COLUMNS: list[tuple[str, str]] = [
                           "accounting for megatrain on CPU, empty for torch/zero3 on CPU (no separate device)"),
     ("device_mem_source", "`cuda`, `engine` or `none`"),
     ("device_weight_bytes", "weight bytes resident on the device at once (engine accounting; megatrain)"),
+    ("residency", "layers kept on the device as weights/activations, e.g. `32/17` (megatrain; `0/0`: all streamed)"),
+    ("recomputed_layers", "layers recomputed in backward per step (megatrain; micro-batches x streamed layers)"),
     ("peak_host_rss_bytes", "peak resident set size of the point's process"),
     ("base_host_rss_bytes", "RSS just before the model was built (imports, runtime)"),
     ("host_bytes_per_param", "(peak_host_rss_bytes - base_host_rss_bytes) / params"),

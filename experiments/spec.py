@@ -10,14 +10,12 @@ import hashlib
 import itertools
 import json
 from dataclasses import asdict, dataclass, field
-from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from megatrain.config import EngineConfig
-from megatrain.costs import residency as kept
 from megatrain.models.presets import ModelPreset
 from megatrain.planner.shapes import resolve_model
 from megatrain.validate import close_match, is_int, unknown_key
@@ -183,9 +181,7 @@ def _check_value(file: str, path: str, key: str, v: Any) -> Any:
         if not isinstance(v, dict):
             raise bad(f"engine must be a mapping of megatrain settings, got {v!r}")
         try:
-            EngineConfig.from_dict(_without_residency(v))
-            if "residency" in v:
-                kept.parse(v["residency"])
+            EngineConfig.from_dict(v)  # residency included (costs/residency.py parse)
         except (ValueError, TypeError) as e:
             raise bad(str(e)) from None
         v = dict(sorted(v.items()))
@@ -198,13 +194,6 @@ def _check_value(file: str, path: str, key: str, v: Any) -> Any:
                           "remove it")
         v = dict(sorted(v.items()))
     return v
-
-
-def _without_residency(engine: dict[str, Any]) -> dict[str, Any]:
-    """The engine mapping for EngineConfig's own check: `residency` is checked by the one model the engine and
-    the planner share (costs/residency.py parse), whether or not this EngineConfig has the field yet."""
-    known = {f.name for f in dataclass_fields(EngineConfig)}
-    return engine if "residency" in known else {k: v for k, v in engine.items() if k != "residency"}
 
 
 def _check_keys(file: str, path: str, d: Any) -> dict[str, Any]:

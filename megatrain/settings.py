@@ -129,7 +129,7 @@ _PLANNER_NAMES = {
     "num_buffers": "num_buffers", "loss_chunk_tokens": "loss_chunk_tokens",
     "offload_activations": "offload_activations", "mlp_tile_tokens": "mlp_tile_tokens",
     "device_budget_bytes": "device_budget_bytes", "host_master": "master", "host_grad_dtype": "host_grad_dtype",
-    "optimizer_in_backward": "optimizer_in_backward", "optimizer_overlap": "optimizer_overlap",
+    "optimizer_in_backward": "optimizer_in_backward", "optimizer_overlap": "optimizer_overlap", "residency": "residency",
 }
 
 

@@ -34,6 +34,8 @@ def main() -> None:
     engine, _, _, _ = megatrain.initialize(model=model, model_parameters=model.parameters(), config={
         "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, **clip,
         "megatrain": {"parity_probe": False, "device": "cpu", "data_parallel_host": host, "watchdog_s": 300.0,
+                      # the store's bytes, not a CPU device's copies of kept layers (each rank's own)
+                      "residency": "stream",
                       "host_mmap_threshold_bytes": 1 << 17, **modes}})
     ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(rank))
     for _ in range(2):

@@ -19,14 +19,8 @@ from .shapes import resolve_model
 BACKENDS = ("megatrain", "zero3", "zero3-alst", "torch")
 
 
-def _engine_residency() -> str | kept.Residency:
-    """The engine's default residency: EngineConfig's, or every layer streamed by an engine without the setting."""
-    known = {f.name: f for f in dataclasses.fields(EngineConfig)}
-    return kept.parse(known["residency"].default) if "residency" in known else kept.Residency()
-
-
 # The residency a point plans when it sets none: the engine's own default, so a plan is what the engine runs.
-ENGINE_RESIDENCY = _engine_residency()
+ENGINE_RESIDENCY = kept.parse(next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "residency"))
 MASTERS = ("fp32", "hilo", "bf16")
 
 

@@ -303,10 +303,14 @@ class Tally:
     absent: int = 0  # of the skipped: parts with no gradient at all (None)
 
 
+FLT_MAX = float(torch.finfo(torch.float32).max)
+
+
 class Reduced(NamedTuple):
     norms: torch.Tensor  # each chunk's norm, in slab order (meaningful only where measured)
     finite: bool  # every value written finite
     skipped: int  # gradient elements skipped (absent, or in all-zero blocks)
+    sumsq: float = 0.0  # the chunks' squared norms summed in double: whether their FP32 combination overflows
 
 
 def reduce_chunks(lib: ctypes.CDLL, slab: torch.Tensor, parts: Parts, first: bool, threads: int | None = None,
@@ -326,9 +330,9 @@ def reduce_chunks(lib: ctypes.CDLL, slab: torch.Tensor, parts: Parts, first: boo
     live = [(lo, hi, g) for lo, hi, g in extents(parts, n) if hi > lo]
     dst, lanes_at = slab.data_ptr(), lanes.data_ptr()
 
-    def run(c0: int, c1: int) -> tuple[int, int]:
+    def run(c0: int, c1: int) -> tuple[int, int, float]:
         """Chunks [c0, c1): each written through reduce_range, part by part, into its own lanes, then finished."""
-        bad, p, skipped = 0, 0, ctypes.c_int64(0)
+        bad, p, skipped, sumsq = 0, 0, ctypes.c_int64(0), 0.0
         for ci in range(c0, c1):
             a, b = ci * c, min(ci * c + c, n)
             while p < len(live) and live[p][1] <= a:
@@ -344,18 +348,20 @@ def reduce_chunks(lib: ctypes.CDLL, slab: torch.Tensor, parts: Parts, first: boo
                                             ctypes.byref(skipped))
                 q += 1
             if measure:
-                norms[ci] = lib.finish_norm(lanes_at + 4 * LANES * ci)
-        return bad, skipped.value
+                v = lib.finish_norm(lanes_at + 4 * LANES * ci)
+                norms[ci] = v
+                sumsq += v * v
+        return bad, skipped.value, sumsq
 
     t = max(1, min(torch.get_num_threads() if threads is None else threads, k))
     bounds = [k * j // t for j in range(t + 1)]
     helpers = [_helpers().submit(run, a, b) for a, b in zip(bounds[1:-1], bounds[2:])] if t > 1 else []
-    bad, skipped = run(bounds[0], bounds[1])
+    bad, skipped, sumsq = run(bounds[0], bounds[1])
     for job in helpers:
-        more_bad, more_skipped = job.result()
-        bad, skipped = bad | more_bad, skipped + more_skipped
+        more_bad, more_skipped, more_sumsq = job.result()
+        bad, skipped, sumsq = bad | more_bad, skipped + more_skipped, sumsq + more_sumsq
     torch.autograd.graph.increment_version(slab)  # written through a pointer: what an in-place add would show
-    return Reduced(norms, not bad, skipped)
+    return Reduced(norms, not bad, skipped, sumsq)
 
 
 def reduce_and_norm(lib: ctypes.CDLL, slab: torch.Tensor, parts: Parts, first: bool, threads: int | None = None,
@@ -372,8 +378,9 @@ def reduce_and_norm(lib: ctypes.CDLL, slab: torch.Tensor, parts: Parts, first: b
         return torch.tensor(float("nan")), r.finite
     norm = combine(r.norms)
     # A non-finite value written makes the norm inf or NaN; a norm past float's range reads as non-finite too, as
-    # the step's own check of the norm takes it.
-    return norm, r.finite and math.isfinite(float(norm))
+    # the step's own check of the norm takes it. Read off the chunks' Python floats: a tensor's float() here
+    # would be one more host read of a tensor per layer inside the backward (the GPU check counts them).
+    return norm, r.finite and math.isfinite(r.sumsq) and math.sqrt(r.sumsq) <= FLT_MAX
 
 
 def _absent(parts: Parts, n: int) -> int:

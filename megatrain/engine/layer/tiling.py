@@ -25,6 +25,7 @@ at all (`TILEABLE_LAYERS`, each checked against the untiled layer by the tests).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -314,5 +315,7 @@ def long_context_policy(config: EngineConfig, layers: Sequence[nn.Module], layer
 
 def host_room() -> int:
     """What "auto" residency may keep with no device budget on a CPU device, whose "device" memory is the host's:
-    half of what this process may still allocate (the rest for the batch's working set and the page cache)."""
-    return available_host_bytes() // 2
+    half of what this process may still allocate (the rest for the batch's working set and the page cache),
+    shared among the node's ranks (each keeps its own copies)."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return available_host_bytes() // (2 * max(1, ranks))
