@@ -261,5 +261,25 @@ def phase_parity(ctx: Ctx) -> None:
                 "param_abs": worst}
 
     ctx.check("optimizer_overlap", deterministic(overlap))
+
+    def residency() -> dict[str, Any]:
+        # Layers kept on the device (weights in buffers of their own, forward graphs kept): the same kernels on the
+        # same values in the same order as streaming with recompute, so bit-identical, with fewer copies.
+        base = tiny_model("llama", sh)
+        runs = {}
+        for name, setting in (("stream", "stream"), ("some", {"weights": 2, "activations": 1}), ("auto", "auto")):
+            eng = Engine(copy.deepcopy(base), EngineConfig(device=dev, residency=setting))
+            losses, _, stats = _train_engine(eng, batches, steps, accum, clip)
+            runs[name] = (losses, eng.state_dict(), stats[-1])
+        ref_l, ref_p, ref_s = runs["stream"]
+        worst = max((runs[n][1][k] - ref_p[k]).abs().max().item() for n in ("some", "auto") for k in ref_p)
+        auto = runs["auto"][2]
+        return {"ok": all(runs[n][0] == ref_l for n in runs) and worst == 0.0
+                and auto["h2d_bytes"] < ref_s["h2d_bytes"] and auto["recomputed_layers"] < ref_s["recomputed_layers"],
+                "param_abs": worst, "h2d_bytes": {n: r[2]["h2d_bytes"] for n, r in runs.items()},
+                "recomputed_layers": {n: r[2]["recomputed_layers"] for n, r in runs.items()},
+                "auto_kept": [auto["resident_weight_layers"], auto["kept_graph_layers"]]}
+
+    ctx.check("residency", deterministic(residency))
     for k in (1, 3):
         ctx.check(f"num_buffers_{k}", lambda k=k: fp32("llama", False, num_buffers=k))
