@@ -35,7 +35,8 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
                     the staging slots it blocks on); fills, drains, the layers still resident
                     at the turn and across micro-batches, activation offload; + the embedding/head I/O the
                     engine does per device type (none on a CPU device in FP32: it aliases them; on CUDA the
-                    gradients' copy and add on the copy and reduce lanes, after the head) + CPU AdamW
+                    gradients' copy on the d2h lane after the head, their add on a reduce lane of its own, as
+                    the engine adds them on a worker of their own, engine/pipeline/global_grads.py) + CPU AdamW
                     (bytes touched / host bandwidth) after backward, or with optimizer_overlap (its "auto", as the
                     engine resolves it: on with a CUDA device) a layer at a time behind the next forward, or with
                     optimizer_in_backward a layer at a time behind the backward; the resident parameters' update
