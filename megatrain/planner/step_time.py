@@ -217,8 +217,8 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
         opt_added = opt_globals + max(own * u - f_mb + f_mb / L, u)
     else:
         opt_added = opt_busy
-    # the resident parameters' update runs on the launch thread before any layer job, and their rounding into
-    # the upload's staging after it, with nothing queued on the device (host_work.py)
+    # the resident parameters' update runs on the launch thread once the layer jobs are queued, and their rounding
+    # into the upload's staging after it on a worker of its own, which the next forward waits for (host_work.py)
     serial = serial_work(p, hw, m.param_count() - L * PL, opt_globals)
     embed_io = (0.0 if off else g * io.down_s) + io.up_s  # what the compute thread spends on them
     step = sim.t + opt_added + serial.resident_round_s + io.up_s
@@ -254,10 +254,10 @@ IDLE_LINK = "compute waits on weight/activation copies"
 IDLE_REDUCER = "backward waits on the gradient reducer (staging full)"
 IDLE_DRAIN_REDUCE = "last gradients: the reducer's tail"
 IDLE_DRAIN_LINK = "last gradients: the copies' tail"
-IDLE_RESIDENT = "resident parameters' update (serial, before any layer's)"
+IDLE_RESIDENT = "resident parameters' update (launch thread, after the layers' are queued)"
 IDLE_LAYERS = "layer updates not hidden behind the next forward"
 IDLE_LAYERS_AFTER = "layer updates after backward (not overlapped)"
-IDLE_ROUND = "resident masters rounded to bf16 (serial)"
+IDLE_ROUND = "resident masters rounded to bf16 (its worker; the forward waits)"
 IDLE_UPLOAD = "resident parameters' upload"
 IDLE_COMM = "data-parallel gradient reduction not hidden"  # planner/multi.py
 
