@@ -30,16 +30,19 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
                     runs, on a compute lane and the copy lanes): per layer compute = FLOPs / (peak x sustained)
                     + elementwise bytes / device bandwidth, attention included (causal, flash backward = 2.5x
                     forward); h2d = layer bytes / link; d2h = grad bytes / link and the host add (on the d2h
-                    worker on a CPU device; on CUDA the reducer thread after the copy, c + 8 B/param with its norm,
-                    on a quarter of the host's cores as engine/runtime/stream.py side_threads gives it, host_work.py, with
-                    the staging slots it blocks on); fills, drains, the layers still resident
+                    worker on a CPU device; on CUDA the reducer thread after the copy, c + 8 B/param with its norm
+                    (a bf16 slab: c + 4), one pass into FP32 slabs (engine/host/reduce_kernel.py), on a quarter of
+                    the host's cores as engine/runtime/stream.py side_threads gives it, host_work.py, with the
+                    staging slots it blocks on); fills, drains, the layers still resident
                     at the turn and across micro-batches, activation offload; + the embedding/head I/O the
                     engine does per device type (none on a CPU device in FP32: it aliases them; on CUDA the
-                    gradients' copy and add on the copy and reduce lanes, after the head) + CPU AdamW
+                    gradients' copy on the d2h lane after the head, their add on a reduce lane of its own, as
+                    the engine adds them on a worker of their own, engine/pipeline/global_grads.py) + CPU AdamW
                     (bytes touched / host bandwidth) after backward, or with optimizer_overlap (its "auto", as the
                     engine resolves it: on with a CUDA device) a layer at a time behind the next forward, or with
                     optimizer_in_backward a layer at a time behind the backward; the resident parameters' update
-                    and their rounding into the bf16 upload staging serial on the launch thread (host_work.py).
+                    on the launch thread once the layer jobs are queued, and their rounding into the bf16 upload
+                    staging on a worker of its own, which the next forward waits for (host_work.py).
                     The step's timeline (step_timeline.py): GPU busy, each link's and the host's busy time, the
                     GPU idle fraction and its causes. `megatrain plan` also tabulates every mode at the point.
   zero3             DeepSpeed ZeRO-3 (or ZeRO-2, zero_stage=2) offload from its mechanisms (zero3_model.py):

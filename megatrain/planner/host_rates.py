@@ -44,16 +44,17 @@ HOST_RATES: dict[str, HostRate] = {
     "fp32, optimizer in backward": HostRate(0.78, "assumed: as the FP32 fused per-layer pass (fp32, overlap)"),
     "bf16 master": HostRate(0.99, "assumed: as hilo + bf16 slabs (the same passes less the lo half)"),
     # Not a mode: backward's per-layer reduction + norm on the reducer's threads (host_work.py), against copy_ on the
-    # same threads. Torch's two passes (accumulate, then vector_norm), where the reducer has more threads than the
-    # one-pass kernel pays on: the first reduction after zero_grad (0 + g, the only one at accumulation 1) writes
-    # the slab without reading it, yet takes as long as an add: its 10 counted bytes run at 1.75x their bound (an
-    # add + norm, 14 bytes: 1.1x). Beside it the launch thread's rounding of the resident masters into their bf16
-    # staging.
+    # same threads. Torch's two passes (accumulate, then the slab's norm), where the one-pass kernel does not apply
+    # (bf16 slabs: host_work.reducer_one_pass): the first reduction after zero_grad (0 + g, the only one at
+    # accumulation 1) writes the slab without reading it, yet takes as long as an add: its 10 counted bytes run at
+    # 1.75x their bound (an add + norm, 14 bytes: 1.1x). Beside it the rounding of the resident masters into their
+    # bf16 staging, on a worker of its own (engine/host/resident_upload.py).
     "reducer": HostRate(1.75, "measured: results/reducer_rate (first reduction + norm, 1 of 2 threads, paired "
                               "median, 6 runs)"),
-    # The one-pass kernel (engine/host/reduce_kernel.py) where the reducer has at most its FUSED_MAX_THREADS: write
-    # or add, norm and finite flag in one loop on one core, the 10 counted bytes at 0.8x the bound of copy_ on that
-    # core (first reduction 0.80, an add 0.72: the first, the only one at accumulation 1, is counted).
+    # The one-pass kernel (engine/host/reduce_kernel.py), on every reducer thread: write or add, norm and finite
+    # flag in one loop, its fixed chunks split over the threads. Measured on one core: the 10 counted bytes at 0.8x
+    # the bound of copy_ on that core (first reduction 0.80, an add 0.72: the first, the only one at accumulation
+    # 1, is counted); host_work.reducer_bps applies it to the bandwidth of the reducer's threads.
     "reducer, one pass": HostRate(0.8, "measured: results/host_passes/reducer.md (one pass, first reduction + "
                                        "norm, 1 thread, paired median, 11 repetitions)"),
     "resident rounding": HostRate(1.3, "measured: results/reducer_rate (FP32 -> bf16 copy_, every thread, paired "

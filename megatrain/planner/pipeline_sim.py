@@ -13,6 +13,11 @@ from ..costs import residency as kept
 from ..costs.pinning import STAGING_SLOTS
 from .point import Point
 
+# The host workers that add gradients into their slabs (CUDA): the layers' reducer (engine/pipeline/schedule.py)
+# and the resident parameters' own (engine/pipeline/global_grads.py), each a lane here.
+REDUCE, REDUCE_GLOBALS = "reduce", "reduce-globals"
+REDUCE_LANES = (REDUCE, REDUCE_GLOBALS)
+
 
 @dataclass(frozen=True)
 class LayerCosts:
@@ -45,7 +50,7 @@ class PipelineSim:
         self.residency = (residency or kept.Residency()).capped(n_layers)
         self.t = self.wait = 0.0
         self.staging_wait = 0.0  # the launch thread blocked for a free gradient staging slot (the reducer's pace)
-        self.lane = {"h2d": 0.0, "d2h": 0.0, "reduce": 0.0}
+        self.lane = {"h2d": 0.0, "d2h": 0.0, REDUCE: 0.0, REDUCE_GLOBALS: 0.0}
         self.bytes_jobs = {"load": 0, "act_out": 0, "act_in": 0, "grad": 0}  # job counts
         self.recomputed = 0  # layers whose backward ran its forward again
         self.buffers = order.DeviceBuffers(n_buffers, self.residency.kept)
@@ -96,7 +101,7 @@ class PipelineSim:
         self.next_staging = (i + 1) % len(self.staging_free)
         self._block_for(self.staging_free[i])  # the host blocks until that staging buffer is free
         copied = self._job("d2h", self.t, c.grad, "grad", layer)
-        self.staging_free[i] = self._job("reduce", copied, c.reduce, "reduce", layer)
+        self.staging_free[i] = self._job(REDUCE, copied, c.reduce, "reduce", layer)
 
     def _block_for(self, when: float) -> None:
         if when > self.t:
@@ -145,8 +150,9 @@ def simulate_step(p: Point, costs: LayerCosts, head: float,
                   residency: kept.Residency | None = None) -> tuple[PipelineSim, float, float, float]:
     """One step's micro-batches through the pipeline, up to the optimizer; returns the simulation and
     the forward, backward (summed over micro-batches) and final-drain seconds. `globals_grads`: (copy, add)
-    seconds of the resident parameters' gradients when they travel on the copy and reduce lanes (CUDA:
-    engine/pipeline/global_grads.py), queued after the head; else they are part of `head`, on the compute thread.
+    seconds of the resident parameters' gradients when they travel on the copy lane and their own reduce lane
+    (CUDA: engine/pipeline/global_grads.py adds them on a worker of their own, so no layer's reduction queues
+    behind the head's), queued after the head; else they are part of `head`, on the compute thread.
     `residency`: the batch's placement (the memory plan's, LongContext.residency); None: the point's own counts,
     or every layer streamed when the point says "auto" (resolving "auto" is the memory plan's job). The step
     starts with nothing resident, as after the optimizer's DeviceBuffers.invalidate()."""
@@ -162,7 +168,7 @@ def simulate_step(p: Point, costs: LayerCosts, head: float,
         if globals_grads is not None:
             sim._block_for(sim.globals_free)  # the host waits for the staging the last micro-batch used
             copied = sim._job("d2h", sim.t, globals_grads[0], "head-grad", -1)
-            sim.globals_free = sim._job("reduce", copied, globals_grads[1], "reduce-head-grad", -1)
+            sim.globals_free = sim._job(REDUCE_GLOBALS, copied, globals_grads[1], "reduce-head-grad", -1)
         t2 = sim.t
         sim.backward()
         fwd_s += t1 - t0

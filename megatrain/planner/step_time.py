@@ -12,7 +12,7 @@ from .hardware import GB, Hardware, _is_bf16
 from .host_rates import host_slowdown
 from .host_work import reducer_bps, reducer_bytes_per_param, serial_work
 from .memory import LOSS_BYTES_EXTRA, zero3_sizes
-from .pipeline_sim import LayerCosts, PipelineSim, simulate_step
+from .pipeline_sim import REDUCE_LANES, LayerCosts, PipelineSim, simulate_step
 from .point import Point, aliases_globals, master_bytes, overlap_on
 from .zero3_model import PassCost, Step, Submodule, decoder_layer_submodules, run_pass
 
@@ -158,8 +158,8 @@ def globals_io(p: Point, hw: Hardware) -> GlobalsIO:
 
 
 def async_globals(io: GlobalsIO, costs: LayerCosts) -> tuple[float, float] | None:
-    """(copy, add) seconds of the resident parameters' gradients on the copy and reduce lanes (CUDA), or None
-    when they are added on the compute thread (a CPU device)."""
+    """(copy, add) seconds of the resident parameters' gradients on the copy lane and their own reduce lane (CUDA),
+    or None when they are added on the compute thread (a CPU device)."""
     return (io.down_s, io.add_s) if costs.cuda else None
 
 
@@ -217,8 +217,8 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
         opt_added = opt_globals + max(own * u - f_mb + f_mb / L, u)
     else:
         opt_added = opt_busy
-    # the resident parameters' update runs on the launch thread before any layer job, and their rounding into
-    # the upload's staging after it, with nothing queued on the device (host_work.py)
+    # the resident parameters' update runs on the launch thread once the layer jobs are queued, and their rounding
+    # into the upload's staging after it on a worker of its own, which the next forward waits for (host_work.py)
     serial = serial_work(p, hw, m.param_count() - L * PL, opt_globals)
     embed_io = (0.0 if off else g * io.down_s) + io.up_s  # what the compute thread spends on them
     step = sim.t + opt_added + serial.resident_round_s + io.up_s
@@ -254,10 +254,10 @@ IDLE_LINK = "compute waits on weight/activation copies"
 IDLE_REDUCER = "backward waits on the gradient reducer (staging full)"
 IDLE_DRAIN_REDUCE = "last gradients: the reducer's tail"
 IDLE_DRAIN_LINK = "last gradients: the copies' tail"
-IDLE_RESIDENT = "resident parameters' update (serial, before any layer's)"
+IDLE_RESIDENT = "resident parameters' update (launch thread, after the layers' are queued)"
 IDLE_LAYERS = "layer updates not hidden behind the next forward"
 IDLE_LAYERS_AFTER = "layer updates after backward (not overlapped)"
-IDLE_ROUND = "resident masters rounded to bf16 (serial)"
+IDLE_ROUND = "resident masters rounded to bf16 (its worker; the forward waits)"
 IDLE_UPLOAD = "resident parameters' upload"
 IDLE_COMM = "data-parallel gradient reduction not hidden"  # planner/multi.py
 
@@ -267,7 +267,7 @@ def _megatrain_idle(sim: PipelineSim, drain: float, opt_added: float, resident_u
     """Seconds per step the compute timeline waits, by cause; `resident_update` is the part of `opt_added` spent
     on the resident parameters, the rest (`layers`) the layers' updates the compute does not hide."""
     return {IDLE_LINK: sim.wait, IDLE_REDUCER: sim.staging_wait,
-            IDLE_DRAIN_REDUCE if sim.drained_by == "reduce" else IDLE_DRAIN_LINK: drain,
+            IDLE_DRAIN_REDUCE if sim.drained_by in REDUCE_LANES else IDLE_DRAIN_LINK: drain,
             IDLE_RESIDENT: min(resident_update, opt_added), layers: max(0.0, opt_added - resident_update),
             IDLE_ROUND: round_s, IDLE_UPLOAD: upload}
 

@@ -95,10 +95,33 @@ def _gaps(ref: dict, got: dict) -> dict[str, float]:
     }
 
 
-def _check_parity(results: list[dict], world: int, micro: int, faces: list[str]) -> None:
-    example = _example()
+def _references(world: int, micro: int, faces: list[str]) -> dict[str, dict]:
+    """Each face's one-process run with micro-batch world * micro (every_sync's is the accelerator face's), each
+    trained once."""
+    example, runs = _example(), {}
     for face in faces:
-        ref = example.train("accelerator" if face == "every_sync" else face, micro * world, 1, 0)
+        kind = "accelerator" if face == "every_sync" else face
+        if kind not in runs:
+            runs[kind] = example.train(kind, micro * world, 1, 0)
+    return {face: runs["accelerator" if face == "every_sync" else face] for face in faces}
+
+
+def _meanwhile(stop, work):
+    """`work()` here while ranks run (the one-process references read nothing the ranks write); `stop()` ends
+    the ranks if it fails."""
+    try:
+        return work()
+    except BaseException:
+        stop()
+        raise
+
+
+def _check_parity(results: list[dict], world: int, micro: int, faces: list[str],
+                  refs: dict[str, dict] | None = None) -> None:
+    example = _example()
+    refs = refs or _references(world, micro, faces)
+    for face in faces:
+        ref = refs[face]
         assert len(ref["norms"]) == 3 and min(ref["norms"]) > 2 * example.CLIP  # clipping really acts
         gaps = _gaps(ref, results[0][face])
         assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (face, world, gaps)
@@ -111,10 +134,12 @@ def test_torchrun_two_ranks_match_one_process(tmp_path):
     """The example under torchrun: 2 ranks x micro-batch 2 == 1 process x micro-batch 4, both faces; the
     checkpoint the 2 ranks wrote resumes in 1 process exactly where an uninterrupted run would be."""
     ckpt = tmp_path / "ckpt"
-    results = _torchrun(tmp_path, "--save-to", str(ckpt))
-    _check_parity(results, 2, 2, ["deepspeed", "accelerator"])
+    proc = _start_torchrun(tmp_path, "--save-to", str(ckpt))
     example = _example()
-    whole = example.train("deepspeed", 4, 1, 0, steps=5)
+    refs, whole = _meanwhile(proc.kill, lambda: (_references(2, 2, ["deepspeed", "accelerator"]),
+                                                example.train("deepspeed", 4, 1, 0, steps=5)))
+    results = _torchrun_results(proc, tmp_path)
+    _check_parity(results, 2, 2, ["deepspeed", "accelerator"], refs)
     resumed = example.train("deepspeed", 4, 1, 0, steps=5, resume_from=ckpt)
     assert len(resumed["losses"]) == 4  # steps 4 and 5, two micro-batches each
     gaps = _gaps({**whole, "losses": whole["losses"][6:], "norms": whole["norms"][3:]}, resumed)
@@ -127,6 +152,7 @@ def test_three_ranks_match_one_process_and_negative_control(tmp_path):
     args = {"faces": ["deepspeed", "accelerator"], "micro": 1, "steps": 3, "accumulation": 2, "watchdog_s": 120.0,
             "every_sync": True, "control": "skip_average", "slow_updates": True}
     ranks = Ranks(3, [str(WORKER), str(tmp_path), json.dumps(args)], tmp_path)
+    refs = _meanwhile(ranks.kill, lambda: _references(3, 1, ["deepspeed", "accelerator", "every_sync"]))
     codes = ranks.wait()
     assert codes == [0, 0, 0], ranks.log(0)[-3000:]
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
@@ -135,8 +161,8 @@ def test_three_ranks_match_one_process_and_negative_control(tmp_path):
     # The DeepSpeed face overlaps the layer updates (optimizer_overlap): one token per layer per step tells the
     # other ranks a layer's owner has updated it (2 layers x 3 steps); the Accelerator face does not overlap.
     assert all(res["update_tokens"] == 2 * 3 for res in results), [res["update_tokens"] for res in results]
-    _check_parity(results, 3, 1, ["deepspeed", "accelerator", "every_sync"])
-    ref = _example().train("deepspeed", 3, 1, 0)
+    _check_parity(results, 3, 1, ["deepspeed", "accelerator", "every_sync"], refs)
+    ref = refs["deepspeed"]  # the one-process run at micro-batch 3, as above
     gaps = _gaps(ref, results[0]["control"])
     assert gaps["params"] > 100 * TOL and gaps["norms"] > 100 * TOL, gaps
     # Owners slower than the others' next forward: still exact, as the layer-update tokens hold the loads back;
@@ -156,11 +182,12 @@ def test_two_nodes_of_two_ranks_match_one_process(tmp_path):
     1 process x micro-batch 4; every rank ends with the same weights."""
     args = {"faces": ["deepspeed"], "micro": 1, "steps": 3, "accumulation": 2, "watchdog_s": 120.0}
     ranks = Ranks(4, [str(WORKER), str(tmp_path), json.dumps(args)], tmp_path, per_node=2)
+    refs = _meanwhile(ranks.kill, lambda: _references(4, 1, ["deepspeed"]))
     codes = ranks.wait()
     assert codes == [0, 0, 0, 0], ranks.log(0)[-3000:]
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     assert all(res["owner_reductions"] == 2 * 6 for res in results)
-    _check_parity(results, 4, 1, ["deepspeed"])
+    _check_parity(results, 4, 1, ["deepspeed"], refs)
 
 
 def test_weights_written_on_one_rank_reach_every_rank(tmp_path):
@@ -181,11 +208,19 @@ def test_weights_written_on_one_rank_reach_every_rank(tmp_path):
     assert share["states"] < share["params"] and share["refused"], share
 
 
-def _torchrun(tmp_path: Path, *args: str) -> list[dict]:
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(EXAMPLE), "--micro-batch", "2", "--out", str(tmp_path), *args],
-                          env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=DEADLINE_S)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def _start_torchrun(tmp_path: Path, *args: str) -> subprocess.Popen:
+    with open(tmp_path / "torchrun.log", "w") as log:  # a file: nothing waits on an unread pipe
+        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                 "2", str(EXAMPLE), "--micro-batch", "2", "--out", str(tmp_path), *args],
+                                env=_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def _torchrun_results(proc: subprocess.Popen, tmp_path: Path) -> list[dict]:
+    try:
+        proc.wait(timeout=DEADLINE_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, (tmp_path / "torchrun.log").read_text()[-6000:]
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
 
@@ -194,8 +229,9 @@ def _torchrun(tmp_path: Path, *args: str) -> list[dict]:
 def test_zero3_baseline_at_the_same_world_size(tmp_path):
     """Real DeepSpeed ZeRO-3 offload, 2 ranks under torchrun through the same Accelerator and script, lands
     where MegaTrain's one-process run with the doubled micro-batch does."""
-    results = _torchrun(tmp_path, "--faces", "accelerator", "--backend", "zero3")
-    _check_parity(results, 2, 2, ["accelerator"])
+    proc = _start_torchrun(tmp_path, "--faces", "accelerator", "--backend", "zero3")
+    refs = _meanwhile(proc.kill, lambda: _references(2, 2, ["accelerator"]))
+    _check_parity(_torchrun_results(proc, tmp_path), 2, 2, ["accelerator"], refs)
 
 
 @pytest.mark.parametrize("fault", ["die", "hang"])

@@ -32,14 +32,20 @@ SAVED_STEPS, TOTAL_STEPS, ACCUMULATION = 3, 5, 2
 FACES = ("deepspeed", "accelerator")
 
 
-def _launch(world: int, phases: list[dict[str, Any]], tmp: Path) -> list[dict[str, Any]]:
-    """One bounded multi-process run of the worker; every rank's results."""
+def _launch(world: int, phases: list[dict[str, Any]], tmp: Path, meanwhile=lambda: None) -> tuple[list, Any]:
+    """One bounded multi-process run of the worker: every rank's results, and what `meanwhile()` returned (run
+    here while the ranks run: work that reads nothing they write)."""
     tmp.mkdir(parents=True)
     args = {"micro": GLOBAL_MICRO // world, "watchdog_s": 120.0, "delay_s": 1.0, "phases": phases}
     ranks = Ranks(world, [str(WORKER), str(tmp), json.dumps(args)], tmp)
+    try:
+        done_here = meanwhile()
+    except BaseException:
+        ranks.kill()
+        raise
     codes = ranks.wait()
     assert codes == [0] * world, "\n".join(ranks.log(r)[-3000:] for r in range(world))
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)], done_here
 
 
 @pytest.fixture(scope="module")
@@ -48,19 +54,22 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     example = load_example("train_data_parallel")
     one, two = tmp / "ckpt_1rank", tmp / "ckpt_2ranks"
     out: dict[str, Any] = {"example": example}
-    out["whole"] = {face: example.train(face, GLOBAL_MICRO, 1, 0, steps=TOTAL_STEPS) for face in FACES}
     example.run(list(FACES), GLOBAL_MICRO, SAVED_STEPS, ACCUMULATION, 60.0, save_to=one)
-    out["two"] = _launch(2, [{"key": "1to2", "steps": TOTAL_STEPS, "resume_from": str(one)},
-                             {"key": "fresh", "steps": SAVED_STEPS, "save_to": str(two),
-                              "automatic_naming": str(tmp / "project")}], tmp / "launch2")
+    # The uninterrupted reference trains here while the 2 ranks run.
+    out["two"], out["whole"] = _launch(
+        2, [{"key": "1to2", "steps": TOTAL_STEPS, "resume_from": str(one)},
+            {"key": "fresh", "steps": SAVED_STEPS, "save_to": str(two), "automatic_naming": str(tmp / "project")}],
+        tmp / "launch2", lambda: {face: example.train(face, GLOBAL_MICRO, 1, 0, steps=TOTAL_STEPS) for face in FACES})
     # The folders as the 2 ranks left them, before anything else can touch them.
     out["final"] = {face: snapshot(example.checkpoint_dir(two, face)) for face in FACES}
     out["inner"] = example.checkpoint_dir(two, "accelerator").relative_to(two)
     out["folders"] = {face: str(example.checkpoint_dir(two, face)) for face in FACES}
     out["project"] = tmp / "project"
     out["project_final"] = {p.name: snapshot(p) for p in (tmp / "project" / "checkpoints").iterdir()}
-    out["three"] = _launch(3, [{"key": "2to3", "steps": TOTAL_STEPS, "resume_from": str(two)}], tmp / "launch3")
-    out["2to1"] = example.run(list(FACES), GLOBAL_MICRO, TOTAL_STEPS, ACCUMULATION, 60.0, resume_from=two)
+    # The 2 -> 1 resume here while the 3 ranks resume the same checkpoint (each only reads it).
+    out["three"], out["2to1"] = _launch(
+        3, [{"key": "2to3", "steps": TOTAL_STEPS, "resume_from": str(two)}], tmp / "launch3",
+        lambda: example.run(list(FACES), GLOBAL_MICRO, TOTAL_STEPS, ACCUMULATION, 60.0, resume_from=two))
     out["two_ranks_ckpt"] = two
     return out
 

@@ -263,21 +263,34 @@ def test_a_plain_trainer_script_with_a_megatrain_section_trains_on_megatrain(tmp
     DeepSpeed (DeepSpeedEngine) without a word."""
     from baselines.zero3 import default_extensions_dir
 
-    env = {**_env(), "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", default_extensions_dir())}
+    def start(name: str, extra: dict[str, str]) -> tuple[subprocess.Popen, Path]:
+        # Each run a port of its own (_env picks a free one): the two run at once, each with a process group.
+        env = {**_env(), "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", default_extensions_dir())}
+        (tmp_path / name).mkdir()
+        with open(tmp_path / f"{name}.err", "w") as err:
+            proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "workers" / "plain_trainer_script.py"),
+                                     str(tmp_path / name)], cwd=tmp_path / name, env={**env, **extra},
+                                    stdout=subprocess.PIPE, stderr=err, text=True)
+        return proc, tmp_path / f"{name}.err"
 
-    def engine(extra: dict[str, str]) -> dict:
-        r = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "plain_trainer_script.py"), str(tmp_path)],
-                           cwd=tmp_path, env={**env, **extra}, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-4000:]
-        return json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("REPORT "))[7:])
+    def engine(run: tuple[subprocess.Popen, Path]) -> dict:
+        proc, err = run
+        try:
+            out, _ = proc.communicate(timeout=600)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, err.read_text()[-4000:]
+        return json.loads(next(ln for ln in out.splitlines() if ln.startswith("REPORT "))[7:])
 
-    routed = engine({})
+    # The routed run and the control (the guard switched off) side by side, each in a folder of its own.
+    runs = [start("routed", {}), start("unguarded", {"MEGATRAIN_DEEPSPEED_GUARD": "0"})]
+    routed = engine(runs[0])
     # The script never imports megatrain (the start-up hook has, by the time the Trainer is built: at accelerate's
     # DeepSpeed module, so "imported_before" is no longer the script's doing).
     assert "import megatrain" not in (ROOT / "tests" / "workers" / "plain_trainer_script.py").read_text()
     assert routed["engine"] == "MegaTrainEngine" and len(routed["losses"]) == 2
     # Control: with the guard switched off the very same script does train on real DeepSpeed.
-    assert engine({"MEGATRAIN_DEEPSPEED_GUARD": "0"})["engine"] == "DeepSpeedEngine"
+    assert engine(runs[1])["engine"] == "DeepSpeedEngine"
 
 
 def test_trainer_example_without_launcher_variables_trains_to_the_end_with_plain_losses(tmp_path):
@@ -286,16 +299,26 @@ def test_trainer_example_without_launcher_variables_trains_to_the_end_with_plain
     bare = {k: v for k, v in _env().items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
                                                         "LOCAL_RANK")}
 
-    def losses(*argv: str) -> dict:
-        report = tmp_path / f"{argv[-1]}.json"
-        r = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_trainer.py"), "--output_dir",
-                            str(tmp_path / argv[-1]), "--report", str(report), *argv], cwd=tmp_path, env=bare,
-                           capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-4000:]
-        return json.loads(report.read_text())
+    def start(backend: str) -> tuple[subprocess.Popen, str]:
+        with open(tmp_path / f"{backend}.log", "w") as log:
+            proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "hf_trainer.py"), "--output_dir",
+                                     str(tmp_path / backend), "--report", str(tmp_path / f"{backend}.json"),
+                                     "--backend", backend], cwd=tmp_path, env=bare, stdout=log,
+                                    stderr=subprocess.STDOUT, text=True)
+        return proc, backend
 
-    mt = losses("--backend", "megatrain")
-    plain = losses("--backend", "torch")
+    def losses(run: tuple[subprocess.Popen, str]) -> dict:
+        proc, backend = run
+        try:
+            proc.wait(timeout=600)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, (tmp_path / f"{backend}.log").read_text()[-4000:]
+        return json.loads((tmp_path / f"{backend}.json").read_text())
+
+    # Both backends side by side: neither reads the other's files.
+    runs = [start("megatrain"), start("torch")]
+    mt, plain = losses(runs[0]), losses(runs[1])
     assert mt["engine"] == "MegaTrainEngine" and mt["engine_global_steps"] == 8
     steps = [str(i) for i in range(1, 9)]
     assert sorted(mt["losses"], key=int) == steps

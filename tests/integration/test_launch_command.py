@@ -115,9 +115,17 @@ def _env(site: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def _run(site: Path, cwd: Path, *args: str, **extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=_env(site, **extra), capture_output=True, text=True,
-                          timeout=300)
+def _runs(site: Path, cwd: Path, *commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+    """Every command (python's arguments) run side by side: each only prints its probes, and most of each is
+    the interpreter's single-threaded start-up."""
+    procs = [subprocess.Popen([sys.executable, *args], cwd=cwd, env=_env(site), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args in commands]
+    try:
+        outputs = [proc.communicate(timeout=300) for proc in procs]
+        return [subprocess.CompletedProcess(proc.args, proc.returncode, *out) for proc, out in zip(procs, outputs)]
+    finally:
+        for proc in procs:
+            proc.kill()
 
 
 def _probes(out: str) -> list[dict]:
@@ -130,30 +138,30 @@ def _probes(out: str) -> list[dict]:
 
 
 def test_a_console_command_runs_its_entry_point_with_the_routing(site, tmp_path):
-    r = _run(site, tmp_path, "-m", "megatrain.cli", "launch", "fake-train", "--x", "1")
+    r, control = _runs(site, tmp_path, ("-m", "megatrain.cli", "launch", "fake-train", "--x", "1"),
+                       ("-c", "import sys; from faketool.cli import main; sys.exit(main())"))
     assert r.returncode == 3, r.stderr[-3000:]  # the entry point's return value is the exit status, as its wrapper's
     (one,) = _probes(r.stdout)
     assert one == {"where": "tool", "routed": True, "argv": ["--x", "1"], "rank": None, "world": None, "local": None}
     # Control: the entry point called without megatrain launch finds no routing, so the check above can fail.
-    r = _run(site, tmp_path, "-c", "import sys; from faketool.cli import main; sys.exit(main())")
-    assert r.returncode == 3 and _probes(r.stdout)[0]["routed"] is False
+    assert control.returncode == 3 and _probes(control.stdout)[0]["routed"] is False
 
 
 def test_llamafactory_train_passes_its_deepspeed_check_under_megatrain_launch(site, tmp_path):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text("deepspeed: ds.json\n")
+    control, r, r_two = _runs(site, tmp_path, ("-c", "from llamafactory.cli import main; main()", "train", str(cfg)),
+                              ("-m", "megatrain.cli", "launch", "llamafactory-cli", "train", str(cfg)),
+                              ("-m", "megatrain.cli", "launch", "--nproc-per-node", "2", "llamafactory-cli", "train",
+                               str(cfg)))
     # Control: LlamaFactory's own launcher in one process refuses DeepSpeed, as the real one does.
-    r = _run(site, tmp_path, "-c", "from llamafactory.cli import main; main()", "train", str(cfg))
-    assert r.returncode == 1 and "Please use `FORCE_TORCHRUN=1`" in r.stderr
-    r = _run(site, tmp_path, "-m", "megatrain.cli", "launch", "llamafactory-cli", "train", str(cfg))
+    assert control.returncode == 1 and "Please use `FORCE_TORCHRUN=1`" in control.stderr
     assert r.returncode == 0, r.stderr[-3000:]
     (one,) = _probes(r.stdout)
     # run_exp ran in a one-rank torchrun environment, with the config as its first argument, routed
     assert one == {"where": "run_exp", "routed": True, "argv": [str(cfg)], "rank": "0", "world": "1", "local": "0"}
-    r = _run(site, tmp_path, "-m", "megatrain.cli", "launch", "--nproc-per-node", "2", "llamafactory-cli", "train",
-             str(cfg))
-    two = sorted(_probes(r.stdout), key=lambda p: p["rank"])
-    assert r.returncode == 0 and [(p["rank"], p["world"], p["argv"]) for p in two] == [("0", "2", [str(cfg)]),
+    two = sorted(_probes(r_two.stdout), key=lambda p: p["rank"])
+    assert r_two.returncode == 0 and [(p["rank"], p["world"], p["argv"]) for p in two] == [("0", "2", [str(cfg)]),
                                                                                            ("1", "2", [str(cfg)])]
 
 
@@ -163,11 +171,11 @@ def test_axolotl_train_runs_where_nccl_cannot(site, tmp_path):
 
     cfg = tmp_path / "cfg.yml"
     cfg.write_text("deepspeed: ds.json\n")
+    control, r = _runs(site, tmp_path, ("-m", "axolotl.cli.train", str(cfg)),
+                       ("-m", "megatrain.cli", "launch", "axolotl", "train", str(cfg)))
     # Control: axolotl's training module on its own asks for NCCL, which cannot start without a GPU.
-    r = _run(site, tmp_path, "-m", "axolotl.cli.train", str(cfg))
     gpu = torch.cuda.is_available() and dist.is_nccl_available()
-    assert (r.returncode == 0) if gpu else ("ProcessGroupNCCL" in r.stderr)
-    r = _run(site, tmp_path, "-m", "megatrain.cli", "launch", "axolotl", "train", str(cfg))
+    assert (control.returncode == 0) if gpu else ("ProcessGroupNCCL" in control.stderr)
     assert r.returncode == 0, r.stderr[-3000:]
     (one,) = _probes(r.stdout)
     # a gloo group from torchrun's one-rank variables where NCCL cannot run; the tool's own NCCL where it can

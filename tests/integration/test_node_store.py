@@ -104,6 +104,14 @@ def test_exact_host_modes_share_one_store_and_train_as_one_process(tmp_path):
     exact-tie weights back from the node's tie table; with each owner taking only its own gradients (the
     negative control) they do not."""
     ranks = Ranks(2, [str(MODES_WORKER), str(tmp_path)], tmp_path)
+    # The one-process references train here while the ranks run (they read nothing the ranks write).
+    try:
+        refs = {name: modes_worker.train(name, 1, 1, 0, reference_of=2) for name in modes_worker.RUNS}
+        example = load_example("train_data_parallel")
+        accelerator_ref = modes_worker.accelerator_hilo(example, 4)
+    except BaseException:
+        ranks.kill()
+        raise
     codes = ranks.wait()
     assert codes == [0, 0], ranks.log(0)[-3000:] + ranks.log(1)[-3000:]
     results = [torch.load(tmp_path / f"modes{r}.pt") for r in range(2)]
@@ -116,15 +124,14 @@ def test_exact_host_modes_share_one_store_and_train_as_one_process(tmp_path):
                 max((ref["state"][k] - got["state"][k]).abs().max().item() for k in ref["state"]))
 
     for name in modes_worker.RUNS:
-        ref = modes_worker.train(name, 1, 1, 0, reference_of=2)
+        ref = refs[name]
         for res in results:
             assert res[name]["shared"], name
             assert all(torch.equal(res[name]["before"][k], ref["before"][k]) for k in ref["before"]), name
             assert gaps(ref, res[name]) == (0.0, 0.0), (name, gaps(ref, res[name]))
         if name == "hilo_in_backward":
             assert min(gaps(ref, results[0]["control"])) > 100 * TOL, gaps(ref, results[0]["control"])
-    example = load_example("train_data_parallel")
-    ref = modes_worker.accelerator_hilo(example, 4)
+    ref = accelerator_ref
     assert len(ref["norms"]) == 3 and min(ref["norms"]) > 2 * example.CLIP  # clipping really acts
     for res in results:
         assert max(gaps(ref, res["accelerator_hilo"])) <= TOL, gaps(ref, res["accelerator_hilo"])
