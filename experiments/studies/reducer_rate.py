@@ -3,7 +3,7 @@ engine's own reduction of one layer (engine/pipeline/schedule.py `accumulate` fr
 then the slab's norm, as engine/host/slab_state.py runs it) on the reducer's threads (engine/runtime/stream.py
 `side_threads()`), against `copy_` bandwidth measured on the same threads right before and after (paired, as
 experiments/studies/host_passes.py pairs its passes). The planner's reducer rate (planner/host_rates.py "reducer")
-is this ratio. Beside it, the launch thread's rounding of the resident parameters' FP32 masters into their bf16 upload
+is this ratio. Beside it, the rounding (on its own worker) of the resident parameters' FP32 masters into their bf16 upload
 staging (engine/host/resident_upload.py: one `copy_`, on every torch thread), against `copy_` on every thread: the
 planner's "resident rounding" rate. Writes results/reducer_rate/reducer_rate.csv.
 

@@ -201,7 +201,7 @@ def test_the_planner_puts_cuda_resident_gradients_on_the_copy_and_reduce_lanes()
     assert gpu.time.embed_io_s == pytest.approx(io.up_s)  # only the upload is on the compute thread
     spans = predicted_timeline(point, hw)
     kinds = [(s["stream"], s["kind"]) for s in spans]
-    assert kinds.count(("d2h", "head-grad")) == 2 and kinds.count(("reduce", "reduce-head-grad")) == 2
+    assert kinds.count(("d2h", "head-grad")) == 2 and kinds.count(("reduce-globals", "reduce-head-grad")) == 2
     cpu = plan("qwen2.5-7b", context=1024, batch=1, hardware="cpu", dtype="bfloat16")
     cpu_spans = predicted_timeline(cpu.point, get_hardware("cpu"))
     assert not any(s["kind"] == "head-grad" for s in cpu_spans)  # a CPU device adds them on its own thread
