@@ -3,8 +3,8 @@ of the FP32 masters beyond what the loaded run must hold (a fresh run: its optim
 optimizer state bit-identical with the saving process. The readers used before (safetensors' mmap-backed
 load_file / safe_open) are measured the same way and must exceed the bound: the negative controls.
 
-Each measurement runs in a process of its own (tests/workers/load_rss_worker.py), the loads side by side; a
-~27M-parameter model keeps the bound (~11 MB) well above the measurement's noise.
+Each measurement runs in a process of its own (tests/workers/load_rss_worker.py); a ~27M-parameter model keeps the
+bound (~11 MB) well above the measurement's noise.
 """
 
 from __future__ import annotations
@@ -25,45 +25,23 @@ SHAPE = ("8", "512", "2048")  # layers, hidden, vocab: the largest tensor (the e
 BOUND = 0.10
 
 
-def _start(*args: str) -> subprocess.Popen:
+def _run(*args: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKER.parent.parent), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, str(WORKER), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
-
-
-def _result(proc: subprocess.Popen) -> dict:
-    try:
-        out, err = proc.communicate(timeout=600)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, err[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
+    r = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     d = tmp_path_factory.mktemp("streaming")
-    return d, _result(_start("save", str(d), "hilo", *SHAPE))
-
-
-@pytest.fixture(scope="module")
-def loads(saved):
-    """Every load's measurement, the three processes side by side: each only reads the saved files, and each
-    measures its own RSS (its own pages, whoever else maps the same files)."""
-    d, _ = saved
-    procs = {what: _start(what[0], str(d), what[1], *SHAPE) for what in (("ckpt", "hilo"), ("ckpt", "fp32"),
-                                                                        ("hf", "hilo"))}
-    try:
-        return {what: _result(proc) for what, proc in procs.items()}
-    finally:
-        for proc in procs.values():
-            proc.kill()
+    return d, _run("save", str(d), "hilo", *SHAPE)
 
 
 @pytest.mark.parametrize("mode", ["hilo", "fp32"])
-def test_load_checkpoint_streams(saved, loads, mode):
+def test_load_checkpoint_streams(saved, mode):
     d, ref = saved
-    got = loads["ckpt", mode]
+    got = _run("ckpt", str(d), mode, *SHAPE)
     masters = got["masters_fp32"]
     assert got["digest"] == ref["digest"] and got["reload_digest"] == ref["digest"]  # bit-identical, both loads
     fresh_excess = got["fresh"][0] - got["needed"]
@@ -73,9 +51,9 @@ def test_load_checkpoint_streams(saved, loads, mode):
     assert got["reload_mapped"][0] > BOUND * masters, got
 
 
-def test_hf_directory_streams(saved, loads):
+def test_hf_directory_streams(saved):
     d, ref = saved
-    got = loads["hf", "hilo"]
+    got = _run("hf", str(d), "hilo", *SHAPE)
     masters = got["masters_fp32"]
     assert got["weights_digest"] == got["hf_weights_digest"] == ref["weights_digest"]
     assert got["hf"][0] <= BOUND * masters, f"HF load: {got['hf'][0] / masters:.1%} of the FP32 masters"
