@@ -144,10 +144,12 @@ def fits_one(backend: str, preset: str, seq: int, batch: int, steps: int) -> dic
         model = Engine(model, EngineConfig(device="cpu", compute_dtype="float32"), optimizer=opt)
     data = _batch(p.vocab, batch, seq)
     stats: dict = {}
+    losses: list[float] = []
 
     def step() -> float:
         t0 = time.perf_counter()
         loss = model(**data).loss
+        losses.append(loss.item())
         if backend == "megatrain":
             model.backward(loss)
         else:
@@ -163,7 +165,8 @@ def fits_one(backend: str, preset: str, seq: int, batch: int, steps: int) -> dic
     if backend == "megatrain":
         stats = {k: v for k, v in model.collect_stats().items()
                  if k in ("h2d_bytes", "recomputed_layers", "resident_weight_layers", "kept_graph_layers")}
-    return {"backend": backend, "step_s": times, "median_s": statistics.median(times), **stats}
+    return {"backend": backend, "step_s": times, "median_s": statistics.median(times), "losses": losses,
+            "threads": torch.get_num_threads(), **stats}
 
 
 def bench_fits(preset: str, seq: int, batch: int, steps: int, rounds: int = 2) -> dict:
