@@ -23,8 +23,9 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # (~85 s) into torch's own cache, shared by every venv of the machine, so one venv's build stales another's.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())
 # ... with the ninja that built them (the venv's, as baselines.zero3.prepare_environment puts first on PATH): a
-# system ninja of another version keeps another build log (1.11's v5 vs 1.13's v7), which the other discards,
-# rebuilding every op; `.venv/bin/python -m pytest` without an activated venv would otherwise find the system one.
+# system ninja of another version (1.11 beside the venv's 1.13) hashes the build commands differently, so each
+# reads the other's log as "command line changed" and rebuilds every op; `.venv/bin/python -m pytest` without an
+# activated venv would otherwise find the system one.
 _BIN = os.path.dirname(sys.executable)
 if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
     os.environ["PATH"] = os.pathsep.join(filter(None, [_BIN, os.environ.get("PATH")]))
