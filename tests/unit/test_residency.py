@@ -202,3 +202,27 @@ def test_the_setting_keeps_what_the_user_wrote():
     assert parse({"weights": 3}) == Residency(3, 0)
     assert EngineConfig.from_dict(EngineConfig(residency={"weights": 2, "activations": 1}).to_dict()).residency == \
         Residency(2, 1)
+
+
+def test_the_engine_copies_and_recomputes_what_the_planner_predicts_at_three_budgets():
+    """The device-budget emulation through experiments/studies/residency_budget.py on a 4-layer model: at the
+    whole-resident budget, ~60% of it, and the streaming plan's own budget, the engine's host->device bytes and
+    recomputed layers per step equal the planner's replay of the engine's fill, and its losses equal streaming's."""
+    from experiments.studies import residency_budget as study
+
+    preset, seq, batch, steps = "small-7m", 64, 2, 2
+    whole, streaming = study.whole_resident_budget(preset, seq, batch)
+    ref, _ = study._train(preset, seq, batch, steps, residency="stream")
+    kept = []
+    for share in (1.0, 0.6, 0.0):
+        budget = int(streaming + share * (whole - streaming))
+        losses, st = study._train(preset, seq, batch, steps, device_budget_bytes=budget)
+        pl = study.plan(preset, seq, batch, dtype="float32", hardware="cpu",
+                        engine_config=EngineConfig(device="cpu", compute_dtype="float32", device_budget_bytes=budget))
+        fill = pl.placement.engine
+        _, h2d, recomputed = pl.placement.replayed[fill]
+        assert (fill.weights, fill.activations) == (st["resident_weight_layers"], st["kept_graph_layers"])
+        assert st["h2d_bytes"] / steps == h2d and st["recomputed_layers"] / steps == recomputed
+        assert losses == ref
+        kept.append((fill.weights, fill.activations))
+    assert kept[0] == (4, 4) and kept[-1] == (0, 0) and kept[1] not in (kept[0], kept[-1]), kept
