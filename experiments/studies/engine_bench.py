@@ -243,6 +243,7 @@ def main() -> None:
     ap.add_argument("--out", default="results/engine_bench")
     ap.add_argument("--engine", default=None, help="rss: extra EngineConfig settings as JSON")
     ap.add_argument("--name", default=None, help="output file name (default: the benchmark's)")
+    ap.add_argument("--rounds", type=int, default=2, help="fits: alternated rounds of one process per backend")
     a = ap.parse_args()
     if a.what == "rss":
         res = bench_rss(a.preset or "llama-0.6b", a.seq or 256, a.steps, json.loads(a.engine) if a.engine else None)
@@ -252,7 +253,7 @@ def main() -> None:
         print(json.dumps(fits_one(a.backend, a.preset or "llama-100m", a.seq or 512, a.batch, a.steps)))
         return
     elif a.what == "fits":
-        res = bench_fits(a.preset or "llama-100m", a.seq or 512, a.batch, a.steps)
+        res = bench_fits(a.preset or "llama-100m", a.seq or 512, a.batch, a.steps, a.rounds)
     else:
         res = bench_overlap(a.preset or "llama-100m", a.seq or 128, a.batch, a.steps)
     res["provenance"] = _provenance()

@@ -51,9 +51,15 @@ def _same(a, b) -> None:
     assert all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
 
 
+# A CPU device with no emulation keeps a layer by aliasing its host stream source; an emulated link (as a GPU)
+# copies it into a buffer of its own once per step. Both are checked.
+COPIES = [pytest.param({}, id="aliased"), pytest.param({"link_gbps": 100.0}, id="copied")]
+
+
+@pytest.mark.parametrize("copies", COPIES)
 @pytest.mark.parametrize("mode", CONFIGS)
-def test_kept_weights_and_graphs_train_bit_for_bit_as_streaming(mode):
-    runs = {str(s): _train(tiny_model("llama", layers=LAYERS), s, **mode) for s in SETTINGS}
+def test_kept_weights_and_graphs_train_bit_for_bit_as_streaming(mode, copies):
+    runs = {str(s): _train(tiny_model("llama", layers=LAYERS), s, **mode, **copies) for s in SETTINGS}
     ref = runs["stream"]
     assert ref[2]["recomputed_layers"] == LAYERS * MICRO * STEPS and ref[2]["resident_weight_layers"] == 0
     for s in SETTINGS[1:]:
@@ -71,9 +77,10 @@ def test_negative_control_kept_weights_not_copied_after_a_step_are_caught(monkey
     def invalidate_ring_only(self):
         self.resident = [None] * self.k + self.resident[self.k:]
 
-    ref = _train(tiny_model("llama", layers=LAYERS), "stream", compute_dtype="float32")
+    copied = {"compute_dtype": "float32", "link_gbps": 100.0}  # kept layers copied, as on a GPU
+    ref = _train(tiny_model("llama", layers=LAYERS), "stream", **copied)
     monkeypatch.setattr(order.DeviceBuffers, "invalidate", invalidate_ring_only)
-    broken = _train(tiny_model("llama", layers=LAYERS), "auto", compute_dtype="float32")
+    broken = _train(tiny_model("llama", layers=LAYERS), "auto", **copied)
     with pytest.raises(AssertionError):
         _same(broken, ref)
 
@@ -133,7 +140,7 @@ def test_copies_and_recomputes_under_a_device_budget_are_the_orders(share):
     graph = layer_graph_bytes(probe.pipeline.policy.dims, 2 * 24, 4)
     whole = base + LAYERS * (layer_bytes + graph)
     budget = None if share is None else int((base + share * LAYERS * layer_bytes) / 0.9) + 1
-    cfg = {"compute_dtype": "float32", "device_budget_bytes": budget}
+    cfg = {"compute_dtype": "float32", "device_budget_bytes": budget, "link_gbps": 100.0}  # copies, as a GPU
     if budget is not None:
         assert budget < whole / 0.9
     _, _, st = _train(model, "auto", **cfg)

@@ -80,6 +80,11 @@ class LayerPipeline:
         self.residency = Residency()
         self.graphs: frozenset[int] = frozenset()  # this batch's layers whose forward keeps its graph
         self.recomputed = 0  # layers recomputed in backward since the counters were reset
+        # A CPU device computing in the stream source's dtype, emulating no link and no device budget: a kept
+        # layer's "device copy" is the host's own stream source (no copy, no second model in memory), as the
+        # resident parameters' are (placement.py alias_globals). With an emulation the copies stay, as a GPU's.
+        self.alias_kept = (device.type == "cpu" and streams.h2d.gbps is None
+                           and (policy is None or policy.budget is None))
         # The per-layer events it waits for and records (events.py). Its own names for the engine's lists:
         # a layer's load waits for `updated`, a reduction into its slab for `zeroed` and the slab's last writer
         # (`landed`, which it replaces); rebinding one of these names here unhooks only the pipeline's waits.
@@ -144,14 +149,19 @@ class LayerPipeline:
                 ring = [torch.empty(0, dtype=self.dtype, device=self.device) for _ in range(k)]
             elif ring[0].numel() < self.max_numel:
                 ring = [torch.empty(self.max_numel, dtype=self.dtype, device=self.device) for _ in range(k)]
-            kept = [torch.empty(self.store.layers[i].numel, dtype=self.dtype, device=self.device)
-                    for i in sorted(r.kept)]
+            kept = [self._kept_buffer(i) for i in sorted(r.kept)]
         self.buffers = ring + kept
         self.slots = order.DeviceBuffers(k, r.kept)
         self.loaded = [DONE] * len(self.buffers)
         self.freed = [DONE] * len(self.buffers)
         self.residency = r
         logging.getLogger("megatrain").info("%s", r.describe(n))
+
+    def _kept_buffer(self, layer: int) -> torch.Tensor:
+        src = self.store.layers[layer].stream_source
+        if self.alias_kept and src.dtype == self.dtype:
+            return src
+        return torch.empty(src.numel(), dtype=self.dtype, device=self.device)
 
     def residency_stats(self) -> dict[str, float]:
         return {"resident_weight_layers": self.residency.weights, "kept_graph_layers": len(self.graphs),
@@ -176,6 +186,8 @@ class LayerPipeline:
         dst = self.buffers[slot][: group.numel]
 
         def load() -> int:
+            if self.buffers[slot] is src:  # an aliased kept layer: ordered after its update, nothing to copy
+                return 0
             dst.copy_(src, non_blocking=True)
             return src.numel() * src.element_size()
 
