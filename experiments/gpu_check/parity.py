@@ -188,7 +188,7 @@ def phase_parity(ctx: Ctx) -> None:
         # The GPU's defaults on every device (the overlap is on by default on CUDA only), with hilo masters.
         eng = Engine(copy.deepcopy(base), EngineConfig(device=dev, compute_dtype="bfloat16", trace=True,
                                                       offload_activations=False, optimizer_overlap=True,
-                                                      host_master="hilo"))
+                                                      host_master="hilo", residency="stream"))
         rl, _ = _train_reference(ref32, batches, steps, accum, clip, ctx.device)
         al, _ = _train_reference(refamp, batches, steps, accum, clip, ctx.device, autocast=True)
         ml, _ = _train_reference_mixed(refmix, batches, steps, accum, clip, ctx.device)
