@@ -178,7 +178,7 @@ class MegatrainBackend:
             self.turned_off.append("pin_memory (no CUDA device)")
         if getattr(model, "is_gradient_checkpointing", False):
             model.gradient_checkpointing_disable()
-            self.turned_off.append("HF gradient checkpointing (the engine recomputes every layer itself)")
+            self.turned_off.append("HF gradient checkpointing (the engine recomputes each streamed layer itself)")
         head_options = trl_head_options(model)
 
         def finish(engine: Any) -> None:

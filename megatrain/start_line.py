@@ -4,7 +4,7 @@ device is planned at the first batch and logged by the engine, engine/pipeline/s
 
 A Trainer, TRL, LlamaFactory or axolotl run reaches MegaTrain through DeepSpeed's name; without this line nothing
 said it was not DeepSpeed training (and MegaTrain turns some of their settings off, e.g. HF gradient checkpointing:
-the engine recomputes every layer itself). Written once per engine, by the main process of a launch, to the
+the engine recomputes each streamed layer itself). Written once per engine, by the main process of a launch, to the
 "megatrain" logger when it is enabled for INFO, else to stderr: a script that configured logging at WARNING still
 sees it.
 """

@@ -311,7 +311,7 @@ class Accelerator:
             return
         from .. import start_line
 
-        off = ["gradient_checkpointing=True (the engine recomputes every layer itself)"] \
+        off = ["gradient_checkpointing=True (the engine recomputes each streamed layer itself)"] \
             if self.gradient_checkpointing else []
         off += list(getattr(self.backend, "turned_off", []))  # what preparing the model turned off (prepare_model)
         start_line.announce(start_line.describe("Accelerate (megatrain.Accelerator)", engine, engine.optimizer, off,

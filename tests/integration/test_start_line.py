@@ -38,7 +38,7 @@ def test_deepspeed_face_says_what_runs_and_what_it_turned_off(caplog):
     (line,) = _lines(caplog)
     assert "face: DeepSpeed (megatrain.initialize) |" in line  # called directly: no route named
     assert "device: cpu | compute: float32 | host: fp32 master, float32 gradients | optimizer: AdamW |" in line
-    assert "HF gradient checkpointing (the engine recomputes every layer itself)" in line
+    assert "HF gradient checkpointing (the engine recomputes each streamed layer itself)" in line
     assert "pin_memory (no CUDA device)" in line
     assert "zero_optimization.stage3_max_live_parameters" in line
     batch = make_batches(1, vocab=128)[0]
@@ -71,14 +71,15 @@ def test_accelerate_face_says_what_preparing_the_model_turned_off(caplog):
     model.gradient_checkpointing_enable()
     acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     (line,) = _lines(caplog)
-    assert "turned off: " in line and "HF gradient checkpointing (the engine recomputes every layer itself)" in line
+    assert "turned off: " in line and "HF gradient checkpointing (the engine recomputes each streamed layer itself)" in line
     assert not model.is_gradient_checkpointing
 
 
 def test_without_logging_configured_the_line_goes_to_stderr(capsys):
     class Engine:  # what describe() reads
         config = type("C", (), {"compute_dtype": "float32", "host_master": "fp32", "host_grad_dtype": "float32",
-                                "optimizer_in_backward": True, "nvme_path": None, "data_parallel_host": "auto"})()
+                                "optimizer_in_backward": True, "nvme_path": None, "data_parallel_host": "auto",
+                                "residency": "auto"})()
         device = torch.device("cpu")
         dp = None
 
@@ -123,7 +124,7 @@ def test_trainer_run_is_not_zero3_to_transformers_and_says_what_runs(tmp_path):
     (line,) = [ln for ln in new.splitlines() if start_line.PREFIX in ln]
     assert "face: DeepSpeed (megatrain.initialize) via deepspeed.initialize (HF Trainer / accelerate) |" in line
     assert "optimizer: AdamW (DeepSpeedCPUAdam(adamw_mode=True) -> torch.optim.AdamW)" in line
-    assert "HF gradient checkpointing (the engine recomputes every layer itself)" in line
+    assert "HF gradient checkpointing (the engine recomputes each streamed layer itself)" in line
     # Control: with routing installed only at the first `import deepspeed` (the old order) transformers has
     # already taken the config for ZeRO-3 when from_pretrained asks.
     assert "Detected DeepSpeed ZeRO-3: activating zero.init() for this model" in logs["old"]

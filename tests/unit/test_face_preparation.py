@@ -11,7 +11,7 @@ from megatrain.config import EngineConfig
 from megatrain.engine import Engine
 
 PIN_OFF = "pin_memory (no CUDA device)"
-HF_CKPT_OFF = "HF gradient checkpointing (the engine recomputes every layer itself)"
+HF_CKPT_OFF = "HF gradient checkpointing (the engine recomputes each streamed layer itself)"
 
 
 def _trl_patched(seed: int = 0) -> torch.nn.Module:
