@@ -18,7 +18,7 @@ from megatrain.engine.host.slab_state import SlabState
 from megatrain.engine.pipeline import global_grads
 from megatrain.engine.pipeline.global_grads import GlobalGradSink
 
-SLOW_S = 0.5  # the head's add, held: far longer than a tiny layer's reduction
+SLOW_S = 2.0  # the head's add, held: far longer than a tiny layer's reduction, even on a loaded 2-core machine
 
 
 def test_the_first_layers_reduction_is_not_queued_behind_the_heads(monkeypatch):
