@@ -28,14 +28,21 @@ def test_the_first_layers_reduction_is_not_queued_behind_the_heads(monkeypatch):
     layers: list[tuple[int, float, str]] = []
     accumulate, reduce = global_grads.accumulate, SlabState.reduce
 
-    def slow_head_add(*a, **k) -> None:
+    # Only this engine's work is recorded: an engine an earlier test left with jobs still queued (a negative
+    # control without its waits) may run them meanwhile through the same patched functions.
+    ours = eng.store.globals.grad.untyped_storage().data_ptr()
+
+    def slow_head_add(dst, *a, **k) -> None:
+        if dst.untyped_storage().data_ptr() != ours:
+            return accumulate(dst, *a, **k)
         head.setdefault("start", time.perf_counter())
         time.sleep(SLOW_S)
-        accumulate(*a, **k)
+        accumulate(dst, *a, **k)
         head["end"] = time.perf_counter()
 
     def timed_reduce(self, i, *a) -> None:
-        layers.append((i, time.perf_counter(), threading.current_thread().name))
+        if self is eng.events.slabs:
+            layers.append((i, time.perf_counter(), threading.current_thread().name))
         reduce(self, i, *a)
 
     monkeypatch.setattr(global_grads, "accumulate", slow_head_add)
