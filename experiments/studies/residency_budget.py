@@ -15,7 +15,6 @@ issue order). Writes OUT/budget.csv and prints it.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 from pathlib import Path
 
@@ -27,6 +26,8 @@ from megatrain.costs.residency import Residency
 from megatrain.engine import Engine
 from megatrain.models.presets import get_preset
 from megatrain.planner import plan
+
+from .scaling import write_csv
 
 
 def _train(preset: str, seq: int, batch: int, steps: int, **cfg) -> tuple[list[float], dict]:
@@ -97,12 +98,7 @@ def main() -> None:
             "stream_recomputed_per_step": ref_stats["recomputed_layers"] / a.steps,
             "losses_identical_to_stream": losses == ref, "losses": losses,
         })
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "budget.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(rows, Path(a.out) / "budget.csv")
     for r in rows:
         print(r)
 
