@@ -6,7 +6,7 @@
     python -m experiments.gpu_check --only parity,sanitizer   # rerun some phases
 
 Results land in results/gpu/<UTC time>/ (or --out). Set MEGATRAIN_GIT_COMMIT=<sha> to record the commit
-when the tree has no .git. The whole check takes about 7 minutes on an H200 (TOTAL_BUDGET_S).
+when the tree has no .git. The whole check takes at most 280 s from the wrapper's start (TOTAL_BUDGET_S; README.md).
 
 Phases, in order (correctness first, benchmarks last), each with its own time budget, in a child process
 that the parent kills when a phase overruns and replaces when it dies (and after a phase that raised on a

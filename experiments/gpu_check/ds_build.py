@@ -42,6 +42,23 @@ def ds_ops_built(cpu_accelerator: bool) -> bool:
     return all(glob.glob(os.path.join(root, "**", f"{n}*.so"), recursive=True) for n in names)
 
 
+def compile_blockers() -> list[str]:
+    """Why DeepSpeed cannot compile its CPU Adam here (empty: it can): a C++ compiler, Python's headers and ninja
+    are what torch's extension builder needs. Only the ZeRO-3 points need them; every other phase runs without."""
+    from .env import cxx_compiler, python_header
+
+    out = []
+    if cxx_compiler() is None:
+        out.append("no C++ compiler (neither $CXX, c++ nor g++ on PATH): DeepSpeed compiles its CPU Adam at first "
+                   "use, so the ZeRO-3 points cannot run; install one (e.g. apt-get install g++) or run with --zero3 off")
+    if not python_header().exists():
+        out.append(f"no Python.h at {python_header()} (the python3-dev package): torch's extension builder needs it")
+    if shutil.which("ninja") is None:
+        out.append("no ninja on PATH (its wheel is in wheels/: scripts/fetch_wheels.sh): torch's extension builder "
+                   "needs it")
+    return out
+
+
 def cuda_compiler() -> str | None:
     """nvcc as DeepSpeed's op builder finds it (torch's CUDA_HOME rule: $CUDA_HOME or $CUDA_PATH, nvcc on PATH,
     /usr/local/cuda), or None. On a CUDA machine DeepSpeed builds its CPU Adam with CUDA sources, so without

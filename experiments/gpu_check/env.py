@@ -73,21 +73,22 @@ def phase_env(ctx: Ctx) -> None:
         return res
 
     def toolchain() -> dict[str, Any]:
-        import sysconfig
-
-        header = Path(sysconfig.get_paths()["include"]) / "Python.h"
-        gxx = shutil.which("g++") or shutil.which("c++")
-        from .ds_build import cuda_compiler
+        from .ds_build import compile_blockers, cuda_compiler
 
         nvcc = cuda_compiler()
-        res = {"python_h": header.exists(), "gxx": gxx and _run_text([gxx, "--version"]).splitlines()[0],
+        gxx = cxx_compiler()
+        res = {"python_h": python_header().exists(), "gxx": gxx and _run_text([gxx, "--version"]).splitlines()[0],
                "nvcc": nvcc and (_run_text([nvcc, "--version"]).splitlines() or [""])[-1],
                "cuda_home": os.environ.get("CUDA_HOME"),
                "ninja": shutil.which("ninja"), "torch_extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR")}
-        # DeepSpeed builds CPU Adam at run time: without these ZeRO-3 offload cannot run here. On a GPU it also
-        # needs nvcc; without it the ZeRO-3 points are marked unavailable (orchestrate.zero3_plan), not failed.
-        res["ok"] = bool(res["python_h"] and res["gxx"] and res["ninja"]) or ctx.dry
+        # Only DeepSpeed's ZeRO-3 points compile anything (its CPU Adam, at first use; on a GPU with nvcc too): a
+        # missing compiler skips them (orchestrate.zero3_plan says why) and fails nothing else, this check included.
+        blockers = compile_blockers()
+        res["zero3_can_compile"] = not blockers
+        if blockers:
+            res["zero3"] = "skipped: " + "; ".join(blockers)
         res["zero3_nvcc"] = bool(nvcc) or not ctx.cuda
+        res["ok"] = True
         return res
 
     def code() -> dict[str, Any]:
@@ -101,6 +102,20 @@ def phase_env(ctx: Ctx) -> None:
     for name, fn in (("packages", packages), ("device", device), ("host", host), ("toolchain", toolchain),
                      ("code", code)):
         ctx.check(name, fn)
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler torch's extension builder would use ($CXX, else c++ / g++ on PATH), or None."""
+    cxx = os.environ.get("CXX")
+    if cxx and shutil.which(cxx):
+        return shutil.which(cxx)
+    return shutil.which("c++") or shutil.which("g++")
+
+
+def python_header() -> Path:
+    import sysconfig
+
+    return Path(sysconfig.get_paths()["include"]) / "Python.h"
 
 
 def _missing(dist: str) -> bool:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from ..costs import residency as kept
 from .hardware import GB, Hardware, _is_bf16
 from .host_rates import host_slowdown
-from .host_work import reducer_bps, reducer_bytes_per_param, serial_work
+from .host_work import globals_reduce_bps, reducer_bps, reducer_bytes_per_param, serial_work
 from .memory import LOSS_BYTES_EXTRA, zero3_sizes
 from .pipeline_sim import REDUCE_LANES, LayerCosts, PipelineSim, simulate_step
 from .point import Point, aliases_globals, master_bytes, overlap_on
@@ -153,8 +153,9 @@ def globals_io(p: Point, hw: Hardware) -> GlobalsIO:
         return GlobalsIO(add, 0.0, 0.0, 0, 0)
     if hw.unified_memory:
         return GlobalsIO(add, grads * (c + 4) / Bh, resident * (4 + c) / Bh, 0, 0)
-    # CUDA: the staging (compute dtype) read, the FP32 slab read and written
-    return GlobalsIO(grads * (c + 8) / Bh, grads * c / hw.link_bps, resident * c / hw.link_bps, grads * c, resident * c)
+    # CUDA: the staging (compute dtype) read, the FP32 slab read and written, on the globals' own worker beside
+    # the layers' reducer: its share of the host's bandwidth, not all of it (host_work.py)
+    return GlobalsIO(grads * (c + 8) / globals_reduce_bps(p, hw), grads * c / hw.link_bps, resident * c / hw.link_bps, grads * c, resident * c)
 
 
 def async_globals(io: GlobalsIO, costs: LayerCosts) -> tuple[float, float] | None:
