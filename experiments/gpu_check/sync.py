@@ -111,6 +111,8 @@ def phase_sync(ctx: Ctx) -> None:
     dev = str(ctx.device)
 
     def loop(mask: bool = True, **knobs: Any) -> dict[str, Any]:
+        if knobs["residency"] != "stream":
+            knobs.setdefault("offload_activations", False)  # kept graphs need activations on the device
         eng = Engine(tiny_model("llama", sh), EngineConfig(device=dev, **{"compute_dtype": "float32", **knobs}))
         b = batch if mask else {"input_ids": batch["input_ids"], "labels": batch["input_ids"]}
         _one_step(eng, b)  # warm-up: first-touch allocations are not the loop's steady state

@@ -138,7 +138,8 @@ def test_install_uses_the_found_torch_and_installs_the_rest_saying_what(tmp_path
     assert install.install(wheels, site, use_pip=use_pip) == 0
     text = capsys.readouterr().out
     found = next(ln for ln in text.splitlines() if ln.startswith("found:"))
-    assert f"torch {torch.__version__}" in found and "CUDA" in found or "no CUDA build" in found, found
+    cuda = f"(CUDA {torch.version.cuda})" if torch.version.cuda else "(no CUDA build)"
+    assert f"torch {torch.__version__} {cuda}" in found, found
     assert f"kept the image's: packaging {md.version('packaging')}" in text
     assert "installed 1 wheels" in text and "mtfakepkg 1.2.3" in text, text
     assert (site / "mtfakepkg" / "__init__.py").exists() and not (site / "packaging").exists()
