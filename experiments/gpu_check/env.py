@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from .common import REPO_ROOT, Ctx
@@ -73,7 +72,7 @@ def phase_env(ctx: Ctx) -> None:
         return res
 
     def toolchain() -> dict[str, Any]:
-        from .ds_build import compile_blockers, cuda_compiler
+        from .ds_build import compile_blockers, cuda_compiler, cxx_compiler, python_header
 
         nvcc = cuda_compiler()
         gxx = cxx_compiler()
@@ -102,20 +101,6 @@ def phase_env(ctx: Ctx) -> None:
     for name, fn in (("packages", packages), ("device", device), ("host", host), ("toolchain", toolchain),
                      ("code", code)):
         ctx.check(name, fn)
-
-
-def cxx_compiler() -> str | None:
-    """The C++ compiler torch's extension builder would use ($CXX, else c++ / g++ on PATH), or None."""
-    cxx = os.environ.get("CXX")
-    if cxx and shutil.which(cxx):
-        return shutil.which(cxx)
-    return shutil.which("c++") or shutil.which("g++")
-
-
-def python_header() -> Path:
-    import sysconfig
-
-    return Path(sysconfig.get_paths()["include"]) / "Python.h"
 
 
 def _missing(dist: str) -> bool:

@@ -28,9 +28,9 @@ def _args(**kw):
 
 # -- a missing compiler costs the ZeRO-3 points only --------------------------------------------------------
 def test_no_compiler_passes_the_env_phase_and_skips_zero3_saying_why(tmp_path, monkeypatch):
-    from experiments.gpu_check import env
+    from experiments.gpu_check import ds_build, env
 
-    monkeypatch.setattr(env, "cxx_compiler", lambda: None)
+    monkeypatch.setattr(ds_build, "cxx_compiler", lambda: None)
     ctx = common.Ctx("env", tmp_path, dry=False, deadline=time.time() + 60, zero3="off")
     env.phase_env(ctx)
     tool = ctx.data["checks"]["toolchain"]
@@ -47,8 +47,8 @@ def test_no_compiler_passes_the_env_phase_and_skips_zero3_saying_why(tmp_path, m
     rec = json.loads((orch.out / "phases" / "ds_build.json").read_text())
     assert rec["status"] == "skipped" and rec["reason"].startswith("no C++ compiler"), rec
     # control: with a compiler, the same machine builds DeepSpeed's op as before
-    monkeypatch.setattr(env, "cxx_compiler", lambda: "/usr/bin/g++")
-    monkeypatch.setattr(env, "python_header", lambda: Path(__file__))
+    monkeypatch.setattr(ds_build, "cxx_compiler", lambda: "/usr/bin/g++")
+    monkeypatch.setattr(ds_build, "python_header", lambda: Path(__file__))
     monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
     assert orchestrate.Orchestrator(_args()).zero3_plan() == "build"
 
