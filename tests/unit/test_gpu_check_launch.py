@@ -156,3 +156,12 @@ def test_install_without_torch_refuses(tmp_path, capsys, monkeypatch):
     assert install.install(tmp_path, tmp_path / "site") == 2
     out = capsys.readouterr().out
     assert "NO torch" in out and "has no torch" in out
+
+
+def test_the_wheel_list_leaves_out_what_the_check_never_imports():
+    proc = subprocess.run([sys.executable, "scripts/wheel_list.py"], cwd=ROOT, capture_output=True, text=True,
+                          check=True)
+    names = {line.split("=")[0].split(">")[0] for line in proc.stdout.split()}
+    assert "hf-xet" not in names and "pygments" not in names and "rich" not in names
+    # what the check does import stays carried (transformers needs huggingface-hub; DeepSpeed builds with ninja)
+    assert {"transformers", "huggingface-hub", "ninja", "numpy", "deepspeed"} <= names

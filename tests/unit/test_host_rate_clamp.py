@@ -66,3 +66,16 @@ def test_plan_prints_what_it_assumed_of_the_host():
     a = hwork.host_assumptions(pl.point, get_hardware("h200-pcie"))
     assert f"{a['host_cores']} cores" in line and f"{a['reducer_threads']} threads" in line
     assert "numactl" in line and a["cores_from"] == "profile"
+
+
+def test_plan_json_records_what_it_assumed_of_the_host(capsys):
+    import json
+
+    from megatrain.planner.cli import main
+
+    assert main(["plan", "--model", "qwen2.5-7b", "--context", "4096", "--hardware", "h200-pcie", "--no-search",
+                 "--compare", "", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    a = d["host_assumed"]
+    assert a["reducer_threads"] == 28 and a["host_bw_gbs"] == pytest.approx(300)
+    assert a["reducer_gbs"] + a["globals_reduce_gbs"] <= a["host_bw_gbs"] * (1 + 1e-9) and "numactl" in a["numa"]
