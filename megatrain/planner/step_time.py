@@ -138,6 +138,13 @@ class GlobalsIO:
     up_bytes: int  # link bytes per step
 
 
+def optimizer_rate_bps(p: Point, hw: Hardware, overlap: bool) -> float:
+    """The host optimizer's bytes/s in the point's mode: the profile's FP32 rate at the mode's measured distance
+    from FP32's (host_rates.host_slowdown), clamped to the host's bandwidth (host_work.py: rates measured on two
+    threads, applied to every core)."""
+    return min(hw.optimizer_bps / host_slowdown(p, overlap), max(hw.optimizer_bps, hw.host_bw_bps))
+
+
 def globals_io(p: Point, hw: Hardware) -> GlobalsIO:
     """Per device type, as engine.py does it:
       - a CPU device in FP32 aliases them to the host masters (Placement.alias_globals): nothing moves;
@@ -199,8 +206,9 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     gb = 2 if _is_bf16(p.host_grad_dtype) else 4
     per_param = _optimizer_bytes_per_param(mb, gb, shadow, p.grad_clip)
     overlap = overlap_on(p, hw)
-    # the mode's own distance from its bytes bound (host_rates.py)
-    rate = hw.optimizer_bps / host_slowdown(p, overlap)
+    # the mode's own distance from its bytes bound (host_rates.py), never above the host's bandwidth: a mode measured
+    # faster than FP32's whole step on two threads does not beat the bandwidth the pool's threads reach
+    rate = optimizer_rate_bps(p, hw, overlap)
     opt_busy = (m.param_count() - (L - own) * PL) * per_param / rate
     opt_globals = (m.param_count() - L * PL) * per_param / rate
     if p.optimizer_in_backward:
