@@ -165,12 +165,12 @@ def install(wheels_dir: Path, site: Path, python: str = sys.executable, use_pip:
             except (OSError, zipfile.BadZipFile, ValueError) as exc:
                 print(f"ERROR: could not unpack {w.name}: {exc}; nothing was run", flush=True)
                 return 2
-    how = "pip" if pip else "unpacked (no pip here)"
+    how = "with pip" if pip else "by unpacking them (no pip here)"
     items = []
     for w in todo:
         name, version = wheel_name_version(w)
         items.append(f"{name} {version}" + (f" (over the image's {image[name]})" if name in image else ""))
-    print(f"installed {len(todo)} wheels into {site} with {how} in {time.time() - t0:.0f} s: {', '.join(items)}",
+    print(f"installed {len(todo)} wheels into {site} {how} in {time.time() - t0:.0f} s: {', '.join(items)}",
           flush=True)
     return 0
 
