@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check in one call (about 7 min on an H200): install ./wheels/*.whl when there are any (for a
-# machine without network: `bash scripts/fetch_wheels.sh` makes them elsewhere), then run
-# `python -m experiments.gpu_check` (see experiments/gpu_check/__init__.py for the phases).
+# The GPU check in one call (at most 5 min, install included: experiments/gpu_check/README.md): install
+# ./wheels/*.whl beside the image's own torch when there are any (for a machine without network:
+# `bash scripts/fetch_wheels.sh` makes them elsewhere), then run `python -m experiments.gpu_check`
+# (see experiments/gpu_check/__init__.py for the phases).
 #
 #   bash experiments/gpu_check.sh                  # on the GPU machine; results in results/gpu/<UTC time>/
 #   bash experiments/gpu_check.sh --only parity    # some phases again
@@ -44,22 +45,16 @@ WHEELS="${MEGATRAIN_WHEELS:-wheels}"
                  "or run with PYTHON=python$want"
             exit 2
         fi
-        # A target folder first on PYTHONPATH: the image's own packages stay untouched, ours win.
+        # A target folder first on PYTHONPATH: the image's own packages (its torch included) stay untouched,
+        # ours win. install.py says what it found (torch and its CUDA, the image's versions) and what it installed.
         site=/tmp/megatrain-site
-        t=$(date +%s)
-        if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-                --target "$site" "$WHEELS"/*.whl; then
-            echo "installed $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS/ into $site in $(( $(date +%s) - t )) s"
-        else
-            echo "ERROR: installing $WHEELS/*.whl with $PY failed (see above); nothing was run"
-            exit 2
-        fi
+        "$PY" experiments/gpu_check/install.py "$WHEELS" "$site" || exit 2
         export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
         export PATH="$site/bin:$PATH"
         # Fresh per machine: DeepSpeed's ops are compiled with -march=native, never copied between machines.
         export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/megatrain-torch-extensions}"
     elif [ "$dry" = 0 ]; then
-        echo "no $WHEELS/ folder: using the installed packages (bash scripts/fetch_wheels.sh makes it)"
+        "$PY" experiments/gpu_check/install.py "$WHEELS" /tmp/megatrain-site || exit 2  # says what it found
     fi
     "$PY" -m experiments.gpu_check "$@"
 } 2>&1 | tee -a "$LOG"

@@ -66,4 +66,12 @@ for name, wheels in found.items():
 PY
 printf '%s\n' "${pins[@]}" > "$DEST/requirements.txt"
 echo "$PYVER" > "$DEST/python-version"  # experiments/gpu_check.sh stops on a device whose Python differs
-echo "$(ls "$DEST"/*.whl | wc -l) wheels, $(du -sh "$DEST" | cut -f1) in $DEST (limit per device call: 64 MiB with the repo)"
+# What a device run carries: these wheels and the tracked tree (experiments/gpu_check/README.md).
+wheels_b=$(du -sb "$DEST" | cut -f1)
+tree_b=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -n 1 | cut -f1)
+total_mib=$(( (wheels_b + tree_b) / 1048576 ))
+echo "$(ls "$DEST"/*.whl | wc -l) wheels, $(( wheels_b / 1048576 )) MiB in $DEST; with the tree ($(( tree_b / 1048576 )) MiB):" \
+     "$total_mib MiB of the 64 MiB a device run can carry"
+if [ "$total_mib" -ge 64 ]; then
+    echo "WARNING: over 64 MiB: the carry would not fit (scripts/wheel_list.py UNUSED leaves out what the check never imports)" >&2
+fi

@@ -26,6 +26,11 @@ ROOTS = ("transformers", "accelerate", "deepspeed", "safetensors", "pyyaml", "tq
 # these under the image's torch could break it, and they are large.
 NEVER = re.compile(r"^(torch|torchvision|torchaudio|triton|nvidia-.*|cuda-.*|sympy|mpmath|networkx|jinja2|"
                    r"markupsafe|setuptools|pip|wheel)$")
+# Required by a carried package, never imported by the check (every process of a dry run, the ZeRO-3 point
+# included, loads none of their modules): the Hub's xet download client and the command-line interfaces' pretty
+# printing. Left behind, they keep the carry (wheels and tree) under the 64 MiB a device run can carry
+# (experiments/gpu_check/README.md: ~6 MB of ~66).
+UNUSED = re.compile(r"^(hf-xet|pygments|rich|click|typer|markdown-it-py|mdurl|shellingham|annotated-doc|tomlkit)$")
 CARRIED = {"nvidia-ml-py"}  # NVML's Python bindings: named like the CUDA libraries, but none of torch's
 # The project's own declared ranges (pyproject.toml), for a package this venv does not hold.
 DECLARED = {"nvidia-ml-py": ">=12"}
@@ -51,7 +56,7 @@ def closure(roots: list[str], env: dict[str, str] | None = None) -> dict[str, st
     todo = [canonicalize_name(r) for r in roots]
     while todo:
         name = todo.pop()
-        if name in out or (NEVER.match(name) and name not in CARRIED):
+        if name in out or (NEVER.match(name) and name not in CARRIED) or UNUSED.match(name):
             continue
         dist = installed.get(name)
         if dist is None:

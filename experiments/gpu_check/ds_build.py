@@ -6,6 +6,7 @@ import glob
 import os
 import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 from .common import Ctx
@@ -40,6 +41,35 @@ def ds_ops_built(cpu_accelerator: bool) -> bool:
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or default_extensions_dir()
     names = ["cpu_adam"] + (["deepspeed_shm_comm"] if cpu_accelerator else [])
     return all(glob.glob(os.path.join(root, "**", f"{n}*.so"), recursive=True) for n in names)
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler torch's extension builder would use ($CXX, else c++ / g++ on PATH), or None."""
+    cxx = os.environ.get("CXX")
+    if cxx and shutil.which(cxx):
+        return shutil.which(cxx)
+    return shutil.which("c++") or shutil.which("g++")
+
+
+def python_header() -> Path:
+    import sysconfig
+
+    return Path(sysconfig.get_paths()["include"]) / "Python.h"
+
+
+def compile_blockers() -> list[str]:
+    """Why DeepSpeed cannot compile its CPU Adam here (empty: it can): a C++ compiler, Python's headers and ninja
+    are what torch's extension builder needs. Only the ZeRO-3 points need them; every other phase runs without."""
+    out = []
+    if cxx_compiler() is None:
+        out.append("no C++ compiler (neither $CXX, c++ nor g++ on PATH): DeepSpeed compiles its CPU Adam at first "
+                   "use, so the ZeRO-3 points cannot run; install one (e.g. apt-get install g++) or run with --zero3 off")
+    if not python_header().exists():
+        out.append(f"no Python.h at {python_header()} (the python3-dev package): torch's extension builder needs it")
+    if shutil.which("ninja") is None:
+        out.append("no ninja on PATH (its wheel is in wheels/: scripts/fetch_wheels.sh): torch's extension builder "
+                   "needs it")
+    return out
 
 
 def cuda_compiler() -> str | None:

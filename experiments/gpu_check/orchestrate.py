@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
 import json
@@ -11,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -34,7 +36,7 @@ from .common import (
     _log,
     _read_json,
 )
-from .ds_build import cuda_compiler, ds_ops_built, phase_ds_build
+from .ds_build import compile_blockers, cuda_compiler, ds_ops_built, phase_ds_build
 from .env import _missing, phase_env
 from .parity import phase_parity
 from .sanitizer import phase_sanitizer
@@ -56,6 +58,9 @@ def run_phases(names: list[str], out: Path, dry: bool, deadline: float, zero3: s
     a fresh one for the phases after it. After a phase that raised on a GPU this process exits too: a
     CUDA error can poison the context for everything after it.
     """
+    for name in names:
+        if inject.get(name) == "nostart":  # for the tests: this process dies before any phase starts
+            raise ModuleNotFoundError(f"injected: no module named 'torch' (phase {name} could not start)")
     import torch
 
     if set(names) - {"bench", "ds_build"}:
@@ -129,15 +134,21 @@ class Orchestrator:
             cmd += ["--phase-budget", item]
         return cmd
 
-    def _spawn(self, phases: list[str], zero3: str) -> subprocess.Popen:
-        return subprocess.Popen(self._cmd(phases, zero3), cwd=str(REPO_ROOT), env=self.env, start_new_session=True)
+    def _spawn(self, phases: list[str], zero3: str) -> tuple[subprocess.Popen, collections.deque]:
+        """The child, and the last lines of its stderr: still printed as they come (the log keeps them), and kept,
+        so a process that dies before its phase starts can say why in that phase's record."""
+        proc = subprocess.Popen(self._cmd(phases, zero3), cwd=str(REPO_ROOT), env=self.env, start_new_session=True,
+                                stderr=subprocess.PIPE, text=True, errors="replace")
+        tail: collections.deque = collections.deque(maxlen=STDERR_TAIL_LINES)
+        threading.Thread(target=_tee, args=(proc.stderr, tail), name="gpu-check-stderr", daemon=True).start()
+        return proc, tail
 
     def _record(self, name: str) -> dict[str, Any] | None:
         return _read_json(self.out / "phases" / f"{name}.json")
 
-    def _finalize(self, name: str, status: str, reason: str) -> None:
+    def _finalize(self, name: str, status: str, reason: str, **extra: Any) -> None:
         rec = self._record(name) or {"phase": name, "checks": {}}
-        rec.update(status=status, reason=reason)
+        rec.update(status=status, reason=reason, **extra)
         if rec.get("started"):
             rec["wall_s"] = round(time.time() - rec["started"], 1)
         _atomic_write(self.out / "phases" / f"{name}.json", json.dumps(rec, indent=1))
@@ -152,12 +163,14 @@ class Orchestrator:
         plans = []
         if zero3 == "build":
             plans.append([DS_BUILD.name])  # compiles beside the correctness phases
+        elif zero3.startswith("off:") and "bench" in todo:
+            self.record_zero3_off(zero3)
         if self.dry and "bench" in todo and len(todo) > 1:
             # Timings mean nothing on the CPU: run the bench beside the rest instead of after it.
             plans += [[n for n in todo if n != "bench"], ["bench"]]
         elif todo:
             plans.append(todo)
-        groups = [{"todo": names, "proc": self._spawn(names, zero3)} for names in plans]
+        groups = [dict(zip(("proc", "tail"), self._spawn(names, zero3)), todo=names) for names in plans]
         published: set[str] = set()
         while groups:
             time.sleep(0.2)
@@ -194,16 +207,27 @@ class Orchestrator:
         elif not exited:
             return True
         elif current is not None:
-            self._finalize(current, "failed", f"its process died (exit code {proc.returncode})")
+            self._finalize(current, "failed", f"its process died (exit code {proc.returncode})"
+                           + _why(_stderr_tail(g)))
         else:
             first = next((n for n in todo if recs[n].get("status") not in FINAL), None)
             if first is not None and proc.returncode != 0:
-                self._finalize(first, "failed", f"its process exited (code {proc.returncode}) before it started")
+                why = _stderr_tail(g)
+                self._finalize(first, "failed", f"its process exited (code {proc.returncode}) before it started"
+                               + _why(why), stderr_tail=why)
         rest = [n for n in todo if (self._record(n) or {}).get("status") not in FINAL]
         if not rest:
             return False
-        g.update(todo=rest, proc=self._spawn(rest, zero3))
+        g["proc"], g["tail"] = self._spawn(rest, zero3)
+        g["todo"] = rest
         return True
+
+    def record_zero3_off(self, zero3: str) -> None:
+        """The ZeRO-3 half of the check says in the summary that it did not run, and why."""
+        why = zero3.partition(":")[2]
+        _atomic_write(self.out / "phases" / f"{DS_BUILD.name}.json", json.dumps(
+            {"phase": DS_BUILD.name, "status": "skipped", "checks": {}, "reason": why.removeprefix("skipped: ")}))
+        _log(f"{DS_BUILD.name} (ZeRO-3): {why}")
 
     def zero3_plan(self) -> str:
         """'build' (compile DeepSpeed's op beside the other phases), 'on', or 'off:<reason>'."""
@@ -212,12 +236,15 @@ class Orchestrator:
             return "off:ZeRO-3 disabled (--zero3 off)"
         if _missing("deepspeed"):
             return "off:the deepspeed package is not installed (install it, or put its wheel in wheels/: scripts/fetch_wheels.sh)"
+        if self.dry and ds_ops_built(cpu_accelerator=True):
+            return "on"  # built before: nothing to compile
+        blockers = compile_blockers()
+        if blockers:
+            return "off:skipped: " + "; ".join(blockers)
         if not self.dry and cuda_compiler() is None:
             return ("off:unavailable here: DeepSpeed builds its CPU Adam with CUDA sources on a GPU machine and "
                     "finds no nvcc (set CUDA_HOME to a CUDA toolkit, or put nvcc on PATH)")
         if self.dry:
-            if ds_ops_built(cpu_accelerator=True):
-                return "on"
             if mode == "auto":
                 return ("off:DeepSpeed's C++ ops are not built in TORCH_EXTENSIONS_DIR yet (a one-time ~85 s JIT "
                         "build, too long for the dry run's budget); --zero3 on includes it")
@@ -256,6 +283,31 @@ class Orchestrator:
 
 
 
+
+
+STDERR_TAIL_LINES = 40
+
+
+def _tee(stream: Any, tail: collections.deque) -> None:
+    for line in stream:
+        sys.stderr.write(line)
+        tail.append(line.rstrip("\n"))
+    stream.close()
+
+
+def _stderr_tail(g: dict[str, Any]) -> str:
+    """The dead child's last stderr lines, once its reader has drained the pipe."""
+    proc = g["proc"]
+    deadline = time.time() + 2.0
+    while proc.stderr is not None and not proc.stderr.closed and time.time() < deadline:
+        time.sleep(0.02)
+    return "\n".join(g["tail"])
+
+
+def _why(tail: str) -> str:
+    """The reason's end: the child's last error line (a traceback ends with it), or that it printed none."""
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    return f": {lines[-1][:300]}" if lines else ": it printed nothing on stderr"
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import Ctx, make_batches, tiny_model
+from .sanitizer_run import PLACEMENTS, placement_ok
 
 
 def pinning_expectations(store: Any, staging: list[Any]) -> dict[str, tuple[list[Any], bool]]:
@@ -110,22 +111,36 @@ def phase_sync(ctx: Ctx) -> None:
     dev = str(ctx.device)
 
     def loop(mask: bool = True, **knobs: Any) -> dict[str, Any]:
+        if knobs["residency"] != "stream":
+            knobs.setdefault("offload_activations", False)  # kept graphs need activations on the device
         eng = Engine(tiny_model("llama", sh), EngineConfig(device=dev, **{"compute_dtype": "float32", **knobs}))
         b = batch if mask else {"input_ids": batch["input_ids"], "labels": batch["input_ids"]}
         _one_step(eng, b)  # warm-up: first-touch allocations are not the loop's steady state
         inside: list[str] = []
         outside: list[str] = []
         watch_layer_loop(eng, inside)
+        eng.reset_stats()
         with sync_watch(ctx.device, outside):
             _one_step(eng, b)
-        return {"ok": not inside, "syncs_in_loop": len(inside), "in_loop": inside[:10],
-                "syncs_outside_loop": len(outside), "outside_loop": sorted(set(outside))[:15]}
+        st = eng.collect_stats()
+        kept = [st["resident_weight_layers"], st["kept_graph_layers"]]
+        # The placement asked for, not a budget's choice: streamed layers (ring reuse, recompute) in every run.
+        placed = placement_ok(knobs["residency"], kept, st["recomputed_layers"], sh.layers)
+        return {"ok": not inside and placed, "syncs_in_loop": len(inside), "in_loop": inside[:10],
+                "syncs_outside_loop": len(outside), "outside_loop": sorted(set(outside))[:15],
+                "residency": knobs["residency"], "kept_weights_graphs": kept,
+                "recomputed_layers": st["recomputed_layers"], "placement_ok": placed}
 
-    ctx.check("loop_fp32_no_mask", lambda: loop(mask=False))
-    ctx.check("loop_fp32", lambda: loop())
-    ctx.check("loop_bf16", lambda: loop(compute_dtype="bfloat16"))
-    ctx.check("loop_bf16_offload", lambda: loop(compute_dtype="bfloat16", offload_activations=True))
-    ctx.check("loop_bf16_trace", lambda: loop(compute_dtype="bfloat16", trace=True))
+    # Every loop at each placement of the sanitizer phase (sanitizer_run.PLACEMENTS): all streamed, and some
+    # layers kept beside streamed ones; never "auto", which keeps every layer of these models on a large device.
+    for where, place in PLACEMENTS.items():
+        r = place["residency"]
+        ctx.check(f"loop_fp32_no_mask_{where}", lambda r=r: loop(mask=False, residency=r))
+        ctx.check(f"loop_fp32_{where}", lambda r=r: loop(residency=r))
+        ctx.check(f"loop_bf16_{where}", lambda r=r: loop(compute_dtype="bfloat16", residency=r))
+        ctx.check(f"loop_bf16_trace_{where}", lambda r=r: loop(compute_dtype="bfloat16", trace=True, residency=r))
+    ctx.check("loop_bf16_offload_stream", lambda: loop(compute_dtype="bfloat16", offload_activations=True,
+                                                       residency="stream"))
 
     def planted() -> dict[str, Any]:
         # Negative control: the detector must see an `.item()` planted inside the loop.

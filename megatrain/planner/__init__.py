@@ -33,11 +33,13 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
                     worker on a CPU device; on CUDA the reducer thread after the copy, c + 8 B/param with its norm
                     (a bf16 slab: c + 4), one pass into FP32 slabs (engine/host/reduce_kernel.py), on a quarter of
                     the host's cores as engine/runtime/stream.py side_threads gives it, host_work.py, with the
-                    staging slots it blocks on); fills, drains, the layers still resident
+                    staging slots it blocks on; its rate held at the bound on more threads than it was measured
+                    on, and shared with the globals' reduce lane beside it); fills, drains, the layers still resident
                     at the turn and across micro-batches, activation offload; + the embedding/head I/O the
                     engine does per device type (none on a CPU device in FP32: it aliases them; on CUDA the
                     gradients' copy on the d2h lane after the head, their add on a reduce lane of its own, as
-                    the engine adds them on a worker of their own, engine/pipeline/global_grads.py) + CPU AdamW
+                    the engine adds them on a worker of their own, engine/pipeline/global_grads.py, at that
+                    worker's share of the host's bandwidth) + CPU AdamW
                     (bytes touched / host bandwidth) after backward, or with optimizer_overlap (its "auto", as the
                     engine resolves it: on with a CUDA device) a layer at a time behind the next forward, or with
                     optimizer_in_backward a layer at a time behind the backward; the resident parameters' update

@@ -19,6 +19,7 @@ from ..validate import unknown_key
 from .estimate import plan
 from .hardware import load_profiles, profile_from_dict, resolve_hardware
 from .host_rates import host_bound_line
+from .host_work import host_assumptions, host_assumptions_line
 from .memory import fmt_bytes
 from .mode_table import ModeRow, format_mode_table, mode_table
 from .nvme_plan import format_nvme_rows, nvme_rows, with_nvme
@@ -100,6 +101,8 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
         out += format_timeline(pl.timeline)
     if p.backend == "megatrain" and (host := host_bound_line(p, t, t.optimizer_overlap)) is not None:
         out.append(host)  # from how many tokens per step the compute outlasts the host's pass (host_rates.py)
+    if p.backend == "megatrain" and not hw.unified_memory:
+        out.append(host_assumptions_line(p, hw))  # the threads, bandwidth and NUMA binding the host rates assume
     if m.is_moe and p.backend == "megatrain":
         out += _moe_lines(pl)
     out += _largest_lines(pl, biggest_batch, biggest_context)
@@ -366,6 +369,8 @@ def _run_plan(args: argparse.Namespace) -> int:
                  torch_reference=None if ref is None else ref.to_row())
         if args.backend == "megatrain":
             d["settings"] = main.settings
+            if not main.hardware.unified_memory:
+                d["host_assumed"] = host_assumptions(main.point, main.hardware)  # as the text's `host assumed:` line
         print(json.dumps(d, indent=2, default=str))
     else:
         print(format_plan(main, bb, bc, others, modes))

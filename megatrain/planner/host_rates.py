@@ -28,6 +28,7 @@ class Time(Protocol):
 class HostRate:
     x_bound: float  # the mode's clip + step + zero_grad time over its bytes bound (1.0: at the bandwidth limit)
     source: str  # "measured: ..." or "assumed: ..."
+    threads: int = 2  # the threads it was measured on: on more, a rate above the bound is clamped (host_work.py)
 
 
 _RUN = "measured: results/host_passes (llama-100m, 2-core CPU, paired median)"
@@ -50,13 +51,13 @@ HOST_RATES: dict[str, HostRate] = {
     # 1.75x their bound (an add + norm, 14 bytes: 1.1x). Beside it the rounding of the resident masters into their
     # bf16 staging, on a worker of its own (engine/host/resident_upload.py).
     "reducer": HostRate(1.75, "measured: results/reducer_rate (first reduction + norm, 1 of 2 threads, paired "
-                              "median, 6 runs)"),
+                              "median, 6 runs)", threads=1),
     # The one-pass kernel (engine/host/reduce_kernel.py), on every reducer thread: write or add, norm and finite
     # flag in one loop, its fixed chunks split over the threads. Measured on one core: the 10 counted bytes at 0.8x
     # the bound of copy_ on that core (first reduction 0.80, an add 0.72: the first, the only one at accumulation
     # 1, is counted); host_work.reducer_bps applies it to the bandwidth of the reducer's threads.
     "reducer, one pass": HostRate(0.8, "measured: results/host_passes/reducer.md (one pass, first reduction + "
-                                       "norm, 1 thread, paired median, 11 repetitions)"),
+                                       "norm, 1 thread, paired median, 11 repetitions)", threads=1),
     "resident rounding": HostRate(1.3, "measured: results/reducer_rate (FP32 -> bf16 copy_, every thread, paired "
                                        "median, 3 runs)"),
 }

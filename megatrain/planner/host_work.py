@@ -20,6 +20,17 @@ As the engine runs it (engine/pipeline/schedule.py, engine/runtime/stream.py, en
 
 A memory-bound pass on n of a host's cores reaches its achieved bandwidth x min(1, n / (cores x
 SATURATING_SHARE)): a few cores per memory channel saturate it, one core alone is far from it.
+
+Two clamps keep these rates at what a host can give:
+- a rate measured on fewer threads than it is applied to is held at or below the bytes bound there: the one-pass
+  reducer's 0.8x of copy_'s bound was measured on one core, where copy_ is far from the bandwidth; on a quarter
+  of a big host's cores copy_ reaches it, and no pass moves its bytes faster than the bandwidth
+  (`HostRate.threads`, `bounded_bps`);
+- lanes that run at the same time share the host's bandwidth: the layers' reducer and the resident parameters'
+  own (engine/pipeline/global_grads.py, a quarter of the cores each, running while the first layers' reductions
+  do) each get at most their threads' share of it (`lane_share_bps`), not the whole of it each.
+The bandwidth is the profile's achieved one, of the socket the GPU hangs off: a run bound to that socket
+(docs/HOST_MODES.md, "Binding a run to the GPU's socket"). `host_assumptions` is what `megatrain plan` prints.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ HOST_CORES = {"h200-pcie": 112, "h100-pcie": 112, "a100-pcie": 64, "gh200": 72}
 # Assumed: the share of a host's cores a streaming add needs to reach its achieved bandwidth.
 SATURATING_SHARE = 0.5
 REDUCER_SHARE = 4  # engine/runtime/stream.py side_threads(): a quarter of the cores
+GLOBALS_SHARE = 4  # the resident parameters' gradient worker (engine/pipeline/global_grads.py): side_threads() too
 
 
 def host_cores(hw: Hardware) -> int:
@@ -53,6 +65,26 @@ def reducer_threads(hw: Hardware) -> int:
 def threads_bps(hw: Hardware, threads: int) -> float:
     """Bytes/s a streaming pass on `threads` of the host's cores reaches."""
     return hw.host_bw_bps * min(1.0, threads / max(1.0, host_cores(hw) * SATURATING_SHARE))
+
+
+def globals_threads(hw: Hardware) -> int:
+    """The resident parameters' gradient worker's torch threads (global_grads.py: side_threads() too)."""
+    return max(1, host_cores(hw) // GLOBALS_SHARE)
+
+
+def lane_share_bps(hw: Hardware, threads: int, beside: int) -> float:
+    """Bytes/s a streaming lane on `threads` reaches while another on `beside` threads runs: its threads' rate,
+    at most its share of the host's bandwidth (the two together never exceed it)."""
+    return min(threads_bps(hw, threads), hw.host_bw_bps * threads / max(1, threads + beside))
+
+
+def bounded_bps(bound_bps: float, key: str, threads: int) -> float:
+    """`bound_bps` (the bytes bound of the threads a pass runs on) at HOST_RATES[key]'s distance from it, clamped:
+    on more threads than the rate was measured on, a pass faster than its bound (x_bound < 1) is held at the
+    bound (it cannot beat a bandwidth its threads already reach)."""
+    rate = HOST_RATES[key]
+    x = rate.x_bound if threads <= rate.threads else max(rate.x_bound, 1.0)
+    return bound_bps / x
 
 
 def reducer_bytes_per_param(p: Point) -> int:
@@ -74,9 +106,37 @@ def reducer_rate_key(p: Point, hw: Hardware) -> str:
 
 
 def reducer_bps(p: Point, hw: Hardware) -> float:
-    """The reducer's rate on a CUDA host, on the reducer's threads, at the measured distance of its pass from the
-    bytes bound (host_rates.py): the one-pass kernel's, or torch's two passes'."""
-    return threads_bps(hw, reducer_threads(hw)) / HOST_RATES[reducer_rate_key(p, hw)].x_bound
+    """The reducer's rate on a CUDA host, on the reducer's threads beside the globals' worker (sharing the host's
+    bandwidth), at the measured distance of its pass from the bytes bound (host_rates.py: the one-pass kernel's,
+    or torch's two passes'), clamped to the bound where it was measured on fewer threads."""
+    rt = reducer_threads(hw)
+    return bounded_bps(lane_share_bps(hw, rt, globals_threads(hw)), reducer_rate_key(p, hw), rt)
+
+
+def globals_reduce_bps(p: Point, hw: Hardware) -> float:
+    """The resident parameters' gradient adds on their own worker (CUDA), beside the layers' reducer: the
+    same pass (the one-pass kernel into FP32 slabs) on its share of the bandwidth."""
+    gt = globals_threads(hw)
+    return bounded_bps(lane_share_bps(hw, gt, reducer_threads(hw)), reducer_rate_key(p, hw), gt)
+
+
+def host_assumptions(p: Point, hw: Hardware) -> dict[str, object]:
+    """What the host-side rates assume, for `megatrain plan` to print and a caller to record."""
+    cores = host_cores(hw)
+    return {"host_cores": cores, "cores_from": "profile" if hw.name.split(",")[0] in HOST_CORES else "this machine",
+            "host_bw_gbs": hw.host_bw_bps / 1e9, "reducer_threads": reducer_threads(hw),
+            "globals_threads": globals_threads(hw), "reducer_gbs": reducer_bps(p, hw) / 1e9,
+            "globals_reduce_gbs": globals_reduce_bps(p, hw) / 1e9,
+            "numa": "the run bound to the GPU's socket (numactl --cpunodebind/--membind); the bandwidth is that "
+                    "socket's"}
+
+
+def host_assumptions_line(p: Point, hw: Hardware) -> str:
+    a = host_assumptions(p, hw)
+    return (f"  host assumed: {a['host_cores']} cores ({a['cores_from']}), {a['host_bw_gbs']:.0f} GB/s shared by the "
+            f"reducer ({a['reducer_threads']} threads, {a['reducer_gbs']:.0f} GB/s) and the globals' worker "
+            f"({a['globals_threads']} threads, {a['globals_reduce_gbs']:.0f} GB/s); NUMA: {a['numa']} "
+            "(docs/HOST_MODES.md)")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from ..costs import residency as kept
 from .hardware import GB, Hardware, _is_bf16
 from .host_rates import host_slowdown
-from .host_work import reducer_bps, reducer_bytes_per_param, serial_work
+from .host_work import globals_reduce_bps, reducer_bps, reducer_bytes_per_param, serial_work
 from .memory import LOSS_BYTES_EXTRA, zero3_sizes
 from .pipeline_sim import REDUCE_LANES, LayerCosts, PipelineSim, simulate_step
 from .point import Point, aliases_globals, master_bytes, overlap_on
@@ -138,6 +138,13 @@ class GlobalsIO:
     up_bytes: int  # link bytes per step
 
 
+def optimizer_rate_bps(p: Point, hw: Hardware, overlap: bool) -> float:
+    """The host optimizer's bytes/s in the point's mode: the profile's FP32 rate at the mode's measured distance
+    from FP32's (host_rates.host_slowdown), clamped to the host's bandwidth (host_work.py: rates measured on two
+    threads, applied to every core)."""
+    return min(hw.optimizer_bps / host_slowdown(p, overlap), max(hw.optimizer_bps, hw.host_bw_bps))
+
+
 def globals_io(p: Point, hw: Hardware) -> GlobalsIO:
     """Per device type, as engine.py does it:
       - a CPU device in FP32 aliases them to the host masters (Placement.alias_globals): nothing moves;
@@ -153,8 +160,9 @@ def globals_io(p: Point, hw: Hardware) -> GlobalsIO:
         return GlobalsIO(add, 0.0, 0.0, 0, 0)
     if hw.unified_memory:
         return GlobalsIO(add, grads * (c + 4) / Bh, resident * (4 + c) / Bh, 0, 0)
-    # CUDA: the staging (compute dtype) read, the FP32 slab read and written
-    return GlobalsIO(grads * (c + 8) / Bh, grads * c / hw.link_bps, resident * c / hw.link_bps, grads * c, resident * c)
+    # CUDA: the staging (compute dtype) read, the FP32 slab read and written, on the globals' own worker beside
+    # the layers' reducer: its share of the host's bandwidth, not all of it (host_work.py)
+    return GlobalsIO(grads * (c + 8) / globals_reduce_bps(p, hw), grads * c / hw.link_bps, resident * c / hw.link_bps, grads * c, resident * c)
 
 
 def async_globals(io: GlobalsIO, costs: LayerCosts) -> tuple[float, float] | None:
@@ -198,8 +206,9 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     gb = 2 if _is_bf16(p.host_grad_dtype) else 4
     per_param = _optimizer_bytes_per_param(mb, gb, shadow, p.grad_clip)
     overlap = overlap_on(p, hw)
-    # the mode's own distance from its bytes bound (host_rates.py)
-    rate = hw.optimizer_bps / host_slowdown(p, overlap)
+    # the mode's own distance from its bytes bound (host_rates.py), never above the host's bandwidth: a mode measured
+    # faster than FP32's whole step on two threads does not beat the bandwidth the pool's threads reach
+    rate = optimizer_rate_bps(p, hw, overlap)
     opt_busy = (m.param_count() - (L - own) * PL) * per_param / rate
     opt_globals = (m.param_count() - L * PL) * per_param / rate
     if p.optimizer_in_backward:

@@ -40,7 +40,11 @@ def test_the_mode_rate_prices_the_host_optimizer(knobs, mode, monkeypatch):
     monkeypatch.setitem(HOST_RATES, mode, HOST_RATES["fp32"])
     base = plan("14b", 4096, batch=8, hardware=H200, **knobs)
     ratio = HOST_RATES_BEFORE[mode].x_bound / HOST_RATES["fp32"].x_bound
-    assert pl.time.optimizer_busy_s == pytest.approx(base.time.optimizer_busy_s * ratio)
+    # The profile's FP32 rate is its host bandwidth, and no mode runs above it (step_time.optimizer_rate_bps): a
+    # mode measured a little faster than FP32 on two threads (bf16 shadow with the overlap, 0.94 against 0.95)
+    # is priced at the bandwidth.
+    assert pl.hardware.optimizer_bps == pl.hardware.host_bw_bps
+    assert pl.time.optimizer_busy_s == pytest.approx(base.time.optimizer_busy_s * max(ratio, 1.0))
     assert mode == "fp32" or ratio != 1.0
 
 

@@ -1,0 +1,167 @@
+"""The GPU check as it starts on a GPU image: what it installs beside the image's torch, a missing compiler, the
+bf16 tolerance, the time budget, and a phase whose process cannot start."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from experiments.gpu_check import common, install, orchestrate
+from experiments.gpu_check.sanitizer_run import FLOOR_FACTOR, FP32_TOL, bf16_tolerance, compare
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _args(**kw):
+    base = dict(dry_run=False, out="unused", bundle=None, budget_s=None, inject=[], only=None, zero3="auto",
+                phase_budget=[])
+    return argparse.Namespace(**{**base, **kw})
+
+
+# -- a missing compiler costs the ZeRO-3 points only --------------------------------------------------------
+def test_no_compiler_passes_the_env_phase_and_skips_zero3_saying_why(tmp_path, monkeypatch):
+    from experiments.gpu_check import ds_build, env
+
+    monkeypatch.setattr(ds_build, "cxx_compiler", lambda: None)
+    ctx = common.Ctx("env", tmp_path, dry=False, deadline=time.time() + 60, zero3="off")
+    env.phase_env(ctx)
+    tool = ctx.data["checks"]["toolchain"]
+    assert tool["ok"] is True and tool["zero3_can_compile"] is False, tool  # the old check failed here
+    assert tool["zero3"].startswith("skipped: no C++ compiler")
+
+    monkeypatch.setattr(orchestrate, "_missing", lambda dist: False)
+    monkeypatch.setattr(orchestrate, "cuda_compiler", lambda: "/usr/local/cuda/bin/nvcc")
+    plan = orchestrate.Orchestrator(_args()).zero3_plan()
+    assert plan.startswith("off:skipped: no C++ compiler") and "g++" in plan and "--zero3 off" in plan, plan
+    orch = orchestrate.Orchestrator(_args(out=str(tmp_path / "o")))
+    orch.out.mkdir()
+    orch.record_zero3_off(plan)
+    rec = json.loads((orch.out / "phases" / "ds_build.json").read_text())
+    assert rec["status"] == "skipped" and rec["reason"].startswith("no C++ compiler"), rec
+    # control: with a compiler, the same machine builds DeepSpeed's op as before
+    monkeypatch.setattr(ds_build, "cxx_compiler", lambda: "/usr/bin/g++")
+    monkeypatch.setattr(ds_build, "python_header", lambda: Path(__file__))
+    monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
+    assert orchestrate.Orchestrator(_args()).zero3_plan() == "build"
+
+
+# -- a phase whose process cannot start says why --------------------------------------------------------------
+def test_a_phase_that_cannot_start_reports_why(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "experiments.gpu_check", "--dry-run", "--out", str(out), "--only", "env,bandwidth",
+           "--inject", "env=nostart"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("GPU_CHECK_T0", None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    rec = json.loads((out / "phases" / "env.json").read_text())
+    assert rec["status"] == "failed" and "before it started" in rec["reason"], rec
+    # the reason names the child's own error (it used to stop at "exited (code 1) before it started")
+    assert "ModuleNotFoundError: injected: no module named 'torch'" in rec["reason"], rec["reason"]
+    assert "Traceback" in rec["stderr_tail"]
+    assert "ModuleNotFoundError" in proc.stdout  # the log line says it too
+    assert json.loads((out / "phases" / "bandwidth.json").read_text())["status"] == "ok"  # the next phase ran
+
+
+def test_why_names_the_last_error_line():
+    assert orchestrate._why("Traceback (most recent call last):\n  File x\nImportError: no foo\n") == ": ImportError: no foo"
+    assert orchestrate._why("") == ": it printed nothing on stderr"
+
+
+# -- the suite's bf16 tolerance ---------------------------------------------------------------------------------
+def test_bf16_tolerance_is_the_suites_floor_factor():
+    import torch
+
+    from experiments.gpu_check.common import Shapes, make_batches, tiny_model
+    from experiments.gpu_check.parity import _train_reference_mixed
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from gpu_defaults import FLOOR_FACTOR as SUITE
+
+    assert FLOOR_FACTOR == SUITE
+    sh = Shapes(64, 2, 128, 16, 2)
+    batches = make_batches(2, sh)
+    model = tiny_model("llama", sh)
+    dev = torch.device("cpu")
+    import copy
+
+    ref, _ = _train_reference_mixed(copy.deepcopy(model), batches, 1, 2, None, dev)
+    tol, floor = bf16_tolerance(model, batches, 1, 2, dev, ref)
+    assert floor > 0 and tol == pytest.approx(max(SUITE * floor, FP32_TOL))
+    # A run 1.14 floors away (the suite's measured engine, on the pre-clip norms) passes; 1x (the old
+    # tolerance) would have failed it; 2.5 floors fails.
+    for floors, ok_at_suite, ok_at_1x in ((1.14, True, False), (2.5, False, False)):
+        run = [r + floors * floor for r in ref]
+        assert compare(run, ref, tol)["ok"] is ok_at_suite
+        assert compare(run, ref, max(floor, FP32_TOL))["ok"] is (ok_at_1x or floors * floor <= FP32_TOL)
+
+
+# -- the time budget ------------------------------------------------------------------------------------------
+def test_the_check_fits_one_ten_minute_command_with_a_rerun():
+    correctness = sum(p.budget_s for p in common.PHASES if p.name != "bench")
+    assert correctness + common.SUMMARY_RESERVE_S <= common.TOTAL_BUDGET_S  # the bench gets what is left
+    # the whole check, its grace and the summary, twice in one 600 s command
+    assert 2 * (common.TOTAL_BUDGET_S + orchestrate.GRACE_S + common.SUMMARY_RESERVE_S) <= 600
+
+
+# -- what it installs beside the image's torch ------------------------------------------------------------------
+def _wheel(dest: Path, name: str, version: str, script: bool = False) -> Path:
+    path = dest / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}/__init__.py", f"VERSION = {version!r}\ndef main():\n    print('ran {name}')\n")
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+        if script:
+            z.writestr(f"{info}/entry_points.txt", f"[console_scripts]\n{name}-cli = {name}:main\n")
+    return path
+
+
+@pytest.mark.parametrize("use_pip", [True, False], ids=["pip", "bare-no-pip"])
+def test_install_uses_the_found_torch_and_installs_the_rest_saying_what(tmp_path, capsys, use_pip):
+    import importlib.metadata as md
+
+    import torch
+
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    wheels.mkdir()
+    _wheel(wheels, "mtfakepkg", "1.2.3", script=True)
+    _wheel(wheels, "packaging", md.version("packaging"))  # the image has it at the carried version: kept
+    assert install.install(wheels, site, use_pip=use_pip) == 0
+    text = capsys.readouterr().out
+    found = next(ln for ln in text.splitlines() if ln.startswith("found:"))
+    cuda = f"(CUDA {torch.version.cuda})" if torch.version.cuda else "(no CUDA build)"
+    assert f"torch {torch.__version__} {cuda}" in found, found
+    assert f"kept the image's: packaging {md.version('packaging')}" in text
+    assert "installed 1 wheels" in text and "mtfakepkg 1.2.3" in text, text
+    assert (site / "mtfakepkg" / "__init__.py").exists() and not (site / "packaging").exists()
+    run = subprocess.run([sys.executable, "-c", "import mtfakepkg; print(mtfakepkg.VERSION)"],
+                         env=dict(os.environ, PYTHONPATH=str(site)), capture_output=True, text=True)
+    assert run.stdout.strip() == "1.2.3"
+    if not use_pip:
+        assert subprocess.run([str(site / "bin" / "mtfakepkg-cli")], capture_output=True, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(site))).stdout.strip() == "ran mtfakepkg"
+
+
+def test_install_without_torch_refuses(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(install, "torch_found", lambda: None)
+    assert install.install(tmp_path, tmp_path / "site") == 2
+    out = capsys.readouterr().out
+    assert "NO torch" in out and "has no torch" in out
+
+
+def test_the_wheel_list_leaves_out_what_the_check_never_imports():
+    proc = subprocess.run([sys.executable, "scripts/wheel_list.py"], cwd=ROOT, capture_output=True, text=True,
+                          check=True)
+    names = {line.split("=")[0].split(">")[0] for line in proc.stdout.split()}
+    assert "hf-xet" not in names and "pygments" not in names and "rich" not in names
+    # what the check does import stays carried (transformers needs huggingface-hub; DeepSpeed builds with ninja)
+    assert {"transformers", "huggingface-hub", "ninja", "numpy", "deepspeed"} <= names
