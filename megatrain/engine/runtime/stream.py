@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .threads import set_team
+from .threads import host_cores, set_team
 
 
 class WatchdogError(RuntimeError):
@@ -269,8 +269,9 @@ def _drain_at_exit(ref: weakref.ref) -> None:
 def side_threads(cores: int | None = None) -> int:
     """Torch threads for a host thread whose work runs beside the main work of the moment (the gradient
     reducer beside backward, itself launching or computing with every core): a quarter of the cores, at least
-    one. Elementwise adds are memory-bound: a few threads reach the bandwidth one socket gives."""
-    n = cores if cores is not None else torch.get_num_threads()
+    one. Elementwise adds are memory-bound: a few threads reach the bandwidth one socket gives. Of `cores`
+    (default: this process's share of the host, threads.host_cores)."""
+    n = cores if cores is not None else host_cores()
     return max(1, n // 4)
 
 
