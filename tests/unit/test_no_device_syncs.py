@@ -175,3 +175,75 @@ def test_the_loss_counts_and_picks_valid_labels_on_the_host(tiled):
     assert loss.device.type == "meta"
     with pytest.raises((NotImplementedError, RuntimeError)):  # negative control: device labels must be read back
         tiled_norm_head_loss(hidden, norm, head, labels.to("meta"), tile_tokens=3)
+
+
+class _PendingCopy:
+    """A copy still queued (done() False until released); host_wait records the order it was waited in."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def done(self) -> bool:
+        return False
+
+    def host_wait(self, timeout: float) -> None:
+        self.log.append("waited for the last copy")
+
+
+def test_a_growing_host_pool_waits_for_the_buffers_last_copy_before_freeing_it():
+    from megatrain.engine.pipeline.activations import HostPool
+
+    log: list = []
+    pool = HostPool(lambda n, dtype, what: (log.append(f"alloc {n}"), torch.empty(n, dtype=dtype))[1])
+    pool.get(0, 100, torch.float32)
+    pool.copied(0, _PendingCopy(log))
+    pool.get(0, 50, torch.float32)  # fits: reused, nothing freed, no wait
+    assert log == ["alloc 100"]
+    pool.get(0, 1000, torch.float32)  # grows: the old buffer is freed only after its queued copy
+    assert log == ["alloc 100", "waited for the last copy", "alloc 1000"]
+    pool.get(0, 5000, torch.float32)  # no copy queued since: nothing to wait for
+    assert log[-1] == "alloc 5000" and log.count("waited for the last copy") == 1
+
+
+def test_the_activation_store_names_each_copy_to_its_pool():
+    """Each put's copy out, then each fetch's copy back (queued behind it), is the buffer's last copy."""
+    from megatrain.engine.pipeline.activations import ActivationStore, HostPool
+    from megatrain.engine.runtime.stream import Streams, Trace
+
+    streams = Streams(torch.device("cpu"), Trace(False, torch.device("cpu")), None, 5.0)
+    pool = HostPool(lambda n, dtype, what: torch.empty(n, dtype=dtype))
+    acts = ActivationStore(streams, True, pin=pool)
+    acts.put(0, torch.ones(4, 3))
+    assert pool._last[0] is acts._host[0][1]
+    acts.prefetch(0)
+    loaded = acts._loaded[0]
+    assert pool._last[0] is loaded
+    assert torch.equal(acts.get(0), torch.ones(4, 3))
+
+
+def test_copy_waits_are_read_as_they_finish_not_waited_for():
+    """_CudaSpans.done_s: the spans whose end has completed, summed without blocking; the rest count later."""
+    from megatrain.engine.runtime.stream import _CudaSpans
+
+    class FakeEvent:
+        def __init__(self, t: float) -> None:
+            self.t, self.finished, self.blocked = t, False, False
+
+        def query(self) -> bool:
+            return self.finished
+
+        def synchronize(self) -> None:
+            self.blocked = True
+
+        def elapsed_time(self, end: FakeEvent) -> float:
+            return (end.t - self.t) * 1e3
+
+    spans = _CudaSpans()
+    a, b, c, d = FakeEvent(0.0), FakeEvent(0.5), FakeEvent(1.0), FakeEvent(3.0)
+    spans.add(a, b)
+    spans.add(c, d)
+    b.finished = True
+    assert spans.done_s() == 0.5 and not d.blocked  # the second span is still queued: not waited for
+    d.finished = True
+    assert spans.done_s() == 2.5
+    assert not b.blocked and not d.blocked

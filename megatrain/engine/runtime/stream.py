@@ -249,6 +249,11 @@ class _CudaSpans:
         self._fold(block=True)
         return self._done_s
 
+    def done_s(self) -> float:
+        """The spans that have finished so far, summed without waiting for the rest (they count at a later read)."""
+        self._fold(block=False)
+        return self._done_s
+
     def reset(self) -> None:
         self._pending.clear()
         self._done_s = 0.0
@@ -431,6 +436,11 @@ class Streams:
     @wait_s.setter
     def wait_s(self, value: float) -> None:
         self._wait_s = value
+
+    @property
+    def wait_done_s(self) -> float:
+        """wait_s without waiting for the device: the waits queued on a GPU count once they have run."""
+        return self._wait_s + (self._cuda_waits.done_s() if self._cuda_waits is not None else 0.0)
 
     def record_compute(self) -> Event:
         """An event that completes when the work queued on the compute stream so far is done."""
