@@ -209,7 +209,7 @@ def test_a_node_without_the_drivers_library_says_so(driver_too_old):
 def test_torchs_warning_is_its_reason_where_init_does_not_raise(driver_too_old):
     def init() -> None:
         warnings.warn("CUDA initialization: CUDA unknown error - this may be due to an incorrectly set up "
-                      "environment", UserWarning)
+                      "environment", UserWarning, stacklevel=2)
 
     driver_too_old.setattr(torch.cuda, "init", init)
     driver_too_old.setattr(device_resolution, "_driver_cuda_version", lambda: 12080)  # not older than the wheel
