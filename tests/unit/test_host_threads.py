@@ -124,3 +124,22 @@ def test_without_an_affinity_call_the_machines_count(launched):
     launched.delattr(os, "sched_getaffinity")
     launched.setattr(os, "cpu_count", lambda: 12)
     assert threads.host_cores() == 12
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_optimizer_thread_runs_its_torch_ops_on_the_update_share(launched, overlap):
+    """The layered update's own thread (an unfused update's whole-layer passes) gets the pool's share as its team,
+    not torch's process-wide count (a launcher's 1)."""
+    from megatrain.config import EngineConfig
+    from megatrain.engine import Engine
+
+    eng = Engine(tiny_model(layers=1, hidden=32, vocab=128),
+                 EngineConfig(device="cpu", compute_dtype="float32", optimizer_overlap=overlap, parity_probe=False))
+    want = threads.update_threads(overlap)
+    assert eng.update.threads == want == (32 - threads.RESERVED_CORES if overlap else 32)
+    if eng.update.layered is not None:
+        assert eng.update.layered.stream.threads == want
+        seen = []
+        eng.update.layered.stream.submit(lambda: (seen.append(torch.get_num_threads()), 0)[1], (), "probe", 0)
+        eng.update.layered.stream.synchronize()
+        assert seen == [want]
