@@ -233,8 +233,9 @@ def kernel() -> ctypes.CDLL | None:
 
 
 def pays(threads: int | None) -> bool:
-    """Whether the one pass beats the two it replaces on `threads` reducer threads (None: the calling thread's share): on any
-    count, since its chunks split over as many threads as the two passes would run on (10 B/param against 14)."""
+    """Whether the one pass beats the two it replaces on `threads` reducer threads (None: the calling thread's
+    share): on any count, since its chunks split over as many threads as the two passes would run on (10 B/param
+    against 14)."""
     return threads is None or threads >= 1
 
 
