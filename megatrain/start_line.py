@@ -1,6 +1,8 @@
 """One line at the start of every run on MegaTrain: which face, the device, the compute dtype, the host mode, the
-optimizer that steps, what MegaTrain turned off or ignored, and the residency setting (what "auto" keeps on the
-device is planned at the first batch and logged by the engine, engine/pipeline/schedule.py).
+optimizer that steps, what MegaTrain turned off or ignored, the residency setting (what "auto" keeps on the
+device is planned at the first batch and logged by the engine, engine/pipeline/schedule.py) and the host threads:
+the optimizer pool's, then the reducer's (on CUDA) and this process's share of the cores they come from
+(engine/runtime/threads.py: affinity over LOCAL_WORLD_SIZE, never OMP_NUM_THREADS).
 
 A Trainer, TRL, LlamaFactory or axolotl run reaches MegaTrain through DeepSpeed's name; without this line nothing
 said it was not DeepSpeed training (and MegaTrain turns some of their settings off, e.g. HF gradient checkpointing:
@@ -16,6 +18,9 @@ import logging
 import sys
 from collections.abc import Iterator
 from typing import Any
+
+from .engine.runtime.stream import side_threads
+from .engine.runtime.threads import host_cores, update_threads
 
 __all__ = ["describe", "announce", "via", "route"]
 
@@ -50,6 +55,16 @@ def _host_mode(config: Any, world_size: int) -> str:
     return ", ".join(parts)
 
 
+def _host_threads(engine: Any) -> str:
+    update = getattr(engine, "update", None)
+    pool = getattr(update, "threads", None) or update_threads(False)
+    parts = [f"{pool} optimizer"]
+    if getattr(engine.device, "type", None) == "cuda":
+        parts.append(f"{side_threads()} reducer")
+    parts.append(f"of {host_cores()} cores")
+    return ", ".join(parts)
+
+
 def describe(face: str, engine: Any, optimizer: Any = None, turned_off: list[str] | None = None,
              replaced: str | None = None) -> str:
     """The start line for `engine` (a `megatrain.engine.Engine`) trained through `face`."""
@@ -67,7 +82,8 @@ def describe(face: str, engine: Any, optimizer: Any = None, turned_off: list[str
     kept = res if isinstance(res, str) else (f"{res.weights} layers' weights, {res.activations} activations"
                                               if res.weights else "stream")
     return (f"{PREFIX} | face: {face} | device: {engine.device} | compute: {cfg.compute_dtype} | "
-            f"host: {_host_mode(cfg, world)} | optimizer: {opt} | turned off: {off} | residency: {kept}")
+            f"host: {_host_mode(cfg, world)} | optimizer: {opt} | turned off: {off} | residency: {kept} | "
+            f"host threads: {_host_threads(engine)}")
 
 
 def announce(line: str, engine: Any) -> None:

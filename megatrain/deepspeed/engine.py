@@ -182,10 +182,10 @@ class MegaTrainEngine:
             log_visible("step=%d, skipped=%d, lr=%s, mom=%s", self.global_steps + 1, self.skipped_steps, self.get_lr(),
                         betas)
         if self.wall_clock_breakdown():
-            s = self.engine.stats
+            # No sync (accounting.take_phases): the calls' own time on this thread, the copy waits as they finish.
+            s = self.engine.accounting.take_phases()
             log_visible("time (ms) | forward: %.2f | backward: %.2f | step: %.2f | copy wait: %.2f",
                         1e3 * s["forward_s"], 1e3 * s["backward_s"], 1e3 * s["optimizer_s"], 1e3 * s["copy_wait_s"])
-            self.engine.reset_stats()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
 

@@ -46,7 +46,7 @@ from .parallel.ranks import ranks_for
 from .pipeline.activations import ActivationStore
 from .pipeline.global_grads import GlobalGradSink
 from .pipeline.schedule import LayerPipeline
-from .runtime.host_copy import to_device
+from .runtime.host_copy import HostCopy, host_value, to_device, to_host
 from .runtime.malloc import set_mmap_threshold
 from .runtime.memtrack import DeviceMemoryTracker, tracked
 from .runtime.stream import Streams, Trace
@@ -74,7 +74,8 @@ class _Pending:
     acts: ActivationStore
     ids: torch.Tensor
     router_leaves: list[tuple[int, torch.Tensor]]  # (layer, its router logits as a leaf the loss was computed from)
-    host_ids: torch.Tensor | None = None  # the batch's ids as given, when in host memory (the embedding's rows)
+    # The batch's ids in host memory (the embedding's rows): as given, or a device batch's copied back (queued).
+    host_ids: torch.Tensor | HostCopy | None = None
 
 
 class Engine:
@@ -228,12 +229,18 @@ class Engine:
                 logits_to_keep: int | torch.Tensor = 0, output_router_logits: bool | None = None,
                 return_hidden: bool = False,
                 **unused: Any) -> CausalLMOutputWithPast:
-        check_batch(self.hf_config, input_ids, attention_mask, labels, position_ids, unused)
+        # A device batch's values are checked at the end of this forward (no sync per micro-batch, batch.py).
+        pending = check_batch(self.hf_config, input_ids, attention_mask, labels, position_ids, unused)
         t0 = time.perf_counter()
         self.templates.train(self.training)  # the user may have switched modes on the model object itself
         train = self.training and torch.is_grad_enabled()
         dev = self.device
         ids = to_device(input_ids, dev, torch.long)  # check_batch admits int8..int32; embedding takes long
+        if pending is not None:
+            ids, labels = pending.sanitize(ids, labels)
+        # A device batch's ids go back to the host now, queued, for backward's embedding rows (no torch.unique on
+        # the device there, which would wait for the device's queue).
+        queued_ids = to_host(ids) if train and input_ids.device == ids.device and ids.device.type != "cpu" else None
         mask = to_device(attention_mask, dev) if attention_mask is not None else None
         pos = to_device(position_ids, dev) if position_ids is not None else None
         with torch.no_grad():
@@ -281,11 +288,13 @@ class Engine:
                                                ids if labels is None else labels)
                 loss = extra.to(h_last.device) if loss is None else loss + extra.to(loss.device)
             logits = head_logits(hn, self.parts.lm_head, logits_to_keep, self.parts.softcap) if return_logits else None
+        if pending is not None:
+            pending.verify()  # before the results are returned (the copy back was queued at the start)
         if train and (loss is not None or logits is not None or return_hidden):
             if self._pending is not None:
                 self._unbackwarded.append(weakref.ref(self._pending.h_last))
             self._pending = _Pending(h0, h_in0, h_last, layer_inputs, acts, ids, router_leaves,
-                                     input_ids if input_ids.device != ids.device else None)
+                                     input_ids if input_ids.device != ids.device else queued_ids)
             self.accounting.act_peak = max(self.accounting.act_peak, acts.peak_device_bytes)
             h_last.register_hook(self._only_through_backward)
         self.accounting.seconds["forward_s"] += time.perf_counter() - t0
@@ -378,7 +387,7 @@ class Engine:
         self._global_grads.add_dense(grads)
         # The lookup's gradient scattered into the embedding's slab rows (what the embedding module's backward
         # computes, scales included, without a dense vocab x hidden gradient); off this thread on CUDA.
-        rows, grad = lookup_grad(self.parts.embed, p.host_ids if p.host_ids is not None else p.ids, g_h0)
+        rows, grad = lookup_grad(self.parts.embed, host_value(p.host_ids) if p.host_ids is not None else p.ids, g_h0)
         self._global_grads.add_rows(self.placement.embed_slot, rows, grad)
         self.ranks.after_backward(sync)
         self.accounting.seconds["backward_s"] += time.perf_counter() - t0

@@ -206,6 +206,43 @@ def test_steps_per_print_and_wall_clock_breakdown_log(caplog):
     assert sum(m.startswith("time (ms) | forward:") for m in msgs) == 4
 
 
+def test_wall_clock_breakdown_adds_no_sync(caplog, monkeypatch):
+    """The per-step breakdown reads what each call took on this thread and the copy waits as they finish
+    (accounting.take_phases): no Engine.synchronize (a device sync and a wait for every host thread)."""
+    import logging
+
+    from megatrain.engine.engine import Engine
+
+    caplog.set_level(logging.INFO, logger="megatrain")
+    count = [0]
+    real = Engine.synchronize
+
+    def counted(self) -> None:
+        count[0] += 1
+        real(self)
+
+    syncs: dict[bool, int] = {}
+    for wall in (False, True):
+        engine, *_ = _init(config=_cfg(train_batch_size=2, wall_clock_breakdown=wall))
+        count[0] = 0
+        monkeypatch.setattr(Engine, "synchronize", counted)
+        for b in make_batches(3):
+            engine.backward(engine(**b).loss)
+            engine.step()
+        syncs[wall] = count[0]
+        monkeypatch.setattr(Engine, "synchronize", real)
+    assert syncs[True] == syncs[False]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("time (ms) | forward:")]
+    assert len(lines) == 3
+    forward = [float(m.split("forward: ")[1].split(" ")[0]) for m in lines]
+    assert all(f > 0 for f in forward)  # each step's own forward, not a running total: none is zero, none sums
+    # Negative control: the old breakdown read engine.stats, which synchronizes.
+    count[0] = 0
+    monkeypatch.setattr(Engine, "synchronize", counted)
+    _ = engine.engine.stats
+    assert count[0] == 1
+
+
 def test_backward_and_step_need_an_optimizer_and_a_scalar():
     engine, opt, _, _ = _init(config={"train_batch_size": 1})
     assert opt is None and engine.get_lr() == []

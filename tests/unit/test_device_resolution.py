@@ -31,6 +31,8 @@ def cuda_build_without_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setattr(device_resolution, "_driver_loads", lambda: state["driver"])
+    monkeypatch.setattr(device_resolution, "_device_nodes", lambda: [])  # no GPU: not a driver/runtime mismatch
+    monkeypatch.setattr(device_resolution, "_driver_devices", lambda: 0)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(device_resolution, "_noted", set())
     return state
@@ -135,3 +137,84 @@ def test_a_usable_accelerator_is_kept(monkeypatch):
     assert resolve_device(None) == torch.device("cuda")  # control: the fallback is for unusable CUDA only
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: None)
     assert resolve_device(None) == torch.device("cpu")
+
+
+TOO_OLD = ("The NVIDIA driver on your system is too old (found version 12020). Please update your GPU driver by "
+           "downloading and installing a new version from the URL: http://www.nvidia.com/Download/index.aspx")
+
+
+@pytest.fixture
+def driver_too_old(cuda_build_without_gpu, monkeypatch):
+    """A GPU (device node, a driver that counts it) whose driver (CUDA 12.2) is older than the wheel's CUDA 12.8:
+    torch reports no GPU, and its initialisation raises its own reason."""
+    monkeypatch.setattr(device_resolution, "_device_nodes", lambda: ["/dev/nvidia0"])
+    monkeypatch.setattr(device_resolution, "_driver_devices", lambda: 1)
+    monkeypatch.setattr(device_resolution, "_driver_cuda_version", lambda: 12020)
+    monkeypatch.setattr(device_resolution, "_driver_loads", lambda: True)
+
+    def init() -> None:
+        raise RuntimeError(TOO_OLD)
+
+    monkeypatch.setattr(torch.cuda, "init", init)
+    return monkeypatch
+
+
+def test_a_driver_older_than_the_wheel_is_refused_with_torchs_reason_and_the_fix(driver_too_old, caplog):
+    with caplog.at_level(logging.WARNING, logger="megatrain"), \
+            pytest.raises(device_resolution.CudaInitError) as info:
+        resolve_device(None)
+    msg = str(info.value)
+    assert "has a GPU (device node /dev/nvidia0)" in msg and "built for CUDA 12.8" in msg
+    assert "The NVIDIA driver on your system is too old (found version 12020)" in msg  # torch's own words
+    assert "supports CUDA up to 12.2, older than torch's" in msg
+    assert "upgrade the NVIDIA driver to one that supports CUDA 12.8" in msg
+    assert "torch wheel built for CUDA 12.2 or older" in msg and "device='cpu'" in msg
+    assert not [r for r in caplog.records if "training on the CPU" in r.getMessage()]  # no quiet CPU run
+    with pytest.raises(device_resolution.CudaInitError):
+        Engine(tiny_model("llama", layers=1), EngineConfig())
+    with pytest.raises(ValueError, match=r"device='cuda' is not usable here: this machine has a GPU.*too old"):
+        resolve_device("cuda")
+
+
+def test_the_cpu_asked_for_by_name_still_trains_there(driver_too_old):
+    eng = Engine(tiny_model("llama", layers=1), EngineConfig(device="cpu"))
+    assert eng.device == torch.device("cpu")
+    loss = eng(**make_batches(1)[0]).loss
+    eng.backward(loss)
+    eng.step()
+    assert torch.isfinite(loss.detach())
+
+
+def test_negative_control_without_a_gpu_the_same_torch_falls_back_to_the_cpu(driver_too_old):
+    # The same CUDA build and driver, no device node and no device counted: a CPU machine, as before.
+    driver_too_old.setattr(device_resolution, "_device_nodes", lambda: [])
+    driver_too_old.setattr(device_resolution, "_driver_devices", lambda: 0)
+    assert resolve_device(None) == torch.device("cpu")
+
+
+def test_a_driver_counting_gpus_without_a_node_is_a_gpu_too(driver_too_old):
+    driver_too_old.setattr(device_resolution, "_device_nodes", lambda: [])
+    with pytest.raises(device_resolution.CudaInitError, match="the NVIDIA driver counts GPUs"):
+        resolve_device(None)
+
+
+def test_a_node_without_the_drivers_library_says_so(driver_too_old):
+    driver_too_old.setattr(device_resolution, "_driver_cuda_version", lambda: None)
+    driver_too_old.setattr(device_resolution, "_driver_devices", lambda: 0)
+    driver_too_old.setattr(device_resolution, "_driver_loads", lambda: False)
+    with pytest.raises(device_resolution.CudaInitError, match=r"libcuda.so.1 .* cannot be loaded.*--gpus all"):
+        resolve_device(None)
+
+
+def test_torchs_warning_is_its_reason_where_init_does_not_raise(driver_too_old):
+    def init() -> None:
+        warnings.warn("CUDA initialization: CUDA unknown error - this may be due to an incorrectly set up "
+                      "environment", UserWarning, stacklevel=2)
+
+    driver_too_old.setattr(torch.cuda, "init", init)
+    driver_too_old.setattr(device_resolution, "_driver_cuda_version", lambda: 12080)  # not older than the wheel
+    with pytest.raises(device_resolution.CudaInitError) as info:
+        resolve_device(None)
+    msg = str(info.value)
+    assert "CUDA initialization: CUDA unknown error" in msg and "nvidia-smi" in msg
+    assert "upgrade the NVIDIA driver" not in msg

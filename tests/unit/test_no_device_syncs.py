@@ -175,3 +175,210 @@ def test_the_loss_counts_and_picks_valid_labels_on_the_host(tiled):
     assert loss.device.type == "meta"
     with pytest.raises((NotImplementedError, RuntimeError)):  # negative control: device labels must be read back
         tiled_norm_head_loss(hidden, norm, head, labels.to("meta"), tile_tokens=3)
+
+
+class _PendingCopy:
+    """A copy still queued (done() False until released); host_wait records the order it was waited in."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def done(self) -> bool:
+        return False
+
+    def host_wait(self, timeout: float) -> None:
+        self.log.append("waited for the last copy")
+
+
+def test_a_growing_host_pool_waits_for_the_buffers_last_copy_before_freeing_it():
+    from megatrain.engine.pipeline.activations import HostPool
+
+    log: list = []
+    pool = HostPool(lambda n, dtype, what: (log.append(f"alloc {n}"), torch.empty(n, dtype=dtype))[1])
+    pool.get(0, 100, torch.float32)
+    pool.copied(0, _PendingCopy(log))
+    pool.get(0, 50, torch.float32)  # fits: reused, nothing freed, no wait
+    assert log == ["alloc 100"]
+    pool.get(0, 1000, torch.float32)  # grows: the old buffer is freed only after its queued copy
+    assert log == ["alloc 100", "waited for the last copy", "alloc 1000"]
+    pool.get(0, 5000, torch.float32)  # no copy queued since: nothing to wait for
+    assert log[-1] == "alloc 5000" and log.count("waited for the last copy") == 1
+
+
+def test_the_activation_store_names_each_copy_to_its_pool():
+    """Each put's copy out, then each fetch's copy back (queued behind it), is the buffer's last copy."""
+    from megatrain.engine.pipeline.activations import ActivationStore, HostPool
+    from megatrain.engine.runtime.stream import Streams, Trace
+
+    streams = Streams(torch.device("cpu"), Trace(False, torch.device("cpu")), None, 5.0)
+    pool = HostPool(lambda n, dtype, what: torch.empty(n, dtype=dtype))
+    acts = ActivationStore(streams, True, pin=pool)
+    acts.put(0, torch.ones(4, 3))
+    assert pool._last[0] is acts._host[0][1]
+    acts.prefetch(0)
+    loaded = acts._loaded[0]
+    assert pool._last[0] is loaded
+    assert torch.equal(acts.get(0), torch.ones(4, 3))
+
+
+def test_copy_waits_are_read_as_they_finish_not_waited_for():
+    """_CudaSpans.done_s: the spans whose end has completed, summed without blocking; the rest count later."""
+    from megatrain.engine.runtime.stream import _CudaSpans
+
+    class FakeEvent:
+        def __init__(self, t: float) -> None:
+            self.t, self.finished, self.blocked = t, False, False
+
+        def query(self) -> bool:
+            return self.finished
+
+        def synchronize(self) -> None:
+            self.blocked = True
+
+        def elapsed_time(self, end: FakeEvent) -> float:
+            return (end.t - self.t) * 1e3
+
+    spans = _CudaSpans()
+    a, b, c, d = FakeEvent(0.0), FakeEvent(0.5), FakeEvent(1.0), FakeEvent(3.0)
+    spans.add(a, b)
+    spans.add(c, d)
+    b.finished = True
+    assert spans.done_s() == 0.5 and not d.blocked  # the second span is still queued: not waited for
+    d.finished = True
+    assert spans.done_s() == 2.5
+    assert not b.blocked and not d.blocked
+
+
+def _batch(seq: int = 12):
+    from conftest import make_batches
+
+    b = make_batches(1, seq=seq)[0]
+    b["position_ids"] = torch.arange(seq).expand(2, seq)
+    return b
+
+
+def test_a_device_batch_is_checked_without_reading_its_values_then():
+    """On the device (meta stands in: any read of a value raises there) the checks are queued, not read."""
+    from conftest import tiny_config
+
+    from megatrain.engine.layer import batch as B
+
+    cfg = tiny_config("llama")
+    b = {k: v.to("meta") for k, v in _batch().items()}
+    queued = []
+    real = B.to_host
+    B.to_host = lambda t: (queued.append(t), t)[1]
+    try:
+        pending = B.check_batch(cfg, b["input_ids"], b["attention_mask"], b["labels"], b["position_ids"], {})
+    finally:
+        B.to_host = real
+    assert isinstance(pending, B.PendingCheck) and len(queued) == 1 and queued[0].device.type == "meta"
+    assert pending.keys[:2] == ["ids_min", "ids_max"]
+
+
+def test_negative_control_reading_a_device_batchs_values_at_once_needs_the_device():
+    from megatrain.engine.layer.batch import _read_values
+
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        _read_values({"ids_min": torch.zeros((), device="meta", dtype=torch.long)})
+
+
+def test_a_queued_check_reads_nothing_until_verified_and_refuses_the_same_batches(monkeypatch):
+    from conftest import tiny_config
+    from test_cuda_paths import _count_reads
+
+    from megatrain.engine.layer.batch import check_batch
+
+    cfg = tiny_config("llama")
+    b = _batch()
+    hits = _count_reads(monkeypatch, "cpu")
+    pending = check_batch(cfg, b["input_ids"], b["attention_mask"], b["labels"], b["position_ids"], {}, defer=True)
+    assert hits == []  # nothing read back at the check: each is a sync on a GPU
+    pending.verify()
+    assert hits == ["tolist"]  # all at once, when verified
+    monkeypatch.undo()
+    bad_ids = b["input_ids"].clone()
+    bad_ids[1, 3] = cfg.vocab_size + 7
+    bad_labels = b["labels"].clone()
+    bad_labels[0, 5] = 10**6
+    mask = b["attention_mask"].clone()
+    mask[1] = 0
+    cases = [((bad_ids, b["attention_mask"], b["labels"]), f"token id {cfg.vocab_size + 7}"),
+             ((b["input_ids"], b["attention_mask"], bad_labels), "labels contain ids outside"),
+             ((b["input_ids"], mask, b["labels"]), "masks every token")]
+    for (ids, m, labels), msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            check_batch(cfg, ids, m, labels, None, {})  # at once, in host memory
+        pending = check_batch(cfg, ids, m, labels, None, {}, defer=True)
+        with pytest.raises(ValueError, match=msg):
+            pending.verify()
+
+
+def test_sanitize_keeps_a_valid_batch_and_makes_a_bad_one_indexable():
+    from conftest import tiny_config
+
+    from megatrain.engine.layer.batch import check_batch
+
+    cfg = tiny_config("llama")
+    b = _batch()
+    pending = check_batch(cfg, b["input_ids"], None, b["labels"], None, {}, defer=True)
+    ids, labels = pending.sanitize(b["input_ids"], b["labels"])
+    assert torch.equal(ids, b["input_ids"]) and torch.equal(labels, b["labels"])
+    bad_ids, bad_labels = b["input_ids"].clone(), b["labels"].clone()
+    bad_ids[0, 0], bad_labels[0, 2], bad_labels[1, 1] = cfg.vocab_size, -5, cfg.vocab_size
+    ids, labels = pending.sanitize(bad_ids, bad_labels)
+    assert 0 <= int(ids.min()) and int(ids.max()) < cfg.vocab_size
+    assert labels[0, 2] == -100 and labels[1, 1] == -100
+
+
+def test_the_engine_refuses_a_queued_bad_batch_before_the_device_indexes_it(monkeypatch):
+    """The engine's forward with the checks queued (as for a device batch): a bad id is refused with the check's
+    error, not an index fault (the CPU's IndexError stands in for the device's assert); a good batch gives the
+    same loss bits as checked at once."""
+    from conftest import tiny_model
+
+    from megatrain.config import EngineConfig
+    from megatrain.engine import Engine
+    from megatrain.engine import engine as E
+    from megatrain.engine.layer.batch import check_batch
+
+    b = _batch()
+    del b["position_ids"]
+    eng = Engine(tiny_model("llama", layers=1), EngineConfig(device="cpu", compute_dtype="float32"))
+    now = eng(**b).loss.detach()
+    eng.zero_grad()
+    monkeypatch.setattr(E, "check_batch", lambda *a, **k: check_batch(*a, **k, defer=True))
+    assert torch.equal(eng(**b).loss.detach(), now)
+    eng.zero_grad()
+    bad = dict(b, input_ids=b["input_ids"].clone())
+    bad["input_ids"][0, 4] = eng.hf_config.vocab_size + 1
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        eng(**bad)
+    monkeypatch.setattr(E, "check_batch", lambda *a, **k: None)  # no check at all: the fault it prevents
+    with pytest.raises(IndexError):
+        eng(**bad)
+
+
+def test_a_host_copy_waits_for_its_own_copy_not_the_device(monkeypatch):
+    from megatrain.engine.runtime import host_copy
+
+    log: list = []
+
+    class FakeEvent:
+        def record(self, stream=None) -> None:
+            log.append(("record", stream))
+
+        def synchronize(self) -> None:
+            log.append("event sync")
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "compute")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("device sync"))
+    monkeypatch.setattr(host_copy, "_pinned_empty", lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    ids = torch.tensor([[3, 1, 3]])
+    copy = host_copy.HostCopy(ids)
+    assert log == [("record", "compute")]  # queued on the stream the ids were computed on; nothing waited
+    assert torch.equal(host_copy.host_value(copy), ids)
+    assert log == [("record", "compute"), "event sync"]  # its own event only
+    here = host_copy.to_host(ids)  # already in host memory: itself, nothing queued
+    assert not isinstance(here, host_copy.HostCopy) and torch.equal(here, ids) and len(log) == 2

@@ -253,3 +253,28 @@ def test_the_embeddings_pre_hook_fences_and_copies_of_the_model_drop_it():
     for other in (copy.deepcopy(emb), pickle.loads(pickle.dumps(emb))):
         other(torch.tensor([1]))
     assert calls == [1]  # a copy has no engine to fence
+
+
+def test_the_rounding_runs_on_a_side_share_of_the_cores(cuda, monkeypatch):
+    """Beside the layer updates' workers the rounding takes a side share (stream.side_threads), set on its worker:
+    not torch's whole team, nor a launcher's OMP_NUM_THREADS=1 (here the caller's count)."""
+    import os
+
+    from megatrain.engine.runtime import stream, threads
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv(threads.OVERRIDE_ENV, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
+    seen: list[int] = []
+    real = resident_upload.round_into
+    monkeypatch.setattr(resident_upload, "round_into", lambda s, m: (seen.append(torch.get_num_threads()), real(s, m)))
+    torch.set_num_threads(1)
+    try:
+        _, _, up = _upload()
+        up.run()
+        up.fence()
+    finally:
+        torch.set_num_threads(before)
+    assert up.threads == stream.side_threads() == 8
+    assert seen == [8]

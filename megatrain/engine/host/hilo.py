@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..runtime import ckernel
+from ..runtime.threads import team
 
 _CHUNK = 1 << 18  # elements per torch tile: its int32/FP32 temporaries stay in the core's cache
 TILE = _CHUNK  # the same for other element-wise passes over a layer (the store's gradient widening)
@@ -127,7 +128,7 @@ def kernel() -> ctypes.CDLL | None:
 
 
 def _ranges(n: int) -> list[tuple[int, int]]:
-    parts = max(1, min(torch.get_num_threads(), n // _PARALLEL_MIN))
+    parts = max(1, min(team(), n // _PARALLEL_MIN))
     step = -(-n // parts)
     return [(s, min(n, s + step)) for s in range(0, n, step)]
 

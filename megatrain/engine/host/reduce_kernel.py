@@ -32,7 +32,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from typing import NamedTuple
 import torch
 
 from ..runtime import ckernel
+from ..runtime.threads import host_cores, team
 
 LANES = 8
 # Elements per chunk of the norm's decomposition (a multiple of LANES; 4 MiB of FP32). Fixed, so the norm's bits
@@ -233,8 +233,9 @@ def kernel() -> ctypes.CDLL | None:
 
 
 def pays(threads: int | None) -> bool:
-    """Whether the one pass beats the two it replaces on `threads` reducer threads (None: torch's count): on any
-    count, since its chunks split over as many threads as the two passes would run on (10 B/param against 14)."""
+    """Whether the one pass beats the two it replaces on `threads` reducer threads (None: the calling thread's
+    share): on any count, since its chunks split over as many threads as the two passes would run on (10 B/param
+    against 14)."""
     return threads is None or threads >= 1
 
 
@@ -288,7 +289,8 @@ def _helpers() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1),
+            # At most this process's share of the cores (each call uses its caller's team of them: t below).
+            _pool = ThreadPoolExecutor(max_workers=max(1, host_cores() - 1),
                                        thread_name_prefix="megatrain-reduce-chunks")
         return _pool
 
@@ -315,8 +317,8 @@ class Reduced(NamedTuple):
 
 def reduce_chunks(lib: ctypes.CDLL, slab: torch.Tensor, parts: Parts, first: bool, threads: int | None = None,
                   chunk: int | None = None, measure: bool = True) -> Reduced:
-    """Add (or, `first`, write 0 + g) every part into `slab`, on `threads` threads (None: the calling thread's torch
-    count, the reducer's share of the cores), each chunk's norm measured if `measure`. A part without a gradient
+    """Add (or, `first`, write 0 + g) every part into `slab`, on `threads` threads (None: the calling thread's share,
+    threads.team: the reducer's share of the cores), each chunk's norm measured if `measure`. A part without a gradient
     (None) or a ZERO_BLOCK of zeros costs no add: set to zero on a first write, else left as it is (read for the
     norm only if `measure`); the slab's bits and the norms are those of adding the zeros. `chunk`: the
     decomposition's chunk (CHUNK; a multiple of 8). Call only where usable() said so."""
@@ -353,7 +355,7 @@ def reduce_chunks(lib: ctypes.CDLL, slab: torch.Tensor, parts: Parts, first: boo
                 sumsq += v * v
         return bad, skipped.value, sumsq
 
-    t = max(1, min(torch.get_num_threads() if threads is None else threads, k))
+    t = max(1, min(team() if threads is None else threads, k))
     bounds = [k * j // t for j in range(t + 1)]
     helpers = [_helpers().submit(run, a, b) for a, b in zip(bounds[1:-1], bounds[2:])] if t > 1 else []
     bad, skipped, sumsq = run(bounds[0], bounds[1])

@@ -25,7 +25,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from ..runtime.stream import CudaEvent, WatchdogError
+from ..runtime.stream import CudaEvent, WatchdogError, side_threads
+from ..runtime.threads import set_team
 from .store import FlatGroup, HostStore
 
 
@@ -59,7 +60,11 @@ class ResidentUpload:
         self._copied: CudaEvent | None = None  # the last upload's copies, done: the staging may be refilled
         self.nbytes = self.staging.numel() * self.staging.element_size()
         # One worker: runs are rounded and queued in order, each after the previous one's copies read the staging.
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-resident-round")
+        # Its rounding (a torch copy_) runs beside the layer updates' workers: a side share of the cores, not torch's
+        # whole team (which would oversubscribe them, or be one thread under a launcher's OMP_NUM_THREADS=1).
+        self.threads = side_threads()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-resident-round",
+                                          initializer=set_team, initargs=(self.threads,))
         self._queued: tuple[Future, object] | None = None  # the last run's job and the compute stream it fences
 
     def _wait_free(self) -> None:

@@ -1,11 +1,20 @@
-"""Validate a batch before any device work: clear errors instead of index faults or silent NaNs."""
+"""Validate a batch before any device work: clear errors instead of index faults or silent NaNs.
+
+A batch in host memory is checked at once. A batch already on the device (what HF's Trainer hands the DeepSpeed
+face) is checked a little later: its reductions are queued with a copy back (runtime/host_copy.py) and read at the
+end of the forward (`PendingCheck.verify`), so the host never waits for the device's queue once per micro-batch.
+Until then the device must not fault on a bad value: `sanitize` maps ids and labels outside the vocabulary to
+values it can index (a batch that had them is refused by verify before its loss is returned).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..runtime.host_copy import HostCopy, host_value, to_host
 from .loss import IGNORE_INDEX
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -41,14 +50,14 @@ def _scaled_limit(max_pos: int, rope: dict) -> int:
     return max(max_pos, int(original * factor))
 
 
-def _check_positions(config: Any, seq: int, position_ids: torch.Tensor | None, pos_max: int | None) -> None:
+def _check_positions(config: Any, seq: int, pos_max: int | None) -> None:
     # Packed documents restart their positions, so what must fit is the largest position, not the row.
-    needed = seq if position_ids is None else pos_max + 1
+    needed = seq if pos_max is None else pos_max + 1
     limit = max_trainable_positions(config)
     if limit is None or needed <= limit:
         return
     max_pos = getattr(config, "max_position_embeddings", None)
-    what = f"sequence length {seq}" if position_ids is None else f"position {needed - 1}"
+    what = f"sequence length {seq}" if pos_max is None else f"position {needed - 1}"
     scaled = f" (RoPE scaling extends it to {limit})" if limit != max_pos else ""
     raise ValueError(f"{what} exceeds the model's max_position_embeddings={max_pos}{scaled}; shorten the "
                      "sequence or extend RoPE (rope_scaling / rope_parameters, or a larger max_position_embeddings)")
@@ -66,8 +75,39 @@ def _read_values(parts: dict[str, torch.Tensor]) -> dict[str, int]:
     return out
 
 
+@dataclass
+class PendingCheck:
+    """A device batch's value checks, queued (check_batch): `verify()` reads them back and refuses a bad batch."""
+
+    config: Any
+    seq: int
+    has_labels: bool
+    keys: list[str]
+    values: HostCopy | torch.Tensor
+    now: dict[str, int]  # the values of the parts that were in host memory
+
+    def verify(self) -> None:
+        v = dict(self.now)
+        v.update(zip(self.keys, host_value(self.values).tolist()))
+        _check_values(self.config, self.seq, self.has_labels, v)
+
+    def sanitize(self, ids: torch.Tensor, labels: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`ids` clamped into the vocabulary and `labels` outside it set to -100 (no read of their values), so
+        the forward queued before verify() cannot fault on the device; the same tensors for a valid batch."""
+        vocab = self.config.vocab_size
+        ids = ids.clamp(0, vocab - 1)
+        if labels is not None:
+            labels = labels.long()
+            labels = torch.where((labels == IGNORE_INDEX) | ((labels >= 0) & (labels < vocab)), labels,
+                                 torch.full_like(labels, IGNORE_INDEX))
+        return ids, labels
+
+
 def check_batch(config: Any, input_ids: Any, attention_mask: Any, labels: Any, position_ids: Any,
-                unused: dict[str, Any]) -> None:
+                unused: dict[str, Any], defer: bool | None = None) -> PendingCheck | None:
+    """Refuse a malformed batch (shapes and dtypes at once). Its values (ids in the vocabulary, a 0/1 mask with a
+    token in every row, positions, labels) are checked at once when every part is in host memory, else (or with
+    `defer`) queued: the PendingCheck returned must be verified before the batch's results are used."""
     if unused:
         raise TypeError(f"unexpected batch keys {sorted(unused)}; the engine takes input_ids, attention_mask, "
                         "labels, position_ids")
@@ -78,7 +118,6 @@ def check_batch(config: Any, input_ids: Any, attention_mask: Any, labels: Any, p
         raise ValueError(f"input_ids must be 2-D [batch, seq], got shape {tuple(input_ids.shape)}")
     if input_ids.numel() == 0:
         raise ValueError(f"empty batch: input_ids has shape {tuple(input_ids.shape)}")
-    vocab = config.vocab_size
     seq = input_ids.shape[1]
     if attention_mask is not None:
         _check_int_tensor("attention_mask", attention_mask.long() if attention_mask.dtype == torch.bool
@@ -101,21 +140,36 @@ def check_batch(config: Any, input_ids: Any, attention_mask: Any, labels: Any, p
         # min/max over the valid labels without boolean indexing (a data-dependent shape, so a sync)
         parts.update(n_valid=valid.sum(), lab_min=torch.where(valid, lv, 0).min(),
                      lab_max=torch.where(valid, lv, 0).max())
-    v = _read_values(parts)
+    auto = defer is None
+    if auto:
+        defer = any(t.device.type != "cpu" for t in parts.values())
+    if not defer:
+        _check_values(config, seq, labels is not None, _read_values(parts))
+        return None
+    # Host parts beside device ones are read now (no sync); `defer` asked for by name queues every part.
+    on_host = {k: t for k, t in parts.items() if t.device.type == "cpu"} if auto else {}
+    queued = [k for k in parts if k not in on_host]
+    values = (to_host(torch.stack([parts[k].long() for k in queued])) if queued
+              else torch.empty(0, dtype=torch.long))
+    return PendingCheck(config, seq, labels is not None, queued, values, _read_values(on_host) if on_host else {})
+
+
+def _check_values(config: Any, seq: int, has_labels: bool, v: dict[str, int]) -> None:
+    vocab = config.vocab_size
     lo, hi = v["ids_min"], v["ids_max"]
     if lo < 0 or hi >= vocab:
         bad = hi if hi >= vocab else lo
         raise ValueError(f"input_ids contains token id {bad}, outside the model's vocabulary [0, {vocab}); "
                          "check the tokenizer matches the model")
-    if attention_mask is not None:
+    if "mask_min" in v:
         if v["mask_min"] < 0 or v["mask_max"] > 1:
             raise ValueError("attention_mask must contain only 0 and 1")
         if v["empty_row"]:
             raise ValueError("attention_mask masks every token of some sequence in the batch")
-    if position_ids is not None and v["pos_min"] < 0:
+    if "pos_min" in v and v["pos_min"] < 0:
         raise ValueError("position_ids must be >= 0")
-    _check_positions(config, seq, position_ids, v.get("pos_max"))
-    if labels is not None:
+    _check_positions(config, seq, v.get("pos_max"))
+    if has_labels:
         if not v.get("n_valid", 0):
             raise ValueError("every label in this batch is -100 (ignored) after the causal shift: "
                              "the loss would be 0/0; drop the batch or check the label masking")

@@ -22,11 +22,19 @@ class HostPool:
     """Host buffers for offloaded activations, one per layer, reused from batch to batch (grown when a batch
     is larger): pinning is slow (every page is faulted in and locked), so it happens once, not per layer
     per step. Reuse is safe: a layer's buffer is written on the device->host stream only after the
-    compute stream passed that layer's previous backward, which waited for the buffer's read."""
+    compute stream passed that layer's previous backward, which waited for the buffer's read. Freeing is not, by
+    itself: that wait is queued on the device, and a buffer freed (unpinned) when it grows may still be read or
+    written by a queued copy, so the pool waits on the host for the buffer's last copy (`copied`) first."""
 
-    def __init__(self, alloc: Callable[[int, torch.dtype, str], torch.Tensor]) -> None:
+    def __init__(self, alloc: Callable[[int, torch.dtype, str], torch.Tensor], watchdog_s: float = 600.0) -> None:
         self.alloc = alloc
+        self.watchdog_s = watchdog_s
         self._buffers: dict[int, torch.Tensor] = {}
+        self._last: dict[int, Event] = {}  # each buffer's last copy queued
+
+    def copied(self, layer: int, event: Event) -> None:
+        """`event`: a copy into or out of layer's buffer queued after every earlier one (done when they are)."""
+        self._last[layer] = event
 
     def get(self, layer: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self._buffers.get(layer)
@@ -34,6 +42,9 @@ class HostPool:
             # Grown geometrically (1.5x what it held), not to the exact size: batches that lengthen a little at
             # a time would otherwise pin (fault in and lock) every layer's buffer again inside the layer loop.
             grow = int(buf.numel() * GROWTH) if buf is not None and buf.dtype == dtype else 0
+            last = self._last.pop(layer, None)
+            if buf is not None and last is not None and not last.done():
+                last.host_wait(self.watchdog_s)  # a queued copy still reads or writes it: not freed under it
             self._buffers.pop(layer, None)  # freed (and unregistered) before its larger replacement is pinned
             buf = self._buffers[layer] = self.alloc(max(numel, grow), dtype, "offloaded activations")
         return buf[:numel]
@@ -90,6 +101,8 @@ class ActivationStore:
             return self._nbytes(src)
 
         self._host[layer] = (host, self.streams.d2h.submit(out, self.streams.record_compute(), "act-out", layer))
+        if isinstance(self.pin, HostPool):
+            self.pin.copied(layer, self._host[layer][1])
         if self.serial:
             self.streams.wait(self._host[layer][1], f"activation of layer {layer} to the host")
 
@@ -113,6 +126,8 @@ class ActivationStore:
 
         self._device[layer] = dev
         self._loaded[layer] = self.streams.h2d.submit(back, (written, reusable), "act-in", layer)
+        if isinstance(self.pin, HostPool):
+            self.pin.copied(layer, self._loaded[layer])  # behind the copy out (it waits for `written`)
         self._account(self._nbytes(dev))
 
     def get(self, layer: int) -> torch.Tensor:

@@ -99,7 +99,7 @@ class LayerPipeline:
         self.last_plan = None
         # Offloaded boundary activations: host buffers kept from step to step (pinned like the store), so the
         # layer loop never allocates or registers host memory after the first batch of a given size.
-        self.act_pool = HostPool(store.buffer)
+        self.act_pool = HostPool(store.buffer, streams.watchdog_s)
         if device.type == "cuda":
             # Gradients land in pinned staging, then a host thread adds them into the FP32 slabs. With several
             # slots the device's copies run ahead of the host's adds (costs/pinning.py, STAGING_SLOTS).

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .threads import set_team
+from .threads import host_cores, set_team
 
 
 class WatchdogError(RuntimeError):
@@ -249,6 +249,11 @@ class _CudaSpans:
         self._fold(block=True)
         return self._done_s
 
+    def done_s(self) -> float:
+        """The spans that have finished so far, summed without waiting for the rest (they count at a later read)."""
+        self._fold(block=False)
+        return self._done_s
+
     def reset(self) -> None:
         self._pending.clear()
         self._done_s = 0.0
@@ -269,8 +274,9 @@ def _drain_at_exit(ref: weakref.ref) -> None:
 def side_threads(cores: int | None = None) -> int:
     """Torch threads for a host thread whose work runs beside the main work of the moment (the gradient
     reducer beside backward, itself launching or computing with every core): a quarter of the cores, at least
-    one. Elementwise adds are memory-bound: a few threads reach the bandwidth one socket gives."""
-    n = cores if cores is not None else torch.get_num_threads()
+    one. Elementwise adds are memory-bound: a few threads reach the bandwidth one socket gives. Of `cores`
+    (default: this process's share of the host, threads.host_cores)."""
+    n = cores if cores is not None else host_cores()
     return max(1, n // 4)
 
 
@@ -430,6 +436,11 @@ class Streams:
     @wait_s.setter
     def wait_s(self, value: float) -> None:
         self._wait_s = value
+
+    @property
+    def wait_done_s(self) -> float:
+        """wait_s without waiting for the device: the waits queued on a GPU count once they have run."""
+        return self._wait_s + (self._cuda_waits.done_s() if self._cuda_waits is not None else 0.0)
 
     def record_compute(self) -> Event:
         """An event that completes when the work queued on the compute stream so far is done."""

@@ -6,13 +6,22 @@ worker taking one core, the reducer taking a quarter), it would leave every thre
 engine's optimizer thread, a data loader's workers) on that helper's share: measured, a second engine's fused
 pass ran on one worker instead of two. `set_team` sets this thread's team only, through the OpenMP runtime torch
 loaded; where none is found (a torch built without OpenMP) it falls back to torch's call.
+
+How many threads the host work gets in all is `host_cores()`: the CPUs this process may run on (its affinity, what
+taskset, a cgroup cpuset or a scheduler gave it) shared among the node's ranks (`LOCAL_WORLD_SIZE`, as torchrun,
+accelerate and the deepspeed launcher set it), or MEGATRAIN_HOST_THREADS where the user names it. Never torch's own
+count: `accelerate launch` always sets OMP_NUM_THREADS=1 and torchrun does with more than one process, which left
+every host pool one thread; and N ranks of a node that each took every core oversubscribed it N-fold.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
-from collections.abc import Callable
+import os
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -25,10 +34,58 @@ def _omp_set_num_threads() -> Callable[[int], None] | None:
         return None
 
 
+OVERRIDE_ENV = "MEGATRAIN_HOST_THREADS"
+_local = threading.local()  # .team: what set_team gave this thread
+
+
+def _positive_env(name: str, fix: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{name}={raw!r} is not a positive integer: {fix}")
+    return n
+
+
+def affinity_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask; the machine's count where the OS has no such call)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def local_ranks() -> int:
+    """Processes of this job on this node (LOCAL_WORLD_SIZE as the launchers set it; 1 without one)."""
+    return _positive_env("LOCAL_WORLD_SIZE", "set it to the number of processes on this node, or unset it") or 1
+
+
+def host_cores() -> int:
+    """Threads this process's host work may use in all (every pool is sized from it): MEGATRAIN_HOST_THREADS
+    where set, else this process's CPUs (affinity) over the node's ranks, at least one. Ranks bound to cores of
+    their own by the launcher (their masks already disjoint) should name their share with MEGATRAIN_HOST_THREADS:
+    the masks of the other ranks are not seen here."""
+    override = _positive_env(OVERRIDE_ENV, "name the host threads this process may use, e.g. 8, or unset it")
+    if override is not None:
+        return override
+    return max(1, affinity_cpus() // local_ranks())
+
+
+def team() -> int:
+    """The calling thread's share of the host threads: what set_team gave it (a pool worker's 1, the reducer's
+    quarter), else the whole process's (host_cores)."""
+    return getattr(_local, "team", None) or host_cores()
+
+
 def set_team(n: int) -> None:
     """Run this thread's torch ops on `n` threads, leaving every other thread's count (and new threads') as is."""
     if n < 1:
         raise ValueError(f"a thread team needs at least 1 thread, got {n}")
+    _local.team = n
     # torch sets a thread's team from its process-wide count at the thread's first parallel op (once per thread):
     # take that first, or it would overwrite the team set here.
     torch.get_num_threads()
@@ -37,6 +94,19 @@ def set_team(n: int) -> None:
         torch.set_num_threads(n)
     else:
         fn(n)
+
+
+@contextlib.contextmanager
+def share(n: int) -> Iterator[None]:
+    """This thread's torch ops on `n` threads inside the block (host work the engine runs on its caller's thread,
+    e.g. a whole-model optimizer step), its team as it was after it."""
+    before, had = torch.get_num_threads(), getattr(_local, "team", None)
+    set_team(n)
+    try:
+        yield
+    finally:
+        set_team(before)
+        _local.team = had
 
 
 # The launch thread (queueing compute and copies, or computing on a CPU device) and the copy threads (issuing each
@@ -48,5 +118,5 @@ def update_threads(beside_compute: bool, cores: int | None = None) -> int:
     """Workers for the host update's pool: every core when it runs alone (a step that waits for it), else every core
     but the launch and copy threads' (RESERVED_CORES): an update overlapped with the next forward (or in backward)
     that takes all of them makes those threads wait for a core, and the device for them. At least one."""
-    n = cores if cores is not None else torch.get_num_threads()
+    n = cores if cores is not None else host_cores()
     return max(1, n - RESERVED_CORES) if beside_compute else max(1, n)

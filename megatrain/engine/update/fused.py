@@ -31,7 +31,7 @@ import torch
 from ...costs.modes import GradSlab, HostMaster
 from ..host import hilo
 from ..host.store import FlatGroup
-from ..runtime.threads import set_team
+from ..runtime.threads import set_team, team
 from . import adam_kernel
 
 TILE = 1 << 22  # elements: 256K-element tiles lost more to per-tile overhead than they gained (results/host_passes)
@@ -69,7 +69,7 @@ def _tiles(numel: int, tile: int) -> list[tuple[int, int]]:
 def _compiled_tile(numel: int, threads: int | None, tile: int) -> int:
     """The compiled loop's tiles: one per worker for each parameter (its calls cost ~0.1 ms of Python each, and
     it needs no cache-sized tiles), so the workers get even shares of every parameter; at most `tile`."""
-    n = max(1, threads or torch.get_num_threads())
+    n = max(1, threads or team())
     per = -(-numel // n)
     return min(tile, max(_ALIGN, -(-per // _ALIGN) * _ALIGN))
 
@@ -118,7 +118,7 @@ def all_finite(x: torch.Tensor, tile: int = TILE, threads: int | None = None) ->
         # A copy even of FP32 input: mul_ on `.float()` of an FP32 tile would zero the caller's gradients.
         return all(float(x[a:b].to(torch.float32, copy=True).mul_(0).sum()) == 0 for a, b in part)
 
-    n = max(1, min(threads or torch.get_num_threads(), len(ranges)))
+    n = max(1, min(threads or team(), len(ranges)))
     if n == 1:
         return run(ranges)
     return all(workers(n).map(run, _split_runs(ranges, [b - a for a, b in ranges], n)))
@@ -192,7 +192,7 @@ def fused_update(optimizer: torch.optim.Optimizer, group: FlatGroup, coefs: list
                 ties.append(t + a)
         return ties
 
-    n = max(1, min(threads or torch.get_num_threads(), len(jobs)))
+    n = max(1, min(threads or team(), len(jobs)))
     if n == 1:
         new_ties = run(jobs)
     else:

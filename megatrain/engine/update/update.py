@@ -31,7 +31,7 @@ from ..host.events import LayerEvents
 from ..host.spill import Spill, SpillFactory
 from ..host.store import FlatGroup, HostStore
 from ..runtime.stream import Event, Trace
-from ..runtime.threads import update_threads
+from ..runtime.threads import share, update_threads
 from . import adam_kernel, fused
 from .clipping import Clipping
 from .optim import LayeredStep, unsupported_reason
@@ -83,6 +83,8 @@ class UpdatePath:
     def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
                  config: EngineConfig) -> None:
         self.optimizer, self.store, self.events, self.config = optimizer, store, events, config
+        # Host threads the update runs on (the start line's "host threads"): here the whole step, nothing beside it.
+        self.threads = update_threads(False)
 
     def check_backward(self) -> None:
         """Refuse a backward this path cannot take exactly (before any gradient is added)."""
@@ -107,7 +109,8 @@ class UpdatePath:
         for i, g in enumerate(self.store.layers):
             if g.grad is not None:
                 self.events.slabs.zero_if_fresh(i, g.grad)  # no backward since zero_grad(): its zeros
-        self.optimizer.step()
+        with share(self.threads):  # this process's share of the cores, not the caller's (a launcher's 1)
+            self.optimizer.step()
         for g in self.store.layers:
             g.refresh_shadow()
         return True
@@ -147,6 +150,7 @@ class Layered(UpdatePath):
         self.folds_clip = True
         # Overlapped, the layer updates run beside the next forward: they leave the launch and copy threads a core.
         self.threads = update_threads(self.overlapped)
+        self.layered.stream.threads = self.threads  # the optimizer thread's own torch ops (an unfused update's passes)
 
     def step(self, finite: Callable[[], bool], clip: Clipping) -> bool:
         if not finite():
@@ -212,6 +216,8 @@ class InBackward(UpdatePath):
         # owner alone, so the ranks take the largest failed index (-2: none) and fail the step together.
         self.agree: Callable[[int, str], int] = agree or _alone
         self.data_parallel = agree is not None
+        self.threads = update_threads(True)  # beside backward: the launch and copy threads keep their cores
+        self.layered.stream.threads = self.threads  # the optimizer thread's own torch ops, as update_now's workers
 
     def check_backward(self) -> None:
         if self._failed_layer is not None:
@@ -246,7 +252,7 @@ class InBackward(UpdatePath):
         group = self.store.layers[i]
         if self._failed_layer is not None:
             return  # an earlier layer's gradient was not finite: step() reports it
-        threads = update_threads(True)  # beside backward: the launch and copy threads keep their cores
+        threads = self.threads
         if self.config.skip_nonfinite and not fused.all_finite(staging[: group.numel], threads=threads):
             self._failed_layer = i
             return
