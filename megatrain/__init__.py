@@ -24,7 +24,7 @@ _EXPORTS = {
     "Engine": "megatrain.engine",
     "EngineConfig": "megatrain.config",
     "HostMemoryError": "megatrain.engine",
-    "GracefulStop": "megatrain.graceful",
+    "GracefulStop": "megatrain.run.graceful",
     "WatchdogError": "megatrain.engine",
     "get_preset": "megatrain.models.presets",
     "PRESETS": "megatrain.models.presets",

@@ -18,10 +18,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from . import train_state
-from .config import EngineConfig
+from .config.resolve import resolve
+from .config.schema import EngineConfig
 from .integrations.fused_head import serve_fused_lm_head, trl_head_options
-from .resolve import resolve
+from .run import train_state
 
 
 @runtime_checkable
@@ -97,7 +97,7 @@ class MegatrainBackend:
     needs_autocast = False
     trains_many_models = False
     main_process_writes = True
-    # MegaTrain's own engine: the faces write the run's start line for it (megatrain/start_line.py). Not in the
+    # MegaTrain's own engine: the faces write the run's start line for it (megatrain/commands/start_line.py). Not in the
     # protocol: a backend without the attribute is not MegaTrain.
     says_what_runs = True
 
@@ -112,7 +112,7 @@ class MegatrainBackend:
         cpu: bool = False,
     ) -> None:
         """`mixed_precision=None`: the compute dtype the config says (the DeepSpeed face's bf16 section). The
-        settings are resolved by megatrain/resolve.py (already so when the Accelerator hands its own over)."""
+        settings are resolved by megatrain/config/resolve.py (already so when the Accelerator hands its own over)."""
         self.engine_config: EngineConfig = resolve(config, mixed_precision=mixed_precision, cpu=cpu).engine
         # Gradient checkpointing needs no switch: the engine recomputes every layer in backward, which
         # is exactly the FLOPs of HF's per-layer checkpointing on the other backends.

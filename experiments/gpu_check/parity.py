@@ -151,7 +151,7 @@ def deterministic(fn: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, An
 def phase_parity(ctx: Ctx) -> None:
     import torch
 
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
 
     sh = ctx.shapes()

@@ -68,7 +68,7 @@ def _counting_mode() -> Any:
 
 def run_all(device: Any, shared_mode: Any, runs: dict[str, dict[str, Any]] = RUNS) -> dict[str, Any]:
     """Every configuration in `runs` against its reference, the engines' threads under `shared_mode`."""
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
 
     sh = Shapes(64, 3, 256, 32, 2)  # every CUDA call is checked on the host: keep it small

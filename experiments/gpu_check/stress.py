@@ -78,7 +78,7 @@ def phase_stress(ctx: Ctx) -> None:
 def _stress(ctx: Ctx) -> None:
     import torch
 
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
     from megatrain.engine.runtime.stream import DONE, Streams
 

@@ -31,7 +31,7 @@ def one(layers: int, threshold: int, cfg: dict, hidden: int = 256) -> dict:
 
     from experiments.studies.bytes_at_depth import _preset
     from experiments.studies.engine_bench import _batch, _rss_now_bytes, timed_steps
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
 
     torch.set_num_threads(1)

@@ -27,7 +27,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from megatrain.check import causal_lm_types, check_model, resolve
+from megatrain.commands.check import causal_lm_types, check_model, resolve
 from megatrain.engine import Engine
 from megatrain.engine.model import probe
 from megatrain.engine.model.probe import Verdict

@@ -191,7 +191,7 @@ def variants(mode: str) -> dict:
 def bench_mode(preset, mode: str, cfg: dict, reps: int) -> list[dict]:
 
     from experiments.point import build_preset_model
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
     from megatrain.engine.update import update
 

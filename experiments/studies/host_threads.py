@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from experiments.studies.host_passes import copy_bandwidth
+from megatrain.costs.modes import GradSlab, HostMaster
 from megatrain.engine.host.store import FlatGroup, Scratch
 from megatrain.engine.update import fused
-from megatrain.modes import GradSlab, HostMaster
 
 OUT = Path("results/host_passes")
 

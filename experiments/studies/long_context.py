@@ -283,7 +283,7 @@ def write_readme(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace
 def predicted_peak(model: str, seq: int, budget: int) -> int:
     """The planner's device peak for megatrain at this point: micro-batch 1, FP32, the bench's budget, on the
     CPU (where the engine aliases the host's embedding and head)."""
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.planner import plan
 
     pl = plan(model, seq, batch=1, dtype="float32", backend="megatrain",

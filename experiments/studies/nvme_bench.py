@@ -121,7 +121,7 @@ def _model(layers: int, hidden: int):
 
 
 def train(d: Path | None, layers: int, hidden: int, steps: int, **cfg) -> dict:
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
 
     eng = Engine(_model(layers, hidden), EngineConfig(parity_probe=False, nvme_path=str(d) if d else None, **cfg))
@@ -164,7 +164,7 @@ def overlap(d: Path, layers: int, hidden: int, steps: int) -> dict:
 
 
 def _minimum(d: Path, layers: int, hidden: int) -> int:
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.costs.nvme import BudgetTooSmall
     from megatrain.engine import Engine
 

@@ -27,16 +27,16 @@ from typing import Any
 
 import torch
 
-from ..config import EngineConfig
-from ..settings import FACE_KEYS, bf16_enabled, bf16_section, clipping, from_args
-from ..validate import check_keys, close_match, is_bool, is_int, is_number
+from ..config.schema import EngineConfig
+from ..config.settings import FACE_KEYS, bf16_enabled, bf16_section, clipping, from_args
+from ..config.validate import check_keys, close_match, is_bool, is_int, is_number
 from .lr_schedules import SCHEDULES, WARMUP_TYPES
 
 __all__ = ["DeepSpeedConfig", "OptimizerSpec", "SchedulerSpec", "ZeroSpec", "parse_config", "load_config_dict"]
 
 AUTO = "auto"
 
-# Top-level keys MegaTrain acts on: the ones a face reads itself (megatrain/settings.py) and these.
+# Top-level keys MegaTrain acts on: the ones a face reads itself (megatrain/config/settings.py) and these.
 _HONOURED = (
     *FACE_KEYS, "optimizer", "scheduler", "fp16", "zero_optimization", "steps_per_print",
     "wall_clock_breakdown", "dataloader_drop_last", "megatrain", "amp", "torch_autocast",

@@ -11,8 +11,8 @@ layers streamed through the device.
 its `state_dict()`, `save_pretrained()`, `generate()` and submodules work as on the plain model, and
 its forward runs the engine. Differences that a script can observe are deliberate and documented on
 the methods: a training forward with labels builds no logits unless asked (`return_logits=True`),
-checkpoints are MegaTrain's crash-consistent format (`megatrain.checkpoint`, encoded by
-`megatrain.train_state`), not DeepSpeed's.
+checkpoints are MegaTrain's crash-consistent format (`megatrain.run.checkpoint`, encoded by
+`megatrain.run.train_state`), not DeepSpeed's.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from .. import checkpoint as ckpt
-from .. import train_state
 from ..backend import MegatrainBackend
+from ..run import checkpoint as ckpt
+from ..run import train_state
 from ..step import boundary_step, is_boundary
 from .config import DeepSpeedConfig
 from .data import make_dataloader

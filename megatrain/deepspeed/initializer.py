@@ -15,9 +15,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import start_line
 from ..backend import MegatrainBackend
-from ..resolve import resolve
+from ..commands import start_line
+from ..config.resolve import resolve
 from .data import make_dataloader
 from .engine import MegaTrainEngine
 

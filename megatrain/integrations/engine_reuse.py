@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from .. import start_line
+from ..commands import start_line
 
 # model -> the forward-only MegaTrainEngine built over it (weak: a model dropped by the user frees its engine)
 _forward_only: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()

@@ -13,9 +13,9 @@ from typing import Any
 
 import yaml
 
+from ..config.settings import planner_knobs
+from ..config.validate import unknown_key
 from ..costs import residency as kept
-from ..settings import planner_knobs
-from ..validate import unknown_key
 from .estimate import plan
 from .hardware import load_profiles, profile_from_dict, resolve_hardware
 from .host_rates import host_bound_line
@@ -525,7 +525,7 @@ def _write_rows(rows: list[dict[str, Any]], out: str | None) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from ..measure import bench
+    from ..commands.measure import bench
 
     prof = bench(quick=args.quick, min_time=args.min_time, threads=args.threads)
     raw = prof.pop("raw")

@@ -287,7 +287,7 @@ class SlowIdentityAverage:
 def test_gradient_adds_wait_for_a_running_average(slow):
     from conftest import make_batches, tiny_model
 
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
     from megatrain.engine.parallel.ranks import Replicated
 

@@ -204,8 +204,8 @@ def test_the_clipped_slab_written_back_moves_its_version_counter(compiled, bump,
     import test_fused_pass
     from test_fused_pass import COEFS, _run
 
+    from megatrain.costs.modes import GradSlab, HostMaster
     from megatrain.engine.update import fused
-    from megatrain.modes import GradSlab, HostMaster
 
     # whole 64-element blocks only: no tail goes through torch's in-place scaling, which would bump it anyway
     monkeypatch.setattr(test_fused_pass, "SHAPES", [("a", torch.Size([64, 129])), ("b", torch.Size([4096]))])

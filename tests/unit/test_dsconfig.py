@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.deepspeed.config import DeepSpeedConfigError, OptimizerSpec, parse_config
 from megatrain.deepspeed.lr_schedules import WarmupCosineLR, WarmupDecayLR
 

@@ -15,13 +15,13 @@ import pytest
 import torch
 from conftest import make_batches, tiny_model
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
+from megatrain.costs.modes import GradSlab, HostMaster
 from megatrain.engine import Engine
 from megatrain.engine.host import hilo
 from megatrain.engine.host.store import FlatGroup, Scratch
 from megatrain.engine.runtime.stream import DONE, CopyStream, Trace
 from megatrain.engine.update import fused
-from megatrain.modes import GradSlab, HostMaster
 
 SHAPES = [("a", torch.Size([37, 129])), ("b", torch.Size([5000])), ("c", torch.Size([3, 7]))]
 TILE = 1024  # small: every slot spans several tiles, and two end in a tail shorter than the vector width

@@ -9,7 +9,7 @@ import pytest
 from conftest import tiny_model
 
 import megatrain.engine.update.adam_kernel as K
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.runtime import ckernel
 

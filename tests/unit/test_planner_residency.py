@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.costs import residency as kept
 from megatrain.models.presets import get_preset
 from megatrain.planner import plan

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.engine.runtime.stream import side_threads
 from megatrain.engine.update.update import overlap_pays
 from megatrain.planner import host_work as hwork

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine, HostMemoryError
 from megatrain.engine.host import pinned, preflight
 from megatrain.models.adapter import find_parts

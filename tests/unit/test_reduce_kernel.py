@@ -100,7 +100,7 @@ def test_the_pass_is_taken_on_any_thread_count():
 def test_the_kernel_is_built_with_the_engine(monkeypatch):
     from conftest import tiny_model
 
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
 
     monkeypatch.setattr(R, "_state", False)  # not tried yet in this process

@@ -13,7 +13,7 @@ import torch
 from conftest import make_batches, tiny_model
 from torch import nn
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.host import reduce_kernel as R
 

@@ -66,7 +66,7 @@ def automatic_naming(example: Any, rank: int, world: int, micro: int, project_di
     from accelerate.utils import ProjectConfiguration
 
     from megatrain import Accelerator
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
 
     acc = Accelerator(config=EngineConfig(**example.engine_section(watchdog_s)),
                       project_config=ProjectConfiguration(project_dir=str(project_dir),

@@ -52,7 +52,7 @@ META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
 SHARD_PREFIX = "optim-rank"  # optim-rank<r>.safetensors: the optimizer state a data-parallel rank wrote itself
-FORMAT = "megatrain.checkpoint"
+FORMAT = "megatrain.run.checkpoint"
 VERSION = 1
 
 _TMP = ".tmp-"  # a save in progress (or one that crashed)

@@ -13,8 +13,8 @@ from typing import Any
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from .config import EngineConfig
-from .engine import Engine, Verdict, run_probe
+from ..config.schema import EngineConfig
+from ..engine import Engine, Verdict, run_probe
 
 
 def resolve(name_or_path: str | os.PathLike) -> tuple[type, Any]:

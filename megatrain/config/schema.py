@@ -2,7 +2,7 @@
 
 An `EngineConfig` holds its settings resolved (`"auto"` settled for this machine, here and nowhere else) and
 keeps what the user wrote (`written`, with `"auto"` as written) for saving and printing. The faces reach it
-through megatrain/resolve.py, which settles their own arguments (mixed_precision, a DeepSpeed bf16 section)
+through megatrain/config/resolve.py, which settles their own arguments (mixed_precision, a DeepSpeed bf16 section)
 with `settle_compute_dtype` first.
 """
 
@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .costs.modes import GradSlab, HostMaster, parse
-from .costs.nvme import check_nvme_settings
-from .costs.residency import Residency
-from .costs.residency import parse as parse_residency
+from ..costs.modes import GradSlab, HostMaster, parse
+from ..costs.nvme import check_nvme_settings
+from ..costs.residency import Residency
+from ..costs.residency import parse as parse_residency
 from .validate import check_keys, is_bool, is_int, is_number
 
 _DTYPES = ("float32", "bfloat16")
