@@ -70,7 +70,7 @@ def flops_per_step(pt: Point) -> float:
     """Model FLOPs of one optimizer step. A mixture of experts computes with its active parameters
     (router and top-k experts) while it stores and streams all of them: FLOPs count the active ones,
     bytes (streamed weights, host memory) the total. Equal to the total in a dense model."""
-    from megatrain.metrics.flops import model_flops_per_step
+    from megatrain.costs.flops import model_flops_per_step
 
     p = pt.preset
     return model_flops_per_step(p.active_nonembed_params(), p.num_layers, p.hidden, pt.seq_len, pt.tokens_per_step)
@@ -131,8 +131,8 @@ def run(pt: Point, trace_path: str | None = None,
     """Train pt.warmup + pt.steps optimizer steps; return the measured row fields."""
     import torch
 
+    from megatrain.costs.flops import model_tflops
     from megatrain.metrics.device import device_name, device_peak_tflops
-    from megatrain.metrics.flops import model_tflops
     from megatrain.metrics.link import link_peak_gbps
     from megatrain.metrics.samplers import NvmlPcieSampler, RssSampler
 

@@ -209,7 +209,7 @@ def phase_parity(ctx: Ctx) -> None:
 
     def pinned() -> dict[str, Any]:
         # The real registration path: exactly what the preflight counted is page-locked, and nothing else.
-        from megatrain.engine.host.preflight import pinned_preflight
+        from megatrain.engine.parts import pinned_preflight
 
         base = tiny_model("llama", sh)
         prefix = "model.layers."

@@ -24,8 +24,7 @@ import torch
 
 from experiments.studies.host_passes import copy_bandwidth
 from megatrain.costs.modes import GradSlab, HostMaster
-from megatrain.engine.host.store import FlatGroup, Scratch
-from megatrain.engine.update import fused
+from megatrain.engine.parts import FlatGroup, Scratch, fused
 
 OUT = Path("results/host_passes")
 

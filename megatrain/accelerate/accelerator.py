@@ -309,7 +309,7 @@ class Accelerator:
         engine = getattr(self.backend, "engine", None)
         if not getattr(self.backend, "says_what_runs", False) or engine is None:
             return
-        from ..commands import start_line
+        from ..run import start_line
 
         off = ["gradient_checkpointing=True (the engine recomputes each streamed layer itself)"] \
             if self.gradient_checkpointing else []

@@ -19,7 +19,8 @@ import threading
 import time
 from typing import Any
 
-from ..planner.hardware import GIB, _meminfo
+from ..costs.host_memory import _meminfo
+from ..planner.hardware import GIB
 
 # (tokens, in, out): the layer GEMMs of a ~100M-parameter Llama (hidden 1024, MLP 2752) at 1k tokens
 ENGINE_SHAPES = ((1024, 1024, 1024), (1024, 1024, 2752), (1024, 2752, 1024))

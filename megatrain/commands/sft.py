@@ -176,7 +176,7 @@ def _check(run: SFTRun, path: Path) -> None:
     if Path(run.output_dir).exists() and not Path(run.output_dir).is_dir():
         raise ValueError(f"output_dir={run.output_dir!r} is a file; give a folder to write the run to")
     if run.backend == "megatrain":
-        from ..deepspeed.config import parse_config
+        from ..config.deepspeed import parse_config
 
         try:
             parse_config(_ds_config(run, resolved=True), warn=False)

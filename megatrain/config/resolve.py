@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..deepspeed.config import parse_config
+from .deepspeed import parse_config
 from .schema import AUTO, EngineConfig
 from .settings import FACE_KEYS, ConfigSettings, read_config
 from .validate import is_int
@@ -54,7 +54,7 @@ def resolve(config: dict[str, Any] | str | os.PathLike | EngineConfig | None = N
     for a backend that reads no EngineConfig (its config is then not parsed as MegaTrain's).
     """
     if face == "deepspeed":
-        from ..deepspeed.config import parse_config
+        from .deepspeed import parse_config
 
         ds = parse_config(config, args=args, world_size=world_size)
         return Settings(ds.engine, _mixed_precision(ds.engine.compute_dtype), ds.gradient_clipping,

@@ -4,7 +4,7 @@ It follows `DeepSpeedEngine`'s training-loop semantics exactly: `backward()` div
 accumulation steps, `step()` only acts at an accumulation boundary (clip, optimizer step, zero grads, LR
 schedule step, `global_steps += 1`) and always counts the micro-step. Underneath it holds the MegaTrain
 backend, the same one `megatrain.Accelerator(backend="megatrain")` holds, and steps through the same routine
-(`megatrain.step`); the model runs on `megatrain.engine.Engine`: weights and optimizer state in host memory,
+(`megatrain.backend.step`); the model runs on `megatrain.engine.Engine`: weights and optimizer state in host memory,
 layers streamed through the device.
 
 `engine.module` is the user's model object, whole: its parameters are the engine's host masters, so
@@ -29,10 +29,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ..backend import MegatrainBackend
+from ..backend.step import boundary_step, is_boundary
+from ..config.deepspeed import DeepSpeedConfig
 from ..run import checkpoint as ckpt
 from ..run import train_state
-from ..step import boundary_step, is_boundary
-from .config import DeepSpeedConfig
 from .data import make_dataloader
 from .utils import log_visible
 

@@ -16,8 +16,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..backend import MegatrainBackend
-from ..commands import start_line
 from ..config.resolve import resolve
+from ..run import start_line
 from .data import make_dataloader
 from .engine import MegaTrainEngine
 

@@ -26,10 +26,11 @@ _HOME = {"Engine": ".engine", "engines_holding": ".engine",
          "max_trainable_positions": ".layer.batch", "Verdict": ".model.probe", "run_probe": ".model.probe",
          "serve_forward_keyword": ".model.model_object",
          "launch_env": ".parallel.distributed", "resolve_device": ".runtime.device_resolution",
-         "to_device": ".runtime.host_copy", "WatchdogError": ".runtime.stream"}
+         "to_device": ".runtime.host_copy", "WatchdogError": ".runtime.stream",
+         "parts": ".parts"}  # a module: the parts the studies and the GPU check measure apart from a step
 __all__ = ["Engine", "HostMemoryError", "PinnedMemoryError", "Verdict", "WatchdogError", "engines_holding",
            "launch_env", "max_trainable_positions", "resolve_device", "run_probe",
-           "serve_forward_keyword", "to_device"]
+           "parts", "serve_forward_keyword", "to_device"]
 
 
 def __getattr__(name: str) -> Any:
@@ -37,6 +38,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from importlib import import_module
 
-    value = getattr(import_module(_HOME[name], __name__), name)
+    module = import_module(_HOME[name], __name__)
+    value = module if module.__name__ == f"{__name__}.{name}" else getattr(module, name)
     globals()[name] = value
     return value

@@ -18,14 +18,14 @@ from typing import Any
 
 from torch import nn
 
-from ..commands import start_line
+from ..run import start_line
 
 # model -> the forward-only MegaTrainEngine built over it (weak: a model dropped by the user frees its engine)
 _forward_only: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
 def _config_dict(config: Any) -> dict[str, Any]:
-    from ..deepspeed.config import load_config_dict
+    from ..config.deepspeed import load_config_dict
 
     if isinstance(config, dict):
         return config
@@ -59,7 +59,7 @@ def _train_on(earlier: Any, model: nn.Module, a: dict[str, Any], config: Any) ->
     """The training initialize of a model whose forward-only engine exists: same store, the trainer's optimizer."""
     import torch
 
-    from ..deepspeed.config import parse_config
+    from ..config.deepspeed import parse_config
     from ..deepspeed.engine import MegaTrainEngine
     from ..engine import launch_env
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from .tensor_file import TensorFile, TensorFiles
+from ..files.tensor_file import TensorFile, TensorFiles
 
 __all__ = ["CheckpointError", "save", "begin", "write_shard", "publish", "load", "latest_tag", "list_checkpoints", "verify", "write_safetensors",
            "write_json"]

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from ..files.tensor_file import TensorFile, TensorFiles
 from . import checkpoint as ckpt
-from .tensor_file import TensorFile, TensorFiles
 
 # ---------------------------------------------------------------------------------------------------
 # RNG streams

@@ -160,8 +160,8 @@ def test_hilo_checkpoint_through_initialize_resumes_bit_exactly(model, tmp_path,
 
 
 def test_optimizer_in_backward_through_initialize_matches_the_ordinary_step(model):
+    from megatrain.config.deepspeed import DeepSpeedConfigError
     from megatrain.deepspeed import initialize
-    from megatrain.deepspeed.config import DeepSpeedConfigError
 
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
           "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},

@@ -24,8 +24,8 @@ from gpu_defaults import CONFIGS, bf16_reference, deepspeed_keys, engine_grads, 
 
 import megatrain
 from baselines.zero3 import default_extensions_dir
+from megatrain.config.deepspeed import DeepSpeedConfigError
 from megatrain.deepspeed import MegaTrainEngine, initialize
-from megatrain.deepspeed.config import DeepSpeedConfigError
 from megatrain.run import checkpoint as ck
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,7 +110,7 @@ def test_accumulation_counters_and_lr_follow_deepspeed():
 
 
 def _reference_run(model, batches, gas, clip, lr, wd, warmup):
-    from megatrain.deepspeed.lr_schedules import WarmupLR
+    from megatrain.lr_schedules import WarmupLR
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
     sched = WarmupLR(opt, warmup_min_lr=lr / 10, warmup_max_lr=lr, warmup_num_steps=warmup, warmup_type="linear")
@@ -153,7 +153,7 @@ def test_boundary_step_matches_plain_pytorch(mode):
             engine.step()
         losses.append(out.loss.item())
     if is_bf16(mode):
-        from megatrain.deepspeed.lr_schedules import WarmupLR
+        from megatrain.lr_schedules import WarmupLR
 
         floor = bf16_reference(
             ref_model, batches, len(batches) // gas, gas, clip,

@@ -12,7 +12,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from megatrain.metrics.flops import model_flops_per_step
+from megatrain.commands.plan import add_bench_parser, add_plan_parser, main
+from megatrain.costs.flops import model_flops_per_step
 from megatrain.models.presets import PRESETS, get_preset
 from megatrain.planner import (
     crossover_closed_form,
@@ -29,7 +30,6 @@ from megatrain.planner import (
     preflight,
     resolve_model,
 )
-from megatrain.planner.cli import add_bench_parser, add_plan_parser, main
 from megatrain.planner.hardware import NUMERIC_FIELDS, OVERHEAD_FIELDS, load_raw
 from megatrain.planner.step_time import IDLE_ROUND
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain.run.tensor_file import TensorFile
+from megatrain.files.tensor_file import TensorFile
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "load_rss_worker.py"
 SHAPE = ("8", "512", "2048")  # layers, hidden, vocab: the largest tensor (the embedding) is ~4% of the masters

@@ -13,7 +13,7 @@ import torch
 from conftest import make_batches, tiny_model
 
 import megatrain as deepspeed
-from megatrain.deepspeed.config import DeepSpeedConfigError, parse_config
+from megatrain.config.deepspeed import DeepSpeedConfigError, parse_config
 
 TOL = 1e-5
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from megatrain.commands.plan import main
 from megatrain.planner import plan
-from megatrain.planner.cli import main
 from megatrain.planner.shapes import is_model_path, model_from_path
 
 LIMIT = 2048  # the tiny model's max_position_embeddings
@@ -120,8 +120,8 @@ def test_what_the_planner_cannot_describe_is_refused_by_name(tmp_path, capsys):
 def test_printed_settings_are_valid_megatrain_config_keys(model_dir, capsys):
     """Every settings line the plan prints parses back through EngineConfig and the DeepSpeed config parser,
     and the mode table's rows say the modes by those keys."""
+    from megatrain.config.deepspeed import parse_config
     from megatrain.config.schema import EngineConfig, check_host_modes
-    from megatrain.deepspeed.config import parse_config
 
     out = _cli_out(capsys, "--model", str(model_dir), "--context", "256", "--hardware", "h200-pcie", "--compare", "")
     plan_line = next(line for line in out.splitlines() if '"megatrain" config section for this plan:' in line)

@@ -13,9 +13,9 @@ from conftest import tiny_model
 
 import megatrain
 from megatrain.accelerate import Accelerator
+from megatrain.config.deepspeed import parse_config
 from megatrain.config.schema import EngineConfig
 from megatrain.config.settings import read_config
-from megatrain.deepspeed.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,7 @@ def modules_naming(package: Path, key: str) -> list[str]:
 
 
 def test_gradient_clipping_is_read_in_one_module():
-    # Before: the settings reader and megatrain/deepspeed/config.py each read it with DeepSpeed's default of 1.0,
+    # Before: the settings reader and megatrain/config/deepspeed.py each read it with DeepSpeed's default of 1.0,
     # and the `train` command wrote it out.
     assert modules_naming(ROOT / "megatrain", "gradient_clipping") == ["megatrain/config/settings.py"]
 

@@ -18,10 +18,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .config.resolve import resolve
-from .config.schema import EngineConfig
-from .integrations.fused_head import serve_fused_lm_head, trl_head_options
-from .run import train_state
+from ..config.resolve import resolve
+from ..config.schema import EngineConfig
+from ..run import train_state
+from .fused_head import serve_fused_lm_head, trl_head_options
 
 
 @runtime_checkable
@@ -97,7 +97,7 @@ class MegatrainBackend:
     needs_autocast = False
     trains_many_models = False
     main_process_writes = True
-    # MegaTrain's own engine: the faces write the run's start line for it (megatrain/commands/start_line.py). Not in the
+    # MegaTrain's own engine: the faces write the run's start line for it (megatrain/run/start_line.py). Not in the
     # protocol: a backend without the attribute is not MegaTrain.
     says_what_runs = True
 
@@ -131,7 +131,7 @@ class MegatrainBackend:
     def device(self) -> torch.device:
         if self.engine is not None:
             return self.engine.device
-        from .engine import resolve_device
+        from ..engine import resolve_device
 
         return resolve_device(self.engine_config.device)
 
@@ -146,7 +146,7 @@ class MegatrainBackend:
             return None, self._adopt_optimizer(optimizer)
         if self.engine is not None:
             raise RuntimeError('backend "megatrain" drives one model per Accelerator; build another Accelerator')
-        from .engine import Engine
+        from ..engine import Engine
 
         optimizer = self.exact_optimizer(optimizer)
         ec = self.engine_config
@@ -171,7 +171,7 @@ class MegatrainBackend:
         from its boundary activation already, and HF's own checkpoint would recompute again outside the engine's
         binding. TRL's fused-head patch is read off the forward before the engine replaces it, and served by the
         engine-run model after (integrations/fused_head.py)."""
-        from .engine import resolve_device
+        from ..engine import resolve_device
 
         if config.pin_memory and resolve_device(config.device).type != "cuda":
             config = dataclasses.replace(config, pin_memory=False)
@@ -206,7 +206,7 @@ class MegatrainBackend:
         line (`replaced_optimizer`)."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             return optimizer
-        from .deepspeed.exact_adam import exact_optimizer
+        from .exact_adam import exact_optimizer
 
         optimizer, what = exact_optimizer(optimizer)
         if what is not None:

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from ..config.schema import EngineConfig
-from ..config.settings import FACE_KEYS, bf16_enabled, bf16_section, clipping, from_args
-from ..config.validate import check_keys, close_match, is_bool, is_int, is_number
-from .lr_schedules import SCHEDULES, WARMUP_TYPES
+from ..lr_schedules import SCHEDULES, WARMUP_TYPES
+from .schema import EngineConfig
+from .settings import FACE_KEYS, bf16_enabled, bf16_section, clipping, from_args
+from .validate import check_keys, close_match, is_bool, is_int, is_number
 
 __all__ = ["DeepSpeedConfig", "OptimizerSpec", "SchedulerSpec", "ZeroSpec", "parse_config", "load_config_dict"]
 
