@@ -10,8 +10,8 @@
 from __future__ import annotations
 
 from .accelerator import Accelerator
+from .backends import BACKENDS
 from .data import PreparedDataLoader
-from .settings import BACKENDS
 from .wrappers import AcceleratedOptimizer, AcceleratedScheduler, GradientState
 
 __all__ = ["Accelerator", "AcceleratedOptimizer", "AcceleratedScheduler", "BACKENDS", "GradientState",

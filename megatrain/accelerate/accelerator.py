@@ -40,8 +40,8 @@ from ..config.schema import EngineConfig
 from ..engine import launch_env
 from ..run import train_state
 from ..run.project import latest_dir, make_project_config, save_dir, state_dir
+from .backends import BACKENDS, backend_class
 from .data import PreparedDataLoader, skipping
-from .settings import BACKENDS, backend_class
 from .tracking import make_trackers
 from .wrappers import AcceleratedOptimizer, AcceleratedScheduler, GradientState
 

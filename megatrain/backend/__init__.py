@@ -170,7 +170,7 @@ class MegatrainBackend:
         HF's gradient checkpointing (Trainer / TRL switch it on) is turned off: the engine recomputes each layer
         from its boundary activation already, and HF's own checkpoint would recompute again outside the engine's
         binding. TRL's fused-head patch is read off the forward before the engine replaces it, and served by the
-        engine-run model after (integrations/fused_head.py)."""
+        engine-run model after (backend/fused_head.py)."""
         from ..engine import resolve_device
 
         if config.pin_memory and resolve_device(config.device).type != "cuda":
@@ -202,7 +202,7 @@ class MegatrainBackend:
     def exact_optimizer(self, optimizer: Any) -> Any:
         """The optimizer the engine steps for `optimizer`: DeepSpeed's CPU Adam (accelerate builds it for an
         `offload_optimizer` config) as torch's AdamW over the same param groups (its own C++ op does not resume
-        bit-identically, deepspeed/exact_adam.py); anything else as it is. A replacement is noted for the start
+        bit-identically, backend/exact_adam.py); anything else as it is. A replacement is noted for the start
         line (`replaced_optimizer`)."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             return optimizer

@@ -1,6 +1,6 @@
 """`megatrain check-model`: run the parity probe for a model type, a local checkpoint or a config file.
 
-The probe itself lives with the engine (engine/probe.py); this module resolves what a user names into a model
+The probe itself lives with the engine (engine/model/probe.py); this module resolves what a user names into a model
 class and config, and lists the causal LMs the installed transformers ships (for the compatibility table).
 """
 

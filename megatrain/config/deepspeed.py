@@ -256,7 +256,7 @@ def _batch_sizes(d: dict[str, Any], args: Any, world: int = 1) -> tuple[int, int
             v = getattr(args, attr, None) if attr and args is not None else None
         vals[n] = None if v is None else _int(v, n, minimum=1)
     tb, mb, ga = (vals[n] for n in names)
-    # DeepSpeed's derivation (runtime/config.py _set_batch_related_parameters): tb = mb x ga x world.
+    # DeepSpeed's derivation (deepspeed.runtime.config's _set_batch_related_parameters): tb = mb x ga x world.
     if tb is not None and mb is not None and ga is None:
         ga = tb // mb // world
     elif tb is not None and ga is not None and mb is None:

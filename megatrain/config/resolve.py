@@ -39,7 +39,7 @@ class Settings:
     mixed_precision: str  # "no" or "bf16": the compute dtype under Accelerate's name
     gradient_clipping: float  # per optimizer step, DeepSpeed's meaning; 0.0: only where the script clips
     gradient_accumulation_steps: int
-    deepspeed: Any = None  # the DeepSpeed face's whole config (deepspeed/config.py's DeepSpeedConfig)
+    deepspeed: Any = None  # the DeepSpeed face's whole config (config/deepspeed.py's DeepSpeedConfig)
 
 
 def resolve(config: dict[str, Any] | str | os.PathLike | EngineConfig | None = None, *, face: str = "accelerate",

@@ -1,7 +1,7 @@
 """The `deepspeed` namespace on MegaTrain: `import megatrain as deepspeed` and a DeepSpeed script runs unchanged.
 
     initialize, add_config_arguments    initializer.py   (`deepspeed.initialize`: the same four results)
-    DeepSpeedEngine (MegaTrainEngine)   engine.py        (the engine it returns, holding the MegaTrain backend)
+    DeepSpeedEngine (MegaTrainEngine)   deepspeed_engine.py        (the engine it returns, holding the MegaTrain backend)
     zero, comm, init_distributed        zero.py, comm.py
     utils, checkpointing, ops, accelerator   (the submodules of the same names)
     lr_schedules                        DeepSpeed's LR schedules (megatrain/lr_schedules.py, torch-only)
@@ -18,8 +18,8 @@ from typing import Any
 _EXPORTS = {
     "initialize": "initializer",
     "add_config_arguments": "initializer",
-    "MegaTrainEngine": "engine",
-    "DeepSpeedEngine": "engine",
+    "MegaTrainEngine": "deepspeed_engine",
+    "DeepSpeedEngine": "deepspeed_engine",
     "init_distributed": "comm",
 }
 # The namespace's submodules; two live below the face (the parser with the configuration, the schedules beside it).

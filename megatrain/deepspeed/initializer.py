@@ -19,7 +19,7 @@ from ..backend import MegatrainBackend
 from ..config.resolve import resolve
 from ..run import start_line
 from .data import make_dataloader
-from .engine import MegaTrainEngine
+from .deepspeed_engine import MegaTrainEngine
 
 __all__ = ["initialize", "add_config_arguments"]
 

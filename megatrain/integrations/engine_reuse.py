@@ -60,7 +60,7 @@ def _train_on(earlier: Any, model: nn.Module, a: dict[str, Any], config: Any) ->
     import torch
 
     from ..config.deepspeed import parse_config
-    from ..deepspeed.engine import MegaTrainEngine
+    from ..deepspeed.deepspeed_engine import MegaTrainEngine
     from ..engine import launch_env
 
     optimizer, lr_scheduler = a.get("optimizer"), a.get("lr_scheduler")
@@ -74,7 +74,7 @@ def _train_on(earlier: Any, model: nn.Module, a: dict[str, Any], config: Any) ->
     eng = backend.engine
     # Trainer built the optimizer over model.parameters() after the engine bound the model (the resident
     # parameters are then the engine's device copies: Engine.replace_optimizer knows them by their masters).
-    # The optimizer that steps: the one given, or torch's AdamW for DeepSpeed's CPU Adam (deepspeed/exact_adam.py).
+    # The optimizer that steps: the one given, or torch's AdamW for DeepSpeed's CPU Adam (backend/exact_adam.py).
     _, optimizer = backend.prepare(None, optimizer)
     backend.set_clipping(cfg.gradient_clipping)  # the training config's clipping, not the reference pass's
     if lr_scheduler is not None and not (hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "state_dict")):

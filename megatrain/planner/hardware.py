@@ -29,7 +29,7 @@ NUMERIC_FIELDS = (
 # cpu_adam_params_per_s: parameters/s of DeepSpeedCPUAdam on this host (ZeRO offload's optimizer),
 # which is compute-bound rather than a DRAM stream, so it is a rate of its own.
 OPTIONAL_NUMERIC_FIELDS = ("host_optimizer_gbs", "cpu_adam_params_per_s", "nvme_gbs", "nvme_gib")
-# nvme_gbs: GB/s the NVMe tier's disk sustains for each of read and write (engine/spill.py); nvme_gib: its
+# nvme_gbs: GB/s the NVMe tier's disk sustains for each of read and write (engine/host/spill.py); nvme_gib: its
 # capacity. A profile without them plans no NVMe tier unless `plan --nvme-gbs` gives a rate.
 # Fixed seconds per streamed layer per phase (forward; recompute + backward) on top of its FLOPs and
 # elementwise traffic (weight binding, dispatch, events, the pipeline's work), and per micro-batch

@@ -130,7 +130,7 @@ def test_deepspeed_initialize_routes_by_the_section(routed):
     import deepspeed
     from accelerate.utils.deepspeed import HfDeepSpeedConfig
 
-    from megatrain.deepspeed.engine import MegaTrainEngine
+    from megatrain.deepspeed.deepspeed_engine import MegaTrainEngine
 
     engine, opt, _, _ = deepspeed.initialize(model=tiny_model(), config=_ds_cfg(megatrain={}))
     assert isinstance(engine, MegaTrainEngine) and opt is engine.optimizer

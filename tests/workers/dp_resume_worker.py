@@ -37,7 +37,7 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 def watch_saves(rank: int, delay_s: float, views: list[dict[str, Any]]) -> None:
     from megatrain import Accelerator
-    from megatrain.deepspeed.engine import MegaTrainEngine
+    from megatrain.deepspeed.deepspeed_engine import MegaTrainEngine
 
     def wrap(cls: type, name: str, face: str) -> None:
         original: Callable[..., Any] = getattr(cls, name)

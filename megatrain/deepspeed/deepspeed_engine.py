@@ -57,7 +57,7 @@ class MegaTrainEngine:
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
-        # Data parallel (torchrun & co.): every rank runs one of these over its own engine (engine/distributed.py).
+        # Data parallel (torchrun & co.): every rank runs one of these over its own engine (engine/parallel/distributed.py).
         self.global_rank, self.local_rank, self.world_size = engine.rank, engine.local_rank, engine.world_size
         self.dp_world_size = self.world_size
         self._is_boundary_override: bool | None = None
