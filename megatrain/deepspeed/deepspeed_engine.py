@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..backend import MegatrainBackend
 from ..backend.step import boundary_step, is_boundary
 from ..config.deepspeed import DeepSpeedConfig
+from ..files.atomic import atomic_path
 from ..run import checkpoint as ckpt
 from ..run import train_state
 from .data import make_dataloader
@@ -250,9 +251,8 @@ class MegaTrainEngine:
             ckpt.write_safetensors(save_dir / save_filename, self._export_tensors(dtype), {"format": "pt"})
         else:
             sd = {k: v.to(dtype) for k, v in self.engine.state_dict().items()}
-            tmp = save_dir / f".{save_filename}.tmp"
-            torch.save(sd, tmp)
-            os.replace(tmp, save_dir / save_filename)
+            with atomic_path(save_dir / save_filename) as tmp:
+                torch.save(sd, tmp)
         self._save_hf_config(save_dir, dtype)
         return True
 
