@@ -107,7 +107,7 @@ def test_fused_hilo_pass_gives_the_same_bits_without_a_compiler(monkeypatch):
     if hilo.kernel() is None:
         pytest.fail("the compiled hilo kernel did not build: this test compares it with the torch path")
     compiled = _run(HostMaster.HILO, GradSlab.BFLOAT16)[2]
-    monkeypatch.setattr(hilo, "_lib", None)
+    monkeypatch.setattr(hilo._KERNEL, "state", None)
     torch_ops = _run(HostMaster.HILO, GradSlab.BFLOAT16)[2]
     assert torch.equal(compiled.shadow, torch_ops.shadow) and torch.equal(compiled.lo, torch_ops.lo)
     assert torch.equal(compiled.ties, torch_ops.ties)
@@ -203,7 +203,7 @@ def test_all_finite_finds_each_kind_in_any_tile_and_no_overflow(threads, path, d
     if path == "compiled":
         assert adam_kernel.kernel() is not None, "the compiled kernel did not build (a C compiler is on PATH here)"
     else:
-        monkeypatch.setattr(adam_kernel, "_state", None)
+        monkeypatch.setattr(adam_kernel._KERNEL, "state", None)
     x = torch.full((5 * TILE + 17,), 3e38, dtype=dtype)  # finite, but a plain sum overflows to inf
     x[1::2] = -1e-40 if dtype == torch.float32 else -3e38  # subnormals and negatives are finite too
     assert fused.all_finite(x, tile=TILE, threads=threads)
