@@ -128,7 +128,7 @@ def train(face: str, micro: int, world: int, rank: int, steps: int = 3, accumula
             engine.save_checkpoint(save_to)
     elif face == "accelerator":
         from megatrain import Accelerator
-        from megatrain.config import EngineConfig
+        from megatrain.config.schema import EngineConfig
 
         # ZeRO-3 fills in its own CPU-offload config (baselines/zero3.py).
         config = EngineConfig(**engine_section(watchdog_s)) if backend == "megatrain" else None

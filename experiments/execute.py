@@ -51,7 +51,7 @@ def preflight(pt: Point) -> Preflight:
     if pt.backend == "megatrain":
         # The engine's own settings, so the planner sizes what will run (e.g. activations stay on
         # the device unless the spec offloads them).
-        from megatrain.config import EngineConfig
+        from megatrain.config.schema import EngineConfig
 
         kw["engine_config"] = EngineConfig.from_dict({"compute_dtype": dtype, **pt.engine})
     else:

@@ -26,6 +26,7 @@ from typing import Any
 
 from experiments.backend_record import backend_settings, describe_optimizer
 from experiments.spec import Point
+from megatrain.files.atomic import atomic_write
 
 
 def _die_with_parent(parent_pid: int | None) -> None:
@@ -70,7 +71,7 @@ def flops_per_step(pt: Point) -> float:
     """Model FLOPs of one optimizer step. A mixture of experts computes with its active parameters
     (router and top-k experts) while it stores and streams all of them: FLOPs count the active ones,
     bytes (streamed weights, host memory) the total. Equal to the total in a dense model."""
-    from megatrain.metrics.flops import model_flops_per_step
+    from megatrain.costs.flops import model_flops_per_step
 
     p = pt.preset
     return model_flops_per_step(p.active_nonembed_params(), p.num_layers, p.hidden, pt.seq_len, pt.tokens_per_step)
@@ -131,8 +132,8 @@ def run(pt: Point, trace_path: str | None = None,
     """Train pt.warmup + pt.steps optimizer steps; return the measured row fields."""
     import torch
 
+    from megatrain.costs.flops import model_tflops
     from megatrain.metrics.device import device_name, device_peak_tflops
-    from megatrain.metrics.flops import model_tflops
     from megatrain.metrics.link import link_peak_gbps
     from megatrain.metrics.samplers import NvmlPcieSampler, RssSampler
 
@@ -326,19 +327,12 @@ def run(pt: Point, trace_path: str | None = None,
         t_origin = min(r[3] for r in trace_records)
         payload = {"label": pt.label, "step_time_s": step_times[-1],
                    "records": [[s, k, layer, a - t_origin, b - t_origin] for s, k, layer, a, b in trace_records]}
-        _atomic_write(Path(trace_path), json.dumps(payload))
+        atomic_write(Path(trace_path), json.dumps(payload))
     row["wall_s"] = time.perf_counter() - t_start
     for k, v in list(row.items()):
         if isinstance(v, float) and not math.isfinite(v):
             row[k] = None
     return row
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _classify(exc: BaseException) -> tuple[str, str]:
@@ -366,9 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the results row
         traceback.print_exc()
         status, reason = _classify(exc)
-        _atomic_write(Path(args.result), json.dumps({"status": status, "reason": reason}))
+        atomic_write(Path(args.result), json.dumps({"status": status, "reason": reason}))
         return 1
-    _atomic_write(Path(args.result), json.dumps(row, default=float))
+    atomic_write(Path(args.result), json.dumps(row, default=float))
     print(f"ok: {pt.label}: {row['tokens_per_s']:.1f} tokens/s, step {row['step_time_s']:.3f} s", flush=True)
     return 0
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import yaml
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
+from megatrain.config.validate import close_match, is_int, unknown_key
 from megatrain.models.presets import ModelPreset
 from megatrain.planner.shapes import resolve_model
-from megatrain.validate import close_match, is_int, unknown_key
 
 BACKENDS = ("megatrain", "zero3", "zero3-alst", "torch")
 PRECISIONS = ("fp32", "bf16")

@@ -24,7 +24,7 @@ _EXPORTS = {
     "Engine": "megatrain.engine",
     "EngineConfig": "megatrain.config",
     "HostMemoryError": "megatrain.engine",
-    "GracefulStop": "megatrain.graceful",
+    "GracefulStop": "megatrain.run.graceful",
     "WatchdogError": "megatrain.engine",
     "get_preset": "megatrain.models.presets",
     "PRESETS": "megatrain.models.presets",
@@ -38,7 +38,7 @@ __all__ = sorted([*_EXPORTS, "zero"])
 
 def __getattr__(name: str) -> Any:
     if name in _DEEPSPEED_SUBMODULES:
-        return import_module(f"megatrain.deepspeed.{name}")
+        return getattr(import_module("megatrain.deepspeed"), name)
     if name in _EXPORTS:
         value = getattr(import_module(_EXPORTS[name]), name)
         # Cache it: importing the submodule `megatrain.initialize` would otherwise shadow the function.

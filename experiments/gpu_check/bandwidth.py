@@ -98,7 +98,7 @@ def phase_bandwidth(ctx: Ctx) -> None:
 
     def engine_stream() -> dict[str, Any]:
         # The engine's own copy stream and its event-based busy time: what the results' h2d_gbps_busy uses.
-        from megatrain.engine.runtime.stream import DONE, CopyStream, Trace
+        from megatrain.engine.parts import DONE, CopyStream, Trace
 
         cs = CopyStream("h2d", ctx.device, Trace(False, ctx.device))
         n, jobs = 128 << 20, 16

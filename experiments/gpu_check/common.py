@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from megatrain.files.atomic import atomic_write
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SWEEP_NAME = "gpu_check"
 
@@ -153,11 +155,7 @@ def _json_default(o: Any) -> Any:
     return str(o)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+_atomic_write = atomic_write  # the phases' records: whole or absent, whatever stops a phase
 
 
 _T0 = float(os.environ.get("GPU_CHECK_T0", time.time()))

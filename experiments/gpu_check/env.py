@@ -57,7 +57,7 @@ def phase_env(ctx: Ctx) -> None:
         res: dict[str, Any] = {"ok": True, "cpus": os.cpu_count(), "mem_total_bytes": vm.total,
                                "mem_available_bytes": vm.available, "memlock_soft": soft, "memlock_hard": hard}
         try:
-            from megatrain.engine.host.preflight import available_host_bytes
+            from megatrain.engine.parts import available_host_bytes
 
             res["engine_sees_available_bytes"] = available_host_bytes()
         except Exception as exc:  # noqa: BLE001

@@ -151,7 +151,7 @@ def deterministic(fn: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, An
 def phase_parity(ctx: Ctx) -> None:
     import torch
 
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
 
     sh = ctx.shapes()
@@ -209,7 +209,7 @@ def phase_parity(ctx: Ctx) -> None:
 
     def pinned() -> dict[str, Any]:
         # The real registration path: exactly what the preflight counted is page-locked, and nothing else.
-        from megatrain.engine.host.preflight import pinned_preflight
+        from megatrain.engine.parts import pinned_preflight
 
         base = tiny_model("llama", sh)
         prefix = "model.layers."

@@ -78,9 +78,9 @@ def phase_stress(ctx: Ctx) -> None:
 def _stress(ctx: Ctx) -> None:
     import torch
 
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
-    from megatrain.engine.runtime.stream import DONE, Streams
+    from megatrain.engine.parts import DONE, Streams
 
     sh = ctx.shapes()
     base = tiny_model("llama", sh, seed=3)
@@ -152,7 +152,7 @@ def _stress(ctx: Ctx) -> None:
 
         def without_prefetch_fence() -> dict[str, Any]:
             # Informational: the activation prefetch without its wait on queued compute.
-            from megatrain.engine.pipeline.activations import ActivationStore
+            from megatrain.engine.parts import ActivationStore
 
             orig = ActivationStore.prefetch
 

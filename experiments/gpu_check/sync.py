@@ -103,7 +103,7 @@ def _one_step(eng: Any, batch: dict) -> Any:
 def phase_sync(ctx: Ctx) -> None:
     import torch
 
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
 
     sh = ctx.shapes()

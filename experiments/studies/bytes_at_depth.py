@@ -49,7 +49,7 @@ def measure(layers: int, hidden: int, vocab: int, seq: int, steps: int, cfg: dic
     import transformers
 
     from experiments.studies.engine_bench import _batch, _provenance, _rss_now_bytes, timed_steps
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
     from megatrain.metrics.samplers import peak_rss_bytes
 

@@ -31,7 +31,7 @@ def one(layers: int, threshold: int, cfg: dict, hidden: int = 256) -> dict:
 
     from experiments.studies.bytes_at_depth import _preset
     from experiments.studies.engine_bench import _batch, _rss_now_bytes, timed_steps
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
 
     torch.set_num_threads(1)
@@ -46,7 +46,7 @@ def one(layers: int, threshold: int, cfg: dict, hidden: int = 256) -> dict:
         timed_steps(eng, batch, 1)
         eng.synchronize()
         out[f"step{s + 1}"] = _rss_now_bytes() - base
-    from megatrain.engine.runtime.malloc import release_free_heap
+    from megatrain.engine.parts import release_free_heap
 
     release_free_heap()  # what of the growth is freed memory glibc keeps (returned by malloc_trim)
     out["trimmed"] = _rss_now_bytes() - base

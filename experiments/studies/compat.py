@@ -27,10 +27,9 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from megatrain.check import causal_lm_types, check_model, resolve
+from megatrain.commands.check import causal_lm_types, check_model, resolve
 from megatrain.engine import Engine
-from megatrain.engine.model import probe
-from megatrain.engine.model.probe import Verdict
+from megatrain.engine.parts import Verdict, probe
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ["model_type", "architecture", "status", "max_grad_rel", "max_loss_diff", "detail", "bf16_status",

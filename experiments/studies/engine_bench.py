@@ -63,7 +63,7 @@ def bench_rss(preset: str, seq: int, steps: int, engine: dict | None = None) -> 
     (`engine`: extra EngineConfig settings, e.g. a host-memory mode)."""
     import transformers
 
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
     from megatrain.models.presets import get_preset
 
@@ -85,7 +85,7 @@ def bench_ratio(preset: str, seq: int, batch: int, steps: int) -> dict:
     """Median step time of the engine / plain PyTorch (gradient checkpointing), interleaved."""
     import transformers
 
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
     from megatrain.models.presets import get_preset
 
@@ -130,7 +130,7 @@ def fits_one(backend: str, preset: str, seq: int, batch: int, steps: int) -> dic
     """One backend's step times in this process: `torch` (no checkpointing) or `megatrain` (its defaults)."""
     import transformers
 
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
     from megatrain.models.presets import get_preset
 
@@ -195,7 +195,7 @@ def bench_overlap(preset: str, seq: int, batch: int, rounds: int, threads: int =
     the engines interleaved. Their losses must agree bit for bit. On a CPU device the optimizer thread
     needs a core of its own: torch runs `threads` intra-op threads (1 of the 2 here)."""
     from experiments.point import build_preset_model
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
     from megatrain.models.presets import get_preset
 

@@ -4,7 +4,7 @@
 
 Each mode trains `steps` steps on the CPU device in its own process (engine_bench rss: peak RSS growth
 over the post-import baseline, so the emulated device's buffers and transients are included) and is set
-next to the planner's figure for the same mode (megatrain/modes.py). Writes results/host_modes/bytes-PRESET.json
+next to the planner's figure for the same mode (megatrain/costs/modes.py). Writes results/host_modes/bytes-PRESET.json
 and bytes-PRESET.md (runs under runs-PRESET/; --resume keeps the modes already there).
 """
 
@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatrain.modes import GradSlab, HostMaster, layer_bytes_per_param
+from megatrain.costs.modes import GradSlab, HostMaster, layer_bytes_per_param
 
 MODES = [
     ("fp32 master + fp32 grads, FP32 compute (default)", {}),

@@ -46,7 +46,7 @@ def corpus(vocab: int, n_seq: int, seq: int, seed: int = 0, used: int = 256) -> 
 
 
 def run_mode(model, cfg: dict, data: torch.Tensor, batch: int, steps: int, lr: float) -> list[float]:
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
 
     eng = Engine(copy.deepcopy(model), EngineConfig(device="cpu", compute_dtype="bfloat16", parity_probe=False, **cfg),

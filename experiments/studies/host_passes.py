@@ -92,7 +92,7 @@ class TorchOps:
     leave the compiled kernel off for the rest of the run.)"""
 
     def __enter__(self):
-        from megatrain.engine.host import hilo
+        from megatrain.engine.parts import hilo
 
         self.hilo = hilo
         hilo.kernel()
@@ -115,7 +115,7 @@ class Unfused:
     split or shadow refresh): what ran before the fused pass (engine/fused.py)."""
 
     def __enter__(self):
-        from megatrain.engine.update import fused
+        from megatrain.engine.parts import fused
 
         self.fused, self.saved = fused, fused.eligible
         fused.eligible = lambda *a: False
@@ -129,7 +129,7 @@ class TorchAdamW:
     one-loop step, engine/adam_kernel.py, is unavailable): the fused pass before that kernel."""
 
     def __enter__(self):
-        from megatrain.engine.update import adam_kernel
+        from megatrain.engine.parts import adam_kernel
 
         self.mod = adam_kernel
         self.mod.kernel()  # built and self-checked before the swap
@@ -157,7 +157,7 @@ class StepTimeNorm:
     before engine/slab_state.py measured the norm as gradients land and let the next reduction overwrite)."""
 
     def __enter__(self):
-        from megatrain.engine.host.slab_state import SlabState
+        from megatrain.engine.parts import SlabState
 
         self.cls, self.saved = SlabState, (SlabState.reduce, SlabState.zero)
         reduce = self.saved[0]
@@ -191,9 +191,9 @@ def variants(mode: str) -> dict:
 def bench_mode(preset, mode: str, cfg: dict, reps: int) -> list[dict]:
 
     from experiments.point import build_preset_model
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
-    from megatrain.engine.update import update
+    from megatrain.engine.parts import update
 
     cfg = dict(cfg)
     saved = update.layer_pass_pays
@@ -300,7 +300,7 @@ def bench_passes(numel: int, impls: dict, reps: int) -> list[dict]:
     hi, lo, out = torch.empty(numel, dtype=torch.bfloat16), torch.empty(numel, dtype=torch.int16), torch.empty(numel)
     scratch = torch.empty(numel)
     rows = []
-    from megatrain.engine.host import hilo as mod
+    from megatrain.engine.parts import hilo as mod
 
     for label, impl in impls.items():
         ctx = impl() if impl is not None else nullcontext()
@@ -370,8 +370,7 @@ REDUCER_BYTES = 10  # per element: the bf16 gradient read (2), the slab read (4)
 
 def bench_reducer(numel: int, threads: int, reps: int) -> dict[str, list[float]]:
     """x bound per repetition of the one-pass reduction on `threads` threads, "first" (0 + g) and "add"."""
-    from megatrain.engine.host.slab_state import PartsAdd, SlabState
-    from megatrain.engine.runtime.threads import set_team
+    from megatrain.engine.parts import PartsAdd, SlabState, set_team
 
     set_team(threads)  # this thread's team: the kernel splits its chunks over as many
     slab, staging = torch.zeros(numel), (torch.randn(numel) * 1e-3).to(torch.bfloat16)
@@ -392,7 +391,7 @@ def bench_reducer(numel: int, threads: int, reps: int) -> dict[str, list[float]]
 
 
 def reducer_main(threads: list[int], numel: int, reps: int) -> None:
-    from megatrain.engine.host import reduce_kernel
+    from megatrain.engine.parts import reduce_kernel
 
     if reduce_kernel.kernel() is None:
         raise SystemExit("no compiled reduce kernel here (no C compiler?): nothing to time")
@@ -417,7 +416,7 @@ def main() -> None:
         reducer_main([int(x) for x in a.reducer.split(",")], a.numel, a.reps)
         return
 
-    from megatrain.engine.host import hilo
+    from megatrain.engine.parts import hilo
     from megatrain.metrics.provenance import cpu_model, git_commit
     from megatrain.models.presets import get_preset
 

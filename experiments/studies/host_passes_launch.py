@@ -27,7 +27,7 @@ def measure(preset, context: int, gbps: float, steps: int, warmup: int = 2) -> d
     import torch
 
     from experiments.point import build_preset_model
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
 
     cfg = EngineConfig(device="cpu", link_gbps=gbps, optimizer_overlap=True, trace=True, parity_probe=False)

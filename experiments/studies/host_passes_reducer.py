@@ -36,8 +36,7 @@ def _copy_rate(a: torch.Tensor, b: torch.Tensor) -> float:
 def measure(numel: int, reps: int) -> dict[tuple[bool, str], list[float]]:
     """x bound per repetition, for (the one pass or not, "first" or "add"); the variants interleaved per repetition
     so a shared machine's load falls on both alike."""
-    from megatrain.engine.host.slab_state import PartsAdd, SlabState
-    from megatrain.engine.pipeline.schedule import accumulate
+    from megatrain.engine.parts import PartsAdd, SlabState, accumulate
 
     slab = torch.zeros(numel)
     staging = (torch.randn(numel) * 1e-3).to(torch.bfloat16)
@@ -67,7 +66,7 @@ def measure(numel: int, reps: int) -> dict[tuple[bool, str], list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatrain.engine.host import reduce_kernel
+    from megatrain.engine.parts import reduce_kernel
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--numel", type=int, default=1 << 24)

@@ -30,8 +30,7 @@ def _adamw(parts: list[tuple[torch.Tensor, ...]], pool) -> None:
 
 
 def one_round(numel: int, side: int | None, cores: int) -> dict[str, float]:
-    from megatrain.engine.pipeline.schedule import accumulate
-    from megatrain.engine.update import fused
+    from megatrain.engine.parts import accumulate, fused
 
     pool = fused.workers(cores)
     tile = fused.TILE
@@ -65,7 +64,7 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=1 << 24)
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
-    from megatrain.engine.runtime.stream import side_threads
+    from megatrain.engine.parts import side_threads
     from megatrain.metrics.provenance import cpu_model, git_commit
 
     cores = len(os.sched_getaffinity(0))

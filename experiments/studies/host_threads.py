@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 
 from experiments.studies.host_passes import copy_bandwidth
-from megatrain.engine.host.store import FlatGroup, Scratch
-from megatrain.engine.update import fused
-from megatrain.modes import GradSlab, HostMaster
+from megatrain.costs.modes import GradSlab, HostMaster
+from megatrain.engine.parts import FlatGroup, Scratch, fused
 
 OUT = Path("results/host_passes")
 

@@ -69,7 +69,7 @@ def worker(model_name: str, backend: str, seq: int, max_pos: int, budget: int,
 
     from experiments.point import _find_engine, build_model
     from megatrain.accelerate import Accelerator
-    from megatrain.engine.runtime.memtrack import DeviceMemoryTracker
+    from megatrain.engine.parts import DeviceMemoryTracker
 
     class OverBudget(MemoryError):
         pass
@@ -98,7 +98,7 @@ def worker(model_name: str, backend: str, seq: int, max_pos: int, budget: int,
         config["megatrain"] = {"device_budget_bytes": budget}
     if backend == "zero3-alst":
         from baselines.alst import set_host_copy_context
-        from megatrain.engine.runtime.memtrack import host_allocations
+        from megatrain.engine.parts import host_allocations
 
         set_host_copy_context(host_allocations)  # its offloaded checkpoints are host memory, as on a GPU machine
     acc = Accelerator(backend=backend, config=config, gradient_checkpointing=True)
@@ -283,7 +283,7 @@ def write_readme(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace
 def predicted_peak(model: str, seq: int, budget: int) -> int:
     """The planner's device peak for megatrain at this point: micro-batch 1, FP32, the bench's budget, on the
     CPU (where the engine aliases the host's embedding and head)."""
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.planner import plan
 
     pl = plan(model, seq, batch=1, dtype="float32", backend="megatrain",

@@ -49,8 +49,7 @@ def raw_dd(d: Path, mib: int) -> dict:
 
 
 def spill_path(d: Path, mib: int, record_mib: int) -> dict:
-    from megatrain.engine.host.pinned import host_buffer
-    from megatrain.engine.host.spill import SpillFile
+    from megatrain.engine.parts import SpillFile, host_buffer
 
     n, rec = mib // record_mib, record_mib * MIB
     sf = SpillFile(d, n * rec)
@@ -81,7 +80,7 @@ def deepspeed_aio(d: Path, mib: int) -> dict:
         aio = AsyncIOBuilder().load(verbose=False)
     except Exception as e:  # noqa: BLE001 - reported as the row's result
         return {"error": f"{type(e).__name__}: {e}"[:300]}
-    from megatrain.engine.host.pinned import host_buffer
+    from megatrain.engine.parts import host_buffer
 
     f = str(d / "aio.bin")
     buf = host_buffer(mib * MIB, torch.uint8)
@@ -121,7 +120,7 @@ def _model(layers: int, hidden: int):
 
 
 def train(d: Path | None, layers: int, hidden: int, steps: int, **cfg) -> dict:
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
 
     eng = Engine(_model(layers, hidden), EngineConfig(parity_probe=False, nvme_path=str(d) if d else None, **cfg))
@@ -164,7 +163,7 @@ def overlap(d: Path, layers: int, hidden: int, steps: int) -> dict:
 
 
 def _minimum(d: Path, layers: int, hidden: int) -> int:
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.costs.nvme import BudgetTooSmall
     from megatrain.engine import Engine
 

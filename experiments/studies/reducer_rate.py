@@ -36,8 +36,7 @@ def copy_bps(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def measure(numel: int, reps: int) -> list[dict]:
-    from megatrain.engine.pipeline.schedule import REDUCE_CHUNK, accumulate
-    from megatrain.engine.runtime.stream import side_threads
+    from megatrain.engine.parts import REDUCE_CHUNK, accumulate, side_threads
 
     before = torch.get_num_threads()
     threads = side_threads(before)

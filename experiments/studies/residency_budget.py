@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.costs.memory import BUDGET_HEADROOM
 from megatrain.costs.residency import Residency
 from megatrain.engine import Engine

@@ -54,7 +54,7 @@ def _worker(cfg: dict[str, Any]) -> None:
     import transformers  # noqa: F401 - imported before the baseline is read: it is part of every rank's runtime
 
     from experiments.point import build_preset_model
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
     from megatrain.metrics.pss import memory_rollup
     from megatrain.models.presets import get_preset

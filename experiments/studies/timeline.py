@@ -38,7 +38,7 @@ def traced_step(model: Any, context: int, gbps: float | None, offload: bool, see
     import torch
 
     from experiments.studies.validation import build_model
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
     from megatrain.planner.shapes import resolve_model
 
@@ -68,7 +68,7 @@ def traced_step(model: Any, context: int, gbps: float | None, offload: bool, see
 def predicted(model: Any, context: int, gbps: float | None, offload: bool) -> dict[str, Any]:
     """The planner's timeline of the same step (its pipeline simulation, engine/schedule.py's issue
     order) on this machine's committed 'cpu' profile, in the trace's format."""
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.planner import plan
     from megatrain.planner.estimate import predicted_timeline
 
@@ -97,7 +97,7 @@ def measured_timeline(run: dict[str, Any]) -> dict[str, float]:
 def predicted_timeline_summary(model: Any, context: int, gbps: float | None, offload: bool,
                                hardware: Any = "cpu") -> dict[str, Any]:
     """The planner's step timeline (what `megatrain plan` prints) for the same step on a CPU profile."""
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.planner import plan
 
     pl = plan(model, context=context, dtype="float32", hardware=hardware,
@@ -112,7 +112,7 @@ def fitted_profile(model: Any, context: int) -> Any:
     """This machine's profile measured now and fitted to the engine away from the validated context
     (experiments/studies/validation.py's bench and engine fit, torch's default threads as the traced steps)."""
     from experiments.studies.validation import engine_profile, fit_periods_in_child, overhead_tokens
-    from megatrain.measure import bench_cpu
+    from megatrain.commands.measure import bench_cpu
     from megatrain.planner import get_hardware
     from megatrain.planner.shapes import resolve_model
 

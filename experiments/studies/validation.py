@@ -73,9 +73,9 @@ def measure_point(preset: Any, context: int, gbps: float | None, warmup: int, st
 
     import torch
 
-    from megatrain.config import EngineConfig
+    from megatrain.commands.measure import warm_runtime
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
-    from megatrain.measure import warm_runtime
     from megatrain.metrics.samplers import RssSampler
 
     warm_runtime(preset)
@@ -150,7 +150,7 @@ def fit_periods_in_child(preset: Any, tokens: tuple[int, ...], threads: int | No
 def _fit_one(job: str) -> int:
     import torch
 
-    from megatrain.measure import engine_layer_periods
+    from megatrain.commands.measure import engine_layer_periods
     from megatrain.models.presets import ModelPreset
 
     d = json.loads(job)
@@ -200,7 +200,7 @@ def bend_gbps(gbps: list[float | None], wait_s: list[float], step_s: list[float]
 
 
 def predict(preset: Any, context: int, gbps: float | None, hw: Any):
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.planner import plan
 
     return plan(preset, context=context, batch=1, dtype="float32", hardware=hw,
@@ -213,7 +213,7 @@ def layer_profile(preset: Any, context: int, hw: Any, threads: int | None, quick
     instead of on isolated GEMMs. Returns (profile, the layer's seconds)."""
     import torch
 
-    from megatrain.measure import layer_seconds
+    from megatrain.commands.measure import layer_seconds
     from megatrain.planner.point import make_point
     from megatrain.planner.step_time import sustained_from_layer_time
 
@@ -242,7 +242,7 @@ def engine_profile(prof: dict[str, Any], preset: Any, context: int,
     """The bench profile with its fp32 rate and fixed costs fitted (measure.with_engine_overhead) to engine
     periods of this model's layers at other token counts than the validated one: `periods` holds one
     fit_periods_in_child run per pass, pooled here by the median per token count and phase."""
-    from megatrain.measure import with_engine_overhead
+    from megatrain.commands.measure import with_engine_overhead
 
     tokens = overhead_tokens(context)
     pooled = [tuple(statistics.median(run[i][k] for run in periods) for k in range(3)) for i in range(len(tokens))]
@@ -281,7 +281,7 @@ def validate(model: str = "small-7m", context: int = 128, gbps: list[float | Non
     """Measure and predict every link rate; rows in the order given. The engine and the bench run with
     `threads` torch threads (None: torch's default): on a shared 2-core box one thread leaves a core to
     the neighbours, and the bench measures the rate the run gets."""
-    from megatrain.measure import bench_cpu
+    from megatrain.commands.measure import bench_cpu
     from megatrain.planner import get_hardware
     from megatrain.planner.shapes import resolve_model
 
@@ -463,7 +463,7 @@ def validate_backends(model: str = "small-7m", contexts: tuple[int, ...] = (128,
 
     from experiments.execute import run_point_subprocess
     from experiments.spec import Point
-    from megatrain.measure import bench_cpu
+    from megatrain.commands.measure import bench_cpu
     from megatrain.planner import get_hardware, plan
     from megatrain.planner.point import BACKENDS
     from megatrain.planner.shapes import resolve_model

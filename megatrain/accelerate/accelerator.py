@@ -34,14 +34,14 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from .. import train_state
 from ..backend import Backend
-from ..config import EngineConfig
+from ..config.resolve import resolve
+from ..config.schema import EngineConfig
 from ..engine import launch_env
-from ..project import latest_dir, make_project_config, save_dir, state_dir
-from ..resolve import resolve
+from ..run import train_state
+from ..run.project import latest_dir, make_project_config, save_dir, state_dir
+from .backends import BACKENDS, backend_class
 from .data import PreparedDataLoader, skipping
-from .settings import BACKENDS, backend_class
 from .tracking import make_trackers
 from .wrappers import AcceleratedOptimizer, AcceleratedScheduler, GradientState
 
@@ -98,7 +98,7 @@ class Accelerator:
             gradient_accumulation_steps = gradient_accumulation_plugin.num_steps
             adjust_scheduler = gradient_accumulation_plugin.adjust_scheduler
             sync_with_dataloader = gradient_accumulation_plugin.sync_with_dataloader
-        # The config and the arguments, settled once (megatrain/resolve.py); an EngineConfig describes
+        # The config and the arguments, settled once (megatrain/config/resolve.py); an EngineConfig describes
         # MegaTrain's engine only, so a backend that reads none gets no engine settings parsed for it.
         reads_engine = kind.reads_engine_config
         settings = resolve(config, mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps,
@@ -309,7 +309,7 @@ class Accelerator:
         engine = getattr(self.backend, "engine", None)
         if not getattr(self.backend, "says_what_runs", False) or engine is None:
             return
-        from .. import start_line
+        from ..run import start_line
 
         off = ["gradient_checkpointing=True (the engine recomputes each streamed layer itself)"] \
             if self.gradient_checkpointing else []

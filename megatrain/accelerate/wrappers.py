@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..backend import Backend
-from ..step import boundary_step, is_boundary
+from ..backend.step import boundary_step, is_boundary
 
 
 def forward_attr(wrapper: Any, inner: str, name: str) -> Any:

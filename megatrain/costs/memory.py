@@ -48,7 +48,7 @@ BUDGET_HEADROOM = 0.9  # plan to this share of the budget: allocator fragmentati
 # Offloaded, the device holds about this many boundary activations at once, whatever the depth (measured):
 # a layer's input and output, the next input prefetched, and one on its way out.
 OFFLOAD_IN_FLIGHT = 4
-# When that does not fit the budget, copies stop overlapping (engine/activations.py): each input waits for its
+# When that does not fit the budget, copies stop overlapping (engine/pipeline/activations.py): each input waits for its
 # copy to the host, and in backward an input comes back only when its layer needs it: one fewer (measured,
 # tests/unit/test_offload_in_flight.py).
 OFFLOAD_IN_FLIGHT_TIGHT = 3
@@ -63,7 +63,7 @@ DEFAULT_LOSS_CHUNK, MIN_LOSS_CHUNK, AUTO_LOSS_LOGITS_BYTES = 2048, 128, 256 * 2*
 # ~chunk/4 FLOP per byte of that gradient, memory-bound below ~1k tokens on an H100/H200; the 256 MiB
 # logits cap gave 256-token chunks for a 152k vocabulary.
 MAX_DEVICE_LOSS_CHUNK = 4096
-# The head + loss phase as a training forward runs it (engine/loss.py tiled_norm_head_loss: final norm, head
+# The head + loss phase as a training forward runs it (engine/layer/loss.py tiled_norm_head_loss: final norm, head
 # and loss per sequence tile, each tile's backward run in the forward). Per token of the sequence, in
 # h-vectors: the last layer's output and its gradient. Per token of a tile (measured, FP32, with
 # DeviceMemoryTracker, tests/unit/test_loss_in_forward.py): two FP32 copies of the logits (the logits, then the

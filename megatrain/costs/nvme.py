@@ -7,7 +7,7 @@ by the global norm and the update, and the streamed masters by every layer load:
 against one, so they stay in host memory. A spilled layer's state lives in a file under `nvme_path` and is in
 host memory only in one of `slots` ring buffers around its update (read ahead of it, written behind it).
 
-Torch-free: read by the engine (engine/spill.py) and by the planner under the same rules.
+Torch-free: read by the engine (engine/host/spill.py) and by the planner under the same rules.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ bf16 shadow in bf16 mode), in FP32 compute the resident parameters' FP32 masters
 in bf16 the upload reads its own bf16 staging instead, so the masters stay pageable) and, on CUDA,
 the staging gradients land in (the layers' slots, and one for the resident parameters') and, on CUDA with a
 compute dtype other than FP32, the resident parameters' upload staging in that dtype (the masters are rounded
-into it on the host and it goes up as one DMA: engine/resident_upload.py). Gradient slabs,
+into it on the host and it goes up as one DMA: engine/host/resident_upload.py). Gradient slabs,
 and the FP32 masters behind a bf16 shadow, are only ever touched by the host: pinning them would lock memory the OS could otherwise page, for nothing.
 
 Every buffer is its own page-aligned mapping, so what it locks is its size rounded up to a page: the

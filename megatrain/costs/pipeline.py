@@ -1,4 +1,4 @@
-"""The layer pipeline's issue order, defined once: the engine's LayerPipeline (engine/schedule.py) executes
+"""The layer pipeline's issue order, defined once: the engine's LayerPipeline (engine/pipeline/schedule.py) executes
 these steps and the planner's simulator (planner/pipeline_sim.py) replays them on its timelines, so the
 order a plan predicts is the order a run issues.
 

@@ -1,10 +1,11 @@
 """The `deepspeed` namespace on MegaTrain: `import megatrain as deepspeed` and a DeepSpeed script runs unchanged.
 
     initialize, add_config_arguments    initializer.py   (`deepspeed.initialize`: the same four results)
-    DeepSpeedEngine (MegaTrainEngine)   engine.py        (the engine it returns, holding the MegaTrain backend)
+    DeepSpeedEngine (MegaTrainEngine)   deepspeed_engine.py        (the engine it returns, holding the MegaTrain backend)
     zero, comm, init_distributed        zero.py, comm.py
-    utils, checkpointing, ops, accelerator, lr_schedules   (the submodules of the same names)
-    config                              the DeepSpeed config parser (JSON/hjson, "auto", batch-size arithmetic)
+    utils, checkpointing, ops, accelerator   (the submodules of the same names)
+    lr_schedules                        DeepSpeed's LR schedules (megatrain/lr_schedules.py, torch-only)
+    config                              the DeepSpeed config parser (megatrain/config/deepspeed.py)
 
 Names are imported on first use, so `import megatrain` stays cheap.
 """
@@ -17,18 +18,20 @@ from typing import Any
 _EXPORTS = {
     "initialize": "initializer",
     "add_config_arguments": "initializer",
-    "MegaTrainEngine": "engine",
-    "DeepSpeedEngine": "engine",
+    "MegaTrainEngine": "deepspeed_engine",
+    "DeepSpeedEngine": "deepspeed_engine",
     "init_distributed": "comm",
 }
-_SUBMODULES = ("zero", "comm", "utils", "checkpointing", "ops", "accelerator", "lr_schedules", "config")
+# The namespace's submodules; two live below the face (the parser with the configuration, the schedules beside it).
+_SUBMODULES = {**{m: f"{__name__}.{m}" for m in ("zero", "comm", "utils", "checkpointing", "ops", "accelerator")},
+               "lr_schedules": "megatrain.lr_schedules", "config": "megatrain.config.deepspeed"}
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
-        return import_module(f"{__name__}.{name}")
+        return import_module(_SUBMODULES[name])
     if name in _EXPORTS:
         value = getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
         globals()[name] = value

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import start_line
 from ..backend import MegatrainBackend
-from ..resolve import resolve
+from ..config.resolve import resolve
+from ..run import start_line
 from .data import make_dataloader
-from .engine import MegaTrainEngine
+from .deepspeed_engine import MegaTrainEngine
 
 __all__ = ["initialize", "add_config_arguments"]
 

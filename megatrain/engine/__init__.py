@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from .parallel.distributed import launch_env
     from .runtime.device_resolution import resolve_device
     from .runtime.host_copy import to_device
-    from .runtime.stream import WatchdogError
+    from .runtime.stream import WatchdogError, side_threads
+    from .runtime.threads import host_cores, update_threads
 
 # What the faces, the CLI and the harness may use; everything else is the engine's own (tests/unit/test_layering.py).
 _HOME = {"Engine": ".engine", "engines_holding": ".engine",
@@ -26,10 +27,12 @@ _HOME = {"Engine": ".engine", "engines_holding": ".engine",
          "max_trainable_positions": ".layer.batch", "Verdict": ".model.probe", "run_probe": ".model.probe",
          "serve_forward_keyword": ".model.model_object",
          "launch_env": ".parallel.distributed", "resolve_device": ".runtime.device_resolution",
-         "to_device": ".runtime.host_copy", "WatchdogError": ".runtime.stream"}
+         "to_device": ".runtime.host_copy", "WatchdogError": ".runtime.stream",
+         "side_threads": ".runtime.stream", "host_cores": ".runtime.threads", "update_threads": ".runtime.threads",
+         "parts": ".parts"}  # a module: the parts the studies and the GPU check measure apart from a step
 __all__ = ["Engine", "HostMemoryError", "PinnedMemoryError", "Verdict", "WatchdogError", "engines_holding",
            "launch_env", "max_trainable_positions", "resolve_device", "run_probe",
-           "serve_forward_keyword", "to_device"]
+           "host_cores", "parts", "serve_forward_keyword", "side_threads", "to_device", "update_threads"]
 
 
 def __getattr__(name: str) -> Any:
@@ -37,6 +40,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from importlib import import_module
 
-    value = getattr(import_module(_HOME[name], __name__), name)
+    module = import_module(_HOME[name], __name__)
+    value = module if module.__name__ == f"{__name__}.{name}" else getattr(module, name)
     globals()[name] = value
     return value

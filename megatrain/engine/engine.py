@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-from ..config import EngineConfig
+from ..config.schema import EngineConfig
 from ..costs.modes import GradSlab, HostMaster
 from ..models.adapter import DecoderParts, find_parts, record_layer_inputs
 from .accounting import StepAccounting
@@ -91,7 +91,7 @@ class Engine:
         self.trace_log = Trace(config.trace, self.device)
         if self.dp is not None:
             self.dp.stream.trace = self.dp.updates.trace = self.trace_log
-        # Several ranks on a node: one host store for all of them (engine/node_store.py), unless configured off.
+        # Several ranks on a node: one host store for all of them (engine/host/node_store.py), unless configured off.
         self.node = self.dp.share_host_store() if self.dp is not None and config.share_host_store else None
         self.compute_dtype = torch.bfloat16 if config.compute_dtype == "bfloat16" else torch.float32
         if config.host_mmap_threshold_bytes is not None:

@@ -18,14 +18,14 @@ from typing import Any
 
 from torch import nn
 
-from .. import start_line
+from ..run import start_line
 
 # model -> the forward-only MegaTrainEngine built over it (weak: a model dropped by the user frees its engine)
 _forward_only: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
 def _config_dict(config: Any) -> dict[str, Any]:
-    from ..deepspeed.config import load_config_dict
+    from ..config.deepspeed import load_config_dict
 
     if isinstance(config, dict):
         return config
@@ -59,8 +59,8 @@ def _train_on(earlier: Any, model: nn.Module, a: dict[str, Any], config: Any) ->
     """The training initialize of a model whose forward-only engine exists: same store, the trainer's optimizer."""
     import torch
 
-    from ..deepspeed.config import parse_config
-    from ..deepspeed.engine import MegaTrainEngine
+    from ..config.deepspeed import parse_config
+    from ..deepspeed.deepspeed_engine import MegaTrainEngine
     from ..engine import launch_env
 
     optimizer, lr_scheduler = a.get("optimizer"), a.get("lr_scheduler")
@@ -74,7 +74,7 @@ def _train_on(earlier: Any, model: nn.Module, a: dict[str, Any], config: Any) ->
     eng = backend.engine
     # Trainer built the optimizer over model.parameters() after the engine bound the model (the resident
     # parameters are then the engine's device copies: Engine.replace_optimizer knows them by their masters).
-    # The optimizer that steps: the one given, or torch's AdamW for DeepSpeed's CPU Adam (deepspeed/exact_adam.py).
+    # The optimizer that steps: the one given, or torch's AdamW for DeepSpeed's CPU Adam (backend/exact_adam.py).
     _, optimizer = backend.prepare(None, optimizer)
     backend.set_clipping(cfg.gradient_clipping)  # the training config's clipping, not the reference pass's
     if lr_scheduler is not None and not (hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "state_dict")):

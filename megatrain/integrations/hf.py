@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from .. import start_line
+from ..run import start_line
 from . import hf_stage
 from .hf_stage import has_megatrain_section
 

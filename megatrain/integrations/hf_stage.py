@@ -27,7 +27,7 @@ def _config_dict(config: Any) -> dict[str, Any] | None:
     if config is not None and hasattr(config, "config") and isinstance(config.config, dict):
         return config.config  # transformers' HfDeepSpeedConfig
     if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
-        from ..deepspeed.config import load_config_dict
+        from ..config.deepspeed import load_config_dict
 
         return load_config_dict(config)
     return None

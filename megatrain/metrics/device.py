@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from ..files.atomic import atomic_write
+
 # Dense (no sparsity) vendor peaks in TFLOPS. FP32 is the non-tensor-core rate because torch does not
 # use TF32 for matmuls unless asked to. Order matters: the first substring found in the device name
 # wins, so "GH200" must come before "H200" and "H100 PCIe" before "H100".
@@ -68,9 +70,7 @@ def write_cache(key: str, value: object) -> None:
         f.parent.mkdir(parents=True, exist_ok=True)
         data = read_cache()
         data[key] = value
-        tmp = f.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, f)  # atomic, so concurrent points never read half a file
+        atomic_write(f, json.dumps(data, indent=1, sort_keys=True))  # concurrent points never read half a file
     except OSError:
         pass  # the cache is an optimization; a read-only home only costs a re-measure
 

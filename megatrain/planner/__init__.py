@@ -5,7 +5,7 @@ own long-context model (megatrain/costs/memory.py, torch-free), so the two agree
     from megatrain.planner import plan, max_batch, max_context, preflight
     pl = plan("120b", context=4096, batch=8, hardware="h200-pcie")      # -> Plan
     pl.fits, pl.memory.host, pl.memory.device, pl.time.step_s, pl.tokens_per_s, pl.model_tflops
-    python -m megatrain.planner --model 120b --context 4096 --batch 8 --hardware h200-pcie
+    megatrain plan --model 120b --context 4096 --batch 8 --hardware h200-pcie
 
 What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k = layer buffers):
   host (megatrain)  the streamed layers by host-memory mode (megatrain/costs/modes.py, what the engine allocates
@@ -62,9 +62,9 @@ prediction.py (the Plan), estimate.py (plan / plan_point), search.py (fit questi
 Every assumption is a named constant in those modules or in megatrain/costs/, or a sourced number in the profiles file.
 """
 
-from .cli import add_bench_parser, add_plan_parser, format_plan, run_sweep
+from ..costs.host_memory import HostMemory, host_memory_available
 from .estimate import plan, plan_point, predicted_timeline
-from .hardware import Hardware, HostMemory, get_hardware, host_memory_available, load_profiles
+from .hardware import Hardware, get_hardware, load_profiles
 from .memory import (
     LongContext,
     Memory,
@@ -91,10 +91,10 @@ from .step_time import Time, crossover_closed_form, link_crossover_tokens
 
 __all__ = [
     "BACKENDS", "Hardware", "HostMemory", "LongContext", "Memory", "MultiPlan", "Plan", "Point", "Preflight", "Time",
-    "add_bench_parser", "add_plan_parser", "check_fit",
+    "check_fit",
     "crossover_closed_form", "device_memory_available", "fits", "format_plan", "get_hardware",
     "host_memory_available", "largest_batch", "largest_context", "layer_saved_bytes", "layer_working_set_bytes", "link_crossover_tokens",
     "load_profiles", "long_context_plan", "make_point", "max_batch", "max_context", "plan", "plan_multi", "plan_point",
     "plan_point_multi", "predicted_timeline", "preflight",
-    "resolve_model", "run_sweep",
+    "resolve_model",
 ]

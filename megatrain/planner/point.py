@@ -8,9 +8,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from megatrain.config import EngineConfig
 from megatrain.models.presets import ModelPreset
 
+from ..config.schema import EngineConfig
 from ..costs import residency as kept
 from ..costs.modes import GRAD_BYTES, MASTER_BYTES, SHADOW_BYTES, GradSlab, HostMaster
 from .hardware import Hardware, _is_bf16

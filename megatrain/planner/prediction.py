@@ -8,8 +8,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatrain.metrics.flops import model_flops_per_step
-
+from ..costs.flops import model_flops_per_step
 from .hardware import Hardware
 from .memory import LongContext, Memory
 from .placement import Placement

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..costs.host_memory import host_memory_available
 from .estimate import plan, plan_point
-from .hardware import Hardware, get_hardware, host_memory_available, resolve_hardware
+from .hardware import Hardware, get_hardware, resolve_hardware
 from .memory import check_fit
 from .multi import node_memory, plan_point_multi
 from .point import Point, make_point, with_point

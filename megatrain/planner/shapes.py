@@ -139,6 +139,6 @@ def _trainable_positions(d: dict[str, Any], cfg: Any = None) -> int:
     scaled = any(r.get("rope_type", r.get("type", "default")) not in (None, "default") for r in per_type)
     if not scaled:
         return int(max_pos)
-    from megatrain.engine import max_trainable_positions  # torch: only for a scaled RoPE
+    from ..models.positions import max_trainable_positions
 
     return int(max_trainable_positions(cfg if cfg is not None else SimpleNamespace(**d)) or max_pos)

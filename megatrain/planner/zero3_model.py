@@ -2,7 +2,7 @@
 bounded lookahead, host-side hooks, gradient buckets, and DeepSpeedCPUAdam's own throughput.
 
 Arithmetic only, over a decoder layer's submodules; `step_time.py` turns it into a step. What each
-term is, from DeepSpeed 0.19.8's source (runtime/zero/partitioned_param_coordinator.py, stage3.py):
+term is, from DeepSpeed 0.19.8's source (deepspeed.runtime.zero.partitioned_param_coordinator, .stage3):
 
 - **Fetch.** A pre-forward (and pre-backward) hook on *every* submodule gathers its partitioned
   parameters (with offloaded parameters: a host->device copy) and, once the model's module order is

@@ -16,7 +16,7 @@ from conftest import make_batches, tiny_model
 from examples_module import load_example
 
 from megatrain import Accelerator
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "accelerate_nlp.py"

@@ -26,7 +26,7 @@ from megatrain.accelerate import (
     PreparedDataLoader,
 )
 from megatrain.backend import Backend
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 
 LR = 1e-3
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from megatrain import checkpoint as ck
+from megatrain.run import checkpoint as ck
 
 
 def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -156,7 +156,7 @@ def test_bad_inputs(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(ck._TMP)]
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / ck.MANIFEST_FILE).write_text(json.dumps({"format": "other"}))
-    with pytest.raises(ck.CheckpointError, match="not a megatrain.checkpoint manifest"):
+    with pytest.raises(ck.CheckpointError, match="not a megatrain.run.checkpoint manifest"):
         ck.load(tmp_path, "foreign")
 
 

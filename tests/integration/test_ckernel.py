@@ -60,3 +60,26 @@ def test_flags_follow_torchs_capability(monkeypatch, capability, first):
 def test_other_machines_build_for_the_baseline(monkeypatch):
     monkeypatch.setattr(ckernel.platform, "machine", lambda: "aarch64")
     assert ckernel.arch_flags() == [[]]
+
+
+def test_every_kernel_source_is_a_c_file_shipped_as_package_data():
+    # One loader (ckernel.LazyKernel) over .c files: no C left inside Python strings, and the files are in the
+    # package data a wheel carries.
+    import fnmatch
+    import re
+    from pathlib import Path
+
+    import tomllib
+
+    from megatrain.engine.runtime import ckernel
+
+    root = Path(ckernel.__file__).resolve().parents[3]
+    sources = sorted(p.name for p in ckernel.SOURCES.glob("*.c"))
+    assert sources == ["adam.c", "hilo.c", "reduce.c"]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["megatrain"]
+    for name in sources:
+        rel = f"engine/runtime/kernels/{name}"
+        assert any(fnmatch.fnmatch(rel, p) for p in patterns), (rel, patterns)
+    embedded = [p for p in (root / "megatrain").rglob("*.py") if re.search(r'r"""\s*(#include|/\*|int64_t|void )',
+                                                                           p.read_text())]
+    assert embedded == []

@@ -287,7 +287,7 @@ class SlowIdentityAverage:
 def test_gradient_adds_wait_for_a_running_average(slow):
     from conftest import make_batches, tiny_model
 
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
     from megatrain.engine.parallel.ranks import Replicated
 
@@ -317,7 +317,7 @@ def test_gradient_adds_wait_for_a_running_average(slow):
 
 
 def test_batch_sizes_split_over_the_world_as_deepspeed_does():
-    from megatrain.deepspeed.config import parse_config
+    from megatrain.config.deepspeed import parse_config
 
     c = parse_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, world_size=4)
     assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps) == (24, 2, 3)

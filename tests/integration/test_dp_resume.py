@@ -168,7 +168,7 @@ def test_a_shared_store_save_is_one_shard_per_rank_and_whole_only_with_every_sha
     2 and 3 ranks above. Without the shard (negative control) the load refuses it, naming the file."""
     import shutil
 
-    from megatrain import checkpoint as ck
+    from megatrain.run import checkpoint as ck
 
     root = Path(runs["folders"]["deepspeed"])
     tag = ck.latest_tag(root)
@@ -199,7 +199,7 @@ def test_the_accelerator_face_saves_one_shard_per_rank_and_loads_only_with_every
 
     from safetensors import safe_open
 
-    from megatrain import train_state
+    from megatrain.run import train_state
 
     folder = Path(runs["folders"]["accelerator"])
     listed = torch.load(folder / train_state.OPTIMIZER_FILE, weights_only=True)
@@ -230,7 +230,7 @@ def test_a_rank_killed_mid_shard_leaves_the_previous_checkpoint_the_one_that_loa
     """Two ranks sharing one host store save checkpoint "a", train on, and save "b"; rank 1 is SIGKILLed while
     writing its shard of "b". Rank 0's save fails (its peer is gone) and publishes nothing: "a" is still the
     newest checkpoint, and it loads in one process with the weights it was saved with."""
-    from megatrain import checkpoint as ck
+    from megatrain.run import checkpoint as ck
 
     ranks = Ranks(2, [str(ROOT / "tests" / "workers" / "dp_kill_worker.py"), str(tmp_path)], tmp_path)
     codes = ranks.wait()

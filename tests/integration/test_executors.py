@@ -21,7 +21,7 @@ from experiments.executors.ray_exec import RayExecutor, check_address
 from experiments.executors.slurm import SlurmExecutor, time_limit_min
 from experiments.runner import run_sweep
 from experiments.spec import load_sweep, select
-from megatrain.cli import main as cli_main
+from megatrain.commands.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[2]
 QUICK = load_sweep(REPO / "experiments" / "sweeps" / "quick.yaml")

@@ -294,7 +294,7 @@ def test_cuda_phase(tmp_path, phase):
 @cuda
 def test_cuda_stats_are_device_time(tmp_path):
     """On a GPU the host only queues work: copy time and compute's waits must come from CUDA events."""
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
 
     sh = gc.SHAPES[("stress", True)]

@@ -28,7 +28,7 @@ from experiments import results as R
 from experiments.report import FIGURES, pick_trace
 from experiments.runner import run_sweep
 from experiments.spec import SpecError, load_sweep, parse_only, select
-from megatrain.cli import main as cli_main
+from megatrain.commands.cli import main as cli_main
 from megatrain.models.presets import get_preset
 
 REPO = Path(__file__).resolve().parents[2]
@@ -317,7 +317,7 @@ grid: {seq_len: [16, 32]}
 """)
     out = tmp_path / "out"
     csv_path = out / "results.csv"
-    cmd = [sys.executable, "-m", "megatrain.cli", "sweep", str(spec), "--out", str(out), "--no-progress"]
+    cmd = [sys.executable, "-m", "megatrain.commands.cli", "sweep", str(spec), "--out", str(out), "--no-progress"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     # A Ctrl-C from a terminal reaches a sweep with SIGINT at its default; a test process may have been left
     # ignoring it (an ignored signal stays ignored across exec, and Python then installs no KeyboardInterrupt).
@@ -378,7 +378,7 @@ def test_train_runs_one_configuration_with_progress(tmp_path, capsys):
 
 
 def test_cli_registers_the_planner_commands():
-    from megatrain.cli import build_parser
+    from megatrain.commands.cli import build_parser
 
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     assert {"sweep", "report", "train", "plan", "bench"} <= set(sub.choices)

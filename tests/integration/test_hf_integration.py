@@ -130,7 +130,7 @@ def test_deepspeed_initialize_routes_by_the_section(routed):
     import deepspeed
     from accelerate.utils.deepspeed import HfDeepSpeedConfig
 
-    from megatrain.deepspeed.engine import MegaTrainEngine
+    from megatrain.deepspeed.deepspeed_engine import MegaTrainEngine
 
     engine, opt, _, _ = deepspeed.initialize(model=tiny_model(), config=_ds_cfg(megatrain={}))
     assert isinstance(engine, MegaTrainEngine) and opt is engine.optimizer
@@ -157,7 +157,7 @@ def _hidden_states_of(model):
 def test_fused_lm_head_outputs_equal_trls_own(clone):
     from trl.trainer.utils import add_fused_lm_head
 
-    from megatrain.integrations.fused_head import fused_lm_head_forward
+    from megatrain.backend.fused_head import fused_lm_head_forward
 
     model = tiny_model()
     ours_model = clone(model)
@@ -209,7 +209,7 @@ def test_fused_head_options_are_read_off_trls_patch_and_honoured(clone):
     the options are read off TRL's patch; an option it does not know is refused by name."""
     from trl.trainer.utils import add_fused_lm_head
 
-    from megatrain.integrations.fused_head import (
+    from megatrain.backend.fused_head import (
         OPTIONAL_OUTPUTS,
         FusedHeadOptions,
         fused_lm_head_forward,

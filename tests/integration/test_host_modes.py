@@ -1,4 +1,4 @@
-"""Host-memory modes (megatrain/modes.py): what each promises is checked bit for bit against the default.
+"""Host-memory modes (megatrain/costs/modes.py): what each promises is checked bit for bit against the default.
 
 - host_master="hilo": the same compute weights and masters as the FP32 master + bf16 shadow, every step
   (accumulation, clipping, an LR schedule), and checkpoints that load across the two modes.
@@ -18,11 +18,11 @@ import pytest
 import torch
 from conftest import make_batches, tiny_model
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
+from megatrain.costs.modes import GradSlab, HostMaster, layer_bytes_per_param
 from megatrain.engine import Engine
 from megatrain.engine.host import hilo
 from megatrain.engine.host.store import FlatGroup
-from megatrain.modes import GradSlab, HostMaster, layer_bytes_per_param
 
 LR = 1e-2  # large enough that every step moves the low bits of every master
 
@@ -129,7 +129,7 @@ def test_checkpoints_load_across_fp32_and_hilo(model):
 
 @pytest.mark.parametrize("overlap", [False, True])  # True: the GPU's defaults (bf16, overlap, hilo)
 def test_hilo_checkpoint_through_initialize_resumes_bit_exactly(model, tmp_path, overlap):
-    from megatrain.initialize import initialize
+    from megatrain.deepspeed import initialize
 
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
@@ -160,8 +160,8 @@ def test_hilo_checkpoint_through_initialize_resumes_bit_exactly(model, tmp_path,
 
 
 def test_optimizer_in_backward_through_initialize_matches_the_ordinary_step(model):
-    from megatrain.deepspeed.config import DeepSpeedConfigError
-    from megatrain.initialize import initialize
+    from megatrain.config.deepspeed import DeepSpeedConfigError
+    from megatrain.deepspeed import initialize
 
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
           "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
@@ -412,7 +412,7 @@ def test_exiting_with_layer_jobs_queued_does_not_abort():
 def test_model_object_serves_the_joined_masters_not_the_scratch(master, tmp_path):
     # The layer Parameters are the shared NaN-poisoned scratch in these modes: the model object's weight
     # reads go through the host store (engine.state_dict()'s values), never the scratch; writes are refused.
-    from megatrain.initialize import zero
+    from megatrain.deepspeed import zero
 
     model = tiny_model()
     eng = _engine(model, host_master=master)

@@ -24,9 +24,9 @@ from gpu_defaults import CONFIGS, bf16_reference, deepspeed_keys, engine_grads, 
 
 import megatrain
 from baselines.zero3 import default_extensions_dir
-from megatrain import checkpoint as ck
+from megatrain.config.deepspeed import DeepSpeedConfigError
 from megatrain.deepspeed import MegaTrainEngine, initialize
-from megatrain.deepspeed.config import DeepSpeedConfigError
+from megatrain.run import checkpoint as ck
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parents[1] / "workers" / "ds_style_train.py"
@@ -54,19 +54,19 @@ def _init(model=None, **kw):
 
 
 def test_package_exposes_the_deepspeed_names():
-    import megatrain.initialize as submodule  # binds the package attribute to the module ...
+    from megatrain import deepspeed as face
 
-    assert callable(megatrain.initialize)  # ... which must still be callable
+    assert megatrain.initialize is face.initialize  # the package attribute is the function, never a module
     missing = [n for n in ("initialize", "init_distributed", "add_config_arguments", "zero")
                if not hasattr(megatrain, n)]
     assert not missing, f"megatrain/__init__.py must export {missing} for `import megatrain as deepspeed`"
-    assert submodule.initialize is initialize
+    assert face.initialize is initialize
 
 
 def test_helpers_for_scripts():
     import argparse
 
-    from megatrain.initialize import add_config_arguments, init_distributed, zero
+    from megatrain.deepspeed import add_config_arguments, init_distributed, zero
 
     args = add_config_arguments(argparse.ArgumentParser()).parse_args(["--deepspeed", "--deepspeed_config", "x.json"])
     assert args.deepspeed and args.deepspeed_config == "x.json"
@@ -110,7 +110,7 @@ def test_accumulation_counters_and_lr_follow_deepspeed():
 
 
 def _reference_run(model, batches, gas, clip, lr, wd, warmup):
-    from megatrain.deepspeed.lr_schedules import WarmupLR
+    from megatrain.lr_schedules import WarmupLR
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
     sched = WarmupLR(opt, warmup_min_lr=lr / 10, warmup_max_lr=lr, warmup_num_steps=warmup, warmup_type="linear")
@@ -153,7 +153,7 @@ def test_boundary_step_matches_plain_pytorch(mode):
             engine.step()
         losses.append(out.loss.item())
     if is_bf16(mode):
-        from megatrain.deepspeed.lr_schedules import WarmupLR
+        from megatrain.lr_schedules import WarmupLR
 
         floor = bf16_reference(
             ref_model, batches, len(batches) // gas, gas, clip,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.launch import main as launch_main
+from megatrain.commands.launch import main as launch_main
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-5
@@ -52,7 +52,7 @@ def _finish(run: tuple[subprocess.Popen, Path, Path]) -> str:
 
 
 def _start_launch(args: list[str], cwd: Path) -> tuple[subprocess.Popen, Path, Path]:
-    return _start(["-m", "megatrain.cli", "launch", *args], cwd)
+    return _start(["-m", "megatrain.commands.cli", "launch", *args], cwd)
 
 
 # ---------------------------------------------------------------------------------------------------

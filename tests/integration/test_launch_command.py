@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.launch import LaunchError, plan
-from megatrain.launch import main as launch_main
+from megatrain.commands.launch import LaunchError, plan
+from megatrain.commands.launch import main as launch_main
 
 ROOT = Path(__file__).resolve().parents[2]
 _LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -138,7 +138,7 @@ def _probes(out: str) -> list[dict]:
 
 
 def test_a_console_command_runs_its_entry_point_with_the_routing(site, tmp_path):
-    r, control = _runs(site, tmp_path, ("-m", "megatrain.cli", "launch", "fake-train", "--x", "1"),
+    r, control = _runs(site, tmp_path, ("-m", "megatrain.commands.cli", "launch", "fake-train", "--x", "1"),
                        ("-c", "import sys; from faketool.cli import main; sys.exit(main())"))
     assert r.returncode == 3, r.stderr[-3000:]  # the entry point's return value is the exit status, as its wrapper's
     (one,) = _probes(r.stdout)
@@ -151,8 +151,8 @@ def test_llamafactory_train_passes_its_deepspeed_check_under_megatrain_launch(si
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text("deepspeed: ds.json\n")
     control, r, r_two = _runs(site, tmp_path, ("-c", "from llamafactory.cli import main; main()", "train", str(cfg)),
-                              ("-m", "megatrain.cli", "launch", "llamafactory-cli", "train", str(cfg)),
-                              ("-m", "megatrain.cli", "launch", "--nproc-per-node", "2", "llamafactory-cli", "train",
+                              ("-m", "megatrain.commands.cli", "launch", "llamafactory-cli", "train", str(cfg)),
+                              ("-m", "megatrain.commands.cli", "launch", "--nproc-per-node", "2", "llamafactory-cli", "train",
                                str(cfg)))
     # Control: LlamaFactory's own launcher in one process refuses DeepSpeed, as the real one does.
     assert control.returncode == 1 and "Please use `FORCE_TORCHRUN=1`" in control.stderr
@@ -172,7 +172,7 @@ def test_axolotl_train_runs_where_nccl_cannot(site, tmp_path):
     cfg = tmp_path / "cfg.yml"
     cfg.write_text("deepspeed: ds.json\n")
     control, r = _runs(site, tmp_path, ("-m", "axolotl.cli.train", str(cfg)),
-                       ("-m", "megatrain.cli", "launch", "axolotl", "train", str(cfg)))
+                       ("-m", "megatrain.commands.cli", "launch", "axolotl", "train", str(cfg)))
     # Control: axolotl's training module on its own asks for NCCL, which cannot start without a GPU.
     gpu = torch.cuda.is_available() and dist.is_nccl_available()
     assert (control.returncode == 0) if gpu else ("ProcessGroupNCCL" in control.stderr)
@@ -184,7 +184,7 @@ def test_axolotl_train_runs_where_nccl_cannot(site, tmp_path):
 
 
 def test_which_llamafactory_commands_are_rewritten(site, monkeypatch):
-    from megatrain.launch_command import ENTRY_POINT
+    from megatrain.commands.launch_command import ENTRY_POINT
 
     monkeypatch.syspath_prepend(str(site))
     for var in _LAUNCHER_VARS:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.engine.runtime.malloc import MAX_MMAP_THRESHOLD, set_mmap_threshold
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")

@@ -23,7 +23,7 @@ from conftest import make_batches, tiny_model
 
 import megatrain
 from megatrain import Accelerator
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.model.model_object import plain_class
 

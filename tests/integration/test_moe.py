@@ -226,7 +226,7 @@ def test_each_negative_control_is_caught(monkeypatch, breakage):
 
 @pytest.mark.parametrize("family", list(_FAMILIES))
 def test_generate_and_evaluation_match_hugging_face(family):
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
 
     ref = moe_model(family).eval()
@@ -290,7 +290,7 @@ def test_moe_in_the_gpu_defaults_within_the_bf16_floor(family):  # sdpa's two ke
 
     from gpu_defaults import GPU_DEFAULTS, bf16_reference, lag_updates, train
 
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
 
     model, batches, steps = moe_model(family), _batches(), 3  # 3 steps: each run here costs a reference pair

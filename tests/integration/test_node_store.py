@@ -15,7 +15,7 @@ from examples_module import load_example
 from test_data_parallel import ROOT, TOL, Ranks
 
 from experiments.studies.scaling_host_memory import POINTS, measure
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.costs.modes import GradSlab, HostMaster
 from megatrain.engine.host.node_store import NodeStore, shard_optimizer_state, topology_of
 from megatrain.engine.host.store import FlatGroup, HostStore, SharedLayer, TieOverflow, tie_capacity

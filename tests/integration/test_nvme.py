@@ -26,7 +26,7 @@ import torch
 from conftest import make_batches, tiny_model
 from test_host_modes import _differences, _train
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.costs.nvme import BudgetTooSmall, plan_spill, record_bytes
 from megatrain.engine import Engine
 from megatrain.engine.host.spill import NvmeSpaceError, SpillFile, record_sizes, store_fixed_bytes

@@ -2,7 +2,7 @@
 
 accelerate swaps the script's torch AdamW for DeepSpeed's `DeepSpeedCPUAdam` when the config offloads the optimizer
 (`map_pytorch_optim_to_deepspeed`, what HF Trainer runs through); MegaTrain steps torch's AdamW in its place
-(megatrain/deepspeed/exact_adam.py). The test builds the optimizer exactly as accelerate does, trains 60 steps on
+(megatrain/backend/exact_adam.py). The test builds the optimizer exactly as accelerate does, trains 60 steps on
 a ZeRO-3 offload config, resumes a second engine from the step-20 checkpoint and compares every later step bit for
 bit; the control keeps DeepSpeed's own op (the old path) and shows the resumed run drifting. The real cpu_adam op
 is needed to build the object at all: JIT-built once per machine (~85 s, cached like the ZeRO-3 baseline's).
@@ -109,7 +109,7 @@ def test_offload_optimizer_config_resumes_bit_identically(tmp_path):
 def test_control_deepspeed_cpu_adam_itself_drifts_after_resume(tmp_path, monkeypatch):
     """The old path: the engine steps the DeepSpeedCPUAdam it was given. Its op recomputes beta^t with pow()
     where the uninterrupted run multiplied, so the resumed losses leave the uninterrupted ones."""
-    from megatrain.deepspeed import exact_adam
+    from megatrain.backend import exact_adam
 
     monkeypatch.setattr(exact_adam, "exact_optimizer", lambda optimizer: (optimizer, None))
     full, resumed, opt, same_weights = _full_and_resumed(tmp_path)
@@ -125,7 +125,7 @@ def test_control_deepspeed_cpu_adam_itself_drifts_after_resume(tmp_path, monkeyp
 def test_adam_mode_keeps_l2_decay_and_what_torch_cannot_do_is_refused():
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    from megatrain.deepspeed.exact_adam import exact_optimizer
+    from megatrain.backend.exact_adam import exact_optimizer
 
     params = [torch.nn.Parameter(torch.ones(3))]
     ds = DeepSpeedCPUAdam(params, lr=1e-2, weight_decay=0.1, adamw_mode=False)

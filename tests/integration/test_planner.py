@@ -12,7 +12,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from megatrain.metrics.flops import model_flops_per_step
+from megatrain.commands.plan import add_bench_parser, add_plan_parser, main
+from megatrain.costs.flops import model_flops_per_step
 from megatrain.models.presets import PRESETS, get_preset
 from megatrain.planner import (
     crossover_closed_form,
@@ -29,7 +30,6 @@ from megatrain.planner import (
     preflight,
     resolve_model,
 )
-from megatrain.planner.cli import add_bench_parser, add_plan_parser, main
 from megatrain.planner.hardware import NUMERIC_FIELDS, OVERHEAD_FIELDS, load_raw
 from megatrain.planner.step_time import IDLE_ROUND
 
@@ -73,8 +73,8 @@ def test_bf16_shadow_covers_streamed_layers_only():
                                              ("hilo", "bfloat16", False), ("hilo", "float32", True),
                                              ("bf16", "bfloat16", False), ("fp32", "float32", True)])
 def test_planner_layer_bytes_are_the_engine_modes(master, grad, oib):
-    """The planner charges what megatrain/modes.py (which the engine's store allocates by) says."""
-    from megatrain.modes import GradSlab, HostMaster, layer_bytes_per_param
+    """The planner charges what megatrain/costs/modes.py (which the engine's store allocates by) says."""
+    from megatrain.costs.modes import GradSlab, HostMaster, layer_bytes_per_param
 
     m = get_preset("qwen2.5-7b")
     pl = plan(m, 1024, hardware=H200, master=master, host_grad_dtype=grad, optimizer_in_backward=oib,
@@ -322,7 +322,7 @@ def test_planner_matches_a_real_engines_policy():
     import torch
     import transformers
 
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
 
     m = get_preset("tiny")
@@ -421,7 +421,7 @@ def test_hf_config_dict_resolves_to_the_same_shape():
 
 
 def test_engine_config_supplies_knobs():
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
 
     cfg = EngineConfig(compute_dtype="bfloat16", num_buffers=3, loss_chunk_tokens=512, offload_activations=True,
                        mlp_tile_tokens=4096)
@@ -513,7 +513,7 @@ def test_fixed_costs_add_per_layer_per_phase_and_per_micro_batch():
 def test_fit_layer_overhead_recovers_the_rate_and_fixed_costs_it_was_given():
     # periods made by the planner's own model from a known rate and known fixed costs: the engine fit
     # must return them (fixed costs to the microsecond, the rate to 0.1%)
-    from megatrain.measure import fit_layer_overhead
+    from megatrain.commands.measure import fit_layer_overhead
     from megatrain.planner.step_time import globals_io as _globals_io
     from megatrain.planner.step_time import head_compute as _head_compute
     from megatrain.planner.step_time import layer_compute as _layer_compute
@@ -651,7 +651,7 @@ def test_cli_sweep_writes_predicted_rows(tmp_path):
 
 
 def test_bench_cpu_quick_returns_a_valid_profile():
-    from megatrain.measure import bench_cpu
+    from megatrain.commands.measure import bench_cpu
     from megatrain.planner.hardware import profile_from_dict
 
     prof = bench_cpu(quick=True, threads=1)
@@ -694,7 +694,7 @@ def test_planner_runs_the_engine_memory_model_without_loading_torch():
 def test_overlapped_optimizer_hides_behind_the_next_forward():
     # 120B on H200 + PCIe: the optimizer (~15 s) against a ~14 s forward; with overlap only the globals'
     # update and what the layer updates exceed the first micro-batch's forward by remain.
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
 
     m = get_preset("dense-120b")
     whole = plan(m, 4096, batch=8, hardware=H200, optimizer_overlap=False)

@@ -30,9 +30,9 @@ import torch
 from conftest import make_batches, tiny_config, tiny_model
 from safetensors.torch import load_file
 
-from megatrain import checkpoint as ck
-from megatrain.graceful import GracefulStop
-from megatrain.initialize import initialize
+from megatrain.deepspeed import initialize
+from megatrain.run import checkpoint as ck
+from megatrain.run.graceful import GracefulStop
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "crash_worker.py"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.sft import detect_format, load_run, to_conversation
+from megatrain.commands.sft import detect_format, load_run, to_conversation
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "sft" / "sft.yaml"
@@ -29,7 +29,7 @@ def _start(tmp_path: Path, name: str, *sets: str) -> tuple[subprocess.Popen, Pat
             *(a for s in sets for a in ("--set", s))]
     log = tmp_path / f"{name}.log"
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "megatrain.cli", *args], cwd=tmp_path, env=env, stdout=f,
+        proc = subprocess.Popen([sys.executable, "-m", "megatrain.commands.cli", *args], cwd=tmp_path, env=env, stdout=f,
                                 stderr=subprocess.STDOUT, text=True)
     return proc, out
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import make_batches, tiny_model
 
-from megatrain import start_line
+from megatrain.run import start_line
 
 ROOT = Path(__file__).resolve().parents[2]
 

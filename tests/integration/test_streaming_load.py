@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain.tensor_file import TensorFile
+from megatrain.files.tensor_file import TensorFile
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "load_rss_worker.py"
 SHAPE = ("8", "512", "2048")  # layers, hidden, vocab: the largest tensor (the embedding) is ~4% of the masters
@@ -62,7 +62,7 @@ def test_hf_directory_streams(saved):
 
 
 def test_tensor_file_reads_into_place_and_converts(tmp_path):
-    from megatrain.checkpoint import write_safetensors
+    from megatrain.run.checkpoint import write_safetensors
 
     t = {"a": torch.arange(12, dtype=torch.float32).view(3, 4), "b": torch.arange(5, dtype=torch.bfloat16),
          "empty": torch.zeros(0, 2)}

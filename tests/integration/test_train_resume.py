@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 from safetensors.torch import load_file
 
-from megatrain.sft_resume import RUN_FILE, WHOLE_MARK, RefusedOutput, SaveCallback, prepare_output
+from megatrain.commands.sft_resume import RUN_FILE, WHOLE_MARK, RefusedOutput, SaveCallback, prepare_output
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "sft" / "sft.yaml"
@@ -37,7 +37,7 @@ def _args(out: Path, *sets: str) -> list[str]:
 
 
 def _run(out: Path, *extra: str, sets: tuple = ()) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatrain.cli", *_args(out, *sets), *extra], env=_env(),
+    return subprocess.run([sys.executable, "-m", "megatrain.commands.cli", *_args(out, *sets), *extra], env=_env(),
                           capture_output=True, text=True, timeout=600)
 
 
@@ -149,7 +149,7 @@ def test_which_checkpoint_a_run_resumes_from(tmp_path):
 
 
 def test_when_the_callback_asks_for_a_checkpoint(monkeypatch):
-    from megatrain import sft_resume
+    from megatrain.commands import sft_resume
 
     now = [1000.0]
     monkeypatch.setattr(sft_resume.time, "monotonic", lambda: now[0])

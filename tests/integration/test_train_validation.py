@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from megatrain import __version__
-from megatrain.cli import main
-from megatrain.sft import load_run
+from megatrain.commands.cli import main
+from megatrain.commands.sft import load_run
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "examples" / "sft" / "tiny-llama"
@@ -102,7 +102,7 @@ def test_refused_from_the_command_line_in_one_line(tmp_path):
     # as a user meets it: the process's whole stderr is the one line, exit 2, no folder
     cfg = _config(tmp_path, _jsonl(tmp_path, "a.jsonl", GOOD_ALPACA, {"instruction": "x"}))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "megatrain.cli", "train", "--config", str(cfg)], env=env,
+    r = subprocess.run([sys.executable, "-m", "megatrain.commands.cli", "train", "--config", str(cfg)], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "a.jsonl:2: record 2: the alpaca field 'output' is missing" in r.stderr

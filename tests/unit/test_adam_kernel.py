@@ -191,7 +191,7 @@ def test_the_fused_pass_runs_the_compiled_loop_for_split_and_bf16_masters(compil
         folds = grad.value == "float32"  # _run passes clip scales (COEFS)
         want = ({K.MASTER_FP32} if folds else set()) if master.value == "fp32" else {K.MASTER_HILO}
         assert set(kinds) == want, (master, grad, kinds)
-    monkeypatch.setattr(K, "_state", None)  # no compiler: torch's kernel, the same bits
+    monkeypatch.setattr(K._KERNEL, "state", None)  # no compiler: torch's kernel, the same bits
     kinds.clear()
     assert not _differences(*_run(*MODES[1])) and not kinds
 
@@ -204,8 +204,8 @@ def test_the_clipped_slab_written_back_moves_its_version_counter(compiled, bump,
     import test_fused_pass
     from test_fused_pass import COEFS, _run
 
+    from megatrain.costs.modes import GradSlab, HostMaster
     from megatrain.engine.update import fused
-    from megatrain.modes import GradSlab, HostMaster
 
     # whole 64-element blocks only: no tail goes through torch's in-place scaling, which would bump it anyway
     monkeypatch.setattr(test_fused_pass, "SHAPES", [("a", torch.Size([64, 129])), ("b", torch.Size([4096]))])
@@ -218,10 +218,10 @@ def test_the_clipped_slab_written_back_moves_its_version_counter(compiled, bump,
 
 
 def test_no_compiler_or_opt_out_leaves_torchs_kernel(monkeypatch):
-    monkeypatch.setattr(K, "_state", False)
+    monkeypatch.setattr(K._KERNEL, "state", False)
     monkeypatch.setenv("MEGATRAIN_ADAM_KERNEL", "torch")
     assert K.kernel() is None
-    monkeypatch.setattr(K, "_state", False)
+    monkeypatch.setattr(K._KERNEL, "state", False)
     monkeypatch.delenv("MEGATRAIN_ADAM_KERNEL")
     monkeypatch.setenv("CC", "/nonexistent/cc")
     assert K.kernel() is None

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import make_batches, tiny_model
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.costs.modes import GradSlab
 from megatrain.engine import Engine
 from megatrain.engine.update.clipping import Clipping

@@ -8,10 +8,10 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from megatrain.config import EngineConfig
+from megatrain.config.resolve import engine_config_from
+from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.update.update import overlap_pays
-from megatrain.resolve import engine_config_from
 
 
 @pytest.fixture

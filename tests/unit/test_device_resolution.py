@@ -13,7 +13,7 @@ import torch
 from conftest import make_batches, tiny_model
 
 import megatrain
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.host import pinned
 from megatrain.engine.model.placement import resolve_device

@@ -13,7 +13,7 @@ import torch
 from conftest import make_batches, tiny_model
 
 import megatrain as deepspeed
-from megatrain.deepspeed.config import DeepSpeedConfigError, parse_config
+from megatrain.config.deepspeed import DeepSpeedConfigError, parse_config
 
 TOL = 1e-5
 
@@ -25,7 +25,7 @@ def test_namespace_pieces():
     assert torch.equal(t, torch.arange(3.0))
     with pytest.raises(ValueError, match="rank 1"):
         deepspeed.comm.broadcast(t, src=1)
-    from megatrain.deepspeed.engine import MegaTrainEngine
+    from megatrain.deepspeed.deepspeed_engine import MegaTrainEngine
 
     assert deepspeed.DeepSpeedEngine is MegaTrainEngine
     acc = deepspeed.accelerator.get_accelerator()

@@ -9,9 +9,9 @@ import warnings
 import pytest
 import torch
 
-from megatrain.config import EngineConfig
-from megatrain.deepspeed.config import DeepSpeedConfigError, OptimizerSpec, parse_config
-from megatrain.deepspeed.lr_schedules import WarmupCosineLR, WarmupDecayLR
+from megatrain.config.deepspeed import DeepSpeedConfigError, OptimizerSpec, parse_config
+from megatrain.config.schema import EngineConfig
+from megatrain.lr_schedules import WarmupCosineLR, WarmupDecayLR
 
 
 def _parse(d, **kw):

@@ -10,7 +10,7 @@ import transformers
 from conftest import make_batches, tiny_config, tiny_model
 from gpu_defaults import CONFIGS, GPU_DEFAULTS, bf16_reference, engine_grads, is_bf16, lag_updates, train
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.runtime.stream import Streams
 

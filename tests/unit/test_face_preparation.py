@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 
 PIN_OFF = "pin_memory (no CUDA device)"

@@ -19,7 +19,7 @@ from megatrain.engine import Engine, serve_forward_keyword
 
 def test_a_served_keyword_goes_to_its_handler_with_the_routed_forward():
     pytest.importorskip("trl")
-    from megatrain.integrations.fused_head import FusedHeadOptions, fused_lm_head_forward, serve_fused_lm_head
+    from megatrain.backend.fused_head import FusedHeadOptions, fused_lm_head_forward, serve_fused_lm_head
 
     options = FusedHeadOptions(temperature=0.7)
     ref = tiny_model("llama", layers=2)

@@ -15,13 +15,13 @@ import pytest
 import torch
 from conftest import make_batches, tiny_model
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
+from megatrain.costs.modes import GradSlab, HostMaster
 from megatrain.engine import Engine
 from megatrain.engine.host import hilo
 from megatrain.engine.host.store import FlatGroup, Scratch
 from megatrain.engine.runtime.stream import DONE, CopyStream, Trace
 from megatrain.engine.update import fused
-from megatrain.modes import GradSlab, HostMaster
 
 SHAPES = [("a", torch.Size([37, 129])), ("b", torch.Size([5000])), ("c", torch.Size([3, 7]))]
 TILE = 1024  # small: every slot spans several tiles, and two end in a tail shorter than the vector width
@@ -107,7 +107,7 @@ def test_fused_hilo_pass_gives_the_same_bits_without_a_compiler(monkeypatch):
     if hilo.kernel() is None:
         pytest.fail("the compiled hilo kernel did not build: this test compares it with the torch path")
     compiled = _run(HostMaster.HILO, GradSlab.BFLOAT16)[2]
-    monkeypatch.setattr(hilo, "_lib", None)
+    monkeypatch.setattr(hilo._KERNEL, "state", None)
     torch_ops = _run(HostMaster.HILO, GradSlab.BFLOAT16)[2]
     assert torch.equal(compiled.shadow, torch_ops.shadow) and torch.equal(compiled.lo, torch_ops.lo)
     assert torch.equal(compiled.ties, torch_ops.ties)
@@ -203,7 +203,7 @@ def test_all_finite_finds_each_kind_in_any_tile_and_no_overflow(threads, path, d
     if path == "compiled":
         assert adam_kernel.kernel() is not None, "the compiled kernel did not build (a C compiler is on PATH here)"
     else:
-        monkeypatch.setattr(adam_kernel, "_state", None)
+        monkeypatch.setattr(adam_kernel._KERNEL, "state", None)
     x = torch.full((5 * TILE + 17,), 3e38, dtype=dtype)  # finite, but a plain sum overflows to inf
     x[1::2] = -1e-40 if dtype == torch.float32 else -3e38  # subnormals and negatives are finite too
     assert fused.all_finite(x, tile=TILE, threads=threads)

@@ -19,7 +19,7 @@ from conftest import tiny_model
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from megatrain.initialize import initialize
+from megatrain.deepspeed import initialize
 
 VOCAB, MAX_POS = 256, 32
 BASE_CFG = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,

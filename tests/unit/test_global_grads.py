@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import make_batches, tiny_model
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.pipeline.global_grads import GlobalGradSink
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import make_batches, tiny_model
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.host.events import LayerEvents
 from megatrain.engine.runtime.stream import DONE

@@ -12,7 +12,7 @@ import time
 import torch
 from conftest import make_batches, tiny_model
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.host.slab_state import SlabState
 from megatrain.engine.pipeline import global_grads

@@ -189,7 +189,7 @@ def path(request, monkeypatch):
         # here, not a skip; where users have none, the torch paths below carry the same bits.
         assert hilo.kernel() is not None, "the hilo kernel did not build: is a C compiler (cc / gcc) on PATH?"
     else:
-        monkeypatch.setattr(hilo, "_lib", None)
+        monkeypatch.setattr(hilo._KERNEL, "state", None)
         monkeypatch.setattr(hilo, "_CHUNK", 1 << 14)  # many tiles, some with NaN, some without
         if request.param == "torch-formula":
             monkeypatch.setattr(hilo, "_torch_convert_ok", False)
@@ -231,12 +231,12 @@ def test_negative_controls_wrong_rounding_is_caught():
 
 
 def test_no_compiler_falls_back_to_torch(monkeypatch):
-    monkeypatch.setattr(hilo, "_lib", False)
+    monkeypatch.setattr(hilo._KERNEL, "state", False)
     monkeypatch.setenv("CC", "/nonexistent/cc")
     assert hilo.kernel() is None
     u = _mixed_patterns(10_007, 7)
     assert _differences(u, split) == []
-    monkeypatch.setattr(hilo, "_lib", False)
+    monkeypatch.setattr(hilo._KERNEL, "state", False)
     monkeypatch.delenv("CC")
     monkeypatch.setenv("MEGATRAIN_HILO_KERNEL", "torch")
     assert hilo.kernel() is None

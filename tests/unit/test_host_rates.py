@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
+from megatrain.commands.plan import main
 from megatrain.planner import plan
-from megatrain.planner.cli import main
 from megatrain.planner.host_rates import HOST_RATES, host_bound_below_tokens, host_mode, host_slowdown
 
 H200 = "h200-pcie"

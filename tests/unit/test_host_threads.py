@@ -14,10 +14,10 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from megatrain import start_line
 from megatrain.engine.host import hilo, reduce_kernel
 from megatrain.engine.runtime import stream, threads
 from megatrain.engine.update import fused
+from megatrain.run import start_line
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 from conftest import tiny_model
 
 import megatrain.engine.update.adam_kernel as K
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.runtime import ckernel
 
@@ -19,22 +19,22 @@ def _engine(**cfg) -> Engine:
 
 
 def test_the_kernel_is_tried_at_construction(monkeypatch):
-    monkeypatch.setattr(K, "_state", False)  # not tried yet in this process
+    monkeypatch.setattr(K._KERNEL, "state", False)  # not tried yet in this process
     _engine(optimizer_overlap=True)
-    assert K._state is not False, "the kernel was left to the first step"
+    assert K._KERNEL.state is not False, "the kernel was left to the first step"
 
 
 def test_a_missing_compiler_warns_naming_the_cost(monkeypatch):
-    monkeypatch.setattr(K, "_state", False)
+    monkeypatch.setattr(K._KERNEL, "state", False)
     monkeypatch.setattr(ckernel, "compiler", lambda: None)
     monkeypatch.delenv("MEGATRAIN_ADAM_KERNEL", raising=False)
     with pytest.warns(UserWarning, match="compiled AdamW kernel unavailable: no C compiler.*slower"):
         _engine(optimizer_overlap=True)
-    assert K._state is None
+    assert K._KERNEL.state is None
 
 
 def test_turned_off_by_hand_is_not_warned_about(monkeypatch):
-    monkeypatch.setattr(K, "_state", False)
+    monkeypatch.setattr(K._KERNEL, "state", False)
     monkeypatch.setenv("MEGATRAIN_ADAM_KERNEL", "torch")
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)

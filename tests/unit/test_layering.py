@@ -20,22 +20,22 @@ ORDER = ["runtime", "host", "layer", "pipeline", "update", "parallel", "model"]
 TOP = len(ORDER)
 
 
-def _absolute(module: Path, node: ast.ImportFrom) -> str:
+def _absolute(module: Path, node: ast.ImportFrom, root: Path | None = None) -> str:
     if node.level == 0:
         return node.module or ""
-    package = list(module.relative_to(ROOT).with_suffix("").parts)
+    package = list(module.relative_to(root or ROOT).with_suffix("").parts)
     package = package[: len(package) - node.level]  # a module's package is its path less its own name
     return ".".join(package + ([node.module] if node.module else []))
 
 
-def imports_of(module: Path) -> list[tuple[int, str]]:
+def imports_of(module: Path, root: Path | None = None) -> list[tuple[int, str]]:
     """(line, absolute target) for every import in a module; `from pkg import name` yields pkg.name too."""
     found = []
     for node in ast.walk(ast.parse(module.read_text())):
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = _absolute(module, node)
+            base = _absolute(module, node, root)
             found.append((node.lineno, base))
             found += [(node.lineno, f"{base}.{a.name}") for a in node.names]
     return found

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import make_batches
 
-from megatrain.check import resolve
-from megatrain.config import EngineConfig
+from megatrain.commands.check import resolve
+from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.layer.loss import LogitTransform
 from megatrain.engine.model import probe

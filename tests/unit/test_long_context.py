@@ -18,7 +18,7 @@ from conftest import make_batches, tiny_model
 
 import megatrain.engine.layer.tiling as tiling
 import megatrain.engine.pipeline.schedule as schedule
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.layer.tiling import ATTN_PHASE_H, BUDGET_HEADROOM, KV_PER_TOKEN, layer_working_bytes
 

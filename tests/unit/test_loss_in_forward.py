@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.layer.loss import IGNORE_INDEX, chunked_causal_lm_loss, tiled_norm_head_loss
 from megatrain.engine.layer.tiling import loss_workspace_bytes

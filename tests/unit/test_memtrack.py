@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from conftest import make_batches, tiny_model
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.runtime.memtrack import DeviceMemoryTracker, tracked
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from megatrain.commands import plan as cli
 from megatrain.costs.nvme import io_seconds
-from megatrain.planner import cli
 from megatrain.planner.estimate import plan
 from megatrain.planner.hardware import get_hardware
 from megatrain.planner.memory import fmt_bytes

@@ -10,7 +10,7 @@ import warnings
 import torch
 from conftest import tiny_model
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.costs.memory import BUDGET_HEADROOM, OFFLOAD_IN_FLIGHT, OFFLOAD_IN_FLIGHT_TIGHT
 from megatrain.engine import Engine
 

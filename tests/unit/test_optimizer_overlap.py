@@ -15,10 +15,10 @@ from conftest import make_batches, tiny_model
 from gpu_defaults import CONFIGS, bf16_reference, is_bf16
 from test_engine import assert_parity, train_engine, train_reference
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
+from megatrain.deepspeed import initialize
 from megatrain.engine import Engine
 from megatrain.engine.runtime.stream import DONE
-from megatrain.initialize import initialize
 
 STALL_S = 0.01  # each optimizer-thread job sleeps this long first: the caller always runs ahead of it
 

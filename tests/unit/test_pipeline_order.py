@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from conftest import make_batches, tiny_model
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.costs import pipeline as order
 from megatrain.costs.residency import Residency
 from megatrain.engine import Engine

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from megatrain.commands.plan import main
 from megatrain.planner import plan
-from megatrain.planner.cli import main
 from megatrain.planner.shapes import is_model_path, model_from_path
 
 LIMIT = 2048  # the tiny model's max_position_embeddings
@@ -120,8 +120,8 @@ def test_what_the_planner_cannot_describe_is_refused_by_name(tmp_path, capsys):
 def test_printed_settings_are_valid_megatrain_config_keys(model_dir, capsys):
     """Every settings line the plan prints parses back through EngineConfig and the DeepSpeed config parser,
     and the mode table's rows say the modes by those keys."""
-    from megatrain.config import EngineConfig, check_host_modes
-    from megatrain.deepspeed.config import parse_config
+    from megatrain.config.deepspeed import parse_config
+    from megatrain.config.schema import EngineConfig, check_host_modes
 
     out = _cli_out(capsys, "--model", str(model_dir), "--context", "256", "--hardware", "h200-pcie", "--compare", "")
     plan_line = next(line for line in out.splitlines() if '"megatrain" config section for this plan:' in line)
@@ -154,7 +154,7 @@ def test_train_takes_the_model_directory_too(model_dir, tmp_path, capsys):
     """`megatrain train --model PATH`: the run's model is the directory's shape (random weights), validated
     like a preset: a sequence beyond its positions is refused before anything is built."""
     from experiments.spec import SpecError, load_point_config
-    from megatrain.cli import main as cli_main
+    from megatrain.commands.cli import main as cli_main
 
     cfg = tmp_path / "run.yaml"
     cfg.write_text("backend: megatrain\nmodel: tiny\nseq_len: 32\nsteps: 2\nthreads: 1\nlr: 1.0e-3\n")

@@ -9,9 +9,9 @@ import warnings
 
 import pytest
 
+from megatrain.commands.plan import main
 from megatrain.models.presets import PRESETS, ModelPreset
 from megatrain.planner import plan
-from megatrain.planner.cli import main
 from megatrain.planner.hardware import get_hardware
 from megatrain.planner.point import make_point
 from megatrain.planner.shapes import resolve_model

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from megatrain.commands.plan import main
 from megatrain.models.presets import get_preset
 from megatrain.planner import get_hardware, plan, plan_multi, preflight
 from megatrain.planner import multi as multi_mod
-from megatrain.planner.cli import main
 from megatrain.planner.memory import long_context_plan
 from megatrain.planner.point import make_point
 from megatrain.planner.step_time import megatrain_time

@@ -10,11 +10,11 @@ import math
 
 import pytest
 
-from megatrain.config import EngineConfig
+from megatrain.commands.plan import main as plan_main
+from megatrain.config.schema import EngineConfig
 from megatrain.costs import residency as kept
 from megatrain.models.presets import get_preset
 from megatrain.planner import plan
-from megatrain.planner.cli import main as plan_main
 from megatrain.planner.memory import layer_saved_bytes, long_context_plan
 from megatrain.planner.pipeline_sim import LayerCosts, simulate_step
 from megatrain.planner.placement import Placement, frontier, search

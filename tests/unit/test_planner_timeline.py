@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
-from megatrain.config import EngineConfig
+from megatrain.commands.plan import main
+from megatrain.config.schema import EngineConfig
 from megatrain.engine.runtime.stream import side_threads
 from megatrain.engine.update.update import overlap_pays
 from megatrain.planner import host_work as hwork
 from megatrain.planner import plan
-from megatrain.planner.cli import main
 from megatrain.planner.hardware import get_hardware
 from megatrain.planner.host_rates import HOST_RATES
 from megatrain.planner.step_time import IDLE_REDUCER, IDLE_RESIDENT, IDLE_ROUND

@@ -1,4 +1,4 @@
-"""The host-memory preflight's reading of what is available (planner/hardware.py, engine/preflight.py): a
+"""The host-memory preflight's reading of what is available (costs/host_memory.py, engine/host/preflight.py): a
 container's reclaimable page cache is not counted as used, and the model's own host bytes, which placement
 frees as it packs them, are credited to the store (except to its pinned share, touched while the model is
 still whole). Cgroup and meminfo files are fakes in a temporary folder."""
@@ -11,11 +11,11 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
+from megatrain.costs import host_memory
 from megatrain.engine import Engine, HostMemoryError
 from megatrain.engine.host import pinned, preflight
 from megatrain.models.adapter import find_parts
-from megatrain.planner import hardware
 
 GIB = 2**30
 
@@ -47,19 +47,19 @@ def _fake_host(tmp_path, *, v1: bool = False, limit: int, usage: int, inactive: 
 @pytest.mark.parametrize("v1", [False, True], ids=["cgroup-v2", "cgroup-v1"])
 def test_reclaimable_page_cache_is_not_counted_as_used(tmp_path, monkeypatch, v1):
     files = _fake_host(tmp_path, v1=v1, limit=8 * GIB, usage=7 * GIB, inactive=5 * GIB)
-    hm = hardware.host_memory_available(*files)
+    hm = host_memory.host_memory_available(*files)
     assert hm.available_bytes == 6 * GIB  # 8 - (7 - 5): the 5 GiB of cached file pages are reclaimable
     assert "page cache" in hm.source
     # The engine's preflight reads the same figure (it used to read memory.current as all used: 1 GiB).
-    monkeypatch.setattr(hardware, "host_memory_available", functools.partial(hardware.host_memory_available, *files))
+    monkeypatch.setattr(host_memory, "host_memory_available", functools.partial(host_memory.host_memory_available, *files))
     assert preflight.available_host_bytes() == 6 * GIB
 
 
 def test_without_a_memory_stat_the_usage_counts_whole_and_meminfo_still_caps(tmp_path):
     files = _fake_host(tmp_path, limit=8 * GIB, usage=7 * GIB, inactive=None)
-    assert hardware.host_memory_available(*files).available_bytes == 1 * GIB
+    assert host_memory.host_memory_available(*files).available_bytes == 1 * GIB
     files = _fake_host(tmp_path / "b", limit=8 * GIB, usage=7 * GIB, inactive=5 * GIB, mem_available=3 * GIB)
-    assert hardware.host_memory_available(*files).available_bytes == 3 * GIB  # the host has less than the group
+    assert host_memory.host_memory_available(*files).available_bytes == 3 * GIB  # the host has less than the group
 
 
 def test_model_host_bytes_counts_each_storage_once_and_nothing_on_meta():

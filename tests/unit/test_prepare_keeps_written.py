@@ -6,7 +6,7 @@ from __future__ import annotations
 from conftest import tiny_model
 
 from megatrain.backend import MegatrainBackend
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 
 
 def test_prepare_turns_settings_off_and_keeps_what_was_written():

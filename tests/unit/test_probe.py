@@ -14,8 +14,8 @@ import transformers
 from conftest import make_batches, tiny_model
 
 import megatrain
-from megatrain.cli import main as cli
-from megatrain.config import EngineConfig
+from megatrain.commands.cli import main as cli
+from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.layer import embedding as embedding_mod
 from megatrain.engine.model import probe
@@ -229,7 +229,7 @@ def test_check_model_cli(capsys):
 
 def test_the_compatibility_table_covers_every_causal_lm_and_reprobes_the_same():
     from experiments.studies.compat import probe_type
-    from megatrain.check import causal_lm_types
+    from megatrain.commands.check import causal_lm_types
 
     rows = {r["model_type"]: r for r in csv.DictReader((ROOT / "results" / "compat" / "compat.csv").open())}
     assert sorted(rows) == causal_lm_types(), "the table is stale: run python -m experiments.studies.compat"

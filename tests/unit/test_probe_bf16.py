@@ -10,8 +10,8 @@ import torch
 import transformers
 from conftest import make_batches, tiny_model
 
-from megatrain.check import resolve
-from megatrain.config import EngineConfig
+from megatrain.commands.check import resolve
+from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.layer import loss as loss_mod
 from megatrain.engine.model import probe

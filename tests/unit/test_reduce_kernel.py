@@ -100,9 +100,9 @@ def test_the_pass_is_taken_on_any_thread_count():
 def test_the_kernel_is_built_with_the_engine(monkeypatch):
     from conftest import tiny_model
 
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
 
-    monkeypatch.setattr(R, "_state", False)  # not tried yet in this process
+    monkeypatch.setattr(R._KERNEL, "state", False)  # not tried yet in this process
     Engine(tiny_model("llama", layers=2), EngineConfig(device="cpu", parity_probe=False))
-    assert R._state is not False, "the kernel was left to the first backward"
+    assert R._KERNEL.state is not False, "the kernel was left to the first backward"

@@ -15,7 +15,7 @@ import transformers
 from conftest import make_batches, tiny_model
 from gpu_defaults import CONFIGS
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.costs import pipeline as order
 from megatrain.costs.memory import layer_graph_bytes
 from megatrain.costs.residency import Residency, parse

@@ -10,8 +10,8 @@ import pytest
 
 from experiments.spec import SpecError, load_sweep
 from experiments.studies.residency_table import FIELDS, build_rows, tflops_table
+from megatrain.commands.plan import run_sweep
 from megatrain.models.presets import get_preset
-from megatrain.planner.cli import run_sweep
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from megatrain.config import EngineConfig
-from megatrain.deepspeed.config import parse_config
-from megatrain.planner.cli import sweep_points
-from megatrain.resolve import engine_config_from
-from megatrain.settings import ConfigSettings, planner_knobs, read_config
-from megatrain.validate import check_keys, close_match, unknown_key
+from megatrain.commands.plan import sweep_points
+from megatrain.config.deepspeed import parse_config
+from megatrain.config.resolve import engine_config_from
+from megatrain.config.schema import EngineConfig
+from megatrain.config.settings import ConfigSettings, planner_knobs, read_config
+from megatrain.config.validate import check_keys, close_match, unknown_key
 
 
 def test_the_validator_finds_the_first_unknown_key_and_its_closest_spelling():

@@ -13,9 +13,9 @@ from conftest import tiny_model
 
 import megatrain
 from megatrain.accelerate import Accelerator
-from megatrain.config import EngineConfig
-from megatrain.deepspeed.config import parse_config
-from megatrain.settings import read_config
+from megatrain.config.deepspeed import parse_config
+from megatrain.config.schema import EngineConfig
+from megatrain.config.settings import read_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,19 +31,19 @@ def modules_naming(package: Path, key: str) -> list[str]:
 
 
 def test_gradient_clipping_is_read_in_one_module():
-    # Before: megatrain/settings.py and megatrain/deepspeed/config.py each read it with DeepSpeed's default of 1.0,
-    # and megatrain/sft.py wrote it out.
-    assert modules_naming(ROOT / "megatrain", "gradient_clipping") == ["megatrain/settings.py"]
+    # Before: the settings reader and megatrain/config/deepspeed.py each read it with DeepSpeed's default of 1.0,
+    # and the `train` command wrote it out.
+    assert modules_naming(ROOT / "megatrain", "gradient_clipping") == ["megatrain/config/settings.py"]
 
 
 def test_the_module_count_sees_a_second_reader(tmp_path):
     # Control: a planted module that reads the key by name is counted.
     pkg = tmp_path / "megatrain"
-    pkg.mkdir()
-    (pkg / "settings.py").write_text((ROOT / "megatrain/settings.py").read_text())
+    (pkg / "config").mkdir(parents=True)
+    (pkg / "config" / "settings.py").write_text((ROOT / "megatrain/config/settings.py").read_text())
     (pkg / "reader.py").write_text('def clip(d):\n    return d.get("gradient_clipping", 1.0)\n')
     (pkg / "message.py").write_text('E = "\'gradient_clipping\' must be >= 0"\n')  # a message only: not counted
-    assert modules_naming(pkg, "gradient_clipping") == ["megatrain/reader.py", "megatrain/settings.py"]
+    assert modules_naming(pkg, "gradient_clipping") == ["megatrain/config/settings.py", "megatrain/reader.py"]
 
 
 @pytest.fixture
@@ -154,7 +154,7 @@ def test_both_faces_read_gradient_clipping_by_the_same_rules():
 
 
 def test_resolve_gives_each_face_its_settings_and_one_engine_config():
-    from megatrain.resolve import resolve
+    from megatrain.config.resolve import resolve
 
     args = type("Args", (), {"max_grad_norm": 0.3, "bf16": True, "per_device_train_batch_size": 2,
                              "gradient_accumulation_steps": 4})()

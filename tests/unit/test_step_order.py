@@ -8,7 +8,7 @@ from __future__ import annotations
 from conftest import make_batches, tiny_model
 
 import megatrain.engine.update.update as U
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.runtime.threads import RESERVED_CORES, update_threads
 from megatrain.engine.update import fused

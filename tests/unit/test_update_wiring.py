@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from conftest import tiny_model
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.update.update import InBackward, choose
 

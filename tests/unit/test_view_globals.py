@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from conftest import make_batches, tiny_model
 
-from megatrain.config import EngineConfig
+from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 
 

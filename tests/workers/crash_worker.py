@@ -42,9 +42,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-import megatrain.checkpoint as ckpt  # noqa: E402
-from megatrain.graceful import GracefulStop  # noqa: E402
-from megatrain.initialize import initialize  # noqa: E402
+import megatrain.run.checkpoint as ckpt  # noqa: E402
+from megatrain.deepspeed import initialize  # noqa: E402
+from megatrain.run.graceful import GracefulStop  # noqa: E402
 
 VOCAB, SEQ, MICRO, GAS = 128, 16, 2, 2
 
@@ -89,7 +89,7 @@ def emit(*parts: object) -> None:
 class SaveProbe:
     """Counts (and optionally dies at, or slows down) the file-system operations of each checkpoint save.
 
-    Operations are observed where `megatrain.checkpoint` performs them: each tensor streamed into the
+    Operations are observed where `megatrain.run.checkpoint` performs them: each tensor streamed into the
     tensor file, every fsync, rename, replace, unlink and rmtree. `crash` = (save step, kind, k)
     SIGKILLs the process just before the k-th operation of that kind in the save after that step.
     """
@@ -148,7 +148,7 @@ class SaveProbe:
 def sabotage(what: str | None) -> None:
     """Deliberately broken variants, so the test can show that its checks catch such bugs."""
     if what == "rng":  # resume without restoring the RNG streams
-        import megatrain.train_state as face
+        import megatrain.run.train_state as face
 
         face._restore_rng = lambda meta, tensors: None
     elif what == "latest-first":  # publish the pointer before the checkpoint it names is complete

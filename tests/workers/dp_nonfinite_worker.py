@@ -34,7 +34,7 @@ def _outcome(call) -> str:
 
 def run(rank: int, in_backward: bool = True) -> dict[str, Any]:
     """Two steps, the second poisoned. `in_backward`: the optimizer in backward, else the default step."""
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
     from megatrain.engine.engine import Engine
 
     eng = Engine(tiny_model(seed=0), EngineConfig(device="cpu", optimizer_in_backward=in_backward,

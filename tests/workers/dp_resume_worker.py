@@ -37,7 +37,7 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 def watch_saves(rank: int, delay_s: float, views: list[dict[str, Any]]) -> None:
     from megatrain import Accelerator
-    from megatrain.deepspeed.engine import MegaTrainEngine
+    from megatrain.deepspeed.deepspeed_engine import MegaTrainEngine
 
     def wrap(cls: type, name: str, face: str) -> None:
         original: Callable[..., Any] = getattr(cls, name)
@@ -66,7 +66,7 @@ def automatic_naming(example: Any, rank: int, world: int, micro: int, project_di
     from accelerate.utils import ProjectConfiguration
 
     from megatrain import Accelerator
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
 
     acc = Accelerator(config=EngineConfig(**example.engine_section(watchdog_s)),
                       project_config=ProjectConfiguration(project_dir=str(project_dir),

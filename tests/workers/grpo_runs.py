@@ -24,7 +24,7 @@ def _run(out: Path, name: str, *argv: str) -> None:
 
 
 def _drop_the_temperature() -> None:
-    import megatrain.integrations.fused_head as fh
+    import megatrain.backend.fused_head as fh
 
     real = fh.fused_lm_head_forward
 

@@ -108,7 +108,7 @@ def _materialized_ckpt_load() -> None:
     """Make checkpoint.load the reader before streaming: safetensors' load_file, every tensor mapped at once."""
     from safetensors.torch import load_file
 
-    import megatrain.checkpoint as ckpt
+    import megatrain.run.checkpoint as ckpt
 
     original = ckpt.load
 
@@ -122,10 +122,10 @@ def _materialized_ckpt_load() -> None:
 def main() -> None:
     import transformers
 
-    from megatrain.config import EngineConfig
+    from megatrain.config.schema import EngineConfig
+    from megatrain.deepspeed import initialize
     from megatrain.engine import Engine
     from megatrain.engine.host.loading import load_checkpoint_into
-    from megatrain.initialize import initialize
 
     action, directory, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     layers, hidden, vocab = (int(x) for x in sys.argv[4:7])

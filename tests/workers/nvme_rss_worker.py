@@ -22,7 +22,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from megatrain.config import EngineConfig  # noqa: E402
+from megatrain.config.schema import EngineConfig  # noqa: E402
 from megatrain.engine import Engine  # noqa: E402
 from megatrain.engine.host.spill import record_sizes, store_fixed_bytes  # noqa: E402
 

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatrain import cli, sft_resume
+from megatrain.commands import cli, sft_resume
 
 pause_at, ready = int(sys.argv[1]), Path(sys.argv[2])
 real_on_save = sft_resume.SaveCallback.on_save

@@ -44,52 +44,8 @@ _PARALLEL_MIN = 1 << 21  # elements: below this one range (threads cost more tha
 
 # One pass per element; a block's tie positions are written only when it has any (rare). The formulas are
 # the ones of _split_tile / _join_tile below, on unsigned words (the same bits modulo 2^16 / 2^32).
-_C_SOURCE = r"""
-#define BLOCK 4096
-
-/* Returns the index where it stopped: n, or the start of a block whose ties did not fit in `ties`. */
-int64_t hilo_split(const uint32_t *u, uint16_t *hi, uint16_t *lo, int64_t n, int64_t base,
-                         int64_t *ties, int64_t cap, int64_t *count, uint32_t *poison, uint32_t nan_bits) {
-    int64_t k = *count;
-    for (int64_t s = 0; s < n; s += BLOCK) {
-        int64_t e = s + BLOCK < n ? s + BLOCK : n;
-        uint32_t found = 0;
-        for (int64_t i = s; i < e; i++) {
-            uint32_t w = u[i];
-            uint32_t nan = (w & 0x7FFFFFFFu) > 0x7F800000u;
-            uint32_t rne = (w + 0x7FFFu + ((w >> 16) & 1u)) >> 16;
-            hi[i] = (uint16_t)(nan ? 0x7FC0u : rne);
-            lo[i] = (uint16_t)(nan ? 0u : (w & 0xFFFFu));
-            found |= ((w & 0x1FFFFu) == 0x18000u) & !nan;
-        }
-        if (found) {
-            int64_t m = 0;
-            for (int64_t i = s; i < e; i++) {
-                uint32_t w = u[i];
-                m += ((w & 0x1FFFFu) == 0x18000u) && !((w & 0x7FFFFFFFu) > 0x7F800000u);
-            }
-            if (k + m > cap) { *count = k; return s; }
-            for (int64_t i = s; i < e; i++) {
-                uint32_t w = u[i];
-                if (((w & 0x1FFFFu) == 0x18000u) && !((w & 0x7FFFFFFFu) > 0x7F800000u)) ties[k++] = base + i;
-            }
-        }
-        if (poison) for (int64_t i = s; i < e; i++) poison[i] = nan_bits;
-    }
-    *count = k;
-    return n;
-}
-
-void hilo_join(const uint16_t *hi, const uint16_t *lo, uint32_t *out, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t l = lo[i];
-        out[i] = (((uint32_t)hi[i] - (l > 0x8000u)) << 16) | l;
-    }
-}
-"""
 
 _lib_lock = threading.Lock()
-_lib: ctypes.CDLL | None | bool = False  # False: not tried yet; None: unavailable (torch path)
 _pool: ThreadPoolExecutor | None = None  # the ranges of one large split/join run side by side here
 _pool_size = 0
 _torch_convert_ok: bool | None = None
@@ -117,14 +73,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hilo_join.restype = None
 
 
+_KERNEL = ckernel.LazyKernel("hilo", _declare, "MEGATRAIN_HILO_KERNEL")
+
+
 def kernel() -> ctypes.CDLL | None:
     """The compiled split/join, or None where there is no C compiler (or MEGATRAIN_HILO_KERNEL=torch)."""
-    global _lib
-    if _lib is False:
-        with _lib_lock:
-            if _lib is False:
-                _lib = ckernel.build("hilo", _C_SOURCE, _declare, "MEGATRAIN_HILO_KERNEL")
-    return _lib  # type: ignore[return-value]
+    return _KERNEL.get()
 
 
 def _ranges(n: int) -> list[tuple[int, int]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...tensor_file import TensorFile
+from ...files.tensor_file import TensorFile
 from .store import HostStore
 
 

@@ -89,7 +89,7 @@ class _Mapping:
 
     def __init__(self, nbytes: int, fd: int = -1) -> None:
         self.nbytes = mapped_bytes(nbytes)
-        # fd >= 0: a file the node's processes share (engine/node_store.py), mapped shared; else private memory.
+        # fd >= 0: a file the node's processes share (engine/host/node_store.py), mapped shared; else private memory.
         flags = mmap.MAP_SHARED if fd >= 0 else mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         ptr = _libc.mmap(None, self.nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
         if ptr is None or ptr == _MAP_FAILED:

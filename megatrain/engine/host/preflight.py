@@ -21,7 +21,7 @@ class HostMemoryError(MemoryError):
 def available_host_bytes() -> int:
     """What this process may still allocate: the cgroup's headroom when a limit is set (its reclaimable page
     cache not counted as used), capped by MemAvailable; the planner's reading (planner/hardware.py)."""
-    from ...planner.hardware import host_memory_available
+    from ...costs.host_memory import host_memory_available
 
     try:
         return host_memory_available().available_bytes

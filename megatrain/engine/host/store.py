@@ -43,7 +43,7 @@ class Slot:
 
 
 class SharedLayer(NamedTuple):
-    """One layer's persistent host buffers in the node's shared memory (engine/node_store.py); None where the
+    """One layer's persistent host buffers in the node's shared memory (engine/host/node_store.py); None where the
     mode has no such buffer."""
 
     master: torch.Tensor | None  # FP32 master
@@ -101,7 +101,7 @@ class FlatGroup:
         # hilo: positions whose hi rounded up at a tie (the `ties` property); in a shared store a table in the
         # node's memory, [count, positions...], so every rank reads the FP32 values the owner wrote.
         self._ties = torch.empty(0, dtype=torch.int64)
-        # `shared`: the node's buffers, mapped by every rank of the node (engine/node_store.py); a group this
+        # `shared`: the node's buffers, mapped by every rank of the node (engine/host/node_store.py); a group this
         # rank does not own has no gradient slab, and its master (its halves) and shadow are written by the
         # owner only. The FP32 scratch of the per-layer update stays each rank's own.
         self.owned = owned

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ...models.positions import max_trainable_positions
 from ..runtime.host_copy import HostCopy, host_value, to_host
 from .loss import IGNORE_INDEX
 
@@ -27,27 +28,6 @@ def _check_int_tensor(name: str, t: Any, shape: torch.Size | None) -> None:
         raise TypeError(f"{name} must be an integer tensor (token ids), got dtype {t.dtype}")
     if shape is not None and t.shape != shape:
         raise ValueError(f"{name} has shape {tuple(t.shape)} but input_ids has shape {tuple(shape)}")
-
-
-def max_trainable_positions(config: Any) -> int | None:
-    """Positions the model's RoPE is defined for: max_position_embeddings, or the scaled original length
-    when rope_parameters / rope_scaling extends it (linear, dynamic, yarn, llama3, longrope: factor x
-    original_max_position_embeddings). None when the config states no limit."""
-    max_pos = getattr(config, "max_position_embeddings", None)
-    if max_pos is None:
-        return None
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type: the tightest one
-        return min(_scaled_limit(max_pos, v) for v in rope.values())
-    return _scaled_limit(max_pos, rope)
-
-
-def _scaled_limit(max_pos: int, rope: dict) -> int:
-    if rope.get("rope_type", rope.get("type", "default")) in (None, "default"):
-        return max_pos
-    factor = float(rope.get("factor") or 1.0)
-    original = rope.get("original_max_position_embeddings") or max_pos
-    return max(max_pos, int(original * factor))
 
 
 def _check_positions(config: Any, seq: int, pos_max: int | None) -> None:

@@ -81,7 +81,7 @@ from .attn_tiling import (
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from ...config import EngineConfig
+    from ...config.schema import EngineConfig
 
 TILEABLE_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer", "Qwen3DecoderLayer")
 _ATTN_PARTS = ("input_layernorm", "self_attn")

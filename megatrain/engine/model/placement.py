@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...config import EngineConfig
+from ...config.schema import EngineConfig
 from ...costs.modes import HostMaster
 from ...models.adapter import DecoderParts
 from ..host.loading import load_checkpoint_into

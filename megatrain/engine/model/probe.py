@@ -408,7 +408,7 @@ class _EngineFailure(Exception):
 def _train_engine(master: nn.Module, batches: list, engine_factory: Callable[..., Any], mode: _Mode,
                   make_opt: Callable[[Any], Any], arch: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same through the engine, in `mode`; a failure raises _EngineFailure with its verdict."""
-    from ...config import EngineConfig  # the engine's own settings; a leaf module
+    from ...config.schema import EngineConfig  # the engine's own settings; a leaf module
 
     where = " in bfloat16" if mode.bf16 else ""
     mine = copy.deepcopy(master)

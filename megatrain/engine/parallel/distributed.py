@@ -203,7 +203,7 @@ class DataParallel:
                                         f"(layers, group sizes {other} vs {mine}); every rank must build the same model")
 
     def share_host_store(self) -> NodeStore:
-        """Join this node's shared host store (engine/node_store.py): collective over every rank."""
+        """Join this node's shared host store (engine/host/node_store.py): collective over every rank."""
         try:
             self.node = NodeStore(self.rank, self.group, self.timeout, self.watchdog_s)
         except (RuntimeError, ValueError) as exc:

@@ -236,7 +236,7 @@ class LayerPipeline:
                 slabs.reduce(layer, group.grad, adds, measure)
                 return nbytes
 
-            # After the slab's last writer too: data parallel averages it on another thread (engine/distributed.py).
+            # After the slab's last writer too: data parallel averages it on another thread (engine/parallel/distributed.py).
             # (Today the engine's wait for the resident parameters' average at the start of each backward also
             # orders this, the averages being one FIFO; this keeps each slab's own order explicit.)
             self.landed[layer] = self.streams.d2h.submit(reduce, (after, self.zeroed[layer], self.landed[layer]),

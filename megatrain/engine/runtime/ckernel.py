@@ -1,5 +1,9 @@
 """Small C kernels compiled on first use with the system's C compiler, cached, and called through ctypes.
 
+Their sources are the `.c` files in `kernels/` beside this module (shipped as package data); `LazyKernel` is the
+one loader: it builds a kernel once per process, on first use, under a lock, and keeps it only where the
+kernel's own self-check against torch passes.
+
 ctypes releases the GIL for the call, so a kernel runs beside Python threads. The shared object is cached under
 `$MEGATRAIN_CACHE/kernels` (default `~/.cache/megatrain`), keyed by the source, the compiler and its version and
 the machine, and built once per key; a concurrent build by another process writes the same bytes and renames
@@ -18,12 +22,16 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import torch
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+SOURCES = Path(__file__).resolve().parent / "kernels"
 
 PRELUDE = "#include <stdint.h>\n"
 # -ffp-contract=off: a*b + c stays two roundings unless the source asks for fmaf (bit-exact formulas);
@@ -94,3 +102,30 @@ def _compile_with(name: str, source: str, cmd: list[str], version: str, flags: l
                            timeout=120)
             os.replace(so, target)
     return target
+
+
+def source(name: str, defines: dict[str, object] | None = None) -> str:
+    """The C source of kernel `name` (kernels/<name>.c), with `defines` as #define lines before it."""
+    head = "".join(f"#define {k} {v}\n" for k, v in (defines or {}).items())
+    return head + (SOURCES / f"{name}.c").read_text()
+
+
+class LazyKernel(Generic[T]):
+    """Kernel `name`, built on first `get()` and kept for the process: `accept(lib)` turns the loaded library into
+    what callers use (its self-check against torch's bits; None refuses it, and callers take the torch path).
+    `state` is False until tried, then the kernel or None."""
+
+    def __init__(self, name: str, declare: Callable[[ctypes.CDLL], None], disable_env: str,
+                 accept: Callable[[ctypes.CDLL], T | None] = lambda lib: lib,
+                 defines: dict[str, object] | None = None) -> None:
+        self.name, self.declare, self.disable_env, self.accept, self.defines = name, declare, disable_env, accept, defines
+        self._lock = threading.Lock()
+        self.state: T | None | bool = False
+
+    def get(self) -> T | None:
+        if self.state is False:
+            with self._lock:
+                if self.state is False:
+                    lib = build(self.name, source(self.name, self.defines), self.declare, self.disable_env)
+                    self.state = None if lib is None else self.accept(lib)
+        return self.state  # type: ignore[return-value]

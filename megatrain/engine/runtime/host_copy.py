@@ -5,7 +5,7 @@ waiting for it.
 its own pinned buffer and returns only when the copy is done, behind whatever the stream had queued, so once per
 micro-batch the launch thread would wait for the device. From pinned memory the copy is queued and the call
 returns. torch's caching pinned allocator suits these tensors (a few KB, reused once their copy is done; the
-large buffers of the store are pinned by engine/pinned.py instead).
+large buffers of the store are pinned by engine/host/pinned.py instead).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import platform
 
-from ...config import MAX_MMAP_THRESHOLD, MIN_MMAP_THRESHOLD
+from ...config.schema import MAX_MMAP_THRESHOLD, MIN_MMAP_THRESHOLD
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...config import EngineConfig
+from ...config.schema import EngineConfig
 from ...costs.modes import HostMaster
 from ..host import hilo
 from ..host.events import LayerEvents

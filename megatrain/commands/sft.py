@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .settings import AUTO, face_keys
+from ..config.settings import AUTO, face_keys
+from ..config.validate import close_match, is_bool, is_int, is_number
 from .sft_data import FORMATS, check_file, detect_format, to_conversation
-from .validate import close_match, is_bool, is_int, is_number
 
 __all__ = ["SFTRun", "Prepared", "load_run", "check_data", "prepare", "train", "to_conversation", "detect_format", "FORMATS"]
 
@@ -176,7 +176,7 @@ def _check(run: SFTRun, path: Path) -> None:
     if Path(run.output_dir).exists() and not Path(run.output_dir).is_dir():
         raise ValueError(f"output_dir={run.output_dir!r} is a file; give a folder to write the run to")
     if run.backend == "megatrain":
-        from .deepspeed.config import parse_config
+        from ..config.deepspeed import parse_config
 
         try:
             parse_config(_ds_config(run, resolved=True), warn=False)
@@ -209,7 +209,7 @@ def _ds_config(run: SFTRun, resolved: bool = False) -> dict[str, Any]:
 
 
 def _on_accelerator() -> bool:
-    from .engine import resolve_device
+    from ..engine import resolve_device
 
     return resolve_device(None).type != "cpu"
 
@@ -266,7 +266,7 @@ def train(prep: Prepared | SFTRun, resume_from: str | Path | None = None) -> dic
     import transformers
     from datasets import Dataset
 
-    from .graceful import GracefulStop
+    from ..run.graceful import GracefulStop
     from .sft_resume import FINAL_DIR, SaveCallback, mark_finished, record_run
 
     try:

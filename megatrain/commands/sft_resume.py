@@ -7,7 +7,7 @@ resumes; a changed setting, or a folder whose checkpoints cannot be resumed, is 
 
 Checkpoints are written every `save_minutes` of training (and every `save_steps` steps if set), and when SIGINT
 or SIGTERM arrives: the step in flight finishes, a checkpoint is written, and the run stops
-(`megatrain.graceful.GracefulStop`, so a second signal stops at once).
+(`megatrain.run.graceful.GracefulStop`, so a second signal stops at once).
 """
 
 from __future__ import annotations

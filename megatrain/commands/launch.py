@@ -2,7 +2,7 @@
 `megatrain launch llamafactory-cli train cfg.yaml`, `megatrain launch trl sft ...`) on MegaTrain, the way
 `deepspeed SCRIPT` and `accelerate launch SCRIPT` run theirs.
 
-Every process runs `python -m megatrain.launch_child SCRIPT ARGS...`, which installs MegaTrain's DeepSpeed
+Every process runs `python -m megatrain.commands.launch_child SCRIPT ARGS...`, which installs MegaTrain's DeepSpeed
 routing before the script's first line, so any DeepSpeed config with a "megatrain" section that the script
 reaches (Trainer, TRL, accelerate, `deepspeed.initialize`) trains on MegaTrain. A NAME that is no file is looked
 up as a console command (launch_command.py: its entry point, run in the same process; a tool whose training
@@ -131,7 +131,7 @@ def launch(argv: Sequence[str]) -> int:
     from torch.distributed.run import run as torchrun
 
     args.module = True
-    args.training_script = "megatrain.launch_child"
+    args.training_script = "megatrain.commands.launch_child"
     args.training_script_args = child
     try:
         torchrun(args)

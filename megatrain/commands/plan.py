@@ -13,23 +13,23 @@ from typing import Any
 
 import yaml
 
+from ..config.settings import planner_knobs
+from ..config.validate import unknown_key
 from ..costs import residency as kept
-from ..settings import planner_knobs
-from ..validate import unknown_key
-from .estimate import plan
-from .hardware import load_profiles, profile_from_dict, resolve_hardware
-from .host_rates import host_bound_line
-from .host_work import host_assumptions, host_assumptions_line
-from .memory import fmt_bytes
-from .mode_table import ModeRow, format_mode_table, mode_table
-from .nvme_plan import format_nvme_rows, nvme_rows, with_nvme
-from .point import ENGINE_RESIDENCY, context_refusal, make_point, residency_setting
-from .prediction import Plan
-from .reference import reference_line, torch_reference
-from .search import largest_batch, largest_context
-from .shapes import resolve_model
-from .step_time import crossover_closed_form, link_overlap
-from .step_timeline import format_timeline
+from ..planner.estimate import plan
+from ..planner.hardware import load_profiles, profile_from_dict, resolve_hardware
+from ..planner.host_rates import host_bound_line
+from ..planner.host_work import host_assumptions, host_assumptions_line
+from ..planner.memory import fmt_bytes
+from ..planner.mode_table import ModeRow, format_mode_table, mode_table
+from ..planner.nvme_plan import format_nvme_rows, nvme_rows, with_nvme
+from ..planner.point import ENGINE_RESIDENCY, context_refusal, make_point, residency_setting
+from ..planner.prediction import Plan
+from ..planner.reference import reference_line, torch_reference
+from ..planner.search import largest_batch, largest_context
+from ..planner.shapes import resolve_model
+from ..planner.step_time import crossover_closed_form, link_overlap
+from ..planner.step_timeline import format_timeline
 
 
 def _si(x: float, unit: str = "") -> str:
@@ -381,8 +381,8 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 def _run_plan_multi(args: argparse.Namespace) -> int:
     """`plan --gpus-per-node N --nodes M`: the node's host memory, one GPU's device memory and the job's speed."""
-    from .multi import node_hardware, plan_point_multi
-    from .search import max_batch_multi, max_context_multi
+    from ..planner.multi import node_hardware, plan_point_multi
+    from ..planner.search import max_batch_multi, max_context_multi
 
     if getattr(args, "sweep", None):
         raise ValueError("--gpus-per-node/--nodes plan one point; drop them with --sweep")
@@ -509,7 +509,7 @@ def run_sweep(spec: str | Path, hardware: str | list[str] = "h200-pcie",
 
 def _provenance() -> dict[str, Any]:
     """Which code made the predictions (the planner follows costs/memory.py, so the commit matters)."""
-    from megatrain.metrics.provenance import git_commit, package_versions, utc_now
+    from ..metrics.provenance import git_commit, package_versions, utc_now
 
     commit, dirty = git_commit()
     return {"git_commit": commit, "git_dirty": dirty, "versions": package_versions(), "timestamp": utc_now()}
@@ -530,7 +530,7 @@ def _write_rows(rows: list[dict[str, Any]], out: str | None) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from ..measure import bench
+    from .measure import bench
 
     prof = bench(quick=args.quick, min_time=args.min_time, threads=args.threads)
     raw = prof.pop("raw")

@@ -7,7 +7,7 @@ object, first step t > 1) recomputes them with pow(): the first resumed step alr
 uninterrupted run, so a resumed run drifts (measured: 4.8e-7 in loss, run_clm.py resumed at step 40 of 120).
 MegaTrain's masters and Adam state are in host memory whatever the config says, so the offload sections change
 nothing here; the update that is bit-identical across save/resume is torch's, which the engine runs a layer at a
-time (engine/optim.py, engine/fused.py). So the engine takes torch's Adam(W) in its place: same hyper-parameters,
+time (engine/update/optim.py, engine/update/fused.py). So the engine takes torch's Adam(W) in its place: same hyper-parameters,
 the same param-group dicts (a schedule built on either object moves the same `lr`), FP32 state.
 """
 

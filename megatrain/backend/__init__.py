@@ -18,10 +18,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from . import train_state
-from .config import EngineConfig
-from .integrations.fused_head import serve_fused_lm_head, trl_head_options
-from .resolve import resolve
+from ..config.resolve import resolve
+from ..config.schema import EngineConfig
+from ..run import train_state
+from .fused_head import serve_fused_lm_head, trl_head_options
 
 
 @runtime_checkable
@@ -97,7 +97,7 @@ class MegatrainBackend:
     needs_autocast = False
     trains_many_models = False
     main_process_writes = True
-    # MegaTrain's own engine: the faces write the run's start line for it (megatrain/start_line.py). Not in the
+    # MegaTrain's own engine: the faces write the run's start line for it (megatrain/run/start_line.py). Not in the
     # protocol: a backend without the attribute is not MegaTrain.
     says_what_runs = True
 
@@ -112,7 +112,7 @@ class MegatrainBackend:
         cpu: bool = False,
     ) -> None:
         """`mixed_precision=None`: the compute dtype the config says (the DeepSpeed face's bf16 section). The
-        settings are resolved by megatrain/resolve.py (already so when the Accelerator hands its own over)."""
+        settings are resolved by megatrain/config/resolve.py (already so when the Accelerator hands its own over)."""
         self.engine_config: EngineConfig = resolve(config, mixed_precision=mixed_precision, cpu=cpu).engine
         # Gradient checkpointing needs no switch: the engine recomputes every layer in backward, which
         # is exactly the FLOPs of HF's per-layer checkpointing on the other backends.
@@ -131,7 +131,7 @@ class MegatrainBackend:
     def device(self) -> torch.device:
         if self.engine is not None:
             return self.engine.device
-        from .engine import resolve_device
+        from ..engine import resolve_device
 
         return resolve_device(self.engine_config.device)
 
@@ -146,7 +146,7 @@ class MegatrainBackend:
             return None, self._adopt_optimizer(optimizer)
         if self.engine is not None:
             raise RuntimeError('backend "megatrain" drives one model per Accelerator; build another Accelerator')
-        from .engine import Engine
+        from ..engine import Engine
 
         optimizer = self.exact_optimizer(optimizer)
         ec = self.engine_config
@@ -170,8 +170,8 @@ class MegatrainBackend:
         HF's gradient checkpointing (Trainer / TRL switch it on) is turned off: the engine recomputes each layer
         from its boundary activation already, and HF's own checkpoint would recompute again outside the engine's
         binding. TRL's fused-head patch is read off the forward before the engine replaces it, and served by the
-        engine-run model after (integrations/fused_head.py)."""
-        from .engine import resolve_device
+        engine-run model after (backend/fused_head.py)."""
+        from ..engine import resolve_device
 
         if config.pin_memory and resolve_device(config.device).type != "cuda":
             config = dataclasses.replace(config, pin_memory=False)
@@ -202,11 +202,11 @@ class MegatrainBackend:
     def exact_optimizer(self, optimizer: Any) -> Any:
         """The optimizer the engine steps for `optimizer`: DeepSpeed's CPU Adam (accelerate builds it for an
         `offload_optimizer` config) as torch's AdamW over the same param groups (its own C++ op does not resume
-        bit-identically, deepspeed/exact_adam.py); anything else as it is. A replacement is noted for the start
+        bit-identically, backend/exact_adam.py); anything else as it is. A replacement is noted for the start
         line (`replaced_optimizer`)."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             return optimizer
-        from .deepspeed.exact_adam import exact_optimizer
+        from .exact_adam import exact_optimizer
 
         optimizer, what = exact_optimizer(optimizer)
         if what is not None:

@@ -11,8 +11,8 @@ engine settings. Here each of them is read the one way:
   face's argument to decide) and which engine settings the user wrote down;
 - `planner_knobs`: engine settings under the planner's argument names.
 
-megatrain/resolve.py combines these with a face's own arguments into the settings it runs with. Keys are
-checked by megatrain/validate.py (did-you-mean included), engine values by `EngineConfig`. Torch-free (the
+megatrain/config/resolve.py combines these with a face's own arguments into the settings it runs with. Keys are
+checked by megatrain/config/validate.py (did-you-mean included), engine values by `EngineConfig`. Torch-free (the
 planner imports it); the DeepSpeed parser, which needs torch, is imported on first use.
 """
 
@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .config import AUTO, ENGINE_KEYS, EngineConfig, unknown_setting
+from .schema import AUTO, ENGINE_KEYS, EngineConfig, unknown_setting
 from .validate import check_keys, is_bool, is_number
 
 __all__ = ["FACE_KEYS", "ConfigSettings", "bf16_enabled", "bf16_section", "clipping", "face_keys", "from_args", "planner_knobs", "read_config"]

@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from .tensor_file import TensorFile, TensorFiles
+from ..files.atomic import fsync_dir
+from ..files.tensor_file import TensorFile, TensorFiles
 
 __all__ = ["CheckpointError", "save", "begin", "write_shard", "publish", "load", "latest_tag", "list_checkpoints", "verify", "write_safetensors",
            "write_json"]
@@ -52,7 +53,7 @@ META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
 SHARD_PREFIX = "optim-rank"  # optim-rank<r>.safetensors: the optimizer state a data-parallel rank wrote itself
-FORMAT = "megatrain.checkpoint"
+FORMAT = "megatrain.run.checkpoint"
 VERSION = 1
 
 _TMP = ".tmp-"  # a save in progress (or one that crashed)
@@ -81,12 +82,6 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupt; the message names the file."""
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _check_tag(tag: str) -> None:
@@ -165,7 +160,7 @@ def write_safetensors_hashed(path: str | os.PathLike, tensors: dict[str, torch.T
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return written
 
 
@@ -178,7 +173,7 @@ def write_json(path: str | os.PathLike, obj: Any) -> Path:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 
@@ -273,7 +268,7 @@ def _set_latest(directory: Path, tag: str) -> None:
     tmp = directory / f".{LATEST_FILE}-{uuid.uuid4().hex}"
     _write_bytes(tmp, tag.encode())
     os.replace(tmp, directory / LATEST_FILE)
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def _prune(directory: Path, keep_last: int) -> list[str]:
@@ -291,7 +286,7 @@ def _prune(directory: Path, keep_last: int) -> list[str]:
         shutil.rmtree(trash, ignore_errors=True)
         removed.append(tag)
     if removed:
-        _fsync_dir(directory)
+        fsync_dir(directory)
     return removed
 
 
@@ -346,7 +341,7 @@ def publish(directory: str | os.PathLike, tag: str, tmp: Path, tensors: dict[str
             files[name] = {"bytes": int(entry["bytes"]), "sha256": entry["sha256"]}
         manifest = {"format": FORMAT, "version": VERSION, "tag": tag, "seq": seq, "created_unix": time.time(), "files": files}
         _write_bytes(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
 
         final = directory / tag
         old = None
@@ -354,7 +349,7 @@ def publish(directory: str | os.PathLike, tag: str, tmp: Path, tensors: dict[str
             old = directory / f"{_OLD}{uuid.uuid4().hex}-{tag}"
             os.rename(final, old)
         os.rename(tmp, final)
-        _fsync_dir(directory)
+        fsync_dir(directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .backend import Backend
+    from . import Backend
 
 
 def is_boundary(micro_step: int, num_steps: int) -> bool:

@@ -1,6 +1,6 @@
 """The backends an Accelerator can name, and the class behind each name.
 
-What the Accelerator's arguments and its config say together is settled by megatrain/resolve.py, as for
+What the Accelerator's arguments and its config say together is settled by megatrain/config/resolve.py, as for
 every face.
 """
 

@@ -19,8 +19,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from .engine.runtime.stream import side_threads
-from .engine.runtime.threads import host_cores, update_threads
+from ..engine import host_cores, side_threads, update_threads
 
 __all__ = ["describe", "announce", "via", "route"]
 

@@ -63,8 +63,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from megatrain.sft import load_run, prepare, train
-    from megatrain.sft_resume import prepare_output
+    from .sft import load_run, prepare, train
+    from .sft_resume import prepare_output
 
     def say(msg: str) -> None:
         print(f"megatrain train: {msg}", file=sys.stderr, flush=True)
@@ -148,7 +148,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_check_model(args: argparse.Namespace) -> int:
-    from megatrain.check import check_model
+    from .check import check_model
 
     try:
         verdict = check_model(args.model)
@@ -165,7 +165,7 @@ def _cmd_check_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megatrain import __version__
+    from .. import __version__
 
     ap = argparse.ArgumentParser(prog="megatrain", description="MegaTrain: sweeps, reports and single runs.")
     ap.add_argument("--version", action="version", version=f"megatrain {__version__}")
@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("model", help="a model type (e.g. llama, gemma) or a local checkpoint directory / config.json")
     cp.set_defaults(func=_cmd_check_model)
 
-    # Only listed here: `main` hands everything after "launch" to megatrain.launch, whose options are torchrun's
+    # Only listed here: `main` hands everything after "launch" to megatrain.commands.launch, whose options are torchrun's
     # and must not be parsed (or refused) by this parser.
     sub.add_parser("launch", add_help=False, help="run an unchanged training script or console command (and its "
                                                   "torchrun-style ranks) on MegaTrain: megatrain launch "
@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "llamafactory-cli train cfg.yaml")
 
     try:
-        from megatrain import planner
+        from .. import planner
     except ImportError:
         planner = None
     if planner is not None:
@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["launch"]:
-        from megatrain.launch import main as launch_main
+        from .launch import main as launch_main
 
         return launch_main(argv[1:])
     ap = build_parser()

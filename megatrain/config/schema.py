@@ -2,7 +2,7 @@
 
 An `EngineConfig` holds its settings resolved (`"auto"` settled for this machine, here and nowhere else) and
 keeps what the user wrote (`written`, with `"auto"` as written) for saving and printing. The faces reach it
-through megatrain/resolve.py, which settles their own arguments (mixed_precision, a DeepSpeed bf16 section)
+through megatrain/config/resolve.py, which settles their own arguments (mixed_precision, a DeepSpeed bf16 section)
 with `settle_compute_dtype` first.
 """
 
@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .costs.modes import GradSlab, HostMaster, parse
-from .costs.nvme import check_nvme_settings
-from .costs.residency import Residency
-from .costs.residency import parse as parse_residency
+from ..costs.modes import GradSlab, HostMaster, parse
+from ..costs.nvme import check_nvme_settings
+from ..costs.residency import Residency
+from ..costs.residency import parse as parse_residency
 from .validate import check_keys, is_bool, is_int, is_number
 
 _DTYPES = ("float32", "bfloat16")
@@ -34,7 +34,7 @@ MIXED_PRECISION = ("no", "bf16")  # Accelerate's names: FP32, bf16 compute
 
 @dataclass(frozen=True)
 class EngineConfig:
-    device: str | None = None  # None: the accelerator when it is usable, else cpu (engine/device_resolution.py)
+    device: str | None = None  # None: the accelerator when it is usable, else cpu (engine/runtime/device_resolution.py)
     # What streams to and computes on the device; masters stay FP32. "auto": bfloat16 on a CUDA device that
     # supports it (2 B/param streamed, bf16 matmuls), float32 elsewhere (a CPU device: as before).
     compute_dtype: str = "auto"
@@ -43,7 +43,7 @@ class EngineConfig:
     # up to 2048, fewer for big vocabularies, fewer still when the device budget needs it
     pin_memory: bool | None = None  # None: pin when the device is CUDA; a failed pin raises PinnedMemoryError
     link_gbps: float | None = None  # CPU only: rate-limit the copy engine to emulate a PCIe/C2C link
-    # Long context. "auto" decides per batch from the device budget (see engine/tiling.py).
+    # Long context. "auto" decides per batch from the device budget (see engine/layer/tiling.py).
     offload_activations: bool | str = "auto"  # layer-boundary activations in host memory: True, False, "auto"
     mlp_tile_tokens: int | str | None = "auto"  # sequence tile inside a layer (MLP and attention): int, "auto", None
     device_budget_bytes: int | None = None  # device bytes "auto" may plan for; None: the GPU's total, no limit on CPU
@@ -57,21 +57,21 @@ class EngineConfig:
     watchdog_s: float = 600.0  # a stream with no progress for this long raises instead of hanging
     skip_nonfinite: bool = True  # a step whose gradients hold NaN/inf is skipped (params untouched)
     # The host AdamW a layer at a time on its own thread after step() returns, overlapped with the next
-    # forward (each layer's load waits for its update): same math (engine/optim.py). Parameters and optimizer
+    # forward (each layer's load waits for its update): same math (engine/update/optim.py). Parameters and optimizer
     # state read by hand between step() and the next forward need engine.synchronize() first.
     # None ("auto"): on where it pays, a CUDA device (the host update hides behind the device's forward) with
     # torch's Adam/AdamW; off on a CPU device, where the "device" compute and the host update share the cores.
     optimizer_overlap: bool | None = None
     max_bad_steps: int = 5  # ... and this many consecutive skipped steps stop training with an error
     # glibc: fix the mmap threshold at this many bytes, so freed host blocks at least this big leave the
-    # resident set at once (engine/malloc.py). None (default): glibc's dynamic threshold, which keeps freed
+    # resident set at once (engine/runtime/malloc.py). None (default): glibc's dynamic threshold, which keeps freed
     # transients resident for reuse. Measured on a CPU device (2 cores): 128 KiB lowered peak RSS growth 1.5%
     # (llama-0.6b) to 8% (small-7m) and slowed steps 15-30% (page faults): a host-memory-bound CPU run's choice.
     # Process-wide. On CUDA the host transients are pinned or above glibc's limit, so it changes little.
     host_mmap_threshold_bytes: int | None = None
     # Before taking a model whose architecture it has not verified (per model class, structural options and
     # transformers version, cached), train a tiny model of the same class with PyTorch and with the engine and
-    # refuse on any difference (engine/probe.py). Off: for users who know the architecture is handled exactly.
+    # refuse on any difference (engine/model/probe.py). Off: for users who know the architecture is handled exactly.
     parity_probe: bool = True
     # Host-memory modes (megatrain/costs/modes.py; `megatrain plan` prints what each costs). host_master: "fp32"
     # (default), "hilo" (an exact split: the bf16 half streams, FP32 bit for bit; needs bf16 compute) or "bf16"
@@ -86,11 +86,11 @@ class EngineConfig:
     # keeps updates smaller than half a bf16 ulp in expectation; seeded, so a run repeats exactly)
     bf16_rounding: str = "nearest"
     # Data parallel (several ranks): "shared" keeps one host store per node, the layers' weights in shared
-    # memory and each layer's gradients and optimizer state on one owning rank (engine/node_store.py; host bytes
+    # memory and each layer's gradients and optimizer state on one owning rank (engine/host/node_store.py; host bytes
     # per node stay one GPU's), in every host mode; "replicated" gives every rank a whole private store (N copies
     # per node; not with optimizer_in_backward); "auto" (default): "shared".
     data_parallel_host: str = "auto"
-    # NVMe tier (engine/spill.py, docs/NVME.md): spill the layers' update-only state (Adam m/v, the hi/lo master's
+    # NVMe tier (engine/host/spill.py, docs/NVME.md): spill the layers' update-only state (Adam m/v, the hi/lo master's
     # lo half) to files in the directory nvme_path, keeping the host store within host_budget_bytes (None: spill
     # every layer); nvme_gbps emulates a slower disk (GB/s), as link_gbps does the link.
     nvme_path: str | None = None

@@ -1,6 +1,6 @@
 """`megatrain check-model`: run the parity probe for a model type, a local checkpoint or a config file.
 
-The probe itself lives with the engine (engine/probe.py); this module resolves what a user names into a model
+The probe itself lives with the engine (engine/model/probe.py); this module resolves what a user names into a model
 class and config, and lists the causal LMs the installed transformers ships (for the compatibility table).
 """
 
@@ -13,8 +13,8 @@ from typing import Any
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from .config import EngineConfig
-from .engine import Engine, Verdict, run_probe
+from ..config.schema import EngineConfig
+from ..engine import Engine, Verdict, run_probe
 
 
 def resolve(name_or_path: str | os.PathLike) -> tuple[type, Any]:

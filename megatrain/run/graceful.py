@@ -4,7 +4,7 @@ Schedulers (Slurm, Kubernetes, spot reclaim) announce the end of a job with SIGT
 SIGKILL after a grace period; a person presses Ctrl-C. Either way hours of optimizer state must not be
 lost, and a checkpoint must not be cut in half::
 
-    with megatrain.graceful.GracefulStop() as stop:
+    with megatrain.run.graceful.GracefulStop() as stop:
         for step in range(start, total):
             ...  # forward / backward / engine.step() for every micro-batch of the step
             if stop.should_stop(engine):
@@ -15,7 +15,7 @@ boundary, where a checkpoint holds everything needed to continue bit-exactly). T
 puts back the handlers that were installed before, normally the defaults, so a second SIGTERM kills
 the process and a second Ctrl-C raises KeyboardInterrupt: a user who really wants out is never stuck
 behind a slow save. A kill during the save is safe too, because checkpoints are published
-atomically (`megatrain.checkpoint`).
+atomically (`megatrain.run.checkpoint`).
 
 Exit code: 0 by default (the run stopped cleanly and can be resumed); pass `exit_code=` to
 `save_and_exit` for a scheduler that should requeue on a non-zero status (143 is the shell's

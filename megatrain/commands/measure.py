@@ -19,7 +19,8 @@ import threading
 import time
 from typing import Any
 
-from .planner.hardware import GIB, _meminfo
+from ..costs.host_memory import _meminfo
+from ..planner.hardware import GIB
 
 # (tokens, in, out): the layer GEMMs of a ~100M-parameter Llama (hidden 1024, MLP 2752) at 1k tokens
 ENGINE_SHAPES = ((1024, 1024, 1024), (1024, 1024, 2752), (1024, 2752, 1024))
@@ -116,9 +117,9 @@ def warm_runtime(preset: Any = None, tokens: int = 64) -> None:
     import torch
     import transformers
 
-    from megatrain.config import EngineConfig
-    from megatrain.engine import Engine
-    from megatrain.models.presets import get_preset
+    from ..config.schema import EngineConfig
+    from ..engine import Engine
+    from ..models.presets import get_preset
 
     base = preset if preset is not None else get_preset("tiny")
     toy = base.with_(name="runtime-toy", num_layers=1, hidden=64, intermediate=128, heads=4, kv_heads=2,
@@ -245,7 +246,7 @@ def with_engine_overhead(prof: dict[str, Any], quick: bool = False, preset: Any 
     intercepts (a negative one, fit noise, is recorded as 0). quick: two small token counts, two steps
     each; periods: engine_layer_periods already measured at `tokens` (e.g. in other processes), fitted
     instead of measuring here. If the times cannot be fitted the fixed costs are 0, marked as not measured."""
-    from .planner.hardware import profile_from_dict
+    from ..planner.hardware import profile_from_dict
 
     preset = preset or OVERHEAD_PRESET
     tokens = tokens or (QUICK_OVERHEAD_TOKENS if quick else OVERHEAD_TOKENS)
@@ -380,8 +381,8 @@ def engine_layer_periods(preset: Any, tokens: int, dtype: str = "float32", warmu
     import torch
     import transformers
 
-    from megatrain.config import EngineConfig
-    from megatrain.engine import Engine
+    from ..config.schema import EngineConfig
+    from ..engine import Engine
 
     if preset.num_layers < 2:
         raise ValueError("engine_layer_periods needs a model of at least 2 layers (it times layer to layer)")
@@ -430,8 +431,8 @@ def fit_layer_overhead(preset: Any, tokens: tuple[int, ...], periods: list[tuple
     (R / the profile's peak), o_fwd, o_bwd, o_mb in seconds and the fit's largest relative residual."""
     import numpy as np
 
-    from .planner.point import make_point
-    from .planner.step_time import ATTN_BWD_RATIO, globals_io, head_compute, layer_flops
+    from ..planner.point import make_point
+    from ..planner.step_time import ATTN_BWD_RATIO, globals_io, head_compute, layer_flops
 
     zero = hw.with_(layer_overhead_fwd_s=0.0, layer_overhead_bwd_s=0.0, microbatch_overhead_s=0.0)
     inf = zero.with_(sustained_fp32=1e30, sustained_bf16=1e30)  # the head's non-FLOP terms alone
@@ -466,7 +467,7 @@ def layer_overhead(hw: Any, preset: Any = OVERHEAD_PRESET, tokens: tuple[int, ..
     """Measure the engine on `preset` at each token count (engine_layer_periods; or take `periods` so
     measured) and split the times (fit_layer_overhead) against profile `hw`'s peak and memory bandwidth.
     Returns the fit plus the raw periods."""
-    from .planner.shapes import resolve_model
+    from ..planner.shapes import resolve_model
 
     m = resolve_model(preset)
     if periods is None:

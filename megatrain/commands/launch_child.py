@@ -1,4 +1,4 @@
-"""`python -m megatrain.launch_child SCRIPT ARGS...` (or `-m MODULE ARGS...`, or `--entry-point MODULE:ATTR NAME
+"""`python -m megatrain.commands.launch_child SCRIPT ARGS...` (or `-m MODULE ARGS...`, or `--entry-point MODULE:ATTR NAME
 ARGS...` for a console command): one process of `megatrain launch`.
 
 It installs MegaTrain's DeepSpeed routing (`megatrain.integrations.hf`) and then runs the user's script exactly as
@@ -18,7 +18,7 @@ import shutil
 import sys
 from collections.abc import Sequence
 
-USAGE = ("usage: python -m megatrain.launch_child (SCRIPT | -m MODULE | --entry-point MODULE:ATTR NAME) "
+USAGE = ("usage: python -m megatrain.commands.launch_child (SCRIPT | -m MODULE | --entry-point MODULE:ATTR NAME) "
          "[ARGS...]")
 ENTRY_POINT = "--entry-point"  # launch_command.ENTRY_POINT (not imported: this module stays import-light)
 GLOO_GROUP_ENV = "MEGATRAIN_LAUNCH_GLOO_GROUP"  # launch_command.GLOO_GROUP_ENV
@@ -52,7 +52,7 @@ def run(argv: Sequence[str]) -> None:
     if not os.path.isfile(script):
         raise SystemExit(f"megatrain launch: no such script: {script}")
     sys.argv = [script, *argv[1:]]
-    # `python script.py` puts the script's folder first on sys.path; `python -m megatrain.launch_child` put the
+    # `python script.py` puts the script's folder first on sys.path; `python -m megatrain.commands.launch_child` put the
     # working directory there instead.
     sys.path[0:1] = [os.path.dirname(os.path.realpath(script))]
     runpy.run_path(script, run_name="__main__")

@@ -27,16 +27,16 @@ from typing import Any
 
 import torch
 
-from ..config import EngineConfig
-from ..settings import FACE_KEYS, bf16_enabled, bf16_section, clipping, from_args
-from ..validate import check_keys, close_match, is_bool, is_int, is_number
-from .lr_schedules import SCHEDULES, WARMUP_TYPES
+from ..lr_schedules import SCHEDULES, WARMUP_TYPES
+from .schema import EngineConfig
+from .settings import FACE_KEYS, bf16_enabled, bf16_section, clipping, from_args
+from .validate import check_keys, close_match, is_bool, is_int, is_number
 
 __all__ = ["DeepSpeedConfig", "OptimizerSpec", "SchedulerSpec", "ZeroSpec", "parse_config", "load_config_dict"]
 
 AUTO = "auto"
 
-# Top-level keys MegaTrain acts on: the ones a face reads itself (megatrain/settings.py) and these.
+# Top-level keys MegaTrain acts on: the ones a face reads itself (megatrain/config/settings.py) and these.
 _HONOURED = (
     *FACE_KEYS, "optimizer", "scheduler", "fp16", "zero_optimization", "steps_per_print",
     "wall_clock_breakdown", "dataloader_drop_last", "megatrain", "amp", "torch_autocast",
@@ -256,7 +256,7 @@ def _batch_sizes(d: dict[str, Any], args: Any, world: int = 1) -> tuple[int, int
             v = getattr(args, attr, None) if attr and args is not None else None
         vals[n] = None if v is None else _int(v, n, minimum=1)
     tb, mb, ga = (vals[n] for n in names)
-    # DeepSpeed's derivation (runtime/config.py _set_batch_related_parameters): tb = mb x ga x world.
+    # DeepSpeed's derivation (deepspeed.runtime.config's _set_batch_related_parameters): tb = mb x ga x world.
     if tb is not None and mb is not None and ga is None:
         ga = tb // mb // world
     elif tb is not None and ga is not None and mb is None:

@@ -1,6 +1,6 @@
 """What a run saves to resume, in the two layouts the faces promise, with one RNG saver for both.
 
-- The DeepSpeed face's checkpoint: one crash-consistent tag directory (`megatrain.checkpoint`) holding the
+- The DeepSpeed face's checkpoint: one crash-consistent tag directory (`megatrain.run.checkpoint`) holding the
   weights (`model.*`), optimizer tensors (`optim.*`), RNG streams (`rng.*`) and pickled client state
   (`client.*`) in its safetensors file; counters, config, LR schedule and the rest in its meta.json.
 - The Accelerate face's folder, under accelerate's own file names: `model.safetensors` and `optimizer.bin`
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from ..files.tensor_file import TensorFile, TensorFiles
 from . import checkpoint as ckpt
-from .tensor_file import TensorFile, TensorFiles
 
 # ---------------------------------------------------------------------------------------------------
 # RNG streams

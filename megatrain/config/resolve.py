@@ -6,7 +6,7 @@ A user writes settings in one of four forms: a DeepSpeed-style config (`megatrai
 and returns `Settings`: the face's own (mixed precision, clipping, accumulation, the parsed DeepSpeed config)
 and one frozen `EngineConfig` with "auto" resolved, whose `written` keeps what the user wrote.
 
-Each rule it applies is written once: DeepSpeed's keys in megatrain/settings.py, the compute dtype that the
+Each rule it applies is written once: DeepSpeed's keys in megatrain/config/settings.py, the compute dtype that the
 bf16 section, `mixed_precision` and `compute_dtype` name together in `EngineConfig.settle_compute_dtype`,
 the device-dependent "auto" in `EngineConfig`. Two defaults need what only the engine knows and are
 resolved there: `pin_memory` None (pin on a CUDA device) and `optimizer_overlap` None (on for a CUDA device
@@ -19,8 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .config import AUTO, EngineConfig
-from .deepspeed.config import parse_config
+from .deepspeed import parse_config
+from .schema import AUTO, EngineConfig
 from .settings import FACE_KEYS, ConfigSettings, read_config
 from .validate import is_int
 
@@ -39,7 +39,7 @@ class Settings:
     mixed_precision: str  # "no" or "bf16": the compute dtype under Accelerate's name
     gradient_clipping: float  # per optimizer step, DeepSpeed's meaning; 0.0: only where the script clips
     gradient_accumulation_steps: int
-    deepspeed: Any = None  # the DeepSpeed face's whole config (deepspeed/config.py's DeepSpeedConfig)
+    deepspeed: Any = None  # the DeepSpeed face's whole config (config/deepspeed.py's DeepSpeedConfig)
 
 
 def resolve(config: dict[str, Any] | str | os.PathLike | EngineConfig | None = None, *, face: str = "accelerate",
@@ -54,7 +54,7 @@ def resolve(config: dict[str, Any] | str | os.PathLike | EngineConfig | None = N
     for a backend that reads no EngineConfig (its config is then not parsed as MegaTrain's).
     """
     if face == "deepspeed":
-        from .deepspeed.config import parse_config
+        from .deepspeed import parse_config
 
         ds = parse_config(config, args=args, world_size=world_size)
         return Settings(ds.engine, _mixed_precision(ds.engine.compute_dtype), ds.gradient_clipping,

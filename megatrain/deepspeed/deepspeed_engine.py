@@ -4,15 +4,15 @@ It follows `DeepSpeedEngine`'s training-loop semantics exactly: `backward()` div
 accumulation steps, `step()` only acts at an accumulation boundary (clip, optimizer step, zero grads, LR
 schedule step, `global_steps += 1`) and always counts the micro-step. Underneath it holds the MegaTrain
 backend, the same one `megatrain.Accelerator(backend="megatrain")` holds, and steps through the same routine
-(`megatrain.step`); the model runs on `megatrain.engine.Engine`: weights and optimizer state in host memory,
+(`megatrain.backend.step`); the model runs on `megatrain.engine.Engine`: weights and optimizer state in host memory,
 layers streamed through the device.
 
 `engine.module` is the user's model object, whole: its parameters are the engine's host masters, so
 its `state_dict()`, `save_pretrained()`, `generate()` and submodules work as on the plain model, and
 its forward runs the engine. Differences that a script can observe are deliberate and documented on
 the methods: a training forward with labels builds no logits unless asked (`return_logits=True`),
-checkpoints are MegaTrain's crash-consistent format (`megatrain.checkpoint`, encoded by
-`megatrain.train_state`), not DeepSpeed's.
+checkpoints are MegaTrain's crash-consistent format (`megatrain.run.checkpoint`, encoded by
+`megatrain.run.train_state`), not DeepSpeed's.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from .. import checkpoint as ckpt
-from .. import train_state
 from ..backend import MegatrainBackend
-from ..step import boundary_step, is_boundary
-from .config import DeepSpeedConfig
+from ..backend.step import boundary_step, is_boundary
+from ..config.deepspeed import DeepSpeedConfig
+from ..files.atomic import atomic_path
+from ..run import checkpoint as ckpt
+from ..run import train_state
 from .data import make_dataloader
 from .utils import log_visible
 
@@ -57,7 +58,7 @@ class MegaTrainEngine:
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
-        # Data parallel (torchrun & co.): every rank runs one of these over its own engine (engine/distributed.py).
+        # Data parallel (torchrun & co.): every rank runs one of these over its own engine (engine/parallel/distributed.py).
         self.global_rank, self.local_rank, self.world_size = engine.rank, engine.local_rank, engine.world_size
         self.dp_world_size = self.world_size
         self._is_boundary_override: bool | None = None
@@ -250,9 +251,8 @@ class MegaTrainEngine:
             ckpt.write_safetensors(save_dir / save_filename, self._export_tensors(dtype), {"format": "pt"})
         else:
             sd = {k: v.to(dtype) for k, v in self.engine.state_dict().items()}
-            tmp = save_dir / f".{save_filename}.tmp"
-            torch.save(sd, tmp)
-            os.replace(tmp, save_dir / save_filename)
+            with atomic_path(save_dir / save_filename) as tmp:
+                torch.save(sd, tmp)
         self._save_hf_config(save_dir, dtype)
         return True
 
