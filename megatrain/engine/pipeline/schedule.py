@@ -197,12 +197,15 @@ class LayerPipeline:
     def _load(self, layer: int, slot: int) -> None:
         group = self.store.layers[layer]
         src = group.stream_source
-        dst = self.buffers[slot][: group.numel]
 
         def load() -> int:
-            if self.buffers[slot] is src:  # an aliased kept layer: ordered after its update, nothing to copy
+            # The buffer is looked up when the copy runs, not held by the job: a copy thread keeps its last job
+            # until its next, and a kept buffer a change of placement drops must be freed then (set_residency
+            # drains the streams first, so the slot still holds this buffer here).
+            buffer = self.buffers[slot]
+            if buffer is src:  # an aliased kept layer: ordered after its update, nothing to copy
                 return 0
-            dst.copy_(src, non_blocking=True)
+            buffer[: group.numel].copy_(src, non_blocking=True)
             return src.numel() * src.element_size()
 
         self.loaded[slot] = self.streams.h2d.submit(load, (self.freed[slot], self.updated[layer]), "load", layer)

@@ -369,9 +369,6 @@ class CopyStream:
                     deferred.resolve(self._enqueue(fn, afters, kind, layer, what))
             except BaseException as exc:  # surfaced to whoever waits on this job
                 deferred.resolve(None, exc)
-            # Not held while the thread waits for its next job: the job's buffers (a kept layer's, given up by a
-            # change of placement) are freed when their owner drops them.
-            del fn
 
     def _run(self) -> None:
         applied = None
@@ -399,7 +396,6 @@ class CopyStream:
                 done.set()
             except BaseException as exc:  # surfaced to whoever waits on this job
                 done.set(exc)
-            del fn  # as in _run_deferred: the job's buffers are not kept alive by this thread
 
     def synchronize(self) -> None:
         """Block the host until every queued job has finished."""
