@@ -82,6 +82,7 @@ def _quiet():
         yield
 
 
+@pytest.mark.slow  # two engines, each with an eval over 4096 tokens
 def test_an_eval_keeps_trainings_placement_within_the_budget_bit_for_bit():
     losses, kept, peaks, eval_loss = _train_around_an_eval("auto")
     ref_losses, ref_kept, _, ref_eval = _train_around_an_eval("stream")
@@ -110,6 +111,7 @@ def _forward_eval_backward(residency) -> tuple[float, list[torch.Tensor]]:
     return out.loss.item(), [v.clone() for v in eng.state_dict().values()]
 
 
+@pytest.mark.slow  # two engines, each with an eval over 4096 tokens
 def test_an_eval_between_a_forward_and_its_backward_changes_nothing():
     loss, masters = _forward_eval_backward("auto")
     ref_loss, ref_masters = _forward_eval_backward("stream")
