@@ -46,7 +46,8 @@ class EngineConfig:
     # Long context. "auto" decides per batch from the device budget (see engine/layer/tiling.py).
     offload_activations: bool | str = "auto"  # layer-boundary activations in host memory: True, False, "auto"
     mlp_tile_tokens: int | str | None = "auto"  # sequence tile inside a layer (MLP and attention): int, "auto", None
-    device_budget_bytes: int | None = None  # device bytes "auto" may plan for; None: the GPU's total, no limit on CPU
+    # device bytes "auto" may plan for; None: the GPU's free memory at start (tiling.free_device_bytes), no limit on CPU
+    device_budget_bytes: int | None = None
     # Which layers stay on the device (costs/residency.py): "auto" keeps what the device budget holds (weights
     # first, then activations: no recompute); "stream" streams and recomputes every layer (the 100B+ path);
     # {"weights": n, "activations": m}: the first n layers' weights, the first m of them with their activations.

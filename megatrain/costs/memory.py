@@ -53,6 +53,8 @@ OFFLOAD_IN_FLIGHT = 4
 # tests/unit/test_offload_in_flight.py).
 OFFLOAD_IN_FLIGHT_TIGHT = 3
 LOSS_LOGIT_COPIES = 3  # chunk logits (fp32), their softmax/gradient, and a transient
+# A no-grad forward (an eval) saves no layer inputs: the device holds the layer's input and its output.
+EVAL_BOUNDARIES = 2
 # "auto" loss chunk: the largest chunk is DEFAULT_LOSS_CHUNK tokens, capped so one FP32 copy of the chunk's
 # logits stays under AUTO_LOSS_LOGITS_BYTES (a 128k vocabulary at 2048 tokens would be 1 GiB a copy); with a
 # device budget it is halved, down to MIN_LOSS_CHUNK, while the loss phase does not fit. Smaller chunks cost
@@ -143,6 +145,13 @@ def loss_workspace_bytes(tokens: int, hidden: int, vocab: int, chunk: int, items
     return int(LOSS_SEQ_H * tokens * hidden * itemsize + t * tile + vocab * hidden * 4 + cast)
 
 
+def logits_workspace_bytes(tokens: int, vocab: int, itemsize: int) -> int:
+    """The full logits handed back to the caller (no labels, or logits asked for): tokens x vocab in the compute
+    dtype, and an FP32 log-softmax's worth for the loss the caller computes from them (label smoothing,
+    distillation)."""
+    return tokens * vocab * (itemsize + 4)
+
+
 def floor_tile(d: LayerDims, tokens: int, itemsize: int = 2) -> int:
     """The smallest tile worth planning: below it, tiling saves nothing (attention kept whole: the MLP phase
     no longer sets the peak) or little (attention tiled: the tile terms are a small share of the sequence's)."""
@@ -215,18 +224,38 @@ class LongContextPolicy:
     # "auto" residency with no device budget (a CPU device: host memory): keep what fits in this many bytes
     # (None: no limit)
     residency_room: int | None = None
-    _weights: int | None = field(default=None, repr=False)  # kept weights as first planned (they only shrink)
+    _weights: int | None = field(default=None, repr=False)  # training's kept weights (planned once, only shrink)
 
-    def plan(self, tokens: int) -> BatchPlan:
-        choice = self._plan(tokens)
-        choice.residency = self._residency(tokens, choice)
+    def plan(self, tokens: int, train: bool = True, logits_tokens: int = 0) -> BatchPlan:
+        """The batch's plan. A training batch owns the placement: "auto" weights are planned at the first one and
+        only shrink, when a training batch's working set needs their room. Any other forward (`train` False: an
+        eval, a no-grad forward) uses the layers training keeps and streams the rest: its tile and loss chunk are
+        chosen in the room those kept weights leave, and it never changes them. `logits_tokens`: tokens whose full
+        logits go back to the caller (no labels, or logits asked for), whose workspace the peak holds."""
+        held = None if train else self._held()
+        reserved = 0 if held is None else self._weights_bytes(held.weights)
+        choice = self._plan(tokens, train, reserved + logits_workspace_bytes(logits_tokens, self.vocab, self.itemsize))
+        choice.residency = held if held is not None else self._residency(tokens, choice, train)
         return choice
 
-    def _residency(self, tokens: int, choice: BatchPlan) -> kept.Residency:
+    def _held(self) -> kept.Residency | None:
+        """What a non-training forward finds kept (no graphs): training's placement, counts as set or "auto" as
+        the training batches planned it; None before any training batch ("auto": that forward plans its own)."""
+        if self.residency != kept.AUTO:
+            return kept.Residency(self.residency.capped(self.n_layers).weights, 0)
+        return None if self._weights is None else kept.Residency(self._weights, 0)
+
+    def _weights_bytes(self, weights: int) -> int:
+        """Device bytes `weights` kept layers add (every layer kept: the ring is freed)."""
+        if self.budget is None:
+            return 0
+        return weights * self.dims.numel * self.itemsize - (self.ring_bytes if weights == self.n_layers else 0)
+
+    def _residency(self, tokens: int, choice: BatchPlan, train: bool) -> kept.Residency:
         """The batch's residency: fixed counts as set (graphs only where the batch allows them), or "auto"
         within the device room its working set leaves; under a budget its bytes join the predicted peak."""
-        allowed = choice.tile is None and not choice.offload
-        itemsize, layer_bytes = self.itemsize, self.dims.numel * self.itemsize
+        allowed = train and choice.tile is None and not choice.offload
+        itemsize = self.itemsize
         graph_bytes = layer_graph_bytes(self.dims, tokens, itemsize)
         if self.residency != kept.AUTO:
             r = self.residency.capped(self.n_layers)
@@ -236,19 +265,22 @@ class LongContextPolicy:
                 room = self.residency_room
             else:
                 room = max(0, int(BUDGET_HEADROOM * self.budget) - choice.predicted_peak_bytes)
-            r = kept.plan(self.n_layers, layer_bytes, graph_bytes, room, self.ring_bytes, allowed, self._weights)
-            self._weights = r.weights
+            r = kept.plan(self.n_layers, self.dims.numel * itemsize, graph_bytes, room, self.ring_bytes, allowed,
+                          self._weights)
+            if train:  # the placement is training's; a forward before any training batch plans only for itself
+                self._weights = r.weights
         if self.budget is not None:
-            freed = self.ring_bytes if r.weights == self.n_layers else 0
-            choice.predicted_peak_bytes += r.weights * layer_bytes - freed + r.activations * graph_bytes
+            choice.predicted_peak_bytes += self._weights_bytes(r.weights) + r.activations * graph_bytes
         return r
 
-    def _plan(self, tokens: int) -> BatchPlan:
+    def _plan(self, tokens: int, train: bool = True, extra: int = 0) -> BatchPlan:
+        """`extra`: device bytes held beside the working set all through the batch (the kept weights a
+        non-training forward finds, the caller's logits)."""
         boundary = tokens * self.dims.hidden * self.itemsize
 
         def peak(kept: int, tile: int | None, chunk: int) -> int:
             loss = loss_workspace_bytes(tokens, self.dims.hidden, self.vocab, chunk, self.itemsize)
-            return (self.fixed_bytes + kept * boundary
+            return (self.fixed_bytes + extra + kept * boundary
                     + max(loss, layer_working_bytes(self.dims, tokens, tile, self.itemsize)))
 
         offloads = [self.offload_setting] if isinstance(self.offload_setting, bool) else [False, True]
@@ -258,10 +290,13 @@ class LongContextPolicy:
         options = [(off, k) for off in offloads
                    for k in ((OFFLOAD_IN_FLIGHT, OFFLOAD_IN_FLIGHT_TIGHT) if off else (self.n_layers,))
                    if not (off and k >= self.n_layers and self.offload_setting == "auto")]
+        if not train:  # nothing saved for a backward: nothing to offload
+            options = [(False, min(EVAL_BOUNDARIES, self.n_layers))]
         choice = None
         for off, in_flight in options:
             kept = min(in_flight, self.n_layers)
             room = self._room(kept, boundary)
+            room = None if room is None else room - extra
             chunk = self.loss_chunk if self.loss_chunk != "auto" else auto_loss_chunk(
                 tokens, self.dims.hidden, self.vocab, self.itemsize, room, self.logits_cap)
             tile = self._tile(tokens, room)

@@ -9,7 +9,8 @@ unless the optimizer changed the masters in between: `DeviceBuffers.invalidate`)
 
 Residency (costs/residency.py) changes two things. A *kept* layer has a device buffer of its own: it is
 copied once after each change of the masters and serves every forward and backward until the next, so it
-takes no ring buffer and its compute gives the ring time to fill with the streamed layers ahead. A layer whose
+takes no ring buffer and its compute gives the ring time to fill with the streamed layers ahead. Its copies are
+issued before any ring prefetch of the same pass (`DeviceBuffers.acquire`). A layer whose
 *graph* is kept runs its forward with autograd recording (FORWARD_KEEP) and its backward from that graph
 (BACKWARD_KEPT): no input saved, no recompute. A graph holds its weights, so graph layers are kept layers.
 """
@@ -69,9 +70,14 @@ class DeviceBuffers:
         return want
 
     def acquire(self, order: list[int], n: int) -> Iterator[Step]:
-        """Reach layer order[n]: LOAD what of its window is not resident, then WAIT for order[n]."""
+        """Reach layer order[n]: LOAD what of its window is not resident, then WAIT for order[n]. Every kept layer
+        still to come that is not resident is loaded first, ahead of the ring's prefetches: the copy queue is one
+        FIFO and a streamed layer's copy waits for that layer's host update, so a kept layer's refresh queued
+        behind it would wait for an update it does not need. Kept layers come first in the forward, so this is
+        also the order their compute needs them."""
         window = self._window(order, n)
-        for layer in window:
+        ahead = [layer for layer in order[n:] if layer in self.kept and layer not in self.resident]
+        for layer in ahead + [layer for layer in window if layer not in ahead]:
             if layer in self.resident:
                 continue
             if layer in self.kept:

@@ -37,6 +37,7 @@ class StepAccounting:
         if self.layered is not None:
             self.layered.reset_counters()
         self.pipeline.recomputed = 0
+        self.pipeline.weight_peak_bytes = self.pipeline.device_weight_bytes
         self.act_peak = 0  # the largest forward's activations kept for backward
         if self.memory is not None:
             self.memory.reset_peak()
@@ -77,7 +78,9 @@ class StepAccounting:
             out["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)
         else:
             # Measured live bytes when tracking (tiled working set, loss workspace included), else the count.
-            out["peak_device_bytes"] = self.device_weight_bytes + (self.memory.peak if self.memory else self.act_peak)
+            # The layers' buffers at their most since the reset (a change of placement), an upper bound beside it.
+            weights = self.device_weight_bytes - self.pipeline.device_weight_bytes + self.pipeline.weight_peak_bytes
+            out["peak_device_bytes"] = weights + (self.memory.peak if self.memory else self.act_peak)
         out.update(self.pipeline.plan_stats())
         out.update(self.pipeline.residency_stats())
         if self.dp is not None:

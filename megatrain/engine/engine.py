@@ -34,7 +34,7 @@ from .host.spill import spill_for
 from .layer.attention import host_mask, use_segment_attention
 from .layer.batch import check_batch
 from .layer.embedding import check_embedding, lookup_grad
-from .layer.loss import chunked_causal_lm_loss, head_logits, tiled_norm_head_loss
+from .layer.loss import chunked_causal_lm_loss, head_logits, logits_tokens, tiled_norm_head_loss
 from .layer.router import model_router_loss, wants_router_loss
 from .layer.tiling import long_context_policy
 from .model.model_object import bind as bind_model_object
@@ -76,6 +76,7 @@ class _Pending:
     router_leaves: list[tuple[int, torch.Tensor]]  # (layer, its router logits as a leaf the loss was computed from)
     # The batch's ids in host memory (the embedding's rows): as given, or a device batch's copied back (queued).
     host_ids: torch.Tensor | HostCopy | None = None
+    tile: int | None = None  # its MLP tile (an eval forward in between plans its own)
 
 
 class Engine:
@@ -252,7 +253,13 @@ class Engine:
         # (DeepSeek-V4's hash-routed experts) gets the batch's, as in the model's own forward from input_ids.
         layer_inputs = [(a, {**kw, "input_ids": ids} if "input_ids" in kw and kw["input_ids"] is None else kw)
                         for a, kw in layer_inputs]
-        offload = self.pipeline.plan_batch(int(ids.numel()), self.config.offload_activations, train)
+        if train and self._pending is not None and (labels is not None or return_logits or return_hidden):
+            # Replaced: its backward can no longer run, so what it kept (graphs, inputs) is freed before this plan.
+            self._unbackwarded.append(weakref.ref(self._pending.h_last))
+            self._pending = None
+        # Only a training forward may change the placement (an eval between a forward and its backward does not).
+        offload = self.pipeline.plan_batch(int(ids.numel()), self.config.offload_activations, train,
+                                           logits_tokens(ids, logits_to_keep) if return_logits else 0)
         plan = self.pipeline.last_plan if self.pipeline.policy is not None else None
         acts = ActivationStore(self.streams, offload, pin=self.pipeline.act_pool,
                                **({"in_flight": plan.in_flight} if plan is not None else {})) if train else None
@@ -291,10 +298,9 @@ class Engine:
         if pending is not None:
             pending.verify()  # before the results are returned (the copy back was queued at the start)
         if train and (loss is not None or logits is not None or return_hidden):
-            if self._pending is not None:
-                self._unbackwarded.append(weakref.ref(self._pending.h_last))
             self._pending = _Pending(h0, h_in0, h_last, layer_inputs, acts, ids, router_leaves,
-                                     input_ids if input_ids.device != ids.device else queued_ids)
+                                     input_ids if input_ids.device != ids.device else queued_ids,
+                                     self.pipeline.tile)
             self.accounting.act_peak = max(self.accounting.act_peak, acts.peak_device_bytes)
             h_last.register_hook(self._only_through_backward)
         self.accounting.seconds["forward_s"] += time.perf_counter() - t0
@@ -379,6 +385,7 @@ class Engine:
             raise ValueError("the loss does not depend on the last forward's outputs (.loss / .logits)")
         self._global_grads.add_dense(grads)  # on CUDA: copy stream + pinned staging, added on a host thread
         del grads  # the head's gradient is vocab x hidden: free it before the layers run
+        self.pipeline.tile = p.tile
         g = self.pipeline.backward(g, p.layer_inputs, p.acts, self.ranks.grad_sent(sync))
         if p.h_in0 is p.h0:
             g_h0, grads = g, ()

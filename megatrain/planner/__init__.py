@@ -23,9 +23,10 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
   residency         the point's `residency` (EngineConfig's default when unset): counts as given, or for "auto"
                     the planner's placement (placement.py): the placements that fill the room the batch's working
                     set leaves, replayed, the fastest kept unless the engine's own weights-first fill is within 1%;
-                    kept layers are copied once per step, graph layers' backward skips the recompute, and the
-                    replay counts the step's H2D bytes and recomputed layers (the engine reports both). Where the
-                    whole model fits the device, plain PyTorch's step beside it (reference.py).
+                    kept layers are copied once per step (ahead of the ring's prefetches), graph layers' backward
+                    skips the recompute, and the replay counts the step's H2D bytes and recomputed layers (the
+                    engine reports both). Where the whole model fits the device, plain PyTorch's step beside it
+                    (reference.py).
   time              the engine's schedule replayed (costs/pipeline.py's issue order, the one engine/pipeline/schedule.py
                     runs, on a compute lane and the copy lanes): per layer compute = FLOPs / (peak x sustained)
                     + elementwise bytes / device bandwidth, attention included (causal, flash backward = 2.5x

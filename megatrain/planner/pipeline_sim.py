@@ -1,7 +1,8 @@
 """The engine's layer pipeline replayed on a compute timeline and the copy lanes: the issue order is
 costs/pipeline.py's, the one engine/pipeline/schedule.py executes, and each step here costs its seconds.
 With a residency (costs/residency.py) the kept layers hold buffers of their own, loaded once per step (the
-optimizer changes the masters between steps), and the graph layers' backward runs without the recompute: the
+optimizer changes the masters between steps) on the h2d lane ahead of the ring's prefetches (the order issues
+them first), and the graph layers' backward runs without the recompute: the
 step's weight copies and recomputed layers are counted from the replay, as the engine counts its own."""
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ def test_the_order_keeps_the_last_layers_resident_at_the_turn():
     assert computes[:10] == [("fwd", i) for i in range(5)] + [("bwd", i) for i in reversed(range(5))]
 
 
-@pytest.mark.parametrize("r", [STREAM, Residency(2, 1), Residency(5, 5)], ids=["stream", "2-1", "all"])
+@pytest.mark.parametrize("r", [STREAM, Residency(2, 1), Residency(3, 1), Residency(5, 5)],
+                         ids=["stream", "2-1", "3-1", "all"])
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_the_engine_issues_the_defined_order(k, r):
     n_layers = 5
@@ -63,3 +64,27 @@ def test_the_planner_replays_the_defined_order(k):
     loads = [layer for lane, kind, layer, _, _ in sim.spans if lane == "h2d" and kind == "load"]
     computes = [(kind, layer) for lane, kind, layer, _, _ in sim.spans if lane == "compute" and kind in ("fwd", "bwd")]
     assert (loads, computes) == defined(p.model.num_layers, k)
+
+
+def test_kept_layers_are_refreshed_ahead_of_the_rings_prefetches():
+    """The copy queue is one FIFO and a streamed layer's copy waits for that layer's host update: every stale kept
+    layer's copy is issued before the first ring prefetch, in each step (the masters changed), so none waits
+    behind them. The old order fetched the ring's window at layer 0 and kept layer 2 after it: 0, 1, 3, 4, 2."""
+    buffers = order.DeviceBuffers(2, Residency(3, 1).kept)
+    for _ in range(2):  # two steps: the kept copies are stale again after the optimizer's
+        loads = [s.layer for s in order.forward_steps(buffers, 5, Residency(3, 1).graphs) if s.op == order.LOAD]
+        assert loads == [0, 1, 2, 3, 4]
+        list(order.backward_steps(buffers, 5, Residency(3, 1).graphs))
+        buffers.invalidate()
+
+
+def test_the_planner_replays_the_kept_layers_first():
+    """The planner's simulator issues the same copies in the same order on its h2d lane (a streamed layer's copy
+    starts after every kept layer's)."""
+    p = make_point("tiny", 64, 1, MICRO_BATCHES, "float32", num_buffers=2)
+    costs = LayerCosts(fwd=1.0, bwd=2.0, load=0.5, act=0.0, grad=0.1, reduce=0.1, cuda=False)
+    r = Residency(3, 1)
+    sim = simulate_step(p, costs, 0.3, residency=r)[0]
+    loads = [layer for lane, kind, layer, _, _ in sim.spans if lane == "h2d" and kind == "load"]
+    assert loads == defined(p.model.num_layers, 2, r)[0]
+    assert loads[:p.model.num_layers] == list(range(p.model.num_layers))

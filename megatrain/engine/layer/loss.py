@@ -126,6 +126,16 @@ def head_logits(hidden: torch.Tensor, head: torch.nn.Linear, logits_to_keep: int
     return _apply(head(hidden[:, keep, :].to(head.weight.dtype)), as_transform(softcap))
 
 
+def logits_tokens(ids: torch.Tensor, logits_to_keep: int | torch.Tensor = 0) -> int:
+    """How many positions' logits head_logits hands back for a batch of token ids `ids` ([batch, seq])."""
+    rows, seq = (1, ids.shape[0]) if ids.dim() == 1 else (ids.numel() // ids.shape[-1], ids.shape[-1])
+    if torch.is_tensor(logits_to_keep):
+        kept = logits_to_keep.numel() if logits_to_keep.dtype != torch.bool else int(logits_to_keep.sum())
+    else:
+        kept = seq if logits_to_keep == 0 else min(int(logits_to_keep), seq)
+    return rows * kept
+
+
 class _PrecomputedGrads(torch.autograd.Function):
     """A loss whose backward was already run: returns the gradients computed in the forward, scaled by the
     incoming gradient. They are handed over once and then released (a second backward is refused), so

@@ -298,7 +298,7 @@ def long_context_policy(config: EngineConfig, layers: Sequence[nn.Module], layer
     big = max(range(len(layer_numels)), key=layer_numels.__getitem__)
     budget = config.device_budget_bytes
     if budget is None and device.type == "cuda":
-        budget = torch.cuda.get_device_properties(device).total_memory
+        budget = free_device_bytes(device, globals_bytes)
     dims = layer_dims(layers[big], layer_numels[big], head[1])
     q = getattr(getattr(layers[big], "self_attn", None), "q_proj", None)
     if q is not None and device.type == "cuda" and itemsize == 4:  # attention.expands_kv
@@ -311,6 +311,16 @@ def long_context_policy(config: EngineConfig, layers: Sequence[nn.Module], layer
         logits_cap=None if device.type == "cuda" else AUTO_LOSS_LOGITS_BYTES,
         residency=config.residency, ring_bytes=num_buffers * layer_numels[big] * itemsize,
         residency_room=host_room() if budget is None else None)
+
+
+def free_device_bytes(device: torch.device, own_bytes: int) -> int:
+    """The device budget when none is set: what the device has free now (`torch.cuda.mem_get_info`, so memory
+    another process on the same GPU holds is not counted), what this process's allocator caches unused, and the
+    engine's own device bytes already placed (`own_bytes`, which the plan counts in its fixed bytes). Not the
+    card's total: a co-located process (a rollout server) would leave the plan more room than there is."""
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free + max(0, cached) + own_bytes)
 
 
 def host_room() -> int:

@@ -78,6 +78,7 @@ class LayerPipeline:
         self.loaded: list[Event] = [DONE] * k
         self.freed: list[Event] = [DONE] * k
         self.residency = Residency()
+        self.weight_peak_bytes = self.device_weight_bytes  # the most the layers' buffers held at once (set_residency)
         self.graphs: frozenset[int] = frozenset()  # this batch's layers whose forward keeps its graph
         self.recomputed = 0  # layers recomputed in backward since the counters were reset
         # A CPU device computing in the stream source's dtype, emulating no link and no device budget: a kept
@@ -121,13 +122,16 @@ class LayerPipeline:
         """Masters changed (optimizer step, load): resident copies are stale."""
         self.slots.invalidate()
 
-    def plan_batch(self, tokens: int, offload_setting: bool | str, train: bool = True) -> bool:
-        """Choose this batch's MLP tile and residency; return whether its boundary activations go to host memory."""
+    def plan_batch(self, tokens: int, offload_setting: bool | str, train: bool = True, logits_tokens: int = 0) -> bool:
+        """Choose this batch's MLP tile and residency; return whether its boundary activations go to host memory.
+        A non-training forward (`train` False) runs on the placement training planned (memory.py): it changes
+        no buffer, so it may come between a training forward and its backward. `logits_tokens`: tokens whose
+        full logits go back to the caller (their workspace joins the plan)."""
         if self.policy is None:
             self.tile = None
             self.graphs = frozenset()
             return bool(offload_setting) if isinstance(offload_setting, bool) else False
-        self.last_plan = plan = self.policy.plan(tokens)
+        self.last_plan = plan = self.policy.plan(tokens, train, logits_tokens)
         self.tile = plan.tile
         self.set_residency(plan.residency)
         self.graphs = plan.residency.graphs if train and plan.tile is None and not plan.offload else frozenset()
@@ -135,26 +139,36 @@ class LayerPipeline:
 
     def set_residency(self, r: Residency) -> None:
         """Give each kept layer a device buffer of its own (their copies then serve until the masters change);
-        the ring is released while every layer is kept. Rare (the plan's weights only shrink after the first
-        batch): the device is drained first, so no queued copy or kernel still uses a buffer given up."""
+        the ring is released while every layer is kept. Rare (training's placement only shrinks after its first
+        batch). The device is drained first, so no queued copy or kernel still uses a buffer given up; the layers
+        that stay kept keep their buffers (and their copies, still current); the dropped ones are freed before
+        any new buffer is allocated, so the device never holds the old placement and the new one at once."""
         r = r.capped(len(self.store.layers))
         if r.kept == self.slots.kept:
             self.residency = r
             return
         self.streams.synchronize()
         k, n = self.ring_size, len(self.store.layers)
-        ring = self.buffers[:k]
+        # (buffer, copy current, its load event) of each layer that stays kept
+        stay = {i: (self.buffers[s], self.slots.resident[s] == i, self.loaded[s])
+                for i, s in self.slots.kept_slot.items() if i in r.kept}
+        ring = self.buffers[:k] if r.weights < n and self.buffers[0].numel() >= self.max_numel else None
+        self.buffers = []  # the dropped layers' buffers (and a ring not reused) are freed here, before any allocation
         with untracked():  # weight buffers: device_weight_bytes counts them, not the working set's tracker
-            if r.weights == n:
-                ring = [torch.empty(0, dtype=self.dtype, device=self.device) for _ in range(k)]
-            elif ring[0].numel() < self.max_numel:
-                ring = [torch.empty(self.max_numel, dtype=self.dtype, device=self.device) for _ in range(k)]
-            kept = [self._kept_buffer(i) for i in sorted(r.kept)]
+            if ring is None:
+                size = 0 if r.weights == n else self.max_numel
+                ring = [torch.empty(size, dtype=self.dtype, device=self.device) for _ in range(k)]
+            kept = [stay[i][0] if i in stay else self._kept_buffer(i) for i in sorted(r.kept)]
         self.buffers = ring + kept
         self.slots = order.DeviceBuffers(k, r.kept)
         self.loaded = [DONE] * len(self.buffers)
         self.freed = [DONE] * len(self.buffers)
+        for i, (_, current, loaded) in stay.items():  # a copy that still matches its masters is not made again
+            if current:
+                s = self.slots.kept_slot[i]
+                self.slots.resident[s], self.loaded[s] = i, loaded
         self.residency = r
+        self.weight_peak_bytes = max(self.weight_peak_bytes, self.device_weight_bytes)
         logging.getLogger("megatrain").info("%s", r.describe(n))
 
     def _kept_buffer(self, layer: int) -> torch.Tensor:
@@ -183,12 +197,15 @@ class LayerPipeline:
     def _load(self, layer: int, slot: int) -> None:
         group = self.store.layers[layer]
         src = group.stream_source
-        dst = self.buffers[slot][: group.numel]
 
         def load() -> int:
-            if self.buffers[slot] is src:  # an aliased kept layer: ordered after its update, nothing to copy
+            # The buffer is looked up when the copy runs, not held by the job: a copy thread keeps its last job
+            # until its next, and a kept buffer a change of placement drops must be freed then (set_residency
+            # drains the streams first, so the slot still holds this buffer here).
+            buffer = self.buffers[slot]
+            if buffer is src:  # an aliased kept layer: ordered after its update, nothing to copy
                 return 0
-            dst.copy_(src, non_blocking=True)
+            buffer[: group.numel].copy_(src, non_blocking=True)
             return src.numel() * src.element_size()
 
         self.loaded[slot] = self.streams.h2d.submit(load, (self.freed[slot], self.updated[layer]), "load", layer)
