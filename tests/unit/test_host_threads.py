@@ -79,11 +79,11 @@ def test_every_pool_takes_the_process_share(launched):
     assert threads.team() == 8  # a thread with no team of its own: the process's share, not torch's 1
     assert len(hilo._ranges(1 << 30)) == 8
     assert fused._compiled_tile(8 * 4096, None, fused.TILE) == 4096  # one tile per worker of 8
-    reduce_kernel._pool = None
+    reduce_kernel._HELPERS.reset()
     try:
         assert reduce_kernel._helpers()._max_workers == 7  # beside the caller's own thread
     finally:
-        reduce_kernel._pool = None
+        reduce_kernel._HELPERS.reset()
 
 
 def test_a_thread_with_a_team_keeps_it():

@@ -72,3 +72,20 @@ def test_without_an_openmp_runtime_torchs_call_is_used(two_threads, monkeypatch)
 def test_a_team_of_none_is_refused():
     with pytest.raises(ValueError, match="at least 1 thread, got 0"):
         threads.set_team(0)
+
+
+def test_one_pool_factory_gives_each_worker_a_team_of_one_and_grows_as_asked():
+    from megatrain.engine.runtime.threads import WorkerPool, team
+
+    grow, exact = WorkerPool("t-grow"), WorkerPool("t-exact", exact=True)
+    try:
+        first = grow.get(3)
+        assert set(first.map(lambda _: team(), range(6))) == {1}  # each worker's torch ops on one thread
+        assert grow.get(2) is first and grow.get(4) is not first  # grows, never shrinks
+        e = exact.get(3)
+        assert exact.get(3) is e and exact.get(2) is not e  # exactly the size asked
+        with pytest.raises(ValueError, match="at least 1 thread"):
+            grow.get(0)
+    finally:
+        grow.reset()
+        exact.reset()

@@ -27,12 +27,11 @@ import contextlib
 import ctypes
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..runtime import ckernel
-from ..runtime.threads import team
+from ..runtime.threads import WorkerPool, team
 
 _CHUNK = 1 << 18  # elements per torch tile: its int32/FP32 temporaries stay in the core's cache
 TILE = _CHUNK  # the same for other element-wise passes over a layer (the store's gradient widening)
@@ -45,9 +44,7 @@ _PARALLEL_MIN = 1 << 21  # elements: below this one range (threads cost more tha
 # One pass per element; a block's tie positions are written only when it has any (rare). The formulas are
 # the ones of _split_tile / _join_tile below, on unsigned words (the same bits modulo 2^16 / 2^32).
 
-_lib_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None  # the ranges of one large split/join run side by side here
-_pool_size = 0
+_RANGES = WorkerPool("hilo")  # the ranges of one large split/join run side by side here
 _torch_convert_ok: bool | None = None
 _poisoning = threading.local()
 
@@ -88,14 +85,9 @@ def _ranges(n: int) -> list[tuple[int, int]]:
 
 
 def _run(fn, ranges: list[tuple[int, int]]) -> list:
-    global _pool, _pool_size
     if len(ranges) == 1:
         return [fn(*ranges[0])]
-    with _lib_lock:
-        if _pool is None or _pool_size < len(ranges):
-            _pool, _pool_size = ThreadPoolExecutor(len(ranges), thread_name_prefix="hilo"), len(ranges)
-        pool = _pool
-    return list(pool.map(lambda r: fn(*r), ranges))
+    return list(_RANGES.get(len(ranges)).map(lambda r: fn(*r), ranges))
 
 
 def _check(x: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, what: str) -> None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -40,7 +39,7 @@ from typing import NamedTuple
 import torch
 
 from ..runtime import ckernel
-from ..runtime.threads import host_cores, team
+from ..runtime.threads import WorkerPool, host_cores, team
 
 LANES = 8
 # Elements per chunk of the norm's decomposition (a multiple of LANES; 4 MiB of FP32). Fixed, so the norm's bits
@@ -125,19 +124,13 @@ def combine(norms: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(norms)
 
 
-_pool_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
+_HELPERS = WorkerPool("megatrain-reduce-chunks")
 
 
 def _helpers() -> ThreadPoolExecutor:
-    """Threads that run chunk ranges beside the caller's own (ctypes releases the GIL for the call)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            # At most this process's share of the cores (each call uses its caller's team of them: t below).
-            _pool = ThreadPoolExecutor(max_workers=max(1, host_cores() - 1),
-                                       thread_name_prefix="megatrain-reduce-chunks")
-        return _pool
+    """Threads that run chunk ranges beside the caller's own (ctypes releases the GIL for the call): at most this
+    process's share of the cores (each call uses its caller's team of them)."""
+    return _HELPERS.get(max(1, host_cores() - 1))
 
 
 @dataclass

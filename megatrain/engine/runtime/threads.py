@@ -22,6 +22,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -120,3 +121,36 @@ def update_threads(beside_compute: bool, cores: int | None = None) -> int:
     that takes all of them makes those threads wait for a core, and the device for them. At least one."""
     n = cores if cores is not None else host_cores()
     return max(1, n - RESERVED_CORES) if beside_compute else max(1, n)
+
+
+class WorkerPool:
+    """One process-wide pool of worker threads, made on first use: the one factory behind every host pool (the fused
+    passes' tiles, the reducer's chunk helpers, the hi/lo ranges). Each worker is one core's worth of work, so its
+    torch ops run on a team of one (an OpenMP team per worker would oversubscribe the cores it shares). `get(n)`
+    remakes the pool when asked for a size it lacks: any other size with `exact`, else only a larger one; the old
+    pool finishes what it was given."""
+
+    def __init__(self, name: str, exact: bool = False) -> None:
+        self.name, self.exact = name, exact
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._size = 0
+
+    def get(self, n: int) -> ThreadPoolExecutor:
+        if n < 1:
+            raise ValueError(f"a worker pool needs at least 1 thread, got {n}")
+        with self._lock:
+            if self._pool is None or (self._size != n if self.exact else self._size < n):
+                old = self._pool
+                self._pool = ThreadPoolExecutor(n, thread_name_prefix=self.name, initializer=set_team, initargs=(1,))
+                self._size = n
+                if old is not None:
+                    old.shutdown(wait=False)
+            return self._pool
+
+    def reset(self) -> None:
+        """Forget the pool (the next `get` makes one, e.g. after the host's share changed)."""
+        with self._lock:
+            old, self._pool, self._size = self._pool, None, 0
+        if old is not None:
+            old.shutdown(wait=False)

@@ -23,7 +23,6 @@ passes (update.update_layer).
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -31,13 +30,11 @@ import torch
 from ...costs.modes import GradSlab, HostMaster
 from ..host import hilo
 from ..host.store import FlatGroup
-from ..runtime.threads import set_team, team
+from ..runtime.threads import WorkerPool, team
 from . import adam_kernel
 
 TILE = 1 << 22  # elements: 256K-element tiles lost more to per-tile overhead than they gained (results/host_passes)
 _ALIGN = 1 << 6  # torch's vectorized loops take 16 or 32 FP32 lanes at a time: tiles start on a multiple of 64
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
 
 def eligible(optimizer: torch.optim.Optimizer, group: FlatGroup) -> bool:
@@ -74,21 +71,12 @@ def _compiled_tile(numel: int, threads: int | None, tile: int) -> int:
     return min(tile, max(_ALIGN, -(-per // _ALIGN) * _ALIGN))
 
 
-def _worker_init() -> None:
-    # Each worker is one core's worth of work: a torch op inside it must not open an OpenMP team of its own
-    # (on a loaded machine every small parallel region waits for a descheduled team member).
-    set_team(1)
+_WORKERS = WorkerPool("fused-pass", exact=True)
 
 
 def workers(n: int) -> ThreadPoolExecutor:
     """The pool the fused passes run their tiles on (`n` threads, one torch thread each)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool._max_workers != n:
-            old, _pool = _pool, ThreadPoolExecutor(n, thread_name_prefix="fused-pass", initializer=_worker_init)
-            if old is not None:
-                old.shutdown(wait=False)
-        return _pool
+    return _WORKERS.get(n)
 
 
 def _split_runs(jobs: list, sizes: list[int], n: int) -> list[list]:
