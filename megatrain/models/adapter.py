@@ -181,18 +181,36 @@ def _recorders(parts: DecoderParts, sink: list) -> nn.ModuleList:
     return nn.ModuleList(LayerInputRecorder(i, i == n - 1, layer, sink) for i, layer in enumerate(parts.layers))
 
 
+def embeds_tokens_again(parts: DecoderParts) -> bool:
+    """Whether the stack holds an embedding besides the input embedding outside its layers (Gemma 3n's and Gemma
+    4's per-layer input embeddings, learned positions): the stack is then run from the token ids, the input
+    embedding's output replaced by the engine's, so what it looks up by token (or position) is its own lookup, not
+    a reconstruction of the ids from the embedding output (Gemma 4 compares it with every row of the table)."""
+    layers = {id(m) for m in parts.layers.modules()}
+    return any(isinstance(m, nn.Embedding) and m is not parts.embed and id(m) not in layers
+               for m in parts.base.modules())
+
+
 def record_layer_inputs(parts: DecoderParts, sink: list, inputs_embeds: torch.Tensor,
-                        attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None):
+                        attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                        input_ids: torch.Tensor | None = None):
     """Run the model's own forward up to the layers; return (layer-0 input, per-layer (args, kwargs)).
 
     The recorders stand in for the layer stack only while this runs: the user's model keeps its real
-    decoder layers (and their weights) at every other moment, even when the forward raises.
+    decoder layers (and their weights) at every other moment, even when the forward raises. Inputs a layer takes
+    besides its hidden state may depend on trained parameters (per-layer input embeddings): they come back with
+    their graph (engine/layer/side_inputs.py carries their gradients back through it).
     """
     sink.clear()
     setattr(parts.base, parts.layers_attr, _recorders(parts, sink))
+    from_ids = input_ids is not None and embeds_tokens_again(parts)
+    hook = parts.embed.register_forward_hook(lambda m, a, out: inputs_embeds) if from_ids else None
     try:
-        parts.base(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False)
+        if from_ids:
+            parts.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        else:
+            parts.base(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False)
     except _CaptureDone:
         pass
     except (ValueError, TypeError, IndexError) as exc:
@@ -205,6 +223,8 @@ def record_layer_inputs(parts: DecoderParts, sink: list, inputs_embeds: torch.Te
                          "recomputed one at a time; train it with another backend") from exc
     finally:
         setattr(parts.base, parts.layers_attr, parts.layers)
+        if hook is not None:
+            hook.remove()
     if len(sink) != len(parts.layers):
         raise RuntimeError(f"expected {len(parts.layers)} layer calls from {type(parts.base).__name__}.forward, "
                            f"saw {len(sink)}: the model's layer loop is not supported")
@@ -213,14 +233,6 @@ def record_layer_inputs(parts: DecoderParts, sink: list, inputs_embeds: torch.Te
         # Model-level math with an FP32 buffer (XGLM's sinusoidal positions) turns bf16 embeddings into an FP32
         # layer input, which the bf16 layers cannot take (a bf16 model's buffers are bf16: the sum is bf16 too).
         h0 = h0.to(inputs_embeds.dtype)
-    for i, (_, args, kw) in enumerate(sink):
-        trained = [k for k, v in [*enumerate(args), *kw.items()] if torch.is_tensor(v) and v.requires_grad]
-        if trained:
-            sink.clear()
-            raise ValueError(f"{type(parts.model).__name__} feeds decoder layer {i} inputs besides its hidden state "
-                             f"that depend on trained parameters ({trained}, e.g. per-layer input embeddings); "
-                             "MegaTrain differentiates each layer with respect to its hidden state and weights only, "
-                             "so those parameters would get no gradient")
     per_layer = [(args, {k: v for k, v in kw.items() if k not in ("cache", "past_key_values", "past_key_value")})
                  for _, args, kw in sink]
     sink.clear()
