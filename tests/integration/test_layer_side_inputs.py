@@ -40,19 +40,28 @@ def gemma4(layers: int = 3) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-def _factory(residency, **extra):
+def _factory(residency, engines: list | None = None, **extra):
     def make(model, cfg, optimizer=None):
-        return Engine(model, dataclasses.replace(cfg, residency=residency, **extra), optimizer=optimizer)
+        eng = Engine(model, dataclasses.replace(cfg, residency=residency, **extra), optimizer=optimizer)
+        if engines is not None:
+            engines.append(eng)
+        return eng
     return make
+
+
+def _kept_graphs(engines: list) -> int:
+    """How many layers kept their forward graph in the last training step (the probe's engine)."""
+    return int(engines[-1].pipeline.residency_stats()["kept_graph_layers"])
 
 
 @pytest.mark.parametrize("residency", RESIDENCY)
 def test_gemma4_per_layer_inputs_train_exact_in_fp32(residency):
-    model = gemma4()
+    model, engines = gemma4(), []
     assert model.config.hidden_size_per_layer_input > 0
-    verdict = probe.run_probe(type(model), model.config, _factory(residency))
+    verdict = probe.run_probe(type(model), model.config, _factory(residency, engines))
     assert verdict.status == "exact", verdict.detail
     assert verdict.max_grad_rel <= probe.GRAD_RTOL and verdict.max_loss_diff <= probe.LOSS_ATOL
+    assert (_kept_graphs(engines) > 0) == (residency != "stream")
 
 
 def test_every_layer_takes_its_per_layer_input_as_a_side_input():

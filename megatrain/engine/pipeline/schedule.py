@@ -22,6 +22,7 @@ from ..host import reduce_kernel
 from ..host.events import LayerEvents
 from ..host.slab_state import PartsAdd
 from ..host.store import HostStore
+from ..layer.handed_state import HandedStates
 from ..layer.side_inputs import SideInputs
 from ..layer.templates import TemplateBank
 from ..layer.tiling import DEFAULT_LOSS_CHUNK, LongContextPolicy, tiled_vjp
@@ -296,13 +297,19 @@ class LayerPipeline:
         """Run the layers forward from `h`; `side`: the inputs besides the hidden state that carry a gradient
         (side_inputs.py), whose leaves a kept layer's graph records."""
         graphs = self.graphs if acts is not None else frozenset()
+        # State a layer hands a later one: its value put in place of the recorded stand-in as the layers run, in
+        # layer_inputs itself, so the recompute replays the forward's value (handed_state.py).
+        handed = HandedStates(layer_inputs)
         for step in order.forward_steps(self.slots, len(self.store.layers), graphs):
             i, slot = step.layer, step.slot
+            if handed and step.op in (order.FORWARD_KEEP, order.FORWARD):
+                layer_inputs[i] = handed.resolve(i, layer_inputs[i])
             if step.op in (order.LOAD, order.WAIT):
                 self._weights_step(step, "forward")
             elif step.op == order.FORWARD_KEEP:
                 t0 = self.trace.mark()
                 h = self._forward_keep(i, slot, h, layer_inputs[i], acts, side)
+                handed.keep(i, self.templates.handed)
                 self.freed[slot] = self.streams.record_compute()
                 self.trace.add_since("compute", phase, i, t0)
             elif step.op == order.SAVE_INPUT:
@@ -314,7 +321,9 @@ class LayerPipeline:
                 group = self.store.layers[i]
                 t0 = self.trace.mark()
                 args, kwargs = layer_inputs[i]
-                h = self.templates.call(i, group.views(self.buffers[slot][: group.numel]), h, args, kwargs, self.tile)
+                h = self.templates.call(i, group.views(self.buffers[slot][: group.numel]), h, args, kwargs,
+                                        None if i in handed.sources else self.tile)
+                handed.keep(i, self.templates.handed)
                 self.freed[slot] = self.streams.record_compute()
                 self.trace.add_since("compute", phase, i, t0)
         return h
