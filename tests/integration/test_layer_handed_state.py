@@ -1,10 +1,12 @@
-"""Layers that hand state to the next one: GLM-5 (`glm_moe_dsa`, DeepSeek sparse attention).
+"""Layers that hand state to the next one: GLM-5 (`glm_moe_dsa`, DeepSeek sparse attention) and Zaya.
 
 A GLM-5 layer with its own indexer ("full") selects the top-k keys each query attends to and returns those indices
 beside its hidden state; a "shared" layer reuses the previous layer's. The model's loop takes both back from each
 layer, so the recording hands it a stand-in for the indices (models/adapter.py: HandedState), and the engine puts
 the forward's real indices in the stand-in's place as the layers run, so the recompute replays them
-(engine/layer/handed_state.py). Compared with plain PyTorch the probe's way (engine/model/probe.py tolerances), on
+(engine/layer/handed_state.py). A Zaya layer hands the next its router's hidden states, a floating-point state with
+a gradient: it is carried with the hidden state, packed into one tensor between the two layers. Compared with plain
+PyTorch the probe's way (engine/model/probe.py tolerances), on
 the streaming path and with kept layers, and in the GPU's defaults against the mixed-precision reference.
 """
 
@@ -36,6 +38,15 @@ def glm5(layers: int = 4) -> torch.nn.Module:
         mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), layer_types=["indexed_attention"] * layers,
         indexer_types=["full", "shared"] * (layers // 2))
     cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def zaya(layers: int = 3) -> torch.nn.Module:
+    cfg = transformers.AutoConfig.for_model(
+        "zaya", hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=256, max_position_embeddings=512, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=1,
+        router_hidden_size=16, tie_word_embeddings=False, layer_types=["hybrid"] * layers)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
@@ -97,6 +108,53 @@ def test_other_indices_replayed_are_a_mismatch(monkeypatch):
     model = glm5()
     verdict = probe.run_probe(type(model), model.config, _factory("stream"))
     assert verdict.status == "mismatch", verdict
+
+
+@pytest.mark.parametrize("residency", [pytest.param("stream", id="streamed"),
+                                       pytest.param({"weights": 3, "activations": 1}, id="kept")])
+def test_zaya_carries_its_router_states_exact_in_fp32(residency, monkeypatch):
+    carried = []
+    real = handed_state.HandedStates.unpack
+
+    def spy(self, i, x, inputs):
+        if i in self.carried:
+            carried.append((i, x.shape[-1]))
+        return real(self, i, x, inputs)
+
+    monkeypatch.setattr(handed_state.HandedStates, "unpack", spy)
+    model, engines = zaya(), []
+    verdict = probe.run_probe(type(model), model.config, _factory(residency, engines))
+    assert verdict.status == "exact", verdict.detail
+    assert (_kept_graphs(engines) > 0) == (residency != "stream")
+    # Layer 1 took the hidden state (64) and layer 0's router states (16) as one carried tensor.
+    assert (1, 64 + 16) in carried
+
+
+def test_a_carried_state_without_its_gradient_is_a_mismatch(monkeypatch):
+    """Negative control: the router states handed on without their gradient (replayed, as indices are): the
+    earlier layer's router weights miss what the later layer sends back."""
+    real = handed_state.HandedStates.unpack
+
+    def detached(self, i, x, inputs):
+        h, (args, kwargs) = real(self, i, x, inputs)
+        return h, (tuple(a.detach() if torch.is_tensor(a) else a for a in args), kwargs)
+
+    monkeypatch.setattr(handed_state.HandedStates, "unpack", detached)
+    model = zaya()
+    verdict = probe.run_probe(type(model), model.config, _factory("stream", []))
+    assert verdict.status == "mismatch", verdict
+
+
+@pytest.mark.slow
+def test_zaya_in_the_gpu_defaults():
+    """bf16 compute (its residual stream stays FP32, its router states bf16: packed in FP32, exact both ways), hilo,
+    optimizer overlap, within the probe's bf16 tolerance."""
+    from gpu_defaults import GPU_DEFAULTS
+
+    model, engines = zaya(), []
+    gpu = EngineConfig(device="cpu", **GPU_DEFAULTS)
+    verdict = probe.run_probe(type(model), model.config, _factory("stream", engines, optimizer_overlap=True), gpu)
+    assert verdict.status == "exact", verdict.detail
 
 
 def test_floating_point_state_is_refused_by_name():

@@ -300,6 +300,8 @@ class LayerPipeline:
         # State a layer hands a later one: its value put in place of the recorded stand-in as the layers run, in
         # layer_inputs itself, so the recompute replays the forward's value (handed_state.py).
         handed = HandedStates(layer_inputs)
+        if acts is not None:
+            acts.handed = handed  # what this forward's carried states were, for its backward
         for step in order.forward_steps(self.slots, len(self.store.layers), graphs):
             i, slot = step.layer, step.slot
             if handed and step.op in (order.FORWARD_KEEP, order.FORWARD):
@@ -308,8 +310,7 @@ class LayerPipeline:
                 self._weights_step(step, "forward")
             elif step.op == order.FORWARD_KEEP:
                 t0 = self.trace.mark()
-                h = self._forward_keep(i, slot, h, layer_inputs[i], acts, side)
-                handed.keep(i, self.templates.handed)
+                h = self._forward_keep(i, slot, h, layer_inputs[i], acts, side, handed)
                 self.freed[slot] = self.streams.record_compute()
                 self.trace.add_since("compute", phase, i, t0)
             elif step.op == order.SAVE_INPUT:
@@ -320,10 +321,8 @@ class LayerPipeline:
             elif step.op == order.FORWARD:
                 group = self.store.layers[i]
                 t0 = self.trace.mark()
-                args, kwargs = layer_inputs[i]
-                h = self.templates.call(i, group.views(self.buffers[slot][: group.numel]), h, args, kwargs,
-                                        None if i in handed.sources else self.tile)
-                handed.keep(i, self.templates.handed)
+                h = self._call(i, group.views(self.buffers[slot][: group.numel]), h, layer_inputs[i], handed,
+                               self.tile)
                 self.freed[slot] = self.streams.record_compute()
                 self.trace.add_since("compute", phase, i, t0)
         return h
@@ -333,6 +332,7 @@ class LayerPipeline:
         """Backpropagate `g` through the layers; `grad_sent(i)` runs once layer i's gradients are queued to the host
         (data parallel: the layer's average across ranks is queued behind them, overlapping the next layer's).
         `side`: the layers' side inputs, whose gradients each layer's backward adds into it."""
+        handed = getattr(acts, "handed", None) or HandedStates([])
         for step in order.backward_steps(self.slots, len(self.store.layers), frozenset(acts.graphs)):
             i = step.layer
             if step.op in (order.LOAD, order.WAIT):
@@ -344,7 +344,7 @@ class LayerPipeline:
             elif step.op == order.FETCH_INPUT:
                 x = acts.get(i).detach().requires_grad_(True)
             elif step.op == order.BACKWARD:
-                g, gw, done = self._layer_backward(i, step.slot, x, g, layer_inputs[i], side)
+                g, gw, done = self._layer_backward(i, step.slot, x, g, layer_inputs[i], side, handed)
                 self.recomputed += 1
             elif step.op == order.SEND_GRAD:
                 self._send_grad(i, gw, done)
@@ -354,17 +354,28 @@ class LayerPipeline:
                 acts.drop(i)
         return g
 
+    def _call(self, i: int, weights: dict[str, torch.Tensor], x: torch.Tensor, inputs: tuple[tuple, dict],
+              handed: HandedStates, tile: int | None = None) -> torch.Tensor:
+        """Layer i on what the loop carries into it: a hidden state, or one packed with a state handed on from the
+        layer before (handed_state.py); returns what the loop carries out of it."""
+        if not handed:
+            return self.templates.call(i, weights, x, *inputs, tile)
+        h, (args, kwargs) = handed.unpack(i, x, inputs)
+        y = self.templates.call(i, weights, h, args, kwargs, None if i in handed.sources or handed.touches(i) else tile)
+        return handed.pack(i, y, self.templates.handed)
+
     def _forward_keep(self, i: int, slot: int, h: torch.Tensor, inputs: tuple[tuple, dict],
-                      acts: ActivationStore, side: SideInputs | None = None) -> torch.Tensor:
+                      acts: ActivationStore, side: SideInputs | None = None,
+                      handed: HandedStates | None = None) -> torch.Tensor:
         """Layer i's forward recording its graph, kept in `acts` for its backward: the same call the recompute
         makes, so the same values (and, for a mixture of experts, the router logits it records, with their graph)."""
         group = self.store.layers[i]
         weights = {n: w.detach().requires_grad_(True)
                    for n, w in group.views(self.buffers[slot][: group.numel]).items()}
         x = h.detach().requires_grad_(True)
-        (args, kwargs), leaves = side.leaves(i, inputs) if side else (inputs, [])
+        inputs, leaves = side.leaves(i, inputs) if side else (inputs, [])
         with torch.enable_grad():
-            y = self.templates.call(i, weights, x, args, kwargs)
+            y = self._call(i, weights, x, inputs, handed or HandedStates([]))
         logits = list((self.templates.recorded or {}).get(i, ()))
         acts.keep_graph(i, (x, weights, y, logits, leaves))
         return y.detach()
@@ -397,7 +408,8 @@ class LayerPipeline:
         return gx, gw
 
     def _layer_backward(self, i: int, slot: int, x: torch.Tensor, g: torch.Tensor, inputs: tuple[tuple, dict],
-                        side: SideInputs | None = None) -> tuple[torch.Tensor, list[torch.Tensor], Event]:
+                        side: SideInputs | None = None,
+                        handed: HandedStates | None = None) -> tuple[torch.Tensor, list[torch.Tensor], Event]:
         """Recompute layer i from buffer `slot` and backpropagate g: (input gradient, weight gradients, the
         event after which the buffer is free)."""
         group = self.store.layers[i]
@@ -405,15 +417,18 @@ class LayerPipeline:
         # as is, instead of scattering every one into a zero-filled layer-sized tensor.
         weights = {n: w.detach().requires_grad_(True)
                    for n, w in group.views(self.buffers[slot][: group.numel]).items()}
-        (args, kwargs), leaves = side.leaves(i, inputs) if side else (inputs, [])
+        inputs, leaves = side.leaves(i, inputs) if side else (inputs, [])
+        args, kwargs = inputs
+        handed = handed or HandedStates([])
         t0 = self.trace.mark()
         with torch.enable_grad(), torch.random.fork_rng(self._rng_devices(), enabled=self.preserve_rng):
             if self.preserve_rng:
                 self._set_rng_state(self._rng.pop(i))
-            if self.tile is not None and not args and not leaves and self.templates.tileable(i):
+            if (self.tile is not None and not args and not leaves and not handed.touches(i)
+                    and self.templates.tileable(i)):
                 gx, gw = tiled_vjp(self.templates.of_layer[i], weights, x, kwargs, g, self.tile)
             else:
-                y = self.templates.call(i, weights, x, args, kwargs)
+                y = self._call(i, weights, x, inputs, handed)
                 # A mixture-of-experts layer also backpropagates its router logits' gradients from the router loss.
                 outs, gouts = self.templates.with_router_grads(i, y, g)
                 gx, gw = self._grads(outs, x, weights, gouts, *((leaves, side, i) if leaves else ()))
