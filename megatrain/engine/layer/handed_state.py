@@ -48,6 +48,7 @@ class HandedStates:
             for m in _stand_ins(inputs):
                 self.consumers.setdefault((m.layer, m.index), []).append(i)
         self.sources = {j for j, _ in self.consumers}
+        self.takers = {i for users in self.consumers.values() for i in users}
         self._values: dict[int, tuple] = {}
         self.carried: dict[int, _Carry] = {}  # by the taking layer, learned from the forward's values
 
@@ -55,8 +56,8 @@ class HandedStates:
         return bool(self.sources)
 
     def touches(self, i: int) -> bool:
-        """Whether layer i's input or output is packed with a carried state (no sequence tiling then)."""
-        return i in self.carried or i + 1 in self.carried
+        """Whether layer i hands or takes state (it then runs whole: a sequence tile would see part of it)."""
+        return i in self.sources or i in self.takers
 
     def keep(self, i: int, outputs: tuple) -> None:
         """Layer i's outputs besides the hidden state (TemplateBank.handed), when a later layer takes one."""

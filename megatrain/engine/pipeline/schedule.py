@@ -361,7 +361,7 @@ class LayerPipeline:
         if not handed:
             return self.templates.call(i, weights, x, *inputs, tile)
         h, (args, kwargs) = handed.unpack(i, x, inputs)
-        y = self.templates.call(i, weights, h, args, kwargs, None if i in handed.sources or handed.touches(i) else tile)
+        y = self.templates.call(i, weights, h, args, kwargs, None if handed.touches(i) else tile)
         return handed.pack(i, y, self.templates.handed)
 
     def _forward_keep(self, i: int, slot: int, h: torch.Tensor, inputs: tuple[tuple, dict],
