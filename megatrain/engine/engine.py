@@ -36,6 +36,7 @@ from .layer.batch import check_batch
 from .layer.embedding import check_embedding, lookup_grad
 from .layer.loss import chunked_causal_lm_loss, head_logits, logits_tokens, tiled_norm_head_loss
 from .layer.router import model_router_loss, wants_router_loss
+from .layer.side_inputs import SideInputs
 from .layer.tiling import long_context_policy
 from .model.model_object import bind as bind_model_object
 from .model.model_object import engines_holding
@@ -77,6 +78,7 @@ class _Pending:
     # The batch's ids in host memory (the embedding's rows): as given, or a device batch's copied back (queued).
     host_ids: torch.Tensor | HostCopy | None = None
     tile: int | None = None  # its MLP tile (an eval forward in between plans its own)
+    side: SideInputs | None = None  # the layers' inputs besides the hidden state that carry a gradient
 
 
 class Engine:
@@ -248,7 +250,11 @@ class Engine:
             h0 = self.parts.embed(ids)
         h0.requires_grad_(train)  # the lookup's gradient is scattered by hand in backward (no vocab x hidden)
         with torch.set_grad_enabled(train), host_mask(attention_mask):  # the mask's layout read on the host
-            h_in0, layer_inputs = record_layer_inputs(self.parts, self._recorded, h0, mask, pos)
+            h_in0, layer_inputs = record_layer_inputs(self.parts, self._recorded, h0, mask, pos, ids)
+        # Inputs besides the hidden state computed from trained parameters (per-layer input embeddings): the layers
+        # take detached copies; their gradients come back through the recorded graph (layer/side_inputs.py).
+        side = SideInputs(layer_inputs)
+        layer_inputs = side.detached
         # The stack ran from the embedding output, so it handed its layers no token ids; a layer that reads them
         # (DeepSeek-V4's hash-routed experts) gets the batch's, as in the model's own forward from input_ids.
         layer_inputs = [(a, {**kw, "input_ids": ids} if "input_ids" in kw and kw["input_ids"] is None else kw)
@@ -270,7 +276,7 @@ class Engine:
         self.templates.recorded = {} if routed else None
         try:
             with torch.no_grad():
-                h_last = self.pipeline.forward(h_in0.detach(), layer_inputs, acts)
+                h_last = self.pipeline.forward(h_in0.detach(), layer_inputs, acts, side=side)
             recorded, self.templates.recorded = self.templates.recorded or {}, None
         finally:
             self.templates.recorded = None
@@ -300,7 +306,7 @@ class Engine:
         if train and (loss is not None or logits is not None or return_hidden):
             self._pending = _Pending(h0, h_in0, h_last, layer_inputs, acts, ids, router_leaves,
                                      input_ids if input_ids.device != ids.device else queued_ids,
-                                     self.pipeline.tile)
+                                     self.pipeline.tile, side)
             self.accounting.act_peak = max(self.accounting.act_peak, acts.peak_device_bytes)
             h_last.register_hook(self._only_through_backward)
         self.accounting.seconds["forward_s"] += time.perf_counter() - t0
@@ -386,11 +392,15 @@ class Engine:
         self._global_grads.add_dense(grads)  # on CUDA: copy stream + pinned staging, added on a host thread
         del grads  # the head's gradient is vocab x hidden: free it before the layers run
         self.pipeline.tile = p.tile
-        g = self.pipeline.backward(g, p.layer_inputs, p.acts, self.ranks.grad_sent(sync))
-        if p.h_in0 is p.h0:
+        g = self.pipeline.backward(g, p.layer_inputs, p.acts, self.ranks.grad_sent(sync), side=p.side)
+        side_roots, side_grads = p.side.backward_pairs()
+        if p.h_in0 is p.h0 and not side_roots:
             g_h0, grads = g, ()
         else:
-            g_h0, *grads = torch.autograd.grad(p.h_in0, [p.h0, *params], g, allow_unused=True)
+            g_h0, *grads = torch.autograd.grad([p.h_in0, *side_roots], [p.h0, *params], [g, *side_grads],
+                                               allow_unused=True)
+            if g_h0 is None:  # the layers' inputs did not depend on the embedding output (h_in0 is h0 otherwise)
+                g_h0 = torch.zeros_like(p.h0)
         self._global_grads.add_dense(grads)
         # The lookup's gradient scattered into the embedding's slab rows (what the embedding module's backward
         # computes, scales included, without a dense vocab x hidden gradient); off this thread on CUDA.

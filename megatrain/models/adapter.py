@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -146,6 +147,20 @@ class _CaptureDone(Exception):
     pass
 
 
+class HandedState:
+    """Stands, in a layer's recorded inputs, for output `index` (> 0) of decoder layer `layer`: state the model's loop
+    takes back from one layer and hands to the next (GLM-5's top-k indices selected by one layer's indexer and reused
+    by the next). The engine puts the real value in its place as the layers run (engine/layer/handed_state.py)."""
+
+    __slots__ = ("layer", "index")
+
+    def __init__(self, layer: int, index: int) -> None:
+        self.layer, self.index = layer, index
+
+    def __repr__(self) -> str:
+        return f"HandedState(layer={self.layer}, index={self.index})"
+
+
 class _LayerOutput(tuple):
     """What a recorder hands the model's layer loop: usable both as the hidden state passed straight to the next
     layer (the next recorder unwraps it) and as a tuple the loop indexes (`hidden_states = outputs[0]`)."""
@@ -157,11 +172,12 @@ class LayerInputRecorder(nn.Module):
     The last recorder stops the model's forward so the final norm and anything after it never run.
     """
 
-    def __init__(self, index: int, last: bool, original: nn.Module, sink: list) -> None:
+    def __init__(self, index: int, last: bool, original: nn.Module, sink: list, outputs: int = 1) -> None:
         super().__init__()
         self.index = index
         self.last = last
         self.sink = sink
+        self.outputs = outputs  # how many values the loop takes back from each layer (the hidden state first)
         # Models pick per-layer masks from these attributes (e.g. Qwen2's sliding-window layers).
         for attr in ("attention_type", "layer_type", "is_sliding", "sliding_window", "block_type"):
             if hasattr(original, attr):
@@ -173,38 +189,61 @@ class LayerInputRecorder(nn.Module):
         self.sink.append((hidden_states, args, kwargs))
         if self.last:
             raise _CaptureDone
-        return _LayerOutput((hidden_states,))
+        return _LayerOutput((hidden_states, *(HandedState(self.index, k) for k in range(1, self.outputs))))
 
 
-def _recorders(parts: DecoderParts, sink: list) -> nn.ModuleList:
+def _recorders(parts: DecoderParts, sink: list, outputs: int = 1) -> nn.ModuleList:
     n = len(parts.layers)
-    return nn.ModuleList(LayerInputRecorder(i, i == n - 1, layer, sink) for i, layer in enumerate(parts.layers))
+    return nn.ModuleList(LayerInputRecorder(i, i == n - 1, layer, sink, outputs)
+                         for i, layer in enumerate(parts.layers))
+
+
+# How many values a model's layer loop takes back from each layer, by stack (learned on its first recording).
+_LOOP_OUTPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MAX_OUTPUTS = 4
+
+
+def embeds_tokens_again(parts: DecoderParts) -> bool:
+    """Whether the stack holds an embedding besides the input embedding outside its layers (Gemma 3n's and Gemma
+    4's per-layer input embeddings, learned positions): the stack is then run from the token ids, the input
+    embedding's output replaced by the engine's, so what it looks up by token (or position) is its own lookup, not
+    a reconstruction of the ids from the embedding output (Gemma 4 compares it with every row of the table)."""
+    layers = {id(m) for m in parts.layers.modules()}
+    return any(isinstance(m, nn.Embedding) and m is not parts.embed and id(m) not in layers
+               for m in parts.base.modules())
 
 
 def record_layer_inputs(parts: DecoderParts, sink: list, inputs_embeds: torch.Tensor,
-                        attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None):
+                        attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                        input_ids: torch.Tensor | None = None):
     """Run the model's own forward up to the layers; return (layer-0 input, per-layer (args, kwargs)).
 
     The recorders stand in for the layer stack only while this runs: the user's model keeps its real
-    decoder layers (and their weights) at every other moment, even when the forward raises.
+    decoder layers (and their weights) at every other moment, even when the forward raises. Inputs a layer takes
+    besides its hidden state may depend on trained parameters (per-layer input embeddings): they come back with
+    their graph (engine/layer/side_inputs.py carries their gradients back through it).
     """
-    sink.clear()
-    setattr(parts.base, parts.layers_attr, _recorders(parts, sink))
-    try:
-        parts.base(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False)
-    except _CaptureDone:
-        pass
-    except (ValueError, TypeError, IndexError) as exc:
-        if not sink:
-            raise
-        # The loop failed on what a layer handed back: it takes more than the hidden state from each layer.
+    known = _LOOP_OUTPUTS.get(parts.base)
+    failure: tuple[int, BaseException] | None = None
+    for outputs in [known] if known else range(1, _MAX_OUTPUTS + 1):
+        try:
+            _run_stack(parts, sink, inputs_embeds, attention_mask, position_ids, input_ids, outputs)
+        except (ValueError, TypeError, IndexError, AttributeError) as exc:
+            if not sink:
+                raise
+            # The loop failed on what a layer handed back: it takes more than the hidden state from each layer.
+            # The recorders then hand it stand-ins for more values (HandedState), up to _MAX_OUTPUTS.
+            failure = failure or (len(sink) - 1, exc)
+            continue
+        _LOOP_OUTPUTS[parts.base] = outputs
+        break
+    else:
+        at, exc = failure
+        sink.clear()
         raise ValueError(f"{type(parts.model).__name__}'s layer loop takes more than the hidden state back from "
-                         f"decoder layer {len(sink) - 1} ({type(exc).__name__}: {exc}): its layers hand state to the "
-                         "next one (e.g. indices selected in one layer and reused in the next), so they cannot be "
-                         "recomputed one at a time; train it with another backend") from exc
-    finally:
-        setattr(parts.base, parts.layers_attr, parts.layers)
+                         f"decoder layer {at} ({type(exc).__name__}: {exc}) in a way the engine cannot stand in for "
+                         f"(up to {_MAX_OUTPUTS} values, each handed as it is to a later layer); train it with "
+                         "another backend") from exc
     if len(sink) != len(parts.layers):
         raise RuntimeError(f"expected {len(parts.layers)} layer calls from {type(parts.base).__name__}.forward, "
                            f"saw {len(sink)}: the model's layer loop is not supported")
@@ -213,18 +252,30 @@ def record_layer_inputs(parts: DecoderParts, sink: list, inputs_embeds: torch.Te
         # Model-level math with an FP32 buffer (XGLM's sinusoidal positions) turns bf16 embeddings into an FP32
         # layer input, which the bf16 layers cannot take (a bf16 model's buffers are bf16: the sum is bf16 too).
         h0 = h0.to(inputs_embeds.dtype)
-    for i, (_, args, kw) in enumerate(sink):
-        trained = [k for k, v in [*enumerate(args), *kw.items()] if torch.is_tensor(v) and v.requires_grad]
-        if trained:
-            sink.clear()
-            raise ValueError(f"{type(parts.model).__name__} feeds decoder layer {i} inputs besides its hidden state "
-                             f"that depend on trained parameters ({trained}, e.g. per-layer input embeddings); "
-                             "MegaTrain differentiates each layer with respect to its hidden state and weights only, "
-                             "so those parameters would get no gradient")
     per_layer = [(args, {k: v for k, v in kw.items() if k not in ("cache", "past_key_values", "past_key_value")})
                  for _, args, kw in sink]
     sink.clear()
     return h0, per_layer
+
+
+def _run_stack(parts: DecoderParts, sink: list, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None,
+               position_ids: torch.Tensor | None, input_ids: torch.Tensor | None, outputs: int) -> None:
+    sink.clear()
+    setattr(parts.base, parts.layers_attr, _recorders(parts, sink, outputs))
+    from_ids = input_ids is not None and embeds_tokens_again(parts)
+    hook = parts.embed.register_forward_hook(lambda m, a, out: inputs_embeds) if from_ids else None
+    try:
+        if from_ids:
+            parts.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        else:
+            parts.base(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False)
+    except _CaptureDone:
+        pass
+    finally:
+        setattr(parts.base, parts.layers_attr, parts.layers)
+        if hook is not None:
+            hook.remove()
 
 
 def layer_structure_key(layer: nn.Module) -> tuple:

@@ -179,7 +179,11 @@ def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torc
     else:
         denom = float(num_items_in_batch)
     inv = 1.0 / denom
-    x_all = hidden.detach().reshape(-1, width)
+    # Several residual streams per token (DeepSeek-V4's hyper-connections: batch x seq x streams x hidden): the
+    # module after the layers reads the stream dims per token, so tiles keep them, under a batch dim of 1.
+    streams = hidden.dim() > 3
+    x_all = hidden.detach().reshape(1, -1, *hidden.shape[2:]) if streams else hidden.detach().reshape(-1, width)
+    tokens = x_all.shape[1] if streams else x_all.shape[0]
     weight, bias = head.weight, head.bias
     norm_params = [p for p in norm.parameters() if p.requires_grad]
     grad_x = torch.empty_like(x_all)
@@ -188,13 +192,14 @@ def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torc
     grad_b = (torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
               if bias is not None and bias.requires_grad else None)
     total = torch.zeros((), dtype=torch.float32, device=dev)
-    for s in range(0, x_all.shape[0], tile_tokens):
-        x = x_all[s: s + tile_tokens].detach().requires_grad_(True)
+    for s in range(0, tokens, tile_tokens):
+        x = (x_all[:, s: s + tile_tokens] if streams else x_all[s: s + tile_tokens]).detach().requires_grad_(True)
         keep = valid[s: s + tile_tokens].nonzero().squeeze(1)
         with torch.enable_grad():
             hn = norm(x)
+            hn = hn.reshape(-1, hn.shape[-1]) if streams else hn
         if keep.numel() == 0:
-            grad_x[s: s + tile_tokens].zero_()
+            (grad_x[:, s: s + tile_tokens] if streams else grad_x[s: s + tile_tokens]).zero_()
             continue
         idx = to_device(keep, dev)
         t = to_device(targets[s: s + tile_tokens].index_select(0, keep), dev)
@@ -218,7 +223,10 @@ def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torc
             del p, hc
         gx, *gn = torch.autograd.grad(hn, [x, *norm_params], g_hn)
         del hn, g_hn
-        grad_x[s: s + tile_tokens] = gx
+        if streams:
+            grad_x[:, s: s + tile_tokens] = gx
+        else:
+            grad_x[s: s + tile_tokens] = gx
         for acc, g in zip(grad_norm, gn):
             acc += g.float()
     grads = [grad_x.view_as(hidden)] + [g.to(p.dtype) for g, p in zip(grad_norm, norm_params)]

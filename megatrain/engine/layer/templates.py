@@ -55,6 +55,7 @@ class TemplateBank:
         self.recorded: dict[int, list[torch.Tensor]] | None = None
         self.router_grads: dict[int, list[torch.Tensor | None]] = {}
         self._recomputed: list[torch.Tensor] = []
+        self.handed: tuple = ()  # the last call's outputs besides the hidden state (handed_state.py)
         # Persistent buffers per layer (e.g. DeepSeek-V3's e_score_correction_bias): their values differ from
         # layer to layer, so each call binds the layer's own, read from the user's layer as it is at call time.
         self._buffers: list[list[tuple[str, nn.Module, str]]] = []
@@ -101,6 +102,7 @@ class TemplateBank:
              kwargs: dict, tile: int | None = None) -> torch.Tensor:
         # Tiled only without autograd: under autograd the graph would keep every tile's activations
         # anyway (backward tiles through tiling.tiled_vjp instead).
+        self.handed = ()
         if tile is not None and not args and not torch.is_grad_enabled() and self.tileable(i):
             return tiled_forward(self.of_layer[i], weights, hidden, kwargs, tile)
         if self._buffers[i]:
@@ -115,7 +117,10 @@ class TemplateBank:
             self.recorded[i] = captured
         elif record:
             self._recomputed = captured
-        return out[0] if isinstance(out, (tuple, list)) else out
+        if isinstance(out, (tuple, list)):
+            self.handed = tuple(out[1:])
+            return out[0]
+        return out
 
     def with_router_grads(self, i: int, y: torch.Tensor, g: torch.Tensor,
                           logits: list[torch.Tensor] | None = None) -> tuple[tuple, tuple]:

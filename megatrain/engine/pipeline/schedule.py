@@ -22,6 +22,8 @@ from ..host import reduce_kernel
 from ..host.events import LayerEvents
 from ..host.slab_state import PartsAdd
 from ..host.store import HostStore
+from ..layer.handed_state import HandedStates
+from ..layer.side_inputs import SideInputs
 from ..layer.templates import TemplateBank
 from ..layer.tiling import DEFAULT_LOSS_CHUNK, LongContextPolicy, tiled_vjp
 from ..runtime.memtrack import untracked
@@ -308,15 +310,24 @@ class LayerPipeline:
 
     # -- compute ----------------------------------------------------------------------------------
     def forward(self, h: torch.Tensor, layer_inputs: list[tuple[tuple, dict]], acts: ActivationStore | None,
-                phase: str = "fwd") -> torch.Tensor:
+                phase: str = "fwd", side: SideInputs | None = None) -> torch.Tensor:
+        """Run the layers forward from `h`; `side`: the inputs besides the hidden state that carry a gradient
+        (side_inputs.py), whose leaves a kept layer's graph records."""
         graphs = self.graphs if acts is not None else frozenset()
+        # State a layer hands a later one: its value put in place of the recorded stand-in as the layers run, in
+        # layer_inputs itself, so the recompute replays the forward's value (handed_state.py).
+        handed = HandedStates(layer_inputs)
+        if acts is not None:
+            acts.handed = handed  # what this forward's carried states were, for its backward
         for step in order.forward_steps(self.slots, len(self.store.layers), graphs):
             i, slot = step.layer, step.slot
+            if handed and step.op in (order.FORWARD_KEEP, order.FORWARD):
+                layer_inputs[i] = handed.resolve(i, layer_inputs[i])
             if step.op in (order.LOAD, order.WAIT):
                 self._weights_step(step, "forward")
             elif step.op == order.FORWARD_KEEP:
                 t0 = self.trace.mark()
-                h = self._forward_keep(i, slot, h, layer_inputs[i], acts)
+                h = self._forward_keep(i, slot, h, layer_inputs[i], acts, side, handed)
                 self.freed[slot] = self.streams.record_compute()
                 self.trace.add_since("compute", phase, i, t0)
             elif step.op == order.SAVE_INPUT:
@@ -327,28 +338,30 @@ class LayerPipeline:
             elif step.op == order.FORWARD:
                 group = self.store.layers[i]
                 t0 = self.trace.mark()
-                args, kwargs = layer_inputs[i]
-                h = self.templates.call(i, group.views(self.buffers[slot][: group.numel]), h, args, kwargs, self.tile)
+                h = self._call(i, group.views(self.buffers[slot][: group.numel]), h, layer_inputs[i], handed,
+                               self.tile)
                 self.freed[slot] = self.streams.record_compute()
                 self.trace.add_since("compute", phase, i, t0)
         return h
 
     def backward(self, g: torch.Tensor, layer_inputs: list[tuple[tuple, dict]], acts: ActivationStore,
-                 grad_sent: Callable[[int], None] | None = None) -> torch.Tensor:
+                 grad_sent: Callable[[int], None] | None = None, side: SideInputs | None = None) -> torch.Tensor:
         """Backpropagate `g` through the layers; `grad_sent(i)` runs once layer i's gradients are queued to the host
-        (data parallel: the layer's average across ranks is queued behind them, overlapping the next layer's)."""
+        (data parallel: the layer's average across ranks is queued behind them, overlapping the next layer's).
+        `side`: the layers' side inputs, whose gradients each layer's backward adds into it."""
+        handed = getattr(acts, "handed", None) or HandedStates([])
         for step in order.backward_steps(self.slots, len(self.store.layers), frozenset(acts.graphs)):
             i = step.layer
             if step.op in (order.LOAD, order.WAIT):
                 self._weights_step(step, "backward")
             elif step.op == order.BACKWARD_KEPT:
-                g, gw, done = self._kept_backward(i, g, acts)
+                g, gw, done = self._kept_backward(i, g, acts, side)
             elif step.op == order.PREFETCH_INPUT:
                 acts.prefetch(i)
             elif step.op == order.FETCH_INPUT:
                 x = acts.get(i).detach().requires_grad_(True)
             elif step.op == order.BACKWARD:
-                g, gw, done = self._layer_backward(i, step.slot, x, g, layer_inputs[i])
+                g, gw, done = self._layer_backward(i, step.slot, x, g, layer_inputs[i], side, handed)
                 self.recomputed += 1
             elif step.op == order.SEND_GRAD:
                 self._send_grad(i, gw, done)
@@ -358,46 +371,62 @@ class LayerPipeline:
                 acts.drop(i)
         return g
 
+    def _call(self, i: int, weights: dict[str, torch.Tensor], x: torch.Tensor, inputs: tuple[tuple, dict],
+              handed: HandedStates, tile: int | None = None) -> torch.Tensor:
+        """Layer i on what the loop carries into it: a hidden state, or one packed with a state handed on from the
+        layer before (handed_state.py); returns what the loop carries out of it."""
+        if not handed:
+            return self.templates.call(i, weights, x, *inputs, tile)
+        h, (args, kwargs) = handed.unpack(i, x, inputs)
+        y = self.templates.call(i, weights, h, args, kwargs, None if handed.touches(i) else tile)
+        return handed.pack(i, y, self.templates.handed)
+
     def _forward_keep(self, i: int, slot: int, h: torch.Tensor, inputs: tuple[tuple, dict],
-                      acts: ActivationStore) -> torch.Tensor:
+                      acts: ActivationStore, side: SideInputs | None = None,
+                      handed: HandedStates | None = None) -> torch.Tensor:
         """Layer i's forward recording its graph, kept in `acts` for its backward: the same call the recompute
         makes, so the same values (and, for a mixture of experts, the router logits it records, with their graph)."""
         group = self.store.layers[i]
         weights = {n: w.detach().requires_grad_(True)
                    for n, w in group.views(self.buffers[slot][: group.numel]).items()}
         x = h.detach().requires_grad_(True)
-        args, kwargs = inputs
+        inputs, leaves = side.leaves(i, inputs) if side else (inputs, [])
         with torch.enable_grad():
-            y = self.templates.call(i, weights, x, args, kwargs)
+            y = self._call(i, weights, x, inputs, handed or HandedStates([]))
         logits = list((self.templates.recorded or {}).get(i, ()))
-        acts.keep_graph(i, (x, weights, y, logits))
+        acts.keep_graph(i, (x, weights, y, logits, leaves))
         return y.detach()
 
-    def _kept_backward(self, i: int, g: torch.Tensor,
-                       acts: ActivationStore) -> tuple[torch.Tensor, list[torch.Tensor], Event]:
+    def _kept_backward(self, i: int, g: torch.Tensor, acts: ActivationStore,
+                       side: SideInputs | None = None) -> tuple[torch.Tensor, list[torch.Tensor], Event]:
         """Backpropagate g through layer i's kept graph (no recompute): (input gradient, weight gradients, the
         event after which they are computed)."""
-        x, weights, y, logits = acts.take_graph(i)
+        x, weights, y, logits, leaves = acts.take_graph(i)
         outs, gouts = self.templates.with_router_grads(i, y, g, logits)
         t0 = self.trace.mark()
         with torch.enable_grad():
-            gx, gw = self._grads(outs, x, weights, gouts)
+            gx, gw = self._grads(outs, x, weights, gouts, *((leaves, side, i) if leaves else ()))
         del outs, y
         done = self.streams.record_compute()
         self.trace.add_since("compute", "bwd", i, t0)
         return gx, gw, done
 
-    def _grads(self, outs: tuple, x: torch.Tensor, weights: dict[str, torch.Tensor],
-               gouts: tuple) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    def _grads(self, outs: tuple, x: torch.Tensor, weights: dict[str, torch.Tensor], gouts: tuple,
+               leaves: list[torch.Tensor] = (), side: SideInputs | None = None,
+               i: int = -1) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """(input gradient, weight gradients) of one layer's outputs. A weight no gradient reaches (an expert no
         token was routed to) gets None where the host's add skips it (slab_state.PartsAdd); the staged paths
-        copy every gradient: zeros, as in PyTorch."""
-        gx, *gw = torch.autograd.grad(outs, (x, *weights.values()), gouts, allow_unused=True,
+        copy every gradient: zeros, as in PyTorch. The gradients of layer i's side-input `leaves` go into `side`."""
+        gx, *gw = torch.autograd.grad(outs, (x, *weights.values(), *leaves), gouts, allow_unused=True,
                                       materialize_grads=self.device.type == "cuda" or self.grad_sink is not None)
+        if leaves:
+            side.add_grads(i, gw[len(gw) - len(leaves):])
+            gw = gw[: len(gw) - len(leaves)]
         return gx, gw
 
-    def _layer_backward(self, i: int, slot: int, x: torch.Tensor, g: torch.Tensor,
-                        inputs: tuple[tuple, dict]) -> tuple[torch.Tensor, list[torch.Tensor], Event]:
+    def _layer_backward(self, i: int, slot: int, x: torch.Tensor, g: torch.Tensor, inputs: tuple[tuple, dict],
+                        side: SideInputs | None = None,
+                        handed: HandedStates | None = None) -> tuple[torch.Tensor, list[torch.Tensor], Event]:
         """Recompute layer i from buffer `slot` and backpropagate g: (input gradient, weight gradients, the
         event after which the buffer is free)."""
         group = self.store.layers[i]
@@ -405,18 +434,21 @@ class LayerPipeline:
         # as is, instead of scattering every one into a zero-filled layer-sized tensor.
         weights = {n: w.detach().requires_grad_(True)
                    for n, w in group.views(self.buffers[slot][: group.numel]).items()}
+        inputs, leaves = side.leaves(i, inputs) if side else (inputs, [])
         args, kwargs = inputs
+        handed = handed or HandedStates([])
         t0 = self.trace.mark()
         with torch.enable_grad(), torch.random.fork_rng(self._rng_devices(), enabled=self.preserve_rng):
             if self.preserve_rng:
                 self._set_rng_state(self._rng.pop(i))
-            if self.tile is not None and not args and self.templates.tileable(i):
+            if (self.tile is not None and not args and not leaves and not handed.touches(i)
+                    and self.templates.tileable(i)):
                 gx, gw = tiled_vjp(self.templates.of_layer[i], weights, x, kwargs, g, self.tile)
             else:
-                y = self.templates.call(i, weights, x, args, kwargs)
+                y = self._call(i, weights, x, inputs, handed)
                 # A mixture-of-experts layer also backpropagates its router logits' gradients from the router loss.
                 outs, gouts = self.templates.with_router_grads(i, y, g)
-                gx, gw = self._grads(outs, x, weights, gouts)
+                gx, gw = self._grads(outs, x, weights, gouts, *((leaves, side, i) if leaves else ()))
                 del y, outs
         done = self.streams.record_compute()
         self.freed[slot] = done
