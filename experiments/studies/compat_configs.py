@@ -29,8 +29,10 @@ FAMILY: dict[str, dict[str, Any]] = {
                        "indexer_compress_ratio": 4},
     # ReformerModelWithLMHead asserts is_decoder (its class's own check).
     "reformer": {"is_decoder": True},
-    # Gemma 4's assistant validates hidden_size_per_layer_input == 0 (no per-layer inputs in the drafter).
-    "gemma4_assistant": {"hidden_size_per_layer_input": 0},
+    # Gemma 4's assistant (a drafter) validates a text config without per-layer inputs, MoE block or double-wide
+    # MLP (its validate_architecture); the default text config has all three.
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+                                         "enable_moe_block": False, "use_double_wide_mlp": False}},
     # LFM2-MoE leaves layer_types None; its layers and masks are keyed by these two kinds (LFM2's own default
     # interleaves them the same way).
     "lfm2_moe": {"layer_kinds": ["conv", "full_attention"]},
@@ -109,6 +111,7 @@ def study_config(model_type: str) -> tuple[type, Any, dict[str, Any]]:
     """(causal-LM class, a config it builds from, what was filled) for `model_type`."""
     family = dict(FAMILY.get(model_type, {}))
     kinds = family.pop("layer_kinds", None)
+    filled: dict[str, Any] = {}
     try:
         model_cls, config = resolve(model_type)
     except Exception:  # noqa: BLE001 - a default the config class itself rejects: built with the family's values
@@ -116,8 +119,9 @@ def study_config(model_type: str) -> tuple[type, Any, dict[str, Any]]:
             raise
         config = transformers.AutoConfig.for_model(model_type, **family)
         model_cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+        filled.update(family)
+        family = {}
     config = copy.deepcopy(config)
-    filled: dict[str, Any] = {}
     config = _own_config(model_cls, config, filled)
     _sizes(config, filled)
     _rope(config, filled)

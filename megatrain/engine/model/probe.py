@@ -219,12 +219,19 @@ def _instantiate(model_cls: type, cfg: Any, meta: bool) -> nn.Module:
     return _instantiate(model_cls, cfg, meta)
 
 
+class _MissingPackage(ImportError):
+    """transformers cannot build the model here at all: an optional package it needs is not installed."""
+
+
 def _build(model_cls: type, cfg: Any, original: Any, max_params: int = _MAX_PARAMS) -> nn.Module:
     try:
         n = sum(p.numel() for p in _instantiate(model_cls, cfg, meta=True).parameters())
     except Exception as exc:
         try:  # is it the shrinking, or does transformers not build this config at all?
             _instantiate(model_cls, copy.deepcopy(original), meta=True)
+        except ImportError as missing:
+            raise _MissingPackage(f"transformers needs a package that is not installed to build "
+                                  f"{model_cls.__name__}: {' '.join(str(missing).split())}") from exc
         except Exception:  # noqa: BLE001
             raise ValueError(f"transformers cannot build its default config either ({type(exc).__name__}: "
                              f"{exc})") from exc
@@ -519,6 +526,8 @@ def run_probe(model_cls: type, config: Any, engine_factory: Callable[..., Any],
                 master = _build(model_cls, tiny, config, cap)
                 master.float().train()
                 first = first or master
+            except _MissingPackage as exc:
+                return Verdict("crashed", str(exc), arch)
             except Exception as exc:  # noqa: BLE001 - any failure to build is reported, never swallowed silently
                 tried.append((what, _BuildFailure(f"{type(exc).__name__}: {exc}")))
                 if "cannot build its default config either" in str(exc):
