@@ -148,6 +148,8 @@ class _PassThrough(nn.Module):
         return hidden_states
 
 
+_HOOKED = "_output_capturing_hooks_installed"
+_ABSENT = object()
 # How the trace stands in for the layers, in order: a one-tuple; the hidden state; layer 0's output's shape.
 _TRACES = ((True, False), (False, False), (False, True))
 
@@ -190,7 +192,14 @@ def _trace(base: nn.Module, stand_ins: nn.ModuleList, device: torch.device) -> l
     hooks.append(stand_ins[-1].register_forward_hook(record("\0loop"), with_kwargs=True))
     modes = {m: m.training for m in base.modules()}
     base.eval()  # no dropout draws: the caller's random stream stays as it was
+    # transformers installs its output-capturing hooks (router logits, ...) on a model's first call, once: marked as
+    # installed for the trace, so that the first real call installs them on the real layers, not on the stand-ins.
+    from transformers import PreTrainedModel
+
+    hooked = {m: vars(m).get(_HOOKED, _ABSENT) for m in base.modules() if isinstance(m, PreTrainedModel)}
     try:
+        for m in hooked:
+            setattr(m, _HOOKED, True)
         with torch.no_grad():
             base(input_ids=ids, use_cache=False)
     finally:
@@ -198,6 +207,11 @@ def _trace(base: nn.Module, stand_ins: nn.ModuleList, device: torch.device) -> l
             h.remove()
         for m, mode in modes.items():
             m.training = mode
+        for m, was in hooked.items():
+            if was is _ABSENT:
+                delattr(m, _HOOKED)
+            else:
+                setattr(m, _HOOKED, was)
     ends = [i for i, c in enumerate(calls) if c[0] == "\0loop"]
     if not ends:
         raise RuntimeError(f"{type(base).__name__}.forward never called its last decoder layer")
