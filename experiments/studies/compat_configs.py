@@ -33,6 +33,9 @@ FAMILY: dict[str, dict[str, Any]] = {
     # MLP (its validate_architecture); the default text config has all three.
     "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
                                          "enable_moe_block": False, "use_double_wide_mlp": False}},
+    # DBRX's attention clamps q/k/v to +-clip_qkv unconditionally, and its default leaves it None (its released
+    # checkpoints: 8).
+    "dbrx": {"attn_config.clip_qkv": 8.0},
     # LFM2-MoE leaves layer_types None; its layers and masks are keyed by these two kinds (LFM2's own default
     # interleaves them the same way).
     "lfm2_moe": {"layer_kinds": ["conv", "full_attention"]},
@@ -126,7 +129,8 @@ def study_config(model_type: str) -> tuple[type, Any, dict[str, Any]]:
     _sizes(config, filled)
     _rope(config, filled)
     for key, value in family.items():
-        setattr(config, key, value)
+        owner, _, name = key.rpartition(".")  # "attn_config.clip_qkv": a sub-config's field
+        setattr(getattr(config, owner) if owner else config, name, value)
         filled[key] = value
     _layer_types(config, filled, kinds)
     return model_cls, config, filled

@@ -121,12 +121,13 @@ class _PassThrough(nn.Module):
     again without. Given a `runner` (layer 0), it runs it once and hands back, from every stand-in, what it handed
     back besides the hidden state, so a loop that unpacks more (state handed between layers) runs."""
 
-    def __init__(self, original: nn.Module, shared: dict, as_tuple: bool) -> None:
+    def __init__(self, original: nn.Module, shared: dict, as_tuple: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.__dict__["_original"] = weakref.ref(original)  # not a submodule, and not copied with the stack
         self.__dict__["_runner"] = None
         self.shared = shared
         self.as_tuple = as_tuple
+        self.dtype = dtype
 
     def __getattr__(self, name: str):
         try:
@@ -137,6 +138,10 @@ class _PassThrough(nn.Module):
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         if isinstance(hidden_states, _LayerOutput):
             hidden_states = hidden_states[0]
+        if hidden_states.is_floating_point():
+            # As the engine's layers hand it on: in the model's dtype (XGLM's FP32 positions make a bf16 model's
+            # layer input FP32; record_layer_inputs casts it too).
+            hidden_states = hidden_states.to(self.dtype)
         if self.as_tuple:
             return _LayerOutput((hidden_states,))
         runner = self.__dict__["_runner"]
@@ -163,7 +168,7 @@ def _modules_after_loop(base: nn.Module, layers_attr: str, embed: nn.Module, as_
     never written cost no memory."""
     layers = getattr(base, layers_attr)
     shared: dict = {}
-    stand_ins = nn.ModuleList(_PassThrough(layer, shared, as_tuple) for layer in layers)
+    stand_ins = nn.ModuleList(_PassThrough(layer, shared, as_tuple, embed.weight.dtype) for layer in layers)
     setattr(base, layers_attr, stand_ins)
     try:
         runner = layers[0] if first_real else None
