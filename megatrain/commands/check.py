@@ -40,6 +40,12 @@ def check_model(name_or_path: str | os.PathLike, compute_dtype: str = "float32",
     """The probe's verdict, computed now (never read from the cache), for an engine computing in `compute_dtype`
     with `host_master`; `overrides` set config values first (e.g. a non-default logit_scale)."""
     model_cls, config = resolve(name_or_path)
+    return check_config(model_cls, config, compute_dtype, host_master, overrides)
+
+
+def check_config(model_cls: type, config: Any, compute_dtype: str = "float32", host_master: str = "fp32",
+                 overrides: dict[str, Any] | None = None) -> Verdict:
+    """`check_model` for a causal-LM class and a config of it (the compatibility study's filled configs)."""
     for key, value in (overrides or {}).items():
         setattr(config, key, value)
     if getattr(config, "is_encoder_decoder", False):

@@ -8,6 +8,7 @@ stays exactly the model's.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import re
 import weakref
@@ -29,7 +30,6 @@ class LogitTransform:
 # Post-layer math in the *ForCausalLM wrapper that our chunked head would silently skip.
 _LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "output_multiplier_scale")
 _LAYER_STACK_NAMES = ("layers", "h", "blocks", "decoder_layers")
-_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm", "final_layer_norm", "layer_norm", "norm_f")
 
 
 @dataclass
@@ -100,9 +100,7 @@ def find_parts(model: nn.Module) -> DecoderParts:
                          f"{_LAYER_STACK_NAMES} with num_hidden_layers={n_layers} entries)")
     if _module_name(base, embed) is None:
         raise ValueError(f"{kind}: the input embedding does not live in the decoder stack {type(base).__name__}")
-    norm = next((getattr(base, n) for n in _NORM_NAMES if isinstance(getattr(base, n, None), nn.Module)), None)
-    if norm is None:
-        raise ValueError(f"{kind}: no final norm found on {type(base).__name__} (looked for {_NORM_NAMES})")
+    norm = find_final_norm(base, layers_attr, embed, kind)
     rotary = getattr(base, "rotary_emb", None)
     base_prefix = _module_name(model, base)
     tied = lm_head.weight is embed.weight
@@ -112,6 +110,163 @@ def find_parts(model: nn.Module) -> DecoderParts:
     cap = float(softcap) if softcap is not None else None
     return DecoderParts(model, base, base_prefix or "", layers_attr, getattr(base, layers_attr), embed, norm,
                         lm_head, rotary, tied, cap if scale is None else LogitTransform(scale, cap))
+
+
+class _PassThrough(nn.Module):
+    """Stands in for a decoder layer while the final norm is traced: hands the loop its hidden state back, and
+    answers what the loop asks of the layer (its attention or block type) as the layer would.
+
+    `as_tuple`: hands it back as a one-tuple that the next stand-in unwraps (`_LayerOutput`), for loops that index
+    what a layer returns; a loop that takes it as the hidden state then fails at the final norm, and is traced
+    again without. Given a `runner` (layer 0), it runs it once and hands back, from every stand-in, what it handed
+    back besides the hidden state, so a loop that unpacks more (state handed between layers) runs."""
+
+    def __init__(self, original: nn.Module, shared: dict, as_tuple: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.__dict__["_original"] = weakref.ref(original)  # not a submodule, and not copied with the stack
+        self.__dict__["_runner"] = None
+        self.shared = shared
+        self.as_tuple = as_tuple
+        self.dtype = dtype
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_original"](), name)
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        if isinstance(hidden_states, _LayerOutput):
+            hidden_states = hidden_states[0]
+        if hidden_states.is_floating_point():
+            # As the engine's layers hand it on: in the model's dtype (XGLM's FP32 positions make a bf16 model's
+            # layer input FP32; record_layer_inputs casts it too).
+            hidden_states = hidden_states.to(self.dtype)
+        if self.as_tuple:
+            return _LayerOutput((hidden_states,))
+        runner = self.__dict__["_runner"]
+        if runner is not None and "out" not in self.shared:
+            self.shared["out"] = runner(hidden_states, *args, **kwargs)
+        out = self.shared.get("out")
+        if isinstance(out, tuple) and out:
+            return (hidden_states, *out[1:])
+        return hidden_states
+
+
+_HOOKED = "_output_capturing_hooks_installed"
+_ABSENT = object()
+# How the trace stands in for the layers, in order: a one-tuple; the hidden state; layer 0's output's shape.
+_TRACES = ((True, False), (False, False), (False, True))
+
+
+def _modules_after_loop(base: nn.Module, layers_attr: str, embed: nn.Module, as_tuple: bool,
+                        first_real: bool) -> list[tuple[str, tuple, dict, object]]:
+    """Run `base` on two tokens with its layers standing in (`_PassThrough`) and return the last layer's call and
+    the calls of the stack's direct children after it, in order: (name, args, kwargs, output). `first_real`: layer
+    0 runs for real (once, on those two tokens). A model on the meta device (a skeleton, the planner's shapes) is
+    traced on an uninitialised CPU copy of its stack without the layers: only which modules run matters, and pages
+    never written cost no memory."""
+    layers = getattr(base, layers_attr)
+    shared: dict = {}
+    stand_ins = nn.ModuleList(_PassThrough(layer, shared, as_tuple, embed.weight.dtype) for layer in layers)
+    setattr(base, layers_attr, stand_ins)
+    try:
+        runner = layers[0] if first_real else None
+        tensors = [*base.parameters(), *base.buffers(), *(runner.parameters() if runner is not None else ())]
+        run, device = base, embed.weight.device
+        if any(t.is_meta for t in tensors):
+            run, device = copy.deepcopy(base).to_empty(device="cpu"), torch.device("cpu")
+            runner = copy.deepcopy(runner).to_empty(device="cpu") if runner is not None else None
+        getattr(run, layers_attr)[0].__dict__["_runner"] = runner
+        return _trace(run, getattr(run, layers_attr), device)
+    finally:
+        setattr(base, layers_attr, layers)
+
+
+def _trace(base: nn.Module, stand_ins: nn.ModuleList, device: torch.device) -> list[tuple[str, tuple, dict, object]]:
+    """`base` on two tokens, its children's calls from the last stand-in's on (see _modules_after_loop)."""
+    # Token ids, not embeddings: some stacks derive more inputs from the ids (Gemma 4's per-layer embeddings).
+    ids = torch.tensor([[1, 2]], device=device)
+    calls: list = []
+
+    def record(name: str):
+        return lambda mod, args, kwargs, out: calls.append((name, args, kwargs, out))
+
+    hooks = [child.register_forward_hook(record(name), with_kwargs=True)
+             for name, child in base.named_children() if child is not stand_ins]
+    hooks.append(stand_ins[-1].register_forward_hook(record("\0loop"), with_kwargs=True))
+    modes = {m: m.training for m in base.modules()}
+    base.eval()  # no dropout draws: the caller's random stream stays as it was
+    # transformers installs its output-capturing hooks (router logits, ...) on a model's first call, once: marked as
+    # installed for the trace, so that the first real call installs them on the real layers, not on the stand-ins.
+    from transformers import PreTrainedModel
+
+    hooked = {m: vars(m).get(_HOOKED, _ABSENT) for m in base.modules() if isinstance(m, PreTrainedModel)}
+    try:
+        for m in hooked:
+            setattr(m, _HOOKED, True)
+        with torch.no_grad():
+            base(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, mode in modes.items():
+            m.training = mode
+        for m, was in hooked.items():
+            if was is _ABSENT:
+                delattr(m, _HOOKED)
+            else:
+                setattr(m, _HOOKED, was)
+    ends = [i for i, c in enumerate(calls) if c[0] == "\0loop"]
+    if not ends:
+        raise RuntimeError(f"{type(base).__name__}.forward never called its last decoder layer")
+    return calls[ends[-1]:]
+
+
+class FinalChain(nn.Module):
+    """Modules a stack applies one after the other to the last layer's output (DeepSeek-V4's hyper-connection
+    head, which folds its residual streams into one, then its norm): the engine's final norm is their composition."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        super().__init__()
+        self.chain = nn.ModuleList(modules)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        for mod in self.chain:
+            hidden_states = mod(hidden_states)
+        return hidden_states
+
+
+def find_final_norm(base: nn.Module, layers_attr: str, embed: nn.Module, kind: str) -> nn.Module:
+    """The final norm: what the decoder stack's forward applies to the last layer's output, found by running the
+    stack with its layers standing in (not by its name: LFM2's is `embedding_norm`). One module, or several applied
+    one after the other, each to the previous one's output alone (`FinalChain`); anything else is refused by name."""
+    failures = []
+    for as_tuple, first_real in _TRACES:
+        try:
+            calls = _modules_after_loop(base, layers_attr, embed, as_tuple, first_real)
+            break
+        except Exception as exc:  # noqa: BLE001 - each way of standing in is tried; all failures are reported
+            failures.append(f"{type(exc).__name__}: {exc}")
+    else:
+        raise ValueError(f"{kind}: no final norm found: running {type(base).__name__}'s forward with its decoder "
+                         "layers standing in, to see which module it applies after them, failed (" +
+                         "; ".join(failures) + ")")
+    loop_out, after = calls[0][3], calls[1:]
+    after = [c for c in after if not isinstance(getattr(base, c[0]), nn.Dropout)]  # identity in eval and at p=0
+    x = loop_out[0] if isinstance(loop_out, tuple) else loop_out
+    names = [c[0] for c in after]
+    for name, args, kwargs, out in after:
+        if len(args) != 1 or kwargs or args[0] is not x or not torch.is_tensor(out):
+            raise ValueError(f"{kind}: no final norm found: {type(base).__name__}'s forward applies {names} after its "
+                             f"decoder layers, and {name} takes more than the previous one's output; the engine "
+                             "applies one module, or a chain of them, between the last decoder layer and the head")
+        x = out
+    if not after:
+        raise ValueError(f"{kind}: no final norm found: {type(base).__name__}'s forward applies no module after its "
+                         "decoder layers, where the engine applies one (the final norm) before the head")
+    modules = [getattr(base, n) for n in names]
+    return modules[0] if len(modules) == 1 else FinalChain(modules)
 
 
 def _logit_scale(model: nn.Module, config: object, kind: str) -> float | None:

@@ -61,11 +61,14 @@ _MORE_SIZES = {
     "shared_expert_intermediate_size": 64, "n_routed_experts": 4, "num_experts": 4, "num_local_experts": 4,
     "kv_lora_rank": 16, "q_lora_rank": 32, "rotary_dim": 8,
     "n_positions": 512, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": 128, "ffn_dim": 128, "d_model": 64,
+    "num_layers": 2, "ffn_hidden_size": 128, "expert_ffn_hidden_size": 64, "emb_dim": 64,  # LongCat, XLM
+    "attention_hidden_size": 128, "attention_head_dim": 32,  # Zamba's shared attention block
+    "encoder_hash_byte_group_vocab": 256,  # BLT's hashed n-gram tables
 }
 # Mixture of experts: top-k and expert groups within the shrunk expert count; the router loss on and weighted so a
 # wrong router gradient shows (the model's defaults, e.g. 0.001, would put it under the tolerance).
 _EXPERT_COUNTS = {"num_experts_per_tok": 2, "num_experts_per_token": 2, "n_group": 2, "num_expert_group": 2,
-                  "topk_group": 1}
+                  "topk_group": 1, "moe_topk": 2, "zero_expert_num": 2}
 _ROUTER_AUX_COEF = 0.1
 _MAX_PARAMS = 20_000_000  # a "tiny" clone bigger than this has a size setting the probe does not know
 # When plain transformers fails on the shrunk config, the probe shrinks less: the same counts, every width kept
@@ -171,6 +174,9 @@ def _shrunk(config: Any, sizes: dict[str, int], expert_counts: dict[str, int], r
             present.get(k) for k in ("n_routed_experts", "num_experts")):
         cfg.num_experts_per_tok = 2  # a default without top-k (DeepSeek-V2) cannot route at all
     _keep_both_layer_kinds(cfg, present)
+    n_orig, n = vars(config).get("num_hidden_layers"), vars(cfg).get("num_hidden_layers")
+    if present.get("num_kv_shared_layers") and present["num_kv_shared_layers"] == n_orig:
+        cfg.num_kv_shared_layers = n  # every layer reads shared keys/values (an assistant drafting from its target)
     if "output_router_logits" in present:
         cfg.output_router_logits = True
         if isinstance(present.get("router_aux_loss_coef"), float):
@@ -213,12 +219,19 @@ def _instantiate(model_cls: type, cfg: Any, meta: bool) -> nn.Module:
     return _instantiate(model_cls, cfg, meta)
 
 
+class _MissingPackage(ImportError):
+    """transformers cannot build the model here at all: an optional package it needs is not installed."""
+
+
 def _build(model_cls: type, cfg: Any, original: Any, max_params: int = _MAX_PARAMS) -> nn.Module:
     try:
         n = sum(p.numel() for p in _instantiate(model_cls, cfg, meta=True).parameters())
     except Exception as exc:
         try:  # is it the shrinking, or does transformers not build this config at all?
             _instantiate(model_cls, copy.deepcopy(original), meta=True)
+        except ImportError as missing:
+            raise _MissingPackage(f"transformers needs a package that is not installed to build "
+                                  f"{model_cls.__name__}: {' '.join(str(missing).split())}") from exc
         except Exception:  # noqa: BLE001
             raise ValueError(f"transformers cannot build its default config either ({type(exc).__name__}: "
                              f"{exc})") from exc
@@ -513,6 +526,8 @@ def run_probe(model_cls: type, config: Any, engine_factory: Callable[..., Any],
                 master = _build(model_cls, tiny, config, cap)
                 master.float().train()
                 first = first or master
+            except _MissingPackage as exc:
+                return Verdict("crashed", str(exc), arch)
             except Exception as exc:  # noqa: BLE001 - any failure to build is reported, never swallowed silently
                 tried.append((what, _BuildFailure(f"{type(exc).__name__}: {exc}")))
                 if "cannot build its default config either" in str(exc):
@@ -530,8 +545,26 @@ def run_probe(model_cls: type, config: Any, engine_factory: Callable[..., Any],
                     tried.append((what + ("" if pad else ", unpadded batches"), exc))
                     continue
                 return _compare(master, batches, ref, engine_factory, mode, arch)
-        refusal = _engine_refusal(first, engine_factory, arch) if first is not None else None
+        refusal = _engine_refusal(first, engine_factory, arch) if first is not None else _own_refusal(
+            model_cls, config, arch)
     return refusal or _plain_failure(arch, tried)
+
+
+def _own_refusal(model_cls: type, config: Any, arch: str) -> Verdict | None:
+    """The engine's refusal by name of the user's own config, built on the meta device, when no shrink of it builds
+    (a shrink that breaks a rule the user's config keeps, e.g. which layers share keys and values): the reason the
+    engine would give the real model, rather than the probe's failure to build a small one."""
+    from ...models.adapter import find_parts
+
+    try:
+        model = _instantiate(model_cls, copy.deepcopy(config), meta=True)
+    except Exception:  # noqa: BLE001 - transformers cannot build it: _plain_failure says so
+        return None
+    try:
+        find_parts(model)
+    except ValueError as exc:
+        return Verdict("refused", str(exc), arch)
+    return None
 
 
 def _engine_refusal(master: nn.Module, engine_factory: Callable[..., Any], arch: str) -> Verdict | None:
