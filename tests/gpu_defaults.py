@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from megatrain.models.mixed_precision import cast_points
+
 GPU_DEFAULTS = {"compute_dtype": "bfloat16", "optimizer_overlap": True, "host_master": "hilo"}
 FP32 = {"compute_dtype": "float32", "optimizer_overlap": False}
 CONFIGS = [pytest.param(FP32, id="fp32"), pytest.param(GPU_DEFAULTS, id="gpu-defaults")]
@@ -86,7 +88,7 @@ class MixedPrecisionReference:
             for p in self.compute.parameters():  # parameters only: the rotary tables stay FP32, as in the engine
                 p.data = p.data.to(torch.bfloat16)
         self.pairs = list(zip(model.parameters(), self.compute.parameters(), strict=True))
-        _cast_points(self.compute)
+        cast_points(self.compute, torch.bfloat16)  # the engine's casts, as the parity probe's reference has them
         self.optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 
     def __call__(self, **batch):
@@ -117,24 +119,6 @@ class MixedPrecisionReference:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.masters.state_dict()
-
-
-def _cast_points(model: torch.nn.Module) -> None:
-    """The engine's casts as hooks: layer 0 takes its input in bf16 (adapter.record_layer_inputs), the head
-    in its weight's dtype (loss._logits)."""
-    from megatrain.models.adapter import find_parts
-
-    parts = find_parts(model)
-
-    def first_layer(mod, args, kwargs):
-        if args and torch.is_tensor(args[0]) and args[0].is_floating_point():
-            return (args[0].to(torch.bfloat16), *args[1:]), kwargs
-        if torch.is_tensor(kwargs.get("hidden_states")):
-            return args, {**kwargs, "hidden_states": kwargs["hidden_states"].to(torch.bfloat16)}
-        return args, kwargs
-
-    parts.layers[0].register_forward_pre_hook(first_layer, with_kwargs=True)
-    parts.lm_head.register_forward_pre_hook(lambda mod, args: (args[0].to(mod.weight.dtype), *args[1:]))
 
 
 def engine_grads(eng) -> dict[str, torch.Tensor]:
