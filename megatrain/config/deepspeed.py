@@ -28,13 +28,12 @@ from typing import Any
 import torch
 
 from ..lr_schedules import SCHEDULES, WARMUP_TYPES
-from .schema import EngineConfig
+from .schema import AUTO, EngineConfig
 from .settings import FACE_KEYS, bf16_enabled, bf16_section, clipping, from_args
 from .validate import check_keys, close_match, is_bool, is_int, is_number
 
 __all__ = ["DeepSpeedConfig", "OptimizerSpec", "SchedulerSpec", "ZeroSpec", "parse_config", "load_config_dict"]
 
-AUTO = "auto"
 
 # Top-level keys MegaTrain acts on: the ones a face reads itself (megatrain/config/settings.py) and these.
 _HONOURED = (
