@@ -12,14 +12,12 @@ the streaming path and with kept layers, and in the GPU's defaults against the m
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import transformers
+from kit import engine_factory, kept_graphs
 
 from megatrain.config import EngineConfig
-from megatrain.engine import Engine
 from megatrain.engine.layer import handed_state
 from megatrain.engine.model import probe
 from megatrain.models import adapter
@@ -51,20 +49,6 @@ def zaya(layers: int = 3) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-def _factory(residency, engines: list | None = None, **extra):
-    def make(model, cfg, optimizer=None):
-        eng = Engine(model, dataclasses.replace(cfg, residency=residency, **extra), optimizer=optimizer)
-        if engines is not None:
-            engines.append(eng)
-        return eng
-    return make
-
-
-def _kept_graphs(engines: list) -> int:
-    """How many layers kept their forward graph in the last training step (the probe's engine)."""
-    return int(engines[-1].pipeline.residency_stats()["kept_graph_layers"])
-
-
 @pytest.mark.parametrize("residency", RESIDENCY)
 def test_glm5_trains_exact_in_fp32(residency, monkeypatch):
     replayed = []
@@ -78,10 +62,10 @@ def test_glm5_trains_exact_in_fp32(residency, monkeypatch):
 
     monkeypatch.setattr(handed_state.HandedStates, "_value", spy)
     model, engines = glm5(), []
-    verdict = probe.run_probe(type(model), model.config, _factory(residency, engines))
+    verdict = probe.run_probe(type(model), model.config, engine_factory(residency, engines))
     assert verdict.status == "exact", verdict.detail
     assert verdict.max_grad_rel <= probe.GRAD_RTOL and verdict.max_loss_diff <= probe.LOSS_ATOL
-    assert (_kept_graphs(engines) > 0) == (residency != "stream")
+    assert (kept_graphs(engines) > 0) == (residency != "stream")
     # The mechanism ran: layer 1 (shared) took layer 0's indices, integers.
     assert replayed and all(src == 0 and dst == 1 and not dt.is_floating_point for src, dst, dt in replayed)
 
@@ -90,7 +74,7 @@ def test_without_stand_ins_the_old_refusal_names_the_handed_state(monkeypatch):
     """Negative control: a recording that hands the loop the hidden state alone (as before) is refused by name."""
     monkeypatch.setattr(adapter, "_MAX_OUTPUTS", 1)
     model = glm5()
-    verdict = probe.run_probe(type(model), model.config, _factory("stream"))
+    verdict = probe.run_probe(type(model), model.config, engine_factory("stream"))
     assert verdict.status == "refused", verdict
     assert "takes more than the hidden state back from decoder layer 0" in verdict.detail
 
@@ -106,7 +90,7 @@ def test_other_indices_replayed_are_a_mismatch(monkeypatch):
 
     monkeypatch.setattr(handed_state.HandedStates, "_value", shifted)
     model = glm5()
-    verdict = probe.run_probe(type(model), model.config, _factory("stream"))
+    verdict = probe.run_probe(type(model), model.config, engine_factory("stream"))
     assert verdict.status == "mismatch", verdict
 
 
@@ -123,9 +107,9 @@ def test_zaya_carries_its_router_states_exact_in_fp32(residency, monkeypatch):
 
     monkeypatch.setattr(handed_state.HandedStates, "unpack", spy)
     model, engines = zaya(), []
-    verdict = probe.run_probe(type(model), model.config, _factory(residency, engines))
+    verdict = probe.run_probe(type(model), model.config, engine_factory(residency, engines))
     assert verdict.status == "exact", verdict.detail
-    assert (_kept_graphs(engines) > 0) == (residency != "stream")
+    assert (kept_graphs(engines) > 0) == (residency != "stream")
     # Layer 1 took the hidden state (64) and layer 0's router states (16) as one carried tensor.
     assert (1, 64 + 16) in carried
 
@@ -141,7 +125,7 @@ def test_a_carried_state_without_its_gradient_is_a_mismatch(monkeypatch):
 
     monkeypatch.setattr(handed_state.HandedStates, "unpack", detached)
     model = zaya()
-    verdict = probe.run_probe(type(model), model.config, _factory("stream", []))
+    verdict = probe.run_probe(type(model), model.config, engine_factory("stream", []))
     assert verdict.status == "mismatch", verdict
 
 
@@ -153,7 +137,7 @@ def test_zaya_in_the_gpu_defaults():
 
     model, engines = zaya(), []
     gpu = EngineConfig(device="cpu", **GPU_DEFAULTS)
-    verdict = probe.run_probe(type(model), model.config, _factory("stream", engines, optimizer_overlap=True), gpu)
+    verdict = probe.run_probe(type(model), model.config, engine_factory("stream", engines, optimizer_overlap=True), gpu)
     assert verdict.status == "exact", verdict.detail
 
 
@@ -174,6 +158,6 @@ def test_glm5_in_the_gpu_defaults_within_the_bf16_floor(residency):
 
     model, engines = glm5(), []
     gpu = EngineConfig(device="cpu", **GPU_DEFAULTS)
-    verdict = probe.run_probe(type(model), model.config, _factory(residency, engines, optimizer_overlap=True), gpu)
+    verdict = probe.run_probe(type(model), model.config, engine_factory(residency, engines, optimizer_overlap=True), gpu)
     assert verdict.status == "exact", verdict.detail
     assert engines[-1].config.compute_dtype == "bfloat16" and engines[-1]._layered is not None  # overlap ran

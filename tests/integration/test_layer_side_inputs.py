@@ -14,11 +14,11 @@ GPU's defaults are held to the mixed-precision reference's own floor (tests/gpu_
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
 import transformers
+from kit import engine_factory, kept_graphs
 
 from megatrain.config import EngineConfig
 from megatrain.engine import Engine
@@ -40,28 +40,14 @@ def gemma4(layers: int = 3) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-def _factory(residency, engines: list | None = None, **extra):
-    def make(model, cfg, optimizer=None):
-        eng = Engine(model, dataclasses.replace(cfg, residency=residency, **extra), optimizer=optimizer)
-        if engines is not None:
-            engines.append(eng)
-        return eng
-    return make
-
-
-def _kept_graphs(engines: list) -> int:
-    """How many layers kept their forward graph in the last training step (the probe's engine)."""
-    return int(engines[-1].pipeline.residency_stats()["kept_graph_layers"])
-
-
 @pytest.mark.parametrize("residency", RESIDENCY)
 def test_gemma4_per_layer_inputs_train_exact_in_fp32(residency):
     model, engines = gemma4(), []
     assert model.config.hidden_size_per_layer_input > 0
-    verdict = probe.run_probe(type(model), model.config, _factory(residency, engines))
+    verdict = probe.run_probe(type(model), model.config, engine_factory(residency, engines))
     assert verdict.status == "exact", verdict.detail
     assert verdict.max_grad_rel <= probe.GRAD_RTOL and verdict.max_loss_diff <= probe.LOSS_ATOL
-    assert (_kept_graphs(engines) > 0) == (residency != "stream")
+    assert (kept_graphs(engines) > 0) == (residency != "stream")
 
 
 def test_every_layer_takes_its_per_layer_input_as_a_side_input():
@@ -90,7 +76,7 @@ def test_a_lost_side_input_gradient_is_a_mismatch(monkeypatch):
     compute had it not refused such models before): the probe finds it."""
     monkeypatch.setattr(SideInputs, "add_grads", lambda self, i, grads: None)
     model = gemma4()
-    verdict = probe.run_probe(type(model), model.config, _factory("stream"))
+    verdict = probe.run_probe(type(model), model.config, engine_factory("stream"))
     assert verdict.status == "mismatch", verdict
     assert verdict.max_grad_rel > 1e-2, verdict  # first named: the input embedding, which the projection feeds too
 

@@ -12,12 +12,11 @@ hyper-head then the norm; the negative control hands the engine the norm alone.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import transformers
 from gpu_defaults import GPU_DEFAULTS
+from kit import engine_factory
 
 from megatrain.config import EngineConfig
 from megatrain.engine import Engine
@@ -52,13 +51,6 @@ def _norm_alone(monkeypatch) -> None:
     monkeypatch.setattr(engine_module, "find_parts", find)
 
 
-def _factory(residency, engines: list, **extra):
-    def make(model, cfg, optimizer=None):
-        engines.append(Engine(model, dataclasses.replace(cfg, residency=residency, **extra), optimizer=optimizer))
-        return engines[-1]
-    return make
-
-
 @pytest.mark.parametrize("gpu_defaults", [pytest.param(False, id="fp32"),
                                           pytest.param(True, id="gpu-defaults", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("residency", RESIDENCY)
@@ -67,7 +59,7 @@ def test_deepseek_v4_streams_train_exact(residency, gpu_defaults):
     assert model.config.hc_mult == 2
     mode = EngineConfig(device="cpu", **GPU_DEFAULTS) if gpu_defaults else None
     extra = {"optimizer_overlap": True} if gpu_defaults else {}
-    verdict = probe.run_probe(type(model), model.config, _factory(residency, engines, **extra), mode)
+    verdict = probe.run_probe(type(model), model.config, engine_factory(residency, engines, **extra), mode)
     assert verdict.status == "exact", verdict.detail
     assert not gpu_defaults or engines[-1]._layered is not None  # the overlapped update ran
     stats = engines[-1].pipeline.residency_stats()
@@ -89,5 +81,5 @@ def test_the_tiled_head_keeps_the_streams_per_token():
 def test_negative_control_the_final_norm_alone_is_a_mismatch(monkeypatch):
     _norm_alone(monkeypatch)
     model = dsv4()
-    verdict = probe.run_probe(type(model), model.config, _factory("stream", []))
+    verdict = probe.run_probe(type(model), model.config, engine_factory("stream", []))
     assert verdict.status == "mismatch", verdict.detail
