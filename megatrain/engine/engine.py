@@ -50,6 +50,7 @@ from .runtime.host_copy import to_device
 from .runtime.malloc import set_mmap_threshold
 from .runtime.memtrack import DeviceMemoryTracker, tracked
 from .runtime.stream import Streams, Trace
+from .update import speculative
 from .update.clipping import Clipping, checked_max_norm
 from .update.optim import LayeredStep, OptimizerArg, adopt_optimizer, move_onto_masters
 from .update.update import choose as choose_update
@@ -132,6 +133,11 @@ class Engine:
         self.ranks = ranks_for(self.dp, self.store, self.events)
         if config.optimizer_overlap is None:  # "auto": where the host update can hide behind the device's forward
             self.config = config = dataclasses.replace(config, optimizer_overlap=overlap_pays(self.device, config, opt))
+        if not isinstance(config.speculative_step, bool):  # "auto": where it can run and its rollback copy fits
+            self.config = config = dataclasses.replace(config, speculative_step=speculative.resolve(
+                config, self.device, opt, self.store, self.dp is not None))
+        else:
+            speculative.resolve(config, self.device, opt, self.store, self.dp is not None)  # True refused if it cannot
         # The optimizer in backward: one verdict per step from every rank; the NVMe tier, when configured.
         self.update = choose_update(opt, self.store, self.events, config, self.trace_log,
                                     agree=self.ranks.agree_max if self.dp is not None else None,
@@ -229,6 +235,7 @@ class Engine:
                 return_hidden: bool = False,
                 **unused: Any) -> CausalLMOutputWithPast:
         check_batch(self.hf_config, input_ids, attention_mask, labels, position_ids, unused)
+        self.update.before_forward()  # a speculative update not yet validated: this forward reads the weights before it
         t0 = time.perf_counter()
         self.templates.train(self.training)  # the user may have switched modes on the model object itself
         train = self.training and torch.is_grad_enabled()
@@ -370,7 +377,8 @@ class Engine:
             raise ValueError("the loss does not depend on the last forward's outputs (.loss / .logits)")
         self._global_grads.add_dense(grads)  # on CUDA: copy stream + pinned staging, added on a host thread
         del grads  # the head's gradient is vocab x hidden: free it before the layers run
-        g = self.pipeline.backward(g, p.layer_inputs, p.acts, self.ranks.grad_sent(sync))
+        sent = self.update.grad_sent_hook(self.ranks.grad_sent(sync), sync)  # the ranks' average, a speculative update
+        g = self.pipeline.backward(g, p.layer_inputs, p.acts, sent)
         if p.h_in0 is p.h0:
             g_h0, grads = g, ()
         else:
@@ -428,7 +436,9 @@ class Engine:
     def _all_grads(self) -> list[torch.Tensor]:
         """This rank's gradient slabs (a shared store: its own layers' and the resident parameters'), landed."""
         self.ranks.average_pending()
-        self._wait_host_jobs()
+        self.events.wait_grads()
+        self.update.settle()  # no queued update writes a slab (a speculative one only reads it: not waited for)
+        self.ranks.wait()
         return [g.grad for g in self.store.groups() if g.grad is not None]
 
     def step(self) -> bool:
@@ -581,11 +591,12 @@ class Engine:
 
     def reset_stats(self) -> None:
         self.accounting.reset()
+        self.update.rollbacks = 0
 
     def collect_stats(self) -> dict[str, float]:
         """Accounting since the last reset (waits for outstanding copies and layer updates)."""
         self.synchronize()
-        return self.accounting.collect()
+        return {**self.accounting.collect(), "speculative_rollbacks": self.update.rollbacks}
 
     @property
     def trace(self) -> list:
