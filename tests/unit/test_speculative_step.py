@@ -36,14 +36,19 @@ def _engines(mode: dict, **cfg):
     return serial, spec
 
 
-def _train(eng: Engine, batches, steps: int, clip: float | None, accum: int = 1, poison: int | None = None):
-    """Losses and pre-clip norms; at step `poison` the embedding's gradient gets a NaN (a non-finite step)."""
+def _train(eng: Engine, batches, steps: int, clip: float | None, accum: int = 1, poison: int | None = None,
+           settle: bool = True):
+    """Losses and pre-clip norms; at step `poison` the embedding's gradient gets a NaN (a non-finite step).
+    `settle`: the speculative updates are done before the step (else a job the step overtakes leaves its layer to
+    the step, so how many were speculated depends on timing)."""
     losses, norms, it = [], [], iter(batches)
     for s in range(steps):
         for _ in range(accum):
             loss = eng(**next(it)).loss
             eng.backward(loss / accum)
             losses.append(loss.item())
+            if settle and isinstance(eng.update, Speculative):
+                eng.update.layered.synchronize()  # the optimizer thread's queue, none restored (not eng.synchronize())
         if s == poison:
             eng.events.wait_global_grads()
             eng.store.globals.grad[0] = float("nan")
@@ -66,17 +71,19 @@ def _assert_same(a: Engine, b: Engine) -> None:
             assert torch.equal(oa[k][name], ob[k][name]), (k, name)
 
 
+@pytest.mark.parametrize("settle", [True, False], ids=["settled", "racing"])
 @pytest.mark.parametrize("mode", CONFIGS)
-def test_a_clip_that_scales_rolls_back_and_redoes_bit_for_bit(mode):
+def test_a_clip_that_scales_rolls_back_and_redoes_bit_for_bit(mode, settle):
     serial, spec = _engines(mode)
     batches = make_batches(4)
     a = _train(serial, batches, 4, clip=0.05)
-    b = _train(spec, batches, 4, clip=0.05)
+    b = _train(spec, batches, 4, clip=0.05, settle=settle)
     assert all(n > 0.05 for n in a[1]), a[1]  # the clip scales at every step
     assert a == b
     _assert_same(serial, spec)
-    assert spec.collect_stats()["speculative_rollbacks"] == 4
     assert serial.collect_stats()["speculative_rollbacks"] == 0
+    if settle:
+        assert spec.collect_stats()["speculative_rollbacks"] == 4
 
 
 @pytest.mark.parametrize("mode", CONFIGS)
@@ -116,12 +123,12 @@ def test_a_changed_lr_or_hand_written_gradient_rolls_back(change):
     for batch in batches:
         for eng in (serial, spec):
             eng.backward(eng(**batch).loss)
+            # The speculative updates done first (a write racing them is the caller's: Engine.synchronize() would
+            # undo them all), so the checks at step() are what find the LR or layer 1's slab changed.
+            (eng.update.layered.synchronize if eng is spec else eng.events.wait_grads)()
             if change == "lr":
                 eng.optimizer.param_groups[0]["lr"] *= 0.5
             else:
-                # The speculative updates done first (a write racing them is the caller's: Engine.synchronize()
-                # would undo them all), so the version check is what finds layer 1's slab changed.
-                (eng.update.layered.synchronize if eng is spec else eng.events.wait_grads)()
                 eng.store.layers[1].params[0].grad.mul_(0.5)  # only layer 1's update is redone
             eng.step()
             eng.zero_grad()
@@ -218,3 +225,33 @@ def test_settings_and_the_rollback_preflight():
     assert not rollback_preflight(1000, HostMaster.FP32, True, required=False, available=13_999)
     with pytest.raises(HostMemoryError, match="rollback copy"):
         rollback_preflight(1000, HostMaster.HILO, True, required=True, available=11_999)
+
+
+def test_a_step_that_overtakes_the_speculation_updates_the_layers_itself():
+    """Speculative jobs not started when step() comes copy nothing: the step's own jobs update those layers."""
+    import threading
+
+    serial, spec = _engines(CONFIGS[0].values[0], optimizer_overlap=True)  # step() returns before the layer jobs
+    gate = threading.Event()
+    begin = spec.update.begin_backward
+
+    waited: list[bool] = []
+
+    def blocker() -> int:
+        waited.append(not gate.wait(5))  # True: nothing opened the gate, so step() waited for this thread
+        return 0
+
+    def begin_then_block() -> None:
+        begin()
+        spec.update.layered.stream.submit(blocker, (), "block", 0)  # ahead of every speculation
+
+    spec.update.begin_backward = begin_then_block
+    batch = make_batches(1)[0]
+    for eng in (serial, spec):
+        eng.backward(eng(**batch).loss)
+        eng.clip_grad_norm_(1e6)
+        eng.step()
+    gate.set()
+    _assert_same(serial, spec)
+    assert waited == [False], "step() waited for the speculative jobs"
+    assert spec.update.kept_layers == 0 and spec.collect_stats()["speculative_rollbacks"] == 0

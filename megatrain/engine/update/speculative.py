@@ -14,7 +14,9 @@ the streamed copy, Adam's m and v and step, the rounding generator). step() then
   non-finite gradient waits for the verdict, so no update runs on NaNs).
 
 A layer that held is done; any other is restored from its copy and updated as the serial path updates it (its
-job on the optimizer thread, in forward order, restore first), or only restored where the step is skipped. The
+job on the optimizer thread, in forward order, restore first), or only restored where the step is skipped. A
+speculative job that has not started when step() comes does nothing: its layer is updated by the step's job, in
+forward order and without a copy, as Layered updates it (so what backward could not hide costs what overlap costs). The
 restored bytes are the copied ones, so every path gives the serial step's bits (tests/unit/test_speculative_step.py).
 A read of the weights or state between backward() and step() (Engine.synchronize, a forward, zero_grad, a load)
 restores the speculated layers first: what it sees is the serial path's. Each step (or read) that restores any
@@ -112,9 +114,13 @@ class Speculative(Layered):
         self._rolled_at = -1  # the verdict that last counted a rollback (each counts once)
         self._verdict = 0
         self._hyper: list[dict[str, Any]] | None = None  # the hyper-parameters the speculation took
+        self._state: dict | None = None  # the optimizer's state it updated (a load_state_dict replaces it)
         self._backwards = 0  # backwards since the last step
         self._per_step = 1  # backwards the last step followed
         self._armed = False
+        # The verdict is known (step() or a read came): a speculative job not yet started leaves its layer to the
+        # step's job, which updates it in forward order without a copy, as Layered does.
+        self._decided = True
 
     # -- backward: each layer's update as its gradient lands ---------------------------------------------
     def begin_backward(self) -> None:
@@ -123,7 +129,8 @@ class Speculative(Layered):
         self._armed = self._backwards >= self._per_step
         if self._armed:
             self.layered.sync_all()  # this step's LR and state links, taken before the first layer update
-            self._hyper = _hyper(self.optimizer)
+            self._hyper, self._state = _hyper(self.optimizer), self.optimizer.state
+            self._decided = False
 
     def grad_sent_hook(self, ranks_hook: Callable[[int], None] | None,
                        sync: bool) -> Callable[[int], None] | None:
@@ -146,6 +153,8 @@ class Speculative(Layered):
 
         def job() -> int:
             self.speculated[i] = None
+            if self._decided:
+                return 0  # step() came first: its own job updates the layer, with no copy to take
             norm = slabs.norm(i, group.grad)  # measured by the reduction; None: not known, so not speculated
             if norm is None or not math.isfinite(float(norm)):
                 return 0
@@ -173,6 +182,7 @@ class Speculative(Layered):
 
     def discard(self) -> None:
         """Undo every queued speculation (queued behind it: the layers' next loads wait for the restore)."""
+        self._decided = True
         if not any(self.submitted):
             return
         self._verdict += 1
@@ -188,6 +198,7 @@ class Speculative(Layered):
 
     def step(self, finite: Callable[[], bool], clip: Clipping) -> bool:
         self._per_step, self._backwards = max(1, self._backwards), 0
+        self._decided = True
         if not any(self.submitted):
             return super().step(finite, clip)
         if not finite():
@@ -199,7 +210,8 @@ class Speculative(Layered):
         coefs, pending = clip.layer_coefs(), clip.resident_coefs()
         # What every speculated layer took: no clip scale, the hyper-parameters of its backward. The slab each
         # read, and whether it ran at all, its job knows: the check below runs on the optimizer thread behind it.
-        held = not coefs and _hyper(self.optimizer) == self._hyper
+        same = _hyper(self.optimizer) == self._hyper and self.optimizer.state is self._state
+        held = same and not coefs
         layered, layers, threads = self.layered, self.store.layers, self.threads
         self._verdict += 1
         verdict, submitted = self._verdict, self.submitted
@@ -216,7 +228,9 @@ class Speculative(Layered):
                 self._restore(i, verdict)
             update_layer(layered, group, i, coefs, threads)
 
-        self._queue(update, pending)
+        # The views hold this step's hyper-parameters and state already, unless they changed since backward: then
+        # they are taken again, once the jobs that read them are done (a wait on this thread, for that case only).
+        self._queue(update, pending, sync=not same)
         if not self.overlapped:
             layered.synchronize()
         return True

@@ -189,13 +189,14 @@ class Layered(UpdatePath):
             layered.synchronize()  # a per-layer mode without overlap: step() returns with every layer done
         return True
 
-    def _queue(self, update: Callable[[int], None], pending: list[float]) -> None:
+    def _queue(self, update: Callable[[int], None], pending: list[float], sync: bool = True) -> None:
         """Every layer's update queued on the optimizer thread (in forward order, each behind its gradients' last
         reduction) before the resident parameters' update starts here: the optimizer thread starts on layer 0
         while this thread updates the resident ones, not after (issue 40's serial gap). The same jobs and
         hyper-parameters as LayeredStep.step, which updated the resident parameters first."""
         layered = self.layered
-        layered.sync_all()  # the previous step's jobs done; this step's LR and state links taken for every view
+        if sync:  # (else the views hold this step's already, taken before jobs that may still run)
+            layered.sync_all()  # the previous step's jobs done; this step's LR and state links taken for every view
         for i in range(len(self.store.layers)):
             def job(i: int = i) -> int:
                 update(i)
