@@ -47,8 +47,8 @@ def _train(eng: Engine, batches, steps: int, clip: float | None, accum: int = 1,
             loss = eng(**next(it)).loss
             eng.backward(loss / accum)
             losses.append(loss.item())
-            if settle and isinstance(eng.update, Speculative):
-                eng.update.layered.synchronize()  # the optimizer thread's queue, none restored (not eng.synchronize())
+            if settle:
+                _settle(eng)
         if s == poison:
             eng.events.wait_global_grads()
             eng.store.globals.grad[0] = float("nan")
@@ -57,6 +57,12 @@ def _train(eng: Engine, batches, steps: int, clip: float | None, accum: int = 1,
         eng.step()
         eng.zero_grad()
     return losses, norms
+
+
+def _settle(eng: Engine) -> None:
+    """The speculative updates queued so far done (the optimizer thread's queue; Engine.synchronize() would undo them)."""
+    if isinstance(eng.update, Speculative):
+        eng.update.layered.synchronize()
 
 
 def _assert_same(a: Engine, b: Engine) -> None:
@@ -84,6 +90,18 @@ def test_a_clip_that_scales_rolls_back_and_redoes_bit_for_bit(mode, settle):
     assert serial.collect_stats()["speculative_rollbacks"] == 0
     if settle:
         assert spec.collect_stats()["speculative_rollbacks"] == 4
+
+
+def test_without_a_link_emulated_the_kept_layers_are_the_host_copies_and_still_exact():
+    """No link emulated on a CPU device: a kept layer's "device copy" is its host master itself (pipeline.alias_kept),
+    so the speculative update writes what backward's other layers never read again."""
+    base = tiny_model("llama", layers=3)
+    serial = Engine(copy.deepcopy(base), EngineConfig(optimizer_overlap=False, speculative_step=False))
+    spec = lag_updates(Engine(copy.deepcopy(base), EngineConfig(speculative_step=True)))
+    assert spec.pipeline.alias_kept
+    batches = make_batches(4)
+    assert _train(serial, batches, 4, clip=0.05) == _train(spec, batches, 4, clip=0.05, settle=False)
+    _assert_same(serial, spec)
 
 
 @pytest.mark.parametrize("mode", CONFIGS)
@@ -255,3 +273,18 @@ def test_a_step_that_overtakes_the_speculation_updates_the_layers_itself():
     _assert_same(serial, spec)
     assert waited == [False], "step() waited for the speculative jobs"
     assert spec.update.kept_layers == 0 and spec.collect_stats()["speculative_rollbacks"] == 0
+
+
+def test_too_many_bad_steps_leave_the_weights_of_the_last_good_one():
+    """step() raises before any verdict: what is read after it (a checkpoint) is the last good step's."""
+    serial, spec = _engines(CONFIGS[0].values[0], max_bad_steps=1)
+    batch = make_batches(1)[0]
+    for eng in (serial, spec):
+        eng.backward(eng(**batch).loss)
+        _settle(eng)
+        eng.events.wait_global_grads()
+        eng.store.globals.grad[0] = float("nan")
+        with pytest.raises(FloatingPointError, match="consecutive"):
+            eng.step()
+    _assert_same(serial, spec)
+    assert spec.collect_stats()["speculative_rollbacks"] == 1

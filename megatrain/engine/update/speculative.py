@@ -201,7 +201,7 @@ class Speculative(Layered):
         self._decided = True
         if not any(self.submitted):
             return super().step(finite, clip)
-        if not finite():
+        if not finite():  # (if it raises, after too many bad steps, a read or forward restores the layers first)
             self.discard()  # the step is skipped: the speculated layers as they were
             return False
         for g in self.store.groups():
