@@ -66,7 +66,7 @@ class EngineConfig:
     # the non-finite check are known; step() then validates it: a clip that scales, a non-finite gradient (or a
     # slab or LR changed by hand) rolls the updated layers back from a copy taken before each update and redoes them
     # with the right coefficient (or skips the step). Bit-identical to the serial step (engine/update/speculative.py).
-    # The copy (rollback memory) is each layer's master and Adam state, ~12 B/param more host memory. "auto": on a
+    # The copy (rollback memory) is each layer's master and Adam state, 10-14 B/param more host memory. "auto": on a
     # CUDA device with torch's Adam/AdamW, one rank and no NVMe tier, where the rollback memory fits the host.
     speculative_step: bool | str = "auto"
     max_bad_steps: int = 5  # ... and this many consecutive skipped steps stop training with an error

@@ -288,3 +288,17 @@ def test_too_many_bad_steps_leave_the_weights_of_the_last_good_one():
             eng.step()
     _assert_same(serial, spec)
     assert spec.collect_stats()["speculative_rollbacks"] == 1
+
+
+@pytest.mark.parametrize("mode", CONFIGS)
+def test_the_copies_hold_the_bytes_the_preflight_counts(mode):
+    from megatrain.costs.modes import HostMaster, rollback_bytes_per_param
+
+    serial, spec = _engines(mode)
+    _train(spec, make_batches(2), 2, clip=None)
+    per_param = rollback_bytes_per_param(HostMaster(spec.config.host_master), spec.config.compute_dtype == "bfloat16")
+    assert per_param == 12  # an FP32 master computing in FP32, or hilo's halves: 4 B, and m and v 8 B
+    numel = sum(g.numel for g in spec.store.layers)
+    steps = sum(len(g.slots) for g in spec.store.layers)  # Adam's step counter: one 4-byte tensor per parameter
+    assert sum(c.nbytes for c in spec.update.copies) == per_param * numel + 4 * steps
+    assert rollback_bytes_per_param(HostMaster.FP32, True) == 14 and rollback_bytes_per_param(HostMaster.BF16, True) == 10
