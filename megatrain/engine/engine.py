@@ -133,11 +133,9 @@ class Engine:
         self.ranks = ranks_for(self.dp, self.store, self.events)
         if config.optimizer_overlap is None:  # "auto": where the host update can hide behind the device's forward
             self.config = config = dataclasses.replace(config, optimizer_overlap=overlap_pays(self.device, config, opt))
-        if not isinstance(config.speculative_step, bool):  # "auto": where it can run and its rollback copy fits
-            self.config = config = dataclasses.replace(config, speculative_step=speculative.resolve(
-                config, self.device, opt, self.store, self.dp is not None))
-        else:
-            speculative.resolve(config, self.device, opt, self.store, self.dp is not None)  # True refused if it cannot
+        # "auto": where it can run and its rollback copy fits; True refused where it cannot
+        self.config = config = dataclasses.replace(config, speculative_step=speculative.resolve(
+            config, self.device, opt, self.store, self.dp is not None))
         # The optimizer in backward: one verdict per step from every rank; the NVMe tier, when configured.
         self.update = choose_update(opt, self.store, self.events, config, self.trace_log,
                                     agree=self.ranks.agree_max if self.dp is not None else None,

@@ -302,3 +302,38 @@ def test_the_copies_hold_the_bytes_the_preflight_counts(mode):
     steps = sum(len(g.slots) for g in spec.store.layers)  # Adam's step counter: one 4-byte tensor per parameter
     assert sum(c.nbytes for c in spec.update.copies) == per_param * numel + 4 * steps
     assert rollback_bytes_per_param(HostMaster.FP32, True) == 14 and rollback_bytes_per_param(HostMaster.BF16, True) == 10
+
+
+def test_auto_is_on_for_a_cuda_device_with_adamw_where_the_copy_fits(monkeypatch):
+    eng = Engine(tiny_model("llama", layers=2))
+    cuda, cpu, cfg = torch.device("cuda"), torch.device("cpu"), EngineConfig()
+    adamw = eng.optimizer
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert cfg.speculative_step == "auto"
+    assert speculative.resolve(cfg, cuda, adamw, eng.store, data_parallel=False)
+    assert not speculative.resolve(cfg, cpu, adamw, eng.store, data_parallel=False)
+    assert not speculative.resolve(cfg, cuda, sgd, eng.store, data_parallel=False)
+    assert not speculative.resolve(cfg, cuda, adamw, eng.store, data_parallel=True)
+    assert not speculative.resolve(EngineConfig(optimizer_in_backward=True), cuda, adamw, eng.store, False)
+    with pytest.raises(ValueError, match="data-parallel"):
+        speculative.resolve(EngineConfig(speculative_step=True), cuda, adamw, eng.store, data_parallel=True)
+    # where the copy does not fit beside the store: off, or refused when asked for
+    import megatrain.engine.host.preflight as preflight
+
+    monkeypatch.setattr(preflight, "available_host_bytes", lambda: 1000)
+    assert not speculative.resolve(cfg, cuda, adamw, eng.store, data_parallel=False)
+    with pytest.raises(HostMemoryError, match="speculative_step=True"):
+        speculative.resolve(EngineConfig(speculative_step=True), cpu, adamw, eng.store, data_parallel=False)
+
+
+def test_a_model_prepared_without_its_optimizer_does_not_speculate(monkeypatch):
+    """The per-layer views are of the optimizer the engine is built with: a face that adopts one later turns "auto" off
+    (here "auto" is made to say yes, as on CUDA)."""
+    from megatrain.backend import MegatrainBackend
+
+    monkeypatch.setattr(speculative, "resolve", lambda config, *a, **k: config.speculative_step is not False)
+    backend = MegatrainBackend(config=EngineConfig(device="cpu", compute_dtype="float32", parity_probe=False),
+                               mixed_precision=None)
+    backend.prepare(tiny_model(layers=2, hidden=32, vocab=128), None)
+    assert backend.engine.config.speculative_step is False and not isinstance(backend.engine.update, Speculative)
+    assert backend.engine.config.written["speculative_step"] == "auto"

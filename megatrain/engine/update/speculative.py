@@ -258,8 +258,12 @@ class Speculative(Layered):
 
 def _hyper(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """The optimizer's hyper-parameters (every group's, but its params), comparable with ==."""
-    return [{k: (v.item() if torch.is_tensor(v) else v) for k, v in g.items() if k != "params"}
-            for g in optimizer.param_groups]
+    def plain(v: Any) -> Any:
+        if torch.is_tensor(v):
+            return v.tolist()
+        return tuple(plain(x) for x in v) if isinstance(v, (tuple, list)) else v
+
+    return [{k: plain(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
 def refusal(config: EngineConfig, optimizer: torch.optim.Optimizer, data_parallel: bool) -> str | None:
