@@ -153,6 +153,8 @@ class MegatrainBackend:
         if optimizer is None and ec.optimizer_overlap is None:
             # overlap "auto" splits the optimizer it is built with; one adopted by a later prepare() steps whole
             ec = dataclasses.replace(ec, optimizer_overlap=False)  # what the user wrote kept (EngineConfig.written)
+        if optimizer is None and ec.speculative_step == "auto":
+            ec = dataclasses.replace(ec, speculative_step=False)  # the same: it splits the optimizer into views
         ec, finish = self.prepare_model(model, ec)
         self.engine = Engine(model, config=ec, optimizer=optimizer, clip_every_step=self._clip_every_step)
         finish(self.engine)

@@ -63,6 +63,13 @@ class EngineConfig:
     # None ("auto"): on where it pays, a CUDA device (the host update hides behind the device's forward) with
     # torch's Adam/AdamW; off on a CPU device, where the "device" compute and the host update share the cores.
     optimizer_overlap: bool | None = None
+    # Each layer's host update started as soon as its gradient has landed in backward, before the global norm and
+    # the non-finite check are known; step() then validates it: a clip that scales, a non-finite gradient (or a
+    # slab or LR changed by hand) rolls the updated layers back from a copy taken before each update and redoes them
+    # with the right coefficient (or skips the step). Bit-identical to the serial step (engine/update/speculative.py).
+    # The copy (rollback memory) is each layer's master and Adam state, 10-14 B/param more host memory. "auto": on a
+    # CUDA device with torch's Adam/AdamW, one rank and no NVMe tier, where the rollback memory fits the host.
+    speculative_step: bool | str = "auto"
     max_bad_steps: int = 5  # ... and this many consecutive skipped steps stop training with an error
     # glibc: fix the mmap threshold at this many bytes, so freed host blocks at least this big leave the
     # resident set at once (engine/runtime/malloc.py). None (default): glibc's dynamic threshold, which keeps freed
@@ -120,6 +127,7 @@ class EngineConfig:
         if self.compute_dtype not in _DTYPES:
             raise ValueError(f"compute_dtype={self.compute_dtype!r} is not supported; use one of {_DTYPES} or 'auto'")
         check_host_modes(self)
+        check_speculative(self)
         check_nvme_settings(self.nvme_path, self.host_budget_bytes, self.nvme_gbps, self.optimizer_in_backward,
                             self.data_parallel_host)
         if not isinstance(self.num_buffers, int) or self.num_buffers < 1:
@@ -239,6 +247,19 @@ def unknown_setting(key: object, close: str | None) -> ValueError:
     """The error for a key of a `megatrain` section (or a sweep point's `engine`) that names no setting."""
     hint = f" (did you mean {close!r}?)" if close else ""
     return ValueError(f"unknown megatrain setting {key!r}{hint}; known: {', '.join(sorted(ENGINE_KEYS))}")
+
+
+def check_speculative(cfg: EngineConfig) -> None:
+    """speculative_step is True, False or "auto", and not set beside what updates a layer another way."""
+    value = cfg.speculative_step
+    if not (is_bool(value) or value == AUTO):
+        raise ValueError(f"speculative_step={value!r} must be true, false or 'auto'")
+    if value is True and cfg.optimizer_in_backward:
+        raise ValueError("speculative_step=True and optimizer_in_backward=True both update the layers during "
+                         "backward: set one of them (speculative_step keeps clipping and skipping exact)")
+    if value is True and cfg.nvme_path is not None:
+        raise ValueError(f"speculative_step=True with nvme_path={cfg.nvme_path!r}: a spilled layer's state is on disk "
+                         "between updates, where no rollback copy is kept; set speculative_step='auto' or False")
 
 
 def check_host_modes(cfg: EngineConfig) -> None:

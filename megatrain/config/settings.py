@@ -130,6 +130,7 @@ _PLANNER_NAMES = {
     "offload_activations": "offload_activations", "mlp_tile_tokens": "mlp_tile_tokens",
     "device_budget_bytes": "device_budget_bytes", "host_master": "master", "host_grad_dtype": "host_grad_dtype",
     "optimizer_in_backward": "optimizer_in_backward", "optimizer_overlap": "optimizer_overlap", "residency": "residency",
+    "speculative_step": "speculative_step",
 }
 
 

@@ -44,6 +44,13 @@ def layer_bytes_per_param(master: HostMaster, grad: GradSlab, optimizer_in_backw
     return MASTER_BYTES[master] + shadow + slab + ADAM_BYTES
 
 
+def rollback_bytes_per_param(master: HostMaster, bf16_compute: bool) -> int:
+    """Host bytes per decoder-layer parameter the speculative step keeps to roll an update back bit for bit: a
+    copy of what the update writes (the master or its halves, the streamed bf16 copy of an FP32 master, m and v)."""
+    shadow = SHADOW_BYTES if master is HostMaster.FP32 and bf16_compute else 0
+    return MASTER_BYTES[master] + shadow + ADAM_BYTES
+
+
 def parse(enum: type[Enum], value: object, knob: str) -> Enum:
     """`value` as a member of `enum`, or a clear error naming the knob and its choices."""
     if isinstance(value, enum):

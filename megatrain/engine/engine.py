@@ -51,6 +51,7 @@ from .runtime.host_copy import HostCopy, host_value, to_device, to_host
 from .runtime.malloc import set_mmap_threshold
 from .runtime.memtrack import DeviceMemoryTracker, tracked
 from .runtime.stream import Streams, Trace
+from .update import speculative
 from .update.clipping import Clipping, checked_max_norm
 from .update.optim import LayeredStep, OptimizerArg, adopt_optimizer, move_onto_masters
 from .update.update import choose as choose_update
@@ -136,6 +137,9 @@ class Engine:
         self.ranks = ranks_for(self.dp, self.store, self.events)
         if config.optimizer_overlap is None:  # "auto": where the host update can hide behind the device's forward
             self.config = config = dataclasses.replace(config, optimizer_overlap=overlap_pays(self.device, config, opt))
+        # "auto": where it can run and its rollback copy fits; True refused where it cannot
+        self.config = config = dataclasses.replace(config, speculative_step=speculative.resolve(
+            config, self.device, opt, self.store, self.dp is not None))
         # The optimizer in backward: one verdict per step from every rank; the NVMe tier, when configured.
         self.update = choose_update(opt, self.store, self.events, config, self.trace_log,
                                     agree=self.ranks.agree_max if self.dp is not None else None,
@@ -234,6 +238,7 @@ class Engine:
                 **unused: Any) -> CausalLMOutputWithPast:
         # A device batch's values are checked at the end of this forward (no sync per micro-batch, batch.py).
         pending = check_batch(self.hf_config, input_ids, attention_mask, labels, position_ids, unused)
+        self.update.before_forward()  # a speculative update not yet validated: this forward reads the weights before it
         t0 = time.perf_counter()
         self.templates.train(self.training)  # the user may have switched modes on the model object itself
         train = self.training and torch.is_grad_enabled()
@@ -392,7 +397,8 @@ class Engine:
         self._global_grads.add_dense(grads)  # on CUDA: copy stream + pinned staging, added on a host thread
         del grads  # the head's gradient is vocab x hidden: free it before the layers run
         self.pipeline.tile = p.tile
-        g = self.pipeline.backward(g, p.layer_inputs, p.acts, self.ranks.grad_sent(sync), side=p.side)
+        sent = self.update.grad_sent_hook(self.ranks.grad_sent(sync), sync)  # the ranks' average, a speculative update
+        g = self.pipeline.backward(g, p.layer_inputs, p.acts, sent, side=p.side)
         side_roots, side_grads = p.side.backward_pairs()
         if p.h_in0 is p.h0 and not side_roots:
             g_h0, grads = g, ()
@@ -454,7 +460,9 @@ class Engine:
     def _all_grads(self) -> list[torch.Tensor]:
         """This rank's gradient slabs (a shared store: its own layers' and the resident parameters'), landed."""
         self.ranks.average_pending()
-        self._wait_host_jobs()
+        self.events.wait_grads()
+        self.update.settle()  # no queued update writes a slab (a speculative one only reads it: not waited for)
+        self.ranks.wait()
         return [g.grad for g in self.store.groups() if g.grad is not None]
 
     def step(self) -> bool:
@@ -607,11 +615,12 @@ class Engine:
 
     def reset_stats(self) -> None:
         self.accounting.reset()
+        self.update.rollbacks = 0
 
     def collect_stats(self) -> dict[str, float]:
         """Accounting since the last reset (waits for outstanding copies and layer updates)."""
         self.synchronize()
-        return self.accounting.collect()
+        return {**self.accounting.collect(), "speculative_rollbacks": self.update.rollbacks}
 
     @property
     def trace(self) -> list:

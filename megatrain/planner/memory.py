@@ -14,7 +14,7 @@ from ..costs import memory as device_model
 from ..costs import residency as kept_model
 from ..costs.pinning import pinned_bytes
 from .hardware import GIB, Hardware
-from .point import Point, aliases_globals, layer_grad_bytes, master_bytes
+from .point import Point, aliases_globals, layer_grad_bytes, master_bytes, rollback_bytes, speculative_on
 from .zero3_model import offload_tuning
 
 # ---- Activation memory, elements per token, all linear in T (sdpa keeps attention O(T)).
@@ -231,6 +231,8 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         # the embedding's row gradients on their way to the host (CUDA; kept from batch to batch): <= T rows
         "embedding row staging": 0 if not pin else T * (h * c + 8),
         "runtime": int(hw.host_reserved_gib * GIB),
+        # a copy of each layer's master and Adam state, to undo an update started before the step's verdict
+        "speculative rollback copy": rollback_bytes(p) if speculative_on(p, hw) else 0,
     }
     device = {
         # the streaming ring, freed when every layer is kept (costs/residency.py)

@@ -11,9 +11,10 @@ from typing import Any
 from megatrain.models.presets import ModelPreset
 
 from ..config.schema import EngineConfig
+from ..costs import modes
 from ..costs import residency as kept
 from ..costs.modes import GRAD_BYTES, MASTER_BYTES, SHADOW_BYTES, GradSlab, HostMaster
-from .hardware import Hardware, _is_bf16
+from .hardware import GIB, Hardware, _is_bf16
 from .shapes import resolve_model
 
 BACKENDS = ("megatrain", "zero3", "zero3-alst", "torch")
@@ -48,6 +49,9 @@ class Point:
     # host AdamW layer by layer behind the next forward (EngineConfig); None = "auto", as the engine resolves it
     # (overlap_on): on a CUDA device
     optimizer_overlap: bool | None = None
+    # each layer's host update during backward, kept at step unless a clip scales (EngineConfig.speculative_step);
+    # None = "auto", as the engine resolves it (speculative_on)
+    speculative_step: bool | None = None
     grad_clip: bool = True
     gradient_checkpointing: bool = True  # zero3 / torch only: megatrain always recomputes per layer
     zero3_pin_memory: bool = True
@@ -87,7 +91,7 @@ def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
     if engine_config is not None:
         dtype = getattr(engine_config, "compute_dtype", dtype)
         for k in ("num_buffers", "loss_chunk_tokens", "offload_activations", "mlp_tile_tokens",
-                  "device_budget_bytes", "optimizer_overlap", "residency"):
+                  "device_budget_bytes", "optimizer_overlap", "speculative_step", "residency"):
             if hasattr(engine_config, k):
                 knobs.setdefault(k, getattr(engine_config, k))
     if "tile_tokens" in knobs:  # the planner's name before it took the engine's
@@ -123,6 +127,11 @@ def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
     if knobs.get("optimizer_overlap") not in (None, True, False):
         raise ValueError(f"optimizer_overlap={knobs['optimizer_overlap']!r}: use True, False or None ('auto', as "
                          "the engine resolves it)")
+    if knobs.get("speculative_step") == "auto":
+        knobs["speculative_step"] = None
+    if knobs.get("speculative_step") not in (None, True, False):
+        raise ValueError(f"speculative_step={knobs['speculative_step']!r}: use True, False or None ('auto', as the "
+                         "engine resolves it)")
     if knobs.get("zero_stage", 3) not in (2, 3):
         raise ValueError(f"zero_stage={knobs['zero_stage']!r}: the planner models ZeRO-2 and ZeRO-3 offload (2 or 3)")
     for k in ("zero3_prefetch_bucket", "zero3_persistence_threshold", "zero3_reduce_bucket"):
@@ -149,6 +158,8 @@ def engine_settings(p: Point) -> dict[str, Any]:
                          "host_grad_dtype": p.host_grad_dtype, "optimizer_in_backward": p.optimizer_in_backward}
     if p.optimizer_overlap is not None:
         d["optimizer_overlap"] = p.optimizer_overlap
+    if p.speculative_step is not None:
+        d["speculative_step"] = p.speculative_step
     if p.device_budget_bytes is not None:
         d["device_budget_bytes"] = p.device_budget_bytes
     if p.residency != ENGINE_RESIDENCY:  # only where it changes the engine's default
@@ -170,6 +181,29 @@ def overlap_on(p: Point, hw: Hardware) -> bool:
     if p.optimizer_overlap is not None:
         return p.optimizer_overlap
     return p.backend == "megatrain" and not hw.unified_memory and not p.optimizer_in_backward
+
+
+def rollback_bytes(p: Point) -> int:
+    """Host bytes of the speculative step's rollback copy: every layer's master and Adam state (costs/modes.py)."""
+    m = p.model
+    return m.num_layers * m.layer_params() * modes.rollback_bytes_per_param(HostMaster(p.master), p.c == 2)
+
+
+def speculative_on(p: Point, hw: Hardware) -> bool:
+    """Whether the engine runs the speculative step at this point: as set, or for "auto" (None) as
+    engine/update/speculative.py resolve does: on a CUDA device, not with the optimizer in backward, where the rollback
+    copy fits the host beside the store (its layers' and resident parameters' bytes and the runtime's reserve)."""
+    if p.backend != "megatrain" or p.optimizer_in_backward:
+        return False
+    if p.speculative_step is not None:
+        return p.speculative_step
+    if hw.unified_memory:
+        return False
+    m = p.model
+    layers = m.num_layers * m.layer_params()
+    per_layer = modes.layer_bytes_per_param(HostMaster(p.master), GradSlab(p.host_grad_dtype), False, p.c == 2)
+    store = layers * per_layer + (m.param_count() - layers) * 16 + int(hw.host_reserved_gib * GIB)
+    return store + rollback_bytes(p) <= hw.host_bytes
 
 
 def master_bytes(p: Point) -> tuple[int, int]:

@@ -8,12 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..costs import residency as kept
+from ..costs.modes import HostMaster, rollback_bytes_per_param
 from .hardware import GB, Hardware, _is_bf16
 from .host_rates import host_slowdown
 from .host_work import globals_reduce_bps, reducer_bps, reducer_bytes_per_param, serial_work
 from .memory import LOSS_BYTES_EXTRA, zero3_sizes
 from .pipeline_sim import REDUCE_LANES, LayerCosts, PipelineSim, simulate_step
-from .point import Point, aliases_globals, master_bytes, overlap_on
+from .point import Point, aliases_globals, master_bytes, overlap_on, speculative_on
 from .zero3_model import PassCost, Step, Submodule, decoder_layer_submodules, run_pass
 
 # Memory-bound traffic of a layer's forward (norms, RoPE, residual adds, SiLU*up), elements read
@@ -206,6 +207,8 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     gb = 2 if _is_bf16(p.host_grad_dtype) else 4
     per_param = _optimizer_bytes_per_param(mb, gb, shadow, p.grad_clip)
     overlap = overlap_on(p, hw)
+    speculative = speculative_on(p, hw)
+    copy_s = 0.0  # the speculative step's rollback copies, on the optimizer's thread
     # the mode's own distance from its bytes bound (host_rates.py), never above the host's bandwidth: a mode measured
     # faster than FP32's whole step on two threads does not beat the bandwidth the pool's threads reach
     rate = optimizer_rate_bps(p, hw, overlap)
@@ -216,6 +219,25 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
         # waits for the last one (layer 0, whose backward is last), then updates the globals.
         u = PL * per_param / rate
         opt_added = opt_globals + max(u, own * u - bwd_s + bwd_s / L)
+    elif speculative:
+        # As EngineConfig(speculative_step=True) runs it (engine/update/speculative.py): each layer's update queued
+        # on one host thread as its gradient lands in the last micro-batch's backward, after a copy of its master and
+        # Adam state (read and written once more: u_s per layer), from the first layer's landing to the end of
+        # backward. Where that is all of them, the last (layer 0's) ends u_s after its landing at the latest. Else the
+        # step's verdict overtakes the rest (the lowest layers, landed last): they are updated in forward order
+        # without a copy, as without speculation: behind the next forward with overlap, else before it returns.
+        # A step whose clip scales is restored and redone (not modelled: the clip is taken not to scale).
+        rb = 2 * rollback_bytes_per_param(HostMaster(p.master), p.c == 2)
+        u, u_s, b_mb, f_mb = PL * per_param / rate, PL * (per_param + rb) / rate, bwd_s / g, fwd_s / g
+        done = min(own, b_mb * (1 - 1 / L) / u_s)  # layer updates speculated before backward ends
+        left = own - done
+        if left <= 0:
+            opt_added = opt_globals + max(u_s, own * u_s - b_mb + b_mb / L)
+        elif overlap:
+            opt_added = opt_globals + max(left * u - f_mb + f_mb / L, u)
+        else:
+            opt_added = opt_globals + left * u
+        copy_s = done * PL * rb / rate
     elif overlap:
         # As EngineConfig(optimizer_overlap=True) runs it (engine/update/optim.py): the globals update in step(),
         # the layers on a host thread in forward order while the next forward runs, each layer's forward
@@ -242,10 +264,13 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
         "link d2h": d2h_bytes / Bl if costs.cuda else max(d2h_bytes / Bl, g * L * costs.reduce),
         "host optimizer": opt_busy,
     }
+    if speculative:
+        busy["host rollback copy"] = copy_s
     if costs.cuda:
         busy["host reducer"] = g * L * costs.reduce
         busy["host serial (resident update + rounding)"] = serial.total_s
-    idle = _megatrain_idle(sim, drain, opt_added, opt_globals, IDLE_LAYERS if overlap else IDLE_LAYERS_AFTER,
+    layers_cause = IDLE_LAYERS_SPECULATIVE if speculative else IDLE_LAYERS if overlap else IDLE_LAYERS_AFTER
+    idle = _megatrain_idle(sim, drain, opt_added, opt_globals, layers_cause,
                            serial.resident_round_s, io.up_s)
     idle["other"] = max(0.0, step - busy["compute"] - sum(idle.values()))
     k = p.num_buffers
@@ -266,6 +291,7 @@ IDLE_DRAIN_LINK = "last gradients: the copies' tail"
 IDLE_RESIDENT = "resident parameters' update (launch thread, after the layers' are queued)"
 IDLE_LAYERS = "layer updates not hidden behind the next forward"
 IDLE_LAYERS_AFTER = "layer updates after backward (not overlapped)"
+IDLE_LAYERS_SPECULATIVE = "speculative layer updates not hidden behind backward"
 IDLE_ROUND = "resident masters rounded to bf16 (its worker; the forward waits)"
 IDLE_UPLOAD = "resident parameters' upload"
 IDLE_COMM = "data-parallel gradient reduction not hidden"  # planner/multi.py

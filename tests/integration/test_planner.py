@@ -346,7 +346,11 @@ def test_monotone_in_batch_context_and_size():
            for b in (1, 2, 4, 8)]
     assert all(a.memory.device_total < b.memory.device_total for a, b in zip(dev, dev[1:]))
     assert all(a.time.step_s < b.time.step_s for a, b in zip(dev, dev[1:]))
-    assert all(a.tokens_per_s <= b.tokens_per_s for a, b in zip(dev, dev[1:]))
+    # tokens/s grows with the batch while the host update binds: without the speculative step. With it the update
+    # hides in backward from 4 x 4096 on, and 8 x 4096 recomputes more layers (residency): 4 x is its peak here.
+    serial = [plan("qwen2.5-14b", 4096, b, hardware=H200, offload_activations=False, mlp_tile_tokens=None,
+                   speculative_step=False) for b in (1, 2, 4, 8)]
+    assert all(a.tokens_per_s <= b.tokens_per_s for a, b in zip(serial, serial[1:]))
     ctx = [plan("qwen2.5-14b", s, 1, hardware=H200, offload_activations=False, mlp_tile_tokens=None).memory.device_total
            for s in (1024, 2048, 4096)]
     assert ctx == sorted(ctx)

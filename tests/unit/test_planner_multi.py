@@ -27,7 +27,8 @@ def _expected_node_bytes(n: int, m: int) -> int:
     process's runtime and, in a job of more than one rank, an FP32 transit buffer of two layers."""
     mdl, hw = get_preset(MODEL), get_hardware(H200)
     L, PL = mdl.num_layers, mdl.layer_params()
-    one = plan(MODEL, **POINT).memory.host_total
+    # the one-GPU plan as the engine runs it with this many ranks: no speculative step (its "auto" is off with ranks)
+    one = plan(MODEL, **POINT, speculative_step=None if n * m == 1 else False).memory.host_total
     layer_state = L * PL * (4 + 4 + 8 + 2)
     reserve = int(hw.host_reserved_gib * GIB)
     transit = 2 * PL * 4 if n * m > 1 else 0
@@ -155,11 +156,13 @@ def test_shared_host_slows_each_gpu_and_efficiency_stays_below_one():
 
 
 def test_fit_verdict_is_per_node():
-    # 7B fits a 1.5 TB node with one GPU; shrink the host to just above that and 8 GPUs no longer fit
-    one = plan_multi(MODEL, **POINT)
+    # 7B fits a 1.5 TB node with one GPU; shrink the host to just above that and 8 GPUs no longer fit (no speculative
+    # step on either side: one GPU's "auto" would add its rollback copy, which several ranks do not keep)
+    point = {**POINT, "speculative_step": False}
+    one = plan_multi(MODEL, **point)
     tight = (one.host_node_bytes + 2**30) / GIB
-    assert plan_multi(MODEL, host_memory_gib=tight, **POINT).fits
-    eight = plan_multi(MODEL, gpus_per_node=8, host_memory_gib=tight, **POINT)
+    assert plan_multi(MODEL, host_memory_gib=tight, **point).fits
+    eight = plan_multi(MODEL, gpus_per_node=8, host_memory_gib=tight, **point)
     assert not eight.fits and any("host (per node, 8 GPUs)" in r and "DOES NOT FIT" in r for r in eight.rank.reasons)
 
 
@@ -193,7 +196,9 @@ def test_every_host_mode_counts_the_layers_once_per_node():
     modes = dict(master="hilo", optimizer_in_backward=True, grad_clip=False)
     one, two = (plan_multi(MODEL, gpus_per_node=n, **POINT, **modes).host_node_bytes for n in (1, 2))
     assert two - one < LP * 12 / 3  # a replicated store would add LP x 12 B (hi + lo + Adam m, v)
-    fp32_one, fp32_two = (plan_multi(MODEL, gpus_per_node=n, **POINT).host_node_bytes for n in (1, 2))
+    # (no speculative step: one GPU's "auto" keeps a rollback copy that two ranks do not)
+    fp32_one, fp32_two = (plan_multi(MODEL, gpus_per_node=n, **POINT, speculative_step=False).host_node_bytes
+                          for n in (1, 2))
     point = {k: v for k, v in POINT.items() if k != "hardware"}
     transit, fp32_transit = (multi_mod.transit_bytes(make_point(MODEL, **point, **m)) for m in (modes, {}))
     assert transit == 2 * fp32_transit

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from ...costs.modes import GRAD_BYTES, MASTER_BYTES, GradSlab, HostMaster
+from ...costs.modes import GRAD_BYTES, MASTER_BYTES, GradSlab, HostMaster, rollback_bytes_per_param
 from ...costs.pinning import pinned_bytes
 
 # Host bytes per parameter, by component (FP32 master + gradient slab + Adam m and v).
@@ -98,3 +98,20 @@ def host_preflight(layer_shapes: list[list[tuple[str, torch.Size]]], global_shap
             f"the host store needs {total / 2**30:.2f} GiB ({parts}; {n / 1e9:.2f}B parameters) but {room}; use a "
             "smaller model, a machine with more host memory, or raise the container's memory limit")
     return need
+
+
+def rollback_preflight(n_layer_params: int, master: HostMaster, bf16_compute: bool, required: bool,
+                       available: int | None = None) -> bool:
+    """Whether the speculative step's rollback memory (a copy of every layer's master and Adam state,
+    costs/modes.py rollback_bytes_per_param) fits what the host has left once the store is built. `required`
+    (speculative_step=True): raise HostMemoryError when it does not, instead of answering False."""
+    need = rollback_bytes_per_param(master, bf16_compute) * n_layer_params
+    avail = available_host_bytes() if available is None else available
+    if need <= avail:
+        return True
+    if required:
+        raise HostMemoryError(
+            f"speculative_step=True keeps a rollback copy of every layer's master and Adam state, "
+            f"{need / 2**30:.2f} GiB, but only {avail / 2**30:.2f} GiB of host memory is left; set "
+            "speculative_step='auto' (off where it does not fit) or False")
+    return False

@@ -15,6 +15,9 @@ engine is built (`choose`):
   waits for the layers too (the hilo/bf16 masters and bf16 slabs update a layer at a time).
 - InBackward (optimizer_in_backward): during backward, on the optimizer thread, each layer as soon as its
   gradients are staged (no gradient slab); step() then updates the resident parameters.
+- Speculative (speculative_step, speculative.py): Layered, each layer's update started during backward as its
+  gradient lands, before the step's verdict (clip, finite); step() keeps it or restores the layer from a copy
+  and updates it as Layered does.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ class UpdatePath:
     overlapped = False  # step() returns with layer updates still queued
     folds_clip = False  # FP32 slabs are clip-scaled inside their update (clipping.py: the clip left pending)
     spill: Spill | None = None  # the NVMe tier (spill.py): spilled state read in around each layer update
+    rollbacks = 0  # steps whose speculative layer updates were undone (speculative.py)
 
     def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
                  config: EngineConfig) -> None:
@@ -91,6 +95,15 @@ class UpdatePath:
 
     def begin_backward(self) -> None:
         """A backward is about to add gradients."""
+
+    def grad_sent_hook(self, ranks_hook: Callable[[int], None] | None,
+                       sync: bool) -> Callable[[int], None] | None:
+        """What the pipeline calls once layer i's gradients are queued to the host: the ranks' hook (`ranks_hook`),
+        and this path's own where it has one; `sync`: the backward's (a step may follow it)."""
+        return ranks_hook
+
+    def before_forward(self) -> None:
+        """A forward is about to read the weights."""
 
     def check_norm(self) -> None:
         """Refuse a global gradient norm this path cannot give."""
@@ -124,6 +137,10 @@ class UpdatePath:
 
     def weights_loaded(self) -> None:
         """New weights were loaded (a checkpoint): what a failed update left behind no longer holds."""
+
+    def settle(self) -> None:
+        """Block until no queued job of this path writes a gradient slab (before the slabs are read)."""
+        self.synchronize()
 
     def synchronize(self) -> None:
         """Block until every queued update is done."""
@@ -176,13 +193,14 @@ class Layered(UpdatePath):
             layered.synchronize()  # a per-layer mode without overlap: step() returns with every layer done
         return True
 
-    def _queue(self, update: Callable[[int], None], pending: list[float]) -> None:
+    def _queue(self, update: Callable[[int], None], pending: list[float], sync: bool = True) -> None:
         """Every layer's update queued on the optimizer thread (in forward order, each behind its gradients' last
         reduction) before the resident parameters' update starts here: the optimizer thread starts on layer 0
         while this thread updates the resident ones, not after (issue 40's serial gap). The same jobs and
         hyper-parameters as LayeredStep.step, which updated the resident parameters first."""
         layered = self.layered
-        layered.sync_all()  # the previous step's jobs done; this step's LR and state links taken for every view
+        if sync:  # (else the views hold this step's already, taken before jobs that may still run)
+            layered.sync_all()  # the previous step's jobs done; this step's LR and state links taken for every view
         for i in range(len(self.store.layers)):
             def job(i: int = i) -> int:
                 update(i)
@@ -322,7 +340,8 @@ def choose(optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEven
     verdict (ranks.py agree_max; None: one rank), used where layers update in backward; `spill`: the NVMe tier
     (spill.py spill_for), built by the per-layer path that runs through it."""
     layer_wise = store.per_layer_update or config.optimizer_in_backward or config.nvme_path is not None
-    reason = unsupported_reason(optimizer) if config.optimizer_overlap or layer_wise else None
+    reason = (unsupported_reason(optimizer) if config.optimizer_overlap or layer_wise or config.speculative_step is True
+              else None)
     if reason is not None and layer_wise:
         # No whole-model FP32 master or gradient to step at once: a layer at a time or not at all.
         raise ValueError(f"host_master={config.host_master!r}, host_grad_dtype={config.host_grad_dtype!r}, "
@@ -333,6 +352,10 @@ def choose(optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEven
         warnings.warn(f"optimizer_overlap: {reason}, so it steps whole after backward", stacklevel=3)
     if config.optimizer_in_backward:
         path: UpdatePath = InBackward(optimizer, store, events, config, trace, agree)
+    elif config.speculative_step is True and reason is None:
+        from .speculative import Speculative  # a Layered: imported here, below this module
+
+        path = Speculative(optimizer, store, events, config, trace)
     elif reason is None and (config.optimizer_overlap or layer_wise or layer_pass_pays(optimizer, store)):
         path = Layered(optimizer, store, events, config, trace, spill)
     else:

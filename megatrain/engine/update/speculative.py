@@ -1,0 +1,295 @@
+"""The speculative step: each layer's host update during backward, validated at step() and rolled back if wrong.
+
+A layer's update needs the step's verdict (the global gradient norm: clip or not, finite or not), which is known
+only once every gradient has landed. Waiting for it puts every layer update after backward. This path starts
+layer i's update as soon as its gradient has landed (the pipeline's `grad_sent(i)`), with the coefficient a step
+that does not clip takes (none), after copying what the update writes (`StateCopy`: the master or its halves,
+the streamed copy, Adam's m and v and step, the rounding generator). step() then checks the speculation held:
+
+- the gradients were finite (with skip_nonfinite), and no clip scales them (a clip whose coefficient is 1 scales
+  nothing: the serial update multiplies by nothing either);
+- the optimizer's hyper-parameters (the LR) are those the speculation took at backward;
+- the layer's slab is the one the speculation read (its version counter; a hand-written `.grad`);
+- the layer was speculated at all: only a layer whose reduction measured a finite norm is (a layer with a
+  non-finite gradient waits for the verdict, so no update runs on NaNs).
+
+A layer that held is done; any other is restored from its copy and updated as the serial path updates it (its
+job on the optimizer thread, in forward order, restore first), or only restored where the step is skipped. A
+speculative job that has not started when step() comes does nothing: its layer is updated by the step's job, in
+forward order and without a copy, as Layered updates it (so what backward could not hide costs what overlap costs). The
+restored bytes are the copied ones, so every path gives the serial step's bits (tests/unit/test_speculative_step.py).
+A read of the weights or state between backward() and step() (Engine.synchronize, a forward, zero_grad, a load)
+restores the speculated layers first: what it sees is the serial path's. Each step (or read) that restores any
+layer counts one rollback (`rollbacks`, collect_stats()["speculative_rollbacks"]).
+
+Gradient accumulation: a backward speculates when as many backwards have run since the last step as before it
+(the last step's count), and with `sync` (a step may follow); a step taken sooner finds layers not speculated and
+updates them serially. The copies are kept from step to step (the rollback memory, rollback_bytes_per_param).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ...config.schema import AUTO, EngineConfig
+from ..host.events import LayerEvents
+from ..host.preflight import rollback_preflight
+from ..host.store import FlatGroup, HostStore
+from ..runtime.stream import DONE, Trace
+from ..runtime.threads import update_threads
+from .clipping import Clipping
+from .optim import unsupported_reason
+from .update import Layered, update_layer
+
+_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+class StateCopy:
+    """Copies of what one layer's update writes, taken before the update and written back to undo it. The copy's
+    buffers are allocated at the first save and reused (the rollback memory)."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._empty: list[dict] = []  # Adam state dicts that were empty (a first step): emptied again
+        self._ties: torch.Tensor | None = None
+        self._rng: torch.Tensor | None = None
+
+    @staticmethod
+    def _live(group: FlatGroup, view: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[dict]]:
+        """The tensors the update writes in place, and the state dicts it fills from empty."""
+        live = [t for t in (group.master, group.shadow, group.lo) if t is not None]
+        empty = []
+        for g in view.param_groups:
+            for p in g["params"]:
+                st = view.state[p]
+                if not st:
+                    empty.append(st)
+                live.extend(st[k] for k in _STATE_KEYS if k in st)
+        return live, empty
+
+    def save(self, group: FlatGroup, view: torch.optim.Optimizer) -> None:
+        live, self._empty = self._live(group, view)
+        if [(t.shape, t.dtype) for t in live] != [(b.shape, b.dtype) for b in self._buffers]:
+            self._buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in live]
+        for b, t in zip(self._buffers, live):
+            b.copy_(t)
+        self._ties = group.ties  # the update replaces the tensor (a private tie list), never writes into it
+        self._rng = group.rounding.get_state() if group.rounding is not None else None
+
+    def restore(self, group: FlatGroup, view: torch.optim.Optimizer) -> None:
+        for st in self._empty:
+            st.clear()  # torch's first step made it: the state is absent again, as before that step
+        live, _ = self._live(group, view)
+        for b, t in zip(self._buffers, live):
+            t.copy_(b)
+        group.ties = self._ties
+        if self._rng is not None:
+            group.rounding.set_state(self._rng)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers)
+
+
+class Speculative(Layered):
+    """Layered, with each layer's update started in backward and validated in step() (see the module docstring)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
+                 config: EngineConfig, trace: Trace) -> None:
+        super().__init__(optimizer, store, events, config, trace)
+        n = len(store.layers)
+        self.copies = [StateCopy() for _ in range(n)]
+        self.submitted = [False] * n  # a speculative job was queued for the layer since the last verdict
+        # Per layer, written by its job on the optimizer thread: the slab version the speculation read (None: the
+        # layer was not updated), read by the jobs queued after it on the same thread.
+        self.speculated: list[int | None] = [None] * n
+        self.rollbacks = 0
+        self.kept_layers = 0  # layer updates the verdict kept (written on the optimizer thread only)
+        self._lock = threading.Lock()
+        self._rolled_at = -1  # the verdict that last counted a rollback (each counts once)
+        self._verdict = 0
+        self._hyper: list[dict[str, Any]] | None = None  # the hyper-parameters the speculation took
+        self._state: dict | None = None  # the optimizer's state it updated (a load_state_dict replaces it)
+        self._backwards = 0  # backwards since the last step
+        self._per_step = 1  # backwards the last step followed
+        self._armed = False
+        # The verdict is known (step() or a read came): a speculative job not yet started leaves its layer to the
+        # step's job, which updates it in forward order without a copy, as Layered does.
+        self._decided = True
+
+    # -- backward: each layer's update as its gradient lands ---------------------------------------------
+    def begin_backward(self) -> None:
+        self.discard()  # gradients are about to be added: any update taken from the old ones is wrong
+        self._backwards += 1
+        self._armed = self._backwards >= self._per_step
+        if self._armed:
+            self.layered.sync_all()  # this step's LR and state links, taken before the first layer update
+            self._hyper, self._state = _hyper(self.optimizer), self.optimizer.state
+            self._decided = False
+
+    def grad_sent_hook(self, ranks_hook: Callable[[int], None] | None,
+                       sync: bool) -> Callable[[int], None] | None:
+        if not (self._armed and sync):
+            return ranks_hook
+
+        def sent(i: int) -> None:
+            if ranks_hook is not None:
+                ranks_hook(i)
+            self._speculate(i)
+
+        return sent
+
+    def _speculate(self, i: int) -> None:
+        """Queue layer i's speculative update behind its gradients' last reduction."""
+        view = self.layered.view_optimizer(i)
+        if view is None:
+            return
+        group, slabs, threads = self.store.layers[i], self.events.slabs, update_threads(True)
+
+        def job() -> int:
+            self.speculated[i] = None
+            if self._decided:
+                return 0  # step() came first: its own job updates the layer, with no copy to take
+            norm = slabs.norm(i, group.grad)  # measured by the reduction; None: not known, so not speculated
+            if norm is None or not math.isfinite(float(norm)):
+                return 0
+            version = group.grad._version
+            self.copies[i].save(group, view)
+            update_layer(self.layered, group, i, [], threads)
+            self.speculated[i] = version
+            return 0
+
+        self.submitted[i] = True
+        self.layered.submit(i, job, self.events.landed[i])
+
+    # -- the verdict --------------------------------------------------------------------------------------
+    def _restore(self, i: int, verdict: int) -> bool:
+        """Layer i restored from its copy if its speculation ran (on the optimizer thread); whether it was."""
+        if self.speculated[i] is None:
+            return False
+        self.copies[i].restore(self.store.layers[i], self.layered.view_optimizer(i))
+        self.speculated[i] = None
+        with self._lock:
+            if self._rolled_at != verdict:
+                self._rolled_at = verdict
+                self.rollbacks += 1
+        return True
+
+    def discard(self) -> None:
+        """Undo every queued speculation (queued behind it: the layers' next loads wait for the restore)."""
+        self._decided = True
+        if not any(self.submitted):
+            return
+        self._verdict += 1
+        verdict = self._verdict
+        for i, sent in enumerate(self.submitted):
+            if sent:
+                def job(i: int = i) -> int:
+                    self._restore(i, verdict)
+                    return 0
+
+                self.layered.submit(i, job, DONE)
+        self.submitted = [False] * len(self.submitted)
+
+    def step(self, finite: Callable[[], bool], clip: Clipping) -> bool:
+        self._per_step, self._backwards = max(1, self._backwards), 0
+        self._decided = True
+        if not any(self.submitted):
+            return super().step(finite, clip)
+        if not finite():  # (if it raises, after too many bad steps, a read or forward restores the layers first)
+            self.discard()  # the step is skipped: the speculated layers as they were
+            return False
+        for g in self.store.groups():
+            g.link_grads()
+        self.events.wait_global_grads()
+        coefs, pending = clip.layer_coefs(), clip.resident_coefs()
+        # What every speculated layer took: no clip scale, the hyper-parameters of its backward. The slab each
+        # read, and whether it ran at all, its job knows: the check below runs on the optimizer thread behind it.
+        same = _hyper(self.optimizer) == self._hyper and self.optimizer.state is self._state
+        held = same and not coefs
+        layered, layers, threads = self.layered, self.store.layers, self.threads
+        self._verdict += 1
+        verdict, submitted = self._verdict, self.submitted
+        self.submitted = [False] * len(layers)
+
+        def update(i: int) -> None:
+            group = layers[i]
+            version = self.speculated[i]
+            if submitted[i] and held and version is not None and version == group.grad._version:
+                self.speculated[i] = None
+                self.kept_layers += 1
+                return  # the speculation was the step's update
+            if submitted[i]:
+                self._restore(i, verdict)
+            update_layer(layered, group, i, coefs, threads)
+
+        # The views hold this step's hyper-parameters and state already, unless they changed since backward: then
+        # they are taken again, once the jobs that read them are done (a wait on this thread, for that case only).
+        self._queue(update, pending, sync=not same)
+        if not self.overlapped:
+            layered.synchronize()
+        return True
+
+    def zero_grad(self) -> None:
+        self.discard()  # a zero_grad() before step(): the update taken from those gradients is undone
+        self._backwards = 0
+        super().zero_grad()
+
+    def settle(self) -> None:
+        if not any(self.submitted):
+            super().settle()
+        # else only speculative jobs are queued (begin_backward waited for the rest), and they read the slabs only
+
+    def synchronize(self) -> None:
+        self.discard()  # a read between backward() and step() sees the weights and state before the step
+        super().synchronize()
+
+    def before_forward(self) -> None:
+        self.discard()  # a forward before step() (accumulation, evaluation) reads the weights before the step
+
+    def weights_loaded(self) -> None:
+        self.speculated = [None] * len(self.speculated)  # the load came after synchronize() restored them
+
+
+def _hyper(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The optimizer's hyper-parameters (every group's, but its params), comparable with ==."""
+    def plain(v: Any) -> Any:
+        if torch.is_tensor(v):
+            return v.tolist()
+        return tuple(plain(x) for x in v) if isinstance(v, (tuple, list)) else v
+
+    return [{k: plain(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def refusal(config: EngineConfig, optimizer: torch.optim.Optimizer, data_parallel: bool) -> str | None:
+    """Why the speculative step cannot run with this configuration and optimizer, or None if it can."""
+    if config.optimizer_in_backward:
+        return "optimizer_in_backward updates the layers in backward already"
+    if config.nvme_path is not None:
+        return "nvme_path: a spilled layer's state is on disk between updates"
+    if data_parallel:
+        return "several data-parallel ranks (each layer's verdict would have to be agreed across them)"
+    return unsupported_reason(optimizer)
+
+
+def resolve(config: EngineConfig, device: torch.device, optimizer: torch.optim.Optimizer, store: HostStore,
+            data_parallel: bool) -> bool:
+    """speculative_step as the engine runs it: True is refused (ValueError, HostMemoryError) where it cannot run
+    or its rollback memory does not fit; "auto" is on for a CUDA device where it can run and fits."""
+    setting = config.speculative_step
+    if setting is False:
+        return False
+    reason = refusal(config, optimizer, data_parallel)
+    if reason is not None:
+        if setting is True:
+            raise ValueError(f"speculative_step=True: {reason}; set speculative_step='auto' or False")
+        return False
+    if setting == AUTO and device.type != "cuda":
+        return False  # a CPU device: the same cores run the backward and the update, nothing to hide behind
+    n_layer = sum(g.numel for g in store.layers)
+    return rollback_preflight(n_layer, store.master_mode, config.compute_dtype == "bfloat16", required=setting is True)
