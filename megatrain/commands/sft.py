@@ -96,6 +96,30 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
             raw[key] = str(Path(raw[key]).expanduser())
 
 
+def set_key(raw: dict[str, Any], key: str, value: Any, item: str) -> None:
+    """`--set` one key into the run's settings: a dotted key (megatrain.num_buffers, megatrain.residency.weights)
+    sets that key inside its section, and a mapping merges into the mapping already there, so the section's other
+    keys stay as the file wrote them."""
+    *path, last = key.split(".")
+    node = raw
+    for i, part in enumerate(path):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            where = ".".join(path[: i + 1])
+            raise ValueError(f"--set {item!r}: {where} is {child!r}, not a section; set {where}=... instead")
+        node = child
+    if isinstance(value, dict) and isinstance(node.get(last), dict):
+        value = _merged(node[last], value)
+    node[last] = value
+
+
+def _merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def load_run(path: str | Path, overrides: list[str] | None = None) -> SFTRun:
     """The run `path` describes, `overrides` ("key=YAML value") applied; every key, value type and value checked
     (`prepare` checks the data), nothing written."""
@@ -119,9 +143,10 @@ def load_run(path: str | Path, overrides: list[str] | None = None) -> SFTRun:
         if not sep:
             raise ValueError(f"--set {item!r}: expected KEY=VALUE")
         try:
-            raw[key.strip()] = yaml.safe_load(value)
+            parsed = yaml.safe_load(value)
         except yaml.YAMLError:
             raise ValueError(f"--set {item!r}: the value is not a YAML value; quote it") from None
+        set_key(raw, key.strip(), parsed, item)
     _resolve_paths(raw, path.resolve().parent)
     known = {f.name for f in dataclasses.fields(SFTRun)}
     for key in raw:
@@ -183,6 +208,18 @@ def _check(run: SFTRun, path: Path) -> None:
         except ValueError as e:
             # the user wrote a `megatrain:` section, not a DeepSpeed config: name the section as they wrote it
             raise ValueError(f"{path}: {str(e).removeprefix('DeepSpeed config: ')}") from None
+
+
+def check_run_model(run: SFTRun) -> None:
+    """Raise refusal.ModelRefused (one paragraph: what, why, the fix) when the engine would refuse the run's model,
+    with the engine settings the run will have, before anything is written."""
+    import transformers
+
+    from ..config.resolve import resolve
+    from .refusal import check_trainable
+
+    engine = resolve(_ds_config(run, resolved=True), face="deepspeed").engine
+    check_trainable(run.model, transformers.AutoConfig.from_pretrained(run.model), engine)
 
 
 def check_data(run: SFTRun) -> dict[str, Any]:
