@@ -245,6 +245,13 @@ def _ds_config(run: SFTRun, resolved: bool = False) -> dict[str, Any]:
     return {**face, "zero_optimization": {"stage": 3}, "megatrain": dict(run.megatrain)}
 
 
+def _checkpointing(config_cls: type) -> dict[str, Any]:
+    """TRL's default (activation checkpointing on) under the name transformers 5.25 keeps: its old name,
+    gradient_checkpointing, which TRL's SFTConfig sets, warns that it is deprecated on every run."""
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    return {"activation_checkpointing": True} if "activation_checkpointing" in names else {}
+
+
 def _on_accelerator() -> bool:
     from ..engine import resolve_device
 
@@ -332,7 +339,7 @@ def train(prep: Prepared | SFTRun, resume_from: str | Path | None = None) -> dic
         # without save_steps Trainer saves only when the callback asks (by time or on a signal)
         save_steps=run.save_steps or 2**31 - 1, save_total_limit=run.save_total_limit, report_to=[],
         max_length=run.max_length, packing=run.packing, use_cpu=not accel,
-        deepspeed=_ds_config(run) if run.backend == "megatrain" else None)
+        deepspeed=_ds_config(run) if run.backend == "megatrain" else None, **_checkpointing(SFTConfig))
     settings = dataclasses.asdict(run)
     record_run(run.output_dir, settings)
     trainer = SFTTrainer(model=model, args=args, processing_class=prep.tokenizer,
