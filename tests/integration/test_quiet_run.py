@@ -30,8 +30,9 @@ def test_a_train_run_has_no_warning_of_ours(tmp_path):
 
 
 def test_the_zero3_init_flag_warning_is_not_passed_on_for_a_megatrain_config(monkeypatch):
-    import megatrain.integrations.hf  # noqa: F401  installs the stage reading
     from accelerate.utils.dataclasses import DeepSpeedPlugin
+
+    import megatrain.integrations.hf  # noqa: F401  installs the stage reading
 
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true")  # as axolotl sets it for a stage-3 config
     ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
