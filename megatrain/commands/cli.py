@@ -114,10 +114,9 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 
 def _engine_refusals() -> tuple[type[BaseException], ...]:
-    from ..engine import HostMemoryError, PinnedMemoryError
-    from ..engine.parts import probe
+    from ..engine import HostMemoryError, ModelMismatchError, PinnedMemoryError
 
-    return HostMemoryError, PinnedMemoryError, probe.ModelMismatchError
+    return HostMemoryError, PinnedMemoryError, ModelMismatchError
 
 
 def _output_state(output_dir: str) -> bytes | None | bool:

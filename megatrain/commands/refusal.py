@@ -46,8 +46,7 @@ def check_trainable(model_dir: str, config: Any, engine_config: Any) -> None:
     import torch
     import transformers
 
-    from ..engine import Engine
-    from ..engine.parts import probe
+    from ..engine import Engine, ModelMismatchError, run_probe, verify_model
     from ..models.adapter import find_parts
 
     with torch.device("meta"):
@@ -60,7 +59,7 @@ def check_trainable(model_dir: str, config: Any, engine_config: Any) -> None:
     if not engine_config.parity_probe:
         return
     try:
-        probe.verify_model(model, Engine, engine_config)  # cached: the engine that trains next asks again for free
-    except probe.ModelMismatchError:
-        verdict = probe.run_probe(type(model), config, Engine, engine_config)  # the verdict itself, for its kind
+        verify_model(model, Engine, engine_config)  # cached: the engine that trains next asks again for free
+    except ModelMismatchError:
+        verdict = run_probe(type(model), config, Engine, engine_config)  # the verdict itself, for its kind
         raise ModelRefused(paragraph(model_dir, arch, verdict.status, verdict.detail)) from None
