@@ -74,6 +74,17 @@ def install() -> None:
 
     real_is_zero3 = HfDeepSpeedConfig.is_zero3
     real_plugin_post_init = DeepSpeedPlugin.__post_init__
+    real_process = DeepSpeedPlugin.deepspeed_config_process
+
+    @functools.wraps(real_process)
+    def config_process(self: Any, prefix: str = "", mismatches: Any = None, config: Any = None, must_match: bool = True,
+                       **kwargs: Any) -> Any:
+        # accelerate fills every "auto" of the config from Trainer's values and refuses one it has no value for;
+        # the "megatrain" section's "auto" (host_master, residency, compute_dtype, ...) is MegaTrain's to resolve
+        if prefix == "megatrain." or prefix.startswith("megatrain."):
+            return None
+        return real_process(self, prefix=prefix, mismatches=mismatches, config=config, must_match=must_match,
+                            **kwargs)
 
     @functools.wraps(real_is_zero3)
     def is_zero3(self: Any) -> bool:
@@ -107,9 +118,10 @@ def install() -> None:
         one_rank_group()
 
     logging.getLogger("accelerate.accelerator").addFilter(_NOTE)
-    _saved.update(is_zero3=real_is_zero3, plugin_post_init=real_plugin_post_init)
+    _saved.update(is_zero3=real_is_zero3, plugin_post_init=real_plugin_post_init, config_process=real_process)
     HfDeepSpeedConfig.is_zero3 = is_zero3
     DeepSpeedPlugin.__post_init__ = plugin_post_init
+    DeepSpeedPlugin.deepspeed_config_process = config_process
 
 
 def uninstall() -> None:
@@ -123,6 +135,7 @@ def uninstall() -> None:
     _ours_seen.clear()
     HfDeepSpeedConfig.is_zero3 = _saved.pop("is_zero3")
     DeepSpeedPlugin.__post_init__ = _saved.pop("plugin_post_init")
+    DeepSpeedPlugin.deepspeed_config_process = _saved.pop("config_process")
 
 
 def installed() -> bool:

@@ -11,6 +11,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 NOISE = ("Gradient accumulation steps mismatch", "FutureWarning", "zero_allow_untested_optimizer",
          "Zero3 Init flag", "is deprecated")
@@ -53,3 +55,21 @@ def test_keys_the_trainers_add_are_not_named_as_ignored():
     base = {"train_micro_batch_size_per_gpu": 1, "megatrain": {"device": "cpu"}}
     assert parse_config({**base, "zero_allow_untested_optimizer": True}, warn=False).ignored == ()
     assert parse_config({**base, "wandb": {}}, warn=False).ignored == ("wandb",)  # control: a key the user wrote
+
+
+def test_auto_in_the_megatrain_section_is_left_to_megatrain_by_accelerate():
+    """accelerate fills each "auto" of a DeepSpeed config from Trainer's values and refuses one it has none for;
+    `megatrain.host_master: auto` (the default, written out) is MegaTrain's to resolve, not accelerate's."""
+    from accelerate.utils.dataclasses import DeepSpeedPlugin
+
+    import megatrain.integrations.hf  # noqa: F401  installs the stage reading
+
+    ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+          "megatrain": {"host_master": "auto", "residency": "auto"}}
+    plugin = DeepSpeedPlugin(hf_ds_config=ds)
+    plugin.deepspeed_config_process(must_match=False, gradient_clipping=1.0)  # no "megatrain.host_master not found"
+    assert plugin.deepspeed_config["megatrain"] == {"host_master": "auto", "residency": "auto"}
+    # Control: an "auto" of DeepSpeed's own keys is still accelerate's to fill, and refused without a value
+    other = DeepSpeedPlugin(hf_ds_config={**ds, "gradient_clipping": "auto"})
+    with pytest.raises(ValueError, match="gradient_clipping"):
+        other.deepspeed_config_process(must_match=False)
