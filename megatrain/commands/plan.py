@@ -398,7 +398,13 @@ def _run_plan_multi(args: argparse.Namespace) -> int:
         raise ValueError("--gpus-per-node/--nodes plan one point; drop them with --sweep")
     hw = node_hardware(resolve_hardware(_resolve_hw(args), args.link_gbs, args.host_memory_gib, args.device_memory_gib),
                        args.network_gbs, args.gpus_per_host_link)
-    p = make_point(resolve_model(args.model), args.context, args.batch, args.grad_accum, args.dtype, args.backend, **_knobs(args))
+    knobs = _knobs(args)
+    # host mode "auto" is chosen for one GPU's plan (planner/auto_mode.py); a multi-GPU plan keeps the FP32 master
+    # and slabs unless a mode is given
+    for key, placeholder in (("master", "fp32"), ("host_grad_dtype", "float32")):  # planner_knobs' names
+        if knobs.get(key, "auto") == "auto":
+            knobs[key] = placeholder
+    p = make_point(resolve_model(args.model), args.context, args.batch, args.grad_accum, args.dtype, args.backend, **knobs)
     mp = plan_point_multi(p, hw, args.gpus_per_node, args.nodes)
     bb = bc = None
     if not args.no_search:

@@ -104,7 +104,8 @@ class Engine:
         check_embedding(self.parts.embed)
         self.module, self.hf_config = model, model.config
         # host mode "auto": the fastest exact mode whose store fits this host (costs/host_mode.py)
-        self.config = config = auto_host_mode(config, model, self.parts.layers)
+        agree = (lambda i: self.dp.max_across(i, "host mode")) if self.dp is not None else None
+        self.config = config = auto_host_mode(config, model, self.parts.layers, agree=agree)
         probe = (lambda m: verify_model(m, type(self), config)) if config.parity_probe else None
         self.placement, originals = place(model, self.parts, config, self.device, self.compute_dtype, self.dp,
                                           self.node, checkpoint_dir, probe)

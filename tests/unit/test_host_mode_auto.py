@@ -135,3 +135,19 @@ def test_the_engine_chooses_the_plans_mode_for_the_headline_point(tmp_path):
     roomy = auto_host_mode(cfg, model, model.model.layers, available=4 * 1536 * 2**30)
     assert (roomy.host_master, roomy.host_grad_dtype) == ("fp32", "float32")
     assert plan("120b", 2048, batch=8, hardware="h200-pcie", host_memory_gib=4 * 1536).auto.mode == HostMode(F32, S32)
+
+
+def test_ranks_agree_on_the_latest_mode_any_of_them_chose():
+    """Data-parallel ranks read their own free memory; `agree` (the largest across ranks) makes them hold one mode."""
+    model = _tiny()
+    cfg = EngineConfig(device="cpu", compute_dtype="bfloat16")
+    seen = []
+
+    def other_rank_chose_hilo(i):
+        seen.append(i)
+        return max(i, candidates(True, True, False).index(HostMode(HILO, S32)))
+
+    got = auto_host_mode(cfg, model, model.model.layers, available=2**40, agree=other_rank_chose_hilo)
+    assert seen == [0] and (got.host_master, got.host_grad_dtype) == ("hilo", "float32")
+    alone = auto_host_mode(cfg, model, model.model.layers, available=2**40)
+    assert (alone.host_master, alone.host_grad_dtype) == ("fp32", "float32")  # control: this rank alone

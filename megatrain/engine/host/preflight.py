@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from ...costs.host_mode import AUTO, HostMode, choose_host_mode
+from ...costs.host_mode import AUTO, HostMode, candidates, choose_host_mode
 from ...costs.modes import GRAD_BYTES, MASTER_BYTES, GradSlab, HostMaster
 from ...costs.nvme import spill_bytes_per_param
 from ...costs.pinning import pinned_bytes
@@ -109,12 +110,14 @@ def host_preflight(layer_shapes: list[list[tuple[str, torch.Size]]], global_shap
 
 
 def auto_host_mode(config: Any, model: nn.Module, layers: nn.Module, accumulation_one: bool = True,
-                   available: int | None = None) -> Any:
+                   available: int | None = None, agree: Callable[[int], int] | None = None) -> Any:
     """`config` with host_master "auto" (and host_grad_dtype "auto") resolved for this model on this host: the
     first mode of costs/host_mode.py's order whose store fits what this process may allocate (the model's own
     host bytes counted as freed, as the preflight counts them); with nvme_path, the NVMe tier's modes after the
     host-only ones, fitting when what never spills does (the tier spills as host_budget_bytes says, as in an
-    explicit mode). `config` unchanged when nothing is "auto"."""
+    explicit mode). `config` unchanged when nothing is "auto". `agree` (data parallel: the largest of the ranks'
+    values): the ranks take the latest candidate any of them chose, since each reads its own free memory and they
+    must hold one mode."""
     if config.host_master != AUTO:
         return config
     layer_ids = {id(p) for p in layers.parameters()}
@@ -134,6 +137,9 @@ def auto_host_mode(config: Any, model: nn.Module, layers: nn.Module, accumulatio
         return need <= room
 
     grad = None if config.host_grad_dtype == AUTO else GradSlab(config.host_grad_dtype)
-    mode, _ = choose_host_mode(fits, bf16, accumulation_one, config.nvme_path is not None,
-                               config.optimizer_in_backward, grad)
+    args = (bf16, accumulation_one, config.nvme_path is not None, config.optimizer_in_backward, grad)
+    mode, _ = choose_host_mode(fits, *args)
+    if agree is not None:
+        tried = candidates(*args)
+        mode = tried[agree(tried.index(mode))]
     return dataclasses.replace(config, **mode.settings)
