@@ -178,8 +178,8 @@ class MegatrainBackend:
         if config.pin_memory and resolve_device(config.device).type != "cuda":
             config = dataclasses.replace(config, pin_memory=False)
             self.turned_off.append("pin_memory (no CUDA device)")
-        if getattr(model, "is_gradient_checkpointing", False):
-            model.gradient_checkpointing_disable()
+        if hf_checkpointing_on(model):
+            hf_checkpointing_off(model)
             self.turned_off.append("HF gradient checkpointing (the engine recomputes each streamed layer itself)")
         head_options = trl_head_options(model)
 
@@ -316,3 +316,16 @@ class MegatrainBackend:
 
     def load_state(self, directory: str | os.PathLike) -> None:
         self.load_training_state(*train_state.read_weights(directory, self._require_engine()))
+
+
+def hf_checkpointing_on(model: Any) -> bool:
+    """Whether HF's own activation checkpointing is on, asked by the name the installed transformers does not
+    deprecate (transformers 5.25 renamed gradient_checkpointing to activation_checkpointing and warns on the old)."""
+    new = getattr(type(model), "is_activation_checkpointing", None)
+    return bool(getattr(model, "is_activation_checkpointing" if new is not None else "is_gradient_checkpointing",
+                        False))
+
+
+def hf_checkpointing_off(model: Any) -> None:
+    off = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+    off()

@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -63,18 +65,22 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from .sft import load_run, prepare, train
+    from .sft import check_run_model, load_run, prepare, train
     from .sft_resume import prepare_output
 
     def say(msg: str) -> None:
         print(f"megatrain train: {msg}", file=sys.stderr, flush=True)
 
-    # Everything is checked (config, every data record, the output folder) before anything is written.
+    # Everything is checked (config, every data record, the model, the output folder) before anything is written.
     try:
         run = load_run(args.sft_config, args.set)
         prep = prepare(run)
+        if run.backend == "megatrain":
+            check_run_model(run)
         resume_from, note = prepare_output(run.output_dir, dataclasses.asdict(run), restart=args.restart)
     except ValueError as e:
+        if args.debug:
+            raise
         print(f"megatrain train: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -82,8 +88,17 @@ def _cmd_sft(args: argparse.Namespace) -> int:
         return 130
     if note:
         say(note)
+    written = _output_state(run.output_dir)
     try:
         out = train(prep, resume_from=resume_from)
+    except _engine_refusals() as e:
+        # a refusal only the engine, building its store, can see (the host memory): said in one paragraph, and
+        # what this run wrote before it is undone, so the folder is as it was
+        _restore_output(run.output_dir, written)
+        if args.debug:
+            raise
+        print(f"megatrain train: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         say("interrupted without a checkpoint of this step (a second signal stops at once); the same command "
             f"resumes from the newest whole checkpoint in {run.output_dir}, if there is one")
@@ -96,6 +111,35 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     print(f"{run.model} on {run.data} ({out['engine']}): {len(losses)} logged steps, loss "
           f"{losses[0]:.4f} -> {losses[-1]:.4f}; saved to {run.output_dir}/final")
     return 0
+
+
+def _engine_refusals() -> tuple[type[BaseException], ...]:
+    from ..engine import HostMemoryError, ModelMismatchError, PinnedMemoryError
+
+    return HostMemoryError, PinnedMemoryError, ModelMismatchError
+
+
+def _output_state(output_dir: str) -> bytes | None | bool:
+    """What the run record held before this run (its bytes), None when the folder held none, False when there
+    was no folder."""
+    from .sft_resume import RUN_FILE
+
+    out = Path(output_dir)
+    if not out.exists():
+        return False
+    return (out / RUN_FILE).read_bytes() if (out / RUN_FILE).is_file() else None
+
+
+def _restore_output(output_dir: str, before: bytes | None | bool) -> None:
+    from .sft_resume import RUN_FILE
+
+    out = Path(output_dir)
+    if before is False:
+        shutil.rmtree(out, ignore_errors=True)
+    elif before is None:
+        (out / RUN_FILE).unlink(missing_ok=True)
+    else:
+        (out / RUN_FILE).write_bytes(before)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -221,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "(its shape, with random weights); overrides the config's model")
     tp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key (YAML value), repeatable")
     tp.add_argument("--trace", default=None, help="write the engine trace of the last step here (megatrain)")
+    tp.add_argument("--debug", action="store_true",
+                    help="--config: a refused model or setting raises with its traceback instead of one paragraph")
     tp.add_argument("--restart", action="store_true",
                     help="--config: start over, deleting the checkpoints of an earlier run in output_dir (without "
                          "it the same command resumes from the newest whole checkpoint there)")

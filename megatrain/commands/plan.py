@@ -68,11 +68,22 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
         out.append(f"    (unified: host + device = {fmt_bytes(pl.memory.host_total_incl_device)} "
                    f"of {fmt_bytes(hw.host_bytes)})")
     out += _long_context_lines(pl)
-    out.append("  fits: " + ("yes" if pl.feasible else "NO")
-               + "".join(f"\n    {r}" for r in pl.reasons + pl.refused))
+    verdict = pl.auto.verdict if pl.auto is not None else ("yes" if pl.feasible else "NO")
+    spills = pl.auto is not None and pl.auto.mode.nvme
+    reasons = [r.replace("host:", "host, all in memory:", 1) if spills else r for r in pl.reasons + pl.refused]
+    out.append("  fits: " + verdict + "".join(f"\n    {r}" for r in reasons))
+    if pl.auto is not None and pl.auto.mode.nvme and pl.auto.nvme:
+        f = pl.auto.nvme
+        out.append(f"    spilling to NVMe: host {fmt_bytes(f['host'])} of {fmt_bytes(hw.host_bytes)}, "
+                   f"{f['spilled']}/{m.num_layers} layers' optimizer state on disk ({fmt_bytes(f['disk'])}), "
+                   f"adds {_sec(f['added_s'])} per step" + (f" ({f['why']})" if f.get("why") else ""))
     if p.backend == "megatrain":
         out += _residency_lines(pl)
-        out.append(f"  \"megatrain\" config section for this plan: {json.dumps(pl.settings)}")
+        section = {**pl.settings, **(pl.auto.settings if pl.auto is not None else {})}
+        out.append(f"  \"megatrain\" config section for this plan: {json.dumps(section)}")
+        if pl.auto is not None:
+            out.append(f"    (host mode \"auto\", the engine's default, chooses {pl.auto.mode.label} here by the "
+                       "same rule; the section names it)")
     if modes:
         out += format_mode_table(modes, hw.host_bytes, p)
     lt = t.layer
@@ -261,11 +272,14 @@ def _add_plan_args(ap: argparse.ArgumentParser) -> None:
                     help="device memory the engine's 'auto' plans against (EngineConfig.device_budget_bytes)")
     ap.add_argument("--loss-chunk-tokens", type=_auto_int, default="auto",
                     help="head/loss chunk (EngineConfig.loss_chunk_tokens): int or auto (the engine's policy)")
-    ap.add_argument("--master", "--host-master", dest="master", default="fp32", choices=["fp32", "hilo", "bf16"],
-                    help="host master weights (EngineConfig.host_master): fp32 (+bf16 shadow), hilo (exact hi/lo "
-                         "split) or bf16 (the paper's code, not exact)")
-    ap.add_argument("--host-grad-dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="host gradient slabs (EngineConfig.host_grad_dtype; bfloat16: exact at accumulation 1)")
+    ap.add_argument("--master", "--host-master", dest="master", default="auto",
+                    choices=["auto", "fp32", "hilo", "bf16"],
+                    help="host master weights (EngineConfig.host_master): auto (the default: the fastest exact mode "
+                         "that fits, the NVMe tier last when the profile has a disk), fp32 (+bf16 shadow), hilo "
+                         "(exact hi/lo split) or bf16 (the paper's code, not exact)")
+    ap.add_argument("--host-grad-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="host gradient slabs (EngineConfig.host_grad_dtype; bfloat16: exact at accumulation 1; "
+                         "auto: chosen with --master auto, else float32)")
     ap.add_argument("--optimizer-in-backward", action="store_true",
                     help="each layer's AdamW during backward, no layer gradient slab "
                          "(EngineConfig.optimizer_in_backward; no clipping, no accumulation)")
@@ -344,10 +358,11 @@ def _run_plan(args: argparse.Namespace) -> int:
         raise ValueError("--model is required (or give --sweep SPEC)")
     if (args.gpus_per_node, args.nodes) != (1, 1):
         return _run_plan_multi(args)
-    hw = _resolve_hw(args)
+    # the NVMe tier's disk (planner/nvme_plan.py) as the user gives it: host mode "auto" may choose the tier
+    hw = with_nvme(resolve_hardware(_resolve_hw(args), args.link_gbs, args.host_memory_gib, args.device_memory_gib),
+                   args.nvme_gbs, args.nvme_gib)
     knobs = _knobs(args)
-    common = dict(context=args.context, batch=args.batch, grad_accum=args.grad_accum, dtype=args.dtype,
-                  hardware=hw, **_overrides(args))
+    common = dict(context=args.context, batch=args.batch, grad_accum=args.grad_accum, dtype=args.dtype, hardware=hw)
     model = resolve_model(args.model)  # a model directory is read once, for every plan below
     main = plan(model, backend=args.backend, **common, **knobs)
     others = []
@@ -388,7 +403,13 @@ def _run_plan_multi(args: argparse.Namespace) -> int:
         raise ValueError("--gpus-per-node/--nodes plan one point; drop them with --sweep")
     hw = node_hardware(resolve_hardware(_resolve_hw(args), args.link_gbs, args.host_memory_gib, args.device_memory_gib),
                        args.network_gbs, args.gpus_per_host_link)
-    p = make_point(resolve_model(args.model), args.context, args.batch, args.grad_accum, args.dtype, args.backend, **_knobs(args))
+    knobs = _knobs(args)
+    # host mode "auto" is chosen for one GPU's plan (planner/auto_mode.py); a multi-GPU plan keeps the FP32 master
+    # and slabs unless a mode is given
+    for key, placeholder in (("master", "fp32"), ("host_grad_dtype", "float32")):  # planner_knobs' names
+        if knobs.get(key, "auto") == "auto":
+            knobs[key] = placeholder
+    p = make_point(resolve_model(args.model), args.context, args.batch, args.grad_accum, args.dtype, args.backend, **knobs)
     mp = plan_point_multi(p, hw, args.gpus_per_node, args.nodes)
     bb = bc = None
     if not args.no_search:

@@ -96,6 +96,30 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
             raw[key] = str(Path(raw[key]).expanduser())
 
 
+def set_key(raw: dict[str, Any], key: str, value: Any, item: str) -> None:
+    """`--set` one key into the run's settings: a dotted key (megatrain.num_buffers, megatrain.residency.weights)
+    sets that key inside its section, and a mapping merges into the mapping already there, so the section's other
+    keys stay as the file wrote them."""
+    *path, last = key.split(".")
+    node = raw
+    for i, part in enumerate(path):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            where = ".".join(path[: i + 1])
+            raise ValueError(f"--set {item!r}: {where} is {child!r}, not a section; set {where}=... instead")
+        node = child
+    if isinstance(value, dict) and isinstance(node.get(last), dict):
+        value = _merged(node[last], value)
+    node[last] = value
+
+
+def _merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def load_run(path: str | Path, overrides: list[str] | None = None) -> SFTRun:
     """The run `path` describes, `overrides` ("key=YAML value") applied; every key, value type and value checked
     (`prepare` checks the data), nothing written."""
@@ -119,9 +143,10 @@ def load_run(path: str | Path, overrides: list[str] | None = None) -> SFTRun:
         if not sep:
             raise ValueError(f"--set {item!r}: expected KEY=VALUE")
         try:
-            raw[key.strip()] = yaml.safe_load(value)
+            parsed = yaml.safe_load(value)
         except yaml.YAMLError:
             raise ValueError(f"--set {item!r}: the value is not a YAML value; quote it") from None
+        set_key(raw, key.strip(), parsed, item)
     _resolve_paths(raw, path.resolve().parent)
     known = {f.name for f in dataclasses.fields(SFTRun)}
     for key in raw:
@@ -185,6 +210,18 @@ def _check(run: SFTRun, path: Path) -> None:
             raise ValueError(f"{path}: {str(e).removeprefix('DeepSpeed config: ')}") from None
 
 
+def check_run_model(run: SFTRun) -> None:
+    """Raise refusal.ModelRefused (one paragraph: what, why, the fix) when the engine would refuse the run's model,
+    with the engine settings the run will have, before anything is written."""
+    import transformers
+
+    from ..config.resolve import resolve
+    from .refusal import check_trainable
+
+    engine = resolve(_ds_config(run, resolved=True), face="deepspeed").engine
+    check_trainable(run.model, transformers.AutoConfig.from_pretrained(run.model), engine)
+
+
 def check_data(run: SFTRun) -> dict[str, Any]:
     """Every record of the data files checked and converted: {"train": [(Record, conversation), ...],
     "eval": the same or None}."""
@@ -206,6 +243,13 @@ def _ds_config(run: SFTRun, resolved: bool = False) -> dict[str, Any]:
     else:
         face = face_keys(micro_batch=AUTO, accumulation=AUTO, clip=AUTO, bf16=AUTO)
     return {**face, "zero_optimization": {"stage": 3}, "megatrain": dict(run.megatrain)}
+
+
+def _checkpointing(config_cls: type) -> dict[str, Any]:
+    """TRL's default (activation checkpointing on) under the name transformers 5.25 keeps: its old name,
+    gradient_checkpointing, which TRL's SFTConfig sets, warns that it is deprecated on every run."""
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    return {"activation_checkpointing": True} if "activation_checkpointing" in names else {}
 
 
 def _on_accelerator() -> bool:
@@ -295,7 +339,7 @@ def train(prep: Prepared | SFTRun, resume_from: str | Path | None = None) -> dic
         # without save_steps Trainer saves only when the callback asks (by time or on a signal)
         save_steps=run.save_steps or 2**31 - 1, save_total_limit=run.save_total_limit, report_to=[],
         max_length=run.max_length, packing=run.packing, use_cpu=not accel,
-        deepspeed=_ds_config(run) if run.backend == "megatrain" else None)
+        deepspeed=_ds_config(run) if run.backend == "megatrain" else None, **_checkpointing(SFTConfig))
     settings = dataclasses.asdict(run)
     record_run(run.output_dir, settings)
     trainer = SFTTrainer(model=model, args=args, processing_class=prep.tokenizer,

@@ -67,9 +67,24 @@ def inspect_output(output_dir: str | Path) -> OutputState:
     return OutputState(ckpts, recorded, finished)
 
 
+# Engine settings (the "megatrain" section) that may differ too: they change how the step is scheduled, traced or
+# copied, never a value it computes (docs/SETTINGS.md says why for each).
+RESUMABLE_ENGINE_CHANGES = frozenset({"num_buffers", "residency", "trace", "pin_memory", "measure_device_memory",
+                                      "watchdog_s", "link_gbps", "nvme_gbps", "host_mmap_threshold_bytes"})
+
+
 def _changes(recorded: dict[str, Any], settings: dict[str, Any]) -> list[str]:
     keys = sorted((recorded.keys() | settings.keys()) - RESUMABLE_CHANGES)
-    return [f"{k}: {recorded.get(k)!r} -> {settings.get(k)!r}" for k in keys if recorded.get(k) != settings.get(k)]
+    out = []
+    for k in keys:
+        was, now = recorded.get(k), settings.get(k)
+        if k == "megatrain" and isinstance(was or {}, dict) and isinstance(now or {}, dict):
+            was, now = dict(was or {}), dict(now or {})
+            out += [f"megatrain.{e}: {was.get(e)!r} -> {now.get(e)!r}" for e in sorted(was.keys() | now.keys())
+                    if e not in RESUMABLE_ENGINE_CHANGES and was.get(e) != now.get(e)]
+        elif was != now:
+            out.append(f"{k}: {was!r} -> {now!r}")
+    return out
 
 
 def prepare_output(output_dir: str | Path, settings: dict[str, Any], restart: bool) -> tuple[Path | None, str]:

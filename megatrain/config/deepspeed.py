@@ -54,6 +54,9 @@ _NO_MEANING = (
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
 )
 _TOP_LEVEL = frozenset(_HONOURED + _NO_MEANING)
+# Keys accelerate and transformers write into every config they hand on (to let DeepSpeed take an optimizer it has
+# not tested): the user never wrote them, so they are accepted without being named as ignored.
+_ADDED_BY_TRAINERS = frozenset({"zero_allow_untested_optimizer"})
 
 # DeepSpeedZeroConfig's fields and aliases (deepspeed 0.19); all accepted, none changes what MegaTrain does
 # except the offload sections' pin_memory.
@@ -597,7 +600,7 @@ def parse_config(config: dict[str, Any] | str | os.PathLike, args: Any = None, *
     d = load_config_dict(config)
     ignored: list[str] = _dotted_keys(d)
     _check_keys({k: v for k, v in d.items() if k not in ignored}, _TOP_LEVEL, "")
-    ignored += [k for k in d if k in _NO_MEANING]
+    ignored += [k for k in d if k in _NO_MEANING and k not in _ADDED_BY_TRAINERS]
 
     tb, mb, ga = _batch_sizes(d, args, world_size)
     clip = clipping(d, args=args, script=script, err=_err)

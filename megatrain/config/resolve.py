@@ -15,6 +15,7 @@ with torch's Adam/AdamW).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -57,7 +58,8 @@ def resolve(config: dict[str, Any] | str | os.PathLike | EngineConfig | None = N
         from .deepspeed import parse_config
 
         ds = parse_config(config, args=args, world_size=world_size)
-        return Settings(ds.engine, _mixed_precision(ds.engine.compute_dtype), ds.gradient_clipping,
+        return Settings(_slabs_for(ds.engine, ds.gradient_accumulation_steps),
+                        _mixed_precision(ds.engine.compute_dtype), ds.gradient_clipping,
                         ds.gradient_accumulation_steps, ds)
     if face != "accelerate":
         raise ValueError(f"face={face!r} is not one of {FACES}")
@@ -75,7 +77,16 @@ def resolve(config: dict[str, Any] | str | os.PathLike | EngineConfig | None = N
     if label is None:  # no argument: the compute dtype the config says
         label = _mixed_precision(ec.compute_dtype if ec is not None else
                                  EngineConfig.settle_compute_dtype(bf16=said.bf16, unsaid="float32"))
-    return Settings(ec, label, said.gradient_clipping, _accumulation(gradient_accumulation_steps, said))
+    steps = _accumulation(gradient_accumulation_steps, said)
+    return Settings(_slabs_for(ec, steps), label, said.gradient_clipping, steps)
+
+
+def _slabs_for(ec: EngineConfig | None, steps: int) -> EngineConfig | None:
+    """Host mode "auto" may choose bf16 gradient slabs only where one micro-batch makes a step (bf16 addition
+    rounds a sum): with accumulation the face settles the slabs at FP32 before the engine chooses the rest."""
+    if ec is None or steps == 1 or ec.host_grad_dtype != "auto":
+        return ec
+    return dataclasses.replace(ec, host_grad_dtype="float32")
 
 
 def cpu_config(config: dict[str, Any] | EngineConfig | None) -> dict[str, Any] | EngineConfig:

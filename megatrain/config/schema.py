@@ -87,8 +87,12 @@ class EngineConfig:
     # gradient slabs, exact with bf16 compute and one micro-batch per step (accumulation is refused).
     # optimizer_in_backward: each layer's AdamW update runs as soon as its gradients land in backward, so no
     # layer gradient slab exists (hilo: 12 B/param); exact without clipping and accumulation, which it refuses.
-    host_master: str = "fp32"
-    host_grad_dtype: str = "float32"
+    # "auto" (the default, both): the fastest exact mode that fits this host (megatrain/costs/host_mode.py: FP32
+    # master, hilo, hilo + bf16 slabs, then the NVMe tier when nvme_path is set), chosen by the engine once it
+    # knows the model; in FP32 compute that is the FP32 master. An explicit host_master with host_grad_dtype
+    # "auto" keeps FP32 slabs.
+    host_master: str = "auto"
+    host_grad_dtype: str = "auto"
     optimizer_in_backward: bool = False
     # host_master "bf16" only: "nearest" (round-to-nearest-even, as the paper's code) or "stochastic" (unbiased:
     # keeps updates smaller than half a bf16 ulp in expectation; seeded, so a run repeats exactly)
@@ -264,12 +268,22 @@ def check_speculative(cfg: EngineConfig) -> None:
 
 def check_host_modes(cfg: EngineConfig) -> None:
     """The host-memory knobs are known values and fit together (clear errors naming the fix)."""
-    master = parse(HostMaster, cfg.host_master, "host_master")
-    grad = parse(GradSlab, cfg.host_grad_dtype, "host_grad_dtype")
-    object.__setattr__(cfg, "host_master", master.value)  # plain strings, as written in JSON
-    object.__setattr__(cfg, "host_grad_dtype", grad.value)
     bf16 = cfg.compute_dtype == "bfloat16"
-    if master is not HostMaster.FP32 and not bf16:
+    if cfg.host_master == AUTO and not bf16:
+        object.__setattr__(cfg, "host_master", HostMaster.FP32.value)  # the one exact master in FP32 compute
+    if cfg.host_grad_dtype == AUTO and (cfg.host_master != AUTO or not bf16 or cfg.optimizer_in_backward):
+        object.__setattr__(cfg, "host_grad_dtype", GradSlab.FLOAT32.value)  # an explicit master keeps FP32 slabs
+    auto = cfg.host_master == AUTO  # resolved by the engine once it knows the model (engine/host/preflight.py)
+    try:
+        master = None if auto else parse(HostMaster, cfg.host_master, "host_master")
+        grad = None if cfg.host_grad_dtype == AUTO else parse(GradSlab, cfg.host_grad_dtype, "host_grad_dtype")
+    except ValueError as e:
+        raise ValueError(f"{e}, or 'auto' (the default: the fastest exact mode that fits)") from None
+    if master is not None:
+        object.__setattr__(cfg, "host_master", master.value)  # plain strings, as written in JSON
+    if grad is not None:
+        object.__setattr__(cfg, "host_grad_dtype", grad.value)
+    if master not in (None, HostMaster.FP32) and not bf16:
         raise ValueError(f"host_master={master.value!r} keeps a bf16 half that streams to the device: set "
                          "compute_dtype='bfloat16' (or host_master='fp32' to compute in FP32)")
     if grad is GradSlab.BFLOAT16 and not bf16:
@@ -279,7 +293,7 @@ def check_host_modes(cfg: EngineConfig) -> None:
         raise ValueError(f"bf16_rounding={cfg.bf16_rounding!r}: use 'nearest' or 'stochastic'")
     if cfg.bf16_rounding == "stochastic" and master is not HostMaster.BF16:
         raise ValueError("bf16_rounding='stochastic' rounds a bf16 master: set host_master='bf16' (the exact "
-                         "masters round nothing)")
+                         "masters round nothing, and \"auto\" chooses an exact one)")
     if cfg.data_parallel_host not in ("auto", "shared", "replicated"):
         raise ValueError(f"data_parallel_host={cfg.data_parallel_host!r}: use 'auto', 'shared' or 'replicated'")
     if cfg.optimizer_in_backward and cfg.optimizer_overlap:

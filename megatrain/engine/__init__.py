@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .host.preflight import HostMemoryError
     from .layer.batch import max_trainable_positions
     from .model.model_object import serve_forward_keyword
-    from .model.probe import Verdict, run_probe
+    from .model.probe import ModelMismatchError, Verdict, run_probe, verify_model
     from .parallel.distributed import launch_env
     from .runtime.device_resolution import resolve_device
     from .runtime.host_copy import to_device
@@ -25,14 +25,15 @@ if TYPE_CHECKING:
 _HOME = {"Engine": ".engine", "engines_holding": ".engine",
          "HostMemoryError": ".host.preflight", "PinnedMemoryError": ".host.pinned",
          "max_trainable_positions": ".layer.batch", "Verdict": ".model.probe", "run_probe": ".model.probe",
+         "ModelMismatchError": ".model.probe", "verify_model": ".model.probe",
          "serve_forward_keyword": ".model.model_object",
          "launch_env": ".parallel.distributed", "resolve_device": ".runtime.device_resolution",
          "to_device": ".runtime.host_copy", "WatchdogError": ".runtime.stream",
          "side_threads": ".runtime.stream", "host_cores": ".runtime.threads", "update_threads": ".runtime.threads",
          "parts": ".parts"}  # a module: the parts the studies and the GPU check measure apart from a step
-__all__ = ["Engine", "HostMemoryError", "PinnedMemoryError", "Verdict", "WatchdogError", "engines_holding",
-           "launch_env", "max_trainable_positions", "resolve_device", "run_probe",
-           "host_cores", "parts", "serve_forward_keyword", "side_threads", "to_device", "update_threads"]
+__all__ = ["Engine", "HostMemoryError", "ModelMismatchError", "PinnedMemoryError", "Verdict", "WatchdogError",
+           "engines_holding", "host_cores", "launch_env", "max_trainable_positions", "parts", "resolve_device",
+           "run_probe", "serve_forward_keyword", "side_threads", "to_device", "update_threads", "verify_model"]
 
 
 def __getattr__(name: str) -> Any:

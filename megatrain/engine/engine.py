@@ -29,6 +29,7 @@ from .accounting import StepAccounting
 from .host.events import LayerEvents
 from .host.loading import skeleton_from_dir
 from .host.node_store import shard_optimizer_state
+from .host.preflight import auto_host_mode
 from .host.slab_state import landed_norms, slab_norm
 from .host.spill import spill_for
 from .layer.attention import host_mask, use_segment_attention
@@ -107,6 +108,9 @@ class Engine:
         self.parts: DecoderParts = find_parts(model)
         check_embedding(self.parts.embed)
         self.module, self.hf_config = model, model.config
+        # host mode "auto": the fastest exact mode whose store fits this host (costs/host_mode.py)
+        agree = (lambda i: self.dp.max_across(i, "host mode")) if self.dp is not None else None
+        self.config = config = auto_host_mode(config, model, self.parts.layers, agree=agree)
         probe = (lambda m: verify_model(m, type(self), config)) if config.parity_probe else None
         self.placement, originals = place(model, self.parts, config, self.device, self.compute_dtype, self.dp,
                                           self.node, checkpoint_dir, probe)

@@ -12,7 +12,9 @@ installs this module as soon as `accelerate.utils.deepspeed` (where `HfDeepSpeed
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import warnings
 from typing import Any
 
 __all__ = ["install", "uninstall", "installed", "has_megatrain_section"]
@@ -49,6 +51,19 @@ def one_rank_group() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
+class _AccumulationNote(logging.Filter):
+    """Drops accelerate's "Gradient accumulation steps mismatch" for a config with the "megatrain" section: Trainer
+    leaves accelerate's own plugin at 1 under DeepSpeed and accelerate takes the config's value, which MegaTrain's
+    parser filled from the same TrainingArguments, so the note reports no disagreement the user made."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_ours_seen and "Gradient accumulation steps mismatch" in record.getMessage())
+
+
+_ours_seen: list[bool] = []  # non-empty once a DeepSpeedPlugin for a "megatrain" config was built
+_NOTE = _AccumulationNote()
+
+
 def install() -> None:
     """Make `HfDeepSpeedConfig.is_zero3()` false and accelerate's `DeepSpeedPlugin` read stage 3 as 2 for a config
     with the section (idempotent; needs accelerate)."""
@@ -59,6 +74,17 @@ def install() -> None:
 
     real_is_zero3 = HfDeepSpeedConfig.is_zero3
     real_plugin_post_init = DeepSpeedPlugin.__post_init__
+    real_process = DeepSpeedPlugin.deepspeed_config_process
+
+    @functools.wraps(real_process)
+    def config_process(self: Any, prefix: str = "", mismatches: Any = None, config: Any = None, must_match: bool = True,
+                       **kwargs: Any) -> Any:
+        # accelerate fills every "auto" of the config from Trainer's values and refuses one it has no value for;
+        # the "megatrain" section's "auto" (host_master, residency, compute_dtype, ...) is MegaTrain's to resolve
+        if prefix == "megatrain." or prefix.startswith("megatrain."):
+            return None
+        return real_process(self, prefix=prefix, mismatches=mismatches, config=config, must_match=must_match,
+                            **kwargs)
 
     @functools.wraps(real_is_zero3)
     def is_zero3(self: Any) -> bool:
@@ -68,7 +94,18 @@ def install() -> None:
 
     @functools.wraps(real_plugin_post_init)
     def plugin_post_init(self: Any) -> None:
-        real_plugin_post_init(self)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            real_plugin_post_init(self)
+        ours = has_megatrain_section(self.hf_ds_config)
+        if ours and not _ours_seen:
+            _ours_seen.append(True)
+        for w in said:
+            # the stage-3 init flag (axolotl sets ACCELERATE_DEEPSPEED_ZERO3_INIT for a stage-3 config) meets the
+            # stage-2 reading below: accelerate's warning names a stage the user did not set, and nothing is
+            # partitioned at init under MegaTrain either, so it is not passed on
+            if not (ours and "Zero3 Init flag is only applicable" in str(w.message)):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         # accelerate's plugin is what TRL and Trainer ask whether ZeRO-3 is on (`deepspeed_plugin.zero_stage == 3`)
         # before gathering partitioned parameters or removing ZeRO-3's hooks for generation: an engine that has
         # neither would be asked for them. MegaTrain keeps every parameter whole, so a stage-3 config reads as 2,
@@ -80,9 +117,11 @@ def install() -> None:
         # From here on accelerate and TRL expect a process group (TRL's DPO broadcasts before any engine exists).
         one_rank_group()
 
-    _saved.update(is_zero3=real_is_zero3, plugin_post_init=real_plugin_post_init)
+    logging.getLogger("accelerate.accelerator").addFilter(_NOTE)
+    _saved.update(is_zero3=real_is_zero3, plugin_post_init=real_plugin_post_init, config_process=real_process)
     HfDeepSpeedConfig.is_zero3 = is_zero3
     DeepSpeedPlugin.__post_init__ = plugin_post_init
+    DeepSpeedPlugin.deepspeed_config_process = config_process
 
 
 def uninstall() -> None:
@@ -92,8 +131,11 @@ def uninstall() -> None:
     from accelerate.utils.dataclasses import DeepSpeedPlugin
     from accelerate.utils.deepspeed import HfDeepSpeedConfig
 
+    logging.getLogger("accelerate.accelerator").removeFilter(_NOTE)
+    _ours_seen.clear()
     HfDeepSpeedConfig.is_zero3 = _saved.pop("is_zero3")
     DeepSpeedPlugin.__post_init__ = _saved.pop("plugin_post_init")
+    DeepSpeedPlugin.deepspeed_config_process = _saved.pop("config_process")
 
 
 def installed() -> bool:

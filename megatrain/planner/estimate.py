@@ -43,10 +43,19 @@ def plan(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dtype: s
 
     knobs: num_buffers, offload_activations (True/False/'auto'), mlp_tile_tokens (None/'auto'/int;
     tile_tokens is its deprecated alias), device_budget_bytes,
-    loss_chunk_tokens, master ('fp32'/'hilo'/'bf16'), host_grad_dtype, optimizer_overlap,
+    loss_chunk_tokens, master ('auto' (default: the fastest exact mode that fits, auto_mode.py)/'fp32'/'hilo'/
+    'bf16'), host_grad_dtype ('auto'/'float32'/'bfloat16'), optimizer_overlap,
     grad_clip, gradient_checkpointing (zero3/torch), zero3_pin_memory.
     link_gbs / host_memory_gib / device_memory_gib override the profile (e.g. an emulated link).
     """
+    if "host_master" in knobs:  # EngineConfig's name for the same knob
+        knobs["master"] = knobs.pop("host_master")
+    auto_master = backend == "megatrain" and knobs.get("master", "auto") == "auto"
+    grad = knobs.get("host_grad_dtype", "auto")
+    if knobs.get("master", "auto") == "auto":
+        knobs["master"] = "fp32"  # a placeholder: "auto" chooses below
+    if grad == "auto":
+        knobs["host_grad_dtype"] = "float32"  # an explicit master keeps FP32 slabs, as EngineConfig does
     p = make_point(model, context, batch, grad_accum, dtype, backend, engine_config, **knobs)
     if engine_config is not None:
         if link_gbs is None:
@@ -55,6 +64,10 @@ def plan(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dtype: s
         if device_memory_gib is None and budget:
             device_memory_gib = budget / GIB  # what the engine's "auto" plans against
     hw = resolve_hardware(hardware, link_gbs, host_memory_gib, device_memory_gib)
+    if auto_master:
+        from .auto_mode import plan_auto  # it plans through plan_point
+
+        return plan_auto(p, hw, grad)
     return plan_point(p, hw)
 
 

@@ -21,9 +21,10 @@ from .memory import fmt_bytes
 from .point import Point, context_refusal, engine_refusal, with_point
 from .search import largest_batch, largest_context
 
-# (label, EngineConfig knobs under the planner's names); the first is the default.
+# (label, EngineConfig knobs under the planner's names), the exact ones fastest first (host mode "auto" tries them in
+# that order: costs/host_mode.py).
 MODES: list[tuple[str, dict[str, Any]]] = [
-    ("fp32 master, fp32 grads (default)", dict(master="fp32", host_grad_dtype="float32", optimizer_in_backward=False)),
+    ("fp32 master, fp32 grads", dict(master="fp32", host_grad_dtype="float32", optimizer_in_backward=False)),
     ("hilo master, fp32 grads", dict(master="hilo", host_grad_dtype="float32", optimizer_in_backward=False)),
     ("hilo master, bf16 grads", dict(master="hilo", host_grad_dtype="bfloat16", optimizer_in_backward=False)),
     ("fp32 master, optimizer in backward", dict(master="fp32", host_grad_dtype="float32", optimizer_in_backward=True)),

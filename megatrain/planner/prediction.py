@@ -32,6 +32,7 @@ class Plan:
     # it does not run): `fits` answers for memory alone, `feasible` for memory and the engine together.
     refused: list[str] = field(default_factory=list)
     placement: Placement | None = None  # megatrain with residency "auto": the planner's search (placement.py)
+    auto: Any = None  # host mode "auto": what it chose (auto_mode.py's AutoChoice); None for an explicit mode
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -110,8 +111,9 @@ class Plan:
                        "host_total": self.memory.host_total, "device_total": self.memory.device_total,
                        "pinned": self.memory.pinned, "unified": self.memory.unified},
             "time": dataclasses.asdict(self.time),
-            "fits": self.feasible,
+            "fits": self.feasible if self.auto is None else self.auto.fits,
             "memory_fits": self.fits,
+            "host_mode": None if self.auto is None else self.auto.to_dict(),
             "refused": list(self.refused),
             "reasons": list(self.reasons) + list(self.refused),
             "decisions": dict(self.decisions),

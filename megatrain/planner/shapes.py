@@ -17,9 +17,6 @@ from .moe_shapes import MOE_MODEL_TYPES, moe_shapes, text_config
 # model_type -> the preset family whose transformers config rebuilds the same model (preset_configs.py); any
 # other dense model_type keeps its own name (planned from its measured shape, not rebuilt from a preset)
 _FAMILY = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
-# Config keys that give a mixture-of-experts model away (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...): read by
-# moe_shapes.py into a MoEShape where it knows the family, refused by name where it does not.
-_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")
 
 
 def resolve_model(model: str | os.PathLike | ModelPreset | Any) -> ModelPreset:
@@ -62,8 +59,9 @@ def model_from_path(path: str | os.PathLike) -> ModelPreset:
 
     try:
         cfg = transformers.AutoConfig.from_pretrained(str(p), local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"cannot read a transformers config from {str(p)!r}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - transformers' field validation errors are no ValueError: one line
+        raise ValueError(f"cannot read a transformers config from {str(p)!r}: {one_line(e)}; fix that field in "
+                         "config.json") from None
     name = (p if p.is_dir() else p.parent).resolve().name
     return _from_hf_dict({**cfg.to_dict(), "_name_or_path": name}, cfg)
 
@@ -71,18 +69,11 @@ def model_from_path(path: str | os.PathLike) -> ModelPreset:
 def _from_hf_dict(d: dict[str, Any], cfg: Any = None) -> ModelPreset:
     d = text_config(d)
     if cfg is not None and d is not cfg and hasattr(cfg, "get_text_config"):
-        cfg = cfg.get_text_config()
+        cfg = _buildable_text_config(cfg)
     mtype = d.get("model_type", "")
-    moe = {k: d[k] for k in _MOE_KEYS if d.get(k)}
-    is_moe = bool(moe) or "moe" in str(mtype).lower() or mtype in MOE_MODEL_TYPES
-    if is_moe and mtype not in MOE_MODEL_TYPES:
-        said = ", ".join(f"{k}={v}" for k, v in moe.items())
-        raise ValueError(
-            f"model_type {mtype!r} is a mixture-of-experts model ({said or 'experts in its MLP'}) whose layer shape "
-            f"the planner does not read; it reads {', '.join(MOE_MODEL_TYPES)} (or describe it as a ModelPreset "
-            "with a MoEShape)")
-    if not is_moe:
-        return _dense(d, cfg, mtype)
+    if mtype not in MOE_MODEL_TYPES:
+        # dense, or a mixture without a formula reader (OLMoE, DeepSeek-V4, GLM-5, ...): counted as built
+        return _measured(d, cfg, mtype)
     try:
         hidden, heads, layers = int(d["hidden_size"]), int(d["num_attention_heads"]), int(d["num_hidden_layers"])
         return ModelPreset(
@@ -102,12 +93,28 @@ def _from_hf_dict(d: dict[str, Any], cfg: Any = None) -> ModelPreset:
         raise ValueError(f"transformers config of model_type {mtype!r} lacks {e.args[0]!r}; cannot plan for it") from None
 
 
+def _buildable_text_config(cfg: Any) -> Any:
+    """The language model's config of a composite one where transformers builds a causal LM from it (Qwen3.5's
+    text_config), else the whole config (Mllama's causal LM takes the composite config)."""
+    import transformers
+
+    text = cfg.get_text_config()
+    mapping = transformers.AutoModelForCausalLM._model_mapping
+    return text if text is cfg or type(text) in mapping or type(cfg) not in mapping else cfg
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line: its type and its message's lines joined (transformers' errors span several)."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:400]}" if text else type(e).__name__
+
+
 def _rope_theta(d: dict[str, Any]) -> float:
     return float(d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
 
 
-def _dense(d: dict[str, Any], cfg: Any, mtype: str) -> ModelPreset:
-    """A dense model: its shape measured off the model transformers builds for it on the meta device."""
+def _measured(d: dict[str, Any], cfg: Any, mtype: str) -> ModelPreset:
+    """A model's shape measured off the model transformers builds for it on the meta device."""
     from .meta_shapes import measured_preset
 
     if cfg is None:  # a dict or config object given directly: the config class of its model_type
@@ -123,9 +130,11 @@ def _dense(d: dict[str, Any], cfg: Any, mtype: str) -> ModelPreset:
     name = str(d.get("_name_or_path") or f"hf-{mtype}")
     try:
         return measured_preset(cfg, name, family, _trainable_positions(d, cfg), _rope_theta(d))
-    except (AttributeError, KeyError) as e:
-        raise ValueError(f"cannot read the layer shape of model_type {mtype!r} off its model ({e}); describe it as "
-                         "a ModelPreset instead") from None
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises reading a config: one line, not a traceback
+        raise ValueError(f"cannot read the layer shape of model_type {mtype!r} off its model ({one_line(e)}); "
+                         "check that field in config.json, or describe the model as a ModelPreset") from None
 
 
 def _trainable_positions(d: dict[str, Any], cfg: Any = None) -> int:

@@ -42,7 +42,11 @@ def route() -> str | None:
 
 
 def _host_mode(config: Any, world_size: int) -> str:
-    parts = [f"{config.host_master} master"]
+    written = config.written if hasattr(config, "written") else {}
+    # in FP32 compute "auto" has one exact master to take: no choice to name
+    chose = ("host mode \"auto\" chose " if written.get("host_master") == "auto"
+             and config.compute_dtype == "bfloat16" else "")
+    parts = [f"{chose}{config.host_master} master"]
     if not config.optimizer_in_backward:
         parts.append(f"{config.host_grad_dtype} gradients")
     else:

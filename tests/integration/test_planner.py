@@ -721,7 +721,7 @@ def test_cli_plan_120b_on_h200_lists_the_modes_and_an_exact_one_fits(capsys):
     out = capsys.readouterr().out
     rows = {line.split("  ")[2].strip(): line for line in out.splitlines() if line.startswith("    ") and
             ("master," in line)}
-    assert " NO " in rows["fp32 master, fp32 grads (default)"]
+    assert " NO " in rows["fp32 master, fp32 grads"]
     exact_fit = rows["hilo master, optimizer in backward"]
     assert " yes " in exact_fit and exact_fit.split()[5] == "yes" and "dense-120b" in exact_fit
     assert "no clipping" in exact_fit

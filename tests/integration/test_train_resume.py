@@ -171,3 +171,26 @@ def test_when_the_callback_asks_for_a_checkpoint(monkeypatch):
     stop.requested = True
     c = step(4)
     assert c.should_save and c.should_training_stop and cb.stopped_at == 4
+
+
+def test_a_resume_with_only_num_buffers_changed_is_bit_identical(tmp_path):
+    """`--set megatrain.num_buffers=3` merges into the file's section and, as a setting that changes no computed
+    value, is accepted on resume; the resumed run's losses and weights are an uninterrupted run's, bit for bit.
+    A setting that can change the arithmetic is still refused, by its dotted name (the control)."""
+    out = tmp_path / "run"
+    r = _stopped(out, signal.SIGTERM)
+    assert r.returncode == 143, r.stderr[-3000:]
+    other = _run(out, sets=("megatrain.loss_chunk_tokens=7",))
+    assert other.returncode == 2 and "megatrain.loss_chunk_tokens: None -> 7" in other.stderr, other.stderr[-3000:]
+    again = _run(out, sets=("megatrain.num_buffers=3",))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming from {out / 'checkpoint-3'} (step 3" in again.stderr
+    recorded = json.loads((out / RUN_FILE).read_text())["settings"]["megatrain"]
+    assert recorded["num_buffers"] == 3 and recorded["host_master"] == "fp32"  # merged: the file's key kept
+    resumed, weights = _report(out), load_file(out / "final" / "model.safetensors")
+    whole = _run(out, "--restart")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    ref = _report(out)
+    assert ref["resumed_from"] is None and resumed["losses"] == ref["losses"]
+    ref_weights = load_file(out / "final" / "model.safetensors")
+    assert all(weights[k].equal(ref_weights[k]) for k in weights)

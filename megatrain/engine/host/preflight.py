@@ -1,12 +1,19 @@
-"""Host-memory preflight: refuse a store that cannot fit before allocating any of it."""
+"""Host-memory preflight: refuse a store that cannot fit before allocating any of it; resolve host mode "auto"
+for the model about to be placed (the rule is costs/host_mode.py's, the planner's too)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import nn
 
+from ...costs.host_mode import AUTO, HostMode, candidates, choose_host_mode
 from ...costs.modes import GRAD_BYTES, MASTER_BYTES, GradSlab, HostMaster, rollback_bytes_per_param
+from ...costs.nvme import spill_bytes_per_param
 from ...costs.pinning import pinned_bytes
 
 # Host bytes per parameter, by component (FP32 master + gradient slab + Adam m and v).
@@ -96,7 +103,9 @@ def host_preflight(layer_shapes: list[list[tuple[str, torch.Size]]], global_shap
                      + (" (not for the pinned share, pinned while the model is still whole)" if pin else ""))
         raise HostMemoryError(
             f"the host store needs {total / 2**30:.2f} GiB ({parts}; {n / 1e9:.2f}B parameters) but {room}; use a "
-            "smaller model, a machine with more host memory, or raise the container's memory limit")
+            "smaller model, a machine with more host memory, raise the container's memory limit, or set nvme_path "
+            "(the NVMe tier keeps the optimizer state of the layers that do not fit on disk; `megatrain plan` "
+            "says how much)")
     return need
 
 
@@ -115,3 +124,39 @@ def rollback_preflight(n_layer_params: int, master: HostMaster, bf16_compute: bo
             f"{need / 2**30:.2f} GiB, but only {avail / 2**30:.2f} GiB of host memory is left; set "
             "speculative_step='auto' (off where it does not fit) or False")
     return False
+
+
+def auto_host_mode(config: Any, model: nn.Module, layers: nn.Module, accumulation_one: bool = True,
+                   available: int | None = None, agree: Callable[[int], int] | None = None) -> Any:
+    """`config` with host_master "auto" (and host_grad_dtype "auto") resolved for this model on this host: the
+    first mode of costs/host_mode.py's order whose store fits what this process may allocate (the model's own
+    host bytes counted as freed, as the preflight counts them); with nvme_path, the NVMe tier's modes after the
+    host-only ones, fitting when what never spills does (the tier spills as host_budget_bytes says, as in an
+    explicit mode). `config` unchanged when nothing is "auto". `agree` (data parallel: the largest of the ranks'
+    values): the ranks take the latest candidate any of them chose, since each reads its own free memory and they
+    must hold one mode."""
+    if config.host_master != AUTO:
+        return config
+    layer_ids = {id(p) for p in layers.parameters()}
+    params = list({id(p): p for p in model.parameters()}.values())
+    n_layer = sum(p.numel() for p in params if id(p) in layer_ids)
+    n = sum(p.numel() for p in params)
+    biggest = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
+    room = (available_host_bytes() if available is None else available) + model_host_bytes(params)
+    bf16 = config.compute_dtype == "bfloat16"
+
+    def fits(mode: HostMode) -> bool:
+        need = sum(host_store_bytes(n, torch.bfloat16 if bf16 else torch.float32, n_layer, mode.master,
+                                    None if config.optimizer_in_backward else mode.grad).values())
+        if mode.nvme:  # the spilled layers' state leaves the host, but for one layer's ring buffer
+            spill = spill_bytes_per_param(mode.master is HostMaster.HILO)
+            need -= (n_layer - biggest) * spill
+        return need <= room
+
+    grad = None if config.host_grad_dtype == AUTO else GradSlab(config.host_grad_dtype)
+    args = (bf16, accumulation_one, config.nvme_path is not None, config.optimizer_in_backward, grad)
+    mode, _ = choose_host_mode(fits, *args)
+    if agree is not None:
+        tried = candidates(*args)
+        mode = tried[agree(tried.index(mode))]
+    return dataclasses.replace(config, **mode.settings)

@@ -1,0 +1,74 @@
+"""Host mode "auto" in a plan: costs/host_mode.py's rule (the engine's too) over the planner's whole host plan.
+
+A host-only mode fits when the plan fits (memory and the engine); an NVMe-tier mode, tried when the profile has
+a disk (nvme_gbs), when the tier's spill plan fits the host, the disk and the device (nvme_plan.py's nvme_fit).
+The chosen mode's plan is returned with the choice: its verdict is the plan's first line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatrain.costs.host_mode import AUTO, HostMode, choose_host_mode
+from megatrain.costs.modes import GradSlab
+
+from .estimate import plan_point
+from .hardware import Hardware
+from .memory import fmt_bytes
+from .mode_table import mode_point
+from .nvme_plan import nvme_fit
+from .point import Point, with_point
+from .prediction import Plan
+
+
+@dataclass
+class AutoChoice:
+    """What "auto" chose at a point: the mode, whether it fits, and the NVMe tier's figures when it spills."""
+
+    mode: HostMode
+    fits: bool
+    nvme: dict[str, Any] = field(default_factory=dict)  # nvme_fit's figures (host, disk, spilled, budget, ...)
+
+    @property
+    def verdict(self) -> str:
+        """`fits: ...`'s words: "yes, exact, hilo + bf16 slabs + NVMe 130 GiB" or "NO, exact, ..."."""
+        disk = f" {fmt_bytes(self.nvme['disk'])}" if self.mode.nvme and self.nvme.get("disk") else ""
+        return f"{'yes' if self.fits else 'NO'}, exact, {self.mode.label}{disk}"
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The "megatrain" keys that run this mode (the NVMe tier's path is the user's to fill in)."""
+        out: dict[str, Any] = dict(self.mode.settings)
+        if self.mode.nvme:
+            out.update(nvme_path="/path/on/nvme", host_budget_bytes=int(self.nvme["budget"]))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode.label, "exact": True, "fits": self.fits, "settings": self.settings,
+                **({"nvme": {k: self.nvme[k] for k in ("host", "disk", "spilled")}} if self.mode.nvme else {})}
+
+
+def _knobs(mode: HostMode, p: Point) -> dict[str, Any]:
+    return dict(master=mode.master.value, host_grad_dtype=mode.grad.value, optimizer_in_backward=p.optimizer_in_backward)
+
+
+def plan_auto(p: Point, hw: Hardware, grad: str = AUTO) -> Plan:
+    """The plan of point `p` (its master and slab placeholders) in the mode "auto" chooses on `hw`; the choice
+    rides on the plan as `auto`. `grad`: the slab dtype the user set, or "auto"."""
+    seen: dict[HostMode, tuple[Plan, bool, dict[str, Any]]] = {}
+
+    def fits(mode: HostMode) -> bool:
+        q = mode_point(p, _knobs(mode, p)) if not p.optimizer_in_backward else with_point(p, **_knobs(mode, p))
+        pl = plan_point(q, hw)
+        ok, figures = nvme_fit(pl, hw) if mode.nvme else (pl.feasible, {})
+        seen[mode] = (pl, ok, figures)
+        return ok
+
+    mode, ok = choose_host_mode(fits, p.c == 2, p.grad_accum == 1, hw.nvme_gbs is not None, p.optimizer_in_backward,
+                                None if grad == AUTO else GradSlab(grad))
+    if mode not in seen:
+        fits(mode)
+    pl, _, figures = seen[mode]
+    pl.auto = AutoChoice(mode, ok, figures)
+    return pl

@@ -1,0 +1,85 @@
+"""`megatrain train --config` refuses a model the engine cannot train in one paragraph (what, why, a fix that
+works for that kind of refusal), exit 2, no traceback unless --debug, and writes nothing: no output folder."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "sft"
+
+
+def _model_dir(tmp_path: Path, name: str, config) -> Path:
+    d = tmp_path / name
+    config.save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(EXAMPLE / "tiny-llama" / f, d / f)
+    return d
+
+
+def _train(model: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
+    sets = (f"model={model}", f"output_dir={out}", "report=null", "max_steps=1", "eval_data=null")
+    return subprocess.run([sys.executable, "-m", "megatrain.commands.cli", "train", "--config",
+                           str(EXAMPLE / "sft.yaml"), *(a for s in sets for a in ("--set", s)), *extra],
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_a_structural_refusal_is_one_paragraph_and_writes_nothing(tmp_path):
+    import transformers
+
+    model = _model_dir(tmp_path, "ctrl", transformers.CTRLConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=300,
+                                                                  dff=128))
+    out = tmp_path / "out"
+    r = _train(model, out)
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) <= 5 and "Traceback" not in r.stderr, r.stderr
+    assert "cannot train" in r.stderr and "CTRLLMHeadModel" in r.stderr and "no final norm" in r.stderr
+    assert "backend: torch" in r.stderr and "parity_probe" not in r.stderr  # the probe switch would not help
+    assert not out.exists()
+    debug = _train(model, out, "--debug")  # the traceback, on request
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and not out.exists()
+
+
+@pytest.mark.slow
+def test_a_probe_refusal_is_one_paragraph_and_its_fix_trains(tmp_path):
+    """Gemma-4 with per-layer input embeddings: the parity probe refuses it (structurally: no probe switch offered);
+    the fix it names, backend: torch, trains it."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model("gemma4_text", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
+                                            hidden_size_per_layer_input=16, vocab_size_per_layer_input=300)
+    model, out = _model_dir(tmp_path, "gemma4", cfg), tmp_path / "out"
+    r = _train(model, out)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) <= 5 and "Traceback" not in r.stderr, r.stderr
+    assert "Gemma4ForCausalLM" in r.stderr and "backend: torch" in r.stderr and "parity_probe" not in r.stderr
+    assert not out.exists()
+    fixed = _train(model, out, "--set", "backend=torch")
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    assert (out / "final").is_dir()
+
+
+def test_a_host_memory_refusal_in_the_engine_undoes_what_the_run_wrote(tmp_path, monkeypatch, capsys):
+    """A refusal only the engine sees (its store does not fit the host): one paragraph, exit 2, and the output
+    folder this run made is gone again (no megatrain_run.json left with finished false)."""
+    from types import SimpleNamespace
+
+    from megatrain.commands.cli import main
+    from megatrain.costs import host_memory
+
+    monkeypatch.setattr(host_memory, "host_memory_available", lambda *a, **k: SimpleNamespace(available_bytes=1024))
+    out = tmp_path / "out"
+    rc = main(["train", "--config", str(EXAMPLE / "sft.yaml"), "--set", f"output_dir={out}", "--set", "report=null",
+               "--set", "max_steps=1", "--set", "eval_data=null"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "the host store needs" in err and "Traceback" not in err, err[-3000:]
+    assert not out.exists()
