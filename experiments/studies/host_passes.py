@@ -51,12 +51,12 @@ from pathlib import Path
 
 import torch
 
-WHOLE_STEP = "_whole_step"  # not an EngineConfig key: the engine is built with update.layer_pass_pays off
+WHOLE_STEP = "_whole_step"  # not an EngineConfig key: the engine is built with choose.layer_pass_pays off
 MODES = [
     ("fp32", {"compute_dtype": "float32"}),
     ("bf16 shadow", {"compute_dtype": "bfloat16"}),
     # The same mode held to the whole step (one optimizer.step(), the clip and shadow refresh passes around it):
-    # what it ran before update.layer_pass_pays sent it a layer at a time.
+    # what it ran before choose.layer_pass_pays sent it a layer at a time.
     ("bf16 shadow, whole step", {"compute_dtype": "bfloat16", WHOLE_STEP: True}),
     ("fp32, overlap", {"compute_dtype": "float32", "optimizer_overlap": True}),
     ("bf16 shadow, overlap", {"compute_dtype": "bfloat16", "optimizer_overlap": True}),
@@ -193,16 +193,16 @@ def bench_mode(preset, mode: str, cfg: dict, reps: int) -> list[dict]:
     from experiments.point import build_preset_model
     from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
-    from megatrain.engine.parts import update
+    from megatrain.engine.parts import choose
 
     cfg = dict(cfg)
-    saved = update.layer_pass_pays
+    saved = choose.layer_pass_pays
     if cfg.pop(WHOLE_STEP, False):
-        update.layer_pass_pays = lambda *a: False
+        choose.layer_pass_pays = lambda *a: False
     try:
         eng = Engine(build_preset_model(preset, 0), EngineConfig(device="cpu", parity_probe=False, **cfg))
     finally:
-        update.layer_pass_pays = saved
+        choose.layer_pass_pays = saved
     ids = torch.randint(0, preset.vocab, (1, 16), generator=torch.Generator().manual_seed(0))
     bound = bytes_bound(eng, mode)
     oib = cfg.get("optimizer_in_backward", False)

@@ -1,4 +1,4 @@
-"""The `megatrain` command: sweep, report, train, launch, and the planner's plan / bench when installed.
+"""The `megatrain` command: sweep, report, train, launch, and the planner's plan / bench.
 
     megatrain sweep experiments/sweeps/quick.yaml          # run (skips points already recorded)
     megatrain report results/quick                           # report.md + PNGs in results/quick
@@ -286,14 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "[--nproc-per-node N ...] script.py args... | "
                                                   "llamafactory-cli train cfg.yaml")
 
-    try:
-        from .. import planner
-    except ImportError:
-        planner = None
-    if planner is not None:
-        for name in ("add_plan_parser", "add_bench_parser"):
-            if hasattr(planner, name):
-                getattr(planner, name)(sub)
+    from .plan import add_bench_parser, add_plan_parser
+
+    add_plan_parser(sub)
+    add_bench_parser(sub)
     return ap
 
 

@@ -53,10 +53,10 @@ from .runtime.malloc import set_mmap_threshold
 from .runtime.memtrack import DeviceMemoryTracker, tracked
 from .runtime.stream import Streams, Trace
 from .update import speculative
+from .update.choose import choose as choose_update
+from .update.choose import overlap_pays
 from .update.clipping import Clipping, checked_max_norm
 from .update.optim import LayeredStep, OptimizerArg, adopt_optimizer, move_onto_masters
-from .update.update import choose as choose_update
-from .update.update import overlap_pays
 
 __all__ = ["Engine", "OptimizerArg", "engines_holding", "resolve_device"]
 

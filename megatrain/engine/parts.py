@@ -20,9 +20,9 @@ from .runtime.malloc import release_free_heap
 from .runtime.memtrack import DeviceMemoryTracker, host_allocations
 from .runtime.stream import DONE, CopyStream, Streams, Trace, side_threads
 from .runtime.threads import set_team
-from .update import adam_kernel, fused, update
+from .update import adam_kernel, choose, fused, update
 
 __all__ = ["DONE", "REDUCE_CHUNK", "ActivationStore", "CopyStream", "DeviceMemoryTracker", "FlatGroup", "PartsAdd",
            "Scratch", "SlabState", "SpillFile", "Streams", "Trace", "Verdict", "accumulate", "adam_kernel",
-           "available_host_bytes", "fused", "hilo", "host_allocations", "host_buffer", "pinned_preflight", "probe",
+           "available_host_bytes", "choose", "fused", "hilo", "host_allocations", "host_buffer", "pinned_preflight", "probe",
            "reduce_kernel", "release_free_heap", "set_team", "side_threads", "update"]

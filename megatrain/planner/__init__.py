@@ -59,7 +59,7 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
                     node (host memory) and across nodes (ring all-reduce), and the scaling efficiency.
 Where each part lives: point.py (the settings), memory.py, step_time.py and pipeline_sim.py (the models),
 placement.py (the residency search), reference.py (plain PyTorch where the model fits),
-prediction.py (the Plan), estimate.py (plan / plan_point), search.py (fit questions), multi.py (data parallel).
+prediction.py (the Plan), estimate.py (plan), point_plan.py (plan_point, the host modes), search.py (fit questions), multi.py (data parallel).
 Every assumption is a named constant in those modules or in megatrain/costs/, or a sourced number in the profiles file.
 """
 

@@ -13,12 +13,11 @@ from typing import Any
 from megatrain.costs.host_mode import AUTO, HostMode, choose_host_mode
 from megatrain.costs.modes import GradSlab
 
-from .estimate import plan_point
 from .hardware import Hardware
 from .memory import fmt_bytes
-from .mode_table import mode_point
 from .nvme_plan import nvme_fit
 from .point import Point, with_point
+from .point_plan import mode_point, plan_point
 from .prediction import Plan
 
 

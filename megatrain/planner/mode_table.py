@@ -15,27 +15,14 @@ from typing import Any
 from megatrain.costs.modes import HostMaster
 from megatrain.models.presets import PRESETS
 
-from .estimate import plan_point
 from .hardware import Hardware
 from .memory import fmt_bytes
 from .point import Point, context_refusal, engine_refusal, with_point
+from .point_plan import MODES as MODES
+from .point_plan import SCALE_PRESETS as SCALE_PRESETS
+from .point_plan import mode_point as mode_point
+from .point_plan import mode_settings, plan_point
 from .search import largest_batch, largest_context
-
-# (label, EngineConfig knobs under the planner's names), the exact ones fastest first (host mode "auto" tries them in
-# that order: costs/host_mode.py).
-MODES: list[tuple[str, dict[str, Any]]] = [
-    ("fp32 master, fp32 grads", dict(master="fp32", host_grad_dtype="float32", optimizer_in_backward=False)),
-    ("hilo master, fp32 grads", dict(master="hilo", host_grad_dtype="float32", optimizer_in_backward=False)),
-    ("hilo master, bf16 grads", dict(master="hilo", host_grad_dtype="bfloat16", optimizer_in_backward=False)),
-    ("fp32 master, optimizer in backward", dict(master="fp32", host_grad_dtype="float32", optimizer_in_backward=True)),
-    ("hilo master, optimizer in backward", dict(master="hilo", host_grad_dtype="float32", optimizer_in_backward=True)),
-    ("bf16 master, bf16 grads (paper's code)", dict(master="bf16", host_grad_dtype="bfloat16",
-                                                    optimizer_in_backward=False)),
-    ("bf16 master, optimizer in backward", dict(master="bf16", host_grad_dtype="float32", optimizer_in_backward=True)),
-]
-# The shapes the "largest preset" column ranks (the paper's dense presets, by size).
-SCALE_PRESETS = ["llama2-7b", "qwen2.5-7b", "llama3.1-8b", "qwen2.5-14b", "qwen2.5-32b", "llama3.1-70b",
-                 "qwen2.5-72b", "dense-120b"]
 
 
 @dataclass
@@ -56,18 +43,6 @@ class ModeRow:
     def settings(self) -> dict[str, Any]:
         """The mode as keys of the "megatrain" config section (EngineConfig's names)."""
         return mode_settings(self.knobs)
-
-
-def mode_settings(knobs: dict[str, Any]) -> dict[str, Any]:
-    """A mode's planner knobs under EngineConfig's names, ready for the "megatrain" config section."""
-    return {"host_master": knobs["master"], "host_grad_dtype": knobs["host_grad_dtype"],
-            "optimizer_in_backward": bool(knobs["optimizer_in_backward"])}
-
-
-def mode_point(p: Point, knobs: dict[str, Any]) -> Point:
-    """The point in one mode; the optimizer in backward cannot clip, so its rows plan without clipping."""
-    return with_point(p, **knobs, grad_clip=p.grad_clip and not knobs["optimizer_in_backward"],
-                      optimizer_overlap=p.optimizer_overlap and not knobs["optimizer_in_backward"])
 
 
 def mode_table(p: Point, hw: Hardware, search: bool = True) -> list[ModeRow]:

@@ -48,10 +48,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..costs.pinning import pinned_bytes
-from .estimate import plan_point
 from .hardware import GB, GIB, Hardware, resolve_hardware
 from .memory import Memory, check_fit
 from .point import Point, layer_grad_bytes, make_point, master_bytes
+from .point_plan import plan_point
 from .prediction import Plan
 from .step_time import IDLE_COMM, Time, megatrain_time
 

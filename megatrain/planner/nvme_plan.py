@@ -20,11 +20,10 @@ from megatrain.costs.modes import HostMaster
 from megatrain.costs.nvme import BudgetTooSmall, plan_spill, spill_bytes_per_param
 from megatrain.models.presets import PRESETS
 
-from .estimate import plan_point
 from .hardware import GB, GIB, Hardware
 from .memory import fmt_bytes
-from .mode_table import MODES, SCALE_PRESETS, mode_point, mode_settings
 from .point import Point, engine_refusal, with_point
+from .point_plan import MODES, SCALE_PRESETS, mode_point, mode_settings, plan_point
 from .prediction import Plan
 
 STORE_PARTS = ("master weights", "gradients", "adam m", "adam v", "bf16 shadow (streams)", "fp32 scratch (one layer)")

@@ -176,7 +176,7 @@ def residency_setting(r: str | kept.Residency) -> str | dict[str, int]:
 
 def overlap_on(p: Point, hw: Hardware) -> bool:
     """Whether the engine overlaps the host update with the next forward at this point: as set, or for "auto"
-    (None) as engine/update/update.py overlap_pays resolves it: on a CUDA device (the planner plans torch's AdamW), not
+    (None) as engine/update/choose.py overlap_pays resolves it: on a CUDA device (the planner plans torch's AdamW), not
     with the optimizer in backward."""
     if p.optimizer_overlap is not None:
         return p.optimizer_overlap

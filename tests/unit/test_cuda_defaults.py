@@ -11,7 +11,7 @@ from conftest import tiny_model
 from megatrain.config.resolve import engine_config_from
 from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
-from megatrain.engine.update.update import overlap_pays
+from megatrain.engine.update.choose import overlap_pays
 
 
 @pytest.fixture

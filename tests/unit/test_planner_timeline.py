@@ -12,7 +12,7 @@ import torch
 from megatrain.commands.plan import main
 from megatrain.config.schema import EngineConfig
 from megatrain.engine.runtime.stream import side_threads
-from megatrain.engine.update.update import overlap_pays
+from megatrain.engine.update.choose import overlap_pays
 from megatrain.planner import host_work as hwork
 from megatrain.planner import plan
 from megatrain.planner.hardware import get_hardware

@@ -12,7 +12,8 @@ from conftest import tiny_model
 
 from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
-from megatrain.engine.update.update import InBackward, choose
+from megatrain.engine.update.choose import choose
+from megatrain.engine.update.update import InBackward
 
 ENGINE = Path(__file__).resolve().parents[2] / "megatrain" / "engine"
 
