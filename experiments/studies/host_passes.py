@@ -96,10 +96,10 @@ class TorchOps:
 
         self.hilo = hilo
         hilo.kernel()
-        self.saved, hilo._lib = hilo._lib, None
+        self.saved, hilo._KERNEL.state = hilo._KERNEL.state, None
 
     def __exit__(self, *exc) -> None:
-        self.hilo._lib = self.saved
+        self.hilo._KERNEL.state = self.saved
 
 
 def bytes_bound(eng, mode: str) -> int:

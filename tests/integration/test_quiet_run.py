@@ -31,10 +31,26 @@ def test_a_train_run_has_no_warning_of_ours(tmp_path):
     assert not said, (said, r.stderr[-3000:])
 
 
-def test_the_zero3_init_flag_warning_is_not_passed_on_for_a_megatrain_config(monkeypatch):
-    from accelerate.utils.dataclasses import DeepSpeedPlugin
+@pytest.fixture
+def stage_reading():
+    """MegaTrain's stage reading installed for the test (another test may have uninstalled it: importing
+    megatrain.integrations.hf again is a no-op), and no DeepSpeed config left global after it: a stage-3
+    HfDeepSpeedConfig kept alive (a failed test's frame holds it) would turn on transformers' zero.Init for every
+    later from_pretrained in this process."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    import megatrain.integrations.hf  # noqa: F401  installs the stage reading
+    from megatrain.integrations import hf_stage
+
+    was = hf_stage.installed()
+    hf_stage.install()
+    yield
+    unset_hf_deepspeed_config()
+    if not was:
+        hf_stage.uninstall()
+
+
+def test_the_zero3_init_flag_warning_is_not_passed_on_for_a_megatrain_config(monkeypatch, stage_reading):
+    from accelerate.utils.dataclasses import DeepSpeedPlugin
 
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true")  # as axolotl sets it for a stage-3 config
     ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
@@ -57,12 +73,10 @@ def test_keys_the_trainers_add_are_not_named_as_ignored():
     assert parse_config({**base, "wandb": {}}, warn=False).ignored == ("wandb",)  # control: a key the user wrote
 
 
-def test_auto_in_the_megatrain_section_is_left_to_megatrain_by_accelerate():
+def test_auto_in_the_megatrain_section_is_left_to_megatrain_by_accelerate(stage_reading):
     """accelerate fills each "auto" of a DeepSpeed config from Trainer's values and refuses one it has none for;
     `megatrain.host_master: auto` (the default, written out) is MegaTrain's to resolve, not accelerate's."""
     from accelerate.utils.dataclasses import DeepSpeedPlugin
-
-    import megatrain.integrations.hf  # noqa: F401  installs the stage reading
 
     ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
           "megatrain": {"host_master": "auto", "residency": "auto"}}

@@ -35,14 +35,15 @@ def _train(model: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
 def test_a_structural_refusal_is_one_paragraph_and_writes_nothing(tmp_path):
     import transformers
 
-    model = _model_dir(tmp_path, "ctrl", transformers.CTRLConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=300,
-                                                                  dff=128))
+    # GPT-1 applies no final norm after its layers (CTRL did too, until the structure detection found its norm)
+    model = _model_dir(tmp_path, "openai-gpt", transformers.OpenAIGPTConfig(n_layer=2, n_embd=64, n_head=4,
+                                                                            vocab_size=300))
     out = tmp_path / "out"
     r = _train(model, out)
     assert r.returncode == 2, r.stderr[-3000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) <= 5 and "Traceback" not in r.stderr, r.stderr
-    assert "cannot train" in r.stderr and "CTRLLMHeadModel" in r.stderr and "no final norm" in r.stderr
+    assert "cannot train" in r.stderr and "OpenAIGPTLMHeadModel" in r.stderr and "no final norm" in r.stderr
     assert "backend: torch" in r.stderr and "parity_probe" not in r.stderr  # the probe switch would not help
     assert not out.exists()
     debug = _train(model, out, "--debug")  # the traceback, on request
@@ -51,13 +52,14 @@ def test_a_structural_refusal_is_one_paragraph_and_writes_nothing(tmp_path):
 
 @pytest.mark.slow
 def test_a_probe_refusal_is_one_paragraph_and_its_fix_trains(tmp_path):
-    """Gemma-4 with per-layer input embeddings: the parity probe refuses it (structurally: no probe switch offered);
-    the fix it names, backend: torch, trains it."""
+    """Gemma-4 with keys and values shared across layers (num_kv_shared_layers > 0; its per-layer input embeddings
+    now train): refused structurally, no probe switch offered; the fix it names, backend: torch, trains it."""
     import transformers
 
-    cfg = transformers.AutoConfig.for_model("gemma4_text", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = transformers.AutoConfig.for_model("gemma4_text", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
-                                            hidden_size_per_layer_input=16, vocab_size_per_layer_input=300)
+                                            hidden_size_per_layer_input=16, vocab_size_per_layer_input=300,
+                                            num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 2)
     model, out = _model_dir(tmp_path, "gemma4", cfg), tmp_path / "out"
     r = _train(model, out)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) <= 5 and "Traceback" not in r.stderr, r.stderr

@@ -97,12 +97,12 @@ def _bf16_rounded(run):
 
     update.update_layer = rounded
     adam_kernel.kernel()
-    compiled, adam_kernel._state = adam_kernel._state, None
+    compiled, adam_kernel._KERNEL.state = adam_kernel._KERNEL.state, None
     try:
         return run()
     finally:
         update.update_layer = update_layer
-        adam_kernel._state = compiled
+        adam_kernel._KERNEL.state = compiled
 
 
 def accelerator_hilo(example, accumulation: int) -> dict[str, Any]:
