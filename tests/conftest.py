@@ -31,6 +31,19 @@ if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
     os.environ["PATH"] = os.pathsep.join(filter(None, [_BIN, os.environ.get("PATH")]))
 
 
+@pytest.fixture(autouse=True)
+def _no_deepspeed_config_left_global():
+    """A test that builds accelerate's DeepSpeedPlugin (or HF Trainer's) for a stage-3 config leaves transformers'
+    global HfDeepSpeedConfig set while anything holds it (a failed test's frame does): every later model build in
+    this process would then run under DeepSpeed's zero.Init. Each test starts without one."""
+    yield
+    try:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    except ImportError:
+        return
+    unset_hf_deepspeed_config()
+
+
 def pytest_configure(config):
     # The parity probe's verdicts (and device peaks) go to a cache of this session's own, never a user's:
     # every run re-proves the architectures it builds.
