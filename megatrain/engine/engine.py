@@ -619,7 +619,7 @@ class Engine:
 
     def reset_stats(self) -> None:
         self.accounting.reset()
-        self.update.rollbacks = 0
+        self.update.reset_stats()
 
     def collect_stats(self) -> dict[str, float]:
         """Accounting since the last reset (waits for outstanding copies and layer updates)."""

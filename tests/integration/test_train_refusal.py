@@ -70,18 +70,19 @@ def test_a_probe_refusal_is_one_paragraph_and_its_fix_trains(tmp_path):
     assert (out / "final").is_dir()
 
 
-def test_a_host_memory_refusal_in_the_engine_undoes_what_the_run_wrote(tmp_path, monkeypatch, capsys):
+def test_a_host_memory_refusal_in_the_engine_undoes_what_the_run_wrote(tmp_path):
     """A refusal only the engine sees (its store does not fit the host): one paragraph, exit 2, and the output
-    folder this run made is gone again (no megatrain_run.json left with finished false)."""
-    from types import SimpleNamespace
-
-    from megatrain.commands.cli import main
-    from megatrain.costs import host_memory
-
-    monkeypatch.setattr(host_memory, "host_memory_available", lambda *a, **k: SimpleNamespace(available_bytes=1024))
+    folder this run made is gone again (no megatrain_run.json left with finished false). In a process of its own:
+    a train run sets up a process group and its environment."""
     out = tmp_path / "out"
-    rc = main(["train", "--config", str(EXAMPLE / "sft.yaml"), "--set", f"output_dir={out}", "--set", "report=null",
-               "--set", "max_steps=1", "--set", "eval_data=null"])
-    err = capsys.readouterr().err
-    assert rc == 2 and "the host store needs" in err and "Traceback" not in err, err[-3000:]
+    code = ("import sys; from types import SimpleNamespace\n"
+            "from megatrain.costs import host_memory\n"
+            "host_memory.host_memory_available = lambda *a, **k: SimpleNamespace(available_bytes=1024)\n"
+            "from megatrain.commands.cli import main\n"
+            f"sys.exit(main(['train', '--config', {str(EXAMPLE / 'sft.yaml')!r}, '--set', 'output_dir={out}', "
+            "'--set', 'report=null', '--set', 'max_steps=1', '--set', 'eval_data=null']))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    err = r.stderr
+    assert r.returncode == 2 and "the host store needs" in err and "Traceback" not in err, err[-3000:]
     assert not out.exists()

@@ -127,20 +127,23 @@ def _wheel(dest: Path, name: str, version: str, script: bool = False) -> Path:
 
 @pytest.mark.parametrize("use_pip", [True, False], ids=["pip", "bare-no-pip"])
 def test_install_uses_the_found_torch_and_installs_the_rest_saying_what(tmp_path, capsys, use_pip):
-    import importlib.metadata as md
-
     import torch
 
+    # The image's version as a fresh interpreter sees it (what install.py reads): this process may see another
+    # (setuptools, once imported by an earlier test, puts its vendored packaging on sys.path).
+    image_packaging = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; "
+                                      "print(m.version('packaging'))"], capture_output=True, text=True,
+                                     check=True).stdout.strip()
     wheels, site = tmp_path / "wheels", tmp_path / "site"
     wheels.mkdir()
     _wheel(wheels, "mtfakepkg", "1.2.3", script=True)
-    _wheel(wheels, "packaging", md.version("packaging"))  # the image has it at the carried version: kept
+    _wheel(wheels, "packaging", image_packaging)  # the image has it at the carried version: kept
     assert install.install(wheels, site, use_pip=use_pip) == 0
     text = capsys.readouterr().out
     found = next(ln for ln in text.splitlines() if ln.startswith("found:"))
     cuda = f"(CUDA {torch.version.cuda})" if torch.version.cuda else "(no CUDA build)"
     assert f"torch {torch.__version__} {cuda}" in found, found
-    assert f"kept the image's: packaging {md.version('packaging')}" in text
+    assert f"kept the image's: packaging {image_packaging}" in text
     assert "installed 1 wheels" in text and "mtfakepkg 1.2.3" in text, text
     assert (site / "mtfakepkg" / "__init__.py").exists() and not (site / "packaging").exists()
     run = subprocess.run([sys.executable, "-c", "import mtfakepkg; print(mtfakepkg.VERSION)"],

@@ -113,16 +113,26 @@ def test_the_compat_table_has_exact_families():
     assert len(types) > 100 and "llama" in types and "qwen3_moe" in types
 
 
+# The planner does not read DBRX's top-k (nested in its ffn_config): a known gap, kept visible.
+_PLAN_GAPS = {"dbrx": "DBRX's top-k sits in ffn_config.moe_top_k, which the planner does not read yet"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", _exact_types())
+@pytest.mark.parametrize("model_type", [pytest.param(t, marks=pytest.mark.xfail(strict=True, reason=_PLAN_GAPS[t]))
+                                        if t in _PLAN_GAPS else t for t in _exact_types()])
 def test_plan_answers_for_every_family_the_table_calls_exact(model_type):
-    """The probe's small config of each exact family (the same shrink the table was measured with): plan answers."""
+    """The probe's small config of each exact family, from the config the table was measured with (the study's: the
+    family's default where it builds, else filled, experiments/studies/compat_configs.py): plan answers."""
+    from experiments.studies.compat_configs import study_config
     from megatrain.commands.check import resolve
     from megatrain.engine.parts import probe
     from megatrain.planner import plan
 
-    _, config = resolve(model_type)
-    tiny = probe.tiny_config(config)
-    m = resolve_model(tiny)
+    try:  # the family's own default (a composite keeps its whole config)
+        _, config = resolve(model_type)
+        m = resolve_model(probe.tiny_config(config))
+    except ValueError:  # a default transformers cannot build: the study's filled config, as the table built it
+        _, config, _ = study_config(model_type)
+        m = resolve_model(probe.tiny_config(config))
     pl = plan(m, 256, hardware="h200-pcie")
     assert pl.time.step_s > 0 and m.param_count() > 0

@@ -86,6 +86,10 @@ class UpdatePath:
     spill: Spill | None = None  # the NVMe tier (spill.py): spilled state read in around each layer update
     rollbacks = 0  # steps whose speculative layer updates were undone (speculative.py)
 
+    def reset_stats(self) -> None:
+        """Start the path's own counts again (Engine.reset_stats)."""
+        self.rollbacks = 0
+
     def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
                  config: EngineConfig) -> None:
         self.optimizer, self.store, self.events, self.config = optimizer, store, events, config
