@@ -206,7 +206,7 @@ def test_a_shard_writer_killed_mid_write_leaves_the_previous_checkpoint(tmp_path
     tmp = ck.begin(tmp_path, "s2")
     code = textwrap.dedent(f"""
         import os, signal, torch
-        from megatrain import checkpoint as ck
+        from megatrain.run import checkpoint as ck
         real = os.fsync
         os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # dies with the shard's bytes unsynced
         ck.write_shard({str(tmp)!r}, "{ck.SHARD_PREFIX}1.safetensors", {{"optim.1.exp_avg": torch.ones(1 << 16)}})
