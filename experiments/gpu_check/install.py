@@ -43,7 +43,11 @@ def wheel_name_version(path: Path) -> tuple[str, str]:
 
 def image_versions() -> dict[str, str]:
     """{canonical name: version} of what this interpreter finds without the carried folder."""
-    return {canonical(d.metadata["Name"]): d.version for d in md.distributions() if d.metadata["Name"]}
+    out: dict[str, str] = {}
+    for d in md.distributions():  # in sys.path order: the first of a name is the one an import gets
+        if d.metadata["Name"]:
+            out.setdefault(canonical(d.metadata["Name"]), d.version)
+    return out
 
 
 def torch_found() -> str | None:
