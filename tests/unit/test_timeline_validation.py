@@ -32,8 +32,13 @@ def measured():
     return out
 
 
+# The emulated link sets these; the GPU's busy time and idle fraction are this shared box's compute speed against
+# the profile's (CI's machine measured 91% idle where the profile says 77%), checked only in the study's table.
+LINK_SET = ("step_s", "h2d_busy_s", "d2h_busy_s")
+
+
 def _errors(pred: dict, meas: dict) -> dict[str, float]:
-    return {k: 100.0 * (pred[k] - meas[k]) / meas[k] for k in QUANTITIES if k != "gpu_busy_s"}
+    return {k: 100.0 * (pred[k] - meas[k]) / meas[k] for k in LINK_SET}
 
 
 @pytest.mark.parametrize("rate", GBPS)
