@@ -20,7 +20,8 @@ from megatrain.models.presets import AttnShape, MLAShape, ModelPreset, MoEShape
 
 # config keys naming a mixture's routed-expert count and how many of them a token is sent to, across families
 _EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "n_experts")
-_TOPK_KEYS = ("num_experts_per_tok", "top_k_experts", "moe_topk", "num_selected_experts", "moe_k", "top_k")
+_TOPK_KEYS = ("num_experts_per_tok", "top_k_experts", "moe_topk", "moe_top_k", "num_selected_experts", "moe_k",
+              "top_k")
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,22 @@ def config_value(cfg: Any, *names: str) -> Any:
     return None
 
 
+def mixture_value(cfg: Any, *names: str) -> Any:
+    """`config_value`, then the same names one level down in a section of the config (DBRX keeps its mixture's
+    settings in `ffn_config`: moe_num_experts, moe_top_k)."""
+    v = config_value(cfg, *names)
+    if v is not None:
+        return v
+    for section in vars(cfg).values() if hasattr(cfg, "__dict__") else ():
+        if isinstance(section, dict):
+            v = next((section[n] for n in names if section.get(n) is not None), None)
+        elif hasattr(section, "to_dict") and section is not cfg:
+            v = config_value(section, *names)
+        if v is not None:
+            return v
+    return None
+
+
 def _expert_modules(layer: Any) -> list[Any]:
     """The routed-expert containers of a decoder layer (modules named `experts`, outermost only)."""
     found: list[tuple[str, Any]] = []
@@ -114,7 +131,7 @@ def _expert_modules(layer: Any) -> list[Any]:
 
 def _expert_count(cfg: Any, experts: Any) -> int:
     """Routed experts per sparse layer: the config's count, else the container's (a list, or a stacked tensor)."""
-    n = config_value(cfg, *_EXPERT_KEYS)
+    n = mixture_value(cfg, *_EXPERT_KEYS)
     if n:
         return int(n)
     if hasattr(experts, "__len__"):
@@ -130,7 +147,7 @@ def _moe(cfg: Any, layers: Any, hidden: int, numels: tuple[int, ...]) -> tuple[M
         return None, ()
     first = per_layer[sparse[0]][0]
     experts = _expert_count(cfg, first)
-    top_k = config_value(cfg, *_TOPK_KEYS)
+    top_k = mixture_value(cfg, *_TOPK_KEYS)
     if not top_k:
         raise ValueError(f"the model has {experts} routed experts per layer but its config names no top-k (one of "
                          f"{', '.join(_TOPK_KEYS)}); set num_experts_per_tok in config.json")

@@ -113,13 +113,8 @@ def test_the_compat_table_has_exact_families():
     assert len(types) > 100 and "llama" in types and "qwen3_moe" in types
 
 
-# The planner does not read DBRX's top-k (nested in its ffn_config): a known gap, kept visible.
-_PLAN_GAPS = {"dbrx": "DBRX's top-k sits in ffn_config.moe_top_k, which the planner does not read yet"}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", [pytest.param(t, marks=pytest.mark.xfail(strict=True, reason=_PLAN_GAPS[t]))
-                                        if t in _PLAN_GAPS else t for t in _exact_types()])
+@pytest.mark.parametrize("model_type", _exact_types())
 def test_plan_answers_for_every_family_the_table_calls_exact(model_type):
     """The probe's small config of each exact family, from the config the table was measured with (the study's: the
     family's default where it builds, else filled, experiments/studies/compat_configs.py): plan answers."""
@@ -136,3 +131,17 @@ def test_plan_answers_for_every_family_the_table_calls_exact(model_type):
         m = resolve_model(probe.tiny_config(config))
     pl = plan(m, 256, hardware="h200-pcie")
     assert pl.time.step_s > 0 and m.param_count() > 0
+
+
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_a_mixture_whose_top_k_sits_in_a_section_is_read(top_k):
+    """DBRX keeps its expert count and top-k in `ffn_config`: the plan's active parameters follow its top-k."""
+    from transformers import DbrxConfig
+
+    cfg = DbrxConfig(d_model=64, n_heads=4, n_layers=2, max_seq_len=128, vocab_size=256,
+                     attn_config={"kv_n_heads": 2, "rope_theta": 10000.0},  # 5.25 reads it there
+                     ffn_config={"ffn_hidden_size": 96, "moe_num_experts": 4, "moe_top_k": top_k})
+    m = resolve_model(cfg)
+    assert m.moe is not None and (m.moe.experts, m.moe.top_k) == (4, top_k)
+    # active parameters grow with top-k: 3 of 4 experts computed is more than 1 of 4
+    assert m.active_nonembed_params() < m.nonembed_params()
