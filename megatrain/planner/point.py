@@ -10,7 +10,8 @@ from typing import Any
 
 from megatrain.models.presets import ModelPreset
 
-from ..config.schema import EngineConfig
+from ..config.schema import AUTO, EngineConfig, left_auto
+from ..config.settle import LAYERED, EngineFacts, settle_engine
 from ..costs import modes
 from ..costs import residency as kept
 from ..costs.modes import GRAD_BYTES, MASTER_BYTES, SHADOW_BYTES, GradSlab, HostMaster
@@ -106,7 +107,7 @@ def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
     for name, v in (("context", context), ("batch", batch), ("grad_accum", grad_accum),
                     ("num_buffers", knobs.get("num_buffers", 2)),
                     ("loss_chunk_tokens", knobs.get("loss_chunk_tokens", 1))):
-        if v == "auto" and name == "loss_chunk_tokens":
+        if name == "loss_chunk_tokens" and left_auto(v):
             continue
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}={v!r} must be an int >= 1" + (" or 'auto'" if name == "loss_chunk_tokens" else ""))
@@ -116,18 +117,18 @@ def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
     _is_bf16(knobs.get("host_grad_dtype", "float32"))
     if knobs.get("master", "fp32") not in MASTERS:
         raise ValueError(f"master={knobs['master']!r}: use one of {MASTERS}")
-    off = knobs.get("offload_activations", "auto")
-    if off not in (True, False, "auto"):
+    off = knobs.get("offload_activations", AUTO)
+    if not (off is True or off is False or left_auto(off)):
         raise ValueError(f"offload_activations={off!r}: use True, False or 'auto'")
-    tile = knobs.get("mlp_tile_tokens", "auto")
-    if not (tile is None or tile == "auto" or (isinstance(tile, int) and not isinstance(tile, bool) and tile >= 1)):
+    tile = knobs.get("mlp_tile_tokens", AUTO)
+    if not (tile is None or left_auto(tile) or (isinstance(tile, int) and not isinstance(tile, bool) and tile >= 1)):
         raise ValueError(f"mlp_tile_tokens={tile!r}: use None (untiled), 'auto' or an int >= 1")
-    if knobs.get("optimizer_overlap") == "auto":  # the engine's "auto" is None
+    if left_auto(knobs.get("optimizer_overlap")):  # the engine's "auto" is None
         knobs["optimizer_overlap"] = None
     if knobs.get("optimizer_overlap") not in (None, True, False):
         raise ValueError(f"optimizer_overlap={knobs['optimizer_overlap']!r}: use True, False or None ('auto', as "
                          "the engine resolves it)")
-    if knobs.get("speculative_step") == "auto":
+    if left_auto(knobs.get("speculative_step")):
         knobs["speculative_step"] = None
     if knobs.get("speculative_step") not in (None, True, False):
         raise ValueError(f"speculative_step={knobs['speculative_step']!r}: use True, False or None ('auto', as the "
@@ -169,18 +170,28 @@ def engine_settings(p: Point) -> dict[str, Any]:
 
 def residency_setting(r: str | kept.Residency) -> str | dict[str, int]:
     """A residency as the engine's config writes it: "auto", "stream" or {"weights": n, "activations": m}."""
-    if r == kept.AUTO:
+    if left_auto(r):
         return kept.AUTO
     return kept.STREAM if r == kept.Residency() else r.to_dict()
 
 
+def settled(p: Point, hw: Hardware) -> EngineConfig:
+    """The engine's device- and optimizer-dependent "auto" at this point, settled as the engine settles it
+    (megatrain/config/resolve.py settle_engine) with the profile's facts: a CUDA device unless the profile's memory is
+    unified (a CPU "device"), and torch's AdamW (what the planner plans)."""
+    cfg = EngineConfig(device="cpu", compute_dtype=p.dtype, optimizer_in_backward=p.optimizer_in_backward,
+                       optimizer_overlap=None if p.optimizer_in_backward else p.optimizer_overlap,
+                       speculative_step=AUTO if p.speculative_step is None or p.optimizer_in_backward
+                       else p.speculative_step)
+    return settle_engine(cfg, EngineFacts("cpu" if hw.unified_memory else "cuda", LAYERED))[0]
+
+
 def overlap_on(p: Point, hw: Hardware) -> bool:
     """Whether the engine overlaps the host update with the next forward at this point: as set, or for "auto"
-    (None) as engine/update/choose.py overlap_pays resolves it: on a CUDA device (the planner plans torch's AdamW), not
-    with the optimizer in backward."""
+    (None) as the engine settles it (`settled`)."""
     if p.optimizer_overlap is not None:
         return p.optimizer_overlap
-    return p.backend == "megatrain" and not hw.unified_memory and not p.optimizer_in_backward
+    return p.backend == "megatrain" and settled(p, hw).optimizer_overlap
 
 
 def rollback_bytes(p: Point) -> int:
@@ -190,14 +201,15 @@ def rollback_bytes(p: Point) -> int:
 
 
 def speculative_on(p: Point, hw: Hardware) -> bool:
-    """Whether the engine runs the speculative step at this point: as set, or for "auto" (None) as
-    engine/update/speculative.py resolve does: on a CUDA device, not with the optimizer in backward, where the rollback
-    copy fits the host beside the store (its layers' and resident parameters' bytes and the runtime's reserve)."""
+    """Whether the engine runs the speculative step at this point: as set, or for "auto" (None) as the engine settles
+    it (`settled`: a CUDA device, not with the optimizer in backward) where the rollback copy fits the host beside
+    the store (its layers' and resident parameters' bytes and the runtime's reserve), as engine/update/speculative.py
+    measures it."""
     if p.backend != "megatrain" or p.optimizer_in_backward:
         return False
     if p.speculative_step is not None:
         return p.speculative_step
-    if hw.unified_memory:
+    if settled(p, hw).speculative_step is False:
         return False
     m = p.model
     layers = m.num_layers * m.layer_params()
