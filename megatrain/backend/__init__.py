@@ -148,8 +148,7 @@ class MegatrainBackend:
             return None, self._adopt_optimizer(optimizer)
         if self.engine is not None:
             raise RuntimeError('backend "megatrain" drives one model per Accelerator; build another Accelerator')
-        from ..engine import Engine
-        from ..engine.engine import optimizer_fact
+        from ..engine import Engine, optimizer_fact
 
         optimizer = self.exact_optimizer(optimizer)
         # The engine's "auto" settled once, here (megatrain/config/resolve.py settle_engine): an optimizer adopted by
