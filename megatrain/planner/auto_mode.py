@@ -49,7 +49,7 @@ class AutoChoice:
 
 
 def _knobs(mode: HostMode, p: Point) -> dict[str, Any]:
-    return dict(master=mode.master.value, host_grad_dtype=mode.grad.value, optimizer_in_backward=p.optimizer_in_backward)
+    return dict(host_master=mode.master.value, host_grad_dtype=mode.grad.value, optimizer_in_backward=p.optimizer_in_backward)
 
 
 def plan_auto(p: Point, hw: Hardware, grad: GradSlab | None = None) -> Plan:

@@ -22,15 +22,15 @@ from .prediction import Plan
 
 
 def host_mode_placeholders(knobs: dict[str, Any]) -> tuple[bool, GradSlab | None]:
-    """Put placeholders in `knobs` (the planner's names; EngineConfig's host_master taken as master) where the host
-    mode is left to "auto": the FP32 master, and FP32 slabs (an explicit master keeps them, as EngineConfig does).
-    Returns (whether the master was "auto", the slab dtype as set, None for "auto") for auto_mode.py's choice."""
-    if "host_master" in knobs:  # EngineConfig's name for the same knob
-        knobs["master"] = knobs.pop("host_master")
-    auto_master = left_auto(knobs.get("master", AUTO))
+    """Put placeholders in `knobs` (EngineConfig's names; the planner's old `master` taken as host_master) where the
+    host mode is left to "auto": the FP32 master, and FP32 slabs (an explicit master keeps them, as EngineConfig
+    does). Returns (whether the master was "auto", the slab dtype as set, None for "auto") for auto_mode.py."""
+    if "master" in knobs and "host_master" not in knobs:  # the planner's old name
+        knobs["host_master"] = knobs.pop("master")
+    auto_master = left_auto(knobs.get("host_master", AUTO))
     grad = knobs.get("host_grad_dtype", AUTO)
     if auto_master:
-        knobs["master"] = HostMaster.FP32.value  # a placeholder: "auto" chooses it
+        knobs["host_master"] = HostMaster.FP32.value  # a placeholder: "auto" chooses it
     if left_auto(grad):
         knobs["host_grad_dtype"] = GradSlab.FLOAT32.value
     return auto_master, (None if left_auto(grad) else GradSlab(grad))
@@ -44,7 +44,7 @@ def plan(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dtype: s
 
     knobs: num_buffers, offload_activations (True/False/'auto'), mlp_tile_tokens (None/'auto'/int;
     tile_tokens is its deprecated alias), device_budget_bytes,
-    loss_chunk_tokens, master ('auto' (default: the fastest exact mode that fits, auto_mode.py)/'fp32'/'hilo'/
+    loss_chunk_tokens, host_master (its old name master: 'auto' (default: the fastest exact mode that fits, auto_mode.py)/'fp32'/'hilo'/
     'bf16'), host_grad_dtype ('auto'/'float32'/'bfloat16'), optimizer_overlap,
     grad_clip, gradient_checkpointing (zero3/torch), zero3_pin_memory.
     link_gbs / host_memory_gib / device_memory_gib override the profile (e.g. an emulated link).

@@ -43,8 +43,8 @@ class Point:
     # what the engine's "auto" plans against (EngineConfig.device_budget_bytes); None = as the engine
     # does: the GPU's memory, no limit on a CPU "device"
     device_budget_bytes: int | None = None
-    # The host-memory modes, as EngineConfig names them (megatrain/costs/modes.py): master = host_master
-    master: str = "fp32"  # fp32 (+ bf16 shadow in bf16 mode), hilo (exact split, no shadow), bf16 (paper's code)
+    # The host-memory modes (megatrain/costs/modes.py)
+    host_master: str = "fp32"  # fp32 (+ bf16 shadow in bf16 mode), hilo (exact split, no shadow), bf16 (paper's code)
     host_grad_dtype: str = "float32"
     optimizer_in_backward: bool = False  # each layer's AdamW during backward: no layer gradient slab
     # host AdamW layer by layer behind the next forward (EngineConfig); None = "auto", as the engine resolves it
@@ -69,6 +69,11 @@ class Point:
     # which layers stay on the device (EngineConfig.residency, costs/residency.py): "auto" (the planner's placement
     # within the device budget, planner/placement.py), or counts (a Residency; "stream" is Residency(0, 0))
     residency: str | kept.Residency = ENGINE_RESIDENCY
+
+    @property
+    def master(self) -> str:
+        """host_master under the planner's old name (read-only; `make_point` and `with_point` take it too)."""
+        return self.host_master
 
     @property
     def tokens(self) -> int:  # per micro-batch
@@ -99,8 +104,7 @@ def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
         warnings.warn("tile_tokens is deprecated: use mlp_tile_tokens (EngineConfig's name)", DeprecationWarning,
                       stacklevel=3)
         knobs.setdefault("mlp_tile_tokens", knobs.pop("tile_tokens"))
-    if "host_master" in knobs:  # EngineConfig's name for the same knob
-        knobs["master"] = knobs.pop("host_master")
+    _host_master_name(knobs)
     unknown = set(knobs) - {f.name for f in dataclasses.fields(Point)}
     if unknown:
         raise ValueError(f"unknown planner setting(s) {sorted(unknown)}")
@@ -115,8 +119,8 @@ def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
         raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS}")
     _is_bf16(dtype)  # raises on an unknown dtype
     _is_bf16(knobs.get("host_grad_dtype", "float32"))
-    if knobs.get("master", "fp32") not in MASTERS:
-        raise ValueError(f"master={knobs['master']!r}: use one of {MASTERS}")
+    if knobs.get("host_master", "fp32") not in MASTERS:
+        raise ValueError(f"host_master={knobs['host_master']!r}: use one of {MASTERS}")
     off = knobs.get("offload_activations", AUTO)
     if not (off is True or off is False or left_auto(off)):
         raise ValueError(f"offload_activations={off!r}: use True, False or 'auto'")
@@ -145,7 +149,16 @@ def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
     return Point(model=m, context=context, batch=batch, grad_accum=grad_accum, dtype=dtype, backend=backend, **knobs)
 
 
+def _host_master_name(knobs: dict[str, Any]) -> None:
+    """The planner's old name for host_master, `master`, taken as EngineConfig's (both given: refused)."""
+    if "master" in knobs:
+        if "host_master" in knobs:
+            raise ValueError("give host_master or its old name master, not both")
+        knobs["host_master"] = knobs.pop("master")
+
+
 def with_point(p: Point, **changes: Any) -> Point:
+    _host_master_name(changes)
     return dataclasses.replace(p, **changes)
 
 
@@ -155,7 +168,7 @@ def engine_settings(p: Point) -> dict[str, Any]:
     engine's own default, and writing what it resolves to on one machine would change it on another)."""
     d: dict[str, Any] = {"compute_dtype": p.dtype, "num_buffers": p.num_buffers,
                          "offload_activations": p.offload_activations, "mlp_tile_tokens": p.mlp_tile_tokens,
-                         "loss_chunk_tokens": p.loss_chunk_tokens, "host_master": p.master,
+                         "loss_chunk_tokens": p.loss_chunk_tokens, "host_master": p.host_master,
                          "host_grad_dtype": p.host_grad_dtype, "optimizer_in_backward": p.optimizer_in_backward}
     if p.optimizer_overlap is not None:
         d["optimizer_overlap"] = p.optimizer_overlap
@@ -197,7 +210,7 @@ def overlap_on(p: Point, hw: Hardware) -> bool:
 def rollback_bytes(p: Point) -> int:
     """Host bytes of the speculative step's rollback copy: every layer's master and Adam state (costs/modes.py)."""
     m = p.model
-    return m.num_layers * m.layer_params() * modes.rollback_bytes_per_param(HostMaster(p.master), p.c == 2)
+    return m.num_layers * m.layer_params() * modes.rollback_bytes_per_param(HostMaster(p.host_master), p.c == 2)
 
 
 def speculative_on(p: Point, hw: Hardware) -> bool:
@@ -213,14 +226,14 @@ def speculative_on(p: Point, hw: Hardware) -> bool:
         return False
     m = p.model
     layers = m.num_layers * m.layer_params()
-    per_layer = modes.layer_bytes_per_param(HostMaster(p.master), GradSlab(p.host_grad_dtype), False, p.c == 2)
+    per_layer = modes.layer_bytes_per_param(HostMaster(p.host_master), GradSlab(p.host_grad_dtype), False, p.c == 2)
     store = layers * per_layer + (m.param_count() - layers) * 16 + int(hw.host_reserved_gib * GIB)
     return store + rollback_bytes(p) <= hw.host_bytes
 
 
 def master_bytes(p: Point) -> tuple[int, int]:
     """(host master bytes/param, bf16 shadow bytes/param) of the streamed layers (costs/modes.py)."""
-    master = HostMaster(p.master)
+    master = HostMaster(p.host_master)
     return MASTER_BYTES[master], (SHADOW_BYTES if master is HostMaster.FP32 and p.c == 2 else 0)
 
 
@@ -231,9 +244,9 @@ def layer_grad_bytes(p: Point) -> int:
 
 def engine_refusal(p: Point) -> str | None:
     """Why EngineConfig / the engine would refuse this point's host-memory mode, or None."""
-    master, bf16 = HostMaster(p.master), p.c == 2
+    master, bf16 = HostMaster(p.host_master), p.c == 2
     if master is not HostMaster.FP32 and not bf16:
-        return f"host_master={p.master!r} needs bf16 compute"
+        return f"host_master={p.host_master!r} needs bf16 compute"
     if GradSlab(p.host_grad_dtype) is GradSlab.BFLOAT16 and not p.optimizer_in_backward:
         if not bf16:
             return "bf16 gradient slabs need bf16 compute"
