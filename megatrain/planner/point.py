@@ -47,12 +47,12 @@ class Point:
     host_master: str = "fp32"  # fp32 (+ bf16 shadow in bf16 mode), hilo (exact split, no shadow), bf16 (paper's code)
     host_grad_dtype: str = "float32"
     optimizer_in_backward: bool = False  # each layer's AdamW during backward: no layer gradient slab
-    # host AdamW layer by layer behind the next forward (EngineConfig); None = "auto", as the engine resolves it
+    # host AdamW layer by layer behind the next forward (EngineConfig); None = "auto", as the engine settles it
     # (overlap_on): on a CUDA device
     optimizer_overlap: bool | None = None
     # each layer's host update during backward, kept at step unless a clip scales (EngineConfig.speculative_step);
-    # None = "auto", as the engine resolves it (speculative_on)
-    speculative_step: bool | None = None
+    # "auto" as the engine settles it (speculative_on)
+    speculative_step: bool | str = AUTO
     grad_clip: bool = True
     gradient_checkpointing: bool = True  # zero3 / torch only: megatrain always recomputes per layer
     zero3_pin_memory: bool = True
@@ -132,10 +132,11 @@ def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
     if knobs.get("optimizer_overlap") not in (None, True, False):
         raise ValueError(f"optimizer_overlap={knobs['optimizer_overlap']!r}: use True, False or None ('auto', as "
                          "the engine resolves it)")
-    if left_auto(knobs.get("speculative_step")):
-        knobs["speculative_step"] = None
-    if knobs.get("speculative_step") not in (None, True, False):
-        raise ValueError(f"speculative_step={knobs['speculative_step']!r}: use True, False or None ('auto', as the "
+    if knobs.get("speculative_step", AUTO) is None:  # the point's old spelling of "auto"
+        knobs["speculative_step"] = AUTO
+    spec = knobs.get("speculative_step", AUTO)
+    if not (spec is True or spec is False or left_auto(spec)):
+        raise ValueError(f"speculative_step={knobs['speculative_step']!r}: use True, False or 'auto' (as the "
                          "engine resolves it)")
     if knobs.get("zero_stage", 3) not in (2, 3):
         raise ValueError(f"zero_stage={knobs['zero_stage']!r}: the planner models ZeRO-2 and ZeRO-3 offload (2 or 3)")
@@ -172,7 +173,7 @@ def engine_settings(p: Point) -> dict[str, Any]:
                          "host_grad_dtype": p.host_grad_dtype, "optimizer_in_backward": p.optimizer_in_backward}
     if p.optimizer_overlap is not None:
         d["optimizer_overlap"] = p.optimizer_overlap
-    if p.speculative_step is not None:
+    if not left_auto(p.speculative_step):
         d["speculative_step"] = p.speculative_step
     if p.device_budget_bytes is not None:
         d["device_budget_bytes"] = p.device_budget_bytes
@@ -194,8 +195,7 @@ def settled(p: Point, hw: Hardware) -> EngineConfig:
     unified (a CPU "device"), and torch's AdamW (what the planner plans)."""
     cfg = EngineConfig(device="cpu", compute_dtype=p.dtype, optimizer_in_backward=p.optimizer_in_backward,
                        optimizer_overlap=None if p.optimizer_in_backward else p.optimizer_overlap,
-                       speculative_step=AUTO if p.speculative_step is None or p.optimizer_in_backward
-                       else p.speculative_step)
+                       speculative_step=AUTO if p.optimizer_in_backward else p.speculative_step)
     return settle_engine(cfg, EngineFacts("cpu" if hw.unified_memory else "cuda", LAYERED))[0]
 
 
@@ -220,7 +220,7 @@ def speculative_on(p: Point, hw: Hardware) -> bool:
     measures it."""
     if p.backend != "megatrain" or p.optimizer_in_backward:
         return False
-    if p.speculative_step is not None:
+    if not left_auto(p.speculative_step):
         return p.speculative_step
     if settled(p, hw).speculative_step is False:
         return False
