@@ -35,7 +35,7 @@ def planned(layers: int, hidden: int, vocab: int, seq: int, cfg: dict) -> dict:
     from megatrain.planner.point import Point
 
     p = Point(_preset(layers, hidden, vocab), seq, dtype=cfg.get("compute_dtype", "float32"),
-              master=cfg.get("host_master", "fp32"), host_grad_dtype=cfg.get("host_grad_dtype", "float32"),
+              host_master=cfg.get("host_master", "fp32"), host_grad_dtype=cfg.get("host_grad_dtype", "float32"),
               optimizer_in_backward=cfg.get("optimizer_in_backward", False), grad_clip=False)
     plan = plan_point(p, get_hardware("cpu"))
     mem = plan.memory

@@ -11,7 +11,6 @@ implement the same protocol without importing any of this package's engine.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
@@ -19,7 +18,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ..config.resolve import resolve
-from ..config.schema import EngineConfig
+from ..config.schema import FACE_RESOLVED, EngineConfig
+from ..config.settle import LATER, EngineFacts, settle_engine
 from ..run import train_state
 from .fused_head import serve_fused_lm_head, trl_head_options
 
@@ -112,8 +112,10 @@ class MegatrainBackend:
         cpu: bool = False,
     ) -> None:
         """`mixed_precision=None`: the compute dtype the config says (the DeepSpeed face's bf16 section). The
-        settings are resolved by megatrain/config/resolve.py (already so when the Accelerator hands its own over)."""
-        self.engine_config: EngineConfig = resolve(config, mixed_precision=mixed_precision, cpu=cpu).engine
+        settings are resolved by megatrain/config/resolve.py: here, unless a face hands over its own resolved."""
+        if not (isinstance(config, EngineConfig) and config.stage >= FACE_RESOLVED):
+            config = resolve(config, mixed_precision=mixed_precision, cpu=cpu).engine
+        self.engine_config: EngineConfig = config
         # Gradient checkpointing needs no switch: the engine recomputes every layer in backward, which
         # is exactly the FLOPs of HF's per-layer checkpointing on the other backends.
         # The clip each step takes, handed to the engine when it is built (its `clipping` owns it from then on).
@@ -146,15 +148,15 @@ class MegatrainBackend:
             return None, self._adopt_optimizer(optimizer)
         if self.engine is not None:
             raise RuntimeError('backend "megatrain" drives one model per Accelerator; build another Accelerator')
-        from ..engine import Engine
+        from ..engine import Engine, optimizer_fact
 
         optimizer = self.exact_optimizer(optimizer)
-        ec = self.engine_config
-        if optimizer is None and ec.optimizer_overlap is None:
-            # overlap "auto" splits the optimizer it is built with; one adopted by a later prepare() steps whole
-            ec = dataclasses.replace(ec, optimizer_overlap=False)  # what the user wrote kept (EngineConfig.written)
-        if optimizer is None and ec.speculative_step == "auto":
-            ec = dataclasses.replace(ec, speculative_step=False)  # the same: it splits the optimizer into views
+        # The engine's "auto" settled once, here (megatrain/config/resolve.py settle_engine): an optimizer adopted by
+        # a later prepare() steps whole (LATER); a config's pin_memory is a habit, off without CUDA.
+        facts = EngineFacts(self.device.type, LATER if optimizer is None else optimizer_fact(optimizer),
+                            pin_by_habit=True)
+        ec, off = settle_engine(self.engine_config, facts)
+        self.turned_off.extend(off)
         ec, finish = self.prepare_model(model, ec)
         self.engine = Engine(model, config=ec, optimizer=optimizer, clip_every_step=self._clip_every_step)
         finish(self.engine)
@@ -168,16 +170,10 @@ class MegatrainBackend:
         """What both faces do to a model before and after the engine takes it; returns (the engine config to
         build with, a function to call with the engine once built). What is turned off is added to `turned_off`.
 
-        Pinning only speeds up host->CUDA copies (DeepSpeed configs ask for it by habit): off without CUDA.
         HF's gradient checkpointing (Trainer / TRL switch it on) is turned off: the engine recomputes each layer
         from its boundary activation already, and HF's own checkpoint would recompute again outside the engine's
         binding. TRL's fused-head patch is read off the forward before the engine replaces it, and served by the
         engine-run model after (backend/fused_head.py)."""
-        from ..engine import resolve_device
-
-        if config.pin_memory and resolve_device(config.device).type != "cuda":
-            config = dataclasses.replace(config, pin_memory=False)
-            self.turned_off.append("pin_memory (no CUDA device)")
         if hf_checkpointing_on(model):
             hf_checkpointing_off(model)
             self.turned_off.append("HF gradient checkpointing (the engine recomputes each streamed layer itself)")

@@ -13,10 +13,11 @@ from typing import Any
 
 import yaml
 
+from ..config.schema import auto_or, left_auto
 from ..config.settings import planner_knobs
 from ..config.validate import unknown_key
 from ..costs import residency as kept
-from ..planner.estimate import plan
+from ..planner.estimate import host_mode_placeholders, plan
 from ..planner.hardware import load_profiles, profile_from_dict, resolve_hardware
 from ..planner.host_rates import host_bound_line
 from ..planner.host_work import host_assumptions, host_assumptions_line
@@ -140,7 +141,7 @@ def _residency_lines(pl: Plan) -> list[str]:
     lc, t = pl.long_context, pl.time
     if lc is None:
         return []
-    how = ("set" if pl.point.residency != kept.AUTO
+    how = ("set" if not left_auto(pl.point.residency)
            else "the planner's search, as the engine's \"auto\" fills it" if not pl.placement or not pl.placement.differs
            else "the planner's search, which differs from the engine's \"auto\" fill (see the warning)")
     room = "no limit" if lc.residency_room is None else fmt_bytes(lc.residency_room)
@@ -213,10 +214,8 @@ def _host_fits(pl: Plan) -> bool:
     return pl.memory.host_total - pl.memory.host.get("offloaded activations", 0) <= pl.hardware.host_bytes
 
 
-def _auto(v: str) -> bool | str:
+def _switch(v: str) -> bool:
     v = v.lower()
-    if v in ("auto",):
-        return "auto"
     if v in ("on", "true", "1", "yes"):
         return True
     if v in ("off", "false", "0", "no"):
@@ -224,22 +223,26 @@ def _auto(v: str) -> bool | str:
     raise argparse.ArgumentTypeError(f"{v!r}: use on, off or auto")
 
 
+def _auto(v: str) -> bool | str:
+    return auto_or(v, _switch)
+
+
 def _auto_int(v: str) -> int | str:
-    return "auto" if v.lower() == "auto" else int(v)
+    return auto_or(v, int)
 
 
 def _tile(v: str) -> int | str | None:
-    if v.lower() == "auto":
-        return "auto"
-    if v.lower() in ("none", "off", "0"):
-        return None
-    return int(v)
+    return auto_or(v, lambda w: None if w.lower() in ("none", "off", "0") else int(w))
 
 
 def _residency(v: str) -> str | kept.Residency:
     """--residency: auto, stream, W or W,A."""
-    if v.lower() in (kept.AUTO, kept.STREAM):
-        return kept.parse(v.lower())
+    return auto_or(v, _residency_counts)
+
+
+def _residency_counts(v: str) -> kept.Residency:
+    if v.lower() == kept.STREAM:
+        return kept.parse(kept.STREAM)
     try:
         counts = [int(x) for x in v.split(",")]
         if len(counts) > 2:
@@ -406,9 +409,7 @@ def _run_plan_multi(args: argparse.Namespace) -> int:
     knobs = _knobs(args)
     # host mode "auto" is chosen for one GPU's plan (planner/auto_mode.py); a multi-GPU plan keeps the FP32 master
     # and slabs unless a mode is given
-    for key, placeholder in (("master", "fp32"), ("host_grad_dtype", "float32")):  # planner_knobs' names
-        if knobs.get(key, "auto") == "auto":
-            knobs[key] = placeholder
+    host_mode_placeholders(knobs)
     p = make_point(resolve_model(args.model), args.context, args.batch, args.grad_accum, args.dtype, args.backend, **knobs)
     mp = plan_point_multi(p, hw, args.gpus_per_node, args.nodes)
     bb = bc = None

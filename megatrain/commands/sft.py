@@ -259,7 +259,9 @@ def _on_accelerator() -> bool:
 
 
 def _bf16(run: SFTRun) -> bool:
-    return run.precision == "bf16" or (run.precision == "auto" and _on_accelerator())
+    from ..config.resolve import precision_is_bf16
+
+    return precision_is_bf16(run.precision, _on_accelerator)
 
 
 @dataclass

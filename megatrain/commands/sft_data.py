@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..config.schema import left_auto
+
 __all__ = ["FORMATS", "ROLES", "DataError", "Record", "read_records", "detect_format", "to_conversation",
            "check_file"]
 
@@ -187,7 +189,7 @@ def check_file(path: str | Path, fmt: str, train_on: str) -> list[tuple[Record, 
     """Every record and its TRL form; the first bad record refused with its line and the fix, and how many
     records are bad in all."""
     records = read_records(path)
-    if fmt == "auto":
+    if left_auto(fmt):
         try:
             fmt = detect_format(records[0].value)
         except DataError as e:

@@ -8,24 +8,26 @@ and one frozen `EngineConfig` with "auto" resolved, whose `written` keeps what t
 
 Each rule it applies is written once: DeepSpeed's keys in megatrain/config/settings.py, the compute dtype that the
 bf16 section, `mixed_precision` and `compute_dtype` name together in `EngineConfig.settle_compute_dtype`,
-the device-dependent "auto" in `EngineConfig`. Two defaults need what only the engine knows and are
-resolved there: `pin_memory` None (pin on a CUDA device) and `optimizer_overlap` None (on for a CUDA device
-with torch's Adam/AdamW).
+the device-dependent "auto" in `EngineConfig`.
+
+The second and last step, once per engine build when the device and the optimizer are known, is
+megatrain/config/settle.py's `settle_engine`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from .deepspeed import parse_config
-from .schema import AUTO, EngineConfig
+from .schema import AUTO, FACE_RESOLVED, WRITTEN, EngineConfig
 from .settings import FACE_KEYS, ConfigSettings, read_config
 from .validate import is_int
 
-__all__ = ["Settings", "cpu_config", "engine_config_from", "resolve"]
+__all__ = ["Settings", "cpu_config", "engine_config_from", "precision_is_bf16", "resolve"]
 
 _BATCH_KEYS = FACE_KEYS[:3]
 
@@ -58,9 +60,9 @@ def resolve(config: dict[str, Any] | str | os.PathLike | EngineConfig | None = N
         from .deepspeed import parse_config
 
         ds = parse_config(config, args=args, world_size=world_size)
-        return Settings(_slabs_for(ds.engine, ds.gradient_accumulation_steps),
-                        _mixed_precision(ds.engine.compute_dtype), ds.gradient_clipping,
-                        ds.gradient_accumulation_steps, ds)
+        ec = _resolved(_slabs_for(ds.engine, ds.gradient_accumulation_steps))
+        ds = dataclasses.replace(ds, engine=ec)  # the one engine config the face and its backend hold
+        return Settings(ec, _mixed_precision(ec.compute_dtype), ds.gradient_clipping, ds.gradient_accumulation_steps, ds)
     if face != "accelerate":
         raise ValueError(f"face={face!r} is not one of {FACES}")
     if config is not None and not isinstance(config, (dict, EngineConfig)):
@@ -78,7 +80,14 @@ def resolve(config: dict[str, Any] | str | os.PathLike | EngineConfig | None = N
         label = _mixed_precision(ec.compute_dtype if ec is not None else
                                  EngineConfig.settle_compute_dtype(bf16=said.bf16, unsaid="float32"))
     steps = _accumulation(gradient_accumulation_steps, said)
-    return Settings(_slabs_for(ec, steps), label, said.gradient_clipping, steps)
+    return Settings(_resolved(_slabs_for(ec, steps)), label, said.gradient_clipping, steps)
+
+
+def _resolved(ec: EngineConfig | None) -> EngineConfig | None:
+    """`ec` marked as through a face's resolve (its backend takes it as it is), the written settings kept."""
+    if ec is None or ec.stage != WRITTEN:
+        return ec
+    return dataclasses.replace(ec, _stage=FACE_RESOLVED)
 
 
 def _slabs_for(ec: EngineConfig | None, steps: int) -> EngineConfig | None:
@@ -149,3 +158,9 @@ def engine_config_from(config: dict[str, Any] | EngineConfig | None, mixed_preci
     if "train_batch_size" not in d and "train_micro_batch_size_per_gpu" not in d:
         d["train_micro_batch_size_per_gpu"] = 1
     return parse_config(d, mixed_precision=mixed_precision, script=True).engine
+
+
+def precision_is_bf16(precision: str, on_accelerator: Callable[[], bool]) -> bool:
+    """A command's `precision` ("bf16", "fp32" or "auto": bf16 on an accelerator) as the bf16 switch it means;
+    `on_accelerator` is asked only for "auto"."""
+    return precision == "bf16" or (precision == AUTO and on_accelerator())

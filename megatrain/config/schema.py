@@ -29,7 +29,25 @@ MIN_WATCHDOG_S = 0.1
 MAX_MMAP_THRESHOLD = 32 * 2**20  # glibc's HEAP_MAX_SIZE / 2 on 64-bit: mallopt refuses more
 MIN_MMAP_THRESHOLD = 4096  # a page: below it every small allocation would be a system call
 AUTO = "auto"
+# speculative_step "auto" settled where it can run (a CUDA device, an optimizer it steps a layer at a time): on if its
+# rollback copy fits the host, which the engine measures once it holds the store (engine/update/speculative.py).
+IF_FITS = "if it fits"
+# How far a config has been settled: as written; by a face's arguments (resolve); for the engine's device and
+# optimizer too (settle_engine, megatrain/config/resolve.py), after which no setting of the engine's own reads "auto".
+WRITTEN, FACE_RESOLVED, SETTLED = 0, 1, 2
 MIXED_PRECISION = ("no", "bf16")  # Accelerate's names: FP32, bf16 compute
+
+
+def left_auto(value: Any) -> bool:
+    """Whether a setting is left to "auto" as written (a string: "auto" is no count, switch or policy object).
+    Readers outside this package ask here rather than compare with the word: what "auto" then means is settled
+    by this package (megatrain/config/resolve.py) or by the one rule that decides it per model or per batch."""
+    return isinstance(value, str) and value == AUTO
+
+
+def auto_or(word: str, parse: Callable[[str], Any]) -> Any:
+    """A command-line word: "auto" (any case) as the setting's "auto", anything else as `parse` reads it."""
+    return AUTO if word.strip().lower() == AUTO else parse(word)
 
 
 @dataclass(frozen=True)
@@ -111,6 +129,8 @@ class EngineConfig:
     # What the user wrote, before "auto" was resolved: set by the constructor, carried by dataclasses.replace
     # (the one way a resolved copy is made). Not a setting: outside ENGINE_KEYS, equality and repr.
     _written: tuple[tuple[str, Any], ...] = field(default=(), compare=False, repr=False)
+    # How far it is settled (WRITTEN, FACE_RESOLVED, SETTLED): each step runs once per engine build. Not a setting.
+    _stage: int = field(default=WRITTEN, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self._written:
@@ -204,6 +224,26 @@ class EngineConfig:
         return EngineConfig.from_dict({**self.written, **changes})
 
     @property
+    def stage(self) -> int:
+        """WRITTEN, FACE_RESOLVED or SETTLED: which of megatrain/config/resolve.py's steps this copy has been through."""
+        return self._stage
+
+    @property
+    def host_mode_open(self) -> bool:
+        """host_master "auto" still to choose: the engine chooses it once it knows the model (engine/host/preflight.py)."""
+        return self.host_master == AUTO
+
+    @property
+    def grad_slab_set(self) -> GradSlab | None:
+        """The gradient slab dtype settled (written, or fixed by the master); None: host mode "auto" chooses it."""
+        return None if self.host_grad_dtype == AUTO else GradSlab(self.host_grad_dtype)
+
+    @property
+    def loss_chunk_set(self) -> int | None:
+        """loss_chunk_tokens as written; None: "auto" (each batch's plan chooses it, costs/memory.py)."""
+        return None if self.loss_chunk_tokens == AUTO else int(self.loss_chunk_tokens)
+
+    @property
     def master_mode(self) -> HostMaster:
         return HostMaster(self.host_master)
 
@@ -226,10 +266,10 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved settings (`written`: as the user wrote them)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "_written"}
+        return {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("_")}
 
 
-_SETTINGS = tuple(f.name for f in fields(EngineConfig) if f.name != "_written")
+_SETTINGS = tuple(f.name for f in fields(EngineConfig) if not f.name.startswith("_"))
 ENGINE_KEYS = frozenset(_SETTINGS)
 
 
@@ -256,6 +296,8 @@ def unknown_setting(key: object, close: str | None) -> ValueError:
 def check_speculative(cfg: EngineConfig) -> None:
     """speculative_step is True, False or "auto", and not set beside what updates a layer another way."""
     value = cfg.speculative_step
+    if value == IF_FITS and cfg.stage == SETTLED:
+        return  # settle_engine's "auto", checked against the configuration there
     if not (is_bool(value) or value == AUTO):
         raise ValueError(f"speculative_step={value!r} must be true, false or 'auto'")
     if value is True and cfg.optimizer_in_backward:

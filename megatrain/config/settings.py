@@ -9,7 +9,7 @@ engine settings. Here each of them is read the one way:
   (`from_args`); `face_keys` writes them (megatrain train's config);
 - `read_config`: what a config says to a face (bf16, clipping, accumulation; None where it leaves the
   face's argument to decide) and which engine settings the user wrote down;
-- `planner_knobs`: engine settings under the planner's argument names.
+- `planner_knobs`: the engine settings that change a prediction, for the planner (under EngineConfig's names).
 
 megatrain/config/resolve.py combines these with a face's own arguments into the settings it runs with. Keys are
 checked by megatrain/config/validate.py (did-you-mean included), engine values by `EngineConfig`. Torch-free (the
@@ -123,24 +123,22 @@ def read_config(config: Any) -> ConfigSettings:
                           engine_keys=frozenset(config.get("megatrain") or {}))
 
 
-# Engine settings that change a prediction, under the planner's argument names; the rest (trace,
+# Engine settings that change a prediction (the planner's point takes them under these names); the rest (trace,
 # watchdog_s, pin_memory, ...) do not.
-_PLANNER_NAMES = {
-    "num_buffers": "num_buffers", "loss_chunk_tokens": "loss_chunk_tokens",
-    "offload_activations": "offload_activations", "mlp_tile_tokens": "mlp_tile_tokens",
-    "device_budget_bytes": "device_budget_bytes", "host_master": "master", "host_grad_dtype": "host_grad_dtype",
-    "optimizer_in_backward": "optimizer_in_backward", "optimizer_overlap": "optimizer_overlap", "residency": "residency",
-    "speculative_step": "speculative_step",
-}
+_PLANNER_NAMES = frozenset({
+    "num_buffers", "loss_chunk_tokens", "offload_activations", "mlp_tile_tokens", "device_budget_bytes", "host_master",
+    "host_grad_dtype", "optimizer_in_backward", "optimizer_overlap", "residency", "speculative_step",
+})
 
 
 def planner_knobs(engine: Mapping[str, Any]) -> dict[str, Any]:
-    """Engine settings (EngineConfig's names) as the planner's keyword arguments; an unknown key is refused."""
+    """The engine settings that change a prediction, as the planner's keyword arguments (EngineConfig's names; the
+    link's rate as the profile's link_gbs); an unknown key is refused."""
     eng = dict(engine)
     if "tile_tokens" in eng:  # the planner's old name for the engine's knob
         eng.setdefault("mlp_tile_tokens", eng.pop("tile_tokens"))
     check_keys(eng, ENGINE_KEYS, unknown_setting)
-    kw = {_PLANNER_NAMES[k]: v for k, v in eng.items() if k in _PLANNER_NAMES}
+    kw = {k: v for k, v in eng.items() if k in _PLANNER_NAMES}
     if eng.get("link_gbps"):
         kw["link_gbs"] = float(eng["link_gbps"])
     return kw

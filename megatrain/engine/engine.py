@@ -22,7 +22,8 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-from ..config.schema import EngineConfig
+from ..config.schema import SETTLED, EngineConfig
+from ..config.settle import LAYERED, WHOLE, EngineFacts, settle_engine
 from ..costs.modes import GradSlab, HostMaster
 from ..models.adapter import DecoderParts, find_parts, record_layer_inputs
 from .accounting import StepAccounting
@@ -54,9 +55,8 @@ from .runtime.memtrack import DeviceMemoryTracker, tracked
 from .runtime.stream import Streams, Trace
 from .update import speculative
 from .update.choose import choose as choose_update
-from .update.choose import overlap_pays
 from .update.clipping import Clipping, checked_max_norm
-from .update.optim import LayeredStep, OptimizerArg, adopt_optimizer, move_onto_masters
+from .update.optim import LayeredStep, OptimizerArg, adopt_optimizer, move_onto_masters, unsupported_reason
 
 __all__ = ["Engine", "OptimizerArg", "engines_holding", "resolve_device"]
 
@@ -83,6 +83,16 @@ class _Pending:
     side: SideInputs | None = None  # the layers' inputs besides the hidden state that carry a gradient
 
 
+def optimizer_fact(optimizer: OptimizerArg) -> str:
+    """What `optimizer` is to the engine's "auto" (megatrain/config/resolve.py EngineFacts): the engine's own AdamW
+    (None) and torch's Adam/AdamW step a layer at a time (LAYERED), others whole (WHOLE). A factory is taken as
+    torch's Adam/AdamW (the engine's and DeepSpeed configs' optimizers); one that builds another optimizer steps
+    whole, as the update path says when it is built (engine/update/choose.py)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return LAYERED if unsupported_reason(optimizer) is None else WHOLE
+    return LAYERED
+
+
 class Engine:
     """Train a Hugging Face decoder-only LM whose weights and optimizer state live in host memory."""
 
@@ -93,6 +103,8 @@ class Engine:
         clip_every_step = checked_max_norm(clip_every_step)  # refused before any work
         self.config = config = config or EngineConfig()
         self.device, self.dp = join_ranks(resolve_device(config.device), config.watchdog_s)
+        if config.stage != SETTLED:  # a face settles it before (megatrain/backend); the settings run from here
+            self.config = config = settle_engine(config, EngineFacts(self.device.type, optimizer_fact(optimizer)))[0]
         self.trace_log = Trace(config.trace, self.device)
         if self.dp is not None:
             self.dp.stream.trace = self.dp.updates.trace = self.trace_log
@@ -139,9 +151,7 @@ class Engine:
             foreign = {id(p) for g in self.store.layers if not g.owned for p in g.params}
             shard_optimizer_state(opt, foreign, self.dp.group, self.synchronize)
         self.ranks = ranks_for(self.dp, self.store, self.events)
-        if config.optimizer_overlap is None:  # "auto": where the host update can hide behind the device's forward
-            self.config = config = dataclasses.replace(config, optimizer_overlap=overlap_pays(self.device, config, opt))
-        # "auto": where it can run and its rollback copy fits; True refused where it cannot
+        # settled "auto" (IF_FITS): on where it can run and its rollback copy fits; True refused where it cannot
         self.config = config = dataclasses.replace(config, speculative_step=speculative.resolve(
             config, self.device, opt, self.store, self.dp is not None))
         # The optimizer in backward: one verdict per step from every rank; the NVMe tier, when configured.
@@ -330,7 +340,7 @@ class Engine:
     def head_chunk_tokens(self) -> int:
         """Tokens per LM-head chunk for the last forward's batch: any head over the hidden state (the chunked
         loss, TRL's fused head) holds at most this many tokens x vocab logits at a time."""
-        return self.pipeline.loss_chunk(self.config.loss_chunk_tokens)
+        return self.pipeline.loss_chunk(self.config.loss_chunk_set)
 
     def _only_through_backward(self, grad: torch.Tensor) -> torch.Tensor:
         # Plain loss.backward() would reach only the head and norm (the layers ran outside autograd) and

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatrain.costs.host_mode import AUTO, HostMode, choose_host_mode
+from megatrain.costs.host_mode import HostMode, choose_host_mode
 from megatrain.costs.modes import GradSlab
 
 from .hardware import Hardware
@@ -49,12 +49,12 @@ class AutoChoice:
 
 
 def _knobs(mode: HostMode, p: Point) -> dict[str, Any]:
-    return dict(master=mode.master.value, host_grad_dtype=mode.grad.value, optimizer_in_backward=p.optimizer_in_backward)
+    return dict(host_master=mode.master.value, host_grad_dtype=mode.grad.value, optimizer_in_backward=p.optimizer_in_backward)
 
 
-def plan_auto(p: Point, hw: Hardware, grad: str = AUTO) -> Plan:
+def plan_auto(p: Point, hw: Hardware, grad: GradSlab | None = None) -> Plan:
     """The plan of point `p` (its master and slab placeholders) in the mode "auto" chooses on `hw`; the choice
-    rides on the plan as `auto`. `grad`: the slab dtype the user set, or "auto"."""
+    rides on the plan as `auto`. `grad`: the slab dtype the user set; None: "auto"."""
     seen: dict[HostMode, tuple[Plan, bool, dict[str, Any]]] = {}
 
     def fits(mode: HostMode) -> bool:
@@ -65,7 +65,7 @@ def plan_auto(p: Point, hw: Hardware, grad: str = AUTO) -> Plan:
         return ok
 
     mode, ok = choose_host_mode(fits, p.c == 2, p.grad_accum == 1, hw.nvme_gbs is not None, p.optimizer_in_backward,
-                                None if grad == AUTO else GradSlab(grad))
+                                grad)
     if mode not in seen:
         fits(mode)
     pl, _, figures = seen[mode]

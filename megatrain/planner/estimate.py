@@ -11,12 +11,29 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..config.schema import AUTO, left_auto
+from ..costs.modes import GradSlab, HostMaster
 from .auto_mode import plan_auto
 from .hardware import GIB, Hardware, resolve_hardware
 from .point import make_point
 from .point_plan import plan_point as plan_point
 from .point_plan import predicted_timeline as predicted_timeline
 from .prediction import Plan
+
+
+def host_mode_placeholders(knobs: dict[str, Any]) -> tuple[bool, GradSlab | None]:
+    """Put placeholders in `knobs` (EngineConfig's names; the planner's old `master` taken as host_master) where the
+    host mode is left to "auto": the FP32 master, and FP32 slabs (an explicit master keeps them, as EngineConfig
+    does). Returns (whether the master was "auto", the slab dtype as set, None for "auto") for auto_mode.py."""
+    if "master" in knobs and "host_master" not in knobs:  # the planner's old name
+        knobs["host_master"] = knobs.pop("master")
+    auto_master = left_auto(knobs.get("host_master", AUTO))
+    grad = knobs.get("host_grad_dtype", AUTO)
+    if auto_master:
+        knobs["host_master"] = HostMaster.FP32.value  # a placeholder: "auto" chooses it
+    if left_auto(grad):
+        knobs["host_grad_dtype"] = GradSlab.FLOAT32.value
+    return auto_master, (None if left_auto(grad) else GradSlab(grad))
 
 
 def plan(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dtype: str = "bfloat16",
@@ -27,19 +44,13 @@ def plan(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dtype: s
 
     knobs: num_buffers, offload_activations (True/False/'auto'), mlp_tile_tokens (None/'auto'/int;
     tile_tokens is its deprecated alias), device_budget_bytes,
-    loss_chunk_tokens, master ('auto' (default: the fastest exact mode that fits, auto_mode.py)/'fp32'/'hilo'/
+    loss_chunk_tokens, host_master (its old name master: 'auto' (default: the fastest exact mode that fits, auto_mode.py)/'fp32'/'hilo'/
     'bf16'), host_grad_dtype ('auto'/'float32'/'bfloat16'), optimizer_overlap,
     grad_clip, gradient_checkpointing (zero3/torch), zero3_pin_memory.
     link_gbs / host_memory_gib / device_memory_gib override the profile (e.g. an emulated link).
     """
-    if "host_master" in knobs:  # EngineConfig's name for the same knob
-        knobs["master"] = knobs.pop("host_master")
-    auto_master = backend == "megatrain" and knobs.get("master", "auto") == "auto"
-    grad = knobs.get("host_grad_dtype", "auto")
-    if knobs.get("master", "auto") == "auto":
-        knobs["master"] = "fp32"  # a placeholder: "auto" chooses below
-    if grad == "auto":
-        knobs["host_grad_dtype"] = "float32"  # an explicit master keeps FP32 slabs, as EngineConfig does
+    auto_master, grad = host_mode_placeholders(knobs)
+    auto_master = auto_master and backend == "megatrain"
     p = make_point(model, context, batch, grad_accum, dtype, backend, engine_config, **knobs)
     if engine_config is not None:
         if link_gbs is None:

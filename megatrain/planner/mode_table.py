@@ -59,7 +59,7 @@ def mode_table(p: Point, hw: Hardware, search: bool = True) -> list[ModeRow]:
                     largest = name
             max_ctx, max_b = largest_context(q, hw), largest_batch(q, hw)
         total = pl.memory.host_total
-        rows.append(ModeRow(label, knobs, HostMaster(knobs["master"]).exact, refused, total,
+        rows.append(ModeRow(label, knobs, HostMaster(knobs["host_master"]).exact, refused, total,
                             total / q.model.param_count(), pl.feasible, largest, q.grad_clip, max_ctx, max_b))
     return rows
 

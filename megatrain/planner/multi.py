@@ -47,6 +47,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..config.schema import left_auto
 from ..costs.pinning import pinned_bytes
 from .hardware import GB, GIB, Hardware, resolve_hardware
 from .memory import Memory, check_fit
@@ -251,7 +252,7 @@ def comm_time(p: Point, hw: Hardware, rank_time: Time, gpus_per_node: int, nodes
 def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int = 1) -> MultiPlan:
     """A megatrain point on N GPUs per node x M nodes sharing one host store per node."""
     check_topology(hw, gpus_per_node, nodes, p.backend)
-    if gpus_per_node * nodes > 1 and p.speculative_step is None:
+    if gpus_per_node * nodes > 1 and left_auto(p.speculative_step):
         p = dataclasses.replace(p, speculative_step=False)  # the engine's "auto": off with several ranks
     single = plan_point(p, hw)
     n = gpus_per_node

@@ -128,7 +128,7 @@ def nvme_rows(p: Point, hw: Hardware, search: bool = True) -> list[NvmeRow]:
                     best = name
                 if nvme_fit(other, hw)[0]:
                     best_nvme = name
-        rows.append(NvmeRow(label, knobs, HostMaster(knobs["master"]).exact, pl.feasible, ok, f["host"], f["disk"],
+        rows.append(NvmeRow(label, knobs, HostMaster(knobs["host_master"]).exact, pl.feasible, ok, f["host"], f["disk"],
                             f["spilled"], q.model.num_layers, f["io_s"], f["added_s"], pl.time.step_s + f["added_s"],
                             f["budget"], best, best_nvme, f["why"], f["min_host"]))
     return rows

@@ -10,7 +10,8 @@ from typing import Any
 
 from megatrain.models.presets import ModelPreset
 
-from ..config.schema import EngineConfig
+from ..config.schema import AUTO, EngineConfig, left_auto
+from ..config.settle import LAYERED, EngineFacts, settle_engine
 from ..costs import modes
 from ..costs import residency as kept
 from ..costs.modes import GRAD_BYTES, MASTER_BYTES, SHADOW_BYTES, GradSlab, HostMaster
@@ -42,16 +43,16 @@ class Point:
     # what the engine's "auto" plans against (EngineConfig.device_budget_bytes); None = as the engine
     # does: the GPU's memory, no limit on a CPU "device"
     device_budget_bytes: int | None = None
-    # The host-memory modes, as EngineConfig names them (megatrain/costs/modes.py): master = host_master
-    master: str = "fp32"  # fp32 (+ bf16 shadow in bf16 mode), hilo (exact split, no shadow), bf16 (paper's code)
+    # The host-memory modes (megatrain/costs/modes.py)
+    host_master: str = "fp32"  # fp32 (+ bf16 shadow in bf16 mode), hilo (exact split, no shadow), bf16 (paper's code)
     host_grad_dtype: str = "float32"
     optimizer_in_backward: bool = False  # each layer's AdamW during backward: no layer gradient slab
-    # host AdamW layer by layer behind the next forward (EngineConfig); None = "auto", as the engine resolves it
+    # host AdamW layer by layer behind the next forward (EngineConfig); None = "auto", as the engine settles it
     # (overlap_on): on a CUDA device
     optimizer_overlap: bool | None = None
     # each layer's host update during backward, kept at step unless a clip scales (EngineConfig.speculative_step);
-    # None = "auto", as the engine resolves it (speculative_on)
-    speculative_step: bool | None = None
+    # "auto" as the engine settles it (speculative_on)
+    speculative_step: bool | str = AUTO
     grad_clip: bool = True
     gradient_checkpointing: bool = True  # zero3 / torch only: megatrain always recomputes per layer
     zero3_pin_memory: bool = True
@@ -68,6 +69,11 @@ class Point:
     # which layers stay on the device (EngineConfig.residency, costs/residency.py): "auto" (the planner's placement
     # within the device budget, planner/placement.py), or counts (a Residency; "stream" is Residency(0, 0))
     residency: str | kept.Residency = ENGINE_RESIDENCY
+
+    @property
+    def master(self) -> str:
+        """host_master under the planner's old name (read-only; `make_point` and `with_point` take it too)."""
+        return self.host_master
 
     @property
     def tokens(self) -> int:  # per micro-batch
@@ -98,15 +104,14 @@ def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
         warnings.warn("tile_tokens is deprecated: use mlp_tile_tokens (EngineConfig's name)", DeprecationWarning,
                       stacklevel=3)
         knobs.setdefault("mlp_tile_tokens", knobs.pop("tile_tokens"))
-    if "host_master" in knobs:  # EngineConfig's name for the same knob
-        knobs["master"] = knobs.pop("host_master")
+    _host_master_name(knobs)
     unknown = set(knobs) - {f.name for f in dataclasses.fields(Point)}
     if unknown:
         raise ValueError(f"unknown planner setting(s) {sorted(unknown)}")
     for name, v in (("context", context), ("batch", batch), ("grad_accum", grad_accum),
                     ("num_buffers", knobs.get("num_buffers", 2)),
                     ("loss_chunk_tokens", knobs.get("loss_chunk_tokens", 1))):
-        if v == "auto" and name == "loss_chunk_tokens":
+        if name == "loss_chunk_tokens" and left_auto(v):
             continue
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}={v!r} must be an int >= 1" + (" or 'auto'" if name == "loss_chunk_tokens" else ""))
@@ -114,23 +119,24 @@ def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
         raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS}")
     _is_bf16(dtype)  # raises on an unknown dtype
     _is_bf16(knobs.get("host_grad_dtype", "float32"))
-    if knobs.get("master", "fp32") not in MASTERS:
-        raise ValueError(f"master={knobs['master']!r}: use one of {MASTERS}")
-    off = knobs.get("offload_activations", "auto")
-    if off not in (True, False, "auto"):
+    if knobs.get("host_master", "fp32") not in MASTERS:
+        raise ValueError(f"host_master={knobs['host_master']!r}: use one of {MASTERS}")
+    off = knobs.get("offload_activations", AUTO)
+    if not (off is True or off is False or left_auto(off)):
         raise ValueError(f"offload_activations={off!r}: use True, False or 'auto'")
-    tile = knobs.get("mlp_tile_tokens", "auto")
-    if not (tile is None or tile == "auto" or (isinstance(tile, int) and not isinstance(tile, bool) and tile >= 1)):
+    tile = knobs.get("mlp_tile_tokens", AUTO)
+    if not (tile is None or left_auto(tile) or (isinstance(tile, int) and not isinstance(tile, bool) and tile >= 1)):
         raise ValueError(f"mlp_tile_tokens={tile!r}: use None (untiled), 'auto' or an int >= 1")
-    if knobs.get("optimizer_overlap") == "auto":  # the engine's "auto" is None
+    if left_auto(knobs.get("optimizer_overlap")):  # the engine's "auto" is None
         knobs["optimizer_overlap"] = None
     if knobs.get("optimizer_overlap") not in (None, True, False):
         raise ValueError(f"optimizer_overlap={knobs['optimizer_overlap']!r}: use True, False or None ('auto', as "
                          "the engine resolves it)")
-    if knobs.get("speculative_step") == "auto":
-        knobs["speculative_step"] = None
-    if knobs.get("speculative_step") not in (None, True, False):
-        raise ValueError(f"speculative_step={knobs['speculative_step']!r}: use True, False or None ('auto', as the "
+    if knobs.get("speculative_step", AUTO) is None:  # the point's old spelling of "auto"
+        knobs["speculative_step"] = AUTO
+    spec = knobs.get("speculative_step", AUTO)
+    if not (spec is True or spec is False or left_auto(spec)):
+        raise ValueError(f"speculative_step={knobs['speculative_step']!r}: use True, False or 'auto' (as the "
                          "engine resolves it)")
     if knobs.get("zero_stage", 3) not in (2, 3):
         raise ValueError(f"zero_stage={knobs['zero_stage']!r}: the planner models ZeRO-2 and ZeRO-3 offload (2 or 3)")
@@ -144,7 +150,16 @@ def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
     return Point(model=m, context=context, batch=batch, grad_accum=grad_accum, dtype=dtype, backend=backend, **knobs)
 
 
+def _host_master_name(knobs: dict[str, Any]) -> None:
+    """The planner's old name for host_master, `master`, taken as EngineConfig's (both given: refused)."""
+    if "master" in knobs:
+        if "host_master" in knobs:
+            raise ValueError("give host_master or its old name master, not both")
+        knobs["host_master"] = knobs.pop("master")
+
+
 def with_point(p: Point, **changes: Any) -> Point:
+    _host_master_name(changes)
     return dataclasses.replace(p, **changes)
 
 
@@ -154,11 +169,11 @@ def engine_settings(p: Point) -> dict[str, Any]:
     engine's own default, and writing what it resolves to on one machine would change it on another)."""
     d: dict[str, Any] = {"compute_dtype": p.dtype, "num_buffers": p.num_buffers,
                          "offload_activations": p.offload_activations, "mlp_tile_tokens": p.mlp_tile_tokens,
-                         "loss_chunk_tokens": p.loss_chunk_tokens, "host_master": p.master,
+                         "loss_chunk_tokens": p.loss_chunk_tokens, "host_master": p.host_master,
                          "host_grad_dtype": p.host_grad_dtype, "optimizer_in_backward": p.optimizer_in_backward}
     if p.optimizer_overlap is not None:
         d["optimizer_overlap"] = p.optimizer_overlap
-    if p.speculative_step is not None:
+    if not left_auto(p.speculative_step):
         d["speculative_step"] = p.speculative_step
     if p.device_budget_bytes is not None:
         d["device_budget_bytes"] = p.device_budget_bytes
@@ -169,46 +184,56 @@ def engine_settings(p: Point) -> dict[str, Any]:
 
 def residency_setting(r: str | kept.Residency) -> str | dict[str, int]:
     """A residency as the engine's config writes it: "auto", "stream" or {"weights": n, "activations": m}."""
-    if r == kept.AUTO:
+    if left_auto(r):
         return kept.AUTO
     return kept.STREAM if r == kept.Residency() else r.to_dict()
 
 
+def settled(p: Point, hw: Hardware) -> EngineConfig:
+    """The engine's device- and optimizer-dependent "auto" at this point, settled as the engine settles it
+    (megatrain/config/resolve.py settle_engine) with the profile's facts: a CUDA device unless the profile's memory is
+    unified (a CPU "device"), and torch's AdamW (what the planner plans)."""
+    cfg = EngineConfig(device="cpu", compute_dtype=p.dtype, optimizer_in_backward=p.optimizer_in_backward,
+                       optimizer_overlap=None if p.optimizer_in_backward else p.optimizer_overlap,
+                       speculative_step=AUTO if p.optimizer_in_backward else p.speculative_step)
+    return settle_engine(cfg, EngineFacts("cpu" if hw.unified_memory else "cuda", LAYERED))[0]
+
+
 def overlap_on(p: Point, hw: Hardware) -> bool:
     """Whether the engine overlaps the host update with the next forward at this point: as set, or for "auto"
-    (None) as engine/update/choose.py overlap_pays resolves it: on a CUDA device (the planner plans torch's AdamW), not
-    with the optimizer in backward."""
+    (None) as the engine settles it (`settled`)."""
     if p.optimizer_overlap is not None:
         return p.optimizer_overlap
-    return p.backend == "megatrain" and not hw.unified_memory and not p.optimizer_in_backward
+    return p.backend == "megatrain" and settled(p, hw).optimizer_overlap
 
 
 def rollback_bytes(p: Point) -> int:
     """Host bytes of the speculative step's rollback copy: every layer's master and Adam state (costs/modes.py)."""
     m = p.model
-    return m.num_layers * m.layer_params() * modes.rollback_bytes_per_param(HostMaster(p.master), p.c == 2)
+    return m.num_layers * m.layer_params() * modes.rollback_bytes_per_param(HostMaster(p.host_master), p.c == 2)
 
 
 def speculative_on(p: Point, hw: Hardware) -> bool:
-    """Whether the engine runs the speculative step at this point: as set, or for "auto" (None) as
-    engine/update/speculative.py resolve does: on a CUDA device, not with the optimizer in backward, where the rollback
-    copy fits the host beside the store (its layers' and resident parameters' bytes and the runtime's reserve)."""
+    """Whether the engine runs the speculative step at this point: as set, or for "auto" (None) as the engine settles
+    it (`settled`: a CUDA device, not with the optimizer in backward) where the rollback copy fits the host beside
+    the store (its layers' and resident parameters' bytes and the runtime's reserve), as engine/update/speculative.py
+    measures it."""
     if p.backend != "megatrain" or p.optimizer_in_backward:
         return False
-    if p.speculative_step is not None:
+    if not left_auto(p.speculative_step):
         return p.speculative_step
-    if hw.unified_memory:
+    if settled(p, hw).speculative_step is False:
         return False
     m = p.model
     layers = m.num_layers * m.layer_params()
-    per_layer = modes.layer_bytes_per_param(HostMaster(p.master), GradSlab(p.host_grad_dtype), False, p.c == 2)
+    per_layer = modes.layer_bytes_per_param(HostMaster(p.host_master), GradSlab(p.host_grad_dtype), False, p.c == 2)
     store = layers * per_layer + (m.param_count() - layers) * 16 + int(hw.host_reserved_gib * GIB)
     return store + rollback_bytes(p) <= hw.host_bytes
 
 
 def master_bytes(p: Point) -> tuple[int, int]:
     """(host master bytes/param, bf16 shadow bytes/param) of the streamed layers (costs/modes.py)."""
-    master = HostMaster(p.master)
+    master = HostMaster(p.host_master)
     return MASTER_BYTES[master], (SHADOW_BYTES if master is HostMaster.FP32 and p.c == 2 else 0)
 
 
@@ -219,9 +244,9 @@ def layer_grad_bytes(p: Point) -> int:
 
 def engine_refusal(p: Point) -> str | None:
     """Why EngineConfig / the engine would refuse this point's host-memory mode, or None."""
-    master, bf16 = HostMaster(p.master), p.c == 2
+    master, bf16 = HostMaster(p.host_master), p.c == 2
     if master is not HostMaster.FP32 and not bf16:
-        return f"host_master={p.master!r} needs bf16 compute"
+        return f"host_master={p.host_master!r} needs bf16 compute"
     if GradSlab(p.host_grad_dtype) is GradSlab.BFLOAT16 and not p.optimizer_in_backward:
         if not bf16:
             return "bf16 gradient slabs need bf16 compute"

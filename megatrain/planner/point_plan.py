@@ -28,17 +28,17 @@ from .step_time import (
     zero3_time,
 )
 
-# (label, EngineConfig knobs under the planner's names), the exact ones fastest first (host mode "auto" tries them in
+# (label, its EngineConfig settings), the exact ones fastest first (host mode "auto" tries them in
 # that order: costs/host_mode.py).
 MODES: list[tuple[str, dict[str, Any]]] = [
-    ("fp32 master, fp32 grads", dict(master="fp32", host_grad_dtype="float32", optimizer_in_backward=False)),
-    ("hilo master, fp32 grads", dict(master="hilo", host_grad_dtype="float32", optimizer_in_backward=False)),
-    ("hilo master, bf16 grads", dict(master="hilo", host_grad_dtype="bfloat16", optimizer_in_backward=False)),
-    ("fp32 master, optimizer in backward", dict(master="fp32", host_grad_dtype="float32", optimizer_in_backward=True)),
-    ("hilo master, optimizer in backward", dict(master="hilo", host_grad_dtype="float32", optimizer_in_backward=True)),
-    ("bf16 master, bf16 grads (paper's code)", dict(master="bf16", host_grad_dtype="bfloat16",
+    ("fp32 master, fp32 grads", dict(host_master="fp32", host_grad_dtype="float32", optimizer_in_backward=False)),
+    ("hilo master, fp32 grads", dict(host_master="hilo", host_grad_dtype="float32", optimizer_in_backward=False)),
+    ("hilo master, bf16 grads", dict(host_master="hilo", host_grad_dtype="bfloat16", optimizer_in_backward=False)),
+    ("fp32 master, optimizer in backward", dict(host_master="fp32", host_grad_dtype="float32", optimizer_in_backward=True)),
+    ("hilo master, optimizer in backward", dict(host_master="hilo", host_grad_dtype="float32", optimizer_in_backward=True)),
+    ("bf16 master, bf16 grads (paper's code)", dict(host_master="bf16", host_grad_dtype="bfloat16",
                                                     optimizer_in_backward=False)),
-    ("bf16 master, optimizer in backward", dict(master="bf16", host_grad_dtype="float32", optimizer_in_backward=True)),
+    ("bf16 master, optimizer in backward", dict(host_master="bf16", host_grad_dtype="float32", optimizer_in_backward=True)),
 ]
 # The shapes the "largest preset" column ranks (the paper's dense presets, by size).
 SCALE_PRESETS = ["llama2-7b", "qwen2.5-7b", "llama3.1-8b", "qwen2.5-14b", "qwen2.5-32b", "llama3.1-70b",
@@ -47,7 +47,7 @@ SCALE_PRESETS = ["llama2-7b", "qwen2.5-7b", "llama3.1-8b", "qwen2.5-14b", "qwen2
 
 def mode_settings(knobs: dict[str, Any]) -> dict[str, Any]:
     """A mode's planner knobs under EngineConfig's names, ready for the "megatrain" config section."""
-    return {"host_master": knobs["master"], "host_grad_dtype": knobs["host_grad_dtype"],
+    return {"host_master": knobs["host_master"], "host_grad_dtype": knobs["host_grad_dtype"],
             "optimizer_in_backward": bool(knobs["optimizer_in_backward"])}
 
 

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from ..config.schema import left_auto
 from ..engine import host_cores, side_threads, update_threads
 
 __all__ = ["describe", "announce", "via", "route"]
@@ -44,7 +45,7 @@ def route() -> str | None:
 def _host_mode(config: Any, world_size: int) -> str:
     written = config.written if hasattr(config, "written") else {}
     # in FP32 compute "auto" has one exact master to take: no choice to name
-    chose = ("host mode \"auto\" chose " if written.get("host_master") == "auto"
+    chose = ("host mode \"auto\" chose " if left_auto(written.get("host_master"))
              and config.compute_dtype == "bfloat16" else "")
     parts = [f"{chose}{config.host_master} master"]
     if not config.optimizer_in_backward:

@@ -10,8 +10,8 @@ from conftest import tiny_model
 
 from megatrain.config.resolve import engine_config_from
 from megatrain.config.schema import EngineConfig
-from megatrain.engine import Engine
-from megatrain.engine.update.choose import overlap_pays
+from megatrain.config.settle import EngineFacts, settle_engine
+from megatrain.engine import Engine, optimizer_fact
 
 
 @pytest.fixture
@@ -51,13 +51,16 @@ def test_the_deepspeed_face_trains_in_fp32_unless_bf16_is_enabled(cuda):
 def test_overlap_auto_pays_on_cuda_with_adamw_only():
     model = torch.nn.Linear(2, 2)
     adamw, sgd = torch.optim.AdamW(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1)
-    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     cfg = EngineConfig(device="cpu")
     assert cfg.optimizer_overlap is None
-    assert overlap_pays(cuda, cfg, adamw)
-    assert not overlap_pays(cpu, cfg, adamw)
-    assert not overlap_pays(cuda, cfg, sgd)  # would step whole anyway: no warning about a default
-    assert not overlap_pays(cuda, EngineConfig(device="cpu", optimizer_in_backward=True), adamw)
+
+    def overlap(device: str, optimizer: torch.optim.Optimizer, config: EngineConfig = cfg) -> bool:
+        return settle_engine(config, EngineFacts(device, optimizer_fact(optimizer)))[0].optimizer_overlap
+
+    assert overlap("cuda", adamw)
+    assert not overlap("cpu", adamw)
+    assert not overlap("cuda", sgd)  # would step whole anyway: no warning about a default
+    assert not overlap("cuda", adamw, EngineConfig(device="cpu", optimizer_in_backward=True))
 
 
 def test_a_cpu_engine_keeps_fp32_and_the_whole_step_by_default():

@@ -33,7 +33,7 @@ def test_every_mode_has_a_rate_that_says_where_it_comes_from():
 def test_the_mode_rate_prices_the_host_optimizer(knobs, mode, monkeypatch):
     pl = plan("14b", 4096, batch=8, hardware=H200, **knobs)
     assert host_mode(pl.point) == mode
-    fp32 = dataclasses.replace(pl.point, master="fp32", host_grad_dtype="float32", optimizer_in_backward=False,
+    fp32 = dataclasses.replace(pl.point, host_master="fp32", host_grad_dtype="float32", optimizer_in_backward=False,
                                optimizer_overlap=False, dtype="float32")
     assert host_slowdown(fp32) == 1.0  # the profile's own rate is the FP32 whole step's
     # The table feeds the model: the same point with the mode's row set to FP32's is faster by the slowdown.

@@ -11,8 +11,9 @@ import torch
 
 from megatrain.commands.plan import main
 from megatrain.config.schema import EngineConfig
+from megatrain.config.settle import EngineFacts, settle_engine
+from megatrain.engine import optimizer_fact
 from megatrain.engine.runtime.stream import side_threads
-from megatrain.engine.update.choose import overlap_pays
 from megatrain.planner import host_work as hwork
 from megatrain.planner import plan
 from megatrain.planner.hardware import get_hardware
@@ -30,8 +31,9 @@ def test_overlap_auto_is_what_the_engine_resolves(hardware, in_backward):
     knobs = dict(optimizer_in_backward=True, grad_clip=False, master="hilo") if in_backward else {}
     pl = plan(M14, 4096, hardware=hardware, dtype="bfloat16", **knobs)
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
-    device = torch.device("cpu" if hw.unified_memory else "cuda")  # overlap_pays reads the device type only
-    assert pl.time.optimizer_overlap == overlap_pays(device, EngineConfig(optimizer_in_backward=in_backward), opt)
+    device = "cpu" if hw.unified_memory else "cuda"
+    engine = settle_engine(EngineConfig(optimizer_in_backward=in_backward), EngineFacts(device, optimizer_fact(opt)))[0]
+    assert pl.time.optimizer_overlap == engine.optimizer_overlap
     assert pl.timeline.optimizer_overlap == pl.time.optimizer_overlap
     assert pl.point.optimizer_overlap is None  # the request stays "auto"
 

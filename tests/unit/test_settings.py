@@ -42,8 +42,9 @@ def test_engine_config_from_a_face_config_is_the_deepspeed_parsers():
 
 
 def test_planner_knobs_are_the_engine_settings_under_the_planners_names():
+    # the planner's point takes EngineConfig's names (host_master was its `master`)
     kw = planner_knobs({"host_master": "hilo", "tile_tokens": 64, "link_gbps": 2, "trace": True, "num_buffers": 3})
-    assert kw == {"master": "hilo", "mlp_tile_tokens": 64, "link_gbs": 2.0, "num_buffers": 3}
+    assert kw == {"host_master": "hilo", "mlp_tile_tokens": 64, "link_gbs": 2.0, "num_buffers": 3}
 
 
 def test_every_reader_refuses_a_misspelt_engine_setting_the_same_way(tmp_path):

@@ -306,15 +306,22 @@ def test_the_copies_hold_the_bytes_the_preflight_counts(mode):
 
 def test_auto_is_on_for_a_cuda_device_with_adamw_where_the_copy_fits(monkeypatch):
     eng = Engine(tiny_model("llama", layers=2))
-    cuda, cpu, cfg = torch.device("cuda"), torch.device("cpu"), EngineConfig()
+    from megatrain.config.schema import IF_FITS
+    from megatrain.config.settle import EngineFacts, settle_engine
+
+    # "auto" is settled for the device and the optimizer by the config (settle_engine); the engine measures the fit
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    cfg, cpu_cfg = (settle_engine(EngineConfig(), EngineFacts(d))[0] for d in ("cuda", "cpu"))
     adamw = eng.optimizer
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    assert cfg.speculative_step == "auto"
+    assert EngineConfig().speculative_step == "auto" and cfg.speculative_step == IF_FITS
+    assert cpu_cfg.speculative_step is False
     assert speculative.resolve(cfg, cuda, adamw, eng.store, data_parallel=False)
-    assert not speculative.resolve(cfg, cpu, adamw, eng.store, data_parallel=False)
+    assert not speculative.resolve(cpu_cfg, cpu, adamw, eng.store, data_parallel=False)
     assert not speculative.resolve(cfg, cuda, sgd, eng.store, data_parallel=False)
     assert not speculative.resolve(cfg, cuda, adamw, eng.store, data_parallel=True)
-    assert not speculative.resolve(EngineConfig(optimizer_in_backward=True), cuda, adamw, eng.store, False)
+    in_backward = settle_engine(EngineConfig(optimizer_in_backward=True), EngineFacts("cuda"))[0]
+    assert not speculative.resolve(in_backward, cuda, adamw, eng.store, False)
     with pytest.raises(ValueError, match="data-parallel"):
         speculative.resolve(EngineConfig(speculative_step=True), cuda, adamw, eng.store, data_parallel=True)
     # where the copy does not fit beside the store: off, or refused when asked for

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...costs.host_mode import AUTO, HostMode, candidates, choose_host_mode
+from ...costs.host_mode import HostMode, candidates, choose_host_mode
 from ...costs.modes import GRAD_BYTES, MASTER_BYTES, GradSlab, HostMaster, rollback_bytes_per_param
 from ...costs.nvme import spill_bytes_per_param
 from ...costs.pinning import pinned_bytes
@@ -135,7 +135,7 @@ def auto_host_mode(config: Any, model: nn.Module, layers: nn.Module, accumulatio
     explicit mode). `config` unchanged when nothing is "auto". `agree` (data parallel: the largest of the ranks'
     values): the ranks take the latest candidate any of them chose, since each reads its own free memory and they
     must hold one mode."""
-    if config.host_master != AUTO:
+    if not config.host_mode_open:
         return config
     layer_ids = {id(p) for p in layers.parameters()}
     params = list({id(p): p for p in model.parameters()}.values())
@@ -153,7 +153,7 @@ def auto_host_mode(config: Any, model: nn.Module, layers: nn.Module, accumulatio
             need -= (n_layer - biggest) * spill
         return need <= room
 
-    grad = None if config.host_grad_dtype == AUTO else GradSlab(config.host_grad_dtype)
+    grad = config.grad_slab_set
     args = (bf16, accumulation_one, config.nvme_path is not None, config.optimizer_in_backward, grad)
     mode, _ = choose_host_mode(fits, *args)
     if agree is not None:

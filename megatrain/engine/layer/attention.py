@@ -250,5 +250,5 @@ def use_segment_attention(config: Any, mode: bool | str = True) -> bool:
     for name, dense in ((NAME, False), (AUTO_NAME, True)):
         AttentionInterface.register(name, segment_attention_forward)
         ALL_MASK_ATTENTION_FUNCTIONS.register(name, partial(_segments_mask, dense_when_small=dense))
-    config._attn_implementation = AUTO_NAME if mode == "auto" else NAME
+    config._attn_implementation = NAME if mode is True else AUTO_NAME  # "auto": dense while it is small
     return True

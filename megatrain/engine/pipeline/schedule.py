@@ -183,11 +183,11 @@ class LayerPipeline:
         return {"resident_weight_layers": self.residency.weights, "kept_graph_layers": len(self.graphs),
                 "recomputed_layers": self.recomputed}
 
-    def loss_chunk(self, setting: int | str) -> int:
-        """This batch's head/loss chunk: the plan's, else the configured one ("auto": the default chunk)."""
+    def loss_chunk(self, setting: int | None) -> int:
+        """This batch's head/loss chunk: the plan's, else the configured one (None, "auto": the default chunk)."""
         if self.last_plan is not None:
             return self.last_plan.loss_chunk
-        return DEFAULT_LOSS_CHUNK if setting == "auto" else int(setting)
+        return DEFAULT_LOSS_CHUNK if setting is None else int(setting)
 
     def plan_stats(self) -> dict[str, float]:
         p = self.last_plan

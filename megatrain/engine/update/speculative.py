@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ...config.schema import AUTO, EngineConfig
+from ...config.schema import EngineConfig
 from ..host.events import LayerEvents
 from ..host.preflight import rollback_preflight
 from ..host.store import FlatGroup, HostStore
@@ -289,7 +289,5 @@ def resolve(config: EngineConfig, device: torch.device, optimizer: torch.optim.O
         if setting is True:
             raise ValueError(f"speculative_step=True: {reason}; set speculative_step='auto' or False")
         return False
-    if setting == AUTO and device.type != "cuda":
-        return False  # a CPU device: the same cores run the backward and the update, nothing to hide behind
     n_layer = sum(g.numel for g in store.layers)
     return rollback_preflight(n_layer, store.master_mode, config.compute_dtype == "bfloat16", required=setting is True)
