@@ -8,16 +8,14 @@ Every multi-process run is a set of subprocesses with a deadline, so a hang fail
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from examples_module import load_example
+from kit import free_port, start_python, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_data_parallel.py"
@@ -31,15 +29,7 @@ def _example():
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu")
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return worker_env(threads=1, PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu")
 
 
 class Ranks:
@@ -47,17 +37,15 @@ class Ranks:
 
     def __init__(self, world: int, args: list[str], tmp: Path, per_node: int | None = None) -> None:
         """`per_node`: ranks per node (default all on one); several nodes are told apart by torchrun's GROUP_RANK."""
-        port = str(_free_port())
+        port = free_port()
         per_node = per_node or world
         self.logs = [tmp / f"rank{r}.log" for r in range(world)]
         self.procs = []
         for r in range(world):
-            env = dict(_env(), RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r % per_node),
-                       GROUP_RANK=str(r // per_node), LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=port)
-            with open(self.logs[r], "w") as log:
-                self.procs.append(subprocess.Popen([sys.executable, *args], env=env, stdout=log,
-                                                   stderr=subprocess.STDOUT, cwd=ROOT))
+            env = worker_env(world_size=world, rank=r, local_rank=r % per_node, port=port, threads=1,
+                             PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu", GROUP_RANK=str(r // per_node),
+                             LOCAL_WORLD_SIZE=str(per_node))
+            self.procs.append(start_python(args, env=env, log=self.logs[r]))
         self.exit_time: dict[int, float] = {}
 
     def poll(self) -> None:
@@ -210,9 +198,9 @@ def test_weights_written_on_one_rank_reach_every_rank(tmp_path):
 
 def _start_torchrun(tmp_path: Path, *args: str) -> subprocess.Popen:
     with open(tmp_path / "torchrun.log", "w") as log:  # a file: nothing waits on an unread pipe
-        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                 "2", str(EXAMPLE), "--micro-batch", "2", "--out", str(tmp_path), *args],
-                                env=_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+        return start_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", EXAMPLE,
+                             "--micro-batch", "2", "--out", tmp_path, *args], env=_env(), stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def _torchrun_results(proc: subprocess.Popen, tmp_path: Path) -> list[dict]:

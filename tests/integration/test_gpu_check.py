@@ -4,7 +4,6 @@ arithmetic, the wheel list it carries; and, where CUDA exists, its checks of the
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kit import run_python, worker_env
 
 from experiments import gpu_check as gc
 from experiments.results import read_rows
@@ -23,9 +23,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT), **extra)
-    env.pop("GPU_CHECK_T0", None)
-    return env
+    return worker_env(drop=("GPU_CHECK_T0",), PYTHON=sys.executable, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -123,9 +121,9 @@ def test_a_hanging_phase_and_a_failing_phase_cost_only_themselves(tmp_path):
     """env hangs past its budget (its process is killed), bandwidth raises; stress still runs and every
     result is recorded."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "experiments.gpu_check", "--dry-run", "--out", str(out), "--only",
+    cmd = ["-m", "experiments.gpu_check", "--dry-run", "--out", str(out), "--only",
            "env,bandwidth,stress", "--inject", "env=hang", "--inject", "bandwidth=fail", "--phase-budget", "env=4"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = run_python(cmd, env=_env(), timeout=600)
     assert proc.returncode == 1, proc.stdout[-3000:]
     status = {n: json.loads((out / "phases" / f"{n}.json").read_text())["status"] for n in ("env", "bandwidth", "stress")}
     assert status == {"env": "timeout", "bandwidth": "failed", "stress": "ok"}, status
@@ -183,8 +181,7 @@ def test_gpu_plan_pairs_backends_and_fits_the_device_host():
 def test_wheel_list_pins_this_venv_and_leaves_torch_to_the_device():
     from packaging.requirements import Requirement
 
-    proc = subprocess.run([sys.executable, "scripts/wheel_list.py"], cwd=ROOT, capture_output=True, text=True,
-                          check=True)
+    proc = run_python(["scripts/wheel_list.py"], check=True)
     reqs = {r.name: r for r in map(Requirement, proc.stdout.split())}
     import importlib.metadata as md
 
@@ -199,8 +196,7 @@ def test_wheel_list_pins_this_venv_and_leaves_torch_to_the_device():
     assert str(reqs["nvidia-ml-py"].specifier) == want
     assert not any(n == "torch" or n.startswith(("nvidia-cu", "triton")) for n in reqs)
     assert "wheels" in (ROOT / ".gitignore").read_text()
-    bad = subprocess.run([sys.executable, "scripts/wheel_list.py"], cwd=ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, MEGATRAIN_DEVICE_PYTHON="312"))
+    bad = run_python(["scripts/wheel_list.py"], env=worker_env(MEGATRAIN_DEVICE_PYTHON="312"))
     assert bad.returncode != 0 and "'312' is not a Python version" in bad.stderr
 
 

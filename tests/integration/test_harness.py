@@ -9,11 +9,9 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,6 +21,7 @@ import psutil
 import pytest
 import torch
 import transformers
+from kit import start_python
 
 from experiments import results as R
 from experiments.report import FIGURES, pick_trace
@@ -317,13 +316,12 @@ grid: {seq_len: [16, 32]}
 """)
     out = tmp_path / "out"
     csv_path = out / "results.csv"
-    cmd = [sys.executable, "-m", "megatrain.commands.cli", "sweep", str(spec), "--out", str(out), "--no-progress"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    cmd = ["-m", "megatrain.commands.cli", "sweep", str(spec), "--out", str(out), "--no-progress"]
     # A Ctrl-C from a terminal reaches a sweep with SIGINT at its default; a test process may have been left
     # ignoring it (an ignored signal stays ignored across exec, and Python then installs no KeyboardInterrupt).
     ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = start_python(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 600  # generous: a loaded shared CPU can take a minute per point
     # Interrupt once the first point is recorded and the second one's process is running (not between them).
     while time.time() < deadline and not (len(R.read_rows(csv_path)) == 1 and _point_children(str(out))):

@@ -5,13 +5,12 @@ variables (how single-GPU users start), train with plain TRL's losses and gradie
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+from kit import start_python, worker_env
 
 from megatrain.commands.launch import main as launch_main
 
@@ -23,11 +22,9 @@ _LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RAN
 
 def _bare_env() -> dict[str, str]:
     """This environment without any launcher variable, megatrain importable from this checkout."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # DeepSpeed's op builder wants ninja
     from baselines.zero3 import default_extensions_dir
 
+    env = worker_env(drop=_LAUNCHER_VARS, threads=2)
     env.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())
     return env
 
@@ -37,7 +34,7 @@ def _start(args: list[str], cwd: Path) -> tuple[subprocess.Popen, Path, Path]:
     another never blocks on a full pipe nobody reads yet)."""
     with tempfile.NamedTemporaryFile("w", suffix=".out", dir=cwd, delete=False) as out, \
             tempfile.NamedTemporaryFile("w", suffix=".err", dir=cwd, delete=False) as err:
-        proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=_bare_env(), stdout=out, stderr=err)
+        proc = start_python(args, cwd=cwd, env=_bare_env(), stdout=out, stderr=err)
     return proc, Path(out.name), Path(err.name)
 
 

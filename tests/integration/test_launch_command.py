@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from kit import start_python, worker_env
 
 from megatrain.commands.launch import LaunchError, plan
 from megatrain.commands.launch import main as launch_main
@@ -109,17 +109,14 @@ def site(tmp_path_factory) -> Path:
 
 
 def _env(site: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
-    env.update(PYTHONPATH=f"{site}{os.pathsep}{ROOT}", OMP_NUM_THREADS="1", **extra)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    return env
+    return worker_env(drop=_LAUNCHER_VARS, path=[site], threads=1, **extra)
 
 
 def _runs(site: Path, cwd: Path, *commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
     """Every command (python's arguments) run side by side: each only prints its probes, and most of each is
     the interpreter's single-threaded start-up."""
-    procs = [subprocess.Popen([sys.executable, *args], cwd=cwd, env=_env(site), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for args in commands]
+    procs = [start_python(args, cwd=cwd, env=_env(site), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args in commands]
     try:
         outputs = [proc.communicate(timeout=300) for proc in procs]
         return [subprocess.CompletedProcess(proc.args, proc.returncode, *out) for proc, out in zip(procs, outputs)]

@@ -16,7 +16,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 import warnings
@@ -28,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import make_batches, tiny_config, tiny_model
+from kit import start_python, worker_env
 from safetensors.torch import load_file
 
 from megatrain.deepspeed import initialize
@@ -110,10 +110,9 @@ class ForkServer:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.err_path = workdir / "server.err"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         self._err = open(self.err_path, "w")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen([sys.executable, str(WORKER)], cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._err, text=True, bufsize=1)
+        self.proc = start_python([WORKER], env=worker_env(threads=1), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=self._err, text=True, bufsize=1)
         self._lines: queue.Queue[list[str] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self._n = 0

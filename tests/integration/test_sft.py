@@ -4,12 +4,11 @@ on MegaTrain with plain SFTTrainer's losses; sharegpt with packing too; bad conf
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from kit import start_python, worker_env
 
 from megatrain.commands.sft import detect_format, load_run, to_conversation
 
@@ -22,15 +21,10 @@ def _start(tmp_path: Path, name: str, *sets: str) -> tuple[subprocess.Popen, Pat
     """`megatrain train --config` in its own process, its output to a file (a run started beside another never
     blocks on a full pipe)."""
     out = tmp_path / name
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     args = ["train", "--config", str(EXAMPLE), "--set", f"output_dir={out}", "--set", f"report={out}/report.json",
             *(a for s in sets for a in ("--set", s))]
-    log = tmp_path / f"{name}.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "megatrain.commands.cli", *args], cwd=tmp_path, env=env, stdout=f,
-                                stderr=subprocess.STDOUT, text=True)
+    proc = start_python(["-m", "megatrain.commands.cli", *args], cwd=tmp_path, env=worker_env(threads=2),
+                        log=tmp_path / f"{name}.log")
     return proc, out
 
 

@@ -5,15 +5,14 @@ bit; --restart starts over; an output folder it must not resume is refused."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from kit import run_python, start_python, worker_env
 from safetensors.torch import load_file
 
 from megatrain.commands.sft_resume import RUN_FILE, WHOLE_MARK, RefusedOutput, SaveCallback, prepare_output
@@ -25,27 +24,21 @@ DRIVER = Path(__file__).resolve().parents[1] / "workers" / "sft_signal_driver.py
 SETS = ("max_steps=6", "save_steps=2", "eval_data=null")
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
-    return env
-
-
 def _args(out: Path, *sets: str) -> list[str]:
     return ["train", "--config", str(EXAMPLE), *(a for s in (f"output_dir={out}", f"report={out}/report.json",
                                                              *SETS, *sets) for a in ("--set", s))]
 
 
 def _run(out: Path, *extra: str, sets: tuple = ()) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatrain.commands.cli", *_args(out, *sets), *extra], env=_env(),
-                          capture_output=True, text=True, timeout=600)
+    return run_python(["-m", "megatrain.commands.cli", *_args(out, *sets), *extra], env=worker_env(threads=2),
+                      timeout=600)
 
 
 def _stopped(out: Path, sig: int, at: int = 2) -> subprocess.CompletedProcess:
     """The run stopped by `sig`, sent from here once its checkpoint at step `at` is whole."""
     ready = out.parent / f"{out.name}.ready"
-    p = subprocess.Popen([sys.executable, str(DRIVER), str(at), str(ready), *_args(out)], env=_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = start_python([DRIVER, at, ready, *_args(out)], env=worker_env(threads=2), stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 600
     while not ready.exists() and p.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
