@@ -35,6 +35,7 @@ def _close(a: list[float], b: list[float], tol: float = TOL) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
+@pytest.mark.slow
 def test_nlp_example_on_megatrain_matches_torch_checkpoints_tracks_and_resumes(tmp_path):
     ref = _run(tmp_path, "torch")
     mt = _run(tmp_path, "megatrain")
@@ -69,6 +70,7 @@ def test_nlp_example_on_megatrain_matches_torch_checkpoints_tracks_and_resumes(t
     assert other["losses"] != mt["losses"][-2:]
 
 
+@pytest.mark.slow
 def test_nlp_example_on_zero3_matches_torch(tmp_path):
     from baselines.zero3 import default_extensions_dir
 
@@ -94,6 +96,7 @@ def test_nlp_example_on_zero3_matches_torch(tmp_path):
 # the pieces
 
 
+@pytest.mark.slow
 def test_bf16_mixed_precision_selects_bf16_compute_on_megatrain(tmp_path):
     acc = Accelerator(backend="megatrain", mixed_precision="bf16")
     assert acc.backend.engine_config.compute_dtype == "bfloat16"

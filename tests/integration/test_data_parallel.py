@@ -118,6 +118,7 @@ def _check_parity(results: list[dict], world: int, micro: int, faces: list[str],
             assert all(torch.equal(results[0][face]["state"][k], other[k]) for k in other), (face, r)
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_match_one_process(tmp_path):
     """The example under torchrun: 2 ranks x micro-batch 2 == 1 process x micro-batch 4, both faces; the
     checkpoint the 2 ranks wrote resumes in 1 process exactly where an uninterrupted run would be."""
@@ -134,6 +135,7 @@ def test_torchrun_two_ranks_match_one_process(tmp_path):
     assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, gaps
 
 
+@pytest.mark.slow
 def test_three_ranks_match_one_process_and_negative_control(tmp_path):
     """3 gloo ranks x micro-batch 1 == 1 process x micro-batch 3, also when every micro-batch's backward averages;
     with the averaging skipped (the negative control) the same comparison fails by far more than the tolerance."""
@@ -164,6 +166,7 @@ def test_three_ranks_match_one_process_and_negative_control(tmp_path):
     assert max(max(_gaps(ref, results[r]["slow_no_tokens"]).values()) for r in range(3)) > 10 * TOL
 
 
+@pytest.mark.slow
 def test_two_nodes_of_two_ranks_match_one_process(tmp_path):
     """2 nodes x 2 ranks (told apart by GROUP_RANK, as torchrun's agents on two hosts): each node holds its own
     shared store, the owners of a layer on both nodes all-reduce its gradients, and 4 ranks x micro-batch 1 train as
@@ -178,6 +181,7 @@ def test_two_nodes_of_two_ranks_match_one_process(tmp_path):
     _check_parity(results, 4, 1, ["deepspeed"], refs)
 
 
+@pytest.mark.slow
 def test_weights_written_on_one_rank_reach_every_rank(tmp_path):
     """GatheredParameters(modifier_rank=0) with rank 0 alone writing an embedding row and a layer another rank
     owns: after the next step every rank holds the same weights, shared or replicated store; without the
@@ -222,6 +226,7 @@ def test_zero3_baseline_at_the_same_world_size(tmp_path):
     _check_parity(_torchrun_results(proc, tmp_path), 2, 2, ["accelerator"], refs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["die", "hang"])
 def test_dead_or_hung_rank_stops_the_others_within_the_watchdog(tmp_path, fault):
     watchdog = 4.0

@@ -36,10 +36,12 @@ def exits() -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow
 def test_an_engine_tears_down_the_group_it_trained_with_at_exit(exits):
     assert "initialized at exit: False" in exits["engine"]
 
 
+@pytest.mark.slow
 def test_control_without_an_engine_the_group_is_left_to_finalization(exits):
     assert "initialized at exit: True" in exits["plain"]
 

@@ -42,6 +42,7 @@ def _phase(dry_run, name):
     return json.loads((dry_run["out"] / "phases" / f"{name}.json").read_text())
 
 
+@pytest.mark.slow
 def test_dry_run_passes_every_phase(dry_run):
     proc = dry_run["proc"]
     phases = dry_run["summary"].get("phases", {})
@@ -52,6 +53,7 @@ def test_dry_run_passes_every_phase(dry_run):
                for n, p in phases.items()), phases
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_summary_table_last(dry_run):
     text = dry_run["proc"].stdout.rstrip()
     md = (dry_run["out"] / "summary.md").read_text().rstrip()
@@ -59,6 +61,7 @@ def test_dry_run_prints_the_summary_table_last(dry_run):
     assert "| parity | ok |" in md and "| bench | ok |" in md
 
 
+@pytest.mark.slow
 def test_dry_run_parity_numbers(dry_run):
     checks = _phase(dry_run, "parity")["checks"]
     for case in ("fp32_llama", "fp32_qwen2_tied", "num_buffers_1", "num_buffers_3"):
@@ -69,6 +72,7 @@ def test_dry_run_parity_numbers(dry_run):
     assert checks["offload_activations"]["loss_abs"] == 0
 
 
+@pytest.mark.slow
 def test_dry_run_finds_no_sync_in_the_layer_loop_and_catches_a_planted_one(dry_run):
     checks = _phase(dry_run, "sync")["checks"]
     loops = {k: v for k, v in checks.items() if k.startswith("loop_")}
@@ -77,12 +81,14 @@ def test_dry_run_finds_no_sync_in_the_layer_loop_and_catches_a_planted_one(dry_r
     assert checks["planted_sync_is_caught"]["syncs_caught"] >= 3  # once per layer at least
 
 
+@pytest.mark.slow
 def test_dry_run_stress_catches_a_missing_wait(dry_run):
     checks = _phase(dry_run, "stress")["checks"]
     assert checks["missing_wait_is_caught"]["caught"] is True
     assert all(checks[k]["ok"] for k in ("slow_h2d", "slow_d2h", "slow_compute_offloaded_activations"))
 
 
+@pytest.mark.slow
 def test_dry_run_writes_harness_rows_with_provenance_and_a_timeline(dry_run):
     out = dry_run["out"]
     rows = read_rows(out / "results.csv")
@@ -104,6 +110,7 @@ def test_dry_run_writes_harness_rows_with_provenance_and_a_timeline(dry_run):
     assert 0 < tl["compute_busy_frac"] <= 1 and 0 <= tl["h2d_hidden_frac"] <= 1
 
 
+@pytest.mark.slow
 def test_dry_run_bundle_is_small_and_whole(dry_run):
     bundle = dry_run["bundle"]
     files = sorted(p.name for p in bundle.iterdir())
@@ -117,6 +124,7 @@ def test_dry_run_bundle_is_small_and_whole(dry_run):
     assert "gpu_check" in (bundle / "log.txt").read_text()
 
 
+@pytest.mark.slow
 def test_a_hanging_phase_and_a_failing_phase_cost_only_themselves(tmp_path):
     """env hangs past its budget (its process is killed), bandwidth raises; stress still runs and every
     result is recorded."""
@@ -375,6 +383,7 @@ def test_cuda_event_accounting_logic_with_a_fake_device(monkeypatch):
     assert streams.h2d.busy_s == pytest.approx(0.200)
 
 
+@pytest.mark.slow
 def test_dry_run_sanitizer_phase_runs_the_gpus_configuration_against_its_own_reference(dry_run):
     from experiments.gpu_check.sanitizer_run import FP32_TOL, compare
 
@@ -394,6 +403,7 @@ def test_dry_run_sanitizer_phase_runs_the_gpus_configuration_against_its_own_ref
     assert par["loss_abs_vs_mixed"] < par["loss_abs_vs_fp32"], par
 
 
+@pytest.mark.slow
 def test_dry_run_checks_pinned_bytes_and_runs_the_sanitizer_phase(dry_run):
     par = _phase(dry_run, "parity")["checks"]
     assert par["pinned_bytes_exact"]["ok"], par["pinned_bytes_exact"]
@@ -435,6 +445,7 @@ def test_a_completed_query_is_reported_as_a_synchronization():
     assert reg.fired == [(0xE1,)]  # undone: the class's own query again
 
 
+@pytest.mark.slow
 def test_dry_run_sanitizes_and_syncs_the_stream_and_a_partial_placement(dry_run):
     """Never "auto" (on a large GPU it keeps every tiny layer): every layer streamed, and some kept beside streamed
     ones, each checked to be the placement asked for."""

@@ -172,6 +172,7 @@ def e2e(tmp_path_factory):
     return out, summary, R.read_rows(out / "results.csv")
 
 
+@pytest.mark.slow
 def test_sweep_end_to_end_columns_and_sane_values(e2e):
     out, summary, df = e2e
     assert list(pd.read_csv(out / "results.csv").columns) == R.COLUMN_NAMES
@@ -237,6 +238,7 @@ def test_zero3_overrides_shape_identity_and_label_only_where_they_apply(tmp_path
     assert torch_pts == {load_sweep(plain).points[0].point_id}
 
 
+@pytest.mark.slow
 def test_point_that_cannot_fit_is_skipped_with_reason(e2e):
     _, _, df = e2e
     row = df[df["model"] == "dense-120b"].iloc[0]
@@ -245,6 +247,7 @@ def test_point_that_cannot_fit_is_skipped_with_reason(e2e):
     assert pd.isna(row["step_time_s"])
 
 
+@pytest.mark.slow
 def test_report_writes_markdown_and_every_figure(e2e, tmp_path, capsys):
     out, _, df = e2e
     assert cli_main(["report", str(out), "--out", str(tmp_path)]) == 0
@@ -308,6 +311,7 @@ def _point_children(marker: str) -> list[psutil.Process]:
     return out
 
 
+@pytest.mark.slow
 def test_interrupt_then_rerun_gives_every_point_exactly_once(tmp_path, capsys):
     spec = write_spec(tmp_path / "r.yaml", """
 name: r

@@ -68,6 +68,7 @@ def _check_trainer_run(script: str, plain: dict, full: dict, resumed: dict, tmp:
     assert all(final[k].shape == ref[k].shape and final[k].dtype == ref[k].dtype for k in final)
 
 
+@pytest.mark.slow
 def test_trainer_and_sft_trainer_on_megatrain_match_plain_save_resume_and_evaluate(tmp_path):
     """examples/hf_trainer.py (Trainer) and examples/trl_sft.py (SFTTrainer), unchanged, on both backends (one
     process runs them all: torch, transformers and TRL imported once)."""
@@ -177,6 +178,7 @@ def test_fused_lm_head_outputs_equal_trls_own(clone):
 # GRPO at a sampling temperature other than 1: TRL's fused head scores at that temperature, so must the engine
 
 
+@pytest.mark.slow
 def test_grpo_at_temperature_0_7_matches_plain_trl(tmp_path):
     """examples/trl_grpo.py, unchanged, on plain GRPOTrainer and on MegaTrain: the same rewards (same samples)
     and the same gradient norms; a run whose fused head ignores the temperature is caught by the same check.
@@ -249,6 +251,7 @@ def test_the_installed_guard_is_loaded_at_startup_without_importing_megatrain():
     assert "_RouteDeepSpeed" not in off.stdout  # control: the switch is honoured, so the check above can fail
 
 
+@pytest.mark.slow
 def test_a_plain_trainer_script_with_a_megatrain_section_trains_on_megatrain(tmp_path):
     """Nothing of megatrain imported, torchrun-style variables set: before the guard this trained on real
     DeepSpeed (DeepSpeedEngine) without a word."""
@@ -284,6 +287,7 @@ def test_a_plain_trainer_script_with_a_megatrain_section_trains_on_megatrain(tmp
     assert engine(runs[1])["engine"] == "DeepSpeedEngine"
 
 
+@pytest.mark.slow
 def test_trainer_example_without_launcher_variables_trains_to_the_end_with_plain_losses(tmp_path):
     """`python examples/hf_trainer.py` as a single-GPU user runs it: no torchrun variables. It used to stop at
     the first logging step (Trainer's nested_gather found no process group)."""

@@ -375,6 +375,7 @@ eng.zero_grad()  # queues each layer's zeroing on the optimizer thread; the scri
 """
 
 
+@pytest.mark.slow
 def test_exiting_with_layer_jobs_queued_does_not_abort():
     """Before the optimizer stream was drained at exit, this aborted ("terminate called without an active
     exception", SIGABRT) in 2 of 3 runs on this machine, with hilo and with optimizer_overlap alike (the same

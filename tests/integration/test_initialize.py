@@ -540,6 +540,7 @@ def megatrain_gpu_run(_uninterrupted):
     return _script_result(run, "megatrain"), ckpt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", CONFIGS)
 def test_resume_in_a_new_process_is_bit_identical(mode, request, tmp_path):
     full, ckpt_dir = request.getfixturevalue("megatrain_gpu_run" if is_bf16(mode) else "megatrain_run")

@@ -91,6 +91,7 @@ def _probes(out: str) -> list[dict]:
     return found
 
 
+@pytest.mark.slow
 def test_launch_installs_the_routing_before_the_script_in_one_process_and_in_every_rank(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(_PROBE)

@@ -144,6 +144,7 @@ def test_a_console_command_runs_its_entry_point_with_the_routing(site, tmp_path)
     assert control.returncode == 3 and _probes(control.stdout)[0]["routed"] is False
 
 
+@pytest.mark.slow
 def test_llamafactory_train_passes_its_deepspeed_check_under_megatrain_launch(site, tmp_path):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text("deepspeed: ds.json\n")
@@ -162,6 +163,7 @@ def test_llamafactory_train_passes_its_deepspeed_check_under_megatrain_launch(si
                                                                                            ("1", "2", [str(cfg)])]
 
 
+@pytest.mark.slow
 def test_axolotl_train_runs_where_nccl_cannot(site, tmp_path):
     import torch
     import torch.distributed as dist

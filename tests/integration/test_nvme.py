@@ -43,6 +43,7 @@ def model():
     return tiny_model("llama", layers=4)
 
 
+@pytest.mark.slow
 def test_half_budget_is_bit_identical_with_less_rss_and_files_only_while_training(tmp_path):
     proc = run_python([WORKER, tmp_path / "nvme"], timeout=600)
     assert proc.returncode == 1 and "a deliberate failure mid-training" in proc.stderr, proc.stderr[-3000:]

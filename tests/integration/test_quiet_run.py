@@ -16,6 +16,7 @@ NOISE = ("Gradient accumulation steps mismatch", "FutureWarning", "zero_allow_un
          "Zero3 Init flag", "is deprecated")
 
 
+@pytest.mark.slow
 def test_a_train_run_has_no_warning_of_ours(tmp_path):
     sets = (f"output_dir={tmp_path / 'run'}", "report=null", "max_steps=2", "eval_data=null")
     r = run_python(["-m", "megatrain.commands.cli", "train", "--config", str(ROOT / "examples" / "sft" / "sft.yaml"),

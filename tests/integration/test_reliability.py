@@ -291,6 +291,7 @@ def _kill_plan(rng: random.Random, ref: Reference) -> list[dict[str, Any]]:
     return plan
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_points_resumes_bit_identically(server, reference, tmp_path):
     """>= 20 SIGKILLs over one run (training and checkpoint writes); every resume starts from the last
     complete checkpoint and the stitched run equals the uninterrupted one bit for bit."""

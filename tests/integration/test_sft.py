@@ -58,6 +58,7 @@ def _assert_same_losses(mt: dict, plain: dict) -> None:
     assert last < first - 0.1  # it learns: equal losses of a run that does nothing would prove little
 
 
+@pytest.mark.slow
 def test_the_example_config_trains_on_megatrain_with_plain_sft_losses(tmp_path):
     mt, plain = _train_both(tmp_path)
     _assert_same_losses(mt, plain)
@@ -65,6 +66,7 @@ def test_the_example_config_trains_on_megatrain_with_plain_sft_losses(tmp_path):
     assert (tmp_path / "mt" / "final" / "config.json").is_file()
 
 
+@pytest.mark.slow
 def test_sharegpt_with_packing_and_loss_on_every_token(tmp_path):
     sets = ("data=" + str(ROOT / "examples" / "sft" / "sharegpt.jsonl"), "eval_data=null", "packing=true",
             "train_on=all", "max_steps=4", "max_length=64")

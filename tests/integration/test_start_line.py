@@ -103,6 +103,7 @@ def _trainer_run(model_dir: Path, out: Path, *extra: str) -> subprocess.Popen:
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_trainer_run_is_not_zero3_to_transformers_and_says_what_runs(tmp_path):
     """As `python run_clm.py` with a ZeRO-3 offload config: arguments first, then from_pretrained, then Trainer."""
     pytest.importorskip("deepspeed")

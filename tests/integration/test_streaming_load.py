@@ -34,6 +34,7 @@ def saved(tmp_path_factory):
     return d, _run("save", str(d), "hilo", *SHAPE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["hilo", "fp32"])
 def test_load_checkpoint_streams(saved, mode):
     d, ref = saved
@@ -47,6 +48,7 @@ def test_load_checkpoint_streams(saved, mode):
     assert got["reload_mapped"][0] > BOUND * masters, got
 
 
+@pytest.mark.slow
 def test_hf_directory_streams(saved):
     d, ref = saved
     got = _run("hf", str(d), "hilo", *SHAPE)

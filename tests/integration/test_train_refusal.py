@@ -28,6 +28,7 @@ def _train(model: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
                        *(a for s in sets for a in ("--set", s)), *extra], env=worker_env(threads=2), timeout=600)
 
 
+@pytest.mark.slow
 def test_a_structural_refusal_is_one_paragraph_and_writes_nothing(tmp_path):
     import transformers
 
@@ -66,6 +67,7 @@ def test_a_probe_refusal_is_one_paragraph_and_its_fix_trains(tmp_path):
     assert (out / "final").is_dir()
 
 
+@pytest.mark.slow
 def test_a_host_memory_refusal_in_the_engine_undoes_what_the_run_wrote(tmp_path):
     """A refusal only the engine sees (its store does not fit the host): one paragraph, exit 2, and the output
     folder this run made is gone again (no megatrain_run.json left with finished false). In a process of its own:

@@ -51,6 +51,7 @@ def _report(out: Path) -> dict:
     return json.loads((out / "report.json").read_text())
 
 
+@pytest.mark.slow
 def test_a_run_stopped_by_sigint_resumes_bit_identically(tmp_path):
     out = tmp_path / "run"
     r = _stopped(out, signal.SIGINT)
@@ -83,6 +84,7 @@ def test_a_run_stopped_by_sigint_resumes_bit_identically(tmp_path):
     assert weights.keys() == again_weights.keys() and all(weights[k].equal(again_weights[k]) for k in weights)
 
 
+@pytest.mark.slow
 def test_sigterm_then_other_settings_are_refused(tmp_path):
     out = tmp_path / "run"
     r = _stopped(out, signal.SIGTERM)
@@ -166,6 +168,7 @@ def test_when_the_callback_asks_for_a_checkpoint(monkeypatch):
     assert c.should_save and c.should_training_stop and cb.stopped_at == 4
 
 
+@pytest.mark.slow
 def test_a_resume_with_only_num_buffers_changed_is_bit_identical(tmp_path):
     """`--set megatrain.num_buffers=3` merges into the file's section and, as a setting that changes no computed
     value, is accepted on resume; the resumed run's losses and weights are an uninterrupted run's, bit for bit.
