@@ -159,3 +159,31 @@ def assert_trains_like_sgd(ref: torch.nn.Module, config: Any, batches: Iterable[
         engine.step()
         engine.zero_grad()
         assert abs(loss.item() - ref_loss.item()) <= tol
+
+
+def finish(proc: subprocess.Popen, *, timeout: float = 600, log: str | Path | None = None) -> None:
+    """Waits up to `timeout` seconds for `proc` (from `start_python`), killing it on the way out whatever happened
+    (a test that failed leaves no process behind); the test fails on a nonzero exit, with the tail of `log` (the
+    file its output went to)."""
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        proc.kill()
+    if proc.returncode != 0:
+        tail = Path(log).read_text()[-TAIL_CHARS:] if log is not None else "(not kept)"
+        pytest.fail(f"{' '.join(map(str, proc.args[1:]))[:300]} exited with {proc.returncode}\n"
+                    f"--- output (tail)\n{tail}")
+
+
+def probes(out: str) -> list[dict]:
+    """Every `PROBE {json}` a worker printed. Ranks share a launcher's stdout, and one rank's line can follow the
+    other's with no newline between (seen once: two objects on one line), so each object is read from where it
+    starts."""
+    import json
+
+    decode, found, at = json.JSONDecoder().raw_decode, [], out.find("PROBE ")
+    while at >= 0:
+        obj, end = decode(out, at + len("PROBE "))
+        found.append(obj)
+        at = out.find("PROBE ", end)
+    return found

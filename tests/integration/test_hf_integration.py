@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import tiny_model
-from kit import run_python, start_python, worker_env
+from kit import finish, run_python, start_python, worker_env
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -301,11 +301,7 @@ def test_trainer_example_without_launcher_variables_trains_to_the_end_with_plain
 
     def losses(run: tuple[subprocess.Popen, str]) -> dict:
         proc, backend = run
-        try:
-            proc.wait(timeout=600)
-        finally:
-            proc.kill()
-        assert proc.returncode == 0, (tmp_path / f"{backend}.log").read_text()[-4000:]
+        finish(proc, timeout=600, log=tmp_path / f"{backend}.log")
         return json.loads((tmp_path / f"{backend}.json").read_text())
 
     # Both backends side by side: neither reads the other's files.

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from kit import start_python, worker_env
+from kit import finish, start_python, worker_env
 
 from megatrain.commands.sft import detect_format, load_run, to_conversation
 
@@ -30,11 +30,7 @@ def _start(tmp_path: Path, name: str, *sets: str) -> tuple[subprocess.Popen, Pat
 
 def _report(run: tuple[subprocess.Popen, Path]) -> dict:
     proc, out = run
-    try:
-        proc.wait(timeout=900)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, (out.parent / f"{out.name}.log").read_text()[-8000:]
+    finish(proc, timeout=900, log=out.parent / f"{out.name}.log")
     return json.loads((out / "report.json").read_text())
 
 
