@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from examples_module import load_example
-from kit import free_port, start_python, worker_env
+from kit import finish, free_port, start_python, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_data_parallel.py"
@@ -208,11 +208,7 @@ def _start_torchrun(tmp_path: Path, *args: str) -> subprocess.Popen:
 
 
 def _torchrun_results(proc: subprocess.Popen, tmp_path: Path) -> list[dict]:
-    try:
-        proc.wait(timeout=DEADLINE_S)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, (tmp_path / "torchrun.log").read_text()[-6000:]
+    finish(proc, timeout=DEADLINE_S, log=tmp_path / "torchrun.log")
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
 

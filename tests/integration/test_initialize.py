@@ -18,7 +18,7 @@ import torch
 import transformers
 from conftest import make_batches, tiny_model
 from gpu_defaults import CONFIGS, bf16_reference, deepspeed_keys, engine_grads, is_bf16, lag_updates
-from kit import start_python, worker_env
+from kit import finish, start_python, worker_env
 
 import megatrain
 from baselines.zero3 import default_extensions_dir
@@ -499,12 +499,7 @@ def _start_script(backend: str, out: Path, *extra: str) -> tuple[subprocess.Pope
 
 def _script_result(run: tuple[subprocess.Popen, Path, Path], backend: str, timeout: int = 300) -> dict:
     proc, out, log = run
-    try:
-        proc.wait(timeout=timeout)
-    finally:
-        proc.kill()
-    if proc.returncode != 0:
-        pytest.fail(f"{backend} run of {SCRIPT.name} failed (rc {proc.returncode}):\n{log.read_text()[-5000:]}")
+    finish(proc, timeout=timeout, log=log)
     return json.loads(out.read_text())
 
 
