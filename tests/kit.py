@@ -107,6 +107,22 @@ def start_python(args: Sequence[str | Path], *, env: dict[str, str] | None = Non
         return subprocess.Popen(_argv(args), cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, **popen)
 
 
+# -- the engine builder ---------------------------------------------------------------------------------------------
+
+def bf16_engine(model: torch.nn.Module, *, lr: float = 1e-2, **cfg: Any) -> Engine:
+    """An engine on a copy of `model` as the host-mode comparisons build it: bf16 compute, the loss in chunks of
+    13 tokens (no chunk boundary on a sequence's edge) unless `cfg` says otherwise, a fused AdamW at `lr` (1e-2:
+    large enough that every step moves the low bits of every master); `cfg` the rest of its EngineConfig."""
+    import copy
+
+    from megatrain.config.schema import EngineConfig
+    from megatrain.engine import Engine
+
+    cfg.setdefault("loss_chunk_tokens", 13)
+    return Engine(copy.deepcopy(model), EngineConfig(compute_dtype="bfloat16", **cfg),
+                  optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=lr, fused=True))
+
+
 # -- the reference trainer: the loop every training comparison runs ------------------------------------------------
 
 def train_steps(runner: Any, batches: Iterable[dict], steps: int, *, accum: int = 1, clip: float | None = None,

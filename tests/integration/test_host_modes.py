@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 from conftest import make_batches, tiny_model
-from kit import train_steps
+from kit import bf16_engine, train_steps
 
 from megatrain.config.schema import EngineConfig
 from megatrain.costs.modes import GradSlab, HostMaster, layer_bytes_per_param
@@ -29,9 +29,7 @@ LR = 1e-2  # large enough that every step moves the low bits of every master
 
 
 def _engine(model, **cfg) -> Engine:
-    cfg.setdefault("loss_chunk_tokens", 13)
-    return Engine(copy.deepcopy(model), EngineConfig(compute_dtype="bfloat16", **cfg),
-                  optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=LR, fused=True))
+    return bf16_engine(model, lr=LR, **cfg)
 
 
 def _train(eng: Engine, batches, steps: int, accum: int = 1, clip: float | None = None, schedule: bool = False,

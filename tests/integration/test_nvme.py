@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_batches, tiny_model
-from kit import run_python
+from kit import bf16_engine, run_python
 from test_host_modes import _differences, _train
 
 from megatrain.config.schema import EngineConfig
@@ -34,8 +34,7 @@ WORKER = Path(__file__).resolve().parents[1] / "workers" / "nvme_rss_worker.py"
 
 
 def _engine(model, **cfg) -> Engine:
-    return Engine(copy.deepcopy(model), EngineConfig(compute_dtype="bfloat16", loss_chunk_tokens=13, **cfg),
-                  optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-2, fused=True))
+    return bf16_engine(model, **cfg)
 
 
 @pytest.fixture(scope="module")
