@@ -44,6 +44,38 @@ def _no_deepspeed_config_left_global():
     unset_hf_deepspeed_config()
 
 
+# What a launcher sets: the variables that make a process one rank of a job (read by every engine built after).
+_LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """A test leaves no torch.distributed process group and no launcher variable behind: every later test of this
+    process would run as a rank of that job (a one-rank group turns a broadcast from rank 1 into gloo's "invalid
+    root rank", and an engine built after joins it). Whatever a test leaves is undone, and the test errors
+    naming it (in its teardown), so the leak is fixed where it starts rather than seen in a later test."""
+    import torch.distributed as dist
+
+    had_group = dist.is_available() and dist.is_initialized()
+    env = {k: os.environ.get(k) for k in _LAUNCHER_VARS}
+    yield
+    left = []
+    if not had_group and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        left.append("a torch.distributed process group (destroy it in the test's teardown)")
+    changed = sorted(k for k, v in env.items() if os.environ.get(k) != v)
+    for k in changed:
+        if env[k] is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = env[k]
+    if changed:
+        left.append(f"launcher variables {changed} changed in os.environ (monkeypatch.setenv, or a process of its "
+                    "own: kit.run_python)")
+    if left:
+        pytest.fail("this test left behind " + "; ".join(left), pytrace=False)
+
+
 def pytest_configure(config):
     # The parity probe's verdicts (and device peaks) go to a cache of this session's own, never a user's:
     # every run re-proves the architectures it builds.

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from kit import train_steps
 
 from megatrain.models.mixed_precision import cast_points
 
@@ -133,21 +134,14 @@ def train(runner, batches: Iterable[dict], steps: int, accum: int = 1, clip: flo
           scheduler=None) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """The loop every parity test runs, for an Engine or a MixedPrecisionReference alike:
     (per-micro-batch losses, pre-clip norms, first step's gradients)."""
-    losses, norms, first = [], [], {}
-    it = iter(batches)
-    for s in range(steps):
-        for _ in range(accum):
-            loss = runner(**next(it)).loss
-            runner.backward(loss / accum)
-            losses.append(loss.item())
+    first: dict[str, torch.Tensor] = {}
+
+    def keep_first(runner, s: int) -> None:
         if s == 0:
-            first = runner.grads() if isinstance(runner, MixedPrecisionReference) else engine_grads(runner)
-        if clip:
-            norms.append(runner.clip_grad_norm_(clip))
-        runner.step()
-        runner.zero_grad()
-        if scheduler is not None:
-            scheduler.step()
+            first.update(runner.grads() if isinstance(runner, MixedPrecisionReference) else engine_grads(runner))
+
+    losses, norms = train_steps(runner, batches, steps, accum=accum, clip=clip, scheduler=scheduler,
+                                before_clip=keep_first)
     return losses, norms, first
 
 

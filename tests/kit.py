@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+import itertools
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from megatrain.engine import Engine
+import pytest
+import torch
+
+if TYPE_CHECKING:
+    from megatrain.engine import Engine
 
 
 def engine_factory(residency: Any = "stream", engines: list | None = None, **extra: Any) -> Callable[..., Engine]:
     """An engine factory for the parity probe (`run_probe(cls, config, factory)`) that trains with `residency` and
     the settings in `extra` over the probe's own, keeping each engine it makes in `engines` (when given)."""
+    from megatrain.engine import Engine
+
     def make(model, cfg, optimizer=None) -> Engine:
         eng = Engine(model, dataclasses.replace(cfg, residency=residency, **extra), optimizer=optimizer)
         if engines is not None:
@@ -23,3 +35,171 @@ def engine_factory(residency: Any = "stream", engines: list | None = None, **ext
 def kept_graphs(engines: list) -> int:
     """How many layers kept their forward graph in the last training step of the last engine made."""
     return int(engines[-1].pipeline.residency_stats()["kept_graph_layers"])
+
+
+# -- the worker launcher: every Python process a test starts ------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+# What a launcher (torchrun, accelerate, deepspeed) sets: a process a test starts is a lone process unless the test
+# says otherwise, whatever this process was started with or an earlier test left in os.environ.
+LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")
+# The tail of a failed process's output a test's message carries: enough for a traceback, short enough to read.
+TAIL_CHARS = 5000
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS's pick: processes started side by side never share one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_env(*, world_size: int | None = None, rank: int = 0, local_rank: int | None = None,
+               port: int | None = None, threads: int | None = None, path: Sequence[str | Path] = (),
+               drop: Sequence[str] = (), **extra: str) -> dict[str, str]:
+    """The environment of a Python process a test starts, from this one's: no launcher variable (a lone process)
+    unless `world_size` is given, then rank `rank` (LOCAL_RANK `local_rank`, else `rank`) of a job meeting at
+    127.0.0.1:`port` (a free port unless given); PYTHONPATH `path` then this checkout (so a worktree's processes
+    import its own code, never an editable install's); this interpreter's bin first on PATH (DeepSpeed's op builder
+    runs the venv's ninja); OMP_NUM_THREADS `threads` when given; the variables in `drop` left out; `extra` set."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and k not in drop}
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, path), str(ROOT)])
+    bin_dir = os.path.dirname(sys.executable)
+    env["PATH"] = os.pathsep.join([bin_dir, *(p for p in env.get("PATH", "").split(os.pathsep) if p and p != bin_dir)])
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if world_size is not None:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port if port is not None else free_port()),
+                   RANK=str(rank), WORLD_SIZE=str(world_size),
+                   LOCAL_RANK=str(rank if local_rank is None else local_rank))
+    env.update(extra)
+    return env
+
+
+def _argv(args: Sequence[str | Path]) -> list[str]:
+    return [sys.executable, *map(str, args)]
+
+
+def run_python(args: Sequence[str | Path], *, env: dict[str, str] | None = None, cwd: str | Path = ROOT,
+               timeout: float = 600, check: bool = False, **popen: Any) -> subprocess.CompletedProcess:
+    """This interpreter with `args` (a script and its arguments, `-m module ...` or `-c code ...`) in `env`
+    (`worker_env()` unless given), run to its end within `timeout` seconds; its stdout and stderr captured as
+    text. `check`: the test fails on a nonzero exit, its message the tails of both outputs."""
+    popen.setdefault("capture_output", True)
+    popen.setdefault("text", True)
+    r = subprocess.run(_argv(args), cwd=cwd, env=worker_env() if env is None else env, timeout=timeout, **popen)
+    if check and r.returncode != 0:
+        pytest.fail(f"{' '.join(map(str, args))[:300]} exited with {r.returncode}\n"
+                    f"--- stdout (tail)\n{str(r.stdout)[-TAIL_CHARS:]}\n--- stderr (tail)\n{str(r.stderr)[-TAIL_CHARS:]}")
+    return r
+
+
+def start_python(args: Sequence[str | Path], *, env: dict[str, str] | None = None, cwd: str | Path = ROOT,
+                 log: str | Path | None = None, **popen: Any) -> subprocess.Popen:
+    """This interpreter with `args` started in `env` (`worker_env()` unless given), left running. `log`: its
+    stdout and stderr both go to that file (a process left running beside another never blocks on a full pipe
+    nobody reads yet); otherwise `popen` says where they go (subprocess.Popen's own arguments)."""
+    env = worker_env() if env is None else env
+    if log is None:
+        return subprocess.Popen(_argv(args), cwd=cwd, env=env, **popen)
+    popen.setdefault("text", True)
+    with open(log, "w") as f:
+        return subprocess.Popen(_argv(args), cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, **popen)
+
+
+# -- the engine builder ---------------------------------------------------------------------------------------------
+
+def bf16_engine(model: torch.nn.Module, *, lr: float = 1e-2, **cfg: Any) -> Engine:
+    """An engine on a copy of `model` as the host-mode comparisons build it: bf16 compute, the loss in chunks of
+    13 tokens (no chunk boundary on a sequence's edge) unless `cfg` says otherwise, a fused AdamW at `lr` (1e-2:
+    large enough that every step moves the low bits of every master); `cfg` the rest of its EngineConfig."""
+    import copy
+
+    from megatrain.config.schema import EngineConfig
+    from megatrain.engine import Engine
+
+    cfg.setdefault("loss_chunk_tokens", 13)
+    return Engine(copy.deepcopy(model), EngineConfig(compute_dtype="bfloat16", **cfg),
+                  optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=lr, fused=True))
+
+
+# -- the reference trainer: the loop every training comparison runs ------------------------------------------------
+
+def train_steps(runner: Any, batches: Iterable[dict], steps: int, *, accum: int = 1, clip: float | None = None,
+                scheduler: Any = None, start: int = 0,
+                after_backward: Callable[[Any], None] | None = None,
+                before_clip: Callable[[Any, int], None] | None = None) -> tuple[list[float], list[float]]:
+    """`steps` optimizer steps of `runner` (an Engine, or anything with its training calls) on `batches` from step
+    `start`, `accum` micro-batches each (each loss divided by `accum` before its backward), clipped to `clip`
+    when given, `scheduler` stepped after each step: (each micro-batch's loss, each step's pre-clip norm).
+    `after_backward(runner)` runs after each micro-batch's backward, `before_clip(runner, step)` after each
+    step's last one."""
+    losses, norms = [], []
+    it = itertools.islice(batches, start * accum, None)
+    for s in range(steps):
+        for _ in range(accum):
+            loss = runner(**next(it)).loss
+            runner.backward(loss / accum)
+            losses.append(loss.item())
+            if after_backward is not None:
+                after_backward(runner)
+        if before_clip is not None:
+            before_clip(runner, s)
+        if clip:
+            norms.append(runner.clip_grad_norm_(clip))
+        runner.step()
+        runner.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+    return losses, norms
+
+
+def assert_trains_like_sgd(ref: torch.nn.Module, config: Any, batches: Iterable[dict], lr: float = 0.05,
+                           tol: float = 1e-5) -> None:
+    """An engine built with `config` on a copy of `ref` and `ref` itself, each trained by SGD(`lr`) on `batches`
+    side by side: every step's loss within `tol` of PyTorch's."""
+    import copy
+
+    from megatrain.engine import Engine
+
+    mine = copy.deepcopy(ref)
+    engine = Engine(mine, config, optimizer=torch.optim.SGD(mine.parameters(), lr=lr))
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    for batch in batches:
+        ref_loss = ref(**batch).loss
+        ref_loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        assert abs(loss.item() - ref_loss.item()) <= tol
+
+
+def finish(proc: subprocess.Popen, *, timeout: float = 600, log: str | Path | None = None) -> None:
+    """Waits up to `timeout` seconds for `proc` (from `start_python`), killing it on the way out whatever happened
+    (a test that failed leaves no process behind); the test fails on a nonzero exit, with the tail of `log` (the
+    file its output went to)."""
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        proc.kill()
+    if proc.returncode != 0:
+        tail = Path(log).read_text()[-TAIL_CHARS:] if log is not None else "(not kept)"
+        pytest.fail(f"{' '.join(map(str, proc.args[1:]))[:300]} exited with {proc.returncode}\n"
+                    f"--- output (tail)\n{tail}")
+
+
+def probes(out: str) -> list[dict]:
+    """Every `PROBE {json}` a worker printed. Ranks share a launcher's stdout, and one rank's line can follow the
+    other's with no newline between (seen once: two objects on one line), so each object is read from where it
+    starts."""
+    import json
+
+    decode, found, at = json.JSONDecoder().raw_decode, [], out.find("PROBE ")
+    while at >= 0:
+        obj, end = decode(out, at + len("PROBE "))
+        found.append(obj)
+        at = out.find("PROBE ", end)
+    return found

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import make_batches, tiny_model
 from examples_module import load_example
+from kit import start_python, worker_env
 
 from megatrain import Accelerator
 from megatrain.config.schema import EngineConfig
@@ -36,6 +35,7 @@ def _close(a: list[float], b: list[float], tol: float = TOL) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
+@pytest.mark.slow
 def test_nlp_example_on_megatrain_matches_torch_checkpoints_tracks_and_resumes(tmp_path):
     ref = _run(tmp_path, "torch")
     mt = _run(tmp_path, "megatrain")
@@ -70,18 +70,15 @@ def test_nlp_example_on_megatrain_matches_torch_checkpoints_tracks_and_resumes(t
     assert other["losses"] != mt["losses"][-2:]
 
 
+@pytest.mark.slow
 def test_nlp_example_on_zero3_matches_torch(tmp_path):
     from baselines.zero3 import default_extensions_dir
 
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 1000), RANK="0",
-               WORLD_SIZE="1", LOCAL_RANK="0", PYTHONPATH=str(ROOT), TORCH_EXTENSIONS_DIR=default_extensions_dir())
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    env = worker_env(world_size=1, TORCH_EXTENSIONS_DIR=default_extensions_dir())
     report, log = tmp_path / "zero3.json", tmp_path / "zero3.log"
     # The ZeRO-3 run in its own process, the torch reference here while it runs (neither reads the other's files).
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, str(EXAMPLE), "--project_dir", str(tmp_path / "zero3"), "--backend",
-                                 "zero3", "--epochs", "1", "--report", str(report)], env=env, stdout=f,
-                                stderr=subprocess.STDOUT, text=True)
+    proc = start_python([EXAMPLE, "--project_dir", tmp_path / "zero3", "--backend", "zero3", "--epochs", "1",
+                         "--report", report], env=env, log=log)
     try:
         ref = _run(tmp_path, "torch", "--epochs", "1")
         proc.wait(timeout=600)
@@ -99,6 +96,7 @@ def test_nlp_example_on_zero3_matches_torch(tmp_path):
 # the pieces
 
 
+@pytest.mark.slow
 def test_bf16_mixed_precision_selects_bf16_compute_on_megatrain(tmp_path):
     acc = Accelerator(backend="megatrain", mixed_precision="bf16")
     assert acc.backend.engine_config.compute_dtype == "bfloat16"

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -20,13 +18,13 @@ import deepspeed  # noqa: E402,F401 - required: the baseline is real DeepSpeed
 import pytest
 import torch
 from conftest import tiny_model
+from kit import start_python, worker_env
 
 from baselines import alst  # noqa: E402
 from megatrain.accelerate import Accelerator  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TILES = {"mlp_tile_tokens": 7, "loss_tile_tokens": 5}  # neither divides the 24-token rows: uneven last tiles
-_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 def _batch() -> dict[str, torch.Tensor]:
@@ -115,11 +113,9 @@ def test_refuses_a_model_it_cannot_tile():
 
 
 def _launch(backend: str, out: Path, config: dict | None) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    args = [sys.executable, str(REPO / "tests" / "workers" / "alst_worker.py"), backend, str(out)]
-    return subprocess.Popen(args + ([json.dumps(config)] if config else []), cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = [str(REPO / "tests" / "workers" / "alst_worker.py"), backend, str(out)]
+    return start_python(args + ([json.dumps(config)] if config else []), env=worker_env(path=[REPO / "tests"]),
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.mark.deepspeed

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from kit import run_python
 from safetensors import safe_open
 
 from megatrain.run import checkpoint as ck
@@ -198,8 +199,6 @@ def test_a_shard_writer_killed_mid_write_leaves_the_previous_checkpoint(tmp_path
     """A real process dies (SIGKILL) while writing its shard into a save's temp directory: the previous
     checkpoint stays the one `latest` names and loads; the next save clears the leftovers."""
     import signal
-    import subprocess
-    import sys
     import textwrap
 
     _sharded_save(tmp_path, "s1", 1.0)
@@ -211,7 +210,7 @@ def test_a_shard_writer_killed_mid_write_leaves_the_previous_checkpoint(tmp_path
         os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # dies with the shard's bytes unsynced
         ck.write_shard({str(tmp)!r}, "{ck.SHARD_PREFIX}1.safetensors", {{"optim.1.exp_avg": torch.ones(1 << 16)}})
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300)
+    r = run_python(["-c", code], timeout=300)
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
     assert (tmp / f"{ck.SHARD_PREFIX}1.safetensors").exists()  # it did die mid-save
     assert ck.latest_tag(tmp_path) == "s1" and [t for _, t in ck.list_checkpoints(tmp_path)] == ["s1"]

@@ -8,16 +8,14 @@ Every multi-process run is a set of subprocesses with a deadline, so a hang fail
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from examples_module import load_example
+from kit import finish, free_port, start_python, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_data_parallel.py"
@@ -31,15 +29,7 @@ def _example():
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu")
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return worker_env(threads=1, PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu")
 
 
 class Ranks:
@@ -47,17 +37,15 @@ class Ranks:
 
     def __init__(self, world: int, args: list[str], tmp: Path, per_node: int | None = None) -> None:
         """`per_node`: ranks per node (default all on one); several nodes are told apart by torchrun's GROUP_RANK."""
-        port = str(_free_port())
+        port = free_port()
         per_node = per_node or world
         self.logs = [tmp / f"rank{r}.log" for r in range(world)]
         self.procs = []
         for r in range(world):
-            env = dict(_env(), RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r % per_node),
-                       GROUP_RANK=str(r // per_node), LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=port)
-            with open(self.logs[r], "w") as log:
-                self.procs.append(subprocess.Popen([sys.executable, *args], env=env, stdout=log,
-                                                   stderr=subprocess.STDOUT, cwd=ROOT))
+            env = worker_env(world_size=world, rank=r, local_rank=r % per_node, port=port, threads=1,
+                             PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu", GROUP_RANK=str(r // per_node),
+                             LOCAL_WORLD_SIZE=str(per_node))
+            self.procs.append(start_python(args, env=env, log=self.logs[r]))
         self.exit_time: dict[int, float] = {}
 
     def poll(self) -> None:
@@ -130,6 +118,7 @@ def _check_parity(results: list[dict], world: int, micro: int, faces: list[str],
             assert all(torch.equal(results[0][face]["state"][k], other[k]) for k in other), (face, r)
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_match_one_process(tmp_path):
     """The example under torchrun: 2 ranks x micro-batch 2 == 1 process x micro-batch 4, both faces; the
     checkpoint the 2 ranks wrote resumes in 1 process exactly where an uninterrupted run would be."""
@@ -146,6 +135,7 @@ def test_torchrun_two_ranks_match_one_process(tmp_path):
     assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, gaps
 
 
+@pytest.mark.slow
 def test_three_ranks_match_one_process_and_negative_control(tmp_path):
     """3 gloo ranks x micro-batch 1 == 1 process x micro-batch 3, also when every micro-batch's backward averages;
     with the averaging skipped (the negative control) the same comparison fails by far more than the tolerance."""
@@ -176,6 +166,7 @@ def test_three_ranks_match_one_process_and_negative_control(tmp_path):
     assert max(max(_gaps(ref, results[r]["slow_no_tokens"]).values()) for r in range(3)) > 10 * TOL
 
 
+@pytest.mark.slow
 def test_two_nodes_of_two_ranks_match_one_process(tmp_path):
     """2 nodes x 2 ranks (told apart by GROUP_RANK, as torchrun's agents on two hosts): each node holds its own
     shared store, the owners of a layer on both nodes all-reduce its gradients, and 4 ranks x micro-batch 1 train as
@@ -190,6 +181,7 @@ def test_two_nodes_of_two_ranks_match_one_process(tmp_path):
     _check_parity(results, 4, 1, ["deepspeed"], refs)
 
 
+@pytest.mark.slow
 def test_weights_written_on_one_rank_reach_every_rank(tmp_path):
     """GatheredParameters(modifier_rank=0) with rank 0 alone writing an embedding row and a layer another rank
     owns: after the next step every rank holds the same weights, shared or replicated store; without the
@@ -210,17 +202,13 @@ def test_weights_written_on_one_rank_reach_every_rank(tmp_path):
 
 def _start_torchrun(tmp_path: Path, *args: str) -> subprocess.Popen:
     with open(tmp_path / "torchrun.log", "w") as log:  # a file: nothing waits on an unread pipe
-        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                 "2", str(EXAMPLE), "--micro-batch", "2", "--out", str(tmp_path), *args],
-                                env=_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+        return start_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", EXAMPLE,
+                             "--micro-batch", "2", "--out", tmp_path, *args], env=_env(), stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def _torchrun_results(proc: subprocess.Popen, tmp_path: Path) -> list[dict]:
-    try:
-        proc.wait(timeout=DEADLINE_S)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, (tmp_path / "torchrun.log").read_text()[-6000:]
+    finish(proc, timeout=DEADLINE_S, log=tmp_path / "torchrun.log")
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
 
@@ -234,6 +222,7 @@ def test_zero3_baseline_at_the_same_world_size(tmp_path):
     _check_parity(_torchrun_results(proc, tmp_path), 2, 2, ["accelerator"], refs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["die", "hang"])
 def test_dead_or_hung_rank_stops_the_others_within_the_watchdog(tmp_path, fault):
     watchdog = 4.0

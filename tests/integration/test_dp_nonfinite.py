@@ -21,6 +21,7 @@ def results(tmp_path_factory):
     return [torch.load(tmp / f"nonfinite{r}.pt") for r in range(2)]
 
 
+@pytest.mark.slow
 def test_every_rank_fails_the_step_only_the_owner_saw_non_finite(results):
     a, b = (r["agreed"] for r in results)
     assert a["outcomes"][0] == b["outcomes"][0] == "stepped"
@@ -33,6 +34,7 @@ def test_every_rank_fails_the_step_only_the_owner_saw_non_finite(results):
     assert a["next"] == b["next"] and "load a checkpoint" in a["next"], (a["next"], b["next"])
 
 
+@pytest.mark.slow
 def test_the_ordinary_step_skips_on_every_rank(results):
     """Without the optimizer in backward the verdict is the global norm's, summed over the node: every rank
     skips the poisoned step and keeps the first step's state."""
@@ -43,6 +45,7 @@ def test_the_ordinary_step_skips_on_every_rank(results):
     assert a["next"] == b["next"] == "done"
 
 
+@pytest.mark.slow
 def test_without_the_agreement_the_ranks_part_ways(results):
     """The negative control: only the owner fails the step; the other rank steps its resident parameters."""
     a, b = (r["control"] for r in results)

@@ -90,6 +90,7 @@ def _check_resumed(runs: dict[str, Any], face: str, per_rank: list[dict[str, Any
         assert all(torch.equal(got["state"][k], v) for k, v in other[face]["state"].items()), (face, what, r)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("face", FACES)
 def test_checkpoint_resumes_on_more_and_fewer_ranks(runs: dict[str, Any], face: str) -> None:
     """1 -> 2, 2 -> 3 and 2 -> 1 ranks (global micro-batch 6 throughout: 1 x 6, 2 x 3, 3 x 2), through the
@@ -107,6 +108,7 @@ def test_checkpoint_resumes_on_more_and_fewer_ranks(runs: dict[str, Any], face: 
     _check_resumed(runs, face, [runs["2to1"]], "2 -> 1 rank")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("face", FACES)
 def test_every_rank_returns_from_a_save_only_once_the_checkpoint_is_whole(runs: dict[str, Any], face: str) -> None:
     """Every rank calls the save (as DeepSpeed and Accelerate scripts do) and rank 0 arrives a second late;
@@ -128,6 +130,7 @@ def test_every_rank_returns_from_a_save_only_once_the_checkpoint_is_whole(runs: 
         assert not (missing or extra or changed), (face, r, missing, extra, changed)
 
 
+@pytest.mark.slow
 def test_every_rank_saving_under_automatic_naming_gets_the_same_whole_folder(runs: dict[str, Any]) -> None:
     """accelerate's automatic checkpoint naming with total_limit=1, `save_state()` called by both ranks twice:
     every rank is told the same folder, finds it whole when its call returns (rank 0 arriving late), the
@@ -145,6 +148,7 @@ def test_every_rank_saving_under_automatic_naming_gets_the_same_whole_folder(run
         assert len(last) == 1 and last[0]["files"] == final, (r, last)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("face", FACES)
 def test_resuming_without_the_optimizer_state_misses_by_far(runs: dict[str, Any], face: str) -> None:
     """The negative control: the same 2 -> 1 resume with Adam's moments left out (and, separately, the LR
@@ -161,6 +165,7 @@ def test_resuming_without_the_optimizer_state_misses_by_far(runs: dict[str, Any]
     assert _gaps(ref, no_schedule)["params"] > 10 * TOL, face
 
 
+@pytest.mark.slow
 def test_a_shared_store_save_is_one_shard_per_rank_and_whole_only_with_every_shard(runs: dict[str, Any],
                                                                                     tmp_path: Path) -> None:
     """The 2-rank DeepSpeed-face save (one host store per node) wrote no gathered state: rank 1's layers' Adam
@@ -190,6 +195,7 @@ def test_a_shared_store_save_is_one_shard_per_rank_and_whole_only_with_every_sha
         ck.load(copy, tag)
 
 
+@pytest.mark.slow
 def test_the_accelerator_face_saves_one_shard_per_rank_and_loads_only_with_every_shard(runs: dict[str, Any],
                                                                                        tmp_path: Path) -> None:
     """The 2-rank save_state (one host store per node) gathered nothing: each rank's layers' Adam state is in
@@ -226,6 +232,7 @@ def test_the_accelerator_face_saves_one_shard_per_rank_and_loads_only_with_every
             example.train("accelerator", GLOBAL_MICRO, 1, 0, steps=TOTAL_STEPS, resume_from=copy)
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_shard_leaves_the_previous_checkpoint_the_one_that_loads(tmp_path: Path) -> None:
     """Two ranks sharing one host store save checkpoint "a", train on, and save "b"; rank 1 is SIGKILLed while
     writing its shard of "b". Rank 0's save fails (its peer is gone) and publishes nothing: "a" is still the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from examples_module import load_example
 from torch.utils.data import DataLoader, DistributedSampler
@@ -39,6 +40,7 @@ def _torch_reference(ex) -> tuple[list[float], list[float]]:
     return losses, lrs
 
 
+@pytest.mark.slow
 def test_deepspeed_style_example_matches_plain_torch(tmp_path):
     ex = _example()
     with warnings.catch_warnings():

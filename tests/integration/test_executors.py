@@ -86,6 +86,7 @@ def test_the_selection_is_two_points():
                                                                    "torch/tiny/s128/b1/fp32"]
 
 
+@pytest.mark.slow
 def test_ray_resumes_an_interrupted_sweep_and_matches_the_local_rows(ray_cluster, local_rows, tmp_path):
     first, second = sorted(select(QUICK.points, ONLY), key=lambda p: p.label)
     out = tmp_path / "ray"
@@ -106,6 +107,7 @@ def test_ray_resumes_an_interrupted_sweep_and_matches_the_local_rows(ray_cluster
     assert run_sweep(QUICK, out_dir=out, only=ONLY, progress=False, log=_quiet, executor=RayExecutor()).ran == []
 
 
+@pytest.mark.slow
 def test_submitit_matches_the_local_rows(local_rows, tmp_path):
     out = tmp_path / "slurm"
     summary = run_sweep(QUICK, out_dir=out, only=ONLY, progress=False, log=_quiet,
@@ -115,6 +117,7 @@ def test_submitit_matches_the_local_rows(local_rows, tmp_path):
     assert any((out / "slurm").iterdir())  # submitit's per-job logs live under the results dir
 
 
+@pytest.mark.slow
 def test_comparison_detects_a_changed_loss_and_a_missing_point(local_rows):
     assert row_differences(local_rows, local_rows) == []
     changed = local_rows.copy()
@@ -132,6 +135,7 @@ def test_comparison_detects_a_changed_loss_and_a_missing_point(local_rows):
     assert row_differences(local_rows, timed) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ray", "submitit"])
 def test_a_job_that_dies_is_recorded_failed_and_can_be_retried(kind, request, tmp_path):
     if kind == "ray":

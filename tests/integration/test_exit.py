@@ -3,10 +3,10 @@
 such a process now and then ("terminate called without an active exception")."""
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from kit import start_python
 
 ROOT = Path(__file__).resolve().parents[2]
 CODE = """
@@ -22,8 +22,8 @@ if sys.argv[1] == "engine":
 @pytest.fixture(scope="module")
 def exits() -> dict[str, str]:
     """Each mode's output; the two processes run side by side (each is mostly torch's single-threaded import)."""
-    procs = {mode: subprocess.Popen([sys.executable, "-c", CODE, mode], cwd=ROOT, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True) for mode in ("engine", "plain")}
+    procs = {mode: start_python(["-c", CODE, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for mode in ("engine", "plain")}
     out = {}
     try:
         for mode, proc in procs.items():
@@ -36,10 +36,12 @@ def exits() -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow
 def test_an_engine_tears_down_the_group_it_trained_with_at_exit(exits):
     assert "initialized at exit: False" in exits["engine"]
 
 
+@pytest.mark.slow
 def test_control_without_an_engine_the_group_is_left_to_finalization(exits):
     assert "initialized at exit: True" in exits["plain"]
 

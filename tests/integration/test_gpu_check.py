@@ -4,7 +4,6 @@ arithmetic, the wheel list it carries; and, where CUDA exists, its checks of the
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kit import run_python, worker_env
 
 from experiments import gpu_check as gc
 from experiments.results import read_rows
@@ -23,9 +23,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT), **extra)
-    env.pop("GPU_CHECK_T0", None)
-    return env
+    return worker_env(drop=("GPU_CHECK_T0",), PYTHON=sys.executable, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +42,7 @@ def _phase(dry_run, name):
     return json.loads((dry_run["out"] / "phases" / f"{name}.json").read_text())
 
 
+@pytest.mark.slow
 def test_dry_run_passes_every_phase(dry_run):
     proc = dry_run["proc"]
     phases = dry_run["summary"].get("phases", {})
@@ -54,6 +53,7 @@ def test_dry_run_passes_every_phase(dry_run):
                for n, p in phases.items()), phases
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_summary_table_last(dry_run):
     text = dry_run["proc"].stdout.rstrip()
     md = (dry_run["out"] / "summary.md").read_text().rstrip()
@@ -61,6 +61,7 @@ def test_dry_run_prints_the_summary_table_last(dry_run):
     assert "| parity | ok |" in md and "| bench | ok |" in md
 
 
+@pytest.mark.slow
 def test_dry_run_parity_numbers(dry_run):
     checks = _phase(dry_run, "parity")["checks"]
     for case in ("fp32_llama", "fp32_qwen2_tied", "num_buffers_1", "num_buffers_3"):
@@ -71,6 +72,7 @@ def test_dry_run_parity_numbers(dry_run):
     assert checks["offload_activations"]["loss_abs"] == 0
 
 
+@pytest.mark.slow
 def test_dry_run_finds_no_sync_in_the_layer_loop_and_catches_a_planted_one(dry_run):
     checks = _phase(dry_run, "sync")["checks"]
     loops = {k: v for k, v in checks.items() if k.startswith("loop_")}
@@ -79,12 +81,14 @@ def test_dry_run_finds_no_sync_in_the_layer_loop_and_catches_a_planted_one(dry_r
     assert checks["planted_sync_is_caught"]["syncs_caught"] >= 3  # once per layer at least
 
 
+@pytest.mark.slow
 def test_dry_run_stress_catches_a_missing_wait(dry_run):
     checks = _phase(dry_run, "stress")["checks"]
     assert checks["missing_wait_is_caught"]["caught"] is True
     assert all(checks[k]["ok"] for k in ("slow_h2d", "slow_d2h", "slow_compute_offloaded_activations"))
 
 
+@pytest.mark.slow
 def test_dry_run_writes_harness_rows_with_provenance_and_a_timeline(dry_run):
     out = dry_run["out"]
     rows = read_rows(out / "results.csv")
@@ -106,6 +110,7 @@ def test_dry_run_writes_harness_rows_with_provenance_and_a_timeline(dry_run):
     assert 0 < tl["compute_busy_frac"] <= 1 and 0 <= tl["h2d_hidden_frac"] <= 1
 
 
+@pytest.mark.slow
 def test_dry_run_bundle_is_small_and_whole(dry_run):
     bundle = dry_run["bundle"]
     files = sorted(p.name for p in bundle.iterdir())
@@ -119,13 +124,14 @@ def test_dry_run_bundle_is_small_and_whole(dry_run):
     assert "gpu_check" in (bundle / "log.txt").read_text()
 
 
+@pytest.mark.slow
 def test_a_hanging_phase_and_a_failing_phase_cost_only_themselves(tmp_path):
     """env hangs past its budget (its process is killed), bandwidth raises; stress still runs and every
     result is recorded."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "experiments.gpu_check", "--dry-run", "--out", str(out), "--only",
+    cmd = ["-m", "experiments.gpu_check", "--dry-run", "--out", str(out), "--only",
            "env,bandwidth,stress", "--inject", "env=hang", "--inject", "bandwidth=fail", "--phase-budget", "env=4"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = run_python(cmd, env=_env(), timeout=600)
     assert proc.returncode == 1, proc.stdout[-3000:]
     status = {n: json.loads((out / "phases" / f"{n}.json").read_text())["status"] for n in ("env", "bandwidth", "stress")}
     assert status == {"env": "timeout", "bandwidth": "failed", "stress": "ok"}, status
@@ -183,8 +189,7 @@ def test_gpu_plan_pairs_backends_and_fits_the_device_host():
 def test_wheel_list_pins_this_venv_and_leaves_torch_to_the_device():
     from packaging.requirements import Requirement
 
-    proc = subprocess.run([sys.executable, "scripts/wheel_list.py"], cwd=ROOT, capture_output=True, text=True,
-                          check=True)
+    proc = run_python(["scripts/wheel_list.py"], check=True)
     reqs = {r.name: r for r in map(Requirement, proc.stdout.split())}
     import importlib.metadata as md
 
@@ -199,8 +204,7 @@ def test_wheel_list_pins_this_venv_and_leaves_torch_to_the_device():
     assert str(reqs["nvidia-ml-py"].specifier) == want
     assert not any(n == "torch" or n.startswith(("nvidia-cu", "triton")) for n in reqs)
     assert "wheels" in (ROOT / ".gitignore").read_text()
-    bad = subprocess.run([sys.executable, "scripts/wheel_list.py"], cwd=ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, MEGATRAIN_DEVICE_PYTHON="312"))
+    bad = run_python(["scripts/wheel_list.py"], env=worker_env(MEGATRAIN_DEVICE_PYTHON="312"))
     assert bad.returncode != 0 and "'312' is not a Python version" in bad.stderr
 
 
@@ -379,6 +383,7 @@ def test_cuda_event_accounting_logic_with_a_fake_device(monkeypatch):
     assert streams.h2d.busy_s == pytest.approx(0.200)
 
 
+@pytest.mark.slow
 def test_dry_run_sanitizer_phase_runs_the_gpus_configuration_against_its_own_reference(dry_run):
     from experiments.gpu_check.sanitizer_run import FP32_TOL, compare
 
@@ -398,6 +403,7 @@ def test_dry_run_sanitizer_phase_runs_the_gpus_configuration_against_its_own_ref
     assert par["loss_abs_vs_mixed"] < par["loss_abs_vs_fp32"], par
 
 
+@pytest.mark.slow
 def test_dry_run_checks_pinned_bytes_and_runs_the_sanitizer_phase(dry_run):
     par = _phase(dry_run, "parity")["checks"]
     assert par["pinned_bytes_exact"]["ok"], par["pinned_bytes_exact"]
@@ -439,6 +445,7 @@ def test_a_completed_query_is_reported_as_a_synchronization():
     assert reg.fired == [(0xE1,)]  # undone: the class's own query again
 
 
+@pytest.mark.slow
 def test_dry_run_sanitizes_and_syncs_the_stream_and_a_partial_placement(dry_run):
     """Never "auto" (on a large GPU it keeps every tiny layer): every layer streamed, and some kept beside streamed
     ones, each checked to be the placement asked for."""

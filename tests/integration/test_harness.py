@@ -9,11 +9,9 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,6 +21,7 @@ import psutil
 import pytest
 import torch
 import transformers
+from kit import start_python
 
 from experiments import results as R
 from experiments.report import FIGURES, pick_trace
@@ -173,6 +172,7 @@ def e2e(tmp_path_factory):
     return out, summary, R.read_rows(out / "results.csv")
 
 
+@pytest.mark.slow
 def test_sweep_end_to_end_columns_and_sane_values(e2e):
     out, summary, df = e2e
     assert list(pd.read_csv(out / "results.csv").columns) == R.COLUMN_NAMES
@@ -238,6 +238,7 @@ def test_zero3_overrides_shape_identity_and_label_only_where_they_apply(tmp_path
     assert torch_pts == {load_sweep(plain).points[0].point_id}
 
 
+@pytest.mark.slow
 def test_point_that_cannot_fit_is_skipped_with_reason(e2e):
     _, _, df = e2e
     row = df[df["model"] == "dense-120b"].iloc[0]
@@ -246,6 +247,7 @@ def test_point_that_cannot_fit_is_skipped_with_reason(e2e):
     assert pd.isna(row["step_time_s"])
 
 
+@pytest.mark.slow
 def test_report_writes_markdown_and_every_figure(e2e, tmp_path, capsys):
     out, _, df = e2e
     assert cli_main(["report", str(out), "--out", str(tmp_path)]) == 0
@@ -309,6 +311,7 @@ def _point_children(marker: str) -> list[psutil.Process]:
     return out
 
 
+@pytest.mark.slow
 def test_interrupt_then_rerun_gives_every_point_exactly_once(tmp_path, capsys):
     spec = write_spec(tmp_path / "r.yaml", """
 name: r
@@ -317,13 +320,12 @@ grid: {seq_len: [16, 32]}
 """)
     out = tmp_path / "out"
     csv_path = out / "results.csv"
-    cmd = [sys.executable, "-m", "megatrain.commands.cli", "sweep", str(spec), "--out", str(out), "--no-progress"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    cmd = ["-m", "megatrain.commands.cli", "sweep", str(spec), "--out", str(out), "--no-progress"]
     # A Ctrl-C from a terminal reaches a sweep with SIGINT at its default; a test process may have been left
     # ignoring it (an ignored signal stays ignored across exec, and Python then installs no KeyboardInterrupt).
     ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = start_python(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 600  # generous: a loaded shared CPU can take a minute per point
     # Interrupt once the first point is recorded and the second one's process is running (not between them).
     while time.time() < deadline and not (len(R.read_rows(csv_path)) == 1 and _point_children(str(out))):

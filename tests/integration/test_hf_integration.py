@@ -7,35 +7,27 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import tiny_model
+from kit import finish, run_python, start_python, worker_env
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-5
 
 
-def _env() -> dict[str, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-               LOCAL_RANK="0", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # DeepSpeed's op builder wants ninja
-    return env
+def _env(**extra: str) -> dict[str, str]:
+    # torchrun's variables for a job of one, on a free port of its own
+    return worker_env(world_size=1, threads=2, **extra)
 
 
 def _run(args: list[str], tmp: Path) -> str:
-    r = subprocess.run([sys.executable, *args], cwd=tmp, env=_env(), capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    return r.stdout
+    return run_python(args, cwd=tmp, env=_env(), timeout=600, check=True).stdout
 
 
 def _drive(backend: str, scripts: list[str], tmp: Path) -> dict:
@@ -76,6 +68,7 @@ def _check_trainer_run(script: str, plain: dict, full: dict, resumed: dict, tmp:
     assert all(final[k].shape == ref[k].shape and final[k].dtype == ref[k].dtype for k in final)
 
 
+@pytest.mark.slow
 def test_trainer_and_sft_trainer_on_megatrain_match_plain_save_resume_and_evaluate(tmp_path):
     """examples/hf_trainer.py (Trainer) and examples/trl_sft.py (SFTTrainer), unchanged, on both backends (one
     process runs them all: torch, transformers and TRL imported once)."""
@@ -185,6 +178,7 @@ def test_fused_lm_head_outputs_equal_trls_own(clone):
 # GRPO at a sampling temperature other than 1: TRL's fused head scores at that temperature, so must the engine
 
 
+@pytest.mark.slow
 def test_grpo_at_temperature_0_7_matches_plain_trl(tmp_path):
     """examples/trl_grpo.py, unchanged, on plain GRPOTrainer and on MegaTrain: the same rewards (same samples)
     and the same gradient norms; a run whose fused head ignores the temperature is caught by the same check.
@@ -253,11 +247,11 @@ def test_the_installed_guard_is_loaded_at_startup_without_importing_megatrain():
     code = "import sys; print(sorted(type(f).__name__ for f in sys.meta_path), 'megatrain' in sys.modules)"
     out = _run(["-c", code], ROOT)
     assert "_RouteDeepSpeed" in out and out.strip().endswith("False"), out
-    off = subprocess.run([sys.executable, "-c", code], env={**_env(), "MEGATRAIN_DEEPSPEED_GUARD": "0"},
-                         capture_output=True, text=True, timeout=60)
+    off = run_python(["-c", code], env=_env(MEGATRAIN_DEEPSPEED_GUARD="0"), timeout=60)
     assert "_RouteDeepSpeed" not in off.stdout  # control: the switch is honoured, so the check above can fail
 
 
+@pytest.mark.slow
 def test_a_plain_trainer_script_with_a_megatrain_section_trains_on_megatrain(tmp_path):
     """Nothing of megatrain imported, torchrun-style variables set: before the guard this trained on real
     DeepSpeed (DeepSpeedEngine) without a word."""
@@ -268,9 +262,9 @@ def test_a_plain_trainer_script_with_a_megatrain_section_trains_on_megatrain(tmp
         env = {**_env(), "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", default_extensions_dir())}
         (tmp_path / name).mkdir()
         with open(tmp_path / f"{name}.err", "w") as err:
-            proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "workers" / "plain_trainer_script.py"),
-                                     str(tmp_path / name)], cwd=tmp_path / name, env={**env, **extra},
-                                    stdout=subprocess.PIPE, stderr=err, text=True)
+            proc = start_python([ROOT / "tests" / "workers" / "plain_trainer_script.py", tmp_path / name],
+                                cwd=tmp_path / name, env={**env, **extra}, stdout=subprocess.PIPE, stderr=err,
+                                text=True)
         return proc, tmp_path / f"{name}.err"
 
     def engine(run: tuple[subprocess.Popen, Path]) -> dict:
@@ -293,27 +287,21 @@ def test_a_plain_trainer_script_with_a_megatrain_section_trains_on_megatrain(tmp
     assert engine(runs[1])["engine"] == "DeepSpeedEngine"
 
 
+@pytest.mark.slow
 def test_trainer_example_without_launcher_variables_trains_to_the_end_with_plain_losses(tmp_path):
     """`python examples/hf_trainer.py` as a single-GPU user runs it: no torchrun variables. It used to stop at
     the first logging step (Trainer's nested_gather found no process group)."""
-    bare = {k: v for k, v in _env().items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-                                                        "LOCAL_RANK")}
+    bare = worker_env(threads=2)
 
     def start(backend: str) -> tuple[subprocess.Popen, str]:
-        with open(tmp_path / f"{backend}.log", "w") as log:
-            proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "hf_trainer.py"), "--output_dir",
-                                     str(tmp_path / backend), "--report", str(tmp_path / f"{backend}.json"),
-                                     "--backend", backend], cwd=tmp_path, env=bare, stdout=log,
-                                    stderr=subprocess.STDOUT, text=True)
+        proc = start_python([ROOT / "examples" / "hf_trainer.py", "--output_dir", tmp_path / backend, "--report",
+                             tmp_path / f"{backend}.json", "--backend", backend], cwd=tmp_path, env=bare,
+                            log=tmp_path / f"{backend}.log")
         return proc, backend
 
     def losses(run: tuple[subprocess.Popen, str]) -> dict:
         proc, backend = run
-        try:
-            proc.wait(timeout=600)
-        finally:
-            proc.kill()
-        assert proc.returncode == 0, (tmp_path / f"{backend}.log").read_text()[-4000:]
+        finish(proc, timeout=600, log=tmp_path / f"{backend}.log")
         return json.loads((tmp_path / f"{backend}.json").read_text())
 
     # Both backends side by side: neither reads the other's files.

@@ -17,6 +17,7 @@ import copy
 import pytest
 import torch
 from conftest import make_batches, tiny_model
+from kit import bf16_engine, train_steps
 
 from megatrain.config.schema import EngineConfig
 from megatrain.costs.modes import GradSlab, HostMaster, layer_bytes_per_param
@@ -28,28 +29,15 @@ LR = 1e-2  # large enough that every step moves the low bits of every master
 
 
 def _engine(model, **cfg) -> Engine:
-    cfg.setdefault("loss_chunk_tokens", 13)
-    return Engine(copy.deepcopy(model), EngineConfig(compute_dtype="bfloat16", **cfg),
-                  optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=LR, fused=True))
+    return bf16_engine(model, lr=LR, **cfg)
 
 
 def _train(eng: Engine, batches, steps: int, accum: int = 1, clip: float | None = None, schedule: bool = False,
            start: int = 0) -> list[float]:
+    """The losses, then the pre-clip norms."""
     sched = torch.optim.lr_scheduler.LambdaLR(eng.optimizer, lambda k: 1.0 / (1 + k)) if schedule else None
-    it = iter(batches[start * accum:])
-    losses = []
-    for _ in range(steps):
-        for _ in range(accum):
-            loss = eng(**next(it)).loss
-            eng.backward(loss / accum)
-            losses.append(loss.item())
-        if clip:
-            losses.append(eng.clip_grad_norm_(clip))
-        eng.step()
-        eng.zero_grad()
-        if sched:
-            sched.step()
-    return losses
+    losses, norms = train_steps(eng, batches, steps, accum=accum, clip=clip, scheduler=sched, start=start)
+    return losses + norms
 
 
 def _differences(a: Engine, b: Engine) -> list[str]:
@@ -385,20 +373,22 @@ eng.zero_grad()  # queues each layer's zeroing on the optimizer thread; the scri
 """
 
 
+@pytest.mark.slow
 def test_exiting_with_layer_jobs_queued_does_not_abort():
     """Before the optimizer stream was drained at exit, this aborted ("terminate called without an active
     exception", SIGABRT) in 2 of 3 runs on this machine, with hilo and with optimizer_overlap alike (the same
     optimizer thread)."""
     knobs = "host_master='hilo'"
     import subprocess
-    import sys
     from pathlib import Path
+
+    from kit import start_python
 
     tests = str(Path(__file__).resolve().parents[1])
     code = EXIT_SCRIPT.format(tests=tests, knobs=knobs)
     # The two runs side by side (each is mostly the interpreter's single-threaded start-up).
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+    procs = [start_python(["-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
     try:
         for proc in procs:
             _, err = proc.communicate(timeout=120)

@@ -9,10 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
-import socket
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -21,6 +18,7 @@ import torch
 import transformers
 from conftest import make_batches, tiny_model
 from gpu_defaults import CONFIGS, bf16_reference, deepspeed_keys, engine_grads, is_bf16, lag_updates
+from kit import finish, start_python, worker_env
 
 import megatrain
 from baselines.zero3 import default_extensions_dir
@@ -490,35 +488,18 @@ def test_other_bad_arguments(tmp_path, monkeypatch):
 # the same DeepSpeed script, in fresh processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_script(backend: str, out: Path, *extra: str) -> tuple[subprocess.Popen, Path, Path]:
     """The script in a fresh process, its output to a file beside `out` (a process left running while another
     starts never blocks on a full pipe)."""
-    env = dict(os.environ)
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-               DS_ACCELERATOR="cpu", PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
-               PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    env = worker_env(world_size=1, DS_ACCELERATOR="cpu")
     env.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())
     log = out.with_suffix(".log")
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, str(SCRIPT), backend, str(out), *extra], env=env, cwd=ROOT,
-                                stdout=f, stderr=subprocess.STDOUT, text=True)
-    return proc, out, log
+    return start_python([SCRIPT, backend, out, *extra], env=env, log=log), out, log
 
 
 def _script_result(run: tuple[subprocess.Popen, Path, Path], backend: str, timeout: int = 300) -> dict:
     proc, out, log = run
-    try:
-        proc.wait(timeout=timeout)
-    finally:
-        proc.kill()
-    if proc.returncode != 0:
-        pytest.fail(f"{backend} run of {SCRIPT.name} failed (rc {proc.returncode}):\n{log.read_text()[-5000:]}")
+    finish(proc, timeout=timeout, log=log)
     return json.loads(out.read_text())
 
 
@@ -554,6 +535,7 @@ def megatrain_gpu_run(_uninterrupted):
     return _script_result(run, "megatrain"), ckpt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", CONFIGS)
 def test_resume_in_a_new_process_is_bit_identical(mode, request, tmp_path):
     full, ckpt_dir = request.getfixturevalue("megatrain_gpu_run" if is_bf16(mode) else "megatrain_run")

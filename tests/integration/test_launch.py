@@ -5,13 +5,12 @@ variables (how single-GPU users start), train with plain TRL's losses and gradie
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+from kit import probes, start_python, worker_env
 
 from megatrain.commands.launch import main as launch_main
 
@@ -23,11 +22,9 @@ _LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RAN
 
 def _bare_env() -> dict[str, str]:
     """This environment without any launcher variable, megatrain importable from this checkout."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # DeepSpeed's op builder wants ninja
     from baselines.zero3 import default_extensions_dir
 
+    env = worker_env(drop=_LAUNCHER_VARS, threads=2)
     env.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())
     return env
 
@@ -37,7 +34,7 @@ def _start(args: list[str], cwd: Path) -> tuple[subprocess.Popen, Path, Path]:
     another never blocks on a full pipe nobody reads yet)."""
     with tempfile.NamedTemporaryFile("w", suffix=".out", dir=cwd, delete=False) as out, \
             tempfile.NamedTemporaryFile("w", suffix=".err", dir=cwd, delete=False) as err:
-        proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=_bare_env(), stdout=out, stderr=err)
+        proc = start_python(args, cwd=cwd, env=_bare_env(), stdout=out, stderr=err)
     return proc, Path(out.name), Path(err.name)
 
 
@@ -82,18 +79,7 @@ print("PROBE " + json.dumps({"routed": routed, "argv": sys.argv[1:], "rank": os.
 """
 
 
-def _probes(out: str) -> list[dict]:
-    """Every `PROBE {json}` in the output. Two ranks share the launcher's stdout, and one rank's line can follow
-    the other's with no newline between (seen once: two objects on one line), so each object is read from where
-    it starts."""
-    decode, found, at = json.JSONDecoder().raw_decode, [], out.find("PROBE ")
-    while at >= 0:
-        obj, end = decode(out, at + len("PROBE "))
-        found.append(obj)
-        at = out.find("PROBE ", end)
-    return found
-
-
+@pytest.mark.slow
 def test_launch_installs_the_routing_before_the_script_in_one_process_and_in_every_rank(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(_PROBE)
@@ -103,15 +89,15 @@ def test_launch_installs_the_routing_before_the_script_in_one_process_and_in_eve
             _start([str(script), "--x", "1"], tmp_path)]
     one_out, two_out, plain_out = (_finish(run) for run in runs)
     # No launcher options: this one process, as `python probe.py`: no launcher variables.
-    (one,) = _probes(one_out)
+    (one,) = probes(one_out)
     assert one == {"routed": True, "argv": ["--x", "1"], "rank": None, "world": None, "main": "__main__",
                    "path0": str(tmp_path)}
     # Two ranks through torch's elastic launcher, each with torchrun's variables and the routing.
-    two = sorted(_probes(two_out), key=lambda p: p["rank"])
+    two = sorted(probes(two_out), key=lambda p: p["rank"])
     assert [p["rank"] for p in two] == ["0", "1"] and all(p["world"] == "2" for p in two)
     assert all(p["routed"] and p["argv"] == ["--x", "1"] and p["main"] == "__main__" for p in two)
     # Control: the same script under plain python finds nothing installed, so the checks above can fail.
-    (plain,) = _probes(plain_out)
+    (plain,) = probes(plain_out)
     assert plain["routed"] is False and plain["path0"] == str(tmp_path)
 
 

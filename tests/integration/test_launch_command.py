@@ -11,13 +11,12 @@ launchers' behaviour is reproduced from llamafactory 0.9.5 (launcher.py, hparams
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from kit import probes, start_python, worker_env
 
 from megatrain.commands.launch import LaunchError, plan
 from megatrain.commands.launch import main as launch_main
@@ -109,17 +108,14 @@ def site(tmp_path_factory) -> Path:
 
 
 def _env(site: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
-    env.update(PYTHONPATH=f"{site}{os.pathsep}{ROOT}", OMP_NUM_THREADS="1", **extra)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    return env
+    return worker_env(drop=_LAUNCHER_VARS, path=[site], threads=1, **extra)
 
 
 def _runs(site: Path, cwd: Path, *commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
     """Every command (python's arguments) run side by side: each only prints its probes, and most of each is
     the interpreter's single-threaded start-up."""
-    procs = [subprocess.Popen([sys.executable, *args], cwd=cwd, env=_env(site), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for args in commands]
+    procs = [start_python(args, cwd=cwd, env=_env(site), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args in commands]
     try:
         outputs = [proc.communicate(timeout=300) for proc in procs]
         return [subprocess.CompletedProcess(proc.args, proc.returncode, *out) for proc, out in zip(procs, outputs)]
@@ -128,25 +124,17 @@ def _runs(site: Path, cwd: Path, *commands: tuple[str, ...]) -> list[subprocess.
             proc.kill()
 
 
-def _probes(out: str) -> list[dict]:
-    decode, found, at = json.JSONDecoder().raw_decode, [], out.find("PROBE ")
-    while at >= 0:
-        obj, end = decode(out, at + len("PROBE "))
-        found.append(obj)
-        at = out.find("PROBE ", end)
-    return found
-
-
 def test_a_console_command_runs_its_entry_point_with_the_routing(site, tmp_path):
     r, control = _runs(site, tmp_path, ("-m", "megatrain.commands.cli", "launch", "fake-train", "--x", "1"),
                        ("-c", "import sys; from faketool.cli import main; sys.exit(main())"))
     assert r.returncode == 3, r.stderr[-3000:]  # the entry point's return value is the exit status, as its wrapper's
-    (one,) = _probes(r.stdout)
+    (one,) = probes(r.stdout)
     assert one == {"where": "tool", "routed": True, "argv": ["--x", "1"], "rank": None, "world": None, "local": None}
     # Control: the entry point called without megatrain launch finds no routing, so the check above can fail.
-    assert control.returncode == 3 and _probes(control.stdout)[0]["routed"] is False
+    assert control.returncode == 3 and probes(control.stdout)[0]["routed"] is False
 
 
+@pytest.mark.slow
 def test_llamafactory_train_passes_its_deepspeed_check_under_megatrain_launch(site, tmp_path):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text("deepspeed: ds.json\n")
@@ -157,14 +145,15 @@ def test_llamafactory_train_passes_its_deepspeed_check_under_megatrain_launch(si
     # Control: LlamaFactory's own launcher in one process refuses DeepSpeed, as the real one does.
     assert control.returncode == 1 and "Please use `FORCE_TORCHRUN=1`" in control.stderr
     assert r.returncode == 0, r.stderr[-3000:]
-    (one,) = _probes(r.stdout)
+    (one,) = probes(r.stdout)
     # run_exp ran in a one-rank torchrun environment, with the config as its first argument, routed
     assert one == {"where": "run_exp", "routed": True, "argv": [str(cfg)], "rank": "0", "world": "1", "local": "0"}
-    two = sorted(_probes(r_two.stdout), key=lambda p: p["rank"])
+    two = sorted(probes(r_two.stdout), key=lambda p: p["rank"])
     assert r_two.returncode == 0 and [(p["rank"], p["world"], p["argv"]) for p in two] == [("0", "2", [str(cfg)]),
                                                                                            ("1", "2", [str(cfg)])]
 
 
+@pytest.mark.slow
 def test_axolotl_train_runs_where_nccl_cannot(site, tmp_path):
     import torch
     import torch.distributed as dist
@@ -177,7 +166,7 @@ def test_axolotl_train_runs_where_nccl_cannot(site, tmp_path):
     gpu = torch.cuda.is_available() and dist.is_nccl_available()
     assert (control.returncode == 0) if gpu else ("ProcessGroupNCCL" in control.stderr)
     assert r.returncode == 0, r.stderr[-3000:]
-    (one,) = _probes(r.stdout)
+    (one,) = probes(r.stdout)
     # a gloo group from torchrun's one-rank variables where NCCL cannot run; the tool's own NCCL where it can
     assert one == {"where": "axolotl.cli.train " + ("nccl (its own)" if gpu else "gloo"), "routed": True,
                    "argv": [str(cfg)], "rank": "0", "world": "1", "local": "0"}

@@ -5,9 +5,9 @@ megatrain/ much over 700 lines, the cost models importable without torch, a READ
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 from pathlib import Path
+
+from kit import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("megatrain", "baselines", "experiments")
@@ -117,7 +117,7 @@ def test_the_cost_models_import_without_torch():
             "builtins.__import__ = guard\n"
             "import megatrain.costs.memory, megatrain.costs.modes, megatrain.costs.pinning, megatrain.costs.pipeline\n"
             "print('ok')")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = run_python(["-c", code], timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 

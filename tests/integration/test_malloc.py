@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 import platform
-import subprocess
-import sys
 
 import pytest
+from kit import run_python
 
 from megatrain.config.schema import EngineConfig
 from megatrain.engine.runtime.malloc import MAX_MMAP_THRESHOLD, set_mmap_threshold
@@ -32,7 +31,7 @@ print(json.dumps({"retained": proc.memory_info().rss - before, "applied": applie
 
 
 def _retained(threshold: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", _PROBE, threshold], capture_output=True, text=True, check=True)
+    out = run_python(["-c", _PROBE, threshold], check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -16,6 +16,7 @@ def test_there_are_notebooks():
     assert NOTEBOOKS, "no notebooks found in notebooks/"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path: Path):
     nb = nbformat.read(path, as_version=4)

@@ -17,13 +17,12 @@ import copy
 import errno
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import make_batches, tiny_model
+from kit import bf16_engine, run_python
 from test_host_modes import _differences, _train
 
 from megatrain.config.schema import EngineConfig
@@ -35,8 +34,7 @@ WORKER = Path(__file__).resolve().parents[1] / "workers" / "nvme_rss_worker.py"
 
 
 def _engine(model, **cfg) -> Engine:
-    return Engine(copy.deepcopy(model), EngineConfig(compute_dtype="bfloat16", loss_chunk_tokens=13, **cfg),
-                  optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-2, fused=True))
+    return bf16_engine(model, **cfg)
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +42,9 @@ def model():
     return tiny_model("llama", layers=4)
 
 
+@pytest.mark.slow
 def test_half_budget_is_bit_identical_with_less_rss_and_files_only_while_training(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    proc = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "nvme")], capture_output=True, text=True,
-                          timeout=600, env=env)
+    proc = run_python([WORKER, tmp_path / "nvme"], timeout=600)
     assert proc.returncode == 1 and "a deliberate failure mid-training" in proc.stderr, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[-1] == "files 1"  # the failing run's spill directory existed ...

@@ -93,6 +93,7 @@ def _full_and_resumed(tmp_path: Path) -> tuple[dict[int, float], dict[int, float
     return full, resumed, opt, a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_offload_optimizer_config_resumes_bit_identically(tmp_path):
     full, resumed, opt, same_weights = _full_and_resumed(tmp_path)
     # The engine steps torch's AdamW over the same groups (weight decay per group kept), not DeepSpeed's op.
@@ -106,6 +107,7 @@ def test_offload_optimizer_config_resumes_bit_identically(tmp_path):
     assert len({full[s] for s in later}) == len(later)
 
 
+@pytest.mark.slow
 def test_control_deepspeed_cpu_adam_itself_drifts_after_resume(tmp_path, monkeypatch):
     """The old path: the engine steps the DeepSpeedCPUAdam it was given. Its op recomputes beta^t with pow()
     where the uninterrupted run multiplied, so the resumed losses leave the uninterrupted ones."""

@@ -686,13 +686,12 @@ def test_cli_bench_writes_a_profile_plan_can_load(tmp_path, capsys):
 def test_planner_runs_the_engine_memory_model_without_loading_torch():
     """The planner shares the engine's memory model (costs/memory.py) but must stay a light import:
     planning a point loads neither torch nor transformers."""
-    import subprocess
-    import sys
+    from kit import run_python
 
     code = ("import sys, megatrain.planner as P; p = P.plan('smollm-135m', 8192, dtype='float32', "
             "backend='megatrain', hardware='cpu'); assert p.long_context.peak_bytes > 0; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = run_python(["-c", code], timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
 

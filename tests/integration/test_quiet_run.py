@@ -5,26 +5,22 @@ set (accelerate's ZeRO-3 init-flag warning for a stage-3 config MegaTrain reads 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
+from kit import run_python, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 NOISE = ("Gradient accumulation steps mismatch", "FutureWarning", "zero_allow_untested_optimizer",
          "Zero3 Init flag", "is deprecated")
 
 
+@pytest.mark.slow
 def test_a_train_run_has_no_warning_of_ours(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
     sets = (f"output_dir={tmp_path / 'run'}", "report=null", "max_steps=2", "eval_data=null")
-    r = subprocess.run([sys.executable, "-m", "megatrain.commands.cli", "train", "--config",
-                        str(ROOT / "examples" / "sft" / "sft.yaml"), *(a for s in sets for a in ("--set", s))],
-                       env=env, capture_output=True, text=True, timeout=600)
+    r = run_python(["-m", "megatrain.commands.cli", "train", "--config", str(ROOT / "examples" / "sft" / "sft.yaml"),
+                    *(a for s in sets for a in ("--set", s))], env=worker_env(threads=2), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "MegaTrain is training" in r.stderr and "turned off: HF gradient checkpointing" in r.stderr
     said = [n for n in NOISE if n in r.stderr]
@@ -36,17 +32,23 @@ def stage_reading():
     """MegaTrain's stage reading installed for the test (another test may have uninstalled it: importing
     megatrain.integrations.hf again is a no-op), and no DeepSpeed config left global after it: a stage-3
     HfDeepSpeedConfig kept alive (a failed test's frame holds it) would turn on transformers' zero.Init for every
-    later from_pretrained in this process."""
+    later from_pretrained in this process. Nor the one-rank process group a plugin for a megatrain config makes
+    (as a launcher-less script needs it): left behind, every later test of this process ran as rank 0 of a job
+    (deepspeed.comm's broadcast from rank 1 met gloo's "invalid root rank")."""
+    import torch.distributed as dist
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     from megatrain.integrations import hf_stage
 
     was = hf_stage.installed()
+    had_group = dist.is_initialized()
     hf_stage.install()
     yield
     unset_hf_deepspeed_config()
     if not was:
         hf_stage.uninstall()
+    if dist.is_initialized() and not had_group:
+        dist.destroy_process_group()
 
 
 def test_the_zero3_init_flag_warning_is_not_passed_on_for_a_megatrain_config(monkeypatch, stage_reading):

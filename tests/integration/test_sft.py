@@ -4,12 +4,11 @@ on MegaTrain with plain SFTTrainer's losses; sharegpt with packing too; bad conf
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from kit import finish, start_python, worker_env
 
 from megatrain.commands.sft import detect_format, load_run, to_conversation
 
@@ -22,25 +21,16 @@ def _start(tmp_path: Path, name: str, *sets: str) -> tuple[subprocess.Popen, Pat
     """`megatrain train --config` in its own process, its output to a file (a run started beside another never
     blocks on a full pipe)."""
     out = tmp_path / name
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     args = ["train", "--config", str(EXAMPLE), "--set", f"output_dir={out}", "--set", f"report={out}/report.json",
             *(a for s in sets for a in ("--set", s))]
-    log = tmp_path / f"{name}.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "megatrain.commands.cli", *args], cwd=tmp_path, env=env, stdout=f,
-                                stderr=subprocess.STDOUT, text=True)
+    proc = start_python(["-m", "megatrain.commands.cli", *args], cwd=tmp_path, env=worker_env(threads=2),
+                        log=tmp_path / f"{name}.log")
     return proc, out
 
 
 def _report(run: tuple[subprocess.Popen, Path]) -> dict:
     proc, out = run
-    try:
-        proc.wait(timeout=900)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, (out.parent / f"{out.name}.log").read_text()[-8000:]
+    finish(proc, timeout=900, log=out.parent / f"{out.name}.log")
     return json.loads((out / "report.json").read_text())
 
 
@@ -64,6 +54,7 @@ def _assert_same_losses(mt: dict, plain: dict) -> None:
     assert last < first - 0.1  # it learns: equal losses of a run that does nothing would prove little
 
 
+@pytest.mark.slow
 def test_the_example_config_trains_on_megatrain_with_plain_sft_losses(tmp_path):
     mt, plain = _train_both(tmp_path)
     _assert_same_losses(mt, plain)
@@ -71,6 +62,7 @@ def test_the_example_config_trains_on_megatrain_with_plain_sft_losses(tmp_path):
     assert (tmp_path / "mt" / "final" / "config.json").is_file()
 
 
+@pytest.mark.slow
 def test_sharegpt_with_packing_and_loss_on_every_token(tmp_path):
     sets = ("data=" + str(ROOT / "examples" / "sft" / "sharegpt.jsonl"), "eval_data=null", "packing=true",
             "train_on=all", "max_steps=4", "max_length=64")

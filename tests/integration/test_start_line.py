@@ -7,12 +7,12 @@ import json
 import logging
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import make_batches, tiny_model
+from kit import start_python, worker_env
 
 from megatrain.run import start_line
 
@@ -95,17 +95,15 @@ def test_without_logging_configured_the_line_goes_to_stderr(capsys):
 def _trainer_run(model_dir: Path, out: Path, *extra: str) -> subprocess.Popen:
     from baselines.zero3 import default_extensions_dir
 
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-                                                             "LOCAL_RANK", "MEGATRAIN_DEEPSPEED_GUARD")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
-               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", default_extensions_dir()),
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # ninja for cpu_adam
+    env = worker_env(drop=("MEGATRAIN_DEEPSPEED_GUARD",), threads=1,
+                     TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", default_extensions_dir()))
     out.mkdir()
     (out / "model").symlink_to(model_dir)
-    return subprocess.Popen([sys.executable, str(ROOT / "tests" / "workers" / "start_line_trainer_script.py"), str(out), *extra],
-                            cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return start_python([ROOT / "tests" / "workers" / "start_line_trainer_script.py", out, *extra], cwd=out, env=env,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_trainer_run_is_not_zero3_to_transformers_and_says_what_runs(tmp_path):
     """As `python run_clm.py` with a ZeRO-3 offload config: arguments first, then from_pretrained, then Trainer."""
     pytest.importorskip("deepspeed")

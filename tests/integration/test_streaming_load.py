@@ -10,13 +10,11 @@ bound (~11 MB) well above the measurement's noise.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from kit import run_python, worker_env
 
 from megatrain.files.tensor_file import TensorFile
 
@@ -26,9 +24,7 @@ BOUND = 0.10
 
 
 def _run(*args: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKER.parent.parent), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_python([WORKER, *args], env=worker_env(path=[WORKER.parent.parent]), timeout=600, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -38,6 +34,7 @@ def saved(tmp_path_factory):
     return d, _run("save", str(d), "hilo", *SHAPE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["hilo", "fp32"])
 def test_load_checkpoint_streams(saved, mode):
     d, ref = saved
@@ -51,6 +48,7 @@ def test_load_checkpoint_streams(saved, mode):
     assert got["reload_mapped"][0] > BOUND * masters, got
 
 
+@pytest.mark.slow
 def test_hf_directory_streams(saved):
     d, ref = saved
     got = _run("hf", str(d), "hilo", *SHAPE)

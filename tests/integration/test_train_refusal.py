@@ -3,13 +3,12 @@ works for that kind of refusal), exit 2, no traceback unless --debug, and writes
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from kit import run_python, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "sft"
@@ -24,14 +23,12 @@ def _model_dir(tmp_path: Path, name: str, config) -> Path:
 
 
 def _train(model: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
     sets = (f"model={model}", f"output_dir={out}", "report=null", "max_steps=1", "eval_data=null")
-    return subprocess.run([sys.executable, "-m", "megatrain.commands.cli", "train", "--config",
-                           str(EXAMPLE / "sft.yaml"), *(a for s in sets for a in ("--set", s)), *extra],
-                          env=env, capture_output=True, text=True, timeout=600)
+    return run_python(["-m", "megatrain.commands.cli", "train", "--config", str(EXAMPLE / "sft.yaml"),
+                       *(a for s in sets for a in ("--set", s)), *extra], env=worker_env(threads=2), timeout=600)
 
 
+@pytest.mark.slow
 def test_a_structural_refusal_is_one_paragraph_and_writes_nothing(tmp_path):
     import transformers
 
@@ -70,6 +67,7 @@ def test_a_probe_refusal_is_one_paragraph_and_its_fix_trains(tmp_path):
     assert (out / "final").is_dir()
 
 
+@pytest.mark.slow
 def test_a_host_memory_refusal_in_the_engine_undoes_what_the_run_wrote(tmp_path):
     """A refusal only the engine sees (its store does not fit the host): one paragraph, exit 2, and the output
     folder this run made is gone again (no megatrain_run.json left with finished false). In a process of its own:
@@ -81,8 +79,7 @@ def test_a_host_memory_refusal_in_the_engine_undoes_what_the_run_wrote(tmp_path)
             "from megatrain.commands.cli import main\n"
             f"sys.exit(main(['train', '--config', {str(EXAMPLE / 'sft.yaml')!r}, '--set', 'output_dir={out}', "
             "'--set', 'report=null', '--set', 'max_steps=1', '--set', 'eval_data=null']))\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    r = run_python(["-c", code], timeout=600)
     err = r.stderr
     assert r.returncode == 2 and "the host store needs" in err and "Traceback" not in err, err[-3000:]
     assert not out.exists()

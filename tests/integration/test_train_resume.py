@@ -5,15 +5,14 @@ bit; --restart starts over; an output folder it must not resume is refused."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from kit import run_python, start_python, worker_env
 from safetensors.torch import load_file
 
 from megatrain.commands.sft_resume import RUN_FILE, WHOLE_MARK, RefusedOutput, SaveCallback, prepare_output
@@ -25,27 +24,21 @@ DRIVER = Path(__file__).resolve().parents[1] / "workers" / "sft_signal_driver.py
 SETS = ("max_steps=6", "save_steps=2", "eval_data=null")
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
-    return env
-
-
 def _args(out: Path, *sets: str) -> list[str]:
     return ["train", "--config", str(EXAMPLE), *(a for s in (f"output_dir={out}", f"report={out}/report.json",
                                                              *SETS, *sets) for a in ("--set", s))]
 
 
 def _run(out: Path, *extra: str, sets: tuple = ()) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatrain.commands.cli", *_args(out, *sets), *extra], env=_env(),
-                          capture_output=True, text=True, timeout=600)
+    return run_python(["-m", "megatrain.commands.cli", *_args(out, *sets), *extra], env=worker_env(threads=2),
+                      timeout=600)
 
 
 def _stopped(out: Path, sig: int, at: int = 2) -> subprocess.CompletedProcess:
     """The run stopped by `sig`, sent from here once its checkpoint at step `at` is whole."""
     ready = out.parent / f"{out.name}.ready"
-    p = subprocess.Popen([sys.executable, str(DRIVER), str(at), str(ready), *_args(out)], env=_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = start_python([DRIVER, at, ready, *_args(out)], env=worker_env(threads=2), stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 600
     while not ready.exists() and p.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -58,6 +51,7 @@ def _report(out: Path) -> dict:
     return json.loads((out / "report.json").read_text())
 
 
+@pytest.mark.slow
 def test_a_run_stopped_by_sigint_resumes_bit_identically(tmp_path):
     out = tmp_path / "run"
     r = _stopped(out, signal.SIGINT)
@@ -90,6 +84,7 @@ def test_a_run_stopped_by_sigint_resumes_bit_identically(tmp_path):
     assert weights.keys() == again_weights.keys() and all(weights[k].equal(again_weights[k]) for k in weights)
 
 
+@pytest.mark.slow
 def test_sigterm_then_other_settings_are_refused(tmp_path):
     out = tmp_path / "run"
     r = _stopped(out, signal.SIGTERM)
@@ -173,6 +168,7 @@ def test_when_the_callback_asks_for_a_checkpoint(monkeypatch):
     assert c.should_save and c.should_training_stop and cb.stopped_at == 4
 
 
+@pytest.mark.slow
 def test_a_resume_with_only_num_buffers_changed_is_bit_identical(tmp_path):
     """`--set megatrain.num_buffers=3` merges into the file's section and, as a setting that changes no computed
     value, is accepted on resume; the resumed run's losses and weights are an uninterrupted run's, bit for bit.

@@ -5,12 +5,10 @@ naming the file, the line and the fix, with no traceback and no output folder.""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from kit import run_python
 
 from megatrain import __version__
 from megatrain.commands.cli import main
@@ -101,9 +99,7 @@ def test_set_paths_resolve_like_the_yaml_and_version(capsys, tmp_path, monkeypat
 def test_refused_from_the_command_line_in_one_line(tmp_path):
     # as a user meets it: the process's whole stderr is the one line, exit 2, no folder
     cfg = _config(tmp_path, _jsonl(tmp_path, "a.jsonl", GOOD_ALPACA, {"instruction": "x"}))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "megatrain.commands.cli", "train", "--config", str(cfg)], env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = run_python(["-m", "megatrain.commands.cli", "train", "--config", cfg], timeout=300)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "a.jsonl:2: record 2: the alpaca field 'output' is missing" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "cfg" / "out").exists()

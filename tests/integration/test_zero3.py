@@ -19,6 +19,7 @@ import pytest
 import torch
 import transformers
 from accel_script import probe_batch, torch_reference
+from kit import start_python
 
 from baselines import zero3
 from megatrain.accelerate import Accelerator
@@ -36,12 +37,9 @@ def max_diff(a: list[float], b: list[float]) -> float:
 
 
 def _launch(task: str, out: Path, kwargs: dict) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}  # each run picks its own port
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return subprocess.Popen(
-        [sys.executable, str(SCRIPT), task, "zero3", str(out), json.dumps(kwargs)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    # No launcher variable: each run picks its own port.
+    return start_python([SCRIPT, task, "zero3", out, json.dumps(kwargs)], stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +176,10 @@ def test_ds_config_applies_the_documented_offload_tuning():
 
 def test_environment_for_a_plain_python_run(monkeypatch):
     for key in (*_RENDEZVOUS, "TORCH_EXTENSIONS_DIR"):
-        monkeypatch.delenv(key, raising=False)
+        # set first, so monkeypatch records the key as it was and undoes what prepare_environment sets (a delenv
+        # of an absent key records nothing: RANK, WORLD_SIZE and MASTER_* stayed set for every later test)
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     monkeypatch.setenv("PATH", "/usr/bin")
     zero3.prepare_environment()
     assert (os.environ["MASTER_ADDR"], os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == (

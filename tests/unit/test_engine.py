@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 from conftest import make_batches, tiny_config, tiny_model
-from gpu_defaults import CONFIGS, GPU_DEFAULTS, bf16_reference, engine_grads, is_bf16, lag_updates, train
+from gpu_defaults import CONFIGS, GPU_DEFAULTS, bf16_reference, is_bf16, lag_updates, train
 
 from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
@@ -30,25 +30,6 @@ def train_reference(model, batches, steps, accum=1, clip=None, lr=1e-3, optimize
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         opt.zero_grad()
-        if scheduler:
-            scheduler.step()
-    return losses, norms, first_grads
-
-
-def train_engine(eng, batches, steps, accum=1, clip=None, scheduler=None):
-    losses, norms, first_grads = [], [], None
-    it = iter(batches)
-    for s in range(steps):
-        for _ in range(accum):
-            loss = eng(**next(it)).loss
-            eng.backward(loss / accum)
-            losses.append(loss.item())
-        if s == 0:
-            first_grads = engine_grads(eng)
-        if clip:
-            norms.append(eng.clip_grad_norm_(clip))
-        eng.step()
-        eng.zero_grad()
         if scheduler:
             scheduler.step()
     return losses, norms, first_grads
@@ -88,7 +69,7 @@ def test_parity_with_pytorch_adamw(family, kw, mode):
         floor.check(train(eng, batches, steps=5, accum=2, clip=0.5), eng.state_dict())
         return
     ref_out = train_reference(ref, batches, steps=5, accum=2, clip=0.5)
-    eng_out = train_engine(eng, batches, steps=5, accum=2, clip=0.5)
+    eng_out = train(eng, batches, steps=5, accum=2, clip=0.5)
     assert any(n > 0.5 for n in ref_out[1]), "clipping never triggered: the test would not cover it"
     assert_parity(ref, eng, ref_out, eng_out)
 
@@ -122,7 +103,7 @@ def test_parity_when_the_loss_is_not_chunked_evenly_and_single_buffer(mode):
     if is_bf16(mode):
         bf16_reference(ref, batches, 3).check(train(eng, batches, 3), eng.state_dict())
     else:
-        assert_parity(ref, eng, train_reference(ref, batches, 3), train_engine(eng, batches, 3))
+        assert_parity(ref, eng, train_reference(ref, batches, 3), train(eng, batches, 3))
 
 
 def _two_groups(model):
@@ -154,7 +135,7 @@ def test_user_optimizer_and_scheduler_are_taken_over(mode):
     ref_opt = _two_groups(ref)
     ref_sched = _warmup(ref_opt)
     ref_out = train_reference(ref, batches, 4, optimizer=ref_opt, scheduler=ref_sched)
-    eng_out = train_engine(eng, batches, 4, scheduler=my_sched)
+    eng_out = train(eng, batches, 4, scheduler=my_sched)
     assert_parity(ref, eng, ref_out, eng_out)
     assert my_opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
 
@@ -178,8 +159,8 @@ def test_offloaded_activations_match_resident(mode):
     batches = make_batches(3)
     res = lag_updates(Engine(copy.deepcopy(base), EngineConfig(**mode)))
     off = lag_updates(Engine(copy.deepcopy(base), EngineConfig(offload_activations=True, **mode)))
-    rl, _, _ = train_engine(res, batches, 3)
-    ol, _, _ = train_engine(off, batches, 3)
+    rl, _, _ = train(res, batches, 3)
+    ol, _, _ = train(off, batches, 3)
     assert rl == ol
     for (n, a), (_, b) in zip(res.named_parameters(), off.named_parameters()):
         assert torch.equal(a, b), n
@@ -201,7 +182,7 @@ def test_host_bytes_per_parameter_is_sixteen():
     eng = Engine(tiny_model("llama", layers=4))
     n = sum(p.numel() for _, p in eng.named_parameters())
     batches = make_batches(1)
-    train_engine(eng, batches, 1)
+    train(eng, batches, 1)
     opt_bytes = sum(t.numel() * t.element_size() for s in eng.optimizer.state.values() for t in s.values()
                     if torch.is_tensor(t) and t.dim() > 0)
     per_param = (eng.store.host_bytes() + opt_bytes) / n
@@ -222,7 +203,7 @@ def test_store_frees_the_model_storage():
 
 def test_copy_of_next_layer_is_issued_before_current_layer_finishes():
     eng = Engine(tiny_model("llama", layers=6, hidden=128), EngineConfig(trace=True, link_gbps=0.05))
-    train_engine(eng, make_batches(1, seq=64), 1)
+    train(eng, make_batches(1, seq=64), 1)
     loads, computes = {}, {}
     for r in eng.trace:  # first occurrence of each: the forward pass
         if r.stream == "h2d" and r.kind == "load":
@@ -243,7 +224,7 @@ def test_slow_link_and_stalls_give_exact_results(mode):
     slow = lag_updates(Engine(copy.deepcopy(base), EngineConfig(link_gbps=0.02, **mode)))
     slow.streams.h2d.stall_s = 0.005
     slow.streams.d2h.stall_s = 0.005
-    assert train_engine(fast, batches, 2)[0] == train_engine(slow, batches, 2)[0]
+    assert train(fast, batches, 2)[0] == train(slow, batches, 2)[0]
     for (n, a), (_, b) in zip(fast.named_parameters(), slow.named_parameters()):
         assert torch.equal(a, b), n
 
@@ -252,13 +233,13 @@ def test_a_missing_wait_is_caught(monkeypatch):
     """Negative control: without the compute stream's wait on the copy, a slow link gives wrong results."""
     base = tiny_model("llama", layers=4)
     batches = make_batches(1)
-    good = train_engine(Engine(copy.deepcopy(base)), batches, 1)[0]
+    good = train(Engine(copy.deepcopy(base)), batches, 1)[0]
     monkeypatch.setattr(Streams, "wait", lambda self, event, what: None)
     racy = Engine(copy.deepcopy(base), EngineConfig(link_gbps=0.005))
     for b in racy.pipeline.buffers:
         b.fill_(float("nan"))
     try:
-        bad = train_engine(racy, batches, 1)[0]
+        bad = train(racy, batches, 1)[0]
     except RuntimeError as exc:  # autograd saw a weight buffer overwritten under it
         assert "modified by an inplace operation" in str(exc)
     else:
@@ -285,7 +266,7 @@ def test_templates_one_per_distinct_layer_structure():
     assert all(p.device.type == "meta" for t in eng.templates.of_layer for p in t.parameters())
     batches = make_batches(2, seq=20)
     ref_out = train_reference(ref, batches, 2, optimizer=torch.optim.AdamW(ref.parameters(), lr=1e-4))
-    assert_parity(ref, eng, ref_out, train_engine(eng, batches, 2))
+    assert_parity(ref, eng, ref_out, train(eng, batches, 2))
 
 
 def test_loads_a_local_safetensors_checkpoint(tmp_path):

@@ -13,6 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from kit import run_python, worker_env
 
 from experiments.gpu_check import common, install, orchestrate
 from experiments.gpu_check.sanitizer_run import FLOOR_FACTOR, FP32_TOL, bf16_tolerance, compare
@@ -56,11 +57,9 @@ def test_no_compiler_passes_the_env_phase_and_skips_zero3_saying_why(tmp_path, m
 # -- a phase whose process cannot start says why --------------------------------------------------------------
 def test_a_phase_that_cannot_start_reports_why(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "experiments.gpu_check", "--dry-run", "--out", str(out), "--only", "env,bandwidth",
+    cmd = ["-m", "experiments.gpu_check", "--dry-run", "--out", str(out), "--only", "env,bandwidth",
            "--inject", "env=nostart"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("GPU_CHECK_T0", None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_python(cmd, env=worker_env(drop=("GPU_CHECK_T0",)), timeout=300)
     rec = json.loads((out / "phases" / "env.json").read_text())
     assert rec["status"] == "failed" and "before it started" in rec["reason"], rec
     # the reason names the child's own error (it used to stop at "exited (code 1) before it started")
@@ -131,9 +130,8 @@ def test_install_uses_the_found_torch_and_installs_the_rest_saying_what(tmp_path
 
     # The image's version as a fresh interpreter sees it (what install.py reads): this process may see another
     # (setuptools, once imported by an earlier test, puts its vendored packaging on sys.path).
-    image_packaging = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; "
-                                      "print(m.version('packaging'))"], capture_output=True, text=True,
-                                     check=True).stdout.strip()
+    image_packaging = run_python(["-c", "import importlib.metadata as m; print(m.version('packaging'))"],
+                                 check=True).stdout.strip()
     wheels, site = tmp_path / "wheels", tmp_path / "site"
     wheels.mkdir()
     _wheel(wheels, "mtfakepkg", "1.2.3", script=True)
@@ -146,8 +144,7 @@ def test_install_uses_the_found_torch_and_installs_the_rest_saying_what(tmp_path
     assert f"kept the image's: packaging {image_packaging}" in text
     assert "installed 1 wheels" in text and "mtfakepkg 1.2.3" in text, text
     assert (site / "mtfakepkg" / "__init__.py").exists() and not (site / "packaging").exists()
-    run = subprocess.run([sys.executable, "-c", "import mtfakepkg; print(mtfakepkg.VERSION)"],
-                         env=dict(os.environ, PYTHONPATH=str(site)), capture_output=True, text=True)
+    run = run_python(["-c", "import mtfakepkg; print(mtfakepkg.VERSION)"], env=worker_env(path=[site]))
     assert run.stdout.strip() == "1.2.3"
     if not use_pip:
         assert subprocess.run([str(site / "bin" / "mtfakepkg-cli")], capture_output=True, text=True,
@@ -162,8 +159,7 @@ def test_install_without_torch_refuses(tmp_path, capsys, monkeypatch):
 
 
 def test_the_wheel_list_leaves_out_what_the_check_never_imports():
-    proc = subprocess.run([sys.executable, "scripts/wheel_list.py"], cwd=ROOT, capture_output=True, text=True,
-                          check=True)
+    proc = run_python(["scripts/wheel_list.py"], check=True)
     names = {line.split("=")[0].split(">")[0] for line in proc.stdout.split()}
     assert "hf-xet" not in names and "pygments" not in names and "rich" not in names
     # what the check does import stays carried (transformers needs huggingface-hub; DeepSpeed builds with ninja)

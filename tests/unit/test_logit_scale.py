@@ -3,11 +3,9 @@ settings in the families that use them the other way round), trained exactly; a 
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-import torch
 from conftest import make_batches
+from kit import assert_trains_like_sgd
 
 from megatrain.commands.check import resolve
 from megatrain.config.schema import EngineConfig
@@ -29,21 +27,8 @@ def _small(model_type: str, **overrides):
                                                 ("cohere", {"logit_scale": 0.5})])
 def test_scaled_logits_train_with_pytorchs_losses(model_type, setting):
     """Through the engine with the probe on (it refused both before): 3 SGD steps, PyTorch's losses."""
-    ref = _small(model_type, **setting)
-    mine = copy.deepcopy(ref)
-    engine = Engine(mine, EngineConfig(device="cpu", loss_chunk_tokens=7),
-                    optimizer=torch.optim.SGD(mine.parameters(), lr=0.05))
-    opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    for batch in make_batches(3):
-        ref_loss = ref(**batch).loss
-        ref_loss.backward()
-        opt.step()
-        opt.zero_grad()
-        loss = engine(**batch).loss
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        assert abs(loss.item() - ref_loss.item()) <= 1e-5
+    assert_trains_like_sgd(_small(model_type, **setting), EngineConfig(device="cpu", loss_chunk_tokens=7),
+                           make_batches(3), lr=0.05, tol=1e-5)
 
 
 @pytest.mark.parametrize("model_type,setting", [("granitemoe", {"logits_scaling": 2.0}),

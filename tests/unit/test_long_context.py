@@ -209,6 +209,7 @@ def fit(lengths: list[int], peaks: list[float]) -> tuple[float, float]:
     return resid / y.max(), np.polyfit(x, y, 2)[0] * x.max() ** 2 / y.max()
 
 
+@pytest.mark.slow
 def test_peak_device_bytes_grow_linearly_with_sequence_length():
     model = tiny_model("llama", layers=2, max_pos=4096)
     lengths = [1024, 2048, 3072, 4096]

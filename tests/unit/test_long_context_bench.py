@@ -17,6 +17,7 @@ def _rows(out: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_bench_runs_merges_and_reports(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(sys, "argv", ["bench"])
     common = ["--model", "tiny", "--budget-gib", "0.004", "--lengths", "128,2048", "--out", str(tmp_path)]

@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import warnings
 
+import pytest
 import torch
 from conftest import tiny_model
 
@@ -26,6 +27,7 @@ def _run(model, seq: int, **kw):
     return loss.item(), {n: p.grad.clone() for n, p in eng.named_parameters()}, st, eng.pipeline.last_plan
 
 
+@pytest.mark.slow
 def test_a_binding_budget_keeps_one_boundary_fewer_with_the_same_gradients():
     model = tiny_model("llama", layers=4, hidden=128, max_pos=2048)
     seq = 2048

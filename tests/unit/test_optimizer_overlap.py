@@ -13,7 +13,8 @@ import pytest
 import torch
 from conftest import make_batches, tiny_model
 from gpu_defaults import CONFIGS, bf16_reference, is_bf16
-from test_engine import assert_parity, train_engine, train_reference
+from gpu_defaults import train as train_engine
+from test_engine import assert_parity, train_reference
 
 from megatrain.config.schema import EngineConfig
 from megatrain.deepspeed import initialize

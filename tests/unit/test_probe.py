@@ -59,7 +59,7 @@ def _gemma_losses(model_type: str = "gemma", micro_batches: int = 12, vocab: int
     return out
 
 
-@pytest.mark.parametrize("model_type,vocab", [("gemma", None), ("gemma3_text", 512)])
+@pytest.mark.parametrize("model_type,vocab", [pytest.param("gemma", None, marks=pytest.mark.slow), ("gemma3_text", 512)])
 def test_gemma_trains_with_pytorchs_losses(model_type, vocab):
     losses = _gemma_losses(model_type, vocab=vocab)
     worst = max(abs(a - b) for a, b in losses)

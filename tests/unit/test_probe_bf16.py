@@ -3,12 +3,11 @@ what plain transformers trains, and every random generator left as it was found.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import transformers
 from conftest import make_batches, tiny_model
+from kit import assert_trains_like_sgd
 
 from megatrain.commands.check import resolve
 from megatrain.config.schema import EngineConfig
@@ -112,20 +111,9 @@ def test_the_reported_deepseek_v3_trains_with_pytorchs_losses():
         tiny = probe.tiny_config(cfg)
         probe._build(transformers.DeepseekV3ForCausalLM, tiny, cfg)(**make_batches(1)[0]).loss.backward()
     torch.manual_seed(0)
-    ref = transformers.DeepseekV3ForCausalLM(cfg)
-    mine = copy.deepcopy(ref)
-    engine = Engine(mine, EngineConfig(device="cpu"), optimizer=torch.optim.SGD(mine.parameters(), lr=0.05))
-    opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    for batch in make_batches(3, pad=False):  # plain transformers trains it so (any mask breaks its GQA path)
-        ref_loss = ref(**batch).loss
-        ref_loss.backward()
-        opt.step()
-        opt.zero_grad()
-        loss = engine(**batch).loss
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        assert abs(loss.item() - ref_loss.item()) <= 1e-5
+    # unpadded: plain transformers trains it so (any mask breaks its GQA path)
+    assert_trains_like_sgd(transformers.DeepseekV3ForCausalLM(cfg), EngineConfig(device="cpu"),
+                           make_batches(3, pad=False), lr=0.05, tol=1e-5)
 
 
 class _NeverTrains(transformers.LlamaForCausalLM):

@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import make_batches, tiny_model
 from gpu_defaults import CONFIGS, lag_updates
+from kit import train_steps
 
 from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
@@ -41,22 +42,13 @@ def _train(eng: Engine, batches, steps: int, clip: float | None, accum: int = 1,
     """Losses and pre-clip norms; at step `poison` the embedding's gradient gets a NaN (a non-finite step).
     `settle`: the speculative updates are done before the step (else a job the step overtakes leaves its layer to
     the step, so how many were speculated depends on timing)."""
-    losses, norms, it = [], [], iter(batches)
-    for s in range(steps):
-        for _ in range(accum):
-            loss = eng(**next(it)).loss
-            eng.backward(loss / accum)
-            losses.append(loss.item())
-            if settle:
-                _settle(eng)
+    def poisoned(eng: Engine, s: int) -> None:
         if s == poison:
             eng.events.wait_global_grads()
             eng.store.globals.grad[0] = float("nan")
-        if clip:
-            norms.append(eng.clip_grad_norm_(clip))
-        eng.step()
-        eng.zero_grad()
-    return losses, norms
+
+    return train_steps(eng, batches, steps, accum=accum, clip=clip, after_backward=_settle if settle else None,
+                       before_clip=poisoned)
 
 
 def _settle(eng: Engine) -> None:

@@ -24,6 +24,7 @@ def rows():
                     log=lambda *_: None)
 
 
+@pytest.mark.slow
 def test_link_bound_prediction_within_target(rows):
     slow = rows[0]
     assert slow["predicted_bottleneck"].startswith("link"), slow["predicted_bottleneck"]
@@ -32,12 +33,14 @@ def test_link_bound_prediction_within_target(rows):
         f"({slow['error_pct']:+.0f}%)")
 
 
+@pytest.mark.slow
 def test_link_bound_is_slower_measured_and_predicted(rows):
     slow, fast = rows
     assert slow["measured_step_s"] > fast["measured_step_s"]
     assert slow["predicted_step_s"] > fast["predicted_step_s"]
 
 
+@pytest.mark.slow
 def test_bytes_match_the_engines_accounting(rows):
     # A CPU device in FP32 aliases embedding/head (no transfer): the planner's link bytes are exactly the
     # engine's weight stream and gradient copies; device-resident weights and the engine's own predicted
@@ -60,6 +63,7 @@ def test_crossover_is_where_the_copy_wait_share_falls_through_ten_percent():
     assert bend_gbps(gbps, [0.5] * 5, [1.0] * 5) != bend_gbps(gbps, [0.5] * 5, [1.0] * 5)  # never crosses: nan
 
 
+@pytest.mark.slow
 def test_prediction_carries_the_engine_measured_fixed_costs(rows):
     # the profile's rate and fixed costs come from engine steps at other token counts than the
     # validated one (never the point being validated), and the prediction is built on them
@@ -77,6 +81,7 @@ def test_prediction_carries_the_engine_measured_fixed_costs(rows):
 HOST_TOL_PCT = 10.0  # the target for peak host memory
 
 
+@pytest.mark.slow
 def test_peak_host_memory_prediction_within_target():
     # small-7m's own process: peak RSS growth over the warm runtime against the planner's host total
     # (device allocations included: on a CPU device they are host memory) less its runtime term. With
@@ -93,6 +98,7 @@ def test_peak_host_memory_prediction_within_target():
         f"{row['measured_rss_growth_bytes'] / 2**20:.1f} MiB ({row['host_error_pct']:+.1f}%)")
 
 
+@pytest.mark.slow
 def test_backend_validation_measures_and_predicts_each_backend(tmp_path):
     # The plumbing of `--backends`: every backend point runs through the harness in its own process and
     # meets its own plan; ratios are against torch at the same context (zero3 has its own test module,
