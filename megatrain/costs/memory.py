@@ -233,23 +233,23 @@ class LongContextPolicy:
     _weights: int | None = field(default=None, repr=False)  # training's kept weights (planned once, only shrink)
 
     def optimizer_layers(self) -> int:
-        """"auto" optimizer residency: how many of the first layers may keep their FP32 master, gradients and Adam
-        state on the device (residency.OPTIMIZER_BYTES_PER_PARAM beside their kept weights), within the budget
-        after the fixed bytes and the working set of an OPTIMIZER_RESERVE_TOKENS-token batch; every layer where the
-        whole state fits (the ring freed then). With no budget (a CPU device, whose "device" memory is the
-        host's): what fits in `residency_room`. Weights before optimizer state: a layer's weights save a copy
-        each way per micro-batch for its compute-dtype bytes; its optimizer state then saves its gradient's copy
-        down, the host's AdamW and the copy back up, for 16 B/param more."""
-        per_layer = self.dims.numel * (self.itemsize + kept.OPTIMIZER_BYTES_PER_PARAM)
+        """"auto" optimizer residency: how many of the first layers keep their FP32 master, gradients and Adam
+        state on the device (residency.OPTIMIZER_BYTES_PER_PARAM), in what the budget leaves after the fixed
+        bytes, the working set of an OPTIMIZER_RESERVE_TOKENS-token batch and every layer's kept weights (the ring
+        freed then): weights first, as a kept layer's weights save a copy each way per micro-batch for its
+        compute-dtype bytes, and its optimizer state then saves its gradient's copy down, the host's AdamW and the
+        copy back up for 16 B/param more. None where not every layer's weights fit. With no budget (a CPU
+        device, whose "device" memory is the host's): what fits in `residency_room`."""
         if self.budget is None:
-            return kept.plan_optimizer(self.n_layers, self.dims.numel, self.itemsize, self.residency_room)
+            return kept.plan_optimizer(self.n_layers, self.dims.numel, 0, self.residency_room)
         with warnings.catch_warnings():  # a budget too small for that batch: no optimizer state, not a warning
             warnings.simplefilter("ignore")
             reserve = self._plan(OPTIMIZER_RESERVE_TOKENS).predicted_peak_bytes - self.fixed_bytes
-        room = int(BUDGET_HEADROOM * self.budget) - self.fixed_bytes - reserve
-        if room + self.ring_bytes >= self.n_layers * per_layer:
-            return self.n_layers
-        return kept.plan_optimizer(self.n_layers, self.dims.numel, self.itemsize, max(0, room))
+        room = (int(BUDGET_HEADROOM * self.budget) - self.fixed_bytes - reserve
+                - self._weights_bytes(self.n_layers))
+        if room < 0:
+            return 0
+        return kept.plan_optimizer(self.n_layers, self.dims.numel, 0, room)
 
     def hold_optimizer(self, count: int) -> None:
         """`count` layers update on the device from now on: their state joins the fixed bytes, their weights the

@@ -70,7 +70,10 @@ class Residency:
         return line
 
     def to_dict(self) -> dict[str, int]:
-        return {"weights": self.weights, "activations": self.activations, "optimizer": self.optimizer}
+        """The counts as a setting writes them ("optimizer" only where set: a setting written before it existed
+        reads the same)."""
+        out = {"weights": self.weights, "activations": self.activations}
+        return {**out, "optimizer": self.optimizer} if self.optimizer else out
 
 
 def parse(value: object) -> str | Residency:
@@ -120,7 +123,8 @@ OPTIMIZER_BYTES_PER_PARAM = 16
 
 def plan_optimizer(n_layers: int, layer_numel: int, itemsize: int, room: int | None) -> int:
     """The "auto" count of optimizer-resident layers for `room` device bytes (None: no limit, every layer): each
-    takes its kept weights and OPTIMIZER_BYTES_PER_PARAM per parameter, and they are the first layers."""
+    takes OPTIMIZER_BYTES_PER_PARAM per parameter and `itemsize` more (its kept weights, where `room` does not
+    hold them already), and they are the first layers."""
     if room is None:
         return n_layers
     per_layer = layer_numel * (itemsize + OPTIMIZER_BYTES_PER_PARAM)

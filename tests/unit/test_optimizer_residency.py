@@ -204,3 +204,35 @@ def test_negative_control_a_device_update_that_skips_the_clip_is_caught(monkeypa
     monkeypatch.setattr(update_module, "update_layer", unclipped)
     with pytest.raises(AssertionError):
         _same(_run(2, mode), ref)
+
+
+# -- "auto" ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cfg, expect", [
+    ({"compute_dtype": "float32"}, LAYERS),  # the host is the device: an FP32 master is there already
+    ({"compute_dtype": "bfloat16", "host_master": "hilo"}, 0),  # would take the FP32 bytes hilo saves
+    ({"compute_dtype": "float32", "link_gbps": 100.0}, 0),  # an emulated GPU of unknown size
+    ({"compute_dtype": "float32", "optimizer_overlap": True}, 0),  # the host's update asked for
+    ({"compute_dtype": "float32", "device_budget_bytes": 2**40}, LAYERS),  # the whole state fits
+    ({"compute_dtype": "float32", "device_budget_bytes": 2**20}, 0),  # not even the kept weights fit
+])
+def test_auto_counts(cfg, expect):
+    eng = Engine(tiny_model("llama", layers=LAYERS), EngineConfig(parity_probe=False, **cfg))
+    assert len(eng.optimizer_layers) == expect
+    assert eng.pipeline.residency_stats()["optimizer_resident_layers"] == expect
+
+
+def test_auto_under_a_budget_keeps_what_fits_after_every_layers_weights():
+    """An emulated budget that holds every layer's weights and two layers' optimizer state (beside the fixed bytes
+    and a 4096-token batch's working set) keeps exactly two."""
+    probe = Engine(tiny_model("llama", layers=LAYERS), EngineConfig(parity_probe=False, compute_dtype="float32",
+                                                                   device_budget_bytes=2**40)).pipeline.policy
+    per_layer = probe.dims.numel * OPTIMIZER_BYTES_PER_PARAM
+    # the room the budget leaves beyond the state of `k` layers, solved for the budget
+    base = probe.fixed_bytes - LAYERS * per_layer  # without the optimizer state it took
+    reserve = probe._plan(4096).predicted_peak_bytes - probe.fixed_bytes
+    for k in (1, 2):
+        need = base + reserve + probe._weights_bytes(LAYERS) + k * per_layer + per_layer // 2
+        budget = int(need / 0.9) + 1
+        got = Engine(tiny_model("llama", layers=LAYERS), EngineConfig(parity_probe=False, compute_dtype="float32",
+                                                                     device_budget_bytes=budget))
+        assert len(got.optimizer_layers) == k

@@ -60,11 +60,17 @@ def requested(config: EngineConfig, n_layers: int) -> int | None:
     return min(r.optimizer, n_layers)
 
 
-def auto_applies(config: EngineConfig, device: torch.device) -> bool:
+def auto_applies(config: EngineConfig, device: torch.device, store: HostStore) -> bool:
     """Whether "auto" sizes optimizer residency: within a device budget (a GPU's, or one emulated), or on a CPU
-    device computing on the host itself (its "device" memory is the host's: every layer, where it fits). A CPU
-    device emulating a link with no budget stands for a GPU of unknown size: nothing there."""
-    return not (device.type == "cpu" and config.link_gbps is not None and config.device_budget_bytes is None)
+    device computing on the host itself, where its "device" memory is the host's and an FP32 master is already
+    where it would go (every layer, nothing copied). A CPU device emulating a link with no budget stands for a
+    GPU of unknown size, a hi/lo master there would take FP32 bytes its host mode was chosen to save, and a run that
+    asks for the host's update overlapped or speculated (optimizer_overlap, speculative_step True) asks for the
+    host path on the same cores: none."""
+    if device.type != "cpu" or config.device_budget_bytes is not None:
+        return True
+    return (config.link_gbps is None and store.master_mode is HostMaster.FP32 and not config.optimizer_overlap
+            and config.speculative_step is not True)
 
 
 def resolve(config: EngineConfig, store: HostStore, data_parallel: bool, auto_count: int) -> int:
