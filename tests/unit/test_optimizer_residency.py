@@ -236,3 +236,13 @@ def test_auto_under_a_budget_keeps_what_fits_after_every_layers_weights():
         got = Engine(tiny_model("llama", layers=LAYERS), EngineConfig(parity_probe=False, compute_dtype="float32",
                                                                      device_budget_bytes=budget))
         assert len(got.optimizer_layers) == k
+
+
+def test_the_start_line_says_what_auto_chose():
+    from megatrain.run.start_line import describe
+
+    eng = Engine(tiny_model("llama", layers=LAYERS), EngineConfig(parity_probe=False, compute_dtype="float32"))
+    assert f"{LAYERS} layers' optimizer on the device" in describe("engine", eng, eng.optimizer)
+    host = Engine(tiny_model("llama", layers=LAYERS), EngineConfig(parity_probe=False, compute_dtype="float32",
+                                                                  optimizer_overlap=True))
+    assert "optimizer on the device" not in describe("engine", host, host.optimizer)
