@@ -11,6 +11,7 @@ must both be caught.
 
 from __future__ import annotations
 
+import contextlib
 import io
 
 import pytest
@@ -246,3 +247,28 @@ def test_the_start_line_says_what_auto_chose():
     host = Engine(tiny_model("llama", layers=LAYERS), EngineConfig(parity_probe=False, compute_dtype="float32",
                                                                   optimizer_overlap=True))
     assert "optimizer on the device" not in describe("engine", host, host.optimizer)
+
+
+@pytest.mark.parametrize("mode", CONFIGS)
+def test_a_non_finite_device_gradient_skips_the_step_as_a_host_one_does(mode):
+    """A NaN in layer 0's gradient (on the device for k=2, on the host for k=0) skips that step on both, and the
+    training after it is the same bits."""
+    def run(k: int) -> tuple:
+        eng, sched = _engine(0, k, mode)
+        batches, losses, skipped = make_batches(1), [], []
+        for step in range(3):
+            out = eng(**batches[0])
+            eng.backward(out.loss)
+            losses.append(out.loss.item())
+            if step == 1:
+                eng.synchronize()
+                eng.store.layers[0].grad[0] = float("nan")
+            with pytest.warns(UserWarning, match="non-finite") if step == 1 else contextlib.nullcontext():
+                skipped.append(not eng.step())
+            eng.zero_grad()
+        return losses, skipped, [t.clone() for t in eng.state_dict().values()], _adam(eng)
+
+    ref, dev = run(0), run(2)
+    assert ref[1] == dev[1] == [False, True, False]
+    assert ref[0] == dev[0] and all(torch.equal(a, b) for a, b in zip(ref[2], dev[2]))
+    assert all(torch.equal(a, b) for a, b in zip(ref[3], dev[3]))
