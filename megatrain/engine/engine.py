@@ -153,9 +153,8 @@ class Engine:
         # The optimizer in backward: one verdict per step from every rank; the NVMe tier, when configured.
         self.update = choose_update(opt, self.store, self.events, config, self.trace_log,
                                     agree=self.ranks.agree_max if self.dp is not None else None,
-                                    spill=spill_for(self.store, config, self.node))
+                                    spill=spill_for(self.store, config, self.node), device_layers=self.optimizer_layers)
         self.spill = self.update.spill
-        self.update.device_layers = self.optimizer_layers
         self.pipeline = LayerPipeline(self.store, self.templates, self.streams, self.trace_log, config.num_buffers,
                                       self.compute_dtype, self.device, _has_dropout(self.hf_config), self.events,
                                       policy, self.ranks.sink(self.update.grad_sink))

@@ -28,10 +28,18 @@ def overlap_pays(device: torch.device, config: EngineConfig, optimizer: torch.op
 
 def choose(optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents, config: EngineConfig,
            trace: Trace, *, agree: Callable[[int, str], int] | None = None,
-           spill: SpillFactory | None = None) -> UpdatePath:
+           spill: SpillFactory | None = None, device_layers: frozenset[int] = frozenset()) -> UpdatePath:
     """The update path the configuration and the optimizer allow. `agree`: how data-parallel ranks reach one
     verdict (ranks.py agree_max; None: one rank), used where layers update in backward; `spill`: the NVMe tier
-    (spill.py spill_for), built by the per-layer path that runs through it."""
+    (spill.py spill_for), built by the per-layer path that runs through it; `device_layers`: the layers whose
+    optimizer state lives on the device (resident.py), updated at step() on the caller's thread."""
+    path = _choose(optimizer, store, events, config, trace, agree, spill)
+    path.device_layers = device_layers
+    return path
+
+
+def _choose(optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents, config: EngineConfig,
+            trace: Trace, agree: Callable[[int, str], int] | None, spill: SpillFactory | None) -> UpdatePath:
     layer_wise = store.per_layer_update or config.optimizer_in_backward or config.nvme_path is not None
     reason = (unsupported_reason(optimizer) if config.optimizer_overlap or layer_wise or config.speculative_step is True
               else None)
