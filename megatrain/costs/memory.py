@@ -252,10 +252,12 @@ class LongContextPolicy:
         return kept.plan_optimizer(self.n_layers, self.dims.numel, 0, room)
 
     def hold_optimizer(self, count: int) -> None:
-        """`count` layers update on the device from now on: their state joins the fixed bytes, their weights the
-        kept ones of every plan."""
+        """`count` layers update on the device from now on: their weights join the kept ones of every plan, and
+        under a budget their state the fixed bytes (with none, a CPU device's, that state is the host store's, held
+        before any batch as it always was)."""
         self.optimizer = min(count, self.n_layers)
-        self.fixed_bytes += self.optimizer * self.dims.numel * kept.OPTIMIZER_BYTES_PER_PARAM
+        if self.budget is not None:
+            self.fixed_bytes += self.optimizer * self.dims.numel * kept.OPTIMIZER_BYTES_PER_PARAM
 
     def plan(self, tokens: int, train: bool = True, logits_tokens: int = 0) -> BatchPlan:
         """The batch's plan. A training batch owns the placement: "auto" weights are planned at the first one and

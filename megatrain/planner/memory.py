@@ -202,7 +202,8 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
     # optimizer-resident layers' state, among its fixed bytes always); here the peak always holds the placement,
     # and the room it was chosen in is kept for the planner's search.
     counted = p.residency == kept_model.AUTO and budget is not None
-    base = lc.peak_bytes - (lc.residency_bytes if counted else lc.kept_optimizer_bytes)
+    in_policy = lc.residency_bytes if counted else lc.kept_optimizer_bytes if budget is not None else 0
+    base = lc.peak_bytes - in_policy
     room = None if budget is None else max(0, int(device_model.BUDGET_HEADROOM * budget) - base)
     return dataclasses.replace(lc, peak_bytes=base + lc.residency_bytes, residency_room=room)
 
