@@ -232,10 +232,12 @@ class LongContextPolicy:
     optimizer: int = 0
     _weights: int | None = field(default=None, repr=False)  # training's kept weights (planned once, only shrink)
 
-    def optimizer_layers(self) -> int:
+    def optimizer_layers(self, reserve_tokens: int = 0) -> int:
         """"auto" optimizer residency: how many of the first layers keep their FP32 master, gradients and Adam
         state on the device (residency.OPTIMIZER_BYTES_PER_PARAM), in what the budget leaves after the fixed
-        bytes, the working set of an OPTIMIZER_RESERVE_TOKENS-token batch and every layer's kept weights (the ring
+        bytes, the working set of a batch of max(OPTIMIZER_RESERVE_TOKENS, `reserve_tokens`) tokens (the engine:
+        the model's context window; that state cannot shrink when a batch needs room) and every layer's kept
+        weights (the ring
         freed then): weights first, as a kept layer's weights save a copy each way per micro-batch for its
         compute-dtype bytes, and its optimizer state then saves its gradient's copy down, the host's AdamW and the
         copy back up for 16 B/param more. None where not every layer's weights fit. With no budget (a CPU
@@ -244,7 +246,7 @@ class LongContextPolicy:
             return kept.plan_optimizer(self.n_layers, self.dims.numel, 0, self.residency_room)
         with warnings.catch_warnings():  # a budget too small for that batch: no optimizer state, not a warning
             warnings.simplefilter("ignore")
-            reserve = self._plan(OPTIMIZER_RESERVE_TOKENS).predicted_peak_bytes - self.fixed_bytes
+            reserve = self._plan(max(OPTIMIZER_RESERVE_TOKENS, reserve_tokens)).predicted_peak_bytes - self.fixed_bytes
         room = (int(BUDGET_HEADROOM * self.budget) - self.fixed_bytes - reserve
                 - self._weights_bytes(self.n_layers))
         if room < 0:

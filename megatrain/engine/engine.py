@@ -132,7 +132,8 @@ class Engine:
 
         # Optimizer residency (update/resident.py): the first layers' masters moved onto the device before the
         # optimizer is built over them (its Adam state is made beside them); "auto" sizes it from the device budget.
-        auto = policy.optimizer_layers() if resident.auto_applies(config, self.device, self.store) else 0
+        auto = (policy.optimizer_layers(resident.reserve_tokens(self.hf_config))
+                if resident.auto_applies(config, self.device, self.store) else 0)
         count = resident.resolve(config, self.store, self.dp is not None, auto)
         self.optimizer_layers = resident.place(self.store, count, self.device)
         policy.hold_optimizer(count)

@@ -220,7 +220,8 @@ def optimizer_layers(p: Point, hw: Hardware, policy: device_model.LongContextPol
         return 0
     if policy.budget is None:
         return p.model.num_layers if p.master == "fp32" else 0
-    return policy.optimizer_layers()
+    # the engine leaves the model's context window free; a longer point (refused, but its memory still told) its own
+    return policy.optimizer_layers(max(p.model.max_positions, p.tokens))
 
 
 def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:

@@ -73,6 +73,12 @@ def auto_applies(config: EngineConfig, device: torch.device, store: HostStore) -
             and config.speculative_step is not True)
 
 
+def reserve_tokens(hf_config: object) -> int:
+    """The batch whose working set "auto" leaves free beside the optimizer state (which no later batch can take
+    back): the model's context window."""
+    return int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+
+
 def resolve(config: EngineConfig, store: HostStore, data_parallel: bool, auto_count: int) -> int:
     """The count of optimizer-resident layers: as set (refused with the reason where it cannot run), or "auto"'s
     `auto_count` where it can run (else 0)."""
