@@ -271,7 +271,8 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     # into the upload's staging after it on a worker of its own, which the next forward waits for (host_work.py)
     serial = serial_work(p, hw, m.param_count() - L * PL, opt_globals)
     embed_io = (0.0 if off else g * io.down_s) + io.up_s  # what the compute thread spends on them
-    step = sim.t + opt_added + serial.resident_round_s + io.up_s + device_opt
+    opt_added += device_opt  # after the backward, on the compute stream (the device busy, not idle)
+    step = sim.t + opt_added + serial.resident_round_s + io.up_s
     jobs = sim.bytes_jobs
     act = T * h * c
     h2d_bytes = jobs["load"] * PL * c + jobs["act_in"] * act + io.up_bytes
@@ -290,7 +291,7 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
         busy["host reducer"] = g * (L - K) * costs.reduce  # an optimizer-resident layer's adds are the device's
         busy["host serial (resident update + rounding)"] = serial.total_s
     layers_cause = IDLE_LAYERS_SPECULATIVE if speculative else IDLE_LAYERS if overlap else IDLE_LAYERS_AFTER
-    idle = _megatrain_idle(sim, drain, opt_added, opt_globals, layers_cause,
+    idle = _megatrain_idle(sim, drain, opt_added - device_opt, opt_globals, layers_cause,
                            serial.resident_round_s, io.up_s)
     idle["other"] = max(0.0, step - busy["compute"] - sum(idle.values()))
     k = p.num_buffers
