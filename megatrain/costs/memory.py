@@ -45,6 +45,9 @@ WEIGHT_GRAD_EXTRA = 0.25  # a tile's own weight gradients, as a share of the lay
 TILED_FLOOR_SHARE = 0.125
 FP32_NORM_H = 1.5  # bf16 compute: the RMSNorms' fp32 upcasts, in fp32 h-vectors per token (planner's figure)
 BUDGET_HEADROOM = 0.9  # plan to this share of the budget: allocator fragmentation, estimate error
+# "auto" optimizer residency is fixed when the engine is built, before any batch: it leaves the working set of a
+# batch this long free (a longer one tiles or offloads in what is left, as it would with streamed layers).
+OPTIMIZER_RESERVE_TOKENS = 4096
 # Offloaded, the device holds about this many boundary activations at once, whatever the depth (measured):
 # a layer's input and output, the next input prefetched, and one on its way out.
 OFFLOAD_IN_FLIGHT = 4
@@ -224,7 +227,39 @@ class LongContextPolicy:
     # "auto" residency with no device budget (a CPU device: host memory): keep what fits in this many bytes
     # (None: no limit)
     residency_room: int | None = None
+    # Layers whose master and Adam state live on the device (engine/update/resident.py), fixed when the engine is
+    # built (hold_optimizer): always kept, their state among the fixed bytes.
+    optimizer: int = 0
     _weights: int | None = field(default=None, repr=False)  # training's kept weights (planned once, only shrink)
+
+    def optimizer_layers(self, reserve_tokens: int = 0) -> int:
+        """"auto" optimizer residency: how many of the first layers keep their FP32 master, gradients and Adam
+        state on the device (residency.OPTIMIZER_BYTES_PER_PARAM), in what the budget leaves after the fixed
+        bytes, the working set of a batch of max(OPTIMIZER_RESERVE_TOKENS, `reserve_tokens`) tokens (the engine:
+        the model's context window; that state cannot shrink when a batch needs room) and every layer's kept
+        weights (the ring
+        freed then): weights first, as a kept layer's weights save a copy each way per micro-batch for its
+        compute-dtype bytes, and its optimizer state then saves its gradient's copy down, the host's AdamW and the
+        copy back up for 16 B/param more. None where not every layer's weights fit. With no budget (a CPU
+        device, whose "device" memory is the host's): what fits in `residency_room`."""
+        if self.budget is None:
+            return kept.plan_optimizer(self.n_layers, self.dims.numel, 0, self.residency_room)
+        with warnings.catch_warnings():  # a budget too small for that batch: no optimizer state, not a warning
+            warnings.simplefilter("ignore")
+            reserve = self._plan(max(OPTIMIZER_RESERVE_TOKENS, reserve_tokens)).predicted_peak_bytes - self.fixed_bytes
+        room = (int(BUDGET_HEADROOM * self.budget) - self.fixed_bytes - reserve
+                - self._weights_bytes(self.n_layers))
+        if room < 0:
+            return 0
+        return kept.plan_optimizer(self.n_layers, self.dims.numel, 0, room)
+
+    def hold_optimizer(self, count: int) -> None:
+        """`count` layers update on the device from now on: their weights join the kept ones of every plan, and
+        under a budget their state the fixed bytes (with none, a CPU device's, that state is the host store's, held
+        before any batch as it always was)."""
+        self.optimizer = min(count, self.n_layers)
+        if self.budget is not None:
+            self.fixed_bytes += self.optimizer * self.dims.numel * kept.OPTIMIZER_BYTES_PER_PARAM
 
     def plan(self, tokens: int, train: bool = True, logits_tokens: int = 0) -> BatchPlan:
         """The batch's plan. A training batch owns the placement: "auto" weights are planned at the first one and
@@ -242,8 +277,8 @@ class LongContextPolicy:
         """What a non-training forward finds kept (no graphs): training's placement, counts as set or "auto" as
         the training batches planned it; None before any training batch ("auto": that forward plans its own)."""
         if self.residency != kept.AUTO:
-            return kept.Residency(self.residency.capped(self.n_layers).weights, 0)
-        return None if self._weights is None else kept.Residency(self._weights, 0)
+            return kept.Residency(self.residency.capped(self.n_layers).weights, 0, self.optimizer)
+        return None if self._weights is None else kept.Residency(max(self._weights, self.optimizer), 0, self.optimizer)
 
     def _weights_bytes(self, weights: int) -> int:
         """Device bytes `weights` kept layers add (every layer kept: the ring is freed)."""
@@ -259,14 +294,14 @@ class LongContextPolicy:
         graph_bytes = layer_graph_bytes(self.dims, tokens, itemsize)
         if self.residency != kept.AUTO:
             r = self.residency.capped(self.n_layers)
-            r = r if allowed else kept.Residency(r.weights, 0)
+            r = r if allowed else kept.Residency(r.weights, 0, r.optimizer)
         else:
             if self.budget is None:
                 room = self.residency_room
             else:
                 room = max(0, int(BUDGET_HEADROOM * self.budget) - choice.predicted_peak_bytes)
             r = kept.plan(self.n_layers, self.dims.numel * itemsize, graph_bytes, room, self.ring_bytes, allowed,
-                          self._weights)
+                          self._weights, self.optimizer)
             if train:  # the placement is training's; a forward before any training batch plans only for itself
                 self._weights = r.weights
         if self.budget is not None:

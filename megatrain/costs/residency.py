@@ -9,8 +9,10 @@ A graph holds its layer's weights, so graph layers are kept layers; both are the
 (their compute at the start of the forward hides the ring's first copies, and they end the backward).
 
 Both are the same ops in the same order as streaming with recompute, so losses and gradients are
-bit-identical (tests/unit/test_residency.py). Plain arithmetic, no torch: the engine's per-batch plan
-(costs/memory.py) and the planner use this one model.
+bit-identical (tests/unit/test_residency.py). An *optimizer-resident* layer (also the first ones, all of them
+kept) has its FP32 master, gradient slab and Adam state on the device, updated there by torch's AdamW: no gradient
+copy to the host, no weight copy back (engine/update/resident.py; tests/unit/test_optimizer_residency.py).
+Plain arithmetic, no torch: the engine's per-batch plan (costs/memory.py) and the planner use this one model.
 """
 
 from __future__ import annotations
@@ -23,19 +25,29 @@ AUTO, STREAM = "auto", "stream"
 @dataclass(frozen=True)
 class Residency:
     """The first `weights` layers keep their weights on the device; the first `activations` of them keep their
-    forward's autograd graph for backward."""
+    forward's autograd graph for backward; the first `optimizer` of them keep their FP32 master and Adam state
+    there too, updated on the device."""
 
     weights: int = 0
     activations: int = 0
+    optimizer: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("weights", "activations"):
+        for name in ("weights", "activations", "optimizer"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"residency {name}={v!r} must be an int >= 0 (a count of layers)")
         if self.activations > self.weights:
             raise ValueError(f"residency activations={self.activations} > weights={self.weights}: a kept graph "
                              f"holds its layer's weights, so keep at least as many layers' weights")
+        if self.optimizer > self.weights:
+            raise ValueError(f"residency optimizer={self.optimizer} > weights={self.weights}: an optimizer-resident "
+                             f"layer's weights live on the device, so set weights >= {self.optimizer}")
+
+    @property
+    def updated_on_device(self) -> frozenset[int]:
+        """The layers whose master and Adam state live and update on the device."""
+        return frozenset(range(self.optimizer))
 
     @property
     def kept(self) -> frozenset[int]:
@@ -46,20 +58,27 @@ class Residency:
         return frozenset(range(self.activations))
 
     def capped(self, n_layers: int) -> Residency:
-        return Residency(min(self.weights, n_layers), min(self.activations, n_layers))
+        return Residency(min(self.weights, n_layers), min(self.activations, n_layers), min(self.optimizer, n_layers))
 
     def describe(self, n_layers: int) -> str:
         if self.weights == 0:
             return f"residency: stream all {n_layers} layers (weights copied per pass, every layer recomputed)"
-        return (f"residency: {self.weights} of {n_layers} layers' weights on the device, {self.activations} "
+        line = (f"residency: {self.weights} of {n_layers} layers' weights on the device, {self.activations} "
                 f"keep their activations (not recomputed)")
+        if self.optimizer:
+            line += f", {self.optimizer} update on the device (FP32 master and Adam state there)"
+        return line
 
     def to_dict(self) -> dict[str, int]:
-        return {"weights": self.weights, "activations": self.activations}
+        """The counts as a setting writes them ("optimizer" only where set: a setting written before it existed
+        reads the same)."""
+        out = {"weights": self.weights, "activations": self.activations}
+        return {**out, "optimizer": self.optimizer} if self.optimizer else out
 
 
 def parse(value: object) -> str | Residency:
-    """A `residency` setting as written: "auto", "stream", {"weights": n, "activations": m} or a Residency."""
+    """A `residency` setting as written: "auto", "stream", {"weights": n, "activations": m, "optimizer": k} or a
+    Residency."""
     if isinstance(value, Residency):
         return value
     if value == STREAM:
@@ -67,26 +86,46 @@ def parse(value: object) -> str | Residency:
     if value == AUTO:
         return AUTO
     if isinstance(value, dict):
-        unknown = set(value) - {"weights", "activations"}
+        unknown = set(value) - {"weights", "activations", "optimizer"}
         if unknown or "weights" not in value:
-            raise ValueError(f"residency={value!r}: give {{'weights': n, 'activations': m}} (layers counted from "
-                             f"the first; activations <= weights, default 0), 'auto' or 'stream'")
-        return Residency(value["weights"], value.get("activations", 0))
+            raise ValueError(f"residency={value!r}: give {{'weights': n, 'activations': m, 'optimizer': k}} (layers "
+                             f"counted from the first; activations and optimizer <= weights, default 0), 'auto' or "
+                             f"'stream'")
+        return Residency(value["weights"], value.get("activations", 0), value.get("optimizer", 0))
     raise ValueError(f"residency={value!r} is not a residency: use 'auto' (plan from the device budget), 'stream' "
-                     f"(every layer streamed and recomputed) or {{'weights': n, 'activations': m}}")
+                     f"(every layer streamed and recomputed) or {{'weights': n, 'activations': m, 'optimizer': k}}")
 
 
 def plan(n_layers: int, layer_bytes: int, graph_bytes: int, room: int | None, ring_bytes: int,
-         graphs_allowed: bool, weights_cap: int | None = None) -> Residency:
+         graphs_allowed: bool, weights_cap: int | None = None, optimizer: int = 0) -> Residency:
     """The "auto" residency for `room` free device bytes (None: no limit) beyond a batch's working set: kept
     weights first (the cheaper bytes, and a graph needs them), then graphs in what is left. Keeping every
     layer frees the ring of streaming buffers (`ring_bytes`). `graphs_allowed`: False for a batch whose layers
     are tiled or whose boundary activations are offloaded (their backward has its own schedule).
-    `weights_cap`: weights are planned once per run (at the first batch) and only ever shrink afterwards."""
+    `weights_cap`: weights are planned once per run (at the first batch) and only ever shrink afterwards.
+    `optimizer`: the layers updated on the device (fixed when the engine is built, plan_optimizer): kept whatever
+    the room (their weights are their device master's shadow, which cannot stream)."""
+    optimizer = min(optimizer, n_layers)
     cap = n_layers if weights_cap is None else min(weights_cap, n_layers)
+    cap = max(cap, optimizer)
     if room is None:
-        return Residency(cap, cap if graphs_allowed else 0)
-    weights = max(0, min(cap, room // max(layer_bytes, 1)))
+        return Residency(cap, cap if graphs_allowed else 0, optimizer)
+    weights = max(optimizer, min(cap, room // max(layer_bytes, 1)))
     left = room - weights * layer_bytes + (ring_bytes if weights == n_layers else 0)
     graphs = max(0, min(weights, left // max(graph_bytes, 1))) if graphs_allowed else 0
-    return Residency(int(weights), int(graphs))
+    return Residency(int(weights), int(graphs), optimizer)
+
+
+# Device bytes per parameter an optimizer-resident layer holds beyond its kept compute-dtype weights: the FP32
+# master (4), Adam's m and v (8) and the FP32 gradient slab (4).
+OPTIMIZER_BYTES_PER_PARAM = 16
+
+
+def plan_optimizer(n_layers: int, layer_numel: int, itemsize: int, room: int | None) -> int:
+    """The "auto" count of optimizer-resident layers for `room` device bytes (None: no limit, every layer): each
+    takes OPTIMIZER_BYTES_PER_PARAM per parameter and `itemsize` more (its kept weights, where `room` does not
+    hold them already), and they are the first layers."""
+    if room is None:
+        return n_layers
+    per_layer = layer_numel * (itemsize + OPTIMIZER_BYTES_PER_PARAM)
+    return int(max(0, min(n_layers, room // max(per_layer, 1))))

@@ -53,7 +53,7 @@ from .runtime.host_copy import HostCopy, host_value, to_device, to_host
 from .runtime.malloc import set_mmap_threshold
 from .runtime.memtrack import DeviceMemoryTracker, tracked
 from .runtime.stream import Streams, Trace
-from .update import speculative
+from .update import resident, speculative
 from .update.choose import choose as choose_update
 from .update.clipping import Clipping, checked_max_norm
 from .update.optim import LayeredStep, OptimizerArg, adopt_optimizer, move_onto_masters, unsupported_reason
@@ -142,6 +142,13 @@ class Engine:
         # forward and backward run under it (@tracked), when it is on
         self.memory = DeviceMemoryTracker(self.device) if config.measure_device_memory else None
 
+        # Optimizer residency (update/resident.py): the first layers' masters moved onto the device before the
+        # optimizer is built over them (its Adam state is made beside them); "auto" sizes it from the device budget.
+        auto = (policy.optimizer_layers(resident.reserve_tokens(self.hf_config))
+                if resident.auto_applies(config, self.device, self.store) else 0)
+        count = resident.resolve(config, self.store, self.dp is not None, auto)
+        self.optimizer_layers = resident.place(self.store, count, self.device)
+        policy.hold_optimizer(count)
         # The step: the optimizer over the masters, what the ranks exchange, and when each layer's update runs.
         self.events = LayerEvents(len(self.store.layers), config.watchdog_s)
         opt = adopt_optimizer(optimizer, self.store.named_parameters(self.parts.layers_prefix), self._name_of,
@@ -157,11 +164,12 @@ class Engine:
         # The optimizer in backward: one verdict per step from every rank; the NVMe tier, when configured.
         self.update = choose_update(opt, self.store, self.events, config, self.trace_log,
                                     agree=self.ranks.agree_max if self.dp is not None else None,
-                                    spill=spill_for(self.store, config, self.node))
+                                    spill=spill_for(self.store, config, self.node), device_layers=self.optimizer_layers)
         self.spill = self.update.spill
         self.pipeline = LayerPipeline(self.store, self.templates, self.streams, self.trace_log, config.num_buffers,
                                       self.compute_dtype, self.device, _has_dropout(self.hf_config), self.events,
                                       policy, self.ranks.sink(self.update.grad_sink))
+        self.pipeline.optimizer_layers = self.optimizer_layers
         self._global_grads = GlobalGradSink(self.store, self.streams, self.pipeline, self.compute_dtype)
         # The pipeline's own reductions write every layer's slab: zero_grad() can leave zeroing to them.
         self.events.slabs.overwrite = self.pipeline.grad_sink is None
@@ -448,7 +456,8 @@ class Engine:
                     continue
                 g = self.clipping.as_read(g)  # widened, the clip still pending on it applied to a copy
                 norms.append(slab_norm(g))
-            self._norm = self.ranks.total_norm(norms)
+            # A device-resident layer's norm is the device's (update/resident.py): combined with the rest on the host.
+            self._norm = self.ranks.total_norm([n.cpu() for n in norms])
             self._norm_at = self._slab_versions()
         return self._norm
 
@@ -577,7 +586,7 @@ class Engine:
         """HF-named FP32 copies of every parameter (tied weights under each of their names)."""
         self.synchronize()
         named = dict(self.named_parameters())
-        out = {n: p.detach().clone() for n, p in named.items()}
+        out = {n: p.detach().to("cpu", copy=True) for n, p in named.items()}  # a device-resident layer's too
         out.update({a: out[n] for a, n in self._aliases.items()})
         return out
 

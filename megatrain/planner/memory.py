@@ -82,6 +82,12 @@ class LongContext:
     graphs_allowed: bool = True  # False when the batch is tiled or offloads its boundary activations
     # device bytes the batch's working set leaves for residency (None: no limit, a CPU device)
     residency_room: int | None = None
+    # one optimizer-resident layer's FP32 master, gradients and Adam state on the device (beyond its kept weights)
+    optimizer_state_bytes: int = 0
+
+    @property
+    def kept_optimizer_bytes(self) -> int:
+        return self.residency.optimizer * self.optimizer_state_bytes
 
     @property
     def kept_weight_bytes(self) -> int:
@@ -98,7 +104,7 @@ class LongContext:
     @property
     def residency_bytes(self) -> int:
         """What the placement adds to the device peak (the freed ring counted off)."""
-        return self.kept_weight_bytes + self.kept_graph_bytes - self.ring_freed_bytes
+        return self.kept_weight_bytes + self.kept_graph_bytes + self.kept_optimizer_bytes - self.ring_freed_bytes
 
     @property
     def working_bytes(self) -> int:
@@ -112,7 +118,8 @@ class LongContext:
         if self.residency_room is None:
             return True
         freed = self.ring_bytes if r.weights >= self.n_layers else 0
-        return r.weights * self.layer_bytes + r.activations * self.graph_bytes - freed <= self.residency_room
+        return (r.weights * self.layer_bytes + r.activations * self.graph_bytes
+                + r.optimizer * self.optimizer_state_bytes - freed <= self.residency_room)
 
     def placed(self, r: kept_model.Residency) -> LongContext:
         """This batch plan with placement `r` instead (its device peak follows)."""
@@ -176,6 +183,7 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
         tile_setting=p.mlp_tile_tokens, offload_setting=p.offload_activations, budget=budget,
         fixed_bytes=resident, residency=p.residency, ring_bytes=ring,
         **({} if hw.unified_memory else {"logits_cap": None}))  # GPU: sized from the budget
+    policy.hold_optimizer(optimizer_layers(p, hw, policy))  # the engine fixes it first, when it is built
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "does not fit" is the planner's verdict to give, not a warning
         bp = policy.plan(T)
@@ -188,13 +196,32 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
         resident_weight_bytes=resident, peak_bytes=int(bp.predicted_peak_bytes), budget=policy.budget,
         headroom=device_model.BUDGET_HEADROOM, residency=bp.residency, n_layers=L, layer_bytes=dims.numel * c,
         graph_bytes=device_model.layer_graph_bytes(dims, T, c), ring_bytes=ring,
-        graphs_allowed=bp.tile is None and not bp.offload)
-    # The policy counts an "auto" placement into its peak under a budget, and explicit counts not at all; here
-    # the peak always holds the placement, and the room it was chosen in is kept for the planner's search.
+        graphs_allowed=bp.tile is None and not bp.offload,
+        optimizer_state_bytes=dims.numel * kept_model.OPTIMIZER_BYTES_PER_PARAM)
+    # The policy counts an "auto" placement into its peak under a budget, and explicit counts not at all (but the
+    # optimizer-resident layers' state, among its fixed bytes always); here the peak always holds the placement,
+    # and the room it was chosen in is kept for the planner's search.
     counted = p.residency == kept_model.AUTO and budget is not None
-    base = lc.peak_bytes - (lc.residency_bytes if counted else 0)
+    in_policy = lc.residency_bytes if counted else lc.kept_optimizer_bytes if budget is not None else 0
+    base = lc.peak_bytes - in_policy
     room = None if budget is None else max(0, int(device_model.BUDGET_HEADROOM * budget) - base)
     return dataclasses.replace(lc, peak_bytes=base + lc.residency_bytes, residency_room=room)
+
+
+def optimizer_layers(p: Point, hw: Hardware, policy: device_model.LongContextPolicy) -> int:
+    """The layers whose optimizer state the engine keeps on the device at this point (engine/update/resident.py):
+    the counts as set, or "auto" as the engine sizes it (the policy's optimizer_layers; on a CPU device with no
+    budget every layer with an FP32 master, none with hi/lo); none where the engine refuses it."""
+    if p.optimizer_in_backward or p.master == "bf16" or p.data_parallel:
+        return 0
+    if isinstance(p.residency, kept_model.Residency):
+        return min(p.residency.optimizer, p.model.num_layers)
+    if p.residency != kept_model.AUTO:
+        return 0
+    if policy.budget is None:
+        return p.model.num_layers if p.master == "fp32" else 0
+    # the engine leaves the model's context window free; a longer point (refused, but its memory still told) its own
+    return policy.optimizer_layers(max(p.model.max_positions, p.tokens))
 
 
 def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
@@ -207,15 +234,16 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
     mb, shadow = master_bytes(p)
     gb = layer_grad_bytes(p)
     G = P - L * PL  # embedding, head, final norm: FP32 master and gradient in every mode
+    K = lc.residency.optimizer  # layers whose master, gradients and Adam state are on the device instead
     # What the engine pins on CUDA (the same rule as its store and preflight): each layer's streamed copy,
     # the resident masters, the staging slots, and the offloaded activations' host buffers.
     pin = {} if hw.unified_memory else pinned_bytes(m.layer_sizes(), resident, c, True, c)
     host = {
-        "master weights": L * PL * mb + G * 4,
-        "gradients": L * PL * gb + G * 4,
-        "adam m": P * 4,
-        "adam v": P * 4,
-        "bf16 shadow (streams)": L * PL * shadow,  # only layers stream; resident params convert once
+        "master weights": (L - K) * PL * mb + G * 4,
+        "gradients": (L - K) * PL * gb + G * 4,
+        "adam m": (P - K * PL) * 4,
+        "adam v": (P - K * PL) * 4,
+        "bf16 shadow (streams)": (L - K) * PL * shadow,  # only layers stream; resident params convert once
         # pinned slots of the largest layer that gradients land in on CUDA (engine/pipeline/schedule.py); a CPU device adds
         # gradients straight into the slabs, or stages them in two buffers with the optimizer in backward
         "pinned grad staging": pin.get("grad staging", 0) if pin else (2 * PL * c if p.optimizer_in_backward else 0),
@@ -232,13 +260,15 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         "embedding row staging": 0 if not pin else T * (h * c + 8),
         "runtime": int(hw.host_reserved_gib * GIB),
         # a copy of each layer's master and Adam state, to undo an update started before the step's verdict
-        "speculative rollback copy": rollback_bytes(p) if speculative_on(p, hw) else 0,
+        # (the host-updated layers': an optimizer-resident layer is not speculated)
+        "speculative rollback copy": rollback_bytes(p) * (L - K) // L if speculative_on(p, hw) and L else 0,
     }
     device = {
         # the streaming ring, freed when every layer is kept (costs/residency.py)
         "layer buffers": max(0, p.num_buffers * PL * c - lc.ring_freed_bytes),
         "kept layers' weights (residency)": lc.kept_weight_bytes,
         "kept layers' forward graphs (residency)": lc.kept_graph_bytes,
+        "optimizer-resident layers' FP32 master, gradients, Adam m and v": lc.kept_optimizer_bytes,
         "embedding/head/norm": resident * c,
         "boundary activations": lc.boundary_bytes,  # all L resident, or a few in flight when offloaded
         # one layer's recompute + backward and the head/loss never run at once: the policy's larger

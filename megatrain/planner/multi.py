@@ -254,6 +254,8 @@ def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int 
     check_topology(hw, gpus_per_node, nodes, p.backend)
     if gpus_per_node * nodes > 1 and left_auto(p.speculative_step):
         p = dataclasses.replace(p, speculative_step=False)  # the engine's "auto": off with several ranks
+    if gpus_per_node * nodes > 1:
+        p = dataclasses.replace(p, data_parallel=True)  # no optimizer residency (engine/update/resident.py)
     single = plan_point(p, hw)
     n = gpus_per_node
     if n * nodes == 1:

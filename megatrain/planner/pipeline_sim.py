@@ -3,7 +3,8 @@ costs/pipeline.py's, the one engine/pipeline/schedule.py executes, and each step
 With a residency (costs/residency.py) the kept layers hold buffers of their own, loaded once per step (the
 optimizer changes the masters between steps) on the h2d lane ahead of the ring's prefetches (the order issues
 them first), and the graph layers' backward runs without the recompute: the
-step's weight copies and recomputed layers are counted from the replay, as the engine counts its own."""
+step's weight copies and recomputed layers are counted from the replay, as the engine counts its own. An
+optimizer-resident layer (engine/update/resident.py) copies neither its weights up nor its gradients down."""
 
 from __future__ import annotations
 
@@ -81,7 +82,9 @@ class PipelineSim:
 
     def _weights(self, step: order.Step) -> None:
         """A LOAD (a copy on the h2d lane) or a WAIT for one (the compute timeline)."""
-        if step.op == order.LOAD:
+        if step.op == order.LOAD and step.layer < self.residency.optimizer:
+            self.loaded[step.slot] = self.t  # its kept weights are its device master's shadow: nothing copied
+        elif step.op == order.LOAD:
             self.loaded[step.slot] = self._job("h2d", self.t, self.c.load, "load", step.layer)
             self.bytes_jobs["load"] += 1
         else:
@@ -94,6 +97,8 @@ class PipelineSim:
 
     def _send_grad(self, layer: int) -> None:
         c = self.c
+        if layer < self.residency.optimizer:
+            return  # added into its device slab by the backward's own thread: no copy, no reducer job
         self.bytes_jobs["grad"] += 1
         if not c.cuda:
             self._job("d2h", self.t, max(c.grad, c.reduce), "grad", layer)

@@ -1,13 +1,15 @@
 """The planner's residency search: for `residency: "auto"`, the placement of kept weights and kept graphs that
 maximizes predicted throughput within the room the batch's working set leaves on the device.
 
-The engine's own "auto" (costs/residency.py `plan`) fills that room with kept weights first, then graphs. That
+The engine's own "auto" (costs/residency.py `plan`) fills that room with kept weights first, then graphs (after
+the optimizer-resident layers it fixed when it was built, costs/memory.py `optimizer_layers`). That
 is the best placement when the weight copies bind (a short batch on a slow link) but not always when compute
 binds: a kept layer's weights then save copies the compute hid anyway, while a kept graph saves its layer's
 recompute. Along the frontier of placements that fill the room (a kept graph needs its layer's weights kept:
 activations <= weights), each candidate is replayed through the engine's pipeline (step_time.megatrain_time) and
-the fastest wins. Where it beats the engine's fill by more than PREFER_ENGINE_WITHIN, the plan says so and its
-config section writes the counts; otherwise the engine's "auto" runs as planned and nothing is written.
+the fastest wins; so are placements that trade some optimizer-resident layers for kept graphs
+(`optimizer_trades`). Where it beats the engine's fill by more than PREFER_ENGINE_WITHIN, the plan says so and
+its config section writes the counts; otherwise the engine's "auto" runs as planned and nothing is written.
 """
 
 from __future__ import annotations
@@ -61,18 +63,37 @@ def frontier(lc: LongContext) -> list[kept.Residency]:
     if lc.residency_room is None or not lc.graphs_allowed or engine.activations >= min(engine.weights, L):
         return [engine]  # everything fits, or graphs cannot be kept, or every kept layer keeps its graph already
     out = []
+    k = engine.optimizer  # fixed when the engine is built: every placement keeps those layers
     for a in range(engine.activations, L + 1):
-        w = _most_weights(lc, a)
-        if w < a:
+        w = _most_weights(lc, a, k)
+        if w < max(a, k):
             break
-        out.append(kept.Residency(w, a))
+        out.append(kept.Residency(w, a, k))
     return out
 
 
-def _most_weights(lc: LongContext, graphs: int) -> int:
-    if lc.fits(kept.Residency(lc.n_layers, min(graphs, lc.n_layers))):
+def optimizer_trades(lc: LongContext) -> list[kept.Residency]:
+    """Placements that give up some of the engine's optimizer-resident layers for kept graphs: for a sample of
+    counts below the engine's, every layer's weights and as many graphs as then fit. Each optimizer-resident layer
+    saves the host's update and its copies; each graph its layer's recompute: which gains more is the replay's to
+    say, not the bytes'."""
+    L, k = lc.n_layers, lc.residency.optimizer
+    if lc.residency_room is None or not lc.graphs_allowed or not k or lc.residency.activations >= L:
+        return []
+    out = []
+    for opt in sorted({round(i * k / (FRONTIER_SAMPLES - 1)) for i in range(FRONTIER_SAMPLES - 1)}, reverse=True):
+        room = lc.residency_room + lc.ring_bytes - L * lc.layer_bytes - opt * lc.optimizer_state_bytes
+        graphs = min(L, max(0, room // max(lc.graph_bytes, 1)))
+        r = kept.Residency(L, graphs, opt)
+        if graphs > lc.residency.activations and lc.fits(r):
+            out.append(r)
+    return out
+
+
+def _most_weights(lc: LongContext, graphs: int, optimizer: int = 0) -> int:
+    if lc.fits(kept.Residency(lc.n_layers, min(graphs, lc.n_layers), min(optimizer, lc.n_layers))):
         return lc.n_layers
-    room = (lc.residency_room or 0) - graphs * lc.graph_bytes
+    room = (lc.residency_room or 0) - graphs * lc.graph_bytes - optimizer * lc.optimizer_state_bytes
     return max(-1, min(lc.n_layers - 1, room // max(lc.layer_bytes, 1)))
 
 
@@ -88,7 +109,7 @@ def search(lc: LongContext, step_of: Callable[[kept.Residency], Time]) -> tuple[
     """The fastest placement on the sampled frontier (`step_of` replays one), the engine's fill kept unless
     another beats it by more than PREFER_ENGINE_WITHIN."""
     engine = lc.residency
-    times = {r: step_of(r) for r in dict.fromkeys([engine, *_sample(frontier(lc))])}
+    times = {r: step_of(r) for r in dict.fromkeys([engine, *_sample(frontier(lc)), *optimizer_trades(lc)])}
     best = min(times, key=lambda r: times[r].step_s)
     if times[best].step_s >= times[engine].step_s * (1 - PREFER_ENGINE_WITHIN):
         best = engine

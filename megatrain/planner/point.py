@@ -69,6 +69,8 @@ class Point:
     # which layers stay on the device (EngineConfig.residency, costs/residency.py): "auto" (the planner's placement
     # within the device budget, planner/placement.py), or counts (a Residency; "stream" is Residency(0, 0))
     residency: str | kept.Residency = ENGINE_RESIDENCY
+    # several data-parallel ranks (planner/multi.py): the engine keeps no layer's optimizer on the device then
+    data_parallel: bool = False
 
     @property
     def master(self) -> str:

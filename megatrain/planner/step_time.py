@@ -121,6 +121,18 @@ def _optimizer_bytes_per_param(master: int, grad: int, shadow: int, clip: bool) 
     return 2 * master + 16 + grad + shadow + grad + (grad if clip else 0)
 
 
+def device_optimizer_bytes_per_param(p: Point) -> int:
+    """Device bytes per parameter of an optimizer-resident layer's step: the FP32 master, gradient and Adam state
+    as plain PyTorch's step moves them (_optimizer_bytes_per_param), plus its bf16 shadow's write in bf16 compute
+    (in FP32 the kept weights are the master itself)."""
+    return _optimizer_bytes_per_param(4, 4, p.c if p.c == 2 else 0, p.grad_clip)
+
+
+def device_optimizer_bps(hw: Hardware) -> float:
+    """What the device's AdamW streams at: its memory bandwidth (a CPU device's: the host optimizer's rate)."""
+    return hw.optimizer_bps if hw.unified_memory else hw.device_memory_bw_gbs * GB
+
+
 def _engine_accum_bytes(p: Point) -> int:
     """Host bytes per layer-parameter to add a device gradient into its slab: the engine always adds
     (read the gradient, read + write the slab), on either device type."""
@@ -203,6 +215,11 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     head = head_compute(p, hw, recompute_logits=True) + (0.0 if off else io.add_s) + hw.microbatch_overhead_s
     sim, fwd_s, bwd_s, drain = simulate_step(p, costs, head + (0.0 if off else io.down_s), off, residency)
     graphs = len(sim.residency.graphs)
+    # Optimizer-resident layers (engine/update/resident.py) update on the device in step(), as plain PyTorch's
+    # optimizer does (the same bytes per parameter at the device's bandwidth); the host updates the rest.
+    K = min(sim.residency.optimizer, own)
+    device_opt = K * PL * device_optimizer_bytes_per_param(p) / device_optimizer_bps(hw)
+    own -= K
     mb, shadow = master_bytes(p)
     gb = 2 if _is_bf16(p.host_grad_dtype) else 4
     per_param = _optimizer_bytes_per_param(mb, gb, shadow, p.grad_clip)
@@ -214,7 +231,9 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     rate = optimizer_rate_bps(p, hw, overlap)
     opt_busy = (m.param_count() - (L - own) * PL) * per_param / rate
     opt_globals = (m.param_count() - L * PL) * per_param / rate
-    if p.optimizer_in_backward:
+    if own == 0:
+        opt_added = opt_globals  # every layer updates on the device (device_opt) or on another rank
+    elif p.optimizer_in_backward:
         # Each layer's update queued on one host thread as its gradients land (backward order): step()
         # waits for the last one (layer 0, whose backward is last), then updates the globals.
         u = PL * per_param / rate
@@ -252,6 +271,7 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     # into the upload's staging after it on a worker of its own, which the next forward waits for (host_work.py)
     serial = serial_work(p, hw, m.param_count() - L * PL, opt_globals)
     embed_io = (0.0 if off else g * io.down_s) + io.up_s  # what the compute thread spends on them
+    opt_added += device_opt  # after the backward, on the compute stream (the device busy, not idle)
     step = sim.t + opt_added + serial.resident_round_s + io.up_s
     jobs = sim.bytes_jobs
     act = T * h * c
@@ -259,18 +279,19 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     d2h_bytes = jobs["grad"] * PL * c + jobs["act_out"] * act + g * io.down_bytes
     Bl = hw.link_bps
     busy = {
-        "compute": g * (L * (costs.fwd + costs.bwd) - graphs * costs.recompute + head),
+        "compute": g * (L * (costs.fwd + costs.bwd) - graphs * costs.recompute + head) + device_opt,
         "link h2d": h2d_bytes / Bl,
-        "link d2h": d2h_bytes / Bl if costs.cuda else max(d2h_bytes / Bl, g * L * costs.reduce),
+        "link d2h": d2h_bytes / Bl if costs.cuda else max(d2h_bytes / Bl, g * (L - K) * costs.reduce),
         "host optimizer": opt_busy,
+        "device optimizer": device_opt,
     }
     if speculative:
         busy["host rollback copy"] = copy_s
     if costs.cuda:
-        busy["host reducer"] = g * L * costs.reduce
+        busy["host reducer"] = g * (L - K) * costs.reduce  # an optimizer-resident layer's adds are the device's
         busy["host serial (resident update + rounding)"] = serial.total_s
     layers_cause = IDLE_LAYERS_SPECULATIVE if speculative else IDLE_LAYERS if overlap else IDLE_LAYERS_AFTER
-    idle = _megatrain_idle(sim, drain, opt_added, opt_globals, layers_cause,
+    idle = _megatrain_idle(sim, drain, opt_added - device_opt, opt_globals, layers_cause,
                            serial.resident_round_s, io.up_s)
     idle["other"] = max(0.0, step - busy["compute"] - sum(idle.values()))
     k = p.num_buffers

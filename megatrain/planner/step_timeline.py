@@ -67,8 +67,10 @@ def step_timeline(p: Point, hw: Hardware, t: Time) -> StepTimeline:
         both, rounding = host.pop(SERIAL), t.idle_s.get(IDLE_ROUND, 0.0)
         host[LAUNCH], host[ROUNDING] = both - rounding, rounding
     reducer = None
-    if "host reducer" in busy:  # CUDA
-        per_layer = busy["host reducer"] / (p.grad_accum * p.model.num_layers)
+    # layers whose gradients the host reducer adds (an optimizer-resident layer's are added on the device)
+    reduced = p.model.num_layers - (t.residency.optimizer if t.residency is not None else 0)
+    if "host reducer" in busy and reduced:  # CUDA
+        per_layer = busy["host reducer"] / (p.grad_accum * reduced)
         nbytes = reducer_bytes_per_param(p)
         reducer = ReducerTerm(reducer_threads(hw), nbytes, p.model.layer_params() * nbytes / per_layer / 1e9,
                               per_layer, t.layer.bwd_compute, busy["host reducer"])

@@ -49,7 +49,8 @@ def _states(pl) -> int:
 
 @pytest.mark.parametrize("name", ["llama2-7b", "qwen2.5-14b", "dense-120b", "tiny-qwen2"])
 def test_fp32_host_state_is_16_bytes_per_param(name):
-    pl = plan(name, 1024, 1, dtype="float32", hardware=H200, offload_activations=False)
+    # (residency "stream": every layer's state on the host; "auto" keeps some layers' optimizer on the device)
+    pl = plan(name, 1024, 1, dtype="float32", hardware=H200, offload_activations=False, residency="stream")
     P = PRESETS[name].param_count()
     assert _states(pl) == 16 * P
     assert pl.memory.host["bf16 shadow (streams)"] == 0
@@ -57,7 +58,7 @@ def test_fp32_host_state_is_16_bytes_per_param(name):
 
 def test_bf16_shadow_covers_streamed_layers_only():
     m = get_preset("qwen2.5-7b")
-    pl = plan(m, 1024, dtype="bfloat16", hardware=H200)
+    pl = plan(m, 1024, dtype="bfloat16", hardware=H200, residency="stream")  # every layer's state on the host
     assert pl.memory.host["bf16 shadow (streams)"] == 2 * m.num_layers * m.layer_params()
     assert _states(pl) == 16 * m.param_count()
     # the exact hi/lo split streams its hi half: no shadow
@@ -78,7 +79,7 @@ def test_planner_layer_bytes_are_the_engine_modes(master, grad, oib):
 
     m = get_preset("qwen2.5-7b")
     pl = plan(m, 1024, hardware=H200, master=master, host_grad_dtype=grad, optimizer_in_backward=oib,
-              grad_clip=not oib)
+              grad_clip=not oib, residency="stream")  # every layer's state on the host
     h, n_layers = pl.memory.host, m.num_layers * m.layer_params()
     glob = m.param_count() - n_layers
     layer_state = _states(pl) + h["bf16 shadow (streams)"] - 16 * glob
@@ -241,8 +242,9 @@ def test_forward_is_link_bound_below_the_crossover_and_compute_bound_above():
 
 
 def test_slow_link_makes_the_link_the_bottleneck():
-    fast = plan("llama2-7b", 4096, 1, hardware=H200)
-    slow = plan("llama2-7b", 4096, 1, hardware=H200, link_gbs=1.0)
+    # every layer streamed ("auto" would keep every layer and its optimizer on the device: no link to bind)
+    fast = plan("llama2-7b", 4096, 1, hardware=H200, residency="stream")
+    slow = plan("llama2-7b", 4096, 1, hardware=H200, link_gbs=1.0, residency="stream")
     assert slow.time.bottleneck == "link"
     assert slow.time.copy_wait_s > fast.time.copy_wait_s
     assert slow.time.step_s > fast.time.step_s
@@ -344,8 +346,9 @@ def test_planner_matches_a_real_engines_policy():
 
 
 def test_monotone_in_batch_context_and_size():
-    dev = [plan("qwen2.5-14b", 4096, b, hardware=H200, offload_activations=False, mlp_tile_tokens=None)
-           for b in (1, 2, 4, 8)]
+    # streamed: "auto" fills the device budget (kept weights and graphs, optimizer state) at every batch
+    dev = [plan("qwen2.5-14b", 4096, b, hardware=H200, offload_activations=False, mlp_tile_tokens=None,
+                residency="stream") for b in (1, 2, 4, 8)]
     assert all(a.memory.device_total < b.memory.device_total for a, b in zip(dev, dev[1:]))
     assert all(a.time.step_s < b.time.step_s for a, b in zip(dev, dev[1:]))
     # tokens/s grows with the batch while the host update binds: without the speculative step. With it the update
@@ -353,8 +356,8 @@ def test_monotone_in_batch_context_and_size():
     serial = [plan("qwen2.5-14b", 4096, b, hardware=H200, offload_activations=False, mlp_tile_tokens=None,
                    speculative_step=False) for b in (1, 2, 4, 8)]
     assert all(a.tokens_per_s <= b.tokens_per_s for a, b in zip(serial, serial[1:]))
-    ctx = [plan("qwen2.5-14b", s, 1, hardware=H200, offload_activations=False, mlp_tile_tokens=None).memory.device_total
-           for s in (1024, 2048, 4096)]
+    ctx = [plan("qwen2.5-14b", s, 1, hardware=H200, offload_activations=False, mlp_tile_tokens=None,
+                residency="stream").memory.device_total for s in (1024, 2048, 4096)]
     assert ctx == sorted(ctx)
     hosts = [plan(n, 1024, hardware=H200).memory.host_total for n in ("llama2-7b", "qwen2.5-14b", "qwen2.5-32b")]
     assert hosts == sorted(hosts)

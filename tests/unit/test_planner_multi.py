@@ -17,7 +17,10 @@ from megatrain.planner.step_time import megatrain_time
 GIB = 1024**3
 H200 = "h200-pcie"
 MODEL = "llama2-7b"
-POINT = dict(context=4096, batch=4, dtype="bfloat16", hardware=H200)
+# Residency "stream": every layer's optimizer state on the host on one GPU too, as data-parallel ranks keep it (a
+# single GPU's "auto" would keep its layers' optimizer on the device, engine/update/resident.py), so one GPU and a
+# node's ranks hold the same layer state.
+POINT = dict(context=4096, batch=4, dtype="bfloat16", hardware=H200, residency="stream")
 
 
 def _expected_node_bytes(n: int, m: int) -> int:

@@ -17,12 +17,18 @@ COPY = "speculative rollback copy"
 
 
 def test_the_rollback_copy_is_in_the_host_memory_where_auto_runs_it():
-    on = plan("llama2-7b", 4096, batch=4, hardware="h200-pcie")
-    off = plan("llama2-7b", 4096, batch=4, hardware="h200-pcie", speculative_step=False)
+    # every layer updated on the host (residency "stream"): the copy is each layer's, the only difference
+    on = plan("llama2-7b", 4096, batch=4, hardware="h200-pcie", residency="stream")
+    off = plan("llama2-7b", 4096, batch=4, hardware="h200-pcie", residency="stream", speculative_step=False)
     m = on.point.model
-    assert on.memory.host[COPY] == m.num_layers * m.layer_params() * rollback_bytes_per_param(HostMaster.FP32, True)
+    per_layer = m.layer_params() * rollback_bytes_per_param(HostMaster.FP32, True)
+    assert on.memory.host[COPY] == m.num_layers * per_layer
     assert off.memory.host[COPY] == 0
     assert on.memory.host_total - off.memory.host_total == on.memory.host[COPY]
+    # residency "auto": optimizer-resident layers update on the device, not speculated: no copy of theirs
+    auto = plan("llama2-7b", 4096, batch=4, hardware="h200-pcie")
+    k = auto.long_context.residency.optimizer
+    assert 0 < k < m.num_layers and auto.memory.host[COPY] == (m.num_layers - k) * per_layer
     # "auto" is off on a CPU device, and where the copy would not fit beside the store
     assert not speculative_on(make_point("llama2-7b", 4096), get_hardware("cpu"))
     small = get_hardware("h200-pcie")

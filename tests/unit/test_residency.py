@@ -80,7 +80,7 @@ def test_negative_control_kept_weights_not_copied_after_a_step_are_caught(monkey
     copied = {"compute_dtype": "float32", "link_gbps": 100.0}  # kept layers copied, as on a GPU
     ref = _train(tiny_model("llama", layers=LAYERS), "stream", **copied)
     monkeypatch.setattr(order.DeviceBuffers, "invalidate", invalidate_ring_only)
-    broken = _train(tiny_model("llama", layers=LAYERS), "auto", **copied)
+    broken = _train(tiny_model("llama", layers=LAYERS), {"weights": LAYERS, "activations": LAYERS}, **copied)  # copied: no optimizer residency
     with pytest.raises(AssertionError):
         _same(broken, ref)
 

@@ -287,6 +287,8 @@ class HostStore:
         total = 0.0
         for g in self.groups():
             for t in g.host_tensors():
+                if t.device.type != "cpu":
+                    continue  # an optimizer-resident layer's buffers on a device (engine/update/resident.py)
                 share = self.ranks_sharing if g is not self.globals and t is not g.grad else 1
                 total += t.numel() * t.element_size() / share
         if self.scratch is not None:

@@ -96,6 +96,9 @@ class LayerPipeline:
         # A shared host store or the optimizer in backward: called as grad_sink(layer, staged gradients, event of
         # their staging) instead of adding into a slab; returns the event after which the staging may be reused.
         self.grad_sink = grad_sink
+        # Layers whose master, slab and Adam state live on the device (update/resident.py, set by the engine): their
+        # gradients are added into the device slab here, their kept weights are the device shadow itself.
+        self.optimizer_layers: frozenset[int] = frozenset()
         self._rng: dict[int, tuple] = {}
         self.policy = policy
         self.tile: int | None = None  # MLP sequence tile of the current batch (None: untiled)
@@ -175,13 +178,13 @@ class LayerPipeline:
 
     def _kept_buffer(self, layer: int) -> torch.Tensor:
         src = self.store.layers[layer].stream_source
-        if self.alias_kept and src.dtype == self.dtype:
+        if (self.alias_kept or layer in self.optimizer_layers) and src.dtype == self.dtype:
             return src
         return torch.empty(src.numel(), dtype=self.dtype, device=self.device)
 
     def residency_stats(self) -> dict[str, float]:
         return {"resident_weight_layers": self.residency.weights, "kept_graph_layers": len(self.graphs),
-                "recomputed_layers": self.recomputed}
+                "recomputed_layers": self.recomputed, "optimizer_resident_layers": len(self.optimizer_layers)}
 
     def loss_chunk(self, setting: int | None) -> int:
         """This batch's head/loss chunk: the plan's, else the configured one (None, "auto": the default chunk)."""
@@ -235,7 +238,8 @@ class LayerPipeline:
             return
         slabs, measure = self.events.slabs, self.events.slabs.measure  # measure: as this backward asked
         fused_pays = reduce_kernel.pays(self.streams.d2h.threads)
-        if self.device.type != "cuda":
+        on_device = layer in self.optimizer_layers
+        if self.device.type != "cuda" or on_device:
             def add(overwrite: bool) -> None:
                 for slot, g in zip(group.slots, grads):
                     view = group.view(group.grad, slot)
@@ -255,6 +259,13 @@ class LayerPipeline:
                 slabs.reduce(layer, group.grad, adds, measure)
                 return nbytes
 
+            if on_device:
+                # The slab is the device's: the same adds and norm on this thread, after the queued zeroing (a
+                # flag) and the slab's last writer; nothing crosses the link, no reducer job.
+                self.zeroed[layer].host_wait(self.streams.watchdog_s)
+                self.landed[layer].host_wait(self.streams.watchdog_s)
+                slabs.reduce(layer, group.grad, adds if group.grad.device.type == "cpu" else add, measure)
+                return
             # After the slab's last writer too: data parallel averages it on another thread (engine/parallel/distributed.py).
             # (Today the engine's wait for the resident parameters' average at the start of each backward also
             # orders this, the averages being one FIFO; this keeps each slab's own order explicit.)

@@ -28,10 +28,11 @@ def overlap_pays(device: torch.device, config: EngineConfig, optimizer: torch.op
 
 def choose(optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents, config: EngineConfig,
            trace: Trace, *, agree: Callable[[int, str], int] | None = None,
-           spill: SpillFactory | None = None) -> UpdatePath:
+           spill: SpillFactory | None = None, device_layers: frozenset[int] = frozenset()) -> UpdatePath:
     """The update path the configuration and the optimizer allow. `agree`: how data-parallel ranks reach one
     verdict (ranks.py agree_max; None: one rank), used where layers update in backward; `spill`: the NVMe tier
-    (spill.py spill_for), built by the per-layer path that runs through it."""
+    (spill.py spill_for), built by the per-layer path that runs through it; `device_layers`: the layers whose
+    optimizer state lives on the device (resident.py), updated at step() on the caller's thread."""
     layer_wise = store.per_layer_update or config.optimizer_in_backward or config.nvme_path is not None
     reason = (unsupported_reason(optimizer) if config.optimizer_overlap or layer_wise or config.speculative_step is True
               else None)
@@ -50,7 +51,10 @@ def choose(optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEven
     elif reason is None and (config.optimizer_overlap or layer_wise or layer_pass_pays(optimizer, store)):
         path = Layered(optimizer, store, events, config, trace, spill)
     else:
-        return WholeStep(optimizer, store, events, config)
+        path = WholeStep(optimizer, store, events, config)
+        path.device_layers = device_layers
+        return path
+    path.device_layers = device_layers
     if all(g.get("fused") is True for g in optimizer.param_groups):
         # The fused pass's kernels built and self-checked now, with a warning where they cannot be: not inside the
         # first step, on the optimizer thread, while the next forward waits for it.

@@ -45,6 +45,8 @@ def eligible(optimizer: torch.optim.Optimizer, group: FlatGroup) -> bool:
         return False
     if group.rounding is not None:
         return False  # stochastic rounding draws its random bits a whole layer at a time
+    if group.work is not None and group.work.device.type != "cpu":
+        return False  # an optimizer-resident layer on the device (resident.py): torch's own step over the group
     for g in optimizer.param_groups:
         if g.get("fused") is not True or g.get("differentiable") or g.get("capturable"):
             return False

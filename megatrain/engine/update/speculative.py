@@ -147,8 +147,8 @@ class Speculative(Layered):
     def _speculate(self, i: int) -> None:
         """Queue layer i's speculative update behind its gradients' last reduction."""
         view = self.layered.view_optimizer(i)
-        if view is None:
-            return
+        if view is None or i in self.device_layers:
+            return  # another rank's; or updated at step time on the device (resident.py)
         group, slabs, threads = self.store.layers[i], self.events.slabs, update_threads(True)
 
         def job() -> int:

@@ -85,6 +85,8 @@ class UpdatePath:
     folds_clip = False  # FP32 slabs are clip-scaled inside their update (clipping.py: the clip left pending)
     spill: Spill | None = None  # the NVMe tier (spill.py): spilled state read in around each layer update
     rollbacks = 0  # steps whose speculative layer updates were undone (speculative.py)
+    # Layers whose master and Adam state live on the device (resident.py): updated on the caller's thread at step()
+    device_layers: frozenset[int] = frozenset()
 
     def reset_stats(self) -> None:
         """Start the path's own counts again (Engine.reset_stats)."""
@@ -208,6 +210,9 @@ class Layered(UpdatePath):
         if sync:  # (else the views hold this step's already, taken before jobs that may still run)
             layered.sync_all()  # the previous step's jobs done; this step's LR and state links taken for every view
         for i in range(len(self.store.layers)):
+            if i in self.device_layers:
+                continue
+
             def job(i: int = i) -> int:
                 update(i)
                 return 0
@@ -218,6 +223,11 @@ class Layered(UpdatePath):
             # The embedding first (the next forward reads it first), the final norm and the head after it: the
             # order of the resident group's parameters (placement: the model's own order, embedding first).
             update_group(view, self.store.globals, pending, self.threads)
+        for i in sorted(self.device_layers):
+            # On the device, here: their gradients were added on this thread (no reducer job to wait for), and
+            # what they launch is ordered after the backward that wrote them.
+            self.events.landed[i].host_wait(self.config.watchdog_s)
+            update(i)
         layered.optimizer._opt_called = True  # LR schedulers check that optimizer.step() ran before them
 
     def zero_grad(self) -> None:
