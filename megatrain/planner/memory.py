@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from megatrain.models.presets import ModelPreset
 
+from ..config.schema import left_auto
 from ..costs import memory as device_model
 from ..costs import residency as kept_model
 from ..costs.pinning import pinned_bytes
@@ -201,7 +202,7 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
     # The policy counts an "auto" placement into its peak under a budget, and explicit counts not at all (but the
     # optimizer-resident layers' state, among its fixed bytes always); here the peak always holds the placement,
     # and the room it was chosen in is kept for the planner's search.
-    counted = p.residency == kept_model.AUTO and budget is not None
+    counted = left_auto(p.residency) and budget is not None
     in_policy = lc.residency_bytes if counted else lc.kept_optimizer_bytes if budget is not None else 0
     base = lc.peak_bytes - in_policy
     room = None if budget is None else max(0, int(device_model.BUDGET_HEADROOM * budget) - base)
@@ -216,7 +217,7 @@ def optimizer_layers(p: Point, hw: Hardware, policy: device_model.LongContextPol
         return 0
     if isinstance(p.residency, kept_model.Residency):
         return min(p.residency.optimizer, p.model.num_layers)
-    if p.residency != kept_model.AUTO:
+    if not left_auto(p.residency):
         return 0
     if policy.budget is None:
         return p.model.num_layers if p.master == "fp32" else 0

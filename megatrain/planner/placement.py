@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..config.schema import left_auto
 from ..costs import residency as kept
 from .hardware import Hardware
 from .memory import LongContext
@@ -120,7 +121,7 @@ def search(lc: LongContext, step_of: Callable[[kept.Residency], Time]) -> tuple[
 def place(p: Point, hw: Hardware, lc: LongContext, **timing: object) -> tuple[LongContext, Time, Placement | None]:
     """The batch plan with the planner's placement, its replayed step, and the search (None where the point sets
     its counts, "stream" included). `timing`: megatrain_time's owned_layers / own_reducer."""
-    if p.residency != kept.AUTO:
+    if not left_auto(p.residency):
         return lc, megatrain_time(p, hw, lc.offload, residency=lc.residency, **timing), None
     placement, t = search(lc, lambda r: megatrain_time(p, hw, lc.offload, residency=r, **timing))
     return lc.placed(placement.chosen), t, placement

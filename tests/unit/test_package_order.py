@@ -24,7 +24,7 @@ TIERS: list[tuple[str, set[str]]] = [
     ("backend, run state, measurements", {"backend", "run", "metrics"}),
     ("reading a config", {"config.resolve", "config.settings", "config.deepspeed"}),
     ("engine | planner", {"engine", "planner"}),
-    ("the settings' contract", {"config", "config.schema", "config.validate"}),
+    ("the settings' contract", {"config", "config.schema", "config.validate", "config.settle"}),
     ("costs, models, files", {"costs", "models", "files", "lr_schedules", "_startup"}),
 ]
 APART = {("engine", "planner"), ("planner", "engine")}  # same tier, never importing each other

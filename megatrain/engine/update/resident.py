@@ -27,9 +27,9 @@ import logging
 
 import torch
 
-from ...config.schema import EngineConfig
+from ...config.schema import EngineConfig, left_auto
 from ...costs.modes import HostMaster
-from ...costs.residency import AUTO, Residency
+from ...costs.residency import Residency
 from ..host.codec import master_codec
 from ..host.store import FlatGroup, HostStore
 
@@ -55,7 +55,7 @@ def refusal(config: EngineConfig, store: HostStore, data_parallel: bool) -> str 
 def requested(config: EngineConfig, n_layers: int) -> int | None:
     """The optimizer-resident count the setting fixes (None: "auto" decides)."""
     r = config.residency
-    if r == AUTO or not isinstance(r, Residency):
+    if left_auto(r) or not isinstance(r, Residency):
         return None
     return min(r.optimizer, n_layers)
 
