@@ -164,7 +164,8 @@ def fits_one(backend: str, preset: str, seq: int, batch: int, steps: int) -> dic
     times = [step() for _ in range(steps)]
     if backend == "megatrain":
         stats = {k: v for k, v in model.collect_stats().items()
-                 if k in ("h2d_bytes", "recomputed_layers", "resident_weight_layers", "kept_graph_layers")}
+                 if k in ("h2d_bytes", "d2h_bytes", "recomputed_layers", "resident_weight_layers", "kept_graph_layers",
+                          "optimizer_resident_layers")}
     return {"backend": backend, "step_s": times, "median_s": statistics.median(times), "losses": losses,
             "threads": torch.get_num_threads(), **stats}
 
