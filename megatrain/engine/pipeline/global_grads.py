@@ -33,7 +33,10 @@ class GlobalGradSink:
         self.streams = streams
         self.pipeline = pipeline
         self.cuda = streams.device.type == "cuda"
-        self.asynchronous = self.cuda if asynchronous is None else asynchronous
+        # The resident parameters' slab on the device (update/resident.py place_globals): added there on this thread,
+        # in the stream order of the backward that made them (no copy down, no worker).
+        self.on_device = store.globals.grad.device.type != "cpu"
+        self.asynchronous = (self.cuda if asynchronous is None else asynchronous) and not self.on_device
         self._reducer: CopyStream | None = None
         if self.asynchronous:
             # Its own worker, beside the layers' reducer (a quarter of the cores too: it runs while the first
@@ -67,7 +70,8 @@ class GlobalGradSink:
             return
         if not self.asynchronous:
             for s, g in pairs:
-                group.view(group.grad, s).add_(g.to("cpu", torch.float32))
+                slab = group.view(group.grad, s)
+                slab.add_(g.to(slab.device, torch.float32))
             return
         if self.cuda:
             self._staging_free.host_wait(self.streams.watchdog_s)  # the previous micro-batch's add read it
@@ -99,7 +103,7 @@ class GlobalGradSink:
         slab = group.view(group.grad, group.slots[slot_index])
         rows, grad = rows.reshape(-1), grad.reshape(-1, grad.shape[-1])
         if not self.asynchronous:
-            slab.index_add_(0, rows.cpu(), grad.to("cpu", torch.float32))
+            slab.index_add_(0, rows.to(slab.device), grad.to(slab.device, torch.float32))
             return
         if self.cuda:
             self._rows_free.host_wait(self.streams.watchdog_s)

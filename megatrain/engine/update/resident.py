@@ -135,6 +135,18 @@ def place(store: HostStore, count: int, device: torch.device) -> frozenset[int]:
     return frozenset(range(count))
 
 
+def place_globals(store: HostStore, count: int, device: torch.device) -> bool:
+    """The resident parameters' (embedding, final norm, LM head) FP32 master, gradient slab and Adam state onto
+    `device` whenever any layer's optimizer is there (`count` > 0): the next forward reads them first, and their
+    update is otherwise the host's AdamW on the launch thread plus a gradient copy down and an upload each step.
+    Whether they update there."""
+    if not count:
+        return False
+    move(store.globals, device)
+    log.info("optimizer residency: the resident parameters' FP32 master, gradients and Adam state on %s", device)
+    return True
+
+
 def on_device(group: FlatGroup) -> bool:
     """Whether the group's master lives on a device other than the host (its update: torch's, whole-group)."""
     return group.work is not None and group.work.device.type != "cpu"
