@@ -83,7 +83,7 @@ def optimizer_trades(lc: LongContext) -> list[kept.Residency]:
         return []
     out = []
     for opt in sorted({round(i * k / (FRONTIER_SAMPLES - 1)) for i in range(FRONTIER_SAMPLES - 1)}, reverse=True):
-        room = lc.residency_room + lc.ring_bytes - L * lc.layer_bytes - opt * lc.optimizer_state_bytes
+        room = lc.residency_room + lc.ring_bytes - L * lc.layer_bytes - lc.optimizer_bytes(opt)
         graphs = min(L, max(0, room // max(lc.graph_bytes, 1)))
         r = kept.Residency(L, graphs, opt)
         if graphs > lc.residency.activations and lc.fits(r):
@@ -94,7 +94,7 @@ def optimizer_trades(lc: LongContext) -> list[kept.Residency]:
 def _most_weights(lc: LongContext, graphs: int, optimizer: int = 0) -> int:
     if lc.fits(kept.Residency(lc.n_layers, min(graphs, lc.n_layers), min(optimizer, lc.n_layers))):
         return lc.n_layers
-    room = (lc.residency_room or 0) - graphs * lc.graph_bytes - optimizer * lc.optimizer_state_bytes
+    room = (lc.residency_room or 0) - graphs * lc.graph_bytes - lc.optimizer_bytes(optimizer)
     return max(-1, min(lc.n_layers - 1, room // max(lc.layer_bytes, 1)))
 
 
