@@ -267,7 +267,9 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
         done = min(own, b_mb * (1 - 1 / L) / u_s)  # layer updates speculated before backward ends
         left = own - done
         if left <= 0:
-            opt_added = opt_globals + max(u_s, own * u_s - b_mb + b_mb / L)
+            # the lowest host-updated layer (K: layers below it update on the device) lands with K layers' backward
+            # still to run, which hides that much of its update
+            opt_added = opt_globals + max(0.0, u_s - K * b_mb / L, own * u_s - b_mb + b_mb / L)
         elif overlap:
             opt_added = opt_globals + max(left * u - f_mb + f_mb / L, u)
         else:

@@ -147,3 +147,46 @@ def test_negative_control_a_norm_without_the_globals_is_caught(monkeypatch):
     monkeypatch.setattr(engine_module, "slab_norm", norm_without_globals)
     with pytest.raises(AssertionError, match="losses|pre-clip norms"):
         _same(_run(1, FP32, False), ref)
+
+
+# -- the planner -------------------------------------------------------------------------------------------
+def test_the_planner_takes_the_globals_update_copies_and_state_off_the_host_with_any_device_layer():
+    """llama2-7b on an H200 at 1 x 4096, every layer's weights kept: one optimizer-resident layer takes the resident
+    parameters' update off the launch thread (and their rounding and upload off the step), their gradients off the
+    link, their FP32 state from host to device memory, and puts their AdamW on the device at its bandwidth."""
+    from megatrain.costs.residency import Residency as R
+    from megatrain.planner import plan
+    from megatrain.planner import step_time as st
+    from megatrain.planner.hardware import GB, get_hardware
+    from megatrain.planner.step_time import device_optimizer_bytes_per_param, globals_io
+
+    IDLE_RESIDENT, IDLE_ROUND, IDLE_UPLOAD = st.IDLE_RESIDENT, st.IDLE_ROUND, st.IDLE_UPLOAD
+
+    hw = get_hardware("h200-pcie")
+    host, one = (plan("llama2-7b", 4096, 1, hardware="h200-pcie", residency=R(32, 0, k)) for k in (0, 1))
+    m = host.point.model
+    PL, G = m.layer_params(), m.param_count() - m.num_layers * m.layer_params()
+    assert all(host.time.idle_s[c] > 0 for c in (IDLE_RESIDENT, IDLE_ROUND, IDLE_UPLOAD))
+    assert all(one.time.idle_s[c] == 0 for c in (IDLE_RESIDENT, IDLE_ROUND, IDLE_UPLOAD))
+    assert one.time.embed_io_s == 0 < host.time.embed_io_s
+    io = globals_io(host.point, hw)
+    assert host.time.d2h_bytes - one.time.d2h_bytes == PL * 2 + io.down_bytes
+    assert one.time.busy_s["device optimizer"] == pytest.approx(
+        (PL + G) * device_optimizer_bytes_per_param(one.point) / (hw.device_memory_bw_gbs * GB))
+    assert one.memory.host["master weights"] == host.memory.host["master weights"] - PL * 4 - G * 4
+    assert one.memory.device["resident parameters' FP32 master, gradients, Adam m and v"] == G * 16
+    assert one.time.step_s < host.time.step_s
+
+
+def test_a_speculative_update_of_the_lowest_host_layer_hides_behind_the_device_layers_backward():
+    """With K layers below it updating on the device, the last host-updated layer's gradient lands with K layers'
+    backward still to run: its speculative update is hidden by that much (the term is zero here), and with no
+    device layer below it, not (the control)."""
+    from megatrain.costs.residency import Residency as R
+    from megatrain.planner import plan
+    from megatrain.planner.step_time import IDLE_LAYERS_SPECULATIVE
+
+    hidden = plan("llama2-7b", 4096, 1, hardware="h200-pcie", residency=R(32, 32, 29), speculative_step=True)
+    assert hidden.time.idle_s[IDLE_LAYERS_SPECULATIVE] == 0
+    exposed = plan("llama2-7b", 4096, 1, hardware="h200-pcie", residency=R(32, 0, 0), speculative_step=True)
+    assert exposed.time.idle_s[IDLE_LAYERS_SPECULATIVE] > 0

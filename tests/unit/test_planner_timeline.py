@@ -72,9 +72,13 @@ def test_plan_prints_and_emits_the_gpu_idle_fraction_and_the_reducer(hardware, b
     assert "GPU idle" in text and "most from:" in text and "    reducer: " in text
     assert main([*CLI, "--batch", str(batch), "--hardware", hardware, "--json"]) == 0
     tl = json.loads(capsys.readouterr().out)["timeline"]
-    assert 0 < tl["gpu_idle_fraction"] < 1
-    assert tl["idle_cause"] in tl["idle_s"]
-    assert tl["idle_s"][tl["idle_cause"]] == max(tl["idle_s"].values())
+    # at 8 x 4096 the resident parameters' and most layers' optimizer on the device leave the GPU no idle predicted
+    assert (0 < tl["gpu_idle_fraction"] < 1) if batch == 1 else (0 <= tl["gpu_idle_fraction"] < 1)
+    if tl["gpu_idle_fraction"] == 0:
+        assert tl["idle_cause"] == "none"
+    else:
+        assert tl["idle_cause"] in tl["idle_s"]
+        assert tl["idle_s"][tl["idle_cause"]] == max(tl["idle_s"].values())
     assert set(tl["link_busy_s"]) == {"h2d", "d2h"} and "reducer" in tl["host_busy_s"]
     assert tl["reducer"]["threads"] == side_threads(hwork.host_cores(get_hardware(hardware)))
     assert f"GPU idle {tl['gpu_idle_fraction']:.1%}" in text
