@@ -15,6 +15,9 @@ the resident parameters (the embedding's forward, placement.py), waits for the w
 makes the compute stream wait for their event. The rounding thus runs beside the layer updates and whatever
 the caller does between steps (zero_grad, the next batch) instead of after them; the next forward's embedding
 still waits for it.
+
+Not used when the resident parameters' optimizer is on the device (update/resident.py place_globals): their
+compute copies are refreshed there from the device master (Placement.globals_changed's device copy).
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ slab waits for `globals_landed` first (events.py's wait_grads does), as for the 
 On a CPU device the "copy" is a cast in the same memory system, so the default there is to add at once on the
 calling thread; `asynchronous=True` takes the threaded path on any device (the tests use it to exercise the
 waits on the CPU: the copy job, a no-op there, still orders the add behind the d2h worker's jobs queued so far).
+
+With the resident parameters' optimizer on the device (update/resident.py place_globals) their slab is there: each
+gradient is added into it at once on the calling thread, queued on the compute stream behind the backward that
+made it (no copy, no staging, no worker).
 """
 
 from __future__ import annotations
