@@ -98,6 +98,32 @@ def test_globals_on_the_device_train_bit_for_bit_as_on_the_host(mode, tied):
     assert len(run[4].store.globals.params) == n_globals and len(run[3]) == 3 * n_globals
 
 
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("mode", CONFIGS)
+def test_globals_relocated_to_fresh_buffers_train_bit_for_bit(mode, tied, monkeypatch):
+    """On a CPU device the globals' FP32 master is where it would go, so nothing moves; here it is moved anyway, to
+    fresh buffers (master, gradient slab, Adam state made beside them), as a move to a GPU does: any part of the
+    engine still holding the old buffers (the gradient sink, the optimizer's views, the norm, the clip, zero_grad,
+    the compute copies' refresh, state_dict) would train differently or not at all."""
+    from megatrain.engine.update import resident
+
+    ref = _run(0, mode, tied)
+    moved: list[int] = []
+
+    def relocating(store, count, device):
+        if not count:
+            return False
+        old = store.globals.master.data_ptr()
+        resident.move(store.globals, device, relocate=True)
+        moved.append(int(store.globals.master.data_ptr() != old))
+        return True
+
+    monkeypatch.setattr(resident, "place_globals", relocating)
+    run = _run(1, mode, tied)
+    assert moved == [1, 1]  # both engines' globals in fresh buffers
+    _same(run, ref)
+
+
 def test_the_globals_go_with_the_layers_and_leave_the_upload_and_the_gradient_worker():
     off, _ = _engine(0, 0, FP32, False)
     on, _ = _engine(0, 1, FP32, False)

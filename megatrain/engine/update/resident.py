@@ -96,11 +96,12 @@ def resolve(config: EngineConfig, store: HostStore, data_parallel: bool, auto_co
     return asked
 
 
-def move(group: FlatGroup, device: torch.device) -> None:
+def move(group: FlatGroup, device: torch.device, relocate: bool = False) -> None:
     """Make `group` an FP32-master group on `device`: master, shadow and gradient slab there, its Parameters
-    views of the device master. An FP32 group on a CPU device is there already (nothing copied)."""
+    views of the device master. An FP32 group on a CPU device is there already (nothing copied) unless `relocate`
+    asks for fresh buffers anyway (what a move to a GPU does to every reference to the old ones)."""
     fp32 = group.master_mode is HostMaster.FP32
-    if fp32 and device.type == "cpu":
+    if fp32 and device.type == "cpu" and not relocate:
         return
     if fp32:
         value = group.master
