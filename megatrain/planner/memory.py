@@ -219,11 +219,16 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
     return dataclasses.replace(lc, peak_bytes=base + lc.residency_bytes, residency_room=room)
 
 
+def optimizer_refused(p: Point) -> bool:
+    """Whether the engine refuses optimizer residency at this point (engine/update/resident.py refusal)."""
+    return bool(p.optimizer_in_backward or p.master == "bf16" or p.data_parallel)
+
+
 def optimizer_layers(p: Point, hw: Hardware, policy: device_model.LongContextPolicy) -> int:
     """The layers whose optimizer state the engine keeps on the device at this point (engine/update/resident.py):
     the counts as set, or "auto" as the engine sizes it (the policy's optimizer_layers; on a CPU device with no
     budget every layer with an FP32 master, none with hi/lo); none where the engine refuses it."""
-    if p.optimizer_in_backward or p.master == "bf16" or p.data_parallel:
+    if optimizer_refused(p):
         return 0
     if isinstance(p.residency, kept_model.Residency):
         return min(p.residency.optimizer, p.model.num_layers)

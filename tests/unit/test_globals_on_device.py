@@ -216,3 +216,19 @@ def test_a_speculative_update_of_the_lowest_host_layer_hides_behind_the_device_l
     assert hidden.time.idle_s[IDLE_LAYERS_SPECULATIVE] == 0
     exposed = plan("llama2-7b", 4096, 1, hardware="h200-pcie", residency=R(32, 0, 0), speculative_step=True)
     assert exposed.time.idle_s[IDLE_LAYERS_SPECULATIVE] > 0
+
+
+def test_the_search_tries_the_globals_on_the_device_where_the_engines_fill_keeps_no_optimizer_there():
+    """qwen2.5-32b on an H200 at 4 x 4096: the engine's "auto" leaves room for a batch of the model's whole context
+    window and keeps no optimizer on the device; the planner's search also replays one layer's optimizer (the
+    resident parameters' with it) along the graphs' frontier, and that wins: their update leaves the launch thread.
+    Where the engine refuses optimizer residency (the optimizer in backward), no such placement is tried."""
+    from megatrain.planner import plan
+    from megatrain.planner.step_time import IDLE_RESIDENT
+
+    pl = plan("qwen2.5-32b", 4096, 4, hardware="h200-pcie")
+    assert pl.placement.engine.optimizer == 0 and pl.long_context.residency.optimizer == 1
+    assert pl.time.idle_s[IDLE_RESIDENT] == 0
+    assert pl.time.step_s < pl.placement.replayed[pl.placement.engine][0]
+    refused = plan("qwen2.5-32b", 4096, 4, hardware="h200-pcie", optimizer_in_backward=True)
+    assert refused.placement is not None and all(r.optimizer == 0 for r in refused.placement.replayed)
