@@ -151,7 +151,8 @@ class Engine:
         # The resident parameters go with them (first: the next forward reads the embedding first): their gradients
         # added on the device, their update the device's, their compute copy refreshed there (no upload).
         self.globals_on_device = resident.place_globals(self.store, count, self.device)
-        if self.globals_on_device:
+        if self.globals_on_device and self.placement.upload is not None:
+            self.placement.upload.close()  # refreshed on the device from now on
             self.placement.upload = None
         policy.hold_optimizer(count, self.store.globals.numel if self.globals_on_device else 0)
         # The step: the optimizer over the masters, what the ranks exchange, and when each layer's update runs.

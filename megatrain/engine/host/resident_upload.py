@@ -98,6 +98,13 @@ class ResidentUpload:
         before.record(compute)
         self._queued = (self._worker.submit(self._round_and_queue, before), compute)
 
+    def close(self) -> None:
+        """No longer used (the resident parameters' optimizer went to the device, update/resident.py place_globals):
+        its worker stopped and its pinned staging let go."""
+        self.fence()
+        self._worker.shutdown(wait=True)
+        self.staging, self._views, self._copied = None, [], None
+
     def fence(self) -> None:
         """Before compute that reads the resident parameters: the last run's rounding done and its copies queued
         (a host wait on the worker), and the compute stream ordered after them (queued on the device: the host
