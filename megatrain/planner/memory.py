@@ -273,7 +273,8 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         # device globals are the masters
         "head gradient copy": 0 if alias or not GH else pin.get("resident grad staging", (m.vocab * h + h) * 4),
         # the resident masters rounded to the compute dtype for their upload after each step (CUDA, not FP32)
-        "resident upload staging": pin.get("resident upload staging", 0),
+        # (let go once the resident parameters' optimizer is on the device: refreshed there, ResidentUpload.close)
+        "resident upload staging": pin.get("resident upload staging", 0) if GH else 0,
         # the embedding's row gradients on their way to the host (CUDA; kept from batch to batch): <= T rows
         "embedding row staging": 0 if not pin or not GH else T * (h * c + 8),
         "runtime": int(hw.host_reserved_gib * GIB),
@@ -294,7 +295,8 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         "working set (layer or loss)": lc.working_bytes,
         "runtime": 0 if hw.unified_memory else int(hw.device_reserved_gib * GIB),
     }
-    pinned = sum(pin.values()) + (host["offloaded activations"] + host["embedding row staging"] if pin else 0)
+    unused = 0 if GH else pin.get("resident upload staging", 0) + pin.get("resident grad staging", 0)
+    pinned = sum(pin.values()) - unused + (host["offloaded activations"] + host["embedding row staging"] if pin else 0)
     return Memory(host, device, hw.unified_memory, shared=resident * c if alias else 0, pinned=pinned)
 
 
