@@ -271,10 +271,13 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         # the head/norm gradient: on CUDA it lands in pinned staging of the resident parameters (global_grads.py),
         # on a CPU device in bf16 it arrives as an FP32 copy before it is added to its slab; a no-op when the
         # device globals are the masters
-        "head gradient copy": 0 if alias or not GH else pin.get("resident grad staging", (m.vocab * h + h) * 4),
+        # (the engine's host preflight counts the staging before the optimizer's placement is known, and so does
+        # this; unused with the resident parameters' optimizer on the device)
+        "head gradient copy": 0 if alias else pin.get("resident grad staging", (m.vocab * h + h) * 4),
         # the resident masters rounded to the compute dtype for their upload after each step (CUDA, not FP32)
-        # (let go once the resident parameters' optimizer is on the device: refreshed there, ResidentUpload.close)
-        "resident upload staging": pin.get("resident upload staging", 0) if GH else 0,
+        # (counted as the engine's host preflight counts it, before the optimizer's placement is known: with the
+        # resident parameters' optimizer on the device it is let go after the build, ResidentUpload.close)
+        "resident upload staging": pin.get("resident upload staging", 0),
         # the embedding's row gradients on their way to the host (CUDA; kept from batch to batch): <= T rows
         "embedding row staging": 0 if not pin or not GH else T * (h * c + 8),
         "runtime": int(hw.host_reserved_gib * GIB),
@@ -295,8 +298,7 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         "working set (layer or loss)": lc.working_bytes,
         "runtime": 0 if hw.unified_memory else int(hw.device_reserved_gib * GIB),
     }
-    unused = 0 if GH else pin.get("resident upload staging", 0) + pin.get("resident grad staging", 0)
-    pinned = sum(pin.values()) - unused + (host["offloaded activations"] + host["embedding row staging"] if pin else 0)
+    pinned = sum(pin.values()) + (host["offloaded activations"] + host["embedding row staging"] if pin else 0)
     return Memory(host, device, hw.unified_memory, shared=resident * c if alias else 0, pinned=pinned)
 
 
