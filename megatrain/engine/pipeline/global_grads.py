@@ -75,7 +75,9 @@ class GlobalGradSink:
         if not self.asynchronous:
             for s, g in pairs:
                 slab = group.view(group.grad, s)
-                slab.add_(g.to(slab.device, torch.float32))
+                # widened inside the add (exact: the same bits as adding its FP32 copy), without a vocab x hidden
+                # FP32 temporary on the device
+                slab.add_(g.to(slab.device))
             return
         if self.cuda:
             self._staging_free.host_wait(self.streams.watchdog_s)  # the previous micro-batch's add read it
