@@ -232,7 +232,7 @@ class LongContextPolicy:
     optimizer: int = 0
     _weights: int | None = field(default=None, repr=False)  # training's kept weights (planned once, only shrink)
 
-    def optimizer_layers(self, reserve_tokens: int = 0) -> int:
+    def optimizer_layers(self, reserve_tokens: int = 0, globals_numel: int = 0) -> int:
         """"auto" optimizer residency: how many of the first layers keep their FP32 master, gradients and Adam
         state on the device (residency.OPTIMIZER_BYTES_PER_PARAM), in what the budget leaves after the fixed
         bytes, the working set of a batch of max(OPTIMIZER_RESERVE_TOKENS, `reserve_tokens`) tokens (the engine:
@@ -241,25 +241,30 @@ class LongContextPolicy:
         freed then): weights first, as a kept layer's weights save a copy each way per micro-batch for its
         compute-dtype bytes, and its optimizer state then saves its gradient's copy down, the host's AdamW and the
         copy back up for 16 B/param more. None where not every layer's weights fit. With no budget (a CPU
-        device, whose "device" memory is the host's): what fits in `residency_room`."""
+        device, whose "device" memory is the host's): what fits in `residency_room`. The resident parameters'
+        (`globals_numel`) state goes first, with the first layer's (engine/update/resident.py place_globals): no
+        layer where it does not fit."""
+        globals_state = globals_numel * kept.OPTIMIZER_BYTES_PER_PARAM
         if self.budget is None:
-            return kept.plan_optimizer(self.n_layers, self.dims.numel, 0, self.residency_room)
+            if self.residency_room is None:
+                return self.n_layers
+            return kept.plan_optimizer(self.n_layers, self.dims.numel, 0, max(0, self.residency_room - globals_state))
         with warnings.catch_warnings():  # a budget too small for that batch: no optimizer state, not a warning
             warnings.simplefilter("ignore")
             reserve = self._plan(max(OPTIMIZER_RESERVE_TOKENS, reserve_tokens)).predicted_peak_bytes - self.fixed_bytes
         room = (int(BUDGET_HEADROOM * self.budget) - self.fixed_bytes - reserve
-                - self._weights_bytes(self.n_layers))
+                - self._weights_bytes(self.n_layers) - globals_state)
         if room < 0:
             return 0
         return kept.plan_optimizer(self.n_layers, self.dims.numel, 0, room)
 
-    def hold_optimizer(self, count: int) -> None:
-        """`count` layers update on the device from now on: their weights join the kept ones of every plan, and
-        under a budget their state the fixed bytes (with none, a CPU device's, that state is the host store's, held
-        before any batch as it always was)."""
+    def hold_optimizer(self, count: int, globals_numel: int = 0) -> None:
+        """`count` layers (and the resident parameters' `globals_numel`) update on the device from now on: their
+        weights join the kept ones of every plan, and under a budget their state the fixed bytes (with none, a CPU
+        device's, that state is the host store's, held before any batch as it always was)."""
         self.optimizer = min(count, self.n_layers)
         if self.budget is not None:
-            self.fixed_bytes += self.optimizer * self.dims.numel * kept.OPTIMIZER_BYTES_PER_PARAM
+            self.fixed_bytes += (self.optimizer * self.dims.numel + globals_numel) * kept.OPTIMIZER_BYTES_PER_PARAM
 
     def plan(self, tokens: int, train: bool = True, logits_tokens: int = 0) -> BatchPlan:
         """The batch's plan. A training batch owns the placement: "auto" weights are planned at the first one and

@@ -144,11 +144,17 @@ class Engine:
 
         # Optimizer residency (update/resident.py): the first layers' masters moved onto the device before the
         # optimizer is built over them (its Adam state is made beside them); "auto" sizes it from the device budget.
-        auto = (policy.optimizer_layers(resident.reserve_tokens(self.hf_config))
+        auto = (policy.optimizer_layers(resident.reserve_tokens(self.hf_config), self.store.globals.numel)
                 if resident.auto_applies(config, self.device, self.store) else 0)
         count = resident.resolve(config, self.store, self.dp is not None, auto)
         self.optimizer_layers = resident.place(self.store, count, self.device)
-        policy.hold_optimizer(count)
+        # The resident parameters go with them (first: the next forward reads the embedding first): their gradients
+        # added on the device, their update the device's, their compute copy refreshed there (no upload).
+        self.globals_on_device = resident.place_globals(self.store, count, self.device)
+        if self.globals_on_device and self.placement.upload is not None:
+            self.placement.upload.close()  # refreshed on the device from now on
+            self.placement.upload = None
+        policy.hold_optimizer(count, self.store.globals.numel if self.globals_on_device else 0)
         # The step: the optimizer over the masters, what the ranks exchange, and when each layer's update runs.
         self.events = LayerEvents(len(self.store.layers), config.watchdog_s)
         opt = adopt_optimizer(optimizer, self.store.named_parameters(self.parts.layers_prefix), self._name_of,

@@ -85,10 +85,17 @@ class LongContext:
     residency_room: int | None = None
     # one optimizer-resident layer's FP32 master, gradients and Adam state on the device (beyond its kept weights)
     optimizer_state_bytes: int = 0
+    # the resident parameters' (embedding, head, norm) FP32 master, gradients and Adam state: on the device with any
+    # optimizer-resident layer (engine/update/resident.py place_globals)
+    globals_state_bytes: int = 0
+
+    def optimizer_bytes(self, optimizer: int) -> int:
+        """Device bytes of `optimizer` optimizer-resident layers' state, the resident parameters' with them."""
+        return optimizer * self.optimizer_state_bytes + (self.globals_state_bytes if optimizer else 0)
 
     @property
     def kept_optimizer_bytes(self) -> int:
-        return self.residency.optimizer * self.optimizer_state_bytes
+        return self.optimizer_bytes(self.residency.optimizer)
 
     @property
     def kept_weight_bytes(self) -> int:
@@ -120,7 +127,7 @@ class LongContext:
             return True
         freed = self.ring_bytes if r.weights >= self.n_layers else 0
         return (r.weights * self.layer_bytes + r.activations * self.graph_bytes
-                + r.optimizer * self.optimizer_state_bytes - freed <= self.residency_room)
+                + self.optimizer_bytes(r.optimizer) - freed <= self.residency_room)
 
     def placed(self, r: kept_model.Residency) -> LongContext:
         """This batch plan with placement `r` instead (its device peak follows)."""
@@ -184,7 +191,9 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
         tile_setting=p.mlp_tile_tokens, offload_setting=p.offload_activations, budget=budget,
         fixed_bytes=resident, residency=p.residency, ring_bytes=ring,
         **({} if hw.unified_memory else {"logits_cap": None}))  # GPU: sized from the budget
-    policy.hold_optimizer(optimizer_layers(p, hw, policy))  # the engine fixes it first, when it is built
+    G = m.param_count() - L * m.layer_params()  # the resident parameters, whose state goes first
+    k = optimizer_layers(p, hw, policy)
+    policy.hold_optimizer(k, G if k else 0)  # the engine fixes it first, when it is built
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "does not fit" is the planner's verdict to give, not a warning
         bp = policy.plan(T)
@@ -198,7 +207,8 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
         headroom=device_model.BUDGET_HEADROOM, residency=bp.residency, n_layers=L, layer_bytes=dims.numel * c,
         graph_bytes=device_model.layer_graph_bytes(dims, T, c), ring_bytes=ring,
         graphs_allowed=bp.tile is None and not bp.offload,
-        optimizer_state_bytes=dims.numel * kept_model.OPTIMIZER_BYTES_PER_PARAM)
+        optimizer_state_bytes=dims.numel * kept_model.OPTIMIZER_BYTES_PER_PARAM,
+        globals_state_bytes=G * kept_model.OPTIMIZER_BYTES_PER_PARAM)
     # The policy counts an "auto" placement into its peak under a budget, and explicit counts not at all (but the
     # optimizer-resident layers' state, among its fixed bytes always); here the peak always holds the placement,
     # and the room it was chosen in is kept for the planner's search.
@@ -209,11 +219,16 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
     return dataclasses.replace(lc, peak_bytes=base + lc.residency_bytes, residency_room=room)
 
 
+def optimizer_refused(p: Point) -> bool:
+    """Whether the engine refuses optimizer residency at this point (engine/update/resident.py refusal)."""
+    return bool(p.optimizer_in_backward or p.master == "bf16" or p.data_parallel)
+
+
 def optimizer_layers(p: Point, hw: Hardware, policy: device_model.LongContextPolicy) -> int:
     """The layers whose optimizer state the engine keeps on the device at this point (engine/update/resident.py):
     the counts as set, or "auto" as the engine sizes it (the policy's optimizer_layers; on a CPU device with no
     budget every layer with an FP32 master, none with hi/lo); none where the engine refuses it."""
-    if p.optimizer_in_backward or p.master == "bf16" or p.data_parallel:
+    if optimizer_refused(p):
         return 0
     if isinstance(p.residency, kept_model.Residency):
         return min(p.residency.optimizer, p.model.num_layers)
@@ -222,7 +237,8 @@ def optimizer_layers(p: Point, hw: Hardware, policy: device_model.LongContextPol
     if policy.budget is None:
         return p.model.num_layers if p.master == "fp32" else 0
     # the engine leaves the model's context window free; a longer point (refused, but its memory still told) its own
-    return policy.optimizer_layers(max(p.model.max_positions, p.tokens))
+    return policy.optimizer_layers(max(p.model.max_positions, p.tokens),
+                                   p.model.param_count() - p.model.num_layers * p.model.layer_params())
 
 
 def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
@@ -236,14 +252,15 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
     gb = layer_grad_bytes(p)
     G = P - L * PL  # embedding, head, final norm: FP32 master and gradient in every mode
     K = lc.residency.optimizer  # layers whose master, gradients and Adam state are on the device instead
+    GH = 0 if K else G  # ... and the resident parameters' with them (resident.py place_globals)
     # What the engine pins on CUDA (the same rule as its store and preflight): each layer's streamed copy,
     # the resident masters, the staging slots, and the offloaded activations' host buffers.
     pin = {} if hw.unified_memory else pinned_bytes(m.layer_sizes(), resident, c, True, c)
     host = {
-        "master weights": (L - K) * PL * mb + G * 4,
-        "gradients": (L - K) * PL * gb + G * 4,
-        "adam m": (P - K * PL) * 4,
-        "adam v": (P - K * PL) * 4,
+        "master weights": (L - K) * PL * mb + GH * 4,
+        "gradients": (L - K) * PL * gb + GH * 4,
+        "adam m": ((L - K) * PL + GH) * 4,
+        "adam v": ((L - K) * PL + GH) * 4,
         "bf16 shadow (streams)": (L - K) * PL * shadow,  # only layers stream; resident params convert once
         # pinned slots of the largest layer that gradients land in on CUDA (engine/pipeline/schedule.py); a CPU device adds
         # gradients straight into the slabs, or stages them in two buffers with the optimizer in backward
@@ -254,11 +271,15 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         # the head/norm gradient: on CUDA it lands in pinned staging of the resident parameters (global_grads.py),
         # on a CPU device in bf16 it arrives as an FP32 copy before it is added to its slab; a no-op when the
         # device globals are the masters
+        # (the engine's host preflight counts the staging before the optimizer's placement is known, and so does
+        # this; unused with the resident parameters' optimizer on the device)
         "head gradient copy": 0 if alias else pin.get("resident grad staging", (m.vocab * h + h) * 4),
         # the resident masters rounded to the compute dtype for their upload after each step (CUDA, not FP32)
+        # (counted as the engine's host preflight counts it, before the optimizer's placement is known: with the
+        # resident parameters' optimizer on the device it is let go after the build, ResidentUpload.close)
         "resident upload staging": pin.get("resident upload staging", 0),
         # the embedding's row gradients on their way to the host (CUDA; kept from batch to batch): <= T rows
-        "embedding row staging": 0 if not pin else T * (h * c + 8),
+        "embedding row staging": 0 if not pin or not GH else T * (h * c + 8),
         "runtime": int(hw.host_reserved_gib * GIB),
         # a copy of each layer's master and Adam state, to undo an update started before the step's verdict
         # (the host-updated layers': an optimizer-resident layer is not speculated)
@@ -269,7 +290,8 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         "layer buffers": max(0, p.num_buffers * PL * c - lc.ring_freed_bytes),
         "kept layers' weights (residency)": lc.kept_weight_bytes,
         "kept layers' forward graphs (residency)": lc.kept_graph_bytes,
-        "optimizer-resident layers' FP32 master, gradients, Adam m and v": lc.kept_optimizer_bytes,
+        "optimizer-resident layers' FP32 master, gradients, Adam m and v": K * lc.optimizer_state_bytes,
+        "resident parameters' FP32 master, gradients, Adam m and v": lc.kept_optimizer_bytes - K * lc.optimizer_state_bytes,
         "embedding/head/norm": resident * c,
         "boundary activations": lc.boundary_bytes,  # all L resident, or a few in flight when offloaded
         # one layer's recompute + backward and the head/loss never run at once: the policy's larger

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from ..config.schema import left_auto
 from ..costs import residency as kept
 from .hardware import Hardware
-from .memory import LongContext
+from .memory import LongContext, optimizer_refused
 from .point import Point
 from .step_time import Time, megatrain_time
 
@@ -57,15 +57,16 @@ class Placement:
                                for r, (s, b, n) in self.replayed.items()]}
 
 
-def frontier(lc: LongContext) -> list[kept.Residency]:
+def frontier(lc: LongContext, optimizer: int | None = None) -> list[kept.Residency]:
     """The placements that fill the room, from the engine's fill (most weights) to the most graphs: for each
-    count of graphs, as many kept weights as still fit (more kept weights never slow a step)."""
+    count of graphs, as many kept weights as still fit (more kept weights never slow a step). `optimizer`: the
+    optimizer-resident count every placement keeps (None: the engine's, fixed when it was built)."""
     L, engine = lc.n_layers, lc.residency
     if lc.residency_room is None or not lc.graphs_allowed or engine.activations >= min(engine.weights, L):
         return [engine]  # everything fits, or graphs cannot be kept, or every kept layer keeps its graph already
     out = []
-    k = engine.optimizer  # fixed when the engine is built: every placement keeps those layers
-    for a in range(engine.activations, L + 1):
+    k = engine.optimizer if optimizer is None else optimizer
+    for a in range(0 if optimizer is not None else engine.activations, L + 1):
         w = _most_weights(lc, a, k)
         if w < max(a, k):
             break
@@ -73,20 +74,34 @@ def frontier(lc: LongContext) -> list[kept.Residency]:
     return out
 
 
-def optimizer_trades(lc: LongContext) -> list[kept.Residency]:
+def optimizer_trades(lc: LongContext, allowed: bool = True) -> list[kept.Residency]:
     """Placements that give up some of the engine's optimizer-resident layers for kept graphs: for a sample of
     counts below the engine's, every layer's weights and as many graphs as then fit. Each optimizer-resident layer
     saves the host's update and its copies; each graph its layer's recompute: which gains more is the replay's to
-    say, not the bytes'."""
+    say, not the bytes'. Where the engine keeps no optimizer on the device (its "auto" leaves the room for a batch
+    of the model's whole context window) and the point `allowed` it, the other way too: a sample of the counts that
+    fit beside every layer's weights (the resident parameters' state first), as many graphs as then fit, each
+    count taking the resident parameters' update, upload and gradient copies off the host (resident.py
+    place_globals)."""
     L, k = lc.n_layers, lc.residency.optimizer
-    if lc.residency_room is None or not lc.graphs_allowed or not k or lc.residency.activations >= L:
+    if lc.residency_room is None or lc.residency.activations >= L:
+        return []
+    if k:
+        counts = sorted({round(i * k / (FRONTIER_SAMPLES - 1)) for i in range(FRONTIER_SAMPLES - 1)}, reverse=True)
+        more_graphs = True
+    elif allowed:
+        room = lc.residency_room + lc.ring_bytes - L * lc.layer_bytes - lc.globals_state_bytes
+        most = min(L, max(0, room // max(lc.optimizer_state_bytes, 1)) if room >= 0 else 0)
+        counts = sorted({max(1, round(i * most / (FRONTIER_SAMPLES - 1))) for i in range(FRONTIER_SAMPLES)}) if most else []
+        more_graphs = False
+    else:
         return []
     out = []
-    for opt in sorted({round(i * k / (FRONTIER_SAMPLES - 1)) for i in range(FRONTIER_SAMPLES - 1)}, reverse=True):
-        room = lc.residency_room + lc.ring_bytes - L * lc.layer_bytes - opt * lc.optimizer_state_bytes
-        graphs = min(L, max(0, room // max(lc.graph_bytes, 1)))
+    for opt in counts:
+        room = lc.residency_room + lc.ring_bytes - L * lc.layer_bytes - lc.optimizer_bytes(opt)
+        graphs = min(L, max(0, room // max(lc.graph_bytes, 1))) if lc.graphs_allowed else 0
         r = kept.Residency(L, graphs, opt)
-        if graphs > lc.residency.activations and lc.fits(r):
+        if (graphs > lc.residency.activations or not more_graphs) and lc.fits(r):
             out.append(r)
     return out
 
@@ -94,7 +109,7 @@ def optimizer_trades(lc: LongContext) -> list[kept.Residency]:
 def _most_weights(lc: LongContext, graphs: int, optimizer: int = 0) -> int:
     if lc.fits(kept.Residency(lc.n_layers, min(graphs, lc.n_layers), min(optimizer, lc.n_layers))):
         return lc.n_layers
-    room = (lc.residency_room or 0) - graphs * lc.graph_bytes - optimizer * lc.optimizer_state_bytes
+    room = (lc.residency_room or 0) - graphs * lc.graph_bytes - lc.optimizer_bytes(optimizer)
     return max(-1, min(lc.n_layers - 1, room // max(lc.layer_bytes, 1)))
 
 
@@ -106,11 +121,17 @@ def _sample(points: list[kept.Residency]) -> list[kept.Residency]:
     return [points[i] for i in picks]
 
 
-def search(lc: LongContext, step_of: Callable[[kept.Residency], Time]) -> tuple[Placement, Time]:
+def search(lc: LongContext, step_of: Callable[[kept.Residency], Time],
+           optimizer_allowed: bool = True) -> tuple[Placement, Time]:
     """The fastest placement on the sampled frontier (`step_of` replays one), the engine's fill kept unless
-    another beats it by more than PREFER_ENGINE_WITHIN."""
+    another beats it by more than PREFER_ENGINE_WITHIN. `optimizer_allowed`: whether the point may put optimizer
+    state on the device (optimizer_trades)."""
     engine = lc.residency
-    times = {r: step_of(r) for r in dict.fromkeys([engine, *_sample(frontier(lc)), *optimizer_trades(lc)])}
+    trades = optimizer_trades(lc, optimizer_allowed)
+    if optimizer_allowed and not engine.optimizer:
+        # the resident parameters' optimizer on the device with one layer's, along the graphs' frontier too
+        trades += _sample(frontier(lc, 1))
+    times = {r: step_of(r) for r in dict.fromkeys([engine, *_sample(frontier(lc)), *trades])}
     best = min(times, key=lambda r: times[r].step_s)
     if times[best].step_s >= times[engine].step_s * (1 - PREFER_ENGINE_WITHIN):
         best = engine
@@ -123,5 +144,6 @@ def place(p: Point, hw: Hardware, lc: LongContext, **timing: object) -> tuple[Lo
     its counts, "stream" included). `timing`: megatrain_time's owned_layers / own_reducer."""
     if not left_auto(p.residency):
         return lc, megatrain_time(p, hw, lc.offload, residency=lc.residency, **timing), None
-    placement, t = search(lc, lambda r: megatrain_time(p, hw, lc.offload, residency=r, **timing))
+    placement, t = search(lc, lambda r: megatrain_time(p, hw, lc.offload, residency=r, **timing),
+                          not optimizer_refused(p) and "owned_layers" not in timing)
     return lc.placed(placement.chosen), t, placement

@@ -11,7 +11,7 @@ from ..costs import residency as kept
 from ..costs.modes import HostMaster, rollback_bytes_per_param
 from .hardware import GB, Hardware, _is_bf16
 from .host_rates import host_slowdown
-from .host_work import globals_reduce_bps, reducer_bps, reducer_bytes_per_param, serial_work
+from .host_work import SerialWork, globals_reduce_bps, reducer_bps, reducer_bytes_per_param, serial_work
 from .memory import LOSS_BYTES_EXTRA, zero3_sizes
 from .pipeline_sim import REDUCE_LANES, LayerCosts, PipelineSim, simulate_step
 from .point import Point, aliases_globals, master_bytes, overlap_on, speculative_on
@@ -178,10 +178,20 @@ def globals_io(p: Point, hw: Hardware) -> GlobalsIO:
     return GlobalsIO(grads * (c + 8) / globals_reduce_bps(p, hw), grads * c / hw.link_bps, resident * c / hw.link_bps, grads * c, resident * c)
 
 
-def async_globals(io: GlobalsIO, costs: LayerCosts) -> tuple[float, float] | None:
+def device_globals_io(p: Point, hw: Hardware) -> GlobalsIO:
+    """The resident parameters' optimizer on the device (engine/update/resident.py place_globals): their gradients
+    added into the device slab on the compute thread (read c, read and write the FP32 slab, at the device's
+    bandwidth), nothing copied down, and their compute copy refreshed there after the update (in the device
+    optimizer's bytes: device_optimizer_bytes_per_param counts its write)."""
+    m, c, T, h = p.model, p.c, p.tokens, p.model.hidden
+    grads = m.vocab * h + h + T * h
+    return GlobalsIO(grads * (c + 8) / device_optimizer_bps(hw), 0.0, 0.0, 0, 0)
+
+
+def async_globals(io: GlobalsIO, costs: LayerCosts, on_device: bool = False) -> tuple[float, float] | None:
     """(copy, add) seconds of the resident parameters' gradients on the copy lane and their own reduce lane (CUDA),
-    or None when they are added on the compute thread (a CPU device)."""
-    return (io.down_s, io.add_s) if costs.cuda else None
+    or None when they are added on the compute thread (a CPU device; their optimizer on the device)."""
+    return (io.down_s, io.add_s) if costs.cuda and not on_device else None
 
 
 def layer_costs(p: Point, hw: Hardware, offload: bool, own_reducer: bool = True) -> LayerCosts:
@@ -208,17 +218,23 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     own = L if owned_layers is None else owned_layers
     PL, h = m.layer_params(), m.hidden
     costs = layer_costs(p, hw, offload, own_reducer)
-    io = globals_io(p, hw)
+    # The resident parameters' optimizer goes on the device with any layer's (engine/update/resident.py
+    # place_globals): no copy down, no host update on the launch thread, no rounding or upload.
+    placed = residency if residency is not None else p.residency
+    glob_dev = isinstance(placed, kept.Residency) and placed.optimizer > 0 and owned_layers is None
+    io = device_globals_io(p, hw) if glob_dev else globals_io(p, hw)
     # the head, its loss, the global gradients' adds (on this thread off CUDA), and the engine's fixed work
     # per micro-batch outside the layers
-    off = async_globals(io, costs)
+    off = async_globals(io, costs, glob_dev)
     head = head_compute(p, hw, recompute_logits=True) + (0.0 if off else io.add_s) + hw.microbatch_overhead_s
     sim, fwd_s, bwd_s, drain = simulate_step(p, costs, head + (0.0 if off else io.down_s), off, residency)
     graphs = len(sim.residency.graphs)
     # Optimizer-resident layers (engine/update/resident.py) update on the device in step(), as plain PyTorch's
     # optimizer does (the same bytes per parameter at the device's bandwidth); the host updates the rest.
     K = min(sim.residency.optimizer, own)
-    device_opt = K * PL * device_optimizer_bytes_per_param(p) / device_optimizer_bps(hw)
+    G = m.param_count() - L * PL  # embedding, head, final norm
+    glob_dev = glob_dev and K > 0
+    device_opt = (K * PL + (G if glob_dev else 0)) * device_optimizer_bytes_per_param(p) / device_optimizer_bps(hw)
     own -= K
     mb, shadow = master_bytes(p)
     gb = 2 if _is_bf16(p.host_grad_dtype) else 4
@@ -229,8 +245,8 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     # the mode's own distance from its bytes bound (host_rates.py), never above the host's bandwidth: a mode measured
     # faster than FP32's whole step on two threads does not beat the bandwidth the pool's threads reach
     rate = optimizer_rate_bps(p, hw, overlap)
-    opt_busy = (m.param_count() - (L - own) * PL) * per_param / rate
-    opt_globals = (m.param_count() - L * PL) * per_param / rate
+    opt_globals = 0.0 if glob_dev else G * per_param / rate
+    opt_busy = own * PL * per_param / rate + opt_globals
     if own == 0:
         opt_added = opt_globals  # every layer updates on the device (device_opt) or on another rank
     elif p.optimizer_in_backward:
@@ -251,7 +267,9 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
         done = min(own, b_mb * (1 - 1 / L) / u_s)  # layer updates speculated before backward ends
         left = own - done
         if left <= 0:
-            opt_added = opt_globals + max(u_s, own * u_s - b_mb + b_mb / L)
+            # the lowest host-updated layer (K: layers below it update on the device) lands with K layers' backward
+            # still to run, which hides that much of its update
+            opt_added = opt_globals + max(0.0, u_s - K * b_mb / L, own * u_s - b_mb + b_mb / L)
         elif overlap:
             opt_added = opt_globals + max(left * u - f_mb + f_mb / L, u)
         else:
@@ -269,7 +287,7 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
         opt_added = opt_busy
     # the resident parameters' update runs on the launch thread once the layer jobs are queued, and their rounding
     # into the upload's staging after it on a worker of its own, which the next forward waits for (host_work.py)
-    serial = serial_work(p, hw, m.param_count() - L * PL, opt_globals)
+    serial = SerialWork(0.0, 0.0) if glob_dev else serial_work(p, hw, G, opt_globals)
     embed_io = (0.0 if off else g * io.down_s) + io.up_s  # what the compute thread spends on them
     opt_added += device_opt  # after the backward, on the compute stream (the device busy, not idle)
     step = sim.t + opt_added + serial.resident_round_s + io.up_s

@@ -87,6 +87,8 @@ def describe(face: str, engine: Any, optimizer: Any = None, turned_off: list[str
                                               if res.weights else "stream")
     on_device = len(getattr(engine, "optimizer_layers", ()))  # chosen when the engine was built (resident.py)
     kept += f", {on_device} layers' optimizer on the device" if on_device else ""
+    # the resident parameters' (embedding, norm, head) with them (resident.py place_globals)
+    kept += " (and the embedding/norm/head's)" if getattr(engine, "globals_on_device", False) else ""
     return (f"{PREFIX} | face: {face} | device: {engine.device} | compute: {cfg.compute_dtype} | "
             f"host: {_host_mode(cfg, world)} | optimizer: {opt} | turned off: {off} | residency: {kept} | "
             f"host threads: {_host_threads(engine)}")

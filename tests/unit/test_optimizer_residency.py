@@ -278,21 +278,27 @@ def test_a_non_finite_device_gradient_skips_the_step_as_a_host_one_does(mode):
 def test_the_planner_moves_the_update_copies_and_state_of_device_layers():
     """llama2-7b on an H200, every layer's weights kept: 16 of 32 layers updating on the device take their
     gradients' copies down off the link, their AdamW off the host (onto the device, at its bandwidth) and their
-    FP32 state from host to device memory, exactly by their share."""
+    FP32 state from host to device memory, exactly by their share; the resident parameters (embedding, head, norm)
+    go with them (resident.py place_globals): their gradient copies down and upload too."""
     from megatrain.planner import plan
     from megatrain.planner.hardware import GB, get_hardware
-    from megatrain.planner.step_time import device_optimizer_bytes_per_param
+    from megatrain.planner.step_time import device_optimizer_bytes_per_param, globals_io
 
     hw = get_hardware("h200-pcie")
     host, half = (plan("llama2-7b", 4096, 1, hardware="h200-pcie", residency=Residency(32, 0, k)) for k in (0, 16))
     PL = host.point.model.layer_params()
+    G = host.point.model.param_count() - 32 * PL
+    io = globals_io(host.point, hw)
+    assert io.down_bytes > 0 and io.up_bytes > 0
     assert host.time.busy_s["device optimizer"] == 0.0
     assert half.time.busy_s["device optimizer"] == pytest.approx(
-        16 * PL * device_optimizer_bytes_per_param(half.point) / (hw.device_memory_bw_gbs * GB))
+        (16 * PL + G) * device_optimizer_bytes_per_param(half.point) / (hw.device_memory_bw_gbs * GB))
     assert half.time.busy_s["host optimizer"] < host.time.busy_s["host optimizer"] * 0.55
     layer_grads = 32 * PL * 2  # bf16 gradients of every layer, one micro-batch
-    assert host.time.d2h_bytes - half.time.d2h_bytes == layer_grads // 2
-    assert host.time.h2d_bytes - half.time.h2d_bytes == 16 * PL * 2  # each kept layer's refresh after a step
-    assert host.memory.host["adam m"] - half.memory.host["adam m"] == 16 * PL * 4
+    assert host.time.d2h_bytes - half.time.d2h_bytes == layer_grads // 2 + io.down_bytes
+    assert host.time.h2d_bytes - half.time.h2d_bytes == 16 * PL * 2 + io.up_bytes  # each kept layer's refresh
+    assert host.memory.host["adam m"] - half.memory.host["adam m"] == (16 * PL + G) * 4
     assert half.memory.device["optimizer-resident layers' FP32 master, gradients, Adam m and v"] == 16 * PL * 16
+    assert half.memory.device["resident parameters' FP32 master, gradients, Adam m and v"] == G * 16
+    assert host.memory.device["resident parameters' FP32 master, gradients, Adam m and v"] == 0
     assert half.time.step_s < host.time.step_s

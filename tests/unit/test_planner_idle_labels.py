@@ -5,13 +5,15 @@ upload staging on a worker of its own that the next forward waits for (engine/ho
 
 from __future__ import annotations
 
+from megatrain.costs.residency import Residency
 from megatrain.planner import plan
 from megatrain.planner.step_time import IDLE_RESIDENT, IDLE_ROUND
 from megatrain.planner.step_timeline import LAUNCH, ROUNDING, format_timeline
 
 
 def test_the_printed_idle_causes_name_the_rounding_worker_and_the_launch_thread():
-    pl = plan("qwen2.5-14b", 4096, batch=8, hardware="h200-pcie")  # bf16 compute on CUDA: both terms present
+    # bf16 compute on CUDA, no optimizer on the device (the resident parameters' on the host): both terms present
+    pl = plan("qwen2.5-14b", 4096, batch=8, hardware="h200-pcie", residency=Residency())
     t = pl.time
     assert t.idle_s[IDLE_ROUND] > 0 and t.idle_s[IDLE_RESIDENT] > 0
     causes = next(ln for ln in format_timeline(pl.timeline) if "GPU idle by cause" in ln)

@@ -184,7 +184,9 @@ def test_plan_cli_on_a_moe_preset_says_which_host_modes_fit(capsys):
     out = capsys.readouterr().out
     assert "5.71G active: 4 of 128 experts" in out
     assert "each layer streams all 128 experts" in out and "the LINK binds" in out
-    modes = out.split("NVMe tier")[0]  # the host-memory mode table (the NVMe table after it repeats the labels)
+    # the host-memory mode table: after its header (the device lines before it may name FP32 masters too: the
+    # optimizer-resident layers' and the resident parameters'), before the NVMe table (which repeats the labels)
+    modes = out.split("NVMe tier")[0].split("exact   B/param", 1)[1]
     rows = {line.split("  ")[2].strip(): line for line in modes.splitlines() if line.startswith("    ") and
             ("master," in line) and "exact" not in line}
     fits = {label: " yes " in line.split("TiB", 1)[1][:8] for label, line in rows.items()}

@@ -12,6 +12,7 @@ import torch
 from megatrain.commands.plan import main
 from megatrain.config.schema import EngineConfig
 from megatrain.config.settle import EngineFacts, settle_engine
+from megatrain.costs.residency import Residency
 from megatrain.engine import optimizer_fact
 from megatrain.engine.runtime.stream import side_threads
 from megatrain.planner import host_work as hwork
@@ -71,9 +72,13 @@ def test_plan_prints_and_emits_the_gpu_idle_fraction_and_the_reducer(hardware, b
     assert "GPU idle" in text and "most from:" in text and "    reducer: " in text
     assert main([*CLI, "--batch", str(batch), "--hardware", hardware, "--json"]) == 0
     tl = json.loads(capsys.readouterr().out)["timeline"]
-    assert 0 < tl["gpu_idle_fraction"] < 1
-    assert tl["idle_cause"] in tl["idle_s"]
-    assert tl["idle_s"][tl["idle_cause"]] == max(tl["idle_s"].values())
+    # at 8 x 4096 the resident parameters' and most layers' optimizer on the device leave the GPU no idle predicted
+    assert (0 < tl["gpu_idle_fraction"] < 1) if batch == 1 else (0 <= tl["gpu_idle_fraction"] < 1)
+    if tl["gpu_idle_fraction"] == 0:
+        assert tl["idle_cause"] == "none"
+    else:
+        assert tl["idle_cause"] in tl["idle_s"]
+        assert tl["idle_s"][tl["idle_cause"]] == max(tl["idle_s"].values())
     assert set(tl["link_busy_s"]) == {"h2d", "d2h"} and "reducer" in tl["host_busy_s"]
     assert tl["reducer"]["threads"] == side_threads(hwork.host_cores(get_hardware(hardware)))
     assert f"GPU idle {tl['gpu_idle_fraction']:.1%}" in text
@@ -112,7 +117,8 @@ def test_the_reducer_runs_on_a_quarter_of_the_cores_and_paces_a_short_backward(m
 
 def test_the_serial_resident_work_is_on_the_step():
     hw = get_hardware("h200-pcie")
-    pl = plan(M14, 4096, batch=8, hardware=hw)
+    # every layer streamed, no optimizer on the device: the resident parameters update on the host
+    pl = plan(M14, 4096, batch=8, hardware=hw, residency=Residency())
     m, t = pl.point.model, pl.time
     resident = m.param_count() - m.num_layers * m.layer_params()
     # FP32 read, bf16 written, at the rounding's measured distance from that bound
@@ -126,7 +132,12 @@ def test_the_serial_resident_work_is_on_the_step():
     assert host["launch thread (resident update)"] + host["resident rounding (its worker)"] == pytest.approx(
         t.idle_s[IDLE_ROUND] + t.idle_s[IDLE_RESIDENT])
     # FP32 compute uploads the masters themselves: nothing to round
-    assert plan(M14, 4096, batch=8, hardware=hw, dtype="float32").time.idle_s[IDLE_ROUND] == 0
+    assert plan(M14, 4096, batch=8, hardware=hw, dtype="float32", residency=Residency()).time.idle_s[IDLE_ROUND] == 0
+    # "auto" puts some layers' optimizer on the device, the resident parameters' with it (resident.py place_globals):
+    # neither their update nor their rounding is the host's any more
+    auto = plan(M14, 4096, batch=8, hardware=hw)
+    assert auto.time.residency.optimizer > 0
+    assert auto.time.idle_s[IDLE_ROUND] == auto.time.idle_s[IDLE_RESIDENT] == 0
 
 
 @pytest.mark.parametrize("gpus,nodes", [(8, 1), (8, 2)])

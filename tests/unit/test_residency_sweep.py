@@ -63,8 +63,9 @@ def test_the_study_row_has_the_placement_and_torch_only_where_it_fits():
     assert all(set(FIELDS) == set(r) for r in rows)
     by = {(r["micro_batch"], r["variant"]): r for r in rows}
     assert by[(1, "auto")]["placement"].startswith("residency: 32 of 32")
-    # "auto" keeps every layer's optimizer on the device (engine/update/resident.py), graphs in the room left
-    assert "32 update on the device" in by[(1, "auto")]["placement"]
+    # "auto" keeps most layers' optimizer on the device (engine/update/resident.py; the planner's search trades
+    # four of the engine's 32 for graphs: their speculative updates hide behind the device layers' backward)
+    assert "28 update on the device" in by[(1, "auto")]["placement"]
     assert by[(1, "stream")]["recomputed_layers_per_step"] == 32 and by[(1, "auto")]["recomputed_layers_per_step"] < 32
     assert by[(1, "auto")]["h2d_bytes_per_step"] < by[(1, "stream")]["h2d_bytes_per_step"]
     assert by[(1, "torch")]["fits"] and not by[(8, "torch")]["fits"]  # 8 x 4096 without checkpointing: too big

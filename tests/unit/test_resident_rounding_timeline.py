@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatrain.costs.residency import Residency
 from megatrain.planner import host_work as hwork
 from megatrain.planner import plan
 from megatrain.planner.hardware import get_hardware
@@ -20,7 +21,8 @@ M14 = "qwen2.5-14b"
 @pytest.mark.parametrize("overlap", [True, False])
 def test_the_rounding_is_its_workers_time_not_the_launch_threads(overlap):
     hw = get_hardware("h200-pcie")
-    pl = plan(M14, 4096, batch=8, hardware=hw, optimizer_overlap=overlap)
+    # every layer streamed, no optimizer on the device: the resident parameters update and round on the host
+    pl = plan(M14, 4096, batch=8, hardware=hw, optimizer_overlap=overlap, residency=Residency())
     m, t, tl = pl.point.model, pl.time, pl.timeline
     resident = m.param_count() - m.num_layers * m.layer_params()
     rounding = resident * (4 + 2) / hw.host_bw_bps * HOST_RATES["resident rounding"].x_bound
@@ -36,6 +38,7 @@ def test_the_rounding_is_its_workers_time_not_the_launch_threads(overlap):
 
 
 def test_nothing_to_round_charges_the_worker_nothing():
-    pl = plan(M14, 4096, batch=8, hardware="h200-pcie", dtype="float32")  # FP32 compute uploads the masters
+    # FP32 compute uploads the masters (the resident parameters' optimizer on the host: no layer's on the device)
+    pl = plan(M14, 4096, batch=8, hardware="h200-pcie", dtype="float32", residency=Residency())
     assert pl.timeline.host_busy_s[ROUNDING] == 0 and pl.timeline.idle_s[IDLE_ROUND] == 0
     assert pl.timeline.host_busy_s[LAUNCH] > 0

@@ -278,3 +278,25 @@ def test_the_rounding_runs_on_a_side_share_of_the_cores(cuda, monkeypatch):
         torch.set_num_threads(before)
     assert up.threads == stream.side_threads() == 8
     assert seen == [8]
+
+
+def test_close_finishes_the_last_run_then_lets_the_staging_and_worker_go(cuda):
+    """When the resident parameters' optimizer goes to the device (update/resident.py place_globals) the engine
+    closes the upload: the run already queued is fenced first, the pinned staging is let go (unregistered) and the
+    worker stops (a later run is refused, not silently dropped)."""
+    device, compute, sources, _, fake = cuda
+    _, _, up = _upload()
+    up.run()
+    base = up.staging.data_ptr()
+    up.close()
+    assert len(sources) == len(GLOBALS) and compute.waited_events  # the queued run was rounded, queued and fenced
+    assert up.staging is None
+    device.drain()  # the device ran the copies: nothing reads the staging any more
+    device.queued, device.ran = [], 0
+    sources.clear()
+    import gc
+
+    gc.collect()
+    assert base not in fake.live  # unregistered once nothing holds it
+    with pytest.raises(RuntimeError):
+        up.run()

@@ -15,6 +15,9 @@ the resident parameters (the embedding's forward, placement.py), waits for the w
 makes the compute stream wait for their event. The rounding thus runs beside the layer updates and whatever
 the caller does between steps (zero_grad, the next batch) instead of after them; the next forward's embedding
 still waits for it.
+
+Not used when the resident parameters' optimizer is on the device (update/resident.py place_globals): their
+compute copies are refreshed there from the device master (Placement.globals_changed's device copy).
 """
 
 from __future__ import annotations
@@ -94,6 +97,13 @@ class ResidentUpload:
         before = torch.cuda.Event()
         before.record(compute)
         self._queued = (self._worker.submit(self._round_and_queue, before), compute)
+
+    def close(self) -> None:
+        """No longer used (the resident parameters' optimizer went to the device, update/resident.py place_globals):
+        its worker stopped and its pinned staging let go."""
+        self.fence()
+        self._worker.shutdown(wait=True)
+        self.staging, self._views, self._copied = None, [], None
 
     def fence(self) -> None:
         """Before compute that reads the resident parameters: the last run's rounding done and its copies queued

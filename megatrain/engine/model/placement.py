@@ -125,7 +125,8 @@ class Placement:
         if not self.alias_globals:
             with torch.no_grad():
                 for dev, master in zip(self.device_globals, self.store.globals.params):
-                    if not torch.equal(dev.detach().cpu(), master.detach().to(dev.dtype)):
+                    # (on the master's device: the host's, or the device's with the resident optimizer there)
+                    if not torch.equal(dev.detach().to(master.device), master.detach().to(dev.dtype)):
                         master.copy_(dev.detach())
 
 

@@ -12,6 +12,10 @@ slab waits for `globals_landed` first (events.py's wait_grads does), as for the 
 On a CPU device the "copy" is a cast in the same memory system, so the default there is to add at once on the
 calling thread; `asynchronous=True` takes the threaded path on any device (the tests use it to exercise the
 waits on the CPU: the copy job, a no-op there, still orders the add behind the d2h worker's jobs queued so far).
+
+With the resident parameters' optimizer on the device (update/resident.py place_globals) their slab is there: each
+gradient is added into it at once on the calling thread, queued on the compute stream behind the backward that
+made it (no copy, no staging, no worker).
 """
 
 from __future__ import annotations
@@ -33,7 +37,10 @@ class GlobalGradSink:
         self.streams = streams
         self.pipeline = pipeline
         self.cuda = streams.device.type == "cuda"
-        self.asynchronous = self.cuda if asynchronous is None else asynchronous
+        # The resident parameters' slab on the device (update/resident.py place_globals): added there on this thread,
+        # in the stream order of the backward that made them (no copy down, no worker).
+        self.on_device = store.globals.grad.device.type != "cpu"
+        self.asynchronous = (self.cuda if asynchronous is None else asynchronous) and not self.on_device
         self._reducer: CopyStream | None = None
         if self.asynchronous:
             # Its own worker, beside the layers' reducer (a quarter of the cores too: it runs while the first
@@ -67,7 +74,10 @@ class GlobalGradSink:
             return
         if not self.asynchronous:
             for s, g in pairs:
-                group.view(group.grad, s).add_(g.to("cpu", torch.float32))
+                slab = group.view(group.grad, s)
+                # widened inside the add (exact: the same bits as adding its FP32 copy), without a vocab x hidden
+                # FP32 temporary on the device
+                slab.add_(g.to(slab.device))
             return
         if self.cuda:
             self._staging_free.host_wait(self.streams.watchdog_s)  # the previous micro-batch's add read it
@@ -99,7 +109,7 @@ class GlobalGradSink:
         slab = group.view(group.grad, group.slots[slot_index])
         rows, grad = rows.reshape(-1), grad.reshape(-1, grad.shape[-1])
         if not self.asynchronous:
-            slab.index_add_(0, rows.cpu(), grad.to("cpu", torch.float32))
+            slab.index_add_(0, rows.to(slab.device), grad.to(slab.device, torch.float32))
             return
         if self.cuda:
             self._rows_free.host_wait(self.streams.watchdog_s)

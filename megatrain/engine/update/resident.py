@@ -96,11 +96,12 @@ def resolve(config: EngineConfig, store: HostStore, data_parallel: bool, auto_co
     return asked
 
 
-def move(group: FlatGroup, device: torch.device) -> None:
+def move(group: FlatGroup, device: torch.device, relocate: bool = False) -> None:
     """Make `group` an FP32-master group on `device`: master, shadow and gradient slab there, its Parameters
-    views of the device master. An FP32 group on a CPU device is there already (nothing copied)."""
+    views of the device master. An FP32 group on a CPU device is there already (nothing copied) unless `relocate`
+    asks for fresh buffers anyway (what a move to a GPU does to every reference to the old ones)."""
     fp32 = group.master_mode is HostMaster.FP32
-    if fp32 and device.type == "cpu":
+    if fp32 and device.type == "cpu" and not relocate:
         return
     if fp32:
         value = group.master
@@ -133,6 +134,18 @@ def place(store: HostStore, count: int, device: torch.device) -> frozenset[int]:
         log.info("optimizer residency: %d of %d layers' FP32 master, gradients and Adam state on %s (updated there)",
                  count, len(store.layers), device)
     return frozenset(range(count))
+
+
+def place_globals(store: HostStore, count: int, device: torch.device) -> bool:
+    """The resident parameters' (embedding, final norm, LM head) FP32 master, gradient slab and Adam state onto
+    `device` whenever any layer's optimizer is there (`count` > 0): the next forward reads them first, and their
+    update is otherwise the host's AdamW on the launch thread plus a gradient copy down and an upload each step.
+    Whether they update there."""
+    if not count:
+        return False
+    move(store.globals, device)
+    log.info("optimizer residency: the resident parameters' FP32 master, gradients and Adam state on %s", device)
+    return True
 
 
 def on_device(group: FlatGroup) -> bool:

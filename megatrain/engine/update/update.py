@@ -10,7 +10,8 @@ engine is built (`choose`):
 - WholeStep: in step(), on the caller's thread, one optimizer.step() over every master (any torch optimizer;
   an FP32 master with a bf16 shadow and torch's fused Adam/AdamW take Layered instead, choose.py `layer_pass_pays`).
 - Layered: in step(), each layer queued on the optimizer thread in forward order behind its gradients, then the
-  resident parameters updated on the caller's thread beside them (embedding first); with optimizer_overlap
+  resident parameters updated on the caller's thread beside them (embedding first; on the device, launched there,
+  when their optimizer is: resident.py place_globals); with optimizer_overlap
   step() returns once those are done (the next forward's load of a layer waits for its update), otherwise it
   waits for the layers too (the hilo/bf16 masters and bf16 slabs update a layer at a time).
 - InBackward (optimizer_in_backward): during backward, on the optimizer thread, each layer as soon as its
