@@ -44,7 +44,9 @@ def row(model: str, hardware: str, batch: int, variant: str, knobs: dict[str, An
     torch = plan(model, CONTEXT, batch, hardware=hardware, backend="torch")
     tl = pl.timeline
     return {"label": label, "hardware": hardware, "model": model, "batch": batch, "variant": variant,
-            "fits": pl.feasible if getattr(pl, "auto", None) is None else pl.auto.fits,  # older planners: no .auto "step_ms": round(1e3 * pl.time.step_s, 1),
+            # older planners make no host-mode choice (no .auto)
+            "fits": pl.feasible if getattr(pl, "auto", None) is None else pl.auto.fits,
+            "step_ms": round(1e3 * pl.time.step_s, 1),
             "model_tflops": round(pl.model_tflops, 1), "gpu_idle_pct": round(100 * tl.gpu_idle_fraction, 1),
             "idle_cause": tl.idle_cause, "torch_tflops": round(torch.model_tflops, 1), "torch_fits": torch.feasible,
             "vs_torch": round(pl.model_tflops / torch.model_tflops, 3)}

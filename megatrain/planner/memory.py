@@ -236,8 +236,9 @@ def optimizer_layers(p: Point, hw: Hardware, policy: device_model.LongContextPol
         return 0
     if policy.budget is None:
         return p.model.num_layers if p.master == "fp32" else 0
-    # the engine leaves the model's context window free; a longer point (refused, but its memory still told) its own
-    return policy.optimizer_layers(max(p.model.max_positions, p.tokens),
+    # the engine leaves one sequence of the model's context window free (resident.reserve_tokens), whatever the
+    # micro-batch; a longer sequence (refused, but its memory still told) its own
+    return policy.optimizer_layers(max(p.model.max_positions, p.context),
                                    p.model.param_count() - p.model.num_layers * p.model.layer_params())
 
 

@@ -302,3 +302,12 @@ def test_the_planner_moves_the_update_copies_and_state_of_device_layers():
     assert half.memory.device["resident parameters' FP32 master, gradients, Adam m and v"] == G * 16
     assert host.memory.device["resident parameters' FP32 master, gradients, Adam m and v"] == 0
     assert half.time.step_s < host.time.step_s
+
+
+def test_the_planners_engine_fill_reserves_one_sequence_whatever_the_micro_batch():
+    """The engine sizes "auto"'s optimizer state at build, leaving one sequence of the model's context window free
+    (resident.reserve_tokens): the planner's replay of that fill gives the same count at every micro-batch."""
+    from megatrain.planner import plan
+
+    counts = {b: plan("llama2-7b", 4096, b, hardware="gh200").placement.engine.optimizer for b in (1, 4, 8)}
+    assert counts[1] == counts[4] == counts[8] > 0, counts
