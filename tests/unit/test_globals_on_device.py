@@ -11,11 +11,13 @@ their state in the device budget. The control: a clip norm that leaves the globa
 from __future__ import annotations
 
 import io
+import itertools
 
 import pytest
 import torch
 from conftest import make_batches, tiny_model
 from gpu_defaults import CONFIGS, FP32
+from kit import train_steps
 
 from megatrain.config.schema import EngineConfig
 from megatrain.costs.residency import OPTIMIZER_BYTES_PER_PARAM
@@ -35,17 +37,8 @@ def _engine(seed: int, k: int, mode: dict, tied: bool, **cfg) -> tuple[Engine, o
 
 
 def _steps(eng: Engine, sched, batches: list, steps: int) -> tuple[list[float], list[float]]:
-    losses, norms = [], []
-    for _ in range(steps):
-        for b in batches:
-            out = eng(**b)
-            eng.backward(out.loss / len(batches))
-            losses.append(out.loss.item())
-        norms.append(eng.clip_grad_norm_(CLIP))
-        eng.step()
-        sched.step()
-        eng.zero_grad()
-    return losses, norms
+    """`steps` steps, each accumulating every batch of `batches` (the same ones each step), clipped to CLIP."""
+    return train_steps(eng, itertools.cycle(batches), steps, accum=len(batches), clip=CLIP, scheduler=sched)
 
 
 def _globals_adam(eng: Engine) -> list[torch.Tensor]:

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 
 import pytest
 import torch
 from conftest import make_batches, tiny_model
 from gpu_defaults import CONFIGS, FP32
+from kit import train_steps
 
 from megatrain.config.schema import EngineConfig
 from megatrain.costs.modes import HostMaster
@@ -75,17 +77,8 @@ def _engine(seed: int, k: int, mode: dict, **cfg) -> tuple[Engine, torch.optim.l
 
 
 def _steps(eng: Engine, sched, batches: list, steps: int) -> tuple[list[float], list[float]]:
-    losses, norms = [], []
-    for _ in range(steps):
-        for b in batches:  # two micro-batches accumulated
-            out = eng(**b)
-            eng.backward(out.loss / len(batches))
-            losses.append(out.loss.item())
-        norms.append(eng.clip_grad_norm_(CLIP))
-        eng.step()
-        sched.step()
-        eng.zero_grad()
-    return losses, norms
+    """`steps` steps, each accumulating every batch of `batches` (the same ones each step), clipped to CLIP."""
+    return train_steps(eng, itertools.cycle(batches), steps, accum=len(batches), clip=CLIP, scheduler=sched)
 
 
 def _adam(eng: Engine) -> list[torch.Tensor]:
