@@ -20,12 +20,6 @@ from .speculative import Speculative
 from .update import InBackward, Layered, SpillFactory, UpdatePath, WholeStep
 
 
-def overlap_pays(device: torch.device, config: EngineConfig, optimizer: torch.optim.Optimizer) -> bool:
-    """optimizer_overlap "auto": on a CUDA device, for torch's Adam/AdamW, without the optimizer in backward.
-    On a CPU device the layers' compute and the host update run on the same cores: nothing to hide behind."""
-    return device.type == "cuda" and not config.optimizer_in_backward and unsupported_reason(optimizer) is None
-
-
 def choose(optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents, config: EngineConfig,
            trace: Trace, *, agree: Callable[[int, str], int] | None = None,
            spill: SpillFactory | None = None, device_layers: frozenset[int] = frozenset()) -> UpdatePath:
