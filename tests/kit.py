@@ -203,3 +203,25 @@ def probes(out: str) -> list[dict]:
         found.append(obj)
         at = out.find("PROBE ", end)
     return found
+
+
+def adamw_engine(model: torch.nn.Module, config: Any) -> tuple[Engine, torch.optim.lr_scheduler.LRScheduler]:
+    """An engine over `model` with AdamW (lr 1e-2, weight decay 0.01) and a LambdaLR decaying as 1 / (1 + step)."""
+    from megatrain.engine import Engine
+
+    eng = Engine(model, config, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01))
+    return eng, torch.optim.lr_scheduler.LambdaLR(eng.optimizer, lambda s: 1.0 / (1 + s))
+
+
+def adam_state(engine: Engine, params: Iterable[torch.nn.Parameter] | None = None) -> list[torch.Tensor]:
+    """Each parameter's (of `params`, else all the optimizer's) Adam step, m and v, as CPU copies, after the
+    engine's pending work."""
+    engine.synchronize()
+    ids = None if params is None else {id(p) for p in params}
+    out = []
+    for g in engine.optimizer.param_groups:
+        for p in g["params"]:
+            if ids is None or id(p) in ids:
+                st = engine.optimizer.state[p]
+                out += [st[key].detach().to("cpu", copy=True) for key in ("step", "exp_avg", "exp_avg_sq")]
+    return out

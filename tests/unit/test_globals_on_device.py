@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import make_batches, tiny_model
 from gpu_defaults import CONFIGS, FP32
-from kit import train_steps
+from kit import adam_state, adamw_engine, train_steps
 
 from megatrain.config.schema import EngineConfig
 from megatrain.costs.residency import OPTIMIZER_BYTES_PER_PARAM
@@ -29,11 +29,9 @@ CLIP = 0.05  # below every step's norm here: each step clips (asserted)
 
 
 def _engine(seed: int, k: int, mode: dict, tied: bool, **cfg) -> tuple[Engine, object]:
-    model = tiny_model("llama", layers=LAYERS, seed=seed, tied=tied)
-    eng = Engine(model, EngineConfig(residency={"weights": LAYERS, "activations": 0, "optimizer": k},
-                                     parity_probe=False, **mode, **cfg),
-                 optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01))
-    return eng, torch.optim.lr_scheduler.LambdaLR(eng.optimizer, lambda s: 1.0 / (1 + s))
+    return adamw_engine(tiny_model("llama", layers=LAYERS, seed=seed, tied=tied),
+                        EngineConfig(residency={"weights": LAYERS, "activations": 0, "optimizer": k},
+                                     parity_probe=False, **mode, **cfg))
 
 
 def _steps(eng: Engine, sched, batches: list, steps: int) -> tuple[list[float], list[float]]:
@@ -42,15 +40,7 @@ def _steps(eng: Engine, sched, batches: list, steps: int) -> tuple[list[float], 
 
 
 def _globals_adam(eng: Engine) -> list[torch.Tensor]:
-    eng.synchronize()
-    ids = {id(p) for p in eng.store.globals.params}
-    out = []
-    for g in eng.optimizer.param_groups:
-        for p in g["params"]:
-            if id(p) in ids:
-                st = eng.optimizer.state[p]
-                out += [st[key].detach().to("cpu", copy=True) for key in ("step", "exp_avg", "exp_avg_sq")]
-    return out
+    return adam_state(eng, eng.store.globals.params)
 
 
 def _run(k: int, mode: dict, tied: bool) -> tuple:

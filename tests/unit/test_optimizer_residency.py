@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import make_batches, tiny_model
 from gpu_defaults import CONFIGS, FP32
-from kit import train_steps
+from kit import adam_state, adamw_engine, train_steps
 
 from megatrain.config.schema import EngineConfig
 from megatrain.costs.modes import HostMaster
@@ -68,12 +68,10 @@ def test_refused_with_the_reason_where_it_cannot_run():
 
 # -- training --------------------------------------------------------------------------------------------
 def _engine(seed: int, k: int, mode: dict, **cfg) -> tuple[Engine, torch.optim.lr_scheduler.LRScheduler]:
-    model = tiny_model("llama", layers=LAYERS, seed=seed)
     # (the parity probe checks the model, not the update: off, for time)
-    eng = Engine(model, EngineConfig(residency={"weights": LAYERS, "activations": 0, "optimizer": k},
-                                     parity_probe=False, **mode, **cfg),
-                 optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01))
-    return eng, torch.optim.lr_scheduler.LambdaLR(eng.optimizer, lambda s: 1.0 / (1 + s))
+    return adamw_engine(tiny_model("llama", layers=LAYERS, seed=seed),
+                        EngineConfig(residency={"weights": LAYERS, "activations": 0, "optimizer": k},
+                                     parity_probe=False, **mode, **cfg))
 
 
 def _steps(eng: Engine, sched, batches: list, steps: int) -> tuple[list[float], list[float]]:
@@ -82,13 +80,7 @@ def _steps(eng: Engine, sched, batches: list, steps: int) -> tuple[list[float], 
 
 
 def _adam(eng: Engine) -> list[torch.Tensor]:
-    eng.synchronize()
-    out = []
-    for g in eng.optimizer.param_groups:
-        for p in g["params"]:
-            st = eng.optimizer.state[p]
-            out += [st[key].detach().to("cpu", copy=True) for key in ("step", "exp_avg", "exp_avg_sq")]
-    return out
+    return adam_state(eng)
 
 
 def _run(k: int, mode: dict, **cfg) -> tuple:
