@@ -143,3 +143,27 @@ def test_the_optimizer_thread_runs_its_torch_ops_on_the_update_share(launched, o
         eng.update.layered.stream.submit(lambda: (seen.append(torch.get_num_threads()), 0)[1], (), "probe", 0)
         eng.update.layered.stream.synchronize()
         assert seen == [want]
+
+
+@pytest.mark.parametrize("residency", [{"weights": 1, "optimizer": 1}, "stream"])
+def test_updates_on_the_callers_thread_take_the_update_share(launched, residency):
+    """The resident parameters' update and an optimizer-resident layer's run on the caller's thread at step(): an
+    unfused AdamW's whole-group passes there take the update's share, not the launcher's 1."""
+    from conftest import make_batches
+
+    from megatrain.config import EngineConfig
+    from megatrain.engine import Engine
+    from megatrain.engine.update import update as update_module
+
+    model = tiny_model(layers=1, hidden=32, vocab=128)
+    eng = Engine(model, EngineConfig(device="cpu", compute_dtype="float32", optimizer_overlap=True,
+                                     residency=residency, parity_probe=False),
+                 optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, fused=False))
+    seen, inner = [], update_module.update_group
+    launched.setattr(update_module, "update_group", lambda *a, **k: (seen.append(torch.get_num_threads()), inner(*a, **k))[1])
+    (batch,) = make_batches(1, vocab=128)
+    eng.backward(eng(**batch).loss)
+    eng.step()
+    eng.synchronize()
+    assert seen and torch.get_num_threads() == 1  # the caller's count is back after the step
+    assert all(n == eng.update.threads for n in seen), seen

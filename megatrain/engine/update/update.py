@@ -220,15 +220,16 @@ class Layered(UpdatePath):
 
             layered.submit(i, job, self.events.landed[i])
         view = layered.view_globals()
-        if view is not None:
-            # The embedding first (the next forward reads it first), the final norm and the head after it: the
-            # order of the resident group's parameters (placement: the model's own order, embedding first).
-            update_group(view, self.store.globals, pending, self.threads)
-        for i in sorted(self.device_layers):
-            # On the device, here: their gradients were added on this thread (no reducer job to wait for), and
-            # what they launch is ordered after the backward that wrote them.
-            self.events.landed[i].host_wait(self.config.watchdog_s)
-            update(i)
+        with share(self.threads):  # this thread's torch ops on the update's share, not the caller's (a launcher's 1)
+            if view is not None:
+                # The embedding first (the next forward reads it first), the final norm and the head after it: the
+                # order of the resident group's parameters (placement: the model's own order, embedding first).
+                update_group(view, self.store.globals, pending, self.threads)
+            for i in sorted(self.device_layers):
+                # On the device, here: their gradients were added on this thread (no reducer job to wait for), and
+                # what they launch is ordered after the backward that wrote them.
+                self.events.landed[i].host_wait(self.config.watchdog_s)
+                update(i)
         layered.optimizer._opt_called = True  # LR schedulers check that optimizer.step() ran before them
 
     def zero_grad(self) -> None:
