@@ -299,7 +299,7 @@ class LongContextPolicy:
         graph_bytes = layer_graph_bytes(self.dims, tokens, itemsize)
         if self.residency != kept.AUTO:
             r = self.residency.capped(self.n_layers)
-            r = r if allowed else kept.Residency(r.weights, 0, r.optimizer)
+            r = r if allowed else r.without_graphs()
         else:
             if self.budget is None:
                 room = self.residency_room
@@ -310,8 +310,16 @@ class LongContextPolicy:
             if train:  # the placement is training's; a forward before any training batch plans only for itself
                 self._weights = r.weights
         if self.budget is not None:
-            choice.predicted_peak_bytes += self._weights_bytes(r.weights) + r.activations * graph_bytes
+            # offloaded graphs: only those in flight (residency.OFFLOADED_GRAPHS_IN_FLIGHT), not all of them
+            choice.predicted_peak_bytes += self._weights_bytes(r.weights) + r.device_graphs * graph_bytes
         return r
+
+    def offloaded_graph_host_bytes(self, tokens: int) -> int:
+        """Host bytes the offloaded graphs of a `tokens` batch take (a counts setting; "auto" offloads none)."""
+        r = self.residency
+        if r == kept.AUTO or not isinstance(r, kept.Residency):
+            return 0
+        return r.capped(self.n_layers).offload * layer_graph_bytes(self.dims, tokens, self.itemsize)
 
     def _plan(self, tokens: int, train: bool = True, extra: int = 0) -> BatchPlan:
         """`extra`: device bytes held beside the working set all through the batch (the kept weights a

@@ -13,6 +13,9 @@ takes no ring buffer and its compute gives the ring time to fill with the stream
 issued before any ring prefetch of the same pass (`DeviceBuffers.acquire`). A layer whose
 *graph* is kept runs its forward with autograd recording (FORWARD_KEEP) and its backward from that graph
 (BACKWARD_KEPT): no input saved, no recompute. A graph holds its weights, so graph layers are kept layers.
+An *offloaded* graph (residency `offload`) sends its saved activations to the host after its forward
+(SEND_GRAPH, the d2h stream) and, in backward, has them brought back one layer ahead (PREFETCH_GRAPH, the h2d
+stream, issued before the previous layer's backward) and waits for them before its own (FETCH_GRAPH).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ SEND_GRAD = "send_grad"  # the layer's weight gradients leave for its host slab 
 DROP_INPUT = "drop_input"  # backward: the layer's input is no longer needed
 FORWARD_KEEP = "forward_keep"  # the layer's forward recording its autograd graph for backward (a kept layer)
 BACKWARD_KEPT = "backward_kept"  # the layer's backward from the graph its forward kept: no recompute
+SEND_GRAPH = "send_graph"  # forward: an offloaded graph's saved activations leave for the host (the d2h stream)
+PREFETCH_GRAPH = "prefetch_graph"  # backward: bring the next layer's offloaded graph back (the h2d stream)
+FETCH_GRAPH = "fetch_graph"  # backward: the layer's own offloaded graph, waited for
 
 
 @dataclass(frozen=True)
@@ -89,35 +95,47 @@ class DeviceBuffers:
         yield Step(WAIT, order[n], self.resident.index(order[n]))
 
 
-def forward_steps(buffers: DeviceBuffers, n_layers: int, graphs: frozenset[int] = frozenset()) -> Iterator[Step]:
-    """One forward over the layers, in issue order (`graphs`: the layers whose autograd graph is kept)."""
+def forward_steps(buffers: DeviceBuffers, n_layers: int, graphs: frozenset[int] = frozenset(),
+                  offloaded: frozenset[int] = frozenset()) -> Iterator[Step]:
+    """One forward over the layers, in issue order (`graphs`: the layers whose autograd graph is kept;
+    `offloaded`: those of them whose saved activations go to the host)."""
     order = list(range(n_layers))
     for n, i in enumerate(order):
         yield from buffers.acquire(order, n)
         slot = buffers.resident.index(i)
         if i in graphs:
             yield Step(FORWARD_KEEP, i, slot)
+            if i in offloaded:
+                yield Step(SEND_GRAPH, i)
             continue
         yield Step(SAVE_INPUT, i)
         yield Step(FORWARD, i, slot)
 
 
-def backward_steps(buffers: DeviceBuffers, n_layers: int, graphs: frozenset[int] = frozenset()) -> Iterator[Step]:
-    """One backward over the layers, last first, in issue order: the next layer's input is prefetched
-    before this layer's own is waited for, so its copy runs under this layer's compute. A kept graph needs
-    neither its weights copied nor its input."""
+def backward_steps(buffers: DeviceBuffers, n_layers: int, graphs: frozenset[int] = frozenset(),
+                   offloaded: frozenset[int] = frozenset()) -> Iterator[Step]:
+    """One backward over the layers, last first, in issue order: the next layer's input (or offloaded graph) is
+    prefetched before this layer's own is waited for, so its copy runs under this layer's compute. A kept graph
+    needs neither its weights copied nor its input."""
     order = list(reversed(range(n_layers)))
     for n, i in enumerate(order):
+        nxt = order[n + 1] if n + 1 < len(order) else None
         if i in graphs:
-            if n + 1 < len(order) and order[n + 1] not in graphs:
-                yield Step(PREFETCH_INPUT, order[n + 1])
+            if nxt is not None and nxt not in graphs:
+                yield Step(PREFETCH_INPUT, nxt)
+            if nxt in offloaded:
+                yield Step(PREFETCH_GRAPH, nxt)
+            if i in offloaded:
+                yield Step(FETCH_GRAPH, i)
             yield Step(BACKWARD_KEPT, i, buffers.kept_slot[i])
             yield Step(SEND_GRAD, i)
             continue
         yield from buffers.acquire(order, n)
         slot = buffers.resident.index(i)
-        if n + 1 < len(order) and order[n + 1] not in graphs:
-            yield Step(PREFETCH_INPUT, order[n + 1])
+        if nxt is not None and nxt not in graphs:
+            yield Step(PREFETCH_INPUT, nxt)
+        if nxt in offloaded:
+            yield Step(PREFETCH_GRAPH, nxt)
         yield Step(FETCH_INPUT, i)
         yield Step(BACKWARD, i, slot)
         yield Step(SEND_GRAD, i)

@@ -9,7 +9,12 @@ A graph holds its layer's weights, so graph layers are kept layers; both are the
 (their compute at the start of the forward hides the ring's first copies, and they end the backward).
 
 Both are the same ops in the same order as streaming with recompute, so losses and gradients are
-bit-identical (tests/unit/test_residency.py). An *optimizer-resident* layer (also the first ones, all of them
+bit-identical (tests/unit/test_residency.py). An *offloaded* graph is a kept graph whose saved tensors (its
+activations, not its weights) go to host memory as its forward finishes and come back one layer ahead of its
+backward (engine/pipeline/saved_offload.py): still no recompute, the same tensors (a copy), and device memory
+for them O(1) in their count (OFFLOADED_GRAPHS_IN_FLIGHT); worth it where the link moves a layer's saved
+tensors faster than the layer recomputes (NVLink-C2C), not over PCIe (tests/unit/test_offloaded_graphs.py). An
+*optimizer-resident* layer (also the first ones, all of them
 kept) has its FP32 master, gradient slab and Adam state on the device, updated there by torch's AdamW: no gradient
 copy to the host, no weight copy back (engine/update/resident.py; tests/unit/test_optimizer_residency.py).
 Plain arithmetic, no torch: the engine's per-batch plan (costs/memory.py) and the planner use this one model.
@@ -20,20 +25,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 AUTO, STREAM = "auto", "stream"
+# Offloaded graphs the device holds at once: one layer's saved tensors on their way to the host while the next
+# layer runs forward, and in backward one layer's brought back ahead while the previous one's backward runs.
+OFFLOADED_GRAPHS_IN_FLIGHT = 2
+KEYS = ("weights", "activations", "offload", "optimizer")
 
 
 @dataclass(frozen=True)
 class Residency:
     """The first `weights` layers keep their weights on the device; the first `activations` of them keep their
     forward's autograd graph for backward; the first `optimizer` of them keep their FP32 master and Adam state
-    there too, updated on the device."""
+    there too, updated on the device. The last `offload` of the graph layers keep their graph with its saved
+    activations in host memory (`offloaded`)."""
 
     weights: int = 0
     activations: int = 0
     optimizer: int = 0
+    offload: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("weights", "activations", "optimizer"):
+        for name in KEYS:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"residency {name}={v!r} must be an int >= 0 (a count of layers)")
@@ -43,6 +54,10 @@ class Residency:
         if self.optimizer > self.weights:
             raise ValueError(f"residency optimizer={self.optimizer} > weights={self.weights}: an optimizer-resident "
                              f"layer's weights live on the device, so set weights >= {self.optimizer}")
+        if self.offload > self.activations:
+            raise ValueError(f"residency offload={self.offload} > activations={self.activations}: an offloaded graph "
+                             f"is one of the kept graphs (its saved tensors moved to host memory), so set "
+                             f"activations >= {self.offload} or offload <= {self.activations}")
 
     @property
     def updated_on_device(self) -> frozenset[int]:
@@ -57,8 +72,27 @@ class Residency:
     def graphs(self) -> frozenset[int]:
         return frozenset(range(self.activations))
 
+    @property
+    def offloaded(self) -> frozenset[int]:
+        """The graph layers whose saved tensors wait for backward in host memory: the last `offload` of them. Their
+        backward comes first among the graphs', right after the streamed layers' (backward runs last layer first),
+        so the first one's copy back hides under a streamed layer's recompute + backward, the longest compute there
+        is; and in forward each copy out hides under the next layer's compute, as any graph layer's would."""
+        return frozenset(range(self.activations - self.offload, self.activations))
+
+    @property
+    def device_graphs(self) -> int:
+        """Layers' worth of graph bytes the device holds at the forward/backward turn: the graphs kept there and
+        the offloaded ones in flight (at most OFFLOADED_GRAPHS_IN_FLIGHT)."""
+        return self.activations - self.offload + min(self.offload, OFFLOADED_GRAPHS_IN_FLIGHT)
+
     def capped(self, n_layers: int) -> Residency:
-        return Residency(min(self.weights, n_layers), min(self.activations, n_layers), min(self.optimizer, n_layers))
+        a = min(self.activations, n_layers)
+        return Residency(min(self.weights, n_layers), a, min(self.optimizer, n_layers), min(self.offload, a))
+
+    def without_graphs(self) -> Residency:
+        """The same kept weights and optimizer layers, every layer recomputed (a batch that cannot keep graphs)."""
+        return Residency(self.weights, 0, self.optimizer)
 
     def describe(self, n_layers: int) -> str:
         if self.weights == 0:
@@ -67,18 +101,23 @@ class Residency:
                 f"keep their activations (not recomputed)")
         if self.optimizer:
             line += f", {self.optimizer} update on the device (FP32 master and Adam state there)"
+        if self.offload:
+            line += (f", {self.offload} of those graphs' saved activations offloaded to host memory (copied, not "
+                     f"recomputed)")
         return line
 
     def to_dict(self) -> dict[str, int]:
-        """The counts as a setting writes them ("optimizer" only where set: a setting written before it existed
-        reads the same)."""
+        """The counts as a setting writes them ("optimizer" and "offload" only where set: a setting written before
+        they existed reads the same)."""
         out = {"weights": self.weights, "activations": self.activations}
+        if self.offload:
+            out["offload"] = self.offload
         return {**out, "optimizer": self.optimizer} if self.optimizer else out
 
 
 def parse(value: object) -> str | Residency:
-    """A `residency` setting as written: "auto", "stream", {"weights": n, "activations": m, "optimizer": k} or a
-    Residency."""
+    """A `residency` setting as written: "auto", "stream", {"weights": n, "activations": m, "offload": j,
+    "optimizer": k} or a Residency."""
     if isinstance(value, Residency):
         return value
     if value == STREAM:
@@ -86,12 +125,13 @@ def parse(value: object) -> str | Residency:
     if value == AUTO:
         return AUTO
     if isinstance(value, dict):
-        unknown = set(value) - {"weights", "activations", "optimizer"}
+        unknown = set(value) - set(KEYS)
         if unknown or "weights" not in value:
-            raise ValueError(f"residency={value!r}: give {{'weights': n, 'activations': m, 'optimizer': k}} (layers "
-                             f"counted from the first; activations and optimizer <= weights, default 0), 'auto' or "
-                             f"'stream'")
-        return Residency(value["weights"], value.get("activations", 0), value.get("optimizer", 0))
+            raise ValueError(f"residency={value!r}: give {{'weights': n, 'activations': m, 'offload': j, "
+                             f"'optimizer': k}} (layers counted from the first; activations and optimizer <= weights, "
+                             f"offload <= activations, default 0), 'auto' or 'stream'")
+        return Residency(value["weights"], value.get("activations", 0), value.get("optimizer", 0),
+                         value.get("offload", 0))
     raise ValueError(f"residency={value!r} is not a residency: use 'auto' (plan from the device budget), 'stream' "
                      f"(every layer streamed and recomputed) or {{'weights': n, 'activations': m, 'optimizer': k}}")
 

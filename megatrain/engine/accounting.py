@@ -36,7 +36,7 @@ class StepAccounting:
             self.dp.stream.reset_counters()
         if self.layered is not None:
             self.layered.reset_counters()
-        self.pipeline.recomputed = 0
+        self.pipeline.recomputed = self.pipeline.graph_bytes_out = 0
         self.pipeline.weight_peak_bytes = self.pipeline.device_weight_bytes
         self.act_peak = 0  # the largest forward's activations kept for backward
         if self.memory is not None:

@@ -69,6 +69,7 @@ class ActivationStore:
         self._host: dict[int, tuple[torch.Tensor, Event]] = {}
         self._loaded: dict[int, Event] = {}
         self.graphs: dict[int, tuple] = {}  # residency: layers whose forward graph is kept (schedule.py)
+        self.saved = None  # this forward's offloaded graphs (saved_offload.GraphOffload), where it has some
         self.device_bytes = 0
         self.peak_device_bytes = 0
 

@@ -5,15 +5,18 @@ the forward/backward turn the last k layers are still resident, so backward star
 The order of it all is costs/pipeline.py's, which the planner's simulator replays: this module runs each step.
 Residency (costs/residency.py, planned per batch by the memory policy): the first layers may keep their weights
 in device buffers of their own (copied once per change of the masters) and their forward's autograd graph (no
-recompute); the rest stream through the ring of k buffers as above.
+recompute), some of those graphs with their saved activations in host memory (saved_offload.py); the rest
+stream through the ring of k buffers as above.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from ...costs import pipeline as order
 from ...costs.pinning import STAGING_SLOTS
@@ -29,6 +32,7 @@ from ..layer.tiling import DEFAULT_LOSS_CHUNK, LongContextPolicy, tiled_vjp
 from ..runtime.memtrack import untracked
 from ..runtime.stream import DONE, Event, Streams, Trace, side_threads
 from .activations import ActivationStore, HostPool
+from .saved_offload import GraphOffload
 
 REDUCE_CHUNK = 1 << 20  # elements: a 4 MiB FP32 scratch, which stays in cache between its write and read
 
@@ -82,6 +86,8 @@ class LayerPipeline:
         self.residency = Residency()
         self.weight_peak_bytes = self.device_weight_bytes  # the most the layers' buffers held at once (set_residency)
         self.graphs: frozenset[int] = frozenset()  # this batch's layers whose forward keeps its graph
+        self.offloaded: frozenset[int] = frozenset()  # those of them whose saved activations go to the host
+        self.graph_bytes_out = 0  # offloaded graphs' bytes sent to the host since the counters were reset
         self.recomputed = 0  # layers recomputed in backward since the counters were reset
         # A CPU device computing in the stream source's dtype, emulating no link and no device budget: a kept
         # layer's "device copy" is the host's own stream source (no copy, no second model in memory), as the
@@ -106,6 +112,7 @@ class LayerPipeline:
         # Offloaded boundary activations: host buffers kept from step to step (pinned like the store), so the
         # layer loop never allocates or registers host memory after the first batch of a given size.
         self.act_pool = HostPool(store.buffer, streams.watchdog_s)
+        self.graph_pool = HostPool(store.buffer, streams.watchdog_s)  # the offloaded graphs' saved tensors
         if device.type == "cuda":
             # Gradients land in pinned staging, then a host thread adds them into the FP32 slabs. With several
             # slots the device's copies run ahead of the host's adds (costs/pinning.py, STAGING_SLOTS).
@@ -134,12 +141,13 @@ class LayerPipeline:
         full logits go back to the caller (their workspace joins the plan)."""
         if self.policy is None:
             self.tile = None
-            self.graphs = frozenset()
+            self.graphs = self.offloaded = frozenset()
             return bool(offload_setting) if isinstance(offload_setting, bool) else False
         self.last_plan = plan = self.policy.plan(tokens, train, logits_tokens)
         self.tile = plan.tile
         self.set_residency(plan.residency)
         self.graphs = plan.residency.graphs if train and plan.tile is None and not plan.offload else frozenset()
+        self.offloaded = plan.residency.offloaded & self.graphs
         return plan.offload
 
     def set_residency(self, r: Residency) -> None:
@@ -184,6 +192,7 @@ class LayerPipeline:
 
     def residency_stats(self) -> dict[str, float]:
         return {"resident_weight_layers": self.residency.weights, "kept_graph_layers": len(self.graphs),
+                "offloaded_graph_layers": len(self.offloaded), "offloaded_graph_bytes": self.graph_bytes_out,
                 "recomputed_layers": self.recomputed, "optimizer_resident_layers": len(self.optimizer_layers)}
 
     def loss_chunk(self, setting: int | None) -> int:
@@ -330,7 +339,10 @@ class LayerPipeline:
         handed = HandedStates(layer_inputs)
         if acts is not None:
             acts.handed = handed  # what this forward's carried states were, for its backward
-        for step in order.forward_steps(self.slots, len(self.store.layers), graphs):
+        offloaded = self.offloaded & graphs
+        if offloaded:
+            acts.saved = GraphOffload(self.streams, self.graph_pool, acts._account)
+        for step in order.forward_steps(self.slots, len(self.store.layers), graphs, offloaded):
             i, slot = step.layer, step.slot
             if handed and step.op in (order.FORWARD_KEEP, order.FORWARD):
                 layer_inputs[i] = handed.resolve(i, layer_inputs[i])
@@ -341,6 +353,10 @@ class LayerPipeline:
                 h = self._forward_keep(i, slot, h, layer_inputs[i], acts, side, handed)
                 self.freed[slot] = self.streams.record_compute()
                 self.trace.add_since("compute", phase, i, t0)
+            elif step.op == order.SEND_GRAPH:
+                before = acts.saved.bytes_out
+                acts.saved.send(i)
+                self.graph_bytes_out += acts.saved.bytes_out - before
             elif step.op == order.SAVE_INPUT:
                 if acts is not None:
                     acts.put(i, h)
@@ -361,10 +377,16 @@ class LayerPipeline:
         (data parallel: the layer's average across ranks is queued behind them, overlapping the next layer's).
         `side`: the layers' side inputs, whose gradients each layer's backward adds into it."""
         handed = getattr(acts, "handed", None) or HandedStates([])
-        for step in order.backward_steps(self.slots, len(self.store.layers), frozenset(acts.graphs)):
+        saved = getattr(acts, "saved", None)
+        offloaded = saved.layers if saved is not None else frozenset()
+        for step in order.backward_steps(self.slots, len(self.store.layers), frozenset(acts.graphs), offloaded):
             i = step.layer
             if step.op in (order.LOAD, order.WAIT):
                 self._weights_step(step, "backward")
+            elif step.op == order.PREFETCH_GRAPH:
+                saved.prefetch(i)
+            elif step.op == order.FETCH_GRAPH:
+                saved.fetch(i)
             elif step.op == order.BACKWARD_KEPT:
                 g, gw, done = self._kept_backward(i, g, acts, side)
             elif step.op == order.PREFETCH_INPUT:
@@ -402,7 +424,11 @@ class LayerPipeline:
                    for n, w in group.views(self.buffers[slot][: group.numel]).items()}
         x = h.detach().requires_grad_(True)
         inputs, leaves = side.leaves(i, inputs) if side else (inputs, [])
-        with torch.enable_grad():
+        saved = getattr(acts, "saved", None)
+        # Only the activations this forward makes move: what the device holds anyway stays in the graph.
+        keep = [x, self.buffers[slot], *leaves, *tree_flatten(inputs)[0]]
+        recording = saved.recording(i, keep) if saved is not None and i in self.offloaded else nullcontext()
+        with torch.enable_grad(), recording:
             y = self._call(i, weights, x, inputs, handed or HandedStates([]))
         logits = list((self.templates.recorded or {}).get(i, ()))
         acts.keep_graph(i, (x, weights, y, logits, leaves))
@@ -418,6 +444,9 @@ class LayerPipeline:
         with torch.enable_grad():
             gx, gw = self._grads(outs, x, weights, gouts, *((leaves, side, i) if leaves else ()))
         del outs, y
+        saved = getattr(acts, "saved", None)
+        if saved is not None:
+            saved.drop(i)  # its device copies, freed once the backward that read them is queued
         done = self.streams.record_compute()
         self.trace.add_since("compute", "bwd", i, t0)
         return gx, gw, done
