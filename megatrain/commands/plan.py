@@ -236,13 +236,18 @@ def _tile(v: str) -> int | str | None:
 
 
 def _residency(v: str) -> str | kept.Residency:
-    """--residency: auto, stream, W or W,A."""
+    """--residency: auto, stream, W, W,A or the setting's JSON object."""
     return auto_or(v, _residency_counts)
 
 
 def _residency_counts(v: str) -> kept.Residency:
     if v.lower() == kept.STREAM:
         return kept.parse(kept.STREAM)
+    if v.lstrip().startswith("{"):  # as the config writes it, e.g. {"weights": 24, "activations": 24, "offload": 20}
+        try:
+            return kept.parse(json.loads(v))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{v!r}: {e}") from None
     try:
         counts = [int(x) for x in v.split(",")]
         if len(counts) > 2:
@@ -291,8 +296,10 @@ def _add_plan_args(ap: argparse.ArgumentParser) -> None:
                          "layer at a time behind the next forward (EngineConfig.optimizer_overlap); alone: on")
     ap.add_argument("--residency", type=_residency, default=ENGINE_RESIDENCY,
                     help="layers kept on the device (EngineConfig.residency): auto (the planner's placement within "
-                         "the device budget), stream (every layer streamed and recomputed), or W[,A]: the first W "
-                         "layers' weights kept, the first A of them keeping their activations; default: the "
+                         "the device budget), stream (every layer streamed and recomputed), W[,A]: the first W "
+                         "layers' weights kept, the first A of them keeping their activations, or the setting's JSON "
+                         "object ({\"weights\": W, \"activations\": A, \"offload\": J, \"optimizer\": K}: the last J "
+                         "of the A graphs offloaded to host memory); default: the "
                          f"engine's ({residency_setting(ENGINE_RESIDENCY)})")
     ap.add_argument("--link-gbs", type=float, help="override the link rate (GB/s per direction)")
     ap.add_argument("--host-memory-gib", type=float)

@@ -88,6 +88,8 @@ class LongContext:
     # the resident parameters' (embedding, head, norm) FP32 master, gradients and Adam state: on the device with any
     # optimizer-resident layer (engine/update/resident.py place_globals)
     globals_state_bytes: int = 0
+    # host bytes left for offloaded graphs' saved activations (None: not checked; planner/placement.py sets it)
+    graph_host_room: int | None = None
 
     def optimizer_bytes(self, optimizer: int) -> int:
         """Device bytes of `optimizer` optimizer-resident layers' state, the resident parameters' with them."""
@@ -103,7 +105,13 @@ class LongContext:
 
     @property
     def kept_graph_bytes(self) -> int:
-        return self.residency.activations * self.graph_bytes
+        """The graphs on the device at the forward/backward turn: the kept ones and the offloaded in flight."""
+        return self.residency.device_graphs * self.graph_bytes
+
+    @property
+    def offloaded_graph_host_bytes(self) -> int:
+        """The offloaded graphs' saved activations in host memory (pinned on CUDA: copied by DMA)."""
+        return self.residency.offload * self.graph_bytes
 
     @property
     def ring_freed_bytes(self) -> int:
@@ -123,10 +131,12 @@ class LongContext:
         """Whether placement `r` fits the room the batch's working set leaves (graphs only where allowed)."""
         if r.weights > self.n_layers or (r.activations and not self.graphs_allowed):
             return False
+        if self.graph_host_room is not None and r.offload * self.graph_bytes > self.graph_host_room:
+            return False
         if self.residency_room is None:
             return True
         freed = self.ring_bytes if r.weights >= self.n_layers else 0
-        return (r.weights * self.layer_bytes + r.activations * self.graph_bytes
+        return (r.weights * self.layer_bytes + r.device_graphs * self.graph_bytes
                 + self.optimizer_bytes(r.optimizer) - freed <= self.residency_room)
 
     def placed(self, r: kept_model.Residency) -> LongContext:
@@ -209,11 +219,10 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
         graphs_allowed=bp.tile is None and not bp.offload,
         optimizer_state_bytes=dims.numel * kept_model.OPTIMIZER_BYTES_PER_PARAM,
         globals_state_bytes=G * kept_model.OPTIMIZER_BYTES_PER_PARAM)
-    # The policy counts an "auto" placement into its peak under a budget, and explicit counts not at all (but the
-    # optimizer-resident layers' state, among its fixed bytes always); here the peak always holds the placement,
-    # and the room it was chosen in is kept for the planner's search.
-    counted = left_auto(p.residency) and budget is not None
-    in_policy = lc.residency_bytes if counted else lc.kept_optimizer_bytes if budget is not None else 0
+    # Under a budget the policy counts the placement into its peak, "auto" or counts alike (costs/memory.py
+    # LongContextPolicy._residency; the optimizer-resident layers' state among its fixed bytes); with none, not at
+    # all. Here the peak always holds the placement, and the room it was chosen in is kept for the planner's search.
+    in_policy = lc.residency_bytes if budget is not None else 0
     base = lc.peak_bytes - in_policy
     room = None if budget is None else max(0, int(device_model.BUDGET_HEADROOM * budget) - base)
     return dataclasses.replace(lc, peak_bytes=base + lc.residency_bytes, residency_room=room)
@@ -269,6 +278,9 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         # one layer's FP32 master / gradient while the optimizer updates it (store.Scratch)
         "fp32 scratch (one layer)": PL * 4 * ((p.master != "fp32") + (gb != 4)),
         "offloaded activations": L * T * h * c if lc.offload else 0,
+        # residency `offload`: those graphs' saved activations, from their forward to their backward (host buffers
+        # kept from batch to batch, pinned like the offloaded activations')
+        "offloaded graphs (residency)": lc.offloaded_graph_host_bytes,
         # the head/norm gradient: on CUDA it lands in pinned staging of the resident parameters (global_grads.py),
         # on a CPU device in bf16 it arrives as an FP32 copy before it is added to its slab; a no-op when the
         # device globals are the masters
@@ -299,7 +311,8 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         "working set (layer or loss)": lc.working_bytes,
         "runtime": 0 if hw.unified_memory else int(hw.device_reserved_gib * GIB),
     }
-    pinned = sum(pin.values()) + (host["offloaded activations"] + host["embedding row staging"] if pin else 0)
+    pinned = sum(pin.values()) + (host["offloaded activations"] + host["embedding row staging"]
+                                  + host["offloaded graphs (residency)"] if pin else 0)
     return Memory(host, device, hw.unified_memory, shared=resident * c if alias else 0, pinned=pinned)
 
 

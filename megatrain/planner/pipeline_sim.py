@@ -4,15 +4,21 @@ With a residency (costs/residency.py) the kept layers hold buffers of their own,
 optimizer changes the masters between steps) on the h2d lane ahead of the ring's prefetches (the order issues
 them first), and the graph layers' backward runs without the recompute: the
 step's weight copies and recomputed layers are counted from the replay, as the engine counts its own. An
-optimizer-resident layer (engine/update/resident.py) copies neither its weights up nor its gradients down."""
+optimizer-resident layer (engine/update/resident.py) copies neither its weights up nor its gradients down. An
+offloaded graph (residency `offload`, engine/pipeline/saved_offload.py) is not recomputed either: its saved
+activations go out on the d2h lane after its forward and come back on the h2d lane one layer ahead of its
+backward, which waits for them."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..costs import pipeline as order
 from ..costs import residency as kept
+from ..costs.memory import layer_graph_bytes
 from ..costs.pinning import STAGING_SLOTS
+from .memory import layer_dims
 from .point import Point
 
 # The host workers that add gradients into their slabs (CUDA): the layers' reducer (engine/pipeline/schedule.py)
@@ -35,6 +41,7 @@ class LayerCosts:
     # a CPU device adds on the d2h worker, whose job lasts max(add, rate-limited copy)
     cuda: bool
     recompute: float = 0.0  # the forward recompute inside `bwd`, which a layer with a kept graph skips
+    graph: float = 0.0  # one offloaded graph's saved activations over the link (each way); simulate_step fills it
 
 
 class PipelineSim:
@@ -53,7 +60,8 @@ class PipelineSim:
         self.t = self.wait = 0.0
         self.staging_wait = 0.0  # the launch thread blocked for a free gradient staging slot (the reducer's pace)
         self.lane = {"h2d": 0.0, "d2h": 0.0, REDUCE: 0.0, REDUCE_GLOBALS: 0.0}
-        self.bytes_jobs = {"load": 0, "act_out": 0, "act_in": 0, "grad": 0}  # job counts
+        # job counts ("graph_out"/"graph_in": an offloaded graph's saved activations, one layer's each)
+        self.bytes_jobs = {"load": 0, "act_out": 0, "act_in": 0, "grad": 0, "graph_out": 0, "graph_in": 0}
         self.recomputed = 0  # layers whose backward ran its forward again
         self.buffers = order.DeviceBuffers(n_buffers, self.residency.kept)
         self.loaded = [0.0] * len(self.buffers.resident)
@@ -62,6 +70,8 @@ class PipelineSim:
         self.globals_free = 0.0  # the resident parameters' gradient staging (CUDA), free again
         self.written: dict[int, float] = {}  # offloaded activation -> when it reached the host
         self.act_ready: dict[int, float] = {}  # prefetched activation -> when it is back
+        self.graph_written: dict[int, float] = {}  # offloaded graph -> when its saved activations reached the host
+        self.graph_ready: dict[int, float] = {}  # prefetched offloaded graph -> when it is back
         self.spans: list[tuple[str, str, int, float, float]] = []  # (lane, kind, layer, start, end), as Trace
         self.drained_by = ""
 
@@ -95,6 +105,12 @@ class PipelineSim:
             self.act_ready[layer] = self._job("h2d", max(self.t, self.written.pop(layer)), self.c.act, "act-in", layer)
             self.bytes_jobs["act_in"] += 1
 
+    def _prefetch_graph(self, layer: int) -> None:
+        if layer not in self.graph_ready:
+            ready = max(self.t, self.graph_written.pop(layer))
+            self.graph_ready[layer] = self._job("h2d", ready, self.c.graph, "graph-in", layer)
+            self.bytes_jobs["graph_in"] += 1
+
     def _send_grad(self, layer: int) -> None:
         c = self.c
         if layer < self.residency.optimizer:
@@ -115,10 +131,13 @@ class PipelineSim:
             self.t = when
 
     def forward(self) -> None:
-        for step in order.forward_steps(self.buffers, self.L, self.residency.graphs):
+        for step in order.forward_steps(self.buffers, self.L, self.residency.graphs, self.residency.offloaded):
             i = step.layer
             if step.op in (order.LOAD, order.WAIT):
                 self._weights(step)
+            elif step.op == order.SEND_GRAPH:  # behind the layer's forward, under the next layer's
+                self.graph_written[i] = self._job("d2h", self.t, self.c.graph, "graph-out", i)
+                self.bytes_jobs["graph_out"] += 1
             elif step.op == order.SAVE_INPUT and self.c.act:
                 self.written[i] = self._job("d2h", self.t, self.c.act, "act-out", i)
                 self.bytes_jobs["act_out"] += 1
@@ -126,10 +145,15 @@ class PipelineSim:
                 self._compute(self.c.fwd, "fwd", i)
 
     def backward(self) -> None:
-        for step in order.backward_steps(self.buffers, self.L, self.residency.graphs):
+        for step in order.backward_steps(self.buffers, self.L, self.residency.graphs, self.residency.offloaded):
             i = step.layer
             if step.op in (order.LOAD, order.WAIT):
                 self._weights(step)
+            elif step.op == order.PREFETCH_GRAPH:
+                self._prefetch_graph(i)
+            elif step.op == order.FETCH_GRAPH:
+                self._prefetch_graph(i)
+                self._wait_until(self.graph_ready.pop(i))
             elif step.op == order.PREFETCH_INPUT:
                 self._prefetch(i)
             elif step.op == order.FETCH_INPUT and self.c.act:
@@ -151,6 +175,18 @@ class PipelineSim:
         return last
 
 
+def graph_bytes(p: Point) -> int:
+    """One layer's kept graph at this point, beyond its input and weights (costs/memory.py, as the memory plan)."""
+    return layer_graph_bytes(layer_dims(p.model), p.tokens, p.c)
+
+
+def graph_seconds(p: Point, costs: LayerCosts) -> float:
+    """One offloaded graph's saved activations over the link, each way: at the link's rate, which a layer's weight
+    copy (`costs.load`, its compute-dtype bytes) gives."""
+    layer = p.model.layer_params() * p.c
+    return graph_bytes(p) * costs.load / layer if layer else 0.0
+
+
 def simulate_step(p: Point, costs: LayerCosts, head: float,
                   globals_grads: tuple[float, float] | None = None,
                   residency: kept.Residency | None = None) -> tuple[PipelineSim, float, float, float]:
@@ -164,6 +200,8 @@ def simulate_step(p: Point, costs: LayerCosts, head: float,
     starts with nothing resident, as after the optimizer's DeviceBuffers.invalidate()."""
     if residency is None:
         residency = p.residency if isinstance(p.residency, kept.Residency) else kept.Residency()
+    if residency.offload and not costs.graph:
+        costs = dataclasses.replace(costs, graph=graph_seconds(p, costs))
     sim = PipelineSim(p.model.num_layers, p.num_buffers, costs, residency)
     fwd_s = bwd_s = 0.0
     for _ in range(p.grad_accum):

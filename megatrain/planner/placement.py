@@ -8,19 +8,24 @@ binds: a kept layer's weights then save copies the compute hid anyway, while a k
 recompute. Along the frontier of placements that fill the room (a kept graph needs its layer's weights kept:
 activations <= weights), each candidate is replayed through the engine's pipeline (step_time.megatrain_time) and
 the fastest wins; so are placements that trade some optimizer-resident layers for kept graphs
-(`optimizer_trades`). Where it beats the engine's fill by more than PREFER_ENGINE_WITHIN, the plan says so and
-its config section writes the counts; otherwise the engine's "auto" runs as planned and nothing is written.
+(`optimizer_trades`). So are placements that keep more graphs by offloading some of them (`offloaded`): their
+saved activations cross the link each way instead of their layers being recomputed, which pays where the link
+is fast beside the compute (NVLink-C2C) and not over PCIe; only where host memory holds them. Where a placement
+beats the engine's fill by more than PREFER_ENGINE_WITHIN, the plan says so and its config section writes the
+counts; otherwise the engine's "auto" runs as planned and nothing is written (the engine's "auto" never
+offloads graphs: only counts do).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..config.schema import left_auto
 from ..costs import residency as kept
 from .hardware import Hardware
-from .memory import LongContext, optimizer_refused
+from .memory import LongContext, megatrain_memory, optimizer_refused
 from .point import Point
 from .step_time import Time, megatrain_time
 
@@ -113,6 +118,23 @@ def _most_weights(lc: LongContext, graphs: int, optimizer: int = 0) -> int:
     return max(-1, min(lc.n_layers - 1, room // max(lc.layer_bytes, 1)))
 
 
+def offloaded(lc: LongContext, r: kept.Residency) -> list[kept.Residency]:
+    """Placements that keep more of `r`'s kept layers' graphs than fit on the device by offloading some: for a
+    sample of graph counts above r's (up to its kept weights), the fewest offloaded graphs that fit the device
+    room (OFFLOADED_GRAPHS_IN_FLIGHT of them on the device at once) and the host's. None where the room is not
+    limited (every graph fits already) or the batch keeps no graphs."""
+    if lc.residency_room is None or not lc.graphs_allowed or lc.graph_host_room is None or r.activations >= r.weights:
+        return []
+    gap = r.weights - r.activations
+    out = []
+    for graphs in sorted({r.activations + max(1, round(gap * i / 3)) for i in range(1, 4)}):
+        fit = next((kept.Residency(r.weights, graphs, r.optimizer, j) for j in range(1, graphs + 1)
+                    if lc.fits(kept.Residency(r.weights, graphs, r.optimizer, j))), None)
+        if fit is not None:
+            out.append(fit)
+    return out
+
+
 def _sample(points: list[kept.Residency]) -> list[kept.Residency]:
     if len(points) <= FRONTIER_SAMPLES:
         return points
@@ -131,7 +153,9 @@ def search(lc: LongContext, step_of: Callable[[kept.Residency], Time],
     if optimizer_allowed and not engine.optimizer:
         # the resident parameters' optimizer on the device with one layer's, along the graphs' frontier too
         trades += _sample(frontier(lc, 1))
-    times = {r: step_of(r) for r in dict.fromkeys([engine, *_sample(frontier(lc)), *trades])}
+    placements = [engine, *_sample(frontier(lc)), *trades]
+    placements += [o for r in placements for o in offloaded(lc, r)]
+    times = {r: step_of(r) for r in dict.fromkeys(placements)}
     best = min(times, key=lambda r: times[r].step_s)
     if times[best].step_s >= times[engine].step_s * (1 - PREFER_ENGINE_WITHIN):
         best = engine
@@ -144,6 +168,9 @@ def place(p: Point, hw: Hardware, lc: LongContext, **timing: object) -> tuple[Lo
     its counts, "stream" included). `timing`: megatrain_time's owned_layers / own_reducer."""
     if not left_auto(p.residency):
         return lc, megatrain_time(p, hw, lc.offload, residency=lc.residency, **timing), None
+    if not hw.unified_memory:  # a device that is the host's memory frees nothing by moving graphs there
+        host = megatrain_memory(p, hw, lc).host_total
+        lc = dataclasses.replace(lc, graph_host_room=max(0, hw.host_bytes - host))
     placement, t = search(lc, lambda r: megatrain_time(p, hw, lc.offload, residency=r, **timing),
                           not optimizer_refused(p) and "owned_layers" not in timing)
     return lc.placed(placement.chosen), t, placement
