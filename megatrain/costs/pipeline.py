@@ -15,7 +15,7 @@ issued before any ring prefetch of the same pass (`DeviceBuffers.acquire`). A la
 (BACKWARD_KEPT): no input saved, no recompute. A graph holds its weights, so graph layers are kept layers.
 An *offloaded* graph (residency `offload`) sends its saved activations to the host after its forward
 (SEND_GRAPH, the d2h stream) and, in backward, has them brought back one layer ahead (PREFETCH_GRAPH, the h2d
-stream, issued before the previous layer's backward) and waits for them before its own (FETCH_GRAPH).
+stream, issued before the backward of the layer after it) and waits for them before its own (FETCH_GRAPH).
 """
 
 from __future__ import annotations
@@ -121,6 +121,8 @@ def backward_steps(buffers: DeviceBuffers, n_layers: int, graphs: frozenset[int]
     for n, i in enumerate(order):
         nxt = order[n + 1] if n + 1 < len(order) else None
         if i in graphs:
+            if i in offloaded:  # its own copy back first (a no-op where the layer before issued it): the lane is FIFO
+                yield Step(PREFETCH_GRAPH, i)
             if nxt is not None and nxt not in graphs:
                 yield Step(PREFETCH_INPUT, nxt)
             if nxt in offloaded:

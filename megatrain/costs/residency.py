@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 AUTO, STREAM = "auto", "stream"
 # Offloaded graphs the device holds at once: one layer's saved tensors on their way to the host while the next
-# layer runs forward, and in backward one layer's brought back ahead while the previous one's backward runs.
+# layer records its own, and in backward one layer's brought back ahead while the one after it backpropagates.
 OFFLOADED_GRAPHS_IN_FLIGHT = 2
 KEYS = ("weights", "activations", "offload", "optimizer")
 
@@ -35,7 +35,7 @@ KEYS = ("weights", "activations", "offload", "optimizer")
 class Residency:
     """The first `weights` layers keep their weights on the device; the first `activations` of them keep their
     forward's autograd graph for backward; the first `optimizer` of them keep their FP32 master and Adam state
-    there too, updated on the device. The last `offload` of the graph layers keep their graph with its saved
+    there too, updated on the device. The first `offload` of the graph layers keep their graph with its saved
     activations in host memory (`offloaded`)."""
 
     weights: int = 0
@@ -74,17 +74,18 @@ class Residency:
 
     @property
     def offloaded(self) -> frozenset[int]:
-        """The graph layers whose saved tensors wait for backward in host memory: the last `offload` of them. Their
-        backward comes first among the graphs', right after the streamed layers' (backward runs last layer first),
-        so the first one's copy back hides under a streamed layer's recompute + backward, the longest compute there
-        is; and in forward each copy out hides under the next layer's compute, as any graph layer's would."""
-        return frozenset(range(self.activations - self.offload, self.activations))
+        """The graph layers whose saved tensors wait for backward in host memory: the first `offload` of them. They
+        run forward before any graph kept on the device is recorded and backward after every one of those is
+        freed, so the device never holds the kept graphs and offloaded ones in flight at once (`device_graphs`).
+        Their copies out run at the start of the forward, where the d2h lane is idle, and their copies back at the
+        end of the backward, after the streamed layers' weight copies: the h2d lane is theirs."""
+        return frozenset(range(self.offload))
 
     @property
     def device_graphs(self) -> int:
-        """Layers' worth of graph bytes the device holds at the forward/backward turn: the graphs kept there and
-        the offloaded ones in flight (at most OFFLOADED_GRAPHS_IN_FLIGHT)."""
-        return self.activations - self.offload + min(self.offload, OFFLOADED_GRAPHS_IN_FLIGHT)
+        """Layers' worth of graph bytes the device holds at most: the graphs kept there (all of them at the
+        forward/backward turn), or the offloaded ones in flight (OFFLOADED_GRAPHS_IN_FLIGHT), never both."""
+        return max(self.activations - self.offload, min(self.offload, OFFLOADED_GRAPHS_IN_FLIGHT))
 
     def capped(self, n_layers: int) -> Residency:
         a = min(self.activations, n_layers)

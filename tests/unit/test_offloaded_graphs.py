@@ -5,6 +5,8 @@ copy, not a recompute), moves exactly its saved activations' bytes each way, and
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import make_batches, tiny_model
@@ -16,6 +18,12 @@ from megatrain.costs.residency import OFFLOADED_GRAPHS_IN_FLIGHT, Residency, par
 from megatrain.engine import Engine
 from megatrain.engine.pipeline import saved_offload
 from megatrain.engine.pipeline.schedule import LayerPipeline
+from megatrain.models.presets import get_preset
+from megatrain.planner import get_hardware, pipeline_sim, plan
+from megatrain.planner.memory import long_context_plan, megatrain_memory
+from megatrain.planner.pipeline_sim import LayerCosts, graph_bytes, simulate_step
+from megatrain.planner.point import make_point
+from megatrain.planner.step_time import layer_costs
 
 LAYERS, STEPS, MICRO = 4, 2, 2
 KEPT = {"weights": LAYERS, "activations": LAYERS}
@@ -142,21 +150,21 @@ DEEP = 6
 
 
 def test_offloaded_graphs_lower_the_measured_device_peak():
-    """Six graphs kept against two kept and four offloaded (two in flight): the measured peak drops by about two
-    layers' graphs, and the plan predicts it."""
+    """Six graphs kept against two kept and four offloaded (two in flight, never beside the kept ones): the
+    measured peak drops by about four layers' graphs, as the plan predicts."""
     batches = make_batches(1, batch=2, seq=96)
     kept = _train({"weights": DEEP, "activations": DEEP}, layers=DEEP, batches=batches, **PEAK)[2]
     off = _train({"weights": DEEP, "activations": DEEP, "offload": 4}, layers=DEEP, batches=batches, **PEAK)[2]
     graph = off["offloaded_graph_bytes"] / (4 * STEPS)  # one layer's saved activations, measured
     saved = kept["peak_device_bytes"] - off["peak_device_bytes"]
-    assert saved >= 1.5 * graph, (saved / graph, kept["peak_device_bytes"], off["peak_device_bytes"])
+    assert saved >= 3.5 * graph, (saved / graph, kept["peak_device_bytes"], off["peak_device_bytes"])
     assert off["predicted_peak_device_bytes"] < kept["predicted_peak_device_bytes"]
     assert off["peak_device_bytes"] <= off["predicted_peak_device_bytes"]
 
 
 def test_the_setting_reads_writes_and_refuses_as_documented():
     r = parse({"weights": 4, "activations": 3, "offload": 2})
-    assert r == Residency(4, 3, 0, 2) and r.offloaded == frozenset({1, 2}) and r.graphs == frozenset({0, 1, 2})
+    assert r == Residency(4, 3, 0, 2) and r.offloaded == frozenset({0, 1}) and r.graphs == frozenset({0, 1, 2})
     assert r.to_dict() == {"weights": 4, "activations": 3, "offload": 2}
     assert Residency(4, 3).to_dict() == {"weights": 4, "activations": 3}  # as written before offload existed
     assert "2 of those graphs' saved activations offloaded" in r.describe(8)
@@ -174,5 +182,91 @@ def test_the_plan_counts_the_offloaded_graphs_in_flight_not_all_of_them():
 
     graph = layer_graph_bytes(dims, 512, 4)
     for j in range(9):
-        expect = (8 - j + min(j, OFFLOADED_GRAPHS_IN_FLIGHT)) * graph
+        expect = max(8 - j, min(j, OFFLOADED_GRAPHS_IN_FLIGHT)) * graph
         assert peak(Residency(8, 8, 0, j)) - peak(Residency(8, 0)) == expect
+
+
+# -- the planner ---------------------------------------------------------------------------------------------------
+
+SIM_MODEL = get_preset("tiny").with_(name="tiny-6l", num_layers=6)
+SIM_COSTS = LayerCosts(fwd=1.0, bwd=2.0, load=0.5, act=0.0, grad=0.1, reduce=0.1, cuda=False, recompute=0.75)
+
+
+def _sim(r: Residency, graph: float, micro: int = 2):
+    p = make_point(SIM_MODEL, 64, 1, micro, "float32", residency=r)
+    return simulate_step(p, dataclasses.replace(SIM_COSTS, graph=graph), head=0.3, residency=r)[0]
+
+
+def test_an_offloaded_graph_replays_with_no_recompute_and_its_copies_on_both_lanes():
+    sim = _sim(Residency(6, 6, 0, 4), graph=0.4)
+    assert sim.recomputed == 0
+    assert sim.bytes_jobs["graph_out"] == sim.bytes_jobs["graph_in"] == 4 * 2  # four layers, two micro-batches
+    spans = {(lane, kind) for lane, kind, *_ in sim.spans if kind.startswith("graph")}
+    assert spans == {("d2h", "graph-out"), ("h2d", "graph-in")}
+    # each offloaded layer's copy back is issued one layer ahead (before the backward of the layer after it) and
+    # its own backward starts only once the copy is done; the spans are in issue order
+    for n, (_, kind, i, _, end) in enumerate(sim.spans):
+        if kind != "graph-in":
+            continue
+        later = [(j, a) for ln, k, j, a, _ in sim.spans[n + 1:] if ln == "compute" and k == "bwd"]
+        if i + 1 < 6:
+            assert later[0][0] == i + 1, (i, later[:2])
+        assert next(a for j, a in later if j == i) >= end
+    kept_all = _sim(Residency(6, 6), graph=0.0)
+    assert _sim(Residency(6, 6, 0, 4), graph=0.01).t == pytest.approx(kept_all.t)  # hidden under compute
+    slow = _sim(Residency(6, 6, 0, 4), graph=5.0)  # a copy slower than the recompute it saves
+    assert slow.t > _sim(Residency(6, 2), graph=0.0).t > kept_all.t
+
+
+def test_a_point_replays_its_offloaded_graphs_at_the_links_rate():
+    hw = get_hardware("gh200")
+    p = make_point("qwen2.5-14b", 4096, 4, 1, "bfloat16", residency=Residency(24, 24, 2, 20))
+    sim = simulate_step(p, layer_costs(p, hw, False), head=0.0, residency=p.residency)[0]
+    out = [b - a for lane, kind, _, a, b in sim.spans if kind == "graph-out"]
+    assert len(out) == 20 and out[0] == pytest.approx(graph_bytes(p) / hw.link_bps)
+    assert sim.recomputed == 48 - 24
+
+
+def test_the_memory_rows_hold_two_offloaded_graphs_on_the_device_and_all_of_them_on_the_host():
+    hw = get_hardware("gh200")
+    rows = {}
+    for j in (0, 20):
+        p = make_point("qwen2.5-14b", 4096, 4, 1, "bfloat16", residency=Residency(24, 24, 2, j))
+        lc = long_context_plan(p, hw)
+        rows[j] = (lc, megatrain_memory(p, hw, lc))
+    g = rows[0][0].graph_bytes
+    assert g == graph_bytes(make_point("qwen2.5-14b", 4096, 4, 1, "bfloat16"))
+    assert rows[0][1].device["kept layers' forward graphs (residency)"] == 24 * g
+    assert rows[20][1].device["kept layers' forward graphs (residency)"] == (24 - 20) * g
+    assert rows[20][1].host["offloaded graphs (residency)"] == 20 * g and rows[0][1].host["offloaded graphs (residency)"] == 0
+    assert rows[0][0].peak_bytes - rows[20][0].peak_bytes == 20 * g
+    # the layer or loss working set is the same either way: the placement is not counted twice into it
+    assert rows[0][1].device["working set (layer or loss)"] == rows[20][1].device["working set (layer or loss)"]
+
+
+def _auto(hardware: str, **kw):
+    return plan("qwen2.5-14b", 4096, 4, hardware=hardware, residency="auto", **kw)
+
+
+def test_the_search_offloads_graphs_over_nvlink_c2c_but_not_over_pcie():
+    c2c, pcie = _auto("gh200"), _auto("h200-pcie")
+    assert c2c.placement.chosen.offload > 0, c2c.placement.chosen
+    assert c2c.time.recomputed_layers == 48 - c2c.placement.chosen.activations
+    tried = [r for r in pcie.placement.replayed if r.offload]
+    assert tried, "offload counts are candidates over PCIe too"
+    assert pcie.placement.chosen.offload == 0
+    # each offloaded candidate over PCIe replays slower than the placement chosen
+    assert all(pcie.placement.step_s[r] > pcie.placement.step_s[pcie.placement.chosen] for r in tried)
+    # the engine's own "auto" never offloads
+    assert c2c.placement.engine.offload == 0
+
+
+def test_negative_control_a_copy_that_costs_nothing_would_offload_over_pcie_too(monkeypatch):
+    monkeypatch.setattr(pipeline_sim, "graph_seconds", lambda p, costs: 0.0)
+    assert _auto("h200-pcie").placement.chosen.offload > 0
+
+
+def test_no_offload_where_host_memory_cannot_hold_the_graphs():
+    lean = _auto("gh200", host_memory_gib=420)  # the rest of the host store fits; 20 graphs' 66 GiB do not
+    assert lean.placement.chosen.offload * lean.long_context.graph_bytes <= lean.long_context.graph_host_room
+    assert all(lean.long_context.fits(r) for r in lean.placement.replayed if r.offload)
