@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+import transformers
 from conftest import make_batches, tiny_model
 from gpu_defaults import CONFIGS
 
@@ -270,3 +271,34 @@ def test_no_offload_where_host_memory_cannot_hold_the_graphs():
     lean = _auto("gh200", host_memory_gib=420)  # the rest of the host store fits; 20 graphs' 66 GiB do not
     assert lean.placement.chosen.offload * lean.long_context.graph_bytes <= lean.long_context.graph_host_room
     assert all(lean.long_context.fits(r) for r in lean.placement.replayed if r.offload)
+
+
+def _moe() -> torch.nn.Module:
+    cfg = transformers.AutoConfig.for_model(
+        "mixtral", hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        router_aux_loss_coef=0.1, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def test_a_mixture_of_experts_with_its_router_loss_offloads_its_graphs_exactly():
+    def run(residency):
+        model = _moe()
+        eng = Engine(model, EngineConfig(residency=residency, compute_dtype="float32", **LINK),
+                     optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+        eng.reset_stats()
+        losses = []
+        for _ in range(STEPS):
+            for b in make_batches(MICRO):
+                out = eng(**b)
+                eng.backward(out.loss)
+                losses.append(out.loss.item())
+            eng.step()
+            eng.zero_grad()
+        return losses, [v.clone() for v in eng.state_dict().values()], eng.collect_stats()
+
+    kept, off = run({"weights": 3, "activations": 3}), run({"weights": 3, "activations": 3, "offload": 3})
+    _same(off, kept)
+    assert off[2]["offloaded_graph_layers"] == 3 and off[2]["recomputed_layers"] == 0
