@@ -118,16 +118,16 @@ def _most_weights(lc: LongContext, graphs: int, optimizer: int = 0) -> int:
     return max(-1, min(lc.n_layers - 1, room // max(lc.layer_bytes, 1)))
 
 
-def offloaded(lc: LongContext, r: kept.Residency) -> list[kept.Residency]:
-    """Placements that keep more of `r`'s kept layers' graphs than fit on the device by offloading some: for a
-    sample of graph counts above r's (up to its kept weights), the fewest offloaded graphs that fit the device
-    room (OFFLOADED_GRAPHS_IN_FLIGHT of them on the device at once) and the host's. None where the room is not
-    limited (every graph fits already) or the batch keeps no graphs."""
+def offloaded(lc: LongContext, r: kept.Residency, samples: int = 2) -> list[kept.Residency]:
+    """Placements that keep more of `r`'s kept layers' graphs than fit on the device by offloading some: for
+    `samples` graph counts above r's, evenly up to its kept weights, the fewest offloaded graphs that fit the
+    device room (the kept graphs, or OFFLOADED_GRAPHS_IN_FLIGHT offloaded ones) and the host's. None where the room
+    is not limited (every graph fits already) or the batch keeps no graphs."""
     if lc.residency_room is None or not lc.graphs_allowed or lc.graph_host_room is None or r.activations >= r.weights:
         return []
     gap = r.weights - r.activations
     out = []
-    for graphs in sorted({r.activations + max(1, round(gap * i / 3)) for i in range(1, 4)}):
+    for graphs in sorted({r.activations + max(1, round(gap * i / samples)) for i in range(1, samples + 1)}):
         fit = next((kept.Residency(r.weights, graphs, r.optimizer, j) for j in range(1, graphs + 1)
                     if lc.fits(kept.Residency(r.weights, graphs, r.optimizer, j))), None)
         if fit is not None:
@@ -153,8 +153,11 @@ def search(lc: LongContext, step_of: Callable[[kept.Residency], Time],
     if optimizer_allowed and not engine.optimizer:
         # the resident parameters' optimizer on the device with one layer's, along the graphs' frontier too
         trades += _sample(frontier(lc, 1))
-    placements = [engine, *_sample(frontier(lc)), *trades]
-    placements += [o for r in placements for o in offloaded(lc, r)]
+    along = [engine, *_sample(frontier(lc))]
+    # offloaded graphs beside each: two counts along the frontier, the most graphs beside the optimizer trades (each
+    # replay costs a millisecond or two, inside searches that plan many points)
+    offloads = [o for r in along for o in offloaded(lc, r)] + [o for r in trades for o in offloaded(lc, r, 1)]
+    placements = [*along, *trades, *offloads]
     times = {r: step_of(r) for r in dict.fromkeys(placements)}
     best = min(times, key=lambda r: times[r].step_s)
     if times[best].step_s >= times[engine].step_s * (1 - PREFER_ENGINE_WITHIN):

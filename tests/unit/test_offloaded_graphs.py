@@ -6,6 +6,7 @@ copy, not a recompute), moves exactly its saved activations' bytes each way, and
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import transformers
 from conftest import make_batches, tiny_model
 from gpu_defaults import CONFIGS
 
+from megatrain.commands.plan import main as plan_main
 from megatrain.config.schema import EngineConfig
 from megatrain.costs.memory import LayerDims, LongContextPolicy, layer_graph_bytes
 from megatrain.costs.residency import OFFLOADED_GRAPHS_IN_FLIGHT, Residency, parse
@@ -302,3 +304,15 @@ def test_a_mixture_of_experts_with_its_router_loss_offloads_its_graphs_exactly()
     kept, off = run({"weights": 3, "activations": 3}), run({"weights": 3, "activations": 3, "offload": 3})
     _same(off, kept)
     assert off[2]["offloaded_graph_layers"] == 3 and off[2]["recomputed_layers"] == 0
+
+
+def test_plan_takes_the_settings_json_with_an_offload_count(capsys):
+    setting = {"weights": 24, "activations": 24, "offload": 20, "optimizer": 2}
+    assert plan_main(["--model", "qwen2.5-14b", "--hardware", "gh200", "--context", "4096", "--batch", "4",
+                      "--no-search", "--compare", "", "--residency", json.dumps(setting), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["settings"]["residency"] == setting
+    assert d["residency"]["recomputed_layers_per_step"] == 48 - 24
+    with pytest.raises(SystemExit):
+        plan_main(["--model", "tiny", "--residency", json.dumps({**setting, "offload": 30})])
+    assert "offload=30 > activations=24" in capsys.readouterr().err
