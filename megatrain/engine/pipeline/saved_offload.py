@@ -56,8 +56,6 @@ class _Group:
 
     first: torch.Tensor
     views: list[tuple[torch.Tensor, int]]  # (view, its version when saved)
-    base: int = 0
-    stop: int = 0
 
 
 def _check(layer: int, g: _Group) -> None:
@@ -95,13 +93,15 @@ class GraphOffload:
         """Record layer's forward with its saved activations set aside for `send`. `keep`: tensors the device holds
         anyway (weights, the input, shared inputs): a saved tensor on one of their storages stays in the graph."""
         kept = {_storage(t) for t in keep if isinstance(t, torch.Tensor)}
+        device = self.streams.device.type
         # Reached through `self`, not a closure cell: autograd keeps each saved tensor's pack hook as long as the
         # graph, and a cell would keep every saved tensor on the device with it.
         self._recording = groups = []
         index: dict[tuple[int, torch.dtype], int] = {}
 
         def pack(t: torch.Tensor) -> object:
-            if t.layout != torch.strided or t.numel() == 0 or _storage(t) in kept:
+            # (a tensor off the device, e.g. a host scalar, is not the device's to free: it stays as it is)
+            if t.layout != torch.strided or t.numel() == 0 or t.device.type != device or _storage(t) in kept:
                 return t
             key = (_storage(t), t.dtype)
             recorded = self._recording
@@ -126,21 +126,13 @@ class GraphOffload:
     def send(self, layer: int) -> None:
         """Queue the copy of layer's saved activations to the host behind the compute that made them; the device
         copies are released when it is done (the graph holds only handles)."""
-        groups = self._saved.pop(layer)
-        for g in groups:
-            _check(layer, g)
-            g.base, g.stop = min(t.storage_offset() for t, _ in g.views), max(end(t) for t, _ in g.views)
-        # each storage's range read, as one flat tensor (a view: no copy on the device)
-        ranges = [g.first.as_strided((g.stop - g.base,), (1,), g.base) for g in groups]
-        bases = [g.base for g in groups]
-        del groups, g  # only `pending` holds the device tensors now: they go when their copy is done
+        ranges, bases = self._ranges(layer, self._saved.pop(layer))
         with host_allocations():
             hosts = [self.pool.get((layer, n), r.numel(), r.dtype) for n, r in enumerate(ranges)]
         size = sum(nbytes(r) for r in ranges)
         if self.streams.device.type == "cuda":
-            for r in ranges:
-                r.record_stream(self.streams.d2h._stream)  # the allocator must not reuse it mid-copy
-            del r
+            for t in ranges:
+                t.record_stream(self.streams.d2h._stream)  # the allocator must not reuse it mid-copy
         pending = [ranges]  # dropped once copied: a finished job may sit in the copy worker until the next one
         del ranges
 
@@ -155,6 +147,18 @@ class GraphOffload:
             self.pool.copied((layer, n), written)
         self._host[layer] = (hosts, bases, written)
         self.bytes_out += size
+
+    @staticmethod
+    def _ranges(layer: int, groups: list[_Group]) -> tuple[list[torch.Tensor], list[int]]:
+        """Each saved storage's range its views read, as one flat tensor (a view: no copy on the device), and where
+        it starts. Only the returned ranges hold the device tensors afterwards (nothing of the groups is kept)."""
+        ranges, bases = [], []
+        for g in groups:
+            _check(layer, g)
+            base, stop = min(t.storage_offset() for t, _ in g.views), max(end(t) for t, _ in g.views)
+            ranges.append(g.first.as_strided((stop - base,), (1,), base))
+            bases.append(base)
+        return ranges, bases
 
     def prefetch(self, layer: int) -> None:
         """Bring layer's saved activations back on the host->device stream (not waited for)."""
