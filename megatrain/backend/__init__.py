@@ -22,6 +22,7 @@ from ..config.schema import FACE_RESOLVED, EngineConfig
 from ..config.settle import LATER, EngineFacts, settle_engine
 from ..run import train_state
 from .fused_head import serve_fused_lm_head, trl_head_options
+from .placement import placement_advice
 
 
 @runtime_checkable
@@ -158,7 +159,8 @@ class MegatrainBackend:
         ec, off = settle_engine(self.engine_config, facts)
         self.turned_off.extend(off)
         ec, finish = self.prepare_model(model, ec)
-        self.engine = Engine(model, config=ec, optimizer=optimizer, clip_every_step=self._clip_every_step)
+        self.engine = Engine(model, config=ec, optimizer=optimizer, clip_every_step=self._clip_every_step,
+                             placement_advice=placement_advice(self.device, model, ec))
         finish(self.engine)
         self._optimizer_adopted = optimizer is not None
         # The user's model object itself comes back: its parameters are the engine's host masters and its

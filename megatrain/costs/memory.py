@@ -8,10 +8,14 @@ loading the engine: the engine and the planner cannot disagree. The coefficients
 
 from __future__ import annotations
 
+import logging
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import residency as kept
+
+log = logging.getLogger("megatrain")
 
 MIN_TILE = 256  # below this the per-tile overhead (Python, kernel launches) outweighs the memory saved
 # "auto" with no device budget tiles only once the untiled MLP working set is big enough to matter.
@@ -231,6 +235,10 @@ class LongContextPolicy:
     # built (hold_optimizer): always kept, their state among the fixed bytes.
     optimizer: int = 0
     _weights: int | None = field(default=None, repr=False)  # training's kept weights (planned once, only shrink)
+    # "auto" placed by a timing model (costs/advice.py), where the engine was given one: (tokens, optimizer-resident
+    # count) -> the placement, or None
+    advise: Callable[[int, int], kept.Residency | None] | None = field(default=None, repr=False)
+    _advice_refused: bool = field(default=False, repr=False)
 
     def optimizer_layers(self, reserve_tokens: int = 0, globals_numel: int = 0) -> int:
         """"auto" optimizer residency: how many of the first layers keep their FP32 master, gradients and Adam
@@ -307,12 +315,34 @@ class LongContextPolicy:
                 room = max(0, int(BUDGET_HEADROOM * self.budget) - choice.predicted_peak_bytes)
             r = kept.plan(self.n_layers, self.dims.numel * itemsize, graph_bytes, room, self.ring_bytes, allowed,
                           self._weights, self.optimizer)
+            r = (self._advised(tokens, room, graph_bytes, allowed) if train else None) or r
             if train:  # the placement is training's; a forward before any training batch plans only for itself
                 self._weights = r.weights
         if self.budget is not None:
             # offloaded graphs: only those in flight (residency.OFFLOADED_GRAPHS_IN_FLIGHT), not all of them
             choice.predicted_peak_bytes += self._weights_bytes(r.weights) + r.device_graphs * graph_bytes
         return r
+
+    def _advised(self, tokens: int, room: int | None, graph_bytes: int, allowed: bool) -> kept.Residency | None:
+        """The advisor's placement for a training batch (costs/advice.py), where it fits the `room` this plan
+        measured: weights within training's first placement (they only shrink), the optimizer count the engine
+        fixed, graphs only where the batch allows them. None: no advisor, no advice, or advice that does not fit
+        (the engine's own fill then, said once on the `megatrain` logger)."""
+        if self.advise is None or room is None:
+            return None
+        r = self.advise(tokens, self.optimizer)
+        if r is None:
+            return None
+        cap = self.n_layers if self._weights is None else max(self._weights, self.optimizer)
+        need = (r.weights * self.dims.numel * self.itemsize - (self.ring_bytes if r.weights == self.n_layers else 0)
+                + r.device_graphs * graph_bytes)
+        if r.weights <= cap and r.optimizer == self.optimizer and (allowed or not r.activations) and need <= room:
+            return r
+        if not self._advice_refused:
+            self._advice_refused = True
+            log.info("residency: the advised %s does not fit the %d bytes this %d-token batch leaves (or the "
+                     "counts fixed before it): the engine's own fill", r.to_dict(), room, tokens)
+        return None
 
     def offloaded_graph_host_bytes(self, tokens: int) -> int:
         """Host bytes the offloaded graphs of a `tokens` batch take (a counts setting; "auto" offloads none)."""

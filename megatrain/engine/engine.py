@@ -24,6 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 
 from ..config.schema import SETTLED, EngineConfig
 from ..config.settle import LAYERED, WHOLE, EngineFacts, settle_engine
+from ..costs.advice import PlacementAdvice
 from ..costs.modes import GradSlab, HostMaster
 from ..models.adapter import DecoderParts, find_parts, record_layer_inputs
 from .accounting import StepAccounting
@@ -97,9 +98,12 @@ class Engine:
     """Train a Hugging Face decoder-only LM whose weights and optimizer state live in host memory."""
 
     def __init__(self, model: nn.Module | str | os.PathLike, config: EngineConfig | None = None,
-                 optimizer: OptimizerArg = None, clip_every_step: float = 0.0) -> None:
+                 optimizer: OptimizerArg = None, clip_every_step: float = 0.0,
+                 placement_advice: PlacementAdvice | None = None) -> None:
         """`clip_every_step`: clip by this global norm at every step() not preceded by a clip_grad_norm_ (DeepSpeed's
-        `gradient_clipping`; 0: only where the caller clips)."""
+        `gradient_clipping`; 0: only where the caller clips). `placement_advice`: residency "auto" as a timing model
+        places it (costs/advice.py; the backend gives the planner's on a GPU it has a profile for), used under a
+        device budget only; None: the engine's own fill."""
         clip_every_step = checked_max_norm(clip_every_step)  # refused before any work
         self.config = config = config or EngineConfig()
         self.device, self.dp = join_ranks(resolve_device(config.device), config.watchdog_s)
@@ -144,8 +148,15 @@ class Engine:
 
         # Optimizer residency (update/resident.py): the first layers' masters moved onto the device before the
         # optimizer is built over them (its Adam state is made beside them); "auto" sizes it from the device budget.
-        auto = (policy.optimizer_layers(resident.reserve_tokens(self.hf_config), self.store.globals.numel)
-                if resident.auto_applies(config, self.device, self.store) else 0)
+        # With advice (a device budget only: with none, everything fits and the fill is every layer) its count.
+        self.placement_advice = placement_advice if policy.budget is not None else None
+        if self.placement_advice is not None:
+            advice = self.placement_advice
+            policy.advise = lambda tokens, k: advice.residency(self.config, tokens, policy.budget, k)
+        auto = 0
+        if resident.auto_applies(config, self.device, self.store):
+            auto = (self.placement_advice.optimizer_layers(config, policy.budget) if self.placement_advice else
+                    policy.optimizer_layers(resident.reserve_tokens(self.hf_config), self.store.globals.numel))
         count = resident.resolve(config, self.store, self.dp is not None, auto)
         self.optimizer_layers = resident.place(self.store, count, self.device)
         # The resident parameters go with them (first: the next forward reads the embedding first): their gradients

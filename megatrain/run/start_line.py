@@ -85,6 +85,8 @@ def describe(face: str, engine: Any, optimizer: Any = None, turned_off: list[str
     res = cfg.residency
     kept = res if isinstance(res, str) else (f"{res.weights} layers' weights, {res.activations} activations"
                                               if res.weights else "stream")
+    advice = getattr(engine, "placement_advice", None)
+    kept += f" ({advice.source})" if advice is not None and isinstance(res, str) else ""
     on_device = len(getattr(engine, "optimizer_layers", ()))  # chosen when the engine was built (resident.py)
     kept += f", {on_device} layers' optimizer on the device" if on_device else ""
     # the resident parameters' (embedding, norm, head) with them (resident.py place_globals)

@@ -1,0 +1,45 @@
+"""Which placement advisor the engine gets: the planner's search (planner/advice.py) where the device is a GPU a
+hardware profile describes and residency is "auto"; none otherwise (a CPU device has no budget: everything fits,
+and the engine's own fill keeps it all). The backend decides because it is the one part that sees both the engine
+and the planner, which never import each other."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from ..config.schema import EngineConfig, left_auto
+from ..costs.advice import PlacementAdvice
+
+log = logging.getLogger("megatrain")
+
+
+def host_total_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX host: the profile's host size stands
+        return None
+
+
+def placement_advice(device: torch.device, model: Any, config: EngineConfig,
+                     device_name: str | None = None) -> PlacementAdvice | None:
+    """The advisor for an engine on `device` (`device_name`: as torch.cuda.get_device_name reports it; read from
+    the device where not given), or None: the engine's own fill."""
+    if device.type != "cuda" or not left_auto(config.residency):
+        return None
+    from ..planner.advice import Advisor, profile_for_device  # the planner only where it is asked
+
+    name = device_name if device_name is not None else torch.cuda.get_device_name(device)
+    hw = profile_for_device(name, host_bytes=host_total_bytes())
+    if hw is None:
+        log.info("residency: no hardware profile for %r: the engine's own fill (weights, then graphs)", name)
+        return None
+    hf_config = getattr(model, "config", None)
+    try:
+        return Advisor(hf_config, hw)
+    except (ValueError, TypeError, KeyError) as e:  # a model the planner cannot shape: the engine plans alone
+        log.info("residency: the planner cannot shape this model (%s): the engine's own fill", e)
+        return None
