@@ -22,6 +22,17 @@ A read of the weights or state between backward() and step() (Engine.synchronize
 restores the speculated layers first: what it sees is the serial path's. Each step (or read) that restores any
 layer counts one rollback (`rollbacks`, collect_stats()["speculative_rollbacks"]).
 
+Partial speculation: only the layers in `layers` speculate (resolve: "auto" takes as many as their rollback copies
+fit in the host memory left, the first host-updated layers in forward order); the others are updated at step() as
+Layered updates them, in forward order with the speculated ones. Why the first: with overlap the next forward waits
+on layer i's update before layer i. The first layers' gradients land last in backward, so their updates are the ones
+the step would otherwise queue first and the forward would wait on first; done in backward, the forward runs through
+them while the host starts on the rest (each speculated layer removes a whole layer update from that wait). A last
+layer's gradient lands first, but the forward reaches it last, when the host is done with the layers before it
+anyway: speculating it saves only its update less a layer's forward. Without overlap every layer not speculated
+is updated after backward whichever they are, and the first layers' updates still fit inside the backward of the
+layers below them.
+
 Gradient accumulation: a backward speculates when as many backwards have run since the last step as before it
 (the last step's count), and with `sync` (a step may follow); a step taken sooner finds layers not speculated and
 updates them serially. The copies are kept from step to step (the rollback memory, rollback_bytes_per_param).
@@ -29,6 +40,7 @@ updates them serially. The copies are kept from step to step (the rollback memor
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Callable
@@ -38,7 +50,7 @@ import torch
 
 from ...config.schema import EngineConfig
 from ..host.events import LayerEvents
-from ..host.preflight import rollback_preflight
+from ..host.preflight import rollback_layers
 from ..host.store import FlatGroup, HostStore
 from ..runtime.stream import DONE, Trace
 from ..runtime.threads import update_threads
@@ -47,6 +59,7 @@ from .optim import unsupported_reason
 from .update import Layered, update_layer
 
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+log = logging.getLogger("megatrain")
 
 
 class StateCopy:
@@ -100,9 +113,11 @@ class Speculative(Layered):
     """Layered, with each layer's update started in backward and validated in step() (see the module docstring)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
-                 config: EngineConfig, trace: Trace) -> None:
+                 config: EngineConfig, trace: Trace, layers: frozenset[int] | None = None) -> None:
         super().__init__(optimizer, store, events, config, trace)
         n = len(store.layers)
+        # The layers that speculate (None: every one); a copy of a layer that does not is never filled: no memory
+        self.layers = frozenset(range(n)) if layers is None else frozenset(layers)
         self.copies = [StateCopy() for _ in range(n)]
         self.submitted = [False] * n  # a speculative job was queued for the layer since the last verdict
         # Per layer, written by its job on the optimizer thread: the slab version the speculation read (None: the
@@ -147,8 +162,8 @@ class Speculative(Layered):
     def _speculate(self, i: int) -> None:
         """Queue layer i's speculative update behind its gradients' last reduction."""
         view = self.layered.view_optimizer(i)
-        if view is None or i in self.device_layers:
-            return  # another rank's; or updated at step time on the device (resident.py)
+        if view is None or i in self.device_layers or i not in self.layers:
+            return  # another rank's; updated at step time on the device (resident.py); or no room for its copy
         group, slabs, threads = self.store.layers[i], self.events.slabs, update_threads(True)
 
         def job() -> int:
@@ -166,6 +181,11 @@ class Speculative(Layered):
 
         self.submitted[i] = True
         self.layered.submit(i, job, self.events.landed[i])
+
+    @property
+    def speculative_layers(self) -> int:
+        """How many layers speculate (collect_stats()["speculative_layers"])."""
+        return len(self.layers - self.device_layers)
 
     # -- the verdict --------------------------------------------------------------------------------------
     def _restore(self, i: int, verdict: int) -> bool:
@@ -278,16 +298,23 @@ def refusal(config: EngineConfig, optimizer: torch.optim.Optimizer, data_paralle
 
 
 def resolve(config: EngineConfig, device: torch.device, optimizer: torch.optim.Optimizer, store: HostStore,
-            data_parallel: bool) -> bool:
-    """speculative_step as the engine runs it: True is refused (ValueError, HostMemoryError) where it cannot run
-    or its rollback memory does not fit; "auto" is on for a CUDA device where it can run and fits."""
+            data_parallel: bool, device_layers: frozenset[int] = frozenset()) -> frozenset[int]:
+    """The layers the speculative step runs on (empty: off). True: every host-updated layer (not `device_layers`,
+    updated on the device), refused (ValueError, HostMemoryError) where it cannot run or their rollback copies do
+    not fit; "auto" (settled: a CUDA device): where it can run, the first host-updated layers in forward order, as
+    many as their copies fit in the host memory left (the module docstring says why those)."""
     setting = config.speculative_step
     if setting is False:
-        return False
+        return frozenset()
     reason = refusal(config, optimizer, data_parallel)
     if reason is not None:
         if setting is True:
             raise ValueError(f"speculative_step=True: {reason}; set speculative_step='auto' or False")
-        return False
-    n_layer = sum(g.numel for g in store.layers)
-    return rollback_preflight(n_layer, store.master_mode, config.compute_dtype == "bfloat16", required=setting is True)
+        return frozenset()
+    host = [i for i in range(len(store.layers)) if i not in device_layers]
+    count = rollback_layers([store.layers[i].numel for i in host], store.master_mode,
+                            config.compute_dtype == "bfloat16", required=setting is True)
+    if host:
+        log.info("speculative step: %d of %d host-updated layers%s", count, len(host),
+                 "" if count == len(host) else " (as many rollback copies as the host memory left holds)")
+    return frozenset(host[:count])
