@@ -1,0 +1,111 @@
+"""The planner's partial speculation (planner/point.py speculative_layers, step_time.py speculative_wait): how many
+layers "auto" speculates where not every rollback copy fits, and the timeline it predicts, checked against a replay of
+the engine's queue (engine/update/speculative.py: one host thread, speculations in landing order, the step's jobs in
+forward order, the next forward waiting on each layer's)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+
+import pytest
+
+from megatrain.planner import plan
+from megatrain.planner.hardware import get_hardware
+from megatrain.planner.point import (
+    host_left_for_rollback,
+    make_point,
+    rollback_bytes,
+    speculative_layers,
+    speculative_on,
+)
+from megatrain.planner.step_time import IDLE_LAYERS, speculative_wait
+
+
+def replay(u: float, u_s: float, b: float, f: float, L: int, K: int, speculated: set[int], overlap: bool) -> float:
+    """Seconds the layer updates add to the step, event by event: layer j's gradient lands (L - j) b into the last
+    backward, which ends at L b with the step; a speculation starts when its gradient has landed and the thread is
+    free, and does nothing if the step came first; the step queues every host layer in forward order (a kept
+    speculation costs nothing); the next forward runs layer j once its update is done (below K: on the device)."""
+    end = L * b
+    t, kept, ready = 0.0, set(), {}
+    for j in sorted(speculated, reverse=True):
+        start = max(t, (L - j) * b)
+        if start < end:
+            t = start + u_s
+            kept.add(j)
+    t = max(t, end)
+    for j in range(K, L):
+        t += 0.0 if j in kept else u
+        ready[j] = t - end
+    if not overlap:
+        return t - end
+    clock = 0.0
+    for j in range(L):
+        clock = max(clock, ready.get(j, 0.0)) + f
+    return clock - L * f
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_timeline_is_the_replay_of_the_engine_queue(overlap):
+    rng = random.Random(0)
+    for _ in range(400):
+        L = rng.choice([4, 16, 64])
+        K = rng.randint(0, L // 4)
+        n = rng.randint(1, L - K)
+        u = rng.uniform(0.2, 2.0)
+        u_s, b, f = u * rng.uniform(1.0, 1.6), rng.uniform(0.2, 3.0), rng.uniform(0.2, 1.5)
+        want = replay(u, u_s, b, f, L, K, set(range(K, K + n)), overlap)
+        got = speculative_wait(u, u_s, b, f, L, K, n, L - K, overlap)[0]
+        assert got == pytest.approx(want, abs=1e-9), (L, K, n, u, u_s, b, f)
+
+
+def test_the_first_layers_hide_the_most_where_the_host_keeps_pace():
+    """With overlap, where a speculation takes no longer than a layer's backward (u_s <= b), the first n host layers
+    are the n-layer set the replay finds best of every set (a control: the last n are worse somewhere)."""
+    rng = random.Random(1)
+    last_worse = 0
+    for _ in range(60):
+        L, K = 7, rng.randint(1, 2)  # K = 0: layer 0 lands as backward ends, never speculated before the step
+        u, f = rng.uniform(0.2, 2.0), rng.uniform(0.2, 1.5)
+        u_s = u * rng.uniform(1.0, 1.6)
+        b = rng.uniform(u_s, 3 * u_s)
+        host = list(range(K, L))
+        for n in range(1, len(host) + 1):
+            waits = {c: replay(u, u_s, b, f, L, K, set(c), True) for c in itertools.combinations(host, n)}
+            first = waits[tuple(host[:n])]
+            assert first <= min(waits.values()) + 1e-12
+            last_worse += waits[tuple(host[-n:])] > first + 1e-12
+    assert last_worse
+
+
+def test_auto_speculates_the_layers_whose_copies_fit_gh200_qwen32b():
+    """The issue's point: not every copy fits beside the store, so "auto" was off (7.2% idle predicted); as many as fit
+    speculate, the copies within the host memory planner/memory.py leaves, and the idle drops to at most 5%."""
+    kw = dict(batch=4, hardware="gh200")
+    on = plan("qwen2.5-32b", 4096, **kw)
+    off = plan("qwen2.5-32b", 4096, speculative_step=False, **kw)
+    p, hw, K = on.point, get_hardware("gh200"), on.time.residency.optimizer
+    n = speculative_layers(p, hw, K)
+    host = p.model.num_layers - K
+    assert 0 < n < host and not speculative_on(p, hw)  # the all-or-nothing rule: none
+    left = host_left_for_rollback(p, hw, K)
+    assert n == left // rollback_bytes(p, 1)
+    assert left == pytest.approx(hw.host_bytes - off.memory.host_total, rel=1e-3)  # memory.py's figure
+    assert on.memory.host_total + rollback_bytes(p, n) <= hw.host_bytes
+    assert on.timeline.gpu_idle_fraction <= 0.05 < off.timeline.gpu_idle_fraction
+    assert on.time.busy_s["host rollback copy"] > 0
+    assert IDLE_LAYERS in on.time.idle_s  # what is left: the layers not speculated
+
+
+def test_the_count_follows_the_host_memory():
+    p = make_point("qwen2.5-32b", 4096, batch=4, host_master="hilo", host_grad_dtype="bfloat16")
+    hw = get_hardware("gh200")
+    per = rollback_bytes(p, 1)
+    counts = [speculative_layers(p, dataclasses.replace(hw, host_memory_gib=hw.host_memory_gib + extra), 1)
+              for extra in (-60, 0, per / 2**30, 1000)]
+    assert counts[0] == 0 and 0 < counts[1] and counts[2] == counts[1] + 1 and counts[3] == p.model.num_layers - 1
+    assert speculative_layers(make_point("qwen2.5-32b", 4096, speculative_step=True), hw, 1) == 63  # as set
+    assert speculative_layers(make_point("qwen2.5-32b", 4096, speculative_step=False), hw, 1) == 0
+    assert speculative_layers(p, get_hardware("cpu")) == 0  # "auto" off on a CPU device
