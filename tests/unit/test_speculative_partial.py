@@ -96,9 +96,46 @@ def test_auto_speculates_the_first_layers_that_fit_bit_for_bit(monkeypatch, mode
         assert stats["speculative_rollbacks"] >= steps
     else:
         assert stats["speculative_rollbacks"] == 0
-        assert spec.update.kept_layers == steps * fit  # only the speculated layers' updates were kept
-    # only the speculated layers hold a copy (the rollback memory is theirs)
-    assert [c.nbytes > 0 for c in spec.update.copies] == [i < fit for i in range(LAYERS)]
+        # each speculated layer's update kept, or passed over where the lagging host was behind (timing's)
+        assert spec.update.kept_layers + spec.update.passed_over == steps * fit
+    # only the speculated layers hold a copy (the rollback memory is theirs); the lowest is never passed over
+    held = [c.nbytes > 0 for c in spec.update.copies]
+    assert held[0] and not any(held[fit:])
+
+
+@pytest.mark.parametrize("pass_over", [True, False])
+def test_behind_backward_the_lowest_landed_layer_goes_first(monkeypatch, pass_over):
+    """The host held until every gradient has landed: each speculation but the lowest finds the next layer down
+    landed and leaves its layer to the step (the control: without passing over, every one runs in landing order),
+    bit for bit as the serial step."""
+    import threading
+
+    fit, steps = 3, 2
+    serial, spec, _ = _partial(monkeypatch, CONFIGS[0].values[0], fit)
+    spec.update.pass_over = pass_over
+    gate = threading.Event()
+    begin = spec.update.begin_backward
+
+    def begin_then_hold() -> None:
+        begin()
+        gate.clear()
+        spec.update.layered.stream.submit(lambda: (gate.wait(5), 0)[1], (), "hold", 0)  # ahead of every speculation
+
+    spec.update.begin_backward = begin_then_hold
+
+    def release(eng: Engine) -> None:
+        if eng is spec:
+            eng.events.wait_grads()  # every gradient landed
+            gate.set()
+            _settle(eng)
+
+    batches = make_batches(steps)
+    a = train_steps(serial, batches, steps, clip=1e6)
+    b = train_steps(spec, batches, steps, clip=1e6, after_backward=release)
+    assert a == b
+    _assert_same(serial, spec)
+    assert spec.update.passed_over == (steps * (fit - 1) if pass_over else 0)
+    assert spec.update.kept_layers == steps * (1 if pass_over else fit)
 
 
 def test_only_the_speculated_layers_move_before_step(monkeypatch):

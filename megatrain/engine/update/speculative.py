@@ -15,7 +15,10 @@ the streamed copy, Adam's m and v and step, the rounding generator). step() then
 
 A layer that held is done; any other is restored from its copy and updated as the serial path updates it (its
 job on the optimizer thread, in forward order, restore first), or only restored where the step is skipped. A
-speculative job that has not started when step() comes does nothing: its layer is updated by the step's job, in
+speculative job that finds the next speculated layer down landed already (the host is behind backward) does nothing
+either, leaving its layer to the step: the host takes the latest landed layer first, so what it cannot finish in
+backward is the higher layers, which the next forward reaches last. A speculative job that has not started when
+step() comes does nothing: its layer is updated by the step's job, in
 forward order and without a copy, as Layered updates it (so what backward could not hide costs what overlap costs). The
 restored bytes are the copied ones, so every path gives the serial step's bits (tests/unit/test_speculative_step.py).
 A read of the weights or state between backward() and step() (Engine.synchronize, a forward, zero_grad, a load)
@@ -30,8 +33,8 @@ the step would otherwise queue first and the forward would wait on first; done i
 them while the host starts on the rest (each speculated layer removes a whole layer update from that wait). A last
 layer's gradient lands first, but the forward reaches it last, when the host is done with the layers before it
 anyway: speculating it saves only its update less a layer's forward. Without overlap every layer not speculated
-is updated after backward whichever they are, and the first layers' updates still fit inside the backward of the
-layers below them.
+is updated after backward whichever they are. (planner/step_time.py speculative_wait replays this queue; where a
+speculation takes no longer than a layer's backward, the first n layers are the best n to speculate there.)
 
 Gradient accumulation: a backward speculates when as many backwards have run since the last step as before it
 (the last step's count), and with `sync` (a step may follow); a step taken sooner finds layers not speculated and
@@ -125,6 +128,10 @@ class Speculative(Layered):
         self.speculated: list[int | None] = [None] * n
         self.rollbacks = 0
         self.kept_layers = 0  # layer updates the verdict kept (written on the optimizer thread only)
+        self.passed_over = 0  # speculations left to the step because a lower layer had landed (optimizer thread)
+        # Leave a layer to the step where the next one down has landed before its speculation starts (the module
+        # docstring says why); False: every speculation in landing order, however far behind backward the host is.
+        self.pass_over = True
         self._lock = threading.Lock()
         self._rolled_at = -1  # the verdict that last counted a rollback (each counts once)
         self._verdict = 0
@@ -165,11 +172,19 @@ class Speculative(Layered):
         if view is None or i in self.device_layers or i not in self.layers:
             return  # another rank's; updated at step time on the device (resident.py); or no room for its copy
         group, slabs, threads = self.store.layers[i], self.events.slabs, update_threads(True)
+        below = max((j for j in self.layers - self.device_layers if j < i), default=None)
+        landed = self.events.landed
 
         def job() -> int:
             self.speculated[i] = None
             if self._decided:
                 return 0  # step() came first: its own job updates the layer, with no copy to take
+            if self.pass_over and below is not None and self.submitted[below] and landed[below].done():
+                # Behind backward: the next layer down has landed too. It goes first and this one is left to the
+                # step, so what the host cannot finish in backward is the higher layers, which the next forward
+                # reaches last, not the lowest, which it reaches first (the verdict would overtake those).
+                self.passed_over += 1
+                return 0
             norm = slabs.norm(i, group.grad)  # measured by the reduction; None: not known, so not speculated
             if norm is None or not math.isfinite(float(norm)):
                 return 0
