@@ -15,10 +15,10 @@ the streamed copy, Adam's m and v and step, the rounding generator). step() then
 
 A layer that held is done; any other is restored from its copy and updated as the serial path updates it (its
 job on the optimizer thread, in forward order, restore first), or only restored where the step is skipped. A
-speculative job that finds the next speculated layer down landed already (the host is behind backward) does nothing
-either, leaving its layer to the step: the host takes the latest landed layer first, so what it cannot finish in
-backward is the higher layers, which the next forward reaches last. A speculative job that has not started when
-step() comes does nothing: its layer is updated by the step's job, in
+speculative job that finds the next speculated layer down landed already (the host is behind backward) puts its
+layer off: the last (lowest) layer's job takes the layers put off, lowest first, while the step has not come. So
+what the host cannot finish in backward is the higher layers, which the next forward reaches last, not the lowest,
+which it reaches first. A speculative job that has not started when step() comes does nothing: its layer is updated by the step's job, in
 forward order and without a copy, as Layered updates it (so what backward could not hide costs what overlap costs). The
 restored bytes are the copied ones, so every path gives the serial step's bits (tests/unit/test_speculative_step.py).
 A read of the weights or state between backward() and step() (Engine.synchronize, a forward, zero_grad, a load)
@@ -128,9 +128,11 @@ class Speculative(Layered):
         self.speculated: list[int | None] = [None] * n
         self.rollbacks = 0
         self.kept_layers = 0  # layer updates the verdict kept (written on the optimizer thread only)
-        self.passed_over = 0  # speculations left to the step because a lower layer had landed (optimizer thread)
-        # Leave a layer to the step where the next one down has landed before its speculation starts (the module
-        # docstring says why); False: every speculation in landing order, however far behind backward the host is.
+        self.passed_over = 0  # speculations put off because a lower layer had landed (optimizer thread)
+        self._passed: list[tuple[int, int]] = []  # (backward, layer) put off, for the lowest layer's job (same)
+        self._round = 0  # backwards begun: a job knows its own
+        # Put a layer off where the next one down has landed before its speculation starts (the module docstring
+        # says why); False: every speculation in landing order, however far behind backward the host is.
         self.pass_over = True
         self._lock = threading.Lock()
         self._rolled_at = -1  # the verdict that last counted a rollback (each counts once)
@@ -147,6 +149,7 @@ class Speculative(Layered):
     # -- backward: each layer's update as its gradient lands ---------------------------------------------
     def begin_backward(self) -> None:
         self.discard()  # gradients are about to be added: any update taken from the old ones is wrong
+        self._round += 1
         self._backwards += 1
         self._armed = self._backwards >= self._per_step
         if self._armed:
@@ -168,34 +171,47 @@ class Speculative(Layered):
 
     def _speculate(self, i: int) -> None:
         """Queue layer i's speculative update behind its gradients' last reduction."""
-        view = self.layered.view_optimizer(i)
-        if view is None or i in self.device_layers or i not in self.layers:
+        if self.layered.view_optimizer(i) is None or i in self.device_layers or i not in self.layers:
             return  # another rank's; updated at step time on the device (resident.py); or no room for its copy
-        group, slabs, threads = self.store.layers[i], self.events.slabs, update_threads(True)
         below = max((j for j in self.layers - self.device_layers if j < i), default=None)
-        landed = self.events.landed
+        landed, backward = self.events.landed, self._round
 
         def job() -> int:
             self.speculated[i] = None
             if self._decided:
                 return 0  # step() came first: its own job updates the layer, with no copy to take
             if self.pass_over and below is not None and self.submitted[below] and landed[below].done():
-                # Behind backward: the next layer down has landed too. It goes first and this one is left to the
-                # step, so what the host cannot finish in backward is the higher layers, which the next forward
-                # reaches last, not the lowest, which it reaches first (the verdict would overtake those).
+                # Behind backward: the next layer down has landed too. It goes first; this one waits for the last
+                # (lowest) layer's job, which takes the layers passed over lowest first while the step has not come.
+                # So what the host cannot finish in backward is the higher layers, which the next forward reaches
+                # last, not the lowest, which it reaches first (in landing order the verdict would overtake those).
+                self._passed.append((backward, i))
                 self.passed_over += 1
                 return 0
-            norm = slabs.norm(i, group.grad)  # measured by the reduction; None: not known, so not speculated
-            if norm is None or not math.isfinite(float(norm)):
+            if not self._run(i) or below is not None:
                 return 0
-            version = group.grad._version
-            self.copies[i].save(group, view)
-            update_layer(self.layered, group, i, [], threads)
-            self.speculated[i] = version
+            for _, j in sorted(p for p in self._passed if p[0] == backward):
+                if self._decided:
+                    break
+                self._run(j)
+            self._passed = []
             return 0
 
         self.submitted[i] = True
         self.layered.submit(i, job, self.events.landed[i])
+
+    def _run(self, i: int) -> bool:
+        """Layer i's speculative update, after its copy (on the optimizer thread); whether it ran: not where the
+        reduction measured no norm or a non-finite one (that layer waits for the verdict, so no update runs on NaNs)."""
+        group = self.store.layers[i]
+        norm = self.events.slabs.norm(i, group.grad)
+        if norm is None or not math.isfinite(float(norm)):
+            return False
+        version = group.grad._version
+        self.copies[i].save(group, self.layered.view_optimizer(i))
+        update_layer(self.layered, group, i, [], update_threads(True))
+        self.speculated[i] = version
+        return True
 
     @property
     def speculative_layers(self) -> int:
