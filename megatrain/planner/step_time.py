@@ -328,8 +328,8 @@ def speculative_wait(u: float, u_s: float, b: float, f: float, L: int, K: int, n
 
     - layer j's gradient lands (L - j) b into the last backward, which ends at L b, when the step comes;
     - one host thread takes the speculations in landing order, each once its gradient has landed: it runs (u_s) unless
-      the step came first, or the next layer down has landed already (the host is behind: passed over, left to the
-      step);
+      the step came first, or the next layer down has landed already (the host is behind: put off); the lowest
+      layer's, once run, takes the layers put off, lowest first, each while the step has not come;
     - the step queues every host-updated layer in forward order behind them: a speculation that ran costs nothing,
       any other layer u;
     - with overlap the next forward runs layer j once its update is done (below K: on the device, not waited for);
@@ -340,13 +340,22 @@ def speculative_wait(u: float, u_s: float, b: float, f: float, L: int, K: int, n
     forward's wait; a last layer, which the forward reaches when the host is done with the rest anyway, saves only
     u - f. Where a speculation takes no longer than a layer's backward (u_s <= b), no n layers hide more (checked
     by search in tests/unit/test_planner_speculative_partial.py)."""
-    end, t, kept = L * b, 0.0, set()
+    end, t, kept, put_off = L * b, 0.0, set(), []
     for j in range(K + n - 1, K - 1, -1):
         start = max(t, (L - j) * b)
-        if start >= end or (j > K and (L - j + 1) * b <= start):
-            continue  # the step came first; or the next layer down has landed: left to the step
+        if start >= end:
+            continue  # the step came first
+        if j > K and (L - j + 1) * b <= start:
+            put_off.append(j)  # the next layer down has landed
+            continue
         t = start + u_s
         kept.add(j)
+        if j == K:
+            for i in sorted(put_off):
+                if t >= end:
+                    break
+                t += u_s
+                kept.add(i)
     tail = max(0.0, t - end)
     t = end + tail
     ready = {}
