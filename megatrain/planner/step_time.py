@@ -357,17 +357,17 @@ def speculative_wait(u: float, u_s: float, b: float, f: float, L: int, K: int, n
                 t += u_s
                 kept.add(i)
     tail = max(0.0, t - end)
-    t = end + tail
-    ready = {}
+    queue, ready = tail, {}  # from the step on
     for j in range(K, K + own):
-        t += 0.0 if j in kept else u
-        ready[j] = t - end
+        queue += 0.0 if j in kept else u
+        ready[j] = queue
     if not overlap:
-        return t - end, tail, len(kept)
-    clock = 0.0
-    for j in range(L):
-        clock = max(clock, ready.get(j, 0.0)) + f
-    return clock - L * f, max(0.0, tail - K * f), len(kept)
+        return queue, tail, len(kept)
+    wait = 0.0  # the forward's, so far: layer j's forward would start at j f + wait
+    for j in range(K, L):
+        if ready.get(j, 0.0) > j * f + wait:
+            wait = ready[j] - j * f
+    return wait, max(0.0, tail - K * f), len(kept)
 
 
 # The causes of the device's idle time per step (Time.idle_s), as `megatrain plan` names them.
