@@ -240,7 +240,7 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     gb = 2 if _is_bf16(p.host_grad_dtype) else 4
     per_param = _optimizer_bytes_per_param(mb, gb, shadow, p.grad_clip)
     overlap = overlap_on(p, hw)
-    n_spec = min(own, speculative_layers(p, hw, K))  # the first host-updated layers, forward order
+    n_spec = min(own, speculative_layers(p, hw, K, offload))  # the first host-updated layers, forward order
     speculative = n_spec > 0
     spec_idle = 0.0  # of opt_added: the speculated updates' tail past backward (the rest: the layers not speculated)
     copy_s = 0.0  # the speculative step's rollback copies, on the optimizer's thread

@@ -130,7 +130,7 @@ def test_auto_speculates_the_layers_whose_copies_fit_gh200_qwen32b():
     left = host_left_for_rollback(p, hw, K)
     assert n == left // rollback_bytes(p, 1)
     assert left == pytest.approx(hw.host_bytes - off.memory.host_total, rel=1e-3)  # memory.py's figure
-    assert on.memory.host_total + rollback_bytes(p, n) <= hw.host_bytes
+    assert off.memory.host_total + rollback_bytes(p, n) <= hw.host_bytes
     assert on.timeline.gpu_idle_fraction <= 0.05 < off.timeline.gpu_idle_fraction
     assert on.time.busy_s["host rollback copy"] > 0
     assert IDLE_LAYERS in on.time.idle_s  # what is left: the layers not speculated
@@ -146,3 +146,8 @@ def test_the_count_follows_the_host_memory():
     assert speculative_layers(make_point("qwen2.5-32b", 4096, speculative_step=True), hw, 1) == 63  # as set
     assert speculative_layers(make_point("qwen2.5-32b", 4096, speculative_step=False), hw, 1) == 0
     assert speculative_layers(p, get_hardware("cpu")) == 0  # "auto" off on a CPU device
+    # offloaded activations are allocated at the first batch, before the first backward fills the copies
+    m = p.model
+    offloaded = m.num_layers * p.tokens * m.hidden * p.c
+    assert host_left_for_rollback(p, hw, 1) - host_left_for_rollback(p, hw, 1, offload=True) == offloaded
+    assert speculative_layers(p, hw, 1, offload=True) < speculative_layers(p, hw, 1)
