@@ -29,8 +29,9 @@ MIN_WATCHDOG_S = 0.1
 MAX_MMAP_THRESHOLD = 32 * 2**20  # glibc's HEAP_MAX_SIZE / 2 on 64-bit: mallopt refuses more
 MIN_MMAP_THRESHOLD = 4096  # a page: below it every small allocation would be a system call
 AUTO = "auto"
-# speculative_step "auto" settled where it can run (a CUDA device, an optimizer it steps a layer at a time): on if its
-# rollback copy fits the host, which the engine measures once it holds the store (engine/update/speculative.py).
+# speculative_step "auto" settled where it can run (a CUDA device, an optimizer it steps a layer at a time): on for as
+# many layers as their rollback copies fit the host, which the engine measures once it holds the store
+# (engine/update/speculative.py).
 IF_FITS = "if it fits"
 # How far a config has been settled: as written; by a face's arguments (resolve); for the engine's device and
 # optimizer too (settle_engine, megatrain/config/resolve.py), after which no setting of the engine's own reads "auto".
@@ -86,7 +87,8 @@ class EngineConfig:
     # slab or LR changed by hand) rolls the updated layers back from a copy taken before each update and redoes them
     # with the right coefficient (or skips the step). Bit-identical to the serial step (engine/update/speculative.py).
     # The copy (rollback memory) is each layer's master and Adam state, 10-14 B/param more host memory. "auto": on a
-    # CUDA device with torch's Adam/AdamW, one rank and no NVMe tier, where the rollback memory fits the host.
+    # CUDA device with torch's Adam/AdamW, one rank and no NVMe tier, for as many layers (the first host-updated
+    # ones) as their rollback memory fits the host; True: every host-updated layer, or HostMemoryError.
     speculative_step: bool | str = "auto"
     max_bad_steps: int = 5  # ... and this many consecutive skipped steps stop training with an error
     # glibc: fix the mmap threshold at this many bytes, so freed host blocks at least this big leave the

@@ -175,13 +175,14 @@ class Engine:
             foreign = {id(p) for g in self.store.layers if not g.owned for p in g.params}
             shard_optimizer_state(opt, foreign, self.dp.group, self.synchronize)
         self.ranks = ranks_for(self.dp, self.store, self.events)
-        # settled "auto" (IF_FITS): on where it can run and its rollback copy fits; True refused where it cannot
-        self.config = config = dataclasses.replace(config, speculative_step=speculative.resolve(
-            config, self.device, opt, self.store, self.dp is not None))
+        # settled "auto" (IF_FITS): the first host-updated layers whose rollback copies fit; True refused where it cannot
+        speculate = speculative.resolve(config, self.device, opt, self.store, self.dp is not None, self.optimizer_layers)
+        self.config = config = dataclasses.replace(config, speculative_step=bool(speculate))
         # The optimizer in backward: one verdict per step from every rank; the NVMe tier, when configured.
         self.update = choose_update(opt, self.store, self.events, config, self.trace_log,
                                     agree=self.ranks.agree_max if self.dp is not None else None,
-                                    spill=spill_for(self.store, config, self.node), device_layers=self.optimizer_layers)
+                                    spill=spill_for(self.store, config, self.node), device_layers=self.optimizer_layers,
+                                    speculate=speculate)
         self.spill = self.update.spill
         self.pipeline = LayerPipeline(self.store, self.templates, self.streams, self.trace_log, config.num_buffers,
                                       self.compute_dtype, self.device, _has_dropout(self.hf_config), self.events,
@@ -660,7 +661,8 @@ class Engine:
     def collect_stats(self) -> dict[str, float]:
         """Accounting since the last reset (waits for outstanding copies and layer updates)."""
         self.synchronize()
-        return {**self.accounting.collect(), "speculative_rollbacks": self.update.rollbacks}
+        return {**self.accounting.collect(), "speculative_rollbacks": self.update.rollbacks,
+                "speculative_layers": getattr(self.update, "speculative_layers", 0)}
 
     @property
     def trace(self) -> list:

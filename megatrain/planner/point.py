@@ -15,6 +15,7 @@ from ..config.settle import LAYERED, EngineFacts, settle_engine
 from ..costs import modes
 from ..costs import residency as kept
 from ..costs.modes import GRAD_BYTES, MASTER_BYTES, SHADOW_BYTES, GradSlab, HostMaster
+from ..costs.pinning import pinned_bytes
 from .hardware import GIB, Hardware, _is_bf16
 from .shapes import resolve_model
 
@@ -209,28 +210,61 @@ def overlap_on(p: Point, hw: Hardware) -> bool:
     return p.backend == "megatrain" and settled(p, hw).optimizer_overlap
 
 
-def rollback_bytes(p: Point) -> int:
-    """Host bytes of the speculative step's rollback copy: every layer's master and Adam state (costs/modes.py)."""
+def rollback_bytes(p: Point, layers: int | None = None) -> int:
+    """Host bytes of the speculative step's rollback copies of `layers` decoder layers (None: every layer): each one's
+    master and Adam state (costs/modes.py)."""
     m = p.model
-    return m.num_layers * m.layer_params() * modes.rollback_bytes_per_param(HostMaster(p.host_master), p.c == 2)
+    n = m.num_layers if layers is None else layers
+    return n * m.layer_params() * modes.rollback_bytes_per_param(HostMaster(p.host_master), p.c == 2)
+
+
+def host_left_for_rollback(p: Point, hw: Hardware, optimizer_layers: int = 0, offload: bool = False) -> int:
+    """Host bytes left beside what the engine holds when it sizes the rollback copies (engine/update/speculative.py
+    resolve, once the store is built, before the first batch): the host-updated layers' master, slab, Adam state
+    and shadow, the resident parameters' FP32 master, gradient and Adam state unless they went to the device with
+    `optimizer_layers` layers', the FP32 scratch of a split master or slab, what CUDA pins for the gradients'
+    staging and the resident parameters' upload, and the runtime's reserve (planner/memory.py's rows of them); with
+    `offload`, the offloaded activations' host buffers too: the engine allocates them at the first batch, after it
+    measured, and before the first backward fills the copies, so they must fit beside them."""
+    m, K = p.model, optimizer_layers
+    L, PL = m.num_layers, m.layer_params()
+    glob = m.param_count() - L * PL
+    grad = GradSlab(p.host_grad_dtype)
+    per_layer = modes.layer_bytes_per_param(HostMaster(p.host_master), grad, False, p.c == 2)
+    used = (L - K) * PL * per_layer + (0 if K else glob * 16) + int(hw.host_reserved_gib * GIB)
+    used += PL * 4 * ((p.host_master != "fp32") + (GRAD_BYTES[grad] != 4))
+    if not hw.unified_memory:
+        pin = pinned_bytes(m.layer_sizes(), m.embed_params() + m.hidden, p.c, True, p.c)
+        used += sum(pin.get(k, 0) for k in ("grad staging", "resident grad staging", "resident upload staging"))
+        used += 0 if K else p.tokens * (m.hidden * p.c + 8)  # the embedding's row gradients on their way down
+    used += L * p.tokens * m.hidden * p.c if offload else 0
+    return hw.host_bytes - used
+
+
+def speculative_layers(p: Point, hw: Hardware, optimizer_layers: int = 0, offload: bool = False) -> int:
+    """How many host-updated decoder layers the engine speculates at this point (`optimizer_layers` of the L update
+    on the device instead, never speculated): as set (True: every one, False: none), or for "auto" as the engine
+    settles it (`settled`: a CUDA device, not with the optimizer in backward), as many as their rollback copies fit
+    the host memory left beside the store (host_left_for_rollback; `offload`: the activations offloaded too), as
+    engine/update/speculative.py measures it.
+    The engine takes the first host-updated layers in forward order (step_time.py says what that hides)."""
+    host = p.model.num_layers - optimizer_layers
+    if p.backend != "megatrain" or p.optimizer_in_backward or host <= 0:
+        return 0
+    if not left_auto(p.speculative_step):
+        return host if p.speculative_step else 0
+    if settled(p, hw).speculative_step is False:
+        return 0
+    per_layer = rollback_bytes(p, 1)
+    left = host_left_for_rollback(p, hw, optimizer_layers, offload)
+    return min(host, max(0, left) // per_layer) if per_layer else host
 
 
 def speculative_on(p: Point, hw: Hardware) -> bool:
-    """Whether the engine runs the speculative step at this point: as set, or for "auto" (None) as the engine settles
-    it (`settled`: a CUDA device, not with the optimizer in backward) where the rollback copy fits the host beside
-    the store (its layers' and resident parameters' bytes and the runtime's reserve), as engine/update/speculative.py
-    measures it."""
-    if p.backend != "megatrain" or p.optimizer_in_backward:
-        return False
-    if not left_auto(p.speculative_step):
-        return p.speculative_step
-    if settled(p, hw).speculative_step is False:
-        return False
-    m = p.model
-    layers = m.num_layers * m.layer_params()
-    per_layer = modes.layer_bytes_per_param(HostMaster(p.host_master), GradSlab(p.host_grad_dtype), False, p.c == 2)
-    store = layers * per_layer + (m.param_count() - layers) * 16 + int(hw.host_reserved_gib * GIB)
-    return store + rollback_bytes(p) <= hw.host_bytes
+    """Whether the engine speculates every layer at this point, counted as if none updated on the device (the
+    rollback copy of all of them, `rollback_bytes(p)`, fits where speculative_layers says so); a point where only
+    some fit speculates speculative_layers of them."""
+    return speculative_layers(p, hw) == p.model.num_layers > 0
 
 
 def master_bytes(p: Point) -> tuple[int, int]:

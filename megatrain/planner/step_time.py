@@ -14,7 +14,7 @@ from .host_rates import host_slowdown
 from .host_work import SerialWork, globals_reduce_bps, reducer_bps, reducer_bytes_per_param, serial_work
 from .memory import LOSS_BYTES_EXTRA, zero3_sizes
 from .pipeline_sim import REDUCE_LANES, LayerCosts, PipelineSim, simulate_step
-from .point import Point, aliases_globals, master_bytes, overlap_on, speculative_on
+from .point import Point, aliases_globals, master_bytes, overlap_on, speculative_layers
 from .zero3_model import PassCost, Step, Submodule, decoder_layer_submodules, run_pass
 
 # Memory-bound traffic of a layer's forward (norms, RoPE, residual adds, SiLU*up), elements read
@@ -240,7 +240,9 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     gb = 2 if _is_bf16(p.host_grad_dtype) else 4
     per_param = _optimizer_bytes_per_param(mb, gb, shadow, p.grad_clip)
     overlap = overlap_on(p, hw)
-    speculative = speculative_on(p, hw)
+    n_spec = min(own, speculative_layers(p, hw, K, offload))  # the first host-updated layers, forward order
+    speculative = n_spec > 0
+    spec_idle = 0.0  # of opt_added: the speculated updates' tail past backward (the rest: the layers not speculated)
     copy_s = 0.0  # the speculative step's rollback copies, on the optimizer's thread
     # the mode's own distance from its bytes bound (host_rates.py), never above the host's bandwidth: a mode measured
     # faster than FP32's whole step on two threads does not beat the bandwidth the pool's threads reach
@@ -255,25 +257,14 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
         u = PL * per_param / rate
         opt_added = opt_globals + max(u, own * u - bwd_s + bwd_s / L)
     elif speculative:
-        # As EngineConfig(speculative_step=True) runs it (engine/update/speculative.py): each layer's update queued
-        # on one host thread as its gradient lands in the last micro-batch's backward, after a copy of its master and
-        # Adam state (read and written once more: u_s per layer), from the first layer's landing to the end of
-        # backward. Where that is all of them, the last (layer 0's) ends u_s after its landing at the latest. Else the
-        # step's verdict overtakes the rest (the lowest layers, landed last): they are updated in forward order
-        # without a copy, as without speculation: behind the next forward with overlap, else before it returns.
+        # As EngineConfig(speculative_step) runs it (engine/update/speculative.py): the first n_spec host-updated
+        # layers' updates started in the last micro-batch's backward after a copy of their master and Adam state (read
+        # and written once more: u_s per layer), the rest at step() (speculative_wait).
         # A step whose clip scales is restored and redone (not modelled: the clip is taken not to scale).
         rb = 2 * rollback_bytes_per_param(HostMaster(p.master), p.c == 2)
-        u, u_s, b_mb, f_mb = PL * per_param / rate, PL * (per_param + rb) / rate, bwd_s / g, fwd_s / g
-        done = min(own, b_mb * (1 - 1 / L) / u_s)  # layer updates speculated before backward ends
-        left = own - done
-        if left <= 0:
-            # the lowest host-updated layer (K: layers below it update on the device) lands with K layers' backward
-            # still to run, which hides that much of its update
-            opt_added = opt_globals + max(0.0, u_s - K * b_mb / L, own * u_s - b_mb + b_mb / L)
-        elif overlap:
-            opt_added = opt_globals + max(left * u - f_mb + f_mb / L, u)
-        else:
-            opt_added = opt_globals + left * u
+        u, u_s = PL * per_param / rate, PL * (per_param + rb) / rate
+        added, spec_idle, done = speculative_wait(u, u_s, bwd_s / g / L, fwd_s / g / L, L, K, n_spec, own, overlap)
+        opt_added = opt_globals + added
         copy_s = done * PL * rb / rate
     elif overlap:
         # As EngineConfig(optimizer_overlap=True) runs it (engine/update/optim.py): the globals update in step(),
@@ -308,9 +299,14 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     if costs.cuda:
         busy["host reducer"] = g * (L - K) * costs.reduce  # an optimizer-resident layer's adds are the device's
         busy["host serial (resident update + rounding)"] = serial.total_s
-    layers_cause = IDLE_LAYERS_SPECULATIVE if speculative else IDLE_LAYERS if overlap else IDLE_LAYERS_AFTER
+    every = speculative and n_spec == own  # no layer left to the step's queue but those the verdict overtook
+    layers_cause = IDLE_LAYERS_SPECULATIVE if every else IDLE_LAYERS if overlap else IDLE_LAYERS_AFTER
     idle = _megatrain_idle(sim, drain, opt_added - device_opt, opt_globals, layers_cause,
                            serial.resident_round_s, io.up_s)
+    if speculative and not every:  # the speculated layers' tail told apart from the layers not speculated
+        moved = min(spec_idle, idle[layers_cause])
+        idle[layers_cause] -= moved
+        idle[IDLE_LAYERS_SPECULATIVE] = moved
     idle["other"] = max(0.0, step - busy["compute"] - sum(idle.values()))
     k = p.num_buffers
     over = max if k >= 2 else (lambda *xs: sum(xs))
@@ -320,6 +316,58 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     return Time(layer, fwd_s / g, bwd_s / g, head, drain, embed_io, opt_added, opt_busy, step,
                 sim.wait, busy, int(h2d_bytes), int(d2h_bytes), _bottleneck(busy, overlap), idle, overlap,
                 sim.recomputed, sim.residency)
+
+
+def speculative_wait(u: float, u_s: float, b: float, f: float, L: int, K: int, n: int, own: int,
+                     overlap: bool) -> tuple[float, float, float]:
+    """(seconds the host-updated layers add to the step, of which the speculated layers' own tail past backward,
+    layer updates the speculation ran: the step keeps them) of the speculative step (engine/update/speculative.py)
+    with the first `n` of `own` host-updated layers (K..K+n-1, forward order; layers below K update on the device)
+    speculated: u a layer's update, u_s one with its copy, b a layer's backward, f a layer's forward. The engine's
+    queue replayed event by event:
+
+    - layer j's gradient lands (L - j) b into the last backward, which ends at L b, when the step comes;
+    - one host thread takes the speculations in landing order, each once its gradient has landed: it runs (u_s) unless
+      the step came first, or the next layer down has landed already (the host is behind: put off); the lowest
+      layer's, once run, takes the layers put off, lowest first, each while the step has not come;
+    - the step queues every host-updated layer in forward order behind them: a speculation that ran costs nothing,
+      any other layer u;
+    - with overlap the next forward runs layer j once its update is done (below K: on the device, not waited for);
+      without, step() returns when the queue is done.
+
+    Why the first layers (the engine's choice): with overlap the next forward waits on layer j's update before layer
+    j, and the step's queue starts with the lowest, so each layer speculated there takes a whole update u off the
+    forward's wait; a last layer, which the forward reaches when the host is done with the rest anyway, saves only
+    u - f. Where a speculation takes no longer than a layer's backward (u_s <= b), no n layers hide more (checked
+    by search in tests/unit/test_planner_speculative_partial.py)."""
+    end, t, kept, put_off = L * b, 0.0, set(), []
+    for j in range(K + n - 1, K - 1, -1):
+        start = max(t, (L - j) * b)
+        if start >= end:
+            continue  # the step came first
+        if j > K and (L - j + 1) * b <= start:
+            put_off.append(j)  # the next layer down has landed
+            continue
+        t = start + u_s
+        kept.add(j)
+        if j == K:
+            for i in sorted(put_off):
+                if t >= end:
+                    break
+                t += u_s
+                kept.add(i)
+    tail = max(0.0, t - end)
+    queue, ready = tail, {}  # from the step on
+    for j in range(K, K + own):
+        queue += 0.0 if j in kept else u
+        ready[j] = queue
+    if not overlap:
+        return queue, tail, len(kept)
+    wait = 0.0  # the forward's, so far: layer j's forward would start at j f + wait
+    for j in range(K, L):
+        if ready.get(j, 0.0) > j * f + wait:
+            wait = ready[j] - j * f
+    return wait, max(0.0, tail - K * f), len(kept)
 
 
 # The causes of the device's idle time per step (Time.idle_s), as `megatrain plan` names them.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -109,21 +109,34 @@ def host_preflight(layer_shapes: list[list[tuple[str, torch.Size]]], global_shap
     return need
 
 
+def rollback_layers(layer_numels: Sequence[int], master: HostMaster, bf16_compute: bool, required: bool,
+                    available: int | None = None) -> int:
+    """How many of the layers (their parameter counts, in the order they would be speculated) have a rollback copy
+    (costs/modes.py rollback_bytes_per_param: the master and Adam state) that fits what the host has left once the
+    store is built, taken in that order until the next does not fit. `required` (speculative_step=True): every
+    layer's, or HostMemoryError."""
+    per_param = rollback_bytes_per_param(master, bf16_compute)
+    avail = available_host_bytes() if available is None else available
+    need, count = 0, 0
+    for numel in layer_numels:
+        if need + per_param * numel > avail:
+            break
+        need += per_param * numel
+        count += 1
+    if required and count < len(layer_numels):
+        total = per_param * sum(layer_numels)
+        raise HostMemoryError(
+            f"speculative_step=True keeps a rollback copy of every host-updated layer's master and Adam state, "
+            f"{total / 2**30:.2f} GiB, but only {avail / 2**30:.2f} GiB of host memory is left (room for {count} of "
+            f"{len(layer_numels)} layers); set speculative_step='auto' (as many layers as fit) or False")
+    return count
+
+
 def rollback_preflight(n_layer_params: int, master: HostMaster, bf16_compute: bool, required: bool,
                        available: int | None = None) -> bool:
-    """Whether the speculative step's rollback memory (a copy of every layer's master and Adam state,
-    costs/modes.py rollback_bytes_per_param) fits what the host has left once the store is built. `required`
-    (speculative_step=True): raise HostMemoryError when it does not, instead of answering False."""
-    need = rollback_bytes_per_param(master, bf16_compute) * n_layer_params
-    avail = available_host_bytes() if available is None else available
-    if need <= avail:
-        return True
-    if required:
-        raise HostMemoryError(
-            f"speculative_step=True keeps a rollback copy of every layer's master and Adam state, "
-            f"{need / 2**30:.2f} GiB, but only {avail / 2**30:.2f} GiB of host memory is left; set "
-            "speculative_step='auto' (off where it does not fit) or False")
-    return False
+    """Whether one rollback copy of `n_layer_params` parameters (every layer's at once) fits, as rollback_layers
+    measures it; `required`: HostMemoryError when it does not, instead of False."""
+    return rollback_layers([n_layer_params], master, bf16_compute, required, available) == 1
 
 
 def auto_host_mode(config: Any, model: nn.Module, layers: nn.Module, accumulation_one: bool = True,

@@ -15,12 +15,26 @@ the streamed copy, Adam's m and v and step, the rounding generator). step() then
 
 A layer that held is done; any other is restored from its copy and updated as the serial path updates it (its
 job on the optimizer thread, in forward order, restore first), or only restored where the step is skipped. A
-speculative job that has not started when step() comes does nothing: its layer is updated by the step's job, in
+speculative job that finds the next speculated layer down landed already (the host is behind backward) puts its
+layer off: the last (lowest) layer's job takes the layers put off, lowest first, while the step has not come. So
+what the host cannot finish in backward is the higher layers, which the next forward reaches last, not the lowest,
+which it reaches first. A speculative job that has not started when step() comes does nothing: its layer is updated by the step's job, in
 forward order and without a copy, as Layered updates it (so what backward could not hide costs what overlap costs). The
 restored bytes are the copied ones, so every path gives the serial step's bits (tests/unit/test_speculative_step.py).
 A read of the weights or state between backward() and step() (Engine.synchronize, a forward, zero_grad, a load)
 restores the speculated layers first: what it sees is the serial path's. Each step (or read) that restores any
 layer counts one rollback (`rollbacks`, collect_stats()["speculative_rollbacks"]).
+
+Partial speculation: only the layers in `layers` speculate (resolve: "auto" takes as many as their rollback copies
+fit in the host memory left, the first host-updated layers in forward order); the others are updated at step() as
+Layered updates them, in forward order with the speculated ones. Why the first: with overlap the next forward waits
+on layer i's update before layer i. The first layers' gradients land last in backward, so their updates are the ones
+the step would otherwise queue first and the forward would wait on first; done in backward, the forward runs through
+them while the host starts on the rest (each speculated layer removes a whole layer update from that wait). A last
+layer's gradient lands first, but the forward reaches it last, when the host is done with the layers before it
+anyway: speculating it saves only its update less a layer's forward. Without overlap every layer not speculated
+is updated after backward whichever they are. (planner/step_time.py speculative_wait replays this queue; where a
+speculation takes no longer than a layer's backward, the first n layers are the best n to speculate there.)
 
 Gradient accumulation: a backward speculates when as many backwards have run since the last step as before it
 (the last step's count), and with `sync` (a step may follow); a step taken sooner finds layers not speculated and
@@ -29,6 +43,7 @@ updates them serially. The copies are kept from step to step (the rollback memor
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Callable
@@ -38,7 +53,7 @@ import torch
 
 from ...config.schema import EngineConfig
 from ..host.events import LayerEvents
-from ..host.preflight import rollback_preflight
+from ..host.preflight import rollback_layers
 from ..host.store import FlatGroup, HostStore
 from ..runtime.stream import DONE, Trace
 from ..runtime.threads import update_threads
@@ -47,6 +62,7 @@ from .optim import unsupported_reason
 from .update import Layered, update_layer
 
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+log = logging.getLogger("megatrain")
 
 
 class StateCopy:
@@ -100,9 +116,11 @@ class Speculative(Layered):
     """Layered, with each layer's update started in backward and validated in step() (see the module docstring)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
-                 config: EngineConfig, trace: Trace) -> None:
+                 config: EngineConfig, trace: Trace, layers: frozenset[int] | None = None) -> None:
         super().__init__(optimizer, store, events, config, trace)
         n = len(store.layers)
+        # The layers that speculate (None: every one); a copy of a layer that does not is never filled: no memory
+        self.layers = frozenset(range(n)) if layers is None else frozenset(layers)
         self.copies = [StateCopy() for _ in range(n)]
         self.submitted = [False] * n  # a speculative job was queued for the layer since the last verdict
         # Per layer, written by its job on the optimizer thread: the slab version the speculation read (None: the
@@ -110,6 +128,12 @@ class Speculative(Layered):
         self.speculated: list[int | None] = [None] * n
         self.rollbacks = 0
         self.kept_layers = 0  # layer updates the verdict kept (written on the optimizer thread only)
+        self.passed_over = 0  # speculations put off because a lower layer had landed (optimizer thread)
+        self._passed: list[tuple[int, int]] = []  # (backward, layer) put off, for the lowest layer's job (same)
+        self._round = 0  # backwards begun: a job knows its own
+        # Put a layer off where the next one down has landed before its speculation starts (the module docstring
+        # says why); False: every speculation in landing order, however far behind backward the host is.
+        self.pass_over = True
         self._lock = threading.Lock()
         self._rolled_at = -1  # the verdict that last counted a rollback (each counts once)
         self._verdict = 0
@@ -125,6 +149,7 @@ class Speculative(Layered):
     # -- backward: each layer's update as its gradient lands ---------------------------------------------
     def begin_backward(self) -> None:
         self.discard()  # gradients are about to be added: any update taken from the old ones is wrong
+        self._round += 1
         self._backwards += 1
         self._armed = self._backwards >= self._per_step
         if self._armed:
@@ -146,26 +171,52 @@ class Speculative(Layered):
 
     def _speculate(self, i: int) -> None:
         """Queue layer i's speculative update behind its gradients' last reduction."""
-        view = self.layered.view_optimizer(i)
-        if view is None or i in self.device_layers:
-            return  # another rank's; or updated at step time on the device (resident.py)
-        group, slabs, threads = self.store.layers[i], self.events.slabs, update_threads(True)
+        if self.layered.view_optimizer(i) is None or i in self.device_layers or i not in self.layers:
+            return  # another rank's; updated at step time on the device (resident.py); or no room for its copy
+        below = max((j for j in self.layers - self.device_layers if j < i), default=None)
+        landed, backward = self.events.landed, self._round
 
         def job() -> int:
             self.speculated[i] = None
             if self._decided:
                 return 0  # step() came first: its own job updates the layer, with no copy to take
-            norm = slabs.norm(i, group.grad)  # measured by the reduction; None: not known, so not speculated
-            if norm is None or not math.isfinite(float(norm)):
+            if self.pass_over and below is not None and self.submitted[below] and landed[below].done():
+                # Behind backward: the next layer down has landed too. It goes first; this one waits for the last
+                # (lowest) layer's job, which takes the layers passed over lowest first while the step has not come.
+                # So what the host cannot finish in backward is the higher layers, which the next forward reaches
+                # last, not the lowest, which it reaches first (in landing order the verdict would overtake those).
+                self._passed.append((backward, i))
+                self.passed_over += 1
                 return 0
-            version = group.grad._version
-            self.copies[i].save(group, view)
-            update_layer(self.layered, group, i, [], threads)
-            self.speculated[i] = version
+            if not self._run(i) or below is not None:
+                return 0
+            for _, j in sorted(p for p in self._passed if p[0] == backward):
+                if self._decided:
+                    break
+                self._run(j)
+            self._passed = []
             return 0
 
         self.submitted[i] = True
         self.layered.submit(i, job, self.events.landed[i])
+
+    def _run(self, i: int) -> bool:
+        """Layer i's speculative update, after its copy (on the optimizer thread); whether it ran: not where the
+        reduction measured no norm or a non-finite one (that layer waits for the verdict, so no update runs on NaNs)."""
+        group = self.store.layers[i]
+        norm = self.events.slabs.norm(i, group.grad)
+        if norm is None or not math.isfinite(float(norm)):
+            return False
+        version = group.grad._version
+        self.copies[i].save(group, self.layered.view_optimizer(i))
+        update_layer(self.layered, group, i, [], update_threads(True))
+        self.speculated[i] = version
+        return True
+
+    @property
+    def speculative_layers(self) -> int:
+        """How many layers speculate (collect_stats()["speculative_layers"])."""
+        return len(self.layers - self.device_layers)
 
     # -- the verdict --------------------------------------------------------------------------------------
     def _restore(self, i: int, verdict: int) -> bool:
@@ -278,16 +329,23 @@ def refusal(config: EngineConfig, optimizer: torch.optim.Optimizer, data_paralle
 
 
 def resolve(config: EngineConfig, device: torch.device, optimizer: torch.optim.Optimizer, store: HostStore,
-            data_parallel: bool) -> bool:
-    """speculative_step as the engine runs it: True is refused (ValueError, HostMemoryError) where it cannot run
-    or its rollback memory does not fit; "auto" is on for a CUDA device where it can run and fits."""
+            data_parallel: bool, device_layers: frozenset[int] = frozenset()) -> frozenset[int]:
+    """The layers the speculative step runs on (empty: off). True: every host-updated layer (not `device_layers`,
+    updated on the device), refused (ValueError, HostMemoryError) where it cannot run or their rollback copies do
+    not fit; "auto" (settled: a CUDA device): where it can run, the first host-updated layers in forward order, as
+    many as their copies fit in the host memory left (the module docstring says why those)."""
     setting = config.speculative_step
     if setting is False:
-        return False
+        return frozenset()
     reason = refusal(config, optimizer, data_parallel)
     if reason is not None:
         if setting is True:
             raise ValueError(f"speculative_step=True: {reason}; set speculative_step='auto' or False")
-        return False
-    n_layer = sum(g.numel for g in store.layers)
-    return rollback_preflight(n_layer, store.master_mode, config.compute_dtype == "bfloat16", required=setting is True)
+        return frozenset()
+    host = [i for i in range(len(store.layers)) if i not in device_layers]
+    count = rollback_layers([store.layers[i].numel for i in host], store.master_mode,
+                            config.compute_dtype == "bfloat16", required=setting is True)
+    if host:
+        log.info("speculative step: %d of %d host-updated layers%s", count, len(host),
+                 "" if count == len(host) else " (as many rollback copies as the host memory left holds)")
+    return frozenset(host[:count])
