@@ -15,7 +15,7 @@ from ..costs import memory as device_model
 from ..costs import residency as kept_model
 from ..costs.pinning import pinned_bytes
 from .hardware import GIB, Hardware
-from .point import Point, aliases_globals, layer_grad_bytes, master_bytes, rollback_bytes, speculative_on
+from .point import Point, aliases_globals, layer_grad_bytes, master_bytes, rollback_bytes, speculative_layers
 from .zero3_model import offload_tuning
 
 # ---- Activation memory, elements per token, all linear in T (sdpa keeps attention O(T)).
@@ -296,7 +296,8 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         "runtime": int(hw.host_reserved_gib * GIB),
         # a copy of each layer's master and Adam state, to undo an update started before the step's verdict
         # (the host-updated layers': an optimizer-resident layer is not speculated)
-        "speculative rollback copy": rollback_bytes(p) * (L - K) // L if speculative_on(p, hw) and L else 0,
+        "speculative rollback copy": rollback_bytes(p, speculative_layers(p, hw, K, lc.offload,
+                                                                          lc.offloaded_graph_host_bytes)),
     }
     device = {
         # the streaming ring, freed when every layer is kept (costs/residency.py)

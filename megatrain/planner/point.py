@@ -218,14 +218,16 @@ def rollback_bytes(p: Point, layers: int | None = None) -> int:
     return n * m.layer_params() * modes.rollback_bytes_per_param(HostMaster(p.host_master), p.c == 2)
 
 
-def host_left_for_rollback(p: Point, hw: Hardware, optimizer_layers: int = 0, offload: bool = False) -> int:
+def host_left_for_rollback(p: Point, hw: Hardware, optimizer_layers: int = 0, offload: bool = False,
+                           graph_host_bytes: int = 0) -> int:
     """Host bytes left beside what the engine holds when it sizes the rollback copies (engine/update/speculative.py
     resolve, once the store is built, before the first batch): the host-updated layers' master, slab, Adam state
     and shadow, the resident parameters' FP32 master, gradient and Adam state unless they went to the device with
     `optimizer_layers` layers', the FP32 scratch of a split master or slab, what CUDA pins for the gradients'
     staging and the resident parameters' upload, and the runtime's reserve (planner/memory.py's rows of them); with
     `offload`, the offloaded activations' host buffers too: the engine allocates them at the first batch, after it
-    measured, and before the first backward fills the copies, so they must fit beside them."""
+    measured, and before the first backward fills the copies, so they must fit beside them; and so must the
+    offloaded graphs' saved activations (`graph_host_bytes`, residency `offload`), allocated at the first batch too."""
     m, K = p.model, optimizer_layers
     L, PL = m.num_layers, m.layer_params()
     glob = m.param_count() - L * PL
@@ -237,11 +239,12 @@ def host_left_for_rollback(p: Point, hw: Hardware, optimizer_layers: int = 0, of
         pin = pinned_bytes(m.layer_sizes(), m.embed_params() + m.hidden, p.c, True, p.c)
         used += sum(pin.get(k, 0) for k in ("grad staging", "resident grad staging", "resident upload staging"))
         used += 0 if K else p.tokens * (m.hidden * p.c + 8)  # the embedding's row gradients on their way down
-    used += L * p.tokens * m.hidden * p.c if offload else 0
+    used += (L * p.tokens * m.hidden * p.c if offload else 0) + graph_host_bytes
     return hw.host_bytes - used
 
 
-def speculative_layers(p: Point, hw: Hardware, optimizer_layers: int = 0, offload: bool = False) -> int:
+def speculative_layers(p: Point, hw: Hardware, optimizer_layers: int = 0, offload: bool = False,
+                       graph_host_bytes: int = 0) -> int:
     """How many host-updated decoder layers the engine speculates at this point (`optimizer_layers` of the L update
     on the device instead, never speculated): as set (True: every one, False: none), or for "auto" as the engine
     settles it (`settled`: a CUDA device, not with the optimizer in backward), as many as their rollback copies fit
@@ -256,7 +259,7 @@ def speculative_layers(p: Point, hw: Hardware, optimizer_layers: int = 0, offloa
     if settled(p, hw).speculative_step is False:
         return 0
     per_layer = rollback_bytes(p, 1)
-    left = host_left_for_rollback(p, hw, optimizer_layers, offload)
+    left = host_left_for_rollback(p, hw, optimizer_layers, offload, graph_host_bytes)
     return min(host, max(0, left) // per_layer) if per_layer else host
 
 

@@ -13,7 +13,7 @@ from .hardware import GB, Hardware, _is_bf16
 from .host_rates import host_slowdown
 from .host_work import SerialWork, globals_reduce_bps, reducer_bps, reducer_bytes_per_param, serial_work
 from .memory import LOSS_BYTES_EXTRA, zero3_sizes
-from .pipeline_sim import REDUCE_LANES, LayerCosts, PipelineSim, simulate_step
+from .pipeline_sim import REDUCE_LANES, LayerCosts, PipelineSim, graph_bytes, simulate_step
 from .point import Point, aliases_globals, master_bytes, overlap_on, speculative_layers
 from .zero3_model import PassCost, Step, Submodule, decoder_layer_submodules, run_pass
 
@@ -240,7 +240,7 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     gb = 2 if _is_bf16(p.host_grad_dtype) else 4
     per_param = _optimizer_bytes_per_param(mb, gb, shadow, p.grad_clip)
     overlap = overlap_on(p, hw)
-    n_spec = min(own, speculative_layers(p, hw, K, offload))  # the first host-updated layers, forward order
+    n_spec = min(own, speculative_layers(p, hw, K, offload, sim.residency.offload * graph_bytes(p)))  # the first host-updated layers, forward order
     speculative = n_spec > 0
     spec_idle = 0.0  # of opt_added: the speculated updates' tail past backward (the rest: the layers not speculated)
     copy_s = 0.0  # the speculative step's rollback copies, on the optimizer's thread
@@ -284,8 +284,9 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     step = sim.t + opt_added + serial.resident_round_s + io.up_s
     jobs = sim.bytes_jobs
     act = T * h * c
-    h2d_bytes = jobs["load"] * PL * c + jobs["act_in"] * act + io.up_bytes
-    d2h_bytes = jobs["grad"] * PL * c + jobs["act_out"] * act + g * io.down_bytes
+    graph = graph_bytes(p) if jobs["graph_out"] else 0  # an offloaded graph's saved activations, each way
+    h2d_bytes = jobs["load"] * PL * c + jobs["act_in"] * act + jobs["graph_in"] * graph + io.up_bytes
+    d2h_bytes = jobs["grad"] * PL * c + jobs["act_out"] * act + jobs["graph_out"] * graph + g * io.down_bytes
     Bl = hw.link_bps
     busy = {
         "compute": g * (L * (costs.fwd + costs.bwd) - graphs * costs.recompute + head) + device_opt,

@@ -165,6 +165,22 @@ def test_offloaded_graphs_lower_the_measured_device_peak():
     assert off["peak_device_bytes"] <= off["predicted_peak_device_bytes"]
 
 
+def test_a_link_slower_than_the_compute_holds_the_offloaded_graphs_in_flight_to_the_plan(monkeypatch):
+    """At 0.05 GB/s one layer's ~1 MB of saved activations takes ~20 ms to leave, far longer than the tiny layer's
+    forward: the forward must wait for the copy before the previous layer's, or the device copies pile up behind
+    the link. The control: without that wait, the measured peak passes the plan's."""
+    slow = {**PEAK, "link_gbps": 0.05}
+    batches = make_batches(1, batch=2, seq=96)
+    setting = {"weights": DEEP, "activations": DEEP, "offload": DEEP}
+    held = _train(setting, layers=DEEP, batches=batches, **slow)[2]
+    assert held["peak_device_bytes"] <= held["predicted_peak_device_bytes"]
+
+    monkeypatch.setattr(saved_offload.GraphOffload, "_sending", property(lambda self: None, lambda self, v: None),
+                        raising=False)
+    piled = _train(setting, layers=DEEP, batches=batches, **slow)[2]
+    assert piled["peak_device_bytes"] > piled["predicted_peak_device_bytes"]
+
+
 def test_the_setting_reads_writes_and_refuses_as_documented():
     r = parse({"weights": 4, "activations": 3, "offload": 2})
     assert r == Residency(4, 3, 0, 2) and r.offloaded == frozenset({0, 1}) and r.graphs == frozenset({0, 1, 2})

@@ -80,6 +80,7 @@ class GraphOffload:
         self._bases: dict[int, list[int]] = {}
         self._loaded: dict[int, Event] = {}
         self._recording: list[_Group] = []
+        self._sending: Event | None = None  # the last copy out queued, until the next send waits for it
         self.bytes_out = 0  # bytes sent to the host by this forward's layers
         self.bytes_in = 0  # bytes brought back
 
@@ -147,6 +148,12 @@ class GraphOffload:
             self.pool.copied((layer, n), written)
         self._host[layer] = (hosts, bases, written)
         self.bytes_out += size
+        # The plan holds OFFLOADED_GRAPHS_IN_FLIGHT (2) of them on the device: this one leaving, the next one
+        # recorded. The previous one's copy must be done before the next forward makes more, or a link slower
+        # than the compute (or a busy copy worker) would pile their device copies up behind it.
+        if self._sending is not None:
+            self._sending.host_wait(self.streams.watchdog_s)
+        self._sending = written
 
     @staticmethod
     def _ranges(layer: int, groups: list[_Group]) -> tuple[list[torch.Tensor], list[int]]:
