@@ -5,7 +5,8 @@ optimizer-resident count and each training batch's kept weights and graphs are t
 for that point, not the engine's fixed fill. Checked here: which profile a device name maps to; the advisor's
 answer is the plan's own (llama2-7b on an H200 at 1 x 4096, where the engine's fill is predicted ~16% slower); an
 engine under the device-budget emulation takes the advice (its count at build, its placement per batch), refuses
-advice that does not fit its measured room, and trains bit for bit as streaming does with it.
+advice that does not fit its measured room, and trains bit for bit as streaming does with it (kept, and offloaded,
+graphs included).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from megatrain.engine import Engine
 from megatrain.planner import plan
 from megatrain.planner.advice import Advisor, profile_for_device
 from megatrain.planner.hardware import get_hardware
+from megatrain.run.start_line import describe
 
 LAYERS = 4
 EMULATED = {"compute_dtype": "float32", "device_budget_bytes": 8 << 20, "link_gbps": 100.0}
@@ -115,9 +117,30 @@ def test_the_engine_takes_the_advice_and_trains_as_streaming_does():
     assert losses == streamed
 
 
+def test_advised_offloaded_graphs_run_as_advised_and_train_as_streaming_does():
+    eng, losses = _train(advice=_Fixed(0, Residency(3, 2, 0, 1)))
+    assert eng.pipeline.residency == Residency(3, 2, 0, 1)
+    st = eng.collect_stats()
+    assert st["offloaded_graph_layers"] == 1 and st["offloaded_graph_bytes"] > 0
+    assert losses == _train("stream")[1]
+
+
 def test_advice_that_does_not_fit_the_measured_room_is_not_taken():
     own, _ = _train()
     eng, _ = _train(advice=_Fixed(0, Residency(LAYERS, LAYERS, 0)))  # every graph: beyond 8 MiB at 2 x 32
     assert eng.pipeline.residency == own.pipeline.residency
     none, _ = _train(advice=_Fixed(0, None))
     assert none.pipeline.residency == own.pipeline.residency
+
+
+def test_the_planners_advice_drives_an_engine_and_the_start_line_names_it():
+    model = tiny_model("llama", layers=LAYERS)
+    advisor = Advisor(model.config, get_hardware("h200-pcie"))
+    eng = Engine(model, EngineConfig(**EMULATED), placement_advice=advisor,
+                 optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    eng.backward(eng(input_ids=ids, labels=ids).loss)
+    eng.step()
+    asked = advisor.residency(eng.config, 64, eng.pipeline.policy.budget, len(eng.optimizer_layers))
+    assert asked is not None and eng.pipeline.residency == asked
+    assert "residency: auto (the planner's search on the h200-pcie profile)" in describe("accelerate", eng)
