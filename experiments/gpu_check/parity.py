@@ -263,14 +263,16 @@ def phase_parity(ctx: Ctx) -> None:
     ctx.check("optimizer_overlap", deterministic(overlap))
 
     def residency() -> dict[str, Any]:
-        # Layers kept on the device (weights in buffers of their own, forward graphs kept): the same kernels on the
-        # same values in the same order as streaming with recompute, so bit-identical, with fewer copies. Layers
+        # Layers kept on the device (weights in buffers of their own, forward graphs kept, or with their saved
+        # activations in host memory): the same kernels on the same values in the same order as streaming with
+        # recompute, so bit-identical, with fewer copies. Layers
         # whose optimizer is on the device too ("optimizer", and what "auto" fills on a GPU) take torch's device
         # AdamW instead of the host kernel: the same arithmetic, FP32 rounding apart (docs/HOST_MODES.md), so
         # within the FP32 parity tolerance of the streamed run, with no gradient copied down for them.
         base = tiny_model("llama", sh)
         runs = {}
         for name, setting in (("stream", "stream"), ("some", {"weights": 2, "activations": 1}),
+                              ("offloaded", {"weights": 2, "activations": 2, "offload": 1}),
                               ("optimizer", {"weights": 2, "activations": 1, "optimizer": 2}), ("auto", "auto")):
             eng = Engine(copy.deepcopy(base), EngineConfig(device=dev, residency=setting))
             losses, _, stats = _train_engine(eng, batches, steps, accum, clip)
@@ -280,17 +282,20 @@ def phase_parity(ctx: Ctx) -> None:
         def worst(names: tuple[str, ...]) -> float:
             return max((runs[n][1][k].float() - ref_p[k].float()).abs().max().item() for n in names for k in ref_p)
 
-        exact, near = worst(("some",)), worst(("optimizer", "auto"))
+        exact, near = worst(("some", "offloaded")), worst(("optimizer", "auto"))
         loss_abs = max(abs(a - b) for n in ("optimizer", "auto") for a, b in zip(runs[n][0], ref_l))
         auto, opt = runs["auto"][2], runs["optimizer"][2]
-        return {"ok": runs["some"][0] == ref_l and exact == 0.0 and near <= 1e-5 and loss_abs <= 1e-5
+        offloaded = runs["offloaded"][2]
+        return {"ok": runs["some"][0] == ref_l == runs["offloaded"][0] and exact == 0.0 and near <= 1e-5
+                and loss_abs <= 1e-5 and offloaded["offloaded_graph_bytes"] > 0
                 and auto["h2d_bytes"] < ref_s["h2d_bytes"] and auto["recomputed_layers"] < ref_s["recomputed_layers"]
                 and opt["d2h_bytes"] < ref_s["d2h_bytes"],
                 "param_abs_kept": exact, "param_abs_optimizer": near, "loss_abs_optimizer": loss_abs,
                 "h2d_bytes": {n: r[2]["h2d_bytes"] for n, r in runs.items()},
                 "d2h_bytes": {n: r[2]["d2h_bytes"] for n, r in runs.items()},
                 "recomputed_layers": {n: r[2]["recomputed_layers"] for n, r in runs.items()},
-                "auto_kept": [auto["resident_weight_layers"], auto["kept_graph_layers"]]}
+                "auto_kept": [auto["resident_weight_layers"], auto["kept_graph_layers"]],
+                "offloaded_graph_bytes": offloaded["offloaded_graph_bytes"]}
 
     ctx.check("residency", deterministic(residency))
     for k in (1, 3):
