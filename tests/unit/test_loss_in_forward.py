@@ -169,3 +169,27 @@ def test_the_heads_gradient_needs_no_zero_filled_buffer(tile, monkeypatch):
     assert fills.count == 1  # the control: the counter sees the fill it no longer makes
     for a, b in zip(got, want):  # the same bits (a -0 aside, which 0 + x turns to +0 and the slab's add does too)
         assert torch.equal(a, b)
+
+
+class _Fresh(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that return a new tensor (not in place) of one shape."""
+
+    def __init__(self, shape: tuple) -> None:
+        super().__init__()
+        self.shape, self.ops = shape, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if not name.endswith("_") and torch.is_tensor(out) and tuple(out.shape) == self.shape:
+            self.ops.append(name)
+        return out
+
+
+def test_a_tile_makes_two_tile_by_vocab_buffers():
+    # The logits and their softmax; the gradient's scale by 1/n is applied in place (a third buffer before).
+    norm, head = _parts(vocab=96, hidden=32)
+    hidden, labels = torch.randn(1, 150, 32), torch.randint(0, 96, (1, 150))
+    with _Fresh((149, 96)) as fresh:  # every position has a label but the last
+        _tiled(hidden, norm, head, labels, 1000)
+    assert sorted(fresh.ops) == ["_softmax", "mm"], fresh.ops

@@ -88,7 +88,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             p = torch.softmax(logits, dim=-1)
             p[torch.arange(p.shape[0], device=p.device), targets[s: s + chunk]] -= 1.0
             p = _grad_to_head(p, logits, as_transform(softcap))
-            p = (p * grad_out).to(weight.dtype)
+            p = p.mul_(grad_out).to(weight.dtype)  # in place: no second chunk x vocab buffer
             if grad_h is not None:
                 grad_h[s: s + chunk] = p @ weight
             if ctx.needs_input_grad[1]:
@@ -221,7 +221,7 @@ def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torc
             p[torch.arange(p.shape[0], device=dev), t] -= 1.0
             p = _grad_to_head(p, logits, as_transform(softcap))
             del logits
-            p = (p * inv).to(hc.dtype)
+            p = p.mul_(inv).to(hc.dtype)  # in place: no second tile x vocab buffer
             g_hn = torch.zeros_like(hn)
             g_hn.index_copy_(0, idx, (p @ weight).to(g_hn.dtype))
             if weight.requires_grad:
