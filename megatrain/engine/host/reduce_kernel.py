@@ -21,6 +21,11 @@ on a slab's first write and otherwise left as they are, read for the norm only w
 adding the zeros (a slab holds no -0: its zeros are written as 0 + g, and x + 0 is x), a -0 written into a
 `.grad` by hand excepted, which an add of zeros would turn into +0.
 
+A first write into a large slab (STREAM_MIN) streams past the caches where the build has AVX (`streams`): a plain
+store reads each line before writing part of it, a third of the pass's traffic for a slab overwritten whole, and a
+slab that large is read from memory at the step anyway. Same values, same lanes: the self-check runs first writes
+both ways.
+
 A chunk's last numel % 8 elements take a path of torch's not reproduced here (most probes matched, not all), so
 a slab whose size is not a multiple of 8 keeps the two passes (every layer of a real model is one); CHUNK is a
 multiple of 8, so only a slab's last chunk could have such a tail. The self-check at build compares the chunks'
