@@ -147,3 +147,39 @@ def test_only_a_first_write_of_a_large_slab_streams(lib):
         R.reduce_chunks(spy, slab, [(0, g[: slab.numel()])], first, 1)
         assert set(spy.modes) == {mode}, (slab.numel(), first, spy.modes)
         assert torch.equal(slab, g[: slab.numel()] * (1 if first else 2))
+
+
+@pytest.mark.parametrize("residency", ["auto", "stream"])  # the device slab on this thread, and the reducer's
+def test_an_engine_whose_slabs_stream_trains_bit_for_bit_as_one_whose_do_not(lib, monkeypatch, residency):
+    # A tiny model's slabs are far below STREAM_MIN: lowered, every first write streams. Two micro-batches per step
+    # (a streamed first write, then an add), clipped (the measured norms read), two steps.
+    import copy
+
+    from conftest import make_batches, tiny_model
+    from kit import adam_state, train_steps
+
+    from megatrain.config.schema import EngineConfig
+    from megatrain.engine import Engine
+
+    model, batches = tiny_model("llama", layers=3), make_batches(4)
+    modes = []
+    run = R.reduce_chunks
+
+    def spy(lib, slab, parts, first, *a, **k):
+        modes.append(R.streams(lib, slab, first) if k.get("stream") is None else k["stream"])
+        return run(lib, slab, parts, first, *a, **k)
+
+    monkeypatch.setattr(R, "reduce_chunks", spy)
+    out = {}
+    for stream_min in (8, 1 << 40):
+        monkeypatch.setattr(R, "STREAM_MIN", stream_min)
+        modes.clear()
+        eng = Engine(copy.deepcopy(model), EngineConfig(device="cpu", compute_dtype="float32", residency=residency),
+                     optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-2, fused=True))
+        losses, norms = train_steps(eng, iter(batches), 2, accum=2, clip=0.05)
+        out[stream_min] = (losses, norms, [p.detach().clone() for _, p in eng.named_parameters()], adam_state(eng))
+        assert any(modes) == (stream_min == 8), modes  # the run streamed, the control did not
+    (la, na, wa, sa), (lb, nb, wb, sb) = out[8], out[1 << 40]
+    assert la == lb and na == nb
+    assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(wa, wb))
+    assert all(torch.equal(x, y) for x, y in zip(sa, sb))
