@@ -132,3 +132,64 @@ def test_loss_phase_keeps_about_one_hidden_vector_per_token():
         # the cost model counts the last layer's output (the input here) among its per-token terms
         predicted = loss_workspace_bytes(t, hidden, vocab, tile, 4) - t * hidden * 4
         assert abs(predicted / p - 1) <= 0.10, (t, predicted, p)
+
+
+class _Fills(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the fills (zeros, zero_, fill_) of tensors of one shape."""
+
+    def __init__(self, shape: tuple) -> None:
+        super().__init__()
+        self.shape, self.count = shape, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in ("fill_", "zero_", "zeros") and torch.is_tensor(out) and tuple(out.shape) == self.shape:
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("tile", [300, 37])  # one tile, and several (the first tile's gradient, then the adds)
+def test_the_heads_gradient_needs_no_zero_filled_buffer(tile, monkeypatch):
+    import megatrain.engine.layer.loss as L
+
+    norm, head = _parts(vocab=96, hidden=32)
+    hidden, labels = torch.randn(2, 150, 32), _labels(2, 150, 96)
+    with _Fills((96, 32)) as fills:
+        _, got = _tiled(hidden, norm, head, labels, tile)
+    assert fills.count == 0
+
+    def zeros_then_add(acc, p, hc):  # the former accumulation: into a zero-filled buffer from the first tile
+        acc = torch.zeros(p.shape[1], hc.shape[1]) if acc is None else acc
+        return acc.addmm_(p.t(), hc)
+
+    monkeypatch.setattr(L, "_add_head_grad", zeros_then_add)
+    with _Fills((96, 32)) as fills:
+        _, want = _tiled(hidden, norm, head, labels, tile)
+    assert fills.count == 1  # the control: the counter sees the fill it no longer makes
+    for a, b in zip(got, want):  # the same bits (a -0 aside, which 0 + x turns to +0 and the slab's add does too)
+        assert torch.equal(a, b)
+
+
+class _Fresh(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that return a new tensor (not in place) of one shape."""
+
+    def __init__(self, shape: tuple) -> None:
+        super().__init__()
+        self.shape, self.ops = shape, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if not name.endswith("_") and torch.is_tensor(out) and tuple(out.shape) == self.shape:
+            self.ops.append(name)
+        return out
+
+
+def test_a_tile_makes_two_tile_by_vocab_buffers():
+    # The logits and their softmax; the gradient's scale by 1/n is applied in place (a third buffer before).
+    norm, head = _parts(vocab=96, hidden=32)
+    hidden, labels = torch.randn(1, 150, 32), torch.randint(0, 96, (1, 150))
+    with _Fresh((149, 96)) as fresh:  # every position has a label but the last
+        _tiled(hidden, norm, head, labels, 1000)
+    assert sorted(fresh.ops) == ["_softmax", "mm"], fresh.ops

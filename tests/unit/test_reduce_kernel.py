@@ -106,3 +106,80 @@ def test_the_kernel_is_built_with_the_engine(monkeypatch):
     monkeypatch.setattr(R._KERNEL, "state", False)  # not tried yet in this process
     Engine(tiny_model("llama", layers=2), EngineConfig(device="cpu", parity_probe=False))
     assert R._KERNEL.state is not False, "the kernel was left to the first backward"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_streamed_first_write_gives_the_plain_writes_bits(lib, dtype):
+    # Parts cut off the 8-blocks (the scalar head and tail around the streamed body), a slab view off its 32-byte
+    # alignment (the plain stores then), several chunks on two threads.
+    n = 3 * (1 << 16) + 40
+    g = _values(n, 3).to(dtype)
+    parts = [(0, g[:13]), (13, g[13:70001]), (70001, g[70001:])]
+    for off in (0, 4):  # a slab that starts off a 32-byte boundary as well
+        plain, streamed = torch.full((n + off,), 7.0)[off:], torch.full((n + off,), 7.0)[off:]
+        a = R.reduce_chunks(lib, plain, parts, True, 2, chunk=1 << 16, stream=False)
+        b = R.reduce_chunks(lib, streamed, parts, True, 2, chunk=1 << 16, stream=True)
+        assert torch.equal(_bits(streamed), _bits(plain)) and torch.equal(_bits(b.norms), _bits(a.norms))
+        assert torch.equal(_bits(plain), _bits(torch.add(g.float(), 0.0)))  # 0 + g, written over what was there
+
+
+class _Spy:
+    """The kernel, recording the `first` argument of each reduce_range call (2: streamed stores)."""
+
+    def __init__(self, lib) -> None:
+        self.lib, self.modes = lib, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.lib, name)
+
+    def reduce_range(self, *args):
+        self.modes.append(args[5])
+        return self.lib.reduce_range(*args)
+
+
+def test_only_a_first_write_of_a_large_slab_streams(lib):
+    if not lib.streamed():
+        pytest.skip("this build has no streaming stores (no AVX)")
+    big, small = torch.zeros(R.STREAM_MIN), torch.zeros(R.STREAM_MIN - 8)
+    g = torch.ones(R.STREAM_MIN)
+    for slab, first, mode in [(big, True, 2), (big, False, 0), (small, True, 1)]:  # the latter two: controls
+        spy = _Spy(lib)
+        R.reduce_chunks(spy, slab, [(0, g[: slab.numel()])], first, 1)
+        assert set(spy.modes) == {mode}, (slab.numel(), first, spy.modes)
+        assert torch.equal(slab, g[: slab.numel()] * (1 if first else 2))
+
+
+@pytest.mark.parametrize("residency", ["auto", "stream"])  # the device slab on this thread, and the reducer's
+def test_an_engine_whose_slabs_stream_trains_bit_for_bit_as_one_whose_do_not(lib, monkeypatch, residency):
+    # A tiny model's slabs are far below STREAM_MIN: lowered, every first write streams. Two micro-batches per step
+    # (a streamed first write, then an add), clipped (the measured norms read), two steps.
+    import copy
+
+    from conftest import make_batches, tiny_model
+    from kit import adam_state, train_steps
+
+    from megatrain.config.schema import EngineConfig
+    from megatrain.engine import Engine
+
+    model, batches = tiny_model("llama", layers=3), make_batches(4)
+    modes = []
+    run = R.reduce_chunks
+
+    def spy(lib, slab, parts, first, *a, **k):
+        modes.append(R.streams(lib, slab, first) if k.get("stream") is None else k["stream"])
+        return run(lib, slab, parts, first, *a, **k)
+
+    monkeypatch.setattr(R, "reduce_chunks", spy)
+    out = {}
+    for stream_min in (8, 1 << 40):
+        monkeypatch.setattr(R, "STREAM_MIN", stream_min)
+        modes.clear()
+        eng = Engine(copy.deepcopy(model), EngineConfig(device="cpu", compute_dtype="float32", residency=residency),
+                     optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-2, fused=True))
+        losses, norms = train_steps(eng, iter(batches), 2, accum=2, clip=0.05)
+        out[stream_min] = (losses, norms, [p.detach().clone() for _, p in eng.named_parameters()], adam_state(eng))
+        assert any(modes) == (stream_min == 8), modes  # the run streamed, the control did not
+    (la, na, wa, sa), (lb, nb, wb, sb) = out[8], out[1 << 40]
+    assert la == lb and na == nb
+    assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(wa, wb))
+    assert all(torch.equal(x, y) for x, y in zip(sa, sb))

@@ -21,6 +21,11 @@ on a slab's first write and otherwise left as they are, read for the norm only w
 adding the zeros (a slab holds no -0: its zeros are written as 0 + g, and x + 0 is x), a -0 written into a
 `.grad` by hand excepted, which an add of zeros would turn into +0.
 
+A first write into a large slab (STREAM_MIN) streams past the caches where the build has AVX (`streams`): a plain
+store reads each line before writing part of it, a third of the pass's traffic for a slab overwritten whole, and a
+slab that large is read from memory at the step anyway. Same values, same lanes: the self-check runs first writes
+both ways.
+
 A chunk's last numel % 8 elements take a path of torch's not reproduced here (most probes matched, not all), so
 a slab whose size is not a multiple of 8 keeps the two passes (every layer of a real model is one); CHUNK is a
 multiple of 8, so only a slab's last chunk could have such a tail. The self-check at build compares the chunks'
@@ -47,6 +52,11 @@ LANES = 8
 # layer is ~330 chunks), and that a small model's slab is one chunk (torch's norm of the whole slab).
 CHUNK = 1 << 20
 ZERO_BLOCK = 2048  # elements: the slab-aligned blocks whose gradient is checked for all zeros (a #define of the C source)
+# Elements (16 MiB of FP32) from which a slab's first write after zero_grad streams past the caches (non-temporal
+# stores, where the build has them: `streams`): a slab this large is not in cache when the step reads it, and a
+# plain store first reads each line it writes. Measured on this project's CPU machine, a 12.6M-element slab
+# (a ~100M model's layer) written from FP32 gradients: 5.0 ms plain, 2.7 ms streamed (min of 10, one thread).
+STREAM_MIN = 1 << 22
 
 
 log = logging.getLogger(__name__)
@@ -58,6 +68,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.reduce_range.restype = i64
     lib.finish_norm.argtypes = [p]
     lib.finish_norm.restype = ctypes.c_float
+    lib.streamed.argtypes = []
+    lib.streamed.restype = i64
 
 
 def _accept(lib: ctypes.CDLL) -> ctypes.CDLL | None:
@@ -74,6 +86,12 @@ _KERNEL = ckernel.LazyKernel("reduce", _declare, "MEGATRAIN_REDUCE_KERNEL", _acc
 def kernel() -> ctypes.CDLL | None:
     """The compiled reduction, or None: no compiler, MEGATRAIN_REDUCE_KERNEL=torch, or its self-check failed."""
     return _KERNEL.get()
+
+
+def streams(lib: ctypes.CDLL, slab: torch.Tensor, first: bool) -> bool:
+    """Whether a reduction into `slab` writes it with streaming stores: a first write (nothing of the slab read),
+    a slab of at least STREAM_MIN elements, a build that has them."""
+    return bool(first and slab.numel() >= STREAM_MIN and lib.streamed())
 
 
 def pays(threads: int | None) -> bool:
@@ -154,13 +172,15 @@ class Reduced(NamedTuple):
 
 
 def reduce_chunks(lib: ctypes.CDLL, slab: torch.Tensor, parts: Parts, first: bool, threads: int | None = None,
-                  chunk: int | None = None, measure: bool = True) -> Reduced:
+                  chunk: int | None = None, measure: bool = True, stream: bool | None = None) -> Reduced:
     """Add (or, `first`, write 0 + g) every part into `slab`, on `threads` threads (None: the calling thread's share,
     threads.team: the reducer's share of the cores), each chunk's norm measured if `measure`. A part without a gradient
     (None) or a ZERO_BLOCK of zeros costs no add: set to zero on a first write, else left as it is (read for the
     norm only if `measure`); the slab's bits and the norms are those of adding the zeros. `chunk`: the
-    decomposition's chunk (CHUNK; a multiple of 8). Call only where usable() said so."""
+    decomposition's chunk (CHUNK; a multiple of 8). `stream`: a first write with streaming stores (the same bits;
+    None: as `streams` decides). Call only where usable() said so."""
     n = slab.numel()
+    mode = int(first) + int(first and (streams(lib, slab, first) if stream is None else bool(stream)))
     c = CHUNK if chunk is None else chunk
     if c <= 0 or c % LANES:
         raise ValueError(f"a chunk must be a positive multiple of {LANES} elements, got {c}")
@@ -184,7 +204,7 @@ def reduce_chunks(lib: ctypes.CDLL, slab: torch.Tensor, parts: Parts, first: boo
                 if hi > lo:
                     src = 0 if g is None else g.data_ptr() + (lo - start) * g.element_size()
                     bad |= lib.reduce_range(src, int(g is not None and g.dtype == torch.bfloat16), dst + 4 * lo, lo,
-                                            hi - lo, int(first), n, lanes_at + 4 * LANES * ci, int(measure),
+                                            hi - lo, mode, n, lanes_at + 4 * LANES * ci, int(measure),
                                             ctypes.byref(skipped))
                 q += 1
             if measure:
@@ -234,8 +254,9 @@ def _probe(n: int, gen: torch.Generator) -> torch.Tensor:
 
 def _matches_torch(lib: ctypes.CDLL) -> bool:
     """Whether each chunk's norm has the bits of torch's norm of that chunk (the written values those of torch's
-    add), on one chunk and on several (a short last one among them), in both dtypes, first and adding, with zero
-    blocks and a part without a gradient among them (their skipped add must leave the bits of adding zeros)."""
+    add), on one chunk and on several (a short last one among them), in both dtypes, first (plain and streamed
+    stores) and adding, with zero blocks and a part without a gradient among them (their skipped add must leave the
+    bits of adding zeros)."""
     gen = torch.Generator().manual_seed(0)
     for n, cuts, first, dtype, chunk, sparse in [
             (4096, [0, 13, 1000], True, torch.bfloat16, None, False),
@@ -258,12 +279,13 @@ def _matches_torch(lib: ctypes.CDLL) -> bool:
             torch.add(g, 0.0, out=want)
         else:
             want.add_(g.float())
-        got = base.clone()
         parts = [(a, None if sparse and j == 1 else g[a:b]) for j, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-        norms = reduce_chunks(lib, got, parts, first, threads=2, chunk=chunk).norms
         c = chunk or CHUNK
         ref = torch.stack([torch.linalg.vector_norm(want[a: a + c]) for a in range(0, n, c)])
-        if not (torch.equal(got.view(torch.int32), want.view(torch.int32))
-                and torch.equal(norms.view(torch.int32), ref.view(torch.int32))):
-            return False
+        for stream in (False, True) if first else (False,):  # a first write both ways: streamed stores too
+            got = base.clone()
+            norms = reduce_chunks(lib, got, parts, first, threads=2, chunk=chunk, stream=stream).norms
+            if not (torch.equal(got.view(torch.int32), want.view(torch.int32))
+                    and torch.equal(norms.view(torch.int32), ref.view(torch.int32))):
+                return False
     return True

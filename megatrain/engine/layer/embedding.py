@@ -43,12 +43,7 @@ def lookup_grad(embed: nn.Embedding, ids: torch.Tensor, grad_out: torch.Tensor,
         rows, index = to_device(host_rows, dev), to_device(host_index, dev)
     else:
         rows, index = torch.unique(ids, return_inverse=True)
-    used = embed.weight.detach().index_select(0, rows).requires_grad_(True)
-    view = copy.copy(embed)  # own parameter dict: the user's module is not touched, even for a moment
-    view._parameters = {"weight": used}
-    view.padding_idx = None  # the padding row is dropped below, by its real index
-    with torch.enable_grad():
-        (grad,) = torch.autograd.grad(view(index), used, grad_out)
+    grad = _rows_grad(embed, rows, index, grad_out)
     if host_ids is not None:
         if embed.padding_idx is None:
             return host_rows, grad
@@ -58,3 +53,19 @@ def lookup_grad(embed: nn.Embedding, ids: torch.Tensor, grad_out: torch.Tensor,
         keep = rows != embed.padding_idx
         rows, grad = rows[keep], grad[keep]
     return rows, grad
+
+
+def _rows_grad(embed: nn.Embedding, rows: torch.Tensor, index: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """d(loss)/d(table rows `rows`) of the module's lookup of `index` (positions in `rows`), the padding row included.
+    A plain nn.Embedding's is its own backward called directly (what autograd runs for it: the same bits) without
+    gathering the rows, which it never reads; any other module is re-run over the rows and differentiated."""
+    if type(embed) is nn.Embedding and not embed.sparse:
+        grad = torch.ops.aten.embedding_backward(grad_out, index, rows.numel(), -1, embed.scale_grad_by_freq, False)
+        return grad.to(embed.weight.dtype)
+    used = embed.weight.detach().index_select(0, rows).requires_grad_(True)
+    view = copy.copy(embed)  # own parameter dict: the user's module is not touched, even for a moment
+    view._parameters = {"weight": used}
+    view.padding_idx = None  # the padding row is dropped by the caller, by its real index
+    with torch.enable_grad():
+        (grad,) = torch.autograd.grad(view(index), used, grad_out)
+    return grad

@@ -46,6 +46,16 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return _apply(z, as_transform(softcap))
 
 
+def _add_head_grad(acc: torch.Tensor | None, p: torch.Tensor, hc: torch.Tensor) -> torch.Tensor:
+    """acc + p.T @ hc, the head weight's gradient summed over chunks in FP32; `acc` None (the first chunk): p.T @ hc
+    itself, the bits of adding it to zeros (a -0 kept, as the head's own backward keeps it) without a vocab x hidden
+    zero fill and the GEMM's read of it."""
+    if hc.dtype == torch.float32:
+        return torch.mm(p.t(), hc) if acc is None else acc.addmm_(p.t(), hc)  # in place: no second temporary
+    g = (p.t() @ hc).float()
+    return g if acc is None else acc.add_(g)
+
+
 class _ChunkedHeadLoss(torch.autograd.Function):
     """Sum of token cross-entropies of `softcap(h @ weight.T + bias)` against `targets` (all valid), chunk by
     chunk.
@@ -70,7 +80,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         h, weight, bias, targets = ctx.saved_tensors
         chunk, softcap = ctx.chunk, ctx.softcap
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_w = None  # the first chunk's gradient, then the sum (_add_head_grad)
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if ctx.needs_input_grad[2] else None
         for s in range(0, h.shape[0], chunk):
             hc = h[s: s + chunk].to(weight.dtype)
@@ -78,15 +88,15 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             p = torch.softmax(logits, dim=-1)
             p[torch.arange(p.shape[0], device=p.device), targets[s: s + chunk]] -= 1.0
             p = _grad_to_head(p, logits, as_transform(softcap))
-            p = (p * grad_out).to(weight.dtype)
+            p = p.mul_(grad_out).to(weight.dtype)  # in place: no second chunk x vocab buffer
             if grad_h is not None:
                 grad_h[s: s + chunk] = p @ weight
-            if grad_w is not None and hc.dtype == torch.float32:
-                grad_w.addmm_(p.t(), hc)  # in place: no second vocab x hidden temporary per chunk
-            elif grad_w is not None:
-                grad_w += (p.t() @ hc).float()
+            if ctx.needs_input_grad[1]:
+                grad_w = _add_head_grad(grad_w, p, hc)
             if grad_b is not None:
                 grad_b += p.sum(0, dtype=torch.float32)
+        if ctx.needs_input_grad[1] and grad_w is None:  # no tokens
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         return (grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None),
                 (grad_b.to(bias.dtype) if grad_b is not None else None), None, None, None)
 
@@ -188,7 +198,7 @@ def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torc
     norm_params = [p for p in norm.parameters() if p.requires_grad]
     grad_x = torch.empty_like(x_all)
     grad_norm = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in norm_params]
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight.requires_grad else None
+    grad_w = None  # the first tile's gradient, then the sum (_add_head_grad)
     grad_b = (torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
               if bias is not None and bias.requires_grad else None)
     total = torch.zeros((), dtype=torch.float32, device=dev)
@@ -211,13 +221,11 @@ def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torc
             p[torch.arange(p.shape[0], device=dev), t] -= 1.0
             p = _grad_to_head(p, logits, as_transform(softcap))
             del logits
-            p = (p * inv).to(hc.dtype)
+            p = p.mul_(inv).to(hc.dtype)  # in place: no second tile x vocab buffer
             g_hn = torch.zeros_like(hn)
             g_hn.index_copy_(0, idx, (p @ weight).to(g_hn.dtype))
-            if grad_w is not None and hc.dtype == torch.float32:
-                grad_w.addmm_(p.t(), hc)
-            elif grad_w is not None:
-                grad_w += (p.t() @ hc).float()
+            if weight.requires_grad:
+                grad_w = _add_head_grad(grad_w, p, hc)
             if grad_b is not None:
                 grad_b += p.sum(0, dtype=torch.float32)
             del p, hc
@@ -231,6 +239,8 @@ def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torc
             acc += g.float()
     grads = [grad_x.view_as(hidden)] + [g.to(p.dtype) for g, p in zip(grad_norm, norm_params)]
     inputs = [hidden, *norm_params]
+    if weight.requires_grad and grad_w is None:  # no tile had a label
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     if grad_w is not None:
         grads.append(grad_w.to(weight.dtype))
         inputs.append(weight)

@@ -1,6 +1,11 @@
 /* reduce: compiled on first use by megatrain/engine/runtime/ckernel.py (LazyKernel); see engine/host/reduce_kernel.py. */
 #include <string.h>
 #include <math.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+typedef float f8 __attribute__((vector_size(32)));
 
 static inline float widen(const void *src, int64_t bf16, int64_t i) {
     float g;
@@ -34,6 +39,35 @@ BODY_FN(add_bf16, uint16_t, d[i + j], widen16(s[i + j]))
 BODY_FN(first_fp32, float, 0.0f, s[i + j])
 BODY_FN(add_fp32, float, d[i + j], s[i + j])
 
+/* A first write with streaming (non-temporal) stores, for a slab larger than the caches: a plain store first reads
+   each destination line into the cache (to write part of it), a third of the pass's traffic for a slab that is
+   overwritten whole; a streaming store writes the line without reading it. The same values and lanes as first_*
+   (0 + g, products rounded then added); d 32-byte aligned (dense_range checks). An sfence at the end makes the
+   stores visible to whichever thread reads the slab next, as plain stores are. */
+#if defined(__AVX__)
+#define STREAMED 1
+#define STREAM_FN(NAME, T, G) \
+__attribute__((noinline)) static uint32_t NAME(const T *__restrict s, float *__restrict d, int64_t n, float *__restrict lanes) { \
+    f8 acc, v; \
+    memcpy(&acc, lanes, sizeof acc); \
+    for (int64_t i = 0; i + 8 <= n; i += 8) { \
+        for (int j = 0; j < 8; j++) v[j] = 0.0f + (G); \
+        _mm256_stream_ps(d + i, (__m256)v); \
+        acc = acc + v * v; \
+    } \
+    memcpy(lanes, &acc, sizeof acc); \
+    _mm_sfence(); \
+    return 0; \
+}
+STREAM_FN(first_bf16_stream, uint16_t, widen16(s[i + j]))
+STREAM_FN(first_fp32_stream, float, s[i + j])
+#else
+#define STREAMED 0
+#endif
+
+/* Whether this build has the streamed first write (reduce_kernel.py reads it). */
+int64_t streamed(void) { return STREAMED; }
+
 /* dst[0..n) = (first ? 0 + g : dst + g), g from src (FP32, or bf16 widened); the squares of the values written
    go to lanes[(off + i) % 8] for off + i < body_end (the slab's whole 8-blocks). Returns 1 if a written value is
    not finite. */
@@ -50,6 +84,12 @@ static int64_t dense_range(const void *src, int64_t bf16, float *dst, int64_t of
     }
     int64_t stop = body_end - off < n ? body_end - off : n;
     int64_t m = stop > i ? (stop - i) / 8 * 8 : 0;
+#if STREAMED
+    if (first == 2 && !((uintptr_t)(dst + i) & 31)) {
+        if (bf16) first_bf16_stream((const uint16_t *)src + i, dst + i, m, lanes);
+        else first_fp32_stream((const float *)src + i, dst + i, m, lanes);
+    } else
+#endif
     if (bf16) {
         const uint16_t *s = (const uint16_t *)src + i;
         bad |= first ? first_bf16(s, dst + i, m, lanes) : add_bf16(s, dst + i, m, lanes);
@@ -69,7 +109,6 @@ static int64_t dense_range(const void *src, int64_t bf16, float *dst, int64_t of
 
 /* The squares of dst[0..n) into the lanes, dst unchanged: what dense_range adds for a gradient of zeros (dst + 0 is
    dst: a slab holds no -0, its zeros being written as 0 + g), without reading a gradient or writing the slab. */
-typedef float f8 __attribute__((vector_size(32)));
 
 /* Lane j gets d[j]^2, d[j + 8]^2, ... in order, each product rounded then added (-ffp-contract=off): what the loops
    above do. Written on 8-float vectors: the plain loop was vectorized across its lanes with shuffles, at a third of
