@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..config.schema import AUTO, IF_FITS, EngineConfig
+from ..config.schema import AUTO, IF_FITS, EngineConfig, left_auto
 from ..costs import residency as kept
 from .hardware import Hardware, get_hardware
 from .memory import long_context_plan
@@ -105,7 +105,7 @@ def _knobs(config: EngineConfig) -> tuple[tuple[str, Any], ...]:
         value = getattr(config, name)
         if value == IF_FITS:
             value = AUTO
-        if value == AUTO and name in ("host_master", "host_grad_dtype", "optimizer_overlap"):
+        if left_auto(value) and name in ("host_master", "host_grad_dtype", "optimizer_overlap"):
             continue  # the point's default stands in: the engine settles these before it asks
         out.append((name, value))
     return tuple(out)
