@@ -182,3 +182,29 @@ def test_the_count_skips_device_layers_and_true_needs_every_host_layer(monkeypat
     with pytest.raises(HostMemoryError, match="room for 2 of 4 layers"):
         speculative.resolve(EngineConfig(speculative_step=True), cuda, eng.optimizer, eng.store, False)
     assert speculative.resolve(EngineConfig(speculative_step=False), cuda, eng.optimizer, eng.store, False) == set()
+
+
+def test_a_copy_that_no_longer_fits_stops_its_layer_speculating_same_bits(monkeypatch, caplog):
+    """The count is measured when the engine is built; what the first batches allocate afterwards can take the room.
+    Each first copy checks the host again: where it no longer fits, its layer is updated at step() for good (the
+    serial step's bits), said once; the control (below): with room, both layers keep speculating."""
+    fit, steps = 2, 2
+    serial, spec, _ = _partial(monkeypatch, CONFIGS[0].values[0], fit)
+    monkeypatch.setattr(speculative, "available_host_bytes", lambda: speculative.ROLLBACK_HEADROOM_BYTES)
+    batches = make_batches(steps)
+    with caplog.at_level("WARNING", logger="megatrain"):
+        a = train_steps(serial, batches, steps, clip=1e6)
+        b = train_steps(spec, batches, steps, clip=1e6, after_backward=_settle)
+    assert a == b
+    _assert_same(serial, spec)
+    assert spec.update.layers == frozenset() and spec.collect_stats()["speculative_layers"] == 0
+    assert spec.update.kept_layers == 0 and all(c.nbytes == 0 for c in spec.update.copies)
+    assert sum("no longer fits" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_with_room_every_counted_layer_keeps_speculating(monkeypatch):
+    fit = 2
+    serial, spec, _ = _partial(monkeypatch, CONFIGS[0].values[0], fit)
+    batches = make_batches(2)
+    assert train_steps(serial, batches, 2, clip=1e6) == train_steps(spec, batches, 2, clip=1e6, after_backward=_settle)
+    assert spec.update.layers == frozenset(range(fit)) and spec.update.kept_layers == 2 * fit

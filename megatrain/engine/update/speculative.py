@@ -53,7 +53,7 @@ import torch
 
 from ...config.schema import EngineConfig
 from ..host.events import LayerEvents
-from ..host.preflight import rollback_layers
+from ..host.preflight import available_host_bytes, rollback_layers
 from ..host.store import FlatGroup, HostStore
 from ..runtime.stream import DONE, Trace
 from ..runtime.threads import update_threads
@@ -63,6 +63,9 @@ from .update import Layered, update_layer
 
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 log = logging.getLogger("megatrain")
+# Host bytes a first rollback copy leaves free: the measure is the process's headroom (cgroup, MemAvailable), and
+# an allocation that would take the last of it risks the OOM killer for what is only a speed-up.
+ROLLBACK_HEADROOM_BYTES = 1 << 30
 
 
 class StateCopy:
@@ -87,6 +90,16 @@ class StateCopy:
                     empty.append(st)
                 live.extend(st[k] for k in _STATE_KEYS if k in st)
         return live, empty
+
+    def ready(self, group: FlatGroup, view: torch.optim.Optimizer) -> bool:
+        """Whether the copy's buffers are allocated for what the update writes (a save allocates nothing)."""
+        live, _ = self._live(group, view)
+        return [(t.shape, t.dtype) for t in live] == [(b.shape, b.dtype) for b in self._buffers]
+
+    @staticmethod
+    def need(group: FlatGroup, view: torch.optim.Optimizer) -> int:
+        """Bytes the copy's buffers take (its first save allocates them)."""
+        return sum(t.numel() * t.element_size() for t in StateCopy._live(group, view)[0])
 
     def save(self, group: FlatGroup, view: torch.optim.Optimizer) -> None:
         live, self._empty = self._live(group, view)
@@ -121,6 +134,7 @@ class Speculative(Layered):
         n = len(store.layers)
         # The layers that speculate (None: every one); a copy of a layer that does not is never filled: no memory
         self.layers = frozenset(range(n)) if layers is None else frozenset(layers)
+        self._shrunk = False  # a layer's copy stopped fitting since the count was measured (_room_for)
         self.copies = [StateCopy() for _ in range(n)]
         self.submitted = [False] * n  # a speculative job was queued for the layer since the last verdict
         # Per layer, written by its job on the optimizer thread: the slab version the speculation read (None: the
@@ -208,10 +222,29 @@ class Speculative(Layered):
         if norm is None or not math.isfinite(float(norm)):
             return False
         version = group.grad._version
-        self.copies[i].save(group, self.layered.view_optimizer(i))
+        view = self.layered.view_optimizer(i)
+        if not self.copies[i].ready(group, view) and not self._room_for(i, self.copies[i].need(group, view)):
+            return False
+        self.copies[i].save(group, view)
         update_layer(self.layered, group, i, [], update_threads(True))
         self.speculated[i] = version
         return True
+
+    def _room_for(self, i: int, nbytes: int) -> bool:
+        """Whether layer i's first rollback copy still fits the host. The count was measured when the engine was
+        built, before any batch; what the first batches allocate since (offloaded activations or graphs, a loader's
+        buffers) can take that room. A layer whose copy no longer fits stops speculating for good (the step updates
+        it, the same bits), said once on the logger: never an allocation past the host's memory."""
+        left = available_host_bytes() - ROLLBACK_HEADROOM_BYTES
+        if nbytes <= left:
+            return True
+        self.layers = self.layers - {i}
+        if not self._shrunk:
+            self._shrunk = True
+            log.warning("speculative step: layer %d's rollback copy (%.2f GiB) no longer fits the %.2f GiB the host "
+                        "has left; it and any other that does not fit are updated at step() instead", i,
+                        nbytes / 2**30, max(0, left) / 2**30)
+        return False
 
     @property
     def speculative_layers(self) -> int:
