@@ -225,3 +225,38 @@ def adam_state(engine: Engine, params: Iterable[torch.nn.Parameter] | None = Non
                 st = engine.optimizer.state[p]
                 out += [st[key].detach().to("cpu", copy=True) for key in ("step", "exp_avg", "exp_avg_sq")]
     return out
+
+
+def router_loss_moe() -> torch.nn.Module:
+    """A 3-layer Mixtral whose loss includes its router's auxiliary loss (output_router_logits), seeded."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(
+        "mixtral", hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        router_aux_loss_coef=0.1, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def settle_speculation(engine: Engine) -> None:
+    """The speculative updates queued so far done (the optimizer thread's queue; Engine.synchronize() would undo
+    them)."""
+    from megatrain.engine.update.speculative import Speculative
+
+    if isinstance(engine.update, Speculative):
+        engine.update.layered.synchronize()
+
+
+def assert_same_training_state(a: Engine, b: Engine) -> None:
+    """The same weights and Adam state, bit for bit (an entry of no state, a parameter not yet stepped, is what the
+    per-layer views leave: not state)."""
+    sa, sb = a.state_dict(), b.state_dict()
+    diff = [k for k in sa if not torch.equal(sa[k], sb[k])]
+    assert not diff, f"weights differ: {diff}"
+    oa, ob = ({k: v for k, v in e.optimizer.state_dict()["state"].items() if v} for e in (a, b))
+    assert oa.keys() == ob.keys()
+    for k in oa:
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(oa[k][name], ob[k][name]), (k, name)

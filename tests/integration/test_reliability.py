@@ -15,6 +15,7 @@ import queue
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import threading
 import time
@@ -62,6 +63,7 @@ class Segment:
     status: int
     lines: list[list[str]]
     log: str
+    times: list[float] = field(default_factory=list)  # when each line arrived (time.monotonic())
 
     @property
     def killed_by(self) -> int | None:
@@ -151,6 +153,7 @@ class ForkServer:
         assert head[0] == "pid", head
         pid = int(head[1])
         lines: list[list[str]] = []
+        times: list[float] = []
         deadline = time.monotonic() + timeout
         status: int | None = None
 
@@ -160,6 +163,7 @@ class ForkServer:
                 status = int(words[2])
             else:
                 lines.append(words)
+                times.append(time.monotonic())
 
         try:
             while status is None:
@@ -182,7 +186,7 @@ class ForkServer:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             raise
-        return Segment(pid, status, lines, log.read_text() if log.exists() else "")
+        return Segment(pid, status, lines, log.read_text() if log.exists() else "", times)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -223,8 +227,23 @@ def reference(server, tmp_path_factory) -> Reference:
     assert len(seg.losses) == STEPS * 2 and len(set(seg.losses.values())) > STEPS  # real, varying losses
     saveops = {int(w[2]): w[3].split(",") for w in seg.words("saveops")}
     assert sorted(saveops) == list(range(EVERY, STEPS + 1, EVERY))
-    return Reference(seg.losses, load_file(d / "final.safetensors"), saveops, elapsed / STEPS,
+    return Reference(seg.losses, load_file(d / "final.safetensors"), saveops, _step_seconds(seg, elapsed),
                      saveops[STEPS].count("tensor"))
+
+
+def _step_seconds(seg: Segment, elapsed: float) -> float:
+    """One training step's wall time: the median gap between consecutive `step` lines with no checkpoint write
+    between them. Not the run's time over its steps: that includes the process start and every checkpoint write,
+    and a kill delay drawn from it lands in the next write, not in training, as often as not."""
+    gaps, last = [], None
+    for words, t in zip(seg.lines, seg.times):
+        if words[0] == "save-begin":
+            last = None
+        elif words[0] == "step":
+            if last is not None:
+                gaps.append(t - last)
+            last = t
+    return statistics.median(gaps) if gaps else elapsed / STEPS
 
 
 def _assert_same_final(path: Path, ref: Reference) -> None:

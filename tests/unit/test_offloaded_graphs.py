@@ -10,9 +10,9 @@ import json
 
 import pytest
 import torch
-import transformers
 from conftest import make_batches, tiny_model
 from gpu_defaults import CONFIGS
+from kit import router_loss_moe
 
 from megatrain.commands.plan import main as plan_main
 from megatrain.config.schema import EngineConfig
@@ -291,19 +291,10 @@ def test_no_offload_where_host_memory_cannot_hold_the_graphs():
     assert all(lean.long_context.fits(r) for r in lean.placement.replayed if r.offload)
 
 
-def _moe() -> torch.nn.Module:
-    cfg = transformers.AutoConfig.for_model(
-        "mixtral", hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=256, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
-        router_aux_loss_coef=0.1, tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg)
-
 
 def test_a_mixture_of_experts_with_its_router_loss_offloads_its_graphs_exactly():
     def run(residency):
-        model = _moe()
+        model = router_loss_moe()
         eng = Engine(model, EngineConfig(residency=residency, compute_dtype="float32", **LINK),
                      optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
         eng.reset_stats()

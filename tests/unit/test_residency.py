@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from conftest import make_batches, tiny_model
 from gpu_defaults import CONFIGS
+from kit import router_loss_moe
 
 from megatrain.config.schema import EngineConfig
 from megatrain.costs import pipeline as order
@@ -85,19 +85,10 @@ def test_negative_control_kept_weights_not_copied_after_a_step_are_caught(monkey
         _same(broken, ref)
 
 
-def _moe() -> torch.nn.Module:
-    cfg = transformers.AutoConfig.for_model(
-        "mixtral", hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=256, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
-        router_aux_loss_coef=0.1, tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg)
-
 
 def test_a_mixture_of_experts_with_its_router_loss_keeps_its_graphs_exactly():
-    ref = _train(_moe(), "stream", compute_dtype="float32")
-    kept = _train(_moe(), {"weights": 3, "activations": 2}, compute_dtype="float32")
+    ref = _train(router_loss_moe(), "stream", compute_dtype="float32")
+    kept = _train(router_loss_moe(), {"weights": 3, "activations": 2}, compute_dtype="float32")
     _same(kept, ref)
     assert kept[2]["kept_graph_layers"] == 2 and kept[2]["recomputed_layers"] == 1 * MICRO * STEPS
 

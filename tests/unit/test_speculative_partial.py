@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import make_batches, tiny_model
 from gpu_defaults import CONFIGS, lag_updates
-from kit import train_steps
+from kit import assert_same_training_state, settle_speculation, train_steps
 
 import megatrain.engine.host.preflight as preflight
 from megatrain.config.schema import IF_FITS, EngineConfig
@@ -56,20 +56,6 @@ def _partial(monkeypatch: pytest.MonkeyPatch, mode: dict, fit: int, **cfg) -> tu
     return serial, spec, free
 
 
-def _assert_same(a: Engine, b: Engine) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    diff = [k for k in sa if not torch.equal(sa[k], sb[k])]
-    assert not diff, f"weights differ from the serial step: {diff}"
-    oa, ob = ({k: v for k, v in e.optimizer.state_dict()["state"].items() if v} for e in (a, b))
-    assert oa.keys() == ob.keys()
-    for k in oa:
-        for name in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(oa[k][name], ob[k][name]), (k, name)
-
-
-def _settle(eng: Engine) -> None:
-    if isinstance(eng.update, Speculative):
-        eng.update.layered.synchronize()  # the speculative jobs done, nothing restored
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial-step", "overlap"])
@@ -89,9 +75,9 @@ def test_auto_speculates_the_first_layers_that_fit_bit_for_bit(monkeypatch, mode
                                   required=False, available=free)
     batches = make_batches(steps * accum)
     a = train_steps(serial, batches, steps, accum=accum, clip=clip)
-    b = train_steps(spec, batches, steps, accum=accum, clip=clip, after_backward=_settle if settle else None)
+    b = train_steps(spec, batches, steps, accum=accum, clip=clip, after_backward=settle_speculation if settle else None)
     assert a == b
-    _assert_same(serial, spec)
+    assert_same_training_state(serial, spec)
     stats = spec.collect_stats()
     assert stats["speculative_layers"] == fit and serial.collect_stats()["speculative_layers"] == 0
     if clip < 1:
@@ -140,13 +126,13 @@ def test_behind_backward_the_lowest_landed_layer_goes_first(monkeypatch, pass_ov
         if eng is spec:
             eng.events.wait_grads()  # every gradient landed
             gate.set()
-            _settle(eng)
+            settle_speculation(eng)
 
     batches = make_batches(steps)
     a = train_steps(serial, batches, steps, clip=1e6)
     b = train_steps(spec, batches, steps, clip=1e6, after_backward=release)
     assert a == b
-    _assert_same(serial, spec)
+    assert_same_training_state(serial, spec)
     assert order == steps * (list(range(fit)) if pass_over else list(range(fit))[::-1])
     assert spec.update.passed_over == (steps * (fit - 1) if pass_over else 0)
     assert spec.update.kept_layers == steps * fit
@@ -164,7 +150,7 @@ def test_only_the_speculated_layers_move_before_step(monkeypatch):
     assert moved == [i < fit for i in range(LAYERS)]
     for eng in (serial, spec):
         eng.step()
-    _assert_same(serial, spec)
+    assert_same_training_state(serial, spec)
     assert spec.update.kept_layers == fit
 
 
@@ -194,9 +180,9 @@ def test_a_copy_that_no_longer_fits_stops_its_layer_speculating_same_bits(monkey
     batches = make_batches(steps)
     with caplog.at_level("WARNING", logger="megatrain"):
         a = train_steps(serial, batches, steps, clip=1e6)
-        b = train_steps(spec, batches, steps, clip=1e6, after_backward=_settle)
+        b = train_steps(spec, batches, steps, clip=1e6, after_backward=settle_speculation)
     assert a == b
-    _assert_same(serial, spec)
+    assert_same_training_state(serial, spec)
     assert spec.update.layers == frozenset() and spec.collect_stats()["speculative_layers"] == 0
     assert spec.update.kept_layers == 0 and all(c.nbytes == 0 for c in spec.update.copies)
     assert sum("no longer fits" in r.getMessage() for r in caplog.records) == 1
@@ -206,5 +192,5 @@ def test_with_room_every_counted_layer_keeps_speculating(monkeypatch):
     fit = 2
     serial, spec, _ = _partial(monkeypatch, CONFIGS[0].values[0], fit)
     batches = make_batches(2)
-    assert train_steps(serial, batches, 2, clip=1e6) == train_steps(spec, batches, 2, clip=1e6, after_backward=_settle)
+    assert train_steps(serial, batches, 2, clip=1e6) == train_steps(spec, batches, 2, clip=1e6, after_backward=settle_speculation)
     assert spec.update.layers == frozenset(range(fit)) and spec.update.kept_layers == 2 * fit

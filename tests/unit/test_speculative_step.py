@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import make_batches, tiny_model
 from gpu_defaults import CONFIGS, lag_updates
-from kit import train_steps
+from kit import assert_same_training_state, settle_speculation, train_steps
 
 from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
@@ -50,26 +50,10 @@ def _train(eng: Engine, batches, steps: int, clip: float | None, accum: int = 1,
             eng.events.wait_global_grads()
             eng.store.globals.grad[0] = float("nan")
 
-    return train_steps(eng, batches, steps, accum=accum, clip=clip, after_backward=_settle if settle else None,
+    return train_steps(eng, batches, steps, accum=accum, clip=clip, after_backward=settle_speculation if settle else None,
                        before_clip=poisoned)
 
 
-def _settle(eng: Engine) -> None:
-    """The speculative updates queued so far done (the optimizer thread's queue; Engine.synchronize() would undo them)."""
-    if isinstance(eng.update, Speculative):
-        eng.update.layered.synchronize()
-
-
-def _assert_same(a: Engine, b: Engine) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    diff = [k for k in sa if not torch.equal(sa[k], sb[k])]
-    assert not diff, f"weights differ from the serial step: {diff}"
-    # An entry of no state (a parameter not yet stepped) is what the per-layer views leave: not state.
-    oa, ob = ({k: v for k, v in e.optimizer.state_dict()["state"].items() if v} for e in (a, b))
-    assert oa.keys() == ob.keys()
-    for k in oa:
-        for name in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(oa[k][name], ob[k][name]), (k, name)
 
 
 @pytest.mark.parametrize("settle", [True, False], ids=["settled", "racing"])
@@ -81,7 +65,7 @@ def test_a_clip_that_scales_rolls_back_and_redoes_bit_for_bit(mode, settle):
     b = _train(spec, batches, 4, clip=0.05, settle=settle)
     assert all(n > 0.05 for n in a[1]), a[1]  # the clip scales at every step
     assert a == b
-    _assert_same(serial, spec)
+    assert_same_training_state(serial, spec)
     assert serial.collect_stats()["speculative_rollbacks"] == 0
     if settle:
         assert spec.collect_stats()["speculative_rollbacks"] == 4
@@ -96,7 +80,7 @@ def test_without_a_link_emulated_the_kept_layers_are_the_host_copies_and_still_e
     assert spec.pipeline.alias_kept
     batches = make_batches(4)
     assert _train(serial, batches, 4, clip=0.05) == _train(spec, batches, 4, clip=0.05, settle=False)
-    _assert_same(serial, spec)
+    assert_same_training_state(serial, spec)
 
 
 @pytest.mark.parametrize("mode", CONFIGS)
@@ -106,7 +90,7 @@ def test_a_clip_that_never_scales_keeps_every_speculation(mode):
     a = _train(serial, batches, 4, clip=1e6)
     b = _train(spec, batches, 4, clip=1e6)
     assert a == b
-    _assert_same(serial, spec)
+    assert_same_training_state(serial, spec)
     assert spec.collect_stats()["speculative_rollbacks"] == 0
     assert spec.update.kept_layers == 4 * len(spec.store.layers)  # every layer update was the speculative one
 
@@ -125,7 +109,7 @@ def test_each_layer_is_updated_during_backward_before_step():
     assert moved == layer  # every layer parameter updated before step()
     for eng in (serial, spec):
         eng.step()
-    _assert_same(serial, spec)
+    assert_same_training_state(serial, spec)
     assert spec.update.kept_layers == len(spec.store.layers)
 
 
@@ -145,7 +129,7 @@ def test_a_changed_lr_or_hand_written_gradient_rolls_back(change):
                 eng.store.layers[1].params[0].grad.mul_(0.5)  # only layer 1's update is redone
             eng.step()
             eng.zero_grad()
-    _assert_same(serial, spec)
+    assert_same_training_state(serial, spec)
     assert spec.collect_stats()["speculative_rollbacks"] == 2
     kept = 0 if change == "lr" else 2 * (len(spec.store.layers) - 1)
     assert spec.update.kept_layers == kept
@@ -161,7 +145,7 @@ def test_a_non_finite_step_is_skipped_and_the_layers_restored(mode):
         b = _train(spec, batches, 4, clip=None, poison=2)
     assert a == b
     assert serial.skipped_steps == spec.skipped_steps == 1
-    _assert_same(serial, spec)
+    assert_same_training_state(serial, spec)
     assert spec.collect_stats()["speculative_rollbacks"] == 1
 
 
@@ -175,10 +159,10 @@ def test_a_non_finite_first_step_leaves_no_adam_state():
         _train(spec, batches, 1, clip=None, poison=0)
     spec.synchronize()
     assert not any(spec.optimizer.state.values()) and not any(serial.optimizer.state.values())
-    _assert_same(serial, spec)
+    assert_same_training_state(serial, spec)
     _train(serial, batches[1:], 1, clip=None)
     _train(spec, batches[1:], 1, clip=None)
-    _assert_same(serial, spec)
+    assert_same_training_state(serial, spec)
 
 
 def test_accumulation_speculates_on_the_last_backward_only():
@@ -187,7 +171,7 @@ def test_accumulation_speculates_on_the_last_backward_only():
     a = _train(serial, batches, 4, clip=1e6, accum=2)
     b = _train(spec, batches, 4, clip=1e6, accum=2)
     assert a == b
-    _assert_same(serial, spec)
+    assert_same_training_state(serial, spec)
     # The first step's first backward speculated (no count learnt yet) and its second undid that; then none.
     assert spec.collect_stats()["speculative_rollbacks"] == 1
 
@@ -201,7 +185,7 @@ def test_a_read_between_backward_and_step_sees_the_weights_before_the_step():
     assert spec.collect_stats()["speculative_rollbacks"] == 1
     for eng in (serial, spec):
         eng.step()
-    _assert_same(serial, spec)
+    assert_same_training_state(serial, spec)
 
 
 def test_controls_a_missing_restore_or_a_kept_speculation_changes_the_weights(monkeypatch):
@@ -211,7 +195,7 @@ def test_controls_a_missing_restore_or_a_kept_speculation_changes_the_weights(mo
     monkeypatch.setattr(StateCopy, "restore", lambda self, group, view: None)
     _train(spec, batches, 2, clip=0.05)
     with pytest.raises(AssertionError, match="differ"):
-        _assert_same(serial, spec)
+        assert_same_training_state(serial, spec)
     monkeypatch.undo()
     serial, spec = _engines(CONFIGS[0].values[0])
     _train(serial, batches, 2, clip=0.05)
@@ -219,7 +203,7 @@ def test_controls_a_missing_restore_or_a_kept_speculation_changes_the_weights(mo
     monkeypatch.setattr(spec.clipping, "layer_coefs", lambda: [])
     _train(spec, batches, 2, clip=0.05)
     with pytest.raises(AssertionError, match="differ"):
-        _assert_same(serial, spec)
+        assert_same_training_state(serial, spec)
 
 
 def test_settings_and_the_rollback_preflight():
@@ -265,7 +249,7 @@ def test_a_step_that_overtakes_the_speculation_updates_the_layers_itself():
         eng.clip_grad_norm_(1e6)
         eng.step()
     gate.set()
-    _assert_same(serial, spec)
+    assert_same_training_state(serial, spec)
     assert waited == [False], "step() waited for the speculative jobs"
     assert spec.update.kept_layers == 0 and spec.collect_stats()["speculative_rollbacks"] == 0
 
@@ -276,12 +260,12 @@ def test_too_many_bad_steps_leave_the_weights_of_the_last_good_one():
     batch = make_batches(1)[0]
     for eng in (serial, spec):
         eng.backward(eng(**batch).loss)
-        _settle(eng)
+        settle_speculation(eng)
         eng.events.wait_global_grads()
         eng.store.globals.grad[0] = float("nan")
         with pytest.raises(FloatingPointError, match="consecutive"):
             eng.step()
-    _assert_same(serial, spec)
+    assert_same_training_state(serial, spec)
     assert spec.collect_stats()["speculative_rollbacks"] == 1
 
 
