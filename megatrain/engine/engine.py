@@ -151,8 +151,10 @@ class Engine:
         # With advice (a device budget only: with none, everything fits and the fill is every layer) its count.
         self.placement_advice = placement_advice if policy.budget is not None else None
         if self.placement_advice is not None:
-            advice = self.placement_advice
-            policy.advise = lambda tokens, k: advice.residency(self.config, tokens, policy.budget, k)
+            # asked with the configuration as it stands here (host mode chosen, the speculative step's "auto" still
+            # open): the planner sizes that step as the engine is about to, not as "every layer" once it is on
+            advice, asked = self.placement_advice, config
+            policy.advise = lambda tokens, k: advice.residency(asked, tokens, policy.budget, k)
         auto = 0
         if resident.auto_applies(config, self.device, self.store):
             auto = (self.placement_advice.optimizer_layers(config, policy.budget) if self.placement_advice else
