@@ -89,9 +89,9 @@ class _Fixed:
         return None if self.answer is None else dataclasses.replace(self.answer, optimizer=optimizer)
 
 
-def _train(residency="auto", advice=None, steps: int = 2) -> tuple[Engine, list[float]]:
+def _train(residency="auto", advice=None, steps: int = 2, **cfg) -> tuple[Engine, list[float]]:
     model = tiny_model("llama", layers=LAYERS)
-    eng = Engine(model, EngineConfig(residency=residency, **EMULATED), placement_advice=advice,
+    eng = Engine(model, EngineConfig(residency=residency, **{**EMULATED, **cfg}), placement_advice=advice,
                  optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
     g, losses = torch.Generator().manual_seed(0), []
     for _ in range(steps):
@@ -104,16 +104,21 @@ def _train(residency="auto", advice=None, steps: int = 2) -> tuple[Engine, list[
     return eng, losses
 
 
-def test_the_engine_takes_the_advice_and_trains_as_streaming_does():
-    own, _ = _train()
+# FP32, and the GPU's defaults (bf16 compute, the exact hi/lo master, the update overlapped)
+MODES = [{}, {"compute_dtype": "bfloat16", "host_master": "hilo", "optimizer_overlap": True}]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["fp32", "gpu-defaults"])
+def test_the_engine_takes_the_advice_and_trains_as_streaming_does(mode):
+    own, _ = _train(**mode)
     advice = _Fixed(1, Residency(3, 1, 0))
-    eng, losses = _train(advice=advice)
+    eng, losses = _train(advice=advice, **mode)
     assert ("optimizer", eng.pipeline.policy.budget) in advice.asked  # asked at build, under its own budget
     assert len(eng.optimizer_layers) == 1
     assert eng.pipeline.residency == Residency(3, 1, 1)
     assert ("residency", 64, eng.pipeline.policy.budget, 1) in advice.asked
     assert (own.pipeline.residency, len(own.optimizer_layers)) != (eng.pipeline.residency, 1)  # not its own fill
-    _, streamed = _train("stream")
+    _, streamed = _train("stream", **mode)
     assert losses == streamed
 
 
