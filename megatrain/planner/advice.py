@@ -25,10 +25,9 @@ from ..config.schema import AUTO, IF_FITS, EngineConfig, left_auto
 from ..costs import residency as kept
 from .hardware import Hardware, get_hardware
 from .memory import long_context_plan
-from .placement import frontier, place
+from .placement import place
 from .point import make_point
 from .shapes import resolve_model
-from .step_time import megatrain_time
 
 # (substring of torch.cuda.get_device_name, profile): the first match wins, so a name that contains another's
 # ("GH200" contains "H200") comes first. The profiles' host link is what the card's form implies: an H100 whose
@@ -122,8 +121,13 @@ def _search(model: Any, hw: Hardware, budget: int, knobs: tuple[tuple[str, Any],
     if optimizer is None:
         _, _, placement = place(p, hw, lc)
         return None if placement is None else placement.chosen
-    # The engine's count is fixed: the frontier of weights and graphs beside it, replayed as the search replays it.
+    # The engine's count is fixed: the same search (weights, graphs, offloaded graphs) beside it, and of what it
+    # replayed the fastest placement that fits (its starting point, the fill at another count, may not).
     lc = dataclasses.replace(lc, residency=dataclasses.replace(lc.residency, optimizer=min(optimizer, lc.n_layers)))
-    times = {r: megatrain_time(p, hw, lc.offload, residency=r).step_s
-             for r in dict.fromkeys([lc.residency, *frontier(lc, lc.residency.optimizer)]) if lc.fits(r)}
-    return min(times, key=times.__getitem__) if times else None
+    placed, _, placement = place(p, hw, lc, trade_optimizer=False)
+    if placement is None:
+        return None
+    fitting = {r: s for r, s in placement.step_s.items() if placed.fits(r)}
+    if placement.chosen in fitting:
+        return placement.chosen
+    return min(fitting, key=fitting.__getitem__) if fitting else None

@@ -144,13 +144,14 @@ def _sample(points: list[kept.Residency]) -> list[kept.Residency]:
 
 
 def search(lc: LongContext, step_of: Callable[[kept.Residency], Time],
-           optimizer_allowed: bool = True) -> tuple[Placement, Time]:
+           optimizer_allowed: bool = True, trade_optimizer: bool = True) -> tuple[Placement, Time]:
     """The fastest placement on the sampled frontier (`step_of` replays one), the engine's fill kept unless
     another beats it by more than PREFER_ENGINE_WITHIN. `optimizer_allowed`: whether the point may put optimizer
-    state on the device (optimizer_trades)."""
+    state on the device (optimizer_trades); `trade_optimizer` False: the optimizer-resident count is fixed (an
+    engine built already asks for its batches: planner/advice.py)."""
     engine = lc.residency
-    trades = optimizer_trades(lc, optimizer_allowed)
-    if optimizer_allowed and not engine.optimizer:
+    trades = optimizer_trades(lc, optimizer_allowed) if trade_optimizer else []
+    if optimizer_allowed and trade_optimizer and not engine.optimizer:
         # the resident parameters' optimizer on the device with one layer's, along the graphs' frontier too
         trades += _sample(frontier(lc, 1))
     along = [engine, *_sample(frontier(lc))]
@@ -166,14 +167,16 @@ def search(lc: LongContext, step_of: Callable[[kept.Residency], Time],
     return Placement(best, engine, replayed), times[best]
 
 
-def place(p: Point, hw: Hardware, lc: LongContext, **timing: object) -> tuple[LongContext, Time, Placement | None]:
+def place(p: Point, hw: Hardware, lc: LongContext, trade_optimizer: bool = True,
+          **timing: object) -> tuple[LongContext, Time, Placement | None]:
     """The batch plan with the planner's placement, its replayed step, and the search (None where the point sets
-    its counts, "stream" included). `timing`: megatrain_time's owned_layers / own_reducer."""
+    its counts, "stream" included). `trade_optimizer`: as search's. `timing`: megatrain_time's owned_layers /
+    own_reducer."""
     if not left_auto(p.residency):
         return lc, megatrain_time(p, hw, lc.offload, residency=lc.residency, **timing), None
     if not hw.unified_memory:  # a device that is the host's memory frees nothing by moving graphs there
         host = megatrain_memory(p, hw, lc).host_total
         lc = dataclasses.replace(lc, graph_host_room=max(0, hw.host_bytes - host))
     placement, t = search(lc, lambda r: megatrain_time(p, hw, lc.offload, residency=r, **timing),
-                          not optimizer_refused(p) and "owned_layers" not in timing)
+                          not optimizer_refused(p) and "owned_layers" not in timing, trade_optimizer)
     return lc.placed(placement.chosen), t, placement

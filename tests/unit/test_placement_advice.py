@@ -149,3 +149,15 @@ def test_the_planners_advice_drives_an_engine_and_the_start_line_names_it():
     asked = advisor.residency(eng.config, 64, eng.pipeline.policy.budget, len(eng.optimizer_layers))
     assert asked is not None and eng.pipeline.residency == asked
     assert "residency: auto (the planner's search on the h200-pcie profile)" in describe("accelerate", eng)
+
+
+def test_an_engine_built_already_gets_the_plans_offloaded_graphs_beside_its_count():
+    # SuperOffload's point (qwen2.5-14b, GH200, 4 x 4096): the plan offloads graphs over NVLink-C2C. The engine asks
+    # for its count when built, then for each batch with that count fixed: the same placement comes back.
+    pl = plan("qwen2.5-14b", 4096, batch=4, hardware="gh200")
+    assert pl.placement.chosen.offload > 0
+    config = EngineConfig(compute_dtype="bfloat16", host_master=pl.point.host_master,
+                          host_grad_dtype=pl.point.host_grad_dtype)
+    advisor, budget = Advisor("qwen2.5-14b", get_hardware("gh200")), pl.long_context.budget
+    count = advisor.optimizer_layers(config, budget)
+    assert advisor.residency(config, 4 * 4096, budget, count) == pl.placement.chosen
