@@ -217,6 +217,7 @@ def test_the_search_tries_the_globals_on_the_device_where_the_engines_fill_keeps
     assert refused.placement is not None and all(r.optimizer == 0 for r in refused.placement.replayed)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_the_globals_state_lives_and_updates_there():
     """On a GPU (bf16 compute, hilo): the globals' master, slab and Adam state are CUDA tensors, no upload is built
