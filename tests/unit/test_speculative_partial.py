@@ -107,9 +107,9 @@ def test_behind_backward_the_lowest_landed_layer_goes_first(monkeypatch, pass_ov
     order: list[int] = []
     save = StateCopy.save
 
-    def saving(self, group, view) -> None:
+    def saving(self, group, view, *room) -> bool:
         order.append(next(i for i, g in enumerate(spec.store.layers) if g is group))
-        save(self, group, view)
+        return save(self, group, view, *room)
 
     monkeypatch.setattr(StateCopy, "save", saving)
     gate = threading.Event()

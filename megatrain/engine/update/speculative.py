@@ -91,24 +91,21 @@ class StateCopy:
                 live.extend(st[k] for k in _STATE_KEYS if k in st)
         return live, empty
 
-    def ready(self, group: FlatGroup, view: torch.optim.Optimizer) -> bool:
-        """Whether the copy's buffers are allocated for what the update writes (a save allocates nothing)."""
-        live, _ = self._live(group, view)
-        return [(t.shape, t.dtype) for t in live] == [(b.shape, b.dtype) for b in self._buffers]
-
-    @staticmethod
-    def need(group: FlatGroup, view: torch.optim.Optimizer) -> int:
-        """Bytes the copy's buffers take (its first save allocates them)."""
-        return sum(t.numel() * t.element_size() for t in StateCopy._live(group, view)[0])
-
-    def save(self, group: FlatGroup, view: torch.optim.Optimizer) -> None:
-        live, self._empty = self._live(group, view)
+    def save(self, group: FlatGroup, view: torch.optim.Optimizer,
+             room: Callable[[int], bool] = lambda nbytes: True) -> bool:
+        """Copy what the update writes; where the copy's buffers must be (re)allocated, only if `room(bytes)` says
+        they fit (False: nothing copied)."""
+        live, empty = self._live(group, view)
         if [(t.shape, t.dtype) for t in live] != [(b.shape, b.dtype) for b in self._buffers]:
+            if not room(sum(t.numel() * t.element_size() for t in live)):
+                return False
             self._buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in live]
+        self._empty = empty
         for b, t in zip(self._buffers, live):
             b.copy_(t)
         self._ties = group.ties  # the update replaces the tensor (a private tie list), never writes into it
         self._rng = group.rounding.get_state() if group.rounding is not None else None
+        return True
 
     def restore(self, group: FlatGroup, view: torch.optim.Optimizer) -> None:
         for st in self._empty:
@@ -135,6 +132,7 @@ class Speculative(Layered):
         # The layers that speculate (None: every one); a copy of a layer that does not is never filled: no memory
         self.layers = frozenset(range(n)) if layers is None else frozenset(layers)
         self._shrunk = False  # a layer's copy stopped fitting since the count was measured (_room_for)
+        self._below_of: tuple[tuple | None, dict[int, int]] = (None, {})  # _below's table, for the sets it was made of
         self.copies = [StateCopy() for _ in range(n)]
         self.submitted = [False] * n  # a speculative job was queued for the layer since the last verdict
         # Per layer, written by its job on the optimizer thread: the slab version the speculation read (None: the
@@ -187,7 +185,7 @@ class Speculative(Layered):
         """Queue layer i's speculative update behind its gradients' last reduction."""
         if self.layered.view_optimizer(i) is None or i in self.device_layers or i not in self.layers:
             return  # another rank's; updated at step time on the device (resident.py); or no room for its copy
-        below = max((j for j in self.layers - self.device_layers if j < i), default=None)
+        below = self._below(i)
         landed, backward = self.events.landed, self._round
 
         def job() -> int:
@@ -214,6 +212,16 @@ class Speculative(Layered):
         self.submitted[i] = True
         self.layered.submit(i, job, self.events.landed[i])
 
+    def _below(self, i: int) -> int | None:
+        """The next speculated layer down from i (None: i is the lowest), from a table rebuilt only when the set of
+        speculated layers changes (this runs on the compute thread, once per layer per backward)."""
+        key, table = self._below_of
+        if key != (self.layers, self.device_layers):
+            order = sorted(self.layers - self.device_layers)
+            table = dict(zip(order[1:], order))
+            self._below_of = ((self.layers, self.device_layers), table)
+        return table.get(i)
+
     def _run(self, i: int) -> bool:
         """Layer i's speculative update, after its copy (on the optimizer thread); whether it ran: not where the
         reduction measured no norm or a non-finite one (that layer waits for the verdict, so no update runs on NaNs)."""
@@ -222,10 +230,8 @@ class Speculative(Layered):
         if norm is None or not math.isfinite(float(norm)):
             return False
         version = group.grad._version
-        view = self.layered.view_optimizer(i)
-        if not self.copies[i].ready(group, view) and not self._room_for(i, self.copies[i].need(group, view)):
+        if not self.copies[i].save(group, self.layered.view_optimizer(i), lambda nbytes: self._room_for(i, nbytes)):
             return False
-        self.copies[i].save(group, view)
         update_layer(self.layered, group, i, [], update_threads(True))
         self.speculated[i] = version
         return True
