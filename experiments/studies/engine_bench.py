@@ -126,8 +126,9 @@ def bench_ratio(preset: str, seq: int, batch: int, steps: int) -> dict:
             "engine_h2d_bytes_per_step": stats["h2d_bytes"] / steps}
 
 
-def fits_one(backend: str, preset: str, seq: int, batch: int, steps: int) -> dict:
-    """One backend's step times in this process: `torch` (no checkpointing) or `megatrain` (its defaults)."""
+def _fits_model(backend: str, preset: str, seq: int, batch: int):
+    """The model (or engine) a user whose model fits trains, its batch, and one timed step: `torch` (plain, no
+    checkpointing) or `megatrain` (the engine's defaults), FP32, fused AdamW on both sides."""
     import transformers
 
     from megatrain.config.schema import EngineConfig
@@ -143,50 +144,88 @@ def fits_one(backend: str, preset: str, seq: int, batch: int, steps: int) -> dic
     if backend == "megatrain":
         model = Engine(model, EngineConfig(device="cpu", compute_dtype="float32"), optimizer=opt)
     data = _batch(p.vocab, batch, seq)
-    stats: dict = {}
-    losses: list[float] = []
+    stepper = model if backend == "megatrain" else opt
 
-    def step() -> float:
+    def step() -> tuple[float, float]:
         t0 = time.perf_counter()
         loss = model(**data).loss
-        losses.append(loss.item())
+        value = loss.item()
         if backend == "megatrain":
             model.backward(loss)
         else:
             loss.backward()
-        (model if backend == "megatrain" else opt).step()
-        (model if backend == "megatrain" else opt).zero_grad()
-        return time.perf_counter() - t0
+        stepper.step()
+        stepper.zero_grad()
+        return time.perf_counter() - t0, value
 
-    step()  # warm-up: allocator, optimizer state
+    return model, step
+
+
+def fits_serve(backend: str, preset: str, seq: int, batch: int, warmup: int) -> None:
+    """A child of `fits`: build, run `warmup` steps, say "ready", then time one step per "step" line on stdin
+    (a JSON line back each) until "stats" (the engine's counters back, then exit)."""
+    import sys
+
+    model, step = _fits_model(backend, preset, seq, batch)
+    for _ in range(warmup):  # allocator, optimizer state, and the heap's steady state (the engine's takes longer)
+        step()
     if backend == "megatrain":
         model.reset_stats()
-    times = [step() for _ in range(steps)]
-    if backend == "megatrain":
-        stats = {k: v for k, v in model.collect_stats().items()
-                 if k in ("h2d_bytes", "d2h_bytes", "recomputed_layers", "resident_weight_layers", "kept_graph_layers",
-                          "optimizer_resident_layers")}
-    return {"backend": backend, "step_s": times, "median_s": statistics.median(times), "losses": losses,
-            "threads": torch.get_num_threads(), **stats}
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "stats":
+            stats = {}
+            if backend == "megatrain":
+                stats = {k: v for k, v in model.collect_stats().items()
+                         if k in ("h2d_bytes", "d2h_bytes", "recomputed_layers", "resident_weight_layers",
+                                  "kept_graph_layers", "optimizer_resident_layers")}
+            print(json.dumps({"threads": torch.get_num_threads(), **stats}), flush=True)
+            return
+        t, loss = step()
+        print(json.dumps({"step_s": t, "loss": loss}), flush=True)
 
 
-def bench_fits(preset: str, seq: int, batch: int, steps: int, rounds: int = 2) -> dict:
-    """Median step time of the engine's defaults / plain PyTorch without checkpointing, each backend in a process
-    of its own, the processes alternated over `rounds`."""
+def bench_fits(preset: str, seq: int, batch: int, steps: int, warmup: int = 3, settle_s: float = 0.5) -> dict:
+    """Plain PyTorch without checkpointing against the engine's defaults, each backend in a process of its own,
+    the two stepped in lockstep: `steps` pairs of consecutive steps (one per process, the order alternated), so
+    each engine step is compared with a PyTorch step run next to it in time; the machine's slow drift, which moves
+    separate runs by several percent, falls out of the paired ratio. Only one process computes at a time."""
     import subprocess
     import sys
 
-    runs: dict[str, list[dict]] = {"torch": [], "megatrain": []}
-    for _ in range(rounds):
-        for backend in runs:
-            out = subprocess.run([sys.executable, "-m", "experiments.studies.engine_bench", "fits-one",
-                                  "--backend", backend, "--preset", preset, "--seq", str(seq), "--batch", str(batch),
-                                  "--steps", str(steps)], check=True, capture_output=True, text=True).stdout
-            runs[backend].append(json.loads(out))
-    med = {b: statistics.median(t for r in rs for t in r["step_s"]) for b, rs in runs.items()}
-    return {"preset": preset, "seq": seq, "batch": batch, "steps": steps, "rounds": rounds, "runs": runs,
-            "torch_median_s": med["torch"], "megatrain_median_s": med["megatrain"],
-            "ratio_engine_over_torch": med["megatrain"] / med["torch"]}
+    procs = {}
+    for backend in ("torch", "megatrain"):  # built one after the other: neither warm-up shares the cores
+        proc = subprocess.Popen([sys.executable, "-m", "experiments.studies.engine_bench", "fits-serve",
+                                 "--backend", backend, "--preset", preset, "--seq", str(seq), "--batch", str(batch),
+                                 "--warmup", str(warmup)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the {backend} process of the fits benchmark failed before its first timed step")
+        procs[backend] = proc
+
+    def ask(backend: str, what: str) -> dict:
+        procs[backend].stdin.write(what + "\n")
+        procs[backend].stdin.flush()
+        return json.loads(procs[backend].stdout.readline())
+
+    runs: dict[str, dict] = {b: {"backend": b, "step_s": [], "losses": []} for b in procs}
+    for k in range(steps):
+        for backend in (("torch", "megatrain") if k % 2 == 0 else ("megatrain", "torch")):
+            time.sleep(settle_s)  # the other process's threads parked
+            got = ask(backend, "step")
+            runs[backend]["step_s"].append(got["step_s"])
+            runs[backend]["losses"].append(got["loss"])
+    for backend, proc in procs.items():
+        runs[backend].update(ask(backend, "stats"))
+        proc.wait()
+    for r in runs.values():
+        r["median_s"] = statistics.median(r["step_s"])
+    paired = [m / t for m, t in zip(runs["megatrain"]["step_s"], runs["torch"]["step_s"])]
+    q = statistics.quantiles(paired, n=4) if len(paired) > 1 else [paired[0]] * 3
+    return {"preset": preset, "seq": seq, "batch": batch, "steps": steps, "warmup": warmup, "runs": runs,
+            "torch_median_s": runs["torch"]["median_s"], "megatrain_median_s": runs["megatrain"]["median_s"],
+            "ratio_engine_over_torch": runs["megatrain"]["median_s"] / runs["torch"]["median_s"],
+            "paired_ratios": paired, "paired_ratio_median": statistics.median(paired),
+            "paired_ratio_quartiles": [q[0], q[2]]}
 
 
 def bench_overlap(preset: str, seq: int, batch: int, rounds: int, threads: int = 1, run: int = 3) -> dict:
@@ -235,8 +274,8 @@ def bench_overlap(preset: str, seq: int, batch: int, rounds: int, threads: int =
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["rss", "ratio", "fits", "fits-one", "overlap"])
-    ap.add_argument("--backend", choices=["torch", "megatrain"], default="megatrain", help="fits-one: which")
+    ap.add_argument("what", choices=["rss", "ratio", "fits", "fits-serve", "overlap"])
+    ap.add_argument("--backend", choices=["torch", "megatrain"], default="megatrain", help="fits-serve: which")
     ap.add_argument("--preset", default=None)
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--batch", type=int, default=2)
@@ -244,17 +283,17 @@ def main() -> None:
     ap.add_argument("--out", default="results/engine_bench")
     ap.add_argument("--engine", default=None, help="rss: extra EngineConfig settings as JSON")
     ap.add_argument("--name", default=None, help="output file name (default: the benchmark's)")
-    ap.add_argument("--rounds", type=int, default=2, help="fits: alternated rounds of one process per backend")
+    ap.add_argument("--warmup", type=int, default=3, help="fits: untimed steps in each process first")
     a = ap.parse_args()
     if a.what == "rss":
         res = bench_rss(a.preset or "llama-0.6b", a.seq or 256, a.steps, json.loads(a.engine) if a.engine else None)
     elif a.what == "ratio":
         res = bench_ratio(a.preset or "llama-100m", a.seq or 512, a.batch, a.steps)
-    elif a.what == "fits-one":  # a child of `fits`: its result on stdout only
-        print(json.dumps(fits_one(a.backend, a.preset or "llama-100m", a.seq or 512, a.batch, a.steps)))
+    elif a.what == "fits-serve":  # a child of `fits`: JSON lines on stdout only
+        fits_serve(a.backend, a.preset or "llama-100m", a.seq or 512, a.batch, a.warmup)
         return
     elif a.what == "fits":
-        res = bench_fits(a.preset or "llama-100m", a.seq or 512, a.batch, a.steps, a.rounds)
+        res = bench_fits(a.preset or "llama-100m", a.seq or 512, a.batch, a.steps, a.warmup)
     else:
         res = bench_overlap(a.preset or "llama-100m", a.seq or 128, a.batch, a.steps)
     res["provenance"] = _provenance()
