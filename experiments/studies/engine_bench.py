@@ -146,17 +146,20 @@ def _fits_model(backend: str, preset: str, seq: int, batch: int):
     data = _batch(p.vocab, batch, seq)
     stepper = model if backend == "megatrain" else opt
 
-    def step() -> tuple[float, float]:
+    def step() -> tuple[list[float], float]:
+        """(seconds of the forward, the backward and the update with zero_grad), the loss."""
         t0 = time.perf_counter()
         loss = model(**data).loss
         value = loss.item()
+        t1 = time.perf_counter()
         if backend == "megatrain":
             model.backward(loss)
         else:
             loss.backward()
+        t2 = time.perf_counter()
         stepper.step()
         stepper.zero_grad()
-        return time.perf_counter() - t0, value
+        return [t1 - t0, t2 - t1, time.perf_counter() - t2], value
 
     return model, step
 
@@ -181,8 +184,8 @@ def fits_serve(backend: str, preset: str, seq: int, batch: int, warmup: int) -> 
                                   "kept_graph_layers", "optimizer_resident_layers")}
             print(json.dumps({"threads": torch.get_num_threads(), **stats}), flush=True)
             return
-        t, loss = step()
-        print(json.dumps({"step_s": t, "loss": loss}), flush=True)
+        phases, loss = step()
+        print(json.dumps({"step_s": sum(phases), "phases_s": phases, "loss": loss}), flush=True)
 
 
 def bench_fits(preset: str, seq: int, batch: int, steps: int, warmup: int = 3, settle_s: float = 0.5) -> dict:
@@ -207,18 +210,22 @@ def bench_fits(preset: str, seq: int, batch: int, steps: int, warmup: int = 3, s
         procs[backend].stdin.flush()
         return json.loads(procs[backend].stdout.readline())
 
-    runs: dict[str, dict] = {b: {"backend": b, "step_s": [], "losses": []} for b in procs}
+    runs: dict[str, dict] = {b: {"backend": b, "step_s": [], "phases_s": [], "losses": []} for b in procs}
     for k in range(steps):
         for backend in (("torch", "megatrain") if k % 2 == 0 else ("megatrain", "torch")):
             time.sleep(settle_s)  # the other process's threads parked
             got = ask(backend, "step")
             runs[backend]["step_s"].append(got["step_s"])
+            runs[backend]["phases_s"].append(got["phases_s"])
             runs[backend]["losses"].append(got["loss"])
     for backend, proc in procs.items():
         runs[backend].update(ask(backend, "stats"))
         proc.wait()
     for r in runs.values():
         r["median_s"] = statistics.median(r["step_s"])
+        # forward (the engine's holds the head's backward: its loss is computed in forward), backward, update
+        r["phase_medians_s"] = dict(zip(("forward", "backward", "update"),
+                                        (statistics.median(col) for col in zip(*r["phases_s"]))))
     paired = [m / t for m, t in zip(runs["megatrain"]["step_s"], runs["torch"]["step_s"])]
     q = statistics.quantiles(paired, n=4) if len(paired) > 1 else [paired[0]] * 3
     return {"preset": preset, "seq": seq, "batch": batch, "steps": steps, "warmup": warmup, "runs": runs,

@@ -19,4 +19,6 @@ def test_paired_fits_bench_steps_both_processes_in_lockstep() -> None:
     assert torch_run["losses"][0] > torch_run["losses"][-1]  # it trains: both processes really stepped
     assert res["paired_ratios"] == [m / t for m, t in zip(eng_run["step_s"], torch_run["step_s"])]
     assert res["paired_ratio_quartiles"][0] <= res["paired_ratio_median"] <= res["paired_ratio_quartiles"][1]
+    for run in (torch_run, eng_run):  # the three phases make up each step
+        assert all(math.isclose(sum(p), t) for p, t in zip(run["phases_s"], run["step_s"]))
     assert eng_run["recomputed_layers"] == 0 and eng_run["h2d_bytes"] == 0  # the engine's defaults: all fits
