@@ -13,15 +13,20 @@ import torch
 
 from ..config.schema import EngineConfig, left_auto
 from ..costs.advice import PlacementAdvice
+from ..engine.runtime.threads import local_ranks
 
 log = logging.getLogger("megatrain")
 
 
-def host_total_bytes() -> int | None:
+def host_share_bytes() -> int | None:
+    """This rank's share of the node's host memory: the planner's point is one process, and each of the node's
+    ranks (LOCAL_WORLD_SIZE) keeps its own offloaded graphs and rollback copies there, so each plans with an
+    equal share (conservative where a node store holds the model's state once)."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not a POSIX host: the profile's host size stands
         return None
+    return total // local_ranks()
 
 
 def placement_advice(device: torch.device, model: Any, config: EngineConfig,
@@ -33,7 +38,7 @@ def placement_advice(device: torch.device, model: Any, config: EngineConfig,
     from ..planner.advice import Advisor, profile_for_device  # the planner only where it is asked
 
     name = device_name if device_name is not None else torch.cuda.get_device_name(device)
-    hw = profile_for_device(name, host_bytes=host_total_bytes())
+    hw = profile_for_device(name, host_bytes=host_share_bytes())
     if hw is None:
         log.info("residency: no hardware profile for %r: the engine's own fill (weights, then graphs)", name)
         return None

@@ -12,6 +12,7 @@ graphs included).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -161,3 +162,14 @@ def test_an_engine_built_already_gets_the_plans_offloaded_graphs_beside_its_coun
     advisor, budget = Advisor("qwen2.5-14b", get_hardware("gh200")), pl.long_context.budget
     count = advisor.optimizer_layers(config, budget)
     assert advisor.residency(config, 4 * 4096, budget, count) == pl.placement.chosen
+
+
+def test_each_local_rank_plans_with_its_share_of_the_host(monkeypatch):
+    model = tiny_model("llama", layers=LAYERS)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    alone = placement_advice(cuda, model, EngineConfig(), device_name="NVIDIA H200").hardware.host_memory_gib
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # as torchrun --nproc-per-node 4 sets it
+    shared = placement_advice(cuda, model, EngineConfig(), device_name="NVIDIA H200").hardware.host_memory_gib
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    assert alone == pytest.approx(total) and shared == pytest.approx(total / 4, rel=1e-9)
