@@ -5,6 +5,7 @@ bit; --restart starts over; an output folder it must not resume is refused."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import time
@@ -84,10 +85,30 @@ def test_a_run_stopped_by_sigint_resumes_bit_identically(tmp_path):
     assert weights.keys() == again_weights.keys() and all(weights[k].equal(again_weights[k]) for k in weights)
 
 
-@pytest.mark.slow
-def test_sigterm_then_other_settings_are_refused(tmp_path):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def _sigterm_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """One run stopped by SIGTERM after its checkpoint at step 2 (the step in flight, 3, checkpointed too), and a
+    pristine copy of its output folder: two tests start from that state, each from its own fresh copy."""
+    base = tmp_path_factory.mktemp("sigterm")
+    out = base / "run"
     r = _stopped(out, signal.SIGTERM)
+    shutil.copytree(out, base / "pristine")
+    return r, out, base / "pristine"
+
+
+@pytest.fixture
+def sigterm_stopped(_sigterm_run) -> tuple[subprocess.CompletedProcess, Path]:
+    """The SIGTERM-stopped run's output folder as the stop left it, at the path it was written to: the run's
+    recorded settings name that output_dir, so a resume elsewhere would be (rightly) refused."""
+    r, out, pristine = _sigterm_run
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(pristine, out)
+    return r, out
+
+
+@pytest.mark.slow
+def test_sigterm_then_other_settings_are_refused(sigterm_stopped):
+    r, out = sigterm_stopped
     assert r.returncode == 143 and "stopped on SIGTERM after step 3" in r.stderr, r.stderr[-3000:]
     other = _run(out, sets=("learning_rate=0.002",))
     assert other.returncode == 2, other.stderr[-3000:]
@@ -169,12 +190,11 @@ def test_when_the_callback_asks_for_a_checkpoint(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_resume_with_only_num_buffers_changed_is_bit_identical(tmp_path):
+def test_a_resume_with_only_num_buffers_changed_is_bit_identical(sigterm_stopped):
     """`--set megatrain.num_buffers=3` merges into the file's section and, as a setting that changes no computed
     value, is accepted on resume; the resumed run's losses and weights are an uninterrupted run's, bit for bit.
     A setting that can change the arithmetic is still refused, by its dotted name (the control)."""
-    out = tmp_path / "run"
-    r = _stopped(out, signal.SIGTERM)
+    r, out = sigterm_stopped
     assert r.returncode == 143, r.stderr[-3000:]
     other = _run(out, sets=("megatrain.loss_chunk_tokens=7",))
     assert other.returncode == 2 and "megatrain.loss_chunk_tokens: None -> 7" in other.stderr, other.stderr[-3000:]
