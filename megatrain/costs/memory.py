@@ -67,12 +67,6 @@ EVAL_BOUNDARIES = 2
 # device budget it is halved, down to MIN_LOSS_CHUNK, while the loss phase does not fit. Smaller chunks cost
 # only more, smaller head GEMMs.
 DEFAULT_LOSS_CHUNK, MIN_LOSS_CHUNK, AUTO_LOSS_LOGITS_BYTES = 2048, 128, 256 * 2**20
-# On a CPU device the chunk's tile x vocab tensors (its logits, their softmax/gradient) come from the host
-# allocator: kept under glibc's largest mmap threshold (32 MiB; HOST_REUSE_LOGITS_BYTES leaves room for its
-# rounding) they are reused from the heap step after step, where a larger one is mapped afresh and page-faulted in
-# again each time (llama-100m, 1022 tokens x 8192 vocab in one tile: ~32k faults a step). Only where that still
-# leaves HOST_REUSE_MIN_CHUNK tokens a chunk: narrower head GEMMs lose more than the faults cost.
-HOST_REUSE_LOGITS_BYTES, HOST_REUSE_MIN_CHUNK = 16 * 2**20, 512
 # On a GPU (logits_cap None) "auto" starts here instead and only the device budget shrinks it: the head's
 # weight-gradient GEMM (vocab x chunk x hidden, accumulated into an FP32 vocab x hidden gradient) does
 # ~chunk/4 FLOP per byte of that gradient, memory-bound below ~1k tokens on an H100/H200; the 256 MiB
@@ -190,13 +184,6 @@ def auto_tile(d: LayerDims, tokens: int, itemsize: int, room: int | None) -> int
                 break
             tile = nxt
     return None if tile is None or tile >= tokens else tile
-
-
-def host_logits_cap(vocab: int) -> int:
-    """The "auto" chunk's logits cap on a CPU device: HOST_REUSE_LOGITS_BYTES where HOST_REUSE_MIN_CHUNK tokens of
-    FP32 logits fit it (the tile's tensors reused from the heap), else AUTO_LOSS_LOGITS_BYTES."""
-    fits = HOST_REUSE_MIN_CHUNK * vocab * 4 <= HOST_REUSE_LOGITS_BYTES
-    return HOST_REUSE_LOGITS_BYTES if fits else AUTO_LOSS_LOGITS_BYTES
 
 
 def auto_loss_chunk(tokens: int, hidden: int, vocab: int, itemsize: int, room: int | None,

@@ -348,27 +348,6 @@ def test_auto_loss_chunk_is_capped_by_vocabulary_and_shrinks_to_the_budget():
     assert tiling.auto_loss_chunk(4096, hidden, 49152, itemsize, 1) == tiling.MIN_LOSS_CHUNK  # floor, not zero
 
 
-def test_a_cpu_devices_auto_loss_chunk_keeps_its_tiles_reusable_from_the_heap():
-    """On a CPU device the chunk's tile x vocab tensors stay under the host allocator's reuse limit where that
-    leaves 512-token chunks (each step reuses their memory instead of mapping and faulting it in afresh); a larger
-    vocabulary keeps the general cap. What an engine plans for its batches."""
-    from megatrain.costs import memory
-
-    small, large = 8192, 32000
-    assert tiling.host_logits_cap(small) == memory.HOST_REUSE_LOGITS_BYTES
-    chunk = tiling.auto_loss_chunk(1022, 1024, small, 4, None, tiling.host_logits_cap(small))
-    assert chunk == memory.HOST_REUSE_MIN_CHUNK and chunk * small * 4 <= memory.HOST_REUSE_LOGITS_BYTES < 2**25
-    assert tiling.host_logits_cap(large) == tiling.AUTO_LOSS_LOGITS_BYTES  # 512 x 32000 x 4 B = 62.5 MiB
-    assert tiling.auto_loss_chunk(4096, 1024, large, 4, None, tiling.host_logits_cap(large)) == 2048
-    eng = Engine(tiny_model("llama", layers=2, vocab=small, max_pos=2048), EngineConfig(device="cpu"))
-    ids = torch.randint(0, small, (2, 512), generator=torch.Generator().manual_seed(0))
-    eng(input_ids=ids, labels=ids)
-    assert eng.pipeline.last_plan.loss_chunk == 512  # 1022 labelled tokens: two tiles, neither over 16 MiB
-    cuda = tiling.long_context_policy(EngineConfig(device_budget_bytes=2**30), [eng.templates.of_layer[0]], [eng.store.layers[0].numel], 2,
-                                      torch.device("cuda"), torch.float32, 0, torch.Size([small, 64]))
-    assert cuda.logits_cap is None  # a GPU's chunk is sized from its budget, not from the host allocator
-
-
 def test_auto_loss_chunk_keeps_a_big_vocabulary_within_the_device_budget():
     """A 16k vocabulary at 2048 tokens: a fixed 2048-token chunk's logits alone (2 x 2048 x 16k x 4 B = 256 MiB)
     pass a 120 MiB budget; "auto" picks a smaller chunk, predicts the peak and stays under the budget, with

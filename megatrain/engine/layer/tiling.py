@@ -63,7 +63,6 @@ from ...costs.memory import (  # noqa: F401
     auto_loss_chunk,
     auto_tile,
     floor_tile,
-    host_logits_cap,
     layer_working_bytes,
     loss_workspace_bytes,
 )
@@ -309,7 +308,7 @@ def long_context_policy(config: EngineConfig, layers: Sequence[nn.Module], layer
         itemsize=itemsize, vocab=head[0], loss_chunk=config.loss_chunk_tokens, tile_setting=config.mlp_tile_tokens,
         offload_setting=config.offload_activations, budget=budget,
         fixed_bytes=num_buffers * layer_numels[big] * itemsize + globals_bytes,
-        logits_cap=None if device.type == "cuda" else host_logits_cap(head[0]),
+        logits_cap=None if device.type == "cuda" else AUTO_LOSS_LOGITS_BYTES,
         residency=config.residency, ring_bytes=num_buffers * layer_numels[big] * itemsize,
         residency_room=host_room() if budget is None else None)
 
