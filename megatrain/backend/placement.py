@@ -13,7 +13,7 @@ import torch
 
 from ..config.schema import EngineConfig, left_auto
 from ..costs.advice import PlacementAdvice
-from ..engine.runtime.threads import local_ranks
+from ..engine import local_ranks
 
 log = logging.getLogger("megatrain")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import gc
 
 import pytest
 
@@ -26,13 +27,22 @@ def test_predicted_mode_writes_rows(tmp_path):
 
 def test_pss_reader_sees_a_buffer_this_process_touches():
     n = 64 * 2**20
-    before = pss_bytes()
-    assert before > 0 and rss_bytes() >= before  # this process shares pages (libraries): PSS <= RSS
-    buf = bytearray(n)
-    buf[::4096] = b"\x01" * len(range(0, n, 4096))  # touch every page so it is resident
-    after = pss_bytes()
-    assert after >= n and after - before >= 0.9 * n
-    del buf
+    grew = []
+    # In the full suite, threads an earlier test left behind can free memory between the two readings (one CI run
+    # saw 42 of the 64 MiB): up to three tries, each with a fresh buffer; the bound is the same for every try.
+    for _ in range(3):
+        gc.collect()
+        before = pss_bytes()
+        assert before > 0 and rss_bytes() >= before  # this process shares pages (libraries): PSS <= RSS
+        buf = bytearray(n)
+        buf[::4096] = b"\x01" * len(range(0, n, 4096))  # touch every page so it is resident
+        after = pss_bytes()
+        del buf
+        assert after >= n
+        grew.append(after - before)
+        if grew[-1] >= 0.9 * n:
+            break
+    assert max(grew) >= 0.9 * n, grew
 
 
 def test_memory_rollup_sums_smaps_without_a_rollup(tmp_path):
