@@ -29,12 +29,12 @@ _HOME = {"Engine": ".engine", "engines_holding": ".engine", "optimizer_fact": ".
          "serve_forward_keyword": ".model.model_object",
          "launch_env": ".parallel.distributed", "resolve_device": ".runtime.device_resolution",
          "to_device": ".runtime.host_copy", "WatchdogError": ".runtime.stream",
-         "side_threads": ".runtime.stream", "host_cores": ".runtime.threads", "local_ranks": ".runtime.threads",
-         "update_threads": ".runtime.threads",
+         "side_threads": ".runtime.stream", "host_cores": ".runtime.threads",
+         "local_ranks": ".runtime.threads", "update_threads": ".runtime.threads",
          "parts": ".parts"}  # a module: the parts the studies and the GPU check measure apart from a step
 __all__ = ["Engine", "HostMemoryError", "ModelMismatchError", "PinnedMemoryError", "Verdict", "WatchdogError",
-           "engines_holding", "host_cores", "launch_env", "local_ranks", "max_trainable_positions", "optimizer_fact",
-           "parts", "resolve_device", "run_probe", "serve_forward_keyword", "side_threads", "to_device",
+           "engines_holding", "host_cores", "launch_env", "local_ranks", "max_trainable_positions",
+           "optimizer_fact", "parts", "resolve_device", "run_probe", "serve_forward_keyword", "side_threads", "to_device",
            "update_threads", "verify_model"]
 
 
