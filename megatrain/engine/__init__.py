@@ -34,8 +34,8 @@ _HOME = {"Engine": ".engine", "engines_holding": ".engine", "optimizer_fact": ".
          "parts": ".parts"}  # a module: the parts the studies and the GPU check measure apart from a step
 __all__ = ["Engine", "HostMemoryError", "ModelMismatchError", "PinnedMemoryError", "Verdict", "WatchdogError",
            "engines_holding", "host_cores", "launch_env", "local_ranks", "max_trainable_positions",
-           "optimizer_fact", "parts", "resolve_device", "run_probe", "serve_forward_keyword", "side_threads", "to_device",
-           "update_threads", "verify_model"]
+           "optimizer_fact", "parts", "resolve_device", "run_probe", "serve_forward_keyword", "side_threads",
+           "to_device", "update_threads", "verify_model"]
 
 
 def __getattr__(name: str) -> Any:
