@@ -37,7 +37,7 @@ from .host.spill import spill_for
 from .layer.attention import host_mask, use_segment_attention
 from .layer.batch import check_batch
 from .layer.embedding import check_embedding, lookup_grad
-from .layer.loss import chunked_causal_lm_loss, head_logits, logits_tokens, tiled_norm_head_loss
+from .layer.loss import TileBuffers, chunked_causal_lm_loss, head_logits, logits_tokens, tiled_norm_head_loss
 from .layer.router import model_router_loss, wants_router_loss
 from .layer.side_inputs import SideInputs
 from .layer.tiling import long_context_policy
@@ -191,6 +191,11 @@ class Engine:
                                       policy, self.ranks.sink(self.update.grad_sink))
         self.pipeline.optimizer_layers = self.optimizer_layers
         self._global_grads = GlobalGradSink(self.store, self.streams, self.pipeline, self.compute_dtype)
+        # A plain CPU device keeps the loss tile's buffers from step to step (loss.py TileBuffers): the host's
+        # allocator maps tensors that large afresh on every allocation. Not where the CPU device stands in for a
+        # GPU's memory (a budget or link emulated, device memory measured: it is modelled as a GPU's, whose caching
+        # allocator reuses them, and kept buffers would hold loss workspace outside the loss phase).
+        self._tile_buffers = TileBuffers() if self.pipeline.alias_kept and self.memory is None else None
         # The pipeline's own reductions write every layer's slab: zero_grad() can leave zeroing to them.
         self.events.slabs.overwrite = self.pipeline.grad_sink is None
 
@@ -337,7 +342,10 @@ class Engine:
             loss = None
             if in_forward:
                 loss = tiled_norm_head_loss(h_last, self.parts.norm, self.parts.lm_head, labels,
-                                            self.head_chunk_tokens(), num_items_in_batch, self.parts.softcap)
+                                            self.head_chunk_tokens(), num_items_in_batch, self.parts.softcap,
+                                            # the head's gradient is one of them: not where a worker adds it
+                                            # after backward returns, as the next forward may overwrite it
+                                            None if self._global_grads.asynchronous else self._tile_buffers)
             elif labels is not None:
                 loss = chunked_causal_lm_loss(hn, self.parts.lm_head, labels, self.head_chunk_tokens(),
                                               num_items_in_batch, self.parts.softcap)

@@ -159,7 +159,7 @@ def test_the_heads_gradient_needs_no_zero_filled_buffer(tile, monkeypatch):
         _, got = _tiled(hidden, norm, head, labels, tile)
     assert fills.count == 0
 
-    def zeros_then_add(acc, p, hc):  # the former accumulation: into a zero-filled buffer from the first tile
+    def zeros_then_add(acc, p, hc, out=None):  # the former accumulation: into a zero-filled buffer from the first tile
         acc = torch.zeros(p.shape[1], hc.shape[1]) if acc is None else acc
         return acc.addmm_(p.t(), hc)
 
@@ -181,15 +181,131 @@ class _Fresh(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if not name.endswith("_") and torch.is_tensor(out) and tuple(out.shape) == self.shape:
+        # not one that writes a tensor it is given (in place, out=), not a view of one
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        fresh = not writes and not func.is_view
+        if fresh and torch.is_tensor(out) and tuple(out.shape) == self.shape:
             self.ops.append(name)
         return out
 
 
 def test_a_tile_makes_two_tile_by_vocab_buffers():
-    # The logits and their softmax; the gradient's scale by 1/n is applied in place (a third buffer before).
+    # The logits and their gradient (softmax, target and scale applied in place: a third buffer before, and
+    # logsumexp's own exp buffer a fourth).
     norm, head = _parts(vocab=96, hidden=32)
     hidden, labels = torch.randn(1, 150, 32), torch.randint(0, 96, (1, 150))
-    with _Fresh((149, 96)) as fresh:  # every position has a label but the last
+    with _Fresh((150, 96)) as fresh:  # every position has a label but the last: the whole tile goes through
         _tiled(hidden, norm, head, labels, 1000)
-    assert sorted(fresh.ops) == ["_softmax", "mm"], fresh.ops
+    assert sorted(fresh.ops) == ["empty_like", "mm"], fresh.ops
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_kept_tile_buffers_allocate_nothing_vocab_sized_again_and_change_no_bit(softcap):
+    """A CPU device keeps the tile's logits, their gradient and the head's gradient (TileBuffers): from the
+    second call on no tile x vocab or vocab x hidden tensor is made, and loss and gradients have the bits of
+    fresh buffers. The control: without them each call makes its own."""
+    from megatrain.engine.layer.loss import TileBuffers
+
+    norm, head = _parts(vocab=96, hidden=32)
+    hidden, labels = torch.randn(1, 150, 32), torch.randint(0, 96, (1, 150))
+
+    def run(buffers):
+        h = hidden.detach().requires_grad_(True)
+        with _Fresh((150, 96)) as tile, _Fresh((96, 32)) as head_grad:
+            loss = tiled_norm_head_loss(h, norm, head, labels, 1000, softcap=softcap, buffers=buffers)
+        grads = [g.clone() for g in torch.autograd.grad(loss, [h, norm.weight, head.weight])]
+        return loss.detach(), grads, len(tile.ops) + len(head_grad.ops)
+
+    want_loss, want, fresh = run(None)
+    assert fresh >= 3  # the control: the logits, their gradient, the head's gradient (a soft cap makes more)
+    buffers = TileBuffers()
+    run(buffers)
+    for _ in range(2):
+        loss, got, made = run(buffers)
+        # kept: the gradient and the head's gradient, and the logits unless soft-capped (the cap's are its own)
+        assert made == fresh - (2 if softcap else 3)
+        assert torch.equal(loss, want_loss) and all(torch.equal(a, b) for a, b in zip(got, want))
+    small = TileBuffers(cap_bytes=150 * 96 * 4 - 1)  # over the cap: not kept, made each time
+    run(small)
+    assert run(small)[2] >= 2
+
+
+def test_head_rows_are_the_labeled_ones_rounded_up_to_the_alignment():
+    from megatrain.engine.layer.loss import head_rows
+
+    labeled = torch.ones(150, dtype=torch.bool)
+    labeled[[0, 7, 149]] = False
+    taken, pos = head_rows(labeled, 64)  # 147 labeled: 192 > 150 rows, so the whole tile
+    assert taken is None and torch.equal(pos, labeled.nonzero().squeeze(1))
+    labeled = torch.zeros(300, dtype=torch.bool)
+    labeled[100:230] = True  # 130 labeled: 192 rows, the labeled first, then the first 62 unlabeled
+    taken, pos = head_rows(labeled, 64)
+    assert taken.numel() == 192 and torch.equal(taken[:130], torch.arange(100, 230))
+    assert torch.equal(taken[130:], torch.arange(62)) and torch.equal(pos, torch.arange(130))
+    labeled[100:228] = True
+    labeled[228:230] = False  # 128 labeled: already aligned, no unlabeled row added
+    taken, pos = head_rows(labeled, 64)
+    assert torch.equal(taken, torch.arange(100, 228)) and torch.equal(pos, torch.arange(128))
+
+
+class _MmRows(torch.utils._python_dispatch.TorchDispatchMode):
+    """The row counts of the head's forward GEMMs (those whose output is `vocab` wide)."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.rows = vocab, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in ("mm", "addmm") and out.shape[-1] == self.vocab and out.shape[0] > 32:
+            self.rows.append(out.shape[0])
+        return out
+
+
+@pytest.mark.parametrize("labeled_rows,want", [(298, 300), (130, 192)])
+def test_the_head_runs_on_aligned_rows_with_the_same_loss_and_gradients(labeled_rows, want, monkeypatch):
+    """Unlabeled rows ride along to an aligned row count (or the whole tile) and change nothing: the reference
+    selects the labeled rows alone. The control: with no rounding the head runs on the ragged count."""
+    import megatrain.engine.layer.loss as L
+
+    norm, head = _parts(vocab=96, hidden=32)
+    hidden = torch.randn(2, 150, 32)
+    labels = torch.randint(0, 96, (2, 150))
+    if labeled_rows < 149:
+        labels[1] = IGNORE_INDEX
+        labels[0, labeled_rows + 1:] = IGNORE_INDEX  # shifted: positions 0 .. labeled_rows - 1 have a label
+    with _MmRows(96) as mm:
+        loss, got = _tiled(hidden, norm, head, labels, 1000)
+    assert mm.rows == [want], mm.rows
+    ref_loss, ref = _reference(hidden, norm, head, labels)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    assert all(_rel(g, r) <= 1e-5 for g, r in zip(got, ref))
+    monkeypatch.setattr(L, "HEAD_ROW_ALIGN", 1)
+    with _MmRows(96) as mm:
+        _tiled(hidden, norm, head, labels, 1000)
+    assert mm.rows == [labeled_rows]
+
+
+def test_a_plain_cpu_engine_trains_on_kept_tile_buffers_bit_identically():
+    """The engine on a plain CPU device keeps the loss tile's buffers (TileBuffers) across steps; training on them
+    gives the losses and weights of fresh buffers, bit for bit (the control engine has none)."""
+    model = tiny_model("llama", layers=2)
+    labels = _labels(2, 40, 256, seed=5)
+    ids = labels.clamp_min(0)
+    runs = []
+    for keep in (True, False):
+        eng = Engine(copy.deepcopy(model), EngineConfig(loss_chunk_tokens=32))
+        if not keep:
+            eng._tile_buffers = None
+        losses = []
+        for _ in range(3):
+            loss = eng(input_ids=ids, labels=labels).loss
+            eng.backward(loss)
+            eng.step()
+            eng.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, eng.state_dict(), eng._tile_buffers))
+    (kept_losses, kept_sd, buffers), (fresh_losses, fresh_sd, _) = runs
+    assert buffers is not None and {"logits", "logits_grad", "head_grad"} <= set(buffers._held)
+    assert kept_losses == fresh_losses and kept_losses[-1] < kept_losses[0]
+    assert all(torch.equal(kept_sd[n], fresh_sd[n]) for n in fresh_sd)

@@ -8,6 +8,10 @@ from ...models.adapter import LogitTransform
 from ..runtime.host_copy import to_device
 
 IGNORE_INDEX = -100
+# Rows a tile sends through the head: its labeled tokens, rounded up to a multiple of this with unlabeled ones. A
+# ragged row count slows the head's GEMMs (1022 rows ran 4.6% slower per GEMM than 1024 on a 2-core CPU, the
+# shifted labels of 2 x 512 tokens); an unlabeled row gets a zero gradient row, so it adds nothing to any gradient.
+HEAD_ROW_ALIGN = 64
 
 
 def as_transform(t: LogitTransform | float | None) -> LogitTransform:
@@ -36,6 +40,24 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return torch.cat([labels[:, 1:], pad], dim=1)
 
 
+
+def head_rows(labeled: torch.Tensor, align: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Which of a tile's rows go through the head, from its host mask of labeled rows: (their indices, None for
+    every row; the positions among them of the labeled ones). The labeled rows, rounded up to a multiple of
+    `align` (default HEAD_ROW_ALIGN) or to the whole tile, with the first unlabeled rows."""
+    align = align or HEAD_ROW_ALIGN
+    rows = labeled.numel()
+    keep = labeled.nonzero().squeeze(1)
+    n = keep.numel()
+    m = min(rows, -(-n // align) * align)
+    if m == rows:
+        return None, keep
+    if m == n:
+        return keep, torch.arange(n)
+    taken = torch.cat([keep, (~labeled).nonzero().squeeze(1)[: m - n]])
+    return taken, torch.arange(n)
+
+
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             softcap: LogitTransform | float | None) -> torch.Tensor:
     """One chunk's logits as the model's head computes them, in FP32 (HF upcasts logits before the loss).
@@ -46,15 +68,60 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return _apply(z, as_transform(softcap))
 
 
-def _add_head_grad(acc: torch.Tensor | None, p: torch.Tensor, hc: torch.Tensor) -> torch.Tensor:
+
+def _tile_logits(hc: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 softcap: LogitTransform | float | None,
+                 buffers: TileBuffers | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tile's FP32 logits and an uninitialised FP32 buffer of their shape (for their gradient), from `buffers`
+    where given: the logits themselves when the head is FP32 and they are not transformed (the GEMM writes into
+    the kept buffer; the same bits as `_logits`)."""
+    shape = (hc.shape[0], weight.shape[0])
+    take = (lambda name: buffers.take(name, shape, torch.float32, hc.device)) if buffers is not None else None
+    t = as_transform(softcap)
+    if take is not None and weight.dtype == torch.float32 and t.scale is None and t.softcap is None:
+        logits = take("logits")
+        if bias is None:
+            torch.mm(hc, weight.t(), out=logits)
+        else:
+            torch.addmm(bias, hc, weight.t(), out=logits)
+    else:
+        logits = _logits(hc, weight, bias, softcap)
+    return logits, (take("logits_grad") if take is not None else torch.empty_like(logits))
+
+def _add_head_grad(acc: torch.Tensor | None, p: torch.Tensor, hc: torch.Tensor,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """acc + p.T @ hc, the head weight's gradient summed over chunks in FP32; `acc` None (the first chunk): p.T @ hc
-    itself, the bits of adding it to zeros (a -0 kept, as the head's own backward keeps it) without a vocab x hidden
-    zero fill and the GEMM's read of it."""
+    itself (written into `out` if given), the bits of adding it to zeros (a -0 kept, as the head's own backward
+    keeps it) without a vocab x hidden zero fill and the GEMM's read of it."""
     if hc.dtype == torch.float32:
-        return torch.mm(p.t(), hc) if acc is None else acc.addmm_(p.t(), hc)  # in place: no second temporary
+        if acc is None:
+            return torch.mm(p.t(), hc) if out is None else torch.mm(p.t(), hc, out=out)
+        return acc.addmm_(p.t(), hc)  # in place: no second temporary
     g = (p.t() @ hc).float()
     return g if acc is None else acc.add_(g)
 
+
+
+class TileBuffers:
+    """A CPU device's loss-tile buffers (the logits, their gradient, the head's weight gradient), kept from step to
+    step. On the host a fresh tensor past glibc's mmap threshold (32 MiB at most: a 1024-token tile at vocab 8192
+    is that) is mapped afresh and page-faulted in on every allocation, each time; a CUDA device's caching
+    allocator already reuses them, and holding them there would keep loss workspace outside the loss phase.
+    Buffers over `cap_bytes` are not kept (their faults are small beside their GEMMs)."""
+
+    def __init__(self, cap_bytes: int = 256 << 20) -> None:
+        self.cap_bytes = cap_bytes
+        self._held: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised `shape` tensor: the kept buffer `name` (grown to it if smaller), or a fresh one."""
+        n = shape[0] * shape[1]
+        if n * torch.empty((), dtype=dtype).element_size() > self.cap_bytes:
+            return torch.empty(shape, dtype=dtype, device=device)
+        b = self._held.get(name)
+        if b is None or b.numel() < n or b.dtype != dtype or b.device != device:
+            b = self._held[name] = torch.empty(n, dtype=dtype, device=device)
+        return b[:n].view(shape)
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     """Sum of token cross-entropies of `softcap(h @ weight.T + bias)` against `targets` (all valid), chunk by
@@ -167,11 +234,16 @@ class _PrecomputedGrads(torch.autograd.Function):
 
 def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torch.nn.Linear, labels: torch.Tensor,
                          tile_tokens: int, num_items_in_batch: int | torch.Tensor | None = None,
-                         softcap: LogitTransform | float | None = None) -> torch.Tensor:
+                         softcap: LogitTransform | float | None = None,
+                         buffers: TileBuffers | None = None) -> torch.Tensor:
     """`chunked_causal_lm_loss(norm(hidden), head, labels, ...)` with the final norm included, computed in
     sequence tiles of `tile_tokens` whose backward runs here, in the forward: per token only `hidden` and
     its gradient stay on the device (no normed copy, no norm graph over all tokens), per tile the norm's
     graph and the tile's logits. The head's weight gradient is accumulated in FP32 as the chunked loss does.
+
+    `buffers`: where the tile's logits, their gradient and the head's weight gradient are kept from call to call
+    (a CPU device's, TileBuffers); the head's gradient handed to autograd is then that buffer, valid until the next
+    call.
 
     Returns the loss; backpropagating it hands the gradients already computed (for `hidden`, the norm's
     and the head's parameters) to autograd, scaled by the incoming gradient: one backward per forward.
@@ -204,28 +276,42 @@ def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torc
     total = torch.zeros((), dtype=torch.float32, device=dev)
     for s in range(0, tokens, tile_tokens):
         x = (x_all[:, s: s + tile_tokens] if streams else x_all[s: s + tile_tokens]).detach().requires_grad_(True)
-        keep = valid[s: s + tile_tokens].nonzero().squeeze(1)
         with torch.enable_grad():
             hn = norm(x)
             hn = hn.reshape(-1, hn.shape[-1]) if streams else hn
-        if keep.numel() == 0:
+        if not valid[s: s + tile_tokens].any():
             (grad_x[:, s: s + tile_tokens] if streams else grad_x[s: s + tile_tokens]).zero_()
             continue
-        idx = to_device(keep, dev)
-        t = to_device(targets[s: s + tile_tokens].index_select(0, keep), dev)
-        hc = hn.detach().index_select(0, idx).to(weight.dtype)
+        taken, labeled = head_rows(valid[s: s + tile_tokens])
+        t = targets[s: s + tile_tokens] if taken is None else targets[s: s + tile_tokens].index_select(0, taken)
+        unlabeled = (t == IGNORE_INDEX).nonzero().squeeze(1)
+        t = to_device(t.clamp_min(0), dev)  # an unlabeled row's target: any class, its gradient row zeroed below
+        hc = hn.detach() if taken is None else hn.detach().index_select(0, to_device(taken, dev))
+        hc = hc.to(weight.dtype)
         with torch.no_grad():
-            logits = _logits(hc, weight, bias, softcap)
-            total += (torch.logsumexp(logits, dim=-1) - logits.gather(1, t[:, None]).squeeze(1)).sum()
-            p = torch.softmax(logits, dim=-1)
+            logits, p = _tile_logits(hc, weight, bias, softcap, buffers)
+            # logsumexp as torch computes it, log(sum(exp(z - max))) + max (the same bits), its exp in the gradient's
+            # buffer rather than a temporary of its own; then the softmax over it
+            top = logits.amax(dim=-1, keepdim=True)
+            lse = torch.sub(logits, top, out=p).exp_().sum(dim=-1, keepdim=True).log_().add_(top)
+            per_row = (lse - logits.gather(1, t[:, None])).squeeze(1)
+            total += (per_row if unlabeled.numel() == 0 else per_row.index_select(0, to_device(labeled, dev))).sum()
+            torch.softmax(logits, dim=-1, out=p)
             p[torch.arange(p.shape[0], device=dev), t] -= 1.0
+            if unlabeled.numel():
+                p.index_fill_(0, to_device(unlabeled, dev), 0.0)
             p = _grad_to_head(p, logits, as_transform(softcap))
             del logits
             p = p.mul_(inv).to(hc.dtype)  # in place: no second tile x vocab buffer
-            g_hn = torch.zeros_like(hn)
-            g_hn.index_copy_(0, idx, (p @ weight).to(g_hn.dtype))
+            if taken is None:
+                g_hn = (p @ weight).to(hn.dtype)  # every row went through the head: no scatter
+            else:
+                g_hn = torch.zeros_like(hn)
+                g_hn.index_copy_(0, to_device(taken, dev), (p @ weight).to(g_hn.dtype))
             if weight.requires_grad:
-                grad_w = _add_head_grad(grad_w, p, hc)
+                out = None if grad_w is not None or buffers is None else buffers.take(
+                    "head_grad", tuple(weight.shape), torch.float32, weight.device)
+                grad_w = _add_head_grad(grad_w, p, hc, out)
             if grad_b is not None:
                 grad_b += p.sum(0, dtype=torch.float32)
             del p, hc
