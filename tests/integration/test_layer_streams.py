@@ -78,8 +78,10 @@ def test_the_tiled_head_keeps_the_streams_per_token():
     assert abs(got.loss.item() - ref) <= 1e-5, (got.loss.item(), ref)
 
 
-def test_negative_control_the_final_norm_alone_is_a_mismatch(monkeypatch):
+def test_negative_control_the_final_norm_alone_is_refused(monkeypatch):
+    """The norm alone leaves hc_mult vectors per token for the head: the loss refuses it by name (it used to
+    train on a wrong selection of them, a mismatch the probe caught)."""
     _norm_alone(monkeypatch)
     model = dsv4()
     verdict = probe.run_probe(type(model), model.config, engine_factory("stream", []))
-    assert verdict.status == "mismatch", verdict.detail
+    assert verdict.status == "refused" and "one per token" in verdict.detail, verdict.detail

@@ -281,6 +281,10 @@ def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torc
         with torch.enable_grad():
             hn = norm(x)
             hn = hn.reshape(-1, hn.shape[-1]) if streams else hn
+        if hn.shape[0] != valid[s: s + tile_tokens].numel():
+            raise ValueError(f"the module after the layers ({type(norm).__name__}) gave {hn.shape[0]} hidden vectors "
+                             f"for {valid[s: s + tile_tokens].numel()} tokens; the head takes one per token (a model "
+                             "with several residual streams per token must mix them into one before its head)")
         if not valid[s: s + tile_tokens].any():
             (grad_x[:, s: s + tile_tokens] if streams else grad_x[s: s + tile_tokens]).zero_()
             continue
