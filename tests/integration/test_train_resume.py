@@ -52,36 +52,59 @@ def _report(out: Path) -> dict:
     return json.loads((out / "report.json").read_text())
 
 
+def _read(path: Path, read=lambda p: json.loads(p.read_text())):
+    """What a run left at `path` (a report or weights), None where it left nothing (its test then says why)."""
+    return read(path) if path.is_file() else None
+
+
+@pytest.fixture(scope="module")
+def sigint_story(tmp_path_factory) -> dict:
+    """One run stopped by SIGINT, then the same command three times (resume, nothing left to resume, --restart),
+    with what each left behind read at once. The --restart run, uninterrupted from step 1, is also the reference
+    of the num_buffers resume below: the same settings, so one uninterrupted run serves both."""
+    out = tmp_path_factory.mktemp("sigint") / "run"
+    story: dict = {"out": out, "stopped": _stopped(out, signal.SIGINT)}
+    story["left"] = ((out / "checkpoint-3" / WHOLE_MARK).is_file(), (out / "final").exists())
+    story["stopped_report"] = _read(out / "report.json")
+    story["again"] = _run(out)
+    story["resumed"], story["weights"] = _read(out / "report.json"), _read(out / "final" / "model.safetensors",
+                                                                          load_file)
+    story["done"] = _run(out)
+    story["whole"] = _run(out, "--restart")
+    story["ref"], story["ref_weights"] = _read(out / "report.json"), _read(out / "final" / "model.safetensors",
+                                                                          load_file)
+    return story
+
+
 @pytest.mark.slow
-def test_a_run_stopped_by_sigint_resumes_bit_identically(tmp_path):
-    out = tmp_path / "run"
-    r = _stopped(out, signal.SIGINT)
+def test_a_run_stopped_by_sigint_resumes_bit_identically(sigint_story):
+    out, r = sigint_story["out"], sigint_story["stopped"]
     assert r.returncode == 130, r.stderr[-3000:]
     # the step in flight when the signal came (3) finished and was checkpointed
     assert "stopped on SIGINT after step 3; checkpoint saved to" in r.stderr, r.stderr[-3000:]
-    assert (out / "checkpoint-3" / WHOLE_MARK).is_file() and not (out / "final").exists()
-    assert _report(out)["stopped"] == "SIGINT"
+    assert sigint_story["left"] == (True, False)  # checkpoint-3 whole, no final/
+    assert sigint_story["stopped_report"]["stopped"] == "SIGINT"
 
-    again = _run(out)
+    again = sigint_story["again"]
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resuming from {out / 'checkpoint-3'} (step 3" in again.stderr
-    resumed = _report(out)
+    resumed = sigint_story["resumed"]
     assert resumed["resumed_from"] == str(out / "checkpoint-3") and resumed["engine"] == "MegaTrainEngine"
-    weights = load_file(out / "final" / "model.safetensors")
+    weights = sigint_story["weights"]
 
     # run to the end: the same command again has nothing to resume and says so, in one line
-    done = _run(out)
+    done = sigint_story["done"]
     assert done.returncode == 2 and "finished" in done.stderr and "--restart" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
 
     # --restart: the same run from step 1, uninterrupted, is the reference
-    whole = _run(out, "--restart")
+    whole = sigint_story["whole"]
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert "--restart: starting over" in whole.stderr and "resuming" not in whole.stderr
-    ref = _report(out)
+    ref = sigint_story["ref"]
     assert ref["resumed_from"] is None and len(ref["losses"]) == 6
     assert resumed["losses"] == ref["losses"]  # bit-identical, steps 4-6 trained after the resume included
-    again_weights = load_file(out / "final" / "model.safetensors")
+    again_weights = sigint_story["ref_weights"]
     assert weights.keys() == again_weights.keys() and all(weights[k].equal(again_weights[k]) for k in weights)
 
 
@@ -190,10 +213,11 @@ def test_when_the_callback_asks_for_a_checkpoint(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_resume_with_only_num_buffers_changed_is_bit_identical(sigterm_stopped):
+def test_a_resume_with_only_num_buffers_changed_is_bit_identical(sigterm_stopped, sigint_story):
     """`--set megatrain.num_buffers=3` merges into the file's section and, as a setting that changes no computed
-    value, is accepted on resume; the resumed run's losses and weights are an uninterrupted run's, bit for bit.
-    A setting that can change the arithmetic is still refused, by its dotted name (the control)."""
+    value, is accepted on resume; the resumed run's losses and weights are an uninterrupted run's, bit for bit
+    (the SIGINT story's --restart run: the same settings from step 1, uninterrupted). A setting that can change
+    the arithmetic is still refused, by its dotted name (the control)."""
     r, out = sigterm_stopped
     assert r.returncode == 143, r.stderr[-3000:]
     other = _run(out, sets=("megatrain.loss_chunk_tokens=7",))
@@ -204,9 +228,8 @@ def test_a_resume_with_only_num_buffers_changed_is_bit_identical(sigterm_stopped
     recorded = json.loads((out / RUN_FILE).read_text())["settings"]["megatrain"]
     assert recorded["num_buffers"] == 3 and recorded["host_master"] == "fp32"  # merged: the file's key kept
     resumed, weights = _report(out), load_file(out / "final" / "model.safetensors")
-    whole = _run(out, "--restart")
+    whole, ref = sigint_story["whole"], sigint_story["ref"]
     assert whole.returncode == 0, whole.stderr[-3000:]
-    ref = _report(out)
     assert ref["resumed_from"] is None and resumed["losses"] == ref["losses"]
-    ref_weights = load_file(out / "final" / "model.safetensors")
+    ref_weights = sigint_story["ref_weights"]
     assert all(weights[k].equal(ref_weights[k]) for k in weights)
