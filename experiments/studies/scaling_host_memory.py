@@ -5,8 +5,7 @@ would count the node's shared store once per rank).
     python -m experiments.studies.scaling_host_memory --layers 96 --out results/scaling     # host_memory.csv (about 10 min)
 
 Each point is experiments/studies/scaling_host_memory_worker.py (a Llama of `layers` narrow layers, two AdamW steps on the CPU)
-alone or as one process per rank with the variables torch.distributed.run gives its workers; its rows carry the
-machine, versions and commit.
+alone or under torch.distributed.run; its rows carry the machine, versions and commit.
 """
 
 from __future__ import annotations
@@ -15,11 +14,9 @@ import argparse
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,46 +32,6 @@ STUDY = [(n, host, m) for m in ("fp32", "hilo") for n, host in POINTS] + [(1, "a
                                                                           (2, "auto", "hilo_in_backward")]
 
 
-def _run_ranks(cmd: list[str], env: dict[str, str], ranks: int, timeout_s: float) -> tuple[list[int], list[str]]:
-    """`cmd` as `ranks` processes of one job on this node, each with the variables torch.distributed.run gives its
-    workers (one process alone gets none): no launcher process, whose own start-up (it imports torch) would only
-    lengthen every point; its one duty kept is to stop every rank once one fails or the time is up. Returns the
-    exit codes and each rank's output."""
-    port = None
-    if ranks > 1:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = str(s.getsockname()[1])
-    procs, files = [], []
-    for r in range(ranks):
-        rank_env = env if port is None else {
-            **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(r), "LOCAL_RANK": str(r),
-            "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": "0"}
-        files.append(tempfile.TemporaryFile("w+"))  # a file: no rank blocks on a full pipe nobody reads yet
-        procs.append(subprocess.Popen(cmd, env=rank_env, cwd=ROOT, stdout=files[-1], stderr=subprocess.STDOUT,
-                                      text=True))
-    deadline, timed_out = time.monotonic() + timeout_s, False
-    try:
-        while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    logs = []
-    for f in files:
-        f.seek(0)
-        logs.append(f.read())
-        f.close()
-    if timed_out:
-        raise subprocess.TimeoutExpired(cmd, timeout_s, "".join(log[-3000:] for log in logs))
-    return [p.returncode for p in procs], logs
-
-
 def measure(out: Path, ranks: int, host: str, layers: int = 32, timeout_s: float = 600,
             modes: str = "fp32") -> dict:
     """Run one point into `out` (a fresh folder): summed PSS and RSS, the engine's own count of the state
@@ -84,10 +41,13 @@ def measure(out: Path, ranks: int, host: str, layers: int = 32, timeout_s: float
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", LAYERS=str(layers),
                HOST_MODES=json.dumps(MODES[modes]))
-    codes, logs = _run_ranks([sys.executable, str(WORKER), str(out), host], env, ranks, timeout_s)
-    if any(codes):
-        raise RuntimeError(f"{ranks} rank(s), data_parallel_host={host!r} failed (exit {codes}):\n"
-                           + "".join(log[-3000:] for log in logs))
+    cmd = [sys.executable, str(WORKER), str(out), host]
+    if ranks > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] + cmd[1:]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{ranks} rank(s), data_parallel_host={host!r} failed:\n{proc.stdout[-3000:]}"
+                           f"{proc.stderr[-3000:]}")
     reports = [json.loads((out / f"mem{r}.json").read_text()) for r in range(ranks)]
     return {"ranks": ranks, "data_parallel_host": host, "modes": modes, "layers": layers,
             "pss_bytes": sum(r["pss"] for r in reports), "rss_bytes": sum(r["rss"] for r in reports),
