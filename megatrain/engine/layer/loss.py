@@ -40,7 +40,6 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return torch.cat([labels[:, 1:], pad], dim=1)
 
 
-
 def head_rows(labeled: torch.Tensor, align: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Which of a tile's rows go through the head, from its host mask of labeled rows: (their indices, None for
     every row; the positions among them of the labeled ones). The labeled rows, rounded up to a multiple of
@@ -68,40 +67,6 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return _apply(z, as_transform(softcap))
 
 
-
-def _tile_logits(hc: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 softcap: LogitTransform | float | None,
-                 buffers: TileBuffers | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A tile's FP32 logits and an uninitialised FP32 buffer of their shape (for their gradient), from `buffers`
-    where given: the logits themselves when the head is FP32 and they are not transformed (the GEMM writes into
-    the kept buffer; the same bits as `_logits`)."""
-    shape = (hc.shape[0], weight.shape[0])
-    take = (lambda name: buffers.take(name, shape, torch.float32, hc.device)) if buffers is not None else None
-    t = as_transform(softcap)
-    if take is not None and weight.dtype == torch.float32 and t.scale is None and t.softcap is None:
-        logits = take("logits")
-        if bias is None:
-            torch.mm(hc, weight.t(), out=logits)
-        else:
-            torch.addmm(bias, hc, weight.t(), out=logits)
-    else:
-        logits = _logits(hc, weight, bias, softcap)
-    return logits, (take("logits_grad") if take is not None else torch.empty_like(logits))
-
-def _add_head_grad(acc: torch.Tensor | None, p: torch.Tensor, hc: torch.Tensor,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """acc + p.T @ hc, the head weight's gradient summed over chunks in FP32; `acc` None (the first chunk): p.T @ hc
-    itself (written into `out` if given), the bits of adding it to zeros (a -0 kept, as the head's own backward
-    keeps it) without a vocab x hidden zero fill and the GEMM's read of it."""
-    if hc.dtype == torch.float32:
-        if acc is None:
-            return torch.mm(p.t(), hc) if out is None else torch.mm(p.t(), hc, out=out)
-        return acc.addmm_(p.t(), hc)  # in place: no second temporary
-    g = (p.t() @ hc).float()
-    return g if acc is None else acc.add_(g)
-
-
-
 class TileBuffers:
     """A CPU device's loss-tile buffers (the logits, their gradient, the head's weight gradient), kept from step to
     step. On the host a fresh tensor past glibc's mmap threshold (32 MiB at most: a 1024-token tile at vocab 8192
@@ -122,6 +87,40 @@ class TileBuffers:
         if b is None or b.numel() < n or b.dtype != dtype or b.device != device:
             b = self._held[name] = torch.empty(n, dtype=dtype, device=device)
         return b[:n].view(shape)
+
+
+def _tile_logits(hc: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 softcap: LogitTransform | float | None,
+                 buffers: TileBuffers | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tile's FP32 logits and an uninitialised FP32 buffer of their shape (for their gradient), from `buffers`
+    where given: the logits themselves when the head is FP32 and they are not transformed (the GEMM writes into
+    the kept buffer; the same bits as `_logits`)."""
+    shape = (hc.shape[0], weight.shape[0])
+    take = (lambda name: buffers.take(name, shape, torch.float32, hc.device)) if buffers is not None else None
+    t = as_transform(softcap)
+    if take is not None and weight.dtype == torch.float32 and t.scale is None and t.softcap is None:
+        logits = take("logits")
+        if bias is None:
+            torch.mm(hc, weight.t(), out=logits)
+        else:
+            torch.addmm(bias, hc, weight.t(), out=logits)
+    else:
+        logits = _logits(hc, weight, bias, softcap)
+    return logits, (take("logits_grad") if take is not None else torch.empty_like(logits))
+
+
+def _add_head_grad(acc: torch.Tensor | None, p: torch.Tensor, hc: torch.Tensor,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """acc + p.T @ hc, the head weight's gradient summed over chunks in FP32; `acc` None (the first chunk): p.T @ hc
+    itself (written into `out` if given), the bits of adding it to zeros (a -0 kept, as the head's own backward
+    keeps it) without a vocab x hidden zero fill and the GEMM's read of it."""
+    if hc.dtype == torch.float32:
+        if acc is None:
+            return torch.mm(p.t(), hc) if out is None else torch.mm(p.t(), hc, out=out)
+        return acc.addmm_(p.t(), hc)  # in place: no second temporary
+    g = (p.t() @ hc).float()
+    return g if acc is None else acc.add_(g)
+
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     """Sum of token cross-entropies of `softcap(h @ weight.T + bias)` against `targets` (all valid), chunk by
@@ -315,7 +314,7 @@ def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torc
                 g_hn = torch.zeros_like(hn)
                 g_hn.index_copy_(0, to_device(taken, dev), (p @ weight).to(g_hn.dtype))
             if weight.requires_grad:
-                out = None if grad_w is not None or buffers is None else buffers.take(
+                out = None if grad_w is not None or buffers is None or hc.dtype != torch.float32 else buffers.take(
                     "head_grad", tuple(weight.shape), torch.float32, weight.device)
                 grad_w = _add_head_grad(grad_w, p, hc, out)
             if grad_b is not None:
