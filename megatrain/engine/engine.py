@@ -34,6 +34,7 @@ from .host.node_store import shard_optimizer_state
 from .host.preflight import auto_host_mode
 from .host.slab_state import landed_norms, slab_norm
 from .host.spill import spill_for
+from .layer import cpu_linear
 from .layer.attention import host_mask, use_segment_attention
 from .layer.batch import check_batch
 from .layer.embedding import check_embedding, lookup_grad
@@ -131,6 +132,8 @@ class Engine:
         self.placement, originals = place(model, self.parts, config, self.device, self.compute_dtype, self.dp,
                                           self.node, checkpoint_dir, probe)
         self.store, self.templates = self.placement.store, self.placement.templates
+        if self.device.type == "cpu" and self.compute_dtype == torch.float32 and cpu_linear.available():
+            self.templates.linears = cpu_linear.OneDnnLinears()  # faster FP32 GEMMs than F.linear's here
         self._aliases, self._name_of = self.placement.aliases, self.placement.name_of  # read by the faces, the probe
         self._recorded: list = []
 

@@ -8,12 +8,14 @@ the number of templates does not grow with depth.
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
 from ...models.adapter import layer_structure_key
+from .cpu_linear import OneDnnLinears
 from .router import router_modules
 from .tiling import tileable, tiled_forward
 
@@ -56,6 +58,8 @@ class TemplateBank:
         self.router_grads: dict[int, list[torch.Tensor | None]] = {}
         self._recomputed: list[torch.Tensor] = []
         self.handed: tuple = ()  # the last call's outputs besides the hidden state (handed_state.py)
+        # Set by the engine on a CPU device computing in FP32: each call's linears through oneDNN (cpu_linear.py).
+        self.linears: OneDnnLinears | None = None
         # Persistent buffers per layer (e.g. DeepSeek-V3's e_score_correction_bias): their values differ from
         # layer to layer, so each call binds the layer's own, read from the user's layer as it is at call time.
         self._buffers: list[list[tuple[str, nn.Module, str]]] = []
@@ -110,7 +114,8 @@ class TemplateBank:
         record = id(self.of_layer[i]) in self._routed and (self.recorded is not None or i in self.router_grads)
         self._sink = [] if record else None
         try:
-            out = functional_call(self.of_layer[i], weights, (hidden, *args), kwargs, strict=False)
+            with self.linears if self.linears is not None else nullcontext():
+                out = functional_call(self.of_layer[i], weights, (hidden, *args), kwargs, strict=False)
         finally:
             captured, self._sink = self._sink, None
         if record and self.recorded is not None:
