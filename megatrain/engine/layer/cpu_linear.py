@@ -4,9 +4,10 @@ torch's FP32 `F.linear` on the CPU is MKL's sgemm on `x @ W.T`; oneDNN's GEMM on
 faster for a ~100M Llama's layer shapes on the 2-core AMD EPYC (AVX-512) this project measures on (1024 tokens:
 hidden 1024 -> 2752 36.1 vs 27.7 ms, 2752 -> 1024 30.1 vs 27.1 ms, 1024 -> 1024 11.5 vs 10.7 ms). Both are
 IEEE FP32: the outputs differ by accumulation order, not precision. The backward is the two GEMMs autograd runs
-for `F.linear`, with its operand order (MmBackward of `x @ W.T`), so weight and input gradients of the same
-output gradient have its bits. Used where the engine runs a layer in FP32 on a CPU device (templates.py), after
-a self-check against `F.linear`; otherwise, and for anything but a float32 CPU linear, `F.linear` runs as is.
+for `F.linear`, with its operand order and layout (MmBackward of `x @ W.T`), so weight and input gradients
+of the same output gradient have its bits. Used where the engine runs a layer in FP32 on a CPU device
+(templates.py), after a self-check against `F.linear`; otherwise, and for anything but a float32 CPU linear,
+`F.linear` runs as is.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ class _Linear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         g2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
         gx = g2.mm(w).view_as(x) if ctx.needs_input_grad[0] else None
-        gw = x2.t().mm(g2).t() if ctx.needs_input_grad[1] else None  # MmBackward's grad of W.T, transposed back
+        # as autograd's MmBackward gives W.T's gradient in W.T's layout: a contiguous W-shaped result, which the
+        # slab's one-pass reduction takes (a transposed one would be copied strided)
+        gw = g2.t().mm(x2) if ctx.needs_input_grad[1] else None
         gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb
 
