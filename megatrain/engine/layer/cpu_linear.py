@@ -81,8 +81,7 @@ class OneDnnLinears(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
         if func is F.linear:
-            x, w = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
-            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            x, w, b = (*args, *(kwargs.get(k) for k in ("input", "weight", "bias")[len(args):]))[:3]
             if _usable(x, w, b):
                 self.calls += 1
                 return _Linear.apply(x, w, b)

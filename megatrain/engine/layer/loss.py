@@ -280,14 +280,15 @@ def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torc
         with torch.enable_grad():
             hn = norm(x)
             hn = hn.reshape(-1, hn.shape[-1]) if streams else hn
-        if hn.shape[0] != valid[s: s + tile_tokens].numel():
+        tile_valid = valid[s: s + tile_tokens]
+        if hn.shape[0] != tile_valid.numel():
             raise ValueError(f"the module after the layers ({type(norm).__name__}) gave {hn.shape[0]} hidden vectors "
-                             f"for {valid[s: s + tile_tokens].numel()} tokens; the head takes one per token (a model "
-                             "with several residual streams per token must mix them into one before its head)")
-        if not valid[s: s + tile_tokens].any():
+                             f"for {tile_valid.numel()} tokens; the head takes one per token (a model with several "
+                             "residual streams per token must mix them into one before its head)")
+        if not tile_valid.any():
             (grad_x[:, s: s + tile_tokens] if streams else grad_x[s: s + tile_tokens]).zero_()
             continue
-        taken, labeled = head_rows(valid[s: s + tile_tokens])
+        taken, labeled = head_rows(tile_valid)
         t = targets[s: s + tile_tokens] if taken is None else targets[s: s + tile_tokens].index_select(0, taken)
         unlabeled = (t == IGNORE_INDEX).nonzero().squeeze(1)
         t = to_device(t.clamp_min(0), dev)  # an unlabeled row's target: any class, its gradient row zeroed below

@@ -102,19 +102,25 @@ class TemplateBank:
         for t in self._by_key.values():
             t.train(mode)
 
+    def kernels(self) -> OneDnnLinears | nullcontext:
+        """The context every run of a layer's template computes in, forward, recompute and tiled backward alike (so
+        a recompute has its forward's bits): the CPU linears where the engine set them."""
+        return self.linears if self.linears is not None else nullcontext()
+
     def call(self, i: int, weights: dict[str, torch.Tensor], hidden: torch.Tensor, args: tuple,
              kwargs: dict, tile: int | None = None) -> torch.Tensor:
         # Tiled only without autograd: under autograd the graph would keep every tile's activations
         # anyway (backward tiles through tiling.tiled_vjp instead).
         self.handed = ()
         if tile is not None and not args and not torch.is_grad_enabled() and self.tileable(i):
-            return tiled_forward(self.of_layer[i], weights, hidden, kwargs, tile)
+            with self.kernels():
+                return tiled_forward(self.of_layer[i], weights, hidden, kwargs, tile)
         if self._buffers[i]:
             weights = {**{n: mod._buffers[leaf] for n, mod, leaf in self._buffers[i]}, **weights}
         record = id(self.of_layer[i]) in self._routed and (self.recorded is not None or i in self.router_grads)
         self._sink = [] if record else None
         try:
-            with self.linears if self.linears is not None else nullcontext():
+            with self.kernels():
                 out = functional_call(self.of_layer[i], weights, (hidden, *args), kwargs, strict=False)
         finally:
             captured, self._sink = self._sink, None

@@ -483,7 +483,8 @@ class LayerPipeline:
                 self._set_rng_state(self._rng.pop(i))
             if (self.tile is not None and not args and not leaves and not handed.touches(i)
                     and self.templates.tileable(i)):
-                gx, gw = tiled_vjp(self.templates.of_layer[i], weights, x, kwargs, g, self.tile)
+                with self.templates.kernels():
+                    gx, gw = tiled_vjp(self.templates.of_layer[i], weights, x, kwargs, g, self.tile)
             else:
                 y = self._call(i, weights, x, inputs, handed)
                 # A mixture-of-experts layer also backpropagates its router logits' gradients from the router loss.
