@@ -127,27 +127,52 @@ def _fig_vs_model(ok: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
+def _tick(t: float) -> str:
+    return f"{int(t) // 1024}k" if t >= 1024 and int(t) % 1024 == 0 else str(int(t))
+
+
+def _group_label(key: Any) -> str:
+    return " / ".join(str(k) for k in (key if isinstance(key, tuple) else (key,)))
+
+
+def _bars(ax: Any, groups: list[tuple[Any, pd.DataFrame]], xlabel: str) -> None:
+    """tokens/s as one bar per group (its median over the group's rows), each labelled with its value."""
+    labels = [_group_label(k) for k, _ in groups]
+    values = [float(g["tokens_per_s"].median()) for _, g in groups]
+    x = range(len(groups))
+    ax.bar(x, values, color="tab:blue")
+    for i, v in zip(x, values):
+        ax.text(i, v, f"{v:.4g}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("tokens / s")
+    ax.grid(alpha=0.3, axis="y")
+
+
 def _fig_vs_axis(ok: pd.DataFrame, path: Path, axis: str, xlabel: str, group: list[str], title: str) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     groups = list(ok.groupby(group)) if not ok.empty else []
-    # Lines where the axis varies; lone points only when nothing varies, so they do not crowd it.
-    varying = [(k, g) for k, g in groups if g[axis].nunique() >= 2]
-    for key, g in varying or groups:
-        g = g.sort_values(axis)
-        label = " / ".join(str(k) for k in (key if isinstance(key, tuple) else (key,)))
-        ax.plot(g[axis], g["tokens_per_s"], "o-", label=label)
     if not groups:
         _empty(ax, "no successful points")
+    elif ok[axis].nunique() == 1:
+        # One value on the axis: a bar per series (a line through one x value says nothing of the axis).
+        _bars(ax, groups, f"{xlabel}: {_tick(ok[axis].iloc[0])} only")
+        title = title.replace("(lines:", "(bars:")
     else:
+        # Lines where the axis varies; lone points only when nothing varies, so they do not crowd it.
+        varying = [(k, g) for k, g in groups if g[axis].nunique() >= 2]
+        for key, g in varying or groups:
+            g = g.sort_values(axis)
+            ax.plot(g[axis], g["tokens_per_s"], "o-", label=_group_label(key))
         from matplotlib.ticker import NullLocator
 
         ax.set_xscale("log", base=2)
         ticks = sorted(set(ok[axis].dropna()))
         ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xticks(ticks)
-        ax.set_xticklabels([f"{int(t) // 1024}k" if t >= 1024 and int(t) % 1024 == 0 else str(int(t))
-                            for t in ticks], fontsize=8)
+        ax.set_xticklabels([_tick(t) for t in ticks], fontsize=8)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("tokens / s")
         ax.grid(alpha=0.3)

@@ -112,7 +112,7 @@ def fitted_profile(model: Any, context: int) -> Any:
     """This machine's profile measured now and fitted to the engine away from the validated context
     (experiments/studies/validation.py's bench and engine fit, torch's default threads as the traced steps)."""
     from experiments.studies.validation import engine_profile, fit_periods_in_child, overhead_tokens
-    from megatrain.commands.measure import bench_cpu
+    from megatrain.metrics.bench import bench_cpu
     from megatrain.planner import get_hardware
     from megatrain.planner.shapes import resolve_model
 

@@ -1,0 +1,106 @@
+"""The harness as a new user runs it: from a folder of their own, outside the checkout, with relative paths (the
+spec, --out, a model directory named in the spec). Every point runs, and nothing is written outside --out."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from kit import ROOT, run_python
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from experiments import report as report_module
+from experiments import results as R
+from megatrain.models.presets import get_preset
+
+SPEC = """
+name: mine
+defaults: {warmup: 0, steps: 1, seq_len: 32, threads: 1, timeout_s: 300}
+points:
+  - {backend: torch, model: tiny}
+  - {backend: megatrain, model: ./mymodel}
+"""
+
+
+def _tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
+
+def _checkout_state() -> set[str]:
+    """Every changed, untracked or ignored file of the checkout, less Python's byte-code caches (which importing
+    a module writes, whoever imports it)."""
+    out = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    return {line for line in out.splitlines() if "__pycache__" not in line and ".pytest_cache" not in line}
+
+
+@pytest.fixture(scope="module")
+def elsewhere(tmp_path_factory):
+    """A sweep of two of the cheapest points run from a folder outside the checkout: its folder, the checkout's
+    state before and after, the folder's files before, and the command's result."""
+    home = tmp_path_factory.mktemp("user")
+    assert ROOT not in home.parents
+    (home / "mine.yaml").write_text(SPEC)
+    get_preset("tiny").hf_config().save_pretrained(home / "mymodel")  # a model directory, named relatively
+    before, files_before = _checkout_state(), _tree(home)
+    proc = run_python(["-m", "megatrain.commands.cli", "sweep", "mine.yaml", "--out", "runs/x", "--no-progress"],
+                      cwd=home, timeout=600)
+    return home, before, _checkout_state(), files_before, proc
+
+
+def test_a_sweep_from_another_folder_runs_every_point_and_writes_only_under_out(elsewhere):
+    home, before, after, files_before, proc = elsewhere
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    df = R.read_rows(home / "runs" / "x" / "results.csv")
+    assert len(df) == 2 and set(df["status"]) == {"ok"}, df[["label", "status", "reason"]].to_string()
+    model = df.loc[df["backend"] == "megatrain", "model"].iloc[0]
+    assert model == str(home / "mymodel")  # the spec's relative path, resolved where the user ran the sweep
+    new = _tree(home) - files_before
+    assert new and all(f.startswith("runs/x/") for f in new), sorted(new)
+    assert after == before, sorted(after ^ before)  # the checkout untouched
+
+
+@pytest.mark.slow
+def test_report_runs_the_notebook_on_a_sweep_from_another_folder(elsewhere):
+    home, _, _, _, sweep = elsewhere
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    before, files_before = _checkout_state(), _tree(home)
+    proc = run_python(["-m", "megatrain.commands.cli", "report", "runs/x", "--notebook"], cwd=home, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = home / "runs" / "x"
+    assert (out / "report.md").is_file()
+    figures = sorted((out / "notebook").glob("*.png"))
+    assert len(figures) >= 5 and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in figures), figures
+    executed = json.loads((out / "notebook" / "figures.ipynb").read_text())
+    text = "".join("".join(o.get("text", "")) for c in executed["cells"] for o in c.get("outputs", []))
+    assert "quick/results.csv not found" not in text  # the sweep's own results.csv is the measured sweep
+    assert all(str(p) in proc.stdout for p in figures)
+    new = _tree(home) - files_before
+    assert new and all(f.startswith("runs/x/") for f in new), sorted(new)
+    assert _checkout_state() == before
+
+
+def _drawn(monkeypatch, ok: pd.DataFrame, axis: str) -> Axes:
+    """The axes `_fig_vs_axis` draws for `ok`, caught as it is saved."""
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: saved.append(fig.axes[0]))
+    group = ["series", "model", "seq_len"] if axis == "batch" else ["series", "model", "batch"]
+    report_module._fig_vs_axis(ok, Path("unused.png"), axis, "x", group, "T (lines: a / b)")
+    return saved[0]
+
+
+def test_a_figure_with_one_x_value_is_bars_not_lines(monkeypatch):
+    rows = [{"series": s, "model": "tiny", "seq_len": 32, "batch": b, "tokens_per_s": t}
+            for s, b, t in (("torch", 1, 100.0), ("megatrain", 1, 80.0))]
+    ax = _drawn(monkeypatch, pd.DataFrame(rows), "batch")
+    assert not ax.lines and len(ax.patches) == 2
+    assert sorted(p.get_height() for p in ax.patches) == [80.0, 100.0]
+    assert "bars:" in ax.get_title()
+    # the control: two values on the axis are lines, one per series
+    rows += [{**r, "batch": 2, "tokens_per_s": r["tokens_per_s"] * 1.5} for r in rows]
+    ax = _drawn(monkeypatch, pd.DataFrame(rows), "batch")
+    assert len(ax.lines) == 2 and not ax.patches
