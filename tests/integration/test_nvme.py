@@ -1,4 +1,4 @@
-"""The NVMe tier (engine/spill.py, costs/nvme.py): spilled training is the in-memory training bit for bit, with
+"""The NVMe tier (engine/host/spill.py, costs/nvme.py): spilled training is the in-memory training bit for bit, with
 less host memory, files that exist only while it trains, and clear refusals before any work.
 
 - half the store's host bytes as the budget: bit-identical weights and optimizer state (hi/lo masters, clipping,

@@ -1,4 +1,4 @@
-"""The compiled one-loop AdamW step (engine/adam_kernel.py) against torch's own fused AdamW kernel, bit for bit.
+"""The compiled one-loop AdamW step (engine/update/adam_kernel.py) against torch's own fused AdamW kernel, bit for bit.
 
 Each master kind (FP32 with its bf16 copy, hi/lo halves, bf16), each gradient source (FP32 slab with the clip
 scales written back, bf16 slab, staged gradients read as 0 + g) and each optimizer option is compared with
