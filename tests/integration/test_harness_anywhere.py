@@ -84,23 +84,33 @@ def test_report_runs_the_notebook_on_a_sweep_from_another_folder(elsewhere):
     assert _checkout_state() == before
 
 
-def _drawn(monkeypatch, ok: pd.DataFrame, axis: str) -> Axes:
-    """The axes `_fig_vs_axis` draws for `ok`, caught as it is saved."""
+def _drawn(monkeypatch, draw) -> list[Axes]:
+    """The axes a report figure draws, caught as it is saved."""
     saved = []
-    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: saved.append(fig.axes[0]))
-    group = ["series", "model", "seq_len"] if axis == "batch" else ["series", "model", "batch"]
-    report_module._fig_vs_axis(ok, Path("unused.png"), axis, "x", group, "T (lines: a / b)")
-    return saved[0]
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: saved.extend(fig.axes))
+    draw(Path("unused.png"))
+    return saved
+
+
+def _rows(sizes: list[float], batches: list[int]) -> pd.DataFrame:
+    return pd.DataFrame([{"series": s, "model": f"m{p:g}", "params": p, "seq_len": 32, "micro_batch": b,
+                          "grad_accum": 1, "batch": b, "tokens_per_s": t * b / p, "model_tflops": t * 1e-6,
+                          "peak_device_bytes": 2.0**30, "peak_host_rss_bytes": 2.0**31}
+                         for s, t in (("torch", 100.0), ("megatrain", 80.0)) for p in sizes for b in batches])
 
 
 def test_a_figure_with_one_x_value_is_bars_not_lines(monkeypatch):
-    rows = [{"series": s, "model": "tiny", "seq_len": 32, "batch": b, "tokens_per_s": t}
-            for s, b, t in (("torch", 1, 100.0), ("megatrain", 1, 80.0))]
-    ax = _drawn(monkeypatch, pd.DataFrame(rows), "batch")
-    assert not ax.lines and len(ax.patches) == 2
-    assert sorted(p.get_height() for p in ax.patches) == [80.0, 100.0]
+    (ax,) = _drawn(monkeypatch, lambda out: report_module._fig_vs_axis(_rows([1.0], [1]), out, "batch", "x",
+                                                                      ["series", "model"], "T (lines: a / b)"))
+    assert not ax.lines and sorted(p.get_height() for p in ax.patches) == [80.0, 100.0]
     assert "bars:" in ax.get_title()
+    for fig in (report_module._fig_vs_model, report_module._fig_memory):
+        axes = _drawn(monkeypatch, lambda out, fig=fig: fig(_rows([1.0], [1]), out))
+        assert len(axes) == 2 and all(not ax.lines and len(ax.patches) == 2 for ax in axes), fig.__name__
     # the control: two values on the axis are lines, one per series
-    rows += [{**r, "batch": 2, "tokens_per_s": r["tokens_per_s"] * 1.5} for r in rows]
-    ax = _drawn(monkeypatch, pd.DataFrame(rows), "batch")
+    (ax,) = _drawn(monkeypatch, lambda out: report_module._fig_vs_axis(_rows([1.0], [1, 2]), out, "batch", "x",
+                                                                      ["series", "model"], "T (lines: a / b)"))
     assert len(ax.lines) == 2 and not ax.patches
+    for fig in (report_module._fig_vs_model, report_module._fig_memory):
+        axes = _drawn(monkeypatch, lambda out, fig=fig: fig(_rows([1e6, 2e6], [1]), out))
+        assert all(len(ax.lines) == 2 and not ax.patches for ax in axes), fig.__name__
