@@ -36,12 +36,12 @@ def _sec(s: float) -> str:
 
 def nvme_added_s(pl: Plan) -> float:
     """What the NVMe tier adds to the step of the mode "auto" chose (0 when it does not spill)."""
-    return pl.auto.nvme.get("added_s", 0.0) if pl.auto is not None and pl.auto.mode.nvme else 0.0
+    return pl._nvme_added_s
 
 
 def fits(pl: Plan) -> bool:
     """The plan's verdict: host mode "auto"'s choice (NVMe tier included) where it chose, else memory and engine."""
-    return pl.auto.fits if pl.auto is not None else pl.feasible
+    return pl._fits_as_chosen
 
 
 def headline_step_s(pl: Plan) -> float:

@@ -184,3 +184,15 @@ def test_zero3_on_a_node_moves_1_over_g_of_the_bytes_over_each_link():
     assert eight.path == "zero3" and "NVLink" in eight.path_why
     # its CPU Adam: one model's update on the node either way (each rank 1/8 at 1/8 of the host)
     assert eight.rank.time.optimizer_s == pytest.approx(one.rank.time.optimizer_s, rel=1e-6)
+
+
+def test_json_headline_is_the_first_screens(capsys, qwen3):
+    lines = _screen(capsys, qwen3, *POINT, "--hardware", "h200-pcie", "--compare", "")
+    assert main(["--model", qwen3, *POINT, "--hardware", "h200-pcie", "--compare", "", "--json", "--no-search"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["headline_step_s"] == pytest.approx(_step_s(lines), abs=0.006)
+    assert d["headline_step_s"] > d["time"]["step_s"]  # the NVMe time is in the headline, not in the pipeline's step
+    tight = ["--model", "llama3.1-70b", *POINT, "--hardware", "h100-pcie", "--host-memory-gib", "512", "--compare", ""]
+    assert main([*tight, "--json", "--no-search"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["fits"] is False and d["headline_step_s"] is None and d["headline_tokens_per_s"] is None
