@@ -259,6 +259,8 @@ def node_memory(pl: Plan, gpus_per_node: int, nodes: int = 1, path: str = PER_RA
     if node_path and rank.get("pinned grad staging"):
         # the rank's FP32 shard, 1/G of a layer, lands in its staging (docs/DISTRIBUTED.md, section 2)
         rank["pinned grad staging"] = int(rank["pinned grad staging"] * 4 / pl.point.c / n)
+    if path == NODE and rank.get("fp32 scratch (one layer)"):
+        rank["fp32 scratch (one layer)"] //= n  # a rank unpacks and updates its 1/G shard of a layer (section 3)
     host = {k: copies * layer.get(k, 0) + n * rank.get(k, 0) for k in pl.memory.host}
     host["runtime"] = layer["runtime"] + (n - 1) * rank["rank runtime"]
     host["grad transit (data parallel)"] = n * rank["grad transit (data parallel)"]
@@ -330,8 +332,10 @@ def _rank_time(p: Point, hw: Hardware, single: Plan, n: int, nodes: int, path: s
         rhw = rank_hardware(hw, n, h2d)
         if n > 1:
             rhw = rhw.with_(host_cores=max(1, host_cores(hw) // n))  # its team: cores / G (DISTRIBUTED.md, 3)
-        t = megatrain_time(p, rhw, lc.offload, owned_layers=p.model.num_layers / n, residency=lc.residency,
-                           node=share)
+        # 1/G of every layer the node owns: all of them, or 1/store_nodes of them with a store shared by the nodes
+        # (the other nodes update theirs at the same time)
+        t = megatrain_time(p, rhw, lc.offload, owned_layers=p.model.num_layers / n / store_nodes,
+                           residency=lc.residency, node=share)
         h2d = t.h2d_bytes / max(1, t.h2d_bytes + t.d2h_bytes)
     return rhw, t
 
@@ -419,11 +423,16 @@ def plan_auto_multi(p: Point, hw: Hardware, gpus_per_node: int, nodes: int, grad
             mp = seen[mode][0]
             mp.auto = AutoChoice(mode, True, {})
             return mp
-    seen.clear()
-    mode, ok = choose_host_mode(lambda m: attempt(m, 1), p.c == 2, p.grad_accum == 1, nvme, p.optimizer_in_backward,
-                                grad)
+    # then the NVMe tier, one store per node first; where nothing fits, the plan of the least host memory (the
+    # store shared by every node) says by how much
+    for store_nodes in order:
+        seen.clear()
+        mode, ok = choose_host_mode(lambda m, k=store_nodes: attempt(m, k), p.c == 2, p.grad_accum == 1, nvme,
+                                    p.optimizer_in_backward, grad)
+        if ok:
+            break
     if mode not in seen:
-        attempt(mode, 1)
+        attempt(mode, order[-1])
     mp, _, figures = seen[mode]
     mp.auto = AutoChoice(mode, ok, figures)
     if mode.nvme:
