@@ -57,6 +57,7 @@ from .point import Point, layer_grad_bytes, make_point, master_bytes
 from .point_plan import plan_point
 from .prediction import Plan
 from .step_time import IDLE_COMM, Time, megatrain_time
+from .zero3_node import zero3_rank
 
 # The per-rank FP32 buffer a layer's gradients travel through on their way to the owner's slab: two of the
 # largest layer, so one can be reduced while the next lands.
@@ -352,9 +353,7 @@ def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int 
         raise ValueError(f"store_nodes={store_nodes}: 1 (each node its own store) or the job's {nodes} nodes")
     single_hw, hw = hw, node_profile(hw, gpus_per_node)
     if p.backend == "zero3":
-        from .zero3_node import plan_zero3_multi
-
-        return plan_zero3_multi(p, single_hw, hw, gpus_per_node, nodes)
+        return _zero3_multi(p, single_hw, hw, gpus_per_node, nodes)
     if gpus_per_node * nodes > 1 and left_auto(p.speculative_step):
         p = dataclasses.replace(p, speculative_step=False)  # the engine's "auto": off with several ranks
     if gpus_per_node * nodes > 1:
@@ -390,6 +389,17 @@ def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int 
     if store_nodes > 1:
         why = f"{why}; {store_nodes} nodes share one store (each owns 1/{store_nodes} of the layers)"
     return MultiPlan(n, nodes, single, rank_plan, comm, layer, rank, path, why, store_nodes)
+
+
+def _zero3_multi(p: Point, single_hw: Hardware, hw: Hardware, gpus: int, nodes: int) -> MultiPlan:
+    """ZeRO-3 offload on the node (zero3_node.py's model)."""
+    single = plan_point(p, single_hw)
+    if gpus * nodes == 1:
+        return MultiPlan(1, 1, single, single, Comm(0.0, 0.0, 0.0, 0.0, 0), {}, {}, "zero3", "one GPU")
+    st = single.time
+    rhw = rank_hardware(hw, gpus, st.h2d_bytes / max(1, st.h2d_bytes + st.d2h_bytes))
+    rank, how = zero3_rank(p, single, hw, rhw, gpus, nodes)
+    return MultiPlan(gpus, nodes, single, rank, Comm(0.0, 0.0, 0.0, 0.0, 0), {}, {}, "zero3", how)
 
 
 def plan_auto_multi(p: Point, hw: Hardware, gpus_per_node: int, nodes: int, grad: Any = None,

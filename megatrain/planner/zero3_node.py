@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 from .hardware import GB, GIB, Hardware
 from .memory import Memory, check_fit
 from .point import Point
-from .point_plan import plan_point
 from .prediction import Plan
 from .step_time import zero3_time
 
@@ -41,15 +39,9 @@ def fetch_rate_bps(hw: Hardware, gpus: int, nodes: int, link_bps: float) -> floa
     return 1 / per_byte
 
 
-def plan_zero3_multi(p: Point, single_hw: Hardware, hw: Hardware, gpus: int, nodes: int) -> Any:
-    """A MultiPlan for ZeRO-3 offload (planner/multi.py's shape, its figures from this module's model)."""
-    from .multi import Comm, MultiPlan, rank_hardware
-
-    single = plan_point(p, single_hw)
-    if gpus * nodes == 1:
-        return MultiPlan(1, 1, single, single, Comm(0.0, 0.0, 0.0, 0.0, 0), {}, {}, "zero3", "one GPU")
-    st = single.time
-    rhw = rank_hardware(hw, gpus, st.h2d_bytes / max(1, st.h2d_bytes + st.d2h_bytes))
+def zero3_rank(p: Point, single: Plan, hw: Hardware, rhw: Hardware, gpus: int, nodes: int) -> tuple[Plan, str]:
+    """(one rank's Plan, how its data moves) for ZeRO-3 offload on `gpus` per node x `nodes`; `single`: its one-GPU
+    plan, `hw`: the node's profile, `rhw`: one GPU's view of the node (planner/multi.py rank_hardware)."""
     rate = fetch_rate_bps(hw, gpus, nodes, rhw.link_bps)
     adam = (hw.cpu_adam_params_per_s or 0.0) * nodes or None  # the whole node's rate over 1/N of the model
     view = rhw.with_(link_gbs_achieved=rate / GB, cpu_adam_params_per_s=adam,
@@ -68,4 +60,4 @@ def plan_zero3_multi(p: Point, single_hw: Hardware, hw: Hardware, gpus: int, nod
                 list(single.refused))
     how = (f"DeepSpeed's partitions: 1/{gpus * nodes} of each parameter over the link, the rest all-gathered "
            + ("over NVLink" if hw.nvlink_gbs else "over PCIe") + (" and the network" if nodes > 1 else ""))
-    return MultiPlan(gpus, nodes, single, rank, Comm(0.0, 0.0, 0.0, 0.0, 0), {}, {}, "zero3", how)
+    return rank, how
