@@ -196,3 +196,39 @@ def test_json_headline_is_the_first_screens(capsys, qwen3):
     assert main([*tight, "--json", "--no-search"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["fits"] is False and d["headline_step_s"] is None and d["headline_tokens_per_s"] is None
+
+
+@pytest.mark.parametrize("args", [
+    ["tiny", "--context", "128", "--hardware", "cpu"],
+    ["llama2-7b", "--hardware", "rtx4090", "--compare", "zero3,torch,zero3-alst"],
+    ["gpt-oss-120b", "--hardware", "h200-pcie", "--gpus-per-node", "4"],
+    ["llama3.1-70b", "--hardware", "h100-pcie", "--gpus-per-node", "8", "--nodes", "2"],
+    ["qwen2.5-14b", "--hardware", "gh200", "--gpus-per-node", "4", "--backend", "zero3"],
+])
+def test_first_screen_is_short_and_claims_no_throughput_without_a_fit(capsys, args):
+    lines = _screen(capsys, *args)
+    assert 0 < len(lines) <= FIRST_SCREEN_LINES and all(len(line) <= 400 for line in lines)
+    fit = next(line for line in lines if line.startswith("  fits:"))
+    if fit.startswith("  fits: NO"):
+        assert not any("tokens/s" in line and not line.lstrip().startswith("zero3") for line in lines)
+    else:
+        assert any(line.startswith("  step ") for line in lines)
+
+
+def test_node_details_agree_with_the_first_screen(capsys):
+    args = ["120b", *POINT, "--hardware", "h200-pcie", "--gpus-per-node", "8", "--compare", ""]
+    first = _screen(capsys, *args)
+    details = _screen(capsys, *args, "--details", "--no-search")
+    assert details[: len(first)] == first  # the first screen, then the rest
+    fits = {line.strip() for line in details if line.strip().startswith("fits:")}
+    assert fits == {next(line for line in first if line.startswith("  fits:")).strip()}
+    assert _figure(details, r"step per rank ([\d.]+) s") == pytest.approx(_step_s(first), abs=0.006)
+
+
+def test_a_grace_hopper_node_has_a_host_per_gpu():
+    from megatrain.planner.multi import node_profile
+
+    one = get_hardware("gh200")
+    four = node_profile(one, 4)
+    assert four.host_bytes == 4 * one.host_bytes and four.host_bw_bps == pytest.approx(4 * one.host_bw_bps)
+    assert node_profile(get_hardware("h100-sxm"), 8) == get_hardware("h100-sxm")  # one host for the board
