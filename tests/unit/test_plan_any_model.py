@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
+from plan_cli import main  # --details: the tables these tests read
 
-from megatrain.commands.plan import main
 from megatrain.planner.shapes import resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
