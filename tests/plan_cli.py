@@ -1,5 +1,5 @@
 """`megatrain plan` as the existing planner tests read it: the whole plan (`--details`), whose tables they check.
-The first screen alone is tested by tests/unit/test_plan_first_screen.py with the command's own main."""
+The first screen alone is tested by tests/unit/test_planner_node_path.py with the command's own main."""
 
 from __future__ import annotations
 

@@ -97,7 +97,7 @@ def layer_compute(p: Point, hw: Hardware) -> tuple[float, float, float]:
 def sustained_from_layer_time(p: Point, hw: Hardware, seconds: float) -> float:
     """The `sustained` fraction of peak at which this model's layer compute (forward + recompute +
     backward, as layer_compute charges it, the profile's fixed per-layer costs included) takes
-    `seconds`: a profile number from a measured layer (megatrain/commands/measure.py, layer_seconds), not from a
+    `seconds`: a profile number from a measured layer (megatrain/metrics/bench.py, layer_seconds), not from a
     measured step."""
     lin, attn, elem_bytes = layer_flops(p)
     elem = elem_bytes / (hw.device_memory_bw_gbs * GB)
