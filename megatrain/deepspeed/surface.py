@@ -74,7 +74,7 @@ _GROUPS = {
     _INTERNAL: """basic_optimizer client_optimizer client_lr_scheduler dont_change_device flatten unflatten
         module_forward_pre_hook module_forward_post_hook scale_wrt_gas warn_unscaled_loss losses
         is_sanity_checks_enabled collect_python_gc managed_gradient_accumulation optimizer_legacy_fusion get_type
-        log_level memory_breakdown dump_state destroy""",
+        log_level memory_breakdown dump_state destroy get_optimizer_configuration""",
 }
 
 REFUSED: dict[str, str] = {name: reason for reason, names in _GROUPS.items() for name in names.split()}

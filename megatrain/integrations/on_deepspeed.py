@@ -47,10 +47,11 @@ _installed: list[Any] = []
 
 
 def install() -> None:
-    """With the opt-out set: leave `deepspeed.initialize` to DeepSpeed, saying so at each call (idempotent)."""
+    """With the opt-out set: leave `deepspeed.initialize` to DeepSpeed, saying so at each call (idempotent; nothing
+    without the opt-out, where the routing says it for what it passes on)."""
     import deepspeed
 
-    if _installed or getattr(deepspeed, "__name__", "") != "deepspeed":
+    if _installed or not left_on_deepspeed() or getattr(deepspeed, "__name__", "") != "deepspeed":
         return  # the name is MegaTrain's own namespace (a shim): MegaTrain trains and says so itself
     real = deepspeed.initialize
 
