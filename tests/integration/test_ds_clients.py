@@ -35,10 +35,11 @@ MT_LINE = "MegaTrain is training | face: DeepSpeed (megatrain.initialize)"
 DS_LINE = "DeepSpeed is training | engine: DeepSpeedEngine (real DeepSpeed)"
 
 
-def _env(**extra: str) -> dict[str, str]:
+def _env(world_size: str | None = None, **extra: str) -> dict[str, str]:
     from baselines.zero3 import default_extensions_dir
 
-    env = worker_env(threads=1, drop=("MEGATRAIN_DEEPSPEED_GUARD", "MEGATRAIN_LAUNCHED"), **extra)
+    env = worker_env(threads=1, drop=("MEGATRAIN_DEEPSPEED_GUARD", "MEGATRAIN_LAUNCHED"),
+                     world_size=int(world_size) if world_size else None, **extra)
     env.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())
     return env
 
@@ -183,3 +184,47 @@ def test_the_shim_needs_no_variable_and_the_startup_hook_routes_nothing(tmp_path
                         "print(deepspeed.__name__, hf.installed())"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.stdout.split()[-2:] == ["deepspeed", "True"], r.stderr[-TAIL_CHARS:]
+
+
+@pytest.mark.slow
+def test_a_stage3_config_active_at_from_pretrained_trains_exactly_on_megatrain(tmp_path):
+    """Under `megatrain launch` transformers builds the model whole; with `import megatrain as deepspeed` real
+    DeepSpeed's partitioner builds it and initialize gathers it once. Both train as plain PyTorch does."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                      max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    script = ROOT / "tests" / "workers" / "ds_stage3_main.py"
+    as_script = tmp_path / "as_main.py"
+    as_script.write_text(re.sub(r"^import deepspeed$", "import megatrain as deepspeed", script.read_text(), flags=re.M))
+    runs = {"launch": (_launch(str(script), str(tmp_path / "model"), str(tmp_path / "launch.json")), _env()),
+            "as": ([as_script, tmp_path / "model", tmp_path / "as.json"], _env(world_size="1"))}
+    procs = {}
+    for name, (argv, env) in runs.items():
+        with open(tmp_path / f"{name}.log", "w") as f:
+            procs[name] = start_python(argv, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+    # Plain PyTorch on the same weights and batches, meanwhile.
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(5)
+    ref = []
+    for _ in range(6):
+        ids = torch.randint(0, 256, (2, 16), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+    for name, proc in procs.items():
+        proc.wait(timeout=900)
+        log = (tmp_path / f"{name}.log").read_text()
+        assert proc.returncode == 0, log[-TAIL_CHARS:]
+        report = json.loads((tmp_path / f"{name}.json").read_text())
+        assert report["engine"] == "MegaTrainEngine" and MT_LINE in log, name
+        assert max(abs(a - b) for a, b in zip(report["losses"], ref)) <= TOL, name
+        # launch: transformers was told (no zero.Init); as: DeepSpeed partitioned it and initialize gathered it
+        assert report["partitioned_at_build"] == (name == "as"), name
+        assert ("parameters gathered whole once" in log) == (name == "as"), name
