@@ -4,7 +4,7 @@ saving, `model.tput_timer`, `model.global_rank`, `deepspeed.comm.get_rank()`), r
 test_ds_clients.py unchanged under `megatrain launch`, with `import megatrain as deepspeed`, with every deepspeed
 import redirected, and on real DeepSpeed.
 
-usage: main.py --out DIR [--steps N] [--save_dir DIR] [--dist_backend gloo]
+usage: main.py --out DIR [--steps N] [--save_dir DIR] [--dist_backend gloo] [--bf16]
 Each rank writes DIR/rank{R}.json: the engine's class, its losses, ranks and the logits of an eval batch.
 """
 
@@ -26,6 +26,7 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--save_dir", default=None)
 parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--dist_backend", default="gloo")
+parser.add_argument("--bf16", action="store_true")
 args = parser.parse_args()
 
 deepspeed.init_distributed(dist_backend=args.dist_backend)
@@ -39,7 +40,7 @@ ds_config = {
     "train_micro_batch_size_per_gpu": MICRO,
     "steps_per_print": 10,
     "zero_optimization": {"stage": 0},
-    "bf16": {"enabled": False},
+    "bf16": {"enabled": args.bf16},
     "gradient_clipping": 1.0,
     "wall_clock_breakdown": False,
 }
