@@ -372,11 +372,13 @@ class MegaTrainEngine:
         return True
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
-        """What accelerate / Trainer save at stage 3: every weight, copies of the FP32 masters (nothing is 16-bit
-        here). Copies, as DeepSpeed's gather makes: the masters of a layer are views of one flat buffer, and
+        """What accelerate / Trainer save at stage 3: every weight, copies of the FP32 masters, in bf16 when the
+        config's bf16 is on (DeepSpeed's dtype there). Copies, as DeepSpeed's gather makes: the masters of a layer are views of one flat buffer, and
         accelerate's `save_model` keeps one tensor per storage (it saved 3 of 21 tensors of a tiny Llama)."""
         weights = self.engine.state_dict()  # the masters, whatever the host mode; buffers from the model
         sd = {k: weights[k] if k in weights else v.detach().clone() for k, v in self.module.state_dict().items()}
+        if self.bfloat16_enabled():  # the dtype the config asks for, as DeepSpeed's 16-bit gather gives it
+            sd = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in sd.items()}
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             sd = {k: v for k, v in sd.items() if k not in frozen}

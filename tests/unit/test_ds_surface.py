@@ -136,3 +136,20 @@ def test_a_write_under_gathered_parameters_reaches_the_host_masters_and_trains_o
         engine.backward(loss)
         engine.step()
         assert abs(loss.item() - ref.item()) <= 1e-5
+
+
+def test_the_stage3_save_gives_the_dtype_the_config_asks_for():
+    """accelerate and Trainer save a stage-3 run through `_zero3_consolidated_16bit_state_dict`: bf16 when the config
+    says bf16 (as DeepSpeed gives it), the FP32 masters otherwise; copies, never views of the engine's buffers."""
+    for bf16 in (False, True):
+        engine, _ = _engine(tiny_model(layers=2), bf16={"enabled": bf16})
+        batch = make_batches(1)[0]
+        engine.backward(engine(**batch).loss)
+        engine.step()
+        masters = engine.state_dict()
+        sd = engine._zero3_consolidated_16bit_state_dict()
+        want = torch.bfloat16 if bf16 else torch.float32
+        assert {v.dtype for v in sd.values()} == {want} and set(masters) <= set(sd)
+        assert all(torch.equal(sd[k], masters[k].to(want)) for k in masters)
+        storages = {v.untyped_storage().data_ptr() for v in sd.values()}
+        assert len(storages) == len(sd) - (1 if engine.module.config.tie_word_embeddings else 0)
