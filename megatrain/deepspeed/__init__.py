@@ -4,7 +4,7 @@
     DeepSpeedEngine (MegaTrainEngine)   deepspeed_engine.py        (the engine it returns, holding the MegaTrain backend)
     zero, comm, init_distributed        zero.py, comm.py
     get_accelerator                     accelerator.py (`from deepspeed import get_accelerator`)
-    utils, checkpointing, ops, accelerator, runtime, compression   (the submodules of the same names)
+    utils, checkpointing, ops, accelerator, runtime, compression, checkpoint   (the submodules of the same names)
     lr_schedules                        DeepSpeed's LR schedules (megatrain/lr_schedules.py, torch-only)
     config                              the DeepSpeed config parser (megatrain/config/deepspeed.py)
 
@@ -27,7 +27,7 @@ _EXPORTS = {
 }
 # The namespace's submodules; two live below the face (the parser with the configuration, the schedules beside it).
 _SUBMODULES = {**{m: f"{__name__}.{m}" for m in ("zero", "comm", "utils", "checkpointing", "ops", "accelerator",
-                                                 "runtime", "compression")},
+                                                 "runtime", "compression", "checkpoint")},
                "lr_schedules": "megatrain.lr_schedules", "config": "megatrain.config.deepspeed"}
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
