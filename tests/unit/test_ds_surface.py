@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import copy
 import inspect
+import re
 import warnings
 
 import pytest
@@ -153,3 +154,27 @@ def test_the_stage3_save_gives_the_dtype_the_config_asks_for():
         assert all(torch.equal(sd[k], masters[k].to(want)) for k in masters)
         storages = {v.untyped_storage().data_ptr() for v in sd.values()}
         assert len(storages) == len(sd) - (1 if engine.module.config.tie_word_embeddings else 0)
+
+
+def test_a_decoder_with_a_classification_or_reward_head_is_refused_naming_the_head():
+    """Not trained yet (the engine streams a decoder only under its causal-LM head): refused by name, with the way
+    to train it, for transformers' sequence classification and for a user's reward wrapper (base model + v_head)."""
+    import transformers
+
+    from megatrain.models.adapter import find_parts
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, num_labels=1, pad_token_id=0)
+
+    class RewardModel(torch.nn.Module):
+        def __init__(self, base: torch.nn.Module) -> None:
+            super().__init__()
+            self.config = base.config
+            self.v_head = torch.nn.Linear(64, 1, bias=False)
+            self.rwtransformer = base
+
+    for model, head in ((transformers.LlamaForSequenceClassification(cfg), "`score` (64 -> 1)"),
+                        (RewardModel(transformers.LlamaModel(cfg)), "`v_head` (64 -> 1)")):
+        with pytest.raises(ValueError, match=rf"a decoder with a {re.escape(head)} head .*MEGATRAIN_DEEPSPEED_GUARD=0"):
+            find_parts(model)
+    assert find_parts(transformers.LlamaForCausalLM(cfg)).lm_head.out_features == 256  # control: a causal LM is taken
