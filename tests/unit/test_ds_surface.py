@@ -139,6 +139,7 @@ def test_a_write_under_gathered_parameters_reaches_the_host_masters_and_trains_o
         assert abs(loss.item() - ref.item()) <= 1e-5
 
 
+@pytest.mark.slow
 def test_the_stage3_save_gives_the_dtype_the_config_asks_for():
     """accelerate and Trainer save a stage-3 run through `_zero3_consolidated_16bit_state_dict`: bf16 when the config
     says bf16 (as DeepSpeed gives it), the FP32 masters otherwise; copies, never views of the engine's buffers."""
