@@ -110,7 +110,8 @@ def test_a_deepspeed_example_script_trains_on_megatrain_three_ways_with_deepspee
                             _env(MEGATRAIN_DEEPSPEED_GUARD="0")),
         "launch": _start(tmp_path, "unchanged", _launch(str(_copy(tmp_path, "unchanged") / "main.py")), _env()),
         "as": _start(tmp_path, "as", [_copy(tmp_path, "as") / "main.py"], _env()),
-        "redirect": _start(tmp_path, "redirect", [_copy(tmp_path, "redirect") / "main.py"], _env()),
+        # the shim under `megatrain launch` (here) and under plain torchrun (two ranks, below)
+        "redirect": _start(tmp_path, "redirect", _launch(str(_copy(tmp_path, "redirect") / "main.py")), _env()),
     }
     done = {name: _finish(run) for name, run in runs.items()}
     (ref,), ref_log = done.pop("deepspeed")
@@ -126,6 +127,7 @@ def test_a_deepspeed_example_script_trains_on_megatrain_three_ways_with_deepspee
         _assert_reloads_to_the_engines_logits(tmp_path / ("unchanged" if name == "launch" else name) / "saved",
                                               report)
     assert "via deepspeed.initialize under megatrain launch" in done["launch"][1]
+    assert "via deepspeed.initialize" not in done["redirect"][1]  # the shim's own initialize: nothing was routed
     # The redirected run never imported real DeepSpeed: its modules are megatrain's (the control for that way).
     assert "DeepSpeed deepspeed.ops" not in done["redirect"][1]
 

@@ -1,0 +1,33 @@
+"""Which engine a `deepspeed.initialize` config trains on (integrations/hf_stage.py: `routed`): a "megatrain" section,
+or `megatrain launch` (MEGATRAIN_LAUNCHED=1, whatever the config: built in code or read from a file), unless the
+opt-out leaves DeepSpeed alone; and the line a run left on real DeepSpeed prints."""
+
+from __future__ import annotations
+
+import json
+
+from megatrain.integrations import hf_stage, on_deepspeed
+
+
+def test_under_megatrain_launch_every_config_is_routed_unless_left_on_deepspeed(tmp_path, monkeypatch):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 2}))
+    plain, ours = {"train_batch_size": 2}, {"train_batch_size": 2, "megatrain": {}}
+    for var in (hf_stage.LAUNCHED_ENV, on_deepspeed.GUARD_ENV):
+        monkeypatch.delenv(var, raising=False)
+    assert [hf_stage.routed(c) for c in (plain, str(path), ours)] == [False, False, True]
+    monkeypatch.setenv(hf_stage.LAUNCHED_ENV, "1")
+    assert [hf_stage.routed(c) for c in (plain, str(path), ours, None)] == [True, True, True, True]
+    monkeypatch.setenv(on_deepspeed.GUARD_ENV, "0")
+    assert [hf_stage.routed(c) for c in (plain, str(path))] == [False, False] and on_deepspeed.left_on_deepspeed()
+
+
+def test_a_run_on_real_deepspeed_says_so_on_rank_0_only(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    on_deepspeed.announce(on_deepspeed.LEFT)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    on_deepspeed.announce(on_deepspeed.NO_SECTION)
+    err = capsys.readouterr().err
+    assert err.startswith("[megatrain] DeepSpeed is training | engine: DeepSpeedEngine (real DeepSpeed) | the config "
+                          'has no "megatrain" section')
