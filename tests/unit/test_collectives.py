@@ -189,9 +189,8 @@ def test_node_groups_follow_local_world_size(ranks):
         r = p["rank"]
         node = nodes[r // LOCAL_WORLD]
         assert p["nodes"] == nodes and p["node"] == r // LOCAL_WORLD and p["local"] == r % LOCAL_WORLD, p
-        assert p["node_group_rank"] == p["local"]
-        assert p["node_rank_sum"] == sum(node) and p["node_gather"] == [float(x) for x in node], p
-        if world == LOCAL_WORLD:
-            assert "cross_rank_sum" not in p
-        else:  # the peers: the same local index on every node
-            assert p["cross_rank_sum"] == sum(n[p["local"]] for n in nodes), p
+        assert p["node_group_ranks"] == [p["local"]] * 2 and p["node_gather"] == [float(x) for x in node], p
+        # A sum over each group: the gather's and the scatter's node groups, then the peers' (the same local
+        # index on every node) for each, none with one node.
+        peers = sum(n[p["local"]] for n in nodes) if world > LOCAL_WORLD else None
+        assert p["group_rank_sums"] == [sum(node)] * 2 + [peers] * 2, p

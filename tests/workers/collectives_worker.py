@@ -163,16 +163,16 @@ def main() -> None:
     # -- the node's groups, from LOCAL_WORLD_SIZE: members, this rank's index, a sum over each group
     ng = node_groups(torch.device("cpu"), datetime.timedelta(seconds=120))
     out["nodes"], out["node"], out["local"] = ng.nodes, ng.node, ng.local
-    out["node_group_rank"] = dist.get_rank(ng.node_group)
-    t = torch.tensor([float(rank)])
-    dist.all_reduce(t, group=ng.node_group)
-    out["node_rank_sum"] = float(t)
-    if ng.cross_group is not None:
+    out["node_group_ranks"] = [dist.get_rank(ng.gather_group), dist.get_rank(ng.scatter_group)]
+    sums = []
+    for group in (ng.gather_group, ng.scatter_group, ng.cross_gather, ng.cross_scatter):
         t = torch.tensor([float(rank)])
-        dist.all_reduce(t, group=ng.cross_group)
-        out["cross_rank_sum"] = float(t)
+        if group is not None:
+            dist.all_reduce(t, group=group)
+        sums.append(None if group is None else float(t))
+    out["group_rank_sums"] = sums
     got = torch.empty(ng.local_world)
-    all_gather_into(got, torch.tensor([float(rank)]), ng.node_group)
+    all_gather_into(got, torch.tensor([float(rank)]), ng.gather_group)
     out["node_gather"] = got.tolist()
 
     print("PROBE " + json.dumps(out), flush=True)

@@ -251,14 +251,21 @@ def _check_positive(**values: int) -> None:
 
 @dataclass
 class NodeGroups:
-    """This rank's place on the node path: its node's group of G ranks (the gather and the reduce-scatter) and its
-    peers' group across nodes (the same local index on every node; None with one node)."""
+    """This rank's place on the node path: its node's groups of G ranks and its peers' groups across nodes (the
+    same local index on every node; None with one node), one of each per stream that issues collectives.
 
-    node_group: dist.ProcessGroup
-    cross_group: dist.ProcessGroup | None
+    Why one group per stream: every rank must issue a group's collectives in the same order, and the weights'
+    gathers and the gradients' reduce-scatters are issued by two streams (threads on the CPU) that interleave
+    differently on each rank; NCCL also runs one group's collectives one after another, where two groups let a
+    layer's gather (the recompute's) overlap another's reduce-scatter."""
+
+    gather_group: dist.ProcessGroup  # the weights' all-gathers (the gather stream)
+    scatter_group: dist.ProcessGroup  # the gradients' reduce-scatters (the scatter stream)
+    cross_gather: dist.ProcessGroup | None  # across nodes: a layer's weights from its owner node (section 5b)
+    cross_scatter: dist.ProcessGroup | None  # across nodes: the gradient shard's all-reduce / reduce (5a, 5b)
     nodes: list[list[int]]  # global ranks of every node, each in local order
     node: int  # this rank's node
-    local: int  # this rank's index in its node: its shard (group rank in node_group)
+    local: int  # this rank's index in its node: its shard (its rank in the node's groups)
 
     @property
     def local_world(self) -> int:
@@ -306,14 +313,16 @@ def node_groups(device: torch.device, timeout: datetime.timedelta) -> NodeGroups
     dist.all_gather_object(every, mine)
     nodes = node_layout([e[0] for e in every], [e[1] for e in every], [e[2] for e in every])
     backend = "nccl" if device.type == "cuda" else "gloo"
-    node_group, _ = dist.new_subgroups_by_enumeration(nodes, timeout=timeout, backend=backend)
-    cross_group = None
-    if len(nodes) > 1:
-        peers = [[n[j] for n in nodes] for j in range(len(nodes[0]))]
-        cross_group, _ = dist.new_subgroups_by_enumeration(peers, timeout=timeout, backend=backend)
+    peers = [[n[j] for n in nodes] for j in range(len(nodes[0]))]
+
+    def groups(members: list[list[int]]) -> dist.ProcessGroup:
+        return dist.new_subgroups_by_enumeration(members, timeout=timeout, backend=backend)[0]
+
+    gather, scatter = groups(nodes), groups(nodes)
+    cross_gather, cross_scatter = (groups(peers), groups(peers)) if len(nodes) > 1 else (None, None)
     rank = dist.get_rank()
     node = next(i for i, n in enumerate(nodes) if rank in n)
-    return NodeGroups(node_group, cross_group, nodes, node, nodes[node].index(rank))
+    return NodeGroups(gather, scatter, cross_gather, cross_scatter, nodes, node, nodes[node].index(rank))
 
 
 def _env_int(name: str) -> int | None:
