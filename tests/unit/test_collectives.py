@@ -194,3 +194,21 @@ def test_node_groups_follow_local_world_size(ranks):
         # index on every node) for each, none with one node.
         peers = sum(n[p["local"]] for n in nodes) if world > LOCAL_WORLD else None
         assert p["group_rank_sums"] == [sum(node)] * 2 + [peers] * 2, p
+
+
+def test_layers_stream_through_copy_gather_and_scatter_streams(ranks):
+    """DISTRIBUTED.md step 2's mechanism on the engine's copy streams: shard copies on one, gathers behind them on a
+    second (a layer ahead), reduce-scatters on a third at the same time, each on its own group of the node."""
+    g = LOCAL_WORLD
+    for p in ranks:
+        s = p["streams"]
+        assert s["gathered_exact"] and s["rs_err_over_bound"] <= 1.0, s
+        # This rank copied at most its 1/G of every padded layer (the padding is not copied), the gather brought the
+        # other (G - 1)/G and the scatter sent (G - 1)/G of it in FP32.
+        assert 0 < s["h2d_bytes"] <= s["padded_bytes"] // g, s
+        assert s["gathered_bytes"] == s["padded_bytes"] * (g - 1) // g, s
+        assert s["scattered_bytes"] == s["padded_fp32_bytes"] * (g - 1) // g, s
+    # The node's ranks together copied every byte of every layer once: one trip per layer per node.
+    for a in range(0, len(ranks), g):
+        node = ranks[a:a + g]
+        assert sum(p["streams"]["h2d_bytes"] for p in node) == node[0]["streams"]["whole_bytes"], node

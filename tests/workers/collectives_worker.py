@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatrain.engine.parallel.collectives import (
     GRANULE,
     CollectiveStats,
+    NodeGroups,
     ShardMap,
     all_gather_into,
     gather_layer,
@@ -21,6 +22,7 @@ from megatrain.engine.parallel.collectives import (
     reduce_scatter_into,
     reduce_scatter_layer,
 )
+from megatrain.engine.runtime.stream import DONE, CopyStream, Trace
 
 U = 2.0**-24  # FP32's unit roundoff
 
@@ -48,6 +50,78 @@ def err_over_bound(got: torch.Tensor, parts: list[torch.Tensor]) -> float:
     if bool(((bound == 0) & (err > 0)).any()):
         return math.inf
     return float((err / bound.clamp_min(1e-300)).max())
+
+
+def streamed_layers(ng: NodeGroups, layers: int = 6, ring: int = 2) -> dict:
+    """DISTRIBUTED.md step 2's mechanism on the engine's own copy streams (threads on the CPU), without the engine:
+    each layer's owned ranges copied into a ring slot on an "h2d" stream, gathered on a "gather" stream behind that
+    copy (its event the slot's `loaded`), the next layer's copy and gather in flight while this one is read, and
+    every layer's gradients reduce-scattered on a "scatter" stream at the same time, each stream on its own
+    group. Returns what it saw: every gathered layer and every shard against local results, the bytes moved."""
+    cpu, g = torch.device("cpu"), ng.local_world
+    h2d, gather, scatter = (CopyStream(name, cpu, Trace(False), None, 120.0) for name in ("h2d", "gather", "scatter"))
+    numels = [1000 + 333 * i for i in range(layers)]
+    maps = [ShardMap.of(n, g, 2 * g * GRANULE) for n in numels]
+    host = [data(700 + i, n, torch.bfloat16) for i, n in enumerate(numels)]  # the store's stream sources
+    slots = [torch.full((max(m.padded for m in maps),), float("nan"), dtype=torch.bfloat16) for _ in range(ring)]
+    loaded, freed = [DONE] * ring, [DONE] * ring
+    shards, scattered = [], []
+
+    def load(i: int) -> None:
+        slot, m = i % ring, maps[i]
+
+        def copy() -> int:
+            moved = 0
+            for a, b in m.owned(ng.local):
+                slots[slot][a:b].copy_(host[i][a:b])
+                moved += (b - a) * 2
+            return moved
+
+        copied = h2d.submit(copy, (freed[slot],), "load", i)
+        loaded[slot] = gather.submit(lambda: _gathered(slots[slot][:m.padded], m, ng), (copied,), "gather", i)
+
+    whole, exact = 0, True
+    load(0)
+    for i in range(layers):
+        if i + 1 < layers:
+            load(i + 1)  # the next layer's copy and gather in flight while this one is "computed"
+        slot = i % ring
+        loaded[slot].host_wait(120.0)
+        exact &= same_bits(slots[slot][:numels[i]], host[i])
+        whole += numels[i] * 2
+        grads = data(800 + 10 * i + dist.get_rank(ng.scatter_group), maps[i].padded, torch.bfloat16)
+        grads[numels[i]:] = 0
+        out = torch.empty(maps[i].shard_numel)
+        shards.append(out)
+        scattered.append(scatter.submit(lambda o=out, f=grads, m=maps[i]: _scattered(o, f, m, ng), (), "scatter", i))
+        slots[slot][:] = float("nan")  # the slot's next copy must bring its own bytes
+        freed[slot] = DONE  # CPU compute is synchronous: the slot is free once read
+    for ev in scattered:
+        ev.host_wait(120.0)
+    worst = 0.0
+    for i, m in enumerate(maps):
+        idx = torch.cat([torch.arange(a, b) for a, b in m.ranges(ng.local)])
+        parts = []
+        for k in range(g):
+            f = data(800 + 10 * i + k, m.padded, torch.bfloat16)
+            f[numels[i]:] = 0
+            parts.append(f.float()[idx])
+        worst = max(worst, err_over_bound(shards[i], parts))
+    return {"gathered_exact": exact, "rs_err_over_bound": worst, "h2d_bytes": h2d.bytes, "whole_bytes": whole,
+            "gathered_bytes": gather.bytes, "padded_bytes": sum(m.padded * 2 for m in maps),
+            "scattered_bytes": scatter.bytes, "padded_fp32_bytes": sum(m.padded * 4 for m in maps)}
+
+
+def _gathered(buf: torch.Tensor, m: ShardMap, ng: NodeGroups) -> int:
+    stats = CollectiveStats()
+    gather_layer(buf, m, ng.gather_group, stats=stats)
+    return stats.gathered_bytes
+
+
+def _scattered(out: torch.Tensor, flat: torch.Tensor, m: ShardMap, ng: NodeGroups) -> int:
+    stats = CollectiveStats()
+    reduce_scatter_layer(out, flat, m, ng.scatter_group, stats=stats)
+    return stats.scattered_bytes
 
 
 def main() -> None:
@@ -174,6 +248,8 @@ def main() -> None:
     got = torch.empty(ng.local_world)
     all_gather_into(got, torch.tensor([float(rank)]), ng.gather_group)
     out["node_gather"] = got.tolist()
+
+    out["streams"] = streamed_layers(ng)
 
     print("PROBE " + json.dumps(out), flush=True)
     dist.barrier()
