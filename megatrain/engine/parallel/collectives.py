@@ -147,7 +147,7 @@ def stand_in_for(group: dist.ProcessGroup | None, device: torch.device, forced: 
     """Whether `group`'s collectives on `device` take the stand-ins: the one place that decides (`forced`: a test's
     choice). A backend without a native all-gather into one tensor and reduce-scatter of one tensor gets
     `dist.all_gather` into views of the output (the same bytes, exact) and an all-reduce of the whole input and a
-    slice (the same sum, twice the bytes of a ring reduce-scatter and then some: a stand-in for tests and odd
+    slice (the same sum, twice the bytes of a ring reduce-scatter: a stand-in for tests and odd
     backends, not a path to run at scale)."""
     if forced is not None:
         return forced
