@@ -107,17 +107,24 @@ def test_inconsistent_launches_are_refused_by_name(keys, lws, lrs, words):
 # 4 ranks start four interpreters (tens of seconds on a loaded two-core host): with the slow tests.
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=lambda w: f"{w}ranks")
 def ranks(request, tmp_path_factory) -> list[dict]:
-    """Every rank's measurements from one launch of `world` gloo ranks, LOCAL_WORLD_SIZE=2."""
+    """Every rank's measurements from one launch of `world` gloo ranks as 2 per node: 2 ranks under torchrun (its
+    variables, LOCAL_WORLD_SIZE among them, as users launch), 4 with the variables of two torchrun nodes on this one
+    machine, GROUP_RANK left out (the node path's CPU stand-in: LOCAL_WORLD_SIZE alone splits the host's ranks)."""
     world = request.param
     tmp = tmp_path_factory.mktemp(f"collectives{world}")
-    port = free_port()
-    logs = [tmp / f"rank{r}.log" for r in range(world)]
-    procs = [start_python([WORKER], log=logs[r], env=worker_env(
-        world_size=world, rank=r, local_rank=r % LOCAL_WORLD, port=port, threads=1, PYTHONWARNINGS="ignore",
-        LOCAL_WORLD_SIZE=str(LOCAL_WORLD))) for r in range(world)]
+    if world == LOCAL_WORLD:
+        logs = [tmp / "torchrun.log"]
+        procs = [start_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), WORKER],
+                              log=logs[0], env=worker_env(threads=1, PYTHONWARNINGS="ignore"))]
+    else:
+        port = free_port()
+        logs = [tmp / f"rank{r}.log" for r in range(world)]
+        procs = [start_python([WORKER], log=logs[r], env=worker_env(
+            world_size=world, rank=r, local_rank=r % LOCAL_WORLD, port=port, threads=1, PYTHONWARNINGS="ignore",
+            LOCAL_WORLD_SIZE=str(LOCAL_WORLD))) for r in range(world)]
     try:
-        for r, p in enumerate(procs):
-            finish(p, timeout=DEADLINE_S, log=logs[r])
+        for p, log in zip(procs, logs):
+            finish(p, timeout=DEADLINE_S, log=log)
     finally:
         for p in procs:
             p.kill()
