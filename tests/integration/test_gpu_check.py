@@ -132,7 +132,7 @@ def test_dry_run_bundle_is_small_and_whole(dry_run):
     assert all((bundle / f).stat().st_size < 16 << 20 for f in files)
     with tarfile.open(bundle / "gpu_check.tar.gz") as tar:
         names = tar.getnames()
-    assert "gpu_check/phases/parity.json" in names and any(n.startswith("gpu_check/logs/") for n in names)
+    assert "gpu_check/phases/parity.json" in names and "gpu_check/traces/stream.json" in names
     assert "gpu_check" in (bundle / "log.txt").read_text()
 
 
