@@ -6,9 +6,9 @@ compute, three points in this order:
 
 - `stream`: every layer streamed and recomputed (`residency: "stream"`): the 100B+ path, each layer's weights over
   the link twice a step and its gradients back, the host AdamW (speculated, as "auto" sets it);
-- `auto`: the engine's own placement for the device it finds;
 - `torch`: plain PyTorch on the device (the same model, bf16 autocast over FP32 weights, fused AdamW), the
-  baseline a user would otherwise run when the layers fit.
+  baseline a user would otherwise run when the layers fit;
+- `auto`: the engine's own placement for the device it finds.
 
 Each point builds its model (a deterministic fill, not HF's init: seconds instead of a minute at this size), runs
 one warm-up step, then timed steps until its share of the phase's time is spent (at least `MIN_STEPS`). Measured:
@@ -48,7 +48,7 @@ FIELDS = ["point", "backend", "residency", "status", "reason", "layers", "hidden
           "speculative_layers", "speculative_rollbacks", "resident_weight_layers", "peak_device_bytes",
           "pred_step_time_s", "pred_h2d_gbps", "pred_d2h_gbps", "pred_gpu_idle_fraction", "pred_hardware",
           "pred_link_gbps", "err_step_pct", "err_h2d_pct", "err_d2h_pct", "err_idle_pct", "build_s", "device",
-          "trace_file"]
+          "device_bytes_before", "trace_file"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,12 +62,14 @@ class BenchPoint:
 
 
 def bench_points(dry: bool) -> list[BenchPoint]:
-    """The points in the order they run: streamed first (the question), the engine's own placement, PyTorch."""
+    """The points in the order they run: streamed first (the question), plain PyTorch, the engine's own placement."""
     layers, seq, hidden = (DRY_LAYERS, DRY_SEQ, DRY_SHAPES["hidden_size"]) if dry else (
         LAYERS, SEQ, WIDTH_7B["hidden_size"])
+    # PyTorch before "auto": an engine frees its device memory when collected, and the ~42 GB "auto" keeps
+    # beside a lingering one would leave PyTorch's ~33 GB no room on an 80 GB card
     return [BenchPoint("stream", "megatrain", "stream", layers, hidden, seq),
-            BenchPoint("auto", "megatrain", "auto", layers, hidden, seq),
-            BenchPoint("torch", "torch", None, layers, hidden, seq)]
+            BenchPoint("torch", "torch", None, layers, hidden, seq),
+            BenchPoint("auto", "megatrain", "auto", layers, hidden, seq)]
 
 
 def model_config(dry: bool) -> Any:
@@ -346,7 +348,9 @@ def phase_bench(ctx: Ctx) -> None:
         def one(pt: BenchPoint = pt, until: float = until, cap: int | None = cap) -> dict[str, Any]:
             run = _run_engine if pt.backend == "megatrain" else _run_torch
             base = {"point": pt.name, "backend": pt.backend, "residency": pt.residency, "layers": pt.layers,
-                    "hidden": pt.hidden, "seq_len": pt.seq, "micro_batch": 1, "device": str(ctx.device)}
+                    "hidden": pt.hidden, "seq_len": pt.seq, "micro_batch": 1, "device": str(ctx.device),
+                    # what an earlier point left allocated on the device (a lingering engine shows here)
+                    "device_bytes_before": torch.cuda.memory_allocated() if ctx.cuda else None}
             try:
                 got = run(pt, cfg, ctx, until, cap)
             except Exception as exc:
