@@ -37,7 +37,10 @@ The parent publishes the summary after every phase. README.md gives the time pla
              overlap on, hilo), with the overlap off, and FP32, each with every layer streamed and at a partial
              placement
 
-No module of the check imports pandas or DeepSpeed (the GPU image has neither need: a unit test checks).
+No module of the check imports pandas or DeepSpeed (the GPU image has neither need: a unit test checks). Its
+engines run without the parity probe (`parity_probe=False`): the probe trains tiny models on the CPU whatever the
+device (the suite and docs/COMPATIBILITY.md cover it), and every phase here compares with PyTorch itself; on a
+fresh machine (an empty probe cache) it cost the dry run's parity phase 39 of its 104 s.
 
 Tolerances (sanitizer): bf16 compute against plain PyTorch in the same mixed-precision scheme (FP32 masters
 and gradients, bf16 forward and backward), at the suite's tolerance (tests/gpu_defaults.py): 2 x that
