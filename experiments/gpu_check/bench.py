@@ -142,7 +142,7 @@ def hardware_profile(ctx: Ctx) -> str:
     import torch
 
     if not ctx.cuda:
-        return "h200-pcie"
+        return "cpu"  # the dry run: the planner's CPU-device profile, against what this CPU measures
     name = torch.cuda.get_device_name(0).lower()
     if "h200" in name:
         return "h200-pcie"
