@@ -303,6 +303,8 @@ class Engine:
         queued_ids = to_host(ids) if train and input_ids.device == ids.device and ids.device.type != "cpu" else None
         mask = to_device(attention_mask, dev) if attention_mask is not None else None
         pos = to_device(position_ids, dev) if position_ids is not None else None
+        if pending is not None:  # indexable until verify() refuses them (a learned table past its end: a device assert)
+            pos = pending.sanitize_positions(pos)
         with torch.no_grad():
             h0 = self.parts.embed(ids)
         h0.requires_grad_(train)  # the lookup's gradient is scattered by hand in backward (no vocab x hidden)

@@ -73,3 +73,26 @@ def test_the_engine_refuses_a_too_long_batch_before_any_device_work():
     assert st["h2d_bytes"] == 0 and st["tokens"] == 0  # no layer was loaded, no token counted
     loss = eng(input_ids=_ids(MAX_POS), labels=_ids(MAX_POS)).loss  # the engine is fine after it
     assert torch.isfinite(loss)
+
+
+def test_a_deferred_batch_with_positions_past_a_learned_table_is_refused_not_faulted(monkeypatch):
+    """GPT-2's learned position table (n_positions rows): a device batch's position_ids past it are clamped into
+    the table until verify() refuses the batch with a ValueError. The CPU stands in for the device (its embedding
+    raises IndexError where a GPU's asserts); deferring the check is what a device batch gets."""
+    import transformers
+
+    import megatrain.engine.engine as E
+
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=MAX_POS, vocab_size=256)
+    torch.manual_seed(0)
+    eng = Engine(transformers.GPT2LMHeadModel(cfg), EngineConfig(device="cpu", parity_probe=False))
+    real = E.check_batch
+    monkeypatch.setattr(E, "check_batch", lambda *a: real(*a, defer=True))
+    ids = torch.randint(3, 200, (2, 16))
+    pos = torch.arange(16).expand(2, 16) + MAX_POS  # a packing collator's bad offsets
+    with pytest.raises(ValueError, match=f"position {MAX_POS + 15} exceeds"):
+        eng(input_ids=ids, labels=ids, position_ids=pos)
+    # negative control: the same forward with the clamp undone faults in the table's lookup first
+    monkeypatch.setattr(B.PendingCheck, "sanitize_positions", lambda self, p: p)
+    with pytest.raises(IndexError):
+        eng(input_ids=ids, labels=ids, position_ids=pos)
