@@ -102,6 +102,11 @@ class DeviceMemoryTracker:
         """The step's peak: the most its own storages reached, with the held state beside them the whole time."""
         return self.tracked_peak + self.held_bytes
 
+    @peak.setter
+    def peak(self, value: int) -> None:
+        """Set the peak as read (held state included): what a caller restores after measuring a phase alone."""
+        self.tracked_peak = value - self.held_bytes
+
     def reset_peak(self) -> None:
         self.tracked_peak = self.tracked_live
 
