@@ -54,7 +54,7 @@ def phase_env(ctx: Ctx) -> None:
                                "mem_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
                                "memlock_soft": soft, "memlock_hard": hard}
         try:
-            from megatrain.engine.runtime.threads import host_cores
+            from megatrain.engine import host_cores
 
             res["host_cores"] = host_cores()
         except Exception as exc:  # noqa: BLE001
