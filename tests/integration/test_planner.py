@@ -15,14 +15,11 @@ from plan_cli import main  # --details: the tables these tests read
 
 from megatrain.commands.plan import add_bench_parser, add_plan_parser
 from megatrain.costs.flops import model_flops_per_step
+from megatrain.costs.host_memory import host_memory_available
 from megatrain.models.presets import PRESETS, get_preset
 from megatrain.planner import (
     crossover_closed_form,
-    fits,
     get_hardware,
-    host_memory_available,
-    layer_working_set_bytes,
-    link_crossover_tokens,
     load_profiles,
     make_point,
     max_batch,
@@ -31,8 +28,12 @@ from megatrain.planner import (
     preflight,
     resolve_model,
 )
+
+# the planner's internals, where these tests check them
 from megatrain.planner.hardware import NUMERIC_FIELDS, OVERHEAD_FIELDS, load_raw
-from megatrain.planner.step_time import IDLE_ROUND
+from megatrain.planner.memory import layer_working_set_bytes
+from megatrain.planner.search import fits
+from megatrain.planner.step_time import IDLE_ROUND, link_crossover_tokens
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -57,8 +57,8 @@ def test_globals_lane_is_priced_at_its_share_not_the_whole_host():
 
 
 def test_plan_prints_what_it_assumed_of_the_host():
-    from megatrain.commands.plan import format_plan
     from megatrain.planner import plan
+    from megatrain.planner.details import format_plan  # the details' text, an internal
 
     pl = plan("qwen2.5-7b", context=4096, batch=1, hardware="h200-pcie")
     text = format_plan(pl)
