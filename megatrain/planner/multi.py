@@ -220,7 +220,10 @@ def split_host(pl: Plan) -> tuple[dict[str, int], dict[str, int]]:
     """(held once per node, held by every rank) of a one-GPU plan's host bytes. The first rank's runtime
     stays in the node part (the profile's reserve covers the OS and one process)."""
     p, m = pl.point, pl.point.model
-    LP = m.num_layers * m.layer_params()
+    # the host-updated layers' state (memory.py): a layer whose optimizer is on the device holds none here (one
+    # GPU alone; several ranks keep every layer's optimizer on the host)
+    K = pl.long_context.residency.optimizer if pl.long_context is not None else 0
+    LP = (m.num_layers - K) * m.layer_params()
     mb, shadow = master_bytes(p)
     layer = {"master weights": LP * mb, "gradients": LP * layer_grad_bytes(p), "adam m": LP * 4, "adam v": LP * 4,
              "bf16 shadow (streams)": LP * shadow, "runtime": pl.memory.host["runtime"]}
