@@ -30,11 +30,11 @@ def _preset(layers: int, hidden: int, vocab: int):
 
 
 def planned(layers: int, hidden: int, vocab: int, seq: int, cfg: dict) -> dict:
-    from megatrain.planner import Point, get_hardware, plan_point
+    from megatrain.planner import get_hardware, make_point, plan_point
 
-    p = Point(_preset(layers, hidden, vocab), seq, dtype=cfg.get("compute_dtype", "float32"),
-              host_master=cfg.get("host_master", "fp32"), host_grad_dtype=cfg.get("host_grad_dtype", "float32"),
-              optimizer_in_backward=cfg.get("optimizer_in_backward", False), grad_clip=False)
+    p = make_point(_preset(layers, hidden, vocab), seq, dtype=cfg.get("compute_dtype", "float32"),
+                   host_master=cfg.get("host_master", "fp32"), host_grad_dtype=cfg.get("host_grad_dtype", "float32"),
+                   optimizer_in_backward=cfg.get("optimizer_in_backward", False), grad_clip=False)
     plan = plan_point(p, get_hardware("cpu"))
     mem = plan.memory
     total = mem.host_total_incl_device - mem.host.get("runtime", 0)

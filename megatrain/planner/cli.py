@@ -14,7 +14,7 @@ from typing import Any
 from ..config.schema import auto_or
 from ..costs import residency as kept
 from .details import format_multi, format_plan
-from .estimate import host_mode_placeholders, plan
+from .estimate import plan
 from .hardware import load_profiles, resolve_hardware
 from .host_work import host_assumptions
 from .mode_table import mode_table
@@ -243,21 +243,18 @@ def _nodes_hint(pl: Plan, hw: Any, args: argparse.Namespace, gpus_per_node: int 
 
 def _run_plan_multi(args: argparse.Namespace) -> int:
     """`plan --gpus-per-node N --nodes M`: the node's host memory, one GPU's device memory and the job's speed."""
-    from .multi import node_hardware, plan_auto_multi, plan_point_multi
+    from .multi import node_hardware, plan_point_multi
     from .search import max_batch_multi, max_context_multi
 
     hw = node_hardware(resolve_hardware(_resolve_hw(args), args.link_gbs, args.host_memory_gib, args.device_memory_gib),
                        args.network_gbs, args.gpus_per_host_link)
     hw = with_nvme(hw, args.nvme_gbs, args.nvme_gib)
     knobs = flag_knobs(args)
-    auto_master, grad = host_mode_placeholders(knobs)  # host mode "auto" is chosen for the node (plan_auto_multi)
     model = resolve_model(args.model)
     G, N = args.gpus_per_node, args.nodes
 
     def one(backend: str, kn: dict[str, Any]) -> Any:
         p = make_point(model, args.context, args.batch, args.grad_accum, args.dtype, backend, **kn)
-        if backend == "megatrain" and auto_master:
-            return plan_auto_multi(p, hw, G, N, grad, args.data_path)
         return plan_point_multi(p, hw, G, N, data_path=args.data_path)
 
     mp = one(args.backend, knobs if args.backend == "megatrain" else {})

@@ -91,8 +91,10 @@ def test_planner_layer_bytes_are_the_engine_modes(master, grad, oib):
 
 def test_modes_the_engine_refuses_are_noted_not_silently_planned():
     m = get_preset("qwen2.5-7b")
-    for knobs, why in ((dict(master="hilo", dtype="float32"), "needs bf16 compute"),
-                       (dict(optimizer_in_backward=True), "refuses gradient clipping"),
+    # a mode the engine's config refuses as written (hilo in FP32 compute) is refused by the point's EngineConfig
+    with pytest.raises(ValueError, match="host_master='hilo'.*compute_dtype='bfloat16'"):
+        plan(m, 1024, hardware=H200, master="hilo", dtype="float32")
+    for knobs, why in ((dict(optimizer_in_backward=True), "refuses gradient clipping"),
                        (dict(optimizer_in_backward=True, grad_clip=False, grad_accum=2), "accumulation"),
                        (dict(host_grad_dtype="bfloat16", grad_accum=2), "accumulation")):
         assert any("the engine refuses" in w and why in w for w in plan(m, 1024, hardware=H200, **knobs).warnings)

@@ -13,7 +13,7 @@ from megatrain.planner.point import make_point
 
 
 def _point():
-    return make_point(get_preset("qwen2.5-7b"), 4096, 1)
+    return make_point(get_preset("qwen2.5-7b"), 4096, 1, host_master="fp32")  # a mode set: the models price one
 
 
 @pytest.mark.parametrize("cores", [8, 56, 112])
