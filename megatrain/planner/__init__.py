@@ -68,6 +68,7 @@ summary.py and details.py (the plan as text), cli.py (`megatrain plan`'s flags, 
 Every assumption is a named constant in those modules or in megatrain/costs/, or a sourced number in the profiles file.
 """
 
+from .advice import Advisor, profile_for_device
 from .alst import BUCKET_TERM, zero3_alst_device_terms
 from .cli import add_plan_args, flag_knobs, flag_profiles, run_plan
 from .estimate import plan, plan_point, predicted_timeline
@@ -92,6 +93,8 @@ __all__ = [
     # figures the studies set beside measurements
     "BUCKET_TERM", "crossover_closed_form", "predicted_timeline", "sustained_from_layer_time",
     "zero3_alst_device_terms",
+    # the engine's placement advice (backend/placement.py asks through costs/advice.py's protocol)
+    "Advisor", "profile_for_device",
     # `megatrain plan` / `python -m megatrain.planner` (cli.py)
     "add_plan_args", "flag_knobs", "flag_profiles", "run_plan",
 ]
