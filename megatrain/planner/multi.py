@@ -53,7 +53,16 @@ from .hardware import GB, GIB, Hardware, resolve_hardware
 from .host_work import host_cores
 from .memory import Memory, check_fit
 from .node_path import NODE, PER_RANK, NodeShare, collective_device_bytes, node_share, path_for
-from .point import Point, layer_grad_bytes, make_point, master_bytes
+from .point import (
+    Point,
+    grad_as_written,
+    host_mode_open,
+    layer_grad_bytes,
+    make_point,
+    master_bytes,
+    placeholder_mode,
+    with_point,
+)
 from .point_plan import plan_point
 from .prediction import Plan
 from .step_time import IDLE_COMM, Time, megatrain_time
@@ -220,7 +229,10 @@ def split_host(pl: Plan) -> tuple[dict[str, int], dict[str, int]]:
     """(held once per node, held by every rank) of a one-GPU plan's host bytes. The first rank's runtime
     stays in the node part (the profile's reserve covers the OS and one process)."""
     p, m = pl.point, pl.point.model
-    LP = m.num_layers * m.layer_params()
+    # the host-updated layers' state (memory.py): a layer whose optimizer is on the device holds none here (one
+    # GPU alone; several ranks keep every layer's optimizer on the host)
+    K = pl.long_context.residency.optimizer if pl.long_context is not None else 0
+    LP = (m.num_layers - K) * m.layer_params()
     mb, shadow = master_bytes(p)
     layer = {"master weights": LP * mb, "gradients": LP * layer_grad_bytes(p), "adam m": LP * 4, "adam v": LP * 4,
              "bf16 shadow (streams)": LP * shadow, "runtime": pl.memory.host["runtime"]}
@@ -351,11 +363,13 @@ def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int 
         raise ValueError(f"data path {data_path!r}: use auto, {NODE} or {PER_RANK}")
     if store_nodes not in (1, nodes):
         raise ValueError(f"store_nodes={store_nodes}: 1 (each node its own store) or the job's {nodes} nodes")
+    if p.backend == "megatrain" and host_mode_open(p) and store_nodes == 1:
+        return plan_auto_multi(p, hw, gpus_per_node, nodes, grad_as_written(p), data_path)  # chosen for the node
     single_hw, hw = hw, node_profile(hw, gpus_per_node)
     if p.backend == "zero3":
-        return _zero3_multi(p, single_hw, hw, gpus_per_node, nodes)
+        return _zero3_multi(placeholder_mode(p), single_hw, hw, gpus_per_node, nodes)
     if gpus_per_node * nodes > 1 and left_auto(p.speculative_step):
-        p = dataclasses.replace(p, speculative_step=False)  # the engine's "auto": off with several ranks
+        p = with_point(p, speculative_step=False)  # the engine's "auto": off with several ranks
     if gpus_per_node * nodes > 1:
         p = dataclasses.replace(p, data_parallel=True)  # no optimizer residency (engine/update/resident.py)
     single = plan_point(p, single_hw)
@@ -414,7 +428,7 @@ def plan_auto_multi(p: Point, hw: Hardware, gpus_per_node: int, nodes: int, grad
     seen: dict[Any, tuple[MultiPlan, bool, dict[str, Any]]] = {}
 
     def attempt(mode: Any, store_nodes: int) -> bool:
-        q = mode_point(p, _knobs(mode, p)) if not p.optimizer_in_backward else dataclasses.replace(p, **_knobs(mode, p))
+        q = mode_point(p, _knobs(mode, p)) if not p.optimizer_in_backward else with_point(p, **_knobs(mode, p))
         mp = plan_point_multi(q, hw, gpus_per_node, nodes, store_nodes, data_path)
         ok, figures = nvme_fit(mp.rank, node_profile(hw, gpus_per_node)) if mode.nvme else (mp.rank.feasible, {})
         seen[mode] = (mp, ok, figures)
@@ -465,7 +479,7 @@ def smallest_store_nodes(p: Point, hw: Hardware, gpus_per_node: int, most: int =
     node_hw = node_profile(hw, gpus_per_node)
     starts = {}
     for mode in candidates(p.c == 2, p.grad_accum == 1, False, p.optimizer_in_backward):
-        q = mode_point(p, _knobs(mode, p)) if not p.optimizer_in_backward else dataclasses.replace(p, **_knobs(mode, p))
+        q = mode_point(p, _knobs(mode, p)) if not p.optimizer_in_backward else with_point(p, **_knobs(mode, p))
         try:
             base = plan_point_multi(q, hw, gpus_per_node, 2, 2, data_path)
         except ValueError:
