@@ -154,7 +154,7 @@ def hardware_profile(ctx: Ctx) -> str:
 def predict(pt: BenchPoint, cfg: Any, ctx: Ctx, link: float | None) -> dict[str, Any]:
     """The planner's figures for this point (empty with the reason where it cannot say)."""
     try:
-        from megatrain.planner.estimate import plan
+        from megatrain.planner import plan
 
         knobs: dict[str, Any] = {"residency": pt.residency} if pt.backend == "megatrain" else {}
         import os
