@@ -253,9 +253,12 @@ class MegatrainBackend:
     ) -> float:
         if float(norm_type) != 2.0:
             raise ValueError('backend "megatrain" clips by the global L2 norm only (norm_type=2)')
-        # The engine holds every gradient in its host slabs; `parameters` names them all in practice
-        # (model.parameters()), so the whole set is clipped, as DeepSpeed does; the step then takes no clip of its own.
-        return self._require_engine().clip_grad_norm_(float(max_norm))
+        # torch's rule: the norm over the gradients of `parameters`, only theirs scaled. Every trainable parameter
+        # among them (model.parameters()) is the engine's clip of its host slabs (a frozen parameter has no
+        # gradient); a part of them is clipped as torch would, or refused by name where that cannot be exact.
+        # The step then takes no clip of its own.
+        params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+        return self._require_engine().clip_grad_norm_of(params, float(max_norm))
 
     def optimizer_step(self) -> None:
         # The engine clips by `gradient_clipping` unless the script did, and skips a step whose gradients are not

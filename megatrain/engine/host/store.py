@@ -174,7 +174,13 @@ class FlatGroup:
         if linked is None:
             return  # only the per-layer update reads gradients, from grad_work (load_grads); or not this rank's
         for p, s in zip(self.params, self.slots):
-            p.grad = self.view(linked, s)
+            p.grad = self.view(linked, s) if p.requires_grad else None  # a frozen parameter has none (trainable.py)
+
+    def drop_grads(self) -> None:
+        """No gradient slab: every parameter of the group is frozen (engine/model/trainable.py)."""
+        self.grad = self.grad_work = None
+        for p in self.params:
+            p.grad = None
 
     def refresh_shadow(self) -> None:
         """An FP32 master written in place: its streamed bf16 copy refreshed (nothing to do in the other modes)."""

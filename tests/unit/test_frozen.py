@@ -1,0 +1,155 @@
+"""Part of a model, exactly: a parameter the user froze (requires_grad=False, or left out of model_parameters / the
+optimizer's groups) is not trained, not counted in the clip norm, and keeps its flag, on every face.
+
+The reference is plain PyTorch with DeepSpeed's rule: AdamW over the trainable parameters, clip_grad_norm_ over
+them, frozen tensors untouched."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from conftest import make_batches, tiny_model
+
+import megatrain
+
+STEPS, LR, CLIP = 5, 1e-3, 1.0
+BATCHES = make_batches(STEPS)
+
+# What each case freezes: a predicate on the parameter's HF name.
+CASES = {
+    "embedding": lambda n: n.startswith("model.embed_tokens"),
+    "layer0": lambda n: n.startswith("model.layers.0."),
+    "layer1_attention": lambda n: n.startswith("model.layers.1.self_attn."),
+}
+
+
+def frozen_model(case: str, **kw) -> torch.nn.Module:
+    m = tiny_model("llama", **kw)
+    for n, p in m.named_parameters():
+        if CASES[case](n):
+            p.requires_grad_(False)
+    return m
+
+
+def reference(model: torch.nn.Module, batches=BATCHES, steps: int = STEPS) -> tuple[list, list, dict]:
+    """(losses, pre-clip norms, final weights) of plain PyTorch training the trainable parameters only."""
+    model = copy.deepcopy(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR)
+    losses, norms = [], []
+    for b in batches[:steps]:
+        loss = model(**b).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def ds_config(**over) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": CLIP,
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},  # torch's AdamW default
+           "megatrain": {"compute_dtype": "float32", "optimizer_overlap": False}}
+    cfg.update(over)
+    return cfg
+
+
+def train_ds(engine, batches=BATCHES, steps: int = STEPS) -> tuple[list, list]:
+    losses, norms = [], []
+    for b in batches[:steps]:
+        loss = engine(**b).loss
+        engine.backward(loss)
+        engine.step()
+        norms.append(float(engine.get_global_grad_norm()))
+        losses.append(loss.item())
+    return losses, norms
+
+
+def assert_exact(model, before: dict, flags: dict, got: tuple, want: tuple) -> None:
+    (losses, norms), (ref_losses, ref_norms, ref_weights) = got, want
+    for a, b in zip(norms, ref_norms):
+        assert abs(a - b) <= 1e-5 * b, f"clip norm {norms} vs PyTorch's {ref_norms}"
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5, (losses, ref_losses)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    frozen = [n for n, f in flags.items() if not f]
+    assert frozen and all(torch.equal(state[n], before[n]) for n in frozen), "a frozen tensor moved"
+    moved = max(float((state[k] - ref_weights[k]).abs().max()) for k in state)
+    assert moved <= 1e-5, f"weights {moved} from PyTorch's"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("how", ["model_parameters", "model_only", "client_optimizer"])
+def test_initialize_trains_only_what_the_user_left_trainable(case, how):
+    model = frozen_model(case)
+    want = reference(model)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    kw: dict = {"config": ds_config()}
+    if how == "model_parameters":
+        kw["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
+    elif how == "client_optimizer":
+        kw["config"].pop("optimizer")
+        kw["optimizer"] = torch.optim.AdamW(model.parameters(), lr=LR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, *_ = megatrain.initialize(model=model, **kw)
+    assert_exact(model, before, flags, train_ds(engine), want)
+
+
+def train_accelerate(model, params: str, batches=BATCHES, steps: int = STEPS) -> tuple[list, list]:
+    """The Accelerate face's loop on the megatrain backend, clipping over `params` ("trainable": the trainable
+    parameters listed before prepare, as scripts list them for their optimizer; "all": model.parameters())."""
+    acc = megatrain.Accelerator(backend="megatrain", config={"megatrain": {"compute_dtype": "float32",
+                                                                          "optimizer_overlap": False}})
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, opt = acc.prepare(model, opt)
+    losses, norms = [], []
+    for b in batches[:steps]:
+        loss = model(**b).loss
+        acc.backward(loss)
+        norms.append(float(acc.clip_grad_norm_(trainable if params == "trainable" else model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("params", ["trainable", "all"])
+def test_the_accelerate_face_clips_over_the_list_it_is_given(case, params):
+    model = frozen_model(case)
+    want = reference(model)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert_exact(model, before, flags, train_accelerate(model, params), want)
+
+
+def test_a_clip_over_part_of_the_trainable_parameters_is_torchs():
+    """accelerator.clip_grad_norm_(the head only): the norm over the head's gradient, only it scaled, as torch."""
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    acc = megatrain.Accelerator(backend="megatrain", config={"megatrain": {"compute_dtype": "float32",
+                                                                          "optimizer_overlap": False}})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for b in BATCHES[:3]:
+        loss = model(**b).loss
+        acc.backward(loss)
+        norm = float(acc.clip_grad_norm_([model.lm_head.weight], 0.1))
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ref(**b).loss
+        ref_loss.backward()
+        whole = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+        ref_norm = float(torch.nn.utils.clip_grad_norm_([ref.lm_head.weight], 0.1))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert ref_norm > 0.1 and whole > 1.01 * ref_norm  # control: a clip that bites, and not the whole norm
+        assert abs(norm - ref_norm) <= 1e-5 * ref_norm and abs(loss.item() - ref_loss.item()) <= 1e-5
