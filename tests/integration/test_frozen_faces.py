@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kit import run_python, worker_env
+import torch
+from kit import finish, run_python, start_python, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = ROOT / "tests" / "workers"
@@ -30,3 +31,40 @@ def test_hf_trainer_with_the_embedding_frozen_trains_as_plain_pytorch(tmp_path):
     assert min(plain["grad_norms"]) > 1.0  # control: every step's clip bites
     assert not mine["embedding_moved"] and not plain["embedding_moved"]
     assert mine["frozen_flags"] == plain["frozen_flags"] == ["model.embed_tokens.weight"]
+
+
+def _dp_reference(case: str) -> tuple[list, list]:
+    """Plain PyTorch on what two ranks see: the mean of the two ranks' losses' gradients, clipped over the
+    trainable parameters (per step: (rank 0's loss, rank 1's), the pre-clip norm)."""
+    from frozen_cases import BATCHES_DP, CLIP, LR, STEPS, frozen_model
+
+    model = frozen_model(case)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR)
+    losses, norms = [], []
+    for s in range(STEPS):
+        pair = [model(**BATCHES_DP[2 * s + r]).loss for r in (0, 1)]
+        ((pair[0] + pair[1]) / 2).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append([x.item() for x in pair])
+    return losses, norms
+
+
+def test_two_ranks_under_torchrun_train_only_what_the_user_left_trainable(tmp_path):
+    log = tmp_path / "torchrun.log"
+    proc = start_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                         WORKERS / "frozen_dp_worker.py", tmp_path], env=worker_env(threads=1), log=log)
+    finish(proc, timeout=600, log=log)
+    results = json.loads((tmp_path / "results.json").read_text())
+    from frozen_cases import CASES
+
+    assert sorted(results) == sorted(CASES)
+    for case, ranks in results.items():
+        losses, norms = _dp_reference(case)
+        for r, got in enumerate(ranks):
+            assert max(abs(a - b[r]) for a, b in zip(got["losses"], losses)) <= TOL, (case, r, got, losses)
+            assert all(abs(a - b) <= TOL * b for a, b in zip(got["norms"], norms)), (case, got["norms"], norms)
+            assert not got["moved"] and got["flags"], (case, got)
+        assert min(norms) > 1.0  # control: every step's clip bites

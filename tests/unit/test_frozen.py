@@ -11,27 +11,13 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_batches, tiny_model
+from conftest import tiny_model
+from frozen_cases import BATCHES, CASES, CLIP, LR, STEPS, ds_config, frozen_model
+from gpu_defaults import GPU_DEFAULTS, bf16_reference, lag_updates, train
 
 import megatrain
-
-STEPS, LR, CLIP = 5, 1e-3, 1.0
-BATCHES = make_batches(STEPS)
-
-# What each case freezes: a predicate on the parameter's HF name.
-CASES = {
-    "embedding": lambda n: n.startswith("model.embed_tokens"),
-    "layer0": lambda n: n.startswith("model.layers.0."),
-    "layer1_attention": lambda n: n.startswith("model.layers.1.self_attn."),
-}
-
-
-def frozen_model(case: str, **kw) -> torch.nn.Module:
-    m = tiny_model("llama", **kw)
-    for n, p in m.named_parameters():
-        if CASES[case](n):
-            p.requires_grad_(False)
-    return m
+from megatrain.config.schema import EngineConfig
+from megatrain.engine import Engine
 
 
 def reference(model: torch.nn.Module, batches=BATCHES, steps: int = STEPS) -> tuple[list, list, dict]:
@@ -48,14 +34,6 @@ def reference(model: torch.nn.Module, batches=BATCHES, steps: int = STEPS) -> tu
         opt.zero_grad()
         losses.append(loss.item())
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def ds_config(**over) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": CLIP,
-           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},  # torch's AdamW default
-           "megatrain": {"compute_dtype": "float32", "optimizer_overlap": False}}
-    cfg.update(over)
-    return cfg
 
 
 def train_ds(engine, batches=BATCHES, steps: int = STEPS) -> tuple[list, list]:
@@ -153,3 +131,20 @@ def test_a_clip_over_part_of_the_trainable_parameters_is_torchs():
         ref_opt.zero_grad()
         assert ref_norm > 0.1 and whole > 1.01 * ref_norm  # control: a clip that bites, and not the whole norm
         assert abs(norm - ref_norm) <= 1e-5 * ref_norm and abs(loss.item() - ref_loss.item()) <= 1e-5
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_in_the_gpus_defaults_frozen_stays_frozen(case):
+    """bf16 compute, the update overlapped, hilo masters: within the reference's bf16 floor of plain PyTorch in the
+    engine's mixed-precision scheme (AdamW over the trainable parameters, clipped over them), frozen bit-unchanged."""
+    model = frozen_model(case)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    floor = bf16_reference(model, BATCHES, STEPS, clip=CLIP, optimizer=lambda m: torch.optim.AdamW(
+        [p for p in m.parameters() if p.requires_grad], lr=LR, fused=True))
+    assert min(floor.out[1]) > CLIP  # control: every step's clip bites
+    eng = lag_updates(Engine(model, EngineConfig(loss_chunk_tokens=13, **GPU_DEFAULTS)))
+    floor.check(train(eng, BATCHES, STEPS, clip=CLIP), eng.state_dict())
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    state = eng.state_dict()
+    assert all(torch.equal(state[n], before[n]) for n, f in flags.items() if not f), "a frozen tensor moved"

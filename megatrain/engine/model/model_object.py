@@ -219,7 +219,9 @@ def _model_methods(plain: type) -> dict[str, Callable]:
         slots = _layer_slots(b.engine)
         for name, p in items:
             where = slots.get(id(p))
-            yield name, (p if where is None else nn.Parameter(where[0].read_slot(where[1]), requires_grad=False))
+            # a copy of the master's values, flagged as the user set the parameter (engine/model/trainable.py)
+            yield name, (p if where is None else nn.Parameter(where[0].read_slot(where[1]),
+                                                              requires_grad=p.requires_grad))
 
     @functools.wraps(nn.Module.load_state_dict, assigned=("__doc__", "__name__"))
     def load_state_dict(self: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True,
@@ -273,7 +275,7 @@ def _serve_masters(engine: Engine, plain: type, model: nn.Module, out: dict[str,
             where = slots.get(id(p))
             if where is not None and prefix + name in out:
                 value = where[0].read_slot(where[1])
-                out[prefix + name] = nn.Parameter(value, requires_grad=False) if keep_vars else value
+                out[prefix + name] = nn.Parameter(value, requires_grad=p.requires_grad) if keep_vars else value
 
 
 def _engine_recording(engine: Engine, model: nn.Module) -> bool:

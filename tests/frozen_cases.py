@@ -1,0 +1,36 @@
+"""The cases of a partly frozen model the frozen-parameter tests share (tests/unit/test_frozen.py, the torchrun worker
+tests/workers/frozen_dp_worker.py and tests/integration/test_frozen_faces.py)."""
+
+from __future__ import annotations
+
+import torch
+from conftest import make_batches, tiny_model
+
+STEPS, LR, CLIP = 5, 1e-3, 1.0
+BATCHES = make_batches(STEPS)
+BATCHES_DP = make_batches(2 * STEPS, seed=2)  # two ranks: step s takes 2s on rank 0, 2s + 1 on rank 1
+
+# What each case freezes: a predicate on the parameter's HF name.
+CASES = {
+    "embedding": lambda n: n.startswith("model.embed_tokens"),
+    "layer0": lambda n: n.startswith("model.layers.0."),
+    "layer1_attention": lambda n: n.startswith("model.layers.1.self_attn."),
+}
+
+
+def frozen_model(case: str, **kw) -> torch.nn.Module:
+    m = tiny_model("llama", **kw)
+    for n, p in m.named_parameters():
+        if CASES[case](n):
+            p.requires_grad_(False)
+    return m
+
+
+def ds_config(**over) -> dict:
+    """A DeepSpeed config of the reference's training: AdamW lr 1e-3 (torch's default weight decay), clipping 1.0,
+    FP32 compute."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": CLIP,
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+           "megatrain": {"compute_dtype": "float32", "optimizer_overlap": False}}
+    cfg.update(over)
+    return cfg
