@@ -34,3 +34,14 @@ def ds_config(**over) -> dict:
            "megatrain": {"compute_dtype": "float32", "optimizer_overlap": False}}
     cfg.update(over)
     return cfg
+
+
+def top_layers_model(layers: int = 8, trainable: int = 2, **kw) -> torch.nn.Module:
+    """A tiny Llama whose top `trainable` of `layers` layers train, with the final norm and head; the embedding and
+    the layers below frozen (layer-wise fine-tuning)."""
+    m = tiny_model("llama", layers=layers, **kw)
+    low = layers - trainable
+    for n, p in m.named_parameters():
+        if n.startswith("model.embed_tokens") or any(n.startswith(f"model.layers.{i}.") for i in range(low)):
+            p.requires_grad_(False)
+    return m

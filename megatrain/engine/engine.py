@@ -132,7 +132,7 @@ class Engine:
         probe = (lambda m: verify_model(m, type(self), config)) if config.parity_probe else None
         frozen = frozen_names(model, optimizer)  # the user's flags, read before the store's masters replace them
         self.placement, originals = place(model, self.parts, config, self.device, self.compute_dtype, self.dp,
-                                          self.node, checkpoint_dir, probe)
+                                          self.node, checkpoint_dir, probe, frozen)
         self.store, self.templates = self.placement.store, self.placement.templates
         if self.device.type == "cpu" and self.compute_dtype == torch.float32 and cpu_linear.available():
             self.templates.linears = cpu_linear.OneDnnLinears()  # faster FP32 GEMMs than F.linear's here
@@ -144,6 +144,7 @@ class Engine:
         for i, group in enumerate(self.store.layers):
             if not self.trainable.layer_trains(i) and group.grad is not None:
                 group.drop_grads()
+        self.trainable.trim_resident_slab()  # a frozen embedding (head, norm) has none either
         self._recorded: list = []
 
         self.streams = Streams(self.device, self.trace_log, config.link_gbps, config.watchdog_s)
@@ -752,7 +753,7 @@ class Engine:
     def collect_stats(self) -> dict[str, float]:
         """Accounting since the last reset (waits for outstanding copies and layer updates)."""
         self.synchronize()
-        return {**self.accounting.collect(), "speculative_rollbacks": self.update.rollbacks,
+        return {**self.accounting.collect(self.optimizer), "speculative_rollbacks": self.update.rollbacks,
                 "speculative_layers": getattr(self.update, "speculative_layers", 0)}
 
     @property

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 from conftest import tiny_model
-from frozen_cases import BATCHES, CASES, CLIP, LR, STEPS, ds_config, frozen_model
+from frozen_cases import BATCHES, CASES, CLIP, LR, STEPS, ds_config, frozen_model, top_layers_model
 from gpu_defaults import GPU_DEFAULTS, bf16_reference, lag_updates, train
 
 import megatrain
@@ -148,3 +148,72 @@ def test_in_the_gpus_defaults_frozen_stays_frozen(case):
     assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
     state = eng.state_dict()
     assert all(torch.equal(state[n], before[n]) for n, f in flags.items() if not f), "a frozen tensor moved"
+
+
+def _streamed(model: torch.nn.Module) -> Engine:
+    return Engine(model, EngineConfig(compute_dtype="float32", optimizer_overlap=False, residency="stream",
+                                      parity_probe=False))
+
+
+def test_top_two_of_eight_layers_pay_only_for_what_trains():
+    """Layer-wise fine-tuning, every layer streamed: no slab and no Adam state below the top two layers or for the
+    embedding, host store <= 0.5x the full one; backward recomputes the top two layers only, and sends only their
+    gradients; the step matches PyTorch's."""
+    part, full = top_layers_model(), tiny_model("llama", layers=8)
+    want = reference(part, steps=2)
+    stats = {}
+    for name, model in (("part", part), ("full", full)):
+        eng = _streamed(model)
+        for b in BATCHES[:2]:
+            eng.reset_stats()
+            loss = eng(**b).loss
+            eng.backward(loss)
+            if name == "part":
+                assert abs(eng.clip_grad_norm_(CLIP) - want[1][len(stats.get("losses", []))]) <= 1e-5 * want[1][0]
+                stats.setdefault("losses", []).append(loss.item())
+            eng.step()
+            eng.zero_grad()
+        stats[name] = eng.collect_stats()
+        if name == "part":
+            assert [g.grad is None for g in eng.store.layers] == [True] * 6 + [False] * 2
+            held = {id(p) for g in eng.optimizer.param_groups for p in g["params"]}
+            frozen = [p for _, p in eng.named_parameters() if not p.requires_grad]
+            assert frozen and not any(id(p) in held for p in frozen)
+            assert all(not eng.optimizer.state.get(p) for p in frozen)
+            layer_grad_bytes = sum(g.numel * 4 for g in eng.store.layers[6:])
+    assert max(abs(a - b) for a, b in zip(stats["losses"], want[0])) <= 1e-5
+    assert stats["part"]["recomputed_layers"] == 2 and stats["full"]["recomputed_layers"] == 8
+    ratio = stats["part"]["host_store_bytes"] / stats["full"]["host_store_bytes"]
+    assert ratio <= 0.5, ratio
+    assert stats["part"]["d2h_bytes"] == layer_grad_bytes < stats["full"]["d2h_bytes"]
+
+
+def _granular(case: str) -> torch.nn.Module:
+    from kit import router_loss_moe
+
+    model = router_loss_moe() if case == "expert_and_router" else tiny_model("llama", tied=case == "tied_head")
+    frozen = {"head": lambda n: n == "lm_head.weight",
+              "tied_head": lambda n: n == "model.embed_tokens.weight",  # the head is the same tensor
+              "norms": lambda n: n.endswith("norm.weight"),
+              "expert_and_router": lambda n: n in ("model.layers.1.mlp.experts.down_proj",
+                                                   "model.layers.0.mlp.gate.weight")}[case]
+    for n, p in model.named_parameters():
+        if frozen(n):
+            p.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("case", ["head", "tied_head", "norms", "expert_and_router"])
+def test_any_granularity_trains_as_pytorch(case):
+    """The head (tied or not), the norms, a parameter of a mixture's experts and its router, frozen: an optimizer over
+    model.parameters() steps the rest, exactly as PyTorch does with its trainable parameters."""
+    from kit import train_steps
+
+    model = _granular(case)
+    want = reference(model, steps=3)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    eng = Engine(model, EngineConfig(compute_dtype="float32", optimizer_overlap=False, parity_probe=False),
+                 optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+    got = train_steps(eng, BATCHES, 3, clip=CLIP)
+    assert_exact(model, before, flags, got, want)

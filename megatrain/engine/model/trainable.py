@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ...models.adapter import DecoderParts
+from ..host.pinned import host_buffer
 from ..host.store import HostStore
 
 
@@ -72,6 +73,18 @@ class Trainable:
         if any(t and id(d) not in after for d, t in zip(device_globals, self.globals)):
             return 0
         return next((i for i in range(len(self.layers)) if self.layer_trains(i)), len(self.layers))
+
+    def trim_resident_slab(self) -> None:
+        """The resident parameters' gradient slab ends after the last one that trains: the frozen ones were placed
+        after the trainable (placement.py), so no slab is held for them. (A parameter frozen later, left out of the
+        optimizer, keeps its part: it is never written.)"""
+        group = self.store.globals
+        ends = [s.offset + s.numel for s, t in zip(group.slots, self.globals) if t]
+        n = max(ends, default=0)
+        if group.grad is None or n == group.grad.numel() or group.grad_work is not group.grad:
+            return
+        group.grad = group.grad_work = host_buffer(n, torch.float32)
+        group.link_grads()
 
     def apply(self, device_globals: list[nn.Parameter]) -> None:
         """The flags onto the masters (what the model object holds) and the resident device copies; a frozen

@@ -115,9 +115,9 @@ def move(group: FlatGroup, device: torch.device, relocate: bool = False) -> None
     if group.grad is None:  # a frozen layer (engine/model/trainable.py): no slab here either
         grad = grad_work = None
     else:
-        grad = torch.zeros(group.numel, dtype=group.grad.dtype, device=device)
-        grad_work = grad if group.grad_work is group.grad else torch.zeros(group.numel, dtype=torch.float32,
-                                                                            device=device)
+        n = group.grad.numel()  # the resident parameters' ends before the frozen ones (engine/model/trainable.py)
+        grad = torch.zeros(n, dtype=group.grad.dtype, device=device)
+        grad_work = grad if group.grad_work is group.grad else torch.zeros(n, dtype=torch.float32, device=device)
     group.masters = master_codec(HostMaster.FP32)
     group.master, group.shadow, group.lo, group.tie_table, group.work = master, shadow, None, None, master
     group.ties = torch.empty(0, dtype=torch.int64)
