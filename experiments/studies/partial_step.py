@@ -50,8 +50,11 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
     cfg = EngineConfig(device="cpu", compute_dtype="float32", residency="stream", optimizer_overlap=False,
                        parity_probe=False)
     engines = {"part": Engine(model(a.trainable, a.layers, a.hidden, a.vocab), cfg, clip_every_step=1.0),
@@ -83,6 +86,7 @@ def main() -> None:
                 "every layer streamed, FP32, paired steps in one process",
         "shape": {"layers": a.layers, "hidden": a.hidden, "vocab": a.vocab, "seq": a.seq, "batch": a.batch},
         "median_paired_step_ratio": statistics.median(ratios),
+        "ratio_of_median_steps": statistics.median(times["part"]) / statistics.median(times["full"]),
         "paired_ratios": ratios,
         "step_s": times,
         "host_store_bytes": {n: s["host_store_bytes"] for n, s in stats.items()},
