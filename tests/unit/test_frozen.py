@@ -217,3 +217,53 @@ def test_any_granularity_trains_as_pytorch(case):
                  optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
     got = train_steps(eng, BATCHES, 3, clip=CLIP)
     assert_exact(model, before, flags, got, want)
+
+
+@pytest.mark.parametrize("mode", [
+    pytest.param({"speculative_step": True, "optimizer_overlap": True}, id="speculative"),
+    pytest.param({"optimizer_in_backward": True}, id="in-backward"),
+    pytest.param({"residency": "stream", "optimizer_overlap": True}, id="streamed-overlap"),
+])
+def test_every_update_path_leaves_the_frozen_alone(mode):
+    """The update paths a layer at a time (speculated and rolled back, in backward, overlapped with the next forward)
+    over a model whose layer 0 and embedding are frozen: PyTorch's losses and norms, frozen bit-unchanged."""
+    from kit import train_steps
+
+    model = top_layers_model(layers=3, trainable=2)
+    clip = None if mode.get("optimizer_in_backward") else CLIP  # in backward refuses clipping
+    ref = copy.deepcopy(model)
+    params = [p for p in ref.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR)
+    want = train_steps(_TorchRunner(ref, params, opt), BATCHES, 3, clip=clip)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    eng = Engine(model, EngineConfig(compute_dtype="float32", parity_probe=False, **mode),
+                 optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+    got = train_steps(eng, BATCHES, 3, clip=clip)
+    assert max(abs(a - b) for a, b in zip(got[0], want[0])) <= 1e-5
+    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(got[1], want[1]))
+    eng.synchronize()
+    state = model.state_dict()
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert len(frozen) == 10 and all(torch.equal(state[n], before[n]) for n in frozen)
+
+
+class _TorchRunner:
+    """Plain PyTorch driven like an Engine (kit.train_steps): clip_grad_norm_ over the trainable parameters."""
+
+    def __init__(self, model, params, opt) -> None:
+        self.model, self.params, self.opt = model, params, opt
+
+    def __call__(self, **batch):
+        return self.model(**batch)
+
+    def backward(self, loss) -> None:
+        loss.backward()
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
