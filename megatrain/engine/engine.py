@@ -44,6 +44,7 @@ from .layer.side_inputs import SideInputs
 from .layer.tiling import long_context_policy
 from .model.model_object import bind as bind_model_object
 from .model.model_object import engines_holding
+from .model.peft_model import unwrap_peft
 from .model.placement import place, resolve_device
 from .model.probe import verify_model
 from .model.trainable import Trainable, frozen_names
@@ -123,6 +124,8 @@ class Engine:
         if isinstance(model, (str, os.PathLike)):
             checkpoint_dir = Path(model)
             model = skeleton_from_dir(checkpoint_dir)
+        # A PEFT model: the HF model inside it is what trains (peft_model.py); the wrapper is what the faces hand back.
+        model, self.wrapper = unwrap_peft(model)
         self.parts: DecoderParts = find_parts(model)
         check_embedding(self.parts.embed)
         self.module, self.hf_config = model, model.config
