@@ -267,3 +267,77 @@ class _TorchRunner:
 
     def zero_grad(self) -> None:
         self.opt.zero_grad()
+
+
+def test_a_frozen_layer_above_a_trainable_one_computes_only_its_input_gradient(monkeypatch):
+    """Layer 1 frozen, layer 0 trained: layer 1's backward asks autograd for no weight gradient (its input's only)
+    and sends none; the run matches PyTorch."""
+    from megatrain.engine.pipeline.schedule import LayerPipeline
+
+    model = tiny_model("llama", layers=2)
+    for n, p in model.named_parameters():
+        if n.startswith("model.layers.1."):
+            p.requires_grad_(False)
+    asked: dict[int, list[bool]] = {}
+    leaves = LayerPipeline._leaves
+
+    def spy(self, i, views):
+        out = leaves(self, i, views)
+        asked.setdefault(i, []).extend(w.requires_grad for w in out.values())
+        return out
+
+    monkeypatch.setattr(LayerPipeline, "_leaves", spy)
+    want = reference(model, steps=2)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    eng = _streamed(model)
+    from kit import train_steps
+
+    got = train_steps(eng, BATCHES, 2, clip=CLIP)
+    assert_exact(model, before, flags, got, want)
+    assert asked[1] and not any(asked[1]) and all(asked[0])
+    assert eng.store.layers[1].grad is None and eng.collect_stats()["recomputed_layers"] == 4  # 2 layers x 2 steps
+
+
+def test_an_optimizer_prepared_after_the_model_keeps_the_frozen_out():
+    """accelerator.prepare(model) then prepare(optimizer over model.parameters()): the engine's own AdamW replaced
+    by the user's, which steps only the trainable parameters."""
+    model = frozen_model("layer0")
+    want = reference(model)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    acc = megatrain.Accelerator(backend="megatrain", config={"megatrain": {"compute_dtype": "float32",
+                                                                          "optimizer_overlap": False}})
+    model = acc.prepare(model)
+    opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=LR))
+    losses, norms = [], []
+    for b in BATCHES:
+        loss = model(**b).loss
+        acc.backward(loss)
+        norms.append(float(acc.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert_exact(model, before, flags, (losses, norms), want)
+
+
+def test_a_checkpoint_of_a_partly_frozen_model_resumes_bit_identically(tmp_path):
+    """3 steps, save_checkpoint, a fresh engine over a freshly frozen model loads it and takes 2 more: the same
+    losses, norms and weights as 5 steps straight."""
+    def start():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = frozen_model("layer1_attention")
+            return model, megatrain.initialize(model=model, config=ds_config())[0]
+
+    straight_model, straight = start()
+    full = train_ds(straight)
+    first_model, first = start()
+    head = train_ds(first, steps=3)
+    first.save_checkpoint(tmp_path)
+    resumed_model, resumed = start()
+    resumed.load_checkpoint(tmp_path)
+    tail = train_ds(resumed, BATCHES[3:], steps=2)
+    assert head[0] + tail[0] == full[0] and head[1] + tail[1] == full[1]
+    a, b = resumed_model.state_dict(), straight_model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
