@@ -567,7 +567,7 @@ class Engine:
         by_name.update({a: by_name[n] for a, n in self._aliases.items() if n in by_name})
         given: dict[int, nn.Parameter] = {}
         for t in parameters:
-            m = master_of.get(id(t))
+            m = master_of.get(id(t), master_of.get(id(getattr(t, "megatrain_copy_of", None))))  # hilo: a copy's
             if m is None and t.numel() == 0:  # one of the model's own, emptied when the engine took it (listed before)
                 m = by_name.get(self._name_of.get(id(t), ""))
             if m is None:
