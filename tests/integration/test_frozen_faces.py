@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from kit import finish, run_python, start_python, worker_env
 
@@ -19,10 +20,14 @@ def _report(out: str) -> dict:
     return json.loads(line[len("REPORT "):])
 
 
-def test_hf_trainer_with_the_embedding_frozen_trains_as_plain_pytorch(tmp_path):
-    out = run_python([WORKERS / "frozen_trainer.py", tmp_path], cwd=tmp_path,
+def _trainer(tmp_path, what: str) -> dict:
+    out = run_python([WORKERS / "frozen_trainer.py", tmp_path, what], cwd=tmp_path,
                      env=worker_env(world_size=1, threads=2), timeout=600, check=True).stdout
-    r = _report(out)
+    return _report(out)
+
+
+def test_hf_trainer_with_the_embedding_frozen_trains_as_plain_pytorch(tmp_path):
+    r = _trainer(tmp_path, "embedding")
     plain, mine = r["plain"], r["megatrain"]
     assert mine["engine"] == "MegaTrainEngine" and plain["engine"] != "MegaTrainEngine"
     assert len(mine["losses"]) == len(plain["losses"]) == 5
@@ -31,6 +36,21 @@ def test_hf_trainer_with_the_embedding_frozen_trains_as_plain_pytorch(tmp_path):
     assert min(plain["grad_norms"]) > 1.0  # control: every step's clip bites
     assert not mine["embedding_moved"] and not plain["embedding_moved"]
     assert mine["frozen_flags"] == plain["frozen_flags"] == ["model.embed_tokens.weight"]
+
+
+@pytest.mark.slow
+def test_hf_trainer_with_a_peft_lora_model_trains_as_plain_peft(tmp_path):
+    """A PEFT LoRA model (r 8 on q/v) through the same Trainer: losses as plain PEFT, PEFT's adapter files written."""
+    pytest.importorskip("peft")
+    r = _trainer(tmp_path, "lora")
+    plain, mine = r["plain"], r["megatrain"]
+    assert mine["engine"] == "MegaTrainEngine" and len(mine["losses"]) == len(plain["losses"]) == 5
+    assert max(abs(a - b) for a, b in zip(mine["losses"], plain["losses"])) <= TOL
+    assert all(abs(a - b) <= TOL * b for a, b in zip(mine["grad_norms"], plain["grad_norms"])), r
+    assert max(plain["grad_norms"]) > 0.25  # control: the clip bites
+    assert "adapter_model.safetensors" in mine["files"] and mine["files"] == plain["files"]
+    assert not mine["embedding_moved"] and mine["frozen_flags"] == plain["frozen_flags"]
+    assert len(mine["frozen_flags"]) > 10  # PEFT froze the base
 
 
 def _dp_reference(case: str) -> tuple[list, list]:
