@@ -45,3 +45,28 @@ def top_layers_model(layers: int = 8, trainable: int = 2, **kw) -> torch.nn.Modu
         if n.startswith("model.embed_tokens") or any(n.startswith(f"model.layers.{i}.") for i in range(low)):
             p.requires_grad_(False)
     return m
+
+
+def has_peft() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("peft") is not None
+
+
+def build(case: str) -> torch.nn.Module:
+    """A case of CASES, or "lora": a PEFT LoRA model (r 8 on q/v) over the same tiny Llama."""
+    if case != "lora":
+        return frozen_model(case)
+    import warnings
+
+    import peft
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                                         target_modules=["q_proj", "v_proj"]))
+
+
+def dp_cases() -> list[str]:
+    """The cases the two-rank run trains: CASES, and LoRA where peft is installed."""
+    return [*CASES, *(["lora"] if has_peft() else [])]

@@ -102,3 +102,22 @@ def test_a_quantized_base_is_refused_by_name():
     model.base_model.model.is_loaded_in_4bit = True
     with pytest.raises(ValueError, match="quantized base model"):
         unwrap_peft(model)
+
+
+def test_lora_in_the_gpus_defaults():
+    """bf16 compute, the update overlapped, hilo masters: within the bf16 floor of plain PEFT in the engine's
+    mixed-precision scheme (the reference's names are the PeftModel's, the engine's its inner model's)."""
+    from gpu_defaults import GPU_DEFAULTS, bf16_reference, lag_updates, train
+
+    model = lora_model()
+    floor = bf16_reference(model, BATCHES, STEPS, clip=CLIP, optimizer=lambda m: torch.optim.AdamW(
+        [p for p in m.parameters() if p.requires_grad], lr=LR, fused=True))
+    assert max(floor.out[1]) > CLIP  # control: the clip bites
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    eng = lag_updates(Engine(model, EngineConfig(loss_chunk_tokens=13, **GPU_DEFAULTS)))
+    losses, norms, grads = train(eng, BATCHES, STEPS, clip=CLIP)
+    outer = "base_model.model."
+    floor.check((losses, norms, {outer + k: v for k, v in grads.items()}),
+                {outer + k: v for k, v in eng.state_dict().items()})
+    state = model.state_dict()
+    assert all(torch.equal(state[n], v) for n, v in base.items()), "a base weight moved"

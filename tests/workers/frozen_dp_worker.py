@@ -1,5 +1,5 @@
-"""One rank of tests/integration/test_frozen_faces.py's torchrun run: each case of tests/unit/test_frozen.py (a part
-of the model frozen) trained through megatrain.initialize, 5 steps, each rank on its own batches. Rank 0 writes
+"""One rank of tests/integration/test_frozen_faces.py's torchrun run: each case of tests/frozen_cases.py (a part of
+the model frozen; a PEFT LoRA model where peft is installed) trained through megatrain.initialize, 5 steps, each rank on its own batches. Rank 0 writes
 OUT/results.json: per case, each rank's losses, the engine's pre-clip norms, and whether a frozen tensor moved."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from frozen_cases import BATCHES_DP, CASES, STEPS, ds_config, frozen_model  # noqa: E402
+from frozen_cases import BATCHES_DP, STEPS, build, dp_cases, ds_config  # noqa: E402
 
 import megatrain  # noqa: E402
 
@@ -23,8 +23,8 @@ def main() -> None:
     out, rank = Path(sys.argv[1]), int(os.environ["RANK"])
     torch.set_num_threads(1)
     results = {}
-    for case in CASES:
-        model = frozen_model(case)
+    for case in dp_cases():
+        model = build(case)
         frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
