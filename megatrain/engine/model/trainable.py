@@ -3,7 +3,7 @@ left out of the optimizer's groups (or of `model_parameters`) does not train eit
 
 A frozen parameter keeps `requires_grad=False` on the model object (the store's master carries the user's flag),
 gets no gradient computed (its leaf in each layer's backward does not require one), no slab where its whole layer
-or the embedding is frozen, is held by no optimizer group (so no Adam state, no update), and adds nothing to the
+is frozen (a frozen resident parameter: none either, the resident slab ends before it), is held by no optimizer group (so no Adam state, no update), and adds nothing to the
 clip norm or the non-finite check. Backward stops below the lowest layer that trains when nothing before the
 layers trains (`backward_floor`).
 """
