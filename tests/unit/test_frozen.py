@@ -341,3 +341,32 @@ def test_a_checkpoint_of_a_partly_frozen_model_resumes_bit_identically(tmp_path)
     assert head[0] + tail[0] == full[0] and head[1] + tail[1] == full[1]
     a, b = resumed_model.state_dict(), straight_model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_parameter_left_out_of_model_parameters_does_not_train():
+    """DeepSpeed's rule: model_parameters without layer 0 (every flag True): layer 0 is not trained, not clipped
+    over, sends no gradient; the rest trains as PyTorch with its optimizer and clip over model_parameters."""
+    model = tiny_model("llama")
+    given = [p for n, p in model.named_parameters() if not n.startswith("model.layers.0.")]
+    ref = copy.deepcopy(model)
+    ref_given = [p for n, p in ref.named_parameters() if not n.startswith("model.layers.0.")]
+    opt = torch.optim.AdamW(ref_given, lr=LR)
+    want_losses, want_norms = [], []
+    for b in BATCHES:
+        loss = ref(**b).loss
+        loss.backward()
+        want_norms.append(float(torch.nn.utils.clip_grad_norm_(ref_given, CLIP)))
+        opt.step()
+        opt.zero_grad()
+        want_losses.append(loss.item())
+    before = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("model.layers.0.")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, *_ = megatrain.initialize(model=model, config=ds_config(), model_parameters=given)
+    losses, norms = train_ds(engine)
+    assert max(abs(a - b) for a, b in zip(losses, want_losses)) <= 1e-5
+    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(norms, want_norms))
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in before.items())
+    # (It is frozen from then on: the engine holds no gradient for it, and its requires_grad says so.)
+    assert not model.model.layers[0].self_attn.q_proj.weight.requires_grad
