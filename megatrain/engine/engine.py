@@ -47,7 +47,7 @@ from .model.model_object import engines_holding
 from .model.peft_model import unwrap_peft
 from .model.placement import place, resolve_device
 from .model.probe import verify_model
-from .model.trainable import Trainable, frozen_names
+from .model.trainable import Trainable, frozen_names, user_flags
 from .parallel.distributed import join_ranks
 from .parallel.ranks import ranks_for
 from .pipeline.activations import ActivationStore
@@ -133,7 +133,8 @@ class Engine:
         agree = (lambda i: self.dp.max_across(i, "host mode")) if self.dp is not None else None
         self.config = config = auto_host_mode(config, model, self.parts.layers, agree=agree)
         probe = (lambda m: verify_model(m, type(self), config)) if config.parity_probe else None
-        frozen = frozen_names(model, optimizer)  # the user's flags, read before the store's masters replace them
+        # the user's flags, read before the store's masters replace them
+        frozen, flags = frozen_names(model, optimizer), user_flags(model)
         self.placement, originals = place(model, self.parts, config, self.device, self.compute_dtype, self.dp,
                                           self.node, checkpoint_dir, probe, frozen)
         self.store, self.templates = self.placement.store, self.placement.templates
@@ -142,7 +143,7 @@ class Engine:
         self._aliases, self._name_of = self.placement.aliases, self.placement.name_of  # read by the faces, the probe
         # What trains (trainable.py): the user's flags on the masters; no slab for a layer none of whose parameters
         # train (before the optimizer residency below moves slabs).
-        self.trainable = Trainable(self.store, self.parts, frozen)
+        self.trainable = Trainable(self.store, self.parts, frozen, flags)
         self.trainable.apply(self.placement.device_globals)
         for i, group in enumerate(self.store.layers):
             if not self.trainable.layer_trains(i) and group.grad is not None:
@@ -188,7 +189,7 @@ class Engine:
         self.events = LayerEvents(len(self.store.layers), config.watchdog_s)
         named = self.store.named_parameters(self.parts.layers_prefix)
         if not isinstance(optimizer, torch.optim.Optimizer):  # built here: over what trains only
-            named = [(n, p) for n, p in named if p.requires_grad]
+            named = [(n, p) for n, p in named if self.trainable.trains(p)]
         opt = adopt_optimizer(optimizer, named, self._name_of, self._aliases)
         del originals
         self._hold_trainable(opt)
@@ -449,7 +450,7 @@ class Engine:
         t0 = time.perf_counter()
         # The resident parameters that train (a frozen one gets no gradient: trainable.py), None in the others' places.
         everyone = self.placement.device_globals
-        params = [d for d in everyone if d.requires_grad]
+        params = [d for d, t in zip(everyone, self.trainable.globals) if t]
         # The layers' reductions measure their slab's norm as it lands when a step follows this backward (a
         # replicated rank's average would rewrite the slab after it); zero_grad() unlinked .grad: linked again.
         self.events.slabs.measure = sync and self.dp is None
@@ -476,7 +477,7 @@ class Engine:
         grads = grads[: len(params)]
         if g is None:
             raise ValueError("the loss does not depend on the last forward's outputs (.loss / .logits)")
-        self._global_grads.add_dense(self._in_slots(everyone, grads))  # on CUDA: copy stream + pinned staging, added on a host thread
+        self._global_grads.add_dense(self._in_slots(grads))  # on CUDA: copy stream + pinned staging, added on a host thread
         del grads  # the head's gradient is vocab x hidden: free it before the layers run
         self.pipeline.tile = p.tile
         sent = self.update.grad_sent_hook(self.ranks.grad_sent(sync), sync)  # the ranks' average, a speculative update
@@ -494,7 +495,7 @@ class Engine:
                                                allow_unused=True)
             if g_h0 is None:  # the layers' inputs did not depend on the embedding output (h_in0 is h0 otherwise)
                 g_h0 = torch.zeros_like(p.h0)
-        self._global_grads.add_dense(self._in_slots(everyone, grads))
+        self._global_grads.add_dense(self._in_slots(grads))
         # The lookup's gradient scattered into the embedding's slab rows (what the embedding module's backward
         # computes, scales included, without a dense vocab x hidden gradient); off this thread on CUDA.
         if self.trainable.embed_trains(self.placement.embed_slot):
@@ -504,13 +505,12 @@ class Engine:
         self.ranks.after_backward(sync)
         self.accounting.seconds["backward_s"] += time.perf_counter() - t0
 
-    @staticmethod
-    def _in_slots(everyone: list[nn.Parameter], grads: Any) -> list[torch.Tensor | None]:
-        """The trainable resident parameters' gradients `grads` at their slots among `everyone` (None: frozen)."""
+    def _in_slots(self, grads: Any) -> list[torch.Tensor | None]:
+        """The trainable resident parameters' gradients `grads` at their slots (None: frozen)."""
         if not grads:
             return []  # none taken (no model-level math between the embedding and the first layer)
         it = iter(grads)
-        return [next(it) if d.requires_grad else None for d in everyone]
+        return [next(it) if t else None for t in self.trainable.globals]
 
     # -- gradients and the step -------------------------------------------------------------------
     def grad_norm(self) -> float:
@@ -574,7 +574,7 @@ class Engine:
                 raise ValueError("clip_grad_norm_ was given a tensor that is not a parameter of the engine's model; "
                                  "pass model.parameters() (or a part of them)")
             given[id(m)] = m
-        trainable = [p for p in master_of.values() if p.requires_grad]
+        trainable = [p for p in master_of.values() if self.trainable.trains(p)]
         if all(id(p) in given for p in trainable):
             return self.clip_grad_norm_(max_norm)
         if self.store.grad_mode is not GradSlab.FLOAT32 or self.clipping.pending:
@@ -587,7 +587,7 @@ class Engine:
                 self.events.slabs.zero_if_fresh(i, g.grad)  # no backward since zero_grad(): its zeros
             g.link_grads()
         self.store.globals.link_grads()
-        part = [p for p in given.values() if p.requires_grad]
+        part = [p for p in given.values() if self.trainable.trains(p)]
         total = float(torch.nn.utils.clip_grad_norm_(part, max_norm)) if part else 0.0
         self.grads_written()  # the slabs were scaled in place: no cached norm holds
         self.clipping.clipped_by_caller(total)

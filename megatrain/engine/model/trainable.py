@@ -20,6 +20,11 @@ from ..host.pinned import host_buffer
 from ..host.store import HostStore
 
 
+def user_flags(model: nn.Module) -> dict[str, bool]:
+    """Each parameter's requires_grad as the user set it, by its first name."""
+    return {n: p.requires_grad for n, p in model.named_parameters()}
+
+
 def frozen_names(model: nn.Module, optimizer: object = None) -> set[str]:
     """The parameters (each by its first name) that do not train: requires_grad False, or, with an optimizer
     object given, not in any of its groups."""
@@ -37,9 +42,13 @@ def frozen_names(model: nn.Module, optimizer: object = None) -> set[str]:
 class Trainable:
     """What trains, per layer slot and per resident (global) slot of the host store."""
 
-    def __init__(self, store: HostStore, parts: DecoderParts, frozen: Iterable[str]) -> None:
+    def __init__(self, store: HostStore, parts: DecoderParts, frozen: Iterable[str],
+                 flags: dict[str, bool] | None = None) -> None:
+        """`frozen`: what does not train; `flags`: the user's requires_grad by name (None: not frozen = True), what
+        the masters show: a parameter left out of the optimizer keeps its True and trains no more for it."""
         self.store, self.parts = store, parts
         self.frozen: set[str] = set(frozen)
+        self.flags = flags
         self._refresh()
 
     def _refresh(self) -> None:
@@ -47,6 +56,12 @@ class Trainable:
         self.layers = [[f"{prefix}.{i}.{s.name}" not in self.frozen for s in g.slots]
                        for i, g in enumerate(self.store.layers)]
         self.globals = [s.name not in self.frozen for s in self.store.globals.slots]
+        self._trains = {id(p): t for g, flags in zip(self.store.groups(), [*self.layers, self.globals])
+                        for p, t in zip(g.params, flags)}
+
+    def trains(self, master: nn.Parameter) -> bool:
+        """Whether the master `master` (one of the store's) trains."""
+        return self._trains.get(id(master), False)
 
     def freeze(self, names: Iterable[str]) -> None:
         self.frozen |= set(names)
@@ -87,14 +102,21 @@ class Trainable:
         group.link_grads()
 
     def apply(self, device_globals: list[nn.Parameter]) -> None:
-        """The flags onto the masters (what the model object holds) and the resident device copies; a frozen
-        master's .grad unlinked."""
-        for g, flags in zip(self.store.layers, self.layers):
-            for p, t in zip(g.params, flags):
-                p.requires_grad_(t)
-        for p, d, t in zip(self.store.globals.params, device_globals, self.globals):
-            p.requires_grad_(t)
-            d.requires_grad_(t)
+        """The user's flags onto the masters (what the model object holds) and the resident device copies, what
+        trains onto the groups (a master that does not train has no .grad)."""
+        prefix = self.parts.layers_prefix
+
+        def flag(name: str, t: bool) -> bool:  # the user's, where known; else whether it trains
+            return t if self.flags is None else self.flags.get(name, t)
+
+        for i, (g, trains) in enumerate(zip(self.store.layers, self.layers)):
+            g.trains = trains
+            for s, p, t in zip(g.slots, g.params, trains):
+                p.requires_grad_(flag(f"{prefix}.{i}.{s.name}", t))
+        self.store.globals.trains = self.globals
+        for s, p, d, t in zip(self.store.globals.slots, self.store.globals.params, device_globals, self.globals):
+            p.requires_grad_(flag(s.name, t))
+            d.requires_grad_(flag(s.name, t))
         for g in self.store.groups():
             g.link_grads()
 
@@ -102,9 +124,9 @@ class Trainable:
         """Take the frozen masters out of `optimizer`'s groups (DeepSpeed's rule: an optimizer over
         model.parameters() steps the trainable ones); the groups themselves stay, for LR schedules."""
         for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if p.requires_grad]
+            group["params"] = [p for p in group["params"] if self.trains(p)]
 
     def not_held(self, optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]]) -> set[str]:
         """The trainable masters `optimizer` does not hold (left out of model_parameters): frozen too."""
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        return {n for n, p in named if p.requires_grad and id(p) not in held}
+        return {n for n, p in named if self.trains(p) and id(p) not in held}
