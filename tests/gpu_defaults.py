@@ -127,7 +127,7 @@ def engine_grads(eng) -> dict[str, torch.Tensor]:
     them in every mode: hilo's parameters are copies), after everything queued has landed."""
     eng._all_grads()
     return {n: g.view(g.grad, s).clone() for n, (g, s) in eng.placement.slots_by_name().items()
-            if g.grad is not None}
+            if g.grad is not None and s.offset + s.numel <= g.grad.numel()}  # a frozen parameter has no slab
 
 
 def train(runner, batches: Iterable[dict], steps: int, accum: int = 1, clip: float | None = None,

@@ -166,7 +166,9 @@ class MegatrainBackend:
         # The user's model object itself comes back: its parameters are the engine's host masters and its
         # forward runs the engine (megatrain/engine/model/model_object.py). The engine builds its own AdamW when
         # given none; hand that back only if the user gave one.
-        return self.engine.module, (self.engine.optimizer if optimizer is not None else None)
+        # A PEFT model comes back as the PeftModel it was (engine/model/peft_model.py).
+        model_out = self.engine.wrapper if self.engine.wrapper is not None else self.engine.module
+        return model_out, (self.engine.optimizer if optimizer is not None else None)
 
     def prepare_model(self, model: Any, config: EngineConfig) -> tuple[EngineConfig, Any]:
         """What both faces do to a model before and after the engine takes it; returns (the engine config to
@@ -182,7 +184,8 @@ class MegatrainBackend:
         head_options = trl_head_options(model)
 
         def finish(engine: Any) -> None:
-            serve_fused_lm_head(model, head_options, engine.head_chunk_tokens)
+            # the model the engine runs (a PEFT model's inner HF model, engine/model/peft_model.py)
+            serve_fused_lm_head(engine.module, head_options, engine.head_chunk_tokens)
 
         return config, finish
 
@@ -253,9 +256,12 @@ class MegatrainBackend:
     ) -> float:
         if float(norm_type) != 2.0:
             raise ValueError('backend "megatrain" clips by the global L2 norm only (norm_type=2)')
-        # The engine holds every gradient in its host slabs; `parameters` names them all in practice
-        # (model.parameters()), so the whole set is clipped, as DeepSpeed does; the step then takes no clip of its own.
-        return self._require_engine().clip_grad_norm_(float(max_norm))
+        # torch's rule: the norm over the gradients of `parameters`, only theirs scaled. Every trainable parameter
+        # among them (model.parameters()) is the engine's clip of its host slabs (a frozen parameter has no
+        # gradient); a part of them is clipped as torch would, or refused by name where that cannot be exact.
+        # The step then takes no clip of its own.
+        params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+        return self._require_engine().clip_grad_norm_of(params, float(max_norm))
 
     def optimizer_step(self) -> None:
         # The engine clips by `gradient_clipping` unless the script did, and skips a step whose gradients are not

@@ -61,8 +61,20 @@ class StepAccounting:
         self._wait_taken = waited
         return out
 
-    def collect(self) -> dict[str, float]:
-        """The counts since the last reset (the caller waits for outstanding copies and updates first)."""
+    def host_store_bytes(self, optimizer: torch.optim.Optimizer | None) -> int:
+        """The model's state in host memory, what the planner prices as the host store: the store's masters, shadows
+        and gradient slabs (HostStore.host_bytes) and `optimizer`'s state held on the host (its Adam moments), each
+        storage once. A frozen parameter has neither slab nor state (engine/model/trainable.py)."""
+        seen: dict[int, int] = {}
+        for st in (optimizer.state.values() if optimizer is not None else ()):
+            for t in st.values():  # the moments (and the step counters, a few bytes each)
+                if torch.is_tensor(t) and t.device.type == "cpu":
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return self.placement.store.host_bytes() + sum(seen.values())
+
+    def collect(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, float]:
+        """The counts since the last reset (the caller waits for outstanding copies and updates first);
+        `optimizer`: the one the step runs, whose host state joins host_store_bytes."""
         out = dict(self.seconds)
         if self.layered is not None:
             out["optimizer_busy_s"] = self.layered.busy_s  # on its own thread; optimizer_s is what step() took
@@ -71,7 +83,7 @@ class StepAccounting:
             h2d_bytes=streams.h2d.bytes, d2h_bytes=streams.d2h.bytes,
             h2d_busy_s=streams.h2d.busy_s, d2h_busy_s=streams.d2h.busy_s,
             copy_wait_s=streams.wait_s, device_weight_bytes=self.device_weight_bytes,
-            peak_activation_bytes=self.act_peak, host_store_bytes=self.placement.store.host_bytes(),
+            peak_activation_bytes=self.act_peak, host_store_bytes=self.host_store_bytes(optimizer),
             tokens=self.tokens,
         )
         if self.device.type == "cuda":

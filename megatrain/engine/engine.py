@@ -44,8 +44,10 @@ from .layer.side_inputs import SideInputs
 from .layer.tiling import long_context_policy
 from .model.model_object import bind as bind_model_object
 from .model.model_object import engines_holding
+from .model.peft_model import unwrap_peft
 from .model.placement import place, resolve_device
 from .model.probe import verify_model
+from .model.trainable import Trainable, frozen_names, user_flags
 from .parallel.distributed import join_ranks
 from .parallel.ranks import ranks_for
 from .pipeline.activations import ActivationStore
@@ -122,6 +124,8 @@ class Engine:
         if isinstance(model, (str, os.PathLike)):
             checkpoint_dir = Path(model)
             model = skeleton_from_dir(checkpoint_dir)
+        # A PEFT model: the HF model inside it is what trains (peft_model.py); the wrapper is what the faces hand back.
+        model, self.wrapper = unwrap_peft(model)
         self.parts: DecoderParts = find_parts(model)
         check_embedding(self.parts.embed)
         self.module, self.hf_config = model, model.config
@@ -129,12 +133,22 @@ class Engine:
         agree = (lambda i: self.dp.max_across(i, "host mode")) if self.dp is not None else None
         self.config = config = auto_host_mode(config, model, self.parts.layers, agree=agree)
         probe = (lambda m: verify_model(m, type(self), config)) if config.parity_probe else None
+        # the user's flags, read before the store's masters replace them
+        frozen, flags = frozen_names(model, optimizer), user_flags(model)
         self.placement, originals = place(model, self.parts, config, self.device, self.compute_dtype, self.dp,
-                                          self.node, checkpoint_dir, probe)
+                                          self.node, checkpoint_dir, probe, frozen)
         self.store, self.templates = self.placement.store, self.placement.templates
         if self.device.type == "cpu" and self.compute_dtype == torch.float32 and cpu_linear.available():
             self.templates.linears = cpu_linear.OneDnnLinears()  # faster FP32 GEMMs than F.linear's here
         self._aliases, self._name_of = self.placement.aliases, self.placement.name_of  # read by the faces, the probe
+        # What trains (trainable.py): the user's flags on the masters; no slab for a layer none of whose parameters
+        # train (before the optimizer residency below moves slabs).
+        self.trainable = Trainable(self.store, self.parts, frozen, flags)
+        self.trainable.apply(self.placement.device_globals)
+        for i, group in enumerate(self.store.layers):
+            if not self.trainable.layer_trains(i) and group.grad is not None:
+                group.drop_grads()
+        self.trainable.trim_resident_slab()  # a frozen embedding (head, norm) has none either
         self._recorded: list = []
 
         self.streams = Streams(self.device, self.trace_log, config.link_gbps, config.watchdog_s)
@@ -173,9 +187,12 @@ class Engine:
         policy.hold_optimizer(count, self.store.globals.numel if self.globals_on_device else 0)
         # The step: the optimizer over the masters, what the ranks exchange, and when each layer's update runs.
         self.events = LayerEvents(len(self.store.layers), config.watchdog_s)
-        opt = adopt_optimizer(optimizer, self.store.named_parameters(self.parts.layers_prefix), self._name_of,
-                              self._aliases)
+        named = self.store.named_parameters(self.parts.layers_prefix)
+        if not isinstance(optimizer, torch.optim.Optimizer):  # built here: over what trains only
+            named = [(n, p) for n, p in named if self.trainable.trains(p)]
+        opt = adopt_optimizer(optimizer, named, self._name_of, self._aliases)
         del originals
+        self._hold_trainable(opt)
         if self.node is not None:
             foreign = {id(p) for g in self.store.layers if not g.owned for p in g.params}
             shard_optimizer_state(opt, foreign, self.dp.group, self.synchronize)
@@ -195,6 +212,7 @@ class Engine:
                                       self.compute_dtype, self.device, _has_dropout(self.hf_config), self.events,
                                       policy, self.ranks.sink(self.update.grad_sink))
         self.pipeline.optimizer_layers = self.optimizer_layers
+        self.pipeline.trainable = self.trainable
         self._global_grads = GlobalGradSink(self.store, self.streams, self.pipeline, self.compute_dtype)
         # A plain CPU device keeps the loss tile's buffers from step to step (loss.py TileBuffers): the host's
         # allocator maps tensors that large afresh on every allocation. Not where the CPU device stands in for a
@@ -255,8 +273,18 @@ class Engine:
             return known if known is not None or p.numel() != 0 else self._name_of.get(id(p))
 
         move_onto_masters(optimizer, name, masters)
+        self._hold_trainable(optimizer)
         self.optimizer = optimizer
         return optimizer
+
+    def _hold_trainable(self, optimizer: torch.optim.Optimizer) -> None:
+        """DeepSpeed's rule on `optimizer` (trainable.py): the frozen masters out of its groups, and a trainable one
+        it does not hold (left out of model_parameters) frozen from now on."""
+        self.trainable.strip(optimizer)
+        left_out = self.trainable.not_held(optimizer, self.store.named_parameters(self.parts.layers_prefix))
+        if left_out:
+            self.trainable.freeze(left_out)
+            self.trainable.apply(self.placement.device_globals)
 
     @property
     def _layered(self) -> LayeredStep | None:
@@ -424,7 +452,9 @@ class Engine:
         self._norm = None
         self.clipping.before_backward()
         t0 = time.perf_counter()
-        params = self.placement.device_globals
+        # The resident parameters that train (a frozen one gets no gradient: trainable.py), None in the others' places.
+        everyone = self.placement.device_globals
+        params = [d for d, t in zip(everyone, self.trainable.globals) if t]
         # The layers' reductions measure their slab's norm as it lands when a step follows this backward (a
         # replicated rank's average would rewrite the slab after it); zero_grad() unlinked .grad: linked again.
         self.events.slabs.measure = sync and self.dp is None
@@ -451,11 +481,16 @@ class Engine:
         grads = grads[: len(params)]
         if g is None:
             raise ValueError("the loss does not depend on the last forward's outputs (.loss / .logits)")
-        self._global_grads.add_dense(grads)  # on CUDA: copy stream + pinned staging, added on a host thread
+        self._global_grads.add_dense(self._in_slots(grads))  # on CUDA: copy stream + pinned staging, added on a host thread
         del grads  # the head's gradient is vocab x hidden: free it before the layers run
         self.pipeline.tile = p.tile
         sent = self.update.grad_sent_hook(self.ranks.grad_sent(sync), sync)  # the ranks' average, a speculative update
-        g = self.pipeline.backward(g, p.layer_inputs, p.acts, sent, side=p.side)
+        floor = self.trainable.backward_floor(everyone)
+        g = self.pipeline.backward(g, p.layer_inputs, p.acts, sent, side=p.side, floor=floor)
+        if floor > 0:  # nothing before the layers trains, and no layer below `floor`: backward ends there
+            self.ranks.after_backward(sync)
+            self.accounting.seconds["backward_s"] += time.perf_counter() - t0
+            return
         side_roots, side_grads = p.side.backward_pairs()
         if p.h_in0 is p.h0 and not side_roots:
             g_h0, grads = g, ()
@@ -464,13 +499,22 @@ class Engine:
                                                allow_unused=True)
             if g_h0 is None:  # the layers' inputs did not depend on the embedding output (h_in0 is h0 otherwise)
                 g_h0 = torch.zeros_like(p.h0)
-        self._global_grads.add_dense(grads)
+        self._global_grads.add_dense(self._in_slots(grads))
         # The lookup's gradient scattered into the embedding's slab rows (what the embedding module's backward
         # computes, scales included, without a dense vocab x hidden gradient); off this thread on CUDA.
-        rows, grad = lookup_grad(self.parts.embed, host_value(p.host_ids) if p.host_ids is not None else p.ids, g_h0)
-        self._global_grads.add_rows(self.placement.embed_slot, rows, grad)
+        if self.trainable.embed_trains(self.placement.embed_slot):
+            rows, grad = lookup_grad(self.parts.embed, host_value(p.host_ids) if p.host_ids is not None else p.ids,
+                                     g_h0)
+            self._global_grads.add_rows(self.placement.embed_slot, rows, grad)
         self.ranks.after_backward(sync)
         self.accounting.seconds["backward_s"] += time.perf_counter() - t0
+
+    def _in_slots(self, grads: Any) -> list[torch.Tensor | None]:
+        """The trainable resident parameters' gradients `grads` at their slots (None: frozen)."""
+        if not grads:
+            return []  # none taken (no model-level math between the embedding and the first layer)
+        it = iter(grads)
+        return [next(it) if t else None for t in self.trainable.globals]
 
     # -- gradients and the step -------------------------------------------------------------------
     def grad_norm(self) -> float:
@@ -513,6 +557,44 @@ class Engine:
         if coef < 1.0:
             self._norm = total * coef
             self._norm_at = self._slab_versions()  # the clip's own in-place scaling is not a hand-written change
+        return total
+
+    def clip_grad_norm_of(self, parameters: list[torch.Tensor], max_norm: float) -> float:
+        """torch's clip_grad_norm_(parameters, max_norm): the norm over the gradients of `parameters` (the model's
+        own tensors: its parameters, the masters, the resident ones' device copies) and only theirs scaled. Those
+        that include every trainable parameter take the engine's clip (a frozen one has no gradient, so the norm is
+        the same); a part of them needs FP32 slabs with no clip pending on them, and is refused otherwise."""
+        max_norm = checked_max_norm(max_norm)
+        master_of = {id(p): p for _, p in self.store.named_parameters(self.parts.layers_prefix)}
+        master_of.update({id(d): m for d, m in zip(self.placement.device_globals, self.store.globals.params)})
+        by_name = dict(self.store.named_parameters(self.parts.layers_prefix))
+        by_name.update({a: by_name[n] for a, n in self._aliases.items() if n in by_name})
+        given: dict[int, nn.Parameter] = {}
+        for t in parameters:
+            m = master_of.get(id(t), master_of.get(id(getattr(t, "megatrain_copy_of", None))))  # hilo: a copy's
+            if m is None and t.numel() == 0:  # one of the model's own, emptied when the engine took it (listed before)
+                m = by_name.get(self._name_of.get(id(t), ""))
+            if m is None:
+                raise ValueError("clip_grad_norm_ was given a tensor that is not a parameter of the engine's model; "
+                                 "pass model.parameters() (or a part of them)")
+            given[id(m)] = m
+        trainable = [p for p in master_of.values() if self.trainable.trains(p)]
+        if all(id(p) in given for p in trainable):
+            return self.clip_grad_norm_(max_norm)
+        if self.store.grad_mode is not GradSlab.FLOAT32 or self.clipping.pending:
+            raise ValueError(f"clip_grad_norm_ over a part of the trainable parameters needs FP32 gradient slabs with "
+                             f"no clip pending on them (host_grad_dtype={self.config.host_grad_dtype!r}); clip over "
+                             "all trainable parameters (model.parameters()), or use host_grad_dtype='float32'")
+        self._all_grads()  # landed, no update queued
+        for i, g in enumerate(self.store.layers):
+            if g.grad is not None:
+                self.events.slabs.zero_if_fresh(i, g.grad)  # no backward since zero_grad(): its zeros
+            g.link_grads()
+        self.store.globals.link_grads()
+        part = [p for p in given.values() if self.trainable.trains(p)]
+        total = float(torch.nn.utils.clip_grad_norm_(part, max_norm)) if part else 0.0
+        self.grads_written()  # the slabs were scaled in place: no cached norm holds
+        self.clipping.clipped_by_caller(total)
         return total
 
     def _all_grads(self) -> list[torch.Tensor]:
@@ -678,7 +760,7 @@ class Engine:
     def collect_stats(self) -> dict[str, float]:
         """Accounting since the last reset (waits for outstanding copies and layer updates)."""
         self.synchronize()
-        return {**self.accounting.collect(), "speculative_rollbacks": self.update.rollbacks,
+        return {**self.accounting.collect(self.optimizer), "speculative_rollbacks": self.update.rollbacks,
                 "speculative_layers": getattr(self.update, "speculative_layers", 0)}
 
     @property

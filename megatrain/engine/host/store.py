@@ -112,6 +112,7 @@ class FlatGroup:
         self.grad, self.grad_work = (self.grads.buffers(offset, scratch.grad if scratch is not None else None)
                                      if owned else (None, None))
         self.params: list[nn.Parameter] = []
+        self.trains: list[bool] | None = None  # per slot, whether it trains (engine/model/trainable.py; None: all)
         for s in self.slots:
             p = nn.Parameter(self.view(self.work, s), requires_grad=True)
             self.params.append(p)
@@ -173,8 +174,15 @@ class FlatGroup:
         linked = self.grads.linked(self)
         if linked is None:
             return  # only the per-layer update reads gradients, from grad_work (load_grads); or not this rank's
-        for p, s in zip(self.params, self.slots):
-            p.grad = self.view(linked, s)
+        for k, (p, s) in enumerate(zip(self.params, self.slots)):
+            trains = self.trains is None or self.trains[k]
+            p.grad = self.view(linked, s) if trains else None  # a frozen parameter has none (trainable.py)
+
+    def drop_grads(self) -> None:
+        """No gradient slab: every parameter of the group is frozen (engine/model/trainable.py)."""
+        self.grad = self.grad_work = None
+        for p in self.params:
+            p.grad = None
 
     def refresh_shadow(self) -> None:
         """An FP32 master written in place: its streamed bf16 copy refreshed (nothing to do in the other modes)."""

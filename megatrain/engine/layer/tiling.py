@@ -133,14 +133,14 @@ def tiled_vjp(layer: nn.Module, weights: dict[str, torch.Tensor], x: torch.Tenso
     overwritten with the result."""
     if not attention_tileable(layer, kwargs):
         return _mlp_tiled_vjp(layer, weights, x, kwargs, g, tile)
-    names = list(weights)
+    names = [n for n, w in weights.items() if w.requires_grad]  # a frozen weight (trainable.py): no gradient
     side = {n: n.split(".", 1)[0] for n in names}
     attn_sub = {n: n.split(".")[1] if side[n] == "self_attn" else "" for n in names}
     mlp_names = [n for n in names if side[n] in _MLP_PARTS]
     q_names = [n for n in names if side[n] == "input_layernorm" or attn_sub[n] in ("q_proj", "q_norm", "o_proj")]
     kv_names = [n for n in names if side[n] == "input_layernorm" or attn_sub[n] in ("k_proj", "k_norm", "v_proj")]
     # Sum tile gradients in FP32 so bf16 compute does not lose the small ones.
-    acc = {n: torch.zeros(w.shape, dtype=torch.float32, device=w.device) for n, w in weights.items()}
+    acc = {n: torch.zeros(weights[n].shape, dtype=torch.float32, device=weights[n].device) for n in names}
 
     def add(ns: list[str], gs: list) -> None:
         for n, d in zip(ns, gs):
@@ -194,7 +194,7 @@ def tiled_vjp(layer: nn.Module, weights: dict[str, torch.Tensor], x: torch.Tenso
         torch.add(gxt, gxt2, out=gx[:, s0:s1])
         del gxt, gxt2, xt, xt2
     del k, v, dk, dv
-    return gx, [acc.pop(n).to(w.dtype) for n, w in weights.items()]
+    return gx, [acc.pop(n).to(w.dtype) if n in acc else None for n, w in weights.items()]
 
 
 def _tiles(x: torch.Tensor, tile: int) -> list[tuple[int, int]]:
@@ -252,7 +252,7 @@ def _mlp_tiled_vjp(layer: nn.Module, weights: dict[str, torch.Tensor], x: torch.
     autograd, each MLP tile on its own, then the attention block is differentiated."""
     with torch.enable_grad():
         h = _attention_block(layer, weights, x, kwargs)
-    mlp_names = [n for n in weights if n.split(".", 1)[0] in _MLP_PARTS]
+    mlp_names = [n for n in weights if n.split(".", 1)[0] in _MLP_PARTS and weights[n].requires_grad]
     mlp_leaves = [weights[n] for n in mlp_names]
     # Sum tile gradients in FP32 so bf16 compute does not lose the small ones.
     acc = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in mlp_leaves]
@@ -273,10 +273,12 @@ def _mlp_tiled_vjp(layer: nn.Module, weights: dict[str, torch.Tensor], x: torch.
     del hd
     grads = {n: a.to(w.dtype) for n, a, w in zip(mlp_names, acc, mlp_leaves)}
     del acc
-    attn_names = [n for n in weights if n not in grads]
+    attn_names = [n for n, w in weights.items() if n not in grads and w.requires_grad and
+                  n.split(".", 1)[0] not in _MLP_PARTS]
     gx, *gas = torch.autograd.grad(h, (x, *(weights[n] for n in attn_names)), g_h.view_as(h), allow_unused=True)
     grads.update(zip(attn_names, gas))
-    return gx, [grads[n] if grads[n] is not None else torch.zeros_like(w) for n, w in weights.items()]
+    return gx, [None if n not in grads else grads[n] if grads[n] is not None else torch.zeros_like(w)
+                for n, w in weights.items()]
 
 
 def layer_dims(layer: nn.Module, numel: int, hidden: int) -> LayerDims:

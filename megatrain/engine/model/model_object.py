@@ -219,7 +219,14 @@ def _model_methods(plain: type) -> dict[str, Callable]:
         slots = _layer_slots(b.engine)
         for name, p in items:
             where = slots.get(id(p))
-            yield name, (p if where is None else nn.Parameter(where[0].read_slot(where[1]), requires_grad=False))
+            if where is None:
+                yield name, p
+                continue
+            # a copy of the master's values, flagged as the user set the parameter (engine/model/trainable.py), that
+            # names the parameter it copies (a clip_grad_norm_ over model.parameters() finds its gradient by it)
+            copy_ = nn.Parameter(where[0].read_slot(where[1]), requires_grad=p.requires_grad)
+            copy_.megatrain_copy_of = p
+            yield name, copy_
 
     @functools.wraps(nn.Module.load_state_dict, assigned=("__doc__", "__name__"))
     def load_state_dict(self: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True,
@@ -273,7 +280,7 @@ def _serve_masters(engine: Engine, plain: type, model: nn.Module, out: dict[str,
             where = slots.get(id(p))
             if where is not None and prefix + name in out:
                 value = where[0].read_slot(where[1])
-                out[prefix + name] = nn.Parameter(value, requires_grad=False) if keep_vars else value
+                out[prefix + name] = nn.Parameter(value, requires_grad=p.requires_grad) if keep_vars else value
 
 
 def _engine_recording(engine: Engine, model: nn.Module) -> bool:

@@ -153,12 +153,15 @@ class UploadFence:
 def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: torch.device,
           compute_dtype: torch.dtype, dp: DataParallel | None, node: NodeStore | None,
           checkpoint_dir: str | os.PathLike | None,
-          probe: Callable[[nn.Module], object] | None) -> tuple[Placement, list[nn.Parameter]]:
+          probe: Callable[[nn.Module], object] | None,
+          frozen: frozenset[str] | set[str] = frozenset()) -> tuple[Placement, list[nn.Parameter]]:
     """Move `model`'s weights into a new host store and place everything the step needs on `device`; also
     the model's own Parameters as handed in (keep them until the optimizer is adopted: `name_of` is by id).
 
     Refuses a model that cannot fit (host_preflight) before anything is allocated; `probe` (the parity probe)
-    runs after that and before the store, so a model it refuses is left as it was.
+    runs after that and before the store, so a model it refuses is left as it was. `frozen`: the parameters that do
+    not train (trainable.py); the resident ones among them go last in their group, so its gradient slab can end
+    before them.
     """
     pin = config.pin_memory if config.pin_memory is not None else device.type == "cuda"
     # Names: each distinct parameter once (tied weights under their first name), aliases kept.
@@ -172,7 +175,8 @@ def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: t
         else:
             name_of[id(p)] = name
             originals.append(p)
-    global_named = [(n, p) for n, p in model.named_parameters() if not n.startswith(prefix)]
+    global_named = sorted(((n, p) for n, p in model.named_parameters() if not n.startswith(prefix)),
+                          key=lambda item: item[0] in frozen)  # stable: the trainable first, each in model order
     layer_shapes = [[(n, p.shape) for n, p in layer.named_parameters()] for layer in parts.layers]
 
     host_preflight(layer_shapes, [p.shape for _, p in global_named], compute_dtype, pin=pin,

@@ -121,6 +121,8 @@ class Replicated(OneRank):
             self.dp.broadcast_from(self.store, src)  # only `src` wrote: the other ranks take its weights
 
     def _average_layer(self, i: int) -> None:
+        if self.store.layers[i].grad is None:
+            return  # a frozen layer: no slab (engine/model/trainable.py)
         landed = self.events.landed
         landed[i] = self.dp.submit_average(self.store.layers[i], landed[i], f"layer {i}", i)
 

@@ -105,6 +105,9 @@ class LayerPipeline:
         # Layers whose master, slab and Adam state live on the device (update/resident.py, set by the engine): their
         # gradients are added into the device slab here, their kept weights are the device shadow itself.
         self.optimizer_layers: frozenset[int] = frozenset()
+        # What trains (engine/model/trainable.py, set by the engine; None: everything): a frozen weight's leaf
+        # requires no gradient, and a layer none of whose weights train sends none.
+        self.trainable = None
         self._rng: dict[int, tuple] = {}
         self.policy = policy
         self.tile: int | None = None  # MLP sequence tile of the current batch (None: untiled)
@@ -307,11 +310,15 @@ class LayerPipeline:
         staging = self._staging[i][: group.numel]
         if self.device.type == "cuda":
             for g in grads:
-                g.record_stream(self.streams.d2h._stream)  # the allocator must not reuse it mid-copy
+                if g is not None:
+                    g.record_stream(self.streams.d2h._stream)  # the allocator must not reuse it mid-copy
 
         def to_host() -> int:
             for slot, g in zip(group.slots, grads):
-                group.view(staging, slot).copy_(g, non_blocking=True)
+                if g is None:  # a frozen weight of a layer that trains (trainable.py): nothing crosses the link
+                    group.view(staging, slot).zero_()
+                else:
+                    group.view(staging, slot).copy_(g, non_blocking=True)
             return nbytes
 
         return i, staging, self.streams.d2h.submit(to_host, after, "grad", layer)
@@ -319,7 +326,8 @@ class LayerPipeline:
     def _send_grad_to_sink(self, layer: int, grads: list[torch.Tensor], after: Event, nbytes: int) -> None:
         """Stage one layer's gradients and hand them to the sink (no slab)."""
         if not hasattr(self, "_staging"):  # CPU device: staging exists only for the optimizer in backward
-            self._staging = [self.store.buffer(self.max_numel, grads[0].dtype, "gradient staging") for _ in range(2)]
+            dtype = next(g.dtype for g in grads if g is not None)
+            self._staging = [self.store.buffer(self.max_numel, dtype, "gradient staging") for _ in range(2)]
             self._staging_free, self._next_staging = [DONE, DONE], 0
         i, staging, copied = self._stage(layer, grads, after, nbytes)
         self._staging_free[i] = self.landed[layer] = self.grad_sink(layer, staging, copied)
@@ -372,15 +380,24 @@ class LayerPipeline:
         return h
 
     def backward(self, g: torch.Tensor, layer_inputs: list[tuple[tuple, dict]], acts: ActivationStore,
-                 grad_sent: Callable[[int], None] | None = None, side: SideInputs | None = None) -> torch.Tensor:
+                 grad_sent: Callable[[int], None] | None = None, side: SideInputs | None = None,
+                 floor: int = 0) -> torch.Tensor | None:
         """Backpropagate `g` through the layers; `grad_sent(i)` runs once layer i's gradients are queued to the host
         (data parallel: the layer's average across ranks is queued behind them, overlapping the next layer's).
-        `side`: the layers' side inputs, whose gradients each layer's backward adds into it."""
+        `side`: the layers' side inputs, whose gradients each layer's backward adds into it. `floor`: the lowest
+        layer whose backward runs (nothing below it trains, engine/model/trainable.py); from 0 the first layer's
+        input gradient is returned, else None."""
         handed = getattr(acts, "handed", None) or HandedStates([])
         saved = getattr(acts, "saved", None)
         offloaded = saved.layers if saved is not None else frozenset()
         for step in order.backward_steps(self.slots, len(self.store.layers), frozenset(acts.graphs), offloaded):
             i = step.layer
+            if i < floor:
+                if step.op in (order.PREFETCH_INPUT, order.PREFETCH_GRAPH):
+                    continue  # for a backward that will not run
+                if step.op != order.LOAD:
+                    break  # the first layer below the floor: backward ends
+                # a weight copy the buffers' model has already recorded (costs/pipeline.py): issued, to keep it true
             if step.op in (order.LOAD, order.WAIT):
                 self._weights_step(step, "backward")
             elif step.op == order.PREFETCH_GRAPH:
@@ -392,17 +409,44 @@ class LayerPipeline:
             elif step.op == order.PREFETCH_INPUT:
                 acts.prefetch(i)
             elif step.op == order.FETCH_INPUT:
-                x = acts.get(i).detach().requires_grad_(True)
+                x = acts.get(i).detach().requires_grad_(i > floor or floor == 0)  # the floor's input: no gradient
             elif step.op == order.BACKWARD:
                 g, gw, done = self._layer_backward(i, step.slot, x, g, layer_inputs[i], side, handed)
                 self.recomputed += 1
             elif step.op == order.SEND_GRAD:
-                self._send_grad(i, gw, done)
-                if grad_sent is not None:
-                    grad_sent(i)
+                if self._trains(i):
+                    self._send_grad(i, gw, done)
+                    if grad_sent is not None:
+                        grad_sent(i)
             elif step.op == order.DROP_INPUT:
                 acts.drop(i)
+        if floor > 0:
+            self._drop_below(floor, acts)
+            return None
         return g
+
+    def _trains(self, i: int) -> bool:
+        return self.trainable is None or self.trainable.layer_trains(i)
+
+    def _drop_below(self, floor: int, acts: ActivationStore) -> None:
+        """What the forward kept for the layers below `floor` (their inputs, graphs, dropout RNG), which no backward
+        reads: freed."""
+        saved = getattr(acts, "saved", None)
+        for i in range(floor):
+            self._rng.pop(i, None)
+            if i in acts.graphs:
+                acts.take_graph(i)
+                if saved is not None and i in saved.layers:
+                    saved.drop(i)
+            else:
+                acts.drop(i)
+
+    def _leaves(self, i: int, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Layer i's weights as autograd leaves, one per parameter (not one flat leaf: autograd then returns each
+        weight's gradient as is, instead of scattering every one into a zero-filled layer-sized tensor); a frozen
+        weight's leaf requires no gradient, so none is computed for it."""
+        trains = self.trainable.layer_weights(i) if self.trainable is not None else {}
+        return {n: w.detach().requires_grad_(trains.get(n, True)) for n, w in views.items()}
 
     def _call(self, i: int, weights: dict[str, torch.Tensor], x: torch.Tensor, inputs: tuple[tuple, dict],
               handed: HandedStates, tile: int | None = None) -> torch.Tensor:
@@ -420,8 +464,7 @@ class LayerPipeline:
         """Layer i's forward recording its graph, kept in `acts` for its backward: the same call the recompute
         makes, so the same values (and, for a mixture of experts, the router logits it records, with their graph)."""
         group = self.store.layers[i]
-        weights = {n: w.detach().requires_grad_(True)
-                   for n, w in group.views(self.buffers[slot][: group.numel]).items()}
+        weights = self._leaves(i, group.views(self.buffers[slot][: group.numel]))
         x = h.detach().requires_grad_(True)
         inputs, leaves = side.leaves(i, inputs) if side else (inputs, [])
         saved = getattr(acts, "saved", None)
@@ -457,8 +500,10 @@ class LayerPipeline:
         """(input gradient, weight gradients) of one layer's outputs. A weight no gradient reaches (an expert no
         token was routed to) gets None where the host's add skips it (slab_state.PartsAdd); the staged paths
         copy every gradient: zeros, as in PyTorch. The gradients of layer i's side-input `leaves` go into `side`."""
-        gx, *gw = torch.autograd.grad(outs, (x, *weights.values(), *leaves), gouts, allow_unused=True,
-                                      materialize_grads=self.device.type == "cuda" or self.grad_sink is not None)
+        wanted = [t for t in (x, *weights.values(), *leaves) if t.requires_grad]  # a frozen weight: none
+        got = iter(torch.autograd.grad(outs, wanted, gouts, allow_unused=True,
+                                       materialize_grads=self.device.type == "cuda" or self.grad_sink is not None))
+        gx, *gw = [next(got) if t.requires_grad else None for t in (x, *weights.values(), *leaves)]
         if leaves:
             side.add_grads(i, gw[len(gw) - len(leaves):])
             gw = gw[: len(gw) - len(leaves)]
@@ -470,10 +515,7 @@ class LayerPipeline:
         """Recompute layer i from buffer `slot` and backpropagate g: (input gradient, weight gradients, the
         event after which the buffer is free)."""
         group = self.store.layers[i]
-        # Leaves per parameter (not one flat leaf): autograd then returns each weight's gradient
-        # as is, instead of scattering every one into a zero-filled layer-sized tensor.
-        weights = {n: w.detach().requires_grad_(True)
-                   for n, w in group.views(self.buffers[slot][: group.numel]).items()}
+        weights = self._leaves(i, group.views(self.buffers[slot][: group.numel]))
         inputs, leaves = side.leaves(i, inputs) if side else (inputs, [])
         args, kwargs = inputs
         handed = handed or HandedStates([])
@@ -484,7 +526,8 @@ class LayerPipeline:
             if (self.tile is not None and not args and not leaves and not handed.touches(i)
                     and self.templates.tileable(i)):
                 with self.templates.kernels():
-                    gx, gw = tiled_vjp(self.templates.of_layer[i], weights, x, kwargs, g, self.tile)
+                    gx, gw = tiled_vjp(self.templates.of_layer[i], weights, x.detach().requires_grad_(True), kwargs,
+                                       g, self.tile)
             else:
                 y = self._call(i, weights, x, inputs, handed)
                 # A mixture-of-experts layer also backpropagates its router logits' gradients from the router loss.

@@ -68,6 +68,11 @@ class Clipping:
                 self.pending.append(coef)
         return coef
 
+    def clipped_by_caller(self, total: float) -> None:
+        """The caller clipped a part of the gradients itself (torch's clip_grad_norm_ over them, Engine.
+        clip_grad_norm_of): the step takes no clip of its own; `total` the norm before."""
+        self.clipped, self.last_norm = True, total
+
     def at_step(self, clip: Callable[[float], float]) -> float | None:
         """The step's own clip, by `every_step` through `clip` (Engine.clip_grad_norm_) unless the caller clipped
         since the last step; the norm before the step's clip (None: no clip)."""

@@ -112,9 +112,12 @@ def move(group: FlatGroup, device: torch.device, relocate: bool = False) -> None
     # The shadow is RNE(master) in both exact modes (an FP32 master's refresh; hilo's hi half): the weights the
     # layer computes with, already rounded.
     shadow = group.shadow.to(device, copy=True) if group.shadow is not None else None
-    grad = torch.zeros(group.numel, dtype=group.grad.dtype, device=device)
-    grad_work = grad if group.grad_work is group.grad else torch.zeros(group.numel, dtype=torch.float32,
-                                                                        device=device)
+    if group.grad is None:  # a frozen layer (engine/model/trainable.py): no slab here either
+        grad = grad_work = None
+    else:
+        n = group.grad.numel()  # the resident parameters' ends before the frozen ones (engine/model/trainable.py)
+        grad = torch.zeros(n, dtype=group.grad.dtype, device=device)
+        grad_work = grad if group.grad_work is group.grad else torch.zeros(n, dtype=torch.float32, device=device)
     group.masters = master_codec(HostMaster.FP32)
     group.master, group.shadow, group.lo, group.tie_table, group.work = master, shadow, None, None, master
     group.ties = torch.empty(0, dtype=torch.int64)

@@ -52,6 +52,8 @@ def update_group(view: torch.optim.Optimizer | None, group: FlatGroup, coefs: li
     """`group`'s update by `view` (its share of the optimizer; None: another rank's), its gradients times
     `coefs`: the fused pass where it applies (on `threads` workers), else whole-group passes (load and scale,
     unpack, step, pack)."""
+    if view is None and group.owned:
+        return  # a layer none of whose parameters train (engine/model/trainable.py): nothing to update
     if view is not None and fused.eligible(view, group):
         fused.fused_update(view, group, coefs, threads=threads)
         return
