@@ -35,7 +35,7 @@ def placement_advice(device: torch.device, model: Any, config: EngineConfig,
     the device where not given), or None: the engine's own fill."""
     if device.type != "cuda" or not left_auto(config.residency):
         return None
-    from ..planner.advice import Advisor, profile_for_device  # the planner only where it is asked
+    from ..planner import Advisor, profile_for_device  # the planner only where it is asked
 
     name = device_name if device_name is not None else torch.cuda.get_device_name(device)
     hw = profile_for_device(name, host_bytes=host_share_bytes())
