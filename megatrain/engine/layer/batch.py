@@ -20,7 +20,7 @@ import torch
 
 from ...models.positions import max_trainable_positions
 from ..runtime.host_copy import HostCopy, host_value, to_host
-from .loss import IGNORE_INDEX
+from .loss import IGNORE_INDEX, keep_host_labels
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -77,13 +77,18 @@ class PendingCheck:
 
     def sanitize(self, ids: torch.Tensor, labels: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`ids` clamped into the vocabulary and `labels` outside it set to -100 (no read of their values), so
-        the forward queued before verify() cannot fault on the device; the same tensors for a valid batch."""
+        the forward queued before verify() cannot fault on the device; the same tensors for a valid batch.
+
+        The labels returned are copied to the host now, queued (to_host), and the copy kept for the loss
+        (loss.keep_host_labels): it picks its tokens and counts them from it at the end of the forward, by
+        when the copy is long done, instead of reading the device's labels (a sync per read)."""
         vocab = self.config.vocab_size
         ids = ids.clamp(0, vocab - 1)
         if labels is not None:
             labels = labels.long()
             labels = torch.where((labels == IGNORE_INDEX) | ((labels >= 0) & (labels < vocab)), labels,
                                  torch.full_like(labels, IGNORE_INDEX))
+            keep_host_labels(labels, to_host(labels))
         return ids, labels
 
     def sanitize_positions(self, position_ids: torch.Tensor | None) -> torch.Tensor | None:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ...models.adapter import LogitTransform
-from ..runtime.host_copy import to_device
+from ..runtime.host_copy import HostCopy, host_value, to_device
 
 IGNORE_INDEX = -100
 # Rows a tile sends through the head: its labeled tokens, rounded up to a multiple of this with unlabeled ones. A
@@ -32,6 +33,27 @@ def _grad_to_head(p: torch.Tensor, logits: torch.Tensor, t: LogitTransform) -> t
     if t.scale is not None:
         p *= t.scale
     return p
+
+
+# Device labels -> their copy in host memory, queued when the batch came in (batch.py, PendingCheck.sanitize). Which
+# tokens count, how many, and each tile's rows through the head are decided on the host: read off device labels,
+# each of those is a sync (a nonzero, a count), about four per tile. Keyed by the tensor's identity, weakly: an
+# entry lives as long as the labels it copies.
+_HOST_LABELS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def keep_host_labels(labels: torch.Tensor, host: HostCopy | torch.Tensor) -> None:
+    """Hand the losses `host`, a copy of `labels` in host memory (to_host's, queued early enough to be done by the
+    loss): given these `labels` they read that copy instead of the device. `host` must hold the same values."""
+    if host is not labels:  # the labels themselves (host labels): nothing to keep, and no entry kept alive by itself
+        _HOST_LABELS[labels] = host
+
+
+def host_labels(labels: torch.Tensor) -> torch.Tensor:
+    """`labels` in host memory: the copy kept for them (its queued copy waited for, not the device's queue), else
+    `labels` themselves (device labels without a copy are then read on the device: a sync per read)."""
+    host = _HOST_LABELS.get(labels)
+    return labels if host is None else host_value(host)
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -176,10 +198,11 @@ def chunked_causal_lm_loss(hidden: torch.Tensor, head: torch.nn.Linear, labels: 
     the model does that (Gemma 2); `softcap` may be a LogitTransform, which scales them first (Cohere, Granite).
 
     Only tokens with a label go through the head: padding costs no head FLOPs. Which tokens those are is
-    worked out where `labels` live: given host labels (the usual case) the device is never synchronised;
-    labels already on the device cost one sync (the number of valid tokens sizes the head's input).
+    worked out on the host: from host labels, or from the host copy kept for device labels (keep_host_labels; the
+    engine keeps one for a device batch), so the device is never synchronised; device labels without one cost a
+    sync (the number of valid tokens sizes the head's input).
     """
-    targets = shift_labels(labels.long()).reshape(-1)  # -100 must fit: check_batch admits uint8 ids
+    targets = shift_labels(host_labels(labels).long()).reshape(-1)  # -100 must fit: check_batch admits uint8 ids
     valid = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     n_valid = valid.numel()
     dev = hidden.device
@@ -246,12 +269,16 @@ def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torc
     (a CPU device's, TileBuffers); the head's gradient handed to autograd is then that buffer, valid until the next
     call.
 
+    Each tile's rows, its count of labels and its targets are worked out on the host, from host labels or the
+    host copy kept for device labels (keep_host_labels): no host sync with either (device labels without a copy
+    cost a few per tile).
+
     Returns the loss; backpropagating it hands the gradients already computed (for `hidden`, the norm's
     and the head's parameters) to autograd, scaled by the incoming gradient: one backward per forward.
     """
     if tile_tokens < 1:
         raise ValueError(f"tile_tokens must be >= 1, not {tile_tokens}")
-    targets = shift_labels(labels.long()).reshape(-1)
+    targets = shift_labels(host_labels(labels).long()).reshape(-1)
     valid = targets != IGNORE_INDEX
     n_valid = int(valid.sum())
     dev, width = hidden.device, hidden.shape[-1]
