@@ -110,3 +110,19 @@ def test_the_loss_takes_device_labels_without_reading_them_given_their_host_copy
     assert loss.device.type == "meta"
     with pytest.raises((NotImplementedError, RuntimeError)):  # negative control: other device labels, no copy
         tiled_norm_head_loss(hidden, norm, head, labels.to("meta"), tile_tokens=3)
+
+
+def test_a_kept_copy_lives_as_long_as_its_labels():
+    import gc
+
+    from megatrain.engine.layer import loss as L
+
+    before = len(L._HOST_LABELS)
+    labels = torch.tensor([[1, 2, -100]])
+    keep_host_labels(labels, labels)  # host labels are their own copy: nothing kept (it would keep itself alive)
+    assert len(L._HOST_LABELS) == before
+    keep_host_labels(labels, labels.clone())
+    assert len(L._HOST_LABELS) == before + 1 and torch.equal(L.host_labels(labels), labels)
+    del labels
+    gc.collect()
+    assert len(L._HOST_LABELS) == before
