@@ -126,3 +126,26 @@ def test_a_kept_copy_lives_as_long_as_its_labels():
     del labels
     gc.collect()
     assert len(L._HOST_LABELS) == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tiled", [True, False])
+def test_cuda_device_labels_with_their_queued_copy_do_not_sync(tiled):
+    from megatrain.engine.runtime.host_copy import to_host
+
+    hidden = torch.randn(2, 64, 32, device="cuda", requires_grad=True)
+    head, norm = nn.Linear(32, 100, device="cuda"), nn.LayerNorm(32, device="cuda")
+    labels = torch.randint(0, 100, (2, 64), device="cuda")
+    labels[1, 40:] = -100
+    keep_host_labels(labels, to_host(labels))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        if tiled:
+            loss = tiled_norm_head_loss(hidden, norm, head, labels, tile_tokens=16)
+        else:
+            loss = chunked_causal_lm_loss(norm(hidden), head, labels, chunk_tokens=16)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(loss).item()
