@@ -391,8 +391,12 @@ class Accelerator(accelerate.Accelerator):
                 self._saved()
 
         with self._engine_state_by_backend(self.register_save_state_pre_hook, write):
-            return super().save_state(None if output_dir is None else str(output_dir), safe_serialization,
-                                      **save_model_func_kwargs)
+            folder = super().save_state(None if output_dir is None else str(output_dir), safe_serialization,
+                                        **save_model_func_kwargs)
+        # accelerate returns as soon as this rank wrote its files: here no rank returns before the folder is whole
+        # (scheduler, RNG and registered objects written by the main process too), so a rank may read it at once.
+        self.wait_for_everyone()
+        return folder
 
     def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None,
                    **load_model_func_kwargs: Any) -> None:

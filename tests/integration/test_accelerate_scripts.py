@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import statistics
 from pathlib import Path
 
 import accelerate
@@ -143,15 +144,18 @@ def _runs(root: Path, ranks: int, face: list[str], launch: Path | None = None) -
     return out
 
 
-def _assert_same_training(plain: list[dict], face: list[dict], steps: int) -> None:
-    for p, f in zip(plain, face):
+def _assert_same_training(plain: list[dict], face: list[dict], steps: int, what: str) -> None:
+    for rank, (p, f) in enumerate(zip(plain, face)):
         assert len(p["losses"]) == len(f["losses"]) == steps * 2  # 2 micro-batches a step
-        assert max(abs(a - b) for a, b in zip(p["losses"], f["losses"])) <= TOL
+        gap = max(abs(a - b) for a, b in zip(p["losses"], f["losses"]))
+        print(f"{what} rank {rank}: losses max diff {gap:.2g}, perplexity {f['perplexity']:.5f} (face) vs "
+              f"{p['perplexity']:.5f} (accelerate)")
+        assert gap <= TOL
         assert p["lrs"] == f["lrs"] and len(p["lrs"]) == steps  # accelerate's scheduler, stepped as accelerate does
         assert p["batches"] == f["batches"]  # the same batches on this rank
         assert math.isclose(p["perplexity"], f["perplexity"], rel_tol=TOL)
         # Control: the losses move from one micro-batch to the next by far more than the tolerance.
-        assert min(abs(a - b) for a, b in zip(p["losses"], p["losses"][1:])) > 10 * TOL
+        assert statistics.median(abs(a - b) for a, b in zip(p["losses"], p["losses"][1:])) > 100 * TOL
     if len(plain) > 1:
         assert plain[0]["batches"] != plain[1]["batches"]  # control: the ranks get different shards
 
@@ -164,20 +168,22 @@ def _assert_saved_model_is_the_engines(root: Path) -> None:
     assert set(engine) <= set(saved)
     assert all(torch.equal(saved[n], engine[n]) for n in engine)
     plain = AutoModelForCausalLM.from_pretrained(root / "plain").state_dict()
-    assert max((saved[n] - plain[n]).abs().max().item() for n in engine) <= TOL
+    gap = max((saved[n] - plain[n]).abs().max().item() for n in engine)
+    print(f"saved model: reloads bit-identical to the engine's weights, {gap:.2g} from plain accelerate's")
+    assert gap <= TOL
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_accelerate_script_on_the_face_trains_as_on_accelerate(tmp_path, ranks):
     runs = _runs(tmp_path, ranks, ["--megatrain"])
-    _assert_same_training(runs["plain"], runs["face"], STEPS)
+    _assert_same_training(runs["plain"], runs["face"], STEPS, f"{ranks} ranks")
     assert all(r["unwrapped"] == "LlamaForCausalLM" and r["accelerator"] == "megatrain.accelerate.accelerator"
                for r in runs["face"])
     _assert_saved_model_is_the_engines(tmp_path)
     # Resumed from step 10: as plain accelerate's resume, the schedule carried on from where it was saved.
     assert all(r["start_step"] == RESUME_AT for r in runs["face_resumed"])
-    _assert_same_training(runs["plain_resumed"], runs["face_resumed"], STEPS - RESUME_AT)
+    _assert_same_training(runs["plain_resumed"], runs["face_resumed"], STEPS - RESUME_AT, f"{ranks} ranks resumed")
     assert runs["face_resumed"][0]["lrs"] == runs["face"][0]["lrs"][RESUME_AT:]
 
 
@@ -198,7 +204,8 @@ def test_accelerate_script_unchanged_on_the_deepspeed_road(tmp_path, ranks):
                       f"  deepspeed_config_file: {tmp_path / 'ds.json'}\n  zero3_init_flag: false\n"
                       "machine_rank: 0\nnum_machines: 1\nuse_cpu: true\n")
     runs = _runs(tmp_path, ranks, [], launch=launch)
-    _assert_same_training(runs["plain"], runs["face"], STEPS)
+    _assert_same_training(runs["plain"], runs["face"], STEPS, f"DeepSpeed road, {ranks} ranks")
     assert all(r["unwrapped"] == "LlamaForCausalLM" for r in runs["face"])
     _assert_saved_model_is_the_engines(tmp_path)
-    _assert_same_training(runs["plain_resumed"], runs["face_resumed"], STEPS - RESUME_AT)
+    _assert_same_training(runs["plain_resumed"], runs["face_resumed"], STEPS - RESUME_AT,
+                          f"DeepSpeed road, {ranks} ranks resumed")
