@@ -26,7 +26,7 @@ from typing import Any
 
 import accelerate
 import torch
-from accelerate.utils import GradientAccumulationPlugin, parse_flag_from_env
+from accelerate.utils import GradientAccumulationPlugin, parse_choice_from_env, parse_flag_from_env
 
 from ..backend import Backend
 from ..config.resolve import resolve
@@ -89,6 +89,9 @@ class Accelerator(accelerate.Accelerator):
                 raise ValueError("give gradient_accumulation_steps or gradient_accumulation_plugin, not both "
                                  "(as accelerate requires)")
             gradient_accumulation_steps = gradient_accumulation_plugin.num_steps
+        else:  # `accelerate launch --gradient_accumulation_steps`, read as accelerate reads it
+            gradient_accumulation_steps = int(parse_choice_from_env("ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+                                                                    gradient_accumulation_steps))
         if mixed_precision is None:
             mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
         # `accelerate launch --cpu` (ACCELERATE_USE_CPU), which accelerate's state reads as cpu=True: the engine too.
@@ -374,7 +377,7 @@ class Accelerator(accelerate.Accelerator):
             handle.remove()
 
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
-                   **save_model_func_kwargs: Any) -> str:
+                   **save_model_func_kwargs: Any) -> Any:
         """accelerate's save_state (folder naming, schedulers, samplers, RNG per process, registered objects,
         hooks); the weights (model.safetensors) and optimizer state (optimizer.bin) written by the backend."""
         state_dir(output_dir, self.project_configuration)  # a clear error where accelerate's is os.makedirs(None)

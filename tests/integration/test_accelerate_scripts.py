@@ -116,12 +116,16 @@ def test_prepare_keeps_frozen_parameters_frozen():
 
 # -- the script, on the face and on plain accelerate ----------------------------------------------------------------
 
-def _launch(out: Path, ranks: int, *extra: str, accelerate_launch: Path | None = None) -> list[dict]:
-    """The script to its end in `ranks` processes (torchrun, or `accelerate launch --config_file` when given);
-    each rank's report."""
+def _launch(out: Path, ranks: int, *extra: str, accelerate_launch: Path | None = None,
+            megatrain_launch: bool = False) -> list[dict]:
+    """The script to its end in `ranks` processes (torchrun; `accelerate launch --config_file` when given;
+    `megatrain launch`); each rank's report."""
     args = [SCRIPT, "--output_dir", out, "--report", out / "report", "--max_train_steps", str(STEPS),
             "--checkpointing_steps", str(RESUME_AT), *extra]
-    if accelerate_launch is not None:
+    if megatrain_launch:
+        args = ["-m", "megatrain.commands.cli", "launch", "--nproc-per-node", str(ranks), "--master-port",
+                str(free_port()), *args]
+    elif accelerate_launch is not None:
         args = ["-m", "accelerate.commands.launch", "--config_file", accelerate_launch, "--num_processes", str(ranks),
                 "--main_process_port", str(free_port()), *args]
     elif ranks > 1:
@@ -185,6 +189,16 @@ def test_accelerate_script_on_the_face_trains_as_on_accelerate(tmp_path, ranks):
     assert all(r["start_step"] == RESUME_AT for r in runs["face_resumed"])
     _assert_same_training(runs["plain_resumed"], runs["face_resumed"], STEPS - RESUME_AT, f"{ranks} ranks resumed")
     assert runs["face_resumed"][0]["lrs"] == runs["face"][0]["lrs"][RESUME_AT:]
+
+
+@pytest.mark.slow
+def test_accelerate_script_on_the_face_under_megatrain_launch(tmp_path):
+    """`megatrain launch --nproc-per-node 2` starts the ranks through its routing bootstrap: the face trains there
+    as under torchrun, against plain accelerate under torchrun."""
+    plain = _launch(tmp_path / "plain", 2)
+    face = _launch(tmp_path / "face", 2, "--megatrain", megatrain_launch=True)
+    _assert_same_training(plain, face, STEPS, "megatrain launch, 2 ranks")
+    _assert_saved_model_is_the_engines(tmp_path)
 
 
 DS_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
