@@ -126,7 +126,7 @@ def _launch(out: Path, ranks: int, *extra: str, accelerate_launch: Path | None =
         args = ["-m", "megatrain.commands.cli", "launch", "--nproc-per-node", str(ranks), "--master-port",
                 str(free_port()), *args]
     elif accelerate_launch is not None:
-        args = ["-m", "accelerate.commands.launch", "--config_file", accelerate_launch, "--num_processes", str(ranks),
+        args = ["-m", "accelerate.commands.launch", "--config_file", accelerate_launch,
                 "--main_process_port", str(free_port()), *args]
     elif ranks > 1:
         args = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(free_port()),
@@ -216,8 +216,11 @@ def test_accelerate_script_unchanged_on_the_deepspeed_road(tmp_path, ranks):
     launch = tmp_path / "ds.yaml"
     launch.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
                       f"  deepspeed_config_file: {tmp_path / 'ds.json'}\n  zero3_init_flag: false\n"
-                      "machine_rank: 0\nnum_machines: 1\nuse_cpu: true\n")
+                      f"machine_rank: 0\nnum_machines: 1\nnum_processes: {ranks}\nuse_cpu: true\n")
     runs = _runs(tmp_path, ranks, [], launch=launch)
+    # accelerate's DeepSpeed road, with MegaTrain's engine behind it (DeepSpeed's own engine would say so)
+    assert all(r["distributed_type"] == "DistributedType.DEEPSPEED" and r["prepared"] == "MegaTrainEngine"
+               for r in runs["face"]), [(r["distributed_type"], r["prepared"]) for r in runs["face"]]
     _assert_same_training(runs["plain"], runs["face"], STEPS, f"DeepSpeed road, {ranks} ranks")
     assert all(r["unwrapped"] == "LlamaForCausalLM" for r in runs["face"])
     _assert_saved_model_is_the_engines(tmp_path)

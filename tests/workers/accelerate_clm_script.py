@@ -212,6 +212,7 @@ def main():
     if args.report is not None:
         os.makedirs(args.report, exist_ok=True)
         report.update(num_processes=accelerator.num_processes, accelerator=type(accelerator).__module__,
+                      distributed_type=str(accelerator.distributed_type), prepared=type(model).__name__,
                       unwrapped=type(accelerator.unwrap_model(model)).__name__)
         with open(os.path.join(args.report, f"report_rank{accelerator.process_index}.json"), "w") as f:
             json.dump(report, f)
