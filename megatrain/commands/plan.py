@@ -31,6 +31,7 @@ from ..planner.search import largest_batch, largest_context
 from ..planner.shapes import resolve_model
 from ..planner.step_time import crossover_closed_form, link_overlap
 from ..planner.step_timeline import format_timeline
+from ..planner.summary import first_screen, first_screen_multi, fits, nvme_added_s
 
 
 def _si(x: float, unit: str = "") -> str:
@@ -99,8 +100,7 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
         f"  per step: embedding/head I/O {_sec(t.embed_io_s)}, optimizer {_sec(t.optimizer_busy_s)}"
         + ((" (in backward)" if p.optimizer_in_backward else " (overlapped)" if t.optimizer_overlap
             else " (after backward)") if p.backend == "megatrain" else " (after backward)"),
-        f"  step {_sec(t.step_s)}: {pl.tokens_per_s:,.0f} tokens/s, {pl.model_tflops:.1f} model TFLOPS, "
-        f"MFU {100 * pl.mfu:.1f}% of {hw.peak_flops(p.dtype) / 1e12:g} TFLOPS peak",
+        _step_detail(pl),
         f"  link per step: h2d {fmt_bytes(t.h2d_bytes)}, d2h {fmt_bytes(t.d2h_bytes)}; compute waits on copies "
         f"{_sec(t.copy_wait_s)}",
         "  busy per step: " + ", ".join(f"{k} {_sec(v)}" for k, v in t.busy_s.items())
@@ -134,6 +134,21 @@ def format_plan(pl: Plan, biggest_batch: int | None = None, biggest_context: int
                        "DeepSpeedCPUAdam at the profile's rate; checked in results/zero3_mechanisms/README.md)")
     out.append("  (predicted; model TFLOPS = 6*N_nonembed*T + 12*L*h*s*T/2 per step, recompute not counted)")
     return "\n".join(out)
+
+
+def _step_detail(pl: Plan) -> str:
+    """The details' step line: the pipeline's step, with the NVMe tier's time where the chosen mode spills (the
+    first screen's headline is their sum), and no throughput claim for a point that does not fit."""
+    p, t, hw = pl.point, pl.time, pl.hardware
+    added = nvme_added_s(pl)
+    if not fits(pl):
+        return (f"  step (if it fit; it does not: no throughput is predicted) {_sec(t.step_s)}, "
+                f"{pl.model_tflops:.1f} model TFLOPS at that step")
+    total = t.step_s + added
+    nv = f" + NVMe {_sec(added)} = {_sec(total)}" if added else ""
+    return (f"  step {_sec(t.step_s)}{nv}: {p.tokens_per_step / total:,.0f} tokens/s, "
+            f"{pl.model_tflops * t.step_s / total:.1f} model TFLOPS, MFU {100 * pl.mfu * t.step_s / total:.1f}% of "
+            f"{hw.peak_flops(p.dtype) / 1e12:g} TFLOPS peak")
 
 
 def _residency_lines(pl: Plan) -> list[str]:
@@ -172,7 +187,12 @@ def _moe_lines(pl: Plan) -> list[str]:
 def _largest_lines(pl: Plan, biggest_batch: int | None, biggest_context: int | None) -> list[str]:
     """The search results, for this model: the engine's limits (its positions, the mode) count as well as memory."""
     p, out = pl.point, []
-    none = (" (none: the host side does not fit at any size)" if not _host_fits(pl)
+    if pl.auto is not None and pl.auto.mode.nvme and pl.auto.fits:
+        # the searches are of host memory alone: say so where the NVMe tier is what fits this point
+        none = " (in host memory alone; this point fits with the NVMe tier, see fits)"
+    else:
+        none = ""
+    none = none or (" (none: the host side does not fit at any size)" if not _host_fits(pl)
             else " (none: the engine refuses this point, see fits)" if pl.refused and not context_refusal(p) else "")
     if biggest_batch is not None:
         why = (f" (none: the engine refuses context {p.context:,})" if context_refusal(p) and not biggest_batch
@@ -313,6 +333,13 @@ def _add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--network-gbs", type=float, help="override the node's network rate to other nodes (GB/s per "
                                                       "direction, all NICs together)")
     ap.add_argument("--gpus-per-host-link", type=int, help="override how many GPUs share one host link")
+    ap.add_argument("--data-path", default="auto", choices=["auto", "node", "per-rank"],
+                    help="several GPUs per node: the node path (a layer crosses the host link once per node, "
+                         "NVLink all-gather; planned, docs/DISTRIBUTED.md) where the profile has NVLink (auto), or "
+                         "today's per-rank path")
+    ap.add_argument("--details", action="store_true",
+                    help="after the first screen, every table: memory by component, time per layer, the "
+                         "timeline, the host modes and the NVMe tier")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     ap.add_argument("--no-search", action="store_true", help="skip the largest batch/context searches")
     ap.add_argument("--sweep", help="a harness sweep spec (experiments/sweeps/*.yaml): predicted rows as CSV; "
@@ -380,11 +407,13 @@ def _run_plan(args: argparse.Namespace) -> int:
         if b != args.backend:
             others.append(plan(model, backend=b, **common))
     bb = bc = None
-    modes = mode_table(main.point, main.hardware, search=not args.no_search) if args.backend == "megatrain" else None
-    if not args.no_search:
+    full = args.details or args.json  # the tables behind the first screen
+    modes = (mode_table(main.point, main.hardware, search=not args.no_search)
+             if args.backend == "megatrain" and full else None)
+    if not args.no_search and full:
         bb, bc = largest_batch(main.point, main.hardware), largest_context(main.point, main.hardware)
     nvhw = with_nvme(main.hardware, args.nvme_gbs, args.nvme_gib)  # the NVMe tier (planner/nvme_plan.py)
-    nvrows = nvme_rows(main.point, nvhw, search=not args.no_search) if args.backend == "megatrain" else []
+    nvrows = nvme_rows(main.point, nvhw, search=not args.no_search) if args.backend == "megatrain" and full else []
     if args.json:
         d = main.to_dict()
         d["nvme"] = [dataclasses.asdict(r) for r in nvrows]
@@ -398,36 +427,75 @@ def _run_plan(args: argparse.Namespace) -> int:
                 d["host_assumed"] = host_assumptions(main.point, main.hardware)  # as the text's `host assumed:` line
         print(json.dumps(d, indent=2, default=str))
     else:
-        print(format_plan(main, bb, bc, others, modes))
-    if nvrows and not args.json:
+        print("\n".join(first_screen(main, others, _nodes_hint(main, hw, args))))
+        if args.details:
+            print(format_plan(main, bb, bc, others, modes))
+    if nvrows and not args.json and args.details:
         print("\n".join(format_nvme_rows(nvrows, nvhw)))
     return 0
 
 
+def _nodes_hint(pl: Plan, hw: Any, args: argparse.Namespace, gpus_per_node: int = 1) -> str | None:
+    """Where the point does not fit one node's host memory (or fits only by spilling to NVMe): the fewest nodes
+    that hold it sharing one store, with their step and the network's part (planner/multi.py)."""
+    from ..planner.multi import node_hardware, smallest_store_nodes
+
+    if pl.point.backend != "megatrain" or (fits(pl) and not nvme_added_s(pl)):
+        return None
+    node_hw = node_hardware(hw, args.network_gbs, args.gpus_per_host_link)
+    if not node_hw.network_gbs:
+        return None
+    mp = smallest_store_nodes(pl.point, node_hw, gpus_per_node, data_path=args.data_path)
+    if mp is None:
+        return "no number of nodes up to 64 holds it in host memory (see --details)"
+    return (f"--nodes {mp.nodes}{f' --gpus-per-node {gpus_per_node}' if gpus_per_node > 1 else ''}: the fewest "
+            f"nodes that hold it in host memory, sharing one store ({mp.auto.mode.label}); step {_sec(mp.step_s)}, "
+            f"of which the network carries {_sec(mp.comm.network_layers_s)} (overlapped in the pipeline)")
+
+
 def _run_plan_multi(args: argparse.Namespace) -> int:
     """`plan --gpus-per-node N --nodes M`: the node's host memory, one GPU's device memory and the job's speed."""
-    from ..planner.multi import node_hardware, plan_point_multi
+    from ..planner.multi import node_hardware, plan_auto_multi, plan_point_multi
     from ..planner.search import max_batch_multi, max_context_multi
 
     if getattr(args, "sweep", None):
         raise ValueError("--gpus-per-node/--nodes plan one point; drop them with --sweep")
     hw = node_hardware(resolve_hardware(_resolve_hw(args), args.link_gbs, args.host_memory_gib, args.device_memory_gib),
                        args.network_gbs, args.gpus_per_host_link)
+    hw = with_nvme(hw, args.nvme_gbs, args.nvme_gib)
     knobs = _knobs(args)
-    # host mode "auto" is chosen for one GPU's plan (planner/auto_mode.py); a multi-GPU plan keeps the FP32 master
-    # and slabs unless a mode is given
-    host_mode_placeholders(knobs)
-    p = make_point(resolve_model(args.model), args.context, args.batch, args.grad_accum, args.dtype, args.backend, **knobs)
-    mp = plan_point_multi(p, hw, args.gpus_per_node, args.nodes)
+    auto_master, grad = host_mode_placeholders(knobs)  # host mode "auto" is chosen for the node (plan_auto_multi)
+    model = resolve_model(args.model)
+    G, N = args.gpus_per_node, args.nodes
+
+    def one(backend: str, kn: dict[str, Any]) -> Any:
+        p = make_point(model, args.context, args.batch, args.grad_accum, args.dtype, backend, **kn)
+        if backend == "megatrain" and auto_master:
+            return plan_auto_multi(p, hw, G, N, grad, args.data_path)
+        return plan_point_multi(p, hw, G, N, data_path=args.data_path)
+
+    mp = one(args.backend, knobs if args.backend == "megatrain" else {})
+    zero3 = None
+    wanted = [x.strip() for x in (args.compare or "").split(",") if x.strip()]
+    if args.backend == "megatrain" and "zero3" in wanted:
+        zero3 = one("zero3", {})
     bb = bc = None
-    if not args.no_search:
-        bb = max_batch_multi(p, hw, args.gpus_per_node, args.nodes)
-        bc = max_context_multi(p, hw, args.gpus_per_node, args.nodes)
+    if not args.no_search and args.details:
+        bb = max_batch_multi(mp.rank.point, hw, G, N)
+        bc = max_context_multi(mp.rank.point, hw, G, N)
+    if mp.auto is not None:
+        mp.rank.auto = mp.auto  # every "fits" of the details is the chosen mode's
     if args.json:
         d = mp.rank.to_dict()  # its "fits": memory and the engine together
-        d.update(max_batch=bb, max_context=bc, data_parallel=mp.summary())
+        d.update(max_batch=bb, max_context=bc, data_parallel=mp.summary(),
+                 compare=[zero3.summary()] if zero3 is not None else [])
+        if mp.auto is not None:
+            d["auto"] = mp.auto.to_dict()
         print(json.dumps(d, indent=2, default=str))
-    else:
+        return 0
+    hint = _nodes_hint(mp.rank, hw, args, G) if mp.nodes == 1 else None
+    print("\n".join(first_screen_multi(mp, zero3, hint)))
+    if args.details:
         print(format_multi(mp, bb, bc, hw))
     return 0
 
@@ -440,8 +508,9 @@ def format_multi(mp: Any, biggest_batch: int | None = None, biggest_context: int
     per_rank = sum(mp.per_rank.values())
     top = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(mp.per_rank.items(), key=lambda kv: -kv[1])[:4])
     out = [format_plan(mp.rank, biggest_batch, biggest_context),
-           f"  data parallel: {n} GPU(s) per node x {M} node(s) = {mp.world_size} ranks, one host store per node "
-           "(optimizer sharded by layer across the node's ranks)",
+           f"  data parallel: {n} GPU(s) per node x {M} node(s) = {mp.world_size} ranks, "
+           + (f"one host store shared by the {mp.store_nodes} nodes" if mp.store_nodes > 1 else "one host store per node")
+           + f"; data path {mp.path}: {mp.path_why}",
            f"    host per node {fmt_bytes(mp.host_node_bytes)} = held once {fmt_bytes(sum(mp.layer_state.values()))} "
            f"(layer state + reserve) + {n} x per rank {fmt_bytes(per_rank)} ({top})",
            f"    each GPU's share of the host: link {rhw.link_gbs_achieved:.3g} GB/s (profile {hw.link_gbs_achieved:g}, "
@@ -452,10 +521,10 @@ def format_multi(mp: Any, biggest_batch: int | None = None, biggest_context: int
            + (f"; across nodes a ring all-reduce of {fmt_bytes(c.network_bytes)} per node at {hw.network_gbs:g} GB/s: "
               f"layers {_sec(c.network_layers_s)}, of it not hidden under backward {_sec(c.network_exposed_s)}, "
               f"resident parameters {_sec(c.network_globals_s)}" if M > 1 else ""),
-           f"    step per rank {_sec(mp.step_s)} (one GPU alone {_sec(mp.single.time.step_s)}): job "
-           f"{mp.job_tokens_per_s:,.0f} tokens/s = {mp.world_size} x {mp.single.tokens_per_s:,.0f} x scaling "
-           f"efficiency {mp.scaling_efficiency:.1%}",
-           "    (predicted; see megatrain/planner/multi.py for the model)"]
+           f"    step per rank {_sec(mp.step_s)} (one GPU alone {_sec(mp.single_step_s)}): job "
+           f"{mp.job_tokens_per_s:,.0f} tokens/s = {mp.world_size} x "
+           f"{mp.single.point.tokens_per_step / mp.single_step_s:,.0f} x scaling efficiency {mp.scaling_efficiency:.1%}",
+           "    (predicted; see megatrain/planner/multi.py and node_path.py for the model)"]
     return "\n".join(out)
 
 
@@ -559,7 +628,7 @@ def _write_rows(rows: list[dict[str, Any]], out: str | None) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from .measure import bench
+    from ..metrics.bench import bench
 
     prof = bench(quick=args.quick, min_time=args.min_time, threads=args.threads)
     raw = prof.pop("raw")

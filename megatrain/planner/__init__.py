@@ -56,7 +56,11 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
   data parallel     plan_multi / `plan --gpus-per-node N --nodes M` (multi.py): one host store per node (the layers'
                     state once, the resident parameters, staging, activations and a gradient transit buffer per
                     rank), each GPU's share of the host link and DRAM bandwidth, the gradient reduction within a
-                    node (host memory) and across nodes (ring all-reduce), and the scaling efficiency.
+                    node (host memory) and across nodes (ring all-reduce), and the scaling efficiency; on GPUs
+                    joined by NVLink the node path instead (node_path.py, docs/DISTRIBUTED.md: each GPU's 1/G shard
+                    over its link, NVLink all-gather / reduce-scatter, one host update split by shard, nodes
+                    sharing one store), ZeRO-3 offload on the same GPUs (zero3_node.py); summary.py is the
+                    command's first screen.
 Where each part lives: point.py (the settings), memory.py, step_time.py and pipeline_sim.py (the models),
 placement.py (the residency search), reference.py (plain PyTorch where the model fits),
 prediction.py (the Plan), estimate.py (plan), point_plan.py (plan_point, the host modes), search.py (fit questions), multi.py (data parallel).

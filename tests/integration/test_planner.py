@@ -11,8 +11,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from plan_cli import main  # --details: the tables these tests read
 
-from megatrain.commands.plan import add_bench_parser, add_plan_parser, main
+from megatrain.commands.plan import add_bench_parser, add_plan_parser
 from megatrain.costs.flops import model_flops_per_step
 from megatrain.models.presets import PRESETS, get_preset
 from megatrain.planner import (
@@ -522,7 +523,7 @@ def test_fixed_costs_add_per_layer_per_phase_and_per_micro_batch():
 def test_fit_layer_overhead_recovers_the_rate_and_fixed_costs_it_was_given():
     # periods made by the planner's own model from a known rate and known fixed costs: the engine fit
     # must return them (fixed costs to the microsecond, the rate to 0.1%)
-    from megatrain.commands.measure import fit_layer_overhead
+    from megatrain.metrics.bench import fit_layer_overhead
     from megatrain.planner.step_time import globals_io as _globals_io
     from megatrain.planner.step_time import head_compute as _head_compute
     from megatrain.planner.step_time import layer_compute as _layer_compute
@@ -660,7 +661,7 @@ def test_cli_sweep_writes_predicted_rows(tmp_path):
 
 
 def test_bench_cpu_quick_returns_a_valid_profile():
-    from megatrain.commands.measure import bench_cpu
+    from megatrain.metrics.bench import bench_cpu
     from megatrain.planner.hardware import profile_from_dict
 
     prof = bench_cpu(quick=True, threads=1)

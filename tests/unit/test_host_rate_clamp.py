@@ -71,7 +71,7 @@ def test_plan_prints_what_it_assumed_of_the_host():
 def test_plan_json_records_what_it_assumed_of_the_host(capsys):
     import json
 
-    from megatrain.commands.plan import main
+    from plan_cli import main  # --details: the tables these tests read
 
     assert main(["plan", "--model", "qwen2.5-7b", "--context", "4096", "--hardware", "h200-pcie", "--no-search",
                  "--compare", "", "--json"]) == 0

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from plan_cli import main  # --details: the tables these tests read
 
-from megatrain.commands.plan import main
 from megatrain.planner import plan
 from megatrain.planner.host_rates import HOST_RATES, host_bound_below_tokens, host_mode, host_slowdown
 

@@ -13,8 +13,8 @@ import torch
 from conftest import make_batches, tiny_model
 from gpu_defaults import CONFIGS
 from kit import router_loss_moe
+from plan_cli import main as plan_main  # --details: the tables these tests read
 
-from megatrain.commands.plan import main as plan_main
 from megatrain.config.schema import EngineConfig
 from megatrain.costs.memory import LayerDims, LongContextPolicy, layer_graph_bytes
 from megatrain.costs.residency import OFFLOADED_GRAPHS_IN_FLIGHT, Residency, parse
