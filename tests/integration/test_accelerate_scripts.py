@@ -131,7 +131,10 @@ def _launch(out: Path, ranks: int, *extra: str, accelerate_launch: Path | None =
     elif ranks > 1:
         args = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(free_port()),
                 *args]
-    run_python(args, env=worker_env(threads=1, ACCELERATE_USE_CPU="true"), check=True, timeout=900)
+    # accelerate launch sets ACCELERATE_USE_CPU from its config's use_cpu (set beforehand, it takes the launch off
+    # the DeepSpeed road)
+    cpu = {} if accelerate_launch is not None else {"ACCELERATE_USE_CPU": "true"}
+    run_python(args, env=worker_env(threads=1, **cpu), check=True, timeout=900)
     reports = [json.loads((out / "report" / f"report_rank{r}.json").read_text()) for r in range(ranks)]
     assert all(r["num_processes"] == ranks for r in reports)
     return reports
@@ -202,16 +205,17 @@ def test_accelerate_script_on_the_face_under_megatrain_launch(tmp_path):
 
 
 DS_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-             "train_batch_size": "auto", "zero_optimization": {"stage": 2}, "megatrain": {}}
+             "train_batch_size": "auto", "gradient_clipping": 0.0, "zero_optimization": {"stage": 2}, "megatrain": {}}
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="DeepSpeed road unwrap: pending megatrain/deepspeed change")
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.xfail(
+    strict=True, reason="DeepSpeed road, 2 CPU ranks: megatrain.initialize refuses the config accelerate filled in "
+                        "(train_batch_size 4, not 2 x 2 x 2 = 8): megatrain/deepspeed or megatrain/config"))])
 def test_accelerate_script_unchanged_on_the_deepspeed_road(tmp_path, ranks):
     """The same script without its switch, under `accelerate launch` with a DeepSpeed config whose "megatrain"
-    section puts MegaTrain behind accelerate's DeepSpeed road. Fails today at the final save: unwrap_model hands
-    back MegaTrain's engine, whose save_pretrained takes no is_main_process."""
+    section puts MegaTrain behind accelerate's DeepSpeed road, against plain accelerate (no clipping on either:
+    the config says gradient_clipping 0)."""
     (tmp_path / "ds.json").write_text(json.dumps(DS_CONFIG))
     launch = tmp_path / "ds.yaml"
     launch.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
