@@ -19,7 +19,7 @@ import yaml
 from megatrain.config.schema import EngineConfig
 from megatrain.config.validate import close_match, is_int, unknown_key
 from megatrain.models.presets import ModelPreset
-from megatrain.planner.shapes import is_model_path, resolve_model
+from megatrain.planner import is_model_path, resolve_model
 
 BACKENDS = ("megatrain", "zero3", "zero3-alst", "torch")
 PRECISIONS = ("fp32", "bf16")

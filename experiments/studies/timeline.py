@@ -40,7 +40,7 @@ def traced_step(model: Any, context: int, gbps: float | None, offload: bool, see
     from experiments.studies.validation import build_model
     from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
-    from megatrain.planner.shapes import resolve_model
+    from megatrain.planner import resolve_model
 
     preset = resolve_model(model)
     cfg = EngineConfig(device="cpu", link_gbps=gbps, trace=True, offload_activations=offload, residency="stream")
@@ -69,8 +69,7 @@ def predicted(model: Any, context: int, gbps: float | None, offload: bool) -> di
     """The planner's timeline of the same step (its pipeline simulation, engine/pipeline/schedule.py's issue
     order) on this machine's committed 'cpu' profile, in the trace's format."""
     from megatrain.config.schema import EngineConfig
-    from megatrain.planner import plan
-    from megatrain.planner.estimate import predicted_timeline
+    from megatrain.planner import plan, predicted_timeline
 
     pl = plan(model, context=context, dtype="float32", hardware="cpu",
               engine_config=EngineConfig(device="cpu", link_gbps=gbps, offload_activations=offload,
@@ -113,8 +112,7 @@ def fitted_profile(model: Any, context: int) -> Any:
     (experiments/studies/validation.py's bench and engine fit, torch's default threads as the traced steps)."""
     from experiments.studies.validation import engine_profile, fit_periods_in_child, overhead_tokens
     from megatrain.metrics.bench import bench_cpu
-    from megatrain.planner import get_hardware
-    from megatrain.planner.shapes import resolve_model
+    from megatrain.planner import get_hardware, resolve_model
 
     preset = resolve_model(model)
     prof = bench_cpu(quick=True, threads=None, engine_fit=False)

@@ -214,8 +214,7 @@ def layer_profile(preset: Any, context: int, hw: Any, threads: int | None, quick
     import torch
 
     from megatrain.metrics.bench import layer_seconds
-    from megatrain.planner.point import make_point
-    from megatrain.planner.step_time import sustained_from_layer_time
+    from megatrain.planner import make_point, sustained_from_layer_time
 
     before = torch.get_num_threads()
     if threads:
@@ -282,8 +281,7 @@ def validate(model: str = "small-7m", context: int = 128, gbps: list[float | Non
     `threads` torch threads (None: torch's default): on a shared 2-core box one thread leaves a core to
     the neighbours, and the bench measures the rate the run gets."""
     from megatrain.metrics.bench import bench_cpu
-    from megatrain.planner import get_hardware
-    from megatrain.planner.shapes import resolve_model
+    from megatrain.planner import get_hardware, resolve_model
 
     preset = resolve_model(model)
     gbps = parse_gbps(DEFAULT_GBPS) if gbps is None else gbps
@@ -414,8 +412,7 @@ def validate_host(models: list[str], context: int = 256, warmup: int = 1, steps:
     is set against the planner's host total (device allocations included: the CPU device's memory is the
     host's) less its runtime term. The runtime term is that process's own measured baseline, so what is
     checked is the planner's model of everything the engine allocates for this model."""
-    from megatrain.planner import get_hardware
-    from megatrain.planner.shapes import resolve_model
+    from megatrain.planner import get_hardware, resolve_model
 
     rows = []
     for name in models:
@@ -464,9 +461,7 @@ def validate_backends(model: str = "small-7m", contexts: tuple[int, ...] = (128,
     from experiments.execute import run_point_subprocess
     from experiments.spec import Point
     from megatrain.metrics.bench import bench_cpu
-    from megatrain.planner import get_hardware, plan
-    from megatrain.planner.point import BACKENDS
-    from megatrain.planner.shapes import resolve_model
+    from megatrain.planner import BACKENDS, get_hardware, plan, resolve_model
 
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown or not backends:

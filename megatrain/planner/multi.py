@@ -47,13 +47,22 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..config.schema import left_auto
+from ..config.schema import AUTO, left_auto
 from ..costs.pinning import pinned_bytes
 from .hardware import GB, GIB, Hardware, resolve_hardware
 from .host_work import host_cores
 from .memory import Memory, check_fit
 from .node_path import NODE, PER_RANK, NodeShare, collective_device_bytes, node_share, path_for
-from .point import Point, layer_grad_bytes, make_point, master_bytes
+from .point import (
+    Point,
+    grad_as_written,
+    host_mode_open,
+    layer_grad_bytes,
+    make_point,
+    master_bytes,
+    placeholder_mode,
+    with_point,
+)
 from .point_plan import plan_point
 from .prediction import Plan
 from .step_time import IDLE_COMM, Time, megatrain_time
@@ -220,7 +229,10 @@ def split_host(pl: Plan) -> tuple[dict[str, int], dict[str, int]]:
     """(held once per node, held by every rank) of a one-GPU plan's host bytes. The first rank's runtime
     stays in the node part (the profile's reserve covers the OS and one process)."""
     p, m = pl.point, pl.point.model
-    LP = m.num_layers * m.layer_params()
+    # the host-updated layers' state (memory.py): a layer whose optimizer is on the device holds none here (one
+    # GPU alone; several ranks keep every layer's optimizer on the host)
+    K = pl.long_context.residency.optimizer if pl.long_context is not None else 0
+    LP = (m.num_layers - K) * m.layer_params()
     mb, shadow = master_bytes(p)
     layer = {"master weights": LP * mb, "gradients": LP * layer_grad_bytes(p), "adam m": LP * 4, "adam v": LP * 4,
              "bf16 shadow (streams)": LP * shadow, "runtime": pl.memory.host["runtime"]}
@@ -342,20 +354,22 @@ def _rank_time(p: Point, hw: Hardware, single: Plan, n: int, nodes: int, path: s
 
 
 def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int = 1,
-                     store_nodes: int = 1, data_path: str = "auto") -> MultiPlan:
+                     store_nodes: int = 1, data_path: str = AUTO) -> MultiPlan:
     """A point on N GPUs per node x M nodes, on the data path the profile allows (node_path.path_for; `data_path`
     "per-rank" plans today's engine where the node path could run): a megatrain point with one host store per node
     (or shared by `store_nodes` = M nodes), a zero3 point as DeepSpeed runs it (zero3_node.py)."""
     check_topology(hw, gpus_per_node, nodes, p.backend)
-    if data_path not in ("auto", NODE, PER_RANK):
+    if not left_auto(data_path) and data_path not in (NODE, PER_RANK):
         raise ValueError(f"data path {data_path!r}: use auto, {NODE} or {PER_RANK}")
     if store_nodes not in (1, nodes):
         raise ValueError(f"store_nodes={store_nodes}: 1 (each node its own store) or the job's {nodes} nodes")
+    if p.backend == "megatrain" and host_mode_open(p) and store_nodes == 1:
+        return plan_auto_multi(p, hw, gpus_per_node, nodes, grad_as_written(p), data_path)  # chosen for the node
     single_hw, hw = hw, node_profile(hw, gpus_per_node)
     if p.backend == "zero3":
-        return _zero3_multi(p, single_hw, hw, gpus_per_node, nodes)
+        return _zero3_multi(placeholder_mode(p), single_hw, hw, gpus_per_node, nodes)
     if gpus_per_node * nodes > 1 and left_auto(p.speculative_step):
-        p = dataclasses.replace(p, speculative_step=False)  # the engine's "auto": off with several ranks
+        p = with_point(p, speculative_step=False)  # the engine's "auto": off with several ranks
     if gpus_per_node * nodes > 1:
         p = dataclasses.replace(p, data_parallel=True)  # no optimizer residency (engine/update/resident.py)
     single = plan_point(p, single_hw)
@@ -403,7 +417,7 @@ def _zero3_multi(p: Point, single_hw: Hardware, hw: Hardware, gpus: int, nodes: 
 
 
 def plan_auto_multi(p: Point, hw: Hardware, gpus_per_node: int, nodes: int, grad: Any = None,
-                    data_path: str = "auto") -> MultiPlan:
+                    data_path: str = AUTO) -> MultiPlan:
     """Host mode "auto" for the node (costs/host_mode.py's rule over the node's plan): the first mode that fits
     with one store per node; with several nodes then one store shared by them (no disk); then the NVMe tier."""
     from ..costs.host_mode import choose_host_mode
@@ -414,7 +428,7 @@ def plan_auto_multi(p: Point, hw: Hardware, gpus_per_node: int, nodes: int, grad
     seen: dict[Any, tuple[MultiPlan, bool, dict[str, Any]]] = {}
 
     def attempt(mode: Any, store_nodes: int) -> bool:
-        q = mode_point(p, _knobs(mode, p)) if not p.optimizer_in_backward else dataclasses.replace(p, **_knobs(mode, p))
+        q = mode_point(p, _knobs(mode, p)) if not p.optimizer_in_backward else with_point(p, **_knobs(mode, p))
         mp = plan_point_multi(q, hw, gpus_per_node, nodes, store_nodes, data_path)
         ok, figures = nvme_fit(mp.rank, node_profile(hw, gpus_per_node)) if mode.nvme else (mp.rank.feasible, {})
         seen[mode] = (mp, ok, figures)
@@ -422,7 +436,7 @@ def plan_auto_multi(p: Point, hw: Hardware, gpus_per_node: int, nodes: int, grad
 
     nvme = hw.nvme_gbs is not None
     check_topology(hw, gpus_per_node, nodes, p.backend)  # a bad shape is the user's error, named, not a misfit
-    path = path_for(node_profile(hw, gpus_per_node), gpus_per_node)[0] if data_path == "auto" else data_path
+    path = path_for(node_profile(hw, gpus_per_node), gpus_per_node)[0] if left_auto(data_path) else data_path
     shareable = gpus_per_node == 1 or path == NODE  # nodes share one store on the node path (or one GPU each)
     order = [1] if nodes == 1 or not shareable else [1, nodes]
     for store_nodes in order:
@@ -452,7 +466,7 @@ def plan_auto_multi(p: Point, hw: Hardware, gpus_per_node: int, nodes: int, grad
 
 
 def smallest_store_nodes(p: Point, hw: Hardware, gpus_per_node: int, most: int = 64,
-                         data_path: str = "auto") -> MultiPlan | None:
+                         data_path: str = AUTO) -> MultiPlan | None:
     """The plan on the fewest nodes (2..most) that hold the model in host memory, sharing one store, without
     the NVMe tier (host mode "auto" over the modes that keep everything in memory); None when none up to `most`
     does, or the profile has no network. Starts at the count the layers' state alone needs."""
@@ -465,7 +479,7 @@ def smallest_store_nodes(p: Point, hw: Hardware, gpus_per_node: int, most: int =
     node_hw = node_profile(hw, gpus_per_node)
     starts = {}
     for mode in candidates(p.c == 2, p.grad_accum == 1, False, p.optimizer_in_backward):
-        q = mode_point(p, _knobs(mode, p)) if not p.optimizer_in_backward else dataclasses.replace(p, **_knobs(mode, p))
+        q = mode_point(p, _knobs(mode, p)) if not p.optimizer_in_backward else with_point(p, **_knobs(mode, p))
         try:
             base = plan_point_multi(q, hw, gpus_per_node, 2, 2, data_path)
         except ValueError:
@@ -494,7 +508,7 @@ def plan_multi(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
                hardware: str | Hardware | dict = "h200-pcie", *, gpus_per_node: int = 1, nodes: int = 1,
                network_gbs: float | None = None, gpus_per_host_link: int | None = None,
                link_gbs: float | None = None, host_memory_gib: float | None = None,
-               device_memory_gib: float | None = None, data_path: str = "auto", **knobs: Any) -> MultiPlan:
+               device_memory_gib: float | None = None, data_path: str = AUTO, **knobs: Any) -> MultiPlan:
     """plan() for a data-parallel job: N GPUs per node (sharing the node's host), M nodes."""
     p = make_point(model, context, batch, grad_accum, dtype, "megatrain", **knobs)
     hw = node_hardware(resolve_hardware(hardware, link_gbs, host_memory_gib, device_memory_gib), network_gbs,

@@ -102,7 +102,7 @@ class Plan:
         return step_timeline(self.point, self.hardware, self.time) if self.point.backend == "megatrain" else None
 
     def to_dict(self) -> dict[str, Any]:
-        p = dataclasses.asdict(self.point)
+        p = self.point.as_dict()
         p["model"] = self.point.model.name
         return {
             "point": p,

@@ -30,7 +30,7 @@ def _si(x: float) -> str:
     return f"{x:.3g}"
 
 
-def _sec(s: float) -> str:
+def fmt_seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
@@ -67,7 +67,7 @@ def _idle(pl: Plan) -> str:
         return ""
     frac = 1 - pl.time.busy_s.get("compute", 0.0) / pl.time.step_s
     cause = max(idle, key=lambda k: idle[k])
-    return f"; GPU idle {max(0.0, frac):.0%} (most: {cause}, {_sec(idle[cause])})"
+    return f"; GPU idle {max(0.0, frac):.0%} (most: {cause}, {fmt_seconds(idle[cause])})"
 
 
 def _advice(pl: Plan, nodes_hint: str | None, multi: Any = None) -> list[str]:
@@ -84,7 +84,7 @@ def _advice(pl: Plan, nodes_hint: str | None, multi: Any = None) -> list[str]:
         return out[:3]
     added = nvme_added_s(pl)
     if added:
-        out.append(f"NVMe adds {_sec(added)} per step: " + (nodes_hint or "more host memory holds the state without it"))
+        out.append(f"NVMe adds {fmt_seconds(added)} per step: " + (nodes_hint or "more host memory holds the state without it"))
     spec_total, spec = b_per_param(pl)
     if spec and spec_total > README_B_PER_PARAM[1]:
         out.append(f"the speculative step's rollback copy is {spec:.1f} B/param (host state {spec_total:.1f} B/param, "
@@ -138,9 +138,9 @@ def _step_line(pl: Plan, step: float, per_gpu_tokens: int, job: str = "") -> str
     if not fits(pl):
         return "  step: none (the point does not fit, so no throughput is predicted; --details has the figures)"
     nv = nvme_added_s(pl)
-    nvs = f", NVMe included ({_sec(nv)})" if nv else ""
+    nvs = f", NVMe included ({fmt_seconds(nv)})" if nv else ""
     mfu = pl.model_tflops * pl.time.step_s / step / (pl.hardware.peak_flops(pl.point.dtype) / 1e12)
-    return (f"  step {_sec(step)}{nvs}: {per_gpu_tokens / step:,.0f} tokens/s per GPU{job}, MFU {mfu:.1%}")
+    return (f"  step {fmt_seconds(step)}{nvs}: {per_gpu_tokens / step:,.0f} tokens/s per GPU{job}, MFU {mfu:.1%}")
 
 
 def _compare_line(ours_tps: float, ours_fits: bool, other: Any, label: str) -> str:
@@ -152,7 +152,7 @@ def _compare_line(ours_tps: float, ours_fits: bool, other: Any, label: str) -> s
     if not o_fits:
         return f"  {label}: does not fit (no throughput)"
     ratio = f"; megatrain/{label.split()[0]} = {ours_tps / o_tps:.2f}x" if ours_fits else ""
-    return f"  {label}: step {_sec(o_step)}, {o_tps:,.0f} tokens/s, fits{ratio}"
+    return f"  {label}: step {fmt_seconds(o_step)}, {o_tps:,.0f} tokens/s, fits{ratio}"
 
 
 def first_screen(pl: Plan, others: list[Plan] | None = None, nodes_hint: str | None = None) -> list[str]:
@@ -188,7 +188,7 @@ def first_screen_multi(mp: Any, zero3: Any = None, nodes_hint: str | None = None
     if mp.fits:
         alone = mp.single_step_s
         out.append(f"  scaling: efficiency {mp.scaling_efficiency:.1%} = job / ({mp.world_size} x one GPU alone, "
-                   f"{mp.single.point.tokens_per_step / alone:,.0f} tokens/s at {_sec(alone)} per step)")
+                   f"{mp.single.point.tokens_per_step / alone:,.0f} tokens/s at {fmt_seconds(alone)} per step)")
         out.append(f"  bottleneck: {pl.time.bottleneck}{_idle(pl)}")
     if zero3 is not None:
         out.append(_compare_line(mp.job_tokens_per_s, mp.fits, zero3, "zero3 at the same point and GPUs"))

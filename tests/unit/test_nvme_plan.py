@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatrain.commands import plan as cli
+from megatrain.commands import cli
 from megatrain.costs.nvme import io_seconds
 from megatrain.planner.estimate import plan
 from megatrain.planner.hardware import get_hardware

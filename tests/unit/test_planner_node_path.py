@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from megatrain.commands.plan import main
 from megatrain.planner import get_hardware
+from megatrain.planner.cli import main  # `python -m megatrain.planner`, the plan command's first screen
 from megatrain.planner.multi import node_memory, plan_auto_multi, plan_multi, plan_point_multi
 from megatrain.planner.node_path import NODE, PER_RANK, NodeShare, node_share, path_for
 from megatrain.planner.point import make_point
