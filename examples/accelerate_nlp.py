@@ -20,7 +20,7 @@ import os
 import torch
 import transformers
 from accelerate.tracking import GeneralTracker
-from accelerate.utils import ProjectConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
 from megatrain import Accelerator  # MegaTrain: instead of `from accelerate import Accelerator`
 
@@ -77,7 +77,10 @@ def training_function(a: argparse.Namespace) -> dict:
     tracker = JsonlTracker(os.path.join(a.project_dir, "logs"))
     accelerator = Accelerator(backend=a.backend,  # MegaTrain: pick the backend
                               cpu=a.cpu, mixed_precision=a.mixed_precision, gradient_accumulation_steps=2,
-                              log_with=tracker, project_config=project)
+                              log_with=tracker, project_config=project,
+                              # accelerate's sampler whose order is a function of (seed, epoch), saved with the
+                              # state (sampler.bin): a mid-epoch resume replays the same order
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     accelerator.init_trackers("nlp_example", config=hparams)
     set_seed(hparams["seed"])
     train_dl, eval_dl = get_dataloaders(hparams["batch_size"])
@@ -102,6 +105,7 @@ def training_function(a: argparse.Namespace) -> dict:
     losses, metrics = [], []
     for epoch in range(progress.epoch, hparams["num_epochs"]):
         model.train()
+        train_dl.set_epoch(epoch)  # the seedable sampler's order for this epoch, resumed or not
         start = progress.batch if epoch == progress.epoch else 0
         loader = accelerator.skip_first_batches(train_dl, start) if start else train_dl
         for batch_index, batch in enumerate(loader, start=start):

@@ -127,16 +127,22 @@ def train(face: str, micro: int, world: int, rank: int, steps: int = 3, accumula
         if save_to is not None:
             engine.save_checkpoint(save_to)
     elif face == "accelerator":
+        from accelerate.utils import DataLoaderConfiguration
+
         from megatrain import Accelerator
         from megatrain.config.schema import EngineConfig
 
         # ZeRO-3 fills in its own CPU-offload config (baselines/zero3.py).
         config = EngineConfig(**engine_section(watchdog_s)) if backend == "megatrain" else None
-        acc = Accelerator(backend=backend, config=config, gradient_accumulation_steps=accumulation)
+        # split_batches: each loader batch is a global micro-batch, rank r taking its r-th slice (the rows the
+        # DeepSpeed face's ranks take), and accelerate's scheduler steps once per optimizer step whatever the
+        # world size (without it, once per process per step), so a checkpoint resumes on any number of ranks.
+        acc = Accelerator(backend=backend, config=config, gradient_accumulation_steps=accumulation,
+                          dataloader_config=DataLoaderConfiguration(split_batches=True))
         assert acc.num_processes == world and acc.process_index == rank
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-        loader = torch.utils.data.DataLoader(data, batch_size=micro, shuffle=False)
+        loader = torch.utils.data.DataLoader(data, batch_size=micro * world, shuffle=False)
         model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
         progress = Progress()
         acc.register_for_checkpointing(progress)

@@ -44,6 +44,20 @@ def _no_deepspeed_config_left_global():
     unset_hf_deepspeed_config()
 
 
+@pytest.fixture(autouse=True)
+def _no_accelerate_state_left():
+    """accelerate's AcceleratorState / GradientState are process-wide singletons (megatrain.Accelerator is an
+    accelerate.Accelerator): a test's mixed precision or accumulation plugin would otherwise bind every later
+    Accelerator of this process (accelerate raises "AcceleratorState has already been initialized")."""
+    yield
+    try:
+        from accelerate.state import AcceleratorState, GradientState
+    except ImportError:
+        return
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
 # What a launcher sets: the variables that make a process one rank of a job (read by every engine built after).
 _LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 

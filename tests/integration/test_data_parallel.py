@@ -317,16 +317,6 @@ def test_batch_sizes_split_over_the_world_as_deepspeed_does():
                      world_size=4)
 
 
-def test_prepared_loader_gives_each_rank_every_nth_batch():
-    from megatrain.accelerate import GradientState, PreparedDataLoader
-
-    loader = torch.utils.data.DataLoader(torch.arange(14), batch_size=2)  # 7 batches
-    with pytest.warns(UserWarning, match="last 1 are dropped"):
-        mine = PreparedDataLoader(loader, torch.device("cpu"), GradientState(1), num_processes=3, process_index=1)
-    assert len(mine) == 2
-    assert [b.tolist() for b in mine] == [[2, 3], [8, 9]]
-
-
 def test_launch_environment_is_checked(monkeypatch):
     from megatrain import Accelerator
     from megatrain.engine.parallel.distributed import launch_env

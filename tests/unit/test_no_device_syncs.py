@@ -130,14 +130,17 @@ def test_negative_control_without_the_host_mask_the_layout_reads_the_device():
 def test_the_accelerate_loader_leaves_the_batch_on_the_host():
     """The face's loader hands the batch over where it is: the engine copies the ids and reads the rest (valid
     labels, padding, the embedding's rows) on the host. Moved to the device first, each read is a sync."""
-    from megatrain.accelerate.data import PreparedDataLoader
-    from megatrain.accelerate.wrappers import GradientState
+    from megatrain import Accelerator
 
     data = [{"input_ids": torch.arange(6).view(2, 3), "labels": torch.arange(6).view(2, 3)} for _ in range(3)]
     loader = torch.utils.data.DataLoader(data, batch_size=None)
-    batches = list(PreparedDataLoader(loader, torch.device("meta"), GradientState(1)))
+    prepared = Accelerator(backend="megatrain").prepare(loader)
+    assert prepared.device is None  # accelerate's loader with no device to move the batches to
+    batches = list(prepared)
     assert len(batches) == 3
     assert all(t.device.type == "cpu" for b in batches for t in b.values())
+    # Control: the same loader prepared with device placement asked for gets the device.
+    assert Accelerator(backend="megatrain").prepare_data_loader(loader, device_placement=True).device is not None
 
 
 @pytest.mark.parametrize("mask", [False, True])
