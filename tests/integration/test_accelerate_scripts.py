@@ -103,7 +103,6 @@ def test_what_cannot_apply_is_refused_by_name(monkeypatch):
         monkeypatch.delenv(var)
 
 
-@pytest.mark.xfail(strict=True, reason="frozen parameters: pending the megatrain/backend change of issue 56")
 def test_prepare_keeps_frozen_parameters_frozen():
     model = tiny_model()
     model.model.embed_tokens.weight.requires_grad_(False)
