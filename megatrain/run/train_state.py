@@ -14,7 +14,6 @@ the RNG streams from `rng_state()` here; only the encoding differs.
 from __future__ import annotations
 
 import io
-import json
 import pickle
 import random
 import shutil
@@ -60,18 +59,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.bin"  # accelerate's name
-FACE_FILE = "accelerator.json"
-RNG_FILE = "random_states_0.pkl"  # accelerate's own file names (accelerate.utils.constants) from here on
-SAMPLER_FILE = "sampler.bin"
-
-
-def scheduler_file(i: int) -> str:
-    return "scheduler.bin" if i == 0 else f"scheduler_{i}.bin"
-
-
-def custom_file(i: int) -> str:
-    return f"custom_checkpoint_{i}.pkl"
-
 
 def write_weights(directory: str | Path, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
     d = Path(directory)
@@ -177,45 +164,6 @@ def _merged_shards(reports: list[Any], what: str) -> tuple[dict[str, Any], dict[
         for idx, entry in r["entries"].items():
             state.setdefault(idx, entry)
     return dict(sorted(state.items(), key=lambda kv: int(kv[0]))), dict(r["shard"] for r in reports if "shard" in r)
-
-
-def write_face_state(directory: str | Path, *, schedulers: list[Any], customs: list[Any],
-                     sampler_states: list[Any], face: dict[str, Any]) -> None:
-    """What the Accelerate face adds to its backend's files: schedulers, registered objects, samplers, RNG."""
-    d = Path(directory)
-    for i, s in enumerate(schedulers):
-        torch.save(s.state_dict(), d / scheduler_file(i))
-    for i, obj in enumerate(customs):
-        torch.save(obj.state_dict(), d / custom_file(i))
-    torch.save(sampler_states, d / SAMPLER_FILE)
-    state = rng_state()
-    torch.save({k: state[k] for k in ("torch", "python", "numpy") if k in state}, d / RNG_FILE)
-    (d / FACE_FILE).write_text(json.dumps(face, indent=1))
-
-
-def read_face(directory: Path) -> dict[str, Any]:
-    path = directory / FACE_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{directory} holds no Accelerator state ({FACE_FILE} is missing)")
-    return json.loads(path.read_text())
-
-
-def count_customs(directory: Path) -> int:
-    return len(list(directory.glob("custom_checkpoint_*.pkl")))
-
-
-def read_sampler_states(directory: Path) -> list[Any] | None:
-    path = directory / SAMPLER_FILE
-    return torch.load(path, weights_only=True) if path.is_file() else None
-
-
-def load_face_state(directory: Path, *, schedulers: list[Any], customs: list[Any]) -> None:
-    for i, s in enumerate(schedulers):
-        s.load_state_dict(torch.load(directory / scheduler_file(i), weights_only=False))
-    for i, obj in enumerate(customs):
-        obj.load_state_dict(torch.load(directory / custom_file(i), weights_only=False))
-    # Python's and numpy's RNG states are plain tuples; they need the non-weights unpickler.
-    set_rng_state(torch.load(directory / RNG_FILE, weights_only=False))
 
 
 # ---------------------------------------------------------------------------------------------------
