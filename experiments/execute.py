@@ -132,7 +132,11 @@ def _kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
 
 def run_point_subprocess(pt: Point, out_dir: Path, python: str = sys.executable,
                          on_tick: Any = None) -> dict[str, Any]:
-    """Run one point in a child process; returns the row fields it produced (status included)."""
+    """Run one point in a child process; returns the row fields it produced (status included).
+
+    The child works in `out_dir` (made absolute here, against this process's working directory): the paths it is
+    given mean what they meant to the caller, and whatever it writes beside them stays inside the results."""
+    out_dir = Path(out_dir).absolute()
     work, logs, traces = out_dir / ".work", out_dir / "logs", out_dir / "traces"
     for d in (work, logs, traces):
         d.mkdir(parents=True, exist_ok=True)
@@ -150,7 +154,7 @@ def run_point_subprocess(pt: Point, out_dir: Path, python: str = sys.executable,
         log.write(f"# {pt.label}  point_id={pid}\n# {' '.join(cmd[:3])} ...\n")
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(pt),
-                                cwd=str(REPO_ROOT), start_new_session=True)
+                                cwd=str(out_dir), start_new_session=True)
         try:
             while True:
                 try:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check in one call (at most 5 min, install included: experiments/gpu_check/README.md): install
-# ./wheels/*.whl beside the image's own torch when there are any (for a machine without network:
-# `bash scripts/fetch_wheels.sh` makes them elsewhere), then run `python -m experiments.gpu_check`
-# (see experiments/gpu_check/__init__.py for the phases).
+# The GPU check in one call (at most 280 s from here, the bench >= 120 s of it: experiments/gpu_check/README.md,
+# which gives the time plan and the `carry` list). On the GPU image it expects nothing is installed; on another,
+# ./wheels/*.whl go in beside the image's own torch (`bash scripts/fetch_wheels.sh` makes them elsewhere). Then
+# `python -m experiments.gpu_check` runs (see experiments/gpu_check/__init__.py for the phases).
 #
 #   bash experiments/gpu_check.sh                  # on the GPU machine; results in results/gpu/<UTC time>/
 #   bash experiments/gpu_check.sh --only parity    # some phases again

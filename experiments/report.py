@@ -100,8 +100,12 @@ def _size_axis(ax: Any, params: pd.Series) -> None:
     ticks = sorted(set(params.dropna() / 1e6))
     ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xticks(ticks)
-    ax.set_xticklabels([f"{t / 1e3:.3g}B" if t >= 1e3 else f"{t:.2g}M" for t in ticks], fontsize=8)
+    ax.set_xticklabels([_size_label(t) for t in ticks], fontsize=8)
     ax.set_xlabel("parameters")
+
+
+def _size_label(millions: float) -> str:
+    return f"{millions / 1e3:.3g}B" if millions >= 1e3 else f"{millions:.2g}M"
 
 
 def _fig_vs_model(ok: pd.DataFrame, path: Path) -> None:
@@ -111,6 +115,11 @@ def _fig_vs_model(ok: pd.DataFrame, path: Path) -> None:
     if sl.empty:
         for ax in axes:
             _empty(ax, "no successful points")
+    elif sl["params"].nunique() == 1:  # one model size: a bar per series
+        size = f"parameters: {_size_label(sl['params'].iloc[0] / 1e6)} only"
+        _bars(axes[0], list(sl.groupby("series")), size)
+        _bars(axes[1], list(sl.groupby("series")), size, "model_tflops", "model TFLOPS")
+        fig.suptitle(f"Throughput at one model size ({desc})", fontsize=10)
     else:
         for series, g in sl.groupby("series"):
             g = g.sort_values("params")
@@ -127,27 +136,54 @@ def _fig_vs_model(ok: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
+def _tick(t: float) -> str:
+    return f"{int(t) // 1024}k" if t >= 1024 and int(t) % 1024 == 0 else str(int(t))
+
+
+def _group_label(key: Any) -> str:
+    return " / ".join(str(k) for k in (key if isinstance(key, tuple) else (key,)))
+
+
+def _bars(ax: Any, groups: list[tuple[Any, pd.DataFrame]], xlabel: str, col: str = "tokens_per_s",
+          ylabel: str = "tokens / s", scale: float = 1.0) -> None:
+    """`col` (times `scale`) as one bar per group, its median over the group's rows, each labelled with its value:
+    how a figure draws an axis that has one value."""
+    labels = [_group_label(k) for k, _ in groups]
+    values = [float(g[col].median()) * scale for _, g in groups]
+    x = range(len(groups))
+    ax.bar(x, values, color="tab:blue")
+    for i, v in zip(x, values):
+        ax.text(i, v, f"{v:.4g}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3, axis="y")
+
+
 def _fig_vs_axis(ok: pd.DataFrame, path: Path, axis: str, xlabel: str, group: list[str], title: str) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     groups = list(ok.groupby(group)) if not ok.empty else []
-    # Lines where the axis varies; lone points only when nothing varies, so they do not crowd it.
-    varying = [(k, g) for k, g in groups if g[axis].nunique() >= 2]
-    for key, g in varying or groups:
-        g = g.sort_values(axis)
-        label = " / ".join(str(k) for k in (key if isinstance(key, tuple) else (key,)))
-        ax.plot(g[axis], g["tokens_per_s"], "o-", label=label)
     if not groups:
         _empty(ax, "no successful points")
+    elif ok[axis].nunique() == 1:
+        # One value on the axis: a bar per series (a line through one x value says nothing of the axis).
+        _bars(ax, groups, f"{xlabel}: {_tick(ok[axis].iloc[0])} only")
+        title = title.replace("(lines:", "(bars:")
     else:
+        # Lines where the axis varies; lone points only when nothing varies, so they do not crowd it.
+        varying = [(k, g) for k, g in groups if g[axis].nunique() >= 2]
+        for key, g in varying or groups:
+            g = g.sort_values(axis)
+            ax.plot(g[axis], g["tokens_per_s"], "o-", label=_group_label(key))
         from matplotlib.ticker import NullLocator
 
         ax.set_xscale("log", base=2)
         ticks = sorted(set(ok[axis].dropna()))
         ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xticks(ticks)
-        ax.set_xticklabels([f"{int(t) // 1024}k" if t >= 1024 and int(t) % 1024 == 0 else str(int(t))
-                            for t in ticks], fontsize=8)
+        ax.set_xticklabels([_tick(t) for t in ticks], fontsize=8)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("tokens / s")
         ax.grid(alpha=0.3)
@@ -167,6 +203,11 @@ def _fig_memory(ok: pd.DataFrame, path: Path) -> None:
         d = sl.dropna(subset=[col]) if not sl.empty else sl
         if d.empty:
             _empty(ax, f"no {title} measurements")
+            continue
+        if d["params"].nunique() == 1:  # one model size: a bar per series
+            _bars(ax, list(d.groupby("series")), f"parameters: {_size_label(d['params'].iloc[0] / 1e6)} only", col,
+                  "GiB", 1 / GiB)
+            ax.set_title(title, fontsize=10)
             continue
         for series, g in d.groupby("series"):
             g = g.sort_values("params")

@@ -15,7 +15,6 @@ from typing import Any
 
 from experiments import results as R
 from experiments.execute import (
-    REPO_ROOT,
     Preflight,
     execute_point,
     last_error_line,
@@ -63,7 +62,8 @@ def point_columns(pt: Point, sweep_name: str) -> dict[str, Any]:
 
 
 def default_out_dir(sweep: Sweep) -> Path:
-    return REPO_ROOT / "results" / sweep.name
+    """results/<sweep name> under the caller's working directory (the checkout's results/ when run from there)."""
+    return Path.cwd() / "results" / sweep.name
 
 
 def run_sweep(sweep: Sweep, out_dir: str | Path | None = None, only: dict[str, set[str]] | None = None,
@@ -77,7 +77,8 @@ def run_sweep(sweep: Sweep, out_dir: str | Path | None = None, only: dict[str, s
     """
     from megatrain.metrics.provenance import utc_now
 
-    out = Path(out_dir) if out_dir else default_out_dir(sweep)
+    # Absolute before any point starts: a point's process works elsewhere (see run_point_subprocess).
+    out = Path(out_dir).absolute() if out_dir else default_out_dir(sweep)
     csv = out / "results.csv"
     summary = SweepSummary(out_dir=out, csv=csv)
     points = select(sweep.points, only or {})

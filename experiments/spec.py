@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import yaml
 from megatrain.config.schema import EngineConfig
 from megatrain.config.validate import close_match, is_int, unknown_key
 from megatrain.models.presets import ModelPreset
-from megatrain.planner.shapes import resolve_model
+from megatrain.planner import is_model_path, resolve_model
 
 BACKENDS = ("megatrain", "zero3", "zero3-alst", "torch")
 PRECISIONS = ("fp32", "bf16")
@@ -135,6 +136,12 @@ def _did_you_mean(key: str, known: list[str] | tuple[str, ...]) -> str:
     return f" (did you mean {close!r}?)" if close else ""
 
 
+def _absolute(path: str) -> str:
+    """A path the spec names, against the caller's working directory: a point runs in a process of its own,
+    working elsewhere (experiments/execute.py), where a relative path would mean another file."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def _check_value(file: str, path: str, key: str, v: Any) -> Any:
     """Validate one key's value on its own; return the normalized value."""
 
@@ -151,6 +158,8 @@ def _check_value(file: str, path: str, key: str, v: Any) -> Any:
             resolve_model(v)
         except ValueError as e:
             raise bad(str(e)) from None
+        if is_model_path(v):
+            v = _absolute(v)
     elif key in ("seq_len", "micro_batch", "grad_accum", "steps"):
         if not is_int(v) or v < 1:
             raise bad(f"{key} must be a positive integer, got {v!r}")
@@ -185,6 +194,8 @@ def _check_value(file: str, path: str, key: str, v: Any) -> Any:
         except (ValueError, TypeError) as e:
             raise bad(str(e)) from None
         v = dict(sorted(v.items()))
+        if isinstance(v.get("nvme_path"), str):
+            v["nvme_path"] = _absolute(v["nvme_path"])
     elif key == "zero3":
         if not isinstance(v, dict):
             raise bad(f"zero3 must be a mapping of DeepSpeed zero_optimization settings, got {v!r}")

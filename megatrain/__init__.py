@@ -31,7 +31,8 @@ _EXPORTS = {
 }
 
 # The `deepspeed` namespace's submodules, for `import megatrain as deepspeed; deepspeed.comm.get_rank()`.
-_DEEPSPEED_SUBMODULES = ("zero", "comm", "utils", "checkpointing", "ops", "accelerator", "lr_schedules")
+_DEEPSPEED_SUBMODULES = ("zero", "comm", "utils", "checkpointing", "ops", "accelerator", "lr_schedules", "runtime",
+                         "compression", "get_accelerator")
 
 __all__ = sorted([*_EXPORTS, "zero"])
 

@@ -14,8 +14,11 @@ is loaded by path, without importing the megatrain package) and adds one import 
   `is_deepspeed_zero3_enabled()` (`from_pretrained` would enter `zero.Init` and log "Detected DeepSpeed ZeRO-3").
 - when `deepspeed` is first imported, `megatrain.integrations.hf` is installed right after it, which routes a
   config with the section to MegaTrain and makes DeepSpeed's own config parser refuse it on any other road.
-Set MEGATRAIN_DEEPSPEED_GUARD=0 to leave DeepSpeed untouched in a process (then the section is ignored by DeepSpeed:
-your choice, said by you).
+- where the name `deepspeed` is MegaTrain's own namespace (a shim package redirecting every deepspeed import,
+  `megatrain/deepspeed/redirect.py`), the routing finds no real DeepSpeed and installs only its accelerate half.
+Set MEGATRAIN_DEEPSPEED_GUARD=0 to leave DeepSpeed untouched in a process (the section is then ignored by DeepSpeed:
+your choice); each `deepspeed.initialize` then prints a start line saying DeepSpeed trains and why
+(`megatrain.integrations.on_deepspeed`).
 """
 
 from __future__ import annotations
@@ -34,12 +37,18 @@ _HOOKS = {
 }
 
 
+# with MEGATRAIN_DEEPSPEED_GUARD=0: DeepSpeed is left alone, and says so at initialize
+_LEFT_ALONE = {"deepspeed": "megatrain.integrations.on_deepspeed"}
+
+
 class _RouteDeepSpeed(importlib.abc.MetaPathFinder):
     """Finds nothing itself: wraps the real spec of a watched module so that MegaTrain's routing installs once it ran."""
 
+    HOOKS = _HOOKS
+
     def __init__(self) -> None:
         self._looking = False
-        self.hooks = dict(_HOOKS)  # the ones not fired yet
+        self.hooks = dict(self.HOOKS)  # the ones not fired yet
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if name not in self.hooks or self._looking:
@@ -65,13 +74,18 @@ class _RouteDeepSpeed(importlib.abc.MetaPathFinder):
         return spec
 
 
+class _AnnounceDeepSpeed(_RouteDeepSpeed):
+    """The opt-out's hook: routes nothing, only makes `deepspeed.initialize` say that DeepSpeed trains."""
+
+    HOOKS = _LEFT_ALONE
+
+
 def install() -> None:
     """Add the hook (idempotent); route at once for a watched module imported before this ran."""
-    if os.environ.get("MEGATRAIN_DEEPSPEED_GUARD", "1") == "0":
+    kind = _AnnounceDeepSpeed if os.environ.get("MEGATRAIN_DEEPSPEED_GUARD", "1") == "0" else _RouteDeepSpeed
+    if any(type(f).__name__ in (_RouteDeepSpeed.__name__, _AnnounceDeepSpeed.__name__) for f in sys.meta_path):
         return
-    if any(type(f).__name__ == _RouteDeepSpeed.__name__ for f in sys.meta_path):
-        return
-    finder = _RouteDeepSpeed()
+    finder = kind()
     for name in list(finder.hooks):
         if name in sys.modules:
             importlib.import_module(finder.hooks.pop(name))

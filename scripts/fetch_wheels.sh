@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Wheels for a GPU machine without network access: everything experiments/gpu_check.sh
-# installs there beyond the image's own CUDA torch (numpy, pandas and nvidia-ml-py included). Versions are
+# Wheels for a GPU machine without network access whose image lacks what the check imports (the image
+# experiments/gpu_check/README.md names needs none: its `carry` list is empty): everything
+# experiments/gpu_check.sh would install there beyond the image's own CUDA torch. Versions are
 # this venv's (what CI tests with), for the GPU machine's Python and platform (MEGATRAIN_DEVICE_PYTHON,
 # default 3.12; x86-64 Linux), which is written to DEST/python-version: the check refuses to start on a
 # machine whose Python differs. deepspeed ships only as a source package, so it is built here into a

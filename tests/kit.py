@@ -123,6 +123,23 @@ def bf16_engine(model: torch.nn.Module, *, lr: float = 1e-2, **cfg: Any) -> Engi
                   optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=lr, fused=True))
 
 
+def cpu_engine(layers: int = 2, **cfg: Any) -> Engine:
+    """An engine on the CPU device over a fresh tiny Llama of `layers` layers (conftest's, seeded), the parity probe
+    off (the test is not about it); `cfg` the rest of its EngineConfig."""
+    from conftest import tiny_model
+
+    from megatrain.config.schema import EngineConfig
+    from megatrain.engine import Engine
+
+    return Engine(tiny_model("llama", layers=layers), EngineConfig(device="cpu", parity_probe=False, **cfg))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A float tensor's bit patterns as integers of its width (FP32 as int32, bf16 / fp16 as int16): equal only where
+    every bit is, where float equality would take -0.0 for 0.0 and never a NaN for itself."""
+    return t.view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
+
+
 # -- the reference trainer: the loop every training comparison runs ------------------------------------------------
 
 def train_steps(runner: Any, batches: Iterable[dict], steps: int, *, accum: int = 1, clip: float | None = None,

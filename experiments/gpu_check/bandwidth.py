@@ -149,6 +149,3 @@ def _matmul_rates(ctx: Ctx, n_bf16: int, n_fp32: int, reps: int) -> dict[str, An
         res[f"{label}_tflops"] = 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
         res[f"{label}_n"] = n
     return res
-
-
-# == ds_build ===========================================================================================

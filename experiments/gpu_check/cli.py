@@ -23,8 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=None,
                     help=f"whole-check budget from the wrapper's start (default {TOTAL_BUDGET_S:.0f}, "
                          f"dry run {DRY_TOTAL_BUDGET_S:.0f})")
-    ap.add_argument("--only", default=None, help=f"comma-separated phases to run ({', '.join(p.name for p in PHASES)})")
-    ap.add_argument("--zero3", default="auto", help="auto | on | off: include the DeepSpeed ZeRO-3 points")
+    ap.add_argument("--only", default=None, help=f"comma-separated phases to run ({', '.join(SPECS)}; "
+                                                 f"on a GPU {', '.join(p.name for p in PHASES if p.optional)} only when named)")
     ap.add_argument("--inject", action="append", default=[], metavar="PHASE=fail|hang",
                     help=argparse.SUPPRESS)  # for the tests: a phase that breaks
     ap.add_argument("--phase-budget", action="append", default=[], metavar="PHASE=SECONDS",
@@ -46,5 +46,5 @@ def main(argv: list[str] | None = None) -> int:
         inject = dict(item.partition("=")[::2] for item in args.inject)
         budgets = {k: float(v) for k, v in (item.partition("=")[::2] for item in args.phase_budget)}
         deadline = args.deadline or time.time() + (DRY_TOTAL_BUDGET_S if args.dry_run else TOTAL_BUDGET_S)
-        return run_phases(names, Path(args.out), args.dry_run, deadline, args.zero3, inject, budgets)
+        return run_phases(names, Path(args.out), args.dry_run, deadline, inject, budgets)
     return Orchestrator(args).run()

@@ -23,8 +23,8 @@ from .bandwidth import phase_bandwidth
 from .bench import phase_bench
 from .common import (
     _T0,
+    BENCH_MIN_S,
     DRY_TOTAL_BUDGET_S,
-    DS_BUILD,
     FINAL,
     PHASES,
     REPO_ROOT,
@@ -36,8 +36,8 @@ from .common import (
     _log,
     _read_json,
 )
-from .ds_build import compile_blockers, cuda_compiler, ds_ops_built, phase_ds_build
-from .env import _missing, phase_env
+from .env import phase_env
+from .features import phase_features
 from .parity import phase_parity
 from .sanitizer import phase_sanitizer
 from .stress import phase_stress
@@ -45,12 +45,27 @@ from .summary import build_summary, render_markdown
 from .sync import phase_sync
 
 PHASE_FNS: dict[str, Callable[[Ctx], None]] = {
-    "env": phase_env, "bandwidth": phase_bandwidth, "ds_build": phase_ds_build, "parity": phase_parity,
+    "env": phase_env, "bandwidth": phase_bandwidth, "parity": phase_parity, "features": phase_features,
     "sync": phase_sync, "stress": phase_stress, "sanitizer": phase_sanitizer, "bench": phase_bench,
 }
 
 
-def run_phases(names: list[str], out: Path, dry: bool, deadline: float, zero3: str, inject: dict[str, str],
+def phase_budget(name: str, names: list[str], dry: bool, deadline: float, now: float,
+                 budgets: dict[str, float] | None = None) -> float:
+    """A phase's seconds: its own cap, cut to what is left of the whole budget, and, for a phase that runs before
+    the bench in the same process, cut further so the bench keeps BENCH_MIN_S (the bench itself takes all that is
+    left on a GPU). A phase with under 3 s is skipped."""
+    spec = SPECS[name]
+    own = (budgets or {}).get(name, spec.dry_budget_s if dry else spec.budget_s)
+    left = deadline - SUMMARY_RESERVE_S - now
+    if name == "bench":
+        return left if not dry and name not in (budgets or {}) else min(own, left)
+    if "bench" in names[names.index(name) + 1:]:
+        left -= BENCH_MIN_S
+    return min(own, left)
+
+
+def run_phases(names: list[str], out: Path, dry: bool, deadline: float, inject: dict[str, str],
                budgets: dict[str, float] | None = None) -> int:
     """Child side: run these phases in order in this process (imports are paid once).
 
@@ -63,20 +78,18 @@ def run_phases(names: list[str], out: Path, dry: bool, deadline: float, zero3: s
             raise ModuleNotFoundError(f"injected: no module named 'torch' (phase {name} could not start)")
     import torch
 
-    if set(names) - {"bench", "ds_build"}:
+    if set(names) - {"bench"}:
         # Paid once here, outside any phase's budget (transformers alone takes seconds to import).
         with contextlib.suppress(ImportError):
             import megatrain.engine  # noqa: F401
     for name in names:
-        spec = SPECS[name]
-        own = (budgets or {}).get(name, spec.dry_budget_s if dry else spec.budget_s)
-        budget = min(own, deadline - SUMMARY_RESERVE_S - time.time())
+        budget = phase_budget(name, names, dry, deadline, time.time(), budgets)
         if budget < 3:
             _atomic_write(out / "phases" / f"{name}.json", json.dumps(
                 {"phase": name, "status": "skipped", "reason": "no time left in the check's budget", "checks": {}}))
             continue
         _log(f"{name}: started (budget {budget:.0f} s)")
-        ctx = Ctx(name, out, dry, time.time() + budget, zero3)
+        ctx = Ctx(name, out, dry, time.time() + budget)
         try:
             if inject.get(name) == "fail":
                 raise RuntimeError(f"injected failure in phase {name}")
@@ -98,12 +111,12 @@ def run_phases(names: list[str], out: Path, dry: bool, deadline: float, zero3: s
 
 
 # == orchestration ==========================================================================================
-SPECS = {p.name: p for p in [*PHASES, DS_BUILD]}
+SPECS = {p.name: p for p in PHASES}
 GRACE_S = 3.0
 
 
 class Orchestrator:
-    """Runs the phases in a supervised child process (DeepSpeed's build in a second one beside it),
+    """Runs the phases in a supervised child process (on the CPU the bench in a second one beside it),
     enforces every phase's deadline, and publishes the summary after each phase."""
 
     def __init__(self, args: argparse.Namespace) -> None:
@@ -123,9 +136,9 @@ class Orchestrator:
         if self.dry:
             self.env["CUDA_VISIBLE_DEVICES"] = ""  # tiny shapes on the CPU, even on a GPU machine
 
-    def _cmd(self, phases: list[str], zero3: str) -> list[str]:
+    def _cmd(self, phases: list[str]) -> list[str]:
         cmd = [sys.executable, "-m", "experiments.gpu_check", "--phase", ",".join(phases), "--out", str(self.out),
-               "--deadline", str(self.deadline), "--zero3", zero3]
+               "--deadline", str(self.deadline)]
         if self.dry:
             cmd.append("--dry-run")
         for item in self.inject:
@@ -134,10 +147,10 @@ class Orchestrator:
             cmd += ["--phase-budget", item]
         return cmd
 
-    def _spawn(self, phases: list[str], zero3: str) -> tuple[subprocess.Popen, collections.deque]:
+    def _spawn(self, phases: list[str]) -> tuple[subprocess.Popen, collections.deque]:
         """The child, and the last lines of its stderr: still printed as they come (the log keeps them), and kept,
         so a process that dies before its phase starts can say why in that phase's record."""
-        proc = subprocess.Popen(self._cmd(phases, zero3), cwd=str(REPO_ROOT), env=self.env, start_new_session=True,
+        proc = subprocess.Popen(self._cmd(phases), cwd=str(REPO_ROOT), env=self.env, start_new_session=True,
                                 stderr=subprocess.PIPE, text=True, errors="replace")
         tail: collections.deque = collections.deque(maxlen=STDERR_TAIL_LINES)
         threading.Thread(target=_tee, args=(proc.stderr, tail), name="gpu-check-stderr", daemon=True).start()
@@ -158,24 +171,20 @@ class Orchestrator:
         self.out.mkdir(parents=True, exist_ok=True)
         for f in (self.out / "phases").glob("*.json"):
             f.unlink()  # a record from an earlier run must not pass for this one's
-        todo = [p.name for p in PHASES if self.only is None or p.name in self.only]
-        zero3 = self.zero3_plan() if "bench" in todo else "off:bench phase not selected"
+        todo = [p.name for p in PHASES
+                if (self.dry or not p.optional if self.only is None else p.name in self.only)]
         plans = []
-        if zero3 == "build":
-            plans.append([DS_BUILD.name])  # compiles beside the correctness phases
-        elif zero3.startswith("off:") and "bench" in todo:
-            self.record_zero3_off(zero3)
         if self.dry and "bench" in todo and len(todo) > 1:
             # Timings mean nothing on the CPU: run the bench beside the rest instead of after it.
             plans += [[n for n in todo if n != "bench"], ["bench"]]
         elif todo:
             plans.append(todo)
-        groups = [dict(zip(("proc", "tail"), self._spawn(names, zero3)), todo=names) for names in plans]
+        groups = [dict(zip(("proc", "tail"), self._spawn(names)), todo=names) for names in plans]
         published: set[str] = set()
         while groups:
             time.sleep(0.2)
             for g in list(groups):
-                if not self._supervise(g, zero3):
+                if not self._supervise(g):
                     groups.remove(g)
             if time.time() > self.deadline + GRACE_S:
                 for g in groups:  # a phase that never got to set its own deadline
@@ -193,7 +202,7 @@ class Orchestrator:
         bad = {n: s for n, s in statuses.items() if s not in (None, "ok", "skipped")}
         return 1 if bad else 0
 
-    def _supervise(self, g: dict[str, Any], zero3: str) -> bool:
+    def _supervise(self, g: dict[str, Any]) -> bool:
         """Kill a child whose current phase is past its deadline, or notice that it died; go on with a fresh
         one for the phases after the broken one. False once the group has nothing left to run."""
         proc, todo = g["proc"], g["todo"]
@@ -218,37 +227,9 @@ class Orchestrator:
         rest = [n for n in todo if (self._record(n) or {}).get("status") not in FINAL]
         if not rest:
             return False
-        g["proc"], g["tail"] = self._spawn(rest, zero3)
+        g["proc"], g["tail"] = self._spawn(rest)
         g["todo"] = rest
         return True
-
-    def record_zero3_off(self, zero3: str) -> None:
-        """The ZeRO-3 half of the check says in the summary that it did not run, and why."""
-        why = zero3.partition(":")[2]
-        _atomic_write(self.out / "phases" / f"{DS_BUILD.name}.json", json.dumps(
-            {"phase": DS_BUILD.name, "status": "skipped", "checks": {}, "reason": why.removeprefix("skipped: ")}))
-        _log(f"{DS_BUILD.name} (ZeRO-3): {why}")
-
-    def zero3_plan(self) -> str:
-        """'build' (compile DeepSpeed's op beside the other phases), 'on', or 'off:<reason>'."""
-        mode = self.args.zero3
-        if mode == "off":
-            return "off:ZeRO-3 disabled (--zero3 off)"
-        if _missing("deepspeed"):
-            return "off:the deepspeed package is not installed (install it, or put its wheel in wheels/: scripts/fetch_wheels.sh)"
-        if self.dry and ds_ops_built(cpu_accelerator=True):
-            return "on"  # built before: nothing to compile
-        blockers = compile_blockers()
-        if blockers:
-            return "off:skipped: " + "; ".join(blockers)
-        if not self.dry and cuda_compiler() is None:
-            return ("off:unavailable here: DeepSpeed builds its CPU Adam with CUDA sources on a GPU machine and "
-                    "finds no nvcc (set CUDA_HOME to a CUDA toolkit, or put nvcc on PATH)")
-        if self.dry:
-            if mode == "auto":
-                return ("off:DeepSpeed's C++ ops are not built in TORCH_EXTENSIONS_DIR yet (a one-time ~85 s JIT "
-                        "build, too long for the dry run's budget); --zero3 on includes it")
-        return "build"
 
     # -- outputs ---------------------------------------------------------------------------------------
     def publish(self, final: bool = False) -> None:

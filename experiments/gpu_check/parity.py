@@ -167,7 +167,7 @@ def phase_parity(ctx: Ctx) -> None:
     def fp32(family: str, tied: bool, **knobs: Any) -> dict[str, Any]:
         base = tiny_model(family, sh, tied=tied)
         ref = copy.deepcopy(base).to(ctx.device)
-        eng = Engine(copy.deepcopy(base), EngineConfig(device=dev, compute_dtype="float32", loss_chunk_tokens=13,
+        eng = Engine(copy.deepcopy(base), EngineConfig(parity_probe=False, device=dev, compute_dtype="float32", loss_chunk_tokens=13,
                                                        **knobs))
         rl, rg = _train_reference(ref, batches, steps, accum, clip, ctx.device)
         el, eg, _ = _train_engine(eng, batches, steps, accum, clip)
@@ -186,7 +186,7 @@ def phase_parity(ctx: Ctx) -> None:
         refamp = copy.deepcopy(base).to(ctx.device)
         refmix = copy.deepcopy(base).to(ctx.device)
         # The GPU's defaults on every device (the overlap is on by default on CUDA only), with hilo masters.
-        eng = Engine(copy.deepcopy(base), EngineConfig(device=dev, compute_dtype="bfloat16", trace=True,
+        eng = Engine(copy.deepcopy(base), EngineConfig(parity_probe=False, device=dev, compute_dtype="bfloat16", trace=True,
                                                       offload_activations=False, optimizer_overlap=True,
                                                       host_master="hilo", residency="stream"))
         rl, _ = _train_reference(ref32, batches, steps, accum, clip, ctx.device)
@@ -217,7 +217,7 @@ def phase_parity(ctx: Ctx) -> None:
         globs = [q.shape for n, q in base.named_parameters() if not n.startswith(prefix)]
         out = {}
         for dtype in ("float32", "bfloat16"):
-            eng = Engine(copy.deepcopy(base), EngineConfig(device=dev, compute_dtype=dtype, pin_memory=ctx.cuda))
+            eng = Engine(copy.deepcopy(base), EngineConfig(parity_probe=False, device=dev, compute_dtype=dtype, pin_memory=ctx.cuda))
             want = sum(pinned_preflight(layers, globs, getattr(torch, dtype), staging=ctx.cuda).values())
             got = eng.store.pinned_bytes
             src_pinned = all(g.stream_source.is_pinned() for g in eng.store.layers) if ctx.cuda else None
@@ -233,8 +233,8 @@ def phase_parity(ctx: Ctx) -> None:
 
     def offload() -> dict[str, Any]:
         base = tiny_model("llama", sh)
-        res_eng = Engine(copy.deepcopy(base), EngineConfig(device=dev, offload_activations=False))
-        off_eng = Engine(copy.deepcopy(base), EngineConfig(device=dev, offload_activations=True))
+        res_eng = Engine(copy.deepcopy(base), EngineConfig(parity_probe=False, device=dev, offload_activations=False))
+        off_eng = Engine(copy.deepcopy(base), EngineConfig(parity_probe=False, device=dev, offload_activations=True))
         rl, rg, rs = _train_engine(res_eng, batches[:4], 2, 2, None)
         ol, og, os_ = _train_engine(off_eng, batches[:4], 2, 2, None)
         diff = max(abs(a - b) for a, b in zip(rl, ol))
@@ -251,8 +251,8 @@ def phase_parity(ctx: Ctx) -> None:
         # The host optimizer a layer at a time behind the next forward: the same kernels in the same order
         # on the device, so bit-identical to the whole step here too.
         base = tiny_model("llama", sh)
-        whole = Engine(copy.deepcopy(base), EngineConfig(device=dev, optimizer_overlap=False))
-        over = Engine(copy.deepcopy(base), EngineConfig(device=dev, optimizer_overlap=True))
+        whole = Engine(copy.deepcopy(base), EngineConfig(parity_probe=False, device=dev, optimizer_overlap=False))
+        over = Engine(copy.deepcopy(base), EngineConfig(parity_probe=False, device=dev, optimizer_overlap=True))
         wl, _, _ = _train_engine(whole, batches, steps, accum, clip)
         ol, _, _ = _train_engine(over, batches, steps, accum, clip)
         sw, so = whole.state_dict(), over.state_dict()
@@ -274,7 +274,7 @@ def phase_parity(ctx: Ctx) -> None:
         for name, setting in (("stream", "stream"), ("some", {"weights": 2, "activations": 1}),
                               ("offloaded", {"weights": 2, "activations": 2, "offload": 1}),
                               ("optimizer", {"weights": 2, "activations": 1, "optimizer": 2}), ("auto", "auto")):
-            eng = Engine(copy.deepcopy(base), EngineConfig(device=dev, residency=setting))
+            eng = Engine(copy.deepcopy(base), EngineConfig(parity_probe=False, device=dev, residency=setting))
             losses, _, stats = _train_engine(eng, batches, steps, accum, clip)
             runs[name] = (losses, eng.state_dict(), stats[-1])
         ref_l, ref_p, ref_s = runs["stream"]

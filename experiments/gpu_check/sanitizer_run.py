@@ -106,7 +106,7 @@ def run_all(device: Any, shared_mode: Any, runs: dict[str, dict[str, Any]] = RUN
         bf16 = knobs["compute_dtype"] == "bfloat16"
         residency = place["residency"]
         with every_thread(shared_mode) as seen:
-            eng = Engine(copy.deepcopy(base), EngineConfig(device=str(device), loss_chunk_tokens=13, **place, **knobs))
+            eng = Engine(copy.deepcopy(base), EngineConfig(parity_probe=False, device=str(device), loss_chunk_tokens=13, **place, **knobs))
             losses, _, stats = _train_engine(eng, batches, steps, accum, None)
             eng.synchronize()
         res = compare(losses, mixed_ref if bf16 else fp32_ref, tol16 if bf16 else FP32_TOL)

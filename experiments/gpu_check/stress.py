@@ -90,7 +90,7 @@ def _stress(ctx: Ctx) -> None:
 
     def run(knobs: dict | None = None, setup: Callable[[Any], None] | None = None,
             nan_buffers: bool = False) -> dict[str, Any]:
-        eng = Engine(copy.deepcopy(base), EngineConfig(device=dev, **STREAM, **(knobs or {})))
+        eng = Engine(copy.deepcopy(base), EngineConfig(parity_probe=False, device=dev, **STREAM, **(knobs or {})))
         if setup is not None:
             setup(eng)
         if nan_buffers:
@@ -181,7 +181,7 @@ def _stress(ctx: Ctx) -> None:
         # Only the copy path is under test here: attention that syncs per layer (the sync phase reports
         # that) would hold the host back too.
         knobs = {"segment_attention": False} if "segment_attention" in EngineConfig.__dataclass_fields__ else {}
-        eng = Engine(copy.deepcopy(base), EngineConfig(device=dev, **STREAM, **knobs))
+        eng = Engine(copy.deepcopy(base), EngineConfig(parity_probe=False, device=dev, **STREAM, **knobs))
         slow_copies(eng, "h2d", ms * 4, ("load",))
         orig = eng.pipeline.forward
         spent: list[float] = []
@@ -204,7 +204,7 @@ def _stress(ctx: Ctx) -> None:
 
     def device_timeline() -> dict[str, Any]:
         # On CUDA the trace and the stats must be device time: a slowed link shows as compute waiting.
-        eng = Engine(copy.deepcopy(base), EngineConfig(device=dev, trace=True, **STREAM))
+        eng = Engine(copy.deepcopy(base), EngineConfig(parity_probe=False, device=dev, trace=True, **STREAM))
         slow_copies(eng, "h2d", ms, ("load",))
         _train_engine(eng, batches[:1], 1, 1, None)
         st = eng.collect_stats()

@@ -86,61 +86,30 @@ def build_summary(out: Path, phases: dict[str, dict[str, Any]], dry: bool) -> di
                              "memcpy_gbps": bw.get("memcpy", {}).get("memcpy_gbps"),
                              "bf16_tflops": bw.get("matmul", {}).get("bf16_tflops"),
                              "fp32_tflops": bw.get("matmul", {}).get("fp32_tflops")}
-    rows = _read_rows(out / "results.csv")
+    from .bench import read_rows
+
     points = []
-    for r in rows:
-        p = {k: r.get(k) for k in ("label", "status", "backend", "model", "seq_len", "micro_batch", "precision",
-                                   "tokens_per_step", "step_time_s", "tokens_per_s", "model_tflops", "mfu",
-                                   "copy_wait_s", "forward_s", "backward_s", "optimizer_s", "h2d_gbps",
-                                   "h2d_gbps_busy", "link_util", "peak_device_bytes", "host_bytes_per_param",
-                                   "reason", "trace_file")}
-        if p["copy_wait_s"] is not None and p["step_time_s"]:
-            p["copy_wait_frac"] = p["copy_wait_s"] / p["step_time_s"]
-        if peak_h2d and p["h2d_gbps_busy"]:
-            p["h2d_busy_vs_probe"] = p["h2d_gbps_busy"] / peak_h2d
+    for p in read_rows(out / "results.csv"):
         if p.get("trace_file") and (out / p["trace_file"]).exists():
             tr = _read_json(out / p["trace_file"]) or {}
             if tr.get("records"):
                 p["trace"] = trace_metrics(tr["records"])
         points.append(p)
     s["points"] = points
-    ratios = []
-    ok = [p for p in points if p["status"] == "ok"]
-    for m in ok:
-        if m["backend"] != "megatrain":
-            continue
-        for z in ok:
-            if z["backend"] == "zero3" and all(z[k] == m[k] for k in ("model", "seq_len", "micro_batch", "precision")):
-                ratios.append({"model": m["model"], "seq_len": m["seq_len"], "micro_batch": m["micro_batch"],
-                               "megatrain_step_s": m["step_time_s"], "zero3_step_s": z["step_time_s"],
-                               "speedup": z["step_time_s"] / m["step_time_s"],
-                               "megatrain_tflops": m["model_tflops"], "zero3_tflops": z["model_tflops"]})
-    figs["megatrain_vs_zero3"] = ratios
-    mt = [p for p in ok if p["backend"] == "megatrain" and p.get("trace_file")]
-    if mt:
-        big = max(mt, key=lambda p: (_params_of(p), p.get("tokens_per_step") or 0))
-        s["timeline"] = {"label": big["label"], "trace_file": big["trace_file"], **(big.get("trace") or {})}
+    ok = {p["point"]: p for p in points if p.get("status") == "ok"}
+    if "torch" in ok:
+        figs["vs_torch"] = {name: ok[name]["step_time_s"] / ok["torch"]["step_time_s"]
+                            for name in ("stream", "auto") if name in ok}
+    if ok.get("stream", {}).get("trace_file"):
+        st = ok["stream"]
+        s["timeline"] = {"label": "stream", "trace_file": st["trace_file"], **(st.get("trace") or {})}
+    feats = checks.get("features", {})
+    if feats:
+        figs["features"] = {k: {m: v.get(m) for m in ("speculative_layers", "speculative_rollbacks", "stepped",
+                                                       "loss_abs", "status", "error") if v.get(m) is not None}
+                            | {"ok": v.get("ok")} for k, v in feats.items()}
     s["figures"] = figs
     return s
-
-
-def _params_of(p: dict[str, Any]) -> float:
-    try:
-        from megatrain.models.presets import get_preset
-
-        return float(get_preset(p["model"]).param_count())
-    except Exception:  # noqa: BLE001
-        return 0.0
-
-
-def _read_rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    from experiments.results import read_rows
-
-    df = read_rows(path)
-    df = df.astype(object).where(df.notna(), None)
-    return df.to_dict("records")
 
 
 def _f(v: Any, fmt: str = ".3g") -> str:
@@ -198,26 +167,32 @@ def render_markdown(s: dict[str, Any]) -> str:
                   f"{_f(b['bidirectional_gbps'])} GB/s; pageable H2D {_f(b['pageable_h2d_gbps'])} GB/s; engine copy "
                   f"stream {_f(b['engine_stream_gbps'])} GB/s; memcpy {_f(b['memcpy_gbps'])} GB/s; matmul bf16 "
                   f"{_f(b['bf16_tflops'])} / fp32 {_f(b['fp32_tflops'])} TFLOPS"]
+    if f.get("features"):
+        lines += ["", "## Speculation, NaN skip, device batches, stream vs auto (bit for bit)", "",
+                  "| check | ok | details |", "| --- | --- | --- |"]
+        for k, v in f["features"].items():
+            detail = ", ".join(f"{m}={_f(x)}" for m, x in v.items() if m != "ok")
+            lines.append(f"| {k} | {_f(v.get('ok'))} | {detail[:200]} |")
     if s.get("points"):
-        lines += ["", "## megatrain vs ZeRO-3 offload, context sweep (harness rows)", "",
-                  "| point | status | step s | tok/s | TFLOPS | MFU | copy-wait frac | h2d GB/s step / busy | "
-                  "busy vs probe | h2d hidden | peak dev GiB | host B/param |",
+        lines += ["", "## Bench: 7B-width layers at 1 x 4096, streamed and auto against plain PyTorch "
+                      "(measured / planner, error %)", "",
+                  "| point | status | steps | step s (pred, err %) | tok/s | TFLOPS | H2D GB/s (pred, err %) | "
+                  "D2H GB/s (pred, err %) | GPU idle (pred) | H2D GB/s busy | rollbacks | peak dev GiB |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for p in s["points"]:
-            tr = p.get("trace") or {}
             dev_gib = p["peak_device_bytes"] / 2**30 if p.get("peak_device_bytes") else None
             status = p["status"] if p["status"] == "ok" else f"{p['status']}: {(p.get('reason') or '')[:70]}"
-            lines.append(f"| {p['label']} | {status} | {_f(p['step_time_s'])} | {_f(p['tokens_per_s'], '.0f')} | "
-                         f"{_f(p['model_tflops'])} | {_f(p['mfu'], '.2f')} | {_f(p.get('copy_wait_frac'), '.2f')} | "
-                         f"{_f(p['h2d_gbps'])} / {_f(p['h2d_gbps_busy'])} | {_f(p.get('h2d_busy_vs_probe'), '.2f')} | "
-                         f"{_f(tr.get('h2d_hidden_frac'), '.2f')} | {_f(dev_gib)} | {_f(p['host_bytes_per_param'])} |")
-    if f.get("megatrain_vs_zero3"):
-        lines += ["", "| model | seq x batch | megatrain s | ZeRO-3 s | speed-up | TFLOPS megatrain / ZeRO-3 |",
-                  "| --- | --- | --- | --- | --- | --- |"]
-        for r in f["megatrain_vs_zero3"]:
-            lines.append(f"| {r['model']} | {r['seq_len']} x {r['micro_batch']} | {_f(r['megatrain_step_s'])} | "
-                         f"{_f(r['zero3_step_s'])} | {_f(r['speedup'])}x | {_f(r['megatrain_tflops'])} / "
-                         f"{_f(r['zero3_tflops'])} |")
+            lines.append(
+                f"| {p['point']} | {status} | {_f(p.get('steps'), '.0f')} | {_f(p.get('step_time_s'))} "
+                f"({_f(p.get('pred_step_time_s'))}, {_f(p.get('err_step_pct'))}) | {_f(p.get('tokens_per_s'), '.0f')} | "
+                f"{_f(p.get('model_tflops'))} | {_f(p.get('h2d_gbps'))} ({_f(p.get('pred_h2d_gbps'))}, "
+                f"{_f(p.get('err_h2d_pct'))}) | {_f(p.get('d2h_gbps'))} ({_f(p.get('pred_d2h_gbps'))}, "
+                f"{_f(p.get('err_d2h_pct'))}) | {_f(p.get('gpu_idle_fraction'), '.2f')} "
+                f"({_f(p.get('pred_gpu_idle_fraction'), '.2f')}) | {_f(p.get('h2d_gbps_busy'))} | "
+                f"{_f(p.get('speculative_rollbacks'), '.0f')} | {_f(dev_gib)} |")
+    if f.get("vs_torch"):
+        lines += ["", "step time against plain PyTorch on the same layers: " + ", ".join(
+            f"{k} {_f(v, '.2f')}x" for k, v in f["vs_torch"].items())]
     if s.get("timeline"):
         t = s["timeline"]
         lines += ["", f"timeline ({t['label']}, `{t['trace_file']}`): step span {_f(t.get('span_s'))} s, compute busy "

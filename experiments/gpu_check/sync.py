@@ -113,7 +113,7 @@ def phase_sync(ctx: Ctx) -> None:
     def loop(mask: bool = True, **knobs: Any) -> dict[str, Any]:
         if knobs["residency"] != "stream":
             knobs.setdefault("offload_activations", False)  # kept graphs need activations on the device
-        eng = Engine(tiny_model("llama", sh), EngineConfig(device=dev, **{"compute_dtype": "float32", **knobs}))
+        eng = Engine(tiny_model("llama", sh), EngineConfig(parity_probe=False, device=dev, **{"compute_dtype": "float32", **knobs}))
         b = batch if mask else {"input_ids": batch["input_ids"], "labels": batch["input_ids"]}
         _one_step(eng, b)  # warm-up: first-touch allocations are not the loop's steady state
         inside: list[str] = []
@@ -144,7 +144,7 @@ def phase_sync(ctx: Ctx) -> None:
 
     def planted() -> dict[str, Any]:
         # Negative control: the detector must see an `.item()` planted inside the loop.
-        eng = Engine(tiny_model("llama", sh), EngineConfig(device=dev))
+        eng = Engine(tiny_model("llama", sh), EngineConfig(parity_probe=False, device=dev))
         orig = eng.templates.call
 
         def call(i: int, w: Any, h: Any, *rest: Any) -> Any:
@@ -160,7 +160,7 @@ def phase_sync(ctx: Ctx) -> None:
     ctx.check("planted_sync_is_caught", planted)
 
     def memory_and_streams() -> dict[str, Any]:
-        eng = Engine(tiny_model("llama", sh), EngineConfig(device=dev, compute_dtype="bfloat16",
+        eng = Engine(tiny_model("llama", sh), EngineConfig(parity_probe=False, device=dev, compute_dtype="bfloat16",
                                                           offload_activations=True))
         eng(**batch)  # a training forward: its offloaded activations are held for backward
         pending = eng._pending
@@ -184,7 +184,7 @@ def phase_sync(ctx: Ctx) -> None:
     def resident_upload() -> dict[str, Any]:
         # bf16 on CUDA: after a step the embedding/norm/head go up from pinned bf16 staging, rounded on the host
         # (engine/resident_upload.py); the device copies must hold exactly the bits a cast of the masters gives.
-        eng = Engine(tiny_model("llama", sh), EngineConfig(device=dev, compute_dtype="bfloat16"))
+        eng = Engine(tiny_model("llama", sh), EngineConfig(parity_probe=False, device=dev, compute_dtype="bfloat16"))
         _one_step(eng, batch)
         eng.synchronize()
         same = all(torch.equal(d.detach().cpu().view(torch.int16), m.detach().to(torch.bfloat16).view(torch.int16))

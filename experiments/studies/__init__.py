@@ -18,5 +18,5 @@ options). Where one folder holds several measurements, their scripts share its n
 
 The sweep harness (`experiments/spec.py`, `runner.py`, `execute.py`, `point.py`, `results.py`, `report.py`,
 `executors/`) is the product these build on; `results/quick` and `results/zero3_tuning` come from it
-(`megatrain sweep experiments/sweeps/NAME.yaml`), not from a study.
+(`megatrain sweep experiments/sweeps/<name>.yaml`), not from a study.
 """

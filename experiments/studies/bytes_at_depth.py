@@ -30,13 +30,11 @@ def _preset(layers: int, hidden: int, vocab: int):
 
 
 def planned(layers: int, hidden: int, vocab: int, seq: int, cfg: dict) -> dict:
-    from megatrain.planner.estimate import plan_point
-    from megatrain.planner.hardware import get_hardware
-    from megatrain.planner.point import Point
+    from megatrain.planner import get_hardware, make_point, plan_point
 
-    p = Point(_preset(layers, hidden, vocab), seq, dtype=cfg.get("compute_dtype", "float32"),
-              host_master=cfg.get("host_master", "fp32"), host_grad_dtype=cfg.get("host_grad_dtype", "float32"),
-              optimizer_in_backward=cfg.get("optimizer_in_backward", False), grad_clip=False)
+    p = make_point(_preset(layers, hidden, vocab), seq, dtype=cfg.get("compute_dtype", "float32"),
+                   host_master=cfg.get("host_master", "fp32"), host_grad_dtype=cfg.get("host_grad_dtype", "float32"),
+                   optimizer_in_backward=cfg.get("optimizer_in_backward", False), grad_clip=False)
     plan = plan_point(p, get_hardware("cpu"))
     mem = plan.memory
     total = mem.host_total_incl_device - mem.host.get("runtime", 0)
@@ -83,9 +81,7 @@ def dense_120b_verdicts(rows: list[dict]) -> list[str]:
     + layer params x (measured - planned per-layer B/param). The fixed terms measured here (globals, one
     layer's scratch: under 0.1 GB) are a vanishing part of 1.4 TiB and are left as planned."""
     from megatrain.models.presets import get_preset
-    from megatrain.planner.estimate import plan_point
-    from megatrain.planner.hardware import get_hardware
-    from megatrain.planner.point import make_point
+    from megatrain.planner import get_hardware, make_point, plan_point
 
     hw = get_hardware("h200-pcie")
     m = get_preset("dense-120b")

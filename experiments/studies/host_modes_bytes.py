@@ -4,8 +4,8 @@
 
 Each mode trains `steps` steps on the CPU device in its own process (engine_bench rss: peak RSS growth
 over the post-import baseline, so the emulated device's buffers and transients are included) and is set
-next to the planner's figure for the same mode (megatrain/costs/modes.py). Writes results/host_modes/bytes-PRESET.json
-and bytes-PRESET.md (runs under runs-PRESET/; --resume keeps the modes already there).
+next to the planner's figure for the same mode (megatrain/costs/modes.py). Writes results/host_modes/bytes-<preset>.json
+and bytes-<preset>.md (runs under runs-<preset>/; --resume keeps the modes already there).
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ For each host mode (FP32 master, FP32 master + bf16 shadow, each stepped whole a
 per-layer update; hilo; hilo + bf16 gradient slabs) one engine is built, and after an untimed forward +
 backward on a 16-token batch it times `clip_grad_norm_(1.0) + step() + zero_grad()` (each followed by
 `synchronize()`, so queued layer jobs count, and timed apart). The per-layer modes are timed with the fused
-pass (engine/fused.py: "fused"), with the whole-layer passes it replaced ("unfused"), and for hilo with the
+pass (engine/update/fused.py: "fused"), with the whole-layer passes it replaced ("unfused"), and for hilo with the
 split/join held to their pure-torch path and torch's AdamW kernel ("fused, torch ops": no C compiler), and with
-the compiled one-loop AdamW (engine/adam_kernel.py) swapped for torch's kernel between the tile's unpack and pack
+the compiled one-loop AdamW (engine/update/adam_kernel.py) swapped for torch's kernel between the tile's unpack and pack
 ("fused, torch AdamW": the fused pass before that kernel). Variants alternate on the same
 engine, so drift on a shared machine hits them alike. The optimizer in backward (hilo) is timed as the
 optimizer thread's busy time over one backward: its per-layer updates, against the layers' bytes bound; and as
@@ -17,7 +17,7 @@ optimizer thread's busy time over one backward: its per-layer updates, against t
 on the same cores (on a GPU host the backward computes on the device, so this is the host's own share).
 
 "step-time norm + zeroing": clip_grad_norm_ reading every layer slab for its norm and zero_grad() zeroing
-them, as before engine/slab_state.py (now the norm is measured by the job that lands each layer's gradients,
+them, as before engine/host/slab_state.py (now the norm is measured by the job that lands each layer's gradients,
 reported apart as "layer norms as gradients land": work moved into backward, off the step, and zero_grad()
 only flags the slabs, whose next reduction writes 0 + g).
 
@@ -112,7 +112,7 @@ def bytes_bound(eng, mode: str) -> int:
 
 class Unfused:
     """The per-layer update as whole-layer passes one after another (load/scale the gradients, join, AdamW,
-    split or shadow refresh): what ran before the fused pass (engine/fused.py)."""
+    split or shadow refresh): what ran before the fused pass (engine/update/fused.py)."""
 
     def __enter__(self):
         from megatrain.engine.parts import fused
@@ -126,7 +126,7 @@ class Unfused:
 
 class TorchAdamW:
     """The fused pass with torch's AdamW kernel between the tile's unpack and pack (what runs where the compiled
-    one-loop step, engine/adam_kernel.py, is unavailable): the fused pass before that kernel."""
+    one-loop step, engine/update/adam_kernel.py, is unavailable): the fused pass before that kernel."""
 
     def __enter__(self):
         from megatrain.engine.parts import adam_kernel
@@ -154,7 +154,7 @@ class NoCompiler:
 
 class StepTimeNorm:
     """The layers' gradient norm read from the slabs by clip_grad_norm_ and zero_grad() zeroing them (what ran
-    before engine/slab_state.py measured the norm as gradients land and let the next reduction overwrite)."""
+    before engine/host/slab_state.py measured the norm as gradients land and let the next reduction overwrite)."""
 
     def __enter__(self):
         from megatrain.engine.parts import SlabState
@@ -339,7 +339,7 @@ def write(rows: list[dict], meta: dict) -> None:
         "Written by `python -m experiments.studies.host_passes` (see its docstring for what is timed and how the",
         "bound is counted). `x bound` = measured time / (bytes a fused pass must move / this process's `copy_`",
         "bandwidth, read + written). \"unfused\": the per-layer update as whole-layer passes (as before the fused",
-        "pass); \"fused\": engine/fused.py with the compiled one-loop AdamW (engine/adam_kernel.py); \"torch AdamW\":",
+        "pass); \"fused\": engine/update/fused.py with the compiled one-loop AdamW (engine/update/adam_kernel.py); \"torch AdamW\":",
         "the fused pass with torch's AdamW kernel per tile instead; \"torch ops\": where no C compiler is found.",
         "",
         f"- preset: {meta['preset']}, 16-token batch; the fastest of {meta['reps']} timed rounds after one warm-up",

@@ -2,7 +2,7 @@
 
     python -m experiments.studies.host_threads [--reps 7] [--numel 12650496]
 
-One hilo layer (and one FP32 + bf16 shadow layer) of `--numel` parameters is updated by engine/fused.py
+One hilo layer (and one FP32 + bf16 shadow layer) of `--numel` parameters is updated by engine/update/fused.py
 with its tiles shared between 1, 2 and 4 worker threads (one torch thread each), against the whole-layer
 passes with torch's own OpenMP team ("unfused"), and two layers updated at once (two callers, the workers
 split between them) against one after the other. Each round's time is paired with the copy bandwidth

@@ -295,7 +295,7 @@ def predicted_alst_peak(model: str, seq: int, loss_tile: int | None = None) -> i
     """The planner's device peak for zero3-alst at this point: FP32, micro-batch 1, the backend's default MLP tile
     and `loss_tile` (None: its default)."""
     from megatrain.models.presets import get_preset
-    from megatrain.planner.alst import BUCKET_TERM, zero3_alst_device_terms
+    from megatrain.planner import BUCKET_TERM, zero3_alst_device_terms
 
     terms = zero3_alst_device_terms(get_preset(model), seq, 4, loss_tile=int(loss_tile) if loss_tile else None)
     # DeepSpeed allocates its reduce bucket when it initializes: this bench's accounting, like its measurement,

@@ -4,7 +4,7 @@
 
 1. raw: `dd` with O_DIRECT (oflag/iflag=direct, 64 MiB blocks) writing then reading one file: the disk's own
    sequential rate, by a tool that is not ours;
-2. spill path: engine/spill.py's SpillFile (preallocated, O_DIRECT where allowed, positional writes and reads
+2. spill path: engine/host/spill.py's SpillFile (preallocated, O_DIRECT where allowed, positional writes and reads
    from two page-aligned ring buffers on two I/O threads, as the engine issues them), the same bytes as
    layer-sized records;
 3. DeepSpeed's async I/O op (deepspeed.ops.aio, libaio) on the same file and buffers, when it builds here;

@@ -34,8 +34,7 @@ FIELDS = ["model", "params", "hardware", "context", "micro_batch", "variant", "h
 
 def host_mode(model: str, hw: Any, batch: int) -> tuple[str, dict[str, Any]]:
     """The first host-memory mode whose streaming plan fits (the default when none does: the row says why)."""
-    from megatrain.planner import make_point, plan_point
-    from megatrain.planner.mode_table import MODES
+    from megatrain.planner import MODES, make_point, plan_point
 
     for label, knobs in MODES:
         grad_clip = not knobs["optimizer_in_backward"]

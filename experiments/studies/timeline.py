@@ -6,7 +6,7 @@
 The engine runs on the CPU with its copy engine rate-limited to an emulated link (`link_gbps`) and
 `EngineConfig(trace=True)`: every per-layer span on the compute stream (forward, recomputing backward)
 and on the two copy streams (weight loads, gradient copies, activation offload) is recorded
-(engine/stream.py `Trace`). After a warm-up step, one step's records go to OUT/trace.json with
+(engine/runtime/stream.py `Trace`). After a warm-up step, one step's records go to OUT/trace.json with
 provenance and, for comparison, the planner's predicted timeline of the same step.
 
 --validate sets the planner's step timeline (`megatrain plan`'s "step timeline": GPU busy, each link's busy time,
@@ -40,7 +40,7 @@ def traced_step(model: Any, context: int, gbps: float | None, offload: bool, see
     from experiments.studies.validation import build_model
     from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
-    from megatrain.planner.shapes import resolve_model
+    from megatrain.planner import resolve_model
 
     preset = resolve_model(model)
     cfg = EngineConfig(device="cpu", link_gbps=gbps, trace=True, offload_activations=offload, residency="stream")
@@ -66,11 +66,10 @@ def traced_step(model: Any, context: int, gbps: float | None, offload: bool, see
 
 
 def predicted(model: Any, context: int, gbps: float | None, offload: bool) -> dict[str, Any]:
-    """The planner's timeline of the same step (its pipeline simulation, engine/schedule.py's issue
+    """The planner's timeline of the same step (its pipeline simulation, engine/pipeline/schedule.py's issue
     order) on this machine's committed 'cpu' profile, in the trace's format."""
     from megatrain.config.schema import EngineConfig
-    from megatrain.planner import plan
-    from megatrain.planner.estimate import predicted_timeline
+    from megatrain.planner import plan, predicted_timeline
 
     pl = plan(model, context=context, dtype="float32", hardware="cpu",
               engine_config=EngineConfig(device="cpu", link_gbps=gbps, offload_activations=offload,
@@ -112,9 +111,8 @@ def fitted_profile(model: Any, context: int) -> Any:
     """This machine's profile measured now and fitted to the engine away from the validated context
     (experiments/studies/validation.py's bench and engine fit, torch's default threads as the traced steps)."""
     from experiments.studies.validation import engine_profile, fit_periods_in_child, overhead_tokens
-    from megatrain.commands.measure import bench_cpu
-    from megatrain.planner import get_hardware
-    from megatrain.planner.shapes import resolve_model
+    from megatrain.metrics.bench import bench_cpu
+    from megatrain.planner import get_hardware, resolve_model
 
     preset = resolve_model(model)
     prof = bench_cpu(quick=True, threads=None, engine_fit=False)

@@ -11,18 +11,18 @@ link-bound to compute-bound; each point's median step time is set
 against `megatrain.planner.plan` for a "cpu" profile measured in the same run by the planner's own
 `bench_cpu` (GEMM, copy and AdamW rates, mid-run between the passes; the profile in hardware.yaml was
 measured under a different load, and a shared box drifts), whose fp32 compute rate and fixed costs are
-then fitted to the engine itself (`measure.with_engine_overhead`): real unthrottled Engine steps of the
+then fitted to the engine itself (`bench.with_engine_overhead`): real unthrottled Engine steps of the
 same model at 1/2, 3/4, 3/2 and 2 times the validated context (never the validated point), run in fresh
 processes right after the compute-bound point of every pass and pooled, each layer's forward and
 backward period and the time outside the layers split by least squares into one rate and fixed seconds
 per layer per phase and per micro-batch. Beside it, for comparison: the prediction with the rate of one
-layer timed alone (`measure.layer_seconds`, no fixed costs), with the isolated-GEMM rate, and with the
+layer timed alone (`bench.layer_seconds`, no fixed costs), with the isolated-GEMM rate, and with the
 device compute rate rescaled so the unthrottled point matches (a diagnostic of how much error is rate
 and how much structure; not the prediction).
 
 Each point runs in a fresh process, so its peak RSS is its own (VmHWM, the high-water mark of the
 process image; not ru_maxrss, which a child inherits from its parent across exec). The baseline is that process's RSS once the runtime is warm
-(`measure.warm_runtime`: one engine training step of a one-layer toy of the same family, so the modeling
+(`bench.warm_runtime`: one engine training step of a one-layer toy of the same family, so the modeling
 code, the kernel libraries' first-use workspaces and the engine's copy threads are in it, as in every
 run); the planner's host "runtime" term is set to it (`megatrain bench` measures it the same way), and
 its prediction of the rest (what the engine allocates for this model) is checked against the measured
@@ -73,9 +73,9 @@ def measure_point(preset: Any, context: int, gbps: float | None, warmup: int, st
 
     import torch
 
-    from megatrain.commands.measure import warm_runtime
     from megatrain.config.schema import EngineConfig
     from megatrain.engine import Engine
+    from megatrain.metrics.bench import warm_runtime
     from megatrain.metrics.samplers import RssSampler
 
     warm_runtime(preset)
@@ -135,7 +135,7 @@ def measure_in_child(preset: Any, context: int, gbps: float | None, warmup: int,
 
 
 def fit_periods_in_child(preset: Any, tokens: tuple[int, ...], threads: int | None = None) -> list[list[float]]:
-    """measure.engine_layer_periods at each token count, in a fresh python process like the points."""
+    """bench.engine_layer_periods at each token count, in a fresh python process like the points."""
     import dataclasses
     import subprocess
 
@@ -150,7 +150,7 @@ def fit_periods_in_child(preset: Any, tokens: tuple[int, ...], threads: int | No
 def _fit_one(job: str) -> int:
     import torch
 
-    from megatrain.commands.measure import engine_layer_periods
+    from megatrain.metrics.bench import engine_layer_periods
     from megatrain.models.presets import ModelPreset
 
     d = json.loads(job)
@@ -209,13 +209,12 @@ def predict(preset: Any, context: int, gbps: float | None, hw: Any):
 
 def layer_profile(preset: Any, context: int, hw: Any, threads: int | None, quick: bool) -> tuple[Any, float]:
     """The bench profile with its sustained fp32 fraction measured end to end on one of this model's
-    layers (measure.layer_seconds: forward, recompute, backward, in isolation; no link, no pipeline)
+    layers (bench.layer_seconds: forward, recompute, backward, in isolation; no link, no pipeline)
     instead of on isolated GEMMs. Returns (profile, the layer's seconds)."""
     import torch
 
-    from megatrain.commands.measure import layer_seconds
-    from megatrain.planner.point import make_point
-    from megatrain.planner.step_time import sustained_from_layer_time
+    from megatrain.metrics.bench import layer_seconds
+    from megatrain.planner import make_point, sustained_from_layer_time
 
     before = torch.get_num_threads()
     if threads:
@@ -239,10 +238,10 @@ def overhead_tokens(context: int) -> tuple[int, ...]:
 
 def engine_profile(prof: dict[str, Any], preset: Any, context: int,
                    periods: list[list[list[float]]]) -> dict[str, Any]:
-    """The bench profile with its fp32 rate and fixed costs fitted (measure.with_engine_overhead) to engine
+    """The bench profile with its fp32 rate and fixed costs fitted (bench.with_engine_overhead) to engine
     periods of this model's layers at other token counts than the validated one: `periods` holds one
     fit_periods_in_child run per pass, pooled here by the median per token count and phase."""
-    from megatrain.commands.measure import with_engine_overhead
+    from megatrain.metrics.bench import with_engine_overhead
 
     tokens = overhead_tokens(context)
     pooled = [tuple(statistics.median(run[i][k] for run in periods) for k in range(3)) for i in range(len(tokens))]
@@ -281,9 +280,8 @@ def validate(model: str = "small-7m", context: int = 128, gbps: list[float | Non
     """Measure and predict every link rate; rows in the order given. The engine and the bench run with
     `threads` torch threads (None: torch's default): on a shared 2-core box one thread leaves a core to
     the neighbours, and the bench measures the rate the run gets."""
-    from megatrain.commands.measure import bench_cpu
-    from megatrain.planner import get_hardware
-    from megatrain.planner.shapes import resolve_model
+    from megatrain.metrics.bench import bench_cpu
+    from megatrain.planner import get_hardware, resolve_model
 
     preset = resolve_model(model)
     gbps = parse_gbps(DEFAULT_GBPS) if gbps is None else gbps
@@ -414,8 +412,7 @@ def validate_host(models: list[str], context: int = 256, warmup: int = 1, steps:
     is set against the planner's host total (device allocations included: the CPU device's memory is the
     host's) less its runtime term. The runtime term is that process's own measured baseline, so what is
     checked is the planner's model of everything the engine allocates for this model."""
-    from megatrain.planner import get_hardware
-    from megatrain.planner.shapes import resolve_model
+    from megatrain.planner import get_hardware, resolve_model
 
     rows = []
     for name in models:
@@ -463,10 +460,8 @@ def validate_backends(model: str = "small-7m", contexts: tuple[int, ...] = (128,
 
     from experiments.execute import run_point_subprocess
     from experiments.spec import Point
-    from megatrain.commands.measure import bench_cpu
-    from megatrain.planner import get_hardware, plan
-    from megatrain.planner.point import BACKENDS
-    from megatrain.planner.shapes import resolve_model
+    from megatrain.metrics.bench import bench_cpu
+    from megatrain.planner import BACKENDS, get_hardware, plan, resolve_model
 
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown or not backends:

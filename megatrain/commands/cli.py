@@ -2,6 +2,7 @@
 
     megatrain sweep experiments/sweeps/quick.yaml          # run (skips points already recorded)
     megatrain report results/quick                           # report.md + PNGs in results/quick
+    megatrain report runs/mine --notebook                    # and the figures notebook run on that sweep
     megatrain train run.yaml                                 # one run with a progress bar
     megatrain check-model gemma                              # does MegaTrain train this architecture exactly?
     megatrain launch --nproc-per-node 2 train.py --lr 1e-4   # an unchanged script, DeepSpeed routed to MegaTrain
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import shutil
 import signal
 import sys
@@ -20,48 +20,15 @@ from pathlib import Path
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from experiments.executors import ExecutorError, make_executor
-    from experiments.runner import run_sweep
-    from experiments.spec import SpecError, load_sweep, parse_only
+    from experiments.cli import sweep
 
-    try:
-        sweep = load_sweep(args.spec)
-        only = parse_only(args.only)
-        executor = make_executor(args.executor, address=args.address, cluster_cpus=args.cluster_cpus,
-                                 cpus_per_point=args.cpus_per_point, gpus_per_point=args.gpus_per_point,
-                                 partition=args.partition)
-    except (SpecError, ValueError, ExecutorError) as e:
-        print(f"megatrain sweep: error: {e}", file=sys.stderr)
-        return 2
-    try:
-        summary = run_sweep(sweep, out_dir=args.out, only=only, force=args.force, retry_failed=args.retry_failed,
-                            dry_run=args.dry_run, progress=not args.no_progress, executor=executor)
-    except ExecutorError as e:
-        print(f"megatrain sweep: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\nmegatrain sweep: interrupted; the points in flight were stopped and not recorded. "
-              "Run the same command again to continue.", file=sys.stderr)
-        return 130
-    if args.report and not args.dry_run and summary.csv.exists():
-        from experiments.report import write_report
-
-        print(f"report: {write_report(summary.out_dir)}")
-    return 0
+    return sweep(args)
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from experiments.report import FIGURES, write_report
+    from experiments.cli import report
 
-    try:
-        md = write_report(args.dir, out_dir=args.out)
-    except FileNotFoundError as e:
-        print(f"megatrain report: error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {md}")
-    for stem in FIGURES:
-        print(f"wrote {md.parent / (stem + '.png')}")
-    return 0
+    return report(args)
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
@@ -157,38 +124,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print("megatrain train: error: --restart belongs to --config runs (a benchmark point keeps no checkpoints)",
               file=sys.stderr)
         return 2
-    from tqdm import tqdm
+    from experiments.cli import run_point
 
-    from experiments.point import run
-    from experiments.spec import SpecError, load_point_config
-
-    try:
-        # --model: a JSON string is a YAML string, so any path reads back as written
-        model = [f"model={json.dumps(args.model)}"] if args.model else []
-        pt = load_point_config(args.config, overrides=[*(args.set or []), *model])
-    except (SpecError, ValueError) as e:
-        print(f"megatrain train: error: {e}", file=sys.stderr)
-        return 2
-    total = pt.warmup + pt.steps
-    bar = tqdm(total=total, desc=pt.label, unit="step", dynamic_ncols=True)
-
-    def progress(info: dict) -> None:
-        mem = f"rss {info['rss_bytes'] / 2**30:.2f}G"
-        if info.get("device_bytes") is not None:
-            mem += f" dev {info['device_bytes'] / 2**30:.2f}G"
-        bar.set_postfix_str(f"loss {info['loss']:.4f} | {info['tokens_per_s']:.0f} tok/s | {mem}"
-                            + ("" if info["timed"] else " | warm-up"))
-        bar.update(1)
-
-    try:
-        row = run(pt, trace_path=args.trace, progress=progress)
-    finally:
-        bar.close()
-    print(f"{pt.label}: loss {row['loss_first']:.4f} -> {row['loss_last']:.4f}; median step {row['step_time_s']:.3f} s, "
-          f"{row['tokens_per_s']:.1f} tokens/s, {row['model_tflops']:.3g} model TFLOPS "
-          f"(MFU {row['mfu']:.1%} of {row['device_peak_tflops']:.3g}, {row['peak_source']}); "
-          f"peak RSS {row['peak_host_rss_bytes'] / 2**30:.2f} GiB")
-    return 0
+    return run_point(args)
 
 
 def _cmd_check_model(args: argparse.Namespace) -> int:
@@ -247,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="markdown tables and PNG plots from a results directory")
     rp.add_argument("dir", help="results directory (holding results.csv) or the CSV itself")
     rp.add_argument("--out", default=None, help="where to write (default: the results directory)")
+    rp.add_argument("--notebook", action="store_true",
+                    help="also run notebooks/figures.ipynb on the results (nbclient and ipykernel, the dev extra); "
+                         "the run notebook and its figures go to <out>/notebook/")
     rp.set_defaults(func=_cmd_report)
 
     tp = sub.add_parser("train", help="fine-tune a model on your data (--config), or run one benchmark point",

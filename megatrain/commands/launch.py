@@ -3,8 +3,9 @@
 `deepspeed SCRIPT` and `accelerate launch SCRIPT` run theirs.
 
 Every process runs `python -m megatrain.commands.launch_child SCRIPT ARGS...`, which installs MegaTrain's DeepSpeed
-routing before the script's first line, so any DeepSpeed config with a "megatrain" section that the script
-reaches (Trainer, TRL, accelerate, `deepspeed.initialize`) trains on MegaTrain. A NAME that is no file is looked
+routing before the script's first line, so every DeepSpeed config the script reaches (Trainer, TRL, accelerate, its
+own `deepspeed.initialize`; built in code or read from a file, with a "megatrain" section or without) trains on
+MegaTrain; MEGATRAIN_DEEPSPEED_GUARD=0 leaves it on DeepSpeed, said on the run's start line. A NAME that is no file is looked
 up as a console command (launch_command.py: its entry point, run in the same process; a tool whose training
 command starts a launcher of its own is run as that launcher would run each rank).
 
@@ -115,10 +116,11 @@ def launch(argv: Sequence[str]) -> int:
     if command.gloo_group:  # read by launch_child in this process or in every rank
         os.environ[GLOO_GROUP_ENV] = "1"
     if args is None:
-        from .launch_child import run
+        from .launch_child import LAUNCHED_ENV, run
 
         if command.rank_env:  # the tool checks it runs under a launcher: torchrun's one-rank variables
             os.environ.update(one_rank_env(os.environ))
+        was = os.environ.get(LAUNCHED_ENV)
         try:
             run(child)
         except SystemExit as e:  # the script's own sys.exit(...)
@@ -126,6 +128,9 @@ def launch(argv: Sequence[str]) -> int:
                 return int(e.code or 0)
             print(e.code, file=sys.stderr)
             return 1
+        finally:  # this process may go on (a caller in Python): it is no longer under `megatrain launch`
+            if was is None:
+                os.environ.pop(LAUNCHED_ENV, None)
         return 0
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run as torchrun

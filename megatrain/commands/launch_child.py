@@ -4,8 +4,9 @@ ARGS...` for a console command): one process of `megatrain launch`.
 It installs MegaTrain's DeepSpeed routing (`megatrain.integrations.hf`) and then runs the user's script exactly as
 `python SCRIPT ARGS...` would: as `__main__`, with `sys.argv` set and the script's folder first on `sys.path`
 (so its sibling modules import). Installing first, in the same interpreter, is what makes an unchanged script
-train on MegaTrain: every `deepspeed.initialize` it reaches (through Trainer, accelerate or TRL) is routed by
-its config.
+train on MegaTrain: every `deepspeed.initialize` it reaches (its own, or through Trainer, accelerate or TRL) trains on
+MegaTrain, its config built in code or read from a file, with a "megatrain" section or without
+(`MEGATRAIN_LAUNCHED=1`, set here and inherited by the processes the script starts).
 """
 
 from __future__ import annotations
@@ -22,12 +23,20 @@ USAGE = ("usage: python -m megatrain.commands.launch_child (SCRIPT | -m MODULE |
          "[ARGS...]")
 ENTRY_POINT = "--entry-point"  # launch_command.ENTRY_POINT (not imported: this module stays import-light)
 GLOO_GROUP_ENV = "MEGATRAIN_LAUNCH_GLOO_GROUP"  # launch_command.GLOO_GROUP_ENV
+LAUNCHED_ENV = "MEGATRAIN_LAUNCHED"  # integrations.hf_stage.LAUNCHED_ENV: every DeepSpeed config trains on MegaTrain
 
 
 def install_routing() -> None:
-    """Route DeepSpeed configs with a "megatrain" section to MegaTrain in this process. Without the deepspeed
-    package nothing can reach DeepSpeed, so there is nothing to route (megatrain's own APIs need no routing)."""
-    if importlib.util.find_spec("deepspeed") is not None:
+    """Route every DeepSpeed config this process (and the processes it starts) reaches to MegaTrain, "megatrain"
+    section or not; with MEGATRAIN_DEEPSPEED_GUARD=0 leave DeepSpeed as it is, saying so at its initialize. Without
+    the deepspeed package nothing can reach DeepSpeed, so there is nothing to route (megatrain's own APIs need no
+    routing). Called once `sys.path` is the script's: a `deepspeed` shim package beside it is the one found."""
+    os.environ[LAUNCHED_ENV] = "1"
+    if importlib.util.find_spec("deepspeed") is None:
+        return
+    if os.environ.get("MEGATRAIN_DEEPSPEED_GUARD", "1") == "0":
+        import megatrain.integrations.on_deepspeed  # noqa: F401  says "DeepSpeed is training" at initialize
+    else:
         import megatrain.integrations.hf  # noqa: F401  installs the routing on import
 
 
@@ -37,6 +46,14 @@ def run(argv: Sequence[str]) -> None:
     argv = list(argv)
     if not argv or (argv[0] == "-m" and len(argv) < 2) or (argv[0] == ENTRY_POINT and len(argv) < 3):
         raise SystemExit(USAGE)
+    if argv[0] in (ENTRY_POINT, "-m"):
+        sys.path[0:1] = [os.getcwd()]  # as `python -m` (and a console command's relative paths)
+    else:
+        if not os.path.isfile(argv[0]):
+            raise SystemExit(f"megatrain launch: no such script: {argv[0]}")
+        # `python script.py` puts the script's folder first on sys.path; `python -m megatrain.commands.launch_child`
+        # put the working directory there instead.
+        sys.path[0:1] = [os.path.dirname(os.path.realpath(argv[0]))]
     install_routing()
     if os.environ.get(GLOO_GROUP_ENV) == "1":
         gloo_group_where_nccl_cannot_run()
@@ -45,17 +62,10 @@ def run(argv: Sequence[str]) -> None:
         return
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's file path in argv[0], as `python -m` does
-        sys.path[0:1] = [os.getcwd()]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         return
-    script = argv[0]
-    if not os.path.isfile(script):
-        raise SystemExit(f"megatrain launch: no such script: {script}")
-    sys.argv = [script, *argv[1:]]
-    # `python script.py` puts the script's folder first on sys.path; `python -m megatrain.commands.launch_child` put the
-    # working directory there instead.
-    sys.path[0:1] = [os.path.dirname(os.path.realpath(script))]
-    runpy.run_path(script, run_name="__main__")
+    sys.argv = [argv[0], *argv[1:]]
+    runpy.run_path(argv[0], run_name="__main__")
 
 
 def gloo_group_where_nccl_cannot_run() -> None:
@@ -76,7 +86,6 @@ def run_entry_point(value: str, name: str, args: Sequence[str]) -> None:
     """What a console command's PATH wrapper does: `sys.exit(MODULE.ATTR())` with `sys.argv = [NAME, *args]`."""
     module, _, attr = value.partition(":")
     sys.argv = [shutil.which(name) or name, *args]
-    sys.path[0:1] = [os.getcwd()]  # as for `-m`: the working directory, where the tool's relative paths point
     obj = importlib.import_module(module)
     for part in filter(None, attr.split(".")):
         obj = getattr(obj, part)

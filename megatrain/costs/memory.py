@@ -82,6 +82,11 @@ LOSS_BF16_FP32_H = 3.5  # bf16 compute: the final norm's fp32 upcast and fp32 gr
 # The same phase as the norm followed by the chunked loss under autograd (the path for callers that ask for
 # the logits or the hidden states): during the chunk loop and, at its peak, in the final norm's backward.
 LOSS_LOOP_H, LOSS_NORM_H = 4.6, 6.5
+# Logits handed back to a caller whose own loss runs on them (HF's ForCausalLMLoss, TRL's): the logits in the
+# compute dtype and, per token x vocab, 12 FP32 bytes more at the loss's backward: the FP32 upcast (a copy in bf16;
+# in FP32 the logits' own gradient instead), the log-softmax and its gradient. Measured with DeviceMemoryTracker
+# (tests/unit/test_device_plan_items.py): 14 B per token x vocab on bf16 logits, 16 on FP32 ones.
+CALLER_LOSS_FP32_BYTES = 12
 # What a layer's forward graph keeps for backward (residency.py), beyond its input, per token: 7 h + 2 kv + 4 I
 # tensors in the compute dtype, the RoPE tables (2 head_dim), the attention's FP32 log-sum-exp (one per head),
 # and in bf16 the norms' FP32 upcasts (FP32_NORM_H). Measured on Llama layers with saved_tensors_hooks (FP32 and
@@ -100,7 +105,22 @@ class LayerDims:
     # Extra key/value width per token when grouped heads are expanded for SDPA (FP32 on CUDA, attention.py:
     # query width - kv): the expanded K and V, and their gradients, live through the attention's backward.
     kv_expanded: int = 0
+    # Residual streams between layers (hyper-connections: DeepSeek-V4's hc_mult), each `hidden` wide: a layer
+    # boundary's activation is streams x hidden per token (residual_streams reads it off a config).
+    streams: int = 1
 
+
+def residual_streams(config: object) -> int:
+    """How many hidden-wide residual streams pass between layers: hyper-connections' expansion rate (`hc_mult`,
+    DeepSeek-V4), else 1."""
+    n = getattr(config, "hc_mult", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
+
+def boundary_bytes(d: LayerDims, tokens: int, itemsize: int) -> int:
+    """One layer boundary's activation: every residual stream (d.streams) of `tokens` tokens."""
+    return tokens * d.hidden * d.streams * itemsize
 
 
 def _tiled_seq_bytes(d: LayerDims, itemsize: int) -> float:
@@ -154,9 +174,9 @@ def loss_workspace_bytes(tokens: int, hidden: int, vocab: int, chunk: int, items
 
 def logits_workspace_bytes(tokens: int, vocab: int, itemsize: int) -> int:
     """The full logits handed back to the caller (no labels, or logits asked for): tokens x vocab in the compute
-    dtype, and an FP32 log-softmax's worth for the loss the caller computes from them (label smoothing,
-    distillation)."""
-    return tokens * vocab * (itemsize + 4)
+    dtype, and what the loss the caller computes from them holds at its backward (CALLER_LOSS_FP32_BYTES: an HF or
+    TRL loss, label smoothing, distillation): 14 B per token x vocab on bf16 logits, 16 on FP32 ones."""
+    return tokens * vocab * (itemsize + CALLER_LOSS_FP32_BYTES)
 
 
 def floor_tile(d: LayerDims, tokens: int, itemsize: int = 2) -> int:
@@ -234,6 +254,9 @@ class LongContextPolicy:
     # Layers whose master and Adam state live on the device (engine/update/resident.py), fixed when the engine is
     # built (hold_optimizer): always kept, their state among the fixed bytes.
     optimizer: int = 0
+    # Device bytes per parameter of an optimizer-resident layer's state (residency.optimizer_bytes_per_param: more
+    # with bf16 gradient slabs, whose device update adds an FP32 work buffer)
+    optimizer_bytes: int = kept.OPTIMIZER_BYTES_PER_PARAM
     _weights: int | None = field(default=None, repr=False)  # training's kept weights (planned once, only shrink)
     # "auto" placed by a timing model (costs/advice.py), where the engine was given one: (tokens, optimizer-resident
     # count) -> the placement, or None
@@ -252,11 +275,12 @@ class LongContextPolicy:
         device, whose "device" memory is the host's): what fits in `residency_room`. The resident parameters'
         (`globals_numel`) state goes first, with the first layer's (engine/update/resident.py place_globals): no
         layer where it does not fit."""
-        globals_state = globals_numel * kept.OPTIMIZER_BYTES_PER_PARAM
+        globals_state = globals_numel * self.optimizer_bytes
         if self.budget is None:
             if self.residency_room is None:
                 return self.n_layers
-            return kept.plan_optimizer(self.n_layers, self.dims.numel, 0, max(0, self.residency_room - globals_state))
+            return kept.plan_optimizer(self.n_layers, self.dims.numel, 0, max(0, self.residency_room - globals_state),
+                                       self.optimizer_bytes)
         with warnings.catch_warnings():  # a budget too small for that batch: no optimizer state, not a warning
             warnings.simplefilter("ignore")
             reserve = self._plan(max(OPTIMIZER_RESERVE_TOKENS, reserve_tokens)).predicted_peak_bytes - self.fixed_bytes
@@ -264,7 +288,7 @@ class LongContextPolicy:
                 - self._weights_bytes(self.n_layers) - globals_state)
         if room < 0:
             return 0
-        return kept.plan_optimizer(self.n_layers, self.dims.numel, 0, room)
+        return kept.plan_optimizer(self.n_layers, self.dims.numel, 0, room, self.optimizer_bytes)
 
     def hold_optimizer(self, count: int, globals_numel: int = 0) -> None:
         """`count` layers (and the resident parameters' `globals_numel`) update on the device from now on: their
@@ -272,7 +296,7 @@ class LongContextPolicy:
         device's, that state is the host store's, held before any batch as it always was)."""
         self.optimizer = min(count, self.n_layers)
         if self.budget is not None:
-            self.fixed_bytes += (self.optimizer * self.dims.numel + globals_numel) * kept.OPTIMIZER_BYTES_PER_PARAM
+            self.fixed_bytes += (self.optimizer * self.dims.numel + globals_numel) * self.optimizer_bytes
 
     def plan(self, tokens: int, train: bool = True, logits_tokens: int = 0) -> BatchPlan:
         """The batch's plan. A training batch owns the placement: "auto" weights are planned at the first one and
@@ -354,7 +378,7 @@ class LongContextPolicy:
     def _plan(self, tokens: int, train: bool = True, extra: int = 0) -> BatchPlan:
         """`extra`: device bytes held beside the working set all through the batch (the kept weights a
         non-training forward finds, the caller's logits)."""
-        boundary = tokens * self.dims.hidden * self.itemsize
+        boundary = boundary_bytes(self.dims, tokens, self.itemsize)
 
         def peak(kept: int, tile: int | None, chunk: int) -> int:
             loss = loss_workspace_bytes(tokens, self.dims.hidden, self.vocab, chunk, self.itemsize)

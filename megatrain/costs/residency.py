@@ -162,11 +162,20 @@ def plan(n_layers: int, layer_bytes: int, graph_bytes: int, room: int | None, ri
 OPTIMIZER_BYTES_PER_PARAM = 16
 
 
-def plan_optimizer(n_layers: int, layer_numel: int, itemsize: int, room: int | None) -> int:
+def optimizer_bytes_per_param(grad_itemsize: int = 4) -> int:
+    """OPTIMIZER_BYTES_PER_PARAM for a gradient slab of `grad_itemsize` bytes: a bf16 slab (2) is widened into an
+    FP32 work buffer for the device's AdamW (update/resident.py move: `grad_work`), 4 B/param beside it: 18."""
+    if grad_itemsize not in (2, 4):
+        raise ValueError(f"grad_itemsize={grad_itemsize!r}: a gradient slab is FP32 (4) or bf16 (2)")
+    return 12 + grad_itemsize + (4 if grad_itemsize < 4 else 0)
+
+
+def plan_optimizer(n_layers: int, layer_numel: int, itemsize: int, room: int | None,
+                   bytes_per_param: int = OPTIMIZER_BYTES_PER_PARAM) -> int:
     """The "auto" count of optimizer-resident layers for `room` device bytes (None: no limit, every layer): each
-    takes OPTIMIZER_BYTES_PER_PARAM per parameter and `itemsize` more (its kept weights, where `room` does not
-    hold them already), and they are the first layers."""
+    takes `bytes_per_param` (optimizer_bytes_per_param) per parameter and `itemsize` more (its kept weights, where
+    `room` does not hold them already), and they are the first layers."""
     if room is None:
         return n_layers
-    per_layer = layer_numel * (itemsize + OPTIMIZER_BYTES_PER_PARAM)
+    per_layer = layer_numel * (itemsize + bytes_per_param)
     return int(max(0, min(n_layers, room // max(per_layer, 1))))

@@ -3,11 +3,13 @@
     initialize, add_config_arguments    initializer.py   (`deepspeed.initialize`: the same four results)
     DeepSpeedEngine (MegaTrainEngine)   deepspeed_engine.py        (the engine it returns, holding the MegaTrain backend)
     zero, comm, init_distributed        zero.py, comm.py
-    utils, checkpointing, ops, accelerator   (the submodules of the same names)
+    get_accelerator                     accelerator.py (`from deepspeed import get_accelerator`)
+    utils, checkpointing, ops, accelerator, runtime, compression, checkpoint   (the submodules of the same names)
     lr_schedules                        DeepSpeed's LR schedules (megatrain/lr_schedules.py, torch-only)
     config                              the DeepSpeed config parser (megatrain/config/deepspeed.py)
 
-Names are imported on first use, so `import megatrain` stays cheap.
+Names are imported on first use, so `import megatrain` stays cheap. `import megatrain.deepspeed.redirect` (a shim
+package's one line) makes every `deepspeed` import answer from here.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ _EXPORTS = {
     "MegaTrainEngine": "deepspeed_engine",
     "DeepSpeedEngine": "deepspeed_engine",
     "init_distributed": "comm",
+    "get_accelerator": "accelerator",
 }
 # The namespace's submodules; two live below the face (the parser with the configuration, the schedules beside it).
-_SUBMODULES = {**{m: f"{__name__}.{m}" for m in ("zero", "comm", "utils", "checkpointing", "ops", "accelerator")},
+_SUBMODULES = {**{m: f"{__name__}.{m}" for m in ("zero", "comm", "utils", "checkpointing", "ops", "accelerator",
+                                                 "runtime", "compression", "checkpoint")},
                "lr_schedules": "megatrain.lr_schedules", "config": "megatrain.config.deepspeed"}
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])

@@ -35,6 +35,9 @@ from ..files.atomic import atomic_path
 from ..run import checkpoint as ckpt
 from ..run import train_state
 from .data import make_dataloader
+from .monitor import Monitor
+from .surface import REFUSED, refusal
+from .timer import ThroughputTimer
 from .utils import log_visible
 
 __all__ = ["MegaTrainEngine", "DeepSpeedEngine"]
@@ -65,6 +68,15 @@ class MegaTrainEngine:
         self._no_sync = False
         self._global_grad_norm: float | None = None
         self._step_applied = False
+        # What DeepSpeed's engine holds for scripts: its throughput timer (started at each training forward,
+        # stopped at each step), its (here disabled) monitor, the parameter names and the data it was given.
+        self.tput_timer = ThroughputTimer(config.train_batch_size, steps_per_output=config.steps_per_print)
+        self.monitor = Monitor()
+        self.param_names = {p: n for n, p in model.named_parameters()}
+        self.training_data = training_dataloader.dataset if training_dataloader is not None else None
+        self.mp_world_size = 1
+        self.dist_backend = (torch.distributed.get_backend() if torch.distributed.is_available()
+                             and torch.distributed.is_initialized() else None)
 
     # -- DeepSpeed's config accessors ---------------------------------------------------------------
     def train_batch_size(self) -> int:
@@ -96,6 +108,53 @@ class MegaTrainEngine:
 
     def wall_clock_breakdown(self) -> bool:
         return self._config.wall_clock_breakdown
+
+    def dataloader_drop_last(self) -> bool:
+        return self._config.dataloader_drop_last
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps), as DeepSpeed."""
+        return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
+
+    def get_data_parallel_rank(self) -> int:
+        return self.global_rank
+
+    def get_model_parallel_rank(self) -> int:
+        return 0  # data parallel only: every rank holds the whole model
+
+    def get_tensor_parallel_rank(self) -> int:
+        return 0
+
+    def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
+        """(the dtype the model computes in, the dtype gradients accumulate in), as DeepSpeed's."""
+        cfg = self.engine.config
+        return getattr(torch, cfg.compute_dtype), getattr(torch, cfg.host_grad_dtype)
+
+    def optimizer_name(self) -> str | None:
+        return self._config.optimizer.type if self._config.optimizer is not None else None
+
+    def optimizer_params(self) -> dict[str, Any] | None:
+        return self.config["optimizer"]["params"] if "optimizer" in self.config else None
+
+    def scheduler_name(self) -> str | None:
+        return self._config.scheduler.type if self._config.scheduler is not None else None
+
+    def scheduler_params(self) -> dict[str, Any] | None:
+        return self.config["scheduler"]["params"] if "scheduler" in self.config else None
+
+    def is_map_style_dataset(self, obj: Any) -> bool:
+        return hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
+
+    def is_iterable_style_dataset(self, obj: Any) -> bool:
+        return isinstance(obj, torch.utils.data.IterableDataset)
+
+    @property
+    def is_compiled(self) -> bool:
+        return False  # compiling the engine is refused (surface.py)
+
+    @property
+    def inside_no_sync_ctxt(self) -> bool:
+        return self._no_sync
 
     @property
     def device(self) -> torch.device:
@@ -132,6 +191,8 @@ class MegaTrainEngine:
                 if name in kwargs:
                     raise TypeError(f"forward() got {name} both positionally and by keyword")
                 kwargs[name] = value
+        if self.training:
+            self.tput_timer.start()
         return self.module(input_ids, **kwargs)
 
     def _need_optimizer(self, what: str) -> None:
@@ -163,8 +224,10 @@ class MegaTrainEngine:
         """Counts a micro-step; at an accumulation boundary also clips, steps optimizer and schedule, zeros grads."""
         self._need_optimizer("step")
         self._step_applied = False
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             self._take_model_step(lr_kwargs)
+        self.tput_timer.stop(global_step=boundary, report_speed=self.global_rank == 0)
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: dict[str, Any] | None) -> None:
@@ -289,6 +352,8 @@ class MegaTrainEngine:
         self._save_hf_config(save_directory, dtype or torch.float32)
         return save_directory
 
+    save_fp16_model = save_16bit_model  # DeepSpeed's older name
+
     def _save_hf_config(self, directory: Path, dtype: torch.dtype) -> None:
         import copy
 
@@ -307,8 +372,13 @@ class MegaTrainEngine:
         return True
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
-        """What accelerate / Trainer save at stage 3: every weight, the FP32 masters (nothing is 16-bit here)."""
-        sd = self.module.state_dict()
+        """What accelerate / Trainer save at stage 3: every weight, copies of the FP32 masters, in bf16 when the
+        config's bf16 is on (DeepSpeed's dtype there). Copies, as DeepSpeed's gather makes: the masters of a layer are views of one flat buffer, and
+        accelerate's `save_model` keeps one tensor per storage (it saved 3 of 21 tensors of a tiny Llama)."""
+        weights = self.engine.state_dict()  # the masters, whatever the host mode; buffers from the model
+        sd = {k: weights[k] if k in weights else v.detach().clone() for k, v in self.module.state_dict().items()}
+        if self.bfloat16_enabled():  # the dtype the config asks for, as DeepSpeed's 16-bit gather gives it
+            sd = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in sd.items()}
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             sd = {k: v for k, v in sd.items() if k not in frozen}
@@ -384,6 +454,8 @@ class MegaTrainEngine:
         # Like DeepSpeedEngine: attributes it does not have come from the wrapped model (config, ...).
         if name.startswith("__") or "module" not in self.__dict__:
             raise AttributeError(name)
+        if name in REFUSED:  # DeepSpeedEngine's names MegaTrain does not answer, each with its reason
+            raise AttributeError(refusal(name))
         return getattr(self.__dict__["module"], name)
 
     def __repr__(self) -> str:

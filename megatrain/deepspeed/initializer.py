@@ -20,6 +20,7 @@ from ..config.resolve import resolve
 from ..run import start_line
 from .data import make_dataloader
 from .deepspeed_engine import MegaTrainEngine
+from .zero3_gather import gather_partitioned
 
 __all__ = ["initialize", "add_config_arguments"]
 
@@ -111,6 +112,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if cfg.scheduler is not None and lr_scheduler is None and not has_optimizer:
         raise ValueError("the config's 'scheduler' section needs an optimizer (an 'optimizer' section or one passed in)")
 
+    # A model DeepSpeed's ZeRO-3 partitioner built (HfDeepSpeedConfig at from_pretrained) is made whole once.
+    gathered, model_parameters = gather_partitioned(model, optimizer, model_parameters)
     groups = _param_groups(model, model_parameters)
     if isinstance(optimizer, torch.optim.Optimizer):
         # Checked here because the engine finds out only after it has packed the model into its store.
@@ -142,6 +145,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     eng = backend.engine
     opt = eng.optimizer if has_optimizer else None
     turned_off = list(backend.turned_off)  # for the run's start line
+    if gathered:
+        turned_off.append(f"DeepSpeed's ZeRO-3 partitioning ({gathered} parameters gathered whole once)")
 
     if lr_scheduler is not None:
         is_sched = hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "state_dict")

@@ -27,7 +27,10 @@ def log_visible(msg: str, *args: object) -> None:
 
 
 def log_dist(message: str, ranks: Sequence[int] | None = None, level: int = logging.INFO) -> None:
-    """Log `message` if this process's rank (always 0 here) is in `ranks`; None or [-1] means every rank."""
-    if ranks is None or -1 in ranks or 0 in ranks:
+    """Log `message` if this process's rank is in `ranks`; None or [-1] means every rank (as DeepSpeed's)."""
+    from .comm import get_rank
+
+    rank = get_rank()
+    if ranks is None or -1 in ranks or rank in ranks:
         _make_visible()
-        logger.log(level, "[Rank 0] %s", message)
+        logger.log(level, "[Rank %d] %s", rank, message)

@@ -1,17 +1,38 @@
-"""`deepspeed.zero`: `Init` and `GatheredParameters`, for scripts and libraries written for ZeRO-3.
+"""`deepspeed.zero` (also `deepspeed.runtime.zero.partition_parameters`): `Init`, `GatheredParameters`,
+`ZeroParamStatus`, for scripts and libraries written for ZeRO-3.
 
 MegaTrain never partitions a parameter: the model is built whole on the host and its parameters are the
 engine's host masters, so these only keep the engine's copies consistent with what the script reads and writes.
+A parameter here has no `ds_id` / `ds_status`: code that asks `hasattr(p, "ds_id")` before gathering (DeepSpeed-Chat's
+`_z3_params_to_fetch`) finds nothing to fetch, as DeepSpeed at stages 0-2.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 from typing import Any
 
 import torch
 
-__all__ = ["Init", "GatheredParameters"]
+__all__ = ["Init", "GatheredParameters", "ZeroParamStatus", "register_external_parameter",
+           "unregister_external_parameter"]
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's states of a partitioned parameter (same names and values); a parameter here is always whole."""
+
+    AVAILABLE = 1  # the whole parameter is there
+    NOT_AVAILABLE = 2  # partitioned away (never, on MegaTrain)
+    INFLIGHT = 3  # being gathered (never, on MegaTrain)
+
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """ZeRO-3's note that `module` uses a parameter it does not own: nothing is gathered on use here."""
+
+
+def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """Undo `register_external_parameter`: nothing to undo."""
 
 
 class _NoOpContext(contextlib.ContextDecorator):

@@ -55,7 +55,7 @@ from .pipeline.global_grads import GlobalGradSink
 from .pipeline.schedule import LayerPipeline
 from .runtime.host_copy import HostCopy, host_value, to_device, to_host
 from .runtime.malloc import set_mmap_threshold
-from .runtime.memtrack import DeviceMemoryTracker, tracked
+from .runtime.memtrack import DeviceMemoryTracker, resident_state, tracked
 from .runtime.stream import Streams, Trace
 from .update import resident, speculative
 from .update.choose import choose as choose_update
@@ -205,6 +205,8 @@ class Engine:
                                     spill=spill_for(self.store, config, self.node), device_layers=self.optimizer_layers,
                                     speculate=speculate)
         self.spill = self.update.spill
+        if self.memory is not None:  # the device-resident optimizer state the plan counts, measured too (memtrack)
+            self.memory.hold(lambda: resident_state(self.store, self.optimizer_layers, self.globals_on_device, opt))
         self.pipeline = LayerPipeline(self.store, self.templates, self.streams, self.trace_log, config.num_buffers,
                                       self.compute_dtype, self.device, _has_dropout(self.hf_config), self.events,
                                       policy, self.ranks.sink(self.update.grad_sink))
@@ -328,6 +330,8 @@ class Engine:
         queued_ids = to_host(ids) if train and input_ids.device == ids.device and ids.device.type != "cpu" else None
         mask = to_device(attention_mask, dev) if attention_mask is not None else None
         pos = to_device(position_ids, dev) if position_ids is not None else None
+        if pending is not None:  # indexable until verify() refuses them (a learned table past its end: a device assert)
+            pos = pending.sanitize_positions(pos)
         with torch.no_grad():
             h0 = self.parts.embed(ids)
         h0.requires_grad_(train)  # the lookup's gradient is scattered by hand in backward (no vocab x hidden)

@@ -17,9 +17,13 @@ import os
 import warnings
 from typing import Any
 
-__all__ = ["install", "uninstall", "installed", "has_megatrain_section"]
+__all__ = ["install", "uninstall", "installed", "has_megatrain_section", "routed", "LAUNCHED_ENV",
+           "unwrap_engines"]
 
 _SECTION = "megatrain"
+# Set by `megatrain launch` in every process it starts: there every DeepSpeed config trains on MegaTrain, "megatrain"
+# section or not (the user chose MegaTrain by the command).
+LAUNCHED_ENV = "MEGATRAIN_LAUNCHED"
 _saved: dict[str, Any] = {}
 
 
@@ -39,6 +43,26 @@ def has_megatrain_section(config: Any) -> bool:
     """Whether a DeepSpeed config (dict, JSON/hjson path or HfDeepSpeedConfig) carries a "megatrain" section."""
     d = _config_dict(config)
     return d is not None and _SECTION in d
+
+
+def launched() -> bool:
+    """Whether this process runs under `megatrain launch` (and the user did not leave DeepSpeed on DeepSpeed)."""
+    return os.environ.get(LAUNCHED_ENV) == "1" and os.environ.get("MEGATRAIN_DEEPSPEED_GUARD", "1") != "0"
+
+
+def deepspeed_is_megatrain() -> bool:
+    """Whether the name `deepspeed` is MegaTrain's namespace (every deepspeed import redirected to it by a shim
+    package, `megatrain/deepspeed/redirect.py`): then no config can reach real DeepSpeed."""
+    import sys
+
+    module = sys.modules.get("deepspeed")
+    return module is not None and getattr(module, "__name__", "").startswith("megatrain")
+
+
+def routed(config: Any) -> bool:
+    """Whether a DeepSpeed config trains on MegaTrain: it has a "megatrain" section, or the process runs under
+    `megatrain launch`, or `deepspeed` is MegaTrain's namespace."""
+    return has_megatrain_section(config) or launched() or deepspeed_is_megatrain()
 
 
 def one_rank_group() -> None:
@@ -66,8 +90,10 @@ _NOTE = _AccumulationNote()
 
 def install() -> None:
     """Make `HfDeepSpeedConfig.is_zero3()` false and accelerate's `DeepSpeedPlugin` read stage 3 as 2 for a config
-    with the section (idempotent; needs accelerate)."""
-    if _saved:
+    with the section (idempotent; without accelerate there is nothing to install)."""
+    import importlib.util
+
+    if _saved or importlib.util.find_spec("accelerate") is None:
         return
     from accelerate.utils.dataclasses import DeepSpeedPlugin
     from accelerate.utils.deepspeed import HfDeepSpeedConfig
@@ -90,14 +116,25 @@ def install() -> None:
     def is_zero3(self: Any) -> bool:
         # transformers asks this (is_deepspeed_zero3_enabled) before building, initialising, loading or generating
         # with a partitioned model; under MegaTrain nothing is partitioned, whatever stage the config names.
-        return False if has_megatrain_section(self.config) else real_is_zero3(self)
+        if not real_is_zero3(self):
+            return False
+        if routed(self.config):
+            return False
+        # A stage-3 config asked about before anything imported deepspeed: a shim answering the name (every
+        # deepspeed import redirected to MegaTrain) builds nothing partitioned either. Importing deepspeed here
+        # costs nothing extra: transformers imports it next for ZeRO-3 construction.
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is not None:
+            import deepspeed  # noqa: F401
+        return not deepspeed_is_megatrain()
 
     @functools.wraps(real_plugin_post_init)
     def plugin_post_init(self: Any) -> None:
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             real_plugin_post_init(self)
-        ours = has_megatrain_section(self.hf_ds_config)
+        ours = routed(self.hf_ds_config)
         if ours and not _ours_seen:
             _ours_seen.append(True)
         for w in said:
@@ -110,7 +147,7 @@ def install() -> None:
         # before gathering partitioned parameters or removing ZeRO-3's hooks for generation: an engine that has
         # neither would be asked for them. MegaTrain keeps every parameter whole, so a stage-3 config reads as 2,
         # the highest stage whose contract (whole parameters, no `no_sync`) holds; the config itself is unchanged.
-        if not has_megatrain_section(self.hf_ds_config):
+        if not ours:
             return
         if self.zero_stage == 3:
             self.zero_stage = 2
@@ -118,6 +155,7 @@ def install() -> None:
         one_rank_group()
 
     logging.getLogger("accelerate.accelerator").addFilter(_NOTE)
+    unwrap_engines()
     _saved.update(is_zero3=real_is_zero3, plugin_post_init=real_plugin_post_init, config_process=real_process)
     HfDeepSpeedConfig.is_zero3 = is_zero3
     DeepSpeedPlugin.__post_init__ = plugin_post_init
@@ -133,9 +171,65 @@ def uninstall() -> None:
 
     logging.getLogger("accelerate.accelerator").removeFilter(_NOTE)
     _ours_seen.clear()
+    _restore_unwrap()
     HfDeepSpeedConfig.is_zero3 = _saved.pop("is_zero3")
     DeepSpeedPlugin.__post_init__ = _saved.pop("plugin_post_init")
     DeepSpeedPlugin.deepspeed_config_process = _saved.pop("config_process")
+
+
+# Where accelerate's `extract_model_from_parallel` is held by name (module globals): accelerate's Accelerator
+# (unwrap_model, get_state_dict, save_model) and transformers' `unwrap_model` call it from there.
+_UNWRAP_HOLDERS = ("accelerate.utils.other", "accelerate.utils", "accelerate.accelerator", "transformers.modeling_utils")
+_real_unwrap: list[Any] = []
+
+
+def unwrap_engines() -> None:
+    """Make accelerate's `extract_model_from_parallel` unwrap MegaTrain's engine to the user's model.
+
+    accelerate unwraps a DeepSpeed engine by `isinstance(model, deepspeed.DeepSpeedEngine)`; MegaTrain's engine is
+    not one, so `accelerator.unwrap_model(engine)` handed back the engine and the user's final
+    `unwrap_model(model).save_pretrained(..., is_main_process=...)` failed. Idempotent; called again once a
+    MegaTrain engine exists (modules imported after the first call hold the original by name)."""
+    import sys
+
+    from accelerate.utils import other
+
+    real = _real_unwrap[0] if _real_unwrap else other.extract_model_from_parallel
+    if not _real_unwrap:
+        _real_unwrap.append(real)
+
+        @functools.wraps(real)
+        def extract_model_from_parallel(model: Any, *args: Any, **kwargs: Any) -> Any:
+            engine_module = _engine_module(model)
+            return real(engine_module if engine_module is not None else model, *args, **kwargs)
+
+        _real_unwrap.append(extract_model_from_parallel)
+    ours = _real_unwrap[1]
+    for name in _UNWRAP_HOLDERS:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "extract_model_from_parallel", None) is real:
+            module.extract_model_from_parallel = ours
+
+
+def _engine_module(model: Any) -> Any:
+    """The user's model inside a MegaTrain engine (the `deepspeed.initialize` look-alike's), else None."""
+    import sys
+
+    engine_cls = getattr(sys.modules.get("megatrain.deepspeed.deepspeed_engine"), "MegaTrainEngine", None)
+    return model.module if engine_cls is not None and isinstance(model, engine_cls) else None
+
+
+def _restore_unwrap() -> None:
+    import sys
+
+    if not _real_unwrap:
+        return
+    real, ours = _real_unwrap
+    for name in _UNWRAP_HOLDERS:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "extract_model_from_parallel", None) is ours:
+            module.extract_model_from_parallel = real
+    _real_unwrap.clear()
 
 
 def installed() -> bool:

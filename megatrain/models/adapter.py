@@ -78,6 +78,14 @@ def find_parts(model: nn.Module) -> DecoderParts:
     get_out = getattr(model, "get_output_embeddings", None)
     embed = get_in() if get_in else None
     lm_head = get_out() if get_out else None
+    if not isinstance(embed, nn.Embedding) or not isinstance(lm_head, nn.Linear):
+        head = _other_head(model)
+        if head is not None:
+            raise ValueError(
+                f"{kind} is a decoder with a {head} head (sequence classification, reward or value), not a causal LM "
+                "head: MegaTrain streams a decoder stack only under its causal-LM head for now, so it cannot train "
+                "this model; train it with another backend (real DeepSpeed: under `megatrain launch` set "
+                "MEGATRAIN_DEEPSPEED_GUARD=0; or megatrain.Accelerator(backend='torch'))")
     if not isinstance(embed, nn.Embedding):
         raise ValueError(f"{kind}: no input embedding (nn.Embedding) found via get_input_embeddings()")
     if not isinstance(lm_head, nn.Linear):
@@ -110,6 +118,18 @@ def find_parts(model: nn.Module) -> DecoderParts:
     cap = float(softcap) if softcap is not None else None
     return DecoderParts(model, base, base_prefix or "", layers_attr, getattr(base, layers_attr), embed, norm,
                         lm_head, rotary, tied, cap if scale is None else LogitTransform(scale, cap))
+
+
+def _other_head(model: nn.Module) -> str | None:
+    """The name of a head other than a causal LM's on a decoder (`score` of *ForSequenceClassification, a reward or
+    value wrapper's `v_head`): a linear to a few outputs beside a module holding a decoder layer stack."""
+    stack = any(isinstance(getattr(m, a, None), nn.ModuleList) for m in model.modules() for a in _LAYER_STACK_NAMES)
+    if not stack:
+        return None
+    for name, child in model.named_children():
+        if isinstance(child, nn.Linear) and child.out_features <= 16:
+            return f"`{name}` ({child.in_features} -> {child.out_features})"
+    return None
 
 
 class _PassThrough(nn.Module):

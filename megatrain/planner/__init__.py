@@ -56,46 +56,45 @@ What it charges (c = bytes of the compute dtype, T = tokens per micro-batch, k =
   data parallel     plan_multi / `plan --gpus-per-node N --nodes M` (multi.py): one host store per node (the layers'
                     state once, the resident parameters, staging, activations and a gradient transit buffer per
                     rank), each GPU's share of the host link and DRAM bandwidth, the gradient reduction within a
-                    node (host memory) and across nodes (ring all-reduce), and the scaling efficiency.
+                    node (host memory) and across nodes (ring all-reduce), and the scaling efficiency; on GPUs
+                    joined by NVLink the node path instead (node_path.py, docs/DISTRIBUTED.md: each GPU's 1/G shard
+                    over its link, NVLink all-gather / reduce-scatter, one host update split by shard, nodes
+                    sharing one store), ZeRO-3 offload on the same GPUs (zero3_node.py); summary.py is the
+                    command's first screen.
 Where each part lives: point.py (the settings), memory.py, step_time.py and pipeline_sim.py (the models),
 placement.py (the residency search), reference.py (plain PyTorch where the model fits),
-prediction.py (the Plan), estimate.py (plan), point_plan.py (plan_point, the host modes), search.py (fit questions), multi.py (data parallel).
+prediction.py (the Plan), estimate.py (plan), point_plan.py (plan_point, the host modes), search.py (fit questions), multi.py (data parallel),
+summary.py and details.py (the plan as text), cli.py (`megatrain plan`'s flags, `python -m megatrain.planner`).
 Every assumption is a named constant in those modules or in megatrain/costs/, or a sourced number in the profiles file.
 """
 
-from ..costs.host_memory import HostMemory, host_memory_available
+from .advice import Advisor, profile_for_device
+from .alst import BUCKET_TERM, zero3_alst_device_terms
+from .cli import add_plan_args, flag_knobs, flag_profiles, run_plan
 from .estimate import plan, plan_point, predicted_timeline
-from .hardware import Hardware, get_hardware, load_profiles
-from .memory import (
-    LongContext,
-    Memory,
-    check_fit,
-    layer_saved_bytes,
-    layer_working_set_bytes,
-    long_context_plan,
-)
-from .multi import MultiPlan, plan_multi, plan_point_multi
+from .hardware import Hardware, get_hardware, load_profiles, profile_from_dict
+from .multi import MultiPlan, plan_multi
 from .point import BACKENDS, Point, make_point
+from .point_plan import MODES
 from .prediction import Plan
-from .search import (
-    Preflight,
-    device_memory_available,
-    fits,
-    largest_batch,
-    largest_context,
-    max_batch,
-    max_context,
-    preflight,
-)
-from .shapes import resolve_model
-from .step_time import Time, crossover_closed_form, link_crossover_tokens
+from .search import Preflight, max_batch, max_context, preflight
+from .shapes import is_model_path, resolve_model
+from .step_time import crossover_closed_form, sustained_from_layer_time
 
+# The planner's front door: what the commands, the harness and the notebooks use. Its other modules are its own
+# (tests reach them where they test them); tests/unit/test_planner_surface.py keeps commands/ and experiments/ to
+# these names and the planner off the commands.
 __all__ = [
-    "BACKENDS", "Hardware", "HostMemory", "LongContext", "Memory", "MultiPlan", "Plan", "Point", "Preflight", "Time",
-    "check_fit",
-    "crossover_closed_form", "device_memory_available", "fits", "format_plan", "get_hardware",
-    "host_memory_available", "largest_batch", "largest_context", "layer_saved_bytes", "layer_working_set_bytes", "link_crossover_tokens",
-    "load_profiles", "long_context_plan", "make_point", "max_batch", "max_context", "plan", "plan_multi", "plan_point",
-    "plan_point_multi", "predicted_timeline", "preflight",
-    "resolve_model",
+    # a point, its plan, the fit questions
+    "BACKENDS", "MODES", "MultiPlan", "Plan", "Point", "Preflight", "make_point", "max_batch", "max_context", "plan",
+    "plan_multi", "plan_point", "preflight",
+    # hardware profiles and model shapes
+    "Hardware", "get_hardware", "is_model_path", "load_profiles", "profile_from_dict", "resolve_model",
+    # figures the studies set beside measurements
+    "BUCKET_TERM", "crossover_closed_form", "predicted_timeline", "sustained_from_layer_time",
+    "zero3_alst_device_terms",
+    # the engine's placement advice (backend/placement.py asks through costs/advice.py's protocol)
+    "Advisor", "profile_for_device",
+    # `megatrain plan` / `python -m megatrain.planner` (cli.py)
+    "add_plan_args", "flag_knobs", "flag_profiles", "run_plan",
 ]

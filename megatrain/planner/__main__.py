@@ -1,5 +1,5 @@
 import sys
 
-from ..commands.plan import main
+from .cli import main
 
 sys.exit(main())

@@ -94,18 +94,25 @@ class Advisor:
         return self._seen[key]
 
 
+# What stands in for a host mode still "auto" when the engine asks (it chooses it before it does)
+PLACEHOLDER = {"host_master": "fp32", "host_grad_dtype": "float32"}
+
+
 def _knobs(config: EngineConfig) -> tuple[tuple[str, Any], ...]:
     """What the planner's point takes from the engine's configuration, hashable for the cache: settled values as
     they are, an "auto" still open (a host mode the engine has not chosen yet; the rollback copy's fit, which the
-    planner measures against the profile's host) as the point's own "auto" or default."""
+    planner measures against the profile's host) as the point's own "auto", a host mode still open as the FP32
+    master and slabs."""
     out: list[tuple[str, Any]] = [("dtype", config.compute_dtype)]
     for name in ("num_buffers", "loss_chunk_tokens", "offload_activations", "mlp_tile_tokens", "optimizer_overlap",
                  "speculative_step", "host_master", "host_grad_dtype", "optimizer_in_backward"):
         value = getattr(config, name)
         if value == IF_FITS:
             value = AUTO
-        if left_auto(value) and name in ("host_master", "host_grad_dtype", "optimizer_overlap"):
-            continue  # the point's default stands in: the engine settles these before it asks
+        if left_auto(value) and name == "optimizer_overlap":
+            continue  # the point's "auto" (None) stands in: the engine settles it before it asks
+        if left_auto(value) and name in PLACEHOLDER:
+            value = PLACEHOLDER[name]  # the engine settles the host mode before it asks; the FP32 one stands in
         out.append((name, value))
     return tuple(out)
 

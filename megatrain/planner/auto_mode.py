@@ -52,14 +52,15 @@ def _knobs(mode: HostMode, p: Point) -> dict[str, Any]:
     return dict(host_master=mode.master.value, host_grad_dtype=mode.grad.value, optimizer_in_backward=p.optimizer_in_backward)
 
 
-def plan_auto(p: Point, hw: Hardware, grad: GradSlab | None = None) -> Plan:
-    """The plan of point `p` (its master and slab placeholders) in the mode "auto" chooses on `hw`; the choice
-    rides on the plan as `auto`. `grad`: the slab dtype the user set; None: "auto"."""
+def plan_auto(p: Point, hw: Hardware, grad: GradSlab | None = None, host_avail: int | None = None,
+              device_avail: int | None = None) -> Plan:
+    """The plan of point `p` (host mode "auto") in the mode "auto" chooses on `hw`; the choice rides on the plan as
+    `auto`. `grad`: the slab dtype the user set; None: "auto". host_avail / device_avail: as plan_point's."""
     seen: dict[HostMode, tuple[Plan, bool, dict[str, Any]]] = {}
 
     def fits(mode: HostMode) -> bool:
         q = mode_point(p, _knobs(mode, p)) if not p.optimizer_in_backward else with_point(p, **_knobs(mode, p))
-        pl = plan_point(q, hw)
+        pl = plan_point(q, hw, host_avail, device_avail)
         ok, figures = nvme_fit(pl, hw) if mode.nvme else (pl.feasible, {})
         seen[mode] = (pl, ok, figures)
         return ok

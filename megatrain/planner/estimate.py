@@ -11,29 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config.schema import AUTO, left_auto
-from ..costs.modes import GradSlab, HostMaster
-from .auto_mode import plan_auto
 from .hardware import GIB, Hardware, resolve_hardware
 from .point import make_point
 from .point_plan import plan_point as plan_point
 from .point_plan import predicted_timeline as predicted_timeline
 from .prediction import Plan
-
-
-def host_mode_placeholders(knobs: dict[str, Any]) -> tuple[bool, GradSlab | None]:
-    """Put placeholders in `knobs` (EngineConfig's names; the planner's old `master` taken as host_master) where the
-    host mode is left to "auto": the FP32 master, and FP32 slabs (an explicit master keeps them, as EngineConfig
-    does). Returns (whether the master was "auto", the slab dtype as set, None for "auto") for auto_mode.py."""
-    if "master" in knobs and "host_master" not in knobs:  # the planner's old name
-        knobs["host_master"] = knobs.pop("master")
-    auto_master = left_auto(knobs.get("host_master", AUTO))
-    grad = knobs.get("host_grad_dtype", AUTO)
-    if auto_master:
-        knobs["host_master"] = HostMaster.FP32.value  # a placeholder: "auto" chooses it
-    if left_auto(grad):
-        knobs["host_grad_dtype"] = GradSlab.FLOAT32.value
-    return auto_master, (None if left_auto(grad) else GradSlab(grad))
 
 
 def plan(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dtype: str = "bfloat16",
@@ -49,8 +31,6 @@ def plan(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dtype: s
     grad_clip, gradient_checkpointing (zero3/torch), zero3_pin_memory.
     link_gbs / host_memory_gib / device_memory_gib override the profile (e.g. an emulated link).
     """
-    auto_master, grad = host_mode_placeholders(knobs)
-    auto_master = auto_master and backend == "megatrain"
     p = make_point(model, context, batch, grad_accum, dtype, backend, engine_config, **knobs)
     if engine_config is not None:
         if link_gbs is None:
@@ -59,6 +39,4 @@ def plan(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dtype: s
         if device_memory_gib is None and budget:
             device_memory_gib = budget / GIB  # what the engine's "auto" plans against
     hw = resolve_hardware(hardware, link_gbs, host_memory_gib, device_memory_gib)
-    if auto_master:
-        return plan_auto(p, hw, grad)
-    return plan_point(p, hw)
+    return plan_point(p, hw)  # host mode "auto" (the engine's default) chosen there

@@ -49,9 +49,16 @@ OVERHEAD_FIELDS = ("layer_overhead_fwd_s", "layer_overhead_bwd_s", "microbatch_o
 #   network_gbs         bytes/s per direction of the node's network to the other nodes, all NICs together
 #                       (the inter-node gradient all-reduce); absent: a multi-node plan must be given one;
 #   rank_runtime_gib    host memory each further rank process adds (python, torch, the device runtime's
-#                       host side); the first is inside host_reserved_gib.
-NODE_INT_FIELDS = ("gpus_per_node", "gpus_per_host_link")
-NODE_FLOAT_FIELDS = ("network_gbs", "rank_runtime_gib")
+#                       host side); the first is inside host_reserved_gib;
+#   nvlink_gbs          bytes/s per direction one GPU's NVLink collectives reach (all-gather / reduce-scatter bus
+#                       bandwidth, achieved); absent: no NVLink, the node keeps the per-rank path (docs/DISTRIBUTED.md);
+#   nvlink_gpus         GPUs in one NVLink domain (8 on an NVSwitch board; 2 or 4 with H200 NVL bridges): a node of
+#                       more GPUs gathers across domains over PCIe;
+#   host_cores          the host's cores (torch's threads), where the planner's table (host_work.HOST_CORES) lacks it;
+#   host_per_gpu (bool) each GPU has its own host (a Grace Hopper superchip): a node's host memory, bandwidth and
+#                       cores are gpus_per_node times the profile's.
+NODE_INT_FIELDS = ("gpus_per_node", "gpus_per_host_link", "nvlink_gpus", "host_cores")
+NODE_FLOAT_FIELDS = ("network_gbs", "rank_runtime_gib", "nvlink_gbs")
 # A process that imports torch and the engine holds about this much (see experiments/studies/scaling.py, which
 # measures it as baseline PSS): the default for a profile that does not say.
 DEFAULT_RANK_RUNTIME_GIB = 0.5
@@ -91,6 +98,10 @@ class Hardware:
     gpus_per_host_link: int = 1
     network_gbs: float | None = None
     rank_runtime_gib: float = DEFAULT_RANK_RUNTIME_GIB
+    nvlink_gbs: float | None = None
+    nvlink_gpus: int = 1
+    host_cores: int | None = None
+    host_per_gpu: bool = False
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def peak_flops(self, dtype: str) -> float:
@@ -191,6 +202,7 @@ def profile_from_dict(name: str, entry: dict[str, Any], shared_sources: dict[str
         description=str(entry.get("description", "")),
         link=str(entry.get("link", "")),
         unified_memory=bool(entry.get("unified_memory", False)),
+        host_per_gpu=bool(entry.get("host_per_gpu", False)),
         sources=sources,
         **values,
     )
@@ -222,6 +234,9 @@ def _node_fields(name: str, entry: dict[str, Any], shared_sources: dict[str, str
             if not value > 0:
                 raise ValueError(f"hardware profile {name!r}: {key}={value} must be > 0")
             out[key] = value
+    if out.get("nvlink_gpus", 1) > 1 and "nvlink_gbs" not in out:
+        raise ValueError(f"hardware profile {name!r}: nvlink_gpus={out['nvlink_gpus']} without nvlink_gbs (the "
+                         "NVLink collectives' GB/s per direction per GPU)")
     if out.get("gpus_per_host_link", 1) > out.get("gpus_per_node", 1):
         raise ValueError(f"hardware profile {name!r}: gpus_per_host_link={out['gpus_per_host_link']} exceeds "
                          f"gpus_per_node={out.get('gpus_per_node', 1)}")

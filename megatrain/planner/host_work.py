@@ -43,9 +43,9 @@ from .host_rates import HOST_RATES
 from .point import Point
 
 # Host cores (torch's default intra-op threads: physical cores) of the packaged GPU profiles. A profile not listed
-# (`megatrain bench`'s, the "cpu" one) is this machine's. Assumed: the paper's 2-socket Xeon host (2 x 56),
-# GH200's 72 Grace cores (NVIDIA's data sheet).
-HOST_CORES = {"h200-pcie": 112, "h100-pcie": 112, "a100-pcie": 64, "gh200": 72}
+# (`megatrain bench`'s, the "cpu" one) is this machine's, unless it names its `host_cores`. Assumed: the paper's
+# 2-socket Xeon host (2 x 56), GH200's 72 Grace cores (NVIDIA's data sheet); DGX H100 / H200: 2 x Xeon 8480C (56 each).
+HOST_CORES = {"h200-pcie": 112, "h200-sxm": 112, "h100-sxm": 112, "h100-pcie": 112, "a100-pcie": 64, "gh200": 72}
 # Assumed: the share of a host's cores a streaming add needs to reach its achieved bandwidth.
 SATURATING_SHARE = 0.5
 REDUCER_SHARE = 4  # engine/runtime/stream.py side_threads(): a quarter of the cores
@@ -53,7 +53,10 @@ GLOBALS_SHARE = 4  # the resident parameters' gradient worker (engine/pipeline/g
 
 
 def host_cores(hw: Hardware) -> int:
-    # a data-parallel rank's view of a node keeps the profile's name before a comma (planner/multi.py)
+    # a data-parallel rank's view of a node keeps the profile's name before a comma (planner/multi.py); the node
+    # path's rank names its own team's cores (planner/node_path.py)
+    if hw.host_cores:
+        return hw.host_cores
     return HOST_CORES.get(hw.name.split(",")[0], os.cpu_count() or 1)
 
 
@@ -123,7 +126,8 @@ def globals_reduce_bps(p: Point, hw: Hardware) -> float:
 def host_assumptions(p: Point, hw: Hardware) -> dict[str, object]:
     """What the host-side rates assume, for `megatrain plan` to print and a caller to record."""
     cores = host_cores(hw)
-    return {"host_cores": cores, "cores_from": "profile" if hw.name.split(",")[0] in HOST_CORES else "this machine",
+    known = hw.host_cores or hw.name.split(",")[0] in HOST_CORES
+    return {"host_cores": cores, "cores_from": "profile" if known else "this machine",
             "host_bw_gbs": hw.host_bw_bps / 1e9, "reducer_threads": reducer_threads(hw),
             "globals_threads": globals_threads(hw), "reducer_gbs": reducer_bps(p, hw) / 1e9,
             "globals_reduce_gbs": globals_reduce_bps(p, hw) / 1e9,

@@ -30,9 +30,9 @@ class ModeRow:
     label: str
     knobs: dict[str, Any]
     exact: bool
-    refused: str | None  # why the engine would refuse this mode at this point
-    host_bytes: int
-    bytes_per_param: float
+    refused: str | None  # why the engine (or its config) would refuse this mode at this point
+    host_bytes: int | None  # None: the config refuses the mode here (nothing planned)
+    bytes_per_param: float | None
     fits: bool  # fits in memory and the engine runs it (context included)
     largest_fitting: str | None  # the largest SCALE_PRESETS shape that fits in this mode, same point otherwise
     clipping: bool  # whether the row plans gradient clipping (the optimizer in backward cannot clip)
@@ -49,7 +49,12 @@ def mode_table(p: Point, hw: Hardware, search: bool = True) -> list[ModeRow]:
     rows = []
     sizes = sorted(SCALE_PRESETS, key=lambda n: PRESETS[n].param_count())
     for label, knobs in MODES:
-        q = mode_point(p, knobs)
+        exact, clip = HostMaster(knobs["host_master"]).exact, p.grad_clip and not knobs["optimizer_in_backward"]
+        try:
+            q = mode_point(p, knobs)
+        except ValueError as e:  # the point's EngineConfig refuses the mode (e.g. hilo in FP32 compute)
+            rows.append(ModeRow(label, knobs, exact, str(e), None, None, False, None, clip))
+            continue
         pl = plan_point(q, hw)
         refused = engine_refusal(q)
         largest = max_ctx = max_b = None
@@ -59,8 +64,8 @@ def mode_table(p: Point, hw: Hardware, search: bool = True) -> list[ModeRow]:
                     largest = name
             max_ctx, max_b = largest_context(q, hw), largest_batch(q, hw)
         total = pl.memory.host_total
-        rows.append(ModeRow(label, knobs, HostMaster(knobs["host_master"]).exact, refused, total,
-                            total / q.model.param_count(), pl.feasible, largest, q.grad_clip, max_ctx, max_b))
+        rows.append(ModeRow(label, knobs, exact, refused, total, total / q.model.param_count(), pl.feasible, largest,
+                            q.grad_clip, max_ctx, max_b))
     return rows
 
 
@@ -78,8 +83,10 @@ def format_mode_table(rows: list[ModeRow], host_capacity: int, p: Point | None =
     why_not = context_refusal(p) if p is not None else None
     for r in rows:
         fit = "n/a" if r.refused else ("yes" if r.fits else "NO")
-        line = (f"    {r.label:<40}{'yes' if r.exact else 'no':<7}{r.bytes_per_param:>8.2f}"
-                f"{fmt_bytes(r.host_bytes):>12}  {fit:<5}{_count(r.max_context):>12}{_count(r.max_batch):>10}"
+        per_param = "-" if r.bytes_per_param is None else f"{r.bytes_per_param:.2f}"
+        host = "-" if r.host_bytes is None else fmt_bytes(r.host_bytes)
+        line = (f"    {r.label:<40}{'yes' if r.exact else 'no':<7}{per_param:>8}"
+                f"{host:>12}  {fit:<5}{_count(r.max_context):>12}{_count(r.max_batch):>10}"
                 f"  {r.largest_fitting or '-'}")
         if r.refused:
             line += f"  (refused: {r.refused})"

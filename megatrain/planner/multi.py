@@ -47,14 +47,26 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..config.schema import left_auto
+from ..config.schema import AUTO, left_auto
 from ..costs.pinning import pinned_bytes
 from .hardware import GB, GIB, Hardware, resolve_hardware
+from .host_work import host_cores
 from .memory import Memory, check_fit
-from .point import Point, layer_grad_bytes, make_point, master_bytes
+from .node_path import NODE, PER_RANK, NodeShare, collective_device_bytes, node_share, path_for
+from .point import (
+    Point,
+    grad_as_written,
+    host_mode_open,
+    layer_grad_bytes,
+    make_point,
+    master_bytes,
+    placeholder_mode,
+    with_point,
+)
 from .point_plan import plan_point
 from .prediction import Plan
 from .step_time import IDLE_COMM, Time, megatrain_time
+from .zero3_node import zero3_rank
 
 # The per-rank FP32 buffer a layer's gradients travel through on their way to the owner's slab: two of the
 # largest layer, so one can be reduced while the next lands.
@@ -87,8 +99,13 @@ class MultiPlan:
     single: Plan  # one GPU with the whole host to itself: the reference of the scaling efficiency
     rank: Plan  # one rank: the node's host memory, its GPU's device memory, its step with the reduction
     comm: Comm
-    layer_state: dict[str, int]  # host bytes held once per node
+    layer_state: dict[str, int]  # host bytes held once per node (1/store_nodes of them with a shared store)
     per_rank: dict[str, int]  # host bytes each rank holds (x N per node), transit buffer included
+    path: str = PER_RANK  # the data path planned: node_path.NODE or PER_RANK
+    path_why: str = ""
+    store_nodes: int = 1  # nodes sharing one host store (1: each node holds its own)
+    auto: Any = None  # host mode "auto" for the node (auto_mode.AutoChoice), None where a mode was given
+    single_added_s: float = 0.0  # what the NVMe tier adds to one GPU alone in the same mode (the reference)
 
     @property
     def world_size(self) -> int:
@@ -96,7 +113,13 @@ class MultiPlan:
 
     @property
     def fits(self) -> bool:
-        return self.rank.fits
+        """The node's verdict: with host mode "auto", the chosen mode's (NVMe tier included)."""
+        return self.auto.fits if self.auto is not None else self.rank.feasible
+
+    @property
+    def nvme_added_s(self) -> float:
+        """What the NVMe tier adds to the step of the chosen mode (0 without it)."""
+        return self.auto.nvme.get("added_s", 0.0) if self.auto is not None and self.auto.mode.nvme else 0.0
 
     @property
     def host_node_bytes(self) -> int:
@@ -104,7 +127,7 @@ class MultiPlan:
 
     @property
     def step_s(self) -> float:
-        return self.rank.time.step_s
+        return self.rank.time.step_s + self.nvme_added_s
 
     @property
     def job_tokens_per_step(self) -> int:
@@ -115,15 +138,21 @@ class MultiPlan:
         return self.job_tokens_per_step / self.step_s
 
     @property
+    def single_step_s(self) -> float:
+        """One GPU alone with the whole host, in the same mode (its NVMe time included where the mode spills)."""
+        return self.single.time.step_s + self.single_added_s
+
+    @property
     def scaling_efficiency(self) -> float:
-        return self.job_tokens_per_s / (self.world_size * self.single.tokens_per_s)
+        return self.job_tokens_per_s / (self.world_size * self.single.point.tokens_per_step / self.single_step_s)
 
     def summary(self) -> dict[str, Any]:
         """The data-parallel figures as flat columns (predicted rows, JSON)."""
         return {"gpus_per_node": self.gpus_per_node, "nodes": self.nodes, "world_size": self.world_size,
                 "host_node_bytes": self.host_node_bytes, "host_layer_state_bytes": sum(self.layer_state.values()),
                 "host_per_rank_bytes": sum(self.per_rank.values()),
-                "device_bytes_per_gpu": self.rank.memory.device_total, "fits": self.rank.feasible,
+                "device_bytes_per_gpu": self.rank.memory.device_total, "fits": self.fits,
+                "data_path": self.path, "data_path_why": self.path_why, "store_nodes": self.store_nodes,
                 "rank_step_s": self.step_s, "job_tokens_per_s": self.job_tokens_per_s,
                 "single_gpu_tokens_per_s": self.single.tokens_per_s,
                 "scaling_efficiency": self.scaling_efficiency,
@@ -145,8 +174,8 @@ def check_topology(hw: Hardware, gpus_per_node: int, nodes: int, backend: str = 
     if nodes > 1 and not hw.network_gbs:
         raise ValueError(f"--nodes {nodes}: profile {hw.name!r} has no network between nodes (network_gbs); "
                          "pass --network-gbs GB/s per node per direction")
-    if gpus_per_node * nodes > 1 and backend != "megatrain":
-        raise ValueError(f"--gpus-per-node/--nodes plan the megatrain backend's data parallel only, not {backend!r}")
+    if gpus_per_node * nodes > 1 and backend not in ("megatrain", "zero3"):
+        raise ValueError(f"--gpus-per-node/--nodes plan megatrain's data parallel and ZeRO-3 offload, not {backend!r}")
 
 
 def node_hardware(hw: Hardware, network_gbs: float | None = None, gpus_per_host_link: int | None = None) -> Hardware:
@@ -161,6 +190,22 @@ def node_hardware(hw: Hardware, network_gbs: float | None = None, gpus_per_host_
             raise ValueError(f"--gpus-per-host-link {gpus_per_host_link!r}: must be a whole number >= 1")
         changes["gpus_per_host_link"] = gpus_per_host_link
     return hw.with_(**changes) if changes else hw
+
+
+def node_profile(hw: Hardware, gpus_per_node: int) -> Hardware:
+    """The node's host as one: a profile whose every GPU has its own host (host_per_gpu, Grace Hopper) has
+    gpus_per_node of them (memory, bandwidth, cores and reserve); otherwise the profile itself."""
+    if not hw.host_per_gpu or gpus_per_node == 1:
+        return hw
+    n = gpus_per_node
+    changes: dict[str, Any] = {"host_memory_gib": hw.host_memory_gib * n,
+                               "host_memory_bw_gbs_achieved": hw.host_memory_bw_gbs_achieved * n,
+                               "host_reserved_gib": hw.host_reserved_gib * n, "host_cores": host_cores(hw) * n}
+    if hw.host_optimizer_gbs:
+        changes["host_optimizer_gbs"] = hw.host_optimizer_gbs * n
+    if hw.cpu_adam_params_per_s:
+        changes["cpu_adam_params_per_s"] = hw.cpu_adam_params_per_s * n
+    return dataclasses.replace(hw.with_(**changes), name=f"{hw.name}, {n} per node")
 
 
 def rank_hardware(hw: Hardware, gpus_per_node: int, h2d_share: float) -> Hardware:
@@ -184,7 +229,10 @@ def split_host(pl: Plan) -> tuple[dict[str, int], dict[str, int]]:
     """(held once per node, held by every rank) of a one-GPU plan's host bytes. The first rank's runtime
     stays in the node part (the profile's reserve covers the OS and one process)."""
     p, m = pl.point, pl.point.model
-    LP = m.num_layers * m.layer_params()
+    # the host-updated layers' state (memory.py): a layer whose optimizer is on the device holds none here (one
+    # GPU alone; several ranks keep every layer's optimizer on the host)
+    K = pl.long_context.residency.optimizer if pl.long_context is not None else 0
+    LP = (m.num_layers - K) * m.layer_params()
     mb, shadow = master_bytes(p)
     layer = {"master weights": LP * mb, "gradients": LP * layer_grad_bytes(p), "adam m": LP * 4, "adam v": LP * 4,
              "bf16 shadow (streams)": LP * shadow, "runtime": pl.memory.host["runtime"]}
@@ -204,15 +252,28 @@ def transit_bytes(p: Point) -> int:
     return TRANSIT_LAYERS * p.model.layer_params() * 4 * (2 if p.optimizer_in_backward else 1)
 
 
-def node_memory(pl: Plan, gpus_per_node: int, nodes: int = 1) -> tuple[Memory, dict[str, int], dict[str, int]]:
+def node_memory(pl: Plan, gpus_per_node: int, nodes: int = 1, path: str = PER_RANK,
+                store_nodes: int = 1) -> tuple[Memory, dict[str, int], dict[str, int]]:
     """(the node's Memory, its once-per-node bytes, one rank's bytes) for a one-GPU plan `pl`. The device
-    side stays one GPU's; on a CPU "device" the other ranks' device allocations come out of host memory."""
+    side stays one GPU's (plus the node path's collective buffers); on a CPU "device" the other ranks' device
+    allocations come out of host memory. `store_nodes`: nodes sharing one store, each holding the layer state of
+    its ceil(L / store_nodes) layers."""
     n, hw, mem = gpus_per_node, pl.hardware, pl.memory
     layer, rank = split_host(pl)
     shared = shares_host_store(pl.point)
     copies = 1 if shared else n  # a replicated store: every rank holds the layers' state too
+    L = pl.point.model.num_layers
+    part = math.ceil(L / store_nodes) / L
+    layer = {k: (v if k == "runtime" else int(v * part)) for k, v in layer.items()}
     rank["rank runtime"] = int(hw.rank_runtime_gib * GIB)
-    rank["grad transit (data parallel)"] = transit_bytes(pl.point) if n * nodes > 1 and shared else 0
+    node_path = path == NODE or store_nodes > 1
+    rank["grad transit (data parallel)"] = (transit_bytes(pl.point) if n * nodes > 1 and shared and not node_path
+                                            else 0)
+    if node_path and rank.get("pinned grad staging"):
+        # the rank's FP32 shard, 1/G of a layer, lands in its staging (docs/DISTRIBUTED.md, section 2)
+        rank["pinned grad staging"] = int(rank["pinned grad staging"] * 4 / pl.point.c / n)
+    if path == NODE and rank.get("fp32 scratch (one layer)"):
+        rank["fp32 scratch (one layer)"] //= n  # a rank unpacks and updates its 1/G shard of a layer (section 3)
     host = {k: copies * layer.get(k, 0) + n * rank.get(k, 0) for k in pl.memory.host}
     host["runtime"] = layer["runtime"] + (n - 1) * rank["rank runtime"]
     host["grad transit (data parallel)"] = n * rank["grad transit (data parallel)"]
@@ -223,73 +284,234 @@ def node_memory(pl: Plan, gpus_per_node: int, nodes: int = 1) -> tuple[Memory, d
     layer_pinned = 0
     if mem.pinned:
         m = pl.point.model
-        layer_pinned = pinned_bytes(m.layer_sizes(), 0, pl.point.c, False, 0)[
-            "streamed layers"]
+        layer_pinned = int(pinned_bytes(m.layer_sizes(), 0, pl.point.c, False, 0)["streamed layers"] * part)
     pinned = copies * layer_pinned + n * (mem.pinned - layer_pinned)
-    return (Memory(host, dict(mem.device), mem.unified, mem.shared, pinned), layer,
+    device = dict(mem.device)
+    if path == NODE:
+        device["node path: reduce-scatter buffers"] = collective_device_bytes(pl.point, n)
+        pinned += layer.get("gradients", 0)  # the first micro-batch's shard lands in the slab by DMA: pinned
+    return (Memory(host, device, mem.unified, mem.shared, pinned), layer,
             {k: v for k, v in rank.items() if v})
 
 
-def comm_time(p: Point, hw: Hardware, rank_time: Time, gpus_per_node: int, nodes: int) -> Comm:
+def comm_time(p: Point, hw: Hardware, rank_time: Time, gpus_per_node: int, nodes: int,
+              path: str = PER_RANK, store_nodes: int = 1) -> Comm:
     """The gradient reduction a rank's step adds (the module's docstring); `hw`: the node's profile."""
     m, n, M = p.model, gpus_per_node, nodes
     L, PL = m.num_layers, m.layer_params()
     G = m.param_count() - L * PL
-    intra = (n - 1) * G * GLOBALS_REDUCE_BYTES / hw.host_bw_bps
+    if path == NODE:
+        # the resident parameters' FP32 gradients: one all-reduce over NVLink (across domains over PCIe)
+        rate = hw.nvlink_gbs * GB if min(hw.nvlink_gpus, n) >= n else min(hw.nvlink_gbs * GB, hw.link_bps)
+        intra = 2 * (n - 1) / n * 4 * G / rate
+    else:
+        intra = (n - 1) * G * GLOBALS_REDUCE_BYTES / hw.host_bw_bps
     if M == 1:
         return Comm(intra, 0.0, 0.0, 0.0, 0)
     ring = 2 * (M - 1) / M * 4  # bytes per parameter each node sends
     net = hw.network_gbs * GB
+    k = max(1, p.grad_accum)
+    globals_s = ring * G / net
+    if store_nodes > 1:
+        # nodes sharing one store: the weights' broadcast from the owner and the shards' reduce to it are lanes
+        # of the pipeline (node_path.py): counted in the step already, listed here
+        foreign = (M - 1) / M
+        moved = foreign * L * PL * (2 * p.c * k + 4 * k)  # two loads (forward, recompute) and one reduce per mb
+        return Comm(intra, moved / net, globals_s, 0.0, int(moved + ring * G))
     # The engine reduces every micro-batch's layer gradients as they leave its backward (no local slab to hold
     # them until the step): k = grad_accum all-reduces per step, each hidden under its own micro-batch's backward.
-    k = max(1, p.grad_accum)
-    layers_s, globals_s = ring * L * PL / net, ring * G / net
+    layers_s = ring * L * PL / net
     bwd = rank_time.backward_s / k  # one micro-batch's backward
-    exposed = k * max(n * layers_s / L, layers_s - bwd * (L - 1) / L)
+    # per-rank path: the last layer's all-reduce on its owner's NIC (one of N); node path: on every NIC
+    last = layers_s / L * (1 if path == NODE else n)
+    exposed = k * max(last, layers_s - bwd * (L - 1) / L)
     return Comm(intra, k * layers_s, globals_s, exposed, int(ring * (k * L * PL + G)))
 
 
-def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int = 1) -> MultiPlan:
-    """A megatrain point on N GPUs per node x M nodes sharing one host store per node."""
+def _rank_time(p: Point, hw: Hardware, single: Plan, n: int, nodes: int, path: str, store_nodes: int) -> tuple[Hardware, Time]:
+    """One rank's view of the node and its pipeline's step, on the data path planned."""
+    st = single.time
+    lc = single.long_context
+    if path != NODE and store_nodes == 1:
+        rhw = rank_hardware(hw, n, st.h2d_bytes / max(1, st.h2d_bytes + st.d2h_bytes))
+        # the rank with the most layers sets the pace; a replicated store updates every layer on every rank
+        owned = math.ceil(p.model.num_layers / n) if shares_host_store(p) else p.model.num_layers
+        # each layer's reduction by the rank's own reducer threads, as one GPU's (host_work.py), at its view of the host
+        return rhw, megatrain_time(p, rhw, lc.offload, owned_layers=owned, residency=lc.residency)
+    share = node_share(hw, n, nodes, store_nodes > 1) if path == NODE else NodeShare(
+        n, 1, 0.0, (hw.network_gbs or 0.0) * GB / n, (nodes - 1) / nodes)
+    h2d = 0.5  # its DMA's split between the two directions, from the node path's own bytes (two passes)
+    for _ in range(2):
+        rhw = rank_hardware(hw, n, h2d)
+        if n > 1:
+            rhw = rhw.with_(host_cores=max(1, host_cores(hw) // n))  # its team: cores / G (DISTRIBUTED.md, 3)
+        # 1/G of every layer the node owns: all of them, or 1/store_nodes of them with a store shared by the nodes
+        # (the other nodes update theirs at the same time)
+        t = megatrain_time(p, rhw, lc.offload, owned_layers=p.model.num_layers / n / store_nodes,
+                           residency=lc.residency, node=share)
+        h2d = t.h2d_bytes / max(1, t.h2d_bytes + t.d2h_bytes)
+    return rhw, t
+
+
+def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int = 1,
+                     store_nodes: int = 1, data_path: str = AUTO) -> MultiPlan:
+    """A point on N GPUs per node x M nodes, on the data path the profile allows (node_path.path_for; `data_path`
+    "per-rank" plans today's engine where the node path could run): a megatrain point with one host store per node
+    (or shared by `store_nodes` = M nodes), a zero3 point as DeepSpeed runs it (zero3_node.py)."""
     check_topology(hw, gpus_per_node, nodes, p.backend)
+    if not left_auto(data_path) and data_path not in (NODE, PER_RANK):
+        raise ValueError(f"data path {data_path!r}: use auto, {NODE} or {PER_RANK}")
+    if store_nodes not in (1, nodes):
+        raise ValueError(f"store_nodes={store_nodes}: 1 (each node its own store) or the job's {nodes} nodes")
+    if p.backend == "megatrain" and host_mode_open(p) and store_nodes == 1:
+        return plan_auto_multi(p, hw, gpus_per_node, nodes, grad_as_written(p), data_path)  # chosen for the node
+    single_hw, hw = hw, node_profile(hw, gpus_per_node)
+    if p.backend == "zero3":
+        return _zero3_multi(placeholder_mode(p), single_hw, hw, gpus_per_node, nodes)
     if gpus_per_node * nodes > 1 and left_auto(p.speculative_step):
-        p = dataclasses.replace(p, speculative_step=False)  # the engine's "auto": off with several ranks
+        p = with_point(p, speculative_step=False)  # the engine's "auto": off with several ranks
     if gpus_per_node * nodes > 1:
         p = dataclasses.replace(p, data_parallel=True)  # no optimizer residency (engine/update/resident.py)
-    single = plan_point(p, hw)
+    single = plan_point(p, single_hw)
     n = gpus_per_node
+    path, why = path_for(hw, n)
+    if data_path == NODE and path != NODE:
+        raise ValueError(f"--data-path node: {why}; plan this node with --data-path per-rank (or auto, which "
+                         "falls back to the per-rank path here)")
+    if data_path == PER_RANK and path == NODE:
+        path, why = PER_RANK, "as asked (--data-path per-rank): every rank streams every layer, today's engine"
     if n * nodes == 1:
         layer, rank = split_host(single)
-        return MultiPlan(1, 1, single, single, Comm(0.0, 0.0, 0.0, 0.0, 0), layer, {k: v for k, v in rank.items() if v})
-    st = single.time
-    rhw = rank_hardware(hw, n, st.h2d_bytes / max(1, st.h2d_bytes + st.d2h_bytes))
-    # the rank with the most layers sets the pace; a replicated store updates every layer on every rank
-    owned = math.ceil(p.model.num_layers / n) if shares_host_store(p) else p.model.num_layers
-    # each layer's reduction by the rank's own reducer threads, as one GPU's (host_work.py), at its view of the host
-    t = megatrain_time(p, rhw, single.long_context.offload, owned_layers=owned,
-                       residency=single.long_context.residency)
-    comm = comm_time(p, hw, t, n, nodes)  # every rank takes part at once: the whole host's bandwidth
-    busy = {**t.busy_s, "host reduce (globals)": comm.intra_globals_s,
-            "network": comm.network_layers_s + comm.network_globals_s}
-    bottleneck = "network" if busy["network"] > max(busy["compute"], busy["link h2d"], busy["link d2h"]) else t.bottleneck
+        return MultiPlan(1, 1, single, single, Comm(0.0, 0.0, 0.0, 0.0, 0), layer, {k: v for k, v in rank.items() if v},
+                         PER_RANK, "one GPU")
+    if store_nodes > 1 and path != NODE and n > 1:
+        raise ValueError(f"nodes sharing one store need the node path ({why})")
+    rhw, t = _rank_time(p, hw, single, n, nodes, path, store_nodes)
+    comm = comm_time(p, hw, t, n, nodes, path, store_nodes)  # every rank takes part at once: the whole host's bandwidth
+    reduce_key = "NVLink all-reduce (globals)" if path == NODE else "host reduce (globals)"
+    busy = {**t.busy_s, reduce_key: comm.intra_globals_s, "network": comm.network_layers_s + comm.network_globals_s}
+    lanes = [busy["compute"], busy["link h2d"], busy["link d2h"], busy.get("NVLink", 0.0)]
+    bottleneck = "network" if busy["network"] > max(lanes) else t.bottleneck
     idle = {**t.idle_s, IDLE_COMM: comm.added_s}
     t = dataclasses.replace(t, step_s=t.step_s + comm.added_s, busy_s=busy, bottleneck=bottleneck, idle_s=idle)
-    mem, layer, rank = node_memory(single, n, nodes)
+    mem, layer, rank = node_memory(single, n, nodes, path, store_nodes)
     ok, reasons = check_fit(mem, hw)
-    reasons = [r.replace("host:", f"host (per node, {n} GPUs):", 1) for r in reasons]
+    where = f"per node, {n} GPUs" + (f", 1/{store_nodes} of the layers' state" if store_nodes > 1 else "")
+    reasons = [r.replace("host:", f"host ({where}):", 1) for r in reasons]
     rank_plan = Plan(p, rhw, mem, t, ok, reasons, dict(single.decisions), list(single.warnings), single.long_context,
                      list(single.refused))
-    return MultiPlan(n, nodes, single, rank_plan, comm, layer, rank)
+    if store_nodes > 1:
+        why = f"{why}; {store_nodes} nodes share one store (each owns 1/{store_nodes} of the layers)"
+    return MultiPlan(n, nodes, single, rank_plan, comm, layer, rank, path, why, store_nodes)
+
+
+def _zero3_multi(p: Point, single_hw: Hardware, hw: Hardware, gpus: int, nodes: int) -> MultiPlan:
+    """ZeRO-3 offload on the node (zero3_node.py's model)."""
+    single = plan_point(p, single_hw)
+    if gpus * nodes == 1:
+        return MultiPlan(1, 1, single, single, Comm(0.0, 0.0, 0.0, 0.0, 0), {}, {}, "zero3", "one GPU")
+    st = single.time
+    rhw = rank_hardware(hw, gpus, st.h2d_bytes / max(1, st.h2d_bytes + st.d2h_bytes))
+    rank, how = zero3_rank(p, single, hw, rhw, gpus, nodes)
+    return MultiPlan(gpus, nodes, single, rank, Comm(0.0, 0.0, 0.0, 0.0, 0), {}, {}, "zero3", how)
+
+
+def plan_auto_multi(p: Point, hw: Hardware, gpus_per_node: int, nodes: int, grad: Any = None,
+                    data_path: str = AUTO) -> MultiPlan:
+    """Host mode "auto" for the node (costs/host_mode.py's rule over the node's plan): the first mode that fits
+    with one store per node; with several nodes then one store shared by them (no disk); then the NVMe tier."""
+    from ..costs.host_mode import choose_host_mode
+    from .auto_mode import AutoChoice, _knobs
+    from .nvme_plan import nvme_fit
+    from .point_plan import mode_point
+
+    seen: dict[Any, tuple[MultiPlan, bool, dict[str, Any]]] = {}
+
+    def attempt(mode: Any, store_nodes: int) -> bool:
+        q = mode_point(p, _knobs(mode, p)) if not p.optimizer_in_backward else with_point(p, **_knobs(mode, p))
+        mp = plan_point_multi(q, hw, gpus_per_node, nodes, store_nodes, data_path)
+        ok, figures = nvme_fit(mp.rank, node_profile(hw, gpus_per_node)) if mode.nvme else (mp.rank.feasible, {})
+        seen[mode] = (mp, ok, figures)
+        return ok
+
+    nvme = hw.nvme_gbs is not None
+    check_topology(hw, gpus_per_node, nodes, p.backend)  # a bad shape is the user's error, named, not a misfit
+    path = path_for(node_profile(hw, gpus_per_node), gpus_per_node)[0] if left_auto(data_path) else data_path
+    shareable = gpus_per_node == 1 or path == NODE  # nodes share one store on the node path (or one GPU each)
+    order = [1] if nodes == 1 or not shareable else [1, nodes]
+    for store_nodes in order:
+        seen.clear()
+        mode, ok = choose_host_mode(lambda m, k=store_nodes: (not m.nvme) and attempt(m, k), p.c == 2,
+                                    p.grad_accum == 1, False, p.optimizer_in_backward, grad)
+        if ok:
+            mp = seen[mode][0]
+            mp.auto = AutoChoice(mode, True, {})
+            return mp
+    # then the NVMe tier, one store per node first; where nothing fits, the plan of the least host memory (the
+    # store shared by every node) says by how much
+    for store_nodes in order:
+        seen.clear()
+        mode, ok = choose_host_mode(lambda m, k=store_nodes: attempt(m, k), p.c == 2, p.grad_accum == 1, nvme,
+                                    p.optimizer_in_backward, grad)
+        if ok:
+            break
+    if mode not in seen:
+        attempt(mode, order[-1])
+    mp, _, figures = seen[mode]
+    mp.auto = AutoChoice(mode, ok, figures)
+    if mode.nvme:
+        alone_ok, alone = nvme_fit(mp.single, hw)
+        mp.single_added_s = alone["added_s"] if alone_ok else 0.0
+    return mp
+
+
+def smallest_store_nodes(p: Point, hw: Hardware, gpus_per_node: int, most: int = 64,
+                         data_path: str = AUTO) -> MultiPlan | None:
+    """The plan on the fewest nodes (2..most) that hold the model in host memory, sharing one store, without
+    the NVMe tier (host mode "auto" over the modes that keep everything in memory); None when none up to `most`
+    does, or the profile has no network. Starts at the count the layers' state alone needs."""
+    from ..costs.host_mode import candidates
+    from .auto_mode import AutoChoice, _knobs
+    from .point_plan import mode_point
+
+    if not hw.network_gbs:
+        return None
+    node_hw = node_profile(hw, gpus_per_node)
+    starts = {}
+    for mode in candidates(p.c == 2, p.grad_accum == 1, False, p.optimizer_in_backward):
+        q = mode_point(p, _knobs(mode, p)) if not p.optimizer_in_backward else with_point(p, **_knobs(mode, p))
+        try:
+            base = plan_point_multi(q, hw, gpus_per_node, 2, 2, data_path)
+        except ValueError:
+            return None
+        state = sum(v for k, v in base.layer_state.items() if k != "runtime") * 2  # the whole store (2 nodes, half each)
+        room = node_hw.host_bytes - (base.host_node_bytes - state / 2)
+        if room > 0:
+            starts[mode] = (max(2, math.ceil(state / room)), q)
+    if not starts:
+        return None
+    # the fewest nodes first, the fastest mode first at each count (candidates' order)
+    for nodes in range(min(n for n, _ in starts.values()), most + 1):
+        for mode, (start, q) in starts.items():
+            if nodes < start:
+                continue
+            mp = plan_point_multi(q, hw, gpus_per_node, nodes, nodes, data_path)
+            if mp.rank.feasible:
+                mp.auto = AutoChoice(mode, True, {})
+                return mp
+        if nodes > max(n for n, _ in starts.values()) + 2:
+            break  # more nodes shrink only the layers' state: past the estimates, the rest of the host is what is over
+    return None
 
 
 def plan_multi(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dtype: str = "bfloat16",
                hardware: str | Hardware | dict = "h200-pcie", *, gpus_per_node: int = 1, nodes: int = 1,
                network_gbs: float | None = None, gpus_per_host_link: int | None = None,
                link_gbs: float | None = None, host_memory_gib: float | None = None,
-               device_memory_gib: float | None = None, **knobs: Any) -> MultiPlan:
+               device_memory_gib: float | None = None, data_path: str = AUTO, **knobs: Any) -> MultiPlan:
     """plan() for a data-parallel job: N GPUs per node (sharing the node's host), M nodes."""
     p = make_point(model, context, batch, grad_accum, dtype, "megatrain", **knobs)
     hw = node_hardware(resolve_hardware(hardware, link_gbs, host_memory_gib, device_memory_gib), network_gbs,
                        gpus_per_host_link)
-    return plan_point_multi(p, hw, gpus_per_node, nodes)
+    return plan_point_multi(p, hw, gpus_per_node, nodes, data_path=data_path)
 

@@ -111,13 +111,17 @@ def _too_small(parts: dict[str, int], fixed: int, other: int, rec: int, least: i
 
 
 def nvme_rows(p: Point, hw: Hardware, search: bool = True) -> list[NvmeRow]:
-    """One row per mode that keeps gradient clipping (the optimizer in backward cannot, and does not spill)."""
+    """One row per mode that keeps gradient clipping (the optimizer in backward cannot, and does not spill) and
+    that the point's config takes (hilo needs bf16 compute)."""
     rows = []
     sizes = sorted(SCALE_PRESETS, key=lambda n: PRESETS[n].param_count())
     for label, knobs in MODES:
         if knobs["optimizer_in_backward"]:
             continue
-        q = mode_point(p, knobs)
+        try:
+            q = mode_point(p, knobs)
+        except ValueError:
+            continue  # EngineConfig refuses the mode at this point: nothing to spill
         pl = plan_point(q, hw)
         ok, f = nvme_fit(pl, hw)
         best = best_nvme = None

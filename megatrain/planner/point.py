@@ -1,5 +1,7 @@
-"""A training point to plan: its settings under EngineConfig's names, validated, and what the engine
-would refuse about its host-memory mode (costs/modes.py)."""
+"""A training point to plan: the engine's settings as the user writes them (one EngineConfig, which checks them and
+whose defaults are the engine's: host mode "auto", residency "auto", ...), the planner's own beside them (the shape of
+the work, the backend, the baselines' knobs), and what the engine would refuse about its host-memory mode
+(costs/modes.py)."""
 
 from __future__ import annotations
 
@@ -24,36 +26,35 @@ BACKENDS = ("megatrain", "zero3", "zero3-alst", "torch")
 
 # The residency a point plans when it sets none: the engine's own default, so a plan is what the engine runs.
 ENGINE_RESIDENCY = kept.parse(next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "residency"))
-MASTERS = ("fp32", "hilo", "bf16")
+# The engine's settings a point takes (EngineConfig's names; compute_dtype is the point's `dtype`): the ones that
+# change a prediction. The rest of EngineConfig (trace, watchdog_s, ...) keeps its defaults.
+ENGINE_KNOBS = ("num_buffers", "offload_activations", "mlp_tile_tokens", "loss_chunk_tokens", "device_budget_bytes",
+                "host_master", "host_grad_dtype", "optimizer_in_backward", "optimizer_overlap", "speculative_step",
+                "residency")
+# The order a plan's JSON lists a point's settings in (Plan.to_dict)
+_ORDER = ("model", "context", "batch", "grad_accum", "dtype", "backend", "num_buffers", "offload_activations",
+          "mlp_tile_tokens", "loss_chunk_tokens", "device_budget_bytes", "host_master", "host_grad_dtype",
+          "optimizer_in_backward", "optimizer_overlap", "speculative_step", "grad_clip", "gradient_checkpointing",
+          "zero3_pin_memory", "zero3_overlap", "zero_stage", "zero3_prefetch_bucket", "zero3_persistence_threshold",
+          "zero3_reduce_bucket", "residency", "data_parallel")
+
+
+def _written(**settings: Any) -> EngineConfig:
+    return EngineConfig(**settings)
 
 
 @dataclass(frozen=True)
 class Point:
-    """One training configuration to plan."""
+    """One training configuration to plan: the engine's settings as the user writes them (`engine`, an EngineConfig
+    with its defaults and "auto" as written; the planner settles "auto" as the engine does) and what the planner
+    adds: the shape of the work, the backend, and the baselines' own knobs."""
 
     model: ModelPreset
     context: int
     batch: int = 1
     grad_accum: int = 1
-    dtype: str = "bfloat16"
     backend: str = "megatrain"
-    num_buffers: int = 2
-    offload_activations: bool | str = "auto"  # True, False or "auto" (offload only when the device is short)
-    mlp_tile_tokens: int | str | None = "auto"  # MLP sequence tile; None = untiled, "auto" = chosen from the budget
-    loss_chunk_tokens: int | str = "auto"  # head/loss chunk; "auto": the engine's policy chooses it
-    # what the engine's "auto" plans against (EngineConfig.device_budget_bytes); None = as the engine
-    # does: the GPU's memory, no limit on a CPU "device"
-    device_budget_bytes: int | None = None
-    # The host-memory modes (megatrain/costs/modes.py)
-    host_master: str = "fp32"  # fp32 (+ bf16 shadow in bf16 mode), hilo (exact split, no shadow), bf16 (paper's code)
-    host_grad_dtype: str = "float32"
-    optimizer_in_backward: bool = False  # each layer's AdamW during backward: no layer gradient slab
-    # host AdamW layer by layer behind the next forward (EngineConfig); None = "auto", as the engine settles it
-    # (overlap_on): on a CUDA device
-    optimizer_overlap: bool | None = None
-    # each layer's host update during backward, kept at step unless a clip scales (EngineConfig.speculative_step);
-    # "auto" as the engine settles it (speculative_on)
-    speculative_step: bool | str = AUTO
+    engine: EngineConfig = dataclasses.field(default_factory=lambda: _written(compute_dtype="bfloat16"))
     grad_clip: bool = True
     gradient_checkpointing: bool = True  # zero3 / torch only: megatrain always recomputes per layer
     zero3_pin_memory: bool = True
@@ -67,11 +68,62 @@ class Point:
     zero3_prefetch_bucket: int | None = None
     zero3_persistence_threshold: int | None = None
     zero3_reduce_bucket: int | None = None
-    # which layers stay on the device (EngineConfig.residency, costs/residency.py): "auto" (the planner's placement
-    # within the device budget, planner/placement.py), or counts (a Residency; "stream" is Residency(0, 0))
-    residency: str | kept.Residency = ENGINE_RESIDENCY
     # several data-parallel ranks (planner/multi.py): the engine keeps no layer's optimizer on the device then
     data_parallel: bool = False
+
+    # The engine's settings, read from its config (never copied): what the models below read.
+    @property
+    def dtype(self) -> str:
+        return self.engine.compute_dtype
+
+    @property
+    def num_buffers(self) -> int:
+        return self.engine.num_buffers
+
+    @property
+    def offload_activations(self) -> bool | str:
+        return self.engine.offload_activations
+
+    @property
+    def mlp_tile_tokens(self) -> int | str | None:
+        return self.engine.mlp_tile_tokens
+
+    @property
+    def loss_chunk_tokens(self) -> int | str:
+        return self.engine.loss_chunk_tokens
+
+    @property
+    def device_budget_bytes(self) -> int | None:
+        return self.engine.device_budget_bytes
+
+    @property
+    def host_master(self) -> str:
+        """fp32 (+ bf16 shadow in bf16 mode), hilo (exact split, no shadow), bf16 (paper's code); "auto" until a
+        plan chooses it (auto_mode.py: the plan's point is the chosen mode's)."""
+        return self.engine.host_master
+
+    @property
+    def host_grad_dtype(self) -> str:
+        return self.engine.host_grad_dtype
+
+    @property
+    def optimizer_in_backward(self) -> bool:
+        return self.engine.optimizer_in_backward
+
+    @property
+    def optimizer_overlap(self) -> bool | None:
+        """None: "auto", as the engine settles it (overlap_on): on with a CUDA device."""
+        return self.engine.optimizer_overlap
+
+    @property
+    def speculative_step(self) -> bool | str:
+        """"auto" as the engine settles it (speculative_layers)."""
+        return self.engine.speculative_step
+
+    @property
+    def residency(self) -> str | kept.Residency:
+        """"auto" (the planner's placement within the device budget, placement.py) or counts (a Residency)."""
+        return self.engine.residency
 
     @property
     def master(self) -> str:
@@ -90,12 +142,18 @@ class Point:
     def c(self) -> int:  # bytes per element of the compute dtype
         return 2 if _is_bf16(self.dtype) else 4
 
+    def as_dict(self) -> dict[str, Any]:
+        """The point's settings as one flat mapping (a plan's JSON), the engine's among the planner's."""
+        return {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+                for k, v in ((k, getattr(self, k)) for k in _ORDER)}
+
 
 def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dtype: str = "bfloat16",
                backend: str = "megatrain", engine_config: Any = None, **knobs: Any) -> Point:
-    """Validate inputs into a Point. `engine_config` (an EngineConfig or anything with its attribute
-    names) supplies num_buffers, loss_chunk_tokens, offload_activations, mlp_tile_tokens,
-    device_budget_bytes, optimizer_overlap and compute_dtype."""
+    """Validate inputs into a Point: the engine's settings among `knobs` (ENGINE_KNOBS) written into its EngineConfig,
+    which checks them; the planner's own checked here. `engine_config` (an EngineConfig or anything with its
+    attribute names) supplies num_buffers, loss_chunk_tokens, offload_activations, mlp_tile_tokens,
+    device_budget_bytes, optimizer_overlap, speculative_step, residency and compute_dtype."""
     m = resolve_model(model)
     if engine_config is not None:
         dtype = getattr(engine_config, "compute_dtype", dtype)
@@ -108,49 +166,34 @@ def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
                       stacklevel=3)
         knobs.setdefault("mlp_tile_tokens", knobs.pop("tile_tokens"))
     _host_master_name(knobs)
-    unknown = set(knobs) - {f.name for f in dataclasses.fields(Point)}
+    unknown = set(knobs) - set(ENGINE_KNOBS) - {f.name for f in dataclasses.fields(Point)} - {"engine"}
     if unknown:
         raise ValueError(f"unknown planner setting(s) {sorted(unknown)}")
-    for name, v in (("context", context), ("batch", batch), ("grad_accum", grad_accum),
-                    ("num_buffers", knobs.get("num_buffers", 2)),
-                    ("loss_chunk_tokens", knobs.get("loss_chunk_tokens", 1))):
-        if name == "loss_chunk_tokens" and left_auto(v):
-            continue
+    for name, v in (("context", context), ("batch", batch), ("grad_accum", grad_accum)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r} must be an int >= 1" + (" or 'auto'" if name == "loss_chunk_tokens" else ""))
+            raise ValueError(f"{name}={v!r} must be an int >= 1")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS}")
-    _is_bf16(dtype)  # raises on an unknown dtype
-    _is_bf16(knobs.get("host_grad_dtype", "float32"))
-    if knobs.get("host_master", "fp32") not in MASTERS:
-        raise ValueError(f"host_master={knobs['host_master']!r}: use one of {MASTERS}")
-    off = knobs.get("offload_activations", AUTO)
-    if not (off is True or off is False or left_auto(off)):
-        raise ValueError(f"offload_activations={off!r}: use True, False or 'auto'")
-    tile = knobs.get("mlp_tile_tokens", AUTO)
-    if not (tile is None or left_auto(tile) or (isinstance(tile, int) and not isinstance(tile, bool) and tile >= 1)):
-        raise ValueError(f"mlp_tile_tokens={tile!r}: use None (untiled), 'auto' or an int >= 1")
-    if left_auto(knobs.get("optimizer_overlap")):  # the engine's "auto" is None
-        knobs["optimizer_overlap"] = None
-    if knobs.get("optimizer_overlap") not in (None, True, False):
-        raise ValueError(f"optimizer_overlap={knobs['optimizer_overlap']!r}: use True, False or None ('auto', as "
-                         "the engine resolves it)")
-    if knobs.get("speculative_step", AUTO) is None:  # the point's old spelling of "auto"
-        knobs["speculative_step"] = AUTO
-    spec = knobs.get("speculative_step", AUTO)
-    if not (spec is True or spec is False or left_auto(spec)):
-        raise ValueError(f"speculative_step={knobs['speculative_step']!r}: use True, False or 'auto' (as the "
-                         "engine resolves it)")
     if knobs.get("zero_stage", 3) not in (2, 3):
         raise ValueError(f"zero_stage={knobs['zero_stage']!r}: the planner models ZeRO-2 and ZeRO-3 offload (2 or 3)")
     for k in ("zero3_prefetch_bucket", "zero3_persistence_threshold", "zero3_reduce_bucket"):
         v = knobs.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise ValueError(f"{k}={v!r} must be an int >= 0 (elements) or None (the documented tuning)")
-    if "residency" in knobs:
-        knobs["residency"] = kept.parse(knobs["residency"])  # raises naming the bad value and the forms
-    dtype = "bfloat16" if _is_bf16(dtype) else "float32"
-    return Point(model=m, context=context, batch=batch, grad_accum=grad_accum, dtype=dtype, backend=backend, **knobs)
+    dtype = "bfloat16" if _is_bf16(dtype) else "float32"  # raises on an unknown dtype
+    engine = {k: knobs.pop(k) for k in ENGINE_KNOBS if k in knobs}
+    return Point(model=m, context=context, batch=batch, grad_accum=grad_accum, backend=backend,
+                 engine=_written(compute_dtype=dtype, **_engine_spelling(engine)), **knobs)
+
+
+def _engine_spelling(engine: dict[str, Any]) -> dict[str, Any]:
+    """The planner's spellings of "auto" the engine writes otherwise: optimizer_overlap "auto" (the engine's None)
+    and speculative_step None (the engine's "auto")."""
+    if left_auto(engine.get("optimizer_overlap")):
+        engine["optimizer_overlap"] = None
+    if "speculative_step" in engine and engine["speculative_step"] is None:
+        engine["speculative_step"] = AUTO
+    return engine
 
 
 def _host_master_name(knobs: dict[str, Any]) -> None:
@@ -162,8 +205,36 @@ def _host_master_name(knobs: dict[str, Any]) -> None:
 
 
 def with_point(p: Point, **changes: Any) -> Point:
+    """The point with `changes` (the engine's settings written into its config as written, which resolves afresh;
+    `dtype` is its compute_dtype)."""
     _host_master_name(changes)
+    engine = {k: changes.pop(k) for k in ENGINE_KNOBS if k in changes}
+    if "dtype" in changes:
+        engine["compute_dtype"] = changes.pop("dtype")
+    if engine:
+        changes["engine"] = p.engine.rewrite(**_engine_spelling(engine))
     return dataclasses.replace(p, **changes)
+
+
+def host_mode_open(p: Point) -> bool:
+    """Whether the point leaves its host mode to "auto" (host_master as written; in FP32 compute the engine's
+    config reads it as the FP32 master, and "auto" may still choose the NVMe tier): a megatrain plan chooses it
+    (auto_mode.py); the other backends keep no host mode of the engine's."""
+    return left_auto(p.engine.written["host_master"])
+
+
+def grad_as_written(p: Point) -> GradSlab | None:
+    """The gradient slab dtype the user set; None: "auto" (host mode "auto" chooses it)."""
+    grad = p.engine.written["host_grad_dtype"]
+    return None if left_auto(grad) else GradSlab(grad)
+
+
+def placeholder_mode(p: Point) -> Point:
+    """A point of another backend, or one a model reads directly, with the FP32 master and slabs written where its
+    host mode is "auto" (no plan of the engine chooses one there)."""
+    if not left_auto(p.host_master) and not left_auto(p.host_grad_dtype):
+        return p
+    return with_point(p, host_master=HostMaster.FP32.value, host_grad_dtype=GradSlab.FLOAT32.value)
 
 
 def engine_settings(p: Point) -> dict[str, Any]:
@@ -283,14 +354,9 @@ def layer_grad_bytes(p: Point) -> int:
 
 def engine_refusal(p: Point) -> str | None:
     """Why EngineConfig / the engine would refuse this point's host-memory mode, or None."""
-    master, bf16 = HostMaster(p.host_master), p.c == 2
-    if master is not HostMaster.FP32 and not bf16:
-        return f"host_master={p.host_master!r} needs bf16 compute"
-    if GradSlab(p.host_grad_dtype) is GradSlab.BFLOAT16 and not p.optimizer_in_backward:
-        if not bf16:
-            return "bf16 gradient slabs need bf16 compute"
-        if p.grad_accum > 1:
-            return "bf16 gradient slabs refuse gradient accumulation"
+    # (a mode that needs bf16 compute is refused by the point's EngineConfig when it is written)
+    if GradSlab(p.host_grad_dtype) is GradSlab.BFLOAT16 and not p.optimizer_in_backward and p.grad_accum > 1:
+        return "bf16 gradient slabs refuse gradient accumulation"
     if p.optimizer_in_backward:
         if p.grad_accum > 1:
             return "optimizer_in_backward refuses gradient accumulation"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..config.schema import AUTO
 from .alst import default_loss_tile, zero3_alst_memory
 from .hardware import Hardware
 from .memory import (
@@ -17,7 +18,15 @@ from .memory import (
 )
 from .pipeline_sim import simulate_step
 from .placement import place
-from .point import Point, engine_refusal, refusals, with_point
+from .point import (
+    Point,
+    engine_refusal,
+    grad_as_written,
+    host_mode_open,
+    placeholder_mode,
+    refusals,
+    with_point,
+)
 from .prediction import Plan
 from .step_time import (
     async_globals,
@@ -52,12 +61,24 @@ def mode_settings(knobs: dict[str, Any]) -> dict[str, Any]:
 
 
 def mode_point(p: Point, knobs: dict[str, Any]) -> Point:
-    """The point in one mode; the optimizer in backward cannot clip, so its rows plan without clipping."""
-    return with_point(p, **knobs, grad_clip=p.grad_clip and not knobs["optimizer_in_backward"],
-                      optimizer_overlap=p.optimizer_overlap and not knobs["optimizer_in_backward"])
+    """The point in one mode; the optimizer in backward cannot clip, so its rows plan without clipping (nor
+    overlap or speculate: it updates each layer in backward, and its config refuses a speculative step beside it).
+    Raises ValueError where the point's EngineConfig refuses the mode (e.g. hilo in FP32 compute)."""
+    oib = knobs["optimizer_in_backward"]
+    spec = {"speculative_step": AUTO} if oib and p.speculative_step is True else {}
+    return with_point(p, **knobs, **spec, grad_clip=p.grad_clip and not oib,
+                      optimizer_overlap=p.optimizer_overlap and not oib)
 
 
 def plan_point(p: Point, hw: Hardware, host_avail: int | None = None, device_avail: int | None = None) -> Plan:
+    """The point's plan on `hw`. A megatrain point whose host mode is "auto" (as written: the engine's default) plans
+    the mode "auto" chooses (auto_mode.py), the choice on the plan; another backend keeps no host mode of the
+    engine's."""
+    if p.backend == "megatrain" and host_mode_open(p):
+        from .auto_mode import plan_auto  # it plans each mode it tries here
+
+        return plan_auto(p, hw, grad_as_written(p), host_avail, device_avail)
+    p = placeholder_mode(p)
     notes = []
     if p.context > p.model.max_positions:
         notes.append(f"context {p.context} exceeds the model's max_position_embeddings "
@@ -109,6 +130,8 @@ def _placement_note(p: Point, pl: Any) -> str:
 def predicted_timeline(p: Point, hw: Hardware) -> list[dict[str, Any]]:
     """The planner's per-layer timeline of one step up to the optimizer, in the engine's trace format
     (stream, kind, layer, start_s, end_s), to set against a measured trace (EngineConfig.trace)."""
+    if p.backend == "megatrain" and host_mode_open(p):
+        p = plan_point(p, hw).point  # the mode "auto" chooses
     lc = place(p, hw, long_context_plan(p, hw))[0]
     io = globals_io(p, hw)
     costs = layer_costs(p, hw, lc.offload)

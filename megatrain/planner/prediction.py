@@ -102,7 +102,7 @@ class Plan:
         return step_timeline(self.point, self.hardware, self.time) if self.point.backend == "megatrain" else None
 
     def to_dict(self) -> dict[str, Any]:
-        p = dataclasses.asdict(self.point)
+        p = self.point.as_dict()
         p["model"] = self.point.model.name
         return {
             "point": p,
@@ -120,6 +120,10 @@ class Plan:
             "warnings": list(self.warnings),
             "long_context": dataclasses.asdict(self.long_context) if self.long_context else None,
             "tokens_per_s": self.tokens_per_s,
+            # the first screen's headline: the chosen mode's step (its NVMe time included), none where it does not fit
+            "headline_step_s": self.time.step_s + self._nvme_added_s if self._fits_as_chosen else None,
+            "headline_tokens_per_s": (self.point.tokens_per_step / (self.time.step_s + self._nvme_added_s)
+                                      if self._fits_as_chosen else None),
             "model_tflops": self.model_tflops,
             "mfu": self.mfu,
             "host_bytes_per_param": self.host_bytes_per_param,
@@ -127,6 +131,14 @@ class Plan:
             "timeline": None if self.timeline is None else self.timeline.to_dict(),
             "residency": self._residency_dict(),
         }
+
+    @property
+    def _fits_as_chosen(self) -> bool:
+        return self.feasible if self.auto is None else self.auto.fits
+
+    @property
+    def _nvme_added_s(self) -> float:
+        return self.auto.nvme.get("added_s", 0.0) if self.auto is not None and self.auto.mode.nvme else 0.0
 
     def _residency_dict(self) -> dict[str, Any] | None:
         """megatrain: the placement, and the per-step figures the engine reports to compare with (h2d_bytes,

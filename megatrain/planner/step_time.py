@@ -13,6 +13,8 @@ from .hardware import GB, Hardware, _is_bf16
 from .host_rates import host_slowdown
 from .host_work import SerialWork, globals_reduce_bps, reducer_bps, reducer_bytes_per_param, serial_work
 from .memory import LOSS_BYTES_EXTRA, zero3_sizes
+from .node_path import GRAD_WIRE_BYTES, NodeShare
+from .node_path import reducer_bytes_per_param as node_reducer_bytes
 from .pipeline_sim import REDUCE_LANES, LayerCosts, PipelineSim, graph_bytes, simulate_step
 from .point import Point, aliases_globals, master_bytes, overlap_on, speculative_layers
 from .zero3_model import PassCost, Step, Submodule, decoder_layer_submodules, run_pass
@@ -95,7 +97,7 @@ def layer_compute(p: Point, hw: Hardware) -> tuple[float, float, float]:
 def sustained_from_layer_time(p: Point, hw: Hardware, seconds: float) -> float:
     """The `sustained` fraction of peak at which this model's layer compute (forward + recompute +
     backward, as layer_compute charges it, the profile's fixed per-layer costs included) takes
-    `seconds`: a profile number from a measured layer (megatrain/commands/measure.py, layer_seconds), not from a
+    `seconds`: a profile number from a measured layer (megatrain/metrics/bench.py, layer_seconds), not from a
     measured step."""
     lin, attn, elem_bytes = layer_flops(p)
     elem = elem_bytes / (hw.device_memory_bw_gbs * GB)
@@ -194,35 +196,50 @@ def async_globals(io: GlobalsIO, costs: LayerCosts, on_device: bool = False) -> 
     return (io.down_s, io.add_s) if costs.cuda and not on_device else None
 
 
-def layer_costs(p: Point, hw: Hardware, offload: bool, own_reducer: bool = True) -> LayerCosts:
+def layer_costs(p: Point, hw: Hardware, offload: bool, own_reducer: bool = True,
+                node: NodeShare | None = None) -> LayerCosts:
     """`own_reducer`: the reducer thread at its share of the host's cores (host_work.py); False: at the whole of
-    `hw`'s host bandwidth (a data-parallel rank's view of the node, planner/multi.py)."""
+    `hw`'s host bandwidth (a data-parallel rank's view of the node, planner/multi.py). `node`: one GPU's share of
+    the node path (planner/node_path.py): its shard over the link, the rest over NVLink, its shard's adds."""
     m, c = p.model, p.c
     fwd_c, rec_c, bwd_only = layer_compute(p, hw)
     Bl = hw.link_bps
     cuda = not hw.unified_memory
+    PL = m.layer_params()
+    if node is not None:
+        return LayerCosts(fwd=fwd_c, bwd=rec_c + bwd_only, load=node.weights_s(PL, c, Bl),
+                          act=p.tokens * m.hidden * c / Bl if offload else 0.0, grad=node.grads_s(PL, Bl),
+                          reduce=PL / node.gpus * node_reducer_bytes(p) / reducer_bps(p, hw), cuda=cuda,
+                          recompute=rec_c)
     # CUDA: the reducer thread at its share of the cores (host_work.py); a CPU device adds on the d2h worker
-    reduce = (m.layer_params() * reducer_bytes_per_param(p) / reducer_bps(p, hw) if cuda and own_reducer
-              else m.layer_params() * _engine_accum_bytes(p) / hw.host_bw_bps)
-    return LayerCosts(fwd=fwd_c, bwd=rec_c + bwd_only, load=m.layer_params() * c / Bl,
-                       act=p.tokens * m.hidden * c / Bl if offload else 0.0, grad=m.layer_params() * c / Bl,
+    reduce = (PL * reducer_bytes_per_param(p) / reducer_bps(p, hw) if cuda and own_reducer
+              else PL * _engine_accum_bytes(p) / hw.host_bw_bps)
+    return LayerCosts(fwd=fwd_c, bwd=rec_c + bwd_only, load=PL * c / Bl,
+                       act=p.tokens * m.hidden * c / Bl if offload else 0.0, grad=PL * c / Bl,
                        reduce=reduce, cuda=cuda, recompute=rec_c)
 
 
-def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | None = None,
-                   own_reducer: bool = True, residency: kept.Residency | None = None) -> Time:
+def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: float | None = None,
+                   own_reducer: bool = True, residency: kept.Residency | None = None,
+                   node: NodeShare | None = None) -> Time:
     """`owned_layers`: decoder layers whose optimizer update this process runs (all of them by default;
-    a data-parallel rank of a node whose optimizer is sharded by layer runs its share, planner/multi.py);
-    `own_reducer`: as layer_costs; `residency`: the batch's placement (the memory plan's), as simulate_step."""
+    a data-parallel rank of a node whose optimizer is sharded by layer runs its share, planner/multi.py; on the
+    node path 1/G of every layer: L/G); `own_reducer`, `node`: as layer_costs; `residency`: the batch's placement
+    (the memory plan's), as simulate_step."""
     m, c, T, L, g = p.model, p.c, p.tokens, p.model.num_layers, p.grad_accum
     own = L if owned_layers is None else owned_layers
     PL, h = m.layer_params(), m.hidden
-    costs = layer_costs(p, hw, offload, own_reducer)
+    costs = layer_costs(p, hw, offload, own_reducer, node)
     # The resident parameters' optimizer goes on the device with any layer's (engine/update/resident.py
     # place_globals): no copy down, no host update on the launch thread, no rounding or upload.
     placed = residency if residency is not None else p.residency
     glob_dev = isinstance(placed, kept.Residency) and placed.optimizer > 0 and owned_layers is None
     io = device_globals_io(p, hw) if glob_dev else globals_io(p, hw)
+    if node is not None:
+        # the node path shards the resident parameters as it shards a layer (docs/DISTRIBUTED.md, section 2):
+        # this rank moves, adds, updates and rounds 1/G of them
+        io = GlobalsIO(io.add_s / node.gpus, io.down_s / node.gpus, io.up_s / node.gpus,
+                       int(io.down_bytes / node.gpus), int(io.up_bytes / node.gpus))
     # the head, its loss, the global gradients' adds (on this thread off CUDA), and the engine's fixed work
     # per micro-batch outside the layers
     off = async_globals(io, costs, glob_dev)
@@ -247,7 +264,8 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
     # the mode's own distance from its bytes bound (host_rates.py), never above the host's bandwidth: a mode measured
     # faster than FP32's whole step on two threads does not beat the bandwidth the pool's threads reach
     rate = optimizer_rate_bps(p, hw, overlap)
-    opt_globals = 0.0 if glob_dev else G * per_param / rate
+    own_globals = G / node.gpus if node is not None else G  # resident parameters this process updates
+    opt_globals = 0.0 if glob_dev else own_globals * per_param / rate
     opt_busy = own * PL * per_param / rate + opt_globals
     if own == 0:
         opt_added = opt_globals  # every layer updates on the device (device_opt) or on another rank
@@ -278,15 +296,18 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
         opt_added = opt_busy
     # the resident parameters' update runs on the launch thread once the layer jobs are queued, and their rounding
     # into the upload's staging after it on a worker of its own, which the next forward waits for (host_work.py)
-    serial = SerialWork(0.0, 0.0) if glob_dev else serial_work(p, hw, G, opt_globals)
+    serial = SerialWork(0.0, 0.0) if glob_dev else serial_work(p, hw, int(own_globals), opt_globals)
     embed_io = (0.0 if off else g * io.down_s) + io.up_s  # what the compute thread spends on them
     opt_added += device_opt  # after the backward, on the compute stream (the device busy, not idle)
     step = sim.t + opt_added + serial.resident_round_s + io.up_s
     jobs = sim.bytes_jobs
     act = T * h * c
     graph = graph_bytes(p) if jobs["graph_out"] else 0  # an offloaded graph's saved activations, each way
-    h2d_bytes = jobs["load"] * PL * c + jobs["act_in"] * act + jobs["graph_in"] * graph + io.up_bytes
-    d2h_bytes = jobs["grad"] * PL * c + jobs["act_out"] * act + jobs["graph_out"] * graph + g * io.down_bytes
+    # on the node path this GPU's link carries its shards (and other domains'); NVLink the rest
+    share = node.link_fraction if node is not None else 1.0
+    grad_b = GRAD_WIRE_BYTES if node is not None else c
+    h2d_bytes = jobs["load"] * PL * c * share + jobs["act_in"] * act + jobs["graph_in"] * graph + io.up_bytes
+    d2h_bytes = jobs["grad"] * PL * grad_b * share + jobs["act_out"] * act + jobs["graph_out"] * graph + g * io.down_bytes
     Bl = hw.link_bps
     busy = {
         "compute": g * (L * (costs.fwd + costs.bwd) - graphs * costs.recompute + head) + device_opt,
@@ -295,6 +316,8 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: int | No
         "host optimizer": opt_busy,
         "device optimizer": device_opt,
     }
+    if node is not None:
+        busy["NVLink"] = node.nvlink_s(PL, c, jobs["load"], jobs["grad"])
     if speculative:
         busy["host rollback copy"] = copy_s
     if costs.cuda:
@@ -516,8 +539,9 @@ def _bottleneck(busy: dict[str, float], opt_overlapped: bool) -> str:
     link = max(busy["link h2d"], busy["link d2h"])
     opt = busy.get("host optimizer", busy.get("device optimizer", 0.0))
     cands = {"compute": compute, "link": link, "optimizer": opt}
-    if "host hooks" in busy:
-        cands["host hooks"] = busy["host hooks"]
+    for k in ("host hooks", "NVLink"):
+        if k in busy:
+            cands[k] = busy[k]
     if opt_overlapped:
         cands["optimizer"] = opt if opt > compute else 0.0
     return max(cands, key=lambda k: cands[k])

@@ -69,7 +69,7 @@ def step_timeline(p: Point, hw: Hardware, t: Time) -> StepTimeline:
     reducer = None
     # layers whose gradients the host reducer adds (an optimizer-resident layer's are added on the device)
     reduced = p.model.num_layers - (t.residency.optimizer if t.residency is not None else 0)
-    if "host reducer" in busy and reduced:  # CUDA
+    if busy.get("host reducer", 0.0) > 0 and reduced:  # CUDA (the node path adds none at accumulation 1)
         per_layer = busy["host reducer"] / (p.grad_accum * reduced)
         nbytes = reducer_bytes_per_param(p)
         reducer = ReducerTerm(reducer_threads(hw), nbytes, p.model.layer_params() * nbytes / per_layer / 1e9,

@@ -1,4 +1,4 @@
-"""The shared C build (engine/ckernel.py): its ISA flags follow torch's CPU capability, and a flag set the
+"""The shared C build (engine/runtime/ckernel.py): its ISA flags follow torch's CPU capability, and a flag set the
 compiler refuses falls back to the next one."""
 
 import sys

@@ -1,5 +1,5 @@
 """A process that trains with a process group tears it down at exit, before Python finalizes
-(engine/distributed.py destroy_at_exit): left to finalization, a gloo worker releasing its last work aborted
+(engine/parallel/distributed.py destroy_at_exit): left to finalization, a gloo worker releasing its last work aborted
 such a process now and then ("terminate called without an active exception")."""
 
 import subprocess

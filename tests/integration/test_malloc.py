@@ -1,4 +1,4 @@
-"""The engine's fixed mmap threshold (engine/malloc.py): freed host transients leave the resident set."""
+"""The engine's fixed mmap threshold (engine/runtime/malloc.py): freed host transients leave the resident set."""
 
 from __future__ import annotations
 

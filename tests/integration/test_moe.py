@@ -2,7 +2,7 @@
 
 The router auxiliary loss couples every layer's router logits; the engine records them per layer, computes the
 model's own loss term on leaves of them and backpropagates each leaf's gradient through its layer's recompute
-(engine/router.py). The comparison below is the dense parity tests': per-micro-batch losses within 1e-5 of
+(engine/layer/router.py). The comparison below is the dense parity tests': per-micro-batch losses within 1e-5 of
 PyTorch over 12 micro-batches (AdamW, accumulation 2, clipping that triggers) and first-step gradients within
 1e-6 relative; the negative controls break the engine three ways and each must fail that same comparison.
 """

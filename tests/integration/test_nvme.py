@@ -1,4 +1,4 @@
-"""The NVMe tier (engine/spill.py, costs/nvme.py): spilled training is the in-memory training bit for bit, with
+"""The NVMe tier (engine/host/spill.py, costs/nvme.py): spilled training is the in-memory training bit for bit, with
 less host memory, files that exist only while it trains, and clear refusals before any work.
 
 - half the store's host bytes as the budget: bit-identical weights and optimizer state (hi/lo masters, clipping,
@@ -27,14 +27,9 @@ from test_host_modes import _differences, _train
 
 from megatrain.config.schema import EngineConfig
 from megatrain.costs.nvme import BudgetTooSmall, plan_spill, record_bytes
-from megatrain.engine import Engine
 from megatrain.engine.host.spill import NvmeSpaceError, SpillFile, record_sizes, store_fixed_bytes
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "nvme_rss_worker.py"
-
-
-def _engine(model, **cfg) -> Engine:
-    return bf16_engine(model, **cfg)
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +58,14 @@ def test_half_budget_is_bit_identical_with_less_rss_and_files_only_while_trainin
 
 def test_mixed_plan_overlapped_is_bit_identical_and_a_lost_write_is_seen(model, tmp_path, monkeypatch):
     batches = make_batches(8)
-    probe = _engine(model, nvme_path=str(tmp_path / "a"))  # every layer spilled: its records tell the budget
+    probe = bf16_engine(model, nvme_path=str(tmp_path / "a"))  # every layer spilled: its records tell the budget
     records = record_sizes(probe.optimizer, probe.store)
     fixed = store_fixed_bytes(probe.store, probe.optimizer)
     probe.spill.close()
     del probe
     budget = fixed + 2 * max(records) + records[0]  # two ring buffers and one layer resident, three spilled
-    ref = _engine(model, optimizer_overlap=True)
-    sp = _engine(model, optimizer_overlap=True, nvme_path=str(tmp_path / "b"), host_budget_bytes=budget)
+    ref = bf16_engine(model, optimizer_overlap=True)
+    sp = bf16_engine(model, optimizer_overlap=True, nvme_path=str(tmp_path / "b"), host_budget_bytes=budget)
     assert len(sp.spill.order) == 3 and sp.spill.plan.slots == 2
     assert _train(ref, batches, 3, accum=2, clip=0.5) == _train(sp, batches, 3, accum=2, clip=0.5)
     assert _differences(ref, sp) == []
@@ -78,22 +73,22 @@ def test_mixed_plan_overlapped_is_bit_identical_and_a_lost_write_is_seen(model, 
 
     # Negative control: the write behind each update lost: the next read brings back stale state.
     monkeypatch.setattr(SpillFile, "write", lambda self, buf, offset: None)
-    bad = _engine(model, nvme_path=str(tmp_path / "c"))
+    bad = bf16_engine(model, nvme_path=str(tmp_path / "c"))
     _train(bad, batches, 3, accum=2, clip=0.5)
-    ref2 = _engine(model)
+    ref2 = bf16_engine(model)
     _train(ref2, batches, 3, accum=2, clip=0.5)
     assert _differences(ref2, bad), "a spill that loses its writes went unnoticed"
 
 
 def test_a_budget_below_one_layers_working_set_is_refused_naming_the_minimum(model, tmp_path):
     with pytest.raises(BudgetTooSmall, match=r"the minimum is (\d+) bytes") as err:
-        _engine(model, host_master="hilo", nvme_path=str(tmp_path), host_budget_bytes=1000)
+        bf16_engine(model, host_master="hilo", nvme_path=str(tmp_path), host_budget_bytes=1000)
     minimum = int(err.value.args[0].split("the minimum is ")[1].split()[0])
     with pytest.raises(BudgetTooSmall):
-        _engine(model, host_master="hilo", nvme_path=str(tmp_path), host_budget_bytes=minimum - 1)
-    eng = _engine(model, host_master="hilo", nvme_path=str(tmp_path), host_budget_bytes=minimum)
+        bf16_engine(model, host_master="hilo", nvme_path=str(tmp_path), host_budget_bytes=minimum - 1)
+    eng = bf16_engine(model, host_master="hilo", nvme_path=str(tmp_path), host_budget_bytes=minimum)
     assert eng.spill.plan.slots == 1 and len(eng.spill.order) == 4  # every layer spilled, one ring buffer
-    ref = _engine(model, host_master="hilo")
+    ref = bf16_engine(model, host_master="hilo")
     batches = make_batches(4)
     assert _train(eng, batches, 2, clip=0.5) == _train(ref, batches, 2, clip=0.5)
     assert _differences(ref, eng) == []
@@ -113,14 +108,14 @@ def test_unwritable_path_and_full_disk_are_refused_before_training(model, tmp_pa
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     with pytest.raises(NvmeSpaceError, match=rf"nvme_path='{blocker}/sub'.*\d+ bytes"):
-        _engine(model, nvme_path=str(blocker / "sub"))
+        bf16_engine(model, nvme_path=str(blocker / "sub"))
 
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(NvmeSpaceError, match=r"(\d+) bytes .* could not be allocated .*No space left") as err:
-        _engine(model, nvme_path=str(tmp_path / "full"))
+        bf16_engine(model, nvme_path=str(tmp_path / "full"))
     assert str(tmp_path / "full") in str(err.value)
     assert list((tmp_path / "full").iterdir()) == []  # nothing left behind
 

@@ -11,17 +11,15 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from plan_cli import main  # --details: the tables these tests read
 
-from megatrain.commands.plan import add_bench_parser, add_plan_parser, main
+from megatrain.commands.plan import add_bench_parser, add_plan_parser
 from megatrain.costs.flops import model_flops_per_step
+from megatrain.costs.host_memory import host_memory_available
 from megatrain.models.presets import PRESETS, get_preset
 from megatrain.planner import (
     crossover_closed_form,
-    fits,
     get_hardware,
-    host_memory_available,
-    layer_working_set_bytes,
-    link_crossover_tokens,
     load_profiles,
     make_point,
     max_batch,
@@ -30,8 +28,12 @@ from megatrain.planner import (
     preflight,
     resolve_model,
 )
+
+# the planner's internals, where these tests check them
 from megatrain.planner.hardware import NUMERIC_FIELDS, OVERHEAD_FIELDS, load_raw
-from megatrain.planner.step_time import IDLE_ROUND
+from megatrain.planner.memory import layer_working_set_bytes
+from megatrain.planner.search import fits
+from megatrain.planner.step_time import IDLE_ROUND, link_crossover_tokens
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -89,8 +91,10 @@ def test_planner_layer_bytes_are_the_engine_modes(master, grad, oib):
 
 def test_modes_the_engine_refuses_are_noted_not_silently_planned():
     m = get_preset("qwen2.5-7b")
-    for knobs, why in ((dict(master="hilo", dtype="float32"), "needs bf16 compute"),
-                       (dict(optimizer_in_backward=True), "refuses gradient clipping"),
+    # a mode the engine's config refuses as written (hilo in FP32 compute) is refused by the point's EngineConfig
+    with pytest.raises(ValueError, match="host_master='hilo'.*compute_dtype='bfloat16'"):
+        plan(m, 1024, hardware=H200, master="hilo", dtype="float32")
+    for knobs, why in ((dict(optimizer_in_backward=True), "refuses gradient clipping"),
                        (dict(optimizer_in_backward=True, grad_clip=False, grad_accum=2), "accumulation"),
                        (dict(host_grad_dtype="bfloat16", grad_accum=2), "accumulation")):
         assert any("the engine refuses" in w and why in w for w in plan(m, 1024, hardware=H200, **knobs).warnings)
@@ -522,7 +526,7 @@ def test_fixed_costs_add_per_layer_per_phase_and_per_micro_batch():
 def test_fit_layer_overhead_recovers_the_rate_and_fixed_costs_it_was_given():
     # periods made by the planner's own model from a known rate and known fixed costs: the engine fit
     # must return them (fixed costs to the microsecond, the rate to 0.1%)
-    from megatrain.commands.measure import fit_layer_overhead
+    from megatrain.metrics.bench import fit_layer_overhead
     from megatrain.planner.step_time import globals_io as _globals_io
     from megatrain.planner.step_time import head_compute as _head_compute
     from megatrain.planner.step_time import layer_compute as _layer_compute
@@ -660,7 +664,7 @@ def test_cli_sweep_writes_predicted_rows(tmp_path):
 
 
 def test_bench_cpu_quick_returns_a_valid_profile():
-    from megatrain.commands.measure import bench_cpu
+    from megatrain.metrics.bench import bench_cpu
     from megatrain.planner.hardware import profile_from_dict
 
     prof = bench_cpu(quick=True, threads=1)

@@ -1,4 +1,4 @@
-"""The compiled one-loop AdamW step (engine/adam_kernel.py) against torch's own fused AdamW kernel, bit for bit.
+"""The compiled one-loop AdamW step (engine/update/adam_kernel.py) against torch's own fused AdamW kernel, bit for bit.
 
 Each master kind (FP32 with its bf16 copy, hi/lo halves, bf16), each gradient source (FP32 slab with the clip
 scales written back, bf16 slab, staged gradients read as 0 + g) and each optimizer option is compared with
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kit import bits
 
 from megatrain.engine.host import hilo
 from megatrain.engine.update import adam_kernel as K
@@ -34,10 +35,6 @@ def _values(n: int, seed: int, spread: float = 4.0) -> torch.Tensor:
     return x
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.view(torch.int32) if x.dtype == torch.float32 else x.view(torch.int16)
-
-
 def _torch_step(p, g, m, v, adamw, step, **hp):
     op = torch._fused_adamw_ if adamw else torch._fused_adam_
     op([p], [g], [m], [v], [], [torch.tensor(float(step))], amsgrad=False, grad_scale=None, found_inf=None, **hp)
@@ -60,8 +57,8 @@ def test_fp32_master_matches_torchs_kernel(compiled, adamw, hp, step):
     hyper = K.Hyper.of(adamw, hp["lr"], hp["beta1"], hp["beta2"], hp["weight_decay"], hp["eps"], hp["maximize"], step)
     K.step(lib, variant, hyper, g, None, False, False, K.MASTER_FP32, p, shadow, None, m, v, NO_TIES, 0)
     for a, b in zip((p, m, v), ref):
-        assert torch.equal(_bits(a), _bits(b))
-    assert torch.equal(_bits(shadow), _bits(ref[0].bfloat16()))  # the streamed copy: torch's RNE conversion
+        assert torch.equal(bits(a), bits(b))
+    assert torch.equal(bits(shadow), bits(ref[0].bfloat16()))  # the streamed copy: torch's RNE conversion
 
 
 def _hilo(values: torch.Tensor):
@@ -96,14 +93,14 @@ def test_hilo_halves_with_clip_scales_match_torch(compiled, grad_dtype):
     slab = g.clone()
     new = K.step(lib, variant, hyper, slab, torch.tensor(coefs), grad_dtype == torch.float32, False, K.MASTER_HILO,
                  None, hi, lo, m, v, ties, 0)
-    assert torch.equal(_bits(_join(hi, lo, new)), _bits(ref[0]))
+    assert torch.equal(bits(_join(hi, lo, new)), bits(ref[0]))
     ref_hi, ref_lo, ref_ties = _hilo(ref[0])
-    assert torch.equal(_bits(hi), _bits(ref_hi)) and torch.equal(lo, ref_lo) and torch.equal(new, ref_ties)
-    assert torch.equal(_bits(m), _bits(ref[1])) and torch.equal(_bits(v), _bits(ref[2]))
+    assert torch.equal(bits(hi), bits(ref_hi)) and torch.equal(lo, ref_lo) and torch.equal(new, ref_ties)
+    assert torch.equal(bits(m), bits(ref[1])) and torch.equal(bits(v), bits(ref[2]))
     if grad_dtype == torch.float32:
-        assert torch.equal(_bits(slab), _bits(ref_g))  # the slab holds the scaled gradients
+        assert torch.equal(bits(slab), bits(ref_g))  # the slab holds the scaled gradients
     else:
-        assert torch.equal(_bits(slab), _bits(g))  # a bf16 slab is only read
+        assert torch.equal(bits(slab), bits(g))  # a bf16 slab is only read
 
 
 def test_staged_gradients_and_bf16_master_match_torch(compiled):
@@ -118,8 +115,8 @@ def test_staged_gradients_and_bf16_master_match_torch(compiled):
     hyper = K.Hyper.of(True, **{k: HP[0][k] for k in ("lr", "beta1", "beta2", "weight_decay", "eps", "maximize")},
                        step=3)
     K.step(lib, variant, hyper, g, None, False, True, K.MASTER_BF16, None, p, None, m, v, NO_TIES, 0)
-    assert torch.equal(_bits(p), _bits(ref[0].bfloat16()))
-    assert torch.equal(_bits(m), _bits(ref[1])) and torch.equal(_bits(v), _bits(ref[2]))
+    assert torch.equal(bits(p), bits(ref[0].bfloat16()))
+    assert torch.equal(bits(m), bits(ref[1])) and torch.equal(bits(v), bits(ref[2]))
 
 
 def test_many_ties_are_handed_back_and_kept(compiled):
@@ -135,7 +132,7 @@ def test_many_ties_are_handed_back_and_kept(compiled):
     hyper = K.Hyper.of(True, 0.0, 0.9, 0.95, 0.0, 1e-8, False, 1)
     new = K.step(lib, variant, hyper, torch.zeros(n), None, False, False, K.MASTER_HILO, None, hi, lo, m, v, ties, 0)
     assert torch.equal(new, ties)
-    assert torch.equal(_bits(_join(hi, lo, new)), _bits(p))
+    assert torch.equal(bits(_join(hi, lo, new)), bits(p))
 
 
 def test_negative_control_a_dropped_tie_is_caught(compiled):
@@ -147,7 +144,7 @@ def test_negative_control_a_dropped_tie_is_caught(compiled):
     hyper = K.Hyper.of(True, 0.0, 0.9, 0.95, 0.0, 1e-8, False, 1)
     new = K.step(lib, variant, hyper, torch.zeros(n), None, False, False, K.MASTER_HILO, None, hi, lo,
                  torch.zeros(n), torch.zeros(n), ties[1:], 0)  # the first planted tie not passed in
-    assert not torch.equal(_bits(_join(hi, lo, new)), _bits(p))
+    assert not torch.equal(bits(_join(hi, lo, new)), bits(p))
 
 
 def test_exactly_one_arithmetic_variant_is_torchs(compiled):
@@ -173,7 +170,7 @@ def test_non_finite_values_give_torchs_results_up_to_nan_signs(compiled):
         for a, b in zip((p, m, v), ref):
             assert torch.equal(torch.isnan(a), torch.isnan(b))
             ok = ~torch.isnan(b)
-            assert torch.equal(_bits(a[ok]), _bits(b[ok]))
+            assert torch.equal(bits(a[ok]), bits(b[ok]))
 
 
 def test_the_fused_pass_runs_the_compiled_loop_for_split_and_bf16_masters(compiled, monkeypatch):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kit import bits
 
 from megatrain.costs.modes import GradSlab, HostMaster
 from megatrain.engine.host.codec import grad_codec, master_codec
@@ -51,10 +52,6 @@ def _values(seed: int) -> torch.Tensor:
     return x
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
-
-
 @pytest.mark.parametrize("master", list(HostMaster))
 def test_each_master_codec_holds_what_its_mode_defines(master):
     store = _store(master, GradSlab.FLOAT32)
@@ -66,17 +63,17 @@ def test_each_master_codec_holds_what_its_mode_defines(master):
     g.refresh_shadow()
     back = torch.cat([g.read_slot(s).reshape(-1) for s in g.slots])
     want = x if master.exact else x.to(torch.bfloat16).float()  # bf16: the master is the RNE of the value
-    assert torch.equal(_bits(back), _bits(want))
+    assert torch.equal(bits(back), bits(want))
     assert g.stream_source.dtype == torch.bfloat16  # what streams in bf16 compute, whatever the master
-    assert torch.equal(_bits(g.stream_source), _bits(x.to(torch.bfloat16)))
+    assert torch.equal(bits(g.stream_source), bits(x.to(torch.bfloat16)))
     if master is HostMaster.HILO:
         assert g.ties.tolist() == [3] and [t.dtype for t in g.master_tensors()] == [torch.bfloat16, torch.int16]
     # The update's round trip: unpack gives the FP32 values, pack stores them back bit for bit and poisons the
     # shared scratch (an FP32 master's Parameters are the master itself: never poisoned).
     g.unpack()
-    assert torch.equal(_bits(g.work), _bits(want))
+    assert torch.equal(bits(g.work), bits(want))
     g.pack()
-    assert torch.equal(_bits(torch.cat([g.read_slot(s).reshape(-1) for s in g.slots])), _bits(want))
+    assert torch.equal(bits(torch.cat([g.read_slot(s).reshape(-1) for s in g.slots])), bits(want))
     assert bool(g.work.isnan().all()) is (master is not HostMaster.FP32)
 
 

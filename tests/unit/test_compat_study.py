@@ -12,8 +12,8 @@ import torch
 
 from experiments.studies import compat
 from experiments.studies.compat_configs import study_config
-from megatrain.commands.check import resolve
 from megatrain.engine.model import probe
+from megatrain.models.lookup import resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 # Types transformers' default config does not build a model from (measured at the table's transformers version).

@@ -49,6 +49,27 @@ def test_values_within_rounding_and_gradients_with_autograds_bits(bias, threads)
         assert torch.allclose(got_grads[2], want_grads[2], rtol=1e-5, atol=1e-5)
 
 
+def test_a_model_may_write_into_its_output_in_place():
+    """Llama 4's MoE scales its router's output in place: autograd refuses that on a custom Function's view
+    output, so the output is a tensor of its own (sharing the GEMM's storage: no copy), and the gradients are
+    F.linear's own through the same in-place op."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 16, generator=g).requires_grad_(True)
+    w = torch.randn(8, 16, generator=g).requires_grad_(True)
+    gy = torch.randn(2, 5, 8, generator=g)
+
+    def run(y):
+        y.mul_(2.0)
+        return torch.autograd.grad(y, [x, w], gy)
+
+    want = run(F.linear(x, w))
+    with cpu_linear.OneDnnLinears() as mode:
+        y = F.linear(x, w)
+    assert mode.calls == 1 and y._base is None and y.is_contiguous() and y.shape == (2, 5, 8)
+    got = run(y)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_only_float32_cpu_linears_are_taken():
     x, w = torch.randn(4, 8), torch.randn(5, 8)
     with cpu_linear.OneDnnLinears() as mode:

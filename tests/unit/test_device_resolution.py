@@ -1,4 +1,4 @@
-"""Device resolution (engine/device_resolution.py): a CUDA build of torch on a machine where CUDA is not usable
+"""Device resolution (engine/runtime/device_resolution.py): a CUDA build of torch on a machine where CUDA is not usable
 (torch's accelerator API says cuda, torch.cuda.is_available() says no) trains on the CPU with one line saying
 why, through every face; an explicit CUDA device there is an error naming the cause and the fix; pinning there
 names the cause, not a locked-memory limit."""

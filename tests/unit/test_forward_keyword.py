@@ -2,7 +2,7 @@
 
 `serve_forward_keyword` lets the engine-run forward take a keyword without setting a forward on the model
 instance: the call goes to the face's handler with the routed forward. Served so, TRL's fused head gives
-through the face's own routine (integrations/fused_head.py's serve_fused_lm_head) what a handler registered
+through the face's own routine (backend/fused_head.py's serve_fused_lm_head) what a handler registered
 here gives, bit for bit.
 """
 

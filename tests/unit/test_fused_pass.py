@@ -1,4 +1,4 @@
-"""The fused per-layer host pass (engine/fused.py) against torch's own AdamW step, bit for bit.
+"""The fused per-layer host pass (engine/update/fused.py) against torch's own AdamW step, bit for bit.
 
 A layer's update runs tile by tile (clip scale, bf16-slab widening, hi/lo join, AdamW, split or shadow refresh
 on one tile before the next); every master, state tensor and streamed copy must equal what one

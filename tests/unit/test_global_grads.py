@@ -1,5 +1,5 @@
 """The resident parameters' gradients (head, final norm, embedding rows) reduced off the compute thread
-(engine/global_grads.py), as on CUDA: the threaded path run on the CPU with a slow link, against the
+(engine/pipeline/global_grads.py), as on CUDA: the threaded path run on the CPU with a slow link, against the
 synchronous one, and a negative control without the wait."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The GPU check as it starts on a GPU image: what it installs beside the image's torch, a missing compiler, the
-bf16 tolerance, the time budget, and a phase whose process cannot start."""
+"""The GPU check as it starts on a GPU image: what it installs beside the image's torch, the bf16 tolerance, the
+time budget, and a phase whose process cannot start."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
@@ -22,36 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _args(**kw):
-    base = dict(dry_run=False, out="unused", bundle=None, budget_s=None, inject=[], only=None, zero3="auto",
-                phase_budget=[])
+    base = dict(dry_run=False, out="unused", bundle=None, budget_s=None, inject=[], only=None, phase_budget=[])
     return argparse.Namespace(**{**base, **kw})
-
-
-# -- a missing compiler costs the ZeRO-3 points only --------------------------------------------------------
-def test_no_compiler_passes_the_env_phase_and_skips_zero3_saying_why(tmp_path, monkeypatch):
-    from experiments.gpu_check import ds_build, env
-
-    monkeypatch.setattr(ds_build, "cxx_compiler", lambda: None)
-    ctx = common.Ctx("env", tmp_path, dry=False, deadline=time.time() + 60, zero3="off")
-    env.phase_env(ctx)
-    tool = ctx.data["checks"]["toolchain"]
-    assert tool["ok"] is True and tool["zero3_can_compile"] is False, tool  # the old check failed here
-    assert tool["zero3"].startswith("skipped: no C++ compiler")
-
-    monkeypatch.setattr(orchestrate, "_missing", lambda dist: False)
-    monkeypatch.setattr(orchestrate, "cuda_compiler", lambda: "/usr/local/cuda/bin/nvcc")
-    plan = orchestrate.Orchestrator(_args()).zero3_plan()
-    assert plan.startswith("off:skipped: no C++ compiler") and "g++" in plan and "--zero3 off" in plan, plan
-    orch = orchestrate.Orchestrator(_args(out=str(tmp_path / "o")))
-    orch.out.mkdir()
-    orch.record_zero3_off(plan)
-    rec = json.loads((orch.out / "phases" / "ds_build.json").read_text())
-    assert rec["status"] == "skipped" and rec["reason"].startswith("no C++ compiler"), rec
-    # control: with a compiler, the same machine builds DeepSpeed's op as before
-    monkeypatch.setattr(ds_build, "cxx_compiler", lambda: "/usr/bin/g++")
-    monkeypatch.setattr(ds_build, "python_header", lambda: Path(__file__))
-    monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
-    assert orchestrate.Orchestrator(_args()).zero3_plan() == "build"
 
 
 # -- a phase whose process cannot start says why --------------------------------------------------------------
@@ -104,10 +75,32 @@ def test_bf16_tolerance_is_the_suites_floor_factor():
 
 # -- the time budget ------------------------------------------------------------------------------------------
 def test_the_check_fits_one_ten_minute_command_with_a_rerun():
-    correctness = sum(p.budget_s for p in common.PHASES if p.name != "bench")
-    assert correctness + common.SUMMARY_RESERVE_S <= common.TOTAL_BUDGET_S  # the bench gets what is left
+    before_bench = sum(p.budget_s for p in common.PHASES if p.name != "bench" and not p.optional)
+    # start-up, the phases' caps, the bench's guaranteed time and the summary within the whole budget
+    assert (common.STARTUP_ALLOWANCE_S + before_bench + common.BENCH_MIN_S + common.SUMMARY_RESERVE_S
+            <= common.TOTAL_BUDGET_S)
+    assert common.BENCH_MIN_S >= 120
     # the whole check, its grace and the summary, twice in one 600 s command
     assert 2 * (common.TOTAL_BUDGET_S + orchestrate.GRACE_S + common.SUMMARY_RESERVE_S) <= 600
+
+
+@pytest.mark.parametrize("startup_s", [0.0, 25.0, 60.0])
+def test_the_bench_keeps_its_guaranteed_time_whatever_runs_before_it(startup_s):
+    """Every phase before the bench takes its whole cap (a slow machine), after a start-up of `startup_s`: the
+    bench still starts with at least BENCH_MIN_S; the phases are cut, not the bench."""
+    names = [p.name for p in common.PHASES if not p.optional]
+    deadline = 1000.0 + common.TOTAL_BUDGET_S
+    now = 1000.0 + startup_s
+    for name in names[:-1]:
+        now += max(0.0, orchestrate.phase_budget(name, names, False, deadline, now))
+    bench = orchestrate.phase_budget("bench", names, False, deadline, now)
+    assert bench >= common.BENCH_MIN_S
+    assert now + bench + common.SUMMARY_RESERVE_S == pytest.approx(deadline)  # the bench takes all that is left
+    # negative control: without the cut, a slow start-up and full caps would leave the bench less than that
+    naive = deadline - common.SUMMARY_RESERVE_S - (1000.0 + startup_s) - sum(
+        orchestrate.SPECS[n].budget_s for n in names[:-1])
+    if startup_s >= 60:
+        assert naive < common.BENCH_MIN_S
 
 
 # -- what it installs beside the image's torch ------------------------------------------------------------------

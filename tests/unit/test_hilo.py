@@ -1,4 +1,4 @@
-"""The exact split master (engine/hilo.py): FP32 -> (bf16 hi, 16-bit lo, tie list) -> the same FP32 bits.
+"""The exact split master (engine/host/hilo.py): FP32 -> (bf16 hi, 16-bit lo, tie list) -> the same FP32 bits.
 
 hi must be exactly the bf16 round-to-nearest-even of the value (it is the weight that streams), and the
 round trip must give back every finite FP32 bit pattern. Negative controls: dropping the tie list or the

@@ -1,4 +1,4 @@
-"""Small per-micro-batch host tensors reach a CUDA device through pinned memory (engine/host_copy.py): a copy
+"""Small per-micro-batch host tensors reach a CUDA device through pinned memory (engine/runtime/host_copy.py): a copy
 from pageable memory makes the host wait for the device even with non_blocking=True. Checked with the CUDA
 calls mocked (no GPU here), and that the engine's batch and loss tensors take that way."""
 

@@ -103,7 +103,7 @@ HEADLINE = ["plan", "--model", "120b", "--context", "2048", "--batch", "8", "--h
 
 
 def test_the_readmes_headline_fits_in_an_exact_mode_it_names(capsys):
-    from megatrain.commands.plan import main
+    from plan_cli import main  # --details: the tables these tests read
 
     assert main(HEADLINE) == 0
     out = capsys.readouterr().out

@@ -13,7 +13,7 @@ from megatrain.planner.point import make_point
 
 
 def _point():
-    return make_point(get_preset("qwen2.5-7b"), 4096, 1)
+    return make_point(get_preset("qwen2.5-7b"), 4096, 1, host_master="fp32")  # a mode set: the models price one
 
 
 @pytest.mark.parametrize("cores", [8, 56, 112])
@@ -57,8 +57,8 @@ def test_globals_lane_is_priced_at_its_share_not_the_whole_host():
 
 
 def test_plan_prints_what_it_assumed_of_the_host():
-    from megatrain.commands.plan import format_plan
     from megatrain.planner import plan
+    from megatrain.planner.details import format_plan  # the details' text, an internal
 
     pl = plan("qwen2.5-7b", context=4096, batch=1, hardware="h200-pcie")
     text = format_plan(pl)
@@ -71,7 +71,7 @@ def test_plan_prints_what_it_assumed_of_the_host():
 def test_plan_json_records_what_it_assumed_of_the_host(capsys):
     import json
 
-    from megatrain.commands.plan import main
+    from plan_cli import main  # --details: the tables these tests read
 
     assert main(["plan", "--model", "qwen2.5-7b", "--context", "4096", "--hardware", "h200-pcie", "--no-search",
                  "--compare", "", "--json"]) == 0

@@ -4,13 +4,12 @@ outlasts it, printed by `megatrain plan`."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
+from plan_cli import main  # --details: the tables these tests read
 
-from megatrain.commands.plan import main
 from megatrain.planner import plan
 from megatrain.planner.host_rates import HOST_RATES, host_bound_below_tokens, host_mode, host_slowdown
+from megatrain.planner.point import with_point  # the point in another mode, an internal
 
 H200 = "h200-pcie"
 HOST_RATES_BEFORE = dict(HOST_RATES)
@@ -33,8 +32,8 @@ def test_every_mode_has_a_rate_that_says_where_it_comes_from():
 def test_the_mode_rate_prices_the_host_optimizer(knobs, mode, monkeypatch):
     pl = plan("14b", 4096, batch=8, hardware=H200, **knobs)
     assert host_mode(pl.point) == mode
-    fp32 = dataclasses.replace(pl.point, host_master="fp32", host_grad_dtype="float32", optimizer_in_backward=False,
-                               optimizer_overlap=False, dtype="float32")
+    fp32 = with_point(pl.point, host_master="fp32", host_grad_dtype="float32", optimizer_in_backward=False,
+                      optimizer_overlap=False, dtype="float32")
     assert host_slowdown(fp32) == 1.0  # the profile's own rate is the FP32 whole step's
     # The table feeds the model: the same point with the mode's row set to FP32's is faster by the slowdown.
     monkeypatch.setitem(HOST_RATES, mode, HOST_RATES["fp32"])

@@ -28,6 +28,9 @@ def launched(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.delenv(threads.OVERRIDE_ENV, raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
+    monkeypatch.setattr(threads, "SELF_CGROUP", threads.Path("/nonexistent"))  # no CPU quota, whatever runs this
+    for name in ("SLURM_JOB_ID", "SLURM_CPU_BIND_TYPE", "SLURM_JOB_CPUS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
     torch.set_num_threads(1)
     yield monkeypatch
     torch.set_num_threads(before)

@@ -6,21 +6,15 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from conftest import tiny_model
+from kit import cpu_engine
 
 import megatrain.engine.update.adam_kernel as K
-from megatrain.config.schema import EngineConfig
-from megatrain.engine import Engine
 from megatrain.engine.runtime import ckernel
-
-
-def _engine(**cfg) -> Engine:
-    return Engine(tiny_model("llama", layers=2), EngineConfig(device="cpu", parity_probe=False, **cfg))
 
 
 def test_the_kernel_is_tried_at_construction(monkeypatch):
     monkeypatch.setattr(K._KERNEL, "state", False)  # not tried yet in this process
-    _engine(optimizer_overlap=True)
+    cpu_engine(optimizer_overlap=True)
     assert K._KERNEL.state is not False, "the kernel was left to the first step"
 
 
@@ -29,7 +23,7 @@ def test_a_missing_compiler_warns_naming_the_cost(monkeypatch):
     monkeypatch.setattr(ckernel, "compiler", lambda: None)
     monkeypatch.delenv("MEGATRAIN_ADAM_KERNEL", raising=False)
     with pytest.warns(UserWarning, match="compiled AdamW kernel unavailable: no C compiler.*slower"):
-        _engine(optimizer_overlap=True)
+        cpu_engine(optimizer_overlap=True)
     assert K._KERNEL.state is None
 
 
@@ -38,4 +32,4 @@ def test_turned_off_by_hand_is_not_warned_about(monkeypatch):
     monkeypatch.setenv("MEGATRAIN_ADAM_KERNEL", "torch")
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        _engine(optimizer_overlap=True)
+        cpu_engine(optimizer_overlap=True)

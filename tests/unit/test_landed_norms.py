@@ -1,5 +1,5 @@
 """Each layer's gradient norm measured by the job that lands its gradients, and zero_grad() left to the next
-reduction (engine/slab_state.py): the same bits as reading and zeroing the slabs, with the step reading no layer
+reduction (engine/host/slab_state.py): the same bits as reading and zeroing the slabs, with the step reading no layer
 slab for its norm. Negative controls: a cached norm kept after a hand-written .grad, and a first add that adds
 onto the last step's bytes instead of overwriting them, are each caught."""
 

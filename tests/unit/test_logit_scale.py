@@ -7,12 +7,12 @@ import pytest
 from conftest import make_batches
 from kit import assert_trains_like_sgd
 
-from megatrain.commands.check import resolve
 from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.layer.loss import LogitTransform
 from megatrain.engine.model import probe
 from megatrain.models import adapter
+from megatrain.models.lookup import resolve
 
 
 def _small(model_type: str, **overrides):

@@ -1,5 +1,5 @@
 """The final norm + head + loss in sequence tiles with each tile's backward run inside the forward
-(engine/loss.py `tiled_norm_head_loss`): the same loss and gradients as the norm followed by the chunked
+(engine/layer/loss.py `tiled_norm_head_loss`): the same loss and gradients as the norm followed by the chunked
 loss under autograd, and per token only the hidden state's gradient kept for backward."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatrain.commands import plan as cli
+from megatrain.commands import cli
 from megatrain.costs.nvme import io_seconds
 from megatrain.planner.estimate import plan
 from megatrain.planner.hardware import get_hardware
@@ -50,7 +50,7 @@ def test_nvme_gbs_override_and_a_profile_without_a_disk(point):
 
 def test_plan_command_prints_the_tier(capsys):
     assert cli.main(["plan", "--model", "120b", "--context", "4096", "--batch", "8", "--hardware", "h200-pcie",
-                     "--compare", "", "--no-search", "--nvme-gbs", "20"]) == 0
+                     "--compare", "", "--no-search", "--nvme-gbs", "20", "--details"]) == 0
     out = capsys.readouterr().out
     tier = out[out.index("NVMe tier"):]
     line = next(x for x in tier.splitlines() if x.strip().startswith(EXACT_CLIPPED + " + NVMe"))

@@ -1,5 +1,5 @@
 """Offloaded boundary activations when the budget binds: copies stop overlapping, so three boundaries are on the
-device at once instead of four (engine/activations.py, costs/memory.py OFFLOAD_IN_FLIGHT_TIGHT)."""
+device at once instead of four (engine/pipeline/activations.py, costs/memory.py OFFLOAD_IN_FLIGHT_TIGHT)."""
 
 from __future__ import annotations
 

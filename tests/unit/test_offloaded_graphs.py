@@ -13,8 +13,8 @@ import torch
 from conftest import make_batches, tiny_model
 from gpu_defaults import CONFIGS
 from kit import router_loss_moe
+from plan_cli import main as plan_main  # --details: the tables these tests read
 
-from megatrain.commands.plan import main as plan_main
 from megatrain.config.schema import EngineConfig
 from megatrain.costs.memory import LayerDims, LongContextPolicy, layer_graph_bytes
 from megatrain.costs.residency import OFFLOADED_GRAPHS_IN_FLIGHT, Residency, parse
@@ -239,7 +239,7 @@ def test_an_offloaded_graph_replays_with_no_recompute_and_its_copies_on_both_lan
 
 def test_a_point_replays_its_offloaded_graphs_at_the_links_rate():
     hw = get_hardware("gh200")
-    p = make_point("qwen2.5-14b", 4096, 4, 1, "bfloat16", residency=Residency(24, 24, 2, 20))
+    p = make_point("qwen2.5-14b", 4096, 4, 1, "bfloat16", residency=Residency(24, 24, 2, 20), host_master="fp32")
     sim = simulate_step(p, layer_costs(p, hw, False), head=0.0, residency=p.residency)[0]
     out = [b - a for lane, kind, _, a, b in sim.spans if kind == "graph-out"]
     assert len(out) == 20 and out[0] == pytest.approx(graph_bytes(p) / hw.link_bps)
@@ -250,11 +250,11 @@ def test_the_memory_rows_hold_two_offloaded_graphs_on_the_device_and_all_of_them
     hw = get_hardware("gh200")
     rows = {}
     for j in (0, 20):
-        p = make_point("qwen2.5-14b", 4096, 4, 1, "bfloat16", residency=Residency(24, 24, 2, j))
+        p = make_point("qwen2.5-14b", 4096, 4, 1, "bfloat16", residency=Residency(24, 24, 2, j), host_master="fp32")
         lc = long_context_plan(p, hw)
         rows[j] = (lc, megatrain_memory(p, hw, lc))
     g = rows[0][0].graph_bytes
-    assert g == graph_bytes(make_point("qwen2.5-14b", 4096, 4, 1, "bfloat16"))
+    assert g == graph_bytes(make_point("qwen2.5-14b", 4096, 4, 1, "bfloat16", host_master="fp32"))
     assert rows[0][1].device["kept layers' forward graphs (residency)"] == 24 * g
     assert rows[20][1].device["kept layers' forward graphs (residency)"] == (24 - 20) * g
     assert rows[20][1].host["offloaded graphs (residency)"] == 20 * g and rows[0][1].host["offloaded graphs (residency)"] == 0

@@ -1,4 +1,4 @@
-"""Pinned host memory (engine/pinned.py, costs/pinning.py): exactly the copied buffers are pinned, the
+"""Pinned host memory (engine/host/pinned.py, costs/pinning.py): exactly the copied buffers are pinned, the
 preflight counts them to the byte, and a failed pin is an error. The CUDA registration is mocked on the CPU
 (the calls are counted); the real path runs where CUDA exists."""
 
@@ -142,7 +142,7 @@ def test_a_failed_pin_is_an_error_naming_what_could_be_pinned(monkeypatch):
 def test_preflight_counts_the_staging_slots():
     layers = [[("w", torch.Size([100, 30]))], [("w", torch.Size([100, 50]))]]
     p = pinned_preflight(layers, [torch.Size([7, 3])], torch.bfloat16, staging=True)
-    # bf16 on CUDA: the resident masters go up from a pinned bf16 copy (engine/resident_upload.py), so the
+    # bf16 on CUDA: the resident masters go up from a pinned bf16 copy (engine/host/resident_upload.py), so the
     # FP32 masters themselves are not pinned.
     assert p == {"streamed layers": mapped_bytes(6000) + mapped_bytes(10000),
                  "grad staging": STAGING_SLOTS * mapped_bytes(10000), "resident grad staging": PAGE_BYTES,

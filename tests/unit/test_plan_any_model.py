@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
+from plan_cli import main  # --details: the tables these tests read
 
-from megatrain.commands.plan import main
 from megatrain.planner.shapes import resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,8 +119,8 @@ def test_plan_answers_for_every_family_the_table_calls_exact(model_type):
     """The probe's small config of each exact family, from the config the table was measured with (the study's: the
     family's default where it builds, else filled, experiments/studies/compat_configs.py): plan answers."""
     from experiments.studies.compat_configs import study_config
-    from megatrain.commands.check import resolve
     from megatrain.engine.parts import probe
+    from megatrain.models.lookup import resolve
     from megatrain.planner import plan
 
     try:  # the family's own default (a composite keeps its whole config)

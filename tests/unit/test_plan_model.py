@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from plan_cli import main  # --details: the tables these tests read
 
-from megatrain.commands.plan import main
 from megatrain.planner import plan
 from megatrain.planner.shapes import is_model_path, model_from_path
 

@@ -56,7 +56,7 @@ def test_max_context_orders_the_backends_and_megatrain_reaches_a_million_on_one_
 
 
 def test_megatrain_plan_cli_takes_zero3_alst(capsys):
-    from megatrain.commands.plan import main
+    from plan_cli import main  # --details: the tables these tests read
 
     assert main(["plan", "--model", "smollm-135m", "--context", "8192", "--backend", "zero3-alst", "--compare", "",
                  "--no-search", "--hardware", "h100-sxm"]) == 0

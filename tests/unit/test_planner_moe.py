@@ -8,8 +8,8 @@ import dataclasses
 import warnings
 
 import pytest
+from plan_cli import main  # --details: the tables these tests read
 
-from megatrain.commands.plan import main
 from megatrain.models.presets import PRESETS, ModelPreset
 from megatrain.planner import plan
 from megatrain.planner.hardware import get_hardware

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from plan_cli import main  # --details: the tables these tests read
 
-from megatrain.commands.plan import main
 from megatrain.models.presets import get_preset
-from megatrain.planner import get_hardware, plan, plan_multi, preflight
+from megatrain.planner import get_hardware, plan, preflight
 from megatrain.planner import multi as multi_mod
+from megatrain.planner import plan_multi as _plan_multi
 from megatrain.planner.memory import long_context_plan
 from megatrain.planner.point import make_point
 from megatrain.planner.step_time import megatrain_time
@@ -21,6 +22,13 @@ MODEL = "llama2-7b"
 # single GPU's "auto" would keep its layers' optimizer on the device, engine/update/resident.py), so one GPU and a
 # node's ranks hold the same layer state.
 POINT = dict(context=4096, batch=4, dtype="bfloat16", hardware=H200, residency="stream")
+# These tests pin today's per-rank path (each rank streams every layer over its own link), which the engine runs;
+# the node path the profile's NVLink allows is tests/unit/test_planner_node_path.py's.
+PER_RANK = ["--data-path", "per-rank"]
+
+
+def plan_multi(*args, **kw):
+    return _plan_multi(*args, data_path="per-rank", **kw)
 
 
 def _expected_node_bytes(n: int, m: int) -> int:
@@ -66,8 +74,8 @@ def test_layer_state_does_not_scale_with_gpus():
 def test_negative_control_host_bytes_multiplied_by_gpus_are_caught(monkeypatch):
     real = multi_mod.node_memory
 
-    def private_copies(pl, n, nodes=1):  # what a store per rank would hold: everything x N
-        mem, layer, rank = real(pl, n, nodes)
+    def private_copies(pl, n, nodes=1, *rest):  # what a store per rank would hold: everything x N
+        mem, layer, rank = real(pl, n, nodes, *rest)
         mem.host = {k: v * n for k, v in pl.memory.host.items()}
         return mem, layer, rank
 
@@ -115,9 +123,11 @@ def test_one_gpu_one_node_is_todays_plan(capsys):
     (["--gpus-per-node", "-2"], ["--gpus-per-node -2", ">= 1"]),
     (["--gpus-per-node", "16"], ["--gpus-per-node 16", "has 8 GPU(s) per node", "at most 8", "--hardware-file"]),
     (["--nodes", "0"], ["--nodes 0", ">= 1"]),
-    (["--nodes", "2", "--hardware", "gh200"], ["--nodes 2", "'gh200'", "network_gbs", "--network-gbs"]),
+    (["--nodes", "2", "--hardware", "rtx4090"], ["--nodes 2", "'rtx4090'", "network_gbs", "--network-gbs"]),
     (["--nodes", "2", "--network-gbs", "-5"], ["--network-gbs -5", "> 0"]),
-    (["--gpus-per-node", "2", "--backend", "zero3"], ["megatrain backend", "'zero3'"]),
+    (["--gpus-per-node", "2", "--backend", "torch"], ["megatrain's data parallel and ZeRO-3", "'torch'"]),
+    (["--gpus-per-node", "2", "--data-path", "node", "--hardware", "h100-pcie"],
+     ["--data-path node", "'h100-pcie' has no NVLink", "per-rank path"]),
     (["--gpus-per-node", "2", "--gpus-per-host-link", "0"], ["--gpus-per-host-link 0", ">= 1"]),
 ])
 def test_bad_topologies_are_refused_naming_value_and_fix(capsys, extra, needles):
@@ -129,7 +139,7 @@ def test_bad_topologies_are_refused_naming_value_and_fix(capsys, extra, needles)
 
 def test_cli_multi_prints_node_figures_and_json(capsys):
     args = ["--model", "7b", "--context", "4096", "--batch", "4", "--hardware", H200, "--no-search",
-            "--gpus-per-node", "8", "--nodes", "2"]
+            "--gpus-per-node", "8", "--nodes", "2", "--master", "fp32", *PER_RANK]
     assert main(args) == 0
     out = capsys.readouterr().out
     for needle in ("host (per node, 8 GPUs)", "data parallel: 8 GPU(s) per node x 2 node(s) = 16 ranks",

@@ -9,8 +9,8 @@ import json
 import math
 
 import pytest
+from plan_cli import main as plan_main  # --details: the tables these tests read
 
-from megatrain.commands.plan import main as plan_main
 from megatrain.config.schema import EngineConfig
 from megatrain.costs import residency as kept
 from megatrain.models.presets import get_preset

@@ -30,13 +30,13 @@ def test_the_rollback_copy_is_in_the_host_memory_where_auto_runs_it():
     k = auto.long_context.residency.optimizer
     assert 0 < k < m.num_layers and auto.memory.host[COPY] == (m.num_layers - k) * per_layer
     # "auto" is off on a CPU device, and where the copy would not fit beside the store
-    assert not speculative_on(make_point("llama2-7b", 4096), get_hardware("cpu"))
+    assert not speculative_on(make_point("llama2-7b", 4096, host_master="fp32"), get_hardware("cpu"))
     small = get_hardware("h200-pcie")
     import dataclasses
 
     tight = dataclasses.replace(small, host_memory_gib=150.0)
-    assert not speculative_on(make_point("llama2-7b", 4096), tight)
-    assert speculative_on(make_point("llama2-7b", 4096, speculative_step=True), tight)  # as set
+    assert not speculative_on(make_point("llama2-7b", 4096, host_master="fp32"), tight)
+    assert speculative_on(make_point("llama2-7b", 4096, host_master="fp32", speculative_step=True), tight)  # as set
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -8,8 +8,8 @@ import json
 
 import pytest
 import torch
+from plan_cli import main  # --details: the tables these tests read
 
-from megatrain.commands.plan import main
 from megatrain.config.schema import EngineConfig
 from megatrain.config.settle import EngineFacts, settle_engine
 from megatrain.costs.residency import Residency

@@ -229,7 +229,7 @@ def test_check_model_cli(capsys):
 
 def test_the_compatibility_table_covers_every_causal_lm_and_reprobes_the_same():
     from experiments.studies.compat import probe_type
-    from megatrain.commands.check import causal_lm_types
+    from megatrain.models.lookup import causal_lm_types
 
     rows = {r["model_type"]: r for r in csv.DictReader((ROOT / "results" / "compat" / "compat.csv").open())}
     assert sorted(rows) == causal_lm_types(), "the table is stale: run python -m experiments.studies.compat"

@@ -9,11 +9,11 @@ import transformers
 from conftest import make_batches, tiny_model
 from kit import assert_trains_like_sgd
 
-from megatrain.commands.check import resolve
 from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.layer import loss as loss_mod
 from megatrain.engine.model import probe
+from megatrain.models.lookup import resolve
 
 BF16 = EngineConfig(device="cpu", compute_dtype="bfloat16")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kit import bits
 
 from megatrain.engine.host import reduce_kernel as R
 from megatrain.engine.host.slab_state import PartsAdd, SlabState
@@ -28,10 +29,6 @@ def _values(n: int, seed: int) -> torch.Tensor:
     return x
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.view(torch.int32)
-
-
 @pytest.mark.parametrize("first", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,cuts", [(8, [0]), (4096, [0, 5, 1003]), (1 << 18, [0, 77777]), (24, [0, 8, 8, 16])])
@@ -45,8 +42,8 @@ def test_the_pass_gives_the_bits_of_add_then_vector_norm(lib, first, dtype, n, c
     got = base.clone()
     bounds = [*cuts, n]
     norm, finite = R.reduce_and_norm(lib, got, [(a, g[a:b]) for a, b in zip(bounds, bounds[1:])], first)
-    assert torch.equal(_bits(got), _bits(want))
-    assert torch.equal(_bits(norm), _bits(torch.linalg.vector_norm(want))) and finite
+    assert torch.equal(bits(got), bits(want))
+    assert torch.equal(bits(norm), bits(torch.linalg.vector_norm(want))) and finite
 
 
 def test_a_non_finite_value_written_is_flagged(lib):
@@ -88,8 +85,8 @@ def test_the_slab_state_takes_the_pass_only_for_a_parts_add(lib, monkeypatch):
         state.reduce(0, slab, adds, True)
         ref.add_(g[:n].float())
         assert len(calls) == want_calls, (add_kind, n)  # a slab not a multiple of 8 keeps the torch passes
-        assert torch.equal(_bits(slab), _bits(ref)) and slab._version > before
-        assert torch.equal(_bits(state.norm(0, slab)), _bits(torch.linalg.vector_norm(ref)))
+        assert torch.equal(bits(slab), bits(ref)) and slab._version > before
+        assert torch.equal(bits(state.norm(0, slab)), bits(torch.linalg.vector_norm(ref)))
 
 
 def test_the_pass_is_taken_on_any_thread_count():
@@ -109,7 +106,7 @@ def test_the_kernel_is_built_with_the_engine(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_streamed_first_write_gives_the_plain_writes_bits(lib, dtype):
+def test_a_streamed_first_write_gives_the_plain_writesbits(lib, dtype):
     # Parts cut off the 8-blocks (the scalar head and tail around the streamed body), a slab view off its 32-byte
     # alignment (the plain stores then), several chunks on two threads.
     n = 3 * (1 << 16) + 40
@@ -119,8 +116,8 @@ def test_a_streamed_first_write_gives_the_plain_writes_bits(lib, dtype):
         plain, streamed = torch.full((n + off,), 7.0)[off:], torch.full((n + off,), 7.0)[off:]
         a = R.reduce_chunks(lib, plain, parts, True, 2, chunk=1 << 16, stream=False)
         b = R.reduce_chunks(lib, streamed, parts, True, 2, chunk=1 << 16, stream=True)
-        assert torch.equal(_bits(streamed), _bits(plain)) and torch.equal(_bits(b.norms), _bits(a.norms))
-        assert torch.equal(_bits(plain), _bits(torch.add(g.float(), 0.0)))  # 0 + g, written over what was there
+        assert torch.equal(bits(streamed), bits(plain)) and torch.equal(bits(b.norms), bits(a.norms))
+        assert torch.equal(bits(plain), bits(torch.add(g.float(), 0.0)))  # 0 + g, written over what was there
 
 
 class _Spy:

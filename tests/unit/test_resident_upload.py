@@ -1,4 +1,4 @@
-"""The resident parameters' upload on CUDA in bf16 (engine/resident_upload.py), with the CUDA calls mocked: the
+"""The resident parameters' upload on CUDA in bf16 (engine/host/resident_upload.py), with the CUDA calls mocked: the
 copy reads pinned bf16 staging, holds the bits `.to(torch.bfloat16)` gives, a refill waits for the previous copy,
 and the staging is counted among the pinned bytes. A queued "device" runs the copies only when an event is
 queried or the test drains it, so a copy reads its source late, as a DMA does."""

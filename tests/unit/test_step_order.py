@@ -5,17 +5,13 @@ the next forward. Bit-identity with the whole step is tests/unit/test_optimizer_
 
 from __future__ import annotations
 
-from conftest import make_batches, tiny_model
+from conftest import make_batches
+from kit import cpu_engine
 
 import megatrain.engine.update.update as U
-from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.runtime.threads import RESERVED_CORES, update_threads
 from megatrain.engine.update import fused
-
-
-def _engine(**cfg) -> Engine:
-    return Engine(tiny_model("llama", layers=3), EngineConfig(device="cpu", parity_probe=False, **cfg))
 
 
 def _one_step(eng: Engine) -> None:
@@ -26,7 +22,7 @@ def _one_step(eng: Engine) -> None:
 
 
 def test_layer_jobs_are_queued_before_the_resident_update(monkeypatch):
-    eng = _engine(optimizer_overlap=True)
+    eng = cpu_engine(3, optimizer_overlap=True)
     _one_step(eng)  # the optimizer's state exists: the next step takes the fused pass everywhere
     events: list[str] = []
     stream = eng._layered.stream
@@ -57,7 +53,7 @@ def test_the_overlapped_pool_leaves_the_launch_and_copy_threads_their_cores(monk
     monkeypatch.setattr(fused, "fused_update", lambda *a, **k: (seen.append(k.get("threads")), run(*a, **k))[1])
     for overlap in (True, False):
         seen.clear()
-        eng = _engine(optimizer_overlap=overlap, host_master="hilo", compute_dtype="bfloat16")  # per-layer either way
+        eng = cpu_engine(3, optimizer_overlap=overlap, host_master="hilo", compute_dtype="bfloat16")  # per-layer either way
         _one_step(eng)
         _one_step(eng)
         assert seen and set(seen) == {update_threads(overlap)}, (overlap, seen)

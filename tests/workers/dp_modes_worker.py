@@ -86,7 +86,7 @@ def _bf16_rounded(run):
     """`run()` with each layer's FP32 slab rounded to bf16 before its update reads it: what the ranks' bf16 slab
     holds (the FP32 sum of the micro-batches' gradients, rounded once); the resident parameters' FP32 slab is left
     as the ranks' is. The reference runs torch's AdamW kernel per tile, so the ranks' compiled one-loop update
-    (engine/adam_kernel.py) is also checked against torch's bits here."""
+    (engine/update/adam_kernel.py) is also checked against torch's bits here."""
     from megatrain.engine.update import adam_kernel, update
 
     update_layer = update.update_layer

@@ -79,7 +79,7 @@ def main() -> None:
         # The layer updates (a layer's owner, on its optimizer thread) take longer than the other ranks' next
         # forward needs to reach the layer: with the tokens the result is unchanged; without them (the negative
         # control) the others load the layer before its owner has written it.
-        # A layer's update is the fused tile pass (engine/fused.py), which does not call AdamW.step: slow the
+        # A layer's update is the fused tile pass (engine/update/fused.py), which does not call AdamW.step: slow the
         # per-layer update itself.
         from megatrain.engine.update import update as update_mod
 

@@ -4,7 +4,11 @@ A batch in host memory is checked at once. A batch already on the device (what H
 face) is checked a little later: its reductions are queued with a copy back (runtime/host_copy.py) and read at the
 end of the forward (`PendingCheck.verify`), so the host never waits for the device's queue once per micro-batch.
 Until then the device must not fault on a bad value: `sanitize` maps ids and labels outside the vocabulary to
-values it can index (a batch that had them is refused by verify before its loss is returned).
+values it can index, `sanitize_positions` positions past the model's table into it (a batch that had them is
+refused by verify before its loss is returned). What needs no value is refused before any device work whatever
+the batch's device: shapes and dtypes, and a sequence longer than the model's positions (the positions a row
+without position_ids gets); so are the values of the parts in host memory beside device ones (position_ids a
+collator built on the host), read at once.
 """
 
 from __future__ import annotations
@@ -82,6 +86,15 @@ class PendingCheck:
                                  torch.full_like(labels, IGNORE_INDEX))
         return ids, labels
 
+    def sanitize_positions(self, position_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """`position_ids` clamped into the model's positions (no read of their values): a learned position table
+        (GPT-2's, OPT's) indexed past its end is a device-side assert, which poisons the CUDA context before
+        verify() could refuse the batch. The same tensor for a valid batch; None stays None."""
+        limit = max_trainable_positions(self.config)
+        if position_ids is None or limit is None:
+            return position_ids
+        return position_ids.clamp(0, limit - 1)
+
 
 def check_batch(config: Any, input_ids: Any, attention_mask: Any, labels: Any, position_ids: Any,
                 unused: dict[str, Any], defer: bool | None = None) -> PendingCheck | None:
@@ -108,6 +121,8 @@ def check_batch(config: Any, input_ids: Any, attention_mask: Any, labels: Any, p
             raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected [.., {seq}]")
     if labels is not None:
         _check_int_tensor("labels", labels, input_ids.shape)
+    if position_ids is None:  # a row's positions are 0..seq-1: refused by its shape alone, before any device work
+        _check_positions(config, seq, None)
     parts = {"ids_min": input_ids.min(), "ids_max": input_ids.max()}
     if attention_mask is not None:
         m = attention_mask.long()
@@ -128,30 +143,62 @@ def check_batch(config: Any, input_ids: Any, attention_mask: Any, labels: Any, p
         return None
     # Host parts beside device ones are read now (no sync); `defer` asked for by name queues every part.
     on_host = {k: t for k, t in parts.items() if t.device.type == "cpu"} if auto else {}
+    now = _read_values(on_host) if on_host else {}
+    _check_host_parts(config, seq, now)
     queued = [k for k in parts if k not in on_host]
     values = (to_host(torch.stack([parts[k].long() for k in queued])) if queued
               else torch.empty(0, dtype=torch.long))
-    return PendingCheck(config, seq, labels is not None, queued, values, _read_values(on_host) if on_host else {})
+    return PendingCheck(config, seq, labels is not None, queued, values, now)
 
 
-def _check_values(config: Any, seq: int, has_labels: bool, v: dict[str, int]) -> None:
+def _check_ids(config: Any, v: dict[str, int]) -> None:
     vocab = config.vocab_size
     lo, hi = v["ids_min"], v["ids_max"]
     if lo < 0 or hi >= vocab:
         bad = hi if hi >= vocab else lo
         raise ValueError(f"input_ids contains token id {bad}, outside the model's vocabulary [0, {vocab}); "
                          "check the tokenizer matches the model")
+
+
+def _check_mask(v: dict[str, int]) -> None:
+    if v["mask_min"] < 0 or v["mask_max"] > 1:
+        raise ValueError("attention_mask must contain only 0 and 1")
+    if v["empty_row"]:
+        raise ValueError("attention_mask masks every token of some sequence in the batch")
+
+
+def _check_position_values(config: Any, seq: int, v: dict[str, int]) -> None:
+    if v["pos_min"] < 0:
+        raise ValueError(f"position_ids must be >= 0, got {v['pos_min']}")
+    _check_positions(config, seq, v["pos_max"])
+
+
+def _check_labels(config: Any, v: dict[str, int]) -> None:
+    vocab = config.vocab_size
+    if not v.get("n_valid", 0):
+        raise ValueError("every label in this batch is -100 (ignored) after the causal shift: "
+                         "the loss would be 0/0; drop the batch or check the label masking")
+    if v["lab_min"] < 0 or v["lab_max"] >= vocab:
+        raise ValueError(f"labels contain ids outside [0, {vocab}) other than -100")
+
+
+def _check_values(config: Any, seq: int, has_labels: bool, v: dict[str, int]) -> None:
+    _check_ids(config, v)
     if "mask_min" in v:
-        if v["mask_min"] < 0 or v["mask_max"] > 1:
-            raise ValueError("attention_mask must contain only 0 and 1")
-        if v["empty_row"]:
-            raise ValueError("attention_mask masks every token of some sequence in the batch")
-    if "pos_min" in v and v["pos_min"] < 0:
-        raise ValueError("position_ids must be >= 0")
-    _check_positions(config, seq, v.get("pos_max"))
+        _check_mask(v)
+    if "pos_min" in v:
+        _check_position_values(config, seq, v)
+    else:
+        _check_positions(config, seq, None)
     if has_labels:
-        if not v.get("n_valid", 0):
-            raise ValueError("every label in this batch is -100 (ignored) after the causal shift: "
-                             "the loss would be 0/0; drop the batch or check the label masking")
-        if v["lab_min"] < 0 or v["lab_max"] >= vocab:
-            raise ValueError(f"labels contain ids outside [0, {vocab}) other than -100")
+        _check_labels(config, v)
+
+
+def _check_host_parts(config: Any, seq: int, v: dict[str, int]) -> None:
+    """The checks whose values are all in host memory, at once (a deferred batch's device parts wait)."""
+    if {"ids_min", "ids_max"} <= v.keys():
+        _check_ids(config, v)
+    if {"mask_min", "mask_max", "empty_row"} <= v.keys():
+        _check_mask(v)
+    if {"pos_min", "pos_max"} <= v.keys():
+        _check_position_values(config, seq, v)

@@ -43,13 +43,26 @@ def available() -> bool:
         return False
 
 
+def _fresh(y: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`y` in `shape` as a tensor of its own, not a view: a model may write into a linear's output in place
+    (Llama 4's MoE scales its router output), which autograd refuses on a custom Function's view output. The new
+    tensor shares `y`'s storage (no copy); `y` itself is dropped, and the backward saves neither."""
+    if y.shape == shape:
+        return y
+    stride, step = [], 1
+    for n in reversed(shape):
+        stride.insert(0, step)
+        step *= n
+    return y.new_empty(0).set_(y.untyped_storage(), y.storage_offset(), shape, stride)
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:  # noqa: ANN001
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
         y = _onednn(x.reshape(-1, x.shape[-1]), w, b)
-        return y.view(*x.shape[:-1], w.shape[0])
+        return _fresh(y, (*x.shape[:-1], w.shape[0]))
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor):  # noqa: ANN001, ANN205

@@ -23,11 +23,12 @@ the CPU generator only and restores it; no CUDA generator is touched.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -112,6 +113,22 @@ class _EngineFailure(Exception):
         super().__init__(verdict.detail)
         self.verdict = verdict
 
+@contextlib.contextmanager
+def _lone_process() -> Iterator[None]:
+    """The probe's engine built as a lone process's, in a rank of a data-parallel job too. It compares one engine with
+    plain PyTorch on the same small model: joined to the job, it shared a node's host store, so each rank held the
+    gradients of its own layers only and the others read as missing ("differs by inf", seen under torchrun with two
+    ranks and no cached verdict), and ranks probing at different times would wait on each other's collectives."""
+    from ..parallel.distributed import DataParallel
+
+    join = DataParallel.__dict__["from_env"]
+    DataParallel.from_env = classmethod(lambda cls, *args, **kwargs: None)  # what a lone process gets
+    try:
+        yield
+    finally:
+        DataParallel.from_env = join
+
+
 def _train_engine(master: nn.Module, batches: list, engine_factory: Callable[..., Any], mode: _Mode,
                   make_opt: Callable[[Any], Any], arch: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same through the engine, in `mode`; a failure raises _EngineFailure with its verdict."""
@@ -122,7 +139,8 @@ def _train_engine(master: nn.Module, batches: list, engine_factory: Callable[...
     cfg = EngineConfig(device="cpu", parity_probe=False, compute_dtype=mode.compute_dtype,
                        host_master=mode.host_master, host_grad_dtype=mode.host_grad_dtype)
     try:
-        engine = engine_factory(mine, cfg, optimizer=make_opt(mine.parameters()))
+        with _lone_process():
+            engine = engine_factory(mine, cfg, optimizer=make_opt(mine.parameters()))
     except Exception as exc:  # noqa: BLE001
         if isinstance(exc, ValueError | NotImplementedError) and _ours(exc):
             raise _EngineFailure(Verdict("refused", str(exc), arch)) from exc

@@ -177,7 +177,42 @@ def _build(model_cls: type, cfg: Any, original: Any, max_params: int = _MAX_PARA
                          "know how to shrink")
     with torch.random.fork_rng(devices=[]):
         _seed(0)
-        return _instantiate(model_cls, cfg, meta=False)
+        model = _instantiate(model_cls, cfg, meta=False)
+        _router_logits_as_plain_trains(model, original)
+        return model
+
+
+def _router_logits_as_plain_trains(model: nn.Module, original: Any) -> None:
+    """The probe turns the router loss on (`_shrunk`) so a wrong router gradient shows; where the model then fails
+    in plain transformers but trains with the user's own setting, the user's setting is what plain transformers
+    trains, so the probe takes it. DeepSeek-V4's hash-routed layers record no router logits: with every layer
+    hash-routed (a small config's first layers) its load-balancing loss indexes an empty tuple."""
+    cfg = getattr(model, "config", None)
+    mine, theirs = vars(cfg).get("output_router_logits") if cfg is not None else None, vars(original).get(
+        "output_router_logits")
+    if mine is not True or theirs is True:
+        return
+    ids = torch.arange(3, 11).remainder(max(int(vars(cfg).get("vocab_size") or 256) - 3, 1)).add(3).view(1, -1)
+
+    buffers = {k: b.clone() for k, b in model.named_buffers()}  # a forward may move a buffer (expert load)
+
+    def forward_fails() -> bool:
+        try:
+            with torch.no_grad():
+                model(input_ids=ids, labels=ids)
+        except Exception:  # noqa: BLE001 - any failure: the user's setting is tried next, and judged the same way
+            return True
+        finally:
+            with torch.no_grad():
+                for k, b in model.named_buffers():
+                    if k in buffers and b.shape == buffers[k].shape:
+                        b.copy_(buffers[k])
+        return False
+
+    if forward_fails():
+        cfg.output_router_logits = bool(theirs)
+        if forward_fails():
+            cfg.output_router_logits = True  # not the router loss: the probe's reference reports the failure
 
 
 def _seed(seed: int) -> None:

@@ -8,10 +8,13 @@ pass ran on one worker instead of two. `set_team` sets this thread's team only, 
 loaded; where none is found (a torch built without OpenMP) it falls back to torch's call.
 
 How many threads the host work gets in all is `host_cores()`: the CPUs this process may run on (its affinity, what
-taskset, a cgroup cpuset or a scheduler gave it) shared among the node's ranks (`LOCAL_WORLD_SIZE`, as torchrun,
-accelerate and the deepspeed launcher set it), or MEGATRAIN_HOST_THREADS where the user names it. Never torch's own
-count: `accelerate launch` always sets OMP_NUM_THREADS=1 and torchrun does with more than one process, which left
-every host pool one thread; and N ranks of a node that each took every core oversubscribed it N-fold.
+taskset, a cgroup cpuset or a scheduler gave it), capped by the cgroup's CPU quota (cgroup v2 `cpu.max`, v1
+`cpu.cfs_quota_us`: Docker's `--cpus`, a Kubernetes CPU limit), shared among the node's ranks (`LOCAL_WORLD_SIZE`,
+as torchrun, accelerate and the deepspeed launcher set it) once: under Slurm with a per-task CPU binding the
+affinity is already this task's share and is not divided again. MEGATRAIN_HOST_THREADS names it outright. Never
+torch's own count: `accelerate launch` always sets OMP_NUM_THREADS=1 and torchrun does with more than one process,
+which left every host pool one thread; and N ranks of a node that each took every core oversubscribed it N-fold.
+NUMA placement is not done here: threads are not bound to a socket (docs say so).
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -65,15 +70,88 @@ def local_ranks() -> int:
     return _positive_env("LOCAL_WORLD_SIZE", "set it to the number of processes on this node, or unset it") or 1
 
 
+# Where the cgroup files are read (tests point these at a fake tree).
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+SELF_CGROUP = Path("/proc/self/cgroup")
+
+
+def _v2_quota(path: Path) -> float | None:
+    """cpu.max's "QUOTA PERIOD" as CPUs, None for "max" (no limit) or no readable file."""
+    try:
+        quota, period = path.read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def _v1_quota(folder: Path) -> float | None:
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 or period <= 0 else quota / period
+
+
+def cgroup_cpu_quota() -> float | None:
+    """The CPU quota of this process's cgroup in CPUs (2.5 for `--cpus=2.5`), the smallest along its path up to the
+    root (a parent's limit holds for its children), None without one. cgroup v2's `cpu.max`; v1's cfs quota under
+    the `cpu` controller's hierarchy."""
+    try:
+        lines = SELF_CGROUP.read_text().splitlines()
+    except OSError:
+        return None
+    found: list[float] = []
+    for line in lines:
+        hid, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        rel = Path(path.strip().lstrip("/"))
+        if hid == "0" and controllers == "":  # v2 (the unified hierarchy)
+            base, read = CGROUP_ROOT, lambda d: _v2_quota(d / "cpu.max")
+        elif "cpu" in controllers.split(","):  # v1, mounted as cpu or cpu,cpuacct
+            base = next((CGROUP_ROOT / n for n in (controllers, "cpu", "cpu,cpuacct")
+                         if (CGROUP_ROOT / n).is_dir()), None)
+            if base is None:
+                continue
+            read = _v1_quota
+        else:
+            continue
+        for folder in [base / rel, *[base / p for p in rel.parents]]:
+            q = read(folder)
+            if q is not None:
+                found.append(q)
+    return min(found) if found else None
+
+
+def _slurm_task_bound(cpus: int, ranks: int) -> bool:
+    """Whether Slurm bound this task to CPUs of its own (a per-task cpuset), so that its affinity already is its
+    share: a binding named by the step (SLURM_CPU_BIND_TYPE other than none), or this task's CPUs times the node's
+    tasks within the job's CPUs on this node (unbound tasks each see all of them)."""
+    if "SLURM_JOB_ID" not in os.environ:
+        return False
+    bind = os.environ.get("SLURM_CPU_BIND_TYPE", "").strip().rstrip(",").lower()
+    if bind and not bind.startswith("none"):
+        return True
+    node = os.environ.get("SLURM_JOB_CPUS_PER_NODE", "").split(",")[0].split("(")[0]
+    return node.isdigit() and ranks > 1 and cpus * ranks <= int(node)
+
+
 def host_cores() -> int:
     """Threads this process's host work may use in all (every pool is sized from it): MEGATRAIN_HOST_THREADS
-    where set, else this process's CPUs (affinity) over the node's ranks, at least one. Ranks bound to cores of
-    their own by the launcher (their masks already disjoint) should name their share with MEGATRAIN_HOST_THREADS:
-    the masks of the other ranks are not seen here."""
+    where set, else this process's CPUs (affinity, capped by the cgroup's CPU quota, rounded down) over the node's
+    ranks, at least one, divided once: a Slurm task bound to CPUs of its own keeps them. Ranks bound to cores of
+    their own by another launcher should name their share with MEGATRAIN_HOST_THREADS: the masks of the other
+    ranks are not seen here."""
     override = _positive_env(OVERRIDE_ENV, "name the host threads this process may use, e.g. 8, or unset it")
     if override is not None:
         return override
-    return max(1, affinity_cpus() // local_ranks())
+    cpus, ranks = affinity_cpus(), local_ranks()
+    # the node's CPUs and its cgroup's quota are shared by its ranks; a Slurm task's own binding (and cgroup) is not
+    shared = 1 if _slurm_task_bound(cpus, ranks) else ranks
+    share = cpus // shared
+    quota = cgroup_cpu_quota()
+    if quota is not None:
+        share = min(share, math.floor(quota / shared + 1e-9))
+    return max(1, share)
 
 
 def team() -> int:

@@ -1,6 +1,7 @@
-"""`megatrain bench`: measure this machine into a hardware profile the planner can use.
+"""This machine and the engine's layers, measured: the hardware profile `megatrain bench` writes for the planner,
+and the layer timings the validation studies set against its predictions.
 
-It sits above the planner and the engine: it times real Engine steps (the engine's own per-layer cost),
+It sits above the planner and the engine (the measurements' tier): it times real Engine steps (the engine's own per-layer cost),
 which the planner, arithmetic only, never runs.
 
 Measures matmul rates at the engine's shapes (fp32 and bf16), host memory bandwidth (a large copy),
