@@ -1,0 +1,88 @@
+"""`megatrain train --config examples/sft/lora.yaml`: the `lora:` section turns the run into TRL's
+SFTTrainer(peft_config=LoraConfig(...)); on MegaTrain it trains exactly as on plain SFTTrainer + PEFT, and the adapter
+files it writes reload with PEFT's own loader to the plain run's logits. Bad `lora:` values are refused by name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from kit import finish, start_python, worker_env
+from test_sft import ROOT, TOL, _assert_same_losses
+
+from megatrain.commands.sft import load_run, lora_config
+
+EXAMPLE = ROOT / "examples" / "sft" / "lora.yaml"
+
+
+def _start(tmp_path: Path, name: str, *sets: str) -> tuple[subprocess.Popen, Path]:
+    out = tmp_path / name
+    args = ["train", "--config", str(EXAMPLE), "--set", f"output_dir={out}", "--set", f"report={out}/report.json",
+            *(a for s in sets for a in ("--set", s))]
+    return start_python(["-m", "megatrain.commands.cli", *args], cwd=tmp_path, env=worker_env(threads=2),
+                        log=tmp_path / f"{name}.log"), out
+
+
+def _train_both(tmp_path: Path) -> tuple[dict, dict]:
+    """The MegaTrain run and plain SFTTrainer + PEFT's (backend=torch) of the example, side by side."""
+    runs = [_start(tmp_path, "mt"), _start(tmp_path, "plain", "backend=torch")]
+    try:
+        for proc, out in runs:
+            finish(proc, timeout=900, log=out.parent / f"{out.name}.log")
+        return tuple(json.loads((out / "report.json").read_text()) for _, out in runs)
+    finally:
+        for proc, _ in runs:
+            proc.kill()
+
+
+def _reloaded_logits(run_dir: Path, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the base model's logits, the base + the run's saved adapters' logits): the base rebuilt as `train` builds
+    it (random_init from the run's seed), the adapters read by PeftModel.from_pretrained."""
+    import peft
+    import transformers
+
+    run = load_run(EXAMPLE)
+    torch.manual_seed(run.seed)
+    base = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(run.model)).eval()
+    with torch.no_grad():
+        plain = base(ids).logits
+        tuned = peft.PeftModel.from_pretrained(base, str(run_dir / "final")).eval()
+        return plain, tuned(ids).logits
+
+
+@pytest.mark.slow
+def test_lora_section_trains_as_plain_trl_with_peft_and_its_adapters_reload(tmp_path):
+    pytest.importorskip("peft")
+    mt, plain = _train_both(tmp_path)
+    _assert_same_losses(mt, plain)
+    assert abs(mt["eval_loss"] - plain["eval_loss"]) <= TOL
+    final = tmp_path / "mt" / "final"
+    assert (final / "adapter_config.json").is_file() and (final / "adapter_model.safetensors").is_file()
+    assert not (final / "model.safetensors").exists()  # the adapters alone, as PEFT saves them
+    ids = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(1))
+    base, on_mt = _reloaded_logits(tmp_path / "mt", ids)
+    _, on_plain = _reloaded_logits(tmp_path / "plain", ids)
+    assert (on_mt - on_plain).abs().max() <= TOL * on_plain.abs().max()
+    assert (on_mt - base).abs().max() > 1e-3  # the adapters learned something: equal logits would prove little
+
+
+def test_bad_lora_sections_are_refused_by_name():
+    run = load_run(EXAMPLE, ["lora={rank: 4}"])
+    assert run.lora == {"rank": 4, "alpha": 16, "targets": ["q_proj", "v_proj"], "dropout": 0.0}  # defaults filled
+    pytest.importorskip("peft")
+    cfg = lora_config(load_run(EXAMPLE))
+    assert (cfg.r, cfg.lora_alpha, sorted(cfg.target_modules), cfg.lora_dropout) == (8, 16, ["q_proj", "v_proj"], 0)
+    with pytest.raises(ValueError, match="lora: unknown key 'rnak' \\(did you mean 'rank'"):
+        load_run(EXAMPLE, ["lora.rnak=4"])
+    with pytest.raises(ValueError, match="lora.rank: 0 must be an integer >= 1"):
+        load_run(EXAMPLE, ["lora.rank=0"])
+    with pytest.raises(ValueError, match="lora.dropout: 1.5 must be a number in \\[0, 1\\)"):
+        load_run(EXAMPLE, ["lora.dropout=1.5"])
+    with pytest.raises(ValueError, match="lora.targets: \\[\\] must be a list of module names"):
+        load_run(EXAMPLE, ["lora.targets=[]"])
+    with pytest.raises(ValueError, match="lora: .* is not a mapping of LoRA settings"):
+        load_run(EXAMPLE, ["lora=8"])
+    assert load_run(ROOT / "examples" / "sft" / "sft.yaml").lora is None  # full fine-tuning without the section
