@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpu_defaults import FLOOR_FACTOR
 from kit import finish, start_python, worker_env
 from test_sft import ROOT, TOL, _assert_same_losses
 
@@ -18,24 +19,32 @@ from megatrain.commands.sft import load_run, lora_config
 EXAMPLE = ROOT / "examples" / "sft" / "lora.yaml"
 
 
-def _start(tmp_path: Path, name: str, *sets: str) -> tuple[subprocess.Popen, Path]:
+def _start(tmp_path: Path, name: str, *sets: str, ranks: int = 1) -> tuple[subprocess.Popen, Path]:
+    """`megatrain train --config examples/sft/lora.yaml` in its own process (under torchrun with `ranks` > 1)."""
     out = tmp_path / name
-    args = ["train", "--config", str(EXAMPLE), "--set", f"output_dir={out}", "--set", f"report={out}/report.json",
-            *(a for s in sets for a in ("--set", s))]
-    return start_python(["-m", "megatrain.commands.cli", *args], cwd=tmp_path, env=worker_env(threads=2),
+    args = ["-m", "megatrain.commands.cli", "train", "--config", str(EXAMPLE), "--set", f"output_dir={out}",
+            "--set", f"report={out}/report.json", *(a for s in sets for a in ("--set", s))]
+    if ranks > 1:
+        args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *args]
+    return start_python(args, cwd=tmp_path, env=worker_env(threads=1 if ranks > 1 else 2),
                         log=tmp_path / f"{name}.log"), out
 
 
-def _train_both(tmp_path: Path) -> tuple[dict, dict]:
-    """The MegaTrain run and plain SFTTrainer + PEFT's (backend=torch) of the example, side by side."""
-    runs = [_start(tmp_path, "mt"), _start(tmp_path, "plain", "backend=torch")]
+def _train(tmp_path: Path, runs: dict[str, tuple[str, ...]], ranks: int = 1) -> dict[str, dict]:
+    """Each named run of the example (its --set items), side by side; their reports."""
+    started = {name: _start(tmp_path, name, *sets, ranks=ranks) for name, sets in runs.items()}
     try:
-        for proc, out in runs:
+        for proc, out in started.values():
             finish(proc, timeout=900, log=out.parent / f"{out.name}.log")
-        return tuple(json.loads((out / "report.json").read_text()) for _, out in runs)
+        return {name: json.loads((out / "report.json").read_text()) for name, (_, out) in started.items()}
     finally:
-        for proc, _ in runs:
+        for proc, _ in started.values():
             proc.kill()
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a["losses"].keys() == b["losses"].keys()
+    return max(abs(a["losses"][k] - b["losses"][k]) for k in a["losses"])
 
 
 def _reloaded_logits(run_dir: Path, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +65,9 @@ def _reloaded_logits(run_dir: Path, ids: torch.Tensor) -> tuple[torch.Tensor, to
 @pytest.mark.slow
 def test_lora_section_trains_as_plain_trl_with_peft_and_its_adapters_reload(tmp_path):
     pytest.importorskip("peft")
-    mt, plain = _train_both(tmp_path)
+    r = _train(tmp_path, {"mt": (), "plain": ("backend=torch",), "mt_bf16": ("precision=bf16",),
+                          "plain_bf16": ("backend=torch", "precision=bf16")})
+    mt, plain = r["mt"], r["plain"]
     _assert_same_losses(mt, plain)
     assert abs(mt["eval_loss"] - plain["eval_loss"]) <= TOL
     final = tmp_path / "mt" / "final"
@@ -67,6 +78,23 @@ def test_lora_section_trains_as_plain_trl_with_peft_and_its_adapters_reload(tmp_
     _, on_plain = _reloaded_logits(tmp_path / "plain", ids)
     assert (on_mt - on_plain).abs().max() <= TOL * on_plain.abs().max()
     assert (on_mt - base).abs().max() > 1e-3  # the adapters learned something: equal logits would prove little
+    # The GPU's defaults (bf16 compute; plain SFTTrainer autocasts to bf16 over its FP32 weights): held to
+    # FLOOR_FACTOR times the distance bf16 rounding itself moves plain TRL from its FP32 run (per-step losses, the
+    # largest difference); that distance is not zero, and MegaTrain's bf16 run is not its FP32 run (bf16 computed).
+    floor = _max_diff(r["plain_bf16"], plain)
+    assert r["mt_bf16"]["engine"] == "MegaTrainEngine" and floor > 1e-5 and _max_diff(r["mt_bf16"], mt) > 1e-5
+    assert _max_diff(r["mt_bf16"], r["plain_bf16"]) <= FLOOR_FACTOR * floor, r
+
+
+@pytest.mark.slow
+def test_lora_section_on_two_ranks_under_torchrun_trains_as_plain_ddp(tmp_path):
+    """torchrun --nproc-per-node 2: MegaTrain's logged losses (Trainer's mean over the ranks) and eval loss within
+    1e-5 of plain SFTTrainer + PEFT on DistributedDataParallel."""
+    pytest.importorskip("peft")
+    r = _train(tmp_path, {"mt": (), "plain": ("backend=torch",)}, ranks=2)
+    assert r["plain"]["engine"] == "DistributedDataParallel"
+    _assert_same_losses(r["mt"], r["plain"])
+    assert abs(r["mt"]["eval_loss"] - r["plain"]["eval_loss"]) <= TOL
 
 
 def test_bad_lora_sections_are_refused_by_name():
