@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from gpu_defaults import FLOOR_FACTOR
-from kit import finish, start_python, worker_env
+from kit import finish, run_python, start_python, worker_env
 from test_sft import ROOT, TOL, _assert_same_losses
 
 from megatrain.commands.sft import load_run, lora_config
@@ -114,3 +114,18 @@ def test_bad_lora_sections_are_refused_by_name():
     with pytest.raises(ValueError, match="lora: .* is not a mapping of LoRA settings"):
         load_run(EXAMPLE, ["lora=8"])
     assert load_run(ROOT / "examples" / "sft" / "sft.yaml").lora is None  # full fine-tuning without the section
+
+
+@pytest.mark.slow
+def test_a_lora_run_resumed_from_its_checkpoint_continues_bit_identically(tmp_path):
+    """Trainer's checkpoint of a LoRA run on MegaTrain (the adapters, their Adam state, the schedule) resumes to the
+    uninterrupted run's losses, bit for bit."""
+    pytest.importorskip("peft")
+    out = run_python([ROOT / "tests" / "workers" / "sft_lora_resume.py", tmp_path], cwd=tmp_path,
+                     env=worker_env(threads=2), timeout=900, check=True).stdout
+    r = json.loads(next(ln for ln in out.splitlines() if ln.startswith("REPORT "))[len("REPORT "):])
+    whole, resumed = r["whole"], r["resumed"]
+    assert whole["engine"] == resumed["engine"] == "MegaTrainEngine" and resumed["resumed_from"].endswith("checkpoint-4")
+    assert resumed["global_step"] == whole["global_step"] == 8
+    later = [str(s) for s in range(5, 9)]
+    assert [resumed["losses"][s] for s in later] == [whole["losses"][s] for s in later]
