@@ -82,3 +82,12 @@ def test_the_command_prints_the_partial_plan_and_refuses_bad_values(capsys):
     assert "one GPU" in capsys.readouterr().err
     assert planner([*args, "--trainable", "top:2", "--backend", "zero3"]) == 2
     assert "drop it with --backend zero3" in capsys.readouterr().err
+
+
+def test_a_sweep_refuses_trainable(capsys, tmp_path):
+    from megatrain.commands.cli import main as megatrain
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text("points: [{model: tiny, seq_len: 64, backend: megatrain}]\n")
+    assert megatrain(["plan", "--sweep", str(spec), "--trainable", "top:1"]) == 2
+    assert "--trainable prices one point's partial training; drop it with --sweep" in capsys.readouterr().err
