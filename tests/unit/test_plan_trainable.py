@@ -91,3 +91,15 @@ def test_a_sweep_refuses_trainable(capsys, tmp_path):
     spec.write_text("points: [{model: tiny, seq_len: 64, backend: megatrain}]\n")
     assert megatrain(["plan", "--sweep", str(spec), "--trainable", "top:1"]) == 2
     assert "--trainable prices one point's partial training; drop it with --sweep" in capsys.readouterr().err
+
+
+def test_the_readme_lora_line_is_what_the_planner_prints():
+    from pathlib import Path
+
+    from megatrain.planner.memory import fmt_bytes
+
+    pl = plan(resolve_model("120b"), context=2048, batch=8, hardware="h200-pcie")
+    lora = plan_partial(pl, "lora:8")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert "`megatrain plan --model 120b --context 2048 --batch 8 --hardware h200-pcie`" in readme
+    assert f"host {fmt_bytes(lora.host_bytes)}, step {lora.step_s:.2f} s (h200-pcie)" in readme
