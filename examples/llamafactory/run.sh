@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The LlamaFactory recipe, followed on a fresh venv: install in an order that keeps torch, train 8 steps with
 # LlamaFactory alone and under `megatrain launch`, compare the logged losses.
-#   bash examples/llamafactory/run.sh [VENV] [TORCH_SPEC]
+#   bash examples/llamafactory/run.sh [VENV] [TORCH_SPEC] [RECIPE]
 # TORCH_SPEC: the torch you train with, pinned so LlamaFactory's requirements cannot swap it (default: the CPU
 # wheel this project's CPU machines use; on a GPU machine give your CUDA build's version, e.g. torch==2.13.0).
+# RECIPE: sft.yaml (full fine-tuning, the default) or lora.yaml (finetuning_type: lora).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 venv="${1:-$root/.venv-llamafactory}"
 torch_spec="${2:-torch==2.13.0}"
+recipe="${3:-sft.yaml}"
 work="$(mktemp -d)"
 
 python3 -m venv "$venv"
@@ -32,7 +34,7 @@ torch.manual_seed(0)
 transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(sys.argv[2])).save_pretrained(sys.argv[2])
 PY
 for v in plain megatrain; do
-    sed -e "s#MODEL#$work/model#" -e "s#DATASET_DIR#$here#" -e "s#OUTPUT_DIR#$work/out_$v#" "$here/sft.yaml" \
+    sed -e "s#MODEL#$work/model#" -e "s#DATASET_DIR#$here#" -e "s#OUTPUT_DIR#$work/out_$v#" "$here/$recipe" \
         > "$work/$v.yaml"
 done
 echo "deepspeed: $here/ds.json" >> "$work/megatrain.yaml"

@@ -146,6 +146,8 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         if (args.gpus_per_node, args.nodes) != (1, 1):
             raise ValueError("--gpus-per-node/--nodes plan one point; drop them with --sweep")
+        if getattr(args, "trainable", None):
+            raise ValueError("--trainable prices one point's partial training; drop it with --sweep")
         rows = run_sweep(args.sweep, flag_profiles(args), knobs=flag_knobs(args), link_gbs=args.link_gbs,
                          host_memory_gib=args.host_memory_gib, device_memory_gib=args.device_memory_gib)
     except ValueError as e:

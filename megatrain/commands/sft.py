@@ -20,7 +20,7 @@ from ..config.settings import AUTO, face_keys
 from ..config.validate import close_match, is_bool, is_int, is_number
 from .sft_data import FORMATS, check_file, detect_format, to_conversation
 
-__all__ = ["SFTRun", "Prepared", "load_run", "check_data", "prepare", "train", "to_conversation", "detect_format", "FORMATS"]
+__all__ = ["SFTRun", "Prepared", "load_run", "check_data", "prepare", "train", "lora_config", "to_conversation", "detect_format", "FORMATS"]
 
 _PATH_KEYS = ("model", "data", "eval_data", "tokenizer", "chat_template", "output_dir", "report")
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -59,6 +59,7 @@ class SFTRun:
     save_total_limit: int | None = 2  # keep the newest this many checkpoints (null: all)
     backend: str = "megatrain"  # megatrain | torch (plain SFTTrainer, for comparison)
     megatrain: dict[str, Any] = field(default_factory=dict)  # the engine's settings (docs/SETTINGS.md)
+    lora: dict[str, Any] | None = None  # LoRA adapters instead of full fine-tuning: rank, alpha, targets, dropout
     report: str | None = None  # write the logged losses and which engine trained here (JSON)
 
 
@@ -75,8 +76,11 @@ _TYPES: dict[str, tuple] = {
     "seed": _INT, "logging_steps": _INT, "save_minutes": _NUM, "save_steps": _INT, "save_total_limit": _INT,
     "backend": _STR, "megatrain": (lambda v: isinstance(v, dict), "a mapping of engine settings",
                                    "{host_master: fp32}"),
-    "report": _STR}
-_OPTIONAL = frozenset({"eval_data", "tokenizer", "chat_template", "report", "save_total_limit"})
+    "report": _STR, "lora": (lambda v: isinstance(v, dict), "a mapping of LoRA settings", "{rank: 8, alpha: 16}")}
+_OPTIONAL = frozenset({"eval_data", "tokenizer", "chat_template", "report", "save_total_limit", "lora"})
+# The `lora:` section's keys and defaults (PEFT's LoraConfig takes them as r, lora_alpha, target_modules,
+# lora_dropout). Dropout defaults to 0, PEFT's default: a run is then the same function of its seed on any backend.
+LORA_DEFAULTS: dict[str, Any] = {"rank": 8, "alpha": 16, "targets": ["q_proj", "v_proj"], "dropout": 0.0}
 _AT_LEAST = {"max_length": 1, "micro_batch": 1, "grad_accum": 1, "logging_steps": 1, "save_steps": 0,
              "save_total_limit": 1, "epochs": 0, "learning_rate": 0, "warmup_steps": 0, "weight_decay": 0,
              "max_grad_norm": 0, "save_minutes": 0, "seed": 0}
@@ -200,6 +204,8 @@ def _check(run: SFTRun, path: Path) -> None:
                          "directory, or set random_init: true to start from random weights")
     if Path(run.output_dir).exists() and not Path(run.output_dir).is_dir():
         raise ValueError(f"output_dir={run.output_dir!r} is a file; give a folder to write the run to")
+    if run.lora is not None:
+        run.lora = _lora_settings(run.lora, path)
     if run.backend == "megatrain":
         from ..config.deepspeed import parse_config
 
@@ -208,6 +214,50 @@ def _check(run: SFTRun, path: Path) -> None:
         except ValueError as e:
             # the user wrote a `megatrain:` section, not a DeepSpeed config: name the section as they wrote it
             raise ValueError(f"{path}: {str(e).removeprefix('DeepSpeed config: ')}") from None
+
+
+def _lora_settings(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The `lora:` section with its defaults filled in, every key and value checked (ValueError naming the key)."""
+    for key in raw:
+        if key not in LORA_DEFAULTS:
+            near = close_match(key, LORA_DEFAULTS)
+            raise ValueError(f"{path}: lora: unknown key {key!r}" + (f" (did you mean {near!r}?)" if near else "")
+                             + f"; the keys are {sorted(LORA_DEFAULTS)}")
+    out = {**LORA_DEFAULTS, **raw}
+    if not is_int(out["rank"]) or out["rank"] < 1:
+        raise ValueError(f"{path}: lora.rank: {out['rank']!r} must be an integer >= 1; write e.g. rank: 8")
+    for key in ("alpha", "dropout"):
+        if isinstance(out[key], str):
+            try:  # YAML 1.1 reads 1e-1 (no dot) as text
+                out[key] = float(out[key])
+            except ValueError:
+                pass
+    if not is_number(out["alpha"]) or out["alpha"] <= 0:
+        raise ValueError(f"{path}: lora.alpha: {out['alpha']!r} must be a number > 0; write e.g. alpha: 16")
+    if not is_number(out["dropout"]) or not 0 <= out["dropout"] < 1:
+        raise ValueError(f"{path}: lora.dropout: {out['dropout']!r} must be a number in [0, 1); write e.g. "
+                         "dropout: 0.0")
+    targets = out["targets"]
+    if isinstance(targets, str):
+        targets = out["targets"] = [targets] if targets != "all-linear" else targets
+    if targets != "all-linear" and (not isinstance(targets, list) or not targets
+                                    or not all(isinstance(t, str) and t for t in targets)):
+        raise ValueError(f"{path}: lora.targets: {targets!r} must be a list of module names or 'all-linear'; "
+                         "write e.g. targets: [q_proj, v_proj]")
+    return out
+
+
+def lora_config(run: SFTRun) -> Any:
+    """PEFT's LoraConfig for the run's `lora:` section (None without one); TRL's SFTTrainer wraps the model."""
+    if run.lora is None:
+        return None
+    try:
+        import peft
+    except ImportError as e:
+        raise ImportError(f"the config's lora: section needs PEFT ({e}): pip install peft") from e
+    lora = run.lora
+    return peft.LoraConfig(r=int(lora["rank"]), lora_alpha=lora["alpha"], target_modules=lora["targets"],
+                           lora_dropout=float(lora["dropout"]), task_type="CAUSAL_LM")
 
 
 def check_run_model(run: SFTRun) -> None:
@@ -346,7 +396,8 @@ def train(prep: Prepared | SFTRun, resume_from: str | Path | None = None) -> dic
     record_run(run.output_dir, settings)
     trainer = SFTTrainer(model=model, args=args, processing_class=prep.tokenizer,
                          train_dataset=Dataset.from_list(prep.train),
-                         eval_dataset=Dataset.from_list(prep.eval) if prep.eval is not None else None)
+                         eval_dataset=Dataset.from_list(prep.eval) if prep.eval is not None else None,
+                         peft_config=lora_config(run))
     with GracefulStop() as stop:
         saver = SaveCallback(stop, run.save_minutes, run.save_steps)
         trainer.add_callback(saver)

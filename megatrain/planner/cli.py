@@ -19,6 +19,7 @@ from .hardware import load_profiles, resolve_hardware
 from .host_work import host_assumptions
 from .mode_table import mode_table
 from .nvme_plan import format_nvme_rows, nvme_rows, with_nvme
+from .partial import plan_partial
 from .point import ENGINE_RESIDENCY, make_point, residency_setting
 from .prediction import Plan
 from .reference import torch_reference
@@ -130,6 +131,10 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
                     help="several GPUs per node: the node path (a layer crosses the host link once per node, "
                          "NVLink all-gather; planned, docs/DISTRIBUTED.md) where the profile has NVLink (auto), or "
                          "today's per-rank path")
+    ap.add_argument("--trainable", help="price partial training beside the full plan (one GPU, megatrain): a fraction "
+                                        "of the decoder layers (0.25: the top quarter), top:K (the top K layers) "
+                                        "or lora:R (rank-R adapters on q_proj and v_proj); the embedding and head "
+                                        "frozen (planner/partial.py)")
     ap.add_argument("--details", action="store_true",
                     help="after the first screen, every table: memory by component, time per layer, the "
                          "timeline, the host modes and the NVMe tier")
@@ -182,6 +187,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     if not args.model:
         raise ValueError("--model is required (or, with `megatrain plan`, --sweep SPEC)")
     if (args.gpus_per_node, args.nodes) != (1, 1):
+        if getattr(args, "trainable", None):
+            raise ValueError("--trainable prices one GPU's partial training; drop --gpus-per-node/--nodes with it")
         return _run_plan_multi(args)
     # the NVMe tier's disk (planner/nvme_plan.py) as the user gives it: host mode "auto" may choose the tier
     hw = with_nvme(resolve_hardware(_resolve_hw(args), args.link_gbs, args.host_memory_gib, args.device_memory_gib),
@@ -190,6 +197,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     common = dict(context=args.context, batch=args.batch, grad_accum=args.grad_accum, dtype=args.dtype, hardware=hw)
     model = resolve_model(args.model)  # a model directory is read once, for every plan below
     main = plan(model, backend=args.backend, **common, **knobs)
+    partial = plan_partial(main, args.trainable) if getattr(args, "trainable", None) else None
     others = []
     for b in [x.strip() for x in (args.compare or "").split(",") if x.strip()]:
         if b != args.backend:
@@ -204,6 +212,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     nvrows = nvme_rows(main.point, nvhw, search=not args.no_search) if args.backend == "megatrain" and full else []
     if args.json:
         d = main.to_dict()
+        if partial is not None:
+            d["partial"] = partial.to_dict()
         d["nvme"] = [dataclasses.asdict(r) for r in nvrows]
         ref = torch_reference(main)
         d.update(max_batch=bb, max_context=bc, compare=[o.to_row() for o in others],
@@ -216,6 +226,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(d, indent=2, default=str))
     else:
         print("\n".join(first_screen(main, others, _nodes_hint(main, hw, args))))
+        if partial is not None:
+            print("\n".join(partial.lines()))
         if args.details:
             print(format_plan(main, bb, bc, others, modes))
     if nvrows and not args.json and args.details:
