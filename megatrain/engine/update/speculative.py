@@ -26,7 +26,9 @@ restores the speculated layers first: what it sees is the serial path's. Each st
 layer counts one rollback (`rollbacks`, collect_stats()["speculative_rollbacks"]).
 
 Partial speculation: only the layers in `layers` speculate (resolve: "auto" takes as many as their rollback copies
-fit in the host memory left, the first host-updated layers in forward order); the others are updated at step() as
+fit in the host memory left, the first host-updated layers in forward order; left once the state exists: resolve runs
+while the engine is built, before the first backward writes the gradient slabs' pages and before torch creates Adam's
+state, so those bytes (state_to_come_bytes) and a headroom are taken off the free memory first); the others are updated at step() as
 Layered updates them, in forward order with the speculated ones. Why the first: with overlap the next forward waits
 on layer i's update before layer i. The first layers' gradients land last in backward, so their updates are the ones
 the step would otherwise queue first and the forward would wait on first; done in backward, the forward runs through
@@ -52,8 +54,9 @@ from typing import Any
 import torch
 
 from ...config.schema import EngineConfig
+from ...costs.modes import ADAM_BYTES
+from ..host import preflight
 from ..host.events import LayerEvents
-from ..host.preflight import available_host_bytes, rollback_layers
 from ..host.store import FlatGroup, HostStore
 from ..runtime.stream import DONE, Trace
 from ..runtime.threads import update_threads
@@ -241,10 +244,12 @@ class Speculative(Layered):
         built, before any batch; what the first batches allocate since (offloaded activations or graphs, a loader's
         buffers) can take that room. A layer whose copy no longer fits stops speculating for good (the step updates
         it, the same bits), said once on the logger: never an allocation past the host's memory."""
-        left = available_host_bytes() - ROLLBACK_HEADROOM_BYTES
+        # the copy's old buffers (a first step's, before Adam's state existed) are freed as the new ones replace them
+        left = preflight.available_host_bytes() - ROLLBACK_HEADROOM_BYTES + self.copies[i].nbytes
         if nbytes <= left:
             return True
         self.layers = self.layers - {i}
+        self.copies[i] = StateCopy()  # its old copy freed too: a layer that no longer speculates holds none
         if not self._shrunk:
             self._shrunk = True
             log.warning("speculative step: layer %d's rollback copy (%.2f GiB) no longer fits the %.2f GiB the host "
@@ -382,9 +387,26 @@ def resolve(config: EngineConfig, device: torch.device, optimizer: torch.optim.O
             raise ValueError(f"speculative_step=True: {reason}; set speculative_step='auto' or False")
         return frozenset()
     host = [i for i in range(len(store.layers)) if i not in device_layers]
-    count = rollback_layers([store.layers[i].numel for i in host], store.master_mode,
-                            config.compute_dtype == "bfloat16", required=setting is True)
+    left = preflight.available_host_bytes() - ROLLBACK_HEADROOM_BYTES - state_to_come_bytes(store, optimizer)
+    count = preflight.rollback_layers([store.layers[i].numel for i in host], store.master_mode,
+                                      config.compute_dtype == "bfloat16", required=setting is True, available=left)
     if host:
         log.info("speculative step: %d of %d host-updated layers%s", count, len(host),
                  "" if count == len(host) else " (as many rollback copies as the host memory left holds)")
     return frozenset(host[:count])
+
+
+def state_to_come_bytes(store: HostStore, optimizer: torch.optim.Optimizer) -> int:
+    """Host bytes the run takes after the engine is built and before the copies are filled, which free host memory
+    does not show yet: the gradient slabs' pages (fresh zero-filled mappings, first written by the first backward;
+    a pinned slab is touched already) and the Adam state torch creates at the first step (m and v, and
+    max_exp_avg_sq with amsgrad, as costs/modes.py counts them, and the step counter) of every host parameter that
+    has none yet. The rollback copies are sized against what is left beside them (resolve)."""
+    slabs = sum(g.grad.numel() * g.grad.element_size() for g in store.groups()
+                if g.grad is not None and g.grad.device.type == "cpu" and not g.grad.is_pinned())
+    adam = 0
+    for group in optimizer.param_groups:
+        per_param = ADAM_BYTES + (ADAM_BYTES // 2 if group.get("amsgrad") else 0)
+        adam += sum(per_param * p.numel() + 4 for p in group["params"]
+                    if p.device.type == "cpu" and not optimizer.state.get(p))
+    return slabs + adam
