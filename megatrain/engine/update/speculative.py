@@ -69,6 +69,13 @@ log = logging.getLogger("megatrain")
 # Host bytes a first rollback copy leaves free: the measure is the process's headroom (cgroup, MemAvailable), and
 # an allocation that would take the last of it risks the OOM killer for what is only a speed-up.
 ROLLBACK_HEADROOM_BYTES = 1 << 30
+# "auto" backs off where speculation keeps losing (a clip that scales most steps: each rolled-back step pays the
+# speculative update, the copy, the restore and the serial update): after BACK_OFF_AFTER steps in a row with a
+# rollback it does not speculate for QUIET_STEPS steps, then tries again; a retry that loses backs off at once, for
+# twice as long (up to MAX_QUIET_STEPS), and a step whose speculation holds resets both.
+BACK_OFF_AFTER = 3
+QUIET_STEPS = 20
+MAX_QUIET_STEPS = 320
 
 
 class StateCopy:
@@ -129,8 +136,15 @@ class Speculative(Layered):
     """Layered, with each layer's update started in backward and validated in step() (see the module docstring)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
-                 config: EngineConfig, trace: Trace, layers: frozenset[int] | None = None) -> None:
+                 config: EngineConfig, trace: Trace, layers: frozenset[int] | None = None,
+                 back_off: bool = False) -> None:
         super().__init__(optimizer, store, events, config, trace)
+        self.back_off = back_off  # "auto": speculation paused while it keeps losing (BACK_OFF_AFTER); True: never
+        self._lost = 0  # steps in a row whose speculation was rolled back
+        self._quiet = 0  # steps left before speculation is tried again
+        self._window = QUIET_STEPS  # the next pause's length
+        self.backoffs = 0  # pauses begun (collect_stats()["speculative_backoffs"])
+        self.quiet_steps = 0  # steps taken without speculating while paused (collect_stats())
         n = len(store.layers)
         # The layers that speculate (None: every one); a copy of a layer that does not is never filled: no memory
         self.layers = frozenset(range(n)) if layers is None else frozenset(layers)
@@ -166,7 +180,7 @@ class Speculative(Layered):
         self.discard()  # gradients are about to be added: any update taken from the old ones is wrong
         self._round += 1
         self._backwards += 1
-        self._armed = self._backwards >= self._per_step
+        self._armed = self._backwards >= self._per_step and not self._quiet
         if self._armed:
             self.layered.sync_all()  # this step's LR and state links, taken before the first layer update
             self._hyper, self._state = _hyper(self.optimizer), self.optimizer.state
@@ -295,9 +309,13 @@ class Speculative(Layered):
         self._per_step, self._backwards = max(1, self._backwards), 0
         self._decided = True
         if not any(self.submitted):
+            if self._quiet:
+                self._quiet -= 1
+                self.quiet_steps += 1
             return super().step(finite, clip)
         if not finite():  # (if it raises, after too many bad steps, a read or forward restores the layers first)
             self.discard()  # the step is skipped: the speculated layers as they were
+            self._judge(lost=True)
             return False
         for g in self.store.groups():
             g.link_grads()
@@ -307,6 +325,7 @@ class Speculative(Layered):
         # read, and whether it ran at all, its job knows: the check below runs on the optimizer thread behind it.
         same = _hyper(self.optimizer) == self._hyper and self.optimizer.state is self._state
         held = same and not coefs
+        self._judge(lost=not held)
         layered, layers, threads = self.layered, self.store.layers, self.threads
         self._verdict += 1
         verdict, submitted = self._verdict, self.submitted
@@ -329,6 +348,19 @@ class Speculative(Layered):
         if not self.overlapped:
             layered.synchronize()
         return True
+
+    def _judge(self, lost: bool) -> None:
+        """Count a step's speculation lost or held, and pause speculating where it keeps losing ("auto")."""
+        if not self.back_off:
+            return
+        if not lost:
+            self._lost, self._window = 0, QUIET_STEPS
+            return
+        self._lost += 1
+        if self._lost >= BACK_OFF_AFTER:
+            self._quiet, self._window = self._window, min(2 * self._window, MAX_QUIET_STEPS)
+            self._lost = BACK_OFF_AFTER - 1  # the retry that loses too pauses again at once
+            self.backoffs += 1
 
     def zero_grad(self) -> None:
         self.discard()  # a zero_grad() before step(): the update taken from those gradients is undone
