@@ -30,7 +30,8 @@ from megatrain.engine.update import speculative  # noqa: E402
 
 def main(steps: int) -> dict:
     base = tiny_model("llama", layers=6, hidden=256, vocab=512)
-    cfg = {"compute_dtype": "float32", "link_gbps": 50.0}
+    # overlap on for all three, as "auto" settles it on CUDA (where speculative_step "auto" is on)
+    cfg = {"compute_dtype": "float32", "link_gbps": 50.0, "optimizer_overlap": True}
     engines = {"False": Engine(copy.deepcopy(base), EngineConfig(**cfg, speculative_step=False)),
                "True": Engine(copy.deepcopy(base), EngineConfig(**cfg, speculative_step=True))}
     resolve = speculative.resolve
