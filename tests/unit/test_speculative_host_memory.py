@@ -22,9 +22,10 @@ from kit import settle_speculation, train_steps
 import megatrain.engine.host.preflight as preflight
 from megatrain.config.schema import IF_FITS, EngineConfig
 from megatrain.costs.modes import rollback_bytes_per_param
+from megatrain.costs.rollback import ROLLBACK_HEADROOM_BYTES
 from megatrain.engine import Engine
 from megatrain.engine.update import speculative
-from megatrain.engine.update.speculative import ROLLBACK_HEADROOM_BYTES, Speculative, state_to_come_bytes
+from megatrain.engine.update.speculative import Speculative, state_to_come_bytes
 
 LAYERS, FIT = 4, 2
 LINK_GBPS = 0.05  # a link emulated: the layers stream (a plain CPU device holds their optimizer on it)
@@ -33,7 +34,8 @@ LINK_GBPS = 0.05  # a link emulated: the layers stream (a plain CPU device holds
 def _used(eng: Engine) -> int:
     """What the emulated host has handed out beside what it had when the engine was built."""
     slabs = sum(g.grad.numel() * g.grad.element_size() for g in eng.store.groups() if g.grad is not None)
-    adam = sum(t.numel() * t.element_size() for st in eng.optimizer.state.values() for t in st.values()
+    # read on the optimizer thread too (the engine's free-memory reader), while a layer's update fills its state
+    adam = sum(t.numel() * t.element_size() for st in list(eng.optimizer.state.values()) for t in list(st.values())
                if torch.is_tensor(t))
     copies = sum(c.nbytes for c in eng.update.copies) if isinstance(eng.update, Speculative) else 0
     return slabs + adam + copies
@@ -58,6 +60,7 @@ def test_auto_sizes_the_copies_after_the_slabs_and_adam_state(monkeypatch, mode)
     per = rollback_bytes_per_param(probe.store.master_mode, probe.config.compute_dtype == "bfloat16")
     to_come = state_to_come_bytes(probe.store, probe.optimizer)
     train_steps(probe, make_batches(1), 1, clip=None)
+    probe.synchronize()  # the step's layer updates done (with overlap they run on, creating Adam's state)
     assert _used(probe) == to_come  # the count is what the slabs and Adam's state (m, v, step) take
     free = ROLLBACK_HEADROOM_BYTES + to_come + per * sum(numels[: FIT + 1]) - 1
     monkeypatch.setattr(speculative, "resolve", as_on_cuda)
@@ -67,6 +70,7 @@ def test_auto_sizes_the_copies_after_the_slabs_and_adam_state(monkeypatch, mode)
     assert isinstance(eng.update, Speculative)
     assert eng.update.layers == frozenset(range(FIT)), "sized against the memory free before the state existed"
     train_steps(eng, make_batches(3), 3, clip=0.05)
+    eng.synchronize()
     # every copy taken fits beside the state with the headroom kept, and the speculated layers kept their copies
     assert _used(eng) <= free - ROLLBACK_HEADROOM_BYTES
     assert [c.nbytes > 0 for c in eng.update.copies] == [i < FIT for i in range(LAYERS)]
@@ -94,3 +98,14 @@ def test_a_layer_refused_at_a_later_step_frees_its_copy(monkeypatch):
     train_steps(eng, make_batches(2), 1, start=1, clip=None, after_backward=settle_speculation)
     eng.synchronize()
     assert [c.nbytes for c in eng.update.copies] == [0, 0] and eng.update.speculative_layers == 0
+
+
+def test_the_shared_budget_rule():
+    """costs/rollback.py: the rule the engine sizes by (and the planner is to predict with)."""
+    from megatrain.costs.rollback import layers_that_fit, rollback_budget
+
+    per, numels = 12, [10, 10, 20]
+    assert [layers_that_fit(numels, per, b) for b in (119, 120, 239, 240, 479, 480)] == [0, 1, 1, 2, 2, 3]
+    assert layers_that_fit([10, 100, 10], per, 1000) == 1  # in order: the first that does not fit ends it
+    gib = 1 << 30
+    assert rollback_budget(10 * gib, 3 * gib, 2 * gib) == 10 * gib - 3 * gib - 2 * gib - ROLLBACK_HEADROOM_BYTES

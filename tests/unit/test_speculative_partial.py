@@ -20,6 +20,7 @@ from kit import assert_same_training_state, settle_speculation, train_steps
 import megatrain.engine.host.preflight as preflight
 from megatrain.config.schema import IF_FITS, EngineConfig
 from megatrain.costs.modes import rollback_bytes_per_param
+from megatrain.costs.rollback import ROLLBACK_HEADROOM_BYTES
 from megatrain.engine import Engine
 from megatrain.engine.host.preflight import HostMemoryError, rollback_layers, rollback_preflight
 from megatrain.engine.update import speculative
@@ -40,7 +41,7 @@ def _room(eng: Engine, fit: int) -> tuple[list[int], int, int]:
 def _reserve(eng: Engine) -> int:
     """What the host's free memory must hold beside the copies when "auto" sizes them: the headroom kept, the slabs'
     pages and the Adam state to come (tests/unit/test_speculative_host_memory.py)."""
-    return speculative.ROLLBACK_HEADROOM_BYTES + speculative.state_to_come_bytes(eng.store, eng.optimizer)
+    return ROLLBACK_HEADROOM_BYTES + speculative.state_to_come_bytes(eng.store, eng.optimizer)
 
 
 def _partial(monkeypatch: pytest.MonkeyPatch, mode: dict, fit: int, **cfg) -> tuple[Engine, Engine, int]:
@@ -182,7 +183,7 @@ def test_a_copy_that_no_longer_fits_stops_its_layer_speculating_same_bits(monkey
     serial step's bits), said once; the control (below): with room, both layers keep speculating."""
     fit, steps = 2, 2
     serial, spec, _ = _partial(monkeypatch, CONFIGS[0].values[0], fit)
-    monkeypatch.setattr(preflight, "available_host_bytes", lambda: speculative.ROLLBACK_HEADROOM_BYTES)
+    monkeypatch.setattr(preflight, "available_host_bytes", lambda: ROLLBACK_HEADROOM_BYTES)
     batches = make_batches(steps)
     with caplog.at_level("WARNING", logger="megatrain"):
         a = train_steps(serial, batches, steps, clip=1e6)

@@ -55,6 +55,7 @@ import torch
 
 from ...config.schema import EngineConfig
 from ...costs.modes import ADAM_BYTES
+from ...costs.rollback import rollback_budget
 from ..host import preflight
 from ..host.events import LayerEvents
 from ..host.store import FlatGroup, HostStore
@@ -66,9 +67,6 @@ from .update import Layered, update_layer
 
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 log = logging.getLogger("megatrain")
-# Host bytes a first rollback copy leaves free: the measure is the process's headroom (cgroup, MemAvailable), and
-# an allocation that would take the last of it risks the OOM killer for what is only a speed-up.
-ROLLBACK_HEADROOM_BYTES = 1 << 30
 # "auto" backs off where speculation keeps losing (a clip that scales most steps: each rolled-back step pays the
 # speculative update, the copy, the restore and the serial update): after BACK_OFF_AFTER steps in a row with a
 # rollback it does not speculate for QUIET_STEPS steps, then tries again; a retry that loses backs off at once, for
@@ -259,7 +257,7 @@ class Speculative(Layered):
         buffers) can take that room. A layer whose copy no longer fits stops speculating for good (the step updates
         it, the same bits), said once on the logger: never an allocation past the host's memory."""
         # the copy's old buffers (a first step's, before Adam's state existed) are freed as the new ones replace them
-        left = preflight.available_host_bytes() - ROLLBACK_HEADROOM_BYTES + self.copies[i].nbytes
+        left = rollback_budget(preflight.available_host_bytes()) + self.copies[i].nbytes
         if nbytes <= left:
             return True
         self.layers = self.layers - {i}
@@ -419,7 +417,7 @@ def resolve(config: EngineConfig, device: torch.device, optimizer: torch.optim.O
             raise ValueError(f"speculative_step=True: {reason}; set speculative_step='auto' or False")
         return frozenset()
     host = [i for i in range(len(store.layers)) if i not in device_layers]
-    left = preflight.available_host_bytes() - ROLLBACK_HEADROOM_BYTES - state_to_come_bytes(store, optimizer)
+    left = rollback_budget(preflight.available_host_bytes(), state_to_come_bytes(store, optimizer))
     count = preflight.rollback_layers([store.layers[i].numel for i in host], store.master_mode,
                                       config.compute_dtype == "bfloat16", required=setting is True, available=left)
     if host:
