@@ -69,7 +69,8 @@ def test_auto_sizes_the_copies_after_the_slabs_and_adam_state(monkeypatch, mode)
     built["eng"] = eng
     assert isinstance(eng.update, Speculative)
     assert eng.update.layers == frozenset(range(FIT)), "sized against the memory free before the state existed"
-    train_steps(eng, make_batches(3), 3, clip=0.05)
+    eng.update.pass_over = False  # every speculated layer runs (not left to the step): each takes its copy
+    train_steps(eng, make_batches(3), 3, clip=0.05, after_backward=settle_speculation)
     eng.synchronize()
     # every copy taken fits beside the state with the headroom kept, and the speculated layers kept their copies
     assert _used(eng) <= free - ROLLBACK_HEADROOM_BYTES
