@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 from conftest import make_batches, tiny_model
+from gpu_defaults import CONFIGS
 from kit import assert_same_training_state, settle_speculation, train_steps
 
 from megatrain.config.schema import IF_FITS, EngineConfig
@@ -20,20 +21,22 @@ from megatrain.engine.update import speculative
 from megatrain.engine.update.speculative import Speculative
 
 LINK_GBPS = 0.05  # a link emulated: the layers stream (a plain CPU device holds their optimizer on it)
-FP32 = {"compute_dtype": "float32", "link_gbps": LINK_GBPS}
 
 
-@pytest.fixture
-def engines(monkeypatch):
-    """A serial engine, one with "auto" settled as on CUDA, one with True; the quiet window 2 steps."""
+@pytest.fixture(params=CONFIGS)
+def engines(monkeypatch, request):
+    """A serial engine, one with "auto" settled as on CUDA, one with True (in FP32 and in the GPU's defaults); the
+    quiet window 2 steps."""
     monkeypatch.setattr(speculative, "QUIET_STEPS", 2)
+    mode = {**request.param, "link_gbps": LINK_GBPS}
     base = tiny_model("llama", layers=3)
-    serial = Engine(copy.deepcopy(base), EngineConfig(**FP32, optimizer_overlap=False, speculative_step=False))
-    forced = Engine(copy.deepcopy(base), EngineConfig(**FP32, speculative_step=True))
+    serial = Engine(copy.deepcopy(base), EngineConfig(**{**mode, "optimizer_overlap": False,
+                                                         "speculative_step": False}))
+    forced = Engine(copy.deepcopy(base), EngineConfig(**mode, speculative_step=True))
     resolve = speculative.resolve
     monkeypatch.setattr(speculative, "resolve", lambda config, *a, **k: resolve(
         dataclasses.replace(config, speculative_step=IF_FITS), *a, **k))
-    auto = Engine(copy.deepcopy(base), EngineConfig(**FP32))
+    auto = Engine(copy.deepcopy(base), EngineConfig(**mode))
     for eng in (auto, forced):
         assert isinstance(eng.update, Speculative)
         eng.update.pass_over = False  # every layer speculates, however far behind the host is
