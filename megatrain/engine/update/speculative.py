@@ -23,7 +23,9 @@ forward order and without a copy, as Layered updates it (so what backward could 
 restored bytes are the copied ones, so every path gives the serial step's bits (tests/unit/test_speculative_step.py).
 A read of the weights or state between backward() and step() (Engine.synchronize, a forward, zero_grad, a load)
 restores the speculated layers first: what it sees is the serial path's. Each step (or read) that restores any
-layer counts one rollback (`rollbacks`, collect_stats()["speculative_rollbacks"]).
+layer counts one rollback (`rollbacks`, collect_stats()["speculative_rollbacks"]). "auto" pauses speculating where it
+keeps losing (BACK_OFF_AFTER: a clip that scales most steps), so such a run costs what speculative_step=False costs
+(results/speculative_backoff); True speculates every step.
 
 Partial speculation: only the layers in `layers` speculate (resolve: "auto" takes as many as their rollback copies
 fit in the host memory left, the first host-updated layers in forward order; left once the state exists: resolve runs
