@@ -199,12 +199,13 @@ class Engine:
         self.ranks = ranks_for(self.dp, self.store, self.events)
         # settled "auto" (IF_FITS): the first host-updated layers whose rollback copies fit; True refused where it cannot
         speculate = speculative.resolve(config, self.device, opt, self.store, self.dp is not None, self.optimizer_layers)
+        back_off = config.speculative_step is not True  # "auto" pauses where it keeps losing; True as set
         self.config = config = dataclasses.replace(config, speculative_step=bool(speculate))
         # The optimizer in backward: one verdict per step from every rank; the NVMe tier, when configured.
         self.update = choose_update(opt, self.store, self.events, config, self.trace_log,
                                     agree=self.ranks.agree_max if self.dp is not None else None,
                                     spill=spill_for(self.store, config, self.node), device_layers=self.optimizer_layers,
-                                    speculate=speculate)
+                                    speculate=speculate, back_off=back_off)
         self.spill = self.update.spill
         if self.memory is not None:  # the device-resident optimizer state the plan counts, measured too (memtrack)
             self.memory.hold(lambda: resident_state(self.store, self.optimizer_layers, self.globals_on_device, opt))
@@ -761,7 +762,8 @@ class Engine:
         """Accounting since the last reset (waits for outstanding copies and layer updates)."""
         self.synchronize()
         return {**self.accounting.collect(self.optimizer), "speculative_rollbacks": self.update.rollbacks,
-                "speculative_layers": getattr(self.update, "speculative_layers", 0)}
+                "speculative_layers": getattr(self.update, "speculative_layers", 0),
+                "speculative_backoffs": getattr(self.update, "backoffs", 0)}
 
     @property
     def trace(self) -> list:

@@ -20,6 +20,7 @@ from kit import assert_same_training_state, settle_speculation, train_steps
 import megatrain.engine.host.preflight as preflight
 from megatrain.config.schema import IF_FITS, EngineConfig
 from megatrain.costs.modes import rollback_bytes_per_param
+from megatrain.costs.rollback import ROLLBACK_HEADROOM_BYTES
 from megatrain.engine import Engine
 from megatrain.engine.host.preflight import HostMemoryError, rollback_layers, rollback_preflight
 from megatrain.engine.update import speculative
@@ -37,6 +38,12 @@ def _room(eng: Engine, fit: int) -> tuple[list[int], int, int]:
     return numels, per, per * sum(numels[: fit + 1]) - 1
 
 
+def _reserve(eng: Engine) -> int:
+    """What the host's free memory must hold beside the copies when "auto" sizes them: the headroom kept, the slabs'
+    pages and the Adam state to come (tests/unit/test_speculative_host_memory.py)."""
+    return ROLLBACK_HEADROOM_BYTES + speculative.state_to_come_bytes(eng.store, eng.optimizer)
+
+
 def _partial(monkeypatch: pytest.MonkeyPatch, mode: dict, fit: int, **cfg) -> tuple[Engine, Engine, int]:
     """The serial engine, and one whose "auto" is settled as on CUDA (IF_FITS) with the host's free memory patched
     to hold `fit` layers' copies."""
@@ -48,7 +55,7 @@ def _partial(monkeypatch: pytest.MonkeyPatch, mode: dict, fit: int, **cfg) -> tu
 
     def as_on_cuda(config: EngineConfig, *a, **k) -> frozenset[int]:
         with monkeypatch.context() as m:  # the free memory the rollback measure reads (not the store's preflight)
-            m.setattr(preflight, "available_host_bytes", lambda: free)
+            m.setattr(preflight, "available_host_bytes", lambda: free + _reserve(serial))
             return resolve(dataclasses.replace(config, speculative_step=IF_FITS), *a, **k)
 
     monkeypatch.setattr(speculative, "resolve", as_on_cuda)
@@ -157,7 +164,7 @@ def test_only_the_speculated_layers_move_before_step(monkeypatch):
 def test_the_count_skips_device_layers_and_true_needs_every_host_layer(monkeypatch):
     eng = Engine(tiny_model("llama", layers=LAYERS))
     numels, per, free = _room(eng, 2)
-    monkeypatch.setattr(preflight, "available_host_bytes", lambda: free)
+    monkeypatch.setattr(preflight, "available_host_bytes", lambda: free + _reserve(eng))
     cuda = torch.device("cuda")
     auto = dataclasses.replace(eng.config, speculative_step=IF_FITS)
     assert speculative.resolve(auto, cuda, eng.optimizer, eng.store, False) == {0, 1}
@@ -176,7 +183,7 @@ def test_a_copy_that_no_longer_fits_stops_its_layer_speculating_same_bits(monkey
     serial step's bits), said once; the control (below): with room, both layers keep speculating."""
     fit, steps = 2, 2
     serial, spec, _ = _partial(monkeypatch, CONFIGS[0].values[0], fit)
-    monkeypatch.setattr(speculative, "available_host_bytes", lambda: speculative.ROLLBACK_HEADROOM_BYTES)
+    monkeypatch.setattr(preflight, "available_host_bytes", lambda: ROLLBACK_HEADROOM_BYTES)
     batches = make_batches(steps)
     with caplog.at_level("WARNING", logger="megatrain"):
         a = train_steps(serial, batches, steps, clip=1e6)

@@ -15,6 +15,7 @@ from ...costs.host_mode import HostMode, candidates, choose_host_mode
 from ...costs.modes import GRAD_BYTES, MASTER_BYTES, GradSlab, HostMaster, rollback_bytes_per_param
 from ...costs.nvme import spill_bytes_per_param
 from ...costs.pinning import pinned_bytes
+from ...costs.rollback import layers_that_fit
 
 # Host bytes per parameter, by component (FP32 master + gradient slab + Adam m and v).
 HOST_BYTES_PER_PARAM = {"master": 4, "grad": 4, "adam_m": 4, "adam_v": 4}
@@ -117,12 +118,7 @@ def rollback_layers(layer_numels: Sequence[int], master: HostMaster, bf16_comput
     layer's, or HostMemoryError."""
     per_param = rollback_bytes_per_param(master, bf16_compute)
     avail = available_host_bytes() if available is None else available
-    need, count = 0, 0
-    for numel in layer_numels:
-        if need + per_param * numel > avail:
-            break
-        need += per_param * numel
-        count += 1
+    count = layers_that_fit(layer_numels, per_param, avail)
     if required and count < len(layer_numels):
         total = per_param * sum(layer_numels)
         raise HostMemoryError(

@@ -23,10 +23,14 @@ forward order and without a copy, as Layered updates it (so what backward could 
 restored bytes are the copied ones, so every path gives the serial step's bits (tests/unit/test_speculative_step.py).
 A read of the weights or state between backward() and step() (Engine.synchronize, a forward, zero_grad, a load)
 restores the speculated layers first: what it sees is the serial path's. Each step (or read) that restores any
-layer counts one rollback (`rollbacks`, collect_stats()["speculative_rollbacks"]).
+layer counts one rollback (`rollbacks`, collect_stats()["speculative_rollbacks"]). "auto" pauses speculating where it
+keeps losing (BACK_OFF_AFTER: a clip that scales most steps), so such a run costs what speculative_step=False costs
+(results/speculative_backoff); True speculates every step.
 
 Partial speculation: only the layers in `layers` speculate (resolve: "auto" takes as many as their rollback copies
-fit in the host memory left, the first host-updated layers in forward order); the others are updated at step() as
+fit in the host memory left, the first host-updated layers in forward order; left once the state exists: resolve runs
+while the engine is built, before the first backward writes the gradient slabs' pages and before torch creates Adam's
+state, so those bytes (state_to_come_bytes) and a headroom are taken off the free memory first); the others are updated at step() as
 Layered updates them, in forward order with the speculated ones. Why the first: with overlap the next forward waits
 on layer i's update before layer i. The first layers' gradients land last in backward, so their updates are the ones
 the step would otherwise queue first and the forward would wait on first; done in backward, the forward runs through
@@ -52,8 +56,10 @@ from typing import Any
 import torch
 
 from ...config.schema import EngineConfig
+from ...costs.modes import ADAM_BYTES
+from ...costs.rollback import rollback_budget
+from ..host import preflight
 from ..host.events import LayerEvents
-from ..host.preflight import available_host_bytes, rollback_layers
 from ..host.store import FlatGroup, HostStore
 from ..runtime.stream import DONE, Trace
 from ..runtime.threads import update_threads
@@ -63,9 +69,13 @@ from .update import Layered, update_layer
 
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 log = logging.getLogger("megatrain")
-# Host bytes a first rollback copy leaves free: the measure is the process's headroom (cgroup, MemAvailable), and
-# an allocation that would take the last of it risks the OOM killer for what is only a speed-up.
-ROLLBACK_HEADROOM_BYTES = 1 << 30
+# "auto" backs off where speculation keeps losing (a clip that scales most steps: each rolled-back step pays the
+# speculative update, the copy, the restore and the serial update): after BACK_OFF_AFTER steps in a row with a
+# rollback it does not speculate for QUIET_STEPS steps, then tries again; a retry that loses backs off at once, for
+# twice as long (up to MAX_QUIET_STEPS), and a step whose speculation holds resets both.
+BACK_OFF_AFTER = 3
+QUIET_STEPS = 20
+MAX_QUIET_STEPS = 320
 
 
 class StateCopy:
@@ -126,8 +136,15 @@ class Speculative(Layered):
     """Layered, with each layer's update started in backward and validated in step() (see the module docstring)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
-                 config: EngineConfig, trace: Trace, layers: frozenset[int] | None = None) -> None:
+                 config: EngineConfig, trace: Trace, layers: frozenset[int] | None = None,
+                 back_off: bool = False) -> None:
         super().__init__(optimizer, store, events, config, trace)
+        self.back_off = back_off  # "auto": speculation paused while it keeps losing (BACK_OFF_AFTER); True: never
+        self._lost = 0  # steps in a row whose speculation was rolled back
+        self._quiet = 0  # steps left before speculation is tried again
+        self._window = QUIET_STEPS  # the next pause's length
+        self.backoffs = 0  # pauses begun (collect_stats()["speculative_backoffs"])
+        self.quiet_steps = 0  # steps taken without speculating while paused (collect_stats())
         n = len(store.layers)
         # The layers that speculate (None: every one); a copy of a layer that does not is never filled: no memory
         self.layers = frozenset(range(n)) if layers is None else frozenset(layers)
@@ -163,7 +180,7 @@ class Speculative(Layered):
         self.discard()  # gradients are about to be added: any update taken from the old ones is wrong
         self._round += 1
         self._backwards += 1
-        self._armed = self._backwards >= self._per_step
+        self._armed = self._backwards >= self._per_step and not self._quiet
         if self._armed:
             self.layered.sync_all()  # this step's LR and state links, taken before the first layer update
             self._hyper, self._state = _hyper(self.optimizer), self.optimizer.state
@@ -241,10 +258,12 @@ class Speculative(Layered):
         built, before any batch; what the first batches allocate since (offloaded activations or graphs, a loader's
         buffers) can take that room. A layer whose copy no longer fits stops speculating for good (the step updates
         it, the same bits), said once on the logger: never an allocation past the host's memory."""
-        left = available_host_bytes() - ROLLBACK_HEADROOM_BYTES
+        # the copy's old buffers (a first step's, before Adam's state existed) are freed as the new ones replace them
+        left = rollback_budget(preflight.available_host_bytes()) + self.copies[i].nbytes
         if nbytes <= left:
             return True
         self.layers = self.layers - {i}
+        self.copies[i] = StateCopy()  # its old copy freed too: a layer that no longer speculates holds none
         if not self._shrunk:
             self._shrunk = True
             log.warning("speculative step: layer %d's rollback copy (%.2f GiB) no longer fits the %.2f GiB the host "
@@ -290,9 +309,13 @@ class Speculative(Layered):
         self._per_step, self._backwards = max(1, self._backwards), 0
         self._decided = True
         if not any(self.submitted):
+            if self._quiet:
+                self._quiet -= 1
+                self.quiet_steps += 1
             return super().step(finite, clip)
         if not finite():  # (if it raises, after too many bad steps, a read or forward restores the layers first)
             self.discard()  # the step is skipped: the speculated layers as they were
+            self._judge(lost=True)
             return False
         for g in self.store.groups():
             g.link_grads()
@@ -302,6 +325,7 @@ class Speculative(Layered):
         # read, and whether it ran at all, its job knows: the check below runs on the optimizer thread behind it.
         same = _hyper(self.optimizer) == self._hyper and self.optimizer.state is self._state
         held = same and not coefs
+        self._judge(lost=not held)
         layered, layers, threads = self.layered, self.store.layers, self.threads
         self._verdict += 1
         verdict, submitted = self._verdict, self.submitted
@@ -324,6 +348,19 @@ class Speculative(Layered):
         if not self.overlapped:
             layered.synchronize()
         return True
+
+    def _judge(self, lost: bool) -> None:
+        """Count a step's speculation lost or held, and pause speculating where it keeps losing ("auto")."""
+        if not self.back_off:
+            return
+        if not lost:
+            self._lost, self._window = 0, QUIET_STEPS
+            return
+        self._lost += 1
+        if self._lost >= BACK_OFF_AFTER:
+            self._quiet, self._window = self._window, min(2 * self._window, MAX_QUIET_STEPS)
+            self._lost = BACK_OFF_AFTER - 1  # the retry that loses too pauses again at once
+            self.backoffs += 1
 
     def zero_grad(self) -> None:
         self.discard()  # a zero_grad() before step(): the update taken from those gradients is undone
@@ -382,9 +419,26 @@ def resolve(config: EngineConfig, device: torch.device, optimizer: torch.optim.O
             raise ValueError(f"speculative_step=True: {reason}; set speculative_step='auto' or False")
         return frozenset()
     host = [i for i in range(len(store.layers)) if i not in device_layers]
-    count = rollback_layers([store.layers[i].numel for i in host], store.master_mode,
-                            config.compute_dtype == "bfloat16", required=setting is True)
+    left = rollback_budget(preflight.available_host_bytes(), state_to_come_bytes(store, optimizer))
+    count = preflight.rollback_layers([store.layers[i].numel for i in host], store.master_mode,
+                                      config.compute_dtype == "bfloat16", required=setting is True, available=left)
     if host:
         log.info("speculative step: %d of %d host-updated layers%s", count, len(host),
                  "" if count == len(host) else " (as many rollback copies as the host memory left holds)")
     return frozenset(host[:count])
+
+
+def state_to_come_bytes(store: HostStore, optimizer: torch.optim.Optimizer) -> int:
+    """Host bytes the run takes after the engine is built and before the copies are filled, which free host memory
+    does not show yet: the gradient slabs' pages (fresh zero-filled mappings, first written by the first backward;
+    a pinned slab is touched already) and the Adam state torch creates at the first step (m and v, and
+    max_exp_avg_sq with amsgrad, as costs/modes.py counts them, and the step counter) of every host parameter that
+    has none yet. The rollback copies are sized against what is left beside them (resolve)."""
+    slabs = sum(g.grad.numel() * g.grad.element_size() for g in store.groups()
+                if g.grad is not None and g.grad.device.type == "cpu" and not g.grad.is_pinned())
+    adam = 0
+    for group in optimizer.param_groups:
+        per_param = ADAM_BYTES + (ADAM_BYTES // 2 if group.get("amsgrad") else 0)
+        adam += sum(per_param * p.numel() + 4 for p in group["params"]
+                    if p.device.type == "cpu" and not optimizer.state.get(p))
+    return slabs + adam
