@@ -27,6 +27,7 @@ from ..config.settle import LAYERED, WHOLE, EngineFacts, settle_engine
 from ..costs.advice import PlacementAdvice
 from ..costs.modes import GradSlab, HostMaster
 from ..models.adapter import DecoderParts, find_parts, record_layer_inputs
+from . import given
 from .accounting import StepAccounting
 from .host.events import LayerEvents
 from .host.loading import skeleton_from_dir
@@ -60,7 +61,7 @@ from .runtime.stream import Streams, Trace
 from .update import resident, speculative
 from .update.choose import choose as choose_update
 from .update.clipping import Clipping, checked_max_norm
-from .update.optim import LayeredStep, OptimizerArg, adopt_optimizer, move_onto_masters, unsupported_reason
+from .update.optim import LayeredStep, OptimizerArg, adopt_optimizer, unsupported_reason
 
 __all__ = ["Engine", "OptimizerArg", "engines_holding", "resolve_device"]
 
@@ -249,43 +250,11 @@ class Engine:
         self.update.optimizer = optimizer
 
     def replace_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Step `optimizer` (the same object, its hyper-parameters and param groups) instead of the one the engine
-        was built with, before the first step: a face's prepare(model) followed by prepare(optimizer).
-
-        It may hold the model's parameters as they were before the engine took the model (each emptied when it
-        was copied into the store), the host masters, or the resident parameters' device copies; its state is
-        dropped. Refused once the current optimizer has stepped, and where the update path was built over
-        it a layer at a time (give the optimizer with the model then)."""
-        if any(self.optimizer.state.values()):
-            raise RuntimeError("the model has trained with its current optimizer already; replace the optimizer "
-                               "before the first step")
-        if self.update.layered is not None:
-            raise RuntimeError("this engine updates a layer at a time (optimizer_overlap or a host mode) with views "
-                               "of the optimizer it was built with; pass the model and its optimizer together")
-        masters = dict(self.named_parameters())
-        name_of = {id(p): n for n, p in masters.items()}
-        by_master = {id(d): name_of[id(m)] for d, m in zip(self.placement.device_globals, self.store.globals.params)
-                     if id(m) in name_of}
-
-        def name(p: torch.Tensor) -> str | None:
-            # An id alone could belong to a new tensor that reused a dead original's address, so only an emptied
-            # tensor is taken for an original (the engine emptied each when it copied it into the store).
-            known = name_of.get(id(p)) or by_master.get(id(p))
-            return known if known is not None or p.numel() != 0 else self._name_of.get(id(p))
-
-        move_onto_masters(optimizer, name, masters)
-        self._hold_trainable(optimizer)
-        self.optimizer = optimizer
-        return optimizer
+        """Step `optimizer` instead of the one the engine was built with, before the first step (given.py)."""
+        return given.replace_optimizer(self, optimizer)
 
     def _hold_trainable(self, optimizer: torch.optim.Optimizer) -> None:
-        """DeepSpeed's rule on `optimizer` (trainable.py): the frozen masters out of its groups, and a trainable one
-        it does not hold (left out of model_parameters) frozen from now on."""
-        self.trainable.strip(optimizer)
-        left_out = self.trainable.not_held(optimizer, self.store.named_parameters(self.parts.layers_prefix))
-        if left_out:
-            self.trainable.freeze(left_out)
-            self.trainable.apply(self.placement.device_globals)
+        given.hold_trainable(self, optimizer)
 
     @property
     def _layered(self) -> LayeredStep | None:
@@ -561,42 +530,8 @@ class Engine:
         return total
 
     def clip_grad_norm_of(self, parameters: list[torch.Tensor], max_norm: float) -> float:
-        """torch's clip_grad_norm_(parameters, max_norm): the norm over the gradients of `parameters` (the model's
-        own tensors: its parameters, the masters, the resident ones' device copies) and only theirs scaled. Those
-        that include every trainable parameter take the engine's clip (a frozen one has no gradient, so the norm is
-        the same); a part of them needs FP32 slabs with no clip pending on them, and is refused otherwise."""
-        max_norm = checked_max_norm(max_norm)
-        master_of = {id(p): p for _, p in self.store.named_parameters(self.parts.layers_prefix)}
-        master_of.update({id(d): m for d, m in zip(self.placement.device_globals, self.store.globals.params)})
-        by_name = dict(self.store.named_parameters(self.parts.layers_prefix))
-        by_name.update({a: by_name[n] for a, n in self._aliases.items() if n in by_name})
-        given: dict[int, nn.Parameter] = {}
-        for t in parameters:
-            m = master_of.get(id(t), master_of.get(id(getattr(t, "megatrain_copy_of", None))))  # hilo: a copy's
-            if m is None and t.numel() == 0:  # one of the model's own, emptied when the engine took it (listed before)
-                m = by_name.get(self._name_of.get(id(t), ""))
-            if m is None:
-                raise ValueError("clip_grad_norm_ was given a tensor that is not a parameter of the engine's model; "
-                                 "pass model.parameters() (or a part of them)")
-            given[id(m)] = m
-        trainable = [p for p in master_of.values() if self.trainable.trains(p)]
-        if all(id(p) in given for p in trainable):
-            return self.clip_grad_norm_(max_norm)
-        if self.store.grad_mode is not GradSlab.FLOAT32 or self.clipping.pending:
-            raise ValueError(f"clip_grad_norm_ over a part of the trainable parameters needs FP32 gradient slabs with "
-                             f"no clip pending on them (host_grad_dtype={self.config.host_grad_dtype!r}); clip over "
-                             "all trainable parameters (model.parameters()), or use host_grad_dtype='float32'")
-        self._all_grads()  # landed, no update queued
-        for i, g in enumerate(self.store.layers):
-            if g.grad is not None:
-                self.events.slabs.zero_if_fresh(i, g.grad)  # no backward since zero_grad(): its zeros
-            g.link_grads()
-        self.store.globals.link_grads()
-        part = [p for p in given.values() if self.trainable.trains(p)]
-        total = float(torch.nn.utils.clip_grad_norm_(part, max_norm)) if part else 0.0
-        self.grads_written()  # the slabs were scaled in place: no cached norm holds
-        self.clipping.clipped_by_caller(total)
-        return total
+        """torch's clip_grad_norm_(parameters, max_norm) over the gradients of `parameters` only (given.py)."""
+        return given.clip_grad_norm_of(self, parameters, max_norm)
 
     def _all_grads(self) -> list[torch.Tensor]:
         """This rank's gradient slabs (a shared store: its own layers' and the resident parameters'), landed."""

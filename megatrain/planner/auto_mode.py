@@ -16,8 +16,8 @@ from megatrain.costs.modes import GradSlab
 from .hardware import Hardware
 from .memory import fmt_bytes
 from .nvme_plan import nvme_fit
-from .point import Point, with_point
-from .point_plan import mode_point, plan_point
+from .point import Point, grad_as_written, host_mode_open, with_point
+from .point_plan import mode_point, plan_mode
 from .prediction import Plan
 
 
@@ -55,12 +55,12 @@ def _knobs(mode: HostMode, p: Point) -> dict[str, Any]:
 def plan_auto(p: Point, hw: Hardware, grad: GradSlab | None = None, host_avail: int | None = None,
               device_avail: int | None = None) -> Plan:
     """The plan of point `p` (host mode "auto") in the mode "auto" chooses on `hw`; the choice rides on the plan as
-    `auto`. `grad`: the slab dtype the user set; None: "auto". host_avail / device_avail: as plan_point's."""
+    `auto`. `grad`: the slab dtype the user set; None: "auto". host_avail / device_avail: as plan_mode's."""
     seen: dict[HostMode, tuple[Plan, bool, dict[str, Any]]] = {}
 
     def fits(mode: HostMode) -> bool:
         q = mode_point(p, _knobs(mode, p)) if not p.optimizer_in_backward else with_point(p, **_knobs(mode, p))
-        pl = plan_point(q, hw, host_avail, device_avail)
+        pl = plan_mode(q, hw, host_avail, device_avail)
         ok, figures = nvme_fit(pl, hw) if mode.nvme else (pl.feasible, {})
         seen[mode] = (pl, ok, figures)
         return ok
@@ -72,3 +72,12 @@ def plan_auto(p: Point, hw: Hardware, grad: GradSlab | None = None, host_avail: 
     pl, _, figures = seen[mode]
     pl.auto = AutoChoice(mode, ok, figures)
     return pl
+
+
+def plan_point(p: Point, hw: Hardware, host_avail: int | None = None, device_avail: int | None = None) -> Plan:
+    """The point's plan on `hw`. A megatrain point whose host mode is "auto" (as written: the engine's default) plans
+    the mode "auto" chooses, the choice on the plan (`plan_auto`); any other point is planned in the mode it names.
+    host_avail / device_avail: what this machine has, where the plan should judge against it."""
+    if p.backend == "megatrain" and host_mode_open(p):
+        return plan_auto(p, hw, grad_as_written(p), host_avail, device_avail)
+    return plan_mode(p, hw, host_avail, device_avail)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import point_plan
+from .auto_mode import plan_point as plan_point
 from .hardware import GIB, Hardware, resolve_hardware
-from .point import make_point
-from .point_plan import plan_point as plan_point
-from .point_plan import predicted_timeline as predicted_timeline
+from .point import Point, make_point
 from .prediction import Plan
 
 
@@ -40,3 +40,9 @@ def plan(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dtype: s
             device_memory_gib = budget / GIB  # what the engine's "auto" plans against
     hw = resolve_hardware(hardware, link_gbs, host_memory_gib, device_memory_gib)
     return plan_point(p, hw)  # host mode "auto" (the engine's default) chosen there
+
+
+def predicted_timeline(p: Point, hw: Hardware) -> list[dict[str, Any]]:
+    """The planner's per-layer timeline of one step up to the optimizer, in the engine's trace format (stream, kind,
+    layer, start_s, end_s), in the host mode the point plans (the one "auto" chooses where it is left open)."""
+    return point_plan.predicted_timeline(plan_point(p, hw).point, hw)

@@ -21,7 +21,10 @@ from .point import Point, context_refusal, engine_refusal, with_point
 from .point_plan import MODES as MODES
 from .point_plan import SCALE_PRESETS as SCALE_PRESETS
 from .point_plan import mode_point as mode_point
-from .point_plan import mode_settings, plan_point
+from .point_plan import (
+    mode_settings,
+    plan_mode,  # its points name their mode
+)
 from .search import largest_batch, largest_context
 
 
@@ -55,12 +58,12 @@ def mode_table(p: Point, hw: Hardware, search: bool = True) -> list[ModeRow]:
         except ValueError as e:  # the point's EngineConfig refuses the mode (e.g. hilo in FP32 compute)
             rows.append(ModeRow(label, knobs, exact, str(e), None, None, False, None, clip))
             continue
-        pl = plan_point(q, hw)
+        pl = plan_mode(q, hw)
         refused = engine_refusal(q)
         largest = max_ctx = max_b = None
         if search and refused is None:
             for name in sizes:
-                if plan_point(with_point(q, model=PRESETS[name]), hw).feasible:
+                if plan_mode(with_point(q, model=PRESETS[name]), hw).feasible:
                     largest = name
             max_ctx, max_b = largest_context(q, hw), largest_batch(q, hw)
         total = pl.memory.host_total

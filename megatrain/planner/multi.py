@@ -49,6 +49,7 @@ from typing import Any
 
 from ..config.schema import AUTO, left_auto
 from ..costs.pinning import pinned_bytes
+from .auto_mode import plan_point
 from .hardware import GB, GIB, Hardware, resolve_hardware
 from .host_work import host_cores
 from .memory import Memory, check_fit
@@ -63,7 +64,6 @@ from .point import (
     placeholder_mode,
     with_point,
 )
-from .point_plan import plan_point
 from .prediction import Plan
 from .step_time import IDLE_COMM, Time, megatrain_time
 from .zero3_node import zero3_rank

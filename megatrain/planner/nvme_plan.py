@@ -23,7 +23,13 @@ from megatrain.models.presets import PRESETS
 from .hardware import GB, GIB, Hardware
 from .memory import fmt_bytes
 from .point import Point, engine_refusal, with_point
-from .point_plan import MODES, SCALE_PRESETS, mode_point, mode_settings, plan_point
+from .point_plan import (
+    MODES,
+    SCALE_PRESETS,
+    mode_point,
+    mode_settings,
+    plan_mode,  # its points name their mode
+)
 from .prediction import Plan
 
 STORE_PARTS = ("master weights", "gradients", "adam m", "adam v", "bf16 shadow (streams)", "fp32 scratch (one layer)")
@@ -122,12 +128,12 @@ def nvme_rows(p: Point, hw: Hardware, search: bool = True) -> list[NvmeRow]:
             q = mode_point(p, knobs)
         except ValueError:
             continue  # EngineConfig refuses the mode at this point: nothing to spill
-        pl = plan_point(q, hw)
+        pl = plan_mode(q, hw)
         ok, f = nvme_fit(pl, hw)
         best = best_nvme = None
         if search:
             for name in sizes:
-                other = plan_point(with_point(q, model=PRESETS[name]), hw)
+                other = plan_mode(with_point(q, model=PRESETS[name]), hw)
                 if other.feasible:
                     best = name
                 if nvme_fit(other, hw)[0]:

@@ -21,8 +21,6 @@ from .placement import place
 from .point import (
     Point,
     engine_refusal,
-    grad_as_written,
-    host_mode_open,
     placeholder_mode,
     refusals,
     with_point,
@@ -70,14 +68,10 @@ def mode_point(p: Point, knobs: dict[str, Any]) -> Point:
                       optimizer_overlap=p.optimizer_overlap and not oib)
 
 
-def plan_point(p: Point, hw: Hardware, host_avail: int | None = None, device_avail: int | None = None) -> Plan:
-    """The point's plan on `hw`. A megatrain point whose host mode is "auto" (as written: the engine's default) plans
-    the mode "auto" chooses (auto_mode.py), the choice on the plan; another backend keeps no host mode of the
+def plan_mode(p: Point, hw: Hardware, host_avail: int | None = None, device_avail: int | None = None) -> Plan:
+    """The point's plan on `hw` in the host mode it names (a point whose host mode is still "auto" is planned by
+    auto_mode.plan_point, which tries modes through this function); another backend keeps no host mode of the
     engine's."""
-    if p.backend == "megatrain" and host_mode_open(p):
-        from .auto_mode import plan_auto  # it plans each mode it tries here
-
-        return plan_auto(p, hw, grad_as_written(p), host_avail, device_avail)
     p = placeholder_mode(p)
     notes = []
     if p.context > p.model.max_positions:
@@ -129,9 +123,8 @@ def _placement_note(p: Point, pl: Any) -> str:
 
 def predicted_timeline(p: Point, hw: Hardware) -> list[dict[str, Any]]:
     """The planner's per-layer timeline of one step up to the optimizer, in the engine's trace format
-    (stream, kind, layer, start_s, end_s), to set against a measured trace (EngineConfig.trace)."""
-    if p.backend == "megatrain" and host_mode_open(p):
-        p = plan_point(p, hw).point  # the mode "auto" chooses
+    (stream, kind, layer, start_s, end_s), to set against a measured trace (EngineConfig.trace). `p` names its host
+    mode (estimate.predicted_timeline settles "auto" first)."""
     lc = place(p, hw, long_context_plan(p, hw))[0]
     io = globals_io(p, hw)
     costs = layer_costs(p, hw, lc.offload)

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..costs.host_memory import host_memory_available
+from .auto_mode import plan_point
 from .estimate import plan
 from .hardware import Hardware, get_hardware, resolve_hardware
 from .memory import check_fit
 from .multi import node_memory, plan_point_multi
 from .point import Point, make_point, with_point
-from .point_plan import plan_point
 
 MAX_SEARCH = 1 << 24  # 16M tokens of context / micro-batch size: beyond any profile here
 # Preflight compares against memory that is free now, so the OS is already out of it; what remains
