@@ -208,7 +208,9 @@ class Engine:
                                     spill=spill_for(self.store, config, self.node), device_layers=self.optimizer_layers,
                                     speculate=speculate, back_off=back_off)
         self.spill = self.update.spill
-        if self.memory is not None:  # the device-resident optimizer state the plan counts, measured too (memtrack)
+        # The device-resident optimizer state, measured where the plan counts it (memtrack): under a budget. With none
+        # (a CPU device) the plan leaves it to the host store, held before any batch (costs/memory.py hold_optimizer).
+        if self.memory is not None and policy.budget is not None:
             self.memory.hold(lambda: resident_state(self.store, self.optimizer_layers, self.globals_on_device, opt))
         self.pipeline = LayerPipeline(self.store, self.templates, self.streams, self.trace_log, config.num_buffers,
                                       self.compute_dtype, self.device, _has_dropout(self.hf_config), self.events,

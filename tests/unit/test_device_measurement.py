@@ -26,7 +26,7 @@ def long_point():
     ids = torch.randint(3, 1024, (1, SEQ), generator=torch.Generator().manual_seed(0))
     cfg = EngineConfig(device="cpu", compute_dtype="float32", measure_device_memory=True, offload_activations=True,
                        mlp_tile_tokens=512, residency={"weights": 2, "activations": 0, "optimizer": 2},
-                       parity_probe=False, loss_chunk_tokens=1024)
+                       parity_probe=False, loss_chunk_tokens=1024, device_budget_bytes=2**30)
     eng = Engine(copy.deepcopy(model), cfg)
     for _ in range(2):  # the second step: Adam's state exists
         eng.reset_stats()
