@@ -5,11 +5,10 @@ included, so nothing is executed."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-from test_layering import imports_of
+from test_layering import copy_of_the_tree, imports_of
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY = "experiments.cli"
@@ -61,11 +60,6 @@ def test_the_temporary_exceptions_still_need_their_place():
     assert STILL_LEANING <= leaning, STILL_LEANING - leaning
 
 
-def _copy(tmp_path: Path) -> Path:
-    for folder in ("megatrain", "experiments"):
-        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    return tmp_path
-
 
 @pytest.mark.parametrize(("where", "planted", "check", "expect"), [
     ("experiments/studies/planted.py", "def f():\n    from megatrain.commands.plan import run_sweep\n",
@@ -78,7 +72,7 @@ def _copy(tmp_path: Path) -> Path:
      "megatrain/metrics/planted.py:2 imports experiments.cli"),
 ])
 def test_a_planted_import_is_caught(tmp_path, where, planted, check, expect):
-    root = _copy(tmp_path)
+    root = copy_of_the_tree(tmp_path)
     (root / where).write_text(planted)
     bad = check(root)
     assert expect in bad and all(where in b for b in bad), bad

@@ -28,6 +28,13 @@ def _absolute(module: Path, node: ast.ImportFrom, root: Path | None = None) -> s
     return ".".join(package + ([node.module] if node.module else []))
 
 
+def copy_of_the_tree(tmp_path: Path, folders: tuple[str, ...] = ("megatrain", "experiments", "baselines")) -> Path:
+    """The checkout's `folders` under `tmp_path`, to plant an import in (the planted-import controls)."""
+    for folder in folders:
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
+
+
 def imports_of(module: Path, root: Path | None = None) -> list[tuple[int, str]]:
     """(line, absolute target) for every import in a module; `from pkg import name` yields pkg.name too."""
     found = []

@@ -8,11 +8,10 @@ nothing is executed. A `__main__.py` is an entry point (`python -m ...`), not a 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-from test_layering import imports_of
+from test_layering import copy_of_the_tree, imports_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,11 +107,6 @@ def test_the_harness_uses_the_engines_exported_names():
     assert harness_reaches() == []
 
 
-def _copy(tmp_path: Path) -> Path:
-    for folder in ("megatrain", "experiments", "baselines"):
-        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    return tmp_path
-
 
 @pytest.mark.parametrize(("where", "planted", "expect"), [
     ("megatrain/costs/planted.py", "from ..config.resolve import resolve\n", "(costs) imports megatrain.config.resolve"),
@@ -122,21 +116,21 @@ def _copy(tmp_path: Path) -> Path:
     ("megatrain/config/validate.py", "from ..backend import Backend\n", "imports megatrain.backend (backend)"),
 ])
 def test_a_planted_upward_or_sideways_import_is_caught(tmp_path, where, planted, expect):
-    root = _copy(tmp_path)
+    root = copy_of_the_tree(tmp_path)
     (root / where).write_text(planted)
     bad = wrong_way(root)
     assert bad and all(where in b for b in bad) and any(expect in b for b in bad), bad
 
 
 def test_a_planted_private_reach_from_the_harness_is_caught(tmp_path):
-    root = _copy(tmp_path)
+    root = copy_of_the_tree(tmp_path)
     (root / "experiments" / "planted.py").write_text("from megatrain.engine.host.store import FlatGroup\n")
     assert [b for b in harness_reaches(root) if "planted" in b][:1] == [
         "experiments/planted.py:1 imports megatrain.engine.host.store"]
 
 
 def test_a_new_part_outside_the_diagram_is_caught(tmp_path):
-    root = _copy(tmp_path)
+    root = copy_of_the_tree(tmp_path)
     (root / "megatrain" / "newpart").mkdir()
     (root / "megatrain" / "newpart" / "__init__.py").write_text("")
     assert unplaced(root) == ["newpart"]

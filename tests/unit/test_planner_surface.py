@@ -6,11 +6,10 @@ included, so nothing is executed."""
 from __future__ import annotations
 
 import ast
-import shutil
 from pathlib import Path
 
 import pytest
-from test_layering import _absolute, imports_of
+from test_layering import _absolute, copy_of_the_tree, imports_of
 
 ROOT = Path(__file__).resolve().parents[2]
 PLANNER = "megatrain.planner"
@@ -87,11 +86,6 @@ def test_python_m_megatrain_planner_runs_without_the_commands():
     assert "h200-pcie" in out.stdout and out.stdout.strip().splitlines()[-1] == "[]", out.stdout
 
 
-def _copy(tmp_path: Path) -> Path:
-    for folder in ("megatrain", "experiments"):
-        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    return tmp_path
-
 
 @pytest.mark.parametrize(("where", "planted", "check", "expect"), [
     ("experiments/studies/planted.py", "def f():\n    from megatrain.planner.step_time import layer_costs\n",
@@ -106,7 +100,7 @@ def _copy(tmp_path: Path) -> Path:
      "megatrain/planner/planted.py:2 imports megatrain.commands.plan"),
 ])
 def test_a_planted_import_is_caught(tmp_path, where, planted, check, expect):
-    root = _copy(tmp_path)
+    root = copy_of_the_tree(tmp_path)
     (root / where).write_text(planted)
     bad = check(root)
     assert expect in bad and all(where in b for b in bad), bad
