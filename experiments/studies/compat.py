@@ -29,9 +29,9 @@ import transformers
 from tqdm import tqdm
 
 from experiments.studies.compat_configs import study_config
-from megatrain.commands.check import causal_lm_types, check_config
-from megatrain.engine import Engine
+from megatrain.engine import Engine, check_config
 from megatrain.engine.parts import Verdict, probe
+from megatrain.models.lookup import causal_lm_types
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ["model_type", "architecture", "status", "max_grad_rel", "max_loss_diff", "detail", "bf16_status",

@@ -18,7 +18,7 @@ from typing import Any
 
 import transformers
 
-from megatrain.commands.check import resolve
+from megatrain.models.lookup import resolve
 
 # What no rule derives: values the family's config class documents or validates (its docstring, its
 # validate_architecture), set only where the default leaves them None or unusable.

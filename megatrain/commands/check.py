@@ -1,37 +1,10 @@
 """`megatrain check-model`: run the parity probe for a model type, a local checkpoint or a config file.
 
-The probe itself lives with the engine (engine/model/probe.py); what a user names becomes a model class and config in
-models/lookup.py.
+The check itself lives with the engine (engine/check.py): the compatibility study asks it too.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Any
+from ..engine import check_model
 
-from ..config.schema import EngineConfig
-from ..engine import Engine, Verdict, run_probe
-
-# causal_lm_types is named here for experiments/studies/compat.py: kept until compat.py imports models.lookup, remove then
-from ..models.lookup import causal_lm_types, resolve  # noqa: F401
-
-
-def check_model(name_or_path: str | os.PathLike, compute_dtype: str = "float32", host_master: str = "fp32",
-                overrides: dict[str, Any] | None = None) -> Verdict:
-    """The probe's verdict, computed now (never read from the cache), for an engine computing in `compute_dtype`
-    with `host_master`; `overrides` set config values first (e.g. a non-default logit_scale)."""
-    model_cls, config = resolve(name_or_path)
-    return check_config(model_cls, config, compute_dtype, host_master, overrides)
-
-
-def check_config(model_cls: type, config: Any, compute_dtype: str = "float32", host_master: str = "fp32",
-                 overrides: dict[str, Any] | None = None) -> Verdict:
-    """`check_model` for a causal-LM class and a config of it (the compatibility study's filled configs)."""
-    for key, value in (overrides or {}).items():
-        setattr(config, key, value)
-    if getattr(config, "is_encoder_decoder", False):
-        return Verdict("refused", f"{config.model_type}'s config is an encoder-decoder one; MegaTrain trains "
-                       "decoder-only causal LMs", model_cls.__name__)
-    return run_probe(model_cls, config, Engine, EngineConfig(device="cpu", compute_dtype=compute_dtype,
-                                                             host_master=host_master))
-
+__all__ = ["check_model"]

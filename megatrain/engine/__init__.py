@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .check import check_config, check_model
     from .engine import Engine, engines_holding, optimizer_fact
     from .host.pinned import PinnedMemoryError
     from .host.preflight import HostMemoryError
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from .runtime.threads import host_cores, local_ranks, update_threads
 
 # What the faces, the CLI and the harness may use; everything else is the engine's own (tests/unit/test_layering.py).
-_HOME = {"Engine": ".engine", "engines_holding": ".engine", "optimizer_fact": ".engine",
+_HOME = {"check_config": ".check", "check_model": ".check", "Engine": ".engine", "engines_holding": ".engine", "optimizer_fact": ".engine",
          "HostMemoryError": ".host.preflight", "PinnedMemoryError": ".host.pinned",
          "max_trainable_positions": ".layer.batch", "Verdict": ".model.probe", "run_probe": ".model.probe",
          "ModelMismatchError": ".model.probe", "verify_model": ".model.probe",
@@ -33,7 +34,7 @@ _HOME = {"Engine": ".engine", "engines_holding": ".engine", "optimizer_fact": ".
          "local_ranks": ".runtime.threads", "update_threads": ".runtime.threads",
          "parts": ".parts"}  # a module: the parts the studies and the GPU check measure apart from a step
 __all__ = ["Engine", "HostMemoryError", "ModelMismatchError", "PinnedMemoryError", "Verdict", "WatchdogError",
-           "engines_holding", "host_cores", "launch_env", "local_ranks", "max_trainable_positions",
+           "check_config", "check_model", "engines_holding", "host_cores", "launch_env", "local_ranks", "max_trainable_positions",
            "optimizer_fact", "parts", "resolve_device", "run_probe", "serve_forward_keyword", "side_threads",
            "to_device", "update_threads", "verify_model"]
 

@@ -109,8 +109,8 @@ def test_a_stack_without_one_final_module_is_refused_by_what_it_applies(after, s
 def _verdict(model_type: str, kw: dict):
     """The parity probe on this config (FP32: first-step gradients within 1e-5, 3 SGD steps' losses within 1e-5 of
     plain PyTorch's; docs/COMPATIBILITY.md), run now rather than read from a cache."""
-    from megatrain.commands.check import check_config
     from megatrain.config import EngineConfig  # noqa: F401 - check_config builds it
+    from megatrain.engine import check_config
 
     cfg = transformers.AutoConfig.for_model(model_type, **kw)
     return check_config(transformers.AutoModelForCausalLM._model_mapping[type(cfg)], cfg)

@@ -13,9 +13,6 @@ from test_layering import copy_of_the_tree, imports_of
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY = "experiments.cli"
 ENTRY_USER = "megatrain/commands/cli.py"
-# Named, temporary: these still import megatrain.commands.check (their owners move them to megatrain.models.lookup
-# and the probe's check_config), and then this list empties.
-STILL_LEANING = {"experiments/studies/compat.py", "experiments/studies/compat_configs.py"}
 
 
 def _is(target: str, package: str) -> bool:
@@ -27,7 +24,7 @@ def harness_on_commands(root: Path = ROOT) -> list[str]:
     for path in sorted((root / "experiments").rglob("*.py")):
         rel = str(path.relative_to(root))
         for line, target in imports_of(path, root):
-            if _is(target, "megatrain.commands") and rel not in STILL_LEANING:
+            if _is(target, "megatrain.commands"):
                 bad.append(f"{rel}:{line} imports {target}")
     return bad
 
@@ -51,13 +48,6 @@ def test_the_library_reaches_the_harness_through_its_one_entry():
     # and the entry is used: the command's sweep, report and benchmark point go through it
     targets = {t for _, t in imports_of(ROOT / ENTRY_USER)}
     assert {f"{ENTRY}.sweep", f"{ENTRY}.report", f"{ENTRY}.run_point"} <= targets
-
-
-def test_the_temporary_exceptions_still_need_their_place():
-    # an exception whose file no longer imports the commands must leave the list
-    leaning = {str(p.relative_to(ROOT)) for p in (ROOT / "experiments").rglob("*.py")
-               if any(_is(t, "megatrain.commands") for _, t in imports_of(p))}
-    assert STILL_LEANING <= leaning, STILL_LEANING - leaning
 
 
 
