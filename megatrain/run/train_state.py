@@ -89,8 +89,8 @@ class CheckpointResidency:
     the optimizer-resident count the checkpoint's run chose at its start (`record`, residency_record's), not what
     this device's free memory would choose now; the per-batch placement (kept weights and graphs, bit-neutral) is
     `inner`'s (the planner's advisor, when the backend has one), else the engine's own fill. A count this device
-    cannot hold fails as any placement that does not fit (an out-of-memory error lowers it: engine/runtime/oom.py,
-    which says that the bits then leave the checkpoint's)."""
+    cannot hold fails as any placement that does not fit: an out-of-memory error lowers the kept weights and graphs
+    around it (engine/runtime/oom.py), never this count, which the bits depend on."""
 
     def __init__(self, record: dict[str, Any], inner: PlacementAdvice | None = None) -> None:
         count = record.get("optimizer_layers")
