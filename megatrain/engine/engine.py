@@ -57,6 +57,7 @@ from .pipeline.schedule import LayerPipeline
 from .runtime.host_copy import HostCopy, host_value, to_device, to_host
 from .runtime.malloc import set_mmap_threshold
 from .runtime.memtrack import DeviceMemoryTracker, resident_state, tracked
+from .runtime.oom import lowered_on_oom, redone_once_on_oom  # ENGINE-HOOK (gpu57): out-of-memory, oom.py
 from .runtime.stream import Streams, Trace
 from .update import resident, speculative
 from .update.choose import choose as choose_update
@@ -281,6 +282,7 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> CausalLMOutputWithPast:
         return self.forward(*args, **kwargs)
 
+    @redone_once_on_oom  # ENGINE-HOOK (gpu57): a device OOM lowers residency once and redoes the forward (oom.py)
     @tracked
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -395,6 +397,7 @@ class Engine:
                                "autograd. Call engine.backward(loss) (DeepSpeed face) or accelerator.backward(loss)")
         return grad
 
+    @lowered_on_oom  # ENGINE-HOOK (gpu57): a device OOM lowers residency for the next steps, then is raised (oom.py)
     @tracked
     def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
         """Add d(loss)/d(params) into the host gradient slabs (accumulates across calls).
@@ -543,6 +546,7 @@ class Engine:
         self.ranks.wait()
         return [g.grad for g in self.store.groups() if g.grad is not None]
 
+    @lowered_on_oom  # ENGINE-HOOK (gpu57): as backward's (oom.py)
     def step(self) -> bool:
         """One optimizer step over the host masters (the caller owns zero_grad and LR schedules).
 

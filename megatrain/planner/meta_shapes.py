@@ -78,13 +78,17 @@ def _linear_out(layer: Any, names: tuple[str, ...]) -> Any:
 
 
 def build_on_meta(cfg: Any) -> Any:
-    """transformers' causal LM for `cfg` on the meta device (shapes only: nothing allocated, nothing loaded)."""
+    """transformers' causal LM for `cfg` on the meta device (shapes only: nothing allocated, nothing loaded). Built
+    from a copy: from_config sets the attention implementation on the config it is handed, and the caller's must
+    keep its own (a model built from it later would run eager attention)."""
+    import copy
+
     import torch
     import transformers
 
     try:
         with torch.device("meta"):  # eager attention: the shapes are the same, and every model type builds with it
-            return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+            return transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager")
     except (ValueError, KeyError, ImportError, TypeError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__  # not transformers' list of every type
         raise ValueError(f"transformers cannot build a causal LM for model_type {cfg.model_type!r} ({first}); the "

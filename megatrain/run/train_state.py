@@ -14,6 +14,7 @@ the RNG streams from `rng_state()` here; only the encoding differs.
 from __future__ import annotations
 
 import io
+import json
 import pickle
 import random
 import shutil
@@ -23,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ..costs.advice import PlacementAdvice
+from ..costs.residency import Residency
 from ..files.tensor_file import TensorFile, TensorFiles
 from . import checkpoint as ckpt
 
@@ -55,15 +58,83 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+# the residency a run chose
+
+RESIDENCY_KEY = "residency"  # in a DeepSpeed-face checkpoint's meta; the Accelerate folder's RESIDENCY_FILE
+
+
+def residency_record(engine: Any) -> dict[str, Any]:
+    """What `engine` placed on its device when it was built and what decides its bits: how many of the first
+    layers (and whether the embedding/norm/head) update there. On a GPU those update with torch's AdamW, the rest
+    with the host's kernel, and "auto" sized the count from the free memory at the start, so the same run resumed
+    on a card with other free memory would train other bits unless it places the same count (CheckpointResidency).
+    Which layers keep their weights or graphs is planned per batch and changes no bit: not recorded."""
+    return {"optimizer_layers": len(engine.optimizer_layers), "globals_on_device": bool(engine.globals_on_device),
+            "layers": len(engine.store.layers), "device": engine.device.type}
+
+
+def saved_residency(saved: dict[str, Any] | str | Path) -> dict[str, Any] | None:
+    """The residency record a checkpoint holds (a DeepSpeed-face meta, or an Accelerate-face folder), None for one
+    written before records were."""
+    if isinstance(saved, dict):
+        record = saved.get(RESIDENCY_KEY)
+    else:
+        path = Path(saved) / RESIDENCY_FILE
+        record = json.loads(path.read_text()) if path.is_file() else None
+    return None if record is None else dict(record)
+
+
+class CheckpointResidency:
+    """The placement advisor (costs/advice.py PlacementAdvice) of an engine resuming a run: residency "auto" places
+    the optimizer-resident count the checkpoint's run chose at its start (`record`, residency_record's), not what
+    this device's free memory would choose now; the per-batch placement (kept weights and graphs, bit-neutral) is
+    `inner`'s (the planner's advisor, when the backend has one), else the engine's own fill. A count this device
+    cannot hold fails as any placement that does not fit: an out-of-memory error lowers the kept weights and graphs
+    around it (engine/runtime/oom.py), never this count, which the bits depend on."""
+
+    def __init__(self, record: dict[str, Any], inner: PlacementAdvice | None = None) -> None:
+        count = record.get("optimizer_layers")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"a checkpoint's residency record needs optimizer_layers as an int >= 0, got {record!r}")
+        self.optimizer, self.inner = count, inner
+        self.source = "from checkpoint"
+
+    def optimizer_layers(self, config: Any, budget: int) -> int:
+        return self.optimizer
+
+    def residency(self, config: Any, tokens: int, budget: int, optimizer: int) -> Residency | None:
+        return None if self.inner is None else self.inner.residency(config, tokens, budget, optimizer)
+
+
+def resumed_residency(engine: Any, record: dict[str, Any] | None) -> str | None:
+    """Why `engine`, loading a checkpoint whose run chose `record`, will not train that run's bits (its
+    optimizer-resident count differs), or None when it places the same (or the checkpoint has no record)."""
+    if record is None:
+        return None
+    now = residency_record(engine)
+    if now["optimizer_layers"] == record.get("optimizer_layers"):
+        return None
+    return (f"the checkpoint's run updated {record.get('optimizer_layers')} layers on its device, this engine "
+            f"{now['optimizer_layers']}: their updates round differently (the device's AdamW, the host's), so the "
+            f"steps from here differ in their last bits from the run's own; build the engine with "
+            f"placement_advice=CheckpointResidency(record) (run/train_state.py) to place as the run did")
+
+
+# ---------------------------------------------------------------------------------------------------
 # the Accelerate face's folder
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.bin"  # accelerate's name
+RESIDENCY_FILE = "megatrain_residency.json"  # the residency the run chose (residency_record)
 
-def write_weights(directory: str | Path, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
+def write_weights(directory: str | Path, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any],
+                  residency: dict[str, Any] | None = None) -> None:
+    """The weights and optimizer state; `residency` (the engine's `residency_record`) beside them."""
     d = Path(directory)
     ckpt.write_safetensors(d / MODEL_FILE, weights)
     torch.save(optimizer_state, d / OPTIMIZER_FILE)
+    if residency is not None:
+        ckpt.write_json(d / RESIDENCY_FILE, dict(residency))
 
 
 def read_weights(directory: str | Path, engine: Any = None) -> tuple[Mapping[str, torch.Tensor], dict[str, Any]]:
@@ -179,9 +250,11 @@ _RNG = "rng."
 def save_engine_checkpoint(save_dir: str | Path, tag: str, *, weights: dict[str, torch.Tensor],
                            optimizer_state: dict[str, Any] | None, scheduler: Any, counters: dict[str, int],
                            config: Any, client_state: dict[str, Any] | None, write: bool,
-                           keep_last: int | None = None, update_latest: bool = True) -> None:
-    """Encode a DeepSpeed-face checkpoint and, when `write` (the rank that writes for all), publish it."""
-    tensors, meta = _engine_tensors_and_meta(weights, scheduler, counters, config, client_state)
+                           keep_last: int | None = None, update_latest: bool = True,
+                           residency: dict[str, Any] | None = None) -> None:
+    """Encode a DeepSpeed-face checkpoint and, when `write` (the rank that writes for all), publish it.
+    `residency`: the engine's `residency_record`, for a resume to place as this run did."""
+    tensors, meta = _engine_tensors_and_meta(weights, scheduler, counters, config, client_state, residency)
     if optimizer_state is not None:
         meta["optimizer"] = _optimizer_state(optimizer_state, tensors)
     if write:
@@ -189,10 +262,13 @@ def save_engine_checkpoint(save_dir: str | Path, tag: str, *, weights: dict[str,
 
 
 def _engine_tensors_and_meta(weights: dict[str, torch.Tensor], scheduler: Any, counters: dict[str, int], config: Any,
-                             client_state: dict[str, Any] | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+                             client_state: dict[str, Any] | None, residency: dict[str, Any] | None = None
+                             ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     tensors = {_MODEL + name: t for name, t in weights.items()}
     meta: dict[str, Any] = {"kind": ENGINE_CKPT_KIND, "version": 1, "counters": counters, "config": config,
                             "lr_scheduler": _scheduler_state(scheduler)}
+    if residency is not None:
+        meta[RESIDENCY_KEY] = dict(residency)
     meta["rng"] = _rng_state(tensors)
     meta["client_state"] = _split_client_state(client_state or {}, tensors)
     return tensors, meta
@@ -237,7 +313,7 @@ def save_engine_checkpoint_sharded(save_dir: str | Path, tag: str, *, weights: d
                                    optimizer: torch.optim.Optimizer, mine: set[int], rank: int,
                                    group: Any, scheduler: Any, counters: dict[str, int], config: Any,
                                    client_state: dict[str, Any] | None, keep_last: int | None = None,
-                                   update_latest: bool = True) -> None:
+                                   update_latest: bool = True, residency: dict[str, Any] | None = None) -> None:
     """A data-parallel save with no gather of optimizer state: every rank writes the state of the parameters in
     `mine` (its layers; rank 0 also the resident parameters') to a shard file of its own in the save's temp
     directory, and sends rank 0 only the shard's size, hash and state layout; rank 0 writes the weights and
@@ -259,7 +335,7 @@ def save_engine_checkpoint_sharded(save_dir: str | Path, tag: str, *, weights: d
     if rank == 0:
         try:
             state, shards = _merged_shards(reports, f"checkpoint {tag!r} not saved")
-            tensors, meta = _engine_tensors_and_meta(weights, scheduler, counters, config, client_state)
+            tensors, meta = _engine_tensors_and_meta(weights, scheduler, counters, config, client_state, residency)
             main = _optimizer_state(local, tensors)
             meta["optimizer"] = {"state": state, "param_groups": main["param_groups"]}
             ckpt.publish(save_dir, tag, tmp, tensors, meta, shards=shards, keep_last=keep_last,

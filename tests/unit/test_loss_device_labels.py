@@ -95,6 +95,70 @@ def test_a_step_with_device_labels_syncs_nothing_in_the_loss_and_keeps_its_bits(
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(before[1], got[1]))
 
 
+@pytest.mark.parametrize("mode", CONFIGS)
+@pytest.mark.parametrize("train", [True, False], ids=["step", "eval"])
+def test_a_device_attention_mask_costs_no_read_for_the_attention_layout_and_keeps_the_bits(device_batch, monkeypatch,
+                                                                                         mode, train):
+    """A padded batch whose mask is on the device too (HF Trainer puts the whole batch there): the segment
+    attention's layout (which rows are padded, where the runs are) is read off the mask's host copy queued by the
+    batch checks (attention.py keep_host_mask), so a step, forward to optimizer step, reads nothing on the device."""
+    batch = make_batches(1)[0]
+    batch["attention_mask"][0, 9:12] = 0  # a hole in the first row besides the second's left padding
+    batch["labels"][batch["attention_mask"] == 0] = -100
+
+    def on_device(b: dict) -> dict:
+        return dict(device_batch(b), attention_mask=b["attention_mask"].as_subclass(_OnDevice))
+
+    host = _step(cpu_engine(**mode), batch, train)
+    got = _step(cpu_engine(**mode), on_device(batch), train)
+    assert _OnDevice.reads == []
+    assert torch.equal(bits(got[0]), bits(host[0]))
+    assert len(got[1]) == len(host[1]) and all(torch.equal(bits(a), bits(b)) for a, b in zip(got[1], host[1]))
+
+    # Negative control: without the mask's host copy the layout is read off the device mask (8 reads a step when
+    # this was written: the all-valid test, per row a run split and its two lists, the hole's nonzero), same bits.
+    monkeypatch.setattr(B, "keep_host_mask", lambda mask, host: None)
+    _OnDevice.reads = []
+    before = _step(cpu_engine(**mode), on_device(batch), train)
+    assert len(_OnDevice.reads) >= 7, _OnDevice.reads
+    assert torch.equal(bits(before[0]), bits(got[0]))
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(before[1], got[1]))
+
+
+def test_the_layout_is_read_off_a_device_masks_kept_copy_on_the_meta_device():
+    """On the meta device any read of a value raises: given the copy kept for a device mask, host_mask hands the
+    mask function that copy; another device mask without one is read on the device (the control)."""
+    from transformers.masking_utils import causal_mask_function
+
+    from megatrain.engine.layer.attention import _segments_mask, host_mask, keep_host_mask
+
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0
+    on_device = mask.to("meta")
+    keep_host_mask(on_device, mask)
+    with host_mask(on_device):
+        seg = _segments_mask(2, 6, 6, attention_mask=on_device, device="meta", mask_function=causal_mask_function)
+    assert [r.runs for r in seg.rows] == [[(True, 0, 6)], [(False, 0, 2), (True, 2, 4)]]
+    with pytest.raises((NotImplementedError, RuntimeError)), host_mask(other := mask.to("meta")):
+        _segments_mask(2, 6, 6, attention_mask=other, device="meta", mask_function=causal_mask_function)
+
+
+def test_a_kept_mask_copy_lives_as_long_as_its_mask():
+    import gc
+
+    from megatrain.engine.layer import attention as A
+
+    before = len(A._KEPT)
+    mask = torch.ones(1, 3, dtype=torch.long)
+    A.keep_host_mask(mask, mask)  # a host mask is its own copy: nothing kept
+    assert len(A._KEPT) == before
+    A.keep_host_mask(mask, mask.clone())
+    assert len(A._KEPT) == before + 1
+    del mask
+    gc.collect()
+    assert len(A._KEPT) == before
+
+
 @pytest.mark.parametrize("tiled", [True, False])
 def test_the_loss_takes_device_labels_without_reading_them_given_their_host_copy(tiled):
     """On the meta device any read of a value raises: with the host copy kept, neither loss reads one."""

@@ -275,7 +275,9 @@ def test_a_device_batch_is_checked_without_reading_its_values_then():
         pending = B.check_batch(cfg, b["input_ids"], b["attention_mask"], b["labels"], b["position_ids"], {})
     finally:
         B.to_host = real
-    assert isinstance(pending, B.PendingCheck) and len(queued) == 1 and queued[0].device.type == "meta"
+    # the mask in one copy (for the attention's layout), the reductions in another: both queued from the device
+    assert isinstance(pending, B.PendingCheck) and len(queued) == 2 and all(t.device.type == "meta" for t in queued)
+    assert queued[0] is b["attention_mask"]  # first: it is read first (the layout, before the first layer)
     assert pending.keys[:2] == ["ids_min", "ids_max"]
 
 

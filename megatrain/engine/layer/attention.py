@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
 
-from ..runtime.host_copy import to_device
+from ..runtime.host_copy import HostCopy, host_value, to_device
 
 NAME = "megatrain_segments"  # always per segment
 AUTO_NAME = "megatrain_segments_auto"  # HF's dense mask while it is small, per segment beyond
@@ -42,12 +43,30 @@ _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sliding_window")
 # The batch's attention mask in host memory while the model's mask function runs (Engine.forward): the layout's
 # control flow (which rows are padded, where the runs are) is read there, so the device is never waited for.
 _HOST_MASK: ContextVar[torch.Tensor | None] = ContextVar("megatrain_host_mask", default=None)
+# A device batch's attention mask -> its copy in host memory, queued when the batch came in (batch.py check_batch,
+# as the labels' copy): read off the device mask, the layout costs a sync per read (7 in a 2-row padded forward).
+# Keyed by the tensor's identity, weakly: an entry lives as long as the mask it copies.
+_KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def keep_host_mask(mask: torch.Tensor, host: HostCopy | torch.Tensor) -> None:
+    """Hand `host_mask` `host`, a copy of `mask` in host memory (to_host's, queued early enough to be done by the
+    model's mask function): given `mask` it reads that copy instead of the device. `host` must hold the same values."""
+    if host is not mask:  # a host mask is its own copy: nothing to keep (an entry would keep itself alive)
+        _KEPT[mask] = host
 
 
 @contextmanager
 def host_mask(mask: torch.Tensor | None) -> Iterator[None]:
-    """Within it, a mask function handed the device copy of `mask` reads the layout off `mask` (host memory)."""
-    token = _HOST_MASK.set(mask if mask is not None and mask.device.type == "cpu" else None)
+    """Within it, a mask function handed the device copy of `mask` reads the layout off `mask` in host memory: the
+    copy kept for a device mask (keep_host_mask; its queued copy waited for, not the device's queue), or `mask`
+    itself when it is in host memory. A device mask without a copy is read on the device (a sync per read)."""
+    kept = None if mask is None else _KEPT.get(mask)
+    if kept is not None:
+        host = host_value(kept)
+    else:
+        host = mask if mask is not None and mask.device.type == "cpu" else None
+    token = _HOST_MASK.set(host)
     try:
         yield
     finally:
@@ -109,8 +128,8 @@ def _segments_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
     s = q_length
     valid = None if attention_mask is None else attention_mask[:, -kv_length:].bool()
     host = _HOST_MASK.get()
-    on_host = (valid is not None and host is not None and host.shape == attention_mask.shape
-               and attention_mask.device != host.device)
+    # The same values in host memory (the mask itself for a host batch): every decision below reads these.
+    on_host = valid is not None and host is not None and host.shape == attention_mask.shape
     host_valid = host[:, -kv_length:].bool() if on_host else valid  # the same values: the decisions read these
     if valid is not None and bool(host_valid.all()):
         valid = host_valid = None

@@ -3,12 +3,13 @@
 A batch in host memory is checked at once. A batch already on the device (what HF's Trainer hands the DeepSpeed
 face) is checked a little later: its reductions are queued with a copy back (runtime/host_copy.py) and read at the
 end of the forward (`PendingCheck.verify`), so the host never waits for the device's queue once per micro-batch.
-Until then the device must not fault on a bad value: `sanitize` maps ids and labels outside the vocabulary to
-values it can index, `sanitize_positions` positions past the model's table into it (a batch that had them is
-refused by verify before its loss is returned). What needs no value is refused before any device work whatever
-the batch's device: shapes and dtypes, and a sequence longer than the model's positions (the positions a row
-without position_ids gets); so are the values of the parts in host memory beside device ones (position_ids a
-collator built on the host), read at once.
+The attention mask of a device batch is copied back beside them, queued, for the attention's layout (which rows
+are padded, where: attention.py host_mask), read once the embedding is queued. Until then the device must not fault
+on a bad value: `sanitize` maps ids and labels outside the vocabulary to values it can index, `sanitize_positions`
+positions past the model's table into it (a batch that had them is refused by verify before its loss is returned).
+What needs no value is refused before any device work whatever the batch's device: shapes and dtypes, and a
+sequence longer than the model's positions (the positions a row without position_ids gets); so are the values of
+the parts in host memory beside device ones (position_ids a collator built on the host), read at once.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from ...models.positions import max_trainable_positions
 from ..runtime.host_copy import HostCopy, host_value, to_host
+from .attention import keep_host_mask
 from .loss import IGNORE_INDEX, keep_host_labels
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -151,6 +153,8 @@ def check_batch(config: Any, input_ids: Any, attention_mask: Any, labels: Any, p
     now = _read_values(on_host) if on_host else {}
     _check_host_parts(config, seq, now)
     queued = [k for k in parts if k not in on_host]
+    if attention_mask is not None:  # for the attention's layout (attention.py host_mask), read after the embedding
+        keep_host_mask(attention_mask, to_host(attention_mask))
     values = (to_host(torch.stack([parts[k].long() for k in queued])) if queued
               else torch.empty(0, dtype=torch.long))
     return PendingCheck(config, seq, labels is not None, queued, values, now)

@@ -65,6 +65,7 @@ from ...costs.memory import (  # noqa: F401
     floor_tile,
     layer_working_bytes,
     loss_workspace_bytes,
+    residual_streams,
 )
 from ..host.preflight import available_host_bytes
 from .attn_tiling import (
@@ -281,15 +282,28 @@ def _mlp_tiled_vjp(layer: nn.Module, weights: dict[str, torch.Tensor], x: torch.
                 for n, w in weights.items()]
 
 
+def layer_streams(layer: nn.Module) -> int:
+    """The residual streams a decoder layer passes on (hyper-connections' hc_mult, DeepSeek-V4), read as the planner
+    reads it (costs/memory.py residual_streams): off the config the layer or its attention keeps, else off a
+    hyper-connection module of the layer (its `hc_mult`); 1 for a plain layer."""
+    for owner in (layer, getattr(layer, "self_attn", None)):
+        cfg = getattr(owner, "config", None)
+        if cfg is not None and residual_streams(cfg) > 1:
+            return residual_streams(cfg)
+    return max((residual_streams(m) for m in layer.modules()), default=1)
+
+
 def layer_dims(layer: nn.Module, numel: int, hidden: int) -> LayerDims:
-    """The memory model's shapes of a decoder layer (and whether its attention block tiles)."""
+    """The memory model's shapes of a decoder layer (and whether its attention block tiles; its residual streams:
+    a boundary's activation is that many hidden-wide vectors per token)."""
     attn = getattr(layer, "self_attn", None)
     k = getattr(attn, "k_proj", None)
     mlp = getattr(layer, "mlp", None)
     up = getattr(mlp, "up_proj", None) or getattr(mlp, "gate_proj", None)
     return LayerDims(hidden, k.weight.shape[0] if k is not None else hidden,
                      up.weight.shape[0] if up is not None else 4 * hidden, numel,
-                     tileable(layer) and attention_module_tileable(attn), getattr(attn, "head_dim", None) or 128)
+                     tileable(layer) and attention_module_tileable(attn), getattr(attn, "head_dim", None) or 128,
+                     streams=layer_streams(layer))
 
 
 def long_context_policy(config: EngineConfig, layers: Sequence[nn.Module], layer_numels: list[int], num_buffers: int,

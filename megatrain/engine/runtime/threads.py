@@ -14,7 +14,8 @@ as torchrun, accelerate and the deepspeed launcher set it) once: under Slurm wit
 affinity is already this task's share and is not divided again. MEGATRAIN_HOST_THREADS names it outright. Never
 torch's own count: `accelerate launch` always sets OMP_NUM_THREADS=1 and torchrun does with more than one process,
 which left every host pool one thread; and N ranks of a node that each took every core oversubscribed it N-fold.
-NUMA placement is not done here: threads are not bound to a socket (docs say so).
+Bound to its GPU's NUMA node (numa.py), a rank's affinity is that node's CPUs, shared by the ranks whose GPUs sit
+there (`bound_ranks`), not by all of the machine's.
 """
 
 from __future__ import annotations
@@ -122,6 +123,17 @@ def cgroup_cpu_quota() -> float | None:
     return min(found) if found else None
 
 
+_node_ranks: int | None = None  # set by numa.apply: the ranks sharing the node this process is bound to
+
+
+def bound_ranks(n: int | None) -> None:
+    """This process's threads are bound to a NUMA node whose CPUs `n` ranks share (None: not bound by MegaTrain)."""
+    global _node_ranks
+    if n is not None and n < 1:
+        raise ValueError(f"a bound node is shared by at least 1 rank, got {n}")
+    _node_ranks = n
+
+
 def _slurm_task_bound(cpus: int, ranks: int) -> bool:
     """Whether Slurm bound this task to CPUs of its own (a per-task cpuset), so that its affinity already is its
     share: a binding named by the step (SLURM_CPU_BIND_TYPE other than none), or this task's CPUs times the node's
@@ -147,7 +159,8 @@ def host_cores() -> int:
     cpus, ranks = affinity_cpus(), local_ranks()
     # the node's CPUs and its cgroup's quota are shared by its ranks; a Slurm task's own binding (and cgroup) is not
     shared = 1 if _slurm_task_bound(cpus, ranks) else ranks
-    share = cpus // shared
+    # bound to a NUMA node (numa.py): that node's CPUs are shared by its ranks only; the quota still by all
+    share = cpus // (_node_ranks if _node_ranks is not None and shared > 1 else shared)
     quota = cgroup_cpu_quota()
     if quota is not None:
         share = min(share, math.floor(quota / shared + 1e-9))

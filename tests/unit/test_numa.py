@@ -1,0 +1,116 @@
+"""A rank's threads bound to its GPU's NUMA node (engine/runtime/numa.py), read from a fake sysfs tree: two sockets of
+8 CPUs each (0-3,8-11 and 4-7,12-15, interleaved as many BIOSes number them), GPUs on either. The binding is
+recorded, not made: os.sched_setaffinity is patched (and the affinity it sets is what the process then sees)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatrain.engine.runtime import numa, threads
+
+GPUS = {"0000:17:00.0": 0, "0000:3b:00.0": 0, "0000:86:00.0": 1, "0000:af:00.0": 1}
+NODE0, NODE1 = frozenset([0, 1, 2, 3, 8, 9, 10, 11]), frozenset([4, 5, 6, 7, 12, 13, 14, 15])
+
+
+def _sysfs(root: Path, nodes: dict[int, str], gpus: dict[str, int]) -> Path:
+    for n, cpulist in nodes.items():
+        d = root / "devices" / "system" / "node" / f"node{n}"
+        d.mkdir(parents=True)
+        (d / "cpulist").write_text(cpulist + "\n")
+    for bus, node in gpus.items():
+        d = root / "bus" / "pci" / "devices" / bus
+        d.mkdir(parents=True)
+        (d / "numa_node").write_text(f"{node}\n")
+    return root
+
+
+@pytest.fixture
+def machine(monkeypatch, tmp_path):
+    """16 CPUs in the affinity, three threads in the process, the two-socket tree, no ranks, no override."""
+    sysfs = _sysfs(tmp_path / "sys", {0: "0-3,8-11", 1: "4-7,12-15", 2: ""}, GPUS)  # node 2: memory only
+    tasks = tmp_path / "task"
+    for tid in (100, 101, 102):
+        (tasks / str(tid)).mkdir(parents=True)
+    state = {"affinity": frozenset(range(16)), "bound": {}}
+
+    def setaffinity(tid: int, cpus) -> None:
+        state["bound"][tid] = frozenset(cpus)
+        state["affinity"] = frozenset(cpus)
+
+    monkeypatch.setattr(numa, "SYSFS", sysfs)
+    monkeypatch.setattr(numa, "TASKS", tasks)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(state["affinity"]))
+    monkeypatch.setattr(os, "sched_setaffinity", setaffinity)
+    for name in (threads.OVERRIDE_ENV, "LOCAL_WORLD_SIZE", numa.OFF_ENV, "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(threads, "_node_ranks", None)
+    buses = list(GPUS)
+    monkeypatch.setattr(numa, "cuda_bus_id", lambda i: buses[i])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(buses))
+    return monkeypatch, state
+
+
+def test_the_cpulist_and_the_nodes_are_read_from_sysfs(machine):
+    assert numa.parse_cpulist("0-3,8-11\n") == NODE0 and numa.parse_cpulist("5") == {5}
+    assert numa.numa_nodes() == {0: NODE0, 1: NODE1}  # a node without CPUs is no place for threads
+    assert numa.pci_node("0000:86:00.0") == 1 and numa.pci_node("0000:00:00.0") is None
+
+
+def test_a_rank_binds_every_thread_to_its_gpus_socket_and_shares_it_with_that_sockets_ranks(machine):
+    mp, state = machine
+    mp.setenv("LOCAL_WORLD_SIZE", "4")
+    assert threads.host_cores() == 4  # before: the machine's 16 CPUs over its 4 ranks
+    b = numa.bind_host(torch.device("cuda", 2))
+    assert b == numa.Binding(1, NODE1, 2)
+    assert state["bound"] == {100: NODE1, 101: NODE1, 102: NODE1}  # every thread of the process
+    assert threads.host_cores() == 4  # the node's 8 CPUs over the 2 ranks whose GPUs are on it
+
+
+def test_an_uneven_machine_divides_each_socket_by_its_own_ranks(machine):
+    mp, state = machine
+    mp.setenv("LOCAL_WORLD_SIZE", "4")
+    buses = ["0000:17:00.0", "0000:3b:00.0", "0000:86:00.0", "0000:99:00.0"]
+    _sysfs(numa.SYSFS, {}, {"0000:99:00.0": 0})  # three GPUs on socket 0, one on socket 1
+    mp.setattr(numa, "cuda_bus_id", lambda i: buses[i])
+    b = numa.bind_host(torch.device("cuda", 0))
+    assert b.node == 0 and b.ranks == 3
+    assert threads.host_cores() == 2  # 8 CPUs over 3 ranks (the machine's share, 4, would oversubscribe it 1.5x)
+
+
+def test_one_visible_gpu_per_rank_divides_in_proportion_to_the_cpus(machine):
+    mp, state = machine
+    mp.setenv("LOCAL_WORLD_SIZE", "4")
+    mp.setattr(torch.cuda, "device_count", lambda: 1)  # CUDA_VISIBLE_DEVICES set per rank: the others unseen
+    mp.setattr(numa, "cuda_bus_id", lambda i: "0000:86:00.0")
+    assert numa.bind_host(torch.device("cuda", 0)) == numa.Binding(1, NODE1, 2)
+
+
+@pytest.mark.parametrize("why", ["setting", "env", "cpu", "one node", "unknown node", "bound elsewhere"])
+def test_nothing_is_bound(machine, tmp_path, why):
+    mp, state = machine
+    dev, enabled = torch.device("cuda", 0), None
+    if why == "setting":
+        enabled = False
+    elif why == "env":
+        mp.setenv(numa.OFF_ENV, "0")
+    elif why == "cpu":
+        dev = torch.device("cpu")
+    elif why == "one node":
+        mp.setattr(numa, "SYSFS", _sysfs(tmp_path / "one", {0: "0-15"}, GPUS))
+    elif why == "unknown node":
+        mp.setattr(numa, "SYSFS", _sysfs(tmp_path / "unknown", {0: "0-7", 1: "8-15"}, {b: -1 for b in GPUS}))
+    else:  # a launcher bound this rank to socket 1's CPUs; its GPU is on socket 0
+        state["affinity"] = NODE1
+    assert numa.bind_host(dev, enabled) is None
+    assert state["bound"] == {} and threads._node_ranks is None
+
+
+def test_control_the_same_machine_with_the_setting_on_binds(machine):
+    """The negative cases above differ from this one in their one condition only."""
+    mp, state = machine
+    assert numa.bind_host(torch.device("cuda", 0), True) == numa.Binding(0, NODE0, 1)
+    assert set(state["bound"]) == {100, 101, 102}
