@@ -17,7 +17,7 @@ from typing import Any
 
 from ..costs.modes import GradSlab, HostMaster, parse
 from ..costs.nvme import check_nvme_settings
-from ..costs.residency import Residency
+from ..costs.residency import AUTO, Residency
 from ..costs.residency import parse as parse_residency
 from .validate import check_keys, is_bool, is_int, is_number
 
@@ -28,7 +28,6 @@ MIN_WATCHDOG_S = 0.1
 
 MAX_MMAP_THRESHOLD = 32 * 2**20  # glibc's HEAP_MAX_SIZE / 2 on 64-bit: mallopt refuses more
 MIN_MMAP_THRESHOLD = 4096  # a page: below it every small allocation would be a system call
-AUTO = "auto"
 # speculative_step "auto" settled where it can run (a CUDA device, an optimizer it steps a layer at a time): on for as
 # many layers as their rollback copies fit the host, which the engine measures once it holds the store
 # (engine/update/speculative.py).

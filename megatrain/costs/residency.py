@@ -24,7 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-AUTO, STREAM = "auto", "stream"
+# The one word a setting is left to its rule with ("auto"), defined here, below the config package that re-exports
+# it (megatrain/config/schema.py), because the per-batch rules here and in costs/memory.py read it too.
+AUTO = "auto"
+STREAM = "stream"
 # Offloaded graphs the device holds at once: one layer's saved tensors on their way to the host while the next
 # layer records its own, and in backward one layer's brought back ahead while the one after it backpropagates.
 OFFLOADED_GRAPHS_IN_FLIGHT = 2
