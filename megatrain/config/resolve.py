@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .deepspeed import parse_config
-from .schema import AUTO, FACE_RESOLVED, WRITTEN, EngineConfig
+from .schema import AUTO, EngineConfig, EnginePlan, ResolvedConfig
 from .settings import FACE_KEYS, ConfigSettings, read_config
 from .validate import is_int
 
@@ -85,9 +85,9 @@ def resolve(config: dict[str, Any] | str | os.PathLike | EngineConfig | None = N
 
 def _resolved(ec: EngineConfig | None) -> EngineConfig | None:
     """`ec` marked as through a face's resolve (its backend takes it as it is), the written settings kept."""
-    if ec is None or ec.stage != WRITTEN:
+    if ec is None or isinstance(ec, (ResolvedConfig, EnginePlan)):
         return ec
-    return dataclasses.replace(ec, _stage=FACE_RESOLVED)
+    return ec.as_type(ResolvedConfig)
 
 
 def _slabs_for(ec: EngineConfig | None, steps: int) -> EngineConfig | None:

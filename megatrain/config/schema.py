@@ -32,9 +32,6 @@ MIN_MMAP_THRESHOLD = 4096  # a page: below it every small allocation would be a 
 # many layers as their rollback copies fit the host, which the engine measures once it holds the store
 # (engine/update/speculative.py).
 IF_FITS = "if it fits"
-# How far a config has been settled: as written; by a face's arguments (resolve); for the engine's device and
-# optimizer too (settle_engine, megatrain/config/resolve.py), after which no setting of the engine's own reads "auto".
-WRITTEN, FACE_RESOLVED, SETTLED = 0, 1, 2
 MIXED_PRECISION = ("no", "bf16")  # Accelerate's names: FP32, bf16 compute
 
 
@@ -50,8 +47,13 @@ def auto_or(word: str, parse: Callable[[str], Any]) -> Any:
     return AUTO if word.strip().lower() == AUTO else parse(word)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class EngineConfig:
+    """The engine's settings as a user writes them ("auto" where a rule is to choose), each checked. Its settled
+    forms are types, not a stage: `ResolvedConfig` (a face's arguments folded in, megatrain/config/resolve.py) and
+    `EnginePlan` (every choice made for one engine, megatrain/config/settle.py). Equal when the settings are, whatever
+    the type: a plan equals the config that already said all it chose."""
+
     device: str | None = None  # None: the accelerator when it is usable, else cpu (engine/runtime/device_resolution.py)
     # What streams to and computes on the device; masters stay FP32. "auto": bfloat16 on a CUDA device that
     # supports it (2 B/param streamed, bf16 matmuls), float32 elsewhere (a CPU device: as before).
@@ -130,8 +132,6 @@ class EngineConfig:
     # What the user wrote, before "auto" was resolved: set by the constructor, carried by dataclasses.replace
     # (the one way a resolved copy is made). Not a setting: outside ENGINE_KEYS, equality and repr.
     _written: tuple[tuple[str, Any], ...] = field(default=(), compare=False, repr=False)
-    # How far it is settled (WRITTEN, FACE_RESOLVED, SETTLED): each step runs once per engine build. Not a setting.
-    _stage: int = field(default=WRITTEN, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self._written:
@@ -224,10 +224,21 @@ class EngineConfig:
         A copy that changes a resolved value only is `dataclasses.replace`."""
         return EngineConfig.from_dict({**self.written, **changes})
 
-    @property
-    def stage(self) -> int:
-        """WRITTEN, FACE_RESOLVED or SETTLED: which of megatrain/config/resolve.py's steps this copy has been through."""
-        return self._stage
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EngineConfig):
+            return NotImplemented
+        return self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, k) for k in _SETTINGS)
+
+    def as_type(self, cls: type[EngineConfig], **changes: Any) -> Any:
+        """These settings (with `changes`) as `cls`, one of the settled types below, what was written kept."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return cls(**{**values, **changes})
 
     @property
     def host_mode_open(self) -> bool:
@@ -267,11 +278,44 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved settings (`written`: as the user wrote them)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("_")}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k in ENGINE_KEYS}
 
 
 _SETTINGS = tuple(f.name for f in fields(EngineConfig) if not f.name.startswith("_"))
 ENGINE_KEYS = frozenset(_SETTINGS)
+
+
+@dataclass(frozen=True, eq=False)
+class ResolvedConfig(EngineConfig):
+    """The settings as written, with a face's own arguments folded in (mixed_precision, the CPU switch, accumulation:
+    megatrain/config/resolve.py): a backend takes it as it is instead of resolving it again."""
+
+
+@dataclass(frozen=True, eq=False)
+class EnginePlan(EngineConfig):
+    """One engine's settled plan (megatrain/config/settle.py settle_engine, the one function the engine and the
+    planner call): pinning, overlap and speculation decided for the device and the optimizer, and the host mode for
+    the model on this host where the facts say what fits. An engine is built from it and keeps it; the choices
+    still made per batch (residency, activation offload, the MLP tile, the loss chunk: costs/memory.py) are rules
+    with the budget, and speculation "as many layers as fit" (IF_FITS) is the one the engine measures once it holds
+    its store (`measured`)."""
+
+    turned_off: tuple[str, ...] = field(default=(), compare=False, repr=False)  # what it turned off that was asked
+
+    @property
+    def speculation_measured_later(self) -> bool:
+        """Whether speculation is "as many layers as their rollback copies fit", measured by the engine once it
+        holds its store (engine/update/speculative.py resolve)."""
+        return self.speculative_step == IF_FITS
+
+    @property
+    def speculation_backs_off(self) -> bool:
+        """Whether speculation pauses where it keeps losing (its "auto"); True as set never does."""
+        return self.speculative_step is not True
+
+    def measured(self, speculates: bool) -> EnginePlan:
+        """This plan with the engine's measure of speculation taken (on or off: the layers are the engine's)."""
+        return dataclasses.replace(self, speculative_step=bool(speculates))
 
 
 def _dtype(bf16: bool) -> str:
@@ -297,7 +341,7 @@ def unknown_setting(key: object, close: str | None) -> ValueError:
 def check_speculative(cfg: EngineConfig) -> None:
     """speculative_step is True, False or "auto", and not set beside what updates a layer another way."""
     value = cfg.speculative_step
-    if value == IF_FITS and cfg.stage == SETTLED:
+    if value == IF_FITS and isinstance(cfg, EnginePlan):
         return  # settle_engine's "auto", checked against the configuration there
     if not (is_bool(value) or value == AUTO):
         raise ValueError(f"speculative_step={value!r} must be true, false or 'auto'")
