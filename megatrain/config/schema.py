@@ -42,6 +42,12 @@ def left_auto(value: Any) -> bool:
     return isinstance(value, str) and value == AUTO
 
 
+def rule_or(value: Any, rule: Callable[[], Any]) -> Any:
+    """`value`, or what `rule` chooses where it is left "auto": how a module outside this package takes a word of its
+    own (a data path, a data format) without asking whether it is "auto"."""
+    return rule() if left_auto(value) else value
+
+
 def auto_or(word: str, parse: Callable[[str], Any]) -> Any:
     """A command-line word: "auto" (any case) as the setting's "auto", anything else as `parse` reads it."""
     return AUTO if word.strip().lower() == AUTO else parse(word)
@@ -241,9 +247,56 @@ class EngineConfig:
         return cls(**{**values, **changes})
 
     @property
-    def host_mode_open(self) -> bool:
-        """host_master "auto" still to choose: the engine chooses it once it knows the model (engine/host/preflight.py)."""
-        return self.host_master == AUTO
+    def chooses_host_mode(self) -> bool:
+        """Whether the host mode is the rule's to choose (host_master written "auto"; in FP32 compute it reads as the
+        FP32 master at once, and the rule may still choose the NVMe tier): the engine's plan chooses it
+        (config/settle.py), a plan of the planner chooses it by the same order (planner/auto_mode.py)."""
+        return left_auto(self.written["host_master"])
+
+    @property
+    def host_mode_set(self) -> bool:
+        """Whether both host-mode settings hold a mode (written, or settled by a plan): nothing left to choose."""
+        return not left_auto(self.host_master) and not left_auto(self.host_grad_dtype)
+
+    @property
+    def grad_slab_written(self) -> GradSlab | None:
+        """The gradient slab dtype the user wrote; None: "auto" (host mode "auto" chooses it)."""
+        grad = self.written["host_grad_dtype"]
+        return None if left_auto(grad) else GradSlab(grad)
+
+    @property
+    def residency_set(self) -> Residency | None:
+        """The residency counts as set ("stream" is none kept); None: "auto", placed per batch from the device budget
+        (costs/memory.py, or a placement advisor's search)."""
+        return self.residency if isinstance(self.residency, Residency) else None
+
+    @property
+    def speculation_set(self) -> bool | None:
+        """speculative_step as set (True, False, or settled off); None: "auto", as many layers as fit (a plan's
+        IF_FITS: the engine measures it)."""
+        value = self.speculative_step
+        return None if left_auto(value) or value == IF_FITS else bool(value)
+
+    def with_stand_ins(self, stand_ins: dict[str, Any]) -> dict[str, Any]:
+        """The settings by name, a choice still open (a plan's IF_FITS reads as "auto") replaced by its stand-in in
+        `stand_ins` where one is given: what the planner's search takes from an engine being built."""
+        out = {}
+        for name in _SETTINGS:
+            value = getattr(self, name)
+            value = AUTO if value == IF_FITS else value
+            out[name] = stand_ins[name] if left_auto(value) and name in stand_ins else value
+        return out
+
+    @staticmethod
+    def spelled(engine: dict[str, Any]) -> dict[str, Any]:
+        """`engine` (settings by name) with the planner's spellings of "auto" in the engine's: optimizer_overlap "auto"
+        (the engine's None) and speculative_step None (the engine's "auto")."""
+        engine = dict(engine)
+        if left_auto(engine.get("optimizer_overlap")):
+            engine["optimizer_overlap"] = None
+        if "speculative_step" in engine and engine["speculative_step"] is None:
+            engine["speculative_step"] = AUTO
+        return engine
 
     @property
     def grad_slab_set(self) -> GradSlab | None:

@@ -140,6 +140,13 @@ def parse(value: object) -> str | Residency:
                      f"(every layer streamed and recomputed) or {{'weights': n, 'activations': m, 'optimizer': k}}")
 
 
+def as_written(value: str | Residency) -> str | dict[str, int]:
+    """A residency as a config writes it: "auto" as it is, "stream" for none kept, else the counts."""
+    if not isinstance(value, Residency):
+        return value
+    return STREAM if value == Residency() else value.to_dict()
+
+
 def plan(n_layers: int, layer_bytes: int, graph_bytes: int, room: int | None, ring_bytes: int,
          graphs_allowed: bool, weights_cap: int | None = None, optimizer: int = 0) -> Residency:
     """The "auto" residency for `room` free device bytes (None: no limit) beyond a batch's working set: kept

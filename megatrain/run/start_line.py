@@ -19,7 +19,6 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from ..config.schema import left_auto
 from ..engine import host_cores, side_threads, update_threads
 
 __all__ = ["describe", "announce", "via", "route"]
@@ -43,9 +42,8 @@ def route() -> str | None:
 
 
 def _host_mode(config: Any, world_size: int) -> str:
-    written = config.written if hasattr(config, "written") else {}
     # in FP32 compute "auto" has one exact master to take: no choice to name
-    chose = ("host mode \"auto\" chose " if left_auto(written.get("host_master"))
+    chose = ("host mode \"auto\" chose " if getattr(config, "chooses_host_mode", False)
              and config.compute_dtype == "bfloat16" else "")
     parts = [f"{chose}{config.host_master} master"]
     if not config.optimizer_in_backward:

@@ -14,14 +14,6 @@ ROOT = Path(__file__).resolve().parents[2]
 # The questions "is this setting still auto?" and the config's internal stages: megatrain/config/ answers them, and
 # its plan (an EnginePlan) carries the answers as types and values.
 ASKS = {"left_auto", "host_mode_open", "IF_FITS", "SETTLED", "FACE_RESOLVED", "WRITTEN"}
-# Named, temporary: the modules that still ask, each leaving the list as it stops (the list only shrinks).
-STILL_ASKING = {
-    "megatrain/backend/placement.py", "megatrain/commands/sft_data.py",
-    "megatrain/engine/update/resident.py",
-    "megatrain/planner/advice.py", "megatrain/planner/auto_mode.py", "megatrain/planner/details.py",
-    "megatrain/planner/memory.py", "megatrain/planner/multi.py", "megatrain/planner/placement.py",
-    "megatrain/planner/point.py", "megatrain/run/start_line.py",
-}
 
 
 def definitions_of_auto(package: Path) -> list[str]:
@@ -91,7 +83,7 @@ def test_a_second_definition_of_auto_is_seen(tmp_path):
 
 
 def test_no_module_outside_config_asks_whether_a_setting_is_still_auto():
-    assert set(askers(ROOT / "megatrain")) == STILL_ASKING
+    assert askers(ROOT / "megatrain") == {}
 
 
 def test_an_asking_module_is_seen(tmp_path):
