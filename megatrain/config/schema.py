@@ -32,7 +32,9 @@ MIN_MMAP_THRESHOLD = 4096  # a page: below it every small allocation would be a 
 # many layers as their rollback copies fit the host, which the engine measures once it holds the store
 # (engine/update/speculative.py).
 IF_FITS = "if it fits"
-MIXED_PRECISION = ("no", "bf16")  # Accelerate's names: FP32, bf16 compute
+MIXED_PRECISION = ("no", "bf16")
+# The settings whose "auto" a plan keeps as a rule applied per batch (costs/memory.py, engine/layer/attention.py).
+PER_BATCH = ("residency", "offload_activations", "mlp_tile_tokens", "loss_chunk_tokens", "segment_attention")  # Accelerate's names: FP32, bf16 compute
 
 
 def left_auto(value: Any) -> bool:
@@ -276,6 +278,10 @@ class EngineConfig:
         IF_FITS: the engine measures it)."""
         value = self.speculative_step
         return None if left_auto(value) or value == IF_FITS else bool(value)
+
+    def per_batch(self) -> tuple[str, ...]:
+        """The settings left to a rule that decides them per batch from the device budget (costs/memory.py), by name."""
+        return tuple(name for name in PER_BATCH if left_auto(getattr(self, name)))
 
     def with_stand_ins(self, stand_ins: dict[str, Any]) -> dict[str, Any]:
         """The settings by name, a choice still open (a plan's IF_FITS reads as "auto") replaced by its stand-in in

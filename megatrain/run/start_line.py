@@ -67,6 +67,19 @@ def _host_threads(engine: Any) -> str:
     return ", ".join(parts)
 
 
+def _plan(engine: Any) -> str:
+    """The choices the engine's plan made (megatrain/config/settle.py) and those it leaves to a rule per batch."""
+    cfg = engine.config
+    parts = ["pinned host memory" if cfg.pin_memory else "pageable host memory",
+             "update overlapped with the next forward" if cfg.optimizer_overlap else "update in step()"]
+    layers = getattr(getattr(engine, "update", None), "speculative_layers", 0)
+    parts.append(f"speculative step on {layers} layers" if cfg.speculative_step else "no speculative step")
+    per_batch = cfg.per_batch() if hasattr(cfg, "per_batch") else ()
+    if per_batch:
+        parts.append("per batch: " + ", ".join(per_batch))
+    return ", ".join(parts)
+
+
 def describe(face: str, engine: Any, optimizer: Any = None, turned_off: list[str] | None = None,
              replaced: str | None = None) -> str:
     """The start line for `engine` (a `megatrain.engine.Engine`) trained through `face`."""
@@ -91,7 +104,7 @@ def describe(face: str, engine: Any, optimizer: Any = None, turned_off: list[str
     kept += " (and the embedding/norm/head's)" if getattr(engine, "globals_on_device", False) else ""
     return (f"{PREFIX} | face: {face} | device: {engine.device} | compute: {cfg.compute_dtype} | "
             f"host: {_host_mode(cfg, world)} | optimizer: {opt} | turned off: {off} | residency: {kept} | "
-            f"host threads: {_host_threads(engine)}")
+            f"host threads: {_host_threads(engine)} | plan: {_plan(engine)}")
 
 
 def announce(line: str, engine: Any) -> None:

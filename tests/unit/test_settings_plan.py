@@ -108,3 +108,25 @@ def test_a_second_config_assignment_is_seen(tmp_path):
                     "        if c:\n            self.config, x = c, 1\n        setattr(self, 'config', c)\n"
                     "    def other(self):\n        self.config = None\n")
     assert config_assignments(path) == [3, 5, 6]
+
+
+def test_the_start_line_prints_the_plan():
+    from conftest import tiny_model
+
+    from megatrain.config.schema import EngineConfig, EnginePlan
+    from megatrain.engine import Engine
+    from megatrain.run.start_line import describe
+
+    eng = Engine(tiny_model(layers=1, hidden=32, vocab=128), EngineConfig(device="cpu", parity_probe=False))
+    assert isinstance(eng.config, EnginePlan)
+    plan = describe("accelerate", eng).split(" | plan: ")[1]
+    # a CPU device: nothing pinned, the update in step(), no speculation; the per-batch rules named
+    assert plan == ("pageable host memory, update in step(), no speculative step, per batch: residency, "
+                    "offload_activations, mlp_tile_tokens, loss_chunk_tokens, segment_attention")
+    # Control: what is set is no longer left to a rule per batch, and a choice written is printed as made
+    set_ = Engine(tiny_model(layers=1, hidden=32, vocab=128),
+                  EngineConfig(device="cpu", parity_probe=False, residency="stream", mlp_tile_tokens=None,
+                               optimizer_overlap=True))
+    plan = describe("accelerate", set_).split(" | plan: ")[1]
+    assert plan == ("pageable host memory, update overlapped with the next forward, no speculative step, per batch: "
+                    "offload_activations, loss_chunk_tokens, segment_attention")
