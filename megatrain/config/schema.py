@@ -1,9 +1,11 @@
 """Engine settings: the `megatrain` section of a DeepSpeed-style config, as one typed, frozen object.
 
-An `EngineConfig` holds its settings resolved (`"auto"` settled for this machine, here and nowhere else) and
-keeps what the user wrote (`written`, with `"auto"` as written) for saving and printing. The faces reach it
+An `EngineConfig` holds the settings as written, each checked (the compute dtype's "auto" settled for this machine at
+once), and keeps what the user wrote (`written`, with `"auto"` as written) for saving and printing. The faces reach it
 through megatrain/config/resolve.py, which settles their own arguments (mixed_precision, a DeepSpeed bf16 section)
-with `settle_compute_dtype` first.
+with `settle_compute_dtype` first and hands on a `ResolvedConfig`; megatrain/config/settle.py settles it into one
+engine's `EnginePlan`. Whether a setting is still "auto" is asked here only (`left_auto` and the typed questions
+below: `residency_set`, `speculation_set`, `chooses_host_mode`, ...; `rule_or` for another module's own word).
 """
 
 from __future__ import annotations
