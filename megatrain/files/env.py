@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ADAM_KERNEL", "CACHE", "DEEPSPEED_GUARD", "GIT_COMMIT", "HILO_KERNEL", "HOST_THREADS", "LAUNCHED",
            "LAUNCH_GLOO_GROUP", "REDUCE_KERNEL", "VARIABLES", "cache_dir", "cache_root", "deepspeed_left_alone",
-           "git_commit", "host_threads", "kernel_off", "launch_gloo_group", "launched"]
+           "git_commit", "host_threads", "kernel_off", "launch_gloo_group", "launched", "value"]
 
 DEEPSPEED_GUARD = "MEGATRAIN_DEEPSPEED_GUARD"
 LAUNCHED = "MEGATRAIN_LAUNCHED"
@@ -33,6 +33,13 @@ GIT_COMMIT = "MEGATRAIN_GIT_COMMIT"
 VARIABLES = (DEEPSPEED_GUARD, LAUNCHED, LAUNCH_GLOO_GROUP, HOST_THREADS, CACHE, ADAM_KERNEL, HILO_KERNEL, REDUCE_KERNEL,
              GIT_COMMIT)
 KERNELS = (ADAM_KERNEL, HILO_KERNEL, REDUCE_KERNEL)
+
+
+def value(name: str) -> str | None:
+    """One of VARIABLES as set (None: unset), for a caller that restores it afterwards (`megatrain launch`)."""
+    if name not in VARIABLES:
+        raise ValueError(f"{name!r} is not one of the variables MegaTrain reads: {VARIABLES}")
+    return os.environ.get(name)
 
 
 def deepspeed_left_alone() -> bool:

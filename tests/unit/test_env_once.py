@@ -163,5 +163,11 @@ def test_the_reader_reads_when_asked(monkeypatch, tmp_path):
     assert env.deepspeed_left_alone()
     monkeypatch.setenv(env.DEEPSPEED_GUARD, "1")
     assert not env.deepspeed_left_alone()
+    monkeypatch.delenv(env.LAUNCHED, raising=False)
+    assert env.value(env.LAUNCHED) is None and not env.launched()
+    monkeypatch.setenv(env.LAUNCHED, "1")
+    assert env.value(env.LAUNCHED) == "1" and env.launched()
+    with pytest.raises(ValueError, match="MEGATRAIN_NOT_ONE"):
+        env.value("MEGATRAIN_NOT_ONE")
     monkeypatch.setenv(env.ADAM_KERNEL, "torch")
     assert env.kernel_off(env.ADAM_KERNEL) and not env.kernel_off(env.HILO_KERNEL)
