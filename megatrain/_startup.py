@@ -80,9 +80,21 @@ class _AnnounceDeepSpeed(_RouteDeepSpeed):
     HOOKS = _LEFT_ALONE
 
 
+def _env() -> Any:
+    """megatrain/files/env.py, the one reader of the environment, loaded by path (the package is not imported here)."""
+    module = sys.modules.get("megatrain.files.env")
+    if module is not None:
+        return module
+    spec = importlib.util.spec_from_file_location("megatrain._startup_env",
+                                                  os.path.join(os.path.dirname(__file__), "files", "env.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def install() -> None:
     """Add the hook (idempotent); route at once for a watched module imported before this ran."""
-    kind = _AnnounceDeepSpeed if os.environ.get("MEGATRAIN_DEEPSPEED_GUARD", "1") == "0" else _RouteDeepSpeed
+    kind = _AnnounceDeepSpeed if _env().deepspeed_left_alone() else _RouteDeepSpeed
     if any(type(f).__name__ in (_RouteDeepSpeed.__name__, _AnnounceDeepSpeed.__name__) for f in sys.meta_path):
         return
     finder = kind()

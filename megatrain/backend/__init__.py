@@ -18,8 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ..config.resolve import resolve
-from ..config.schema import FACE_RESOLVED, EngineConfig
-from ..config.settle import LATER, EngineFacts, settle_engine
+from ..config.schema import EngineConfig, EnginePlan, ResolvedConfig
 from ..run import train_state
 from .fused_head import serve_fused_lm_head, trl_head_options
 from .placement import placement_advice
@@ -114,7 +113,7 @@ class MegatrainBackend:
     ) -> None:
         """`mixed_precision=None`: the compute dtype the config says (the DeepSpeed face's bf16 section). The
         settings are resolved by megatrain/config/resolve.py: here, unless a face hands over its own resolved."""
-        if not (isinstance(config, EngineConfig) and config.stage >= FACE_RESOLVED):
+        if not isinstance(config, (ResolvedConfig, EnginePlan)):
             config = resolve(config, mixed_precision=mixed_precision, cpu=cpu).engine
         self.engine_config: EngineConfig = config
         # Gradient checkpointing needs no switch: the engine recomputes every layer in backward, which
@@ -149,18 +148,18 @@ class MegatrainBackend:
             return None, self._adopt_optimizer(optimizer)
         if self.engine is not None:
             raise RuntimeError('backend "megatrain" drives one model per Accelerator; build another Accelerator')
-        from ..engine import Engine, optimizer_fact
+        from ..engine import Engine
 
         optimizer = self.exact_optimizer(optimizer)
-        # The engine's "auto" settled once, here (megatrain/config/resolve.py settle_engine): an optimizer adopted by
-        # a later prepare() steps whole (LATER); a config's pin_memory is a habit, off without CUDA.
-        facts = EngineFacts(self.device.type, LATER if optimizer is None else optimizer_fact(optimizer),
-                            pin_by_habit=True)
-        ec, off = settle_engine(self.engine_config, facts)
-        self.turned_off.extend(off)
-        ec, finish = self.prepare_model(model, ec)
+        # The engine settles its plan once (megatrain/config/settle.py settle_engine): an optimizer adopted by a later
+        # prepare() steps whole (optimizer_later); a config's pin_memory is a habit, off without CUDA. What the plan
+        # turns off is named first, before what the model's preparation turns off.
+        first = len(self.turned_off)
+        ec, finish = self.prepare_model(model, self.engine_config)
         self.engine = Engine(model, config=ec, optimizer=optimizer, clip_every_step=self._clip_every_step,
-                             placement_advice=placement_advice(self.device, model, ec))
+                             placement_advice=placement_advice(self.device, model, ec),
+                             optimizer_later=optimizer is None, pin_by_habit=True)
+        self.turned_off[first:first] = self.engine.config.turned_off
         finish(self.engine)
         self._optimizer_adopted = optimizer is not None
         # The user's model object itself comes back: its parameters are the engine's host masters and its

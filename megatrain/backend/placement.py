@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..config.schema import EngineConfig, left_auto
+from ..config.schema import EngineConfig
 from ..costs.advice import PlacementAdvice
 from ..engine import local_ranks
 
@@ -33,7 +33,7 @@ def placement_advice(device: torch.device, model: Any, config: EngineConfig,
                      device_name: str | None = None) -> PlacementAdvice | None:
     """The advisor for an engine on `device` (`device_name`: as torch.cuda.get_device_name reports it; read from
     the device where not given), or None: the engine's own fill."""
-    if device.type != "cuda" or not left_auto(config.residency):
+    if device.type != "cuda" or config.residency_set is not None:
         return None
     from ..planner import Advisor, profile_for_device  # the planner only where it is asked
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config.schema import left_auto
+from ..config.schema import rule_or
 
 __all__ = ["FORMATS", "ROLES", "DataError", "Record", "read_records", "detect_format", "to_conversation",
            "check_file"]
@@ -189,11 +189,14 @@ def check_file(path: str | Path, fmt: str, train_on: str) -> list[tuple[Record, 
     """Every record and its TRL form; the first bad record refused with its line and the fix, and how many
     records are bad in all."""
     records = read_records(path)
-    if left_auto(fmt):
+
+    def detected() -> str:  # format "auto": read off the first record's keys
         try:
-            fmt = detect_format(records[0].value)
+            return detect_format(records[0].value)
         except DataError as e:
             raise DataError(f"{_where(path, records[0])}: {e}") from None
+
+    fmt = rule_or(fmt, detected)
     out, first, bad = [], None, 0
     for rec in records:
         try:

@@ -4,14 +4,15 @@ A user writes settings in one of four forms: a DeepSpeed-style config (`megatrai
 `deepspeed=`), Accelerate's arguments with or without such a config (`megatrain.Accelerator`), an
 `EngineConfig`, or TrainingArguments (which fill a DeepSpeed config's "auto" values). `resolve` takes them
 and returns `Settings`: the face's own (mixed precision, clipping, accumulation, the parsed DeepSpeed config)
-and one frozen `EngineConfig` with "auto" resolved, whose `written` keeps what the user wrote.
+and the engine's settings with the face's arguments folded in (a frozen `ResolvedConfig`, whose `written` keeps what
+the user wrote; its backend does not resolve it again).
 
 Each rule it applies is written once: DeepSpeed's keys in megatrain/config/settings.py, the compute dtype that the
 bf16 section, `mixed_precision` and `compute_dtype` name together in `EngineConfig.settle_compute_dtype`,
 the device-dependent "auto" in `EngineConfig`.
 
-The second and last step, once per engine build when the device and the optimizer are known, is
-megatrain/config/settle.py's `settle_engine`.
+The second and last step, once per engine build before it builds anything (the device, the optimizer and the
+model's host bytes known), is megatrain/config/settle.py's `settle_engine`: one engine's `EnginePlan`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .deepspeed import parse_config
-from .schema import AUTO, FACE_RESOLVED, WRITTEN, EngineConfig
+from .schema import AUTO, EngineConfig, EnginePlan, ResolvedConfig
 from .settings import FACE_KEYS, ConfigSettings, read_config
 from .validate import is_int
 
@@ -38,7 +39,7 @@ FACES = ("accelerate", "deepspeed")
 class Settings:
     """What a face runs with, every "auto" settled."""
 
-    engine: EngineConfig | None  # resolved, frozen; `engine.written`: as the user wrote it. None: not asked for
+    engine: EngineConfig | None  # a ResolvedConfig, frozen; `engine.written`: as the user wrote it. None: not asked for
     mixed_precision: str  # "no" or "bf16": the compute dtype under Accelerate's name
     gradient_clipping: float  # per optimizer step, DeepSpeed's meaning; 0.0: only where the script clips
     gradient_accumulation_steps: int
@@ -85,9 +86,9 @@ def resolve(config: dict[str, Any] | str | os.PathLike | EngineConfig | None = N
 
 def _resolved(ec: EngineConfig | None) -> EngineConfig | None:
     """`ec` marked as through a face's resolve (its backend takes it as it is), the written settings kept."""
-    if ec is None or ec.stage != WRITTEN:
+    if ec is None or isinstance(ec, (ResolvedConfig, EnginePlan)):
         return ec
-    return dataclasses.replace(ec, _stage=FACE_RESOLVED)
+    return ec.as_type(ResolvedConfig)
 
 
 def _slabs_for(ec: EngineConfig | None, steps: int) -> EngineConfig | None:

@@ -1,9 +1,11 @@
 """Engine settings: the `megatrain` section of a DeepSpeed-style config, as one typed, frozen object.
 
-An `EngineConfig` holds its settings resolved (`"auto"` settled for this machine, here and nowhere else) and
-keeps what the user wrote (`written`, with `"auto"` as written) for saving and printing. The faces reach it
+An `EngineConfig` holds the settings as written, each checked (the compute dtype's "auto" settled for this machine at
+once), and keeps what the user wrote (`written`, with `"auto"` as written) for saving and printing. The faces reach it
 through megatrain/config/resolve.py, which settles their own arguments (mixed_precision, a DeepSpeed bf16 section)
-with `settle_compute_dtype` first.
+with `settle_compute_dtype` first and hands on a `ResolvedConfig`; megatrain/config/settle.py settles it into one
+engine's `EnginePlan`. Whether a setting is still "auto" is asked here only (`left_auto` and the typed questions
+below: `residency_set`, `speculation_set`, `chooses_host_mode`, ...; `rule_or` for another module's own word).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 from ..costs.modes import GradSlab, HostMaster, parse
 from ..costs.nvme import check_nvme_settings
-from ..costs.residency import Residency
+from ..costs.residency import AUTO, Residency
 from ..costs.residency import parse as parse_residency
 from .validate import check_keys, is_bool, is_int, is_number
 
@@ -28,15 +30,13 @@ MIN_WATCHDOG_S = 0.1
 
 MAX_MMAP_THRESHOLD = 32 * 2**20  # glibc's HEAP_MAX_SIZE / 2 on 64-bit: mallopt refuses more
 MIN_MMAP_THRESHOLD = 4096  # a page: below it every small allocation would be a system call
-AUTO = "auto"
 # speculative_step "auto" settled where it can run (a CUDA device, an optimizer it steps a layer at a time): on for as
 # many layers as their rollback copies fit the host, which the engine measures once it holds the store
 # (engine/update/speculative.py).
 IF_FITS = "if it fits"
-# How far a config has been settled: as written; by a face's arguments (resolve); for the engine's device and
-# optimizer too (settle_engine, megatrain/config/resolve.py), after which no setting of the engine's own reads "auto".
-WRITTEN, FACE_RESOLVED, SETTLED = 0, 1, 2
-MIXED_PRECISION = ("no", "bf16")  # Accelerate's names: FP32, bf16 compute
+MIXED_PRECISION = ("no", "bf16")
+# The settings whose "auto" a plan keeps as a rule applied per batch (costs/memory.py, engine/layer/attention.py).
+PER_BATCH = ("residency", "offload_activations", "mlp_tile_tokens", "loss_chunk_tokens", "segment_attention")  # Accelerate's names: FP32, bf16 compute
 
 
 def left_auto(value: Any) -> bool:
@@ -46,13 +46,24 @@ def left_auto(value: Any) -> bool:
     return isinstance(value, str) and value == AUTO
 
 
+def rule_or(value: Any, rule: Callable[[], Any]) -> Any:
+    """`value`, or what `rule` chooses where it is left "auto": how a module outside this package takes a word of its
+    own (a data path, a data format) without asking whether it is "auto"."""
+    return rule() if left_auto(value) else value
+
+
 def auto_or(word: str, parse: Callable[[str], Any]) -> Any:
     """A command-line word: "auto" (any case) as the setting's "auto", anything else as `parse` reads it."""
     return AUTO if word.strip().lower() == AUTO else parse(word)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class EngineConfig:
+    """The engine's settings as a user writes them ("auto" where a rule is to choose), each checked. Its settled
+    forms are types, not a stage: `ResolvedConfig` (a face's arguments folded in, megatrain/config/resolve.py) and
+    `EnginePlan` (every choice made for one engine, megatrain/config/settle.py). Equal when the settings are, whatever
+    the type: a plan equals the config that already said all it chose."""
+
     device: str | None = None  # None: the accelerator when it is usable, else cpu (engine/runtime/device_resolution.py)
     # What streams to and computes on the device; masters stay FP32. "auto": bfloat16 on a CUDA device that
     # supports it (2 B/param streamed, bf16 matmuls), float32 elsewhere (a CPU device: as before).
@@ -131,8 +142,6 @@ class EngineConfig:
     # What the user wrote, before "auto" was resolved: set by the constructor, carried by dataclasses.replace
     # (the one way a resolved copy is made). Not a setting: outside ENGINE_KEYS, equality and repr.
     _written: tuple[tuple[str, Any], ...] = field(default=(), compare=False, repr=False)
-    # How far it is settled (WRITTEN, FACE_RESOLVED, SETTLED): each step runs once per engine build. Not a setting.
-    _stage: int = field(default=WRITTEN, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self._written:
@@ -225,15 +234,77 @@ class EngineConfig:
         A copy that changes a resolved value only is `dataclasses.replace`."""
         return EngineConfig.from_dict({**self.written, **changes})
 
-    @property
-    def stage(self) -> int:
-        """WRITTEN, FACE_RESOLVED or SETTLED: which of megatrain/config/resolve.py's steps this copy has been through."""
-        return self._stage
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EngineConfig):
+            return NotImplemented
+        return self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, k) for k in _SETTINGS)
+
+    def as_type(self, cls: type[EngineConfig], **changes: Any) -> Any:
+        """These settings (with `changes`) as `cls`, one of the settled types below, what was written kept."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return cls(**{**values, **changes})
 
     @property
-    def host_mode_open(self) -> bool:
-        """host_master "auto" still to choose: the engine chooses it once it knows the model (engine/host/preflight.py)."""
-        return self.host_master == AUTO
+    def chooses_host_mode(self) -> bool:
+        """Whether the host mode is the rule's to choose (host_master written "auto"; in FP32 compute it reads as the
+        FP32 master at once, and the rule may still choose the NVMe tier): the engine's plan chooses it
+        (config/settle.py), a plan of the planner chooses it by the same order (planner/auto_mode.py)."""
+        return left_auto(self.written["host_master"])
+
+    @property
+    def host_mode_set(self) -> bool:
+        """Whether both host-mode settings hold a mode (written, or settled by a plan): nothing left to choose."""
+        return not left_auto(self.host_master) and not left_auto(self.host_grad_dtype)
+
+    @property
+    def grad_slab_written(self) -> GradSlab | None:
+        """The gradient slab dtype the user wrote; None: "auto" (host mode "auto" chooses it)."""
+        grad = self.written["host_grad_dtype"]
+        return None if left_auto(grad) else GradSlab(grad)
+
+    @property
+    def residency_set(self) -> Residency | None:
+        """The residency counts as set ("stream" is none kept); None: "auto", placed per batch from the device budget
+        (costs/memory.py, or a placement advisor's search)."""
+        return self.residency if isinstance(self.residency, Residency) else None
+
+    @property
+    def speculation_set(self) -> bool | None:
+        """speculative_step as set (True, False, or settled off); None: "auto", as many layers as fit (a plan's
+        IF_FITS: the engine measures it)."""
+        value = self.speculative_step
+        return None if left_auto(value) or value == IF_FITS else bool(value)
+
+    def per_batch(self) -> tuple[str, ...]:
+        """The settings left to a rule that decides them per batch from the device budget (costs/memory.py), by name."""
+        return tuple(name for name in PER_BATCH if left_auto(getattr(self, name)))
+
+    def with_stand_ins(self, stand_ins: dict[str, Any]) -> dict[str, Any]:
+        """The settings by name, a choice still open (a plan's IF_FITS reads as "auto") replaced by its stand-in in
+        `stand_ins` where one is given: what the planner's search takes from an engine being built."""
+        out = {}
+        for name in _SETTINGS:
+            value = getattr(self, name)
+            value = AUTO if value == IF_FITS else value
+            out[name] = stand_ins[name] if left_auto(value) and name in stand_ins else value
+        return out
+
+    @staticmethod
+    def spelled(engine: dict[str, Any]) -> dict[str, Any]:
+        """`engine` (settings by name) with the planner's spellings of "auto" in the engine's: optimizer_overlap "auto"
+        (the engine's None) and speculative_step None (the engine's "auto")."""
+        engine = dict(engine)
+        if left_auto(engine.get("optimizer_overlap")):
+            engine["optimizer_overlap"] = None
+        if "speculative_step" in engine and engine["speculative_step"] is None:
+            engine["speculative_step"] = AUTO
+        return engine
 
     @property
     def grad_slab_set(self) -> GradSlab | None:
@@ -268,11 +339,44 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved settings (`written`: as the user wrote them)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("_")}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k in ENGINE_KEYS}
 
 
 _SETTINGS = tuple(f.name for f in fields(EngineConfig) if not f.name.startswith("_"))
 ENGINE_KEYS = frozenset(_SETTINGS)
+
+
+@dataclass(frozen=True, eq=False)
+class ResolvedConfig(EngineConfig):
+    """The settings as written, with a face's own arguments folded in (mixed_precision, the CPU switch, accumulation:
+    megatrain/config/resolve.py): a backend takes it as it is instead of resolving it again."""
+
+
+@dataclass(frozen=True, eq=False)
+class EnginePlan(EngineConfig):
+    """One engine's settled plan (megatrain/config/settle.py settle_engine, the one function the engine and the
+    planner call): pinning, overlap and speculation decided for the device and the optimizer, and the host mode for
+    the model on this host where the facts say what fits. An engine is built from it and keeps it; the choices
+    still made per batch (residency, activation offload, the MLP tile, the loss chunk: costs/memory.py) are rules
+    with the budget, and speculation "as many layers as fit" (IF_FITS) is the one the engine measures once it holds
+    its store (`measured`)."""
+
+    turned_off: tuple[str, ...] = field(default=(), compare=False, repr=False)  # what it turned off that was asked
+
+    @property
+    def speculation_measured_later(self) -> bool:
+        """Whether speculation is "as many layers as their rollback copies fit", measured by the engine once it
+        holds its store (engine/update/speculative.py resolve)."""
+        return self.speculative_step == IF_FITS
+
+    @property
+    def speculation_backs_off(self) -> bool:
+        """Whether speculation pauses where it keeps losing (its "auto"); True as set never does."""
+        return self.speculative_step is not True
+
+    def measured(self, speculates: bool) -> EnginePlan:
+        """This plan with the engine's measure of speculation taken (on or off: the layers are the engine's)."""
+        return dataclasses.replace(self, speculative_step=bool(speculates))
 
 
 def _dtype(bf16: bool) -> str:
@@ -298,7 +402,7 @@ def unknown_setting(key: object, close: str | None) -> ValueError:
 def check_speculative(cfg: EngineConfig) -> None:
     """speculative_step is True, False or "auto", and not set beside what updates a layer another way."""
     value = cfg.speculative_step
-    if value == IF_FITS and cfg.stage == SETTLED:
+    if value == IF_FITS and isinstance(cfg, EnginePlan):
         return  # settle_engine's "auto", checked against the configuration there
     if not (is_bool(value) or value == AUTO):
         raise ValueError(f"speculative_step={value!r} must be true, false or 'auto'")

@@ -18,8 +18,6 @@ from dataclasses import dataclass
 
 from .modes import GradSlab, HostMaster
 
-AUTO = "auto"
-
 
 @dataclass(frozen=True)
 class HostMode:

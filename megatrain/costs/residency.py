@@ -24,7 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-AUTO, STREAM = "auto", "stream"
+# The one word a setting is left to its rule with ("auto"), defined here, below the config package that re-exports
+# it (megatrain/config/schema.py), because the per-batch rules here and in costs/memory.py read it too.
+AUTO = "auto"
+STREAM = "stream"
 # Offloaded graphs the device holds at once: one layer's saved tensors on their way to the host while the next
 # layer records its own, and in backward one layer's brought back ahead while the one after it backpropagates.
 OFFLOADED_GRAPHS_IN_FLIGHT = 2
@@ -135,6 +138,13 @@ def parse(value: object) -> str | Residency:
                          value.get("offload", 0))
     raise ValueError(f"residency={value!r} is not a residency: use 'auto' (plan from the device budget), 'stream' "
                      f"(every layer streamed and recomputed) or {{'weights': n, 'activations': m, 'optimizer': k}}")
+
+
+def as_written(value: str | Residency) -> str | dict[str, int]:
+    """A residency as a config writes it: "auto" as it is, "stream" for none kept, else the counts."""
+    if not isinstance(value, Residency):
+        return value
+    return STREAM if value == Residency() else value.to_dict()
 
 
 def plan(n_layers: int, layer_bytes: int, graph_bytes: int, room: int | None, ring_bytes: int,

@@ -8,7 +8,6 @@ queued job orders itself by the per-layer events (events.py).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -22,8 +21,8 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-from ..config.schema import SETTLED, EngineConfig
-from ..config.settle import LAYERED, WHOLE, EngineFacts, settle_engine
+from ..config.schema import EngineConfig
+from ..config.settle import LATER, LAYERED, WHOLE, EngineFacts, settle_engine
 from ..costs.advice import PlacementAdvice
 from ..costs.modes import GradSlab, HostMaster
 from ..models.adapter import DecoderParts, find_parts, record_layer_inputs
@@ -32,7 +31,7 @@ from .accounting import StepAccounting
 from .host.events import LayerEvents
 from .host.loading import skeleton_from_dir
 from .host.node_store import shard_optimizer_state
-from .host.preflight import auto_host_mode
+from .host.preflight import host_facts
 from .host.slab_state import landed_norms, slab_norm
 from .host.spill import spill_for
 from .layer import cpu_linear
@@ -104,24 +103,22 @@ class Engine:
 
     def __init__(self, model: nn.Module | str | os.PathLike, config: EngineConfig | None = None,
                  optimizer: OptimizerArg = None, clip_every_step: float = 0.0,
-                 placement_advice: PlacementAdvice | None = None) -> None:
-        """`clip_every_step`: clip by this global norm at every step() not preceded by a clip_grad_norm_ (DeepSpeed's
-        `gradient_clipping`; 0: only where the caller clips). `placement_advice`: residency "auto" as a timing model
-        places it (costs/advice.py; the backend gives the planner's on a GPU it has a profile for), used under a
-        device budget only; None: the engine's own fill."""
+                 placement_advice: PlacementAdvice | None = None, *, optimizer_later: bool = False,
+                 pin_by_habit: bool = False) -> None:
+        """`config` as written, settled once into the plan the engine is built from (`config` afterwards). `clip_every_step`:
+        clip by this norm at each step() not preceded by a clip_grad_norm_. `placement_advice`: residency "auto" placed
+        by a timing model, under a device budget. `optimizer_later`: handed over later; `pin_by_habit`: unpinned on CPU."""
         clip_every_step = checked_max_norm(clip_every_step)  # refused before any work
-        self.config = config = config or EngineConfig()
-        self.device, self.dp = join_ranks(resolve_device(config.device), config.watchdog_s)
-        if config.stage != SETTLED:  # a face settles it before (megatrain/backend); the settings run from here
-            self.config = config = settle_engine(config, EngineFacts(self.device.type, optimizer_fact(optimizer)))[0]
-        self.trace_log = Trace(config.trace, self.device)
+        written = config or EngineConfig()  # until the plan: what settling leaves as written
+        self.device, self.dp = join_ranks(resolve_device(written.device), written.watchdog_s)
+        self.trace_log = Trace(written.trace, self.device)
         if self.dp is not None:
             self.dp.stream.trace = self.dp.updates.trace = self.trace_log
         # Several ranks on a node: one host store for all of them (engine/host/node_store.py), unless configured off.
-        self.node = self.dp.share_host_store() if self.dp is not None and config.share_host_store else None
-        self.compute_dtype = torch.bfloat16 if config.compute_dtype == "bfloat16" else torch.float32
-        if config.host_mmap_threshold_bytes is not None:
-            set_mmap_threshold(config.host_mmap_threshold_bytes)  # before the model's weights are freed
+        self.node = self.dp.share_host_store() if self.dp is not None and written.share_host_store else None
+        self.compute_dtype = torch.bfloat16 if written.compute_dtype == "bfloat16" else torch.float32
+        if written.host_mmap_threshold_bytes is not None:
+            set_mmap_threshold(written.host_mmap_threshold_bytes)  # before the model's weights are freed
         checkpoint_dir = None
         if isinstance(model, (str, os.PathLike)):
             checkpoint_dir = Path(model)
@@ -131,9 +128,11 @@ class Engine:
         self.parts: DecoderParts = find_parts(model)
         check_embedding(self.parts.embed)
         self.module, self.hf_config = model, model.config
-        # host mode "auto": the fastest exact mode whose store fits this host (costs/host_mode.py)
+        # The plan, settled once before anything is built: the device, the optimizer, the model's host bytes.
         agree = (lambda i: self.dp.max_across(i, "host mode")) if self.dp is not None else None
-        self.config = config = auto_host_mode(config, model, self.parts.layers, agree=agree)
+        facts = EngineFacts(self.device.type, LATER if optimizer_later else optimizer_fact(optimizer), pin_by_habit,
+                            host_facts(written, model, self.parts.layers, agree=agree))
+        config = settle_engine(written, facts)[0]
         probe = (lambda m: verify_model(m, type(self), config)) if config.parity_probe else None
         # the user's flags, read before the store's masters replace them
         frozen, flags = frozen_names(model, optimizer), user_flags(model)
@@ -199,10 +198,11 @@ class Engine:
             foreign = {id(p) for g in self.store.layers if not g.owned for p in g.params}
             shard_optimizer_state(opt, foreign, self.dp.group, self.synchronize)
         self.ranks = ranks_for(self.dp, self.store, self.events)
-        # settled "auto" (IF_FITS): the first host-updated layers whose rollback copies fit; True refused where it cannot
+        # IF_FITS: the first host-updated layers whose rollback copies fit, measured now the store is held; the plan
+        # with that verdict is the engine's config, assigned once (True refused where it cannot run)
         speculate = speculative.resolve(config, self.device, opt, self.store, self.dp is not None, self.optimizer_layers)
-        back_off = config.speculative_step is not True  # "auto" pauses where it keeps losing; True as set
-        self.config = config = dataclasses.replace(config, speculative_step=bool(speculate))
+        back_off = config.speculation_backs_off
+        self.config = config = config.measured(bool(speculate))
         # The optimizer in backward: one verdict per step from every rank; the NVMe tier, when configured.
         self.update = choose_update(opt, self.store, self.events, config, self.trace_log,
                                     agree=self.ranks.agree_max if self.dp is not None else None,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..config.schema import AUTO, IF_FITS, EngineConfig, left_auto
+from ..config.schema import EngineConfig
 from ..costs import residency as kept
 from .hardware import Hardware, get_hardware
 from .memory import long_context_plan
@@ -103,17 +103,12 @@ def _knobs(config: EngineConfig) -> tuple[tuple[str, Any], ...]:
     they are, an "auto" still open (a host mode the engine has not chosen yet; the rollback copy's fit, which the
     planner measures against the profile's host) as the point's own "auto", a host mode still open as the FP32
     master and slabs."""
+    # the engine settles the host mode before it asks; the FP32 one stands in for one still open
+    values = config.with_stand_ins(PLACEHOLDER)
     out: list[tuple[str, Any]] = [("dtype", config.compute_dtype)]
     for name in ("num_buffers", "loss_chunk_tokens", "offload_activations", "mlp_tile_tokens", "optimizer_overlap",
                  "speculative_step", "host_master", "host_grad_dtype", "optimizer_in_backward"):
-        value = getattr(config, name)
-        if value == IF_FITS:
-            value = AUTO
-        if left_auto(value) and name == "optimizer_overlap":
-            continue  # the point's "auto" (None) stands in: the engine settles it before it asks
-        if left_auto(value) and name in PLACEHOLDER:
-            value = PLACEHOLDER[name]  # the engine settles the host mode before it asks; the FP32 one stands in
-        out.append((name, value))
+        out.append((name, values[name]))
     return tuple(out)
 
 

@@ -16,7 +16,7 @@ from megatrain.costs.modes import GradSlab
 from .hardware import Hardware
 from .memory import fmt_bytes
 from .nvme_plan import nvme_fit
-from .point import Point, grad_as_written, host_mode_open, with_point
+from .point import Point, with_point
 from .point_plan import mode_point, plan_mode
 from .prediction import Plan
 
@@ -78,6 +78,6 @@ def plan_point(p: Point, hw: Hardware, host_avail: int | None = None, device_ava
     """The point's plan on `hw`. A megatrain point whose host mode is "auto" (as written: the engine's default) plans
     the mode "auto" chooses, the choice on the plan (`plan_auto`); any other point is planned in the mode it names.
     host_avail / device_avail: what this machine has, where the plan should judge against it."""
-    if p.backend == "megatrain" and host_mode_open(p):
-        return plan_auto(p, hw, grad_as_written(p), host_avail, device_avail)
+    if p.backend == "megatrain" and p.engine.chooses_host_mode:
+        return plan_auto(p, hw, p.engine.grad_slab_written, host_avail, device_avail)
     return plan_mode(p, hw, host_avail, device_avail)

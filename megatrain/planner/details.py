@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..config.schema import left_auto
 from .host_rates import host_bound_line
 from .host_work import host_assumptions_line
 from .memory import fmt_bytes
@@ -138,7 +137,7 @@ def _residency_lines(pl: Plan) -> list[str]:
     lc, t = pl.long_context, pl.time
     if lc is None:
         return []
-    how = ("set" if not left_auto(pl.point.residency)
+    how = ("set" if pl.point.engine.residency_set is not None
            else "the planner's search, as the engine's \"auto\" fills it" if not pl.placement or not pl.placement.differs
            else "the planner's search, which differs from the engine's \"auto\" fill (see the warning)")
     room = "no limit" if lc.residency_room is None else fmt_bytes(lc.residency_room)

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 from megatrain.models.presets import ModelPreset
 
-from ..config.schema import left_auto
 from ..costs import memory as device_model
 from ..costs import residency as kept_model
 from ..costs.pinning import pinned_bytes
@@ -239,10 +238,8 @@ def optimizer_layers(p: Point, hw: Hardware, policy: device_model.LongContextPol
     budget every layer with an FP32 master, none with hi/lo); none where the engine refuses it."""
     if optimizer_refused(p):
         return 0
-    if isinstance(p.residency, kept_model.Residency):
-        return min(p.residency.optimizer, p.model.num_layers)
-    if not left_auto(p.residency):
-        return 0
+    if p.engine.residency_set is not None:
+        return min(p.engine.residency_set.optimizer, p.model.num_layers)
     if policy.budget is None:
         return p.model.num_layers if p.master == "fp32" else 0
     # the engine leaves one sequence of the model's context window free (resident.reserve_tokens), whatever the

@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..config.schema import AUTO, left_auto
+from ..config.schema import AUTO, rule_or
 from ..costs.pinning import pinned_bytes
 from .auto_mode import plan_point
 from .hardware import GB, GIB, Hardware, resolve_hardware
@@ -56,8 +56,6 @@ from .memory import Memory, check_fit
 from .node_path import NODE, PER_RANK, NodeShare, collective_device_bytes, node_share, path_for
 from .point import (
     Point,
-    grad_as_written,
-    host_mode_open,
     layer_grad_bytes,
     make_point,
     master_bytes,
@@ -359,16 +357,16 @@ def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int 
     "per-rank" plans today's engine where the node path could run): a megatrain point with one host store per node
     (or shared by `store_nodes` = M nodes), a zero3 point as DeepSpeed runs it (zero3_node.py)."""
     check_topology(hw, gpus_per_node, nodes, p.backend)
-    if not left_auto(data_path) and data_path not in (NODE, PER_RANK):
+    if rule_or(data_path, lambda: NODE) not in (NODE, PER_RANK):
         raise ValueError(f"data path {data_path!r}: use auto, {NODE} or {PER_RANK}")
     if store_nodes not in (1, nodes):
         raise ValueError(f"store_nodes={store_nodes}: 1 (each node its own store) or the job's {nodes} nodes")
-    if p.backend == "megatrain" and host_mode_open(p) and store_nodes == 1:
-        return plan_auto_multi(p, hw, gpus_per_node, nodes, grad_as_written(p), data_path)  # chosen for the node
+    if p.backend == "megatrain" and p.engine.chooses_host_mode and store_nodes == 1:
+        return plan_auto_multi(p, hw, gpus_per_node, nodes, p.engine.grad_slab_written, data_path)  # chosen for the node
     single_hw, hw = hw, node_profile(hw, gpus_per_node)
     if p.backend == "zero3":
         return _zero3_multi(placeholder_mode(p), single_hw, hw, gpus_per_node, nodes)
-    if gpus_per_node * nodes > 1 and left_auto(p.speculative_step):
+    if gpus_per_node * nodes > 1 and p.engine.speculation_set is None:
         p = with_point(p, speculative_step=False)  # the engine's "auto": off with several ranks
     if gpus_per_node * nodes > 1:
         p = dataclasses.replace(p, data_parallel=True)  # no optimizer residency (engine/update/resident.py)
@@ -436,7 +434,7 @@ def plan_auto_multi(p: Point, hw: Hardware, gpus_per_node: int, nodes: int, grad
 
     nvme = hw.nvme_gbs is not None
     check_topology(hw, gpus_per_node, nodes, p.backend)  # a bad shape is the user's error, named, not a misfit
-    path = path_for(node_profile(hw, gpus_per_node), gpus_per_node)[0] if left_auto(data_path) else data_path
+    path = rule_or(data_path, lambda: path_for(node_profile(hw, gpus_per_node), gpus_per_node)[0])
     shareable = gpus_per_node == 1 or path == NODE  # nodes share one store on the node path (or one GPU each)
     order = [1] if nodes == 1 or not shareable else [1, nodes]
     for store_nodes in order:

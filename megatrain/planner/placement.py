@@ -22,7 +22,6 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..config.schema import left_auto
 from ..costs import residency as kept
 from .hardware import Hardware
 from .memory import LongContext, megatrain_memory, optimizer_refused
@@ -172,7 +171,7 @@ def place(p: Point, hw: Hardware, lc: LongContext, trade_optimizer: bool = True,
     """The batch plan with the planner's placement, its replayed step, and the search (None where the point sets
     its counts, "stream" included). `trade_optimizer`: as search's. `timing`: megatrain_time's owned_layers /
     own_reducer."""
-    if not left_auto(p.residency):
+    if p.engine.residency_set is not None:
         return lc, megatrain_time(p, hw, lc.offload, residency=lc.residency, **timing), None
     if not hw.unified_memory:  # a device that is the host's memory frees nothing by moving graphs there
         host = megatrain_memory(p, hw, lc).host_total

@@ -12,7 +12,7 @@ from typing import Any
 
 from megatrain.models.presets import ModelPreset
 
-from ..config.schema import AUTO, EngineConfig, left_auto
+from ..config.schema import AUTO, EngineConfig
 from ..config.settle import LAYERED, EngineFacts, settle_engine
 from ..costs import modes
 from ..costs import residency as kept
@@ -183,17 +183,7 @@ def make_point(model: Any, context: int, batch: int = 1, grad_accum: int = 1, dt
     dtype = "bfloat16" if _is_bf16(dtype) else "float32"  # raises on an unknown dtype
     engine = {k: knobs.pop(k) for k in ENGINE_KNOBS if k in knobs}
     return Point(model=m, context=context, batch=batch, grad_accum=grad_accum, backend=backend,
-                 engine=_written(compute_dtype=dtype, **_engine_spelling(engine)), **knobs)
-
-
-def _engine_spelling(engine: dict[str, Any]) -> dict[str, Any]:
-    """The planner's spellings of "auto" the engine writes otherwise: optimizer_overlap "auto" (the engine's None)
-    and speculative_step None (the engine's "auto")."""
-    if left_auto(engine.get("optimizer_overlap")):
-        engine["optimizer_overlap"] = None
-    if "speculative_step" in engine and engine["speculative_step"] is None:
-        engine["speculative_step"] = AUTO
-    return engine
+                 engine=_written(compute_dtype=dtype, **EngineConfig.spelled(engine)), **knobs)
 
 
 def _host_master_name(knobs: dict[str, Any]) -> None:
@@ -212,27 +202,14 @@ def with_point(p: Point, **changes: Any) -> Point:
     if "dtype" in changes:
         engine["compute_dtype"] = changes.pop("dtype")
     if engine:
-        changes["engine"] = p.engine.rewrite(**_engine_spelling(engine))
+        changes["engine"] = p.engine.rewrite(**EngineConfig.spelled(engine))
     return dataclasses.replace(p, **changes)
-
-
-def host_mode_open(p: Point) -> bool:
-    """Whether the point leaves its host mode to "auto" (host_master as written; in FP32 compute the engine's
-    config reads it as the FP32 master, and "auto" may still choose the NVMe tier): a megatrain plan chooses it
-    (auto_mode.py); the other backends keep no host mode of the engine's."""
-    return left_auto(p.engine.written["host_master"])
-
-
-def grad_as_written(p: Point) -> GradSlab | None:
-    """The gradient slab dtype the user set; None: "auto" (host mode "auto" chooses it)."""
-    grad = p.engine.written["host_grad_dtype"]
-    return None if left_auto(grad) else GradSlab(grad)
 
 
 def placeholder_mode(p: Point) -> Point:
     """A point of another backend, or one a model reads directly, with the FP32 master and slabs written where its
     host mode is "auto" (no plan of the engine chooses one there)."""
-    if not left_auto(p.host_master) and not left_auto(p.host_grad_dtype):
+    if p.engine.host_mode_set:
         return p
     return with_point(p, host_master=HostMaster.FP32.value, host_grad_dtype=GradSlab.FLOAT32.value)
 
@@ -247,7 +224,7 @@ def engine_settings(p: Point) -> dict[str, Any]:
                          "host_grad_dtype": p.host_grad_dtype, "optimizer_in_backward": p.optimizer_in_backward}
     if p.optimizer_overlap is not None:
         d["optimizer_overlap"] = p.optimizer_overlap
-    if not left_auto(p.speculative_step):
+    if p.engine.speculation_set is not None:
         d["speculative_step"] = p.speculative_step
     if p.device_budget_bytes is not None:
         d["device_budget_bytes"] = p.device_budget_bytes
@@ -258,9 +235,7 @@ def engine_settings(p: Point) -> dict[str, Any]:
 
 def residency_setting(r: str | kept.Residency) -> str | dict[str, int]:
     """A residency as the engine's config writes it: "auto", "stream" or {"weights": n, "activations": m}."""
-    if left_auto(r):
-        return kept.AUTO
-    return kept.STREAM if r == kept.Residency() else r.to_dict()
+    return kept.as_written(r)
 
 
 def settled(p: Point, hw: Hardware) -> EngineConfig:
@@ -325,8 +300,8 @@ def speculative_layers(p: Point, hw: Hardware, optimizer_layers: int = 0, offloa
     host = p.model.num_layers - optimizer_layers
     if p.backend != "megatrain" or p.optimizer_in_backward or host <= 0:
         return 0
-    if not left_auto(p.speculative_step):
-        return host if p.speculative_step else 0
+    if p.engine.speculation_set is not None:
+        return host if p.engine.speculation_set else 0
     if settled(p, hw).speculative_step is False:
         return 0
     per_layer = rollback_bytes(p, 1)

@@ -19,7 +19,6 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from ..config.schema import left_auto
 from ..engine import host_cores, side_threads, update_threads
 
 __all__ = ["describe", "announce", "via", "route"]
@@ -43,9 +42,8 @@ def route() -> str | None:
 
 
 def _host_mode(config: Any, world_size: int) -> str:
-    written = config.written if hasattr(config, "written") else {}
     # in FP32 compute "auto" has one exact master to take: no choice to name
-    chose = ("host mode \"auto\" chose " if left_auto(written.get("host_master"))
+    chose = ("host mode \"auto\" chose " if getattr(config, "chooses_host_mode", False)
              and config.compute_dtype == "bfloat16" else "")
     parts = [f"{chose}{config.host_master} master"]
     if not config.optimizer_in_backward:
@@ -66,6 +64,19 @@ def _host_threads(engine: Any) -> str:
     if getattr(engine.device, "type", None) == "cuda":
         parts.append(f"{side_threads()} reducer")
     parts.append(f"of {host_cores()} cores")
+    return ", ".join(parts)
+
+
+def _plan(engine: Any) -> str:
+    """The choices the engine's plan made (megatrain/config/settle.py) and those it leaves to a rule per batch."""
+    cfg = engine.config
+    parts = ["pinned host memory" if cfg.pin_memory else "pageable host memory",
+             "update overlapped with the next forward" if cfg.optimizer_overlap else "update in step()"]
+    layers = getattr(getattr(engine, "update", None), "speculative_layers", 0)
+    parts.append(f"speculative step on {layers} layers" if cfg.speculative_step else "no speculative step")
+    per_batch = cfg.per_batch() if hasattr(cfg, "per_batch") else ()
+    if per_batch:
+        parts.append("per batch: " + ", ".join(per_batch))
     return ", ".join(parts)
 
 
@@ -93,7 +104,7 @@ def describe(face: str, engine: Any, optimizer: Any = None, turned_off: list[str
     kept += " (and the embedding/norm/head's)" if getattr(engine, "globals_on_device", False) else ""
     return (f"{PREFIX} | face: {face} | device: {engine.device} | compute: {cfg.compute_dtype} | "
             f"host: {_host_mode(cfg, world)} | optimizer: {opt} | turned off: {off} | residency: {kept} | "
-            f"host threads: {_host_threads(engine)}")
+            f"host threads: {_host_threads(engine)} | plan: {_plan(engine)}")
 
 
 def announce(line: str, engine: Any) -> None:

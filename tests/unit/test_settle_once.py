@@ -16,8 +16,8 @@ import megatrain
 from megatrain.accelerate import Accelerator
 from megatrain.backend import MegatrainBackend
 from megatrain.config import resolve as resolve_module
-from megatrain.config import schema, settle
-from megatrain.config.schema import IF_FITS, SETTLED, EngineConfig
+from megatrain.config import settle
+from megatrain.config.schema import IF_FITS, EngineConfig, EnginePlan
 from megatrain.config.settle import LATER, LAYERED, WHOLE, EngineFacts, settle_engine
 from megatrain.engine import Engine
 
@@ -84,7 +84,7 @@ def test_the_scan_sees_a_planted_comparison(tmp_path):
 def test_settle_engine_rules(device, optimizer, overlap, speculative, pin):
     cfg, off = settle_engine(EngineConfig(device="cpu"), EngineFacts(device, optimizer))
     assert (cfg.optimizer_overlap, cfg.speculative_step, cfg.pin_memory, off) == (overlap, speculative, pin, ())
-    assert cfg.stage == SETTLED
+    assert isinstance(cfg, EnginePlan)  # settled is a type, not a stage
     assert cfg.written["optimizer_overlap"] is None and cfg.written["speculative_step"] == "auto"  # as written
 
 
@@ -157,13 +157,24 @@ def _backend():
 def test_each_face_resolves_once_per_engine_build(counted, build, resolves):
     eng = build()
     assert counted == {"resolve": resolves, "settle_engine": 1}
-    assert eng.config.stage == SETTLED
+    assert isinstance(eng.config, EnginePlan)
     assert isinstance(eng.config.optimizer_overlap, bool) and isinstance(eng.config.pin_memory, bool)
 
 
-def test_a_config_not_marked_resolved_is_resolved_again(counted, monkeypatch):
-    # Control: where the mark that a step ran is not seen, the backend resolves again and the engine settles
-    # again, and the count says so.
-    monkeypatch.setattr(schema.EngineConfig, "stage", property(lambda self: schema.WRITTEN))
+def test_a_config_not_typed_resolved_is_resolved_again(counted, monkeypatch):
+    # Control: where the type that says a step ran is lost (the face's resolve hands back the settings as written),
+    # the backend resolves again, and the count says so.
+    resolved = resolve_module._resolved
+    monkeypatch.setattr(resolve_module, "_resolved", lambda ec: ec if ec is None else resolved(ec).as_type(EngineConfig))
     _accelerate()
-    assert counted == {"resolve": 2, "settle_engine": 2}
+    assert counted == {"resolve": 2, "settle_engine": 1}
+
+
+def test_the_settled_types_compare_by_their_settings():
+    written = EngineConfig(device="cpu", optimizer_overlap=False, speculative_step=False, pin_memory=False)
+    plan, _ = settle_engine(written, EngineFacts("cpu"))
+    assert type(plan) is EnginePlan and plan == written and hash(plan) == hash(written)
+    assert plan.written == written.written and type(plan.rewrite()) is EngineConfig  # rewritten: as written again
+    # Control: a setting that differs makes them differ, whatever the type
+    assert settle_engine(EngineConfig(device="cpu", optimizer_overlap=False, speculative_step=False),
+                         EngineFacts("cuda"))[0] != written  # pinned on CUDA

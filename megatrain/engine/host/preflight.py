@@ -1,9 +1,9 @@
-"""Host-memory preflight: refuse a store that cannot fit before allocating any of it; resolve host mode "auto"
-for the model about to be placed (the rule is costs/host_mode.py's, the planner's too)."""
+"""Host-memory preflight: refuse a store that cannot fit before allocating any of it; what host mode "auto" needs to
+know of the model about to be placed (`host_facts`: the rule is costs/host_mode.py's, the planner's too, applied by
+megatrain/config/settle.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...costs.host_mode import HostMode, candidates, choose_host_mode
+from ...config.settle import HostFacts, settle_host_mode
+from ...costs.host_mode import HostMode
 from ...costs.modes import GRAD_BYTES, MASTER_BYTES, GradSlab, HostMaster, rollback_bytes_per_param
 from ...costs.nvme import spill_bytes_per_param
 from ...costs.pinning import pinned_bytes
@@ -135,37 +136,35 @@ def rollback_preflight(n_layer_params: int, master: HostMaster, bf16_compute: bo
     return rollback_layers([n_layer_params], master, bf16_compute, required, available) == 1
 
 
-def auto_host_mode(config: Any, model: nn.Module, layers: nn.Module, accumulation_one: bool = True,
-                   available: int | None = None, agree: Callable[[int], int] | None = None) -> Any:
-    """`config` with host_master "auto" (and host_grad_dtype "auto") resolved for this model on this host: the
-    first mode of costs/host_mode.py's order whose store fits what this process may allocate (the model's own
-    host bytes counted as freed, as the preflight counts them); with nvme_path, the NVMe tier's modes after the
-    host-only ones, fitting when what never spills does (the tier spills as host_budget_bytes says, as in an
-    explicit mode). `config` unchanged when nothing is "auto". `agree` (data parallel: the largest of the ranks'
-    values): the ranks take the latest candidate any of them chose, since each reads its own free memory and they
-    must hold one mode."""
-    if not config.host_mode_open:
-        return config
-    layer_ids = {id(p) for p in layers.parameters()}
-    params = list({id(p): p for p in model.parameters()}.values())
-    n_layer = sum(p.numel() for p in params if id(p) in layer_ids)
-    n = sum(p.numel() for p in params)
-    biggest = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
-    room = (available_host_bytes() if available is None else available) + model_host_bytes(params)
-    bf16 = config.compute_dtype == "bfloat16"
+def host_facts(config: Any, model: nn.Module, layers: nn.Module, accumulation_one: bool = True,
+               available: int | None = None, agree: Callable[[int], int] | None = None) -> HostFacts:
+    """What host mode "auto" needs to know of this model on this host (megatrain/config/settle.py HostFacts): a mode
+    fits when its store (host_store_bytes) fits what this process may allocate, the model's own host bytes counted as
+    freed (as the preflight counts them); an NVMe mode when what never spills does (the spilled layers' state leaves
+    the host but for one layer's ring buffer). `agree` (data parallel: the largest of the ranks' values): the ranks
+    take the latest candidate any of them chose, since each reads its own free memory and they must hold one mode."""
+    dtype = torch.bfloat16 if config.compute_dtype == "bfloat16" else torch.float32
+    sizes: list[int] = []
 
     def fits(mode: HostMode) -> bool:
-        need = sum(host_store_bytes(n, torch.bfloat16 if bf16 else torch.float32, n_layer, mode.master,
+        if not sizes:  # read when a mode is first weighed: a plan whose host mode is set reads nothing
+            layer_ids = {id(p) for p in layers.parameters()}
+            params = list({id(p): p for p in model.parameters()}.values())
+            sizes.extend((sum(p.numel() for p in params if id(p) in layer_ids), sum(p.numel() for p in params),
+                          max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0),
+                          (available_host_bytes() if available is None else available) + model_host_bytes(params)))
+        n_layer, n, biggest, room = sizes
+        need = sum(host_store_bytes(n, dtype, n_layer, mode.master,
                                     None if config.optimizer_in_backward else mode.grad).values())
-        if mode.nvme:  # the spilled layers' state leaves the host, but for one layer's ring buffer
-            spill = spill_bytes_per_param(mode.master is HostMaster.HILO)
-            need -= (n_layer - biggest) * spill
+        if mode.nvme:
+            need -= (n_layer - biggest) * spill_bytes_per_param(mode.master is HostMaster.HILO)
         return need <= room
 
-    grad = config.grad_slab_set
-    args = (bf16, accumulation_one, config.nvme_path is not None, config.optimizer_in_backward, grad)
-    mode, _ = choose_host_mode(fits, *args)
-    if agree is not None:
-        tried = candidates(*args)
-        mode = tried[agree(tried.index(mode))]
-    return dataclasses.replace(config, **mode.settings)
+    return HostFacts(fits, accumulation_one, agree)
+
+
+def auto_host_mode(config: Any, model: nn.Module, layers: nn.Module, accumulation_one: bool = True,
+                   available: int | None = None, agree: Callable[[int], int] | None = None) -> Any:
+    """`config` with host mode "auto" settled for this model on this host (megatrain/config/settle.py
+    settle_host_mode with `host_facts`), the rule the engine's plan takes; unchanged when nothing is "auto"."""
+    return settle_host_mode(config, host_facts(config, model, layers, accumulation_one, available, agree))

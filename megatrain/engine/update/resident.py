@@ -27,9 +27,8 @@ import logging
 
 import torch
 
-from ...config.schema import EngineConfig, left_auto
+from ...config.schema import EngineConfig
 from ...costs.modes import HostMaster
-from ...costs.residency import Residency
 from ..host.codec import master_codec
 from ..host.store import FlatGroup, HostStore
 
@@ -54,10 +53,8 @@ def refusal(config: EngineConfig, store: HostStore, data_parallel: bool) -> str 
 
 def requested(config: EngineConfig, n_layers: int) -> int | None:
     """The optimizer-resident count the setting fixes (None: "auto" decides)."""
-    r = config.residency
-    if left_auto(r) or not isinstance(r, Residency):
-        return None
-    return min(r.optimizer, n_layers)
+    r = config.residency_set
+    return None if r is None else min(r.optimizer, n_layers)
 
 
 def auto_applies(config: EngineConfig, device: torch.device, store: HostStore) -> bool:
