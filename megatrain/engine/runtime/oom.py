@@ -28,8 +28,8 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from ...config.schema import left_auto
 from ...costs.memory import BUDGET_HEADROOM, layer_graph_bytes
+from ...costs.residency import Residency
 
 log = logging.getLogger("megatrain")
 # Engines whose residency an out-of-memory error has lowered (once each), and each one's last forward's tokens.
@@ -52,7 +52,7 @@ def lower_residency(pipeline: Any, tokens: int) -> str | None:
     keeps less. What was done, or None where there is nothing to lower (no plan, no budget, counts the user set,
     nothing kept)."""
     policy, plan = getattr(pipeline, "policy", None), getattr(pipeline, "last_plan", None)
-    if policy is None or plan is None or policy.budget is None or not left_auto(policy.residency):
+    if policy is None or plan is None or policy.budget is None or isinstance(policy.residency, Residency):
         return None
     kept = kept_bytes(policy, plan, tokens)
     if kept <= 0:
