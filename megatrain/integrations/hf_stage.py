@@ -7,6 +7,9 @@ imports deepspeed. Installed when `deepspeed` is first imported, as the rest of 
 late for that question: `from_pretrained` under `python run_clm.py` logged "Detected DeepSpeed ZeRO-3: activating
 zero.init() for this model" and entered a `zero.Init` that the routing then made a no-op. So `megatrain/_startup.py`
 installs this module as soon as `accelerate.utils.deepspeed` (where `HfDeepSpeedConfig` lives) is imported.
+
+It also gives accelerate's state the launch's ranks on the DeepSpeed road of a machine without an accelerator
+(`complete_cpu_state`), where accelerate records one process of a group of many.
 """
 
 from __future__ import annotations
