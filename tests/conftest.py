@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 import pytest
 import torch
 import transformers
+from kit import LAUNCHER_VARS, fresh_accelerate_state
 
 from baselines.zero3 import default_extensions_dir
 
@@ -51,15 +52,9 @@ def _no_accelerate_state_left():
     Accelerator of this process (accelerate raises "AcceleratorState has already been initialized")."""
     yield
     try:
-        from accelerate.state import AcceleratorState, GradientState
+        fresh_accelerate_state()
     except ImportError:
         return
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-# What a launcher sets: the variables that make a process one rank of a job (read by every engine built after).
-_LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
 
 @pytest.fixture(autouse=True)
@@ -71,7 +66,7 @@ def _no_process_group_left():
     import torch.distributed as dist
 
     had_group = dist.is_available() and dist.is_initialized()
-    env = {k: os.environ.get(k) for k in _LAUNCHER_VARS}
+    env = {k: os.environ.get(k) for k in LAUNCHER_VARS}
     yield
     left = []
     if not had_group and dist.is_available() and dist.is_initialized():

@@ -140,6 +140,29 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
 
 
+def wide_range(n: int, seed: int, spread: float = 3.0) -> torch.Tensor:
+    """`n` FP32 values from generator `seed`, normal times e^(normal x `spread`): magnitudes over many binades, so a
+    sum or norm taken in another order, or a kernel rounding otherwise, gives other bits."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * spread)
+
+
+def same_run(a: tuple[list, dict[str, torch.Tensor]], b: tuple[list, dict[str, torch.Tensor]]) -> bool:
+    """Two runs' (per-step figures, final state dict): the figures equal exactly, every tensor of `a`'s state equal
+    to `b`'s of its name."""
+    return a[0] == b[0] and all(torch.equal(v, b[1][k]) for k, v in a[1].items())
+
+
+def fresh_accelerate_state() -> None:
+    """A new accelerate state: AcceleratorState (with PartialState) and GradientState are one per process, and a
+    second Accelerator with another mixed precision or accumulation plugin would meet the first's (accelerate raises
+    "already been initialized"); accelerate's own tests reset them between Accelerators the same way."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
 # -- the reference trainer: the loop every training comparison runs ------------------------------------------------
 
 def train_steps(runner: Any, batches: Iterable[dict], steps: int, *, accum: int = 1, clip: float | None = None,

@@ -7,6 +7,9 @@ imports deepspeed. Installed when `deepspeed` is first imported, as the rest of 
 late for that question: `from_pretrained` under `python run_clm.py` logged "Detected DeepSpeed ZeRO-3: activating
 zero.init() for this model" and entered a `zero.Init` that the routing then made a no-op. So `megatrain/_startup.py`
 installs this module as soon as `accelerate.utils.deepspeed` (where `HfDeepSpeedConfig` lives) is imported.
+
+It also gives accelerate's state the launch's ranks on the DeepSpeed road of a machine without an accelerator
+(`complete_cpu_state`), where accelerate records one process of a group of many.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import warnings
 from typing import Any
 
 __all__ = ["install", "uninstall", "installed", "has_megatrain_section", "routed", "LAUNCHED_ENV",
-           "unwrap_engines"]
+           "unwrap_engines", "complete_cpu_state"]
 
 _SECTION = "megatrain"
 # Set by `megatrain launch` in every process it starts: there every DeepSpeed config trains on MegaTrain, "megatrain"
@@ -88,6 +91,30 @@ _ours_seen: list[bool] = []  # non-empty once a DeepSpeedPlugin for a "megatrain
 _NOTE = _AccumulationNote()
 
 
+def complete_cpu_state(state: Any) -> None:
+    """Give accelerate's state the launch's ranks on the DeepSpeed road of a machine without an accelerator.
+
+    There accelerate finds no device backend, lets DeepSpeed's `init_distributed` make the launch's process group
+    (every rank of it) and then, its own backend being None, records one process: each rank filled
+    train_batch_size as micro x accumulation x 1 (4 where MegaTrain's parser, counting the group's 2 ranks, asks 8),
+    and every rank loaded every batch. Only for a config that trains on MegaTrain (real DeepSpeed is left as
+    accelerate leaves it); the ranks, rank and backend are the process group's own."""
+    import torch.distributed as dist
+    from accelerate.utils import DistributedType
+
+    if state.__dict__.get("backend", "") is not None or state.__dict__.get("distributed_type") != \
+            DistributedType.DEEPSPEED:
+        return
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    if not (_ours_seen or routed(os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"))):
+        return
+    state.backend = dist.get_backend()
+    state.num_processes = dist.get_world_size()
+    state.process_index = dist.get_rank()
+    state.local_process_index = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+
+
 def install() -> None:
     """Make `HfDeepSpeedConfig.is_zero3()` false and accelerate's `DeepSpeedPlugin` read stage 3 as 2 for a config
     with the section (idempotent; without accelerate there is nothing to install)."""
@@ -95,10 +122,12 @@ def install() -> None:
 
     if _saved or importlib.util.find_spec("accelerate") is None:
         return
+    from accelerate.state import PartialState
     from accelerate.utils.dataclasses import DeepSpeedPlugin
     from accelerate.utils.deepspeed import HfDeepSpeedConfig
 
     real_is_zero3 = HfDeepSpeedConfig.is_zero3
+    real_state_init = PartialState.__init__
     real_plugin_post_init = DeepSpeedPlugin.__post_init__
     real_process = DeepSpeedPlugin.deepspeed_config_process
 
@@ -154,9 +183,16 @@ def install() -> None:
         # From here on accelerate and TRL expect a process group (TRL's DPO broadcasts before any engine exists).
         one_rank_group()
 
+    @functools.wraps(real_state_init)
+    def state_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        real_state_init(self, *args, **kwargs)
+        complete_cpu_state(self)  # before AcceleratorState copies the shared state
+
     logging.getLogger("accelerate.accelerator").addFilter(_NOTE)
     unwrap_engines()
-    _saved.update(is_zero3=real_is_zero3, plugin_post_init=real_plugin_post_init, config_process=real_process)
+    _saved.update(is_zero3=real_is_zero3, plugin_post_init=real_plugin_post_init, config_process=real_process,
+                  state_init=real_state_init)
+    PartialState.__init__ = state_init
     HfDeepSpeedConfig.is_zero3 = is_zero3
     DeepSpeedPlugin.__post_init__ = plugin_post_init
     DeepSpeedPlugin.deepspeed_config_process = config_process
@@ -166,10 +202,12 @@ def uninstall() -> None:
     """Undo `install()`."""
     if not _saved:
         return
+    from accelerate.state import PartialState
     from accelerate.utils.dataclasses import DeepSpeedPlugin
     from accelerate.utils.deepspeed import HfDeepSpeedConfig
 
     logging.getLogger("accelerate.accelerator").removeFilter(_NOTE)
+    PartialState.__init__ = _saved.pop("state_init")
     _ours_seen.clear()
     _restore_unwrap()
     HfDeepSpeedConfig.is_zero3 = _saved.pop("is_zero3")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import make_batches, tiny_model
 from examples_module import load_example
-from kit import start_python, worker_env
+from kit import fresh_accelerate_state, start_python, worker_env
 
 from megatrain import Accelerator
 from megatrain.config.schema import EngineConfig
@@ -20,14 +20,6 @@ from megatrain.config.schema import EngineConfig
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "accelerate_nlp.py"
 TOL = 1e-5
-
-
-def _fresh_state() -> None:
-    """A new accelerate state (one per process, as accelerate's own tests make between Accelerators)."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
 
 
 def _example():
@@ -108,14 +100,14 @@ def test_nlp_example_on_zero3_matches_torch(tmp_path):
 def test_bf16_mixed_precision_selects_bf16_compute_on_megatrain(tmp_path):
     acc = Accelerator(backend="megatrain", mixed_precision="bf16")
     assert acc.backend.engine_config.compute_dtype == "bfloat16" and acc.state.mixed_precision == "bf16"
-    _fresh_state()  # accelerate's state takes one mixed precision per process
+    fresh_accelerate_state()  # accelerate's state takes one mixed precision per process
     assert Accelerator(backend="megatrain").backend.engine_config.compute_dtype == "float32"
-    _fresh_state()
+    fresh_accelerate_state()
     with pytest.raises(ValueError, match="compute_dtype='float32'"):
         Accelerator(backend="megatrain", mixed_precision="bf16", config={"megatrain": {"compute_dtype": "float32"}})
     # It trains in bf16: close to FP32, but not equal.
     fp32 = _run(tmp_path, "megatrain", "--epochs", "1")
-    _fresh_state()
+    fresh_accelerate_state()
     bf16 = _example().main(["--project_dir", str(tmp_path / "bf16"), "--backend", "megatrain", "--epochs", "1",
                             "--mixed_precision", "bf16"])
     assert 0 < _close(bf16["losses"], fp32["losses"]) <= 0.05

@@ -22,7 +22,7 @@ import accelerate
 import pytest
 import torch
 from conftest import tiny_model
-from kit import ROOT, free_port, run_python, worker_env
+from kit import ROOT, free_port, probes, run_python, worker_env
 
 from megatrain import Accelerator
 from megatrain.accelerate import REFUSED_ARGUMENTS, REFUSED_ENVIRONMENT, REFUSED_METHODS
@@ -207,19 +207,56 @@ DS_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_st
              "train_batch_size": "auto", "gradient_clipping": 0.0, "zero_optimization": {"stage": 2}, "megatrain": {}}
 
 
+def _ds_launch_config(root: Path, ranks: int, ds_config: dict) -> Path:
+    """An `accelerate launch` config for accelerate's DeepSpeed road on this machine's CPU, `ranks` processes."""
+    (root / "ds.json").write_text(json.dumps(ds_config))
+    launch = root / "ds.yaml"
+    launch.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                      f"  deepspeed_config_file: {root / 'ds.json'}\n  zero3_init_flag: false\n"
+                      f"machine_rank: 0\nnum_machines: 1\nnum_processes: {ranks}\nuse_cpu: true\n")
+    return launch
+
+
+STATE_PROBE = """
+import json, sys
+import torch.distributed as dist
+from accelerate import Accelerator
+acc = Accelerator(gradient_accumulation_steps=2)
+print("PROBE " + json.dumps({"num_processes": acc.num_processes, "process_index": acc.process_index,
+                             "distributed_type": str(acc.distributed_type), "group": dist.get_world_size(),
+                             "backend": acc.state.backend}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("section", [True, False])
+def test_deepspeed_road_on_cpu_counts_every_rank(tmp_path, section):
+    """On a machine without an accelerator, accelerate's DeepSpeed road makes a process group of every rank
+    (DeepSpeed's init_distributed) but, finding no device backend, records one process: accelerate then filled
+    train_batch_size for one rank and MegaTrain's parser (counting the group's) refused it, and each rank read
+    itself as rank 0 (its loader not sharded). With a "megatrain" section the state counts the group's ranks; without one (real DeepSpeed) it is
+    left as accelerate makes it, the control that this launch does meet accelerate's one-process record."""
+    config = dict(DS_CONFIG) if section else {k: v for k, v in DS_CONFIG.items() if k != "megatrain"}
+    launch = _ds_launch_config(tmp_path, 2, config)
+    (tmp_path / "probe.py").write_text(STATE_PROBE)
+    r = run_python(["-m", "accelerate.commands.launch", "--config_file", launch, "--main_process_port",
+                    str(free_port()), tmp_path / "probe.py"], env=worker_env(threads=1), check=True, timeout=300)
+    states = sorted(probes(r.stdout), key=lambda s: s["process_index"])
+    assert len(states) == 2 and all(s["group"] == 2 and s["distributed_type"] == "DistributedType.DEEPSPEED"
+                                    for s in states), states
+    if section:
+        assert [(s["num_processes"], s["process_index"], s["backend"]) for s in states] == [(2, 0, "gloo"),
+                                                                                             (2, 1, "gloo")]
+    else:
+        assert [(s["num_processes"], s["backend"]) for s in states] == [(1, None), (1, None)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.xfail(
-    strict=True, reason="DeepSpeed road, 2 CPU ranks: megatrain.initialize refuses the config accelerate filled in "
-                        "(train_batch_size 4, not 2 x 2 x 2 = 8): megatrain/deepspeed or megatrain/config"))])
+@pytest.mark.parametrize("ranks", [1, 2])
 def test_accelerate_script_unchanged_on_the_deepspeed_road(tmp_path, ranks):
     """The same script without its switch, under `accelerate launch` with a DeepSpeed config whose "megatrain"
     section puts MegaTrain behind accelerate's DeepSpeed road, against plain accelerate (no clipping on either:
     the config says gradient_clipping 0)."""
-    (tmp_path / "ds.json").write_text(json.dumps(DS_CONFIG))
-    launch = tmp_path / "ds.yaml"
-    launch.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
-                      f"  deepspeed_config_file: {tmp_path / 'ds.json'}\n  zero3_init_flag: false\n"
-                      f"machine_rank: 0\nnum_machines: 1\nnum_processes: {ranks}\nuse_cpu: true\n")
+    launch = _ds_launch_config(tmp_path, ranks, DS_CONFIG)
     runs = _runs(tmp_path, ranks, [], launch=launch)
     # accelerate's DeepSpeed road, with MegaTrain's engine behind it (DeepSpeed's own engine would say so)
     assert all(r["distributed_type"] == "DistributedType.DEEPSPEED" and r["prepared"] == "MegaTrainEngine"
@@ -227,5 +264,9 @@ def test_accelerate_script_unchanged_on_the_deepspeed_road(tmp_path, ranks):
     _assert_same_training(runs["plain"], runs["face"], STEPS, f"DeepSpeed road, {ranks} ranks")
     assert all(r["unwrapped"] == "LlamaForCausalLM" for r in runs["face"])
     _assert_saved_model_is_the_engines(tmp_path)
+    # Resumed from step 10: the schedule carries on from where it was saved, as plain accelerate's resume (issue 61
+    # saw real DeepSpeed's resume keep the learning rate where load_state left it).
+    assert all(r["start_step"] == RESUME_AT for r in runs["face_resumed"])
     _assert_same_training(runs["plain_resumed"], runs["face_resumed"], STEPS - RESUME_AT,
                           f"DeepSpeed road, {ranks} ranks resumed")
+    assert all(res["lrs"] == full["lrs"][RESUME_AT:] for res, full in zip(runs["face_resumed"], runs["face"]))

@@ -20,6 +20,7 @@ from accel_script import (
 from accelerate.data_loader import DataLoaderShard
 from accelerate.scheduler import AcceleratedScheduler
 from gpu_defaults import GPU_DEFAULTS, bf16_reference, deepspeed_keys
+from kit import fresh_accelerate_state
 
 from megatrain.accelerate import AcceleratedOptimizer, Accelerator
 from megatrain.backend import Backend
@@ -159,24 +160,16 @@ def test_prepare_refuses_what_cannot_work():
         Accelerator(backend="torch", config="ds.json")
 
 
-def _fresh_state() -> None:
-    """accelerate's state is one per process and refuses a second mixed precision (as accelerate does): a new
-    one, as accelerate's own tests make between Accelerators."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
 def test_config_settings_reach_the_face():
     acc = Accelerator(backend="torch", config={"gradient_accumulation_steps": 4, "bf16": {"enabled": True}})
     assert acc.gradient_accumulation_steps == 4 and acc.mixed_precision == "bf16"
     assert acc.state.mixed_precision == "bf16"  # accelerate's own state says what the backend computes in
     with pytest.raises(ValueError, match="already been initialized"):
         Accelerator(backend="torch")  # accelerate's rule: one mixed precision per process
-    _fresh_state()
+    fresh_accelerate_state()
     acc = Accelerator(backend="megatrain", config=EngineConfig(compute_dtype="bfloat16"))
     assert acc.mixed_precision == "bf16"
-    _fresh_state()
+    fresh_accelerate_state()
     assert acc.backend.engine_config.compute_dtype == "bfloat16"
     acc = Accelerator(backend="megatrain", config={"megatrain": {"num_buffers": 3}})
     assert acc.backend.engine_config.num_buffers == 3

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kit import bits
+from kit import bits, wide_range
 
 from megatrain.engine.host import hilo
 from megatrain.engine.update import adam_kernel as K
@@ -29,8 +29,7 @@ def compiled():
 
 
 def _values(n: int, seed: int, spread: float = 4.0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * spread)
+    x = wide_range(n, seed, spread)
     x[::97], x[1::89], x[2::101] = 0.0, -0.0, 1e-40  # zeros of both signs, a subnormal
     return x
 

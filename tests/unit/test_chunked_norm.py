@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from kit import bits, wide_range
 
 from megatrain.engine.host import reduce_kernel as R
 from megatrain.engine.host.slab_state import PartsAdd, SlabState, slab_norm
@@ -23,15 +24,6 @@ def lib(monkeypatch):
     assert k is not None, "the one-pass reducer did not build or did not match torch on its self-check"
     monkeypatch.setattr(R, "CHUNK", CHUNK)  # many chunks on a small slab; both the reducer and the reader take it
     return k
-
-
-def _values(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)  # a wide range: order matters
-
-
-def _bits(x: torch.Tensor) -> int:
-    return int(x.view(torch.int32))
 
 
 def _parts(g: torch.Tensor, cuts: list[int]) -> list[tuple[int, torch.Tensor]]:
@@ -58,17 +50,18 @@ def _on_thread(fn, threads: int):
 @pytest.mark.parametrize("first", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_norm_measured_as_the_slab_lands_is_the_norm_read_later_on_any_thread_count(lib, first, dtype):
-    g = _values(N, 2).to(dtype)
+    g = wide_range(N, 2).to(dtype)
     cuts = [0, 13, 4100, 4101, 60_003]  # parts that start inside chunks and span several
     measured, written = set(), set()
     for threads in (1, 2, 3, 7):
-        slab = _values(N, 1)
+        slab = wide_range(N, 1)
         norm, finite = R.reduce_and_norm(lib, slab, _parts(g, cuts), first, threads)
         assert finite
-        measured.add(_bits(norm))
+        measured.add(int(bits(norm)))
         written.add(tuple(slab.view(torch.int32)[::997].tolist()))
         for read_threads in (1, 2):
-            assert _bits(_on_thread(lambda s=slab: slab_norm(s), read_threads)) == _bits(norm), (threads, read_threads)
+            read = _on_thread(lambda s=slab: slab_norm(s), read_threads)
+            assert int(bits(read)) == int(bits(norm)), (threads, read_threads)
     assert len(measured) == 1 and len(written) == 1  # independent of the reducer's thread count
 
 
@@ -76,7 +69,7 @@ def test_the_norm_measured_as_the_slab_lands_is_the_norm_read_later_on_any_threa
 def test_the_slab_states_cached_norm_is_slab_norm_on_the_reducers_thread_count(lib, kind):
     """SlabState.reduce as the reducer's worker runs it (its own torch team): the one-pass kernel for a PartsAdd,
     torch's add then slab_norm for a plain add; the same bits either way, whatever the team."""
-    g = _values(N, 3).to(torch.bfloat16)
+    g = wide_range(N, 3).to(torch.bfloat16)
     got = set()
     for threads in (1, 2, 4):
         slab = torch.zeros(N)
@@ -90,17 +83,17 @@ def test_the_slab_states_cached_norm_is_slab_norm_on_the_reducers_thread_count(l
         adds = PartsAdd(add, _parts(g, [0, 77_777])) if kind == "one pass" else add
         _on_thread(lambda s=state, x=slab, a=adds: s.reduce(0, x, a, True), threads)
         cached = state.norm(0, slab)
-        assert cached is not None and _bits(cached) == _bits(slab_norm(slab))
-        got.add(_bits(cached))
+        assert cached is not None and int(bits(cached)) == int(bits(slab_norm(slab)))
+        got.add(int(bits(cached)))
     assert len(got) == 1
 
 
 def test_both_paths_give_the_same_bits(lib):
-    g = _values(N, 4).to(torch.bfloat16)
+    g = wide_range(N, 4).to(torch.bfloat16)
     one, two = torch.zeros(N), torch.zeros(N)
     norm, _ = R.reduce_and_norm(lib, one, [(0, g)], True, 3)
     torch.add(g, 0.0, out=two)
-    assert torch.equal(one.view(torch.int32), two.view(torch.int32)) and _bits(norm) == _bits(slab_norm(two))
+    assert torch.equal(one.view(torch.int32), two.view(torch.int32)) and int(bits(norm)) == int(bits(slab_norm(two)))
 
 
 def test_the_chunks_split_over_the_threads_asked_for(lib, monkeypatch):
@@ -116,29 +109,30 @@ def test_the_chunks_split_over_the_threads_asked_for(lib, monkeypatch):
     monkeypatch.setattr(R, "_helpers", lambda: Counting)
     for threads, helpers in [(1, 0), (3, 2), (64, R.chunks(N) - 1)]:  # never more threads than chunks
         submitted.clear()
-        R.reduce_and_norm(lib, torch.zeros(N), [(0, _values(N, 5))], True, threads)
+        R.reduce_and_norm(lib, torch.zeros(N), [(0, wide_range(N, 5))], True, threads)
         assert len(submitted) == helpers, threads
 
 
 def test_a_slab_of_one_chunk_keeps_torchs_norm_of_the_whole_slab(lib):
-    x = _values(CHUNK, 6)
-    assert _bits(slab_norm(x)) == _bits(torch.linalg.vector_norm(x))
+    x = wide_range(CHUNK, 6)
+    assert int(bits(slab_norm(x))) == int(bits(torch.linalg.vector_norm(x)))
     slab = torch.zeros(CHUNK)
     norm, _ = R.reduce_and_norm(lib, slab, [(0, x)], True, 2)
-    assert _bits(norm) == _bits(torch.linalg.vector_norm(x))
+    assert int(bits(norm)) == int(bits(torch.linalg.vector_norm(x)))
     assert float(slab_norm(torch.zeros(0))) == 0.0
 
 
 def test_negative_control_whole_slab_and_per_thread_splits_give_other_bits(lib):
     """What the fixed decomposition rules out: torch's norm of the whole slab (what the reader took before) and a
     norm split by thread count differ from the chunked norm, and from each other, on this data."""
-    x = _values(N, 1)
-    chunked = _bits(slab_norm(x))
-    assert _bits(torch.linalg.vector_norm(x)) != chunked
+    x = wide_range(N, 1)
+    chunked = int(bits(slab_norm(x)))
+    assert int(bits(torch.linalg.vector_norm(x))) != chunked
 
     def by_threads(t: int) -> int:
         b = [N * j // t for j in range(t + 1)]
-        return _bits(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x[p:q]) for p, q in zip(b, b[1:])])))
+        parts = torch.stack([torch.linalg.vector_norm(x[p:q]) for p, q in zip(b, b[1:])])
+        return int(bits(torch.linalg.vector_norm(parts)))
 
     assert len({by_threads(t) for t in (1, 2, 3)}) == 3
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_batches, tiny_model
+from kit import train_steps
 
 from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
@@ -23,15 +24,7 @@ def _engine(asynchronous: bool, **cfg) -> Engine:
 
 
 def _train(eng: Engine, steps: int = 3, accum: int = 2, clip: float | None = 0.5) -> list[torch.Tensor]:
-    batches = make_batches(steps * accum, seq=12)
-    it = iter(batches)
-    for _ in range(steps):
-        for _ in range(accum):
-            eng.backward(eng(**next(it)).loss / accum)
-        if clip:
-            eng.clip_grad_norm_(clip)
-        eng.step()
-        eng.zero_grad()
+    train_steps(eng, make_batches(steps * accum, seq=12), steps, accum=accum, clip=clip)
     eng.synchronize()
     return [p.detach().clone() for _, p in eng.named_parameters()]
 

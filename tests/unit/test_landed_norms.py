@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 from conftest import make_batches, tiny_model
+from kit import same_run, train_steps
 
 from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
@@ -31,15 +32,9 @@ def _engine(model, overwrite: bool = True, **cfg) -> Engine:
 
 
 def _train(eng: Engine, steps: int = 3, accum: int = 2) -> tuple[list[float], dict[str, torch.Tensor]]:
-    it, out = iter(BATCHES), []
-    for _ in range(steps):
-        for _ in range(accum):
-            eng.backward(eng(**next(it)).loss / accum)
-        out.append(eng.clip_grad_norm_(0.05))
-        eng.step()
-        eng.zero_grad()
+    _, norms = train_steps(eng, BATCHES, steps, accum=accum, clip=0.05)
     eng.step()  # a step after zero_grad() with no backward: it must see zero gradients (AdamW still moves)
-    return out, eng.state_dict()
+    return norms, eng.state_dict()
 
 
 def _read_norm(eng: Engine) -> float:
@@ -49,14 +44,10 @@ def _read_norm(eng: Engine) -> float:
                                                        for g in eng.store.groups() if g.grad is not None])))
 
 
-def _same(a, b) -> bool:
-    return a[0] == b[0] and all(torch.equal(v, b[1][k]) for k, v in a[1].items())
-
-
 @pytest.mark.parametrize("overlap", [False, True], ids=["whole-step", "overlap"])
 def test_overwriting_first_add_and_landed_norms_give_the_zeroing_engines_bits(model, overlap):
     want = _train(_engine(model, overwrite=False, optimizer_overlap=overlap))
-    assert _same(_train(_engine(model, optimizer_overlap=overlap)), want)
+    assert same_run(_train(_engine(model, optimizer_overlap=overlap)), want)
 
 
 def test_negative_control_a_first_add_that_adds_onto_the_old_bytes_is_caught(model, monkeypatch):
@@ -64,7 +55,7 @@ def test_negative_control_a_first_add_that_adds_onto_the_old_bytes_is_caught(mod
     reduce = SlabState.reduce
     monkeypatch.setattr(SlabState, "reduce", lambda self, i, slab, add, measure:
                         reduce(self, i, slab, lambda first: add(False), measure))
-    assert not _same(_train(_engine(model)), want)
+    assert not same_run(_train(_engine(model)), want)
 
 
 def test_zero_grad_makes_no_pass_and_the_step_reads_no_layer_slab_for_its_norm(model, monkeypatch):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kit import bits
+from kit import bits, wide_range
 
 from megatrain.engine.host import reduce_kernel as R
 from megatrain.engine.host.slab_state import PartsAdd, SlabState
@@ -23,8 +23,7 @@ def lib():
 
 
 def _values(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)
+    x = wide_range(n, seed)
     x[::97] = -0.0
     return x
 

@@ -11,6 +11,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from kit import bits
 from test_pinned import FakeCuda
 
 from megatrain.costs.pinning import mapped_bytes, pinned_bytes
@@ -93,10 +94,6 @@ def _upload(seed: int = 0):
     return store, targets, ResidentUpload(store, targets, torch.bfloat16, torch.device("cuda"), 5.0)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.int16)
-
-
 def test_the_copy_reads_pinned_bf16_staging_ordered_between_the_compute_streams_work(cuda):
     device, compute, sources, _, fake = cuda
     store, targets, up = _upload()
@@ -114,7 +111,7 @@ def test_the_copy_reads_pinned_bf16_staging_ordered_between_the_compute_streams_
     assert device.ran == 0  # queued, not run on the caller's thread
     device.drain()
     for t, view in zip(targets, store.globals.views(store.globals.master).values()):
-        assert torch.equal(_bits(t), _bits(view.to(torch.bfloat16)))
+        assert torch.equal(bits(t.reshape(-1)), bits(view.to(torch.bfloat16).reshape(-1)))
 
 
 def test_staging_bits_are_round_to_nearest_even_as_to_bfloat16(cuda):
@@ -127,7 +124,7 @@ def test_staging_bits_are_round_to_nearest_even_as_to_bfloat16(cuda):
     m[: len(ties) + len(special)] = torch.tensor(ties + special)
     up.run()
     up.fence()
-    assert torch.equal(_bits(up.staging), _bits(m.to(torch.bfloat16)))
+    assert torch.equal(bits(up.staging.reshape(-1)), bits(m.to(torch.bfloat16).reshape(-1)))
     # Independent of torch's conversion: ties go to the even neighbour, above a tie rounds up.
     assert up.staging[:4].tolist() == [1.0, 1.0 + 2**-6, -1.0, 1.0 + 2**-7]
 

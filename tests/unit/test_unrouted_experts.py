@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 from conftest import make_batches, tiny_model
+from kit import same_run, train_steps
 from torch import nn
 
 from megatrain.config.schema import EngineConfig
@@ -66,20 +67,10 @@ def fused():
 
 def _train(model) -> tuple[list[float], dict[str, torch.Tensor], R.Tally, int]:
     eng = Engine(copy.deepcopy(model), EngineConfig(device="cpu", parity_probe=False))
-    it, norms = iter(BATCHES), []
-    for _ in range(STEPS):
-        for _ in range(ACCUM):
-            eng.backward(eng(**next(it)).loss / ACCUM)
-        norms.append(eng.clip_grad_norm_(0.05))
-        eng.step()
-        eng.zero_grad()
+    _, norms = train_steps(eng, BATCHES, STEPS, accum=ACCUM, clip=0.05)
     eng.synchronize()
     slab_elems = sum(g.numel for g in eng.store.layers) * ACCUM * STEPS  # what adding every gradient takes
     return norms, eng.state_dict(), eng.events.slabs.tally, slab_elems
-
-
-def _same(a, b) -> bool:
-    return a[0] == b[0] and all(torch.equal(v, b[1][k]) for k, v in a[1].items())
 
 
 def _materialized(monkeypatch) -> None:
@@ -95,7 +86,7 @@ def test_an_unrouted_expert_sends_no_gradient_and_the_bits_are_unchanged(per_exp
     _materialized(monkeypatch)  # control: zeros for every unrouted expert, added as before
     want = _train(per_expert)
     assert want[2].absent == 0
-    assert _same(got[:2], want[:2])
+    assert same_run(got[:2], want[:2])
 
 
 def test_a_fused_experts_unrouted_rows_cost_no_add_and_the_bits_are_unchanged(fused, monkeypatch):
@@ -105,7 +96,7 @@ def test_a_fused_experts_unrouted_rows_cost_no_add_and_the_bits_are_unchanged(fu
     monkeypatch.setattr(R._KERNEL, "state", None)  # control: no kernel, the two torch passes add every zero
     want = _train(fused)
     assert want[2].skipped == 0 and want[2].reduced == total
-    assert _same(got[:2], want[:2])
+    assert same_run(got[:2], want[:2])
 
 
 def test_a_dense_model_skips_nothing():
