@@ -4,7 +4,10 @@
 - its parameters are the host store's FP32 masters (the resident embedding / final norm / LM head
   are the engine's device copies when the engine does not compute in FP32 on the CPU), so module
   attributes, `named_parameters()`, `state_dict()` and `save_pretrained()` see the trained weights,
-  all of them, by construction; `state_dict()` always serves the FP32 masters;
+  all of them, by construction; `state_dict()` always serves the FP32 masters, and so does
+  `named_parameters()` / `parameters()` where a resident parameter's device copy is in another dtype (bf16
+  compute: an FP32 copy of its master on the device, naming the copy it stands for), so every parameter the
+  model object reports has the dtype its state dict and its optimizer have;
 - `forward` is routed: a training or plain evaluation call runs the engine's streaming forward
   (chunked loss, logits when they are asked for or usable); a call with a KV cache, `use_cache`,
   `output_hidden_states` or `output_attentions` outside training (what `generate` does) runs the
@@ -66,6 +69,7 @@ class Engine(Protocol):
     store: HostStore
     pipeline: LayerPipeline
     device: torch.device
+    placement: Any  # model/placement.py's Placement: the resident parameters' device copies
 
     def forward(self, **kwargs: Any) -> Any: ...
     def synchronize(self) -> None: ...
@@ -89,7 +93,8 @@ _base_classes: dict[type, type] = {}  # original decoder base class -> its gener
 
 def engines_holding(tensors: list[torch.Tensor]) -> list[Engine]:
     """The live engines whose model object holds any of `tensors` as a parameter."""
-    ids = {id(t) for t in tensors}
+    # a copy the model object served (named_parameters) stands for the parameter it names
+    ids = {id(t) for t in tensors} | {id(t.megatrain_copy_of) for t in tensors if hasattr(t, "megatrain_copy_of")}
     # The plain class's named_parameters: the handles the model holds (the routed one may serve copies)
     return [e for e in list(_bound)
             if any(id(p) in ids for _, p in plain_class(type(e.module)).named_parameters(e.module))]
@@ -247,13 +252,22 @@ def _model_methods(plain: type) -> dict[str, Callable]:
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         items = plain.named_parameters(self, prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
         b = _binding(self)
-        if b is None or b.engine.store.master_mode is HostMaster.FP32:
+        resident = _resident_copies(b.engine) if b is not None else {}
+        if b is None or (b.engine.store.master_mode is HostMaster.FP32 and not resident):
             yield from items
             return
         b.check_intact()
         b.engine.synchronize()
-        slots = _layer_slots(b.engine)
+        slots = _layer_slots(b.engine) if b.engine.store.master_mode is not HostMaster.FP32 else {}
         for name, p in items:
+            master = resident.get(id(p))
+            if master is not None:
+                # a resident parameter's compute copy (bf16): its FP32 master's values instead, as state_dict()
+                # serves them, on the copy's device (`model.device` stays the engine's), naming the copy it stands for
+                copy_ = nn.Parameter(master.detach().to(p.device, copy=True), requires_grad=p.requires_grad)
+                copy_.megatrain_copy_of = p
+                yield name, copy_
+                continue
             where = slots.get(id(p))
             if where is None:
                 yield name, p
@@ -465,6 +479,12 @@ def _submodule(model: nn.Module, name: str) -> nn.Module | None:
         return model.get_submodule(name)
     except AttributeError:
         return None
+
+
+def _resident_copies(engine: Engine) -> dict[int, nn.Parameter]:
+    """id(resident parameter's device copy) -> its FP32 master, where the copy is in another dtype (bf16 compute)."""
+    group = engine.store.globals
+    return {id(d): m for d, m in zip(engine.placement.device_globals, group.params) if d.dtype != m.dtype}
 
 
 def _layer_slots(engine: Engine) -> dict[int, tuple[Any, Any]]:
