@@ -274,3 +274,24 @@ def test_a_trained_classifier_saves_and_reloads_with_transformers(tmp_path):
     with torch.no_grad():
         got = back(**b).logits
     assert got.shape == (4, 1) and torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())
+
+
+def test_the_accelerate_face_trains_a_reward_wrapper_like_plain_pytorch():
+    """The same wrapper through `megatrain.Accelerator(backend="megatrain")`: prepare, accelerator.backward,
+    clip_grad_norm_ over model.parameters(), optimizer.step (FP32, 4 steps)."""
+    model, ref = _wrapper(), _wrapper()
+    batches = _batches(4, labels=False)
+    acc = megatrain.Accelerator(backend="megatrain")
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD))
+    losses, norms = [], []
+    for b in batches:
+        loss = model(**b).loss
+        acc.backward(loss)
+        norms.append(float(acc.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    ref_losses, ref_norms = _plain(ref, batches)
+    assert min(ref_norms) > CLIP
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < TOL, (losses, ref_losses)
+    assert max(abs(a - b) for a, b in zip(norms, ref_norms)) < TOL * max(ref_norms), (norms, ref_norms)
