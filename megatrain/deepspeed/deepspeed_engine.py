@@ -321,13 +321,17 @@ class MegaTrainEngine:
 
     def save_pretrained(self, save_directory: str | os.PathLike, dtype: torch.dtype | None = None,
                         max_shard_size: int = 5 * 10**9) -> Path:
-        """A Hugging Face checkpoint (safetensors + config.json) that `AutoModelForCausalLM.from_pretrained` loads.
+        """A Hugging Face checkpoint (safetensors + config.json) that `from_pretrained` loads (the model's own class:
+        a causal LM's, a sequence classifier's).
 
-        Weights are the FP32 masters unless `dtype` says otherwise; larger exports are sharded with
-        an index file as HF does. Tensors are streamed to disk, never copied whole.
+        Weights in the dtype the config asks for, as DeepSpeed saves them: bf16 (rounded from the FP32 masters) with
+        `bf16.enabled`, else the FP32 masters; `dtype` overrides it. config.json names that dtype. Larger exports are
+        sharded with an index file as HF does. Tensors are streamed to disk, never copied whole.
         """
         save_directory = Path(save_directory)
         save_directory.mkdir(parents=True, exist_ok=True)
+        if dtype is None:
+            dtype = torch.bfloat16 if self.bfloat16_enabled() else torch.float32
         tensors = self._export_tensors(dtype)
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
@@ -349,7 +353,7 @@ class MegaTrainEngine:
             total = sum(t.numel() * t.element_size() for t in tensors.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             ckpt.write_json(save_directory / "model.safetensors.index.json", index)
-        self._save_hf_config(save_directory, dtype or torch.float32)
+        self._save_hf_config(save_directory, dtype)
         return save_directory
 
     save_fp16_model = save_16bit_model  # DeepSpeed's older name

@@ -280,6 +280,8 @@ class Engine:
 
     # -- one micro-batch --------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> CausalLMOutputWithPast:
+        if self.parts.other_head:  # a head of the model's own (adapter.py): its forward applies it, its base runs here
+            return self.module(*args, **kwargs)
         return self.forward(*args, **kwargs)
 
     @redone_once_on_oom  # ENGINE-HOOK (gpu57): a device OOM lowers residency once and redoes the forward (oom.py)
@@ -290,6 +292,10 @@ class Engine:
                 logits_to_keep: int | torch.Tensor = 0, output_router_logits: bool | None = None,
                 return_hidden: bool = False,
                 **unused: Any) -> CausalLMOutputWithPast:
+        if self.parts.other_head and not return_hidden:
+            raise ValueError(f"{type(self.module).__name__} has a head of its own (`{self.parts.head_name}`): call the "
+                             "model (engine(**batch) or the model object), whose forward applies it; Engine.forward "
+                             "serves its decoder base (return_hidden=True)")
         # A device batch's values are checked at the end of this forward (no sync per micro-batch, batch.py).
         pending = check_batch(self.hf_config, input_ids, attention_mask, labels, position_ids, unused)
         self.update.before_forward()  # a speculative update not yet validated: this forward reads the weights before it

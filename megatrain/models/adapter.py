@@ -47,6 +47,14 @@ class DecoderParts:
     # The head's scalar math: a float is final_logit_softcapping (logits = c * tanh(logits / c)); a LogitTransform
     # adds a scale (logit_scale, logits_scaling). The loss functions take either under this name.
     softcap: float | LogitTransform | None = None
+    # A head other than a causal LM's (sequence classification's `score`, a reward wrapper's `v_head`): its dotted
+    # name in `model`, whose own forward applies it to the base's output (`lm_head` is that module); None for a
+    # causal LM. The engine then serves the base's forward (its last hidden state), not the model's.
+    head_name: str | None = None
+
+    @property
+    def other_head(self) -> bool:
+        return self.head_name is not None
 
     @property
     def layers_prefix(self) -> str:
@@ -65,6 +73,9 @@ def find_parts(model: nn.Module) -> DecoderParts:
     config = getattr(model, "config", None)
     kind = type(model).__name__
     if config is None:
+        if _decoder_inside(model) is not None:
+            raise ValueError(f"{kind} holds a decoder but has no `.config`: set `self.config = base.config` in its "
+                             "__init__ (the base model's own config object, as DeepSpeed-Chat's RewardModel does)")
         raise ValueError(f"{kind} has no `.config`: MegaTrain needs a Hugging Face PreTrainedModel")
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{kind} is an encoder-decoder model; MegaTrain trains decoder-only causal LMs")
@@ -78,14 +89,8 @@ def find_parts(model: nn.Module) -> DecoderParts:
     get_out = getattr(model, "get_output_embeddings", None)
     embed = get_in() if get_in else None
     lm_head = get_out() if get_out else None
-    if not isinstance(embed, nn.Embedding) or not isinstance(lm_head, nn.Linear):
-        head = _other_head(model)
-        if head is not None:
-            raise ValueError(
-                f"{kind} is a decoder with a {head} head (sequence classification, reward or value), not a causal LM "
-                "head: MegaTrain streams a decoder stack only under its causal-LM head for now, so it cannot train "
-                "this model; train it with another backend (real DeepSpeed: under `megatrain launch` set "
-                "MEGATRAIN_DEEPSPEED_GUARD=0; or megatrain.Accelerator(backend='torch'))")
+    if not isinstance(lm_head, nn.Linear) and _other_head(model) is not None:
+        return _head_parts(model, config, kind)
     if not isinstance(embed, nn.Embedding):
         raise ValueError(f"{kind}: no input embedding (nn.Embedding) found via get_input_embeddings()")
     if not isinstance(lm_head, nn.Linear):
@@ -122,14 +127,84 @@ def find_parts(model: nn.Module) -> DecoderParts:
 
 def _other_head(model: nn.Module) -> str | None:
     """The name of a head other than a causal LM's on a decoder (`score` of *ForSequenceClassification, a reward or
-    value wrapper's `v_head`): a linear to a few outputs beside a module holding a decoder layer stack."""
-    stack = any(isinstance(getattr(m, a, None), nn.ModuleList) for m in model.modules() for a in _LAYER_STACK_NAMES)
-    if not stack:
+    value wrapper's `v_head`): a linear outside the decoder base, beside it."""
+    found = _decoder_inside(model)
+    if found is None:
         return None
-    for name, child in model.named_children():
-        if isinstance(child, nn.Linear) and child.out_features <= 16:
-            return f"`{name}` ({child.in_features} -> {child.out_features})"
+    prefix = found[0] + "."
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and not name.startswith(prefix) and name != found[0]:
+            return name
     return None
+
+
+def find_other_head(model: nn.Module) -> tuple[str, str] | None:
+    """(the decoder base's dotted name, the head's) when `model` is a decoder under a head other than a causal LM's
+    (see DecoderParts.head_name); None otherwise. Nothing is run."""
+    get_out = getattr(model, "get_output_embeddings", None)
+    if isinstance(get_out() if get_out else None, nn.Linear):
+        return None
+    found, head = _decoder_inside(model), _other_head(model)
+    return None if found is None or head is None else (found[0], head)
+
+
+def _decoder_inside(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """(dotted name, module) of the Hugging Face decoder base `model` holds below itself: the outermost
+    PreTrainedModel submodule with an input embedding and a decoder layer stack (LlamaModel in
+    LlamaForSequenceClassification, `rwtranrsformer` in DeepSpeed-Chat's RewardModel), or None."""
+    from transformers import PreTrainedModel
+
+    for name, mod in model.named_modules():
+        if mod is model or not isinstance(mod, PreTrainedModel):
+            continue
+        get_in = getattr(mod, "get_input_embeddings", None)
+        try:
+            embed = get_in() if get_in else None
+        except (NotImplementedError, AttributeError):
+            embed = None
+        if isinstance(embed, nn.Embedding) and any(
+                isinstance(getattr(mod, a, None), nn.ModuleList) for a in _LAYER_STACK_NAMES):
+            return name, mod
+    return None
+
+
+def _head_parts(model: nn.Module, config: object, kind: str) -> DecoderParts:
+    """The parts of a decoder under a head other than a causal LM's (see DecoderParts.head_name): the base streamed
+    as under a causal LM's head, everything outside it (the head) resident and applied by the model's own forward
+    to the base's last hidden state. Refused: a base of another config object (the engine switches the shared
+    config's attention), a causal LM's head inside the model (the wrapper then holds a whole causal LM, whose own
+    forward the engine does not serve), a base whose layer stack or final norm is not found."""
+    base_prefix, base = _decoder_inside(model)
+    if base.config is not config:
+        raise ValueError(f"{kind}.config is not its decoder base's config ({base_prefix}.config): the engine sets the "
+                         "attention implementation on the model's config, which the base's layers must read; set "
+                         f"`self.config = {base_prefix}.config`")
+    outside = [(n, m) for n, m in model.named_modules() if n != base_prefix and not n.startswith(base_prefix + ".")]
+    lm = next((n for n, m in outside if isinstance(m, nn.Linear)
+               and m.out_features == getattr(config, "vocab_size", None)), None)
+    if lm is not None:
+        raise ValueError(f"{kind} holds a causal LM's head `{lm}` besides its decoder `{base_prefix}`: MegaTrain "
+                         "serves the decoder base's forward under a head of the model's own (a score or value head); "
+                         "build the wrapper over the causal LM's base model (`AutoModelForCausalLM(...).model`)")
+    inner = find_parts_of_base(base, config, kind)
+    head_name = _other_head(model)
+    head = model.get_submodule(head_name)
+    return DecoderParts(model, base, base_prefix, inner.layers_attr, inner.layers, inner.embed, inner.norm, head,
+                        inner.rotary, False, None, head_name)
+
+
+def find_parts_of_base(base: nn.Module, config: object, kind: str) -> DecoderParts:
+    """A decoder base's embedding, layer stack, final norm and rotary embedding (no head: `lm_head` is None)."""
+    n_layers = getattr(config, "num_hidden_layers", None)
+    layers_attr = next((a for a in _LAYER_STACK_NAMES if isinstance(getattr(base, a, None), nn.ModuleList)
+                        and (n_layers is None or len(getattr(base, a)) == n_layers)), None)
+    if layers_attr is None:
+        raise ValueError(f"{kind}: no decoder layer stack found in {type(base).__name__} (an nn.ModuleList named one "
+                         f"of {_LAYER_STACK_NAMES} with num_hidden_layers={n_layers} entries)")
+    embed = base.get_input_embeddings()
+    norm = find_final_norm(base, layers_attr, embed, kind)
+    return DecoderParts(base, base, "", layers_attr, getattr(base, layers_attr), embed, norm, None,
+                        getattr(base, "rotary_emb", None), False)
 
 
 class _PassThrough(nn.Module):
@@ -365,6 +440,12 @@ class LayerInputRecorder(nn.Module):
         if self.last:
             raise _CaptureDone
         return _LayerOutput((hidden_states, *(HandedState(self.index, k) for k in range(1, self.outputs))))
+
+
+def stands_in(stack: object) -> bool:
+    """Whether a layer stack is the adapter's stand-ins (recorders, pass-throughs) for the real layers: the stack's
+    forward is then the engine's own call, run as the model's own code."""
+    return isinstance(stack, nn.ModuleList) and len(stack) > 0 and isinstance(stack[0], LayerInputRecorder | _PassThrough)
 
 
 def _recorders(parts: DecoderParts, sink: list, outputs: int = 1) -> nn.ModuleList:

@@ -230,3 +230,30 @@ def test_a_stage3_config_active_at_from_pretrained_trains_exactly_on_megatrain(t
         # launch: transformers was told (no zero.Init); as: DeepSpeed partitioned it and initialize gathered it
         assert report["partitioned_at_build"] == (name == "as"), name
         assert ("parameters gathered whole once" in log) == (name == "as"), name
+
+
+@pytest.mark.slow
+def test_a_deepspeed_chat_reward_script_trains_on_megatrain_under_launch_with_deepspeeds_losses(tmp_path):
+    """DeepSpeed-Chat's reward-model step (tests/workers/ds_reward: a RewardModel over a causal LM's base model and a
+    `v_head`, the pairwise loss) unchanged under `megatrain launch`: MegaTrain trains it (its start line), with real
+    DeepSpeed's losses (stage 0, FP32, clipping 1.0: the same script with the opt-out)."""
+    def start(name: str, argv: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, Path, Path]:
+        where = tmp_path / name
+        shutil.copytree(ROOT / "tests" / "workers" / "ds_reward", where / "app")
+        (where / "out").mkdir()
+        log = where / "log.txt"
+        with open(log, "w") as f:
+            proc = start_python([*argv, str(where / "app" / "main.py"), "--out", where / "out"], cwd=where, env=env,
+                                stdout=f, stderr=subprocess.STDOUT, text=True)
+        return proc, where / "out", log
+
+    ds = start("deepspeed", _launch("--nproc-per-node", "1", "--master-port", str(free_port())),
+               _env(MEGATRAIN_DEEPSPEED_GUARD="0"))
+    mt = start("megatrain", _launch(), _env())
+    ((ref,), ref_log), ((mine,), log) = _finish(ds), _finish(mt)
+    assert ref["engine"] == "DeepSpeedEngine" and DS_LINE in ref_log
+    assert mine["engine"] == "MegaTrainEngine" and MT_LINE in log and DS_LINE not in log
+    assert len(mine["losses"]) == len(ref["losses"]) == 12
+    assert max(abs(a - b) for a, b in zip(mine["losses"], ref["losses"])) <= TOL
+    assert min(mine["norms"][:5]) > 1.0  # the first steps clipped (DeepSpeed reports no norm at stage 0 in FP32)
+    assert abs(ref["losses"][0] - ref["losses"][-1]) > 10 * TOL  # control: the loss moves

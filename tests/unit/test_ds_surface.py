@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 import copy
 import inspect
-import re
 import warnings
 
 import pytest
@@ -157,9 +156,9 @@ def test_the_stage3_save_gives_the_dtype_the_config_asks_for():
         assert len(storages) == len(sd) - (1 if engine.module.config.tie_word_embeddings else 0)
 
 
-def test_a_decoder_with_a_classification_or_reward_head_is_refused_naming_the_head():
-    """Not trained yet (the engine streams a decoder only under its causal-LM head): refused by name, with the way
-    to train it, for transformers' sequence classification and for a user's reward wrapper (base model + v_head)."""
+def test_a_decoder_with_a_classification_or_reward_head_is_taken_naming_the_head():
+    """transformers' sequence classification and a user's reward wrapper (base model + v_head): the decoder base
+    streamed, the head named (trained exactly: tests/unit/test_reward_heads.py)."""
     import transformers
 
     from megatrain.models.adapter import find_parts
@@ -174,8 +173,9 @@ def test_a_decoder_with_a_classification_or_reward_head_is_refused_naming_the_he
             self.v_head = torch.nn.Linear(64, 1, bias=False)
             self.rwtransformer = base
 
-    for model, head in ((transformers.LlamaForSequenceClassification(cfg), "`score` (64 -> 1)"),
-                        (RewardModel(transformers.LlamaModel(cfg)), "`v_head` (64 -> 1)")):
-        with pytest.raises(ValueError, match=rf"a decoder with a {re.escape(head)} head .*MEGATRAIN_DEEPSPEED_GUARD=0"):
-            find_parts(model)
-    assert find_parts(transformers.LlamaForCausalLM(cfg)).lm_head.out_features == 256  # control: a causal LM is taken
+    for model, head, base in ((transformers.LlamaForSequenceClassification(cfg), "score", "model"),
+                              (RewardModel(transformers.LlamaModel(cfg)), "v_head", "rwtransformer")):
+        parts = find_parts(model)
+        assert (parts.head_name, parts.base_prefix, parts.layers_prefix) == (head, base, f"{base}.layers")
+        assert parts.lm_head is model.get_submodule(head) and parts.norm is model.get_submodule(base).norm
+    assert find_parts(transformers.LlamaForCausalLM(cfg)).head_name is None  # control: a causal LM's head

@@ -4,7 +4,10 @@
 - its parameters are the host store's FP32 masters (the resident embedding / final norm / LM head
   are the engine's device copies when the engine does not compute in FP32 on the CPU), so module
   attributes, `named_parameters()`, `state_dict()` and `save_pretrained()` see the trained weights,
-  all of them, by construction; `state_dict()` always serves the FP32 masters;
+  all of them, by construction; `state_dict()` always serves the FP32 masters, and so does
+  `named_parameters()` / `parameters()` where a resident parameter's device copy is in another dtype (bf16
+  compute: an FP32 copy of its master on the device, naming the copy it stands for), so every parameter the
+  model object reports has the dtype its state dict and its optimizer have;
 - `forward` is routed: a training or plain evaluation call runs the engine's streaming forward
   (chunked loss, logits when they are asked for or usable); a call with a KV cache, `use_cache`,
   `output_hidden_states` or `output_attentions` outside training (what `generate` does) runs the
@@ -49,7 +52,7 @@ import torch
 from torch import nn
 
 from ...costs.modes import HostMaster
-from ...models.adapter import DecoderParts
+from ...models.adapter import DecoderParts, stands_in
 from ..host.store import HostStore
 from ..layer.router import _RecordedStack
 from ..pipeline.inference import streamed_layers
@@ -66,6 +69,7 @@ class Engine(Protocol):
     store: HostStore
     pipeline: LayerPipeline
     device: torch.device
+    placement: Any  # model/placement.py's Placement: the resident parameters' device copies
 
     def forward(self, **kwargs: Any) -> Any: ...
     def synchronize(self) -> None: ...
@@ -84,11 +88,13 @@ _ROUTED = ("forward", "state_dict", "named_parameters", "load_state_dict", "_app
 _bound: weakref.WeakSet = weakref.WeakSet()  # the live engines (an engine lives as long as its model)
 _model_classes: dict[type, type] = {}  # original model class -> its generated, routed subclass
 _guarded_classes: dict[type, type] = {}  # original submodule class -> its generated subclass with the _apply guard
+_base_classes: dict[type, type] = {}  # original decoder base class -> its generated subclass with a routed forward
 
 
 def engines_holding(tensors: list[torch.Tensor]) -> list[Engine]:
     """The live engines whose model object holds any of `tensors` as a parameter."""
-    ids = {id(t) for t in tensors}
+    # a copy the model object served (named_parameters) stands for the parameter it names
+    ids = {id(t) for t in tensors} | {id(t.megatrain_copy_of) for t in tensors if hasattr(t, "megatrain_copy_of")}
     # The plain class's named_parameters: the handles the model holds (the routed one may serve copies)
     return [e for e in list(_bound)
             if any(id(p) in ids for _, p in plain_class(type(e.module)).named_parameters(e.module))]
@@ -118,26 +124,39 @@ class _Binding:
                                    "zero.GatheredParameters(..., modifier_rank=0)) or with load_state_dict()")
         engine = self.engine
         parts, model = engine.parts, engine.module
-        if (getattr(parts.base, parts.layers_attr) is not parts.layers or model.get_input_embeddings() is not parts.embed
-                or model.get_output_embeddings() is not parts.lm_head):
+        if parts.other_head:
+            head_replaced = _submodule(model, parts.head_name) is not parts.lm_head
+            embed_replaced = _submodule(model, parts.base_prefix) is not parts.base or \
+                parts.base.get_input_embeddings() is not parts.embed
+        else:
+            head_replaced = model.get_output_embeddings() is not parts.lm_head
+            embed_replaced = model.get_input_embeddings() is not parts.embed
+        if getattr(parts.base, parts.layers_attr) is not parts.layers or head_replaced or embed_replaced:
             raise RuntimeError("the model's layers or embeddings were replaced after MegaTrain took the model (e.g. "
                                "resize_token_embeddings); change the model before handing it to MegaTrain")
 
 
 def bind(engine: Engine) -> None:
     """Route `engine.module`'s forward, state_dict, load_state_dict and conversions through `engine`: the model's
-    class becomes its generated subclass, each submodule's class one that guards conversions."""
+    class becomes its generated subclass, each submodule's class one that guards conversions. A model whose head is
+    not a causal LM's (heads.py) keeps its own forward; its decoder base's forward is the one routed."""
     model = engine.module
     _bound.add(engine)
-    model.__dict__[_BINDING] = _Binding(engine)
+    binding = _Binding(engine)
+    model.__dict__[_BINDING] = binding
     # A method set on the instance would hide the class's: TRL's fused-head forward (whose options the face read
     # before the engine took the model) goes, so does anything else in the way of the route.
     for name in _ROUTED:
         model.__dict__.pop(name, None)
+    base = engine.parts.base if engine.parts.other_head else None
     for mod in model.modules():
         if mod is not model:
             mod.__dict__.pop("_apply", None)
             mod.__class__ = _guarded_class(plain_class(type(mod)))
+    if base is not None:
+        base.__dict__.pop("forward", None)
+        base.__dict__[_BINDING] = binding
+        base.__class__ = _base_class(plain_class(type(base)))
     model.__class__ = _model_class(plain_class(type(model)))
 
 
@@ -166,6 +185,28 @@ def _model_class(cls: type) -> type:
     return _model_classes[cls]
 
 
+def _base_class(cls: type) -> type:
+    """`cls`'s generated subclass for the decoder base of a model with a head of its own (cached per class): its
+    forward is routed (`_route_base`), conversions guarded, a copy or pickle plain."""
+    if cls not in _base_classes:
+        original = cls.forward
+        signature = inspect.signature(original)
+
+        @functools.wraps(original, assigned=("__doc__", "__name__", "__annotations__"))
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            b = self.__dict__.get(_BINDING)
+            # the engine's own calls of the base (its layers' inputs recorded) run the base's own code
+            if b is None or b.engine.parts.base is not self or stands_in(getattr(self, b.engine.parts.layers_attr)):
+                return original(self, *args, **kwargs)
+            b.check_intact()
+            return _route_base(b.engine, original, signature, self, args, kwargs)
+
+        _base_classes[cls] = type(cls)(cls.__name__, (cls,), {
+            "forward": forward, "_apply": _submodule_apply, "__reduce_ex__": _reduce_as_plain, _PLAIN: cls,
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+    return _base_classes[cls]
+
+
 def _guarded_class(cls: type) -> type:
     """`cls`'s generated subclass that refuses conversions of a module an engine holds (cached per class)."""
     if cls not in _guarded_classes:
@@ -186,8 +227,8 @@ def _model_methods(plain: type) -> dict[str, Callable]:
     def forward(self: nn.Module, *args: Any, return_logits: bool | None = None, return_hidden: bool = False,
                 **kwargs: Any) -> Any:
         b = _binding(self)
-        if b is None or _engine_recording(b.engine, self):
-            return original(self, *args, **kwargs)
+        if b is None or b.engine.parts.other_head or _engine_recording(b.engine, self):
+            return original(self, *args, **kwargs)  # a head of the model's own: its base's forward is routed
         for keyword, serve in b.keywords.items():
             if kwargs.pop(keyword, False):
                 return serve(types.MethodType(forward, self), *args, **kwargs)
@@ -211,13 +252,22 @@ def _model_methods(plain: type) -> dict[str, Callable]:
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         items = plain.named_parameters(self, prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
         b = _binding(self)
-        if b is None or b.engine.store.master_mode is HostMaster.FP32:
+        resident = _resident_copies(b.engine) if b is not None else {}
+        if b is None or (b.engine.store.master_mode is HostMaster.FP32 and not resident):
             yield from items
             return
         b.check_intact()
         b.engine.synchronize()
-        slots = _layer_slots(b.engine)
+        slots = _layer_slots(b.engine) if b.engine.store.master_mode is not HostMaster.FP32 else {}
         for name, p in items:
+            master = resident.get(id(p))
+            if master is not None:
+                # a resident parameter's compute copy (bf16): its FP32 master's values instead, as state_dict()
+                # serves them, on the copy's device (`model.device` stays the engine's), naming the copy it stands for
+                copy_ = nn.Parameter(master.detach().to(p.device, copy=True), requires_grad=p.requires_grad)
+                copy_.megatrain_copy_of = p
+                yield name, copy_
+                continue
             where = slots.get(id(p))
             if where is None:
                 yield name, p
@@ -360,6 +410,46 @@ def _route(engine: Engine, original: Any, signature: inspect.Signature, model: n
     return out.to_tuple() if return_dict is False else out
 
 
+def _route_base(engine: Engine, original: Any, signature: inspect.Signature, base: nn.Module, args: tuple,
+                kwargs: dict[str, Any]) -> Any:
+    """The decoder base's forward under a head of the model's own: the engine's streamed forward, its final norm's
+    output as `last_hidden_state` (what the base's own forward returns), for the model's forward to apply its head
+    to; its gradient (and the head's) reach the engine through `engine.backward(loss)`. Outside training, a KV cache
+    or per-layer outputs run the base's own forward with the layers streamed, as generation does."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    kw = _named_arguments(signature, base, args, kwargs)
+    train = base.training and torch.is_grad_enabled()
+    if any(_given(kw.get(k)) for k in _HF_ONLY):
+        if not train:
+            return _streamed_hf_forward(engine, original, base, kw, None)
+        asked = sorted(k for k in _HF_ONLY if k != "use_cache" and _given(kw.get(k)))
+        if asked:
+            raise ValueError(f"{asked} in a training forward: the training path keeps no KV cache and no per-layer "
+                             "outputs. Call model.eval() or run under torch.no_grad() for inspection, or drop these "
+                             "arguments to train")
+    for k in (*_HF_ONLY, "head_mask"):  # no head_mask: DeepSpeed-Chat's reward model hands non-Llama bases None
+        if k == "head_mask" and kw.get(k) is not None:
+            raise TypeError("head_mask is not served by the MegaTrain engine")
+        kw.pop(k, None)
+    return_dict = kw.pop("return_dict", None)
+    if kw.pop("inputs_embeds", None) is not None:
+        raise ValueError("inputs_embeds is not supported by the MegaTrain engine; pass input_ids")
+    call = {k: kw.pop(k, None) for k in ("input_ids", "attention_mask", "position_ids")}
+    _drop_packing_kwargs(kw, call["position_ids"])
+    rest = sorted(k for k, v in kw.items() if v is not None)
+    if rest:
+        raise TypeError(f"{type(base).__name__}.forward() got arguments the MegaTrain engine does not serve: {rest}; "
+                        "it takes input_ids, attention_mask, position_ids, return_dict (and, outside training, "
+                        "past_key_values / use_cache / output_hidden_states / output_attentions)")
+    if call["input_ids"] is None:
+        raise ValueError(f"{type(base).__name__}.forward() needs input_ids on the MegaTrain engine")
+    # No router term: a head of the model's own adds none (transformers' *ForSequenceClassification does not).
+    out = engine.forward(**call, return_hidden=True, output_router_logits=False)
+    hidden = BaseModelOutputWithPast(last_hidden_state=out.hidden_states[0])
+    return hidden.to_tuple() if return_dict is False else hidden
+
+
 # What padding-free collators (TRL's packing, DataCollatorWithFlattening) add for flash attention. They restate the
 # sequence boundaries that position_ids already give (a reset to 0 starts a sequence); the model's own mask, which
 # the engine records, is built from position_ids, as it is on plain HF with any other attention.
@@ -382,6 +472,19 @@ def _drop_packing_kwargs(kw: dict[str, Any], position_ids: torch.Tensor | None) 
         if name in given and not torch.equal(given[name].reshape(-1).cpu().long(), starts):
             raise ValueError(f"{name} does not match the sequence starts in position_ids ({starts.tolist()}): the "
                              "engine takes packed sequences' boundaries from position_ids")
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _resident_copies(engine: Engine) -> dict[int, nn.Parameter]:
+    """id(resident parameter's device copy) -> its FP32 master, where the copy is in another dtype (bf16 compute)."""
+    group = engine.store.globals
+    return {id(d): m for d, m in zip(engine.placement.device_globals, group.params) if d.dtype != m.dtype}
 
 
 def _layer_slots(engine: Engine) -> dict[int, tuple[Any, Any]]:

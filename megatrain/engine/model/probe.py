@@ -38,6 +38,7 @@ from torch import nn
 
 from .probe_cache import _cache_dir as _cache_dir
 from .probe_cache import cache_key as cache_key
+from .probe_heads import HeadSubject, head_batches, head_subject, prepare_config
 from .probe_reference import _SEQ as _SEQ
 from .probe_reference import _VOCAB as _VOCAB
 from .probe_reference import ADAM_LR as ADAM_LR
@@ -148,10 +149,12 @@ def _train_engine(master: nn.Module, batches: list, engine_factory: Callable[...
                                      f"{type(exc).__name__}: {exc}", arch)) from exc
     losses: list[float] = []
     grads: dict[str, torch.Tensor] = {}
+    # a head of the model's own (probe_heads.py): the model's forward applies it, the engine serves its base's
+    runner = engine.module if engine.parts.other_head else engine
     try:
         for step, batch in enumerate(batches):
             _seed(step)
-            loss = engine(**batch).loss
+            loss = runner(**batch).loss
             engine.backward(loss)
             if step == 0:
                 engine.synchronize()
@@ -196,13 +199,14 @@ class _BuildFailure(Exception):
     pass
 
 def run_probe(model_cls: type, config: Any, engine_factory: Callable[..., Any],
-              engine_config: Any | None = None) -> Verdict:
+              engine_config: Any | None = None, head: HeadSubject | None = None) -> Verdict:
     """Build a tiny `model_cls` of `config`'s structure and compare PyTorch and the engine on it.
 
     FP32 always (the strict check, GRAD_RTOL / LOSS_ATOL); when `engine_config` computes in bf16, also the engine in
     that dtype and host mode against plain PyTorch's bf16 scheme, within BF16_FLOOR_FACTOR x the reference's own
-    bf16 floor (`bf16_floor`). A config plain transformers cannot train when shrunk is shrunk less (`_shrinks`)."""
-    arch = model_cls.__name__
+    bf16 floor (`bf16_floor`). A config plain transformers cannot train when shrunk is shrunk less (`_shrinks`).
+    `head`: a decoder under a head of its own, trained on its own loss and batches (probe_heads.py)."""
+    arch = head.architecture if head is not None else model_cls.__name__
     mode = _Mode.of(engine_config)
     tried: list[tuple[str, BaseException]] = []
     first: nn.Module | None = None
@@ -211,6 +215,7 @@ def run_probe(model_cls: type, config: Any, engine_factory: Callable[..., Any],
         for what, shrink, cap in _shrinks(config):
             try:
                 tiny = shrink(config)
+                tiny = prepare_config(tiny) if head is not None else tiny
                 master = _build(model_cls, tiny, config, cap)
                 master.float().train()
                 first = first or master
@@ -226,7 +231,9 @@ def run_probe(model_cls: type, config: Any, engine_factory: Callable[..., Any],
             # Padded batches first; where plain transformers trains the model only without padding (DeepSeek-V3's
             # latent attention with grouped key/value heads fails on any mask), unpadded ones prove that much.
             for pad in (True, False):
-                batches = _batches(STEPS, vars(tiny).get("vocab_size") or _VOCAB, seq, pad=pad)
+                vocab = vars(tiny).get("vocab_size") or _VOCAB
+                batches = (head_batches(tiny, head.labelled, STEPS, vocab, seq, pad=pad) if head is not None else
+                           _batches(STEPS, vocab, seq, pad=pad))
                 try:
                     ref = train_plain(master, batches, torch.float32, _optimizer(mode, False))
                 except Exception as exc:  # noqa: BLE001
@@ -317,7 +324,8 @@ _MEMO: dict[str, Verdict] = {}
 def verify_model(model: nn.Module, engine_factory: Callable[..., Any], engine_config: Any | None = None) -> Verdict:
     """Run (or recall) the probe for `model`'s architecture in `engine_config`'s compute dtype and host modes (None:
     FP32); raise `ModelMismatchError` unless it is exact."""
-    model_cls, config = type(model), model.config
+    head = head_subject(model)  # a head of its own: the probe's subject is the base under a head (probe_heads.py)
+    model_cls, config = head.model_cls if head is not None else type(model), model.config
     key = cache_key(model_cls, config, engine_config)
     verdict = _MEMO.get(key)
     path = _cache_dir() / f"{key}.json"
@@ -330,7 +338,7 @@ def verify_model(model: nn.Module, engine_factory: Callable[..., Any], engine_co
         # The probe trains: a first forward under the caller's no_grad() or inference_mode() (an evaluation
         # before training) must not turn into a refusal of the architecture.
         with torch.inference_mode(False), torch.enable_grad():
-            verdict = run_probe(model_cls, config, engine_factory, engine_config)
+            verdict = run_probe(model_cls, config, engine_factory, engine_config, head)
         _MEMO[key] = verdict
         if verdict.status in ("exact", "mismatch"):  # refusals and crashes may depend on the environment
             try:
