@@ -1,8 +1,8 @@
 """Part of a model, exactly: a parameter the user froze (requires_grad=False, or left out of model_parameters / the
 optimizer's groups) is not trained, not counted in the clip norm, and keeps its flag, on every face.
 
-The reference is plain PyTorch with DeepSpeed's rule: AdamW over the trainable parameters, clip_grad_norm_ over
-them, frozen tensors untouched."""
+The reference is plain PyTorch with DeepSpeed's rule (frozen_cases.reference): AdamW over the trainable parameters,
+clip_grad_norm_ over them, frozen tensors untouched."""
 
 from __future__ import annotations
 
@@ -12,28 +12,12 @@ import warnings
 import pytest
 import torch
 from conftest import tiny_model
-from frozen_cases import BATCHES, CASES, CLIP, LR, STEPS, ds_config, frozen_model, top_layers_model
+from frozen_cases import BATCHES, CASES, CLIP, LR, STEPS, ds_config, frozen_model, reference, top_layers_model
 from gpu_defaults import GPU_DEFAULTS, bf16_reference, lag_updates, train
 
 import megatrain
 from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
-
-
-def reference(model: torch.nn.Module, batches=BATCHES, steps: int = STEPS) -> tuple[list, list, dict]:
-    """(losses, pre-clip norms, final weights) of plain PyTorch training the trainable parameters only."""
-    model = copy.deepcopy(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR)
-    losses, norms = [], []
-    for b in batches[:steps]:
-        loss = model(**b).loss
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def train_ds(engine, batches=BATCHES, steps: int = STEPS) -> tuple[list, list]:
@@ -48,7 +32,8 @@ def train_ds(engine, batches=BATCHES, steps: int = STEPS) -> tuple[list, list]:
 
 
 def assert_exact(model, before: dict, flags: dict, got: tuple, want: tuple) -> None:
-    (losses, norms), (ref_losses, ref_norms, ref_weights) = got, want
+    (losses, norms), (ref_losses, ref_norms, ref) = got, want
+    ref_weights = ref.state_dict()
     for a, b in zip(norms, ref_norms):
         assert abs(a - b) <= 1e-5 * b, f"clip norm {norms} vs PyTorch's {ref_norms}"
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5, (losses, ref_losses)

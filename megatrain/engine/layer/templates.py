@@ -20,6 +20,18 @@ from .router import router_modules
 from .tiling import tileable, tiled_forward
 
 
+# A PEFT adapter's switches (peft.tuners.tuners_utils.BaseTunerLayer, peft.utils.other.AuxiliaryTrainingWrapper):
+# `disable_adapter()` and `set_adapter()` set them on the user's modules, so a template's copies, taken once, would
+# keep running the adapters a reference pass (TRL's DPO over a PEFT model) switched off.
+_ADAPTER_SWITCHES = ("_disable_adapters", "_active_adapter")
+
+
+def _switched(template: nn.Module, layer: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """(template's module, user's module) for each module of `layer` with adapter switches."""
+    return [(t, u) for t, u in zip(template.modules(), layer.modules())
+            if any(hasattr(u, k) for k in _ADAPTER_SWITCHES)]
+
+
 def _stateless_copy(layer: nn.Module, device: torch.device) -> nn.Module:
     # The copy gets meta parameters through deepcopy's memo, so no weight byte is duplicated, and the
     # user's layer stays untouched: it keeps serving its weights (the host store's masters).
@@ -63,6 +75,8 @@ class TemplateBank:
         # Persistent buffers per layer (e.g. DeepSeek-V3's e_score_correction_bias): their values differ from
         # layer to layer, so each call binds the layer's own, read from the user's layer as it is at call time.
         self._buffers: list[list[tuple[str, nn.Module, str]]] = []
+        # Per layer, its adapters' switches as the user's layer has them at call time (_ADAPTER_SWITCHES).
+        self._switches: list[list[tuple[nn.Module, nn.Module]]] = []
 
     def add(self, layer: nn.Module, device: torch.device) -> None:
         """Register decoder layer i (in order); the layer itself is left as it is."""
@@ -77,6 +91,7 @@ class TemplateBank:
             # A routed MLP over sequence tiles would route each tile separately: its router logits come whole.
             self._tileable[id(template)] = tileable(layer) and not routers
         self.of_layer.append(self._by_key[key])
+        self._switches.append(_switched(self._by_key[key], layer))
         self._buffers.append([(name, *_owner(layer, name)) for name, _ in layer.named_buffers()
                               if _persistent(layer, name)])
 
@@ -112,6 +127,10 @@ class TemplateBank:
         # Tiled only without autograd: under autograd the graph would keep every tile's activations
         # anyway (backward tiles through tiling.tiled_vjp instead).
         self.handed = ()
+        for t, u in self._switches[i]:  # one template serves several layers: each call takes its layer's
+            for k in _ADAPTER_SWITCHES:
+                if hasattr(u, k):
+                    setattr(t, k, getattr(u, k))
         if tile is not None and not args and not torch.is_grad_enabled() and self.tileable(i):
             with self.kernels():
                 return tiled_forward(self.of_layer[i], weights, hidden, kwargs, tile)
