@@ -19,7 +19,6 @@ from .cpu_linear import OneDnnLinears
 from .router import router_modules
 from .tiling import tileable, tiled_forward
 
-
 # A PEFT adapter's switches (peft.tuners.tuners_utils.BaseTunerLayer, peft.utils.other.AuxiliaryTrainingWrapper):
 # `disable_adapter()` and `set_adapter()` set them on the user's modules, so a template's copies, taken once, would
 # keep running the adapters a reference pass (TRL's DPO over a PEFT model) switched off.
