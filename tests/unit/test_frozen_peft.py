@@ -158,3 +158,54 @@ def test_lora_in_the_gpus_defaults():
                 {outer + k: v for k, v in eng.state_dict().items()})
     state = model.state_dict()
     assert all(torch.equal(state[n], v) for n, v in base.items()), "a base weight moved"
+
+
+def _trained_looking(model: torch.nn.Module) -> torch.nn.Module:
+    """LoRA's B starts at zero (the adapter a no-op): random B so the adapter changes the logits."""
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.5)
+    return model
+
+
+def test_a_mixed_adapter_batch_in_eval_is_plain_peft():
+    """`model(input_ids, adapter_names=[...])` (PEFT's per-row adapters, eval only): the hooks PEFT puts on its
+    modules for the call reach the layer templates, so each row runs its own adapter (row 0 the base) as in PEFT."""
+    import copy
+
+    model = _trained_looking(lora_model())
+    ref = copy.deepcopy(model)
+    Engine(model, EngineConfig(compute_dtype="float32", optimizer_overlap=False),
+           optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+    model.eval(), ref.eval()
+    ids = BATCHES[0]["input_ids"]
+    with torch.no_grad():
+        names = ["__base__", "default"]
+        got, want = model(input_ids=ids, adapter_names=names).logits, ref(input_ids=ids, adapter_names=names).logits
+        both = ref(input_ids=ids).logits
+    assert (want[0] - both[0]).abs().max() > 1e-2  # control: row 0 without its adapter is another result
+    assert (got - want).abs().max() <= 1e-5
+
+
+def test_alora_trains_refused_by_name_and_runs_in_eval():
+    """aLoRA (`alora_invocation_tokens`) hands PEFT's layers their offsets through hooks that live for one call:
+    backward's recompute would run without them, so a training forward is refused by name; in eval, as PEFT."""
+    import copy
+
+    model = _trained_looking(lora_model(alora_invocation_tokens=[5, 6], task_type="CAUSAL_LM"))
+    ref = copy.deepcopy(model)
+    batch = {k: v.clone() for k, v in BATCHES[0].items()}
+    batch["input_ids"][:, 3:5] = torch.tensor([5, 6])  # the invocation: the adapter acts from there on
+    Engine(model, EngineConfig(compute_dtype="float32", optimizer_overlap=False),
+           optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+    with pytest.raises(ValueError, match="alora_offsets"):
+        model(**batch)
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        got, want = model(input_ids=batch["input_ids"]).logits, ref(input_ids=batch["input_ids"]).logits
+        with ref.disable_adapter():
+            base = ref(input_ids=batch["input_ids"]).logits
+    assert (want - base).abs().max() > 1e-2  # control: the adapter acts
+    assert (got - want).abs().max() <= 1e-5

@@ -31,6 +31,20 @@ def _switched(template: nn.Module, layer: nn.Module) -> list[tuple[nn.Module, nn
             if any(hasattr(u, k) for k in _ADAPTER_SWITCHES)]
 
 
+def _take_call_hooks(template: nn.Module, user: nn.Module) -> None:
+    """The forward pre-hooks PEFT puts on its adapter modules for the length of one PeftModel call (a mixed batch's
+    `adapter_names`, aLoRA's `alora_offsets`) run on the template's module too. Not in training: backward recomputes
+    each layer after that call has returned and PEFT has removed them, so the recompute would not be the forward
+    (PEFT itself refuses `adapter_names` in training; aLoRA's offsets are what is refused here)."""
+    if user._forward_pre_hooks and user.training:
+        raise ValueError(f"{type(user).__name__} has forward pre-hooks for this call (PEFT's alora_offsets or "
+                         "adapter_names while training): MegaTrain recomputes each layer in backward, after PEFT has "
+                         "removed them, so its gradients would not be this forward's; train without them (plain "
+                         "LoRA), or use them in eval mode")
+    template._forward_pre_hooks = user._forward_pre_hooks
+    template._forward_pre_hooks_with_kwargs = user._forward_pre_hooks_with_kwargs
+
+
 def _stateless_copy(layer: nn.Module, device: torch.device) -> nn.Module:
     # The copy gets meta parameters through deepcopy's memo, so no weight byte is duplicated, and the
     # user's layer stays untouched: it keeps serving its weights (the host store's masters).
@@ -130,6 +144,7 @@ class TemplateBank:
             for k in _ADAPTER_SWITCHES:
                 if hasattr(u, k):
                     setattr(t, k, getattr(u, k))
+            _take_call_hooks(t, u)
         if tile is not None and not args and not torch.is_grad_enabled() and self.tileable(i):
             with self.kernels():
                 return tiled_forward(self.of_layer[i], weights, hidden, kwargs, tile)
