@@ -31,12 +31,19 @@ def _switched(template: nn.Module, layer: nn.Module) -> list[tuple[nn.Module, nn
             if any(hasattr(u, k) for k in _ADAPTER_SWITCHES)]
 
 
+def _from_peft(hook: object) -> bool:
+    """Whether a hook is one of PEFT's (a partial of a function of its package): they live for one call."""
+    fn = getattr(hook, "func", hook)
+    return (getattr(fn, "__module__", None) or "").split(".")[0] == "peft"
+
+
 def _take_call_hooks(template: nn.Module, user: nn.Module) -> None:
     """The forward pre-hooks PEFT puts on its adapter modules for the length of one PeftModel call (a mixed batch's
     `adapter_names`, aLoRA's `alora_offsets`) run on the template's module too. Not in training: backward recomputes
     each layer after that call has returned and PEFT has removed them, so the recompute would not be the forward
-    (PEFT itself refuses `adapter_names` in training; aLoRA's offsets are what is refused here)."""
-    if user._forward_pre_hooks and user.training:
+    (PEFT itself refuses `adapter_names` in training; aLoRA's offsets are what is refused here). A hook of the
+    user's own stays registered: it runs in forward and recompute alike."""
+    if user.training and any(_from_peft(h) for h in user._forward_pre_hooks.values()):
         raise ValueError(f"{type(user).__name__} has forward pre-hooks for this call (PEFT's alora_offsets or "
                          "adapter_names while training): MegaTrain recomputes each layer in backward, after PEFT has "
                          "removed them, so its gradients would not be this forward's; train without them (plain "
