@@ -3,6 +3,8 @@ tests/workers/frozen_dp_worker.py and tests/integration/test_frozen_faces.py).""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from conftest import make_batches, tiny_model
 
@@ -24,6 +26,24 @@ def frozen_model(case: str, **kw) -> torch.nn.Module:
         if CASES[case](n):
             p.requires_grad_(False)
     return m
+
+
+def reference(model: torch.nn.Module, batches=BATCHES, steps: int = STEPS,
+              clip: float = CLIP) -> tuple[list[float], list[float], torch.nn.Module]:
+    """(losses, pre-clip norms, the trained copy) of plain PyTorch (plain PEFT for a PeftModel) training a copy of
+    `model` with DeepSpeed's rule: AdamW over the trainable parameters, clip_grad_norm_ over them."""
+    model = copy.deepcopy(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR)
+    losses, norms = [], []
+    for b in batches[:steps]:
+        loss = model(**b).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, model
 
 
 def ds_config(**over) -> dict:
@@ -53,18 +73,21 @@ def has_peft() -> bool:
     return importlib.util.find_spec("peft") is not None
 
 
-def build(case: str) -> torch.nn.Module:
-    """A case of CASES, or "lora": a PEFT LoRA model (r 8 on q/v) over the same tiny Llama."""
-    if case != "lora":
-        return frozen_model(case)
+def lora_model(**config) -> torch.nn.Module:
+    """A PEFT LoRA model (r 8 on q/v, alpha 16, no dropout; `config`: more of LoraConfig's fields) over a tiny Llama."""
     import warnings
 
     import peft
 
+    cfg = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], **config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                                                         target_modules=["q_proj", "v_proj"]))
+        return peft.get_peft_model(tiny_model("llama"), cfg)
+
+
+def build(case: str) -> torch.nn.Module:
+    """A case of CASES, or "lora": a PEFT LoRA model (r 8 on q/v) over the same tiny Llama."""
+    return lora_model() if case == "lora" else frozen_model(case)
 
 
 def dp_cases() -> list[str]:

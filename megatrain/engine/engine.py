@@ -352,7 +352,8 @@ class Engine:
         # Training on labels alone: final norm + head + loss in sequence tiles, each tile's backward run now
         # (loss.py), so only the last hidden state's gradient waits for backward, not a normed copy and its graph.
         in_forward = train and labels is not None and not (return_logits or return_hidden)
-        with torch.set_grad_enabled(train):
+        # a head/norm left out of the optimizer (its flag True): no gradient computed for it (trainable.py)
+        with torch.set_grad_enabled(train), self.trainable.idle_unflagged(self.placement.device_globals):
             hn = None if in_forward else self.parts.norm(h_last)
             loss = None
             if in_forward:

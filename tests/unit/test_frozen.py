@@ -1,8 +1,8 @@
 """Part of a model, exactly: a parameter the user froze (requires_grad=False, or left out of model_parameters / the
 optimizer's groups) is not trained, not counted in the clip norm, and keeps its flag, on every face.
 
-The reference is plain PyTorch with DeepSpeed's rule: AdamW over the trainable parameters, clip_grad_norm_ over
-them, frozen tensors untouched."""
+The reference is plain PyTorch with DeepSpeed's rule (frozen_cases.reference): AdamW over the trainable parameters,
+clip_grad_norm_ over them, frozen tensors untouched."""
 
 from __future__ import annotations
 
@@ -12,28 +12,12 @@ import warnings
 import pytest
 import torch
 from conftest import tiny_model
-from frozen_cases import BATCHES, CASES, CLIP, LR, STEPS, ds_config, frozen_model, top_layers_model
+from frozen_cases import BATCHES, CASES, CLIP, LR, STEPS, ds_config, frozen_model, reference, top_layers_model
 from gpu_defaults import GPU_DEFAULTS, bf16_reference, lag_updates, train
 
 import megatrain
 from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
-
-
-def reference(model: torch.nn.Module, batches=BATCHES, steps: int = STEPS) -> tuple[list, list, dict]:
-    """(losses, pre-clip norms, final weights) of plain PyTorch training the trainable parameters only."""
-    model = copy.deepcopy(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR)
-    losses, norms = [], []
-    for b in batches[:steps]:
-        loss = model(**b).loss
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def train_ds(engine, batches=BATCHES, steps: int = STEPS) -> tuple[list, list]:
@@ -48,7 +32,8 @@ def train_ds(engine, batches=BATCHES, steps: int = STEPS) -> tuple[list, list]:
 
 
 def assert_exact(model, before: dict, flags: dict, got: tuple, want: tuple) -> None:
-    (losses, norms), (ref_losses, ref_norms, ref_weights) = got, want
+    (losses, norms), (ref_losses, ref_norms, ref) = got, want
+    ref_weights = ref.state_dict()
     for a, b in zip(norms, ref_norms):
         assert abs(a - b) <= 1e-5 * b, f"clip norm {norms} vs PyTorch's {ref_norms}"
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5, (losses, ref_losses)
@@ -368,6 +353,71 @@ def test_a_parameter_left_out_of_model_parameters_does_not_train():
     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(norms, want_norms))
     state = model.state_dict()
     assert all(torch.equal(state[k], v) for k, v in before.items())
-    # its flag as the user set it (DeepSpeed leaves it too), and no gradient held for it
+    # its flag as the user set it (DeepSpeed leaves it too), no gradient held for it, and no slab kept
     q = model.model.layers[0].self_attn.q_proj.weight
-    assert q.requires_grad and q.grad is None and engine.backend.engine.store.layers[0].grad is not None
+    assert q.requires_grad and q.grad is None and engine.backend.engine.store.layers[0].grad is None
+
+
+@pytest.mark.parametrize("how", ["factory", "replaced"])
+def test_a_parameter_left_out_of_a_factory_built_optimizer_keeps_no_slab(how):
+    """An optimizer factory (Engine(optimizer=callable)) building AdamW without layer 0 and the head (every flag
+    True), or that AdamW handed over after the engine was built (replace_optimizer: a face's prepare(optimizer)):
+    neither trains, layer 0 keeps no gradient slab and the resident slab ends before the head; the rest trains as
+    PyTorch with AdamW and the clip over what that optimizer holds."""
+    from kit import train_steps
+
+    def left_out(n: str) -> bool:
+        return n.startswith("model.layers.0.") or n == "lm_head.weight"
+
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    given = [p for n, p in ref.named_parameters() if not left_out(n)]
+    want = train_steps(_TorchRunner(ref, given, torch.optim.AdamW(given, lr=LR)), BATCHES, 3, clip=CLIP)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items() if left_out(k)}
+    cfg = EngineConfig(compute_dtype="float32", optimizer_overlap=False, parity_probe=False)
+    if how == "factory":
+        eng = Engine(model, cfg, optimizer=lambda named: torch.optim.AdamW(
+            [p for n, p in named if not left_out(n)], lr=LR))
+    else:
+        eng = Engine(model, cfg)
+        eng.replace_optimizer(torch.optim.AdamW([p for n, p in model.named_parameters() if not left_out(n)], lr=LR))
+    got = train_steps(eng, BATCHES, 3, clip=CLIP)
+    assert max(abs(a - b) for a, b in zip(got[0], want[0])) <= 1e-5
+    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(got[1], want[1]))
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in before.items()), "a left-out tensor moved"
+    assert eng.store.layers[0].grad is None and eng.store.layers[1].grad is not None
+    head = next(s for s in eng.store.globals.slots if s.name == "lm_head.weight")
+    assert head.offset + head.numel == eng.store.globals.numel  # the head is the globals' last slot...
+    assert eng.store.globals.grad.numel() == head.offset  # ...and its slab ends before it
+    full = Engine(tiny_model("llama"), cfg, optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=LR))
+    held = sum(g.numel for g in eng.store.layers[:1]) + head.numel  # the slab bytes not kept: 4 B per element
+    assert full.store.host_bytes() - eng.store.host_bytes() == 4 * held
+
+
+@pytest.mark.parametrize("head_held", [False, True])
+def test_a_head_left_out_of_the_optimizer_gets_no_gradient_computed(head_held, monkeypatch):
+    """An optimizer without the head (its requires_grad left True, DeepSpeed's rule): the loss tile computes no head
+    gradient at all (it used to compute it and drop it), the flag stays True, and the rest trains as PyTorch with
+    that optimizer and the clip over what it holds. Control: held by the optimizer, the tile computes it."""
+    from kit import train_steps
+
+    from megatrain.engine.layer import loss as loss_module
+
+    calls = []
+    add = loss_module._add_head_grad
+    monkeypatch.setattr(loss_module, "_add_head_grad", lambda *a, **k: calls.append(1) or add(*a, **k))
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    given = [p for n, p in ref.named_parameters() if head_held or n != "lm_head.weight"]
+    want = train_steps(_TorchRunner(ref, given, torch.optim.AdamW(given, lr=LR)), BATCHES, 3, clip=CLIP)
+    head = model.lm_head.weight.detach().clone()
+    eng = Engine(model, EngineConfig(compute_dtype="float32", optimizer_overlap=False, parity_probe=False),
+                 optimizer=torch.optim.AdamW([p for n, p in model.named_parameters()
+                                              if head_held or n != "lm_head.weight"], lr=LR))
+    got = train_steps(eng, BATCHES, 3, clip=CLIP)
+    assert max(abs(a - b) for a, b in zip(got[0], want[0])) <= 1e-5
+    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(got[1], want[1]))
+    assert model.lm_head.weight.requires_grad
+    assert bool(calls) == head_held, len(calls)
+    assert head_held or torch.equal(model.lm_head.weight.detach(), head)

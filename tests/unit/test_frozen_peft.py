@@ -1,16 +1,19 @@
 """A PEFT LoRA model (r 8 on q/v) on the engine trains exactly as plain PEFT does, clipped, and its adapters
-saved by PEFT's save_pretrained reload through PeftModel.from_pretrained with the same logits."""
+saved by PEFT's save_pretrained reload through PeftModel.from_pretrained with the same logits; so do rsLoRA, DoRA
+and `modules_to_save` (the head, the final norm, modules inside the layers), and a pass with the adapters disabled
+(`disable_adapter()`, TRL DPO's reference) is the base model's as in plain PEFT."""
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
 import torch
 from conftest import make_batches, tiny_model
+from frozen_cases import lora_model, reference
 
 import megatrain
+import megatrain.models.adapter
 from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 
@@ -20,36 +23,47 @@ STEPS, LR, CLIP = 5, 1e-3, 0.3
 BATCHES = make_batches(STEPS)
 
 
-def lora_model() -> torch.nn.Module:
-    cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return peft.get_peft_model(tiny_model("llama"), cfg)
+def plain_peft(model: torch.nn.Module, clip: float = CLIP) -> tuple[list[float], list[float], torch.nn.Module]:
+    return reference(model, BATCHES, STEPS, clip)
 
 
-def plain_peft(model: torch.nn.Module) -> tuple[list[float], list[float], torch.nn.Module]:
-    model = copy.deepcopy(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR)
-    losses, norms = [], []
-    for b in BATCHES:
-        loss = model(**b).loss
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, norms, model
+# The PEFT variants: LoraConfig's fields over the r 8 q/v LoRA, and how many tensors train.
+VARIANTS = {
+    "lora": ({}, 8),
+    "rslora": ({"use_rslora": True}, 8),
+    "dora": ({"use_dora": True}, 12),  # + a magnitude vector per adapted linear
+    "head_saved": ({"modules_to_save": ["lm_head"]}, 9),
+    "norm_saved": ({"modules_to_save": ["norm"]}, 9),  # the final norm (PEFT matches whole name parts)
+    "layer_saved": ({"modules_to_save": ["input_layernorm", "down_proj"]}, 12),  # inside the streamed layers
+}
+# find_parts refuses a head that is not an nn.Linear; PEFT's modules_to_save wrapper around it reads as one once
+# models/adapter.py takes it (the change in the peft56 report): until then this case fails there.
+_HEAD_WRAPPER_TAKEN = hasattr(megatrain.models.adapter, "_linear_head")
 
 
-def test_lora_trains_as_plain_peft_and_its_adapters_reload(tmp_path):
-    model = lora_model()
-    ref_losses, ref_norms, ref = plain_peft(model)
-    assert max(ref_norms) > CLIP  # control: the clip bites
+def _variant(name: str):
+    if name == "head_saved":
+        return pytest.param(name, marks=pytest.mark.xfail(not _HEAD_WRAPPER_TAKEN, raises=ValueError, strict=True,
+                                                          reason="models/adapter.py find_parts: no PEFT head wrapper"))
+    return name
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=BATCHES[0]["input_ids"]).logits
+
+
+@pytest.mark.parametrize("variant", [_variant(v) for v in VARIANTS])
+def test_peft_variants_train_as_plain_peft_and_their_adapters_reload(variant, tmp_path):
+    """Clipping 1.0, AdamW lr 1e-3, FP32, 5 steps: losses within 1e-5 of plain PEFT, norms within 1e-5 relative, the
+    same tensors trainable, the base bit-unchanged, the adapters reloaded by PeftModel.from_pretrained giving plain
+    PEFT's logits, and with the adapters disabled the base model's logits as plain PEFT gives them."""
+    config, trainable_count = VARIANTS[variant]
+    model = lora_model(**config)
+    ref_losses, ref_norms, ref = plain_peft(model, clip=1.0)
     base_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     eng = Engine(model, EngineConfig(compute_dtype="float32", optimizer_overlap=False),
-                 optimizer=torch.optim.AdamW(model.parameters(), lr=LR), clip_every_step=CLIP)
-    assert eng.wrapper is model
+                 optimizer=torch.optim.AdamW(model.parameters(), lr=LR), clip_every_step=1.0)
     losses, norms = [], []
     for b in BATCHES:
         loss = model(**b).loss  # the PeftModel's own forward, routed to the engine
@@ -58,23 +72,46 @@ def test_lora_trains_as_plain_peft_and_its_adapters_reload(tmp_path):
         norms.append(eng.clipping.last_norm)
         eng.zero_grad()
         losses.append(loss.item())
-    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
-    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(norms, ref_norms))
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5, (losses, ref_losses)
+    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(norms, ref_norms)), (norms, ref_norms)
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
-    assert trainable == sorted(n for n, p in ref.named_parameters() if p.requires_grad) and len(trainable) == 8
+    assert trainable == sorted(n for n, p in ref.named_parameters() if p.requires_grad)
+    assert len(trainable) == trainable_count, trainable
     state = model.state_dict()
     assert all(torch.equal(state[n], v) for n, v in base_before.items()), "a base weight moved"
 
     model.save_pretrained(tmp_path / "adapter")
-    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         again = peft.PeftModel.from_pretrained(tiny_model("llama"), tmp_path / "adapter")
     again.eval(), ref.eval(), model.eval()
-    with torch.no_grad():
-        ids = BATCHES[0]["input_ids"]
-        got, want, ours = again(input_ids=ids).logits, ref(input_ids=ids).logits, model(input_ids=ids).logits
-    assert (got - want).abs().max() <= 1e-5 and (ours - want).abs().max() <= 1e-5
+    want = _logits(ref)
+    assert (_logits(again) - want).abs().max() <= 1e-5 and (_logits(model) - want).abs().max() <= 1e-5
+    with model.disable_adapter(), ref.disable_adapter():
+        base_ours, base_ref = _logits(model), _logits(ref)
+    assert (base_ref - want).abs().max() > 1e-3  # control: disabling the adapters changes the logits
+    assert (base_ours - base_ref).abs().max() <= 1e-5
+    assert (_logits(model) - want).abs().max() <= 1e-5  # enabled again
+
+
+def test_lora_clipped_below_its_norm_trains_as_plain_peft():
+    """The r 8 q/v LoRA clipped at 0.3, where the clip bites: norms and losses as plain PEFT's."""
+    model = lora_model()
+    ref_losses, ref_norms, _ = plain_peft(model)
+    assert max(ref_norms) > CLIP  # control: the clip bites
+    eng = Engine(model, EngineConfig(compute_dtype="float32", optimizer_overlap=False),
+                 optimizer=torch.optim.AdamW(model.parameters(), lr=LR), clip_every_step=CLIP)
+    assert eng.wrapper is model
+    losses, norms = [], []
+    for b in BATCHES:
+        loss = model(**b).loss
+        eng.backward(loss)
+        eng.step()
+        norms.append(eng.clipping.last_norm)
+        eng.zero_grad()
+        losses.append(loss.item())
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(norms, ref_norms))
 
 
 def test_the_deepspeed_face_hands_back_the_peft_model():
@@ -121,3 +158,54 @@ def test_lora_in_the_gpus_defaults():
                 {outer + k: v for k, v in eng.state_dict().items()})
     state = model.state_dict()
     assert all(torch.equal(state[n], v) for n, v in base.items()), "a base weight moved"
+
+
+def _trained_looking(model: torch.nn.Module) -> torch.nn.Module:
+    """LoRA's B starts at zero (the adapter a no-op): random B so the adapter changes the logits."""
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.5)
+    return model
+
+
+def test_a_mixed_adapter_batch_in_eval_is_plain_peft():
+    """`model(input_ids, adapter_names=[...])` (PEFT's per-row adapters, eval only): the hooks PEFT puts on its
+    modules for the call reach the layer templates, so each row runs its own adapter (row 0 the base) as in PEFT."""
+    import copy
+
+    model = _trained_looking(lora_model())
+    ref = copy.deepcopy(model)
+    Engine(model, EngineConfig(compute_dtype="float32", optimizer_overlap=False),
+           optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+    model.eval(), ref.eval()
+    ids = BATCHES[0]["input_ids"]
+    with torch.no_grad():
+        names = ["__base__", "default"]
+        got, want = model(input_ids=ids, adapter_names=names).logits, ref(input_ids=ids, adapter_names=names).logits
+        both = ref(input_ids=ids).logits
+    assert (want[0] - both[0]).abs().max() > 1e-2  # control: row 0 without its adapter is another result
+    assert (got - want).abs().max() <= 1e-5
+
+
+def test_alora_trains_refused_by_name_and_runs_in_eval():
+    """aLoRA (`alora_invocation_tokens`) hands PEFT's layers their offsets through hooks that live for one call:
+    backward's recompute would run without them, so a training forward is refused by name; in eval, as PEFT."""
+    import copy
+
+    model = _trained_looking(lora_model(alora_invocation_tokens=[5, 6], task_type="CAUSAL_LM"))
+    ref = copy.deepcopy(model)
+    batch = {k: v.clone() for k, v in BATCHES[0].items()}
+    batch["input_ids"][:, 3:5] = torch.tensor([5, 6])  # the invocation: the adapter acts from there on
+    Engine(model, EngineConfig(compute_dtype="float32", optimizer_overlap=False),
+           optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+    with pytest.raises(ValueError, match="alora_offsets"):
+        model(**batch)
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        got, want = model(input_ids=batch["input_ids"]).logits, ref(input_ids=batch["input_ids"]).logits
+        with ref.disable_adapter():
+            base = ref(input_ids=batch["input_ids"]).logits
+    assert (want - base).abs().max() > 1e-2  # control: the adapter acts
+    assert (got - want).abs().max() <= 1e-5

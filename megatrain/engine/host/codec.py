@@ -210,6 +210,28 @@ class HiloMaster(Bf16Master):
         return [g.shadow, g.lo] + ([g.tie_table] if g.tie_table is not None else [])
 
 
+class LoadedBf16(Bf16Master):
+    """A frozen layer loaded in bf16 (engine/model/trainable.py): its weights held as loaded, 2 bytes each, and
+    nothing else: no FP32 master (nothing updates it), no scratch; the bf16 buffer is what streams (widened to an
+    FP32 device buffer where the device computes in FP32: the same values) and what its Parameters view."""
+
+    per_layer = False  # never unpacked or packed: no optimizer holds its parameters
+
+    def buffers(self, numel: int, shadow_dtype: torch.dtype | None, shared: SharedParts | None,
+                scratch: torch.Tensor | None) -> MasterBuffers:
+        held = shared.shadow if shared is not None else host_buffer(numel, torch.bfloat16)
+        return MasterBuffers(None, held, None, None, held)
+
+    def unpack(self, g: Held) -> None:
+        """The weights are the Parameters' already."""
+
+    def pack(self, g: Held) -> None:
+        """Nothing changed them: no rounding, no poisoning (the Parameters view the weights themselves)."""
+
+
+LOADED_BF16 = LoadedBf16()
+
+
 def poison(g: Held) -> None:
     """The scratch is shared by every layer: whoever reads a layer's Parameters outside its update (instead of
     read_slot / the engine's state_dict) gets NaN, never another layer's plausible-looking weights."""

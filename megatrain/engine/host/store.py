@@ -10,6 +10,9 @@ slabs as bf16 or not at all (optimizer in backward): see megatrain/costs/modes.p
 are views of one shared FP32 scratch that holds a layer's values only while the optimizer updates it
 (`unpack()` ... `pack()`); read and write values through `read_slot` / `write_slot`. What each mode does is
 its codec's (codec.py), chosen once per group: no method here tests a mode.
+
+A layer none of whose parameters trains, loaded in bf16, is held as loaded (codec.LoadedBf16): its bf16 weights
+alone, 2 bytes a parameter, streamed as they are; the master mode applies to what trains.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 from torch import nn
 
 from ...costs.modes import GradSlab, HostMaster
-from .codec import GradCodec, MasterCodec, grad_codec, master_codec
+from .codec import LOADED_BF16, GradCodec, MasterCodec, grad_codec, master_codec
 from .node_store import NodeStore
 from .pinned import Pinner, host_buffer
 
@@ -86,7 +89,10 @@ class FlatGroup:
 
     def __init__(self, named_shapes: Iterable[tuple[str, torch.Size]], shadow_dtype: torch.dtype | None,
                  master: HostMaster = HostMaster.FP32, grad: GradSlab | None = GradSlab.FLOAT32,
-                 scratch: Scratch | None = None, shared: SharedLayer | None = None, owned: bool = True):
+                 scratch: Scratch | None = None, shared: SharedLayer | None = None, owned: bool = True,
+                 frozen_bf16: bool = False):
+        """`frozen_bf16`: a layer none of whose parameters trains, loaded in bf16: held as loaded (codec.LoadedBf16),
+        no gradient slab."""
         self.slots: list[Slot] = []
         offset = 0
         for name, shape in named_shapes:
@@ -95,7 +101,7 @@ class FlatGroup:
             offset += n
         self.numel = offset
         # What each mode does, chosen once.
-        self.masters: MasterCodec = master_codec(master)
+        self.masters: MasterCodec = LOADED_BF16 if frozen_bf16 else master_codec(master)
         self.grads: GradCodec = grad_codec(grad)
         self.rounding: torch.Generator | None = None  # bf16 master: stochastic rounding's random bits
         # hilo: positions whose hi rounded up at a tie (the `ties` property); in a shared store a table in the
@@ -110,7 +116,7 @@ class FlatGroup:
         self.master, self.shadow, self.lo, self.tie_table, self.work = self.masters.buffers(
             offset, shadow_dtype, shared, scratch.master if scratch is not None else None)
         self.grad, self.grad_work = (self.grads.buffers(offset, scratch.grad if scratch is not None else None)
-                                     if owned else (None, None))
+                                     if owned and not frozen_bf16 else (None, None))
         self.params: list[nn.Parameter] = []
         self.trains: list[bool] | None = None  # per slot, whether it trains (engine/model/trainable.py; None: all)
         for s in self.slots:
@@ -238,8 +244,14 @@ class HostStore:
 
     def __init__(self, layer_shapes: list[list[tuple[str, torch.Size]]], global_shapes: list[tuple[str, torch.Size]],
                  pin: bool | Pinner | None, shadow_dtype: torch.dtype | None, master: HostMaster = HostMaster.FP32,
-                 grad: GradSlab | None = GradSlab.FLOAT32, node: NodeStore | None = None) -> None:
+                 grad: GradSlab | None = GradSlab.FLOAT32, node: NodeStore | None = None,
+                 frozen_bf16: Iterable[int] = ()) -> None:
+        """`frozen_bf16`: the layers held as loaded in bf16 (FlatGroup), outside the store's master mode; not with a
+        node's shared store (its layers' buffers are the mode's)."""
         self.master_mode, self.grad_mode = master, grad
+        frozen_bf16 = set(frozen_bf16)
+        if frozen_bf16 and node is not None:
+            raise ValueError("layers held as loaded in bf16 are a private store's only")
         masters, grads = master_codec(master), grad_codec(grad)
         self.scratch = None
         if masters.per_layer or grads.per_layer:
@@ -254,7 +266,7 @@ class HostStore:
             numels = [sum(int(torch.Size(s).numel()) for _, s in shapes) for shapes in layer_shapes]
             shared = shared_layers(node, numels, master, shadow_dtype)
         self.layers = [FlatGroup(shapes, shadow_dtype, master, grad, self.scratch, shared[i],
-                                 node is None or node.owns(i)) for i, shapes in enumerate(layer_shapes)]
+                                 node is None or node.owns(i), i in frozen_bf16) for i, shapes in enumerate(layer_shapes)]
         # The globals (embedding, final norm, head) stay FP32: they are resident on the device, and their
         # gradients arrive at both ends of backward.
         self.globals = FlatGroup(global_shapes, None)

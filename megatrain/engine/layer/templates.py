@@ -19,6 +19,38 @@ from .cpu_linear import OneDnnLinears
 from .router import router_modules
 from .tiling import tileable, tiled_forward
 
+# A PEFT adapter's switches (peft.tuners.tuners_utils.BaseTunerLayer, peft.utils.other.AuxiliaryTrainingWrapper):
+# `disable_adapter()` and `set_adapter()` set them on the user's modules, so a template's copies, taken once, would
+# keep running the adapters a reference pass (TRL's DPO over a PEFT model) switched off.
+_ADAPTER_SWITCHES = ("_disable_adapters", "_active_adapter")
+
+
+def _switched(template: nn.Module, layer: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """(template's module, user's module) for each module of `layer` with adapter switches."""
+    return [(t, u) for t, u in zip(template.modules(), layer.modules())
+            if any(hasattr(u, k) for k in _ADAPTER_SWITCHES)]
+
+
+def _from_peft(hook: object) -> bool:
+    """Whether a hook is one of PEFT's (a partial of a function of its package): they live for one call."""
+    fn = getattr(hook, "func", hook)
+    return (getattr(fn, "__module__", None) or "").split(".")[0] == "peft"
+
+
+def _take_call_hooks(template: nn.Module, user: nn.Module) -> None:
+    """The forward pre-hooks PEFT puts on its adapter modules for the length of one PeftModel call (a mixed batch's
+    `adapter_names`, aLoRA's `alora_offsets`) run on the template's module too. Not in training: backward recomputes
+    each layer after that call has returned and PEFT has removed them, so the recompute would not be the forward
+    (PEFT itself refuses `adapter_names` in training; aLoRA's offsets are what is refused here). A hook of the
+    user's own stays registered: it runs in forward and recompute alike."""
+    if user.training and any(_from_peft(h) for h in user._forward_pre_hooks.values()):
+        raise ValueError(f"{type(user).__name__} has forward pre-hooks for this call (PEFT's alora_offsets or "
+                         "adapter_names while training): MegaTrain recomputes each layer in backward, after PEFT has "
+                         "removed them, so its gradients would not be this forward's; train without them (plain "
+                         "LoRA), or use them in eval mode")
+    template._forward_pre_hooks = user._forward_pre_hooks
+    template._forward_pre_hooks_with_kwargs = user._forward_pre_hooks_with_kwargs
+
 
 def _stateless_copy(layer: nn.Module, device: torch.device) -> nn.Module:
     # The copy gets meta parameters through deepcopy's memo, so no weight byte is duplicated, and the
@@ -63,6 +95,8 @@ class TemplateBank:
         # Persistent buffers per layer (e.g. DeepSeek-V3's e_score_correction_bias): their values differ from
         # layer to layer, so each call binds the layer's own, read from the user's layer as it is at call time.
         self._buffers: list[list[tuple[str, nn.Module, str]]] = []
+        # Per layer, its adapters' switches as the user's layer has them at call time (_ADAPTER_SWITCHES).
+        self._switches: list[list[tuple[nn.Module, nn.Module]]] = []
 
     def add(self, layer: nn.Module, device: torch.device) -> None:
         """Register decoder layer i (in order); the layer itself is left as it is."""
@@ -77,6 +111,7 @@ class TemplateBank:
             # A routed MLP over sequence tiles would route each tile separately: its router logits come whole.
             self._tileable[id(template)] = tileable(layer) and not routers
         self.of_layer.append(self._by_key[key])
+        self._switches.append(_switched(self._by_key[key], layer))
         self._buffers.append([(name, *_owner(layer, name)) for name, _ in layer.named_buffers()
                               if _persistent(layer, name)])
 
@@ -112,6 +147,11 @@ class TemplateBank:
         # Tiled only without autograd: under autograd the graph would keep every tile's activations
         # anyway (backward tiles through tiling.tiled_vjp instead).
         self.handed = ()
+        for t, u in self._switches[i]:  # one template serves several layers: each call takes its layer's
+            for k in _ADAPTER_SWITCHES:
+                if hasattr(u, k):
+                    setattr(t, k, getattr(u, k))
+            _take_call_hooks(t, u)
         if tile is not None and not args and not torch.is_grad_enabled() and self.tileable(i):
             with self.kernels():
                 return tiled_forward(self.of_layer[i], weights, hidden, kwargs, tile)

@@ -150,6 +150,16 @@ class UploadFence:
         return UploadFence, (None,)
 
 
+def loaded_bf16_frozen(parts: DecoderParts, frozen: frozenset[str] | set[str]) -> list[int]:
+    """The layers none of whose parameters trains, every one loaded in bf16: held as loaded, 2 bytes a parameter
+    (host/codec.py LoadedBf16), where an FP32 master (and its shadow) would hold 4 (6) for weights that never
+    change. A layer from a checkpoint directory (meta until it is read) is not known to be bf16: it stays FP32."""
+    prefix = parts.layers_prefix
+    return [i for i, layer in enumerate(parts.layers)
+            if all(f"{prefix}.{i}.{n}" in frozen and p.dtype == torch.bfloat16 and p.device.type != "meta"
+                   for n, p in layer.named_parameters())]
+
+
 def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: torch.device,
           compute_dtype: torch.dtype, dp: DataParallel | None, node: NodeStore | None,
           checkpoint_dir: str | os.PathLike | None,
@@ -186,7 +196,10 @@ def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: t
         probe(model)
     store = HostStore(layer_shapes, [(n, p.shape) for n, p in global_named], pin,
                       torch.bfloat16 if compute_dtype == torch.bfloat16 else None,
-                      config.master_mode, config.grad_slab, node)
+                      config.master_mode, config.grad_slab, node,
+                      # not with a node's shared store (its buffers are the mode's) or the NVMe tier (its records
+                      # are sized by the store's mode)
+                      loaded_bf16_frozen(parts, frozen) if node is None and config.nvme_path is None else ())
     if node is not None:
         node.make_staging(max(g.numel for g in store.layers))
     if config.bf16_rounding == "stochastic":

@@ -10,7 +10,8 @@ layers trains (`backward_floor`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -64,8 +65,21 @@ class Trainable:
         return self._trains.get(id(master), False)
 
     def freeze(self, names: Iterable[str]) -> None:
+        """`names` train no more (left out of the optimizer): a layer none of whose parameters trains now gives up
+        its slab, and the resident slab its frozen tail (release)."""
         self.frozen |= set(names)
         self._refresh()
+        for g, trains in zip(self.store.groups(), [*self.layers, self.globals]):
+            g.trains = trains  # what the slabs' .grad links read (apply() sets the flags)
+        self.release()
+
+    def release(self) -> None:
+        """No gradient slab for a layer none of whose parameters trains, and the resident slab ends after the last
+        resident parameter that trains (trim_resident_slab)."""
+        for i, group in enumerate(self.store.layers):
+            if not self.layer_trains(i) and group.grad is not None:
+                group.drop_grads()
+        self.trim_resident_slab()
 
     @property
     def everything(self) -> bool:
@@ -92,13 +106,15 @@ class Trainable:
     def trim_resident_slab(self) -> None:
         """The resident parameters' gradient slab ends after the last one that trains: the frozen ones were placed
         after the trainable (placement.py), so no slab is held for them. (A parameter frozen later, left out of the
-        optimizer, keeps its part: it is never written.)"""
+        optimizer, keeps its part where one that trains follows it: it is never written.)"""
         group = self.store.globals
         ends = [s.offset + s.numel for s, t in zip(group.slots, self.globals) if t]
         n = max(ends, default=0)
         if group.grad is None or n == group.grad.numel() or group.grad_work is not group.grad:
             return
-        group.grad = group.grad_work = host_buffer(n, torch.float32)
+        on_host = group.grad.device.type == "cpu"  # else the resident optimizer's (update/resident.py): there
+        group.grad = group.grad_work = (host_buffer(n, torch.float32) if on_host else
+                                        torch.zeros(n, dtype=torch.float32, device=group.grad.device))
         group.link_grads()
 
     def apply(self, device_globals: list[nn.Parameter]) -> None:
@@ -119,6 +135,21 @@ class Trainable:
             d.requires_grad_(flag(s.name, t))
         for g in self.store.groups():
             g.link_grads()
+
+    @contextmanager
+    def idle_unflagged(self, device_globals: list[nn.Parameter]) -> Iterator[None]:
+        """Within it, the resident parameters that keep the user's requires_grad=True but do not train (left out of
+        the optimizer) show requires_grad=False, so the loss tile, which computes a gradient for every head/norm
+        tensor that requires one as it goes (layer/loss.py), computes none for them; the flags are the user's again
+        after."""
+        idle = [d for d, t in zip(device_globals, self.globals) if d.requires_grad and not t]
+        for d in idle:
+            d.requires_grad_(False)
+        try:
+            yield
+        finally:
+            for d in idle:
+                d.requires_grad_(True)
 
     def strip(self, optimizer: torch.optim.Optimizer) -> None:
         """Take the frozen masters out of `optimizer`'s groups (DeepSpeed's rule: an optimizer over
