@@ -12,6 +12,7 @@ implement the same protocol without importing any of this package's engine.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
@@ -315,10 +316,15 @@ class MegatrainBackend:
             return
         weights, optimizer_state = self.training_state()
         if directory is not None:
-            train_state.write_weights(directory, weights, optimizer_state)
+            train_state.write_weights(directory, weights, optimizer_state, residency=train_state.residency_record(eng))
 
     def load_state(self, directory: str | os.PathLike) -> None:
-        self.load_training_state(*train_state.read_weights(directory, self._require_engine()))
+        eng = self._require_engine()
+        # built before the folder was read: a run that placed another optimizer-resident count trains other bits
+        differs = train_state.resumed_residency(eng, train_state.saved_residency(directory))
+        if differs is not None:
+            warnings.warn(differs, stacklevel=2)
+        self.load_training_state(*train_state.read_weights(directory, eng))
 
 
 def hf_checkpointing_on(model: Any) -> bool:

@@ -407,7 +407,8 @@ class MegaTrainEngine:
             train_state.save_engine_checkpoint_sharded(
                 save_dir, tag, weights=weights, optimizer=self.engine.optimizer, mine=mine, rank=self.global_rank,
                 group=self.engine.dp.group, scheduler=self.lr_scheduler, counters=counters, config=self.config,
-                client_state=client_state, keep_last=keep_last, update_latest=save_latest)
+                client_state=client_state, keep_last=keep_last, update_latest=save_latest,
+                residency=train_state.residency_record(self.engine))
             torch.distributed.barrier()  # no rank reads it (or moves on to delete it) before it is whole
             return True
         # Layer updates still queued (optimizer_overlap) land first.
@@ -417,7 +418,7 @@ class MegaTrainEngine:
         train_state.save_engine_checkpoint(
             save_dir, tag, weights=weights, optimizer_state=optimizer_state, scheduler=self.lr_scheduler,
             counters=counters, config=self.config, client_state=client_state, write=self.global_rank == 0,
-            keep_last=keep_last, update_latest=save_latest)
+            keep_last=keep_last, update_latest=save_latest, residency=train_state.residency_record(self.engine))
         if self.world_size > 1:
             torch.distributed.barrier()  # no rank reads it (or moves on to delete it) before it is whole
         return True
@@ -437,6 +438,11 @@ class MegaTrainEngine:
                           stacklevel=2)
             return None, None
         weights, meta, path, tensors = train_state.load_engine_checkpoint(load_dir, tag)
+        # The engine was built before the checkpoint was read: where its run placed another optimizer-resident count
+        # (chosen from that card's free memory), this resume trains other bits; said, not hidden.
+        differs = train_state.resumed_residency(self.engine, train_state.saved_residency(meta))
+        if differs is not None:
+            warnings.warn(differs, stacklevel=2)
         optimizer_state = None
         if (not load_module_only and load_optimizer_states and self.optimizer is not None
                 and "optimizer" in meta):

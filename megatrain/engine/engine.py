@@ -56,7 +56,8 @@ from .pipeline.schedule import LayerPipeline
 from .runtime.host_copy import HostCopy, host_value, to_device, to_host
 from .runtime.malloc import set_mmap_threshold
 from .runtime.memtrack import DeviceMemoryTracker, resident_state, tracked
-from .runtime.oom import lowered_on_oom, redone_once_on_oom  # ENGINE-HOOK (gpu57): out-of-memory, oom.py
+from .runtime.numa import bind_host
+from .runtime.oom import lowered_on_oom, redone_once_on_oom
 from .runtime.stream import Streams, Trace
 from .update import resident, speculative
 from .update.choose import choose as choose_update
@@ -66,9 +67,9 @@ from .update.optim import LayeredStep, OptimizerArg, adopt_optimizer, unsupporte
 __all__ = ["Engine", "OptimizerArg", "engines_holding", "resolve_device"]
 
 def _has_dropout(cfg: Any) -> bool:
-    return any((getattr(cfg, k, 0) or 0) > 0 for k in ("attention_dropout", "hidden_dropout", "dropout",
-                                                         "resid_pdrop", "attn_pdrop",
-                                                         "router_jitter_noise", "input_jitter_noise", "moe_jitter_eps"))
+    return any((getattr(cfg, k, 0) or 0) > 0 for k in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop",
+                                                         "attn_pdrop", "router_jitter_noise", "input_jitter_noise",
+                                                         "moe_jitter_eps"))
 
 
 @dataclass
@@ -111,6 +112,7 @@ class Engine:
         clip_every_step = checked_max_norm(clip_every_step)  # refused before any work
         written = config or EngineConfig()  # until the plan: what settling leaves as written
         self.device, self.dp = join_ranks(resolve_device(written.device), written.watchdog_s)
+        bind_host(self.device)  # before the store exists: its pages first touched on the GPU's NUMA node (numa.py)
         self.trace_log = Trace(written.trace, self.device)
         if self.dp is not None:
             self.dp.stream.trace = self.dp.updates.trace = self.trace_log
@@ -146,10 +148,7 @@ class Engine:
         # train (before the optimizer residency below moves slabs).
         self.trainable = Trainable(self.store, self.parts, frozen, flags)
         self.trainable.apply(self.placement.device_globals)
-        for i, group in enumerate(self.store.layers):
-            if not self.trainable.layer_trains(i) and group.grad is not None:
-                group.drop_grads()
-        self.trainable.trim_resident_slab()  # a frozen embedding (head, norm) has none either
+        self.trainable.release()  # a frozen embedding (head, norm) has no slab either
         self._recorded: list = []
 
         self.streams = Streams(self.device, self.trace_log, config.link_gbps, config.watchdog_s)
@@ -169,8 +168,7 @@ class Engine:
         # With advice (a device budget only: with none, everything fits and the fill is every layer) its count.
         self.placement_advice = placement_advice if policy.budget is not None else None
         if self.placement_advice is not None:
-            # asked with the configuration as it stands here (host mode chosen, the speculative step's "auto" still
-            # open): the planner sizes that step as the engine is about to, not as "every layer" once it is on
+            # asked before speculation's verdict: the planner sizes that step as the engine is about to
             advice, asked = self.placement_advice, config
             policy.advise = lambda tokens, k: advice.residency(asked, tokens, policy.budget, k)
         auto = 0
@@ -219,10 +217,8 @@ class Engine:
         self.pipeline.optimizer_layers = self.optimizer_layers
         self.pipeline.trainable = self.trainable
         self._global_grads = GlobalGradSink(self.store, self.streams, self.pipeline, self.compute_dtype)
-        # A plain CPU device keeps the loss tile's buffers from step to step (loss.py TileBuffers): the host's
-        # allocator maps tensors that large afresh on every allocation. Not where the CPU device stands in for a
-        # GPU's memory (a budget or link emulated, device memory measured: it is modelled as a GPU's, whose caching
-        # allocator reuses them, and kept buffers would hold loss workspace outside the loss phase).
+        # A plain CPU device keeps the loss tile's buffers (its allocator maps them afresh each time); not where it
+        # stands in for a GPU's memory, whose caching allocator reuses them (loss.py TileBuffers).
         self._tile_buffers = TileBuffers() if self.pipeline.alias_kept and self.memory is None else None
         # The pipeline's own reductions write every layer's slab: zero_grad() can leave zeroing to them.
         self.events.slabs.overwrite = self.pipeline.grad_sink is None
@@ -284,7 +280,7 @@ class Engine:
             return self.module(*args, **kwargs)
         return self.forward(*args, **kwargs)
 
-    @redone_once_on_oom  # ENGINE-HOOK (gpu57): a device OOM lowers residency once and redoes the forward (oom.py)
+    @redone_once_on_oom  # a device out-of-memory error lowers residency once and redoes the forward (oom.py)
     @tracked
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -404,7 +400,7 @@ class Engine:
                                "autograd. Call engine.backward(loss) (DeepSpeed face) or accelerator.backward(loss)")
         return grad
 
-    @lowered_on_oom  # ENGINE-HOOK (gpu57): a device OOM lowers residency for the next steps, then is raised (oom.py)
+    @lowered_on_oom  # gradients already added cannot be undone: residency lowered for the next steps, then raised
     @tracked
     def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
         """Add d(loss)/d(params) into the host gradient slabs (accumulates across calls).
@@ -553,7 +549,7 @@ class Engine:
         self.ranks.wait()
         return [g.grad for g in self.store.groups() if g.grad is not None]
 
-    @lowered_on_oom  # ENGINE-HOOK (gpu57): as backward's (oom.py)
+    @lowered_on_oom  # as backward's (oom.py)
     def step(self) -> bool:
         """One optimizer step over the host masters (the caller owns zero_grad and LR schedules).
 

@@ -89,11 +89,11 @@ def find_parts(model: nn.Module) -> DecoderParts:
     get_out = getattr(model, "get_output_embeddings", None)
     embed = get_in() if get_in else None
     lm_head = get_out() if get_out else None
-    if not isinstance(lm_head, nn.Linear) and _other_head(model) is not None:
+    if not _linear_head(lm_head) and _other_head(model) is not None:
         return _head_parts(model, config, kind)
     if not isinstance(embed, nn.Embedding):
         raise ValueError(f"{kind}: no input embedding (nn.Embedding) found via get_input_embeddings()")
-    if not isinstance(lm_head, nn.Linear):
+    if not _linear_head(lm_head):
         raise ValueError(f"{kind}: no LM head (nn.Linear) found via get_output_embeddings(); is it a *ForCausalLM?")
 
     n_layers = getattr(config, "num_hidden_layers", None)
@@ -123,6 +123,13 @@ def find_parts(model: nn.Module) -> DecoderParts:
     cap = float(softcap) if softcap is not None else None
     return DecoderParts(model, base, base_prefix or "", layers_attr, getattr(base, layers_attr), embed, norm,
                         lm_head, rotary, tied, cap if scale is None else LogitTransform(scale, cap))
+
+
+def _linear_head(head: object) -> bool:
+    """A linear LM head, or PEFT's `modules_to_save` wrapper around one (its `weight` and `bias` are the active
+    adapter's trained copy, or the original's with adapters disabled: the head's tensors are read per call)."""
+    return isinstance(head, nn.Linear) or (isinstance(getattr(head, "original_module", None), nn.Linear)
+                                           and isinstance(getattr(head, "modules_to_save", None), nn.ModuleDict))
 
 
 def _other_head(model: nn.Module) -> str | None:

@@ -99,7 +99,8 @@ def describe(face: str, engine: Any, optimizer: Any = None, turned_off: list[str
     advice = getattr(engine, "placement_advice", None)
     kept += f" ({advice.source})" if advice is not None and isinstance(res, str) else ""
     on_device = len(getattr(engine, "optimizer_layers", ()))  # chosen when the engine was built (resident.py)
-    kept += f", {on_device} layers' optimizer on the device" if on_device else ""
+    src = "from checkpoint" if getattr(advice, "source", None) == "from checkpoint" else "chosen"
+    kept += f", {on_device} layers' optimizer on the device ({src})" if on_device else ""
     # the resident parameters' (embedding, norm, head) with them (resident.py place_globals)
     kept += " (and the embedding/norm/head's)" if getattr(engine, "globals_on_device", False) else ""
     return (f"{PREFIX} | face: {face} | device: {engine.device} | compute: {cfg.compute_dtype} | "

@@ -427,6 +427,8 @@ def test_model_object_serves_the_joined_masters_not_the_scratch(master, tmp_path
         if n in want:
             assert torch.equal(t.float(), want[n]), n
     layer_param = next(eng.parts.layers[0].parameters())  # the module's own handle: the scratch
-    with pytest.raises(RuntimeError, match="engine.state_dict"):
-        with zero.GatheredParameters([layer_param], modifier_rank=0):
-            pass
+    key = f"{eng.parts.layers_prefix}.0.{next(n for n, _ in eng.parts.layers[0].named_parameters())}"
+    with zero.GatheredParameters([layer_param], modifier_rank=0), torch.no_grad():
+        assert torch.equal(layer_param.detach(), want[key])  # inside the block: the layer's weight
+        layer_param.mul_(2)
+    assert torch.equal(eng.state_dict()[key], want[key] * 2)  # the write reached the host store

@@ -14,6 +14,7 @@ import torch
 from conftest import make_batches, tiny_model
 from kit import start_python, worker_env
 
+from megatrain.config import EngineConfig
 from megatrain.run import start_line
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,9 +78,8 @@ def test_accelerate_face_says_what_preparing_the_model_turned_off(caplog):
 
 def test_without_logging_configured_the_line_goes_to_stderr(capsys):
     class Engine:  # what describe() reads
-        config = type("C", (), {"compute_dtype": "float32", "host_master": "fp32", "host_grad_dtype": "float32",
-                                "optimizer_in_backward": True, "nvme_path": None, "data_parallel_host": "auto",
-                                "residency": "auto"})()
+        config = EngineConfig(compute_dtype="float32", host_master="fp32", host_grad_dtype="float32",
+                              optimizer_in_backward=True, residency="auto")
         device = torch.device("cpu")
         dp = None
 

@@ -1,11 +1,9 @@
-"""A no-grad eval on training's placement (kept layers) against the same eval streamed: why their last bits differed.
+"""A no-grad eval on training's placement (kept layers) is bit-identical to the same eval streamed.
 
 Under a device budget the eval's plan sizes its head/loss chunk from the room the placement leaves (costs/memory.py):
-with the 6 layers' weights kept the 8 x 512 eval's chunk is 128 tokens, streamed 256. The chunked loss adds each
-chunk's sum into its total (loss.py `_ChunkedHeadLoss.forward`, `total += chunk.sum()`), so the loss's summation order
-followed the placement: 5.560976028 kept, 5.560975552 streamed here. Every token's loss is the same bits either way:
-pinned to one chunk the two evals agree bit for bit. The fix (in loss.py, not this helper's file): each token's loss
-written into a vector, summed once, so the loss is the same bits whatever the chunk.
+with the 6 layers' weights kept the 8 x 512 eval's chunk is 128 tokens, streamed 256. The chunked loss once added each
+chunk's sum into its total, so the loss's summation order followed the placement (5.560976028 kept, 5.560975552
+streamed); every token's loss is written into one vector and summed once (loss.py), the same bits whatever the chunk.
 """
 
 from __future__ import annotations
@@ -62,7 +60,6 @@ def test_the_kept_and_streamed_evals_differ_only_in_their_loss_chunk():
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-@pytest.mark.xfail(strict=True, reason="loss.py sums the loss chunk by chunk: needs the per-token sum (see docstring)")
 def test_an_eval_on_trainings_placement_is_bit_identical_to_the_streamed_one():
     _, _, kept = _eval("auto")
     _, _, streamed = _eval("stream")

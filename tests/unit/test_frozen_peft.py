@@ -13,7 +13,6 @@ from conftest import make_batches, tiny_model
 from frozen_cases import lora_model, reference
 
 import megatrain
-import megatrain.models.adapter
 from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 
@@ -36,24 +35,12 @@ VARIANTS = {
     "norm_saved": ({"modules_to_save": ["norm"]}, 9),  # the final norm (PEFT matches whole name parts)
     "layer_saved": ({"modules_to_save": ["input_layernorm", "down_proj"]}, 12),  # inside the streamed layers
 }
-# find_parts refuses a head that is not an nn.Linear; PEFT's modules_to_save wrapper around it reads as one once
-# models/adapter.py takes it (the change in the peft56 report): until then this case fails there.
-_HEAD_WRAPPER_TAKEN = hasattr(megatrain.models.adapter, "_linear_head")
-
-
-def _variant(name: str):
-    if name == "head_saved":
-        return pytest.param(name, marks=pytest.mark.xfail(not _HEAD_WRAPPER_TAKEN, raises=ValueError, strict=True,
-                                                          reason="models/adapter.py find_parts: no PEFT head wrapper"))
-    return name
-
-
 def _logits(model: torch.nn.Module) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=BATCHES[0]["input_ids"]).logits
 
 
-@pytest.mark.parametrize("variant", [_variant(v) for v in VARIANTS])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_peft_variants_train_as_plain_peft_and_their_adapters_reload(variant, tmp_path):
     """Clipping 1.0, AdamW lr 1e-3, FP32, 5 steps: losses within 1e-5 of plain PEFT, norms within 1e-5 relative, the
     same tensors trainable, the base bit-unchanged, the adapters reloaded by PeftModel.from_pretrained giving plain

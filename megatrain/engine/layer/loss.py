@@ -154,14 +154,15 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                 chunk: int, softcap: float | None) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        # each token's loss in its place, summed once: the same bits whatever the chunk (a plan's choice)
+        per_token = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         for s in range(0, h.shape[0], chunk):
             logits = _logits(h[s: s + chunk], weight, bias, softcap)
             t = targets[s: s + chunk]
-            total += (torch.logsumexp(logits, dim=-1) - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            per_token[s: s + chunk] = torch.logsumexp(logits, dim=-1) - logits.gather(1, t[:, None]).squeeze(1)
         ctx.save_for_backward(h, weight, bias, targets)
         ctx.chunk, ctx.softcap = chunk, softcap
-        return total
+        return per_token.sum()
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -301,7 +302,7 @@ def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torc
     grad_w = None  # the first tile's gradient, then the sum (_add_head_grad)
     grad_b = (torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
               if bias is not None and bias.requires_grad else None)
-    total = torch.zeros((), dtype=torch.float32, device=dev)
+    per_token = torch.zeros(tokens, dtype=torch.float32, device=dev)  # summed once: the same bits whatever the tile
     for s in range(0, tokens, tile_tokens):
         x = (x_all[:, s: s + tile_tokens] if streams else x_all[s: s + tile_tokens]).detach().requires_grad_(True)
         with torch.enable_grad():
@@ -328,7 +329,10 @@ def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torc
             top = logits.amax(dim=-1, keepdim=True)
             lse = torch.sub(logits, top, out=p).exp_().sum(dim=-1, keepdim=True).log_().add_(top)
             per_row = (lse - logits.gather(1, t[:, None])).squeeze(1)
-            total += (per_row if unlabeled.numel() == 0 else per_row.index_select(0, to_device(labeled, dev))).sum()
+            rows = (torch.arange(s, s + tile_valid.numel()) if taken is None else taken + s)
+            rows = rows if unlabeled.numel() == 0 else rows.index_select(0, labeled)
+            per_token.index_copy_(0, to_device(rows, dev),
+                                  per_row if unlabeled.numel() == 0 else per_row.index_select(0, to_device(labeled, dev)))
             torch.softmax(logits, dim=-1, out=p)
             p[torch.arange(p.shape[0], device=dev), t] -= 1.0
             if unlabeled.numel():
@@ -366,4 +370,4 @@ def tiled_norm_head_loss(hidden: torch.Tensor, norm: torch.nn.Module, head: torc
     if grad_b is not None:
         grads.append(grad_b.to(bias.dtype))
         inputs.append(bias)
-    return _PrecomputedGrads.apply(total * inv, grads, *inputs)
+    return _PrecomputedGrads.apply(per_token.sum() * inv, grads, *inputs)
