@@ -24,6 +24,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ..files import env
 from .launch_command import GLOO_GROUP_ENV, Command, CommandError, one_rank_env
 from .launch_command import resolve as resolve_command
 
@@ -120,7 +121,7 @@ def launch(argv: Sequence[str]) -> int:
 
         if command.rank_env:  # the tool checks it runs under a launcher: torchrun's one-rank variables
             os.environ.update(one_rank_env(os.environ))
-        was = os.environ.get(LAUNCHED_ENV)
+        was = env.value(env.LAUNCHED)
         try:
             run(child)
         except SystemExit as e:  # the script's own sys.exit(...)

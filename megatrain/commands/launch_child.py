@@ -19,11 +19,12 @@ import shutil
 import sys
 from collections.abc import Sequence
 
+from ..files import env  # imports os alone: this module stays import-light
+
 USAGE = ("usage: python -m megatrain.commands.launch_child (SCRIPT | -m MODULE | --entry-point MODULE:ATTR NAME) "
          "[ARGS...]")
 ENTRY_POINT = "--entry-point"  # launch_command.ENTRY_POINT (not imported: this module stays import-light)
-GLOO_GROUP_ENV = "MEGATRAIN_LAUNCH_GLOO_GROUP"  # launch_command.GLOO_GROUP_ENV
-LAUNCHED_ENV = "MEGATRAIN_LAUNCHED"  # integrations.hf_stage.LAUNCHED_ENV: every DeepSpeed config trains on MegaTrain
+LAUNCHED_ENV = env.LAUNCHED  # every DeepSpeed config trains on MegaTrain
 
 
 def install_routing() -> None:
@@ -34,7 +35,7 @@ def install_routing() -> None:
     os.environ[LAUNCHED_ENV] = "1"
     if importlib.util.find_spec("deepspeed") is None:
         return
-    if os.environ.get("MEGATRAIN_DEEPSPEED_GUARD", "1") == "0":
+    if env.deepspeed_left_alone():
         import megatrain.integrations.on_deepspeed  # noqa: F401  says "DeepSpeed is training" at initialize
     else:
         import megatrain.integrations.hf  # noqa: F401  installs the routing on import
@@ -55,7 +56,7 @@ def run(argv: Sequence[str]) -> None:
         # put the working directory there instead.
         sys.path[0:1] = [os.path.dirname(os.path.realpath(argv[0]))]
     install_routing()
-    if os.environ.get(GLOO_GROUP_ENV) == "1":
+    if env.launch_gloo_group():
         gloo_group_where_nccl_cannot_run()
     if argv[0] == ENTRY_POINT:
         run_entry_point(argv[1], argv[2], argv[3:])

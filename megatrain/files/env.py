@@ -17,21 +17,22 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 __all__ = ["ADAM_KERNEL", "CACHE", "DEEPSPEED_GUARD", "GIT_COMMIT", "HILO_KERNEL", "HOST_THREADS", "LAUNCHED",
-           "LAUNCH_GLOO_GROUP", "REDUCE_KERNEL", "VARIABLES", "cache_dir", "cache_root", "deepspeed_left_alone",
-           "git_commit", "host_threads", "kernel_off", "launch_gloo_group", "launched", "value"]
+           "LAUNCH_GLOO_GROUP", "NUMA", "REDUCE_KERNEL", "VARIABLES", "cache_dir", "cache_root", "deepspeed_left_alone",
+           "git_commit", "host_threads", "kernel_off", "launch_gloo_group", "launched", "numa_off", "value"]
 
 DEEPSPEED_GUARD = "MEGATRAIN_DEEPSPEED_GUARD"
 LAUNCHED = "MEGATRAIN_LAUNCHED"
 LAUNCH_GLOO_GROUP = "MEGATRAIN_LAUNCH_GLOO_GROUP"
 HOST_THREADS = "MEGATRAIN_HOST_THREADS"
+NUMA = "MEGATRAIN_NUMA"
 CACHE = "MEGATRAIN_CACHE"
 ADAM_KERNEL = "MEGATRAIN_ADAM_KERNEL"
 HILO_KERNEL = "MEGATRAIN_HILO_KERNEL"
 REDUCE_KERNEL = "MEGATRAIN_REDUCE_KERNEL"
 GIT_COMMIT = "MEGATRAIN_GIT_COMMIT"
 # The variables the package reads, in docs/SETTINGS.md's order.
-VARIABLES = (DEEPSPEED_GUARD, LAUNCHED, LAUNCH_GLOO_GROUP, HOST_THREADS, CACHE, ADAM_KERNEL, HILO_KERNEL, REDUCE_KERNEL,
-             GIT_COMMIT)
+VARIABLES = (DEEPSPEED_GUARD, LAUNCHED, LAUNCH_GLOO_GROUP, HOST_THREADS, NUMA, CACHE, ADAM_KERNEL, HILO_KERNEL,
+             REDUCE_KERNEL, GIT_COMMIT)
 KERNELS = (ADAM_KERNEL, HILO_KERNEL, REDUCE_KERNEL)
 
 
@@ -60,6 +61,12 @@ def launch_gloo_group() -> bool:
 def host_threads() -> str:
     """MEGATRAIN_HOST_THREADS as written, stripped ("" when unset); engine/runtime/threads.py checks it."""
     return os.environ.get(HOST_THREADS, "").strip()
+
+
+def numa_off() -> bool:
+    """MEGATRAIN_NUMA=0 (or off, false, no, any case): leave the host threads where the launcher put them
+    (engine/runtime/numa.py)."""
+    return os.environ.get(NUMA, "").strip().lower() in ("0", "off", "false", "no")
 
 
 def kernel_off(name: str) -> bool:

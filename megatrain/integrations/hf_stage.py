@@ -20,13 +20,15 @@ import os
 import warnings
 from typing import Any
 
+from ..files import env
+
 __all__ = ["install", "uninstall", "installed", "has_megatrain_section", "routed", "LAUNCHED_ENV",
            "unwrap_engines", "complete_cpu_state"]
 
 _SECTION = "megatrain"
 # Set by `megatrain launch` in every process it starts: there every DeepSpeed config trains on MegaTrain, "megatrain"
 # section or not (the user chose MegaTrain by the command).
-LAUNCHED_ENV = "MEGATRAIN_LAUNCHED"
+LAUNCHED_ENV = env.LAUNCHED
 _saved: dict[str, Any] = {}
 
 
@@ -50,7 +52,7 @@ def has_megatrain_section(config: Any) -> bool:
 
 def launched() -> bool:
     """Whether this process runs under `megatrain launch` (and the user did not leave DeepSpeed on DeepSpeed)."""
-    return os.environ.get(LAUNCHED_ENV) == "1" and os.environ.get("MEGATRAIN_DEEPSPEED_GUARD", "1") != "0"
+    return env.launched() and not env.deepspeed_left_alone()
 
 
 def deepspeed_is_megatrain() -> bool:

@@ -14,10 +14,12 @@ import os
 import sys
 from typing import Any
 
+from ..files import env
+
 __all__ = ["PREFIX", "GUARD_ENV", "left_on_deepspeed", "announce", "install"]
 
 PREFIX = "DeepSpeed is training"
-GUARD_ENV = "MEGATRAIN_DEEPSPEED_GUARD"
+GUARD_ENV = env.DEEPSPEED_GUARD
 NO_SECTION = ('the config has no "megatrain" section and the script was not started by `megatrain launch` '
               "(add the section or use `megatrain launch` to train on MegaTrain)")
 LEFT = f"left on DeepSpeed by {GUARD_ENV}=0"
@@ -25,7 +27,7 @@ LEFT = f"left on DeepSpeed by {GUARD_ENV}=0"
 
 def left_on_deepspeed() -> bool:
     """Whether the user left DeepSpeed untouched in this process (the opt-out)."""
-    return os.environ.get(GUARD_ENV, "1") == "0"
+    return env.deepspeed_left_alone()
 
 
 def _rank() -> int:

@@ -7,12 +7,12 @@ MFU is only as honest as its denominator, so every figure says where its peak ca
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 
+from ..files import env
 from ..files.atomic import atomic_write
 
 # Dense (no sparsity) vendor peaks in TFLOPS. FP32 is the non-tensor-core rate because torch does not
@@ -53,8 +53,7 @@ def table_peak_tflops(name: str, precision: str) -> float | None:
 
 
 def _cache_file() -> Path:
-    root = os.environ.get("MEGATRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "megatrain")
-    return Path(root) / "device_peaks.json"
+    return env.cache_dir("device_peaks.json")
 
 
 def read_cache() -> dict:

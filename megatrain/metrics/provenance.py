@@ -12,6 +12,8 @@ from pathlib import Path
 
 import psutil
 
+from ..files import env
+
 _PACKAGES = ("megatrain", "torch", "transformers", "accelerate", "deepspeed")
 
 
@@ -38,7 +40,7 @@ def git_commit(repo: str | Path | None = None) -> tuple[str, bool]:
     except (OSError, subprocess.SubprocessError):
         sha, dirty = "", ""
     if not sha:
-        return os.environ.get("MEGATRAIN_GIT_COMMIT") or "unknown", False
+        return env.git_commit() or "unknown", False
     return sha, bool(dirty)
 
 

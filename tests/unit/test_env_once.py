@@ -15,15 +15,6 @@ from megatrain.files import env
 ROOT = Path(__file__).resolve().parents[2]
 READER = "megatrain/files/env.py"
 NAME = re.compile(r"MEGATRAIN_[A-Z0-9_]+")
-# Named, temporary: modules outside megatrain/files/env.py that still read a MEGATRAIN_* variable or build the cache
-# root themselves; each leaves the list as its owner moves it onto megatrain.files.env (the list only shrinks).
-STILL_READING = {
-    "megatrain/engine/model/probe_cache.py", "megatrain/engine/runtime/ckernel.py",
-    "megatrain/engine/runtime/threads.py", "megatrain/engine/update/adam_kernel.py",
-    "megatrain/integrations/hf_stage.py", "megatrain/integrations/on_deepspeed.py",
-    "megatrain/metrics/device.py", "megatrain/metrics/provenance.py", "megatrain/commands/launch_child.py",
-    "megatrain/commands/launch.py",
-}
 
 
 def _environ(node: ast.AST) -> bool:
@@ -115,7 +106,7 @@ def readers(package: Path) -> set[str]:
 
 
 def test_one_module_reads_the_environment():
-    assert readers(ROOT / "megatrain") == STILL_READING
+    assert readers(ROOT / "megatrain") == set()
 
 
 @pytest.mark.parametrize("source,caught", [
@@ -171,3 +162,11 @@ def test_the_reader_reads_when_asked(monkeypatch, tmp_path):
         env.value("MEGATRAIN_NOT_ONE")
     monkeypatch.setenv(env.ADAM_KERNEL, "torch")
     assert env.kernel_off(env.ADAM_KERNEL) and not env.kernel_off(env.HILO_KERNEL)
+    monkeypatch.delenv(env.NUMA, raising=False)
+    assert not env.numa_off()
+    for off in ("0", " Off ", "false", "NO"):
+        monkeypatch.setenv(env.NUMA, off)
+        assert env.numa_off(), off
+    for on in ("1", "", "yes"):
+        monkeypatch.setenv(env.NUMA, on)
+        assert not env.numa_off(), on

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ...files import env
 from ..runtime import ckernel
 from ..runtime.threads import WorkerPool, team
 
@@ -70,7 +71,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hilo_join.restype = None
 
 
-_KERNEL = ckernel.LazyKernel("hilo", _declare, "MEGATRAIN_HILO_KERNEL")
+_KERNEL = ckernel.LazyKernel("hilo", _declare, env.HILO_KERNEL)
 
 
 def kernel() -> ctypes.CDLL | None:

@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import torch
 
+from ...files import env
 from ..runtime import ckernel
 from ..runtime.threads import WorkerPool, host_cores, team
 
@@ -80,7 +81,7 @@ def _accept(lib: ctypes.CDLL) -> ctypes.CDLL | None:
     return None
 
 
-_KERNEL = ckernel.LazyKernel("reduce", _declare, "MEGATRAIN_REDUCE_KERNEL", _accept, {"ZERO_BLOCK": ZERO_BLOCK})
+_KERNEL = ckernel.LazyKernel("reduce", _declare, env.REDUCE_KERNEL, _accept, {"ZERO_BLOCK": ZERO_BLOCK})
 
 
 def kernel() -> ctypes.CDLL | None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 import transformers
 
+from ...files import env
 from .probe_reference import _Mode
 from .probe_shrink import _IGNORED_KEYS, _MORE_SIZES, _SIZES, tiny_config
 
@@ -31,5 +31,6 @@ def cache_key(model_cls: type, config: Any, engine_config: Any | None = None) ->
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
+
 def _cache_dir() -> Path:
-    return Path(os.environ.get("MEGATRAIN_CACHE") or Path.home() / ".cache" / "megatrain") / "probe"
+    return env.cache_dir("probe")

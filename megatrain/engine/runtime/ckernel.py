@@ -29,6 +29,8 @@ from typing import Generic, TypeVar
 
 import torch
 
+from ...files import env
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 SOURCES = Path(__file__).resolve().parent / "kernels"
@@ -54,7 +56,7 @@ def arch_flags() -> list[list[str]]:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MEGATRAIN_CACHE") or Path.home() / ".cache" / "megatrain") / "kernels"
+    return env.cache_dir("kernels")
 
 
 def compiler() -> str | None:
@@ -66,7 +68,7 @@ def build(name: str, source: str, declare: Callable[[ctypes.CDLL], None], disabl
     """`source` (PRELUDE prepended) compiled and loaded, its functions typed by `declare`; None where there is
     no compiler, the build fails, or the environment variable `disable_env` is "torch"."""
     cc = compiler()
-    if os.environ.get(disable_env, "auto") == "torch" or not cc:
+    if env.kernel_off(disable_env) or not cc:
         return None
     try:
         lib = ctypes.CDLL(str(_compile(name, PRELUDE + source, cc)))

@@ -28,12 +28,13 @@ from pathlib import Path
 
 import torch
 
+from ...files import env
 from . import threads
 
 log = logging.getLogger("megatrain")
 SYSFS = Path("/sys")
 TASKS = Path("/proc/self/task")  # the process's threads, each bound by its id
-OFF_ENV = "MEGATRAIN_NUMA"  # "0", "off", "false", "no": leave the threads where they are
+OFF_ENV = env.NUMA  # "0", "off", "false", "no": leave the threads where they are
 
 
 def parse_cpulist(text: str) -> frozenset[int]:
@@ -109,7 +110,7 @@ def plan(bus_id: str | None, all_bus_ids: Sequence[str | None], allowed: frozens
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get(OFF_ENV, "").strip().lower() not in ("0", "off", "false", "no")
+    return not env.numa_off()
 
 
 def bind_host(device: torch.device, enabled: bool | None = None, sysfs: Path | None = None) -> Binding | None:

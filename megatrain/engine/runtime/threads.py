@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from ...files import env
+
 
 @functools.cache
 def _omp_set_num_threads() -> Callable[[int], None] | None:
@@ -41,12 +43,12 @@ def _omp_set_num_threads() -> Callable[[int], None] | None:
         return None
 
 
-OVERRIDE_ENV = "MEGATRAIN_HOST_THREADS"
+OVERRIDE_ENV = env.HOST_THREADS
 _local = threading.local()  # .team: what set_team gave this thread
 
 
-def _positive_env(name: str, fix: str) -> int | None:
-    raw = os.environ.get(name, "").strip()
+def _positive(raw: str, name: str, fix: str) -> int | None:
+    """`raw` (the variable `name` as written, stripped) as a positive count, None where empty."""
     if not raw:
         return None
     try:
@@ -68,7 +70,8 @@ def affinity_cpus() -> int:
 
 def local_ranks() -> int:
     """Processes of this job on this node (LOCAL_WORLD_SIZE as the launchers set it; 1 without one)."""
-    return _positive_env("LOCAL_WORLD_SIZE", "set it to the number of processes on this node, or unset it") or 1
+    return _positive(os.environ.get("LOCAL_WORLD_SIZE", "").strip(), "LOCAL_WORLD_SIZE",
+                     "set it to the number of processes on this node, or unset it") or 1
 
 
 # Where the cgroup files are read (tests point these at a fake tree).
@@ -153,7 +156,8 @@ def host_cores() -> int:
     ranks, at least one, divided once: a Slurm task bound to CPUs of its own keeps them. Ranks bound to cores of
     their own by another launcher should name their share with MEGATRAIN_HOST_THREADS: the masks of the other
     ranks are not seen here."""
-    override = _positive_env(OVERRIDE_ENV, "name the host threads this process may use, e.g. 8, or unset it")
+    override = _positive(env.host_threads(), OVERRIDE_ENV,
+                         "name the host threads this process may use, e.g. 8, or unset it")
     if override is not None:
         return override
     cpus, ranks = affinity_cpus(), local_ranks()

@@ -26,13 +26,13 @@ import ctypes
 import functools
 import logging
 import math
-import os
 import threading
 import warnings
 from dataclasses import dataclass
 
 import torch
 
+from ...files import env
 from ..runtime import ckernel
 
 ALIGN = 64  # the kernel takes whole blocks of 64 elements from a parameter's start: torch's vector loop's
@@ -85,7 +85,7 @@ def _accept(lib: ctypes.CDLL) -> tuple[ctypes.CDLL, int] | None:
     return None
 
 
-_KERNEL = ckernel.LazyKernel("adam", _declare, "MEGATRAIN_ADAM_KERNEL", _accept)
+_KERNEL = ckernel.LazyKernel("adam", _declare, env.ADAM_KERNEL, _accept)
 
 
 def kernel() -> tuple[ctypes.CDLL, int] | None:
@@ -104,7 +104,7 @@ def prepare() -> bool:
     thread); warn, naming what it costs, where it cannot be used for a reason other than being turned off."""
     if kernel() is not None:
         return True
-    if os.environ.get("MEGATRAIN_ADAM_KERNEL", "auto") != "torch":
+    if not env.kernel_off(env.ADAM_KERNEL):
         why = "no C compiler found ($CC, cc or gcc)" if ckernel.compiler() is None else "its build or self-check failed"
         warnings.warn(f"compiled AdamW kernel unavailable: {why}; the update takes torch's kernel instead, "
                       f"{FALLBACK_COST}. Install a C compiler (or set CC) to get it back", stacklevel=3)
