@@ -4,9 +4,10 @@ CPU device with every layer streamed, accumulation 2 and clipping that acts, on 
 micro-batch j, which a lone process with micro-batch W*b takes whole.
 
 Run as `python tests/workers/node_path_worker.py OUT_DIR JSON_ARGS` (under torchrun, or alone); JSON_ARGS: micro,
-world (the global batch is world x micro), steps, layers. Writes OUT_DIR/rank{r}.pt: each micro-batch's loss
-(averaged over the ranks: the global batch's), each step's pre-clip norm, the final weights, the per-step stats
-and the data path the engine ran.
+world (the global batch is world x micro), steps, layers, runs (each "PATH" or "PATH:CONTROL": the data path asked
+for and a negative control, `controls`), one engine after another. Writes OUT_DIR/rank{r}.pt: per run, each
+micro-batch's loss (averaged over the ranks: the global batch's), each step's pre-clip norm, the final weights, the
+per-step stats and the data path the engine ran.
 """
 
 from __future__ import annotations
@@ -35,9 +36,37 @@ def build_model(layers: int) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
+def controls(name: str):
+    """Break one half of the node path (the negative controls): "skip_gather": a rank's ring slot holds only its own
+    shard (the rest whatever the slot held before); "skip_scatter": a rank's shard is its own gradient, not the
+    node's sum. Returns what undoes it."""
+    from megatrain.engine.parallel import node_path
+
+    saved = {k: getattr(node_path, k) for k in ("gather_layer", "reduce_scatter_into")}
+    if name == "skip_gather":
+        node_path.gather_layer = lambda buf, smap, group, stats=None: None
+    elif name == "skip_scatter":
+        def own_only(out, flat, group, stats=None):
+            out.copy_(flat.chunk(dist.get_world_size(group))[dist.get_rank(group)])
+        node_path.reduce_scatter_into = own_only
+    return lambda: [setattr(node_path, k, v) for k, v in saved.items()]
+
+
 def main() -> None:
     out, args = Path(sys.argv[1]), json.loads(sys.argv[2])
     torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", "0"))
+    results = {}
+    for run in args.get("runs", ["node"]):
+        path, _, control = run.partition(":")
+        os.environ["MEGATRAIN_DATA_PARALLEL_PATH"] = path
+        undo = controls(control)
+        results[run] = train(args)
+        undo()
+    torch.save(results, out / f"rank{rank}.pt")
+
+
+def train(args: dict) -> dict:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     micro, steps, accum = args["micro"], args["steps"], 2
     cfg = EngineConfig(device="cpu", parity_probe=False, residency="stream", watchdog_s=120.0,
@@ -66,8 +95,8 @@ def main() -> None:
         stats.append(engine.collect_stats())
     state = {k: v.detach().clone() for k, v in engine.state_dict().items()}
     path = getattr(engine, "data_path", None)
-    torch.save({"losses": losses, "norms": norms, "stats": stats, "state": state,
-                "data_path": path.describe() if path is not None else None}, out / f"rank{rank}.pt")
+    return {"losses": losses, "norms": norms, "stats": stats, "state": state,
+            "data_path": path.describe() if path is not None else None}
 
 
 if __name__ == "__main__":

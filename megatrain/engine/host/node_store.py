@@ -252,6 +252,29 @@ class NodeStore:
         return n * mine.element_size()
 
 
+    # -- gradients on the node path (docs/DISTRIBUTED.md section 2) ----------------------------------------------
+    def transit(self) -> list[torch.Tensor]:
+        """The node path's two FP32 layer buffers in the node's shared memory: each rank writes its reduce-scattered
+        shard of a layer into its own ranges of one (the sum is already taken, on the devices), the layer's owner
+        adds the whole into its slab (`add_transit`). They are the first rank's staging slots, which the node path
+        leaves unused otherwise (its layers' gradients never go through `reduce_to_owner`)."""
+        return self.staging[0]
+
+    def add_transit(self, layer: int, transit: torch.Tensor, slab: torch.Tensor | None) -> int:
+        """slab += transit / world on the layer's owner (who passes its slab; the others None), once every rank of
+        the node has written its shard of `layer` into `transit`: a node barrier, then one add of one layer (no
+        sum of G slots: the ranks' sum was the reduce-scatter's). Returns the bytes the owner read.
+
+        Every rank runs these in the same layer order on one thread, two transit buffers in turn; a rank writes a
+        buffer again (its shard of the layer after next) only after this rank passed the next layer's barrier,
+        which the owner of this layer reaches only once it has read the buffer (the caller orders that write
+        behind this job)."""
+        dist.barrier(group=self.node_group)  # every rank's shard is in (the barrier orders the memory)
+        if slab is None:
+            return 0
+        slab.add_(transit, alpha=1.0 / self.world)
+        return transit.numel() * transit.element_size()
+
 # -- optimizer state: sharded by the layers' owners, whole in every state_dict ------------------------------
 def shard_optimizer_state(optimizer: torch.optim.Optimizer, foreign: set[int], group: dist.ProcessGroup,
                           before: Callable[[], None]) -> None:

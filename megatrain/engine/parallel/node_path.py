@@ -1,12 +1,13 @@
 """The node path (docs/DISTRIBUTED.md): which data path a data-parallel engine runs, and the objects that make the
 node path's layer loads one trip per layer per node.
 
-Landed so far (DISTRIBUTED.md "Steps to land it", step 2): the weights. Each of the node's G ranks copies its
-1/G of a streamed layer's flat buffer host-to-device (`NodeWeights.copy_shard`, its ranges of the shard map,
-costs/shards.py) and the node's ranks all-gather the rest on the gather stream (`NodeWeights.gather`,
-collectives.py); the recompute in backward loads, so gathers, again. Gradients still go the per-rank way
-(ranks.py SharedStore: every rank's whole gradient to the layer's owner), so the node path needs the shared host
-store: the shard copies read the node's one store, which the layers' owners update.
+Landed so far (DISTRIBUTED.md "Steps to land it", steps 2 and 3's gradients). Weights: each of the node's G ranks
+copies its 1/G of a streamed layer's flat buffer host-to-device (`NodeWeights.copy_shard`, its ranges of the shard
+map, costs/shards.py) and the node's ranks all-gather the rest on the gather stream (`NodeWeights.gather`,
+collectives.py); the recompute in backward loads, so gathers, again. Gradients (`NodeGrads`): reduce-scattered in
+FP32 on the scatter stream, each rank's shard copied to the host into the node's one buffer of the layer, which
+the layer's owner adds into its slab. The update is still the owner's, of whole layers (ranks.py SharedStore;
+splitting it by shard is step 4, engine/update), so the node path needs the shared host store.
 
 Which path runs: `data_parallel_path` "node" asks for the node path and is refused where it cannot run; "auto"
 (the default) and "per_rank" run the per-rank path until DISTRIBUTED.md step 6 makes "auto" choose. Until
@@ -20,13 +21,16 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ...costs.shards import ShardMap, padded_numel
 from ..host.node_store import NodeStore
+from ..host.store import FlatGroup
 from ..pipeline.schedule import LayerPipeline
-from ..runtime.stream import Streams
-from .collectives import CollectiveStats, NodeGroups, gather_layer, node_groups
+from ..runtime.stream import DONE, Event, Streams
+from .collectives import CollectiveStats, NodeGroups, gather_layer, node_groups, reduce_scatter_into
 from .distributed import DataParallel
+from .ranks import OneRank
 
 DATA_PATH_ENV = "MEGATRAIN_DATA_PARALLEL_PATH"
 NODE, PER_RANK, AUTO = "node", "per_rank", "auto"
@@ -34,7 +38,8 @@ NODE, PER_RANK, AUTO = "node", "per_rank", "auto"
 
 class NodeWeights:
     """The pipeline's ShardedWeights on the node path: this rank's shard copy and the node's all-gather of a layer,
-    with the shard map of each layer size made once. `stats` counts what the gathers received."""
+    with the shard map of each layer size made once. `stats` counts the node path's collectives since the start
+    (collect_stats' figures per step are the gather and scatter streams' counters)."""
 
     def __init__(self, groups: NodeGroups, chunk: int | None = None) -> None:
         self.groups = groups
@@ -65,8 +70,80 @@ class NodeWeights:
         gather_layer(buffer[: m.padded], m, self.groups.gather_group, stats=self.stats)
         return self.stats.gathered_bytes - before
 
-    def reset_counters(self) -> None:
-        self.stats = CollectiveStats()
+
+class NodeGrads:
+    """The pipeline's ShardedGrads on the node path (DISTRIBUTED.md section 2): a layer's gradients laid out as its
+    flat buffer in FP32 on the device (two such buffers in turn), reduce-scattered in chunks over the node's scatter
+    group on the scatter stream (then, with several nodes, the shard all-reduced among the peers), this rank's
+    shard copied on the d2h stream into its own ranges of one of the node's two shared transit buffers, and the
+    layer's owner adding that one buffer into its slab on the data-parallel thread (NodeStore.add_transit): no
+    host sum of G slots. `stats` counts what the reduce-scatters sent."""
+
+    def __init__(self, groups: NodeGroups, weights: NodeWeights, streams: Streams, dp: DataParallel,
+                 node: NodeStore, max_numel: int, device: torch.device) -> None:
+        self.groups, self.weights, self.streams, self.dp, self.node = groups, weights, streams, dp, node
+        self.rank, self.world = groups.local, groups.local_world
+        self.stats = weights.stats  # one count of the node path's collectives
+        scatter = streams.add_scatter()
+        self._scatter_stream = scatter
+        m = weights.map(max_numel)
+        self._flat = [torch.empty(m.padded, dtype=torch.float32, device=device) for _ in range(2)]
+        self._shard = [torch.empty(m.shard_numel, dtype=torch.float32, device=device) for _ in range(2)]
+        self._shard_free: list[Event] = [DONE, DONE]
+        self._next = 0
+        self._transit = node.transit()
+        self._next_transit = 0
+        self._last_land: Event = DONE  # a transit buffer is written again only after the previous layer landed
+
+    def send(self, layer: int, group: FlatGroup, grads: list[torch.Tensor | None], after: Event,
+             slab_after: tuple[Event, ...]) -> Event:
+        m = self.weights.map(group.numel)
+        k = self._next
+        self._next ^= 1
+        flat, shard = self._flat[k][: m.padded], self._shard[k][: m.shard_numel]
+        if flat.device.type == "cuda":
+            for g in grads:
+                if g is not None:
+                    g.record_stream(self._scatter_stream._stream)  # the allocator must not reuse it mid-scatter
+
+        def scatter() -> int:
+            for slot, g in zip(group.slots, grads):
+                view = group.view(flat, slot)
+                if g is None:  # a frozen weight of a layer that trains: its zeros join the sum
+                    view.zero_()
+                else:
+                    view.copy_(g)  # widened to FP32 here: the sum is FP32 whatever the compute dtype
+            flat[group.numel:].zero_()  # the padding: summed like the rest, never read
+            before = self.stats.scattered_bytes
+            at = 0
+            for a, length in m.chunks():  # already FP32: each chunk is the collective's input as it is
+                piece = length // self.world
+                reduce_scatter_into(shard[at: at + piece], flat[a: a + length], self.groups.scatter_group,
+                                    stats=self.stats)
+                at += piece
+            if self.groups.cross_scatter is not None:  # several nodes, each holding the model (section 5a)
+                dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.groups.cross_scatter)
+            return self.stats.scattered_bytes - before
+
+        scattered = self._scatter_stream.submit(scatter, (after, self._shard_free[k]), "scatter", layer)
+        transit = self._transit[self._next_transit]
+        self._next_transit ^= 1
+
+        def to_host() -> int:
+            nbytes, at = 0, 0
+            for s, e in m.ranges(self.rank):
+                end = min(e, group.numel)
+                if s < end:  # clipped to the layer's parameters: the padding stays on the device
+                    transit[s:end].copy_(shard[at: at + end - s], non_blocking=True)
+                    nbytes += (end - s) * 4
+                at += e - s
+            return nbytes
+
+        copied = self.streams.d2h.submit(to_host, (scattered, self._last_land), "grad", layer)
+        self._shard_free[k] = copied
+        self._last_land = self.dp.submit_add_transit(layer, transit[: group.numel], group.grad,
+                                                     (copied, *slab_after))
+        return self._last_land
 
 
 @dataclass
@@ -79,17 +156,6 @@ class DataPath:
 
     def describe(self) -> str:
         return f"{self.name}: {self.why}"
-
-    def stats(self) -> dict[str, float]:
-        """The node path's collective bytes since the last reset (none on the per-rank path)."""
-        if self.weights is None:
-            return {}
-        s = self.weights.stats
-        return {"gathered_bytes": s.gathered_bytes, "scattered_bytes": s.scattered_bytes}
-
-    def reset_counters(self) -> None:
-        if self.weights is not None:
-            self.weights.reset_counters()
 
 
 def requested_path(config: object) -> str:
@@ -115,7 +181,7 @@ def why_not_node(dp: DataParallel | None, node: NodeStore | None, pipeline: Laye
 
 
 def attach(pipeline: LayerPipeline, streams: Streams, dp: DataParallel | None, node: NodeStore | None,
-           config: object) -> DataPath:
+           ranks: OneRank, config: object) -> DataPath:
     """Choose the data path and, for the node path, hand the pipeline its shard copies and gathers. Collective
     where it takes the node path (the node's groups are made over every rank): every rank calls it at the same
     point of the engine's construction, with the same setting."""
@@ -135,8 +201,14 @@ def attach(pipeline: LayerPipeline, streams: Streams, dp: DataParallel | None, n
                          f"{node.topo.node_ranks}: set LOCAL_WORLD_SIZE and GROUP_RANK alike on every rank")
     weights = NodeWeights(groups)
     pipeline.use_weights(weights)
-    streams.gather.trace = streams.trace
     G = groups.local_world
     link = "over NVLink" if pipeline.device.type == "cuda" else "gloo ranks standing in for GPUs"
+    # The gradients' node path replaces the shared store's per-rank sink (ranks.py SharedStore._reduce_to_owner);
+    # the optimizer in backward's sink (an update behind each layer's reduction) still takes the per-rank way.
+    if pipeline.grad_sink is not None and pipeline.grad_sink == ranks.grad_sink:
+        pipeline.grad_shards = NodeGrads(groups, weights, streams, dp, node, pipeline.max_numel, pipeline.device)
+        grads = "gradients reduce-scattered in FP32, each rank's shard to the layer's one slab"
+    else:
+        grads = "gradients per rank to the layer's owner (the optimizer in backward)"
     return DataPath(NODE, f"one trip per layer per node, {G} ranks per node ({link}); weights by shard and "
-                    "all-gather, gradients per rank to the layer's owner", weights)
+                    f"all-gather, {grads}", weights)

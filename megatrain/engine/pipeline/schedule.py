@@ -25,7 +25,7 @@ from ...costs.residency import Residency
 from ..host import reduce_kernel
 from ..host.events import LayerEvents
 from ..host.slab_state import PartsAdd
-from ..host.store import HostStore
+from ..host.store import FlatGroup, HostStore
 from ..layer.handed_state import HandedStates
 from ..layer.side_inputs import SideInputs
 from ..layer.templates import TemplateBank
@@ -80,6 +80,17 @@ class ShardedWeights(Protocol):
         """Every rank's shard of the layer into `buffer` (its own already there); the bytes received."""
 
 
+class ShardedGrads(Protocol):
+    """How a layer's gradients leave backward on the node path (docs/DISTRIBUTED.md section 2): reduce-scattered in
+    FP32 across the node's ranks, this rank's shard copied to the host into the node's one copy of the layer's
+    gradient. engine/parallel/node_path.py's NodeGrads is one."""
+
+    def send(self, layer: int, group: FlatGroup, grads: list[torch.Tensor | None], after: Event,
+             slab_after: tuple[Event, ...]) -> Event:
+        """Queue layer `layer`'s gradients (computed once `after` is done) to its slab, whose writes wait for
+        `slab_after` too; the event after which the slab holds them."""
+
+
 class LayerPipeline:
     def __init__(self, store: HostStore, templates: TemplateBank, streams: Streams, trace: Trace,
                  num_buffers: int, dtype: torch.dtype, device: torch.device, preserve_rng: bool,
@@ -95,6 +106,8 @@ class LayerPipeline:
         self.ring_numel = self.max_numel  # a ring slot's elements (use_weights pads it for the node path's shards)
         # The node path's shard copy and gather (use_weights); None: every streamed layer is copied whole.
         self.weights: ShardedWeights | None = None
+        # The node path's gradients (reduce-scatter, shard to the host); None: each rank sends its whole gradient.
+        self.grad_shards: ShardedGrads | None = None
         k = self.ring_size = num_buffers
         self.dtype = dtype
         # Slots 0..k-1: the ring the streamed layers share; k..: one per kept layer (set_residency).
@@ -299,6 +312,10 @@ class LayerPipeline:
     def _send_grad(self, layer: int, grads: list[torch.Tensor], after: Event) -> None:
         """Add one layer's per-parameter gradients into its host slab, off the compute stream."""
         group = self.store.layers[layer]
+        if self.grad_shards is not None:
+            self.landed[layer] = self.grad_shards.send(layer, group, grads, after,
+                                                       (self.landed[layer], self.zeroed[layer]))
+            return
         nbytes = sum(g.numel() * g.element_size() for g in grads if g is not None)
         if self.grad_sink is not None:
             self._send_grad_to_sink(layer, grads, after, nbytes)

@@ -417,9 +417,10 @@ class CopyStream:
 
 
 class Streams:
-    """The compute stream plus the two copy streams of one device, and on the node path (docs/DISTRIBUTED.md) a
-    third, `gather`: the weights' all-gathers, apart from the shard copies on `h2d` so a gather never queues behind
-    the next layer's copy (on a GPU a CUDA stream the collective is issued on, on the CPU a thread of its own)."""
+    """The compute stream plus the two copy streams of one device, and on the node path (docs/DISTRIBUTED.md)
+    two more: `gather`, the weights' all-gathers, apart from the shard copies on `h2d` so a gather never queues
+    behind the next layer's copy, and `scatter`, the gradients' reduce-scatters, apart from the shard copies on
+    `d2h` (each on a GPU a CUDA stream the collectives are issued on, on the CPU a thread of its own)."""
 
     def __init__(self, device: torch.device, trace: Trace, link_gbps: float | None, watchdog_s: float) -> None:
         self.device = device
@@ -428,6 +429,7 @@ class Streams:
         self.h2d = CopyStream("h2d", device, trace, link_gbps, watchdog_s)
         self.d2h = CopyStream("d2h", device, trace, link_gbps, watchdog_s)
         self.gather: CopyStream | None = None  # the node path's (add_gather); None: one process, the per-rank path
+        self.scatter: CopyStream | None = None  # the node path's gradients (add_scatter); None likewise
         self._wait_s = 0.0
         self._cuda_waits = _CudaSpans() if device.type == "cuda" else None
 
@@ -438,8 +440,14 @@ class Streams:
             self.gather = CopyStream("gather", self.device, self.trace, None, self.watchdog_s)
         return self.gather
 
+    def add_scatter(self) -> CopyStream:
+        """The scatter stream, made on first use (as add_gather)."""
+        if self.scatter is None:
+            self.scatter = CopyStream("scatter", self.device, self.trace, None, self.watchdog_s)
+        return self.scatter
+
     def copy_streams(self) -> list[CopyStream]:
-        return [s for s in (self.h2d, self.d2h, self.gather) if s is not None]
+        return [s for s in (self.h2d, self.d2h, self.gather, self.scatter) if s is not None]
 
     @property
     def wait_s(self) -> float:

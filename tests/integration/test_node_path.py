@@ -1,0 +1,81 @@
+"""The node path (docs/DISTRIBUTED.md, steps 2-3) on gloo ranks standing in for a node's GPUs: 2 ranks under torchrun,
+every layer streamed, accumulation 2, clipping that acts. Each rank copies its half of every layer host-to-device
+and the ranks all-gather the rest; each layer's gradients are reduce-scattered in FP32 and each rank copies only its
+half to the host. They train as one process on the concatenated batch, while each rank's h2d and d2h bytes per step
+are about half a lone rank's (the per-rank path, run in the same launch: the whole of them); skipping the gather or
+the reduce-scatter (the negative controls) breaks the parity by far more than the tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from kit import ROOT, finish, run_python, start_python, worker_env
+
+from megatrain.costs.shards import ShardMap
+
+WORKER = ROOT / "tests" / "workers" / "node_path_worker.py"
+DEADLINE_S = 600  # a bound on a hang, not a speed target: the whole suite shares two cores
+TOL = 1e-5  # the project's data-parallel parity tolerance (test_data_parallel.py)
+ARGS = {"micro": 2, "world": 2, "steps": 3, "layers": 4}
+RUNS = ["node", "per_rank", "node:skip_gather", "node:skip_scatter"]
+
+
+def _gaps(ref: dict, got: dict) -> dict[str, float]:
+    return {
+        "losses": max(abs(a - b) for a, b in zip(ref["losses"], got["losses"], strict=True)),
+        "norms": max(abs(a - b) / a for a, b in zip(ref["norms"], got["norms"], strict=True)),
+        "params": max((ref["state"][k] - got["state"][k]).abs().max().item() for k in ref["state"]),
+    }
+
+
+def _layer_numel(state: dict) -> int:
+    return sum(v.numel() for k, v in state.items() if ".layers.0." in k)
+
+
+@pytest.mark.slow
+def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(tmp_path):
+    env = worker_env(threads=1, PYTHONWARNINGS="ignore")
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as f:
+        proc = start_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", WORKER,
+                             tmp_path, json.dumps({**ARGS, "runs": RUNS})], env=env, stdout=f,
+                            stderr=subprocess.STDOUT, text=True)
+    try:  # the one-process reference on the concatenated batch, while the ranks run
+        lone = tmp_path / "lone"
+        lone.mkdir()
+        whole = {**ARGS, "micro": ARGS["micro"] * ARGS["world"], "world": 1, "runs": ["per_rank"]}
+        run_python([WORKER, lone, json.dumps(whole)], env=env, timeout=DEADLINE_S, check=True)
+    except BaseException:
+        proc.kill()
+        raise
+    finish(proc, timeout=DEADLINE_S, log=log)
+    ref = torch.load(lone / "rank0.pt")["per_rank"]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert min(ref["norms"]) > 2 * 0.05  # clipping (to 0.05, the worker's CLIP) acts at every step
+
+    numel = _layer_numel(ref["state"])
+    smap = ShardMap.of(numel, 2)
+    for r, res in enumerate(ranks):
+        node = res["node"]
+        assert node["data_path"].startswith("node:") and "reduce-scattered" in node["data_path"], node["data_path"]
+        assert res["per_rank"]["data_path"].startswith("per_rank:"), res["per_rank"]["data_path"]
+        gaps = _gaps(ref, node)
+        assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, gaps)
+        assert all(torch.equal(ranks[0]["node"]["state"][k], node["state"][k]) for k in node["state"]), r
+        owned = sum(b - a for a, b in smap.owned(r))
+        for step, (got, whole, alone) in enumerate(zip(node["stats"], res["per_rank"]["stats"], ref["stats"])):
+            # the per-rank path, 2 ranks: every rank the whole of a lone rank's link bytes
+            assert whole["h2d_bytes"] == alone["h2d_bytes"] and whole["d2h_bytes"] == alone["d2h_bytes"], step
+            # the node path: this rank's ranges only (the shard map's, to the byte), the rest by the collectives
+            assert got["h2d_bytes"] * numel == alone["h2d_bytes"] * owned, (r, step)
+            assert got["d2h_bytes"] * numel == alone["d2h_bytes"] * owned, (r, step)
+            assert got["h2d_bytes"] <= 0.6 * alone["h2d_bytes"] and got["d2h_bytes"] <= 0.6 * alone["d2h_bytes"]
+            assert got["gathered_bytes"] * 2 * numel == alone["h2d_bytes"] * smap.padded, (r, step)
+            assert got["scattered_bytes"] * 2 * numel == alone["d2h_bytes"] * smap.padded, (r, step)
+        for control in ("node:skip_gather", "node:skip_scatter"):
+            gaps = _gaps(ref, res[control])
+            assert gaps["params"] > 100 * TOL and gaps["norms"] > 100 * TOL, (r, control, gaps)
