@@ -219,7 +219,8 @@ class Engine:
         self.pipeline.optimizer_layers = self.optimizer_layers
         self.pipeline.trainable = self.trainable
         # ENGINE-HOOK: which data path runs; the node path loads the streamed layers by shard and all-gather.
-        self.data_path = node_path.attach(self.pipeline, self.streams, self.dp, self.node, config)
+        self.data_path = node_path.attach(self.pipeline, self.streams, self.dp, self.node, self.ranks,
+                                          config)
         self._global_grads = GlobalGradSink(self.store, self.streams, self.pipeline, self.compute_dtype)
         # A plain CPU device keeps the loss tile's buffers from step to step (loss.py TileBuffers): the host's
         # allocator maps tensors that large afresh on every allocation. Not where the CPU device stands in for a
