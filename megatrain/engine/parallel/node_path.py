@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ...config.schema import AUTO, left_auto
 from ...costs.shards import ShardMap, padded_numel
 from ..host.node_store import NodeStore
 from ..host.store import FlatGroup
@@ -33,7 +34,7 @@ from .distributed import DataParallel
 from .ranks import OneRank
 
 DATA_PATH_ENV = "MEGATRAIN_DATA_PARALLEL_PATH"
-NODE, PER_RANK, AUTO = "node", "per_rank", "auto"
+NODE, PER_RANK = "node", "per_rank"
 
 
 class NodeWeights:
@@ -162,7 +163,9 @@ def requested_path(config: object) -> str:
     """The configured data path: EngineConfig's `data_parallel_path` where it has one, else DATA_PATH_ENV, else
     "auto"."""
     value = getattr(config, "data_parallel_path", None) or os.environ.get(DATA_PATH_ENV, "") or AUTO
-    if value not in (NODE, PER_RANK, AUTO):
+    if left_auto(value):
+        return AUTO
+    if value not in (NODE, PER_RANK):
         raise ValueError(f"data_parallel_path={value!r}: use {AUTO!r}, {NODE!r} or {PER_RANK!r}")
     return value
 
