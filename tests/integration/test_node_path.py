@@ -21,7 +21,8 @@ WORKER = ROOT / "tests" / "workers" / "node_path_worker.py"
 DEADLINE_S = 600  # a bound on a hang, not a speed target: the whole suite shares two cores
 TOL = 1e-5  # the project's data-parallel parity tolerance (test_data_parallel.py)
 ARGS = {"micro": 2, "world": 2, "steps": 3, "layers": 4}
-RUNS = ["node", "per_rank", "node:skip_gather", "node:skip_scatter"]
+CHUNK = 1280  # elements: a layer of the worker's (11,584) in 10 chunks, the last of padding and one rank's tail
+RUNS = ["node", f"node:chunk{CHUNK}", "per_rank", "node:skip_gather", "node:skip_scatter"]
 
 
 def _gaps(ref: dict, got: dict) -> dict[str, float]:
@@ -58,24 +59,24 @@ def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(tmp_path):
     assert min(ref["norms"]) > 2 * 0.05  # clipping (to 0.05, the worker's CLIP) acts at every step
 
     numel = _layer_numel(ref["state"])
-    smap = ShardMap.of(numel, 2)
     for r, res in enumerate(ranks):
-        node = res["node"]
-        assert node["data_path"].startswith("node:") and "reduce-scattered" in node["data_path"], node["data_path"]
         assert res["per_rank"]["data_path"].startswith("per_rank:"), res["per_rank"]["data_path"]
-        gaps = _gaps(ref, node)
-        assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, gaps)
-        assert all(torch.equal(ranks[0]["node"]["state"][k], node["state"][k]) for k in node["state"]), r
-        owned = sum(b - a for a, b in smap.owned(r))
-        for step, (got, whole, alone) in enumerate(zip(node["stats"], res["per_rank"]["stats"], ref["stats"])):
-            # the per-rank path, 2 ranks: every rank the whole of a lone rank's link bytes
-            assert whole["h2d_bytes"] == alone["h2d_bytes"] and whole["d2h_bytes"] == alone["d2h_bytes"], step
-            # the node path: this rank's ranges only (the shard map's, to the byte), the rest by the collectives
-            assert got["h2d_bytes"] * numel == alone["h2d_bytes"] * owned, (r, step)
-            assert got["d2h_bytes"] * numel == alone["d2h_bytes"] * owned, (r, step)
-            assert got["h2d_bytes"] <= 0.6 * alone["h2d_bytes"] and got["d2h_bytes"] <= 0.6 * alone["d2h_bytes"]
-            assert got["gathered_bytes"] * 2 * numel == alone["h2d_bytes"] * smap.padded, (r, step)
-            assert got["scattered_bytes"] * 2 * numel == alone["d2h_bytes"] * smap.padded, (r, step)
+        for run, smap in (("node", ShardMap.of(numel, 2)), (f"node:chunk{CHUNK}", ShardMap.of(numel, 2, CHUNK))):
+            node = res[run]
+            assert node["data_path"].startswith("node:") and "reduce-scattered" in node["data_path"], node["data_path"]
+            gaps = _gaps(ref, node)
+            assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, run, gaps)
+            assert all(torch.equal(ranks[0][run]["state"][k], node["state"][k]) for k in node["state"]), (r, run)
+            owned = sum(b - a for a, b in smap.owned(r))
+            for step, (got, whole, alone) in enumerate(zip(node["stats"], res["per_rank"]["stats"], ref["stats"])):
+                # the per-rank path, 2 ranks: every rank the whole of a lone rank's link bytes
+                assert whole["h2d_bytes"] == alone["h2d_bytes"] and whole["d2h_bytes"] == alone["d2h_bytes"], step
+                # the node path: this rank's ranges only (the shard map's, to the byte), the rest by the collectives
+                assert got["h2d_bytes"] * numel == alone["h2d_bytes"] * owned, (r, run, step)
+                assert got["d2h_bytes"] * numel == alone["d2h_bytes"] * owned, (r, run, step)
+                assert got["h2d_bytes"] <= 0.6 * alone["h2d_bytes"] and got["d2h_bytes"] <= 0.6 * alone["d2h_bytes"]
+                assert got["gathered_bytes"] * 2 * numel == alone["h2d_bytes"] * smap.padded, (r, run, step)
+                assert got["scattered_bytes"] * 2 * numel == alone["d2h_bytes"] * smap.padded, (r, run, step)
         for control in ("node:skip_gather", "node:skip_scatter"):
             gaps = _gaps(ref, res[control])
             assert gaps["params"] > 100 * TOL and gaps["norms"] > 100 * TOL, (r, control, gaps)

@@ -39,11 +39,13 @@ def build_model(layers: int) -> torch.nn.Module:
 def controls(name: str):
     """Break one half of the node path (the negative controls): "skip_gather": a rank's ring slot holds only its own
     shard (the rest whatever the slot held before); "skip_scatter": a rank's shard is its own gradient, not the
-    node's sum. Returns what undoes it."""
+    node's sum. And "chunkN", no control: the layers cut into chunks of N elements. Returns what undoes it."""
     from megatrain.engine.parallel import node_path
 
-    saved = {k: getattr(node_path, k) for k in ("gather_layer", "reduce_scatter_into")}
-    if name == "skip_gather":
+    saved = {k: getattr(node_path, k) for k in ("gather_layer", "reduce_scatter_into", "CHUNK")}
+    if name.startswith("chunk"):  # not a control: the shard map cut into chunks of this many elements
+        node_path.CHUNK = int(name[len("chunk"):])
+    elif name == "skip_gather":
         node_path.gather_layer = lambda buf, smap, group, stats=None: None
     elif name == "skip_scatter":
         def own_only(out, flat, group, stats=None):

@@ -34,6 +34,7 @@ from .distributed import DataParallel
 from .ranks import OneRank
 
 DATA_PATH_ENV = "MEGATRAIN_DATA_PARALLEL_PATH"
+CHUNK: int | None = None  # elements per chunk of the shard map (None: costs/shards.default_chunk); tests cut small
 NODE, PER_RANK = "node", "per_rank"
 
 
@@ -73,12 +74,13 @@ class NodeWeights:
 
 
 class NodeGrads:
-    """The pipeline's ShardedGrads on the node path (DISTRIBUTED.md section 2): a layer's gradients laid out as its
-    flat buffer in FP32 on the device (two such buffers in turn), reduce-scattered in chunks over the node's scatter
-    group on the scatter stream (then, with several nodes, the shard all-reduced among the peers), this rank's
-    shard copied on the d2h stream into its own ranges of one of the node's two shared transit buffers, and the
-    layer's owner adding that one buffer into its slab on the data-parallel thread (NodeStore.add_transit): no
-    host sum of G slots. `stats` counts what the reduce-scatters sent."""
+    """The pipeline's ShardedGrads on the node path (DISTRIBUTED.md section 2). On the scatter stream, a layer's
+    gradients are laid out as its flat buffer in FP32 a chunk at a time (the shard map's chunks: one FP32 chunk
+    buffer, not a layer's) and each chunk reduce-scattered over the node's scatter group into this rank's shard (two
+    shard buffers in turn; with several nodes the shard is then all-reduced among the peers). On the d2h stream the
+    shard goes into this rank's ranges of one of the node's two shared transit buffers, and on the data-parallel
+    thread the layer's owner adds that one buffer into its slab (NodeStore.add_transit): no host sum of G slots.
+    `stats` counts what the reduce-scatters sent."""
 
     def __init__(self, groups: NodeGroups, weights: NodeWeights, streams: Streams, dp: DataParallel,
                  node: NodeStore, max_numel: int, device: torch.device) -> None:
@@ -88,7 +90,8 @@ class NodeGrads:
         scatter = streams.add_scatter()
         self._scatter_stream = scatter
         m = weights.map(max_numel)
-        self._flat = [torch.empty(m.padded, dtype=torch.float32, device=device) for _ in range(2)]
+        # One FP32 chunk (the layer's gradients widened, a chunk at a time: DISTRIBUTED.md section 2) and two shards.
+        self._chunk = torch.empty(min(m.padded, m.chunk), dtype=torch.float32, device=device)
         self._shard = [torch.empty(m.shard_numel, dtype=torch.float32, device=device) for _ in range(2)]
         self._shard_free: list[Event] = [DONE, DONE]
         self._next = 0
@@ -101,26 +104,24 @@ class NodeGrads:
         m = self.weights.map(group.numel)
         k = self._next
         self._next ^= 1
-        flat, shard = self._flat[k][: m.padded], self._shard[k][: m.shard_numel]
-        if flat.device.type == "cuda":
+        shard = self._shard[k][: m.shard_numel]
+        if shard.device.type == "cuda":
             for g in grads:
                 if g is not None:
                     g.record_stream(self._scatter_stream._stream)  # the allocator must not reuse it mid-scatter
+        # Every gradient's [start, end) in the layer's flat layout (a frozen weight's: None, zeros in the sum).
+        parts = [(s.offset, s.offset + s.numel, None if g is None else g.reshape(-1))
+                 for s, g in zip(group.slots, grads)]
 
         def scatter() -> int:
-            for slot, g in zip(group.slots, grads):
-                view = group.view(flat, slot)
-                if g is None:  # a frozen weight of a layer that trains: its zeros join the sum
-                    view.zero_()
-                else:
-                    view.copy_(g)  # widened to FP32 here: the sum is FP32 whatever the compute dtype
-            flat[group.numel:].zero_()  # the padding: summed like the rest, never read
             before = self.stats.scattered_bytes
             at = 0
-            for a, length in m.chunks():  # already FP32: each chunk is the collective's input as it is
+            for a, length in m.chunks():
+                # The chunk buffer is reused chunk after chunk: the stream runs its collectives in order.
+                chunk = self._chunk[:length]
+                fill(chunk, a, parts)
                 piece = length // self.world
-                reduce_scatter_into(shard[at: at + piece], flat[a: a + length], self.groups.scatter_group,
-                                    stats=self.stats)
+                reduce_scatter_into(shard[at: at + piece], chunk, self.groups.scatter_group, stats=self.stats)
                 at += piece
             if self.groups.cross_scatter is not None:  # several nodes, each holding the model (section 5a)
                 dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.groups.cross_scatter)
@@ -145,6 +146,28 @@ class NodeGrads:
         self._last_land = self.dp.submit_add_transit(layer, transit[: group.numel], group.grad,
                                                      (copied, *slab_after))
         return self._last_land
+
+
+def fill(chunk: torch.Tensor, start: int, parts: list[tuple[int, int, torch.Tensor | None]]) -> None:
+    """chunk <- the layer's flat elements [start, start + len(chunk)), widened to FP32, from its gradients `parts`
+    ((begin, end, flat gradient or None) in the flat layout); zeros where no gradient reaches (a frozen weight,
+    the padding)."""
+    end = start + chunk.numel()
+    covered = start
+    for b, e, g in parts:
+        lo, hi = max(b, start), min(e, end)
+        if lo >= hi:
+            continue
+        if lo > covered:
+            chunk[covered - start: lo - start].zero_()
+        dst = chunk[lo - start: hi - start]
+        if g is None:
+            dst.zero_()
+        else:
+            dst.copy_(g[lo - b: hi - b])
+        covered = hi
+    if covered < end:
+        chunk[covered - start:].zero_()  # the padding: summed like the rest, never read
 
 
 @dataclass
@@ -202,7 +225,7 @@ def attach(pipeline: LayerPipeline, streams: Streams, dp: DataParallel | None, n
     if groups.local_world != node.topo.local_world or groups.nodes != node.topo.node_ranks:
         raise ValueError(f"the node path's nodes {groups.nodes} differ from the shared host store's "
                          f"{node.topo.node_ranks}: set LOCAL_WORLD_SIZE and GROUP_RANK alike on every rank")
-    weights = NodeWeights(groups)
+    weights = NodeWeights(groups, CHUNK)
     pipeline.use_weights(weights)
     G = groups.local_world
     link = "over NVLink" if pipeline.device.type == "cuda" else "gloo ranks standing in for GPUs"
