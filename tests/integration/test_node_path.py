@@ -37,25 +37,31 @@ def _layer_numel(state: dict) -> int:
     return sum(v.numel() for k, v in state.items() if ".layers.0." in k)
 
 
-@pytest.mark.slow
-def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(tmp_path):
+def _launch(tmp_path, args: dict, runs: list[str]) -> tuple[dict, list[dict]]:
+    """`args["world"]` ranks under torchrun (the runs `runs`) and, meanwhile, the one-process reference on the
+    concatenated batch: (the reference, each rank's results)."""
     env = worker_env(threads=1, PYTHONWARNINGS="ignore")
     log = tmp_path / "torchrun.log"
     with open(log, "w") as f:
-        proc = start_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", WORKER,
-                             tmp_path, json.dumps({**ARGS, "runs": RUNS})], env=env, stdout=f,
+        proc = start_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args["world"]),
+                             WORKER, tmp_path, json.dumps({**args, "runs": runs})], env=env, stdout=f,
                             stderr=subprocess.STDOUT, text=True)
     try:  # the one-process reference on the concatenated batch, while the ranks run
         lone = tmp_path / "lone"
         lone.mkdir()
-        whole = {**ARGS, "micro": ARGS["micro"] * ARGS["world"], "world": 1, "runs": ["per_rank"]}
+        whole = {**args, "micro": args["micro"] * args["world"], "world": 1, "runs": ["per_rank"]}
         run_python([WORKER, lone, json.dumps(whole)], env=env, timeout=DEADLINE_S, check=True)
     except BaseException:
         proc.kill()
         raise
     finish(proc, timeout=DEADLINE_S, log=log)
-    ref = torch.load(lone / "rank0.pt")["per_rank"]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    return (torch.load(lone / "rank0.pt")["per_rank"],
+            [torch.load(tmp_path / f"rank{r}.pt") for r in range(args["world"])])
+
+
+@pytest.mark.slow
+def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(tmp_path):
+    ref, ranks = _launch(tmp_path, ARGS, RUNS)
     assert min(ref["norms"]) > 2 * 0.05  # clipping (to 0.05, the worker's CLIP) acts at every step
 
     numel = _layer_numel(ref["state"])
@@ -80,3 +86,24 @@ def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(tmp_path):
         for control in ("node:skip_gather", "node:skip_scatter"):
             gaps = _gaps(ref, res[control])
             assert gaps["params"] > 100 * TOL and gaps["norms"] > 100 * TOL, (r, control, gaps)
+
+
+@pytest.mark.slow
+def test_four_ranks_node_path_match_one_process_at_a_quarter_of_the_link_bytes(tmp_path):
+    """One node of 4 gloo ranks (micro-batch 1 each) against one process with micro-batch 4: each rank copies a
+    quarter of every layer each way (<= 0.35x a lone rank's bytes), and the losses, norms and weights match."""
+    args = {**ARGS, "micro": 1, "world": 4}
+    ref, ranks = _launch(tmp_path, args, ["node"])
+    numel = _layer_numel(ref["state"])
+    smap = ShardMap.of(numel, 4)
+    for r, res in enumerate(ranks):
+        node = res["node"]
+        gaps = _gaps(ref, node)
+        assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, gaps)
+        assert all(torch.equal(ranks[0]["node"]["state"][k], node["state"][k]) for k in node["state"]), r
+        owned = sum(b - a for a, b in smap.owned(r))
+        for step, (got, alone) in enumerate(zip(node["stats"], ref["stats"])):
+            assert got["h2d_bytes"] * numel == alone["h2d_bytes"] * owned, (r, step)
+            assert got["d2h_bytes"] * numel == alone["d2h_bytes"] * owned, (r, step)
+            assert got["h2d_bytes"] <= 0.35 * alone["h2d_bytes"] and got["d2h_bytes"] <= 0.35 * alone["d2h_bytes"]
+            assert got["gathered_bytes"] * 4 * numel == alone["h2d_bytes"] * smap.padded * 3, (r, step)
