@@ -2,8 +2,9 @@
 every layer streamed, accumulation 2, clipping that acts. Each rank copies its half of every layer host-to-device
 and the ranks all-gather the rest; each layer's gradients are reduce-scattered in FP32 and each rank copies only its
 half to the host. They train as one process on the concatenated batch, while each rank's h2d and d2h bytes per step
-are about half a lone rank's (the per-rank path, run in the same launch: the whole of them); skipping the gather or
-the reduce-scatter (the negative controls) breaks the parity by far more than the tolerance.
+are about half a lone rank's (the per-rank path, run in the same launch: the whole of them, and the same weights bit
+for bit, in FP32 and bf16 compute); skipping the gather or the reduce-scatter (the negative controls) breaks the
+parity by far more than the tolerance. 4 ranks: a quarter of the bytes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import subprocess
 
 import pytest
 import torch
-from kit import ROOT, finish, run_python, start_python, worker_env
+from kit import ROOT, bits, finish, run_python, start_python, worker_env
 
 from megatrain.costs.shards import ShardMap
 
@@ -22,7 +23,7 @@ DEADLINE_S = 600  # a bound on a hang, not a speed target: the whole suite share
 TOL = 1e-5  # the project's data-parallel parity tolerance (test_data_parallel.py)
 ARGS = {"micro": 2, "world": 2, "steps": 3, "layers": 4}
 CHUNK = 1280  # elements: a layer of the worker's (11,584) in 10 chunks, the last of padding and one rank's tail
-RUNS = ["node", f"node:chunk{CHUNK}", "per_rank", "node:skip_gather", "node:skip_scatter"]
+RUNS = ["node", f"node:chunk{CHUNK}", "per_rank", "node:skip_gather", "node:skip_scatter", "node:bf16", "per_rank:bf16"]
 
 
 def _gaps(ref: dict, got: dict) -> dict[str, float]:
@@ -83,6 +84,11 @@ def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(tmp_path):
                 assert got["h2d_bytes"] <= 0.6 * alone["h2d_bytes"] and got["d2h_bytes"] <= 0.6 * alone["d2h_bytes"]
                 assert got["gathered_bytes"] * 2 * numel == alone["h2d_bytes"] * smap.padded, (r, run, step)
                 assert got["scattered_bytes"] * 2 * numel == alone["d2h_bytes"] * smap.padded, (r, run, step)
+        # Two ranks' FP32 sum is one addition whichever rank's term comes first: the node path's reduce-scatter gives
+        # the per-rank path's owner sum bit for bit, in FP32 compute and in bf16 (gradients widened before the sum).
+        for a, b in (("node", "per_rank"), ("node:bf16", "per_rank:bf16")):
+            assert res[a]["losses"] == res[b]["losses"] and res[a]["norms"] == res[b]["norms"], (r, a)
+            assert all(torch.equal(bits(res[a]["state"][k]), bits(res[b]["state"][k])) for k in res[a]["state"]), (r, a)
         for control in ("node:skip_gather", "node:skip_scatter"):
             gaps = _gaps(ref, res[control])
             assert gaps["params"] > 100 * TOL and gaps["norms"] > 100 * TOL, (r, control, gaps)

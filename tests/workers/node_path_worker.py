@@ -39,7 +39,8 @@ def build_model(layers: int) -> torch.nn.Module:
 def controls(name: str):
     """Break one half of the node path (the negative controls): "skip_gather": a rank's ring slot holds only its own
     shard (the rest whatever the slot held before); "skip_scatter": a rank's shard is its own gradient, not the
-    node's sum. And "chunkN", no control: the layers cut into chunks of N elements. Returns what undoes it."""
+    node's sum. And, no controls: "chunkN", the layers cut into chunks of N elements; "bf16", bf16 compute (the
+    GPU's default). Returns what undoes it."""
     from megatrain.engine.parallel import node_path
 
     saved = {k: getattr(node_path, k) for k in ("gather_layer", "reduce_scatter_into", "CHUNK")}
@@ -63,16 +64,16 @@ def main() -> None:
         path, _, control = run.partition(":")
         os.environ["MEGATRAIN_DATA_PARALLEL_PATH"] = path
         undo = controls(control)
-        results[run] = train(args)
+        results[run] = train(args, "bfloat16" if control == "bf16" else "float32")
         undo()
     torch.save(results, out / f"rank{rank}.pt")
 
 
-def train(args: dict) -> dict:
+def train(args: dict, dtype: str) -> dict:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     micro, steps, accum = args["micro"], args["steps"], 2
     cfg = EngineConfig(device="cpu", parity_probe=False, residency="stream", watchdog_s=120.0,
-                       compute_dtype="float32", speculative_step=False)
+                       compute_dtype=dtype, speculative_step=False)
     engine = Engine(build_model(args["layers"]), cfg,
                     optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=LR))
     g = torch.Generator().manual_seed(1)
