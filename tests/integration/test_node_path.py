@@ -23,7 +23,8 @@ DEADLINE_S = 600  # a bound on a hang, not a speed target: the whole suite share
 TOL = 1e-5  # the project's data-parallel parity tolerance (test_data_parallel.py)
 ARGS = {"micro": 2, "world": 2, "steps": 3, "layers": 4}
 CHUNK = 1280  # elements: a layer of the worker's (11,584) in 10 chunks, the last of padding and one rank's tail
-RUNS = ["node", f"node:chunk{CHUNK}", "per_rank", "node:skip_gather", "node:skip_scatter", "node:bf16", "per_rank:bf16"]
+RUNS = ["node", f"node:chunk{CHUNK}", "node:overlap", "per_rank", "node:skip_gather", "node:skip_scatter", "node:bf16",
+        "per_rank:bf16"]
 
 
 def _gaps(ref: dict, got: dict) -> dict[str, float]:
@@ -68,7 +69,8 @@ def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(tmp_path):
     numel = _layer_numel(ref["state"])
     for r, res in enumerate(ranks):
         assert res["per_rank"]["data_path"].startswith("per_rank:"), res["per_rank"]["data_path"]
-        for run, smap in (("node", ShardMap.of(numel, 2)), (f"node:chunk{CHUNK}", ShardMap.of(numel, 2, CHUNK))):
+        for run, smap in (("node", ShardMap.of(numel, 2)), (f"node:chunk{CHUNK}", ShardMap.of(numel, 2, CHUNK)),
+                          ("node:overlap", ShardMap.of(numel, 2))):
             node = res[run]
             assert node["data_path"].startswith("node:") and "reduce-scattered" in node["data_path"], node["data_path"]
             gaps = _gaps(ref, node)

@@ -25,6 +25,9 @@ from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 
 VOCAB, SEQ, LR, CLIP = 128, 12, 1e-3, 0.05
+# Runs' settings besides the defaults above: the GPU's defaults, one at a time (bf16 compute; the layer updates
+# overlapped with the next forward, whose loads then wait for each layer's owner's token).
+SETTINGS = {"bf16": {"compute_dtype": "bfloat16"}, "overlap": {"optimizer_overlap": True}}
 
 
 def build_model(layers: int) -> torch.nn.Module:
@@ -39,8 +42,8 @@ def build_model(layers: int) -> torch.nn.Module:
 def controls(name: str):
     """Break one half of the node path (the negative controls): "skip_gather": a rank's ring slot holds only its own
     shard (the rest whatever the slot held before); "skip_scatter": a rank's shard is its own gradient, not the
-    node's sum. And, no controls: "chunkN", the layers cut into chunks of N elements; "bf16", bf16 compute (the
-    GPU's default). Returns what undoes it."""
+    node's sum. And, no controls: "chunkN", the layers cut into chunks of N elements; SETTINGS' names. Returns what
+    undoes it."""
     from megatrain.engine.parallel import node_path
 
     saved = {k: getattr(node_path, k) for k in ("gather_layer", "reduce_scatter_into", "CHUNK")}
@@ -64,16 +67,16 @@ def main() -> None:
         path, _, control = run.partition(":")
         os.environ["MEGATRAIN_DATA_PARALLEL_PATH"] = path
         undo = controls(control)
-        results[run] = train(args, "bfloat16" if control == "bf16" else "float32")
+        results[run] = train(args, SETTINGS.get(control, {}))
         undo()
     torch.save(results, out / f"rank{rank}.pt")
 
 
-def train(args: dict, dtype: str) -> dict:
+def train(args: dict, settings: dict) -> dict:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     micro, steps, accum = args["micro"], args["steps"], 2
-    cfg = EngineConfig(device="cpu", parity_probe=False, residency="stream", watchdog_s=120.0,
-                       compute_dtype=dtype, speculative_step=False)
+    cfg = EngineConfig(**{"device": "cpu", "parity_probe": False, "residency": "stream", "watchdog_s": 120.0,
+                          "compute_dtype": "float32", "speculative_step": False, **settings})
     engine = Engine(build_model(args["layers"]), cfg,
                     optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=LR))
     g = torch.Generator().manual_seed(1)
