@@ -93,7 +93,9 @@ def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(tmp_path):
             assert all(torch.equal(bits(res[a]["state"][k]), bits(res[b]["state"][k])) for k in res[a]["state"]), (r, a)
         for control in ("node:skip_gather", "node:skip_scatter"):
             gaps = _gaps(ref, res[control])
-            assert gaps["params"] > 100 * TOL and gaps["norms"] > 100 * TOL, (r, control, gaps)
+            # "not <=": a NaN is off too (with the gather skipped a slot's other half is whatever it held before,
+            # at times an uninitialised buffer's NaN)
+            assert all(not gaps[k] <= 100 * TOL for k in ("params", "norms")), (r, control, gaps)
 
 
 @pytest.mark.slow
