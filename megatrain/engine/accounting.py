@@ -97,4 +97,9 @@ class StepAccounting:
         out.update(self.pipeline.residency_stats())
         if self.dp is not None:
             out.update(allreduce_bytes=self.dp.stream.bytes, allreduce_busy_s=self.dp.stream.busy_s)
+        if streams.gather is not None:
+            # The node path (docs/DISTRIBUTED.md): h2d_bytes above are this rank's shard copies; what the node's
+            # all-gathers brought in from the other ranks is apart, and so is what its reduce-scatters sent out.
+            out.update(gathered_bytes=streams.gather.bytes, gather_busy_s=streams.gather.busy_s,
+                       scattered_bytes=streams.scatter.bytes if streams.scatter is not None else 0)
         return out

@@ -48,6 +48,7 @@ from .model.peft_model import unwrap_peft
 from .model.placement import place, resolve_device
 from .model.probe import verify_model
 from .model.trainable import Trainable, frozen_names, user_flags
+from .parallel import node_path  # ENGINE-HOOK: the node path (docs/DISTRIBUTED.md step 2)
 from .parallel.distributed import join_ranks
 from .parallel.ranks import ranks_for
 from .pipeline.activations import ActivationStore
@@ -216,6 +217,9 @@ class Engine:
                                       policy, self.ranks.sink(self.update.grad_sink))
         self.pipeline.optimizer_layers = self.optimizer_layers
         self.pipeline.trainable = self.trainable
+        # ENGINE-HOOK: which data path runs; the node path loads the streamed layers by shard and all-gather.
+        self.data_path = node_path.attach(self.pipeline, self.streams, self.dp, self.node, self.ranks,
+                                          config)
         self._global_grads = GlobalGradSink(self.store, self.streams, self.pipeline, self.compute_dtype)
         # A plain CPU device keeps the loss tile's buffers (its allocator maps them afresh each time); not where it
         # stands in for a GPU's memory, whose caching allocator reuses them (loss.py TileBuffers).

@@ -10,15 +10,8 @@ from __future__ import annotations
 import pytest
 from kit import ROOT, finish, free_port, probes, start_python, worker_env
 
-from megatrain.engine.parallel.collectives import (
-    DEFAULT_CHUNK,
-    GRANULE,
-    ShardMap,
-    default_chunk,
-    node_layout,
-    padded_numel,
-    shard_ranges,
-)
+from megatrain.costs.shards import DEFAULT_CHUNK, GRANULE, ShardMap, default_chunk, padded_numel, shard_ranges
+from megatrain.engine.host.node_store import node_layout
 
 WORKER = ROOT / "tests" / "workers" / "collectives_worker.py"
 LOCAL_WORLD = 2  # ranks per "node": 2 ranks are one node, 4 ranks two nodes on this one machine

@@ -63,19 +63,65 @@ def topology_of(keys: Sequence[str]) -> list[list[int]]:
     return list(order.values())
 
 
+def node_layout(keys: Sequence[str], local_world: Sequence[int | None],
+                local_rank: Sequence[int | None], check_local_rank: bool = True) -> list[list[int]]:
+    """Global ranks of every node, from every rank's node key (node_store.node_key: host name and the launcher's
+    node rank), LOCAL_WORLD_SIZE and LOCAL_RANK (None where unset). A host's ranks in rank order are one node, or
+    several of LOCAL_WORLD_SIZE where it says so (ranks standing in for several nodes on one machine); a rank's
+    index in its node must be its LOCAL_RANK where set (`check_local_rank`: the node path's devices follow it).
+    Nodes in order of their first rank. The shared host store and the node path's groups both read this, so the
+    ranks that share a store are the ranks that gather and reduce-scatter together."""
+    sizes = {w for w in local_world if w is not None}
+    if len(sizes) > 1:
+        raise ValueError(f"ranks disagree on LOCAL_WORLD_SIZE ({sorted(sizes)}): every node needs the same number "
+                         "of ranks on the node path; launch the same --nproc-per-node on every node")
+    size = sizes.pop() if sizes else None
+    nodes = []
+    for host in topology_of(keys):
+        step = size or len(host)
+        if len(host) % step:
+            raise ValueError(f"{len(host)} ranks on {keys[host[0]]!r} is not a multiple of LOCAL_WORLD_SIZE={step}")
+        nodes += [host[i:i + step] for i in range(0, len(host), step)]
+    counts = sorted({len(n) for n in nodes})
+    if len(counts) > 1:
+        raise ValueError(f"nodes run different numbers of ranks ({[len(n) for n in nodes]}); the node path needs "
+                         "the same number on every node")
+    for n in nodes if check_local_rank else ():
+        for index, r in enumerate(n):
+            if local_rank[r] is not None and local_rank[r] != index:
+                raise ValueError(f"rank {r} has LOCAL_RANK={local_rank[r]} but is rank {index} of its node "
+                                 f"{n}: the launcher numbers a node's ranks otherwise than in rank order")
+    return sorted(nodes, key=lambda n: n[0])
+
+
+def node_place() -> tuple[str, int | None, int | None]:
+    """What this rank tells the others about its place: its node key, LOCAL_WORLD_SIZE and LOCAL_RANK (None where
+    the launcher left them unset)."""
+    return node_key(), _env_int("LOCAL_WORLD_SIZE"), _env_int("LOCAL_RANK")
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
 class NodeStore:
     """This rank's node: its groups, which layers it owns, and the node's shared host buffers."""
 
     def __init__(self, rank: int, group: dist.ProcessGroup, timeout, watchdog_s: float) -> None:
         world = dist.get_world_size(group)
-        keys: list[str | None] = [None] * world
-        dist.all_gather_object(keys, node_key(), group=group)
-        nodes = topology_of(keys)
-        sizes = {len(n) for n in nodes}
-        if len(sizes) != 1:
-            raise ValueError(f"data parallel nodes run different numbers of ranks ({[len(n) for n in nodes]}); the "
-                             "shared host store needs the same number on every node (or data_parallel_host="
-                             "'replicated')")
+        every: list[tuple[str, int | None, int | None] | None] = [None] * world
+        dist.all_gather_object(every, node_place(), group=group)
+        try:
+            nodes = node_layout([e[0] for e in every], [e[1] for e in every], [e[2] for e in every],
+                                check_local_rank=False)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (the shared host store; or data_parallel_host='replicated')") from None
         node = next(i for i, n in enumerate(nodes) if rank in n)
         self.topo = Topology(node, len(nodes), nodes[node].index(rank), len(nodes[node]), nodes)
         self.rank, self.world = rank, world
@@ -205,6 +251,29 @@ class NodeStore:
             slab.add_(mine, alpha=1.0 / self.world)
         return n * mine.element_size()
 
+
+    # -- gradients on the node path (docs/DISTRIBUTED.md section 2) ----------------------------------------------
+    def transit(self) -> list[torch.Tensor]:
+        """The node path's two FP32 layer buffers in the node's shared memory: each rank writes its reduce-scattered
+        shard of a layer into its own ranges of one (the sum is already taken, on the devices), the layer's owner
+        adds the whole into its slab (`add_transit`). They are the first rank's staging slots, which the node path
+        leaves unused otherwise (its layers' gradients never go through `reduce_to_owner`)."""
+        return self.staging[0]
+
+    def add_transit(self, layer: int, transit: torch.Tensor, slab: torch.Tensor | None) -> int:
+        """slab += transit / world on the layer's owner (who passes its slab; the others None), once every rank of
+        the node has written its shard of `layer` into `transit`: a node barrier, then one add of one layer (no
+        sum of G slots: the ranks' sum was the reduce-scatter's). Returns the bytes the owner read.
+
+        Every rank runs these in the same layer order on one thread, two transit buffers in turn; a rank writes a
+        buffer again (its shard of the layer after next) only after this rank passed the next layer's barrier,
+        which the owner of this layer reaches only once it has read the buffer (the caller orders that write
+        behind this job)."""
+        dist.barrier(group=self.node_group)  # every rank's shard is in (the barrier orders the memory)
+        if slab is None:
+            return 0
+        slab.add_(transit, alpha=1.0 / self.world)
+        return transit.numel() * transit.element_size()
 
 # -- optimizer state: sharded by the layers' owners, whole in every state_dict ------------------------------
 def shard_optimizer_state(optimizer: torch.optim.Optimizer, foreign: set[int], group: dist.ProcessGroup,

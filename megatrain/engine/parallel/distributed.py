@@ -258,6 +258,15 @@ class DataParallel:
                             f"reducing the gradients of layer {layer} to its owner",
                             "gradient reduce to the layer's owner", layer)
 
+    def submit_add_transit(self, layer: int, transit: torch.Tensor, slab: torch.Tensor | None,
+                           after: Sequence[Event]) -> Event:
+        """Queue the node path's landing of layer `layer`'s gradient (every rank's shard in `transit`) into its
+        owner's slab (NodeStore.add_transit) once `after` are done."""
+        node = self.node
+        return self._submit(lambda: node.add_transit(layer, transit, slab), after,
+                            f"adding the node's reduce-scattered gradients of layer {layer} to its owner's slab",
+                            "gradient shards to the layer's owner", layer)
+
     def submit_publish(self, layer: int, updated: Event) -> Event:
         """Queue layer `layer`'s "updated" token from its owner to the node's ranks (after `updated`, the owner's
         update job; a no-op elsewhere); the returned event is when this rank may load the layer again."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import nullcontext
+from typing import Protocol
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -24,7 +25,7 @@ from ...costs.residency import Residency
 from ..host import reduce_kernel
 from ..host.events import LayerEvents
 from ..host.slab_state import PartsAdd
-from ..host.store import HostStore
+from ..host.store import FlatGroup, HostStore
 from ..layer.handed_state import HandedStates
 from ..layer.side_inputs import SideInputs
 from ..layer.templates import TemplateBank
@@ -64,6 +65,32 @@ def accumulate(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor | Non
             d.add_(scratch[:k])
 
 
+class ShardedWeights(Protocol):
+    """How a streamed layer reaches a ring slot on the node path (docs/DISTRIBUTED.md section 1): this rank copies
+    its shard host-to-device, then the node's ranks all-gather the rest. engine/parallel/node_path.py's NodeWeights
+    is one; the pipeline knows no process group, only these three calls."""
+
+    def padded(self, numel: int) -> int:
+        """Elements a ring slot needs for a layer of `numel` (the shard map pads it to equal pieces)."""
+
+    def copy_shard(self, buffer: torch.Tensor, src: torch.Tensor, numel: int) -> int:
+        """Copy this rank's ranges of `src` (a layer's host stream source) into `buffer`; the bytes copied."""
+
+    def gather(self, buffer: torch.Tensor, numel: int) -> int:
+        """Every rank's shard of the layer into `buffer` (its own already there); the bytes received."""
+
+
+class ShardedGrads(Protocol):
+    """How a layer's gradients leave backward on the node path (docs/DISTRIBUTED.md section 2): reduce-scattered in
+    FP32 across the node's ranks, this rank's shard copied to the host into the node's one copy of the layer's
+    gradient. engine/parallel/node_path.py's NodeGrads is one."""
+
+    def send(self, layer: int, group: FlatGroup, grads: list[torch.Tensor | None], after: Event,
+             slab_after: tuple[Event, ...]) -> Event:
+        """Queue layer `layer`'s gradients (computed once `after` is done) to its slab, whose writes wait for
+        `slab_after` too; the event after which the slab holds them."""
+
+
 class LayerPipeline:
     def __init__(self, store: HostStore, templates: TemplateBank, streams: Streams, trace: Trace,
                  num_buffers: int, dtype: torch.dtype, device: torch.device, preserve_rng: bool,
@@ -76,6 +103,11 @@ class LayerPipeline:
         self.device = device
         self.preserve_rng = preserve_rng
         self.max_numel = max(g.numel for g in store.layers)
+        self.ring_numel = self.max_numel  # a ring slot's elements (use_weights pads it for the node path's shards)
+        # The node path's shard copy and gather (use_weights); None: every streamed layer is copied whole.
+        self.weights: ShardedWeights | None = None
+        # The node path's gradients (reduce-scatter, shard to the host); None: each rank sends its whole gradient.
+        self.grad_shards: ShardedGrads | None = None
         k = self.ring_size = num_buffers
         self.dtype = dtype
         # Slots 0..k-1: the ring the streamed layers share; k..: one per kept layer (set_residency).
@@ -133,6 +165,23 @@ class LayerPipeline:
     def device_weight_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
+    def use_weights(self, weights: ShardedWeights) -> None:
+        """Load the streamed layers by shard and gather (the node path) from now on: the ring's slots grow to the
+        padded length (drained first: no copy in flight writes a slot given up). Kept layers still copy whole,
+        once per change of the masters."""
+        self.streams.add_gather()
+        self.weights = weights
+        self.ring_numel = weights.padded(self.max_numel)  # padding only grows with numel: every layer fits
+        k = self.ring_size
+        if self.buffers[0].numel() and self.buffers[0].numel() < self.ring_numel:
+            self.streams.synchronize()
+            with untracked():
+                self.buffers[:k] = [torch.empty(self.ring_numel, dtype=self.dtype, device=self.device)
+                                    for _ in range(k)]
+            self.slots.invalidate()
+            self.loaded[:k] = [DONE] * k
+            self.weight_peak_bytes = max(self.weight_peak_bytes, self.device_weight_bytes)
+
     def invalidate(self) -> None:
         """Masters changed (optimizer step, load): resident copies are stale."""
         self.slots.invalidate()
@@ -168,11 +217,11 @@ class LayerPipeline:
         # (buffer, copy current, its load event) of each layer that stays kept
         stay = {i: (self.buffers[s], self.slots.resident[s] == i, self.loaded[s])
                 for i, s in self.slots.kept_slot.items() if i in r.kept}
-        ring = self.buffers[:k] if r.weights < n and self.buffers[0].numel() >= self.max_numel else None
+        ring = self.buffers[:k] if r.weights < n and self.buffers[0].numel() >= self.ring_numel else None
         self.buffers = []  # the dropped layers' buffers (and a ring not reused) are freed here, before any allocation
         with untracked():  # weight buffers: device_weight_bytes counts them, not the working set's tracker
             if ring is None:
-                size = 0 if r.weights == n else self.max_numel
+                size = 0 if r.weights == n else self.ring_numel
                 ring = [torch.empty(size, dtype=self.dtype, device=self.device) for _ in range(k)]
             kept = [stay[i][0] if i in stay else self._kept_buffer(i) for i in sorted(r.kept)]
         self.buffers = ring + kept
@@ -214,6 +263,9 @@ class LayerPipeline:
     def _load(self, layer: int, slot: int) -> None:
         group = self.store.layers[layer]
         src = group.stream_source
+        if self.weights is not None and slot < self.ring_size:
+            self._load_sharded(layer, slot)
+            return
 
         def load() -> int:
             # The buffer is looked up when the copy runs, not held by the job: a copy thread keeps its last job
@@ -226,6 +278,22 @@ class LayerPipeline:
             return src.numel() * src.element_size()
 
         self.loaded[slot] = self.streams.h2d.submit(load, (self.freed[slot], self.updated[layer]), "load", layer)
+
+    def _load_sharded(self, layer: int, slot: int) -> None:
+        """The node path's load: this rank's shard on the h2d stream, then the gather of the rest on the gather
+        stream behind it, whose event is the slot's `loaded` (the compute stream waits for it as for a copy).
+        Every rank issues its gathers in the same layer order (the schedule is the same on every rank)."""
+        group, weights = self.store.layers[layer], self.weights
+        src = group.stream_source
+
+        def copy() -> int:
+            return weights.copy_shard(self.buffers[slot], src, group.numel)
+
+        def gather() -> int:
+            return weights.gather(self.buffers[slot], group.numel)
+
+        copied = self.streams.h2d.submit(copy, (self.freed[slot], self.updated[layer]), "load", layer)
+        self.loaded[slot] = self.streams.gather.submit(gather, copied, "gather", layer)
 
     def _weights_step(self, step: order.Step, phase: str) -> None:
         """Run a LOAD or WAIT step."""
@@ -244,6 +312,10 @@ class LayerPipeline:
     def _send_grad(self, layer: int, grads: list[torch.Tensor], after: Event) -> None:
         """Add one layer's per-parameter gradients into its host slab, off the compute stream."""
         group = self.store.layers[layer]
+        if self.grad_shards is not None:
+            self.landed[layer] = self.grad_shards.send(layer, group, grads, after,
+                                                       (self.landed[layer], self.zeroed[layer]))
+            return
         nbytes = sum(g.numel() * g.element_size() for g in grads if g is not None)
         if self.grad_sink is not None:
             self._send_grad_to_sink(layer, grads, after, nbytes)

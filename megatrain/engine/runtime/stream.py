@@ -417,7 +417,10 @@ class CopyStream:
 
 
 class Streams:
-    """The compute stream plus the two copy streams of one device."""
+    """The compute stream plus the two copy streams of one device, and on the node path (docs/DISTRIBUTED.md)
+    two more: `gather`, the weights' all-gathers, apart from the shard copies on `h2d` so a gather never queues
+    behind the next layer's copy, and `scatter`, the gradients' reduce-scatters, apart from the shard copies on
+    `d2h` (each on a GPU a CUDA stream the collectives are issued on, on the CPU a thread of its own)."""
 
     def __init__(self, device: torch.device, trace: Trace, link_gbps: float | None, watchdog_s: float) -> None:
         self.device = device
@@ -425,8 +428,26 @@ class Streams:
         self.watchdog_s = watchdog_s
         self.h2d = CopyStream("h2d", device, trace, link_gbps, watchdog_s)
         self.d2h = CopyStream("d2h", device, trace, link_gbps, watchdog_s)
+        self.gather: CopyStream | None = None  # the node path's (add_gather); None: one process, the per-rank path
+        self.scatter: CopyStream | None = None  # the node path's gradients (add_scatter); None likewise
         self._wait_s = 0.0
         self._cuda_waits = _CudaSpans() if device.type == "cuda" else None
+
+    def add_gather(self) -> CopyStream:
+        """The gather stream, made on first use (a process on the per-rank path never starts its thread). Not rate
+        limited: what it moves crosses NVLink, not the emulated host link."""
+        if self.gather is None:
+            self.gather = CopyStream("gather", self.device, self.trace, None, self.watchdog_s)
+        return self.gather
+
+    def add_scatter(self) -> CopyStream:
+        """The scatter stream, made on first use (as add_gather)."""
+        if self.scatter is None:
+            self.scatter = CopyStream("scatter", self.device, self.trace, None, self.watchdog_s)
+        return self.scatter
+
+    def copy_streams(self) -> list[CopyStream]:
+        return [s for s in (self.h2d, self.d2h, self.gather, self.scatter) if s is not None]
 
     @property
     def wait_s(self) -> float:
@@ -470,14 +491,14 @@ class Streams:
         self.wait_s += time.perf_counter() - t0
 
     def synchronize(self) -> None:
-        self.h2d.synchronize()
-        self.d2h.synchronize()
+        for s in self.copy_streams():
+            s.synchronize()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def reset_counters(self) -> None:
-        self.h2d.reset_counters()
-        self.d2h.reset_counters()
+        for s in self.copy_streams():
+            s.reset_counters()
         self.wait_s = 0.0
         if self._cuda_waits is not None:
             self._cuda_waits.reset()

@@ -1,0 +1,240 @@
+"""The node path (docs/DISTRIBUTED.md): which data path a data-parallel engine runs, and the objects that make the
+node path's layer loads one trip per layer per node.
+
+Landed so far (DISTRIBUTED.md "Steps to land it", steps 2 and 3's gradients). Weights: each of the node's G ranks
+copies its 1/G of a streamed layer's flat buffer host-to-device (`NodeWeights.copy_shard`, its ranges of the shard
+map, costs/shards.py) and the node's ranks all-gather the rest on the gather stream (`NodeWeights.gather`,
+collectives.py); the recompute in backward loads, so gathers, again. Gradients (`NodeGrads`): reduce-scattered in
+FP32 on the scatter stream, each rank's shard copied to the host into the node's one buffer of the layer, which
+the layer's owner adds into its slab. The update is still the owner's, of whole layers (ranks.py SharedStore;
+splitting it by shard is step 4, engine/update), so the node path needs the shared host store.
+
+Which path runs: `data_parallel_path` "node" asks for the node path and is refused where it cannot run; "auto"
+(the default) and "per_rank" run the per-rank path until DISTRIBUTED.md step 6 makes "auto" choose. Until
+EngineConfig has the field, the setting is read from the environment (DATA_PATH_ENV), where a launcher passes it
+to every rank alike.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ...config.schema import AUTO, left_auto
+from ...costs.shards import ShardMap, padded_numel
+from ..host.node_store import NodeStore
+from ..host.store import FlatGroup
+from ..pipeline.schedule import LayerPipeline
+from ..runtime.stream import DONE, Event, Streams
+from .collectives import CollectiveStats, NodeGroups, gather_layer, node_groups, reduce_scatter_into
+from .distributed import DataParallel
+from .ranks import OneRank
+
+DATA_PATH_ENV = "MEGATRAIN_DATA_PARALLEL_PATH"
+CHUNK: int | None = None  # elements per chunk of the shard map (None: costs/shards.default_chunk); tests cut small
+NODE, PER_RANK = "node", "per_rank"
+
+
+class NodeWeights:
+    """The pipeline's ShardedWeights on the node path: this rank's shard copy and the node's all-gather of a layer,
+    with the shard map of each layer size made once. `stats` counts the node path's collectives since the start
+    (collect_stats' figures per step are the gather and scatter streams' counters)."""
+
+    def __init__(self, groups: NodeGroups, chunk: int | None = None) -> None:
+        self.groups = groups
+        self.world, self.rank = groups.local_world, groups.local
+        self.chunk = chunk
+        self.stats = CollectiveStats()
+        self._maps: dict[int, ShardMap] = {}
+
+    def map(self, numel: int) -> ShardMap:
+        m = self._maps.get(numel)
+        if m is None:
+            m = self._maps[numel] = ShardMap.of(numel, self.world, self.chunk)
+        return m
+
+    def padded(self, numel: int) -> int:
+        return padded_numel(numel, self.world)
+
+    def copy_shard(self, buffer: torch.Tensor, src: torch.Tensor, numel: int) -> int:
+        nbytes = 0
+        for a, b in self.map(numel).owned(self.rank):  # the padding is no parameter: nothing to copy there
+            buffer[a:b].copy_(src[a:b], non_blocking=True)
+            nbytes += (b - a) * src.element_size()
+        return nbytes
+
+    def gather(self, buffer: torch.Tensor, numel: int) -> int:
+        m = self.map(numel)
+        before = self.stats.gathered_bytes
+        gather_layer(buffer[: m.padded], m, self.groups.gather_group, stats=self.stats)
+        return self.stats.gathered_bytes - before
+
+
+class NodeGrads:
+    """The pipeline's ShardedGrads on the node path (DISTRIBUTED.md section 2). On the scatter stream, a layer's
+    gradients are laid out as its flat buffer in FP32 a chunk at a time (the shard map's chunks: one FP32 chunk
+    buffer, not a layer's) and each chunk reduce-scattered over the node's scatter group into this rank's shard (two
+    shard buffers in turn; with several nodes the shard is then all-reduced among the peers). On the d2h stream the
+    shard goes into this rank's ranges of one of the node's two shared transit buffers, and on the data-parallel
+    thread the layer's owner adds that one buffer into its slab (NodeStore.add_transit): no host sum of G slots.
+    `stats` counts what the reduce-scatters sent."""
+
+    def __init__(self, groups: NodeGroups, weights: NodeWeights, streams: Streams, dp: DataParallel,
+                 node: NodeStore, max_numel: int, device: torch.device) -> None:
+        self.groups, self.weights, self.streams, self.dp, self.node = groups, weights, streams, dp, node
+        self.rank, self.world = groups.local, groups.local_world
+        self.stats = weights.stats  # one count of the node path's collectives
+        scatter = streams.add_scatter()
+        self._scatter_stream = scatter
+        m = weights.map(max_numel)
+        # One FP32 chunk (the layer's gradients widened, a chunk at a time: DISTRIBUTED.md section 2) and two shards.
+        self._chunk = torch.empty(min(m.padded, m.chunk), dtype=torch.float32, device=device)
+        self._shard = [torch.empty(m.shard_numel, dtype=torch.float32, device=device) for _ in range(2)]
+        self._shard_free: list[Event] = [DONE, DONE]
+        self._next = 0
+        self._transit = node.transit()
+        self._next_transit = 0
+        self._last_land: Event = DONE  # a transit buffer is written again only after the previous layer landed
+
+    def send(self, layer: int, group: FlatGroup, grads: list[torch.Tensor | None], after: Event,
+             slab_after: tuple[Event, ...]) -> Event:
+        m = self.weights.map(group.numel)
+        k = self._next
+        self._next ^= 1
+        shard = self._shard[k][: m.shard_numel]
+        if shard.device.type == "cuda":
+            for g in grads:
+                if g is not None:
+                    g.record_stream(self._scatter_stream._stream)  # the allocator must not reuse it mid-scatter
+        # Every gradient's [start, end) in the layer's flat layout (a frozen weight's: None, zeros in the sum).
+        parts = [(s.offset, s.offset + s.numel, None if g is None else g.reshape(-1))
+                 for s, g in zip(group.slots, grads)]
+
+        def scatter() -> int:
+            before = self.stats.scattered_bytes
+            at = 0
+            for a, length in m.chunks():
+                # The chunk buffer is reused chunk after chunk: the stream runs its collectives in order.
+                chunk = self._chunk[:length]
+                fill(chunk, a, parts)
+                piece = length // self.world
+                reduce_scatter_into(shard[at: at + piece], chunk, self.groups.scatter_group, stats=self.stats)
+                at += piece
+            if self.groups.cross_scatter is not None:  # several nodes, each holding the model (section 5a)
+                dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.groups.cross_scatter)
+            return self.stats.scattered_bytes - before
+
+        scattered = self._scatter_stream.submit(scatter, (after, self._shard_free[k]), "scatter", layer)
+        transit = self._transit[self._next_transit]
+        self._next_transit ^= 1
+
+        def to_host() -> int:
+            nbytes, at = 0, 0
+            for s, e in m.ranges(self.rank):
+                end = min(e, group.numel)
+                if s < end:  # clipped to the layer's parameters: the padding stays on the device
+                    transit[s:end].copy_(shard[at: at + end - s], non_blocking=True)
+                    nbytes += (end - s) * 4
+                at += e - s
+            return nbytes
+
+        copied = self.streams.d2h.submit(to_host, (scattered, self._last_land), "grad", layer)
+        self._shard_free[k] = copied
+        self._last_land = self.dp.submit_add_transit(layer, transit[: group.numel], group.grad,
+                                                     (copied, *slab_after))
+        return self._last_land
+
+
+def fill(chunk: torch.Tensor, start: int, parts: list[tuple[int, int, torch.Tensor | None]]) -> None:
+    """chunk <- the layer's flat elements [start, start + len(chunk)), widened to FP32, from its gradients `parts`
+    ((begin, end, flat gradient or None) in the flat layout); zeros where no gradient reaches (a frozen weight,
+    the padding)."""
+    end = start + chunk.numel()
+    covered = start
+    for b, e, g in parts:
+        lo, hi = max(b, start), min(e, end)
+        if lo >= hi:
+            continue
+        if lo > covered:
+            chunk[covered - start: lo - start].zero_()
+        dst = chunk[lo - start: hi - start]
+        if g is None:
+            dst.zero_()
+        else:
+            dst.copy_(g[lo - b: hi - b])
+        covered = hi
+    if covered < end:
+        chunk[covered - start:].zero_()  # the padding: summed like the rest, never read
+
+
+@dataclass
+class DataPath:
+    """The data path this engine runs and why: what the start line and collect_stats() say."""
+
+    name: str  # NODE or PER_RANK ("one process" for a lone process)
+    why: str
+    weights: NodeWeights | None = None
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.why}"
+
+
+def requested_path(config: object) -> str:
+    """The configured data path: EngineConfig's `data_parallel_path` where it has one, else DATA_PATH_ENV, else
+    "auto"."""
+    value = getattr(config, "data_parallel_path", None) or os.environ.get(DATA_PATH_ENV, "") or AUTO
+    if left_auto(value):
+        return AUTO
+    if value not in (NODE, PER_RANK):
+        raise ValueError(f"data_parallel_path={value!r}: use {AUTO!r}, {NODE!r} or {PER_RANK!r}")
+    return value
+
+
+def why_not_node(dp: DataParallel | None, node: NodeStore | None, pipeline: LayerPipeline) -> str | None:
+    """Why the node path cannot run here (None: it can)."""
+    if dp is None:
+        return "one process"
+    if node is None:
+        return "each rank has its own host store (data_parallel_host='replicated'); the node path reads the node's one"
+    if node.topo.local_world < 2:
+        return "one rank per node: no node's ranks to share a layer's trip"
+    if pipeline.device.type == "cuda" and not torch.distributed.is_nccl_available():
+        return "no NCCL in this torch for the GPUs' all-gather"
+    return None
+
+
+def attach(pipeline: LayerPipeline, streams: Streams, dp: DataParallel | None, node: NodeStore | None,
+           ranks: OneRank, config: object) -> DataPath:
+    """Choose the data path and, for the node path, hand the pipeline its shard copies and gathers. Collective
+    where it takes the node path (the node's groups are made over every rank): every rank calls it at the same
+    point of the engine's construction, with the same setting."""
+    if dp is None:
+        return DataPath("one process", "no data parallel")
+    asked = requested_path(config)
+    reason = why_not_node(dp, node, pipeline)
+    if asked != NODE:
+        why = reason or ("asked for" if asked == PER_RANK else "the default until the node path lands whole "
+                         "(docs/DISTRIBUTED.md step 6)")
+        return DataPath(PER_RANK, f"every rank streams every layer ({why})")
+    if reason is not None:
+        raise ValueError(f"data_parallel_path='node' cannot run here: {reason}; use 'auto' or 'per_rank'")
+    groups = node_groups(pipeline.device, dp.timeout)
+    if groups.local_world != node.topo.local_world or groups.nodes != node.topo.node_ranks:
+        raise ValueError(f"the node path's nodes {groups.nodes} differ from the shared host store's "
+                         f"{node.topo.node_ranks}: set LOCAL_WORLD_SIZE and GROUP_RANK alike on every rank")
+    weights = NodeWeights(groups, CHUNK)
+    pipeline.use_weights(weights)
+    G = groups.local_world
+    link = "over NVLink" if pipeline.device.type == "cuda" else "gloo ranks standing in for GPUs"
+    # The gradients' node path replaces the shared store's per-rank sink (ranks.py SharedStore._reduce_to_owner);
+    # the optimizer in backward's sink (an update behind each layer's reduction) still takes the per-rank way.
+    if pipeline.grad_sink is not None and pipeline.grad_sink == ranks.grad_sink:
+        pipeline.grad_shards = NodeGrads(groups, weights, streams, dp, node, pipeline.max_numel, pipeline.device)
+        grads = "gradients reduce-scattered in FP32, each rank's shard to the layer's one slab"
+    else:
+        grads = "gradients per rank to the layer's owner (the optimizer in backward)"
+    return DataPath(NODE, f"one trip per layer per node, {G} ranks per node ({link}); weights by shard and "
+                    f"all-gather, {grads}", weights)

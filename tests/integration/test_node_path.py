@@ -1,0 +1,119 @@
+"""The node path (docs/DISTRIBUTED.md, steps 2-3) on gloo ranks standing in for a node's GPUs: 2 ranks under torchrun,
+every layer streamed, accumulation 2, clipping that acts. Each rank copies its half of every layer host-to-device
+and the ranks all-gather the rest; each layer's gradients are reduce-scattered in FP32 and each rank copies only its
+half to the host. They train as one process on the concatenated batch, while each rank's h2d and d2h bytes per step
+are about half a lone rank's (the per-rank path, run in the same launch: the whole of them, and the same weights bit
+for bit, in FP32 and bf16 compute); skipping the gather or the reduce-scatter (the negative controls) breaks the
+parity by far more than the tolerance. 4 ranks: a quarter of the bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from kit import ROOT, bits, finish, run_python, start_python, worker_env
+
+from megatrain.costs.shards import ShardMap
+
+WORKER = ROOT / "tests" / "workers" / "node_path_worker.py"
+DEADLINE_S = 600  # a bound on a hang, not a speed target: the whole suite shares two cores
+TOL = 1e-5  # the project's data-parallel parity tolerance (test_data_parallel.py)
+ARGS = {"micro": 2, "world": 2, "steps": 3, "layers": 4}
+CHUNK = 1280  # elements: a layer of the worker's (11,584) in 10 chunks, the last of padding and one rank's tail
+RUNS = ["node", f"node:chunk{CHUNK}", "node:overlap", "per_rank", "node:skip_gather", "node:skip_scatter", "node:bf16",
+        "per_rank:bf16"]
+
+
+def _gaps(ref: dict, got: dict) -> dict[str, float]:
+    return {
+        "losses": max(abs(a - b) for a, b in zip(ref["losses"], got["losses"], strict=True)),
+        "norms": max(abs(a - b) / a for a, b in zip(ref["norms"], got["norms"], strict=True)),
+        "params": max((ref["state"][k] - got["state"][k]).abs().max().item() for k in ref["state"]),
+    }
+
+
+def _layer_numel(state: dict) -> int:
+    return sum(v.numel() for k, v in state.items() if ".layers.0." in k)
+
+
+def _launch(tmp_path, args: dict, runs: list[str]) -> tuple[dict, list[dict]]:
+    """`args["world"]` ranks under torchrun (the runs `runs`) and, meanwhile, the one-process reference on the
+    concatenated batch: (the reference, each rank's results)."""
+    env = worker_env(threads=1, PYTHONWARNINGS="ignore")
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as f:
+        proc = start_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args["world"]),
+                             WORKER, tmp_path, json.dumps({**args, "runs": runs})], env=env, stdout=f,
+                            stderr=subprocess.STDOUT, text=True)
+    try:  # the one-process reference on the concatenated batch, while the ranks run
+        lone = tmp_path / "lone"
+        lone.mkdir()
+        whole = {**args, "micro": args["micro"] * args["world"], "world": 1, "runs": ["per_rank"]}
+        run_python([WORKER, lone, json.dumps(whole)], env=env, timeout=DEADLINE_S, check=True)
+    except BaseException:
+        proc.kill()
+        raise
+    finish(proc, timeout=DEADLINE_S, log=log)
+    return (torch.load(lone / "rank0.pt")["per_rank"],
+            [torch.load(tmp_path / f"rank{r}.pt") for r in range(args["world"])])
+
+
+@pytest.mark.slow
+def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(tmp_path):
+    ref, ranks = _launch(tmp_path, ARGS, RUNS)
+    assert min(ref["norms"]) > 2 * 0.05  # clipping (to 0.05, the worker's CLIP) acts at every step
+
+    numel = _layer_numel(ref["state"])
+    for r, res in enumerate(ranks):
+        assert res["per_rank"]["data_path"].startswith("per_rank:"), res["per_rank"]["data_path"]
+        for run, smap in (("node", ShardMap.of(numel, 2)), (f"node:chunk{CHUNK}", ShardMap.of(numel, 2, CHUNK)),
+                          ("node:overlap", ShardMap.of(numel, 2))):
+            node = res[run]
+            assert node["data_path"].startswith("node:") and "reduce-scattered" in node["data_path"], node["data_path"]
+            gaps = _gaps(ref, node)
+            assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, run, gaps)
+            assert all(torch.equal(ranks[0][run]["state"][k], node["state"][k]) for k in node["state"]), (r, run)
+            owned = sum(b - a for a, b in smap.owned(r))
+            for step, (got, whole, alone) in enumerate(zip(node["stats"], res["per_rank"]["stats"], ref["stats"])):
+                # the per-rank path, 2 ranks: every rank the whole of a lone rank's link bytes
+                assert whole["h2d_bytes"] == alone["h2d_bytes"] and whole["d2h_bytes"] == alone["d2h_bytes"], step
+                # the node path: this rank's ranges only (the shard map's, to the byte), the rest by the collectives
+                assert got["h2d_bytes"] * numel == alone["h2d_bytes"] * owned, (r, run, step)
+                assert got["d2h_bytes"] * numel == alone["d2h_bytes"] * owned, (r, run, step)
+                assert got["h2d_bytes"] <= 0.6 * alone["h2d_bytes"] and got["d2h_bytes"] <= 0.6 * alone["d2h_bytes"]
+                assert got["gathered_bytes"] * 2 * numel == alone["h2d_bytes"] * smap.padded, (r, run, step)
+                assert got["scattered_bytes"] * 2 * numel == alone["d2h_bytes"] * smap.padded, (r, run, step)
+        # Two ranks' FP32 sum is one addition whichever rank's term comes first: the node path's reduce-scatter gives
+        # the per-rank path's owner sum bit for bit, in FP32 compute and in bf16 (gradients widened before the sum).
+        for a, b in (("node", "per_rank"), ("node:bf16", "per_rank:bf16")):
+            assert res[a]["losses"] == res[b]["losses"] and res[a]["norms"] == res[b]["norms"], (r, a)
+            assert all(torch.equal(bits(res[a]["state"][k]), bits(res[b]["state"][k])) for k in res[a]["state"]), (r, a)
+        for control in ("node:skip_gather", "node:skip_scatter"):
+            gaps = _gaps(ref, res[control])
+            # "not <=": a NaN is off too (with the gather skipped a slot's other half is whatever it held before,
+            # at times an uninitialised buffer's NaN)
+            assert all(not gaps[k] <= 100 * TOL for k in ("params", "norms")), (r, control, gaps)
+
+
+@pytest.mark.slow
+def test_four_ranks_node_path_match_one_process_at_a_quarter_of_the_link_bytes(tmp_path):
+    """One node of 4 gloo ranks (micro-batch 1 each) against one process with micro-batch 4: each rank copies a
+    quarter of every layer each way (<= 0.35x a lone rank's bytes), and the losses, norms and weights match."""
+    args = {**ARGS, "micro": 1, "world": 4}
+    ref, ranks = _launch(tmp_path, args, ["node"])
+    numel = _layer_numel(ref["state"])
+    smap = ShardMap.of(numel, 4)
+    for r, res in enumerate(ranks):
+        node = res["node"]
+        gaps = _gaps(ref, node)
+        assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, gaps)
+        assert all(torch.equal(ranks[0]["node"]["state"][k], node["state"][k]) for k in node["state"]), r
+        owned = sum(b - a for a, b in smap.owned(r))
+        for step, (got, alone) in enumerate(zip(node["stats"], ref["stats"])):
+            assert got["h2d_bytes"] * numel == alone["h2d_bytes"] * owned, (r, step)
+            assert got["d2h_bytes"] * numel == alone["d2h_bytes"] * owned, (r, step)
+            assert got["h2d_bytes"] <= 0.35 * alone["h2d_bytes"] and got["d2h_bytes"] <= 0.35 * alone["d2h_bytes"]
+            assert got["gathered_bytes"] * 4 * numel == alone["h2d_bytes"] * smap.padded * 3, (r, step)

@@ -1,0 +1,109 @@
+"""One rank (or the lone reference process) of tests/integration/test_node_path.py: a tiny Llama trained on the
+CPU device with every layer streamed, accumulation 2 and clipping that acts, on the node path or the per-rank path
+(MEGATRAIN_DATA_PARALLEL_PATH, set by the test). Rank r of W takes rows [(j*W + r)*b, (j*W + r + 1)*b) of global
+micro-batch j, which a lone process with micro-batch W*b takes whole.
+
+Run as `python tests/workers/node_path_worker.py OUT_DIR JSON_ARGS` (under torchrun, or alone); JSON_ARGS: micro,
+world (the global batch is world x micro), steps, layers, runs (each "PATH" or "PATH:CONTROL": the data path asked
+for and a negative control, `controls`), one engine after another. Writes OUT_DIR/rank{r}.pt: per run, each
+micro-batch's loss (averaged over the ranks: the global batch's), each step's pre-clip norm, the final weights, the
+per-step stats and the data path the engine ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers
+
+from megatrain.config.schema import EngineConfig
+from megatrain.engine import Engine
+
+VOCAB, SEQ, LR, CLIP = 128, 12, 1e-3, 0.05
+# Runs' settings besides the defaults above: the GPU's defaults, one at a time (bf16 compute; the layer updates
+# overlapped with the next forward, whose loads then wait for each layer's owner's token).
+SETTINGS = {"bf16": {"compute_dtype": "bfloat16"}, "overlap": {"optimizer_overlap": True}}
+
+
+def build_model(layers: int) -> torch.nn.Module:
+    torch.manual_seed(int(os.environ.get("RANK", "0")))  # differing inits: the engine starts from rank 0's
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=88, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                   max_position_embeddings=64)
+    cfg._attn_implementation = "sdpa"
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def controls(name: str):
+    """Break one half of the node path (the negative controls): "skip_gather": a rank's ring slot holds only its own
+    shard (the rest whatever the slot held before); "skip_scatter": a rank's shard is its own gradient, not the
+    node's sum. And, no controls: "chunkN", the layers cut into chunks of N elements; SETTINGS' names. Returns what
+    undoes it."""
+    from megatrain.engine.parallel import node_path
+
+    saved = {k: getattr(node_path, k) for k in ("gather_layer", "reduce_scatter_into", "CHUNK")}
+    if name.startswith("chunk"):  # not a control: the shard map cut into chunks of this many elements
+        node_path.CHUNK = int(name[len("chunk"):])
+    elif name == "skip_gather":
+        node_path.gather_layer = lambda buf, smap, group, stats=None: None
+    elif name == "skip_scatter":
+        def own_only(out, flat, group, stats=None):
+            out.copy_(flat.chunk(dist.get_world_size(group))[dist.get_rank(group)])
+        node_path.reduce_scatter_into = own_only
+    return lambda: [setattr(node_path, k, v) for k, v in saved.items()]
+
+
+def main() -> None:
+    out, args = Path(sys.argv[1]), json.loads(sys.argv[2])
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", "0"))
+    results = {}
+    for run in args.get("runs", ["node"]):
+        path, _, control = run.partition(":")
+        os.environ["MEGATRAIN_DATA_PARALLEL_PATH"] = path
+        undo = controls(control)
+        results[run] = train(args, SETTINGS.get(control, {}))
+        undo()
+    torch.save(results, out / f"rank{rank}.pt")
+
+
+def train(args: dict, settings: dict) -> dict:
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    micro, steps, accum = args["micro"], args["steps"], 2
+    cfg = EngineConfig(**{"device": "cpu", "parity_probe": False, "residency": "stream", "watchdog_s": 120.0,
+                          "compute_dtype": "float32", "speculative_step": False, **settings})
+    engine = Engine(build_model(args["layers"]), cfg,
+                    optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=LR))
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, VOCAB, (args["world"] * micro * steps * accum, SEQ), generator=g)
+    losses, norms, stats = [], [], []
+    per_global = args["world"] * micro
+    for s in range(steps):
+        engine.reset_stats()
+        for j in range(accum):
+            at = (s * accum + j) * per_global + rank * micro
+            ids = rows[at: at + micro]
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss / accum)
+            got = loss.detach().clone()
+            if world > 1:
+                dist.all_reduce(got)  # the global batch's mean loss: every rank's rows have equal label tokens
+                got /= world
+            losses.append(float(got))
+        norms.append(float(engine.clip_grad_norm_(CLIP)))
+        engine.step()
+        engine.zero_grad()
+        stats.append(engine.collect_stats())
+    state = {k: v.detach().clone() for k, v in engine.state_dict().items()}
+    path = getattr(engine, "data_path", None)
+    return {"losses": losses, "norms": norms, "stats": stats, "state": state,
+            "data_path": path.describe() if path is not None else None}
+
+
+if __name__ == "__main__":
+    main()
