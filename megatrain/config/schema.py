@@ -133,6 +133,10 @@ class EngineConfig:
     # per node stay one GPU's), in every host mode; "replicated" gives every rank a whole private store (N copies
     # per node; not with optimizer_in_backward); "auto" (default): "shared".
     data_parallel_host: str = "auto"
+    # Which data path several ranks of a node take (docs/DISTRIBUTED.md): "node" copies 1/G of each streamed layer
+    # per rank and all-gathers the rest, reduce-scatters the gradients (needs the shared store, G >= 2); "per_rank"
+    # streams every layer on every rank; "auto" (default): "per_rank" until the node path's update lands.
+    data_parallel_path: str = "auto"
     # NVMe tier (engine/host/spill.py, docs/NVME.md): spill the layers' update-only state (Adam m/v, the hi/lo master's
     # lo half) to files in the directory nvme_path, keeping the host store within host_budget_bytes (None: spill
     # every layer); nvme_gbps emulates a slower disk (GB/s), as link_gbps does the link.
@@ -444,6 +448,8 @@ def check_host_modes(cfg: EngineConfig) -> None:
                          "masters round nothing, and \"auto\" chooses an exact one)")
     if cfg.data_parallel_host not in ("auto", "shared", "replicated"):
         raise ValueError(f"data_parallel_host={cfg.data_parallel_host!r}: use 'auto', 'shared' or 'replicated'")
+    if cfg.data_parallel_path not in ("auto", "node", "per_rank"):
+        raise ValueError(f"data_parallel_path={cfg.data_parallel_path!r}: use 'auto', 'node' or 'per_rank'")
     if cfg.optimizer_in_backward and cfg.optimizer_overlap:
         raise ValueError("optimizer_in_backward and optimizer_overlap are two ways to run the layer updates: "
                          "set one of them")

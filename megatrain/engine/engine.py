@@ -48,7 +48,7 @@ from .model.peft_model import unwrap_peft
 from .model.placement import place, resolve_device
 from .model.probe import verify_model
 from .model.trainable import Trainable, frozen_names, user_flags
-from .parallel import node_path  # ENGINE-HOOK: the node path (docs/DISTRIBUTED.md step 2)
+from .parallel import node_path
 from .parallel.distributed import join_ranks
 from .parallel.ranks import ranks_for
 from .pipeline.activations import ActivationStore
@@ -153,8 +153,7 @@ class Engine:
         self._recorded: list = []
 
         self.streams = Streams(self.device, self.trace_log, config.link_gbps, config.watchdog_s)
-        # Long context (issue 7): attention without an O(tokens²) mask, per-batch MLP tiling and activation
-        # offload (tiling.py), and on a CPU "device" optionally the measured live bytes of the step.
+        # Long context: attention without an O(tokens²) mask, per-batch MLP tiling and activation offload (tiling.py)
         self.hf_attention = self.hf_config._attn_implementation  # the model's own, for its own forward (generate)
         self.segment_attention = use_segment_attention(self.hf_config, config.segment_attention)
         policy = long_context_policy(config, self.templates.of_layer, [g.numel for g in self.store.layers],
@@ -217,9 +216,8 @@ class Engine:
                                       policy, self.ranks.sink(self.update.grad_sink))
         self.pipeline.optimizer_layers = self.optimizer_layers
         self.pipeline.trainable = self.trainable
-        # ENGINE-HOOK: which data path runs; the node path loads the streamed layers by shard and all-gather.
-        self.data_path = node_path.attach(self.pipeline, self.streams, self.dp, self.node, self.ranks,
-                                          config)
+        # which data path runs: the node path loads the streamed layers by shard and all-gather (node_path.py)
+        self.data_path = node_path.attach(self.pipeline, self.streams, self.dp, self.node, self.ranks, config)
         self._global_grads = GlobalGradSink(self.store, self.streams, self.pipeline, self.compute_dtype)
         # A plain CPU device keeps the loss tile's buffers (its allocator maps them afresh each time); not where it
         # stands in for a GPU's memory, whose caching allocator reuses them (loss.py TileBuffers).

@@ -88,6 +88,8 @@ def describe(face: str, engine: Any, optimizer: Any = None, turned_off: list[str
     cfg = engine.config
     dp = getattr(engine, "dp", None)
     world = dp.world_size if dp is not None else 1
+    path = getattr(engine, "data_path", None)  # which data path several ranks take (engine/parallel/node_path.py)
+    data = f" | data path: {path.describe()}" if path is not None and world > 1 else ""
     if optimizer is None:
         opt = "none (forward only)"
     else:
@@ -105,7 +107,7 @@ def describe(face: str, engine: Any, optimizer: Any = None, turned_off: list[str
     kept += " (and the embedding/norm/head's)" if getattr(engine, "globals_on_device", False) else ""
     return (f"{PREFIX} | face: {face} | device: {engine.device} | compute: {cfg.compute_dtype} | "
             f"host: {_host_mode(cfg, world)} | optimizer: {opt} | turned off: {off} | residency: {kept} | "
-            f"host threads: {_host_threads(engine)} | plan: {_plan(engine)}")
+            f"host threads: {_host_threads(engine)} | plan: {_plan(engine)}{data}")
 
 
 def announce(line: str, engine: Any) -> None:

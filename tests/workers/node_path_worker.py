@@ -1,6 +1,6 @@
 """One rank (or the lone reference process) of tests/integration/test_node_path.py: a tiny Llama trained on the
 CPU device with every layer streamed, accumulation 2 and clipping that acts, on the node path or the per-rank path
-(MEGATRAIN_DATA_PARALLEL_PATH, set by the test). Rank r of W takes rows [(j*W + r)*b, (j*W + r + 1)*b) of global
+(EngineConfig.data_parallel_path, set by the test). Rank r of W takes rows [(j*W + r)*b, (j*W + r + 1)*b) of global
 micro-batch j, which a lone process with micro-batch W*b takes whole.
 
 Run as `python tests/workers/node_path_worker.py OUT_DIR JSON_ARGS` (under torchrun, or alone); JSON_ARGS: micro,
@@ -65,9 +65,8 @@ def main() -> None:
     results = {}
     for run in args.get("runs", ["node"]):
         path, _, control = run.partition(":")
-        os.environ["MEGATRAIN_DATA_PARALLEL_PATH"] = path
         undo = controls(control)
-        results[run] = train(args, SETTINGS.get(control, {}))
+        results[run] = train(args, {"data_parallel_path": path, **SETTINGS.get(control, {})})
         undo()
     torch.save(results, out / f"rank{rank}.pt")
 

@@ -10,20 +10,17 @@ the layer's owner adds into its slab. The update is still the owner's, of whole 
 splitting it by shard is step 4, engine/update), so the node path needs the shared host store.
 
 Which path runs: `data_parallel_path` "node" asks for the node path and is refused where it cannot run; "auto"
-(the default) and "per_rank" run the per-rank path until DISTRIBUTED.md step 6 makes "auto" choose. Until
-EngineConfig has the field, the setting is read from the environment (DATA_PATH_ENV), where a launcher passes it
-to every rank alike.
+(the default) and "per_rank" run the per-rank path until DISTRIBUTED.md step 6 makes "auto" choose.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ...config.schema import AUTO, left_auto
+from ...config.schema import AUTO, rule_or
 from ...costs.shards import ShardMap, padded_numel
 from ..host.node_store import NodeStore
 from ..host.store import FlatGroup
@@ -33,7 +30,6 @@ from .collectives import CollectiveStats, NodeGroups, gather_layer, node_groups,
 from .distributed import DataParallel
 from .ranks import OneRank
 
-DATA_PATH_ENV = "MEGATRAIN_DATA_PARALLEL_PATH"
 CHUNK: int | None = None  # elements per chunk of the shard map (None: costs/shards.default_chunk); tests cut small
 NODE, PER_RANK = "node", "per_rank"
 
@@ -183,12 +179,9 @@ class DataPath:
 
 
 def requested_path(config: object) -> str:
-    """The configured data path: EngineConfig's `data_parallel_path` where it has one, else DATA_PATH_ENV, else
-    "auto"."""
-    value = getattr(config, "data_parallel_path", None) or os.environ.get(DATA_PATH_ENV, "") or AUTO
-    if left_auto(value):
-        return AUTO
-    if value not in (NODE, PER_RANK):
+    """The configured data path (EngineConfig's `data_parallel_path`): NODE, PER_RANK, or AUTO (the rule's)."""
+    value = rule_or(getattr(config, "data_parallel_path", AUTO), lambda: AUTO)
+    if value not in (AUTO, NODE, PER_RANK):
         raise ValueError(f"data_parallel_path={value!r}: use {AUTO!r}, {NODE!r} or {PER_RANK!r}")
     return value
 
