@@ -178,12 +178,10 @@ class DataPath:
         return f"{self.name}: {self.why}"
 
 
-def requested_path(config: object) -> str:
-    """The configured data path (EngineConfig's `data_parallel_path`): NODE, PER_RANK, or AUTO (the rule's)."""
-    value = rule_or(getattr(config, "data_parallel_path", AUTO), lambda: AUTO)
-    if value not in (AUTO, NODE, PER_RANK):
-        raise ValueError(f"data_parallel_path={value!r}: use {AUTO!r}, {NODE!r} or {PER_RANK!r}")
-    return value
+def requested_path(config: object) -> str | None:
+    """The configured data path (EngineConfig's `data_parallel_path`, checked there): NODE or PER_RANK as set, None
+    where it is left to the rule ("auto": the per-rank path until DISTRIBUTED.md step 6)."""
+    return rule_or(getattr(config, "data_parallel_path", AUTO), lambda: None)
 
 
 def why_not_node(dp: DataParallel | None, node: NodeStore | None, pipeline: LayerPipeline) -> str | None:
