@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 from conftest import tiny_model
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+from test_long_context_streams import small_v4_layer_input
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from megatrain.config.schema import EngineConfig
@@ -68,17 +68,9 @@ def test_the_policy_holds_the_optimizer_state_it_is_given():
 def test_hyper_connection_boundaries_are_streams_times_hidden():
     """DeepSeek-V4's layers pass hc_mult residual streams, each hidden wide (measured on the model's own layer
     input); the plan's boundary activation is that many times a plain model's."""
-    cfg = DeepseekV4Config(num_hidden_layers=2, hc_mult=2, hidden_size=64, vocab_size=256, num_attention_heads=4,
-                           q_lora_rank=32, o_lora_rank=32, head_dim=32, qk_rope_head_dim=16, index_head_dim=16,
-                           index_n_heads=2, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2)
-    torch.manual_seed(0)
-    model = DeepseekV4ForCausalLM(cfg)
-    seen = []
-    model.model.layers[1].register_forward_pre_hook(
-        lambda m, args, kwargs: seen.append((args[0] if args else kwargs["hidden_states"]).shape), with_kwargs=True)
-    model(input_ids=torch.randint(3, 256, (1, 8)))
     tokens = 8
-    per_token = seen[0].numel() // tokens
+    cfg, _, shape = small_v4_layer_input(tokens)
+    per_token = shape.numel() // tokens
     assert per_token == M.residual_streams(cfg) * cfg.hidden_size == 2 * 64
     dims = M.LayerDims(hidden=64, kv=32, intermediate=32, numel=1, streams=M.residual_streams(cfg))
     assert M.boundary_bytes(dims, tokens, 2) == per_token * tokens * 2

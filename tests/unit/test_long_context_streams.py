@@ -20,19 +20,25 @@ def _small_v4() -> DeepseekV4Config:
                             index_n_heads=2, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2)
 
 
-def test_the_engines_layer_dims_count_the_streams_a_layer_passes_on():
+def small_v4_layer_input(tokens: int = 8) -> tuple[DeepseekV4Config, DeepseekV4ForCausalLM, torch.Size]:
+    """A small DeepSeek-V4 (hyper-connections: hc_mult 2), and its layer 1's input shape measured on `tokens`."""
     cfg = _small_v4()
     torch.manual_seed(0)
     model = DeepseekV4ForCausalLM(cfg)
     seen = []
     model.model.layers[1].register_forward_pre_hook(
         lambda m, args, kwargs: seen.append((args[0] if args else kwargs["hidden_states"]).shape), with_kwargs=True)
-    model(input_ids=torch.randint(3, 256, (1, 8)))
+    model(input_ids=torch.randint(3, 256, (1, tokens)))
+    return cfg, model, seen[0]
+
+
+def test_the_engines_layer_dims_count_the_streams_a_layer_passes_on():
+    cfg, model, shape = small_v4_layer_input()
     layer = model.model.layers[1]
     assert layer_streams(layer) == residual_streams(cfg) == 2  # the planner's reading of the same model
     dims = layer_dims(layer, sum(p.numel() for p in layer.parameters()), cfg.hidden_size)
     assert dims.streams == 2
-    assert boundary_bytes(dims, 8, 4) == seen[0].numel() * 4  # the layer's measured input, FP32
+    assert boundary_bytes(dims, 8, 4) == shape.numel() * 4  # the layer's measured input, FP32
     plain = tiny_model("llama").model.layers[0]
     assert layer_streams(plain) == 1 and layer_dims(plain, 1, 64).streams == 1
 
