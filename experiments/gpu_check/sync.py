@@ -183,7 +183,7 @@ def phase_sync(ctx: Ctx) -> None:
 
     def resident_upload() -> dict[str, Any]:
         # bf16 on CUDA: after a step the embedding/norm/head go up from pinned bf16 staging, rounded on the host
-        # (engine/resident_upload.py); the device copies must hold exactly the bits a cast of the masters gives.
+        # (engine/host/resident_upload.py); the device copies must hold exactly the bits a cast of the masters gives.
         eng = Engine(tiny_model("llama", sh), EngineConfig(parity_probe=False, device=dev, compute_dtype="bfloat16"))
         _one_step(eng, batch)
         eng.synchronize()

@@ -313,7 +313,7 @@ class LongContextPolicy:
     def _held(self) -> kept.Residency | None:
         """What a non-training forward finds kept (no graphs): training's placement, counts as set or "auto" as
         the training batches planned it; None before any training batch ("auto": that forward plans its own)."""
-        if self.residency != kept.AUTO:
+        if isinstance(self.residency, kept.Residency):  # counts as set
             return kept.Residency(self.residency.capped(self.n_layers).weights, 0, self.optimizer)
         return None if self._weights is None else kept.Residency(max(self._weights, self.optimizer), 0, self.optimizer)
 
@@ -329,7 +329,7 @@ class LongContextPolicy:
         allowed = train and choice.tile is None and not choice.offload
         itemsize = self.itemsize
         graph_bytes = layer_graph_bytes(self.dims, tokens, itemsize)
-        if self.residency != kept.AUTO:
+        if isinstance(self.residency, kept.Residency):  # counts as set
             r = self.residency.capped(self.n_layers)
             r = r if allowed else r.without_graphs()
         else:
@@ -371,7 +371,7 @@ class LongContextPolicy:
     def offloaded_graph_host_bytes(self, tokens: int) -> int:
         """Host bytes the offloaded graphs of a `tokens` batch take (a counts setting; "auto" offloads none)."""
         r = self.residency
-        if r == kept.AUTO or not isinstance(r, kept.Residency):
+        if not isinstance(r, kept.Residency):
             return 0
         return r.capped(self.n_layers).offload * layer_graph_bytes(self.dims, tokens, self.itemsize)
 
@@ -391,7 +391,7 @@ class LongContextPolicy:
         # (measured, results/long_context/tiny-32mib), so "auto" does not offload it.
         options = [(off, k) for off in offloads
                    for k in ((OFFLOAD_IN_FLIGHT, OFFLOAD_IN_FLIGHT_TIGHT) if off else (self.n_layers,))
-                   if not (off and k >= self.n_layers and self.offload_setting == "auto")]
+                   if not (off and k >= self.n_layers and not isinstance(self.offload_setting, bool))]
         if not train:  # nothing saved for a backward: nothing to offload
             options = [(False, min(EVAL_BOUNDARIES, self.n_layers))]
         choice = None
@@ -399,7 +399,7 @@ class LongContextPolicy:
             kept = min(in_flight, self.n_layers)
             room = self._room(kept, boundary)
             room = None if room is None else room - extra
-            chunk = self.loss_chunk if self.loss_chunk != "auto" else auto_loss_chunk(
+            chunk = self.loss_chunk if not isinstance(self.loss_chunk, str) else auto_loss_chunk(  # tokens as set
                 tokens, self.dims.hidden, self.vocab, self.itemsize, room, self.logits_cap)
             tile = self._tile(tokens, room)
             choice = BatchPlan(off, tile, peak(kept, tile, chunk), chunk, in_flight if off else OFFLOAD_IN_FLIGHT)
@@ -421,6 +421,6 @@ class LongContextPolicy:
         s = self.tile_setting
         if s is None:
             return None
-        if s != "auto":
+        if not isinstance(s, str):  # a tile as set (the one word is "auto")
             return s if s < tokens else None
         return auto_tile(self.dims, tokens, self.itemsize, room)

@@ -23,12 +23,6 @@ _FOLDERS = ("megatrain|experiments|baselines|tests|scripts|docs|examples|noteboo
 PATH = re.compile(rf"(?<![\w./-])((?:{_FOLDERS})/[\w./-]*\w\.(?:py|md|yaml|yml|json|sh|csv|ipynb|c|toml))")
 BASES = ("", "megatrain", "megatrain/engine")
 SOURCES = ("megatrain/", "experiments/", "tests/")
-# Named, temporary: stale paths in files other work is changing now ("file: path"); each leaves the list when its
-# file is next edited, and the list is empty when the house is done.
-ALLOWED = {
-    "experiments/gpu_check/sync.py: engine/resident_upload.py",
-    "tests/unit/test_threads.py: engine/threads.py",
-}
 
 
 def texts(root: Path) -> list[str]:
@@ -69,13 +63,7 @@ def stale_paths(root: Path = ROOT, allowed: set[str] = frozenset()) -> list[str]
 
 
 def test_every_named_path_exists():
-    assert stale_paths(allowed=ALLOWED) == []
-
-
-def test_every_allowed_stale_path_is_still_there():
-    # a stale path fixed (or its file gone) leaves the list, so the list only shrinks
-    named = {b.split(":", 1)[0] + ": " + b.rsplit(": ", 1)[1] for b in stale_paths()}
-    assert ALLOWED <= named, ALLOWED - named
+    assert stale_paths() == []
 
 
 def test_a_planted_stale_path_is_caught(tmp_path):

@@ -1,4 +1,4 @@
-"""A helper thread's torch thread count stays its own (engine/threads.py): the fused pass's workers (one thread
+"""A helper thread's torch thread count stays its own (engine/runtime/threads.py): the fused pass's workers (one thread
 each) and a stream's worker with a share of the cores leave threads started afterwards on the process default."""
 
 import threading
