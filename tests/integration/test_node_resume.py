@@ -3,8 +3,9 @@ both faces: the DeepSpeed face's save_checkpoint / load_checkpoint and the accel
 load_state (examples/train_data_parallel.py, driven by tests/workers/dp_resume_worker.py with every layer streamed
 and data_parallel_path="node": tests/workers/node_example_worker.py).
 
-Two launches of 2 gloo ranks. The first trains the whole run uninterrupted (TOTAL_STEPS), then afresh for
-SAVED_STEPS and saves; the second, a fresh launch, resumes that checkpoint up to TOTAL_STEPS. The resumed run's
+Launches of 2 gloo ranks. The first trains the whole run uninterrupted (TOTAL_STEPS), then afresh for SAVED_STEPS
+and saves; the second resumes that checkpoint, and rank 1 is killed in the middle of its first step (rank 0 must stop
+with the error naming it within the watchdog time); the third, the same command, resumes it up to TOTAL_STEPS. Its
 per-micro-batch losses and per-step norms are the uninterrupted run's last ones exactly, and its final weights
 equal the uninterrupted run's bit for bit on every rank: the node path's gathers and reduce-scatters start from
 the checkpoint's masters, Adam moments, LR schedule and data position with nothing lost or rounded.
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from kit import ROOT, bits
+from node_example_worker import DIED
 from test_data_parallel import Ranks
 
 WORKER = ROOT / "tests" / "workers" / "dp_resume_worker.py"
@@ -27,13 +29,18 @@ MICRO, WORLD = 3, 2  # rows per rank per micro-batch: a global micro-batch of 6
 SAVED_STEPS, TOTAL_STEPS, ACCUMULATION = 3, 5, 2  # ACCUMULATION: the worker's (dp_resume_worker passes 2)
 FACES = ("deepspeed", "accelerator")
 CLIP = 0.05  # the example's
+KILL_WATCHDOG_S = 4.0
+
+
+def _start(phases: list[dict[str, Any]], tmp: Path, **extra: Any) -> Ranks:
+    tmp.mkdir(parents=True)
+    args = {"micro": MICRO, "watchdog_s": 120.0, "delay_s": 0.5, "phases": phases, **extra}
+    return Ranks(WORLD, [str(NODE_WORKER), str(WORKER), str(tmp), json.dumps(args)], tmp)
 
 
 def _launch(phases: list[dict[str, Any]], tmp: Path) -> list[dict[str, Any]]:
     """One bounded 2-rank launch of the resume worker on the node path: every rank's results."""
-    tmp.mkdir(parents=True)
-    args = {"micro": MICRO, "watchdog_s": 120.0, "delay_s": 0.5, "phases": phases}
-    ranks = Ranks(WORLD, [str(NODE_WORKER), str(WORKER), str(tmp), json.dumps(args)], tmp)
+    ranks = _start(phases, tmp)
     codes = ranks.wait()
     assert codes == [0] * WORLD, "\n".join(ranks.log(r)[-3000:] for r in range(WORLD))
     for r in range(WORLD):  # every engine of the launch ran the node path
@@ -48,8 +55,30 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, A
     ckpt = tmp / "ckpt"
     first = _launch([{"key": "whole", "steps": TOTAL_STEPS},
                      {"key": "saved", "steps": SAVED_STEPS, "save_to": str(ckpt)}], tmp / "launch1")
-    second = _launch([{"key": "resumed", "steps": TOTAL_STEPS, "resume_from": str(ckpt)}], tmp / "launch2")
-    return {"first": first, "second": second}
+    resume = [{"key": "resumed", "steps": TOTAL_STEPS, "resume_from": str(ckpt)}]
+    # The resume, with rank 1 killed as its second forward starts (mid-step: accumulation 2); then the same
+    # command again, which must resume from the checkpoint as if nothing had happened.
+    killed = _start(resume, tmp / "killed", watchdog_s=KILL_WATCHDOG_S, die_at_forward=2)
+    try:
+        codes = killed.wait()
+    finally:
+        killed.kill()
+    second = _launch(resume, tmp / "launch2")
+    return {"first": first, "second": second, "killed": {"codes": codes, "log": killed.log(0),
+                                                         "stopped_s": killed.exit_time[0] - float(
+                                                             (tmp / "killed" / "fault_time").read_text())}}
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_step_stops_the_other_with_its_error_and_the_same_command_resumes(runs: dict[str, Any]):
+    """Rank 1 dies in the middle of the resumed run's first step: rank 0 stops with the data-parallel error naming it
+    within the watchdog time (plus slack for a loaded machine's interpreter exit), and the same launch afterwards
+    resumes the checkpoint bit-identically (the test below reads that launch)."""
+    killed = runs["killed"]
+    assert killed["codes"][1] == DIED and killed["codes"][0] not in (0, None), killed["codes"]
+    assert "data parallel rank 0 of 2" in killed["log"] and "A peer rank died, hung" in killed["log"], \
+        killed["log"][-3000:]
+    assert killed["stopped_s"] <= KILL_WATCHDOG_S + 10.0, killed["stopped_s"]
 
 
 @pytest.mark.slow

@@ -4,18 +4,23 @@ not gathered), so the same faults, saves and resumes run through the node path's
 
 Run as `python tests/workers/node_example_worker.py WORKER OUT_DIR JSON_ARGS` with torchrun's variables: WORKER runs
 as its own `__main__` with OUT_DIR JSON_ARGS. Each engine's data path (`DataPath.describe()`) is appended to
-OUT_DIR/rank{r}_paths.txt as it is chosen, for the test to check that the node path ran.
+OUT_DIR/rank{r}_paths.txt as it is chosen, for the test to check that the node path ran. JSON_ARGS' "die_at_forward":
+n (read here only): rank 1 writes OUT_DIR/fault_time and exits with status 17 as its n-th forward starts.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import examples_module
+
+DIED = 17
 
 NODE_SETTINGS = {"data_parallel_path": "node", "residency": "stream"}
 
@@ -47,10 +52,30 @@ def record_paths(out: Path) -> None:
     node_path.attach = recorded
 
 
+def die_at_forward(n: int, out: Path) -> None:
+    from megatrain.engine.engine import Engine
+
+    forward = Engine.forward
+    calls = [0]
+
+    def dying(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == n:
+            (out / "fault_time").write_text(repr(time.time()))
+            os._exit(DIED)
+        return forward(self, *args, **kwargs)
+
+    Engine.forward = dying
+
+
 def main() -> None:
     worker = sys.argv.pop(1)
     on_node_path()
-    record_paths(Path(sys.argv[1]))
+    out = Path(sys.argv[1])
+    record_paths(out)
+    at = json.loads(sys.argv[2]).get("die_at_forward")
+    if at is not None and os.environ.get("RANK") == "1":
+        die_at_forward(int(at), out)
     sys.argv[0] = worker
     runpy.run_path(worker, run_name="__main__")
 
