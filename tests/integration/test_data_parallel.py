@@ -20,6 +20,7 @@ from kit import finish, free_port, start_python, worker_env
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_data_parallel.py"
 WORKER = ROOT / "tests" / "workers" / "dp_worker.py"
+NODE_WORKER = ROOT / "tests" / "workers" / "node_example_worker.py"  # runs WORKER on the node path
 DEADLINE_S = 420  # a bound on a hang, not a speed target: the whole suite shares two cores
 TOL = 1e-5  # the project's parity tolerances: per-step losses, parameters at lr <= 1e-3
 
@@ -223,12 +224,17 @@ def test_zero3_baseline_at_the_same_world_size(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("path", "face"), [("per_rank", "deepspeed"), ("node", "deepspeed"), ("node", "accelerator")])
 @pytest.mark.parametrize("fault", ["die", "hang"])
-def test_dead_or_hung_rank_stops_the_others_within_the_watchdog(tmp_path, fault):
+def test_dead_or_hung_rank_stops_the_others_within_the_watchdog(tmp_path, fault, path, face):
+    """Rank 1 exits or sleeps before its third forward; rank 0 stops with an error naming itself within the watchdog
+    time. On the node path (every layer streamed) rank 0 then waits in a layer's all-gather: through the accelerator
+    face always; the DeepSpeed face overlaps the layer updates, so a dead peer may surface first at an update token."""
     watchdog = 4.0
-    args = {"faces": ["deepspeed"], "micro": 1, "steps": 3, "accumulation": 2, "watchdog_s": watchdog,
+    args = {"faces": [face], "micro": 1, "steps": 3, "accumulation": 2, "watchdog_s": watchdog,
             "fault": fault}
-    ranks = Ranks(2, [str(WORKER), str(tmp_path), json.dumps(args)], tmp_path)
+    argv = [str(WORKER), str(tmp_path), json.dumps(args)]
+    ranks = Ranks(2, [str(NODE_WORKER), *argv] if path == "node" else argv, tmp_path)
     try:
         codes = ranks.wait([0])
     finally:
@@ -241,6 +247,11 @@ def test_dead_or_hung_rank_stops_the_others_within_the_watchdog(tmp_path, fault)
     fault_time = float((tmp_path / "fault_time").read_text())
     # Stopped within the watchdog time of the fault (plus slack for a loaded machine's interpreter exit).
     assert ranks.exit_time[0] - fault_time <= watchdog + 10.0, ranks.exit_time[0] - fault_time
+    if path == "node":  # the engine that met the fault ran the node path
+        chosen = (tmp_path / "rank0_paths.txt").read_text().splitlines()
+        assert chosen and chosen[-1].startswith("node:"), chosen
+        if face == "accelerator":  # the node path's collective itself raised the named error
+            assert "data parallel rank 0 of 2: all-gathering a layer's weights across the node failed" in log, log[-3000:]
 
 
 class SlowIdentityAverage:

@@ -15,6 +15,7 @@ Which path runs: `data_parallel_path` "node" asks for the node path and is refus
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ from ..host.store import FlatGroup
 from ..pipeline.schedule import LayerPipeline
 from ..runtime.stream import DONE, Event, Streams
 from .collectives import CollectiveStats, NodeGroups, gather_layer, node_groups, reduce_scatter_into
-from .distributed import DataParallel
+from .distributed import DataParallel, DataParallelError
 from .ranks import OneRank
 
 CHUNK: int | None = None  # elements per chunk of the shard map (None: costs/shards.default_chunk); tests cut small
@@ -37,10 +38,12 @@ NODE, PER_RANK = "node", "per_rank"
 class NodeWeights:
     """The pipeline's ShardedWeights on the node path: this rank's shard copy and the node's all-gather of a layer,
     with the shard map of each layer size made once. `stats` counts the node path's collectives since the start
-    (collect_stats' figures per step are the gather and scatter streams' counters)."""
+    (collect_stats' figures per step are the gather and scatter streams' counters). `dp`: the job whose error a
+    failed collective raises (None: the collective's own)."""
 
-    def __init__(self, groups: NodeGroups, chunk: int | None = None) -> None:
+    def __init__(self, groups: NodeGroups, chunk: int | None = None, dp: DataParallel | None = None) -> None:
         self.groups = groups
+        self.dp = dp
         self.world, self.rank = groups.local_world, groups.local
         self.chunk = chunk
         self.stats = CollectiveStats()
@@ -65,8 +68,29 @@ class NodeWeights:
     def gather(self, buffer: torch.Tensor, numel: int) -> int:
         m = self.map(numel)
         before = self.stats.gathered_bytes
-        gather_layer(buffer[: m.padded], m, self.groups.gather_group, stats=self.stats)
+        self.guard("all-gathering a layer's weights across the node",
+                   lambda: gather_layer(buffer[: m.padded], m, self.groups.gather_group, stats=self.stats))
         return self.stats.gathered_bytes - before
+
+    def guard(self, what: str, work: Callable[[], object]) -> None:
+        """Run one of the node path's collectives. A peer that died or hung fails it (at the groups' timeout, just
+        under the watchdog's) with the data-parallel error naming this rank and the likely cause, as the per-rank
+        path's averages do, and marks the job broken: the other streams' collectives then fail at once with it
+        instead of each waiting out its own timeout."""
+        dp = self.dp
+        if dp is None:
+            work()
+            return
+        if dp.broken is not None:
+            raise dp.broken
+        try:
+            work()
+        except Exception as exc:
+            if isinstance(exc, DataParallelError):
+                raise
+            # The job's own error: the per-rank path's message, so a fault reads the same on either path.
+            dp.broken = dp._fail(what, exc)
+            raise dp.broken from exc
 
 
 class NodeGrads:
@@ -109,8 +133,7 @@ class NodeGrads:
         parts = [(s.offset, s.offset + s.numel, None if g is None else g.reshape(-1))
                  for s, g in zip(group.slots, grads)]
 
-        def scatter() -> int:
-            before = self.stats.scattered_bytes
+        def collectives() -> None:
             at = 0
             for a, length in m.chunks():
                 # The chunk buffer is reused chunk after chunk: the stream runs its collectives in order.
@@ -121,6 +144,10 @@ class NodeGrads:
                 at += piece
             if self.groups.cross_scatter is not None:  # several nodes, each holding the model (section 5a)
                 dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.groups.cross_scatter)
+
+        def scatter() -> int:
+            before = self.stats.scattered_bytes
+            self.weights.guard(f"reduce-scattering the gradients of layer {layer} across the node", collectives)
             return self.stats.scattered_bytes - before
 
         scattered = self._scatter_stream.submit(scatter, (after, self._shard_free[k]), "scatter", layer)
@@ -216,7 +243,7 @@ def attach(pipeline: LayerPipeline, streams: Streams, dp: DataParallel | None, n
     if groups.local_world != node.topo.local_world or groups.nodes != node.topo.node_ranks:
         raise ValueError(f"the node path's nodes {groups.nodes} differ from the shared host store's "
                          f"{node.topo.node_ranks}: set LOCAL_WORLD_SIZE and GROUP_RANK alike on every rank")
-    weights = NodeWeights(groups, CHUNK)
+    weights = NodeWeights(groups, CHUNK, dp)
     pipeline.use_weights(weights)
     G = groups.local_world
     link = "over NVLink" if pipeline.device.type == "cuda" else "gloo ranks standing in for GPUs"
