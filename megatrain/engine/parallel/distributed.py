@@ -183,7 +183,9 @@ class DataParallel:
         init_process_group(device, watchdog_s)
         return cls(launch_env(), watchdog_s, trace)
 
-    def _fail(self, what: str, exc: BaseException) -> DataParallelError:
+    def fail(self, what: str, exc: BaseException) -> DataParallelError:
+        """The error every collective of this job raises when it fails (the node path's too: node_path.py): names this
+        rank and what it was doing."""
         return DataParallelError(
             f"data parallel rank {self.rank} of {self.world_size}: {what} failed ({exc}). A peer rank died, hung "
             f"for longer than the watchdog ({self.watchdog_s:.1f}s) or runs a different model or schedule; see its log")
@@ -196,7 +198,7 @@ class DataParallel:
         try:
             dist.all_gather_object(shapes, mine, group=self.group)
         except Exception as exc:
-            raise self._fail("comparing the model layout across ranks", exc) from exc
+            raise self.fail("comparing the model layout across ranks", exc) from exc
         for r, other in enumerate(shapes):
             if other != mine:
                 raise DataParallelError(f"data parallel rank {self.rank}: rank {r} holds a model of another layout "
@@ -207,7 +209,7 @@ class DataParallel:
         try:
             self.node = NodeStore(self.rank, self.group, self.timeout, self.watchdog_s)
         except (RuntimeError, ValueError) as exc:
-            raise self._fail("setting up the node's shared host store", exc) from exc
+            raise self.fail("setting up the node's shared host store", exc) from exc
         return self.node
 
     def broadcast_masters(self, store: HostStore) -> None:
@@ -229,7 +231,7 @@ class DataParallel:
             if node is not None:
                 node.barrier()  # no rank reads a layer before its node's copy is whole
         except Exception as exc:
-            raise self._fail("broadcasting rank 0's initial weights", exc) from exc
+            raise self.fail("broadcasting rank 0's initial weights", exc) from exc
 
     def broadcast_from(self, store: HostStore, src: int) -> None:
         """Every rank takes rank `src`'s masters (weights written by hand on one rank). With a shared store the
@@ -241,7 +243,7 @@ class DataParallel:
             if self.node is not None:
                 self.node.barrier()
         except Exception as exc:
-            raise self._fail(f"broadcasting rank {src}'s written weights", exc) from exc
+            raise self.fail(f"broadcasting rank {src}'s written weights", exc) from exc
 
     def submit_reduce_to_owner(self, layer: int, grads: torch.Tensor, slab: torch.Tensor | None,
                                after: Sequence[Event], fresh: bool = False) -> Event:
@@ -276,7 +278,7 @@ class DataParallel:
             try:
                 node.publish(layer)
             except Exception as exc:
-                raise self._fail(f"waiting for layer {layer}'s update by rank {node.owner_rank(layer)}", exc) from exc
+                raise self.fail(f"waiting for layer {layer}'s update by rank {node.owner_rank(layer)}", exc) from exc
             return 0
 
         return self.updates.submit(job, (updated,), "layer update token", layer)
@@ -285,7 +287,7 @@ class DataParallel:
         try:
             self.updates.synchronize()
         except RuntimeError as exc:
-            raise self._fail("waiting for the other ranks' layer updates", exc) from exc
+            raise self.fail("waiting for the other ranks' layer updates", exc) from exc
 
     def sum_across_node(self, value: float) -> float:
         """The sum of `value` over the node's ranks (each holds its owned layers' part of a norm)."""
@@ -293,7 +295,7 @@ class DataParallel:
         try:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.node.node_group)
         except Exception as exc:
-            raise self._fail("summing the gradient norm across the node", exc) from exc
+            raise self.fail("summing the gradient norm across the node", exc) from exc
         return float(t.item())
 
     def max_across(self, value: int, what: str) -> int:
@@ -303,14 +305,14 @@ class DataParallel:
         try:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         except Exception as exc:
-            raise self._fail(what, exc) from exc
+            raise self.fail(what, exc) from exc
         return int(t.item())
 
     def node_barrier(self, what: str) -> None:
         try:
             self.node.barrier()
         except Exception as exc:
-            raise self._fail(what, exc) from exc
+            raise self.fail(what, exc) from exc
 
     # -- gradients ----------------------------------------------------------------------------------
     def average_(self, grad: torch.Tensor) -> None:
@@ -344,7 +346,7 @@ class DataParallel:
             try:
                 return work()
             except Exception as exc:
-                self.broken = self._fail(what, exc)
+                self.broken = self.fail(what, exc)
                 raise self.broken from exc
 
         return self.stream.submit(job, after, label, layer)
@@ -353,4 +355,4 @@ class DataParallel:
         try:
             self.stream.synchronize()
         except RuntimeError as exc:
-            raise self._fail("waiting for the gradient averages", exc) from exc
+            raise self.fail("waiting for the gradient averages", exc) from exc

@@ -89,7 +89,7 @@ class NodeWeights:
             if isinstance(exc, DataParallelError):
                 raise
             # The job's own error: the per-rank path's message, so a fault reads the same on either path.
-            dp.broken = dp._fail(what, exc)
+            dp.broken = dp.fail(what, exc)
             raise dp.broken from exc
 
 
