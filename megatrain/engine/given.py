@@ -39,7 +39,9 @@ def replace_optimizer(engine: Any, optimizer: torch.optim.Optimizer) -> torch.op
 
     def name(p: torch.Tensor) -> str | None:
         # An id alone could belong to a new tensor that reused a dead original's address, so only an emptied
-        # tensor is taken for an original (the engine emptied each when it copied it into the store).
+        # tensor is taken for an original (the engine emptied each when it copied it into the store). The model
+        # object serves a copy of a master where the compute copy is bf16 (model_object.py): named by what it copies.
+        p = getattr(p, "megatrain_copy_of", p)
         known = name_of.get(id(p)) or by_master.get(id(p))
         return known if known is not None or p.numel() != 0 else engine._name_of.get(id(p))
 
