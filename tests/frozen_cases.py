@@ -4,6 +4,7 @@ tests/workers/frozen_dp_worker.py and tests/integration/test_frozen_faces.py).""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from conftest import make_batches, tiny_model
@@ -28,12 +29,13 @@ def frozen_model(case: str, **kw) -> torch.nn.Module:
     return m
 
 
-def reference(model: torch.nn.Module, batches=BATCHES, steps: int = STEPS,
-              clip: float = CLIP) -> tuple[list[float], list[float], torch.nn.Module]:
+def reference(model: torch.nn.Module, batches=BATCHES, steps: int = STEPS, clip: float = CLIP,
+              given: Callable[[str], bool] | None = None) -> tuple[list[float], list[float], torch.nn.Module]:
     """(losses, pre-clip norms, the trained copy) of plain PyTorch (plain PEFT for a PeftModel) training a copy of
-    `model` with DeepSpeed's rule: AdamW over the trainable parameters, clip_grad_norm_ over them."""
+    `model` with DeepSpeed's rule: AdamW over the trainable parameters, clip_grad_norm_ over them (`given`: over the
+    parameters whose name it takes instead, as model_parameters hands them)."""
     model = copy.deepcopy(model)
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for n, p in model.named_parameters() if (given(n) if given is not None else p.requires_grad)]
     opt = torch.optim.AdamW(params, lr=LR)
     losses, norms = [], []
     for b in batches[:steps]:
