@@ -23,6 +23,7 @@ from torch import nn
 from ..host.events import LayerEvents
 from ..host.store import FlatGroup, HostStore
 from ..runtime.stream import CopyStream, Event, Trace
+from . import by_shard
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer] | None
 
@@ -100,6 +101,13 @@ class LayeredStep:
         # the main optimizer's own per-parameter dicts, so each view updates exactly its share of it.
         self._views = [self._view(g) for g in store.layers]
         self._globals = self._view(store.globals)
+        # The node path's update by shard (by_shard.py): this rank's ranges of each layer (None: whole layers), its
+        # share of the node's one Adam state made now, and the layer elements this rank's updates wrote.
+        split = by_shard.split_for(store)
+        self.ranges = [split.ranges(g.numel) for g in store.layers] if split is not None else None
+        if split is not None:
+            by_shard.make_state(optimizer, store, split)
+        self.updated_elements = 0
 
     def _view(self, group: FlatGroup) -> _View | None:
         if group.grad_work is None:
@@ -224,3 +232,4 @@ class LayeredStep:
 
     def reset_counters(self) -> None:
         self.stream.reset_counters()
+        self.updated_elements = 0
