@@ -347,15 +347,32 @@ class NodeStore:
 
 # -- optimizer state: sharded by the layers' owners, whole in every state_dict ------------------------------
 # Updated by shard (engine/update/by_shard.py): per optimizer, the layer parameters whose Adam moments are views of the
-# node's shared memory, with those views and this rank's pieces of each (parameter-relative [start, end)).
+# node's shared memory, with those views and this rank's pieces of each (parameter-relative [start, end)); and, on every
+# rank but the job's first, their state dicts held here rather than in the optimizer's `state`: the moments are whole
+# in rank 0's optimizer, so its state_dict and a sharded save's shard (run/train_state.py, the state of what is in
+# `optimizer.state`) carry them once, from rank 0.
 _SHARED_STATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def register_shared_state(optimizer: torch.optim.Optimizer,
-                          shared: dict[torch.Tensor, tuple[dict[str, torch.Tensor], list[tuple[int, int]]]]) -> None:
+                          shared: dict[torch.Tensor, tuple[dict[str, torch.Tensor], list[tuple[int, int]]]],
+                          held: dict[torch.Tensor, dict] | None) -> None:
     """`optimizer`'s layer state lives in the node's shared memory (`shared`, by parameter): its state_dict is whole
-    on rank 0 without a gather of it, and a loaded state is copied into those buffers (this rank's pieces)."""
+    on rank 0 without a gather of it, and a loaded state is copied into those buffers (this rank's pieces). `held`:
+    the state dicts this rank keeps out of `optimizer.state` (None on rank 0, which keeps them there)."""
     _SHARED_STATE[optimizer] = shared
+    if held is not None:
+        _HELD[optimizer] = held
+
+
+def state_of(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
+    """The state dict the update of parameter `p` reads and writes: `optimizer.state[p]`, or the one this rank
+    holds for it (register_shared_state)."""
+    held = _HELD.get(optimizer)
+    if held is not None and p in held:
+        return held[p]
+    return optimizer.state[p]
 
 
 def shard_optimizer_state(optimizer: torch.optim.Optimizer, foreign: set[int], group: dist.ProcessGroup,
@@ -423,6 +440,9 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, foreign: set[int], g
                     else:
                         view.view(-1)[a:b].copy_(loaded.reshape(-1)[a:b])
                 st[k] = view
+            held = _HELD.get(opt)
+            if held is not None:
+                held[p] = opt.state.pop(p)  # kept here, as before the load: rank 0's optimizer has the moments
 
     optimizer.register_state_dict_post_hook(whole)
     optimizer.register_load_state_dict_pre_hook(refuse_shard)

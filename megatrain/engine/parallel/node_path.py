@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ...config.schema import AUTO, rule_or
+from ...config.settle import LATER
 from ...costs.shards import ShardMap, padded_numel
 from ..host.node_store import NodeStore
 from ..host.store import FlatGroup
@@ -224,6 +225,9 @@ def why_not_split(config: object, optimizer: object) -> str | None:
         return "the NVMe tier spills whole layers"
     if getattr(config, "host_master", "fp32") != "fp32":
         return f"host_master={config.host_master!r} (a hi/lo or bf16 master is whole-layer state; 'fp32' splits)"
+    if optimizer is LATER:
+        return ("the optimizer is handed over later (a face's prepare(model) then prepare(optimizer)): the update by "
+                "shard is built over the optimizer given with the model")
     if isinstance(optimizer, torch.optim.Optimizer):
         return unsupported_reason(optimizer)
     if optimizer is not None and callable(optimizer):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 
 import torch
+import torch.distributed as dist
 
 from ..host.node_store import Split, register_shared_state, split_of
 from ..host.store import FlatGroup, HostStore
@@ -34,7 +35,7 @@ def split_for(store: HostStore) -> Split | None:
     return split_of(store.layers[0].master) if store.layers else None
 
 
-def _functional(optimizer_type: type) -> object:
+def _functional() -> object:
     """torch's functional Adam, which AdamW's step calls too (decoupled_weight_decay)."""
     return importlib.import_module(torch.optim.Adam.__module__).adam
 
@@ -48,6 +49,9 @@ def make_state(optimizer: torch.optim.Optimizer, store: HostStore, split: Split)
     bufs = split.node.buffers([(g.numel, torch.float32) for _ in kinds for g in layers], "optimizer state")
     where = {id(p): (i, s) for i, g in enumerate(layers) for p, s in zip(g.params, g.slots)}
     shared: dict[torch.nn.Parameter, tuple[dict[str, torch.Tensor], list[tuple[int, int]]]] = {}
+    # The job's first rank keeps them in its optimizer (whole there: its state_dict and a sharded save carry them
+    # once); every other rank holds its state dicts beside it (node_store.state_of).
+    held: dict | None = None if not dist.is_initialized() or dist.get_rank() == 0 else {}
     for g in optimizer.param_groups:
         for p in g["params"]:
             if id(p) not in where:
@@ -55,13 +59,15 @@ def make_state(optimizer: torch.optim.Optimizer, store: HostStore, split: Split)
             i, s = where[id(p)]
             views = {k: bufs[j * len(layers) + i][s.offset: s.offset + s.numel].view(s.shape)
                      for j, k in enumerate(kinds)}
-            st = optimizer.state[p]
-            st["step"] = torch.zeros((), dtype=torch.float32)
-            st.update(views)
+            st = {"step": torch.zeros((), dtype=torch.float32), **views}
+            if held is None:
+                optimizer.state[p] = st
+            else:
+                held[p] = st
             pieces = [(max(a, s.offset) - s.offset, min(b, s.offset + s.numel) - s.offset)
                       for a, b in split.ranges(layers[i].numel) if a < s.offset + s.numel and b > s.offset]
             shared[p] = (views, pieces)
-    register_shared_state(optimizer, shared)
+    register_shared_state(optimizer, shared, held)
 
 
 def update(view: torch.optim.Optimizer | None, group: FlatGroup, coefs: list[float],
@@ -73,7 +79,7 @@ def update(view: torch.optim.Optimizer | None, group: FlatGroup, coefs: list[flo
     for a, b in ranges:
         FlatGroup.load_grads(group.range(a, b), coefs)
     slot_of = {p.data_ptr(): s for p, s in zip(group.params, group.slots) if s.numel}
-    adam = _functional(type(view))
+    adam = _functional()
     done = 0
     for g in view.param_groups:
         params, grads, m, v, vmax, steps, stepped = [], [], [], [], [], [], []
@@ -82,6 +88,10 @@ def update(view: torch.optim.Optimizer | None, group: FlatGroup, coefs: list[flo
             if s is None:
                 continue
             st = view.state[p]
+            if "exp_avg" not in st:
+                raise RuntimeError("the node path's update by shard found a layer parameter without its Adam state in the "
+                                   "node's shared memory (an optimizer replaced after the engine was built?); use "
+                                   "data_parallel_path='per_rank' for it")
             stepped.append(st["step"])
             flat = p.detach().view(-1)
             for a, b in ranges:

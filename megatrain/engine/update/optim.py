@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..host.events import LayerEvents
+from ..host.node_store import state_of
 from ..host.store import FlatGroup, HostStore
 from ..runtime.stream import CopyStream, Event, Trace
 from . import by_shard
@@ -138,7 +139,7 @@ class LayeredStep:
             src = self.optimizer.param_groups[j]
             g.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in src.items() if k != "params"})
         for own, main in view.pairs:
-            view.optimizer.state[own] = self.optimizer.state[main]  # the same dict: filled in place
+            view.optimizer.state[own] = state_of(self.optimizer, main)  # the same dict: filled in place
 
     def step(self, update_layer: Callable[[int], None], landed: list[Event],
              update_globals: Callable[[torch.optim.Optimizer], None] | None = None) -> None:
