@@ -25,7 +25,7 @@ TOL = 1e-5  # the project's data-parallel parity tolerance (test_data_parallel.p
 ARGS = {"micro": 2, "world": 2, "steps": 3, "layers": 4}
 CHUNK = 1280  # elements: a layer of the worker's (11,584) in 10 chunks, the last of padding and one rank's tail
 RUNS = ["node", f"node:chunk{CHUNK}", "node:overlap", "per_rank", "node:skip_gather", "node:skip_scatter", "node:bf16",
-        "per_rank:bf16", "node:noclip", "per_rank:noclip", "auto:adamw", "auto"]
+        "per_rank:bf16", "node:noclip", "per_rank:noclip", "auto:adamw", "auto", "node:bf16slab", "per_rank:bf16slab"]
 
 
 def _gaps(ref: dict, got: dict) -> dict[str, float]:
@@ -111,6 +111,17 @@ def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(tmp_path):
         for a, b in (("node", "per_rank"), ("node:bf16", "per_rank:bf16")):
             gaps = _gaps(res[b], res[a])
             assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, a, gaps)
+        # bf16 gradient slabs (bf16 compute, one micro-batch per step, where such a slab is exact): the shard crosses
+        # the link as the bf16 mean, rounded on the device as the host would round it into the slab, so the d2h
+        # bytes are this rank's ranges at 2 bytes (~0.5x a lone rank's bf16 gradients at G = 2, where the FP32
+        # shard of an FP32 slab is ~1.0x) and the weights the per-rank path's bit for bit (a clip scaling nothing)
+        a, b = "node:bf16slab", "per_rank:bf16slab"
+        assert res[a]["losses"] == res[b]["losses"], r
+        assert all(torch.equal(bits(res[a]["state"][k]), bits(res[b]["state"][k])) for k in res[a]["state"]), r
+        owned = sum(b_ - a_ for a_, b_ in ShardMap.of(numel, 2).owned(r))
+        for step, (got, whole) in enumerate(zip(res[a]["stats"], res[b]["stats"])):
+            assert got["d2h_bytes"] * numel == whole["d2h_bytes"] * owned, (r, step, got["d2h_bytes"], whole["d2h_bytes"])
+            assert got["d2h_bytes"] <= 0.6 * whole["d2h_bytes"], (r, step)
         # "auto" (the default): the node path with its update by shard where it can run (several local ranks sharing
         # the node's store, the optimizer given as torch's AdamW), said so; the per-rank path where it cannot (an
         # optimizer factory: its type is known only once built), with the reason

@@ -28,7 +28,10 @@ VOCAB, SEQ, LR, CLIP = 128, 12, 1e-3, 0.05
 NO_CLIP = 1e9  # "noclip": a clip whose coefficient is 1 (scales nothing), for the bit-for-bit comparison of updates
 # Runs' settings besides the defaults above: the GPU's defaults, one at a time (bf16 compute; the layer updates
 # overlapped with the next forward, whose loads then wait for each layer's owner's token).
-SETTINGS = {"bf16": {"compute_dtype": "bfloat16"}, "overlap": {"optimizer_overlap": True}}
+SETTINGS = {"bf16": {"compute_dtype": "bfloat16"}, "overlap": {"optimizer_overlap": True},
+            # bf16 gradient slabs (exact with one micro-batch per step: "bf16slab" runs so, and without a clip that
+            # scales, for the bit-for-bit comparison)
+            "bf16slab": {"compute_dtype": "bfloat16", "host_master": "fp32", "host_grad_dtype": "bfloat16"}}
 
 
 def build_model(layers: int) -> torch.nn.Module:
@@ -68,18 +71,18 @@ def main() -> None:
     for run in args.get("runs", ["node"]):
         path, _, control = run.partition(":")
         undo = controls(control)
-        clip = NO_CLIP if control == "noclip" else CLIP
+        clip = NO_CLIP if control in ("noclip", "bf16slab") else CLIP
         results[run] = train(args, {"data_parallel_path": path, **SETTINGS.get(control, {})}, clip,
-                             given=control == "adamw")
+                             given=control == "adamw", accum=1 if control == "bf16slab" else 2)
         undo()
     torch.save(results, out / f"rank{rank}.pt")
 
 
-def train(args: dict, settings: dict, clip: float = CLIP, given: bool = False) -> dict:
+def train(args: dict, settings: dict, clip: float = CLIP, given: bool = False, accum: int = 2) -> dict:
     """One engine's run; `given`: the optimizer handed over built ("adamw": torch's AdamW over the model's
     parameters, which the engine makes fused), else a factory."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    micro, steps, accum = args["micro"], args["steps"], 2
+    micro, steps = args["micro"], args["steps"]
     cfg = EngineConfig(**{"device": "cpu", "parity_probe": False, "residency": "stream", "watchdog_s": 120.0,
                           "compute_dtype": "float32", "speculative_step": False, **settings})
     model = build_model(args["layers"])

@@ -335,8 +335,10 @@ class NodeStore:
             if slab is None:
                 return 0
             nbytes = 0
+            # a bf16 transit holds the mean already, rounded on the device (node_path.NodeGrads): added as it is
+            alpha = 1.0 if transit.dtype == torch.bfloat16 else 1.0 / self.world
             for a, b in self.split.ranges(slab.numel()):
-                slab[a:b].add_(transit[a:b], alpha=1.0 / self.world)
+                slab[a:b].add_(transit[a:b], alpha=alpha)
                 nbytes += (b - a) * transit.element_size()
             return nbytes
         dist.barrier(group=self.node_group)  # every rank's shard is in (the barrier orders the memory)

@@ -108,7 +108,8 @@ class NodeGrads:
     `stats` counts what the reduce-scatters sent."""
 
     def __init__(self, groups: NodeGroups, weights: NodeWeights, streams: Streams, dp: DataParallel,
-                 node: NodeStore, max_numel: int, device: torch.device) -> None:
+                 node: NodeStore, max_numel: int, device: torch.device,
+                 grad_dtypes: tuple[torch.dtype, ...] = ()) -> None:
         self.groups, self.weights, self.streams, self.dp, self.node = groups, weights, streams, dp, node
         self.rank, self.world = groups.local, groups.local_world
         self.stats = weights.stats  # one count of the node path's collectives
@@ -118,6 +119,10 @@ class NodeGrads:
         # One FP32 chunk (the layer's gradients widened, a chunk at a time: DISTRIBUTED.md section 2) and two shards.
         self._chunk = torch.empty(min(m.padded, m.chunk), dtype=torch.float32, device=device)
         self._shard = [torch.empty(m.shard_numel, dtype=torch.float32, device=device) for _ in range(2)]
+        # bf16 slabs updated by shard: the rounded mean's shard (DISTRIBUTED.md section 2, "a bf16 slab")
+        narrow = node.split is not None and any(d == torch.bfloat16 for d in grad_dtypes)
+        self._shard_bf16 = ([torch.empty(m.shard_numel, dtype=torch.bfloat16, device=device) for _ in range(2)]
+                            if narrow else [None, None])
         self._shard_free: list[Event] = [DONE, DONE]
         self._next = 0
         self._transit = node.transit()
@@ -149,6 +154,12 @@ class NodeGrads:
                 at += piece
             if self.groups.cross_scatter is not None:  # several nodes, each holding the model (section 5a)
                 dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.groups.cross_scatter)
+            if narrow:
+                # A bf16 slab updated by shard: the mean rounded to bf16 here, not on the host, so the shard crosses
+                # the link in 2 bytes, not 4. The same product and the same rounding as the host's add of the FP32
+                # sum into a zeroed bf16 slab (slab + sum x 1/W, then bf16), so one micro-batch per step (where a
+                # bf16 slab is exact) gives the same bits; a later micro-batch's add rounds twice.
+                shard_bf16[: shard.numel()].copy_(shard.mul_(1.0 / self.dp.world_size))
 
         def scatter() -> int:
             before = self.stats.scattered_bytes
@@ -158,14 +169,21 @@ class NodeGrads:
         scattered = self._scatter_stream.submit(scatter, (after, self._shard_free[k]), "scatter", layer)
         transit = self._transit[self._next_transit]
         self._next_transit ^= 1
+        # The bf16 shard of a bf16 slab updated by shard (the mean, see collectives() above), in the FP32 transit
+        # buffer's bytes seen as bf16: each rank still writes and reads only its own ranges of it.
+        narrow = (self.node.split is not None and group.grad is not None and group.grad.dtype == torch.bfloat16)
+        if narrow:
+            transit = transit.view(torch.bfloat16)
+            shard_bf16 = self._shard_bf16[k]
+        src = shard_bf16 if narrow else shard
 
         def to_host() -> int:
             nbytes, at = 0, 0
             for s, e in m.ranges(self.rank):
                 end = min(e, group.numel)
                 if s < end:  # clipped to the layer's parameters: the padding stays on the device
-                    transit[s:end].copy_(shard[at: at + end - s], non_blocking=True)
-                    nbytes += (end - s) * 4
+                    transit[s:end].copy_(src[at: at + end - s], non_blocking=True)
+                    nbytes += (end - s) * src.element_size()
                 at += e - s
             return nbytes
 
@@ -315,7 +333,9 @@ def attach(pipeline: LayerPipeline, streams: Streams, dp: DataParallel | None, n
     # The gradients' node path replaces the shared store's per-rank sink (ranks.py SharedStore._reduce_to_owner);
     # the optimizer in backward's sink (an update behind each layer's reduction) still takes the per-rank way.
     if pipeline.grad_sink is not None and pipeline.grad_sink == ranks.grad_sink:
-        pipeline.grad_shards = NodeGrads(groups, weights, streams, dp, node, pipeline.max_numel, pipeline.device)
+        dtypes = tuple({g.grad.dtype for g in pipeline.store.layers if g.grad is not None})
+        pipeline.grad_shards = NodeGrads(groups, weights, streams, dp, node, pipeline.max_numel, pipeline.device,
+                                         dtypes)
         grads = ("gradients reduce-scattered in FP32, each rank's shard to its ranges of its slab, each rank "
                  f"updating its 1/{G} of every layer" if node.split is not None else
                  "gradients reduce-scattered in FP32, each rank's shard to the layer's one slab, its owner updating it")
