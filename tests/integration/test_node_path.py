@@ -25,7 +25,8 @@ TOL = 1e-5  # the project's data-parallel parity tolerance (test_data_parallel.p
 ARGS = {"micro": 2, "world": 2, "steps": 3, "layers": 4}
 CHUNK = 1280  # elements: a layer of the worker's (11,584) in 10 chunks, the last of padding and one rank's tail
 RUNS = ["node", f"node:chunk{CHUNK}", "node:overlap", "per_rank", "node:skip_gather", "node:skip_scatter", "node:bf16",
-        "per_rank:bf16", "node:noclip", "per_rank:noclip", "auto:adamw", "auto", "node:bf16slab", "per_rank:bf16slab"]
+        "per_rank:bf16", "node:noclip", "per_rank:noclip", "auto:adamw", "auto", "auto:cpu", "node:bf16slab",
+        "per_rank:bf16slab"]
 
 
 def _gaps(ref: dict, got: dict) -> dict[str, float]:
@@ -122,9 +123,9 @@ def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(tmp_path):
         for step, (got, whole) in enumerate(zip(res[a]["stats"], res[b]["stats"])):
             assert got["d2h_bytes"] * numel == whole["d2h_bytes"] * owned, (r, step, got["d2h_bytes"], whole["d2h_bytes"])
             assert got["d2h_bytes"] <= 0.6 * whole["d2h_bytes"], (r, step)
-        # "auto" (the default): the node path with its update by shard where it can run (several local ranks sharing
-        # the node's store, the optimizer given as torch's AdamW), said so; the per-rank path where it cannot (an
-        # optimizer factory: its type is known only once built), with the reason
+        # "auto" (the default), choosing as on a GPU node: the node path with its update by shard where it can run
+        # (several local ranks sharing the node's store, the optimizer given as torch's AdamW), said so; the per-rank
+        # path where it cannot (an optimizer factory: its type is known only once built), with the reason
         auto = res["auto:adamw"]
         assert auto["data_path"].startswith("node:") and "'auto'" in auto["data_path"], auto["data_path"]
         assert "updating its 1/2 of every layer" in auto["data_path"], auto["data_path"]
@@ -132,6 +133,9 @@ def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(tmp_path):
         assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, gaps)
         _check_update_split(auto, ShardMap.of(numel, 2), r, ARGS["layers"], 0.6)
         assert res["auto"]["data_path"].startswith("per_rank:") and "factory" in res["auto"]["data_path"], r
+        # on a CPU device "auto" itself keeps the per-rank path (the gloo ranks stand in for GPUs where "node" asks)
+        cpu = res["auto:cpu"]["data_path"]
+        assert cpu.startswith("per_rank:") and "CPU device" in cpu, cpu
         for control in ("node:skip_gather", "node:skip_scatter"):
             gaps = _gaps(ref, res[control])
             # "not <=": a NaN is off too (with the gather skipped a slot's other half is whatever it held before,

@@ -47,11 +47,14 @@ def controls(name: str):
     """Break one half of the node path (the negative controls): "skip_gather": a rank's ring slot holds only its own
     shard (the rest whatever the slot held before); "skip_scatter": a rank's shard is its own gradient, not the
     node's sum. And, no controls: "chunkN", the layers cut into chunks of N elements; "noclip"; "adamw" (the
-    optimizer given built, not as a factory); SETTINGS' names.
+    optimizer given built, not as a factory; "cpu": so, with "auto" choosing by the CPU device's own rule, where
+    every other run's "auto" chooses as on a GPU node); SETTINGS' names.
     Returns what undoes it."""
     from megatrain.engine.parallel import node_path
 
-    saved = {k: getattr(node_path, k) for k in ("gather_layer", "reduce_scatter_into", "CHUNK")}
+    saved = {k: getattr(node_path, k) for k in ("gather_layer", "reduce_scatter_into", "CHUNK", "AUTO_ON_CPU")}
+    # "auto" choosing as on a GPU node (the gloo ranks standing in for its GPUs), but for "cpu": the CPU's own rule
+    node_path.AUTO_ON_CPU = name != "cpu"
     if name.startswith("chunk"):  # not a control: the shard map cut into chunks of this many elements
         node_path.CHUNK = int(name[len("chunk"):])
     elif name == "skip_gather":
@@ -73,7 +76,7 @@ def main() -> None:
         undo = controls(control)
         clip = NO_CLIP if control in ("noclip", "bf16slab") else CLIP
         results[run] = train(args, {"data_parallel_path": path, **SETTINGS.get(control, {})}, clip,
-                             given=control == "adamw", accum=1 if control == "bf16slab" else 2)
+                             given=control in ("adamw", "cpu"), accum=1 if control == "bf16slab" else 2)
         undo()
     torch.save(results, out / f"rank{rank}.pt")
 

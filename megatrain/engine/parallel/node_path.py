@@ -37,6 +37,9 @@ from .distributed import DataParallel, DataParallelError
 from .ranks import OneRank
 
 CHUNK: int | None = None  # elements per chunk of the shard map (None: costs/shards.default_chunk); tests cut small
+# "auto" on a CPU device: the gloo ranks stand in for a node's GPUs only where asked ("node"), as the planner models a
+# CPU device (planner/node_path.py path_for); a test of "auto"'s choice turns this on to stand in for a GPU node.
+AUTO_ON_CPU = False
 NODE, PER_RANK = "node", "per_rank"
 
 
@@ -288,6 +291,9 @@ def plan(node: NodeStore | None, dp: DataParallel | None, config: object, optimi
         split = None  # asked for: a factory's optimizer is split, refused once built if it is not Adam/AdamW (choose.py)
     if asked == PER_RANK:
         node.path = (PER_RANK, "asked for")
+    elif asked is None and device.type != "cuda" and not AUTO_ON_CPU:
+        node.path = (PER_RANK, "'auto' on a CPU device: gloo ranks stand in for GPUs where data_parallel_path='node' "
+                               "asks for it")
     elif asked is None and split is not None:
         node.path = (PER_RANK, f"'auto': {split}")
     else:
