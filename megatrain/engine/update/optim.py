@@ -219,6 +219,10 @@ class LayeredStep:
                 continue  # optimizer in backward: no slab
 
             def job(i=i, group=group) -> int:
+                if self.ranges is not None:  # updated by shard: only this rank's ranges were written (the rest is 0)
+                    for a, b in self.ranges[i]:
+                        slabs.zero(i, group.grad[a:b])
+                    return 0
                 slabs.zero(i, group.grad)  # a flag where the next reduction overwrites (slab_state.py)
                 return 0
 
