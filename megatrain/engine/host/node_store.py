@@ -18,6 +18,10 @@ copies of the masters, gradients and Adam state (16 B/param each); here the node
 - The resident parameters (embedding, final norm, head) stay per rank, averaged as before: every rank holds
   them on its device anyway, and they are a small part of a large model.
 
+On the node path with its update by shard (engine/parallel/node_path.py plan, engine/update/by_shard.py) the
+ownership is by range instead (`Split`): every rank owns its ranges of every layer (the shard map's), holds a slab
+it writes only there, updates them, and the layers' Adam moments are the node's too (`register_shared_state`).
+
 Across nodes each node holds its own copy (not sharded further): every node's GPUs stream every layer each
 step over their own host links, so a node without a layer's weights would fetch them over the network each
 step, and one copy per node is what one GPU needs already.
