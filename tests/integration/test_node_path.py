@@ -24,7 +24,8 @@ DEADLINE_S = 600  # a bound on a hang, not a speed target: the whole suite share
 TOL = 1e-5  # the project's data-parallel parity tolerance (test_data_parallel.py)
 ARGS = {"micro": 2, "world": 2, "steps": 3, "layers": 4}
 CHUNK = 1280  # elements: a layer of the worker's (11,584) in 10 chunks, the last of padding and one rank's tail
-RUNS = ["node", f"node:chunk{CHUNK}", "node:overlap", "per_rank", "node:skip_gather", "node:skip_scatter", "node:bf16",
+RUNS = ["node", f"node:chunk{CHUNK}", "node:overlap", "per_rank", "node:skip_gather", "node:skip_scatter",
+        "node:whole_update", "node:bf16",
         "per_rank:bf16", "node:noclip", "per_rank:noclip", "auto:adamw", "auto", "auto:cpu", "node:bf16slab",
         "per_rank:bf16slab"]
 
@@ -136,7 +137,9 @@ def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(tmp_path):
         # on a CPU device "auto" itself keeps the per-rank path (the gloo ranks stand in for GPUs where "node" asks)
         cpu = res["auto:cpu"]["data_path"]
         assert cpu.startswith("per_rank:") and "CPU device" in cpu, cpu
-        for control in ("node:skip_gather", "node:skip_scatter"):
+        # the update's count is the elements it wrote: a rank updating whole layers counts all of them
+        assert all(st["updated_elements"] == ARGS["layers"] * numel for st in res["node:whole_update"]["stats"]), r
+        for control in ("node:skip_gather", "node:skip_scatter", "node:whole_update"):
             gaps = _gaps(ref, res[control])
             # "not <=": a NaN is off too (with the gather skipped a slot's other half is whatever it held before,
             # at times an uninitialised buffer's NaN)

@@ -46,10 +46,10 @@ def build_model(layers: int) -> torch.nn.Module:
 def controls(name: str):
     """Break one half of the node path (the negative controls): "skip_gather": a rank's ring slot holds only its own
     shard (the rest whatever the slot held before); "skip_scatter": a rank's shard is its own gradient, not the
-    node's sum. And, no controls: "chunkN", the layers cut into chunks of N elements; "noclip"; "adamw" (the
+    node's sum; "whole_update": every rank's host update writes every layer whole (its slab zero outside its
+    ranges). And, no controls: "chunkN", the layers cut into chunks of N elements; "noclip"; "adamw" (the
     optimizer given built, not as a factory; "cpu": so, with "auto" choosing by the CPU device's own rule, where
-    every other run's "auto" chooses as on a GPU node); SETTINGS' names.
-    Returns what undoes it."""
+    every other run's "auto" chooses as on a GPU node); SETTINGS' names. Returns what undoes it."""
     from megatrain.engine.parallel import node_path
 
     saved = {k: getattr(node_path, k) for k in ("gather_layer", "reduce_scatter_into", "CHUNK", "AUTO_ON_CPU")}
@@ -57,6 +57,12 @@ def controls(name: str):
     node_path.AUTO_ON_CPU = name != "cpu"
     if name.startswith("chunk"):  # not a control: the shard map cut into chunks of this many elements
         node_path.CHUNK = int(name[len("chunk"):])
+    elif name == "whole_update":  # every rank updates every element of every layer, not its ranges
+        from megatrain.engine.update import by_shard
+
+        update = by_shard.update
+        by_shard.update = lambda view, group, coefs, ranges: update(view, group, coefs, [(0, group.numel)])
+        return lambda: [setattr(by_shard, "update", update), *(setattr(node_path, k, v) for k, v in saved.items())]
     elif name == "skip_gather":
         node_path.gather_layer = lambda buf, smap, group, stats=None: None
     elif name == "skip_scatter":
