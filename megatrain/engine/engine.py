@@ -137,8 +137,8 @@ class Engine:
                             host_facts(written, model, self.parts.layers, agree=agree))
         config = settle_engine(written, facts)[0]
         probe = (lambda m: verify_model(m, type(self), config)) if config.parity_probe else None
-        # the user's flags, read before the store's masters replace them
-        frozen, flags = frozen_names(model, optimizer), user_flags(model)
+        node_path.plan(self.node, self.dp, config, LATER if optimizer_later else optimizer, self.device)  # before the store
+        frozen, flags = frozen_names(model, optimizer), user_flags(model)  # the user's flags, before the masters
         self.placement, originals = place(model, self.parts, config, self.device, self.compute_dtype, self.dp,
                                           self.node, checkpoint_dir, probe, frozen)
         self.store, self.templates = self.placement.store, self.placement.templates

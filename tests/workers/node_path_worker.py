@@ -25,9 +25,13 @@ from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 
 VOCAB, SEQ, LR, CLIP = 128, 12, 1e-3, 0.05
+NO_CLIP = 1e9  # "noclip": a clip whose coefficient is 1 (scales nothing), for the bit-for-bit comparison of updates
 # Runs' settings besides the defaults above: the GPU's defaults, one at a time (bf16 compute; the layer updates
 # overlapped with the next forward, whose loads then wait for each layer's owner's token).
-SETTINGS = {"bf16": {"compute_dtype": "bfloat16"}, "overlap": {"optimizer_overlap": True}}
+SETTINGS = {"bf16": {"compute_dtype": "bfloat16"}, "overlap": {"optimizer_overlap": True},
+            # bf16 gradient slabs (exact with one micro-batch per step: "bf16slab" runs so, and without a clip that
+            # scales, for the bit-for-bit comparison)
+            "bf16slab": {"compute_dtype": "bfloat16", "host_master": "fp32", "host_grad_dtype": "bfloat16"}}
 
 
 def build_model(layers: int) -> torch.nn.Module:
@@ -42,13 +46,23 @@ def build_model(layers: int) -> torch.nn.Module:
 def controls(name: str):
     """Break one half of the node path (the negative controls): "skip_gather": a rank's ring slot holds only its own
     shard (the rest whatever the slot held before); "skip_scatter": a rank's shard is its own gradient, not the
-    node's sum. And, no controls: "chunkN", the layers cut into chunks of N elements; SETTINGS' names. Returns what
-    undoes it."""
+    node's sum; "whole_update": every rank's host update writes every layer whole (its slab zero outside its
+    ranges). And, no controls: "chunkN", the layers cut into chunks of N elements; "noclip"; "adamw" (the
+    optimizer given built, not as a factory; "cpu": so, with "auto" choosing by the CPU device's own rule, where
+    every other run's "auto" chooses as on a GPU node); SETTINGS' names. Returns what undoes it."""
     from megatrain.engine.parallel import node_path
 
-    saved = {k: getattr(node_path, k) for k in ("gather_layer", "reduce_scatter_into", "CHUNK")}
+    saved = {k: getattr(node_path, k) for k in ("gather_layer", "reduce_scatter_into", "CHUNK", "AUTO_ON_CPU")}
+    # "auto" choosing as on a GPU node (the gloo ranks standing in for its GPUs), but for "cpu": the CPU's own rule
+    node_path.AUTO_ON_CPU = name != "cpu"
     if name.startswith("chunk"):  # not a control: the shard map cut into chunks of this many elements
         node_path.CHUNK = int(name[len("chunk"):])
+    elif name == "whole_update":  # every rank updates every element of every layer, not its ranges
+        from megatrain.engine.update import by_shard
+
+        update = by_shard.update
+        by_shard.update = lambda view, group, coefs, ranges: update(view, group, coefs, [(0, group.numel)])
+        return lambda: [setattr(by_shard, "update", update), *(setattr(node_path, k, v) for k, v in saved.items())]
     elif name == "skip_gather":
         node_path.gather_layer = lambda buf, smap, group, stats=None: None
     elif name == "skip_scatter":
@@ -66,18 +80,23 @@ def main() -> None:
     for run in args.get("runs", ["node"]):
         path, _, control = run.partition(":")
         undo = controls(control)
-        results[run] = train(args, {"data_parallel_path": path, **SETTINGS.get(control, {})})
+        clip = NO_CLIP if control in ("noclip", "bf16slab") else CLIP
+        results[run] = train(args, {"data_parallel_path": path, **SETTINGS.get(control, {})}, clip,
+                             given=control in ("adamw", "cpu"), accum=1 if control == "bf16slab" else 2)
         undo()
     torch.save(results, out / f"rank{rank}.pt")
 
 
-def train(args: dict, settings: dict) -> dict:
+def train(args: dict, settings: dict, clip: float = CLIP, given: bool = False, accum: int = 2) -> dict:
+    """One engine's run; `given`: the optimizer handed over built ("adamw": torch's AdamW over the model's
+    parameters, which the engine makes fused), else a factory."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    micro, steps, accum = args["micro"], args["steps"], 2
+    micro, steps = args["micro"], args["steps"]
     cfg = EngineConfig(**{"device": "cpu", "parity_probe": False, "residency": "stream", "watchdog_s": 120.0,
                           "compute_dtype": "float32", "speculative_step": False, **settings})
-    engine = Engine(build_model(args["layers"]), cfg,
-                    optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=LR))
+    model = build_model(args["layers"])
+    engine = Engine(model, cfg, optimizer=torch.optim.AdamW(model.parameters(), lr=LR) if given else
+                    lambda named: torch.optim.AdamW([p for _, p in named], lr=LR))
     g = torch.Generator().manual_seed(1)
     rows = torch.randint(0, VOCAB, (args["world"] * micro * steps * accum, SEQ), generator=g)
     losses, norms, stats = [], [], []
@@ -94,10 +113,13 @@ def train(args: dict, settings: dict) -> dict:
                 dist.all_reduce(got)  # the global batch's mean loss: every rank's rows have equal label tokens
                 got /= world
             losses.append(float(got))
-        norms.append(float(engine.clip_grad_norm_(CLIP)))
+        norms.append(float(engine.clip_grad_norm_(clip)))
         engine.step()
         engine.zero_grad()
-        stats.append(engine.collect_stats())
+        engine.synchronize()  # every update of the step done: its count is whole
+        layered = engine.update.layered
+        stats.append({**engine.collect_stats(),
+                      "updated_elements": layered.updated_elements if layered is not None else None})
     state = {k: v.detach().clone() for k, v in engine.state_dict().items()}
     path = getattr(engine, "data_path", None)
     return {"losses": losses, "norms": norms, "stats": stats, "state": state,

@@ -18,6 +18,10 @@ copies of the masters, gradients and Adam state (16 B/param each); here the node
 - The resident parameters (embedding, final norm, head) stay per rank, averaged as before: every rank holds
   them on its device anyway, and they are a small part of a large model.
 
+On the node path with its update by shard (engine/parallel/node_path.py plan, engine/update/by_shard.py) the
+ownership is by range instead (`Split`): every rank owns its ranges of every layer (the shard map's), holds a slab
+it writes only there, updates them, and the layers' Adam moments are the node's too (`register_shared_state`).
+
 Across nodes each node holds its own copy (not sharded further): every node's GPUs stream every layer each
 step over their own host links, so a node without a layer's weights would fetch them over the network each
 step, and one copy per node is what one GPU needs already.
@@ -28,6 +32,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import weakref
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -35,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ...costs.pinning import mapped_bytes
+from ...costs.shards import ShardMap
 from .pinned import host_buffer
 
 SHM_DIR = "/dev/shm"
@@ -110,6 +116,46 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"{name}={raw!r} is not an integer") from None
 
 
+class Split:
+    """The node path's update by shard (docs/DISTRIBUTED.md section 3): every local rank owns its ranges of every
+    layer (the shard map's, costs/shards.py), not whole layers: its slab's ranges, its team's update of them, its
+    share of the node's one Adam state. `chunk`: the shard map's chunk (None: the default)."""
+
+    def __init__(self, node: NodeStore, chunk: int | None) -> None:
+        self.node, self.chunk = node, chunk
+        self.local, self.world = node.topo.local, node.topo.local_world
+        self._ranges: dict[int, list[tuple[int, int]]] = {}
+
+    def ranges(self, numel: int) -> list[tuple[int, int]]:
+        """This rank's [start, end) ranges of a layer of `numel` elements (no padding)."""
+        got = self._ranges.get(numel)
+        if got is None:
+            got = self._ranges[numel] = ShardMap.of(numel, self.world, self.chunk).owned(self.local)
+        return got
+
+
+# The layers' shared buffers of a store updated by shard (the tensor objects themselves, held weakly): what tells the
+# update path (engine/update) that a store it is handed is split, without a link from the store to its node.
+_SPLIT_OF: dict[int, tuple[weakref.ref, Split]] = {}
+
+
+def split_of(t: torch.Tensor | None) -> Split | None:
+    """The update by shard that `t` (a layer's shared master or shadow, as the store holds it) belongs to, or None
+    (owners of whole layers, or a private store)."""
+    entry = _SPLIT_OF.get(id(t)) if t is not None else None
+    return entry[1] if entry is not None and entry[0]() is t else None
+
+
+def _mark_split(t: torch.Tensor, split: Split) -> None:
+    key = id(t)
+
+    def gone(ref: weakref.ref) -> None:
+        if _SPLIT_OF.get(key, (None,))[0] is ref:  # not a later tensor's entry under the same id
+            del _SPLIT_OF[key]
+
+    _SPLIT_OF[key] = (weakref.ref(t, gone), split)
+
+
 class NodeStore:
     """This rank's node: its groups, which layers it owns, and the node's shared host buffers."""
 
@@ -138,6 +184,15 @@ class NodeStore:
             self.cross_group, _ = dist.new_subgroups_by_enumeration(cross, timeout=timeout, backend="gloo")
         self.staging: list[list[torch.Tensor]] = []  # per local rank, two FP32 slots (make_staging)
         self._slot = 0
+        # The node path's update by shard (set by node_path.plan before the store is built): every rank owns its ranges
+        # of every layer, so `owns` is True for all of them (each rank has a slab for its ranges and updates them).
+        self.split: Split | None = None
+        self.path: tuple[str, str] | None = None  # the data path node_path.plan chose, and why
+
+    def split_by_shard(self, chunk: int | None) -> Split:
+        """Own every layer by ranges from now on (before the store's layers are made)."""
+        self.split = Split(self, chunk)
+        return self.split
 
     # -- ownership ------------------------------------------------------------------------------------
     @property
@@ -148,7 +203,7 @@ class NodeStore:
         return layer % self.topo.local_world
 
     def owns(self, layer: int) -> bool:
-        return self.owner_local(layer) == self.topo.local
+        return self.split is not None or self.owner_local(layer) == self.topo.local
 
     def owner_rank(self, layer: int) -> int:
         return self.topo.node_ranks[self.topo.node][self.owner_local(layer)]
@@ -159,7 +214,12 @@ class NodeStore:
     def publish(self, layer: int) -> None:
         """Every rank of the node, for each layer in the same order: returns once the layer's owner (which calls it
         after its update) has, so its new weights are in the shared store. A collective through the kernel's
-        sockets: the owner's writes are visible to the others after it, whatever the CPU's memory ordering."""
+        sockets: the owner's writes are visible to the others after it, whatever the CPU's memory ordering. Updated
+        by shard, every rank writes its ranges: a barrier, each rank calling it after its own update of the layer
+        (a streamed layer's own shard copy needs none, but a layer kept whole on a device, or read whole, does)."""
+        if self.split is not None:
+            dist.barrier(group=self.update_group)
+            return
         dist.broadcast(self._token, src=self.owner_rank(layer), group=self.update_group)
 
     # -- shared buffers -------------------------------------------------------------------------------
@@ -195,6 +255,9 @@ class NodeStore:
         bad = [e for e in errors if e is not None]
         if bad:
             raise MemoryError(bad[0])
+        if self.split is not None and what == "layer weights":
+            for t in out:
+                _mark_split(t, self.split)
         return out
 
     @staticmethod
@@ -268,7 +331,20 @@ class NodeStore:
         Every rank runs these in the same layer order on one thread, two transit buffers in turn; a rank writes a
         buffer again (its shard of the layer after next) only after this rank passed the next layer's barrier,
         which the owner of this layer reaches only once it has read the buffer (the caller orders that write
-        behind this job)."""
+        behind this job).
+
+        Updated by shard (`split`): every rank adds its own ranges into its own slab, which only it reads (no
+        barrier: nobody waits for another rank's shard)."""
+        if self.split is not None:
+            if slab is None:
+                return 0
+            nbytes = 0
+            # a bf16 transit holds the mean already, rounded on the device (node_path.NodeGrads): added as it is
+            alpha = 1.0 if transit.dtype == torch.bfloat16 else 1.0 / self.world
+            for a, b in self.split.ranges(slab.numel()):
+                slab[a:b].add_(transit[a:b], alpha=alpha)
+                nbytes += (b - a) * transit.element_size()
+            return nbytes
         dist.barrier(group=self.node_group)  # every rank's shard is in (the barrier orders the memory)
         if slab is None:
             return 0
@@ -276,6 +352,35 @@ class NodeStore:
         return transit.numel() * transit.element_size()
 
 # -- optimizer state: sharded by the layers' owners, whole in every state_dict ------------------------------
+# Updated by shard (engine/update/by_shard.py): per optimizer, the layer parameters whose Adam moments are views of the
+# node's shared memory, with those views and this rank's pieces of each (parameter-relative [start, end)); and, on every
+# rank but the job's first, their state dicts held here rather than in the optimizer's `state`: the moments are whole
+# in rank 0's optimizer, so its state_dict and a sharded save's shard (run/train_state.py, the state of what is in
+# `optimizer.state`) carry them once, from rank 0.
+_SHARED_STATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def register_shared_state(optimizer: torch.optim.Optimizer,
+                          shared: dict[torch.Tensor, tuple[dict[str, torch.Tensor], list[tuple[int, int]]]],
+                          held: dict[torch.Tensor, dict] | None) -> None:
+    """`optimizer`'s layer state lives in the node's shared memory (`shared`, by parameter): its state_dict is whole
+    on rank 0 without a gather of it, and a loaded state is copied into those buffers (this rank's pieces). `held`:
+    the state dicts this rank keeps out of `optimizer.state` (None on rank 0, which keeps them there)."""
+    _SHARED_STATE[optimizer] = shared
+    if held is not None:
+        _HELD[optimizer] = held
+
+
+def state_of(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
+    """The state dict the update of parameter `p` reads and writes: `optimizer.state[p]`, or the one this rank
+    holds for it (register_shared_state)."""
+    held = _HELD.get(optimizer)
+    if held is not None and p in held:
+        return held[p]
+    return optimizer.state[p]
+
+
 def shard_optimizer_state(optimizer: torch.optim.Optimizer, foreign: set[int], group: dist.ProcessGroup,
                           before: Callable[[], None]) -> None:
     """Make rank 0's `optimizer.state_dict()` whole and `load_state_dict` keep only this rank's share.
@@ -286,16 +391,28 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, foreign: set[int], g
     the ranks at every save), whose dict is whole and loads on any number of ranks. The other ranks' dicts
     hold their own share under SHARD_KEY, and loading one is refused: it would silently drop the rest.
     `before` runs first (the engine's wait for queued collectives: the group is shared with its reduction
-    thread).
+    thread). Updated by shard (register_shared_state), the layers' moments are the node's shared buffers: rank 0
+    copies them out once every rank's update is done (a barrier after, so no rank updates them before), the
+    other ranks send only the rest; a loaded state is copied back into this rank's pieces of those buffers.
     """
     rank = dist.get_rank()
 
     def whole(opt: torch.optim.Optimizer, sd: dict) -> dict:
         before()
+        shared = _SHARED_STATE.get(opt, {})
         params = [p for g in opt.param_groups for p in g["params"]]
-        mine = {i: st for i, st in sd["state"].items() if id(params[i]) not in foreign}
+        mine = {i: st for i, st in sd["state"].items()
+                if id(params[i]) not in foreign and (rank == 0 or params[i] not in shared)}
         parts: list[dict | None] | None = [None] * dist.get_world_size(group) if rank == 0 else None
         dist.gather_object(mine, parts, dst=0, group=group)
+        if rank == 0 and shared:
+            # every rank's update of its ranges is done (each ran `before` ahead of the gather): a copy, taken
+            # before any rank goes on to update the shared buffers again (the barrier below)
+            for i, st in sd["state"].items():
+                if params[i] in shared:
+                    sd["state"][i] = {k: (v.clone() if k in shared[params[i]][0] else v) for k, v in st.items()}
+        if shared:
+            dist.barrier(group=group)
         if rank != 0:
             sd[SHARD_KEY] = rank
             return sd
@@ -315,6 +432,23 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, foreign: set[int], g
     def keep_mine(opt: torch.optim.Optimizer) -> None:
         for p in [p for g in opt.param_groups for p in g["params"] if id(p) in foreign]:
             opt.state.pop(p, None)  # the owner's copy is the one that trains
+        for p, (views, pieces) in _SHARED_STATE.get(opt, {}).items():
+            st = opt.state[p]
+            if "step" not in st:  # loaded from before any step: the state torch's first step would make
+                st["step"] = torch.zeros((), dtype=torch.float32)
+            for k, view in views.items():
+                loaded = st.get(k)
+                if loaded is view:
+                    continue
+                for a, b in pieces:  # this rank's pieces: the other ranks write theirs
+                    if loaded is None:
+                        view.view(-1)[a:b].zero_()
+                    else:
+                        view.view(-1)[a:b].copy_(loaded.reshape(-1)[a:b])
+                st[k] = view
+            held = _HELD.get(opt)
+            if held is not None:
+                held[p] = opt.state.pop(p)  # kept here, as before the load: rank 0's optimizer has the moments
 
     optimizer.register_state_dict_post_hook(whole)
     optimizer.register_load_state_dict_pre_hook(refuse_shard)

@@ -1,16 +1,19 @@
 """The node path (docs/DISTRIBUTED.md): which data path a data-parallel engine runs, and the objects that make the
 node path's layer loads one trip per layer per node.
 
-Landed so far (DISTRIBUTED.md "Steps to land it", steps 2 and 3's gradients). Weights: each of the node's G ranks
-copies its 1/G of a streamed layer's flat buffer host-to-device (`NodeWeights.copy_shard`, its ranges of the shard
-map, costs/shards.py) and the node's ranks all-gather the rest on the gather stream (`NodeWeights.gather`,
+Landed so far (DISTRIBUTED.md "Steps to land it", steps 2-4 and 6). Weights: each of the node's G ranks copies its
+1/G of a streamed layer's flat buffer host-to-device (`NodeWeights.copy_shard`, its ranges of the shard map,
+costs/shards.py) and the node's ranks all-gather the rest on the gather stream (`NodeWeights.gather`,
 collectives.py); the recompute in backward loads, so gathers, again. Gradients (`NodeGrads`): reduce-scattered in
-FP32 on the scatter stream, each rank's shard copied to the host into the node's one buffer of the layer, which
-the layer's owner adds into its slab. The update is still the owner's, of whole layers (ranks.py SharedStore;
-splitting it by shard is step 4, engine/update), so the node path needs the shared host store.
+FP32 on the scatter stream, each rank's shard copied to the host. The update (`plan`): by shard where it can run
+(engine/update/by_shard.py: each rank's ranges of every layer in its own slab, its update thread updating them,
+the Adam state once in the node's memory); else (the optimizer in backward, a hi/lo or bf16 master, NVMe, an
+optimizer other than torch's Adam/AdamW) each layer's owner adds the node's one landed buffer into its slab and
+updates the whole layer (ranks.py SharedStore). Either way the node path needs the shared host store.
 
-Which path runs: `data_parallel_path` "node" asks for the node path and is refused where it cannot run; "auto"
-(the default) and "per_rank" run the per-rank path until DISTRIBUTED.md step 6 makes "auto" choose.
+Which path runs (`plan`, before the store is built): `data_parallel_path` "node" asks for the node path and is
+refused where it cannot run; "per_rank" the per-rank path; "auto" (the default) the node path with its update by
+shard where both can run, else the per-rank path, and the start line (`DataPath.describe`) says which and why.
 """
 
 from __future__ import annotations
@@ -22,16 +25,21 @@ import torch
 import torch.distributed as dist
 
 from ...config.schema import AUTO, rule_or
+from ...config.settle import LATER
 from ...costs.shards import ShardMap, padded_numel
 from ..host.node_store import NodeStore
 from ..host.store import FlatGroup
 from ..pipeline.schedule import LayerPipeline
 from ..runtime.stream import DONE, Event, Streams
+from ..update.optim import unsupported_reason
 from .collectives import CollectiveStats, NodeGroups, gather_layer, node_groups, reduce_scatter_into
 from .distributed import DataParallel, DataParallelError
 from .ranks import OneRank
 
 CHUNK: int | None = None  # elements per chunk of the shard map (None: costs/shards.default_chunk); tests cut small
+# "auto" on a CPU device: the gloo ranks stand in for a node's GPUs only where asked ("node"), as the planner models a
+# CPU device (planner/node_path.py path_for); a test of "auto"'s choice turns this on to stand in for a GPU node.
+AUTO_ON_CPU = False
 NODE, PER_RANK = "node", "per_rank"
 
 
@@ -103,7 +111,8 @@ class NodeGrads:
     `stats` counts what the reduce-scatters sent."""
 
     def __init__(self, groups: NodeGroups, weights: NodeWeights, streams: Streams, dp: DataParallel,
-                 node: NodeStore, max_numel: int, device: torch.device) -> None:
+                 node: NodeStore, max_numel: int, device: torch.device,
+                 grad_dtypes: tuple[torch.dtype, ...] = ()) -> None:
         self.groups, self.weights, self.streams, self.dp, self.node = groups, weights, streams, dp, node
         self.rank, self.world = groups.local, groups.local_world
         self.stats = weights.stats  # one count of the node path's collectives
@@ -113,6 +122,10 @@ class NodeGrads:
         # One FP32 chunk (the layer's gradients widened, a chunk at a time: DISTRIBUTED.md section 2) and two shards.
         self._chunk = torch.empty(min(m.padded, m.chunk), dtype=torch.float32, device=device)
         self._shard = [torch.empty(m.shard_numel, dtype=torch.float32, device=device) for _ in range(2)]
+        # bf16 slabs updated by shard: the rounded mean's shard (DISTRIBUTED.md section 2, "a bf16 slab")
+        narrow = node.split is not None and any(d == torch.bfloat16 for d in grad_dtypes)
+        self._shard_bf16 = ([torch.empty(m.shard_numel, dtype=torch.bfloat16, device=device) for _ in range(2)]
+                            if narrow else [None, None])
         self._shard_free: list[Event] = [DONE, DONE]
         self._next = 0
         self._transit = node.transit()
@@ -144,6 +157,12 @@ class NodeGrads:
                 at += piece
             if self.groups.cross_scatter is not None:  # several nodes, each holding the model (section 5a)
                 dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.groups.cross_scatter)
+            if narrow:
+                # A bf16 slab updated by shard: the mean rounded to bf16 here, not on the host, so the shard crosses
+                # the link in 2 bytes, not 4. The same product and the same rounding as the host's add of the FP32
+                # sum into a zeroed bf16 slab (slab + sum x 1/W, then bf16), so one micro-batch per step (where a
+                # bf16 slab is exact) gives the same bits; a later micro-batch's add rounds twice.
+                shard_bf16[: shard.numel()].copy_(shard.mul_(1.0 / self.dp.world_size))
 
         def scatter() -> int:
             before = self.stats.scattered_bytes
@@ -153,14 +172,21 @@ class NodeGrads:
         scattered = self._scatter_stream.submit(scatter, (after, self._shard_free[k]), "scatter", layer)
         transit = self._transit[self._next_transit]
         self._next_transit ^= 1
+        # The bf16 shard of a bf16 slab updated by shard (the mean, see collectives() above), in the FP32 transit
+        # buffer's bytes seen as bf16: each rank still writes and reads only its own ranges of it.
+        narrow = (self.node.split is not None and group.grad is not None and group.grad.dtype == torch.bfloat16)
+        if narrow:
+            transit = transit.view(torch.bfloat16)
+            shard_bf16 = self._shard_bf16[k]
+        src = shard_bf16 if narrow else shard
 
         def to_host() -> int:
             nbytes, at = 0, 0
             for s, e in m.ranges(self.rank):
                 end = min(e, group.numel)
                 if s < end:  # clipped to the layer's parameters: the padding stays on the device
-                    transit[s:end].copy_(shard[at: at + end - s], non_blocking=True)
-                    nbytes += (end - s) * 4
+                    transit[s:end].copy_(src[at: at + end - s], non_blocking=True)
+                    nbytes += (end - s) * src.element_size()
                 at += e - s
             return nbytes
 
@@ -207,8 +233,73 @@ class DataPath:
 
 def requested_path(config: object) -> str | None:
     """The configured data path (EngineConfig's `data_parallel_path`, checked there): NODE or PER_RANK as set, None
-    where it is left to the rule ("auto": the per-rank path until DISTRIBUTED.md step 6)."""
+    where it is left to the rule ("auto": `plan`)."""
     return rule_or(getattr(config, "data_parallel_path", AUTO), lambda: None)
+
+
+def why_not_split(config: object, optimizer: object) -> str | None:
+    """Why the node path's update by shard (engine/update/by_shard.py) cannot run with these settings and this
+    optimizer argument (None: it can)."""
+    if getattr(config, "optimizer_in_backward", False):
+        return "the optimizer in backward updates whole layers as their gradients land"
+    if getattr(config, "nvme_path", None) is not None:
+        return "the NVMe tier spills whole layers"
+    if getattr(config, "host_master", "fp32") != "fp32":
+        return f"host_master={config.host_master!r} (a hi/lo or bf16 master is whole-layer state; 'fp32' splits)"
+    if optimizer is LATER:
+        return ("the optimizer is handed over later (a face's prepare(model) then prepare(optimizer)): the update by "
+                "shard is built over the optimizer given with the model")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return unsupported_reason(optimizer)
+    if optimizer is not None and callable(optimizer):
+        return "an optimizer factory (its type is known only once built; give the optimizer or use the default)"
+    return None
+
+
+def why_not_node_early(dp: DataParallel | None, node: NodeStore | None, device: torch.device) -> str | None:
+    """Why the node path cannot run here, from what is known before the store is built (None: it can)."""
+    if dp is None:
+        return "one process"
+    if node is None:
+        return "each rank has its own host store (data_parallel_host='replicated'); the node path reads the node's one"
+    if node.topo.local_world < 2:
+        return "one rank per node: no node's ranks to share a layer's trip"
+    if device.type == "cuda":
+        if not torch.distributed.is_nccl_available():
+            return "no NCCL in this torch for the GPUs' all-gather"
+        n = min(node.topo.local_world, torch.cuda.device_count())
+        for a in range(n):
+            for b in range(n):
+                if a != b and not torch.cuda.can_device_access_peer(a, b):
+                    return f"no peer access (NVLink) between GPU {a} and GPU {b}"
+    return None
+
+
+def plan(node: NodeStore | None, dp: DataParallel | None, config: object, optimizer: object,
+         device: torch.device) -> None:
+    """Choose the data path before the host store is built (the update by shard changes which slabs each rank
+    holds) and record it on the node's store for `attach`. "node" where it cannot run is refused; "auto" takes the
+    node path only where its update by shard runs too, else the per-rank path."""
+    if node is None:
+        return
+    asked = requested_path(config)
+    reason = why_not_node_early(dp, node, device)
+    if asked == NODE and reason is not None:
+        raise ValueError(f"data_parallel_path='node' cannot run here: {reason}; use 'auto' or 'per_rank'")
+    split = why_not_split(config, optimizer) if reason is None else reason
+    if asked == NODE and split is not None and callable(optimizer) and why_not_split(config, None) is None:
+        split = None  # asked for: a factory's optimizer is split, refused once built if it is not Adam/AdamW (choose.py)
+    if asked == PER_RANK:
+        node.path = (PER_RANK, "asked for")
+    elif asked is None and device.type != "cuda" and not AUTO_ON_CPU:
+        node.path = (PER_RANK, "'auto' on a CPU device: gloo ranks stand in for GPUs where data_parallel_path='node' "
+                               "asks for it")
+    elif asked is None and split is not None:
+        node.path = (PER_RANK, f"'auto': {split}")
+    else:
+        node.path = (NODE, "asked for" if asked == NODE else "'auto'")
+        if split is None:
+            node.split_by_shard(CHUNK)
 
 
 def why_not_node(dp: DataParallel | None, node: NodeStore | None, pipeline: LayerPipeline) -> str | None:
@@ -231,12 +322,10 @@ def attach(pipeline: LayerPipeline, streams: Streams, dp: DataParallel | None, n
     point of the engine's construction, with the same setting."""
     if dp is None:
         return DataPath("one process", "no data parallel")
-    asked = requested_path(config)
     reason = why_not_node(dp, node, pipeline)
-    if asked != NODE:
-        why = reason or ("asked for" if asked == PER_RANK else "the default until the node path lands whole "
-                         "(docs/DISTRIBUTED.md step 6)")
-        return DataPath(PER_RANK, f"every rank streams every layer ({why})")
+    chosen, why = node.path if node is not None and node.path is not None else (PER_RANK, reason or "asked for")
+    if chosen != NODE:
+        return DataPath(PER_RANK, f"every rank streams every layer ({reason or why})")
     if reason is not None:
         raise ValueError(f"data_parallel_path='node' cannot run here: {reason}; use 'auto' or 'per_rank'")
     groups = node_groups(pipeline.device, dp.timeout)
@@ -250,9 +339,13 @@ def attach(pipeline: LayerPipeline, streams: Streams, dp: DataParallel | None, n
     # The gradients' node path replaces the shared store's per-rank sink (ranks.py SharedStore._reduce_to_owner);
     # the optimizer in backward's sink (an update behind each layer's reduction) still takes the per-rank way.
     if pipeline.grad_sink is not None and pipeline.grad_sink == ranks.grad_sink:
-        pipeline.grad_shards = NodeGrads(groups, weights, streams, dp, node, pipeline.max_numel, pipeline.device)
-        grads = "gradients reduce-scattered in FP32, each rank's shard to the layer's one slab"
+        dtypes = tuple({g.grad.dtype for g in pipeline.store.layers if g.grad is not None})
+        pipeline.grad_shards = NodeGrads(groups, weights, streams, dp, node, pipeline.max_numel, pipeline.device,
+                                         dtypes)
+        grads = ("gradients reduce-scattered in FP32, each rank's shard to its ranges of its slab, each rank "
+                 f"updating its 1/{G} of every layer" if node.split is not None else
+                 "gradients reduce-scattered in FP32, each rank's shard to the layer's one slab, its owner updating it")
     else:
         grads = "gradients per rank to the layer's owner (the optimizer in backward)"
     return DataPath(NODE, f"one trip per layer per node, {G} ranks per node ({link}); weights by shard and "
-                    f"all-gather, {grads}", weights)
+                    f"all-gather, {grads} ({why})", weights)

@@ -14,7 +14,7 @@ from ..host import hilo
 from ..host.events import LayerEvents
 from ..host.store import HostStore
 from ..runtime.stream import Trace
-from . import adam_kernel
+from . import adam_kernel, by_shard
 from .optim import unsupported_reason
 from .speculative import Speculative
 from .update import InBackward, Layered, SpillFactory, UpdatePath, WholeStep
@@ -30,13 +30,17 @@ def choose(optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEven
     optimizer state lives on the device (resident.py), updated at step() on the caller's thread; `speculate`: with
     speculative_step on, the layers that speculate (speculative.py resolve; None: every layer); `back_off`: the
     speculation pauses while it keeps being rolled back (speculative_step "auto")."""
-    layer_wise = store.per_layer_update or config.optimizer_in_backward or config.nvme_path is not None
+    # The node path's update by shard (by_shard.py): a layer at a time, each rank its ranges, never one whole step.
+    split = by_shard.split_for(store) is not None
+    layer_wise = (store.per_layer_update or config.optimizer_in_backward or config.nvme_path is not None
+                  or split)
     reason = (unsupported_reason(optimizer) if config.optimizer_overlap or layer_wise or config.speculative_step is True
               else None)
     if reason is not None and layer_wise:
         # No whole-model FP32 master or gradient to step at once: a layer at a time or not at all.
         raise ValueError(f"host_master={config.host_master!r}, host_grad_dtype={config.host_grad_dtype!r}, "
                          f"optimizer_in_backward={config.optimizer_in_backward}, nvme_path={config.nvme_path!r} "
+                         f"{'and the node path (each rank its ranges of every layer) ' if split else ''}"
                          "update one layer at a time, "
                          f"which needs torch's Adam or AdamW: {reason}; use the default modes for it")
     if reason is not None:

@@ -21,8 +21,10 @@ import torch
 from torch import nn
 
 from ..host.events import LayerEvents
+from ..host.node_store import state_of
 from ..host.store import FlatGroup, HostStore
 from ..runtime.stream import CopyStream, Event, Trace
+from . import by_shard
 
 OptimizerArg = torch.optim.Optimizer | Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer] | None
 
@@ -100,6 +102,13 @@ class LayeredStep:
         # the main optimizer's own per-parameter dicts, so each view updates exactly its share of it.
         self._views = [self._view(g) for g in store.layers]
         self._globals = self._view(store.globals)
+        # The node path's update by shard (by_shard.py): this rank's ranges of each layer (None: whole layers), its
+        # share of the node's one Adam state made now, and the layer elements this rank's updates wrote.
+        split = by_shard.split_for(store)
+        self.ranges = [split.ranges(g.numel) for g in store.layers] if split is not None else None
+        if split is not None:
+            by_shard.make_state(optimizer, store, split)
+        self.updated_elements = 0
 
     def _view(self, group: FlatGroup) -> _View | None:
         if group.grad_work is None:
@@ -130,7 +139,7 @@ class LayeredStep:
             src = self.optimizer.param_groups[j]
             g.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in src.items() if k != "params"})
         for own, main in view.pairs:
-            view.optimizer.state[own] = self.optimizer.state[main]  # the same dict: filled in place
+            view.optimizer.state[own] = state_of(self.optimizer, main)  # the same dict: filled in place
 
     def step(self, update_layer: Callable[[int], None], landed: list[Event],
              update_globals: Callable[[torch.optim.Optimizer], None] | None = None) -> None:
@@ -210,6 +219,10 @@ class LayeredStep:
                 continue  # optimizer in backward: no slab
 
             def job(i=i, group=group) -> int:
+                if self.ranges is not None:  # updated by shard: only this rank's ranges were written (the rest is 0)
+                    for a, b in self.ranges[i]:
+                        slabs.zero(i, group.grad[a:b])
+                    return 0
                 slabs.zero(i, group.grad)  # a flag where the next reduction overwrites (slab_state.py)
                 return 0
 
@@ -224,3 +237,4 @@ class LayeredStep:
 
     def reset_counters(self) -> None:
         self.stream.reset_counters()
+        self.updated_elements = 0

@@ -33,7 +33,7 @@ from ..host.spill import Spill, SpillFactory
 from ..host.store import FlatGroup, HostStore
 from ..runtime.stream import Event, Trace
 from ..runtime.threads import share, update_threads
-from . import fused
+from . import by_shard, fused
 from .clipping import Clipping
 from .optim import LayeredStep
 
@@ -44,6 +44,10 @@ def update_layer(layered: LayeredStep, group: FlatGroup, i: int, coefs: list[flo
     `threads` workers (None: every torch thread)."""
     if group.grad is not None:
         layered.events.slabs.zero_if_fresh(i, group.grad)  # a step after zero_grad() with no backward: zeros
+    if layered.ranges is not None:  # the node path: this rank's ranges of the layer (by_shard.py)
+        layered.updated_elements += by_shard.update(layered.view_optimizer(i), group, coefs, layered.ranges[i])
+        return
+    layered.updated_elements += group.numel
     update_group(layered.view_optimizer(i), group, coefs, threads)
 
 
