@@ -3,7 +3,7 @@ agents on localhost (`--nnodes 2`, one rank each: LOCAL_WORLD_SIZE=1, two "nodes
 one whole store and no NVMe tier. The engine chooses to share the store by itself (each node owns half the layers'
 master, slab and Adam state; the weights broadcast from the owner, the gradients reduced to it), trains as one
 process on the concatenated batch within the project's data-parallel tolerance (FP32, every layer streamed,
-accumulation 2, clipping that acts), and each rank's host_store_bytes stays <= 0.6x the one-process store. A budget
+accumulation 2, clipping that acts; and in bf16 compute as each node holding its whole store does), and each rank's host_store_bytes stays <= 0.6x the one-process store. A budget
 that holds not even one node's share is refused on every rank, naming the numbers; so is one a lone process cannot
 honour without nvme_path. A checkpoint saved by the two nodes halfway resumes bit-identically on two.
 """
@@ -24,14 +24,15 @@ TOL = 1e-5  # the project's data-parallel parity tolerance (test_data_parallel.p
 ARGS = {"micro": 2, "world": 2, "steps": 3, "layers": 8}
 
 
-def _lone(tmp_path, args: dict, budget: int | None = None) -> dict:
-    """The one-process run on the concatenated batch."""
+def _lone(tmp_path, args: dict, budget: int | None = None, runs: tuple[str, ...] = ("plain",)) -> dict:
+    """The one-process runs on the concatenated batch."""
     out = tmp_path / f"lone-{budget}"
     out.mkdir()
-    whole = {**args, "micro": args["micro"] * args["world"], "world": 1, "budget": budget}
+    whole = {**args, "micro": args["micro"] * args["world"], "world": 1, "budget": budget, "runs": list(runs)}
     run_python([WORKER, out, json.dumps(whole)], env=worker_env(threads=1, PYTHONWARNINGS="ignore"),
                timeout=DEADLINE_S, check=True)
-    return torch.load(out / "rank0.pt")["plain"]
+    got = torch.load(out / "rank0.pt")
+    return got if len(runs) > 1 else got["plain"]
 
 
 def _two_nodes(tmp_path, args: dict, name: str) -> list[dict]:
@@ -66,13 +67,17 @@ def _gaps(ref: dict, got: dict) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_two_nodes_share_one_store_under_a_budget_and_train_as_one_process(tmp_path):
-    ref = _lone(tmp_path, ARGS)
+    lone = _lone(tmp_path, ARGS, runs=("plain", "bf16"))
+    ref = lone["plain"]
     assert "refused" not in ref, ref
     whole = ref["stats"][0]["host_store_bytes"]
     assert min(ref["norms"]) > 2 * 0.05  # clipping (to 0.05, the worker's CLIP) acts at every step
     budget = int(0.6 * whole)
-    runs = ["plain", "overlap", "resume", "skip_broadcast", "skip_reduce"]
-    ranks = _two_nodes(tmp_path, {**ARGS, "budget": budget, "runs": runs}, "shared")
+    whole_bf16 = lone["bf16"]["stats"][0]["host_store_bytes"]  # with the layers' bf16 shadow
+    # "whole", "bf16_whole": no budget, each node its whole store (the per-rank path), in the same launch
+    runs = ["plain", "overlap", "resume", "bf16", "whole", "bf16_whole", "skip_broadcast", "skip_reduce"]
+    budgets = {"bf16": int(0.6 * whole_bf16), "whole": None, "bf16_whole": None}
+    ranks = _two_nodes(tmp_path, {**ARGS, "budget": budget, "budgets": budgets, "runs": runs}, "shared")
     layers = ARGS["layers"]
     owned = [list(range(a, b)) for a, b in layer_ranges([1] * layers, 2)]
     assert owned == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -90,6 +95,15 @@ def test_two_nodes_share_one_store_under_a_budget_and_train_as_one_process(tmp_p
             assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, run, gaps)
             for step in res["stats"]:
                 assert step["host_store_bytes"] <= 0.6 * whole, (r, run, step["host_store_bytes"], whole)
+        # bf16 compute (the bf16 shadow streams, gradients widened to FP32 before the reduce) against each node
+        # holding its whole store in the same launch; and FP32 likewise
+        for shared, full, cap in (("bf16", "bf16_whole", whole_bf16), ("plain", "whole", whole)):
+            assert results[full]["data_path"].startswith("per_rank:"), results[full]["data_path"]
+            assert results[full]["stats"][0]["host_store_bytes"] > 0.9 * cap  # the negative control's store: whole
+            assert results[shared]["data_path"].startswith("nodes share one store"), results[shared]["data_path"]
+            assert all(st["host_store_bytes"] <= 0.6 * cap for st in results[shared]["stats"]), (r, shared)
+            gaps = _gaps({**results[full], "state": results[full]["whole"]}, results[shared])
+            assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, shared, gaps)
         # engine.state_dict() on every rank: the whole model, the other node's layers taken from their owner
         whole_gap = max((ref["state"][k] - v).abs().max().item() for k, v in results["plain"]["whole"].items())
         assert set(results["plain"]["whole"]) == set(ref["whole"]) and whole_gap <= TOL, (r, whole_gap)

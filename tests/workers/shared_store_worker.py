@@ -4,8 +4,8 @@ on the CPU device in FP32, every layer streamed, accumulation 2 and clipping tha
 rank builds the same weights (one seed): with nodes sharing one store each layer starts from its owner's.
 
 Run as `python tests/workers/shared_store_worker.py OUT_DIR JSON_ARGS` (under torchrun, or alone); JSON_ARGS: micro,
-world, steps, layers, budget (host_budget_bytes, or null), runs (one engine after another: "plain", "overlap" or a
-negative control, `control`; "resume": the first half of the steps, a checkpoint saved by every rank, the rest
+world, steps, layers, budget (host_budget_bytes, or null; budgets: a run's own), runs (one engine after another: "plain", "overlap" or a
+negative control, `control`; "bf16...": bf16 compute; "resume": the first half of the steps, a checkpoint saved by every rank, the rest
 in a fresh engine that loads it). Writes OUT_DIR/rank{r}.pt, per run: each micro-batch's loss (averaged over the ranks: the global batch's), each step's pre-clip norm, the weights of the
 layers this rank owns and the resident parameters, each step's stats and the data path; or, where the engine refused,
 the refusal's message; and engine.state_dict() at the end (every rank's: the other nodes' layers gathered).
@@ -71,7 +71,9 @@ def main() -> None:
                 rest = train({**args, "start": half, "load": str(ckpt)})
                 results[run] = {**rest, "losses": first["losses"] + rest["losses"], "norms": first["norms"] + rest["norms"]}
             else:
-                results[run] = train({**args, "overlap": run == "overlap"})
+                budget = args.get("budgets", {}).get(run, args.get("budget"))
+                results[run] = train({**args, "overlap": run == "overlap", "budget": budget,
+                                      "bf16": run.startswith("bf16")})
         except HostMemoryError as exc:
             results[run] = {"refused": str(exc)}
         finally:
@@ -82,7 +84,8 @@ def main() -> None:
 def train(args: dict) -> dict:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     micro, steps = args["micro"], args["steps"]
-    cfg = EngineConfig(device="cpu", parity_probe=False, residency="stream", watchdog_s=120.0, compute_dtype="float32",
+    dtype = "bfloat16" if args.get("bf16") else "float32"
+    cfg = EngineConfig(device="cpu", parity_probe=False, residency="stream", watchdog_s=120.0, compute_dtype=dtype,
                        speculative_step=False, host_budget_bytes=args.get("budget"),
                        optimizer_overlap=args.get("overlap", False))
     engine = Engine(build_model(args["layers"]), cfg,

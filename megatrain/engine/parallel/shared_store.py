@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ...costs.residency import Residency
 from ..host.node_store import NodeStore, Topology, node_layout, node_place
-from ..host.preflight import HostMemoryError, available_host_bytes, host_store_bytes
+from ..host.preflight import HostMemoryError, available_host_bytes, host_store_bytes, model_host_bytes
 from ..pipeline.schedule import LayerPipeline
 from ..runtime.stream import Streams
 from . import node_path
@@ -122,15 +122,23 @@ def host_store(dp: DataParallel | None, config: Any, model: torch.nn.Module,
     dtype = torch.bfloat16 if config.compute_dtype == "bfloat16" else torch.float32
     layer_bytes, glob = store_bytes(numels, n_globals, dtype)
     whole = sum(layer_bytes) + glob
-    budget = config.host_budget_bytes
+    budget, given = config.host_budget_bytes, config.host_budget_bytes is not None
+
+    def usual() -> NodeStore | None:  # each node its whole store (or each rank its own)
+        return dp.share_host_store() if dp is not None and config.share_host_store else None
+
     if config.nvme_path is not None:  # the NVMe tier keeps the store within the budget by spilling (spill.py)
-        return dp.share_host_store() if dp is not None and config.share_host_store else None
-    if budget is None and dp is not None:  # the smallest host of any rank
-        budget = -dp.max_across(-available_host_bytes(), "measuring the ranks' host memory")
+        return usual()
+    if not given and dp is not None:
+        # The smallest host of any rank, with what placement frees as it packs the model (preflight's `freed`).
+        mine = available_host_bytes() + model_host_bytes(list(model.parameters()))
+        budget = -dp.max_across(-mine, "measuring the ranks' host memory")
     if budget is None or whole <= budget:
-        return dp.share_host_store() if dp is not None and config.share_host_store else None
-    what = "host_budget_bytes" if config.host_budget_bytes is not None else "the smallest rank's available host memory"
+        return usual()
+    what = "host_budget_bytes" if given else "the smallest rank's available host memory"
     if dp is None or not config.share_host_store:
+        if not given:
+            return usual()  # the host preflight refuses it, by component
         raise HostMemoryError(f"one whole host store needs {_size(whole)} and {what} is {_size(budget)}: set "
                               "nvme_path (the NVMe tier), or run on several nodes sharing one store "
                               "(data_parallel_host 'auto')")
@@ -141,17 +149,24 @@ def host_store(dp: DataParallel | None, config: Any, model: torch.nn.Module,
     n = len(nodes)
     ranges = layer_ranges(numels, n)
     shares = [share_bytes(layer_bytes, glob, numels, r, dtype) for r in ranges]
-    if any(len(ranks) > 1 for ranks in nodes) or n < 2 or max(shares) > budget:
-        why = (f"each of {n} nodes' share needs up to {_size(max(shares))} (its layers, the replicated "
-               f"resident parameters {_size(glob)} and a layer of scratch)" if n >= 2 and
-               all(len(r) == 1 for r in nodes) else f"{len(nodes[0])} ranks per node (sharing one store across "
-               "nodes takes one rank per node, LOCAL_WORLD_SIZE=1)" if n >= 2 else "one node has no other to share with")
+    why = None
+    if n < 2:
+        why = "one node has no other to share with"
+    elif any(len(ranks) > 1 for ranks in nodes):
+        why = (f"{len(nodes[0])} ranks per node (sharing one store across nodes takes one rank per node, "
+               "LOCAL_WORLD_SIZE=1, for now)")
+    elif max(shares) > budget:
+        why = (f"each of {n} nodes' share needs up to {_size(max(shares))} (its layers, the replicated resident "
+               f"parameters {_size(glob)} and a layer of scratch)")
+    elif config.master_mode.value != "fp32" or config.optimizer_in_backward:
+        why = (f"they keep FP32 masters with gradient slabs (host_master {config.master_mode.value!r}, "
+               f"optimizer_in_backward {config.optimizer_in_backward}; set host_master='fp32' and "
+               "optimizer_in_backward=false)")
+    if why is not None:
+        if not given:
+            return usual()  # the host preflight refuses it, by component
         raise HostMemoryError(f"one whole host store needs {_size(whole)} and {what} is {_size(budget)}; the nodes "
                               f"cannot share one store: {why}. Add nodes, raise the budget or set nvme_path")
-    if config.master_mode.value != "fp32" or config.optimizer_in_backward:
-        raise ValueError(f"nodes sharing one store keep FP32 masters with gradient slabs (host_master "
-                         f"{config.master_mode.value!r}, optimizer_in_backward {config.optimizer_in_backward}): set "
-                         "host_master='fp32' and optimizer_in_backward=false, or give each node a whole store")
     shared = NodesShareStore(dp, ranges)
     dp.node = shared
     return shared
@@ -191,8 +206,10 @@ class SharedWeights:
         layer = self.pending.popleft()
         owner = self.node.owner_rank(layer)
         # gloo on the CPU; on GPUs the same call on an NCCL group moves the owner's device slot into the others'.
+        t = buffer[:numel]
+        t = t if t.dtype in (torch.float32, torch.int64) else t.view(torch.uint8)  # gloo has no bf16: its bits
         self._guard(f"broadcasting layer {layer}'s weights from its owner rank {owner}",
-                    lambda: dist.broadcast(buffer[:numel], src=owner, group=self.node.weights_group))
+                    lambda: dist.broadcast(t, src=owner, group=self.node.weights_group))
         if owner == self.node.rank:
             return 0
         nbytes = numel * buffer.element_size()
