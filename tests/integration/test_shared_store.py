@@ -96,14 +96,17 @@ def test_two_nodes_share_one_store_under_a_budget_and_train_as_one_process(tmp_p
             for step in res["stats"]:
                 assert step["host_store_bytes"] <= 0.6 * whole, (r, run, step["host_store_bytes"], whole)
         # bf16 compute (the bf16 shadow streams, gradients widened to FP32 before the reduce) against each node
-        # holding its whole store in the same launch; and FP32 likewise
+        # holding its whole store in the same launch (where the per-rank path all-reduces); and FP32 likewise.
         for shared, full, cap in (("bf16", "bf16_whole", whole_bf16), ("plain", "whole", whole)):
             assert results[full]["data_path"].startswith("per_rank:"), results[full]["data_path"]
             assert results[full]["stats"][0]["host_store_bytes"] > 0.9 * cap  # the negative control's store: whole
             assert results[shared]["data_path"].startswith("nodes share one store"), results[shared]["data_path"]
             assert all(st["host_store_bytes"] <= 0.6 * cap for st in results[shared]["stats"]), (r, shared)
-            gaps = _gaps({**results[full], "state": results[full]["whole"]}, results[shared])
-            assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, shared, gaps)
+            # Two nodes' sum is one addition whichever term comes first: the reduce to the owner gives the whole
+            # stores' all-reduce bit for bit (measured: equal losses, norms and weights)
+            assert results[shared]["losses"] == results[full]["losses"], (r, shared)
+            assert results[shared]["norms"] == results[full]["norms"], (r, shared)
+            assert all(torch.equal(v, results[full]["whole"][k]) for k, v in results[shared]["whole"].items()), r
         # engine.state_dict() on every rank: the whole model, the other node's layers taken from their owner
         whole_gap = max((ref["state"][k] - v).abs().max().item() for k, v in results["plain"]["whole"].items())
         assert set(results["plain"]["whole"]) == set(ref["whole"]) and whole_gap <= TOL, (r, whole_gap)
