@@ -11,6 +11,7 @@ honour without nvme_path. A checkpoint saved by the two nodes halfway resumes bi
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -137,6 +138,8 @@ def test_a_budget_below_one_nodes_share_is_refused_by_name(tmp_path):
         msg = res["plain"].get("refused", "")
         assert f"host_budget_bytes is {budget:,} bytes" in msg, (r, res)
         assert "cannot share one store" in msg and "each of 2 nodes' share needs up to" in msg, (r, msg)
+        more = re.search(r"(\d+) nodes' shares would fit", msg)  # the fewest that would, one layer each at most here
+        assert more is not None and 2 < int(more.group(1)) <= ARGS["layers"], msg
     # a lone process has no nodes to share with: the budget it cannot honour without nvme_path is refused too
     alone = _lone(tmp_path, {**ARGS, "steps": 1}, budget)
     assert "set nvme_path" in alone.get("refused", ""), alone

@@ -92,7 +92,9 @@ class NodesShareStore:
         timeout = datetime.timedelta(seconds=max(0.9 * dp.watchdog_s, 0.1))
         # Collective, in this order on every rank: the weights' broadcasts run on the gather stream's thread, the
         # gradients' reduces on the data-parallel thread (dp.group), the norm and barriers on the training thread.
-        self.weights_group = dist.new_group(backend="gloo", timeout=timeout)
+        # The weights move device to device: NCCL where the job's default group is (GPUs), else gloo.
+        weights = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
+        self.weights_group = dist.new_group(backend=weights, timeout=timeout)
         self.node_group = dist.new_group(backend="gloo", timeout=timeout)
         self.owner_of = [r for r, (a, b) in enumerate(ranges) for _ in range(a, b)]
 
@@ -156,8 +158,11 @@ def host_store(dp: DataParallel | None, config: Any, model: torch.nn.Module,
         why = (f"{len(nodes[0])} ranks per node (sharing one store across nodes takes one rank per node, "
                "LOCAL_WORLD_SIZE=1, for now)")
     elif max(shares) > budget:
+        enough = next((m for m in range(n + 1, len(numels) + 1) if max(
+            share_bytes(layer_bytes, glob, numels, r, dtype) for r in layer_ranges(numels, m)) <= budget), None)
         why = (f"each of {n} nodes' share needs up to {_size(max(shares))} (its layers, the replicated resident "
-               f"parameters {_size(glob)} and a layer of scratch)")
+               f"parameters {_size(glob)} and a layer of scratch); " +
+               (f"{enough} nodes' shares would fit" if enough else "no number of nodes' shares fits"))
     elif config.master_mode.value != "fp32" or config.optimizer_in_backward:
         why = (f"they keep FP32 masters with gradient slabs (host_master {config.master_mode.value!r}, "
                f"optimizer_in_backward {config.optimizer_in_backward}; set host_master='fp32' and "
