@@ -107,9 +107,8 @@ def check_nvme_settings(nvme_path: object, host_budget_bytes: object, nvme_gbps:
     budget = host_budget_bytes
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
         raise ValueError(f"host_budget_bytes={budget!r} must be an int > 0 (bytes) or None")
-    if budget is not None and nvme_path is None:
-        raise ValueError("host_budget_bytes limits the host store by spilling to disk: set nvme_path to a directory "
-                         "on a fast local disk (or drop host_budget_bytes)")
+    # A budget without nvme_path is honoured by nodes sharing one store, or refused by the engine where nothing can
+    # (engine/parallel/shared_store.py host_store): the ranks are not known here.
     if nvme_gbps is not None and (isinstance(nvme_gbps, bool) or not isinstance(nvme_gbps, int | float)
                                   or not 1e-4 <= nvme_gbps < float("inf")):
         raise ValueError(f"nvme_gbps={nvme_gbps!r} must be a finite rate >= 1e-4 GB/s (it emulates a slower disk), "

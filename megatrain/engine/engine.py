@@ -48,7 +48,7 @@ from .model.peft_model import unwrap_peft
 from .model.placement import place, resolve_device
 from .model.probe import verify_model
 from .model.trainable import Trainable, frozen_names, user_flags
-from .parallel import node_path
+from .parallel import shared_store
 from .parallel.distributed import join_ranks
 from .parallel.ranks import ranks_for
 from .pipeline.activations import ActivationStore
@@ -117,8 +117,6 @@ class Engine:
         self.trace_log = Trace(written.trace, self.device)
         if self.dp is not None:
             self.dp.stream.trace = self.dp.updates.trace = self.trace_log
-        # Several ranks on a node: one host store for all of them (engine/host/node_store.py), unless configured off.
-        self.node = self.dp.share_host_store() if self.dp is not None and written.share_host_store else None
         self.compute_dtype = torch.bfloat16 if written.compute_dtype == "bfloat16" else torch.float32
         if written.host_mmap_threshold_bytes is not None:
             set_mmap_threshold(written.host_mmap_threshold_bytes)  # before the model's weights are freed
@@ -136,6 +134,8 @@ class Engine:
         facts = EngineFacts(self.device.type, LATER if optimizer_later else optimizer_fact(optimizer), pin_by_habit,
                             host_facts(written, model, self.parts.layers, agree=agree))
         config = settle_engine(written, facts)[0]
+        # Several ranks: one host store per node (host/node_store.py), or one the nodes share (parallel/shared_store.py)
+        self.node = shared_store.host_store(self.dp, config, model, self.parts.layers)
         probe = (lambda m: verify_model(m, type(self), config)) if config.parity_probe else None
         node_path.plan(self.node, self.dp, config, LATER if optimizer_later else optimizer, self.device)  # before the store
         frozen, flags = frozen_names(model, optimizer), user_flags(model)  # the user's flags, before the masters
@@ -217,7 +217,7 @@ class Engine:
         self.pipeline.optimizer_layers = self.optimizer_layers
         self.pipeline.trainable = self.trainable
         # which data path runs: the node path loads the streamed layers by shard and all-gather (node_path.py)
-        self.data_path = node_path.attach(self.pipeline, self.streams, self.dp, self.node, self.ranks, config)
+        self.data_path = shared_store.attach(self.pipeline, self.streams, self.dp, self.node, self.ranks, config)
         self._global_grads = GlobalGradSink(self.store, self.streams, self.pipeline, self.compute_dtype)
         # A plain CPU device keeps the loss tile's buffers (its allocator maps them afresh each time); not where it
         # stands in for a GPU's memory, whose caching allocator reuses them (loss.py TileBuffers).
@@ -649,7 +649,7 @@ class Engine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """HF-named FP32 copies of every parameter (tied weights under each of their names)."""
         self.synchronize()
-        named = dict(self.named_parameters())
+        named = self.ranks.whole(dict(self.named_parameters()), self.parts.layers_prefix)  # nodes sharing: gathered
         out = {n: p.detach().to("cpu", copy=True) for n, p in named.items()}  # a device-resident layer's too
         out.update({a: out[n] for a, n in self._aliases.items()})
         return out

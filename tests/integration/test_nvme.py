@@ -121,7 +121,6 @@ def test_unwritable_path_and_full_disk_are_refused_before_training(model, tmp_pa
 
 
 @pytest.mark.parametrize("cfg, message", [
-    ({"host_budget_bytes": 10**9}, "set nvme_path"),
     ({"nvme_path": "/tmp/x", "optimizer_in_backward": True}, "optimizer_in_backward"),
     ({"nvme_path": "/tmp/x", "data_parallel_host": "shared"}, "replicated"),
     ({"nvme_path": "/tmp/x", "host_budget_bytes": -1}, "host_budget_bytes=-1"),

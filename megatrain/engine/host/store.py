@@ -260,7 +260,18 @@ class HostStore:
             self.scratch = Scratch(biggest, masters.per_layer, grads.per_layer)
         self.ranks_sharing = node.topo.local_world if node is not None else 1
         shared: list[SharedLayer | None] = [None] * len(layer_shapes)
-        if node is not None:
+        # Nodes sharing one store (engine/parallel/shared_store.py): this rank's layers private and whole, the
+        # others' parameters views of one scratch layer (no slab, no state; a distinct view each, which the loads
+        # tell apart), written by nothing that is read.
+        self.across_nodes = bool(getattr(node, "shares_across_nodes", False))
+        if self.across_nodes:
+            numels = [sum(int(torch.Size(s).numel()) for _, s in shapes) for shapes in layer_shapes]
+            kinds = master_codec(master).shared_kinds(shadow_dtype)
+            scratch = {kind: host_buffer(max(numels), dtype) for kind, dtype in kinds}
+            shared = [None if node.owns(i) else
+                      SharedLayer(*(scratch[f][:n] if f in scratch else None for f in SharedLayer._fields))
+                      for i, n in enumerate(numels)]
+        elif node is not None:
             # One host store per node: the layers' masters (their halves, shadows and tie tables) are the node's,
             # each layer's slab its owner's, the one-layer FP32 scratch each rank's own.
             numels = [sum(int(torch.Size(s).numel()) for _, s in shapes) for shapes in layer_shapes]
@@ -275,7 +286,10 @@ class HostStore:
         self.resident_masters_copied = shadow_dtype is None
         if self.pinner is not None:
             copied = [self.globals.master] if self.resident_masters_copied else []
-            self.pinner.pin([g.stream_source for g in self.layers] + copied,
+            streamed = [g.stream_source for g in self.layers if g.owned or not self.across_nodes]
+            if self.across_nodes:  # the scratch the others' loads view, once
+                streamed.append(scratch["shadow"] if "shadow" in scratch else scratch["master"])
+            self.pinner.pin(streamed + copied,
                             "streamed layer weights and resident masters" if copied else "streamed layer weights")
 
     @property
@@ -305,10 +319,16 @@ class HostStore:
         """This rank's host bytes: the node's shared layer weights count as this rank's share of them, so the
         sum over a node's ranks is what the node holds."""
         total = 0.0
+        seen: set[int] = set()  # nodes sharing one store: the other layers' views of one scratch count once
         for g in self.groups():
             for t in g.host_tensors():
                 if t.device.type != "cpu":
                     continue  # an optimizer-resident layer's buffers on a device (engine/update/resident.py)
+                if self.across_nodes and not g.owned and g is not self.globals:
+                    if t.untyped_storage().data_ptr() not in seen:
+                        seen.add(t.untyped_storage().data_ptr())
+                        total += t.untyped_storage().nbytes()
+                    continue
                 share = self.ranks_sharing if g is not self.globals and t is not g.grad else 1
                 total += t.numel() * t.element_size() / share
         if self.scratch is not None:

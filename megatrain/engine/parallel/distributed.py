@@ -219,7 +219,9 @@ class DataParallel:
         first ranks of the other nodes take rank 0's; the resident parameters go to every rank."""
         node = self.node
         try:
-            if node is None:
+            if getattr(node, "shares_across_nodes", False):
+                groups = [store.globals]  # each layer is its owner's alone: nothing of it to keep alike
+            elif node is None:
                 groups = store.groups()
             else:
                 groups = [store.globals]

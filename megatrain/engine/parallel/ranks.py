@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from ..host.events import LayerEvents
 from ..host.pinned import host_buffer
@@ -68,6 +69,11 @@ class OneRank:
     def agree_max(self, value: int, what: str) -> int:
         """The largest of every rank's `value`: a verdict only some ranks could reach, made every rank's."""
         return value
+
+    def whole(self, named: dict[str, torch.Tensor], layers_prefix: str) -> dict[str, torch.Tensor]:
+        """Every parameter's master by name (a state_dict's values): this rank's `named`, unless it holds some
+        layers' masters only as another node's (NodesShare)."""
+        return named
 
 
 class Replicated(OneRank):
@@ -201,7 +207,88 @@ class SharedStore(Replicated):
         self.dp.node_barrier(what)
 
 
+class NodesShare(Replicated):
+    """Nodes sharing one store (shared_store.py): each backward's gradients of a layer are reduced to the layer's
+    owner (a reduce over the job's group, on the data-parallel thread, in backward's layer order on every rank),
+    whose slab adds the sum / world; no other rank has a slab for it. The resident parameters are averaged as in
+    the per-rank path. A layer's next load is a broadcast from its owner, issued after the owner's update: the
+    collective itself orders it, so the step ends with no barrier."""
+
+    def __init__(self, dp: DataParallel, store: HostStore, events: LayerEvents) -> None:
+        super().__init__(dp, store, events)
+        self.grad_sink = self._reduce_to_owner
+        self._wide: list[torch.Tensor] = []  # bf16 staging widened to FP32 before the sum (gloo sums bf16 in bf16)
+
+    def grad_sent(self, sync: bool) -> Callable[[int], None] | None:
+        return None
+
+    def sink(self, update_sink: Sink | None) -> Sink | None:
+        if update_sink is not None:
+            raise ValueError("optimizer_in_backward with nodes sharing one store: not supported; set "
+                             "optimizer_in_backward=false")
+        return self.grad_sink
+
+    def _average_layers(self) -> None:
+        pass  # the owners' slabs hold the job's mean already
+
+    def _reduce_to_owner(self, i: int, staging: torch.Tensor, staged: Event) -> Event:
+        dp, e = self.dp, self.events
+        owner = dp.node.owner_rank(i)
+        slab = self.store.layers[i].grad
+
+        def reduce() -> int:
+            flat = staging.reshape(-1)
+            if flat.dtype != torch.float32:
+                if not self._wide or self._wide[0].numel() < flat.numel():
+                    self._wide = [torch.empty(flat.numel(), dtype=torch.float32)]
+                flat = self._wide[0][: flat.numel()].copy_(flat)
+            dist.reduce(flat, dst=owner, group=dp.group)
+            if slab is not None:
+                slab.add_(flat, alpha=1.0 / dp.world_size)
+            return flat.numel() * flat.element_size()
+
+        return dp._submit(reduce, (staged, e.landed[i], e.zeroed[i]), f"reducing layer {i}'s gradients to its "
+                          f"owner rank {owner}", "gradient reduce to the owner node", i)
+
+    def total_norm(self, norms: list[torch.Tensor]) -> float:
+        # This rank's layers' slabs summed over every node, plus the resident parameters' (the same everywhere).
+        mine = float(torch.stack(norms[:-1]).double().square().sum()) if len(norms) > 1 else 0.0
+        t = torch.tensor([mine], dtype=torch.float64)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp.node.node_group)
+        except Exception as exc:
+            raise self.dp.fail("summing the gradient norm across the nodes", exc) from exc
+        return math.sqrt(float(t.item()) + float(norms[-1].double()) ** 2)
+
+    def whole(self, named: dict[str, torch.Tensor], layers_prefix: str) -> dict[str, torch.Tensor]:
+        """The other nodes' layers' masters broadcast from their owners, one layer at a time, into fresh tensors
+        (collective: every rank calls state_dict, as it does the optimizer's). Each rank ends with the whole model's
+        weights, 4 B/param for as long as the caller keeps them: a save's, as a one-store state_dict."""
+        out = dict(named)
+        for i, g in enumerate(self.store.layers):
+            flat = g.master if g.owned else torch.empty(g.numel, dtype=torch.float32)  # FP32 masters (shared_store)
+            try:
+                dist.broadcast(flat, src=self.dp.node.owner_rank(i), group=self.dp.node.node_group)
+            except Exception as exc:
+                raise self.dp.fail(f"taking layer {i}'s weights from its owner for a state_dict", exc) from exc
+            if g.owned:
+                continue
+            for s in g.slots:
+                out[f"{layers_prefix}.{i}.{s.name}"] = g.view(flat, s)
+        return out
+
+    def take_weights(self, src: int | None) -> None:
+        if src is not None:
+            raise ValueError("weights written by hand on one rank, with nodes sharing one store (each layer held by "
+                             "its owner only): write them with engine.load_state_dict on every rank")
+
+    def barrier(self, what: str) -> None:
+        self.dp.node_barrier(what)
+
+
 def ranks_for(dp: DataParallel | None, store: HostStore, events: LayerEvents) -> OneRank:
     if dp is None:
         return OneRank()
+    if getattr(dp.node, "shares_across_nodes", False):
+        return NodesShare(dp, store, events)
     return SharedStore(dp, store, events) if dp.node is not None else Replicated(dp, store, events)

@@ -1,0 +1,152 @@
+"""Nodes sharing one store (docs/DISTRIBUTED.md section 5b, engine/parallel/shared_store.py) on this CPU: two torchrun
+agents on localhost (`--nnodes 2`, one rank each: LOCAL_WORLD_SIZE=1, two "nodes") whose host_budget_bytes is 0.6x
+one whole store and no NVMe tier. The engine chooses to share the store by itself (each node owns half the layers'
+master, slab and Adam state; the weights broadcast from the owner, the gradients reduced to it), trains as one
+process on the concatenated batch within the project's data-parallel tolerance (FP32, every layer streamed,
+accumulation 2, clipping that acts; and in bf16 compute as each node holding its whole store does), and each rank's host_store_bytes stays <= 0.6x the one-process store. A budget
+that holds not even one node's share is refused on every rank, naming the numbers; so is one a lone process cannot
+honour without nvme_path. A checkpoint saved by the two nodes halfway resumes bit-identically on two.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from kit import ROOT, finish, free_port, run_python, start_python, worker_env
+
+from megatrain.engine.parallel.shared_store import layer_ranges
+
+WORKER = ROOT / "tests" / "workers" / "shared_store_worker.py"
+DEADLINE_S = 600  # a bound on a hang, not a speed target: the whole suite shares two cores
+TOL = 1e-5  # the project's data-parallel parity tolerance (test_data_parallel.py)
+ARGS = {"micro": 2, "world": 2, "steps": 3, "layers": 8}
+
+
+def _lone(tmp_path, args: dict, budget: int | None = None, runs: tuple[str, ...] = ("plain",)) -> dict:
+    """The one-process runs on the concatenated batch."""
+    out = tmp_path / f"lone-{budget}"
+    out.mkdir()
+    whole = {**args, "micro": args["micro"] * args["world"], "world": 1, "budget": budget, "runs": list(runs)}
+    run_python([WORKER, out, json.dumps(whole)], env=worker_env(threads=1, PYTHONWARNINGS="ignore"),
+               timeout=DEADLINE_S, check=True)
+    got = torch.load(out / "rank0.pt")
+    return got if len(runs) > 1 else got["plain"]
+
+
+def _two_nodes(tmp_path, args: dict, name: str) -> list[dict]:
+    """Two torchrun agents on this machine, `--nnodes 2 --nproc-per-node 1`: each rank its own node."""
+    out = tmp_path / name
+    out.mkdir()
+    port = free_port()
+    procs = []
+    try:
+        for node in range(2):
+            log = out / f"node{node}.log"
+            procs.append((start_python(["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                                        "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port",
+                                        str(port), WORKER, out, json.dumps(args)],
+                                       env=worker_env(threads=1, PYTHONWARNINGS="ignore"), log=log), log))
+        for proc, log in procs:
+            finish(proc, timeout=DEADLINE_S, log=log)
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+def _gaps(ref: dict, got: dict) -> dict[str, float]:
+    """The largest differences from the reference: losses, relative pre-clip norms, and the weights this rank holds
+    (its own layers and the resident parameters)."""
+    return {"losses": max(abs(a - b) for a, b in zip(ref["losses"], got["losses"], strict=True)),
+            "norms": max(abs(a - b) / a for a, b in zip(ref["norms"], got["norms"], strict=True)),
+            "params": max((ref["state"][k] - v).abs().max().item() for k, v in got["state"].items())}
+
+
+@pytest.mark.slow
+def test_two_nodes_share_one_store_under_a_budget_and_train_as_one_process(tmp_path):
+    lone = _lone(tmp_path, ARGS, runs=("plain", "bf16"))
+    ref = lone["plain"]
+    assert "refused" not in ref, ref
+    whole = ref["stats"][0]["host_store_bytes"]
+    assert min(ref["norms"]) > 2 * 0.05  # clipping (to 0.05, the worker's CLIP) acts at every step
+    budget = int(0.6 * whole)
+    whole_bf16 = lone["bf16"]["stats"][0]["host_store_bytes"]  # with the layers' bf16 shadow
+    # "whole", "bf16_whole": no budget, each node its whole store (the per-rank path), in the same launch
+    runs = ["plain", "overlap", "resume", "bf16", "whole", "bf16_whole", "skip_broadcast", "skip_reduce"]
+    budgets = {"bf16": int(0.6 * whole_bf16), "whole": None, "bf16_whole": None}
+    ranks = _two_nodes(tmp_path, {**ARGS, "budget": budget, "budgets": budgets, "runs": runs}, "shared")
+    layers = ARGS["layers"]
+    owned = [list(range(a, b)) for a, b in layer_ranges([1] * layers, 2)]
+    assert owned == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for r, results in enumerate(ranks):
+        for run in ("plain", "overlap"):
+            res = results[run]
+            assert "refused" not in res, (r, run, res)
+            assert res["data_path"].startswith(
+                f"nodes share one store: node {r} owns layers {owned[r][0]}-{owned[r][-1]}"), res["data_path"]
+            assert res["owned"] == owned[r]
+            # its own layers and the replicated resident parameters, never the other node's layers
+            assert set(res["state"]) < set(ref["state"])
+            assert not any(f".layers.{i}." in k for k in res["state"] for i in owned[1 - r])
+            gaps = _gaps(ref, res)
+            assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, run, gaps)
+            for step in res["stats"]:
+                assert step["host_store_bytes"] <= 0.6 * whole, (r, run, step["host_store_bytes"], whole)
+        # bf16 compute (the bf16 shadow streams, gradients widened to FP32 before the reduce) against each node
+        # holding its whole store in the same launch (where the per-rank path all-reduces); and FP32 likewise.
+        for shared, full, cap in (("bf16", "bf16_whole", whole_bf16), ("plain", "whole", whole)):
+            assert results[full]["data_path"].startswith("per_rank:"), results[full]["data_path"]
+            assert results[full]["stats"][0]["host_store_bytes"] > 0.9 * cap  # the negative control's store: whole
+            assert results[shared]["data_path"].startswith("nodes share one store"), results[shared]["data_path"]
+            assert all(st["host_store_bytes"] <= 0.6 * cap for st in results[shared]["stats"]), (r, shared)
+            # Two nodes' sum is one addition whichever term comes first: the reduce to the owner gives the whole
+            # stores' all-reduce bit for bit (measured: equal losses, norms and weights)
+            assert results[shared]["losses"] == results[full]["losses"], (r, shared)
+            assert results[shared]["norms"] == results[full]["norms"], (r, shared)
+            assert all(torch.equal(v, results[full]["whole"][k]) for k, v in results[shared]["whole"].items()), r
+        # engine.state_dict() on every rank: the whole model, the other node's layers taken from their owner
+        whole_gap = max((ref["state"][k] - v).abs().max().item() for k, v in results["plain"]["whole"].items())
+        assert set(results["plain"]["whole"]) == set(ref["whole"]) and whole_gap <= TOL, (r, whole_gap)
+        assert all(torch.equal(v, ranks[0]["plain"]["whole"][k]) for k, v in results["plain"]["whole"].items()), r
+        # A checkpoint saved by the two nodes halfway (state_dict and the optimizer's, each collective) and loaded by
+        # a fresh engine on each: the rest of the run is the uninterrupted one's, bit for bit.
+        plain, resumed = results["plain"], results["resume"]
+        assert resumed["losses"] == plain["losses"] and resumed["norms"] == plain["norms"], r
+        assert all(torch.equal(v, plain["whole"][k]) for k, v in resumed["whole"].items()), r
+        # The negative controls: without the owner's broadcast a node computes on whatever its ring slot held; without
+        # the reduce an owner updates from its own gradient alone. Either breaks the parity by far more than TOL.
+        for run in ("skip_broadcast", "skip_reduce"):
+            gaps = _gaps(ref, results[run])
+            assert all(not gaps[k] <= 100 * TOL for k in ("params", "norms")), (r, run, gaps)
+    # the two shares hold every layer once: together more than one store (each replicates the resident parameters
+    # and a layer of scratch), less than two
+    both = sum(res["plain"]["stats"][-1]["host_store_bytes"] for res in ranks)
+    assert whole < both < 2 * whole, (both, whole)
+
+
+@pytest.mark.slow
+def test_a_budget_below_one_nodes_share_is_refused_by_name(tmp_path):
+    ref = _lone(tmp_path, {**ARGS, "steps": 1})
+    whole = ref["stats"][0]["host_store_bytes"]
+    budget = int(0.3 * whole)  # half the layers plus the resident parameters do not fit
+    ranks = _two_nodes(tmp_path, {**ARGS, "steps": 1, "budget": budget}, "refused")
+    for r, res in enumerate(ranks):
+        msg = res["plain"].get("refused", "")
+        assert f"host_budget_bytes is {budget:,} bytes" in msg, (r, res)
+        assert "cannot share one store" in msg and "each of 2 nodes' share needs up to" in msg, (r, msg)
+        more = re.search(r"(\d+) nodes' shares would fit", msg)  # the fewest that would, one layer each at most here
+        assert more is not None and 2 < int(more.group(1)) <= ARGS["layers"], msg
+    # a lone process has no nodes to share with: the budget it cannot honour without nvme_path is refused too
+    alone = _lone(tmp_path, {**ARGS, "steps": 1}, budget)
+    assert "set nvme_path" in alone.get("refused", ""), alone
+
+
+def test_layer_ranges_split_by_parameters():
+    assert layer_ranges([1] * 8, 2) == [(0, 4), (4, 8)]
+    assert layer_ranges([1] * 7, 2) == [(0, 4), (4, 7)]
+    assert layer_ranges([4, 1, 1, 1, 1], 2) == [(0, 1), (1, 5)]
+    assert layer_ranges([1, 1, 1], 3) == [(0, 1), (1, 2), (2, 3)]
