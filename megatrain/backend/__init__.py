@@ -290,7 +290,8 @@ class MegatrainBackend:
         eng = self._require_engine()
         eng.synchronize()
         optimizer_state = eng.optimizer.state_dict() if with_optimizer else None
-        return {n: p.detach() for n, p in eng.named_parameters()}, optimizer_state
+        named = eng.ranks.whole(dict(eng.named_parameters()), eng.parts.layers_prefix)  # nodes sharing: gathered
+        return {n: p.detach() for n, p in named.items()}, optimizer_state
 
     def load_training_state(self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None, *,
                             strict: bool = True) -> None:

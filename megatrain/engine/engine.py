@@ -48,7 +48,7 @@ from .model.peft_model import unwrap_peft
 from .model.placement import place, resolve_device
 from .model.probe import verify_model
 from .model.trainable import Trainable, frozen_names, user_flags
-from .parallel import shared_store
+from .parallel import node_path, shared_store
 from .parallel.distributed import join_ranks
 from .parallel.ranks import ranks_for
 from .pipeline.activations import ActivationStore

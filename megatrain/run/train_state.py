@@ -296,7 +296,7 @@ def shard_params(engine: Any) -> set[int] | None:
         return None
     store = engine.store
     mine: set[int] = set()
-    if dp.node.topo.node == 0:
+    if dp.node.topo.node == 0 or getattr(dp.node, "shares_across_nodes", False):  # nodes sharing: each its own
         mine = {id(p) for g in store.layers if g.owned for p in g.params}
     if dp.rank == 0:
         mine |= {id(p) for p in store.globals.params}
