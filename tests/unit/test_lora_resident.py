@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,8 +22,8 @@ peft = pytest.importorskip("peft")
 OUTER = "base_model.model."  # the PeftModel's names over the engine's (its inner model's)
 
 
-def _streamed(model: torch.nn.Module) -> Engine:
-    return Engine(model, EngineConfig(compute_dtype="float32", optimizer_overlap=False, residency="stream",
+def _streamed(model: torch.nn.Module, residency: str = "stream") -> Engine:
+    return Engine(model, EngineConfig(compute_dtype="float32", optimizer_overlap=False, residency=residency,
                                       parity_probe=False),
                   optimizer=torch.optim.AdamW(model.parameters(), lr=LR), clip_every_step=CLIP)
 
@@ -41,8 +42,11 @@ def _counts(model: torch.nn.Module) -> dict[str, int]:
             "adapters": sum(p.numel() for p in adapters), "adapter_tensors": len(adapters)}
 
 
-def _train(model: torch.nn.Module, steps: int = 3) -> tuple[list[float], Engine, dict]:
-    eng = _streamed(model)
+def _train(model: torch.nn.Module, steps: int = 3, residency: str = "stream",
+           before: Callable[[Engine], None] | None = None) -> tuple[list[float], Engine, dict]:
+    eng = _streamed(model, residency)
+    if before is not None:
+        before(eng)
     losses = []
     for b in BATCHES[:steps]:
         eng.reset_stats()
@@ -54,24 +58,33 @@ def _train(model: torch.nn.Module, steps: int = 3) -> tuple[list[float], Engine,
     return losses, eng, eng.collect_stats()
 
 
-def test_a_bf16_lora_base_costs_two_bytes_a_parameter():
+def _bf16_lora() -> torch.nn.Module:
+    """The r 8 q/v LoRA over a base loaded in bf16 (PEFT keeps its adapters in FP32)."""
+    model = lora_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(torch.bfloat16)
+    return model
+
+
+@pytest.mark.parametrize("residency", ["stream", "auto"])
+def test_a_bf16_lora_base_costs_two_bytes_a_parameter(residency):
     """A LoRA (r 8, q/v) over a base loaded in bf16 (PEFT's adapters FP32): the host store holds the layers' base at
     2 B a parameter and nothing else for it (no FP32 master, no slab, no Adam state), the rest at what it costs as
     resident parameters (the frozen embedding, norm and head: their FP32 copy, 4 B; the adapters: master, slab,
-    Adam m and v, 16 B; Adam's step counter per adapter tensor); every layer streams 2 B a parameter, half what
-    the same values held in FP32 stream; the losses are bit for bit those of the same values held in FP32."""
-    torch.manual_seed(0)
-    bf16 = lora_model()
-    with torch.no_grad():
-        for p in bf16.parameters():
-            if not p.requires_grad:
-                p.data = p.data.to(torch.bfloat16)  # the base loaded in bf16; the adapters stay FP32
+    Adam m and v, 16 B; Adam's step counter per adapter tensor); streamed, every layer moves 2 B a parameter, half
+    what the same values held in FP32 move; the losses are bit for bit those of the same values held in FP32. With
+    residency "auto" (every layer's optimizer on a CPU device) the same: a frozen layer has nothing to update."""
+    bf16 = _bf16_lora()
     fp32 = copy.deepcopy(bf16)
     for p in fp32.parameters():
         p.data = p.data.float()  # the same values, held in FP32
     c = _counts(bf16)
-    got, eng, stats = _train(bf16)
-    want, _, ref_stats = _train(fp32)
+    got, eng, stats = _train(bf16, residency=residency)
+    want, _, ref_stats = _train(fp32, residency=residency)
+    if residency == "auto":
+        assert stats["optimizer_resident_layers"] == len(eng.store.layers)  # control: every layer placed there
     host = stats["host_store_bytes"]
     resident = 4 * c["base_other"] + 16 * c["adapters"]
     per_param = (host - resident) / c["base_layers"]  # what each base weight of the layers costs
@@ -81,7 +94,31 @@ def test_a_bf16_lora_base_costs_two_bytes_a_parameter():
     assert all(g.stream_source.dtype == torch.bfloat16 and g.master is None and g.grad is None
                for g in eng.store.layers)
     assert sum(g.numel for g in eng.store.layers) == c["base_layers"]  # the adapters are not in the layers
-    assert stats["h2d_bytes"] * 2 == ref_stats["h2d_bytes"] > 0
+    if residency == "stream":
+        assert stats["h2d_bytes"] * 2 == ref_stats["h2d_bytes"] > 0
+
+
+def test_a_frozen_bf16_layer_moved_to_a_device_takes_its_weights_only():
+    """Optimizer residency moving a frozen layer held as loaded onto a device (relocated here, as a GPU's fresh
+    buffers would be): its bf16 weights go, nothing else is made (no FP32 master, no slab), the model object's
+    parameters view them there, and training is bit for bit what it is without the move."""
+    from megatrain.engine.update import resident
+
+    moved = {}
+
+    def move_first(eng: Engine) -> None:
+        group = eng.store.layers[0]
+        moved["old"], moved["values"] = group.shadow, group.shadow.clone()
+        resident.move(group, torch.device("cpu"), relocate=True)
+
+    got, eng, _ = _train(_bf16_lora(), steps=2, before=move_first)
+    want, _, _ = _train(_bf16_lora(), steps=2)
+    group = eng.store.layers[0]
+    assert group.shadow is not moved["old"] and torch.equal(group.shadow, moved["values"])
+    assert group.master is None and group.grad is None and group.shadow.dtype == torch.bfloat16
+    base = eng.module.model.layers[0].mlp.down_proj.weight
+    assert base.untyped_storage().data_ptr() == group.shadow.untyped_storage().data_ptr()
+    assert got == want
 
 
 VARIANTS = {"lora": {}, "dora": {"use_dora": True},

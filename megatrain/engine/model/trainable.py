@@ -5,7 +5,8 @@ A frozen parameter keeps `requires_grad=False` on the model object (the store's 
 gets no gradient computed (its leaf in each layer's backward does not require one), no slab where its whole layer
 is frozen (a frozen resident parameter: none either, the resident slab ends before it), is held by no optimizer group (so no Adam state, no update), and adds nothing to the
 clip norm or the non-finite check. Backward stops below the lowest layer that trains when nothing before the
-layers trains (`backward_floor`).
+layers trains (`backward_floor`); a layer trains there when a resident parameter it reads does (PEFT's adapters,
+layer_adapters.py), though its own buffer, frozen, has no slab and sends nothing.
 """
 
 from __future__ import annotations
