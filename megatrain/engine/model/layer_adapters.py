@@ -11,23 +11,31 @@ them with the rest. A layer's base gradients, where it has any, leave as before.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ..pipeline.global_grads import GlobalGradSink
 from ..pipeline.schedule import LayerPipeline
 
-if TYPE_CHECKING:  # placement.py finds the adapters through peft_model.py, which hands the engine attach_adapters
-    from .placement import Placement
-    from .trainable import Trainable
+
+# What is read of placement.py's Placement and trainable.py's Trainable (not imported: placement.py finds the adapters
+# through peft_model.py, which hands the engine attach_adapters).
+class Placed(Protocol):
+    device_globals: list[torch.nn.Parameter]
+
+    def layer_residents(self) -> list[list[tuple[str, int]]]: ...
+
+
+class Trains(Protocol):
+    globals: list[bool]  # per resident parameter: whether it trains
 
 
 class LayerAdapters:
     """Which resident parameters each layer reads, their values and leaves per call, their gradients until sent."""
 
     def __init__(self, residents: list[list[tuple[str, int]]], device_globals: list[torch.nn.Parameter],
-                 trainable: Trainable, sink: GlobalGradSink) -> None:
+                 trainable: Trains, sink: GlobalGradSink) -> None:
         self.of_layer = residents  # per layer: (name within the layer, index among the resident parameters)
         self.device_globals = device_globals
         self.trainable = trainable
@@ -93,7 +101,7 @@ class AdapterPipeline(LayerPipeline):
         return g
 
 
-def attach_adapters(pipeline: LayerPipeline, placement: Placement, sink: GlobalGradSink) -> None:
+def attach_adapters(pipeline: LayerPipeline, placement: Placed, sink: GlobalGradSink) -> None:
     """Where the model's layers read resident parameters (PEFT's adapters), the pipeline binds them and returns
     their gradients into `sink` (the resident parameters' slab); otherwise it is left as it is. (The pipeline
     object stays the one the engine's other parts hold: its class becomes AdapterPipeline.)"""
