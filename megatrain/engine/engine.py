@@ -44,7 +44,7 @@ from .layer.side_inputs import SideInputs
 from .layer.tiling import long_context_policy
 from .model.model_object import bind as bind_model_object
 from .model.model_object import engines_holding
-from .model.peft_model import unwrap_peft
+from .model.peft_model import attach_adapters, unwrap_peft
 from .model.placement import place, resolve_device
 from .model.probe import verify_model
 from .model.trainable import Trainable, frozen_names, user_flags
@@ -148,8 +148,7 @@ class Engine:
         # What trains (trainable.py): the user's flags on the masters; no slab for a layer none of whose parameters
         # train (before the optimizer residency below moves slabs).
         self.trainable = Trainable(self.store, self.parts, frozen, flags)
-        self.trainable.apply(self.placement.device_globals)
-        self.trainable.release()  # a frozen embedding (head, norm) has no slab either
+        self.trainable.apply(self.placement.device_globals)  # and a frozen embedding (head, norm) has no slab either
         self._recorded: list = []
 
         self.streams = Streams(self.device, self.trace_log, config.link_gbps, config.watchdog_s)
@@ -219,6 +218,7 @@ class Engine:
         # which data path runs: the node path loads the streamed layers by shard and all-gather (node_path.py)
         self.data_path = shared_store.attach(self.pipeline, self.streams, self.dp, self.node, self.ranks, config)
         self._global_grads = GlobalGradSink(self.store, self.streams, self.pipeline, self.compute_dtype)
+        attach_adapters(self.pipeline, self.placement, self._global_grads)  # PEFT's adapters: resident (peft_model.py)
         # A plain CPU device keeps the loss tile's buffers (its allocator maps them afresh each time); not where it
         # stands in for a GPU's memory, whose caching allocator reuses them (loss.py TileBuffers).
         self._tile_buffers = TileBuffers() if self.pipeline.alias_kept and self.memory is None else None

@@ -30,6 +30,7 @@ from ..layer.templates import TemplateBank
 from ..parallel.distributed import DataParallel
 from ..runtime.device_resolution import resolve_device
 from ..runtime.malloc import release_free_heap
+from .peft_model import layer_adapters
 
 __all__ = ["Placement", "place", "resolve_device"]  # resolve_device: the one device resolution (device_resolution.py)
 
@@ -91,6 +92,17 @@ class Placement:
                 values[f"{self.parts.layers_prefix}.{i}.{s.name}"] = nn.Parameter(g.read_slot(s), requires_grad=False)
         return [(n, values.get(n, p)) for n, p in named]
 
+    def layer_residents(self) -> list[list[tuple[str, int]]]:
+        """Per layer, its resident parameters (PEFT's adapters, peft_model.layer_adapters): (name within the layer,
+        index among the resident parameters). Empty lists for a model without any."""
+        prefix = self.parts.layers_prefix + "."
+        out: list[list[tuple[str, int]]] = [[] for _ in self.store.layers]
+        for k, s in enumerate(self.store.globals.slots):
+            if s.name.startswith(prefix):
+                i, _, name = s.name[len(prefix):].partition(".")
+                out[int(i)].append((name, k))
+        return out
+
     def slots_by_name(self) -> dict[str, tuple]:
         out = {}
         for i, g in enumerate(self.store.layers):
@@ -150,14 +162,16 @@ class UploadFence:
         return UploadFence, (None,)
 
 
-def loaded_bf16_frozen(parts: DecoderParts, frozen: frozenset[str] | set[str]) -> list[int]:
-    """The layers none of whose parameters trains, every one loaded in bf16: held as loaded, 2 bytes a parameter
-    (host/codec.py LoadedBf16), where an FP32 master (and its shadow) would hold 4 (6) for weights that never
-    change. A layer from a checkpoint directory (meta until it is read) is not known to be bf16: it stays FP32."""
+def loaded_bf16_frozen(parts: DecoderParts, frozen: frozenset[str] | set[str],
+                       resident: frozenset[str] | set[str] = frozenset()) -> list[int]:
+    """The layers none of whose streamed parameters trains, every one loaded in bf16: held as loaded, 2 bytes a
+    parameter (host/codec.py LoadedBf16), where an FP32 master (and its shadow) would hold 4 (6) for weights that
+    never change. `resident`: the layers' parameters held resident instead (PEFT's adapters), not in the layer's
+    buffer. A layer from a checkpoint directory (meta until it is read) is not known to be bf16: it stays FP32."""
     prefix = parts.layers_prefix
     return [i for i, layer in enumerate(parts.layers)
             if all(f"{prefix}.{i}.{n}" in frozen and p.dtype == torch.bfloat16 and p.device.type != "meta"
-                   for n, p in layer.named_parameters())]
+                   for n, p in layer.named_parameters() if f"{prefix}.{i}.{n}" not in resident)]
 
 
 def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: torch.device,
@@ -185,9 +199,15 @@ def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: t
         else:
             name_of[id(p)] = name
             originals.append(p)
-    global_named = sorted(((n, p) for n, p in model.named_parameters() if not n.startswith(prefix)),
+    # PEFT's adapters inside the layers are resident parameters too: the layers' buffers hold their base alone
+    in_layers = layer_adapters(parts.layers, parts.layers_prefix)
+    global_named = sorted(((n, p) for n, p in model.named_parameters() if not n.startswith(prefix) or n in in_layers),
                           key=lambda item: item[0] in frozen)  # stable: the trainable first, each in model order
-    layer_shapes = [[(n, p.shape) for n, p in layer.named_parameters()] for layer in parts.layers]
+
+    def streamed(i: int, layer: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in layer.named_parameters() if f"{prefix}{i}.{n}" not in in_layers]
+
+    layer_shapes = [[(n, p.shape) for n, p in streamed(i, layer)] for i, layer in enumerate(parts.layers)]
 
     host_preflight(layer_shapes, [p.shape for _, p in global_named], compute_dtype, pin=pin,
                    staging=device.type == "cuda", master=config.master_mode, grad=config.grad_slab,
@@ -199,7 +219,7 @@ def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: t
                       config.master_mode, config.grad_slab, node,
                       # not with a node's shared store (its buffers are the mode's) or the NVMe tier (its records
                       # are sized by the store's mode)
-                      loaded_bf16_frozen(parts, frozen) if node is None and config.nvme_path is None else ())
+                      loaded_bf16_frozen(parts, frozen, in_layers) if node is None and config.nvme_path is None else ())
     if node is not None:
         node.make_staging(max(g.numel for g in store.layers))
     if config.bf16_rounding == "stochastic":
@@ -210,7 +230,7 @@ def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: t
     for i, layer in enumerate(parts.layers):
         templates.add(layer, device)
         group = store.layers[i]
-        params = [p for _, p in layer.named_parameters()]
+        params = [p for _, p in streamed(i, layer)]
         if node is None or node.leader:  # a shared store: the node's first rank writes it
             _pack(group, params)
         _free(params)

@@ -5,7 +5,8 @@ A frozen parameter keeps `requires_grad=False` on the model object (the store's 
 gets no gradient computed (its leaf in each layer's backward does not require one), no slab where its whole layer
 is frozen (a frozen resident parameter: none either, the resident slab ends before it), is held by no optimizer group (so no Adam state, no update), and adds nothing to the
 clip norm or the non-finite check. Backward stops below the lowest layer that trains when nothing before the
-layers trains (`backward_floor`).
+layers trains (`backward_floor`); a layer trains there when a resident parameter it reads does (PEFT's adapters,
+layer_adapters.py), though its own buffer, frozen, has no slab and sends nothing.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class Trainable:
         self.layers = [[f"{prefix}.{i}.{s.name}" not in self.frozen for s in g.slots]
                        for i, g in enumerate(self.store.layers)]
         self.globals = [s.name not in self.frozen for s in self.store.globals.slots]
+        # A resident parameter that a layer reads (PEFT's adapters, placement.py): that layer's index, else None.
+        self.in_layer = [int(s.name[len(prefix) + 1:].split(".", 1)[0]) if s.name.startswith(prefix + ".") else None
+                         for s in self.store.globals.slots]
         self._trains = {id(p): t for g, flags in zip(self.store.groups(), [*self.layers, self.globals])
                         for p, t in zip(g.params, flags)}
 
@@ -86,7 +90,13 @@ class Trainable:
         return not self.frozen
 
     def layer_trains(self, i: int) -> bool:
+        """Whether a parameter of layer i's own buffer trains (it then has a gradient slab)."""
         return any(self.layers[i])
+
+    def layer_backward(self, i: int) -> bool:
+        """Whether layer i's backward computes a weight gradient: one of its buffer's, or one of a resident
+        parameter it reads (an adapter of its)."""
+        return self.layer_trains(i) or any(t and j == i for j, t in zip(self.in_layer, self.globals))
 
     def layer_weights(self, i: int) -> dict[str, bool]:
         """Layer i's parameters by their name within the layer: whether each trains."""
@@ -99,9 +109,9 @@ class Trainable:
         """The lowest layer whose backward must run: the lowest with a trainable parameter, or 0 when a resident
         parameter read before the layers (the embedding, a position table) trains. len(layers): none."""
         after = {id(p) for m in (self.parts.norm, self.parts.lm_head) for p in m.parameters()}
-        if any(t and id(d) not in after for d, t in zip(device_globals, self.globals)):
+        if any(t and id(d) not in after and j is None for d, t, j in zip(device_globals, self.globals, self.in_layer)):
             return 0
-        return next((i for i in range(len(self.layers)) if self.layer_trains(i)), len(self.layers))
+        return next((i for i in range(len(self.layers)) if self.layer_backward(i)), len(self.layers))
 
     def trim_resident_slab(self) -> None:
         """The resident parameters' gradient slab ends after the last one that trains: the frozen ones were placed
@@ -119,7 +129,8 @@ class Trainable:
 
     def apply(self, device_globals: list[nn.Parameter]) -> None:
         """The user's flags onto the masters (what the model object holds) and the resident device copies, what
-        trains onto the groups (a master that does not train has no .grad)."""
+        trains onto the groups (a master that does not train has no .grad); then no slab for what does not train
+        (release)."""
         prefix = self.parts.layers_prefix
 
         def flag(name: str, t: bool) -> bool:  # the user's, where known; else whether it trains
@@ -135,6 +146,7 @@ class Trainable:
             d.requires_grad_(flag(s.name, t))
         for g in self.store.groups():
             g.link_grads()
+        self.release()  # a frozen embedding (head, norm, a wholly frozen layer) has no slab either
 
     @contextmanager
     def idle_unflagged(self, device_globals: list[nn.Parameter]) -> Iterator[None]:

@@ -29,7 +29,7 @@ import torch
 
 from ...config.schema import EngineConfig
 from ...costs.modes import HostMaster
-from ..host.codec import master_codec
+from ..host.codec import LOADED_BF16, master_codec
 from ..host.store import FlatGroup, HostStore
 
 log = logging.getLogger("megatrain")
@@ -97,6 +97,17 @@ def move(group: FlatGroup, device: torch.device, relocate: bool = False) -> None
     """Make `group` an FP32-master group on `device`: master, shadow and gradient slab there, its Parameters
     views of the device master. An FP32 group on a CPU device is there already (nothing copied) unless `relocate`
     asks for fresh buffers anyway (what a move to a GPU does to every reference to the old ones)."""
+    if group.masters is LOADED_BF16:
+        # A frozen layer held as loaded (codec.LoadedBf16): nothing updates it, so only its bf16 weights go (the
+        # device keeps them as its compute copy where it computes in bf16); an FP32 master made of them would hold
+        # 4 more bytes a parameter of weights that never change. On a CPU device they are where they go.
+        if device.type != "cpu" or relocate:
+            held = group.shadow.to(device, copy=True)
+            group.shadow = group.work = held
+            with torch.no_grad():
+                for p, s in zip(group.params, group.slots):
+                    p.data = group.view(held, s)
+        return
     fp32 = group.master_mode is HostMaster.FP32
     if fp32 and device.type == "cpu" and not relocate:
         return
