@@ -294,7 +294,7 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         # a copy of each layer's master and Adam state, to undo an update started before the step's verdict
         # (the host-updated layers': an optimizer-resident layer is not speculated)
         "speculative rollback copy": rollback_bytes(p, speculative_layers(p, hw, K, lc.offload,
-                                                                          lc.offloaded_graph_host_bytes)),
+                                                                          lc.offloaded_graph_host_bytes), K),
     }
     device = {
         # the streaming ring, freed when every layer is kept (costs/residency.py)
