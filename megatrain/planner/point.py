@@ -292,7 +292,7 @@ def host_left_for_rollback(p: Point, hw: Hardware, optimizer_layers: int = 0, of
         pin = pinned_bytes(m.layer_sizes(), m.embed_params() + m.hidden, p.c, True, p.c)
         held += sum(pin.get(k, 0) for k in ("grad staging", "resident grad staging", "resident upload staging"))
         held += p.tokens * (m.hidden * p.c + 8) if glob else 0  # the embedding's row gradients on their way down
-    first_batch = (L * p.tokens * m.hidden * p.c if offload else 0) + graph_host_bytes
+    first_batch = (L * p.tokens * m.boundary_width * p.c if offload else 0) + graph_host_bytes
     return rollback_budget(hw.host_bytes - held, to_come, first_batch)
 
 

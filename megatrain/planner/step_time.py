@@ -208,14 +208,14 @@ def layer_costs(p: Point, hw: Hardware, offload: bool, own_reducer: bool = True,
     PL = m.layer_params()
     if node is not None:
         return LayerCosts(fwd=fwd_c, bwd=rec_c + bwd_only, load=node.weights_s(PL, c, Bl),
-                          act=p.tokens * m.hidden * c / Bl if offload else 0.0, grad=node.grads_s(PL, Bl),
+                          act=p.tokens * m.boundary_width * c / Bl if offload else 0.0, grad=node.grads_s(PL, Bl),
                           reduce=PL / node.gpus * node_reducer_bytes(p) / reducer_bps(p, hw), cuda=cuda,
                           recompute=rec_c)
     # CUDA: the reducer thread at its share of the cores (host_work.py); a CPU device adds on the d2h worker
     reduce = (PL * reducer_bytes_per_param(p) / reducer_bps(p, hw) if cuda and own_reducer
               else PL * _engine_accum_bytes(p) / hw.host_bw_bps)
     return LayerCosts(fwd=fwd_c, bwd=rec_c + bwd_only, load=PL * c / Bl,
-                       act=p.tokens * m.hidden * c / Bl if offload else 0.0, grad=PL * c / Bl,
+                       act=p.tokens * m.boundary_width * c / Bl if offload else 0.0, grad=PL * c / Bl,
                        reduce=reduce, cuda=cuda, recompute=rec_c)
 
 
@@ -228,7 +228,7 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: float | 
     (the memory plan's), as simulate_step."""
     m, c, T, L, g = p.model, p.c, p.tokens, p.model.num_layers, p.grad_accum
     own = L if owned_layers is None else owned_layers
-    PL, h = m.layer_params(), m.hidden
+    PL = m.layer_params()
     costs = layer_costs(p, hw, offload, own_reducer, node)
     # The resident parameters' optimizer goes on the device with any layer's (engine/update/resident.py
     # place_globals): no copy down, no host update on the launch thread, no rounding or upload.
@@ -301,7 +301,7 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: float | 
     opt_added += device_opt  # after the backward, on the compute stream (the device busy, not idle)
     step = sim.t + opt_added + serial.resident_round_s + io.up_s
     jobs = sim.bytes_jobs
-    act = T * h * c
+    act = T * m.boundary_width * c  # every residual stream of a boundary
     graph = graph_bytes(p) if jobs["graph_out"] else 0  # an offloaded graph's saved activations, each way
     # on the node path this GPU's link carries its shards (and other domains'); NVLink the rest
     share = node.link_fraction if node is not None else 1.0
