@@ -597,3 +597,31 @@ def link_overlap(p: Point, hw: Hardware, t: Time | None = None) -> LinkOverlap:
     dense_fwd = lin * m.layer_params() / max(1, m.active_layer_params()) + attn
     dense_cross = cross * (lin + attn) / dense_fwd if dense_fwd else cross
     return LinkOverlap(int(streamed), compute, link, cross, dense_cross)
+
+
+@dataclass(frozen=True)
+class ComputeTerms:
+    """One micro-batch's compute in the planner's model, split as `megatrain bench` fits measured engine times
+    against it (metrics/bench.py fit_layer_overhead: one rate for every FLOP, fixed costs per phase)."""
+
+    layer_fwd_flops: float  # a decoder layer's forward: GEMMs + attention
+    layer_bwd_flops: float  # its recompute + backward: 3 x the GEMMs, (1 + ATTN_BWD_RATIO) x the attention
+    layer_elem_s: float  # a layer forward's elementwise traffic at the device's memory bandwidth
+    head_flops: float  # the head and the chunked loss (logits recomputed in backward)
+    head_fixed_s: float  # their non-FLOP seconds, with the resident parameters' gradient copy and add
+
+
+def compute_terms(model: object, tokens: int, hw: Hardware, dtype: str = "float32") -> ComputeTerms:
+    """`model` (a preset, a name, a config) at one sequence of `tokens` on profile `hw`, its fixed costs left out."""
+    from .point import make_point
+
+    zero = hw.with_(layer_overhead_fwd_s=0.0, layer_overhead_bwd_s=0.0, microbatch_overhead_s=0.0)
+    inf = zero.with_(sustained_fp32=1e30, sustained_bf16=1e30)  # the head's non-FLOP terms alone
+    p = make_point(model, tokens, 1, dtype=dtype)
+    lin, attn, elem_bytes = layer_flops(p)
+    io = globals_io(p, zero)
+    head_fixed = head_compute(p, inf, recompute_logits=True) + io.add_s + io.down_s
+    head_flops = (head_compute(p, zero, recompute_logits=True) - head_compute(p, inf, True)) * \
+        zero.sustained_flops(dtype)
+    return ComputeTerms(lin + attn, 3 * lin + (1 + ATTN_BWD_RATIO) * attn,
+                        elem_bytes / (hw.device_memory_bw_gbs * 1e9), head_flops, head_fixed)
