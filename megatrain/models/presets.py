@@ -214,6 +214,11 @@ class ModelPreset:
         """Every parameter stored (total): what host memory, streaming and the optimizer count."""
         return self.nonembed_params() + self.embed_params()
 
+    def global_params(self) -> int:
+        """Every parameter outside the decoder layers: the embedding, head and final norm, and the side parameters
+        (what the engine keeps on the device beside the layers, its device globals)."""
+        return self.param_count() - sum(self.layer_sizes())
+
     def active_param_count(self) -> int:
         """Parameters one token computes with (MoE: top-k experts), embedding and head included."""
         return self.active_nonembed_params() + self.embed_params()

@@ -196,7 +196,7 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
     m, c, T, L = p.model, p.c, p.tokens, p.model.num_layers
     dims = layer_dims(m, expanded_kv=not hw.unified_memory and c == 4)
     ring = p.num_buffers * m.largest_layer_params() * c
-    resident = ring + device_globals(m) * c  # buffers + globals
+    resident = ring + m.global_params() * c  # buffers + globals
     budget = _device_budget(p, hw)
     state_bytes = optimizer_state_bytes_per_param(p)
     policy = device_model.LongContextPolicy(
@@ -229,13 +229,6 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
     base = lc.peak_bytes - in_policy
     room = None if budget is None else max(0, int(device_model.BUDGET_HEADROOM * budget) - base)
     return dataclasses.replace(lc, peak_bytes=base + lc.residency_bytes, residency_room=room)
-
-
-def device_globals(m: ModelPreset) -> int:
-    """Parameters the engine keeps on the device beside the layers, in the compute dtype (its device globals, which
-    its policy's fixed bytes count): the embedding, head and final norm, and the side parameters (Gemma 3n/4's
-    per-layer input table)."""
-    return m.param_count() - sum(m.layer_sizes())
 
 
 def optimizer_state_bytes_per_param(p: Point) -> int:
@@ -278,8 +271,9 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
     engine's own prediction (lc) plus the runtime's reserve."""
     m, c, T = p.model, p.c, p.tokens
     P, PL, L, h = m.param_count(), m.layer_params(), m.num_layers, m.hidden
-    resident = m.embed_params() + h  # embedding, LM head, final norm
-    on_device = device_globals(m)  # ... and the side parameters, on the device
+    # embedding, LM head, final norm and the side parameters (Gemma 4's per-layer input table): the engine's device
+    # globals, staged through pinned memory on CUDA as they are (costs/pinning.py, the engine's preflight)
+    on_device = m.global_params()
     alias = aliases_globals(p, hw)
     mb, shadow = master_bytes(p)
     gb = layer_grad_bytes(p)
@@ -288,7 +282,7 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
     GH = 0 if K else G  # ... and the resident parameters' with them (resident.py place_globals)
     # What the engine pins on CUDA (the same rule as its store and preflight): each layer's streamed copy,
     # the resident masters, the staging slots, and the offloaded activations' host buffers.
-    pin = {} if hw.unified_memory else pinned_bytes(m.layer_sizes(), resident, c, True, c)
+    pin = {} if hw.unified_memory else pinned_bytes(m.layer_sizes(), on_device, c, True, c)
     host = {
         "master weights": (L - K) * PL * mb + GH * 4,
         "gradients": (L - K) * PL * gb + GH * 4,

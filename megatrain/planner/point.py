@@ -289,7 +289,7 @@ def host_left_for_rollback(p: Point, hw: Hardware, optimizer_layers: int = 0, of
     held = (L - K) * PL * per_layer + glob * 16 - to_come + int(hw.host_reserved_gib * GIB)
     held += PL * 4 * ((p.host_master != "fp32") + (GRAD_BYTES[grad] != 4))
     if not hw.unified_memory:
-        pin = pinned_bytes(m.layer_sizes(), m.embed_params() + m.hidden, p.c, True, p.c)
+        pin = pinned_bytes(m.layer_sizes(), m.global_params(), p.c, True, p.c)
         held += sum(pin.get(k, 0) for k in ("grad staging", "resident grad staging", "resident upload staging"))
         held += p.tokens * (m.hidden * p.c + 8) if glob else 0  # the embedding's row gradients on their way down
     first_batch = (L * p.tokens * m.boundary_width * p.c if offload else 0) + graph_host_bytes

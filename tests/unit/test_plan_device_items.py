@@ -1,5 +1,6 @@
 """The planner's device plan counts what the review of the CUDA path listed (issue 57, item 4), each against the
-model or a measurement: Gemma 4's per-layer input table on the device and its dense gradient every micro-batch;
+model or a measurement: Gemma 4's per-layer input table on the device (and in the host's pinned staging, as the
+engine's preflight counts it) and its dense gradient every micro-batch;
 hyper-connection boundaries as wide as every residual stream (DeepSeek-V4's hc_mult, read off the config through
 the meta shapes); the device optimizer's FP32 work buffer beside bf16 gradient slabs. (The fourth, the logits an
 HF/TRL loss holds, is the baselines' T x V x (c + 12): 14 B per token x vocab on bf16 logits, the figure
@@ -14,6 +15,7 @@ from test_long_context_streams import small_v4_layer_input
 
 from megatrain.costs import memory as M
 from megatrain.costs import residency as R
+from megatrain.costs.pinning import pinned_bytes
 from megatrain.planner import plan
 from megatrain.planner.hardware import get_hardware
 from megatrain.planner.memory import layer_dims
@@ -45,12 +47,20 @@ def test_gemma4_per_layer_table_and_its_dense_gradient_are_planned():
     m = resolve_model(cfg)
     assert m.side_params == side and table <= side < 1.01 * table
     assert 4.0e9 < table * 2 < 4.1e9  # the issue's "~4.7 GB bf16 at E2B" is Gemma 3n's 35-layer table
-    globals_ = m.param_count() - sum(m.layer_sizes())  # the engine's device globals: every non-layer parameter
+    # the engine's device globals: every parameter outside the layers (engine/host/preflight.py sums their shapes)
+    layer_ids = {id(p) for p in model.model.layers.parameters()}
+    globals_ = sum(p.numel() for p in model.parameters() if id(p) not in layer_ids)
+    assert m.global_params() == globals_
+    # on CUDA their gradients leave, and their bf16 copies go up, through pinned staging of all of them
+    pin = pinned_bytes(m.layer_sizes(), globals_, 2, True, 2)
     rows = []
     for tokens in (128, 4096):
         pl = plan(cfg, tokens, hardware="h200-sxm", dtype="bfloat16")
         dev, lc = pl.memory.device, pl.long_context
         assert dev["embedding/head/norm"] == globals_ * 2 == (m.embed_params() + side + cfg.hidden_size) * 2
+        host = pl.memory.host
+        assert host["head gradient copy"] == pin["resident grad staging"] >= side * 2
+        assert host["resident upload staging"] == pin["resident upload staging"] >= side * 2
         # the table's gradient, dense, after the layers' backward, when the boundaries and the layer's or the
         # loss's working set are gone: what it needs beyond them
         assert dev[SIDE_ROW] == max(0, side * 2 - lc.boundary_bytes - lc.working_bytes)
