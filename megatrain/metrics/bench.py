@@ -21,7 +21,8 @@ import time
 from typing import Any
 
 from ..costs.host_memory import _meminfo
-from ..planner.hardware import GIB
+
+GIB = 1024**3  # the profiles' unit (planner/hardware.py counts GiB alike)
 
 # (tokens, in, out): the layer GEMMs of a ~100M-parameter Llama (hidden 1024, MLP 2752) at 1k tokens
 ENGINE_SHAPES = ((1024, 1024, 1024), (1024, 1024, 2752), (1024, 2752, 1024))
@@ -247,7 +248,7 @@ def with_engine_overhead(prof: dict[str, Any], quick: bool = False, preset: Any 
     intercepts (a negative one, fit noise, is recorded as 0). quick: two small token counts, two steps
     each; periods: engine_layer_periods already measured at `tokens` (e.g. in other processes), fitted
     instead of measuring here. If the times cannot be fitted the fixed costs are 0, marked as not measured."""
-    from ..planner.hardware import profile_from_dict
+    from ..planner import profile_from_dict
 
     preset = preset or OVERHEAD_PRESET
     tokens = tokens or (QUICK_OVERHEAD_TOKENS if quick else OVERHEAD_TOKENS)
@@ -432,24 +433,14 @@ def fit_layer_overhead(preset: Any, tokens: tuple[int, ...], periods: list[tuple
     (R / the profile's peak), o_fwd, o_bwd, o_mb in seconds and the fit's largest relative residual."""
     import numpy as np
 
-    from ..planner.point import make_point
-    from ..planner.step_time import ATTN_BWD_RATIO, globals_io, head_compute, layer_flops
+    from ..planner import compute_terms
 
-    zero = hw.with_(layer_overhead_fwd_s=0.0, layer_overhead_bwd_s=0.0, microbatch_overhead_s=0.0)
-    inf = zero.with_(sustained_fp32=1e30, sustained_bf16=1e30)  # the head's non-FLOP terms alone
-    bw = hw.device_memory_bw_gbs * 1e9
     rows, rhs = [], []
     for T, (pf, pb, po) in zip(tokens, periods):
-        p = make_point(preset, T, 1, dtype=dtype)
-        lin, attn, elem_bytes = layer_flops(p)
-        elem = elem_bytes / bw
-        io = globals_io(p, zero)
-        head_fixed = head_compute(p, inf, recompute_logits=True) + io.add_s + io.down_s
-        head_flops = (head_compute(p, zero, recompute_logits=True) - head_compute(p, inf, True)) * \
-            zero.sustained_flops(dtype)
-        for row, y in (([lin + attn, 1.0, 0.0, 0.0], pf - elem),
-                       ([3 * lin + (1 + ATTN_BWD_RATIO) * attn, 0.0, 1.0, 0.0], pb - 2 * elem),
-                       ([head_flops, 0.0, 0.0, 1.0], po - head_fixed)):
+        t = compute_terms(preset, T, hw, dtype)
+        for row, y in (([t.layer_fwd_flops, 1.0, 0.0, 0.0], pf - t.layer_elem_s),
+                       ([t.layer_bwd_flops, 0.0, 1.0, 0.0], pb - 2 * t.layer_elem_s),
+                       ([t.head_flops, 0.0, 0.0, 1.0], po - t.head_fixed_s)):
             w = 1.0 / (pf if row[1] else pb if row[2] else po)
             rows.append([v * w for v in row])
             rhs.append(y * w)
@@ -468,7 +459,7 @@ def layer_overhead(hw: Any, preset: Any = OVERHEAD_PRESET, tokens: tuple[int, ..
     """Measure the engine on `preset` at each token count (engine_layer_periods; or take `periods` so
     measured) and split the times (fit_layer_overhead) against profile `hw`'s peak and memory bandwidth.
     Returns the fit plus the raw periods."""
-    from ..planner.shapes import resolve_model
+    from ..planner import resolve_model
 
     m = resolve_model(preset)
     if periods is None:

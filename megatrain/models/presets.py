@@ -77,6 +77,19 @@ class ModelPreset:
     rope_theta: float = 10000.0
     moe: MoEShape | None = None
     attn: AttnShape = AttnShape()
+    # Hidden-wide residual streams passed between decoder layers (hyper-connections: DeepSeek-V4's hc_mult): a layer
+    # boundary's activation is this many hidden vectors per token (costs/memory.py LayerDims.streams).
+    residual_streams: int = 1
+    # Parameters beside the decoder layers, the embedding, the head and the final norm (Gemma 3n/4's per-layer input
+    # table and its projection, hyper-connections' head mixing): the engine keeps them on the device with the
+    # embedding, in the compute dtype, and each backward gives them a dense gradient there (counted in
+    # nonembed_params, which a preset's formulas leave at the final norm).
+    side_params: int = 0
+
+    @property
+    def boundary_width(self) -> int:
+        """Elements per token of one layer boundary's activation: every residual stream."""
+        return self.hidden * self.residual_streams
 
     @property
     def head_dim(self) -> int:
@@ -189,10 +202,10 @@ class ModelPreset:
         return ((full - slide) * context + slide * win) / self.num_layers
 
     def nonembed_params(self) -> int:
-        return self._layers_sum(active=False) + self.hidden  # + final norm
+        return self._layers_sum(active=False) + self.hidden + self.side_params  # + final norm
 
     def active_nonembed_params(self) -> int:
-        return self._layers_sum(active=True) + self.hidden
+        return self._layers_sum(active=True) + self.hidden + self.side_params
 
     def embed_params(self) -> int:
         return self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
@@ -200,6 +213,11 @@ class ModelPreset:
     def param_count(self) -> int:
         """Every parameter stored (total): what host memory, streaming and the optimizer count."""
         return self.nonembed_params() + self.embed_params()
+
+    def global_params(self) -> int:
+        """Every parameter outside the decoder layers: the embedding, head and final norm, and the side parameters
+        (what the engine keeps on the device beside the layers, its device globals)."""
+        return self.param_count() - sum(self.layer_sizes())
 
     def active_param_count(self) -> int:
         """Parameters one token computes with (MoE: top-k experts), embedding and head included."""

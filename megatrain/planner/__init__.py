@@ -79,7 +79,7 @@ from .point_plan import MODES
 from .prediction import Plan
 from .search import Preflight, max_batch, max_context, preflight
 from .shapes import is_model_path, resolve_model
-from .step_time import crossover_closed_form, sustained_from_layer_time
+from .step_time import ComputeTerms, compute_terms, crossover_closed_form, sustained_from_layer_time
 
 # The planner's front door: what the commands, the harness and the notebooks use. Its other modules are its own
 # (tests reach them where they test them); tests/unit/test_planner_surface.py keeps commands/ and experiments/ to
@@ -90,9 +90,9 @@ __all__ = [
     "plan_multi", "plan_point", "preflight",
     # hardware profiles and model shapes
     "Hardware", "get_hardware", "is_model_path", "load_profiles", "profile_from_dict", "resolve_model",
-    # figures the studies set beside measurements
-    "BUCKET_TERM", "crossover_closed_form", "predicted_timeline", "sustained_from_layer_time",
-    "zero3_alst_device_terms",
+    # figures the studies set beside measurements; the compute model `megatrain bench` fits engine times against
+    "BUCKET_TERM", "ComputeTerms", "compute_terms", "crossover_closed_form", "predicted_timeline",
+    "sustained_from_layer_time", "zero3_alst_device_terms",
     # the engine's placement advice (backend/placement.py asks through costs/advice.py's protocol)
     "Advisor", "profile_for_device",
     # `megatrain plan` / `python -m megatrain.planner` (cli.py)

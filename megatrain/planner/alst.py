@@ -68,7 +68,7 @@ def zero3_alst_memory(p: Point, hw: Hardware) -> Memory:
     base = zero3_memory(p, hw)
     m = p.model
     host = dict(base.host)
-    host["offloaded checkpoints"] = m.num_layers * p.tokens * m.hidden * p.c
+    host["offloaded checkpoints"] = m.num_layers * p.tokens * m.boundary_width * p.c
     bucket = p.zero3_reduce_bucket if p.zero3_reduce_bucket is not None else LEAN_REDUCE_BUCKET
     device = dict(zero3_alst_device_terms(m, p.tokens, p.c, reduce_bucket=bucket))
     device["runtime"] = 0 if hw.unified_memory else int(hw.device_reserved_gib * GIB)

@@ -12,6 +12,7 @@ from megatrain.models.presets import ModelPreset
 
 from ..costs import memory as device_model
 from ..costs import residency as kept_model
+from ..costs.modes import GRAD_BYTES, GradSlab
 from ..costs.pinning import pinned_bytes
 from .hardware import GIB, Hardware
 from .point import Point, aliases_globals, layer_grad_bytes, master_bytes, rollback_bytes, speculative_layers
@@ -151,9 +152,11 @@ def layer_dims(m: ModelPreset, expanded_kv: bool = False) -> device_model.LayerD
     # FP32 on CUDA expands grouped key/value heads for the fused kernels (engine/layer/attention.py)
     # a mixture of experts: activations as wide as the experts a token uses (top-k + shared), the weight
     # gradients of the largest layer with all its experts
+    # hyper-connections: a boundary holds every residual stream (the engine reads them off the layer, tiling.py)
     return device_model.LayerDims(hidden=m.hidden, kv=m.kv_heads * m.head_dim, intermediate=m.mlp_width(),
                                   numel=m.largest_layer_params(), attention_tiled=True, head_dim=m.head_dim,
-                                  kv_expanded=(m.heads - m.kv_heads) * m.head_dim if expanded_kv else 0)
+                                  kv_expanded=(m.heads - m.kv_heads) * m.head_dim if expanded_kv else 0,
+                                  streams=m.residual_streams)
 
 
 def layer_working_set_bytes(m: ModelPreset, tokens: int, c: int, tile: int | None = None,
@@ -176,7 +179,7 @@ def layer_saved_bytes(m: ModelPreset, tokens: int, c: int) -> int:
     what their forward saves is the same tensors. (The planner's earlier HF figure, 8.3 h + 2 kv + 4 I, is this
     7 h + 2 kv + 4 I plus the input's h, within 0.3 h: the RoPE tables and the attention's log-sum-exp, which
     the engine's model counts on their own.)"""
-    return int(device_model.layer_graph_bytes(layer_dims(m), tokens, c) + tokens * m.hidden * c)
+    return int(device_model.layer_graph_bytes(layer_dims(m), tokens, c) + tokens * m.boundary_width * c)
 
 
 def _device_budget(p: Point, hw: Hardware) -> int | None:
@@ -193,12 +196,13 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
     m, c, T, L = p.model, p.c, p.tokens, p.model.num_layers
     dims = layer_dims(m, expanded_kv=not hw.unified_memory and c == 4)
     ring = p.num_buffers * m.largest_layer_params() * c
-    resident = ring + (m.embed_params() + m.hidden) * c  # buffers + globals
+    resident = ring + m.global_params() * c  # buffers + globals
     budget = _device_budget(p, hw)
+    state_bytes = optimizer_state_bytes_per_param(p)
     policy = device_model.LongContextPolicy(
         dims=dims, n_layers=L, itemsize=c, vocab=m.vocab, loss_chunk=p.loss_chunk_tokens,
         tile_setting=p.mlp_tile_tokens, offload_setting=p.offload_activations, budget=budget,
-        fixed_bytes=resident, residency=p.residency, ring_bytes=ring,
+        fixed_bytes=resident, residency=p.residency, ring_bytes=ring, optimizer_bytes=state_bytes,
         **({} if hw.unified_memory else {"logits_cap": None}))  # GPU: sized from the budget
     G = m.param_count() - L * m.layer_params()  # the resident parameters, whose state goes first
     k = optimizer_layers(p, hw, policy)
@@ -209,15 +213,15 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
     kept = min(bp.in_flight, L) if bp.offload else L
     chunk = bp.loss_chunk
     lc = LongContext(
-        offload=bp.offload, tile=bp.tile, kept_boundaries=kept, boundary_bytes=kept * T * m.hidden * c,
+        offload=bp.offload, tile=bp.tile, kept_boundaries=kept,
+        boundary_bytes=kept * device_model.boundary_bytes(dims, T, c),
         layer_working_bytes=int(device_model.layer_working_bytes(dims, T, bp.tile, c)),
         loss_workspace_bytes=int(device_model.loss_workspace_bytes(T, m.hidden, m.vocab, chunk, c)), loss_chunk=chunk,
         resident_weight_bytes=resident, peak_bytes=int(bp.predicted_peak_bytes), budget=policy.budget,
         headroom=device_model.BUDGET_HEADROOM, residency=bp.residency, n_layers=L, layer_bytes=dims.numel * c,
         graph_bytes=device_model.layer_graph_bytes(dims, T, c), ring_bytes=ring,
         graphs_allowed=bp.tile is None and not bp.offload,
-        optimizer_state_bytes=dims.numel * kept_model.OPTIMIZER_BYTES_PER_PARAM,
-        globals_state_bytes=G * kept_model.OPTIMIZER_BYTES_PER_PARAM)
+        optimizer_state_bytes=dims.numel * state_bytes, globals_state_bytes=G * state_bytes)
     # Under a budget the policy counts the placement into its peak, "auto" or counts alike (costs/memory.py
     # LongContextPolicy._residency; the optimizer-resident layers' state among its fixed bytes); with none, not at
     # all. Here the peak always holds the placement, and the room it was chosen in is kept for the planner's search.
@@ -225,6 +229,20 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
     base = lc.peak_bytes - in_policy
     room = None if budget is None else max(0, int(device_model.BUDGET_HEADROOM * budget) - base)
     return dataclasses.replace(lc, peak_bytes=base + lc.residency_bytes, residency_room=room)
+
+
+def optimizer_state_bytes_per_param(p: Point) -> int:
+    """Device bytes per parameter of an optimizer-resident layer's state (costs/residency.py): with bf16 gradient
+    slabs the device update adds an FP32 work buffer beside them."""
+    return kept_model.optimizer_bytes_per_param(GRAD_BYTES[GradSlab(p.host_grad_dtype)])
+
+
+def side_gradient_bytes(p: Point, lc: LongContext) -> int:
+    """Device bytes the side parameters' dense gradient adds to the peak: it comes out in the compute dtype every
+    micro-batch when backward sends the per-layer inputs' gradients through their producer (engine/layer/
+    side_inputs.py), after the last layer's backward, when the boundary activations and the layer's working set are
+    gone; what it needs beyond them."""
+    return max(0, p.model.side_params * p.c - lc.boundary_bytes - lc.working_bytes)
 
 
 def optimizer_refused(p: Point) -> bool:
@@ -253,7 +271,9 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
     engine's own prediction (lc) plus the runtime's reserve."""
     m, c, T = p.model, p.c, p.tokens
     P, PL, L, h = m.param_count(), m.layer_params(), m.num_layers, m.hidden
-    resident = m.embed_params() + h  # embedding, LM head, final norm
+    # embedding, LM head, final norm and the side parameters (Gemma 4's per-layer input table): the engine's device
+    # globals, staged through pinned memory on CUDA as they are (costs/pinning.py, the engine's preflight)
+    on_device = m.global_params()
     alias = aliases_globals(p, hw)
     mb, shadow = master_bytes(p)
     gb = layer_grad_bytes(p)
@@ -262,7 +282,7 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
     GH = 0 if K else G  # ... and the resident parameters' with them (resident.py place_globals)
     # What the engine pins on CUDA (the same rule as its store and preflight): each layer's streamed copy,
     # the resident masters, the staging slots, and the offloaded activations' host buffers.
-    pin = {} if hw.unified_memory else pinned_bytes(m.layer_sizes(), resident, c, True, c)
+    pin = {} if hw.unified_memory else pinned_bytes(m.layer_sizes(), on_device, c, True, c)
     host = {
         "master weights": (L - K) * PL * mb + GH * 4,
         "gradients": (L - K) * PL * gb + GH * 4,
@@ -274,7 +294,7 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         "pinned grad staging": pin.get("grad staging", 0) if pin else (2 * PL * c if p.optimizer_in_backward else 0),
         # one layer's FP32 master / gradient while the optimizer updates it (store.Scratch)
         "fp32 scratch (one layer)": PL * 4 * ((p.master != "fp32") + (gb != 4)),
-        "offloaded activations": L * T * h * c if lc.offload else 0,
+        "offloaded activations": L * T * m.boundary_width * c if lc.offload else 0,
         # residency `offload`: those graphs' saved activations, from their forward to their backward (host buffers
         # kept from batch to batch, pinned like the offloaded activations')
         "offloaded graphs (residency)": lc.offloaded_graph_host_bytes,
@@ -294,7 +314,7 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         # a copy of each layer's master and Adam state, to undo an update started before the step's verdict
         # (the host-updated layers': an optimizer-resident layer is not speculated)
         "speculative rollback copy": rollback_bytes(p, speculative_layers(p, hw, K, lc.offload,
-                                                                          lc.offloaded_graph_host_bytes)),
+                                                                          lc.offloaded_graph_host_bytes), K),
     }
     device = {
         # the streaming ring, freed when every layer is kept (costs/residency.py)
@@ -303,7 +323,9 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
         "kept layers' forward graphs (residency)": lc.kept_graph_bytes,
         "optimizer-resident layers' FP32 master, gradients, Adam m and v": K * lc.optimizer_state_bytes,
         "resident parameters' FP32 master, gradients, Adam m and v": lc.kept_optimizer_bytes - K * lc.optimizer_state_bytes,
-        "embedding/head/norm": resident * c,
+        "embedding/head/norm": on_device * c,
+        # Gemma 3n/4's per-layer input table's (and any side parameter's) dense gradient, after the layers' backward
+        "side parameters' gradient (dense)": side_gradient_bytes(p, lc),
         "boundary activations": lc.boundary_bytes,  # all L resident, or a few in flight when offloaded
         # one layer's recompute + backward and the head/loss never run at once: the policy's larger
         "working set (layer or loss)": lc.working_bytes,
@@ -311,18 +333,18 @@ def megatrain_memory(p: Point, hw: Hardware, lc: LongContext) -> Memory:
     }
     pinned = sum(pin.values()) + (host["offloaded activations"] + host["embedding row staging"]
                                   + host["offloaded graphs (residency)"] if pin else 0)
-    return Memory(host, device, hw.unified_memory, shared=resident * c if alias else 0, pinned=pinned)
+    return Memory(host, device, hw.unified_memory, shared=on_device * c if alias else 0, pinned=pinned)
 
 
 def _hf_activations(p: Point) -> dict[str, int]:
     """Activations of an HF model on the device: boundary checkpoints (or everything, without
     checkpointing), the logits the output keeps, and the larger of a layer's recompute+backward and
     the loss's fp32 transients (they are not live at once)."""
-    m, c, T, L, h = p.model, p.c, p.tokens, p.model.num_layers, p.model.hidden
+    m, c, T, L = p.model, p.c, p.tokens, p.model.num_layers
     logits = T * m.vocab * c
     loss = T * m.vocab * LOSS_BYTES_EXTRA
     if p.gradient_checkpointing:
-        return {"boundary activations": L * T * h * c, "full logits": logits,
+        return {"boundary activations": L * T * m.boundary_width * c, "full logits": logits,
                 "working set (layer or loss)": max(layer_working_set_bytes(m, T, c, engine=False), loss)}
     return {"saved activations": L * layer_saved_bytes(m, T, c), "full logits": logits, "loss transients": loss}
 

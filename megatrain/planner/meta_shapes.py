@@ -6,7 +6,9 @@ Qwen3, Gemma, OLMo, GPT-2, and mixtures of experts the planner has no formula re
 GLM-5, ...). Layers may differ (per-layer head_dim, dense and sparse MLPs, hyper-connections, indexers): each is
 counted as built.
 
-The counts are the model's own, so host memory, streaming and the optimizer are planned from what the engine will
+The counts are the model's own (those beside the layers, embedding, head and final norm too: `side_params`, Gemma
+3n/4's per-layer input tables), as are the residual streams between layers (`residual_streams`: hyper-connections'
+hc_mult), so host memory, streaming and the optimizer are planned from what the engine will
 store; a token computes with every parameter of a layer but the routed experts it is not sent to (top-k of them);
 the compute side's widths (FLOPs, activations) go through ModelPreset's formulas.
 """
@@ -17,6 +19,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from megatrain.models.presets import AttnShape, MLAShape, ModelPreset, MoEShape
+
+from ..costs.memory import residual_streams
 
 # config keys naming a mixture's routed-expert count and how many of them a token is sent to, across families
 _EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "n_experts")
@@ -200,6 +204,8 @@ def measured_preset(cfg: Any, name: str, family: str, max_positions: int, rope_t
     vocab, hidden = (int(x) for x in emb.weight.shape)
     counted = {id(p) for p in layers.parameters()} | {id(emb.weight)} | (set() if tied else {id(head.weight)})
     rest = sum(p.numel() for p in model.parameters() if id(p) not in counted)
+    norm = {id(p) for p in parts.norm.parameters()} if parts.norm is not None else set()
+    side = sum(p.numel() for p in model.parameters() if id(p) not in counted | norm)
     numels = tuple(_numel(layer) for layer in layers)
     moe, active = _moe(tcfg, layers, hidden, numels)
     first = layers[0]
@@ -223,4 +229,5 @@ def measured_preset(cfg: Any, name: str, family: str, max_positions: int, rope_t
     return MeasuredPreset(name=name, family=family, num_layers=n_layers, hidden=hidden,
                           intermediate=intermediate, heads=heads, kv_heads=kv_heads, vocab=vocab,
                           max_positions=max_positions, tie_embeddings=tied, rope_theta=rope_theta, attn=attn, moe=moe,
-                          layer_numels=numels, rest_numel=rest, active_layer_numels=active)
+                          layer_numels=numels, rest_numel=rest, active_layer_numels=active,
+                          residual_streams=residual_streams(tcfg), side_params=side)

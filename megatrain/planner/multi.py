@@ -362,7 +362,7 @@ def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int 
     if store_nodes not in (1, nodes):
         raise ValueError(f"store_nodes={store_nodes}: 1 (each node its own store) or the job's {nodes} nodes")
     if p.backend == "megatrain" and p.engine.chooses_host_mode and store_nodes == 1:
-        return plan_auto_multi(p, hw, gpus_per_node, nodes, p.engine.grad_slab_written, data_path)  # chosen for the node
+        return plan_auto_multi(p, hw, gpus_per_node, nodes, data_path)  # chosen for the node
     single_hw, hw = hw, node_profile(hw, gpus_per_node)
     if p.backend == "zero3":
         return _zero3_multi(placeholder_mode(p), single_hw, hw, gpus_per_node, nodes)
@@ -414,12 +414,11 @@ def _zero3_multi(p: Point, single_hw: Hardware, hw: Hardware, gpus: int, nodes: 
     return MultiPlan(gpus, nodes, single, rank, Comm(0.0, 0.0, 0.0, 0.0, 0), {}, {}, "zero3", how)
 
 
-def plan_auto_multi(p: Point, hw: Hardware, gpus_per_node: int, nodes: int, grad: Any = None,
-                    data_path: str = AUTO) -> MultiPlan:
-    """Host mode "auto" for the node (costs/host_mode.py's rule over the node's plan): the first mode that fits
-    with one store per node; with several nodes then one store shared by them (no disk); then the NVMe tier."""
-    from ..costs.host_mode import choose_host_mode
-    from .auto_mode import AutoChoice, _knobs
+def plan_auto_multi(p: Point, hw: Hardware, gpus_per_node: int, nodes: int, data_path: str = AUTO) -> MultiPlan:
+    """Host mode "auto" for the node (the engine's settle function over the node's plan, auto_mode.settle_mode): the
+    first mode that fits with one store per node; with several nodes then one store shared by them (no disk); then
+    the NVMe tier."""
+    from .auto_mode import AutoChoice, _knobs, settle_mode
     from .nvme_plan import nvme_fit
     from .point_plan import mode_point
 
@@ -439,8 +438,7 @@ def plan_auto_multi(p: Point, hw: Hardware, gpus_per_node: int, nodes: int, grad
     order = [1] if nodes == 1 or not shareable else [1, nodes]
     for store_nodes in order:
         seen.clear()
-        mode, ok = choose_host_mode(lambda m, k=store_nodes: (not m.nvme) and attempt(m, k), p.c == 2,
-                                    p.grad_accum == 1, False, p.optimizer_in_backward, grad)
+        mode, ok = settle_mode(p, lambda m, k=store_nodes: (not m.nvme) and attempt(m, k), False)
         if ok:
             mp = seen[mode][0]
             mp.auto = AutoChoice(mode, True, {})
@@ -449,8 +447,7 @@ def plan_auto_multi(p: Point, hw: Hardware, gpus_per_node: int, nodes: int, grad
     # store shared by every node) says by how much
     for store_nodes in order:
         seen.clear()
-        mode, ok = choose_host_mode(lambda m, k=store_nodes: attempt(m, k), p.c == 2, p.grad_accum == 1, nvme,
-                                    p.optimizer_in_backward, grad)
+        mode, ok = settle_mode(p, lambda m, k=store_nodes: attempt(m, k), nvme)
         if ok:
             break
     if mode not in seen:

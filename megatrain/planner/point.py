@@ -18,6 +18,7 @@ from ..costs import modes
 from ..costs import residency as kept
 from ..costs.modes import GRAD_BYTES, MASTER_BYTES, SHADOW_BYTES, GradSlab, HostMaster
 from ..costs.pinning import pinned_bytes
+from ..costs.rollback import layers_that_fit, rollback_budget
 from .hardware import GIB, Hardware, _is_bf16
 from .shapes import resolve_model
 
@@ -256,46 +257,52 @@ def overlap_on(p: Point, hw: Hardware) -> bool:
     return p.backend == "megatrain" and settled(p, hw).optimizer_overlap
 
 
-def rollback_bytes(p: Point, layers: int | None = None) -> int:
-    """Host bytes of the speculative step's rollback copies of `layers` decoder layers (None: every layer): each one's
-    master and Adam state (costs/modes.py)."""
+def rollback_bytes(p: Point, layers: int | None = None, first: int = 0) -> int:
+    """Host bytes of the speculative step's rollback copies of `layers` decoder layers from layer `first` on, in
+    forward order (None: every layer): each one's master and Adam state (costs/modes.py), by each layer's own size as
+    the engine allocates them (a model whose layers differ: dense and sparse MLPs, ...)."""
     m = p.model
-    n = m.num_layers if layers is None else layers
-    return n * m.layer_params() * modes.rollback_bytes_per_param(HostMaster(p.host_master), p.c == 2)
+    per_param = modes.rollback_bytes_per_param(HostMaster(p.host_master), p.c == 2)
+    if layers is None:
+        return m.num_layers * m.layer_params() * per_param
+    return sum(m.layer_sizes()[first:first + layers]) * per_param
 
 
 def host_left_for_rollback(p: Point, hw: Hardware, optimizer_layers: int = 0, offload: bool = False,
                            graph_host_bytes: int = 0) -> int:
-    """Host bytes left beside what the engine holds when it sizes the rollback copies (engine/update/speculative.py
-    resolve, once the store is built, before the first batch): the host-updated layers' master, slab, Adam state
-    and shadow, the resident parameters' FP32 master, gradient and Adam state unless they went to the device with
-    `optimizer_layers` layers', the FP32 scratch of a split master or slab, what CUDA pins for the gradients'
-    staging and the resident parameters' upload, and the runtime's reserve (planner/memory.py's rows of them); with
-    `offload`, the offloaded activations' host buffers too: the engine allocates them at the first batch, after it
-    measured, and before the first backward fills the copies, so they must fit beside them; and so must the
-    offloaded graphs' saved activations (`graph_host_bytes`, residency `offload`), allocated at the first batch too."""
+    """Host bytes the rollback copies may take at this point: costs/rollback.py rollback_budget, the one rule
+    engine/update/speculative.py resolve sizes them with, fed what the engine measures there. Its free memory (resolve
+    runs once the store is built, before the first batch) is the host's less what is held by then: the host-updated
+    layers' master and shadow, the resident parameters' FP32 master unless they went to the device with
+    `optimizer_layers` layers', the FP32 scratch of a split master or slab, what CUDA pins for the gradients' staging
+    and the resident parameters' upload, and the runtime's reserve (planner/memory.py's rows of them). What is to
+    come (state_to_come_bytes): the gradient slabs the first backward writes and the Adam state the first step
+    creates. The first batch's host bytes: with `offload` the offloaded activations' host buffers, and the offloaded
+    graphs' saved activations (`graph_host_bytes`, residency `offload`): allocated at the first batch, after resolve
+    measured, before the first backward fills the copies (the engine's per-copy check sees them there)."""
     m, K = p.model, optimizer_layers
     L, PL = m.num_layers, m.layer_params()
-    glob = m.param_count() - L * PL
+    glob = 0 if K else m.param_count() - L * PL  # with any layer's optimizer on the device, theirs goes too
     grad = GradSlab(p.host_grad_dtype)
     per_layer = modes.layer_bytes_per_param(HostMaster(p.host_master), grad, False, p.c == 2)
-    used = (L - K) * PL * per_layer + (0 if K else glob * 16) + int(hw.host_reserved_gib * GIB)
-    used += PL * 4 * ((p.host_master != "fp32") + (GRAD_BYTES[grad] != 4))
+    to_come = (L - K) * PL * (GRAD_BYTES[grad] + modes.ADAM_BYTES) + glob * (4 + modes.ADAM_BYTES)
+    held = (L - K) * PL * per_layer + glob * 16 - to_come + int(hw.host_reserved_gib * GIB)
+    held += PL * 4 * ((p.host_master != "fp32") + (GRAD_BYTES[grad] != 4))
     if not hw.unified_memory:
-        pin = pinned_bytes(m.layer_sizes(), m.embed_params() + m.hidden, p.c, True, p.c)
-        used += sum(pin.get(k, 0) for k in ("grad staging", "resident grad staging", "resident upload staging"))
-        used += 0 if K else p.tokens * (m.hidden * p.c + 8)  # the embedding's row gradients on their way down
-    used += (L * p.tokens * m.hidden * p.c if offload else 0) + graph_host_bytes
-    return hw.host_bytes - used
+        pin = pinned_bytes(m.layer_sizes(), m.global_params(), p.c, True, p.c)
+        held += sum(pin.get(k, 0) for k in ("grad staging", "resident grad staging", "resident upload staging"))
+        held += p.tokens * (m.hidden * p.c + 8) if glob else 0  # the embedding's row gradients on their way down
+    first_batch = (L * p.tokens * m.boundary_width * p.c if offload else 0) + graph_host_bytes
+    return rollback_budget(hw.host_bytes - held, to_come, first_batch)
 
 
 def speculative_layers(p: Point, hw: Hardware, optimizer_layers: int = 0, offload: bool = False,
                        graph_host_bytes: int = 0) -> int:
     """How many host-updated decoder layers the engine speculates at this point (`optimizer_layers` of the L update
     on the device instead, never speculated): as set (True: every one, False: none), or for "auto" as the engine
-    settles it (`settled`: a CUDA device, not with the optimizer in backward), as many as their rollback copies fit
-    the host memory left beside the store (host_left_for_rollback; `offload`: the activations offloaded too), as
-    engine/update/speculative.py measures it.
+    settles it (`settled`: a CUDA device, not with the optimizer in backward), the first host-updated layers in
+    forward order whose rollback copies fit the budget host_left_for_rollback gives (`offload`: the activations
+    offloaded too), counted by costs/rollback.py layers_that_fit as engine/update/speculative.py resolve counts them.
     The engine takes the first host-updated layers in forward order (step_time.py says what that hides)."""
     host = p.model.num_layers - optimizer_layers
     if p.backend != "megatrain" or p.optimizer_in_backward or host <= 0:
@@ -304,9 +311,9 @@ def speculative_layers(p: Point, hw: Hardware, optimizer_layers: int = 0, offloa
         return host if p.engine.speculation_set else 0
     if settled(p, hw).speculative_step is False:
         return 0
-    per_layer = rollback_bytes(p, 1)
+    per_param = modes.rollback_bytes_per_param(HostMaster(p.host_master), p.c == 2)
     left = host_left_for_rollback(p, hw, optimizer_layers, offload, graph_host_bytes)
-    return min(host, max(0, left) // per_layer) if per_layer else host
+    return layers_that_fit(p.model.layer_sizes()[optimizer_layers:], per_param, left)
 
 
 def speculative_on(p: Point, hw: Hardware) -> bool:

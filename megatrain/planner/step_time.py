@@ -208,14 +208,14 @@ def layer_costs(p: Point, hw: Hardware, offload: bool, own_reducer: bool = True,
     PL = m.layer_params()
     if node is not None:
         return LayerCosts(fwd=fwd_c, bwd=rec_c + bwd_only, load=node.weights_s(PL, c, Bl),
-                          act=p.tokens * m.hidden * c / Bl if offload else 0.0, grad=node.grads_s(PL, Bl),
+                          act=p.tokens * m.boundary_width * c / Bl if offload else 0.0, grad=node.grads_s(PL, Bl),
                           reduce=PL / node.gpus * node_reducer_bytes(p) / reducer_bps(p, hw), cuda=cuda,
                           recompute=rec_c)
     # CUDA: the reducer thread at its share of the cores (host_work.py); a CPU device adds on the d2h worker
     reduce = (PL * reducer_bytes_per_param(p) / reducer_bps(p, hw) if cuda and own_reducer
               else PL * _engine_accum_bytes(p) / hw.host_bw_bps)
     return LayerCosts(fwd=fwd_c, bwd=rec_c + bwd_only, load=PL * c / Bl,
-                       act=p.tokens * m.hidden * c / Bl if offload else 0.0, grad=PL * c / Bl,
+                       act=p.tokens * m.boundary_width * c / Bl if offload else 0.0, grad=PL * c / Bl,
                        reduce=reduce, cuda=cuda, recompute=rec_c)
 
 
@@ -228,7 +228,7 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: float | 
     (the memory plan's), as simulate_step."""
     m, c, T, L, g = p.model, p.c, p.tokens, p.model.num_layers, p.grad_accum
     own = L if owned_layers is None else owned_layers
-    PL, h = m.layer_params(), m.hidden
+    PL = m.layer_params()
     costs = layer_costs(p, hw, offload, own_reducer, node)
     # The resident parameters' optimizer goes on the device with any layer's (engine/update/resident.py
     # place_globals): no copy down, no host update on the launch thread, no rounding or upload.
@@ -301,7 +301,7 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: float | 
     opt_added += device_opt  # after the backward, on the compute stream (the device busy, not idle)
     step = sim.t + opt_added + serial.resident_round_s + io.up_s
     jobs = sim.bytes_jobs
-    act = T * h * c
+    act = T * m.boundary_width * c  # every residual stream of a boundary
     graph = graph_bytes(p) if jobs["graph_out"] else 0  # an offloaded graph's saved activations, each way
     # on the node path this GPU's link carries its shards (and other domains'); NVLink the rest
     share = node.link_fraction if node is not None else 1.0
@@ -597,3 +597,31 @@ def link_overlap(p: Point, hw: Hardware, t: Time | None = None) -> LinkOverlap:
     dense_fwd = lin * m.layer_params() / max(1, m.active_layer_params()) + attn
     dense_cross = cross * (lin + attn) / dense_fwd if dense_fwd else cross
     return LinkOverlap(int(streamed), compute, link, cross, dense_cross)
+
+
+@dataclass(frozen=True)
+class ComputeTerms:
+    """One micro-batch's compute in the planner's model, split as `megatrain bench` fits measured engine times
+    against it (metrics/bench.py fit_layer_overhead: one rate for every FLOP, fixed costs per phase)."""
+
+    layer_fwd_flops: float  # a decoder layer's forward: GEMMs + attention
+    layer_bwd_flops: float  # its recompute + backward: 3 x the GEMMs, (1 + ATTN_BWD_RATIO) x the attention
+    layer_elem_s: float  # a layer forward's elementwise traffic at the device's memory bandwidth
+    head_flops: float  # the head and the chunked loss (logits recomputed in backward)
+    head_fixed_s: float  # their non-FLOP seconds, with the resident parameters' gradient copy and add
+
+
+def compute_terms(model: object, tokens: int, hw: Hardware, dtype: str = "float32") -> ComputeTerms:
+    """`model` (a preset, a name, a config) at one sequence of `tokens` on profile `hw`, its fixed costs left out."""
+    from .point import make_point
+
+    zero = hw.with_(layer_overhead_fwd_s=0.0, layer_overhead_bwd_s=0.0, microbatch_overhead_s=0.0)
+    inf = zero.with_(sustained_fp32=1e30, sustained_bf16=1e30)  # the head's non-FLOP terms alone
+    p = make_point(model, tokens, 1, dtype=dtype)
+    lin, attn, elem_bytes = layer_flops(p)
+    io = globals_io(p, zero)
+    head_fixed = head_compute(p, inf, recompute_logits=True) + io.add_s + io.down_s
+    head_flops = (head_compute(p, zero, recompute_logits=True) - head_compute(p, inf, True)) * \
+        zero.sustained_flops(dtype)
+    return ComputeTerms(lin + attn, 3 * lin + (1 + ATTN_BWD_RATIO) * attn,
+                        elem_bytes / (hw.device_memory_bw_gbs * 1e9), head_flops, head_fixed)

@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from megatrain.costs.rollback import ROLLBACK_HEADROOM_BYTES
 from megatrain.planner import plan
 from megatrain.planner.hardware import get_hardware
 from megatrain.planner.point import (
@@ -131,7 +132,8 @@ def test_auto_speculates_the_layers_whose_copies_fit_gh200_qwen32b():
     assert n == left // rollback_bytes(p, 1)
     # memory.py's figure, at the same placement (without the step, the search places otherwise: offloaded graphs)
     same = plan("qwen2.5-32b", 4096, speculative_step=False, residency=on.time.residency, **kw)
-    assert left == pytest.approx(hw.host_bytes - same.memory.host_total, rel=1e-3)
+    # less the headroom the engine's budget keeps (costs/rollback.py, the rule both size the copies by)
+    assert left == pytest.approx(hw.host_bytes - same.memory.host_total - ROLLBACK_HEADROOM_BYTES, rel=1e-3)
     assert same.memory.host_total + rollback_bytes(p, n) <= hw.host_bytes
     assert on.timeline.gpu_idle_fraction <= 0.05 < off.timeline.gpu_idle_fraction
     assert on.time.busy_s["host rollback copy"] > 0

@@ -1,4 +1,5 @@
-"""The planner has a front door: the commands (megatrain/commands/) and the harness (experiments/) import
+"""The planner has a front door: the commands (megatrain/commands/), the measurements (megatrain/metrics/: `megatrain
+bench` fits engine times against the planner's compute model) and the harness (experiments/) import
 `megatrain.planner`'s exported names only (its `__all__`), never one of its modules; and the planner never imports
 the commands (`python -m megatrain.planner` runs without them). Imports are read from the source, lazy ones
 included, so nothing is executed."""
@@ -13,7 +14,7 @@ from test_layering import _absolute, copy_of_the_tree, imports_of
 
 ROOT = Path(__file__).resolve().parents[2]
 PLANNER = "megatrain.planner"
-CLIENTS = ("megatrain/commands", "experiments")
+CLIENTS = ("megatrain/commands", "megatrain/metrics", "experiments")
 
 
 def exported(root: Path = ROOT) -> set[str]:
@@ -96,6 +97,8 @@ def test_python_m_megatrain_planner_runs_without_the_commands():
      "megatrain/commands/planted.py:1 imports megatrain.planner.summary"),
     ("megatrain/commands/planted.py", "import megatrain.planner.multi\n", past_the_front,
      "megatrain/commands/planted.py:1 imports megatrain.planner.multi"),
+    ("megatrain/metrics/planted.py", "def f():\n    from ..planner.step_time import layer_flops\n", past_the_front,
+     "megatrain/metrics/planted.py:2 imports megatrain.planner.step_time"),
     ("megatrain/planner/planted.py", "def f():\n    from ..commands.plan import run_sweep\n", planner_on_commands,
      "megatrain/planner/planted.py:2 imports megatrain.commands.plan"),
 ])
