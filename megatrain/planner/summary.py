@@ -181,7 +181,7 @@ def first_screen_multi(mp: Any, zero3: Any = None, nodes_hint: str | None = None
     scope = "per node" + (f" (1/{mp.store_nodes} of the layers' state: {mp.store_nodes} nodes share one store)"
                           if mp.store_nodes > 1 else "")
     out += _fit_lines(pl, scope, hw.host_bytes)
-    state = "planned, not yet implemented in the engine (docs/DISTRIBUTED.md)" if mp.path == NODE else "what the engine runs"
+    state = "what the engine's 'auto' runs on GPUs with peer access (tested on gloo ranks; no GPU has run it)" if mp.path == NODE else "what the engine runs"
     out.append(f"  data path: {mp.path}: {mp.path_why} [{state}]")
     step = mp.step_s
     out.append(_step_line(pl, step, mp.rank.point.tokens_per_step, f", job {mp.job_tokens_per_s:,.0f} tokens/s"))

@@ -67,6 +67,7 @@ from ...costs.memory import (  # noqa: F401
     loss_workspace_bytes,
     residual_streams,
 )
+from ...costs.residency import optimizer_bytes_per_param
 from ..host.preflight import available_host_bytes
 from .attn_tiling import (
     attention_module_tileable,
@@ -326,7 +327,9 @@ def long_context_policy(config: EngineConfig, layers: Sequence[nn.Module], layer
         fixed_bytes=num_buffers * layer_numels[big] * itemsize + globals_bytes,
         logits_cap=None if device.type == "cuda" else AUTO_LOSS_LOGITS_BYTES,
         residency=config.residency, ring_bytes=num_buffers * layer_numels[big] * itemsize,
-        residency_room=host_room() if budget is None else None)
+        residency_room=host_room() if budget is None else None,
+        # what an optimizer-resident layer's state takes as the engine allocates it: a bf16 slab adds an FP32 work buffer
+        optimizer_bytes=optimizer_bytes_per_param(2 if config.host_grad_dtype == "bfloat16" else 4))
 
 
 def free_device_bytes(device: torch.device, own_bytes: int) -> int:
