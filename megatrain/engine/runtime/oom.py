@@ -1,4 +1,4 @@
-"""A device out-of-memory error in a forward lowers residency once, says so, and redoes the forward.
+"""A device out-of-memory error in a forward, a backward or a step lowers residency once, says so, and redoes it.
 
 The device budget is read once, when the engine is built (free memory then); another process that takes memory
 later, the allocator's fragmentation or an estimate short of a model's real working set can leave a batch's plan
@@ -6,14 +6,19 @@ later, the allocator's fragmentation or an estimate short of a model's real work
 of the plan that is optional: streaming a layer instead of keeping it computes the same bits (costs/residency.py),
 only slower. So the first out-of-memory error of a training or eval forward lowers the budget the plans are made
 in so that they peak half of what the failed plan kept (its kept weights and the graphs it held on the device)
-below the peak that failed, logs what it gave up, and runs the forward again from its start, in the same bits. Once per engine: a second error is raised as it
-is, as is one where nothing was kept to give up, or where the placement is the user's own counts (residency set),
-or "auto" had no budget to lower.
+below the peak that failed, logs what it gave up, and runs the forward again from its start, in the same bits. Once per engine: a second error raises `StillOutOfMemory`;
+one where nothing was kept to give up, or where the placement is the user's own counts (residency set), or "auto"
+had no budget to lower, is raised as it is.
 
 A forward is redone whole: it changes nothing the next call reads before it returns (the loss, the pending
-backward are set at its end). A backward or a step is not: gradients already added into the slabs, or a device
-update half done, cannot be taken back, so an error there still ends the step (its residency is lowered for the
-next ones all the same).
+backward are set at its end). A backward goes on from where the error cut it short (`layers_backward`): each layer's
+gradients are sent once, last layer first, so the layers above the one that failed have added theirs already (the
+same bits a recompute gives), and the rest run with the kept graphs given up (recomputed from their inputs), nothing
+added twice. A step's update (`update_step`) is redone for what had not been updated when it failed: the host layers
+are queued before the parts updated on the caller's thread (the resident parameters, the device-resident layers),
+which run one after the other; the one that failed is checked by its tensors' version counters (its step counter
+put back, Adam state it created dropped) and a part that half wrote its master, Adam state or gradient is refused
+rather than applied twice. The second error of an engine raises `StillOutOfMemory`, which says what to set.
 """
 
 from __future__ import annotations
@@ -49,8 +54,8 @@ def kept_bytes(policy: Any, plan: Any, tokens: int) -> int:
 def lower_residency(pipeline: Any, tokens: int) -> str | None:
     """Lower the budget `pipeline`'s plans are made in, so that they peak half of what its last plan kept below that
     plan's predicted peak (the optimizer-resident layers' state excepted: it lives there for the run): the next plan
-    keeps less. What was done, or None where there is nothing to lower (no plan, no budget, counts the user set,
-    nothing kept)."""
+    keeps less. What was done (the kept layers before and after), or None where there is nothing to lower (no plan,
+    no budget, counts the user set, nothing kept)."""
     policy, plan = getattr(pipeline, "policy", None), getattr(pipeline, "last_plan", None)
     if policy is None or plan is None or policy.budget is None or isinstance(policy.residency, Residency):
         return None
@@ -61,11 +66,42 @@ def lower_residency(pipeline: Any, tokens: int) -> str | None:
     # next plans are made to peak at half the kept bytes below it.
     before = policy.budget
     policy.budget = min(before, max(0, math.floor((plan.predicted_peak_bytes - kept / 2) / BUDGET_HEADROOM)))
-    return (f"the device ran out of memory with {plan.residency.weights} layers' weights and "
-            f"{plan.residency.device_graphs} layers' graphs kept; residency lowered once: the device budget "
-            f"{before / 2**20:.1f} -> {policy.budget / 2**20:.1f} MiB (plans peak {kept / 2 / 2**20:.1f} MiB, half "
-            f"of what was kept, below the {plan.predicted_peak_bytes / 2**20:.1f} MiB that failed), the same "
-            f"bits, slower")
+    old = plan.residency
+    new = policy.plan(tokens or plan_tokens(plan), True).residency  # what the next training batch keeps (they only shrink)
+    return (f"the device ran out of memory with {old.weights} layers' weights and {old.device_graphs} layers' graphs "
+            f"kept; residency lowered once: {old.weights} -> {new.weights} resident layers ({old.device_graphs} -> "
+            f"{new.device_graphs} kept graphs), the device budget {before / 2**20:.1f} -> "
+            f"{policy.budget / 2**20:.1f} MiB (plans peak {kept / 2 / 2**20:.1f} MiB, half of what was kept, below "
+            f"the {plan.predicted_peak_bytes / 2**20:.1f} MiB that failed), the same bits, slower")
+
+
+def plan_tokens(plan: Any) -> int:
+    """The tokens a plan was made for, where it records them (else 1: a placement's counts do not depend on it)."""
+    return int(getattr(plan, "tokens", 0) or 1)
+
+
+class StillOutOfMemory(torch.OutOfMemoryError):
+    """The device ran out of memory again after an engine had lowered its residency once: what to set says it."""
+
+
+def _again(engine: Any, err: BaseException, where: str) -> StillOutOfMemory:
+    redo = ("; the gradients this step added so far are partial: call zero_grad() and run the step again"
+            if where != "forward" else "")
+    return StillOutOfMemory(
+        f"the device ran out of memory in a {where} again after residency was lowered once ({_LOWERED[engine]}): "
+        f"set the megatrain setting residency to \"stream\" (the DeepSpeed config's \"megatrain\" section, "
+        f"Accelerator(megatrain={{...}}) or `--set residency=stream`), or a smaller device_budget_bytes, or train "
+        f"shorter sequences or smaller micro-batches{redo}. The error: {err}")
+
+
+def _lower_once(engine: Any, tokens: int) -> str | None:
+    """Residency lowered for `engine` if it never was (said on the log by the caller); None where it cannot be."""
+    if engine in _LOWERED:
+        return None
+    said = lower_residency(engine.pipeline, tokens)
+    if said is not None:
+        _LOWERED[engine] = said
+    return said
 
 
 def _release(device: torch.device) -> None:
@@ -82,23 +118,27 @@ def _tokens(args: tuple, kwargs: dict) -> int:
 
 def redone_once_on_oom(method: Callable) -> Callable:
     """Engine.forward run again after its first device out-of-memory error, with residency lowered
-    (`lower_residency`); the error raised as it is where that cannot be done."""
+    (`lower_residency`); the error raised as it is where that cannot be done, `StillOutOfMemory` after the lowering."""
 
     @functools.wraps(method)
     def run(engine: Any, *args: Any, **kwargs: Any) -> Any:
         _TOKENS[engine] = tokens = _tokens(args, kwargs)
         try:
             return method(engine, *args, **kwargs)
-        except torch.OutOfMemoryError:
-            if engine in _LOWERED:
+        except torch.OutOfMemoryError as err:
+            if isinstance(err, StillOutOfMemory):
                 raise
-            said = lower_residency(engine.pipeline, tokens)
+            if engine in _LOWERED:
+                raise _again(engine, err, "forward") from err
+            said = _lower_once(engine, tokens)
             if said is None:
                 raise
-            _LOWERED[engine] = said
         log.warning("megatrain: %s; redoing the forward", said)
         _release(engine.device)
-        return method(engine, *args, **kwargs)
+        try:
+            return method(engine, *args, **kwargs)
+        except torch.OutOfMemoryError as err:
+            raise _again(engine, err, "forward") from err
 
     return run
 
@@ -109,20 +149,190 @@ def lowered(engine: Any) -> str | None:
 
 
 def lowered_on_oom(method: Callable) -> Callable:
-    """Engine.backward / Engine.step: a device out-of-memory error there lowers residency for the next steps (once
-    per engine, said on the log) and is raised: gradients partly added, or an update half done, cannot be redone."""
+    """Engine.backward / Engine.step: a device out-of-memory error where neither can go on (the head's or the
+    embedding's backward, a clip; `layers_backward` and `update_step` go on from theirs) lowers residency for the
+    next steps (once per engine, said on the log) and is raised."""
 
     @functools.wraps(method)
     def run(engine: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return method(engine, *args, **kwargs)
-        except torch.OutOfMemoryError:
-            if engine not in _LOWERED:
-                said = lower_residency(engine.pipeline, _TOKENS.get(engine, 0))
-                if said is not None:
-                    _LOWERED[engine] = said
-                    log.warning("megatrain: %s; this step cannot be redone (its gradients were partly added): "
-                                "zero_grad() and run it again", said)
+        except torch.OutOfMemoryError as err:
+            if isinstance(err, StillOutOfMemory):
+                raise
+            if engine in _LOWERED:
+                raise _again(engine, err, method.__name__) from err
+            said = _lower_once(engine, _TOKENS.get(engine, 0))
+            if said is not None:
+                log.warning("megatrain: %s; this %s cannot be redone (it failed where its gradients may be partly "
+                            "added): zero_grad() and run the step again", said, method.__name__)
             raise
 
     return run
+
+
+def layers_backward(engine: Any, g: torch.Tensor, pending: Any, sent: Callable[[int], None] | None,
+                    floor: int) -> torch.Tensor | None:
+    """The layers' part of Engine.backward (LayerPipeline.backward from `g`, the gradient of the last layer's
+    output), gone on with after a device out-of-memory error: residency lowered once, the layers above the one it
+    cut short left as sent (their gradients added once), the kept graphs below given up for recomputes (their
+    device memory freed), and the backward run on from that layer's output gradient."""
+    pipeline, acts = engine.pipeline, pending.acts
+    try:
+        return pipeline.backward(g, pending.layer_inputs, acts, sent, side=pending.side, floor=floor)
+    except torch.OutOfMemoryError as err:
+        if isinstance(err, StillOutOfMemory):
+            raise
+        if engine in _LOWERED:
+            raise _again(engine, err, "backward") from err
+        # A router's logits gradients are handed to each layer's backward once (templates.py): a mixture of experts
+        # cannot go on from a layer whose backward took them.
+        if engine.templates.routed or not pipeline.resumable(acts):
+            raise
+        top, g_top = pipeline.resume
+        said = _lower_once(engine, _TOKENS.get(engine, 0))
+        if said is None:
+            raise
+    given_up = pipeline.recompute_kept(acts, top)
+    log.warning("megatrain: %s; the backward goes on from layer %d (the layers above it added their gradients once; "
+                "%d kept graphs given up for a recompute)", said, top, given_up)
+    _release(engine.device)
+    try:
+        return pipeline.backward(g_top, pending.layer_inputs, acts, sent, side=pending.side, floor=floor, ceiling=top)
+    except torch.OutOfMemoryError as err:
+        raise _again(engine, err, "backward") from err
+
+
+# -- the step's update ----------------------------------------------------------------------------------------------
+
+
+def _parts(update: Any) -> list[tuple[Any, Any, Callable[[Any], None]]]:
+    """(optimizer view, group, its update) of what a Layered path updates on the caller's thread after queueing the
+    host layers, in its order (update.py `Layered._queue`): the resident parameters, then the device-resident layers;
+    empty for a path that updates otherwise."""
+    from ..update import update as path  # the update path's own functions, looked up at call time
+
+    layered = getattr(update, "layered", None)
+    if not isinstance(update, path.Layered) or layered is None:
+        return []
+    store, threads, spill = update.store, update.threads, update.spill
+    parts = []
+    view = layered.view_globals()
+    if view is not None:
+        parts.append((view, store.globals, lambda clip: path.update_group(view, store.globals, clip.resident_coefs(),
+                                                                          threads)))
+    for i in sorted(update.device_layers):
+
+        def one(clip: Any, i: int = i) -> None:
+            update.events.landed[i].host_wait(update.config.watchdog_s)
+            run = functools.partial(path.update_layer, layered, store.layers[i], i, clip.layer_coefs(), threads)
+            run() if spill is None else spill.around(i, run)
+
+        parts.append((layered.view_optimizer(i), store.layers[i], one))
+    return parts
+
+
+def _tensors(view: Any, group: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    """(masters and gradient, Adam state tensors, the state's keys by parameter) of one part."""
+    params = [p for pg in view.param_groups for p in pg["params"]] if view is not None else []
+    masters = [*params, *([group.grad] if group.grad is not None else [])]
+    state = [t for p in params for k, t in view.state.get(p, {}).items() if torch.is_tensor(t) and k != "step"]
+    keys = {p: set(view.state[p]) for p in params if p in view.state}
+    return masters, state, keys
+
+
+class _Before:
+    """One part's tensors' version counters (read without a device sync) and step counters, before its update."""
+
+    def __init__(self, view: Any, group: Any) -> None:
+        self.view, self.group = view, group
+        masters, state, self.keys = _tensors(view, group)
+        self.masters, self.state = [t._version for t in masters], [t._version for t in state]
+        self.steps = {p: s["step"].clone() for p, s in (view.state.items() if view is not None else ())
+                      if torch.is_tensor(s.get("step"))}
+
+    def verdict(self) -> str:
+        """"done" (its master written), "untouched" (nothing but a step counter or new state: put back), or
+        "half" (Adam state or a clip-scaled gradient written, the master not: it cannot be redone)."""
+        masters, state, keys = _tensors(self.view, self.group)
+        params = len([p for pg in self.view.param_groups for p in pg["params"]]) if self.view is not None else 0
+        if [t._version for t in masters[:params]] != self.masters[:params]:
+            return "done"
+        if [t._version for t in masters[params:]] != self.masters[params:]:
+            return "half"
+        if keys == self.keys and [t._version for t in state] != self.state:
+            return "half"
+        return "untouched"
+
+    def put_back(self) -> None:
+        """The step counters as they were, the state this attempt created dropped (torch's Adam makes it anew)."""
+        if self.view is None:
+            return
+        with torch.no_grad():
+            for p, s in list(self.view.state.items()):
+                if p not in self.keys:
+                    del self.view.state[p]
+                elif p in self.steps and torch.is_tensor(s.get("step")):
+                    s["step"].copy_(self.steps[p])
+
+
+def update_step(engine: Any, finite: Callable[[], bool]) -> bool:
+    """Engine.step's update (`engine.update.step(finite, clipping)`), redone after a device out-of-memory error with
+    residency lowered once and the kept weights the lowered plan gives up freed: the whole update where it failed
+    before updating anything (the finite check, the norm), else the parts updated on the caller's thread that were
+    not done when it failed (`_parts`; the host layers were queued before them). Raised where it cannot be redone."""
+    update, clip = engine.update, engine.clipping
+    parts = _parts(update)
+    before = [_Before(view, group) for view, group, _ in parts]
+    judged: list[bool] = []
+
+    def checked() -> bool:
+        judged.append(finite())
+        return judged[-1]
+
+    try:
+        return update.step(checked, clip)
+    except torch.OutOfMemoryError as err:
+        if isinstance(err, StillOutOfMemory):
+            raise
+        if engine in _LOWERED:
+            raise _again(engine, err, "step") from err
+        if judged and not parts:
+            raise  # a path whose update cannot be told apart part by part
+        verdicts = [b.verdict() for b in before]
+        if "half" in verdicts:
+            raise StillOutOfMemory(
+                f"the device ran out of memory in the middle of an update (part {verdicts.index('half')} of those "
+                f"updated on the device: its Adam state or gradient written, its weights not), which cannot be taken "
+                f"back; load the last checkpoint. Set the "
+                f"megatrain setting residency to \"stream\" or a smaller device_budget_bytes to leave the update "
+                f"room. The error: {err}") from err
+        said = _lower_once(engine, _TOKENS.get(engine, 0))
+        if said is None:
+            raise
+    log.warning("megatrain: %s; redoing the step's update (%s)", said,
+                "from its start" if not judged else f"{verdicts.count('untouched')} of its {len(parts)} device parts")
+    for b, v in zip(before, verdicts if judged else ()):
+        if v == "untouched":
+            b.put_back()
+    _free_kept_weights(engine)
+    _release(engine.device)
+    try:
+        if not judged:
+            return update.step(finite, clip)
+        for (_, _, run), v in zip(parts, verdicts):
+            if v == "untouched":
+                run(clip)
+        if not update.overlapped:
+            update.layered.synchronize()
+        update.layered.optimizer._opt_called = True  # LR schedulers check that optimizer.step() ran before them
+        return True
+    except torch.OutOfMemoryError as err:
+        raise _again(engine, err, "step") from err
+
+
+def _free_kept_weights(engine: Any) -> None:
+    """The kept weights the lowered budget no longer plans for, freed now (the next forward plans the same)."""
+    pipeline = engine.pipeline
+    if pipeline.policy is not None and pipeline.last_plan is not None:
+        pipeline.plan_batch(_TOKENS.get(engine, 0) or plan_tokens(pipeline.last_plan), engine.config.offload_activations)
