@@ -206,10 +206,10 @@ def layers_backward(engine: Any, g: torch.Tensor, pending: Any, sent: Callable[[
 # -- the step's update ----------------------------------------------------------------------------------------------
 
 
-def _parts(update: Any) -> list[tuple[Any, Any, Callable[[Any], None]]]:
-    """(optimizer view, group, its update) of what a Layered path updates on the caller's thread after queueing the
-    host layers, in its order (update.py `Layered._queue`): the resident parameters, then the device-resident layers;
-    empty for a path that updates otherwise."""
+def _parts(update: Any) -> list[tuple[Any, Any, Callable[[list[float] | None], None]]]:
+    """(optimizer view, group, its update given the clip coefficients, None: the clipping's own) of what a Layered
+    path updates on the caller's thread after queueing the host layers, in its order (update.py `Layered._queue`):
+    the resident parameters, then the device-resident layers; empty for a path that updates otherwise."""
     from ..update import update as path  # the update path's own functions, looked up at call time
 
     layered = getattr(update, "layered", None)
@@ -219,61 +219,89 @@ def _parts(update: Any) -> list[tuple[Any, Any, Callable[[Any], None]]]:
     parts = []
     view = layered.view_globals()
     if view is not None:
-        parts.append((view, store.globals, lambda clip: path.update_group(view, store.globals, clip.resident_coefs(),
-                                                                          threads)))
+        parts.append((view, store.globals, lambda coefs: path.update_group(view, store.globals, coefs, threads)))
     for i in sorted(update.device_layers):
 
-        def one(clip: Any, i: int = i) -> None:
+        def one(coefs: list[float], i: int = i) -> None:
             update.events.landed[i].host_wait(update.config.watchdog_s)
-            run = functools.partial(path.update_layer, layered, store.layers[i], i, clip.layer_coefs(), threads)
+            run = functools.partial(path.update_layer, layered, store.layers[i], i, coefs, threads)
             run() if spill is None else spill.around(i, run)
 
         parts.append((layered.view_optimizer(i), store.layers[i], one))
     return parts
 
 
-def _tensors(view: Any, group: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
-    """(masters and gradient, Adam state tensors, the state's keys by parameter) of one part."""
-    params = [p for pg in view.param_groups for p in pg["params"]] if view is not None else []
-    masters = [*params, *([group.grad] if group.grad is not None else [])]
-    state = [t for p in params for k, t in view.state.get(p, {}).items() if torch.is_tensor(t) and k != "step"]
-    keys = {p: set(view.state[p]) for p in params if p in view.state}
-    return masters, state, keys
+class _Progress:
+    """How far each part's update got, from its optimizer view's step hooks (torch's, per optimizer) and its Adam
+    step counters (torch's AdamW counts before it writes anything): begun, finished, counted."""
+
+    def __init__(self, parts: list) -> None:
+        self.views = [view for view, _, _ in parts]
+        self.begun = [False] * len(parts)
+        self.finished = [False] * len(parts)
+        self.steps = [self._steps(v) for v in self.views]
+        self.keys = [{p: set(st) for p, st in v.state.items()} if v is not None else {} for v in self.views]
+        self.handles = []
+        for k, v in enumerate(self.views):
+            if v is not None:
+                self.handles.append(v.register_step_pre_hook(lambda *a, k=k: self.begun.__setitem__(k, True)))
+                self.handles.append(v.register_step_post_hook(lambda *a, k=k: self.finished.__setitem__(k, True)))
+
+    @staticmethod
+    def _steps(view: Any) -> dict:
+        if view is None:
+            return {}
+        return {p: st["step"].clone() for p, st in view.state.items() if torch.is_tensor(st.get("step"))}
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def counted(self, k: int) -> bool:
+        """Whether part k's Adam step counters moved since the step began (state it made counts from 0)."""
+        v = self.views[k]
+        if v is None:
+            return False
+        for p, st in v.state.items():
+            step = st.get("step")
+            if not torch.is_tensor(step):
+                continue
+            if p in self.steps[k] and not torch.equal(step, self.steps[k][p]):
+                return True
+            if p not in self.keys[k] and float(step) != 0:  # (a read on the device: this error's path only)
+                return True
+        return False
+
+    def put_back(self, k: int) -> None:
+        """Part k's Adam state as before its update began: state it made emptied in place (the dict is the main
+        optimizer's too, update/optim.py; torch's Adam fills an empty one anew, as on a first step)."""
+        v = self.views[k]
+        for p, st in v.state.items():
+            if p not in self.keys[k]:
+                st.clear()
 
 
-class _Before:
-    """One part's tensors' version counters (read without a device sync) and step counters, before its update."""
-
-    def __init__(self, view: Any, group: Any) -> None:
-        self.view, self.group = view, group
-        masters, state, self.keys = _tensors(view, group)
-        self.masters, self.state = [t._version for t in masters], [t._version for t in state]
-        self.steps = {p: s["step"].clone() for p, s in (view.state.items() if view is not None else ())
-                      if torch.is_tensor(s.get("step"))}
-
-    def verdict(self) -> str:
-        """"done" (its master written), "untouched" (nothing but a step counter or new state: put back), or
-        "half" (Adam state or a clip-scaled gradient written, the master not: it cannot be redone)."""
-        masters, state, keys = _tensors(self.view, self.group)
-        params = len([p for pg in self.view.param_groups for p in pg["params"]]) if self.view is not None else 0
-        if [t._version for t in masters[:params]] != self.masters[:params]:
-            return "done"
-        if [t._version for t in masters[params:]] != self.masters[params:]:
-            return "half"
-        if keys == self.keys and [t._version for t in state] != self.state:
-            return "half"
-        return "untouched"
-
-    def put_back(self) -> None:
-        """The step counters as they were, the state this attempt created dropped (torch's Adam makes it anew)."""
-        if self.view is None:
-            return
-        with torch.no_grad():
-            for p, s in list(self.view.state.items()):
-                if p not in self.keys:
-                    del self.view.state[p]
-                elif p in self.steps and torch.is_tensor(s.get("step")):
-                    s["step"].copy_(self.steps[p])
+def _todo(progress: _Progress, parts: list, fused: list[bool]) -> list[tuple[int, bool]] | str:
+    """(part, whether its gradients were already clip-scaled) of the parts to redo, in order; or why the update
+    cannot be redone. The parts run one after the other, so those before the last one finished are done: finished is
+    torch's step returned (its post hook), or for a part the engine's fused host pass updates (fused.py, which counts
+    the step at its end) its step counted. The part after it is the one that failed: where torch's step had begun
+    (its pre hook: its gradients loaded, a folded clip applied) without counting, its state is put back and it is
+    redone on those gradients; where it had counted, its moments may be written and it is refused. A fused pass
+    allocates nothing on the device (update/fused.py eligible: a host group's), so the error did not come from one."""
+    finished = [progress.finished[k] or (fused[k] and progress.counted(k)) for k in range(len(parts))]
+    last = max((k for k, f in enumerate(finished) if f), default=-1)
+    todo: list[tuple[int, bool]] = []
+    failed = last + 1
+    if failed < len(parts) and progress.begun[failed]:
+        if progress.counted(failed):
+            return "its Adam state counted the step, so its moments or weights may be written"
+        progress.put_back(failed)
+        todo.append((failed, True))
+        failed += 1
+    if last >= 0:
+        parts[last][1].pack()  # its streamed copy written again from its master (the error may have come there)
+    return todo + [(k, False) for k in range(failed, len(parts))]
 
 
 def update_step(engine: Any, finite: Callable[[], bool]) -> bool:
@@ -281,9 +309,12 @@ def update_step(engine: Any, finite: Callable[[], bool]) -> bool:
     residency lowered once and the kept weights the lowered plan gives up freed: the whole update where it failed
     before updating anything (the finite check, the norm), else the parts updated on the caller's thread that were
     not done when it failed (`_parts`; the host layers were queued before them). Raised where it cannot be redone."""
+    from ..update import fused
+
     update, clip = engine.update, engine.clipping
     parts = _parts(update)
-    before = [_Before(view, group) for view, group, _ in parts]
+    progress = _Progress(parts)
+    by_pass = [v is not None and fused.eligible(v, g) for v, g, _ in parts]  # as the update is about to decide
     judged: list[bool] = []
 
     def checked() -> bool:
@@ -299,30 +330,27 @@ def update_step(engine: Any, finite: Callable[[], bool]) -> bool:
             raise _again(engine, err, "step") from err
         if judged and not parts:
             raise  # a path whose update cannot be told apart part by part
-        verdicts = [b.verdict() for b in before]
-        if "half" in verdicts:
+        todo = _todo(progress, parts, by_pass) if judged else []
+        if isinstance(todo, str):
             raise StillOutOfMemory(
-                f"the device ran out of memory in the middle of an update (part {verdicts.index('half')} of those "
-                f"updated on the device: its Adam state or gradient written, its weights not), which cannot be taken "
-                f"back; load the last checkpoint. Set the "
-                f"megatrain setting residency to \"stream\" or a smaller device_budget_bytes to leave the update "
-                f"room. The error: {err}") from err
+                f"the device ran out of memory in the middle of an update ({todo}), which cannot be taken back; "
+                f"load the last checkpoint. Set the megatrain setting residency to \"stream\" or a smaller "
+                f"device_budget_bytes to leave the update room. The error: {err}") from err
         said = _lower_once(engine, _TOKENS.get(engine, 0))
         if said is None:
             raise
+    finally:
+        progress.close()
     log.warning("megatrain: %s; redoing the step's update (%s)", said,
-                "from its start" if not judged else f"{verdicts.count('untouched')} of its {len(parts)} device parts")
-    for b, v in zip(before, verdicts if judged else ()):
-        if v == "untouched":
-            b.put_back()
+                "from its start" if not judged else f"{len(todo)} of its {len(parts)} device parts")
     _free_kept_weights(engine)
     _release(engine.device)
     try:
         if not judged:
             return update.step(finite, clip)
-        for (_, _, run), v in zip(parts, verdicts):
-            if v == "untouched":
-                run(clip)
+        for k, scaled in todo:
+            parts[k][2]([] if scaled else (clip.resident_coefs() if k == 0 and parts[0][1] is update.store.globals
+                                           else clip.layer_coefs()))
         if not update.overlapped:
             update.layered.synchronize()
         update.layered.optimizer._opt_called = True  # LR schedulers check that optimizer.step() ran before them
