@@ -48,6 +48,7 @@ from .model.peft_model import unwrap_peft
 from .model.placement import place, resolve_device
 from .model.probe import verify_model
 from .model.trainable import Trainable, frozen_names, user_flags
+from .oom_step import layers_backward, lowered_on_oom, redone_once_on_oom, update_step  # OOM: redone (oom.py)
 from .parallel import node_path
 from .parallel.distributed import join_ranks
 from .parallel.ranks import ranks_for
@@ -58,7 +59,6 @@ from .runtime.host_copy import HostCopy, host_value, to_device, to_host
 from .runtime.malloc import set_mmap_threshold
 from .runtime.memtrack import DeviceMemoryTracker, resident_state, tracked
 from .runtime.numa import bind_host
-from .runtime.oom import layers_backward, lowered_on_oom, redone_once_on_oom, update_step
 from .runtime.stream import Streams, Trace
 from .update import resident, speculative
 from .update.choose import choose as choose_update
