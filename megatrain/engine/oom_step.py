@@ -82,10 +82,12 @@ class _Progress:
                 self.handles.append(v.register_step_post_hook(lambda *a, k=k: self.finished.__setitem__(k, True)))
 
     @staticmethod
-    def _steps(view: Any) -> dict:
+    def _steps(view: Any) -> tuple[list, torch.Tensor | None]:
+        """(the parameters with a step counter, their counters stacked: one copy per part, not one per parameter)."""
         if view is None:
-            return {}
-        return {p: st["step"].clone() for p, st in view.state.items() if torch.is_tensor(st.get("step"))}
+            return [], None
+        params = [p for p, st in view.state.items() if torch.is_tensor(st.get("step"))]
+        return params, (torch.stack([view.state[p]["step"] for p in params]) if params else None)
 
     def close(self) -> None:
         for h in self.handles:
@@ -96,15 +98,12 @@ class _Progress:
         v = self.views[k]
         if v is None:
             return False
-        for p, st in v.state.items():
-            step = st.get("step")
-            if not torch.is_tensor(step):
-                continue
-            if p in self.steps[k] and not torch.equal(step, self.steps[k][p]):
-                return True
-            if p not in self.keys[k] and float(step) != 0:  # (a read on the device: this error's path only)
-                return True
-        return False
+        params, before = self.steps[k]
+        if params and not torch.equal(torch.stack([v.state[p]["step"] for p in params]), before):
+            return True
+        # state it made counts from 0 (a read on the device: this error's path only)
+        return any(p not in self.keys[k] and torch.is_tensor(st.get("step")) and float(st["step"]) != 0
+                   for p, st in v.state.items())
 
     def put_back(self, k: int) -> None:
         """Part k's Adam state as before its update began: state it made emptied in place (the dict is the main
@@ -115,13 +114,20 @@ class _Progress:
                 st.clear()
 
 
+def _scaled_in_place(group: Any) -> bool:
+    """Whether loading `group`'s gradients applied the pending clip to its slab itself (an FP32 slab, which is its
+    own work buffer), not to a work buffer made afresh from it (a bf16 slab widened): then not again."""
+    grad, work = getattr(group, "grad", None), getattr(group, "grad_work", None)
+    return grad is not None and work is not None and work.data_ptr() == grad.data_ptr()
+
+
 def _todo(progress: _Progress, parts: list, fused: list[bool]) -> list[tuple[int, bool]] | str:
     """(part, whether its gradients were already clip-scaled) of the parts to redo, in order; or why the update
     cannot be redone. The parts run one after the other, so those before the last one finished are done: finished is
     torch's step returned (its post hook), or for a part the engine's fused host pass updates (fused.py, which counts
     the step at its end) its step counted. The part after it is the one that failed: where torch's step had begun
-    (its pre hook: its gradients loaded, a folded clip applied) without counting, its state is put back and it is
-    redone on those gradients; where it had counted, its moments may be written and it is refused. A fused pass
+    (its pre hook: its gradients loaded, a folded clip applied: on an FP32 slab, in place) without counting, its
+    state is put back and it is redone on those gradients; where it had counted, its moments may be written and it is refused. A fused pass
     allocates nothing on the device (update/fused.py eligible: a host group's), so the error did not come from one."""
     finished = [progress.finished[k] or (fused[k] and progress.counted(k)) for k in range(len(parts))]
     last = max((k for k, f in enumerate(finished) if f), default=-1)
@@ -131,10 +137,8 @@ def _todo(progress: _Progress, parts: list, fused: list[bool]) -> list[tuple[int
         if progress.counted(failed):
             return "its Adam state counted the step, so its moments or weights may be written"
         progress.put_back(failed)
-        todo.append((failed, True))
+        todo.append((failed, _scaled_in_place(parts[failed][1])))
         failed += 1
-    if last >= 0:
-        parts[last][1].pack()  # its streamed copy written again from its master (the error may have come there)
     return todo + [(k, False) for k in range(failed, len(parts))]
 
 
