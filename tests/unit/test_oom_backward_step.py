@@ -27,7 +27,7 @@ from megatrain.engine.update import update as update_path
 
 LAYERS, STEPS = 6, 3
 EMULATED = {"compute_dtype": "float32", "device_budget_bytes": 24 << 20, "link_gbps": 100.0,
-            "optimizer_overlap": True}
+            "optimizer_overlap": True, "parity_probe": False}  # (the probe would meet the injected errors)
 
 
 @pytest.fixture(autouse=True)
@@ -48,9 +48,9 @@ def _engine(budget: int | None = None) -> Engine:
     return eng
 
 
-def _train(eng: Engine, batches: list[dict],
-           clip: float | None = None) -> tuple[list[float], list[torch.Tensor], list[torch.Tensor]]:
-    losses, norms = train_steps(eng, batches, len(batches), clip=clip)
+def _train(eng: Engine, batches: list[dict], clip: float | None = None,
+           accum: int = 1) -> tuple[list[float], list[torch.Tensor], list[torch.Tensor]]:
+    losses, norms = train_steps(eng, batches, len(batches) // accum, accum=accum, clip=clip)
     assert not clip or all(n > clip for n in norms)  # every step's clip scales: its coefficient pending on the slabs
     eng.synchronize()
     return losses, [v.detach().clone() for v in eng.state_dict().values()], adam_state(eng)
@@ -97,25 +97,28 @@ def test_the_emulated_engine_keeps_graphs_and_updates_layers_on_the_device():
     assert type(eng.update) is update_path.Layered
 
 
-def test_an_oom_in_a_backward_goes_on_below_the_layers_it_sent_in_the_same_bits(monkeypatch, caplog):
-    batches = make_batches(STEPS)
+# accum 2: the error in the second micro-batch's backward, whose slabs hold the first's gradients already.
+@pytest.mark.parametrize("accum", [1, 2])
+def test_an_oom_in_a_backward_goes_on_below_the_layers_it_sent_in_the_same_bits(monkeypatch, caplog, accum):
+    batches = make_batches(STEPS * accum)
     sent = _sends(monkeypatch)
-    calls = _fail_grads_once(monkeypatch, call=2)  # layer 3 (layers 5 and 4 sent theirs)
+    at = (accum - 1) * LAYERS  # the failing backward's first layer call
+    calls = _fail_grads_once(monkeypatch, call=at + 2)  # its layer 3 (layers 5 and 4 sent theirs)
     eng = _engine()
     with caplog.at_level(logging.WARNING, logger="megatrain"):
-        got = _train(eng, batches)
+        got = _train(eng, batches, accum=accum)
     said = [r.getMessage() for r in caplog.records if "residency lowered once" in r.getMessage()]
     assert len(said) == 1 and "goes on from layer 3" in said[0], said
     assert f"{LAYERS} -> " in said[0] and "resident layers" in said[0]
     # Every layer's gradients sent once per backward: 5, 4 before the error, 3..0 after it, none twice.
-    assert sent[:LAYERS] == list(range(LAYERS - 1, -1, -1)), sent[:LAYERS]
-    assert len(sent) == LAYERS * STEPS and len(calls) == LAYERS * STEPS + 1
+    assert sent[at: at + LAYERS] == list(range(LAYERS - 1, -1, -1)), sent[at: at + LAYERS]
+    assert len(sent) == LAYERS * STEPS * accum and len(calls) == LAYERS * STEPS * accum + 1
     assert eng.pipeline.policy.budget < EMULATED["device_budget_bytes"]
     assert eng.pipeline.residency_stats()["kept_graph_layers"] < LAYERS  # the later steps keep less
     monkeypatch.undo()
-    want = _train(_engine(eng.pipeline.policy.budget), batches)  # started at the lowered residency
+    want = _train(_engine(eng.pipeline.policy.budget), batches, accum=accum)  # started at the lowered residency
     assert _same(got, want)
-    assert _same(got, _train(_engine(), batches))  # and what the run with no error trains
+    assert _same(got, _train(_engine(), batches, accum=accum))  # and what the run with no error trains
 
 
 def test_a_second_oom_in_a_backward_says_what_to_set(monkeypatch):
