@@ -489,6 +489,7 @@ class LayerPipeline:
                 saved.fetch(i)
             elif step.op == order.BACKWARD_KEPT:
                 g, gw, done = self._kept_backward(i, g, acts, side)
+                self.resume = None  # its graph spent: a send that fails cannot be gone on from (oom.py raises it)
             elif step.op == order.PREFETCH_INPUT:
                 acts.prefetch(i)
             elif step.op == order.FETCH_INPUT:
