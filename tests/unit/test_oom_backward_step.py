@@ -11,6 +11,7 @@ An error is injected by a patched call raising torch.OutOfMemoryError, what the 
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 
 import pytest
@@ -153,17 +154,22 @@ def _fail_device_update(monkeypatch, eng: Engine, layer: int, step: int,
                 t.add_(1)
         raise torch.OutOfMemoryError("emulated: CUDA out of memory in a device-resident layer's AdamW")
 
+    # Armed on the thread that updates `layer` (the caller's): the host layers update beside it on the optimizer's.
     def failing_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *args, **kwargs):
-        if at["armed"]:
+        if at["armed"] == threading.get_ident():
             fail(state_steps)
         return adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *args, **kwargs)
 
     def watched(layered, group, i, coefs, threads=None):
-        at["armed"] = i == layer and at["step"] == step and not at["failed"]
-        if at["armed"] and step > 1:
-            fail()
-        update_layer(layered, group, i, coefs, threads)
-        at["armed"] = False
+        if i == layer and at["step"] == step and not at["failed"]:
+            at["armed"] = threading.get_ident()
+            if step > 1:
+                fail()
+        try:
+            update_layer(layered, group, i, coefs, threads)
+        finally:
+            if i == layer:
+                at["armed"] = False
         if i in device:
             done.append((at["step"], i))
 
