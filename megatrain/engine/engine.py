@@ -402,7 +402,7 @@ class Engine:
                                "autograd. Call engine.backward(loss) (DeepSpeed face) or accelerator.backward(loss)")
         return grad
 
-    @lowered_on_oom  # gradients already added cannot be undone: residency lowered for the next steps, then raised
+    @lowered_on_oom  # an OOM outside the layers (head, embedding): residency lowered for the next steps, raised
     @tracked
     def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
         """Add d(loss)/d(params) into the host gradient slabs (accumulates across calls).
@@ -551,7 +551,7 @@ class Engine:
         self.ranks.wait()
         return [g.grad for g in self.store.groups() if g.grad is not None]
 
-    @lowered_on_oom  # as backward's (oom.py)
+    @lowered_on_oom  # as backward's, outside the update (oom.py)
     def step(self) -> bool:
         """One optimizer step over the host masters (the caller owns zero_grad and LR schedules).
 
@@ -565,7 +565,7 @@ class Engine:
         t0 = time.perf_counter()
         self.placement.fence_upload()  # a step with no forward since the last: its rounding reads the masters
         self.ranks.average_pending()
-        if not update_step(self, self._finite):  # the update's step(), redone after an OOM (oom.py)
+        if not update_step(self, self._finite):  # the update's step(), redone after an OOM (oom_step.py)
             return False
         self._norm_at = None  # the update may scale the slabs in place (a folded clip): the norm stays as clipped
         self.clipping.stepped()
