@@ -375,6 +375,10 @@ def train(prep: Prepared | SFTRun, resume_from: str | Path | None = None) -> dic
     if run.backend == "megatrain":
         import megatrain.integrations.hf  # noqa: F401  Trainer's DeepSpeed path runs MegaTrain
 
+        from ..integrations import resume_residency
+
+        resume_residency.install()  # a resume places the residency its checkpoint's run chose
+
     if run.random_init:
         config = transformers.AutoConfig.from_pretrained(run.model)
         torch.manual_seed(run.seed)

@@ -48,6 +48,7 @@ from .model.peft_model import attach_adapters, unwrap_peft
 from .model.placement import place, resolve_device
 from .model.probe import verify_model
 from .model.trainable import Trainable, frozen_names, user_flags
+from .oom_step import layers_backward, lowered_on_oom, redone_once_on_oom, update_step  # OOM: redone (oom.py)
 from .parallel import node_path, shared_store
 from .parallel.distributed import join_ranks
 from .parallel.ranks import ranks_for
@@ -58,7 +59,6 @@ from .runtime.host_copy import HostCopy, host_value, to_device, to_host
 from .runtime.malloc import set_mmap_threshold
 from .runtime.memtrack import DeviceMemoryTracker, resident_state, tracked
 from .runtime.numa import bind_host
-from .runtime.oom import lowered_on_oom, redone_once_on_oom
 from .runtime.stream import Streams, Trace
 from .update import resident, speculative
 from .update.choose import choose as choose_update
@@ -402,7 +402,7 @@ class Engine:
                                "autograd. Call engine.backward(loss) (DeepSpeed face) or accelerator.backward(loss)")
         return grad
 
-    @lowered_on_oom  # gradients already added cannot be undone: residency lowered for the next steps, then raised
+    @lowered_on_oom  # an OOM outside the layers (head, embedding): residency lowered for the next steps, raised
     @tracked
     def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
         """Add d(loss)/d(params) into the host gradient slabs (accumulates across calls).
@@ -466,7 +466,7 @@ class Engine:
         self.pipeline.tile = p.tile
         sent = self.update.grad_sent_hook(self.ranks.grad_sent(sync), sync)  # the ranks' average, a speculative update
         floor = self.trainable.backward_floor(everyone)
-        g = self.pipeline.backward(g, p.layer_inputs, p.acts, sent, side=p.side, floor=floor)
+        g = layers_backward(self, g, p, sent, floor)  # the pipeline's, gone on with after an OOM (oom.py)
         if floor > 0:  # nothing before the layers trains, and no layer below `floor`: backward ends there
             self.ranks.after_backward(sync)
             self.accounting.seconds["backward_s"] += time.perf_counter() - t0
@@ -551,7 +551,7 @@ class Engine:
         self.ranks.wait()
         return [g.grad for g in self.store.groups() if g.grad is not None]
 
-    @lowered_on_oom  # as backward's (oom.py)
+    @lowered_on_oom  # as backward's, outside the update (oom.py)
     def step(self) -> bool:
         """One optimizer step over the host masters (the caller owns zero_grad and LR schedules).
 
@@ -565,7 +565,7 @@ class Engine:
         t0 = time.perf_counter()
         self.placement.fence_upload()  # a step with no forward since the last: its rounding reads the masters
         self.ranks.average_pending()
-        if not self.update.step(self._finite, self.clipping):
+        if not update_step(self, self._finite):  # the update's step(), redone after an OOM (oom_step.py)
             return False
         self._norm_at = None  # the update may scale the slabs in place (a folded clip): the norm stays as clipped
         self.clipping.stepped()

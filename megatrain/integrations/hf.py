@@ -28,7 +28,7 @@ import functools
 from typing import Any
 
 from ..run import start_line
-from . import hf_stage, on_deepspeed
+from . import hf_stage, on_deepspeed, resume_residency
 from .hf_stage import has_megatrain_section, routed
 
 __all__ = ["install", "uninstall", "installed", "has_megatrain_section", "MegaTrainSectionError"]
@@ -61,6 +61,7 @@ def install() -> None:
 
     Idempotent. Needs the `deepspeed` package (Trainer's DeepSpeed path needs it anyway).
     """
+    resume_residency.install_if_loaded()  # a Trainer resume places its checkpoint's residency (resume_residency.py)
     if _saved:
         return
     try:
@@ -144,6 +145,7 @@ def install() -> None:
 
 def uninstall() -> None:
     """Undo `install()` (tests; a process that wants real DeepSpeed only again)."""
+    resume_residency.uninstall()
     if not _saved:
         hf_stage.uninstall()
         return

@@ -121,6 +121,9 @@ class LayerPipeline:
         self.offloaded: frozenset[int] = frozenset()  # those of them whose saved activations go to the host
         self.graph_bytes_out = 0  # offloaded graphs' bytes sent to the host since the counters were reset
         self.recomputed = 0  # layers recomputed in backward since the counters were reset
+        # Where a backward cut short would go on from: (the highest layer whose gradients it has not sent, the gradient
+        # of that layer's output); None outside a backward (oom.py)
+        self.resume: tuple[int, torch.Tensor] | None = None
         # A CPU device computing in the stream source's dtype, emulating no link and no device budget: a kept
         # layer's "device copy" is the host's own stream source (no copy, no second model in memory), as the
         # resident parameters' are (placement.py alias_globals). With an emulation the copies stay, as a GPU's.
@@ -453,17 +456,25 @@ class LayerPipeline:
 
     def backward(self, g: torch.Tensor, layer_inputs: list[tuple[tuple, dict]], acts: ActivationStore,
                  grad_sent: Callable[[int], None] | None = None, side: SideInputs | None = None,
-                 floor: int = 0) -> torch.Tensor | None:
+                 floor: int = 0, ceiling: int | None = None) -> torch.Tensor | None:
         """Backpropagate `g` through the layers; `grad_sent(i)` runs once layer i's gradients are queued to the host
         (data parallel: the layer's average across ranks is queued behind them, overlapping the next layer's).
         `side`: the layers' side inputs, whose gradients each layer's backward adds into it. `floor`: the lowest
         layer whose backward runs (nothing below it trains, engine/model/trainable.py); from 0 the first layer's
-        input gradient is returned, else None."""
+        input gradient is returned, else None. `ceiling`: the highest layer whose backward runs, `g` the gradient
+        of its output (a backward an out-of-memory error cut short, going on below the layers it sent: oom.py);
+        `resume` says where this one would go on from."""
         handed = getattr(acts, "handed", None) or HandedStates([])
         saved = getattr(acts, "saved", None)
         offloaded = saved.layers if saved is not None else frozenset()
+        top = len(self.store.layers) - 1 if ceiling is None else ceiling
+        self.resume = (top, g)
         for step in order.backward_steps(self.slots, len(self.store.layers), frozenset(acts.graphs), offloaded):
             i = step.layer
+            if i > top and step.op not in (order.LOAD, order.WAIT):
+                continue  # sent by the backward that was cut short (its weight copies issued: the buffers' model)
+            if step.op in (order.BACKWARD, order.BACKWARD_KEPT):
+                self.resume = (i, g)  # until its gradients are sent: redone from its output's gradient
             if i < floor:
                 if step.op in (order.PREFETCH_INPUT, order.PREFETCH_GRAPH):
                     continue  # for a backward that will not run
@@ -478,6 +489,7 @@ class LayerPipeline:
                 saved.fetch(i)
             elif step.op == order.BACKWARD_KEPT:
                 g, gw, done = self._kept_backward(i, g, acts, side)
+                self.resume = None  # its graph spent: a send that fails cannot be gone on from (oom.py raises it)
             elif step.op == order.PREFETCH_INPUT:
                 acts.prefetch(i)
             elif step.op == order.FETCH_INPUT:
@@ -490,12 +502,40 @@ class LayerPipeline:
                     self._send_grad(i, gw, done)
                     if grad_sent is not None:
                         grad_sent(i)
+                self.resume = (i - 1, g)
             elif step.op == order.DROP_INPUT:
                 acts.drop(i)
+        self.resume = None
         if floor > 0:
             self._drop_below(floor, acts)
             return None
         return g
+
+    def resumable(self, acts: ActivationStore) -> bool:
+        """Whether a backward cut short at `resume` can go on: its layer's input (or kept graph) and dropout state
+        are still there (an offloaded input already fetched, or a graph whose backward began, are not)."""
+        if self.resume is None:
+            return False
+        top = self.resume[0]
+        if top < 0:
+            return True
+        if top in acts.graphs:
+            return True
+        return not acts.offload and (not self.preserve_rng or top in self._rng)
+
+    def recompute_kept(self, acts: ActivationStore, top: int) -> int:
+        """The graphs this forward kept for layers up to `top` given up (their device memory freed), their inputs
+        kept instead for a recompute in backward, the same bits (costs/residency.py); how many. One whose
+        dropout state was not saved, or whose activations went to the host, stays."""
+        saved = getattr(acts, "saved", None)
+        gone = 0
+        for i in sorted(acts.graphs):
+            if i > top or (self.preserve_rng and i not in self._rng) or (saved is not None and i in saved.layers):
+                continue
+            x = acts.take_graph(i)[0]
+            acts.put(i, x.detach())
+            gone += 1
+        return gone
 
     def _trains(self, i: int) -> bool:
         return self.trainable is None or self.trainable.layer_trains(i)
@@ -556,8 +596,12 @@ class LayerPipeline:
         x, weights, y, logits, leaves = acts.take_graph(i)
         outs, gouts = self.templates.with_router_grads(i, y, g, logits)
         t0 = self.trace.mark()
-        with torch.enable_grad():
-            gx, gw = self._grads(outs, x, weights, gouts, *((leaves, side, i) if leaves else ()))
+        try:
+            with torch.enable_grad():
+                gx, gw = self._grads(outs, x, weights, gouts, *((leaves, side, i) if leaves else ()))
+        except torch.OutOfMemoryError:
+            acts.put(i, x.detach())  # its graph may be half freed: recomputed from its input where it goes on
+            raise
         del outs, y
         saved = getattr(acts, "saved", None)
         if saved is not None:
@@ -594,7 +638,7 @@ class LayerPipeline:
         t0 = self.trace.mark()
         with torch.enable_grad(), torch.random.fork_rng(self._rng_devices(), enabled=self.preserve_rng):
             if self.preserve_rng:
-                self._set_rng_state(self._rng.pop(i))
+                self._set_rng_state(self._rng[i])
             if (self.tile is not None and not args and not leaves and not handed.touches(i)
                     and self.templates.tileable(i)):
                 with self.templates.kernels():
@@ -606,6 +650,7 @@ class LayerPipeline:
                 outs, gouts = self.templates.with_router_grads(i, y, g)
                 gx, gw = self._grads(outs, x, weights, gouts, *((leaves, side, i) if leaves else ()))
                 del y, outs
+        self._rng.pop(i, None)  # drawn again only by a backward that failed before here (oom.py goes on from it)
         done = self.streams.record_compute()
         self.freed[slot] = done
         self.trace.add_since("compute", "bwd", i, t0)
