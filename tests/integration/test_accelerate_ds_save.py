@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from kit import run_python, worker_env
+from kit import finish, start_python, worker_env
 from safetensors.torch import load_file
 
 pytest.importorskip("deepspeed")
@@ -25,12 +25,21 @@ def test_unwrap_model_and_save_on_accelerates_deepspeed_road_write_the_trained_w
     shim.mkdir(parents=True)
     (shim / "__init__.py").write_text("import megatrain.deepspeed.redirect  # noqa: F401\n")
     # stages 2 and 3 on real DeepSpeed's name; stage 2 with every deepspeed import redirected (accelerate's own
-    # `import deepspeed`, `from deepspeed.checkpoint.utils import ...` included)
-    for stage, path in ((2, ()), (3, ()), (2, (shim.parent,))):
-        env = worker_env(world_size=1, threads=1, path=path, TORCH_EXTENSIONS_DIR=default_extensions_dir())
-        out = tmp_path / f"stage{stage}{'-redirected' if path else ''}"
-        out.mkdir()
-        run_python([WORKER, out, str(stage)], env=env, check=True, timeout=600)
+    # `import deepspeed`, `from deepspeed.checkpoint.utils import ...` included). The three runs side by side:
+    # each is mostly its single-threaded start-up (torch, accelerate, DeepSpeed), and none reads another's files.
+    runs = []
+    try:
+        for stage, path in ((2, ()), (3, ()), (2, (shim.parent,))):
+            env = worker_env(world_size=1, threads=1, path=path, TORCH_EXTENSIONS_DIR=default_extensions_dir())
+            out = tmp_path / f"stage{stage}{'-redirected' if path else ''}"
+            out.mkdir()
+            runs.append((start_python([WORKER, out, str(stage)], env=env, log=out.with_suffix(".log")), out))
+        for proc, out in runs:
+            finish(proc, timeout=600, log=out.with_suffix(".log"))
+    finally:
+        for proc, _ in runs:
+            proc.kill()
+    for _, out in runs:
         report = json.loads((out / "report.json").read_text())
         assert report == {**report, "engine": "MegaTrainEngine", "unwrapped": "LlamaForCausalLM",
                           "extract_is_unwrapped": True}

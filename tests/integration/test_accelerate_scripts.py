@@ -16,13 +16,15 @@ import inspect
 import json
 import math
 import statistics
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import accelerate
 import pytest
 import torch
 from conftest import tiny_model
-from kit import ROOT, free_port, probes, run_python, worker_env
+from kit import ROOT, finish, free_port, probes, start_python, worker_env
 
 from megatrain import Accelerator
 from megatrain.accelerate import REFUSED_ARGUMENTS, REFUSED_ENVIRONMENT, REFUSED_METHODS
@@ -115,10 +117,11 @@ def test_prepare_keeps_frozen_parameters_frozen():
 
 # -- the script, on the face and on plain accelerate ----------------------------------------------------------------
 
-def _launch(out: Path, ranks: int, *extra: str, accelerate_launch: Path | None = None,
-            megatrain_launch: bool = False) -> list[dict]:
-    """The script to its end in `ranks` processes (torchrun; `accelerate launch --config_file` when given;
-    `megatrain launch`); each rank's report."""
+def _start(out: Path, ranks: int, *extra: str, accelerate_launch: Path | None = None,
+           megatrain_launch: bool = False) -> tuple[subprocess.Popen, Path, int]:
+    """The script started in `ranks` processes (torchrun; `accelerate launch --config_file` when given;
+    `megatrain launch`), its output to a file beside `out` (a run started beside another never blocks on a full
+    pipe)."""
     args = [SCRIPT, "--output_dir", out, "--report", out / "report", "--max_train_steps", str(STEPS),
             "--checkpointing_steps", str(RESUME_AT), *extra]
     if megatrain_launch:
@@ -133,21 +136,81 @@ def _launch(out: Path, ranks: int, *extra: str, accelerate_launch: Path | None =
     # accelerate launch sets ACCELERATE_USE_CPU from its config's use_cpu (set beforehand, it takes the launch off
     # the DeepSpeed road)
     cpu = {} if accelerate_launch is not None else {"ACCELERATE_USE_CPU": "true"}
-    run_python(args, env=worker_env(threads=1, **cpu), check=True, timeout=900)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return start_python(args, env=worker_env(threads=1, **cpu), log=out.with_suffix(".log")), out, ranks
+
+
+def _collect(run: tuple[subprocess.Popen, Path, int]) -> list[dict]:
+    """A started run to its end; each rank's report."""
+    proc, out, ranks = run
+    finish(proc, timeout=900, log=out.with_suffix(".log"))
     reports = [json.loads((out / "report" / f"report_rank{r}.json").read_text()) for r in range(ranks)]
     assert all(r["num_processes"] == ranks for r in reports)
     return reports
 
 
-def _runs(root: Path, ranks: int, face: list[str], launch: Path | None = None) -> dict[str, list[dict]]:
-    """Plain accelerate and the face, each trained STEPS steps and resumed from its step-RESUME_AT state."""
-    out = {}
-    for name, flags in (("plain", []), ("face", face)):
-        out[name] = _launch(root / name, ranks, *flags, accelerate_launch=launch if name == "face" else None)
-        out[name + "_resumed"] = _launch(root / (name + "_resumed"), ranks, *flags, "--resume_from_checkpoint",
-                                         str(root / name / f"step_{RESUME_AT}"),
-                                         accelerate_launch=launch if name == "face" else None)
-    return out
+def _launch(out: Path, ranks: int, *extra: str, accelerate_launch: Path | None = None) -> list[dict]:
+    """The script to its end (as `_start` starts it); each rank's report."""
+    return _collect(_start(out, ranks, *extra, accelerate_launch=accelerate_launch))
+
+
+def _beside(run: tuple[subprocess.Popen, Path, int], work: Callable[[], list[dict]]) -> tuple[list[dict], list[dict]]:
+    """`work()` here while `run` trains (the two read none of each other's files: on two cores each start-up,
+    single-threaded, takes a core of its own), then `run`'s reports; `run` killed if `work` fails."""
+    try:
+        done = work()
+    except BaseException:
+        run[0].kill()
+        raise
+    return done, _collect(run)
+
+
+def _resumed(root: Path, name: str, ranks: int, flags: list[str],
+             launch: Path | None = None) -> tuple[subprocess.Popen, Path, int]:
+    """The run in root/`name` started again from its step-RESUME_AT state, into root/`name`_resumed."""
+    return _start(root / (name + "_resumed"), ranks, *flags, "--resume_from_checkpoint",
+                  str(root / name / f"step_{RESUME_AT}"), accelerate_launch=launch)
+
+
+class _PlainRuns:
+    """Plain accelerate's runs of the script (python or torchrun, ACCELERATE_USE_CPU), each made once per module:
+    every face below is compared with the same plain run of its rank count (the same arguments, so the same
+    losses, learning rates, batches and saved model), which each test used to launch again for itself."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.done = root, {}
+
+    def dir(self, ranks: int) -> Path:
+        return self.root / f"ranks{ranks}" / "plain"
+
+    def full(self, ranks: int) -> list[dict]:
+        if ranks not in self.done:
+            self.done[ranks] = _launch(self.dir(ranks), ranks)
+        return self.done[ranks]
+
+    def resumed(self, ranks: int) -> list[dict]:
+        key = (ranks, "resumed")
+        if key not in self.done:
+            self.full(ranks)
+            self.done[key] = _collect(_resumed(self.dir(ranks).parent, "plain", ranks, []))
+        return self.done[key]
+
+
+@pytest.fixture(scope="module")
+def plain_runs(tmp_path_factory) -> _PlainRuns:
+    return _PlainRuns(tmp_path_factory.mktemp("plain_accelerate"))
+
+
+def _runs(root: Path, plain: _PlainRuns, ranks: int, face: list[str],
+          launch: Path | None = None) -> dict[str, list[dict]]:
+    """Plain accelerate and the face, each trained STEPS steps and resumed from its step-RESUME_AT state (the
+    face's runs beside plain accelerate's where those are not made yet)."""
+    runs = {}
+    runs["plain"], runs["face"] = _beside(_start(root / "face", ranks, *face, accelerate_launch=launch),
+                                          lambda: plain.full(ranks))
+    runs["plain_resumed"], runs["face_resumed"] = _beside(_resumed(root, "face", ranks, face, launch),
+                                                          lambda: plain.resumed(ranks))
+    return runs
 
 
 def _assert_same_training(plain: list[dict], face: list[dict], steps: int, what: str) -> None:
@@ -166,14 +229,14 @@ def _assert_same_training(plain: list[dict], face: list[dict], steps: int, what:
         assert plain[0]["batches"] != plain[1]["batches"]  # control: the ranks get different shards
 
 
-def _assert_saved_model_is_the_engines(root: Path) -> None:
+def _assert_saved_model_is_the_engines(root: Path, plain_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     saved = AutoModelForCausalLM.from_pretrained(root / "face").state_dict()
     engine = torch.load(root / "face" / "report" / "final_weights.pt")
     assert set(engine) <= set(saved)
     assert all(torch.equal(saved[n], engine[n]) for n in engine)
-    plain = AutoModelForCausalLM.from_pretrained(root / "plain").state_dict()
+    plain = AutoModelForCausalLM.from_pretrained(plain_dir).state_dict()
     gap = max((saved[n] - plain[n]).abs().max().item() for n in engine)
     print(f"saved model: reloads bit-identical to the engine's weights, {gap:.2g} from plain accelerate's")
     assert gap <= TOL
@@ -181,12 +244,12 @@ def _assert_saved_model_is_the_engines(root: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_accelerate_script_on_the_face_trains_as_on_accelerate(tmp_path, ranks):
-    runs = _runs(tmp_path, ranks, ["--megatrain"])
+def test_accelerate_script_on_the_face_trains_as_on_accelerate(tmp_path, plain_runs, ranks):
+    runs = _runs(tmp_path, plain_runs, ranks, ["--megatrain"])
     _assert_same_training(runs["plain"], runs["face"], STEPS, f"{ranks} ranks")
     assert all(r["unwrapped"] == "LlamaForCausalLM" and r["accelerator"] == "megatrain.accelerate.accelerator"
                for r in runs["face"])
-    _assert_saved_model_is_the_engines(tmp_path)
+    _assert_saved_model_is_the_engines(tmp_path, plain_runs.dir(ranks))
     # Resumed from step 10: as plain accelerate's resume, the schedule carried on from where it was saved.
     assert all(r["start_step"] == RESUME_AT for r in runs["face_resumed"])
     _assert_same_training(runs["plain_resumed"], runs["face_resumed"], STEPS - RESUME_AT, f"{ranks} ranks resumed")
@@ -194,13 +257,13 @@ def test_accelerate_script_on_the_face_trains_as_on_accelerate(tmp_path, ranks):
 
 
 @pytest.mark.slow
-def test_accelerate_script_on_the_face_under_megatrain_launch(tmp_path):
+def test_accelerate_script_on_the_face_under_megatrain_launch(tmp_path, plain_runs):
     """`megatrain launch --nproc-per-node 2` starts the ranks through its routing bootstrap: the face trains there
     as under torchrun, against plain accelerate under torchrun."""
-    plain = _launch(tmp_path / "plain", 2)
-    face = _launch(tmp_path / "face", 2, "--megatrain", megatrain_launch=True)
+    plain, face = _beside(_start(tmp_path / "face", 2, "--megatrain", megatrain_launch=True),
+                          lambda: plain_runs.full(2))
     _assert_same_training(plain, face, STEPS, "megatrain launch, 2 ranks")
-    _assert_saved_model_is_the_engines(tmp_path)
+    _assert_saved_model_is_the_engines(tmp_path, plain_runs.dir(2))
 
 
 DS_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
@@ -228,19 +291,39 @@ print("PROBE " + json.dumps({"num_processes": acc.num_processes, "process_index"
 """
 
 
+@pytest.fixture(scope="module")
+def road_states(tmp_path_factory) -> dict[bool, list[dict]]:
+    """The state probe under `accelerate launch` on the DeepSpeed road, 2 ranks, with a "megatrain" section (True)
+    and without (False): the two launches side by side (each mostly its single-threaded start-up), each rank's
+    state as it printed it."""
+    launches = {}
+    try:
+        for section in (True, False):
+            root = tmp_path_factory.mktemp(f"road_section_{section}")
+            config = dict(DS_CONFIG) if section else {k: v for k, v in DS_CONFIG.items() if k != "megatrain"}
+            launch = _ds_launch_config(root, 2, config)
+            (root / "probe.py").write_text(STATE_PROBE)
+            log = root / "launch.log"
+            launches[section] = (start_python(["-m", "accelerate.commands.launch", "--config_file", launch,
+                                               "--main_process_port", str(free_port()), root / "probe.py"],
+                                              env=worker_env(threads=1), log=log), log)
+        for proc, log in launches.values():
+            finish(proc, timeout=300, log=log)
+    finally:
+        for proc, _ in launches.values():
+            proc.kill()
+    return {section: sorted(probes(log.read_text()), key=lambda s: s["process_index"])
+            for section, (_, log) in launches.items()}
+
+
 @pytest.mark.parametrize("section", [True, False])
-def test_deepspeed_road_on_cpu_counts_every_rank(tmp_path, section):
+def test_deepspeed_road_on_cpu_counts_every_rank(road_states, section):
     """On a machine without an accelerator, accelerate's DeepSpeed road makes a process group of every rank
     (DeepSpeed's init_distributed) but, finding no device backend, records one process: accelerate then filled
     train_batch_size for one rank and MegaTrain's parser (counting the group's) refused it, and each rank read
     itself as rank 0 (its loader not sharded). With a "megatrain" section the state counts the group's ranks; without one (real DeepSpeed) it is
     left as accelerate makes it, the control that this launch does meet accelerate's one-process record."""
-    config = dict(DS_CONFIG) if section else {k: v for k, v in DS_CONFIG.items() if k != "megatrain"}
-    launch = _ds_launch_config(tmp_path, 2, config)
-    (tmp_path / "probe.py").write_text(STATE_PROBE)
-    r = run_python(["-m", "accelerate.commands.launch", "--config_file", launch, "--main_process_port",
-                    str(free_port()), tmp_path / "probe.py"], env=worker_env(threads=1), check=True, timeout=300)
-    states = sorted(probes(r.stdout), key=lambda s: s["process_index"])
+    states = road_states[section]
     assert len(states) == 2 and all(s["group"] == 2 and s["distributed_type"] == "DistributedType.DEEPSPEED"
                                     for s in states), states
     if section:
@@ -252,18 +335,18 @@ def test_deepspeed_road_on_cpu_counts_every_rank(tmp_path, section):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_accelerate_script_unchanged_on_the_deepspeed_road(tmp_path, ranks):
+def test_accelerate_script_unchanged_on_the_deepspeed_road(tmp_path, plain_runs, ranks):
     """The same script without its switch, under `accelerate launch` with a DeepSpeed config whose "megatrain"
     section puts MegaTrain behind accelerate's DeepSpeed road, against plain accelerate (no clipping on either:
     the config says gradient_clipping 0)."""
     launch = _ds_launch_config(tmp_path, ranks, DS_CONFIG)
-    runs = _runs(tmp_path, ranks, [], launch=launch)
+    runs = _runs(tmp_path, plain_runs, ranks, [], launch=launch)
     # accelerate's DeepSpeed road, with MegaTrain's engine behind it (DeepSpeed's own engine would say so)
     assert all(r["distributed_type"] == "DistributedType.DEEPSPEED" and r["prepared"] == "MegaTrainEngine"
                for r in runs["face"]), [(r["distributed_type"], r["prepared"]) for r in runs["face"]]
     _assert_same_training(runs["plain"], runs["face"], STEPS, f"DeepSpeed road, {ranks} ranks")
     assert all(r["unwrapped"] == "LlamaForCausalLM" for r in runs["face"])
-    _assert_saved_model_is_the_engines(tmp_path)
+    _assert_saved_model_is_the_engines(tmp_path, plain_runs.dir(ranks))
     # Resumed from step 10: the schedule carries on from where it was saved, as plain accelerate's resume (issue 61
     # saw real DeepSpeed's resume keep the learning rate where load_state left it).
     assert all(r["start_step"] == RESUME_AT for r in runs["face_resumed"])

@@ -19,7 +19,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -177,15 +176,19 @@ def test_the_shim_needs_no_variable_and_the_startup_hook_routes_nothing(tmp_path
             "any(type(f).__name__ == '_RouteDeepSpeed' for f in sys.meta_path) or 'hook gone')")
     env = _env()
     assert not [k for k in env if k.startswith("MEGATRAIN_") and k != "MEGATRAIN_CACHE"]
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-TAIL_CHARS:]
-    assert r.stdout.split() == ["True", "True", "cpu", "False", "1", "hook", "gone"], r.stdout
-    # Control: without the shim the same name is real DeepSpeed, and importing it installs the routing.
-    r = subprocess.run([sys.executable, "-c", "import deepspeed, megatrain.integrations.hf as hf; "
-                        "print(deepspeed.__name__, hf.installed())"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert r.stdout.split()[-2:] == ["deepspeed", "True"], r.stderr[-TAIL_CHARS:]
+    # The shim's process and the control's (without the shim the same name is real DeepSpeed, and importing it
+    # installs the routing) side by side: each is mostly its start-up, and neither writes anything.
+    control = "import deepspeed, megatrain.integrations.hf as hf; print(deepspeed.__name__, hf.installed())"
+    procs = [start_python(["-c", c], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c, cwd in ((code, tmp_path), (control, ROOT))]
+    try:
+        (out, err), (control_out, control_err) = (proc.communicate(timeout=300) for proc in procs)
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert procs[0].returncode == 0, err[-TAIL_CHARS:]
+    assert out.split() == ["True", "True", "cpu", "False", "1", "hook", "gone"], out
+    assert control_out.split()[-2:] == ["deepspeed", "True"], control_err[-TAIL_CHARS:]
 
 
 @pytest.mark.slow

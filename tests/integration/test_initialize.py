@@ -510,12 +510,20 @@ def _run_script(backend: str, out: Path, *extra: str, timeout: int = 300) -> dic
 @pytest.fixture(scope="module")
 def _uninterrupted(tmp_path_factory):
     """The script under `import megatrain as deepspeed`, 10 steps, saving a checkpoint after step 5: in FP32
-    and in the GPU's defaults (bf16 compute, optimizer overlap, hilo), the two started side by side."""
+    and in the GPU's defaults (bf16 compute, optimizer overlap, hilo); and, where DeepSpeed is installed, the same
+    script on real DeepSpeed ZeRO-3 offload. The three started side by side: each is mostly its single-threaded
+    start-up, and none reads another's files."""
     runs = {}
     for name, extra in (("fp32", ()), ("gpu-defaults", ("--gpu-defaults",))):
         d = tmp_path_factory.mktemp(f"mt_run_{name}")
         runs[name] = (_start_script("megatrain", d / "out.json", "--save-at", "5", "--ckpt", str(d / "ckpt"),
                                     *extra), d / "ckpt")
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        pass  # the comparison with it is skipped (its deepspeed mark); nothing to start
+    else:
+        runs["deepspeed"] = (_start_script("deepspeed", tmp_path_factory.mktemp("ds_run") / "ds.json"), None)
     yield runs
     for run, _ in runs.values():
         run[0].kill()
@@ -535,13 +543,27 @@ def megatrain_gpu_run(_uninterrupted):
     return _script_result(run, "megatrain"), ckpt
 
 
+@pytest.fixture(scope="module")
+def _resumed_runs(megatrain_run, megatrain_gpu_run, tmp_path_factory):
+    """Each mode's run resumed in a new process from its checkpoint after step 5, the two side by side."""
+    started = {}
+    try:
+        for name, (_, ckpt_dir), extra in (("fp32", megatrain_run, ()),
+                                           ("gpu-defaults", megatrain_gpu_run, ("--gpu-defaults",))):
+            out = tmp_path_factory.mktemp(f"resumed_{name}") / "resumed.json"
+            started[name] = _start_script("megatrain", out, "--resume", str(ckpt_dir), *extra)
+        return {name: _script_result(run, "megatrain") for name, run in started.items()}
+    finally:
+        for run in started.values():
+            run[0].kill()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", CONFIGS)
-def test_resume_in_a_new_process_is_bit_identical(mode, request, tmp_path):
-    full, ckpt_dir = request.getfixturevalue("megatrain_gpu_run" if is_bf16(mode) else "megatrain_run")
+def test_resume_in_a_new_process_is_bit_identical(mode, request, _resumed_runs):
+    full, _ = request.getfixturevalue("megatrain_gpu_run" if is_bf16(mode) else "megatrain_run")
     assert len(full["losses"]) == 20 and (full["global_steps"], full["micro_steps"]) == (10, 20)
-    extra = ("--gpu-defaults",) if is_bf16(mode) else ()
-    resumed = _run_script("megatrain", tmp_path / "resumed.json", "--resume", str(ckpt_dir), *extra)
+    resumed = _resumed_runs["gpu-defaults" if is_bf16(mode) else "fp32"]
     assert resumed["start"] == 5 and resumed["client"] == {"note": "mid-run", "step": 5}
     assert resumed["losses"] == full["losses"][10:]  # exact float equality, every micro-step
     assert resumed["lrs"] == full["lrs"][5:]
@@ -550,10 +572,10 @@ def test_resume_in_a_new_process_is_bit_identical(mode, request, tmp_path):
 
 @pytest.mark.deepspeed
 @pytest.mark.slow
-def test_losses_match_real_deepspeed_zero3_offload(megatrain_run, tmp_path):
+def test_losses_match_real_deepspeed_zero3_offload(megatrain_run, _uninterrupted):
     ours, _ = megatrain_run
     # First use on a machine JIT-builds DeepSpeed's C++ ops (~85 s); later runs reuse the cache.
-    theirs = _run_script("deepspeed", tmp_path / "ds.json", timeout=900)
+    theirs = _script_result(_uninterrupted["deepspeed"][0], "deepspeed", timeout=900)
     assert len(ours["losses"]) == len(theirs["losses"]) == 20
     diffs = [abs(a - b) for a, b in zip(ours["losses"], theirs["losses"])]
     print("max |loss diff| vs DeepSpeed ZeRO-3 offload:", max(diffs))

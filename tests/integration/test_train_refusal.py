@@ -6,9 +6,10 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from kit import run_python, worker_env
+from kit import run_python, start_python, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "sft"
@@ -22,10 +23,27 @@ def _model_dir(tmp_path: Path, name: str, config) -> Path:
     return d
 
 
-def _train(model: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+def _train(model: Path, out: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+    """`megatrain train` of `model` into `out`, started: the process and the file its stderr goes to (stdout
+    dropped)."""
     sets = (f"model={model}", f"output_dir={out}", "report=null", "max_steps=1", "eval_data=null")
-    return run_python(["-m", "megatrain.commands.cli", "train", "--config", str(EXAMPLE / "sft.yaml"),
-                       *(a for s in sets for a in ("--set", s)), *extra], env=worker_env(threads=2), timeout=600)
+    err = out.with_suffix(".err")
+    with open(err, "w") as f:
+        return start_python(["-m", "megatrain.commands.cli", "train", "--config", str(EXAMPLE / "sft.yaml"),
+                             *(a for s in sets for a in ("--set", s)), *extra], env=worker_env(threads=2),
+                            stdout=subprocess.DEVNULL, stderr=f, text=True), err
+
+
+def _both(*runs: tuple[subprocess.Popen, Path]) -> list[SimpleNamespace]:
+    """Runs started side by side (each mostly the single-threaded start-up of torch, transformers and TRL, none
+    reading another's files), each to its end: its exit code and stderr."""
+    try:
+        for proc, _ in runs:
+            proc.wait(timeout=600)
+    finally:
+        for proc, _ in runs:
+            proc.kill()
+    return [SimpleNamespace(returncode=proc.returncode, stderr=err.read_text()) for proc, err in runs]
 
 
 @pytest.mark.slow
@@ -35,16 +53,15 @@ def test_a_structural_refusal_is_one_paragraph_and_writes_nothing(tmp_path):
     # GPT-1 applies no final norm after its layers (CTRL did too, until the structure detection found its norm)
     model = _model_dir(tmp_path, "openai-gpt", transformers.OpenAIGPTConfig(n_layer=2, n_embd=64, n_head=4,
                                                                             vocab_size=300))
-    out = tmp_path / "out"
-    r = _train(model, out)
+    out, debug_out = tmp_path / "out", tmp_path / "out_debug"
+    r, debug = _both(_train(model, out), _train(model, debug_out, "--debug"))  # the traceback, on request
     assert r.returncode == 2, r.stderr[-3000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) <= 5 and "Traceback" not in r.stderr, r.stderr
     assert "cannot train" in r.stderr and "OpenAIGPTLMHeadModel" in r.stderr and "no final norm" in r.stderr
     assert "backend: torch" in r.stderr and "parity_probe" not in r.stderr  # the probe switch would not help
     assert not out.exists()
-    debug = _train(model, out, "--debug")  # the traceback, on request
-    assert debug.returncode != 0 and "Traceback" in debug.stderr and not out.exists()
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and not debug_out.exists()
 
 
 @pytest.mark.slow
@@ -57,14 +74,13 @@ def test_a_probe_refusal_is_one_paragraph_and_its_fix_trains(tmp_path):
                                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
                                             hidden_size_per_layer_input=16, vocab_size_per_layer_input=300,
                                             num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 2)
-    model, out = _model_dir(tmp_path, "gemma4", cfg), tmp_path / "out"
-    r = _train(model, out)
+    model, out, fixed_out = _model_dir(tmp_path, "gemma4", cfg), tmp_path / "out", tmp_path / "out_fixed"
+    r, fixed = _both(_train(model, out), _train(model, fixed_out, "--set", "backend=torch"))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) <= 5 and "Traceback" not in r.stderr, r.stderr
     assert "Gemma4ForCausalLM" in r.stderr and "backend: torch" in r.stderr and "parity_probe" not in r.stderr
     assert not out.exists()
-    fixed = _train(model, out, "--set", "backend=torch")
     assert fixed.returncode == 0, fixed.stderr[-3000:]
-    assert (out / "final").is_dir()
+    assert (fixed_out / "final").is_dir()
 
 
 @pytest.mark.slow
