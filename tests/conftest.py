@@ -57,6 +57,19 @@ def _no_accelerate_state_left():
         return
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _environment_restored_after_each_module():
+    """An in-process HF Trainer on its DeepSpeed road sets ACCELERATE_USE_DEEPSPEED=true (and accelerate's mixed
+    precision variables) in os.environ for good; a module-scoped fixture that trains one does it outside any test's
+    own teardown check. Left set, every later `megatrain.Accelerator` of this process would take accelerate's
+    DeepSpeed road. Each module ends with the environment it started with."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(autouse=True)
 def _no_process_group_left():
     """A test leaves no torch.distributed process group and no launcher variable behind: every later test of this
