@@ -1,0 +1,68 @@
+"""A frozen resident parameter (embedding, head, final norm) loaded in bf16 is held as loaded: 2 bytes a parameter in
+the host store (engine/host/codec.py FrozenTail), where an FP32 master held 4, and the training is bit for bit what
+it is with the same values held in FP32 (the device computes with the same numbers either way)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from frozen_cases import BATCHES, CLIP, LR
+from gpu_defaults import FP32, GPU_DEFAULTS
+
+from megatrain.config.schema import EngineConfig
+from megatrain.engine import Engine
+
+STEPS = 3
+FROZEN = ("model.embed_tokens.", "lm_head.")
+
+
+def loaded(dtype: torch.dtype) -> torch.nn.Module:
+    """A tiny Llama with its embedding and head frozen, loaded in `dtype` (bf16 values either way: the model is
+    rounded once, so both loads hold the same numbers); everything else trains, in FP32."""
+    m = tiny_model("llama")
+    for n, p in m.named_parameters():
+        p.data = p.data.to(torch.bfloat16).float()
+        if n.startswith(FROZEN):
+            p.requires_grad_(False)
+            p.data = p.data.to(dtype)
+    return m
+
+
+def run(model: torch.nn.Module, mode: dict) -> tuple[list[float], Engine, dict]:
+    eng = Engine(model, EngineConfig(residency="stream", parity_probe=False, **mode),
+                 optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR),
+                 clip_every_step=CLIP)
+    losses = []
+    for b in BATCHES[:STEPS]:
+        eng.reset_stats()
+        loss = model(**b).loss
+        eng.backward(loss)
+        eng.step()
+        eng.zero_grad()
+        losses.append(loss.item())
+    return losses, eng, eng.collect_stats()
+
+
+@pytest.mark.parametrize("mode", [pytest.param(FP32, id="fp32"), pytest.param(GPU_DEFAULTS, id="gpu-defaults")])
+def test_frozen_bf16_globals_are_held_as_loaded(mode):
+    bf16, fp32 = loaded(torch.bfloat16), loaded(torch.float32)
+    weights = {n: p.detach().clone() for n, p in bf16.named_parameters() if n.startswith(FROZEN)}
+    frozen = sum(w.numel() for w in weights.values())
+    assert frozen > 0 and all(w.dtype == torch.bfloat16 for w in weights.values())  # control: the case is there
+    got, eng, stats = run(bf16, mode)
+    want, ref, ref_stats = run(fp32, mode)
+    assert got == want  # the same values held two ways: the same steps, bit for bit
+    g = eng.store.globals
+    assert g.held_tail is not None and g.held_tail.numel() == frozen  # the frozen ones, 2 B each, nothing else
+    assert g.master.numel() == g.numel - frozen and (g.grad is None or g.grad.numel() <= g.numel - frozen)
+    assert ref.store.globals.held_tail is None  # control: FP32-loaded, they keep their FP32 master
+    # exactly 2 B a frozen resident parameter less than the FP32 master the same values have (no slab, no Adam state
+    # for them in either)
+    assert ref_stats["host_store_bytes"] - stats["host_store_bytes"] == 2 * frozen
+    # the weights never moved, and the engine reads them bit for bit as loaded
+    named = dict(eng.placement.named_parameters())
+    for n, w in weights.items():
+        assert torch.equal(named[n].detach(), w)
+        assert torch.equal(eng.placement.device_globals[eng.placement.global_index(n)].detach().cpu(),
+                           w.to(eng.placement.device_globals[0].dtype))
