@@ -66,3 +66,38 @@ def test_frozen_bf16_globals_are_held_as_loaded(mode):
         assert torch.equal(named[n].detach(), w)
         assert torch.equal(eng.placement.device_globals[eng.placement.global_index(n)].detach().cpu(),
                            w.to(eng.placement.device_globals[0].dtype))
+
+
+def test_the_resident_group_moved_to_a_device_keeps_its_bf16_tail():
+    """The resident optimizer moving the resident group onto a device (relocated here, as a GPU's fresh buffers would
+    be; update/resident.py move): its FP32 master goes for what trains, the frozen tail's bf16 weights as they are,
+    each Parameter views its own part there, and the steps are bit for bit those without the move."""
+    from megatrain.engine.update import resident
+
+    def train(move: bool) -> tuple[list[float], Engine]:
+        model = loaded(torch.bfloat16)
+        eng = Engine(model, EngineConfig(residency="stream", parity_probe=False, **FP32),
+                     optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR),
+                     clip_every_step=CLIP)
+        if move:
+            old = eng.store.globals.held_tail
+            resident.move(eng.store.globals, torch.device("cpu"), relocate=True)
+            assert eng.store.globals.held_tail is not old and torch.equal(eng.store.globals.held_tail, old)
+        losses = []
+        for b in BATCHES[:2]:
+            loss = model(**b).loss
+            eng.backward(loss)
+            eng.step()
+            eng.zero_grad()
+            losses.append(loss.item())
+        return losses, eng
+
+    got, eng = train(True)
+    want, _ = train(False)
+    assert got == want
+    g = eng.store.globals
+    m = g.master.numel()
+    for s, p in zip(g.slots, g.params):
+        held = g.master if s.offset < m else g.held_tail
+        assert p.untyped_storage().data_ptr() == held.untyped_storage().data_ptr()
+        assert p.dtype == (torch.float32 if s.offset < m else torch.bfloat16)

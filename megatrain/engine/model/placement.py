@@ -229,9 +229,10 @@ def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: t
                       # not with a node's shared store (its buffers are the mode's) or the NVMe tier (its records
                       # are sized by the store's mode)
                       loaded_bf16_frozen(parts, frozen, in_layers) if node is None and config.nvme_path is None else (),
-                      # the frozen resident ones loaded in bf16, held so (not where the ranks move FP32 masters)
+                      # the frozen resident ones loaded in bf16, held so (not where the ranks move FP32 masters,
+                      # nor under a checkpoint directory, which reads into FP32 masters: host/loading.py)
                       sum(p.numel() for n, p in global_named if _held_as_loaded((n, p), frozen))
-                      if node is None and dp is None else 0)
+                      if node is None and dp is None and checkpoint_dir is None else 0)
     if node is not None:
         node.make_staging(max(g.numel for g in store.layers))
     if config.bf16_rounding == "stochastic":
