@@ -15,15 +15,16 @@ from megatrain.engine import Engine
 
 STEPS = 3
 FROZEN = ("model.embed_tokens.", "lm_head.")
+ALL = FROZEN + ("model.norm.",)  # every resident parameter frozen: the group's FP32 master and slab are empty
 
 
-def loaded(dtype: torch.dtype) -> torch.nn.Module:
+def loaded(dtype: torch.dtype, frozen: tuple[str, ...] = FROZEN) -> torch.nn.Module:
     """A tiny Llama with its embedding and head frozen, loaded in `dtype` (bf16 values either way: the model is
     rounded once, so both loads hold the same numbers); everything else trains, in FP32."""
     m = tiny_model("llama")
     for n, p in m.named_parameters():
         p.data = p.data.to(torch.bfloat16).float()
-        if n.startswith(FROZEN):
+        if n.startswith(frozen):
             p.requires_grad_(False)
             p.data = p.data.to(dtype)
     return m
@@ -44,10 +45,11 @@ def run(model: torch.nn.Module, mode: dict) -> tuple[list[float], Engine, dict]:
     return losses, eng, eng.collect_stats()
 
 
+@pytest.mark.parametrize("frozen", [pytest.param(FROZEN, id="embed-head"), pytest.param(ALL, id="all-resident")])
 @pytest.mark.parametrize("mode", [pytest.param(FP32, id="fp32"), pytest.param(GPU_DEFAULTS, id="gpu-defaults")])
-def test_frozen_bf16_globals_are_held_as_loaded(mode):
-    bf16, fp32 = loaded(torch.bfloat16), loaded(torch.float32)
-    weights = {n: p.detach().clone() for n, p in bf16.named_parameters() if n.startswith(FROZEN)}
+def test_frozen_bf16_globals_are_held_as_loaded(mode, frozen):
+    bf16, fp32 = loaded(torch.bfloat16, frozen), loaded(torch.float32, frozen)
+    weights = {n: p.detach().clone() for n, p in bf16.named_parameters() if n.startswith(frozen)}
     frozen = sum(w.numel() for w in weights.values())
     assert frozen > 0 and all(w.dtype == torch.bfloat16 for w in weights.values())  # control: the case is there
     got, eng, stats = run(bf16, mode)

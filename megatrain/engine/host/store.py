@@ -12,7 +12,8 @@ are views of one shared FP32 scratch that holds a layer's values only while the 
 its codec's (codec.py), chosen once per group: no method here tests a mode.
 
 A layer none of whose parameters trains, loaded in bf16, is held as loaded (codec.LoadedBf16): its bf16 weights
-alone, 2 bytes a parameter, streamed as they are; the master mode applies to what trains.
+alone, 2 bytes a parameter, streamed as they are; the master mode applies to what trains. So are the resident
+parameters that never train, loaded in bf16 (codec.FrozenTail): they end the resident group, outside its FP32 master.
 """
 
 from __future__ import annotations
@@ -292,7 +293,9 @@ class HostStore:
         # The resident masters are a DMA source only where no staging in another dtype stands between.
         self.resident_masters_copied = shadow_dtype is None
         if self.pinner is not None:
-            copied = [self.globals.master] if self.resident_masters_copied else []
+            # (a frozen bf16 tail is copied to its FP32 device copies the same way: host/codec.py FrozenTail)
+            copied = ([t for t in (self.globals.master, self.globals.held_tail) if t is not None]
+                      if self.resident_masters_copied else [])
             streamed = [g.stream_source for g in self.layers if g.owned or not self.across_nodes]
             if self.across_nodes:  # the scratch the others' loads view, once
                 streamed.append(scratch["shadow"] if "shadow" in scratch else scratch["master"])
