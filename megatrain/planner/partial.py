@@ -2,7 +2,9 @@
 
 The engine trains only what the user leaves trainable (docs/ENGINE_API.md "Part of a model"): a frozen parameter
 has no gradient slab, no Adam state, no D2H of its gradient and no host update; its host copy is its weights only,
-as loaded (bf16 in bf16 compute, FP32 otherwise). Below the lowest layer with a trainable parameter there is no
+as loaded (bf16 in bf16 compute, FP32 otherwise): the frozen layers' and the embedding's, head's and norms' alike, as
+the engine holds them (engine/host/codec.py LoadedBf16, FrozenTail; tests/unit/test_lora_resident.py measures the
+two against each other). Below the lowest layer with a trainable parameter there is no
 backward and no recompute; a frozen layer above a trainable one runs only its input-gradient GEMMs (its recompute
 and its data-gradient, the weight-gradient third of a recomputed backward dropped). LoRA adapters (PEFT's A r x
 d_in and B d_out x r on each targeted linear) train on the device, their weights, gradients and Adam state

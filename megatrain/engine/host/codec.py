@@ -39,6 +39,7 @@ class Held(Protocol):
     shadow: torch.Tensor | None
     lo: torch.Tensor | None
     tie_table: torch.Tensor | None
+    held_tail: torch.Tensor | None
     work: torch.Tensor
     ties: torch.Tensor
     rounding: torch.Generator | None
@@ -230,6 +231,35 @@ class LoadedBf16(Bf16Master):
 
 
 LOADED_BF16 = LoadedBf16()
+
+
+class FrozenTail(MasterCodec):
+    """The resident parameters (embedding, final norm, head, PEFT's adapters) whose frozen ones loaded in bf16 end
+    the group (engine/model/placement.py orders them last): an FP32 master for the rest, and those held as loaded,
+    2 bytes each, in `held_tail` (what their Parameters view), as a frozen layer is (LoadedBf16). Nothing updates
+    the tail: only reads and writes of a parameter (a load, the engine's state_dict) reach it."""
+
+    @staticmethod
+    def _tail(g: Held, s: Span) -> torch.Tensor | None:
+        m = g.master.numel()
+        return g.held_tail[s.offset - m: s.offset - m + s.numel] if s.offset >= m else None
+
+    def read(self, g: Held, s: Span) -> torch.Tensor:
+        tail = self._tail(g, s)
+        return super().read(g, s) if tail is None else tail.float().view(s.shape)
+
+    def write(self, g: Held, s: Span, value: torch.Tensor) -> None:
+        tail = self._tail(g, s)
+        if tail is None:
+            super().write(g, s, value)
+        else:
+            tail.copy_(value.reshape(-1))
+
+    def master_tensors(self, g: Held) -> list[torch.Tensor]:
+        return [g.master, g.held_tail]
+
+
+FROZEN_TAIL = FrozenTail()
 
 
 def poison(g: Held) -> None:

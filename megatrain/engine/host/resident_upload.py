@@ -79,7 +79,10 @@ class ResidentUpload:
         copies on the copy stream behind `before` (the compute queued before the run may still read the old
         values)."""
         self._wait_free()
-        round_into(self.staging, self.group.master)
+        m = self.group.master.numel()
+        round_into(self.staging[:m], self.group.master)
+        if self.group.held_tail is not None:  # the frozen ones held as loaded in bf16 (codec.FrozenTail)
+            round_into(self.staging[m:], self.group.held_tail)
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream), torch.no_grad():
             self._stream.wait_event(before)
             for dst, src in zip(self.targets, self._views):

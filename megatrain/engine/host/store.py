@@ -12,7 +12,8 @@ are views of one shared FP32 scratch that holds a layer's values only while the 
 its codec's (codec.py), chosen once per group: no method here tests a mode.
 
 A layer none of whose parameters trains, loaded in bf16, is held as loaded (codec.LoadedBf16): its bf16 weights
-alone, 2 bytes a parameter, streamed as they are; the master mode applies to what trains.
+alone, 2 bytes a parameter, streamed as they are; the master mode applies to what trains. So are the resident
+parameters that never train, loaded in bf16 (codec.FrozenTail): they end the resident group, outside its FP32 master.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from ...costs.modes import GradSlab, HostMaster
-from .codec import LOADED_BF16, GradCodec, MasterCodec, grad_codec, master_codec
+from .codec import FROZEN_TAIL, LOADED_BF16, GradCodec, MasterCodec, grad_codec, master_codec
 from .node_store import NodeStore
 from .pinned import Pinner, host_buffer
 
@@ -90,9 +91,10 @@ class FlatGroup:
     def __init__(self, named_shapes: Iterable[tuple[str, torch.Size]], shadow_dtype: torch.dtype | None,
                  master: HostMaster = HostMaster.FP32, grad: GradSlab | None = GradSlab.FLOAT32,
                  scratch: Scratch | None = None, shared: SharedLayer | None = None, owned: bool = True,
-                 frozen_bf16: bool = False):
+                 frozen_bf16: bool = False, bf16_tail: int = 0):
         """`frozen_bf16`: a layer none of whose parameters trains, loaded in bf16: held as loaded (codec.LoadedBf16),
-        no gradient slab."""
+        no gradient slab. `bf16_tail`: the resident group's last elements, frozen parameters loaded in bf16, held as
+        loaded (codec.FrozenTail): its FP32 master and gradient slab end before them."""
         self.slots: list[Slot] = []
         offset = 0
         for name, shape in named_shapes:
@@ -101,7 +103,8 @@ class FlatGroup:
             offset += n
         self.numel = offset
         # What each mode does, chosen once.
-        self.masters: MasterCodec = LOADED_BF16 if frozen_bf16 else master_codec(master)
+        self.masters: MasterCodec = (LOADED_BF16 if frozen_bf16 else FROZEN_TAIL if bf16_tail
+                                     else master_codec(master))
         self.grads: GradCodec = grad_codec(grad)
         self.rounding: torch.Generator | None = None  # bf16 master: stochastic rounding's random bits
         # hilo: positions whose hi rounded up at a tie (the `ties` property); in a shared store a table in the
@@ -113,15 +116,19 @@ class FlatGroup:
         self.owned = owned
         # Fresh mappings are zero-filled: the gradient slab needs no zeroing pass (and pages it never touches
         # cost nothing). Which of these are pinned is the store's choice (HostStore).
+        kept = offset - bf16_tail  # the elements with an FP32 master (all but a frozen bf16 tail)
         self.master, self.shadow, self.lo, self.tie_table, self.work = self.masters.buffers(
-            offset, shadow_dtype, shared, scratch.master if scratch is not None else None)
-        self.grad, self.grad_work = (self.grads.buffers(offset, scratch.grad if scratch is not None else None)
+            kept, shadow_dtype, shared, scratch.master if scratch is not None else None)
+        self.held_tail = host_buffer(bf16_tail, torch.bfloat16) if bf16_tail else None
+        self.grad, self.grad_work = (self.grads.buffers(kept, scratch.grad if scratch is not None else None)
                                      if owned and not frozen_bf16 else (None, None))
         self.params: list[nn.Parameter] = []
-        self.trains: list[bool] | None = None  # per slot, whether it trains (engine/model/trainable.py; None: all)
+        # per slot, whether it trains (engine/model/trainable.py; None: all); a bf16 tail never does
+        self.trains: list[bool] | None = [s.offset < kept for s in self.slots] if bf16_tail else None
         for s in self.slots:
-            p = nn.Parameter(self.view(self.work, s), requires_grad=True)
-            self.params.append(p)
+            held = (self.view(self.work, s) if s.offset < kept
+                    else self.held_tail[s.offset - kept: s.offset - kept + s.numel].view(s.shape))
+            self.params.append(nn.Parameter(held, requires_grad=True))
         self.link_grads()
 
     @property
@@ -148,7 +155,7 @@ class FlatGroup:
     def host_tensors(self) -> list[torch.Tensor]:
         """The group's persistent host buffers (what it holds between steps)."""
         ties = self.tie_table if self.tie_table is not None else self._ties
-        return [t for t in (self.master, self.grad, self.shadow, self.lo, ties) if t is not None]
+        return [t for t in (self.master, self.grad, self.shadow, self.lo, ties, self.held_tail) if t is not None]
 
     def master_tensors(self) -> list[torch.Tensor]:
         """The buffers that hold the master values (what a copy of the weights between ranks moves): the FP32
@@ -245,12 +252,13 @@ class HostStore:
     def __init__(self, layer_shapes: list[list[tuple[str, torch.Size]]], global_shapes: list[tuple[str, torch.Size]],
                  pin: bool | Pinner | None, shadow_dtype: torch.dtype | None, master: HostMaster = HostMaster.FP32,
                  grad: GradSlab | None = GradSlab.FLOAT32, node: NodeStore | None = None,
-                 frozen_bf16: Iterable[int] = ()) -> None:
+                 frozen_bf16: Iterable[int] = (), globals_bf16_tail: int = 0) -> None:
         """`frozen_bf16`: the layers held as loaded in bf16 (FlatGroup), outside the store's master mode; not with a
-        node's shared store (its layers' buffers are the mode's)."""
+        node's shared store (its layers' buffers are the mode's). `globals_bf16_tail`: the resident parameters'
+        last elements, frozen and loaded in bf16, held so (FlatGroup `bf16_tail`)."""
         self.master_mode, self.grad_mode = master, grad
         frozen_bf16 = set(frozen_bf16)
-        if frozen_bf16 and node is not None:
+        if (frozen_bf16 or globals_bf16_tail) and node is not None:
             raise ValueError("layers held as loaded in bf16 are a private store's only")
         masters, grads = master_codec(master), grad_codec(grad)
         self.scratch = None
@@ -279,13 +287,15 @@ class HostStore:
         self.layers = [FlatGroup(shapes, shadow_dtype, master, grad, self.scratch, shared[i],
                                  node is None or node.owns(i), i in frozen_bf16) for i, shapes in enumerate(layer_shapes)]
         # The globals (embedding, final norm, head) stay FP32: they are resident on the device, and their
-        # gradients arrive at both ends of backward.
-        self.globals = FlatGroup(global_shapes, None)
+        # gradients arrive at both ends of backward; those of them frozen and loaded in bf16 are held as loaded.
+        self.globals = FlatGroup(global_shapes, None, bf16_tail=globals_bf16_tail)
         self.pinner = Pinner() if pin is True else (pin or None)
         # The resident masters are a DMA source only where no staging in another dtype stands between.
         self.resident_masters_copied = shadow_dtype is None
         if self.pinner is not None:
-            copied = [self.globals.master] if self.resident_masters_copied else []
+            # (a frozen bf16 tail is copied to its FP32 device copies the same way: host/codec.py FrozenTail)
+            copied = ([t for t in (self.globals.master, self.globals.held_tail) if t is not None]
+                      if self.resident_masters_copied else [])
             streamed = [g.stream_source for g in self.layers if g.owned or not self.across_nodes]
             if self.across_nodes:  # the scratch the others' loads view, once
                 streamed.append(scratch["shadow"] if "shadow" in scratch else scratch["master"])

@@ -114,10 +114,11 @@ class Placement:
         """The resident masters changed: bring their device copies in line (queued, non-blocking)."""
         if self.upload is not None:
             self.upload.run()
-        elif not self.alias_globals:
+        else:
             with torch.no_grad():
                 for dev, master in zip(self.device_globals, self.store.globals.params):
-                    dev.copy_(master, non_blocking=True)
+                    if dev is not master:  # (aliased: the device copy is the master)
+                        dev.copy_(master, non_blocking=True)
 
     def masters_changed(self) -> None:
         """Every master changed (a load, weights written by hand): refresh the streamed copies and the device's."""
@@ -134,9 +135,9 @@ class Placement:
     def take_device_writes(self) -> None:
         """A resident parameter written on the device (what the model object holds there) back into its master."""
         self.fence_upload()  # compare with what the last upload delivered, not with the values before it
-        if not self.alias_globals:
-            with torch.no_grad():
-                for dev, master in zip(self.device_globals, self.store.globals.params):
+        with torch.no_grad():
+            for dev, master in zip(self.device_globals, self.store.globals.params):
+                if dev is not master:
                     # (on the master's device: the host's, or the device's with the resident optimizer there)
                     if not torch.equal(dev.detach().to(master.device), master.detach().to(dev.dtype)):
                         master.copy_(dev.detach())
@@ -174,6 +175,13 @@ def loaded_bf16_frozen(parts: DecoderParts, frozen: frozenset[str] | set[str],
                    for n, p in layer.named_parameters() if f"{prefix}.{i}.{n}" not in resident)]
 
 
+def _held_as_loaded(item: tuple[str, nn.Parameter], frozen: frozenset[str] | set[str]) -> bool:
+    """A resident parameter that never trains, loaded in bf16: held as loaded (host/codec.py FrozenTail), 2 bytes
+    a parameter where an FP32 master would hold 4. Meta (from a checkpoint directory): not known to be bf16."""
+    name, p = item
+    return name in frozen and p.dtype == torch.bfloat16 and p.device.type != "meta"
+
+
 def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: torch.device,
           compute_dtype: torch.dtype, dp: DataParallel | None, node: NodeStore | None,
           checkpoint_dir: str | os.PathLike | None,
@@ -201,8 +209,9 @@ def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: t
             originals.append(p)
     # PEFT's adapters inside the layers are resident parameters too: the layers' buffers hold their base alone
     in_layers = layer_adapters(parts.layers, parts.layers_prefix)
+    # stable: the trainable first, then the frozen ones, those loaded in bf16 last, each in model order
     global_named = sorted(((n, p) for n, p in model.named_parameters() if not n.startswith(prefix) or n in in_layers),
-                          key=lambda item: item[0] in frozen)  # stable: the trainable first, each in model order
+                          key=lambda item: (item[0] in frozen, _held_as_loaded(item, frozen)))
 
     def streamed(i: int, layer: nn.Module) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in layer.named_parameters() if f"{prefix}{i}.{n}" not in in_layers]
@@ -219,7 +228,11 @@ def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: t
                       config.master_mode, config.grad_slab, node,
                       # not with a node's shared store (its buffers are the mode's) or the NVMe tier (its records
                       # are sized by the store's mode)
-                      loaded_bf16_frozen(parts, frozen, in_layers) if node is None and config.nvme_path is None else ())
+                      loaded_bf16_frozen(parts, frozen, in_layers) if node is None and config.nvme_path is None else (),
+                      # the frozen resident ones loaded in bf16, held so (not where the ranks move FP32 masters,
+                      # nor under a checkpoint directory, which reads into FP32 masters: host/loading.py)
+                      sum(p.numel() for n, p in global_named if _held_as_loaded((n, p), frozen))
+                      if node is None and dp is None and checkpoint_dir is None else 0)
     if node is not None:
         node.make_staging(max(g.numel for g in store.layers))
     if config.bf16_rounding == "stochastic":
@@ -252,7 +265,9 @@ def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: t
     alias_globals = device.type == "cpu" and compute_dtype == torch.float32
     device_globals: list[nn.Parameter] = []
     for slot, master in zip(store.globals.slots, store.globals.params):
-        dev = master if alias_globals else nn.Parameter(master.detach().to(device, compute_dtype), requires_grad=True)
+        # (a weight held as loaded in bf16 is widened to its FP32 device copy: the same values)
+        dev = (master if alias_globals and master.dtype == compute_dtype
+               else nn.Parameter(master.detach().to(device, compute_dtype), requires_grad=True))
         device_globals.append(dev)
         _set_param(model, slot.name, dev)
     embed_slot = next(i for i, dev in enumerate(device_globals) if dev is parts.embed.weight)

@@ -117,6 +117,8 @@ def move(group: FlatGroup, device: torch.device, relocate: bool = False) -> None
         group.unpack()
         value = group.work
     master = value.to(device, torch.float32, copy=True)
+    # The resident group's frozen tail held as loaded in bf16 (codec.FrozenTail): its weights go as they are.
+    tail = group.held_tail.to(device, copy=True) if group.held_tail is not None else None
     # The shadow is RNE(master) in both exact modes (an FP32 master's refresh; hilo's hi half): the weights the
     # layer computes with, already rounded.
     shadow = group.shadow.to(device, copy=True) if group.shadow is not None else None
@@ -126,13 +128,16 @@ def move(group: FlatGroup, device: torch.device, relocate: bool = False) -> None
         n = group.grad.numel()  # the resident parameters' ends before the frozen ones (engine/model/trainable.py)
         grad = torch.zeros(n, dtype=group.grad.dtype, device=device)
         grad_work = grad if group.grad_work is group.grad else torch.zeros(n, dtype=torch.float32, device=device)
-    group.masters = master_codec(HostMaster.FP32)
+    if tail is None:
+        group.masters = master_codec(HostMaster.FP32)
     group.master, group.shadow, group.lo, group.tie_table, group.work = master, shadow, None, None, master
+    group.held_tail = tail
     group.ties = torch.empty(0, dtype=torch.int64)
     group.grad, group.grad_work = grad, grad_work
+    m = master.numel()
     with torch.no_grad():
         for p, s in zip(group.params, group.slots):
-            p.data = group.view(master, s)
+            p.data = group.view(master, s) if s.offset < m else tail[s.offset - m: s.offset - m + s.numel].view(s.shape)
     group.link_grads()
 
 
