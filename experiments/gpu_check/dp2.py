@@ -60,7 +60,8 @@ def run_node_pair(workdir: Path, device: str, timeout_s: float) -> dict[str, Any
     loss_gap = max(abs(a - b) for r in res for a, b in zip(ref["losses"], r["losses"], strict=True))
     share = {f"rank{i}": {k: max(got[k] / alone[k] for got, alone in zip(r["stats"], ref["stats"], strict=True))
                           for k in ("h2d_bytes", "d2h_bytes")} for i, r in enumerate(res)}
-    on_node = all((r["data_path"] or "").startswith("node:") for r in res)
+    on_node = all((r["data_path"] or "").startswith("node:") and st["data_path"] == "node"
+                  for r in res for st in r["stats"]) and all(st["data_path"] == "single" for st in ref["stats"])
     gathered = all(st["gathered_bytes"] > 0 and st["scattered_bytes"] > 0 for r in res for st in r["stats"])
     return {"ok": loss_gap <= TOL and on_node and gathered
             and all(v <= MAX_LINK_SHARE for s in share.values() for v in s.values()),

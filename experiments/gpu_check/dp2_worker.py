@@ -56,7 +56,7 @@ def main() -> None:
         engine.synchronize()
         st = engine.collect_stats()
         stats.append({k: float(st.get(k, 0)) for k in ("h2d_bytes", "d2h_bytes", "gathered_bytes",
-                                                       "scattered_bytes")})
+                                                       "scattered_bytes")} | {"data_path": st["data_path"]})
     path = getattr(engine, "data_path", None)
     (out / f"rank{rank}.json").write_text(json.dumps({
         "losses": losses, "stats": stats, "data_path": path.describe() if path is not None else None,
