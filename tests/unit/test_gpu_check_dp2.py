@@ -44,3 +44,16 @@ def test_gloo_pair_matches_one_process_at_half_the_link_bytes(tmp_path):
     for rank, share in res["link_share_per_step"].items():
         assert 0 < share["h2d_bytes"] <= dp2.MAX_LINK_SHARE and 0 < share["d2h_bytes"] <= dp2.MAX_LINK_SHARE, rank
     assert res["ok"], res
+
+
+def test_the_summary_carries_the_pairs_figures(tmp_path):
+    from experiments.gpu_check.summary import build_summary, render_markdown
+
+    check = {"ok": False, "backend": "nccl", "loss_gap_fp32": 3e-5, "tol": dp2.TOL, "max_link_share": 0.6,
+             "link_share_per_step": {"rank0": {"h2d_bytes": 0.503, "d2h_bytes": 0.503},
+                                     "rank1": {"h2d_bytes": 0.497, "d2h_bytes": 0.497}}}
+    s = build_summary(tmp_path, {"dp2": {"phase": "dp2", "status": "failed",
+                                         "checks": {"node_path_two_gpus": check}}}, dry=False)
+    assert s["figures"]["dp2"]["loss_gap_fp32"] == 3e-5 and s["figures"]["dp2"]["ok"] is False
+    md = render_markdown(s)
+    assert "## Node path on two GPUs" in md and "rank0 h2d 0.503x" in md and "3e-05" in md and "ok no" in md
