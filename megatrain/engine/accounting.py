@@ -83,7 +83,7 @@ class StepAccounting:
                     seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return self.placement.store.host_bytes() + sum(seen.values())
 
-    def collect(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, float]:
+    def collect(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, float | str]:
         """The counts since the last reset (the caller waits for outstanding copies and updates first);
         `optimizer`: the one the step runs, whose host state joins host_store_bytes."""
         out = dict(self.seconds)
