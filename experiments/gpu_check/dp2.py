@@ -8,6 +8,7 @@ visible (the dry run hides them all); `run_node_pair(..., device="cpu")` runs th
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -29,9 +30,10 @@ def skip_reason(found: int) -> str | None:
     return None if found >= 2 else f"needs 2 GPUs (found {found})"
 
 
-def run_node_pair(workdir: Path, device: str, timeout_s: float) -> dict[str, Any]:
+def run_node_pair(workdir: Path, device: str, timeout_s: float, control: str | None = None) -> dict[str, Any]:
     """Two ranks on the node path under torchrun and, beside them, one process on the concatenated batch: the
-    check's figures and whether they hold."""
+    check's figures and whether they hold. `control` "skip_gather" breaks the ranks' all-gather (the tests'
+    negative control)."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     pair, lone = workdir / "pair", workdir / "lone"
@@ -40,12 +42,17 @@ def run_node_pair(workdir: Path, device: str, timeout_s: float) -> dict[str, Any
     deadline = time.time() + timeout_s
     log = open(workdir / "torchrun.log", "w")  # noqa: SIM115 - closed below, after the ranks end
     ranks = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                              str(WORKER), str(pair), json.dumps({**ARGS, "device": device, "path": "node"})],
+                              str(WORKER), str(pair),
+                              json.dumps({**ARGS, "device": device, "path": "node", "control": control})],
                              env=env, cwd=str(REPO_ROOT), stdout=log, stderr=subprocess.STDOUT)
     try:
         whole = {**ARGS, "micro": ARGS["micro"] * ARGS["world"], "world": 1, "device": device, "path": "per_rank"}
-        subprocess.run([sys.executable, str(WORKER), str(lone), json.dumps(whole)], env=env, cwd=str(REPO_ROOT),
-                       check=True, timeout=max(1.0, deadline - time.time()), capture_output=True, text=True)
+        alone = subprocess.run([sys.executable, str(WORKER), str(lone), json.dumps(whole)], env=env,
+                               cwd=str(REPO_ROOT), timeout=max(1.0, deadline - time.time()), capture_output=True,
+                               text=True)
+        if alone.returncode != 0:  # the record says why, not only that it exited
+            tail = alone.stderr.strip().splitlines()[-3:]
+            raise RuntimeError(f"the one-process reference exited {alone.returncode}: {' | '.join(tail)}")
         ranks.wait(timeout=max(1.0, deadline - time.time()))
     finally:
         if ranks.poll() is None:
@@ -57,7 +64,8 @@ def run_node_pair(workdir: Path, device: str, timeout_s: float) -> dict[str, Any
         raise RuntimeError(f"torchrun exited {ranks.returncode}: {' | '.join(tail)}")
     ref = json.loads((lone / "rank0.json").read_text())
     res = [json.loads((pair / f"rank{r}.json").read_text()) for r in range(2)]
-    loss_gap = max(abs(a - b) for r in res for a, b in zip(ref["losses"], r["losses"], strict=True))
+    gaps = [abs(a - b) for r in res for a, b in zip(ref["losses"], r["losses"], strict=True)]
+    loss_gap = math.nan if any(math.isnan(g) for g in gaps) else max(gaps)  # max() would pass over a NaN
     share = {f"rank{i}": {k: max(got[k] / alone[k] for got, alone in zip(r["stats"], ref["stats"], strict=True))
                           for k in ("h2d_bytes", "d2h_bytes")} for i, r in enumerate(res)}
     on_node = all((r["data_path"] or "").startswith("node:") and st["data_path"] == "node"

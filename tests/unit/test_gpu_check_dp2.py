@@ -5,6 +5,7 @@ finds the node path's two ranks at one process's losses and about half a lone ra
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -44,6 +45,15 @@ def test_gloo_pair_matches_one_process_at_half_the_link_bytes(tmp_path):
     for rank, share in res["link_share_per_step"].items():
         assert 0 < share["h2d_bytes"] <= dp2.MAX_LINK_SHARE and 0 < share["d2h_bytes"] <= dp2.MAX_LINK_SHARE, rank
     assert res["ok"], res
+
+
+@pytest.mark.slow
+def test_gloo_pair_without_the_all_gather_fails_the_check(tmp_path):
+    """The negative control: ranks whose layers hold only their own shard (the rest never written: NaN losses here)
+    train another model; the check says so."""
+    res = dp2.run_node_pair(tmp_path, "cpu", timeout_s=300, control="skip_gather")
+    gap = res["loss_gap_fp32"]
+    assert not res["ok"] and not gap <= dp2.TOL and (math.isnan(gap) or gap > 100 * dp2.TOL), gap
 
 
 def test_the_summary_carries_the_pairs_figures(tmp_path):
