@@ -29,6 +29,9 @@ The parent publishes the summary after every phase. README.md gives the time pla
              ahead of delayed copies (non-blocking copies from pinned memory)
 - bandwidth  pinned and pageable host<->device copies timed with CUDA events, both directions at once,
              the engine's own copy stream, and the bf16/fp32 matmul rate (the link and compute ceilings)
+- dp2        (two GPUs; skipped, saying "needs 2 GPUs (found N)", with fewer) the node path under torchrun: 2 NCCL
+             ranks, every layer streamed, FP32 losses within 1e-5 of one process on the concatenated batch and each
+             rank's h2d/d2h bytes per step <= 0.6x a lone process's (dp2.py)
 - bench      8 layers of llama2-7b's width at 1 x 4096 tokens: residency "stream", "auto" and plain PyTorch on
              the same layers; measured H2D/D2H GB/s and GPU idle beside the planner's prediction, error in %
              (bench.py)

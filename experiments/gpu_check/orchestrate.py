@@ -36,6 +36,7 @@ from .common import (
     _log,
     _read_json,
 )
+from .dp2 import phase_dp2
 from .env import phase_env
 from .features import phase_features
 from .parity import phase_parity
@@ -46,7 +47,8 @@ from .sync import phase_sync
 
 PHASE_FNS: dict[str, Callable[[Ctx], None]] = {
     "env": phase_env, "bandwidth": phase_bandwidth, "parity": phase_parity, "features": phase_features,
-    "sync": phase_sync, "stress": phase_stress, "sanitizer": phase_sanitizer, "bench": phase_bench,
+    "sync": phase_sync, "stress": phase_stress, "sanitizer": phase_sanitizer, "dp2": phase_dp2,
+    "bench": phase_bench,
 }
 
 

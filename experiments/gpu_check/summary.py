@@ -108,6 +108,10 @@ def build_summary(out: Path, phases: dict[str, dict[str, Any]], dry: bool) -> di
         figs["features"] = {k: {m: v.get(m) for m in ("speculative_layers", "speculative_rollbacks", "stepped",
                                                        "loss_abs", "status", "error") if v.get(m) is not None}
                             | {"ok": v.get("ok")} for k, v in feats.items()}
+    pair = checks.get("dp2", {}).get("node_path_two_gpus")
+    if pair:
+        figs["dp2"] = {m: pair.get(m) for m in ("ok", "backend", "loss_gap_fp32", "tol", "link_share_per_step",
+                                                "max_link_share", "error")}
     s["figures"] = figs
     return s
 
@@ -173,6 +177,15 @@ def render_markdown(s: dict[str, Any]) -> str:
         for k, v in f["features"].items():
             detail = ", ".join(f"{m}={_f(x)}" for m, x in v.items() if m != "ok")
             lines.append(f"| {k} | {_f(v.get('ok'))} | {detail[:200]} |")
+    if f.get("dp2"):
+        d = f["dp2"]
+        shares = ", ".join(f"{r} h2d {_f(v.get('h2d_bytes'), '.3f')}x d2h {_f(v.get('d2h_bytes'), '.3f')}x"
+                           for r, v in (d.get("link_share_per_step") or {}).items())
+        lines += ["", "## Node path on two GPUs (torchrun, every layer streamed)", "",
+                  f"ok {_f(d.get('ok'))} ({d.get('backend')}); FP32 losses vs one process on the concatenated batch "
+                  f"{_f(d.get('loss_gap_fp32'))} (tolerance {_f(d.get('tol'))}); link bytes per step against a lone "
+                  f"rank's (at most {_f(d.get('max_link_share'))}x): {shares or '-'}"
+                  + (f"; error: {d['error'][:200]}" if d.get("error") else "")]
     if s.get("points"):
         lines += ["", "## Bench: 7B-width layers at 1 x 4096, streamed and auto against plain PyTorch "
                       "(measured / planner, error %)", "",

@@ -8,19 +8,30 @@ from __future__ import annotations
 import torch
 
 from .model.placement import Placement
+from .parallel import node_path, shared_store
 from .parallel.distributed import DataParallel
 from .pipeline.schedule import LayerPipeline
 from .runtime.memtrack import DeviceMemoryTracker
 from .runtime.stream import Streams, Trace
 from .update.optim import LayeredStep
 
+# collect_stats()["data_path"]: the engine's DataPath (node_path.DataPath.name) in the short names the docs use
+PATH_LABELS = {node_path.NODE: "node", node_path.PER_RANK: "per_rank", shared_store.SHARED: "shared_store",
+               "one process": "single"}  # node_path.plan's name for a lone process
+
+
+def path_label(path: node_path.DataPath | None) -> str:
+    """The data path's short name: "node", "per_rank", "shared_store" or "single" (no data path: one process)."""
+    return "single" if path is None else PATH_LABELS[path.name]
+
 
 class StepAccounting:
     def __init__(self, device: torch.device, streams: Streams, pipeline: LayerPipeline, placement: Placement,
                  dp: DataParallel | None, layered: LayeredStep | None, memory: DeviceMemoryTracker | None,
-                 trace: Trace) -> None:
+                 trace: Trace, data_path: node_path.DataPath | None = None) -> None:
         self.device, self.streams, self.pipeline, self.placement = device, streams, pipeline, placement
         self.dp, self.layered, self.memory, self.trace = dp, layered, memory, trace
+        self.data_path = data_path
         self.reset()
 
     @property
@@ -72,7 +83,7 @@ class StepAccounting:
                     seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return self.placement.store.host_bytes() + sum(seen.values())
 
-    def collect(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, float]:
+    def collect(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, float | str]:
         """The counts since the last reset (the caller waits for outstanding copies and updates first);
         `optimizer`: the one the step runs, whose host state joins host_store_bytes."""
         out = dict(self.seconds)
@@ -84,7 +95,7 @@ class StepAccounting:
             h2d_busy_s=streams.h2d.busy_s, d2h_busy_s=streams.d2h.busy_s,
             copy_wait_s=streams.wait_s, device_weight_bytes=self.device_weight_bytes,
             peak_activation_bytes=self.act_peak, host_store_bytes=self.host_store_bytes(optimizer),
-            tokens=self.tokens,
+            tokens=self.tokens, data_path=path_label(self.data_path),
         )
         if self.device.type == "cuda":
             out["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.device)

@@ -237,7 +237,7 @@ class Engine:
         self.skipped_steps = 0
         self._bad_in_a_row = 0
         self.accounting = StepAccounting(self.device, self.streams, self.pipeline, self.placement, self.dp,
-                                         self.update.layered, self.memory, self.trace_log)
+                                         self.update.layered, self.memory, self.trace_log, self.data_path)
         bind_model_object(self)  # and counted among the live engines (engines_holding)
         self.train()
 
