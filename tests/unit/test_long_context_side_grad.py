@@ -48,11 +48,15 @@ def _engine_policy(model: torch.nn.Module) -> tuple[Engine, M.LongContextPolicy]
     return eng, eng.pipeline.policy
 
 
-def _by_name(model: torch.nn.Module) -> int:
-    """The side parameters counted on the built model by name, not through side_numel."""
+def _side_by_name(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The side parameters found on the built model by name, not through side_numel."""
     skip = {id(p) for p in model.model.layers.parameters()} | {
         id(model.model.embed_tokens.weight), id(model.lm_head.weight), id(model.model.norm.weight)}
-    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
+    return [p for p in model.parameters() if id(p) not in skip]
+
+
+def _by_name(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in _side_by_name(model))
 
 
 def _no_side_peak(policy: M.LongContextPolicy, bp: M.BatchPlan) -> int:
@@ -84,6 +88,13 @@ def test_gemma4_engine_policy_counts_the_side_gradient_as_the_planner_row():
     assert without.predicted_peak_bytes == base == bp.predicted_peak_bytes - term
     # a no-grad forward has no backward: no side gradient
     assert policy.plan(TOKENS, train=False).side_gradient_bytes == 0
+    # measured: one engine backward gives every side parameter a dense gradient of its own size, the table's
+    # included: the bytes the policy counts
+    ids = torch.randint(0, 256, (1, TOKENS))
+    eng.backward(eng(input_ids=ids, labels=ids).loss)
+    grads = [p.grad for p in _side_by_name(model)]
+    assert all(g is not None and g.layout == torch.strided for g in grads)
+    assert sum(g.numel() * g.element_size() for g in grads) == policy.side_grad_bytes
     # the planner's device row for the same model and settings is the engine policy's term
     pl = plan(model.config, TOKENS, hardware="cpu", dtype="float32", offload_activations=False,
               mlp_tile_tokens=None, loss_chunk_tokens=TOKENS)
