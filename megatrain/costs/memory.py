@@ -179,6 +179,14 @@ def logits_workspace_bytes(tokens: int, vocab: int, itemsize: int) -> int:
     return tokens * vocab * (itemsize + CALLER_LOSS_FP32_BYTES)
 
 
+def side_gradient_bytes(side_bytes: int, boundaries: int, working: int) -> int:
+    """What the side parameters' dense gradient (`side_bytes`: Gemma 3n/4's per-layer input table and projection,
+    models/side.py, in the compute dtype) adds to a training batch's peak: it comes out after the layers' backward
+    (engine/layer/side_inputs.py), when the `boundaries` bytes of boundary activations and the `working` set of the
+    layer or the loss phase are gone; what it needs beyond them (the planner's device row of the same name)."""
+    return max(0, side_bytes - boundaries - working)
+
+
 def floor_tile(d: LayerDims, tokens: int, itemsize: int = 2) -> int:
     """The smallest tile worth planning: below it, tiling saves nothing (attention kept whole: the MLP phase
     no longer sets the peak) or little (attention tiled: the tile terms are a small share of the sequence's)."""
@@ -229,6 +237,7 @@ class BatchPlan:
     loss_chunk: int = DEFAULT_LOSS_CHUNK
     in_flight: int = OFFLOAD_IN_FLIGHT  # boundary activations on the device at once when offloaded
     residency: kept.Residency = field(default_factory=kept.Residency)  # layers kept on the device (residency.py)
+    side_gradient_bytes: int = 0  # what the side parameters' dense gradient adds to the peak (side_gradient_bytes)
 
 
 @dataclass
@@ -257,6 +266,9 @@ class LongContextPolicy:
     # Device bytes per parameter of an optimizer-resident layer's state (residency.optimizer_bytes_per_param: more
     # with bf16 gradient slabs, whose device update adds an FP32 work buffer)
     optimizer_bytes: int = kept.OPTIMIZER_BYTES_PER_PARAM
+    # The side parameters' dense gradient, bytes (models/side.py side_numel x the compute dtype's itemsize): every
+    # training batch's backward holds it after the layers' (side_gradient_bytes); 0 for a model without them
+    side_grad_bytes: int = 0
     _weights: int | None = field(default=None, repr=False)  # training's kept weights (planned once, only shrink)
     # "auto" placed by a timing model (costs/advice.py), where the engine was given one: (tokens, optimizer-resident
     # count) -> the placement, or None
@@ -380,10 +392,13 @@ class LongContextPolicy:
         non-training forward finds, the caller's logits)."""
         boundary = boundary_bytes(self.dims, tokens, self.itemsize)
 
-        def peak(kept: int, tile: int | None, chunk: int) -> int:
+        def plan_of(off: bool, kept: int, in_flight: int, tile: int | None, chunk: int) -> BatchPlan:
             loss = loss_workspace_bytes(tokens, self.dims.hidden, self.vocab, chunk, self.itemsize)
-            return (self.fixed_bytes + extra + kept * boundary
-                    + max(loss, layer_working_bytes(self.dims, tokens, tile, self.itemsize)))
+            working = max(loss, layer_working_bytes(self.dims, tokens, tile, self.itemsize))
+            # a no-grad forward has no backward, so no side gradient
+            side = side_gradient_bytes(self.side_grad_bytes, kept * boundary, working) if train else 0
+            return BatchPlan(off, tile, self.fixed_bytes + extra + kept * boundary + working + side, chunk, in_flight,
+                             side_gradient_bytes=side)
 
         offloads = [self.offload_setting] if isinstance(self.offload_setting, bool) else [False, True]
         # (offload, boundaries kept on the device): resident; offloaded with copies overlapped; without
@@ -402,7 +417,7 @@ class LongContextPolicy:
             chunk = self.loss_chunk if not isinstance(self.loss_chunk, str) else auto_loss_chunk(  # tokens as set
                 tokens, self.dims.hidden, self.vocab, self.itemsize, room, self.logits_cap)
             tile = self._tile(tokens, room)
-            choice = BatchPlan(off, tile, peak(kept, tile, chunk), chunk, in_flight if off else OFFLOAD_IN_FLIGHT)
+            choice = plan_of(off, kept, in_flight if off else OFFLOAD_IN_FLIGHT, tile, chunk)
             if self.budget is None or choice.predicted_peak_bytes <= BUDGET_HEADROOM * self.budget:
                 return choice
         warnings.warn(f"{tokens} tokens: the predicted device peak {choice.predicted_peak_bytes / 2**30:.2f} GiB "

@@ -41,7 +41,7 @@ from .layer.embedding import check_embedding, lookup_grad
 from .layer.loss import TileBuffers, chunked_causal_lm_loss, head_logits, logits_tokens, tiled_norm_head_loss
 from .layer.router import model_router_loss, wants_router_loss
 from .layer.side_inputs import SideInputs
-from .layer.tiling import long_context_policy
+from .layer.tiling import long_context_policy, side_numel
 from .model.model_object import bind as bind_model_object
 from .model.model_object import engines_holding
 from .model.peft_model import attach_adapters, unwrap_peft
@@ -158,7 +158,7 @@ class Engine:
         policy = long_context_policy(config, self.templates.of_layer, [g.numel for g in self.store.layers],
                                      config.num_buffers, self.device, self.compute_dtype,
                                      sum(p.numel() * p.element_size() for p in self.placement.device_globals),
-                                     self.parts.lm_head.weight.shape)
+                                     self.parts.lm_head.weight.shape, side_numel(self.parts))
         # forward and backward run under it (@tracked), when it is on
         self.memory = DeviceMemoryTracker(self.device) if config.measure_device_memory else None
 

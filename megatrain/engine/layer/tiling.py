@@ -68,6 +68,7 @@ from ...costs.memory import (  # noqa: F401
     residual_streams,
 )
 from ...costs.residency import optimizer_bytes_per_param
+from ...models.side import side_numel  # noqa: F401  (the engine counts its model's side parameters through here)
 from ..host.preflight import available_host_bytes
 from .attn_tiling import (
     attention_module_tileable,
@@ -308,9 +309,12 @@ def layer_dims(layer: nn.Module, numel: int, hidden: int) -> LayerDims:
 
 
 def long_context_policy(config: EngineConfig, layers: Sequence[nn.Module], layer_numels: list[int], num_buffers: int,
-                        device: torch.device, dtype: torch.dtype, globals_bytes: int, head: torch.Size) -> LongContextPolicy:
+                        device: torch.device, dtype: torch.dtype, globals_bytes: int, head: torch.Size,
+                        side: int = 0) -> LongContextPolicy:
     """The policy for an engine: its largest layer's shapes, resident weights and device budget (`layers`: one
-    module per decoder layer, e.g. the engine's templates, read for shapes only)."""
+    module per decoder layer, e.g. the engine's templates, read for shapes only). `side`: the model's side
+    parameters (side_numel: Gemma 3n/4's per-layer input table and projection), whose dense gradient in the compute
+    dtype every training batch's backward holds after the layers' (the planner's device row of that name)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     big = max(range(len(layer_numels)), key=layer_numels.__getitem__)
     budget = config.device_budget_bytes
@@ -329,7 +333,8 @@ def long_context_policy(config: EngineConfig, layers: Sequence[nn.Module], layer
         residency=config.residency, ring_bytes=num_buffers * layer_numels[big] * itemsize,
         residency_room=host_room() if budget is None else None,
         # what an optimizer-resident layer's state takes as the engine allocates it: a bf16 slab adds an FP32 work buffer
-        optimizer_bytes=optimizer_bytes_per_param(2 if config.host_grad_dtype == "bfloat16" else 4))
+        optimizer_bytes=optimizer_bytes_per_param(2 if config.host_grad_dtype == "bfloat16" else 4),
+        side_grad_bytes=side * itemsize)
 
 
 def free_device_bytes(device: torch.device, own_bytes: int) -> int:
