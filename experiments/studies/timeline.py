@@ -60,7 +60,7 @@ def traced_step(model: Any, context: int, gbps: float | None, offload: bool, see
         step_s = time.perf_counter() - wall
         records = [{"stream": r.stream, "kind": r.kind, "layer": r.layer,
                     "start_s": r.t_start - t0, "end_s": r.t_end - t0} for r in eng.trace]
-        runs.append({"step_s": step_s, "stats": {k: float(v) for k, v in stats.items()}, "records": records})
+        runs.append({"step_s": step_s, "stats": {k: float(v) for k, v in stats.items() if not isinstance(v, str)}, "records": records})
     return {"model": preset.name, "seq_len": context, "link_gbps": gbps, "offload_activations": offload,
             "precision": "fp32", "device": "cpu", **runs[-1], "runs": runs[1:] if steps > 1 else runs}
 

@@ -697,14 +697,14 @@ class Engine:
         return self.accounting.device_weight_bytes
 
     @property
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | str]:
         return self.collect_stats()
 
     def reset_stats(self) -> None:
         self.accounting.reset()
         self.update.reset_stats()
 
-    def collect_stats(self) -> dict[str, float]:
+    def collect_stats(self) -> dict[str, float | str]:
         """Accounting since the last reset (waits for outstanding copies and layer updates)."""
         self.synchronize()
         return {**self.accounting.collect(self.optimizer), "speculative_rollbacks": self.update.rollbacks,

@@ -90,6 +90,8 @@ class LongContext:
     globals_state_bytes: int = 0
     # host bytes left for offloaded graphs' saved activations (None: not checked; planner/placement.py sets it)
     graph_host_room: int | None = None
+    # the side parameters' dense gradient beyond the boundaries and working set (the policy's side_grad_bytes term)
+    side_gradient_bytes: int = 0
 
     def optimizer_bytes(self, optimizer: int) -> int:
         """Device bytes of `optimizer` optimizer-resident layers' state, the resident parameters' with them."""
@@ -125,7 +127,8 @@ class LongContext:
     @property
     def working_bytes(self) -> int:
         """What the policy charges for the layer-or-loss phase (they never run at once)."""
-        return self.peak_bytes - self.resident_weight_bytes - self.boundary_bytes - self.residency_bytes
+        return (self.peak_bytes - self.resident_weight_bytes - self.boundary_bytes - self.residency_bytes
+                - self.side_gradient_bytes)
 
     def fits(self, r: kept_model.Residency) -> bool:
         """Whether placement `r` fits the room the batch's working set leaves (graphs only where allowed)."""
@@ -203,6 +206,7 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
         dims=dims, n_layers=L, itemsize=c, vocab=m.vocab, loss_chunk=p.loss_chunk_tokens,
         tile_setting=p.mlp_tile_tokens, offload_setting=p.offload_activations, budget=budget,
         fixed_bytes=resident, residency=p.residency, ring_bytes=ring, optimizer_bytes=state_bytes,
+        side_grad_bytes=m.side_params * c,
         **({} if hw.unified_memory else {"logits_cap": None}))  # GPU: sized from the budget
     G = m.param_count() - L * m.layer_params()  # the resident parameters, whose state goes first
     k = optimizer_layers(p, hw, policy)
@@ -221,7 +225,8 @@ def long_context_plan(p: Point, hw: Hardware) -> LongContext:
         headroom=device_model.BUDGET_HEADROOM, residency=bp.residency, n_layers=L, layer_bytes=dims.numel * c,
         graph_bytes=device_model.layer_graph_bytes(dims, T, c), ring_bytes=ring,
         graphs_allowed=bp.tile is None and not bp.offload,
-        optimizer_state_bytes=dims.numel * state_bytes, globals_state_bytes=G * state_bytes)
+        optimizer_state_bytes=dims.numel * state_bytes, globals_state_bytes=G * state_bytes,
+        side_gradient_bytes=bp.side_gradient_bytes)
     # Under a budget the policy counts the placement into its peak, "auto" or counts alike (costs/memory.py
     # LongContextPolicy._residency; the optimizer-resident layers' state among its fixed bytes); with none, not at
     # all. Here the peak always holds the placement, and the room it was chosen in is kept for the planner's search.
@@ -242,7 +247,7 @@ def side_gradient_bytes(p: Point, lc: LongContext) -> int:
     micro-batch when backward sends the per-layer inputs' gradients through their producer (engine/layer/
     side_inputs.py), after the last layer's backward, when the boundary activations and the layer's working set are
     gone; what it needs beyond them."""
-    return max(0, p.model.side_params * p.c - lc.boundary_bytes - lc.working_bytes)
+    return lc.side_gradient_bytes  # the engine's own policy's term (costs/memory.py side_gradient_bytes)
 
 
 def optimizer_refused(p: Point) -> bool:

@@ -195,6 +195,7 @@ def measured_preset(cfg: Any, name: str, family: str, max_positions: int, rope_t
     """The planner's shape of the decoder-only model `cfg` describes, read off the model built on meta.
     `family` names the transformers config class that rebuilds it (preset_configs.py), else its model_type."""
     from megatrain.models.adapter import find_parts
+    from megatrain.models.side import side_numel
 
     model = build_on_meta(cfg)
     tcfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -204,8 +205,7 @@ def measured_preset(cfg: Any, name: str, family: str, max_positions: int, rope_t
     vocab, hidden = (int(x) for x in emb.weight.shape)
     counted = {id(p) for p in layers.parameters()} | {id(emb.weight)} | (set() if tied else {id(head.weight)})
     rest = sum(p.numel() for p in model.parameters() if id(p) not in counted)
-    norm = {id(p) for p in parts.norm.parameters()} if parts.norm is not None else set()
-    side = sum(p.numel() for p in model.parameters() if id(p) not in counted | norm)
+    side = side_numel(parts)  # the engine's own count (models/side.py)
     numels = tuple(_numel(layer) for layer in layers)
     moe, active = _moe(tcfg, layers, hidden, numels)
     first = layers[0]
