@@ -30,10 +30,10 @@ def skip_reason(found: int) -> str | None:
     return None if found >= 2 else f"needs 2 GPUs (found {found})"
 
 
-def run_node_pair(workdir: Path, device: str, timeout_s: float, control: str | None = None) -> dict[str, Any]:
+def run_node_pair(workdir: Path, device: str, timeout_s: float, rank_worker: Path = WORKER) -> dict[str, Any]:
     """Two ranks on the node path under torchrun and, beside them, one process on the concatenated batch: the
-    check's figures and whether they hold. `control` "skip_gather" breaks the ranks' all-gather (the tests'
-    negative control)."""
+    check's figures and whether they hold. `rank_worker`: the ranks' script (the tests' negative control runs
+    this worker with the all-gather broken)."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     pair, lone = workdir / "pair", workdir / "lone"
@@ -42,8 +42,8 @@ def run_node_pair(workdir: Path, device: str, timeout_s: float, control: str | N
     deadline = time.time() + timeout_s
     log = open(workdir / "torchrun.log", "w")  # noqa: SIM115 - closed below, after the ranks end
     ranks = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                              str(WORKER), str(pair),
-                              json.dumps({**ARGS, "device": device, "path": "node", "control": control})],
+                              str(rank_worker), str(pair),
+                              json.dumps({**ARGS, "device": device, "path": "node"})],
                              env=env, cwd=str(REPO_ROOT), stdout=log, stderr=subprocess.STDOUT)
     try:
         whole = {**ARGS, "micro": ARGS["micro"] * ARGS["world"], "world": 1, "device": device, "path": "per_rank"}

@@ -32,10 +32,6 @@ def main() -> None:
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                                    max_position_embeddings=64)
     cfg._attn_implementation = "sdpa"
-    if args.get("control") == "skip_gather":  # the negative control: a rank's layer holds only its own shard
-        from megatrain.engine.parallel import node_path
-
-        node_path.gather_layer = lambda buf, smap, group, stats=None: None
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     engine = Engine(model, EngineConfig(
         device=args["device"], parity_probe=False, residency="stream", watchdog_s=120.0, speculative_step=False,

@@ -8,10 +8,13 @@ import json
 import math
 
 import pytest
+from kit import ROOT
 
 import experiments.gpu_check as gc
 from experiments.gpu_check import dp2
 from experiments.gpu_check.common import Ctx
+
+WORKERS = ROOT / "tests" / "workers"
 
 
 def test_the_phase_list_runs_dp2_before_the_bench():
@@ -51,7 +54,7 @@ def test_gloo_pair_matches_one_process_at_half_the_link_bytes(tmp_path):
 def test_gloo_pair_without_the_all_gather_fails_the_check(tmp_path):
     """The negative control: ranks whose layers hold only their own shard (the rest never written: NaN losses here)
     train another model; the check says so."""
-    res = dp2.run_node_pair(tmp_path, "cpu", timeout_s=300, control="skip_gather")
+    res = dp2.run_node_pair(tmp_path, "cpu", timeout_s=300, rank_worker=WORKERS / "dp2_skip_gather.py")
     gap = res["loss_gap_fp32"]
     assert not res["ok"] and not gap <= dp2.TOL and (math.isnan(gap) or gap > 100 * dp2.TOL), gap
 
