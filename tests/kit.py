@@ -194,6 +194,20 @@ def train_steps(runner: Any, batches: Iterable[dict], steps: int, *, accum: int 
     return losses, norms
 
 
+def model_steps(engine: Engine, model: torch.nn.Module, batches: Iterable[dict]) -> tuple[list[float], dict]:
+    """One optimizer step per batch through the model object the engine trains (the user's own call), its stats
+    reset before each: (each step's loss, the last step's `collect_stats()`)."""
+    losses = []
+    for b in batches:
+        engine.reset_stats()
+        loss = model(**b).loss
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    return losses, engine.collect_stats()
+
+
 def assert_trains_like_sgd(ref: torch.nn.Module, config: Any, batches: Iterable[dict], lr: float = 0.05,
                            tol: float = 1e-5) -> None:
     """An engine built with `config` on a copy of `ref` and `ref` itself, each trained by SGD(`lr`) on `batches`

@@ -8,6 +8,7 @@ import pytest
 import torch
 from frozen_cases import BATCHES, CLIP, LR, top_layers_model
 from gpu_defaults import FP32, GPU_DEFAULTS
+from kit import model_steps
 
 from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
@@ -29,15 +30,8 @@ def loaded(dtype: torch.dtype) -> torch.nn.Module:
 def run(model: torch.nn.Module, mode: dict) -> tuple[list[float], Engine, dict]:
     eng = Engine(model, EngineConfig(residency="stream", parity_probe=False, **mode),
                  optimizer=torch.optim.AdamW(model.parameters(), lr=LR), clip_every_step=CLIP)
-    losses = []
-    for b in BATCHES[:STEPS]:
-        eng.reset_stats()
-        loss = model(**b).loss
-        eng.backward(loss)
-        eng.step()
-        eng.zero_grad()
-        losses.append(loss.item())
-    return losses, eng, eng.collect_stats()
+    losses, stats = model_steps(eng, model, BATCHES[:STEPS])
+    return losses, eng, stats
 
 
 @pytest.mark.parametrize("mode", [pytest.param(FP32, id="fp32"), pytest.param(GPU_DEFAULTS, id="gpu-defaults")])

@@ -9,6 +9,7 @@ import torch
 from conftest import tiny_model
 from frozen_cases import BATCHES, CLIP, LR
 from gpu_defaults import FP32, GPU_DEFAULTS
+from kit import model_steps
 
 from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
@@ -34,15 +35,8 @@ def run(model: torch.nn.Module, mode: dict) -> tuple[list[float], Engine, dict]:
     eng = Engine(model, EngineConfig(residency="stream", parity_probe=False, **mode),
                  optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR),
                  clip_every_step=CLIP)
-    losses = []
-    for b in BATCHES[:STEPS]:
-        eng.reset_stats()
-        loss = model(**b).loss
-        eng.backward(loss)
-        eng.step()
-        eng.zero_grad()
-        losses.append(loss.item())
-    return losses, eng, eng.collect_stats()
+    losses, stats = model_steps(eng, model, BATCHES[:STEPS])
+    return losses, eng, stats
 
 
 @pytest.mark.parametrize("frozen", [pytest.param(FROZEN, id="embed-head"), pytest.param(ALL, id="all-resident")])

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from frozen_cases import BATCHES, CLIP, LR, lora_model, reference
+from kit import model_steps
 
 from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
@@ -47,15 +48,8 @@ def _train(model: torch.nn.Module, steps: int = 3, residency: str = "stream",
     eng = _streamed(model, residency)
     if before is not None:
         before(eng)
-    losses = []
-    for b in BATCHES[:steps]:
-        eng.reset_stats()
-        loss = model(**b).loss
-        eng.backward(loss)
-        eng.step()
-        eng.zero_grad()
-        losses.append(loss.item())
-    return losses, eng, eng.collect_stats()
+    losses, stats = model_steps(eng, model, BATCHES[:steps])
+    return losses, eng, stats
 
 
 def _bf16_lora() -> torch.nn.Module:

@@ -34,7 +34,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,8 @@ import torch.distributed as dist
 from ..host.node_store import NodeStore
 from ..host.store import FlatGroup, HostStore
 from ..runtime.stream import CopyStream, Event, Trace
+
+T = TypeVar("T")
 
 
 class DataParallelError(RuntimeError):
@@ -189,6 +191,21 @@ class DataParallel:
         return DataParallelError(
             f"data parallel rank {self.rank} of {self.world_size}: {what} failed ({exc}). A peer rank died, hung "
             f"for longer than the watchdog ({self.watchdog_s:.1f}s) or runs a different model or schedule; see its log")
+
+    def guarded(self, what: str, work: Callable[[], T]) -> T:
+        """Run one collective outside the reducer (the node path's, the nodes' shared store's). A peer that died or
+        hung fails it (at the groups' timeout, just under the watchdog's) with the job's error naming this rank, and
+        marks the job broken: the other streams' collectives then fail at once with it instead of each waiting out
+        its own timeout."""
+        if self.broken is not None:
+            raise self.broken
+        try:
+            return work()
+        except Exception as exc:
+            if isinstance(exc, DataParallelError):
+                raise
+            self.broken = self.fail(what, exc)
+            raise self.broken from exc
 
     # -- start-up -----------------------------------------------------------------------------------
     def check_same_model(self, store: HostStore) -> None:
@@ -342,16 +359,7 @@ class DataParallel:
         """Queue a collective on the gradient thread. After one fails the group is unusable: later jobs fail at
         once with the first error instead of each waiting out its own timeout."""
 
-        def job() -> int:
-            if self.broken is not None:
-                raise self.broken
-            try:
-                return work()
-            except Exception as exc:
-                self.broken = self.fail(what, exc)
-                raise self.broken from exc
-
-        return self.stream.submit(job, after, label, layer)
+        return self.stream.submit(lambda: self.guarded(what, work), after, label, layer)
 
     def synchronize(self) -> None:
         try:

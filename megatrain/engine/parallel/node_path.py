@@ -33,7 +33,7 @@ from ..pipeline.schedule import LayerPipeline
 from ..runtime.stream import DONE, Event, Streams
 from ..update.optim import unsupported_reason
 from .collectives import CollectiveStats, NodeGroups, gather_layer, node_groups, reduce_scatter_into
-from .distributed import DataParallel, DataParallelError
+from .distributed import DataParallel
 from .ranks import OneRank
 
 CHUNK: int | None = None  # elements per chunk of the shard map (None: costs/shards.default_chunk); tests cut small
@@ -85,20 +85,10 @@ class NodeWeights:
         under the watchdog's) with the data-parallel error naming this rank and the likely cause, as the per-rank
         path's averages do, and marks the job broken: the other streams' collectives then fail at once with it
         instead of each waiting out its own timeout."""
-        dp = self.dp
-        if dp is None:
+        if self.dp is None:
             work()
-            return
-        if dp.broken is not None:
-            raise dp.broken
-        try:
-            work()
-        except Exception as exc:
-            if isinstance(exc, DataParallelError):
-                raise
-            # The job's own error: the per-rank path's message, so a fault reads the same on either path.
-            dp.broken = dp.fail(what, exc)
-            raise dp.broken from exc
+        else:  # the job's own error: the per-rank path's message, so a fault reads the same on either path
+            self.dp.guarded(what, work)
 
 
 class NodeGrads:
@@ -256,17 +246,25 @@ def why_not_split(config: object, optimizer: object) -> str | None:
     return None
 
 
-def why_not_node_early(dp: DataParallel | None, node: NodeStore | None, device: torch.device) -> str | None:
-    """Why the node path cannot run here, from what is known before the store is built (None: it can)."""
+def _why_not_ranks(dp: DataParallel | None, node: NodeStore | None, device: torch.device) -> str | None:
+    """What the ranks and this torch must be for the node path (None: they are)."""
     if dp is None:
         return "one process"
     if node is None:
         return "each rank has its own host store (data_parallel_host='replicated'); the node path reads the node's one"
     if node.topo.local_world < 2:
         return "one rank per node: no node's ranks to share a layer's trip"
+    if device.type == "cuda" and not torch.distributed.is_nccl_available():
+        return "no NCCL in this torch for the GPUs' all-gather"
+    return None
+
+
+def why_not_node_early(dp: DataParallel | None, node: NodeStore | None, device: torch.device) -> str | None:
+    """Why the node path cannot run here, from what is known before the store is built (None: it can)."""
+    reason = _why_not_ranks(dp, node, device)
+    if reason is not None:
+        return reason
     if device.type == "cuda":
-        if not torch.distributed.is_nccl_available():
-            return "no NCCL in this torch for the GPUs' all-gather"
         n = min(node.topo.local_world, torch.cuda.device_count())
         for a in range(n):
             for b in range(n):
@@ -304,15 +302,7 @@ def plan(node: NodeStore | None, dp: DataParallel | None, config: object, optimi
 
 def why_not_node(dp: DataParallel | None, node: NodeStore | None, pipeline: LayerPipeline) -> str | None:
     """Why the node path cannot run here (None: it can)."""
-    if dp is None:
-        return "one process"
-    if node is None:
-        return "each rank has its own host store (data_parallel_host='replicated'); the node path reads the node's one"
-    if node.topo.local_world < 2:
-        return "one rank per node: no node's ranks to share a layer's trip"
-    if pipeline.device.type == "cuda" and not torch.distributed.is_nccl_available():
-        return "no NCCL in this torch for the GPUs' all-gather"
-    return None
+    return _why_not_ranks(dp, node, pipeline.device)
 
 
 def attach(pipeline: LayerPipeline, streams: Streams, dp: DataParallel | None, node: NodeStore | None,

@@ -36,7 +36,7 @@ from ..host.preflight import HostMemoryError, available_host_bytes, host_store_b
 from ..pipeline.schedule import LayerPipeline
 from ..runtime.stream import Streams
 from . import node_path
-from .distributed import DataParallel, DataParallelError
+from .distributed import DataParallel
 from .ranks import OneRank
 
 SHARED = "nodes share one store"
@@ -213,25 +213,13 @@ class SharedWeights:
         # gloo on the CPU; on GPUs the same call on an NCCL group moves the owner's device slot into the others'.
         t = buffer[:numel]
         t = t if t.dtype in (torch.float32, torch.int64) else t.view(torch.uint8)  # gloo has no bf16: its bits
-        self._guard(f"broadcasting layer {layer}'s weights from its owner rank {owner}",
-                    lambda: dist.broadcast(t, src=owner, group=self.node.weights_group))
+        self.dp.guarded(f"broadcasting layer {layer}'s weights from its owner rank {owner}",
+                        lambda: dist.broadcast(t, src=owner, group=self.node.weights_group))
         if owner == self.node.rank:
             return 0
         nbytes = numel * buffer.element_size()
         self.broadcast_bytes += nbytes
         return nbytes
-
-    def _guard(self, what: str, work: Any) -> None:
-        dp = self.dp
-        if dp.broken is not None:
-            raise dp.broken
-        try:
-            work()
-        except Exception as exc:
-            if isinstance(exc, DataParallelError):
-                raise
-            dp.broken = dp.fail(what, exc)
-            raise dp.broken from exc
 
 
 def attach(pipeline: LayerPipeline, streams: Streams, dp: DataParallel | None, node: Any, ranks: OneRank,
