@@ -196,3 +196,26 @@ def test_the_planner_prices_a_bf16_lora_base_as_the_engine_holds_it():
     priced = plan_partial(pl, "lora:8")
     assert priced.adapter_params == sum(p.numel() for p in adapters)  # control: the same adapters counted
     assert stats["host_store_bytes"] - adapter_bytes == priced.host_store_bytes == 2 * pl.point.model.param_count()
+
+
+def test_with_optimizer_residency_the_adapters_state_is_the_devices():
+    """Where optimizer residency places a layer (a GPU's "auto" wherever one fits), the resident group goes with it
+    (update/resident.py place_globals): the adapters' FP32 master, gradient and Adam state are the device group's,
+    updated there, and the run trains the streamed run's bits. (On this CPU the device is the host: the group's
+    device work buffer is what is checked.)"""
+    def engine(residency):
+        model = lora_model()
+        eng = Engine(model, EngineConfig(compute_dtype="float32", optimizer_overlap=False, residency=residency,
+                                         parity_probe=False),
+                     optimizer=torch.optim.AdamW(model.parameters(), lr=LR), clip_every_step=CLIP)
+        return eng, model_steps(eng, model, BATCHES[:3])[0]
+
+    streamed, want = engine("stream")
+    placed, got = engine({"weights": 1, "optimizer": 1})
+    assert not streamed.globals_on_device and placed.globals_on_device
+    group = placed.store.globals
+    names = {id(p): n for n, p in placed.module.named_parameters()}
+    adapters = [p for p in group.params if "lora_" in names.get(id(p), "")]
+    assert adapters and group.work is not None and group.grad is not None
+    assert all(p.requires_grad for p in adapters)
+    assert got == want
