@@ -26,6 +26,8 @@ class PhaseSpec:
     dry_budget_s: float  # in --dry-run
     # run on a GPU only when named in --only (the dry run runs it: its CPU emulation costs no GPU time)
     optional: bool = False
+    # devices it needs: with fewer it records itself skipped at once, so a one-GPU machine's time plan leaves it out
+    gpus: int = 1
 
 
 PHASES = [  # correctness first: a failure is known within minutes, and `--only` reruns just what failed
@@ -39,7 +41,7 @@ PHASES = [  # correctness first: a failure is known within minutes, and `--only`
     PhaseSpec("sanitizer", 75, 90, optional=True),
     PhaseSpec("bandwidth", 10, 20),
     # The node path on two GPUs under torchrun (dp2.py); skipped in a moment with fewer (the dry run hides them all).
-    PhaseSpec("dp2", 30, 10),
+    PhaseSpec("dp2", 30, 10, gpus=2),
     PhaseSpec("bench", 0, 200),  # on a GPU: all that is left, never under BENCH_MIN_S (run_phases)
 ]
 # From the wrapper's start (wheel install included) to the summary: the correctness phases' caps fit in it beside

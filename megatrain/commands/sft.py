@@ -373,10 +373,9 @@ def train(prep: Prepared | SFTRun, resume_from: str | Path | None = None) -> dic
     prep = prep if isinstance(prep, Prepared) else prepare(prep)
     run = prep.run
     if run.backend == "megatrain":
-        import megatrain.integrations.hf  # noqa: F401  Trainer's DeepSpeed path runs MegaTrain
+        from ..integrations import hf, resume_residency
 
-        from ..integrations import resume_residency
-
+        hf.install()  # Trainer's DeepSpeed path runs MegaTrain (again, where something in this process undid it)
         resume_residency.install()  # a resume places the residency its checkpoint's run chose
 
     if run.random_init:

@@ -119,6 +119,7 @@ def warm_runtime(preset: Any = None, tokens: int = 64) -> None:
     import torch
     import transformers
 
+    from .. import planner  # noqa: F401  the placement advisor's modules: a run under a budget imports them
     from ..config.schema import EngineConfig
     from ..engine import Engine
     from ..models.presets import get_preset
