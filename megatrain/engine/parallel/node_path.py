@@ -136,6 +136,12 @@ class NodeGrads:
         parts = [(s.offset, s.offset + s.numel, None if g is None else g.reshape(-1))
                  for s, g in zip(group.slots, grads)]
 
+        # The bf16 shard of a bf16 slab updated by shard (the mean, see collectives() below), in the FP32 transit
+        # buffer's bytes seen as bf16: each rank still writes and reads only its own ranges of it. Settled before the
+        # scatter is queued: its stream may run collectives() at once.
+        narrow = (self.node.split is not None and group.grad is not None and group.grad.dtype == torch.bfloat16)
+        shard_bf16 = self._shard_bf16[k] if narrow else None
+
         def collectives() -> None:
             at = 0
             for a, length in m.chunks():
@@ -162,12 +168,8 @@ class NodeGrads:
         scattered = self._scatter_stream.submit(scatter, (after, self._shard_free[k]), "scatter", layer)
         transit = self._transit[self._next_transit]
         self._next_transit ^= 1
-        # The bf16 shard of a bf16 slab updated by shard (the mean, see collectives() above), in the FP32 transit
-        # buffer's bytes seen as bf16: each rank still writes and reads only its own ranges of it.
-        narrow = (self.node.split is not None and group.grad is not None and group.grad.dtype == torch.bfloat16)
         if narrow:
             transit = transit.view(torch.bfloat16)
-            shard_bf16 = self._shard_bf16[k]
         src = shard_bf16 if narrow else shard
 
         def to_host() -> int:
