@@ -79,14 +79,7 @@ def test_the_resident_group_moved_to_a_device_keeps_its_bf16_tail():
             old = eng.store.globals.held_tail
             resident.move(eng.store.globals, torch.device("cpu"), relocate=True)
             assert eng.store.globals.held_tail is not old and torch.equal(eng.store.globals.held_tail, old)
-        losses = []
-        for b in BATCHES[:2]:
-            loss = model(**b).loss
-            eng.backward(loss)
-            eng.step()
-            eng.zero_grad()
-            losses.append(loss.item())
-        return losses, eng
+        return model_steps(eng, model, BATCHES[:2])[0], eng
 
     got, eng = train(True)
     want, _ = train(False)

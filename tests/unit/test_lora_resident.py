@@ -166,14 +166,8 @@ def test_streamed_lora_trains_as_plain_peft(tile):
     eng = Engine(model, EngineConfig(compute_dtype="float32", optimizer_overlap=False, residency="stream",
                                      mlp_tile_tokens=tile, parity_probe=False),
                  optimizer=torch.optim.AdamW(model.parameters(), lr=LR), clip_every_step=CLIP)
-    losses = []
-    for b in BATCHES[:3]:
-        loss = model(**b).loss
-        eng.backward(loss)
-        eng.step()
-        eng.zero_grad()
-        losses.append(loss.item())
-    assert eng.collect_stats()["recomputed_layers"] > 0 and eng.pipeline.tile == tile
+    losses, stats = model_steps(eng, model, BATCHES[:3])
+    assert stats["recomputed_layers"] > 0 and eng.pipeline.tile == tile
     assert max(abs(a - b) for a, b in zip(losses, want)) <= 1e-5, (losses, want)
 
 
