@@ -213,3 +213,39 @@ def test_with_optimizer_residency_the_adapters_state_is_the_devices():
     assert adapters and group.work is not None and group.grad is not None
     assert all(p.requires_grad for p in adapters)
     assert got == want
+
+
+def test_an_oom_in_a_backward_keeps_the_adapters_gradients_of_the_layers_above(monkeypatch):
+    """A device out-of-memory error in a layer's backward goes on from that layer (runtime/oom.py layers_backward):
+    the adapters' gradients the layers above it already gave are kept, not dropped with the failed attempt, so the
+    run trains the bits of the run with no error."""
+    import warnings as _w
+
+    from megatrain.engine.pipeline import schedule
+
+    emulated = {"compute_dtype": "float32", "device_budget_bytes": 24 << 20, "link_gbps": 100.0,
+                "optimizer_overlap": True, "parity_probe": False}
+
+    def run(fail: bool):
+        model = lora_model()
+        eng = Engine(model, EngineConfig(**emulated), optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
+                     clip_every_step=CLIP)
+        if fail:
+            calls, grads = [], schedule.LayerPipeline._grads
+
+            def failing(self, *args, **kwargs):
+                calls.append(None)
+                if len(calls) == 2:  # the second layer's backward of the first step: the top layer sent
+                    raise torch.OutOfMemoryError("emulated: CUDA out of memory in a layer's backward")
+                return grads(self, *args, **kwargs)
+
+            monkeypatch.setattr(schedule.LayerPipeline, "_grads", failing)
+        with _w.catch_warnings():
+            _w.simplefilter("ignore")
+            losses = model_steps(eng, model, BATCHES[:3])[0]
+        monkeypatch.undo()
+        return losses, [v.clone() for v in eng.state_dict().values()]
+
+    got, want = run(True), run(False)
+    assert got[0] == want[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))

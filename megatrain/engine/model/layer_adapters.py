@@ -91,9 +91,13 @@ class AdapterPipeline(LayerPipeline):
         gx, gw, done = super()._kept_backward(i, *args, **kwargs)
         return gx, self.adapters.take(i, gw), done
 
-    def backward(self, *args, **kwargs) -> torch.Tensor | None:
+    def backward(self, *args, ceiling: int | None = None, **kwargs) -> torch.Tensor | None:
+        if ceiling is None:  # a backward of its own: nothing is left of one abandoned before it
+            self.adapters.drop()
         try:
-            g = super().backward(*args, **kwargs)
+            g = super().backward(*args, ceiling=ceiling, **kwargs)
+        except torch.OutOfMemoryError:
+            raise  # kept: the backward goes on from the layer that failed (runtime/oom.py layers_backward)
         except BaseException:
             self.adapters.drop()
             raise
