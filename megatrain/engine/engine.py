@@ -34,7 +34,6 @@ from .host.node_store import shard_optimizer_state
 from .host.preflight import host_facts
 from .host.slab_state import landed_norms, slab_norm
 from .host.spill import spill_for
-from .layer import cpu_linear
 from .layer.attention import host_mask, use_segment_attention
 from .layer.batch import check_batch
 from .layer.embedding import check_embedding, lookup_grad
@@ -59,7 +58,7 @@ from .runtime.host_copy import HostCopy, host_value, to_device, to_host
 from .runtime.malloc import set_mmap_threshold
 from .runtime.memtrack import DeviceMemoryTracker, resident_state, tracked
 from .runtime.numa import bind_host
-from .runtime.stream import Streams, Trace
+from .runtime.stream import Streams
 from .update import resident, speculative
 from .update.choose import choose as choose_update
 from .update.clipping import Clipping, checked_max_norm
@@ -112,11 +111,9 @@ class Engine:
         by a timing model, under a device budget. `optimizer_later`: handed over later; `pin_by_habit`: unpinned on CPU."""
         clip_every_step = checked_max_norm(clip_every_step)  # refused before any work
         written = config or EngineConfig()  # until the plan: what settling leaves as written
-        self.device, self.dp = join_ranks(resolve_device(written.device), written.watchdog_s)
+        self.device, self.dp, self.trace_log = join_ranks(resolve_device(written.device), written.watchdog_s,
+                                                          written.trace)
         bind_host(self.device)  # before the store exists: its pages first touched on the GPU's NUMA node (numa.py)
-        self.trace_log = Trace(written.trace, self.device)
-        if self.dp is not None:
-            self.dp.stream.trace = self.dp.updates.trace = self.trace_log
         self.compute_dtype = torch.bfloat16 if written.compute_dtype == "bfloat16" else torch.float32
         if written.host_mmap_threshold_bytes is not None:
             set_mmap_threshold(written.host_mmap_threshold_bytes)  # before the model's weights are freed
@@ -142,8 +139,6 @@ class Engine:
         self.placement, originals = place(model, self.parts, config, self.device, self.compute_dtype, self.dp,
                                           self.node, checkpoint_dir, probe, frozen)
         self.store, self.templates = self.placement.store, self.placement.templates
-        if self.device.type == "cpu" and self.compute_dtype == torch.float32 and cpu_linear.available():
-            self.templates.linears = cpu_linear.OneDnnLinears()  # faster FP32 GEMMs than F.linear's here
         self._aliases, self._name_of = self.placement.aliases, self.placement.name_of  # read by the faces, the probe
         # What trains (trainable.py): the user's flags on the masters; no slab for a layer none of whose parameters
         # train (before the optimizer residency below moves slabs).
@@ -179,9 +174,8 @@ class Engine:
         # The resident parameters go with them (first: the next forward reads the embedding first): their gradients
         # added on the device, their update the device's, their compute copy refreshed there (no upload).
         self.globals_on_device = resident.place_globals(self.store, count, self.device)
-        if self.globals_on_device and self.placement.upload is not None:
-            self.placement.upload.close()  # refreshed on the device from now on
-            self.placement.upload = None
+        if self.globals_on_device:
+            self.placement.stop_upload()
         policy.hold_optimizer(count, self.store.globals.numel if self.globals_on_device else 0)
         # The step: the optimizer over the masters, what the ranks exchange, and when each layer's update runs.
         self.events = LayerEvents(len(self.store.layers), config.watchdog_s)

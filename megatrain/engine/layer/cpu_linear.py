@@ -43,6 +43,14 @@ def available() -> bool:
         return False
 
 
+def for_device(device: torch.device, compute_dtype: torch.dtype) -> OneDnnLinears | None:
+    """The linears a layer's calls take: oneDNN's on a CPU device computing in FP32 where it agrees with F.linear
+    (faster FP32 GEMMs there), else None (F.linear)."""
+    if device.type == "cpu" and compute_dtype == torch.float32 and available():
+        return OneDnnLinears()
+    return None
+
+
 def _fresh(y: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """`y` in `shape` as a tensor of its own, not a view: a model may write into a linear's output in place
     (Llama 4's MoE scales its router output), which autograd refuses on a custom Function's view output. The new

@@ -79,7 +79,7 @@ class TemplateBank:
     backward), which pairs them with their gradients from the model's router loss (router.py).
     """
 
-    def __init__(self, router_spec: object | None = None) -> None:
+    def __init__(self, router_spec: object | None = None, linears: OneDnnLinears | None = None) -> None:
         self._by_key: dict[tuple, nn.Module] = {}
         self.of_layer: list[nn.Module] = []
         self._tileable: dict[int, bool] = {}  # by id(template)
@@ -90,8 +90,8 @@ class TemplateBank:
         self.router_grads: dict[int, list[torch.Tensor | None]] = {}
         self._recomputed: list[torch.Tensor] = []
         self.handed: tuple = ()  # the last call's outputs besides the hidden state (handed_state.py)
-        # Set by the engine on a CPU device computing in FP32: each call's linears through oneDNN (cpu_linear.py).
-        self.linears: OneDnnLinears | None = None
+        # On a CPU device computing in FP32: each call's linears through oneDNN (cpu_linear.py for_device).
+        self.linears = linears
         # Persistent buffers per layer (e.g. DeepSeek-V3's e_score_correction_bias): their values differ from
         # layer to layer, so each call binds the layer's own, read from the user's layer as it is at call time.
         self._buffers: list[list[tuple[str, nn.Module, str]]] = []

@@ -25,6 +25,7 @@ from ..host.node_store import NodeStore
 from ..host.preflight import host_preflight, model_host_bytes
 from ..host.resident_upload import ResidentUpload
 from ..host.store import FlatGroup, HostStore
+from ..layer import cpu_linear
 from ..layer.router import router_recorder
 from ..layer.templates import TemplateBank
 from ..parallel.distributed import DataParallel
@@ -125,6 +126,13 @@ class Placement:
         for g in self.store.layers:
             g.refresh_shadow()
         self.globals_changed()
+
+    def stop_upload(self) -> None:
+        """The resident parameters moved onto the device with the optimizer (update/resident.py): their compute copy is
+        refreshed there from now on, so the host-to-device upload ends."""
+        if self.upload is not None:
+            self.upload.close()
+            self.upload = None
 
     def fence_upload(self) -> None:
         """Before compute (or a read) that uses the resident parameters' device copies: the last upload, rounded
@@ -239,7 +247,8 @@ def place(model: nn.Module, parts: DecoderParts, config: EngineConfig, device: t
         for i, g in enumerate(store.layers):
             g.rounding = torch.Generator().manual_seed(0x5EED + i)  # one stream per layer: runs repeat exactly
 
-    templates = TemplateBank(router_recorder(parts.base))  # MoE layers record their router logits
+    # MoE layers record their router logits; a CPU device computing in FP32 takes oneDNN's faster GEMMs
+    templates = TemplateBank(router_recorder(parts.base), cpu_linear.for_device(device, compute_dtype))
     for i, layer in enumerate(parts.layers):
         templates.add(layer, device)
         group = store.layers[i]

@@ -127,17 +127,21 @@ def init_process_group(device: torch.device, timeout_s: float) -> None:
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def join_ranks(device: torch.device, watchdog_s: float) -> tuple[torch.device, DataParallel | None]:
+def join_ranks(device: torch.device, watchdog_s: float, trace: bool = False
+               ) -> tuple[torch.device, DataParallel | None, Trace]:
     """Launched as one of several ranks (torchrun & co.): join the job (before the model is touched) and, on a GPU
-    with no index named, take this node's device LOCAL_RANK. A lone process: `device` and None."""
-    dp = DataParallel.from_env(device, watchdog_s)
+    with no index named, take this node's device LOCAL_RANK. A lone process: `device` and None. With the engine's
+    timeline (`trace`: on or off), made once the device is known, so the ranks' own streams record into it too."""
+    env = launch_env()
+    if env.world_size > 1 and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", env.local_rank)
+    timeline = Trace(trace, device)
+    dp = DataParallel.from_env(device, watchdog_s, timeline)
     if dist.is_available() and dist.is_initialized():
         destroy_at_exit()  # whoever made the group (accelerate, the user): an engine trains in this process
     if dp is not None and device.type == "cuda":
-        if device.index is None:
-            device = torch.device("cuda", dp.local_rank)
         torch.cuda.set_device(device)  # the streams' waits act on the current device's stream
-    return device, dp
+    return device, dp, timeline
 
 
 def broadcast_group(g: FlatGroup, src: int, group: dist.ProcessGroup) -> None:
@@ -168,7 +172,7 @@ class DataParallel:
         self.timeout = timeout = datetime.timedelta(seconds=max(0.9 * watchdog_s, 0.1))
         self.group = dist.new_group(backend="gloo", timeout=timeout)
         self.node: NodeStore | None = None  # the shared host store's node, once share_host_store() made it
-        # `trace`: the engine's, once it has one (it may set `stream.trace` later).
+        # `trace`: the engine's timeline (join_ranks), or none.
         self.stream = CopyStream("allreduce", torch.device("cpu"), trace or Trace(False), None, watchdog_s)
         # Shared store with optimizer_overlap: the per-layer "updated" tokens, on a thread (and group) of their own.
         self.updates = CopyStream("layer-updates", torch.device("cpu"), trace or Trace(False), None, watchdog_s)
