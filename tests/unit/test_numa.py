@@ -49,6 +49,7 @@ def machine(monkeypatch, tmp_path):
     for name in (threads.OVERRIDE_ENV, "LOCAL_WORLD_SIZE", numa.OFF_ENV, "SLURM_JOB_ID"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(threads, "_node_ranks", None)
+    monkeypatch.setattr(numa, "_made", None)
     buses = list(GPUS)
     monkeypatch.setattr(numa, "cuda_bus_id", lambda i: buses[i])
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(buses))
@@ -134,6 +135,7 @@ def _bind_each_rank(machine, ranks: int) -> list[numa.Binding]:
         mp.setenv("LOCAL_RANK", str(r))
         state["affinity"], state["bound"] = frozenset(range(16)), {}
         threads.bound_ranks(None)
+        mp.setattr(numa, "_made", None)  # another process
         b = numa.bind_host(torch.device("cuda", r))
         assert b is not None and state["bound"] == {t: b.cpus for t in (100, 101, 102)}
         assert threads.host_cores() == len(b.cpus)  # its team's CPUs, not divided again
@@ -194,3 +196,15 @@ def test_one_visible_gpu_per_rank_shares_the_node_and_says_why(machine, caplog):
     with caplog.at_level(logging.INFO, logger="megatrain"):
         assert numa.bind_host(torch.device("cuda", 0)) == numa.Binding(1, NODE1, 2)
     assert any("not all known" in r.getMessage() for r in caplog.records)
+
+
+def test_a_second_engine_of_the_process_keeps_the_team_the_first_bound(machine):
+    """bind_host runs in every Engine's construction: a second engine plans from the affinity the process had
+    before the first bound it, so the team stays whole (planned from the team itself it would split it again)."""
+    mp, state = machine
+    mp.setenv("LOCAL_WORLD_SIZE", "4")
+    mp.setenv("LOCAL_RANK", "1")
+    first = numa.bind_host(torch.device("cuda", 1))
+    state["bound"] = {}
+    assert numa.bind_host(torch.device("cuda", 1)) == first and first.cpus == {8, 9, 10, 11}
+    assert state["affinity"] == first.cpus and threads.host_cores() == 4

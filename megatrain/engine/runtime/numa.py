@@ -37,6 +37,9 @@ log = logging.getLogger("megatrain")
 SYSFS = Path("/sys")
 TASKS = Path("/proc/self/task")  # the process's threads, each bound by its id
 OFF_ENV = env.NUMA  # "0", "off", "false", "no": leave the threads where they are
+# (the affinity before, the binding) of this process's last bind_host: a later engine of the process plans from the
+# affinity before it, or it would split its own team again into the node's shares
+_made: tuple[frozenset[int], Binding] | None = None
 
 
 def parse_cpulist(text: str) -> frozenset[int]:
@@ -178,11 +181,16 @@ def bind_host(device: torch.device, enabled: bool | None = None, sysfs: Path | N
     except (AttributeError, OSError):
         log.info("numa: threads left unbound: this OS gives no CPU affinity")
         return None
+    global _made
+    if _made is not None and allowed == _made[1].cpus:
+        allowed = _made[0]
     b, why = plan(index, seen, allowed, threads.local_ranks(), threads.local_rank(), sysfs)
     if b is None:
         log.info("numa: threads left unbound: %s", why)
         return None
-    apply(b, b.cpus != allowed)  # already there (a launcher's binding): only host_cores' count changes
+    now = frozenset(os.sched_getaffinity(0))
+    apply(b, b.cpus != now)  # already there (a launcher's binding, an earlier engine's): only host_cores' count
+    _made = (allowed, b)
     log.info("numa: threads bound to %d of node %d's CPUs (the GPU's socket: the store's pages are touched there), "
              "shared by %d rank(s)%s; MEGATRAIN_NUMA=0 turns this off", len(b.cpus), b.node, b.ranks,
              f" ({why})" if why else "")
