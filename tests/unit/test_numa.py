@@ -208,3 +208,15 @@ def test_a_second_engine_of_the_process_keeps_the_team_the_first_bound(machine):
     state["bound"] = {}
     assert numa.bind_host(torch.device("cuda", 1)) == first and first.cpus == {8, 9, 10, 11}
     assert state["affinity"] == first.cpus and threads.host_cores() == 4
+
+
+def test_a_slurm_tasks_own_cpus_are_its_team_not_divided_again(machine):
+    """Slurm bound each task to CPUs of its own (rank 1 to 8-11 of socket 0): that is its team already."""
+    mp, state = machine
+    mp.setenv("LOCAL_WORLD_SIZE", "4")
+    mp.setenv("LOCAL_RANK", "1")
+    mp.setenv("SLURM_JOB_ID", "7")
+    mp.setenv("SLURM_CPU_BIND_TYPE", "mask_cpu:")
+    state["affinity"] = frozenset([8, 9, 10, 11])
+    assert numa.bind_host(torch.device("cuda", 1)) == numa.Binding(0, frozenset([8, 9, 10, 11]), 1)
+    assert state["bound"] == {} and threads.host_cores() == 4

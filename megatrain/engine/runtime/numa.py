@@ -124,14 +124,15 @@ class Binding:
 
 
 def plan(index: int, all_bus_ids: Sequence[str | None], allowed: frozenset[int], ranks: int,
-         local_rank: int | None = None, sysfs: Path | None = None) -> tuple[Binding | None, str]:
+         local_rank: int | None = None, sysfs: Path | None = None, own: bool = False) -> tuple[Binding | None, str]:
     """Where the rank on GPU `index` of `all_bus_ids` (the GPUs this process sees, by PCI address) binds, and why
     not where it does not (None: leave it): on a machine of several NUMA nodes, its share of the CPUs of its GPU's
     node within `allowed` (its affinity). Each of the `ranks` local ranks whose GPUs sit on that node takes a
     disjoint share (whole cores, team_cpus), the ranks in LOCAL_RANK order, rank i on GPU i (the launchers' device
     and the engine's: distributed.py); that needs every rank's GPU seen and `local_rank` the device's index. Else
     (CUDA_VISIBLE_DEVICES per rank, or another mapping) the rank binds to the node's CPUs whole and shares them
-    with the node's ranks (host_cores divides their count)."""
+    with the node's ranks (host_cores divides their count). `own`: `allowed` is this rank's own already (a Slurm
+    task's binding, threads.slurm_task_bound): its part on the GPU's node is the team, not divided again."""
     nodes = numa_nodes(sysfs)
     if len(nodes) < 2:
         return None, "one NUMA node"
@@ -144,7 +145,7 @@ def plan(index: int, all_bus_ids: Sequence[str | None], allowed: frozenset[int],
     cpus = nodes[node] & allowed
     if not cpus:  # bound elsewhere by its launcher: that was asked for
         return None, f"the affinity holds none of node {node}'s CPUs (the launcher bound this rank elsewhere)"
-    if ranks <= 1:
+    if ranks <= 1 or own:
         return Binding(node, cpus, 1), ""
     known = [pci_node(b, sysfs) if b is not None else None for b in all_bus_ids]
     if local_rank == index and local_rank < ranks <= len(known) and None not in known[:ranks]:
@@ -184,7 +185,9 @@ def bind_host(device: torch.device, enabled: bool | None = None, sysfs: Path | N
     global _made
     if _made is not None and allowed == _made[1].cpus:
         allowed = _made[0]
-    b, why = plan(index, seen, allowed, threads.local_ranks(), threads.local_rank(), sysfs)
+    ranks = threads.local_ranks()
+    own = threads.slurm_task_bound(len(allowed), ranks)
+    b, why = plan(index, seen, allowed, ranks, threads.local_rank(), sysfs, own)
     if b is None:
         log.info("numa: threads left unbound: %s", why)
         return None

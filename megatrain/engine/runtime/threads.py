@@ -154,7 +154,7 @@ def bound_ranks(n: int | None) -> None:
     _node_ranks = n
 
 
-def _slurm_task_bound(cpus: int, ranks: int) -> bool:
+def slurm_task_bound(cpus: int, ranks: int) -> bool:
     """Whether Slurm bound this task to CPUs of its own (a per-task cpuset), so that its affinity already is its
     share: a binding named by the step (SLURM_CPU_BIND_TYPE other than none), or this task's CPUs times the node's
     tasks within the job's CPUs on this node (unbound tasks each see all of them)."""
@@ -179,7 +179,7 @@ def host_cores() -> int:
         return override
     cpus, ranks = affinity_cpus(), local_ranks()
     # the node's CPUs and its cgroup's quota are shared by its ranks; a Slurm task's own binding (and cgroup) is not
-    shared = 1 if _slurm_task_bound(cpus, ranks) else ranks
+    shared = 1 if slurm_task_bound(cpus, ranks) else ranks
     # bound to a NUMA node (numa.py): its own team's CPUs, or the node's shared by its ranks only; the quota by all
     share = cpus // (_node_ranks if _node_ranks is not None and shared > 1 else shared)
     quota = cgroup_cpu_quota()
