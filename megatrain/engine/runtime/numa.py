@@ -13,7 +13,8 @@ Each local rank takes a team of its own: its share of the node's CPUs (whole cor
 other ranks whose GPUs sit on that node, cores/G of the node's when the GPUs are spread evenly), found from
 LOCAL_RANK and every rank's GPU's node (`plan`), so `host_cores()` is that share's CPUs. Where the other ranks' GPUs
 are not seen (CUDA_VISIBLE_DEVICES per rank) the rank binds to the node's CPUs whole and `host_cores()` divides them
-among the node's ranks (threads.py bound_ranks), as it does where a node has fewer cores than ranks.
+among the node's ranks (threads.py bound_ranks), as it does where a node has fewer cores than ranks. A Slurm task
+bound to CPUs of its own keeps them (their part on the GPU's node) as its team, not divided again.
 
 Read from sysfs: /sys/bus/pci/devices/<gpu>/numa_node, /sys/devices/system/node/node<N>/cpulist,
 /sys/devices/system/cpu/cpu<C>/topology/thread_siblings_list (tests point SYSFS at a fake tree).
