@@ -22,7 +22,7 @@ from ..config.resolve import resolve
 from ..config.schema import EngineConfig, EnginePlan, ResolvedConfig
 from ..run import train_state
 from .fused_head import serve_fused_lm_head, trl_head_options
-from .placement import placement_advice
+from .placement import advice_for
 
 
 @runtime_checkable
@@ -158,7 +158,7 @@ class MegatrainBackend:
         first = len(self.turned_off)
         ec, finish = self.prepare_model(model, self.engine_config)
         self.engine = Engine(model, config=ec, optimizer=optimizer, clip_every_step=self._clip_every_step,
-                             placement_advice=placement_advice(self.device, model, ec),
+                             placement_advice=advice_for(self.device, model, ec),
                              optimizer_later=optimizer is None, pin_by_habit=True)
         self.turned_off[first:first] = self.engine.config.turned_off
         finish(self.engine)

@@ -14,6 +14,7 @@ import torch
 from ..config.schema import EngineConfig
 from ..costs.advice import PlacementAdvice
 from ..engine import local_ranks
+from ..run import train_state
 
 log = logging.getLogger("megatrain")
 
@@ -27,6 +28,28 @@ def host_share_bytes() -> int | None:
     except (ValueError, OSError, AttributeError):  # not a POSIX host: the profile's host size stands
         return None
     return total // local_ranks()
+
+
+# On a model (its instance dict): the residency record of the checkpoint its Trainer run resumes from, carried there by
+# integrations/resume_residency.py for the engine that the run's deepspeed.initialize builds over this model.
+RESUMED = "_megatrain_resumed_residency"
+
+
+def resumed_record(model: Any) -> dict[str, Any] | None:
+    """The residency record `model` carries (resume_residency.py), None where it carries none."""
+    return getattr(model, "__dict__", {}).get(RESUMED)
+
+
+def advice_for(device: torch.device, model: Any, config: EngineConfig,
+               device_name: str | None = None) -> PlacementAdvice | None:
+    """`placement_advice`, placing the optimizer-resident count of the checkpoint `model`'s run resumes from where
+    it carries one and residency is "auto" (train_state.CheckpointResidency around the planner's advisor, which
+    still places the kept weights and graphs); counts the user set are theirs."""
+    inner = placement_advice(device, model, config, device_name)
+    record = resumed_record(model)
+    if record is None or config.residency_set is not None:
+        return inner
+    return train_state.CheckpointResidency(record, inner)
 
 
 def placement_advice(device: torch.device, model: Any, config: EngineConfig,

@@ -6,10 +6,12 @@ count decides the bits, and both faces' checkpoints record it (run/train_state.p
 builds its engine itself passes `CheckpointResidency(record)`; on Hugging Face Trainer's road (and `megatrain train`,
 which runs it) the engine is built inside `Trainer.train`, by accelerate's `deepspeed.initialize`, before the
 checkpoint is read. So `Trainer.train(resume_from_checkpoint=...)` is wrapped here: the checkpoint's record is read
-first (its meta only) and, while that call runs, an engine the MegaTrain backend builds gets the record's count
-through its placement advisor (the planner's, where it has one, still placing the per-batch kept weights and
-graphs, which change no bit). The start line then says "(from checkpoint)"; the faces' warning on a count that
-differs is not reached.
+first (its meta only) and carried, while that call runs, on the model it trains (the one object Trainer hands
+through accelerate to `deepspeed.initialize` and so to the backend): the engine the MegaTrain backend builds over it
+gets the record's count through its placement advisor (backend/placement.py advice_for; the planner's advisor,
+where it has one, still placing the per-batch kept weights and graphs, which change no bit). No module state is
+swapped: two Trainer runs in one process each place their own checkpoint's count. The start line then says
+"(from checkpoint)"; the faces' warning on a count that differs is not reached.
 """
 
 from __future__ import annotations
@@ -42,27 +44,39 @@ def checkpoint_record(folder: str | Path) -> dict[str, Any] | None:
 
 
 @contextlib.contextmanager
-def resuming(record: dict[str, Any] | None) -> Iterator[None]:
-    """While it is entered, an engine the MegaTrain backend builds with residency "auto" places `record`'s
-    optimizer-resident count (train_state.CheckpointResidency around the advisor it would have had)."""
+def resuming(trainer: Any, record: dict[str, Any] | None) -> Iterator[None]:
+    """While it is entered, the model `trainer` trains carries `record` (its `model`, and the one its `model_init`
+    makes inside the call, as Trainer.train does with one): an engine the MegaTrain backend builds over it with
+    residency "auto" places `record`'s optimizer-resident count (backend/placement.py advice_for)."""
     if record is None:
         yield
         return
-    from .. import backend
+    # the engine's stack only for a resume: this module loads at deepspeed's import
+    from ..backend import placement
 
-    planner = backend.placement_advice
+    marked: list[Any] = []
 
-    def advice(device: Any, model: Any, config: Any, device_name: str | None = None) -> Any:
-        inner = planner(device, model, config, device_name)
-        if config.residency_set is not None:
-            return inner  # counts the user set: theirs
-        return train_state.CheckpointResidency(record, inner)
+    def carry(model: Any) -> Any:
+        if hasattr(model, "__dict__"):
+            vars(model)[placement.RESUMED] = record
+            marked.append(model)
+        return model
 
-    backend.placement_advice = advice
+    carry(getattr(trainer, "model", None))
+    wrap = getattr(trainer, "model_init", None) is not None
+    if wrap:  # Trainer.train makes its model anew from model_init: that one carries it
+        before = vars(trainer).get("call_model_init")  # an instance's own (None: the class's method)
+        made_by = trainer.call_model_init
+        trainer.call_model_init = lambda *a, **k: carry(made_by(*a, **k))
     try:
         yield
     finally:
-        backend.placement_advice = planner
+        for model in marked:
+            vars(model).pop(placement.RESUMED, None)
+        if wrap and before is None:
+            del vars(trainer)["call_model_init"]
+        elif wrap:
+            trainer.call_model_init = before
 
 
 def _resume_folder(trainer: Any, resume_from_checkpoint: Any) -> str | None:
@@ -87,7 +101,7 @@ def install() -> None:
     @functools.wraps(real)
     def train(self: Any, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         folder = _resume_folder(self, resume_from_checkpoint)
-        with resuming(checkpoint_record(folder) if folder is not None else None):
+        with resuming(self, checkpoint_record(folder) if folder is not None else None):
             return real(self, resume_from_checkpoint, *args, **kwargs)
 
     _saved["train"] = real

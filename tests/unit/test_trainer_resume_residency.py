@@ -12,13 +12,16 @@ from __future__ import annotations
 import shutil
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from kit import bits
 from safetensors.torch import load_file
 
+from megatrain.backend.placement import advice_for
 from megatrain.commands import sft
+from megatrain.config import EngineConfig
 from megatrain.integrations import resume_residency
 from megatrain.run import train_state
 
@@ -78,13 +81,54 @@ def test_negative_control_without_it_the_resume_chooses_from_this_device(tmp_pat
     assert any("updated 2 layers on its device, this engine 1" in s for s in said), said
 
 
-def test_resuming_leaves_counts_the_user_set_alone():
-    from megatrain import backend
-    from megatrain.config import EngineConfig
+def _advised(model: torch.nn.Module, config: EngineConfig | None = None) -> int | None:
+    """The optimizer-resident count the backend's advisor for an engine over `model` places from a checkpoint
+    (None: no checkpoint's count; a CPU device has no planner advisor of its own)."""
+    a = advice_for(torch.device("cpu"), model, config or EngineConfig())
+    return a.optimizer if isinstance(a, train_state.CheckpointResidency) else None
 
-    planner = backend.placement_advice
-    cpu = torch.device("cpu")
-    with resume_residency.resuming({"optimizer_layers": 2}):
-        assert isinstance(backend.placement_advice(cpu, None, EngineConfig()), train_state.CheckpointResidency)
-        assert backend.placement_advice(cpu, None, EngineConfig(residency={"weights": 1})) is None
-    assert backend.placement_advice is planner
+
+def test_resuming_leaves_counts_the_user_set_alone():
+    trainer = SimpleNamespace(model=torch.nn.Linear(2, 2), model_init=None)
+    with resume_residency.resuming(trainer, {"optimizer_layers": 2}):
+        assert _advised(trainer.model) == 2
+        assert advice_for(torch.device("cpu"), trainer.model, EngineConfig(residency={"weights": 1})) is None
+    assert _advised(trainer.model) is None  # carried while the run lasts only
+
+
+def test_two_resumed_runs_in_one_process_each_place_their_own_count():
+    """Two Trainer runs resuming at once in one process (two threads' runs, the first to end not the last begun):
+    each model's engine places its own checkpoint's count, a model not resumed none, and one run's end leaves the
+    other's in place. Failed with the advisor swapped in a module global (the last run begun advised both, and the
+    first to end took the other's away)."""
+    a, b = (SimpleNamespace(model=torch.nn.Linear(2, 2), model_init=None) for _ in range(2))
+    other = torch.nn.Linear(2, 2)
+    run_a, run_b = resume_residency.resuming(a, {"optimizer_layers": 1}), resume_residency.resuming(
+        b, {"optimizer_layers": 3})
+    run_a.__enter__()
+    run_b.__enter__()
+    try:
+        assert (_advised(a.model), _advised(b.model), _advised(other)) == (1, 3, None)
+        run_a.__exit__(None, None, None)
+        assert (_advised(a.model), _advised(b.model)) == (None, 3)
+    finally:
+        run_b.__exit__(None, None, None)
+    assert _advised(b.model) is None
+
+
+class _InitTrainer:
+    """Trainer's model_init road: train() makes its model anew (call_model_init) before deepspeed.initialize."""
+
+    def __init__(self) -> None:
+        self.model, self.model_init = torch.nn.Linear(2, 2), lambda: torch.nn.Linear(2, 2)
+
+    def call_model_init(self) -> torch.nn.Module:
+        return self.model_init()
+
+
+def test_a_model_made_by_model_init_inside_the_run_carries_the_count():
+    trainer = _InitTrainer()
+    with resume_residency.resuming(trainer, {"optimizer_layers": 2}):
+        made = trainer.call_model_init()
+        assert _advised(made) == 2 and _advised(trainer.model) == 2
+    assert _advised(made) is None and "call_model_init" not in vars(trainer)  # the trainer as it was

@@ -29,6 +29,7 @@ step, and one copy per node is what one GPU needs already.
 
 from __future__ import annotations
 
+import mmap
 import os
 import secrets
 import socket
@@ -44,6 +45,8 @@ from ...costs.shards import ShardMap
 from .pinned import host_buffer
 
 SHM_DIR = "/dev/shm"
+# The shared buffers a node updated by shard allocates by rank (NodeStore._first_touch): every layer's, by its ranges.
+FIRST_TOUCHED = ("layer weights", "optimizer state")
 SHARD_KEY = "megatrain_shard_of_rank"  # in an optimizer state_dict taken on a rank other than 0: partial
 
 
@@ -114,6 +117,19 @@ def _env_int(name: str) -> int | None:
         return int(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+def page_ranges(numel: int, itemsize: int, ranges: Sequence[tuple[int, int]],
+                page: int = mmap.PAGESIZE) -> list[tuple[int, int]]:
+    """(offset, length) in bytes of the whole pages inside the element `ranges` (clipped to `numel`) of a buffer of
+    `numel` elements: what a rank can allocate of its ranges without taking a page its neighbour's range shares."""
+    out = []
+    for a, b in ranges:
+        lo = -(-a * itemsize // page) * page
+        hi = min(b, numel) * itemsize // page * page
+        if hi > lo:
+            out.append((lo, hi - lo))
+    return out
 
 
 class Split:
@@ -230,8 +246,12 @@ class NodeStore:
         dist.broadcast_object_list(token, src=leader_rank, group=self.node_group)
         paths = [os.path.join(SHM_DIR, f"megatrain-{token[0]}-{k}") for k in range(len(specs))]
         sizes = [mapped_bytes(n * torch.empty((), dtype=d).element_size()) for n, d in specs]
-        error = [self._create(paths, sizes, what) if self.leader else None]
-        dist.broadcast_object_list(error, src=leader_rank, group=self.node_group)
+        touch = self._first_touch(specs, what)
+        if touch is None:
+            error = [self._create(paths, sizes, what) if self.leader else None]
+            dist.broadcast_object_list(error, src=leader_rank, group=self.node_group)
+        else:
+            error = [self._reserve_by_rank(paths, sizes, touch, what, leader_rank)]
         if error[0] is not None:
             raise MemoryError(error[0])
         out, failed = [], None
@@ -260,27 +280,95 @@ class NodeStore:
                 _mark_split(t, self.split)
         return out
 
+    def _first_touch(self, specs: Sequence[tuple[int, torch.dtype]], what: str) -> list[list[tuple[int, int]]] | None:
+        """This rank's (offset, length) byte ranges of each file to allocate before the leader allocates the rest, or
+        None (the leader allocates it all). Updated by shard, a rank's team reads and writes its ranges of every
+        layer's weights and Adam state (docs/DISTRIBUTED.md section 3): tmpfs puts a page on the NUMA node of the CPU
+        that allocates it, and this rank's threads are on its GPU's node (runtime/numa.py bind_host, before the
+        store), so its ranges land in its socket's memory."""
+        if self.split is None or what not in FIRST_TOUCHED or self.topo.local_world < 2:
+            return None
+        return [page_ranges(n, torch.empty((), dtype=d).element_size(), self.split.ranges(n)) for n, d in specs]
+
+    def _reserve_by_rank(self, paths: list[str], sizes: list[int], touch: list[list[tuple[int, int]]], what: str,
+                         leader_rank: int) -> str | None:
+        """Collective over the node: the leader creates the files unallocated, every rank allocates its `touch`
+        ranges, the leader checks that every rank succeeded and allocates the rest (the boundary pages, padding).
+        The shortfall message, the same on every rank, or None: nobody maps a file not wholly allocated."""
+        made = [self._create(paths, sizes, what, reserve=False) if self.leader else None]
+        dist.broadcast_object_list(made, src=leader_rank, group=self.node_group)
+        if made[0] is not None:
+            return made[0]
+        failed = None
+        try:
+            for path, ranges in zip(paths, touch):
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    for offset, length in ranges:
+                        os.posix_fallocate(fd, offset, length)
+                finally:
+                    os.close(fd)
+        except OSError as exc:
+            failed = exc
+        errors: list[OSError | None] = [None] * self.topo.local_world
+        dist.all_gather_object(errors, failed, group=self.node_group)
+        error = [None]
+        if self.leader:
+            error[0] = self._fill(paths, sizes, what, next((e for e in errors if e is not None), None))
+        dist.broadcast_object_list(error, src=leader_rank, group=self.node_group)
+        return error[0]
+
     @staticmethod
-    def _create(paths: list[str], sizes: list[int], what: str) -> str | None:
+    def _create(paths: list[str], sizes: list[int], what: str, reserve: bool = True) -> str | None:
         """Create the files with their memory reserved now (a sparse file would SIGBUS on first touch of a page
-        /dev/shm cannot supply); an error message naming the shortfall, or None."""
+        /dev/shm cannot supply); an error message naming the shortfall, or None. `reserve` False: sized only, for
+        the node's ranks to allocate (`_reserve_by_rank`) before anyone maps them."""
         made = []
         try:
             for path, size in zip(paths, sizes):
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                 made.append(path)
                 try:
-                    os.posix_fallocate(fd, 0, size)
+                    if reserve:
+                        os.posix_fallocate(fd, 0, size)
+                    else:
+                        os.ftruncate(fd, size)
                 finally:
                     os.close(fd)
         except OSError as exc:
             for path in made:
                 os.unlink(path)
-            st = os.statvfs(SHM_DIR)
-            return (f"the node's shared {what} need {sum(sizes) / 2**30:.2f} GiB in {SHM_DIR}, which has "
-                    f"{st.f_bavail * st.f_frsize / 2**30:.2f} GiB free ({exc}). Enlarge it (in a container: "
-                    "--shm-size; else mount -o remount,size=...), or set data_parallel_host='replicated'")
+            return NodeStore._shortfall(sizes, what, exc)
         return None
+
+    @staticmethod
+    def _fill(paths: list[str], sizes: list[int], what: str, failed: OSError | None) -> str | None:
+        """The rest of every file allocated, where no rank failed (`failed`: the first rank's error); else, or where
+        this fails, the files removed and the shortfall message."""
+        try:
+            if failed is not None:
+                raise failed
+            for path, size in zip(paths, sizes):
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    os.posix_fallocate(fd, 0, size)  # allocates only what no rank did
+                finally:
+                    os.close(fd)
+        except OSError as exc:
+            for path in paths:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+            return NodeStore._shortfall(sizes, what, exc)
+        return None
+
+    @staticmethod
+    def _shortfall(sizes: list[int], what: str, exc: OSError) -> str:
+        st = os.statvfs(SHM_DIR)
+        return (f"the node's shared {what} need {sum(sizes) / 2**30:.2f} GiB in {SHM_DIR}, which has "
+                f"{st.f_bavail * st.f_frsize / 2**30:.2f} GiB free ({exc}). Enlarge it (in a container: "
+                "--shm-size; else mount -o remount,size=...), or set data_parallel_host='replicated'")
 
     # -- gradients ------------------------------------------------------------------------------------
     def make_staging(self, numel: int) -> None:

@@ -14,8 +14,9 @@ as torchrun, accelerate and the deepspeed launcher set it) once: under Slurm wit
 affinity is already this task's share and is not divided again. MEGATRAIN_HOST_THREADS names it outright. Never
 torch's own count: `accelerate launch` always sets OMP_NUM_THREADS=1 and torchrun does with more than one process,
 which left every host pool one thread; and N ranks of a node that each took every core oversubscribed it N-fold.
-Bound to its GPU's NUMA node (numa.py), a rank's affinity is that node's CPUs, shared by the ranks whose GPUs sit
-there (`bound_ranks`), not by all of the machine's.
+Bound to its GPU's NUMA node (numa.py), a rank's affinity is its own team's share of that node's CPUs (not divided
+again), or, where the shares cannot be told, that node's CPUs shared by the ranks whose GPUs sit there
+(`bound_ranks`), not by all of the machine's.
 """
 
 from __future__ import annotations
@@ -74,6 +75,21 @@ def local_ranks() -> int:
                      "set it to the number of processes on this node, or unset it") or 1
 
 
+def local_rank() -> int | None:
+    """This process's index among its node's (LOCAL_RANK as the launchers set it; None without one)."""
+    raw = os.environ.get("LOCAL_RANK", "").strip()
+    if not raw:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"LOCAL_RANK={raw!r} is not a non-negative integer: set it to this process's index on "
+                         "its node, or unset it")
+    return n
+
+
 # Where the cgroup files are read (tests point these at a fake tree).
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 SELF_CGROUP = Path("/proc/self/cgroup")
@@ -126,18 +142,19 @@ def cgroup_cpu_quota() -> float | None:
     return min(found) if found else None
 
 
-_node_ranks: int | None = None  # set by numa.apply: the ranks sharing the node this process is bound to
+_node_ranks: int | None = None  # set by numa.apply: the ranks sharing the CPUs this process is bound to
 
 
 def bound_ranks(n: int | None) -> None:
-    """This process's threads are bound to a NUMA node whose CPUs `n` ranks share (None: not bound by MegaTrain)."""
+    """This process's threads are bound to CPUs of a NUMA node that `n` ranks share (1: a team of its own; None: not
+    bound by MegaTrain)."""
     global _node_ranks
     if n is not None and n < 1:
         raise ValueError(f"a bound node is shared by at least 1 rank, got {n}")
     _node_ranks = n
 
 
-def _slurm_task_bound(cpus: int, ranks: int) -> bool:
+def slurm_task_bound(cpus: int, ranks: int) -> bool:
     """Whether Slurm bound this task to CPUs of its own (a per-task cpuset), so that its affinity already is its
     share: a binding named by the step (SLURM_CPU_BIND_TYPE other than none), or this task's CPUs times the node's
     tasks within the job's CPUs on this node (unbound tasks each see all of them)."""
@@ -162,8 +179,8 @@ def host_cores() -> int:
         return override
     cpus, ranks = affinity_cpus(), local_ranks()
     # the node's CPUs and its cgroup's quota are shared by its ranks; a Slurm task's own binding (and cgroup) is not
-    shared = 1 if _slurm_task_bound(cpus, ranks) else ranks
-    # bound to a NUMA node (numa.py): that node's CPUs are shared by its ranks only; the quota still by all
+    shared = 1 if slurm_task_bound(cpus, ranks) else ranks
+    # bound to a NUMA node (numa.py): its own team's CPUs, or the node's shared by its ranks only; the quota by all
     share = cpus // (_node_ranks if _node_ranks is not None and shared > 1 else shared)
     quota = cgroup_cpu_quota()
     if quota is not None:
