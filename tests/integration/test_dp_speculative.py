@@ -1,6 +1,7 @@
 """The speculative step with several data-parallel ranks (docs/DISTRIBUTED.md section 3): 2 gloo ranks under torchrun,
 every layer streamed, accumulation 2, a clip that scales at some steps and not at others and one non-finite step
-(skipped), each with speculative_step=True against the same ranks' serial step, on the per-rank path (the node's
+(skipped), each with speculative_step=True (waited for after each backward, so every speculation runs; not waited
+for; with optimizer_overlap) against the same ranks' serial step, on the per-rank path (the node's
 shared store, each layer's owner updating it whole; and each rank its own store, the ranks' average) and on the node
 path's update by shard (each rank its ranges of every layer, rolled back by range). Losses, pre-clip norms, weights
 and Adam state must be the serial step's bit for bit, with the same rollbacks and back-offs on every rank, and the
@@ -24,7 +25,8 @@ DEADLINE_S = 600  # a bound on a hang, not a speed target: the whole suite share
 ARGS = {"micro": 2, "steps": 5, "layers": 4}
 PATHS = ("per_rank", "replicated", "node")
 RUNS = [f"{p}:{m}" for p in PATHS for m in ("serial", "spec")] + [
-    "per_rank:auto", "per_rank:spec:norollback", "node:spec:norollback", "node:spec:wholecopy"]
+    "per_rank:auto", "per_rank:spec:norollback", "node:spec:norollback", "node:spec:wholecopy"] + [
+    f"{p}:spec:{v}" for p in PATHS for v in ("race", "overlap")] + ["per_rank:spec:slow", "per_rank:spec:slow_unmet"]
 CLIPS = [1e9, 0.05, 1e9, 0.05, 1e9]  # the worker's: a clip that scales at steps 1 and 3
 NAN_STEP = 2
 
@@ -76,6 +78,16 @@ def test_speculative_step_with_two_ranks_is_the_serial_step_bit_for_bit(ranks, p
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("variant", ["race", "overlap"])
+@pytest.mark.parametrize("path", PATHS)
+def test_racing_or_overlapped_speculation_is_the_serial_step_too(ranks, path, variant):
+    """"race": no wait for the speculative jobs (a step overtakes some, which it then updates itself); "overlap":
+    optimizer_overlap, each layer's next load behind its update (on the shared store, behind its owner's token)."""
+    for r in range(2):
+        assert _differences(ranks[r][f"{path}:serial"], ranks[r][f"{path}:spec:{variant}"]) == [], (path, variant, r)
+
+
+@pytest.mark.slow
 def test_auto_backs_off_alike_on_every_rank(ranks):
     auto = [r["per_rank:auto"] for r in ranks]
     for r in range(2):
@@ -99,3 +111,13 @@ def test_node_path_rollback_copies_of_whole_layers_break_the_parity(ranks):
     master and moments writes the other rank's ranges as it found them when it copied."""
     for r in range(2):
         assert _differences(ranks[r]["node:serial"], ranks[r]["node:spec:wholecopy"]) != [], r
+
+
+@pytest.mark.slow
+def test_a_discard_on_the_shared_store_waits_for_every_ranks_restores(ranks):
+    """Rank 0's restores start late (the first step's forward before its step undoes its first backward's
+    speculation): the other rank's forward loads rank 0's layers only once they are restored, as the serial step
+    has them; the control, a discard that does not meet the other ranks, lets it load them as speculated."""
+    for r in range(2):
+        assert _differences(ranks[r]["per_rank:serial"], ranks[r]["per_rank:spec:slow"]) == [], r
+        assert "losses" in _differences(ranks[r]["per_rank:serial"], ranks[r]["per_rank:spec:slow_unmet"]), r

@@ -9,7 +9,10 @@ Run under torchrun as `python tests/workers/dp_speculative_worker.py OUT_DIR JSO
 layers, runs (each "PATH:MODE[:CONTROL]"; PATH "per_rank" (the node's shared store, each layer's owner updating it
 whole), "replicated" (each rank its own store, the ranks' average) or "node" (the node path's update by shard);
 MODE "serial" (speculative_step=False), "spec" (True) or "auto" (True, with "auto"'s back-off, which a CPU device
-otherwise settles off); CONTROL a negative control, `control`). Writes OUT_DIR/rank{r}.pt:
+otherwise settles off); VARIANT "race" (the speculative jobs not waited for after each backward: which layers a
+step finds speculated is the host's timing), "overlap" (optimizer_overlap: the step returns with the layer updates
+queued, each layer's next load waiting for them), "slow" (rank 0's restores start late) or a negative control
+(`control`)). Writes OUT_DIR/rank{r}.pt:
 per run, each micro-batch's loss (the global batch's), each step's pre-clip norm, the final weights (state_dict)
 and Adam state of this rank's optimizer, and the speculative step's counts.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +37,7 @@ VOCAB, SEQ, LR = 128, 12, 1e-3
 # Per step: a clip that scales (0.05 against norms of about 1: rolled back), none that does (1e9: held).
 CLIPS = [1e9, 0.05, 1e9, 0.05, 1e9]
 NAN_STEP = 2  # its clip would scale nothing: the skip, not the clip, rolls it back
+SLOW_RESTORE_S = 0.5  # "slow": each of rank 0's restores starts this late
 PATHS = {"per_rank": {"data_parallel_path": "per_rank"},
          "replicated": {"data_parallel_path": "per_rank", "data_parallel_host": "replicated"},
          "node": {"data_parallel_path": "node"}}
@@ -50,10 +55,22 @@ def build_model(layers: int) -> torch.nn.Module:
 def control(name: str, rank: int):
     """The negative control `name` on this rank; returns what undoes it. "norollback": rank 1's rollback copies are
     never written back (its speculated layers stay as the speculation left them); "wholecopy": on the node path each
-    rank's rollback copy is of the whole layer, not of its ranges (a restore writes the other rank's ranges too)."""
+    rank's rollback copy is of the whole layer, not of its ranges (a restore writes the other rank's ranges too);
+    "slow_unmet": on the shared store, rank 0's restores start late and a discard does not meet the other ranks (the
+    other rank's next forward loads rank 0's layers as the speculation left them). "slow" (no control): the late
+    restores alone, which the discard's meeting of the ranks waits for."""
     if name == "norollback" and rank == 1:
         restore = StateCopy.restore
         StateCopy.restore = lambda self, group, view: None
+        return lambda: setattr(StateCopy, "restore", restore)
+    if name.startswith("slow") and rank == 0:  # "slow", "slow_unmet": rank 0's restores start late
+        restore = StateCopy.restore
+
+        def late(self, group, view) -> None:
+            time.sleep(SLOW_RESTORE_S)
+            restore(self, group, view)
+
+        StateCopy.restore = late
         return lambda: setattr(StateCopy, "restore", restore)
     if name == "wholecopy":
         init = StateCopy.__init__
@@ -62,15 +79,18 @@ def control(name: str, rank: int):
     return lambda: None
 
 
-def train(args: dict, path: str, mode: str) -> dict:
+def train(args: dict, path: str, mode: str, variant: str = "") -> dict:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     micro, steps, accum = args["micro"], args["steps"], 2
     cfg = EngineConfig(**{"device": "cpu", "parity_probe": False, "residency": "stream", "watchdog_s": 120.0,
-                          "compute_dtype": "float32", "speculative_step": mode != "serial", **PATHS[path]})
+                          "compute_dtype": "float32", "speculative_step": mode != "serial", **PATHS[path],
+                          "optimizer_overlap": variant == "overlap"})
     model = build_model(args["layers"])
     engine = Engine(model, cfg, optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=LR))
     spec = engine.update if isinstance(engine.update, Speculative) else None
     assert (spec is not None) == (mode != "serial"), type(engine.update)
+    if variant == "slow_unmet":
+        spec._shares = False  # the control: a discard that does not wait for the other ranks' restores
     if mode == "auto":
         spec.back_off = True  # speculative_step "auto"'s back-off (engine's speculation_backs_off), on a CPU device
     g = torch.Generator().manual_seed(1)
@@ -83,7 +103,7 @@ def train(args: dict, path: str, mode: str) -> dict:
             loss = engine(input_ids=ids, labels=ids).loss
             poison = s == NAN_STEP and j == accum - 1 and rank == 0
             engine.backward(loss * float("nan") / accum if poison else loss / accum)
-            if spec is not None:
+            if spec is not None and variant != "race":
                 # The speculative updates queued done before what follows (a forward, the clip): every speculation
                 # runs, so which layers roll back is the verdicts', not the host's timing.
                 spec.layered.synchronize()
@@ -113,9 +133,10 @@ def main() -> None:
     results = {}
     for run in args["runs"]:
         path, mode, *rest = run.split(":")
-        undo = control(rest[0] if rest else "", rank)
+        variant = rest[0] if rest else ""
+        undo = control(variant, rank)
         try:
-            results[run] = train(args, path, mode)
+            results[run] = train(args, path, mode, variant)
         finally:
             undo()
     torch.save(results, out / f"rank{rank}.pt")
