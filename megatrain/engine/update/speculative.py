@@ -60,7 +60,10 @@ on every rank, not whether this rank had a layer to), pauses alike. Per path:
   reduce-scatter; its copy is what by_shard.update writes (by_shard.written), so a restore never writes the other
   ranks' ranges of the shared master and moments.
 No reduction measures a slab's norm with several ranks (the ranks' sum lands after it): with skip_nonfinite the
-speculative job checks the slab (its ranges) is finite first, so no update runs on NaNs here either.
+speculative job checks the slab (its ranges) is finite first, so no update runs on NaNs here either. The copies a
+node holds: one per speculated layer on the shared store (each rank its layers or its ranges), one per rank with
+each rank its own store; resolve sizes the count as for one process, and each copy checks the host again when it
+is first allocated (_room_for), which is what holds several private stores on one host to its memory.
 """
 
 from __future__ import annotations
