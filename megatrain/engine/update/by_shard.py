@@ -15,6 +15,10 @@ each local rank updating its ranges of every layer (the shard map's, costs/shard
 
 Only an FP32 master (with or without its bf16 shadow) and torch's Adam/AdamW are split (node_path.plan): a hi/lo
 master's tie table and stochastic rounding are whole-layer state.
+
+The speculative step (speculative.py) runs here as on one GPU: a layer's speculative update is this rank's `update`
+of its ranges behind the landing of its shard, and the rollback copy is `written`: exactly what that update writes,
+so a rank's restore never touches another rank's ranges of the node's shared master and moments.
 """
 
 from __future__ import annotations
@@ -68,6 +72,36 @@ def make_state(optimizer: torch.optim.Optimizer, store: HostStore, split: Split)
                       for a, b in split.ranges(layers[i].numel) if a < s.offset + s.numel and b > s.offset]
             shared[p] = (views, pieces)
     register_shared_state(optimizer, shared, held)
+
+
+def written(view: torch.optim.Optimizer | None, group: FlatGroup, ranges: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Views of everything `update(view, group, coefs, ranges)` writes when `coefs` is empty (a scale writes the
+    slab too): this rank's pieces of the master, of Adam's moments (the node's shared memory) and of the bf16
+    shadow, and the step counters (each rank's own). The speculative step's rollback copy (speculative.py
+    StateCopy): a copy of the whole layer would restore the other ranks' ranges too, over their own updates."""
+    if view is None:
+        return []
+    slot_of = {p.data_ptr(): s for p, s in zip(group.params, group.slots) if s.numel}
+    out: list[torch.Tensor] = []
+    for g in view.param_groups:
+        for p in g["params"]:
+            s = slot_of.get(p.data_ptr())
+            if s is None:
+                continue
+            st = view.state[p]
+            if "step" in st:
+                out.append(st["step"])  # stepped whether or not any of its elements is in the ranges
+            flat = p.detach().view(-1)
+            for a, b in ranges:
+                lo, hi = max(a, s.offset), min(b, s.offset + s.numel)
+                if lo >= hi:
+                    continue
+                x, y = lo - s.offset, hi - s.offset
+                out.append(flat[x:y])
+                out.extend(st[k].view(-1)[x:y] for k in STATE_KINDS if k in st)
+    if group.shadow is not None and group.master is not None:
+        out.extend(group.shadow[a:b] for a, b in ranges)
+    return out
 
 
 def update(view: torch.optim.Optimizer | None, group: FlatGroup, coefs: list[float],

@@ -25,7 +25,7 @@ def choose(optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEven
            spill: SpillFactory | None = None, device_layers: frozenset[int] = frozenset(),
            speculate: frozenset[int] | None = None, back_off: bool = False) -> UpdatePath:
     """The update path the configuration and the optimizer allow. `agree`: how data-parallel ranks reach one
-    verdict (ranks.py agree_max; None: one rank), used where layers update in backward; `spill`: the NVMe tier
+    verdict (ranks.py agree_max; None: one rank), used where layers update in backward or speculate; `spill`: the NVMe tier
     (spill.py spill_for), built by the per-layer path that runs through it; `device_layers`: the layers whose
     optimizer state lives on the device (resident.py), updated at step() on the caller's thread; `speculate`: with
     speculative_step on, the layers that speculate (speculative.py resolve; None: every layer); `back_off`: the
@@ -48,7 +48,7 @@ def choose(optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEven
     if config.optimizer_in_backward:
         path: UpdatePath = InBackward(optimizer, store, events, config, trace, agree)
     elif config.speculative_step is True and reason is None:
-        path = Speculative(optimizer, store, events, config, trace, speculate, back_off)
+        path = Speculative(optimizer, store, events, config, trace, speculate, back_off, agree)
     elif reason is None and (config.optimizer_overlap or layer_wise or layer_pass_pays(optimizer, store)):
         path = Layered(optimizer, store, events, config, trace, spill)
     else:

@@ -43,6 +43,27 @@ speculation takes no longer than a layer's backward, the first n layers are the 
 Gradient accumulation: a backward speculates when as many backwards have run since the last step as before it
 (the last step's count), and with `sync` (a step may follow); a step taken sooner finds layers not speculated and
 updates them serially. The copies are kept from step to step (the rollback memory, rollback_bytes_per_param).
+
+Several ranks (data parallel, docs/DISTRIBUTED.md section 3): each rank speculates the updates it would make at
+step(), once their gradients are final on this rank, and the verdict is the same on every rank (the global norm is
+one all-reduced value, so the clip and the finite check agree; the LR is every rank's), so every rank keeps or rolls
+back the same steps, and "auto"'s back-off, fed only those verdicts and whether the backward speculated (the same
+on every rank, not whether this rank had a layer to), pauses alike. Per path:
+- per rank, each rank its own store: every layer, queued behind the ranks' average of its slab (the ranks' hook
+  runs first and makes `landed[i]` the average's, grad_sent_hook);
+- per rank, the node's shared store: the layers this rank owns, behind the reduction of the node's gradients into
+  its slab; a restore writes the node's master, which the other ranks load with no wait on this rank's events, so a
+  discard of a backward that speculated (a forward, a read or a skipped step before step(); every rank makes the
+  same call) waits for its restores and then meets every rank (`agree`) before any goes on. A step's verdict needs
+  no more: its restores are queued before the layer's "updated" token (ranks.py release);
+- the node path's update by shard: this rank's ranges of every layer, behind the landing of its shard of the
+  reduce-scatter; its copy is what by_shard.update writes (by_shard.written), so a restore never writes the other
+  ranks' ranges of the shared master and moments.
+No reduction measures a slab's norm with several ranks (the ranks' sum lands after it): with skip_nonfinite the
+speculative job checks the slab (its ranges) is finite first, so no update runs on NaNs here either. The copies a
+node holds: one per speculated layer on the shared store (each rank its layers or its ranges), one per rank with
+each rank its own store; resolve sizes the count as for one process, and each copy checks the host again when it
+is first allocated (_room_for), which is what holds several private stores on one host to its memory.
 """
 
 from __future__ import annotations
@@ -63,6 +84,7 @@ from ..host.events import LayerEvents
 from ..host.store import FlatGroup, HostStore
 from ..runtime.stream import DONE, Trace
 from ..runtime.threads import update_threads
+from . import by_shard, fused
 from .clipping import Clipping
 from .optim import unsupported_reason
 from .update import Layered, update_layer
@@ -80,17 +102,20 @@ MAX_QUIET_STEPS = 320
 
 class StateCopy:
     """Copies of what one layer's update writes, taken before the update and written back to undo it. The copy's
-    buffers are allocated at the first save and reused (the rollback memory)."""
+    buffers are allocated at the first save and reused (the rollback memory). `ranges`: the node path's update by
+    shard writes only this rank's ranges of the layer (by_shard.written), with its Adam state made already."""
 
-    def __init__(self) -> None:
+    def __init__(self, ranges: list[tuple[int, int]] | None = None) -> None:
+        self.ranges = ranges
         self._buffers: list[torch.Tensor] = []
         self._empty: list[dict] = []  # Adam state dicts that were empty (a first step): emptied again
         self._ties: torch.Tensor | None = None
         self._rng: torch.Tensor | None = None
 
-    @staticmethod
-    def _live(group: FlatGroup, view: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[dict]]:
+    def _live(self, group: FlatGroup, view: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[dict]]:
         """The tensors the update writes in place, and the state dicts it fills from empty."""
+        if self.ranges is not None:
+            return by_shard.written(view, group, self.ranges), []
         live = [t for t in (group.master, group.shadow, group.lo) if t is not None]
         empty = []
         for g in view.param_groups:
@@ -137,8 +162,14 @@ class Speculative(Layered):
 
     def __init__(self, optimizer: torch.optim.Optimizer, store: HostStore, events: LayerEvents,
                  config: EngineConfig, trace: Trace, layers: frozenset[int] | None = None,
-                 back_off: bool = False) -> None:
+                 back_off: bool = False, agree: Callable[[int, str], int] | None = None) -> None:
         super().__init__(optimizer, store, events, config, trace)
+        # Data-parallel ranks (`agree`: ranks.py agree_max; the module docstring's "Several ranks"): no reduction
+        # measures a slab's norm, and with the node's one store the other ranks read what a rollback restores.
+        self.data_parallel = agree is not None
+        self._agree = agree
+        self._shares = agree is not None and getattr(store, "ranks_sharing", 1) > 1
+        self._open = False  # this backward speculates (armed, and a step may follow): the same on every rank
         self.back_off = back_off  # "auto": speculation paused while it keeps losing (BACK_OFF_AFTER); True: never
         self._lost = 0  # steps in a row whose speculation was rolled back
         self._quiet = 0  # steps left before speculation is tried again
@@ -150,7 +181,7 @@ class Speculative(Layered):
         self.layers = frozenset(range(n)) if layers is None else frozenset(layers)
         self._shrunk = False  # a layer's copy stopped fitting since the count was measured (_room_for)
         self._below_of: tuple[tuple | None, dict[int, int]] = (None, {})  # _below's table, for the sets it was made of
-        self.copies = [StateCopy() for _ in range(n)]
+        self.copies = [StateCopy(self._ranges(i)) for i in range(n)]
         self.submitted = [False] * n  # a speculative job was queued for the layer since the last verdict
         # Per layer, written by its job on the optimizer thread: the slab version the speculation read (None: the
         # layer was not updated), read by the jobs queued after it on the same thread.
@@ -190,10 +221,11 @@ class Speculative(Layered):
                        sync: bool) -> Callable[[int], None] | None:
         if not (self._armed and sync):
             return ranks_hook
+        self._open = True
 
         def sent(i: int) -> None:
             if ranks_hook is not None:
-                ranks_hook(i)
+                ranks_hook(i)  # first: the ranks' average becomes the layer's `landed`, which the speculation waits for
             self._speculate(i)
 
         return sent
@@ -244,7 +276,16 @@ class Speculative(Layered):
         reduction measured no norm or a non-finite one (that layer waits for the verdict, so no update runs on NaNs)."""
         group = self.store.layers[i]
         norm = self.events.slabs.norm(i, group.grad)
-        if norm is None or not math.isfinite(float(norm)):
+        ranges = self._ranges(i)
+        if norm is not None:
+            if not math.isfinite(float(norm)):
+                return False
+        elif not self.data_parallel:
+            return False
+        elif self.config.skip_nonfinite and not all(fused.all_finite(group.grad[a:b], threads=update_threads(True))
+                                                     for a, b in ranges or [(0, group.numel)]):
+            # With several ranks no reduction measures the slab (the ranks' sum lands after it): read here, and only
+            # where a non-finite step is skipped (else the serial step applies it too, and so does this one).
             return False
         version = group.grad._version
         if not self.copies[i].save(group, self.layered.view_optimizer(i), lambda nbytes: self._room_for(i, nbytes)):
@@ -252,6 +293,10 @@ class Speculative(Layered):
         update_layer(self.layered, group, i, [], update_threads(True))
         self.speculated[i] = version
         return True
+
+    def _ranges(self, i: int) -> list[tuple[int, int]] | None:
+        """This rank's ranges of layer i on the node path's update by shard (None: the whole layer is its update's)."""
+        return self.layered.ranges[i] if self.layered.ranges is not None else None
 
     def _room_for(self, i: int, nbytes: int) -> bool:
         """Whether layer i's first rollback copy still fits the host. The count was measured when the engine was
@@ -263,7 +308,7 @@ class Speculative(Layered):
         if nbytes <= left:
             return True
         self.layers = self.layers - {i}
-        self.copies[i] = StateCopy()  # its old copy freed too: a layer that no longer speculates holds none
+        self.copies[i] = StateCopy(self._ranges(i))  # its old copy freed too: a layer that no longer speculates holds none
         if not self._shrunk:
             self._shrunk = True
             log.warning("speculative step: layer %d's rollback copy (%.2f GiB) no longer fits the %.2f GiB the host "
@@ -292,23 +337,29 @@ class Speculative(Layered):
     def discard(self) -> None:
         """Undo every queued speculation (queued behind it: the layers' next loads wait for the restore)."""
         self._decided = True
-        if not any(self.submitted):
-            return
-        self._verdict += 1
-        verdict = self._verdict
-        for i, sent in enumerate(self.submitted):
-            if sent:
-                def job(i: int = i) -> int:
-                    self._restore(i, verdict)
-                    return 0
+        opened, self._open = self._open, False
+        if any(self.submitted):
+            self._verdict += 1
+            verdict = self._verdict
+            for i, sent in enumerate(self.submitted):
+                if sent:
+                    def job(i: int = i) -> int:
+                        self._restore(i, verdict)
+                        return 0
 
-                self.layered.submit(i, job, DONE)
-        self.submitted = [False] * len(self.submitted)
+                    self.layered.submit(i, job, DONE)
+            self.submitted = [False] * len(self.submitted)
+        if opened and self._shares:
+            # The node's one store: another rank's next load of a layer waits only for its own events, not for this
+            # rank's restore of it. Every rank discards the same round at the same call (the round is opened by
+            # every rank's backward alike), so each waits for its restores and then for every other rank's.
+            self.layered.synchronize()
+            self._agree(0, "waiting for the other ranks' rollbacks of a speculative step")
 
     def step(self, finite: Callable[[], bool], clip: Clipping) -> bool:
         self._per_step, self._backwards = max(1, self._backwards), 0
         self._decided = True
-        if not any(self.submitted):
+        if not self._open:  # (not whether this rank queued any: the verdict and its back-off are every rank's)
             if self._quiet:
                 self._quiet -= 1
                 self.quiet_steps += 1
@@ -317,6 +368,7 @@ class Speculative(Layered):
             self.discard()  # the step is skipped: the speculated layers as they were
             self._judge(lost=True)
             return False
+        self._open = False
         for g in self.store.groups():
             g.link_grads()
         self.events.wait_global_grads()
@@ -393,14 +445,18 @@ def _hyper(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{k: plain(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
-def refusal(config: EngineConfig, optimizer: torch.optim.Optimizer, data_parallel: bool) -> str | None:
-    """Why the speculative step cannot run with this configuration and optimizer, or None if it can."""
+def refusal(config: EngineConfig, optimizer: torch.optim.Optimizer, data_parallel: bool,
+            across_nodes: bool = False) -> str | None:
+    """Why the speculative step cannot run with this configuration and optimizer, or None if it can. Several
+    data-parallel ranks can (the module docstring's "Several ranks"), but not nodes sharing one store (`across_nodes`,
+    parallel/shared_store.py: not built for it)."""
     if config.optimizer_in_backward:
         return "optimizer_in_backward updates the layers in backward already"
     if config.nvme_path is not None:
         return "nvme_path: a spilled layer's state is on disk between updates"
-    if data_parallel:
-        return "several data-parallel ranks (each layer's verdict would have to be agreed across them)"
+    if data_parallel and across_nodes:
+        return ("nodes sharing one store (not built for it: a layer's restore would have to come before the broadcast "
+                "that loads it on the other nodes)")
     return unsupported_reason(optimizer)
 
 
@@ -413,7 +469,7 @@ def resolve(config: EngineConfig, device: torch.device, optimizer: torch.optim.O
     setting = config.speculative_step
     if setting is False:
         return frozenset()
-    reason = refusal(config, optimizer, data_parallel)
+    reason = refusal(config, optimizer, data_parallel, getattr(store, "across_nodes", False))
     if reason is not None:
         if setting is True:
             raise ValueError(f"speculative_step=True: {reason}; set speculative_step='auto' or False")
