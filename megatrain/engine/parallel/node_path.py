@@ -73,6 +73,31 @@ class NodeWeights:
             nbytes += (b - a) * src.element_size()
         return nbytes
 
+    # -- a layer kept sharded (DISTRIBUTED.md section 4; schedule.py KeptShards) ----------------------------
+    def shard_numel(self, numel: int) -> int:
+        return self.map(numel).shard_numel
+
+    def refresh(self, shard: torch.Tensor, src: torch.Tensor, numel: int) -> int:
+        """This rank's ranges of the layer's masters (`src`, its host stream source) into its packed device shard:
+        the only host-to-device copy of a layer kept sharded, once per change of the masters; the bytes copied.
+        The padding stays as it was: no parameter, never read."""
+        nbytes, at = 0, 0
+        for a, b in self.map(numel).ranges(self.rank):
+            end = min(b, numel)
+            if a < end:
+                shard[at: at + end - a].copy_(src[a:end], non_blocking=True)
+                nbytes += (end - a) * src.element_size()
+            at += b - a
+        return nbytes
+
+    def place(self, buffer: torch.Tensor, shard: torch.Tensor, numel: int) -> None:
+        """The packed shard into this rank's ranges of a ring slot, on the device, where the in-place gather reads
+        them (as a streamed layer's shard copy lands there)."""
+        at = 0
+        for a, b in self.map(numel).ranges(self.rank):
+            buffer[a:b].copy_(shard[at: at + b - a], non_blocking=True)
+            at += b - a
+
     def gather(self, buffer: torch.Tensor, numel: int) -> int:
         m = self.map(numel)
         before = self.stats.gathered_bytes
