@@ -178,6 +178,8 @@ class LayerPipeline:
         self.streams.add_gather()
         self.weights = weights
         self.kept_shards.weights = weights if keeps_shards(weights) else None
+        if self.policy is not None and self.kept_shards.weights is not None:
+            self.policy.kept_share = weights.world  # "auto" plans a kept layer at 1/G of its bytes (residency.plan)
         self.ring_numel = weights.padded(self.max_numel)  # padding only grows with numel: every layer fits
         k = self.ring_size
         if self.buffers[0].numel() and self.buffers[0].numel() < self.ring_numel:
