@@ -23,7 +23,8 @@ DEADLINE_S = 600  # a bound on a hang, not a speed target: the whole suite share
 TOL = 1e-5  # the project's data-parallel parity tolerance (test_data_parallel.py)
 ACCUM, RING = 2, 2  # node_path_worker.train's accumulation; EngineConfig.num_buffers' default
 ARGS = {"micro": 2, "world": 2, "steps": 3, "layers": 4}
-RUNS = ["node", "node:k2", "node:k4", "node:k2:g1", "node:k2:stale", "node:bf16", "node:k2:bf16"]
+RUNS = ["node", "node:k2", "node:k4", "node:k2:g1", "node:k2:g1:eval", "node:k2:stale", "node:bf16",
+        "node:k2:bf16"]
 
 
 def _gaps(ref: dict, got: dict) -> dict[str, float]:
@@ -121,6 +122,9 @@ def test_two_ranks_keep_layers_sharded_exactly_for_half_a_refresh_each(tmp_path)
         g1 = res["node:k2:g1"]
         assert _same_bits(g1, res["node"]), (r, _gaps(res["node"], g1))
         assert all(st["sharded_weight_layers"] == 1 and st["kept_graph_layers"] == 1 for st in g1["stats"]), r
+        # a no-grad forward between each training forward and its backward plans the kept weights without graphs:
+        # the whole layer stays whole (its graph reads its slot in that backward), and training is the same bits
+        assert _same_bits(res["node:k2:g1:eval"], g1), (r, _gaps(g1, res["node:k2:g1:eval"]))
         # the control: each shard refreshed once, never after an update, so the kept layers compute with the weights
         # they started from; the first step is the same, every later one is off by far more than the tolerance
         stale = res["node:k2:stale"]

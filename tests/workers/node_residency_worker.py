@@ -6,7 +6,7 @@ Run as `python tests/workers/node_residency_worker.py OUT_DIR JSON_ARGS` (under 
 node_path_worker.py's, `runs` each "PATH[:OPTION...]": "kN" keeps the first N layers (residency weights N), "gM"
 keeps the first M of them with their graph (activations M: those stay whole), "bf16" computes in bf16, "stale" is
 the negative control (each kept shard refreshed from the host once, never again: stale weights after the first
-step). Writes OUT_DIR/rank{r}.pt: per run, node_path_worker.train's results plus the shard map's numbers of a layer.
+step), "eval" a no-grad forward before every backward. Writes OUT_DIR/rank{r}.pt: per run, node_path_worker.train's results plus the shard map's numbers of a layer.
 """
 
 from __future__ import annotations
@@ -40,6 +40,23 @@ def stale() -> callable:
     return lambda: setattr(node_path.NodeWeights, "refresh", refresh)
 
 
+def eval_between() -> callable:
+    """Every backward preceded by a no-grad forward of other rows (a non-training forward between a training
+    forward and its backward, which plans the kept weights without graphs). Returns what undoes it."""
+    from megatrain.engine import Engine
+
+    backward = Engine.backward
+    rows = torch.randint(0, base.VOCAB, (1, base.SEQ), generator=torch.Generator().manual_seed(7))
+
+    def with_eval(self, *args, **kwargs):
+        with torch.no_grad():
+            self(input_ids=rows)
+        return backward(self, *args, **kwargs)
+
+    Engine.backward = with_eval
+    return lambda: setattr(Engine, "backward", backward)
+
+
 def settings_of(options: list[str]) -> tuple[dict, callable]:
     settings: dict = {}
     weights = graphs = 0
@@ -53,6 +70,8 @@ def settings_of(options: list[str]) -> tuple[dict, callable]:
             settings["compute_dtype"] = "bfloat16"
         elif opt == "stale":
             undo = stale()
+        elif opt == "eval":
+            undo = eval_between()
         else:
             raise ValueError(f"unknown option {opt!r}")
     settings["residency"] = {"weights": weights, "activations": graphs} if weights else "stream"

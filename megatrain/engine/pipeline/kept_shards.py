@@ -67,11 +67,16 @@ class ShardKeeper:
         """Device bytes of the kept shards, as allocated."""
         return sum(t.numel() * t.element_size() for t in self.shards.values())
 
-    def split(self, r: Residency) -> tuple[frozenset[int], frozenset[int]]:
-        """(layers kept whole, layers kept sharded) of residency `r` (every kept layer whole off the node path)."""
+    def split(self, r: Residency, whole_now: frozenset[int]) -> tuple[frozenset[int], frozenset[int]]:
+        """(layers kept whole, layers kept sharded) of residency `r` (every kept layer whole off the node path), the
+        layers kept whole now being `whole_now`. A plan without graphs (a non-training forward's, which may come
+        between a training forward and its backward; a tiled batch's) leaves a whole layer it keeps whole: the kept
+        graphs of that backward read their layers' slots."""
         if self.weights is None:
             return r.kept, frozenset()
         whole = frozenset(range(max(r.activations, r.optimizer)))
+        if r.activations == 0:
+            whole |= whole_now & r.kept
         return whole, r.kept - whole
 
     def drop(self, sharded: frozenset[int]) -> dict[int, torch.Tensor]:

@@ -219,7 +219,7 @@ class LayerPipeline:
         that stay kept keep their buffers (and their copies, still current); the dropped ones are freed before
         any new buffer is allocated, so the device never holds the old placement and the new one at once."""
         r = r.capped(len(self.store.layers))
-        whole, sharded = self.kept_shards.split(r)  # layers kept sharded take ring slots: not kept in the schedule
+        whole, sharded = self.kept_shards.split(r, self.slots.kept)  # layers kept sharded take ring slots: not kept in the schedule
         if whole == self.slots.kept and sharded == self.kept_shards.shards.keys():
             self.residency = r
             return
