@@ -1,10 +1,13 @@
 """The node path (docs/DISTRIBUTED.md): which data path a data-parallel engine runs, and the objects that make the
 node path's layer loads one trip per layer per node.
 
-Landed so far (DISTRIBUTED.md "Steps to land it", steps 2-4 and 6). Weights: each of the node's G ranks copies its
-1/G of a streamed layer's flat buffer host-to-device (`NodeWeights.copy_shard`, its ranges of the shard map,
+Landed so far (DISTRIBUTED.md "Steps to land it", steps 2-4 and 6; section 4's sharded keeping). Weights: each of
+the node's G ranks copies its 1/G of a streamed layer's flat buffer host-to-device (`NodeWeights.copy_shard`, its ranges of the shard map,
 costs/shards.py) and the node's ranks all-gather the rest on the gather stream (`NodeWeights.gather`,
-collectives.py); the recompute in backward loads, so gathers, again. Gradients (`NodeGrads`): reduce-scattered in
+collectives.py); the recompute in backward loads, so gathers, again. A kept layer (the residency setting) is kept
+sharded (section 4): this rank's shard stays on its device, refreshed from its own ranges once per change of the
+masters (`NodeWeights.refresh`), and each load is its placement into the slot and the gather
+(engine/pipeline/kept_shards.py). Gradients (`NodeGrads`): reduce-scattered in
 FP32 on the scatter stream, each rank's shard copied to the host. The update (`plan`): by shard where it can run
 (engine/update/by_shard.py: each rank's ranges of every layer in its own slab, its update thread updating them,
 the Adam state once in the node's memory); else (the optimizer in backward, a hi/lo or bf16 master, NVMe, an
