@@ -148,19 +148,32 @@ def as_written(value: str | Residency) -> str | dict[str, int]:
 
 
 def plan(n_layers: int, layer_bytes: int, graph_bytes: int, room: int | None, ring_bytes: int,
-         graphs_allowed: bool, weights_cap: int | None = None, optimizer: int = 0) -> Residency:
+         graphs_allowed: bool, weights_cap: int | None = None, optimizer: int = 0, share: int = 1) -> Residency:
     """The "auto" residency for `room` free device bytes (None: no limit) beyond a batch's working set: kept
     weights first (the cheaper bytes, and a graph needs them), then graphs in what is left. Keeping every
     layer frees the ring of streaming buffers (`ring_bytes`). `graphs_allowed`: False for a batch whose layers
     are tiled or whose boundary activations are offloaded (their backward has its own schedule).
     `weights_cap`: weights are planned once per run (at the first batch) and only ever shrink afterwards.
     `optimizer`: the layers updated on the device (fixed when the engine is built, plan_optimizer): kept whatever
-    the room (their weights are their device master's shadow, which cannot stream)."""
+    the room (their weights are their device master's shadow, which cannot stream).
+    `share`: the node path's G ranks (docs/DISTRIBUTED.md section 4): a kept layer is kept sharded, 1/G of its bytes
+    on each device (engine/pipeline/kept_shards.py), so the room holds G times as many, but a graph's layer is kept
+    whole (its gathered weights held until backward), a graph costing the rest of its layer's bytes too, and the
+    ring stays (the sharded layers load through it)."""
     optimizer = min(optimizer, n_layers)
     cap = n_layers if weights_cap is None else min(weights_cap, n_layers)
     cap = max(cap, optimizer)
     if room is None:
         return Residency(cap, cap if graphs_allowed else 0, optimizer)
+    if share > 1:
+        kept_bytes = -(-layer_bytes // share)
+        weights = max(optimizer, min(cap, (room - optimizer * (layer_bytes - kept_bytes)) // max(kept_bytes, 1)))
+        left = room - weights * kept_bytes - optimizer * (layer_bytes - kept_bytes)
+        # the optimizer layers are whole already: their graphs cost the graph alone
+        cheap = max(0, min(optimizer, left // max(graph_bytes, 1))) if graphs_allowed else 0
+        left -= cheap * graph_bytes
+        more = left // max(graph_bytes + layer_bytes - kept_bytes, 1) if graphs_allowed and cheap == optimizer else 0
+        return Residency(int(weights), int(max(0, min(weights, cheap + more))), optimizer)
     weights = max(optimizer, min(cap, room // max(layer_bytes, 1)))
     left = room - weights * layer_bytes + (ring_bytes if weights == n_layers else 0)
     graphs = max(0, min(weights, left // max(graph_bytes, 1))) if graphs_allowed else 0

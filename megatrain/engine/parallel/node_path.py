@@ -1,10 +1,13 @@
 """The node path (docs/DISTRIBUTED.md): which data path a data-parallel engine runs, and the objects that make the
 node path's layer loads one trip per layer per node.
 
-Landed so far (DISTRIBUTED.md "Steps to land it", steps 2-4 and 6). Weights: each of the node's G ranks copies its
-1/G of a streamed layer's flat buffer host-to-device (`NodeWeights.copy_shard`, its ranges of the shard map,
+Landed so far (DISTRIBUTED.md "Steps to land it", steps 2-4 and 6; section 4's sharded keeping). Weights: each of
+the node's G ranks copies its 1/G of a streamed layer's flat buffer host-to-device (`NodeWeights.copy_shard`, its ranges of the shard map,
 costs/shards.py) and the node's ranks all-gather the rest on the gather stream (`NodeWeights.gather`,
-collectives.py); the recompute in backward loads, so gathers, again. Gradients (`NodeGrads`): reduce-scattered in
+collectives.py); the recompute in backward loads, so gathers, again. A kept layer (the residency setting) is kept
+sharded (section 4): this rank's shard stays on its device, refreshed from its own ranges once per change of the
+masters (`NodeWeights.refresh`), and each load is its placement into the slot and the gather
+(engine/pipeline/kept_shards.py). Gradients (`NodeGrads`): reduce-scattered in
 FP32 on the scatter stream, each rank's shard copied to the host. The update (`plan`): by shard where it can run
 (engine/update/by_shard.py: each rank's ranges of every layer in its own slab, its update thread updating them,
 the Adam state once in the node's memory); else (the optimizer in backward, a hi/lo or bf16 master, NVMe, an
@@ -72,6 +75,31 @@ class NodeWeights:
             buffer[a:b].copy_(src[a:b], non_blocking=True)
             nbytes += (b - a) * src.element_size()
         return nbytes
+
+    # -- a layer kept sharded (DISTRIBUTED.md section 4; schedule.py KeptShards) ----------------------------
+    def shard_numel(self, numel: int) -> int:
+        return self.map(numel).shard_numel
+
+    def refresh(self, shard: torch.Tensor, src: torch.Tensor, numel: int) -> int:
+        """This rank's ranges of the layer's masters (`src`, its host stream source) into its packed device shard:
+        the only host-to-device copy of a layer kept sharded, once per change of the masters; the bytes copied.
+        The padding stays as it was: no parameter, never read."""
+        nbytes, at = 0, 0
+        for a, b in self.map(numel).ranges(self.rank):
+            end = min(b, numel)
+            if a < end:
+                shard[at: at + end - a].copy_(src[a:end], non_blocking=True)
+                nbytes += (end - a) * src.element_size()
+            at += b - a
+        return nbytes
+
+    def place(self, buffer: torch.Tensor, shard: torch.Tensor, numel: int) -> None:
+        """The packed shard into this rank's ranges of a ring slot, on the device, where the in-place gather reads
+        them (as a streamed layer's shard copy lands there)."""
+        at = 0
+        for a, b in self.map(numel).ranges(self.rank):
+            buffer[a:b].copy_(shard[at: at + b - a], non_blocking=True)
+            at += b - a
 
     def gather(self, buffer: torch.Tensor, numel: int) -> int:
         m = self.map(numel)

@@ -6,7 +6,8 @@ The order of it all is costs/pipeline.py's, which the planner's simulator replay
 Residency (costs/residency.py, planned per batch by the memory policy): the first layers may keep their weights
 in device buffers of their own (copied once per change of the masters) and their forward's autograd graph (no
 recompute), some of those graphs with their saved activations in host memory (saved_offload.py); the rest
-stream through the ring of k buffers as above.
+stream through the ring of k buffers as above. On the node path a kept layer without a kept graph is kept sharded:
+this rank's shard on the device, every load the all-gather from the node's shards (kept_shards.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ..layer.tiling import DEFAULT_LOSS_CHUNK, LongContextPolicy, tiled_vjp
 from ..runtime.memtrack import untracked
 from ..runtime.stream import DONE, Event, Streams, Trace, side_threads
 from .activations import ActivationStore, HostPool
+from .kept_shards import ShardKeeper, keeps_shards
 from .saved_offload import GraphOffload
 
 REDUCE_CHUNK = 1 << 20  # elements: a 4 MiB FP32 scratch, which stays in cache between its write and read
@@ -108,6 +110,7 @@ class LayerPipeline:
         self.weights: ShardedWeights | None = None
         # The node path's gradients (reduce-scatter, shard to the host); None: each rank sends its whole gradient.
         self.grad_shards: ShardedGrads | None = None
+        self.kept_shards = ShardKeeper(store, streams, dtype, device)  # the node path's layers kept sharded
         k = self.ring_size = num_buffers
         self.dtype = dtype
         # Slots 0..k-1: the ring the streamed layers share; k..: one per kept layer (set_residency).
@@ -166,14 +169,17 @@ class LayerPipeline:
 
     @property
     def device_weight_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers)
+        return sum(b.numel() * b.element_size() for b in self.buffers) + self.kept_shards.nbytes
 
     def use_weights(self, weights: ShardedWeights) -> None:
         """Load the streamed layers by shard and gather (the node path) from now on: the ring's slots grow to the
-        padded length (drained first: no copy in flight writes a slot given up). Kept layers still copy whole,
-        once per change of the masters."""
+        padded length (drained first: no copy in flight writes a slot given up). Called before any batch plans its
+        residency: kept layers are then kept sharded where `weights` can (kept_shards.py), else copied whole."""
         self.streams.add_gather()
         self.weights = weights
+        self.kept_shards.weights = weights if keeps_shards(weights) else None
+        if self.policy is not None and self.kept_shards.weights is not None:
+            self.policy.kept_share = weights.world  # "auto" plans a kept layer at 1/G of its bytes (residency.plan)
         self.ring_numel = weights.padded(self.max_numel)  # padding only grows with numel: every layer fits
         k = self.ring_size
         if self.buffers[0].numel() and self.buffers[0].numel() < self.ring_numel:
@@ -188,6 +194,7 @@ class LayerPipeline:
     def invalidate(self) -> None:
         """Masters changed (optimizer step, load): resident copies are stale."""
         self.slots.invalidate()
+        self.kept_shards.invalidate()
 
     def plan_batch(self, tokens: int, offload_setting: bool | str, train: bool = True, logits_tokens: int = 0) -> bool:
         """Choose this batch's MLP tile and residency; return whether its boundary activations go to host memory.
@@ -212,23 +219,26 @@ class LayerPipeline:
         that stay kept keep their buffers (and their copies, still current); the dropped ones are freed before
         any new buffer is allocated, so the device never holds the old placement and the new one at once."""
         r = r.capped(len(self.store.layers))
-        if r.kept == self.slots.kept:
+        whole, sharded = self.kept_shards.split(r, self.slots.kept)  # layers kept sharded take ring slots: not kept in the schedule
+        if whole == self.slots.kept and sharded == self.kept_shards.shards.keys():
             self.residency = r
             return
         self.streams.synchronize()
         k, n = self.ring_size, len(self.store.layers)
         # (buffer, copy current, its load event) of each layer that stays kept
         stay = {i: (self.buffers[s], self.slots.resident[s] == i, self.loaded[s])
-                for i, s in self.slots.kept_slot.items() if i in r.kept}
-        ring = self.buffers[:k] if r.weights < n and self.buffers[0].numel() >= self.ring_numel else None
+                for i, s in self.slots.kept_slot.items() if i in whole}
+        ring = self.buffers[:k] if len(whole) < n and self.buffers[0].numel() >= self.ring_numel else None
         self.buffers = []  # the dropped layers' buffers (and a ring not reused) are freed here, before any allocation
+        shards = self.kept_shards.drop(sharded)
         with untracked():  # weight buffers: device_weight_bytes counts them, not the working set's tracker
             if ring is None:
-                size = 0 if r.weights == n else self.ring_numel
+                size = 0 if len(whole) == n else self.ring_numel
                 ring = [torch.empty(size, dtype=self.dtype, device=self.device) for _ in range(k)]
-            kept = [stay[i][0] if i in stay else self._kept_buffer(i) for i in sorted(r.kept)]
+            kept = [stay[i][0] if i in stay else self._kept_buffer(i) for i in sorted(whole)]
+            self.kept_shards.allocate(sharded, shards)
         self.buffers = ring + kept
-        self.slots = order.DeviceBuffers(k, r.kept)
+        self.slots = order.DeviceBuffers(k, whole)
         self.loaded = [DONE] * len(self.buffers)
         self.freed = [DONE] * len(self.buffers)
         for i, (_, current, loaded) in stay.items():  # a copy that still matches its masters is not made again
@@ -246,7 +256,8 @@ class LayerPipeline:
         return torch.empty(src.numel(), dtype=self.dtype, device=self.device)
 
     def residency_stats(self) -> dict[str, float]:
-        return {"resident_weight_layers": self.residency.weights, "kept_graph_layers": len(self.graphs),
+        return {"resident_weight_layers": self.residency.weights, "sharded_weight_layers": len(self.kept_shards.shards),
+                "kept_shard_bytes": self.kept_shards.nbytes, "kept_graph_layers": len(self.graphs),
                 "offloaded_graph_layers": len(self.offloaded), "offloaded_graph_bytes": self.graph_bytes_out,
                 "recomputed_layers": self.recomputed, "optimizer_resident_layers": len(self.optimizer_layers)}
 
@@ -266,6 +277,10 @@ class LayerPipeline:
     def _load(self, layer: int, slot: int) -> None:
         group = self.store.layers[layer]
         src = group.stream_source
+        if layer in self.kept_shards.shards:
+            self.loaded[slot] = self.kept_shards.load(layer, lambda: self.buffers[slot], self.freed[slot],
+                                                      self.updated[layer])
+            return
         if self.weights is not None and slot < self.ring_size:
             self._load_sharded(layer, slot)
             return

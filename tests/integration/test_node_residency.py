@@ -1,0 +1,146 @@
+"""Residency for the node (docs/DISTRIBUTED.md section 4) on gloo ranks standing in for a node's GPUs: with the first
+K of L layers kept (residency weights K) on the node path, each rank keeps only its shard of each of them on its
+device, refreshed from its own ranges of the host masters once per step, and every load of such a layer is the
+all-gather from the ranks' shards. They train as one process on the concatenated batch and as the same ranks with
+every layer streamed, bit for bit; each rank's host-to-device bytes per step are what the load counts predict (its
+owned bytes once per kept layer, instead of once per pass that copies a streamed layer), and its kept shards hold
+1/G of a layer each. Skipping the refresh (the negative control) trains on stale weights.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from kit import ROOT, bits, finish, run_python, start_python, worker_env
+
+from megatrain.costs.shards import ShardMap
+
+WORKER = ROOT / "tests" / "workers" / "node_residency_worker.py"
+DEADLINE_S = 600  # a bound on a hang, not a speed target: the whole suite shares two cores
+TOL = 1e-5  # the project's data-parallel parity tolerance (test_data_parallel.py)
+ACCUM, RING = 2, 2  # node_path_worker.train's accumulation; EngineConfig.num_buffers' default
+ARGS = {"micro": 2, "world": 2, "steps": 3, "layers": 4}
+RUNS = ["node", "node:k2", "node:k4", "node:k2:g1", "node:k2:g1:eval", "node:k2:stale", "node:bf16",
+        "node:k2:bf16"]
+
+
+def _gaps(ref: dict, got: dict) -> dict[str, float]:
+    return {
+        "losses": max(abs(a - b) for a, b in zip(ref["losses"], got["losses"], strict=True)),
+        "norms": max(abs(a - b) / a for a, b in zip(ref["norms"], got["norms"], strict=True)),
+        "params": max((ref["state"][k] - got["state"][k]).abs().max().item() for k in ref["state"]),
+    }
+
+
+def _same_bits(a: dict, b: dict) -> bool:
+    return a["losses"] == b["losses"] and a["norms"] == b["norms"] and all(
+        torch.equal(bits(a["state"][k]), bits(b["state"][k])) for k in a["state"])
+
+
+def _layer_numel(state: dict) -> int:
+    return sum(v.numel() for k, v in state.items() if ".layers.0." in k)
+
+
+def streamed_loads(layer: int, layers: int, accum: int = ACCUM, ring: int = RING) -> int:
+    """How many times per step the ring copies a streamed layer: in each forward and each backward, but for the
+    passes where the ring still holds it from the pass before (the top `ring` layers in a backward, right after the
+    forward; the bottom `ring` in every micro-batch's forward after the first, right after a backward; the step's
+    update changes the masters, so the first forward copies every layer). A layer kept sharded takes its ring slot
+    in the same passes (the schedule is the same), loaded by the gather alone."""
+    backward = 0 if layer >= layers - ring else 1
+    forward_after_first = 0 if layer < ring else 1
+    return 1 + backward + (accum - 1) * (forward_after_first + backward)
+
+
+def predicted_h2d(kept: int, layers: int, owned_bytes: int) -> int:
+    """A rank's host-to-device bytes per step with the first `kept` layers kept sharded: its owned bytes of every
+    streamed layer per copy, and of every kept one once (the refresh after the step's update)."""
+    return owned_bytes * (kept + sum(streamed_loads(i, layers) for i in range(kept, layers)))
+
+
+def _launch(tmp_path, args: dict, runs: list[str]) -> tuple[dict, list[dict]]:
+    """`args["world"]` ranks under torchrun (the runs `runs`) and, meanwhile, the one-process reference on the
+    concatenated batch (every layer streamed): (the reference, each rank's results)."""
+    env = worker_env(threads=1, PYTHONWARNINGS="ignore")
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as f:
+        proc = start_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args["world"]),
+                             WORKER, tmp_path, json.dumps({**args, "runs": runs})], env=env, stdout=f,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        lone = tmp_path / "lone"
+        lone.mkdir()
+        whole = {**args, "micro": args["micro"] * args["world"], "world": 1, "runs": ["per_rank"]}
+        run_python([WORKER, lone, json.dumps(whole)], env=env, timeout=DEADLINE_S, check=True)
+    except BaseException:
+        proc.kill()
+        raise
+    finish(proc, timeout=DEADLINE_S, log=log)
+    return (torch.load(lone / "rank0.pt")["per_rank"],
+            [torch.load(tmp_path / f"rank{r}.pt") for r in range(args["world"])])
+
+
+def _check_kept(ref: dict, res: dict, run: str, kept: int, rank: int, world: int, numel: int, itemsize: int,
+                baseline: str = "node") -> None:
+    """Run `run` (the first `kept` layers kept sharded) against the same ranks' all-streamed `baseline`: the same
+    bits; this rank's h2d bytes per step what the counts predict and below the baseline's; its kept shards' device
+    bytes 1/G of a layer's (padded to the shard map's equal pieces)."""
+    got, stream = res[run], res[baseline]
+    assert got["data_path"].startswith("node:"), got["data_path"]
+    assert _same_bits(got, stream), (rank, run, _gaps(stream, got))
+    smap = ShardMap.of(numel, world)
+    owned = sum(b - a for a, b in smap.owned(rank)) * itemsize
+    layers = ARGS["layers"]
+    for step, (st, base) in enumerate(zip(got["stats"], stream["stats"], strict=True)):
+        assert base["h2d_bytes"] == predicted_h2d(0, layers, owned), (rank, step, base["h2d_bytes"])  # the model
+        assert st["h2d_bytes"] == predicted_h2d(kept, layers, owned), (rank, run, step, st["h2d_bytes"])
+        assert st["h2d_bytes"] < base["h2d_bytes"], (rank, run, step)
+        assert st["gathered_bytes"] == base["gathered_bytes"], (rank, run, step)  # every load still gathers
+        assert st["sharded_weight_layers"] == kept, (rank, run, step)
+        # measured on the device tensors: this rank's packed shard of each kept layer, 1/G of the padded layer
+        assert st["kept_shard_bytes"] == kept * smap.shard_numel * itemsize, (rank, run, step)
+        assert st["kept_shard_bytes"] * world <= kept * smap.padded * itemsize, (rank, run, step)
+
+
+@pytest.mark.slow
+def test_two_ranks_keep_layers_sharded_exactly_for_half_a_refresh_each(tmp_path):
+    ref, ranks = _launch(tmp_path, ARGS, RUNS)
+    assert min(ref["norms"]) > 2 * 0.05  # clipping (to 0.05, the worker's CLIP) acts at every step
+    numel = _layer_numel(ref["state"])
+    for r, res in enumerate(ranks):
+        for run in ("node", "node:k2", "node:k4", "node:k2:g1"):
+            gaps = _gaps(ref, res[run])
+            assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, run, gaps)
+            assert _same_bits(res[run], ranks[0][run]), (r, run)  # every rank ends on the same weights
+        _check_kept(ref, res, "node:k2", 2, r, 2, numel, 4)
+        _check_kept(ref, res, "node:k4", 4, r, 2, numel, 4)  # every layer kept sharded: the ring still gathers
+        _check_kept(ref, res, "node:k2:bf16", 2, r, 2, numel, 2, baseline="node:bf16")
+        # a kept graph holds its layer's gathered weights until backward: that layer stays whole, the next sharded
+        g1 = res["node:k2:g1"]
+        assert _same_bits(g1, res["node"]), (r, _gaps(res["node"], g1))
+        assert all(st["sharded_weight_layers"] == 1 and st["kept_graph_layers"] == 1 for st in g1["stats"]), r
+        # a no-grad forward between each training forward and its backward plans the kept weights without graphs:
+        # the whole layer stays whole (its graph reads its slot in that backward), and training is the same bits
+        assert _same_bits(res["node:k2:g1:eval"], g1), (r, _gaps(g1, res["node:k2:g1:eval"]))
+        # the control: each shard refreshed once, never after an update, so the kept layers compute with the weights
+        # they started from; the first step is the same, every later one is off by far more than the tolerance
+        stale = res["node:k2:stale"]
+        assert stale["losses"][:ACCUM] == res["node:k2"]["losses"][:ACCUM], r
+        gaps = _gaps(ref, stale)
+        assert not gaps["params"] <= 100 * TOL and not gaps["losses"] <= TOL, (r, gaps)
+
+
+@pytest.mark.slow
+def test_four_ranks_keep_a_quarter_of_each_kept_layer(tmp_path):
+    """One node of 4 gloo ranks (micro-batch 1 each) against one process with micro-batch 4, the first 2 of 4 layers
+    kept sharded: a quarter of each kept layer per rank, the all-streamed run's bits, the predicted h2d bytes."""
+    args = {**ARGS, "micro": 1, "world": 4}
+    ref, ranks = _launch(tmp_path, args, ["node", "node:k2"])
+    numel = _layer_numel(ref["state"])
+    for r, res in enumerate(ranks):
+        gaps = _gaps(ref, res["node:k2"])
+        assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, gaps)
+        _check_kept(ref, res, "node:k2", 2, r, 4, numel, 4)
