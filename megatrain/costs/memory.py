@@ -269,6 +269,9 @@ class LongContextPolicy:
     # The side parameters' dense gradient, bytes (models/side.py side_numel x the compute dtype's itemsize): every
     # training batch's backward holds it after the layers' (side_gradient_bytes); 0 for a model without them
     side_grad_bytes: int = 0
+    # The node path's ranks per node where it keeps layers sharded (docs/DISTRIBUTED.md section 4; set by the
+    # pipeline's use_weights): a kept layer without a kept graph holds 1/G of its bytes on each device
+    kept_share: int = 1
     _weights: int | None = field(default=None, repr=False)  # training's kept weights (planned once, only shrink)
     # "auto" placed by a timing model (costs/advice.py), where the engine was given one: (tokens, optimizer-resident
     # count) -> the placement, or None
@@ -333,6 +336,8 @@ class LongContextPolicy:
         """Device bytes `weights` kept layers add (every layer kept: the ring is freed)."""
         if self.budget is None:
             return 0
+        if self.kept_share > 1:  # sharded: 1/G each, and the ring stays (the sharded layers load through it)
+            return weights * -(-self.dims.numel * self.itemsize // self.kept_share)
         return weights * self.dims.numel * self.itemsize - (self.ring_bytes if weights == self.n_layers else 0)
 
     def _residency(self, tokens: int, choice: BatchPlan, train: bool) -> kept.Residency:
@@ -350,13 +355,16 @@ class LongContextPolicy:
             else:
                 room = max(0, int(BUDGET_HEADROOM * self.budget) - choice.predicted_peak_bytes)
             r = kept.plan(self.n_layers, self.dims.numel * itemsize, graph_bytes, room, self.ring_bytes, allowed,
-                          self._weights, self.optimizer)
+                          self._weights, self.optimizer, self.kept_share)
             r = (self._advised(tokens, room, graph_bytes, allowed) if train else None) or r
             if train:  # the placement is training's; a forward before any training batch plans only for itself
                 self._weights = r.weights
         if self.budget is not None:
             # offloaded graphs: only those in flight (residency.OFFLOADED_GRAPHS_IN_FLIGHT), not all of them
-            choice.predicted_peak_bytes += self._weights_bytes(r.weights) + r.device_graphs * graph_bytes
+            whole = max(r.activations, r.optimizer) if self.kept_share > 1 else 0  # kept whole beside their shards
+            rest = self.dims.numel * itemsize - -(-self.dims.numel * itemsize // self.kept_share)
+            choice.predicted_peak_bytes += (self._weights_bytes(r.weights) + r.device_graphs * graph_bytes
+                                            + whole * rest)
         return r
 
     def _advised(self, tokens: int, room: int | None, graph_bytes: int, allowed: bool) -> kept.Residency | None:

@@ -36,3 +36,12 @@ def test_a_graph_costs_its_graph_and_the_rest_of_its_layer():
 def test_share_one_is_the_one_device_rule():
     for room in (0, 999, 3500, 5000, 9000):
         assert plan(4, LAYER, GRAPH, room, RING, True, share=1) == plan(4, LAYER, GRAPH, room, RING, True)
+
+
+def test_the_policy_plans_share_times_the_kept_layers():
+    from megatrain.costs import memory as M
+    dims = M.LayerDims(hidden=64, kv=32, intermediate=176, numel=50_000)
+    base = dict(dims=dims, n_layers=64, itemsize=2, vocab=256, loss_chunk=256, tile_setting=None,
+                offload_setting=True, budget=3 << 20, fixed_bytes=0, residency="auto")
+    one, two = (M.LongContextPolicy(**base, kept_share=s).plan(64).residency.weights for s in (1, 2))
+    assert one > 0 and two == 2 * one
