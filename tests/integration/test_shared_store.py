@@ -161,6 +161,11 @@ def test_two_nodes_share_one_store_under_a_budget_and_train_as_one_process(tmp_p
         assert f"rank {r} of 2 ran" in got["message"] and what in got["message"], got["message"]
         assert "every rank" in got["message"], got["message"]
         assert got["seconds"] < 60, got  # JOIN_S (10 s) on the clock; a bound on a hang, not a speed
+    # After a refusal the ranks are out of step at that call: it is refused at once on every rank, never a hang
+    for r in range(2):
+        got = ranks[r]["plain"]["after_forward"]
+        assert got.get("type") == "RanksOutOfStep" and got["seconds"] < 60, (r, got)
+    assert "another rank ran one alone earlier" in ranks[1]["plain"]["after_forward"]["message"]
     # the two shares hold every layer once: together more than one store (each replicates the resident parameters
     # and a layer of scratch), less than two
     both = sum(res["plain"]["stats"][-1]["host_store_bytes"] for res in ranks)

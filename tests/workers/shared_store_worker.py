@@ -145,7 +145,8 @@ def extras(engine: Engine, ids: torch.Tensor, args: dict) -> dict:
     """After training, on every rank: an evaluation forward's logits, the model object's state_dict() and what its
     save_pretrained() wrote (OUT_DIR/<run>-saved<rank>). With "alone": rank 0 runs an evaluation forward by itself
     while rank 1 waits in a barrier, then rank 1 calls model.state_dict() by itself while rank 0 waits: each
-    records what it raised (type, message) and how long it took, or what it returned."""
+    records what it raised (type, message) and how long it took, or what it returned; then both evaluate together
+    ("after_forward")."""
     from safetensors.torch import load_file
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -170,6 +171,15 @@ def extras(engine: Engine, ids: torch.Tensor, args: dict) -> dict:
                     got[key] = {"type": type(exc).__name__, "message": str(exc)}
                 got[key]["seconds"] = time.monotonic() - t0
             dist.barrier()
+        # then every rank evaluates together: the forwards' join was shut by rank 0's refusal, on both ranks
+        t0 = time.monotonic()
+        try:
+            engine(input_ids=ids, return_logits=True)
+            got["after_forward"] = {"returned": True}
+        except Exception as exc:
+            got["after_forward"] = {"type": type(exc).__name__, "message": str(exc)}
+        got["after_forward"]["seconds"] = time.monotonic() - t0
+        dist.barrier()
     model.train()
     return got
 
