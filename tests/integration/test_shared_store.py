@@ -3,9 +3,13 @@ agents on localhost (`--nnodes 2`, one rank each: LOCAL_WORLD_SIZE=1, two "nodes
 one whole store and no NVMe tier. The engine chooses to share the store by itself (each node owns half the layers'
 master, slab and Adam state; the weights broadcast from the owner, the gradients reduced to it), trains as one
 process on the concatenated batch within the project's data-parallel tolerance (FP32, every layer streamed,
-accumulation 2, clipping that acts; and in bf16 compute as each node holding its whole store does), and each rank's host_store_bytes stays <= 0.6x the one-process store. A budget
+accumulation 2, clipping that acts; and in bf16 compute, with FP32, hilo or bf16 masters, as each node holding its
+whole store does), and each rank's host_store_bytes stays <= 0.6x the one-process store. A budget
 that holds not even one node's share is refused on every rank, naming the numbers; so is one a lone process cannot
-honour without nvme_path. A checkpoint saved by the two nodes halfway resumes bit-identically on two.
+honour without nvme_path. A checkpoint saved by the two nodes halfway resumes bit-identically on two. After training,
+an evaluation forward, the model object's state_dict() and save_pretrained() on every rank give the whole stores' bits;
+an evaluation forward on rank 0 alone, or a model.state_dict() on rank 1 alone, is refused within seconds on that
+rank (it waited for the watchdog before).
 """
 
 from __future__ import annotations
@@ -68,17 +72,27 @@ def _gaps(ref: dict, got: dict) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_two_nodes_share_one_store_under_a_budget_and_train_as_one_process(tmp_path):
-    lone = _lone(tmp_path, ARGS, runs=("plain", "bf16"))
+    lone = _lone(tmp_path, ARGS, runs=("plain", "bf16", "hilo", "bf16m"))
     ref = lone["plain"]
     assert "refused" not in ref, ref
     whole = ref["stats"][0]["host_store_bytes"]
     assert min(ref["norms"]) > 2 * 0.05  # clipping (to 0.05, the worker's CLIP) acts at every step
     budget = int(0.6 * whole)
     whole_bf16 = lone["bf16"]["stats"][0]["host_store_bytes"]  # with the layers' bf16 shadow
-    # "whole", "bf16_whole": no budget, each node its whole store (the per-rank path), in the same launch
-    runs = ["plain", "overlap", "resume", "bf16", "whole", "bf16_whole", "skip_broadcast", "skip_reduce"]
-    budgets = {"bf16": int(0.6 * whole_bf16), "whole": None, "bf16_whole": None}
-    ranks = _two_nodes(tmp_path, {**ARGS, "budget": budget, "budgets": budgets, "runs": runs}, "shared")
+    # host_master "hilo" (bf16 hi + int16 lo, exact) and "bf16" ("bf16m" runs), bf16 compute: their stores' bytes.
+    # Their shares hold a layer of scratch per buffer kind and the one-layer FP32 update scratch, which in this tiny
+    # model is 1/8 of the layers: a share is ~0.64x of one store (hilo), so their budget is 0.75x.
+    masters = {m: lone[m]["stats"][0]["host_store_bytes"] for m in ("hilo", "bf16m")}
+    # "whole", "bf16_whole", ...: no budget, each node its whole store (the per-rank path), in the same launch
+    runs = ["plain", "overlap", "resume", "bf16", "whole", "bf16_whole", "hilo", "hilo_whole", "bf16m", "bf16m_whole",
+            "skip_broadcast", "skip_reduce"]
+    budgets = {"bf16": int(0.6 * whole_bf16), "whole": None, "bf16_whole": None, "hilo_whole": None,
+               "bf16m_whole": None, **{m: int(0.75 * b) for m, b in masters.items()}}
+    # "extras": after training, an evaluation forward, model.state_dict() and save_pretrained on every rank; "alone":
+    # then rank 0 evaluates by itself (rank 1 in a barrier), and rank 1 calls model.state_dict() by itself
+    extras = ["plain", "bf16", "whole", "bf16_whole", "hilo", "hilo_whole", "bf16m", "bf16m_whole"]
+    ranks = _two_nodes(tmp_path, {**ARGS, "budget": budget, "budgets": budgets, "runs": runs, "extras": extras,
+                                  "alone": "plain"}, "shared")
     layers = ARGS["layers"]
     owned = [list(range(a, b)) for a, b in layer_ranges([1] * layers, 2)]
     assert owned == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -98,16 +112,33 @@ def test_two_nodes_share_one_store_under_a_budget_and_train_as_one_process(tmp_p
                 assert step["host_store_bytes"] <= 0.6 * whole, (r, run, step["host_store_bytes"], whole)
         # bf16 compute (the bf16 shadow streams, gradients widened to FP32 before the reduce) against each node
         # holding its whole store in the same launch (where the per-rank path all-reduces); and FP32 likewise.
-        for shared, full, cap in (("bf16", "bf16_whole", whole_bf16), ("plain", "whole", whole)):
+        # host_master "hilo" and "bf16" likewise (their per-layer update unpacks and packs only the owned layers),
+        # its engine.state_dict() aside (NodesShare.whole reads FP32 masters: a ranks.py change, requested).
+        for shared, full, cap, frac in (("bf16", "bf16_whole", whole_bf16, 0.6), ("plain", "whole", whole, 0.6),
+                                        ("hilo", "hilo_whole", masters["hilo"], 0.75),
+                                        ("bf16m", "bf16m_whole", masters["bf16m"], 0.75)):
             assert results[full]["data_path"].startswith("per_rank:"), results[full]["data_path"]
             assert results[full]["stats"][0]["host_store_bytes"] > 0.9 * cap  # the negative control's store: whole
             assert results[shared]["data_path"].startswith("nodes share one store"), results[shared]["data_path"]
-            assert all(st["host_store_bytes"] <= 0.6 * cap for st in results[shared]["stats"]), (r, shared)
+            assert all(st["host_store_bytes"] <= frac * cap for st in results[shared]["stats"]), (r, shared)
             # Two nodes' sum is one addition whichever term comes first: the reduce to the owner gives the whole
             # stores' all-reduce bit for bit (measured: equal losses, norms and weights)
             assert results[shared]["losses"] == results[full]["losses"], (r, shared)
             assert results[shared]["norms"] == results[full]["norms"], (r, shared)
-            assert all(torch.equal(v, results[full]["whole"][k]) for k, v in results[shared]["whole"].items()), r
+            assert all(torch.equal(v, results[full]["state"][k]) for k, v in results[shared]["state"].items()), r
+            if frac == 0.6:  # FP32 masters: engine.state_dict(), every rank's whole model
+                assert all(torch.equal(v, results[full]["whole"][k]) for k, v in results[shared]["whole"].items()), r
+            # An evaluation forward on every rank (the owners' broadcasts, joined first): the whole stores' logits
+            assert torch.equal(results[shared]["eval_logits"], results[full]["eval_logits"]), (r, shared)
+            # The model object's state_dict(), every rank's: the other node's layers gathered from their owner (they
+            # were its scratch before), the whole stores' bits; and equal to engine.state_dict()'s
+            mine, theirs = results[shared]["model_state"], results[full]["model_state"]
+            assert set(mine) == set(theirs) and all(torch.equal(v, theirs[k]) for k, v in mine.items()), (r, shared)
+            assert all(torch.equal(v, results[shared].get("whole", mine)[k]) for k, v in mine.items()), (r, shared)
+            # save_pretrained on every rank (HF writes on rank 0 only): the whole stores' files, tensor for tensor
+            saved, saved_full = results[shared]["saved"], results[full]["saved"]
+            assert (len(saved) > 0) == (r == 0) and set(saved) == set(saved_full), (r, shared, len(saved))
+            assert all(torch.equal(v, saved_full[k]) for k, v in saved.items()), (r, shared)
         # engine.state_dict() on every rank: the whole model, the other node's layers taken from their owner
         whole_gap = max((ref["state"][k] - v).abs().max().item() for k, v in results["plain"]["whole"].items())
         assert set(results["plain"]["whole"]) == set(ref["whole"]) and whole_gap <= TOL, (r, whole_gap)
@@ -122,6 +153,19 @@ def test_two_nodes_share_one_store_under_a_budget_and_train_as_one_process(tmp_p
         for run in ("skip_broadcast", "skip_reduce"):
             gaps = _gaps(ref, results[run])
             assert all(not gaps[k] <= 100 * TOL for k in ("params", "norms")), (r, run, gaps)
+    # A rank alone at a collective call is refused at its join, naming itself and what to do, well before the
+    # watchdog (0.9 x 120 s, when the broadcast no owner sends gave up, as it did before the join)
+    for r, key, what in ((0, "alone_forward", "an evaluation forward"), (1, "alone_state_dict", "state_dict()")):
+        got = ranks[r]["plain"][key]
+        assert got.get("type") == "RanksOutOfStep", (r, got)
+        assert f"rank {r} of 2 ran" in got["message"] and what in got["message"], got["message"]
+        assert "every rank" in got["message"], got["message"]
+        assert got["seconds"] < 60, got  # JOIN_S (10 s) on the clock; a bound on a hang, not a speed
+    # After a refusal the ranks are out of step at that call: it is refused at once on every rank, never a hang
+    for r in range(2):
+        got = ranks[r]["plain"]["after_forward"]
+        assert got.get("type") == "RanksOutOfStep" and got["seconds"] < 60, (r, got)
+    assert "another rank ran one alone earlier" in ranks[1]["plain"]["after_forward"]["message"]
     # the two shares hold every layer once: together more than one store (each replicates the resident parameters
     # and a layer of scratch), less than two
     both = sum(res["plain"]["stats"][-1]["host_store_bytes"] for res in ranks)

@@ -5,10 +5,13 @@ rank builds the same weights (one seed): with nodes sharing one store each layer
 
 Run as `python tests/workers/shared_store_worker.py OUT_DIR JSON_ARGS` (under torchrun, or alone); JSON_ARGS: micro,
 world, steps, layers, budget (host_budget_bytes, or null; budgets: a run's own), runs (one engine after another: "plain", "overlap" or a
-negative control, `control`; "bf16...": bf16 compute; "resume": the first half of the steps, a checkpoint saved by every rank, the rest
+negative control, `control`; "bf16...": bf16 compute; "hilo...", "bf16m...": bf16 compute with host_master "hilo" / "bf16"; "resume": the first half of the steps, a checkpoint saved by every rank, the rest
 in a fresh engine that loads it). Writes OUT_DIR/rank{r}.pt, per run: each micro-batch's loss (averaged over the ranks: the global batch's), each step's pre-clip norm, the weights of the
 layers this rank owns and the resident parameters, each step's stats and the data path; or, where the engine refused,
 the refusal's message; and engine.state_dict() at the end (every rank's: the other nodes' layers gathered).
+The runs named in `extras` add an evaluation forward's logits, the model object's state_dict() and its
+save_pretrained() output; the run named `alone` then has one rank evaluate, and one rank call model.state_dict(), by
+itself (`extras`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -72,8 +76,10 @@ def main() -> None:
                 results[run] = {**rest, "losses": first["losses"] + rest["losses"], "norms": first["norms"] + rest["norms"]}
             else:
                 budget = args.get("budgets", {}).get(run, args.get("budget"))
-                results[run] = train({**args, "overlap": run == "overlap", "budget": budget,
-                                      "bf16": run.startswith("bf16")})
+                master = "hilo" if run.startswith("hilo") else "bf16" if run.startswith("bf16m") else "auto"
+                results[run] = train({**args, "overlap": run == "overlap", "budget": budget, "master": master,
+                                      "bf16": run.startswith(("bf16", "hilo")), "run": run, "out": str(out),
+                                      "do_extras": run in args.get("extras", ()), "lone": run == args.get("alone")})
         except HostMemoryError as exc:
             results[run] = {"refused": str(exc)}
         finally:
@@ -87,6 +93,7 @@ def train(args: dict) -> dict:
     dtype = "bfloat16" if args.get("bf16") else "float32"
     cfg = EngineConfig(device="cpu", parity_probe=False, residency="stream", watchdog_s=120.0, compute_dtype=dtype,
                        speculative_step=False, host_budget_bytes=args.get("budget"),
+                       host_master=args.get("master", "auto"),
                        optimizer_overlap=args.get("overlap", False))
     engine = Engine(build_model(args["layers"]), cfg,
                     optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=LR))
@@ -125,8 +132,56 @@ def train(args: dict) -> dict:
     owned = {i for i, grp in enumerate(engine.store.layers) if grp.owned}
     state = {n: p.detach().clone() for n, p in engine.named_parameters()
              if not n.startswith(prefix + ".") or int(n[len(prefix) + 1:].split(".")[0]) in owned}
-    return {"losses": losses, "norms": norms, "stats": stats, "state": state, "owned": sorted(owned),
-            "whole": engine.state_dict(), "data_path": engine.data_path.describe()}
+    got = {"losses": losses, "norms": norms, "stats": stats, "state": state, "owned": sorted(owned),
+           "data_path": engine.data_path.describe()}
+    if args.get("master", "auto") == "auto":  # hilo / bf16 masters: NodesShare.whole reads FP32 masters (ranks.py)
+        got["whole"] = engine.state_dict()
+    if args.get("do_extras"):
+        got.update(extras(engine, rows[rank * micro: (rank + 1) * micro], args))
+    return got
+
+
+def extras(engine: Engine, ids: torch.Tensor, args: dict) -> dict:
+    """After training, on every rank: an evaluation forward's logits, the model object's state_dict() and what its
+    save_pretrained() wrote (OUT_DIR/<run>-saved<rank>). With "alone": rank 0 runs an evaluation forward by itself
+    while rank 1 waits in a barrier, then rank 1 calls model.state_dict() by itself while rank 0 waits: each
+    records what it raised (type, message) and how long it took, or what it returned; then both evaluate together
+    ("after_forward")."""
+    from safetensors.torch import load_file
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    model = engine.module
+    model.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=ids, return_logits=True).logits.detach().clone()
+    model_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    saved = Path(args["out"]) / f"{args['run']}-saved{rank}"
+    model.save_pretrained(saved)
+    got = {"eval_logits": logits, "model_state": model_state,
+           "saved": {k: v.clone() for f in sorted(saved.glob("*.safetensors")) for k, v in load_file(f).items()}}
+    if args.get("lone") and world > 1:
+        for who, call, key in ((0, lambda: engine(input_ids=ids, return_logits=True), "alone_forward"),
+                               (1, model.state_dict, "alone_state_dict")):
+            if rank == who:
+                t0 = time.monotonic()
+                try:
+                    value = call()
+                    got[key] = {"returned": value if isinstance(value, dict) else None}
+                except Exception as exc:
+                    got[key] = {"type": type(exc).__name__, "message": str(exc)}
+                got[key]["seconds"] = time.monotonic() - t0
+            dist.barrier()
+        # then every rank evaluates together: the forwards' join was shut by rank 0's refusal, on both ranks
+        t0 = time.monotonic()
+        try:
+            engine(input_ids=ids, return_logits=True)
+            got["after_forward"] = {"returned": True}
+        except Exception as exc:
+            got["after_forward"] = {"type": type(exc).__name__, "message": str(exc)}
+        got["after_forward"]["seconds"] = time.monotonic() - t0
+        dist.barrier()
+    model.train()
+    return got
 
 
 if __name__ == "__main__":

@@ -18,6 +18,10 @@
   `save_pretrained()`) and `named_parameters()` / `parameters()` of the model then serve FP32 copies joined
   from the host store (`engine.state_dict()`'s values), and in-place writes through GatheredParameters are
   refused; a layer's Parameter read straight from its module is the scratch, never a weight;
+- with nodes sharing one store (parallel/shared_store.py) another node's layers' Parameters here are one scratch:
+  `state_dict()` (so `save_pretrained()`) serves their masters gathered from their owners, a collective every rank
+  calls (a rank alone is refused within seconds), and so does an evaluation forward's loading;
+  `named_parameters()` still yields the scratch for them;
 - `.to()` / `.cuda()` / `.half()` and the like are refused when they would change anything (a no-op,
   or a move to the engine's own device, passes): they would cut the weights loose from the store the
   optimizer updates.
@@ -55,6 +59,7 @@ from ...costs.modes import HostMaster
 from ...models.adapter import DecoderParts, stands_in
 from ..host.store import HostStore
 from ..layer.router import _RecordedStack
+from ..parallel import shared_store
 from ..pipeline.inference import streamed_layers
 from ..pipeline.schedule import LayerPipeline
 
@@ -70,6 +75,8 @@ class Engine(Protocol):
     pipeline: LayerPipeline
     device: torch.device
     placement: Any  # model/placement.py's Placement: the resident parameters' device copies
+    node: Any  # the host store across ranks: parallel/shared_store.py's NodesShareStore where the nodes share one
+    dp: Any  # parallel/distributed.py's DataParallel (None: one process)
 
     def forward(self, **kwargs: Any) -> Any: ...
     def synchronize(self) -> None: ...
@@ -158,6 +165,9 @@ def bind(engine: Engine) -> None:
         base.__dict__[_BINDING] = binding
         base.__class__ = _base_class(plain_class(type(base)))
     model.__class__ = _model_class(plain_class(type(model)))
+    if isinstance(engine.node, shared_store.NodesShareStore):
+        # an evaluation forward's loads are the owners' broadcasts: a rank alone is refused, not left waiting
+        shared_store.join_forwards(model, engine.parts.embed, engine.node)
 
 
 def serve_forward_keyword(model: nn.Module, keyword: str, serve: Callable[..., Any]) -> None:
@@ -328,9 +338,18 @@ def _serve_masters(engine: Engine, plain: type, model: nn.Module, out: dict[str,
         slots = _layer_slots(engine)
         for name, p in plain.named_parameters(model, remove_duplicate=False):
             where = slots.get(id(p))
-            if where is not None and prefix + name in out:
+            # (another node's layer, in the nodes' shared store, has no values here: served below)
+            if where is not None and (where[0].owned or not engine.store.across_nodes) and prefix + name in out:
                 value = where[0].read_slot(where[1])
                 out[prefix + name] = nn.Parameter(value, requires_grad=p.requires_grad) if keep_vars else value
+    if isinstance(engine.node, shared_store.NodesShareStore):
+        # The other nodes' layers' Parameters are one scratch here: their masters, gathered from their owners
+        # (collective: every rank calls state_dict, as engine.state_dict(); a rank alone is refused at once).
+        flags = {n: p.requires_grad for n, p in plain.named_parameters(model, remove_duplicate=False)}
+        for name, value in shared_store.other_nodes_layers(engine.node, engine.store, engine.parts.layers_prefix,
+                                                           engine.dp).items():
+            if prefix + name in out:
+                out[prefix + name] = nn.Parameter(value, requires_grad=flags.get(name, True)) if keep_vars else value
 
 
 def _engine_recording(engine: Engine, model: nn.Module) -> bool:

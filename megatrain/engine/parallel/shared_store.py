@@ -18,7 +18,15 @@ gradient slab, Adam m and v) and nothing of the others'.
 
 The engine chooses this mode by itself (`host_store`): when `host_budget_bytes` (or, without one, the smallest host
 memory any rank measures) cannot hold one whole store but each node's share fits; when even the share does not fit it
-refuses, naming the numbers. One rank per node (LOCAL_WORLD_SIZE=1) for now; FP32 masters only.
+refuses, naming the numbers. One rank per node (LOCAL_WORLD_SIZE=1) for now; FP32, hi/lo or bf16 masters with
+gradient slabs (a non-owned layer's buffers are one scratch layer of each kind the master mode keeps, host/store.py;
+the per-layer update of hilo / bf16 unpacks and packs the owned layers only).
+
+Collective calls outside training (`NodesShareStore.join`): an evaluation forward loads the other nodes' layers by
+the owners' broadcasts, and the model object's `state_dict()` gathers them from their owners, so every rank must run
+them together. Each starts with a join of every rank (a tiny all-gather on a group of its own whose timeout is
+JOIN_S): a rank that runs one alone (an evaluation on rank 0 only) is refused within JOIN_S, naming itself and what
+to do, instead of waiting on a broadcast no owner sends until the watchdog fires.
 """
 
 from __future__ import annotations
@@ -29,8 +37,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
+from ...costs.modes import GradSlab, HostMaster
 from ...costs.residency import Residency
+from ..host.codec import master_codec
 from ..host.node_store import NodeStore, Topology, node_layout, node_place
 from ..host.preflight import HostMemoryError, available_host_bytes, host_store_bytes, model_host_bytes
 from ..pipeline.schedule import LayerPipeline
@@ -40,6 +52,22 @@ from .distributed import DataParallel
 from .ranks import OneRank
 
 SHARED = "nodes share one store"
+# How long a rank waits for the others at a collective call outside training (an evaluation forward, the model
+# object's state_dict) before it refuses: the ranks come to these from the same point of their loops, so a few
+# seconds apart at most; a rank alone waits for nothing that comes (the watchdog would end it much later).
+JOIN_S = 10.0
+# The calls joined, each on a group of its own (a timed-out join closes its group: gloo's pairs are shut on both
+# ends, so every later join of that kind fails at once, on every rank, instead of meeting a stale message).
+JOINS = {"forward": "an evaluation forward (the model in eval mode)",
+         "state_dict": "the model object's state_dict() (save_pretrained's)"}
+HOW = {"forward": "run every evaluation on every rank (each its share of the batches, as Trainer.evaluate does), "
+                  "or keep it out of the nodes' shared store (an engine of its own)",
+       "state_dict": "call it on every rank (write the files on one: save_pretrained(..., is_main_process=rank == 0)), "
+                     "or use engine.save_checkpoint / the faces' save, which do"}
+
+
+class RanksOutOfStep(RuntimeError):
+    """A collective call of the nodes' shared store that the other ranks did not join (one rank alone)."""
 
 
 def _size(n: float) -> str:
@@ -58,21 +86,28 @@ def layer_ranges(numels: list[int], nodes: int) -> list[tuple[int, int]]:
     return [(cuts[k], cuts[k + 1]) for k in range(nodes)]
 
 
-def store_bytes(numels: list[int], n_globals: int, compute_dtype: torch.dtype) -> tuple[list[int], int]:
-    """(each layer's host bytes, the resident parameters' bytes) of one whole store with AdamW: FP32 master, gradient
-    slab, m and v (and the bf16 shadow in bf16 compute), the preflight's count (host/preflight.py)."""
-    per = sum(host_store_bytes(1, compute_dtype, 1).values())  # a layer parameter
-    glob = sum(host_store_bytes(1, compute_dtype, 0).values())  # a resident parameter: no shadow
+def store_bytes(numels: list[int], n_globals: int, compute_dtype: torch.dtype, master: HostMaster = HostMaster.FP32,
+                grad: GradSlab | None = GradSlab.FLOAT32) -> tuple[list[int], int]:
+    """(each layer's host bytes, the resident parameters' bytes) of one whole store with AdamW: the master (FP32, or
+    the hilo / bf16 mode's), gradient slab, m and v (and the bf16 shadow of an FP32 master in bf16 compute), the
+    preflight's count (host/preflight.py)."""
+    per = sum(host_store_bytes(1, compute_dtype, 1, master, grad).values())  # a layer parameter
+    glob = sum(host_store_bytes(1, compute_dtype, 0, master, grad).values())  # a resident parameter: FP32, no shadow
     return [n * per for n in numels], n_globals * glob
 
 
 def share_bytes(layer_bytes: list[int], globals_bytes: int, numels: list[int], owned: tuple[int, int],
-                compute_dtype: torch.dtype) -> int:
+                compute_dtype: torch.dtype, master: HostMaster = HostMaster.FP32) -> int:
     """One node's host bytes when the nodes share one store: its layers' state, the replicated resident parameters
-    and the scratch the other layers' parameters view (one layer of master, and of shadow in bf16)."""
+    and the scratch the other layers' parameters view: one layer of each buffer the master mode keeps per layer
+    (host/codec.py shared_kinds: FP32 master, and its bf16 shadow in bf16 compute; the bf16 half, the lo half and
+    a tie table of the layer's length in hilo; the bf16 master), plus, in hilo / bf16, the one-layer FP32 scratch
+    of the per-layer update (master and gradient)."""
     a, b = owned
-    shadow = 2 if compute_dtype == torch.bfloat16 else 0
-    return sum(layer_bytes[a:b]) + globals_bytes + max(numels) * (4 + shadow)
+    shadow = torch.bfloat16 if compute_dtype == torch.bfloat16 else None
+    per = sum(torch.empty((), dtype=dt).element_size() for _, dt in master_codec(master).shared_kinds(shadow))
+    update = 8 if master is not HostMaster.FP32 else 0
+    return sum(layer_bytes[a:b]) + globals_bytes + max(numels) * (per + update)
 
 
 class NodesShareStore:
@@ -97,6 +132,11 @@ class NodesShareStore:
         self.weights_group = dist.new_group(backend=weights, timeout=timeout)
         self.node_group = dist.new_group(backend="gloo", timeout=timeout)
         self.owner_of = [r for r, (a, b) in enumerate(ranges) for _ in range(a, b)]
+        self.join_s = min(JOIN_S, 0.9 * dp.watchdog_s)
+        join = datetime.timedelta(seconds=self.join_s)
+        self.join_groups = {kind: dist.new_group(backend="gloo", timeout=join) for kind in JOINS}
+        self.joined = dict.fromkeys(JOINS, 0)
+        self.refused: dict[str, str] = {}  # kind -> why this rank refuses every later join of it
 
     def owns(self, layer: int) -> bool:
         return self.first <= layer < self.stop
@@ -110,6 +150,35 @@ class NodesShareStore:
     def barrier(self) -> None:
         dist.barrier(group=self.node_group)
 
+    def join(self, kind: str) -> None:
+        """Every rank at this collective call (`kind`, one of JOINS) within `join_s` seconds; else RanksOutOfStep on
+        this rank, naming it and what to do. Counted per kind: ranks that ran different numbers of them are refused
+        too (their broadcasts would pair the wrong layers)."""
+        what = JOINS[kind]
+        if kind in self.refused:
+            raise RanksOutOfStep(self.refused[kind])
+        mine = torch.tensor([self.joined[kind]], dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        try:
+            dist.all_gather(every, mine, group=self.join_groups[kind])
+        except Exception as exc:  # gloo's timeout here, or (another rank's timed out first) the group shut
+            head = (f"rank {self.rank} of {self.world} ran {what} alone: the other ranks did not join it within "
+                    f"{self.join_s:.0f} s" if "timed out" in str(exc).lower() else
+                    f"rank {self.rank} of {self.world} cannot run {what}: another rank ran one alone earlier and was "
+                    f"refused, which shut this join ({exc})")
+            self.refused[kind] = (
+                f"{head}. With nodes sharing one store each layer "
+                f"lives on its owner node and comes from it by a collective, so every rank runs the same ones: "
+                f"{HOW[kind]}. (This rank refuses every later one: the ranks are out of step at it.)")
+            raise RanksOutOfStep(self.refused[kind]) from exc
+        self.joined[kind] += 1
+        counts = [int(t) for t in every]
+        if len(set(counts)) > 1:
+            self.refused[kind] = (f"rank {self.rank}: the ranks have run different numbers of {what} "
+                                  f"({dict(enumerate(counts))}): one ran one alone; every rank runs the same ones: "
+                                  f"{HOW[kind]}")
+            raise RanksOutOfStep(self.refused[kind])
+
     def describe(self) -> str:
         mine = f"layers {self.first}-{self.stop - 1}" if self.stop > self.first else "no layers"
         return f"node {self.rank} owns {mine} of {len(self.owner_of)}"
@@ -122,7 +191,8 @@ def host_store(dp: DataParallel | None, config: Any, model: torch.nn.Module,
     numels = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     n_globals = sum(p.numel() for p in model.parameters()) - sum(numels)  # tied weights once
     dtype = torch.bfloat16 if config.compute_dtype == "bfloat16" else torch.float32
-    layer_bytes, glob = store_bytes(numels, n_globals, dtype)
+    master, grad = config.master_mode, config.grad_slab
+    layer_bytes, glob = store_bytes(numels, n_globals, dtype, master, grad)
     whole = sum(layer_bytes) + glob
     budget, given = config.host_budget_bytes, config.host_budget_bytes is not None
 
@@ -150,7 +220,7 @@ def host_store(dp: DataParallel | None, config: Any, model: torch.nn.Module,
                         check_local_rank=False)
     n = len(nodes)
     ranges = layer_ranges(numels, n)
-    shares = [share_bytes(layer_bytes, glob, numels, r, dtype) for r in ranges]
+    shares = [share_bytes(layer_bytes, glob, numels, r, dtype, master) for r in ranges]
     why = None
     if n < 2:
         why = "one node has no other to share with"
@@ -159,14 +229,12 @@ def host_store(dp: DataParallel | None, config: Any, model: torch.nn.Module,
                "LOCAL_WORLD_SIZE=1, for now)")
     elif max(shares) > budget:
         enough = next((m for m in range(n + 1, len(numels) + 1) if max(
-            share_bytes(layer_bytes, glob, numels, r, dtype) for r in layer_ranges(numels, m)) <= budget), None)
+            share_bytes(layer_bytes, glob, numels, r, dtype, master) for r in layer_ranges(numels, m)) <= budget), None)
         why = (f"each of {n} nodes' share needs up to {_size(max(shares))} (its layers, the replicated resident "
                f"parameters {_size(glob)} and a layer of scratch); " +
                (f"{enough} nodes' shares would fit" if enough else "no number of nodes' shares fits"))
-    elif config.master_mode.value != "fp32" or config.optimizer_in_backward:
-        why = (f"they keep FP32 masters with gradient slabs (host_master {config.master_mode.value!r}, "
-               f"optimizer_in_backward {config.optimizer_in_backward}; set host_master='fp32' and "
-               "optimizer_in_backward=false)")
+    elif config.optimizer_in_backward:
+        why = "they keep gradient slabs (optimizer_in_backward is true; set optimizer_in_backward=false)"
     if why is not None:
         if not given:
             return usual()  # the host preflight refuses it, by component
@@ -236,3 +304,33 @@ def attach(pipeline: LayerPipeline, streams: Streams, dp: DataParallel | None, n
     pipeline.use_weights(weights)
     return node_path.DataPath(SHARED, f"{node.describe()} ({len(node.ranges)} nodes; each layer's weights broadcast "
                               "from its owner, its gradients reduced to it; resident parameters replicated)", weights)
+
+
+def join_forwards(model: nn.Module, embed: nn.Module, node: NodesShareStore) -> RemovableHandle:
+    """Join every rank at each evaluation forward (the model in eval mode), engine(...) and the model's own (generate)
+    alike: both start at the embedding, before any layer is loaded. Training forwards are not joined: their
+    backward's reduces are collective anyway (as on any data-parallel path)."""
+    def before(module: nn.Module, args: tuple) -> None:
+        if module is embed and not model.training:  # a copy of the model (deepcopy keeps hooks) is no engine's
+            node.join("forward")
+
+    return embed.register_forward_pre_hook(before)
+
+
+def other_nodes_layers(node: NodesShareStore, store: Any, layers_prefix: str,
+                       dp: DataParallel) -> dict[str, torch.Tensor]:
+    """The other nodes' layers' FP32 master values by name, each layer broadcast from its owner into a fresh tensor
+    (collective, joined: every rank calls it; a rank alone is refused within JOIN_S). The owner reads its layer's
+    values through the master mode (host/codec.py: the FP32 master, or hi and lo joined in hilo, the bf16 master
+    widened), one layer at a time."""
+    node.join("state_dict")
+    out: dict[str, torch.Tensor] = {}
+    for i, g in enumerate(store.layers):
+        owner = node.owner_rank(i)
+        flat = (torch.cat([g.read_slot(s).reshape(-1) for s in g.slots]) if g.owned else
+                torch.empty(g.numel, dtype=torch.float32))
+        dp.guarded(f"taking layer {i}'s weights from its owner rank {owner} for a state_dict",
+                   lambda flat=flat, owner=owner: dist.broadcast(flat, src=owner, group=node.node_group))
+        if not g.owned:
+            out.update({f"{layers_prefix}.{i}.{s.name}": g.view(flat, s) for s in g.slots})
+    return out
