@@ -390,7 +390,10 @@ def _rank_time(p: Point, hw: Hardware, single: Plan, n: int, nodes: int, path: s
         t = replay(r)
         if residency is not None and path == NODE and r.weights > r.activations:
             t = _sharded_time(p, rhw, share, t, replay(kept.Residency(r.activations, r.activations)))
-        h2d = t.h2d_bytes / max(1, t.h2d_bytes + t.d2h_bytes)
+        # rank_hardware charges its lanes at the busier direction's share of the DRAM bandwidth: the FP32 gradient
+        # shards (4 B/param) outweigh the weights' (2 B/param, fewer still kept sharded), and that lane then carries
+        # all of the DMA's bytes; the share of the lighter one would slow the heavier as the weights' bytes fall
+        h2d = max(t.h2d_bytes, t.d2h_bytes) / max(1, t.h2d_bytes + t.d2h_bytes)
     return rhw, t
 
 

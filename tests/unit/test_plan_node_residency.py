@@ -51,13 +51,14 @@ def test_sharded_fill_holds_about_g_times_the_one_gpu_whole_layers(plans: dict) 
 def test_h2d_falls_by_one_shard_per_kept_layer(plans: dict) -> None:
     stream = plans["llama3.1-70b", "stream"]
     S = stream.rank.point.model.layer_params() * stream.rank.point.c
-    for K in (5, 30):
+    for K in (5, 30, 77):
         held = plan_multi("llama3.1-70b", residency={"weights": K}, **POINT)
         r = held.rank.long_context.residency
         assert (r.weights, r.activations) == (K, 0)
         # a streamed layer crosses the link twice a step (forward, recompute), a sharded one once (its refresh)
         assert stream.rank.time.h2d_bytes - held.rank.time.h2d_bytes == K * (2 - 1) * S // G
         assert held.rank.memory.device["kept layers' shards (node path)"] == K * -(-S // G)
+        assert held.step_s <= stream.step_s  # a sharded layer's pass loads by its gather alone, never more
 
 
 @pytest.mark.parametrize("model", ["llama3.1-70b", "qwen2.5-32b", "small"])
