@@ -402,7 +402,7 @@ def _sharded_time(p: Point, rhw: Hardware, share: NodeShare, held: Time, streame
     keeps a layer (one load per step: the refresh of this GPU's shard and its gather, the host bytes exact), and
     `streamed` streams them (every pass's gather: the NVLink bytes exact). A sharded layer's pass loads by its
     gather alone (node_path.sharded_load_s), a part of a streamed load's time: of what streaming them adds to
-    the step, that part is charged. Never slower than streaming them, never faster than holding them whole."""
+    the step, that part is charged: never slower than streaming them."""
     PL, c, Bl = p.model.layer_params(), p.c, rhw.link_bps
     load = share.weights_s(PL, c, Bl)
     part = sharded_load_s(share, PL, c, Bl) / load if load else 0.0
@@ -411,7 +411,7 @@ def _sharded_time(p: Point, rhw: Hardware, share: NodeShare, held: Time, streame
     h2d = held.h2d_bytes + int(extra * PL * c * (share.link_fraction - 1 / share.gpus))
     step = streamed.step_s - (1 - part) * max(0.0, streamed.step_s - held.step_s)
     busy = {**held.busy_s, "NVLink": streamed.busy_s.get("NVLink", 0.0), "link h2d": h2d / Bl}
-    idle = {**held.idle_s, "other": held.idle_s.get("other", 0.0) + step - held.step_s}
+    idle = {**held.idle_s, "other": max(0.0, held.idle_s.get("other", 0.0) + step - held.step_s)}
     return dataclasses.replace(held, step_s=step, busy_s=busy, h2d_bytes=h2d, idle_s=idle)
 
 

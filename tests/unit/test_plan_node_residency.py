@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatrain.costs import residency as kept
 from megatrain.planner.multi import collective_device_bytes, plan_multi
 from megatrain.planner.node_path import NODE
 from megatrain.planner.summary import first_screen_multi
@@ -39,7 +40,8 @@ def test_sharded_fill_holds_about_g_times_the_one_gpu_whole_layers(plans: dict) 
     lc = mp.single.long_context
     S = mp.rank.point.model.layer_params() * mp.rank.point.c  # one layer's compute-dtype bytes, from the preset
     assert lc.layer_bytes == S
-    whole = lc.residency_room // S  # what one GPU keeps whole in the same room
+    # what one GPU's "auto" keeps whole in the same room (costs/residency.py, graphs aside)
+    whole = kept.plan(lc.n_layers, S, lc.graph_bytes, lc.residency_room, lc.ring_bytes, False).weights
     engine = mp.rank.placement.engine  # the engine's fill on the node: shards first
     sharded = engine.weights - engine.activations
     assert 1 <= whole and G * whole < lc.n_layers
