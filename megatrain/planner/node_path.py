@@ -118,11 +118,11 @@ def collective_device_bytes(p: Point, gpus: int) -> int:
 
 
 # -- Residency for the node (docs/DISTRIBUTED.md, section 4) ----------------------------------------------------------
-# As the engine keeps it (engine/pipeline/kept_shards.py): of a Residency(weights=K, activations=M) the first M layers
-# are kept whole with their graphs (the graph holds the gathered weights until backward) and the other K - M kept
-# sharded, each GPU holding its 1/G of the layer's compute-dtype bytes. A sharded layer loads through the ring in
-# every pass a streamed layer would, by the all-gather alone (its shard placed from HBM), and crosses the host link
-# once per step: the refresh of this GPU's shard after the update.
+# As the engine's node path keeps it: of a Residency(weights=K, activations=M) the first M layers are kept whole
+# with their graphs (the graph holds the gathered weights until backward) and the other K - M kept sharded, each
+# GPU holding its 1/G of the layer's compute-dtype bytes. A sharded layer loads through the ring in every pass a
+# streamed layer would, by the all-gather alone (its shard placed from HBM), and crosses the host link once per
+# step: the refresh of this GPU's shard after the update.
 
 # The device memory row of the layers kept sharded (planner/multi.py node_memory)
 KEPT_SHARDS = "kept layers' shards (node path)"
