@@ -11,12 +11,13 @@ from .host_rates import host_bound_line
 from .host_work import host_assumptions_line
 from .memory import fmt_bytes
 from .mode_table import ModeRow, format_mode_table
+from .node_path import KEPT_SHARDS as NODE_SHARDS
 from .point import context_refusal
 from .prediction import Plan
 from .reference import reference_line, torch_reference
 from .step_time import crossover_closed_form, link_overlap
 from .step_timeline import format_timeline
-from .summary import fits, fmt_seconds, nvme_added_s
+from .summary import fits, fmt_seconds, node_residency_line, nvme_added_s
 
 
 def _si(x: float, unit: str = "") -> str:
@@ -141,6 +142,8 @@ def _residency_lines(pl: Plan) -> list[str]:
            else "the planner's search, as the engine's \"auto\" fills it" if not pl.placement or not pl.placement.differs
            else "the planner's search, which differs from the engine's \"auto\" fill (see the warning)")
     room = "no limit" if lc.residency_room is None else fmt_bytes(lc.residency_room)
+    if NODE_SHARDS in pl.memory.device:
+        return []  # a rank on the node path: format_multi says its placement (node_residency_lines)
     return [f"  {pl.residency_line} [{how}; room beside the working set: {room}]",
             f"    kept weights {fmt_bytes(lc.kept_weight_bytes)}, kept graphs {fmt_bytes(lc.kept_graph_bytes)}"
             + (f", streaming ring freed {fmt_bytes(lc.ring_freed_bytes)}" if lc.ring_freed_bytes else "")
@@ -215,6 +218,26 @@ def _host_fits(pl: Plan) -> bool:
     return pl.memory.host_total - pl.memory.host.get("offloaded activations", 0) <= pl.hardware.host_bytes
 
 
+def node_residency_lines(mp: Any) -> list[str]:
+    """A node-path rank's placement (planner/multi.py node_residency): the graph layers kept whole, the other kept
+    layers sharded, and what one GPU moves per step."""
+    pl = mp.rank
+    lc, t = pl.long_context, pl.time
+    if lc is None or NODE_SHARDS not in pl.memory.device:
+        return []
+    r = lc.residency
+    how = ("set" if pl.point.engine.residency_set is not None
+           else "the planner's search, as the engine's \"auto\" fills it" if not pl.placement or not pl.placement.differs
+           else f"the planner's search; the engine's \"auto\" fill keeps {pl.placement.engine.to_dict()} (the config "
+                "section writes the counts)")
+    room = "no limit" if lc.residency_room is None else fmt_bytes(lc.residency_room)
+    return [f"{node_residency_line(r, lc.n_layers, mp.gpus_per_node, t.h2d_bytes)}",
+            f"    [{how}; room beside the working set: {room}]; kept shards {fmt_bytes(pl.memory.device[NODE_SHARDS])}, "
+            f"kept whole {fmt_bytes(r.activations * lc.layer_bytes)}, kept graphs {fmt_bytes(lc.kept_graph_bytes)}; "
+            f"per step: h2d {t.h2d_bytes:,} B, NVLink busy {fmt_seconds(t.busy_s.get('NVLink', 0.0))}, "
+            f"{t.recomputed_layers} layers recomputed"]
+
+
 def format_multi(mp: Any, biggest_batch: int | None = None, biggest_context: int | None = None,
                  node_hw: Any = None) -> str:
     """One rank's plan (the node's host memory, its GPU's device memory and step) and the job's figures."""
@@ -239,6 +262,7 @@ def format_multi(mp: Any, biggest_batch: int | None = None, biggest_context: int
            f"    step per rank {fmt_seconds(mp.step_s)} (one GPU alone {fmt_seconds(mp.single_step_s)}): job "
            f"{mp.job_tokens_per_s:,.0f} tokens/s = {mp.world_size} x "
            f"{mp.single.point.tokens_per_step / mp.single_step_s:,.0f} x scaling efficiency {mp.scaling_efficiency:.1%}",
+           *node_residency_lines(mp),
            "    (predicted; see megatrain/planner/multi.py and node_path.py for the model)"]
     return "\n".join(out)
 

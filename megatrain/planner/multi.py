@@ -48,12 +48,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config.schema import AUTO, rule_or
+from ..costs import residency as kept
 from ..costs.pinning import pinned_bytes
 from .auto_mode import plan_point
 from .hardware import GB, GIB, Hardware, resolve_hardware
 from .host_work import host_cores
 from .memory import Memory, check_fit
-from .node_path import NODE, PER_RANK, NodeShare, collective_device_bytes, node_share, path_for
+from .node_path import (
+    KEPT_SHARDS,
+    NODE,
+    PER_RANK,
+    NodeShare,
+    collective_device_bytes,
+    node_share,
+    path_for,
+    shard_bytes,
+    sharded_load_s,
+)
+from .node_path import fill as node_fill
+from .node_path import frontier as node_frontier
+from .placement import PREFER_ENGINE_WITHIN, Placement
 from .point import (
     Point,
     layer_grad_bytes,
@@ -69,6 +83,9 @@ from .zero3_node import zero3_rank
 # The per-rank FP32 buffer a layer's gradients travel through on their way to the owner's slab: two of the
 # largest layer, so one can be reduced while the next lands.
 TRANSIT_LAYERS = 2
+# Node-path placements replayed along the frontier from the most shards to the most graphs (node_residency): each
+# costs four replays (two placements, two passes for the rank's DMA share) inside the host-mode search.
+NODE_FRONTIER_SAMPLES = 5
 # Host bytes per parameter to average the resident parameters' gradients across a node's ranks: read a
 # rank's FP32 gradient, read + write the sum (12), then copy the mean back (8).
 GLOBALS_REDUCE_BYTES = 20
@@ -144,6 +161,14 @@ class MultiPlan:
     def scaling_efficiency(self) -> float:
         return self.job_tokens_per_s / (self.world_size * self.single.point.tokens_per_step / self.single_step_s)
 
+    def _node_residency(self) -> dict[str, int]:
+        """The node path's placement (node_residency): layers kept sharded, and kept whole with their graphs."""
+        lc = self.rank.long_context
+        if self.path != NODE or lc is None:
+            return {}
+        return {"kept_sharded_layers": lc.residency.weights - lc.residency.activations,
+                "kept_whole_layers": lc.residency.activations}
+
     def summary(self) -> dict[str, Any]:
         """The data-parallel figures as flat columns (predicted rows, JSON)."""
         return {"gpus_per_node": self.gpus_per_node, "nodes": self.nodes, "world_size": self.world_size,
@@ -155,6 +180,7 @@ class MultiPlan:
                 "single_gpu_tokens_per_s": self.single.tokens_per_s,
                 "scaling_efficiency": self.scaling_efficiency,
                 "rank_link_gbs": self.rank.hardware.link_gbs_achieved,
+                "rank_h2d_bytes_per_step": self.rank.time.h2d_bytes, **self._node_residency(),
                 "rank_host_bw_gbs": self.rank.hardware.host_memory_bw_gbs_achieved,
                 **{k: v for k, v in dataclasses.asdict(self.comm).items()}}
 
@@ -251,11 +277,12 @@ def transit_bytes(p: Point) -> int:
 
 
 def node_memory(pl: Plan, gpus_per_node: int, nodes: int = 1, path: str = PER_RANK,
-                store_nodes: int = 1) -> tuple[Memory, dict[str, int], dict[str, int]]:
+                store_nodes: int = 1, residency: kept.Residency | None = None) -> tuple[Memory, dict[str, int], dict[str, int]]:
     """(the node's Memory, its once-per-node bytes, one rank's bytes) for a one-GPU plan `pl`. The device
     side stays one GPU's (plus the node path's collective buffers); on a CPU "device" the other ranks' device
     allocations come out of host memory. `store_nodes`: nodes sharing one store, each holding the layer state of
-    its ceil(L / store_nodes) layers."""
+    its ceil(L / store_nodes) layers. `residency` (node path): the node's placement (node_residency), whose sharded
+    layers hold 1/G of their bytes on each GPU and keep the ring."""
     n, hw, mem = gpus_per_node, pl.hardware, pl.memory
     layer, rank = split_host(pl)
     shared = shares_host_store(pl.point)
@@ -287,6 +314,13 @@ def node_memory(pl: Plan, gpus_per_node: int, nodes: int = 1, path: str = PER_RA
     device = dict(mem.device)
     if path == NODE:
         device["node path: reduce-scatter buffers"] = collective_device_bytes(pl.point, n)
+        if residency is not None:
+            lc, p = pl.long_context, pl.point
+            device["layer buffers"] = p.num_buffers * lc.layer_bytes  # the sharded layers load through it
+            device["kept layers' weights (residency)"] = residency.activations * lc.layer_bytes
+            device[KEPT_SHARDS] = (residency.weights - residency.activations) * shard_bytes(
+                lc.layer_bytes, n)
+            device["kept layers' forward graphs (residency)"] = residency.device_graphs * lc.graph_bytes
         pinned += layer.get("gradients", 0)  # the first micro-batch's shard lands in the slab by DMA: pinned
     return (Memory(host, device, mem.unified, mem.shared, pinned), layer,
             {k: v for k, v in rank.items() if v})
@@ -326,8 +360,11 @@ def comm_time(p: Point, hw: Hardware, rank_time: Time, gpus_per_node: int, nodes
     return Comm(intra, k * layers_s, globals_s, exposed, int(ring * (k * L * PL + G)))
 
 
-def _rank_time(p: Point, hw: Hardware, single: Plan, n: int, nodes: int, path: str, store_nodes: int) -> tuple[Hardware, Time]:
-    """One rank's view of the node and its pipeline's step, on the data path planned."""
+def _rank_time(p: Point, hw: Hardware, single: Plan, n: int, nodes: int, path: str, store_nodes: int,
+               residency: kept.Residency | None = None) -> tuple[Hardware, Time]:
+    """One rank's view of the node and its pipeline's step, on the data path planned; `residency` (node path): the
+    placement as the node keeps it (node_path.py: the graph layers whole, the other kept layers sharded), else the
+    one-GPU plan's."""
     st = single.time
     lc = single.long_context
     if path != NODE and store_nodes == 1:
@@ -338,17 +375,68 @@ def _rank_time(p: Point, hw: Hardware, single: Plan, n: int, nodes: int, path: s
         return rhw, megatrain_time(p, rhw, lc.offload, owned_layers=owned, residency=lc.residency)
     share = node_share(hw, n, nodes, store_nodes > 1) if path == NODE else NodeShare(
         n, 1, 0.0, (hw.network_gbs or 0.0) * GB / n, (nodes - 1) / nodes)
+    r = lc.residency if residency is None or path != NODE else residency
     h2d = 0.5  # its DMA's split between the two directions, from the node path's own bytes (two passes)
     for _ in range(2):
         rhw = rank_hardware(hw, n, h2d)
         if n > 1:
             rhw = rhw.with_(host_cores=max(1, host_cores(hw) // n))  # its team: cores / G (DISTRIBUTED.md, 3)
-        # 1/G of every layer the node owns: all of them, or 1/store_nodes of them with a store shared by the nodes
-        # (the other nodes update theirs at the same time)
-        t = megatrain_time(p, rhw, lc.offload, owned_layers=p.model.num_layers / n / store_nodes,
-                           residency=lc.residency, node=share)
-        h2d = t.h2d_bytes / max(1, t.h2d_bytes + t.d2h_bytes)
+
+        def replay(res: kept.Residency, rhw: Hardware = rhw) -> Time:
+            # 1/G of every layer the node owns: all of them, or 1/store_nodes of them with a store shared by the
+            # nodes (the other nodes update theirs at the same time)
+            return megatrain_time(p, rhw, lc.offload, owned_layers=p.model.num_layers / n / store_nodes,
+                                  residency=res, node=share)
+        t = replay(r)
+        if residency is not None and path == NODE and r.weights > r.activations:
+            t = _sharded_time(p, rhw, share, t, replay(kept.Residency(r.activations, r.activations)))
+        # rank_hardware charges its lanes at the busier direction's share of the DRAM bandwidth: the FP32 gradient
+        # shards (4 B/param) outweigh the weights' (2 B/param, fewer still kept sharded), and that lane then carries
+        # all of the DMA's bytes; the share of the lighter one would slow the heavier as the weights' bytes fall
+        h2d = max(t.h2d_bytes, t.d2h_bytes) / max(1, t.h2d_bytes + t.d2h_bytes)
     return rhw, t
+
+
+def _sharded_time(p: Point, rhw: Hardware, share: NodeShare, held: Time, streamed: Time) -> Time:
+    """The step with the sharded layers kept sharded, from two replays: `held` keeps them as the one-GPU pipeline
+    keeps a layer (one load per step: the refresh of this GPU's shard and its gather, the host bytes exact), and
+    `streamed` streams them (every pass's gather: the NVLink bytes exact). A sharded layer's pass loads by its
+    gather alone (node_path.sharded_load_s), a part of a streamed load's time: of what streaming them adds to
+    the step, that part is charged: never slower than streaming them."""
+    PL, c, Bl = p.model.layer_params(), p.c, rhw.link_bps
+    load = share.weights_s(PL, c, Bl)
+    part = sharded_load_s(share, PL, c, Bl) / load if load else 0.0
+    # the passes whose loads the held replay does not make; across NVLink domains their gathers still cross the link
+    extra = round((streamed.h2d_bytes - held.h2d_bytes) / (PL * c * share.link_fraction))
+    h2d = held.h2d_bytes + int(extra * PL * c * (share.link_fraction - 1 / share.gpus))
+    step = streamed.step_s - (1 - part) * max(0.0, streamed.step_s - held.step_s)
+    busy = {**held.busy_s, "NVLink": streamed.busy_s.get("NVLink", 0.0), "link h2d": h2d / Bl}
+    idle = {**held.idle_s, "other": max(0.0, held.idle_s.get("other", 0.0) + step - held.step_s)}
+    return dataclasses.replace(held, step_s=step, busy_s=busy, h2d_bytes=h2d, idle_s=idle)
+
+
+def node_residency(p: Point, hw: Hardware, single: Plan, n: int, nodes: int,
+                   store_nodes: int) -> tuple[kept.Residency, tuple[Hardware, Time], Placement | None]:
+    """The node path's placement (docs/DISTRIBUTED.md, section 4), its rank's time and the search (None for counts
+    as set): counts
+    as set, kept as the engine keeps them on the node; "auto" fills the room the batch leaves (less the node
+    path's own buffers) by the replayed gain along node_path.frontier, the engine's fill (shards first) kept
+    unless another beats it by more than placement.PREFER_ENGINE_WITHIN, never slower than streaming every layer."""
+    lc = single.long_context
+    if p.engine.residency_set is not None:
+        r = lc.residency
+        return r, _rank_time(p, hw, single, n, nodes, NODE, store_nodes, r), None
+    room = None if lc.residency_room is None else max(0, lc.residency_room - collective_device_bytes(p, n))
+    S, L = lc.layer_bytes, lc.n_layers
+    engine = node_fill(L, S, lc.graph_bytes, room, n, lc.graphs_allowed)
+    candidates = [engine, *node_frontier(L, S, lc.graph_bytes, room, n, lc.graphs_allowed, NODE_FRONTIER_SAMPLES),
+                  kept.Residency()]
+    timed = {r: _rank_time(p, hw, single, n, nodes, NODE, store_nodes, r) for r in dict.fromkeys(candidates)}
+    best = min(timed, key=lambda r: timed[r][1].step_s)
+    if timed[engine][1].step_s <= min(timed[best][1].step_s / (1 - PREFER_ENGINE_WITHIN), timed[kept.Residency()][1].step_s):
+        best = engine
+    replayed = {r: (t.step_s, t.h2d_bytes, t.recomputed_layers) for r, (_, t) in timed.items()}
+    return best, timed[best], Placement(best, engine, replayed)
 
 
 def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int = 1,
@@ -384,7 +472,11 @@ def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int 
                          PER_RANK, "one GPU")
     if store_nodes > 1 and path != NODE and n > 1:
         raise ValueError(f"nodes sharing one store need the node path ({why})")
-    rhw, t = _rank_time(p, hw, single, n, nodes, path, store_nodes)
+    placed = search = None
+    if path == NODE and single.long_context is not None:
+        placed, (rhw, t), search = node_residency(p, hw, single, n, nodes, store_nodes)
+    else:
+        rhw, t = _rank_time(p, hw, single, n, nodes, path, store_nodes)
     comm = comm_time(p, hw, t, n, nodes, path, store_nodes)  # every rank takes part at once: the whole host's bandwidth
     reduce_key = "NVLink all-reduce (globals)" if path == NODE else "host reduce (globals)"
     busy = {**t.busy_s, reduce_key: comm.intra_globals_s, "network": comm.network_layers_s + comm.network_globals_s}
@@ -392,12 +484,16 @@ def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int 
     bottleneck = "network" if busy["network"] > max(lanes) else t.bottleneck
     idle = {**t.idle_s, IDLE_COMM: comm.added_s}
     t = dataclasses.replace(t, step_s=t.step_s + comm.added_s, busy_s=busy, bottleneck=bottleneck, idle_s=idle)
-    mem, layer, rank = node_memory(single, n, nodes, path, store_nodes)
+    mem, layer, rank = node_memory(single, n, nodes, path, store_nodes, placed)
     ok, reasons = check_fit(mem, hw)
     where = f"per node, {n} GPUs" + (f", 1/{store_nodes} of the layers' state" if store_nodes > 1 else "")
     reasons = [r.replace("host:", f"host ({where}):", 1) for r in reasons]
-    rank_plan = Plan(p, rhw, mem, t, ok, reasons, dict(single.decisions), list(single.warnings), single.long_context,
-                     list(single.refused))
+    lc = single.long_context if placed is None else dataclasses.replace(single.long_context, residency=placed)
+    decisions = dict(single.decisions)
+    if placed is not None and "residency" in decisions:
+        decisions["residency"] = placed.to_dict()
+    rank_plan = Plan(p, rhw, mem, t, ok, reasons, decisions, list(single.warnings), lc,
+                     list(single.refused), placement=search)
     if store_nodes > 1:
         why = f"{why}; {store_nodes} nodes share one store (each owns 1/{store_nodes} of the layers)"
     return MultiPlan(n, nodes, single, rank_plan, comm, layer, rank, path, why, store_nodes)

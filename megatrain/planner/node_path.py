@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..costs import residency as kept
 from .hardware import GB, Hardware, _is_bf16
 from .point import Point
 
@@ -114,3 +115,57 @@ def collective_device_bytes(p: Point, gpus: int) -> int:
     shards (docs/DISTRIBUTED.md, section 7)."""
     chunk = min(CHUNK_ELEMENTS, p.model.layer_params())
     return int(2 * GRAD_WIRE_BYTES * chunk * (1 + 1 / gpus))
+
+
+# -- Residency for the node (docs/DISTRIBUTED.md, section 4) ----------------------------------------------------------
+# As the engine's node path keeps it: of a Residency(weights=K, activations=M) the first M layers are kept whole
+# with their graphs (the graph holds the gathered weights until backward) and the other K - M kept sharded, each
+# GPU holding its 1/G of the layer's compute-dtype bytes. A sharded layer loads through the ring in every pass a
+# streamed layer would, by the all-gather alone (its shard placed from HBM), and crosses the host link once per
+# step: the refresh of this GPU's shard after the update.
+
+# The device memory row of the layers kept sharded (planner/multi.py node_memory)
+KEPT_SHARDS = "kept layers' shards (node path)"
+
+
+def shard_bytes(layer_bytes: int, gpus: int) -> int:
+    """Device bytes one layer kept sharded holds on each GPU."""
+    return -(-layer_bytes // gpus)
+
+
+def fill(n_layers: int, layer_bytes: int, graph_bytes: int, room: int | None, gpus: int,
+         graphs_allowed: bool) -> kept.Residency:
+    """The engine's "auto" on the node path: costs/residency.py's fill (kept weights first, then graphs) with a kept
+    layer costing its shard and a graph its graph plus the rest of its layer (kept whole); the ring stays (the
+    sharded layers load through it), so keeping every layer frees nothing."""
+    kb = shard_bytes(layer_bytes, gpus)
+    return kept.plan(n_layers, kb, graph_bytes + layer_bytes - kb, room, 0, graphs_allowed)
+
+
+def frontier(n_layers: int, layer_bytes: int, graph_bytes: int, room: int | None, gpus: int,
+             graphs_allowed: bool, samples: int) -> list[kept.Residency]:
+    """Placements that fill `room`, from the most sharded layers to the most graphs (kept whole), `samples` of
+    them: for each graph count, as many sharded layers as still fit. Which gains more (a graph its layer's
+    recompute, a shard its link time) is the replay's to say, as on one GPU (planner/placement.py)."""
+    first = fill(n_layers, layer_bytes, graph_bytes, room, gpus, graphs_allowed)
+    if room is None or not graphs_allowed:
+        return [first]
+    kb = shard_bytes(layer_bytes, gpus)
+    most = min(n_layers, room // max(graph_bytes + layer_bytes, 1))
+    counts = sorted({first.activations + round(i * (most - first.activations) / max(1, samples - 1))
+                     for i in range(samples)}) if most > first.activations else [first.activations]
+    out = []
+    for a in counts:
+        w = min(n_layers, a + (room - a * (graph_bytes + layer_bytes)) // max(kb, 1))
+        if w >= a:
+            out.append(kept.Residency(int(w), int(a)))
+    return out or [first]
+
+
+def sharded_load_s(share: NodeShare, layer_params: int, c: int, link_bps: float) -> float:
+    """One pass's load of a layer kept sharded: the all-gather from HBM (the other domains' shards still cross
+    this GPU's PCIe link peer to peer), no host copy."""
+    nbytes = layer_params * c
+    nv = nbytes * share.nvlink_fraction / (share.nvlink_bps / 2) if share.nvlink_fraction else 0.0
+    return max(nbytes * (share.link_fraction - 1 / share.gpus) / link_bps, nv)
+

@@ -183,6 +183,9 @@ def first_screen_multi(mp: Any, zero3: Any = None, nodes_hint: str | None = None
     out += _fit_lines(pl, scope, hw.host_bytes)
     state = "what the engine's 'auto' runs on GPUs with peer access (tested on gloo ranks; no GPU has run it)" if mp.path == NODE else "what the engine runs"
     out.append(f"  data path: {mp.path}: {mp.path_why} [{state}]")
+    if mp.path == NODE and pl.long_context is not None:
+        out.append(node_residency_line(pl.long_context.residency, mp.rank.point.model.num_layers, mp.gpus_per_node,
+                                       pl.time.h2d_bytes))
     step = mp.step_s
     out.append(_step_line(pl, step, mp.rank.point.tokens_per_step, f", job {mp.job_tokens_per_s:,.0f} tokens/s"))
     if mp.fits:
@@ -193,6 +196,17 @@ def first_screen_multi(mp: Any, zero3: Any = None, nodes_hint: str | None = None
     if zero3 is not None:
         out.append(_compare_line(mp.job_tokens_per_s, mp.fits, zero3, "zero3 at the same point and GPUs"))
     return _finish(out, pl, _advice(pl, nodes_hint, mp))
+
+
+def node_residency_line(r: Any, n_layers: int, gpus: int, h2d_bytes: int) -> str:
+    """The node path's placement (planner/node_path.py: the graph layers kept whole, the other kept layers sharded)
+    and what crosses one GPU's host link per step."""
+    link = f"host->device {fmt_bytes(h2d_bytes)} per GPU per step"
+    if not r.weights:
+        return f"  residency (node): all {n_layers} layers streamed; {link}"
+    whole = f", {r.activations} kept whole with their graphs (not recomputed)" if r.activations else ""
+    return (f"  residency (node): {r.weights - r.activations} of {n_layers} layers kept sharded (1/{gpus} per GPU)"
+            f"{whole}; {link}")
 
 
 def _finish(out: list[str], pl: Plan, advice: list[str]) -> list[str]:
