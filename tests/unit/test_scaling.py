@@ -19,7 +19,9 @@ def test_predicted_mode_writes_rows(tmp_path):
     assert len(rows) == n
     for r in rows:
         assert r["source"] == "predicted" and r["git_commit"] and r["versions"]
-        assert 0 < float(r["scaling_efficiency"]) <= 1 + 1e-9
+        assert 0 < float(r["scaling_efficiency"])
+        if r["data_path"] != "node":  # kept sharded, a node's GPUs hold more graphs than one GPU alone (DISTRIBUTED.md 4)
+            assert float(r["scaling_efficiency"]) <= 1 + 1e-9
         assert int(r["world_size"]) == int(r["gpus_per_node"]) * int(r["nodes"])
     one = [r for r in rows if r["world_size"] == "1"]
     assert one and all(float(r["scaling_efficiency"]) == pytest.approx(1.0) for r in one)

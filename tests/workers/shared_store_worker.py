@@ -134,8 +134,7 @@ def train(args: dict) -> dict:
              if not n.startswith(prefix + ".") or int(n[len(prefix) + 1:].split(".")[0]) in owned}
     got = {"losses": losses, "norms": norms, "stats": stats, "state": state, "owned": sorted(owned),
            "data_path": engine.data_path.describe()}
-    if args.get("master", "auto") == "auto":  # hilo / bf16 masters: NodesShare.whole reads FP32 masters (ranks.py)
-        got["whole"] = engine.state_dict()
+    got["whole"] = engine.state_dict()
     if args.get("do_extras"):
         got.update(extras(engine, rows[rank * micro: (rank + 1) * micro], args))
     return got

@@ -261,21 +261,10 @@ class NodesShare(Replicated):
         return math.sqrt(float(t.item()) + float(norms[-1].double()) ** 2)
 
     def whole(self, named: dict[str, torch.Tensor], layers_prefix: str) -> dict[str, torch.Tensor]:
-        """The other nodes' layers' masters broadcast from their owners, one layer at a time, into fresh tensors
-        (collective: every rank calls state_dict, as it does the optimizer's). Each rank ends with the whole model's
-        weights, 4 B/param for as long as the caller keeps them: a save's, as a one-store state_dict."""
-        out = dict(named)
-        for i, g in enumerate(self.store.layers):
-            flat = g.master if g.owned else torch.empty(g.numel, dtype=torch.float32)  # FP32 masters (shared_store)
-            try:
-                dist.broadcast(flat, src=self.dp.node.owner_rank(i), group=self.dp.node.node_group)
-            except Exception as exc:
-                raise self.dp.fail(f"taking layer {i}'s weights from its owner for a state_dict", exc) from exc
-            if g.owned:
-                continue
-            for s in g.slots:
-                out[f"{layers_prefix}.{i}.{s.name}"] = g.view(flat, s)
-        return out
+        """The other nodes' layers' master values broadcast from their owners, one layer at a time, into fresh
+        tensors, in any master mode (collective and joined: every rank calls state_dict; shared_store.py
+        other_nodes_layers). Each rank ends with the whole model's weights, as a one-store state_dict."""
+        return {**named, **self.dp.node.other_layers(self.store, layers_prefix, self.dp)}
 
     def take_weights(self, src: int | None) -> None:
         if src is not None:

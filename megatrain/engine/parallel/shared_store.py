@@ -138,6 +138,10 @@ class NodesShareStore:
         self.joined = dict.fromkeys(JOINS, 0)
         self.refused: dict[str, str] = {}  # kind -> why this rank refuses every later join of it
 
+
+    def other_layers(self, store: Any, layers_prefix: str, dp: DataParallel) -> dict[str, torch.Tensor]:
+        """The other nodes' layers by name, whole (other_nodes_layers): what the ranks' state_dict adds."""
+        return other_nodes_layers(self, store, layers_prefix, dp)
     def owns(self, layer: int) -> bool:
         return self.first <= layer < self.stop
 
