@@ -227,6 +227,19 @@ def test_check_model_cli(capsys):
     assert "no-such-model" in capsys.readouterr().err
 
 
+def _clear_of_the_tolerance(row: dict[str, str]) -> bool:
+    """Whether a row's verdict is a witness of the table on any CPU: its worst gradient error is not within a factor 2
+    of GRAD_RTOL. One that close flips with the CPU's kernels (their summation order): qwen3_5_moe's dt_bias
+    gradient measured 1.13e-05 where the table was made and 7.1e-06 on an AMD EPYC, on the same versions."""
+    from megatrain.engine.model.probe import GRAD_RTOL
+
+    try:
+        worst = float(row["max_grad_rel"])
+    except ValueError:  # refused or crashed: no gradient compared
+        return True
+    return not GRAD_RTOL / 2 <= worst <= 2 * GRAD_RTOL
+
+
 def test_the_compatibility_table_covers_every_causal_lm_and_reprobes_the_same():
     from experiments.studies.compat import probe_type
     from megatrain.models.lookup import causal_lm_types
@@ -235,8 +248,9 @@ def test_the_compatibility_table_covers_every_causal_lm_and_reprobes_the_same():
     assert sorted(rows) == causal_lm_types(), "the table is stale: run python -m experiments.studies.compat"
     by_status = {}
     for t, r in sorted(rows.items()):
-        by_status.setdefault(r["status"], []).append(t)
-    assert by_status.get("exact") and by_status.get("refused")
+        if _clear_of_the_tolerance(r):
+            by_status.setdefault(r["status"], []).append(t)
+    assert by_status.get("exact") and by_status.get("refused") and by_status.get("mismatch")
     sample = ["llama", "gemma", "gemma2", "phi"] + [random.Random(0).choice(ts) for s, ts in sorted(by_status.items())]
     for t in dict.fromkeys(sample):
         assert probe_type(t, bf16=False)["status"] == rows[t]["status"], t
