@@ -245,6 +245,32 @@ def finish(proc: subprocess.Popen, *, timeout: float = 600, log: str | Path | No
                     f"--- output (tail)\n{tail}")
 
 
+
+def ranks_beside_one_process(worker: str | Path, tmp_path: Path, args: dict, runs: list[str],
+                             deadline_s: float = 600) -> tuple[dict, list[dict]]:
+    """`args["world"]` ranks of `worker` under torchrun (its runs `runs`, each rank writing rank{r}.pt under
+    `tmp_path`) and, while they run, the one-process reference on the concatenated batch (its "per_rank" run at
+    micro-batch x world, every layer streamed): (the reference, each rank's results)."""
+    import json
+
+    env = worker_env(threads=1, PYTHONWARNINGS="ignore")
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as f:
+        proc = start_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args["world"]),
+                             worker, tmp_path, json.dumps({**args, "runs": runs})], env=env, stdout=f,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        lone = tmp_path / "lone"
+        lone.mkdir()
+        whole = {**args, "micro": args["micro"] * args["world"], "world": 1, "runs": ["per_rank"]}
+        run_python([worker, lone, json.dumps(whole)], env=env, timeout=deadline_s, check=True)
+    except BaseException:
+        proc.kill()
+        raise
+    finish(proc, timeout=deadline_s, log=log)
+    return (torch.load(lone / "rank0.pt")["per_rank"],
+            [torch.load(tmp_path / f"rank{r}.pt") for r in range(args["world"])])
+
 def probes(out: str) -> list[dict]:
     """Every `PROBE {json}` a worker printed. Ranks share a launcher's stdout, and one rank's line can follow the
     other's with no newline between (seen once: two objects on one line), so each object is read from where it

@@ -10,12 +10,9 @@ parity by far more than the tolerance. 4 ranks: a quarter of the bytes and of th
 
 from __future__ import annotations
 
-import json
-import subprocess
-
 import pytest
 import torch
-from kit import ROOT, bits, finish, run_python, start_python, worker_env
+from kit import ROOT, bits, ranks_beside_one_process
 
 from megatrain.costs.shards import ShardMap
 
@@ -51,31 +48,9 @@ def _check_update_split(node: dict, smap: ShardMap, rank: int, layers: int, shar
         assert st["updated_elements"] <= share * layers * smap.numel, (rank, step)
 
 
-def _launch(tmp_path, args: dict, runs: list[str]) -> tuple[dict, list[dict]]:
-    """`args["world"]` ranks under torchrun (the runs `runs`) and, meanwhile, the one-process reference on the
-    concatenated batch: (the reference, each rank's results)."""
-    env = worker_env(threads=1, PYTHONWARNINGS="ignore")
-    log = tmp_path / "torchrun.log"
-    with open(log, "w") as f:
-        proc = start_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args["world"]),
-                             WORKER, tmp_path, json.dumps({**args, "runs": runs})], env=env, stdout=f,
-                            stderr=subprocess.STDOUT, text=True)
-    try:  # the one-process reference on the concatenated batch, while the ranks run
-        lone = tmp_path / "lone"
-        lone.mkdir()
-        whole = {**args, "micro": args["micro"] * args["world"], "world": 1, "runs": ["per_rank"]}
-        run_python([WORKER, lone, json.dumps(whole)], env=env, timeout=DEADLINE_S, check=True)
-    except BaseException:
-        proc.kill()
-        raise
-    finish(proc, timeout=DEADLINE_S, log=log)
-    return (torch.load(lone / "rank0.pt")["per_rank"],
-            [torch.load(tmp_path / f"rank{r}.pt") for r in range(args["world"])])
-
-
 @pytest.mark.slow
 def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(tmp_path):
-    ref, ranks = _launch(tmp_path, ARGS, RUNS)
+    ref, ranks = ranks_beside_one_process(WORKER, tmp_path, ARGS, RUNS, DEADLINE_S)
     assert min(ref["norms"]) > 2 * 0.05  # clipping (to 0.05, the worker's CLIP) acts at every step
 
     numel = _layer_numel(ref["state"])
@@ -151,7 +126,7 @@ def test_four_ranks_node_path_match_one_process_at_a_quarter_of_the_link_bytes(t
     """One node of 4 gloo ranks (micro-batch 1 each) against one process with micro-batch 4: each rank copies a
     quarter of every layer each way (<= 0.35x a lone rank's bytes), and the losses, norms and weights match."""
     args = {**ARGS, "micro": 1, "world": 4}
-    ref, ranks = _launch(tmp_path, args, ["node"])
+    ref, ranks = ranks_beside_one_process(WORKER, tmp_path, args, ["node"], DEADLINE_S)
     numel = _layer_numel(ref["state"])
     smap = ShardMap.of(numel, 4)
     for r, res in enumerate(ranks):

@@ -9,12 +9,9 @@ owned bytes once per kept layer, instead of once per pass that copies a streamed
 
 from __future__ import annotations
 
-import json
-import subprocess
-
 import pytest
 import torch
-from kit import ROOT, bits, finish, run_python, start_python, worker_env
+from kit import ROOT, bits, ranks_beside_one_process
 
 from megatrain.costs.shards import ShardMap
 
@@ -61,28 +58,6 @@ def predicted_h2d(kept: int, layers: int, owned_bytes: int) -> int:
     return owned_bytes * (kept + sum(streamed_loads(i, layers) for i in range(kept, layers)))
 
 
-def _launch(tmp_path, args: dict, runs: list[str]) -> tuple[dict, list[dict]]:
-    """`args["world"]` ranks under torchrun (the runs `runs`) and, meanwhile, the one-process reference on the
-    concatenated batch (every layer streamed): (the reference, each rank's results)."""
-    env = worker_env(threads=1, PYTHONWARNINGS="ignore")
-    log = tmp_path / "torchrun.log"
-    with open(log, "w") as f:
-        proc = start_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args["world"]),
-                             WORKER, tmp_path, json.dumps({**args, "runs": runs})], env=env, stdout=f,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        lone = tmp_path / "lone"
-        lone.mkdir()
-        whole = {**args, "micro": args["micro"] * args["world"], "world": 1, "runs": ["per_rank"]}
-        run_python([WORKER, lone, json.dumps(whole)], env=env, timeout=DEADLINE_S, check=True)
-    except BaseException:
-        proc.kill()
-        raise
-    finish(proc, timeout=DEADLINE_S, log=log)
-    return (torch.load(lone / "rank0.pt")["per_rank"],
-            [torch.load(tmp_path / f"rank{r}.pt") for r in range(args["world"])])
-
-
 def _check_kept(ref: dict, res: dict, run: str, kept: int, rank: int, world: int, numel: int, itemsize: int,
                 baseline: str = "node") -> None:
     """Run `run` (the first `kept` layers kept sharded) against the same ranks' all-streamed `baseline`: the same
@@ -107,7 +82,7 @@ def _check_kept(ref: dict, res: dict, run: str, kept: int, rank: int, world: int
 
 @pytest.mark.slow
 def test_two_ranks_keep_layers_sharded_exactly_for_half_a_refresh_each(tmp_path):
-    ref, ranks = _launch(tmp_path, ARGS, RUNS)
+    ref, ranks = ranks_beside_one_process(WORKER, tmp_path, ARGS, RUNS, DEADLINE_S)
     assert min(ref["norms"]) > 2 * 0.05  # clipping (to 0.05, the worker's CLIP) acts at every step
     numel = _layer_numel(ref["state"])
     for r, res in enumerate(ranks):
@@ -138,7 +113,7 @@ def test_four_ranks_keep_a_quarter_of_each_kept_layer(tmp_path):
     """One node of 4 gloo ranks (micro-batch 1 each) against one process with micro-batch 4, the first 2 of 4 layers
     kept sharded: a quarter of each kept layer per rank, the all-streamed run's bits, the predicted h2d bytes."""
     args = {**ARGS, "micro": 1, "world": 4}
-    ref, ranks = _launch(tmp_path, args, ["node", "node:k2"])
+    ref, ranks = ranks_beside_one_process(WORKER, tmp_path, args, ["node", "node:k2"], DEADLINE_S)
     numel = _layer_numel(ref["state"])
     for r, res in enumerate(ranks):
         gaps = _gaps(ref, res["node:k2"])

@@ -27,11 +27,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import transformers
 
 from megatrain.config.schema import EngineConfig
 from megatrain.engine import Engine
 from megatrain.engine.update.speculative import Speculative, StateCopy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from node_path_worker import build_model  # noqa: E402 - the node path test's model (the same vocabulary)
 
 VOCAB, SEQ, LR = 128, 12, 1e-3
 # Per step: a clip that scales (0.05 against norms of about 1: rolled back), none that does (1e9: held).
@@ -41,15 +43,6 @@ SLOW_RESTORE_S = 0.5  # "slow": each of rank 0's restores starts this late
 PATHS = {"per_rank": {"data_parallel_path": "per_rank"},
          "replicated": {"data_parallel_path": "per_rank", "data_parallel_host": "replicated"},
          "node": {"data_parallel_path": "node"}}
-
-
-def build_model(layers: int) -> torch.nn.Module:
-    torch.manual_seed(int(os.environ.get("RANK", "0")))  # differing inits: the engine starts from rank 0's
-    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=88, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                   max_position_embeddings=64)
-    cfg._attn_implementation = "sdpa"
-    return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
 def control(name: str, rank: int):

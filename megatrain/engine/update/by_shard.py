@@ -92,16 +92,21 @@ def written(view: torch.optim.Optimizer | None, group: FlatGroup, ranges: list[t
             if "step" in st:
                 out.append(st["step"])  # stepped whether or not any of its elements is in the ranges
             flat = p.detach().view(-1)
-            for a, b in ranges:
-                lo, hi = max(a, s.offset), min(b, s.offset + s.numel)
-                if lo >= hi:
-                    continue
-                x, y = lo - s.offset, hi - s.offset
+            for _, _, x, y in _pieces(s, ranges):
                 out.append(flat[x:y])
                 out.extend(st[k].view(-1)[x:y] for k in STATE_KINDS if k in st)
     if group.shadow is not None and group.master is not None:
         out.extend(group.shadow[a:b] for a, b in ranges)
     return out
+
+
+def _pieces(slot, ranges: list[tuple[int, int]]):
+    """Where `ranges` (offsets in the layer's flat buffer) meet parameter `slot`: (lo, hi) in the flat buffer and
+    (x, y) in the parameter, for each range that reaches it."""
+    for a, b in ranges:
+        lo, hi = max(a, slot.offset), min(b, slot.offset + slot.numel)
+        if lo < hi:
+            yield lo, hi, lo - slot.offset, hi - slot.offset
 
 
 def update(view: torch.optim.Optimizer | None, group: FlatGroup, coefs: list[float],
@@ -128,11 +133,7 @@ def update(view: torch.optim.Optimizer | None, group: FlatGroup, coefs: list[flo
                                    "data_parallel_path='per_rank' for it")
             stepped.append(st["step"])
             flat = p.detach().view(-1)
-            for a, b in ranges:
-                lo, hi = max(a, s.offset), min(b, s.offset + s.numel)
-                if lo >= hi:
-                    continue
-                x, y = lo - s.offset, hi - s.offset
+            for lo, hi, x, y in _pieces(s, ranges):
                 params.append(flat[x:y])
                 grads.append(group.grad_work[lo:hi])
                 m.append(st["exp_avg"].view(-1)[x:y])
