@@ -10,9 +10,9 @@ import pytest
 from megatrain.costs.modes import HostMaster, rollback_bytes_per_param
 from megatrain.costs.rollback import ROLLBACK_HEADROOM_BYTES, layers_that_fit, rollback_budget
 from megatrain.models.presets import get_preset
-from megatrain.planner import get_hardware
-from megatrain.planner.multi import ROLLBACK, plan_multi, plan_point_multi
-from megatrain.planner.point import make_point
+from megatrain.planner import get_hardware, plan
+from megatrain.planner.multi import ROLLBACK, node_speculation, plan_multi, plan_point_multi
+from megatrain.planner.point import make_point, speculative_layers
 
 GIB = 1024**3
 HW = "h100-sxm"
@@ -77,3 +77,15 @@ def test_nodes_sharing_one_store_do_not_speculate():
     with pytest.raises(ValueError, match="nodes sharing one store"):
         plan_point_multi(make_point("llama3.1-70b", 4096, 1, 1, "bfloat16", "megatrain", host_master="fp32",
                                     speculative_step=True), hw, 8, 2, store_nodes=2)
+
+
+@pytest.mark.parametrize("hw, host_gib", [("h100-sxm", 1000), ("h200-pcie", None)])
+def test_one_rank_counts_the_copies_as_one_gpu_does(hw, host_gib):
+    """The node's count at one rank is point.speculative_layers' (the one-GPU rule): the same costs/rollback.py
+    budget, fed the node's rows; both partial here (a few of 80 layers' copies fit)."""
+    pl = plan("llama3.1-70b", 4096, 1, hardware=hw, residency="stream",
+              **({} if host_gib is None else {"host_memory_gib": host_gib}))
+    lc = pl.long_context
+    one = speculative_layers(pl.point, pl.hardware, lc.residency.optimizer, lc.offload, lc.offloaded_graph_host_bytes)
+    assert 0 < one < pl.point.model.num_layers
+    assert node_speculation(pl, 1) == one
