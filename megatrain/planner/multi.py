@@ -10,7 +10,10 @@ What a node holds (host memory):
                   one layer's optimizer scratch, a further process's runtime (rank_runtime_gib; the first
                   one is in the reserve), and with more than one rank in the job an FP32 gradient transit
                   buffer of 2 x the largest layer (TRANSIT_LAYERS).
-  so  host(N, M) = host(one GPU) + (N - 1) x per-rank terms + N x transit   (transit only when N x M > 1).
+  so  host(N, M) = host(one GPU) + (N - 1) x per-rank terms + N x transit   (transit only when N x M > 1),
+  the speculative step's rollback copies apart: once per node (each rank its 1/G ranges of a speculated layer on
+  the node path, its owner the whole of it on the per-rank path), as many layers as fit what the node has left
+  (node_speculation, costs/rollback.py's rule); none with nodes sharing one store.
 Each node holds its own full copy: its GPUs stream every layer over their own host links every step
 anyway, and sharding across nodes would add an all-gather of the weights over the network each step.
 
@@ -49,7 +52,9 @@ from typing import Any
 
 from ..config.schema import AUTO, rule_or
 from ..costs import residency as kept
+from ..costs.modes import HostMaster, rollback_bytes_per_param
 from ..costs.pinning import pinned_bytes
+from ..costs.rollback import layers_that_fit, rollback_budget
 from .auto_mode import plan_point
 from .hardware import GB, GIB, Hardware, resolve_hardware
 from .host_work import host_cores
@@ -74,6 +79,8 @@ from .point import (
     make_point,
     master_bytes,
     placeholder_mode,
+    rollback_bytes,
+    settled,
     with_point,
 )
 from .prediction import Plan
@@ -89,6 +96,7 @@ NODE_FRONTIER_SAMPLES = 5
 # Host bytes per parameter to average the resident parameters' gradients across a node's ranks: read a
 # rank's FP32 gradient, read + write the sum (12), then copy the mean back (8).
 GLOBALS_REDUCE_BYTES = 20
+ROLLBACK = "speculative rollback copy"  # planner/memory.py's row
 LAYER_STATE_KEYS = ("master weights", "gradients", "adam m", "adam v", "bf16 shadow (streams)")
 
 
@@ -276,17 +284,45 @@ def transit_bytes(p: Point) -> int:
     return TRANSIT_LAYERS * p.model.layer_params() * 4 * (2 if p.optimizer_in_backward else 1)
 
 
+def node_speculation(pl: Plan, gpus_per_node: int, nodes: int = 1, path: str = PER_RANK, store_nodes: int = 1) -> int:
+    """How many decoder layers the node's ranks speculate (engine/update/speculative.py, "Several ranks"): as set,
+    or for "auto" (settled as one process settles it) the first host-updated layers in forward order whose rollback
+    copies fit what the node's host has left beside everything else it holds (node_memory without them), by
+    costs/rollback.py's rule (rollback_budget, layers_that_fit), as resolve sizes them. The node holds one copy of
+    each (its ranks' ranges of it on the node path, its owner's on the per-rank path), a replicated store one per
+    rank; nodes sharing one store never speculate (the engine's refusal)."""
+    p, lc = pl.point, pl.long_context
+    K = lc.residency.optimizer if lc is not None else 0
+    host = p.model.num_layers - K
+    if p.backend != "megatrain" or p.optimizer_in_backward or host <= 0 or (store_nodes > 1 and nodes > 1):
+        return 0
+    if p.engine.speculation_set is not None:
+        return host if p.engine.speculation_set else 0
+    hw = node_profile(pl.hardware, gpus_per_node)
+    if settled(p, hw).speculative_step is False:
+        return 0
+    mem = node_memory(pl, gpus_per_node, nodes, path, store_nodes, None, 0)[0]
+    held = mem.host_total_incl_device if mem.unified else mem.host_total
+    copies = 1 if shares_host_store(p) else gpus_per_node
+    per_param = rollback_bytes_per_param(HostMaster(p.host_master), p.c == 2)
+    return layers_that_fit(p.model.layer_sizes()[K:], copies * per_param, rollback_budget(hw.host_bytes - held))
+
+
 def node_memory(pl: Plan, gpus_per_node: int, nodes: int = 1, path: str = PER_RANK,
-                store_nodes: int = 1, residency: kept.Residency | None = None) -> tuple[Memory, dict[str, int], dict[str, int]]:
+                store_nodes: int = 1, residency: kept.Residency | None = None,
+                speculated: int | None = None) -> tuple[Memory, dict[str, int], dict[str, int]]:
     """(the node's Memory, its once-per-node bytes, one rank's bytes) for a one-GPU plan `pl`. The device
     side stays one GPU's (plus the node path's collective buffers); on a CPU "device" the other ranks' device
     allocations come out of host memory. `store_nodes`: nodes sharing one store, each holding the layer state of
     its ceil(L / store_nodes) layers. `residency` (node path): the node's placement (node_residency), whose sharded
-    layers hold 1/G of their bytes on each GPU and keep the ring."""
+    layers hold 1/G of their bytes on each GPU and keep the ring. `speculated`: the layers the node's ranks
+    speculate (None: node_speculation's count), their rollback copies held once per node (once per rank with a
+    replicated store)."""
     n, hw, mem = gpus_per_node, pl.hardware, pl.memory
     layer, rank = split_host(pl)
     shared = shares_host_store(pl.point)
     copies = 1 if shared else n  # a replicated store: every rank holds the layers' state too
+    rank.pop(ROLLBACK, None)  # one GPU's count, against one GPU's host: the node's is its own (node_speculation)
     L = pl.point.model.num_layers
     part = math.ceil(L / store_nodes) / L
     layer = {k: (v if k == "runtime" else int(v * part)) for k, v in layer.items()}
@@ -302,6 +338,13 @@ def node_memory(pl: Plan, gpus_per_node: int, nodes: int = 1, path: str = PER_RA
     host = {k: copies * layer.get(k, 0) + n * rank.get(k, 0) for k in pl.memory.host}
     host["runtime"] = layer["runtime"] + (n - 1) * rank["rank runtime"]
     host["grad transit (data parallel)"] = n * rank["grad transit (data parallel)"]
+    if speculated is None:
+        speculated = node_speculation(pl, n, nodes, path, store_nodes) if n * nodes > 1 else None
+    if speculated is None:  # one GPU: its own plan's copies
+        host[ROLLBACK] = mem.host.get(ROLLBACK, 0)
+    else:
+        K = pl.long_context.residency.optimizer if pl.long_context is not None else 0
+        host[ROLLBACK] = copies * rollback_bytes(pl.point, speculated, K)
     if mem.unified and n > 1:
         host["other ranks' device (CPU device)"] = (n - 1) * (mem.device_total - mem.shared)
     # the streamed layers' pinned copies are the node's; every rank pins its own staging (and its resident
@@ -361,10 +404,10 @@ def comm_time(p: Point, hw: Hardware, rank_time: Time, gpus_per_node: int, nodes
 
 
 def _rank_time(p: Point, hw: Hardware, single: Plan, n: int, nodes: int, path: str, store_nodes: int,
-               residency: kept.Residency | None = None) -> tuple[Hardware, Time]:
+               residency: kept.Residency | None = None, speculated: int = 0) -> tuple[Hardware, Time]:
     """One rank's view of the node and its pipeline's step, on the data path planned; `residency` (node path): the
     placement as the node keeps it (node_path.py: the graph layers whole, the other kept layers sharded), else the
-    one-GPU plan's."""
+    one-GPU plan's; `speculated`: the node's speculated layers (node_speculation), each rank its part of them."""
     st = single.time
     lc = single.long_context
     if path != NODE and store_nodes == 1:
@@ -372,7 +415,8 @@ def _rank_time(p: Point, hw: Hardware, single: Plan, n: int, nodes: int, path: s
         # the rank with the most layers sets the pace; a replicated store updates every layer on every rank
         owned = math.ceil(p.model.num_layers / n) if shares_host_store(p) else p.model.num_layers
         # each layer's reduction by the rank's own reducer threads, as one GPU's (host_work.py), at its view of the host
-        return rhw, megatrain_time(p, rhw, lc.offload, owned_layers=owned, residency=lc.residency)
+        return rhw, megatrain_time(p, rhw, lc.offload, owned_layers=owned, residency=lc.residency,
+                                   speculated=speculated, owner_stride=n if shares_host_store(p) else 1)
     share = node_share(hw, n, nodes, store_nodes > 1) if path == NODE else NodeShare(
         n, 1, 0.0, (hw.network_gbs or 0.0) * GB / n, (nodes - 1) / nodes)
     r = lc.residency if residency is None or path != NODE else residency
@@ -386,7 +430,7 @@ def _rank_time(p: Point, hw: Hardware, single: Plan, n: int, nodes: int, path: s
             # 1/G of every layer the node owns: all of them, or 1/store_nodes of them with a store shared by the
             # nodes (the other nodes update theirs at the same time)
             return megatrain_time(p, rhw, lc.offload, owned_layers=p.model.num_layers / n / store_nodes,
-                                  residency=res, node=share)
+                                  residency=res, node=share, speculated=speculated)
         t = replay(r)
         if residency is not None and path == NODE and r.weights > r.activations:
             t = _sharded_time(p, rhw, share, t, replay(kept.Residency(r.activations, r.activations)))
@@ -415,8 +459,8 @@ def _sharded_time(p: Point, rhw: Hardware, share: NodeShare, held: Time, streame
     return dataclasses.replace(held, step_s=step, busy_s=busy, h2d_bytes=h2d, idle_s=idle)
 
 
-def node_residency(p: Point, hw: Hardware, single: Plan, n: int, nodes: int,
-                   store_nodes: int) -> tuple[kept.Residency, tuple[Hardware, Time], Placement | None]:
+def node_residency(p: Point, hw: Hardware, single: Plan, n: int, nodes: int, store_nodes: int,
+                   speculated: int = 0) -> tuple[kept.Residency, tuple[Hardware, Time], Placement | None]:
     """The node path's placement (docs/DISTRIBUTED.md, section 4), its rank's time and the search (None for counts
     as set): counts
     as set, kept as the engine keeps them on the node; "auto" fills the room the batch leaves (less the node
@@ -425,13 +469,14 @@ def node_residency(p: Point, hw: Hardware, single: Plan, n: int, nodes: int,
     lc = single.long_context
     if p.engine.residency_set is not None:
         r = lc.residency
-        return r, _rank_time(p, hw, single, n, nodes, NODE, store_nodes, r), None
+        return r, _rank_time(p, hw, single, n, nodes, NODE, store_nodes, r, speculated), None
     room = None if lc.residency_room is None else max(0, lc.residency_room - collective_device_bytes(p, n))
     S, L = lc.layer_bytes, lc.n_layers
     engine = node_fill(L, S, lc.graph_bytes, room, n, lc.graphs_allowed)
     candidates = [engine, *node_frontier(L, S, lc.graph_bytes, room, n, lc.graphs_allowed, NODE_FRONTIER_SAMPLES),
                   kept.Residency()]
-    timed = {r: _rank_time(p, hw, single, n, nodes, NODE, store_nodes, r) for r in dict.fromkeys(candidates)}
+    timed = {r: _rank_time(p, hw, single, n, nodes, NODE, store_nodes, r, speculated)
+             for r in dict.fromkeys(candidates)}
     best = min(timed, key=lambda r: timed[r][1].step_s)
     if timed[engine][1].step_s <= min(timed[best][1].step_s / (1 - PREFER_ENGINE_WITHIN), timed[kept.Residency()][1].step_s):
         best = engine
@@ -454,8 +499,9 @@ def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int 
     single_hw, hw = hw, node_profile(hw, gpus_per_node)
     if p.backend == "zero3":
         return _zero3_multi(placeholder_mode(p), single_hw, hw, gpus_per_node, nodes)
-    if gpus_per_node * nodes > 1 and p.engine.speculation_set is None:
-        p = with_point(p, speculative_step=False)  # the engine's "auto": off with several ranks
+    if store_nodes > 1 and p.engine.speculation_set:
+        raise ValueError("speculative_step=True: nodes sharing one store do not run it (engine/update/speculative.py "
+                         "refusal); set speculative_step='auto' or False")
     if gpus_per_node * nodes > 1:
         p = dataclasses.replace(p, data_parallel=True)  # no optimizer residency (engine/update/resident.py)
     single = plan_point(p, single_hw)
@@ -473,10 +519,11 @@ def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int 
     if store_nodes > 1 and path != NODE and n > 1:
         raise ValueError(f"nodes sharing one store need the node path ({why})")
     placed = search = None
+    spec = node_speculation(single, n, nodes, path, store_nodes)
     if path == NODE and single.long_context is not None:
-        placed, (rhw, t), search = node_residency(p, hw, single, n, nodes, store_nodes)
+        placed, (rhw, t), search = node_residency(p, hw, single, n, nodes, store_nodes, spec)
     else:
-        rhw, t = _rank_time(p, hw, single, n, nodes, path, store_nodes)
+        rhw, t = _rank_time(p, hw, single, n, nodes, path, store_nodes, speculated=spec)
     comm = comm_time(p, hw, t, n, nodes, path, store_nodes)  # every rank takes part at once: the whole host's bandwidth
     reduce_key = "NVLink all-reduce (globals)" if path == NODE else "host reduce (globals)"
     busy = {**t.busy_s, reduce_key: comm.intra_globals_s, "network": comm.network_layers_s + comm.network_globals_s}
@@ -484,7 +531,7 @@ def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int 
     bottleneck = "network" if busy["network"] > max(lanes) else t.bottleneck
     idle = {**t.idle_s, IDLE_COMM: comm.added_s}
     t = dataclasses.replace(t, step_s=t.step_s + comm.added_s, busy_s=busy, bottleneck=bottleneck, idle_s=idle)
-    mem, layer, rank = node_memory(single, n, nodes, path, store_nodes, placed)
+    mem, layer, rank = node_memory(single, n, nodes, path, store_nodes, placed, spec)
     ok, reasons = check_fit(mem, hw)
     where = f"per node, {n} GPUs" + (f", 1/{store_nodes} of the layers' state" if store_nodes > 1 else "")
     reasons = [r.replace("host:", f"host ({where}):", 1) for r in reasons]
@@ -531,6 +578,7 @@ def plan_auto_multi(p: Point, hw: Hardware, gpus_per_node: int, nodes: int, data
     check_topology(hw, gpus_per_node, nodes, p.backend)  # a bad shape is the user's error, named, not a misfit
     path = rule_or(data_path, lambda: path_for(node_profile(hw, gpus_per_node), gpus_per_node)[0])
     shareable = gpus_per_node == 1 or path == NODE  # nodes share one store on the node path (or one GPU each)
+    shareable = shareable and not p.engine.speculation_set  # ... which refuses speculative_step=True
     order = [1] if nodes == 1 or not shareable else [1, nodes]
     for store_nodes in order:
         seen.clear()

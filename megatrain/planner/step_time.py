@@ -5,6 +5,7 @@ DeepSpeed ZeRO-3 / ZeRO-2 offload from its mechanisms (zero3_model.py); plain Py
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..costs import residency as kept
@@ -221,11 +222,14 @@ def layer_costs(p: Point, hw: Hardware, offload: bool, own_reducer: bool = True,
 
 def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: float | None = None,
                    own_reducer: bool = True, residency: kept.Residency | None = None,
-                   node: NodeShare | None = None) -> Time:
+                   node: NodeShare | None = None, speculated: int | None = None, owner_stride: int = 1) -> Time:
     """`owned_layers`: decoder layers whose optimizer update this process runs (all of them by default;
     a data-parallel rank of a node whose optimizer is sharded by layer runs its share, planner/multi.py; on the
     node path 1/G of every layer: L/G); `own_reducer`, `node`: as layer_costs; `residency`: the batch's placement
-    (the memory plan's), as simulate_step."""
+    (the memory plan's), as simulate_step. `speculated`: the first host-updated layers the speculative step takes,
+    counted for the node (planner/multi.py node_speculation; None: as one process sizes them, speculative_layers);
+    with several ranks each speculates its part of them: on the node path its 1/G ranges of each, on the per-rank
+    path (`owner_stride` G: layer i is rank i % G's, this rank 0, the one with the most) the ones it owns."""
     m, c, T, L, g = p.model, p.c, p.tokens, p.model.num_layers, p.grad_accum
     own = L if owned_layers is None else owned_layers
     PL = m.layer_params()
@@ -257,7 +261,14 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: float | 
     gb = 2 if _is_bf16(p.host_grad_dtype) else 4
     per_param = _optimizer_bytes_per_param(mb, gb, shadow, p.grad_clip)
     overlap = overlap_on(p, hw)
-    n_spec = min(own, speculative_layers(p, hw, K, offload, sim.residency.offload * graph_bytes(p)))  # the first host-updated layers, forward order
+    if speculated is None:  # the first host-updated layers, forward order
+        speculated = speculative_layers(p, hw, K, offload, sim.residency.offload * graph_bytes(p))
+    # this rank's share of the speculation's queue (speculative_wait): `part` of each of `lanes` layers, every
+    # `stride`-th layer's landing and forward (one process: its own layers, whole, one after another)
+    stride = max(1, owner_stride) if node is None else 1
+    part = 1 / node.gpus if node is not None else 1.0
+    lanes = own if node is None and stride == 1 else (L - K if node is not None else math.ceil((L - K) / stride))
+    n_spec = min(lanes, math.ceil(speculated / stride))
     speculative = n_spec > 0
     spec_idle = 0.0  # of opt_added: the speculated updates' tail past backward (the rest: the layers not speculated)
     copy_s = 0.0  # the speculative step's rollback copies, on the optimizer's thread
@@ -280,10 +291,12 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: float | 
         # and written once more: u_s per layer), the rest at step() (speculative_wait).
         # A step whose clip scales is restored and redone (not modelled: the clip is taken not to scale).
         rb = 2 * rollback_bytes_per_param(HostMaster(p.master), p.c == 2)
-        u, u_s = PL * per_param / rate, PL * (per_param + rb) / rate
-        added, spec_idle, done = speculative_wait(u, u_s, bwd_s / g / L, fwd_s / g / L, L, K, n_spec, own, overlap)
+        u, u_s = part * PL * per_param / rate, part * PL * (per_param + rb) / rate
+        Ls = L if stride == 1 else lanes
+        added, spec_idle, done = speculative_wait(u, u_s, stride * bwd_s / g / L, stride * fwd_s / g / L, Ls, K,
+                                                  n_spec, lanes, overlap)
         opt_added = opt_globals + added
-        copy_s = done * PL * rb / rate
+        copy_s = done * part * PL * rb / rate
     elif overlap:
         # As EngineConfig(optimizer_overlap=True) runs it (engine/update/optim.py): the globals update in step(),
         # the layers on a host thread in forward order while the next forward runs, each layer's forward
@@ -323,7 +336,7 @@ def megatrain_time(p: Point, hw: Hardware, offload: bool, owned_layers: float | 
     if costs.cuda:
         busy["host reducer"] = g * (L - K) * costs.reduce  # an optimizer-resident layer's adds are the device's
         busy["host serial (resident update + rounding)"] = serial.total_s
-    every = speculative and n_spec == own  # no layer left to the step's queue but those the verdict overtook
+    every = speculative and n_spec == lanes  # no layer left to the step's queue but those the verdict overtook
     layers_cause = IDLE_LAYERS_SPECULATIVE if every else IDLE_LAYERS if overlap else IDLE_LAYERS_AFTER
     idle = _megatrain_idle(sim, drain, opt_added - device_opt, opt_globals, layers_cause,
                            serial.resident_round_s, io.up_s)

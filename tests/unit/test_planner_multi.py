@@ -7,6 +7,8 @@ import json
 import pytest
 from plan_cli import main  # --details: the tables these tests read
 
+from megatrain.costs.modes import HostMaster, rollback_bytes_per_param
+from megatrain.costs.rollback import layers_that_fit, rollback_budget
 from megatrain.models.presets import get_preset
 from megatrain.planner import get_hardware, plan, preflight
 from megatrain.planner import multi as multi_mod
@@ -35,18 +37,25 @@ def _expected_node_bytes(n: int, m: int) -> int:
     """Host bytes of one node, from the preset's parameter counts and the profile's numbers alone: the
     layers' state once (fp32 master 4 + fp32 grad 4 + Adam 8 + bf16 shadow 2 B/param), the profile's
     reserve once, and everything else of the one-GPU plan once per rank, plus per rank a further
-    process's runtime and, in a job of more than one rank, an FP32 transit buffer of two layers."""
+    process's runtime and, in a job of more than one rank, an FP32 transit buffer of two layers; then the
+    speculative step's rollback copies once per node, of as many layers as fit what that leaves
+    (costs/rollback.py's rule; one GPU: its own plan's)."""
     mdl, hw = get_preset(MODEL), get_hardware(H200)
     L, PL = mdl.num_layers, mdl.layer_params()
-    # the one-GPU plan as the engine runs it with this many ranks: no speculative step (its "auto" is off with ranks)
     one = plan(MODEL, **POINT, speculative_step=None if n * m == 1 else False).memory.host_total
+    if n * m == 1:
+        return one
     layer_state = L * PL * (4 + 4 + 8 + 2)
     reserve = int(hw.host_reserved_gib * GIB)
-    transit = 2 * PL * 4 if n * m > 1 else 0
+    transit = 2 * PL * 4
     per_rank = one - layer_state - reserve + int(hw.rank_runtime_gib * GIB) + transit
     # the one-GPU plan's own rank part holds at least the resident parameters' FP32 state (16 B/param)
     assert per_rank >= 16 * (mdl.param_count() - L * PL)
-    return one + transit + (n - 1) * per_rank
+    held = one + transit + (n - 1) * per_rank
+    per_param = rollback_bytes_per_param(HostMaster.FP32, True)
+    count = layers_that_fit(mdl.layer_sizes(), per_param, rollback_budget(hw.host_bytes - held))
+    assert count > 0
+    return held + per_param * sum(mdl.layer_sizes()[:count])
 
 
 def _check_node_bytes(fn=plan_multi) -> None:
@@ -170,7 +179,7 @@ def test_shared_host_slows_each_gpu_and_efficiency_stays_below_one():
 
 def test_fit_verdict_is_per_node():
     # 7B fits a 1.5 TB node with one GPU; shrink the host to just above that and 8 GPUs no longer fit (no speculative
-    # step on either side: one GPU's "auto" would add its rollback copy, which several ranks do not keep)
+    # step on either side: its "auto" takes only the room left, so it would never make a point not fit)
     point = {**POINT, "speculative_step": False}
     one = plan_multi(MODEL, **point)
     tight = (one.host_node_bytes + 2**30) / GIB
@@ -209,7 +218,7 @@ def test_every_host_mode_counts_the_layers_once_per_node():
     modes = dict(master="hilo", optimizer_in_backward=True, grad_clip=False)
     one, two = (plan_multi(MODEL, gpus_per_node=n, **POINT, **modes).host_node_bytes for n in (1, 2))
     assert two - one < LP * 12 / 3  # a replicated store would add LP x 12 B (hi + lo + Adam m, v)
-    # (no speculative step: one GPU's "auto" keeps a rollback copy that two ranks do not)
+    # (no speculative step: its "auto" copies as many layers as fit the room each node leaves, more on one GPU's)
     fp32_one, fp32_two = (plan_multi(MODEL, gpus_per_node=n, **POINT, speculative_step=False).host_node_bytes
                           for n in (1, 2))
     point = {k: v for k, v in POINT.items() if k != "hardware"}
