@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -70,9 +71,15 @@ def _gaps(ref: dict, got: dict) -> dict[str, float]:
             "params": max((ref["state"][k] - v).abs().max().item() for k, v in got["state"].items())}
 
 
+@pytest.fixture(scope="module")
+def lone(tmp_path_factory) -> dict:
+    """The one-process reference runs, once for the module: the refusal test reads its whole store's bytes from
+    them too (the store at step 0 is the same whatever the number of steps), a process less."""
+    return _lone(tmp_path_factory.mktemp("lone"), ARGS, runs=("plain", "bf16", "hilo", "bf16m"))
+
+
 @pytest.mark.slow
-def test_two_nodes_share_one_store_under_a_budget_and_train_as_one_process(tmp_path):
-    lone = _lone(tmp_path, ARGS, runs=("plain", "bf16", "hilo", "bf16m"))
+def test_two_nodes_share_one_store_under_a_budget_and_train_as_one_process(tmp_path, lone):
     ref = lone["plain"]
     assert "refused" not in ref, ref
     whole = ref["stats"][0]["host_store_bytes"]
@@ -173,11 +180,14 @@ def test_two_nodes_share_one_store_under_a_budget_and_train_as_one_process(tmp_p
 
 
 @pytest.mark.slow
-def test_a_budget_below_one_nodes_share_is_refused_by_name(tmp_path):
-    ref = _lone(tmp_path, {**ARGS, "steps": 1})
-    whole = ref["stats"][0]["host_store_bytes"]
+def test_a_budget_below_one_nodes_share_is_refused_by_name(tmp_path, lone):
+    whole = lone["plain"]["stats"][0]["host_store_bytes"]
     budget = int(0.3 * whole)  # half the layers plus the resident parameters do not fit
-    ranks = _two_nodes(tmp_path, {**ARGS, "steps": 1, "budget": budget}, "refused")
+    # The lone process's refusal (below) runs beside the two nodes' launch: it reads nothing they write.
+    with ThreadPoolExecutor(1) as pool:
+        lone_refused = pool.submit(_lone, tmp_path, {**ARGS, "steps": 1}, budget)
+        ranks = _two_nodes(tmp_path, {**ARGS, "steps": 1, "budget": budget}, "refused")
+        alone = lone_refused.result()
     for r, res in enumerate(ranks):
         msg = res["plain"].get("refused", "")
         assert f"host_budget_bytes is {budget:,} bytes" in msg, (r, res)
@@ -185,7 +195,6 @@ def test_a_budget_below_one_nodes_share_is_refused_by_name(tmp_path):
         more = re.search(r"(\d+) nodes' shares would fit", msg)  # the fewest that would, one layer each at most here
         assert more is not None and 2 < int(more.group(1)) <= ARGS["layers"], msg
     # a lone process has no nodes to share with: the budget it cannot honour without nvme_path is refused too
-    alone = _lone(tmp_path, {**ARGS, "steps": 1}, budget)
     assert "set nvme_path" in alone.get("refused", ""), alone
 
 
