@@ -246,6 +246,15 @@ def finish(proc: subprocess.Popen, *, timeout: float = 600, log: str | Path | No
 
 
 
+def parity_gaps(ref: dict, got: dict) -> dict[str, float]:
+    """The largest differences of a data-parallel run `got` from the one-process reference `ref` (each a worker's
+    results: "losses", "norms", "state"): losses, relative pre-clip norms, and the weights `got` holds (a rank of
+    nodes sharing one store holds its own layers and the resident parameters)."""
+    return {"losses": max(abs(a - b) for a, b in zip(ref["losses"], got["losses"], strict=True)),
+            "norms": max(abs(a - b) / a for a, b in zip(ref["norms"], got["norms"], strict=True)),
+            "params": max((ref["state"][k] - v).abs().max().item() for k, v in got["state"].items())}
+
+
 def ranks_beside_one_process(worker: str | Path, tmp_path: Path, args: dict, runs: list[str],
                              deadline_s: float = 600) -> tuple[dict, list[dict]]:
     """`args["world"]` ranks of `worker` under torchrun (its runs `runs`, each rank writing rank{r}.pt under

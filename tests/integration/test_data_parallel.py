@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from examples_module import load_example
-from kit import finish, free_port, start_python, worker_env
+from kit import finish, free_port, parity_gaps, start_python, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_data_parallel.py"
@@ -75,15 +75,6 @@ class Ranks:
         return self.logs[r].read_text()
 
 
-def _gaps(ref: dict, got: dict) -> dict[str, float]:
-    """Largest differences between a data-parallel run and the one-process reference."""
-    return {
-        "losses": max(abs(a - b) for a, b in zip(ref["losses"], got["losses"], strict=True)),
-        "norms": max(abs(a - b) / a for a, b in zip(ref["norms"], got["norms"], strict=True)),
-        "params": max((ref["state"][k] - got["state"][k]).abs().max().item() for k in ref["state"]),
-    }
-
-
 def _references(world: int, micro: int, faces: list[str]) -> dict[str, dict]:
     """Each face's one-process run with micro-batch world * micro (every_sync's is the accelerator face's), each
     trained once."""
@@ -112,7 +103,7 @@ def _check_parity(results: list[dict], world: int, micro: int, faces: list[str],
     for face in faces:
         ref = refs[face]
         assert len(ref["norms"]) == 3 and min(ref["norms"]) > 2 * example.CLIP  # clipping really acts
-        gaps = _gaps(ref, results[0][face])
+        gaps = parity_gaps(ref, results[0][face])
         assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (face, world, gaps)
         for r in range(1, world):  # every rank ends with the very same weights
             other = results[r][face]["state"]
@@ -132,7 +123,7 @@ def test_torchrun_two_ranks_match_one_process(tmp_path):
     _check_parity(results, 2, 2, ["deepspeed", "accelerator"], refs)
     resumed = example.train("deepspeed", 4, 1, 0, steps=5, resume_from=ckpt)
     assert len(resumed["losses"]) == 4  # steps 4 and 5, two micro-batches each
-    gaps = _gaps({**whole, "losses": whole["losses"][6:], "norms": whole["norms"][3:]}, resumed)
+    gaps = parity_gaps({**whole, "losses": whole["losses"][6:], "norms": whole["norms"][3:]}, resumed)
     assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, gaps
 
 
@@ -154,17 +145,17 @@ def test_three_ranks_match_one_process_and_negative_control(tmp_path):
     assert all(res["update_tokens"] == 2 * 3 for res in results), [res["update_tokens"] for res in results]
     _check_parity(results, 3, 1, ["deepspeed", "accelerator", "every_sync"], refs)
     ref = refs["deepspeed"]  # the one-process run at micro-batch 3, as above
-    gaps = _gaps(ref, results[0]["control"])
+    gaps = parity_gaps(ref, results[0]["control"])
     assert gaps["params"] > 100 * TOL and gaps["norms"] > 100 * TOL, gaps
     # Owners slower than the others' next forward: still exact, as the layer-update tokens hold the loads back;
     # without the tokens some rank trains on a layer its owner has not written yet.
     for r in range(3):
-        gaps = _gaps(ref, results[r]["slow_updates"])
+        gaps = parity_gaps(ref, results[r]["slow_updates"])
         assert max(gaps.values()) <= TOL, (r, gaps)
     # What the control catches is a rank reading a layer its owner has not written yet: one missed Adam update,
     # about lr (1e-3) per weight. 10 x TOL: ten times below that signal, hundreds of times above the parity gaps
     # (~3e-7); at 100 x TOL the threshold sat on the signal itself (measured 1.0033e-3).
-    assert max(max(_gaps(ref, results[r]["slow_no_tokens"]).values()) for r in range(3)) > 10 * TOL
+    assert max(max(parity_gaps(ref, results[r]["slow_no_tokens"]).values()) for r in range(3)) > 10 * TOL
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kit import ROOT, bits, ranks_beside_one_process
+from kit import ROOT, bits, parity_gaps, ranks_beside_one_process
 
 from megatrain.costs.shards import ShardMap
 
@@ -25,14 +25,6 @@ RUNS = ["node", f"node:chunk{CHUNK}", "node:overlap", "per_rank", "node:skip_gat
         "node:whole_update", "node:bf16",
         "per_rank:bf16", "node:noclip", "per_rank:noclip", "auto:adamw", "auto", "auto:cpu", "node:bf16slab",
         "per_rank:bf16slab"]
-
-
-def _gaps(ref: dict, got: dict) -> dict[str, float]:
-    return {
-        "losses": max(abs(a - b) for a, b in zip(ref["losses"], got["losses"], strict=True)),
-        "norms": max(abs(a - b) / a for a, b in zip(ref["norms"], got["norms"], strict=True)),
-        "params": max((ref["state"][k] - got["state"][k]).abs().max().item() for k in ref["state"]),
-    }
 
 
 def _layer_numel(state: dict) -> int:
@@ -60,7 +52,7 @@ def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(tmp_path):
                           ("node:overlap", ShardMap.of(numel, 2))):
             node = res[run]
             assert node["data_path"].startswith("node:") and "reduce-scattered" in node["data_path"], node["data_path"]
-            gaps = _gaps(ref, node)
+            gaps = parity_gaps(ref, node)
             assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, run, gaps)
             assert all(torch.equal(ranks[0][run]["state"][k], node["state"][k]) for k in node["state"]), (r, run)
             owned = sum(b - a for a, b in smap.owned(r))
@@ -86,7 +78,7 @@ def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(tmp_path):
         assert res[a]["losses"] == res[b]["losses"], r
         assert all(torch.equal(bits(res[a]["state"][k]), bits(res[b]["state"][k])) for k in res[a]["state"]), r
         for a, b in (("node", "per_rank"), ("node:bf16", "per_rank:bf16")):
-            gaps = _gaps(res[b], res[a])
+            gaps = parity_gaps(res[b], res[a])
             assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, a, gaps)
         # bf16 gradient slabs (bf16 compute, one micro-batch per step, where such a slab is exact): the shard crosses
         # the link as the bf16 mean, rounded on the device as the host would round it into the slab, so the d2h
@@ -105,7 +97,7 @@ def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(tmp_path):
         auto = res["auto:adamw"]
         assert auto["data_path"].startswith("node:") and "'auto'" in auto["data_path"], auto["data_path"]
         assert "updating its 1/2 of every layer" in auto["data_path"], auto["data_path"]
-        gaps = _gaps(ref, auto)
+        gaps = parity_gaps(ref, auto)
         assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, gaps)
         _check_update_split(auto, ShardMap.of(numel, 2), r, ARGS["layers"], 0.6)
         assert res["auto"]["data_path"].startswith("per_rank:") and "factory" in res["auto"]["data_path"], r
@@ -115,7 +107,7 @@ def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(tmp_path):
         # the update's count is the elements it wrote: a rank updating whole layers counts all of them
         assert all(st["updated_elements"] == ARGS["layers"] * numel for st in res["node:whole_update"]["stats"]), r
         for control in ("node:skip_gather", "node:skip_scatter", "node:whole_update"):
-            gaps = _gaps(ref, res[control])
+            gaps = parity_gaps(ref, res[control])
             # "not <=": a NaN is off too (with the gather skipped a slot's other half is whatever it held before,
             # at times an uninitialised buffer's NaN)
             assert all(not gaps[k] <= 100 * TOL for k in ("params", "norms")), (r, control, gaps)
@@ -131,7 +123,7 @@ def test_four_ranks_node_path_match_one_process_at_a_quarter_of_the_link_bytes(t
     smap = ShardMap.of(numel, 4)
     for r, res in enumerate(ranks):
         node = res["node"]
-        gaps = _gaps(ref, node)
+        gaps = parity_gaps(ref, node)
         assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, gaps)
         assert all(torch.equal(ranks[0]["node"]["state"][k], node["state"][k]) for k in node["state"]), r
         _check_update_split(node, smap, r, args["layers"], 0.35)

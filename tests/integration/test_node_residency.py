@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kit import ROOT, bits, ranks_beside_one_process
+from kit import ROOT, bits, parity_gaps, ranks_beside_one_process
 
 from megatrain.costs.shards import ShardMap
 
@@ -22,14 +22,6 @@ ACCUM, RING = 2, 2  # node_path_worker.train's accumulation; EngineConfig.num_bu
 ARGS = {"micro": 2, "world": 2, "steps": 3, "layers": 4}
 RUNS = ["node", "node:k2", "node:k4", "node:k2:g1", "node:k2:g1:eval", "node:k2:stale", "node:bf16",
         "node:k2:bf16"]
-
-
-def _gaps(ref: dict, got: dict) -> dict[str, float]:
-    return {
-        "losses": max(abs(a - b) for a, b in zip(ref["losses"], got["losses"], strict=True)),
-        "norms": max(abs(a - b) / a for a, b in zip(ref["norms"], got["norms"], strict=True)),
-        "params": max((ref["state"][k] - got["state"][k]).abs().max().item() for k in ref["state"]),
-    }
 
 
 def _same_bits(a: dict, b: dict) -> bool:
@@ -65,7 +57,7 @@ def _check_kept(ref: dict, res: dict, run: str, kept: int, rank: int, world: int
     bytes 1/G of a layer's (padded to the shard map's equal pieces)."""
     got, stream = res[run], res[baseline]
     assert got["data_path"].startswith("node:"), got["data_path"]
-    assert _same_bits(got, stream), (rank, run, _gaps(stream, got))
+    assert _same_bits(got, stream), (rank, run, parity_gaps(stream, got))
     smap = ShardMap.of(numel, world)
     owned = sum(b - a for a, b in smap.owned(rank)) * itemsize
     layers = ARGS["layers"]
@@ -87,7 +79,7 @@ def test_two_ranks_keep_layers_sharded_exactly_for_half_a_refresh_each(tmp_path)
     numel = _layer_numel(ref["state"])
     for r, res in enumerate(ranks):
         for run in ("node", "node:k2", "node:k4", "node:k2:g1"):
-            gaps = _gaps(ref, res[run])
+            gaps = parity_gaps(ref, res[run])
             assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, run, gaps)
             assert _same_bits(res[run], ranks[0][run]), (r, run)  # every rank ends on the same weights
         _check_kept(ref, res, "node:k2", 2, r, 2, numel, 4)
@@ -95,16 +87,16 @@ def test_two_ranks_keep_layers_sharded_exactly_for_half_a_refresh_each(tmp_path)
         _check_kept(ref, res, "node:k2:bf16", 2, r, 2, numel, 2, baseline="node:bf16")
         # a kept graph holds its layer's gathered weights until backward: that layer stays whole, the next sharded
         g1 = res["node:k2:g1"]
-        assert _same_bits(g1, res["node"]), (r, _gaps(res["node"], g1))
+        assert _same_bits(g1, res["node"]), (r, parity_gaps(res["node"], g1))
         assert all(st["sharded_weight_layers"] == 1 and st["kept_graph_layers"] == 1 for st in g1["stats"]), r
         # a no-grad forward between each training forward and its backward plans the kept weights without graphs:
         # the whole layer stays whole (its graph reads its slot in that backward), and training is the same bits
-        assert _same_bits(res["node:k2:g1:eval"], g1), (r, _gaps(g1, res["node:k2:g1:eval"]))
+        assert _same_bits(res["node:k2:g1:eval"], g1), (r, parity_gaps(g1, res["node:k2:g1:eval"]))
         # the control: each shard refreshed once, never after an update, so the kept layers compute with the weights
         # they started from; the first step is the same, every later one is off by far more than the tolerance
         stale = res["node:k2:stale"]
         assert stale["losses"][:ACCUM] == res["node:k2"]["losses"][:ACCUM], r
-        gaps = _gaps(ref, stale)
+        gaps = parity_gaps(ref, stale)
         assert not gaps["params"] <= 100 * TOL and not gaps["losses"] <= TOL, (r, gaps)
 
 
@@ -116,6 +108,6 @@ def test_four_ranks_keep_a_quarter_of_each_kept_layer(tmp_path):
     ref, ranks = ranks_beside_one_process(WORKER, tmp_path, args, ["node", "node:k2"], DEADLINE_S)
     numel = _layer_numel(ref["state"])
     for r, res in enumerate(ranks):
-        gaps = _gaps(ref, res["node:k2"])
+        gaps = parity_gaps(ref, res["node:k2"])
         assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, gaps)
         _check_kept(ref, res, "node:k2", 2, r, 4, numel, 4)

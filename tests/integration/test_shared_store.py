@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from kit import ROOT, finish, free_port, run_python, start_python, worker_env
+from kit import ROOT, finish, free_port, parity_gaps, run_python, start_python, worker_env
 
 from megatrain.engine.parallel.shared_store import layer_ranges
 
@@ -61,14 +61,6 @@ def _two_nodes(tmp_path, args: dict, name: str) -> list[dict]:
             if proc.poll() is None:
                 proc.kill()
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
-
-
-def _gaps(ref: dict, got: dict) -> dict[str, float]:
-    """The largest differences from the reference: losses, relative pre-clip norms, and the weights this rank holds
-    (its own layers and the resident parameters)."""
-    return {"losses": max(abs(a - b) for a, b in zip(ref["losses"], got["losses"], strict=True)),
-            "norms": max(abs(a - b) / a for a, b in zip(ref["norms"], got["norms"], strict=True)),
-            "params": max((ref["state"][k] - v).abs().max().item() for k, v in got["state"].items())}
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +105,7 @@ def test_two_nodes_share_one_store_under_a_budget_and_train_as_one_process(tmp_p
             # its own layers and the replicated resident parameters, never the other node's layers
             assert set(res["state"]) < set(ref["state"])
             assert not any(f".layers.{i}." in k for k in res["state"] for i in owned[1 - r])
-            gaps = _gaps(ref, res)
+            gaps = parity_gaps(ref, res)
             assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, run, gaps)
             for step in res["stats"]:
                 assert step["host_store_bytes"] <= 0.6 * whole, (r, run, step["host_store_bytes"], whole)
@@ -158,7 +150,7 @@ def test_two_nodes_share_one_store_under_a_budget_and_train_as_one_process(tmp_p
         # The negative controls: without the owner's broadcast a node computes on whatever its ring slot held; without
         # the reduce an owner updates from its own gradient alone. Either breaks the parity by far more than TOL.
         for run in ("skip_broadcast", "skip_reduce"):
-            gaps = _gaps(ref, results[run])
+            gaps = parity_gaps(ref, results[run])
             assert all(not gaps[k] <= 100 * TOL for k in ("params", "norms")), (r, run, gaps)
     # A rank alone at a collective call is refused at its join, naming itself and what to do, well before the
     # watchdog (0.9 x 120 s, when the broadcast no owner sends gave up, as it did before the join)
