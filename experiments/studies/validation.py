@@ -303,7 +303,7 @@ def validate(model: str = "small-7m", context: int = 128, gbps: list[float | Non
                 fit_runs.append(fit_periods_in_child(preset, overhead_tokens(context), threads))
         if r == (repeats - 1) // 2:
             # GEMM, copy and optimizer rates mid-run, between the passes, next to the compute-bound points.
-            prof = bench_cpu(quick=quick_bench, threads=threads, engine_fit=False)
+            prof = bench_cpu(quick=quick_bench, threads=threads, engine_fit=False, bf16=False)  # plans FP32
             hw_gemm = get_hardware(prof)
             profile = (prof, hw_gemm, *layer_profile(preset, context, hw_gemm, threads, quick_bench))
     measured = [(g, pool_runs(runs[i])) for i, g in enumerate(gbps)]

@@ -159,9 +159,11 @@ def _entry(value: float, source: str, digits: int = 3) -> dict[str, Any]:
 
 
 def bench_cpu(quick: bool = False, min_time: float | None = None, threads: int | None = None,
-              engine_fit: bool = True) -> dict[str, Any]:
+              engine_fit: bool = True, bf16: bool = True) -> dict[str, Any]:
     """Measure this CPU as a planner profile ('cpu': the device is this host, memory unified).
     engine_fit: also measure the engine's own per-layer rate and fixed costs (with_engine_overhead).
+    bf16: time bf16 GEMMs at every engine shape; False: at the first only (as quick does), for a caller that plans
+    FP32 alone (most of a full bench's time on a CPU without bf16 units), the profile's source says so.
 
     Returns a dict in hardware.yaml's profile schema (plus 'name' and 'raw'), ready for
     `get_hardware(...)` or to paste under `profiles:`.
@@ -172,18 +174,18 @@ def bench_cpu(quick: bool = False, min_time: float | None = None, threads: int |
     if threads:
         torch.set_num_threads(threads)
     try:
-        prof = _bench_cpu(torch, quick, min_time)
+        prof = _bench_cpu(torch, quick, min_time, bf16)
         return with_engine_overhead(prof, quick=quick) if engine_fit else prof
     finally:
         torch.set_num_threads(before)
 
 
-def _bench_cpu(torch, quick: bool, min_time: float | None) -> dict[str, Any]:
+def _bench_cpu(torch, quick: bool, min_time: float | None, all_bf16: bool = True) -> dict[str, Any]:
     min_time = min_time if min_time is not None else (0.01 if quick else 0.5)
     nthreads = torch.get_num_threads()
     shapes = QUICK_SHAPES if quick else ENGINE_SHAPES
     fp32 = _matmul_rates(torch, torch.float32, "cpu", shapes, min_time)
-    bf16 = _matmul_rates(torch, torch.bfloat16, "cpu", shapes[:1] if quick else shapes, min_time)
+    bf16 = _matmul_rates(torch, torch.bfloat16, "cpu", shapes if all_bf16 and not quick else shapes[:1], min_time)
     nbytes = (8 if quick else 256) * 1024**2
     host_bw = _copy_bw(torch, nbytes, min_time)
     link = _thread_link_bw(torch, nbytes, min_time)
@@ -193,7 +195,8 @@ def _bench_cpu(torch, quick: bool, min_time: float | None) -> dict[str, Any]:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     src = (f"measured by megatrain bench on {platform.node() or 'this host'} ({_cpu_name()}, "
-           f"{nthreads} threads, torch {torch.__version__}, load {load:.1f}{', quick' if quick else ''}) {when}")
+           f"{nthreads} threads, torch {torch.__version__}, load {load:.1f}{', quick' if quick else ''}"
+           f"{', bf16 at one shape' if not all_bf16 and not quick else ''}) {when}")
 
     def peak_and_sustained(rates: list[tuple[float, float]]) -> tuple[float, float]:
         peak = max(best for best, _ in rates)
