@@ -246,6 +246,11 @@ def finish(proc: subprocess.Popen, *, timeout: float = 600, log: str | Path | No
 
 
 
+def layer_numel(state: dict) -> int:
+    """Elements of the first decoder layer in a worker's state dict (every layer of the test models is as big)."""
+    return sum(v.numel() for k, v in state.items() if ".layers.0." in k)
+
+
 def parity_gaps(ref: dict, got: dict) -> dict[str, float]:
     """The largest differences of a data-parallel run `got` from the one-process reference `ref` (each a worker's
     results: "losses", "norms", "state"): losses, relative pre-clip norms, and the weights `got` holds (a rank of

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kit import ROOT, bits, parity_gaps, ranks_beside_one_process
+from kit import ROOT, bits, layer_numel, parity_gaps, ranks_beside_one_process
 
 from megatrain.costs.shards import ShardMap
 
@@ -25,10 +25,6 @@ RUNS = ["node", f"node:chunk{CHUNK}", "node:overlap", "per_rank", "node:skip_gat
         "node:whole_update", "node:bf16",
         "per_rank:bf16", "node:noclip", "per_rank:noclip", "auto:adamw", "auto", "auto:cpu", "node:bf16slab",
         "per_rank:bf16slab"]
-
-
-def _layer_numel(state: dict) -> int:
-    return sum(v.numel() for k, v in state.items() if ".layers.0." in k)
 
 
 def _check_update_split(node: dict, smap: ShardMap, rank: int, layers: int, share: float) -> None:
@@ -45,7 +41,7 @@ def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(tmp_path):
     ref, ranks = ranks_beside_one_process(WORKER, tmp_path, ARGS, RUNS, DEADLINE_S)
     assert min(ref["norms"]) > 2 * 0.05  # clipping (to 0.05, the worker's CLIP) acts at every step
 
-    numel = _layer_numel(ref["state"])
+    numel = layer_numel(ref["state"])
     for r, res in enumerate(ranks):
         assert res["per_rank"]["data_path"].startswith("per_rank:"), res["per_rank"]["data_path"]
         for run, smap in (("node", ShardMap.of(numel, 2)), (f"node:chunk{CHUNK}", ShardMap.of(numel, 2, CHUNK)),
@@ -119,7 +115,7 @@ def test_four_ranks_node_path_match_one_process_at_a_quarter_of_the_link_bytes(t
     quarter of every layer each way (<= 0.35x a lone rank's bytes), and the losses, norms and weights match."""
     args = {**ARGS, "micro": 1, "world": 4}
     ref, ranks = ranks_beside_one_process(WORKER, tmp_path, args, ["node"], DEADLINE_S)
-    numel = _layer_numel(ref["state"])
+    numel = layer_numel(ref["state"])
     smap = ShardMap.of(numel, 4)
     for r, res in enumerate(ranks):
         node = res["node"]

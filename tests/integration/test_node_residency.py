@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kit import ROOT, bits, parity_gaps, ranks_beside_one_process
+from kit import ROOT, bits, layer_numel, parity_gaps, ranks_beside_one_process
 
 from megatrain.costs.shards import ShardMap
 
@@ -27,10 +27,6 @@ RUNS = ["node", "node:k2", "node:k4", "node:k2:g1", "node:k2:g1:eval", "node:k2:
 def _same_bits(a: dict, b: dict) -> bool:
     return a["losses"] == b["losses"] and a["norms"] == b["norms"] and all(
         torch.equal(bits(a["state"][k]), bits(b["state"][k])) for k in a["state"])
-
-
-def _layer_numel(state: dict) -> int:
-    return sum(v.numel() for k, v in state.items() if ".layers.0." in k)
 
 
 def streamed_loads(layer: int, layers: int, accum: int = ACCUM, ring: int = RING) -> int:
@@ -76,7 +72,7 @@ def _check_kept(ref: dict, res: dict, run: str, kept: int, rank: int, world: int
 def test_two_ranks_keep_layers_sharded_exactly_for_half_a_refresh_each(tmp_path):
     ref, ranks = ranks_beside_one_process(WORKER, tmp_path, ARGS, RUNS, DEADLINE_S)
     assert min(ref["norms"]) > 2 * 0.05  # clipping (to 0.05, the worker's CLIP) acts at every step
-    numel = _layer_numel(ref["state"])
+    numel = layer_numel(ref["state"])
     for r, res in enumerate(ranks):
         for run in ("node", "node:k2", "node:k4", "node:k2:g1"):
             gaps = parity_gaps(ref, res[run])
@@ -106,7 +102,7 @@ def test_four_ranks_keep_a_quarter_of_each_kept_layer(tmp_path):
     kept sharded: a quarter of each kept layer per rank, the all-streamed run's bits, the predicted h2d bytes."""
     args = {**ARGS, "micro": 1, "world": 4}
     ref, ranks = ranks_beside_one_process(WORKER, tmp_path, args, ["node", "node:k2"], DEADLINE_S)
-    numel = _layer_numel(ref["state"])
+    numel = layer_numel(ref["state"])
     for r, res in enumerate(ranks):
         gaps = parity_gaps(ref, res["node:k2"])
         assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, gaps)
