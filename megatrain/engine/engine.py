@@ -206,9 +206,8 @@ class Engine:
             self.memory.hold(lambda: resident_state(self.store, self.optimizer_layers, self.globals_on_device, opt))
         self.pipeline = LayerPipeline(self.store, self.templates, self.streams, self.trace_log, config.num_buffers,
                                       self.compute_dtype, self.device, _has_dropout(self.hf_config), self.events,
-                                      policy, self.ranks.sink(self.update.grad_sink))
-        self.pipeline.optimizer_layers = self.optimizer_layers
-        self.pipeline.trainable = self.trainable
+                                      policy, self.ranks.sink(self.update.grad_sink), self.optimizer_layers,
+                                      self.trainable)
         # which data path runs: the node path loads the streamed layers by shard and all-gather (node_path.py)
         self.data_path = shared_store.attach(self.pipeline, self.streams, self.dp, self.node, self.ranks, config)
         self._global_grads = GlobalGradSink(self.store, self.streams, self.pipeline, self.compute_dtype)
@@ -216,8 +215,6 @@ class Engine:
         # A plain CPU device keeps the loss tile's buffers (its allocator maps them afresh each time); not where it
         # stands in for a GPU's memory, whose caching allocator reuses them (loss.py TileBuffers).
         self._tile_buffers = TileBuffers() if self.pipeline.alias_kept and self.memory is None else None
-        # The pipeline's own reductions write every layer's slab: zero_grad() can leave zeroing to them.
-        self.events.slabs.overwrite = self.pipeline.grad_sink is None
 
         # Where a clip's scaling lands (at once, folded into the update, as a bf16 slab widens), and each step's clip.
         self.clipping = Clipping(self.store.grad_mode, self.update.folds_clip, self._all_grads, clip_every_step)

@@ -23,7 +23,8 @@ import pytest
 import torch
 from dp_resume_worker import snapshot
 from examples_module import load_example
-from test_data_parallel import TOL, Ranks, _gaps
+from kit import parity_gaps
+from test_data_parallel import TOL, Ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "workers" / "dp_resume_worker.py"
@@ -84,7 +85,7 @@ def _check_resumed(runs: dict[str, Any], face: str, per_rank: list[dict[str, Any
     got = per_rank[0][face]
     # The resumed run trains only the remaining micro-batches: it continued at global step SAVED_STEPS.
     assert len(got["losses"]) == (TOTAL_STEPS - SAVED_STEPS) * ACCUMULATION, (face, what, got["losses"])
-    gaps = _gaps(ref, got)
+    gaps = parity_gaps(ref, got)
     assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (face, what, gaps)
     for r, other in enumerate(per_rank[1:], start=1):  # and every rank ends with the very same weights
         assert all(torch.equal(got["state"][k], v) for k, v in other[face]["state"].items()), (face, what, r)
@@ -157,12 +158,12 @@ def test_resuming_without_the_optimizer_state_misses_by_far(runs: dict[str, Any]
     ref = _resumed_part(runs["whole"][face])
     resume = example.checkpoint_dir(ckpt, face)
     no_adam = example.train(face, GLOBAL_MICRO, 1, 0, steps=TOTAL_STEPS, resume_from=resume, leave_out="optimizer")
-    gaps = _gaps(ref, no_adam)
+    gaps = parity_gaps(ref, no_adam)
     assert gaps["params"] > 100 * TOL and gaps["norms"] > 100 * TOL and gaps["losses"] > 10 * TOL, (face, gaps)
     # The scheduler's LR reaches only the last update (the optimizer's groups carry the saved LR to the first).
     no_schedule = example.train(face, GLOBAL_MICRO, 1, 0, steps=TOTAL_STEPS, resume_from=resume,
                                 leave_out="scheduler")
-    assert _gaps(ref, no_schedule)["params"] > 10 * TOL, face
+    assert parity_gaps(ref, no_schedule)["params"] > 10 * TOL, face
 
 
 @pytest.mark.slow

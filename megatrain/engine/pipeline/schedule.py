@@ -93,11 +93,20 @@ class ShardedGrads(Protocol):
         `slab_after` too; the event after which the slab holds them."""
 
 
+class WhatTrains(Protocol):
+    """The user's flags by layer (engine/model/trainable.py Trainable)."""
+
+    def layer_trains(self, i: int) -> bool: ...
+
+    def layer_weights(self, i: int) -> dict[str, bool]: ...
+
+
 class LayerPipeline:
     def __init__(self, store: HostStore, templates: TemplateBank, streams: Streams, trace: Trace,
                  num_buffers: int, dtype: torch.dtype, device: torch.device, preserve_rng: bool,
                  events: LayerEvents, policy: LongContextPolicy | None = None,
-                 grad_sink: Callable[[int, torch.Tensor, Event], Event] | None = None) -> None:
+                 grad_sink: Callable[[int, torch.Tensor, Event], Event] | None = None,
+                 optimizer_layers: frozenset[int] = frozenset(), trainable: WhatTrains | None = None) -> None:
         self.store = store
         self.templates = templates
         self.streams = streams
@@ -140,12 +149,14 @@ class LayerPipeline:
         # A shared host store or the optimizer in backward: called as grad_sink(layer, staged gradients, event of
         # their staging) instead of adding into a slab; returns the event after which the staging may be reused.
         self.grad_sink = grad_sink
-        # Layers whose master, slab and Adam state live on the device (update/resident.py, set by the engine): their
-        # gradients are added into the device slab here, their kept weights are the device shadow itself.
-        self.optimizer_layers: frozenset[int] = frozenset()
-        # What trains (engine/model/trainable.py, set by the engine; None: everything): a frozen weight's leaf
-        # requires no gradient, and a layer none of whose weights train sends none.
-        self.trainable = None
+        # Without a sink the pipeline's own reductions write every layer's slab: zero_grad() can leave zeroing to them.
+        events.slabs.overwrite = grad_sink is None
+        # Layers whose master, slab and Adam state live on the device (update/resident.py): their gradients are
+        # added into the device slab here, their kept weights are the device shadow itself.
+        self.optimizer_layers = optimizer_layers
+        # What trains (engine/model/trainable.py; None: everything): a frozen weight's leaf requires no gradient,
+        # and a layer none of whose weights train sends none.
+        self.trainable = trainable
         self._rng: dict[int, tuple] = {}
         self.policy = policy
         self.tile: int | None = None  # MLP sequence tile of the current batch (None: untiled)
