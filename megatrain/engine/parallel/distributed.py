@@ -39,7 +39,7 @@ from typing import NamedTuple, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..host.node_store import NodeStore
+from ..host.node_store import NodeStore, SpanningNodeStore
 from ..host.store import FlatGroup, HostStore
 from ..runtime.stream import CopyStream, Event, Trace
 
@@ -225,10 +225,12 @@ class DataParallel:
                 raise DataParallelError(f"data parallel rank {self.rank}: rank {r} holds a model of another layout "
                                         f"(layers, group sizes {other} vs {mine}); every rank must build the same model")
 
-    def share_host_store(self) -> NodeStore:
-        """Join this node's shared host store (engine/host/node_store.py): collective over every rank."""
+    def share_host_store(self, ranges: list[tuple[int, int]] | None = None) -> NodeStore:
+        """Join this node's shared host store (engine/host/node_store.py): collective over every rank. `ranges`: each
+        node's block of layers where the nodes share one store (SpanningNodeStore: the node holds its block only)."""
         try:
-            self.node = NodeStore(self.rank, self.group, self.timeout, self.watchdog_s)
+            self.node = (NodeStore(self.rank, self.group, self.timeout, self.watchdog_s) if ranges is None else
+                         SpanningNodeStore(self.rank, self.group, self.timeout, self.watchdog_s, ranges))
         except (RuntimeError, ValueError) as exc:
             raise self.fail("setting up the node's shared host store", exc) from exc
         return self.node
@@ -240,7 +242,7 @@ class DataParallel:
         first ranks of the other nodes take rank 0's; the resident parameters go to every rank."""
         node = self.node
         try:
-            if getattr(node, "shares_across_nodes", False):
+            if getattr(node, "shares_across_nodes", False) or getattr(node, "spans_nodes", False):
                 groups = [store.globals]  # each layer is its owner's alone: nothing of it to keep alike
             elif node is None:
                 groups = store.groups()
