@@ -81,7 +81,10 @@ def test_two_nodes_of_two_ranks_share_one_store_and_train_as_one_process(tmp_pat
     budgets = {"plain": int(BUDGET * whole["plain"]), "bf16": int(BUDGET * whole["bf16"]),
                "overlap": int(BUDGET * whole["plain"]), "skip_broadcast": int(BUDGET * whole["plain"]),
                "skip_reduce": int(BUDGET * whole["plain"])}
-    runs = ["plain", "bf16", "bf16_whole", "overlap", "skip_broadcast", "skip_reduce"]
+    refusals = {"refuse_per_rank": "data_parallel_path='per_rank'", "refuse_kept": "residency=",
+                "refuse_in_backward": "optimizer_in_backward", "refuse_speculative": "speculative_step=True"}
+    budgets.update(dict.fromkeys(refusals, int(BUDGET * whole["plain"])))
+    runs = ["plain", "bf16", "bf16_whole", "overlap", "skip_broadcast", "skip_reduce", *refusals]
     with ThreadPoolExecutor(1) as pool:  # the reference beside the four ranks: the suite's wall time
         lone = pool.submit(_lone, tmp_path)
         ranks = _two_nodes(tmp_path, {**ARGS, "runs": runs, "budgets": budgets})
@@ -140,3 +143,7 @@ def test_two_nodes_of_two_ranks_share_one_store_and_train_as_one_process(tmp_pat
             assert "refused" not in results[run], (r, run, results[run])
             gaps = parity_gaps(ref["plain"], results[run])
             assert all(not gaps[k] <= 100 * TOL for k in ("params", "norms")), (r, run, gaps)
+    # What is not built for several ranks per node is refused on every rank, by name (no hang, no silent fallback)
+    for run, name in refusals.items():
+        for r, results in enumerate(ranks):
+            assert name in results[run].get("refused", ""), (r, run, results[run].get("refused", results[run].keys()))

@@ -5,9 +5,9 @@ micro-batch W*b takes whole. Every rank builds the same weights (one seed).
 
 Run as `python tests/workers/shared_node_worker.py OUT_DIR JSON_ARGS` (under torchrun, or alone); JSON_ARGS: micro,
 world, steps, layers, intermediate, budgets (host_budget_bytes per run, or null), runs (one engine after another:
-"plain" FP32; "bf16": bf16 compute (FP32 slabs); "bf16_whole": bf16 compute, each node its whole store, on the per-rank path; "overlap": the layer updates overlapped with the next forward; the negative
+"plain" FP32; "bf16": bf16 compute; "bf16_whole": bf16 compute, each node its whole store, on the per-rank path; "overlap": the layer updates overlapped with the next forward; the negative
 controls "skip_broadcast" (another node's layer keeps whatever its ring slot held) and "skip_reduce" (the owner
-node's shard holds its own node's sum alone)). Writes OUT_DIR/rank{r}.pt, per run: each micro-batch's loss (the
+node's shard holds its own node's sum alone); "refuse_...": a setting not built for it, REFUSALS). Writes OUT_DIR/rank{r}.pt, per run: each micro-batch's loss (the
 global batch's), each step's pre-clip norm, engine.state_dict() at the end (every layer, the other nodes' gathered
 from their owners), each step's stats, the data path, the layers this rank's node owns, and this node's host bytes
 as this rank sees them (the node's shared memory, counted on every rank of it, and this rank's own: slabs, resident
@@ -41,10 +41,17 @@ def build_model(layers: int, intermediate: int) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
+# What nodes sharing one store with several ranks per node refuse, by run name: the setting that asks for it
+REFUSALS = {"refuse_per_rank": {"data_parallel_path": "per_rank"}, "refuse_kept": {"residency": {"weights": 2}},
+            "refuse_in_backward": {"optimizer_in_backward": True}, "refuse_speculative": {"speculative_step": True}}
+
+
 def control(name: str):
     """Break one half of the sharing (the negative controls). Returns what undoes it."""
     from megatrain.engine.parallel import node_path
 
+    if name not in ("skip_broadcast", "skip_reduce"):
+        return lambda: None
     gather, reduce = node_path.SpanningWeights.gather, node_path.dist.reduce
     if name == "skip_broadcast":
         def no_broadcast(self, buffer, numel):
@@ -93,13 +100,11 @@ def own_bytes(engine: Engine) -> int:
 def train(args: dict) -> dict:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     micro, steps = args["micro"], args["steps"]
-    cfg = EngineConfig(device="cpu", parity_probe=False, residency="stream", watchdog_s=120.0,
-                       compute_dtype="bfloat16" if args["bf16"] else "float32", speculative_step=False,
-                       host_budget_bytes=args["budget"], optimizer_overlap=args["overlap"],
-                       data_parallel_path=args.get("path", "auto"),
-                       # bf16 compute: FP32 slabs (host mode "auto" would choose bf16 ones, which the node path's update
-                       # by shard of the reference rounds on the device, the whole-layer owner's on the host)
-                       host_grad_dtype="float32" if args["bf16"] else "auto")
+    refused = REFUSALS.get(args["run"], {})
+    cfg = EngineConfig(**{"device": "cpu", "parity_probe": False, "residency": "stream", "watchdog_s": 120.0,
+                          "speculative_step": False, "data_parallel_path": args.get("path", "auto"), **refused},
+                       compute_dtype="bfloat16" if args["bf16"] else "float32",
+                       host_budget_bytes=args["budget"], optimizer_overlap=args["overlap"])
     engine = Engine(build_model(args["layers"], args["intermediate"]), cfg,
                     optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=LR))
     g = torch.Generator().manual_seed(1)
