@@ -35,7 +35,7 @@ def _lone(tmp_path) -> dict:
     """The one-process runs on the concatenated batch (each node's whole store: no budget)."""
     out = tmp_path / "lone"
     out.mkdir()
-    whole = {**ARGS, "micro": ARGS["micro"] * ARGS["world"], "world": 1, "runs": ["plain", "bf16"]}
+    whole = {**ARGS, "micro": ARGS["micro"] * ARGS["world"], "world": 1, "runs": ["plain", "bf16"], "extras": ["plain"]}
     run_python([WORKER, out, json.dumps(whole)], env=worker_env(threads=1, PYTHONWARNINGS="ignore"),
                timeout=DEADLINE_S, check=True)
     return torch.load(out / "rank0.pt")
@@ -87,7 +87,7 @@ def test_two_nodes_of_two_ranks_share_one_store_and_train_as_one_process(tmp_pat
     runs = ["plain", "bf16", "bf16_whole", "overlap", "skip_broadcast", "skip_reduce", *refusals]
     with ThreadPoolExecutor(1) as pool:  # the reference beside the four ranks: the suite's wall time
         lone = pool.submit(_lone, tmp_path)
-        ranks = _two_nodes(tmp_path, {**ARGS, "runs": runs, "budgets": budgets})
+        ranks = _two_nodes(tmp_path, {**ARGS, "runs": runs, "budgets": budgets, "extras": ["plain", "bf16", "bf16_whole"]})
         ref = lone.result()
     for run in ("plain", "bf16"):
         assert "refused" not in ref[run], ref[run]
@@ -118,8 +118,19 @@ def test_two_nodes_of_two_ranks_share_one_store_and_train_as_one_process(tmp_pat
                 assert res["losses"] == full["losses"] and res["norms"] == full["norms"], (r, gaps)
                 assert all(torch.equal(v, full["state"][k]) for k, v in res["state"].items()), r
                 assert gaps["losses"] <= 1e-3 and gaps["params"] <= 1e-2, (r, gaps)  # and near the lone bf16 run
+                assert torch.equal(res["eval_logits"], full["eval_logits"]), r
+                assert all(torch.equal(v, full["model_state"][k]) for k, v in res["model_state"].items()), r
             else:
                 assert gaps["losses"] <= TOL and gaps["norms"] <= TOL and gaps["params"] <= TOL, (r, run, gaps)
+            if run in ("plain", "bf16"):
+                # after training, on every rank: the model object's state_dict() is the whole model's (the other
+                # node's layers gathered from their owners, not its scratch), as engine.state_dict() is
+                mine = res["model_state"]
+                assert set(mine) == set(res["state"]), (r, run)
+                assert all(torch.equal(v, res["state"][k]) for k, v in mine.items()), (r, run)
+            if run == "plain":  # and an evaluation forward's logits are one process's
+                gap = (res["eval_logits"] - ref["plain"]["eval_logits"]).abs().max().item()
+                assert gap <= TOL, (r, gap)
             h2d.append([st["h2d_bytes"] for st in res["stats"]])
         # each node's host bytes: its shared memory (its layers, the scratch, the transit) once, and each of its
         # ranks' own (slabs, resident parameters, optimizer state); under the budget, which one store exceeds

@@ -11,7 +11,8 @@ node's shard holds its own node's sum alone); "refuse_...": a setting not built 
 global batch's), each step's pre-clip norm, engine.state_dict() at the end (every layer, the other nodes' gathered
 from their owners), each step's stats, the data path, the layers this rank's node owns, and this node's host bytes
 as this rank sees them (the node's shared memory, counted on every rank of it, and this rank's own: slabs, resident
-parameters, optimizer state); or, where the engine refused, the refusal's message.
+parameters, optimizer state); or, where the engine refused, the refusal's message. The runs named in `extras` add an
+evaluation forward's logits of the first row and the model object's state_dict(), on every rank.
 """
 
 from __future__ import annotations
@@ -131,7 +132,17 @@ def train(args: dict) -> dict:
     node = engine.node
     state = {k: v.detach().clone() for k, v in engine.state_dict().items()}  # collective: every layer
     spans = getattr(node, "spans_nodes", False)
-    return {"losses": losses, "norms": norms, "stats": stats, "state": state,
+    extra = {}
+    if args["run"] in args.get("extras", ()):
+        # on every rank, the same rows: an evaluation forward (the layers from their owner nodes, joined first) and
+        # the model object's state_dict() (the other nodes' layers gathered from their owners)
+        model = engine.module
+        model.eval()
+        with torch.no_grad():
+            extra["eval_logits"] = engine(input_ids=rows[:1], return_logits=True).logits.detach().clone()
+        extra["model_state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        model.train()
+    return {**extra, "losses": losses, "norms": norms, "stats": stats, "state": state,
             "data_path": engine.data_path.describe(),
             "node": node.topo.node if node is not None else 0,
             "node_layers": [i for i in range(len(engine.store.layers)) if node.node_owns(i)] if spans else None,

@@ -448,6 +448,7 @@ class SpanningNodeStore(NodeStore):
     store (`shares_across_nodes` False: its layers are the node's shared buffers); `spans_nodes` tells the ranks."""
 
     spans_nodes = True
+    shares_across_nodes = False  # (host/store.py: the node's layers are shared buffers, not a rank's own)
 
     def __init__(self, rank: int, group: dist.ProcessGroup, timeout, watchdog_s: float,
                  ranges: list[tuple[int, int]]) -> None:

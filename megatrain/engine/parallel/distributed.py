@@ -39,7 +39,7 @@ from typing import NamedTuple, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..host.node_store import NodeStore, SpanningNodeStore
+from ..host.node_store import NodeStore
 from ..host.store import FlatGroup, HostStore
 from ..runtime.stream import CopyStream, Event, Trace
 
@@ -225,12 +225,11 @@ class DataParallel:
                 raise DataParallelError(f"data parallel rank {self.rank}: rank {r} holds a model of another layout "
                                         f"(layers, group sizes {other} vs {mine}); every rank must build the same model")
 
-    def share_host_store(self, ranges: list[tuple[int, int]] | None = None) -> NodeStore:
-        """Join this node's shared host store (engine/host/node_store.py): collective over every rank. `ranges`: each
-        node's block of layers where the nodes share one store (SpanningNodeStore: the node holds its block only)."""
+    def share_host_store(self, make: Callable[[], NodeStore] | None = None) -> NodeStore:
+        """Join this node's shared host store (engine/host/node_store.py): collective over every rank. `make`: the
+        store where it is not the plain NodeStore (nodes sharing one store, several ranks per node: shared_store.py)."""
         try:
-            self.node = (NodeStore(self.rank, self.group, self.timeout, self.watchdog_s) if ranges is None else
-                         SpanningNodeStore(self.rank, self.group, self.timeout, self.watchdog_s, ranges))
+            self.node = make() if make is not None else NodeStore(self.rank, self.group, self.timeout, self.watchdog_s)
         except (RuntimeError, ValueError) as exc:
             raise self.fail("setting up the node's shared host store", exc) from exc
         return self.node

@@ -309,18 +309,9 @@ class NodesShareByNode(SharedStore):
                 events.updated[i] = self.dp.submit_publish(i, events.updated[i])
 
     def whole(self, named: dict[str, torch.Tensor], layers_prefix: str) -> dict[str, torch.Tensor]:
-        """The other nodes' layers' master values, each broadcast from its owner rank (collective: every rank calls
-        state_dict), as a one-store state_dict has them."""
-        node, out = self.dp.node, dict(named)
-        for i, g in enumerate(self.store.layers):
-            owner = node.owner_rank(i)
-            flat = (torch.cat([g.read_slot(s).reshape(-1) for s in g.slots]) if g.owned else
-                    torch.empty(g.numel, dtype=torch.float32))
-            self.dp.guarded(f"taking layer {i}'s weights from its owner rank {owner} for a state_dict",
-                            lambda flat=flat, owner=owner: dist.broadcast(flat, src=owner, group=node.world_group))
-            if not node.node_owns(i):
-                out.update({f"{layers_prefix}.{i}.{s.name}": g.view(flat, s) for s in g.slots})
-        return out
+        """The other nodes' layers' master values, each broadcast from its owner rank (collective and joined: every
+        rank calls state_dict; shared_store.py other_nodes_layers), as a one-store state_dict has them."""
+        return {**named, **self.dp.node.other_layers(self.store, layers_prefix, self.dp)}
 
     def take_weights(self, src: int | None) -> None:
         if src is not None:

@@ -43,7 +43,7 @@ from torch.utils.hooks import RemovableHandle
 from ...costs.modes import GradSlab, HostMaster
 from ...costs.residency import Residency
 from ..host.codec import master_codec
-from ..host.node_store import NodeStore, Topology, node_layout, node_place
+from ..host.node_store import NodeStore, SpanningNodeStore, Topology, node_layout, node_place
 from ..host.preflight import HostMemoryError, available_host_bytes, host_store_bytes, model_host_bytes
 from ..pipeline.schedule import LayerPipeline
 from ..runtime.stream import Streams
@@ -135,7 +135,12 @@ class NodesShareStore:
         weights = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
         self.weights_group = dist.new_group(backend=weights, timeout=timeout)
         self.node_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.world_group = self.node_group  # one rank per node: the nodes' group is the job's
         self.owner_of = [r for r, (a, b) in enumerate(ranges) for _ in range(a, b)]
+        self.make_joins(dp)
+
+    def make_joins(self, dp: DataParallel) -> None:
+        """The joins' groups (collective: every rank, in the same order)."""
         self.join_s = min(JOIN_S, 0.9 * dp.watchdog_s)
         join = datetime.timedelta(seconds=self.join_s)
         self.join_groups = {kind: dist.new_group(backend="gloo", timeout=join) for kind in JOINS}
@@ -148,6 +153,10 @@ class NodesShareStore:
         return other_nodes_layers(self, store, layers_prefix, dp)
     def owns(self, layer: int) -> bool:
         return self.first <= layer < self.stop
+
+    def node_owns(self, layer: int) -> bool:
+        """Whether this rank's node holds the layer (one rank per node: this rank)."""
+        return self.owns(layer)
 
     def owner_rank(self, layer: int) -> int:
         return self.owner_of[layer]
@@ -190,6 +199,16 @@ class NodesShareStore:
     def describe(self) -> str:
         mine = f"layers {self.first}-{self.stop - 1}" if self.stop > self.first else "no layers"
         return f"node {self.rank} owns {mine} of {len(self.owner_of)}"
+
+
+class NodesShareByNodeStore(SpanningNodeStore, NodesShareStore):
+    """Nodes sharing one store with several ranks per node: a node's store over its block of layers
+    (node_store.py SpanningNodeStore), with the joins of NodesShareStore at the collective calls outside training
+    (an evaluation forward, the model object's state_dict), which the model object runs for either kind."""
+
+    def __init__(self, dp: DataParallel, ranges: list[tuple[int, int]]) -> None:
+        SpanningNodeStore.__init__(self, dp.rank, dp.group, dp.timeout, dp.watchdog_s, ranges)
+        self.make_joins(dp)
 
 
 def host_store(dp: DataParallel | None, config: Any, model: torch.nn.Module,
@@ -249,7 +268,7 @@ def host_store(dp: DataParallel | None, config: Any, model: torch.nn.Module,
         raise HostMemoryError(f"one whole host store needs {_size(whole)} and {what} is {_size(budget)}; the nodes "
                               f"cannot share one store: {why}. Add nodes, raise the budget or set nvme_path")
     if local > 1:  # each node's block of layers in its shared memory, its ranks on the node path (SpanningNodeStore)
-        return dp.share_host_store(ranges)
+        return dp.share_host_store(lambda: NodesShareByNodeStore(dp, ranges))
     shared = NodesShareStore(dp, ranges)
     dp.node = shared
     return shared
@@ -324,7 +343,7 @@ def attach(pipeline: LayerPipeline, streams: Streams, dp: DataParallel | None, n
     if getattr(node, "spans_nodes", False) and kept:
         raise ValueError(f"nodes sharing one store stream every layer from its owner node (residency={r!r} keeps some "
                          "on the device, not built for several ranks per node): set residency='stream'")
-    if not isinstance(node, NodesShareStore):
+    if getattr(node, "spans_nodes", False) or not isinstance(node, NodesShareStore):
         return node_path.attach(pipeline, streams, dp, node, ranks, config)
     if kept:
         raise ValueError(f"nodes sharing one store stream every layer from its owner (residency={r!r} keeps some on "
@@ -359,7 +378,7 @@ def other_nodes_layers(node: NodesShareStore, store: Any, layers_prefix: str,
         flat = (torch.cat([g.read_slot(s).reshape(-1) for s in g.slots]) if g.owned else
                 torch.empty(g.numel, dtype=torch.float32))
         dp.guarded(f"taking layer {i}'s weights from its owner rank {owner} for a state_dict",
-                   lambda flat=flat, owner=owner: dist.broadcast(flat, src=owner, group=node.node_group))
-        if not g.owned:
+                   lambda flat=flat, owner=owner: dist.broadcast(flat, src=owner, group=node.world_group))
+        if not node.node_owns(i):  # (a layer of this node's that another of its ranks owns: its shared master)
             out.update({f"{layers_prefix}.{i}.{s.name}": g.view(flat, s) for s in g.slots})
     return out
