@@ -5,7 +5,7 @@ micro-batch W*b takes whole. Every rank builds the same weights (one seed).
 
 Run as `python tests/workers/shared_node_worker.py OUT_DIR JSON_ARGS` (under torchrun, or alone); JSON_ARGS: micro,
 world, steps, layers, intermediate, budgets (host_budget_bytes per run, or null), runs (one engine after another:
-"plain" FP32; "bf16": bf16 compute; "bf16_whole": bf16 compute, each node its whole store, on the per-rank path; "overlap": the layer updates overlapped with the next forward; the negative
+"plain" FP32; "bf16": bf16 compute; "hilo", "bf16m": bf16 compute with host_master "hilo" / "bf16"; "..._whole": each node its whole store, on the per-rank path; "overlap": the layer updates overlapped with the next forward; the negative
 controls "skip_broadcast" (another node's layer keeps whatever its ring slot held) and "skip_reduce" (the owner
 node's shard holds its own node's sum alone); "refuse_...": a setting not built for it, REFUSALS). Writes OUT_DIR/rank{r}.pt, per run: each micro-batch's loss (the
 global batch's), each step's pre-clip norm, engine.state_dict() at the end (every layer, the other nodes' gathered
@@ -73,7 +73,9 @@ def main() -> None:
         undo = control(run)
         try:
             results[run] = train({**args, "run": run, "budget": args.get("budgets", {}).get(run),
-                                  "bf16": run.startswith("bf16"), "overlap": run == "overlap",
+                                  "bf16": run.startswith(("bf16", "hilo")), "overlap": run == "overlap",
+                                  "master": "hilo" if run.startswith("hilo") else "bf16" if run.startswith("bf16m")
+                                  else "auto",
                                   "path": "per_rank" if run.endswith("_whole") else "auto"})
         except (HostMemoryError, ValueError) as exc:
             results[run] = {"refused": f"{type(exc).__name__}: {exc}"}
@@ -103,7 +105,8 @@ def train(args: dict) -> dict:
     micro, steps = args["micro"], args["steps"]
     refused = REFUSALS.get(args["run"], {})
     cfg = EngineConfig(**{"device": "cpu", "parity_probe": False, "residency": "stream", "watchdog_s": 120.0,
-                          "speculative_step": False, "data_parallel_path": args.get("path", "auto"), **refused},
+                          "speculative_step": False, "data_parallel_path": args.get("path", "auto"),
+                          "host_master": args.get("master", "auto"), **refused},
                        compute_dtype="bfloat16" if args["bf16"] else "float32",
                        host_budget_bytes=args["budget"], optimizer_overlap=args["overlap"])
     engine = Engine(build_model(args["layers"], args["intermediate"]), cfg,
