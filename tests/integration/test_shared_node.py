@@ -96,7 +96,8 @@ def test_two_nodes_of_two_ranks_share_one_store_and_train_as_one_process(tmp_pat
     masters = {"hilo": store_bytes(*_numels(), torch.bfloat16, HostMaster.HILO),
                "bf16m": store_bytes(*_numels(), torch.bfloat16, HostMaster.BF16)}
     budgets.update({m: int(0.75 * (sum(layers) + g)) for m, (layers, g) in masters.items()})
-    runs = ["plain", "bf16", "bf16_whole", "overlap", "hilo", "hilo_whole", "bf16m", "bf16m_whole", "skip_broadcast",
+    budgets["resume"] = budgets["plain"]
+    runs = ["plain", "resume", "bf16", "bf16_whole", "overlap", "hilo", "hilo_whole", "bf16m", "bf16m_whole", "skip_broadcast",
             "skip_reduce", *refusals]
     with ThreadPoolExecutor(1) as pool:  # the reference beside the four ranks: the suite's wall time
         lone = pool.submit(_lone, tmp_path)
@@ -160,6 +161,13 @@ def test_two_nodes_of_two_ranks_share_one_store_and_train_as_one_process(tmp_pat
             for node in range(2):
                 a, b = h2d[2 * node][step], h2d[2 * node + 1][step]
                 assert a > 0 and b > 0 and abs(a - b) <= 0.02 * (a + b), (run, node, a, b)
+    # A checkpoint saved by the four ranks halfway (engine.state_dict() and the optimizer's, each collective) and
+    # loaded by a fresh engine on each: the rest of the run is the uninterrupted one's, bit for bit
+    for r, results in enumerate(ranks):
+        plain, resumed = results["plain"], results["resume"]
+        assert "refused" not in resumed, (r, resumed)
+        assert resumed["losses"] == plain["losses"] and resumed["norms"] == plain["norms"], r
+        assert all(torch.equal(v, plain["state"][k]) for k, v in resumed["state"].items()), r
     # hilo and bf16 masters: trained, bit-identical to the same ranks each node holding its whole store, each node's
     # host bytes under the budget that one store exceeds
     for run in ("hilo", "bf16m"):

@@ -7,7 +7,8 @@ Run as `python tests/workers/shared_node_worker.py OUT_DIR JSON_ARGS` (under tor
 world, steps, layers, intermediate, budgets (host_budget_bytes per run, or null), runs (one engine after another:
 "plain" FP32; "bf16": bf16 compute; "hilo", "bf16m": bf16 compute with host_master "hilo" / "bf16"; "..._whole": each node its whole store, on the per-rank path; "overlap": the layer updates overlapped with the next forward; the negative
 controls "skip_broadcast" (another node's layer keeps whatever its ring slot held) and "skip_reduce" (the owner
-node's shard holds its own node's sum alone); "refuse_...": a setting not built for it, REFUSALS). Writes OUT_DIR/rank{r}.pt, per run: each micro-batch's loss (the
+node's shard holds its own node's sum alone); "resume": the first half of the steps, a checkpoint (engine.state_dict() and the optimizer's,
+both collective) saved, the rest in a fresh engine that loads it; "refuse_...": a setting not built for it, REFUSALS). Writes OUT_DIR/rank{r}.pt, per run: each micro-batch's loss (the
 global batch's), each step's pre-clip norm, engine.state_dict() at the end (every layer, the other nodes' gathered
 from their owners), each step's stats, the data path, the layers this rank's node owns, and this node's host bytes
 as this rank sees them (the node's shared memory, counted on every rank of it, and this rank's own: slabs, resident
@@ -72,11 +73,19 @@ def main() -> None:
     for run in args["runs"]:
         undo = control(run)
         try:
-            results[run] = train({**args, "run": run, "budget": args.get("budgets", {}).get(run),
-                                  "bf16": run.startswith(("bf16", "hilo")), "overlap": run == "overlap",
-                                  "master": "hilo" if run.startswith("hilo") else "bf16" if run.startswith("bf16m")
-                                  else "auto",
-                                  "path": "per_rank" if run.endswith("_whole") else "auto"})
+            one = {**args, "run": run, "budget": args.get("budgets", {}).get(run),
+                   "bf16": run.startswith(("bf16", "hilo")), "overlap": run == "overlap",
+                   "master": "hilo" if run.startswith("hilo") else "bf16" if run.startswith("bf16m") else "auto",
+                   "path": "per_rank" if run.endswith("_whole") else "auto"}
+            if run == "resume":  # the first half, saved (every rank calls both state_dicts); a fresh engine loads it
+                ckpt = out / "checkpoint.pt"
+                half = args["steps"] // 2
+                first = train({**one, "stop": half, "save": str(ckpt)})
+                rest = train({**one, "start": half, "load": str(ckpt)})
+                results[run] = {**rest, "losses": first["losses"] + rest["losses"],
+                                "norms": first["norms"] + rest["norms"]}
+            else:
+                results[run] = train(one)
         except (HostMemoryError, ValueError) as exc:
             results[run] = {"refused": f"{type(exc).__name__}: {exc}"}
         finally:
@@ -111,11 +120,15 @@ def train(args: dict) -> dict:
                        host_budget_bytes=args["budget"], optimizer_overlap=args["overlap"])
     engine = Engine(build_model(args["layers"], args["intermediate"]), cfg,
                     optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=LR))
+    if args.get("load"):
+        saved = torch.load(args["load"])
+        engine.load_state_dict(saved["model"])
+        engine.optimizer.load_state_dict(saved["optimizer"])
     g = torch.Generator().manual_seed(1)
     rows = torch.randint(0, VOCAB, (args["world"] * micro * steps * ACCUM, SEQ), generator=g)
     losses, norms, stats = [], [], []
     per_global = args["world"] * micro
-    for s in range(steps):
+    for s in range(args.get("start", 0), args.get("stop", steps)):
         engine.reset_stats()
         for j in range(ACCUM):
             at = (s * ACCUM + j) * per_global + rank * micro
@@ -131,6 +144,12 @@ def train(args: dict) -> dict:
         engine.step()
         engine.zero_grad()
         stats.append(engine.collect_stats())
+    if args.get("save"):
+        whole = {"model": engine.state_dict(), "optimizer": engine.optimizer.state_dict()}  # collective, both
+        if rank == 0:
+            torch.save(whole, args["save"])
+        if world > 1:
+            dist.barrier()  # the file is whole before any rank reads it
     engine.synchronize()
     node = engine.node
     state = {k: v.detach().clone() for k, v in engine.state_dict().items()}  # collective: every layer
