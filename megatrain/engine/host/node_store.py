@@ -24,7 +24,9 @@ it writes only there, updates them, and the layers' Adam moments are the node's 
 
 Across nodes each node holds its own copy (not sharded further): every node's GPUs stream every layer each
 step over their own host links, so a node without a layer's weights would fetch them over the network each
-step, and one copy per node is what one GPU needs already.
+step, and one copy per node is what one GPU needs already. Where one node's host cannot hold that copy, the nodes
+share one store (parallel/shared_store.py): with several ranks per node each node's store holds its own block of
+layers only (`SpanningNodeStore`), the others' weights coming over the network.
 """
 
 from __future__ import annotations

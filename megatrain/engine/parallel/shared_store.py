@@ -18,9 +18,16 @@ gradient slab, Adam m and v) and nothing of the others'.
 
 The engine chooses this mode by itself (`host_store`): when `host_budget_bytes` (or, without one, the smallest host
 memory any rank measures) cannot hold one whole store but each node's share fits; when even the share does not fit it
-refuses, naming the numbers. One rank per node (LOCAL_WORLD_SIZE=1) for now; FP32, hi/lo or bf16 masters with
-gradient slabs (a non-owned layer's buffers are one scratch layer of each kind the master mode keeps, host/store.py;
-the per-layer update of hilo / bf16 unpacks and packs the owned layers only).
+refuses, naming the numbers. FP32, hi/lo or bf16 masters with gradient slabs (a non-owned layer's buffers are one
+scratch layer of each kind the master mode keeps, host/store.py; the per-layer update of hilo / bf16 unpacks and packs
+the owned layers only).
+
+Several ranks per node (LOCAL_WORLD_SIZE > 1: `NodesShareByNodeStore`, host/node_store.py SpanningNodeStore): the
+owner of a layer is a node, which holds its block of layers in its shared memory as a node's store does, one of its
+ranks owning each; the node's ranks take the node path (node_path.py SpanningWeights: each rank's shard of an own
+layer copied host-to-device and broadcast to the same local rank of every other node, then all-gathered in each
+node; NodeGrads: reduce-scattered in the node, each shard reduced to the owner node's peer). Above, for one rank per
+node, the classes here carry it alone (NodesShareStore, SharedWeights).
 
 Collective calls outside training (`NodesShareStore.join`): an evaluation forward loads the other nodes' layers by
 the owners' broadcasts, and the model object's `state_dict()` gathers them from their owners, so every rank must run
@@ -117,7 +124,7 @@ def share_bytes(layer_bytes: list[int], globals_bytes: int, numels: list[int], o
 class NodesShareStore:
     """What the host store and the data-parallel ranks need of the nodes sharing one store: which layers this rank's
     node owns, its groups, and (for the start line) the ranges. Stands where a node's NodeStore stands (engine.node,
-    dp.node): one rank per node, so the node's own store is this rank's."""
+    dp.node): one rank per node, so the node's own store is this rank's (several: NodesShareByNodeStore)."""
 
     shares_across_nodes = True
     leader = True  # every rank writes its own store (placement's packing)
