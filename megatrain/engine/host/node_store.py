@@ -24,7 +24,9 @@ it writes only there, updates them, and the layers' Adam moments are the node's 
 
 Across nodes each node holds its own copy (not sharded further): every node's GPUs stream every layer each
 step over their own host links, so a node without a layer's weights would fetch them over the network each
-step, and one copy per node is what one GPU needs already.
+step, and one copy per node is what one GPU needs already. Where one node's host cannot hold that copy, the nodes
+share one store (parallel/shared_store.py): with several ranks per node each node's store holds its own block of
+layers only (`SpanningNodeStore`), the others' weights coming over the network.
 """
 
 from __future__ import annotations
@@ -438,6 +440,74 @@ class NodeStore:
             return 0
         slab.add_(transit, alpha=1.0 / self.world)
         return transit.numel() * transit.element_size()
+
+class SpanningNodeStore(NodeStore):
+    """A node's store when the nodes share one store with several ranks per node (docs/DISTRIBUTED.md section 5b):
+    the node holds the host state of its own block of layers only (`ranges[node]`), in its shared memory as a node's
+    store does (each of those layers owned by one local rank, i % G: its slab, its update, its Adam state), and one
+    node-shared scratch layer of each buffer kind that the other nodes' layers' parameters view (no slab, no state:
+    their weights come from their owner node by broadcast, parallel/node_path.py). To the host store it is a node's
+    store (`shares_across_nodes` False: its layers are the node's shared buffers); `spans_nodes` tells the ranks."""
+
+    spans_nodes = True
+    shares_across_nodes = False  # (host/store.py: the node's layers are shared buffers, not a rank's own)
+
+    def __init__(self, rank: int, group: dist.ProcessGroup, timeout, watchdog_s: float,
+                 ranges: list[tuple[int, int]]) -> None:
+        super().__init__(rank, group, timeout, watchdog_s)
+        self.ranges = ranges
+        self.first, self.stop = ranges[self.topo.node]
+        self.layers = ranges[-1][1]
+        self.owner_node_of = [n for n, (a, b) in enumerate(ranges) for _ in range(a, b)]
+        # The clip norm's all-reduce over every rank (each layer's slab is on one rank of the job): a gloo group of
+        # its own, on the training thread, apart from the gradient thread's groups.
+        self.world_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.shm_bytes = 0  # what this node's shared memory holds (every rank of the node counts the same)
+
+    def node_owns(self, layer: int) -> bool:
+        return self.first <= layer < self.stop
+
+    def owns(self, layer: int) -> bool:
+        return self.node_owns(layer) and self.owner_local(layer) == self.topo.local
+
+    def owner_rank(self, layer: int) -> int:
+        return self.topo.node_ranks[self.owner_node_of[layer]][self.owner_local(layer)]
+
+    def peer(self, layer: int) -> int:
+        """The global rank of this rank's peer (the same local index) on the node that owns `layer`."""
+        return self.topo.node_ranks[self.owner_node_of[layer]][self.topo.local]
+
+    def split_by_shard(self, chunk: int | None) -> Split:
+        raise ValueError("nodes sharing one store with several ranks per node update each layer whole, by one of the "
+                         "owner node's ranks (the update by shard across nodes is not built)")
+
+    def buffers(self, specs: Sequence[tuple[int, torch.dtype]], what: str) -> list[torch.Tensor]:
+        """The node's shared buffers: a layer's weights (the specs of host/store.py shared_layers: kind by kind,
+        each a spec per layer) only for this node's layers; another node's are views of one scratch per kind."""
+        if what != "layer weights":
+            got = super().buffers(specs, what)
+        else:
+            kinds = len(specs) // self.layers
+            mine = [k for k in range(len(specs)) if self.node_owns(k % self.layers)]
+            scratch = [(max((specs[j * self.layers + i][0] for i in range(self.layers) if not self.node_owns(i)),
+                            default=1), specs[j * self.layers][1]) for j in range(kinds)]
+            bufs = super().buffers([specs[k] for k in mine] + scratch, what)
+            got = [bufs[mine.index(k)] if k in mine else bufs[len(mine) + k // self.layers][: specs[k][0]]
+                   for k in range(len(specs))]
+            specs = [specs[k] for k in mine] + scratch
+        self.shm_bytes += sum(mapped_bytes(n * torch.empty((), dtype=d).element_size()) for n, d in specs)
+        return got
+
+    def make_staging(self, numel: int) -> None:
+        """The node path's two FP32 transit buffers only (`transit`: staging[0]); no per-rank slots, which only the
+        per-rank path's reduce reads."""
+        self.staging = [self.buffers([(numel, torch.float32)] * 2, "gradient staging")]
+
+    def describe(self) -> str:
+        mine = f"layers {self.first}-{self.stop - 1}" if self.stop > self.first else "no layers"
+        return (f"node {self.topo.node} owns {mine} of {self.layers}, local rank {self.topo.local} of "
+                f"{self.topo.local_world}")
+
 
 # -- optimizer state: sharded by the layers' owners, whole in every state_dict ------------------------------
 # Updated by shard (engine/update/by_shard.py): per optimizer, the layer parameters whose Adam moments are views of the

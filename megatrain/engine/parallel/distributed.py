@@ -225,10 +225,11 @@ class DataParallel:
                 raise DataParallelError(f"data parallel rank {self.rank}: rank {r} holds a model of another layout "
                                         f"(layers, group sizes {other} vs {mine}); every rank must build the same model")
 
-    def share_host_store(self) -> NodeStore:
-        """Join this node's shared host store (engine/host/node_store.py): collective over every rank."""
+    def share_host_store(self, make: Callable[[], NodeStore] | None = None) -> NodeStore:
+        """Join this node's shared host store (engine/host/node_store.py): collective over every rank. `make`: the
+        store where it is not the plain NodeStore (nodes sharing one store, several ranks per node: shared_store.py)."""
         try:
-            self.node = NodeStore(self.rank, self.group, self.timeout, self.watchdog_s)
+            self.node = make() if make is not None else NodeStore(self.rank, self.group, self.timeout, self.watchdog_s)
         except (RuntimeError, ValueError) as exc:
             raise self.fail("setting up the node's shared host store", exc) from exc
         return self.node
@@ -240,7 +241,7 @@ class DataParallel:
         first ranks of the other nodes take rank 0's; the resident parameters go to every rank."""
         node = self.node
         try:
-            if getattr(node, "shares_across_nodes", False):
+            if getattr(node, "shares_across_nodes", False) or getattr(node, "spans_nodes", False):
                 groups = [store.globals]  # each layer is its owner's alone: nothing of it to keep alike
             elif node is None:
                 groups = store.groups()

@@ -21,6 +21,7 @@ shard where both can run, else the per-rank path, and the start line (`DataPath.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ CHUNK: int | None = None  # elements per chunk of the shard map (None: costs/sha
 # CPU device (planner/node_path.py path_for); a test of "auto"'s choice turns this on to stand in for a GPU node.
 AUTO_ON_CPU = False
 NODE, PER_RANK = "node", "per_rank"
+SHARED = "nodes share one store"
 
 
 class NodeWeights:
@@ -119,6 +121,49 @@ class NodeWeights:
             self.dp.guarded(what, work)
 
 
+class SpanningWeights(NodeWeights):
+    """NodeWeights where the nodes share one store (docs/DISTRIBUTED.md section 5b, several ranks per node): a
+    layer's owner node copies it by shard as a node does, each of its ranks then broadcasts its shard to the peers
+    with its local index on the other nodes (the cross-node gather group), and every node all-gathers the shards.
+    The pipeline hands over the layer's host source, not its index: the sources are told apart by identity (another
+    node's layer is a view of the node's scratch of its own), and the copies (h2d thread) and broadcasts (gather
+    thread) run in the order the loads are issued, the same on every rank. `broadcast_bytes`: what this rank
+    received from the owner nodes' peers."""
+
+    def __init__(self, groups: NodeGroups, node: object, pipeline: LayerPipeline, chunk: int | None = None,
+                 dp: DataParallel | None = None) -> None:
+        super().__init__(groups, chunk, dp)
+        self.node = node
+        self.pending: collections.deque[int] = collections.deque()
+        self.layer_of = {id(g.stream_source): i for i, g in enumerate(pipeline.store.layers)}
+        if len(self.layer_of) != len(pipeline.store.layers):
+            raise RuntimeError("two layers stream from one host tensor: the nodes' shared store cannot tell their "
+                               "loads apart")
+        self.broadcast_bytes = 0
+
+    def copy_shard(self, buffer: torch.Tensor, src: torch.Tensor, numel: int) -> int:
+        layer = self.layer_of[id(src)]
+        self.pending.append(layer)
+        if not self.node.node_owns(layer):
+            return 0  # its shards come from the owner node's peers (gather)
+        return super().copy_shard(buffer, src, numel)
+
+    def gather(self, buffer: torch.Tensor, numel: int) -> int:
+        layer = self.pending.popleft()
+        m = self.map(numel)
+        src = self.node.peer(layer)
+
+        def broadcast() -> None:
+            for a, b in m.ranges(self.rank):  # gloo has no bf16: its bits
+                t = buffer[a:b] if buffer.dtype in (torch.float32, torch.int64) else buffer[a:b].view(torch.uint8)
+                dist.broadcast(t, src=src, group=self.groups.cross_gather)
+
+        self.guard(f"broadcasting layer {layer}'s shard from its owner node's rank {src}", broadcast)
+        got = 0 if self.node.node_owns(layer) else m.shard_numel * buffer.element_size()
+        self.broadcast_bytes += got
+        return got + super().gather(buffer, numel)
+
+
 class NodeGrads:
     """The pipeline's ShardedGrads on the node path (DISTRIBUTED.md section 2). On the scatter stream, a layer's
     gradients are laid out as its flat buffer in FP32 a chunk at a time (the shard map's chunks: one FP32 chunk
@@ -169,6 +214,7 @@ class NodeGrads:
         # scatter is queued: its stream may run collectives() at once.
         narrow = (self.node.split is not None and group.grad is not None and group.grad.dtype == torch.bfloat16)
         shard_bf16 = self._shard_bf16[k] if narrow else None
+        spans = getattr(self.node, "spans_nodes", False)
 
         def collectives() -> None:
             at = 0
@@ -179,7 +225,9 @@ class NodeGrads:
                 piece = length // self.world
                 reduce_scatter_into(shard[at: at + piece], chunk, self.groups.scatter_group, stats=self.stats)
                 at += piece
-            if self.groups.cross_scatter is not None:  # several nodes, each holding the model (section 5a)
+            if spans:  # nodes sharing one store (section 5b): the node's shard to the owner node's peer
+                dist.reduce(shard, dst=self.node.peer(layer), group=self.groups.cross_scatter)
+            elif self.groups.cross_scatter is not None:  # several nodes, each holding the model (section 5a)
                 dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.groups.cross_scatter)
             if narrow:
                 # A bf16 slab updated by shard: the mean rounded to bf16 here, not on the host, so the shard crosses
@@ -194,6 +242,9 @@ class NodeGrads:
             return self.stats.scattered_bytes - before
 
         scattered = self._scatter_stream.submit(scatter, (after, self._shard_free[k]), "scatter", layer)
+        if spans and not self.node.node_owns(layer):
+            self._shard_free[k] = scattered  # the sum went to the owner node: nothing lands here
+            return scattered
         transit = self._transit[self._next_transit]
         self._next_transit ^= 1
         if narrow:
@@ -312,6 +363,12 @@ def plan(node: NodeStore | None, dp: DataParallel | None, config: object, optimi
         return
     asked = requested_path(config)
     reason = why_not_node_early(dp, node, device)
+    if getattr(node, "spans_nodes", False):  # nodes sharing one store, several ranks each (shared_store.py)
+        if reason is not None:
+            raise ValueError(f"nodes sharing one store with several ranks per node take the node path, which cannot "
+                             f"run here: {reason}")
+        node.path = (NODE, "nodes sharing one store, several ranks per node")
+        return
     if asked == NODE and reason is not None:
         raise ValueError(f"data_parallel_path='node' cannot run here: {reason}; use 'auto' or 'per_rank'")
     split = why_not_split(config, optimizer) if reason is None else reason
@@ -352,7 +409,8 @@ def attach(pipeline: LayerPipeline, streams: Streams, dp: DataParallel | None, n
     if groups.local_world != node.topo.local_world or groups.nodes != node.topo.node_ranks:
         raise ValueError(f"the node path's nodes {groups.nodes} differ from the shared host store's "
                          f"{node.topo.node_ranks}: set LOCAL_WORLD_SIZE and GROUP_RANK alike on every rank")
-    weights = NodeWeights(groups, CHUNK, dp)
+    spans = getattr(node, "spans_nodes", False)
+    weights = SpanningWeights(groups, node, pipeline, CHUNK, dp) if spans else NodeWeights(groups, CHUNK, dp)
     pipeline.use_weights(weights)
     G = groups.local_world
     link = "over NVLink" if pipeline.device.type == "cuda" else "gloo ranks standing in for GPUs"
@@ -365,7 +423,14 @@ def attach(pipeline: LayerPipeline, streams: Streams, dp: DataParallel | None, n
         grads = ("gradients reduce-scattered in FP32, each rank's shard to its ranges of its slab, each rank "
                  f"updating its 1/{G} of every layer" if node.split is not None else
                  "gradients reduce-scattered in FP32, each rank's shard to the layer's one slab, its owner updating it")
+        if spans:
+            grads = ("gradients reduce-scattered in FP32 in the node, each shard reduced to the owner node's peer, "
+                     "to the layer's one slab there, its owner updating it")
     else:
         grads = "gradients per rank to the layer's owner (the optimizer in backward)"
+    if spans:
+        return DataPath(SHARED, f"{node.describe()} ({len(node.ranges)} nodes, {G} ranks per node, {link}); each "
+                        f"layer's weights by shard on its owner node, broadcast to the peers and all-gathered in each "
+                        f"node, {grads} ({why})", weights)
     return DataPath(NODE, f"one trip per layer per node, {G} ranks per node ({link}); weights by shard and "
                     f"all-gather, {grads} ({why})", weights)

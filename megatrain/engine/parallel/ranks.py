@@ -275,9 +275,55 @@ class NodesShare(Replicated):
         self.dp.node_barrier(what)
 
 
+class NodesShareByNode(SharedStore):
+    """Nodes sharing one store with several ranks per node (host/node_store.py SpanningNodeStore): each node's ranks
+    are a node's ranks over the node's block of layers (one of them owns each: its slab, its update; the node path
+    lands the gradients there, node_path.NodeGrads, after the node's shard reached the owner node's peer), and every
+    rank averages the resident parameters with every other. The norm sums the owners' slabs over the job; the other
+    nodes' layers are gathered from their owners for a state_dict."""
+
+    def sink(self, update_sink: Sink | None) -> Sink | None:
+        if update_sink is not None:
+            raise ValueError("optimizer_in_backward with nodes sharing one store: not supported; set "
+                             "optimizer_in_backward=false")
+        return self.grad_sink
+
+    def total_norm(self, norms: list[torch.Tensor]) -> float:
+        # Each layer's slab is on one rank of the job: its squares summed over every rank, plus the resident
+        # parameters' (the same everywhere).
+        mine = float(torch.stack(norms[:-1]).double().square().sum()) if len(norms) > 1 else 0.0
+        t = torch.tensor([mine], dtype=torch.float64)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp.node.world_group)
+        except Exception as exc:
+            raise self.dp.fail("summing the gradient norm across the nodes", exc) from exc
+        return math.sqrt(float(t.item()) + float(norms[-1].double()) ** 2)
+
+    def release(self, events: LayerEvents, overlapped: bool) -> None:
+        if not overlapped:
+            super().release(events, overlapped)
+            return
+        node = self.dp.node
+        for i in range(len(events.updated)):
+            if node.node_owns(i):  # another node's layer is loaded from its owner node's shards: no token here
+                events.updated[i] = self.dp.submit_publish(i, events.updated[i])
+
+    def whole(self, named: dict[str, torch.Tensor], layers_prefix: str) -> dict[str, torch.Tensor]:
+        """The other nodes' layers' master values, each broadcast from its owner rank (collective and joined: every
+        rank calls state_dict; shared_store.py other_nodes_layers), as a one-store state_dict has them."""
+        return {**named, **self.dp.node.other_layers(self.store, layers_prefix, self.dp)}
+
+    def take_weights(self, src: int | None) -> None:
+        if src is not None:
+            raise ValueError("weights written by hand on one rank, with nodes sharing one store (each layer held by "
+                             "its owner node only): write them with engine.load_state_dict on every rank")
+
+
 def ranks_for(dp: DataParallel | None, store: HostStore, events: LayerEvents) -> OneRank:
     if dp is None:
         return OneRank()
+    if getattr(dp.node, "spans_nodes", False):
+        return NodesShareByNode(dp, store, events)
     if getattr(dp.node, "shares_across_nodes", False):
         return NodesShare(dp, store, events)
     return SharedStore(dp, store, events) if dp.node is not None else Replicated(dp, store, events)

@@ -18,9 +18,16 @@ gradient slab, Adam m and v) and nothing of the others'.
 
 The engine chooses this mode by itself (`host_store`): when `host_budget_bytes` (or, without one, the smallest host
 memory any rank measures) cannot hold one whole store but each node's share fits; when even the share does not fit it
-refuses, naming the numbers. One rank per node (LOCAL_WORLD_SIZE=1) for now; FP32, hi/lo or bf16 masters with
-gradient slabs (a non-owned layer's buffers are one scratch layer of each kind the master mode keeps, host/store.py;
-the per-layer update of hilo / bf16 unpacks and packs the owned layers only).
+refuses, naming the numbers. FP32, hi/lo or bf16 masters with gradient slabs (a non-owned layer's buffers are one
+scratch layer of each kind the master mode keeps, host/store.py; the per-layer update of hilo / bf16 unpacks and packs
+the owned layers only).
+
+Several ranks per node (LOCAL_WORLD_SIZE > 1: `NodesShareByNodeStore`, host/node_store.py SpanningNodeStore): the
+owner of a layer is a node, which holds its block of layers in its shared memory as a node's store does, one of its
+ranks owning each; the node's ranks take the node path (node_path.py SpanningWeights: each rank's shard of an own
+layer copied host-to-device and broadcast to the same local rank of every other node, then all-gathered in each
+node; NodeGrads: reduce-scattered in the node, each shard reduced to the owner node's peer). Above, for one rank per
+node, the classes here carry it alone (NodesShareStore, SharedWeights).
 
 Collective calls outside training (`NodesShareStore.join`): an evaluation forward loads the other nodes' layers by
 the owners' broadcasts, and the model object's `state_dict()` gathers them from their owners, so every rank must run
@@ -43,7 +50,7 @@ from torch.utils.hooks import RemovableHandle
 from ...costs.modes import GradSlab, HostMaster
 from ...costs.residency import Residency
 from ..host.codec import master_codec
-from ..host.node_store import NodeStore, Topology, node_layout, node_place
+from ..host.node_store import NodeStore, SpanningNodeStore, Topology, node_layout, node_place
 from ..host.preflight import HostMemoryError, available_host_bytes, host_store_bytes, model_host_bytes
 from ..pipeline.schedule import LayerPipeline
 from ..runtime.stream import Streams
@@ -51,7 +58,7 @@ from . import node_path
 from .distributed import DataParallel
 from .ranks import OneRank
 
-SHARED = "nodes share one store"
+SHARED = node_path.SHARED
 # How long a rank waits for the others at a collective call outside training (an evaluation forward, the model
 # object's state_dict) before it refuses: the ranks come to these from the same point of their loops, so a few
 # seconds apart at most; a rank alone waits for nothing that comes (the watchdog would end it much later).
@@ -97,23 +104,27 @@ def store_bytes(numels: list[int], n_globals: int, compute_dtype: torch.dtype, m
 
 
 def share_bytes(layer_bytes: list[int], globals_bytes: int, numels: list[int], owned: tuple[int, int],
-                compute_dtype: torch.dtype, master: HostMaster = HostMaster.FP32) -> int:
+                compute_dtype: torch.dtype, master: HostMaster = HostMaster.FP32, local_world: int = 1) -> int:
     """One node's host bytes when the nodes share one store: its layers' state, the replicated resident parameters
     and the scratch the other layers' parameters view: one layer of each buffer the master mode keeps per layer
     (host/codec.py shared_kinds: FP32 master, and its bf16 shadow in bf16 compute; the bf16 half, the lo half and
     a tie table of the layer's length in hilo; the bf16 master), plus, in hilo / bf16, the one-layer FP32 scratch
-    of the per-layer update (master and gradient)."""
+    of the per-layer update (master and gradient). With `local_world` G > 1 ranks on the node: the node's layers and
+    the scratch once (the node's shared memory), the resident parameters and the update scratch once per rank, and
+    the node path's two FP32 transit layers (node_store.py SpanningNodeStore)."""
     a, b = owned
     shadow = torch.bfloat16 if compute_dtype == torch.bfloat16 else None
     per = sum(torch.empty((), dtype=dt).element_size() for _, dt in master_codec(master).shared_kinds(shadow))
     update = 8 if master is not HostMaster.FP32 else 0
-    return sum(layer_bytes[a:b]) + globals_bytes + max(numels) * (per + update)
+    transit = 8 if local_world > 1 else 0
+    return (sum(layer_bytes[a:b]) + local_world * globals_bytes +
+            max(numels) * (per + local_world * update + transit))
 
 
 class NodesShareStore:
     """What the host store and the data-parallel ranks need of the nodes sharing one store: which layers this rank's
     node owns, its groups, and (for the start line) the ranges. Stands where a node's NodeStore stands (engine.node,
-    dp.node): one rank per node, so the node's own store is this rank's."""
+    dp.node): one rank per node, so the node's own store is this rank's (several: NodesShareByNodeStore)."""
 
     shares_across_nodes = True
     leader = True  # every rank writes its own store (placement's packing)
@@ -131,7 +142,12 @@ class NodesShareStore:
         weights = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
         self.weights_group = dist.new_group(backend=weights, timeout=timeout)
         self.node_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.world_group = self.node_group  # one rank per node: the nodes' group is the job's
         self.owner_of = [r for r, (a, b) in enumerate(ranges) for _ in range(a, b)]
+        self.make_joins(dp)
+
+    def make_joins(self, dp: DataParallel) -> None:
+        """The joins' groups (collective: every rank, in the same order)."""
         self.join_s = min(JOIN_S, 0.9 * dp.watchdog_s)
         join = datetime.timedelta(seconds=self.join_s)
         self.join_groups = {kind: dist.new_group(backend="gloo", timeout=join) for kind in JOINS}
@@ -144,6 +160,10 @@ class NodesShareStore:
         return other_nodes_layers(self, store, layers_prefix, dp)
     def owns(self, layer: int) -> bool:
         return self.first <= layer < self.stop
+
+    def node_owns(self, layer: int) -> bool:
+        """Whether this rank's node holds the layer (one rank per node: this rank)."""
+        return self.owns(layer)
 
     def owner_rank(self, layer: int) -> int:
         return self.owner_of[layer]
@@ -188,6 +208,16 @@ class NodesShareStore:
         return f"node {self.rank} owns {mine} of {len(self.owner_of)}"
 
 
+class NodesShareByNodeStore(SpanningNodeStore, NodesShareStore):
+    """Nodes sharing one store with several ranks per node: a node's store over its block of layers
+    (node_store.py SpanningNodeStore), with the joins of NodesShareStore at the collective calls outside training
+    (an evaluation forward, the model object's state_dict), which the model object runs for either kind."""
+
+    def __init__(self, dp: DataParallel, ranges: list[tuple[int, int]]) -> None:
+        SpanningNodeStore.__init__(self, dp.rank, dp.group, dp.timeout, dp.watchdog_s, ranges)
+        self.make_joins(dp)
+
+
 def host_store(dp: DataParallel | None, config: Any, model: torch.nn.Module,
                layers: list[torch.nn.Module]) -> NodeStore | NodesShareStore | None:
     """The engine's host store arrangement across ranks (engine.node): a node's shared store (node_store.py), the
@@ -222,31 +252,48 @@ def host_store(dp: DataParallel | None, config: Any, model: torch.nn.Module,
     dist.all_gather_object(every, node_place(), group=dp.group)
     nodes = node_layout([e[0] for e in every], [e[1] for e in every], [e[2] for e in every],
                         check_local_rank=False)
-    n = len(nodes)
+    n, local = len(nodes), len(nodes[0])
     ranges = layer_ranges(numels, n)
-    shares = [share_bytes(layer_bytes, glob, numels, r, dtype, master) for r in ranges]
+    shares = [share_bytes(layer_bytes, glob, numels, r, dtype, master, local) for r in ranges]
     why = None
     if n < 2:
         why = "one node has no other to share with"
-    elif any(len(ranks) > 1 for ranks in nodes):
-        why = (f"{len(nodes[0])} ranks per node (sharing one store across nodes takes one rank per node, "
-               "LOCAL_WORLD_SIZE=1, for now)")
     elif max(shares) > budget:
         enough = next((m for m in range(n + 1, len(numels) + 1) if max(
-            share_bytes(layer_bytes, glob, numels, r, dtype, master) for r in layer_ranges(numels, m)) <= budget), None)
+            share_bytes(layer_bytes, glob, numels, r, dtype, master, local)
+            for r in layer_ranges(numels, m)) <= budget), None)
         why = (f"each of {n} nodes' share needs up to {_size(max(shares))} (its layers, the replicated resident "
                f"parameters {_size(glob)} and a layer of scratch); " +
                (f"{enough} nodes' shares would fit" if enough else "no number of nodes' shares fits"))
     elif config.optimizer_in_backward:
         why = "they keep gradient slabs (optimizer_in_backward is true; set optimizer_in_backward=false)"
+    elif local > 1:
+        why = several_ranks_refusal(config)
     if why is not None:
         if not given:
             return usual()  # the host preflight refuses it, by component
         raise HostMemoryError(f"one whole host store needs {_size(whole)} and {what} is {_size(budget)}; the nodes "
                               f"cannot share one store: {why}. Add nodes, raise the budget or set nvme_path")
+    if local > 1:  # each node's block of layers in its shared memory, its ranks on the node path (SpanningNodeStore)
+        return dp.share_host_store(lambda: NodesShareByNodeStore(dp, ranges))
     shared = NodesShareStore(dp, ranges)
     dp.node = shared
     return shared
+
+
+def several_ranks_refusal(config: Any) -> str | None:
+    """Why nodes sharing one store cannot run with several ranks per node with these settings (None: they can). Each
+    node's ranks take the node path (weights by shard, the owner node's shards broadcast to their peers, gradients
+    reduce-scattered in the node and reduced to the owner node's peer), each of the node's layers updated whole by
+    one of its ranks; what is not built for it is refused by name."""
+    if node_path.requested_path(config) == node_path.PER_RANK:
+        return ("data_parallel_path='per_rank' with several ranks per node (each node's ranks load its share by "
+                "shard on the node path; set data_parallel_path='auto' or 'node')")
+    if config.speculative_step is not False:
+        return (f"speculative_step={config.speculative_step!r} with several ranks per node (not built for it: a "
+                "layer's restore would have to come before the broadcast that loads it on the other nodes; set "
+                "speculative_step=False)")
+    return None
 
 
 class SharedWeights:
@@ -298,10 +345,14 @@ def attach(pipeline: LayerPipeline, streams: Streams, dp: DataParallel | None, n
            config: Any) -> node_path.DataPath:
     """The data path: nodes sharing one store load each streamed layer from its owner (SharedWeights); any other
     arrangement is node_path.attach's."""
-    if not isinstance(node, NodesShareStore):
-        return node_path.attach(pipeline, streams, dp, node, ranks, config)
     r = config.residency
-    if not isinstance(r, Residency) or r.weights > 0:
+    kept = not isinstance(r, Residency) or r.weights > 0
+    if getattr(node, "spans_nodes", False) and kept:
+        raise ValueError(f"nodes sharing one store stream every layer from its owner node (residency={r!r} keeps some "
+                         "on the device, not built for several ranks per node): set residency='stream'")
+    if getattr(node, "spans_nodes", False) or not isinstance(node, NodesShareStore):
+        return node_path.attach(pipeline, streams, dp, node, ranks, config)
+    if kept:
         raise ValueError(f"nodes sharing one store stream every layer from its owner (residency={r!r} keeps some on "
                          "the device, loaded from a host master only the owner has): set residency='stream'")
     weights = SharedWeights(node, pipeline, dp)
@@ -334,7 +385,7 @@ def other_nodes_layers(node: NodesShareStore, store: Any, layers_prefix: str,
         flat = (torch.cat([g.read_slot(s).reshape(-1) for s in g.slots]) if g.owned else
                 torch.empty(g.numel, dtype=torch.float32))
         dp.guarded(f"taking layer {i}'s weights from its owner rank {owner} for a state_dict",
-                   lambda flat=flat, owner=owner: dist.broadcast(flat, src=owner, group=node.node_group))
-        if not g.owned:
+                   lambda flat=flat, owner=owner: dist.broadcast(flat, src=owner, group=node.world_group))
+        if not node.node_owns(i):  # (a layer of this node's that another of its ranks owns: its shared master)
             out.update({f"{layers_prefix}.{i}.{s.name}": g.view(flat, s) for s in g.slots})
     return out
