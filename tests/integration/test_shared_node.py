@@ -7,7 +7,10 @@ them; gradients are reduce-scattered in the node and the shard reduced to the ow
 compute, every layer streamed, accumulation 2, clipping that acts at every step: losses, norms and every weight within
 the project's data-parallel tolerance of one process on the concatenated batch; each node's host bytes below the
 budget; the four ranks' host-to-device copies add up to the lone process's, one trip per layer for the job. Negative
-controls: without the owner node's broadcast, or without the cross-node reduce, the parity breaks by far.
+controls: without the owner node's broadcast, or without the cross-node reduce, the parity breaks by far. In the same
+launch: collect_stats()'s host_store_bytes of a node's ranks add up to no more than the node holds; the defaults a
+CUDA device settles to (speculative_step "auto" among them) train, the speculative step off by itself, each host
+mapping pinned once; the DeepSpeed face's sharded save_checkpoint resumes bit for bit.
 """
 
 from __future__ import annotations

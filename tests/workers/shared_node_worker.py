@@ -8,7 +8,11 @@ world, steps, layers, intermediate, budgets (host_budget_bytes per run, or null)
 "plain" FP32; "bf16": bf16 compute; "hilo", "bf16m": bf16 compute with host_master "hilo" / "bf16"; "..._whole": each node its whole store, on the per-rank path; "overlap": the layer updates overlapped with the next forward; the negative
 controls "skip_broadcast" (another node's layer keeps whatever its ring slot held) and "skip_reduce" (the owner
 node's shard holds its own node's sum alone); "resume": the first half of the steps, a checkpoint (engine.state_dict() and the optimizer's,
-both collective) saved, the rest in a fresh engine that loads it; "refuse_...": a setting not built for it, REFUSALS). Writes OUT_DIR/rank{r}.pt, per run: each micro-batch's loss (the
+both collective) saved, the rest in a fresh engine that loads it; "cuda_auto": the plan settle_engine makes of the
+defaults for a CUDA device (pin_memory, optimizer_overlap, speculative_step "if it fits") on this CPU device, a recorder
+standing in for cudaHostRegister (PINNED); "deepspeed": the DeepSpeed face, save_checkpoint after the first step, then
+"deepspeed_resumed": a fresh engine's load_checkpoint of it and the rest; "refuse_...": a setting not built for it,
+REFUSALS). Writes OUT_DIR/rank{r}.pt, per run: each micro-batch's loss (the
 global batch's), each step's pre-clip norm, engine.state_dict() at the end (every layer, the other nodes' gathered
 from their owners), each step's stats, the data path, the layers this rank's node owns, and this node's host bytes
 as this rank sees them (the node's shared memory, counted on every rank of it, and this rank's own: slabs, resident
