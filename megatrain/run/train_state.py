@@ -289,14 +289,16 @@ def local_optimizer_state(optimizer: torch.optim.Optimizer, mine: set[int]) -> d
 
 def shard_params(engine: Any) -> set[int] | None:
     """Ids of the parameters whose optimizer state this rank writes in a sharded save: with one host store per
-    node, the layers it owns on the first node (every node holds the same), and on rank 0 the resident
-    parameters; None where a save is not sharded (one process, or each rank its own store: rank 0 writes)."""
+    node, the layers it owns on the first node (every node holds the same); with nodes sharing one store (each node
+    its own block of layers, parallel/shared_store.py), the layers it owns on every node; and on rank 0 the resident
+    parameters. None where a save is not sharded (one process, or each rank its own store: rank 0 writes)."""
     dp = getattr(engine, "dp", None)
     if dp is None or dp.node is None or dp.world_size < 2:
         return None
     store = engine.store
     mine: set[int] = set()
-    if dp.node.topo.node == 0 or getattr(dp.node, "shares_across_nodes", False):  # nodes sharing: each its own
+    # nodes sharing one store (one rank per node, or several: spans_nodes): each node's layers its own
+    if dp.node.topo.node == 0 or any(getattr(dp.node, a, False) for a in ("shares_across_nodes", "spans_nodes")):
         mine = {id(p) for g in store.layers if g.owned for p in g.params}
     if dp.rank == 0:
         mine |= {id(p) for p in store.globals.params}

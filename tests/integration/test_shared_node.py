@@ -7,7 +7,10 @@ them; gradients are reduce-scattered in the node and the shard reduced to the ow
 compute, every layer streamed, accumulation 2, clipping that acts at every step: losses, norms and every weight within
 the project's data-parallel tolerance of one process on the concatenated batch; each node's host bytes below the
 budget; the four ranks' host-to-device copies add up to the lone process's, one trip per layer for the job. Negative
-controls: without the owner node's broadcast, or without the cross-node reduce, the parity breaks by far.
+controls: without the owner node's broadcast, or without the cross-node reduce, the parity breaks by far. In the same
+launch: collect_stats()'s host_store_bytes of a node's ranks add up to no more than the node holds; the defaults a
+CUDA device settles to (speculative_step "auto" among them) train, the speculative step off by itself, each host
+mapping pinned once; the DeepSpeed face's sharded save_checkpoint resumes bit for bit.
 """
 
 from __future__ import annotations
@@ -74,6 +77,12 @@ def _numels() -> tuple[list[int], int]:
     return numels, sum(p.numel() for p in model.parameters()) - sum(numels)
 
 
+def transit(args: dict) -> int:
+    """The node path's two FP32 transit layers in a node's shared memory (the largest layer's length)."""
+    numels, _ = _numels()
+    return 2 * 4 * max(numels)
+
+
 def _store_bytes() -> dict[str, int]:
     """One whole store's host bytes (FP32, bf16 compute), as the engine counts them: the budget is set from them."""
     numels, glob = _numels()
@@ -96,8 +105,8 @@ def test_two_nodes_of_two_ranks_share_one_store_and_train_as_one_process(tmp_pat
     masters = {"hilo": store_bytes(*_numels(), torch.bfloat16, HostMaster.HILO),
                "bf16m": store_bytes(*_numels(), torch.bfloat16, HostMaster.BF16)}
     budgets.update({m: int(0.75 * (sum(layers) + g)) for m, (layers, g) in masters.items()})
-    budgets["resume"] = budgets["plain"]
-    runs = ["plain", "resume", "bf16", "bf16_whole", "overlap", "hilo", "hilo_whole", "bf16m", "bf16m_whole", "skip_broadcast",
+    budgets.update(dict.fromkeys(("resume", "cuda_auto", "deepspeed"), budgets["plain"]))
+    runs = ["plain", "resume", "cuda_auto", "deepspeed", "bf16", "bf16_whole", "overlap", "hilo", "hilo_whole", "bf16m", "bf16m_whole", "skip_broadcast",
             "skip_reduce", *refusals]
     with ThreadPoolExecutor(1) as pool:  # the reference beside the four ranks: the suite's wall time
         lone = pool.submit(_lone, tmp_path)
@@ -153,6 +162,10 @@ def test_two_nodes_of_two_ranks_share_one_store_and_train_as_one_process(tmp_pat
             assert mine[0]["shm_bytes"] == mine[1]["shm_bytes"]
             held = mine[0]["shm_bytes"] + sum(m["own_bytes"] for m in mine)
             assert held <= BUDGET * whole[base] < whole[base], (run, node, held, whole[base])
+            # and collect_stats()'s count: the node's ranks' shares of its layers and of the scratch add up to no
+            # more than it holds (the node path's transit layers, which no path's count holds, are the gap)
+            counted = [m["stats"][-1]["host_store_bytes"] for m in mine]
+            assert held - transit(ARGS) - 2**16 <= sum(counted) <= held, (run, node, counted, held)
         # one trip per layer for the job: the four ranks' shard copies add up to the lone process's whole-layer
         # copies, each node's two ranks about half each of its node's
         lone_h2d = [st["h2d_bytes"] for st in ref[base]["stats"]]
@@ -168,6 +181,32 @@ def test_two_nodes_of_two_ranks_share_one_store_and_train_as_one_process(tmp_pat
         assert "refused" not in resumed, (r, resumed)
         assert resumed["losses"] == plain["losses"] and resumed["norms"] == plain["norms"], r
         assert all(torch.equal(v, plain["state"][k]) for k, v in resumed["state"].items()), r
+    # The defaults a CUDA device settles to (pinned, overlapped updates, speculative_step "auto": the plan
+    # settle_engine makes of them for "cuda", on this CPU device, with a recorder standing in for cudaHostRegister):
+    # the speculative step turns itself off for this store (not refused), and the run is the overlapped one's, bit for
+    # bit; each host mapping is registered once (the other nodes' layers view one node-shared scratch: registered
+    # twice, cudaHostRegister would refuse it)
+    for r, results in enumerate(ranks):
+        res, base = results["cuda_auto"], results["overlap"]
+        assert "refused" not in res, (r, res)
+        assert res["plan"] == (True, True) and res["data_path"].startswith("nodes share one store"), (r, res["plan"])
+        assert all(st["speculative_layers"] == 0 for st in res["stats"]), (r, [st["speculative_layers"] for st in res["stats"]])
+        assert res["losses"] == base["losses"] and res["norms"] == base["norms"], r
+        assert all(torch.equal(v, base["state"][k]) for k, v in res["state"].items()), r
+        ptrs = [ptr for ptr, _ in res["pinned"]]
+        assert ptrs and res["scratch_ptr"] is not None and ptrs.count(res["scratch_ptr"]) == 1, (r, len(ptrs))
+        assert len(ptrs) == len(set(ptrs)), (r, len(ptrs), len(set(ptrs)))
+    # The DeepSpeed face's sharded save_checkpoint after the first step (every rank writes its own layers' optimizer
+    # state, each node its own layers') and a fresh engine's load_checkpoint: the rest of the run is the
+    # uninterrupted one's, bit for bit
+    for r, results in enumerate(ranks):
+        ds, back = results["deepspeed"], results.get("deepspeed_resumed", {"refused": "not run"})
+        assert "refused" not in ds and "refused" not in back, (r, ds.get("refused"), back.get("refused"))
+        assert back["data_path"].startswith("nodes share one store"), back["data_path"]
+        assert len(ds["norms"]) == ARGS["steps"] and len(back["norms"]) == ARGS["steps"] - 1, r
+        assert back["norms"] == ds["norms"][1:] and back["losses"] == ds["losses"][-len(back["losses"]):], (
+            r, back["norms"], ds["norms"])
+        assert all(torch.equal(v, ds["state"][k]) for k, v in back["state"].items()), r
     # hilo and bf16 masters: trained, bit-identical to the same ranks each node holding its whole store, each node's
     # host bytes under the budget that one store exceeds
     for run in ("hilo", "bf16m"):
@@ -182,6 +221,8 @@ def test_two_nodes_of_two_ranks_share_one_store_and_train_as_one_process(tmp_pat
             mine = [ranks[2 * node + j][run] for j in range(2)]
             held = mine[0]["shm_bytes"] + sum(m["own_bytes"] for m in mine)
             assert held <= budgets[run] < whole_m, (run, node, held, whole_m)
+            counted = [m["stats"][-1]["host_store_bytes"] for m in mine]
+            assert held - transit(ARGS) - 2**16 <= sum(counted) <= held, (run, node, counted, held)
     # The negative controls: without the owner node's broadcast a node computes on whatever its ring slot held;
     # without the cross-node reduce an owner updates from its own node's gradients alone.
     for run in ("skip_broadcast", "skip_reduce"):

@@ -8,7 +8,11 @@ world, steps, layers, intermediate, budgets (host_budget_bytes per run, or null)
 "plain" FP32; "bf16": bf16 compute; "hilo", "bf16m": bf16 compute with host_master "hilo" / "bf16"; "..._whole": each node its whole store, on the per-rank path; "overlap": the layer updates overlapped with the next forward; the negative
 controls "skip_broadcast" (another node's layer keeps whatever its ring slot held) and "skip_reduce" (the owner
 node's shard holds its own node's sum alone); "resume": the first half of the steps, a checkpoint (engine.state_dict() and the optimizer's,
-both collective) saved, the rest in a fresh engine that loads it; "refuse_...": a setting not built for it, REFUSALS). Writes OUT_DIR/rank{r}.pt, per run: each micro-batch's loss (the
+both collective) saved, the rest in a fresh engine that loads it; "cuda_auto": the plan settle_engine makes of the
+defaults for a CUDA device (pin_memory, optimizer_overlap, speculative_step "if it fits") on this CPU device, a recorder
+standing in for cudaHostRegister (PINNED); "deepspeed": the DeepSpeed face, save_checkpoint after the first step, then
+"deepspeed_resumed": a fresh engine's load_checkpoint of it and the rest; "refuse_...": a setting not built for it,
+REFUSALS). Writes OUT_DIR/rank{r}.pt, per run: each micro-batch's loss (the
 global batch's), each step's pre-clip norm, engine.state_dict() at the end (every layer, the other nodes' gathered
 from their owners), each step's stats, the data path, the layers this rank's node owns, and this node's host bytes
 as this rank sees them (the node's shared memory, counted on every rank of it, and this rank's own: slabs, resident
@@ -28,6 +32,7 @@ import torch.distributed as dist
 import transformers
 
 from megatrain.config.schema import EngineConfig
+from megatrain.config.settle import EngineFacts, settle_engine
 from megatrain.engine import Engine
 from megatrain.engine.host.preflight import HostMemoryError
 
@@ -48,10 +53,23 @@ REFUSALS = {"refuse_per_rank": {"data_parallel_path": "per_rank"}, "refuse_kept"
             "refuse_in_backward": {"optimizer_in_backward": True}, "refuse_speculative": {"speculative_step": True}}
 
 
+# What the host store pinned in the run "cuda_auto" (pinned.cuda_register stood in for by a recorder on the CPU):
+# (address, bytes) of every registration, in order
+PINNED: list[tuple[int, int]] = []
+
+
 def control(name: str):
-    """Break one half of the sharing (the negative controls). Returns what undoes it."""
+    """Break one half of the sharing (the negative controls), or record what is pinned ("cuda_auto"). Returns what
+    undoes it."""
+    from megatrain.engine.host import pinned
     from megatrain.engine.parallel import node_path
 
+    if name == "cuda_auto":
+        register, unregister = pinned.cuda_register, pinned.cuda_unregister
+        PINNED.clear()
+        pinned.cuda_register = lambda ptr, nbytes: PINNED.append((ptr, nbytes))
+        pinned.cuda_unregister = lambda ptr: None
+        return lambda: (setattr(pinned, "cuda_register", register), setattr(pinned, "cuda_unregister", unregister))
     if name not in ("skip_broadcast", "skip_reduce"):
         return lambda: None
     gather, reduce = node_path.SpanningWeights.gather, node_path.dist.reduce
@@ -77,7 +95,10 @@ def main() -> None:
                    "bf16": run.startswith(("bf16", "hilo")), "overlap": run == "overlap",
                    "master": "hilo" if run.startswith("hilo") else "bf16" if run.startswith("bf16m") else "auto",
                    "path": "per_rank" if run.endswith("_whole") else "auto"}
-            if run == "resume":  # the first half, saved (every rank calls both state_dicts); a fresh engine loads it
+            if run == "deepspeed":  # the DeepSpeed face: save_checkpoint after the first step, a fresh engine loads it
+                results[run] = deepspeed_face({**one, "save": str(out / "ds_checkpoint")})
+                results["deepspeed_resumed"] = deepspeed_face({**one, "load": str(out / "ds_checkpoint")})
+            elif run == "resume":  # the first half, saved (every rank calls both state_dicts); a fresh engine loads it
                 ckpt = out / "checkpoint.pt"
                 half = args["steps"] // 2
                 first = train({**one, "stop": half, "save": str(ckpt)})
@@ -91,6 +112,40 @@ def main() -> None:
         finally:
             undo()
     torch.save(results, out / f"rank{rank}.pt")
+
+
+def deepspeed_face(args: dict) -> dict:
+    """The DeepSpeed face as users drive it: `megatrain.initialize`, then per micro-batch engine(...), backward, step;
+    with "save", `save_checkpoint` (every rank) after the first optimizer step, training on to the end; with "load",
+    a fresh engine's `load_checkpoint` of it and the steps after. Each micro-batch's loss (this rank's), each
+    step's pre-clip norm and the final weights (the state_dict, collective)."""
+    import megatrain
+
+    rank, micro = int(os.environ.get("RANK", "0")), args["micro"]
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": ACCUM, "gradient_clipping": CLIP,
+           "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+           "megatrain": {"device": "cpu", "parity_probe": False, "residency": "stream", "watchdog_s": 120.0,
+                         "speculative_step": False, "host_budget_bytes": args["budget"]}}
+    model = build_model(args["layers"], args["intermediate"])
+    engine, _, _, _ = megatrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    if args.get("load"):
+        engine.load_checkpoint(args["load"])
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, VOCAB, (args["world"] * micro * args["steps"] * ACCUM, SEQ), generator=g)
+    losses, norms = [], []
+    for j in range(engine.global_steps * ACCUM, args["steps"] * ACCUM):
+        at = (j * args["world"] + rank) * micro
+        ids = rows[at: at + micro]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+        if (j + 1) % ACCUM == 0:
+            norms.append(engine.get_global_grad_norm())
+            if args.get("save") and j + 1 == ACCUM:
+                engine.save_checkpoint(args["save"])
+    state = {k: v.detach().clone() for k, v in engine.state_dict().items()}
+    return {"losses": losses, "norms": norms, "state": state, "data_path": engine.engine.data_path.describe()}
 
 
 def own_bytes(engine: Engine) -> int:
@@ -113,11 +168,15 @@ def train(args: dict) -> dict:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     micro, steps = args["micro"], args["steps"]
     refused = REFUSALS.get(args["run"], {})
+    cuda_auto = args["run"] == "cuda_auto"
     cfg = EngineConfig(**{"device": "cpu", "parity_probe": False, "residency": "stream", "watchdog_s": 120.0,
-                          "speculative_step": False, "data_parallel_path": args.get("path", "auto"),
+                          "speculative_step": "auto" if cuda_auto else False,
+                          "data_parallel_path": args.get("path", "auto"),
                           "host_master": args.get("master", "auto"), **refused},
                        compute_dtype="bfloat16" if args["bf16"] else "float32",
-                       host_budget_bytes=args["budget"], optimizer_overlap=args["overlap"])
+                       host_budget_bytes=args["budget"], optimizer_overlap=None if cuda_auto else args["overlap"])
+    if cuda_auto:  # the plan a CUDA device settles the defaults to: pinned, overlapped, speculative "if it fits"
+        cfg = settle_engine(cfg, EngineFacts("cuda"))[0]
     engine = Engine(build_model(args["layers"], args["intermediate"]), cfg,
                     optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=LR))
     if args.get("load"):
@@ -164,6 +223,11 @@ def train(args: dict) -> dict:
             extra["eval_logits"] = engine(input_ids=rows[:1], return_logits=True).logits.detach().clone()
         extra["model_state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         model.train()
+    if cuda_auto:  # the registrations the store made, and the storage the other nodes' layers view
+        other = [g for i, g in enumerate(engine.store.layers) if spans and not node.node_owns(i)]
+        extra["pinned"] = list(PINNED)
+        extra["scratch_ptr"] = other[0].stream_source.untyped_storage().data_ptr() if other else None
+        extra["plan"] = (engine.config.pin_memory, engine.config.optimizer_overlap)
     return {**extra, "losses": losses, "norms": norms, "stats": stats, "state": state,
             "data_path": engine.data_path.describe(),
             "node": node.topo.node if node is not None else 0,

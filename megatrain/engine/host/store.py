@@ -272,6 +272,12 @@ class HostStore:
         # others' parameters views of one scratch layer (no slab, no state; a distinct view each, which the loads
         # tell apart), written by nothing that is read.
         self.across_nodes = bool(getattr(node, "shares_across_nodes", False))
+        # Nodes sharing one store with several ranks per node (host/node_store.py SpanningNodeStore): a node's
+        # store whose other nodes' layers view one node-shared scratch per buffer kind, which counts once in
+        # host_bytes and is pinned once (speculative.py turns "auto" off for it, as for `across_nodes`)
+        self.spans_nodes = bool(getattr(node, "spans_nodes", False))
+        self._scratch_views = {i for i in range(len(layer_shapes))
+                               if self.spans_nodes and not node.node_owns(i)}
         if self.across_nodes:
             numels = [sum(int(torch.Size(s).numel()) for _, s in shapes) for shapes in layer_shapes]
             kinds = master_codec(master).shared_kinds(shadow_dtype)
@@ -296,9 +302,12 @@ class HostStore:
             # (a frozen bf16 tail is copied to its FP32 device copies the same way: host/codec.py FrozenTail)
             copied = ([t for t in (self.globals.master, self.globals.held_tail) if t is not None]
                       if self.resident_masters_copied else [])
-            streamed = [g.stream_source for g in self.layers if g.owned or not self.across_nodes]
+            streamed = [g.stream_source for i, g in enumerate(self.layers)
+                        if (g.owned or not self.across_nodes) and i not in self._scratch_views]
             if self.across_nodes:  # the scratch the others' loads view, once
                 streamed.append(scratch["shadow"] if "shadow" in scratch else scratch["master"])
+            if self._scratch_views:  # the node's scratch, once (the pinner registers a view's whole mapping)
+                streamed.append(self.layers[min(self._scratch_views)].stream_source)
             self.pinner.pin(streamed + copied,
                             "streamed layer weights and resident masters" if copied else "streamed layer weights")
 
@@ -330,14 +339,15 @@ class HostStore:
         sum over a node's ranks is what the node holds."""
         total = 0.0
         seen: set[int] = set()  # nodes sharing one store: the other layers' views of one scratch count once
-        for g in self.groups():
+        for i, g in enumerate(self.groups()):
             for t in g.host_tensors():
                 if t.device.type != "cpu":
                     continue  # an optimizer-resident layer's buffers on a device (engine/update/resident.py)
-                if self.across_nodes and not g.owned and g is not self.globals:
+                if (self.across_nodes and not g.owned and g is not self.globals) or i in self._scratch_views:
                     if t.untyped_storage().data_ptr() not in seen:
                         seen.add(t.untyped_storage().data_ptr())
-                        total += t.untyped_storage().nbytes()
+                        views = self.ranks_sharing if i in self._scratch_views else 1  # a node's: its share
+                        total += t.untyped_storage().nbytes() / views
                     continue
                 share = self.ranks_sharing if g is not self.globals and t is not g.grad else 1
                 total += t.numel() * t.element_size() / share

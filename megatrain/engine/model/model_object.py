@@ -21,7 +21,8 @@
 - with nodes sharing one store (parallel/shared_store.py) another node's layers' Parameters here are one scratch:
   `state_dict()` (so `save_pretrained()`) serves their masters gathered from their owners, a collective every rank
   calls (a rank alone is refused within seconds), and so does an evaluation forward's loading;
-  `named_parameters()` still yields the scratch for them;
+  `named_parameters()` still yields the scratch for them (on purpose: serving their values would put a collective
+  inside `parameters()`' generator, which callers consume on one rank or stop early; docs/DISTRIBUTED.md 5b);
 - `.to()` / `.cuda()` / `.half()` and the like are refused when they would change anything (a no-op,
   or a move to the engine's own device, passes): they would cut the weights loose from the store the
   optimizer updates.

@@ -448,8 +448,8 @@ def _hyper(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
 def refusal(config: EngineConfig, optimizer: torch.optim.Optimizer, data_parallel: bool,
             across_nodes: bool = False) -> str | None:
     """Why the speculative step cannot run with this configuration and optimizer, or None if it can. Several
-    data-parallel ranks can (the module docstring's "Several ranks"), but not nodes sharing one store (`across_nodes`,
-    parallel/shared_store.py: not built for it)."""
+    data-parallel ranks can (the module docstring's "Several ranks"), but not nodes sharing one store (`across_nodes`:
+    the store's `across_nodes` or, several ranks per node, `spans_nodes`; parallel/shared_store.py: not built for it)."""
     if config.optimizer_in_backward:
         return "optimizer_in_backward updates the layers in backward already"
     if config.nvme_path is not None:
@@ -469,7 +469,8 @@ def resolve(config: EngineConfig, device: torch.device, optimizer: torch.optim.O
     setting = config.speculative_step
     if setting is False:
         return frozenset()
-    reason = refusal(config, optimizer, data_parallel, getattr(store, "across_nodes", False))
+    reason = refusal(config, optimizer, data_parallel,
+                     getattr(store, "across_nodes", False) or getattr(store, "spans_nodes", False))
     if reason is not None:
         if setting is True:
             raise ValueError(f"speculative_step=True: {reason}; set speculative_step='auto' or False")
