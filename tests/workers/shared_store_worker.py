@@ -149,7 +149,8 @@ def train(args: dict) -> dict:
              if not n.startswith(prefix + ".") or int(n[len(prefix) + 1:].split(".")[0]) in owned}
     got = {"losses": losses, "norms": norms, "stats": stats, "state": state, "owned": sorted(owned),
            "data_path": engine.data_path.describe()}
-    got["whole"] = engine.state_dict()
+    if not args.get("lone"):  # (the "alone" run's only joins are the calls by one rank, under ALONE_JOIN_S)
+        got["whole"] = engine.state_dict()
     if args.get("do_extras"):
         got.update(extras(engine, rows[rank * micro: (rank + 1) * micro], args))
     if args.get("lone") and world > 1:
