@@ -144,6 +144,15 @@ def make_batches(n: int, batch: int = 2, seq: int = 24, vocab: int = 256, seed: 
     return out
 
 
+@pytest.fixture(scope="session")
+def node_launches(tmp_path_factory):
+    """The node path's launches and their one-process reference, shared by test_node_path.py and
+    test_node_residency.py (kit.NodeLaunches): each launch made once, when a test first reads it."""
+    from kit import NodeLaunches
+
+    return NodeLaunches(tmp_path_factory)
+
+
 @pytest.fixture
 def clone():
     return copy.deepcopy

@@ -261,10 +261,11 @@ def parity_gaps(ref: dict, got: dict) -> dict[str, float]:
 
 
 def ranks_beside_one_process(worker: str | Path, tmp_path: Path, args: dict, runs: list[str],
-                             deadline_s: float = 600) -> tuple[dict, list[dict]]:
+                             deadline_s: float = 600, reference: dict | None = None) -> tuple[dict, list[dict]]:
     """`args["world"]` ranks of `worker` under torchrun (its runs `runs`, each rank writing rank{r}.pt under
     `tmp_path`) and, while they run, the one-process reference on the concatenated batch (its "per_rank" run at
-    micro-batch x world, every layer streamed): (the reference, each rank's results)."""
+    micro-batch x world, every layer streamed) unless `reference` is that, made already: (the reference, each
+    rank's results)."""
     import json
 
     env = worker_env(threads=1, PYTHONWARNINGS="ignore")
@@ -274,16 +275,51 @@ def ranks_beside_one_process(worker: str | Path, tmp_path: Path, args: dict, run
                              worker, tmp_path, json.dumps({**args, "runs": runs})], env=env, stdout=f,
                             stderr=subprocess.STDOUT, text=True)
     try:
-        lone = tmp_path / "lone"
-        lone.mkdir()
-        whole = {**args, "micro": args["micro"] * args["world"], "world": 1, "runs": ["per_rank"]}
-        run_python([worker, lone, json.dumps(whole)], env=env, timeout=deadline_s, check=True)
+        if reference is None:
+            lone = tmp_path / "lone"
+            lone.mkdir()
+            whole = {**args, "micro": args["micro"] * args["world"], "world": 1, "runs": ["per_rank"]}
+            run_python([worker, lone, json.dumps(whole)], env=env, timeout=deadline_s, check=True)
+            reference = torch.load(lone / "rank0.pt")["per_rank"]
     except BaseException:
         proc.kill()
         raise
     finish(proc, timeout=deadline_s, log=log)
-    return (torch.load(lone / "rank0.pt")["per_rank"],
-            [torch.load(tmp_path / f"rank{r}.pt") for r in range(args["world"])])
+    return reference, [torch.load(tmp_path / f"rank{r}.pt") for r in range(args["world"])]
+
+
+class NodeLaunches:
+    """The node path's launches, each made once per session and read by tests/integration/test_node_path.py and
+    test_node_residency.py (tests/workers/node_residency_worker.py runs both modules' runs): 2 ranks x micro-batch 2
+    with every run either module reads, 4 ranks x micro-batch 1, and the one-process reference at micro-batch 4 that
+    both compare with (the same global batch, steps and layers: one reference, made beside the first launch)."""
+
+    WORKER = ROOT / "tests" / "workers" / "node_residency_worker.py"
+    ARGS = {"micro": 2, "world": 2, "steps": 3, "layers": 4}
+
+    def __init__(self, factory: pytest.TempPathFactory, deadline_s: float = 600) -> None:
+        self.factory, self.deadline_s = factory, deadline_s
+        self.reference: dict | None = None
+        self.launched: dict[int, list[dict]] = {}
+
+    def _launch(self, world: int, runs: list[str]) -> tuple[dict, list[dict]]:
+        if world not in self.launched:
+            args = {**self.ARGS, "micro": self.ARGS["micro"] * self.ARGS["world"] // world, "world": world}
+            self.reference, self.launched[world] = ranks_beside_one_process(
+                self.WORKER, self.factory.mktemp(f"node{world}"), args, runs, self.deadline_s, self.reference)
+        return self.reference, self.launched[world]
+
+    def two(self) -> tuple[dict, list[dict]]:
+        """(the reference, each of 2 ranks' results): test_node_path's runs and test_node_residency's."""
+        from test_node_path import RUNS as path_runs
+        from test_node_residency import RUNS as residency_runs
+
+        return self._launch(2, list(dict.fromkeys(path_runs + residency_runs)))
+
+    def four(self) -> tuple[dict, list[dict]]:
+        """(the reference, each of 4 ranks' results): every layer streamed ("node") and the first 2 kept ("node:k2")."""
+        return self._launch(4, ["node", "node:k2"])
+
 
 def probes(out: str) -> list[dict]:
     """Every `PROBE {json}` a worker printed. Ranks share a launcher's stdout, and one rank's line can follow the

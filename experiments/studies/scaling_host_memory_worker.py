@@ -1,9 +1,10 @@
-"""One rank of the host-memory measurement: train a layer-heavy Llama two steps, then report this process's
+"""One rank of the host-memory measurement: train a layer-heavy Llama two steps (TRAIN_STEPS), then report this process's
 proportional set size (PSS: shared pages split between the processes mapping them, so the ranks' PSS add up
 to what the machine holds for them; RSS would count the node's shared store once per rank).
 
 Run as `python experiments/studies/scaling_host_memory_worker.py OUT_DIR DATA_PARALLEL_HOST` (alone, or with torchrun's variables).
-LAYERS in the environment: the model's depth (default 32); HOST_MODES: JSON of host-mode engine settings.
+LAYERS in the environment: the model's depth (default 32); HOST_MODES: JSON of host-mode engine settings;
+TRAIN_STEPS: the steps trained before measuring (default 2; the first step allocates every buffer and Adam state).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def main() -> None:
                       "residency": "stream",
                       "host_mmap_threshold_bytes": 1 << 17, **modes}})
     ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(rank))
-    for _ in range(2):
+    for _ in range(int(os.environ.get("TRAIN_STEPS", "2"))):
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()

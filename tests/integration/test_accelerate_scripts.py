@@ -291,29 +291,47 @@ print("PROBE " + json.dumps({"num_processes": acc.num_processes, "process_index"
 """
 
 
+class _RoadRuns:
+    """The script unchanged under `accelerate launch` on the DeepSpeed road with a "megatrain" section, trained and
+    resumed beside plain accelerate (`_runs`), once per rank count for the module: the road's test of that rank
+    count reads them, and the state test reads the state the script's accelerator was made with (the same
+    `Accelerator(gradient_accumulation_steps=2)` on the same launch as a probe of its own, which was a launch more)."""
+
+    def __init__(self, factory: pytest.TempPathFactory, plain: _PlainRuns) -> None:
+        self.factory, self.plain, self.done = factory, plain, {}
+
+    def get(self, ranks: int) -> tuple[Path, dict[str, list[dict]]]:
+        """(where the runs wrote, the runs) of `ranks` processes."""
+        if ranks not in self.done:
+            root = self.factory.mktemp(f"road{ranks}")
+            self.done[ranks] = root, _runs(root, self.plain, ranks, [], launch=_ds_launch_config(root, ranks,
+                                                                                                 DS_CONFIG))
+        return self.done[ranks]
+
+
 @pytest.fixture(scope="module")
-def road_states(tmp_path_factory) -> dict[bool, list[dict]]:
-    """The state probe under `accelerate launch` on the DeepSpeed road, 2 ranks, with a "megatrain" section (True)
-    and without (False): the two launches side by side (each mostly its single-threaded start-up), each rank's
-    state as it printed it."""
-    launches = {}
+def road_runs(tmp_path_factory, plain_runs) -> _RoadRuns:
+    return _RoadRuns(tmp_path_factory, plain_runs)
+
+
+@pytest.fixture(scope="module")
+def road_states(tmp_path_factory, road_runs) -> dict[bool, list[dict]]:
+    """Each rank's accelerate state on the DeepSpeed road, 2 ranks under `accelerate launch`: with a "megatrain"
+    section (True) as the script's run there made it, and without (False) as the state probe printed it."""
+    root = tmp_path_factory.mktemp("road_section_False")
+    launch = _ds_launch_config(root, 2, {k: v for k, v in DS_CONFIG.items() if k != "megatrain"})
+    (root / "probe.py").write_text(STATE_PROBE)
+    log = root / "launch.log"
+    proc = start_python(["-m", "accelerate.commands.launch", "--config_file", launch, "--main_process_port",
+                         str(free_port()), root / "probe.py"], env=worker_env(threads=1), log=log)
     try:
-        for section in (True, False):
-            root = tmp_path_factory.mktemp(f"road_section_{section}")
-            config = dict(DS_CONFIG) if section else {k: v for k, v in DS_CONFIG.items() if k != "megatrain"}
-            launch = _ds_launch_config(root, 2, config)
-            (root / "probe.py").write_text(STATE_PROBE)
-            log = root / "launch.log"
-            launches[section] = (start_python(["-m", "accelerate.commands.launch", "--config_file", launch,
-                                               "--main_process_port", str(free_port()), root / "probe.py"],
-                                              env=worker_env(threads=1), log=log), log)
-        for proc, log in launches.values():
-            finish(proc, timeout=300, log=log)
-    finally:
-        for proc, _ in launches.values():
-            proc.kill()
-    return {section: sorted(probes(log.read_text()), key=lambda s: s["process_index"])
-            for section, (_, log) in launches.items()}
+        _, runs = road_runs.get(2)  # the script's runs meanwhile (they read nothing the probe writes)
+    except BaseException:
+        proc.kill()
+        raise
+    finish(proc, timeout=300, log=log)
+    return {True: [r["state"] for r in runs["face"]],
+            False: sorted(probes(log.read_text()), key=lambda s: s["process_index"])}
 
 
 @pytest.mark.parametrize("section", [True, False])
@@ -335,12 +353,11 @@ def test_deepspeed_road_on_cpu_counts_every_rank(road_states, section):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_accelerate_script_unchanged_on_the_deepspeed_road(tmp_path, plain_runs, ranks):
+def test_accelerate_script_unchanged_on_the_deepspeed_road(road_runs, plain_runs, ranks):
     """The same script without its switch, under `accelerate launch` with a DeepSpeed config whose "megatrain"
     section puts MegaTrain behind accelerate's DeepSpeed road, against plain accelerate (no clipping on either:
     the config says gradient_clipping 0)."""
-    launch = _ds_launch_config(tmp_path, ranks, DS_CONFIG)
-    runs = _runs(tmp_path, plain_runs, ranks, [], launch=launch)
+    tmp_path, runs = road_runs.get(ranks)
     # accelerate's DeepSpeed road, with MegaTrain's engine behind it (DeepSpeed's own engine would say so)
     assert all(r["distributed_type"] == "DistributedType.DEEPSPEED" and r["prepared"] == "MegaTrainEngine"
                for r in runs["face"]), [(r["distributed_type"], r["prepared"]) for r in runs["face"]]

@@ -3,11 +3,15 @@ every layer streamed, accumulation 2, a clip that scales at some steps and not a
 (skipped), each with speculative_step=True (waited for after each backward, so every speculation runs; not waited
 for; with optimizer_overlap) against the same ranks' serial step, on the per-rank path (the node's
 shared store, each layer's owner updating it whole; and each rank its own store, the ranks' average) and on the node
-path's update by shard (each rank its ranges of every layer, rolled back by range). Losses, pre-clip norms, weights
+path's update by shard (each rank its ranges of every layer, rolled back by range); in FP32 compute and in the GPU's
+defaults, bf16 compute with FP32 or hilo masters (the rollback then restores the bf16 shadow or the lo halves too:
+a rollback that restored the FP32 master alone failed the bf16 and hilo cases, never the FP32 ones). Losses,
+pre-clip norms, weights
 and Adam state must be the serial step's bit for bit, with the same rollbacks and back-offs on every rank, and the
 speculation must have run (layers kept) and been rolled back. The negative controls break the parity: a rank that
 skips its rollback (both paths), and on the node path rollback copies of whole layers rather than of the rank's
-ranges (a restore then writes over the other rank's ranges, before or after its update). One launch for the module (worker: tests/workers/dp_speculative_worker.py).
+ranges (a restore then writes over the other rank's ranges, before or after its update). One launch for the module
+(worker: tests/workers/dp_speculative_worker.py).
 """
 
 from __future__ import annotations
@@ -24,8 +28,18 @@ WORKER = ROOT / "tests" / "workers" / "dp_speculative_worker.py"
 DEADLINE_S = 600  # a bound on a hang, not a speed target: the whole suite shares two cores
 ARGS = {"micro": 2, "steps": 5, "layers": 4}
 PATHS = ("per_rank", "replicated", "node")
-RUNS = [f"{p}:{m}" for p in PATHS for m in ("serial", "spec")] + [
-    "per_rank:auto", "per_rank:spec:norollback", "node:spec:norollback", "node:spec:wholecopy"] + [
+# "": FP32 compute; "bf16": the GPU's default compute dtype (FP32 masters); "hilo": bf16 compute, the exact split master
+PRECISIONS = ("", "bf16", "hilo")
+
+
+def run(path: str, mode: str, *rest: str) -> str:
+    """A run's name in the worker's "PATH:MODE[:VARIANT][:PRECISION]"."""
+    return ":".join([path, mode, *(r for r in rest if r)])
+
+
+RUNS = [run(p, m, pr) for pr in PRECISIONS for p in PATHS for m in ("serial", "spec")] + [
+    "per_rank:auto", "node:spec:wholecopy"] + [run(p, "spec", "norollback", pr) for p in ("per_rank", "node")
+                                               for pr in ("", "bf16")] + [
     f"{p}:spec:{v}" for p in PATHS for v in ("race", "overlap")] + ["per_rank:spec:slow", "per_rank:spec:slow_unmet"]
 CLIPS = [1e9, 0.05, 1e9, 0.05, 1e9]  # the worker's: a clip that scales at steps 1 and 3
 NAN_STEP = 2
@@ -58,16 +72,22 @@ def _differences(a: dict, b: dict) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("path", PATHS)
-def test_speculative_step_with_two_ranks_is_the_serial_step_bit_for_bit(ranks, path):
-    serial, spec = [r[f"{path}:serial"] for r in ranks], [r[f"{path}:spec"] for r in ranks]
+def test_speculative_step_with_two_ranks_is_the_serial_step_bit_for_bit(ranks, path, precision):
+    """In FP32 compute and in the GPU's defaults (bf16 compute; FP32 or hilo masters): the same rollback and NaN
+    schedule, the serial step's bits."""
+    serial = [r[run(path, "serial", precision)] for r in ranks]
+    spec = [r[run(path, "spec", precision)] for r in ranks]
     assert (path == "node") == spec[0]["data_path"].startswith("node"), spec[0]["data_path"]
+    assert all(s["compute_dtype"] == ("float32" if precision == "" else "bfloat16") for s in serial + spec)
+    assert all(s["host_master"] == ("hilo" if precision == "hilo" else "fp32") for s in serial + spec)
     norms = serial[0]["norms"]
     # the clip scales where it is set low and at no other step; the poisoned step's norm is NaN (skipped)
     assert [n > c for n, c in zip(norms, CLIPS)] == [False, True, False, True, False]
     assert math.isnan(norms[NAN_STEP]) and all(r["skipped"] == 1 for r in spec)
     for r in range(2):
-        assert _differences(serial[r], spec[r]) == [], (path, r)
+        assert _differences(serial[r], spec[r]) == [], (path, precision, r)
     # every rank reached the same verdicts: the same rollbacks, more than none; held steps kept speculated layers
     assert spec[0]["rollbacks"] == spec[1]["rollbacks"] > 0
     assert all(s["kept"] > 0 and s["layers"] == ARGS["layers"] for s in spec)
@@ -97,12 +117,15 @@ def test_auto_backs_off_alike_on_every_rank(ranks):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("precision", ["", "bf16"])
 @pytest.mark.parametrize("path", ["per_rank", "node"])
-def test_a_rank_skipping_its_rollback_breaks_the_parity(ranks, path):
-    """The negative control: rank 1 never restores its rolled-back layers (on the node path: its ranges)."""
+def test_a_rank_skipping_its_rollback_breaks_the_parity(ranks, path, precision):
+    """The negative control: rank 1 never restores its rolled-back layers (on the node path: its ranges); in bf16
+    compute too, where the rollback also has the bf16 shadow the layers stream from to undo."""
     for r in range(2):
-        diff = _differences(ranks[r][f"{path}:serial"], ranks[r][f"{path}:spec:norollback"])
-        assert "losses" in diff and len(diff) > 10, (path, r, diff)
+        diff = _differences(ranks[r][run(path, "serial", precision)], ranks[r][run(path, "spec", "norollback",
+                                                                                      precision)])
+        assert "losses" in diff and len(diff) > 10, (path, precision, r, diff)
 
 
 @pytest.mark.slow

@@ -20,14 +20,21 @@ def _report(out: str) -> dict:
     return json.loads(line[len("REPORT "):])
 
 
-def _trainer(tmp_path, what: str) -> dict:
-    out = run_python([WORKERS / "frozen_trainer.py", tmp_path, what], cwd=tmp_path,
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory) -> dict:
+    """frozen_trainer.py's cases, plain and on MegaTrain, all in one process (torch, transformers and PEFT imported
+    once): the embedding frozen, and the PEFT LoRA model where PEFT is installed."""
+    import importlib.util
+
+    tmp = tmp_path_factory.mktemp("frozen_trainer")
+    whats = ["embedding"] + (["lora"] if importlib.util.find_spec("peft") is not None else [])
+    out = run_python([WORKERS / "frozen_trainer.py", tmp, *whats], cwd=tmp,
                      env=worker_env(world_size=1, threads=2), timeout=600, check=True).stdout
     return _report(out)
 
 
-def test_hf_trainer_with_the_embedding_frozen_trains_as_plain_pytorch(tmp_path):
-    r = _trainer(tmp_path, "embedding")
+def test_hf_trainer_with_the_embedding_frozen_trains_as_plain_pytorch(trainer_runs):
+    r = trainer_runs["embedding"]
     plain, mine = r["plain"], r["megatrain"]
     assert mine["engine"] == "MegaTrainEngine" and plain["engine"] != "MegaTrainEngine"
     assert len(mine["losses"]) == len(plain["losses"]) == 5
@@ -39,10 +46,10 @@ def test_hf_trainer_with_the_embedding_frozen_trains_as_plain_pytorch(tmp_path):
 
 
 @pytest.mark.slow
-def test_hf_trainer_with_a_peft_lora_model_trains_as_plain_peft(tmp_path):
+def test_hf_trainer_with_a_peft_lora_model_trains_as_plain_peft(trainer_runs):
     """A PEFT LoRA model (r 8 on q/v) through the same Trainer: losses as plain PEFT, PEFT's adapter files written."""
     pytest.importorskip("peft")
-    r = _trainer(tmp_path, "lora")
+    r = trainer_runs["lora"]
     plain, mine = r["plain"], r["megatrain"]
     assert mine["engine"] == "MegaTrainEngine" and len(mine["losses"]) == len(plain["losses"]) == 5
     assert max(abs(a - b) for a, b in zip(mine["losses"], plain["losses"])) <= TOL
@@ -58,11 +65,15 @@ def test_trl_sft_trainer_with_a_peft_config_trains_as_plain_trl(tmp_path):
     """SFTTrainer(peft_config=LoRA r 8 on q/v), 8 steps clipped, accumulation 2: MegaTrain's losses and norms within
     1e-5 of plain TRL's, PEFT's adapter files written."""
     pytest.importorskip("peft")
+    # The two runs side by side (each mostly its single-threaded start-up; neither reads the other's files), each in
+    # a process of its own: importing MegaTrain's Trainer routing would route the plain run too.
+    procs = {where: start_python([WORKERS / "frozen_trl_lora.py", tmp_path / where, where], cwd=tmp_path,
+                                 env=worker_env(world_size=1, threads=2), log=tmp_path / f"{where}.log")
+             for where in ("plain", "megatrain")}
     runs = {}
-    for where in ("plain", "megatrain"):
-        out = run_python([WORKERS / "frozen_trl_lora.py", tmp_path / where, where], cwd=tmp_path,
-                         env=worker_env(world_size=1, threads=2), timeout=600, check=True).stdout
-        runs[where] = _report(out)
+    for where, proc in procs.items():
+        finish(proc, timeout=600, log=tmp_path / f"{where}.log")
+        runs[where] = _report((tmp_path / f"{where}.log").read_text())
     plain, mine = runs["plain"], runs["megatrain"]
     assert mine["engine"] == "MegaTrainEngine" and plain["engine"] != "MegaTrainEngine"
     assert len(mine["losses"]) == len(plain["losses"]) == 8
@@ -95,13 +106,18 @@ def test_two_ranks_under_torchrun_train_only_what_the_user_left_trainable(tmp_pa
     log = tmp_path / "torchrun.log"
     proc = start_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                          WORKERS / "frozen_dp_worker.py", tmp_path], env=worker_env(threads=1), log=log)
-    finish(proc, timeout=600, log=log)
-    results = json.loads((tmp_path / "results.json").read_text())
     from frozen_cases import dp_cases
 
+    try:  # the references here while the ranks run (they read nothing the ranks write)
+        refs = {case: _dp_reference(case) for case in dp_cases()}
+    except BaseException:
+        proc.kill()
+        raise
+    finish(proc, timeout=600, log=log)
+    results = json.loads((tmp_path / "results.json").read_text())
     assert sorted(results) == sorted(dp_cases())
     for case, ranks in results.items():
-        losses, norms = _dp_reference(case)
+        losses, norms = refs[case]
         for r, got in enumerate(ranks):
             assert max(abs(a - b[r]) for a, b in zip(got["losses"], losses)) <= TOL, (case, r, got, losses)
             assert all(abs(a - b) <= TOL * b for a, b in zip(got["norms"], norms)), (case, got["norms"], norms)

@@ -68,14 +68,23 @@ def _check_trainer_run(script: str, plain: dict, full: dict, resumed: dict, tmp:
     assert all(final[k].shape == ref[k].shape and final[k].dtype == ref[k].dtype for k in final)
 
 
+SCRIPTS = ["hf_trainer.py", "trl_sft.py"]
+
+
+@pytest.fixture(scope="module")
+def driven(tmp_path_factory) -> tuple[dict, Path]:
+    """examples/hf_trainer.py and examples/trl_sft.py on both backends, in one process (torch, transformers and TRL
+    imported once), once for the module: (their reports, where they wrote)."""
+    tmp = tmp_path_factory.mktemp("driven")
+    return _drive("torch+megatrain", SCRIPTS, tmp), tmp
+
+
 @pytest.mark.slow
-def test_trainer_and_sft_trainer_on_megatrain_match_plain_save_resume_and_evaluate(tmp_path):
-    """examples/hf_trainer.py (Trainer) and examples/trl_sft.py (SFTTrainer), unchanged, on both backends (one
-    process runs them all: torch, transformers and TRL imported once)."""
-    scripts = ["hf_trainer.py", "trl_sft.py"]
-    runs = _drive("torch+megatrain", scripts, tmp_path)
-    for script in scripts:
-        _check_trainer_run(script, runs[script]["plain"], runs[script]["full"], runs[script]["resumed"], tmp_path)
+def test_trainer_and_sft_trainer_on_megatrain_match_plain_save_resume_and_evaluate(driven):
+    """examples/hf_trainer.py (Trainer) and examples/trl_sft.py (SFTTrainer), unchanged, on both backends."""
+    runs, tmp = driven
+    for script in SCRIPTS:
+        _check_trainer_run(script, runs[script]["plain"], runs[script]["full"], runs[script]["resumed"], tmp)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -288,25 +297,16 @@ def test_a_plain_trainer_script_with_a_megatrain_section_trains_on_megatrain(tmp
 
 
 @pytest.mark.slow
-def test_trainer_example_without_launcher_variables_trains_to_the_end_with_plain_losses(tmp_path):
+def test_trainer_example_without_launcher_variables_trains_to_the_end_with_plain_losses(tmp_path, driven):
     """`python examples/hf_trainer.py` as a single-GPU user runs it: no torchrun variables. It used to stop at
-    the first logging step (Trainer's nested_gather found no process group)."""
-    bare = worker_env(threads=2)
-
-    def start(backend: str) -> tuple[subprocess.Popen, str]:
-        proc = start_python([ROOT / "examples" / "hf_trainer.py", "--output_dir", tmp_path / backend, "--report",
-                             tmp_path / f"{backend}.json", "--backend", backend], cwd=tmp_path, env=bare,
-                            log=tmp_path / f"{backend}.log")
-        return proc, backend
-
-    def losses(run: tuple[subprocess.Popen, str]) -> dict:
-        proc, backend = run
-        finish(proc, timeout=600, log=tmp_path / f"{backend}.log")
-        return json.loads((tmp_path / f"{backend}.json").read_text())
-
-    # Both backends side by side: neither reads the other's files.
-    runs = [start("megatrain"), start("torch")]
-    mt, plain = losses(runs[0]), losses(runs[1])
+    the first logging step (Trainer's nested_gather found no process group). Its losses are plain Trainer's on the
+    same script and arguments (the module's run of it, `driven`)."""
+    proc = start_python([ROOT / "examples" / "hf_trainer.py", "--output_dir", tmp_path / "megatrain", "--report",
+                         tmp_path / "megatrain.json", "--backend", "megatrain"], cwd=tmp_path,
+                        env=worker_env(threads=2), log=tmp_path / "megatrain.log")
+    finish(proc, timeout=600, log=tmp_path / "megatrain.log")
+    mt, plain = json.loads((tmp_path / "megatrain.json").read_text()), driven[0]["hf_trainer.py"]["plain"]
+    assert plain["engine"] != "MegaTrainEngine"
     assert mt["engine"] == "MegaTrainEngine" and mt["engine_global_steps"] == 8
     steps = [str(i) for i in range(1, 9)]
     assert sorted(mt["losses"], key=int) == steps

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kit import ROOT, bits, layer_numel, parity_gaps, ranks_beside_one_process
+from kit import NodeLaunches, bits, layer_numel, parity_gaps
 
 from megatrain.costs.shards import ShardMap
 
-WORKER = ROOT / "tests" / "workers" / "node_path_worker.py"
-DEADLINE_S = 600  # a bound on a hang, not a speed target: the whole suite shares two cores
 TOL = 1e-5  # the project's data-parallel parity tolerance (test_data_parallel.py)
-ARGS = {"micro": 2, "world": 2, "steps": 3, "layers": 4}
+ARGS = NodeLaunches.ARGS  # one launch serves test_node_path.py and test_node_residency.py (kit.NodeLaunches)
 CHUNK = 1280  # elements: a layer of the worker's (11,584) in 10 chunks, the last of padding and one rank's tail
 RUNS = ["node", f"node:chunk{CHUNK}", "node:overlap", "per_rank", "node:skip_gather", "node:skip_scatter",
         "node:whole_update", "node:bf16",
@@ -37,8 +35,8 @@ def _check_update_split(node: dict, smap: ShardMap, rank: int, layers: int, shar
 
 
 @pytest.mark.slow
-def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(tmp_path):
-    ref, ranks = ranks_beside_one_process(WORKER, tmp_path, ARGS, RUNS, DEADLINE_S)
+def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(node_launches):
+    ref, ranks = node_launches.two()
     assert min(ref["norms"]) > 2 * 0.05  # clipping (to 0.05, the worker's CLIP) acts at every step
 
     numel = layer_numel(ref["state"])
@@ -110,11 +108,11 @@ def test_two_ranks_node_path_match_one_process_at_half_the_link_bytes(tmp_path):
 
 
 @pytest.mark.slow
-def test_four_ranks_node_path_match_one_process_at_a_quarter_of_the_link_bytes(tmp_path):
+def test_four_ranks_node_path_match_one_process_at_a_quarter_of_the_link_bytes(node_launches):
     """One node of 4 gloo ranks (micro-batch 1 each) against one process with micro-batch 4: each rank copies a
     quarter of every layer each way (<= 0.35x a lone rank's bytes), and the losses, norms and weights match."""
+    ref, ranks = node_launches.four()
     args = {**ARGS, "micro": 1, "world": 4}
-    ref, ranks = ranks_beside_one_process(WORKER, tmp_path, args, ["node"], DEADLINE_S)
     numel = layer_numel(ref["state"])
     smap = ShardMap.of(numel, 4)
     for r, res in enumerate(ranks):

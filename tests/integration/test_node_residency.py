@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kit import ROOT, bits, layer_numel, parity_gaps, ranks_beside_one_process
+from kit import NodeLaunches, bits, layer_numel, parity_gaps
 
 from megatrain.costs.shards import ShardMap
 
-WORKER = ROOT / "tests" / "workers" / "node_residency_worker.py"
-DEADLINE_S = 600  # a bound on a hang, not a speed target: the whole suite shares two cores
 TOL = 1e-5  # the project's data-parallel parity tolerance (test_data_parallel.py)
 ACCUM, RING = 2, 2  # node_path_worker.train's accumulation; EngineConfig.num_buffers' default
-ARGS = {"micro": 2, "world": 2, "steps": 3, "layers": 4}
+ARGS = NodeLaunches.ARGS  # one launch serves test_node_path.py and test_node_residency.py (kit.NodeLaunches)
 RUNS = ["node", "node:k2", "node:k4", "node:k2:g1", "node:k2:g1:eval", "node:k2:stale", "node:bf16",
         "node:k2:bf16"]
 
@@ -69,8 +67,8 @@ def _check_kept(ref: dict, res: dict, run: str, kept: int, rank: int, world: int
 
 
 @pytest.mark.slow
-def test_two_ranks_keep_layers_sharded_exactly_for_half_a_refresh_each(tmp_path):
-    ref, ranks = ranks_beside_one_process(WORKER, tmp_path, ARGS, RUNS, DEADLINE_S)
+def test_two_ranks_keep_layers_sharded_exactly_for_half_a_refresh_each(node_launches):
+    ref, ranks = node_launches.two()
     assert min(ref["norms"]) > 2 * 0.05  # clipping (to 0.05, the worker's CLIP) acts at every step
     numel = layer_numel(ref["state"])
     for r, res in enumerate(ranks):
@@ -97,11 +95,10 @@ def test_two_ranks_keep_layers_sharded_exactly_for_half_a_refresh_each(tmp_path)
 
 
 @pytest.mark.slow
-def test_four_ranks_keep_a_quarter_of_each_kept_layer(tmp_path):
+def test_four_ranks_keep_a_quarter_of_each_kept_layer(node_launches):
     """One node of 4 gloo ranks (micro-batch 1 each) against one process with micro-batch 4, the first 2 of 4 layers
     kept sharded: a quarter of each kept layer per rank, the all-streamed run's bits, the predicted h2d bytes."""
-    args = {**ARGS, "micro": 1, "world": 4}
-    ref, ranks = ranks_beside_one_process(WORKER, tmp_path, args, ["node", "node:k2"], DEADLINE_S)
+    ref, ranks = node_launches.four()
     numel = layer_numel(ref["state"])
     for r, res in enumerate(ranks):
         gaps = parity_gaps(ref, res["node:k2"])

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -30,15 +29,16 @@ TOL = 1e-5  # the project's data-parallel parity tolerance (test_data_parallel.p
 ARGS = {"micro": 2, "world": 2, "steps": 3, "layers": 8}
 
 
-def _lone(tmp_path, args: dict, budget: int | None = None, runs: tuple[str, ...] = ("plain",)) -> dict:
-    """The one-process runs on the concatenated batch."""
-    out = tmp_path / f"lone-{budget}"
+def _lone(tmp_path, args: dict, runs: tuple[str, ...], fractions: dict[str, float]) -> dict:
+    """The one-process runs on the concatenated batch; `fractions`: a run's budget as that fraction of the process's
+    own "plain" run's whole store."""
+    out = tmp_path / "lone"
     out.mkdir()
-    whole = {**args, "micro": args["micro"] * args["world"], "world": 1, "budget": budget, "runs": list(runs)}
+    whole = {**args, "micro": args["micro"] * args["world"], "world": 1, "budget": None, "runs": list(runs),
+             "fractions": fractions}
     run_python([WORKER, out, json.dumps(whole)], env=worker_env(threads=1, PYTHONWARNINGS="ignore"),
                timeout=DEADLINE_S, check=True)
-    got = torch.load(out / "rank0.pt")
-    return got if len(runs) > 1 else got["plain"]
+    return torch.load(out / "rank0.pt")
 
 
 def _two_nodes(tmp_path, args: dict, name: str) -> list[dict]:
@@ -63,19 +63,23 @@ def _two_nodes(tmp_path, args: dict, name: str) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
+# The budget below one node's share: half the layers plus the resident parameters do not fit.
+REFUSED = 0.3
+
+
 @pytest.fixture(scope="module")
 def lone(tmp_path_factory) -> dict:
-    """The one-process reference runs, once for the module: the refusal test reads its whole store's bytes from
-    them too (the store at step 0 is the same whatever the number of steps), a process less."""
-    return _lone(tmp_path_factory.mktemp("lone"), ARGS, runs=("plain", "bf16", "hilo", "bf16m"))
+    """The one-process runs, once for the module: the references, and a lone process under REFUSED x its own
+    whole store (the store at step 0 is the same whatever the number of steps), in one process."""
+    return _lone(tmp_path_factory.mktemp("lone"), ARGS, ("plain", "bf16", "hilo", "bf16m", "refused"),
+                 {"refused": REFUSED})
 
 
-@pytest.mark.slow
-def test_two_nodes_share_one_store_under_a_budget_and_train_as_one_process(tmp_path, lone):
-    ref = lone["plain"]
-    assert "refused" not in ref, ref
-    whole = ref["stats"][0]["host_store_bytes"]
-    assert min(ref["norms"]) > 2 * 0.05  # clipping (to 0.05, the worker's CLIP) acts at every step
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory, lone) -> list[dict]:
+    """The two nodes' runs, one launch for the module: the shared store's and its controls, the "alone" run's calls
+    by one rank, and the budget below one node's share ("refused", where every rank refuses before training)."""
+    whole = lone["plain"]["stats"][0]["host_store_bytes"]
     budget = int(0.6 * whole)
     whole_bf16 = lone["bf16"]["stats"][0]["host_store_bytes"]  # with the layers' bf16 shadow
     # host_master "hilo" (bf16 hi + int16 lo, exact) and "bf16" ("bf16m" runs), bf16 compute: their stores' bytes.
@@ -84,14 +88,25 @@ def test_two_nodes_share_one_store_under_a_budget_and_train_as_one_process(tmp_p
     masters = {m: lone[m]["stats"][0]["host_store_bytes"] for m in ("hilo", "bf16m")}
     # "whole", "bf16_whole", ...: no budget, each node its whole store (the per-rank path), in the same launch
     runs = ["plain", "overlap", "resume", "bf16", "whole", "bf16_whole", "hilo", "hilo_whole", "bf16m", "bf16m_whole",
-            "skip_broadcast", "skip_reduce"]
+            "skip_broadcast", "skip_reduce", "alone", "refused"]
     budgets = {"bf16": int(0.6 * whole_bf16), "whole": None, "bf16_whole": None, "hilo_whole": None,
-               "bf16m_whole": None, **{m: int(0.75 * b) for m, b in masters.items()}}
+               "bf16m_whole": None, **{m: int(0.75 * b) for m, b in masters.items()}, "refused": int(REFUSED * whole)}
     # "extras": after training, an evaluation forward, model.state_dict() and save_pretrained on every rank; "alone":
-    # then rank 0 evaluates by itself (rank 1 in a barrier), and rank 1 calls model.state_dict() by itself
+    # "plain" again, then rank 0 evaluates by itself (rank 1 in a barrier), and rank 1 calls model.state_dict() by
+    # itself, each refused once its engine's join runs out (the worker's ALONE_JOIN_S, not 10 s twice)
     extras = ["plain", "bf16", "whole", "bf16_whole", "hilo", "hilo_whole", "bf16m", "bf16m_whole"]
-    ranks = _two_nodes(tmp_path, {**ARGS, "budget": budget, "budgets": budgets, "runs": runs, "extras": extras,
-                                  "alone": "plain"}, "shared")
+    return _two_nodes(tmp_path_factory.mktemp("shared"), {**ARGS, "budget": budget, "budgets": budgets, "runs": runs,
+                                                          "extras": extras}, "shared")
+
+
+@pytest.mark.slow
+def test_two_nodes_share_one_store_under_a_budget_and_train_as_one_process(lone, ranks):
+    ref = lone["plain"]
+    assert "refused" not in ref, ref
+    whole = ref["stats"][0]["host_store_bytes"]
+    assert min(ref["norms"]) > 2 * 0.05  # clipping (to 0.05, the worker's CLIP) acts at every step
+    whole_bf16 = lone["bf16"]["stats"][0]["host_store_bytes"]
+    masters = {m: lone[m]["stats"][0]["host_store_bytes"] for m in ("hilo", "bf16m")}
     layers = ARGS["layers"]
     owned = [list(range(a, b)) for a, b in layer_ranges([1] * layers, 2)]
     assert owned == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -155,16 +170,17 @@ def test_two_nodes_share_one_store_under_a_budget_and_train_as_one_process(tmp_p
     # A rank alone at a collective call is refused at its join, naming itself and what to do, well before the
     # watchdog (0.9 x 120 s, when the broadcast no owner sends gave up, as it did before the join)
     for r, key, what in ((0, "alone_forward", "an evaluation forward"), (1, "alone_state_dict", "state_dict()")):
-        got = ranks[r]["plain"][key]
+        assert ranks[r]["alone"]["data_path"].startswith("nodes share one store"), ranks[r]["alone"]["data_path"]
+        got = ranks[r]["alone"][key]
         assert got.get("type") == "RanksOutOfStep", (r, got)
         assert f"rank {r} of 2 ran" in got["message"] and what in got["message"], got["message"]
         assert "every rank" in got["message"], got["message"]
         assert got["seconds"] < 60, got  # JOIN_S (10 s) on the clock; a bound on a hang, not a speed
     # After a refusal the ranks are out of step at that call: it is refused at once on every rank, never a hang
     for r in range(2):
-        got = ranks[r]["plain"]["after_forward"]
+        got = ranks[r]["alone"]["after_forward"]
         assert got.get("type") == "RanksOutOfStep" and got["seconds"] < 60, (r, got)
-    assert "another rank ran one alone earlier" in ranks[1]["plain"]["after_forward"]["message"]
+    assert "another rank ran one alone earlier" in ranks[1]["alone"]["after_forward"]["message"]
     # the two shares hold every layer once: together more than one store (each replicates the resident parameters
     # and a layer of scratch), less than two
     both = sum(res["plain"]["stats"][-1]["host_store_bytes"] for res in ranks)
@@ -172,22 +188,16 @@ def test_two_nodes_share_one_store_under_a_budget_and_train_as_one_process(tmp_p
 
 
 @pytest.mark.slow
-def test_a_budget_below_one_nodes_share_is_refused_by_name(tmp_path, lone):
-    whole = lone["plain"]["stats"][0]["host_store_bytes"]
-    budget = int(0.3 * whole)  # half the layers plus the resident parameters do not fit
-    # The lone process's refusal (below) runs beside the two nodes' launch: it reads nothing they write.
-    with ThreadPoolExecutor(1) as pool:
-        lone_refused = pool.submit(_lone, tmp_path, {**ARGS, "steps": 1}, budget)
-        ranks = _two_nodes(tmp_path, {**ARGS, "steps": 1, "budget": budget}, "refused")
-        alone = lone_refused.result()
+def test_a_budget_below_one_nodes_share_is_refused_by_name(lone, ranks):
+    budget = int(REFUSED * lone["plain"]["stats"][0]["host_store_bytes"])
     for r, res in enumerate(ranks):
-        msg = res["plain"].get("refused", "")
+        msg = res["refused"].get("refused", "")
         assert f"host_budget_bytes is {budget:,} bytes" in msg, (r, res)
         assert "cannot share one store" in msg and "each of 2 nodes' share needs up to" in msg, (r, msg)
         more = re.search(r"(\d+) nodes' shares would fit", msg)  # the fewest that would, one layer each at most here
         assert more is not None and 2 < int(more.group(1)) <= ARGS["layers"], msg
     # a lone process has no nodes to share with: the budget it cannot honour without nvme_path is refused too
-    assert "set nvme_path" in alone.get("refused", ""), alone
+    assert "set nvme_path" in lone["refused"].get("refused", ""), lone["refused"]
 
 
 def test_layer_ranges_split_by_parameters():

@@ -81,6 +81,10 @@ def main():
         from accelerate import Accelerator
         accelerator_kwargs = {}
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, **accelerator_kwargs)
+    # The state as accelerate made it, before anything ran (test_accelerate_scripts.py reads it on the DeepSpeed road)
+    made = {"num_processes": accelerator.num_processes, "process_index": accelerator.process_index,
+            "distributed_type": str(accelerator.distributed_type), "backend": accelerator.state.backend,
+            "group": torch.distributed.get_world_size() if torch.distributed.is_initialized() else None}
     logger.info(accelerator.state, main_process_only=False)
     if accelerator.state.deepspeed_plugin is not None:
         logger.info("DeepSpeed config: %s", accelerator.state.deepspeed_plugin.deepspeed_config)
@@ -211,7 +215,7 @@ def main():
         )
     if args.report is not None:
         os.makedirs(args.report, exist_ok=True)
-        report.update(num_processes=accelerator.num_processes, accelerator=type(accelerator).__module__,
+        report.update(state=made, num_processes=accelerator.num_processes, accelerator=type(accelerator).__module__,
                       distributed_type=str(accelerator.distributed_type), prepared=type(model).__name__,
                       unwrapped=type(accelerator.unwrap_model(model)).__name__)
         with open(os.path.join(args.report, f"report_rank{accelerator.process_index}.json"), "w") as f:

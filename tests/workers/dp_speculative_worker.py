@@ -12,7 +12,8 @@ MODE "serial" (speculative_step=False), "spec" (True) or "auto" (True, with "aut
 otherwise settles off); VARIANT "race" (the speculative jobs not waited for after each backward: which layers a
 step finds speculated is the host's timing), "overlap" (optimizer_overlap: the step returns with the layer updates
 queued, each layer's next load waiting for them), "slow" (rank 0's restores start late) or a negative control
-(`control`)). Writes OUT_DIR/rank{r}.pt:
+(`control`)); and a precision, "bf16" (bf16 compute, FP32 masters) or "hilo" (bf16 compute, host_master "hilo"),
+FP32 compute without (e.g. "per_rank:spec:norollback:bf16"). Writes OUT_DIR/rank{r}.pt:
 per run, each micro-batch's loss (the global batch's), each step's pre-clip norm, the final weights (state_dict)
 and Adam state of this rank's optimizer, and the speculative step's counts.
 """
@@ -40,6 +41,9 @@ VOCAB, SEQ, LR = 128, 12, 1e-3
 CLIPS = [1e9, 0.05, 1e9, 0.05, 1e9]
 NAN_STEP = 2  # its clip would scale nothing: the skip, not the clip, rolls it back
 SLOW_RESTORE_S = 0.5  # "slow": each of rank 0's restores starts this late
+# The GPU's default compute dtype, with FP32 or the exact split (hilo) masters: the rollback restores what they hold.
+PRECISIONS = {"": {"compute_dtype": "float32"}, "bf16": {"compute_dtype": "bfloat16", "host_master": "fp32"},
+              "hilo": {"compute_dtype": "bfloat16", "host_master": "hilo"}}
 PATHS = {"per_rank": {"data_parallel_path": "per_rank"},
          "replicated": {"data_parallel_path": "per_rank", "data_parallel_host": "replicated"},
          "node": {"data_parallel_path": "node"}}
@@ -72,11 +76,11 @@ def control(name: str, rank: int):
     return lambda: None
 
 
-def train(args: dict, path: str, mode: str, variant: str = "") -> dict:
+def train(args: dict, path: str, mode: str, variant: str = "", precision: str = "") -> dict:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     micro, steps, accum = args["micro"], args["steps"], 2
     cfg = EngineConfig(**{"device": "cpu", "parity_probe": False, "residency": "stream", "watchdog_s": 120.0,
-                          "compute_dtype": "float32", "speculative_step": mode != "serial", **PATHS[path],
+                          **PRECISIONS[precision], "speculative_step": mode != "serial", **PATHS[path],
                           "optimizer_overlap": variant == "overlap"})
     model = build_model(args["layers"])
     engine = Engine(model, cfg, optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=LR))
@@ -116,7 +120,9 @@ def train(args: dict, path: str, mode: str, variant: str = "") -> dict:
             "layers": stats["speculative_layers"], "skipped": engine.skipped_steps,
             "kept": spec.kept_layers if spec is not None else 0,
             "quiet": spec.quiet_steps if spec is not None else 0,
-            "data_path": engine.data_path.describe()}
+            "data_path": engine.data_path.describe(), "compute_dtype": str(engine.compute_dtype).split(".")[-1],
+            # what the store holds, not what was asked: a layer's 16-bit "lo" remainder is the hilo master's
+            "host_master": "hilo" if engine.store.layers[0].lo is not None else "fp32"}
 
 
 def main() -> None:
@@ -126,10 +132,11 @@ def main() -> None:
     results = {}
     for run in args["runs"]:
         path, mode, *rest = run.split(":")
-        variant = rest[0] if rest else ""
+        precision = "".join(t for t in rest if t in PRECISIONS)
+        variant = "".join(t for t in rest if t not in PRECISIONS)
         undo = control(variant, rank)
         try:
-            results[run] = train(args, path, mode, variant)
+            results[run] = train(args, path, mode, variant, precision)
         finally:
             undo()
     torch.save(results, out / f"rank{rank}.pt")

@@ -1,6 +1,6 @@
 """HF Trainer on a part of a model, once on plain PyTorch and once on MegaTrain (a DeepSpeed config with a "megatrain"
 section), in this one process (tests/integration/test_frozen_faces.py): the embedding frozen, and a PEFT LoRA model
-(r 8 on q/v). Prints `REPORT {json}`: each run's per-step losses and grad norms,
+(r 8 on q/v), each asked for in this one process. Prints `REPORT {json}`: per case, each run's per-step losses and grad norms,
 whether the frozen embedding moved, the flags after training, and the files save_model wrote."""
 
 import json
@@ -44,7 +44,7 @@ def run(out: str, megatrain: bool, lora: bool = False) -> dict:
             "frozen_flags": sorted(n for n, p in model.named_parameters() if not p.requires_grad)}
 
 
-# argv: OUT_DIR and what to run: "embedding" (frozen) or "lora"
-lora = sys.argv[2] == "lora"
-report = {"plain": run(sys.argv[1] + "/plain", False, lora), "megatrain": run(sys.argv[1] + "/megatrain", True, lora)}
+# argv: OUT_DIR and what to run, one or more of "embedding" (frozen) and "lora", each in OUT_DIR/<what>
+report = {what: {"plain": run(f"{sys.argv[1]}/{what}/plain", False, what == "lora"),
+                 "megatrain": run(f"{sys.argv[1]}/{what}/megatrain", True, what == "lora")} for what in sys.argv[2:]}
 print("REPORT " + json.dumps(report))

@@ -76,15 +76,20 @@ def main() -> None:
     out, args = Path(sys.argv[1]), json.loads(sys.argv[2])
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
-    results = {}
-    for run in args.get("runs", ["node"]):
-        path, _, control = run.partition(":")
-        undo = controls(control)
-        clip = NO_CLIP if control in ("noclip", "bf16slab") else CLIP
-        results[run] = train(args, {"data_parallel_path": path, **SETTINGS.get(control, {})}, clip,
-                             given=control in ("adamw", "cpu"), accum=1 if control == "bf16slab" else 2)
-        undo()
+    results = {run: run_one(run, args) for run in args.get("runs", ["node"])}
     torch.save(results, out / f"rank{rank}.pt")
+
+
+def run_one(run: str, args: dict) -> dict:
+    """The run `run` ("PATH" or "PATH:CONTROL"), one engine's."""
+    path, _, control = run.partition(":")
+    undo = controls(control)
+    try:
+        clip = NO_CLIP if control in ("noclip", "bf16slab") else CLIP
+        return train(args, {"data_parallel_path": path, **SETTINGS.get(control, {})}, clip,
+                     given=control in ("adamw", "cpu"), accum=1 if control == "bf16slab" else 2)
+    finally:
+        undo()
 
 
 def train(args: dict, settings: dict, clip: float = CLIP, given: bool = False, accum: int = 2) -> dict:

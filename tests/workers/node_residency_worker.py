@@ -6,7 +6,9 @@ Run as `python tests/workers/node_residency_worker.py OUT_DIR JSON_ARGS` (under 
 node_path_worker.py's, `runs` each "PATH[:OPTION...]": "kN" keeps the first N layers (residency weights N), "gM"
 keeps the first M of them with their graph (activations M: those stay whole), "bf16" computes in bf16, "stale" is
 the negative control (each kept shard refreshed from the host once, never again: stale weights after the first
-step), "eval" a no-grad forward before every backward. Writes OUT_DIR/rank{r}.pt: per run, node_path_worker.train's results plus the shard map's numbers of a layer.
+step), "eval" a no-grad forward before every backward; a run with another option is node_path_worker.py's own
+("PATH:CONTROL", node_path_worker.run_one), so one launch serves tests/integration/test_node_path.py too. Writes
+OUT_DIR/rank{r}.pt: per run, node_path_worker.train's results.
 """
 
 from __future__ import annotations
@@ -57,6 +59,12 @@ def eval_between() -> callable:
     return lambda: setattr(Engine, "backward", backward)
 
 
+def residency_run(options: list[str]) -> bool:
+    """Whether a run has options and every one is this worker's (else the run is node_path_worker's: "auto" there
+    chooses as on a GPU node)."""
+    return bool(options) and all(o in ("bf16", "stale", "eval") or (o[:1] in "kg" and o[1:].isdigit()) for o in options)
+
+
 def settings_of(options: list[str]) -> tuple[dict, callable]:
     settings: dict = {}
     weights = graphs = 0
@@ -85,6 +93,9 @@ def main() -> None:
     results = {}
     for run in args["runs"]:
         path, *options = run.split(":")
+        if not residency_run(options):
+            results[run] = base.run_one(run, args)
+            continue
         settings, undo = settings_of(options)
         try:
             results[run] = base.train(args, {"data_parallel_path": path, **settings}, base.CLIP)

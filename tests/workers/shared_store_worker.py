@@ -6,12 +6,15 @@ rank builds the same weights (one seed): with nodes sharing one store each layer
 Run as `python tests/workers/shared_store_worker.py OUT_DIR JSON_ARGS` (under torchrun, or alone); JSON_ARGS: micro,
 world, steps, layers, budget (host_budget_bytes, or null; budgets: a run's own), runs (one engine after another: "plain", "overlap" or a
 negative control, `control`; "bf16...": bf16 compute; "hilo...", "bf16m...": bf16 compute with host_master "hilo" / "bf16"; "resume": the first half of the steps, a checkpoint saved by every rank, the rest
-in a fresh engine that loads it). Writes OUT_DIR/rank{r}.pt, per run: each micro-batch's loss (averaged over the ranks: the global batch's), each step's pre-clip norm, the weights of the
+in a fresh engine that loads it; "alone": "plain" whose engine's joins wait ALONE_JOIN_S, then the calls by one rank
+alone (`alone`); "refused...": a run under its budget that the engine refuses; a lone process's `fractions`: a run's
+budget as that fraction of its own "plain" run's whole store). Writes OUT_DIR/rank{r}.pt, per run: each micro-batch's
+loss (averaged over the ranks: the global batch's), each step's pre-clip norm, the weights of the
 layers this rank owns and the resident parameters, each step's stats and the data path; or, where the engine refused,
 the refusal's message; and engine.state_dict() at the end (every rank's: the other nodes' layers gathered).
 The runs named in `extras` add an evaluation forward's logits, the model object's state_dict() and its
-save_pretrained() output; the run named `alone` then has one rank evaluate, and one rank call model.state_dict(), by
-itself (`extras`).
+save_pretrained() output (`extras`); the "alone" run has one rank evaluate, and one rank call model.state_dict(), by
+itself (`alone`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from megatrain.engine import Engine
 from megatrain.engine.host.preflight import HostMemoryError
 
 VOCAB, SEQ, LR, CLIP, ACCUM = 128, 12, 1e-3, 0.05, 2
+# The "alone" run's join timeout (shared_store.JOIN_S, 10 s): a rank alone is refused only once it runs out, so the
+# test waits it out twice; its own run keeps the 10 s for the other runs' joins, which every rank reaches together.
+ALONE_JOIN_S = 2.0
 
 
 def build_model(layers: int) -> torch.nn.Module:
@@ -76,10 +82,12 @@ def main() -> None:
                 results[run] = {**rest, "losses": first["losses"] + rest["losses"], "norms": first["norms"] + rest["norms"]}
             else:
                 budget = args.get("budgets", {}).get(run, args.get("budget"))
+                if run in args.get("fractions", {}):  # a lone process: of its own "plain" run's whole store
+                    budget = int(args["fractions"][run] * results["plain"]["stats"][0]["host_store_bytes"])
                 master = "hilo" if run.startswith("hilo") else "bf16" if run.startswith("bf16m") else "auto"
                 results[run] = train({**args, "overlap": run == "overlap", "budget": budget, "master": master,
                                       "bf16": run.startswith(("bf16", "hilo")), "run": run, "out": str(out),
-                                      "do_extras": run in args.get("extras", ()), "lone": run == args.get("alone")})
+                                      "do_extras": run in args.get("extras", ()), "lone": run == "alone"})
         except HostMemoryError as exc:
             results[run] = {"refused": str(exc)}
         finally:
@@ -95,8 +103,15 @@ def train(args: dict) -> dict:
                        speculative_step=False, host_budget_bytes=args.get("budget"),
                        host_master=args.get("master", "auto"),
                        optimizer_overlap=args.get("overlap", False))
-    engine = Engine(build_model(args["layers"]), cfg,
-                    optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=LR))
+    from megatrain.engine.parallel import shared_store
+
+    join_s = shared_store.JOIN_S
+    shared_store.JOIN_S = ALONE_JOIN_S if args.get("lone") else join_s
+    try:
+        engine = Engine(build_model(args["layers"]), cfg,
+                        optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=LR))
+    finally:
+        shared_store.JOIN_S = join_s
     if args.get("load"):
         saved = torch.load(args["load"])
         engine.load_state_dict(saved["model"])
@@ -134,21 +149,21 @@ def train(args: dict) -> dict:
              if not n.startswith(prefix + ".") or int(n[len(prefix) + 1:].split(".")[0]) in owned}
     got = {"losses": losses, "norms": norms, "stats": stats, "state": state, "owned": sorted(owned),
            "data_path": engine.data_path.describe()}
-    got["whole"] = engine.state_dict()
+    if not args.get("lone"):  # (the "alone" run's only joins are the calls by one rank, under ALONE_JOIN_S)
+        got["whole"] = engine.state_dict()
     if args.get("do_extras"):
         got.update(extras(engine, rows[rank * micro: (rank + 1) * micro], args))
+    if args.get("lone") and world > 1:
+        got.update(alone(engine, rows[rank * micro: (rank + 1) * micro]))
     return got
 
 
 def extras(engine: Engine, ids: torch.Tensor, args: dict) -> dict:
     """After training, on every rank: an evaluation forward's logits, the model object's state_dict() and what its
-    save_pretrained() wrote (OUT_DIR/<run>-saved<rank>). With "alone": rank 0 runs an evaluation forward by itself
-    while rank 1 waits in a barrier, then rank 1 calls model.state_dict() by itself while rank 0 waits: each
-    records what it raised (type, message) and how long it took, or what it returned; then both evaluate together
-    ("after_forward")."""
+    save_pretrained() wrote (OUT_DIR/<run>-saved<rank>)."""
     from safetensors.torch import load_file
 
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
     model = engine.module
     model.eval()
     with torch.no_grad():
@@ -158,27 +173,37 @@ def extras(engine: Engine, ids: torch.Tensor, args: dict) -> dict:
     model.save_pretrained(saved)
     got = {"eval_logits": logits, "model_state": model_state,
            "saved": {k: v.clone() for f in sorted(saved.glob("*.safetensors")) for k, v in load_file(f).items()}}
-    if args.get("lone") and world > 1:
-        for who, call, key in ((0, lambda: engine(input_ids=ids, return_logits=True), "alone_forward"),
-                               (1, model.state_dict, "alone_state_dict")):
-            if rank == who:
-                t0 = time.monotonic()
-                try:
-                    value = call()
-                    got[key] = {"returned": value if isinstance(value, dict) else None}
-                except Exception as exc:
-                    got[key] = {"type": type(exc).__name__, "message": str(exc)}
-                got[key]["seconds"] = time.monotonic() - t0
-            dist.barrier()
-        # then every rank evaluates together: the forwards' join was shut by rank 0's refusal, on both ranks
-        t0 = time.monotonic()
-        try:
-            engine(input_ids=ids, return_logits=True)
-            got["after_forward"] = {"returned": True}
-        except Exception as exc:
-            got["after_forward"] = {"type": type(exc).__name__, "message": str(exc)}
-        got["after_forward"]["seconds"] = time.monotonic() - t0
+    model.train()
+    return got
+
+
+def alone(engine: Engine, ids: torch.Tensor) -> dict:
+    """After training: rank 0 runs an evaluation forward by itself while rank 1 waits in a barrier, then rank 1
+    calls model.state_dict() by itself while rank 0 waits: each records what it raised (type, message) and how long
+    it took, or what it returned; then both evaluate together ("after_forward")."""
+    rank = int(os.environ.get("RANK", "0"))
+    model, got = engine.module, {}
+    model.eval()
+    for who, call, key in ((0, lambda: engine(input_ids=ids, return_logits=True), "alone_forward"),
+                           (1, model.state_dict, "alone_state_dict")):
+        if rank == who:
+            t0 = time.monotonic()
+            try:
+                value = call()
+                got[key] = {"returned": value if isinstance(value, dict) else None}
+            except Exception as exc:
+                got[key] = {"type": type(exc).__name__, "message": str(exc)}
+            got[key]["seconds"] = time.monotonic() - t0
         dist.barrier()
+    # then every rank evaluates together: the forwards' join was shut by rank 0's refusal, on both ranks
+    t0 = time.monotonic()
+    try:
+        engine(input_ids=ids, return_logits=True)
+        got["after_forward"] = {"returned": True}
+    except Exception as exc:
+        got["after_forward"] = {"type": type(exc).__name__, "message": str(exc)}
+    got["after_forward"]["seconds"] = time.monotonic() - t0
+    dist.barrier()
     model.train()
     return got
 
