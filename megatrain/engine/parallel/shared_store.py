@@ -289,9 +289,6 @@ def several_ranks_refusal(config: Any) -> str | None:
     if node_path.requested_path(config) == node_path.PER_RANK:
         return ("data_parallel_path='per_rank' with several ranks per node (each node's ranks load its share by "
                 "shard on the node path; set data_parallel_path='auto' or 'node')")
-    if config.speculative_step is True:  # "auto" (settled "if it fits") turns itself off: speculative.resolve
-        return ("speculative_step=True with several ranks per node (not built for it: a layer's restore would have to "
-                "come before the broadcast that loads it on the other nodes; set speculative_step='auto' or False)")
     return None
 
 
