@@ -29,6 +29,9 @@ layer copied host-to-device and broadcast to the same local rank of every other 
 node; NodeGrads: reduce-scattered in the node, each shard reduced to the owner node's peer). Above, for one rank per
 node, the classes here carry it alone (NodesShareStore, SharedWeights).
 
+The speculative step runs with speculative_step True, each layer speculated by its owner rank only
+(update/speculative.py); "auto" stays off for these stores (speculative.resolve says why).
+
 Collective calls outside training (`NodesShareStore.join`): an evaluation forward loads the other nodes' layers by
 the owners' broadcasts, and the model object's `state_dict()` gathers them from their owners, so every rank must run
 them together. Each starts with a join of every rank (a tiny all-gather on a group of its own whose timeout is

@@ -59,6 +59,13 @@ on every rank, not whether this rank had a layer to), pauses alike. Per path:
 - the node path's update by shard: this rank's ranges of every layer, behind the landing of its shard of the
   reduce-scatter; its copy is what by_shard.update writes (by_shard.written), so a restore never writes the other
   ranks' ranges of the shared master and moments.
+- nodes sharing one store (parallel/shared_store.py, docs/DISTRIBUTED.md section 5(b)): each layer only on its owner
+  rank of its owner node (the others have no optimizer view of it: nothing speculated, copied or restored there),
+  behind the reduce into its slab; the norm is one all-reduce over every rank's slabs (ranks.py NodesShare,
+  NodesShareByNode), so one verdict and one finite check for the job. One rank per node: the owner's copy into its
+  ring slot, which its broadcast sends to the other nodes, waits for its restore as any load waits for the layer's
+  update. Several ranks per node: as the node's shared store above (a discard meets every rank of the job).
+  "auto" stays off there (resolve says why).
 No reduction measures a slab's norm with several ranks (the ranks' sum lands after it): with skip_nonfinite the
 speculative job checks the slab (its ranges) is finite first, so no update runs on NaNs here either. The copies a
 node holds: one per speculated layer on the shared store (each rank its layers or its ranges), one per rank with
