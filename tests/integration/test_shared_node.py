@@ -10,7 +10,9 @@ budget; the four ranks' host-to-device copies add up to the lone process's, one 
 controls: without the owner node's broadcast, or without the cross-node reduce, the parity breaks by far. In the same
 launch: collect_stats()'s host_store_bytes of a node's ranks add up to no more than the node holds; the defaults a
 CUDA device settles to (speculative_step "auto" among them) train, the speculative step off by itself, each host
-mapping pinned once; the DeepSpeed face's sharded save_checkpoint resumes bit for bit.
+mapping pinned once; the DeepSpeed face's sharded save_checkpoint resumes bit for bit; speculative_step=True (a
+scaling clip, a NaN on rank 0 skipped) is the serial step bit for bit with the expected rollbacks on every rank, and
+a rank that skips its rollbacks breaks it.
 """
 
 from __future__ import annotations
