@@ -10,13 +10,16 @@ budget; the four ranks' host-to-device copies add up to the lone process's, one 
 controls: without the owner node's broadcast, or without the cross-node reduce, the parity breaks by far. In the same
 launch: collect_stats()'s host_store_bytes of a node's ranks add up to no more than the node holds; the defaults a
 CUDA device settles to (speculative_step "auto" among them) train, the speculative step off by itself, each host
-mapping pinned once; the DeepSpeed face's sharded save_checkpoint resumes bit for bit.
+mapping pinned once; the DeepSpeed face's sharded save_checkpoint resumes bit for bit; speculative_step=True (a
+scaling clip, a NaN on rank 0 skipped) is the serial step bit for bit with the expected rollbacks on every rank, and
+a rank that skips its rollbacks breaks it.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -27,6 +30,7 @@ from megatrain.costs.modes import HostMaster
 from megatrain.engine.parallel.shared_store import store_bytes
 
 WORKER = ROOT / "tests" / "workers" / "shared_node_worker.py"
+SPEC_RUNS = ("spec_serial", "spec", "spec_norollback")  # the worker's SPEC_CLIPS: [1e9, 1e9, 0.05, 1e9], NaN at 3
 DEADLINE_S = 600  # a bound on a hang, not a speed target: the whole suite shares two cores
 TOL = 1e-5  # the project's data-parallel parity tolerance (test_data_parallel.py)
 # 12 layers of 27,712 parameters beside 4,128 resident ones: each node's share (6 layers, its ranks' resident
@@ -97,7 +101,7 @@ def test_two_nodes_of_two_ranks_share_one_store_and_train_as_one_process(tmp_pat
                "overlap": int(BUDGET * whole["plain"]), "skip_broadcast": int(BUDGET * whole["plain"]),
                "skip_reduce": int(BUDGET * whole["plain"])}
     refusals = {"refuse_per_rank": "data_parallel_path='per_rank'", "refuse_kept": "residency=",
-                "refuse_in_backward": "optimizer_in_backward", "refuse_speculative": "speculative_step=True"}
+                "refuse_in_backward": "optimizer_in_backward"}
     budgets.update(dict.fromkeys(refusals, int(BUDGET * whole["plain"])))
     # host_master "hilo" and "bf16" (bf16 compute; each node's per-layer update unpacks and packs its own layers):
     # a share holds a layer of each buffer kind's scratch and each rank's one-layer FP32 update scratch (0.64x measured,
@@ -105,9 +109,9 @@ def test_two_nodes_of_two_ranks_share_one_store_and_train_as_one_process(tmp_pat
     masters = {"hilo": store_bytes(*_numels(), torch.bfloat16, HostMaster.HILO),
                "bf16m": store_bytes(*_numels(), torch.bfloat16, HostMaster.BF16)}
     budgets.update({m: int(0.75 * (sum(layers) + g)) for m, (layers, g) in masters.items()})
-    budgets.update(dict.fromkeys(("resume", "cuda_auto", "deepspeed"), budgets["plain"]))
+    budgets.update(dict.fromkeys(("resume", "cuda_auto", "deepspeed", *SPEC_RUNS), budgets["plain"]))
     runs = ["plain", "resume", "cuda_auto", "deepspeed", "bf16", "bf16_whole", "overlap", "hilo", "hilo_whole", "bf16m", "bf16m_whole", "skip_broadcast",
-            "skip_reduce", *refusals]
+            "skip_reduce", *SPEC_RUNS, *refusals]
     with ThreadPoolExecutor(1) as pool:  # the reference beside the four ranks: the suite's wall time
         lone = pool.submit(_lone, tmp_path)
         ranks = _two_nodes(tmp_path, {**ARGS, "runs": runs, "budgets": budgets, "extras": ["plain", "bf16", "bf16_whole"]})
@@ -234,3 +238,46 @@ def test_two_nodes_of_two_ranks_share_one_store_and_train_as_one_process(tmp_pat
     for run, name in refusals.items():
         for r, results in enumerate(ranks):
             assert name in results[run].get("refused", ""), (r, run, results[run].get("refused", results[run].keys()))
+    _speculative_step_is_the_serial_step(ranks)
+
+
+def _same(a: list[float], b: list[float]) -> bool:
+    """Equal lists of floats, NaN equal to NaN (a skipped step's norm)."""
+    return len(a) == len(b) and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
+
+
+def _differences(a: dict, b: dict) -> list[str]:
+    """What differs between two runs of one rank: losses, norms, any weight, any Adam state tensor."""
+    out = [k for k in ("losses", "norms") if not _same(a[k], b[k])]
+    out += [k for k, v in a["state"].items() if not torch.equal(v, b["state"][k])]
+    out += [f"adam {k}" for k in a["adam"] if k not in b["adam"]]
+    out += [f"adam {k}.{n}" for k in a["adam"] if k in b["adam"] for n in a["adam"][k]
+            if not torch.equal(torch.as_tensor(a["adam"][k][n]), torch.as_tensor(b["adam"][k][n]))]
+    return out
+
+
+def _speculative_step_is_the_serial_step(ranks: list[dict]) -> None:
+    """speculative_step=True on the two nodes of two ranks (each layer speculated by its owner rank only, one verdict
+    from the job's norm): the serial step's losses, norms, weights and Adam state bit for bit, on every rank, through
+    a step whose clip scales (rolled back), a non-finite step on rank 0 (skipped) and a forward before the first step
+    (the first backward's speculation discarded); rank 1 skipping its rollbacks breaks it on every rank."""
+    for r, results in enumerate(ranks):
+        serial, spec, broken = (results[run] for run in SPEC_RUNS)
+        for run in SPEC_RUNS:
+            assert "refused" not in results[run], (r, run, results[run])
+            assert results[run]["data_path"].startswith("nodes share one store"), results[run]["data_path"]
+        norms = serial["norms"]
+        # the clip scales at step 2 only; step 3's norm is NaN on every rank (rank 0 poisoned it), skipped
+        assert [n > c for n, c in zip(norms, (1e9, 1e9, 0.05))] == [False, False, True] and math.isnan(norms[3]), norms
+        assert serial["skipped"] == spec["skipped"] == 1, r
+        assert all(st["speculative_layers"] == 0 and st["speculative_rollbacks"] == 0 for st in serial["stats"]), r
+        assert all(st["speculative_layers"] == ARGS["layers"] for st in spec["stats"]), r
+        assert serial["adam"] and set(serial["adam"]) == set(spec["adam"]), r
+        assert _differences(serial, spec) == [], r
+        # per step, on every rank: the first step's first backward discarded by the second's forward, the scaling
+        # clip's step rolled back; the held step and the skipped one (its gradients checked first: never speculated)
+        # restore nothing
+        assert [st["speculative_rollbacks"] for st in spec["stats"]] == [1, 0, 1, 0], (r, spec["stats"])
+        # the negative control: rank 1 leaves its speculated layers as the speculation wrote them
+        diff = _differences(serial, broken)
+        assert "losses" in diff and len(diff) > 10, (r, diff)

@@ -1,12 +1,10 @@
 """A node's host store when nodes share one store with several ranks per node (host/node_store.py
 SpanningNodeStore), built here without ranks (the node's shared buffers made locally, as one rank of a node sees
 them): the other nodes' layers view one node-shared scratch per buffer kind, which host_bytes counts once (this
-rank's share of it) and the pinner registers once, and speculative.resolve turns "auto" off for it as for nodes
-sharing one store with one rank per node. The launch on gloo ranks is tests/integration/test_shared_node.py's."""
+rank's share of it) and the pinner registers once, and speculative.resolve keeps "auto" off for it as for nodes
+sharing one store with one rank per node, while True speculates every layer. The launch on gloo ranks is tests/integration/test_shared_node.py's."""
 
 from __future__ import annotations
-
-import types
 
 import pytest
 import torch
@@ -59,11 +57,15 @@ def test_the_scratch_counts_once_and_is_pinned_once(monkeypatch, shadow):
     assert store.host_bytes() == int(want), (store.host_bytes(), want)
 
 
-def test_speculative_auto_turns_itself_off_for_a_spanning_store(monkeypatch):
+@pytest.mark.parametrize("flag", ["spans_nodes", "across_nodes"])
+def test_speculative_auto_stays_off_and_true_runs_for_nodes_sharing_one_store(monkeypatch, flag):
+    """Several ranks per node (`spans_nodes`) or one (`across_nodes`): "auto" speculates no layer (the rollback
+    copies are the host memory the share was cut to save), True every layer, not refused."""
     eng = Engine(tiny_model("llama", layers=2))
     cuda = torch.device("cuda")
     auto = settle_engine(EngineConfig(), EngineFacts("cuda"))[0]  # "auto" on a CUDA device: as many as fit
-    spans = types.SimpleNamespace(spans_nodes=True, layers=eng.store.layers)  # the store's flag, several ranks a node
-    assert not speculative.resolve(auto, cuda, eng.optimizer, spans, data_parallel=True)
-    with pytest.raises(ValueError, match="nodes sharing one store"):
-        speculative.resolve(EngineConfig(speculative_step=True), cuda, eng.optimizer, spans, data_parallel=True)
+    assert speculative.resolve(auto, cuda, eng.optimizer, eng.store, data_parallel=True) == {0, 1}  # (the control)
+    monkeypatch.setattr(eng.store, flag, True, raising=False)  # the store's flag where the nodes share it
+    assert not speculative.resolve(auto, cuda, eng.optimizer, eng.store, data_parallel=True)
+    assert speculative.resolve(EngineConfig(speculative_step=True), cuda, eng.optimizer, eng.store,
+                               data_parallel=True) == {0, 1}

@@ -12,7 +12,11 @@ both collective) saved, the rest in a fresh engine that loads it; "cuda_auto": t
 defaults for a CUDA device (pin_memory, optimizer_overlap, speculative_step "if it fits") on this CPU device, a recorder
 standing in for cudaHostRegister (PINNED); "deepspeed": the DeepSpeed face, save_checkpoint after the first step, then
 "deepspeed_resumed": a fresh engine's load_checkpoint of it and the rest; "refuse_...": a setting not built for it,
-REFUSALS). Writes OUT_DIR/rank{r}.pt, per run: each micro-batch's loss (the
+REFUSALS; the speculative step's "spec_serial" (speculative_step=False), "spec" (True) and its negative control
+"spec_norollback" (rank 1's rollback copies never written back): SPEC_CLIPS.length steps, each step's clip from
+SPEC_CLIPS, and rank 0's second micro-batch of SPEC_NAN_STEP made non-finite (skip_nonfinite skips the step), the
+speculative jobs waited for after each backward so which layers a verdict rolls back is the verdicts', not the host's
+timing; these add this rank's Adam state). Writes OUT_DIR/rank{r}.pt, per run: each micro-batch's loss (the
 global batch's), each step's pre-clip norm, engine.state_dict() at the end (every layer, the other nodes' gathered
 from their owners), each step's stats, the data path, the layers this rank's node owns, and this node's host bytes
 as this rank sees them (the node's shared memory, counted on every rank of it, and this rank's own: slabs, resident
@@ -50,7 +54,13 @@ def build_model(layers: int, intermediate: int) -> torch.nn.Module:
 
 # What nodes sharing one store with several ranks per node refuse, by run name: the setting that asks for it
 REFUSALS = {"refuse_per_rank": {"data_parallel_path": "per_rank"}, "refuse_kept": {"residency": {"weights": 2}},
-            "refuse_in_backward": {"optimizer_in_backward": True}, "refuse_speculative": {"speculative_step": True}}
+            "refuse_in_backward": {"optimizer_in_backward": True}}
+
+
+# The speculative runs' steps: a clip that scales nothing (1e9) or scales (0.05 against norms above 0.1), and the
+# step whose gradients rank 0 makes non-finite (its clip alone would scale nothing: the skip rolls it back)
+SPEC_CLIPS, SPEC_NAN_STEP = [1e9, 1e9, 0.05, 1e9], 3
+SPEC_RUNS = ("spec_serial", "spec", "spec_norollback")
 
 
 # What the host store pinned in the run "cuda_auto" (pinned.cuda_register stood in for by a recorder on the CPU):
@@ -70,6 +80,12 @@ def control(name: str):
         pinned.cuda_register = lambda ptr, nbytes: PINNED.append((ptr, nbytes))
         pinned.cuda_unregister = lambda ptr: None
         return lambda: (setattr(pinned, "cuda_register", register), setattr(pinned, "cuda_unregister", unregister))
+    if name == "spec_norollback" and int(os.environ.get("RANK", "0")) == 1:
+        from megatrain.engine.update.speculative import StateCopy
+
+        restore = StateCopy.restore
+        StateCopy.restore = lambda self, group, view: None
+        return lambda: setattr(StateCopy, "restore", restore)
     if name not in ("skip_broadcast", "skip_reduce"):
         return lambda: None
     gather, reduce = node_path.SpanningWeights.gather, node_path.dist.reduce
@@ -169,6 +185,10 @@ def train(args: dict) -> dict:
     micro, steps = args["micro"], args["steps"]
     refused = REFUSALS.get(args["run"], {})
     cuda_auto = args["run"] == "cuda_auto"
+    spec = args["run"] in SPEC_RUNS
+    if spec:
+        steps = len(SPEC_CLIPS)
+        refused = {"speculative_step": args["run"] != "spec_serial"}
     cfg = EngineConfig(**{"device": "cpu", "parity_probe": False, "residency": "stream", "watchdog_s": 120.0,
                           "speculative_step": "auto" if cuda_auto else False,
                           "data_parallel_path": args.get("path", "auto"),
@@ -193,13 +213,16 @@ def train(args: dict) -> dict:
             at = (s * ACCUM + j) * per_global + rank * micro
             ids = rows[at: at + micro]
             loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss / ACCUM)
+            poison = spec and s == SPEC_NAN_STEP and j == ACCUM - 1 and rank == 0
+            engine.backward(loss * float("nan") / ACCUM if poison else loss / ACCUM)
+            if spec and refused["speculative_step"]:
+                engine.update.layered.synchronize()  # every speculation runs before the next forward or the step
             got = loss.detach().clone()
             if world > 1:
                 dist.all_reduce(got)  # the global batch's mean loss: every rank's rows have equal label tokens
                 got /= world
             losses.append(float(got))
-        norms.append(float(engine.clip_grad_norm_(CLIP)))
+        norms.append(float(engine.clip_grad_norm_(SPEC_CLIPS[s] if spec else CLIP)))
         engine.step()
         engine.zero_grad()
         stats.append(engine.collect_stats())
@@ -228,6 +251,10 @@ def train(args: dict) -> dict:
         extra["pinned"] = list(PINNED)
         extra["scratch_ptr"] = other[0].stream_source.untyped_storage().data_ptr() if other else None
         extra["plan"] = (engine.config.pin_memory, engine.config.optimizer_overlap)
+    if spec:
+        extra["adam"] = {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in v.items()}
+                         for k, v in engine.optimizer.state_dict()["state"].items() if v}
+        extra["skipped"] = engine.skipped_steps
     return {**extra, "losses": losses, "norms": norms, "stats": stats, "state": state,
             "data_path": engine.data_path.describe(),
             "node": node.topo.node if node is not None else 0,

@@ -29,6 +29,9 @@ layer copied host-to-device and broadcast to the same local rank of every other 
 node; NodeGrads: reduce-scattered in the node, each shard reduced to the owner node's peer). Above, for one rank per
 node, the classes here carry it alone (NodesShareStore, SharedWeights).
 
+The speculative step runs with speculative_step True, each layer speculated by its owner rank only
+(update/speculative.py); "auto" stays off for these stores (speculative.resolve says why).
+
 Collective calls outside training (`NodesShareStore.join`): an evaluation forward loads the other nodes' layers by
 the owners' broadcasts, and the model object's `state_dict()` gathers them from their owners, so every rank must run
 them together. Each starts with a join of every rank (a tiny all-gather on a group of its own whose timeout is
@@ -289,9 +292,6 @@ def several_ranks_refusal(config: Any) -> str | None:
     if node_path.requested_path(config) == node_path.PER_RANK:
         return ("data_parallel_path='per_rank' with several ranks per node (each node's ranks load its share by "
                 "shard on the node path; set data_parallel_path='auto' or 'node')")
-    if config.speculative_step is True:  # "auto" (settled "if it fits") turns itself off: speculative.resolve
-        return ("speculative_step=True with several ranks per node (not built for it: a layer's restore would have to "
-                "come before the broadcast that loads it on the other nodes; set speculative_step='auto' or False)")
     return None
 
 

@@ -59,6 +59,13 @@ on every rank, not whether this rank had a layer to), pauses alike. Per path:
 - the node path's update by shard: this rank's ranges of every layer, behind the landing of its shard of the
   reduce-scatter; its copy is what by_shard.update writes (by_shard.written), so a restore never writes the other
   ranks' ranges of the shared master and moments.
+- nodes sharing one store (parallel/shared_store.py, docs/DISTRIBUTED.md section 5(b)): each layer only on its owner
+  rank of its owner node (the others have no optimizer view of it: nothing speculated, copied or restored there),
+  behind the reduce into its slab; the norm is one all-reduce over every rank's slabs (ranks.py NodesShare,
+  NodesShareByNode), so one verdict and one finite check for the job. One rank per node: the owner's copy into its
+  ring slot, which its broadcast sends to the other nodes, waits for its restore as any load waits for the layer's
+  update. Several ranks per node: as the node's shared store above (a discard meets every rank of the job).
+  "auto" stays off there (resolve says why).
 No reduction measures a slab's norm with several ranks (the ranks' sum lands after it): with skip_nonfinite the
 speculative job checks the slab (its ranges) is finite first, so no update runs on NaNs here either. The copies a
 node holds: one per speculated layer on the shared store (each rank its layers or its ranges), one per rank with
@@ -445,18 +452,13 @@ def _hyper(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{k: plain(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
-def refusal(config: EngineConfig, optimizer: torch.optim.Optimizer, data_parallel: bool,
-            across_nodes: bool = False) -> str | None:
+def refusal(config: EngineConfig, optimizer: torch.optim.Optimizer, data_parallel: bool) -> str | None:
     """Why the speculative step cannot run with this configuration and optimizer, or None if it can. Several
-    data-parallel ranks can (the module docstring's "Several ranks"), but not nodes sharing one store (`across_nodes`:
-    the store's `across_nodes` or, several ranks per node, `spans_nodes`; parallel/shared_store.py: not built for it)."""
+    data-parallel ranks can, nodes sharing one store included (the module docstring's "Several ranks")."""
     if config.optimizer_in_backward:
         return "optimizer_in_backward updates the layers in backward already"
     if config.nvme_path is not None:
         return "nvme_path: a spilled layer's state is on disk between updates"
-    if data_parallel and across_nodes:
-        return ("nodes sharing one store (not built for it: a layer's restore would have to come before the broadcast "
-                "that loads it on the other nodes)")
     return unsupported_reason(optimizer)
 
 
@@ -469,11 +471,16 @@ def resolve(config: EngineConfig, device: torch.device, optimizer: torch.optim.O
     setting = config.speculative_step
     if setting is False:
         return frozenset()
-    reason = refusal(config, optimizer, data_parallel,
-                     getattr(store, "across_nodes", False) or getattr(store, "spans_nodes", False))
+    reason = refusal(config, optimizer, data_parallel)
     if reason is not None:
         if setting is True:
             raise ValueError(f"speculative_step=True: {reason}; set speculative_step='auto' or False")
+        return frozenset()
+    if setting is not True and (getattr(store, "across_nodes", False) or getattr(store, "spans_nodes", False)):
+        # Nodes sharing one store: "auto" stays off. The engine shares the store only because one node's host cannot
+        # hold a whole one (host_budget_bytes, or the smallest host measured); the rollback copies (the master's
+        # and Adam's bytes again, per speculated layer) are the very host memory the share was cut to save, and
+        # the free memory "auto" sizes them by does not know the budget the share was cut to. True speculates.
         return frozenset()
     host = [i for i in range(len(store.layers)) if i not in device_layers]
     left = rollback_budget(preflight.available_host_bytes(), state_to_come_bytes(store, optimizer))
