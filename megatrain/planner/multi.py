@@ -13,7 +13,7 @@ What a node holds (host memory):
   so  host(N, M) = host(one GPU) + (N - 1) x per-rank terms + N x transit   (transit only when N x M > 1),
   the speculative step's rollback copies apart: once per node (each rank its 1/G ranges of a speculated layer on
   the node path, its owner the whole of it on the per-rank path), as many layers as fit what the node has left
-  (node_speculation, costs/rollback.py's rule); none with nodes sharing one store.
+  (node_speculation, costs/rollback.py's rule); with nodes sharing one store only as set, each node its own layers'.
 Each node holds its own full copy: its GPUs stream every layer over their own host links every step
 anyway, and sharding across nodes would add an all-gather of the weights over the network each step.
 
@@ -290,12 +290,15 @@ def node_speculation(pl: Plan, gpus_per_node: int, nodes: int = 1, path: str = P
     copies fit what the node's host has left beside everything else it holds (node_memory without them), by
     costs/rollback.py's rule (rollback_budget, layers_that_fit), as resolve sizes them. The node holds one copy of
     each (its ranks' ranges of it on the node path, its owner's on the per-rank path), a replicated store one per
-    rank; nodes sharing one store never speculate (the engine's refusal)."""
+    rank. Nodes sharing one store speculate as set only ("auto" stays off there: the copies are the host memory the
+    share was cut to save), each node its own block of layers, each layer's copy held once by its owner rank."""
     p, lc = pl.point, pl.long_context
     K = lc.residency.optimizer if lc is not None else 0
     host = p.model.num_layers - K
-    if p.backend != "megatrain" or p.optimizer_in_backward or host <= 0 or (store_nodes > 1 and nodes > 1):
+    if p.backend != "megatrain" or p.optimizer_in_backward or host <= 0:
         return 0
+    if store_nodes > 1 and nodes > 1:
+        return math.ceil(host / store_nodes) if p.engine.speculation_set else 0
     if p.engine.speculation_set is not None:
         return host if p.engine.speculation_set else 0
     hw = node_profile(pl.hardware, gpus_per_node)
@@ -499,9 +502,6 @@ def plan_point_multi(p: Point, hw: Hardware, gpus_per_node: int = 1, nodes: int 
     single_hw, hw = hw, node_profile(hw, gpus_per_node)
     if p.backend == "zero3":
         return _zero3_multi(placeholder_mode(p), single_hw, hw, gpus_per_node, nodes)
-    if store_nodes > 1 and p.engine.speculation_set:
-        raise ValueError("speculative_step=True: nodes sharing one store do not run it (engine/update/speculative.py "
-                         "refusal); set speculative_step='auto' or False")
     if gpus_per_node * nodes > 1:
         p = dataclasses.replace(p, data_parallel=True)  # no optimizer residency (engine/update/resident.py)
     single = plan_point(p, single_hw)

@@ -1,7 +1,7 @@
 """The speculative step planned with several data-parallel ranks (planner/multi.py node_speculation), as the engine
 runs it (engine/update/speculative.py, "Several ranks"): one rollback copy per node (each rank its 1/G ranges on the
 node path, each layer's owner on the per-rank path), "auto" taking as many layers as fit what the node has left by
-costs/rollback.py's rule, the step with the speculation's saving; none for nodes sharing one store."""
+costs/rollback.py's rule, the step with the speculation's saving; nodes sharing one store as set only."""
 
 from __future__ import annotations
 
@@ -69,14 +69,19 @@ def test_a_host_too_small_for_the_copies_plans_them_off():
             assert on.rank.time.busy_s["host rollback copy"] > 0
 
 
-def test_nodes_sharing_one_store_do_not_speculate():
+def test_nodes_sharing_one_store_speculate_their_own_layers_as_set_only():
+    """The engine runs speculative_step=True with nodes sharing one store (each layer's owner copies and restores it)
+    and keeps "auto" off there: the plan counts each node's copies of its own block of layers, once."""
     p = make_point("llama3.1-70b", 4096, 1, 1, "bfloat16", "megatrain", host_master="fp32")
     hw = get_hardware(HW).with_(network_gbs=50.0)
     shared = plan_point_multi(p, hw, 8, 2, store_nodes=2)
     assert shared.rank.memory.host[ROLLBACK] == 0 and "host rollback copy" not in shared.rank.time.busy_s
-    with pytest.raises(ValueError, match="nodes sharing one store"):
-        plan_point_multi(make_point("llama3.1-70b", 4096, 1, 1, "bfloat16", "megatrain", host_master="fp32",
-                                    speculative_step=True), hw, 8, 2, store_nodes=2)
+    on = plan_point_multi(make_point("llama3.1-70b", 4096, 1, 1, "bfloat16", "megatrain", host_master="fp32",
+                                     speculative_step=True), hw, 8, 2, store_nodes=2)
+    layers = get_preset("llama3.1-70b").num_layers
+    assert node_speculation(on.rank, 8, 2, "node", 2) == layers // 2
+    assert on.rank.memory.host[ROLLBACK] == layers // 2 * on.rank.point.model.layer_params() * _per_param(on)
+    assert on.host_node_bytes - shared.host_node_bytes == on.rank.memory.host[ROLLBACK]
 
 
 @pytest.mark.parametrize("hw, host_gib", [("h100-sxm", 1000), ("h200-pcie", None)])
