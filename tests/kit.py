@@ -390,3 +390,30 @@ def assert_same_training_state(a: Engine, b: Engine) -> None:
     for k in oa:
         for name in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(oa[k][name], ob[k][name]), (k, name)
+
+
+def torchrun_nodes(worker: str | Path, out: Path, args: dict, nodes: int, per_node: int,
+                   deadline_s: float = 600) -> list[dict]:
+    """`nodes` torchrun agents on this machine (`--nnodes nodes --nproc-per-node per_node`), each rank of `worker`
+    writing rank{r}.pt under `out` (made here): each rank's results, in rank order."""
+    import json
+
+    import torch
+
+    out.mkdir()
+    port = free_port()
+    procs = []
+    try:
+        for node in range(nodes):
+            log = out / f"node{node}.log"
+            procs.append((start_python(["-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node",
+                                        str(per_node), "--node-rank", str(node), "--master-addr", "127.0.0.1",
+                                        "--master-port", str(port), worker, out, json.dumps(args)],
+                                       env=worker_env(threads=1, PYTHONWARNINGS="ignore"), log=log), log))
+        for proc, log in procs:
+            finish(proc, timeout=deadline_s, log=log)
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return [torch.load(out / f"rank{r}.pt") for r in range(nodes * per_node)]

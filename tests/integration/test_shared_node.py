@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from kit import ROOT, finish, free_port, parity_gaps, run_python, start_python, worker_env
+from kit import ROOT, parity_gaps, run_python, torchrun_nodes, worker_env
 
 from megatrain.costs.modes import HostMaster
 from megatrain.engine.parallel.shared_store import store_bytes
@@ -51,24 +51,7 @@ def _lone(tmp_path) -> dict:
 
 def _two_nodes(tmp_path, args: dict) -> list[dict]:
     """Two torchrun agents on this machine, `--nnodes 2 --nproc-per-node 2`: two nodes of two ranks."""
-    out = tmp_path / "nodes"
-    out.mkdir()
-    port = free_port()
-    procs = []
-    try:
-        for node in range(2):
-            log = out / f"node{node}.log"
-            procs.append((start_python(["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-                                        "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port",
-                                        str(port), WORKER, out, json.dumps(args)],
-                                       env=worker_env(threads=1, PYTHONWARNINGS="ignore"), log=log), log))
-        for proc, log in procs:
-            finish(proc, timeout=DEADLINE_S, log=log)
-    finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.kill()
-    return [torch.load(out / f"rank{r}.pt") for r in range(4)]
+    return torchrun_nodes(WORKER, tmp_path / "nodes", args, 2, 2, DEADLINE_S)
 
 
 def _numels() -> tuple[list[int], int]:

@@ -19,7 +19,7 @@ import re
 
 import pytest
 import torch
-from kit import ROOT, finish, free_port, parity_gaps, run_python, start_python, worker_env
+from kit import ROOT, parity_gaps, run_python, torchrun_nodes, worker_env
 
 from megatrain.engine.parallel.shared_store import layer_ranges
 
@@ -43,24 +43,7 @@ def _lone(tmp_path, args: dict, runs: tuple[str, ...], fractions: dict[str, floa
 
 def _two_nodes(tmp_path, args: dict, name: str) -> list[dict]:
     """Two torchrun agents on this machine, `--nnodes 2 --nproc-per-node 1`: each rank its own node."""
-    out = tmp_path / name
-    out.mkdir()
-    port = free_port()
-    procs = []
-    try:
-        for node in range(2):
-            log = out / f"node{node}.log"
-            procs.append((start_python(["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                                        "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port",
-                                        str(port), WORKER, out, json.dumps(args)],
-                                       env=worker_env(threads=1, PYTHONWARNINGS="ignore"), log=log), log))
-        for proc, log in procs:
-            finish(proc, timeout=DEADLINE_S, log=log)
-    finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.kill()
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return torchrun_nodes(WORKER, tmp_path / name, args, 2, 1, DEADLINE_S)
 
 
 # The budget below one node's share: half the layers plus the resident parameters do not fit.

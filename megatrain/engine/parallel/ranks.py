@@ -251,14 +251,7 @@ class NodesShare(Replicated):
                           f"owner rank {owner}", "gradient reduce to the owner node", i)
 
     def total_norm(self, norms: list[torch.Tensor]) -> float:
-        # This rank's layers' slabs summed over every node, plus the resident parameters' (the same everywhere).
-        mine = float(torch.stack(norms[:-1]).double().square().sum()) if len(norms) > 1 else 0.0
-        t = torch.tensor([mine], dtype=torch.float64)
-        try:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp.node.node_group)
-        except Exception as exc:
-            raise self.dp.fail("summing the gradient norm across the nodes", exc) from exc
-        return math.sqrt(float(t.item()) + float(norms[-1].double()) ** 2)
+        return owners_norm(self.dp, norms)
 
     def whole(self, named: dict[str, torch.Tensor], layers_prefix: str) -> dict[str, torch.Tensor]:
         """The other nodes' layers' master values broadcast from their owners, one layer at a time, into fresh
@@ -289,15 +282,7 @@ class NodesShareByNode(SharedStore):
         return self.grad_sink
 
     def total_norm(self, norms: list[torch.Tensor]) -> float:
-        # Each layer's slab is on one rank of the job: its squares summed over every rank, plus the resident
-        # parameters' (the same everywhere).
-        mine = float(torch.stack(norms[:-1]).double().square().sum()) if len(norms) > 1 else 0.0
-        t = torch.tensor([mine], dtype=torch.float64)
-        try:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp.node.world_group)
-        except Exception as exc:
-            raise self.dp.fail("summing the gradient norm across the nodes", exc) from exc
-        return math.sqrt(float(t.item()) + float(norms[-1].double()) ** 2)
+        return owners_norm(self.dp, norms)
 
     def release(self, events: LayerEvents, overlapped: bool) -> None:
         if not overlapped:
@@ -317,6 +302,19 @@ class NodesShareByNode(SharedStore):
         if src is not None:
             raise ValueError("weights written by hand on one rank, with nodes sharing one store (each layer held by "
                              "its owner node only): write them with engine.load_state_dict on every rank")
+
+
+def owners_norm(dp: DataParallel, norms: list[torch.Tensor]) -> float:
+    """The clip norm where each layer's slab is on one rank of the job (nodes sharing one store): every rank's layers'
+    squares summed over the job's group (`world_group`: the nodes' group with one rank per node), plus the resident
+    parameters' (`norms[-1]`, the same everywhere)."""
+    mine = float(torch.stack(norms[:-1]).double().square().sum()) if len(norms) > 1 else 0.0
+    t = torch.tensor([mine], dtype=torch.float64)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=dp.node.world_group)
+    except Exception as exc:
+        raise dp.fail("summing the gradient norm across the nodes", exc) from exc
+    return math.sqrt(float(t.item()) + float(norms[-1].double()) ** 2)
 
 
 def ranks_for(dp: DataParallel | None, store: HostStore, events: LayerEvents) -> OneRank:
