@@ -17,9 +17,11 @@ a rank that skips its rollbacks breaks it.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -43,7 +45,8 @@ def _lone(tmp_path) -> dict:
     """The one-process runs on the concatenated batch (each node's whole store: no budget)."""
     out = tmp_path / "lone"
     out.mkdir()
-    whole = {**ARGS, "micro": ARGS["micro"] * ARGS["world"], "world": 1, "runs": ["plain", "bf16"], "extras": ["plain"]}
+    whole = {**ARGS, "micro": ARGS["micro"] * ARGS["world"], "world": 1, "runs": ["plain", "frozen", "bf16"],
+             "extras": ["plain"]}
     run_python([WORKER, out, json.dumps(whole)], env=worker_env(threads=1, PYTHONWARNINGS="ignore"),
                timeout=DEADLINE_S, check=True)
     return torch.load(out / "rank0.pt")
@@ -54,12 +57,17 @@ def _two_nodes(tmp_path, args: dict) -> list[dict]:
     return torchrun_nodes(WORKER, tmp_path / "nodes", args, 2, 2, DEADLINE_S)
 
 
-def _numels() -> tuple[list[int], int]:
-    """The worker's model's layers' element counts and its resident parameters'."""
+@functools.cache
+def _worker() -> types.ModuleType:
     spec = importlib.util.spec_from_file_location("shared_node_worker", WORKER)
     worker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker)
-    model = worker.build_model(ARGS["layers"], ARGS["intermediate"])
+    return worker
+
+
+def _numels() -> tuple[list[int], int]:
+    """The worker's model's layers' element counts and its resident parameters'."""
+    model = _worker().build_model(ARGS["layers"], ARGS["intermediate"])
     numels = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
     return numels, sum(p.numel() for p in model.parameters()) - sum(numels)
 
@@ -82,7 +90,7 @@ def test_two_nodes_of_two_ranks_share_one_store_and_train_as_one_process(tmp_pat
     whole = _store_bytes()
     budgets = {"plain": int(BUDGET * whole["plain"]), "bf16": int(BUDGET * whole["bf16"]),
                "overlap": int(BUDGET * whole["plain"]), "skip_broadcast": int(BUDGET * whole["plain"]),
-               "skip_reduce": int(BUDGET * whole["plain"])}
+               "skip_reduce": int(BUDGET * whole["plain"]), "frozen": int(BUDGET * whole["plain"])}
     refusals = {"refuse_per_rank": "data_parallel_path='per_rank'", "refuse_kept": "residency=",
                 "refuse_in_backward": "optimizer_in_backward"}
     budgets.update(dict.fromkeys(refusals, int(BUDGET * whole["plain"])))
@@ -93,7 +101,7 @@ def test_two_nodes_of_two_ranks_share_one_store_and_train_as_one_process(tmp_pat
                "bf16m": store_bytes(*_numels(), torch.bfloat16, HostMaster.BF16)}
     budgets.update({m: int(0.75 * (sum(layers) + g)) for m, (layers, g) in masters.items()})
     budgets.update(dict.fromkeys(("resume", "cuda_auto", "deepspeed", *SPEC_RUNS), budgets["plain"]))
-    runs = ["plain", "resume", "cuda_auto", "deepspeed", "bf16", "bf16_whole", "overlap", "hilo", "hilo_whole", "bf16m", "bf16m_whole", "skip_broadcast",
+    runs = ["plain", "frozen", "resume", "cuda_auto", "deepspeed", "bf16", "bf16_whole", "overlap", "hilo", "hilo_whole", "bf16m", "bf16m_whole", "skip_broadcast",
             "skip_reduce", *SPEC_RUNS, *refusals]
     with ThreadPoolExecutor(1) as pool:  # the reference beside the four ranks: the suite's wall time
         lone = pool.submit(_lone, tmp_path)
@@ -106,7 +114,15 @@ def test_two_nodes_of_two_ranks_share_one_store_and_train_as_one_process(tmp_pat
     assert min(ref["plain"]["norms"]) > 2 * 0.05  # clipping (to 0.05, the worker's CLIP) acts at every step
     layers = ARGS["layers"]
     blocks = [list(range(0, layers // 2)), list(range(layers // 2, layers))]
-    for run, base in (("plain", "plain"), ("bf16", "bf16"), ("overlap", "plain")):
+    # the frozen parameters never moved, on the rank of either node, while every other weight trained
+    init = _worker().build_model(ARGS["layers"], ARGS["intermediate"]).state_dict()
+    frozen = [k for k in init if k.startswith(_worker().FROZEN)]
+    assert len(frozen) == 10, frozen  # layer 1's nine weights and one of layer 7's
+    for r, results in enumerate(ranks):
+        state = results["frozen"]["state"]
+        assert all(torch.equal(state[k], init[k]) for k in frozen), r
+        assert all(not torch.equal(state[k], init[k]) for k in init if k not in frozen and k in state), r
+    for run, base in (("plain", "plain"), ("frozen", "frozen"), ("bf16", "bf16"), ("overlap", "plain")):
         h2d = []
         for r, results in enumerate(ranks):
             res = results[run]
@@ -148,7 +164,8 @@ def test_two_nodes_of_two_ranks_share_one_store_and_train_as_one_process(tmp_pat
             mine = [ranks[2 * node + j][run] for j in range(2)]
             assert mine[0]["shm_bytes"] == mine[1]["shm_bytes"]
             held = mine[0]["shm_bytes"] + sum(m["own_bytes"] for m in mine)
-            assert held <= BUDGET * whole[base] < whole[base], (run, node, held, whole[base])
+            one = whole.get(base, whole["plain"])  # (the frozen run's one store holds less than plain's)
+            assert held <= BUDGET * one < one, (run, node, held, one)
             # and collect_stats()'s count: the node's ranks' shares of its layers and of the scratch add up to no
             # more than it holds (the node path's transit layers, which no path's count holds, are the gap)
             counted = [m["stats"][-1]["host_store_bytes"] for m in mine]

@@ -5,7 +5,7 @@ micro-batch W*b takes whole. Every rank builds the same weights (one seed).
 
 Run as `python tests/workers/shared_node_worker.py OUT_DIR JSON_ARGS` (under torchrun, or alone); JSON_ARGS: micro,
 world, steps, layers, intermediate, budgets (host_budget_bytes per run, or null), runs (one engine after another:
-"plain" FP32; "bf16": bf16 compute; "hilo", "bf16m": bf16 compute with host_master "hilo" / "bf16"; "..._whole": each node its whole store, on the per-rank path; "overlap": the layer updates overlapped with the next forward; the negative
+"plain" FP32; "frozen": FP32 with the FROZEN parameters not trained; "bf16": bf16 compute; "hilo", "bf16m": bf16 compute with host_master "hilo" / "bf16"; "..._whole": each node its whole store, on the per-rank path; "overlap": the layer updates overlapped with the next forward; the negative
 controls "skip_broadcast" (another node's layer keeps whatever its ring slot held) and "skip_reduce" (the owner
 node's shard holds its own node's sum alone); "resume": the first half of the steps, a checkpoint (engine.state_dict() and the optimizer's,
 both collective) saved, the rest in a fresh engine that loads it; "cuda_auto": the plan settle_engine makes of the
@@ -51,6 +51,9 @@ def build_model(layers: int, intermediate: int) -> torch.nn.Module:
     cfg._attn_implementation = "sdpa"
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
+
+# The "frozen" run's parameters set requires_grad=False (by name prefix): a whole layer and one weight of another
+FROZEN = ("model.layers.1.", "model.layers.7.mlp.down_proj.")
 
 # What nodes sharing one store with several ranks per node refuse, by run name: the setting that asks for it
 REFUSALS = {"refuse_per_rank": {"data_parallel_path": "per_rank"}, "refuse_kept": {"residency": {"weights": 2}},
@@ -197,8 +200,11 @@ def train(args: dict) -> dict:
                        host_budget_bytes=args["budget"], optimizer_overlap=None if cuda_auto else args["overlap"])
     if cuda_auto:  # the plan a CUDA device settles the defaults to: pinned, overlapped, speculative "if it fits"
         cfg = settle_engine(cfg, EngineFacts("cuda"))[0]
-    engine = Engine(build_model(args["layers"], args["intermediate"]), cfg,
-                    optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=LR))
+    model = build_model(args["layers"], args["intermediate"])
+    for name, p in model.named_parameters():  # "frozen": node 0's layer 1 whole and one weight of node 1's layer 7
+        if args["run"] == "frozen" and name.startswith(FROZEN):
+            p.requires_grad_(False)
+    engine = Engine(model, cfg, optimizer=lambda named: torch.optim.AdamW([p for _, p in named], lr=LR))
     if args.get("load"):
         saved = torch.load(args["load"])
         engine.load_state_dict(saved["model"])
