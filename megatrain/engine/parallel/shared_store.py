@@ -346,10 +346,11 @@ def attach(pipeline: LayerPipeline, streams: Streams, dp: DataParallel | None, n
     arrangement is node_path.attach's."""
     r = config.residency
     kept = not isinstance(r, Residency) or r.weights > 0
-    if getattr(node, "spans_nodes", False) and kept:
+    spans = getattr(node, "spans_nodes", False)
+    if spans and kept:
         raise ValueError(f"nodes sharing one store stream every layer from its owner node (residency={r!r} keeps some "
                          "on the device, not built for several ranks per node): set residency='stream'")
-    if getattr(node, "spans_nodes", False) or not isinstance(node, NodesShareStore):
+    if spans or not isinstance(node, NodesShareStore):
         return node_path.attach(pipeline, streams, dp, node, ranks, config)
     if kept:
         raise ValueError(f"nodes sharing one store stream every layer from its owner (residency={r!r} keeps some on "
